@@ -1,0 +1,76 @@
+/* error.c — status names and the error-filling helpers. */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+
+const char *ds4_status_name(ds4_status s) {
+    switch (s) {
+    case DS4_OK: return "ok";
+    case DS4_ERR_ARG: return "invalid argument";
+    case DS4_ERR_IO: return "I/O error";
+    case DS4_ERR_FORMAT: return "format error";
+    case DS4_ERR_CONFIG: return "config error";
+    case DS4_ERR_SHAPE: return "shape error";
+    case DS4_ERR_OOM: return "out of memory";
+    case DS4_ERR_UNSUPPORTED: return "unsupported";
+    case DS4_ERR_NOT_FOUND: return "not found";
+    case DS4_ERR_CUDA: return "CUDA error";
+    case DS4_ERR_INTERNAL: return "internal error";
+    }
+    return "unknown status";
+}
+
+ds4_status ds4_fail(ds4_error *err, ds4_status code, const char *fmt, ...) {
+    if (err) {
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(err->msg, sizeof err->msg, fmt, ap);
+        va_end(ap);
+        err->code = code;
+    }
+    return code;
+}
+
+void ds4_error_prefix(ds4_error *err, const char *fmt, ...) {
+    if (!err) return;
+    char prefix[256], old[sizeof err->msg];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(prefix, sizeof prefix, fmt, ap);
+    va_end(ap);
+    memcpy(old, err->msg, sizeof old);
+    snprintf(err->msg, sizeof err->msg, "%s%s", prefix, old);
+}
+
+ds4_status ds4_read_file(const char *path, size_t max_bytes, char **out, size_t *len, ds4_error *err) {
+    FILE *f = fopen(path, "rb");
+    if (!f) return ds4_fail(err, DS4_ERR_IO, "open %s: %s", path, strerror(errno));
+    if (fseek(f, 0, SEEK_END) != 0) {
+        fclose(f);
+        return ds4_fail(err, DS4_ERR_IO, "seek %s: %s", path, strerror(errno));
+    }
+    long sz = ftell(f);
+    if (sz < 0 || (unsigned long)sz > max_bytes) {
+        fclose(f);
+        return ds4_fail(err, DS4_ERR_IO, "read %s: size %ld outside [0, %zu]", path, sz, max_bytes);
+    }
+    rewind(f);
+    char *buf = malloc((size_t)sz + 1);
+    if (!buf) {
+        fclose(f);
+        return ds4_fail(err, DS4_ERR_OOM, "read %s: cannot allocate %ld bytes", path, sz);
+    }
+    size_t got = fread(buf, 1, (size_t)sz, f);
+    fclose(f);
+    if (got != (size_t)sz) {
+        free(buf);
+        return ds4_fail(err, DS4_ERR_IO, "read %s: short read (%zu of %ld bytes)", path, got, sz);
+    }
+    buf[sz] = 0;
+    *out = buf;
+    if (len) *len = (size_t)sz;
+    return DS4_OK;
+}

@@ -1,0 +1,35 @@
+/* internal.h — helpers shared by libds4's translation units (not installed). */
+#ifndef DS4_INTERNAL_H
+#define DS4_INTERNAL_H
+
+#include <stdarg.h>
+#include "ds4.h"
+
+#if defined(__GNUC__)
+#define DS4_PRINTF(a, b) __attribute__((format(printf, a, b)))
+#else
+#define DS4_PRINTF(a, b)
+#endif
+
+/* Fill `err` (may be NULL) and return `code`. The message should name stage, operation and shapes:
+ *   return ds4_fail(err, DS4_ERR_SHAPE, "load: tensor %s: shape [%lld] != expected [%lld]", ...); */
+ds4_status ds4_fail(ds4_error *err, ds4_status code, const char *fmt, ...) DS4_PRINTF(3, 4);
+/* Prefix an existing error message with context ("model load: " + msg). */
+void ds4_error_prefix(ds4_error *err, const char *fmt, ...) DS4_PRINTF(2, 3);
+
+/* Checked size arithmetic: return 0 on overflow. */
+static inline int ds4_mul_size(size_t a, size_t b, size_t *out) {
+    if (a != 0 && b > (size_t)-1 / a) return 0;
+    *out = a * b;
+    return 1;
+}
+static inline int ds4_add_size(size_t a, size_t b, size_t *out) {
+    if (b > (size_t)-1 - a) return 0;
+    *out = a + b;
+    return 1;
+}
+
+/* Read a whole file into a malloc'd NUL-terminated buffer (limit: max_bytes). */
+ds4_status ds4_read_file(const char *path, size_t max_bytes, char **out, size_t *len, ds4_error *err);
+
+#endif

@@ -1,0 +1,36 @@
+/* testlib.h — minimal assertion helpers for the C tests (each test is its own executable under ctest). */
+#ifndef DS4_TESTLIB_H
+#define DS4_TESTLIB_H
+
+#include <stdio.h>
+#include "ds4.h"
+
+extern int ds4t_failures;
+extern int ds4t_checks;
+
+#define CHECK(cond, ...)                                                              \
+    do {                                                                              \
+        ds4t_checks++;                                                                \
+        if (!(cond)) {                                                                \
+            ds4t_failures++;                                                          \
+            fprintf(stderr, "%s:%d: CHECK(%s) failed: ", __FILE__, __LINE__, #cond); \
+            fprintf(stderr, __VA_ARGS__);                                             \
+            fprintf(stderr, "\n");                                                    \
+        }                                                                             \
+    } while (0)
+
+/* Check that a ds4 call returned `want`; prints the error message otherwise. */
+#define CHECK_STATUS(call, want, errp)                                                         \
+    do {                                                                                       \
+        ds4_status s_ = (call);                                                                \
+        CHECK(s_ == (want), "%s returned %s (%s), wanted %s", #call, ds4_status_name(s_),     \
+              s_ ? (errp)->msg : "", ds4_status_name(want));                                   \
+    } while (0)
+#define CHECK_OK(call, errp) CHECK_STATUS(call, DS4_OK, errp)
+
+/* Print a summary line ("N passed, N failed") and return the process exit code. */
+int ds4t_finish(const char *name);
+/* Join a directory and a file name into a static buffer (one at a time). */
+const char *ds4t_path(const char *dir, const char *file);
+
+#endif
