@@ -1,4 +1,5 @@
 /* error.c — status names and the error-filling helpers. */
+#define _POSIX_C_SOURCE 200809L
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -42,7 +43,14 @@ void ds4_error_prefix(ds4_error *err, const char *fmt, ...) {
     vsnprintf(prefix, sizeof prefix, fmt, ap);
     va_end(ap);
     memcpy(old, err->msg, sizeof old);
-    snprintf(err->msg, sizeof err->msg, "%s%s", prefix, old);
+    /* the combined message is cut at the buffer size; the prefix (context) comes first by design */
+    size_t pl = strlen(prefix);
+    if (pl >= sizeof err->msg) pl = sizeof err->msg - 1;
+    memcpy(err->msg, prefix, pl);
+    size_t room = sizeof err->msg - 1 - pl, ol = strnlen(old, sizeof old);
+    if (ol > room) ol = room;
+    memcpy(err->msg + pl, old, ol);
+    err->msg[pl + ol] = 0;
 }
 
 ds4_status ds4_read_file(const char *path, size_t max_bytes, char **out, size_t *len, ds4_error *err) {

@@ -1,0 +1,845 @@
+/* forward.c — the fp32 CPU forward pass of the whole DeepSeek-V4 architecture (spec/ds4-architecture.md).
+ *
+ * Token layout: T = B·S rows, row t = b·S + s; every sequence starts at absolute position 0 (compression
+ * windows are aligned to position 0, so there is no left padding). Residual streams X are [T, n, D].
+ * One block (Appendix A):  attn site  X → Xt,  ffn site  Xt → X.
+ * All scratch memory is planned from (B, S) once per call and kept in the model while large enough, so
+ * nothing is allocated per token or per layer. */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+#include "kernels_cpu.h"
+#include "model.h"
+
+enum { MAX_TASKS = 64 };
+
+typedef struct rope_tab {
+    int64_t half;     /* r/2 rotated pairs */
+    float *cs;        /* [S, r] interleaved (cos, sin) per pair, already scaled by attention_factor */
+} rope_tab;
+
+typedef struct fwd {
+    ds4_model *m;
+    const ds4_config *c;
+    ds4_pool *pool;
+    int64_t B, S, T, ntask;
+    rope_tab rmain, rcomp;
+    /* planned scratch */
+    float *X, *Xt, *Xz;           /* [T, n, D] streams */
+    float *pre, *post, *comb;     /* [T, n], [T, n], [T, n, n] */
+    float *u, *h, *a;             /* [T, D] */
+    float *qr;                    /* [T, q_lora] */
+    float *q, *o;                 /* [T, H·d] */
+    float *kv;                    /* [T, d] */
+    float *y;                     /* [T, g·o_lora] */
+    float *cC, *cZ;               /* [T, 2d] compressor projections */
+    float *cK;                    /* [B, S, d] compressed entries (at most S/m per row used) */
+    float *iC, *iZ;               /* [T, 2c_I] */
+    float *iK;                    /* [B, S, c_I] */
+    float *iq;                    /* [T, n_I·c_I] */
+    float *iw;                    /* [T, n_I] */
+    int32_t *sel;                 /* [T, sel_stride] indexer picks */
+    int32_t *nsel;                /* [T] number of picks */
+    int64_t sel_stride;           /* max(1, min(index_topk, S)) */
+    float *scratch;               /* [ntask, scratch_stride] per-task scratch, see plan() */
+    int64_t scratch_stride;
+    int64_t key_off;              /* attention scratch: logits first, then key pointers from here */
+    float *rl;                    /* [T, E] router scores */
+    int32_t *eidx;                /* [T, K] */
+    float *ew;                    /* [T, K] */
+    float *yk;                    /* [T·K, D] weighted expert outputs per (token, slot) */
+    float *xg;                    /* [T·K, D] gathered expert inputs */
+    float *ye;                    /* [T·K, D] expert outputs before weighting */
+    float *g1, *g3;               /* [T·K, I] */
+    int32_t *perm;                /* [T·K] (token·K + slot) grouped by expert */
+    int64_t *ecount;              /* [E + 1] */
+    float *logits_ws;             /* [T, V] when the caller wants a loss but no logits */
+    int64_t *mtp_ids;             /* [T] next-token ids for the MTP block */
+} fwd;
+
+/* ------------------------------------------------------------------------------------------------ planning */
+
+typedef struct {
+    char *base;
+    size_t used;
+} arena;
+
+static void *take(arena *a, size_t n, size_t elem) {
+    size_t bytes = (n * elem + 63) & ~(size_t)63; /* 64-byte aligned slices */
+    void *p = a->base ? a->base + a->used : NULL;
+    a->used += bytes;
+    return p;
+}
+
+static void plan(fwd *f, arena *a, int need_logits_ws) {
+    const ds4_config *c = f->c;
+    const size_t T = (size_t)f->T, S = (size_t)f->S, B = (size_t)f->B, n = (size_t)c->hc_mult, D = (size_t)c->hidden_size;
+    const size_t H = (size_t)c->num_attention_heads, d = (size_t)c->head_dim, K = (size_t)c->num_experts_per_tok;
+    const size_t I = (size_t)c->moe_intermediate_size, E = (size_t)c->n_routed_experts;
+    const size_t cI = (size_t)c->index_head_dim, nI = (size_t)c->index_n_heads;
+    f->sel_stride = c->index_topk < f->S ? c->index_topk : f->S;
+    if (f->sel_stride < 1) f->sel_stride = 1;
+    /* Per-task scratch, the largest of: mHC / HyperHead normalised streams (n·D), compressor slots (4·m),
+     * indexer scores (<= S entries), attention logits (window + <= S entries) followed by as many key
+     * pointers (2 floats each). */
+    const int64_t mmax = c->compress_rate_csa > c->compress_rate_hca ? c->compress_rate_csa : c->compress_rate_hca;
+    const int64_t nkeys = (c->sliding_window < f->S ? c->sliding_window : f->S) + f->S;
+    f->key_off = (nkeys + 1) & ~(int64_t)1; /* keep the pointer array 8-byte aligned */
+    int64_t stride = f->key_off + 2 * nkeys;
+    if ((int64_t)(n * D) > stride) stride = (int64_t)(n * D);
+    if (4 * mmax > stride) stride = 4 * mmax;
+    f->scratch_stride = (stride + 15) & ~(int64_t)15;
+    f->X = take(a, T * n * D, 4);
+    f->Xt = take(a, T * n * D, 4);
+    f->Xz = take(a, T * n * D, 4);
+    f->pre = take(a, T * n, 4);
+    f->post = take(a, T * n, 4);
+    f->comb = take(a, T * n * n, 4);
+    f->u = take(a, T * D, 4);
+    f->h = take(a, T * D, 4);
+    f->a = take(a, T * D, 4);
+    f->qr = take(a, T * (size_t)c->q_lora_rank, 4);
+    f->q = take(a, T * H * d, 4);
+    f->o = take(a, T * H * d, 4);
+    f->kv = take(a, T * d, 4);
+    f->y = take(a, T * (size_t)(c->o_groups * c->o_lora_rank), 4);
+    f->cC = take(a, T * 2 * d, 4);
+    f->cZ = take(a, T * 2 * d, 4);
+    f->cK = take(a, B * S * d, 4);
+    f->iC = take(a, T * 2 * cI, 4);
+    f->iZ = take(a, T * 2 * cI, 4);
+    f->iK = take(a, B * S * cI, 4);
+    f->iq = take(a, T * nI * cI, 4);
+    f->iw = take(a, T * nI, 4);
+    f->sel = take(a, T * (size_t)f->sel_stride, 4);
+    f->nsel = take(a, T, 4);
+    f->scratch = take(a, (size_t)f->ntask * (size_t)f->scratch_stride, 4);
+    f->rl = take(a, T * E, 4);
+    f->eidx = take(a, T * K, 4);
+    f->ew = take(a, T * K, 4);
+    f->yk = take(a, T * K * D, 4);
+    f->xg = take(a, T * K * D, 4);
+    f->ye = take(a, T * K * D, 4);
+    f->g1 = take(a, T * K * I, 4);
+    f->g3 = take(a, T * K * I, 4);
+    f->perm = take(a, T * K, 4);
+    f->ecount = take(a, E + 1, 8);
+    f->logits_ws = need_logits_ws ? take(a, T * (size_t)c->vocab_size, 4) : NULL;
+    f->mtp_ids = take(a, T, 8);
+    f->rmain.cs = take(a, S * (size_t)c->rope_main.dim, 4);
+    f->rcomp.cs = take(a, S * (size_t)c->rope_compress.dim, 4);
+}
+
+/* ------------------------------------------------------------------------------------------------ RoPE */
+
+/* Inverse frequencies exactly as transformers computes them in fp32 (default and YaRN, §3.3). */
+static void rope_inv_freq(const ds4_rope_params *p, float *inv) {
+    const int64_t dim = p->dim, half = dim / 2;
+    for (int64_t i = 0; i < half; i++) {
+        float e = (float)(2 * i) / (float)dim;
+        float pos_freq = powf((float)p->theta, e);
+        float extrap = 1.0f / pos_freq;
+        if (p->type != DS4_ROPE_YARN) {
+            inv[i] = extrap;
+            continue;
+        }
+        float interp = 1.0f / ((float)p->factor * pos_freq);
+        /* correction range in double, as Python's math module computes it */
+        double twopi = 6.283185307179586;
+        double lo = dim * log(p->original_max_position_embeddings / (p->beta_fast * twopi)) / (2 * log(p->theta));
+        double hi = dim * log(p->original_max_position_embeddings / (p->beta_slow * twopi)) / (2 * log(p->theta));
+        if (p->truncate) {
+            lo = floor(lo);
+            hi = ceil(hi);
+        }
+        if (lo < 0) lo = 0;
+        if (hi > dim - 1) hi = (double)(dim - 1);
+        if (lo == hi) hi += 0.001;
+        float ramp = ((float)i - (float)lo) / (float)(hi - lo);
+        ramp = ramp < 0 ? 0 : (ramp > 1 ? 1 : ramp);
+        float ef = 1.0f - ramp; /* extrapolation factor */
+        inv[i] = interp * (1.0f - ef) + extrap * ef;
+    }
+}
+
+static void rope_table(rope_tab *t, const ds4_rope_params *p, int64_t S) {
+    t->half = p->dim / 2;
+    float inv[1024];
+    rope_inv_freq(p, inv);
+    const double scale = p->type == DS4_ROPE_YARN ? p->attention_factor : 1.0;
+    for (int64_t s = 0; s < S; s++)
+        for (int64_t i = 0; i < t->half; i++) {
+            float ang = inv[i] * (float)s; /* fp32 product, as HF's inv_freq @ position_ids */
+            t->cs[s * 2 * t->half + 2 * i] = (float)(cos((double)ang) * scale);
+            t->cs[s * 2 * t->half + 2 * i + 1] = (float)(sin((double)ang) * scale);
+        }
+}
+
+static inline const float *rope_at(const rope_tab *t, int64_t pos) { return t->cs + pos * 2 * t->half; }
+
+/* ------------------------------------------------------------------------------------------------ task helpers */
+
+typedef void (*range_fn)(fwd *f, void *ctx, int64_t begin, int64_t end, int64_t task);
+typedef struct {
+    fwd *f;
+    void *ctx;
+    range_fn fn;
+    int64_t n, ntask;
+} range_job;
+
+static void range_task(void *p, int64_t i) {
+    range_job *j = p;
+    int64_t b = j->n * i / j->ntask, e = j->n * (i + 1) / j->ntask;
+    if (b < e) j->fn(j->f, j->ctx, b, e, i);
+}
+
+/* Split [0, n) into f->ntask contiguous ranges; task i may use scratch slot i. */
+static void parallel_range(fwd *f, int64_t n, range_fn fn, void *ctx) {
+    int64_t nt = f->ntask < n ? f->ntask : n;
+    if (nt <= 0) return;
+    range_job j = {f, ctx, fn, n, nt};
+    ds4_pool_run(f->pool, nt, range_task, &j);
+}
+
+static void matmul(fwd *f, float *y, const float *x, const float *W, int64_t T, int64_t K, int64_t O) {
+    ds4_matmul_nt(f->pool, y, O, x, K, W, T, K, O);
+}
+
+static inline float sigmoidf(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+/* ------------------------------------------------------------------------------------------------ mHC */
+
+typedef struct {
+    const ds4_hc_w *w;
+    const float *X;
+} hc_ctx;
+
+/* pre/post/comb and the collapsed input u for tokens [b, e) (§2.2). */
+static void hc_pre_range(fwd *f, void *p, int64_t b, int64_t e, int64_t task) {
+    const hc_ctx *cx = p;
+    const int64_t n = f->c->hc_mult, D = f->c->hidden_size, nD = n * D, mix = (2 + n) * n;
+    const double eps = f->c->rms_norm_eps, hc_eps = f->c->hc_eps;
+    float *xn = f->scratch + task * f->scratch_stride; /* n·D floats */
+    float mixv[64 * 64 + 128];
+    double M[64 * 64];
+    for (int64_t t = b; t < e; t++) {
+        const float *x = cx->X + t * nD;
+        ds4_rmsnorm_rows(xn, x, NULL, 1, nD, eps);
+        for (int64_t j = 0; j < mix; j++) mixv[j] = ds4_dot(cx->w->fn + j * nD, xn, nD);
+        const float *base = cx->w->base, *sc = cx->w->scale;
+        float *pre = f->pre + t * n, *post = f->post + t * n, *comb = f->comb + t * n * n;
+        for (int64_t i = 0; i < n; i++) {
+            pre[i] = sigmoidf(mixv[i] * sc[0] + base[i]) + (float)hc_eps;
+            post[i] = 2.0f * sigmoidf(mixv[n + i] * sc[1] + base[n + i]);
+        }
+        /* Sinkhorn: row softmax, +eps, column-normalise, then (iters-1) × (row, column); fp64 here */
+        for (int64_t j = 0; j < n; j++) {
+            double mx = -INFINITY, sum = 0;
+            for (int64_t k = 0; k < n; k++) {
+                double r = (double)(mixv[2 * n + j * n + k] * sc[2] + base[2 * n + j * n + k]);
+                M[j * n + k] = r;
+                if (r > mx) mx = r;
+            }
+            for (int64_t k = 0; k < n; k++) sum += (M[j * n + k] = exp(M[j * n + k] - mx));
+            for (int64_t k = 0; k < n; k++) M[j * n + k] = M[j * n + k] / sum + hc_eps;
+        }
+        for (int64_t it = 0; it < f->c->hc_sinkhorn_iters; it++) {
+            if (it > 0)
+                for (int64_t j = 0; j < n; j++) {
+                    double s = 0;
+                    for (int64_t k = 0; k < n; k++) s += M[j * n + k];
+                    for (int64_t k = 0; k < n; k++) M[j * n + k] /= s + hc_eps;
+                }
+            for (int64_t k = 0; k < n; k++) {
+                double s = 0;
+                for (int64_t j = 0; j < n; j++) s += M[j * n + k];
+                for (int64_t j = 0; j < n; j++) M[j * n + k] /= s + hc_eps;
+            }
+        }
+        for (int64_t i = 0; i < n * n; i++) comb[i] = (float)M[i];
+        float *u = f->u + t * D;
+        for (int64_t c = 0; c < D; c++) {
+            float acc = 0;
+            for (int64_t i = 0; i < n; i++) acc += pre[i] * x[i * D + c];
+            u[c] = acc;
+        }
+    }
+}
+
+typedef struct {
+    const float *X, *a;
+    float *Xo;
+} hc_post_ctx;
+
+/* X'[k] = post_k · a + Σ_j comb[j][k] · X[j]  (the sum runs over the SOURCE stream j: Mᵀ X). */
+static void hc_post_range(fwd *f, void *p, int64_t b, int64_t e, int64_t task) {
+    const hc_post_ctx *cx = p;
+    const int64_t n = f->c->hc_mult, D = f->c->hidden_size;
+    for (int64_t t = b; t < e; t++) {
+        const float *x = cx->X + t * n * D, *a = cx->a + t * D, *post = f->post + t * n, *comb = f->comb + t * n * n;
+        float *xo = cx->Xo + t * n * D;
+        for (int64_t k = 0; k < n; k++)
+            for (int64_t c = 0; c < D; c++) {
+                float acc = 0;
+                for (int64_t j = 0; j < n; j++) acc += comb[j * n + k] * x[j * D + c];
+                xo[k * D + c] = post[k] * a[c] + acc;
+            }
+    }
+}
+
+/* ------------------------------------------------------------------------------------------------ small row ops */
+
+typedef struct {
+    float *x;
+    const float *w;
+    int64_t width;
+    double eps;
+} norm_ctx;
+
+static void norm_range(fwd *f, void *p, int64_t b, int64_t e, int64_t task) {
+    const norm_ctx *cx = p;
+    ds4_rmsnorm_rows(cx->x + b * cx->width, cx->x + b * cx->width, cx->w, e - b, cx->width, cx->eps);
+}
+
+/* In-place RMSNorm of `rows` rows of `width` (w may be NULL). */
+static void norm_rows(fwd *f, float *x, const float *w, int64_t rows, int64_t width) {
+    norm_ctx cx = {x, w, width, f->c->rms_norm_eps};
+    parallel_range(f, rows, norm_range, &cx);
+}
+
+typedef struct {
+    float *x;           /* [T, heads, width] */
+    int64_t heads, width;
+    const rope_tab *rt;
+    int sign;
+} rope_ctx;
+
+static void rope_range(fwd *f, void *p, int64_t b, int64_t e, int64_t task) {
+    const rope_ctx *cx = p;
+    for (int64_t t = b; t < e; t++) {
+        const float *cs = rope_at(cx->rt, t % f->S);
+        for (int64_t hh = 0; hh < cx->heads; hh++)
+            ds4_rope_apply(cx->x + (t * cx->heads + hh) * cx->width, cx->width, cx->rt->half, cs, cx->sign);
+    }
+}
+
+/* Rotate each of `heads` vectors of every token at that token's position. */
+static void rope_rows(fwd *f, float *x, int64_t heads, int64_t width, const rope_tab *rt, int sign) {
+    rope_ctx cx = {x, heads, width, rt, sign};
+    parallel_range(f, f->T, rope_range, &cx);
+}
+
+/* ------------------------------------------------------------------------------------------------ compressor */
+
+typedef struct {
+    const ds4_compressor_w *w;
+    const float *C, *Z;   /* [T, width] */
+    float *out;           /* [B, S, dd]: entry w of row b at (b·S + w)·dd */
+    int64_t nwin;         /* complete windows per row: floor(S / m) */
+    int overlap;
+} comp_ctx;
+
+/* Pool each complete window into one entry (§3.4), then RMSNorm (weighted) and RoPE at position w·m. */
+static void comp_range(fwd *f, void *p, int64_t b, int64_t e, int64_t task) {
+    const comp_ctx *cx = p;
+    const ds4_compressor_w *w = cx->w;
+    const int64_t m = w->rate, dd = w->dd, width = w->width, S = f->S;
+    float *gl = f->scratch + task * f->scratch_stride; /* 2m gate logits */
+    float *kv = gl + 2 * m;                           /* 2m values */
+    for (int64_t i = b; i < e; i++) {
+        const int64_t row = i / cx->nwin, win = i % cx->nwin;
+        float *out = cx->out + (row * S + win) * dd;
+        for (int64_t ch = 0; ch < dd; ch++) {
+            int64_t ns = 0;
+            if (cx->overlap && win > 0) /* Ca half of the previous window */
+                for (int64_t j = 0; j < m; j++) {
+                    const int64_t t = row * S + (win - 1) * m + j;
+                    gl[ns] = cx->Z[t * width + ch] + w->ape[j * width + ch];
+                    kv[ns++] = cx->C[t * width + ch];
+                }
+            const int64_t off = cx->overlap ? dd : 0; /* Cb half (overlap) or the whole vector */
+            for (int64_t j = 0; j < m; j++) {
+                const int64_t t = row * S + win * m + j;
+                gl[ns] = cx->Z[t * width + off + ch] + w->ape[j * width + off + ch];
+                kv[ns++] = cx->C[t * width + off + ch];
+            }
+            /* per-channel softmax over the slots in fp32 (HF: softmax(dim=2, dtype=float32)); the missing
+             * previous-window slots of window 0 are -inf gates, i.e. simply absent */
+            float mx = -INFINITY;
+            for (int64_t k = 0; k < ns; k++) mx = gl[k] > mx ? gl[k] : mx;
+            double den = 0;
+            for (int64_t k = 0; k < ns; k++) den += (gl[k] = (float)exp((double)(gl[k] - mx)));
+            float acc = 0;
+            for (int64_t k = 0; k < ns; k++) acc += kv[k] * (float)(gl[k] / den);
+            out[ch] = acc;
+        }
+        ds4_rmsnorm_rows(out, out, w->norm, 1, dd, f->c->rms_norm_eps);
+        ds4_rope_apply(out, dd, f->rcomp.half, rope_at(&f->rcomp, win * m), 1);
+    }
+}
+
+/* Entries of a compressor over h: returns the number of complete windows per row. */
+static int64_t compress(fwd *f, const ds4_compressor_w *w, float *C, float *Z, float *out, int overlap) {
+    matmul(f, C, f->h, w->wkv, f->T, f->c->hidden_size, w->width);
+    matmul(f, Z, f->h, w->wgate, f->T, f->c->hidden_size, w->width);
+    const int64_t nwin = f->S / w->rate;
+    if (nwin == 0) return 0;
+    comp_ctx cx = {w, C, Z, out, nwin, overlap};
+    parallel_range(f, f->B * nwin, comp_range, &cx);
+    return nwin;
+}
+
+/* ------------------------------------------------------------------------------------------------ indexer */
+
+typedef struct {
+    int64_t nwin, topk;
+} idx_ctx;
+
+/* Lightning-indexer scores and top-k over the causal entries w < floor((s+1)/m) (§3.5). */
+static void indexer_range(fwd *f, void *p, int64_t b, int64_t e, int64_t task) {
+    const idx_ctx *cx = p;
+    const ds4_config *c = f->c;
+    const int64_t nI = c->index_n_heads, cI = c->index_head_dim, m = c->compress_rate_csa, S = f->S;
+    const float qscale = 1.0f / sqrtf((float)cI);
+    float *score = f->scratch + task * f->scratch_stride;
+    for (int64_t t = b; t < e; t++) {
+        const int64_t row = t / S, s = t % S;
+        int64_t valid = (s + 1) / m;
+        if (valid > cx->nwin) valid = cx->nwin;
+        int32_t *sel = f->sel + t * f->sel_stride;
+        for (int64_t w = 0; w < valid; w++) {
+            const float *k = f->iK + (row * S + w) * cI;
+            float acc = 0;
+            for (int64_t hh = 0; hh < nI; hh++) {
+                float dot = ds4_dot(f->iq + (t * nI + hh) * cI, k, cI);
+                float r = dot > 0 ? dot * qscale : 0.0f;
+                acc += r * f->iw[t * nI + hh];
+            }
+            score[w] = acc;
+        }
+        /* k = min(index_topk, entries); with fewer causal entries than k every causal one is kept */
+        int64_t k = cx->topk < valid ? cx->topk : valid;
+        if (k == valid) {
+            for (int64_t w = 0; w < valid; w++) sel[w] = (int32_t)w;
+        } else {
+            /* partial selection sort: largest score first, ties to the lower index (the fixtures carry no
+             * near-ties at the boundary, so any tie rule matches transformers there) */
+            for (int64_t i = 0; i < k; i++) {
+                int64_t best = -1;
+                for (int64_t w = 0; w < valid; w++) {
+                    if (score[w] == -INFINITY) continue;
+                    if (best < 0 || score[w] > score[best]) best = w;
+                }
+                sel[i] = (int32_t)best;
+                score[best] = -INFINITY;
+            }
+        }
+        f->nsel[t] = (int32_t)k;
+    }
+}
+
+/* ------------------------------------------------------------------------------------------------ attention core */
+
+typedef struct {
+    const ds4_layer_w *l;
+    int64_t nwin;   /* compressed entries per row */
+} att_ctx;
+
+/* Joint softmax with sink over window keys ∪ permitted compressed entries; values = keys (§3.6). */
+static void attn_range(fwd *f, void *p, int64_t b, int64_t e, int64_t task) {
+    const att_ctx *cx = p;
+    const ds4_config *c = f->c;
+    const ds4_layer_w *l = cx->l;
+    const int64_t H = c->num_attention_heads, d = c->head_dim, S = f->S, win = c->sliding_window;
+    const float scale = 1.0f / sqrtf((float)d);
+    float *lg = f->scratch + task * f->scratch_stride;
+    const float **keys = (const float **)(void *)(lg + f->key_off);
+    for (int64_t t = b; t < e; t++) {
+        const int64_t row = t / S, s = t % S;
+        int64_t nk = 0;
+        const int64_t j0 = s - win + 1 > 0 ? s - win + 1 : 0;
+        for (int64_t j = j0; j <= s; j++) keys[nk++] = f->kv + (row * S + j) * d;
+        if (l->type == DS4_ATTN_HCA) {
+            int64_t valid = (s + 1) / c->compress_rate_hca;
+            if (valid > cx->nwin) valid = cx->nwin;
+            for (int64_t w = 0; w < valid; w++) keys[nk++] = f->cK + (row * S + w) * d;
+        } else if (l->type == DS4_ATTN_CSA) {
+            const int32_t *sel = f->sel + t * f->sel_stride;
+            for (int64_t i = 0; i < f->nsel[t]; i++) keys[nk++] = f->cK + (row * S + sel[i]) * d;
+        }
+        for (int64_t hh = 0; hh < H; hh++) {
+            const float *q = f->q + (t * H + hh) * d;
+            float mx = l->sink[hh];
+            for (int64_t k = 0; k < nk; k++) {
+                lg[k] = ds4_dot(q, keys[k], d) * scale;
+                if (lg[k] > mx) mx = lg[k];
+            }
+            double den = exp((double)(l->sink[hh] - mx));
+            for (int64_t k = 0; k < nk; k++) den += (lg[k] = (float)exp((double)(lg[k] - mx)));
+            float *o = f->o + (t * H + hh) * d;
+            memset(o, 0, (size_t)d * sizeof(float));
+            for (int64_t k = 0; k < nk; k++) {
+                const float pk = (float)(lg[k] / den);
+                const float *v = keys[k];
+                for (int64_t i = 0; i < d; i++) o[i] += pk * v[i];
+            }
+        }
+    }
+}
+
+/* The attention sub-layer on f->u (collapsed input): result in f->a. */
+static void attention(fwd *f, const ds4_layer_w *l) {
+    const ds4_config *c = f->c;
+    const int64_t T = f->T, D = c->hidden_size, H = c->num_attention_heads, d = c->head_dim, qr = c->q_lora_rank;
+    const rope_tab *rt = l->type == DS4_ATTN_SLIDING ? &f->rmain : &f->rcomp;
+    memcpy(f->h, f->u, (size_t)(T * D) * sizeof(float));
+    norm_rows(f, f->h, l->attn_norm, T, D);
+    matmul(f, f->qr, f->h, l->wq_a, T, D, qr);
+    norm_rows(f, f->qr, l->q_norm, T, qr);
+    matmul(f, f->q, f->qr, l->wq_b, T, qr, H * d);
+    norm_rows(f, f->q, NULL, T * H, d); /* per-head unweighted RMS */
+    rope_rows(f, f->q, H, d, rt, 1);
+    matmul(f, f->kv, f->h, l->wkv, T, D, d);
+    norm_rows(f, f->kv, l->kv_norm, T, d);
+    rope_rows(f, f->kv, 1, d, rt, 1);
+    att_ctx ax = {l, 0};
+    if (l->type != DS4_ATTN_SLIDING) ax.nwin = compress(f, &l->comp, f->cC, f->cZ, f->cK, l->type == DS4_ATTN_CSA);
+    if (l->type == DS4_ATTN_CSA) {
+        const int64_t nI = c->index_n_heads, cI = c->index_head_dim;
+        int64_t nwin = compress(f, &l->idx_comp, f->iC, f->iZ, f->iK, 1);
+        matmul(f, f->iq, f->qr, l->idx_wq_b, T, qr, nI * cI);
+        rope_rows(f, f->iq, nI, cI, &f->rcomp, 1);
+        matmul(f, f->iw, f->h, l->idx_weights, T, D, nI);
+        const float wscale = 1.0f / sqrtf((float)nI);
+        for (int64_t i = 0; i < T * nI; i++) f->iw[i] *= wscale;
+        idx_ctx ix = {nwin, c->index_topk < nwin ? c->index_topk : nwin};
+        if (nwin == 0)
+            memset(f->nsel, 0, (size_t)T * sizeof(int32_t));
+        else
+            parallel_range(f, T, indexer_range, &ix);
+    }
+    parallel_range(f, T, attn_range, &ax);
+    rope_rows(f, f->o, H, d, rt, -1); /* de-rotate the output at the query position */
+    /* grouped output projection: group g = heads [g·H/g, (g+1)·H/g) → o_lora values */
+    const int64_t G = c->o_groups, ol = c->o_lora_rank, gw = H * d / G;
+    for (int64_t g = 0; g < G; g++)
+        ds4_matmul_nt(f->pool, f->y + g * ol, G * ol, f->o + g * gw, H * d, l->wo_a + g * ol * gw, T, gw, ol);
+    matmul(f, f->a, f->y, l->wo_b, T, G * ol, D);
+}
+
+/* ------------------------------------------------------------------------------------------------ MoE */
+
+typedef struct {
+    const ds4_layer_w *l;
+    const int64_t *ids;
+} route_ctx;
+
+static inline float score_fn(ds4_score_func sf, float x) {
+    if (sf == DS4_SCORE_SIGMOID) return sigmoidf(x);
+    /* torch softplus (beta 1, threshold 20): x above 20, log1p(exp(x)) otherwise */
+    double sp = x > 20.0f ? (double)x : log1p(exp((double)x));
+    return (float)sqrt(sp);
+}
+
+static void route_range(fwd *f, void *p, int64_t b, int64_t e, int64_t task) {
+    const route_ctx *cx = p;
+    const ds4_config *c = f->c;
+    const int64_t E = c->n_routed_experts, K = c->num_experts_per_tok;
+    for (int64_t t = b; t < e; t++) {
+        float *s = f->rl + t * E;
+        if (c->scoring_func == DS4_SCORE_SOFTMAX) {
+            float mx = -INFINITY;
+            for (int64_t x = 0; x < E; x++) mx = s[x] > mx ? s[x] : mx;
+            double den = 0;
+            for (int64_t x = 0; x < E; x++) den += exp((double)(s[x] - mx));
+            for (int64_t x = 0; x < E; x++) s[x] = (float)(exp((double)(s[x] - mx)) / den);
+        } else {
+            for (int64_t x = 0; x < E; x++) s[x] = score_fn(c->scoring_func, s[x]);
+        }
+        int32_t *idx = f->eidx + t * K;
+        if (cx->l->is_hash) {
+            for (int64_t k = 0; k < K; k++) idx[k] = cx->l->tid2eid[cx->ids[t] * K + k];
+        } else {
+            /* top-K of score + correction bias (selection only), ties to the lower expert index */
+            for (int64_t k = 0; k < K; k++) {
+                int64_t best = -1;
+                float bv = -INFINITY;
+                for (int64_t x = 0; x < E; x++) {
+                    int taken = 0;
+                    for (int64_t j = 0; j < k; j++) taken |= idx[j] == x;
+                    if (taken) continue;
+                    float v = s[x] + cx->l->gate_bias[x];
+                    if (best < 0 || v > bv) best = x, bv = v;
+                }
+                idx[k] = (int32_t)best;
+            }
+        }
+        float sum = 0;
+        for (int64_t k = 0; k < K; k++) sum += s[idx[k]];
+        for (int64_t k = 0; k < K; k++)
+            f->ew[t * K + k] = s[idx[k]] / (sum + 1e-20f) * (float)c->routed_scaling_factor;
+    }
+}
+
+typedef struct {
+    float *g1, *g3;
+    int64_t I;
+    float lim;
+} swiglu_ctx;
+
+/* silu(min(g, λ)) · clamp(u, -λ, λ), in place into g1 */
+static void swiglu_range(fwd *f, void *p, int64_t b, int64_t e, int64_t task) {
+    const swiglu_ctx *cx = p;
+    for (int64_t i = b * cx->I; i < e * cx->I; i++) {
+        float g = cx->g1[i] > cx->lim ? cx->lim : cx->g1[i];
+        float u = cx->g3[i] < -cx->lim ? -cx->lim : (cx->g3[i] > cx->lim ? cx->lim : cx->g3[i]);
+        cx->g1[i] = ds4_silu(g) * u;
+    }
+}
+
+static void swiglu(fwd *f, float *x, int64_t rows, const float *w1, const float *w3, const float *w2, float *out) {
+    const int64_t D = f->c->hidden_size, I = f->c->moe_intermediate_size;
+    matmul(f, f->g1, x, w1, rows, D, I);
+    matmul(f, f->g3, x, w3, rows, D, I);
+    swiglu_ctx sx = {f->g1, f->g3, I, (float)f->c->swiglu_limit};
+    parallel_range(f, rows, swiglu_range, &sx);
+    matmul(f, out, f->g1, w2, rows, I, D);
+}
+
+typedef struct {
+    float *out;
+} combine_ctx;
+
+/* routed = Σ_k w_k · y_k, accumulated in ascending expert order like HF's index_add_ loop; + shared (in a). */
+static void combine_range(fwd *f, void *p, int64_t b, int64_t e, int64_t task) {
+    const int64_t K = f->c->num_experts_per_tok, D = f->c->hidden_size;
+    for (int64_t t = b; t < e; t++) {
+        int32_t order[64];
+        for (int64_t k = 0; k < K; k++) order[k] = (int32_t)k;
+        for (int64_t i = 1; i < K; i++) /* insertion sort of slots by expert id (stable) */
+            for (int64_t j = i; j > 0 && f->eidx[t * K + order[j]] < f->eidx[t * K + order[j - 1]]; j--) {
+                int32_t tmp = order[j];
+                order[j] = order[j - 1];
+                order[j - 1] = tmp;
+            }
+        float *a = f->a + t * D;
+        for (int64_t c = 0; c < D; c++) {
+            float acc = 0;
+            for (int64_t k = 0; k < K; k++) acc += f->yk[(t * K + order[k]) * D + c];
+            a[c] = acc + a[c];
+        }
+    }
+}
+
+/* The MoE sub-layer on f->u with token ids `ids` (hash routing): result in f->a. */
+static void moe(fwd *f, const ds4_layer_w *l, const int64_t *ids) {
+    const ds4_config *c = f->c;
+    const int64_t T = f->T, D = c->hidden_size, E = c->n_routed_experts, K = c->num_experts_per_tok;
+    memcpy(f->h, f->u, (size_t)(T * D) * sizeof(float));
+    norm_rows(f, f->h, l->ffn_norm, T, D);
+    matmul(f, f->rl, f->h, l->gate, T, D, E);
+    route_ctx rx = {l, ids};
+    parallel_range(f, T, route_range, &rx);
+    /* group (token, slot) pairs by expert: counting sort */
+    memset(f->ecount, 0, (size_t)(E + 1) * sizeof(int64_t));
+    for (int64_t i = 0; i < T * K; i++) f->ecount[f->eidx[i] + 1]++;
+    for (int64_t x = 0; x < E; x++) f->ecount[x + 1] += f->ecount[x];
+    /* ecount[x] serves as expert x's fill cursor, which leaves it at the start of x+1: shift back */
+    for (int64_t i = 0; i < T * K; i++) f->perm[f->ecount[f->eidx[i]]++] = (int32_t)i;
+    for (int64_t x = E; x > 0; x--) f->ecount[x] = f->ecount[x - 1];
+    f->ecount[0] = 0;
+    for (int64_t x = 0; x < E; x++) {
+        const int64_t b = f->ecount[x], n = f->ecount[x + 1] - b;
+        if (n == 0) continue;
+        for (int64_t r = 0; r < n; r++) memcpy(f->xg + r * D, f->h + (f->perm[b + r] / K) * D, (size_t)D * sizeof(float));
+        const int64_t I = c->moe_intermediate_size;
+        swiglu(f, f->xg, n, l->w1 + x * I * D, l->w3 + x * I * D, l->w2 + x * D * I, f->ye);
+        for (int64_t r = 0; r < n; r++) {
+            const int32_t slot = f->perm[b + r];
+            const float w = f->ew[slot];
+            const float *src = f->ye + r * D;
+            float *dst = f->yk + (int64_t)slot * D;
+            for (int64_t cc = 0; cc < D; cc++) dst[cc] = src[cc] * w;
+        }
+    }
+    swiglu(f, f->h, T, l->sw1, l->sw3, l->sw2, f->a); /* shared expert, every token */
+    combine_ctx cb = {f->a};
+    parallel_range(f, T, combine_range, &cb);
+}
+
+/* ------------------------------------------------------------------------------------------------ block / head */
+
+/* One decoder block over streams X (result back in X; Xt is scratch). */
+static void block(fwd *f, const ds4_layer_w *l, float *X, const int64_t *ids) {
+    hc_ctx hx = {&l->hc_attn, X};
+    parallel_range(f, f->T, hc_pre_range, &hx);
+    attention(f, l);
+    hc_post_ctx px = {X, f->a, f->Xt};
+    parallel_range(f, f->T, hc_post_range, &px);
+    hc_ctx hf = {&l->hc_ffn, f->Xt};
+    parallel_range(f, f->T, hc_pre_range, &hf);
+    moe(f, l, ids);
+    hc_post_ctx pf = {f->Xt, f->a, X};
+    parallel_range(f, f->T, hc_post_range, &pf);
+}
+
+typedef struct {
+    const float *X, *fn, *base, *scale;
+} head_ctx;
+
+/* HyperHead: p_i = σ(s·(W_h RMS(vec X))_i + b_i) + eps; y = Σ p_i X_i  → f->u (§2.4). */
+static void hyperhead_range(fwd *f, void *p, int64_t b, int64_t e, int64_t task) {
+    const head_ctx *cx = p;
+    const int64_t n = f->c->hc_mult, D = f->c->hidden_size;
+    float *xn = f->scratch + task * f->scratch_stride;
+    for (int64_t t = b; t < e; t++) {
+        const float *x = cx->X + t * n * D;
+        ds4_rmsnorm_rows(xn, x, NULL, 1, n * D, f->c->rms_norm_eps);
+        float pre[64];
+        for (int64_t i = 0; i < n; i++)
+            pre[i] = sigmoidf(ds4_dot(cx->fn + i * n * D, xn, n * D) * cx->scale[0] + cx->base[i]) + (float)f->c->hc_eps;
+        float *u = f->u + t * D;
+        for (int64_t c = 0; c < D; c++) {
+            float acc = 0;
+            for (int64_t i = 0; i < n; i++) acc += pre[i] * x[i * D + c];
+            u[c] = acc;
+        }
+    }
+}
+
+/* logits = head(norm(HyperHead(X))) for all T rows. */
+static void lm_head(fwd *f, const float *X, const float *fn, const float *base, const float *scale, const float *norm,
+                    float *logits) {
+    const int64_t D = f->c->hidden_size;
+    head_ctx hx = {X, fn, base, scale};
+    parallel_range(f, f->T, hyperhead_range, &hx);
+    norm_rows(f, f->u, norm, f->T, D);
+    matmul(f, logits, f->u, f->m->head, f->T, D, f->c->vocab_size);
+}
+
+/* Mean cross-entropy of logits[b, s] against labels[b, s + shift] over s + shift < S, ignoring -100. */
+static void cross_entropy(const float *logits, int64_t B, int64_t Sl, int64_t V, const int64_t *labels, int64_t S,
+                          int64_t shift, double *loss, int64_t *count) {
+    double sum = 0;
+    int64_t cnt = 0;
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t s = 0; s + shift < S && s < Sl; s++) {
+            const int64_t y = labels[b * S + s + shift];
+            if (y == -100) continue;
+            const float *z = logits + (b * Sl + s) * V;
+            float mx = -INFINITY;
+            for (int64_t v = 0; v < V; v++) mx = z[v] > mx ? z[v] : mx;
+            double se = 0;
+            for (int64_t v = 0; v < V; v++) se += exp((double)z[v] - mx);
+            sum += log(se) + mx - z[y];
+            cnt++;
+        }
+    *count = cnt;
+    *loss = cnt ? sum / (double)cnt : NAN;
+}
+
+/* ------------------------------------------------------------------------------------------------ entry point */
+
+static ds4_status check_args(const ds4_model *m, const ds4_forward_args *a, ds4_error *err) {
+    const ds4_config *c = &m->cfg;
+    if (!a || !a->ids) return ds4_fail(err, DS4_ERR_ARG, "forward: ids is NULL");
+    if (a->batch < 1 || a->seq < 1)
+        return ds4_fail(err, DS4_ERR_SHAPE, "forward: ids shape [%lld, %lld] must be at least [1, 1]",
+                        (long long)a->batch, (long long)a->seq);
+    if (a->batch > (1 << 20) || a->seq > (1 << 24) || a->batch * a->seq > (1 << 24))
+        return ds4_fail(err, DS4_ERR_SHAPE, "forward: ids shape [%lld, %lld] too large", (long long)a->batch,
+                        (long long)a->seq);
+    const int64_t T = a->batch * a->seq;
+    for (int64_t i = 0; i < T; i++)
+        if (a->ids[i] < 0 || a->ids[i] >= c->vocab_size)
+            return ds4_fail(err, DS4_ERR_ARG, "forward: ids[%lld, %lld] = %lld outside [0, %lld) (ids [%lld, %lld])",
+                            (long long)(i / a->seq), (long long)(i % a->seq), (long long)a->ids[i],
+                            (long long)c->vocab_size, (long long)a->batch, (long long)a->seq);
+    if (a->labels)
+        for (int64_t i = 0; i < T; i++)
+            if (a->labels[i] != -100 && (a->labels[i] < 0 || a->labels[i] >= c->vocab_size))
+                return ds4_fail(err, DS4_ERR_ARG,
+                                "forward: labels[%lld, %lld] = %lld is neither -100 nor in [0, %lld) (labels [%lld, %lld])",
+                                (long long)(i / a->seq), (long long)(i % a->seq), (long long)a->labels[i],
+                                (long long)c->vocab_size, (long long)a->batch, (long long)a->seq);
+    if (a->mtp_logits && !m->has_mtp)
+        return ds4_fail(err, DS4_ERR_ARG, "forward: MTP logits requested but the checkpoint has no mtp.0.* weights");
+    if (a->mtp_logits && a->seq < 2)
+        return ds4_fail(err, DS4_ERR_SHAPE, "forward: MTP needs seq >= 2 (ids [%lld, %lld])", (long long)a->batch,
+                        (long long)a->seq);
+    return DS4_OK;
+}
+
+ds4_status ds4_model_forward(ds4_model *m, const ds4_forward_args *args, ds4_forward_result *res, ds4_error *err) {
+    if (!m) return ds4_fail(err, DS4_ERR_ARG, "forward: model is NULL");
+    ds4_status s = check_args(m, args, err);
+    if (s) return s;
+    const ds4_config *c = &m->cfg;
+    fwd f = {.m = m, .c = c, .pool = m->engine->pool, .B = args->batch, .S = args->seq};
+    f.T = f.B * f.S;
+    f.ntask = 4 * (int64_t)ds4_pool_threads(f.pool);
+    if (f.ntask > MAX_TASKS) f.ntask = MAX_TASKS;
+    const int need_ws_logits = args->logits == NULL && (args->labels != NULL);
+    arena a = {0};
+    plan(&f, &a, need_ws_logits);
+    if (a.used > m->ws_bytes) {
+        free(m->ws);
+        m->ws = malloc(a.used);
+        m->ws_bytes = m->ws ? a.used : 0;
+        if (!m->ws)
+            return ds4_fail(err, DS4_ERR_OOM, "forward: workspace of %zu bytes for ids [%lld, %lld]", a.used,
+                            (long long)f.B, (long long)f.S);
+    }
+    arena w = {(char *)m->ws, 0};
+    plan(&f, &w, need_ws_logits);
+    rope_table(&f.rmain, &c->rope_main, f.S);
+    rope_table(&f.rcomp, &c->rope_compress, f.S);
+
+    const int64_t T = f.T, n = c->hc_mult, D = c->hidden_size, V = c->vocab_size;
+    for (int64_t t = 0; t < T; t++) /* X⁰: n copies of the embedding */
+        for (int64_t i = 0; i < n; i++)
+            memcpy(f.X + (t * n + i) * D, m->embed + args->ids[t] * D, (size_t)D * sizeof(float));
+    for (int64_t li = 0; li < c->num_hidden_layers; li++) {
+        block(&f, &m->layers[li], f.X, args->ids);
+        if (args->hidden) memcpy(args->hidden + li * T * n * D, f.X, (size_t)(T * n * D) * sizeof(float));
+    }
+    float *logits = args->logits ? args->logits : f.logits_ws;
+    ds4_forward_result r = {NAN, 0, NAN, 0};
+    if (logits) {
+        lm_head(&f, f.X, m->hc_head_fn, m->hc_head_base, m->hc_head_scale, m->norm, logits);
+        if (args->labels) cross_entropy(logits, f.B, f.S, V, args->labels, f.S, 1, &r.loss, &r.loss_tokens);
+    }
+    if (args->mtp_logits) {
+        /* MTP (§5): position i < S-1 combines the final streams X^L_i with the embedding of token i+1 and
+         * runs one more block over the S-1 positions; its logits predict token i+2. */
+        const ds4_mtp_w *mt = &m->mtp;
+        const int64_t S1 = f.S - 1, B = f.B, T1 = B * S1;
+        int64_t *nxt = f.mtp_ids;
+        /* e-term per token into h ([T1, D]); h-term per stream into Xz */
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t i = 0; i < S1; i++) {
+                const int64_t t1 = b * S1 + i;
+                nxt[t1] = args->ids[b * f.S + i + 1];
+                memcpy(f.a + t1 * D, m->embed + nxt[t1] * D, (size_t)D * sizeof(float));
+                memcpy(f.Xt + t1 * n * D, f.X + (b * f.S + i) * n * D, (size_t)(n * D) * sizeof(float));
+            }
+        f.S = S1;
+        f.T = T1;
+        norm_rows(&f, f.a, mt->enorm, T1, D);
+        matmul(&f, f.h, f.a, mt->e_proj, T1, D, D);
+        norm_rows(&f, f.Xt, mt->hnorm, T1 * n, D);
+        matmul(&f, f.Xz, f.Xt, mt->h_proj, T1 * n, D, D);
+        for (int64_t t = 0; t < T1; t++)
+            for (int64_t i = 0; i < n; i++)
+                for (int64_t cc = 0; cc < D; cc++) f.Xz[(t * n + i) * D + cc] += f.h[t * D + cc];
+        block(&f, &mt->block, f.Xz, nxt);
+        lm_head(&f, f.Xz, mt->hc_head_fn, mt->hc_head_base, mt->hc_head_scale, mt->norm, args->mtp_logits);
+        if (args->labels)
+            cross_entropy(args->mtp_logits, B, S1, V, args->labels, S1 + 1, 2, &r.mtp_loss, &r.mtp_loss_tokens);
+    }
+    if (res) *res = r;
+    return DS4_OK;
+}

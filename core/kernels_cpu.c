@@ -1,0 +1,134 @@
+/* kernels_cpu.c — see kernels_cpu.h. */
+#include "kernels_cpu.h"
+
+/* The 8-lane helpers are static inline and always inlined; the ABI note about passing 32-byte vectors
+ * by value without AVX does not apply to them. */
+#pragma GCC diagnostic ignored "-Wpsabi"
+
+#include <math.h>
+#include <string.h>
+
+/* 8 fp32 lanes. GCC lowers this to one AVX register or two SSE registers; ISO C mode (-std=c11) keeps
+ * fp-contract off, so both give bit-identical results. */
+typedef float v8f __attribute__((vector_size(32)));
+
+static inline v8f load8(const float *p) {
+    v8f v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline float hsum8(const v8f *p) {
+    const v8f v = *p;
+    return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
+}
+
+float ds4_dot(const float *a, const float *b, int64_t n) {
+    v8f acc = {0};
+    int64_t k = 0;
+    for (; k + 8 <= n; k += 8) acc += load8(a + k) * load8(b + k);
+    float s = hsum8(&acc);
+    for (; k < n; k++) s += a[k] * b[k];
+    return s;
+}
+
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && !defined(__SANITIZE_ADDRESS__)
+#define DS4_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define DS4_CLONES
+#endif
+
+/* A 2-token × 4-output register tile over the whole K: 8 vector accumulators, 6 loads per step. */
+DS4_CLONES
+static void matmul_block(float *y, int64_t ldy, const float *x, int64_t ldx, const float *W, int64_t t0,
+                         int64_t t1, int64_t o0, int64_t o1, int64_t K) {
+    const int64_t K8 = K & ~(int64_t)7;
+    int64_t t = t0;
+    for (; t + 2 <= t1; t += 2) {
+        const float *xa = x + t * ldx, *xb = xa + ldx;
+        int64_t o = o0;
+        for (; o + 4 <= o1; o += 4) {
+            const float *w0 = W + o * K, *w1 = w0 + K, *w2 = w1 + K, *w3 = w2 + K;
+            v8f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};
+            for (int64_t k = 0; k < K8; k += 8) {
+                v8f va = load8(xa + k), vb = load8(xb + k);
+                v8f u0 = load8(w0 + k), u1 = load8(w1 + k), u2 = load8(w2 + k), u3 = load8(w3 + k);
+                a0 += va * u0; a1 += va * u1; a2 += va * u2; a3 += va * u3;
+                b0 += vb * u0; b1 += vb * u1; b2 += vb * u2; b3 += vb * u3;
+            }
+            float r[8] = {hsum8(&a0), hsum8(&a1), hsum8(&a2), hsum8(&a3), hsum8(&b0), hsum8(&b1), hsum8(&b2), hsum8(&b3)};
+            for (int64_t k = K8; k < K; k++) {
+                r[0] += xa[k] * w0[k]; r[1] += xa[k] * w1[k]; r[2] += xa[k] * w2[k]; r[3] += xa[k] * w3[k];
+                r[4] += xb[k] * w0[k]; r[5] += xb[k] * w1[k]; r[6] += xb[k] * w2[k]; r[7] += xb[k] * w3[k];
+            }
+            float *ya = y + t * ldy + o, *yb = ya + ldy;
+            ya[0] = r[0]; ya[1] = r[1]; ya[2] = r[2]; ya[3] = r[3];
+            yb[0] = r[4]; yb[1] = r[5]; yb[2] = r[6]; yb[3] = r[7];
+        }
+        for (; o < o1; o++) {
+            y[t * ldy + o] = ds4_dot(xa, W + o * K, K);
+            y[(t + 1) * ldy + o] = ds4_dot(xb, W + o * K, K);
+        }
+    }
+    for (; t < t1; t++)
+        for (int64_t o = o0; o < o1; o++) y[t * ldy + o] = ds4_dot(x + t * ldx, W + o * K, K);
+}
+
+void ds4_matmul_nt_serial(float *y, int64_t ldy, const float *x, int64_t ldx, const float *W, int64_t T,
+                          int64_t K, int64_t O) {
+    matmul_block(y, ldy, x, ldx, W, 0, T, 0, O, K);
+}
+
+/* Tiles sized so a W block (TO rows × K) and an x block (TT rows × K) stay in L2 for K up to a few thousand. */
+enum { TT = 16, TO = 64 };
+
+typedef struct {
+    float *y;
+    int64_t ldy;
+    const float *x;
+    int64_t ldx;
+    const float *W;
+    int64_t T, K, O, nto;
+} mm_job;
+
+static void mm_task(void *ctx, int64_t i) {
+    const mm_job *j = ctx;
+    int64_t bt = i / j->nto, bo = i % j->nto;
+    int64_t t0 = bt * TT, o0 = bo * TO;
+    int64_t t1 = t0 + TT < j->T ? t0 + TT : j->T;
+    int64_t o1 = o0 + TO < j->O ? o0 + TO : j->O;
+    matmul_block(j->y, j->ldy, j->x, j->ldx, j->W, t0, t1, o0, o1, j->K);
+}
+
+void ds4_matmul_nt(ds4_pool *pool, float *y, int64_t ldy, const float *x, int64_t ldx, const float *W, int64_t T,
+                   int64_t K, int64_t O) {
+    if (T <= 0 || O <= 0) return;
+    mm_job j = {y, ldy, x, ldx, W, T, K, O, (O + TO - 1) / TO};
+    int64_t ntt = (T + TT - 1) / TT;
+    ds4_pool_run(pool, ntt * j.nto, mm_task, &j);
+}
+
+void ds4_rmsnorm_rows(float *y, const float *x, const float *w, int64_t rows, int64_t n, double eps) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * n;
+        float *yr = y + r * n;
+        double ss = 0;
+        for (int64_t i = 0; i < n; i++) ss += (double)xr[i] * xr[i];
+        /* HF: x * rsqrt(mean + eps) in fp32, then weight * (...) */
+        float inv = (float)(1.0 / sqrt(ss / (double)n + eps));
+        if (w)
+            for (int64_t i = 0; i < n; i++) yr[i] = w[i] * (xr[i] * inv);
+        else
+            for (int64_t i = 0; i < n; i++) yr[i] = xr[i] * inv;
+    }
+}
+
+void ds4_rope_apply(float *x, int64_t width, int64_t half, const float *cs, int sign) {
+    float *p = x + width - 2 * half;
+    for (int64_t i = 0; i < half; i++) {
+        float c = cs[2 * i], s = sign * cs[2 * i + 1];
+        float a = p[2 * i], b = p[2 * i + 1];
+        p[2 * i] = a * c - b * s;
+        p[2 * i + 1] = b * c + a * s;
+    }
+}

@@ -1,0 +1,553 @@
+/* model.c — the parameter table, loading a checkpoint into the flat buffer, random initialisation. */
+#define _POSIX_C_SOURCE 200809L
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+#include "model.h"
+
+/* ------------------------------------------------------------------------------------------------ table */
+
+typedef struct {
+    ds4_model *m;
+    size_t cap;
+    int64_t f32_off, i32_off;
+    ds4_status st;
+    ds4_error *err;
+} builder;
+
+static void add(builder *b, ds4_dtype dt, int32_t layer, void **slot, int32_t ndim, const int64_t *shape,
+                const char *fmt, ...) DS4_PRINTF(7, 8);
+
+static void add(builder *b, ds4_dtype dt, int32_t layer, void **slot, int32_t ndim, const int64_t *shape,
+                const char *fmt, ...) {
+    if (b->st) return;
+    ds4_model *m = b->m;
+    if (m->n_table == b->cap) {
+        size_t nc = b->cap ? b->cap * 2 : 256;
+        ds4_param *t = realloc(m->table, nc * sizeof *t);
+        if (!t) {
+            b->st = ds4_fail(b->err, DS4_ERR_OOM, "model alloc: parameter table of %zu entries", nc);
+            return;
+        }
+        m->table = t;
+        b->cap = nc;
+    }
+    ds4_param *p = &m->table[m->n_table];
+    memset(p, 0, sizeof *p);
+    char name[256];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(name, sizeof name, fmt, ap);
+    va_end(ap);
+    p->name = strdup(name);
+    if (!p->name) {
+        b->st = ds4_fail(b->err, DS4_ERR_OOM, "model alloc: name %s", name);
+        return;
+    }
+    p->ndim = ndim;
+    p->numel = 1;
+    for (int32_t i = 0; i < ndim; i++) {
+        p->shape[i] = shape[i];
+        p->numel *= shape[i];
+    }
+    p->dtype = dt;
+    p->layer = layer;
+    p->slot = slot;
+    if (dt == DS4_F32) {
+        p->offset = b->f32_off;
+        b->f32_off += p->numel;
+    } else {
+        p->offset = b->i32_off;
+        b->i32_off += p->numel;
+    }
+    m->n_table++;
+}
+
+#define SHAPE(...) ((const int64_t[]){__VA_ARGS__})
+#define NDIM(...) ((int32_t)(sizeof((int64_t[]){__VA_ARGS__}) / sizeof(int64_t)))
+#define ADD(b, slot, pre, fmt, ...) add((b), DS4_F32, -1, (void **)(slot), NDIM(__VA_ARGS__), SHAPE(__VA_ARGS__), "%s" fmt, pre)
+
+static void add_compressor(builder *b, ds4_compressor_w *c, const char *pre, const char *part, int64_t D,
+                           int64_t dd, int64_t rate, int overlap) {
+    c->dd = dd;
+    c->rate = rate;
+    c->width = overlap ? 2 * dd : dd;
+    char p[160];
+    snprintf(p, sizeof p, "%s%s", pre, part);
+    ADD(b, &c->wkv, p, "wkv.weight", c->width, D);
+    ADD(b, &c->wgate, p, "wgate.weight", c->width, D);
+    ADD(b, &c->ape, p, "ape", rate, c->width);
+    ADD(b, &c->norm, p, "norm.weight", dd);
+}
+
+/* One decoder block's parameters under `pre` ("layers.3." or "mtp.0."). */
+static void add_block(builder *b, ds4_layer_w *l, const ds4_config *c, const char *pre, int32_t layer_index) {
+    const int64_t D = c->hidden_size, n = c->hc_mult, mix = (2 + n) * n, H = c->num_attention_heads;
+    const int64_t d = c->head_dim, E = c->n_routed_experts, I = c->moe_intermediate_size, K = c->num_experts_per_tok;
+    ADD(b, &l->attn_norm, pre, "attn_norm.weight", D);
+    ADD(b, &l->ffn_norm, pre, "ffn_norm.weight", D);
+    ADD(b, &l->hc_attn.fn, pre, "hc_attn_fn", mix, n * D);
+    ADD(b, &l->hc_attn.base, pre, "hc_attn_base", mix);
+    ADD(b, &l->hc_attn.scale, pre, "hc_attn_scale", 3);
+    ADD(b, &l->hc_ffn.fn, pre, "hc_ffn_fn", mix, n * D);
+    ADD(b, &l->hc_ffn.base, pre, "hc_ffn_base", mix);
+    ADD(b, &l->hc_ffn.scale, pre, "hc_ffn_scale", 3);
+    ADD(b, &l->wq_a, pre, "attn.wq_a.weight", c->q_lora_rank, D);
+    ADD(b, &l->q_norm, pre, "attn.q_norm.weight", c->q_lora_rank);
+    ADD(b, &l->wq_b, pre, "attn.wq_b.weight", H * d, c->q_lora_rank);
+    ADD(b, &l->wkv, pre, "attn.wkv.weight", d, D);
+    ADD(b, &l->kv_norm, pre, "attn.kv_norm.weight", d);
+    ADD(b, &l->wo_a, pre, "attn.wo_a.weight", c->o_groups * c->o_lora_rank, H * d / c->o_groups);
+    ADD(b, &l->wo_b, pre, "attn.wo_b.weight", D, c->o_groups * c->o_lora_rank);
+    ADD(b, &l->sink, pre, "attn.attn_sink", H);
+    if (l->type == DS4_ATTN_CSA) {
+        add_compressor(b, &l->comp, pre, "attn.compressor.", D, d, c->compress_rate_csa, 1);
+        add_compressor(b, &l->idx_comp, pre, "attn.indexer.compressor.", D, c->index_head_dim, c->compress_rate_csa, 1);
+        ADD(b, &l->idx_wq_b, pre, "attn.indexer.wq_b.weight", c->index_n_heads * c->index_head_dim, c->q_lora_rank);
+        ADD(b, &l->idx_weights, pre, "attn.indexer.weights_proj.weight", c->index_n_heads, D);
+    } else if (l->type == DS4_ATTN_HCA) {
+        add_compressor(b, &l->comp, pre, "attn.compressor.", D, d, c->compress_rate_hca, 0);
+    }
+    ADD(b, &l->gate, pre, "ffn.gate.weight", E, D);
+    if (l->is_hash)
+        add(b, DS4_I32, layer_index, (void **)&l->tid2eid, 2, SHAPE(c->vocab_size, K), "%sffn.gate.tid2eid", pre);
+    else
+        ADD(b, &l->gate_bias, pre, "ffn.gate.bias", E);
+    /* experts contiguous per matrix kind: w1 [E, I, D], w2 [E, D, I], w3 [E, I, D] */
+    for (int64_t e = 0; e < E; e++)
+        add(b, DS4_F32, -1, e ? NULL : (void **)&l->w1, 2, SHAPE(I, D), "%sffn.experts.%lld.w1.weight", pre, (long long)e);
+    for (int64_t e = 0; e < E; e++)
+        add(b, DS4_F32, -1, e ? NULL : (void **)&l->w2, 2, SHAPE(D, I), "%sffn.experts.%lld.w2.weight", pre, (long long)e);
+    for (int64_t e = 0; e < E; e++)
+        add(b, DS4_F32, -1, e ? NULL : (void **)&l->w3, 2, SHAPE(I, D), "%sffn.experts.%lld.w3.weight", pre, (long long)e);
+    ADD(b, &l->sw1, pre, "ffn.shared_experts.w1.weight", I, D);
+    ADD(b, &l->sw2, pre, "ffn.shared_experts.w2.weight", D, I);
+    ADD(b, &l->sw3, pre, "ffn.shared_experts.w3.weight", I, D);
+}
+
+typedef struct {
+    const char *name;
+    size_t idx;
+} name_idx;
+
+static int cmp_name_idx(const void *a, const void *b) {
+    return strcmp(((const name_idx *)a)->name, ((const name_idx *)b)->name);
+}
+
+ds4_status ds4_model_alloc(ds4_engine *e, const ds4_config *cfg, int with_mtp, ds4_model **out, ds4_error *err) {
+    ds4_status s = ds4_config_validate(cfg, err);
+    if (s) return s;
+    /* limits of the fixed per-token arrays in forward.c (far above any released configuration) */
+    if (cfg->hc_mult > 32)
+        return ds4_fail(err, DS4_ERR_UNSUPPORTED, "model alloc: hc_mult %lld > 32", (long long)cfg->hc_mult);
+    if (cfg->num_experts_per_tok > 64)
+        return ds4_fail(err, DS4_ERR_UNSUPPORTED, "model alloc: num_experts_per_tok %lld > 64",
+                        (long long)cfg->num_experts_per_tok);
+    if (cfg->rope_main.dim > 2048 || cfg->rope_compress.dim > 2048)
+        return ds4_fail(err, DS4_ERR_UNSUPPORTED, "model alloc: rotary width %lld / %lld > 2048",
+                        (long long)cfg->rope_main.dim, (long long)cfg->rope_compress.dim);
+    if (cfg->n_routed_experts > 4096)
+        return ds4_fail(err, DS4_ERR_UNSUPPORTED, "model alloc: n_routed_experts %lld > 4096",
+                        (long long)cfg->n_routed_experts);
+    ds4_model *m = calloc(1, sizeof *m);
+    if (!m) return ds4_fail(err, DS4_ERR_OOM, "model alloc: model struct");
+    m->engine = e;
+    m->cfg = *cfg;
+    m->has_mtp = with_mtp;
+    const int64_t L = cfg->num_hidden_layers, D = cfg->hidden_size, V = cfg->vocab_size, n = cfg->hc_mult;
+    m->layers = calloc((size_t)L, sizeof *m->layers);
+    if (!m->layers) {
+        free(m);
+        return ds4_fail(err, DS4_ERR_OOM, "model alloc: %lld layers", (long long)L);
+    }
+    builder b = {.m = m, .err = err};
+    ADD(&b, &m->embed, "", "embed.weight", V, D);
+    for (int64_t i = 0; i < L; i++) {
+        ds4_layer_w *l = &m->layers[i];
+        l->type = cfg->layer_types[i];
+        l->is_hash = cfg->layer_is_hash[i];
+        char pre[32];
+        snprintf(pre, sizeof pre, "layers.%lld.", (long long)i);
+        add_block(&b, l, cfg, pre, (int32_t)i);
+    }
+    ADD(&b, &m->norm, "", "norm.weight", D);
+    ADD(&b, &m->hc_head_fn, "", "hc_head_fn", n, n * D);
+    ADD(&b, &m->hc_head_base, "", "hc_head_base", n);
+    ADD(&b, &m->hc_head_scale, "", "hc_head_scale", 1);
+    if (!cfg->tie_word_embeddings) ADD(&b, &m->head, "", "head.weight", V, D);
+    if (with_mtp) {
+        ds4_mtp_w *t = &m->mtp;
+        t->block.type = DS4_ATTN_SLIDING; /* official compress_ratios[n_layers] = 0 */
+        t->block.is_hash = 0;
+        add_block(&b, &t->block, cfg, "mtp.0.", -1);
+        ADD(&b, &t->e_proj, "mtp.0.", "e_proj.weight", D, D);
+        ADD(&b, &t->h_proj, "mtp.0.", "h_proj.weight", D, D);
+        ADD(&b, &t->enorm, "mtp.0.", "enorm.weight", D);
+        ADD(&b, &t->hnorm, "mtp.0.", "hnorm.weight", D);
+        ADD(&b, &t->norm, "mtp.0.", "norm.weight", D);
+        ADD(&b, &t->hc_head_fn, "mtp.0.", "hc_head_fn", n, n * D);
+        ADD(&b, &t->hc_head_base, "mtp.0.", "hc_head_base", n);
+        ADD(&b, &t->hc_head_scale, "mtp.0.", "hc_head_scale", 1);
+    }
+    if (b.st) {
+        ds4_model_free(m);
+        return b.st;
+    }
+    m->n_params = b.f32_off;
+    m->n_tid2eid = b.i32_off;
+    size_t bytes;
+    if (!ds4_mul_size((size_t)m->n_params, sizeof(float), &bytes) || !(m->params = calloc(1, bytes ? bytes : 1))) {
+        ds4_model_free(m);
+        return ds4_fail(err, DS4_ERR_OOM, "model alloc: %lld fp32 parameters", (long long)b.f32_off);
+    }
+    m->tid2eid_all = calloc((size_t)(m->n_tid2eid ? m->n_tid2eid : 1), sizeof(int32_t));
+    m->sorted = malloc(m->n_table * sizeof *m->sorted);
+    if (!m->tid2eid_all || !m->sorted) {
+        ds4_model_free(m);
+        return ds4_fail(err, DS4_ERR_OOM, "model alloc: tables");
+    }
+    name_idx *byname = malloc(m->n_table * sizeof *byname);
+    if (!byname) {
+        ds4_model_free(m);
+        return ds4_fail(err, DS4_ERR_OOM, "model alloc: name index");
+    }
+    for (size_t i = 0; i < m->n_table; i++) {
+        ds4_param *p = &m->table[i];
+        void *base = p->dtype == DS4_F32 ? (void *)(m->params + p->offset) : (void *)(m->tid2eid_all + p->offset);
+        if (p->slot) *p->slot = base;
+        byname[i].name = p->name;
+        byname[i].idx = i;
+    }
+    qsort(byname, m->n_table, sizeof *byname, cmp_name_idx);
+    for (size_t i = 0; i < m->n_table; i++) m->sorted[i] = byname[i].idx;
+    free(byname);
+    if (cfg->tie_word_embeddings) m->head = m->embed;
+    *out = m;
+    return DS4_OK;
+}
+
+int64_t ds4_model_find(const ds4_model *m, const char *name) {
+    size_t lo = 0, hi = m->n_table;
+    while (lo < hi) {
+        size_t mid = (lo + hi) / 2;
+        int c = strcmp(m->table[m->sorted[mid]].name, name);
+        if (c == 0) return (int64_t)m->sorted[mid];
+        if (c < 0) lo = mid + 1;
+        else hi = mid;
+    }
+    return -1;
+}
+
+void ds4_model_free(ds4_model *m) {
+    if (!m) return;
+    for (size_t i = 0; i < m->n_table; i++) free(m->table[i].name);
+    free(m->table);
+    free(m->sorted);
+    free(m->params);
+    free(m->tid2eid_all);
+    free(m->layers);
+    free(m->ws);
+    free(m);
+}
+
+const ds4_config *ds4_model_config(const ds4_model *m) { return &m->cfg; }
+int ds4_model_has_mtp(const ds4_model *m) { return m->has_mtp; }
+int64_t ds4_model_param_count(const ds4_model *m) { return m->n_params; }
+size_t ds4_model_tensor_count(const ds4_model *m) { return m->n_table; }
+
+ds4_status ds4_model_tensor_at(const ds4_model *m, size_t i, const char **name, ds4_tensor *view, ds4_error *err) {
+    if (i >= m->n_table) return ds4_fail(err, DS4_ERR_ARG, "model tensor_at: index %zu >= %zu", i, m->n_table);
+    const ds4_param *p = &m->table[i];
+    if (name) *name = p->name;
+    if (view) {
+        memset(view, 0, sizeof *view);
+        view->dtype = p->dtype;
+        view->ndim = p->ndim;
+        for (int32_t k = 0; k < p->ndim; k++) view->shape[k] = p->shape[k];
+        view->data = p->dtype == DS4_F32 ? (void *)(m->params + p->offset) : (void *)(m->tid2eid_all + p->offset);
+        view->nbytes = (size_t)p->numel * 4;
+        view->refcount = 0; /* a borrowed view: never released */
+    }
+    return DS4_OK;
+}
+
+/* ------------------------------------------------------------------------------------------------ loading */
+
+/* Bounded list of names for an error message ("a, b, c and 12 more"). */
+typedef struct {
+    char buf[700];
+    size_t used;
+    int64_t count, shown;
+} namelist;
+
+static void namelist_add(namelist *l, const char *name) {
+    l->count++;
+    size_t len = strlen(name);
+    if (l->used + len + 3 >= sizeof l->buf) return;
+    l->used += (size_t)snprintf(l->buf + l->used, sizeof l->buf - l->used, "%s%s", l->shown ? ", " : "", name);
+    l->shown++;
+}
+
+static void shape_str(char *buf, size_t len, int32_t ndim, const int64_t *shape) {
+    size_t u = (size_t)snprintf(buf, len, "[");
+    for (int32_t i = 0; i < ndim && u < len; i++)
+        u += (size_t)snprintf(buf + u, len - u, "%s%lld", i ? ", " : "", (long long)shape[i]);
+    if (u < len) snprintf(buf + u, len - u, "]");
+}
+
+static int same_shape(const ds4_param *p, const ds4_st_entry *e) {
+    if (p->ndim != e->ndim) return 0;
+    for (int32_t i = 0; i < p->ndim; i++)
+        if (p->shape[i] != e->shape[i]) return 0;
+    return 1;
+}
+
+static ds4_status shape_error(ds4_error *err, const char *src, const ds4_st_entry *e, int32_t ndim,
+                              const int64_t *want) {
+    char a[96], b[96];
+    shape_str(a, sizeof a, e->ndim, e->shape);
+    shape_str(b, sizeof b, ndim, want);
+    return ds4_fail(err, DS4_ERR_SHAPE, "model load: tensor '%s' has shape %s %s, expected %s", src, a,
+                    ds4_dtype_name(e->dtype), b);
+}
+
+static ds4_status load_f32(float *dst, const ds4_st_entry *e, const char *src, ds4_error *err) {
+    if (!ds4_dtype_is_float(e->dtype) || e->dtype == DS4_F8_E4M3 || e->dtype == DS4_F8_E5M2 || e->dtype == DS4_F8_E8M0)
+        return ds4_fail(err, DS4_ERR_UNSUPPORTED,
+                        "model load: tensor '%s' is %s; model weights must be F32, BF16 or F16 (quantised FP8/FP4 "
+                        "checkpoints are read raw by ds4.load_tensors but are not dequantised yet)",
+                        src, ds4_dtype_name(e->dtype));
+    int64_t n = 1;
+    for (int32_t i = 0; i < e->ndim; i++) n *= e->shape[i];
+    ds4_status s = ds4_convert_to_f32(e->dtype, e->data, n, dst, err);
+    if (s) ds4_error_prefix(err, "model load: tensor '%s': ", src);
+    return s;
+}
+
+static ds4_status load_tid2eid(int32_t *dst, const ds4_st_entry *e, const char *src, int64_t E, ds4_error *err) {
+    if (e->dtype != DS4_I64 && e->dtype != DS4_I32)
+        return ds4_fail(err, DS4_ERR_FORMAT, "model load: tensor '%s' is %s, expected I64 or I32", src,
+                        ds4_dtype_name(e->dtype));
+    int64_t n = e->shape[0] * e->shape[1];
+    for (int64_t i = 0; i < n; i++) {
+        int64_t v;
+        if (e->dtype == DS4_I64) memcpy(&v, (const char *)e->data + 8 * i, 8);
+        else {
+            int32_t v32;
+            memcpy(&v32, (const char *)e->data + 4 * i, 4);
+            v = v32;
+        }
+        if (v < 0 || v >= E)
+            return ds4_fail(err, DS4_ERR_FORMAT, "model load: tensor '%s' element %lld = %lld outside [0, %lld)", src,
+                            (long long)i, (long long)v, (long long)E);
+        dst[i] = (int32_t)v;
+    }
+    return DS4_OK;
+}
+
+/* Packed HF experts: gate_up_proj [E, 2I, D] (w1 rows first, then w3), down_proj [E, D, I]. */
+static ds4_status load_packed(ds4_model *m, const char *canon, const ds4_st_entry *e, const char *src,
+                              unsigned char *loaded, ds4_error *err) {
+    const ds4_config *c = &m->cfg;
+    const int64_t E = c->n_routed_experts, I = c->moe_intermediate_size, D = c->hidden_size;
+    char prefix[128];
+    const char *tail = strstr(canon, ".ffn.experts.");
+    size_t plen = (size_t)(tail - canon);
+    memcpy(prefix, canon, plen);
+    prefix[plen] = 0;
+    int gate_up = strstr(canon, "gate_up_proj") != NULL;
+    const int64_t want[3] = {E, gate_up ? 2 * I : D, gate_up ? D : I};
+    if (e->ndim != 3 || e->shape[0] != want[0] || e->shape[1] != want[1] || e->shape[2] != want[2])
+        return shape_error(err, src, e, 3, want);
+    float *tmp = malloc((size_t)(E * want[1] * want[2]) * sizeof(float));
+    if (!tmp) return ds4_fail(err, DS4_ERR_OOM, "model load: tensor '%s': staging buffer", src);
+    ds4_status s = load_f32(tmp, e, src, err);
+    for (int64_t x = 0; x < E && !s; x++) {
+        const char *kinds[2] = {gate_up ? "w1" : "w2", "w3"};
+        for (int k = 0; k < (gate_up ? 2 : 1) && !s; k++) {
+            char name[192];
+            snprintf(name, sizeof name, "%s.ffn.experts.%lld.%s.weight", prefix, (long long)x, kinds[k]);
+            int64_t idx = ds4_model_find(m, name);
+            if (idx < 0) {
+                s = ds4_fail(err, DS4_ERR_INTERNAL, "model load: packed '%s' maps to unknown '%s'", src, name);
+                break;
+            }
+            if (loaded[idx]) {
+                s = ds4_fail(err, DS4_ERR_FORMAT, "model load: '%s' is given twice (second time by '%s')", name, src);
+                break;
+            }
+            const ds4_param *p = &m->table[idx];
+            /* gate_up: expert x rows [0, I) are w1, [I, 2I) are w3 */
+            const float *from = tmp + x * want[1] * want[2] + (gate_up ? k * I * D : 0);
+            memcpy(m->params + p->offset, from, (size_t)p->numel * sizeof(float));
+            loaded[idx] = 1;
+        }
+    }
+    free(tmp);
+    return s;
+}
+
+static int is_mtp_name(const char *canon) { return strncmp(canon, "mtp.", 4) == 0; }
+
+ds4_status ds4_model_load(ds4_engine *e, const char *dir, ds4_model **out, ds4_error *err) {
+    if (!e || !dir || !out) return ds4_fail(err, DS4_ERR_ARG, "model load: NULL argument");
+    ds4_config cfg;
+    ds4_status s = ds4_config_load(dir, &cfg, err);
+    if (s) {
+        ds4_error_prefix(err, "model load %s: ", dir);
+        return s;
+    }
+    ds4_checkpoint *ck = NULL;
+    s = ds4_checkpoint_open(dir, &ck, err);
+    if (s) {
+        ds4_error_prefix(err, "model load %s: ", dir);
+        return s;
+    }
+    const size_t nt = ds4_checkpoint_count(ck);
+    /* MTP is loaded when the checkpoint carries mtp.0.* weights (transformers ignores them; we do not). */
+    int with_mtp = 0;
+    char canon[512];
+    for (size_t i = 0; i < nt; i++) {
+        const ds4_st_entry *en = ds4_checkpoint_entry_at(ck, i);
+        if (ds4_canonical_name(en->name, canon, sizeof canon) && is_mtp_name(canon)) {
+            if (strncmp(canon, "mtp.0.", 6) != 0) {
+                ds4_checkpoint_close(ck);
+                return ds4_fail(err, DS4_ERR_UNSUPPORTED, "model load %s: tensor '%s': only one MTP block (mtp.0) is supported",
+                                dir, en->name);
+            }
+            with_mtp = 1;
+        }
+    }
+    ds4_model *m = NULL;
+    s = ds4_model_alloc(e, &cfg, with_mtp, &m, err);
+    if (s) {
+        ds4_checkpoint_close(ck);
+        ds4_error_prefix(err, "model load %s: ", dir);
+        return s;
+    }
+    unsigned char *loaded = calloc(m->n_table ? m->n_table : 1, 1);
+    if (!loaded) {
+        s = ds4_fail(err, DS4_ERR_OOM, "model load: flags");
+        goto done;
+    }
+    namelist unexpected = {0}, missing = {0};
+    for (size_t i = 0; i < nt && !s; i++) {
+        const ds4_st_entry *en = ds4_checkpoint_entry_at(ck, i);
+        if (!ds4_canonical_name(en->name, canon, sizeof canon)) {
+            namelist_add(&unexpected, en->name);
+            continue;
+        }
+        if (strstr(canon, ".ffn.experts.gate_up_proj") || strstr(canon, ".ffn.experts.down_proj")) {
+            s = load_packed(m, canon, en, en->name, loaded, err);
+            continue;
+        }
+        if (cfg.tie_word_embeddings && strcmp(canon, "head.weight") == 0) continue; /* tied: embed wins, as in HF */
+        int64_t idx = ds4_model_find(m, canon);
+        if (idx < 0) {
+            namelist_add(&unexpected, en->name);
+            continue;
+        }
+        ds4_param *p = &m->table[idx];
+        if (loaded[idx]) {
+            s = ds4_fail(err, DS4_ERR_FORMAT, "model load: '%s' is given twice (second time as '%s')", p->name, en->name);
+            break;
+        }
+        if (!same_shape(p, en)) {
+            s = shape_error(err, en->name, en, p->ndim, p->shape);
+            break;
+        }
+        if (p->dtype == DS4_I32) s = load_tid2eid(m->tid2eid_all + p->offset, en, en->name, cfg.n_routed_experts, err);
+        else s = load_f32(m->params + p->offset, en, en->name, err);
+        loaded[idx] = 1;
+    }
+    if (!s) {
+        for (size_t i = 0; i < m->n_table; i++)
+            if (!loaded[i]) namelist_add(&missing, m->table[i].name);
+        if (missing.count || unexpected.count) {
+            char mbuf[800] = "", ubuf[800] = "";
+            if (missing.count)
+                snprintf(mbuf, sizeof mbuf, "%lld missing (%s%s)", (long long)missing.count, missing.buf,
+                         missing.shown < missing.count ? ", ..." : "");
+            if (unexpected.count)
+                snprintf(ubuf, sizeof ubuf, "%s%lld unexpected (%s%s)", missing.count ? "; " : "",
+                         (long long)unexpected.count, unexpected.buf, unexpected.shown < unexpected.count ? ", ..." : "");
+            s = ds4_fail(err, DS4_ERR_FORMAT, "model load %s: checkpoint does not match config: %s%s", dir, mbuf, ubuf);
+        }
+    } else {
+        ds4_error_prefix(err, "model load %s: ", dir);
+    }
+done:
+    free(loaded);
+    ds4_checkpoint_close(ck);
+    if (s) {
+        ds4_model_free(m);
+        return s;
+    }
+    *out = m;
+    return DS4_OK;
+}
+
+/* ------------------------------------------------------------------------------------------------ random init */
+
+/* splitmix64: a tiny, well-mixed generator; the model owns no RNG state, the seed determines everything. */
+static uint64_t splitmix(uint64_t *s) {
+    uint64_t z = (*s += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+static double uniform01(uint64_t *s) { return ((splitmix(s) >> 11) + 0.5) * (1.0 / 9007199254740992.0); }
+static double normal(uint64_t *s) {
+    double u = uniform01(s), v = uniform01(s);
+    return sqrt(-2.0 * log(u)) * cos(6.283185307179586 * v);
+}
+
+static int ends_with(const char *s, const char *suf) {
+    size_t a = strlen(s), b = strlen(suf);
+    return a >= b && strcmp(s + a - b, suf) == 0;
+}
+
+ds4_status ds4_model_create_random(ds4_engine *e, const ds4_config *cfg, uint64_t seed, ds4_model **out,
+                                   ds4_error *err) {
+    if (!e || !cfg || !out) return ds4_fail(err, DS4_ERR_ARG, "model create_random: NULL argument");
+    ds4_model *m = NULL;
+    ds4_status s = ds4_model_alloc(e, cfg, cfg->num_nextn_predict_layers > 0, &m, err);
+    if (s) return s;
+    uint64_t st = seed;
+    const double std = cfg->initializer_range;
+    for (size_t i = 0; i < m->n_table; i++) {
+        ds4_param *p = &m->table[i];
+        if (p->dtype == DS4_I32) {
+            /* tid2eid: K distinct experts per token (HF's all-zero placeholder would route every token to
+             * expert 0 K times): a partial Fisher-Yates shuffle per row. */
+            int32_t *t = m->tid2eid_all + p->offset;
+            const int64_t E = cfg->n_routed_experts, K = cfg->num_experts_per_tok;
+            int32_t perm[4096]; /* E <= 4096, checked above */
+            for (int64_t r = 0; r < p->shape[0]; r++) {
+                const int64_t En = E;
+                for (int64_t x = 0; x < En; x++) perm[x] = (int32_t)x;
+                for (int64_t k = 0; k < K; k++) {
+                    int64_t j = k + (int64_t)(splitmix(&st) % (uint64_t)(En - k));
+                    int32_t tmp = perm[k];
+                    perm[k] = perm[j];
+                    perm[j] = tmp;
+                    t[r * K + k] = perm[k];
+                }
+            }
+            continue;
+        }
+        float *w = m->params + p->offset;
+        double fill = NAN;
+        if (ends_with(p->name, "norm.weight") || ends_with(p->name, "_scale")) fill = 1.0;
+        else if (ends_with(p->name, "attn_sink") || ends_with(p->name, "_base") || ends_with(p->name, ".ape") ||
+                 ends_with(p->name, "gate.bias"))
+            fill = 0.0;
+        for (int64_t k = 0; k < p->numel; k++) w[k] = isnan(fill) ? (float)(normal(&st) * std) : (float)fill;
+    }
+    *out = m;
+    return DS4_OK;
+}
