@@ -38,37 +38,44 @@ float ds4_dot(const float *a, const float *b, int64_t n) {
 #define DS4_CLONES
 #endif
 
-/* A 2-token × 4-output register tile over the whole K: 8 vector accumulators, 6 loads per step. */
+/* A 4-token × 3-output register tile over the whole K: 12 vector accumulators plus 3 weight vectors and one
+ * input vector fit the 16 AVX registers; each step loads 7 vectors for 12 vector multiply-adds. Every output
+ * element is one ds4_dot-style 8-lane sum, so tiles, remainders and thread splits all give identical bits. */
 DS4_CLONES
 static void matmul_block(float *y, int64_t ldy, const float *x, int64_t ldx, const float *W, int64_t t0,
                          int64_t t1, int64_t o0, int64_t o1, int64_t K) {
     const int64_t K8 = K & ~(int64_t)7;
     int64_t t = t0;
-    for (; t + 2 <= t1; t += 2) {
-        const float *xa = x + t * ldx, *xb = xa + ldx;
+    for (; t + 4 <= t1; t += 4) {
+        const float *x0 = x + t * ldx, *x1 = x0 + ldx, *x2 = x1 + ldx, *x3 = x2 + ldx;
         int64_t o = o0;
-        for (; o + 4 <= o1; o += 4) {
-            const float *w0 = W + o * K, *w1 = w0 + K, *w2 = w1 + K, *w3 = w2 + K;
-            v8f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};
+        for (; o + 3 <= o1; o += 3) {
+            const float *w0 = W + o * K, *w1 = w0 + K, *w2 = w1 + K;
+            v8f c00 = {0}, c01 = {0}, c02 = {0}, c10 = {0}, c11 = {0}, c12 = {0};
+            v8f c20 = {0}, c21 = {0}, c22 = {0}, c30 = {0}, c31 = {0}, c32 = {0};
             for (int64_t k = 0; k < K8; k += 8) {
-                v8f va = load8(xa + k), vb = load8(xb + k);
-                v8f u0 = load8(w0 + k), u1 = load8(w1 + k), u2 = load8(w2 + k), u3 = load8(w3 + k);
-                a0 += va * u0; a1 += va * u1; a2 += va * u2; a3 += va * u3;
-                b0 += vb * u0; b1 += vb * u1; b2 += vb * u2; b3 += vb * u3;
+                const v8f u0 = load8(w0 + k), u1 = load8(w1 + k), u2 = load8(w2 + k);
+                v8f v = load8(x0 + k);
+                c00 += v * u0; c01 += v * u1; c02 += v * u2;
+                v = load8(x1 + k);
+                c10 += v * u0; c11 += v * u1; c12 += v * u2;
+                v = load8(x2 + k);
+                c20 += v * u0; c21 += v * u1; c22 += v * u2;
+                v = load8(x3 + k);
+                c30 += v * u0; c31 += v * u1; c32 += v * u2;
             }
-            float r[8] = {hsum8(&a0), hsum8(&a1), hsum8(&a2), hsum8(&a3), hsum8(&b0), hsum8(&b1), hsum8(&b2), hsum8(&b3)};
-            for (int64_t k = K8; k < K; k++) {
-                r[0] += xa[k] * w0[k]; r[1] += xa[k] * w1[k]; r[2] += xa[k] * w2[k]; r[3] += xa[k] * w3[k];
-                r[4] += xb[k] * w0[k]; r[5] += xb[k] * w1[k]; r[6] += xb[k] * w2[k]; r[7] += xb[k] * w3[k];
-            }
-            float *ya = y + t * ldy + o, *yb = ya + ldy;
-            ya[0] = r[0]; ya[1] = r[1]; ya[2] = r[2]; ya[3] = r[3];
-            yb[0] = r[4]; yb[1] = r[5]; yb[2] = r[6]; yb[3] = r[7];
+            float r[12] = {hsum8(&c00), hsum8(&c01), hsum8(&c02), hsum8(&c10), hsum8(&c11), hsum8(&c12),
+                           hsum8(&c20), hsum8(&c21), hsum8(&c22), hsum8(&c30), hsum8(&c31), hsum8(&c32)};
+            const float *xs[4] = {x0, x1, x2, x3}, *ws[3] = {w0, w1, w2};
+            for (int i = 0; i < 4; i++)
+                for (int j = 0; j < 3; j++) {
+                    float acc = r[i * 3 + j];
+                    for (int64_t k = K8; k < K; k++) acc += xs[i][k] * ws[j][k];
+                    y[(t + i) * ldy + o + j] = acc;
+                }
         }
-        for (; o < o1; o++) {
-            y[t * ldy + o] = ds4_dot(xa, W + o * K, K);
-            y[(t + 1) * ldy + o] = ds4_dot(xb, W + o * K, K);
-        }
+        for (; o < o1; o++)
+            for (int i = 0; i < 4; i++) y[(t + i) * ldy + o] = ds4_dot(x + (t + i) * ldx, W + o * K, K);
     }
     for (; t < t1; t++)
         for (int64_t o = o0; o < o1; o++) y[t * ldy + o] = ds4_dot(x + t * ldx, W + o * K, K);
@@ -80,7 +87,7 @@ void ds4_matmul_nt_serial(float *y, int64_t ldy, const float *x, int64_t ldx, co
 }
 
 /* Tiles sized so a W block (TO rows × K) and an x block (TT rows × K) stay in L2 for K up to a few thousand. */
-enum { TT = 16, TO = 64 };
+enum { TT = 32, TO = 48 };
 
 typedef struct {
     float *y;

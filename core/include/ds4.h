@@ -154,6 +154,8 @@ typedef struct ds4_rope_params {
     ds4_rope_type type;
     double theta;
     double partial_rotary_factor;
+    int64_t dim;              /* rotary width r = int(head_dim * partial_rotary_factor): the trailing r
+                                 channels of a head (and of an indexer head) are rotated */
     /* YaRN only */
     double factor;
     double original_max_position_embeddings;
@@ -171,7 +173,8 @@ typedef struct ds4_config {
     int64_t num_attention_heads;     /* H */
     int64_t num_key_value_heads;     /* must be 1 (shared K=V head) */
     int64_t head_dim;                /* d */
-    int64_t rope_head_dim;           /* r = head_dim * partial_rotary_factor (trailing slice of each head) */
+    int64_t rope_head_dim;           /* top-level qk_rope_head_dim = int(head_dim * partial_rotary_factor); the
+                                        widths actually used are rope_main.dim and rope_compress.dim */
     int64_t q_lora_rank;
     int64_t o_groups;
     int64_t o_lora_rank;
