@@ -5,6 +5,10 @@
 #include <stdarg.h>
 #include "ds4.h"
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 #if defined(__GNUC__)
 #define DS4_PRINTF(a, b) __attribute__((format(printf, a, b)))
 #else
@@ -32,4 +36,7 @@ static inline int ds4_add_size(size_t a, size_t b, size_t *out) {
 /* Read a whole file into a malloc'd NUL-terminated buffer (limit: max_bytes). */
 ds4_status ds4_read_file(const char *path, size_t max_bytes, char **out, size_t *len, ds4_error *err);
 
+#ifdef __cplusplus
+}
+#endif
 #endif

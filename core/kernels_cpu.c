@@ -2,7 +2,8 @@
 #include "kernels_cpu.h"
 
 /* The 8-lane helpers are static inline and always inlined; the ABI note about passing 32-byte vectors
- * by value without AVX does not apply to them. */
+ * by value without AVX does not apply to them. always_inline matters at -O0: an out-of-line baseline
+ * helper called from the target_clones("avx2") clone would disagree with it on how vectors are passed. */
 #pragma GCC diagnostic ignored "-Wpsabi"
 
 #include <math.h>
@@ -12,13 +13,13 @@
  * fp-contract off, so both give bit-identical results. */
 typedef float v8f __attribute__((vector_size(32)));
 
-static inline v8f load8(const float *p) {
+__attribute__((always_inline)) static inline v8f load8(const float *p) {
     v8f v;
     memcpy(&v, p, sizeof v);
     return v;
 }
 
-static inline float hsum8(const v8f *p) {
+__attribute__((always_inline)) static inline float hsum8(const v8f *p) {
     const v8f v = *p;
     return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
 }
