@@ -1,0 +1,651 @@
+/* binding.c — the ds4.core Lua module: engine, model loading, forward pass, configs.
+ *
+ * Engine: one per lua_State, created on first use from the thread count chosen with ds4.set_threads. Models
+ * belong to the engine that loaded them and must be freed before it, but Lua's finalizer order is only
+ * "reverse order of creation" and an explicit model:free() can come at any time, so the engine lives in a
+ * small reference-counted C record: the registry holder owns one reference and every model one more; the
+ * last release frees the engine.
+ *
+ * Errors: every ds4 failure becomes a Lua error "<lua function>: <ds4 message>" raised after the C resource
+ * under construction is owned by a Lua box (see ds4lua.h). */
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <luajit.h>
+
+#include "ds4lua.h"
+
+#define ENGINE_KEY "ds4.engine"
+
+/* ------------------------------------------------------------------------------------------------ errors */
+
+void ds4l_raise(lua_State *L, const char *fmt, ...) {
+    char buf[2048];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(buf, sizeof buf, fmt, ap);
+    va_end(ap);
+    luaL_where(L, 1);
+    lua_pushstring(L, buf);
+    lua_concat(L, 2);
+    lua_error(L);
+#if defined(__GNUC__)
+    __builtin_unreachable();
+#endif
+}
+
+void ds4l_raise_ds4(lua_State *L, const char *fname, const ds4_error *err) {
+    ds4l_raise(L, "%s: %s", fname, err->msg[0] ? err->msg : ds4_status_name(err->code));
+}
+
+void ds4l_format_shape(char *buf, size_t cap, int32_t ndim, const int64_t *shape) {
+    size_t o = 0;
+    int w = snprintf(buf, cap, "[");
+    o = w > 0 ? (size_t)w : 0;
+    for (int32_t d = 0; d < ndim && o < cap; d++) {
+        w = snprintf(buf + o, cap - o, d ? ", %lld" : "%lld", (long long)shape[d]);
+        if (w < 0) break;
+        o += (size_t)w;
+    }
+    if (o < cap) snprintf(buf + o, cap - o, "]");
+}
+
+static int number_to_i64(lua_Number v, int64_t *out) {
+    if (!(v == floor(v)) || !(fabs(v) < 9223372036854775808.0)) return 0;
+    *out = (int64_t)v;
+    return 1;
+}
+
+/* ------------------------------------------------------------------------------------------------ engine */
+
+typedef struct engine_ref {
+    ds4_engine *e;
+    int32_t refs;
+} engine_ref;
+
+static void engine_ref_release(engine_ref *r) {
+    if (r && --r->refs == 0) {
+        ds4_engine_free(r->e);
+        free(r);
+    }
+}
+
+/* The registry value ENGINE_KEY: created with the module, engine made lazily. */
+typedef struct engine_holder {
+    engine_ref *ref;
+    int32_t n_threads; /* for the next engine; 0 = all online cores */
+} engine_holder;
+
+static int holder_gc(lua_State *L) {
+    engine_holder *h = lua_touserdata(L, 1);
+    if (h) {
+        engine_ref_release(h->ref);
+        h->ref = NULL;
+    }
+    return 0;
+}
+
+static engine_holder *get_holder(lua_State *L) {
+    lua_getfield(L, LUA_REGISTRYINDEX, ENGINE_KEY);
+    engine_holder *h = lua_touserdata(L, -1);
+    lua_pop(L, 1); /* the registry keeps it alive */
+    if (!h) ds4l_raise(L, "ds4: internal error: the engine holder is missing from the registry");
+    return h;
+}
+
+static engine_ref *get_engine(lua_State *L, const char *fname) {
+    engine_holder *h = get_holder(L);
+    if (h->ref) return h->ref;
+    /* No Lua call between malloc and handing the record to the holder: nothing can raise there. */
+    engine_ref *r = malloc(sizeof *r);
+    if (!r) ds4l_raise(L, "%s: engine create: out of memory", fname);
+    ds4_engine_options opt = {.n_threads = h->n_threads};
+    ds4_error err = {0};
+    if (ds4_engine_create(&opt, &r->e, &err) != DS4_OK) {
+        free(r);
+        ds4l_raise_ds4(L, fname, &err);
+    }
+    r->refs = 1;
+    h->ref = r;
+    return r;
+}
+
+static int l_set_threads(lua_State *L) {
+    const char *fname = "ds4.set_threads";
+    int64_t n;
+    if (lua_type(L, 1) != LUA_TNUMBER || !number_to_i64(lua_tonumber(L, 1), &n) || n < 0 || n > 4096)
+        ds4l_raise(L, "%s: bad argument #1 (thread count 0..4096 expected, 0 = all cores; got %s)", fname,
+                   lua_isnumber(L, 1) ? lua_tostring(L, 1) : luaL_typename(L, 1));
+    engine_holder *h = get_holder(L);
+    /* Unreachable models not yet finalized still hold the engine: collect them first. */
+    if (h->ref && h->ref->refs > 1) lua_gc(L, LUA_GCCOLLECT, 0);
+    if (h->ref && h->ref->refs > 1)
+        ds4l_raise(L,
+                   "%s: the engine (%d threads) is in use by %d loaded model(s); free them with model:free() "
+                   "before changing the thread count",
+                   fname, (int)ds4_engine_threads(h->ref->e), (int)(h->ref->refs - 1));
+    /* No model uses the current engine: drop it; the next use creates one with the new count. */
+    engine_ref_release(h->ref);
+    h->ref = NULL;
+    h->n_threads = (int32_t)n;
+    return 0;
+}
+
+static int l_threads(lua_State *L) {
+    lua_pushinteger(L, ds4_engine_threads(get_engine(L, "ds4.threads")->e));
+    return 1;
+}
+
+/* ------------------------------------------------------------------------------------------------ config */
+
+static const char *attn_name(ds4_attn_type t) {
+    switch (t) {
+    case DS4_ATTN_SLIDING: return "sliding_attention";
+    case DS4_ATTN_CSA: return "compressed_sparse_attention";
+    case DS4_ATTN_HCA: return "heavily_compressed_attention";
+    }
+    return "unknown";
+}
+
+static const char *score_name(ds4_score_func s) {
+    switch (s) {
+    case DS4_SCORE_SQRTSOFTPLUS: return "sqrtsoftplus";
+    case DS4_SCORE_SIGMOID: return "sigmoid";
+    case DS4_SCORE_SOFTMAX: return "softmax";
+    }
+    return "unknown";
+}
+
+static void set_num(lua_State *L, const char *k, double v) {
+    lua_pushnumber(L, v);
+    lua_setfield(L, -2, k);
+}
+static void set_bool(lua_State *L, const char *k, int v) {
+    lua_pushboolean(L, v);
+    lua_setfield(L, -2, k);
+}
+static void set_str(lua_State *L, const char *k, const char *v) {
+    lua_pushstring(L, v);
+    lua_setfield(L, -2, k);
+}
+
+static void push_rope(lua_State *L, const ds4_rope_params *r) {
+    lua_createtable(L, 0, 10);
+    set_str(L, "rope_type", r->type == DS4_ROPE_YARN ? "yarn" : "default");
+    set_num(L, "rope_theta", r->theta);
+    set_num(L, "partial_rotary_factor", r->partial_rotary_factor);
+    set_num(L, "dim", (double)r->dim);
+    if (r->type == DS4_ROPE_YARN) {
+        set_num(L, "factor", r->factor);
+        set_num(L, "original_max_position_embeddings", r->original_max_position_embeddings);
+        set_num(L, "beta_fast", r->beta_fast);
+        set_num(L, "beta_slow", r->beta_slow);
+        set_num(L, "attention_factor", r->attention_factor);
+        set_bool(L, "truncate", r->truncate);
+    }
+}
+
+/* Every ds4_config field, spelled as in config.json where the field has an HF name. */
+static void push_config(lua_State *L, const ds4_config *c) {
+    lua_createtable(L, 0, 48);
+    set_num(L, "vocab_size", (double)c->vocab_size);
+    set_num(L, "hidden_size", (double)c->hidden_size);
+    set_num(L, "num_hidden_layers", (double)c->num_hidden_layers);
+    set_num(L, "num_attention_heads", (double)c->num_attention_heads);
+    set_num(L, "num_key_value_heads", (double)c->num_key_value_heads);
+    set_num(L, "head_dim", (double)c->head_dim);
+    set_num(L, "qk_rope_head_dim", (double)c->rope_head_dim);
+    set_num(L, "q_lora_rank", (double)c->q_lora_rank);
+    set_num(L, "o_groups", (double)c->o_groups);
+    set_num(L, "o_lora_rank", (double)c->o_lora_rank);
+    set_num(L, "sliding_window", (double)c->sliding_window);
+    lua_createtable(L, 0, 2);
+    set_num(L, "compressed_sparse_attention", (double)c->compress_rate_csa);
+    set_num(L, "heavily_compressed_attention", (double)c->compress_rate_hca);
+    lua_setfield(L, -2, "compress_rates");
+    int64_t nl = c->num_hidden_layers;
+    if (nl < 0) nl = 0;
+    if (nl > DS4_MAX_LAYERS) nl = DS4_MAX_LAYERS;
+    lua_createtable(L, (int)nl, 0);
+    for (int64_t i = 0; i < nl; i++) {
+        lua_pushstring(L, attn_name(c->layer_types[i]));
+        lua_rawseti(L, -2, (int)i + 1);
+    }
+    lua_setfield(L, -2, "layer_types");
+    lua_createtable(L, (int)nl, 0);
+    for (int64_t i = 0; i < nl; i++) {
+        lua_pushstring(L, c->layer_is_hash[i] ? "hash_moe" : "moe");
+        lua_rawseti(L, -2, (int)i + 1);
+    }
+    lua_setfield(L, -2, "mlp_layer_types");
+    set_num(L, "index_n_heads", (double)c->index_n_heads);
+    set_num(L, "index_head_dim", (double)c->index_head_dim);
+    set_num(L, "index_topk", (double)c->index_topk);
+    set_num(L, "n_routed_experts", (double)c->n_routed_experts);
+    set_num(L, "num_experts_per_tok", (double)c->num_experts_per_tok);
+    set_num(L, "n_shared_experts", (double)c->n_shared_experts);
+    set_num(L, "moe_intermediate_size", (double)c->moe_intermediate_size);
+    set_str(L, "scoring_func", score_name(c->scoring_func));
+    set_bool(L, "norm_topk_prob", c->norm_topk_prob);
+    set_num(L, "routed_scaling_factor", c->routed_scaling_factor);
+    set_num(L, "swiglu_limit", c->swiglu_limit);
+    set_num(L, "hc_mult", (double)c->hc_mult);
+    set_num(L, "hc_sinkhorn_iters", (double)c->hc_sinkhorn_iters);
+    set_num(L, "hc_eps", c->hc_eps);
+    set_num(L, "rms_norm_eps", c->rms_norm_eps);
+    lua_createtable(L, 0, 2);
+    push_rope(L, &c->rope_main);
+    lua_setfield(L, -2, "main");
+    push_rope(L, &c->rope_compress);
+    lua_setfield(L, -2, "compress");
+    lua_setfield(L, -2, "rope_parameters");
+    set_num(L, "max_position_embeddings", (double)c->max_position_embeddings);
+    set_num(L, "num_nextn_predict_layers", (double)c->num_nextn_predict_layers);
+    set_bool(L, "tie_word_embeddings", c->tie_word_embeddings);
+    set_num(L, "bos_token_id", (double)c->bos_token_id);
+    set_num(L, "eos_token_id", (double)c->eos_token_id);
+    set_num(L, "initializer_range", c->initializer_range);
+}
+
+static const char *check_path(lua_State *L, int idx, const char *fname) {
+    if (lua_type(L, idx) != LUA_TSTRING)
+        ds4l_raise(L, "%s: bad argument #%d (path string expected, got %s)", fname, idx, luaL_typename(L, idx));
+    return lua_tostring(L, idx);
+}
+
+/* ds4.config(path): path is a config.json or a checkpoint directory; no weights are read. */
+static int l_config(lua_State *L) {
+    const char *path = check_path(L, 1, "ds4.config");
+    ds4_config cfg;
+    ds4_error err = {0};
+    if (ds4_config_load(path, &cfg, &err) != DS4_OK) ds4l_raise_ds4(L, "ds4.config", &err);
+    push_config(L, &cfg);
+    return 1;
+}
+
+/* ------------------------------------------------------------------------------------------------ model */
+
+typedef struct model_box {
+    ds4_model *m;
+    engine_ref *eref;
+} model_box;
+
+static void model_release(model_box *b) {
+    if (b->m) ds4_model_free(b->m);
+    b->m = NULL;
+    engine_ref_release(b->eref);
+    b->eref = NULL;
+}
+
+static int model_gc(lua_State *L) {
+    model_box *b = lua_touserdata(L, 1);
+    if (b) model_release(b);
+    return 0;
+}
+
+static model_box *push_model_box(lua_State *L) {
+    model_box *b = lua_newuserdata(L, sizeof *b);
+    b->m = NULL;
+    b->eref = NULL;
+    luaL_getmetatable(L, DS4L_MODEL_MT);
+    lua_setmetatable(L, -2);
+    return b;
+}
+
+/* Give the freshly made model in b a reference to its engine (nothing here can raise). */
+static void model_adopt(model_box *b, engine_ref *r) {
+    b->eref = r;
+    r->refs++;
+}
+
+/* The model box at stack slot 1, freed or not. */
+static model_box *self_model(lua_State *L, const char *fname) {
+    model_box *b = lua_touserdata(L, 1);
+    int ok = 0;
+    if (b && lua_getmetatable(L, 1)) {
+        luaL_getmetatable(L, DS4L_MODEL_MT);
+        ok = lua_rawequal(L, -1, -2);
+        lua_pop(L, 2);
+    }
+    if (!ok)
+        ds4l_raise(L, "%s: self must be a ds4.model (got %s); call it as model:method(...)", fname,
+                   luaL_typename(L, 1));
+    return b;
+}
+
+static model_box *check_model(lua_State *L, const char *fname) {
+    model_box *b = self_model(L, fname);
+    if (!b->m) ds4l_raise(L, "%s: model has been freed", fname);
+    return b;
+}
+
+static int l_load(lua_State *L) {
+    const char *fname = "ds4.load";
+    const char *dir = check_path(L, 1, fname);
+    model_box *b = push_model_box(L);
+    engine_ref *r = get_engine(L, fname);
+    ds4_error err = {0};
+    if (ds4_model_load(r->e, dir, &b->m, &err) != DS4_OK) ds4l_raise_ds4(L, fname, &err);
+    model_adopt(b, r);
+    return 1;
+}
+
+/* ds4.random_model(config_path [, seed]): random weights with HF's initialisation. */
+static int l_random_model(lua_State *L) {
+    const char *fname = "ds4.random_model";
+    const char *path = check_path(L, 1, fname);
+    int64_t seed = 0;
+    if (!lua_isnoneornil(L, 2) &&
+        (lua_type(L, 2) != LUA_TNUMBER || !number_to_i64(lua_tonumber(L, 2), &seed) || seed < 0))
+        ds4l_raise(L, "%s: bad argument #2 (non-negative integer seed expected, got %s)", fname,
+                   lua_isnumber(L, 2) ? lua_tostring(L, 2) : luaL_typename(L, 2));
+    ds4_config cfg;
+    ds4_error err = {0};
+    if (ds4_config_load(path, &cfg, &err) != DS4_OK) ds4l_raise_ds4(L, fname, &err);
+    model_box *b = push_model_box(L);
+    engine_ref *r = get_engine(L, fname);
+    if (ds4_model_create_random(r->e, &cfg, (uint64_t)seed, &b->m, &err) != DS4_OK) ds4l_raise_ds4(L, fname, &err);
+    model_adopt(b, r);
+    return 1;
+}
+
+static int m_free(lua_State *L) {
+    model_release(self_model(L, "ds4.model:free")); /* freeing twice is harmless */
+    return 0;
+}
+
+static int m_config(lua_State *L) {
+    push_config(L, ds4_model_config(check_model(L, "ds4.model:config")->m));
+    return 1;
+}
+
+static int m_n_params(lua_State *L) {
+    lua_pushnumber(L, (lua_Number)ds4_model_param_count(check_model(L, "ds4.model:n_params")->m));
+    return 1;
+}
+
+static int m_has_mtp(lua_State *L) {
+    lua_pushboolean(L, ds4_model_has_mtp(check_model(L, "ds4.model:has_mtp")->m));
+    return 1;
+}
+
+/* model:tensors() -> {name = tensor}: copies of the parameters (canonical official names). */
+static int m_tensors(lua_State *L) {
+    const char *fname = "ds4.model:tensors";
+    model_box *b = check_model(L, fname);
+    size_t n = ds4_model_tensor_count(b->m);
+    lua_createtable(L, 0, n > INT32_MAX ? 0 : (int)n);
+    int tbl = lua_gettop(L);
+    for (size_t i = 0; i < n; i++) {
+        const char *name = NULL;
+        ds4_tensor view;
+        ds4_error err = {0};
+        if (ds4_model_tensor_at(b->m, i, &name, &view, &err) != DS4_OK) ds4l_raise_ds4(L, fname, &err);
+        ds4_tensor *t = ds4l_tensor_push_new(L, fname, view.dtype, view.ndim, view.shape);
+        if (t->nbytes != view.nbytes)
+            ds4l_raise(L, "%s: tensor %s: view has %zu bytes, %zu expected from its dtype and shape", fname, name,
+                       view.nbytes, t->nbytes);
+        if (view.nbytes) memcpy(t->data, view.data, view.nbytes);
+        lua_setfield(L, tbl, name);
+    }
+    return 1;
+}
+
+static int m_tostring(lua_State *L) {
+    model_box *b = lua_touserdata(L, 1);
+    if (!b || !b->m) {
+        lua_pushliteral(L, "ds4.model (freed)");
+        return 1;
+    }
+    const ds4_config *c = ds4_model_config(b->m);
+    char buf[256];
+    snprintf(buf, sizeof buf, "ds4.model (%lld layers, hidden %lld, vocab %lld, %lld parameters%s)",
+             (long long)c->num_hidden_layers, (long long)c->hidden_size, (long long)c->vocab_size,
+             (long long)ds4_model_param_count(b->m), ds4_model_has_mtp(b->m) ? ", MTP" : "");
+    lua_pushstring(L, buf);
+    return 1;
+}
+
+/* Token ids ([B, S]) from the value at idx: an integer-valued tensor of 1 or 2 dimensions (1-D = one row)
+ * or a Lua table of equal-length rows (a flat table of numbers = one row). Returns int64 data: the tensor's
+ * own buffer for a 2-D/1-D I64 tensor, else a scratch userdata left on the stack. */
+static const int64_t *check_ids(lua_State *L, int idx, const char *fname, const char *what, int64_t *B,
+                                int64_t *S) {
+    ds4_tensor *t = ds4l_tensor_test(L, idx);
+    char sh[256];
+    if (t) {
+        if (t->ndim != 1 && t->ndim != 2) {
+            ds4l_format_shape(sh, sizeof sh, t->ndim, t->shape);
+            ds4l_raise(L, "%s: %s must be a [batch, seq] tensor, got shape %s", fname, what, sh);
+        }
+        if (t->dtype == DS4_BOOL)
+            ds4l_raise(L, "%s: %s must hold integer token ids, got dtype BOOL", fname, what);
+        *B = t->ndim == 2 ? t->shape[0] : 1;
+        *S = t->shape[t->ndim - 1];
+        if (*B < 1 || *S < 1) {
+            ds4l_format_shape(sh, sizeof sh, t->ndim, t->shape);
+            ds4l_raise(L, "%s: %s is empty (shape %s)", fname, what, sh);
+        }
+        if (t->dtype == DS4_I64) return t->data;
+        int64_t n = *B * *S;
+        int64_t *out = lua_newuserdata(L, (size_t)n * sizeof *out);
+        for (int64_t i = 0; i < n; i++) {
+            double v = ds4_tensor_get(t, i);
+            if (!number_to_i64(v, &out[i]))
+                ds4l_raise(L, "%s: %s[%lld][%lld] = %.17g is not an integer token id", fname, what,
+                           (long long)(i / *S + 1), (long long)(i % *S + 1), v);
+        }
+        return out;
+    }
+    if (!lua_istable(L, idx))
+        ds4l_raise(L, "%s: %s must be an integer tensor [batch, seq] or a table of rows, got %s", fname, what,
+                   luaL_typename(L, idx));
+    int64_t rows = (int64_t)lua_objlen(L, idx);
+    if (rows < 1) ds4l_raise(L, "%s: %s is an empty table", fname, what);
+    lua_rawgeti(L, idx, 1);
+    int flat = lua_type(L, -1) == LUA_TNUMBER;
+    if (!flat && !lua_istable(L, -1))
+        ds4l_raise(L, "%s: %s[1] is a %s; expected a row table (or numbers for a single row)", fname, what,
+                   luaL_typename(L, -1));
+    int64_t cols = flat ? rows : (int64_t)lua_objlen(L, -1);
+    lua_pop(L, 1);
+    if (flat) rows = 1;
+    if (cols < 1) ds4l_raise(L, "%s: %s[1] is an empty row", fname, what);
+    int64_t *out = lua_newuserdata(L, (size_t)(rows * cols) * sizeof *out);
+    for (int64_t r = 0; r < rows; r++) {
+        int row_idx = idx;
+        if (!flat) {
+            lua_rawgeti(L, idx, (int)r + 1);
+            if (!lua_istable(L, -1))
+                ds4l_raise(L, "%s: %s[%lld] is a %s; expected a row table", fname, what, (long long)r + 1,
+                           luaL_typename(L, -1));
+            if ((int64_t)lua_objlen(L, -1) != cols)
+                ds4l_raise(L, "%s: %s rows differ in length: row %lld has %lld elements, row 1 has %lld", fname, what,
+                           (long long)r + 1, (long long)lua_objlen(L, -1), (long long)cols);
+            row_idx = lua_gettop(L);
+        }
+        for (int64_t c = 0; c < cols; c++) {
+            lua_rawgeti(L, row_idx, (int)c + 1);
+            if (lua_type(L, -1) != LUA_TNUMBER || !number_to_i64(lua_tonumber(L, -1), &out[r * cols + c])) {
+                if (flat)
+                    ds4l_raise(L, "%s: %s[%lld] is %s %s, expected an integer token id", fname, what,
+                               (long long)c + 1, luaL_typename(L, -1), lua_isnumber(L, -1) ? lua_tostring(L, -1) : "");
+                ds4l_raise(L, "%s: %s[%lld][%lld] is %s %s, expected an integer token id", fname, what,
+                           (long long)r + 1, (long long)c + 1, luaL_typename(L, -1),
+                           lua_isnumber(L, -1) ? lua_tostring(L, -1) : "");
+            }
+            lua_pop(L, 1);
+        }
+        if (!flat) lua_pop(L, 1);
+    }
+    *B = rows;
+    *S = cols;
+    return out;
+}
+
+/* opts.<key> as a flag: nil/absent = def, otherwise it must be a boolean. */
+static int opt_flag(lua_State *L, int opts, const char *key, int def, const char *fname) {
+    if (!opts) return def;
+    lua_getfield(L, opts, key);
+    int t = lua_type(L, -1);
+    int v = t == LUA_TBOOLEAN ? lua_toboolean(L, -1) : def;
+    if (t != LUA_TNIL && t != LUA_TBOOLEAN)
+        ds4l_raise(L, "%s: opts.%s must be a boolean, got %s", fname, key, lua_typename(L, t));
+    lua_pop(L, 1);
+    return v;
+}
+
+/* model:forward(ids [, opts]) -> {logits, loss, loss_tokens, mtp_logits, mtp_loss, mtp_loss_tokens, hidden} */
+static int m_forward(lua_State *L) {
+    const char *fname = "ds4.model:forward";
+    model_box *b = check_model(L, fname);
+    const ds4_config *cfg = ds4_model_config(b->m);
+    int opts = 0;
+    if (!lua_isnoneornil(L, 3)) {
+        if (!lua_istable(L, 3))
+            ds4l_raise(L, "%s: bad argument #2 (options table expected, got %s)", fname, luaL_typename(L, 3));
+        opts = 3;
+        /* A misspelt option (opts.label) would silently change the result: reject unknown keys. */
+        lua_pushnil(L);
+        while (lua_next(L, 3)) {
+            lua_pop(L, 1);
+            const char *k = lua_type(L, -1) == LUA_TSTRING ? lua_tostring(L, -1) : NULL;
+            if (!k || (strcmp(k, "labels") && strcmp(k, "mtp") && strcmp(k, "hidden") && strcmp(k, "logits")))
+                ds4l_raise(L, "%s: unknown option %s%s%s (known: labels, mtp, hidden, logits)", fname, k ? "'" : "a ",
+                           k ? k : luaL_typename(L, -1), k ? "'" : " key");
+        }
+    }
+    lua_settop(L, 3); /* fixed slots: 1 model, 2 ids, 3 opts; temporaries go above */
+    int want_logits = opt_flag(L, opts, "logits", 1, fname);
+    int want_mtp = opt_flag(L, opts, "mtp", 0, fname);
+    int want_hidden = opt_flag(L, opts, "hidden", 0, fname);
+    if (lua_isnoneornil(L, 2)) ds4l_raise(L, "%s: bad argument #1 (token ids expected, got nil)", fname);
+
+    int64_t B, S;
+    const int64_t *ids = check_ids(L, 2, fname, "ids", &B, &S);
+    const int64_t *labels = NULL;
+    if (opts) {
+        lua_getfield(L, opts, "labels");
+        int lidx = lua_gettop(L);
+        if (!lua_isnil(L, lidx)) {
+            int64_t LB, LS;
+            labels = check_ids(L, lidx, fname, "opts.labels", &LB, &LS);
+            if (LB != B || LS != S)
+                ds4l_raise(L, "%s: opts.labels has shape [%lld, %lld], ids have [%lld, %lld]", fname, (long long)LB,
+                           (long long)LS, (long long)B, (long long)S);
+        }
+    }
+    if (want_mtp && !ds4_model_has_mtp(b->m))
+        ds4l_raise(L, "%s: opts.mtp = true, but the model has no MTP weights (num_nextn_predict_layers = %lld)",
+                   fname, (long long)cfg->num_nextn_predict_layers);
+    if (want_mtp && S < 2)
+        ds4l_raise(L, "%s: opts.mtp needs at least 2 positions per row, ids have [%lld, %lld]", fname, (long long)B,
+                   (long long)S);
+
+    lua_createtable(L, 0, 8);
+    int res = lua_gettop(L);
+    ds4_forward_args args = {.ids = ids, .batch = B, .seq = S, .labels = labels};
+    if (want_logits) {
+        int64_t shape[3] = {B, S, cfg->vocab_size};
+        args.logits = ds4l_tensor_push_new(L, fname, DS4_F32, 3, shape)->data;
+        lua_setfield(L, res, "logits");
+    }
+    if (want_mtp) {
+        int64_t shape[3] = {B, S - 1, cfg->vocab_size};
+        args.mtp_logits = ds4l_tensor_push_new(L, fname, DS4_F32, 3, shape)->data;
+        lua_setfield(L, res, "mtp_logits");
+    }
+    if (want_hidden) {
+        int64_t shape[5] = {cfg->num_hidden_layers, B, S, cfg->hc_mult, cfg->hidden_size};
+        args.hidden = ds4l_tensor_push_new(L, fname, DS4_F32, 5, shape)->data;
+        lua_setfield(L, res, "hidden");
+    }
+    ds4_forward_result out;
+    memset(&out, 0, sizeof out);
+    ds4_error err = {0};
+    if (ds4_model_forward(b->m, &args, &out, &err) != DS4_OK) ds4l_raise_ds4(L, fname, &err);
+    /* NaN means "nothing scored": nil, so `if r.loss then` reads naturally. */
+    if (!isnan(out.loss)) set_num(L, "loss", out.loss);
+    set_num(L, "loss_tokens", (double)out.loss_tokens);
+    if (want_mtp) {
+        if (!isnan(out.mtp_loss)) set_num(L, "mtp_loss", out.mtp_loss);
+        set_num(L, "mtp_loss_tokens", (double)out.mtp_loss_tokens);
+    }
+    return 1;
+}
+
+/* ------------------------------------------------------------------------------------------------ module */
+
+static const luaL_Reg model_methods[] = {
+    {"forward", m_forward}, {"config", m_config}, {"n_params", m_n_params}, {"has_mtp", m_has_mtp},
+    {"tensors", m_tensors}, {"free", m_free},     {NULL, NULL},
+};
+
+static const luaL_Reg module_functions[] = {
+    {"load", l_load},
+    {"random_model", l_random_model},
+    {"config", l_config},
+    {"set_threads", l_set_threads},
+    {"threads", l_threads},
+    {NULL, NULL},
+};
+
+int luaopen_ds4_core(lua_State *L) {
+    lua_newtable(L);
+    int mod = lua_gettop(L);
+
+    /* One engine holder per lua_State; a second require of ds4.core (package.loaded cleared) reuses it. */
+    lua_getfield(L, LUA_REGISTRYINDEX, ENGINE_KEY);
+    int have = lua_isuserdata(L, -1);
+    lua_pop(L, 1);
+    if (!have) {
+        engine_holder *h = lua_newuserdata(L, sizeof *h);
+        h->ref = NULL;
+        h->n_threads = 0;
+        lua_newtable(L);
+        lua_pushcfunction(L, holder_gc);
+        lua_setfield(L, -2, "__gc");
+        lua_setmetatable(L, -2);
+        lua_setfield(L, LUA_REGISTRYINDEX, ENGINE_KEY);
+    }
+
+    if (luaL_newmetatable(L, DS4L_MODEL_MT)) {
+        lua_newtable(L);
+        for (const luaL_Reg *r = model_methods; r->name; r++) {
+            lua_pushcfunction(L, r->func);
+            lua_setfield(L, -2, r->name);
+        }
+        lua_pushvalue(L, -1);
+        lua_setfield(L, mod, "model_methods"); /* so ds4.lua can add pure-Lua methods */
+        lua_setfield(L, -2, "__index");
+        lua_pushcfunction(L, model_gc);
+        lua_setfield(L, -2, "__gc");
+        lua_pushcfunction(L, m_tostring);
+        lua_setfield(L, -2, "__tostring");
+        lua_pushliteral(L, DS4L_MODEL_MT);
+        lua_setfield(L, -2, "__name");
+    } else {
+        lua_getfield(L, -1, "__index");
+        lua_setfield(L, mod, "model_methods");
+    }
+    lua_pop(L, 1);
+
+    for (const luaL_Reg *r = module_functions; r->name; r++) {
+        lua_pushcfunction(L, r->func);
+        lua_setfield(L, mod, r->name);
+    }
+    lua_settop(L, mod);
+    ds4l_tensor_open(L);
+
+    lua_pushliteral(L, DS4_VERSION_STRING);
+    lua_setfield(L, mod, "version");
+    lua_pushstring(L, ds4_build_info());
+    lua_setfield(L, mod, "build_info");
+    lua_pushliteral(L, LUAJIT_VERSION);
+    lua_setfield(L, mod, "luajit_version");
+    lua_settop(L, mod);
+    return 1;
+}

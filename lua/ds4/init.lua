@@ -1,0 +1,122 @@
+--[[ ds4 — the Lua interface of the ds4 engine (DeepSeek-V4-architecture models).
+
+  local ds4 = require("ds4")
+
+Tensors (host memory, dense, row-major; indices are 1-based)
+  ds4.tensor(values [, dtype])     nested table of numbers (rectangular), a number (0-d) or a tensor (converted
+                                   copy) -> tensor; dtype default "F32" ("F32","BF16","F16","F64","I64","I32",
+                                   "I16","I8","U8","BOOL","F8_E4M3","F8_E5M2","F8_E8M0"; case-insensitive)
+  ds4.zeros(shape [, dtype])       shape = {d1, d2, ...}
+  ds4.is_tensor(x)                 true when x is a ds4 tensor
+  t:shape()  t:dtype()  t:numel()  t:ndim()  t:nbytes()
+  t:get(i1, i2, ...)               element at 1-based indices (one per dimension; bounds-checked)
+  t:set(v, i1, i2, ...)            store v, rounded to the tensor's dtype
+  t[i]  t[i] = v                   flat (row-major) 1-based element access
+  t:item()                         the value of a one-element tensor
+  t:totable()                      nested Lua tables (a number for a 0-d tensor)
+  t:to(dtype)  t:clone()           converted / identical copy
+  t:reshape(shape)                 copy with a new shape of the same element count
+  t:size(d)                        shape[d]; negative d counts from the end
+  t:data_ptr()                     lightuserdata to the data, for LuaJIT FFI (valid while t is alive)
+  tostring(t)                      "ds4.tensor F32 [2, 37, 256]"
+  #t                               first dimension (0 for a 0-d tensor)
+
+Safetensors
+  ds4.load_tensors(path)           {name = tensor} from a .safetensors file or a checkpoint directory
+                                   (copies: the tensors outlive the file)
+  ds4.save_tensors(path, tbl)      write {name = tensor}, names sorted (deterministic bytes)
+
+Models
+  ds4.load(dir)                    model from an HF checkpoint directory (config.json + safetensors)
+  ds4.random_model(config [, seed]) model with random weights (HF initialisation) from a config path
+  ds4.config(path)                 config table of a config.json / checkpoint directory (no weights read)
+  model:forward(ids [, opts])      ids: integer tensor [B, S] (I64/I32/... or floats holding integers) or a
+                                   table of equal-length rows; opts.labels (same forms, -100 = ignore),
+                                   opts.mtp = true (MTP logits; the model must have MTP weights),
+                                   opts.hidden = true (per-layer residual streams), opts.logits = false (skip).
+                                   -> {logits = F32 [B, S, V], loss = number|nil, loss_tokens = n,
+                                       mtp_logits = F32 [B, S-1, V], mtp_loss = number|nil, mtp_loss_tokens,
+                                       hidden = F32 [L, B, S, hc_mult, hidden_size]}
+                                   loss is nil when there are no labels or no scored token.
+  model:config()                   config table: every field; layer_types / mlp_layer_types as strings,
+                                   rope_parameters = {main = {...}, compress = {...}}, compress_rates
+  model:n_params()  model:has_mtp()
+  model:tensors()                  {official name = tensor}: copies of the parameters
+  model:free()                     release now (later calls raise "model has been freed")
+  ds4.is_model(x)
+  ds4.config_summary(cfg)          one-line description of a config table
+
+Engine
+  ds4.set_threads(n)               CPU threads (0 = all cores); before loading models (or after freeing them)
+  ds4.threads()                    the engine's thread count (creates the engine)
+
+Misc
+  ds4.version  ds4.build_info  ds4.luajit_version
+  ds4.script_dir()                 directory of the running script (arg[0]), "." if unknown
+
+Errors are Lua errors whose message starts with the function name ("ds4.load: ...") followed by the
+engine's message (stage, operation, shapes). Use pcall to handle them.
+]]
+
+local core = require("ds4.core")
+
+local M = {}
+for k, v in pairs(core) do
+    M[k] = v
+end
+
+local type, tostring, error = type, tostring, error
+
+-- ------------------------------------------------------------------------------------------------ tensors
+
+function core.tensor_methods.size(t, d)
+    local shape = t:shape()
+    if type(d) ~= "number" or d ~= math.floor(d) then
+        error("ds4.tensor:size: bad argument #1 (integer dimension expected, got " .. type(d) .. ")", 2)
+    end
+    local n = #shape
+    local i = d < 0 and n + 1 + d or d
+    if i < 1 or i > n then
+        error(("ds4.tensor:size: dimension %d out of range for a %d-dimensional tensor"):format(d, n), 2)
+    end
+    return shape[i]
+end
+
+-- ------------------------------------------------------------------------------------------------ models
+
+local model_mt = debug.getregistry()["ds4.model"]
+
+function M.is_model(x)
+    return type(x) == "userdata" and getmetatable(x) == model_mt
+end
+
+local function count(list, value)
+    local n = 0
+    for _, v in ipairs(list) do
+        if v == value then n = n + 1 end
+    end
+    return n
+end
+
+function M.config_summary(cfg)
+    if type(cfg) ~= "table" then
+        error("ds4.config_summary: bad argument #1 (config table expected, got " .. type(cfg) .. ")", 2)
+    end
+    local lt = cfg.layer_types or {}
+    return ("%d layers (%d sliding, %d CSA, %d HCA; %d hash-routed), hidden %d, %d heads x %d, vocab %d, "
+        .. "%d routed experts (top %d) + %d shared, hc_mult %d, MTP layers %d"):format(
+        cfg.num_hidden_layers, count(lt, "sliding_attention"), count(lt, "compressed_sparse_attention"),
+        count(lt, "heavily_compressed_attention"), count(cfg.mlp_layer_types or {}, "hash_moe"),
+        cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.vocab_size, cfg.n_routed_experts,
+        cfg.num_experts_per_tok, cfg.n_shared_experts, cfg.hc_mult, cfg.num_nextn_predict_layers)
+end
+
+-- ------------------------------------------------------------------------------------------------ misc
+
+function M.script_dir()
+    local script = _G.arg and _G.arg[0]
+    if type(script) ~= "string" or script == "-" then return "." end
+    return script:match("^(.*)/[^/]*$") or "."
+end
+
+return M

@@ -1,0 +1,62 @@
+/* ds4lua.h — declarations shared by the `ds4` host program's translation units (the .c files of lua/).
+ *
+ * Ownership rule for every binding: a C resource is boxed in a userdata with a __gc *before* anything that
+ * can raise a Lua error runs (the box is pushed first, empty, then filled). A Lua error unwinds over C
+ * frames with longjmp, so a resource held only in a C local would leak; a resource owned by a box on the
+ * Lua stack is collected. Scratch memory comes from lua_newuserdata for the same reason. */
+#ifndef DS4LUA_H
+#define DS4LUA_H
+
+#include <stdint.h>
+
+#include <lauxlib.h>
+#include <lua.h>
+
+#include "ds4.h"
+
+#if defined(__GNUC__)
+#define DS4L_PRINTF(a, b) __attribute__((format(printf, a, b)))
+#define DS4L_NORETURN __attribute__((noreturn))
+#else
+#define DS4L_PRINTF(a, b)
+#define DS4L_NORETURN
+#endif
+
+#define DS4L_TENSOR_MT "ds4.tensor"
+#define DS4L_MODEL_MT "ds4.model"
+
+/* Full userdata behind a Lua tensor: one reference to a ds4_tensor (NULL only while being built). */
+typedef struct ds4l_tensor {
+    ds4_tensor *t;
+} ds4l_tensor;
+
+/* Raise a Lua error "<where>: <formatted message>" (where = script position of the caller, as luaL_error
+ * does). Never returns. Callers must hold no C resource that is not owned by a Lua value. */
+DS4L_NORETURN void ds4l_raise(lua_State *L, const char *fmt, ...) DS4L_PRINTF(2, 3);
+/* Raise "<fname>: <ds4 error message>". */
+DS4L_NORETURN void ds4l_raise_ds4(lua_State *L, const char *fname, const ds4_error *err);
+
+/* Shape as "[2, 37, 256]" into buf (always NUL-terminated). */
+void ds4l_format_shape(char *buf, size_t cap, int32_t ndim, const int64_t *shape);
+
+/* Push an empty tensor box (t == NULL) with the tensor metatable; fill box->t afterwards. */
+ds4l_tensor *ds4l_tensor_push_box(lua_State *L);
+/* Push a new tensor of the given dtype and shape (zero-filled by ds4_tensor_new); returns it. Raises with
+ * `fname` as prefix on failure. */
+ds4_tensor *ds4l_tensor_push_new(lua_State *L, const char *fname, ds4_dtype dtype, int32_t ndim,
+                                 const int64_t *shape);
+/* The tensor at stack index idx, or NULL when that value is not a ds4 tensor. */
+ds4_tensor *ds4l_tensor_test(lua_State *L, int idx);
+/* The tensor at idx; raises "<fname>: bad argument #<argn> (ds4.tensor expected, got <type>)" otherwise. */
+ds4_tensor *ds4l_tensor_check(lua_State *L, int idx, const char *fname, int argn);
+/* Parse a dtype name ("F32", "bf16", ...; case-insensitive) at idx; `def` when the value is nil/none. */
+ds4_dtype ds4l_check_dtype(lua_State *L, int idx, const char *fname, int argn, int has_def, ds4_dtype def);
+
+/* Register the tensor metatable and put the tensor functions (tensor, zeros, load_tensors, save_tensors,
+ * ...) into the table at the top of the stack. */
+void ds4l_tensor_open(lua_State *L);
+
+/* The `ds4.core` module: package.preload["ds4.core"]. */
+int luaopen_ds4_core(lua_State *L);
+
+#endif

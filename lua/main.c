@@ -1,0 +1,262 @@
+/* main.c — the `ds4` program: runs Lua scripts against libds4.
+ *
+ *   ds4 run FILE.lua [args...]   run a script (FILE "-" = stdin)
+ *   ds4 version                  versions of ds4 and of the libraries it was built with
+ *   ds4 help                     usage
+ *
+ * The host owns one lua_State (luaL_newstate: LuaJIT's own allocator, required on 64-bit; luaL_openlibs:
+ * that includes the jit library, without which the JIT stays off). Everything that touches the state runs
+ * inside lua_cpcall, so an out-of-memory error during setup is reported instead of reaching the panic
+ * function. Exit status: 0 success, 1 script error, 2 usage error; os.exit(n) in a script exits with n. */
+#define _XOPEN_SOURCE 700 /* realpath (XSI), stat */
+#include <limits.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#include <lauxlib.h>
+#include <lua.h>
+#include <luajit.h>
+#include <lualib.h>
+#include <msgpack.h>
+#include <zmq.h>
+
+#include "ds4lua.h"
+
+#ifndef DS4_SOURCE_LUA_DIR
+#error "DS4_SOURCE_LUA_DIR must be defined by the build (the lua/ directory of the source tree)"
+#endif
+#ifndef DS4_INSTALL_LUA_SUBDIR
+#define DS4_INSTALL_LUA_SUBDIR "share/ds4/lua"
+#endif
+#ifndef DS4_INSTALL_BINDIR
+#define DS4_INSTALL_BINDIR "bin"
+#endif
+
+static void usage(FILE *f) {
+    fprintf(f,
+            "usage: ds4 <command> [arguments]\n"
+            "\n"
+            "commands:\n"
+            "  run FILE [ARGS...]  run the Lua script FILE (\"-\" reads it from stdin); the script gets\n"
+            "                      arg[0] = FILE, arg[1..n] = ARGS, and ARGS as `...`\n"
+            "  version             print the versions of ds4, LuaJIT, ZeroMQ and msgpack-c\n"
+            "  help                print this help\n"
+            "\n"
+            "Scripts load the engine with `local ds4 = require(\"ds4\")`.\n"
+            "\n"
+            "environment:\n"
+            "  DS4_LUA_PATH        ':'-separated directories searched for Lua modules before ds4's own\n");
+}
+
+static int print_version(void) {
+    int zmaj = 0, zmin = 0, zpat = 0;
+    zmq_version(&zmaj, &zmin, &zpat);
+    printf("ds4 %s\n", DS4_VERSION_STRING);
+    printf("build: %s\n", ds4_build_info());
+    printf("%s\n", LUAJIT_VERSION);
+    printf("ZeroMQ %d.%d.%d\n", zmaj, zmin, zpat);
+    printf("msgpack-c %s\n", msgpack_version());
+    return 0;
+}
+
+/* ------------------------------------------------------------------------------------------------ Ctrl-C */
+
+/* As in lua.c / luajit.c: SIGINT sets a hook, and the hook raises "interrupted!" at the next Lua
+ * instruction, so a runaway Lua loop stops with a traceback. A long C call (a forward pass) finishes first,
+ * and a loop already compiled by the JIT does not look at hooks: there the second Ctrl-C (default action)
+ * ends the process. The handler needs the state: the only file-scope mutable variable of the program. */
+static lua_State *g_signal_state;
+
+static void lstop(lua_State *L, lua_Debug *ar) {
+    (void)ar;
+    lua_sethook(L, NULL, 0, 0);
+    luaL_error(L, "interrupted!");
+}
+
+static void laction(int sig) {
+    signal(sig, SIG_DFL); /* a second Ctrl-C kills the process */
+    lua_sethook(g_signal_state, lstop, LUA_MASKCALL | LUA_MASKRET | LUA_MASKCOUNT, 1);
+}
+
+/* ------------------------------------------------------------------------------------------------ paths */
+
+static int is_dir(const char *p) {
+    struct stat st;
+    return stat(p, &st) == 0 && S_ISDIR(st.st_mode);
+}
+
+/* The directory holding ds4's Lua library, into out (PATH_MAX bytes). An installed binary sits in
+ * <prefix>/<DS4_INSTALL_BINDIR> and finds <prefix>/<DS4_INSTALL_LUA_SUBDIR>; anything else (the build tree)
+ * uses the source tree. Requiring the bindir suffix keeps a build-tree binary from picking up an unrelated
+ * <build>/../share/ds4/lua. */
+static void find_lua_dir(char *out) {
+    char exe[PATH_MAX];
+    snprintf(out, PATH_MAX, "%s", DS4_SOURCE_LUA_DIR);
+    if (!realpath("/proc/self/exe", exe)) return;
+    char *slash = strrchr(exe, '/');
+    if (!slash) return;
+    *slash = 0; /* exe is now the executable's directory */
+    const char *bindir = DS4_INSTALL_BINDIR;
+    char prefix[PATH_MAX];
+    if (bindir[0] == '/') {
+        /* Absolute bindir: installed only when we run from exactly there; the Lua dir must be absolute too. */
+        if (strcmp(exe, bindir) != 0 || DS4_INSTALL_LUA_SUBDIR[0] != '/') return;
+        if (is_dir(DS4_INSTALL_LUA_SUBDIR)) snprintf(out, PATH_MAX, "%s", DS4_INSTALL_LUA_SUBDIR);
+        return;
+    }
+    size_t el = strlen(exe), bl = strlen(bindir);
+    if (bl == 0 || el <= bl + 1 || exe[el - bl - 1] != '/' || strcmp(exe + el - bl, bindir) != 0) return;
+    snprintf(prefix, sizeof prefix, "%.*s", (int)(el - bl - 1), exe);
+    char cand[PATH_MAX], real[PATH_MAX];
+    if (DS4_INSTALL_LUA_SUBDIR[0] == '/')
+        snprintf(cand, sizeof cand, "%s", DS4_INSTALL_LUA_SUBDIR);
+    else if (snprintf(cand, sizeof cand, "%s/%s", prefix, DS4_INSTALL_LUA_SUBDIR) >= (int)sizeof cand)
+        return;
+    if (is_dir(cand) && realpath(cand, real)) snprintf(out, PATH_MAX, "%s", real);
+}
+
+static void add_dir_templates(luaL_Buffer *b, const char *dir, size_t len) {
+    for (int k = 0; k < 2; k++) {
+        luaL_addlstring(b, dir, len);
+        luaL_addstring(b, k == 0 ? "/?.lua;" : "/?/init.lua;");
+    }
+}
+
+/* package.path = DS4_LUA_PATH dirs, ds4's Lua dir, then whatever LuaJIT set up (LUA_PATH or its defaults). */
+static void setup_package_path(lua_State *L) {
+    char dir[PATH_MAX];
+    find_lua_dir(dir);
+    lua_getglobal(L, "package");
+    int pkg = lua_gettop(L);
+    luaL_Buffer b; /* Lua 5.1 buffers live on the stack: nothing else may be pushed until pushresult */
+    luaL_buffinit(L, &b);
+    const char *env = getenv("DS4_LUA_PATH");
+    while (env && *env) {
+        const char *end = strchr(env, ':');
+        size_t len = end ? (size_t)(end - env) : strlen(env);
+        if (len) add_dir_templates(&b, env, len);
+        env = end ? end + 1 : NULL;
+    }
+    add_dir_templates(&b, dir, strlen(dir));
+    luaL_pushresult(&b);
+    lua_getfield(L, pkg, "path");
+    lua_concat(L, 2);
+    lua_setfield(L, pkg, "path");
+    lua_pop(L, 1);
+}
+
+/* ------------------------------------------------------------------------------------------------ running */
+
+/* Message handler: append a traceback, as luajit's standalone interpreter does. */
+static int traceback(lua_State *L) {
+    if (!lua_isstring(L, 1)) {
+        /* A non-string error object: use its __tostring if it has one. */
+        if (lua_isnoneornil(L, 1) || !luaL_callmeta(L, 1, "__tostring") || !lua_isstring(L, -1)) {
+            lua_pushfstring(L, "(error object is a %s value)", luaL_typename(L, 1));
+        }
+        lua_replace(L, 1);
+        lua_settop(L, 1);
+    }
+    luaL_traceback(L, L, lua_tostring(L, 1), 1);
+    return 1;
+}
+
+static void report(lua_State *L) {
+    const char *msg = lua_tostring(L, -1);
+    fprintf(stderr, "ds4: %s\n", msg ? msg : "(error object is not a string)");
+    fflush(stderr);
+    lua_pop(L, 1);
+}
+
+typedef struct run_ctx {
+    int argc;
+    char **argv;
+    int script; /* argv index of the script */
+    int status; /* exit status */
+} run_ctx;
+
+static int pmain(lua_State *L) {
+    run_ctx *ctx = lua_touserdata(L, 1);
+    lua_settop(L, 0);
+    lua_gc(L, LUA_GCSTOP, 0); /* as luajit.c: no collections while the libraries are opened */
+    luaL_openlibs(L);
+    lua_gc(L, LUA_GCRESTART, 0);
+    setup_package_path(L);
+
+    lua_getglobal(L, "package");
+    lua_getfield(L, -1, "preload");
+    lua_pushcfunction(L, luaopen_ds4_core);
+    lua_setfield(L, -2, "ds4.core");
+    lua_pop(L, 2);
+
+    /* arg as the luajit interpreter builds it: arg[0] = the script, positive indices its arguments, negative
+     * ones everything before the script (arg[-1] = "run", arg[-2] = the ds4 program). */
+    lua_createtable(L, ctx->argc - ctx->script, ctx->script);
+    for (int i = 0; i < ctx->argc; i++) {
+        lua_pushstring(L, ctx->argv[i]);
+        lua_rawseti(L, -2, i - ctx->script);
+    }
+    lua_setglobal(L, "arg");
+
+    const char *script = ctx->argv[ctx->script];
+    if (luaL_loadfile(L, strcmp(script, "-") == 0 ? NULL : script) != 0) {
+        report(L); /* syntax error or unreadable file: no traceback to give */
+        ctx->status = 1;
+        return 0;
+    }
+    int nargs = ctx->argc - ctx->script - 1;
+    luaL_checkstack(L, nargs + 3, "too many script arguments");
+    for (int i = ctx->script + 1; i < ctx->argc; i++) lua_pushstring(L, ctx->argv[i]);
+    int base = lua_gettop(L) - nargs; /* the chunk's slot */
+    lua_pushcfunction(L, traceback);
+    lua_insert(L, base);
+    g_signal_state = L;
+    signal(SIGINT, laction);
+    int rc = lua_pcall(L, nargs, 0, base);
+    signal(SIGINT, SIG_DFL);
+    lua_remove(L, base);
+    if (rc != 0) {
+        report(L);
+        ctx->status = 1;
+    }
+    return 0;
+}
+
+static int run_script(int argc, char **argv, int script) {
+    lua_State *L = luaL_newstate();
+    if (!L) {
+        fprintf(stderr, "ds4: cannot create the Lua state (out of memory)\n");
+        return 1;
+    }
+    run_ctx ctx = {.argc = argc, .argv = argv, .script = script, .status = 0};
+    if (lua_cpcall(L, pmain, &ctx) != 0) {
+        report(L);
+        ctx.status = 1;
+    }
+    lua_close(L); /* runs every __gc: models, engine, tensors */
+    fflush(stdout);
+    return ctx.status;
+}
+
+int main(int argc, char **argv) {
+    if (argc < 2 || strcmp(argv[1], "help") == 0 || strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0) {
+        usage(stdout);
+        return 0;
+    }
+    const char *cmd = argv[1];
+    if (strcmp(cmd, "version") == 0 || strcmp(cmd, "--version") == 0) return print_version();
+    if (strcmp(cmd, "run") == 0) {
+        if (argc < 3) {
+            fprintf(stderr, "ds4 run: missing script (a .lua file, or - for stdin)\n\n");
+            usage(stderr);
+            return 2;
+        }
+        return run_script(argc, argv, 2);
+    }
+    fprintf(stderr, "ds4: unknown command '%s'\n\n", cmd);
+    usage(stderr);
+    return 2;
+}

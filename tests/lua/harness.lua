@@ -1,0 +1,102 @@
+-- harness.lua — minimal checks for the Lua tests (not itself a test: ctest only runs test_*.lua).
+--
+-- Every failed check is printed with its location and counted; H.done() prints a summary and exits 1 when
+-- anything failed, so ctest sees the failure. A Lua error aborts the test with exit 1 as well.
+local H = { checks = 0, failures = 0 }
+
+local function where()
+    local info = debug.getinfo(3, "Sl")
+    return info and (info.short_src .. ":" .. (info.currentline or 0)) or "?"
+end
+
+local function fail(msg)
+    H.failures = H.failures + 1
+    io.stderr:write("FAIL ", where(), ": ", msg, "\n")
+end
+
+function H.check(cond, msg)
+    H.checks = H.checks + 1
+    if not cond then fail(msg or "check failed") end
+    return cond
+end
+
+function H.eq(got, want, what)
+    H.checks = H.checks + 1
+    if got ~= want then
+        fail(("%s: got %s, want %s"):format(what or "value", tostring(got), tostring(want)))
+        return false
+    end
+    return true
+end
+
+-- Deep equality of plain Lua values (tables compared element by element).
+local function deep_eq(a, b)
+    if type(a) ~= type(b) then return false end
+    if type(a) ~= "table" then return a == b end
+    for k, v in pairs(a) do
+        if not deep_eq(v, b[k]) then return false end
+    end
+    for k in pairs(b) do
+        if a[k] == nil then return false end
+    end
+    return true
+end
+
+local function show(v)
+    if type(v) ~= "table" then return tostring(v) end
+    local parts = {}
+    for i = 1, #v do parts[#parts + 1] = show(v[i]) end
+    return "{" .. table.concat(parts, ", ") .. "}"
+end
+
+function H.same(got, want, what)
+    H.checks = H.checks + 1
+    if not deep_eq(got, want) then
+        fail(("%s: got %s, want %s"):format(what or "value", show(got), show(want)))
+        return false
+    end
+    return true
+end
+
+function H.near(got, want, tol, what)
+    H.checks = H.checks + 1
+    if type(got) ~= "number" or not (math.abs(got - want) <= tol) then
+        fail(("%s: got %s, want %s (tolerance %g)"):format(what or "value", tostring(got), tostring(want), tol))
+        return false
+    end
+    return true
+end
+
+-- fn must raise, and the message must contain every string in `needles` (plain substring match).
+function H.raises(fn, needles, what)
+    H.checks = H.checks + 1
+    local ok, err = pcall(fn)
+    if ok then
+        fail((what or "call") .. ": expected an error, none raised")
+        return nil
+    end
+    err = tostring(err)
+    if type(needles) == "string" then needles = { needles } end
+    for _, s in ipairs(needles or {}) do
+        if not err:find(s, 1, true) then
+            fail(("%s: error message lacks %q:\n    %s"):format(what or "call", s, err))
+            return err
+        end
+    end
+    return err
+end
+
+-- The fixtures directory: arg[1], else tests/fixtures next to this file's directory.
+function H.fixtures()
+    if arg and arg[1] then return arg[1] end
+    local dir = (arg and arg[0] or ""):match("^(.*)/[^/]*$") or "."
+    return dir .. "/../fixtures"
+end
+
+function H.done(name)
+    io.write(("%s: %d checks, %d failures\n"):format(name or "test", H.checks, H.failures))
+    io.stdout:flush()
+    if H.failures > 0 then os.exit(1) end
+end
+
+return H
