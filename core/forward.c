@@ -261,11 +261,8 @@ static void hc_pre_range(fwd *f, void *p, int64_t b, int64_t e, int64_t task) {
         }
         for (int64_t i = 0; i < n * n; i++) comb[i] = (float)M[i];
         float *u = f->u + t * D;
-        for (int64_t c = 0; c < D; c++) {
-            float acc = 0;
-            for (int64_t i = 0; i < n; i++) acc += pre[i] * x[i * D + c];
-            u[c] = acc;
-        }
+        memset(u, 0, (size_t)D * sizeof(float));
+        for (int64_t i = 0; i < n; i++) ds4_axpy(u, pre[i], x + i * D, D);
     }
 }
 
@@ -281,12 +278,12 @@ static void hc_post_range(fwd *f, void *p, int64_t b, int64_t e, int64_t task) {
     for (int64_t t = b; t < e; t++) {
         const float *x = cx->X + t * n * D, *a = cx->a + t * D, *post = f->post + t * n, *comb = f->comb + t * n * n;
         float *xo = cx->Xo + t * n * D;
-        for (int64_t k = 0; k < n; k++)
-            for (int64_t c = 0; c < D; c++) {
-                float acc = 0;
-                for (int64_t j = 0; j < n; j++) acc += comb[j * n + k] * x[j * D + c];
-                xo[k * D + c] = post[k] * a[c] + acc;
-            }
+        for (int64_t k = 0; k < n; k++) {
+            float *y = xo + k * D;
+            memset(y, 0, (size_t)D * sizeof(float));
+            for (int64_t j = 0; j < n; j++) ds4_axpy(y, comb[j * n + k], x + j * D, D);
+            ds4_axpy(y, post[k], a, D);
+        }
     }
 }
 
@@ -481,11 +478,7 @@ static void attn_range(fwd *f, void *p, int64_t b, int64_t e, int64_t task) {
             for (int64_t k = 0; k < nk; k++) den += (lg[k] = (float)exp((double)(lg[k] - mx)));
             float *o = f->o + (t * H + hh) * d;
             memset(o, 0, (size_t)d * sizeof(float));
-            for (int64_t k = 0; k < nk; k++) {
-                const float pk = (float)(lg[k] / den);
-                const float *v = keys[k];
-                for (int64_t i = 0; i < d; i++) o[i] += pk * v[i];
-            }
+            for (int64_t k = 0; k < nk; k++) ds4_axpy(o, (float)(lg[k] / den), keys[k], d);
         }
     }
 }
@@ -625,12 +618,10 @@ static void combine_range(fwd *f, void *p, int64_t b, int64_t e, int64_t task) {
                 order[j] = order[j - 1];
                 order[j - 1] = tmp;
             }
-        float *a = f->a + t * D;
-        for (int64_t c = 0; c < D; c++) {
-            float acc = 0;
-            for (int64_t k = 0; k < K; k++) acc += f->yk[(t * K + order[k]) * D + c];
-            a[c] = acc + a[c];
-        }
+        float *a = f->a + t * D, *acc = f->xg + t * D; /* xg is free again once the experts ran */
+        memset(acc, 0, (size_t)D * sizeof(float));
+        for (int64_t k = 0; k < K; k++) ds4_axpy(acc, 1.0f, f->yk + (t * K + order[k]) * D, D);
+        ds4_axpy(a, 1.0f, acc, D);
     }
 }
 
@@ -702,11 +693,8 @@ static void hyperhead_range(fwd *f, void *p, int64_t b, int64_t e, int64_t task)
         for (int64_t i = 0; i < n; i++)
             pre[i] = sigmoidf(ds4_dot(cx->fn + i * n * D, xn, n * D) * cx->scale[0] + cx->base[i]) + (float)f->c->hc_eps;
         float *u = f->u + t * D;
-        for (int64_t c = 0; c < D; c++) {
-            float acc = 0;
-            for (int64_t i = 0; i < n; i++) acc += pre[i] * x[i * D + c];
-            u[c] = acc;
-        }
+        memset(u, 0, (size_t)D * sizeof(float));
+        for (int64_t i = 0; i < n; i++) ds4_axpy(u, pre[i], x + i * D, D);
     }
 }
 

@@ -82,6 +82,17 @@ static void matmul_block(float *y, int64_t ldy, const float *x, int64_t ldx, con
         for (int64_t o = o0; o < o1; o++) y[t * ldy + o] = ds4_dot(x + t * ldx, W + o * K, K);
 }
 
+DS4_CLONES
+void ds4_axpy(float *y, float a, const float *x, int64_t n) {
+    int64_t i = 0;
+    const v8f av = {a, a, a, a, a, a, a, a};
+    for (; i + 8 <= n; i += 8) {
+        v8f v = load8(y + i) + av * load8(x + i);
+        memcpy(y + i, &v, sizeof v);
+    }
+    for (; i < n; i++) y[i] += a * x[i];
+}
+
 void ds4_matmul_nt_serial(float *y, int64_t ldy, const float *x, int64_t ldx, const float *W, int64_t T,
                           int64_t K, int64_t O) {
     matmul_block(y, ldy, x, ldx, W, 0, T, 0, O, K);

@@ -23,6 +23,9 @@ void ds4_matmul_nt_serial(float *y, int64_t ldy, const float *x, int64_t ldx, co
 /* Σ_k a[k]·b[k] with the same 8-lane accumulation as the matmul. */
 float ds4_dot(const float *a, const float *b, int64_t n);
 
+/* y[i] += a · x[i]. Vectorised across i only, so each element's arithmetic is the plain scalar one. */
+void ds4_axpy(float *y, float a, const float *x, int64_t n);
+
 /* y = w ⊙ x / sqrt(mean(x²) + eps) for each of `rows` rows of width n (w may be NULL: unweighted).
  * y may alias x. */
 void ds4_rmsnorm_rows(float *y, const float *x, const float *w, int64_t rows, int64_t n, double eps);
