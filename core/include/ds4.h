@@ -74,7 +74,8 @@ int ds4_dtype_is_float(ds4_dtype t);
 #define DS4_MAX_DIMS 8
 
 /* A dense, contiguous, row-major tensor in host memory. Reference-counted: ds4_tensor_new returns one
- * reference; ds4_tensor_release drops it and frees the tensor at zero. */
+ * reference; ds4_tensor_release drops it and frees the tensor at zero. A tensor whose refcount is <= 0 is a
+ * borrowed view (e.g. from ds4_model_tensor_at): retain/release leave it alone. */
 typedef struct ds4_tensor {
     ds4_dtype dtype;
     int32_t ndim;
@@ -105,7 +106,8 @@ float ds4_f8e8m0_to_f32(uint8_t b);
 
 /* ------------------------------------------------------------------------------------------------ safetensors */
 
-/* One tensor inside an opened safetensors file. `data` points into the mapping (valid until close). */
+/* One tensor inside an opened safetensors file. `data` points into the mapping (valid until close); it may be
+ * unaligned for files from other writers (ours and Python's pad the header to 8 bytes): read with memcpy. */
 typedef struct ds4_st_entry {
     const char *name;
     ds4_dtype dtype;
@@ -133,8 +135,9 @@ const char *ds4_st_metadata(const ds4_st_file *f, const char *key);
 ds4_status ds4_st_write(const char *path, size_t n, const char *const *names, const ds4_tensor *const *tensors,
                         ds4_error *err);
 
-/* A checkpoint: a directory holding model.safetensors, or model.safetensors.index.json plus its shards,
- * or a path to a single .safetensors file. Entries of all shards are visible through one handle. */
+/* A checkpoint: a path to a single .safetensors file, or a directory holding (looked for in this order, as
+ * transformers does) model.safetensors, or model.safetensors.index.json plus its shards, or exactly one
+ * *.safetensors file. Entries of all shards are visible through one handle, in name (byte) order. */
 typedef struct ds4_checkpoint ds4_checkpoint;
 ds4_status ds4_checkpoint_open(const char *path, ds4_checkpoint **out, ds4_error *err);
 void ds4_checkpoint_close(ds4_checkpoint *c);
