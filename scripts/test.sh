@@ -10,7 +10,8 @@
 #   asan     AddressSanitizer + UndefinedBehaviorSanitizer (+ LeakSanitizer) Debug build in build-asan/, ctest
 #   fuzz     clang libFuzzer build in build-fuzz/; every tests/fuzz/fuzz_* target runs FUZZ_SECONDS (default 30)
 #            on a temporary copy of its corpus (scripts/fuzz.sh; run that directly for long sessions)
-# The last line is "stages: N passed, N failed"; the exit status is non-zero when any stage failed.
+# The last line is "tests: N passed, N failed, N skipped" over all stages (a stage that fails before its tests
+# run counts as one failure); the exit status is non-zero when any stage failed.
 #
 # Environment: STAGES, FUZZ_SECONDS, JOBS (build parallelism, default: cores), CTEST_JOBS (default 2),
 # SKIP_DEPS=1 (do not run scripts/install-deps.sh).
@@ -27,6 +28,25 @@ CTEST_JOBS="${CTEST_JOBS:-2}"
 export FUZZ_SECONDS JOBS
 
 say() { printf '== test: %s\n' "$*"; }
+
+# Per-test tallies across stages ("passed failed skipped" lines), for the closing summary line.
+COUNTS="$(mktemp "${TMPDIR:-/tmp}/ds4-counts.XXXXXX")"
+trap 'rm -f "$COUNTS"' EXIT
+
+# Run ctest in build dir $1, echo its output, and add its pass/fail/skip counts to $COUNTS.
+run_ctest() {
+    local log rc=0 total failed skipped
+    log="$(mktemp "${TMPDIR:-/tmp}/ds4-ctest.XXXXXX")"
+    ctest --test-dir "$1" --output-on-failure --no-tests=error -j "$CTEST_JOBS" 2>&1 | tee "$log" || rc=$?
+    total="$(sed -n 's/.*tests failed out of \([0-9]*\).*/\1/p' "$log" | tail -n1)"
+    failed="$(sed -n 's/.* \([0-9]*\) tests failed out of .*/\1/p' "$log" | tail -n1)"
+    skipped="$(grep -c '(Skipped)' "$log" || true)"
+    rm -f "$log"
+    if [ -n "$total" ] && [ -n "$failed" ]; then
+        echo "$((total - failed - skipped)) $failed $skipped" >>"$COUNTS"
+    fi
+    return "$rc"
+}
 
 # ------------------------------------------------------------------------------------------- environment
 if [ "${SKIP_DEPS:-0}" != 1 ]; then
@@ -46,7 +66,7 @@ fi
 stage_release() {
     cmake -S . -B build -DCMAKE_BUILD_TYPE=Release
     cmake --build build -j "$JOBS"
-    ctest --test-dir build --output-on-failure --no-tests=error -j "$CTEST_JOBS"
+    run_ctest build
 }
 
 # Does LeakSanitizer work here? It stops the world with ptrace; some containers forbid that (seccomp, Yama
@@ -101,13 +121,18 @@ stage_asan() {
     ASAN_OPTIONS="detect_leaks=$leaks:detect_stack_use_after_return=1:check_initialization_order=1:strict_init_order=1:abort_on_error=0" \
     UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1" \
     LSAN_OPTIONS="print_suppressions=0" \
-        ctest --test-dir build-asan --output-on-failure --no-tests=error -j "$CTEST_JOBS"
+        run_ctest build-asan
 }
 
 stage_fuzz() {
     local leaks
     leaks="$(detect_leaks clang)"
-    SKIP_DEPS=1 FUZZ_DETECT_LEAKS="$leaks" bash scripts/fuzz.sh
+    local log rc=0
+    log="$(mktemp "${TMPDIR:-/tmp}/ds4-fuzz.XXXXXX")"
+    SKIP_DEPS=1 FUZZ_DETECT_LEAKS="$leaks" bash scripts/fuzz.sh 2>&1 | tee "$log" || rc=$?
+    echo "$(grep -c '^== fuzz: fuzz_[a-z_]*: ok' "$log" || true) $(grep -c '^== fuzz: fuzz_[a-z_]*: FAILED' "$log" || true) 0" >>"$COUNTS"
+    rm -f "$log"
+    return "$rc"
 }
 
 # ------------------------------------------------------------------------------------------- run
@@ -120,11 +145,15 @@ for stage in $STAGES; do
     esac
     say "stage $stage: start"
     t0=$SECONDS
+    lines_before="$(wc -l <"$COUNTS")"
     # A subshell outside any `if`/`||`, so that set -e applies inside the stage.
     set +e
     ( set -euo pipefail; "stage_$stage" )
     rc=$?
     set -e
+    if [ "$rc" -ne 0 ] && [ "$(wc -l <"$COUNTS")" -eq "$lines_before" ]; then
+        echo "0 1 0" >>"$COUNTS" # the stage failed before any test ran (configure or build): count it once
+    fi
     if [ "$rc" -eq 0 ]; then
         passed+=("$stage")
         say "stage $stage: passed ($((SECONDS - t0)) s)"
@@ -135,5 +164,7 @@ for stage in $STAGES; do
 done
 
 say "passed stages: ${passed[*]:-none}; failed stages: ${failed[*]:-none}"
-echo "stages: ${#passed[@]} passed, ${#failed[@]} failed"
+# Closing line: individual tests over all stages (ctest tests of the release and sanitizer builds, fuzz targets).
+read -r tp tf ts < <(awk '{p += $1; f += $2; s += $3} END {print p + 0, f + 0, s + 0}' "$COUNTS")
+echo "tests: $tp passed, $tf failed, $ts skipped"
 [ "${#failed[@]}" -eq 0 ]
