@@ -36,14 +36,16 @@ struct ds4_json {
 };
 
 typedef struct ds4_json_limits {
-    int32_t max_depth;       /* e.g. 64 */
-    size_t max_items;        /* total values in the document, e.g. 1 << 22 */
+    int32_t max_depth;       /* e.g. 64; 0 means the default (64); capped at 1024 */
+    size_t max_items;        /* total values in the document, e.g. 1 << 22; 0 means the default (1 << 22) */
 } ds4_json_limits;
 
 /* Parse exactly one JSON value (surrounded by optional whitespace). Returns NULL and fills err on failure. */
 ds4_json *ds4_json_parse(const char *text, size_t len, const ds4_json_limits *limits, ds4_error *err);
+/* Nodes live in one arena owned by the root: free only a root returned by ds4_json_parse. */
 void ds4_json_free(ds4_json *v);
-/* Object member lookup (NULL if absent or v is not an object). */
+/* Object member lookup (NULL if absent or v is not an object); O(1) on large objects (hash index), for values
+ * produced by ds4_json_parse only. */
 const ds4_json *ds4_json_get(const ds4_json *obj, const char *key);
 
 #endif

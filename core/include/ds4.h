@@ -163,7 +163,8 @@ typedef struct ds4_rope_params {
     double factor;
     double original_max_position_embeddings;
     double beta_fast, beta_slow;
-    double attention_factor;  /* HF forces 1.0 for V4: cos/sin are not scaled */
+    double attention_factor;  /* scales cos/sin; transformers injects 1.0 for the flat (legacy) form, a nested
+                                 yarn dict without it gets YaRN's mscale 0.1·ln(factor) + 1 */
     int32_t truncate;         /* floor/ceil the correction range (HF default: true) */
 } ds4_rope_params;
 
@@ -182,7 +183,7 @@ typedef struct ds4_config {
     int64_t o_groups;
     int64_t o_lora_rank;
     int64_t sliding_window;
-    int64_t compress_rate_csa;       /* must be 4 (overlapping windows) */
+    int64_t compress_rate_csa;       /* m of CSA layers (4 in every release; overlapping windows of 2m) */
     int64_t compress_rate_hca;
     ds4_attn_type layer_types[DS4_MAX_LAYERS];
     int32_t layer_is_hash[DS4_MAX_LAYERS]; /* 1: hash_moe (tid2eid routing), 0: learned top-k */
