@@ -24,6 +24,14 @@ __attribute__((always_inline)) static inline float hsum8(const v8f *p) {
     return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
 }
 
+/* An AVX2 clone where the CPU has it, chosen once at load time (ifunc); both clones compute the same bits. */
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && !defined(__SANITIZE_ADDRESS__)
+#define DS4_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define DS4_CLONES
+#endif
+
+DS4_CLONES
 float ds4_dot(const float *a, const float *b, int64_t n) {
     v8f acc = {0};
     int64_t k = 0;
@@ -32,12 +40,6 @@ float ds4_dot(const float *a, const float *b, int64_t n) {
     for (; k < n; k++) s += a[k] * b[k];
     return s;
 }
-
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && !defined(__SANITIZE_ADDRESS__)
-#define DS4_CLONES __attribute__((target_clones("avx2", "default")))
-#else
-#define DS4_CLONES
-#endif
 
 /* A 4-token × 3-output register tile over the whole K: 12 vector accumulators plus 3 weight vectors and one
  * input vector fit the 16 AVX registers; each step loads 7 vectors for 12 vector multiply-adds. Every output
