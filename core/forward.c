@@ -602,10 +602,6 @@ static void swiglu(fwd *f, float *x, int64_t rows, const float *w1, const float 
     matmul(f, out, f->g1, w2, rows, I, D);
 }
 
-typedef struct {
-    float *out;
-} combine_ctx;
-
 /* routed = Σ_k w_k · y_k, accumulated in ascending expert order like HF's index_add_ loop; + shared (in a). */
 static void combine_range(fwd *f, void *p, int64_t b, int64_t e, int64_t task) {
     const int64_t K = f->c->num_experts_per_tok, D = f->c->hidden_size;
@@ -657,8 +653,7 @@ static void moe(fwd *f, const ds4_layer_w *l, const int64_t *ids) {
         }
     }
     swiglu(f, f->h, T, l->sw1, l->sw3, l->sw2, f->a); /* shared expert, every token */
-    combine_ctx cb = {f->a};
-    parallel_range(f, T, combine_range, &cb);
+    parallel_range(f, T, combine_range, NULL);
 }
 
 /* ------------------------------------------------------------------------------------------------ block / head */

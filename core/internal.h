@@ -33,6 +33,9 @@ static inline int ds4_add_size(size_t a, size_t b, size_t *out) {
     return 1;
 }
 
+/* "[2,37,256]" into buf (truncated to cap, always NUL-terminated): for error messages. */
+void ds4_shape_str(char *buf, size_t cap, int32_t ndim, const int64_t *shape);
+
 /* Read a whole file into a malloc'd NUL-terminated buffer (limit: max_bytes). */
 ds4_status ds4_read_file(const char *path, size_t max_bytes, char **out, size_t *len, ds4_error *err);
 

@@ -19,10 +19,10 @@ typedef struct {
     ds4_error *err;
 } builder;
 
-static void add(builder *b, ds4_dtype dt, int32_t layer, void **slot, int32_t ndim, const int64_t *shape,
-                const char *fmt, ...) DS4_PRINTF(7, 8);
+static void add(builder *b, ds4_dtype dt, void **slot, int32_t ndim, const int64_t *shape,
+                const char *fmt, ...) DS4_PRINTF(6, 7);
 
-static void add(builder *b, ds4_dtype dt, int32_t layer, void **slot, int32_t ndim, const int64_t *shape,
+static void add(builder *b, ds4_dtype dt, void **slot, int32_t ndim, const int64_t *shape,
                 const char *fmt, ...) {
     if (b->st) return;
     ds4_model *m = b->m;
@@ -55,7 +55,6 @@ static void add(builder *b, ds4_dtype dt, int32_t layer, void **slot, int32_t nd
         p->numel *= shape[i];
     }
     p->dtype = dt;
-    p->layer = layer;
     p->slot = slot;
     if (dt == DS4_F32) {
         p->offset = b->f32_off;
@@ -69,7 +68,7 @@ static void add(builder *b, ds4_dtype dt, int32_t layer, void **slot, int32_t nd
 
 #define SHAPE(...) ((const int64_t[]){__VA_ARGS__})
 #define NDIM(...) ((int32_t)(sizeof((int64_t[]){__VA_ARGS__}) / sizeof(int64_t)))
-#define ADD(b, slot, pre, fmt, ...) add((b), DS4_F32, -1, (void **)(slot), NDIM(__VA_ARGS__), SHAPE(__VA_ARGS__), "%s" fmt, pre)
+#define ADD(b, slot, pre, fmt, ...) add((b), DS4_F32, (void **)(slot), NDIM(__VA_ARGS__), SHAPE(__VA_ARGS__), "%s" fmt, pre)
 
 static void add_compressor(builder *b, ds4_compressor_w *c, const char *pre, const char *part, int64_t D,
                            int64_t dd, int64_t rate, int overlap) {
@@ -85,7 +84,7 @@ static void add_compressor(builder *b, ds4_compressor_w *c, const char *pre, con
 }
 
 /* One decoder block's parameters under `pre` ("layers.3." or "mtp.0."). */
-static void add_block(builder *b, ds4_layer_w *l, const ds4_config *c, const char *pre, int32_t layer_index) {
+static void add_block(builder *b, ds4_layer_w *l, const ds4_config *c, const char *pre) {
     const int64_t D = c->hidden_size, n = c->hc_mult, mix = (2 + n) * n, H = c->num_attention_heads;
     const int64_t d = c->head_dim, E = c->n_routed_experts, I = c->moe_intermediate_size, K = c->num_experts_per_tok;
     ADD(b, &l->attn_norm, pre, "attn_norm.weight", D);
@@ -114,16 +113,16 @@ static void add_block(builder *b, ds4_layer_w *l, const ds4_config *c, const cha
     }
     ADD(b, &l->gate, pre, "ffn.gate.weight", E, D);
     if (l->is_hash)
-        add(b, DS4_I32, layer_index, (void **)&l->tid2eid, 2, SHAPE(c->vocab_size, K), "%sffn.gate.tid2eid", pre);
+        add(b, DS4_I32, (void **)&l->tid2eid, 2, SHAPE(c->vocab_size, K), "%sffn.gate.tid2eid", pre);
     else
         ADD(b, &l->gate_bias, pre, "ffn.gate.bias", E);
     /* experts contiguous per matrix kind: w1 [E, I, D], w2 [E, D, I], w3 [E, I, D] */
     for (int64_t e = 0; e < E; e++)
-        add(b, DS4_F32, -1, e ? NULL : (void **)&l->w1, 2, SHAPE(I, D), "%sffn.experts.%lld.w1.weight", pre, (long long)e);
+        add(b, DS4_F32, e ? NULL : (void **)&l->w1, 2, SHAPE(I, D), "%sffn.experts.%lld.w1.weight", pre, (long long)e);
     for (int64_t e = 0; e < E; e++)
-        add(b, DS4_F32, -1, e ? NULL : (void **)&l->w2, 2, SHAPE(D, I), "%sffn.experts.%lld.w2.weight", pre, (long long)e);
+        add(b, DS4_F32, e ? NULL : (void **)&l->w2, 2, SHAPE(D, I), "%sffn.experts.%lld.w2.weight", pre, (long long)e);
     for (int64_t e = 0; e < E; e++)
-        add(b, DS4_F32, -1, e ? NULL : (void **)&l->w3, 2, SHAPE(I, D), "%sffn.experts.%lld.w3.weight", pre, (long long)e);
+        add(b, DS4_F32, e ? NULL : (void **)&l->w3, 2, SHAPE(I, D), "%sffn.experts.%lld.w3.weight", pre, (long long)e);
     ADD(b, &l->sw1, pre, "ffn.shared_experts.w1.weight", I, D);
     ADD(b, &l->sw2, pre, "ffn.shared_experts.w2.weight", D, I);
     ADD(b, &l->sw3, pre, "ffn.shared_experts.w3.weight", I, D);
@@ -172,7 +171,7 @@ ds4_status ds4_model_alloc(ds4_engine *e, const ds4_config *cfg, int with_mtp, d
         l->is_hash = cfg->layer_is_hash[i];
         char pre[32];
         snprintf(pre, sizeof pre, "layers.%lld.", (long long)i);
-        add_block(&b, l, cfg, pre, (int32_t)i);
+        add_block(&b, l, cfg, pre);
     }
     ADD(&b, &m->norm, "", "norm.weight", D);
     ADD(&b, &m->hc_head_fn, "", "hc_head_fn", n, n * D);
@@ -183,7 +182,7 @@ ds4_status ds4_model_alloc(ds4_engine *e, const ds4_config *cfg, int with_mtp, d
         ds4_mtp_w *t = &m->mtp;
         t->block.type = DS4_ATTN_SLIDING; /* official compress_ratios[n_layers] = 0 */
         t->block.is_hash = 0;
-        add_block(&b, &t->block, cfg, "mtp.0.", -1);
+        add_block(&b, &t->block, cfg, "mtp.0.");
         ADD(&b, &t->e_proj, "mtp.0.", "e_proj.weight", D, D);
         ADD(&b, &t->h_proj, "mtp.0.", "h_proj.weight", D, D);
         ADD(&b, &t->enorm, "mtp.0.", "enorm.weight", D);
@@ -292,13 +291,6 @@ static void namelist_add(namelist *l, const char *name) {
     l->shown++;
 }
 
-static void shape_str(char *buf, size_t len, int32_t ndim, const int64_t *shape) {
-    size_t u = (size_t)snprintf(buf, len, "[");
-    for (int32_t i = 0; i < ndim && u < len; i++)
-        u += (size_t)snprintf(buf + u, len - u, "%s%lld", i ? ", " : "", (long long)shape[i]);
-    if (u < len) snprintf(buf + u, len - u, "]");
-}
-
 static int same_shape(const ds4_param *p, const ds4_st_entry *e) {
     if (p->ndim != e->ndim) return 0;
     for (int32_t i = 0; i < p->ndim; i++)
@@ -309,8 +301,8 @@ static int same_shape(const ds4_param *p, const ds4_st_entry *e) {
 static ds4_status shape_error(ds4_error *err, const char *src, const ds4_st_entry *e, int32_t ndim,
                               const int64_t *want) {
     char a[96], b[96];
-    shape_str(a, sizeof a, e->ndim, e->shape);
-    shape_str(b, sizeof b, ndim, want);
+    ds4_shape_str(a, sizeof a, e->ndim, e->shape);
+    ds4_shape_str(b, sizeof b, ndim, want);
     return ds4_fail(err, DS4_ERR_SHAPE, "model load: tensor '%s' has shape %s %s, expected %s", src, a,
                     ds4_dtype_name(e->dtype), b);
 }

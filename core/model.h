@@ -70,7 +70,6 @@ typedef struct ds4_param {
     int64_t numel;
     int64_t offset;                      /* into params (F32) or into the owning tid2eid table (I32) */
     ds4_dtype dtype;                     /* DS4_F32, or DS4_I32 for tid2eid */
-    int32_t layer;                       /* for I32 tables: the layer index (-1 otherwise) */
     void **slot;                         /* where the resolved pointer is stored */
 } ds4_param;
 

@@ -71,18 +71,6 @@ static const ds4_st_entry *find_sorted(const ds4_st_entry *const *v, size_t n, c
     return NULL;
 }
 
-static void shape_str(char *buf, size_t cap, int32_t ndim, const int64_t *shape) {
-    size_t used = 0;
-    int w = snprintf(buf, cap, "[");
-    if (w > 0) used = (size_t)w;
-    for (int32_t i = 0; i < ndim && used < cap; i++) {
-        w = snprintf(buf + used, cap - used, "%s%lld", i ? "," : "", (long long)shape[i]);
-        if (w < 0) break;
-        used += (size_t)w;
-    }
-    if (used < cap) snprintf(buf + used, cap - used, "]");
-}
-
 /* dir + "/" + name, malloc'd. */
 static char *path_join(const char *dir, const char *name) {
     size_t a = strlen(dir), b = strlen(name), n;
@@ -187,7 +175,7 @@ static ds4_status parse_tensor(const char *label, const char *name, const ds4_js
     for (size_t i = 0; i < sh->count; i++)
         if (t->e.shape[i] == 0) overflow = 0, numel = 0;
     char sbuf[200];
-    shape_str(sbuf, sizeof sbuf, t->e.ndim, t->e.shape);
+    ds4_shape_str(sbuf, sizeof sbuf, t->e.ndim, t->e.shape);
     uint64_t esz = ds4_dtype_size(t->e.dtype);
     if (overflow || numel > (uint64_t)INT64_MAX || numel > UINT64_MAX / esz)
         return ds4_fail(err, DS4_ERR_FORMAT, "safetensors open %s: tensor " NAMEFMT ": shape %s %s: size overflows",
@@ -628,7 +616,7 @@ ds4_status ds4_st_write(const char *path, size_t n, const char *const *names, co
         }
         int64_t numel = ds4_tensor_numel(t);
         size_t need;
-        shape_str(sb, sizeof sb, t->ndim, t->shape);
+        ds4_shape_str(sb, sizeof sb, t->ndim, t->shape);
         if (numel < 0 || (uint64_t)numel > SIZE_MAX || !ds4_mul_size((size_t)numel, ds4_dtype_size(t->dtype), &need)) {
             st = ds4_fail(err, DS4_ERR_ARG, "safetensors write %s: tensor " NAMEFMT ": invalid shape %s", path, nm, sb);
             goto out;

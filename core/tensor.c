@@ -209,7 +209,7 @@ static int64_t numel_of(int32_t ndim, const int64_t *shape) {
     return n;
 }
 
-static void format_shape(char *buf, size_t cap, int32_t ndim, const int64_t *shape) {
+void ds4_shape_str(char *buf, size_t cap, int32_t ndim, const int64_t *shape) {
     size_t used = 0;
     int w = snprintf(buf, cap, "[");
     if (w > 0) used = (size_t)w;
@@ -232,12 +232,12 @@ ds4_status ds4_tensor_new(ds4_dtype dtype, int32_t ndim, const int64_t *shape, d
     size_t numel = 1, nbytes;
     for (int32_t i = 0; i < ndim; i++) {
         if (shape[i] < 0) {
-            format_shape(sbuf, sizeof sbuf, ndim, shape);
+            ds4_shape_str(sbuf, sizeof sbuf, ndim, shape);
             return ds4_fail(err, DS4_ERR_ARG, "tensor new: %s %s: negative dimension %d", ds4_dtype_name(dtype),
                             sbuf, (int)i);
         }
         if ((uint64_t)shape[i] > SIZE_MAX || !ds4_mul_size(numel, (size_t)shape[i], &numel)) {
-            format_shape(sbuf, sizeof sbuf, ndim, shape);
+            ds4_shape_str(sbuf, sizeof sbuf, ndim, shape);
             return ds4_fail(err, DS4_ERR_ARG, "tensor new: %s %s: element count overflows", ds4_dtype_name(dtype),
                             sbuf);
         }
@@ -245,7 +245,7 @@ ds4_status ds4_tensor_new(ds4_dtype dtype, int32_t ndim, const int64_t *shape, d
     /* numel must also fit int64_t (ds4_tensor_numel, get/set indices) */
     if (numel > (size_t)INT64_MAX || !ds4_mul_size(numel, ds4_dtype_size(dtype), &nbytes) ||
         nbytes > (size_t)INT64_MAX) {
-        format_shape(sbuf, sizeof sbuf, ndim, shape);
+        ds4_shape_str(sbuf, sizeof sbuf, ndim, shape);
         return ds4_fail(err, DS4_ERR_ARG, "tensor new: %s %s: byte size overflows", ds4_dtype_name(dtype), sbuf);
     }
     ds4_tensor *t = calloc(1, sizeof *t);
@@ -254,7 +254,7 @@ ds4_status ds4_tensor_new(ds4_dtype dtype, int32_t ndim, const int64_t *shape, d
     t->data = calloc(nbytes ? nbytes : 1, 1);
     if (!t->data) {
         free(t);
-        format_shape(sbuf, sizeof sbuf, ndim, shape);
+        ds4_shape_str(sbuf, sizeof sbuf, ndim, shape);
         return ds4_fail(err, DS4_ERR_OOM, "tensor new: %s %s: cannot allocate %zu bytes", ds4_dtype_name(dtype),
                         sbuf, nbytes);
     }

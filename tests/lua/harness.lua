@@ -87,6 +87,14 @@ function H.raises(fn, needles, what)
 end
 
 -- The fixtures directory: arg[1], else tests/fixtures next to this file's directory.
+-- The whole file at path, as a string.
+function H.read_file(path)
+    local f = assert(io.open(path, "rb"))
+    local s = f:read("*a")
+    f:close()
+    return s
+end
+
 function H.fixtures()
     if arg and arg[1] then return arg[1] end
     local dir = (arg and arg[0] or ""):match("^(.*)/[^/]*$") or "."

@@ -28,12 +28,7 @@ local function official(name)
     return n
 end
 
-local function read_file(path)
-    local f = assert(io.open(path, "rb"))
-    local s = f:read("*a")
-    f:close()
-    return s
-end
+local read_file = H.read_file
 
 local function write_file(path, s)
     local f = assert(io.open(path, "wb"))

@@ -183,12 +183,7 @@ do
 end
 
 -- ------------------------------------------------------------------------------------------------ save / load
-local function read_file(path)
-    local f = assert(io.open(path, "rb"))
-    local s = f:read("*a")
-    f:close()
-    return s
-end
+local read_file = H.read_file
 
 do
     local path = os.tmpname()
