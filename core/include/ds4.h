@@ -278,6 +278,9 @@ typedef struct ds4_forward_result {
     int64_t mtp_loss_tokens;
 } ds4_forward_result;
 
+/* Runs on the engine's thread pool. A model reuses one workspace (planned from B and S, grown when needed), so
+ * it serves one forward at a time: callers must not run two forwards of the same model concurrently.
+ * Results do not depend on the number of threads (bit-identical). */
 ds4_status ds4_model_forward(ds4_model *m, const ds4_forward_args *args, ds4_forward_result *res, ds4_error *err);
 
 #ifdef __cplusplus
