@@ -10,6 +10,11 @@ For each configuration it writes OUTDIR/<name>/:
                                    hidden.<l> (F32 [B,S,n,D], the streams after decoder layer l),
                                    and for MTP configs mtp_logits (F32 [B,S-1,V]), mtp_loss (F32 [1])
   names.txt                        the tensor names found in the checkpoint (for humans)
+  grads.safetensors                torch autograd gradients of the loss for every parameter, under the canonical
+                                   official names ("main.<name>"; zeros where torch has none: indexer, MTP);
+                                   tiny_a also "mtp.<name>" = gradients of loss + MTP_LAMBDA * mtp_loss
+and OUTDIR/adamw.safetensors: a torch.optim.AdamW reference (see adamw_fixture) and, in tiny_a/, train.safetensors:
+the loss of 10 AdamW steps on the fixture batch (see train_fixture).
 
 The reference is transformers' `DeepseekV4ForCausalLM` in fp32 on the CPU (eager attention, TF32 off).
 Parameters that HF initialises to zero (sinks, position_bias, mHC base, e_score_correction_bias, tid2eid)
@@ -278,6 +283,154 @@ def mtp_forward(model, cfg, layer, extra, ids, final_streams):
     return model.lm_head(rmsnorm(y, extra["norm.weight"], eps))
 
 
+MTP_LAMBDA = 0.3
+
+
+def canonical(hf_name):
+    """HF module name of a DeepseekV4ForCausalLM parameter -> our canonical official name (None: packed experts)."""
+    top = {"model.embed_tokens.weight": "embed.weight", "lm_head.weight": "head.weight", "model.norm.weight": "norm.weight",
+           "model.hc_head.hc_fn": "hc_head_fn", "model.hc_head.hc_base": "hc_head_base",
+           "model.hc_head.hc_scale": "hc_head_scale"}
+    if hf_name in top:
+        return top[hf_name]
+    assert hf_name.startswith("model.layers."), hf_name
+    i, rest = hf_name[len("model.layers."):].split(".", 1)
+    rest = rest.replace("self_attn.compressor.indexer.scorer.weights_proj.", "self_attn.indexer.weights_proj.")
+    rest = rest.replace("self_attn.compressor.indexer.q_b_proj.", "self_attn.indexer.wq_b.")
+    rest = rest.replace("self_attn.compressor.indexer.", "self_attn.indexer.compressor.")
+    return f"layers.{i}." + official_name(rest)
+
+
+def named_grads(model, prefix):
+    """{prefix + canonical name: gradient} for every parameter; zeros where autograd left None."""
+    out = {}
+    for name, p in model.named_parameters():
+        g = p.grad if p.grad is not None else torch.zeros_like(p)
+        if name.endswith("mlp.experts.gate_up_proj") or name.endswith("mlp.experts.down_proj"):
+            i = name.split(".")[2]
+            I = g.shape[1] // 2
+            for e in range(g.shape[0]):
+                if name.endswith("gate_up_proj"):
+                    out[f"{prefix}layers.{i}.ffn.experts.{e}.w1.weight"] = g[e, :I].clone()
+                    out[f"{prefix}layers.{i}.ffn.experts.{e}.w3.weight"] = g[e, I:].clone()
+                else:
+                    out[f"{prefix}layers.{i}.ffn.experts.{e}.w2.weight"] = g[e].clone()
+        else:
+            out[prefix + canonical(name)] = g.detach().clone()
+    for name, b in model.named_buffers():  # selection-only bias: a buffer in torch, zero gradient for us
+        if name.endswith("e_score_correction_bias"):
+            out[prefix + canonical(name)] = torch.zeros_like(b)
+    return out
+
+
+def record_grads(model, cfg, ids, labels, mtp_parts, d):
+    """torch autograd gradients of the LM loss (and, with MTP, of loss + MTP_LAMBDA * mtp_loss)."""
+    grads = {}
+    with torch.enable_grad():
+        model.zero_grad(set_to_none=True)
+        out = model(input_ids=ids, labels=labels, use_cache=False)
+        out.loss.backward()
+        grads.update(named_grads(model, "main."))
+        if mtp_parts is not None:
+            layer, extra = mtp_parts
+            for v in extra.values():
+                v.requires_grad_(True)
+            model.zero_grad(set_to_none=True)
+            layer.zero_grad(set_to_none=True)
+            cap = {}
+            h = model.model.layers[-1].register_forward_hook(lambda m, i, o: cap.__setitem__("x", o))
+            out = model(input_ids=ids, labels=labels, use_cache=False)
+            h.remove()
+            mtp_logits = mtp_forward(model, cfg, layer, extra, ids, cap["x"])
+            tgt = labels[:, 2:]
+            mtp_loss = F.cross_entropy(mtp_logits[:, :-1].reshape(-1, cfg.vocab_size), tgt.reshape(-1), ignore_index=-100)
+            (out.loss + MTP_LAMBDA * mtp_loss).backward()
+            grads.update(named_grads(model, "mtp."))
+            for name, p in layer.named_parameters():
+                g = p.grad if p.grad is not None else torch.zeros_like(p)
+                if name.endswith("experts.gate_up_proj"):
+                    I = g.shape[1] // 2
+                    for e in range(g.shape[0]):
+                        grads[f"mtp.mtp.0.ffn.experts.{e}.w1.weight"] = g[e, :I].clone()
+                        grads[f"mtp.mtp.0.ffn.experts.{e}.w3.weight"] = g[e, I:].clone()
+                elif name.endswith("experts.down_proj"):
+                    for e in range(g.shape[0]):
+                        grads[f"mtp.mtp.0.ffn.experts.{e}.w2.weight"] = g[e].clone()
+                else:
+                    grads["mtp.mtp.0." + official_name(name)] = g.detach().clone()
+            grads["mtp.mtp.0.ffn.gate.bias"] = torch.zeros(cfg.n_routed_experts)
+            for k, v in extra.items():
+                grads["mtp.mtp.0." + k] = v.grad.detach().clone()
+                v.requires_grad_(False)
+        model.zero_grad(set_to_none=True)
+    save_file({k: v.contiguous() for k, v in grads.items()}, os.path.join(d, "grads.safetensors"),
+              metadata={"format": "pt", "mtp_lambda": str(MTP_LAMBDA)})
+
+
+NO_DECAY = ("norm.weight", "_base", "_scale", "attn_sink", "ape")
+
+
+def train_fixture(model, cfg, ids, labels, d, steps=10):
+    """10 AdamW steps on the fixture batch: lr 1e-3 with 3 linear warm-up steps then cosine to 1e-4 at step 10,
+    betas (0.9, 0.95), eps 1e-8, weight decay 0.1 except on norms, biases, sinks, mHC base/scale; gradients
+    clipped to global norm 1.0. Parameters without a gradient (indexer, buffers) are not touched, as in torch."""
+    import copy
+    m = copy.deepcopy(model)
+    decay, no_decay = [], []
+    for name, p in m.named_parameters():
+        n = canonical(name) if not name.endswith(("gate_up_proj", "down_proj")) else name
+        (no_decay if n.endswith(NO_DECAY) else decay).append(p)
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=1e-3, betas=(0.9, 0.95), eps=1e-8)
+
+    def lr_at(step):  # step = number of completed updates
+        if step < 3:
+            return (step + 1) / 3
+        prog = (step - 3) / (steps - 3)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(prog, 1.0)))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
+    losses, lrs, norms = [], [], []
+    with torch.enable_grad():
+        for step in range(steps + 1):
+            opt.zero_grad(set_to_none=True)
+            out = m(input_ids=ids, labels=labels, use_cache=False)
+            losses.append(out.loss.item())
+            if step == steps:
+                break
+            out.loss.backward()
+            norms.append(float(torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)))
+            lrs.append(opt.param_groups[0]["lr"])
+            opt.step()
+            sched.step()
+    save_file({"loss": torch.tensor(losses, dtype=torch.float64), "lr": torch.tensor(lrs, dtype=torch.float64),
+               "grad_norm": torch.tensor(norms, dtype=torch.float64)},
+              os.path.join(d, "train.safetensors"), metadata={"format": "pt"})
+    print(f"train: losses {[round(x, 5) for x in losses]}")
+
+
+def adamw_fixture(outdir):
+    """torch.optim.AdamW on two synthetic tensors with given gradients: a decayed [7, 13] weight and a
+    non-decayed [13] vector, 10 steps, lr schedule as train_fixture, global-norm clipping at 1.0."""
+    gen = torch.Generator().manual_seed(11)
+    w = torch.randn(7, 13, generator=gen, dtype=torch.float32).requires_grad_(True)
+    v = torch.randn(13, generator=gen, dtype=torch.float32).requires_grad_(True)
+    rec = {"w.0": w.detach().clone(), "v.0": v.detach().clone()}
+    opt = torch.optim.AdamW([{"params": [w], "weight_decay": 0.1}, {"params": [v], "weight_decay": 0.0}],
+                            lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
+    for step in range(10):
+        gw = torch.randn(7, 13, generator=gen) * (0.2 + step)  # growing gradients: clipping engages
+        gv = torch.randn(13, generator=gen) * 0.5
+        rec[f"gw.{step}"], rec[f"gv.{step}"] = gw.clone(), gv.clone()
+        w.grad, v.grad = gw.clone(), gv.clone()
+        rec[f"norm.{step}"] = torch.nn.utils.clip_grad_norm_([w, v], 1.0).reshape(1).float()
+        opt.step()
+        rec[f"w.{step + 1}"], rec[f"v.{step + 1}"] = w.detach().clone(), v.detach().clone()
+    save_file(rec, os.path.join(outdir, "adamw.safetensors"),
+              metadata={"format": "pt", "lr": "0.01", "betas": "0.9,0.95", "eps": "1e-8", "weight_decay": "0.1",
+                        "clip": "1.0", "steps": "10"})
+
+
 def run_config(name, cfg, outdir, B, S, seed, mtp=True, hf_names=False, shard=None, legacy_json=None):
     for attempt in range(50):
         gen = torch.Generator().manual_seed(seed + 1000 * attempt)
@@ -325,6 +478,7 @@ def run_config(name, cfg, outdir, B, S, seed, mtp=True, hf_names=False, shard=No
         print(f"{name}: mtp min relative top-k gap {tw.min_gap:.3g}")
         assert tw.min_gap > 1e-4, "MTP router near-tie: change the seed"
         io["mtp_logits"] = mtp_logits.float().contiguous()
+        mtp_parts = (layer, extra)
         # loss of position i against t_{i+2}; positions whose target falls off the end are dropped
         tgt = labels[:, 2:]
         mtp_loss = F.cross_entropy(mtp_logits[:, :-1].reshape(-1, cfg.vocab_size), tgt.reshape(-1), ignore_index=-100)
@@ -336,6 +490,9 @@ def run_config(name, cfg, outdir, B, S, seed, mtp=True, hf_names=False, shard=No
         sd.update({k: v.contiguous() for k, v in mtp_tensors.items()})
         save_file(sd, path, metadata={"format": "pt"})
     save_file(io, os.path.join(d, "io.safetensors"), metadata={"format": "pt"})
+    record_grads(model, cfg, ids, labels, mtp_parts if mtp else None, d)
+    if name == "tiny_a":
+        train_fixture(model, cfg, ids, labels, d)
     if legacy_json is not None:
         with open(os.path.join(d, "config.json"), "w") as f:
             json.dump(legacy_json, f, indent=2)
@@ -371,6 +528,7 @@ def main():
 
     cfg_hf = DeepseekV4Config(**TINY_HF)
     run_config("tiny_hf", cfg_hf, outdir, B=2, S=11, seed=3, mtp=False, hf_names=True)
+    adamw_fixture(outdir)
 
 
 if __name__ == "__main__":
