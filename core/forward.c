@@ -12,53 +12,7 @@
 
 #include "internal.h"
 #include "kernels_cpu.h"
-#include "model.h"
-
-enum { MAX_TASKS = 64 };
-
-typedef struct rope_tab {
-    int64_t half;     /* r/2 rotated pairs */
-    float *cs;        /* [S, r] interleaved (cos, sin) per pair, already scaled by attention_factor */
-} rope_tab;
-
-typedef struct fwd {
-    ds4_model *m;
-    const ds4_config *c;
-    ds4_pool *pool;
-    int64_t B, S, T, ntask;
-    rope_tab rmain, rcomp;
-    /* planned scratch */
-    float *X, *Xt, *Xz;           /* [T, n, D] streams */
-    float *pre, *post, *comb;     /* [T, n], [T, n], [T, n, n] */
-    float *u, *h, *a;             /* [T, D] */
-    float *qr;                    /* [T, q_lora] */
-    float *q, *o;                 /* [T, H·d] */
-    float *kv;                    /* [T, d] */
-    float *y;                     /* [T, g·o_lora] */
-    float *cC, *cZ;               /* [T, 2d] compressor projections */
-    float *cK;                    /* [B, S, d] compressed entries (at most S/m per row used) */
-    float *iC, *iZ;               /* [T, 2c_I] */
-    float *iK;                    /* [B, S, c_I] */
-    float *iq;                    /* [T, n_I·c_I] */
-    float *iw;                    /* [T, n_I] */
-    int32_t *sel;                 /* [T, sel_stride] indexer picks */
-    int32_t *nsel;                /* [T] number of picks */
-    int64_t sel_stride;           /* max(1, min(index_topk, S)) */
-    float *scratch;               /* [ntask, scratch_stride] per-task scratch, see plan() */
-    int64_t scratch_stride;
-    int64_t key_off;              /* attention scratch: logits first, then key pointers from here */
-    float *rl;                    /* [T, E] router scores */
-    int32_t *eidx;                /* [T, K] */
-    float *ew;                    /* [T, K] */
-    float *yk;                    /* [T·K, D] weighted expert outputs per (token, slot) */
-    float *xg;                    /* [T·K, D] gathered expert inputs */
-    float *ye;                    /* [T·K, D] expert outputs before weighting */
-    float *g1, *g3;               /* [T·K, I] */
-    int32_t *perm;                /* [T·K] (token·K + slot) grouped by expert */
-    int64_t *ecount;              /* [E + 1] */
-    float *logits_ws;             /* [T, V] when the caller wants a loss but no logits */
-    int64_t *mtp_ids;             /* [T] next-token ids for the MTP block */
-} fwd;
+#include "fwd.h"
 
 /* ------------------------------------------------------------------------------------------------ planning */
 
@@ -133,6 +87,11 @@ static void plan(fwd *f, arena *a, int need_logits_ws) {
     f->rcomp.cs = take(a, S * (size_t)c->rope_compress.dim, 4);
 }
 
+/* Copy n floats into a tape slot when training (dst NULL: inference, nothing to keep). */
+static void keep(float *dst, const float *src, int64_t n) {
+    if (dst) memcpy(dst, src, (size_t)n * sizeof(float));
+}
+
 /* ------------------------------------------------------------------------------------------------ RoPE */
 
 /* Inverse frequencies exactly as transformers computes them in fp32 (default and YaRN, §3.3). */
@@ -178,11 +137,9 @@ static void rope_table(rope_tab *t, const ds4_rope_params *p, int64_t S) {
         }
 }
 
-static inline const float *rope_at(const rope_tab *t, int64_t pos) { return t->cs + pos * 2 * t->half; }
 
 /* ------------------------------------------------------------------------------------------------ task helpers */
 
-typedef void (*range_fn)(fwd *f, void *ctx, int64_t begin, int64_t end, int64_t task);
 typedef struct {
     fwd *f;
     void *ctx;
@@ -196,8 +153,7 @@ static void range_task(void *p, int64_t i) {
     if (b < e) j->fn(j->f, j->ctx, b, e, i);
 }
 
-/* Split [0, n) into f->ntask contiguous ranges; task i may use scratch slot i. */
-static void parallel_range(fwd *f, int64_t n, range_fn fn, void *ctx) {
+void ds4_fwd_parallel_range(fwd *f, int64_t n, range_fn fn, void *ctx) {
     int64_t nt = f->ntask < n ? f->ntask : n;
     if (nt <= 0) return;
     range_job j = {f, ctx, fn, n, nt};
@@ -208,7 +164,6 @@ static void matmul(fwd *f, float *y, const float *x, const float *W, int64_t T, 
     ds4_matmul_nt(f->pool, y, O, x, K, W, T, K, O);
 }
 
-static inline float sigmoidf(float x) { return 1.0f / (1.0f + expf(-x)); }
 
 /* ------------------------------------------------------------------------------------------------ mHC */
 
@@ -302,9 +257,9 @@ static void norm_range(fwd *f, void *p, int64_t b, int64_t e, int64_t task) {
 }
 
 /* In-place RMSNorm of `rows` rows of `width` (w may be NULL). */
-static void norm_rows(fwd *f, float *x, const float *w, int64_t rows, int64_t width) {
+void ds4_fwd_norm_rows(fwd *f, float *x, const float *w, int64_t rows, int64_t width) {
     norm_ctx cx = {x, w, width, f->c->rms_norm_eps};
-    parallel_range(f, rows, norm_range, &cx);
+    ds4_fwd_parallel_range(f, rows, norm_range, &cx);
 }
 
 typedef struct {
@@ -324,9 +279,9 @@ static void rope_range(fwd *f, void *p, int64_t b, int64_t e, int64_t task) {
 }
 
 /* Rotate each of `heads` vectors of every token at that token's position. */
-static void rope_rows(fwd *f, float *x, int64_t heads, int64_t width, const rope_tab *rt, int sign) {
+void ds4_fwd_rope_rows(fwd *f, float *x, int64_t heads, int64_t width, const rope_tab *rt, int sign) {
     rope_ctx cx = {x, heads, width, rt, sign};
-    parallel_range(f, f->T, rope_range, &cx);
+    ds4_fwd_parallel_range(f, f->T, rope_range, &cx);
 }
 
 /* ------------------------------------------------------------------------------------------------ compressor */
@@ -335,6 +290,7 @@ typedef struct {
     const ds4_compressor_w *w;
     const float *C, *Z;   /* [T, width] */
     float *out;           /* [B, S, dd]: entry w of row b at (b·S + w)·dd */
+    float *pool;          /* same layout: the pooled entry before norm and RoPE (training), or NULL */
     int64_t nwin;         /* complete windows per row: floor(S / m) */
     int overlap;
 } comp_ctx;
@@ -373,19 +329,26 @@ static void comp_range(fwd *f, void *p, int64_t b, int64_t e, int64_t task) {
             for (int64_t k = 0; k < ns; k++) acc += kv[k] * (float)(gl[k] / den);
             out[ch] = acc;
         }
+        keep(cx->pool ? cx->pool + (row * S + win) * dd : NULL, out, dd);
         ds4_rmsnorm_rows(out, out, w->norm, 1, dd, f->c->rms_norm_eps);
         ds4_rope_apply(out, dd, f->rcomp.half, rope_at(&f->rcomp, win * m), 1);
     }
 }
 
-/* Entries of a compressor over h: returns the number of complete windows per row. */
-static int64_t compress(fwd *f, const ds4_compressor_w *w, float *C, float *Z, float *out, int overlap) {
+/* Entries of a compressor over h: returns the number of complete windows per row. With `lt` (training) the
+ * projections and pooled entries are kept for the backward. */
+static int64_t compress(fwd *f, const ds4_compressor_w *w, float *C, float *Z, float *out, int overlap,
+                        ds4_layer_tape *lt) {
     matmul(f, C, f->h, w->wkv, f->T, f->c->hidden_size, w->width);
     matmul(f, Z, f->h, w->wgate, f->T, f->c->hidden_size, w->width);
+    if (lt) {
+        keep(lt->cC, C, f->T * w->width);
+        keep(lt->cZ, Z, f->T * w->width);
+    }
     const int64_t nwin = f->S / w->rate;
     if (nwin == 0) return 0;
-    comp_ctx cx = {w, C, Z, out, nwin, overlap};
-    parallel_range(f, f->B * nwin, comp_range, &cx);
+    comp_ctx cx = {w, C, Z, out, lt ? lt->pool : NULL, nwin, overlap};
+    ds4_fwd_parallel_range(f, f->B * nwin, comp_range, &cx);
     return nwin;
 }
 
@@ -488,23 +451,38 @@ static void attention(fwd *f, const ds4_layer_w *l) {
     const ds4_config *c = f->c;
     const int64_t T = f->T, D = c->hidden_size, H = c->num_attention_heads, d = c->head_dim, qr = c->q_lora_rank;
     const rope_tab *rt = l->type == DS4_ATTN_SLIDING ? &f->rmain : &f->rcomp;
+    ds4_layer_tape *lt = f->lt;
     memcpy(f->h, f->u, (size_t)(T * D) * sizeof(float));
-    norm_rows(f, f->h, l->attn_norm, T, D);
+    ds4_fwd_norm_rows(f, f->h, l->attn_norm, T, D);
     matmul(f, f->qr, f->h, l->wq_a, T, D, qr);
-    norm_rows(f, f->qr, l->q_norm, T, qr);
+    if (lt) {
+        keep(lt->h_attn, f->h, T * D);
+        keep(lt->qa, f->qr, T * qr);
+    }
+    ds4_fwd_norm_rows(f, f->qr, l->q_norm, T, qr);
     matmul(f, f->q, f->qr, l->wq_b, T, qr, H * d);
-    norm_rows(f, f->q, NULL, T * H, d); /* per-head unweighted RMS */
-    rope_rows(f, f->q, H, d, rt, 1);
+    if (lt) {
+        keep(lt->qr, f->qr, T * qr);
+        keep(lt->q_pre, f->q, T * H * d);
+    }
+    ds4_fwd_norm_rows(f, f->q, NULL, T * H, d); /* per-head unweighted RMS */
+    ds4_fwd_rope_rows(f, f->q, H, d, rt, 1);
     matmul(f, f->kv, f->h, l->wkv, T, D, d);
-    norm_rows(f, f->kv, l->kv_norm, T, d);
-    rope_rows(f, f->kv, 1, d, rt, 1);
+    if (lt) keep(lt->kv_pre, f->kv, T * d);
+    ds4_fwd_norm_rows(f, f->kv, l->kv_norm, T, d);
+    ds4_fwd_rope_rows(f, f->kv, 1, d, rt, 1);
+    if (lt) {
+        keep(lt->q, f->q, T * H * d);
+        keep(lt->kv, f->kv, T * d);
+    }
     att_ctx ax = {l, 0};
-    if (l->type != DS4_ATTN_SLIDING) ax.nwin = compress(f, &l->comp, f->cC, f->cZ, f->cK, l->type == DS4_ATTN_CSA);
+    if (l->type != DS4_ATTN_SLIDING)
+        ax.nwin = compress(f, &l->comp, f->cC, f->cZ, f->cK, l->type == DS4_ATTN_CSA, lt);
     if (l->type == DS4_ATTN_CSA) {
         const int64_t nI = c->index_n_heads, cI = c->index_head_dim;
-        int64_t nwin = compress(f, &l->idx_comp, f->iC, f->iZ, f->iK, 1);
+        int64_t nwin = compress(f, &l->idx_comp, f->iC, f->iZ, f->iK, 1, NULL);
         matmul(f, f->iq, f->qr, l->idx_wq_b, T, qr, nI * cI);
-        rope_rows(f, f->iq, nI, cI, &f->rcomp, 1);
+        ds4_fwd_rope_rows(f, f->iq, nI, cI, &f->rcomp, 1);
         matmul(f, f->iw, f->h, l->idx_weights, T, D, nI);
         const float wscale = 1.0f / sqrtf((float)nI);
         for (int64_t i = 0; i < T * nI; i++) f->iw[i] *= wscale;
@@ -512,15 +490,28 @@ static void attention(fwd *f, const ds4_layer_w *l) {
         if (nwin == 0)
             memset(f->nsel, 0, (size_t)T * sizeof(int32_t));
         else
-            parallel_range(f, T, indexer_range, &ix);
+            ds4_fwd_parallel_range(f, T, indexer_range, &ix);
     }
-    parallel_range(f, T, attn_range, &ax);
-    rope_rows(f, f->o, H, d, rt, -1); /* de-rotate the output at the query position */
+    ds4_fwd_parallel_range(f, T, attn_range, &ax);
+    ds4_fwd_rope_rows(f, f->o, H, d, rt, -1); /* de-rotate the output at the query position */
+    if (lt) {
+        lt->nwin = ax.nwin;
+        if (ax.nwin) keep(lt->cK, f->cK, f->B * f->S * d);
+        if (l->type == DS4_ATTN_CSA) {
+            memcpy(lt->sel, f->sel, (size_t)(T * f->sel_stride) * sizeof(int32_t));
+            memcpy(lt->nsel, f->nsel, (size_t)T * sizeof(int32_t));
+        }
+        keep(lt->o, f->o, T * H * d);
+    }
     /* grouped output projection: group g = heads [g·H/g, (g+1)·H/g) → o_lora values */
     const int64_t G = c->o_groups, ol = c->o_lora_rank, gw = H * d / G;
     for (int64_t g = 0; g < G; g++)
         ds4_matmul_nt(f->pool, f->y + g * ol, G * ol, f->o + g * gw, H * d, l->wo_a + g * ol * gw, T, gw, ol);
     matmul(f, f->a, f->y, l->wo_b, T, G * ol, D);
+    if (lt) {
+        keep(lt->y, f->y, T * G * ol);
+        keep(lt->a_attn, f->a, T * D);
+    }
 }
 
 /* ------------------------------------------------------------------------------------------------ MoE */
@@ -530,7 +521,7 @@ typedef struct {
     const int64_t *ids;
 } route_ctx;
 
-static inline float score_fn(ds4_score_func sf, float x) {
+float ds4_fwd_score(ds4_score_func sf, float x) {
     if (sf == DS4_SCORE_SIGMOID) return sigmoidf(x);
     /* torch softplus (beta 1, threshold 20): x above 20, log1p(exp(x)) otherwise */
     double sp = x > 20.0f ? (double)x : log1p(exp((double)x));
@@ -550,7 +541,7 @@ static void route_range(fwd *f, void *p, int64_t b, int64_t e, int64_t task) {
             for (int64_t x = 0; x < E; x++) den += exp((double)(s[x] - mx));
             for (int64_t x = 0; x < E; x++) s[x] = (float)(exp((double)(s[x] - mx)) / den);
         } else {
-            for (int64_t x = 0; x < E; x++) s[x] = score_fn(c->scoring_func, s[x]);
+            for (int64_t x = 0; x < E; x++) s[x] = ds4_fwd_score(c->scoring_func, s[x]);
         }
         int32_t *idx = f->eidx + t * K;
         if (cx->l->is_hash) {
@@ -593,12 +584,21 @@ static void swiglu_range(fwd *f, void *p, int64_t b, int64_t e, int64_t task) {
     }
 }
 
-static void swiglu(fwd *f, float *x, int64_t rows, const float *w1, const float *w3, const float *w2, float *out) {
+/* out = W2 (silu(min(x W1ᵀ, λ)) ⊙ clamp(x W3ᵀ, ±λ)) over `rows` rows; with g1_keep/g3_keep (training) the
+ * pre-activations of row r are kept at row slot[r] (or r when slot is NULL). */
+static void swiglu(fwd *f, float *x, int64_t rows, const float *w1, const float *w3, const float *w2, float *out,
+                   float *g1_keep, float *g3_keep, const int32_t *slot) {
     const int64_t D = f->c->hidden_size, I = f->c->moe_intermediate_size;
     matmul(f, f->g1, x, w1, rows, D, I);
     matmul(f, f->g3, x, w3, rows, D, I);
+    if (g1_keep)
+        for (int64_t r = 0; r < rows; r++) {
+            const int64_t dst = slot ? slot[r] : r;
+            keep(g1_keep + dst * I, f->g1 + r * I, I);
+            keep(g3_keep + dst * I, f->g3 + r * I, I);
+        }
     swiglu_ctx sx = {f->g1, f->g3, I, (float)f->c->swiglu_limit};
-    parallel_range(f, rows, swiglu_range, &sx);
+    ds4_fwd_parallel_range(f, rows, swiglu_range, &sx);
     matmul(f, out, f->g1, w2, rows, I, D);
 }
 
@@ -625,11 +625,21 @@ static void combine_range(fwd *f, void *p, int64_t b, int64_t e, int64_t task) {
 static void moe(fwd *f, const ds4_layer_w *l, const int64_t *ids) {
     const ds4_config *c = f->c;
     const int64_t T = f->T, D = c->hidden_size, E = c->n_routed_experts, K = c->num_experts_per_tok;
+    ds4_layer_tape *lt = f->lt;
     memcpy(f->h, f->u, (size_t)(T * D) * sizeof(float));
-    norm_rows(f, f->h, l->ffn_norm, T, D);
+    ds4_fwd_norm_rows(f, f->h, l->ffn_norm, T, D);
     matmul(f, f->rl, f->h, l->gate, T, D, E);
+    if (lt) {
+        keep(lt->h_ffn, f->h, T * D);
+        keep(lt->rlog, f->rl, T * E);
+    }
     route_ctx rx = {l, ids};
-    parallel_range(f, T, route_range, &rx);
+    ds4_fwd_parallel_range(f, T, route_range, &rx);
+    if (lt) {
+        keep(lt->rsc, f->rl, T * E);
+        memcpy(lt->eidx, f->eidx, (size_t)(T * K) * sizeof(int32_t));
+        keep(lt->ew, f->ew, T * K);
+    }
     /* group (token, slot) pairs by expert: counting sort */
     memset(f->ecount, 0, (size_t)(E + 1) * sizeof(int64_t));
     for (int64_t i = 0; i < T * K; i++) f->ecount[f->eidx[i] + 1]++;
@@ -643,7 +653,10 @@ static void moe(fwd *f, const ds4_layer_w *l, const int64_t *ids) {
         if (n == 0) continue;
         for (int64_t r = 0; r < n; r++) memcpy(f->xg + r * D, f->h + (f->perm[b + r] / K) * D, (size_t)D * sizeof(float));
         const int64_t I = c->moe_intermediate_size;
-        swiglu(f, f->xg, n, l->w1 + x * I * D, l->w3 + x * I * D, l->w2 + x * D * I, f->ye);
+        swiglu(f, f->xg, n, l->w1 + x * I * D, l->w3 + x * I * D, l->w2 + x * D * I, f->ye, lt ? lt->eg1 : NULL,
+               lt ? lt->eg3 : NULL, f->perm + b);
+        if (lt)
+            for (int64_t r = 0; r < n; r++) keep(lt->ye + (int64_t)f->perm[b + r] * D, f->ye + r * D, D);
         for (int64_t r = 0; r < n; r++) {
             const int32_t slot = f->perm[b + r];
             const float w = f->ew[slot];
@@ -652,24 +665,32 @@ static void moe(fwd *f, const ds4_layer_w *l, const int64_t *ids) {
             for (int64_t cc = 0; cc < D; cc++) dst[cc] = src[cc] * w;
         }
     }
-    swiglu(f, f->h, T, l->sw1, l->sw3, l->sw2, f->a); /* shared expert, every token */
-    parallel_range(f, T, combine_range, NULL);
+    swiglu(f, f->h, T, l->sw1, l->sw3, l->sw2, f->a, lt ? lt->sg1 : NULL, lt ? lt->sg3 : NULL,
+           NULL); /* shared expert, every token */
+    ds4_fwd_parallel_range(f, T, combine_range, NULL);
+    if (lt) keep(lt->a_ffn, f->a, T * D);
 }
 
 /* ------------------------------------------------------------------------------------------------ block / head */
 
 /* One decoder block over streams X (result back in X; Xt is scratch). */
 static void block(fwd *f, const ds4_layer_w *l, float *X, const int64_t *ids) {
+    const int64_t nD = f->c->hc_mult * f->c->hidden_size;
+    ds4_layer_tape *lt = f->lt;
+    if (lt) keep(lt->X_in, X, f->T * nD);
     hc_ctx hx = {&l->hc_attn, X};
-    parallel_range(f, f->T, hc_pre_range, &hx);
+    ds4_fwd_parallel_range(f, f->T, hc_pre_range, &hx);
+    if (lt) keep(lt->u_attn, f->u, f->T * f->c->hidden_size);
     attention(f, l);
     hc_post_ctx px = {X, f->a, f->Xt};
-    parallel_range(f, f->T, hc_post_range, &px);
+    ds4_fwd_parallel_range(f, f->T, hc_post_range, &px);
+    if (lt) keep(lt->X_mid, f->Xt, f->T * nD);
     hc_ctx hf = {&l->hc_ffn, f->Xt};
-    parallel_range(f, f->T, hc_pre_range, &hf);
+    ds4_fwd_parallel_range(f, f->T, hc_pre_range, &hf);
+    if (lt) keep(lt->u_ffn, f->u, f->T * f->c->hidden_size);
     moe(f, l, ids);
     hc_post_ctx pf = {f->Xt, f->a, X};
-    parallel_range(f, f->T, hc_post_range, &pf);
+    ds4_fwd_parallel_range(f, f->T, hc_post_range, &pf);
 }
 
 typedef struct {
@@ -695,11 +716,13 @@ static void hyperhead_range(fwd *f, void *p, int64_t b, int64_t e, int64_t task)
 
 /* logits = head(norm(HyperHead(X))) for all T rows. */
 static void lm_head(fwd *f, const float *X, const float *fn, const float *base, const float *scale, const float *norm,
-                    float *logits) {
+                    float *logits, float *u_keep, float *y_keep) {
     const int64_t D = f->c->hidden_size;
     head_ctx hx = {X, fn, base, scale};
-    parallel_range(f, f->T, hyperhead_range, &hx);
-    norm_rows(f, f->u, norm, f->T, D);
+    ds4_fwd_parallel_range(f, f->T, hyperhead_range, &hx);
+    keep(u_keep, f->u, f->T * D);
+    ds4_fwd_norm_rows(f, f->u, norm, f->T, D);
+    keep(y_keep, f->u, f->T * D);
     matmul(f, logits, f->u, f->m->head, f->T, D, f->c->vocab_size);
 }
 
@@ -756,46 +779,183 @@ static ds4_status check_args(const ds4_model *m, const ds4_forward_args *a, ds4_
     return DS4_OK;
 }
 
-ds4_status ds4_model_forward(ds4_model *m, const ds4_forward_args *args, ds4_forward_result *res, ds4_error *err) {
-    if (!m) return ds4_fail(err, DS4_ERR_ARG, "forward: model is NULL");
-    ds4_status s = check_args(m, args, err);
-    if (s) return s;
+ds4_status ds4_fwd_setup(ds4_model *m, fwd *f, int64_t B, int64_t S, int need_logits_ws, ds4_error *err) {
     const ds4_config *c = &m->cfg;
-    fwd f = {.m = m, .c = c, .pool = m->engine->pool, .B = args->batch, .S = args->seq};
-    f.T = f.B * f.S;
-    f.ntask = 4 * (int64_t)ds4_pool_threads(f.pool);
-    if (f.ntask > MAX_TASKS) f.ntask = MAX_TASKS;
-    const int need_ws_logits = args->logits == NULL && (args->labels != NULL);
+    *f = (fwd){.m = m, .c = c, .pool = m->engine->pool, .B = B, .S = S};
+    f->T = B * S;
+    f->ntask = 4 * (int64_t)ds4_pool_threads(f->pool);
+    if (f->ntask > MAX_TASKS) f->ntask = MAX_TASKS;
     arena a = {0};
-    plan(&f, &a, need_ws_logits);
+    plan(f, &a, need_logits_ws);
     if (a.used > m->ws_bytes) {
         free(m->ws);
         m->ws = malloc(a.used);
         m->ws_bytes = m->ws ? a.used : 0;
         if (!m->ws)
             return ds4_fail(err, DS4_ERR_OOM, "forward: workspace of %zu bytes for ids [%lld, %lld]", a.used,
-                            (long long)f.B, (long long)f.S);
+                            (long long)B, (long long)S);
     }
     arena w = {(char *)m->ws, 0};
-    plan(&f, &w, need_ws_logits);
-    rope_table(&f.rmain, &c->rope_main, f.S);
-    rope_table(&f.rcomp, &c->rope_compress, f.S);
+    plan(f, &w, need_logits_ws);
+    rope_table(&f->rmain, &c->rope_main, S);
+    rope_table(&f->rcomp, &c->rope_compress, S);
+    return DS4_OK;
+}
+
+/* Carve the tape for (B, S) out of one arena; sizes depend on each layer's attention type. */
+static void plan_tape(const ds4_model *m, ds4_tape *tp, arena *a, int64_t B, int64_t S, int with_mtp) {
+    const ds4_config *c = &m->cfg;
+    const size_t T = (size_t)(B * S), n = (size_t)c->hc_mult, D = (size_t)c->hidden_size, V = (size_t)c->vocab_size;
+    const size_t H = (size_t)c->num_attention_heads, d = (size_t)c->head_dim, K = (size_t)c->num_experts_per_tok;
+    const size_t I = (size_t)c->moe_intermediate_size, E = (size_t)c->n_routed_experts, qr = (size_t)c->q_lora_rank;
+    const size_t selw = (size_t)(c->index_topk < S ? c->index_topk : S) > 0 ? (size_t)(c->index_topk < S ? c->index_topk : S) : 1;
+    const int64_t L = c->num_hidden_layers;
+    tp->B = B;
+    tp->S = S;
+    tp->T = (int64_t)T;
+    tp->with_mtp = with_mtp;
+    for (int64_t li = 0; li < L + (with_mtp ? 1 : 0); li++) {
+        ds4_layer_tape *lt = a->base ? &tp->layers[li] : &(ds4_layer_tape){0};
+        const ds4_attn_type ty = li < L ? c->layer_types[li] : DS4_ATTN_SLIDING;
+        const size_t width = ty == DS4_ATTN_CSA ? 2 * d : (ty == DS4_ATTN_HCA ? d : 0);
+        lt->X_in = take(a, T * n * D, 4);
+        lt->X_mid = take(a, T * n * D, 4);
+        lt->u_attn = take(a, T * D, 4);
+        lt->h_attn = take(a, T * D, 4);
+        lt->qa = take(a, T * qr, 4);
+        lt->qr = take(a, T * qr, 4);
+        lt->q_pre = take(a, T * H * d, 4);
+        lt->q = take(a, T * H * d, 4);
+        lt->kv_pre = take(a, T * d, 4);
+        lt->kv = take(a, T * d, 4);
+        lt->cC = width ? take(a, T * width, 4) : NULL;
+        lt->cZ = width ? take(a, T * width, 4) : NULL;
+        lt->pool = width ? take(a, T * d, 4) : NULL;
+        lt->cK = width ? take(a, T * d, 4) : NULL;
+        lt->sel = ty == DS4_ATTN_CSA ? take(a, T * selw, 4) : NULL;
+        lt->nsel = ty == DS4_ATTN_CSA ? take(a, T, 4) : NULL;
+        lt->o = take(a, T * H * d, 4);
+        lt->y = take(a, T * (size_t)(c->o_groups * c->o_lora_rank), 4);
+        lt->a_attn = take(a, T * D, 4);
+        lt->u_ffn = take(a, T * D, 4);
+        lt->h_ffn = take(a, T * D, 4);
+        lt->rlog = take(a, T * E, 4);
+        lt->rsc = take(a, T * E, 4);
+        lt->eidx = take(a, T * K, 4);
+        lt->ew = take(a, T * K, 4);
+        lt->eg1 = take(a, T * K * I, 4);
+        lt->eg3 = take(a, T * K * I, 4);
+        lt->ye = take(a, T * K * D, 4);
+        lt->sg1 = take(a, T * I, 4);
+        lt->sg3 = take(a, T * I, 4);
+        lt->a_ffn = take(a, T * D, 4);
+    }
+    tp->X_L = take(a, T * n * D, 4);
+    tp->u_fin = take(a, T * D, 4);
+    tp->y_fin = take(a, T * D, 4);
+    tp->logits = take(a, T * V, 4);
+    tp->ids = take(a, T, 8);
+    tp->labels = take(a, T, 8);
+    tp->mtp_e = with_mtp ? take(a, T * D, 4) : NULL;
+    tp->mtp_en = with_mtp ? take(a, T * D, 4) : NULL;
+    tp->mtp_hn = with_mtp ? take(a, T * n * D, 4) : NULL;
+    tp->mtp_u = with_mtp ? take(a, T * D, 4) : NULL;
+    tp->mtp_y = with_mtp ? take(a, T * D, 4) : NULL;
+    tp->mtp_logits = with_mtp ? take(a, T * V, 4) : NULL;
+    tp->mtp_X = with_mtp ? take(a, T * n * D, 4) : NULL;
+}
+
+/* Size (and grow) the tape's memory for (B, S). */
+static ds4_status tape_reserve(const ds4_model *m, ds4_tape *tp, int64_t B, int64_t S, int with_mtp, ds4_error *err) {
+    const int64_t nl = m->cfg.num_hidden_layers + 1;
+    if (!tp->layers) {
+        tp->layers = calloc((size_t)nl, sizeof *tp->layers);
+        if (!tp->layers) return ds4_fail(err, DS4_ERR_OOM, "training forward: tape of %lld layers", (long long)nl);
+    }
+    arena a = {0};
+    plan_tape(m, tp, &a, B, S, with_mtp);
+    if (a.used > tp->bytes) {
+        free(tp->mem);
+        tp->mem = malloc(a.used);
+        tp->bytes = tp->mem ? a.used : 0;
+        if (!tp->mem)
+            return ds4_fail(err, DS4_ERR_OOM, "training forward: activation tape of %zu bytes for ids [%lld, %lld]",
+                            a.used, (long long)B, (long long)S);
+    }
+    arena w = {tp->mem, 0};
+    plan_tape(m, tp, &w, B, S, with_mtp);
+    return DS4_OK;
+}
+
+void ds4_tape_free(ds4_tape *t) {
+    if (!t) return;
+    free(t->layers);
+    free(t->mem);
+    free(t->bmem);
+    free(t);
+}
+
+ds4_status ds4_model_forward(ds4_model *m, const ds4_forward_args *args, ds4_forward_result *res, ds4_error *err) {
+    return ds4_fwd_run(m, args, res, NULL, err);
+}
+
+ds4_status ds4_model_forward_train(ds4_model *m, const ds4_forward_args *args, ds4_forward_result *res,
+                                   ds4_error *err) {
+    if (!m) return ds4_fail(err, DS4_ERR_ARG, "training forward: model is NULL");
+    if (!m->grads) return ds4_fail(err, DS4_ERR_ARG, "training forward: gradients are not enabled (enable_grad)");
+    if (!m->tape && !(m->tape = calloc(1, sizeof *m->tape)))
+        return ds4_fail(err, DS4_ERR_OOM, "training forward: tape");
+    return ds4_fwd_run(m, args, res, m->tape, err);
+}
+
+ds4_status ds4_fwd_run(ds4_model *m, const ds4_forward_args *args, ds4_forward_result *res, ds4_tape *tape,
+                       ds4_error *err) {
+    if (!m) return ds4_fail(err, DS4_ERR_ARG, "forward: model is NULL");
+    ds4_status s = check_args(m, args, err);
+    if (s) return s;
+    const int train_mtp = tape && m->topt.mtp_lambda > 0;
+    if (tape) {
+        if (!args->labels) return ds4_fail(err, DS4_ERR_ARG, "training forward: labels are required");
+        if (train_mtp && !m->has_mtp)
+            return ds4_fail(err, DS4_ERR_ARG, "training forward: mtp_lambda > 0 but the model has no mtp.0.* weights");
+        if (train_mtp && args->seq < 3)
+            return ds4_fail(err, DS4_ERR_SHAPE, "training forward: MTP loss needs seq >= 3 (ids [%lld, %lld])",
+                            (long long)args->batch, (long long)args->seq);
+        tape->valid = 0;
+        s = tape_reserve(m, tape, args->batch, args->seq, train_mtp, err);
+        if (s) return s;
+    }
+    const ds4_config *c = &m->cfg;
+    fwd f;
+    s = ds4_fwd_setup(m, &f, args->batch, args->seq, args->logits == NULL && args->labels != NULL, err);
+    if (s) return s;
+    f.tape = tape;
 
     const int64_t T = f.T, n = c->hc_mult, D = c->hidden_size, V = c->vocab_size;
     for (int64_t t = 0; t < T; t++) /* X⁰: n copies of the embedding */
         for (int64_t i = 0; i < n; i++)
             memcpy(f.X + (t * n + i) * D, m->embed + args->ids[t] * D, (size_t)D * sizeof(float));
     for (int64_t li = 0; li < c->num_hidden_layers; li++) {
+        f.lt = tape ? &tape->layers[li] : NULL;
         block(&f, &m->layers[li], f.X, args->ids);
         if (args->hidden) memcpy(args->hidden + li * T * n * D, f.X, (size_t)(T * n * D) * sizeof(float));
     }
-    float *logits = args->logits ? args->logits : f.logits_ws;
+    f.lt = NULL;
+    float *logits = tape ? tape->logits : (args->logits ? args->logits : f.logits_ws);
     ds4_forward_result r = {NAN, 0, NAN, 0};
     if (logits) {
-        lm_head(&f, f.X, m->hc_head_fn, m->hc_head_base, m->hc_head_scale, m->norm, logits);
+        if (tape) {
+            keep(tape->X_L, f.X, T * n * D);
+            memcpy(tape->ids, args->ids, (size_t)T * sizeof(int64_t));
+            memcpy(tape->labels, args->labels, (size_t)T * sizeof(int64_t));
+        }
+        lm_head(&f, f.X, m->hc_head_fn, m->hc_head_base, m->hc_head_scale, m->norm, logits,
+                tape ? tape->u_fin : NULL, tape ? tape->y_fin : NULL);
+        if (tape && args->logits) memcpy(args->logits, logits, (size_t)(T * V) * sizeof(float));
         if (args->labels) cross_entropy(logits, f.B, f.S, V, args->labels, f.S, 1, &r.loss, &r.loss_tokens);
     }
-    if (args->mtp_logits) {
+    float *mtp_logits = train_mtp ? tape->mtp_logits : args->mtp_logits;
+    if (mtp_logits) {
         /* MTP (§5): position i < S-1 combines the final streams X^L_i with the embedding of token i+1 and
          * runs one more block over the S-1 positions; its logits predict token i+2. */
         const ds4_mtp_w *mt = &m->mtp;
@@ -811,17 +971,32 @@ ds4_status ds4_model_forward(ds4_model *m, const ds4_forward_args *args, ds4_for
             }
         f.S = S1;
         f.T = T1;
-        norm_rows(&f, f.a, mt->enorm, T1, D);
+        if (train_mtp) keep(tape->mtp_e, f.a, T1 * D);
+        ds4_fwd_norm_rows(&f, f.a, mt->enorm, T1, D);
         matmul(&f, f.h, f.a, mt->e_proj, T1, D, D);
-        norm_rows(&f, f.Xt, mt->hnorm, T1 * n, D);
+        ds4_fwd_norm_rows(&f, f.Xt, mt->hnorm, T1 * n, D);
+        if (train_mtp) {
+            keep(tape->mtp_en, f.a, T1 * D);
+            keep(tape->mtp_hn, f.Xt, T1 * n * D);
+        }
         matmul(&f, f.Xz, f.Xt, mt->h_proj, T1 * n, D, D);
         for (int64_t t = 0; t < T1; t++)
-            for (int64_t i = 0; i < n; i++)
-                for (int64_t cc = 0; cc < D; cc++) f.Xz[(t * n + i) * D + cc] += f.h[t * D + cc];
+            for (int64_t i = 0; i < n; i++) ds4_axpy(f.Xz + (t * n + i) * D, 1.0f, f.h + t * D, D);
+        f.lt = train_mtp ? &tape->layers[c->num_hidden_layers] : NULL;
         block(&f, &mt->block, f.Xz, nxt);
-        lm_head(&f, f.Xz, mt->hc_head_fn, mt->hc_head_base, mt->hc_head_scale, mt->norm, args->mtp_logits);
+        f.lt = NULL;
+        if (train_mtp) keep(tape->mtp_X, f.Xz, T1 * n * D);
+        lm_head(&f, f.Xz, mt->hc_head_fn, mt->hc_head_base, mt->hc_head_scale, mt->norm, mtp_logits,
+                train_mtp ? tape->mtp_u : NULL, train_mtp ? tape->mtp_y : NULL);
+        if (train_mtp && args->mtp_logits) memcpy(args->mtp_logits, mtp_logits, (size_t)(T1 * V) * sizeof(float));
         if (args->labels)
-            cross_entropy(args->mtp_logits, B, S1, V, args->labels, S1 + 1, 2, &r.mtp_loss, &r.mtp_loss_tokens);
+            cross_entropy(mtp_logits, B, S1, V, args->labels, S1 + 1, 2, &r.mtp_loss, &r.mtp_loss_tokens);
+    }
+    if (tape) {
+        tape->valid = 1;
+        tape->loss_tokens = r.loss_tokens;
+        tape->mtp_tokens = train_mtp ? r.mtp_loss_tokens : 0;
+        if (train_mtp && r.mtp_loss_tokens > 0) r.loss += m->topt.mtp_lambda * r.mtp_loss;
     }
     if (res) *res = r;
     return DS4_OK;

@@ -149,6 +149,9 @@ ds4_status ds4_model_alloc(ds4_engine *e, const ds4_config *cfg, int with_mtp, d
     if (cfg->rope_main.dim > 2048 || cfg->rope_compress.dim > 2048)
         return ds4_fail(err, DS4_ERR_UNSUPPORTED, "model alloc: rotary width %lld / %lld > 2048",
                         (long long)cfg->rope_main.dim, (long long)cfg->rope_compress.dim);
+    if (cfg->compress_rate_csa > 256 || cfg->compress_rate_hca > 256) /* pooling slots on the stack in backward.c */
+        return ds4_fail(err, DS4_ERR_UNSUPPORTED, "model alloc: compress rates %lld / %lld > 256",
+                        (long long)cfg->compress_rate_csa, (long long)cfg->compress_rate_hca);
     if (cfg->n_routed_experts > 4096)
         return ds4_fail(err, DS4_ERR_UNSUPPORTED, "model alloc: n_routed_experts %lld > 4096",
                         (long long)cfg->n_routed_experts);
@@ -250,10 +253,75 @@ void ds4_model_free(ds4_model *m) {
     free(m->tid2eid_all);
     free(m->layers);
     free(m->ws);
+    free(m->grads);
+    ds4_tape_free(m->tape);
     free(m);
 }
 
 const ds4_config *ds4_model_config(const ds4_model *m) { return &m->cfg; }
+
+/* ------------------------------------------------------------------------------------------------ training */
+
+ds4_status ds4_model_enable_grad(ds4_model *m, ds4_error *err) {
+    if (!m) return ds4_fail(err, DS4_ERR_ARG, "enable_grad: model is NULL");
+    if (m->grads) return DS4_OK;
+    m->grads = calloc((size_t)(m->n_params ? m->n_params : 1), sizeof(float));
+    if (!m->grads) return ds4_fail(err, DS4_ERR_OOM, "enable_grad: %lld fp32 gradients", (long long)m->n_params);
+    return DS4_OK;
+}
+
+void ds4_model_zero_grad(ds4_model *m) {
+    if (m && m->grads) memset(m->grads, 0, (size_t)m->n_params * sizeof(float));
+}
+
+float *ds4_model_params(ds4_model *m) { return m->params; }
+float *ds4_model_grads(ds4_model *m) { return m->grads; }
+
+ds4_status ds4_model_set_train_options(ds4_model *m, const ds4_train_options *o, ds4_error *err) {
+    if (!m || !o) return ds4_fail(err, DS4_ERR_ARG, "set_train_options: NULL argument");
+    if (!(o->mtp_lambda >= 0) || !isfinite(o->mtp_lambda))
+        return ds4_fail(err, DS4_ERR_ARG, "set_train_options: mtp_lambda %g must be finite and >= 0", o->mtp_lambda);
+    if (o->mtp_lambda > 0 && !m->has_mtp)
+        return ds4_fail(err, DS4_ERR_ARG, "set_train_options: mtp_lambda %g but the model has no mtp.0.* weights",
+                        o->mtp_lambda);
+    if (o->indexer_kl)
+        return ds4_fail(err, DS4_ERR_UNSUPPORTED, "set_train_options: the indexer KL loss is not implemented yet");
+    m->topt = *o;
+    return DS4_OK;
+}
+
+/* AdamW weight decay applies to matrices only: not to norms, biases (router bias, compressor position bias
+ * 'ape'), attention sinks, or the mHC base/scale vectors. */
+static int decays(const char *name) {
+    static const char *const no[] = {"norm.weight", "_base", "_scale", "attn_sink", ".ape", "gate.bias", NULL};
+    size_t n = strlen(name);
+    for (int i = 0; no[i]; i++) {
+        size_t k = strlen(no[i]);
+        if (n >= k && strcmp(name + n - k, no[i]) == 0) return 0;
+    }
+    return 1;
+}
+
+/* Which tensors the active losses reach: the indexer only through its own loss, the router bias never
+ * (it only shifts selection), the MTP block only through the MTP loss. */
+static int trainable(const ds4_model *m, const char *name) {
+    if (strstr(name, ".attn.indexer.") && !m->topt.indexer_kl) return 0;
+    if (strstr(name, ".ffn.gate.bias")) return 0;
+    if (strncmp(name, "mtp.", 4) == 0 && !(m->topt.mtp_lambda > 0)) return 0;
+    return 1;
+}
+
+ds4_status ds4_model_tensor_info(const ds4_model *m, size_t i, ds4_tensor_info *out, ds4_error *err) {
+    if (!m || !out) return ds4_fail(err, DS4_ERR_ARG, "tensor_info: NULL argument");
+    if (i >= m->n_table) return ds4_fail(err, DS4_ERR_ARG, "tensor_info: index %zu >= %zu", i, m->n_table);
+    const ds4_param *p = &m->table[i];
+    out->offset = p->offset;
+    out->numel = p->numel;
+    out->is_param = p->dtype == DS4_F32;
+    out->trainable = out->is_param && trainable(m, p->name);
+    out->decay = out->trainable && decays(p->name);
+    return DS4_OK;
+}
 int ds4_model_has_mtp(const ds4_model *m) { return m->has_mtp; }
 int64_t ds4_model_param_count(const ds4_model *m) { return m->n_params; }
 size_t ds4_model_tensor_count(const ds4_model *m) { return m->n_table; }

@@ -94,7 +94,13 @@ struct ds4_model {
     /* forward workspace, planned from (B, S) and reused while it is large enough */
     void *ws;
     size_t ws_bytes;
+    /* training */
+    float *grads;                        /* flat, parallel to params; NULL until enable_grad */
+    ds4_train_options topt;
+    struct ds4_tape *tape;               /* activations of the last training forward (fwd.h) */
 };
+
+void ds4_tape_free(struct ds4_tape *t);
 
 /* Build the parameter table for `cfg` (with MTP when `with_mtp`), allocate the flat buffer (zeroed) and
  * resolve every view. */

@@ -286,4 +286,9 @@ ds4_status ds4_model_forward(ds4_model *m, const ds4_forward_args *args, ds4_for
 #ifdef __cplusplus
 }
 #endif
+
+#include "ds4_train.h"
+#include "ds4_ckpt.h"
+#include "ds4_tokenizer.h"
+
 #endif /* DS4_H */

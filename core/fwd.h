@@ -1,0 +1,129 @@
+/* fwd.h — the forward pass's internal state, shared by forward.c and backward.c (not installed).
+ *
+ * A training forward fills a tape: per block, the activations the backward pass needs (copies taken at the
+ * points noted below, because the forward's scratch is reused by the next layer). Everything is planned
+ * from (B, S) once per call; nothing is allocated per token or per layer. */
+#ifndef DS4_FWD_H
+#define DS4_FWD_H
+
+#include <math.h>
+#include <stdint.h>
+
+#include "kernels_cpu.h"
+#include "model.h"
+
+enum { MAX_TASKS = 64 };
+
+typedef struct rope_tab {
+    int64_t half;     /* r/2 rotated pairs */
+    float *cs;        /* [S, r] interleaved (cos, sin) per pair, already scaled by attention_factor */
+} rope_tab;
+
+/* Activations of one block saved by a training forward (T = B·S rows). */
+typedef struct ds4_layer_tape {
+    float *X_in, *X_mid;          /* [T, n, D] streams entering the block / after the attention site */
+    float *u_attn, *h_attn;       /* [T, D] collapsed input, after attn_norm */
+    float *qa, *qr;               /* [T, q_lora] before / after q_norm */
+    float *q_pre, *q;             /* [T, H·d] before the per-head RMS / after RoPE */
+    float *kv_pre, *kv;           /* [T, d] before kv_norm / after RoPE */
+    float *cC, *cZ;               /* [T, width] compressor projections */
+    float *pool, *cK;             /* [B·S, d] pooled entries before norm / final entries */
+    int64_t nwin;                 /* compressed entries per row */
+    int32_t *sel, *nsel;          /* [T, sel_stride], [T]: indexer picks (CSA) */
+    float *o;                     /* [T, H·d] attention output after de-rotation */
+    float *y;                     /* [T, g·o_lora] */
+    float *a_attn;                /* [T, D] attention sub-layer output */
+    float *u_ffn, *h_ffn;         /* [T, D] */
+    float *rlog, *rsc;            /* [T, E] router logits / scores */
+    int32_t *eidx;                /* [T, K] */
+    float *ew;                    /* [T, K] routing weights */
+    float *eg1, *eg3;             /* [T·K, I] expert pre-activations per (token, slot) */
+    float *ye;                    /* [T·K, D] expert outputs per (token, slot), before weighting */
+    float *sg1, *sg3;             /* [T, I] shared expert pre-activations */
+    float *a_ffn;                 /* [T, D] MoE output (routed + shared) */
+} ds4_layer_tape;
+
+typedef struct ds4_tape {
+    int64_t B, S, T;              /* of the main forward; the MTP block runs over S-1 positions */
+    int valid;                    /* a training forward filled it and no backward consumed it */
+    int with_mtp;
+    ds4_layer_tape *layers;       /* [L] main blocks, then [1] the MTP block */
+    float *X_L;                   /* [T, n, D] final streams */
+    float *u_fin, *y_fin;         /* [T, D] HyperHead output / after the final norm */
+    float *logits;                /* [T, V] */
+    int64_t *ids, *labels;        /* [T] */
+    /* MTP (positions i < S-1): inputs and its head */
+    float *mtp_e, *mtp_en;        /* [T1, D] embedding of token i+1 / after enorm */
+    float *mtp_hn;                /* [T1, n, D] hnorm of X^L_i */
+    float *mtp_u, *mtp_y;         /* [T1, D] MTP HyperHead output / after mtp norm */
+    float *mtp_logits;            /* [T1, V] */
+    float *mtp_X;                 /* [T1, n, D] MTP block output */
+    int64_t loss_tokens, mtp_tokens; /* scored tokens of the main and MTP losses */
+    char *mem;
+    size_t bytes;
+    char *bmem;                   /* backward workspace, planned from (B, S) */
+    size_t bbytes;
+} ds4_tape;
+
+typedef struct fwd {
+    ds4_model *m;
+    const ds4_config *c;
+    ds4_pool *pool;
+    int64_t B, S, T, ntask;
+    rope_tab rmain, rcomp;
+    /* planned scratch */
+    float *X, *Xt, *Xz;           /* [T, n, D] streams */
+    float *pre, *post, *comb;     /* [T, n], [T, n], [T, n, n] */
+    float *u, *h, *a;             /* [T, D] */
+    float *qr;                    /* [T, q_lora] */
+    float *q, *o;                 /* [T, H·d] */
+    float *kv;                    /* [T, d] */
+    float *y;                     /* [T, g·o_lora] */
+    float *cC, *cZ;               /* [T, 2d] compressor projections */
+    float *cK;                    /* [B, S, d] compressed entries (at most S/m per row used) */
+    float *iC, *iZ;               /* [T, 2c_I] */
+    float *iK;                    /* [B, S, c_I] */
+    float *iq;                    /* [T, n_I·c_I] */
+    float *iw;                    /* [T, n_I] */
+    int32_t *sel;                 /* [T, sel_stride] indexer picks */
+    int32_t *nsel;                /* [T] number of picks */
+    int64_t sel_stride;           /* max(1, min(index_topk, S)) */
+    float *scratch;               /* [ntask, scratch_stride] per-task scratch, see plan() */
+    int64_t scratch_stride;
+    int64_t key_off;              /* attention scratch: logits first, then key pointers from here */
+    float *rl;                    /* [T, E] router scores */
+    int32_t *eidx;                /* [T, K] */
+    float *ew;                    /* [T, K] */
+    float *yk;                    /* [T·K, D] weighted expert outputs per (token, slot) */
+    float *xg;                    /* [T·K, D] gathered expert inputs */
+    float *ye;                    /* [T·K, D] expert outputs before weighting */
+    float *g1, *g3;               /* [T·K, I] */
+    int32_t *perm;                /* [T·K] (token·K + slot) grouped by expert */
+    int64_t *ecount;              /* [E + 1] */
+    float *logits_ws;             /* [T, V] when the caller wants a loss but no logits */
+    int64_t *mtp_ids;             /* [T] next-token ids for the MTP block */
+    ds4_tape *tape;               /* training forward: where to save activations (NULL: inference) */
+    ds4_layer_tape *lt;           /* the current block's slot in the tape (NULL: inference) */
+} fwd;
+
+
+static inline const float *rope_at(const rope_tab *t, int64_t pos) { return t->cs + pos * 2 * t->half; }
+static inline float sigmoidf(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+typedef void (*range_fn)(fwd *f, void *ctx, int64_t begin, int64_t end, int64_t task);
+/* Split [0, n) into f->ntask contiguous ranges; task i may use scratch slot i. */
+void ds4_fwd_parallel_range(fwd *f, int64_t n, range_fn fn, void *ctx);
+void ds4_fwd_norm_rows(fwd *f, float *x, const float *w, int64_t rows, int64_t width);
+void ds4_fwd_rope_rows(fwd *f, float *x, int64_t heads, int64_t width, const rope_tab *rt, int sign);
+
+/* Per-call setup shared by forward and backward: the fwd state for (B, S) with its scratch planned in the
+ * model's workspace and the RoPE tables filled. */
+ds4_status ds4_fwd_setup(ds4_model *m, fwd *f, int64_t B, int64_t S, int need_logits_ws, ds4_error *err);
+
+/* The forward of ds4_model_forward; with a tape it also saves what the backward needs. */
+ds4_status ds4_fwd_run(ds4_model *m, const ds4_forward_args *args, ds4_forward_result *res, ds4_tape *tape,
+                       ds4_error *err);
+/* Router score s(x) for one logit and its derivative ds/dx (sqrt-softplus, sigmoid; softmax is per row). */
+float ds4_fwd_score(ds4_score_func sf, float x);
+
+#endif

@@ -1,0 +1,85 @@
+/* ds4_train.h — training: gradients, the backward pass, AdamW, checkpoints. Included by ds4.h.
+ *
+ * Gradients live in one flat fp32 buffer parallel to the parameter buffer (same offsets as the named views
+ * of ds4_model_tensor_at). Backward ACCUMULATES into it, so micro-batches add up; ds4_model_zero_grad
+ * clears it. Parameters that receive no gradient from the active losses (the lightning indexer without its
+ * KL loss, the selection-only router bias, the MTP block without the MTP loss) get exactly zero and are
+ * reported as not trainable, so optimizers leave them alone (as torch does with a None gradient). */
+#ifndef DS4_TRAIN_H
+#define DS4_TRAIN_H
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct ds4_train_options {
+    double mtp_lambda;        /* > 0: add mtp_lambda · MTP cross-entropy to the loss (needs mtp.0 weights) */
+    int32_t indexer_kl;       /* reserved: train the indexer toward the attention distribution (not yet) */
+} ds4_train_options;
+
+/* Allocate the gradient buffer (zeroed). Idempotent. */
+ds4_status ds4_model_enable_grad(ds4_model *m, ds4_error *err);
+void ds4_model_zero_grad(ds4_model *m);
+float *ds4_model_params(ds4_model *m);         /* flat [ds4_model_param_count] */
+float *ds4_model_grads(ds4_model *m);          /* flat, parallel to params; NULL before enable_grad */
+ds4_status ds4_model_set_train_options(ds4_model *m, const ds4_train_options *o, ds4_error *err);
+
+/* Per named tensor i (as ds4_model_tensor_at): flat offset and size in the parameter buffer, whether it
+ * receives a gradient under the current training options, and whether AdamW weight decay applies
+ * (not on norms, biases, sinks, mHC base/scale). Integer tables (tid2eid) are never trainable. */
+typedef struct ds4_tensor_info {
+    int64_t offset, numel;
+    int32_t is_param;         /* 1: lives in the fp32 parameter buffer */
+    int32_t trainable;
+    int32_t decay;
+} ds4_tensor_info;
+ds4_status ds4_model_tensor_info(const ds4_model *m, size_t i, ds4_tensor_info *out, ds4_error *err);
+
+/* A training forward: like ds4_model_forward (labels required) but keeps the activations the backward
+ * needs. res->loss is the mean cross-entropy over scored tokens (+ mtp_lambda · MTP loss when enabled). */
+ds4_status ds4_model_forward_train(ds4_model *m, const ds4_forward_args *args, ds4_forward_result *res,
+                                   ds4_error *err);
+/* Back-propagate `scale` · Σ(per-token CE over scored tokens) of the last training forward, accumulating into
+ * the gradient buffer. scale = 1 / loss_tokens reproduces the gradient of the mean loss; for micro-batches
+ * of one global batch pass 1 / (scored tokens of the whole global batch) to each. */
+ds4_status ds4_model_backward(ds4_model *m, double scale, ds4_error *err);
+
+/* ------------------------------------------------------------------------------------------------ AdamW */
+
+typedef enum ds4_lr_schedule {
+    DS4_LR_CONSTANT = 0,      /* lr (after warm-up, if warmup_steps > 0) */
+    DS4_LR_LINEAR = 1,        /* warm-up, then linear decay to min_lr_ratio·lr at total_steps */
+    DS4_LR_COSINE = 2         /* warm-up, then cosine decay to min_lr_ratio·lr at total_steps */
+} ds4_lr_schedule;
+
+typedef struct ds4_adamw_options {
+    double lr;                /* peak learning rate */
+    double beta1, beta2, eps;
+    double weight_decay;      /* decoupled, on tensors with decay = 1 */
+    double clip;              /* global gradient-norm clip; <= 0: off */
+    ds4_lr_schedule schedule;
+    int64_t warmup_steps;     /* linear warm-up: lr·(k+1)/warmup_steps for update k < warmup_steps */
+    int64_t total_steps;      /* end of the decay */
+    double min_lr_ratio;
+} ds4_adamw_options;
+
+/* Learning rate for update number k (0-based: k updates completed before this one). */
+double ds4_lr_at(const ds4_adamw_options *o, int64_t k);
+
+typedef struct ds4_adamw ds4_adamw;
+typedef struct ds4_adamw_stats {
+    double lr;                /* used by this update */
+    double grad_norm;         /* global L2 norm of the trainable gradients before clipping */
+    int64_t step;             /* updates completed, this one included */
+} ds4_adamw_stats;
+
+ds4_status ds4_adamw_create(ds4_model *m, const ds4_adamw_options *o, ds4_adamw **out, ds4_error *err);
+void ds4_adamw_free(ds4_adamw *a);
+/* One update from the model's gradient buffer (clip, then AdamW on trainable tensors). Does not zero grads. */
+ds4_status ds4_adamw_step(ds4_adamw *a, ds4_adamw_stats *stats, ds4_error *err);
+int64_t ds4_adamw_steps(const ds4_adamw *a);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,123 @@
+/* test_backward.c — every parameter's gradient against torch autograd on transformers' model (fp32).
+ *
+ * grads.safetensors (tests/gen_fixtures.py) holds, under the canonical names, d(loss)/d(param) for the
+ * fixture batch ("main.*") and, for tiny_a, d(loss + 0.3·mtp_loss)/d(param) ("mtp.*").
+ *
+ * Criterion: ‖g − g_ref‖ / max(‖g_ref‖, floor) ≤ 1e-3 per tensor (Frobenius norms). Both sides are fp32 with
+ * different summation orders; measured ratios are ~1e-6..1e-5, so 1e-3 leaves a wide margin while any
+ * wrong term (a missing clamp mask, a transposed mix, a wrong softmax Jacobian) moves a tensor's gradient by
+ * far more. The floor 1e-7·sqrt(numel) only matters for tensors whose true gradient is (near) zero: a mean
+ * per-element error of 1e-7 is below fp32 resolution of the surrounding values. Tensors torch gives no
+ * gradient (indexer, router bias, the MTP block without the MTP loss) must be exactly zero. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "testlib.h"
+
+static int zero_expected(const char *name, int mtp_on) {
+    if (strstr(name, ".attn.indexer.") || strstr(name, ".ffn.gate.bias")) return 1;
+    return !mtp_on && strncmp(name, "mtp.", 4) == 0;
+}
+
+static void check_grads(ds4_model *m, const ds4_st_file *gf, const char *prefix, const char *fx, int mtp_on) {
+    ds4_error err = {0};
+    const float *G = ds4_model_grads(m);
+    double worst = 0;
+    const char *worst_name = "";
+    size_t checked = 0;
+    for (size_t i = 0; i < ds4_model_tensor_count(m); i++) {
+        const char *name;
+        ds4_tensor view;
+        ds4_tensor_info info;
+        CHECK_OK(ds4_model_tensor_at(m, i, &name, &view, &err), &err);
+        CHECK_OK(ds4_model_tensor_info(m, i, &info, &err), &err);
+        if (!info.is_param) continue;
+        const float *g = G + info.offset;
+        if (zero_expected(name, mtp_on)) {
+            int64_t nz = 0;
+            for (int64_t k = 0; k < info.numel; k++) nz += g[k] != 0.0f;
+            CHECK(nz == 0, "%s %s: %lld non-zero gradient elements where none may flow", fx, name, (long long)nz);
+            CHECK(!info.trainable, "%s %s: reported trainable", fx, name);
+            continue;
+        }
+        char key[300];
+        snprintf(key, sizeof key, "%s%s", prefix, name);
+        const ds4_st_entry *e = ds4_st_find(gf, key);
+        CHECK(e != NULL, "%s: fixture lacks %s", fx, key);
+        if (!e) continue;
+        int64_t numel = 1;
+        for (int32_t k = 0; k < e->ndim; k++) numel *= e->shape[k];
+        CHECK(numel == info.numel, "%s %s: %lld elements vs fixture %lld", fx, name, (long long)info.numel,
+              (long long)numel);
+        if (numel != info.numel) continue;
+        double dd = 0, rr = 0;
+        for (int64_t k = 0; k < numel; k++) {
+            float r;
+            memcpy(&r, (const char *)e->data + 4 * k, 4);
+            dd += ((double)g[k] - r) * ((double)g[k] - r);
+            rr += (double)r * r;
+        }
+        const double floor = 1e-7 * sqrt((double)numel);
+        const double rel = sqrt(dd) / fmax(sqrt(rr), floor);
+        if (!(rel <= worst)) worst = rel, worst_name = name;
+        CHECK(rel <= 1e-3, "%s %s%s: relative gradient error %.3g (|ref| %.3g)", fx, prefix, name, rel, sqrt(rr));
+        checked++;
+    }
+    printf("  %-8s %-6s %zu tensors, worst relative error %.3g (%s)\n", fx, prefix, checked, worst, worst_name);
+}
+
+static void run(ds4_engine *eng, const char *fixtures, const char *name) {
+    ds4_error err = {0};
+    char dir[4096];
+    snprintf(dir, sizeof dir, "%s/%s", fixtures, name);
+    ds4_model *m = NULL;
+    ds4_st_file *io = NULL, *gf = NULL;
+    CHECK_OK(ds4_model_load(eng, dir, &m, &err), &err);
+    CHECK_OK(ds4_st_open(ds4t_path(dir, "io.safetensors"), &io, &err), &err);
+    CHECK_OK(ds4_st_open(ds4t_path(dir, "grads.safetensors"), &gf, &err), &err);
+    if (!m || !io || !gf) goto out;
+    const ds4_st_entry *ids = ds4_st_find(io, "input_ids"), *labels = ds4_st_find(io, "labels");
+    const int64_t B = ids->shape[0], S = ids->shape[1];
+    int64_t *idv = malloc((size_t)(B * S) * 8), *lbv = malloc((size_t)(B * S) * 8);
+    memcpy(idv, ids->data, (size_t)(B * S) * 8);
+    memcpy(lbv, labels->data, (size_t)(B * S) * 8);
+    ds4_forward_args a = {.ids = idv, .batch = B, .seq = S, .labels = lbv};
+    ds4_forward_result r;
+    /* backward before any training forward is an error, not a crash */
+    CHECK_STATUS(ds4_model_backward(m, 1.0, &err), DS4_ERR_ARG, &err);
+    CHECK_OK(ds4_model_enable_grad(m, &err), &err);
+    CHECK_STATUS(ds4_model_backward(m, 1.0, &err), DS4_ERR_ARG, &err);
+    CHECK_OK(ds4_model_forward_train(m, &a, &r, &err), &err);
+    CHECK_OK(ds4_model_backward(m, 1.0 / (double)r.loss_tokens, &err), &err);
+    check_grads(m, gf, "main.", name, 0);
+    /* the tape is consumed: a second backward needs a new forward */
+    CHECK_STATUS(ds4_model_backward(m, 1.0, &err), DS4_ERR_ARG, &err);
+    if (ds4_model_has_mtp(m)) {
+        ds4_train_options o = {.mtp_lambda = 0.3};
+        CHECK_OK(ds4_model_set_train_options(m, &o, &err), &err);
+        ds4_model_zero_grad(m);
+        CHECK_OK(ds4_model_forward_train(m, &a, &r, &err), &err);
+        CHECK_OK(ds4_model_backward(m, 1.0 / (double)r.loss_tokens, &err), &err);
+        check_grads(m, gf, "mtp.", name, 1);
+    }
+    free(idv);
+    free(lbv);
+out:
+    ds4_st_close(io);
+    ds4_st_close(gf);
+    ds4_model_free(m);
+}
+
+int main(int argc, char **argv) {
+    const char *fixtures = argc > 1 ? argv[1] : "tests/fixtures";
+    ds4_error err = {0};
+    ds4_engine *eng = NULL;
+    CHECK_OK(ds4_engine_create(NULL, &eng, &err), &err);
+    if (!eng) return ds4t_finish("test_backward");
+    run(eng, fixtures, "tiny_a");
+    run(eng, fixtures, "tiny_b");
+    run(eng, fixtures, "tiny_hf");
+    ds4_engine_free(eng);
+    return ds4t_finish("test_backward");
+}
