@@ -865,15 +865,18 @@ static void hyperhead_bwd(bwd *b, const float *X, const float *fn, const float *
     }
 }
 
-/* dlogits = scale·(softmax − onehot) at scored positions (labels[b, s + shift] != -100), 0 elsewhere. */
-static void ce_bwd(float *dl, const float *logits, int64_t B, int64_t Sl, int64_t V, const int64_t *labels,
-                   int64_t S, int64_t shift, double scale) {
+/* dlogits of a per-token objective on log p(target): d logp_y / dz = onehot(y) − softmax(z), so
+ * dz = g·(onehot − softmax) with g = dlogp[b·Sl + s] (or the constant g0 when dlogp is NULL) at scored
+ * positions (labels[b, s + shift] != -100), 0 elsewhere. The cross-entropy is the case g = −scale. */
+static void logp_bwd(float *dl, const float *logits, int64_t B, int64_t Sl, int64_t V, const int64_t *labels,
+                     int64_t S, int64_t shift, const float *dlogp, double g0) {
     for (int64_t bb = 0; bb < B; bb++)
         for (int64_t s = 0; s < Sl; s++) {
             float *d = dl + (bb * Sl + s) * V;
             const float *z = logits + (bb * Sl + s) * V;
             const int64_t y = s + shift < S ? labels[bb * S + s + shift] : -100;
-            if (y == -100) {
+            const double g = dlogp ? (double)dlogp[bb * Sl + s] : g0;
+            if (y == -100 || g == 0) {
                 memset(d, 0, (size_t)V * sizeof(float));
                 continue;
             }
@@ -881,18 +884,18 @@ static void ce_bwd(float *dl, const float *logits, int64_t B, int64_t Sl, int64_
             for (int64_t v = 0; v < V; v++) mx = z[v] > mx ? z[v] : mx;
             double se = 0;
             for (int64_t v = 0; v < V; v++) se += exp((double)z[v] - mx);
-            for (int64_t v = 0; v < V; v++) d[v] = (float)(scale * exp((double)z[v] - mx) / se);
-            d[y] -= (float)scale;
+            for (int64_t v = 0; v < V; v++) d[v] = (float)(-g * exp((double)z[v] - mx) / se);
+            d[y] += (float)g;
         }
 }
 
 /* The head of a pass: logits = head(norm(HyperHead(X))) → dX (written). */
 static void head_bwd(bwd *b, const float *logits, const float *u, const float *y, const float *X, const float *fn,
                      const float *base, const float *scale, const float *norm, const int64_t *labels, int64_t Sl,
-                     int64_t S, int64_t shift, double ce_scale, float *dX) {
+                     int64_t S, int64_t shift, const float *dlogp, double g0, float *dX) {
     const ds4_config *c = &b->m->cfg;
     const int64_t T = b->f.T, D = c->hidden_size, V = c->vocab_size;
-    ce_bwd(b->dlog, logits, b->f.B, Sl, V, labels, S, shift, ce_scale);
+    logp_bwd(b->dlog, logits, b->f.B, Sl, V, labels, S, shift, dlogp, g0);
     lin_bwd(b, b->dh, D, 0, GRAD(b, b->m->head), b->dlog, V, y, D, b->m->head, T, D, V);
     norm_bwd(b, b->du, 0, GRAD(b, norm), b->dh, u, norm, T, D);
     hyperhead_bwd(b, X, fn, base, scale, b->du, dX);
@@ -900,13 +903,62 @@ static void head_bwd(bwd *b, const float *logits, const float *u, const float *y
 
 /* ------------------------------------------------------------------------------------------------ entry */
 
+static ds4_status tape_ready(ds4_model *m, const char *op, ds4_error *err) {
+    if (!m) return ds4_fail(err, DS4_ERR_ARG, "%s: model is NULL", op);
+    if (!m->grads) return ds4_fail(err, DS4_ERR_ARG, "%s: gradients are not enabled (enable_grad)", op);
+    if (!m->tape || !m->tape->valid)
+        return ds4_fail(err, DS4_ERR_ARG, "%s: no training forward to differentiate (call forward_train first)", op);
+    return DS4_OK;
+}
+
+ds4_status ds4_model_logprobs(ds4_model *m, float *logp, float *entropy, ds4_error *err) {
+    ds4_status s = tape_ready(m, "logprobs", err);
+    if (s) return s;
+    const ds4_tape *tp = m->tape;
+    const int64_t S = tp->S, V = m->cfg.vocab_size;
+    for (int64_t t = 0; t < tp->T; t++) {
+        const float *z = tp->logits + t * V;
+        float mx = -INFINITY;
+        for (int64_t v = 0; v < V; v++) mx = z[v] > mx ? z[v] : mx;
+        double se = 0, ez = 0;
+        for (int64_t v = 0; v < V; v++) {
+            const double e = exp((double)z[v] - mx);
+            se += e;
+            ez += e * ((double)z[v] - mx);
+        }
+        const double lse = log(se);
+        const int64_t y = t % S + 1 < S ? tp->labels[t + 1] : -100;
+        if (logp) logp[t] = y == -100 ? 0.0f : (float)((double)z[y] - mx - lse);
+        if (entropy) entropy[t] = (float)(lse - ez / se); /* H = log Σe − E[z − mx] */
+    }
+    return DS4_OK;
+}
+
+static ds4_status backward_impl(ds4_model *m, const float *dlogp, double scale, ds4_error *err);
+
 ds4_status ds4_model_backward(ds4_model *m, double scale, ds4_error *err) {
-    if (!m) return ds4_fail(err, DS4_ERR_ARG, "backward: model is NULL");
-    if (!m->grads) return ds4_fail(err, DS4_ERR_ARG, "backward: gradients are not enabled (enable_grad)");
-    ds4_tape *tp = m->tape;
-    if (!tp || !tp->valid)
-        return ds4_fail(err, DS4_ERR_ARG, "backward: no training forward to differentiate (call forward_train first)");
+    ds4_status s = tape_ready(m, "backward", err);
+    if (s) return s;
     if (!isfinite(scale)) return ds4_fail(err, DS4_ERR_ARG, "backward: scale %g is not finite", scale);
+    return backward_impl(m, NULL, scale, err);
+}
+
+ds4_status ds4_model_backward_logprobs(ds4_model *m, const float *dlogp, ds4_error *err) {
+    ds4_status s = tape_ready(m, "backward_logprobs", err);
+    if (s) return s;
+    if (!dlogp) return ds4_fail(err, DS4_ERR_ARG, "backward_logprobs: dlogp is NULL");
+    for (int64_t t = 0; t < m->tape->T; t++)
+        if (!isfinite(dlogp[t]))
+            return ds4_fail(err, DS4_ERR_ARG, "backward_logprobs: dlogp[%lld, %lld] = %g is not finite (dlogp [%lld, %lld])",
+                            (long long)(t / m->tape->S), (long long)(t % m->tape->S), (double)dlogp[t],
+                            (long long)m->tape->B, (long long)m->tape->S);
+    return backward_impl(m, dlogp, 0.0, err);
+}
+
+/* The CE path passes dlogp = NULL and scale; the per-token path passes dlogp (and the MTP term, when on,
+ * keeps its own mean normalisation relative to the main loss: see below). */
+static ds4_status backward_impl(ds4_model *m, const float *dlogp, double scale, ds4_error *err) {
+    ds4_tape *tp = m->tape;
     const ds4_config *c = &m->cfg;
     bwd b;
     memset(&b, 0, sizeof b);
@@ -931,8 +983,8 @@ ds4_status ds4_model_backward(ds4_model *m, double scale, ds4_error *err) {
     const int64_t L = c->num_hidden_layers;
 
     head_bwd(&b, tp->logits, tp->u_fin, tp->y_fin, tp->X_L, m->hc_head_fn, m->hc_head_base, m->hc_head_scale, m->norm,
-             tp->labels, S, S, 1, scale, b.dX);
-    if (tp->with_mtp && tp->mtp_tokens > 0) {
+             tp->labels, S, S, 1, dlogp, -scale, b.dX);
+    if (tp->with_mtp && tp->mtp_tokens > 0 && !dlogp) {
         /* MTP term λ·mean over its own scored tokens: per-token scale λ·scale·(main tokens / MTP tokens), which
          * is λ / mtp_tokens when scale = 1 / loss_tokens */
         const ds4_mtp_w *mt = &m->mtp;
@@ -942,7 +994,7 @@ ds4_status ds4_model_backward(ds4_model *m, double scale, ds4_error *err) {
         b.f.T = T1;
         /* the main gradient stays in dX; the MTP pass works in dmtp (block_bwd's scratch is dXt) */
         head_bwd(&b, tp->mtp_logits, tp->mtp_u, tp->mtp_y, tp->mtp_X, mt->hc_head_fn, mt->hc_head_base,
-                 mt->hc_head_scale, mt->norm, tp->labels, S1, S, 2, ms, b.dmtp);
+                 mt->hc_head_scale, mt->norm, tp->labels, S1, S, 2, NULL, -ms, b.dmtp);
         block_bwd(&b, &mt->block, &tp->layers[L], b.dmtp);
         /* z_i[k] = e_proj(enorm(e_{i+1})) + h_proj(hnorm(X^L_i[k])) */
         memset(b.du, 0, (size_t)(T1 * D) * sizeof(float));

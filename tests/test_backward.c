@@ -93,6 +93,60 @@ static void run(ds4_engine *eng, const char *fixtures, const char *name) {
     check_grads(m, gf, "main.", name, 0);
     /* the tape is consumed: a second backward needs a new forward */
     CHECK_STATUS(ds4_model_backward(m, 1.0, &err), DS4_ERR_ARG, &err);
+    /* Per-token log-probabilities against an independent log-softmax of the inference logits. */
+    {
+        const int64_t T = B * S, V = ds4_model_config(m)->vocab_size;
+        float *logits = malloc((size_t)(T * V) * 4), *lp = malloc((size_t)T * 4), *ent = malloc((size_t)T * 4);
+        float *dlp = malloc((size_t)T * 4);
+        ds4_forward_args ai = {.ids = idv, .batch = B, .seq = S, .logits = logits};
+        CHECK_OK(ds4_model_forward(m, &ai, NULL, &err), &err);
+        ds4_model_zero_grad(m);
+        CHECK_OK(ds4_model_forward_train(m, &a, &r, &err), &err);
+        CHECK_OK(ds4_model_logprobs(m, lp, ent, &err), &err);
+        double maxd = 0, maxe = 0, sum = 0;
+        int64_t cnt = 0;
+        for (int64_t t = 0; t < T; t++) {
+            const float *z = logits + t * V;
+            double mx = -INFINITY, se = 0, ez = 0;
+            for (int64_t v = 0; v < V; v++) mx = z[v] > mx ? z[v] : mx;
+            for (int64_t v = 0; v < V; v++) se += exp(z[v] - mx);
+            for (int64_t v = 0; v < V; v++) ez += exp(z[v] - mx) / se * (z[v] - mx - log(se));
+            maxe = fmax(maxe, fabs(ent[t] + ez)); /* H = -Σ p log p */
+            const int64_t y = t % S + 1 < S ? lbv[t + 1] : -100;
+            if (y == -100) {
+                CHECK(lp[t] == 0.0f, "%s: logp at unscored position %lld is %g", name, (long long)t, lp[t]);
+                dlp[t] = 0;
+                continue;
+            }
+            maxd = fmax(maxd, fabs(lp[t] - (z[y] - mx - log(se))));
+            sum -= lp[t];
+            cnt++;
+            dlp[t] = (float)(-1.0 / (double)r.loss_tokens);
+        }
+        /* fp32 logits, log-softmax in double on both sides: agreement to ~1e-6 */
+        CHECK(maxd < 1e-5 && maxe < 1e-5, "%s: logprobs max|d| %g, entropy max|d| %g", name, maxd, maxe);
+        CHECK(cnt == r.loss_tokens && fabs(sum / cnt - r.loss) < 1e-6 * r.loss, "%s: mean -logp %g vs loss %g",
+              name, sum / cnt, r.loss);
+        /* d(mean CE) = Σ (−1/N) d logp: backward_logprobs with that per-token gradient reproduces torch's */
+        CHECK_OK(ds4_model_backward_logprobs(m, dlp, &err), &err);
+        check_grads(m, gf, "main.", name, 0);
+        /* micro-batches: each row alone, scaled by 1 / (scored tokens of the whole batch), add up to the
+         * one-batch gradient (token-mean over the global batch) */
+        if (B > 1) {
+            ds4_model_zero_grad(m);
+            for (int64_t row = 0; row < B; row++) {
+                ds4_forward_args ar = {.ids = idv + row * S, .batch = 1, .seq = S, .labels = lbv + row * S};
+                ds4_forward_result rr;
+                CHECK_OK(ds4_model_forward_train(m, &ar, &rr, &err), &err);
+                CHECK_OK(ds4_model_backward(m, 1.0 / (double)r.loss_tokens, &err), &err);
+            }
+            check_grads(m, gf, "main.", name, 0);
+        }
+        free(logits);
+        free(lp);
+        free(ent);
+        free(dlp);
+    }
     if (ds4_model_has_mtp(m)) {
         ds4_train_options o = {.mtp_lambda = 0.3};
         CHECK_OK(ds4_model_set_train_options(m, &o, &err), &err);

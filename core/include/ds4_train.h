@@ -44,6 +44,16 @@ ds4_status ds4_model_forward_train(ds4_model *m, const ds4_forward_args *args, d
  * of one global batch pass 1 / (scored tokens of the whole global batch) to each. */
 ds4_status ds4_model_backward(ds4_model *m, double scale, ds4_error *err);
 
+/* Per-token log-probabilities of the last training forward: logp[b·S + s] = log p(labels[b, s+1] | ids[b, ..s])
+ * for scored positions (labels[b, s+1] != -100); 0 at the others (including s = S-1). entropy (may be NULL):
+ * the entropy of the full next-token distribution at every position. Both [B, S]. */
+ds4_status ds4_model_logprobs(ds4_model *m, float *logp, float *entropy, ds4_error *err);
+/* Back-propagate a per-token gradient dlogp [B, S] (d objective / d logp at each scored position; ignored at
+ * unscored ones) of the last training forward, accumulating into the gradients. ds4_model_backward(scale) is
+ * this with dlogp = -scale at every scored position (the cross-entropy is −Σ logp), so any policy loss
+ * written in Lua goes through the same code. */
+ds4_status ds4_model_backward_logprobs(ds4_model *m, const float *dlogp, ds4_error *err);
+
 /* ------------------------------------------------------------------------------------------------ AdamW */
 
 typedef enum ds4_lr_schedule {
