@@ -322,6 +322,13 @@ static model_box *check_model(lua_State *L, const char *fname) {
     return b;
 }
 
+ds4_model *ds4l_model_check(lua_State *L, int idx, const char *fname) {
+    model_box *b = luaL_testudata(L, idx, DS4L_MODEL_MT);
+    if (!b) ds4l_raise(L, "%s: ds4.model expected, got %s", fname, luaL_typename(L, idx));
+    if (!b->m) ds4l_raise(L, "%s: model has been freed", fname);
+    return b->m;
+}
+
 static int l_load(lua_State *L) {
     const char *fname = "ds4.load";
     const char *dir = check_path(L, 1, fname);
@@ -513,9 +520,10 @@ static int m_forward(lua_State *L) {
         while (lua_next(L, 3)) {
             lua_pop(L, 1);
             const char *k = lua_type(L, -1) == LUA_TSTRING ? lua_tostring(L, -1) : NULL;
-            if (!k || (strcmp(k, "labels") && strcmp(k, "mtp") && strcmp(k, "hidden") && strcmp(k, "logits")))
-                ds4l_raise(L, "%s: unknown option %s%s%s (known: labels, mtp, hidden, logits)", fname, k ? "'" : "a ",
-                           k ? k : luaL_typename(L, -1), k ? "'" : " key");
+            if (!k || (strcmp(k, "labels") && strcmp(k, "mtp") && strcmp(k, "hidden") && strcmp(k, "logits") &&
+                       strcmp(k, "train")))
+                ds4l_raise(L, "%s: unknown option %s%s%s (known: labels, mtp, hidden, logits, train)", fname,
+                           k ? "'" : "a ", k ? k : luaL_typename(L, -1), k ? "'" : " key");
         }
     }
     lua_settop(L, 3); /* fixed slots: 1 model, 2 ids, 3 opts; temporaries go above */
@@ -566,7 +574,7 @@ static int m_forward(lua_State *L) {
     ds4_forward_result out;
     memset(&out, 0, sizeof out);
     ds4_error err = {0};
-    if (ds4_model_forward(b->m, &args, &out, &err) != DS4_OK) ds4l_raise_ds4(L, fname, &err);
+    if (ds4l_train_forward(L, 1, opts, b->m, &args, &out, &err) != DS4_OK) ds4l_raise_ds4(L, fname, &err);
     /* NaN means "nothing scored": nil, so `if r.loss then` reads naturally. */
     if (!isnan(out.loss)) set_num(L, "loss", out.loss);
     set_num(L, "loss_tokens", (double)out.loss_tokens);
@@ -639,6 +647,9 @@ int luaopen_ds4_core(lua_State *L) {
     }
     lua_settop(L, mod);
     ds4l_tensor_open(L);
+    ds4l_tokenizer_open(L);
+    ds4l_train_open(L); /* lua/train_lua.c */
+    ds4l_save_open(L);  /* lua/save_lua.c */
 
     lua_pushliteral(L, DS4_VERSION_STRING);
     lua_setfield(L, mod, "version");

@@ -56,7 +56,26 @@ ds4_dtype ds4l_check_dtype(lua_State *L, int idx, const char *fname, int argn, i
  * ...) into the table at the top of the stack. */
 void ds4l_tensor_open(lua_State *L);
 
+/* Put ds4.tokenizer, ds4.is_tokenizer, ds4.special_tokens and the tokenizer metatable into the table at the top of
+ * the stack (tokenizer_lua.c). */
+void ds4l_tokenizer_open(lua_State *L);
+
 /* The `ds4.core` module: package.preload["ds4.core"]. */
 int luaopen_ds4_core(lua_State *L);
+
+/* lua/binding.c: the live model behind the ds4.model at idx; raises "<fname>: ..." when the value is not a
+ * model or the model has been freed. */
+ds4_model *ds4l_model_check(lua_State *L, int idx, const char *fname);
+/* lua/save_lua.c: add model:save to the model methods and the ds4.checkpoints table to the module table at the
+ * top of the stack. */
+void ds4l_save_open(lua_State *L);
+/* lua/train_lua.c: add zero_grad / backward / grads to the model methods and ds4.adamw to the module table at
+ * the top of the stack. */
+void ds4l_train_open(lua_State *L);
+/* lua/train_lua.c: model:forward's pass: a training forward (activations kept for model:backward) when
+ * opts.train is true, or when it is nil and labels are given to a model with gradients enabled; else
+ * ds4_model_forward. model_idx: the model's stack slot; opts_idx: the options table's slot, or 0. */
+ds4_status ds4l_train_forward(lua_State *L, int model_idx, int opts_idx, ds4_model *m, const ds4_forward_args *args,
+                              ds4_forward_result *res, ds4_error *err);
 
 #endif

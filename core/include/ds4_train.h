@@ -85,7 +85,10 @@ typedef struct ds4_adamw_stats {
 
 ds4_status ds4_adamw_create(ds4_model *m, const ds4_adamw_options *o, ds4_adamw **out, ds4_error *err);
 void ds4_adamw_free(ds4_adamw *a);
-/* One update from the model's gradient buffer (clip, then AdamW on trainable tensors). Does not zero grads. */
+/* One update from the model's gradient buffer: clip (in place, as torch's clip_grad_norm_ does, so the buffer
+ * holds the clipped gradients afterwards), then AdamW on trainable tensors. Does not zero grads. A non-finite
+ * gradient norm is an error that leaves parameters, moments and the step count unchanged (torch would write
+ * NaN into every weight). */
 ds4_status ds4_adamw_step(ds4_adamw *a, ds4_adamw_stats *stats, ds4_error *err);
 int64_t ds4_adamw_steps(const ds4_adamw *a);
 

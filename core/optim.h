@@ -1,0 +1,108 @@
+/* optim.h — AdamW and gradient clipping on raw fp32 buffers (internal; the public optimizer is the ds4_adamw
+ * part of ds4_train.h, built on these).
+ *
+ * The arithmetic reproduces torch.optim.AdamW (single-tensor path, the one torch takes for CPU tensors) and
+ * torch.nn.utils.clip_grad_norm_ operation by operation, with fp32 elementwise math and the scalar
+ * coefficients computed in double and rounded to fp32 where torch does, so that a replay of torch's steps
+ * agrees to a few ulps (tests/test_adamw.c).
+ *
+ * Threading: every function that takes a pool splits its buffers into fixed chunks of DS4_OPTIM_CHUNK
+ * elements; each element is written by exactly one task, and reductions add per-chunk partial sums in chunk
+ * order, so results are bit-identical whatever the thread count (and with pool == NULL: serial). */
+#ifndef DS4_OPTIM_H
+#define DS4_OPTIM_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "ds4.h"
+#include "threadpool.h"
+
+/* Elements per task. Fixed (never derived from the thread count) because the chunking decides the order of the
+ * norm's partial sums. 16 Ki fp32 = 64 KiB per buffer: large enough to amortise a task hand-out, small
+ * enough to balance a 50M-parameter model over 16 threads. */
+#define DS4_OPTIM_CHUNK ((int64_t)1 << 14)
+
+typedef struct ds4_adamw_hparams {
+    double beta1, beta2, eps, weight_decay;
+} ds4_adamw_hparams;
+
+/* Per-tensor coefficients of one update, from (hparams, t, lr). Kept separate so that a threaded step computes
+ * them once per tensor, not once per chunk. */
+typedef struct ds4_adamw_coefs {
+    float decay_mul;   /* 1 - lr·wd (fp32, as torch's param.mul_(1 - lr * weight_decay)); 1 when not decayed */
+    float one_m_b1;    /* lerp weight 1 - beta1 */
+    float beta2, one_m_b2;
+    float neg_step;    /* -lr / (1 - beta1^t) */
+    float bc2_sqrt;    /* sqrt(1 - beta2^t) */
+    float eps;
+    int decay;
+} ds4_adamw_coefs;
+
+/* t: the update number of this tensor, 1-based (torch's state["step"] after its increment). */
+ds4_adamw_coefs ds4_adamw_coefs_at(const ds4_adamw_hparams *h, int64_t t, double lr, int decay);
+/* One AdamW update of n elements (serial): p, m, v updated in place from g. */
+void ds4_adamw_update(const ds4_adamw_coefs *c, float *p, const float *g, float *m, float *v, int64_t n);
+/* ds4_adamw_coefs_at + ds4_adamw_update. decay: apply hparams.weight_decay to this range. */
+void ds4_adamw_update_range(const ds4_adamw_hparams *h, int64_t t, double lr, float *p, const float *g, float *m,
+                            float *v, int64_t n, int decay);
+
+/* One tensor for the multi-tensor functions below: its gradient (always), and for ds4_adamw_update_ranges its
+ * parameters, moments and update coefficients. */
+typedef struct ds4_optim_range {
+    float *g;
+    float *p, *m, *v;
+    int64_t n;
+    ds4_adamw_coefs c;
+} ds4_optim_range;
+
+/* A piece of at most DS4_OPTIM_CHUNK elements of one range: the unit of work of one task. */
+typedef struct ds4_optim_chunk {
+    size_t range;
+    int64_t begin, n;
+} ds4_optim_chunk;
+
+/* Number of chunks the ranges split into, and the split itself (chunks: that many entries). Empty ranges give
+ * no chunk. */
+int64_t ds4_optim_chunk_count(const ds4_optim_range *r, size_t n);
+void ds4_optim_make_chunks(const ds4_optim_range *r, size_t n, ds4_optim_chunk *chunks);
+
+/* The multi-tensor functions take the chunks of (r, n) and a pool; with pool == NULL (or chunks == NULL) they
+ * run serially on the same chunking, so the results are the same bits. */
+
+/* Global gradient 2-norm: sqrt(Σ_tensors ‖g_t‖²), accumulated in double — torch's "2-norm of the per-tensor
+ * 2-norms" without its intermediate fp32 roundings. Sums of squares are added per chunk, then chunk sums in
+ * chunk order. sumsq: if not NULL, each range's sum of squares. partial: n_chunks doubles of scratch (only
+ * with a pool). */
+double ds4_grad_global_norm(const ds4_optim_range *r, size_t n, const ds4_optim_chunk *chunks, int64_t n_chunks,
+                            double *partial, double *sumsq, ds4_pool *pool);
+/* torch.nn.utils.clip_grad_norm_'s coefficient: fp32 (1 / (total + 1e-6)) · clip (torch computes
+ * max_norm / t as t.reciprocal() * max_norm), clamped to 1. 1 when clip <= 0 (clipping off). */
+float ds4_grad_clip_coef(double total_norm, double clip);
+/* g *= coef over every range (a no-op when coef == 1, as multiplying by 1 is exact). */
+void ds4_grad_scale(const ds4_optim_range *r, size_t n, float coef, const ds4_optim_chunk *chunks, int64_t n_chunks,
+                    ds4_pool *pool);
+/* clip_grad_norm_: the global norm (returned), then the gradients scaled by ds4_grad_clip_coef (in *coef_out
+ * when not NULL). */
+double ds4_grad_clip(const ds4_optim_range *r, size_t n, double clip, const ds4_optim_chunk *chunks,
+                     int64_t n_chunks, double *partial, ds4_pool *pool, float *coef_out);
+/* ds4_adamw_update of every range with its own coefficients. */
+void ds4_adamw_update_ranges(const ds4_optim_range *r, size_t n, const ds4_optim_chunk *chunks, int64_t n_chunks,
+                             ds4_pool *pool);
+
+/* Optimizer state access for checkpoints (core/save.c): the two moment buffers are flat and parallel to the
+ * model's parameter buffer (same offsets as ds4_tensor_info; zero where a tensor has never been updated), and
+ * each named tensor has its own update count (torch keeps state["step"] per parameter; a tensor that becomes
+ * trainable later starts its bias correction at 1). */
+typedef struct ds4_adamw_state {
+    float *m, *v;             /* [n_params] each */
+    int64_t n_params;
+    int64_t *tensor_steps;    /* [n_tensors], indexed like ds4_model_tensor_at */
+    size_t n_tensors;
+    int64_t *steps;           /* the optimizer's update count (what the schedule reads) */
+} ds4_adamw_state;
+/* Pointers into the optimizer (mutable: a resume writes through them). */
+void ds4_adamw_get_state(ds4_adamw *a, ds4_adamw_state *out);
+const ds4_adamw_options *ds4_adamw_get_options(const ds4_adamw *a);
+
+#endif

@@ -1,0 +1,381 @@
+/* train_lua.c — training from Lua: gradients, the training forward, backward, and the AdamW optimizer.
+ *
+ *   model:zero_grad()                 enable gradients (first call) and clear them
+ *   model:forward(ids, {labels = ...}) on a model with gradients enabled is a training forward: it keeps the
+ *                                     activations that model:backward() needs (opts.train = false forces an
+ *                                     inference forward; opts.train = true enables gradients itself)
+ *   model:backward([scale])           gradient of scale · Σ per-token CE of the last training forward, added to
+ *                                     the gradients; scale defaults to 1 / loss_tokens (the mean loss)
+ *   model:grads()                     {name = F32 tensor}: copies of the gradients of every fp32 parameter
+ *   ds4.adamw(model, opts)            optimizer: opt:step() -> {lr, grad_norm, step}, opt:lr(), opt:steps()
+ *
+ * Which training forward model:backward() differentiates is tracked per model in a weak-keyed registry table
+ * (model userdata -> loss_tokens of its last training forward), so that the default scale is known and a
+ * second backward of the same forward (which would count its gradient twice) is an error, as in torch.
+ *
+ * The optimizer userdata keeps its model alive through its environment table; ds4_adamw_free never touches
+ * the model, and every other optimizer call first checks that the model has not been freed (model:free()). */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "ds4lua.h"
+
+#define ADAMW_MT "ds4.adamw"
+#define PENDING_KEY "ds4.train.pending" /* weak-keyed: model -> loss_tokens of its last training forward */
+
+/* ------------------------------------------------------------------------------------------------ helpers */
+
+static int abs_index(lua_State *L, int idx) {
+    return idx < 0 && idx > LUA_REGISTRYINDEX ? lua_gettop(L) + idx + 1 : idx;
+}
+
+static void push_pending(lua_State *L) { lua_getfield(L, LUA_REGISTRYINDEX, PENDING_KEY); }
+
+/* Record (loss_tokens >= 0) or clear (loss_tokens < 0) the pending training forward of the model at idx. */
+static void set_pending(lua_State *L, int model_idx, double loss_tokens) {
+    model_idx = abs_index(L, model_idx);
+    push_pending(L);
+    lua_pushvalue(L, model_idx);
+    if (loss_tokens >= 0) lua_pushnumber(L, loss_tokens);
+    else lua_pushnil(L);
+    lua_rawset(L, -3);
+    lua_pop(L, 1);
+}
+
+static void set_num(lua_State *L, const char *k, double v) {
+    lua_pushnumber(L, v);
+    lua_setfield(L, -2, k);
+}
+
+/* ------------------------------------------------------------------------------------------------ forward */
+
+ds4_status ds4l_train_forward(lua_State *L, int model_idx, int opts_idx, ds4_model *m, const ds4_forward_args *args,
+                              ds4_forward_result *res, ds4_error *err) {
+    const char *fname = "ds4.model:forward";
+    model_idx = abs_index(L, model_idx);
+    int train = -1; /* -1: automatic (gradients enabled and labels given) */
+    if (opts_idx) {
+        lua_getfield(L, opts_idx, "train");
+        int t = lua_type(L, -1);
+        if (t == LUA_TBOOLEAN) train = lua_toboolean(L, -1);
+        else if (t != LUA_TNIL) ds4l_raise(L, "%s: opts.train must be a boolean, got %s", fname, lua_typename(L, t));
+        lua_pop(L, 1);
+    }
+    if (train == 1) {
+        if (!args->labels)
+            ds4l_raise(L, "%s: opts.train = true needs opts.labels (the loss to differentiate), ids [%lld, %lld]",
+                       fname, (long long)args->batch, (long long)args->seq);
+        if (ds4_model_enable_grad(m, err) != DS4_OK) return err->code;
+    }
+    if (train == -1) train = args->labels && ds4_model_grads(m);
+    if (!train) return ds4_model_forward(m, args, res, err);
+    /* The previous training forward's activations are being replaced: forget it first, so that a failed
+     * forward leaves nothing to differentiate. */
+    set_pending(L, model_idx, -1);
+    ds4_status s = ds4_model_forward_train(m, args, res, err);
+    if (s == DS4_OK) set_pending(L, model_idx, (double)res->loss_tokens);
+    return s;
+}
+
+/* ------------------------------------------------------------------------------------------------ model methods */
+
+static int m_zero_grad(lua_State *L) {
+    const char *fname = "ds4.model:zero_grad";
+    ds4_model *m = ds4l_model_check(L, 1, fname);
+    ds4_error err = {0};
+    if (ds4_model_enable_grad(m, &err) != DS4_OK) ds4l_raise_ds4(L, fname, &err);
+    ds4_model_zero_grad(m);
+    return 0;
+}
+
+static int m_backward(lua_State *L) {
+    const char *fname = "ds4.model:backward";
+    ds4_model *m = ds4l_model_check(L, 1, fname);
+    int explicit_scale = !lua_isnoneornil(L, 2);
+    double scale = 0;
+    if (explicit_scale) {
+        if (lua_type(L, 2) != LUA_TNUMBER)
+            ds4l_raise(L, "%s: bad argument #1 (scale number expected, got %s)", fname, luaL_typename(L, 2));
+        scale = lua_tonumber(L, 2);
+        if (!isfinite(scale)) ds4l_raise(L, "%s: scale %g is not finite", fname, scale);
+    }
+    push_pending(L);
+    lua_pushvalue(L, 1);
+    lua_rawget(L, -2);
+    int have = lua_type(L, -1) == LUA_TNUMBER;
+    double tokens = have ? lua_tonumber(L, -1) : 0;
+    lua_pop(L, 2);
+    if (!have)
+        ds4l_raise(L,
+                   "%s: no training forward to differentiate (call model:zero_grad(), then model:forward(ids, "
+                   "{labels = ...}); each training forward can be back-propagated once)",
+                   fname);
+    if (!explicit_scale) {
+        if (!(tokens > 0))
+            ds4l_raise(L, "%s: the last training forward scored no token (every label is -100); pass an explicit "
+                          "scale", fname);
+        scale = 1.0 / tokens;
+    }
+    ds4_error err = {0};
+    if (ds4_model_backward(m, scale, &err) != DS4_OK) ds4l_raise_ds4(L, fname, &err);
+    set_pending(L, 1, -1);
+    return 0;
+}
+
+/* model:grads() -> {name = F32 tensor}. Keyed by the canonical official tensor names (what model:tensors()
+ * uses); the issue asks for the names of the checkpoint the model was loaded from, which needs the loader to
+ * keep them — until then a checkpoint in HF or save_pretrained spelling still gets canonical keys. Integer
+ * tables (tid2eid) have no gradient and are left out. */
+static int m_grads(lua_State *L) {
+    const char *fname = "ds4.model:grads";
+    ds4_model *m = ds4l_model_check(L, 1, fname);
+    const float *g = ds4_model_grads(m);
+    if (!g) ds4l_raise(L, "%s: gradients are not enabled (call model:zero_grad() first)", fname);
+    size_t n = ds4_model_tensor_count(m);
+    lua_createtable(L, 0, n > INT32_MAX ? 0 : (int)n);
+    int tbl = lua_gettop(L);
+    for (size_t i = 0; i < n; i++) {
+        const char *name = NULL;
+        ds4_tensor view;
+        ds4_tensor_info ti;
+        ds4_error err = {0};
+        if (ds4_model_tensor_info(m, i, &ti, &err) != DS4_OK || ds4_model_tensor_at(m, i, &name, &view, &err) != DS4_OK)
+            ds4l_raise_ds4(L, fname, &err);
+        if (!ti.is_param) continue;
+        ds4_tensor *t = ds4l_tensor_push_new(L, fname, DS4_F32, view.ndim, view.shape);
+        if ((int64_t)(t->nbytes / sizeof(float)) != ti.numel)
+            ds4l_raise(L, "%s: tensor %s: %lld gradient entries, %zu expected from its shape", fname, name,
+                       (long long)ti.numel, t->nbytes / sizeof(float));
+        if (t->nbytes) memcpy(t->data, g + ti.offset, t->nbytes);
+        lua_setfield(L, tbl, name);
+    }
+    return 1;
+}
+
+/* ------------------------------------------------------------------------------------------------ optimizer */
+
+typedef struct adamw_box {
+    ds4_adamw *a;
+    ds4_adamw_options o; /* as created: for opt:lr() and tostring */
+} adamw_box;
+
+static int adamw_gc(lua_State *L) {
+    adamw_box *b = lua_touserdata(L, 1);
+    if (b) {
+        ds4_adamw_free(b->a);
+        b->a = NULL;
+    }
+    return 0;
+}
+
+/* The optimizer at slot 1 (live), with its model checked to be alive too. */
+static adamw_box *check_adamw(lua_State *L, const char *fname) {
+    adamw_box *b = luaL_testudata(L, 1, ADAMW_MT);
+    if (!b)
+        ds4l_raise(L, "%s: self must be a ds4.adamw optimizer (got %s); call it as opt:method(...)", fname,
+                   luaL_typename(L, 1));
+    if (!b->a) ds4l_raise(L, "%s: optimizer has been freed", fname);
+    lua_getfenv(L, 1);
+    lua_getfield(L, -1, "model");
+    ds4l_model_check(L, -1, fname); /* raises "model has been freed" after model:free() */
+    lua_pop(L, 2);
+    return b;
+}
+
+static int o_step(lua_State *L) {
+    const char *fname = "ds4.adamw:step";
+    ds4_adamw *a = check_adamw(L, fname)->a;
+    ds4_adamw_stats st;
+    ds4_error err = {0};
+    if (ds4_adamw_step(a, &st, &err) != DS4_OK) ds4l_raise_ds4(L, fname, &err);
+    lua_createtable(L, 0, 3);
+    set_num(L, "lr", st.lr);
+    set_num(L, "grad_norm", st.grad_norm);
+    set_num(L, "step", (double)st.step);
+    return 1;
+}
+
+/* The learning rate the next step will use. */
+static int o_lr(lua_State *L) {
+    adamw_box *b = check_adamw(L, "ds4.adamw:lr");
+    lua_pushnumber(L, ds4_lr_at(&b->o, ds4_adamw_steps(b->a)));
+    return 1;
+}
+
+static int o_steps(lua_State *L) {
+    lua_pushnumber(L, (lua_Number)ds4_adamw_steps(check_adamw(L, "ds4.adamw:steps")->a));
+    return 1;
+}
+
+static int o_free(lua_State *L) {
+    adamw_box *b = luaL_testudata(L, 1, ADAMW_MT);
+    if (!b) ds4l_raise(L, "ds4.adamw:free: self must be a ds4.adamw optimizer (got %s)", luaL_typename(L, 1));
+    ds4_adamw_free(b->a);
+    b->a = NULL;
+    return 0;
+}
+
+static int o_tostring(lua_State *L) {
+    adamw_box *b = lua_touserdata(L, 1);
+    if (!b || !b->a) {
+        lua_pushliteral(L, "ds4.adamw (freed)");
+        return 1;
+    }
+    const ds4_adamw_options *o = &b->o;
+    static const char *const sched[] = {"constant", "linear", "cosine"};
+    char buf[256];
+    snprintf(buf, sizeof buf, "ds4.adamw (lr %g, %s schedule, %lld steps done)", o->lr,
+             (unsigned)o->schedule < 3 ? sched[o->schedule] : "?", (long long)ds4_adamw_steps(b->a));
+    lua_pushstring(L, buf);
+    return 1;
+}
+
+/* opts.<key> as a number (nil: def). */
+static double opt_num(lua_State *L, int opts, const char *key, double def, const char *fname) {
+    lua_getfield(L, opts, key);
+    double v = def;
+    if (lua_type(L, -1) == LUA_TNUMBER) v = lua_tonumber(L, -1);
+    else if (!lua_isnil(L, -1))
+        ds4l_raise(L, "%s: opts.%s must be a number, got %s", fname, key, luaL_typename(L, -1));
+    lua_pop(L, 1);
+    return v;
+}
+
+static int64_t opt_int(lua_State *L, int opts, const char *key, int64_t def, const char *fname) {
+    double v = opt_num(L, opts, key, (double)def, fname);
+    if (!(v == floor(v)) || !(fabs(v) < 9.0e15))
+        ds4l_raise(L, "%s: opts.%s must be an integer, got %.17g", fname, key, v);
+    return (int64_t)v;
+}
+
+/* ds4.adamw(model [, opts]): defaults as torch.optim.AdamW (lr 1e-3, betas {0.9, 0.999}, eps 1e-8,
+ * weight_decay 0.01), no clipping, constant schedule without warm-up. */
+static int l_adamw(lua_State *L) {
+    const char *fname = "ds4.adamw";
+    ds4_model *m = ds4l_model_check(L, 1, fname);
+    int opts = 0;
+    if (!lua_isnoneornil(L, 2)) {
+        if (!lua_istable(L, 2))
+            ds4l_raise(L, "%s: bad argument #2 (options table expected, got %s)", fname, luaL_typename(L, 2));
+        opts = 2;
+        /* A misspelt option (opts.weight_dacay) would silently train with the default: reject unknown keys. */
+        static const char *const known[] = {"lr", "betas", "eps", "weight_decay", "clip", "schedule", "warmup",
+                                            "total", "min_lr_ratio", NULL};
+        lua_pushnil(L);
+        while (lua_next(L, 2)) {
+            lua_pop(L, 1);
+            const char *k = lua_type(L, -1) == LUA_TSTRING ? lua_tostring(L, -1) : NULL;
+            int ok = 0;
+            for (int i = 0; k && known[i]; i++) ok |= strcmp(k, known[i]) == 0;
+            if (!ok)
+                ds4l_raise(L,
+                           "%s: unknown option %s%s%s (known: lr, betas, eps, weight_decay, clip, schedule, warmup, "
+                           "total, min_lr_ratio)",
+                           fname, k ? "'" : "a ", k ? k : luaL_typename(L, -1), k ? "'" : " key");
+        }
+    }
+    lua_settop(L, 2);
+    ds4_adamw_options o = {.lr = 1e-3, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8, .weight_decay = 0.01,
+                           .schedule = DS4_LR_CONSTANT};
+    if (opts) {
+        o.lr = opt_num(L, opts, "lr", o.lr, fname);
+        o.eps = opt_num(L, opts, "eps", o.eps, fname);
+        o.weight_decay = opt_num(L, opts, "weight_decay", o.weight_decay, fname);
+        o.clip = opt_num(L, opts, "clip", 0, fname);
+        o.warmup_steps = opt_int(L, opts, "warmup", 0, fname);
+        o.total_steps = opt_int(L, opts, "total", 0, fname);
+        o.min_lr_ratio = opt_num(L, opts, "min_lr_ratio", 0, fname);
+        lua_getfield(L, opts, "betas");
+        if (!lua_isnil(L, -1)) {
+            if (!lua_istable(L, -1) || lua_objlen(L, -1) != 2)
+                ds4l_raise(L, "%s: opts.betas must be a table of two numbers {beta1, beta2}, got %s", fname,
+                           lua_istable(L, -1) ? "a table of another length" : luaL_typename(L, -1));
+            for (int i = 1; i <= 2; i++) {
+                lua_rawgeti(L, -1, i);
+                if (lua_type(L, -1) != LUA_TNUMBER)
+                    ds4l_raise(L, "%s: opts.betas[%d] must be a number, got %s", fname, i, luaL_typename(L, -1));
+                *(i == 1 ? &o.beta1 : &o.beta2) = lua_tonumber(L, -1);
+                lua_pop(L, 1);
+            }
+        }
+        lua_pop(L, 1);
+        lua_getfield(L, opts, "schedule");
+        if (!lua_isnil(L, -1)) {
+            const char *s = lua_type(L, -1) == LUA_TSTRING ? lua_tostring(L, -1) : NULL;
+            if (s && strcmp(s, "constant") == 0) o.schedule = DS4_LR_CONSTANT;
+            else if (s && strcmp(s, "linear") == 0) o.schedule = DS4_LR_LINEAR;
+            else if (s && strcmp(s, "cosine") == 0) o.schedule = DS4_LR_COSINE;
+            else
+                ds4l_raise(L, "%s: opts.schedule must be \"constant\", \"linear\" or \"cosine\", got %s%s%s", fname,
+                           s ? "\"" : "", s ? s : luaL_typename(L, -1), s ? "\"" : "");
+        }
+        lua_pop(L, 1);
+    }
+    /* Box first (see ds4lua.h), then create into it. */
+    adamw_box *b = lua_newuserdata(L, sizeof *b);
+    b->a = NULL;
+    b->o = o;
+    luaL_getmetatable(L, ADAMW_MT);
+    lua_setmetatable(L, -2);
+    lua_createtable(L, 0, 1);
+    lua_pushvalue(L, 1);
+    lua_setfield(L, -2, "model");
+    lua_setfenv(L, -2);
+    ds4_error err = {0};
+    if (ds4_adamw_create(m, &o, &b->a, &err) != DS4_OK) ds4l_raise_ds4(L, fname, &err);
+    return 1;
+}
+
+/* ------------------------------------------------------------------------------------------------ module */
+
+static const luaL_Reg train_model_methods[] = {
+    {"zero_grad", m_zero_grad}, {"backward", m_backward}, {"grads", m_grads}, {NULL, NULL},
+};
+
+static const luaL_Reg adamw_methods[] = {
+    {"step", o_step}, {"lr", o_lr}, {"steps", o_steps}, {"free", o_free}, {NULL, NULL},
+};
+
+void ds4l_train_open(lua_State *L) {
+    int mod = lua_gettop(L);
+    lua_getfield(L, mod, "model_methods");
+    if (!lua_istable(L, -1)) ds4l_raise(L, "ds4.core: internal error: model_methods missing when adding training");
+    for (const luaL_Reg *r = train_model_methods; r->name; r++) {
+        lua_pushcfunction(L, r->func);
+        lua_setfield(L, -2, r->name);
+    }
+    lua_pop(L, 1);
+
+    push_pending(L);
+    if (!lua_istable(L, -1)) {
+        lua_newtable(L);
+        lua_createtable(L, 0, 1);
+        lua_pushliteral(L, "k");
+        lua_setfield(L, -2, "__mode");
+        lua_setmetatable(L, -2);
+        lua_setfield(L, LUA_REGISTRYINDEX, PENDING_KEY);
+    }
+    lua_pop(L, 1);
+
+    if (luaL_newmetatable(L, ADAMW_MT)) {
+        lua_newtable(L);
+        for (const luaL_Reg *r = adamw_methods; r->name; r++) {
+            lua_pushcfunction(L, r->func);
+            lua_setfield(L, -2, r->name);
+        }
+        lua_setfield(L, -2, "__index");
+        lua_pushcfunction(L, adamw_gc);
+        lua_setfield(L, -2, "__gc");
+        lua_pushcfunction(L, o_tostring);
+        lua_setfield(L, -2, "__tostring");
+        lua_pushliteral(L, ADAMW_MT);
+        lua_setfield(L, -2, "__name");
+    }
+    lua_pop(L, 1);
+
+    lua_pushcfunction(L, l_adamw);
+    lua_setfield(L, mod, "adamw");
+    lua_settop(L, mod);
+}
