@@ -911,6 +911,14 @@ static ds4_status tape_ready(ds4_model *m, const char *op, ds4_error *err) {
     return DS4_OK;
 }
 
+ds4_status ds4_model_last_batch(const ds4_model *m, int64_t *batch, int64_t *seq, ds4_error *err) {
+    if (!m || !m->tape || !m->tape->valid)
+        return ds4_fail(err, DS4_ERR_ARG, "last_batch: no training forward (call forward_train first)");
+    if (batch) *batch = m->tape->B;
+    if (seq) *seq = m->tape->S;
+    return DS4_OK;
+}
+
 ds4_status ds4_model_logprobs(ds4_model *m, float *logp, float *entropy, ds4_error *err) {
     ds4_status s = tape_ready(m, "logprobs", err);
     if (s) return s;

@@ -154,6 +154,66 @@ static int m_grads(lua_State *L) {
     return 1;
 }
 
+/* model:logprobs([{entropy = true}]) -> logp [B, S] (, entropy [B, S]) of the last training forward:
+ * logp[b][s] = log p(labels[b][s+1]), 0 where unscored. Does not consume the forward. */
+static int m_logprobs(lua_State *L) {
+    const char *fname = "ds4.model:logprobs";
+    ds4_model *m = ds4l_model_check(L, 1, fname);
+    int want_entropy = 0;
+    if (!lua_isnoneornil(L, 2)) {
+        luaL_checktype(L, 2, LUA_TTABLE);
+        lua_getfield(L, 2, "entropy");
+        want_entropy = lua_toboolean(L, -1);
+        lua_pop(L, 1);
+    }
+    int64_t shape[2];
+    ds4_error err = {0};
+    if (ds4_model_last_batch(m, &shape[0], &shape[1], &err) != DS4_OK) ds4l_raise_ds4(L, fname, &err);
+    ds4_tensor *lp = ds4l_tensor_push_new(L, fname, DS4_F32, 2, shape);
+    ds4_tensor *en = want_entropy ? ds4l_tensor_push_new(L, fname, DS4_F32, 2, shape) : NULL;
+    if (ds4_model_logprobs(m, lp->data, en ? en->data : NULL, &err) != DS4_OK) ds4l_raise_ds4(L, fname, &err);
+    return want_entropy ? 2 : 1;
+}
+
+/* model:backward_logprobs(g): g is an F32 tensor [B, S] of d objective / d logp per position (ignored where
+ * unscored). Consumes the training forward, like model:backward. */
+static int m_backward_logprobs(lua_State *L) {
+    const char *fname = "ds4.model:backward_logprobs";
+    ds4_model *m = ds4l_model_check(L, 1, fname);
+    ds4_tensor *g = ds4l_tensor_check(L, 2, fname, 1);
+    int64_t B, S;
+    ds4_error err = {0};
+    if (ds4_model_last_batch(m, &B, &S, &err) != DS4_OK) ds4l_raise_ds4(L, fname, &err);
+    if (g->dtype != DS4_F32 || ds4_tensor_numel(g) != B * S) {
+        char sh[96];
+        ds4l_format_shape(sh, sizeof sh, g->ndim, g->shape);
+        ds4l_raise(L, "%s: gradient must be an F32 tensor of %lld x %lld values (the last forward's ids), got %s %s",
+                   fname, (long long)B, (long long)S, ds4_dtype_name(g->dtype), sh);
+    }
+    if (ds4_model_backward_logprobs(m, g->data, &err) != DS4_OK) ds4l_raise_ds4(L, fname, &err);
+    set_pending(L, 1, -1);
+    return 0;
+}
+
+/* model:set_train_options{mtp_lambda = x}: extra losses (MTP; the indexer KL loss is not implemented). */
+static int m_set_train_options(lua_State *L) {
+    const char *fname = "ds4.model:set_train_options";
+    ds4_model *m = ds4l_model_check(L, 1, fname);
+    luaL_checktype(L, 2, LUA_TTABLE);
+    ds4_train_options o = {0};
+    lua_pushnil(L);
+    while (lua_next(L, 2)) {
+        const char *k = lua_type(L, -2) == LUA_TSTRING ? lua_tostring(L, -2) : "?";
+        if (!strcmp(k, "mtp_lambda") && lua_type(L, -1) == LUA_TNUMBER) o.mtp_lambda = lua_tonumber(L, -1);
+        else if (!strcmp(k, "indexer_kl")) o.indexer_kl = lua_toboolean(L, -1);
+        else ds4l_raise(L, "%s: unknown or mistyped option '%s' (known: mtp_lambda = number, indexer_kl)", fname, k);
+        lua_pop(L, 1);
+    }
+    ds4_error err = {0};
+    if (ds4_model_set_train_options(m, &o, &err) != DS4_OK) ds4l_raise_ds4(L, fname, &err);
+    return 0;
+}
+
 /* ------------------------------------------------------------------------------------------------ optimizer */
 
 typedef struct adamw_box {
@@ -331,7 +391,13 @@ static int l_adamw(lua_State *L) {
 /* ------------------------------------------------------------------------------------------------ module */
 
 static const luaL_Reg train_model_methods[] = {
-    {"zero_grad", m_zero_grad}, {"backward", m_backward}, {"grads", m_grads}, {NULL, NULL},
+    {"zero_grad", m_zero_grad},
+    {"backward", m_backward},
+    {"grads", m_grads},
+    {"logprobs", m_logprobs},
+    {"backward_logprobs", m_backward_logprobs},
+    {"set_train_options", m_set_train_options},
+    {NULL, NULL},
 };
 
 static const luaL_Reg adamw_methods[] = {

@@ -44,6 +44,8 @@ ds4_status ds4_model_forward_train(ds4_model *m, const ds4_forward_args *args, d
  * of one global batch pass 1 / (scored tokens of the whole global batch) to each. */
 ds4_status ds4_model_backward(ds4_model *m, double scale, ds4_error *err);
 
+/* Batch shape [B, S] of the last training forward (its tape). */
+ds4_status ds4_model_last_batch(const ds4_model *m, int64_t *batch, int64_t *seq, ds4_error *err);
 /* Per-token log-probabilities of the last training forward: logp[b·S + s] = log p(labels[b, s+1] | ids[b, ..s])
  * for scored positions (labels[b, s+1] != -100); 0 at the others (including s = S-1). entropy (may be NULL):
  * the entropy of the full next-token distribution at every position. Both [B, S]. */

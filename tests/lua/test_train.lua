@@ -225,6 +225,81 @@ do
     H.raises(function() return model:backward() end, { "model has been freed" }, "backward after free")
 end
 
+-- The per-token RL hook: logprobs against an independent log-softmax of the inference logits (in Lua), and
+-- backward_logprobs(-1/N) against torch's gradient of the mean loss (grads.safetensors).
+do
+    local model = ds4.load(dir)
+    local logits = model:forward(ids, { train = false }).logits
+    model:zero_grad()
+    local out = model:forward(ids, { labels = labels })
+    local lp, ent = model:logprobs({ entropy = true })
+    H.same(lp:shape(), ids:shape(), "logprobs shape")
+    local B, S, V = ids:shape()[1], ids:shape()[2], logits:shape()[3]
+    local maxd, maxe, n = 0, 0, 0
+    local g = ds4.zeros({ B, S })
+    for b = 1, B do
+        for s = 1, S do
+            local mx = -math.huge
+            for v = 1, V do mx = math.max(mx, logits:get(b, s, v)) end
+            local se, ez = 0, 0
+            for v = 1, V do se = se + math.exp(logits:get(b, s, v) - mx) end
+            for v = 1, V do
+                local z = logits:get(b, s, v) - mx
+                ez = ez + math.exp(z) / se * (z - math.log(se))
+            end
+            maxe = math.max(maxe, math.abs(ent:get(b, s) + ez))
+            local y = s < S and labels:get(b, s + 1) or -100
+            if y ~= -100 then
+                maxd = math.max(maxd, math.abs(lp:get(b, s) - (logits:get(b, s, y + 1) - mx - math.log(se))))
+                n = n + 1
+            else
+                H.eq(lp:get(b, s), 0, "logp is 0 where unscored")
+            end
+        end
+    end
+    H.check(maxd < 1e-5 and maxe < 1e-5, string.format("logprobs max|d| %g, entropy max|d| %g", maxd, maxe))
+    H.eq(n, out.loss_tokens, "scored positions")
+    for b = 1, B do
+        for s = 1, S do
+            if lp:get(b, s) ~= 0 then g:set(-1 / n, b, s) end
+        end
+    end
+    model:backward_logprobs(g)
+    local ref = ds4.load_tensors(dir .. "/grads.safetensors")
+    local got = model:grads()
+    for _, name in ipairs({ "embed.weight", "layers.1.attn.wq_b.weight", "layers.2.hc_ffn_fn", "head.weight" }) do
+        local a, r = got[name], ref["main." .. name]
+        local dd, rr = 0, 0
+        for i = 1, a:numel() do
+            dd = dd + (a[i] - r[i]) ^ 2
+            rr = rr + r[i] ^ 2
+        end
+        H.check(math.sqrt(dd) / math.sqrt(rr) < 1e-3, "backward_logprobs gradient of " .. name)
+    end
+    H.raises(function() return model:backward_logprobs(g) end, { "no training forward" }, "consumed")
+    model:forward(ids, { labels = labels })
+    H.raises(function() return model:backward_logprobs(ds4.zeros({ 3 })) end, { "F32 tensor of 2 x 37" },
+        "gradient shape")
+    -- the MTP loss as an option: gradients of loss + 0.3·mtp_loss
+    model:set_train_options({ mtp_lambda = 0.3 })
+    model:zero_grad()
+    local o2 = model:forward(ids, { labels = labels })
+    model:backward()
+    got = model:grads()
+    for _, name in ipairs({ "mtp.0.e_proj.weight", "mtp.0.attn.wq_a.weight", "layers.3.ffn.gate.weight" }) do
+        local a, r = got[name], ref["mtp." .. name]
+        local dd, rr = 0, 0
+        for i = 1, a:numel() do
+            dd = dd + (a[i] - r[i]) ^ 2
+            rr = rr + r[i] ^ 2
+        end
+        H.check(math.sqrt(dd) / math.sqrt(rr) < 1e-3, "MTP-loss gradient of " .. name)
+    end
+    H.check(o2.loss > out.loss, "the loss includes the MTP term")
+    H.raises(function() model:set_train_options({ mtp_lambda = "x" }) end, { "unknown or mistyped option" }, "bad option")
+    model:free()
+end
+
 -- An optimizer keeps its model alive: dropping every other reference and collecting must not free it.
 do
     local opt = ds4.adamw(ds4.load(dir), { lr = 1e-3 })
