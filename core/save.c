@@ -1,0 +1,372 @@
+/* save.c — write a model as a Hugging Face checkpoint directory (config.json + model.safetensors).
+ *
+ * Names: transformers 5.17 keeps the DeepSeek-V4 checkpoint spelling on disk and renames to its module names
+ * only in memory, so save_pretrained writes the official names under "model.", with the exceptions listed at
+ * ds4_hf_save_name (tests/fixtures/tiny_a/names.txt is what it wrote for the fixture). The hash-routing tables
+ * are written as I64 (torch's dtype for them); ds4 keeps them as I32 in memory.
+ *
+ * Atomicity: the directory is assembled as a sibling "<dir>.tmp-<pid>" (same parent, so the final rename
+ * cannot cross file systems), every file is fsynced, then the sibling is renamed to `dir` and the parent
+ * fsynced. A crash leaves either no `dir`, the old one, or the new complete one — plus, at worst, the
+ * temporary sibling. */
+#define _POSIX_C_SOURCE 200809L
+#include <dirent.h>
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "ckpt_fs.h"
+#include "internal.h"
+#include "model.h"
+
+enum { NAME_CAP = 256 };
+
+/* ------------------------------------------------------------------------------------------------ names */
+
+int ds4_hf_save_name(const char *c, char *out, size_t cap) {
+    if (!c || !out || cap == 0) return 0;
+    const char *mapped = NULL;
+    if (!strcmp(c, "embed.weight")) mapped = "model.embed_tokens.weight";
+    else if (!strcmp(c, "head.weight")) mapped = "head.weight";
+    else if (!strcmp(c, "hc_head_fn")) mapped = "model.hc_head.hc_fn";
+    else if (!strcmp(c, "hc_head_base")) mapped = "model.hc_head.hc_base";
+    else if (!strcmp(c, "hc_head_scale")) mapped = "model.hc_head.hc_scale";
+    else if (!strcmp(c, "norm.weight")) mapped = "model.norm.weight";
+    int w;
+    if (mapped) {
+        w = snprintf(out, cap, "%s", mapped);
+    } else if (!strncmp(c, "mtp.", 4)) {
+        /* transformers has no MTP module: save_pretrained never renames these, so they keep the official
+         * spelling (the attention kv_norm included) */
+        w = snprintf(out, cap, "%s", c);
+    } else if (!strncmp(c, "layers.", 7)) {
+        /* transformers' reverse renaming turns the attention's kv_norm into norm; the compressors' own norms
+         * ("attn.compressor.norm.weight") are already called norm */
+        const char *p = c + 7;
+        while (*p >= '0' && *p <= '9') p++;
+        if (p == c + 7 || *p != '.') return 0;
+        if (!strcmp(p, ".attn.kv_norm.weight"))
+            w = snprintf(out, cap, "model.%.*s.attn.norm.weight", (int)(p - c), c);
+        else
+            w = snprintf(out, cap, "model.%s", c);
+    } else {
+        return 0;
+    }
+    return w > 0 && (size_t)w < cap;
+}
+
+/* ------------------------------------------------------------------------------------------------ tensors */
+
+typedef struct save_set {
+    size_t n;
+    char (*names)[NAME_CAP];
+    ds4_tensor *tensors;
+    const char **name_ptrs;        /* sorted by name */
+    const ds4_tensor **tensor_ptrs;
+    void *conv;                    /* converted floats (BF16/F16), when not F32 */
+    int64_t *tid;                  /* tid2eid widened to I64 */
+} save_set;
+
+static void save_set_free(save_set *s) {
+    free(s->names);
+    free(s->tensors);
+    free(s->name_ptrs);
+    free(s->tensor_ptrs);
+    free(s->conv);
+    free(s->tid);
+    memset(s, 0, sizeof *s);
+}
+
+typedef struct {
+    const char *name;
+    size_t idx;
+} sort_item;
+
+static int cmp_item(const void *a, const void *b) {
+    return strcmp(((const sort_item *)a)->name, ((const sort_item *)b)->name);
+}
+
+/* Views of every parameter under its save_pretrained name, converted where the dtype asks for it. */
+static ds4_status build_set(const ds4_model *m, ds4_dtype dtype, save_set *s, ds4_error *err) {
+    memset(s, 0, sizeof *s);
+    const size_t n = ds4_model_tensor_count(m);
+    s->n = n;
+    s->names = calloc(n ? n : 1, sizeof *s->names);
+    s->tensors = calloc(n ? n : 1, sizeof *s->tensors);
+    s->name_ptrs = calloc(n ? n : 1, sizeof *s->name_ptrs);
+    s->tensor_ptrs = calloc(n ? n : 1, sizeof *s->tensor_ptrs);
+    sort_item *order = calloc(n ? n : 1, sizeof *order);
+    ds4_status st = DS4_OK;
+    if (!s->names || !s->tensors || !s->name_ptrs || !s->tensor_ptrs || !order) {
+        st = ds4_fail(err, DS4_ERR_OOM, "model save: tensor tables for %zu tensors", n);
+        goto out;
+    }
+    /* Converted copies live in two flat buffers sized from the whole model. */
+    int64_t n_float = 0, n_int = 0;
+    for (size_t i = 0; i < n; i++) {
+        ds4_tensor v;
+        st = ds4_model_tensor_at(m, i, NULL, &v, err);
+        if (st) goto out;
+        if (v.dtype == DS4_F32) n_float += ds4_tensor_numel(&v);
+        else n_int += ds4_tensor_numel(&v);
+    }
+    if (dtype != DS4_F32 && n_float > 0 && !(s->conv = malloc((size_t)n_float * 2))) {
+        st = ds4_fail(err, DS4_ERR_OOM, "model save: %lld-element %s copy of the parameters", (long long)n_float,
+                      ds4_dtype_name(dtype));
+        goto out;
+    }
+    if (n_int > 0 && !(s->tid = malloc((size_t)n_int * sizeof(int64_t)))) {
+        st = ds4_fail(err, DS4_ERR_OOM, "model save: %lld-element I64 copy of the hash tables", (long long)n_int);
+        goto out;
+    }
+    int64_t fo = 0, io = 0;
+    for (size_t i = 0; i < n; i++) {
+        const char *canon = NULL;
+        ds4_tensor v;
+        st = ds4_model_tensor_at(m, i, &canon, &v, err);
+        if (st) goto out;
+        if (!ds4_hf_save_name(canon, s->names[i], NAME_CAP)) {
+            st = ds4_fail(err, DS4_ERR_INTERNAL, "model save: no save_pretrained name for tensor '%s'", canon);
+            goto out;
+        }
+        const int64_t numel = ds4_tensor_numel(&v);
+        ds4_tensor *t = &s->tensors[i];
+        *t = v; /* shape, ndim; a borrowed view (refcount 0) */
+        if (v.dtype == DS4_F32) {
+            if (dtype != DS4_F32) {
+                uint16_t *dst = (uint16_t *)s->conv + fo;
+                const float *src = v.data;
+                for (int64_t k = 0; k < numel; k++)
+                    dst[k] = dtype == DS4_BF16 ? ds4_f32_to_bf16(src[k]) : ds4_f32_to_f16(src[k]);
+                t->dtype = dtype;
+                t->data = dst;
+                t->nbytes = (size_t)numel * 2;
+                fo += numel;
+            }
+        } else if (v.dtype == DS4_I32) {
+            int64_t *dst = s->tid + io;
+            const int32_t *src = v.data;
+            for (int64_t k = 0; k < numel; k++) dst[k] = src[k];
+            t->dtype = DS4_I64;
+            t->data = dst;
+            t->nbytes = (size_t)numel * 8;
+            io += numel;
+        } else {
+            st = ds4_fail(err, DS4_ERR_INTERNAL, "model save: tensor '%s' has unexpected dtype %s", canon,
+                          ds4_dtype_name(v.dtype));
+            goto out;
+        }
+        order[i].name = s->names[i];
+        order[i].idx = i;
+    }
+    /* Sorted by name: the same model always gives the same bytes. */
+    qsort(order, n, sizeof *order, cmp_item);
+    for (size_t i = 0; i < n; i++) {
+        s->name_ptrs[i] = order[i].name;
+        s->tensor_ptrs[i] = &s->tensors[order[i].idx];
+    }
+out:
+    free(order);
+    if (st) save_set_free(s);
+    return st;
+}
+
+/* ------------------------------------------------------------------------------------------------ files */
+
+static const char *hf_dtype_name(ds4_dtype d) {
+    return d == DS4_BF16 ? "bfloat16" : d == DS4_F16 ? "float16" : "float32";
+}
+
+/* ds4_config_to_json plus the "dtype" field save_pretrained writes (transformers reads it for dtype="auto"). */
+static char *config_text(const ds4_config *c, ds4_dtype dtype, size_t *len) {
+    char *js = ds4_config_to_json(c);
+    if (!js) return NULL;
+    char *close = strrchr(js, '}');
+    if (!close) {
+        free(js);
+        return NULL;
+    }
+    size_t head = (size_t)(close - js);
+    while (head > 0 && (js[head - 1] == ' ' || js[head - 1] == '\n' || js[head - 1] == '\t' || js[head - 1] == '\r'))
+        head--;
+    const char *fmt = ",\n  \"dtype\": \"%s\"\n}\n";
+    size_t cap = head + strlen(fmt) + 16;
+    char *out = malloc(cap);
+    if (!out) {
+        free(js);
+        return NULL;
+    }
+    memcpy(out, js, head);
+    int w = snprintf(out + head, cap - head, fmt, hf_dtype_name(dtype));
+    free(js);
+    if (w < 0 || (size_t)w >= cap - head) {
+        free(out);
+        return NULL;
+    }
+    *len = head + (size_t)w;
+    return out;
+}
+
+static ds4_status check_opts(const ds4_save_options *opt, ds4_save_options *o, ds4_error *err) {
+    memset(o, 0, sizeof *o);
+    o->dtype = DS4_F32;
+    if (opt) *o = *opt;
+    if (o->dtype != DS4_F32 && o->dtype != DS4_BF16 && o->dtype != DS4_F16)
+        return ds4_fail(err, DS4_ERR_ARG, "model save: dtype %s is not one of F32, BF16, F16",
+                        ds4_dtype_name(o->dtype) ? ds4_dtype_name(o->dtype) : "?");
+    return DS4_OK;
+}
+
+ds4_status ds4_model_write_files(const ds4_model *m, const char *dir, const ds4_save_options *opt, ds4_error *err) {
+    if (!m || !dir) return ds4_fail(err, DS4_ERR_ARG, "model save: NULL argument");
+    ds4_save_options o;
+    ds4_status st = check_opts(opt, &o, err);
+    if (st) return st;
+    size_t dl = strlen(dir);
+    char *path = malloc(dl + 32);
+    if (!path) return ds4_fail(err, DS4_ERR_OOM, "model save %s: path", dir);
+    /* config.json first: a directory with weights but no config is useless, the reverse is merely
+     * incomplete — and neither is published before the caller's rename or commit anyway. */
+    size_t clen = 0;
+    char *cfg = config_text(ds4_model_config(m), o.dtype, &clen);
+    if (!cfg) {
+        free(path);
+        return ds4_fail(err, DS4_ERR_OOM, "model save %s: config.json text", dir);
+    }
+    snprintf(path, dl + 32, "%s/config.json", dir);
+    st = ds4_fs_write_file("model save", path, cfg, clen, err);
+    free(cfg);
+    if (!st) {
+        save_set s;
+        st = build_set(m, o.dtype, &s, err);
+        if (!st) {
+            snprintf(path, dl + 32, "%s/model.safetensors", dir);
+            st = ds4_st_write(path, s.n, s.name_ptrs, s.tensor_ptrs, err);
+            if (st) ds4_error_prefix(err, "model save: ");
+            save_set_free(&s);
+        }
+    }
+    free(path);
+    return st;
+}
+
+/* Files a checkpoint directory may hold; overwrite replaces nothing else (a typo'd model:save("/home/me") must
+ * never wipe a home directory). */
+static int checkpoint_file_name(const char *n) {
+    size_t l = strlen(n);
+    if (!strcmp(n, "config.json")) return 1;
+    if (l > 12 && !strcmp(n + l - 12, ".safetensors")) return 1;
+    if (l > 5 && !strcmp(n + l - 5, ".json")) return 1;
+    return 0;
+}
+
+/* 0: missing, 1: empty directory, 2: directory holding only checkpoint files, 3: anything else (not a
+ * directory, or foreign entries). */
+static int inspect_target(const char *dir, char *why, size_t cap) {
+    struct stat st;
+    if (lstat(dir, &st) != 0) return errno == ENOENT ? 0 : (snprintf(why, cap, "stat: %s", strerror(errno)), 3);
+    if (!S_ISDIR(st.st_mode)) return snprintf(why, cap, "it exists and is not a directory"), 3;
+    DIR *d = opendir(dir);
+    if (!d) return snprintf(why, cap, "opendir: %s", strerror(errno)), 3;
+    int kind = 1;
+    char *full = malloc(strlen(dir) + NAME_CAP + 2);
+    if (!full) {
+        closedir(d);
+        return snprintf(why, cap, "out of memory"), 3;
+    }
+    struct dirent *e;
+    while ((e = readdir(d)) != NULL) {
+        if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..")) continue;
+        snprintf(full, strlen(dir) + NAME_CAP + 2, "%s/%s", dir, e->d_name);
+        struct stat fs;
+        if (lstat(full, &fs) != 0 || !S_ISREG(fs.st_mode) || !checkpoint_file_name(e->d_name)) {
+            snprintf(why, cap, "it holds '%s', which is not a checkpoint file", e->d_name);
+            kind = 3;
+            break;
+        }
+        kind = 2;
+    }
+    free(full);
+    closedir(d);
+    return kind;
+}
+
+ds4_status ds4_model_save(const ds4_model *m, const char *dir, ds4_error *err) {
+    return ds4_model_save_opts(m, dir, NULL, err);
+}
+
+ds4_status ds4_model_save_opts(const ds4_model *m, const char *dir_in, const ds4_save_options *opt, ds4_error *err) {
+    if (!m || !dir_in) return ds4_fail(err, DS4_ERR_ARG, "model save: NULL argument");
+    ds4_save_options o;
+    ds4_status st = check_opts(opt, &o, err);
+    if (st) return st;
+    const size_t cap = strlen(dir_in) + 64;
+    char *dir = malloc(cap), *parent = malloc(cap), *base = malloc(cap), *tmp = malloc(cap), *old = malloc(cap);
+    if (!dir || !parent || !base || !tmp || !old) {
+        st = ds4_fail(err, DS4_ERR_OOM, "model save %s: paths", dir_in);
+        goto out;
+    }
+    if (!ds4_fs_split(dir_in, parent, cap, base, cap)) {
+        st = ds4_fail(err, DS4_ERR_ARG, "model save '%s': not a directory path with a last component", dir_in);
+        goto out;
+    }
+    snprintf(dir, cap, "%s/%s", parent, base);
+    long pid = (long)getpid();
+    snprintf(tmp, cap, "%s.tmp-%ld", dir, pid);
+    snprintf(old, cap, "%s.old-%ld", dir, pid);
+    st = ds4_fs_mkdirs("model save", parent, err);
+    if (st) goto out;
+    char why[512] = "";
+    int target = inspect_target(dir, why, sizeof why);
+    if (target == 3) {
+        st = ds4_fail(err, DS4_ERR_IO, "model save %s: refusing to save there: %s", dir, why);
+        goto out;
+    }
+    if (target == 2 && !o.overwrite) {
+        st = ds4_fail(err, DS4_ERR_IO, "model save %s: the directory exists and is not empty (set overwrite to "
+                      "replace it)", dir);
+        goto out;
+    }
+    /* A leftover of an earlier attempt under our pid is ours to discard. */
+    st = ds4_fs_rmtree("model save", tmp, err);
+    if (st) goto out;
+    if (mkdir(tmp, 0755) != 0) {
+        st = ds4_fail(err, DS4_ERR_IO, "model save %s: mkdir %s: %s", dir, tmp, strerror(errno));
+        goto out;
+    }
+    st = ds4_model_write_files(m, tmp, &o, err);
+    if (!st) st = ds4_fs_sync_dir("model save", tmp, err);
+    if (st) {
+        ds4_fs_rmtree("model save", tmp, NULL);
+        goto out;
+    }
+    if (target == 2) {
+        /* rename(2) cannot replace a non-empty directory: move the old one aside first. Between the two renames
+         * `dir` is absent, never half-written; the old copy is dropped only once the new one is in place. */
+        if (rename(dir, old) != 0) {
+            st = ds4_fail(err, DS4_ERR_IO, "model save %s: rename the old directory to %s: %s", dir, old,
+                          strerror(errno));
+            ds4_fs_rmtree("model save", tmp, NULL);
+            goto out;
+        }
+    }
+    if (rename(tmp, dir) != 0) {
+        st = ds4_fail(err, DS4_ERR_IO, "model save %s: rename from %s: %s", dir, tmp, strerror(errno));
+        if (target == 2) (void)rename(old, dir);
+        ds4_fs_rmtree("model save", tmp, NULL);
+        goto out;
+    }
+    st = ds4_fs_sync_dir("model save", parent, err);
+    /* The new directory is in place; failing to delete the old copy only leaves a ".old-" sibling behind. */
+    if (target == 2) ds4_fs_rmtree("model save", old, NULL);
+out:
+    free(dir);
+    free(parent);
+    free(base);
+    free(tmp);
+    free(old);
+    return st;
+}
