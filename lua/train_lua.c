@@ -269,6 +269,61 @@ static int o_steps(lua_State *L) {
     return 1;
 }
 
+/* opt:state() -> {m = F32 [n_params], v = F32 [n_params], tensor_steps = I64 [n_tensors], step = n}: copies of
+ * everything an exact resume needs (the moments are parallel to the model's flat parameter buffer). */
+static int o_state(lua_State *L) {
+    const char *fname = "ds4.adamw:state";
+    adamw_box *b = check_adamw(L, fname);
+    ds4_adamw_state st;
+    ds4_adamw_get_state(b->a, &st);
+    lua_createtable(L, 0, 4);
+    const int64_t np[1] = {st.n_params}, nt[1] = {(int64_t)st.n_tensors};
+    ds4_tensor *t = ds4l_tensor_push_new(L, fname, DS4_F32, 1, np);
+    memcpy(t->data, st.m, t->nbytes);
+    lua_setfield(L, -2, "m");
+    t = ds4l_tensor_push_new(L, fname, DS4_F32, 1, np);
+    memcpy(t->data, st.v, t->nbytes);
+    lua_setfield(L, -2, "v");
+    t = ds4l_tensor_push_new(L, fname, DS4_I64, 1, nt);
+    memcpy(t->data, st.tensor_steps, t->nbytes);
+    lua_setfield(L, -2, "tensor_steps");
+    lua_pushnumber(L, (lua_Number)*st.steps);
+    lua_setfield(L, -2, "step");
+    return 1;
+}
+
+/* opt:load_state(state): the inverse of opt:state(), for an optimizer created with the same options over a
+ * model of the same configuration. Sizes and dtypes are checked before anything is written. */
+static int o_load_state(lua_State *L) {
+    const char *fname = "ds4.adamw:load_state";
+    adamw_box *b = check_adamw(L, fname);
+    luaL_checktype(L, 2, LUA_TTABLE);
+    ds4_adamw_state st;
+    ds4_adamw_get_state(b->a, &st);
+    const char *keys[3] = {"m", "v", "tensor_steps"};
+    ds4_tensor *src[3];
+    for (int i = 0; i < 3; i++) {
+        lua_getfield(L, 2, keys[i]);
+        src[i] = ds4l_tensor_test(L, -1);
+        const int64_t want = i < 2 ? st.n_params : (int64_t)st.n_tensors;
+        const ds4_dtype dt = i < 2 ? DS4_F32 : DS4_I64;
+        if (!src[i] || src[i]->dtype != dt || ds4_tensor_numel(src[i]) != want)
+            ds4l_raise(L, "%s: state.%s must be a %s tensor of %lld elements", fname, keys[i], ds4_dtype_name(dt),
+                       (long long)want);
+        lua_pop(L, 1); /* the state table keeps the tensor alive */
+    }
+    lua_getfield(L, 2, "step");
+    if (lua_type(L, -1) != LUA_TNUMBER || lua_tonumber(L, -1) < 0 || lua_tonumber(L, -1) != (int64_t)lua_tonumber(L, -1))
+        ds4l_raise(L, "%s: state.step must be a non-negative integer", fname);
+    const int64_t step = (int64_t)lua_tonumber(L, -1);
+    lua_pop(L, 1);
+    memcpy(st.m, src[0]->data, src[0]->nbytes);
+    memcpy(st.v, src[1]->data, src[1]->nbytes);
+    memcpy(st.tensor_steps, src[2]->data, src[2]->nbytes);
+    *st.steps = step;
+    return 0;
+}
+
 static int o_free(lua_State *L) {
     adamw_box *b = luaL_testudata(L, 1, ADAMW_MT);
     if (!b) ds4l_raise(L, "ds4.adamw:free: self must be a ds4.adamw optimizer (got %s)", luaL_typename(L, 1));
@@ -401,7 +456,8 @@ static const luaL_Reg train_model_methods[] = {
 };
 
 static const luaL_Reg adamw_methods[] = {
-    {"step", o_step}, {"lr", o_lr}, {"steps", o_steps}, {"free", o_free}, {NULL, NULL},
+    {"step", o_step}, {"lr", o_lr}, {"steps", o_steps}, {"state", o_state}, {"load_state", o_load_state},
+    {"free", o_free}, {NULL, NULL},
 };
 
 void ds4l_train_open(lua_State *L) {

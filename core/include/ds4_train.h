@@ -94,6 +94,21 @@ void ds4_adamw_free(ds4_adamw *a);
 ds4_status ds4_adamw_step(ds4_adamw *a, ds4_adamw_stats *stats, ds4_error *err);
 int64_t ds4_adamw_steps(const ds4_adamw *a);
 
+/* Optimizer state access for checkpoints (saving and resuming training): the two moment buffers are flat and parallel to the
+ * model's parameter buffer (same offsets as ds4_tensor_info; zero where a tensor has never been updated), and
+ * each named tensor has its own update count (torch keeps state["step"] per parameter; a tensor that becomes
+ * trainable later starts its bias correction at 1). */
+typedef struct ds4_adamw_state {
+    float *m, *v;             /* [n_params] each */
+    int64_t n_params;
+    int64_t *tensor_steps;    /* [n_tensors], indexed like ds4_model_tensor_at */
+    size_t n_tensors;
+    int64_t *steps;           /* the optimizer's update count (what the schedule reads) */
+} ds4_adamw_state;
+/* Pointers into the optimizer (mutable: a resume writes through them). */
+void ds4_adamw_get_state(ds4_adamw *a, ds4_adamw_state *out);
+
+
 #ifdef __cplusplus
 }
 #endif

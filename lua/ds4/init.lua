@@ -29,6 +29,9 @@ Safetensors
 Models
   ds4.load(dir)                    model from an HF checkpoint directory (config.json + safetensors)
   ds4.random_model(config [, seed]) model with random weights (HF initialisation) from a config path
+  ds4.new_model(cfg [, seed])      the same from a Lua table of config.json fields (e.g. for training from
+                                   scratch: {vocab_size = 280, hidden_size = 64, ...}; absent fields take the
+                                   V4-Flash defaults, legacy spellings are folded as for config.json)
   ds4.config(path)                 config table of a config.json / checkpoint directory (no weights read)
   model:forward(ids [, opts])      ids: integer tensor [B, S] (I64/I32/... or floats holding integers) or a
                                    table of equal-length rows; opts.labels (same forms, -100 = ignore),
@@ -46,9 +49,66 @@ Models
   ds4.is_model(x)
   ds4.config_summary(cfg)          one-line description of a config table
 
+Tokenizer (HF tokenizer.json byte-level BPE; equals HF tokenizers' encode(text, add_special_tokens=False))
+  ds4.tokenizer([path])            tokenizer.json -> tokenizer; no path: the built-in byte-level tokenizer
+                                   (ids 0..255 = bytes, DeepSeek chat special tokens from 256)
+  tok:encode(text [, {bos = true}]) -> Lua array of ids; no BOS unless bos = true (error if the tokenizer has
+                                   no <｜begin▁of▁sentence｜>). Invalid UTF-8 is encoded by its bytes.
+  tok:decode(ids [, {skip_special = true}])  Lua array or integer tensor of ids -> string (the exact bytes)
+  tok:vocab_size()                 largest id + 1
+  tok:token_to_id(s)  tok:id_to_token(id)    vocabulary strings (byte-level form, e.g. "Ġthe"); nil if absent
+  tok:special(name)                id of a DeepSeek special token by name, nil if absent: "bos", "eos", "user",
+                                   "assistant", "think", "end_think", "latest_reminder", "dsml", "pad", "tool_*", ...
+  tok:is_special(id)               true for special added tokens (what skip_special drops)
+  ds4.special_tokens()             {name = token text} of those names
+  ds4.is_tokenizer(x)
+
+Training (lua/train_lua.c)
+  model:zero_grad()                enable gradients (first call) and set them to zero
+  model:forward(ids, {labels = l}) on a model with gradients enabled: a training forward that keeps the
+                                   activations for backward; opts.train = false forces inference, true enables
+                                   gradients itself
+  model:backward([scale])          add the gradient of scale * (sum of per-token CE) of the last training forward;
+                                   scale defaults to 1 / loss_tokens (gradient of out.loss); once per forward
+  model:grads()                    {official name = F32 tensor}: copies of the gradients (fp32 parameters)
+  ds4.adamw(model [, opts])        AdamW as torch.optim.AdamW (+ clip_grad_norm_, LR schedule); opts: lr (1e-3),
+                                   betas ({0.9, 0.999}), eps (1e-8), weight_decay (0.01; not on norms, biases,
+                                   sinks, mHC base/scale), clip (off), schedule ("constant"|"linear"|"cosine"),
+                                   warmup (linear warm-up steps), total (end of the decay), min_lr_ratio (0)
+  opt:step()                       clip, update -> {lr = ..., grad_norm = (before clipping), step = updates done}
+  opt:lr()  opt:steps()  opt:free() the next update's lr, updates done, release now (keeps the model alive)
+
+Saving and checkpoints (lua/save_lua.c; layout and guarantees: core/include/ds4_ckpt.h)
+  model:save(dir [, opts])         config.json + model.safetensors under the names transformers' save_pretrained
+                                   writes (from_pretrained loads it); written in a sibling and renamed into place.
+                                   opts.dtype = "F32" (exact, default) | "BF16" | "F16"; opts.overwrite = true
+                                   replaces an existing dir that holds only checkpoint files. -> dir
+  ds4.checkpoints.save(root, step, model [, opts])  -> root/step_NNNNNN (step = completed updates), committed
+                                   atomically with a checksummed COMPLETE marker. opts.extra = {name = tensor},
+                                   opts.meta = {JSON-able table}, opts.states = {name = {tensors = ..., meta = ...}},
+                                   opts.dtype; opts.keep_last / keep_every / clean: prune afterwards
+  ds4.checkpoints.load(root [, step]) -> dir, extra, meta, step of the newest (or given) complete checkpoint
+                                   (nil when there is none); ds4.load(dir) loads its model
+  ds4.checkpoints.list(root)       complete steps, ascending (every file's size and CRC-32 verified)
+  ds4.checkpoints.latest(root)     newest complete step, or nil
+  ds4.checkpoints.prune(root, {keep_last = K, keep_every = M, clean = false, dry_run = false})
+                                   -> {removed = {steps}, kept, cleaned, left}; never removes the newest complete
+                                   checkpoint, an incomplete one, or a live writer's temporary directory
+  ds4.checkpoints.scan(root)       {{name, step, kind = "complete"|"incomplete"|"active"|"stale", pid, reason}}
+  ds4.checkpoints.check(dir [, {sizes_only = true}])  -> step, or nil + why
+  ds4.checkpoints.begin(root, step) -> tmp dir;  .commit(root, step, tmp) -> final dir;  .abort(tmp)
+  ds4.checkpoints.write_state(dir, name, tensors, meta)  .read_state(dir, name) -> tensors, meta (nil if absent)
+  ds4.checkpoints.path(root, step) "root/step_NNNNNN"
+
 Engine
   ds4.set_threads(n)               CPU threads (0 = all cores); before loading models (or after freeing them)
   ds4.threads()                    the engine's thread count (creates the engine)
+
+Chat templates (lua/ds4/chat/: loaded on first use of ds4.chat; same as require("ds4.chat"))
+  ds4.chat.get(name)               template: "deepseek_v4" (official DeepSeek-V4 format), "chatml", or registered
+  tmpl:render(tok, messages, opts) -> {ids, mask, text, segments}; mask[i] = 1 on trained (model-produced) tokens
+  tmpl:check_prefix(tok, before, after, opts [, opts_after])  true, or false + why (append-only check)
+  ds4.chat.register(name, {segments = fn} or {render = fn})   ds4.chat.list()   ds4.chat.builder(tok)
 
 Misc
   ds4.version  ds4.build_info  ds4.luajit_version
@@ -64,6 +124,7 @@ local M = {}
 for k, v in pairs(core) do
     M[k] = v
 end
+M.tokenizer = core.tokenizer  -- lua/tokenizer_lua.c (copied above with the rest of ds4.core; named for the reader)
 
 local type, tostring, error = type, tostring, error
 
@@ -111,6 +172,13 @@ function M.config_summary(cfg)
         cfg.num_experts_per_tok, cfg.n_shared_experts, cfg.hc_mult, cfg.num_nextn_predict_layers)
 end
 
+function M.new_model(cfg, seed)
+    if type(cfg) ~= "table" then
+        error("ds4.new_model: bad argument #1 (config table expected, got " .. type(cfg) .. ")", 2)
+    end
+    return core.random_model_json(require("ds4.chat.json").encode(cfg), seed)
+end
+
 -- ------------------------------------------------------------------------------------------------ misc
 
 function M.script_dir()
@@ -118,5 +186,7 @@ function M.script_dir()
     if type(script) ~= "string" or script == "-" then return "." end
     return script:match("^(.*)/[^/]*$") or "."
 end
+
+setmetatable(M, { __index = function(t, k) if k == "chat" then t.chat = require("ds4.chat") return t.chat end end })
 
 return M

@@ -4,9 +4,15 @@
 -- anything failed, so ctest sees the failure. A Lua error aborts the test with exit 1 as well.
 local H = { checks = 0, failures = 0 }
 
+-- The first frame outside this file: the test line that made the failing check, however deep the helpers.
 local function where()
-    local info = debug.getinfo(3, "Sl")
-    return info and (info.short_src .. ":" .. (info.currentline or 0)) or "?"
+    local level = 2
+    while true do
+        local info = debug.getinfo(level, "Sl")
+        if not info then return "?" end
+        if not info.short_src:match("harness%.lua$") then return info.short_src .. ":" .. (info.currentline or 0) end
+        level = level + 1
+    end
 end
 
 local function fail(msg)
