@@ -639,6 +639,10 @@ static void moe(fwd *f, const ds4_layer_w *l, const int64_t *ids) {
         keep(lt->rsc, f->rl, T * E);
         memcpy(lt->eidx, f->eidx, (size_t)(T * K) * sizeof(int32_t));
         keep(lt->ew, f->ew, T * K);
+        if (f->m->router_loads && !l->is_hash) { /* expert loads for the aux-loss-free bias update */
+            const int64_t li = lt - f->tape->layers;
+            for (int64_t i = 0; i < T * K; i++) f->m->router_loads[li * E + f->eidx[i]]++;
+        }
     }
     /* group (token, slot) pairs by expert: counting sort */
     memset(f->ecount, 0, (size_t)(E + 1) * sizeof(int64_t));
@@ -905,6 +909,9 @@ ds4_status ds4_model_forward_train(ds4_model *m, const ds4_forward_args *args, d
     if (!m->grads) return ds4_fail(err, DS4_ERR_ARG, "training forward: gradients are not enabled (enable_grad)");
     if (!m->tape && !(m->tape = calloc(1, sizeof *m->tape)))
         return ds4_fail(err, DS4_ERR_OOM, "training forward: tape");
+    if (!m->router_loads &&
+        !(m->router_loads = calloc((size_t)((m->cfg.num_hidden_layers + 1) * m->cfg.n_routed_experts), sizeof(int64_t))))
+        return ds4_fail(err, DS4_ERR_OOM, "training forward: router load counters");
     return ds4_fwd_run(m, args, res, m->tape, err);
 }
 

@@ -254,6 +254,7 @@ void ds4_model_free(ds4_model *m) {
     free(m->layers);
     free(m->ws);
     free(m->grads);
+    free(m->router_loads);
     ds4_tape_free(m->tape);
     free(m);
 }
@@ -286,7 +287,34 @@ ds4_status ds4_model_set_train_options(ds4_model *m, const ds4_train_options *o,
                         o->mtp_lambda);
     if (o->indexer_kl)
         return ds4_fail(err, DS4_ERR_UNSUPPORTED, "set_train_options: the indexer KL loss is not implemented yet");
+    if (!(o->router_bias_gamma >= 0) || !isfinite(o->router_bias_gamma))
+        return ds4_fail(err, DS4_ERR_ARG, "set_train_options: router_bias_gamma %g must be finite and >= 0",
+                        o->router_bias_gamma);
     m->topt = *o;
+    return DS4_OK;
+}
+
+const int64_t *ds4_model_router_loads(const ds4_model *m) { return m ? m->router_loads : NULL; }
+
+ds4_status ds4_model_update_router_bias(ds4_model *m, double gamma, ds4_error *err) {
+    if (!m) return ds4_fail(err, DS4_ERR_ARG, "router bias update: model is NULL");
+    if (!(gamma >= 0) || !isfinite(gamma))
+        return ds4_fail(err, DS4_ERR_ARG, "router bias update: gamma %g must be finite and >= 0", gamma);
+    if (!m->router_loads) return DS4_OK; /* no training forward yet: nothing counted */
+    const int64_t L = m->cfg.num_hidden_layers, E = m->cfg.n_routed_experts;
+    for (int64_t l = 0; l <= L; l++) {
+        const ds4_layer_w *lw = l < L ? &m->layers[l] : (m->has_mtp ? &m->mtp.block : NULL);
+        int64_t *load = m->router_loads + l * E, total = 0;
+        for (int64_t e = 0; e < E; e++) total += load[e];
+        if (lw && !lw->is_hash && lw->gate_bias && total > 0) {
+            /* sign(mean − load_e) compared exactly in integers: E·load_e vs total */
+            for (int64_t e = 0; e < E; e++) {
+                const int64_t diff = total - E * load[e];
+                lw->gate_bias[e] += (float)(gamma * (double)((diff > 0) - (diff < 0)));
+            }
+        }
+        memset(load, 0, (size_t)E * sizeof(int64_t));
+    }
     return DS4_OK;
 }
 

@@ -98,6 +98,7 @@ struct ds4_model {
     float *grads;                        /* flat, parallel to params; NULL until enable_grad */
     ds4_train_options topt;
     struct ds4_tape *tape;               /* activations of the last training forward (fwd.h) */
+    int64_t *router_loads;               /* [(L + 1), E] expert loads since the last bias update */
 };
 
 void ds4_tape_free(struct ds4_tape *t);

@@ -436,6 +436,10 @@ ds4_status ds4_adamw_step(ds4_adamw *a, ds4_adamw_stats *stats, ds4_error *err) 
     }
     ds4_adamw_update_ranges(a->ranges, nr, a->chunks, nc, pool);
     a->steps++;
+    if (m->topt.router_bias_gamma > 0) {
+        ds4_status s = ds4_model_update_router_bias(m, m->topt.router_bias_gamma, err);
+        if (s) return s;
+    }
     if (stats) stats->step = a->steps;
     return DS4_OK;
 }

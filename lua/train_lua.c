@@ -195,7 +195,8 @@ static int m_backward_logprobs(lua_State *L) {
     return 0;
 }
 
-/* model:set_train_options{mtp_lambda = x}: extra losses (MTP; the indexer KL loss is not implemented). */
+/* model:set_train_options{mtp_lambda = x, router_bias_gamma = g}: the MTP loss, the aux-loss-free router-bias
+ * update applied after each opt:step() (the indexer KL loss is not implemented). */
 static int m_set_train_options(lua_State *L) {
     const char *fname = "ds4.model:set_train_options";
     ds4_model *m = ds4l_model_check(L, 1, fname);
@@ -206,7 +207,13 @@ static int m_set_train_options(lua_State *L) {
         const char *k = lua_type(L, -2) == LUA_TSTRING ? lua_tostring(L, -2) : "?";
         if (!strcmp(k, "mtp_lambda") && lua_type(L, -1) == LUA_TNUMBER) o.mtp_lambda = lua_tonumber(L, -1);
         else if (!strcmp(k, "indexer_kl")) o.indexer_kl = lua_toboolean(L, -1);
-        else ds4l_raise(L, "%s: unknown or mistyped option '%s' (known: mtp_lambda = number, indexer_kl)", fname, k);
+        else if (!strcmp(k, "router_bias_gamma") && lua_type(L, -1) == LUA_TNUMBER)
+            o.router_bias_gamma = lua_tonumber(L, -1);
+        else
+            ds4l_raise(L,
+                       "%s: unknown or mistyped option '%s' (known: mtp_lambda = number, router_bias_gamma = number, "
+                       "indexer_kl)",
+                       fname, k);
         lua_pop(L, 1);
     }
     ds4_error err = {0};

@@ -15,6 +15,9 @@ extern "C" {
 typedef struct ds4_train_options {
     double mtp_lambda;        /* > 0: add mtp_lambda · MTP cross-entropy to the loss (needs mtp.0 weights) */
     int32_t indexer_kl;       /* reserved: train the indexer toward the attention distribution (not yet) */
+    double router_bias_gamma; /* > 0: after each optimizer step, the aux-loss-free balancing update of every
+                                 learned router's selection bias: bias_e += γ·sign(mean load − load_e), loads
+                                 counted over the training forwards since the previous step */
 } ds4_train_options;
 
 /* Allocate the gradient buffer (zeroed). Idempotent. */
@@ -43,6 +46,14 @@ ds4_status ds4_model_forward_train(ds4_model *m, const ds4_forward_args *args, d
  * the gradient buffer. scale = 1 / loss_tokens reproduces the gradient of the mean loss; for micro-batches
  * of one global batch pass 1 / (scored tokens of the whole global batch) to each. */
 ds4_status ds4_model_backward(ds4_model *m, double scale, ds4_error *err);
+
+/* Expert loads counted by training forwards since the last reset: loads[l·E + e] = number of (token, slot)
+ * routings of layer l (0..L-1, then L for the MTP block) to expert e. NULL before the first training forward. */
+const int64_t *ds4_model_router_loads(const ds4_model *m);
+/* Apply the aux-loss-free update with step γ to every learned router's bias from the counted loads (layers
+ * with no counted token are left alone), then reset the counts. Called by ds4_adamw_step when
+ * router_bias_gamma > 0; callable directly by a custom loop. */
+ds4_status ds4_model_update_router_bias(ds4_model *m, double gamma, ds4_error *err);
 
 /* Batch shape [B, S] of the last training forward (its tape). */
 ds4_status ds4_model_last_batch(const ds4_model *m, int64_t *batch, int64_t *seq, ds4_error *err);
