@@ -8,6 +8,8 @@
 #   build-essential cmake pkg-config  the C toolchain and the build
 #   libluajit-5.1-dev luajit          the Lua host (`ds4`) and its FFI
 #   libmsgpack-dev libzmq3-dev        the rollout wire (msgpack codec, ZeroMQ transport)
+#   libpcre2-dev libutf8proc-dev      the tokenizer: PCRE2 runs the pre-tokenizer regexes (\p{L}, \p{N}, ...),
+#                                     utf8proc gives NFC and Unicode categories
 #   clang libclang-rt-14-dev          libFuzzer targets and the sanitizer runtimes (ASan, UBSan, LSan)
 #   llvm-14                           llvm-symbolizer, so sanitizer and fuzzer reports show file:line
 # The CUDA toolkit is optional and is not installed here: the build switches the CUDA backend on when nvcc is
@@ -23,6 +25,8 @@ PACKAGES=(
     luajit
     libmsgpack-dev
     libzmq3-dev
+    libpcre2-dev
+    libutf8proc-dev
     clang
     libclang-rt-14-dev
     llvm-14
