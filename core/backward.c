@@ -156,10 +156,17 @@ typedef struct {
     int64_t rows, cols, lds, ldd;
 } tr_ctx;
 
+/* dst[c, r] = src[r, c] for the src rows [b, e) of this task. Column tiles of 32 keep the 32 destination rows
+ * being filled (each written sequentially in r) in L1, instead of touching a new line per element. */
 static void tr_range(fwd *f, void *p, int64_t b, int64_t e, int64_t task) {
     const tr_ctx *t = p;
-    for (int64_t r = b; r < e; r++) /* dst[c, r] = src[r, c]: rows of src are tasks */
-        for (int64_t c = 0; c < t->cols; c++) t->dst[c * t->ldd + r] = t->src[r * t->lds + c];
+    for (int64_t c0 = 0; c0 < t->cols; c0 += 32) {
+        const int64_t c1 = c0 + 32 < t->cols ? c0 + 32 : t->cols;
+        for (int64_t r = b; r < e; r++) {
+            const float *s = t->src + r * t->lds;
+            for (int64_t c = c0; c < c1; c++) t->dst[c * t->ldd + r] = s[c];
+        }
+    }
 }
 
 /* dst [cols, rows] = srcᵀ (src [rows, cols] with row stride lds). */
