@@ -56,21 +56,9 @@ typedef struct bwd {
 
 /* ------------------------------------------------------------------------------------------------ planning */
 
-typedef struct {
-    char *base;
-    size_t used;
-} barena;
-
-static void *btake(barena *a, size_t n, size_t elem) {
-    size_t bytes = (n * elem + 63) & ~(size_t)63;
-    void *p = a->base ? a->base + a->used : NULL;
-    a->used += bytes;
-    return p;
-}
-
 static size_t zmax(size_t a, size_t b) { return a > b ? a : b; }
 
-static void bplan(bwd *b, barena *a) {
+static void bplan(bwd *b, ds4_arena *a) {
     const ds4_config *c = &b->m->cfg;
     const size_t T = (size_t)b->tp->T, S = (size_t)b->tp->S, B = (size_t)b->tp->B;
     const size_t n = (size_t)c->hc_mult, D = (size_t)c->hidden_size, V = (size_t)c->vocab_size;
@@ -96,56 +84,56 @@ static void bplan(bwd *b, barena *a) {
     wmax = zmax(wmax, zmax(I, E));
     wmax = zmax(wmax, zmax(qr, mix));
     const size_t rows = zmax(T * K, T * n); /* routed-expert slots and per-stream rows (MTP h_proj) */
-    b->lin_wt = btake(a, ok, 4);
-    b->lin_dw = btake(a, ok, 4);
-    b->lin_a = btake(a, rows * wmax, 4);
-    b->lin_b = btake(a, rows * wmax, 4);
-    b->lin_c = btake(a, rows * wmax, 4);
-    b->dX = btake(a, T * nD, 4);
-    b->dXt = btake(a, T * nD, 4);
-    b->du = btake(a, T * D, 4);
-    b->dh = btake(a, T * D, 4);
-    b->da = btake(a, T * D, 4);
-    b->dpost = btake(a, T * n, 4);
-    b->dcomb = btake(a, T * n * n, 4);
-    b->dmix = btake(a, T * mix, 4);
-    b->xn = btake(a, T * nD, 4);
-    b->dxn = btake(a, T * nD, 4);
-    b->dzb = btake(a, T * mix, 4);
-    b->dzs = btake(a, T * 3, 4);
+    b->lin_wt = ds4_arena_take(a, ok, 4);
+    b->lin_dw = ds4_arena_take(a, ok, 4);
+    b->lin_a = ds4_arena_take(a, rows * wmax, 4);
+    b->lin_b = ds4_arena_take(a, rows * wmax, 4);
+    b->lin_c = ds4_arena_take(a, rows * wmax, 4);
+    b->dX = ds4_arena_take(a, T * nD, 4);
+    b->dXt = ds4_arena_take(a, T * nD, 4);
+    b->du = ds4_arena_take(a, T * D, 4);
+    b->dh = ds4_arena_take(a, T * D, 4);
+    b->da = ds4_arena_take(a, T * D, 4);
+    b->dpost = ds4_arena_take(a, T * n, 4);
+    b->dcomb = ds4_arena_take(a, T * n * n, 4);
+    b->dmix = ds4_arena_take(a, T * mix, 4);
+    b->xn = ds4_arena_take(a, T * nD, 4);
+    b->dxn = ds4_arena_take(a, T * nD, 4);
+    b->dzb = ds4_arena_take(a, T * mix, 4);
+    b->dzs = ds4_arena_take(a, T * 3, 4);
     b->sk_stride = (int64_t)((2 * (size_t)c->hc_sinkhorn_iters + 2) * n * n);
-    b->sk = btake(a, (size_t)b->f.ntask * (size_t)b->sk_stride, 8);
-    b->rinv = btake(a, T * zmax(n, H), 4);
-    b->dq = btake(a, T * H * d, 4);
-    b->dkv = btake(a, T * d, 4);
-    b->dqa = btake(a, T * qr, 4);
-    b->do_ = btake(a, T * H * d, 4);
-    b->dy = btake(a, T * GO, 4);
-    b->dK = btake(a, B * S * d, 4);
-    b->dpool = btake(a, B * S * d, 4);
-    b->dC = btake(a, T * 2 * d, 4);
-    b->dZ = btake(a, T * 2 * d, 4);
+    b->sk = ds4_arena_take(a, (size_t)b->f.ntask * (size_t)b->sk_stride, 8);
+    b->rinv = ds4_arena_take(a, T * zmax(n, H), 4);
+    b->dq = ds4_arena_take(a, T * H * d, 4);
+    b->dkv = ds4_arena_take(a, T * d, 4);
+    b->dqa = ds4_arena_take(a, T * qr, 4);
+    b->do_ = ds4_arena_take(a, T * H * d, 4);
+    b->dy = ds4_arena_take(a, T * GO, 4);
+    b->dK = ds4_arena_take(a, B * S * d, 4);
+    b->dpool = ds4_arena_take(a, B * S * d, 4);
+    b->dC = ds4_arena_take(a, T * 2 * d, 4);
+    b->dZ = ds4_arena_take(a, T * 2 * d, 4);
     b->maxk = (int64_t)(win + S);
-    b->P = btake(a, T * H * (size_t)b->maxk, 4);
-    b->DS = btake(a, T * H * (size_t)b->maxk, 4);
-    b->dsink_t = btake(a, T * H, 4);
-    b->inv_t = btake(a, T * (topk ? topk : 1), 4);
-    b->inv_i = btake(a, T * (topk ? topk : 1), 4);
-    b->inv_off = btake(a, B * S + 1, 8);
-    b->dlog = btake(a, T * zmax(V, E), 4);
-    b->dsc = btake(a, T * E, 4);
-    b->dws = btake(a, T * K, 4);
-    b->xs = btake(a, T * K * D, 4);
-    b->dys = btake(a, T * K * D, 4);
-    b->dxs = btake(a, T * K * D, 4);
-    b->dxslot = btake(a, T * K * D, 4);
-    b->g1s = btake(a, T * K * I, 4);
-    b->g3s = btake(a, T * K * I, 4);
-    b->act = btake(a, T * K * I, 4);
-    b->dact = btake(a, T * K * I, 4);
-    b->perm = btake(a, T * K, 4);
-    b->ecount = btake(a, E + 1, 8);
-    b->dmtp = btake(a, T * nD, 4);
+    b->P = ds4_arena_take(a, T * H * (size_t)b->maxk, 4);
+    b->DS = ds4_arena_take(a, T * H * (size_t)b->maxk, 4);
+    b->dsink_t = ds4_arena_take(a, T * H, 4);
+    b->inv_t = ds4_arena_take(a, T * (topk ? topk : 1), 4);
+    b->inv_i = ds4_arena_take(a, T * (topk ? topk : 1), 4);
+    b->inv_off = ds4_arena_take(a, B * S + 1, 8);
+    b->dlog = ds4_arena_take(a, T * zmax(V, E), 4);
+    b->dsc = ds4_arena_take(a, T * E, 4);
+    b->dws = ds4_arena_take(a, T * K, 4);
+    b->xs = ds4_arena_take(a, T * K * D, 4);
+    b->dys = ds4_arena_take(a, T * K * D, 4);
+    b->dxs = ds4_arena_take(a, T * K * D, 4);
+    b->dxslot = ds4_arena_take(a, T * K * D, 4);
+    b->g1s = ds4_arena_take(a, T * K * I, 4);
+    b->g3s = ds4_arena_take(a, T * K * I, 4);
+    b->act = ds4_arena_take(a, T * K * I, 4);
+    b->dact = ds4_arena_take(a, T * K * I, 4);
+    b->perm = ds4_arena_take(a, T * K, 4);
+    b->ecount = ds4_arena_take(a, E + 1, 8);
+    b->dmtp = ds4_arena_take(a, T * nD, 4);
 }
 
 /* ------------------------------------------------------------------------------------------------ linear */
@@ -302,36 +290,11 @@ static void hcb_range(fwd *f, void *p, int64_t b, int64_t e, int64_t task) {
             dzb[n + i] = dz;
             dzs[1] += dz * mixv[n + i];
         }
-        /* Sinkhorn forward with a tape: state k = 0 is softmax+eps, then alternating column / row
-         * normalisations ending on a column one (2·iters − 1 of them), as in the forward. */
-        double *P = tape + 2 * it * n * n;
+        /* Sinkhorn forward again, keeping its states */
+        double M[64 * 64];
+        ds4_hc_sinkhorn(c, mixv + 2 * n, sc[2], base + 2 * n, M, tape);
+        const double *P = tape + 2 * it * n * n;
         const int64_t ns = 2 * it; /* states 0 .. 2·iters − 1 */
-        for (int64_t j = 0; j < n; j++) {
-            double mx = -INFINITY, sum = 0;
-            for (int64_t k = 0; k < n; k++) {
-                double r = (double)(mixv[2 * n + j * n + k] * sc[2] + base[2 * n + j * n + k]);
-                P[j * n + k] = r;
-                mx = r > mx ? r : mx;
-            }
-            for (int64_t k = 0; k < n; k++) sum += (P[j * n + k] = exp(P[j * n + k] - mx));
-            for (int64_t k = 0; k < n; k++) {
-                P[j * n + k] /= sum;
-                tape[j * n + k] = P[j * n + k] + hc_eps;
-            }
-        }
-        for (int64_t s = 1; s < ns; s++) {
-            const double *x0 = tape + (s - 1) * n * n;
-            double *x1 = tape + s * n * n;
-            const int col = s % 2 == 1; /* step 1 is a column normalisation */
-            for (int64_t a = 0; a < n; a++) {
-                double sum = 0;
-                for (int64_t q = 0; q < n; q++) sum += col ? x0[q * n + a] : x0[a * n + q];
-                for (int64_t q = 0; q < n; q++) {
-                    if (col) x1[q * n + a] = x0[q * n + a] / (sum + hc_eps);
-                    else x1[a * n + q] = x0[a * n + q] / (sum + hc_eps);
-                }
-            }
-        }
         /* backward through the normalisations: y = x / (Σ x + eps) along an axis */
         double g[64 * 64], gx[64 * 64];
         for (int64_t i = 0; i < n * n; i++) g[i] = bw->dcomb[t * n * n + i];
@@ -397,7 +360,6 @@ static void hpb_range(fwd *f, void *p, int64_t b, int64_t e, int64_t task) {
     const hpb_ctx *cx = p;
     const ds4_config *c = f->c;
     const int64_t n = c->hc_mult, D = c->hidden_size, nD = n * D, mix = (2 + n) * n;
-    const double hc_eps = c->hc_eps;
     float *xn = f->scratch + task * f->scratch_stride;
     const float *base = cx->w->base, *sc = cx->w->scale;
     for (int64_t t = b; t < e; t++) {
@@ -408,29 +370,7 @@ static void hpb_range(fwd *f, void *p, int64_t b, int64_t e, int64_t task) {
         for (int64_t j = 2 * n; j < mix; j++) mixv[j] = ds4_dot(cx->w->fn + j * nD, xn, nD);
         for (int64_t i = 0; i < n; i++)
             mixv[n + i] = ds4_dot(cx->w->fn + (n + i) * nD, xn, nD);
-        for (int64_t j = 0; j < n; j++) {
-            double mx = -INFINITY, sum = 0;
-            for (int64_t k = 0; k < n; k++) {
-                double r = (double)(mixv[2 * n + j * n + k] * sc[2] + base[2 * n + j * n + k]);
-                M[j * n + k] = r;
-                mx = r > mx ? r : mx;
-            }
-            for (int64_t k = 0; k < n; k++) sum += (M[j * n + k] = exp(M[j * n + k] - mx));
-            for (int64_t k = 0; k < n; k++) M[j * n + k] = M[j * n + k] / sum + hc_eps;
-        }
-        for (int64_t itn = 0; itn < c->hc_sinkhorn_iters; itn++) {
-            if (itn > 0)
-                for (int64_t j = 0; j < n; j++) {
-                    double s = 0;
-                    for (int64_t k = 0; k < n; k++) s += M[j * n + k];
-                    for (int64_t k = 0; k < n; k++) M[j * n + k] /= s + hc_eps;
-                }
-            for (int64_t k = 0; k < n; k++) {
-                double s = 0;
-                for (int64_t j = 0; j < n; j++) s += M[j * n + k];
-                for (int64_t j = 0; j < n; j++) M[j * n + k] /= s + hc_eps;
-            }
-        }
+        ds4_hc_sinkhorn(c, mixv + 2 * n, sc[2], base + 2 * n, M, NULL);
         float *da = bw->da + t * D, *dX = cx->dX + t * nD;
         memset(da, 0, (size_t)D * sizeof(float));
         for (int64_t k = 0; k < n; k++) {
@@ -982,7 +922,7 @@ static ds4_status backward_impl(ds4_model *m, const float *dlogp, double scale, 
     b.m = m;
     b.tp = tp;
     b.G = m->grads;
-    barena a = {0};
+    ds4_arena a = {0};
     bplan(&b, &a);
     if (a.used > tp->bbytes) {
         free(tp->bmem);
@@ -992,7 +932,7 @@ static ds4_status backward_impl(ds4_model *m, const float *dlogp, double scale, 
             return ds4_fail(err, DS4_ERR_OOM, "backward: workspace of %zu bytes for ids [%lld, %lld]", a.used,
                             (long long)tp->B, (long long)tp->S);
     }
-    barena w = {tp->bmem, 0};
+    ds4_arena w = {tp->bmem, 0};
     bplan(&b, &w);
     const int64_t B = tp->B, S = tp->S, T = tp->T, n = c->hc_mult, D = c->hidden_size, nD = n * D;
     const int64_t L = c->num_hidden_layers;

@@ -16,19 +16,7 @@
 
 /* ------------------------------------------------------------------------------------------------ planning */
 
-typedef struct {
-    char *base;
-    size_t used;
-} arena;
-
-static void *take(arena *a, size_t n, size_t elem) {
-    size_t bytes = (n * elem + 63) & ~(size_t)63; /* 64-byte aligned slices */
-    void *p = a->base ? a->base + a->used : NULL;
-    a->used += bytes;
-    return p;
-}
-
-static void plan(fwd *f, arena *a, int need_logits_ws) {
+static void plan(fwd *f, ds4_arena *a, int need_logits_ws) {
     const ds4_config *c = f->c;
     const size_t T = (size_t)f->T, S = (size_t)f->S, B = (size_t)f->B, n = (size_t)c->hc_mult, D = (size_t)c->hidden_size;
     const size_t H = (size_t)c->num_attention_heads, d = (size_t)c->head_dim, K = (size_t)c->num_experts_per_tok;
@@ -46,45 +34,45 @@ static void plan(fwd *f, arena *a, int need_logits_ws) {
     if ((int64_t)(n * D) > stride) stride = (int64_t)(n * D);
     if (4 * mmax > stride) stride = 4 * mmax;
     f->scratch_stride = (stride + 15) & ~(int64_t)15;
-    f->X = take(a, T * n * D, 4);
-    f->Xt = take(a, T * n * D, 4);
-    f->Xz = take(a, T * n * D, 4);
-    f->pre = take(a, T * n, 4);
-    f->post = take(a, T * n, 4);
-    f->comb = take(a, T * n * n, 4);
-    f->u = take(a, T * D, 4);
-    f->h = take(a, T * D, 4);
-    f->a = take(a, T * D, 4);
-    f->qr = take(a, T * (size_t)c->q_lora_rank, 4);
-    f->q = take(a, T * H * d, 4);
-    f->o = take(a, T * H * d, 4);
-    f->kv = take(a, T * d, 4);
-    f->y = take(a, T * (size_t)(c->o_groups * c->o_lora_rank), 4);
-    f->cC = take(a, T * 2 * d, 4);
-    f->cZ = take(a, T * 2 * d, 4);
-    f->cK = take(a, B * S * d, 4);
-    f->iC = take(a, T * 2 * cI, 4);
-    f->iZ = take(a, T * 2 * cI, 4);
-    f->iK = take(a, B * S * cI, 4);
-    f->iq = take(a, T * nI * cI, 4);
-    f->iw = take(a, T * nI, 4);
-    f->sel = take(a, T * (size_t)f->sel_stride, 4);
-    f->nsel = take(a, T, 4);
-    f->scratch = take(a, (size_t)f->ntask * (size_t)f->scratch_stride, 4);
-    f->rl = take(a, T * E, 4);
-    f->eidx = take(a, T * K, 4);
-    f->ew = take(a, T * K, 4);
-    f->yk = take(a, T * K * D, 4);
-    f->xg = take(a, T * K * D, 4);
-    f->ye = take(a, T * K * D, 4);
-    f->g1 = take(a, T * K * I, 4);
-    f->g3 = take(a, T * K * I, 4);
-    f->perm = take(a, T * K, 4);
-    f->ecount = take(a, E + 1, 8);
-    f->logits_ws = need_logits_ws ? take(a, T * (size_t)c->vocab_size, 4) : NULL;
-    f->mtp_ids = take(a, T, 8);
-    f->rmain.cs = take(a, S * (size_t)c->rope_main.dim, 4);
-    f->rcomp.cs = take(a, S * (size_t)c->rope_compress.dim, 4);
+    f->X = ds4_arena_take(a, T * n * D, 4);
+    f->Xt = ds4_arena_take(a, T * n * D, 4);
+    f->Xz = ds4_arena_take(a, T * n * D, 4);
+    f->pre = ds4_arena_take(a, T * n, 4);
+    f->post = ds4_arena_take(a, T * n, 4);
+    f->comb = ds4_arena_take(a, T * n * n, 4);
+    f->u = ds4_arena_take(a, T * D, 4);
+    f->h = ds4_arena_take(a, T * D, 4);
+    f->a = ds4_arena_take(a, T * D, 4);
+    f->qr = ds4_arena_take(a, T * (size_t)c->q_lora_rank, 4);
+    f->q = ds4_arena_take(a, T * H * d, 4);
+    f->o = ds4_arena_take(a, T * H * d, 4);
+    f->kv = ds4_arena_take(a, T * d, 4);
+    f->y = ds4_arena_take(a, T * (size_t)(c->o_groups * c->o_lora_rank), 4);
+    f->cC = ds4_arena_take(a, T * 2 * d, 4);
+    f->cZ = ds4_arena_take(a, T * 2 * d, 4);
+    f->cK = ds4_arena_take(a, B * S * d, 4);
+    f->iC = ds4_arena_take(a, T * 2 * cI, 4);
+    f->iZ = ds4_arena_take(a, T * 2 * cI, 4);
+    f->iK = ds4_arena_take(a, B * S * cI, 4);
+    f->iq = ds4_arena_take(a, T * nI * cI, 4);
+    f->iw = ds4_arena_take(a, T * nI, 4);
+    f->sel = ds4_arena_take(a, T * (size_t)f->sel_stride, 4);
+    f->nsel = ds4_arena_take(a, T, 4);
+    f->scratch = ds4_arena_take(a, (size_t)f->ntask * (size_t)f->scratch_stride, 4);
+    f->rl = ds4_arena_take(a, T * E, 4);
+    f->eidx = ds4_arena_take(a, T * K, 4);
+    f->ew = ds4_arena_take(a, T * K, 4);
+    f->yk = ds4_arena_take(a, T * K * D, 4);
+    f->xg = ds4_arena_take(a, T * K * D, 4);
+    f->ye = ds4_arena_take(a, T * K * D, 4);
+    f->g1 = ds4_arena_take(a, T * K * I, 4);
+    f->g3 = ds4_arena_take(a, T * K * I, 4);
+    f->perm = ds4_arena_take(a, T * K, 4);
+    f->ecount = ds4_arena_take(a, E + 1, 8);
+    f->logits_ws = need_logits_ws ? ds4_arena_take(a, T * (size_t)c->vocab_size, 4) : NULL;
+    f->mtp_ids = ds4_arena_take(a, T, 8);
+    f->rmain.cs = ds4_arena_take(a, S * (size_t)c->rope_main.dim, 4);
+    f->rcomp.cs = ds4_arena_take(a, S * (size_t)c->rope_compress.dim, 4);
 }
 
 /* Copy n floats into a tape slot when training (dst NULL: inference, nothing to keep). */
@@ -167,6 +155,39 @@ static void matmul(fwd *f, float *y, const float *x, const float *W, int64_t T, 
 
 /* ------------------------------------------------------------------------------------------------ mHC */
 
+void ds4_hc_sinkhorn(const ds4_config *c, const float *comb_logits, float sc2, const float *comb_base, double *M,
+                     double *tape) {
+    const int64_t n = c->hc_mult, it = c->hc_sinkhorn_iters, nn = n * n;
+    const double hc_eps = c->hc_eps;
+    double *P = tape ? tape + 2 * it * nn : NULL;
+    for (int64_t j = 0; j < n; j++) {
+        double mx = -INFINITY, sum = 0;
+        for (int64_t k = 0; k < n; k++) {
+            const double r = (double)(comb_logits[j * n + k] * sc2 + comb_base[j * n + k]);
+            M[j * n + k] = r;
+            mx = r > mx ? r : mx;
+        }
+        for (int64_t k = 0; k < n; k++) sum += (M[j * n + k] = exp(M[j * n + k] - mx));
+        for (int64_t k = 0; k < n; k++) {
+            if (P) P[j * n + k] = M[j * n + k] / sum;
+            M[j * n + k] = M[j * n + k] / sum + hc_eps;
+        }
+    }
+    if (tape) memcpy(tape, M, (size_t)nn * sizeof(double));
+    for (int64_t step = 1; step < 2 * it; step++) {
+        const int col = step % 2 == 1; /* step 1 is a column normalisation; the last one is too */
+        for (int64_t a = 0; a < n; a++) {
+            double s = 0;
+            for (int64_t q = 0; q < n; q++) s += col ? M[q * n + a] : M[a * n + q];
+            for (int64_t q = 0; q < n; q++) {
+                if (col) M[q * n + a] /= s + hc_eps;
+                else M[a * n + q] /= s + hc_eps;
+            }
+        }
+        if (tape) memcpy(tape + step * nn, M, (size_t)nn * sizeof(double));
+    }
+}
+
 typedef struct {
     const ds4_hc_w *w;
     const float *X;
@@ -190,30 +211,7 @@ static void hc_pre_range(fwd *f, void *p, int64_t b, int64_t e, int64_t task) {
             pre[i] = sigmoidf(mixv[i] * sc[0] + base[i]) + (float)hc_eps;
             post[i] = 2.0f * sigmoidf(mixv[n + i] * sc[1] + base[n + i]);
         }
-        /* Sinkhorn: row softmax, +eps, column-normalise, then (iters-1) × (row, column); fp64 here */
-        for (int64_t j = 0; j < n; j++) {
-            double mx = -INFINITY, sum = 0;
-            for (int64_t k = 0; k < n; k++) {
-                double r = (double)(mixv[2 * n + j * n + k] * sc[2] + base[2 * n + j * n + k]);
-                M[j * n + k] = r;
-                if (r > mx) mx = r;
-            }
-            for (int64_t k = 0; k < n; k++) sum += (M[j * n + k] = exp(M[j * n + k] - mx));
-            for (int64_t k = 0; k < n; k++) M[j * n + k] = M[j * n + k] / sum + hc_eps;
-        }
-        for (int64_t it = 0; it < f->c->hc_sinkhorn_iters; it++) {
-            if (it > 0)
-                for (int64_t j = 0; j < n; j++) {
-                    double s = 0;
-                    for (int64_t k = 0; k < n; k++) s += M[j * n + k];
-                    for (int64_t k = 0; k < n; k++) M[j * n + k] /= s + hc_eps;
-                }
-            for (int64_t k = 0; k < n; k++) {
-                double s = 0;
-                for (int64_t j = 0; j < n; j++) s += M[j * n + k];
-                for (int64_t j = 0; j < n; j++) M[j * n + k] /= s + hc_eps;
-            }
-        }
+        ds4_hc_sinkhorn(f->c, mixv + 2 * n, sc[2], base + 2 * n, M, NULL);
         for (int64_t i = 0; i < n * n; i++) comb[i] = (float)M[i];
         float *u = f->u + t * D;
         memset(u, 0, (size_t)D * sizeof(float));
@@ -789,7 +787,7 @@ ds4_status ds4_fwd_setup(ds4_model *m, fwd *f, int64_t B, int64_t S, int need_lo
     f->T = B * S;
     f->ntask = 4 * (int64_t)ds4_pool_threads(f->pool);
     if (f->ntask > MAX_TASKS) f->ntask = MAX_TASKS;
-    arena a = {0};
+    ds4_arena a = {0};
     plan(f, &a, need_logits_ws);
     if (a.used > m->ws_bytes) {
         free(m->ws);
@@ -799,7 +797,7 @@ ds4_status ds4_fwd_setup(ds4_model *m, fwd *f, int64_t B, int64_t S, int need_lo
             return ds4_fail(err, DS4_ERR_OOM, "forward: workspace of %zu bytes for ids [%lld, %lld]", a.used,
                             (long long)B, (long long)S);
     }
-    arena w = {(char *)m->ws, 0};
+    ds4_arena w = {(char *)m->ws, 0};
     plan(f, &w, need_logits_ws);
     rope_table(&f->rmain, &c->rope_main, S);
     rope_table(&f->rcomp, &c->rope_compress, S);
@@ -807,7 +805,7 @@ ds4_status ds4_fwd_setup(ds4_model *m, fwd *f, int64_t B, int64_t S, int need_lo
 }
 
 /* Carve the tape for (B, S) out of one arena; sizes depend on each layer's attention type. */
-static void plan_tape(const ds4_model *m, ds4_tape *tp, arena *a, int64_t B, int64_t S, int with_mtp) {
+static void plan_tape(const ds4_model *m, ds4_tape *tp, ds4_arena *a, int64_t B, int64_t S, int with_mtp) {
     const ds4_config *c = &m->cfg;
     const size_t T = (size_t)(B * S), n = (size_t)c->hc_mult, D = (size_t)c->hidden_size, V = (size_t)c->vocab_size;
     const size_t H = (size_t)c->num_attention_heads, d = (size_t)c->head_dim, K = (size_t)c->num_experts_per_tok;
@@ -822,51 +820,51 @@ static void plan_tape(const ds4_model *m, ds4_tape *tp, arena *a, int64_t B, int
         ds4_layer_tape *lt = a->base ? &tp->layers[li] : &(ds4_layer_tape){0};
         const ds4_attn_type ty = li < L ? c->layer_types[li] : DS4_ATTN_SLIDING;
         const size_t width = ty == DS4_ATTN_CSA ? 2 * d : (ty == DS4_ATTN_HCA ? d : 0);
-        lt->X_in = take(a, T * n * D, 4);
-        lt->X_mid = take(a, T * n * D, 4);
-        lt->u_attn = take(a, T * D, 4);
-        lt->h_attn = take(a, T * D, 4);
-        lt->qa = take(a, T * qr, 4);
-        lt->qr = take(a, T * qr, 4);
-        lt->q_pre = take(a, T * H * d, 4);
-        lt->q = take(a, T * H * d, 4);
-        lt->kv_pre = take(a, T * d, 4);
-        lt->kv = take(a, T * d, 4);
-        lt->cC = width ? take(a, T * width, 4) : NULL;
-        lt->cZ = width ? take(a, T * width, 4) : NULL;
-        lt->pool = width ? take(a, T * d, 4) : NULL;
-        lt->cK = width ? take(a, T * d, 4) : NULL;
-        lt->sel = ty == DS4_ATTN_CSA ? take(a, T * selw, 4) : NULL;
-        lt->nsel = ty == DS4_ATTN_CSA ? take(a, T, 4) : NULL;
-        lt->o = take(a, T * H * d, 4);
-        lt->y = take(a, T * (size_t)(c->o_groups * c->o_lora_rank), 4);
-        lt->a_attn = take(a, T * D, 4);
-        lt->u_ffn = take(a, T * D, 4);
-        lt->h_ffn = take(a, T * D, 4);
-        lt->rlog = take(a, T * E, 4);
-        lt->rsc = take(a, T * E, 4);
-        lt->eidx = take(a, T * K, 4);
-        lt->ew = take(a, T * K, 4);
-        lt->eg1 = take(a, T * K * I, 4);
-        lt->eg3 = take(a, T * K * I, 4);
-        lt->ye = take(a, T * K * D, 4);
-        lt->sg1 = take(a, T * I, 4);
-        lt->sg3 = take(a, T * I, 4);
-        lt->a_ffn = take(a, T * D, 4);
+        lt->X_in = ds4_arena_take(a, T * n * D, 4);
+        lt->X_mid = ds4_arena_take(a, T * n * D, 4);
+        lt->u_attn = ds4_arena_take(a, T * D, 4);
+        lt->h_attn = ds4_arena_take(a, T * D, 4);
+        lt->qa = ds4_arena_take(a, T * qr, 4);
+        lt->qr = ds4_arena_take(a, T * qr, 4);
+        lt->q_pre = ds4_arena_take(a, T * H * d, 4);
+        lt->q = ds4_arena_take(a, T * H * d, 4);
+        lt->kv_pre = ds4_arena_take(a, T * d, 4);
+        lt->kv = ds4_arena_take(a, T * d, 4);
+        lt->cC = width ? ds4_arena_take(a, T * width, 4) : NULL;
+        lt->cZ = width ? ds4_arena_take(a, T * width, 4) : NULL;
+        lt->pool = width ? ds4_arena_take(a, T * d, 4) : NULL;
+        lt->cK = width ? ds4_arena_take(a, T * d, 4) : NULL;
+        lt->sel = ty == DS4_ATTN_CSA ? ds4_arena_take(a, T * selw, 4) : NULL;
+        lt->nsel = ty == DS4_ATTN_CSA ? ds4_arena_take(a, T, 4) : NULL;
+        lt->o = ds4_arena_take(a, T * H * d, 4);
+        lt->y = ds4_arena_take(a, T * (size_t)(c->o_groups * c->o_lora_rank), 4);
+        lt->a_attn = ds4_arena_take(a, T * D, 4);
+        lt->u_ffn = ds4_arena_take(a, T * D, 4);
+        lt->h_ffn = ds4_arena_take(a, T * D, 4);
+        lt->rlog = ds4_arena_take(a, T * E, 4);
+        lt->rsc = ds4_arena_take(a, T * E, 4);
+        lt->eidx = ds4_arena_take(a, T * K, 4);
+        lt->ew = ds4_arena_take(a, T * K, 4);
+        lt->eg1 = ds4_arena_take(a, T * K * I, 4);
+        lt->eg3 = ds4_arena_take(a, T * K * I, 4);
+        lt->ye = ds4_arena_take(a, T * K * D, 4);
+        lt->sg1 = ds4_arena_take(a, T * I, 4);
+        lt->sg3 = ds4_arena_take(a, T * I, 4);
+        lt->a_ffn = ds4_arena_take(a, T * D, 4);
     }
-    tp->X_L = take(a, T * n * D, 4);
-    tp->u_fin = take(a, T * D, 4);
-    tp->y_fin = take(a, T * D, 4);
-    tp->logits = take(a, T * V, 4);
-    tp->ids = take(a, T, 8);
-    tp->labels = take(a, T, 8);
-    tp->mtp_e = with_mtp ? take(a, T * D, 4) : NULL;
-    tp->mtp_en = with_mtp ? take(a, T * D, 4) : NULL;
-    tp->mtp_hn = with_mtp ? take(a, T * n * D, 4) : NULL;
-    tp->mtp_u = with_mtp ? take(a, T * D, 4) : NULL;
-    tp->mtp_y = with_mtp ? take(a, T * D, 4) : NULL;
-    tp->mtp_logits = with_mtp ? take(a, T * V, 4) : NULL;
-    tp->mtp_X = with_mtp ? take(a, T * n * D, 4) : NULL;
+    tp->X_L = ds4_arena_take(a, T * n * D, 4);
+    tp->u_fin = ds4_arena_take(a, T * D, 4);
+    tp->y_fin = ds4_arena_take(a, T * D, 4);
+    tp->logits = ds4_arena_take(a, T * V, 4);
+    tp->ids = ds4_arena_take(a, T, 8);
+    tp->labels = ds4_arena_take(a, T, 8);
+    tp->mtp_e = with_mtp ? ds4_arena_take(a, T * D, 4) : NULL;
+    tp->mtp_en = with_mtp ? ds4_arena_take(a, T * D, 4) : NULL;
+    tp->mtp_hn = with_mtp ? ds4_arena_take(a, T * n * D, 4) : NULL;
+    tp->mtp_u = with_mtp ? ds4_arena_take(a, T * D, 4) : NULL;
+    tp->mtp_y = with_mtp ? ds4_arena_take(a, T * D, 4) : NULL;
+    tp->mtp_logits = with_mtp ? ds4_arena_take(a, T * V, 4) : NULL;
+    tp->mtp_X = with_mtp ? ds4_arena_take(a, T * n * D, 4) : NULL;
 }
 
 /* Size (and grow) the tape's memory for (B, S). */
@@ -876,7 +874,7 @@ static ds4_status tape_reserve(const ds4_model *m, ds4_tape *tp, int64_t B, int6
         tp->layers = calloc((size_t)nl, sizeof *tp->layers);
         if (!tp->layers) return ds4_fail(err, DS4_ERR_OOM, "training forward: tape of %lld layers", (long long)nl);
     }
-    arena a = {0};
+    ds4_arena a = {0};
     plan_tape(m, tp, &a, B, S, with_mtp);
     if (a.used > tp->bytes) {
         free(tp->mem);
@@ -886,7 +884,7 @@ static ds4_status tape_reserve(const ds4_model *m, ds4_tape *tp, int64_t B, int6
             return ds4_fail(err, DS4_ERR_OOM, "training forward: activation tape of %zu bytes for ids [%lld, %lld]",
                             a.used, (long long)B, (long long)S);
     }
-    arena w = {tp->mem, 0};
+    ds4_arena w = {tp->mem, 0};
     plan_tape(m, tp, &w, B, S, with_mtp);
     return DS4_OK;
 }

@@ -107,6 +107,28 @@ typedef struct fwd {
 } fwd;
 
 
+/* A bump allocator for planned workspaces: planning runs it once with base NULL to size the block, then
+ * again over the allocated block to hand out 64-byte-aligned slices. */
+typedef struct ds4_arena {
+    char *base;
+    size_t used;
+} ds4_arena;
+
+static inline void *ds4_arena_take(ds4_arena *a, size_t n, size_t elem) {
+    size_t bytes = (n * elem + 63) & ~(size_t)63;
+    void *p = a->base ? a->base + a->used : NULL;
+    a->used += bytes;
+    return p;
+}
+
+/* The mHC residual mix of one token (§2.2): from the comb logits (mix logits 2n.., scaled by sc2, plus base),
+ * row softmax, +eps, column-normalise, then (iters-1) × (row, column), in fp64 → M [n, n]. With `tape` (room
+ * for (2·iters + 1)·n·n doubles) the states before each normalisation step are kept for the backward: state 0
+ * is softmax + eps, state k (k = 1 .. 2·iters-1) the result of step k (odd k: column, even k: row), and the
+ * plain softmax at offset 2·iters·n·n. */
+void ds4_hc_sinkhorn(const ds4_config *c, const float *comb_logits, float sc2, const float *comb_base, double *M,
+                     double *tape);
+
 static inline const float *rope_at(const rope_tab *t, int64_t pos) { return t->cs + pos * 2 * t->half; }
 static inline float sigmoidf(float x) { return 1.0f / (1.0f + expf(-x)); }
 

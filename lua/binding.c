@@ -340,44 +340,40 @@ static int l_load(lua_State *L) {
     return 1;
 }
 
-/* ds4.random_model(config_path [, seed]): random weights with HF's initialisation. */
-static int l_random_model(lua_State *L) {
-    const char *fname = "ds4.random_model";
-    const char *path = check_path(L, 1, fname);
+/* Push a model with random weights (HF's initialisation) for `cfg`; the seed is argument 2. */
+static int push_random_model(lua_State *L, const char *fname, const ds4_config *cfg) {
     int64_t seed = 0;
     if (!lua_isnoneornil(L, 2) &&
         (lua_type(L, 2) != LUA_TNUMBER || !number_to_i64(lua_tonumber(L, 2), &seed) || seed < 0))
         ds4l_raise(L, "%s: bad argument #2 (non-negative integer seed expected, got %s)", fname,
                    lua_isnumber(L, 2) ? lua_tostring(L, 2) : luaL_typename(L, 2));
-    ds4_config cfg;
     ds4_error err = {0};
-    if (ds4_config_load(path, &cfg, &err) != DS4_OK) ds4l_raise_ds4(L, fname, &err);
     model_box *b = push_model_box(L);
     engine_ref *r = get_engine(L, fname);
-    if (ds4_model_create_random(r->e, &cfg, (uint64_t)seed, &b->m, &err) != DS4_OK) ds4l_raise_ds4(L, fname, &err);
+    if (ds4_model_create_random(r->e, cfg, (uint64_t)seed, &b->m, &err) != DS4_OK) ds4l_raise_ds4(L, fname, &err);
     model_adopt(b, r);
     return 1;
 }
 
-/* ds4.core.random_model_json(json_text [, seed]): as random_model, from config JSON text (ds4.new_model
- * encodes a Lua table to it). */
+/* ds4.random_model(config_path [, seed]) */
+static int l_random_model(lua_State *L) {
+    const char *fname = "ds4.random_model";
+    const char *path = check_path(L, 1, fname);
+    ds4_config cfg;
+    ds4_error err = {0};
+    if (ds4_config_load(path, &cfg, &err) != DS4_OK) ds4l_raise_ds4(L, fname, &err);
+    return push_random_model(L, fname, &cfg);
+}
+
+/* ds4.core.random_model_json(json_text [, seed]): from config JSON text (ds4.new_model encodes a Lua table to it). */
 static int l_random_model_json(lua_State *L) {
     const char *fname = "ds4.new_model";
     size_t len = 0;
     const char *text = luaL_checklstring(L, 1, &len);
-    int64_t seed = 0;
-    if (!lua_isnoneornil(L, 2) &&
-        (lua_type(L, 2) != LUA_TNUMBER || !number_to_i64(lua_tonumber(L, 2), &seed) || seed < 0))
-        ds4l_raise(L, "%s: bad argument #2 (non-negative integer seed expected, got %s)", fname,
-                   lua_isnumber(L, 2) ? lua_tostring(L, 2) : luaL_typename(L, 2));
     ds4_config cfg;
     ds4_error err = {0};
     if (ds4_config_parse(text, len, &cfg, &err) != DS4_OK) ds4l_raise_ds4(L, fname, &err);
-    model_box *b = push_model_box(L);
-    engine_ref *r = get_engine(L, fname);
-    if (ds4_model_create_random(r->e, &cfg, (uint64_t)seed, &b->m, &err) != DS4_OK) ds4l_raise_ds4(L, fname, &err);
-    model_adopt(b, r);
-    return 1;
+    return push_random_model(L, fname, &cfg);
 }
 
 static int m_free(lua_State *L) {

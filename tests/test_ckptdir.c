@@ -20,16 +20,6 @@
 #include "json.h"
 #include "testlib.h"
 
-static int rm_cb(const char *p, const struct stat *sb, int flag, struct FTW *f) {
-    (void)sb, (void)flag, (void)f;
-    return remove(p);
-}
-static void rm_rf(const char *p) { nftw(p, rm_cb, 16, FTW_DEPTH | FTW_PHYS); }
-
-static int exists(const char *p) {
-    struct stat st;
-    return lstat(p, &st) == 0;
-}
 
 static uint32_t ref_crc32(const unsigned char *p, size_t n) {
     uint32_t c = 0xFFFFFFFFu;
@@ -196,7 +186,7 @@ static void test_commit_marker(const char *base) {
           "scan shows our temporary directory as active");
     free(en);
     CHECK_OK(ds4_ckpt_commit(root, 20, tmp, &err), &err);
-    CHECK(!exists(tmp), "the temporary directory is gone after commit");
+    CHECK(!ds4t_exists(tmp), "the temporary directory is gone after commit");
     free(tmp);
     char dir[4200], mpath[4300];
     snprintf(dir, sizeof dir, "%s/step_000020", root);
@@ -240,7 +230,7 @@ static void test_commit_marker(const char *base) {
         free(tmp);
     }
     CHECK(file_matches(dir, "a.bin", 500, 99), "re-commit replaced the content");
-    CHECK(!exists(ds4t_path(dir, "meta.json")), "re-commit replaced the whole directory");
+    CHECK(!ds4t_exists(ds4t_path(dir, "meta.json")), "re-commit replaced the whole directory");
     CHECK_OK(ds4_ckpt_scan(root, DS4_CKPT_VERIFY_FULL, &en, &n, &err), &err);
     CHECK(n == 1 && en && en[0].kind == DS4_CKPT_COMPLETE, "no .old- leftover after re-commit (%zu entries)", n);
     free(en);
@@ -255,11 +245,11 @@ static void test_commit_marker(const char *base) {
         rmdir(sub);
         CHECK_STATUS(ds4_ckpt_commit(root, 31, tmp, &err), DS4_ERR_ARG, &err);
         CHECK_OK(ds4_ckpt_abort(tmp, &err), &err);
-        CHECK(!exists(tmp), "abort removed the temporary directory");
+        CHECK(!ds4t_exists(tmp), "abort removed the temporary directory");
         free(tmp);
     }
     CHECK_STATUS(ds4_ckpt_abort(dir, &err), DS4_ERR_ARG, &err);
-    CHECK(exists(dir), "abort refuses a complete checkpoint");
+    CHECK(ds4t_exists(dir), "abort refuses a complete checkpoint");
     CHECK_STATUS(ds4_ckpt_begin(root, -1, &tmp, &err), DS4_ERR_ARG, &err);
 }
 
@@ -406,19 +396,19 @@ static void test_crashes(const char *base) {
           pr.n_removed, pr.n_kept, pr.n_cleaned);
     free(pr.removed);
     snprintf(d, sizeof d, "%s/step_000100.tmp-%ld", root, (long)dp);
-    CHECK(exists(d), "stale leftover kept without clean_stale");
+    CHECK(ds4t_exists(d), "stale leftover kept without clean_stale");
     po.clean_stale = 1;
     CHECK_OK(ds4_ckpt_prune(root, &po, &pr, &err), &err);
     CHECK(pr.n_cleaned == 2, "prune cleaned %zu stale leftovers, want 2", pr.n_cleaned);
     free(pr.removed);
-    CHECK(!exists(d), "stale leftover removed with clean_stale");
+    CHECK(!ds4t_exists(d), "stale leftover removed with clean_stale");
     snprintf(d, sizeof d, "%s/step_000110.tmp-%ld@elsewhere.invalid", root, (long)dp);
-    CHECK(exists(d), "another host's leftover is never removed");
-    CHECK(tmp && exists(tmp), "a live writer's temporary directory is never removed");
+    CHECK(ds4t_exists(d), "another host's leftover is never removed");
+    CHECK(tmp && ds4t_exists(tmp), "a live writer's temporary directory is never removed");
     const char *kept[] = {"step_000040", "step_000050", "step_000060", "step_000070", "step_000080", "step_000090",
                           "step_000096", "step_20", "notes.txt"};
     for (size_t i = 0; i < sizeof kept / sizeof kept[0]; i++)
-        CHECK(exists(ds4t_path(root, kept[i])), "prune left %s alone", kept[i]);
+        CHECK(ds4t_exists(ds4t_path(root, kept[i])), "prune left %s alone", kept[i]);
     if (tmp) {
         CHECK_OK(ds4_ckpt_abort(tmp, &err), &err);
         free(tmp);
@@ -482,8 +472,8 @@ static void test_retention(const char *base) {
     CHECK_OK(ds4_ckpt_prune(root, &p0, NULL, &err), &err);
     const int64_t want4[] = {20};
     check_list(root, want4, 1, "damaged newest");
-    CHECK(exists(d), "the damaged newest directory is left for inspection");
-    CHECK(!exists(ds4t_path(root, "step_000010")), "step 10 removed");
+    CHECK(ds4t_exists(d), "the damaged newest directory is left for inspection");
+    CHECK(!ds4t_exists(ds4t_path(root, "step_000010")), "step 10 removed");
 
     ds4_ckpt_prune_options bad = {.keep_last = -1};
     CHECK_STATUS(ds4_ckpt_prune(root, &bad, NULL, &err), DS4_ERR_ARG, &err);
@@ -517,7 +507,7 @@ static void test_state(const char *base) {
     CHECK_STATUS(ds4_ckpt_write_state(tmp, "", 0, NULL, NULL, NULL, &err), DS4_ERR_ARG, &err);
     CHECK_STATUS(ds4_ckpt_write_state(tmp, "x", 0, NULL, NULL, "[1, 2]", &err), DS4_ERR_ARG, &err);
     CHECK_STATUS(ds4_ckpt_write_state(tmp, "x", 0, NULL, NULL, "{\"a\": ", &err), DS4_ERR_ARG, &err);
-    CHECK(!exists(ds4t_path(tmp, "x.json")), "refused state wrote nothing");
+    CHECK(!ds4t_exists(ds4t_path(tmp, "x.json")), "refused state wrote nothing");
     CHECK_OK(ds4_ckpt_commit(root, 7, tmp, &err), &err);
     free(tmp);
     char dir[4200];
@@ -605,7 +595,7 @@ static void test_killed_commit(const char *base) {
                   "listed step %lld has exactly the written content", (long long)step);
             if (k >= 0) listed++;
         } else {
-            CHECK(!exists(dir), "step %lld: a final-named directory exists but is not listed", (long long)step);
+            CHECK(!ds4t_exists(dir), "step %lld: a final-named directory exists but is not listed", (long long)step);
             if (k >= 0) absent++;
         }
     }
@@ -644,6 +634,6 @@ int main(int argc, char **argv) {
     test_state(base);
     test_killed_commit(base);
     if (getenv("DS4_KEEP_CKPT")) printf("kept %s\n", base);
-    else rm_rf(base);
+    else ds4t_rm_rf(base);
     return ds4t_finish("test_ckptdir");
 }

@@ -24,16 +24,6 @@
 
 #include "testlib.h"
 
-static int rm_cb(const char *p, const struct stat *sb, int flag, struct FTW *f) {
-    (void)sb, (void)flag, (void)f;
-    return remove(p);
-}
-static void rm_rf(const char *p) { nftw(p, rm_cb, 16, FTW_DEPTH | FTW_PHYS); }
-
-static int exists(const char *p) {
-    struct stat st;
-    return lstat(p, &st) == 0;
-}
 
 static char *slurp(const char *path) {
     FILE *f = fopen(path, "rb");
@@ -328,20 +318,20 @@ static void options(ds4_engine *eng, const char *fixtures, const char *tmp) {
     write_text(path, "mine\n");
     CHECK_STATUS(ds4_model_save_opts(m, dir, &o, &err), DS4_ERR_IO, &err);
     CHECK(strstr(err.msg, "notes.txt") != NULL, "refusal names the foreign file: %s", err.msg);
-    CHECK(exists(path), "the foreign file survived");
+    CHECK(ds4t_exists(path), "the foreign file survived");
     /* a path that is a regular file */
     CHECK_STATUS(ds4_model_save(m, path, &err), DS4_ERR_IO, &err);
     /* an unsupported dtype */
     ds4_save_options bad = {.dtype = DS4_I8};
     snprintf(path, sizeof path, "%s/opts/i8", tmp);
     CHECK_STATUS(ds4_model_save_opts(m, path, &bad, &err), DS4_ERR_ARG, &err);
-    CHECK(!exists(path), "a refused save created %s", path);
+    CHECK(!ds4t_exists(path), "a refused save created %s", path);
     CHECK_STATUS(ds4_model_save(m, "/", &err), DS4_ERR_ARG, &err);
     /* an empty existing directory is simply replaced */
     snprintf(path, sizeof path, "%s/opts/empty", tmp);
     mkdir(path, 0755);
     CHECK_OK(ds4_model_save(m, path, &err), &err);
-    CHECK(exists(ds4t_path(path, "model.safetensors")), "save into an empty directory");
+    CHECK(ds4t_exists(ds4t_path(path, "model.safetensors")), "save into an empty directory");
     ds4_model_free(m);
 }
 
@@ -417,7 +407,7 @@ static void killed_writer(ds4_engine *eng, const char *fixtures, const char *tmp
             clock_gettime(CLOCK_MONOTONIC, &t1);
             dt = (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
             CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0, "the timing child's save failed");
-            rm_rf(dir);
+            ds4t_rm_rf(dir);
             continue;
         }
         /* from "at once" to "about when it finishes"; the last two wait long enough to finish for sure */
@@ -426,7 +416,7 @@ static void killed_writer(ds4_engine *eng, const char *fixtures, const char *tmp
         nanosleep(&ts, NULL);
         kill(pid, SIGKILL);
         waitpid(pid, &status, 0);
-        if (!exists(dir)) {
+        if (!ds4t_exists(dir)) {
             absent++;
             continue;
         }
@@ -489,6 +479,6 @@ int main(int argc, char **argv) {
         ds4_engine_free(eng);
     }
     if (getenv("DS4_KEEP_SAVED")) printf("kept %s\n", tmp);
-    else rm_rf(tmp);
+    else ds4t_rm_rf(tmp);
     return ds4t_finish("test_save");
 }

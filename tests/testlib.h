@@ -30,6 +30,9 @@ extern int ds4t_checks;
 
 /* Print a summary line ("N passed, N failed") and return the process exit code. */
 int ds4t_finish(const char *name);
+/* rm -rf path (no error if absent), and whether a path exists (lstat). */
+void ds4t_rm_rf(const char *path);
+int ds4t_exists(const char *path);
 /* Join a directory and a file name into a static buffer (one at a time). */
 const char *ds4t_path(const char *dir, const char *file);
 

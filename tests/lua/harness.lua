@@ -101,6 +101,20 @@ function H.read_file(path)
     return s
 end
 
+-- A shell word for path s.
+function H.shell_quote(s)
+    return "'" .. s:gsub("'", "'\\''") .. "'"
+end
+
+-- A fresh empty directory (os.tmpname() reserves a unique name; the directory takes its place).
+function H.make_temp_dir()
+    local p = os.tmpname()
+    os.remove(p)
+    local ok = os.execute("mkdir " .. H.shell_quote(p))
+    assert(ok == 0 or ok == true, "cannot create temporary directory " .. p)
+    return p
+end
+
 function H.fixtures()
     if arg and arg[1] then return arg[1] end
     local dir = (arg and arg[0] or ""):match("^(.*)/[^/]*$") or "."

@@ -11,17 +11,7 @@ local ds4 = require("ds4")
 local fixtures = H.fixtures()
 local cp = ds4.checkpoints
 
-local function shell_quote(s)
-    return "'" .. s:gsub("'", "'\\''") .. "'"
-end
-
-local function make_temp_dir()
-    local p = os.tmpname()
-    os.remove(p)
-    local ok = os.execute("mkdir " .. shell_quote(p))
-    assert(ok == 0 or ok == true, "cannot create temporary directory " .. p)
-    return p
-end
+local shell_quote, make_temp_dir = H.shell_quote, H.make_temp_dir
 
 local function exists(p)
     local f = io.open(p, "rb")

@@ -36,18 +36,7 @@ local function write_file(path, s)
     f:close()
 end
 
-local function shell_quote(s)
-    return "'" .. s:gsub("'", "'\\''") .. "'"
-end
-
--- A fresh empty directory (os.tmpname() reserves a unique name; the directory takes its place).
-local function make_temp_dir()
-    local p = os.tmpname()
-    os.remove(p)
-    local ok = os.execute("mkdir " .. shell_quote(p))
-    assert(ok == 0 or ok == true, "cannot create temporary directory " .. p)
-    return p
-end
+local shell_quote, make_temp_dir = H.shell_quote, H.make_temp_dir
 
 local function write_checkpoint(dir, tensors)
     write_file(dir .. "/config.json", read_file(src .. "/config.json"))
