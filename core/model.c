@@ -246,7 +246,10 @@ int64_t ds4_model_find(const ds4_model *m, const char *name) {
 
 void ds4_model_free(ds4_model *m) {
     if (!m) return;
-    for (size_t i = 0; i < m->n_table; i++) free(m->table[i].name);
+    for (size_t i = 0; i < m->n_table; i++) {
+        free(m->table[i].name);
+        free(m->table[i].src);
+    }
     free(m->table);
     free(m->sorted);
     free(m->params);
@@ -260,6 +263,14 @@ void ds4_model_free(ds4_model *m) {
 }
 
 const ds4_config *ds4_model_config(const ds4_model *m) { return &m->cfg; }
+
+const char *ds4_model_tensor_source(const ds4_model *m, size_t i, int32_t *part, int64_t *expert) {
+    if (!m || i >= m->n_table) return NULL;
+    const ds4_param *p = &m->table[i];
+    if (part) *part = p->src_part;
+    if (expert) *expert = p->src_expert;
+    return p->src;
+}
 
 /* ------------------------------------------------------------------------------------------------ training */
 
@@ -468,11 +479,17 @@ static ds4_status load_packed(ds4_model *m, const char *canon, const ds4_st_entr
                 s = ds4_fail(err, DS4_ERR_FORMAT, "model load: '%s' is given twice (second time by '%s')", name, src);
                 break;
             }
-            const ds4_param *p = &m->table[idx];
+            ds4_param *p = &m->table[idx];
             /* gate_up: expert x rows [0, I) are w1, [I, 2I) are w3 */
             const float *from = tmp + x * want[1] * want[2] + (gate_up ? k * I * D : 0);
             memcpy(m->params + p->offset, from, (size_t)p->numel * sizeof(float));
             loaded[idx] = 1;
+            if (!(p->src = strdup(src))) {
+                s = ds4_fail(err, DS4_ERR_OOM, "model load: name '%s'", src);
+                break;
+            }
+            p->src_part = gate_up ? (k == 0 ? 1 : 3) : 2;
+            p->src_expert = x;
         }
     }
     free(tmp);
@@ -551,6 +568,7 @@ ds4_status ds4_model_load(ds4_engine *e, const char *dir, ds4_model **out, ds4_e
         if (p->dtype == DS4_I32) s = load_tid2eid(m->tid2eid_all + p->offset, en, en->name, cfg.n_routed_experts, err);
         else s = load_f32(m->params + p->offset, en, en->name, err);
         loaded[idx] = 1;
+        if (!s && !(p->src = strdup(en->name))) s = ds4_fail(err, DS4_ERR_OOM, "model load: name '%s'", en->name);
     }
     if (!s) {
         for (size_t i = 0; i < m->n_table; i++)

@@ -71,6 +71,10 @@ typedef struct ds4_param {
     int64_t offset;                      /* into params (F32) or into the owning tid2eid table (I32) */
     ds4_dtype dtype;                     /* DS4_F32, or DS4_I32 for tid2eid */
     void **slot;                         /* where the resolved pointer is stored */
+    char *src;                           /* its name in the checkpoint it was loaded from (NULL: not loaded) */
+    int32_t src_part;                    /* 0 whole tensor; 1 / 3 the w1 / w3 rows of expert src_expert in a
+                                            packed gate_up_proj [E, 2I, D]; 2 its slice of a packed down_proj */
+    int64_t src_expert;
 } ds4_param;
 
 struct ds4_model {

@@ -124,15 +124,25 @@ static int m_backward(lua_State *L) {
     return 0;
 }
 
-/* model:grads() -> {name = F32 tensor}. Keyed by the canonical official tensor names (what model:tensors()
- * uses); the issue asks for the names of the checkpoint the model was loaded from, which needs the loader to
- * keep them — until then a checkpoint in HF or save_pretrained spelling still gets canonical keys. Integer
- * tables (tid2eid) have no gradient and are left out. */
+/* model:grads([{canonical = true}]) -> {name = F32 tensor}, keyed by the tensor names of the checkpoint the model
+ * was loaded from (official, save_pretrained or HF module spelling), so a gradient can be matched with the file
+ * the user has; HF's packed experts come back packed ([E, 2I, D] gate_up_proj, [E, D, I] down_proj).
+ * {canonical = true}, or a model that was not loaded, gives the canonical official names (model:tensors()).
+ * Integer tables (tid2eid) have no gradient and are left out. */
 static int m_grads(lua_State *L) {
     const char *fname = "ds4.model:grads";
     ds4_model *m = ds4l_model_check(L, 1, fname);
+    int canonical = 0;
+    if (!lua_isnoneornil(L, 2)) {
+        luaL_checktype(L, 2, LUA_TTABLE);
+        lua_getfield(L, 2, "canonical");
+        canonical = lua_toboolean(L, -1);
+        lua_pop(L, 1);
+    }
     const float *g = ds4_model_grads(m);
     if (!g) ds4l_raise(L, "%s: gradients are not enabled (call model:zero_grad() first)", fname);
+    const ds4_config *c = ds4_model_config(m);
+    const int64_t E = c->n_routed_experts, I = c->moe_intermediate_size, D = c->hidden_size;
     size_t n = ds4_model_tensor_count(m);
     lua_createtable(L, 0, n > INT32_MAX ? 0 : (int)n);
     int tbl = lua_gettop(L);
@@ -144,12 +154,36 @@ static int m_grads(lua_State *L) {
         if (ds4_model_tensor_info(m, i, &ti, &err) != DS4_OK || ds4_model_tensor_at(m, i, &name, &view, &err) != DS4_OK)
             ds4l_raise_ds4(L, fname, &err);
         if (!ti.is_param) continue;
-        ds4_tensor *t = ds4l_tensor_push_new(L, fname, DS4_F32, view.ndim, view.shape);
-        if ((int64_t)(t->nbytes / sizeof(float)) != ti.numel)
-            ds4l_raise(L, "%s: tensor %s: %lld gradient entries, %zu expected from its shape", fname, name,
-                       (long long)ti.numel, t->nbytes / sizeof(float));
-        if (t->nbytes) memcpy(t->data, g + ti.offset, t->nbytes);
-        lua_setfield(L, tbl, name);
+        int32_t part = 0;
+        int64_t expert = 0;
+        const char *src = canonical ? NULL : ds4_model_tensor_source(m, i, &part, &expert);
+        const char *key = src ? src : name;
+        if (part == 0) {
+            ds4_tensor *t = ds4l_tensor_push_new(L, fname, DS4_F32, view.ndim, view.shape);
+            if ((int64_t)(t->nbytes / sizeof(float)) != ti.numel)
+                ds4l_raise(L, "%s: tensor %s: %lld gradient entries, %zu expected from its shape", fname, name,
+                           (long long)ti.numel, t->nbytes / sizeof(float));
+            if (t->nbytes) memcpy(t->data, g + ti.offset, t->nbytes);
+            lua_setfield(L, tbl, key);
+            continue;
+        }
+        /* a slice of a packed HF experts tensor: create it on first sight, then fill expert `expert`'s rows */
+        lua_getfield(L, tbl, key);
+        ds4_tensor *t = ds4l_tensor_test(L, -1);
+        if (!t) {
+            lua_pop(L, 1);
+            const int64_t shape[3] = {E, part == 2 ? D : 2 * I, part == 2 ? I : D};
+            t = ds4l_tensor_push_new(L, fname, DS4_F32, 3, shape);
+            lua_pushvalue(L, -1);
+            lua_setfield(L, tbl, key);
+        }
+        const int64_t per_expert = (part == 2 ? D * I : 2 * I * D);
+        if (expert < 0 || expert >= E || ti.numel != (part == 2 ? D * I : I * D))
+            ds4l_raise(L, "%s: tensor %s: packed slice %lld of %s does not fit [%lld experts]", fname, name,
+                       (long long)expert, key, (long long)E);
+        float *dst = (float *)t->data + expert * per_expert + (part == 3 ? I * D : 0);
+        memcpy(dst, g + ti.offset, (size_t)ti.numel * sizeof(float));
+        lua_pop(L, 1);
     }
     return 1;
 }

@@ -260,6 +260,12 @@ int64_t ds4_model_param_count(const ds4_model *m);      /* trainable fp32 parame
 size_t ds4_model_tensor_count(const ds4_model *m);
 ds4_status ds4_model_tensor_at(const ds4_model *m, size_t i, const char **name, ds4_tensor *view, ds4_error *err);
 
+/* The name tensor i had in the checkpoint the model was loaded from (NULL for a model that was not loaded).
+ * *part (may be NULL) says where it sat: 0 the whole tensor; 1 / 3 the gate (w1) / up (w3) rows of expert
+ * *expert in an HF packed experts.gate_up_proj [E, 2I, D]; 2 expert *expert's slice of experts.down_proj
+ * [E, D, I]. Gradients and saved tensors can so be keyed the way the user's checkpoint names them. */
+const char *ds4_model_tensor_source(const ds4_model *m, size_t i, int32_t *part, int64_t *expert);
+
 typedef struct ds4_forward_args {
     const int64_t *ids;       /* [B, S] token ids */
     int64_t batch;            /* B */

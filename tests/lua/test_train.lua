@@ -6,7 +6,8 @@
 --    clip_grad_norm_ 1.0, LambdaLR warm-up 3 then cosine to 0.1 at step 10), driven exactly as the issue's
 --    contract: zero_grad, forward with labels, backward, step. Bounds as tests/test_train.c: losses 1e-5
 --    relative, pre-clip gradient norms 1e-4 relative, learning rates 1e-15 relative (same double formula).
--- 2. The API surface: grads() names and shapes equal the fp32 part of model:tensors(); zero_grad zeroes;
+-- 2. The API surface: grads() is keyed and shaped like the checkpoint file (packed HF experts included);
+--    grads({canonical = true}) like the fp32 part of model:tensors(); zero_grad zeroes;
 --    grads() holds the backward's gradient (spot-checked against torch autograd in grads.safetensors, and
 --    the norm opt:step() reports equals the norm of grads() summed here); errors via pcall with messages.
 package.path = ((arg[0]:match("^(.*)/[^/]*$") or ".") .. "/?.lua;") .. package.path
@@ -92,7 +93,26 @@ do
     H.raises(function() return model:backward() end, { "no training forward" }, "backward after inference forward")
 
     model:zero_grad()
-    local g = model:grads()
+    -- grads() is keyed like the checkpoint file itself (tiny_a: save_pretrained spelling plus mtp.*): the
+    -- file's own names and shapes are the reference, integer tables excepted
+    local file = ds4.load_tensors(dir)
+    local gf = model:grads()
+    local n_file = 0
+    for name, t in pairs(file) do
+        if t:dtype() == "I64" then
+            H.eq(gf[name], nil, name .. " (an integer table) has no gradient")
+        else
+            n_file = n_file + 1
+            if H.check(gf[name] ~= nil, "grads() lacks the checkpoint's " .. name) then
+                H.same(gf[name]:shape(), t:shape(), name .. " gradient shape (file spelling)")
+            end
+        end
+    end
+    local n_gf = 0
+    for _ in pairs(gf) do n_gf = n_gf + 1 end
+    H.eq(n_gf, n_file, "grads() has exactly the checkpoint's fp32 tensors")
+    -- {canonical = true}: the names of model:tensors()
+    local g = model:grads({ canonical = true })
     local tensors = model:tensors()
     local n_grads, n_f32 = 0, 0
     for name, t in pairs(tensors) do
@@ -122,7 +142,7 @@ do
     H.check(type(out.loss) == "number" and out.loss_tokens > 0, "training forward returns loss and tokens")
     model:backward()
     H.raises(function() return model:backward() end, { "no training forward", "once" }, "second backward")
-    g = model:grads()
+    g = model:grads({ canonical = true })
     local ref = ds4.load_tensors(dir .. "/grads.safetensors")
     for _, name in ipairs({ "embed.weight", "head.weight", "layers.0.attn.wq_a.weight", "layers.2.ffn.gate.weight",
         "norm.weight", "hc_head_fn" }) do
@@ -151,14 +171,14 @@ do
     model:zero_grad()
     out = model:forward(ids, { labels = labels })
     model:backward(1 / out.loss_tokens)
-    local g1 = model:grads()["layers.0.attn.wkv.weight"]
+    local g1 = model:grads({ canonical = true })["layers.0.attn.wkv.weight"]
     out = model:forward(ids, { labels = labels })
     model:backward(2 / out.loss_tokens)
-    local g3 = model:grads()["layers.0.attn.wkv.weight"]
+    local g3 = model:grads({ canonical = true })["layers.0.attn.wkv.weight"]
     H.check(math.abs(math.sqrt(sumsq(g3)) / math.sqrt(sumsq(g1)) - 3) <= 1e-5,
         "gradients accumulate: 1x + 2x = 3x the first")
     model:zero_grad()
-    H.eq(sumsq(model:grads()["layers.0.attn.wkv.weight"]), 0, "zero_grad clears accumulated gradients")
+    H.eq(sumsq(model:grads({ canonical = true })["layers.0.attn.wkv.weight"]), 0, "zero_grad clears accumulated gradients")
 
     -- opts.train
     out = model:forward(ids, { labels = labels, train = false })
@@ -176,7 +196,7 @@ do
     local m2 = ds4.load(dir)
     m2:forward(ids, { labels = labels, train = true })
     m2:backward()
-    H.check(sumsq(m2:grads()["head.weight"]) > 0, "train = true enables gradients")
+    H.check(sumsq(m2:grads({ canonical = true })["head.weight"]) > 0, "train = true enables gradients")
     -- All labels ignored: no default scale.
     local none = ds4.zeros(labels:shape(), "I64")
     for i = 1, none:numel() do none[i] = -100 end
@@ -266,7 +286,7 @@ do
     end
     model:backward_logprobs(g)
     local ref = ds4.load_tensors(dir .. "/grads.safetensors")
-    local got = model:grads()
+    local got = model:grads({ canonical = true })
     for _, name in ipairs({ "embed.weight", "layers.1.attn.wq_b.weight", "layers.2.hc_ffn_fn", "head.weight" }) do
         local a, r = got[name], ref["main." .. name]
         local dd, rr = 0, 0
@@ -285,7 +305,7 @@ do
     model:zero_grad()
     local o2 = model:forward(ids, { labels = labels })
     model:backward()
-    got = model:grads()
+    got = model:grads({ canonical = true })
     for _, name in ipairs({ "mtp.0.e_proj.weight", "mtp.0.attn.wq_a.weight", "layers.3.ffn.gate.weight" }) do
         local a, r = got[name], ref["mtp." .. name]
         local dd, rr = 0, 0
@@ -297,6 +317,46 @@ do
     end
     H.check(o2.loss > out.loss, "the loss includes the MTP term")
     H.raises(function() model:set_train_options({ mtp_lambda = "x" }) end, { "unknown or mistyped option" }, "bad option")
+    model:free()
+end
+
+-- HF module names (tiny_hf): grads() returns the packed experts the way the checkpoint stores them; each
+-- expert's w1 / w3 rows and down slice match torch's per-expert gradients (grads.safetensors, canonical names).
+do
+    local hdir = fixtures .. "/tiny_hf"
+    local hio = ds4.load_tensors(hdir .. "/io.safetensors")
+    local model = ds4.load(hdir)
+    model:zero_grad()
+    model:forward(hio.input_ids, { labels = hio.labels })
+    model:backward()
+    local g, ref = model:grads(), ds4.load_tensors(hdir .. "/grads.safetensors")
+    local cfg = model:config()
+    local E, I, D = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    for l = 0, cfg.num_hidden_layers - 1 do
+        local gu = g[("model.layers.%d.mlp.experts.gate_up_proj"):format(l)]
+        local dn = g[("model.layers.%d.mlp.experts.down_proj"):format(l)]
+        if H.check(gu and dn, "packed expert gradients of layer " .. l) then
+            H.same(gu:shape(), { E, 2 * I, D }, "gate_up_proj gradient shape")
+            H.same(dn:shape(), { E, D, I }, "down_proj gradient shape")
+            local worst = 0
+            for e = 0, E - 1 do
+                for _, part in ipairs({ { "w1", gu, 0, I * D }, { "w3", gu, I * D, I * D }, { "w2", dn, 0, D * I } }) do
+                    local r = ref[("main.layers.%d.ffn.experts.%d.%s.weight"):format(l, e, part[1])]
+                    local per = part[2] == gu and 2 * I * D or D * I
+                    local dd, rr = 0, 0
+                    for k = 1, part[4] do
+                        local a = part[2][e * per + part[3] + k]
+                        dd = dd + (a - r[k]) ^ 2
+                        rr = rr + r[k] ^ 2
+                    end
+                    worst = math.max(worst, math.sqrt(dd) / math.max(math.sqrt(rr), 1e-7 * math.sqrt(part[4])))
+                end
+            end
+            H.check(worst <= 1e-3, ("layer %d packed expert gradients: worst rel diff %.3g"):format(l, worst))
+        end
+    end
+    H.check(g["model.layers.0.self_attn.q_a_proj.weight"] ~= nil, "HF module names for the other tensors too")
+    H.check(model:grads({ canonical = true })["layers.0.attn.wq_a.weight"] ~= nil, "canonical keys on request")
     model:free()
 end
 
