@@ -50,6 +50,7 @@ typedef struct bwd {
     int32_t *perm;                /* [T·K] */
     int64_t *ecount;              /* [E + 1] */
     float *dmtp;                  /* [T, n, D] MTP input gradient */
+    float *dI, *diq, *diw, *dsi;  /* indexer KL: [T, sel], [T, n_I·c_I], [T, n_I], [T, n_I, sel] */
 } bwd;
 
 #define GRAD(b, p) ((b)->G + ((p) - (b)->m->params))
@@ -109,10 +110,11 @@ static void bplan(bwd *b, ds4_arena *a) {
     b->dqa = ds4_arena_take(a, T * qr, 4);
     b->do_ = ds4_arena_take(a, T * H * d, 4);
     b->dy = ds4_arena_take(a, T * GO, 4);
-    b->dK = ds4_arena_take(a, B * S * d, 4);
-    b->dpool = ds4_arena_take(a, B * S * d, 4);
-    b->dC = ds4_arena_take(a, T * 2 * d, 4);
-    b->dZ = ds4_arena_take(a, T * 2 * d, 4);
+    const size_t dk = zmax(d, (size_t)c->index_head_dim); /* main or indexer compressor entries */
+    b->dK = ds4_arena_take(a, B * S * dk, 4);
+    b->dpool = ds4_arena_take(a, B * S * dk, 4);
+    b->dC = ds4_arena_take(a, T * 2 * dk, 4);
+    b->dZ = ds4_arena_take(a, T * 2 * dk, 4);
     b->maxk = (int64_t)(win + S);
     b->P = ds4_arena_take(a, T * H * (size_t)b->maxk, 4);
     b->DS = ds4_arena_take(a, T * H * (size_t)b->maxk, 4);
@@ -134,6 +136,12 @@ static void bplan(bwd *b, ds4_arena *a) {
     b->perm = ds4_arena_take(a, T * K, 4);
     b->ecount = ds4_arena_take(a, E + 1, 8);
     b->dmtp = ds4_arena_take(a, T * nD, 4);
+    const size_t nI = (size_t)c->index_n_heads, cI = (size_t)c->index_head_dim, sel = topk ? topk : 1;
+    const int ikl = b->tp->with_ikl;
+    b->dI = ikl ? ds4_arena_take(a, T * sel, 4) : NULL;
+    b->diq = ikl ? ds4_arena_take(a, T * nI * cI, 4) : NULL;
+    b->diw = ikl ? ds4_arena_take(a, T * nI, 4) : NULL;
+    b->dsi = ikl ? ds4_arena_take(a, T * nI * sel, 4) : NULL;
 }
 
 /* ------------------------------------------------------------------------------------------------ linear */
@@ -561,8 +569,9 @@ static void comp_bwd_range(fwd *f, void *p, int64_t b, int64_t e, int64_t task) 
 }
 
 /* Compressor backward from bw->dK (entry gradients): through RoPE, the norm and the pooling into its
- * projections; adds to bw->dh. */
-static void comp_bwd(bwd *b, const ds4_compressor_w *w, const ds4_layer_tape *lt, int overlap) {
+ * projections (C, Z, pool: what the forward kept); adds to bw->dh unless the input is detached (want_dh 0). */
+static void comp_bwd(bwd *b, const ds4_compressor_w *w, const ds4_layer_tape *lt, const float *C, const float *Z,
+                     const float *pool, int overlap, int want_dh) {
     const ds4_config *c = &b->m->cfg;
     const int64_t S = b->f.S, B = b->f.B, T = b->f.T, dd = w->dd, D = c->hidden_size, nwin = lt->nwin;
     for (int64_t row = 0; row < B; row++)
@@ -570,14 +579,82 @@ static void comp_bwd(bwd *b, const ds4_compressor_w *w, const ds4_layer_tape *lt
             ds4_rope_apply(b->dK + (row * S + win) * dd, dd, b->f.rcomp.half, rope_at(&b->f.rcomp, win * w->rate), -1);
     /* norm over the complete entries only: rows (row, win < nwin) */
     for (int64_t row = 0; row < B; row++)
-        norm_bwd(b, b->dpool + row * S * dd, 0, GRAD(b, w->norm), b->dK + row * S * dd, lt->pool + row * S * dd,
+        norm_bwd(b, b->dpool + row * S * dd, 0, GRAD(b, w->norm), b->dK + row * S * dd, pool + row * S * dd,
                  w->norm, nwin, dd);
     memset(b->dC, 0, (size_t)(T * w->width) * sizeof(float)); /* tokens of incomplete windows: no gradient */
     memset(b->dZ, 0, (size_t)(T * w->width) * sizeof(float));
-    cb_ctx cx = {w, lt->cC, lt->cZ, nwin, overlap};
+    cb_ctx cx = {w, C, Z, nwin, overlap};
     ds4_fwd_parallel_range(&b->f, dd, comp_bwd_range, &cx);
-    lin_bwd(b, b->dh, D, 1, GRAD(b, w->wkv), b->dC, w->width, lt->h_attn, D, w->wkv, T, D, w->width);
-    lin_bwd(b, b->dh, D, 1, GRAD(b, w->wgate), b->dZ, w->width, lt->h_attn, D, w->wgate, T, D, w->width);
+    lin_bwd(b, want_dh ? b->dh : NULL, D, 1, GRAD(b, w->wkv), b->dC, w->width, lt->h_attn, D, w->wkv, T, D, w->width);
+    lin_bwd(b, want_dh ? b->dh : NULL, D, 1, GRAD(b, w->wgate), b->dZ, w->width, lt->h_attn, D, w->wgate, T, D,
+            w->width);
+}
+
+typedef struct {
+    const ds4_layer_tape *lt;
+} ikb_ctx;
+
+/* Indexer KL backward, per query: I_i = Σ_h ω_h·relu(q_h·K_i)·c^-1/2 over the picks i. dω and dq stay with the
+ * query; the per-pick dscore·ω·[q·K > 0]·c^-1/2 goes to dsi for the per-entry gather. */
+static void ikb_q_range(fwd *f, void *p, int64_t b, int64_t e, int64_t task) {
+    bwd *bw = (bwd *)f;
+    const ds4_layer_tape *lt = ((const ikb_ctx *)p)->lt;
+    const ds4_config *c = f->c;
+    const int64_t nI = c->index_n_heads, cI = c->index_head_dim, S = f->S, sel = bw->tp->sel_stride;
+    const float qscale = 1.0f / sqrtf((float)cI);
+    for (int64_t t = b; t < e; t++) {
+        const int64_t row = t / S;
+        memset(bw->diq + t * nI * cI, 0, (size_t)(nI * cI) * sizeof(float));
+        for (int64_t h = 0; h < nI; h++) {
+            const float *q = lt->iq + (t * nI + h) * cI;
+            float dw = 0;
+            for (int64_t i = 0; i < lt->nsel[t]; i++) {
+                const float *key = lt->iK + (row * S + lt->sel[t * sel + i]) * cI;
+                const float dot = ds4_dot(q, key, cI), g = bw->dI[t * sel + i];
+                dw += g * (dot > 0 ? dot * qscale : 0.0f);
+                const float ds = dot > 0 ? g * lt->iw[t * nI + h] * qscale : 0.0f;
+                bw->dsi[(t * nI + h) * sel + i] = ds;
+                if (ds != 0) ds4_axpy(bw->diq + (t * nI + h) * cI, ds, key, cI);
+            }
+            bw->diw[t * nI + h] = dw;
+        }
+    }
+}
+
+/* Per indexer entry: dK_w = Σ over the queries that picked it (inverse lists) of Σ_h dsi · q_h. */
+static void ikb_k_range(fwd *f, void *p, int64_t b, int64_t e, int64_t task) {
+    bwd *bw = (bwd *)f;
+    const ds4_layer_tape *lt = ((const ikb_ctx *)p)->lt;
+    const ds4_config *c = f->c;
+    const int64_t nI = c->index_n_heads, cI = c->index_head_dim, S = f->S, sel = bw->tp->sel_stride;
+    for (int64_t x = b; x < e; x++) {
+        const int64_t row = x / lt->nwin, w = x % lt->nwin;
+        float *dk = bw->dK + (row * S + w) * cI;
+        memset(dk, 0, (size_t)cI * sizeof(float));
+        for (int64_t q = bw->inv_off[row * S + w]; q < bw->inv_off[row * S + w + 1]; q++) {
+            const int64_t t = bw->inv_t[q], i = bw->inv_i[q];
+            for (int64_t h = 0; h < nI; h++) ds4_axpy(dk, bw->dsi[(t * nI + h) * sel + i], lt->iq + (t * nI + h) * cI, cI);
+        }
+    }
+}
+
+/* The indexer KL loss's backward for one CSA layer (after the attention backward built the inverse pick lists):
+ * into the indexer's wq_b, weights_proj and compressor only; its inputs (q_residual, h) are detached. */
+static void indexer_kl_bwd(bwd *b, const ds4_layer_w *l, const ds4_layer_tape *lt) {
+    const ds4_config *c = &b->m->cfg;
+    const int64_t T = b->f.T, nI = c->index_n_heads, cI = c->index_head_dim, qr = c->q_lora_rank, D = c->hidden_size;
+    int64_t nq = 0;
+    ds4_ikl_eval(c, lt, T, b->f.S, b->tp->sel_stride, b->dI, b->m->topt.indexer_kl, &nq);
+    if (nq == 0) return;
+    ikb_ctx cx = {lt};
+    ds4_fwd_parallel_range(&b->f, T, ikb_q_range, &cx);
+    ds4_fwd_parallel_range(&b->f, b->f.B * lt->nwin, ikb_k_range, &cx);
+    rope_bwd(b, b->diq, nI, cI, &b->f.rcomp, 1);
+    lin_bwd(b, NULL, qr, 0, GRAD(b, l->idx_wq_b), b->diq, nI * cI, lt->qr, qr, l->idx_wq_b, T, qr, nI * cI);
+    const float ws = 1.0f / sqrtf((float)nI); /* ω = weights_proj(h) · n_I^-1/2 */
+    for (int64_t i = 0; i < T * nI; i++) b->diw[i] *= ws;
+    lin_bwd(b, NULL, D, 0, GRAD(b, l->idx_weights), b->diw, nI, lt->h_attn, D, l->idx_weights, T, D, nI);
+    comp_bwd(b, &l->idx_comp, lt, lt->iC, lt->iZ, lt->ipool, 1, 0);
 }
 
 /* Attention sub-layer backward: bw->da (gradient of its output) → bw->dh (gradient of h_attn, written). */
@@ -615,7 +692,8 @@ static void attention_bwd(bwd *b, const ds4_layer_w *l, const ds4_layer_tape *lt
             b->inv_off[0] = 0;
         }
         ds4_fwd_parallel_range(&b->f, b->f.B * lt->nwin, attn_entry_range, &ax);
-        comp_bwd(b, &l->comp, lt, l->type == DS4_ATTN_CSA);
+        comp_bwd(b, &l->comp, lt, lt->cC, lt->cZ, lt->pool, l->type == DS4_ATTN_CSA, 1);
+        if (l->type == DS4_ATTN_CSA && lt->iq) indexer_kl_bwd(b, l, lt);
     }
     /* window keys: RoPE, kv_norm, wkv */
     rope_bwd(b, b->dkv, 1, d, rt, 1);

@@ -333,19 +333,17 @@ static void comp_range(fwd *f, void *p, int64_t b, int64_t e, int64_t task) {
     }
 }
 
-/* Entries of a compressor over h: returns the number of complete windows per row. With `lt` (training) the
- * projections and pooled entries are kept for the backward. */
-static int64_t compress(fwd *f, const ds4_compressor_w *w, float *C, float *Z, float *out, int overlap,
-                        ds4_layer_tape *lt) {
+/* Entries of a compressor over h: returns the number of complete windows per row. In training the projections
+ * and pooled entries are kept (keep_* non-NULL) for the backward. */
+static int64_t compress(fwd *f, const ds4_compressor_w *w, float *C, float *Z, float *out, int overlap, float *keep_C,
+                        float *keep_Z, float *keep_pool) {
     matmul(f, C, f->h, w->wkv, f->T, f->c->hidden_size, w->width);
     matmul(f, Z, f->h, w->wgate, f->T, f->c->hidden_size, w->width);
-    if (lt) {
-        keep(lt->cC, C, f->T * w->width);
-        keep(lt->cZ, Z, f->T * w->width);
-    }
+    keep(keep_C, C, f->T * w->width);
+    keep(keep_Z, Z, f->T * w->width);
     const int64_t nwin = f->S / w->rate;
     if (nwin == 0) return 0;
-    comp_ctx cx = {w, C, Z, out, lt ? lt->pool : NULL, nwin, overlap};
+    comp_ctx cx = {w, C, Z, out, keep_pool, nwin, overlap};
     ds4_fwd_parallel_range(f, f->B * nwin, comp_range, &cx);
     return nwin;
 }
@@ -428,6 +426,8 @@ static void attn_range(fwd *f, void *p, int64_t b, int64_t e, int64_t task) {
             const int32_t *sel = f->sel + t * f->sel_stride;
             for (int64_t i = 0; i < f->nsel[t]; i++) keys[nk++] = f->cK + (row * S + sel[i]) * d;
         }
+        float *tgt = l->type == DS4_ATTN_CSA && f->lt && f->lt->itgt ? f->lt->itgt + t * f->sel_stride : NULL;
+        if (tgt) memset(tgt, 0, (size_t)f->sel_stride * sizeof(float));
         for (int64_t hh = 0; hh < H; hh++) {
             const float *q = f->q + (t * H + hh) * d;
             float mx = l->sink[hh];
@@ -440,6 +440,8 @@ static void attn_range(fwd *f, void *p, int64_t b, int64_t e, int64_t task) {
             float *o = f->o + (t * H + hh) * d;
             memset(o, 0, (size_t)d * sizeof(float));
             for (int64_t k = 0; k < nk; k++) ds4_axpy(o, (float)(lg[k] / den), keys[k], d);
+            if (tgt) /* attention mass on each indexer pick, the indexer KL loss's (detached) target */
+                for (int64_t k = s - j0 + 1; k < nk; k++) tgt[k - (s - j0 + 1)] += (float)(lg[k] / den);
         }
     }
 }
@@ -475,15 +477,22 @@ static void attention(fwd *f, const ds4_layer_w *l) {
     }
     att_ctx ax = {l, 0};
     if (l->type != DS4_ATTN_SLIDING)
-        ax.nwin = compress(f, &l->comp, f->cC, f->cZ, f->cK, l->type == DS4_ATTN_CSA, lt);
+        ax.nwin = compress(f, &l->comp, f->cC, f->cZ, f->cK, l->type == DS4_ATTN_CSA, lt ? lt->cC : NULL,
+                           lt ? lt->cZ : NULL, lt ? lt->pool : NULL);
     if (l->type == DS4_ATTN_CSA) {
         const int64_t nI = c->index_n_heads, cI = c->index_head_dim;
-        int64_t nwin = compress(f, &l->idx_comp, f->iC, f->iZ, f->iK, 1, NULL);
+        int64_t nwin = compress(f, &l->idx_comp, f->iC, f->iZ, f->iK, 1, lt ? lt->iC : NULL, lt ? lt->iZ : NULL,
+                                lt ? lt->ipool : NULL);
         matmul(f, f->iq, f->qr, l->idx_wq_b, T, qr, nI * cI);
         ds4_fwd_rope_rows(f, f->iq, nI, cI, &f->rcomp, 1);
         matmul(f, f->iw, f->h, l->idx_weights, T, D, nI);
         const float wscale = 1.0f / sqrtf((float)nI);
         for (int64_t i = 0; i < T * nI; i++) f->iw[i] *= wscale;
+        if (lt && lt->iq) {
+            keep(lt->iq, f->iq, T * nI * cI);
+            keep(lt->iw, f->iw, T * nI);
+            keep(lt->iK, f->iK, f->B * f->S * cI);
+        }
         idx_ctx ix = {nwin, c->index_topk < nwin ? c->index_topk : nwin};
         if (nwin == 0)
             memset(f->nsel, 0, (size_t)T * sizeof(int32_t));
@@ -816,6 +825,8 @@ static void plan_tape(const ds4_model *m, ds4_tape *tp, ds4_arena *a, int64_t B,
     tp->S = S;
     tp->T = (int64_t)T;
     tp->with_mtp = with_mtp;
+    tp->with_ikl = m->topt.indexer_kl > 0;
+    tp->sel_stride = (int64_t)selw;
     for (int64_t li = 0; li < L + (with_mtp ? 1 : 0); li++) {
         ds4_layer_tape *lt = a->base ? &tp->layers[li] : &(ds4_layer_tape){0};
         const ds4_attn_type ty = li < L ? c->layer_types[li] : DS4_ATTN_SLIDING;
@@ -835,6 +846,15 @@ static void plan_tape(const ds4_model *m, ds4_tape *tp, ds4_arena *a, int64_t B,
         lt->pool = width ? ds4_arena_take(a, T * d, 4) : NULL;
         lt->cK = width ? ds4_arena_take(a, T * d, 4) : NULL;
         lt->sel = ty == DS4_ATTN_CSA ? ds4_arena_take(a, T * selw, 4) : NULL;
+        const int ikl = ty == DS4_ATTN_CSA && m->topt.indexer_kl > 0;
+        const size_t nI = (size_t)c->index_n_heads, cI = (size_t)c->index_head_dim;
+        lt->iq = ikl ? ds4_arena_take(a, T * nI * cI, 4) : NULL;
+        lt->iw = ikl ? ds4_arena_take(a, T * nI, 4) : NULL;
+        lt->iK = ikl ? ds4_arena_take(a, T * cI, 4) : NULL;
+        lt->iC = ikl ? ds4_arena_take(a, T * 2 * cI, 4) : NULL;
+        lt->iZ = ikl ? ds4_arena_take(a, T * 2 * cI, 4) : NULL;
+        lt->ipool = ikl ? ds4_arena_take(a, T * cI, 4) : NULL;
+        lt->itgt = ikl ? ds4_arena_take(a, T * selw, 4) : NULL;
         lt->nsel = ty == DS4_ATTN_CSA ? ds4_arena_take(a, T, 4) : NULL;
         lt->o = ds4_arena_take(a, T * H * d, 4);
         lt->y = ds4_arena_take(a, T * (size_t)(c->o_groups * c->o_lora_rank), 4);
@@ -887,6 +907,48 @@ static ds4_status tape_reserve(const ds4_model *m, ds4_tape *tp, int64_t B, int6
     ds4_arena w = {tp->mem, 0};
     plan_tape(m, tp, &w, B, S, with_mtp);
     return DS4_OK;
+}
+
+double ds4_ikl_eval(const ds4_config *c, const ds4_layer_tape *lt, int64_t T, int64_t S, int64_t sel_stride,
+                    float *dI, double weight, int64_t *nq) {
+    const int64_t nI = c->index_n_heads, cI = c->index_head_dim;
+    const float qscale = 1.0f / sqrtf((float)cI);
+    double total = 0, sc[4096];
+    int64_t count = 0;
+    /* two passes: count the queries that define a loss (their mean is the loss), then losses and gradients */
+    for (int64_t t = 0; t < T; t++) {
+        double mass = 0;
+        for (int64_t i = 0; i < lt->nsel[t]; i++) mass += lt->itgt[t * sel_stride + i];
+        count += lt->nsel[t] > 0 && mass > 0;
+    }
+    for (int64_t t = 0; t < T; t++) {
+        const int64_t k = lt->nsel[t], row = t / S;
+        if (dI) memset(dI + t * sel_stride, 0, (size_t)sel_stride * sizeof(float));
+        double mass = 0;
+        for (int64_t i = 0; i < k; i++) mass += lt->itgt[t * sel_stride + i];
+        if (k == 0 || !(mass > 0)) continue;
+        /* the indexer scores of the picks, as the forward computed them (§3.5) */
+        double mx = -INFINITY, den = 0, kl = 0;
+        for (int64_t i = 0; i < k; i++) { /* k <= 4096: checked where indexer_kl is set */
+            const float *key = lt->iK + (row * S + lt->sel[t * sel_stride + i]) * cI;
+            float acc = 0;
+            for (int64_t h = 0; h < nI; h++) {
+                const float dot = ds4_dot(lt->iq + (t * nI + h) * cI, key, cI);
+                acc += (dot > 0 ? dot * qscale : 0.0f) * lt->iw[t * nI + h];
+            }
+            sc[i] = acc;
+            mx = acc > mx ? acc : mx;
+        }
+        for (int64_t i = 0; i < k; i++) den += exp(sc[i] - mx);
+        for (int64_t i = 0; i < k; i++) {
+            const double p = lt->itgt[t * sel_stride + i] / mass, lq = sc[i] - mx - log(den);
+            if (p > 0) kl += p * (log(p) - lq);
+            if (dI) dI[t * sel_stride + i] = (float)(weight / (double)count * (exp(lq) - p));
+        }
+        total += kl;
+    }
+    if (nq) *nq = count;
+    return total;
 }
 
 void ds4_tape_free(ds4_tape *t) {
@@ -947,7 +1009,7 @@ ds4_status ds4_fwd_run(ds4_model *m, const ds4_forward_args *args, ds4_forward_r
     }
     f.lt = NULL;
     float *logits = tape ? tape->logits : (args->logits ? args->logits : f.logits_ws);
-    ds4_forward_result r = {NAN, 0, NAN, 0};
+    ds4_forward_result r = {NAN, 0, NAN, 0, NAN};
     if (logits) {
         if (tape) {
             keep(tape->X_L, f.X, T * n * D);
@@ -996,6 +1058,18 @@ ds4_status ds4_fwd_run(ds4_model *m, const ds4_forward_args *args, ds4_forward_r
         if (train_mtp && args->mtp_logits) memcpy(args->mtp_logits, mtp_logits, (size_t)(T1 * V) * sizeof(float));
         if (args->labels)
             cross_entropy(mtp_logits, B, S1, V, args->labels, S1 + 1, 2, &r.mtp_loss, &r.mtp_loss_tokens);
+    }
+    if (tape && tape->with_ikl) {
+        double sum = 0;
+        int64_t nq_all = 0;
+        for (int64_t li = 0; li < c->num_hidden_layers; li++) {
+            if (c->layer_types[li] != DS4_ATTN_CSA) continue;
+            int64_t nq = 0;
+            const double kl = ds4_ikl_eval(c, &tape->layers[li], T, tape->S, tape->sel_stride, NULL, 1.0, &nq);
+            if (nq > 0) sum += kl / (double)nq;
+            nq_all += nq;
+        }
+        r.indexer_loss = nq_all ? sum : 0.0;
     }
     if (tape) {
         tape->valid = 1;

@@ -41,6 +41,13 @@ typedef struct ds4_layer_tape {
     float *ye;                    /* [T·K, D] expert outputs per (token, slot), before weighting */
     float *sg1, *sg3;             /* [T, I] shared expert pre-activations */
     float *a_ffn;                 /* [T, D] MoE output (routed + shared) */
+    /* indexer KL loss (CSA layers, indexer_kl > 0) */
+    float *iq;                    /* [T, n_I·c_I] indexer queries after RoPE */
+    float *iw;                    /* [T, n_I] head weights (scaled by n_I^-1/2) */
+    float *iK;                    /* [B·S, c_I] indexer keys */
+    float *iC, *iZ;               /* [T, 2·c_I] indexer compressor projections */
+    float *ipool;                 /* [B·S, c_I] indexer entries before norm */
+    float *itgt;                  /* [T, sel_stride] attention mass on each pick, summed over heads */
 } ds4_layer_tape;
 
 typedef struct ds4_tape {
@@ -59,6 +66,8 @@ typedef struct ds4_tape {
     float *mtp_logits;            /* [T1, V] */
     float *mtp_X;                 /* [T1, n, D] MTP block output */
     int64_t loss_tokens, mtp_tokens; /* scored tokens of the main and MTP losses */
+    int with_ikl;                 /* indexer KL loss: the indexer activations are kept */
+    int64_t sel_stride;
     char *mem;
     size_t bytes;
     char *bmem;                   /* backward workspace, planned from (B, S) */
@@ -145,6 +154,12 @@ ds4_status ds4_fwd_setup(ds4_model *m, fwd *f, int64_t B, int64_t S, int need_lo
 /* The forward of ds4_model_forward; with a tape it also saves what the backward needs. */
 ds4_status ds4_fwd_run(ds4_model *m, const ds4_forward_args *args, ds4_forward_result *res, ds4_tape *tape,
                        ds4_error *err);
+/* The indexer KL loss of one CSA layer from its tape (T = B·S queries): returns Σ_t KL_t over the queries with
+ * picks and attention mass on them, their count in *nq. With dI (T × sel_stride, may be NULL) it also writes
+ * d(weight · mean_t KL_t)/d(score) = weight/nq · (q − p) for every pick (0 elsewhere). */
+double ds4_ikl_eval(const ds4_config *c, const ds4_layer_tape *lt, int64_t T, int64_t S, int64_t sel_stride,
+                    float *dI, double weight, int64_t *nq);
+
 /* Router score s(x) for one logit and its derivative ds/dx (sqrt-softplus, sigmoid; softmax is per row). */
 float ds4_fwd_score(ds4_score_func sf, float x);
 

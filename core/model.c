@@ -296,8 +296,11 @@ ds4_status ds4_model_set_train_options(ds4_model *m, const ds4_train_options *o,
     if (o->mtp_lambda > 0 && !m->has_mtp)
         return ds4_fail(err, DS4_ERR_ARG, "set_train_options: mtp_lambda %g but the model has no mtp.0.* weights",
                         o->mtp_lambda);
-    if (o->indexer_kl)
-        return ds4_fail(err, DS4_ERR_UNSUPPORTED, "set_train_options: the indexer KL loss is not implemented yet");
+    if (!(o->indexer_kl >= 0) || !isfinite(o->indexer_kl))
+        return ds4_fail(err, DS4_ERR_ARG, "set_train_options: indexer_kl %g must be finite and >= 0", o->indexer_kl);
+    if (o->indexer_kl > 0 && m->cfg.index_topk > 4096)
+        return ds4_fail(err, DS4_ERR_UNSUPPORTED, "set_train_options: indexer_kl with index_topk %lld > 4096",
+                        (long long)m->cfg.index_topk);
     if (!(o->router_bias_gamma >= 0) || !isfinite(o->router_bias_gamma))
         return ds4_fail(err, DS4_ERR_ARG, "set_train_options: router_bias_gamma %g must be finite and >= 0",
                         o->router_bias_gamma);
@@ -344,7 +347,7 @@ static int decays(const char *name) {
 /* Which tensors the active losses reach: the indexer only through its own loss, the router bias never
  * (it only shifts selection), the MTP block only through the MTP loss. */
 static int trainable(const ds4_model *m, const char *name) {
-    if (strstr(name, ".attn.indexer.") && !m->topt.indexer_kl) return 0;
+    if (strstr(name, ".attn.indexer.") && !(m->topt.indexer_kl > 0)) return 0;
     if (strstr(name, ".ffn.gate.bias")) return 0;
     if (strncmp(name, "mtp.", 4) == 0 && !(m->topt.mtp_lambda > 0)) return 0;
     return 1;

@@ -240,13 +240,13 @@ static int m_set_train_options(lua_State *L) {
     while (lua_next(L, 2)) {
         const char *k = lua_type(L, -2) == LUA_TSTRING ? lua_tostring(L, -2) : "?";
         if (!strcmp(k, "mtp_lambda") && lua_type(L, -1) == LUA_TNUMBER) o.mtp_lambda = lua_tonumber(L, -1);
-        else if (!strcmp(k, "indexer_kl")) o.indexer_kl = lua_toboolean(L, -1);
+        else if (!strcmp(k, "indexer_kl") && lua_type(L, -1) == LUA_TNUMBER) o.indexer_kl = lua_tonumber(L, -1);
         else if (!strcmp(k, "router_bias_gamma") && lua_type(L, -1) == LUA_TNUMBER)
             o.router_bias_gamma = lua_tonumber(L, -1);
         else
             ds4l_raise(L,
                        "%s: unknown or mistyped option '%s' (known: mtp_lambda = number, router_bias_gamma = number, "
-                       "indexer_kl)",
+                       "indexer_kl = number)",
                        fname, k);
         lua_pop(L, 1);
     }

@@ -14,7 +14,11 @@ extern "C" {
 
 typedef struct ds4_train_options {
     double mtp_lambda;        /* > 0: add mtp_lambda · MTP cross-entropy to the loss (needs mtp.0 weights) */
-    int32_t indexer_kl;       /* reserved: train the indexer toward the attention distribution (not yet) */
+    double indexer_kl;        /* > 0: weight of the lightning-indexer KL loss (DeepSeek-V3.2 style): for every CSA
+                                 layer and query, KL(p || q) over the entries the indexer picked, p = the main
+                                 attention's probability mass on them (summed over heads, renormalised, detached),
+                                 q = softmax of the indexer scores; mean over queries, summed over layers. The
+                                 indexer's inputs are detached too, so only indexer parameters receive it. */
     double router_bias_gamma; /* > 0: after each optimizer step, the aux-loss-free balancing update of every
                                  learned router's selection bias: bias_e += γ·sign(mean load − load_e), loads
                                  counted over the training forwards since the previous step */
