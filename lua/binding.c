@@ -522,7 +522,8 @@ static int opt_flag(lua_State *L, int opts, const char *key, int def, const char
     return v;
 }
 
-/* model:forward(ids [, opts]) -> {logits, loss, loss_tokens, mtp_logits, mtp_loss, mtp_loss_tokens, hidden} */
+/* model:forward(ids [, opts]) -> {logits, loss, loss_tokens, mtp_logits, mtp_loss, mtp_loss_tokens, hidden,
+ * indexer_loss (training forward with the indexer KL option)} */
 static int m_forward(lua_State *L) {
     const char *fname = "ds4.model:forward";
     model_box *b = check_model(L, fname);
@@ -595,6 +596,7 @@ static int m_forward(lua_State *L) {
     /* NaN means "nothing scored": nil, so `if r.loss then` reads naturally. */
     if (!isnan(out.loss)) set_num(L, "loss", out.loss);
     set_num(L, "loss_tokens", (double)out.loss_tokens);
+    if (!isnan(out.indexer_loss)) set_num(L, "indexer_loss", out.indexer_loss); /* training, indexer_kl > 0 */
     if (want_mtp) {
         if (!isnan(out.mtp_loss)) set_num(L, "mtp_loss", out.mtp_loss);
         set_num(L, "mtp_loss_tokens", (double)out.mtp_loss_tokens);

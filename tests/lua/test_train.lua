@@ -317,6 +317,17 @@ do
     end
     H.check(o2.loss > out.loss, "the loss includes the MTP term")
     H.raises(function() model:set_train_options({ mtp_lambda = "x" }) end, { "unknown or mistyped option" }, "bad option")
+    -- the indexer KL loss: reported, and it (only) reaches the indexer
+    model:set_train_options({ indexer_kl = 1.0 })
+    model:zero_grad()
+    local o3 = model:forward(ids, { labels = labels })
+    H.check(type(o3.indexer_loss) == "number" and o3.indexer_loss > 0, "indexer_loss reported")
+    model:backward()
+    local gi = model:grads({ canonical = true })
+    H.check(sumsq(gi["layers.1.attn.indexer.wq_b.weight"]) > 0, "the indexer gets a gradient")
+    model:set_train_options({})
+    model:zero_grad()
+    H.eq(model:forward(ids, { labels = labels }).indexer_loss, nil, "no indexer_loss without the option")
     model:free()
 end
 
