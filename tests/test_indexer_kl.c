@@ -20,14 +20,9 @@ int main(int argc, char **argv) {
     ds4_engine *eng = NULL;
     ds4_model *m = NULL;
     ds4_st_file *io = NULL;
+    ds4_forward_args a;
     CHECK_OK(ds4_engine_create(NULL, &eng, &err), &err);
-    CHECK_OK(ds4_model_load(eng, ds4t_path(fixtures, "tiny_a"), &m, &err), &err);
-    char iop[4096];
-    snprintf(iop, sizeof iop, "%s/tiny_a/io.safetensors", fixtures);
-    CHECK_OK(ds4_st_open(iop, &io, &err), &err);
-    if (!m || !io) return ds4t_finish("test_indexer_kl");
-    const ds4_st_entry *ids = ds4_st_find(io, "input_ids"), *labels = ds4_st_find(io, "labels");
-    ds4_forward_args a = {.ids = ids->data, .batch = ids->shape[0], .seq = ids->shape[1], .labels = labels->data};
+    if (!eng || ds4t_load_fixture(eng, fixtures, "tiny_a", &m, &io, &a)) return ds4t_finish("test_indexer_kl");
     const int64_t P = ds4_model_param_count(m);
     ds4_forward_result r;
     CHECK_OK(ds4_model_enable_grad(m, &err), &err);

@@ -27,17 +27,12 @@ int main(int argc, char **argv) {
     ds4_model *m = NULL;
     ds4_st_file *io = NULL;
     ds4_adamw *opt = NULL;
+    ds4_forward_args a;
     CHECK_OK(ds4_engine_create(NULL, &eng, &err), &err);
-    CHECK_OK(ds4_model_load(eng, ds4t_path(fixtures, "tiny_a"), &m, &err), &err);
-    char iop[4096];
-    snprintf(iop, sizeof iop, "%s/tiny_a/io.safetensors", fixtures);
-    CHECK_OK(ds4_st_open(iop, &io, &err), &err);
-    if (!m || !io) return ds4t_finish("test_router_bias");
+    if (!eng || ds4t_load_fixture(eng, fixtures, "tiny_a", &m, &io, &a)) return ds4t_finish("test_router_bias");
     const ds4_config *c = ds4_model_config(m);
     const int64_t E = c->n_routed_experts, K = c->num_experts_per_tok, L = c->num_hidden_layers;
-    const ds4_st_entry *ids = ds4_st_find(io, "input_ids"), *labels = ds4_st_find(io, "labels");
-    const int64_t B = ids->shape[0], S = ids->shape[1];
-    ds4_forward_args a = {.ids = ids->data, .batch = B, .seq = S, .labels = labels->data};
+    const int64_t B = a.batch, S = a.seq;
     const double gamma = 0.0625; /* a power of two: bias + γ is exact, so the check below is exact */
     ds4_train_options o = {.router_bias_gamma = gamma};
     CHECK_OK(ds4_model_enable_grad(m, &err), &err);

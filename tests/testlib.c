@@ -30,3 +30,19 @@ int ds4t_exists(const char *path) {
     struct stat st;
     return lstat(path, &st) == 0;
 }
+
+int ds4t_load_fixture(ds4_engine *eng, const char *fixtures, const char *name, ds4_model **m, ds4_st_file **io,
+                      ds4_forward_args *args) {
+    ds4_error err = {0};
+    char path[4096];
+    snprintf(path, sizeof path, "%s/%s", fixtures, name);
+    CHECK_OK(ds4_model_load(eng, path, m, &err), &err);
+    snprintf(path, sizeof path, "%s/%s/io.safetensors", fixtures, name);
+    CHECK_OK(ds4_st_open(path, io, &err), &err);
+    if (!*m || !*io) return 1;
+    const ds4_st_entry *ids = ds4_st_find(*io, "input_ids"), *labels = ds4_st_find(*io, "labels");
+    CHECK(ids && labels && ids->dtype == DS4_I64 && ids->ndim == 2, "%s: io.safetensors input_ids/labels", name);
+    if (!ids || !labels) return 1;
+    *args = (ds4_forward_args){.ids = ids->data, .batch = ids->shape[0], .seq = ids->shape[1], .labels = labels->data};
+    return 0;
+}

@@ -30,6 +30,11 @@ extern int ds4t_checks;
 
 /* Print a summary line ("N passed, N failed") and return the process exit code. */
 int ds4t_finish(const char *name);
+/* Load fixture `name` (model and io.safetensors) and point args at its input_ids and labels (views into the
+ * open file). Returns 0 on success; failures are counted as checks. */
+int ds4t_load_fixture(ds4_engine *eng, const char *fixtures, const char *name, ds4_model **m, ds4_st_file **io,
+                      ds4_forward_args *args);
+
 /* rm -rf path (no error if absent), and whether a path exists (lstat). */
 void ds4t_rm_rf(const char *path);
 int ds4t_exists(const char *path);
