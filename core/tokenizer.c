@@ -896,6 +896,15 @@ static ds4_status split_emit(enc *e, splitter *sp, size_t s, size_t end) {
     return end > s ? run_stage(e, sp->next, sp->base + s, end - s) : DS4_OK; /* HF drops empty splits */
 }
 
+/* Emit the pending group (if any) and start a new one with [s, end). */
+static ds4_status split_restart(enc *e, splitter *sp, size_t s, size_t end) {
+    const ds4_status st = sp->has ? split_emit(e, sp, sp->ps, sp->pe) : DS4_OK;
+    sp->ps = s;
+    sp->pe = end;
+    sp->has = 1;
+    return st;
+}
+
 static ds4_status split_feed(enc *e, void *arg, size_t s, size_t end, int flag) {
     splitter *sp = arg;
     ds4_status st = DS4_OK;
@@ -904,25 +913,13 @@ static ds4_status split_feed(enc *e, void *arg, size_t s, size_t end, int flag) 
     case B_ISOLATED: return split_emit(e, sp, s, end);
     case B_REMOVED: return flag ? DS4_OK : split_emit(e, sp, s, end);
     case B_CONTIGUOUS:
-        if (sp->has && flag == sp->prev_flag) {
-            sp->pe = end;
-        } else {
-            if (sp->has) st = split_emit(e, sp, sp->ps, sp->pe);
-            sp->ps = s;
-            sp->pe = end;
-            sp->has = 1;
-        }
+        if (sp->has && flag == sp->prev_flag) sp->pe = end;
+        else st = split_restart(e, sp, s, end);
         sp->prev_flag = flag;
         return st;
     case B_MERGED_PREV:
-        if (flag && !sp->prev_flag && sp->has) {
-            sp->pe = end;
-        } else {
-            if (sp->has) st = split_emit(e, sp, sp->ps, sp->pe);
-            sp->ps = s;
-            sp->pe = end;
-            sp->has = 1;
-        }
+        if (flag && !sp->prev_flag && sp->has) sp->pe = end;
+        else st = split_restart(e, sp, s, end);
         sp->prev_flag = flag;
         return st;
     case B_MERGED_NEXT:
@@ -931,10 +928,7 @@ static ds4_status split_feed(enc *e, void *arg, size_t s, size_t end, int flag) 
             sp->pe = end;
             sp->last_match = 0;
         } else {
-            if (sp->has) st = split_emit(e, sp, sp->ps, sp->pe);
-            sp->ps = s;
-            sp->pe = end;
-            sp->has = 1;
+            st = split_restart(e, sp, s, end);
             sp->last_match = flag;
         }
         return st;
