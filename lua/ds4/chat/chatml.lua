@@ -31,7 +31,6 @@ local chat = require("ds4.chat")
 local json = chat.json
 
 local type, ipairs, error = type, ipairs, error
-local quote = chat.quote
 
 local T = { name = "chatml" }
 
@@ -72,20 +71,12 @@ end
 
 function T:segments(b, messages, opts)
     opts = chat.check_options(WHERE, opts, OPTIONS)
-    local function bool_opt(name, default)
-        local v = opts[name]
-        if v == nil then return default end
-        if type(v) ~= "boolean" then error(("%s: opts.%s: boolean expected, got %s"):format(WHERE, name, type(v)), 0) end
-        return v
-    end
+    local function bool_opt(name, default) return chat.bool_option(WHERE, opts, name, default) end
     local gen_prompt = bool_opt("add_generation_prompt", false)
     local thinking = bool_opt("thinking", false)
     local drop = bool_opt("drop_thinking", true)
     local train_reasoning = bool_opt("train_reasoning", true)
-    local train = opts.train == nil and "all" or opts.train
-    if train ~= "all" and train ~= "last" and train ~= "none" then
-        error(("%s: opts.train: \"all\", \"last\" or \"none\" expected, got %s"):format(WHERE, quote(train)), 0)
-    end
+    local train = chat.train_option(WHERE, opts)
 
     local n = chat.check_messages(WHERE, messages, ROLES)
     local last_user, last_assistant = 0, 0

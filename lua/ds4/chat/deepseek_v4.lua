@@ -425,21 +425,13 @@ end
 
 function T:segments(b, messages, opts)
     opts = chat.check_options(WHERE, opts, OPTIONS)
-    local function bool_opt(name, default)
-        local v = opts[name]
-        if v == nil then return default end
-        if type(v) ~= "boolean" then fail_opt(name, "boolean expected, got " .. type(v)) end
-        return v
-    end
+    local function bool_opt(name, default) return chat.bool_option(WHERE, opts, name, default) end
     local thinking = bool_opt("thinking", true)
     local gen_prompt = bool_opt("add_generation_prompt", false)
     local drop = bool_opt("drop_thinking", true)
     local train_reasoning = bool_opt("train_reasoning", true)
     local bos = bool_opt("bos", true)
-    local train = opts.train == nil and "all" or opts.train
-    if train ~= "all" and train ~= "last" and train ~= "none" then
-        fail_opt("train", "\"all\", \"last\" or \"none\" expected, got " .. quote(train))
-    end
+    local train = chat.train_option(WHERE, opts)
     local effort = opts.reasoning_effort
     if effort ~= nil and effort ~= "max" and effort ~= "high" then
         fail_opt("reasoning_effort", "\"max\", \"high\" or nil expected, got " .. quote(effort))

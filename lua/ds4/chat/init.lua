@@ -194,6 +194,23 @@ function M.check_options(where, opts, known)
     return opts
 end
 
+-- opts[name] as a boolean, `default` when absent; an error naming the template and option otherwise.
+function M.bool_option(where, opts, name, default)
+    local v = opts[name]
+    if v == nil then return default end
+    if type(v) ~= "boolean" then error(("%s: opts.%s: boolean expected, got %s"):format(where, name, type(v)), 0) end
+    return v
+end
+
+-- opts.train: which assistant turns are trained: "all" (default), "last" or "none".
+function M.train_option(where, opts)
+    local train = opts.train == nil and "all" or opts.train
+    if train ~= "all" and train ~= "last" and train ~= "none" then
+        error(("%s: opts.train: \"all\", \"last\" or \"none\" expected, got %s"):format(where, quote(train)), 0)
+    end
+    return train
+end
+
 -- ------------------------------------------------------------------------------------------------ prefix
 
 -- Whether r_before (a render result) is a prefix of r_after, in ids. Returns true, or false and a report
