@@ -26,6 +26,15 @@ local function fixture_opts()
 end
 
 local function rel(got, want) return math.abs(got - want) / math.abs(want) end
+-- ‖a − r‖ / ‖r‖ over two tensors of equal size (Frobenius norms)
+local function rel_frob(a, r)
+    local dd, rr = 0, 0
+    for i = 1, r:numel() do
+        dd = dd + (a[i] - r[i]) ^ 2
+        rr = rr + r[i] ^ 2
+    end
+    return math.sqrt(dd) / math.sqrt(rr)
+end
 
 -- Sum of squares of an F32 tensor, in double (through FFI: no per-element binding calls).
 local function sumsq(t)
@@ -288,13 +297,7 @@ do
     local ref = ds4.load_tensors(dir .. "/grads.safetensors")
     local got = model:grads({ canonical = true })
     for _, name in ipairs({ "embed.weight", "layers.1.attn.wq_b.weight", "layers.2.hc_ffn_fn", "head.weight" }) do
-        local a, r = got[name], ref["main." .. name]
-        local dd, rr = 0, 0
-        for i = 1, a:numel() do
-            dd = dd + (a[i] - r[i]) ^ 2
-            rr = rr + r[i] ^ 2
-        end
-        H.check(math.sqrt(dd) / math.sqrt(rr) < 1e-3, "backward_logprobs gradient of " .. name)
+        H.check(rel_frob(got[name], ref["main." .. name]) < 1e-3, "backward_logprobs gradient of " .. name)
     end
     H.raises(function() return model:backward_logprobs(g) end, { "no training forward" }, "consumed")
     model:forward(ids, { labels = labels })
@@ -307,13 +310,7 @@ do
     model:backward()
     got = model:grads({ canonical = true })
     for _, name in ipairs({ "mtp.0.e_proj.weight", "mtp.0.attn.wq_a.weight", "layers.3.ffn.gate.weight" }) do
-        local a, r = got[name], ref["mtp." .. name]
-        local dd, rr = 0, 0
-        for i = 1, a:numel() do
-            dd = dd + (a[i] - r[i]) ^ 2
-            rr = rr + r[i] ^ 2
-        end
-        H.check(math.sqrt(dd) / math.sqrt(rr) < 1e-3, "MTP-loss gradient of " .. name)
+        H.check(rel_frob(got[name], ref["mtp." .. name]) < 1e-3, "MTP-loss gradient of " .. name)
     end
     H.check(o2.loss > out.loss, "the loss includes the MTP term")
     H.raises(function() model:set_train_options({ mtp_lambda = "x" }) end, { "unknown or mistyped option" }, "bad option")
