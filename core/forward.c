@@ -12,6 +12,7 @@
 
 #include "internal.h"
 #include "kernels_cpu.h"
+#include "cache.h"
 #include "fwd.h"
 
 /* ------------------------------------------------------------------------------------------------ planning */
@@ -32,7 +33,7 @@ static void plan(fwd *f, ds4_arena *a, int need_logits_ws) {
     f->key_off = (nkeys + 1) & ~(int64_t)1; /* keep the pointer array 8-byte aligned */
     int64_t stride = f->key_off + 2 * nkeys;
     if ((int64_t)(n * D) > stride) stride = (int64_t)(n * D);
-    if (4 * mmax > stride) stride = 4 * mmax;
+    if (12 * mmax > stride) stride = 12 * mmax; /* pooling: 2m gates, 2m values, 4m row pointers */
     f->scratch_stride = (stride + 15) & ~(int64_t)15;
     f->X = ds4_arena_take(a, T * n * D, 4);
     f->Xt = ds4_arena_take(a, T * n * D, 4);
@@ -71,8 +72,6 @@ static void plan(fwd *f, ds4_arena *a, int need_logits_ws) {
     f->ecount = ds4_arena_take(a, E + 1, 8);
     f->logits_ws = need_logits_ws ? ds4_arena_take(a, T * (size_t)c->vocab_size, 4) : NULL;
     f->mtp_ids = ds4_arena_take(a, T, 8);
-    f->rmain.cs = ds4_arena_take(a, S * (size_t)c->rope_main.dim, 4);
-    f->rcomp.cs = ds4_arena_take(a, S * (size_t)c->rope_compress.dim, 4);
 }
 
 /* Copy n floats into a tape slot when training (dst NULL: inference, nothing to keep). */
@@ -112,17 +111,34 @@ static void rope_inv_freq(const ds4_rope_params *p, float *inv) {
     }
 }
 
-static void rope_table(rope_tab *t, const ds4_rope_params *p, int64_t S) {
-    t->half = p->dim / 2;
+static void rope_table(float *cs, const ds4_rope_params *p, int64_t from, int64_t to) {
+    const int64_t half = p->dim / 2;
     float inv[1024];
     rope_inv_freq(p, inv);
     const double scale = p->type == DS4_ROPE_YARN ? p->attention_factor : 1.0;
-    for (int64_t s = 0; s < S; s++)
-        for (int64_t i = 0; i < t->half; i++) {
+    for (int64_t s = from; s < to; s++)
+        for (int64_t i = 0; i < half; i++) {
             float ang = inv[i] * (float)s; /* fp32 product, as HF's inv_freq @ position_ids */
-            t->cs[s * 2 * t->half + 2 * i] = (float)(cos((double)ang) * scale);
-            t->cs[s * 2 * t->half + 2 * i + 1] = (float)(sin((double)ang) * scale);
+            cs[s * 2 * half + 2 * i] = (float)(cos((double)ang) * scale);
+            cs[s * 2 * half + 2 * i + 1] = (float)(sin((double)ang) * scale);
         }
+}
+
+/* The model's RoPE tables cover positions [0, S) afterwards (grown geometrically: decoding asks for one more
+ * position per step). */
+static ds4_status rope_reserve(ds4_model *m, int64_t S, ds4_error *err) {
+    if (S <= m->rope_n) return DS4_OK;
+    int64_t n = m->rope_n * 2 > S ? m->rope_n * 2 : S;
+    if (n < 256) n = 256;
+    const ds4_rope_params *p[2] = {&m->cfg.rope_main, &m->cfg.rope_compress};
+    for (int k = 0; k < 2; k++) {
+        float *cs = realloc(m->rope_cs[k], (size_t)(n * p[k]->dim) * sizeof(float));
+        if (!cs) return ds4_fail(err, DS4_ERR_OOM, "forward: RoPE table of %lld positions", (long long)n);
+        m->rope_cs[k] = cs;
+        rope_table(cs, p[k], m->rope_n, n);
+    }
+    m->rope_n = n;
+    return DS4_OK;
 }
 
 
@@ -270,7 +286,7 @@ typedef struct {
 static void rope_range(fwd *f, void *p, int64_t b, int64_t e, int64_t task) {
     const rope_ctx *cx = p;
     for (int64_t t = b; t < e; t++) {
-        const float *cs = rope_at(cx->rt, t % f->S);
+        const float *cs = rope_at(cx->rt, ds4_row_pos(f, t));
         for (int64_t hh = 0; hh < cx->heads; hh++)
             ds4_rope_apply(cx->x + (t * cx->heads + hh) * cx->width, cx->width, cx->rt->half, cs, cx->sign);
     }
@@ -284,6 +300,37 @@ void ds4_fwd_rope_rows(fwd *f, float *x, int64_t heads, int64_t width, const rop
 
 /* ------------------------------------------------------------------------------------------------ compressor */
 
+/* Pool one entry (§3.4) from row pointers: nprev rows of the previous window (their first halves; overlap only),
+ * then the m rows of window `win` (their second halves with overlap, whole rows otherwise); then RMSNorm and RoPE
+ * at position win·m. gl and kv are 2m floats of scratch each. */
+static void pool_entry(const fwd *f, const ds4_compressor_w *w, const float *const *Cr, const float *const *Zr,
+                       int64_t nprev, int overlap, int64_t win, float *out, float *pool_keep, float *gl, float *kv) {
+    const int64_t m = w->rate, dd = w->dd, width = w->width, off = overlap ? dd : 0;
+    for (int64_t ch = 0; ch < dd; ch++) {
+        int64_t ns = 0;
+        for (int64_t j = 0; j < nprev; j++) {
+            gl[ns] = Zr[j][ch] + w->ape[j * width + ch];
+            kv[ns++] = Cr[j][ch];
+        }
+        for (int64_t j = 0; j < m; j++) {
+            gl[ns] = Zr[nprev + j][off + ch] + w->ape[j * width + off + ch];
+            kv[ns++] = Cr[nprev + j][off + ch];
+        }
+        /* per-channel softmax over the slots in fp32 (HF: softmax(dim=2, dtype=float32)); the missing
+         * previous-window slots of window 0 are -inf gates, i.e. simply absent */
+        float mx = -INFINITY;
+        for (int64_t k = 0; k < ns; k++) mx = gl[k] > mx ? gl[k] : mx;
+        double den = 0;
+        for (int64_t k = 0; k < ns; k++) den += (gl[k] = (float)exp((double)(gl[k] - mx)));
+        float acc = 0;
+        for (int64_t k = 0; k < ns; k++) acc += kv[k] * (float)(gl[k] / den);
+        out[ch] = acc;
+    }
+    keep(pool_keep, out, dd);
+    ds4_rmsnorm_rows(out, out, w->norm, 1, dd, f->c->rms_norm_eps);
+    ds4_rope_apply(out, dd, f->rcomp.half, rope_at(&f->rcomp, win * m), 1);
+}
+
 typedef struct {
     const ds4_compressor_w *w;
     const float *C, *Z;   /* [T, width] */
@@ -291,61 +338,104 @@ typedef struct {
     float *pool;          /* same layout: the pooled entry before norm and RoPE (training), or NULL */
     int64_t nwin;         /* complete windows per row: floor(S / m) */
     int overlap;
+    int which;            /* step: 0 the attention's compressor, 1 the indexer's */
 } comp_ctx;
 
-/* Pool each complete window into one entry (§3.4), then RMSNorm (weighted) and RoPE at position w·m. */
+/* Scratch of one task for pool_entry: gates, values, then 4m row pointers. */
+static float *pool_scratch(fwd *f, int64_t task, int64_t m, const float ***Cr, const float ***Zr) {
+    float *gl = f->scratch + task * f->scratch_stride;
+    *Cr = (const float **)(void *)(gl + 4 * m);
+    *Zr = *Cr + 2 * m;
+    return gl;
+}
+
+/* Full forward: every complete window of every row. */
 static void comp_range(fwd *f, void *p, int64_t b, int64_t e, int64_t task) {
     const comp_ctx *cx = p;
-    const ds4_compressor_w *w = cx->w;
-    const int64_t m = w->rate, dd = w->dd, width = w->width, S = f->S;
-    float *gl = f->scratch + task * f->scratch_stride; /* 2m gate logits */
-    float *kv = gl + 2 * m;                           /* 2m values */
+    const int64_t m = cx->w->rate, dd = cx->w->dd, width = cx->w->width, S = f->S;
+    const float **Cr, **Zr;
+    float *gl = pool_scratch(f, task, m, &Cr, &Zr);
     for (int64_t i = b; i < e; i++) {
-        const int64_t row = i / cx->nwin, win = i % cx->nwin;
-        float *out = cx->out + (row * S + win) * dd;
-        for (int64_t ch = 0; ch < dd; ch++) {
-            int64_t ns = 0;
-            if (cx->overlap && win > 0) /* Ca half of the previous window */
-                for (int64_t j = 0; j < m; j++) {
-                    const int64_t t = row * S + (win - 1) * m + j;
-                    gl[ns] = cx->Z[t * width + ch] + w->ape[j * width + ch];
-                    kv[ns++] = cx->C[t * width + ch];
-                }
-            const int64_t off = cx->overlap ? dd : 0; /* Cb half (overlap) or the whole vector */
-            for (int64_t j = 0; j < m; j++) {
-                const int64_t t = row * S + win * m + j;
-                gl[ns] = cx->Z[t * width + off + ch] + w->ape[j * width + off + ch];
-                kv[ns++] = cx->C[t * width + off + ch];
-            }
-            /* per-channel softmax over the slots in fp32 (HF: softmax(dim=2, dtype=float32)); the missing
-             * previous-window slots of window 0 are -inf gates, i.e. simply absent */
-            float mx = -INFINITY;
-            for (int64_t k = 0; k < ns; k++) mx = gl[k] > mx ? gl[k] : mx;
-            double den = 0;
-            for (int64_t k = 0; k < ns; k++) den += (gl[k] = (float)exp((double)(gl[k] - mx)));
-            float acc = 0;
-            for (int64_t k = 0; k < ns; k++) acc += kv[k] * (float)(gl[k] / den);
-            out[ch] = acc;
+        const int64_t row = i / cx->nwin, win = i % cx->nwin, nprev = cx->overlap && win > 0 ? m : 0;
+        const int64_t t0 = row * S + win * m - nprev; /* the first row pooled */
+        for (int64_t j = 0; j < nprev + m; j++) {
+            Cr[j] = cx->C + (t0 + j) * width;
+            Zr[j] = cx->Z + (t0 + j) * width;
         }
-        keep(cx->pool ? cx->pool + (row * S + win) * dd : NULL, out, dd);
-        ds4_rmsnorm_rows(out, out, w->norm, 1, dd, f->c->rms_norm_eps);
-        ds4_rope_apply(out, dd, f->rcomp.half, rope_at(&f->rcomp, win * m), 1);
+        pool_entry(f, cx->w, Cr, Zr, nprev, cx->overlap, win, cx->out + (row * S + win) * dd,
+                   cx->pool ? cx->pool + (row * S + win) * dd : NULL, gl, gl + 2 * m);
     }
 }
 
-/* Entries of a compressor over h: returns the number of complete windows per row. In training the projections
- * and pooled entries are kept (keep_* non-NULL) for the backward. */
-static int64_t compress(fwd *f, const ds4_compressor_w *w, float *C, float *Z, float *out, int overlap, float *keep_C,
-                        float *keep_Z, float *keep_pool) {
+/* Step: the windows that complete among the new tokens, numbered across sequences (sequence s owns jobs
+ * [w0, w0 + its count)); rows come from the chunk or the cache, entries go into the cache. */
+static void comp_step_range(fwd *f, void *p, int64_t b, int64_t e, int64_t task) {
+    const comp_ctx *cx = p;
+    const int64_t m = cx->w->rate;
+    const float **Cr, **Zr;
+    float *gl = pool_scratch(f, task, m, &Cr, &Zr);
+    int64_t s = 0;
+    for (int64_t i = b; i < e; i++) {
+        while (s + 1 < f->nseq && f->seqs[s + 1].w0[cx->which] <= i) s++;
+        const ds4_step_seq *sq = &f->seqs[s];
+        ds4_layer_cache *lc = &sq->cache->layers[f->li];
+        ds4_comp_cache *cc = cx->which ? &lc->idx : &lc->comp;
+        const int64_t win = sq->p0 / m + (i - sq->w0[cx->which]), nprev = cx->overlap && win > 0 ? m : 0;
+        const float *C = cx->C + sq->r0 * cc->width, *Z = cx->Z + sq->r0 * cc->width;
+        for (int64_t j = 0; j < nprev + m; j++) {
+            const int64_t q = win * m - nprev + j;
+            Cr[j] = ds4_comp_row(cc, cc->C, C, sq->p0, q);
+            Zr[j] = ds4_comp_row(cc, cc->Z, Z, sq->p0, q);
+        }
+        pool_entry(f, cx->w, Cr, Zr, nprev, cx->overlap, win, cc->ent + win * cc->dd, NULL, gl, gl + 2 * m);
+    }
+}
+
+/* Entries of a compressor over h: returns the number of complete windows per row (0 in a step, where the
+ * entries go to the caches). In training the projections and pooled entries are kept (keep_* non-NULL). */
+static int64_t compress(fwd *f, const ds4_compressor_w *w, int which, float *C, float *Z, float *out, int overlap,
+                        float *keep_C, float *keep_Z, float *keep_pool) {
     matmul(f, C, f->h, w->wkv, f->T, f->c->hidden_size, w->width);
     matmul(f, Z, f->h, w->wgate, f->T, f->c->hidden_size, w->width);
     keep(keep_C, C, f->T * w->width);
     keep(keep_Z, Z, f->T * w->width);
-    const int64_t nwin = f->S / w->rate;
-    if (nwin == 0) return 0;
-    comp_ctx cx = {w, C, Z, out, keep_pool, nwin, overlap};
-    ds4_fwd_parallel_range(f, f->B * nwin, comp_range, &cx);
-    return nwin;
+    comp_ctx cx = {w, C, Z, out, keep_pool, 0, overlap, which};
+    if (f->pos) {
+        int64_t jobs = 0;
+        for (int64_t s = 0; s < f->nseq; s++) {
+            ds4_step_seq *sq = &f->seqs[s];
+            sq->w0[which] = jobs;
+            jobs += (sq->p0 + sq->n) / w->rate - sq->p0 / w->rate;
+        }
+        ds4_fwd_parallel_range(f, jobs, comp_step_range, &cx);
+        return 0;
+    }
+    cx.nwin = f->S / w->rate;
+    if (cx.nwin == 0) return 0;
+    ds4_fwd_parallel_range(f, f->B * cx.nwin, comp_range, &cx);
+    return cx.nwin;
+}
+
+/* The entries query row t may read from (base; entry w at base + w·dd) and how many are causal: w < (p+1)/m. */
+static const float *row_entries(const fwd *f, int64_t t, int which, int64_t m, int64_t nwin, int64_t *valid) {
+    const int64_t v = (ds4_row_pos(f, t) + 1) / m;
+    if (f->pos) {
+        const ds4_layer_cache *lc = &f->seqs[f->rowseq[t]].cache->layers[f->li];
+        *valid = v; /* a step pooled every window that completed up to this row */
+        return which ? lc->idx.ent : lc->comp.ent;
+    }
+    *valid = v < nwin ? v : nwin;
+    const int64_t dd = which ? f->c->index_head_dim : f->c->head_dim;
+    return (which ? f->iK : f->cK) + (t / f->S) * f->S * dd;
+}
+
+/* Window key j (<= the row's position) of query row t: from the ring for tokens before the step, else this call. */
+static const float *window_key(const fwd *f, int64_t t, int64_t j) {
+    const int64_t d = f->c->head_dim;
+    if (!f->pos) return f->kv + ((t / f->S) * f->S + j) * d;
+    const ds4_step_seq *sq = &f->seqs[f->rowseq[t]];
+    if (j >= sq->p0) return f->kv + (sq->r0 + j - sq->p0) * d;
+    return sq->cache->layers[f->li].ring + (j % sq->cache->ring) * d;
 }
 
 /* ------------------------------------------------------------------------------------------------ indexer */
@@ -358,16 +448,15 @@ typedef struct {
 static void indexer_range(fwd *f, void *p, int64_t b, int64_t e, int64_t task) {
     const idx_ctx *cx = p;
     const ds4_config *c = f->c;
-    const int64_t nI = c->index_n_heads, cI = c->index_head_dim, m = c->compress_rate_csa, S = f->S;
+    const int64_t nI = c->index_n_heads, cI = c->index_head_dim, m = c->compress_rate_csa;
     const float qscale = 1.0f / sqrtf((float)cI);
     float *score = f->scratch + task * f->scratch_stride;
     for (int64_t t = b; t < e; t++) {
-        const int64_t row = t / S, s = t % S;
-        int64_t valid = (s + 1) / m;
-        if (valid > cx->nwin) valid = cx->nwin;
+        int64_t valid;
+        const float *keys = row_entries(f, t, 1, m, cx->nwin, &valid);
         int32_t *sel = f->sel + t * f->sel_stride;
         for (int64_t w = 0; w < valid; w++) {
-            const float *k = f->iK + (row * S + w) * cI;
+            const float *k = keys + w * cI;
             float acc = 0;
             for (int64_t hh = 0; hh < nI; hh++) {
                 float dot = ds4_dot(f->iq + (t * nI + hh) * cI, k, cI);
@@ -409,22 +498,23 @@ static void attn_range(fwd *f, void *p, int64_t b, int64_t e, int64_t task) {
     const att_ctx *cx = p;
     const ds4_config *c = f->c;
     const ds4_layer_w *l = cx->l;
-    const int64_t H = c->num_attention_heads, d = c->head_dim, S = f->S, win = c->sliding_window;
+    const int64_t H = c->num_attention_heads, d = c->head_dim, win = c->sliding_window;
     const float scale = 1.0f / sqrtf((float)d);
     float *lg = f->scratch + task * f->scratch_stride;
     const float **keys = (const float **)(void *)(lg + f->key_off);
     for (int64_t t = b; t < e; t++) {
-        const int64_t row = t / S, s = t % S;
+        const int64_t s = ds4_row_pos(f, t);
         int64_t nk = 0;
         const int64_t j0 = s - win + 1 > 0 ? s - win + 1 : 0;
-        for (int64_t j = j0; j <= s; j++) keys[nk++] = f->kv + (row * S + j) * d;
-        if (l->type == DS4_ATTN_HCA) {
-            int64_t valid = (s + 1) / c->compress_rate_hca;
-            if (valid > cx->nwin) valid = cx->nwin;
-            for (int64_t w = 0; w < valid; w++) keys[nk++] = f->cK + (row * S + w) * d;
-        } else if (l->type == DS4_ATTN_CSA) {
-            const int32_t *sel = f->sel + t * f->sel_stride;
-            for (int64_t i = 0; i < f->nsel[t]; i++) keys[nk++] = f->cK + (row * S + sel[i]) * d;
+        for (int64_t j = j0; j <= s; j++) keys[nk++] = window_key(f, t, j);
+        if (l->type != DS4_ATTN_SLIDING) {
+            const int64_t m = l->type == DS4_ATTN_HCA ? c->compress_rate_hca : c->compress_rate_csa;
+            int64_t valid;
+            const float *ent = row_entries(f, t, 0, m, cx->nwin, &valid);
+            if (l->type == DS4_ATTN_HCA)
+                for (int64_t w = 0; w < valid; w++) keys[nk++] = ent + w * d;
+            else
+                for (int64_t i = 0; i < f->nsel[t]; i++) keys[nk++] = ent + f->sel[t * f->sel_stride + i] * d;
         }
         float *tgt = l->type == DS4_ATTN_CSA && f->lt && f->lt->itgt ? f->lt->itgt + t * f->sel_stride : NULL;
         if (tgt) memset(tgt, 0, (size_t)f->sel_stride * sizeof(float));
@@ -443,6 +533,22 @@ static void attn_range(fwd *f, void *p, int64_t b, int64_t e, int64_t task) {
             if (tgt) /* attention mass on each indexer pick, the indexer KL loss's (detached) target */
                 for (int64_t k = s - j0 + 1; k < nk; k++) tgt[k - (s - j0 + 1)] += (float)(lg[k] / den);
         }
+    }
+}
+
+/* A step's new tokens join the caches once every query of the layer has read the old state: the window vectors
+ * go into the rings (overwriting slots earlier queries of the step still read), the raw projections into the
+ * compressors' pending / last-window rows. */
+static void step_commit(fwd *f, const ds4_layer_w *l) {
+    const int64_t d = f->c->head_dim;
+    for (int64_t s = 0; s < f->nseq; s++) {
+        const ds4_step_seq *sq = &f->seqs[s];
+        ds4_layer_cache *lc = &sq->cache->layers[f->li];
+        ds4_ring_commit(lc->ring, sq->cache->ring, d, sq->p0, sq->n, f->kv + sq->r0 * d);
+        if (l->type == DS4_ATTN_SLIDING) continue;
+        ds4_comp_commit(&lc->comp, sq->p0, sq->n, f->cC + sq->r0 * lc->comp.width, f->cZ + sq->r0 * lc->comp.width);
+        if (l->type == DS4_ATTN_CSA)
+            ds4_comp_commit(&lc->idx, sq->p0, sq->n, f->iC + sq->r0 * lc->idx.width, f->iZ + sq->r0 * lc->idx.width);
     }
 }
 
@@ -477,11 +583,11 @@ static void attention(fwd *f, const ds4_layer_w *l) {
     }
     att_ctx ax = {l, 0};
     if (l->type != DS4_ATTN_SLIDING)
-        ax.nwin = compress(f, &l->comp, f->cC, f->cZ, f->cK, l->type == DS4_ATTN_CSA, lt ? lt->cC : NULL,
+        ax.nwin = compress(f, &l->comp, 0, f->cC, f->cZ, f->cK, l->type == DS4_ATTN_CSA, lt ? lt->cC : NULL,
                            lt ? lt->cZ : NULL, lt ? lt->pool : NULL);
     if (l->type == DS4_ATTN_CSA) {
         const int64_t nI = c->index_n_heads, cI = c->index_head_dim;
-        int64_t nwin = compress(f, &l->idx_comp, f->iC, f->iZ, f->iK, 1, lt ? lt->iC : NULL, lt ? lt->iZ : NULL,
+        int64_t nwin = compress(f, &l->idx_comp, 1, f->iC, f->iZ, f->iK, 1, lt ? lt->iC : NULL, lt ? lt->iZ : NULL,
                                 lt ? lt->ipool : NULL);
         matmul(f, f->iq, f->qr, l->idx_wq_b, T, qr, nI * cI);
         ds4_fwd_rope_rows(f, f->iq, nI, cI, &f->rcomp, 1);
@@ -493,13 +599,22 @@ static void attention(fwd *f, const ds4_layer_w *l) {
             keep(lt->iw, f->iw, T * nI);
             keep(lt->iK, f->iK, f->B * f->S * cI);
         }
-        idx_ctx ix = {nwin, c->index_topk < nwin ? c->index_topk : nwin};
-        if (nwin == 0)
+        /* a step's rows each see their own number of entries: k = min(index_topk, causal entries) per row */
+        idx_ctx ix = {nwin, f->pos ? c->index_topk : (c->index_topk < nwin ? c->index_topk : nwin)};
+        if (nwin == 0 && !f->pos)
             memset(f->nsel, 0, (size_t)T * sizeof(int32_t));
         else
             ds4_fwd_parallel_range(f, T, indexer_range, &ix);
+        if (f->rec_index) {
+            const int64_t K = c->index_topk, ncsa = ds4_model_csa_layers(f->m);
+            for (int64_t t = 0; t < T; t++) {
+                int32_t *dst = f->rec_index + (t * ncsa + f->csa_i) * K;
+                for (int64_t i = 0; i < K; i++) dst[i] = i < f->nsel[t] ? f->sel[t * f->sel_stride + i] : -1;
+            }
+        }
     }
     ds4_fwd_parallel_range(f, T, attn_range, &ax);
+    if (f->pos) step_commit(f, l);
     ds4_fwd_rope_rows(f, f->o, H, d, rt, -1); /* de-rotate the output at the query position */
     if (lt) {
         lt->nwin = ax.nwin;
@@ -642,6 +757,9 @@ static void moe(fwd *f, const ds4_layer_w *l, const int64_t *ids) {
     }
     route_ctx rx = {l, ids};
     ds4_fwd_parallel_range(f, T, route_range, &rx);
+    if (f->rec_experts)
+        for (int64_t t = 0; t < T; t++)
+            memcpy(f->rec_experts + (t * c->num_hidden_layers + f->li) * K, f->eidx + t * K, (size_t)K * sizeof(int32_t));
     if (lt) {
         keep(lt->rsc, f->rl, T * E);
         memcpy(lt->eidx, f->eidx, (size_t)(T * K) * sizeof(int32_t));
@@ -790,10 +908,9 @@ static ds4_status check_args(const ds4_model *m, const ds4_forward_args *a, ds4_
     return DS4_OK;
 }
 
-ds4_status ds4_fwd_setup(ds4_model *m, fwd *f, int64_t B, int64_t S, int need_logits_ws, ds4_error *err) {
+/* Plan f's scratch (f->T rows, positions < f->S) in the model's workspace and point it at the RoPE tables. */
+static ds4_status fwd_plan(ds4_model *m, fwd *f, int need_logits_ws, ds4_error *err) {
     const ds4_config *c = &m->cfg;
-    *f = (fwd){.m = m, .c = c, .pool = m->engine->pool, .B = B, .S = S};
-    f->T = B * S;
     f->ntask = 4 * (int64_t)ds4_pool_threads(f->pool);
     if (f->ntask > MAX_TASKS) f->ntask = MAX_TASKS;
     ds4_arena a = {0};
@@ -803,14 +920,22 @@ ds4_status ds4_fwd_setup(ds4_model *m, fwd *f, int64_t B, int64_t S, int need_lo
         m->ws = malloc(a.used);
         m->ws_bytes = m->ws ? a.used : 0;
         if (!m->ws)
-            return ds4_fail(err, DS4_ERR_OOM, "forward: workspace of %zu bytes for ids [%lld, %lld]", a.used,
-                            (long long)B, (long long)S);
+            return ds4_fail(err, DS4_ERR_OOM, "forward: workspace of %zu bytes for %lld rows (ids [%lld, %lld])",
+                            a.used, (long long)f->T, (long long)f->B, (long long)f->S);
     }
     ds4_arena w = {(char *)m->ws, 0};
     plan(f, &w, need_logits_ws);
-    rope_table(&f->rmain, &c->rope_main, S);
-    rope_table(&f->rcomp, &c->rope_compress, S);
+    ds4_status s = rope_reserve(m, f->S, err);
+    if (s) return s;
+    f->rmain = (rope_tab){c->rope_main.dim / 2, m->rope_cs[0]};
+    f->rcomp = (rope_tab){c->rope_compress.dim / 2, m->rope_cs[1]};
     return DS4_OK;
+}
+
+ds4_status ds4_fwd_setup(ds4_model *m, fwd *f, int64_t B, int64_t S, int need_logits_ws, ds4_error *err) {
+    *f = (fwd){.m = m, .c = &m->cfg, .pool = m->engine->pool, .B = B, .S = S};
+    f->T = B * S;
+    return fwd_plan(m, f, need_logits_ws, err);
 }
 
 /* Carve the tape for (B, S) out of one arena; sizes depend on each layer's attention type. */
@@ -1079,4 +1204,103 @@ ds4_status ds4_fwd_run(ds4_model *m, const ds4_forward_args *args, ds4_forward_r
     }
     if (res) *res = r;
     return DS4_OK;
+}
+
+/* ------------------------------------------------------------------------------------------------ step */
+
+static ds4_status check_step(const ds4_model *m, const ds4_step_args *a, int64_t *N, int64_t *Smax, ds4_error *err) {
+    if (!m) return ds4_fail(err, DS4_ERR_ARG, "step: model is NULL");
+    if (!a || !a->caches || !a->counts || !a->ids) return ds4_fail(err, DS4_ERR_ARG, "step: caches, counts or ids is NULL");
+    if (a->nseq < 1 || a->nseq > (1 << 20))
+        return ds4_fail(err, DS4_ERR_ARG, "step: %lld sequences outside [1, 2^20]", (long long)a->nseq);
+    const int64_t V = m->cfg.vocab_size;
+    int64_t n = 0, smax = 0;
+    for (int64_t s = 0; s < a->nseq; s++) {
+        const ds4_cache *c = a->caches[s];
+        if (!c) return ds4_fail(err, DS4_ERR_ARG, "step: cache %lld is NULL", (long long)s);
+        if (c->m != m) return ds4_fail(err, DS4_ERR_ARG, "step: cache %lld belongs to another model", (long long)s);
+        if (a->counts[s] < 1 || a->counts[s] > (1 << 24))
+            return ds4_fail(err, DS4_ERR_ARG, "step: sequence %lld has %lld new tokens (must be in [1, 2^24])",
+                            (long long)s, (long long)a->counts[s]);
+        if (c->len + a->counts[s] > c->cap)
+            return ds4_fail(err, DS4_ERR_SHAPE, "step: sequence %lld: %lld cached + %lld new tokens exceed its capacity %lld",
+                            (long long)s, (long long)c->len, (long long)a->counts[s], (long long)c->cap);
+        n += a->counts[s];
+        if (n > (1 << 24)) return ds4_fail(err, DS4_ERR_SHAPE, "step: more than 2^24 new tokens");
+        smax = c->len + a->counts[s] > smax ? c->len + a->counts[s] : smax;
+    }
+    for (int64_t i = 0; i < n; i++)
+        if (a->ids[i] < 0 || a->ids[i] >= V)
+            return ds4_fail(err, DS4_ERR_ARG, "step: ids[%lld] = %lld outside [0, %lld) (%lld new tokens)", (long long)i,
+                            (long long)a->ids[i], (long long)V, (long long)n);
+    *N = n;
+    *Smax = smax;
+    return DS4_OK;
+}
+
+ds4_status ds4_model_step(ds4_model *m, const ds4_step_args *a, ds4_error *err) {
+    int64_t N = 0, Smax = 0;
+    ds4_status st = check_step(m, a, &N, &Smax, err);
+    if (st) return st;
+    /* a cache passed twice would be appended to twice from the same old state */
+    const uint64_t serial = ++m->step_serial;
+    for (int64_t s = 0; s < a->nseq; s++) {
+        if (a->caches[s]->stamp == serial)
+            return ds4_fail(err, DS4_ERR_ARG, "step: cache %lld appears twice among the %lld sequences", (long long)s,
+                            (long long)a->nseq);
+        a->caches[s]->stamp = serial;
+    }
+    const ds4_config *c = &m->cfg;
+    const int64_t nseq = a->nseq, n = c->hc_mult, D = c->hidden_size, V = c->vocab_size;
+    int64_t *pos = malloc((size_t)N * sizeof *pos);
+    int32_t *rowseq = malloc((size_t)N * sizeof *rowseq);
+    ds4_step_seq *seqs = malloc((size_t)nseq * sizeof *seqs);
+    fwd f;
+    if (!pos || !rowseq || !seqs) {
+        st = ds4_fail(err, DS4_ERR_OOM, "step: row tables for %lld tokens of %lld sequences", (long long)N, (long long)nseq);
+        goto done;
+    }
+    for (int64_t s = 0, r = 0; s < nseq; s++) {
+        seqs[s] = (ds4_step_seq){.cache = a->caches[s], .p0 = a->caches[s]->len, .n = a->counts[s], .r0 = r};
+        for (int64_t i = 0; i < a->counts[s]; i++, r++) {
+            pos[r] = seqs[s].p0 + i;
+            rowseq[r] = (int32_t)s;
+        }
+    }
+    f = (fwd){.m = m, .c = c, .pool = m->engine->pool, .B = 0, .S = Smax, .T = N};
+    st = fwd_plan(m, &f, 0, err);
+    if (st) goto done;
+    f.pos = pos;
+    f.rowseq = rowseq;
+    f.seqs = seqs;
+    f.nseq = nseq;
+    f.rec_experts = a->experts;
+    f.rec_index = a->index_picks;
+    for (int64_t t = 0; t < N; t++) /* X⁰: n copies of the embedding */
+        for (int64_t i = 0; i < n; i++)
+            memcpy(f.X + (t * n + i) * D, m->embed + a->ids[t] * D, (size_t)D * sizeof(float));
+    f.csa_i = 0;
+    for (int64_t li = 0; li < c->num_hidden_layers; li++) {
+        f.li = li;
+        block(&f, &m->layers[li], f.X, a->ids);
+        f.csa_i += c->layer_types[li] == DS4_ATTN_CSA;
+    }
+    for (int64_t s = 0; s < nseq; s++) seqs[s].cache->len += seqs[s].n;
+    if (a->logits) {
+        lm_head(&f, f.X, m->hc_head_fn, m->hc_head_base, m->hc_head_scale, m->norm, a->logits, NULL, NULL);
+        if (a->last_logits)
+            for (int64_t s = 0; s < nseq; s++)
+                memcpy(a->last_logits + s * V, a->logits + (seqs[s].r0 + seqs[s].n - 1) * V, (size_t)V * sizeof(float));
+    } else if (a->last_logits) {
+        /* only the last row of each sequence goes through the head: gather them into the front of Xt */
+        for (int64_t s = 0; s < nseq; s++)
+            memcpy(f.Xt + s * n * D, f.X + (seqs[s].r0 + seqs[s].n - 1) * n * D, (size_t)(n * D) * sizeof(float));
+        f.T = nseq;
+        lm_head(&f, f.Xt, m->hc_head_fn, m->hc_head_base, m->hc_head_scale, m->norm, a->last_logits, NULL, NULL);
+    }
+done:
+    free(pos);
+    free(rowseq);
+    free(seqs);
+    return st;
 }

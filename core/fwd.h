@@ -113,7 +113,25 @@ typedef struct fwd {
     int64_t *mtp_ids;             /* [T] next-token ids for the MTP block */
     ds4_tape *tape;               /* training forward: where to save activations (NULL: inference) */
     ds4_layer_tape *lt;           /* the current block's slot in the tape (NULL: inference) */
+    /* ds4_model_step: the T rows are the new tokens of nseq sequences, each appended to its cache (S is then the
+     * largest position + 1, B is 0: no [B, S] buffers are planned) */
+    const int64_t *pos;           /* [T] absolute position of each row; NULL in a full forward (row t at t % S) */
+    const int32_t *rowseq;        /* [T] the sequence of each row */
+    struct ds4_step_seq *seqs;    /* [nseq] */
+    int64_t nseq;
+    int64_t li, csa_i;            /* the main layer being run, and its rank among the CSA layers */
+    int32_t *rec_experts;         /* [T, L, K] routed experts to record, or NULL */
+    int32_t *rec_index;           /* [T, n_csa, index_topk] indexer picks to record, or NULL */
 } fwd;
+
+/* One sequence of a step: tokens [p0, p0 + n) at rows [r0, r0 + n). */
+typedef struct ds4_step_seq {
+    struct ds4_cache *cache;
+    int64_t p0, n, r0;
+    int64_t w0[2];                /* first compressor-job index of its new windows (main, indexer) */
+} ds4_step_seq;
+
+static inline int64_t ds4_row_pos(const fwd *f, int64_t t) { return f->pos ? f->pos[t] : t % f->S; }
 
 
 /* A bump allocator for planned workspaces: planning runs it once with base NULL to size the block, then

@@ -256,6 +256,8 @@ void ds4_model_free(ds4_model *m) {
     free(m->tid2eid_all);
     free(m->layers);
     free(m->ws);
+    free(m->rope_cs[0]);
+    free(m->rope_cs[1]);
     free(m->grads);
     free(m->router_loads);
     ds4_tape_free(m->tape);

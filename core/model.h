@@ -98,6 +98,11 @@ struct ds4_model {
     /* forward workspace, planned from (B, S) and reused while it is large enough */
     void *ws;
     size_t ws_bytes;
+    /* RoPE tables [rope_n, r] of (cos, sin) pairs for positions 0 .. rope_n-1 (main, compress): a pure function of
+     * the config, grown on demand, so decode steps at long positions do not recompute them */
+    float *rope_cs[2];
+    int64_t rope_n;
+    uint64_t step_serial;                /* ds4_model_step calls, to detect a cache passed twice in one step */
     /* training */
     float *grads;                        /* flat, parallel to params; NULL until enable_grad */
     ds4_train_options topt;

@@ -297,5 +297,6 @@ ds4_status ds4_model_forward(ds4_model *m, const ds4_forward_args *args, ds4_for
 #include "ds4_train.h"
 #include "ds4_ckpt.h"
 #include "ds4_tokenizer.h"
+#include "ds4_gen.h"
 
 #endif /* DS4_H */

@@ -1,0 +1,142 @@
+/* cache.c — ds4_cache: one sequence's decoding state of every layer (spec §7.1), in one allocation.
+ *
+ * Sizes per layer: the ring holds R = min(sliding_window, cap) vectors of d; a compressor of rate m holds
+ * cap / m entries plus 2m raw rows of C and Z (the pending window, and the last complete window that CSA's
+ * overlapping pool reads again). Nothing grows with the sequence beyond the entries. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "cache.h"
+#include "internal.h"
+
+static float *take(float *base, size_t *off, int64_t n) {
+    float *p = base ? base + *off : NULL;
+    *off += (size_t)n;
+    return p;
+}
+
+/* Carve (base != NULL) or size (base == NULL) every layer's state. */
+static size_t layout(ds4_cache *c, float *base) {
+    const ds4_config *cf = &c->m->cfg;
+    const int64_t d = cf->head_dim, cI = cf->index_head_dim;
+    size_t off = 0;
+    for (int64_t li = 0; li < cf->num_hidden_layers; li++) {
+        ds4_layer_cache *lc = &c->layers[li];
+        const ds4_attn_type ty = cf->layer_types[li];
+        lc->ring = take(base, &off, c->ring * d);
+        ds4_comp_cache *cc[2] = {&lc->comp, &lc->idx};
+        for (int k = 0; k < 2; k++) {
+            memset(cc[k], 0, sizeof *cc[k]);
+            if (ty == DS4_ATTN_SLIDING || (k == 1 && ty != DS4_ATTN_CSA)) continue;
+            cc[k]->overlap = ty == DS4_ATTN_CSA;
+            cc[k]->m = ty == DS4_ATTN_CSA ? cf->compress_rate_csa : cf->compress_rate_hca;
+            cc[k]->dd = k == 0 ? d : cI;
+            cc[k]->width = (cc[k]->overlap ? 2 : 1) * cc[k]->dd;
+            cc[k]->ent = take(base, &off, c->cap / cc[k]->m * cc[k]->dd);
+            cc[k]->C = take(base, &off, 2 * cc[k]->m * cc[k]->width);
+            cc[k]->Z = take(base, &off, 2 * cc[k]->m * cc[k]->width);
+        }
+    }
+    return off * sizeof(float);
+}
+
+ds4_status ds4_cache_create(const ds4_model *m, int64_t max_len, ds4_cache **out, ds4_error *err) {
+    if (!out) return ds4_fail(err, DS4_ERR_ARG, "cache create: out is NULL");
+    *out = NULL;
+    if (!m) return ds4_fail(err, DS4_ERR_ARG, "cache create: model is NULL");
+    if (max_len < 1 || max_len > ((int64_t)1 << 30))
+        return ds4_fail(err, DS4_ERR_ARG, "cache create: max_len %lld outside [1, 2^30]", (long long)max_len);
+    ds4_cache *c = calloc(1, sizeof *c);
+    if (!c) return ds4_fail(err, DS4_ERR_OOM, "cache create: cache struct");
+    c->m = m;
+    c->cap = max_len;
+    c->ring = m->cfg.sliding_window < max_len ? m->cfg.sliding_window : max_len;
+    c->layers = calloc((size_t)m->cfg.num_hidden_layers, sizeof *c->layers);
+    if (!c->layers) {
+        free(c);
+        return ds4_fail(err, DS4_ERR_OOM, "cache create: %lld layer states", (long long)m->cfg.num_hidden_layers);
+    }
+    c->bytes = layout(c, NULL);
+    c->mem = malloc(c->bytes ? c->bytes : 1);
+    if (!c->mem) {
+        ds4_cache_free(c);
+        return ds4_fail(err, DS4_ERR_OOM, "cache create: %zu bytes for max_len %lld", c->bytes, (long long)max_len);
+    }
+    layout(c, c->mem);
+    *out = c;
+    return DS4_OK;
+}
+
+void ds4_cache_free(ds4_cache *c) {
+    if (!c) return;
+    free(c->mem);
+    free(c->layers);
+    free(c);
+}
+
+void ds4_cache_reset(ds4_cache *c) {
+    if (c) c->len = 0;
+}
+
+int64_t ds4_cache_len(const ds4_cache *c) { return c ? c->len : 0; }
+int64_t ds4_cache_capacity(const ds4_cache *c) { return c ? c->cap : 0; }
+size_t ds4_cache_bytes(const ds4_cache *c) { return c ? c->bytes + sizeof *c + (size_t)c->m->cfg.num_hidden_layers * sizeof *c->layers : 0; }
+
+ds4_status ds4_cache_copy(ds4_cache *dst, const ds4_cache *src, ds4_error *err) {
+    if (!dst || !src) return ds4_fail(err, DS4_ERR_ARG, "cache copy: NULL cache");
+    if (dst == src) return DS4_OK;
+    if (dst->m != src->m) return ds4_fail(err, DS4_ERR_ARG, "cache copy: the caches belong to different models");
+    if (src->len > dst->cap)
+        return ds4_fail(err, DS4_ERR_SHAPE, "cache copy: source length %lld exceeds the destination's capacity %lld",
+                        (long long)src->len, (long long)dst->cap);
+    const ds4_config *cf = &src->m->cfg;
+    const int64_t d = cf->head_dim, len = src->len;
+    for (int64_t li = 0; li < cf->num_hidden_layers; li++) {
+        const ds4_layer_cache *s = &src->layers[li];
+        ds4_layer_cache *t = &dst->layers[li];
+        /* rings of different sizes keep token q at different slots: copy the live tokens one by one */
+        const int64_t lo = len - src->ring > 0 ? len - src->ring : 0;
+        for (int64_t q = (len - dst->ring > lo ? len - dst->ring : lo); q < len; q++)
+            memcpy(t->ring + (q % dst->ring) * d, s->ring + (q % src->ring) * d, (size_t)d * sizeof(float));
+        const ds4_comp_cache *sc[2] = {&s->comp, &s->idx};
+        ds4_comp_cache *tc[2] = {&t->comp, &t->idx};
+        for (int k = 0; k < 2; k++) {
+            if (!sc[k]->ent) continue;
+            memcpy(tc[k]->ent, sc[k]->ent, (size_t)(len / sc[k]->m * sc[k]->dd) * sizeof(float));
+            memcpy(tc[k]->C, sc[k]->C, (size_t)(2 * sc[k]->m * sc[k]->width) * sizeof(float));
+            memcpy(tc[k]->Z, sc[k]->Z, (size_t)(2 * sc[k]->m * sc[k]->width) * sizeof(float));
+        }
+    }
+    dst->len = len;
+    return DS4_OK;
+}
+
+int64_t ds4_model_csa_layers(const ds4_model *m) {
+    int64_t n = 0;
+    for (int64_t li = 0; m && li < m->cfg.num_hidden_layers; li++) n += m->cfg.layer_types[li] == DS4_ATTN_CSA;
+    return n;
+}
+
+void ds4_ring_commit(float *ring, int64_t R, int64_t d, int64_t p0, int64_t n, const float *kv) {
+    const int64_t p1 = p0 + n;
+    for (int64_t q = (p1 - R > p0 ? p1 - R : p0); q < p1; q++)
+        memcpy(ring + (q % R) * d, kv + (q - p0) * d, (size_t)d * sizeof(float));
+}
+
+void ds4_comp_commit(ds4_comp_cache *cc, int64_t p0, int64_t n, const float *C, const float *Z) {
+    const int64_t m = cc->m, w = cc->width, p1 = p0 + n;
+    const size_t row = (size_t)w * sizeof(float);
+    if (cc->overlap && p1 / m > p0 / m) {
+        /* a window completed: it becomes the last complete window. Its tokens before p0 sit in the old pending
+         * rows, which are read here before the pending rows are rewritten below. */
+        const int64_t base = (p1 / m - 1) * m;
+        for (int64_t j = 0; j < m; j++) {
+            memcpy(cc->C + j * w, ds4_comp_row(cc, cc->C, C, p0, base + j), row);
+            memcpy(cc->Z + j * w, ds4_comp_row(cc, cc->Z, Z, p0, base + j), row);
+        }
+    }
+    for (int64_t q = (p1 / m * m > p0 ? p1 / m * m : p0); q < p1; q++) {
+        memcpy(cc->C + (m + q % m) * w, C + (q - p0) * w, row);
+        memcpy(cc->Z + (m + q % m) * w, Z + (q - p0) * w, row);
+    }
+}
