@@ -58,18 +58,18 @@ ds4_status ds4_model_step(ds4_model *m, const ds4_step_args *a, ds4_error *err);
 typedef struct ds4_sampling {
     double temperature;       /* 0: greedy (argmax, ties to the lowest id) */
     int64_t top_k;            /* keep the k most probable tokens; 0: off */
-    double top_p;             /* keep the smallest most-probable set with mass >= top_p; 1: off */
+    double top_p;             /* keep the smallest most-probable set with mass >= top_p; 0 or 1: off */
     double min_p;             /* keep tokens with p >= min_p · p_max; 0: off */
 } ds4_sampling;
 
 /* Scratch for ds4_sample over a vocabulary of V tokens: ds4_sample_scratch_bytes(V) bytes, 8-byte aligned. */
 size_t ds4_sample_scratch_bytes(int64_t V);
 
-/* Draw one token from logits [V]: temperature, then top-k, then top-p, then min-p (HF's warper order), then the
+/* A zero-initialised ds4_sampling is greedy with every filter off. Draw one token from logits [V]: temperature, then top-k, then top-p, then min-p (HF's warper order), then the
  * inverse CDF at u in [0, 1). *lp_model = log softmax(logits)[id] (temperature 1, unfiltered); *lp_sample = the
  * log-probability of id under the distribution actually sampled from (0 for greedy). Returns the id, or -1 when
- * the arguments are invalid (V < 1, a NaN logit, negative temperature, top_p outside (0, 1], min_p outside
- * [0, 1]); message in err. */
+ * the arguments are invalid (a NULL pointer, V < 1, a NaN or +inf logit, every logit -inf, a negative or infinite
+ * temperature, top_k < 0, top_p outside [0, 1], min_p outside [0, 1], u outside [0, 1)); message in err. */
 int64_t ds4_sample(const float *logits, int64_t V, const ds4_sampling *p, double u, double *lp_model,
                    double *lp_sample, void *scratch, ds4_error *err);
 
