@@ -59,8 +59,9 @@ ds4_status ds4_cache_create(const ds4_model *m, int64_t max_len, ds4_cache **out
     c->bytes = layout(c, NULL);
     c->mem = malloc(c->bytes ? c->bytes : 1);
     if (!c->mem) {
+        const size_t bytes = c->bytes;
         ds4_cache_free(c);
-        return ds4_fail(err, DS4_ERR_OOM, "cache create: %zu bytes for max_len %lld", c->bytes, (long long)max_len);
+        return ds4_fail(err, DS4_ERR_OOM, "cache create: %zu bytes for max_len %lld", bytes, (long long)max_len);
     }
     layout(c, c->mem);
     *out = c;

@@ -24,6 +24,9 @@
 
 #define DS4L_TENSOR_MT "ds4.tensor"
 #define DS4L_MODEL_MT "ds4.model"
+/* Registry key under which the `ds4` host may store a lightuserdata pointing to a `volatile int` that its SIGINT
+ * handler sets; model:generate passes it to ds4_generate as the cancel flag (it reads it, never clears it). */
+#define DS4L_INTERRUPT_KEY "ds4.interrupt"
 
 /* Full userdata behind a Lua tensor: one reference to a ds4_tensor (NULL only while being built). */
 typedef struct ds4l_tensor {
@@ -60,6 +63,10 @@ void ds4l_tensor_open(lua_State *L);
  * the stack (tokenizer_lua.c). */
 void ds4l_tokenizer_open(lua_State *L);
 
+/* The ds4_tokenizer behind a ds4.tokenizer at idx, or NULL when the value is not one; *freed = 1 for a tokenizer
+ * that has been freed (tokenizer_lua.c). */
+const ds4_tokenizer *ds4l_tokenizer_test(lua_State *L, int idx, int *freed);
+
 /* The `ds4.core` module: package.preload["ds4.core"]. */
 int luaopen_ds4_core(lua_State *L);
 
@@ -72,6 +79,9 @@ void ds4l_save_open(lua_State *L);
 /* lua/train_lua.c: add zero_grad / backward / grads to the model methods and ds4.adamw to the module table at
  * the top of the stack. */
 void ds4l_train_open(lua_State *L);
+/* lua/gen_lua.c: add generate / new_cache / step to the model methods and ds4.sample, ds4.sample_uniform,
+ * ds4.is_cache to the module table at the top of the stack. */
+void ds4l_gen_open(lua_State *L);
 /* lua/train_lua.c: model:forward's pass: a training forward (activations kept for model:backward) when
  * opts.train is true, or when it is nil and labels are given to a model with gradients enabled; else
  * ds4_model_forward. model_idx: the model's stack slot; opts_idx: the options table's slot, or 0. */

@@ -48,6 +48,12 @@ static const ds4_tokenizer *check_tok(lua_State *L, const char *fname) {
     return b->t;
 }
 
+const ds4_tokenizer *ds4l_tokenizer_test(lua_State *L, int idx, int *freed) {
+    tok_box *b = luaL_testudata(L, idx, TOK_MT);
+    *freed = b && !b->t;
+    return b ? b->t : NULL;
+}
+
 /* An integral Lua number in [lo, hi] at idx, else a Lua error naming the argument. */
 static int64_t check_int(lua_State *L, int idx, const char *fname, const char *what, int64_t lo, int64_t hi) {
     if (lua_type(L, idx) != LUA_TNUMBER)

@@ -74,7 +74,8 @@ int64_t ds4_sample(const float *logits, int64_t V, const ds4_sampling *p, double
                    double *lp_sample, void *scratch, ds4_error *err);
 
 /* The uniform draw in [0, 1) used for (seed, stream, step): a counter-based generator, so a sequence's samples
- * depend only on the seed, its stream id (prompt and sample index) and the step, never on batching. */
+ * depend only on the seed, its stream id and the step, never on batching. ds4_generate draws sequence
+ * (prompt p, sample s)'s k-th token (k from 0) at stream = p << 32 | s, step = k. */
 double ds4_sample_uniform(uint64_t seed, uint64_t stream, uint64_t step);
 
 /* ------------------------------------------------------------------------------------------------ generation */
@@ -127,7 +128,8 @@ typedef struct ds4_gen_seq {
     ds4_finish finish;
     int64_t stop_index;             /* the stop id / string that matched, else -1 */
     /* routing replay: one row per token the model ran on, i.e. the prompt and every generated token but the
-     * last (n_rows = prompt_len + n_ids - 1) */
+     * last (n_rows = prompt_len + n_ids - 1 once a token was generated; a sequence cancelled earlier has the rows
+     * of the prompt tokens that ran, possibly 0) */
     int64_t n_rows;
     int32_t *experts;               /* [n_rows, L, K] when record_experts, else NULL */
     int32_t *index_picks;           /* [n_rows, n_csa, index_topk] (-1 padded) when record_index, else NULL */

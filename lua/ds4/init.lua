@@ -100,6 +100,47 @@ Saving and checkpoints (lua/save_lua.c; layout and guarantees: core/include/ds4_
   ds4.checkpoints.write_state(dir, name, tensors, meta)  .read_state(dir, name) -> tensors, meta (nil if absent)
   ds4.checkpoints.path(root, step) "root/step_NNNNNN"
 
+Generation (lua/gen_lua.c; C contract: core/include/ds4_gen.h)
+  model:generate(prompts [, opts]) prompts: array of prompts, each a Lua array of token ids or a 1-D integer
+                                   tensor [S] (or one integer tensor [B, S] of B prompts); a flat array of numbers
+                                   is an error (wrap it: {ids}). opts (unknown keys are errors):
+                                   max_new_tokens (64), temperature (1.0; 0 = greedy), top_k (0 = off), top_p
+                                   (1.0 = off), min_p (0.0 = off), n (1: samples per prompt, sharing its prefill),
+                                   seed (0), stop = {id or string, ...} (strings need opts.tokenizer, a
+                                   ds4.tokenizer that decodes the output), ignore_eos (false), record_experts
+                                   (false), record_index (false), max_batch (0 = all sequences per decode step),
+                                   prefill_chunk (0 = 2048), on_token = function(i, id, logprob) called as each
+                                   token is sampled (i = result index; returning false cancels the whole
+                                   generation; an error in it cancels, then is re-raised by generate)
+                                   -> res[(p-1)*n + s] = {ids = {generated ids, prompt excluded; a final eos /
+                                   stop token kept}, logprobs = {log p_model(id | prefix), temperature 1},
+                                   sample_logprobs = {log-prob under the distribution sampled from; 0 greedy},
+                                   finish_reason = "length"|"eos"|"stop_token"|"stop_string"|"cancelled",
+                                   stop = the matched stop id or string (else nil), prompt_index = p,
+                                   sample_index = s, prompt_len, experts = I32 [prompt_len + #ids - 1, L, K]
+                                   (record_experts), index_picks = I32 [prompt_len + #ids - 1, n_csa, index_topk]
+                                   (record_index; -1 padded)}; res.stats = {prefill_tokens, decode_tokens,
+                                   prefill_seconds, decode_seconds, prefill_tokens_per_s, decode_tokens_per_s}.
+                                   Samples depend only on (seed, prompt, sample index, step), not on batching.
+                                   Ctrl-C in the ds4 host cancels a running generation. While it runs, on_token
+                                   must not use the same model (forward, step, generate, free, training raise).
+  model:new_cache(max_len)         ds4.cache: one sequence's decoding state for up to max_len positions (keeps
+                                   its model alive); c:len(), c:capacity(), c:bytes(), c:reset(),
+                                   c:copy_from(other) (same model), c:free(), tostring(c)
+  model:step(caches, ids [, opts]) append ids[i] (non-empty id array or 1-D integer tensor) to caches[i] (distinct
+                                   caches of this model), all in one batch; model:step(c, ids) for one cache.
+                                   opts.logits = "last" (default: F32 [#caches, V], each sequence's last token)
+                                   | "all" (F32 [N, V], every new token, sequence after sequence) | "none";
+                                   opts.experts = true: I32 [N, L, K]; opts.index = true: I32 [N, n_csa, topk]
+                                   -> {logits, experts, index_picks}. Any chunking gives the full forward's rows.
+  ds4.sample(logits, params, u)    one draw (ds4_sample): logits = tensor of V values or array of numbers,
+                                   params = {temperature = 1, top_k = 0, top_p = 1, min_p = 0} (nil: those),
+                                   u in [0, 1) (may be omitted when temperature = 0) -> id (0-based),
+                                   lp_model (log-softmax at temperature 1), lp_sample (under the filtered
+                                   distribution; 0 greedy)
+  ds4.sample_uniform(seed, stream, step)  the counter-based uniform draw in [0, 1) generation uses
+  ds4.is_cache(x)
+
 Engine
   ds4.set_threads(n)               CPU threads (0 = all cores); before loading models (or after freeing them)
   ds4.threads()                    the engine's thread count (creates the engine)
