@@ -151,6 +151,23 @@ Chat templates (lua/ds4/chat/: loaded on first use of ds4.chat; same as require(
   tmpl:check_prefix(tok, before, after, opts [, opts_after])  true, or false + why (append-only check)
   ds4.chat.register(name, {segments = fn} or {render = fn})   ds4.chat.list()   ds4.chat.builder(tok)
 
+Rewards (lua/ds4/reward/, pure Lua: ds4.reward = require("ds4.reward"), loaded on first use; API in its init.lua)
+  reward.math_reward(resp, sample) {score = 1/0, info = {extracted, reference, reason}} vs sample.answer;
+                                   extract_boxed / extract_last_number / extract_answer / normalize / math_equal
+                                   (what counts as equal: the TABLE atop lua/ds4/reward/math.lua)
+  reward.exact_match  reward.format_reward  reward.length_penalty (DAPO soft overlong)  reward.combine
+  reward.evaluate(fn, resp, sample) -> score, info, err   never raises: errors / NaN / bad results -> err
+  reward.evaluate_batch(fn, responses, samples) -> scores (nil where failed), infos, errors {{index, message}}
+
+RL algorithms (lua/ds4/rl/, pure Lua: ds4.rl = require("ds4.rl"); formulas and citations atop each file)
+  rl.advantage   group_mean / leave_one_out / dr_grpo / reinforce_pp / gae / compute(samples, spec)
+  rl.loss        compute(samples, spec, {denom, num_seqs}) -> {loss, grads (dLoss/dlogp per token), metrics}:
+                 ppo_clip (eps_low / eps_high, dual clip), gspo, cispo; aggregation named explicitly; KL k1/k2/k3
+                 in the loss or in the reward; entropy bonus
+  rl.correction  rollout/train mismatch: truncated / masked IS, token or sequence level; mismatch metrics
+  rl.filter      DAPO dynamic sampling (keep_groups, fill_batch), overlong filtering, soft overlong punishment
+  rl.algorithms  presets (data): grpo, dapo, dr_grpo, gspo, cispo, reinforce_pp, rloo; rl.preset(name, overrides)
+
 Misc
   ds4.version  ds4.build_info  ds4.luajit_version
   ds4.script_dir()                 directory of the running script (arg[0]), "." if unknown
@@ -228,6 +245,13 @@ function M.script_dir()
     return script:match("^(.*)/[^/]*$") or "."
 end
 
-setmetatable(M, { __index = function(t, k) if k == "chat" then t.chat = require("ds4.chat") return t.chat end end })
+-- pure-Lua parts load on first use: ds4.chat, ds4.reward, ds4.rl
+local LAZY = { chat = "ds4.chat", reward = "ds4.reward", rl = "ds4.rl" }
+setmetatable(M, { __index = function(t, k)
+    if LAZY[k] then
+        t[k] = require(LAZY[k])
+        return t[k]
+    end
+end })
 
 return M
