@@ -1,0 +1,122 @@
+--[[ examples/arith_task.lua — the verifiable task shared by examples/dapo.lua, grpo.lua and gspo.lua.
+
+Problems "a+b=" with a, b in [0, 100): the answer goes in \boxed{...}. A dataset is JSONL with one
+{"prompt": "...", "answer": "..."} per line (the same format a user's own dataset uses). Prompts are encoded
+as raw text (no chat template) with the given tokenizer; the SFT warm-up teaches the "\boxed{answer}<eos>"
+format to partial accuracy; correctness is ds4.reward.math_reward (boxed extraction + exact-rational equality).
+
+  local task = dofile(ds4.script_dir() .. "/arith_task.lua")
+]]
+
+local ds4 = require("ds4")
+local json = require("ds4.chat.json")
+
+local T = {}
+
+-- A small LCG: the data depend only on the seed.
+function T.rng(seed)
+    local s = seed % 2147483648
+    return function(n)
+        s = (s * 1103515245 + 12345) % 2147483648
+        return s % n
+    end
+end
+
+function T.problem(r)
+    local a, b = r(100), r(100)
+    return { prompt = ("%d+%d="):format(a, b), answer = tostring(a + b) }
+end
+
+function T.write_jsonl(path, n, r)
+    local f = assert(io.open(path, "w"))
+    for _ = 1, n do f:write(json.encode(T.problem(r)), "\n") end
+    f:close()
+end
+
+-- Samples {prompt = ids, text = prompt string, answer = string} from a JSONL file of {prompt, answer}.
+function T.read_jsonl(path, tok)
+    local out, ln = {}, 0
+    for line in io.lines(path) do
+        ln = ln + 1
+        if line:match("%S") then
+            local ok, row = pcall(json.decode, line)
+            if not ok or type(row) ~= "table" or type(row.prompt) ~= "string" or row.answer == nil then
+                error(("%s:%d: expected {\"prompt\": string, \"answer\": ...}"):format(path, ln), 2)
+            end
+            out[#out + 1] = { prompt = T.encode(tok, row.prompt), text = row.prompt, answer = tostring(row.answer) }
+        end
+    end
+    if #out == 0 then error(path .. ": no samples", 2) end
+    return out
+end
+
+function T.encode(tok, s)
+    local t = tok:encode(s)
+    local o = {}
+    for i = 1, #t do o[i] = t[i] end
+    return o
+end
+
+-- The small DeepSeek-V4-architecture model of the example: every layer type (sliding, CSA with its indexer,
+-- HCA), hash-routed and learned MoE, mHC with 2 streams; ~0.6 M parameters.
+function T.model_config(tok)
+    return {
+        vocab_size = tok:vocab_size(), hidden_size = 64, num_hidden_layers = 4,
+        num_attention_heads = 4, head_dim = 32, qk_rope_head_dim = 16, q_lora_rank = 32,
+        o_groups = 2, o_lora_rank = 32, sliding_window = 16,
+        layer_types = { "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
+                        "compressed_sparse_attention" },
+        compress_rates = { compressed_sparse_attention = 4, heavily_compressed_attention = 8 },
+        mlp_layer_types = { "hash_moe", "moe", "moe", "moe" },
+        index_n_heads = 4, index_head_dim = 32, index_topk = 4,
+        n_routed_experts = 8, num_experts_per_tok = 2, moe_intermediate_size = 64,
+        hc_mult = 2, num_nextn_predict_layers = 0, initializer_range = 0.05,
+        bos_token_id = tok:special("bos"), eos_token_id = tok:special("eos"),
+    }
+end
+
+-- Reward: 1 for a correct boxed (or last-number) answer, 0 otherwise.
+function T.reward(text, sample)
+    return ds4.reward.math_reward(text, sample)
+end
+
+function T.correct(text, sample)
+    local r = ds4.reward.math_reward(text, sample)
+    return r.score > 0
+end
+
+-- Supervised warm-up on "\boxed{answer}<eos>" (loss on the response only), `steps` AdamW updates of `batch`
+-- samples drawn in order from `samples`.
+function T.sft(model, tok, samples, o)
+    local eos = model:config().eos_token_id
+    local opt = ds4.adamw(model, { lr = o.lr, betas = { 0.9, 0.95 }, weight_decay = 0.0, clip = 1.0,
+        schedule = "constant", warmup = math.max(1, math.floor(o.steps / 15)), total = o.steps })
+    local k, loss = 0, nil
+    for step = 1, o.steps do
+        local ids, labels, S = {}, {}, 0
+        for i = 1, o.batch do
+            k = k % #samples + 1
+            local s = samples[k]
+            local resp = T.encode(tok, "\\boxed{" .. s.answer .. "}")
+            resp[#resp + 1] = eos
+            local x, l = {}, {}
+            for _, v in ipairs(s.prompt) do x[#x + 1] = v; l[#l + 1] = -100 end
+            for _, v in ipairs(resp) do x[#x + 1] = v; l[#l + 1] = v end
+            ids[i], labels[i] = x, l
+            if #x > S then S = #x end
+        end
+        for i = 1, o.batch do
+            for t = #ids[i] + 1, S do ids[i][t], labels[i][t] = eos, -100 end
+        end
+        model:zero_grad()
+        loss = model:forward(ids, { labels = labels }).loss
+        model:backward()
+        opt:step()
+        if o.progress and (step % 25 == 0 or step == o.steps) then
+            print(("sft step %d/%d loss %.4f"):format(step, o.steps, loss))
+        end
+    end
+    return loss
+end
+
+return T
