@@ -1,20 +1,26 @@
-/* main.c — the `ds4` program: runs Lua scripts against libds4.
+/* main.c — the `ds4` program: runs Lua scripts against libds4, and the interactive REPL.
  *
  *   ds4 run FILE.lua [args...]   run a script (FILE "-" = stdin)
+ *   ds4 repl [--model DIR] [--tokenizer FILE] [--threads N]   interactive Lua prompt (lua/repl.c, lua/ds4/repl.lua)
  *   ds4 version                  versions of ds4 and of the libraries it was built with
  *   ds4 help                     usage
  *
  * The host owns one lua_State (luaL_newstate: LuaJIT's own allocator, required on 64-bit; luaL_openlibs:
  * that includes the jit library, without which the JIT stays off). Everything that touches the state runs
  * inside lua_cpcall, so an out-of-memory error during setup is reported instead of reaching the panic
- * function. Exit status: 0 success, 1 script error, 2 usage error; os.exit(n) in a script exits with n. */
-#define _XOPEN_SOURCE 700 /* realpath (XSI), stat */
+ * function. Exit status: 0 success, 1 script error, 2 usage error; os.exit(n) in a script exits with n.
+ *
+ * File-scope mutable state: exactly two variables, both for Ctrl-C (see "Ctrl-C" below and lua/repl.h): the
+ * interrupt flag ds4l_interrupt and the state the SIGINT handler interrupts, ds4l_signal_state. */
+#define _XOPEN_SOURCE 700 /* realpath (XSI), stat, sigaction */
+#include <errno.h>
 #include <limits.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <lauxlib.h>
 #include <lua.h>
@@ -24,6 +30,7 @@
 #include <zmq.h>
 
 #include "ds4lua.h"
+#include "repl.h"
 
 #ifndef DS4_SOURCE_LUA_DIR
 #error "DS4_SOURCE_LUA_DIR must be defined by the build (the lua/ directory of the source tree)"
@@ -42,10 +49,18 @@ static void usage(FILE *f) {
             "commands:\n"
             "  run FILE [ARGS...]  run the Lua script FILE (\"-\" reads it from stdin); the script gets\n"
             "                      arg[0] = FILE, arg[1..n] = ARGS, and ARGS as `...`\n"
+            "  repl [OPTIONS]      interactive Lua prompt with `ds4`, `model`, `tok` and helpers (help() lists\n"
+            "                      them); with stdin not a terminal, runs stdin line by line as the prompt would\n"
+            "      --model DIR         load this checkpoint (default: a small random demo model: its outputs\n"
+            "                          are noise)\n"
+            "      --tokenizer FILE    a tokenizer.json (default: DIR/tokenizer.json when present, else the\n"
+            "                          built-in byte-level tokenizer)\n"
+            "      --threads N         CPU threads (0 = all cores)\n"
             "  version             print the versions of ds4, LuaJIT, ZeroMQ and msgpack-c\n"
             "  help                print this help\n"
             "\n"
-            "Scripts load the engine with `local ds4 = require(\"ds4\")`.\n"
+            "Scripts load the engine with `local ds4 = require(\"ds4\")`. Ctrl-C stops running Lua code with\n"
+            "\"interrupted!\" and a generation with finish_reason \"cancelled\".\n"
             "\n"
             "environment:\n"
             "  DS4_LUA_PATH        ':'-separated directories searched for Lua modules before ds4's own\n");
@@ -66,19 +81,54 @@ static int print_version(void) {
 
 /* As in lua.c / luajit.c: SIGINT sets a hook, and the hook raises "interrupted!" at the next Lua
  * instruction, so a runaway Lua loop stops with a traceback. A long C call (a forward pass) finishes first,
- * and a loop already compiled by the JIT does not look at hooks: there the second Ctrl-C (default action)
- * ends the process. The handler needs the state: the only file-scope mutable variable of the program. */
-static lua_State *g_signal_state;
+ * and a loop already compiled by the JIT does not look at hooks. The handler also sets the interrupt flag,
+ * which a running generation polls (it ends with finish_reason "cancelled").
+ *
+ * The program's only file-scope mutable state: these two variables (declared in repl.h, which says who clears
+ * the flag and when the state is NULL). Both are written by the signal handler or read by it, hence volatile. */
+volatile sig_atomic_t ds4l_interrupt;
+lua_State *volatile ds4l_signal_state;
+
+/* The registry's lightuserdata points at the flag as a `volatile int` (ds4_gen_args.cancel). */
+_Static_assert(_Generic((sig_atomic_t)0, int: 1, default: 0), "sig_atomic_t must be int");
 
 static void lstop(lua_State *L, lua_Debug *ar) {
     (void)ar;
     lua_sethook(L, NULL, 0, 0);
+    if (ds4l_interrupt > 1) ds4l_interrupt = 1; /* this Ctrl-C took effect: the count of futile ones restarts */
     luaL_error(L, "interrupted!");
 }
 
-static void laction(int sig) {
-    signal(sig, SIG_DFL); /* a second Ctrl-C kills the process */
-    lua_sethook(g_signal_state, lstop, LUA_MASKCALL | LUA_MASKRET | LUA_MASKCOUNT, 1);
+/* `ds4 run` installs this with SA_RESETHAND: a second Ctrl-C kills the process, as before. The REPL keeps it
+ * installed; there a third Ctrl-C in a row that the running code has not noticed (a loop compiled by the JIT
+ * never sees the hook) ends the process. */
+static void on_sigint(int sig) {
+    if (ds4l_interrupt < 1000) ds4l_interrupt = ds4l_interrupt + 1;
+    lua_State *L = ds4l_signal_state;
+    if (L) lua_sethook(L, lstop, LUA_MASKCALL | LUA_MASKRET | LUA_MASKCOUNT, 1);
+    if (ds4l_interrupt >= 3) {
+        static const char msg[] = "\nds4: Ctrl-C three times without effect: exiting\n";
+        ssize_t w = write(STDERR_FILENO, msg, sizeof msg - 1);
+        (void)w;
+        signal(sig, SIG_DFL);
+        raise(sig); /* delivered when this handler returns */
+    }
+}
+
+/* keep = 0: one Ctrl-C, then the default action (ds4 run); keep = 1: stays installed (the REPL). SA_RESTART:
+ * reads and writes of Lua code are not cut short by EINTR (the REPL's prompt waits with pselect, which is). */
+static void install_sigint(int keep) {
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = on_sigint;
+    sigemptyset(&sa.sa_mask);
+    sa.sa_flags = SA_RESTART | (keep ? 0 : SA_RESETHAND);
+    sigaction(SIGINT, &sa, NULL);
+}
+
+static void uninstall_sigint(void) {
+    signal(SIGINT, SIG_DFL);
+    ds4l_signal_state = NULL;
 }
 
 /* ------------------------------------------------------------------------------------------------ paths */
@@ -174,13 +224,14 @@ static void report(lua_State *L) {
 typedef struct run_ctx {
     int argc;
     char **argv;
-    int script; /* argv index of the script */
-    int status; /* exit status */
+    int script;                 /* argv index of the script (ds4 run) */
+    const ds4l_repl_opts *repl; /* ds4 repl: its options; NULL for ds4 run */
+    int status;                 /* exit status */
 } run_ctx;
 
-static int pmain(lua_State *L) {
-    run_ctx *ctx = lua_touserdata(L, 1);
-    lua_settop(L, 0);
+/* What both commands start from: the standard libraries, the package path, ds4.core preloaded, and the interrupt
+ * flag in the registry (model:generate polls it). */
+static void setup_state(lua_State *L) {
     lua_gc(L, LUA_GCSTOP, 0); /* as luajit.c: no collections while the libraries are opened */
     luaL_openlibs(L);
     lua_gc(L, LUA_GCRESTART, 0);
@@ -191,6 +242,22 @@ static int pmain(lua_State *L) {
     lua_pushcfunction(L, luaopen_ds4_core);
     lua_setfield(L, -2, "ds4.core");
     lua_pop(L, 2);
+
+    lua_pushlightuserdata(L, (void *)&ds4l_interrupt);
+    lua_setfield(L, LUA_REGISTRYINDEX, DS4L_INTERRUPT_KEY);
+}
+
+static int pmain(lua_State *L) {
+    run_ctx *ctx = lua_touserdata(L, 1);
+    lua_settop(L, 0);
+    setup_state(L);
+
+    if (ctx->repl) {
+        install_sigint(1); /* stays installed: every Ctrl-C is seen (repl.c says what it does) */
+        ctx->status = ds4l_repl(L, ctx->repl);
+        uninstall_sigint();
+        return 0;
+    }
 
     /* arg as the luajit interpreter builds it: arg[0] = the script, positive indices its arguments, negative
      * ones everything before the script (arg[-1] = "run", arg[-2] = the ds4 program). */
@@ -213,10 +280,10 @@ static int pmain(lua_State *L) {
     int base = lua_gettop(L) - nargs; /* the chunk's slot */
     lua_pushcfunction(L, traceback);
     lua_insert(L, base);
-    g_signal_state = L;
-    signal(SIGINT, laction);
+    ds4l_signal_state = L;
+    install_sigint(0);
     int rc = lua_pcall(L, nargs, 0, base);
-    signal(SIGINT, SIG_DFL);
+    uninstall_sigint();
     lua_remove(L, base);
     if (rc != 0) {
         report(L);
@@ -225,20 +292,73 @@ static int pmain(lua_State *L) {
     return 0;
 }
 
-static int run_script(int argc, char **argv, int script) {
+static int run_state(run_ctx *ctx) {
     lua_State *L = luaL_newstate();
     if (!L) {
         fprintf(stderr, "ds4: cannot create the Lua state (out of memory)\n");
         return 1;
     }
-    run_ctx ctx = {.argc = argc, .argv = argv, .script = script, .status = 0};
-    if (lua_cpcall(L, pmain, &ctx) != 0) {
+    if (lua_cpcall(L, pmain, ctx) != 0) {
         report(L);
-        ctx.status = 1;
+        ctx->status = 1;
     }
-    lua_close(L); /* runs every __gc: models, engine, tensors */
+    uninstall_sigint(); /* when an error skipped it */
+    lua_close(L);       /* runs every __gc: models, engine, tensors */
     fflush(stdout);
-    return ctx.status;
+    return ctx->status;
+}
+
+/* ds4 repl's options: --model DIR, --tokenizer FILE, --threads N (also --opt=VALUE). Returns -1 when they are
+ * fine, else the exit status (0 for --help, 2 for a usage error). */
+static int parse_repl_args(int argc, char **argv, ds4l_repl_opts *o) {
+    o->model = NULL;
+    o->tokenizer = NULL;
+    o->threads = -1;
+    for (int i = 2; i < argc; i++) {
+        const char *a = argv[i];
+        if (strcmp(a, "-h") == 0 || strcmp(a, "--help") == 0) {
+            usage(stdout);
+            return 0;
+        }
+        static const char *const names[] = {"--model", "--tokenizer", "--threads"};
+        int which = -1;
+        const char *val = NULL;
+        for (int k = 0; k < 3; k++) {
+            size_t n = strlen(names[k]);
+            if (strncmp(a, names[k], n) == 0 && (a[n] == 0 || a[n] == '=')) {
+                which = k;
+                if (a[n] == '=') val = a + n + 1;
+                else if (i + 1 < argc) val = argv[++i];
+                break;
+            }
+        }
+        if (which < 0) {
+            fprintf(stderr, "ds4 repl: unknown option '%s'\n\n", a);
+            usage(stderr);
+            return 2;
+        }
+        if (!val || !*val) {
+            fprintf(stderr, "ds4 repl: %s needs a value\n\n", names[which]);
+            usage(stderr);
+            return 2;
+        }
+        if (which == 0) {
+            o->model = val;
+        } else if (which == 1) {
+            o->tokenizer = val;
+        } else {
+            char *end = NULL;
+            errno = 0;
+            long n = strtol(val, &end, 10);
+            if (errno || end == val || *end || n < 0 || n > 4096) {
+                fprintf(stderr, "ds4 repl: --threads needs an integer in [0, 4096] (0 = all cores), got '%s'\n",
+                        val);
+                return 2;
+            }
+            o->threads = (int)n;
+        }
+    }
+    return -1;
 }
 
 int main(int argc, char **argv) {
@@ -254,7 +374,15 @@ int main(int argc, char **argv) {
             usage(stderr);
             return 2;
         }
-        return run_script(argc, argv, 2);
+        run_ctx ctx = {.argc = argc, .argv = argv, .script = 2, .repl = NULL, .status = 0};
+        return run_state(&ctx);
+    }
+    if (strcmp(cmd, "repl") == 0) {
+        ds4l_repl_opts o;
+        int rc = parse_repl_args(argc, argv, &o);
+        if (rc >= 0) return rc;
+        run_ctx ctx = {.argc = argc, .argv = argv, .script = 0, .repl = &o, .status = 0};
+        return run_state(&ctx);
     }
     fprintf(stderr, "ds4: unknown command '%s'\n\n", cmd);
     usage(stderr);

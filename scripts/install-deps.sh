@@ -10,6 +10,7 @@
 #   libmsgpack-dev libzmq3-dev        the rollout wire (msgpack codec, ZeroMQ transport)
 #   libpcre2-dev libutf8proc-dev      the tokenizer: PCRE2 runs the pre-tokenizer regexes (\p{L}, \p{N}, ...),
 #                                     utf8proc gives NFC and Unicode categories
+#   libedit-dev                       `ds4 repl`: line editing and history (BSD-licensed, readline-compatible API)
 #   clang libclang-rt-14-dev          libFuzzer targets and the sanitizer runtimes (ASan, UBSan, LSan)
 #   llvm-14                           llvm-symbolizer, so sanitizer and fuzzer reports show file:line
 # The CUDA toolkit is optional and is not installed here: the build switches the CUDA backend on when nvcc is
@@ -27,6 +28,7 @@ PACKAGES=(
     libzmq3-dev
     libpcre2-dev
     libutf8proc-dev
+    libedit-dev
     clang
     libclang-rt-14-dev
     llvm-14
