@@ -13,12 +13,13 @@ local json = require("ds4.chat.json")
 
 local T = {}
 
--- A small LCG: the data depend only on the seed.
+-- A small LCG: the data depend only on the seed. The draw uses the high bits (s / 2^31 · n): an LCG's low bits
+-- have short periods (bit k repeats every 2^(k+1) draws), so `s % n` would cycle through few values.
 function T.rng(seed)
     local s = seed % 2147483648
     return function(n)
         s = (s * 1103515245 + 12345) % 2147483648
-        return s % n
+        return math.floor(s / 2147483648 * n)
     end
 end
 
@@ -27,10 +28,21 @@ function T.problem(r)
     return { prompt = ("%d+%d="):format(a, b), answer = tostring(a + b) }
 end
 
-function T.write_jsonl(path, n, r)
+-- n problems drawn with r, none of whose prompts is in `exclude` (a set of prompt strings), as JSONL; returns
+-- the set of prompts written.
+function T.write_jsonl(path, n, r, exclude)
     local f = assert(io.open(path, "w"))
-    for _ = 1, n do f:write(json.encode(T.problem(r)), "\n") end
+    local seen, k = {}, 0
+    while k < n do
+        local p = T.problem(r)
+        if not (exclude and exclude[p.prompt]) then
+            f:write(json.encode(p), "\n")
+            seen[p.prompt] = true
+            k = k + 1
+        end
+    end
     f:close()
+    return seen
 end
 
 -- Samples {prompt = ids, text = prompt string, answer = string} from a JSONL file of {prompt, answer}.

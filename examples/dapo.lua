@@ -6,7 +6,7 @@
                             [--quiet]
 
   1. data: without --data, writes multi-digit addition problems ("a+b=", answer in \boxed{}) as JSONL to
-     DIR/train.jsonl and DIR/eval.jsonl and reads them back — the format a user's own dataset uses
+     DIR/eval.jsonl and DIR/train.jsonl (no training problem repeats a held-out one) and reads them back — the format a user's own dataset uses
      ({"prompt": ..., "answer": ...} per line);
   2. model: without --model, builds a small DeepSeek-V4-architecture model from a Lua config
      (examples/arith_task.lua) and the built-in byte-level tokenizer; with --model DIR, loads an HF checkpoint
@@ -77,10 +77,10 @@ if opts["sft-steps"] < 0 then opts["sft-steps"] = opts.model ~= "" and 0 or 150 
 -- ------------------------------------------------------------------------------------------------ data
 local train_path, eval_path = opts.data, opts["eval-data"]
 if train_path == "" then
-    local r = task.rng(opts.seed)
+    -- held-out problems first; no training problem repeats one of them
     train_path, eval_path = opts.out .. "/train.jsonl", opts.out .. "/eval.jsonl"
-    task.write_jsonl(train_path, 20000, r)
-    task.write_jsonl(eval_path, opts.eval, task.rng(opts.seed + 7919))
+    local held = task.write_jsonl(eval_path, opts.eval, task.rng(opts.seed + 7919))
+    task.write_jsonl(train_path, 20000, task.rng(opts.seed), held)
 end
 local train = task.read_jsonl(train_path, tok)
 local heldout
