@@ -1,6 +1,6 @@
 --[[ examples/arith_task.lua — the verifiable task shared by examples/dapo.lua, grpo.lua and gspo.lua.
 
-Problems "a+b=" with a, b in [0, 100): the answer goes in \boxed{...}. A dataset is JSONL with one
+Problems "a+b=" (a up to three digits, b one digit): the answer goes in \boxed{...}. A dataset is JSONL with one
 {"prompt": "...", "answer": "..."} per line (the same format a user's own dataset uses). Prompts are encoded
 as raw text (no chat template) with the given tokenizer; the SFT warm-up teaches the "\boxed{answer}<eos>"
 format to partial accuracy; correctness is ds4.reward.math_reward (boxed extraction + exact-rational equality).
@@ -13,18 +13,25 @@ local json = require("ds4.chat.json")
 
 local T = {}
 
--- A small LCG: the data depend only on the seed. The draw uses the high bits (s / 2^31 · n): an LCG's low bits
--- have short periods (bit k repeats every 2^(k+1) draws), so `s % n` would cycle through few values.
+-- The "minimal standard" generator (Park & Miller: s <- 16807 s mod 2^31 - 1): the data depend only on the seed.
+-- Lua numbers are doubles, so the product must stay below 2^53 to be exact (16807 · 2^31 < 2^46); the classic
+-- 1103515245 multiplier would round and fall into short cycles. The draw uses the high part (s / m · n), not
+-- s % n.
 function T.rng(seed)
-    local s = seed % 2147483648
+    local m = 2147483647
+    local s = seed % m
+    if s == 0 then s = 1 end
     return function(n)
-        s = (s * 1103515245 + 12345) % 2147483648
-        return math.floor(s / 2147483648 * n)
+        s = s * 16807 % m
+        return math.floor(s / m * n)
     end
 end
 
+-- a in [0, 1000), b in [0, 10): 10,000 problems, so the RL steps rarely repeat one and held-out accuracy measures
+-- generalisation, not recall. The units digit and its carry chain are what a model of this size learns within a
+-- couple of hundred SFT steps; two two-digit operands need far more (measured: 6% after 300 steps).
 function T.problem(r)
-    local a, b = r(100), r(100)
+    local a, b = r(1000), r(10)
     return { prompt = ("%d+%d="):format(a, b), answer = tostring(a + b) }
 end
 

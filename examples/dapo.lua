@@ -5,7 +5,7 @@
                             [--n N] [--max-new-tokens N] [--minibatches N] [--algorithm dapo|grpo|gspo|...]
                             [--quiet]
 
-  1. data: without --data, writes multi-digit addition problems ("a+b=", answer in \boxed{}) as JSONL to
+  1. data: without --data, writes addition problems ("a+b=", a up to three digits, b one digit, answer in \boxed{}) as JSONL to
      DIR/eval.jsonl and DIR/train.jsonl (no training problem repeats a held-out one) and reads them back — the format a user's own dataset uses
      ({"prompt": ..., "answer": ...} per line);
   2. model: without --model, builds a small DeepSeek-V4-architecture model from a Lua config

@@ -12,9 +12,8 @@
 # Extra arguments are passed to the job script.
 set -euo pipefail
 
-# The main job. It grows with the project: today it loads the tiny_a fixture and prints its loss; it becomes
-# examples/dapo.lua once training exists.
-JOB="${JOB:-examples/hello.lua}"
+# The main job: DAPO on a verifiable task, end to end on the CPU (README "RL").
+JOB="${JOB:-examples/dapo.lua}"
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
