@@ -621,6 +621,40 @@ static const luaL_Reg module_functions[] = {
     {NULL, NULL},
 };
 
+int ds4l_class(lua_State *L, const char *mt, const luaL_Reg *methods, lua_CFunction gc, lua_CFunction tostring) {
+    if (!luaL_newmetatable(L, mt)) return 0;
+    lua_newtable(L);
+    for (const luaL_Reg *r = methods; r && r->name; r++) {
+        lua_pushcfunction(L, r->func);
+        lua_setfield(L, -2, r->name);
+    }
+    lua_setfield(L, -2, "__index");
+    if (gc) {
+        lua_pushcfunction(L, gc);
+        lua_setfield(L, -2, "__gc");
+    }
+    if (tostring) {
+        lua_pushcfunction(L, tostring);
+        lua_setfield(L, -2, "__tostring");
+    }
+    lua_pushstring(L, mt);
+    lua_setfield(L, -2, "__name");
+    return 1;
+}
+
+void ds4l_weak_registry_table(lua_State *L, const char *key, const char *mode) {
+    lua_getfield(L, LUA_REGISTRYINDEX, key);
+    if (!lua_istable(L, -1)) {
+        lua_newtable(L);
+        lua_createtable(L, 0, 1);
+        lua_pushstring(L, mode);
+        lua_setfield(L, -2, "__mode");
+        lua_setmetatable(L, -2);
+        lua_setfield(L, LUA_REGISTRYINDEX, key);
+    }
+    lua_pop(L, 1);
+}
+
 int luaopen_ds4_core(lua_State *L) {
     lua_newtable(L);
     int mod = lua_gettop(L);
@@ -640,25 +674,9 @@ int luaopen_ds4_core(lua_State *L) {
         lua_setfield(L, LUA_REGISTRYINDEX, ENGINE_KEY);
     }
 
-    if (luaL_newmetatable(L, DS4L_MODEL_MT)) {
-        lua_newtable(L);
-        for (const luaL_Reg *r = model_methods; r->name; r++) {
-            lua_pushcfunction(L, r->func);
-            lua_setfield(L, -2, r->name);
-        }
-        lua_pushvalue(L, -1);
-        lua_setfield(L, mod, "model_methods"); /* so ds4.lua can add pure-Lua methods */
-        lua_setfield(L, -2, "__index");
-        lua_pushcfunction(L, model_gc);
-        lua_setfield(L, -2, "__gc");
-        lua_pushcfunction(L, m_tostring);
-        lua_setfield(L, -2, "__tostring");
-        lua_pushliteral(L, DS4L_MODEL_MT);
-        lua_setfield(L, -2, "__name");
-    } else {
-        lua_getfield(L, -1, "__index");
-        lua_setfield(L, mod, "model_methods");
-    }
+    ds4l_class(L, DS4L_MODEL_MT, model_methods, model_gc, m_tostring);
+    lua_getfield(L, -1, "__index");
+    lua_setfield(L, mod, "model_methods"); /* so ds4.lua can add pure-Lua methods */
     lua_pop(L, 1);
 
     for (const luaL_Reg *r = module_functions; r->name; r++) {

@@ -63,6 +63,12 @@ void ds4l_tensor_open(lua_State *L);
  * the stack (tokenizer_lua.c). */
 void ds4l_tokenizer_open(lua_State *L);
 
+/* Push the metatable `mt`, creating it first when it does not exist yet: __index = a table of `methods`, __gc,
+ * __tostring (either may be NULL) and __name. Returns 1 when it was created. */
+int ds4l_class(lua_State *L, const char *mt, const luaL_Reg *methods, lua_CFunction gc, lua_CFunction tostring);
+/* Make sure the registry holds a table under `key` with weak `mode` ("k", "v", "kv"); nothing is pushed. */
+void ds4l_weak_registry_table(lua_State *L, const char *key, const char *mode);
+
 /* The ds4_tokenizer behind a ds4.tokenizer at idx, or NULL when the value is not one; *freed = 1 for a tokenizer
  * that has been freed (tokenizer_lua.c). */
 const ds4_tokenizer *ds4l_tokenizer_test(lua_State *L, int idx, int *freed);

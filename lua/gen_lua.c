@@ -975,31 +975,8 @@ void ds4l_gen_open(lua_State *L) {
     }
     lua_pop(L, 1);
 
-    lua_getfield(L, LUA_REGISTRYINDEX, BUSY_KEY);
-    if (!lua_istable(L, -1)) {
-        lua_newtable(L);
-        lua_createtable(L, 0, 1);
-        lua_pushliteral(L, "kv");
-        lua_setfield(L, -2, "__mode");
-        lua_setmetatable(L, -2);
-        lua_setfield(L, LUA_REGISTRYINDEX, BUSY_KEY);
-    }
-    lua_pop(L, 1);
-
-    if (luaL_newmetatable(L, CACHE_MT)) {
-        lua_newtable(L);
-        for (const luaL_Reg *r = cache_methods; r->name; r++) {
-            lua_pushcfunction(L, r->func);
-            lua_setfield(L, -2, r->name);
-        }
-        lua_setfield(L, -2, "__index");
-        lua_pushcfunction(L, cache_gc);
-        lua_setfield(L, -2, "__gc");
-        lua_pushcfunction(L, c_tostring);
-        lua_setfield(L, -2, "__tostring");
-        lua_pushliteral(L, CACHE_MT);
-        lua_setfield(L, -2, "__name");
-    }
+    ds4l_weak_registry_table(L, BUSY_KEY, "kv");
+    ds4l_class(L, CACHE_MT, cache_methods, cache_gc, c_tostring);
     lua_pop(L, 1);
     if (luaL_newmetatable(L, GENRES_MT)) {
         lua_pushcfunction(L, genres_gc);

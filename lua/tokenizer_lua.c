@@ -252,26 +252,9 @@ static const luaL_Reg tok_methods[] = {
 
 void ds4l_tokenizer_open(lua_State *L) {
     int mod = lua_gettop(L);
-    if (luaL_newmetatable(L, TOK_MT)) {
-        int mt = lua_gettop(L);
-        lua_newtable(L);
-        for (const luaL_Reg *r = tok_methods; r->name; r++) {
-            lua_pushcfunction(L, r->func);
-            lua_setfield(L, -2, r->name);
-        }
-        lua_pushvalue(L, -1);
-        lua_setfield(L, mod, "tokenizer_methods"); /* so ds4.lua can add pure-Lua methods */
-        lua_setfield(L, mt, "__index");
-        lua_pushcfunction(L, tok_gc);
-        lua_setfield(L, mt, "__gc");
-        lua_pushcfunction(L, m_tostring);
-        lua_setfield(L, mt, "__tostring");
-        lua_pushliteral(L, TOK_MT);
-        lua_setfield(L, mt, "__name");
-    } else {
-        lua_getfield(L, -1, "__index");
-        lua_setfield(L, mod, "tokenizer_methods");
-    }
+    ds4l_class(L, TOK_MT, tok_methods, tok_gc, m_tostring);
+    lua_getfield(L, -1, "__index");
+    lua_setfield(L, mod, "tokenizer_methods"); /* so ds4.lua can add pure-Lua methods */
     lua_pop(L, 1);
     luaL_newmetatable(L, IDS_MT);
     lua_pushcfunction(L, ids_gc);

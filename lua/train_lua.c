@@ -511,31 +511,8 @@ void ds4l_train_open(lua_State *L) {
     }
     lua_pop(L, 1);
 
-    push_pending(L);
-    if (!lua_istable(L, -1)) {
-        lua_newtable(L);
-        lua_createtable(L, 0, 1);
-        lua_pushliteral(L, "k");
-        lua_setfield(L, -2, "__mode");
-        lua_setmetatable(L, -2);
-        lua_setfield(L, LUA_REGISTRYINDEX, PENDING_KEY);
-    }
-    lua_pop(L, 1);
-
-    if (luaL_newmetatable(L, ADAMW_MT)) {
-        lua_newtable(L);
-        for (const luaL_Reg *r = adamw_methods; r->name; r++) {
-            lua_pushcfunction(L, r->func);
-            lua_setfield(L, -2, r->name);
-        }
-        lua_setfield(L, -2, "__index");
-        lua_pushcfunction(L, adamw_gc);
-        lua_setfield(L, -2, "__gc");
-        lua_pushcfunction(L, o_tostring);
-        lua_setfield(L, -2, "__tostring");
-        lua_pushliteral(L, ADAMW_MT);
-        lua_setfield(L, -2, "__name");
-    }
+    ds4l_weak_registry_table(L, PENDING_KEY, "k");
+    ds4l_class(L, ADAMW_MT, adamw_methods, adamw_gc, o_tostring);
     lua_pop(L, 1);
 
     lua_pushcfunction(L, l_adamw);

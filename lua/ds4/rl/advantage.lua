@@ -72,15 +72,9 @@ local M = {}
 
 local sqrt, huge = math.sqrt, math.huge
 
-local function fail(fn, msg, level)
-    error("ds4.rl.advantage." .. fn .. ": " .. msg, (level or 1) + 1)
-end
-
-local function mask_at(s, t)
-    local m = s.mask
-    if m == nil then return 1 end
-    return m[t]
-end
+local util = require("ds4.rl.util")
+local fail = util.failer("advantage")
+local mask_at = util.mask_at
 
 local function ntok(s)
     local lp = s.logp or s.old_logp or s.rollout_logp or s.mask or s.token_rewards or s.values

@@ -50,15 +50,9 @@ local M = {}
 local exp, abs, huge = math.exp, math.abs, math.huge
 local CLAMP = 20
 
-local function fail(fn, msg, level)
-    error("ds4.rl.correction." .. fn .. ": " .. msg, (level or 1) + 1)
-end
-
-local function mask_at(s, t)
-    local m = s.mask
-    if m == nil then return 1 end
-    return m[t]
-end
+local util = require("ds4.rl.util")
+local fail = util.failer("correction")
+local mask_at = util.mask_at
 
 local function clamp_log(d)
     if d < -CLAMP then return -CLAMP elseif d > CLAMP then return CLAMP end

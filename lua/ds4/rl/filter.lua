@@ -35,9 +35,8 @@ Citations "anchors §x" refer to /work/shared/spec/anchors-rl.md.
 
 local M = {}
 
-local function fail(fn, msg, level)
-    error("ds4.rl.filter." .. fn .. ": " .. msg, (level or 1) + 1)
-end
+local util = require("ds4.rl.util")
+local fail = util.failer("filter")
 
 -- Groups in first-appearance order.
 local function groups_of(samples, fn)

@@ -128,15 +128,9 @@ local correction = require("ds4.rl.correction")
 local exp, huge = math.exp, math.huge
 local CLAMP = 20
 
-local function fail(fn, msg, level)
-    error("ds4.rl.loss." .. fn .. ": " .. msg, (level or 1) + 1)
-end
-
-local function mask_at(s, t)
-    local m = s.mask
-    if m == nil then return 1 end
-    return m[t]
-end
+local util = require("ds4.rl.util")
+local fail = util.failer("loss")
+local mask_at = util.mask_at
 
 -- exp of a clamped log-ratio, and its derivative w.r.t. the unclamped log-ratio (torch clamp convention).
 local function clamped_exp(d)
