@@ -455,6 +455,15 @@ static void indexer_range(fwd *f, void *p, int64_t b, int64_t e, int64_t task) {
         int64_t valid;
         const float *keys = row_entries(f, t, 1, m, cx->nwin, &valid);
         int32_t *sel = f->sel + t * f->sel_stride;
+        const int32_t *rp = f->replay_index && f->replay_on
+                                ? f->replay_index + (t * ds4_model_csa_layers(f->m) + f->csa_i) * c->index_topk : NULL;
+        if (rp && rp[0] >= 0) { /* replayed picks (validated causal and distinct by check_args) */
+            int64_t k = 0;
+            for (int64_t i = 0; i < c->index_topk && k < f->sel_stride; i++)
+                if (rp[i] >= 0) sel[k++] = rp[i];
+            f->nsel[t] = (int32_t)k;
+            continue;
+        }
         for (int64_t w = 0; w < valid; w++) {
             const float *k = keys + w * cI;
             float acc = 0;
@@ -666,8 +675,12 @@ static void route_range(fwd *f, void *p, int64_t b, int64_t e, int64_t task) {
             for (int64_t x = 0; x < E; x++) s[x] = ds4_fwd_score(c->scoring_func, s[x]);
         }
         int32_t *idx = f->eidx + t * K;
+        const int32_t *rp = f->replay_experts && f->replay_on
+                                ? f->replay_experts + (t * c->num_hidden_layers + f->li) * K : NULL;
         if (cx->l->is_hash) {
             for (int64_t k = 0; k < K; k++) idx[k] = cx->l->tid2eid[cx->ids[t] * K + k];
+        } else if (rp && rp[0] >= 0) {
+            memcpy(idx, rp, (size_t)K * sizeof(int32_t));
         } else {
             /* top-K of score + correction bias (selection only), ties to the lower expert index */
             for (int64_t k = 0; k < K; k++) {
@@ -900,6 +913,41 @@ static ds4_status check_args(const ds4_model *m, const ds4_forward_args *a, ds4_
                                 "forward: labels[%lld, %lld] = %lld is neither -100 nor in [0, %lld) (labels [%lld, %lld])",
                                 (long long)(i / a->seq), (long long)(i % a->seq), (long long)a->labels[i],
                                 (long long)c->vocab_size, (long long)a->batch, (long long)a->seq);
+    if (a->replay_experts) {
+        const int64_t L = c->num_hidden_layers, K = c->num_experts_per_tok, E = c->n_routed_experts;
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t li = 0; li < L; li++) {
+                const int32_t *r = a->replay_experts + (t * L + li) * K;
+                if (r[0] < 0) continue;
+                for (int64_t k = 0; k < K; k++) {
+                    int dup = 0;
+                    for (int64_t j = 0; j < k; j++) dup |= r[j] == r[k];
+                    if (r[k] < 0 || r[k] >= E || dup)
+                        return ds4_fail(err, DS4_ERR_ARG,
+                                        "forward: replay_experts[%lld, %lld, layer %lld] slot %lld = %d is not a distinct "
+                                        "expert in [0, %lld)", (long long)(t / a->seq), (long long)(t % a->seq),
+                                        (long long)li, (long long)k, r[k], (long long)E);
+                }
+            }
+    }
+    if (a->replay_index) {
+        const int64_t nc = ds4_model_csa_layers(m), K = c->index_topk, mr = c->compress_rate_csa;
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t ci = 0; ci < nc; ci++) {
+                const int32_t *r = a->replay_index + (t * nc + ci) * K;
+                if (r[0] < 0) continue;
+                const int64_t valid = (t % a->seq + 1) / mr;
+                for (int64_t k = 0; k < K; k++) {
+                    int dup = 0;
+                    for (int64_t j = 0; j < k; j++) dup |= r[k] >= 0 && r[j] == r[k];
+                    if (r[k] < -1 || r[k] >= valid || dup)
+                        return ds4_fail(err, DS4_ERR_ARG,
+                                        "forward: replay_index[%lld, %lld, CSA layer %lld] slot %lld = %d is not a distinct "
+                                        "causal entry in [0, %lld) or -1", (long long)(t / a->seq), (long long)(t % a->seq),
+                                        (long long)ci, (long long)k, r[k], (long long)valid);
+                }
+            }
+    }
     if (a->mtp_logits && !m->has_mtp)
         return ds4_fail(err, DS4_ERR_ARG, "forward: MTP logits requested but the checkpoint has no mtp.0.* weights");
     if (a->mtp_logits && a->seq < 2)
@@ -1127,9 +1175,15 @@ ds4_status ds4_fwd_run(ds4_model *m, const ds4_forward_args *args, ds4_forward_r
     for (int64_t t = 0; t < T; t++) /* X⁰: n copies of the embedding */
         for (int64_t i = 0; i < n; i++)
             memcpy(f.X + (t * n + i) * D, m->embed + args->ids[t] * D, (size_t)D * sizeof(float));
+    f.replay_experts = args->replay_experts;
+    f.replay_index = args->replay_index;
+    f.replay_on = 1;
+    f.csa_i = 0;
     for (int64_t li = 0; li < c->num_hidden_layers; li++) {
         f.lt = tape ? &tape->layers[li] : NULL;
+        f.li = li;
         block(&f, &m->layers[li], f.X, args->ids);
+        f.csa_i += c->layer_types[li] == DS4_ATTN_CSA;
         if (args->hidden) memcpy(args->hidden + li * T * n * D, f.X, (size_t)(T * n * D) * sizeof(float));
     }
     f.lt = NULL;
@@ -1175,6 +1229,7 @@ ds4_status ds4_fwd_run(ds4_model *m, const ds4_forward_args *args, ds4_forward_r
         for (int64_t t = 0; t < T1; t++)
             for (int64_t i = 0; i < n; i++) ds4_axpy(f.Xz + (t * n + i) * D, 1.0f, f.h + t * D, D);
         f.lt = train_mtp ? &tape->layers[c->num_hidden_layers] : NULL;
+        f.replay_on = 0; /* the MTP block routes itself */
         block(&f, &mt->block, f.Xz, nxt);
         f.lt = NULL;
         if (train_mtp) keep(tape->mtp_X, f.Xz, T1 * n * D);

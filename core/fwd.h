@@ -120,6 +120,9 @@ typedef struct fwd {
     struct ds4_step_seq *seqs;    /* [nseq] */
     int64_t nseq;
     int64_t li, csa_i;            /* the main layer being run, and its rank among the CSA layers */
+    const int32_t *replay_experts; /* [T, L, K] routing replay (ds4_forward_args), or NULL */
+    const int32_t *replay_index;  /* [T, n_csa, index_topk], or NULL */
+    int replay_on;                /* the block being run is a main layer (replay applies) */
     int32_t *rec_experts;         /* [T, L, K] routed experts to record, or NULL */
     int32_t *rec_index;           /* [T, n_csa, index_topk] indexer picks to record, or NULL */
 } fwd;

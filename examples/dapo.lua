@@ -3,7 +3,7 @@
   ds4 run examples/dapo.lua [--steps N] [--sft-steps N] [--model DIR] [--tokenizer FILE] [--data FILE.jsonl]
                             [--eval-data FILE.jsonl] [--eval N] [--out DIR] [--seed N] [--lr X] [--prompts N]
                             [--n N] [--max-new-tokens N] [--minibatches N] [--algorithm dapo|grpo|gspo|...]
-                            [--quiet]
+                            [--routing-replay] [--quiet]
 
   1. data: without --data, writes addition problems ("a+b=", a up to three digits, b one digit, answer in \boxed{}) as JSONL to
      DIR/eval.jsonl and DIR/train.jsonl (no training problem repeats a held-out one) and reads them back — the format a user's own dataset uses
@@ -28,7 +28,7 @@ local task = dofile(ds4.script_dir() .. "/arith_task.lua")
 -- ------------------------------------------------------------------------------------------------ options
 local defaults = { steps = 120, ["sft-steps"] = -1, model = "", tokenizer = "", data = "", ["eval-data"] = "",
     eval = 200, out = "runs/dapo", seed = 1, lr = 3e-4, prompts = 32, n = 8, ["max-new-tokens"] = 20,
-    minibatches = 2, algorithm = "dapo", quiet = false }
+    minibatches = 2, algorithm = "dapo", ["routing-replay"] = false, quiet = false }
 local opts = {}
 for k, v in pairs(defaults) do opts[k] = v end
 for k, v in pairs(DS4_EXAMPLE_DEFAULTS or {}) do opts[k] = v end -- set by grpo.lua / gspo.lua
@@ -40,11 +40,11 @@ do
             io.stderr:write("dapo.lua: unknown option " .. tostring(arg[i]) .. "\nusage: ds4 run examples/dapo.lua "
                 .. "[--steps N] [--sft-steps N] [--model DIR] [--tokenizer FILE] [--data FILE.jsonl] [--eval-data "
                 .. "FILE.jsonl] [--eval N] [--out DIR] [--seed N] [--lr X] [--prompts N] [--n N] [--max-new-tokens N] "
-                .. "[--minibatches N] [--algorithm NAME] [--quiet]\n")
+                .. "[--minibatches N] [--algorithm NAME] [--routing-replay] [--quiet]\n")
             os.exit(2)
         end
-        if k == "quiet" then
-            opts.quiet = true
+        if k == "quiet" or k == "routing-replay" then
+            opts[k] = true
         else
             i = i + 1
             if arg[i] == nil then
@@ -142,6 +142,7 @@ local result = trainer.run{
     optim = { lr = opts.lr, betas = { 0.9, 0.99 }, weight_decay = 0.0, clip = 1.0 },
     steps = opts.steps,
     minibatches = opts.minibatches,
+    routing_replay = opts["routing-replay"],
     out = opts.out,
     seed = opts.seed,
     progress = not opts.quiet,

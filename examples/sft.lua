@@ -49,11 +49,16 @@ end
 assert(os.execute(("mkdir -p '%s'"):format(opts.out)) == 0 or true)
 
 -- ------------------------------------------------------------------------------------------------ dataset
-local function rng(seed) -- a small LCG: the dataset depends only on the seed
-    local s = seed
+-- The "minimal standard" generator (s <- 16807 s mod 2^31 - 1): the dataset depends only on the seed. Lua
+-- numbers are doubles: the product stays below 2^53, so it is exact (a 1103515245 multiplier would round and
+-- fall into short cycles); the draw takes the high part (s / m · n), not the poorly mixed s % n.
+local function rng(seed)
+    local m = 2147483647
+    local s = seed % m
+    if s == 0 then s = 1 end
     return function(n)
-        s = (s * 1103515245 + 12345) % 2147483648
-        return s % n
+        s = s * 16807 % m
+        return math.floor(s / m * n)
     end
 end
 

@@ -539,8 +539,8 @@ static int m_forward(lua_State *L) {
             lua_pop(L, 1);
             const char *k = lua_type(L, -1) == LUA_TSTRING ? lua_tostring(L, -1) : NULL;
             if (!k || (strcmp(k, "labels") && strcmp(k, "mtp") && strcmp(k, "hidden") && strcmp(k, "logits") &&
-                       strcmp(k, "train")))
-                ds4l_raise(L, "%s: unknown option %s%s%s (known: labels, mtp, hidden, logits, train)", fname,
+                       strcmp(k, "train") && strcmp(k, "replay")))
+                ds4l_raise(L, "%s: unknown option %s%s%s (known: labels, mtp, hidden, logits, train, replay)", fname,
                            k ? "'" : "a ", k ? k : luaL_typename(L, -1), k ? "'" : " key");
         }
     }
@@ -571,9 +571,38 @@ static int m_forward(lua_State *L) {
         ds4l_raise(L, "%s: opts.mtp needs at least 2 positions per row, ids have [%lld, %lld]", fname, (long long)B,
                    (long long)S);
 
+    const int32_t *replay_experts = NULL, *replay_index = NULL;
+    if (opts) {
+        lua_getfield(L, opts, "replay");
+        int ridx = lua_gettop(L);
+        if (!lua_isnil(L, ridx)) {
+            if (!lua_istable(L, ridx))
+                ds4l_raise(L, "%s: opts.replay must be a table {experts = I32 [B, S, L, K], index = I32 [B, S, n_csa, "
+                              "index_topk]}, got %s", fname, luaL_typename(L, ridx));
+            const int64_t ncsa = ds4_model_csa_layers(b->m);
+            const struct {
+                const char *key;
+                int64_t inner;
+                const int32_t **out;
+            } parts[2] = {{"experts", cfg->num_hidden_layers * cfg->num_experts_per_tok, &replay_experts},
+                          {"index", ncsa * cfg->index_topk, &replay_index}};
+            for (int k = 0; k < 2; k++) {
+                lua_getfield(L, ridx, parts[k].key);
+                if (lua_isnil(L, -1)) continue;
+                ds4_tensor *t = ds4l_tensor_check(L, lua_gettop(L), fname, 2);
+                if (t->dtype != DS4_I32 || ds4_tensor_numel(t) != B * S * parts[k].inner)
+                    ds4l_raise(L, "%s: opts.replay.%s must be an I32 tensor of %lld x %lld x %lld values, got %s with %lld",
+                               fname, parts[k].key, (long long)B, (long long)S, (long long)parts[k].inner,
+                               ds4_dtype_name(t->dtype), (long long)ds4_tensor_numel(t));
+                *parts[k].out = t->data; /* the tensor stays on the stack (a slot above opts) for the call */
+            }
+        }
+    }
+
     lua_createtable(L, 0, 8);
     int res = lua_gettop(L);
-    ds4_forward_args args = {.ids = ids, .batch = B, .seq = S, .labels = labels};
+    ds4_forward_args args = {.ids = ids, .batch = B, .seq = S, .labels = labels, .replay_experts = replay_experts,
+                             .replay_index = replay_index};
     if (want_logits) {
         int64_t shape[3] = {B, S, cfg->vocab_size};
         args.logits = ds4l_tensor_push_new(L, fname, DS4_F32, 3, shape)->data;
@@ -688,6 +717,7 @@ int luaopen_ds4_core(lua_State *L) {
     ds4l_tokenizer_open(L);
     ds4l_train_open(L); /* lua/train_lua.c */
     ds4l_save_open(L);  /* lua/save_lua.c */
+    ds4l_params_open(L); /* lua/params_lua.c */
     ds4l_gen_open(L);   /* lua/gen_lua.c (after the others: it guards some of their model methods) */
 
     lua_pushliteral(L, DS4_VERSION_STRING);

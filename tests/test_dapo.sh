@@ -16,7 +16,7 @@ local json = require("ds4.chat.json")
 local want, n, evals = tonumber(arg[2]), 0, 0
 for line in io.lines(arg[1]) do
     local m = json.decode(line)
-    if m.step > 0 then
+    if m.step > 0 then -- every step trains here (see the dataset below)
         n = n + 1
         for _, k in ipairs({ "step", "reward/mean", "kl", "clip_frac", "entropy", "response_len/mean",
                              "logprob_mismatch/max", "tokens_per_s" }) do
@@ -33,20 +33,26 @@ print(("metrics ok: %d steps, %d evaluations"):format(n, evals))
 LUA
     grep -q "<svg" "$1/metrics.svg"
 }
-small=(--steps 3 --sft-steps 30 --eval 24 --prompts 6 --n 4 --max-new-tokens 14)
+# a small dataset in the user format ({"prompt", "answer"} lines): easy enough that 40 SFT steps give mixed
+# groups (some samples right, some wrong), so every RL step trains and reports its metrics
+for i in $(seq 1 40); do echo "{\"prompt\": \"$i+1=\", \"answer\": \"$((i + 1))\"}"; done >"$out/mine.jsonl"
+echo '{"prompt": "3+4=", "answer": 7}' >>"$out/mine.jsonl"   # a numeric answer is accepted too
+small=(--data "$out/mine.jsonl" --eval 8 --steps 3 --sft-steps 40 --prompts 6 --n 4 --max-new-tokens 14)
 "$DS4" run "$SRC/examples/dapo.lua" "${small[@]}" --out "$out/dapo" --quiet | tee "$out/log"
-grep -q "greedy accuracy on 24 held-out problems" "$out/log"
+grep -q "greedy accuracy on 8 held-out problems" "$out/log"
 check "$out/dapo" 3
 for v in grpo gspo; do
     "$DS4" run "$SRC/examples/$v.lua" "${small[@]}" --out "$out/$v" --quiet >"$out/$v.log"
     check "$out/$v" 3
 done
-# a user's own dataset: {"prompt", "answer"} lines; a bad line is reported with its line number
-printf '{"prompt": "2+2=", "answer": "4"}\n{"prompt": "3+4=", "answer": 7}\n' >"$out/mine.jsonl"
-for i in $(seq 1 30); do echo "{\"prompt\": \"$i+1=\", \"answer\": \"$((i + 1))\"}"; done >>"$out/mine.jsonl"
-"$DS4" run "$SRC/examples/dapo.lua" --data "$out/mine.jsonl" --eval 8 --steps 2 --sft-steps 5 --prompts 4 --n 4 \
-    --out "$out/mine" --quiet >"$out/mine.log"
-check "$out/mine" 2
+# routing replay: the training forwards use the rollout's experts and indexer picks (mismatch still 0)
+"$DS4" run "$SRC/examples/dapo.lua" "${small[@]}" --routing-replay --out "$out/replay" --quiet >"$out/replay.log"
+check "$out/replay" 3
+# the built-in task (generated data, held-out problems excluded from training) runs end to end
+"$DS4" run "$SRC/examples/dapo.lua" --steps 1 --sft-steps 2 --eval 16 --prompts 4 --n 2 --out "$out/builtin" \
+    --quiet >"$out/builtin.log"
+grep -q "greedy accuracy on 16 held-out problems" "$out/builtin.log"
+grep -q '"prompt"' "$out/builtin/train.jsonl"
 echo '{"prompt": 5}' >"$out/bad.jsonl"
 if "$DS4" run "$SRC/examples/dapo.lua" --data "$out/bad.jsonl" --out "$out/bad" --quiet 2>"$out/bad.err"; then
     echo "a malformed dataset must fail"; exit 1

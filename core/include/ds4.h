@@ -275,6 +275,14 @@ typedef struct ds4_forward_args {
     float *logits;            /* out [B, S, V], or NULL if not wanted */
     float *mtp_logits;        /* out [B, S-1, V] (position i predicts ids[i+2]), or NULL: MTP not run */
     float *hidden;            /* out [L, B, S, n, D] residual streams after each layer, or NULL */
+    /* Routing replay (e.g. the routing a rollout recorded, ds4_gen.h): the experts and indexer picks to use
+     * instead of the ones the forward would select. The routing weights are still computed from the router's
+     * scores at the given experts (so the router gets its gradient); only the selection is replayed. A row whose
+     * first value is -1 is routed normally (padding, or a token the rollout did not run). Hash-routed layers and
+     * the MTP block always route themselves. */
+    const int32_t *replay_experts; /* [B, S, L, K] expert ids (distinct per row, in [0, E)), or NULL */
+    const int32_t *replay_index;   /* [B, S, n_csa, index_topk] indexer picks (-1 padded; each < the causal entry
+                                      count (s+1)/m, distinct), or NULL */
 } ds4_forward_args;
 
 typedef struct ds4_forward_result {

@@ -36,6 +36,9 @@ Models
   model:forward(ids [, opts])      ids: integer tensor [B, S] (I64/I32/... or floats holding integers) or a
                                    table of equal-length rows; opts.labels (same forms, -100 = ignore),
                                    opts.mtp = true (MTP logits; the model must have MTP weights),
+                                   opts.replay = {experts = I32 [B, S, L, K], index = I32 [B, S, n_csa, topk]}
+                                   (routing replay: use these experts / indexer picks instead of selecting; a row
+                                   whose first value is -1 routes itself; from model:generate's records),
                                    opts.hidden = true (per-layer residual streams), opts.logits = false (skip).
                                    -> {logits = F32 [B, S, V], loss = number|nil, loss_tokens = n,
                                        mtp_logits = F32 [B, S-1, V], mtp_loss = number|nil, mtp_loss_tokens,

@@ -11,6 +11,7 @@
                  stop = {...}, source = nil},
       optim = {lr = 3e-4, betas = {0.9, 0.99}, weight_decay = 0, clip = 1.0, warmup = 0},
       steps = 100, minibatches = 1, reference = nil, out = "runs/x", seed = 1, progress = true,
+      routing_replay = false,                 -- train with the experts / indexer picks the rollout used
   }
 
 Rollout source: rollout.source is any object with source:generate(prompts, opts) -> results shaped like
@@ -28,6 +29,8 @@ One step:
   3. old log-probabilities recomputed by a forward at the current weights (the rollout engine's log-probs are
      kept as rollout_logp: their difference is the logprob_mismatch metric and what algorithm.tis corrects);
      with a KL term, the reference model's log-probabilities too (where = "reward" folds it into the reward);
+     with routing_replay, every training forward uses the routed experts and indexer picks the rollout recorded
+     (model:forward's opts.replay; the token the rollout never ran and padding route themselves);
   4. advantages (algorithm.adv), then `minibatches` optimizer updates, each a training forward, the policy loss
      with its analytic dLoss/dlogp (rl.loss.compute, normalised within the minibatch: one update = one
      normalisation) and model:backward_logprobs.
@@ -85,7 +88,8 @@ local function rollout_batch(cfg, k, group_base, stats)
     local prompts = {}
     for i, it in ipairs(items) do prompts[i] = it.prompt end
     local res = src:generate(prompts, { n = ro.n, max_new_tokens = ro.max_new_tokens, temperature = ro.temperature,
-        top_p = ro.top_p, top_k = ro.top_k, seed = cfg.seed * 1000003 + k, stop = ro.stop, tokenizer = ro.tokenizer })
+        top_p = ro.top_p, top_k = ro.top_k, seed = cfg.seed * 1000003 + k, stop = ro.stop, tokenizer = ro.tokenizer,
+        record_experts = cfg.routing_replay or nil, record_index = cfg.routing_replay or nil })
     local texts, smp = {}, {}
     for i, r in ipairs(res) do
         texts[i] = cfg.decode(r.ids)
@@ -107,7 +111,8 @@ local function rollout_batch(cfg, k, group_base, stats)
         if scores[i] then stats.reward_sum, stats.reward_n = stats.reward_sum + scores[i], stats.reward_n + 1 end
         if not bad[g] and #r.ids > 0 then
             out[#out + 1] = { prompt = prompts[g + 1], ids = r.ids, rollout_logp = r.logprobs, reward = scores[i],
-                group = group_base + g, finish_reason = r.finish_reason, length = #r.ids, sample = smp[i] }
+                group = group_base + g, finish_reason = r.finish_reason, length = #r.ids, sample = smp[i],
+                experts = r.experts, index_picks = r.index_picks }
         end
     end
     stats.groups_generated = stats.groups_generated + #items
@@ -141,9 +146,31 @@ local function gather(lp, samples, S, field)
     end
 end
 
-local function forward_logp(model, samples, pad, field, entropy_field)
+-- Routing replay tensors [B, S, L, K] / [B, S, n_csa, topk] from the samples' recorded rows (-1 elsewhere: padding
+-- and the last generated token, which the rollout never ran, route themselves).
+local function replay_tensors(samples, S)
+    local out = {}
+    for _, f in ipairs({ { "experts", "experts" }, { "index_picks", "index" } }) do
+        local first = samples[1][f[1]]
+        if first then
+            local inner = first:numel() / math.max(1, first:size(1))
+            local t = ds4.zeros({ #samples, S, inner }, "I32")
+            local dst = ffi.cast("int32_t *", t:data_ptr())
+            for i = 0, #samples * S * inner - 1 do dst[i] = -1 end
+            for i, s in ipairs(samples) do
+                local src = s[f[1]]
+                local rows = math.min(src:size(1), S)
+                ffi.copy(dst + (i - 1) * S * inner, ffi.cast("int32_t *", src:data_ptr()), rows * inner * 4)
+            end
+            out[f[2]] = t
+        end
+    end
+    return out.experts and out or (out.index and out or nil)
+end
+
+local function forward_logp(model, samples, pad, field, entropy_field, replay)
     local ids, labels, S = pack(samples, pad)
-    model:forward(ids, { labels = labels, train = true })
+    model:forward(ids, { labels = labels, train = true, replay = replay and replay_tensors(samples, S) or nil })
     local lp, en = model:logprobs({ entropy = entropy_field ~= nil })
     gather(lp, samples, S, field)
     if entropy_field then gather(en, samples, S, entropy_field) end
@@ -238,7 +265,7 @@ function M.run(cfg)
             if spec.overlong and spec.overlong.filter then rl.filter.overlong_filter(samples) end
             if spec.overlong and spec.overlong.soft then rl.filter.apply_soft_overlong(samples, spec.overlong.soft) end
             -- old policy = the current weights, recomputed (three-policy view: rollout, old, new)
-            forward_logp(model, samples, pad, "old_logp")
+            forward_logp(model, samples, pad, "old_logp", nil, cfg.routing_replay)
             local mm = rl.correction.metrics(samples) or {}
             if spec.kl then
                 forward_logp(cfg.reference, samples, pad, "ref_logp")
@@ -253,7 +280,7 @@ function M.run(cfg)
             local last
             for _, mb in ipairs(split_groups(samples, cfg.minibatches)) do
                 model:zero_grad()
-                local _, _, S = forward_logp(model, mb, pad, "logp", "entropy")
+                local _, _, S = forward_logp(model, mb, pad, "logp", "entropy", cfg.routing_replay)
                 local T, N = rl.loss.count(mb)
                 local out = rl.loss.compute(mb, spec, { denom = T, num_seqs = N })
                 local g = ds4.zeros({ #mb, S })
