@@ -14,15 +14,6 @@
 
 enum { B = 2, S = 37 };
 
-static double max_diff(const float *a, const float *b, int64_t n) {
-    double d = 0;
-    for (int64_t i = 0; i < n; i++) {
-        const double x = fabs((double)a[i] - (double)b[i]);
-        if (!(x <= d)) d = x;
-    }
-    return d;
-}
-
 static float *tensor(ds4_model *m, const char *name, int64_t *n) {
     for (size_t i = 0; i < ds4_model_tensor_count(m); i++) {
         const char *nm;
@@ -70,7 +61,7 @@ static void run(ds4_engine *eng, const char *fixtures, const char *name) {
     a.replay_experts = ex;
     a.replay_index = nc ? ix : NULL;
     CHECK_OK(ds4_model_forward(m, &a, NULL, &err), &err);
-    CHECK(max_diff(l1, l0, T * V) == 0, "%s: replaying the model's own routing changed the logits", name);
+    CHECK(ds4t_max_abs_diff(l1, l0, T * V) == 0, "%s: replaying the model's own routing changed the logits", name);
 
     /* perturb every selection-only parameter */
     int64_t changed = 0;
@@ -90,12 +81,12 @@ static void run(ds4_engine *eng, const char *fixtures, const char *name) {
     a.replay_experts = NULL;
     a.replay_index = NULL;
     CHECK_OK(ds4_model_forward(m, &a, NULL, &err), &err);
-    const double moved = max_diff(l1, l0, T * V);
+    const double moved = ds4t_max_abs_diff(l1, l0, T * V);
     CHECK(moved > 1e-3, "%s: perturbing the selection moved the logits only by %g", name, moved);
     a.replay_experts = ex;
     a.replay_index = nc ? ix : NULL;
     CHECK_OK(ds4_model_forward(m, &a, NULL, &err), &err);
-    const double back = max_diff(l1, l0, T * V);
+    const double back = ds4t_max_abs_diff(l1, l0, T * V);
     printf("  %-8s perturbed selection moves logits by %.3g; replayed routing: max|d| %.3g\n", name, moved, back);
     CHECK(back == 0, "%s: the replayed routing does not reproduce the recorded logits (max |d| %g)", name, back);
 
@@ -108,7 +99,7 @@ static void run(ds4_engine *eng, const char *fixtures, const char *name) {
     p.logits = l1;
     p.replay_experts = none;
     CHECK_OK(ds4_model_forward(m, &p, NULL, &err), &err);
-    CHECK(max_diff(l1, l2, T * V) == 0, "%s: rows marked -1 must route normally", name);
+    CHECK(ds4t_max_abs_diff(l1, l2, T * V) == 0, "%s: rows marked -1 must route normally", name);
 
     /* invalid replays are refused */
     for (int64_t li = 0; li < L; li++)

@@ -14,15 +14,6 @@
 
 enum { SEQ = 53 };
 
-static double max_diff(const float *a, const float *b, int64_t n) {
-    double d = 0;
-    for (int64_t i = 0; i < n; i++) {
-        double x = fabs((double)a[i] - (double)b[i]);
-        if (!(x <= d)) d = x;
-    }
-    return d;
-}
-
 /* Full-forward logits [S, V] of ids. */
 static float *full_logits(ds4_model *m, const int64_t *ids, int64_t S) {
     const int64_t V = ds4_model_config(m)->vocab_size;
@@ -51,7 +42,7 @@ static double decode_chunks(ds4_model *m, const int64_t *ids, int64_t S, const i
         done += n;
     }
     CHECK(ds4_cache_len(c) == S, "cache length %lld, wanted %lld", (long long)ds4_cache_len(c), (long long)S);
-    double d = max_diff(lg, ref, S * V);
+    double d = ds4t_max_abs_diff(lg, ref, S * V);
     free(lg);
     ds4_cache_free(c);
     return d;
@@ -120,7 +111,7 @@ static void run_fixture(ds4_engine *eng, const char *fixtures, const char *name)
             for (int64_t s = 0; s < ns; s++) {
                 const int k = (int)who[s];
                 done[k] += counts[s];
-                double x = max_diff(last + s * V, ref[k] + (done[k] - 1) * V, V);
+                double x = ds4t_max_abs_diff(last + s * V, ref[k] + (done[k] - 1) * V, V);
                 d = x > d ? x : d;
             }
             free(last);
@@ -147,7 +138,7 @@ static void run_fixture(ds4_engine *eng, const char *fixtures, const char *name)
             int64_t rest = SEQ - 19;
             ds4_step_args bcont = {.nseq = 1, .caches = &b0, .counts = &rest, .ids = ids[0] + 19, .logits = lg};
             CHECK_OK(ds4_model_step(m, &bcont, &err), &err);
-            double d = max_diff(lg, ref[0] + 19 * V, rest * V);
+            double d = ds4t_max_abs_diff(lg, ref[0] + 19 * V, rest * V);
             printf("  %-12s max|dlogit| %.3g\n", "copied", d);
             CHECK(d <= 1e-5, "%s: continued copy: max |dlogit| %g", name, d);
             /* the small cache: prefill 2, copy into a second small one, then fill it to capacity */
@@ -160,7 +151,7 @@ static void run_fixture(ds4_engine *eng, const char *fixtures, const char *name)
             int64_t nrest = small_cap - pre;
             ds4_step_args sr = {.nseq = 1, .caches = &small2, .counts = &nrest, .ids = ids[0] + pre, .logits = lg};
             CHECK_OK(ds4_model_step(m, &sr, &err), &err);
-            d = max_diff(lg, ref[0] + pre * V, nrest * V);
+            d = ds4t_max_abs_diff(lg, ref[0] + pre * V, nrest * V);
             CHECK(d <= 1e-5, "%s: small-capacity cache: max |dlogit| %g", name, d);
             /* past capacity: refused, nothing appended */
             int64_t one = 1;

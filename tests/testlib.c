@@ -2,6 +2,7 @@
 #include "testlib.h"
 
 #include <ftw.h>
+#include <math.h>
 #include <stdio.h>
 #include <sys/stat.h>
 
@@ -45,4 +46,13 @@ int ds4t_load_fixture(ds4_engine *eng, const char *fixtures, const char *name, d
     if (!ids || !labels) return 1;
     *args = (ds4_forward_args){.ids = ids->data, .batch = ids->shape[0], .seq = ids->shape[1], .labels = labels->data};
     return 0;
+}
+
+double ds4t_max_abs_diff(const float *a, const float *b, int64_t n) {
+    double d = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const double x = fabs((double)a[i] - (double)b[i]);
+        if (!(x <= d)) d = x; /* NaN sticks */
+    }
+    return d;
 }

@@ -35,6 +35,9 @@ int ds4t_finish(const char *name);
 int ds4t_load_fixture(ds4_engine *eng, const char *fixtures, const char *name, ds4_model **m, ds4_st_file **io,
                       ds4_forward_args *args);
 
+/* max |a[i] - b[i]| over n floats (in double); NaN anywhere gives NaN, so `<= tol` checks fail on it. */
+double ds4t_max_abs_diff(const float *a, const float *b, int64_t n);
+
 /* rm -rf path (no error if absent), and whether a path exists (lstat). */
 void ds4t_rm_rf(const char *path);
 int ds4t_exists(const char *path);
