@@ -717,7 +717,6 @@ int luaopen_ds4_core(lua_State *L) {
     ds4l_tokenizer_open(L);
     ds4l_train_open(L); /* lua/train_lua.c */
     ds4l_save_open(L);  /* lua/save_lua.c */
-    ds4l_params_open(L); /* lua/params_lua.c */
     ds4l_gen_open(L);   /* lua/gen_lua.c (after the others: it guards some of their model methods) */
 
     lua_pushliteral(L, DS4_VERSION_STRING);
