@@ -3,7 +3,7 @@
   ds4 run examples/dapo.lua [--steps N] [--sft-steps N] [--model DIR] [--tokenizer FILE] [--data FILE.jsonl]
                             [--eval-data FILE.jsonl] [--eval N] [--out DIR] [--seed N] [--lr X] [--prompts N]
                             [--n N] [--max-new-tokens N] [--minibatches N] [--algorithm dapo|grpo|gspo|...]
-                            [--routing-replay] [--quiet]
+                            [--routing-replay] [--sft-batch N] [--save DIR] [--quiet]
 
   1. data: without --data, writes addition problems ("a+b=", a up to three digits, b one digit, answer in \boxed{}) as JSONL to
      DIR/eval.jsonl and DIR/train.jsonl (no training problem repeats a held-out one) and reads them back — the format a user's own dataset uses
@@ -16,7 +16,8 @@
   5. RL with the algorithm table below (DAPO: clip-higher 0.2 / 0.28, dynamic sampling, token-level loss,
      soft overlong punishment) through ds4.rl.trainer — metrics as JSON lines in DIR/metrics.jsonl, progress on
      the terminal;
-  6. greedy accuracy after RL, and DIR/metrics.svg, a plot of reward and accuracy.
+  6. greedy accuracy after RL, and DIR/metrics.svg, a plot of reward and accuracy; --save DIR2 writes the trained
+     model as an HF checkpoint (load it with --model DIR2 --tokenizer byte, or ds4.load / from_pretrained).
   examples/grpo.lua and examples/gspo.lua run this file with another algorithm table.
 ]]
 
@@ -28,7 +29,7 @@ local task = dofile(ds4.script_dir() .. "/arith_task.lua")
 -- ------------------------------------------------------------------------------------------------ options
 local defaults = { steps = 120, ["sft-steps"] = -1, model = "", tokenizer = "", data = "", ["eval-data"] = "",
     eval = 200, out = "runs/dapo", seed = 1, lr = 3e-4, prompts = 32, n = 8, ["max-new-tokens"] = 20,
-    minibatches = 2, algorithm = "dapo", ["routing-replay"] = false, quiet = false }
+    minibatches = 2, algorithm = "dapo", ["routing-replay"] = false, ["sft-batch"] = 64, save = "", quiet = false }
 local opts = {}
 for k, v in pairs(defaults) do opts[k] = v end
 for k, v in pairs(DS4_EXAMPLE_DEFAULTS or {}) do opts[k] = v end -- set by grpo.lua / gspo.lua
@@ -40,7 +41,7 @@ do
             io.stderr:write("dapo.lua: unknown option " .. tostring(arg[i]) .. "\nusage: ds4 run examples/dapo.lua "
                 .. "[--steps N] [--sft-steps N] [--model DIR] [--tokenizer FILE] [--data FILE.jsonl] [--eval-data "
                 .. "FILE.jsonl] [--eval N] [--out DIR] [--seed N] [--lr X] [--prompts N] [--n N] [--max-new-tokens N] "
-                .. "[--minibatches N] [--algorithm NAME] [--routing-replay] [--quiet]\n")
+                .. "[--minibatches N] [--algorithm NAME] [--routing-replay] [--sft-batch N] [--save DIR] [--quiet]\n")
             os.exit(2)
         end
         if k == "quiet" or k == "routing-replay" then
@@ -67,9 +68,9 @@ local tok, model
 if opts.model ~= "" then
     model = ds4.load(opts.model)
     local tpath = opts.tokenizer ~= "" and opts.tokenizer or (opts.model .. "/tokenizer.json")
-    tok = ds4.tokenizer(tpath)
+    tok = tpath == "byte" and ds4.tokenizer() or ds4.tokenizer(tpath) -- "byte": the built-in byte-level one
 else
-    tok = opts.tokenizer ~= "" and ds4.tokenizer(opts.tokenizer) or ds4.tokenizer()
+    tok = (opts.tokenizer ~= "" and opts.tokenizer ~= "byte") and ds4.tokenizer(opts.tokenizer) or ds4.tokenizer()
     model = ds4.new_model(task.model_config(tok), opts.seed)
 end
 if opts["sft-steps"] < 0 then opts["sft-steps"] = opts.model ~= "" and 0 or 150 end
@@ -120,7 +121,8 @@ local wall0 = os.time()
 if opts["sft-steps"] > 0 then
     local acc0 = trainer.evaluate(model, eval, decode, M)
     print(("greedy accuracy before SFT: %.1f%%"):format(100 * acc0))
-    task.sft(model, tok, train, { steps = opts["sft-steps"], batch = 64, lr = 3e-3, progress = not opts.quiet })
+    task.sft(model, tok, train, { steps = opts["sft-steps"], batch = opts["sft-batch"], lr = 3e-3,
+        progress = not opts.quiet })
 end
 
 -- ------------------------------------------------------------------------------------------------ RL
@@ -151,6 +153,10 @@ local result = trainer.run{
 local before, after = result.eval_before, result.eval_after
 print(("greedy accuracy on %d held-out problems: %.1f%% after SFT -> %.1f%% after %s (%+.1f points); %d s in all")
     :format(#heldout, 100 * before, 100 * after, opts.algorithm, 100 * (after - before), os.time() - wall0))
+if opts.save ~= "" then
+    model:save(opts.save, { overwrite = true }) -- config.json + model.safetensors (save_pretrained names)
+    print("model saved to " .. opts.save)
+end
 local plot = require("ds4.plot")
 plot.svg(opts.out .. "/metrics.svg", result.history, {
     title = opts.algorithm .. ": reward and held-out accuracy",

@@ -37,16 +37,22 @@ LUA
 # groups (some samples right, some wrong), so every RL step trains and reports its metrics
 for i in $(seq 1 40); do echo "{\"prompt\": \"$i+1=\", \"answer\": \"$((i + 1))\"}"; done >"$out/mine.jsonl"
 echo '{"prompt": "3+4=", "answer": 7}' >>"$out/mine.jsonl"   # a numeric answer is accepted too
-small=(--data "$out/mine.jsonl" --eval 8 --steps 3 --sft-steps 40 --prompts 6 --n 4 --max-new-tokens 14)
-"$DS4" run "$SRC/examples/dapo.lua" "${small[@]}" --out "$out/dapo" --quiet | tee "$out/log"
+# The first run does the SFT warm-up and saves its model; the others start from that checkpoint (--model, the
+# HF-checkpoint path a user takes), which keeps the test short under the sanitizers.
+small=(--data "$out/mine.jsonl" --eval 8 --steps 3 --prompts 6 --n 4 --max-new-tokens 14 --minibatches 1)
+"$DS4" run "$SRC/examples/dapo.lua" "${small[@]}" --sft-steps 40 --sft-batch 32 --save "$out/model" \
+    --out "$out/dapo" --quiet | tee "$out/log"
 grep -q "greedy accuracy on 8 held-out problems" "$out/log"
+grep -q "model saved to" "$out/log"
 check "$out/dapo" 3
+from=(--model "$out/model" --tokenizer byte --sft-steps 0)
 for v in grpo gspo; do
-    "$DS4" run "$SRC/examples/$v.lua" "${small[@]}" --out "$out/$v" --quiet >"$out/$v.log"
+    "$DS4" run "$SRC/examples/$v.lua" "${small[@]}" "${from[@]}" --out "$out/$v" --quiet >"$out/$v.log"
     check "$out/$v" 3
 done
 # routing replay: the training forwards use the rollout's experts and indexer picks (mismatch still 0)
-"$DS4" run "$SRC/examples/dapo.lua" "${small[@]}" --routing-replay --out "$out/replay" --quiet >"$out/replay.log"
+"$DS4" run "$SRC/examples/dapo.lua" "${small[@]}" "${from[@]}" --routing-replay --out "$out/replay" --quiet \
+    >"$out/replay.log"
 check "$out/replay" 3
 # the built-in task (generated data, held-out problems excluded from training) runs end to end
 "$DS4" run "$SRC/examples/dapo.lua" --steps 1 --sft-steps 2 --eval 16 --prompts 4 --n 2 --out "$out/builtin" \
