@@ -4,6 +4,8 @@
                             [--eval-data FILE.jsonl] [--eval N] [--out DIR] [--seed N] [--lr X] [--prompts N]
                             [--n N] [--max-new-tokens N] [--minibatches N] [--algorithm dapo|grpo|gspo|...]
                             [--routing-replay] [--sft-batch N] [--save DIR] [--quiet]
+                            [--workers ENDPOINT] [--n-workers N] [--max-staleness S]
+                            [--curve PREFIX --allow A.pub,B.pub | --insecure]
 
   1. data: without --data, writes addition problems ("a+b=", a up to three digits, b one digit, answer in \boxed{}) as JSONL to
      DIR/eval.jsonl and DIR/train.jsonl (no training problem repeats a held-out one) and reads them back — the format a user's own dataset uses
@@ -19,6 +21,15 @@
   6. greedy accuracy after RL, and DIR/metrics.svg, a plot of reward and accuracy; --save DIR2 writes the trained
      model as an HF checkpoint (load it with --model DIR2 --tokenizer byte, or ds4.load / from_pretrained).
   examples/grpo.lua and examples/gspo.lua run this file with another algorithm table.
+
+  Rollouts come from the policy itself by default. The ROLLOUT table below switches them to remote workers
+  (`ds4 worker` processes, lua/ds4/rollout/): --workers ENDPOINT fills it in. The trainer then binds a pool there
+  after the SFT warm-up, saves the warmed-up model to DIR/worker_model (start the workers from it: it carries the
+  hash-routing tables the weight sync does not), and publishes every optimizer step's weights to the workers:
+    ds4 worker --connect ENDPOINT --model DIR/worker_model [--insecure | --key W.key --server-key PREFIX.pub]
+  tcp:// needs CURVE keys (`ds4 keygen --out PREFIX`: --curve PREFIX for the trainer, --allow the workers' .pub
+  files) or --insecure; ipc:// stays on this host. --max-staleness 0 makes every rollout use the newest weights
+  (default 1: one step behind at most, corrected by the importance ratio against the recomputed log-probs).
 ]]
 
 local ds4 = require("ds4")
@@ -29,7 +40,8 @@ local task = dofile(ds4.script_dir() .. "/arith_task.lua")
 -- ------------------------------------------------------------------------------------------------ options
 local defaults = { steps = 120, ["sft-steps"] = -1, model = "", tokenizer = "", data = "", ["eval-data"] = "",
     eval = 200, out = "runs/dapo", seed = 1, lr = 3e-4, prompts = 32, n = 8, ["max-new-tokens"] = 20,
-    minibatches = 2, algorithm = "dapo", ["routing-replay"] = false, ["sft-batch"] = 64, save = "", quiet = false }
+    minibatches = 2, algorithm = "dapo", ["routing-replay"] = false, ["sft-batch"] = 64, save = "", quiet = false,
+    workers = "", ["n-workers"] = 0, ["max-staleness"] = 1, curve = "", allow = "", insecure = false }
 local opts = {}
 for k, v in pairs(defaults) do opts[k] = v end
 for k, v in pairs(DS4_EXAMPLE_DEFAULTS or {}) do opts[k] = v end -- set by grpo.lua / gspo.lua
@@ -41,10 +53,12 @@ do
             io.stderr:write("dapo.lua: unknown option " .. tostring(arg[i]) .. "\nusage: ds4 run examples/dapo.lua "
                 .. "[--steps N] [--sft-steps N] [--model DIR] [--tokenizer FILE] [--data FILE.jsonl] [--eval-data "
                 .. "FILE.jsonl] [--eval N] [--out DIR] [--seed N] [--lr X] [--prompts N] [--n N] [--max-new-tokens N] "
-                .. "[--minibatches N] [--algorithm NAME] [--routing-replay] [--sft-batch N] [--save DIR] [--quiet]\n")
+                .. "[--minibatches N] [--algorithm NAME] [--routing-replay] [--sft-batch N] [--save DIR] [--quiet] "
+                .. "[--workers ENDPOINT [--n-workers N] [--max-staleness S] [--curve PREFIX --allow A.pub,B.pub | "
+                .. "--insecure]]\n")
             os.exit(2)
         end
-        if k == "quiet" or k == "routing-replay" then
+        if k == "quiet" or k == "routing-replay" or k == "insecure" then
             opts[k] = true
         else
             i = i + 1
@@ -62,6 +76,21 @@ do
     end
 end
 os.execute(("mkdir -p '%s'"):format(opts.out))
+
+-- Where rollouts come from: nil workers = the policy itself, in this process; an endpoint = remote `ds4 worker`
+-- processes behind a ds4.rollout.pool bound there. Changing this one table is the whole switch.
+local ROLLOUT = {
+    workers = opts.workers ~= "" and opts.workers or nil, -- e.g. "tcp://0.0.0.0:5555", "ipc:///tmp/dapo.sock"
+    expect = opts["n-workers"],                             -- wait for this many workers before the first step
+    max_staleness = opts["max-staleness"],
+    curve = nil,                                            -- {secret, public, allow = {...}} (key files or Z85)
+    insecure = opts.insecure,                               -- plain TCP without CURVE
+}
+if opts.curve ~= "" then
+    local allow = {}
+    for f in opts.allow:gmatch("[^,]+") do allow[#allow + 1] = f end
+    ROLLOUT.curve = { secret = opts.curve .. ".key", public = opts.curve .. ".pub", allow = allow }
+end
 
 -- ------------------------------------------------------------------------------------------------ model
 local tok, model
@@ -126,6 +155,17 @@ if opts["sft-steps"] > 0 then
 end
 
 -- ------------------------------------------------------------------------------------------------ RL
+local source -- nil: model:generate in this process
+if ROLLOUT.workers then
+    local wdir = opts.out .. "/worker_model"
+    model:save(wdir, { overwrite = true }) -- the workers' starting point (its tables; weights come over the wire)
+    source = ds4.rollout.pool{ bind = ROLLOUT.workers, model = model, workers = ROLLOUT.expect,
+        max_staleness = ROLLOUT.max_staleness, curve = ROLLOUT.curve, insecure = ROLLOUT.insecure,
+        quiet = opts.quiet }
+    print(("rollouts: remote workers on %s; start them with: ds4 worker --connect %s --model %s%s"):format(
+        source.endpoint, source.endpoint, wdir, ROLLOUT.curve and " --key W.key --server-key " .. opts.curve .. ".pub"
+        or (ROLLOUT.insecure and " --insecure" or "")))
+end
 local k0 = 0
 local r = task.rng(opts.seed + 104729)
 local result = trainer.run{
@@ -140,7 +180,7 @@ local result = trainer.run{
     reward = task.reward,
     decode = decode,
     eval = { samples = heldout, correct = task.correct, every = 40, max_new_tokens = M },
-    rollout = { n = opts.n, prompts_per_step = opts.prompts, max_new_tokens = M, temperature = 1.0 },
+    rollout = { n = opts.n, prompts_per_step = opts.prompts, max_new_tokens = M, temperature = 1.0, source = source },
     optim = { lr = opts.lr, betas = { 0.9, 0.99 }, weight_decay = 0.0, clip = 1.0 },
     steps = opts.steps,
     minibatches = opts.minibatches,
@@ -150,6 +190,13 @@ local result = trainer.run{
     progress = not opts.quiet,
 }
 
+if source then
+    local st = source:stats()
+    print(("workers: %d tasks completed, %d re-issued, %d duplicates dropped, %d failed; %d policy versions, %.1f MB "
+        .. "of weights served"):format(st.completed, st.reissued, st.duplicates, st.failed, st.version,
+        st.bytes_served / 1e6))
+    source:close()
+end
 local before, after = result.eval_before, result.eval_after
 print(("greedy accuracy on %d held-out problems: %.1f%% after SFT -> %.1f%% after %s (%+.1f points); %d s in all")
     :format(#heldout, 100 * before, 100 * after, opts.algorithm, 100 * (after - before), os.time() - wall0))

@@ -717,7 +717,10 @@ int luaopen_ds4_core(lua_State *L) {
     ds4l_tokenizer_open(L);
     ds4l_train_open(L); /* lua/train_lua.c */
     ds4l_save_open(L);  /* lua/save_lua.c */
+    ds4l_params_open(L); /* lua/params_lua.c */
     ds4l_gen_open(L);   /* lua/gen_lua.c (after the others: it guards some of their model methods) */
+    ds4l_zmq_open(L);   /* lua/zmq_lua.c: ds4.zmq */
+    ds4l_wire_open(L);  /* lua/wire_lua.c: ds4.wire */
 
     lua_pushliteral(L, DS4_VERSION_STRING);
     lua_setfield(L, mod, "version");

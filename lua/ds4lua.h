@@ -85,9 +85,21 @@ void ds4l_save_open(lua_State *L);
 /* lua/train_lua.c: add zero_grad / backward / grads to the model methods and ds4.adamw to the module table at
  * the top of the stack. */
 void ds4l_train_open(lua_State *L);
+/* lua/params_lua.c: add params / set_params / tables_crc (the flat fp32 parameter buffer, for weight sync) to the
+ * model methods. */
+void ds4l_params_open(lua_State *L);
 /* lua/gen_lua.c: add generate / new_cache / step to the model methods and ds4.sample, ds4.sample_uniform,
  * ds4.is_cache to the module table at the top of the stack. */
 void ds4l_gen_open(lua_State *L);
+/* lua/zmq_lua.c: put the ds4.zmq table (sockets, poll, CURVE keys, the ZAP handler) into the module table at the
+ * top of the stack. The ZeroMQ context belongs to the lua_State: made on first use, terminated at lua_close. */
+void ds4l_zmq_open(lua_State *L);
+/* lua/zmq_lua.c: `ds4 keygen [--out PREFIX] [--force]` (argv[1] is "keygen"); returns the exit status (0 ok, 1
+ * failure, 2 usage error). */
+int ds4l_keygen_main(int argc, char **argv);
+/* lua/wire_lua.c: put the ds4.wire table (the rollout wire codec, rollout/wire.h) into the module table at the top
+ * of the stack. */
+void ds4l_wire_open(lua_State *L);
 /* lua/train_lua.c: model:forward's pass: a training forward (activations kept for model:backward) when
  * opts.train is true, or when it is nil and labels are given to a model with gradients enabled; else
  * ds4_model_forward. model_idx: the model's stack slot; opts_idx: the options table's slot, or 0. */

@@ -2,6 +2,8 @@
  *
  *   ds4 run FILE.lua [args...]   run a script (FILE "-" = stdin)
  *   ds4 repl [--model DIR] [--tokenizer FILE] [--threads N]   interactive Lua prompt (lua/repl.c, lua/ds4/repl.lua)
+ *   ds4 worker --connect EP ...  a rollout worker (lua/ds4/rollout/worker.lua parses the rest of the options)
+ *   ds4 keygen [--out PREFIX]    a CURVE key pair for ZeroMQ (lua/zmq_lua.c: ds4l_keygen_main)
  *   ds4 version                  versions of ds4 and of the libraries it was built with
  *   ds4 help                     usage
  *
@@ -56,6 +58,13 @@ static void usage(FILE *f) {
             "      --tokenizer FILE    a tokenizer.json (default: DIR/tokenizer.json when present, else the\n"
             "                          built-in byte-level tokenizer)\n"
             "      --threads N         CPU threads (0 = all cores)\n"
+            "  worker --connect ENDPOINT [--model DIR|CONFIG.json] [--threads N] [--key FILE --server-key FILE |\n"
+            "         --insecure] [--id NAME] [--max-batch N] [--credits N]\n"
+            "                      a rollout worker for a trainer's ds4.rollout.pool (`ds4 worker --help`);\n"
+            "                      Ctrl-C or SIGTERM: says bye to the trainer and exits 0\n"
+            "  keygen [--out PREFIX] [--force]\n"
+            "                      make a CURVE key pair (Z85) for ZeroMQ: PREFIX.key (secret, mode 0600)\n"
+            "                      and PREFIX.pub (public); without --out, print both to stdout\n"
             "  version             print the versions of ds4, LuaJIT, ZeroMQ and msgpack-c\n"
             "  help                print this help\n"
             "\n"
@@ -226,6 +235,7 @@ typedef struct run_ctx {
     char **argv;
     int script;                 /* argv index of the script (ds4 run) */
     const ds4l_repl_opts *repl; /* ds4 repl: its options; NULL for ds4 run */
+    int worker;                 /* ds4 worker: argv[2..] go to require("ds4.rollout.worker").main(arg) */
     int status;                 /* exit status */
 } run_ctx;
 
@@ -247,6 +257,36 @@ static void setup_state(lua_State *L) {
     lua_setfield(L, LUA_REGISTRYINDEX, DS4L_INTERRUPT_KEY);
 }
 
+/* ds4 worker: SIGINT and SIGTERM only set the interrupt flag (no hook: ds4l_signal_state stays NULL), which the
+ * worker loop polls (and a running generation sees as a cancel); it then says bye and returns 0. A third signal
+ * that went unnoticed ends the process (on_sigint). */
+static int run_worker(lua_State *L, run_ctx *ctx) {
+    lua_createtable(L, ctx->argc, 0);
+    for (int i = 2; i < ctx->argc; i++) {
+        lua_pushstring(L, ctx->argv[i]);
+        lua_rawseti(L, -2, i - 1);
+    }
+    lua_setglobal(L, "arg");
+    lua_pushcfunction(L, traceback);
+    if (luaL_loadstring(L, "return require('ds4.rollout.worker').main(arg)") != 0) {
+        report(L);
+        ctx->status = 1;
+        return 0;
+    }
+    install_sigint(1);
+    signal(SIGTERM, on_sigint);
+    int rc = lua_pcall(L, 0, 1, -2);
+    signal(SIGTERM, SIG_DFL);
+    uninstall_sigint();
+    if (rc != 0) {
+        report(L);
+        ctx->status = 1;
+    } else {
+        ctx->status = lua_isnumber(L, -1) ? (int)lua_tointeger(L, -1) : 0;
+    }
+    return 0;
+}
+
 static int pmain(lua_State *L) {
     run_ctx *ctx = lua_touserdata(L, 1);
     lua_settop(L, 0);
@@ -258,6 +298,7 @@ static int pmain(lua_State *L) {
         uninstall_sigint();
         return 0;
     }
+    if (ctx->worker) return run_worker(L, ctx);
 
     /* arg as the luajit interpreter builds it: arg[0] = the script, positive indices its arguments, negative
      * ones everything before the script (arg[-1] = "run", arg[-2] = the ds4 program). */
@@ -375,6 +416,11 @@ int main(int argc, char **argv) {
             return 2;
         }
         run_ctx ctx = {.argc = argc, .argv = argv, .script = 2, .repl = NULL, .status = 0};
+        return run_state(&ctx);
+    }
+    if (strcmp(cmd, "keygen") == 0) return ds4l_keygen_main(argc, argv);
+    if (strcmp(cmd, "worker") == 0) {
+        run_ctx ctx = {.argc = argc, .argv = argv, .script = 0, .repl = NULL, .worker = 1, .status = 0};
         return run_state(&ctx);
     }
     if (strcmp(cmd, "repl") == 0) {

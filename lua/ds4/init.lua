@@ -48,6 +48,12 @@ Models
                                    rope_parameters = {main = {...}, compress = {...}}, compress_rates
   model:n_params()  model:has_mtp()
   model:tensors()                  {official name = tensor}: copies of the parameters
+  model:params()                   F32 tensor [n_params]: a copy of the flat fp32 parameter buffer (lua/params_lua.c)
+  model:set_params(src)            replace every parameter from an F32 tensor of n_params elements or a string of
+                                   4 n_params little-endian bytes (one memcpy; gradients and optimizer state kept;
+                                   not from an on_token callback) -> model
+  model:tables_crc()               CRC-32 of the non-fp32 tensors (hash-routing tid2eid tables): equal parameters
+                                   give equal outputs only if these agree too
   model:free()                     release now (later calls raise "model has been freed")
   ds4.is_model(x)
   ds4.config_summary(cfg)          one-line description of a config table
@@ -171,6 +177,92 @@ RL algorithms (lua/ds4/rl/, pure Lua: ds4.rl = require("ds4.rl"); formulas and c
   rl.filter      DAPO dynamic sampling (keep_groups, fill_batch), overlong filtering, soft overlong punishment
   rl.algorithms  presets (data): grpo, dapo, dr_grpo, gspo, cispo, reinforce_pp, rloo; rl.preset(name, overrides)
 
+ZeroMQ (lua/zmq_lua.c; one context per Lua state, made on first use, terminated at exit after every socket)
+  ds4.zmq.socket(type)             "ROUTER" | "DEALER" | "PUSH" | "PULL" | "PAIR" | "REQ" | "REP" (| "PUB" | "SUB");
+                                   made with linger 0 (set it before close to flush)
+  sock:set{opt = value, ...}       linger, sndhwm, rcvhwm, routing_id, heartbeat_ivl, heartbeat_timeout,
+                                   heartbeat_ttl, reconnect_ivl, reconnect_ivl_max, handshake_ivl, connect_timeout,
+                                   tcp_keepalive (ms / counts: integers), maxmsgsize (bytes), router_mandatory,
+                                   router_handover, immediate, ipv6, curve_server (booleans, or 1 / 0), curve_publickey,
+                                   curve_secretkey, curve_serverkey (40-character Z85 keys), zap_domain, subscribe,
+                                   unsubscribe (strings). Unknown keys and wrong types raise; every entry is checked
+                                   before any is applied. -> sock
+  sock:get(name)                   an option's value (also "last_endpoint")
+  sock:bind(ep) -> endpoint        the bound endpoint: "tcp://127.0.0.1:*" reports the port
+  sock:connect(ep)  sock:disconnect(ep)  sock:unbind(ep)
+  sock:send(frames [, {timeout = ms}])  frames: array of strings or tensors (their bytes), one multipart message
+                                   -> true | nil, "EAGAIN" | "EHOSTUNREACH" | other errno name, message. Never
+                                   blocks (ZMQ_DONTWAIT) unless opts.timeout: then waits up to that long while the
+                                   send would block (EAGAIN)
+  sock:recv([timeout_ms])          -> array of frame strings, or nil when nothing came in time; 0 = poll once;
+                                   nil (or -1) = wait forever
+  ds4.zmq.poll(socks, timeout_ms)  -> array of booleans (readable); timeout as for recv
+                                   Waits wake every 100 ms: Ctrl-C (the host's interrupt flag) raises
+                                   "<function>: interrupted".
+  sock:events() -> {readable, writable}   sock:type()   sock:close([linger_ms])   tostring(sock)
+  ds4.zmq.keypair() -> public, secret     Z85 CURVE keys (raises when libzmq has no CURVE)
+  ds4.zmq.public_from_secret(secret) -> public
+  ds4.zmq.read_key(path) -> z85    the key in a `ds4 keygen` file (PREFIX.key or PREFIX.pub): the first line that
+                                   is not a # comment
+  ds4.zmq.has(capability) -> bool  ds4.zmq.version() -> "4.3.4"
+  ds4.zmq.zap{allow = {public_z85, ...}, quiet = false} -> handler: authenticates CURVE clients of every CURVE
+                                   server socket of the state (rollout/zap.c: a thread answering ZAP requests):
+                                   listed keys get 200 (user id = the key), others 400, counted, remembered (the
+                                   last 64 distinct keys) and logged "ds4 zap: refused CURVE key <z85> from <addr>".
+                                   Start it BEFORE a CURVE server binds. One per state; it keeps running when the
+                                   script drops it (until handler:stop() or exit). After stop, CURVE servers accept
+                                   any client key again (libzmq's behaviour without a handler).
+  handler:allow(key)  handler:deny(key) -> was_there  handler:is_allowed(key)  handler:allowed() -> keys
+  handler:stats() -> {accepted = n, refused = n, refused_keys = {z85, ...}, allowed = n}
+  handler:stop()  handler:running()
+
+Rollout wire codec (lua/wire_lua.c; rollout/protocol.md; the C API: rollout/wire.h)
+  ds4.wire.encode(msg [, frames]) -> array of frame strings (header, raw frames), ready for sock:send. msg.t is
+                                   the type; the other keys mirror that type's struct in wire.h:
+    hello           worker, max_batch, threads, vocab_size, n_params, build (""), policy (0)
+    credit          n
+    task            task_id, attempt (0), policy, max_new_tokens, temperature (1), top_k (0), top_p (1),
+                    min_p (0), n (1), seed (0; a number, or a decimal string above 2^53), stop ({}),
+                    ignore_eos, record_experts, record_index (false), prompt_len (#prompt); frame prompt (i32)
+    samples         task_id, attempt (0), policy, n (#seq), seq = {{prompt_len, n_gen, finish (1..5 or "length",
+                    "eos", "stop_token", "stop_string", "cancelled"), stop_index (-1), n_rows (0)}, ...},
+                    experts_layers, experts_k, index_layers, index_topk (0 = no such frame); frames tokens (i32),
+                    logprobs, sample_logprobs (f32), experts, index (i32, when their shape is set)
+    weight_announce version, n_params, bytes (4 n_params), chunk, chunks (ceil(bytes / chunk)), dtype ("f32"), crc
+    weight_request  version, index
+    weight_chunk    version, index, offset (index chunk), bytes, chunk, crc (computed when absent); frame weights
+    heartbeat       policy, active (0)
+    error           code (a number or a name: "state", ...), reason (""), ref_t (""), ref_id (0), ref_n (0)
+    bye             reason ("")
+                                   (defaults in parentheses; a field without one is required). Raw frames come from
+                                   `frames` or from msg, by their protocol names: a Lua array of numbers, a string
+                                   of little-endian bytes, or an I32 / F32 tensor. Errors name the field
+                                   ("ds4.wire.encode: task.attempt: ..."); the codec's own validation (ranges,
+                                   cross-field rules) raises with its message.
+  ds4.wire.decode(frames [, limits, opts]) -> msg (the fields above plus v; samples' seq entries also carry
+                                   finish_reason, error messages code_name; raw frames as Lua arrays, weights as a
+                                   string) | nil, code_name, message, ref_t for a malformed message: it never raises
+                                   on the peer's bytes (only for the caller's mistakes). limits: overrides of
+                                   ds4.wire.default_limits(); opts.raw = true keeps raw frames as strings;
+                                   opts.first = 2 skips a ROUTER's routing-id frame. encode(decode(x)) = x.
+  ds4.wire.error_message(code, reason, ref_t [, ref_id, ref_n]) -> frames of an error message (reason cut to 256
+                                   bytes)
+  ds4.wire.crc32(s [, crc])        CRC-32 (IEEE) of a string or a tensor's bytes, continuing from crc
+  ds4.wire.codes = {name = number}  ds4.wire.code_name(n)  ds4.wire.types  ds4.wire.VERSION (1)
+
+Remote rollouts (lua/ds4/rollout/: pool.lua and worker.lua say everything; rollout/README.md, protocol.md)
+  ds4.rollout.pool{bind, model, curve = {secret, public, allow} | insecure = true, workers = 0,
+                   max_staleness = 1, stale = "requeue" | "accept_with_version", lease_s = 60, dead_s = 10, ...}
+                                   -> pool, a rollout source: pool:generate(prompts, opts) has model:generate's
+                                   interface and results (+ policy_version, task, attempt, worker per result;
+                                   res.failed); prompt p is one task with seed ds4.rollout.task_seed(opts.seed, p)
+  pool:publish(model) -> version   snapshot the parameters as a new policy version (unchanged: same version);
+                                   trainer.run calls it after every step when rollout.source has it
+  pool:stats()  pool:sync([timeout_s])  pool:wait(n [, timeout_s])  pool:service([timeout_ms])  pool:close()
+  pool.endpoint  pool.version
+  ds4.rollout.task_seed(seed, p)   the seed of prompt p of a generate call with opts.seed = seed
+  ds4.rollout.worker.run{connect, model, id, curve | insecure, max_batch, credits} -> exit status (`ds4 worker`)
+
 Misc
   ds4.version  ds4.build_info  ds4.luajit_version
   ds4.script_dir()                 directory of the running script (arg[0]), "." if unknown
@@ -248,8 +340,8 @@ function M.script_dir()
     return script:match("^(.*)/[^/]*$") or "."
 end
 
--- pure-Lua parts load on first use: ds4.chat, ds4.reward, ds4.rl
-local LAZY = { chat = "ds4.chat", reward = "ds4.reward", rl = "ds4.rl" }
+-- pure-Lua parts load on first use: ds4.chat, ds4.reward, ds4.rl, ds4.rollout
+local LAZY = { chat = "ds4.chat", reward = "ds4.reward", rl = "ds4.rl", rollout = "ds4.rollout" }
 setmetatable(M, { __index = function(t, k)
     if LAZY[k] then
         t[k] = require(LAZY[k])

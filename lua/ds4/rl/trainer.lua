@@ -16,8 +16,9 @@
 
 Rollout source: rollout.source is any object with source:generate(prompts, opts) -> results shaped like
 model:generate's (ids, logprobs, finish_reason per sample, prompt-major with opts.n samples per prompt). Default:
-the policy itself, in process. The remote worker pool (rollout/) implements the same method, so switching is one
-table field.
+the policy itself, in process. The remote worker pool (ds4.rollout.pool, lua/ds4/rollout/) implements the same
+method, so switching is one table field; a source with a :publish(model) method is handed the policy after every
+step's optimizer updates (the pool makes it a new policy version that its workers fetch).
 
 One step:
   1. rollouts: prompts_per_step prompts × n samples; rewards through ds4.reward.evaluate_batch (a sample whose
@@ -311,6 +312,8 @@ function M.run(cfg)
             row.lr = last and last.lr
         end
         row["groups/kept"] = #samples / ro.n
+        -- a remote source (ds4.rollout.pool) gets the new weights: a new policy version its workers fetch
+        if ro.source and ro.source.publish and #samples > 0 then ro.source:publish(model) end
         local dt = now() - t0
         row.seconds = dt
         row.tokens_per_s = (st.gen_tokens + trained_tokens) / math.max(dt, 1e-9)

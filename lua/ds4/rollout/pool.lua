@@ -1,0 +1,895 @@
+--[==[ ds4.rollout.pool — the trainer's side of the rollout protocol (rollout/protocol.md): remote workers behind the
+  same :generate a model has, so that ds4.rl.trainer's rollout.source = pool works unchanged.
+
+  local pool = ds4.rollout.pool{
+      bind = "tcp://127.0.0.1:5555",   -- the ROUTER endpoint ("tcp://127.0.0.1:*": any free port; pool.endpoint)
+      model = policy,                  -- the policy: checks a worker's hello (vocab, n_params, tables) and is what
+                                       -- the first generate publishes when nothing has been published yet
+      curve = {secret = KEY, public = KEY, allow = {KEY, ...}},  -- CURVE server keys and the workers' public keys
+                                       -- (each a Z85 string or a `ds4 keygen` file); required for tcp:// unless
+      insecure = false,                -- true: plain TCP, unauthenticated and unencrypted (warns on stderr)
+      workers = 0,                     -- the first generate waits (up to wait_s) for this many workers; 0: none
+      max_staleness = 1,               -- S: samples of a policy older than current - S are never trained on ...
+      stale = "requeue",               -- ... they are re-issued ("requeue") or kept with their version
+                                       -- ("accept_with_version": results carry policy_version)
+      lease_s = 60, lease_rate = 1000, -- lease deadline: lease_s + n · max_new_tokens / lease_rate seconds
+      dead_s = 10,                     -- a worker silent this long is dead: its leases are re-issued
+      heartbeat_s = 1, max_attempts = 3, chunk_bytes = 16 MiB, wait_s = 60, timeout_s = nil (generate: no limit),
+      log = function(level, msg) ... end, verbose = false, quiet = false,
+      on_result = function(prompt_index, results, worker) ... end,   -- called as each task completes
+  }
+  pool:generate(prompts, opts)   -- model:generate's interface and results (prompt-major, opts.n per prompt)
+  pool:publish(model)            -- a new policy version from the model's parameters (no-op when unchanged)
+  pool:stats()  pool:close()  pool.endpoint  pool.version
+
+  Sampling. One task per prompt carries all opts.n samples and its own seed, pool.task_seed(opts.seed, p): result
+  (p, s) equals model:generate({prompts[p]}, opts with seed = pool.task_seed(opts.seed, p)) [s] at the policy
+  version the result reports (res[i].policy_version), whichever worker made it and however often it was re-issued.
+  Each result also has task, attempt and worker; a task that failed max_attempts times (its leases expired, its
+  workers died, or they reported errors) yields n results with ids = {} and finish_reason "failed" (res.failed
+  counts them). opts.stop holds token ids only (stop strings are not in protocol v1); on_token is refused (samples
+  arrive per task: cfg.on_result reports progress); max_batch, prefill_chunk and tokenizer are accepted and not
+  used (each worker has its own --max-batch).
+
+  Testing: cfg.transport = {recv = function(self, timeout_ms) -> peer, frames | nil, send = function(self, peer,
+  frames) -> true | nil, err, close = function(self)} replaces the socket and cfg.clock = function() -> seconds
+  replaces the monotonic clock (tests/lua/test_rollout_pool.lua drives the whole state machine that way).
+]==]
+
+local ffi = require("ffi")
+local ds4 = require("ds4")
+local codec = require("ds4.rollout.codec")
+
+local M = {}
+local Pool = {}
+Pool.__index = Pool
+
+local MAX_CREDIT = 1024
+local MAX_CHUNK = 16 * 1024 * 1024
+local TWO53 = 9007199254740992
+
+-- ------------------------------------------------------------------------------------------------ helpers
+
+local function printable(id)
+    return (id:gsub("[^\33-\126]", function(c) return ("\\x%02x"):format(c:byte()) end))
+end
+
+-- The per-task seed of prompt p (1-based) of a generate call with seed `seed`: a counter-based hash (the engine's
+-- own uniform draw), so prompts of one call and calls with nearby seeds do not share sampling streams.
+function M.task_seed(seed, p)
+    return math.floor(ds4.sample_uniform(seed or 0, 4503599627370496 + p, 0) * TWO53)
+end
+
+local GEN_KEYS = { max_new_tokens = true, temperature = true, top_k = true, top_p = true, min_p = true, n = true,
+    seed = true, stop = true, tokenizer = true, ignore_eos = true, record_experts = true, record_index = true,
+    max_batch = true, prefill_chunk = true, on_token = true }
+
+local function check_gen_opts(opts)
+    for k in pairs(opts) do
+        if not GEN_KEYS[k] then
+            error("pool:generate: unknown option '" .. tostring(k) .. "' (known: model:generate's options)", 3)
+        end
+    end
+    local function int(k, def, lo, hi)
+        local v = opts[k]
+        if v == nil then return def end
+        if type(v) ~= "number" or v ~= math.floor(v) or v < lo or v > hi then
+            error(("pool:generate: opts.%s must be an integer in [%s, %s], got %s"):format(k, lo, hi, tostring(v)), 4)
+        end
+        return v
+    end
+    local function num(k, def, lo, hi)
+        local v = opts[k]
+        if v == nil then return def end
+        if type(v) ~= "number" or not (v >= lo and v <= hi) then
+            error(("pool:generate: opts.%s must be a number in [%s, %s], got %s"):format(k, lo, hi, tostring(v)), 4)
+        end
+        return v
+    end
+    if opts.on_token ~= nil then
+        error("pool:generate: on_token is not supported by remote workers (a task's samples arrive whole; use "
+            .. "cfg.on_result for progress)", 3)
+    end
+    local s = {
+        max_new_tokens = int("max_new_tokens", 64, 1, 2 ^ 20),
+        temperature = num("temperature", 1.0, 0, 1000),
+        top_k = int("top_k", 0, 0, 2 ^ 31 - 1),
+        top_p = num("top_p", 1.0, 0, 1),
+        min_p = num("min_p", 0.0, 0, 1),
+        n = int("n", 1, 1, 64),
+        seed = int("seed", 0, 0, TWO53),
+        ignore_eos = opts.ignore_eos and true or false,
+        record_experts = opts.record_experts and true or false,
+        record_index = opts.record_index and true or false,
+        stop = {},
+    }
+    if s.n * s.max_new_tokens > 2 ^ 20 then
+        error(("pool:generate: n · max_new_tokens = %d exceeds the protocol's 2^20 tokens per task"):format(
+            s.n * s.max_new_tokens), 3)
+    end
+    for i, v in ipairs(opts.stop or {}) do
+        if type(v) ~= "number" or v ~= math.floor(v) or v < 0 or v > 2 ^ 31 - 1 then
+            error(("pool:generate: opts.stop[%d]: remote workers take stop token ids only (protocol v1 has no stop "
+                .. "strings), got %s"):format(i, tostring(v)), 3)
+        end
+        s.stop[i] = v
+    end
+    if #s.stop > 64 then error("pool:generate: at most 64 stop ids", 3) end
+    return s
+end
+
+-- ------------------------------------------------------------------------------------------------ transport
+
+local function zmq_transport(cfg, log)
+    local zmq = ds4.zmq or error("ds4.rollout.pool: this ds4 was built without ZeroMQ (ds4.zmq)", 3)
+    local ep = cfg.bind or error("ds4.rollout.pool: cfg.bind (an endpoint) is required", 3)
+    local t = { zap = nil }
+    local secret, public
+    if cfg.curve then
+        secret = codec.read_key(cfg.curve.secret, "ds4.rollout.pool: curve.secret")
+        public = codec.read_key(cfg.curve.public, "ds4.rollout.pool: curve.public")
+        local allow = {}
+        for i, k in ipairs(cfg.curve.allow or {}) do allow[i] = codec.read_key(k, "ds4.rollout.pool: curve.allow") end
+        if #allow == 0 then log("warn", "curve.allow is empty: every worker will be refused") end
+        t.zap = zmq.zap{ allow = allow } -- before the CURVE server binds, or early handshakes go unauthenticated
+    elseif codec.needs_curve(ep) then
+        if not cfg.insecure then
+            error("ds4.rollout.pool: " .. ep .. " is plain TCP: give curve = {secret = ..., public = ..., allow = "
+                .. "{worker public keys}} (keys from `ds4 keygen --out PREFIX`), or insecure = true to accept "
+                .. "unauthenticated, unencrypted workers", 3)
+        end
+        io.stderr:write("ds4 pool: WARNING: " .. ep .. " is plain TCP without CURVE (insecure = true): anyone who "
+            .. "can reach it can connect, and weights and samples travel unencrypted\n")
+    end
+    local s = zmq.socket("ROUTER")
+    t.sock = s
+    s:set{ linger = 0, sndhwm = 1000, rcvhwm = 1000, router_mandatory = true, heartbeat_ivl = 1000,
+        heartbeat_timeout = 10000, maxmsgsize = 2 ^ 30 }
+    pcall(s.set, s, { router_handover = true }) -- protocol.md §6; not every binding build knows the option
+    if secret then s:set{ curve_server = true, curve_secretkey = secret, curve_publickey = public } end
+    t.endpoint = s:bind(ep)
+    function t:recv(timeout_ms)
+        local fr = self.sock:recv(timeout_ms)
+        if not fr then return nil end
+        local peer = table.remove(fr, 1)
+        return peer, fr
+    end
+    function t:send(peer, frames)
+        local fr = { peer }
+        for i = 1, #frames do fr[i + 1] = frames[i] end
+        return self.sock:send(fr)
+    end
+    function t:close()
+        if self.sock then self.sock:close(); self.sock = nil end
+        self.zap = nil
+    end
+    function t:refused()
+        if not self.zap then return nil end
+        return self.zap:stats()
+    end
+    return t
+end
+
+-- ------------------------------------------------------------------------------------------------ construction
+
+function M.new(cfg)
+    if type(cfg) ~= "table" then error("ds4.rollout.pool: a config table expected", 2) end
+    local known = { bind = 1, model = 1, curve = 1, insecure = 1, workers = 1, max_staleness = 1, stale = 1,
+        lease_s = 1, lease_rate = 1, dead_s = 1, heartbeat_s = 1, max_attempts = 1, chunk_bytes = 1, wait_s = 1,
+        timeout_s = 1, log = 1, verbose = 1, transport = 1, clock = 1, quiet = 1, on_result = 1 }
+    for k in pairs(cfg) do
+        if not known[k] then error("ds4.rollout.pool: unknown option '" .. tostring(k) .. "'", 2) end
+    end
+    local self = setmetatable({}, Pool)
+    self.cfg = cfg
+    self.now = cfg.clock or codec.now
+    self.verbose = cfg.verbose
+    self.logf = cfg.log or function(level, msg)
+        if level == "debug" and not self.verbose then return end
+        if level == "info" and cfg.quiet then return end
+        io.stderr:write(("ds4 pool: %s%s\n"):format(level == "warn" and "warning: " or "", msg))
+    end
+    self.S = cfg.max_staleness or 1
+    self.stale_mode = cfg.stale or "requeue"
+    if self.stale_mode ~= "requeue" and self.stale_mode ~= "accept_with_version" then
+        error("ds4.rollout.pool: stale must be \"requeue\" or \"accept_with_version\"", 2)
+    end
+    self.lease_s = cfg.lease_s or 60
+    self.lease_rate = cfg.lease_rate or 1000
+    self.dead_s = cfg.dead_s or 10
+    self.heartbeat_s = cfg.heartbeat_s or 1
+    self.max_attempts = cfg.max_attempts or 3
+    self.chunk_bytes = cfg.chunk_bytes or MAX_CHUNK
+    if self.chunk_bytes % 4 ~= 0 or self.chunk_bytes < 4 or self.chunk_bytes > MAX_CHUNK then
+        error("ds4.rollout.pool: chunk_bytes must be a multiple of 4 in [4, 16 MiB]", 2)
+    end
+    self.expect = cfg.workers or 0
+    self.model = cfg.model
+    if self.model then
+        local c = self.model:config()
+        self.vocab, self.n_params = c.vocab_size, self.model:n_params()
+        self.tables = self.model.tables_crc and self.model:tables_crc() or nil
+    end
+    self.transport = cfg.transport or zmq_transport(cfg, function(l, m) self.logf(l, m) end)
+    self.endpoint = self.transport.endpoint or cfg.bind
+    self.workers = {}     -- id -> session
+    self.tasks = {}       -- id -> task of the running generate call
+    self.queue = {}       -- task ids waiting for a lease, in order
+    self.done_ids = {}    -- completed or failed ids of the current call (earlier calls: below low_water)
+    -- ids increase within a run and start from the wall clock, so that a late answer meant for a previous
+    -- trainer process on the same endpoint can never be taken for one of this run's tasks
+    self.next_id = math.floor(os.time() % 2 ^ 31) * 2 ^ 21
+    self.low_water = self.next_id
+    self.version = 0
+    self.weights = {}     -- version -> {version, tensor, ptr, bytes, chunk, chunks, crc, chunk_crc}
+    self.rejects = {}     -- peer -> {t0, n, muted, log_t0, log_n, suppressed}
+    self.zap_refused = 0
+    self.st = { tasks = 0, completed = 0, failed = 0, reissued = 0, duplicates = 0, stale_requeued = 0,
+        stale_accepted = 0, rejected = 0, refused = 0, publishes = 0, publish_seconds = 0, bytes_served = 0,
+        chunks_served = 0, samples = 0, tokens = 0, generate_seconds = 0, dead = 0, hellos = 0, syncs = {} }
+    self.last_service = self.now()
+    self.logf("info", ("listening on %s (%s)"):format(tostring(self.endpoint),
+        cfg.curve and "CURVE" or (codec.needs_curve(tostring(self.endpoint)) and "INSECURE plain TCP" or "local")))
+    return self
+end
+
+function Pool:log(level, msg) self.logf(level, msg) end
+
+-- ------------------------------------------------------------------------------------------------ sending
+
+-- Send msg to a worker; false when the worker is gone (its session is dropped and its leases re-issued).
+function Pool:send(peer, msg, raw)
+    local frames = codec.encode(msg, raw)
+    local ok, err = self.transport:send(peer, frames)
+    local w = self.workers[peer]
+    if ok then
+        if w then w.last_sent = self.now() end
+        return true
+    end
+    if err == "EAGAIN" then
+        self:log("debug", ("send to %s: high-water mark reached, %s dropped"):format(printable(peer), msg.t))
+        return false
+    end
+    if w then
+        self:log("warn", ("worker %s unreachable (%s): its leases are re-issued"):format(printable(peer),
+            tostring(err)))
+        self:drop_worker(w, true)
+    end
+    return false
+end
+
+function Pool:reply_error(peer, code, reason, ref_t, ref_id, ref_n)
+    return self:send(peer, codec.error_msg(code, reason, ref_t, ref_id, ref_n))
+end
+
+-- ------------------------------------------------------------------------------------------------ leases
+
+-- Put a task back at the front of the queue with attempt + 1. failure: whether this lease counts toward
+-- max_attempts (it failed) or not (the worker left cleanly, the samples were stale).
+function Pool:requeue(t, why, failure)
+    if t.state ~= "leased" then return end
+    local lw = self.workers[t.worker]
+    if lw then lw.leases[t.id] = nil end
+    t.worker, t.deadline = nil, nil
+    if failure then t.failures = t.failures + 1 end
+    if t.failures >= self.max_attempts then
+        t.state = "failed"
+        t.error = why
+        self.done_ids[t.id] = true
+        self.st.failed = self.st.failed + 1
+        self:log("warn", ("task %d failed after %d attempts (last: %s)"):format(t.id, t.failures, why))
+        return
+    end
+    t.state = "queued"
+    t.attempt = t.attempt + 1
+    table.insert(self.queue, 1, t.id)
+    self.st.reissued = self.st.reissued + 1
+    self:log("debug", ("task %d re-issued as attempt %d: %s"):format(t.id, t.attempt, why))
+end
+
+function Pool:drop_worker(w, failure, why)
+    if self.workers[w.id] ~= w then return end
+    self.workers[w.id] = nil
+    local ids = {}
+    for id in pairs(w.leases) do ids[#ids + 1] = id end
+    table.sort(ids, function(a, b) return a > b end) -- requeue inserts at the front: keep id order
+    for _, id in ipairs(ids) do
+        local t = self.tasks[id]
+        if t then self:requeue(t, why or ("worker " .. printable(w.id) .. " gone"), failure) end
+    end
+end
+
+local function lease_deadline(self, t, now)
+    return now + self.lease_s + t.sampling.n * t.sampling.max_new_tokens / self.lease_rate
+end
+
+function Pool:pick_worker(t)
+    local best, fallback
+    for _, w in pairs(self.workers) do
+        if w.credit > 0 then
+            if not t.tried[w.id] then
+                if not best or w.credit > best.credit or (w.credit == best.credit and w.id < best.id) then best = w end
+            elseif not fallback or w.credit > fallback.credit then
+                fallback = w
+            end
+        end
+    end
+    return best or fallback
+end
+
+function Pool:dispatch()
+    local i = 1
+    while i <= #self.queue do
+        local t = self.tasks[self.queue[i]]
+        if not t or t.state ~= "queued" then
+            table.remove(self.queue, i)
+        else
+            local w = self:pick_worker(t)
+            if not w then return end
+            table.remove(self.queue, i)
+            w.credit = w.credit - 1
+            t.state, t.worker = "leased", w.id
+            t.deadline = lease_deadline(self, t, self.now())
+            t.tried[w.id] = true
+            t.issued[t.attempt] = w.id
+            w.leases[t.id] = true
+            local s = t.sampling
+            local ok = self:send(w.id, { t = "task", task_id = t.id, attempt = t.attempt, policy = math.max(1,
+                self.version - self.S), prompt_len = t.prompt_len, max_new_tokens = s.max_new_tokens,
+                temperature = s.temperature, top_k = s.top_k, top_p = s.top_p, min_p = s.min_p, n = s.n,
+                seed = t.seed, stop = s.stop, ignore_eos = s.ignore_eos, record_experts = s.record_experts,
+                record_index = s.record_index }, { prompt = t.prompt_bytes })
+            if not ok and t.state == "leased" and t.worker == w.id then
+                -- high-water mark: no lease was made; the task keeps its attempt number and its place
+                w.leases[t.id] = nil
+                t.issued[t.attempt] = nil
+                t.state, t.worker, t.deadline = "queued", nil, nil
+                w.credit = 0
+                table.insert(self.queue, i, t.id)
+                i = i + 1
+            end -- else the worker was unreachable: drop_worker re-queued the task (attempt + 1)
+        end
+    end
+end
+
+-- ------------------------------------------------------------------------------------------------ messages
+
+local function count_reject(self, peer, code, why, ref_t)
+    self.st.rejected = self.st.rejected + 1
+    local now = self.now()
+    local r = self.rejects[peer]
+    if not r or now - r.t0 > 60 then
+        r = { t0 = now, n = 0, log_t0 = now, log_n = 0, suppressed = 0, muted = false }
+        self.rejects[peer] = r
+    end
+    r.n = r.n + 1
+    if now - r.log_t0 >= 1 then
+        if r.suppressed > 0 then
+            self:log("warn", ("%d more rejected messages from %s"):format(r.suppressed, printable(peer)))
+        end
+        r.log_t0, r.log_n, r.suppressed = now, 0, 0
+    end
+    if r.log_n < 10 then
+        r.log_n = r.log_n + 1
+        self:log("warn", ("rejected a message from %s: %s (%s)"):format(printable(peer), tostring(why), tostring(code)))
+    else
+        r.suppressed = r.suppressed + 1
+    end
+    if r.n > 100 then
+        if not r.muted then
+            self:log("warn", ("%s sent more than 100 rejected messages in 60 s: no more error replies until its next "
+                .. "valid hello"):format(printable(peer)))
+        end
+        r.muted = true
+        return
+    end
+    if ref_t ~= "error" then self:reply_error(peer, code, why, ref_t) end
+end
+
+function Pool:on_message(peer, frames)
+    local m, code, why, ref_t = codec.decode(frames)
+    if not m then
+        if ref_t == "" then ref_t = nil end
+        if ref_t == "error" then -- never answer an error with an error
+            self.st.rejected = self.st.rejected + 1
+            self:log("debug", ("bad error message from %s: %s"):format(printable(peer), tostring(why)))
+            return
+        end
+        count_reject(self, peer, code or "parse", why, ref_t)
+        return
+    end
+    local w = self.workers[peer]
+    local now = self.now()
+    if w then w.last_seen = now end
+    local t = m.t
+    if t == "hello" then return self:on_hello(peer, m) end
+    if t == "error" then return self:on_error(peer, w, m) end
+    if not w then
+        if t == "bye" then return end
+        if t == "task" or t == "weight_announce" or t == "weight_chunk" then
+            return count_reject(self, peer, "state", "a trainer-to-worker message sent to the trainer", t)
+        end
+        local r = self.rejects[peer]
+        if r and r.muted then return end
+        self:reply_error(peer, "state", "unknown worker: send hello", t)
+        return
+    end
+    if t == "credit" then
+        local c = w.credit + m.n
+        if c > MAX_CREDIT then
+            self:log("warn", ("worker %s: credit %d above %d, excess ignored"):format(printable(peer), c, MAX_CREDIT))
+            c = MAX_CREDIT
+        end
+        w.credit = c
+    elseif t == "heartbeat" then
+        self:note_policy(w, m.policy)
+    elseif t == "samples" then
+        self:on_samples(w, m)
+    elseif t == "weight_request" then
+        self:on_weight_request(w, m)
+    elseif t == "bye" then
+        self:log("info", ("worker %s said bye%s"):format(printable(peer), (m.reason and m.reason ~= "") and
+            (": " .. m.reason) or ""))
+        self:drop_worker(w, false, "worker " .. printable(peer) .. " left")
+    else
+        count_reject(self, peer, "state", "a trainer-to-worker message (" .. t .. ") sent to the trainer", t)
+    end
+end
+
+function Pool:note_policy(w, v)
+    w.policy = v
+    local sy = w.sync
+    if sy and v >= sy.version then
+        sy.seconds = self.now() - sy.t0
+        w.sync = nil
+        local rec = self.st.syncs[#self.st.syncs]
+        if rec and rec.version == sy.version then
+            rec.workers = rec.workers + 1
+            rec.max_seconds = math.max(rec.max_seconds, sy.seconds)
+        end
+        self:log("debug", ("worker %s loaded version %d in %.3f s"):format(printable(w.id), sy.version, sy.seconds))
+    end
+end
+
+function Pool:on_hello(peer, m)
+    local caps = m
+    local refuse
+    if m.worker ~= peer then
+        refuse = ("worker id %q differs from the connection's routing id"):format(tostring(m.worker))
+    elseif self.vocab and caps.vocab_size ~= self.vocab then
+        refuse = ("vocab_size %d, the trainer's model has %d"):format(caps.vocab_size, self.vocab)
+    elseif self.n_params and caps.n_params ~= self.n_params then
+        refuse = ("n_params %d, the trainer's model has %d"):format(caps.n_params, self.n_params)
+    else
+        local tab = type(caps.build) == "string" and caps.build:match("tables=(%x+)")
+        if tab and self.tables and tonumber(tab, 16) ~= self.tables then
+            refuse = ("hash-routing tables differ (crc %s, the trainer's %08x): start the worker from the trainer's "
+                .. "checkpoint"):format(tab, self.tables)
+        end
+    end
+    if refuse then
+        self.st.refused = self.st.refused + 1
+        self:log("warn", ("refused worker %s: %s"):format(printable(peer), refuse))
+        self:reply_error(peer, "refused", refuse, "hello")
+        return
+    end
+    self.rejects[peer] = nil
+    local old = self.workers[peer]
+    if old then self:drop_worker(old, true, "worker " .. printable(peer) .. " sent a new hello") end
+    local now = self.now()
+    -- the hello's policy is a version of whichever trainer the worker talked to last: only heartbeats after our
+    -- announce say what it holds
+    local w = { id = peer, credit = 0, leases = {}, last_seen = now, last_sent = 0, policy = 0,
+        caps = { max_batch = m.max_batch, threads = m.threads, build = m.build }, tasks = 0, tokens = 0, since = now }
+    self.workers[peer] = w
+    self.st.hellos = self.st.hellos + 1
+    self:log("info", ("worker %s joined (%s, max_batch %d, %d threads)%s"):format(printable(peer),
+        tostring(m.build), m.max_batch or 0, m.threads or 0, old and " again: a new session, its leases re-issued" or ""))
+    if self.version > 0 then self:announce(w) end
+end
+
+function Pool:announce(w)
+    local cur = self.weights[self.version]
+    if w.policy < cur.version then w.sync = { version = cur.version, t0 = self.now() } end
+    self:send(w.id, { t = "weight_announce", version = cur.version, bytes = cur.bytes, chunk = cur.chunk,
+        chunks = cur.chunks, n_params = cur.bytes / 4, dtype = "f32", crc = cur.crc })
+end
+
+function Pool:on_error(peer, w, m)
+    local name = codec.CODE_NAME[m.code] or ("code " .. tostring(m.code))
+    if not w then
+        self:log("debug", ("error from unknown peer %s: %s %s"):format(printable(peer), name, tostring(m.reason)))
+        return
+    end
+    self:log("warn", ("worker %s reports %s: %s%s"):format(printable(peer), name, tostring(m.reason),
+        m.ref_t and m.ref_t ~= "" and (" (about " .. m.ref_t .. " " .. tostring(m.ref_id) .. ")") or ""))
+    if m.ref_t == "task" or m.ref_t == "samples" then
+        local t = self.tasks[m.ref_id]
+        if t and t.state == "leased" and t.worker == peer and t.attempt == m.ref_n then
+            -- the worker could not do it (generation error, bad prompt): it gets its credit back by itself
+            self:requeue(t, "worker " .. printable(peer) .. ": " .. name .. ": " .. tostring(m.reason), true)
+        end
+    end
+end
+
+function Pool:on_weight_request(w, m)
+    local v = self.weights[m.version]
+    if not v then
+        return self:reply_error(w.id, "state", ("weight version %d is not kept (current %d)"):format(m.version,
+            self.version), "weight_request", m.version, m.index)
+    end
+    if m.index >= v.chunks then
+        return count_reject(self, w.id, "range", ("chunk index %d of version %d, which has %d chunks"):format(
+            m.index, m.version, v.chunks), "weight_request")
+    end
+    local off = m.index * v.chunk
+    local len = math.min(v.chunk, v.bytes - off)
+    local bytes = ffi.string(v.ptr + off, len)
+    local crc = v.chunk_crc[m.index]
+    if not crc then
+        crc = codec.crc32(v.ptr + off, len)
+        v.chunk_crc[m.index] = crc
+    end
+    if self:send(w.id, { t = "weight_chunk", version = v.version, index = m.index, offset = off, bytes = v.bytes,
+            chunk = v.chunk, crc = crc }, { weights = bytes }) then
+        self.st.bytes_served = self.st.bytes_served + len
+        self.st.chunks_served = self.st.chunks_served + 1
+    end
+end
+
+function Pool:on_samples(w, m)
+    local t = self.tasks[m.task_id]
+    local peer = w.id
+    if not t or t.state == "done" or t.state == "failed" then
+        if (m.task_id < self.low_water or self.done_ids[m.task_id] or (t and (t.state == "done" or t.state == "failed"))) then
+            self.st.duplicates = self.st.duplicates + 1
+            self:log("debug", ("dropped a late answer for task %d (attempt %d) from %s"):format(m.task_id, m.attempt,
+                printable(peer)))
+            self:reply_error(peer, "state", ("task %d already completed"):format(m.task_id), "samples", m.task_id, m.attempt)
+        else
+            self:reply_error(peer, "state", ("unknown task %d"):format(m.task_id), "samples", m.task_id, m.attempt)
+        end
+        return
+    end
+    if t.issued[m.attempt] ~= peer then
+        return self:reply_error(peer, "state", ("task %d attempt %d was not leased to %s"):format(m.task_id, m.attempt,
+            printable(peer)), "samples", m.task_id, m.attempt)
+    end
+    local holder = t.state == "leased" and t.worker == peer and t.attempt == m.attempt
+    -- consistency with the task as issued
+    local bad
+    if m.n ~= t.sampling.n then
+        bad = ("%d samples, the task asked for %d"):format(m.n, t.sampling.n)
+    else
+        for i = 1, m.n do
+            local q = m.seq[i]
+            if q.prompt_len ~= t.prompt_len then
+                bad = ("sample %d has prompt_len %d, the task's prompt has %d"):format(i, q.prompt_len, t.prompt_len)
+                break
+            end
+            if q.n_gen > t.sampling.max_new_tokens then
+                bad = ("sample %d has %d tokens, max_new_tokens is %d"):format(i, q.n_gen, t.sampling.max_new_tokens)
+                break
+            end
+        end
+    end
+    if not bad and m.policy > self.version then
+        bad = ("policy version %d is newer than the trainer's %d"):format(m.policy, self.version)
+    end
+    if not bad and ((t.sampling.record_experts and m.experts_layers == 0) or (t.sampling.record_index and
+        m.index_layers == 0)) then
+        bad = "routing records were asked for and are missing"
+    end
+    if bad then
+        self:reply_error(peer, "state", bad, "samples", m.task_id, m.attempt)
+        if holder then self:requeue(t, "bad samples from " .. printable(peer) .. ": " .. bad, true) end
+        return
+    end
+    local stale = m.policy < self.version - self.S
+    if stale and self.stale_mode == "requeue" then
+        self.st.stale_requeued = self.st.stale_requeued + 1
+        self:reply_error(peer, "stale", ("policy %d is older than %d - %d"):format(m.policy, self.version, self.S),
+            "samples", m.task_id, m.attempt)
+        if holder then self:requeue(t, ("stale samples (policy %d, current %d)"):format(m.policy, self.version),
+            false) end
+        return
+    end
+    if stale then self.st.stale_accepted = self.st.stale_accepted + 1 end
+    -- accept: the first valid answer completes the task; any other lease of it is now moot
+    if t.state == "leased" then
+        local lw = self.workers[t.worker]
+        if lw then lw.leases[t.id] = nil end
+    else -- queued again (a re-issue not yet sent): take it out
+        for qi, id in ipairs(self.queue) do
+            if id == t.id then table.remove(self.queue, qi); break end
+        end
+    end
+    t.state, t.worker, t.deadline = "done", peer, nil
+    self.done_ids[t.id] = true
+    t.result = self:build_results(t, m, peer)
+    w.tasks = w.tasks + 1
+    self.st.completed = self.st.completed + 1
+    self.st.samples = self.st.samples + m.n
+    if self.cfg.on_result then self.cfg.on_result(t.index, t.result, peer) end
+    return true
+end
+
+function Pool:build_results(t, m, peer)
+    local tokens = codec.raw(m, "tokens") or ""
+    local lps = codec.raw(m, "logprobs") or ""
+    local slps = codec.raw(m, "sample_logprobs") or ""
+    local ex, ix = codec.raw(m, "experts"), codec.raw(m, "index")
+    local ex_inner = m.experts_layers > 0 and m.experts_layers * m.experts_k
+    local ix_inner = m.index_layers > 0 and m.index_layers * m.index_topk
+    local out, off, roff = {}, 0, 0
+    for i = 1, m.n do
+        local q = m.seq[i]
+        local g = q.n_gen
+        local finish = codec.FINISH[q.finish] or "length"
+        local r = { ids = codec.unpack_i32(tokens, off, g), logprobs = codec.unpack_f32(lps, off, g),
+            sample_logprobs = codec.unpack_f32(slps, off, g), finish_reason = finish, prompt_index = t.index,
+            sample_index = i, prompt_len = q.prompt_len, policy_version = m.policy, task = t.id,
+            attempt = m.attempt, worker = peer }
+        if finish == "stop_token" and q.stop_index >= 0 then r.stop = t.sampling.stop[q.stop_index + 1] end
+        local rows = q.n_rows
+        if ex_inner then
+            local tt = ds4.zeros({ rows, m.experts_layers, m.experts_k }, "I32")
+            if rows > 0 then ffi.copy(tt:data_ptr(), ffi.cast("const char *", ex) + roff * ex_inner * 4,
+                rows * ex_inner * 4) end
+            r.experts = tt
+        end
+        if ix_inner then
+            local tt = ds4.zeros({ rows, m.index_layers, m.index_topk }, "I32")
+            if rows > 0 then ffi.copy(tt:data_ptr(), ffi.cast("const char *", ix) + roff * ix_inner * 4,
+                rows * ix_inner * 4) end
+            r.index_picks = tt
+        end
+        off, roff = off + g, roff + rows
+        self.st.tokens = self.st.tokens + g
+        out[i] = r
+    end
+    return out
+end
+
+-- ------------------------------------------------------------------------------------------------ the loop
+
+-- Handle what has arrived (waiting up to timeout_ms for the first message), then liveness, leases, heartbeats.
+function Pool:service(timeout_ms)
+    local now = self.now()
+    -- time spent outside the pool (training) is nobody's silence: shift the clocks it would have expired
+    local gap = now - self.last_service
+    if gap > self.heartbeat_s then
+        for _, w in pairs(self.workers) do w.last_seen = w.last_seen + gap end
+        for _, t in pairs(self.tasks) do if t.deadline then t.deadline = t.deadline + gap end end
+    end
+    local peer, frames = self.transport:recv(timeout_ms or 0)
+    local n = 0
+    while peer do
+        self:on_message(peer, frames)
+        n = n + 1
+        if n >= 10000 then break end
+        peer, frames = self.transport:recv(0)
+    end
+    now = self.now()
+    for _, w in pairs(self.workers) do
+        if now - w.last_seen > self.dead_s then
+            self.st.dead = self.st.dead + 1
+            self:log("warn", ("worker %s silent for %.1f s: declared dead, its leases re-issued"):format(
+                printable(w.id), now - w.last_seen))
+            self:drop_worker(w, true, "worker " .. printable(w.id) .. " died")
+        end
+    end
+    for _, t in pairs(self.tasks) do
+        if t.state == "leased" and t.deadline and now > t.deadline then
+            self:log("warn", ("task %d attempt %d: lease on %s expired"):format(t.id, t.attempt, printable(t.worker)))
+            self:requeue(t, "lease expired on " .. printable(t.worker), true)
+        end
+    end
+    for _, w in pairs(self.workers) do
+        if now - w.last_sent >= self.heartbeat_s then
+            local active = 0
+            for _ in pairs(w.leases) do active = active + 1 end
+            self:send(w.id, { t = "heartbeat", policy = self.version, active = active })
+        end
+    end
+    if self.transport.refused then
+        local zs = self.transport:refused()
+        if zs and zs.refused and zs.refused > self.zap_refused then
+            self:log("warn", ("CURVE: refused %d handshake(s) from unknown keys: %s"):format(zs.refused -
+                self.zap_refused, table.concat(zs.refused_keys or {}, ", ")))
+            self.zap_refused = zs.refused
+        end
+    end
+    self.last_service = self.now()
+    return n
+end
+
+function Pool:n_workers()
+    local n = 0
+    for _ in pairs(self.workers) do n = n + 1 end
+    return n
+end
+
+-- Wait until n workers have a session (or timeout_s passes); returns how many there are.
+function Pool:wait(n, timeout_s)
+    local t0 = self.now()
+    while self:n_workers() < n and self.now() - t0 < (timeout_s or math.huge) do self:service(100) end
+    return self:n_workers()
+end
+
+function Pool:generate(prompts, opts)
+    if ds4.is_tensor(prompts) then prompts = prompts:totable() end -- [B, S]: B prompts
+    if type(prompts) ~= "table" then error("pool:generate: bad argument #1 (array of prompts expected)", 2) end
+    opts = opts or {}
+    local s = check_gen_opts(opts)
+    if self.version == 0 then
+        if not self.model then error("pool:generate: nothing published yet: call pool:publish(model) first", 2) end
+        self:publish(self.model)
+    end
+    local t0 = self.now()
+    if self.expect > 0 and not self.waited then
+        self.waited = true
+        local n = self:wait(self.expect, self.cfg.wait_s or 60)
+        if n < self.expect then
+            self:log("warn", ("%d of %d workers after %d s: starting with those"):format(n, self.expect,
+                self.cfg.wait_s or 60))
+        end
+    end
+    -- a new call: the previous one's tasks are all complete or failed
+    self.tasks, self.queue, self.done_ids = {}, {}, {}
+    self.low_water = self.next_id
+    local order = {}
+    for p, pr in ipairs(prompts) do
+        local ids = pr
+        if ds4.is_tensor(pr) then ids = pr:totable() end
+        if type(ids) ~= "table" or #ids == 0 then
+            error(("pool:generate: prompts[%d] must be a non-empty array of token ids"):format(p), 2)
+        end
+        for j, v in ipairs(ids) do
+            if type(v) ~= "number" or v ~= math.floor(v) or v < 0 or (self.vocab and v >= self.vocab) then
+                error(("pool:generate: prompts[%d][%d] = %s is not a token id"):format(p, j, tostring(v)), 2)
+            end
+        end
+        if #ids > 4096 then error(("pool:generate: prompts[%d] has %d tokens, the protocol's limit is 4096"):format(
+            p, #ids), 2) end
+        local id = self.next_id
+        self.next_id = self.next_id + 1
+        local t = { id = id, index = p, prompt_bytes = codec.pack_i32(ids), prompt_len = #ids, sampling = s,
+            seed = M.task_seed(s.seed, p), attempt = 0, failures = 0, state = "queued", tried = {}, issued = {} }
+        self.tasks[id] = t
+        order[p] = t
+        self.queue[#self.queue + 1] = id
+    end
+    self.st.tasks = self.st.tasks + #order
+    local remaining = #order
+    local last_note = self.now()
+    while remaining > 0 do
+        self:dispatch()
+        self:service(20)
+        self:dispatch()
+        remaining = 0
+        for _, t in ipairs(order) do
+            if t.state ~= "done" and t.state ~= "failed" then remaining = remaining + 1 end
+        end
+        local now = self.now()
+        if remaining > 0 and now - last_note > 10 then
+            last_note = now
+            self:log("info", ("waiting: %d of %d tasks left, %d workers"):format(remaining, #order, self:n_workers()))
+        end
+        if self.cfg.timeout_s and now - t0 > self.cfg.timeout_s then
+            error(("pool:generate: %d of %d tasks unfinished after %g s (%d workers)"):format(remaining, #order,
+                self.cfg.timeout_s, self:n_workers()), 2)
+        end
+    end
+    local res, failed = {}, 0
+    local stats = { prefill_tokens = 0, decode_tokens = 0 }
+    for p, t in ipairs(order) do
+        for si = 1, s.n do
+            local r
+            if t.state == "done" then
+                r = t.result[si]
+            else
+                r = { ids = {}, logprobs = {}, sample_logprobs = {}, finish_reason = "failed", error = t.error,
+                    prompt_index = p, sample_index = si, prompt_len = t.prompt_len, task = t.id, attempt = t.attempt }
+                failed = failed + 1
+            end
+            res[#res + 1] = r
+            stats.decode_tokens = stats.decode_tokens + #r.ids
+        end
+        stats.prefill_tokens = stats.prefill_tokens + t.prompt_len
+    end
+    local dt = self.now() - t0
+    self.st.generate_seconds = self.st.generate_seconds + dt
+    stats.seconds = dt
+    stats.decode_tokens_per_s = stats.decode_tokens / math.max(dt, 1e-9)
+    res.stats = stats
+    res.failed = failed
+    return res
+end
+
+-- ------------------------------------------------------------------------------------------------ weights
+
+function Pool:publish(model)
+    model = model or self.model
+    if not model then error("pool:publish: a model is required", 2) end
+    local t0 = self.now()
+    local buf = model:params()
+    local bytes = buf:nbytes()
+    local ptr = ffi.cast("const uint8_t *", buf:data_ptr())
+    if self.n_params and bytes ~= 4 * self.n_params then
+        error(("pool:publish: the model has %d parameters, the pool's %d"):format(bytes / 4, self.n_params), 2)
+    end
+    local cur = self.weights[self.version]
+    if cur and cur.bytes == bytes and codec.same_bytes(cur.ptr, ptr, bytes) then
+        self:service(0)
+        return self.version
+    end
+    local crc = 0
+    for off = 0, bytes - 1, MAX_CHUNK do crc = codec.crc32(ptr + off, math.min(MAX_CHUNK, bytes - off), crc) end
+    local v = { version = self.version + 1, tensor = buf, ptr = ptr, bytes = bytes, chunk = math.min(self.chunk_bytes,
+        bytes), crc = crc, chunk_crc = {} }
+    v.chunks = math.ceil(bytes / v.chunk)
+    self.weights[v.version] = v
+    if self.weights[v.version - 2] then self.weights[v.version - 2] = nil end -- keep the current and the previous
+    self.version = v.version
+    if not self.n_params then self.n_params = bytes / 4 end
+    local dt = self.now() - t0
+    self.st.publishes = self.st.publishes + 1
+    self.st.publish_seconds = self.st.publish_seconds + dt
+    self.st.syncs[#self.st.syncs + 1] = { version = v.version, bytes = bytes, t0 = self.now(), workers = 0,
+        max_seconds = 0, snapshot_seconds = dt }
+    if #self.st.syncs > 64 then table.remove(self.st.syncs, 1) end
+    for _, w in pairs(self.workers) do self:announce(w) end
+    self:log("debug", ("published version %d (%.1f MB, crc %08x) in %.3f s"):format(v.version, bytes / 1e6, crc, dt))
+    self:service(0)
+    return v.version
+end
+
+-- ------------------------------------------------------------------------------------------------ the rest
+
+function Pool:stats()
+    local st = {}
+    for k, v in pairs(self.st) do st[k] = v end
+    st.version = self.version
+    st.workers = {}
+    local n = 0
+    for id, w in pairs(self.workers) do
+        local leases = 0
+        for _ in pairs(w.leases) do leases = leases + 1 end
+        st.workers[id] = { credit = w.credit, leases = leases, policy = w.policy, tasks = w.tasks }
+        n = n + 1
+    end
+    st.n_workers = n
+    if self.transport.refused then
+        local zs = self.transport:refused()
+        if zs then st.curve_accepted, st.curve_refused, st.curve_refused_keys = zs.accepted, zs.refused,
+            zs.refused_keys end
+    end
+    return st
+end
+
+-- Wait (up to timeout_s) until every live worker has loaded the current version; returns the seconds it took.
+function Pool:sync(timeout_s)
+    local t0 = self.now()
+    while self.now() - t0 < (timeout_s or 60) do
+        local all = true
+        for _, w in pairs(self.workers) do if w.policy < self.version then all = false end end
+        if all then break end
+        self:service(20)
+    end
+    return self.now() - t0
+end
+
+function Pool:close(reason)
+    if self.closed then return end
+    self.closed = true
+    for id in pairs(self.workers) do
+        pcall(self.send, self, id, { t = "bye", reason = reason or "trainer shutting down" })
+    end
+    self.workers = {}
+    self.transport:close()
+end
+
+M.Pool = Pool
+setmetatable(M, { __call = function(_, cfg) return M.new(cfg) end })
+return M

@@ -1,0 +1,678 @@
+--[==[ ds4.rollout.worker — the worker's side of the rollout protocol (rollout/protocol.md): one DEALER connection
+  to a trainer's pool, its own copy of the model, tasks in, samples out. `ds4 worker ...` runs worker.main(arg).
+
+  require("ds4.rollout.worker").run{
+      connect = "tcp://HOST:PORT",     -- the pool's endpoint
+      model = model,                   -- this worker's engine copy (any weights of the right architecture: the
+                                       -- trainer's policy replaces them; the hash-routing tables must match)
+      id = "name",                     -- routing id / worker id (1..64 printable ASCII); default host-pid
+      curve = {secret = KEY, server = KEY [, public = KEY]} | insecure = true,  -- keys or key files; public:
+                                       -- derived from the secret when absent
+      max_batch = 0, credits = 2,      -- decode batch (0: all samples of a task); tasks asked for at a time
+      silence_s = 10, hello_s = 5, heartbeat_s = 1, quiet = false, verbose = false,
+      interrupted = function() -> bool,-- default: the ds4 host's Ctrl-C / SIGTERM flag
+      transport = ..., clock = ...,    -- tests: replace the socket and the clock (as the pool's)
+      max_tasks = nil,                 -- tests: leave after this many tasks
+  } -> exit status (0: stopped by a signal or by max_tasks, after a bye)
+
+  Loop: hello (caps: max_batch, threads, vocab, n_params, build with the tables CRC) -> the trainer's
+  weight_announce -> weights fetched if the announced (version, CRC) is not what is loaded: weight_request with at
+  most 4 chunks in flight, each chunk checked (geometry, CRC) and copied into a staging tensor at its offset, the
+  whole buffer's CRC checked, then model:set_params(staging) — between tasks, so a generation never mixes two
+  versions -> credit -> tasks, each one model:generate call (one prompt, n samples, the task's seed: the same tokens
+  whoever generates it) with a version at least the task's policy -> samples + one more credit. Heartbeats after
+  1 s without sending (also from on_token while generating); a trainer silent for silence_s, its bye, or its
+  "unknown worker" error (a restarted trainer) -> hello again (every hello_s) and queued tasks are dropped (the
+  trainer re-issues them). A malformed message is logged (rate-limited) and answered with error; a `refused` or
+  `version` error ends the worker with status 1.
+]==]
+
+local ffi = require("ffi")
+local ds4 = require("ds4")
+local codec = require("ds4.rollout.codec")
+
+local M = {}
+local W = {}
+W.__index = W
+
+local WINDOW = 4
+
+local function printable(id)
+    return (tostring(id):gsub("[^\33-\126]", function(c) return ("\\x%02x"):format(c:byte()) end))
+end
+
+-- The ds4 host's interrupt flag (lua/main.c: set by Ctrl-C and, for `ds4 worker`, SIGTERM).
+local function host_interrupted()
+    local ud = debug.getregistry()["ds4.interrupt"]
+    if type(ud) ~= "userdata" then return function() return false end end
+    local p = ffi.cast("volatile int *", ud)
+    return function() return p[0] ~= 0 end
+end
+
+local function zmq_transport(cfg, log)
+    local zmq = ds4.zmq or error("ds4 worker: this ds4 was built without ZeroMQ (ds4.zmq)", 3)
+    local ep = cfg.connect or error("ds4 worker: connect (an endpoint) is required", 3)
+    local s = zmq.socket("DEALER")
+    local t = { sock = s }
+    s:set{ routing_id = cfg.id, immediate = true, linger = 0, sndhwm = 1000, rcvhwm = 1000, heartbeat_ivl = 1000,
+        heartbeat_timeout = 10000, heartbeat_ttl = 10000, reconnect_ivl = 100, reconnect_ivl_max = 5000,
+        maxmsgsize = 16 * 1024 * 1024 + 65536 }
+    if cfg.curve then
+        local secret = codec.read_key(cfg.curve.secret, "ds4 worker: this worker's secret key")
+        local public = cfg.curve.public and codec.read_key(cfg.curve.public, "ds4 worker: this worker's public key")
+            or zmq.public_from_secret(secret)
+        s:set{ curve_serverkey = codec.read_key(cfg.curve.server, "ds4 worker: the trainer's public key"),
+            curve_publickey = public, curve_secretkey = secret }
+    elseif codec.needs_curve(ep) then
+        if not cfg.insecure then
+            error("ds4 worker: " .. ep .. " is plain TCP: give --key FILE --server-key FILE (CURVE keys from "
+                .. "`ds4 keygen --out PREFIX`), or --insecure to connect unauthenticated and unencrypted", 0)
+        end
+        io.stderr:write("ds4 worker: WARNING: " .. ep .. " is plain TCP without CURVE (--insecure): unauthenticated, "
+            .. "weights and samples travel unencrypted\n")
+    end
+    s:connect(ep)
+    function t:recv(timeout_ms)
+        -- the binding raises "interrupted" when the host's Ctrl-C / SIGTERM flag is set while it waits: the loop
+        -- sees the flag itself
+        local ok, fr = pcall(self.sock.recv, self.sock, timeout_ms)
+        if ok then return fr end
+        if tostring(fr):find("interrupted", 1, true) then return nil end
+        error(fr, 0)
+    end
+    function t:send(frames) return self.sock:send(frames) end
+    function t:close(linger_ms)
+        if not self.sock then return end
+        if linger_ms then pcall(self.sock.set, self.sock, { linger = linger_ms }) end
+        self.sock:close()
+        self.sock = nil
+    end
+    return t
+end
+
+-- ------------------------------------------------------------------------------------------------ state
+
+function M.new(cfg)
+    local self = setmetatable({}, W)
+    self.cfg = cfg
+    self.model = cfg.model or error("ds4 worker: a model is required", 2)
+    local mc = self.model:config()
+    self.vocab = mc.vocab_size
+    self.n_params = self.model:n_params()
+    self.id = cfg.id or (((os.getenv("HOSTNAME") or "worker") .. "-" .. tostring(math.random(1, 1e9))):sub(1, 64))
+    if #self.id < 1 or #self.id > 64 or self.id:find("[^\33-\126]") then
+        error("ds4 worker: the worker id must be 1..64 printable ASCII characters without spaces, got '" ..
+            self.id .. "'", 2)
+    end
+    self.now = cfg.clock or codec.now
+    self.interrupted = cfg.interrupted or host_interrupted()
+    self.logf = cfg.log or function(level, msg)
+        if level == "debug" and not cfg.verbose then return end
+        if level == "info" and cfg.quiet then return end
+        io.stderr:write(("ds4 worker %s: %s%s\n"):format(self.id, level == "warn" and "warning: " or "", msg))
+    end
+    self.credits = cfg.credits or 2
+    self.max_batch = cfg.max_batch or 0
+    self.silence_s = cfg.silence_s or 10
+    self.hello_s = cfg.hello_s or 5
+    self.heartbeat_s = cfg.heartbeat_s or 1
+    self.tables = self.model.tables_crc and self.model:tables_crc() or nil
+    self.build = ("%s %s%s"):format("ds4", tostring(ds4.version), self.tables and (" tables=%08x"):format(self.tables)
+        or "")
+    self.transport = cfg.transport or zmq_transport({ connect = cfg.connect, id = self.id, curve = cfg.curve,
+        insecure = cfg.insecure }, self.logf)
+    self.session = false      -- a weight_announce answered our latest hello
+    self.loaded, self.loaded_crc = 0, nil -- the version in the model's parameters (of this session's trainer)
+    self.queue = {}           -- tasks received, not yet generated
+    self.dl = nil             -- the download in progress
+    self.last_recv, self.last_sent, self.hello_at = self.now(), 0, -math.huge
+    self.st = { tasks = 0, samples = 0, tokens = 0, gen_seconds = 0, downloads = 0, download_bytes = 0,
+        download_seconds = 0, rejected = 0, hellos = 0, errors = 0 }
+    self.log_t0, self.log_n, self.log_suppressed = 0, 0, 0
+    return self
+end
+
+function W:log(level, msg) self.logf(level, msg) end
+
+function W:send(msg, raw)
+    local frames = codec.encode(msg, raw)
+    local ok, err = self.transport:send(frames)
+    if ok then
+        self.last_sent = self.now()
+        return true
+    end
+    self:log("debug", ("send %s: %s"):format(msg.t, tostring(err)))
+    return false, err
+end
+
+function W:hello()
+    local c = self.model:config()
+    self.hello_at = self.now()
+    self.st.hellos = self.st.hellos + 1
+    local ok, err = self:send({ t = "hello", worker = self.id, policy = self.loaded, max_batch =
+        math.max(1, math.min(65536, self.max_batch > 0 and self.max_batch or 64)), threads = math.max(1, ds4.threads()),
+        vocab_size = c.vocab_size, n_params = self.n_params, build = self.build })
+    self.hello_ok = ok
+    if not ok and not self.warned_unconnected and self.now() - (self.started or self.now()) > 10 then
+        self.warned_unconnected = true
+        self:log("warn", "no connection to the trainer after 10 s (is it running? with CURVE: is --server-key the "
+            .. "trainer's public key, and this worker's key in its allow-list?)")
+    end
+    return ok, err
+end
+
+function W:heartbeat(active)
+    self:send({ t = "heartbeat", policy = self.loaded, active = active or 0 })
+end
+
+-- A new session is needed (trainer restart, bye, silence): forget tasks and leases, say hello.
+function W:lose_session(why)
+    if self.session then self:log("info", "session lost (" .. why .. "): saying hello again") end
+    self.session = false
+    self.credit_sent = false
+    if #self.queue > 0 then
+        self:log("debug", ("dropping %d queued tasks (the trainer re-issues them)"):format(#self.queue))
+        self.queue = {}
+    end
+    self:hello()
+end
+
+local function rate_log(self, msg)
+    local now = self.now()
+    if now - self.log_t0 >= 1 then
+        if self.log_suppressed > 0 then self:log("warn", ("%d more messages rejected"):format(self.log_suppressed)) end
+        self.log_t0, self.log_n, self.log_suppressed = now, 0, 0
+    end
+    if self.log_n < 10 then
+        self.log_n = self.log_n + 1
+        self:log("warn", msg)
+    else
+        self.log_suppressed = self.log_suppressed + 1
+    end
+end
+
+-- ------------------------------------------------------------------------------------------------ weights
+
+function W:on_announce(m)
+    if not self.session then
+        self.session = true
+        self:log("info", ("session with the trainer: policy version %d (%.1f MB)"):format(m.version, m.bytes / 1e6))
+        -- versions belong to a trainer run: what we hold counts only if it is byte-for-byte the announced one
+        if self.loaded ~= m.version or self.loaded_crc ~= m.crc then self.loaded, self.loaded_crc = 0, nil end
+    end
+    self.announced = m.version
+    if m.version == self.loaded and m.crc == self.loaded_crc then return self:grant_initial() end
+    if self.dl and self.dl.version == m.version and self.dl.crc == m.crc then return end
+    if m.version < self.loaded then return self:grant_initial() end
+    local bad
+    if m.n_params ~= self.n_params then
+        bad = ("the trainer's model has %s parameters, this worker's %d"):format(tostring(m.n_params), self.n_params)
+    elseif m.bytes ~= 4 * self.n_params or m.dtype ~= "f32" then
+        bad = ("announce of %d bytes (%s), expected %d f32"):format(m.bytes, tostring(m.dtype), 4 * self.n_params)
+    end
+    if bad then
+        self:log("warn", "cannot load the announced weights: " .. bad)
+        self:send(codec.error_msg("refused", bad, "weight_announce", m.version))
+        return
+    end
+    -- the model we started from may already be these weights (the trainer's own checkpoint)
+    if self.loaded == 0 and not self.checked_own then
+        self.checked_own = true
+        local p = self.model:params()
+        local ptr = ffi.cast("const uint8_t *", p:data_ptr())
+        local crc = 0
+        for off = 0, m.bytes - 1, 16777216 do crc = codec.crc32(ptr + off, math.min(16777216, m.bytes - off), crc) end
+        if crc == m.crc then
+            self.loaded, self.loaded_crc = m.version, m.crc
+            self:log("info", ("the starting weights are version %d already"):format(m.version))
+            self:heartbeat()
+            return self:grant_initial()
+        end
+    end
+    self:start_download(m)
+end
+
+function W:start_download(m)
+    if not self.staging then self.staging = ds4.zeros({ self.n_params }) end
+    self.dl = { version = m.version, bytes = m.bytes, chunk = m.chunk, chunks = m.chunks, crc = m.crc, next = 0,
+        outstanding = 0, received = 0, got = {}, t0 = self.now(), restarts = (self.dl and self.dl.version ==
+        m.version) and self.dl.restarts or 0, ptr = ffi.cast("uint8_t *", self.staging:data_ptr()) }
+    self:log("debug", ("fetching version %d: %d chunks of %d bytes"):format(m.version, m.chunks, m.chunk))
+    self:pump()
+end
+
+function W:pump()
+    local d = self.dl
+    if not d or (d.retry_at and self.now() < d.retry_at) then return end
+    d.retry_at = nil
+    local now = self.now()
+    if d.outstanding > 0 and now - (d.progress_at or d.t0) > 30 then
+        -- a request or chunk was lost (a full queue, a reconnect): ask again for what is missing
+        self:log("warn", ("version %d: no chunk for 30 s, requesting the missing ones again"):format(d.version))
+        d.next, d.outstanding, d.progress_at = 0, 0, now
+    end
+    while d.outstanding < WINDOW and d.next < d.chunks do
+        if not d.got[d.next] then
+            if not self:send({ t = "weight_request", version = d.version, index = d.next }) then return end
+            d.outstanding = d.outstanding + 1
+            d.progress_at = d.progress_at or now
+        end
+        d.next = d.next + 1
+    end
+end
+
+function W:on_chunk(m)
+    local d = self.dl
+    if not d or m.version ~= d.version then
+        self:log("debug", ("ignoring chunk %d of version %d (not being fetched)"):format(m.index, m.version))
+        return
+    end
+    if m.bytes ~= d.bytes or m.chunk ~= d.chunk or m.index >= d.chunks then
+        rate_log(self, ("weight chunk %d of version %d disagrees with the announce"):format(m.index, m.version))
+        self:send(codec.error_msg("range", "weight_chunk disagrees with the announce", "weight_chunk", m.version,
+            m.index))
+        return
+    end
+    if d.got[m.index] then return end
+    local data = codec.raw(m, "weights")
+    ffi.copy(d.ptr + m.offset, data, #data)
+    d.got[m.index] = true
+    d.progress_at = self.now()
+    d.received = d.received + 1
+    d.outstanding = math.max(0, d.outstanding - 1)
+    if d.received < d.chunks then return self:pump() end
+    local crc = 0
+    for off = 0, d.bytes - 1, 16777216 do crc = codec.crc32(d.ptr + off, math.min(16777216, d.bytes - off), crc) end
+    if crc ~= d.crc then
+        self.st.errors = self.st.errors + 1
+        if d.restarts < 1 then
+            self:log("warn", ("version %d: whole-buffer CRC %08x, announced %08x: fetching again"):format(d.version,
+                crc, d.crc))
+            d.restarts = d.restarts + 1
+            d.next, d.outstanding, d.received, d.got = 0, 0, 0, {}
+            return self:pump()
+        end
+        self:log("warn", ("version %d: CRC mismatch again: reporting it, retrying in 5 s"):format(d.version))
+        self:send(codec.error_msg("crc", ("weights of version %d: CRC %08x, announced %08x"):format(d.version, crc,
+            d.crc), "weight_announce", d.version))
+        d.restarts = 0
+        d.next, d.outstanding, d.received, d.got = 0, 0, 0, {}
+        d.retry_at = self.now() + 5
+        return
+    end
+    -- between tasks: the swap is one memcpy into the model's parameter buffer
+    self.model:set_params(self.staging)
+    local dt = self.now() - d.t0
+    self.loaded, self.loaded_crc = d.version, d.crc
+    self.dl = nil
+    self.st.downloads = self.st.downloads + 1
+    self.st.download_bytes = self.st.download_bytes + d.bytes
+    self.st.download_seconds = self.st.download_seconds + dt
+    self:log("info", ("loaded policy version %d (%.1f MB in %.3f s, %.1f MB/s)"):format(d.version, d.bytes / 1e6, dt,
+        d.bytes / 1e6 / math.max(dt, 1e-9)))
+    self:heartbeat()
+    self:grant_initial()
+end
+
+function W:grant_initial()
+    if self.session and not self.credit_sent and self.loaded > 0 then
+        if self:send({ t = "credit", n = self.credits }) then self.credit_sent = true end
+    end
+end
+
+-- ------------------------------------------------------------------------------------------------ tasks
+
+function W:on_task(m)
+    if not self.session then
+        self:log("debug", ("dropping task %d: no session (it belongs to a session the trainer has ended)"):format(
+            m.task_id))
+        return
+    end
+    local ids = codec.unpack_i32(codec.raw(m, "prompt") or "")
+    local bad
+    for i, v in ipairs(ids) do
+        if v < 0 or v >= self.vocab then
+            bad = ("prompt token %d is %d, outside the vocabulary [0, %d)"):format(i, v, self.vocab)
+            break
+        end
+    end
+    if not bad and type(m.seed) ~= "number" then bad = "seed above 2^53 is not supported by this worker" end
+    if bad then
+        rate_log(self, ("task %d refused: %s"):format(m.task_id, bad))
+        self:send(codec.error_msg("range", bad, "task", m.task_id, m.attempt))
+        self:send({ t = "credit", n = 1 })
+        return
+    end
+    m.ids = ids
+    self.queue[#self.queue + 1] = m
+end
+
+-- The first queued task this worker's weights may serve.
+function W:runnable()
+    for i, t in ipairs(self.queue) do
+        if t.policy <= self.loaded then return table.remove(self.queue, i) end
+    end
+end
+
+function W:generate(t)
+    local s = t
+    local t0 = self.now()
+    local cancelled = false
+    local stop = {}
+    for i, v in ipairs(s.stop or {}) do stop[i] = v end
+    local ok, res = pcall(self.model.generate, self.model, { t.ids }, { n = s.n, max_new_tokens = s.max_new_tokens,
+        temperature = s.temperature, top_k = s.top_k, top_p = s.top_p, min_p = s.min_p, seed = s.seed, stop = stop,
+        ignore_eos = s.ignore_eos or false, record_experts = s.record_experts or false,
+        record_index = s.record_index or false, max_batch = self.max_batch,
+        on_token = function()
+            if self.interrupted() then
+                cancelled = true
+                return false
+            end
+            if self.now() - self.last_sent >= self.heartbeat_s then self:heartbeat(1) end
+        end })
+    if cancelled or self.interrupted() then return "interrupted" end
+    if not ok then
+        self.st.errors = self.st.errors + 1
+        self:log("warn", ("task %d: generation failed: %s"):format(t.task_id, tostring(res)))
+        self:send(codec.error_msg("internal", "generation failed: " .. tostring(res), "task", t.task_id, t.attempt))
+        self:send({ t = "credit", n = 1 })
+        return
+    end
+    local n = #res
+    local seq = {}
+    local toks, lps, slps = {}, {}, {}
+    local ex, ix, exs, ixs = {}, {}, nil, nil
+    for i, r in ipairs(res) do
+        local q = { prompt_len = r.prompt_len or #t.ids, n_gen = #r.ids, finish = codec.FINISH_CODE[r.finish_reason]
+            or 1, stop_index = -1, n_rows = 0 }
+        seq[i] = q
+        if r.finish_reason == "stop_token" then
+            for k, v in ipairs(stop) do if v == r.stop then q.stop_index = k - 1 break end end
+            if q.stop_index < 0 then q.finish = codec.FINISH_CODE.eos end
+        end
+        for j = 1, #r.ids do
+            toks[#toks + 1] = r.ids[j]
+            lps[#lps + 1] = r.logprobs[j]
+            slps[#slps + 1] = r.sample_logprobs[j]
+        end
+        if r.experts or r.index_picks then
+            local e, x = r.experts, r.index_picks
+            q.n_rows = (e or x):size(1)
+            if e then
+                exs = { e:size(2), e:size(3) }
+                ex[#ex + 1] = ffi.string(e:data_ptr(), e:nbytes())
+            end
+            if x then
+                ixs = { x:size(2), x:size(3) }
+                ix[#ix + 1] = ffi.string(x:data_ptr(), x:nbytes())
+            end
+        end
+    end
+    local msg = { t = "samples", task_id = t.task_id, attempt = t.attempt, policy = self.loaded, n = n, seq = seq }
+    local raw = { tokens = codec.pack_i32(toks), logprobs = codec.pack_f32(lps), sample_logprobs = codec.pack_f32(slps) }
+    if exs then msg.experts_layers, msg.experts_k, raw.experts = exs[1], exs[2], table.concat(ex) end
+    if ixs then msg.index_layers, msg.index_topk, raw.index = ixs[1], ixs[2], table.concat(ix) end
+    self:send(msg, raw)
+    self:send({ t = "credit", n = 1 })
+    local dt = self.now() - t0
+    self.st.tasks = self.st.tasks + 1
+    self.st.samples = self.st.samples + n
+    self.st.tokens = self.st.tokens + #toks
+    self.st.gen_seconds = self.st.gen_seconds + dt
+    self:log("debug", ("task %d attempt %d: %d samples, %d tokens in %.3f s (policy %d)"):format(t.task_id, t.attempt,
+        n, #toks, dt, self.loaded))
+end
+
+-- ------------------------------------------------------------------------------------------------ messages
+
+function W:on_message(frames)
+    self.last_recv = self.now()
+    local m, code, why, ref_t = codec.decode(frames)
+    if not m then
+        self.st.rejected = self.st.rejected + 1
+        if ref_t == "" then ref_t = nil end
+        rate_log(self, ("rejected a message from the trainer: %s (%s)"):format(tostring(why), tostring(code)))
+        if ref_t ~= "error" then self:send(codec.error_msg(code or "parse", why, ref_t)) end
+        return
+    end
+    local t = m.t
+    if t == "weight_announce" then
+        self:on_announce(m)
+    elseif t == "weight_chunk" then
+        self:on_chunk(m)
+    elseif t == "task" then
+        self:on_task(m)
+    elseif t == "heartbeat" then
+        if self.session and m.policy > self.loaded and not self.dl and (self.announced or 0) < m.policy then
+            -- an announce was lost (it was sent while we were not connected): ask again
+            self:lose_session("the trainer is at version " .. m.policy .. ", no announce seen")
+        end
+    elseif t == "error" then
+        local name = codec.CODE_NAME[m.code] or tostring(m.code)
+        if m.code == codec.CODE.refused then
+            self:log("warn", "the trainer refused this worker: " .. tostring(m.reason))
+            self.exit_status = 1
+        elseif m.code == codec.CODE.version then
+            self:log("warn", "protocol version mismatch: " .. tostring(m.reason))
+            self.exit_status = 1
+        elseif m.code == codec.CODE.state and tostring(m.reason):find("unknown worker", 1, true) then
+            self:lose_session("the trainer does not know this worker (restarted?)")
+        elseif m.code == codec.CODE.state and m.ref_t == "weight_request" then
+            self:log("debug", "weight version " .. tostring(m.ref_id) .. " no longer kept")
+            if self.dl and self.dl.version == m.ref_id then self.dl = nil end
+        else
+            self.st.errors = self.st.errors + 1
+            local lvl = (m.code == codec.CODE.state or m.code == codec.CODE.stale) and "debug" or "warn"
+            self:log(lvl, ("trainer error %s: %s"):format(name, tostring(m.reason)))
+        end
+    elseif t == "bye" then
+        self.session = true -- lose_session logs it
+        self:lose_session("the trainer said bye" .. ((m.reason and m.reason ~= "") and (": " .. m.reason) or ""))
+        self.dl = nil
+    else
+        rate_log(self, "unexpected " .. t .. " from the trainer")
+        self:send(codec.error_msg("state", "a worker-to-trainer message (" .. t .. ") sent to a worker", t))
+    end
+end
+
+-- ------------------------------------------------------------------------------------------------ run
+
+function W:start()
+    self.started = self.now()
+    self:log("info", ("connecting to %s (%d parameters)"):format(tostring(self.cfg.connect or "transport"),
+        self.n_params))
+    self:hello()
+end
+
+-- One turn of the loop: generate one runnable task, then handle what arrived (waiting up to timeout_ms when
+-- there is nothing to generate), fetch weights, keep the session alive. Returns an exit status when the worker
+-- should stop, else nil.
+function W:step(timeout_ms)
+    if self.interrupted() then return 0 end
+    if self.exit_status then return self.exit_status end
+    local task = self.session and self:runnable() or nil
+    if task then
+        if self:generate(task) == "interrupted" then return 0 end
+        if self.cfg.max_tasks and self.st.tasks >= self.cfg.max_tasks then return 0 end
+    end
+    local wait = (self.session and self:peek_runnable()) and 0 or (timeout_ms or 50)
+    local fr = self.transport:recv(wait)
+    local n = 0
+    while fr do
+        self:on_message(fr)
+        n = n + 1
+        if n >= 256 then break end
+        fr = self.transport:recv(0)
+    end
+    self:pump()
+    local now = self.now()
+    if not self.session then
+        local every = self.hello_ok and self.hello_s or 0.25
+        if now - self.hello_at >= every then self:hello() end
+    elseif now - self.last_recv > self.silence_s then
+        self:lose_session(("no message from the trainer for %.0f s"):format(now - self.last_recv))
+    elseif now - self.last_sent >= self.heartbeat_s then
+        self:heartbeat(0)
+    end
+    return self.exit_status
+end
+
+function W:finish(status)
+    if self.session or self.hello_ok then self:send({ t = "bye", reason = status == 0 and "stopping" or "refused" }) end
+    self.transport:close(1000)
+    self:log("info", ("stopped: %d tasks, %d samples, %d tokens"):format(self.st.tasks, self.st.samples,
+        self.st.tokens))
+    return status
+end
+
+function W:run()
+    self:start()
+    local status
+    repeat status = self:step(50) until status
+    return self:finish(status)
+end
+
+function W:peek_runnable()
+    for _, t in ipairs(self.queue) do if t.policy <= self.loaded then return true end end
+    return false
+end
+
+function M.run(cfg)
+    return M.new(cfg):run()
+end
+
+-- ------------------------------------------------------------------------------------------------ ds4 worker
+
+local USAGE = [[
+usage: ds4 worker --connect ENDPOINT [--model DIR|CONFIG.json] [--threads N] [--key FILE --server-key FILE |
+                  --insecure] [--id NAME] [--max-batch N] [--credits N] [--quiet] [--verbose]
+
+  --connect EP        the trainer pool's endpoint (tcp://HOST:PORT, ipc://PATH)
+  --model DIR         this worker's model: a checkpoint directory, or a config.json (random weights); the
+                      trainer's policy weights replace its parameters, so any weights of the trainer's
+                      architecture do. Hash-routed layers' tables are not sent: when the model has them,
+                      start from the trainer's checkpoint (a worker whose tables differ is refused).
+  --config-from-trainer  not available in protocol v1 (the trainer cannot send its config yet): use --model
+  --threads N         CPU threads (0 = all cores)
+  --key FILE          this worker's CURVE secret key (`ds4 keygen --out PREFIX` writes PREFIX.key, PREFIX.pub)
+  --server-key FILE   the trainer's CURVE public key (its .pub file)
+  --insecure          plain TCP without CURVE (unauthenticated, unencrypted); not needed for ipc://
+  --id NAME           worker id (1..64 printable ASCII; default HOST-PID)
+  --max-batch N       sequences per decode step (0 = all samples of a task)
+  --credits N         tasks asked for at a time (default 2: one generating, one queued)
+Ctrl-C or SIGTERM: finish nothing more, say bye, exit 0.]]
+
+local function hostname()
+    local f = io.open("/proc/sys/kernel/hostname")
+    local h = f and f:read("*l") or "worker"
+    if f then f:close() end
+    return h
+end
+
+local function pid()
+    local f = io.open("/proc/self/stat")
+    local p = f and f:read("*l"):match("^(%d+)") or tostring(os.time())
+    if f then f:close() end
+    return p
+end
+
+function M.main(argv)
+    local o = { threads = -1, ["max-batch"] = 0, credits = 2 }
+    local flags = { insecure = true, quiet = true, verbose = true, ["config-from-trainer"] = true }
+    local valued = { connect = true, model = true, threads = true, key = true, ["server-key"] = true, id = true,
+        ["max-batch"] = true, credits = true }
+    local i = 1
+    while i <= #argv do
+        local a = argv[i]
+        if a == "-h" or a == "--help" then
+            print(USAGE)
+            return 0
+        end
+        local k, v = a:match("^%-%-([%w%-]+)=(.*)$")
+        if not k then k = a:match("^%-%-([%w%-]+)$") end
+        if k and flags[k] and not v then
+            o[k] = true
+        elseif k and valued[k] then
+            if not v then
+                i = i + 1
+                v = argv[i]
+            end
+            if not v or v == "" then
+                io.stderr:write("ds4 worker: --" .. k .. " needs a value\n\n" .. USAGE .. "\n")
+                return 2
+            end
+            o[k] = v
+        else
+            io.stderr:write("ds4 worker: unknown option '" .. tostring(a) .. "'\n\n" .. USAGE .. "\n")
+            return 2
+        end
+        i = i + 1
+    end
+    local function num(k, lo, hi)
+        local n = tonumber(o[k])
+        if not n or n ~= math.floor(n) or n < lo or n > hi then
+            io.stderr:write(("ds4 worker: --%s needs an integer in [%d, %d], got '%s'\n"):format(k, lo, hi,
+                tostring(o[k])))
+            return nil
+        end
+        return n
+    end
+    if not o.connect then
+        io.stderr:write("ds4 worker: --connect ENDPOINT is required\n\n" .. USAGE .. "\n")
+        return 2
+    end
+    if o["config-from-trainer"] then
+        io.stderr:write("ds4 worker: --config-from-trainer is not available in protocol v1 (no message carries the "
+            .. "model config yet): start the worker with --model DIR (the trainer's checkpoint) or --model "
+            .. "config.json\n")
+        return 2
+    end
+    if not o.model then
+        io.stderr:write("ds4 worker: --model DIR (or CONFIG.json) is required\n\n" .. USAGE .. "\n")
+        return 2
+    end
+    local threads, max_batch, credits = num("threads", -1, 4096), num("max-batch", 0, 65536), num("credits", 1, 1024)
+    if not threads or not max_batch or not credits then return 2 end
+    local curve
+    if o.key or o["server-key"] then
+        if not (o.key and o["server-key"]) then
+            io.stderr:write("ds4 worker: CURVE needs both --key FILE (this worker's secret key) and --server-key FILE "
+                .. "(the trainer's public key)\n")
+            return 2
+        end
+        if o.insecure then
+            io.stderr:write("ds4 worker: --insecure and --key/--server-key exclude each other\n")
+            return 2
+        end
+        curve = {}
+        local ok, err = pcall(function()
+            curve.secret = codec.read_key(o.key, "--key")
+            curve.public = ds4.zmq.public_from_secret(curve.secret)
+            curve.server = codec.read_key(o["server-key"], "--server-key")
+        end)
+        if not ok then
+            io.stderr:write("ds4 worker: " .. tostring(err) .. "\n")
+            return 2
+        end
+    elseif codec.needs_curve(o.connect) and not o.insecure then
+        io.stderr:write("ds4 worker: " .. o.connect .. " is plain TCP: give --key FILE --server-key FILE (CURVE keys "
+            .. "from `ds4 keygen --out PREFIX`), or --insecure to connect unauthenticated and unencrypted\n")
+        return 2
+    end
+    if threads >= 0 then ds4.set_threads(threads) end
+    local model
+    local ok, err = pcall(function()
+        if o.model:match("%.json$") then model = ds4.random_model(o.model, 0) else model = ds4.load(o.model) end
+    end)
+    if not ok then
+        io.stderr:write("ds4 worker: cannot load the model: " .. tostring(err) .. "\n")
+        return 1
+    end
+    local id = o.id or (hostname() .. "-" .. pid()):sub(1, 64)
+    local w = M.new{ connect = o.connect, model = model, id = id, curve = curve, insecure = o.insecure,
+        max_batch = max_batch, credits = credits, quiet = o.quiet, verbose = o.verbose }
+    return w:run()
+end
+
+return M

@@ -1,0 +1,86 @@
+/* params_lua.c — the model's flat fp32 parameter buffer from Lua, for weight synchronisation (rollout workers,
+ * lua/ds4/rollout/): the trainer snapshots it, ships it in chunks, and a worker replaces its own in one copy.
+ *
+ *   model:params()           -> F32 tensor [n_params]: a copy of ds4_model_params (every fp32 parameter, in ds4's
+ *                               canonical order: the order of model:tensors() / ds4_model_tensor_at)
+ *   model:set_params(src)    src: an F32 tensor of n_params elements (any shape) or a string of 4 · n_params bytes
+ *                               (little-endian f32): copied into the parameter buffer in one memcpy -> model
+ *   model:tables_crc()       -> CRC-32 (ds4_crc32) of the non-fp32 tensors (the hash-routing tid2eid tables), in
+ *                               tensor order; 0 when the model has none. They are fixed at creation and not part of
+ *                               the parameter buffer, so two models agree on every output only if these agree too.
+ *
+ * set_params replaces the weights only: gradients and optimizer state (train_lua.c) are left alone. Call it between
+ * generations, not from an on_token callback (memory-safe, but the rest of that generation would mix two sets of
+ * weights). */
+#include <string.h>
+
+#include "ds4lua.h"
+
+static int m_params(lua_State *L) {
+    const char *fname = "ds4.model:params";
+    ds4_model *m = ds4l_model_check(L, 1, fname);
+    int64_t n = ds4_model_param_count(m);
+    ds4_tensor *t = ds4l_tensor_push_new(L, fname, DS4_F32, 1, &n);
+    if (n > 0) memcpy(t->data, ds4_model_params(m), (size_t)n * sizeof(float));
+    return 1;
+}
+
+static int m_set_params(lua_State *L) {
+    const char *fname = "ds4.model:set_params";
+    ds4_model *m = ds4l_model_check(L, 1, fname);
+    int64_t n = ds4_model_param_count(m);
+    const void *src = NULL;
+    size_t bytes = 0;
+    if (lua_type(L, 2) == LUA_TSTRING) {
+        src = lua_tolstring(L, 2, &bytes);
+        if (bytes != (size_t)n * sizeof(float))
+            ds4l_raise(L, "%s: the string holds %zu bytes, the model has %lld parameters (%lld bytes)", fname, bytes,
+                       (long long)n, (long long)n * 4);
+    } else {
+        ds4_tensor *t = ds4l_tensor_test(L, 2);
+        if (!t)
+            ds4l_raise(L, "%s: bad argument #1 (F32 tensor or string of little-endian f32 expected, got %s)", fname,
+                       luaL_typename(L, 2));
+        if (t->dtype != DS4_F32 || ds4_tensor_numel(t) != n)
+            ds4l_raise(L, "%s: need an F32 tensor of %lld elements (the model's parameters), got %s with %lld", fname,
+                       (long long)n, ds4_dtype_name(t->dtype), (long long)ds4_tensor_numel(t));
+        src = t->data;
+        bytes = (size_t)n * sizeof(float);
+    }
+    if (bytes) memmove(ds4_model_params(m), src, bytes);
+    lua_settop(L, 1);
+    return 1;
+}
+
+static int m_tables_crc(lua_State *L) {
+    const char *fname = "ds4.model:tables_crc";
+    ds4_model *m = ds4l_model_check(L, 1, fname);
+    uint32_t crc = 0;
+    size_t count = ds4_model_tensor_count(m);
+    for (size_t i = 0; i < count; i++) {
+        ds4_tensor_info info;
+        ds4_tensor view;
+        const char *name = NULL;
+        ds4_error err = {0};
+        if (ds4_model_tensor_info(m, i, &info, &err) != DS4_OK) ds4l_raise_ds4(L, fname, &err);
+        if (info.is_param) continue;
+        if (ds4_model_tensor_at(m, i, &name, &view, &err) != DS4_OK) ds4l_raise_ds4(L, fname, &err);
+        crc = ds4_crc32(crc, view.data, view.nbytes);
+    }
+    lua_pushnumber(L, (lua_Number)crc);
+    return 1;
+}
+
+/* Add params / set_params / tables_crc to the model methods (module table at the top of the stack). */
+void ds4l_params_open(lua_State *L) {
+    static const luaL_Reg methods[] = {
+        {"params", m_params}, {"set_params", m_set_params}, {"tables_crc", m_tables_crc}, {NULL, NULL}};
+    int mod = lua_gettop(L);
+    lua_getfield(L, mod, "model_methods");
+    if (!lua_istable(L, -1)) ds4l_raise(L, "ds4.core: internal error: model_methods missing when adding params");
+    for (const luaL_Reg *r = methods; r->name; r++) {
+        lua_pushcfunction(L, r->func);
+        lua_setfield(L, -2, r->name);
+    }
+    lua_settop(L, mod);
+}

@@ -1,0 +1,1039 @@
+/* wire_lua.c — the rollout wire codec (rollout/wire.h, rollout/protocol.md) for Lua: ds4.wire.
+ *
+ *   ds4.wire.encode(msg [, frames]) -> {header, raw frames...}: an array of strings, ready for sock:send
+ *   ds4.wire.decode(frames [, limits [, opts]]) -> msg | nil, code_name, message, ref_t   (never raises for a
+ *                                   malformed message; raises only for a caller's mistake: frames not strings,
+ *                                   an unknown or invalid limit)
+ *   ds4.wire.crc32(s [, crc]) -> number        ds4.wire.error_message(code, reason, ref_t [, ref_id, ref_n])
+ *   ds4.wire.default_limits() -> table         ds4.wire.codes = {name = number}   ds4.wire.code_name(n)
+ *   ds4.wire.VERSION = 1
+ *
+ * Lua messages mirror ds4_wire_msg: msg.t is the type name ("hello", "credit", "task", "samples",
+ * "weight_announce", "weight_request", "weight_chunk", "heartbeat", "error", "bye") and the other keys are the
+ * fields of that type's struct in wire.h (task_id, not the header's "task"; hello's caps fields flat; samples'
+ * per-sample values in msg.seq[i] = {prompt_len, n_gen, finish, stop_index, n_rows}). Raw frames go by their
+ * protocol.md names (prompt; tokens, logprobs, sample_logprobs, experts, index; weights): on encode from the
+ * `frames` table or from msg itself, as a Lua array of numbers, a string of little-endian bytes, or a ds4 tensor
+ * of the frame's dtype (I32 / F32); on decode as Lua arrays of numbers, except weights, kept as a string of
+ * bytes (opts.raw = true keeps every raw frame as a string). The full key list of every type is in
+ * lua/ds4/init.lua.
+ *
+ * Encode checks the Lua side (unknown keys, types, integer ranges of the C fields: "ds4.wire.encode:
+ * task.attempt: ...") and then ds4_wire_encode validates the message the way a receiver would (ranges, cross-
+ * field rules) and raises with its message. Ownership: the encoded header (malloc'd by the codec) sits in a
+ * __gc'd box while the result strings are built; converted frames live in userdata scratch buffers. */
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "ds4lua.h"
+#include "ds4_ckpt.h" /* ds4_crc32 (after ds4.h: this header is not self-contained) */
+#include "wire.h"
+
+#define OUT_MT "ds4.wire.out"
+#define MAX_EXACT 9007199254740991.0 /* 2^53 - 1 */
+#define U32_MAX_D 4294967295.0
+
+/* ------------------------------------------------------------------------------------------------ tables */
+
+typedef struct type_spec {
+    const char *name;
+    const char *const *keys;   /* header fields, NULL-terminated (t and v are always allowed) */
+    const char *const *frames; /* raw frame names, NULL-terminated */
+} type_spec;
+
+static const char *const K_HELLO[] = {"worker",   "max_batch", "threads", "vocab_size",
+                                      "n_params", "build",     "policy",  NULL};
+static const char *const K_CREDIT[] = {"n", NULL};
+static const char *const K_TASK[] = {
+    "task_id", "attempt", "policy", "max_new_tokens", "temperature",    "top_k",        "top_p",      "min_p",
+    "n",       "seed",    "stop",   "ignore_eos",     "record_experts", "record_index", "prompt_len", NULL};
+static const char *const K_SAMPLES[] = {"task_id",        "attempt",   "policy",       "n",          "seq",
+                                        "experts_layers", "experts_k", "index_layers", "index_topk", NULL};
+static const char *const K_ANNOUNCE[] = {"version", "bytes", "chunk", "chunks", "n_params", "dtype", "crc", NULL};
+static const char *const K_REQUEST[] = {"version", "index", NULL};
+static const char *const K_CHUNK[] = {"version", "index", "offset", "bytes", "chunk", "crc", NULL};
+static const char *const K_HEARTBEAT[] = {"policy", "active", NULL};
+static const char *const K_ERROR[] = {"code", "code_name", "reason", "ref_t", "ref_id", "ref_n", NULL};
+static const char *const K_BYE[] = {"reason", NULL};
+static const char *const K_SEQ[] = {"prompt_len", "n_gen", "finish", "finish_reason", "stop_index", "n_rows", NULL};
+
+static const char *const F_NONE[] = {NULL};
+static const char *const F_TASK[] = {"prompt", NULL};
+static const char *const F_SAMPLES[] = {"tokens", "logprobs", "sample_logprobs", "experts", "index", NULL};
+static const char *const F_CHUNK[] = {"weights", NULL};
+
+static const type_spec TYPES[DS4_WIRE_TYPE_COUNT] = {
+    [DS4_WIRE_HELLO] = {"hello", K_HELLO, F_NONE},
+    [DS4_WIRE_CREDIT] = {"credit", K_CREDIT, F_NONE},
+    [DS4_WIRE_TASK] = {"task", K_TASK, F_TASK},
+    [DS4_WIRE_SAMPLES] = {"samples", K_SAMPLES, F_SAMPLES},
+    [DS4_WIRE_WEIGHT_ANNOUNCE] = {"weight_announce", K_ANNOUNCE, F_NONE},
+    [DS4_WIRE_WEIGHT_REQUEST] = {"weight_request", K_REQUEST, F_NONE},
+    [DS4_WIRE_WEIGHT_CHUNK] = {"weight_chunk", K_CHUNK, F_CHUNK},
+    [DS4_WIRE_HEARTBEAT] = {"heartbeat", K_HEARTBEAT, F_NONE},
+    [DS4_WIRE_ERROR] = {"error", K_ERROR, F_NONE},
+    [DS4_WIRE_BYE] = {"bye", K_BYE, F_NONE},
+};
+
+static const char *const FINISH_NAMES[] = {NULL, "length", "eos", "stop_token", "stop_string", "cancelled"};
+
+static const struct {
+    const char *name;
+    uint32_t code;
+} CODES[] = {
+    {"bad_argument", DS4_WIRE_EARG}, {"no_memory", DS4_WIRE_ENOMEM},   {"limit", DS4_WIRE_ELIMIT},
+    {"parse", DS4_WIRE_EPARSE},      {"trailing", DS4_WIRE_ETRAILING}, {"not_map", DS4_WIRE_ENOTMAP},
+    {"version", DS4_WIRE_EVERSION},  {"type", DS4_WIRE_ETYPE},         {"missing", DS4_WIRE_EMISSING},
+    {"key", DS4_WIRE_EKEY},          {"duplicate", DS4_WIRE_EDUP},     {"value_type", DS4_WIRE_EVALTYPE},
+    {"range", DS4_WIRE_ERANGE},      {"frame", DS4_WIRE_EFRAME},       {"count", DS4_WIRE_ECOUNT},
+    {"crc", DS4_WIRE_ECRC},          {"state", DS4_WIRE_ESTATE},       {"stale", DS4_WIRE_ESTALE},
+    {"refused", DS4_WIRE_EREFUSED},  {"internal", DS4_WIRE_EINTERNAL},
+};
+#define N_CODES (int)(sizeof CODES / sizeof CODES[0])
+
+static int in_list(const char *const *list, const char *k) {
+    for (; *list; list++)
+        if (strcmp(*list, k) == 0) return 1;
+    return 0;
+}
+
+static void join_list(char *buf, size_t cap, const char *const *a, const char *const *b) {
+    size_t o = 0;
+    buf[0] = 0;
+    for (int pass = 0; pass < 2; pass++)
+        for (const char *const *p = pass ? b : a; p && *p && o + 1 < cap; p++) {
+            int w = snprintf(buf + o, cap - o, "%s%s", o ? ", " : "", *p);
+            if (w < 0) return;
+            o += (size_t)w;
+        }
+}
+
+/* ------------------------------------------------------------------------------------------------ encode: fields */
+
+typedef struct enc_ctx {
+    lua_State *L;
+    const char *tn;  /* type name, for messages */
+    int msg;         /* stack slot of the message table (or of a seq entry while reading one) */
+    int frames;      /* stack slot of the frames table, or 0 */
+    const char *sub; /* "seq[3]" while reading a seq entry, else NULL */
+} enc_ctx;
+
+static const char *FN = "ds4.wire.encode";
+
+DS4L_NORETURN static void efail(enc_ctx *e, const char *key, const char *fmt, ...) DS4L_PRINTF(3, 4);
+static void efail(enc_ctx *e, const char *key, const char *fmt, ...) {
+    char buf[1024];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(buf, sizeof buf, fmt, ap);
+    va_end(ap);
+    if (e->sub) ds4l_raise(e->L, "%s: %s.%s.%s: %s", FN, e->tn, e->sub, key, buf);
+    ds4l_raise(e->L, "%s: %s.%s: %s", FN, e->tn, key, buf);
+}
+
+/* Push msg[key]; returns its Lua type (LUA_TNIL when absent). */
+static int get(enc_ctx *e, const char *key) {
+    lua_getfield(e->L, e->msg, key);
+    return lua_type(e->L, -1);
+}
+
+static const char *show(lua_State *L, int idx) {
+    int t = lua_type(L, idx);
+    if (t == LUA_TNUMBER || t == LUA_TSTRING) return lua_tostring(L, idx);
+    return luaL_typename(L, idx);
+}
+
+/* An integer field in [lo, hi]; absent: def when !req. */
+static double f_int(enc_ctx *e, const char *key, double lo, double hi, int req, double def) {
+    lua_State *L = e->L;
+    int t = get(e, key);
+    double v = def;
+    if (t == LUA_TNIL) {
+        if (req) efail(e, key, "missing (an integer in %.0f..%.0f)", lo, hi);
+    } else {
+        v = lua_tonumber(L, -1);
+        if (t != LUA_TNUMBER || v != floor(v) || v < lo || v > hi)
+            efail(e, key, "expected an integer in %.0f..%.0f, got %s", lo, hi, show(L, -1));
+    }
+    lua_pop(L, 1);
+    return v;
+}
+
+static uint32_t f_u32(enc_ctx *e, const char *key, int req, uint32_t def) {
+    return (uint32_t)f_int(e, key, 0, U32_MAX_D, req, def);
+}
+static uint64_t f_u53(enc_ctx *e, const char *key, int req, uint64_t def) {
+    return (uint64_t)f_int(e, key, 0, MAX_EXACT, req, (double)def);
+}
+
+static double f_num(enc_ctx *e, const char *key, int req, double def) {
+    lua_State *L = e->L;
+    int t = get(e, key);
+    double v = def;
+    if (t == LUA_TNIL) {
+        if (req) efail(e, key, "missing (a number)");
+    } else {
+        if (t != LUA_TNUMBER) efail(e, key, "expected a number, got %s", show(L, -1));
+        v = lua_tonumber(L, -1);
+    }
+    lua_pop(L, 1);
+    return v;
+}
+
+static uint8_t f_bool(enc_ctx *e, const char *key) {
+    lua_State *L = e->L;
+    int t = get(e, key);
+    if (t != LUA_TNIL && t != LUA_TBOOLEAN) efail(e, key, "expected a boolean, got %s", show(L, -1));
+    uint8_t v = (uint8_t)lua_toboolean(L, -1);
+    lua_pop(L, 1);
+    return v;
+}
+
+/* A string field copied into buf (cap bytes, NUL included); absent: def when !req. */
+static void f_str(enc_ctx *e, const char *key, char *buf, size_t cap, int req, const char *def) {
+    lua_State *L = e->L;
+    int t = get(e, key);
+    size_t n = 0;
+    const char *s = def;
+    if (t == LUA_TNIL) {
+        if (req) efail(e, key, "missing (a string)");
+        n = strlen(def);
+    } else {
+        if (t != LUA_TSTRING) efail(e, key, "expected a string, got %s", show(L, -1));
+        s = lua_tolstring(L, -1, &n);
+        if (n >= cap) efail(e, key, "%zu bytes; at most %zu", n, cap - 1);
+        if (memchr(s, 0, n)) efail(e, key, "contains a NUL byte");
+    }
+    memcpy(buf, s, n);
+    buf[n] = 0;
+    lua_pop(L, 1);
+}
+
+/* seed: 0..2^64-1 as a number (exact up to 2^53) or a string of decimal digits. */
+static uint64_t f_seed(enc_ctx *e, const char *key) {
+    lua_State *L = e->L;
+    int t = get(e, key);
+    uint64_t v = 0;
+    if (t == LUA_TNUMBER) {
+        double d = lua_tonumber(L, -1);
+        if (d != floor(d) || d < 0 || d >= 18446744073709551616.0)
+            efail(e, key, "expected an integer in 0..2^64-1, got %s", show(L, -1));
+        v = (uint64_t)d;
+    } else if (t == LUA_TSTRING) {
+        size_t n = 0;
+        const char *s = lua_tolstring(L, -1, &n);
+        if (n == 0 || n > 20) efail(e, key, "expected decimal digits of a value in 0..2^64-1, got \"%s\"", s);
+        for (size_t i = 0; i < n; i++) {
+            if (s[i] < '0' || s[i] > '9' || v > (UINT64_MAX - (uint64_t)(s[i] - '0')) / 10)
+                efail(e, key, "expected decimal digits of a value in 0..2^64-1, got \"%s\"", s);
+            v = v * 10 + (uint64_t)(s[i] - '0');
+        }
+    } else if (t != LUA_TNIL) {
+        efail(e, key, "expected an integer (or a decimal string), got %s", show(L, -1));
+    }
+    lua_pop(L, 1);
+    return v;
+}
+
+/* Every key of the table at idx is a string in keys or frames (or "t" / "v" when top is set). */
+static void check_keys(enc_ctx *e, int idx, const char *const *keys, const char *const *frames, int top) {
+    lua_State *L = e->L;
+    lua_pushnil(L);
+    while (lua_next(L, idx)) {
+        lua_pop(L, 1);
+        const char *k = lua_type(L, -1) == LUA_TSTRING ? lua_tostring(L, -1) : NULL;
+        if (!k ||
+            !((top && (!strcmp(k, "t") || !strcmp(k, "v"))) || in_list(keys, k) || (frames && in_list(frames, k)))) {
+            char known[1024];
+            join_list(known, sizeof known, keys, frames);
+            if (e->sub)
+                ds4l_raise(L, "%s: %s.%s: unknown field %s%s%s (known: %s)", FN, e->tn, e->sub, k ? "'" : "a ",
+                           k ? k : luaL_typename(L, -1), k ? "'" : " key", known);
+            ds4l_raise(L, "%s: %s: unknown field %s%s%s (known: t, v, %s)", FN, e->tn, k ? "'" : "a ",
+                       k ? k : luaL_typename(L, -1), k ? "'" : " key", known);
+        }
+    }
+}
+
+/* ------------------------------------------------------------------------------------------------ encode: frames */
+
+typedef enum { FR_I32, FR_F32 } frame_kind;
+
+/* Raw frame `name`: frames[name], else msg[name]. Returns 0 when absent (view zeroed); else fills view with
+ * bytes that stay alive on the Lua stack (a string, a tensor, or a scratch buffer pushed here). */
+static int f_frame(enc_ctx *e, const char *name, frame_kind kind, ds4_wire_view *view) {
+    lua_State *L = e->L;
+    view->data = NULL;
+    view->len = 0;
+    int t = LUA_TNIL;
+    if (e->frames) {
+        lua_getfield(L, e->frames, name);
+        t = lua_type(L, -1);
+        if (t == LUA_TNIL) lua_pop(L, 1);
+    }
+    if (t == LUA_TNIL) {
+        lua_getfield(L, e->msg, name);
+        t = lua_type(L, -1);
+    }
+    if (t == LUA_TNIL) {
+        lua_pop(L, 1);
+        return 0;
+    }
+    int idx = lua_gettop(L); /* stays on the stack: keeps the bytes alive */
+    if (t == LUA_TSTRING) {
+        view->data = lua_tolstring(L, idx, &view->len);
+        return 1;
+    }
+    ds4_tensor *tn = ds4l_tensor_test(L, idx);
+    if (tn) {
+        ds4_dtype want = kind == FR_I32 ? DS4_I32 : DS4_F32;
+        if (tn->dtype != want)
+            efail(e, name, "a tensor of dtype %s; this frame needs %s", ds4_dtype_name(tn->dtype),
+                  ds4_dtype_name(want));
+        view->data = tn->data;
+        view->len = tn->nbytes;
+        return 1;
+    }
+    if (t != LUA_TTABLE)
+        efail(e, name, "expected an array of numbers, a string of bytes or a %s tensor, got %s",
+              kind == FR_I32 ? "I32" : "F32", luaL_typename(L, idx));
+    size_t n = lua_objlen(L, idx);
+    if (n > ((size_t)1 << 31)) efail(e, name, "%zu elements; too many", n);
+    unsigned char *buf = lua_newuserdata(L, n ? 4 * n : 1);
+    for (size_t i = 0; i < n; i++) {
+        lua_rawgeti(L, idx, (int)i + 1);
+        double v = lua_tonumber(L, -1);
+        if (lua_type(L, -1) != LUA_TNUMBER) efail(e, name, "element %zu is %s, expected a number", i + 1, show(L, -1));
+        if (kind == FR_I32) {
+            if (v != floor(v) || v < -2147483648.0 || v > 2147483647.0)
+                efail(e, name, "element %zu = %s is not an int32", i + 1, show(L, -1));
+            int32_t x = (int32_t)v;
+            memcpy(buf + 4 * i, &x, 4);
+        } else {
+            float x = (float)v;
+            memcpy(buf + 4 * i, &x, 4);
+        }
+        lua_pop(L, 1);
+    }
+    view->data = buf;
+    view->len = 4 * n;
+    return 1;
+}
+
+static void need_frame(enc_ctx *e, const char *name, frame_kind kind, ds4_wire_view *view) {
+    if (!f_frame(e, name, kind, view))
+        efail(e, name, "missing raw frame (an array of numbers, a string of bytes or a tensor; in msg or frames)");
+}
+
+/* ------------------------------------------------------------------------------------------------ encode */
+
+static uint32_t finish_code(enc_ctx *e, const char *key) {
+    lua_State *L = e->L;
+    int t = get(e, key);
+    uint32_t v = 0;
+    if (t == LUA_TSTRING) {
+        const char *s = lua_tostring(L, -1);
+        for (uint32_t i = 1; i <= 5; i++)
+            if (strcmp(s, FINISH_NAMES[i]) == 0) v = i;
+        if (!v) efail(e, key, "\"%s\" is not a finish reason (length, eos, stop_token, stop_string, cancelled)", s);
+    } else if (t == LUA_TNUMBER) {
+        double d = lua_tonumber(L, -1);
+        if (d != floor(d) || d < 0 || d > U32_MAX_D)
+            efail(e, key, "expected 1..5 or a finish reason, got %s", show(L, -1));
+        v = (uint32_t)d;
+    } else if (t != LUA_TNIL) {
+        efail(e, key, "expected 1..5 or a finish reason name, got %s", show(L, -1));
+    }
+    lua_pop(L, 1);
+    return v;
+}
+
+/* code: a number or a code name ("state", ...); code_name, when given too, must agree. */
+static uint32_t error_code(enc_ctx *e) {
+    lua_State *L = e->L;
+    uint32_t v = 0;
+    int have = 0;
+    for (int k = 0; k < 2; k++) {
+        const char *key = k ? "code_name" : "code";
+        int t = get(e, key);
+        uint32_t c = 0;
+        if (t == LUA_TNIL) {
+            lua_pop(L, 1);
+            continue;
+        }
+        if (t == LUA_TSTRING) {
+            const char *s = lua_tostring(L, -1);
+            int found = 0;
+            for (int i = 0; i < N_CODES; i++)
+                if (strcmp(s, CODES[i].name) == 0) c = CODES[i].code, found = 1;
+            if (!found) efail(e, key, "\"%s\" is not an error code name (ds4.wire.codes)", s);
+        } else if (t == LUA_TNUMBER && k == 0) {
+            double d = lua_tonumber(L, -1);
+            if (d != floor(d) || d < 0 || d > U32_MAX_D)
+                efail(e, key, "expected 1..65535 or a code name, got %s", show(L, -1));
+            c = (uint32_t)d;
+        } else {
+            efail(e, key, "expected %s, got %s", k ? "a code name" : "a number or a code name", show(L, -1));
+        }
+        lua_pop(L, 1);
+        if (have && c != v) efail(e, "code_name", "names code %u, but code is %u", (unsigned)c, (unsigned)v);
+        v = c;
+        have = 1;
+    }
+    if (!have) efail(e, "code", "missing (a number or a code name)");
+    return v;
+}
+
+static void enc_samples(enc_ctx *e, ds4_wire_samples *s) {
+    lua_State *L = e->L;
+    s->task_id = f_u53(e, "task_id", 1, 0);
+    s->attempt = f_u32(e, "attempt", 0, 0);
+    s->policy = f_u53(e, "policy", 1, 0);
+    s->experts_layers = f_u32(e, "experts_layers", 0, 0);
+    s->experts_k = f_u32(e, "experts_k", 0, 0);
+    s->index_layers = f_u32(e, "index_layers", 0, 0);
+    s->index_topk = f_u32(e, "index_topk", 0, 0);
+    if (get(e, "seq") != LUA_TTABLE)
+        efail(e, "seq", "expected an array of {prompt_len, n_gen, finish, ...}, got %s", show(L, -1));
+    int seq = lua_gettop(L);
+    size_t n = lua_objlen(L, seq);
+    if (n < 1 || n > DS4_WIRE_SAMPLES_CAP) efail(e, "seq", "%zu entries; 1..%d expected", n, DS4_WIRE_SAMPLES_CAP);
+    s->n = (uint32_t)f_int(e, "n", 1, DS4_WIRE_SAMPLES_CAP, 0, (double)n);
+    if (s->n != n) efail(e, "n", "%u, but seq has %zu entries", (unsigned)s->n, n);
+    int msg = e->msg;
+    char sub[32];
+    for (size_t i = 0; i < n; i++) {
+        lua_rawgeti(L, seq, (int)i + 1);
+        snprintf(sub, sizeof sub, "seq[%zu]", i + 1);
+        if (!lua_istable(L, -1))
+            efail(e, sub, "expected a table {prompt_len, n_gen, finish, ...}, got %s", show(L, -1));
+        e->msg = lua_gettop(L);
+        e->sub = sub;
+        check_keys(e, e->msg, K_SEQ, NULL, 0);
+        ds4_wire_seq *q = &s->seq[i];
+        q->prompt_len = f_u32(e, "prompt_len", 1, 0);
+        q->n_gen = f_u32(e, "n_gen", 1, 0);
+        q->finish = finish_code(e, "finish");
+        uint32_t fr = finish_code(e, "finish_reason");
+        if (!q->finish && !fr) efail(e, "finish", "missing (1..5 or a finish reason name)");
+        if (q->finish && fr && q->finish != fr)
+            efail(e, "finish_reason", "disagrees with finish = %u", (unsigned)q->finish);
+        if (!q->finish) q->finish = fr;
+        q->stop_index = (int32_t)f_int(e, "stop_index", -1, 2147483647.0, 0, -1);
+        q->n_rows = f_u32(e, "n_rows", 0, 0);
+        e->sub = NULL;
+        e->msg = msg;
+        lua_pop(L, 1);
+    }
+    lua_pop(L, 1); /* seq */
+    need_frame(e, "tokens", FR_I32, &s->tokens);
+    need_frame(e, "logprobs", FR_F32, &s->logprobs);
+    need_frame(e, "sample_logprobs", FR_F32, &s->sample_logprobs);
+    int ex = s->experts_layers || s->experts_k, ix = s->index_layers || s->index_topk;
+    if (f_frame(e, "experts", FR_I32, &s->experts) != ex)
+        efail(e, "experts",
+              ex ? "missing raw frame (experts_layers / experts_k are set)"
+                 : "given, but experts_layers and experts_k are 0");
+    if (f_frame(e, "index", FR_I32, &s->index) != ix)
+        efail(e, "index",
+              ix ? "missing raw frame (index_layers / index_topk are set)"
+                 : "given, but index_layers and index_topk are 0");
+}
+
+/* Fill m from the message table at e->msg (raw frames stay referenced on the stack). */
+static void enc_fill(enc_ctx *e, ds4_wire_msg *m) {
+    lua_State *L = e->L;
+    switch (m->type) {
+    case DS4_WIRE_HELLO: {
+        ds4_wire_hello *h = &m->hello;
+        f_str(e, "worker", h->worker, sizeof h->worker, 1, "");
+        h->max_batch = f_u32(e, "max_batch", 1, 0);
+        h->threads = f_u32(e, "threads", 1, 0);
+        h->vocab_size = f_u32(e, "vocab_size", 1, 0);
+        h->n_params = f_u53(e, "n_params", 1, 0);
+        f_str(e, "build", h->build, sizeof h->build, 0, "");
+        h->policy = f_u53(e, "policy", 0, 0);
+        break;
+    }
+    case DS4_WIRE_CREDIT: m->credit.n = f_u32(e, "n", 1, 0); break;
+    case DS4_WIRE_TASK: {
+        ds4_wire_task *t = &m->task;
+        t->task_id = f_u53(e, "task_id", 1, 0);
+        t->attempt = f_u32(e, "attempt", 0, 0);
+        t->policy = f_u53(e, "policy", 1, 0);
+        t->max_new_tokens = f_u32(e, "max_new_tokens", 1, 0);
+        t->temperature = f_num(e, "temperature", 0, 1.0);
+        t->top_k = f_u32(e, "top_k", 0, 0);
+        t->top_p = f_num(e, "top_p", 0, 1.0);
+        t->min_p = f_num(e, "min_p", 0, 0.0);
+        t->n = f_u32(e, "n", 0, 1);
+        t->seed = f_seed(e, "seed");
+        int st = get(e, "stop");
+        if (st != LUA_TNIL) {
+            if (st != LUA_TTABLE) efail(e, "stop", "expected an array of token ids, got %s", show(L, -1));
+            size_t n = lua_objlen(L, -1);
+            if (n > DS4_WIRE_STOP_CAP) efail(e, "stop", "%zu ids; at most %d", n, DS4_WIRE_STOP_CAP);
+            for (size_t i = 0; i < n; i++) {
+                lua_rawgeti(L, -1, (int)i + 1);
+                double v = lua_tonumber(L, -1);
+                if (lua_type(L, -1) != LUA_TNUMBER || v != floor(v) || v < 0 || v > 2147483647.0)
+                    efail(e, "stop", "element %zu is %s, expected a token id 0..2^31-1", i + 1, show(L, -1));
+                t->stop[i] = (int32_t)v;
+                lua_pop(L, 1);
+            }
+            t->n_stop = (uint32_t)n;
+        }
+        lua_pop(L, 1);
+        t->ignore_eos = f_bool(e, "ignore_eos");
+        t->record_experts = f_bool(e, "record_experts");
+        t->record_index = f_bool(e, "record_index");
+        need_frame(e, "prompt", FR_I32, &t->prompt);
+        t->prompt_len = f_u32(e, "prompt_len", 0, (uint32_t)(t->prompt.len / 4));
+        break;
+    }
+    case DS4_WIRE_SAMPLES: enc_samples(e, &m->samples); break;
+    case DS4_WIRE_WEIGHT_ANNOUNCE: {
+        ds4_wire_weight_announce *w = &m->announce;
+        w->version = f_u53(e, "version", 1, 0);
+        w->n_params = f_u53(e, "n_params", 1, 0);
+        w->bytes = f_u53(e, "bytes", 0, w->n_params <= (uint64_t)MAX_EXACT / 4 ? 4 * w->n_params : 0);
+        w->chunk = f_u32(e, "chunk", 1, 0);
+        w->chunks = f_u32(e, "chunks", 0, w->chunk ? (uint32_t)((w->bytes + w->chunk - 1) / w->chunk) : 0);
+        f_str(e, "dtype", w->dtype, sizeof w->dtype, 0, "f32");
+        w->crc = f_u32(e, "crc", 1, 0);
+        break;
+    }
+    case DS4_WIRE_WEIGHT_REQUEST:
+        m->request.version = f_u53(e, "version", 1, 0);
+        m->request.index = f_u32(e, "index", 1, 0);
+        break;
+    case DS4_WIRE_WEIGHT_CHUNK: {
+        ds4_wire_weight_chunk *w = &m->chunk;
+        w->version = f_u53(e, "version", 1, 0);
+        w->index = f_u32(e, "index", 1, 0);
+        w->bytes = f_u53(e, "bytes", 1, 0);
+        w->chunk = f_u32(e, "chunk", 1, 0);
+        w->offset = f_u53(e, "offset", 0, (uint64_t)w->index * w->chunk);
+        need_frame(e, "weights", FR_F32, &w->data);
+        if (get(e, "crc") == LUA_TNIL) {
+            w->crc = ds4_crc32(0, w->data.data, w->data.len);
+            lua_pop(L, 1);
+        } else {
+            lua_pop(L, 1);
+            w->crc = f_u32(e, "crc", 1, 0);
+        }
+        break;
+    }
+    case DS4_WIRE_HEARTBEAT:
+        m->heartbeat.policy = f_u53(e, "policy", 1, 0);
+        m->heartbeat.active = f_u32(e, "active", 0, 0);
+        break;
+    case DS4_WIRE_ERROR: {
+        ds4_wire_errmsg *x = &m->error;
+        x->code = error_code(e);
+        f_str(e, "reason", x->reason, sizeof x->reason, 0, "");
+        f_str(e, "ref_t", x->ref_t, sizeof x->ref_t, 0, "");
+        x->ref_id = f_u53(e, "ref_id", 0, 0);
+        x->ref_n = f_u32(e, "ref_n", 0, 0);
+        break;
+    }
+    case DS4_WIRE_BYE: f_str(e, "reason", m->bye.reason, sizeof m->bye.reason, 0, ""); break;
+    default: break;
+    }
+}
+
+typedef struct out_box {
+    ds4_wire_out out;
+} out_box;
+
+static int out_gc(lua_State *L) {
+    out_box *b = lua_touserdata(L, 1);
+    if (b) ds4_wire_out_free(&b->out);
+    return 0;
+}
+
+/* Encode m (filled) and push the array of frame strings. */
+static int push_encoded(lua_State *L, const char *fname, const ds4_wire_msg *m) {
+    out_box *b = lua_newuserdata(L, sizeof *b);
+    memset(b, 0, sizeof *b);
+    luaL_getmetatable(L, OUT_MT);
+    lua_setmetatable(L, -2);
+    ds4_error err = {0};
+    if (ds4_wire_encode(m, &b->out, &err) != DS4_OK) ds4l_raise_ds4(L, fname, &err);
+    lua_createtable(L, b->out.nframes, 0);
+    for (int k = 0; k < b->out.nframes; k++) {
+        lua_pushlstring(L, b->out.lens[k] ? (const char *)b->out.frames[k] : "", b->out.lens[k]);
+        lua_rawseti(L, -2, k + 1);
+    }
+    ds4_wire_out_free(&b->out);
+    return 1;
+}
+
+static ds4_wire_type type_of(const char *t) {
+    for (int i = 1; t && i < DS4_WIRE_TYPE_COUNT; i++)
+        if (strcmp(t, TYPES[i].name) == 0) return (ds4_wire_type)i;
+    return DS4_WIRE_NONE;
+}
+
+/* ds4.wire.encode(msg [, frames]) -> array of frame strings */
+static int l_encode(lua_State *L) {
+    if (!lua_istable(L, 1))
+        ds4l_raise(L, "%s: bad argument #1 (message table expected, got %s)", FN, luaL_typename(L, 1));
+    if (!lua_isnoneornil(L, 2) && !lua_istable(L, 2))
+        ds4l_raise(L, "%s: bad argument #2 (table of raw frames expected, got %s)", FN, luaL_typename(L, 2));
+    lua_settop(L, 2);
+    luaL_checkstack(L, 40, "ds4.wire.encode");
+    lua_getfield(L, 1, "t");
+    const char *t = lua_type(L, -1) == LUA_TSTRING ? lua_tostring(L, -1) : NULL;
+    ds4_wire_type type = type_of(t);
+    if (type == DS4_WIRE_NONE)
+        ds4l_raise(L,
+                   "%s: msg.t must name a message type (hello, credit, task, samples, weight_announce, "
+                   "weight_request, weight_chunk, heartbeat, error, bye), got %s%s%s",
+                   FN, t ? "\"" : "", t ? t : luaL_typename(L, -1), t ? "\"" : "");
+    lua_pop(L, 1);
+    enc_ctx e = {L, TYPES[type].name, 1, lua_istable(L, 2) ? 2 : 0, NULL};
+    lua_getfield(L, 1, "v");
+    if (!lua_isnil(L, -1) && !(lua_type(L, -1) == LUA_TNUMBER && lua_tonumber(L, -1) == DS4_WIRE_VERSION))
+        efail(&e, "v", "this build speaks protocol version %d, got %s", DS4_WIRE_VERSION, show(L, -1));
+    lua_pop(L, 1);
+    check_keys(&e, 1, TYPES[type].keys, TYPES[type].frames, 1);
+    if (e.frames) {
+        lua_pushnil(L);
+        while (lua_next(L, 2)) {
+            lua_pop(L, 1);
+            const char *k = lua_type(L, -1) == LUA_TSTRING ? lua_tostring(L, -1) : NULL;
+            if (!k || !in_list(TYPES[type].frames, k)) {
+                char known[256];
+                join_list(known, sizeof known, TYPES[type].frames, NULL);
+                ds4l_raise(L, "%s: %s: frames has an unknown frame %s (this type has: %s)", FN, e.tn,
+                           k ? k : luaL_typename(L, -1), known[0] ? known : "none");
+            }
+        }
+    }
+    ds4_wire_msg *m = lua_newuserdata(L, sizeof *m); /* slot 3 */
+    memset(m, 0, sizeof *m);
+    m->type = type;
+    enc_fill(&e, m);
+    return push_encoded(L, FN, m);
+}
+
+/* ------------------------------------------------------------------------------------------------ decode */
+
+static void set_num(lua_State *L, const char *k, double v) {
+    lua_pushnumber(L, v);
+    lua_setfield(L, -2, k);
+}
+static void set_str(lua_State *L, const char *k, const char *v) {
+    lua_pushstring(L, v);
+    lua_setfield(L, -2, k);
+}
+static void set_bool(lua_State *L, const char *k, int v) {
+    lua_pushboolean(L, v);
+    lua_setfield(L, -2, k);
+}
+
+/* Push a raw frame: an array of numbers, or its bytes as a string when raw. */
+static void push_frame(lua_State *L, ds4_wire_view v, frame_kind kind, int raw) {
+    if (raw) {
+        lua_pushlstring(L, v.len ? (const char *)v.data : "", v.len);
+        return;
+    }
+    size_t n = v.len / 4;
+    lua_createtable(L, n > INT32_MAX ? 0 : (int)n, 0);
+    for (size_t i = 0; i < n; i++) {
+        lua_pushnumber(L, kind == FR_I32 ? (double)ds4_wire_i32(v, i) : (double)ds4_wire_f32(v, i));
+        lua_rawseti(L, -2, (int)i + 1);
+    }
+}
+
+static void set_frame(lua_State *L, const char *k, ds4_wire_view v, frame_kind kind, int raw) {
+    push_frame(L, v, kind, raw);
+    lua_setfield(L, -2, k);
+}
+
+static void push_msg(lua_State *L, const ds4_wire_msg *m, int raw) {
+    lua_createtable(L, 0, 16);
+    set_str(L, "t", ds4_wire_type_name(m->type));
+    set_num(L, "v", DS4_WIRE_VERSION);
+    switch (m->type) {
+    case DS4_WIRE_HELLO: {
+        const ds4_wire_hello *h = &m->hello;
+        set_str(L, "worker", h->worker);
+        set_num(L, "max_batch", h->max_batch);
+        set_num(L, "threads", h->threads);
+        set_num(L, "vocab_size", h->vocab_size);
+        set_num(L, "n_params", (double)h->n_params);
+        set_str(L, "build", h->build);
+        set_num(L, "policy", (double)h->policy);
+        break;
+    }
+    case DS4_WIRE_CREDIT: set_num(L, "n", m->credit.n); break;
+    case DS4_WIRE_TASK: {
+        const ds4_wire_task *t = &m->task;
+        set_num(L, "task_id", (double)t->task_id);
+        set_num(L, "attempt", t->attempt);
+        set_num(L, "policy", (double)t->policy);
+        set_num(L, "max_new_tokens", t->max_new_tokens);
+        set_num(L, "temperature", t->temperature);
+        set_num(L, "top_k", t->top_k);
+        set_num(L, "top_p", t->top_p);
+        set_num(L, "min_p", t->min_p);
+        set_num(L, "n", t->n);
+        if (t->seed <= (uint64_t)MAX_EXACT) {
+            set_num(L, "seed", (double)t->seed);
+        } else {
+            char buf[32];
+            snprintf(buf, sizeof buf, "%llu", (unsigned long long)t->seed);
+            set_str(L, "seed", buf);
+        }
+        lua_createtable(L, (int)t->n_stop, 0);
+        for (uint32_t i = 0; i < t->n_stop; i++) {
+            lua_pushnumber(L, t->stop[i]);
+            lua_rawseti(L, -2, (int)i + 1);
+        }
+        lua_setfield(L, -2, "stop");
+        set_bool(L, "ignore_eos", t->ignore_eos);
+        set_bool(L, "record_experts", t->record_experts);
+        set_bool(L, "record_index", t->record_index);
+        set_num(L, "prompt_len", t->prompt_len);
+        set_frame(L, "prompt", t->prompt, FR_I32, raw);
+        break;
+    }
+    case DS4_WIRE_SAMPLES: {
+        const ds4_wire_samples *s = &m->samples;
+        set_num(L, "task_id", (double)s->task_id);
+        set_num(L, "attempt", s->attempt);
+        set_num(L, "policy", (double)s->policy);
+        set_num(L, "n", s->n);
+        lua_createtable(L, (int)s->n, 0);
+        for (uint32_t i = 0; i < s->n; i++) {
+            const ds4_wire_seq *q = &s->seq[i];
+            lua_createtable(L, 0, 6);
+            set_num(L, "prompt_len", q->prompt_len);
+            set_num(L, "n_gen", q->n_gen);
+            set_num(L, "finish", q->finish);
+            set_str(L, "finish_reason", q->finish >= 1 && q->finish <= 5 ? FINISH_NAMES[q->finish] : "unknown");
+            set_num(L, "stop_index", q->stop_index);
+            set_num(L, "n_rows", q->n_rows);
+            lua_rawseti(L, -2, (int)i + 1);
+        }
+        lua_setfield(L, -2, "seq");
+        set_num(L, "experts_layers", s->experts_layers);
+        set_num(L, "experts_k", s->experts_k);
+        set_num(L, "index_layers", s->index_layers);
+        set_num(L, "index_topk", s->index_topk);
+        set_frame(L, "tokens", s->tokens, FR_I32, raw);
+        set_frame(L, "logprobs", s->logprobs, FR_F32, raw);
+        set_frame(L, "sample_logprobs", s->sample_logprobs, FR_F32, raw);
+        if (s->experts_layers) set_frame(L, "experts", s->experts, FR_I32, raw);
+        if (s->index_layers) set_frame(L, "index", s->index, FR_I32, raw);
+        break;
+    }
+    case DS4_WIRE_WEIGHT_ANNOUNCE: {
+        const ds4_wire_weight_announce *w = &m->announce;
+        set_num(L, "version", (double)w->version);
+        set_num(L, "bytes", (double)w->bytes);
+        set_num(L, "chunk", w->chunk);
+        set_num(L, "chunks", w->chunks);
+        set_num(L, "n_params", (double)w->n_params);
+        set_str(L, "dtype", w->dtype);
+        set_num(L, "crc", w->crc);
+        break;
+    }
+    case DS4_WIRE_WEIGHT_REQUEST:
+        set_num(L, "version", (double)m->request.version);
+        set_num(L, "index", m->request.index);
+        break;
+    case DS4_WIRE_WEIGHT_CHUNK: {
+        const ds4_wire_weight_chunk *w = &m->chunk;
+        set_num(L, "version", (double)w->version);
+        set_num(L, "index", w->index);
+        set_num(L, "offset", (double)w->offset);
+        set_num(L, "bytes", (double)w->bytes);
+        set_num(L, "chunk", w->chunk);
+        set_num(L, "crc", w->crc);
+        lua_pushlstring(L, w->data.len ? (const char *)w->data.data : "", w->data.len); /* bytes: always a string */
+        lua_setfield(L, -2, "weights");
+        break;
+    }
+    case DS4_WIRE_HEARTBEAT:
+        set_num(L, "policy", (double)m->heartbeat.policy);
+        set_num(L, "active", m->heartbeat.active);
+        break;
+    case DS4_WIRE_ERROR: {
+        const ds4_wire_errmsg *x = &m->error;
+        set_num(L, "code", x->code);
+        set_str(L, "code_name", ds4_wire_error_name(x->code));
+        set_str(L, "reason", x->reason);
+        set_str(L, "ref_t", x->ref_t);
+        set_num(L, "ref_id", (double)x->ref_id);
+        set_num(L, "ref_n", x->ref_n);
+        break;
+    }
+    case DS4_WIRE_BYE: set_str(L, "reason", m->bye.reason); break;
+    default: break;
+    }
+}
+
+/* ---------------------------------------------------------------- limits */
+
+static const struct {
+    const char *name;
+    int is_size; /* size_t or uint64_t field */
+} LIMIT_NAMES[] = {
+    {"max_header_bytes", 1},  {"max_frame_bytes", 1},  {"max_frames", 0},   {"max_str_bytes", 0},
+    {"max_prompt_tokens", 0}, {"max_samples", 0},      {"max_stop_ids", 0}, {"max_gen_tokens", 1},
+    {"max_chunk_bytes", 0},   {"max_weight_bytes", 1},
+};
+#define N_LIMITS (int)(sizeof LIMIT_NAMES / sizeof LIMIT_NAMES[0])
+
+static void set_limit(ds4_wire_limits *l, int i, double v) {
+    switch (i) {
+    case 0: l->max_header_bytes = (size_t)v; break;
+    case 1: l->max_frame_bytes = (size_t)v; break;
+    case 2: l->max_frames = (uint32_t)v; break;
+    case 3: l->max_str_bytes = (uint32_t)v; break;
+    case 4: l->max_prompt_tokens = (uint32_t)v; break;
+    case 5: l->max_samples = (uint32_t)v; break;
+    case 6: l->max_stop_ids = (uint32_t)v; break;
+    case 7: l->max_gen_tokens = (uint64_t)v; break;
+    case 8: l->max_chunk_bytes = (uint32_t)v; break;
+    default: l->max_weight_bytes = (uint64_t)v; break;
+    }
+}
+
+static double get_limit(const ds4_wire_limits *l, int i) {
+    switch (i) {
+    case 0: return (double)l->max_header_bytes;
+    case 1: return (double)l->max_frame_bytes;
+    case 2: return l->max_frames;
+    case 3: return l->max_str_bytes;
+    case 4: return l->max_prompt_tokens;
+    case 5: return l->max_samples;
+    case 6: return l->max_stop_ids;
+    case 7: return (double)l->max_gen_tokens;
+    case 8: return l->max_chunk_bytes;
+    default: return (double)l->max_weight_bytes;
+    }
+}
+
+/* The defaults overridden by the table at idx (0: none). The codec checks each against its cap. */
+static ds4_wire_limits check_limits(lua_State *L, int idx, const char *fname) {
+    ds4_wire_limits l = ds4_wire_default_limits();
+    if (!idx) return l;
+    lua_pushnil(L);
+    while (lua_next(L, idx)) {
+        const char *k = lua_type(L, -2) == LUA_TSTRING ? lua_tostring(L, -2) : NULL;
+        int which = -1;
+        for (int i = 0; k && i < N_LIMITS; i++)
+            if (strcmp(k, LIMIT_NAMES[i].name) == 0) which = i;
+        if (which < 0)
+            ds4l_raise(L,
+                       "%s: unknown limit %s (known: max_header_bytes, max_frame_bytes, max_frames, max_str_bytes, "
+                       "max_prompt_tokens, max_samples, max_stop_ids, max_gen_tokens, max_chunk_bytes, "
+                       "max_weight_bytes)",
+                       fname, k ? k : luaL_typename(L, -2));
+        double v = lua_tonumber(L, -1);
+        double hi = LIMIT_NAMES[which].is_size ? MAX_EXACT : U32_MAX_D;
+        if (lua_type(L, -1) != LUA_TNUMBER || v != floor(v) || v < 1 || v > hi)
+            ds4l_raise(L, "%s: limits.%s must be a positive integer, got %s", fname, k, show(L, -1));
+        set_limit(&l, which, v);
+        lua_pop(L, 1);
+    }
+    return l;
+}
+
+/* ds4.wire.decode(frames [, limits [, opts]]) -> msg | nil, code_name, message, ref_t
+ * opts.raw = true: raw frames as strings; opts.first = i: the header is frames[i] (default 1; e.g. 2 after a
+ * ROUTER's routing-id frame). */
+static int l_decode(lua_State *L) {
+    const char *fname = "ds4.wire.decode";
+    if (!lua_istable(L, 1))
+        ds4l_raise(L, "%s: bad argument #1 (array of frame strings expected, got %s)", fname, luaL_typename(L, 1));
+    if (!lua_isnoneornil(L, 2) && !lua_istable(L, 2))
+        ds4l_raise(L, "%s: bad argument #2 (limits table expected, got %s)", fname, luaL_typename(L, 2));
+    if (!lua_isnoneornil(L, 3) && !lua_istable(L, 3))
+        ds4l_raise(L, "%s: bad argument #3 (options table expected, got %s)", fname, luaL_typename(L, 3));
+    lua_settop(L, 3);
+    int raw = 0, first = 1;
+    if (lua_istable(L, 3)) {
+        lua_pushnil(L);
+        while (lua_next(L, 3)) {
+            lua_pop(L, 1);
+            const char *k = lua_type(L, -1) == LUA_TSTRING ? lua_tostring(L, -1) : NULL;
+            if (!k || (strcmp(k, "raw") && strcmp(k, "first")))
+                ds4l_raise(L, "%s: unknown option %s (known: raw, first)", fname, k ? k : luaL_typename(L, -1));
+        }
+        lua_getfield(L, 3, "raw");
+        if (!lua_isnil(L, -1) && !lua_isboolean(L, -1))
+            ds4l_raise(L, "%s: opts.raw must be a boolean, got %s", fname, show(L, -1));
+        raw = lua_toboolean(L, -1);
+        lua_pop(L, 1);
+        lua_getfield(L, 3, "first");
+        if (!lua_isnil(L, -1)) {
+            double v = lua_tonumber(L, -1);
+            if (lua_type(L, -1) != LUA_TNUMBER || v != floor(v) || v < 1 || v > 1e6)
+                ds4l_raise(L, "%s: opts.first must be a positive integer, got %s", fname, show(L, -1));
+            first = (int)v;
+        }
+        lua_pop(L, 1);
+    }
+    ds4_wire_limits lim = check_limits(L, lua_istable(L, 2) ? 2 : 0, fname);
+    size_t total = lua_objlen(L, 1);
+    size_t n = total >= (size_t)first ? total - (size_t)first + 1 : 0;
+    for (size_t i = 0; i < n; i++) { /* a caller's mistake, not the peer's: raised */
+        lua_rawgeti(L, 1, first + (int)i);
+        if (lua_type(L, -1) != LUA_TSTRING)
+            ds4l_raise(L, "%s: frames[%zu] is a %s, expected a string", fname, (size_t)first + i, luaL_typename(L, -1));
+        lua_pop(L, 1);
+    }
+    if (n > DS4_WIRE_FRAMES_CAP) {
+        lua_pushnil(L);
+        lua_pushstring(L, ds4_wire_error_name(DS4_WIRE_ELIMIT));
+        lua_pushfstring(L, "wire decode: %d frames, more than max_frames (%d)", (int)n, (int)lim.max_frames);
+        lua_pushliteral(L, "");
+        return 4;
+    }
+    const void *ptrs[DS4_WIRE_FRAMES_CAP];
+    size_t lens[DS4_WIRE_FRAMES_CAP];
+    for (size_t i = 0; i < n; i++) {
+        lua_rawgeti(L, 1, first + (int)i);
+        ptrs[i] = lua_tolstring(L, -1, &lens[i]);
+        lua_pop(L, 1); /* the table keeps the string alive */
+    }
+    ds4_wire_msg *m = lua_newuserdata(L, sizeof *m);
+    ds4_error err = {0};
+    ds4_wire_code code = ds4_wire_decode(&lim, (int)n, ptrs, lens, m, &err);
+    if (code == DS4_WIRE_EARG) ds4l_raise(L, "%s: %s", fname, err.msg); /* the limits: the caller's */
+    if (code != DS4_WIRE_OK) {
+        lua_pushnil(L);
+        lua_pushstring(L, ds4_wire_error_name(code));
+        lua_pushstring(L, err.msg);
+        lua_pushstring(L, m->type != DS4_WIRE_NONE ? ds4_wire_type_name(m->type) : "");
+        return 4;
+    }
+    push_msg(L, m, raw);
+    return 1;
+}
+
+/* ------------------------------------------------------------------------------------------------ helpers */
+
+/* ds4.wire.crc32(s [, crc]) -> number: CRC-32 (IEEE) of a string or a tensor's bytes, continuing from crc. */
+static int l_crc32(lua_State *L) {
+    const char *fname = "ds4.wire.crc32";
+    const void *p = NULL;
+    size_t n = 0;
+    if (lua_type(L, 1) == LUA_TSTRING) {
+        p = lua_tolstring(L, 1, &n);
+    } else {
+        ds4_tensor *t = ds4l_tensor_test(L, 1);
+        if (!t)
+            ds4l_raise(L, "%s: bad argument #1 (string or ds4 tensor expected, got %s)", fname, luaL_typename(L, 1));
+        p = t->data;
+        n = t->nbytes;
+    }
+    double c = 0;
+    if (!lua_isnoneornil(L, 2)) {
+        c = lua_tonumber(L, 2);
+        if (lua_type(L, 2) != LUA_TNUMBER || c != floor(c) || c < 0 || c > U32_MAX_D)
+            ds4l_raise(L, "%s: bad argument #2 (a CRC in 0..2^32-1 expected, got %s)", fname, show(L, 2));
+    }
+    lua_pushnumber(L, (lua_Number)ds4_crc32((uint32_t)c, p, n));
+    return 1;
+}
+
+/* ds4.wire.error_message(code, reason, ref_t [, ref_id, ref_n]) -> frames of an error message. code: a name
+ * ("state", or what decode returned) or a number. */
+static int l_error_message(lua_State *L) {
+    const char *fname = "ds4.wire.error_message";
+    uint32_t code = 0;
+    if (lua_type(L, 1) == LUA_TSTRING) {
+        const char *s = lua_tostring(L, 1);
+        for (int i = 0; i < N_CODES; i++)
+            if (strcmp(s, CODES[i].name) == 0) code = CODES[i].code;
+        if (!code)
+            ds4l_raise(L, "%s: bad argument #1 (\"%s\" is not an error code name; see ds4.wire.codes)", fname, s);
+    } else if (lua_type(L, 1) == LUA_TNUMBER) {
+        double d = lua_tonumber(L, 1);
+        if (d != floor(d) || d < 1 || d > 65535)
+            ds4l_raise(L, "%s: bad argument #1 (error code 1..65535 expected, got %s)", fname, show(L, 1));
+        code = (uint32_t)d;
+    } else {
+        ds4l_raise(L, "%s: bad argument #1 (error code name or number expected, got %s)", fname, luaL_typename(L, 1));
+    }
+    const char *reason = NULL, *ref_t = NULL;
+    if (!lua_isnoneornil(L, 2)) {
+        if (lua_type(L, 2) != LUA_TSTRING)
+            ds4l_raise(L, "%s: bad argument #2 (reason string expected, got %s)", fname, luaL_typename(L, 2));
+        reason = lua_tostring(L, 2);
+    }
+    if (!lua_isnoneornil(L, 3)) {
+        if (lua_type(L, 3) != LUA_TSTRING)
+            ds4l_raise(L, "%s: bad argument #3 (ref_t string expected, got %s)", fname, luaL_typename(L, 3));
+        ref_t = lua_tostring(L, 3);
+    }
+    double ids[2] = {0, 0};
+    for (int k = 0; k < 2; k++) {
+        int idx = 4 + k;
+        if (lua_isnoneornil(L, idx)) continue;
+        double v = lua_tonumber(L, idx), hi = k ? U32_MAX_D : MAX_EXACT;
+        if (lua_type(L, idx) != LUA_TNUMBER || v != floor(v) || v < 0 || v > hi)
+            ds4l_raise(L, "%s: bad argument #%d (%s: an integer in 0..%.0f expected, got %s)", fname, idx,
+                       k ? "ref_n" : "ref_id", hi, show(L, idx));
+        ids[k] = v;
+    }
+    ds4_wire_msg *m = lua_newuserdata(L, sizeof *m);
+    /* a reason with a NUL byte is cut there; the ref_t to its 32 bytes by ds4_wire_make_error */
+    ds4_wire_make_error(m, (ds4_wire_code)code, reason, ref_t, (uint64_t)ids[0], (uint32_t)ids[1]);
+    return push_encoded(L, fname, m);
+}
+
+static int l_default_limits(lua_State *L) {
+    ds4_wire_limits l = ds4_wire_default_limits();
+    lua_createtable(L, 0, N_LIMITS);
+    for (int i = 0; i < N_LIMITS; i++) set_num(L, LIMIT_NAMES[i].name, get_limit(&l, i));
+    return 1;
+}
+
+static int l_code_name(lua_State *L) {
+    double v = lua_tonumber(L, 1);
+    if (lua_type(L, 1) != LUA_TNUMBER || v != floor(v) || v < 0 || v > U32_MAX_D)
+        ds4l_raise(L, "ds4.wire.code_name: bad argument #1 (error code expected, got %s)", show(L, 1));
+    lua_pushstring(L, ds4_wire_error_name((uint32_t)v));
+    return 1;
+}
+
+static const luaL_Reg wire_functions[] = {
+    {"encode", l_encode},
+    {"decode", l_decode},
+    {"crc32", l_crc32},
+    {"error_message", l_error_message},
+    {"default_limits", l_default_limits},
+    {"code_name", l_code_name},
+    {NULL, NULL},
+};
+
+void ds4l_wire_open(lua_State *L) {
+    ds4l_class(L, OUT_MT, NULL, out_gc, NULL);
+    lua_pop(L, 1);
+    lua_newtable(L);
+    for (const luaL_Reg *r = wire_functions; r->name; r++) {
+        lua_pushcfunction(L, r->func);
+        lua_setfield(L, -2, r->name);
+    }
+    lua_createtable(L, 0, N_CODES);
+    for (int i = 0; i < N_CODES; i++) set_num(L, CODES[i].name, CODES[i].code);
+    lua_setfield(L, -2, "codes");
+    lua_createtable(L, DS4_WIRE_TYPE_COUNT - 1, 0);
+    for (int i = 1; i < DS4_WIRE_TYPE_COUNT; i++) {
+        lua_pushstring(L, TYPES[i].name);
+        lua_rawseti(L, -2, i);
+    }
+    lua_setfield(L, -2, "types");
+    set_num(L, "VERSION", DS4_WIRE_VERSION);
+    lua_setfield(L, -2, "wire");
+}

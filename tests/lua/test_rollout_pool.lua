@@ -1,0 +1,517 @@
+-- test_rollout_pool.lua — the rollout pool and worker state machines (lua/ds4/rollout/), in one process: the pool
+-- and real workers (ds4.rollout.worker, each with its own copy of the tiny fixture model) talk through a fake
+-- network that carries the real wire frames (ds4.wire encodes and decodes every message) under a fake clock, next
+-- to scripted peers that misbehave on purpose. The ZeroMQ sockets, CURVE and real processes are
+-- tests/test_rollout.sh's job.
+-- Usage: ds4 run tests/lua/test_rollout_pool.lua <fixtures_dir>
+--
+-- What is checked:
+--   (a) results equal the trainer's own model:generate of each prompt with pool.task_seed(seed, p), token for
+--       token and log-probability for log-probability (bitwise: the same fp32 kernels on the same weights), with
+--       workers that started from zeroed weights (so the weights came over the wire: 64 KiB chunks, a window of
+--       4), before and after a publish; an unchanged publish keeps the version;
+--   (b) a lease that expires is re-issued (attempt + 1) to another worker, and a silent worker is declared dead;
+--   (c) a late answer of an expired lease is dropped as a duplicate: every task is accounted for exactly once;
+--   (d) samples older than current - max_staleness are re-queued ("requeue") or kept with their version
+--       ("accept_with_version");
+--   (e) a task that fails max_attempts times comes back as "failed" results;
+--   (f) malformed frames, messages from unknown workers and mismatched hellos get error replies (muted after
+--       100 rejects in 60 s) and change nothing; a worker answers garbage with an error and keeps working, says
+--       hello again after "unknown worker" or a trainer bye;
+--   (g) a corrupted weight buffer (whole-buffer CRC mismatch) is fetched again, then reported as a crc error.
+package.path = ((arg[0]:match("^(.*)/[^/]*$") or ".") .. "/?.lua;") .. package.path
+local H = require("harness")
+local ds4 = require("ds4")
+local ffi = require("ffi")
+local codec = require("ds4.rollout.codec")
+local poolmod = require("ds4.rollout.pool")
+local workermod = require("ds4.rollout.worker")
+
+local FIX = H.fixtures()
+local policy = ds4.load(FIX .. "/tiny_a")
+local VOCAB = policy:config().vocab_size
+
+-- ------------------------------------------------------------------------------------------------ fake network
+
+local function new_net()
+    local net = { clock = 1000, inbox = {}, peers = {}, order = {}, logs = {}, sent = 0 }
+    function net.now() return net.clock end
+    function net.log(level, msg) net.logs[#net.logs + 1] = level .. ": " .. msg end
+    function net.logged(pat)
+        for _, l in ipairs(net.logs) do if l:find(pat) then return true end end
+        return false
+    end
+    function net.run_peers()
+        for _, id in ipairs(net.order) do
+            local p = net.peers[id]
+            if p and not p.gone then p.step() end
+        end
+    end
+    net.transport = {
+        recv = function(_, timeout_ms)
+            if #net.inbox == 0 then net.run_peers() end
+            if #net.inbox == 0 and (timeout_ms or 0) > 0 then
+                net.clock = net.clock + timeout_ms / 1000
+                net.run_peers()
+            end
+            local m = table.remove(net.inbox, 1)
+            if not m then return nil end
+            return m[1], m[2]
+        end,
+        send = function(_, peer, frames)
+            local p = net.peers[peer]
+            if not p or p.gone then return nil, "EHOSTUNREACH" end
+            net.sent = net.sent + 1
+            p.inbox[#p.inbox + 1] = frames
+            return true
+        end,
+        close = function() end,
+    }
+    -- a peer's own end: it sends into the pool's inbox, receives from its own
+    function net.endpoint(id)
+        local p = { id = id, inbox = {} }
+        net.peers[id] = p
+        net.order[#net.order + 1] = id
+        p.transport = {
+            recv = function() return table.remove(p.inbox, 1) end,
+            send = function(_, frames)
+                if p.gone then return nil, "EAGAIN" end
+                net.inbox[#net.inbox + 1] = { id, frames }
+                return true
+            end,
+            close = function() p.gone = true end,
+        }
+        return p
+    end
+    return net
+end
+
+local function new_pool(net, cfg)
+    cfg = cfg or {}
+    cfg.transport, cfg.clock, cfg.log = net.transport, net.now, net.log
+    if cfg.model == nil then cfg.model = policy end
+    return poolmod.new(cfg)
+end
+
+-- A real worker whose model starts from zeroed weights (everything it generates with came over the wire).
+local function real_worker(net, id, opts)
+    local p = net.endpoint(id)
+    local m = ds4.load(FIX .. "/tiny_a")
+    m:set_params(ds4.zeros({ m:n_params() }))
+    local cfg = { model = m, id = id, transport = p.transport, clock = net.now, log = net.log,
+        interrupted = function() return false end, credits = 2 }
+    for k, v in pairs(opts or {}) do cfg[k] = v end
+    local w = workermod.new(cfg)
+    p.worker = w
+    w:start()
+    p.step = function()
+        local st = w:step(0)
+        if st then p.gone = true; p.status = st end
+    end
+    return p, w
+end
+
+-- A scripted peer: hello on start, credit on announce, then `on_task(peer, msg)` decides; `beat` sends a heartbeat
+-- once per fake second.
+local function script_peer(net, id, behaviour)
+    local p = net.endpoint(id)
+    p.tasks, p.replies, p.due = {}, {}, {}
+    local function send(msg, raw) return p.transport:send(codec.encode(msg, raw)) end
+    p.send = send
+    p.last_beat = net.clock
+    p.policy = 0
+    send({ t = "hello", worker = id, policy = 0, max_batch = 8, threads = 1, vocab_size = behaviour.vocab or VOCAB,
+        n_params = policy:n_params(), build = "script" })
+    p.step = function()
+        while true do
+            local fr = table.remove(p.inbox, 1)
+            if not fr then break end
+            local m, code, why = codec.decode(fr)
+            if not m then
+                p.replies[#p.replies + 1] = { bad = code, why = why }
+            elseif m.t == "weight_announce" then
+                p.policy = m.version
+                if not p.credited then send({ t = "credit", n = behaviour.credit or 2 }); p.credited = true end
+            elseif m.t == "task" then
+                p.tasks[#p.tasks + 1] = m
+                if behaviour.on_task then behaviour.on_task(p, m) end
+            else
+                p.replies[#p.replies + 1] = m
+            end
+        end
+        for i = #p.due, 1, -1 do
+            local d = p.due[i]
+            if net.clock >= d.at then
+                table.remove(p.due, i)
+                send(d.msg, d.raw)
+            end
+        end
+        if behaviour.beat and net.clock - p.last_beat >= 1 then
+            p.last_beat = net.clock
+            send({ t = "heartbeat", policy = p.policy, active = 0 })
+        end
+    end
+    return p
+end
+
+-- Samples for a task, made up (tokens from the seed) but well-formed; policy as given.
+local function fake_samples(m, policy_v)
+    local seq, toks, lps = {}, {}, {}
+    for i = 1, m.n do
+        seq[i] = { prompt_len = m.prompt_len, n_gen = 2, finish = 1, stop_index = -1, n_rows = 0 }
+        toks[#toks + 1] = m.seed % 97
+        toks[#toks + 1] = i
+        lps[#lps + 1] = -1
+        lps[#lps + 1] = -2
+    end
+    return { t = "samples", task_id = m.task_id, attempt = m.attempt, policy = policy_v, n = m.n, seq = seq },
+        { tokens = toks, logprobs = lps, sample_logprobs = lps }
+end
+
+local PROMPTS = { { 5, 6, 7 }, { 8, 9 }, { 10, 11, 12, 13 }, { 14 }, { 15, 16 }, { 17, 18, 19 } }
+local GEN = { n = 3, max_new_tokens = 6, temperature = 1.0, seed = 11 }
+
+local function local_reference(model, prompts, opts, p)
+    local o = {}
+    for k, v in pairs(opts) do o[k] = v end
+    o.seed = poolmod.task_seed(opts.seed, p)
+    return model:generate({ prompts[p] }, o)
+end
+
+-- res from the pool vs the trainer's own generation, prompt by prompt.
+local function check_equal_local(res, model, prompts, opts, what)
+    local n = opts.n or 1
+    H.eq(#res, #prompts * n, what .. ": result count")
+    local same = true
+    for p = 1, #prompts do
+        local ref = local_reference(model, prompts, opts, p)
+        for s = 1, n do
+            local r, e = res[(p - 1) * n + s], ref[s]
+            if r.prompt_index ~= p or r.sample_index ~= s or r.finish_reason ~= e.finish_reason or #r.ids ~= #e.ids then
+                same = false
+            end
+            for j = 1, #e.ids do
+                if r.ids[j] ~= e.ids[j] or r.logprobs[j] ~= e.logprobs[j] or r.sample_logprobs[j] ~= e.sample_logprobs[j]
+                then same = false end
+            end
+        end
+    end
+    H.check(same, what .. ": pool results equal model:generate with pool.task_seed, token for token")
+end
+
+-- ------------------------------------------------------------------------------------------------ (a) weights
+
+do
+    local net = new_net()
+    local pool = new_pool(net, { chunk_bytes = 64 * 1024, max_staleness = 0 })
+    local _, w1 = real_worker(net, "w1")
+    local _, w2 = real_worker(net, "w2")
+    local res = pool:generate(PROMPTS, GEN)
+    check_equal_local(res, policy, PROMPTS, GEN, "(a) version 1")
+    H.eq(res[1].policy_version, 1, "(a) results carry their policy version")
+    H.check(res[1].task and res[1].worker, "(a) results carry task and worker")
+    local st = pool:stats()
+    H.eq(st.completed, #PROMPTS, "(a) completed")
+    H.eq(st.reissued, 0, "(a) nothing re-issued")
+    H.eq(st.duplicates, 0, "(a) no duplicates")
+    local bytes = 4 * policy:n_params()
+    H.eq(st.bytes_served, 2 * bytes, "(a) each worker fetched the weights once")
+    H.check(w1.st.tasks > 0 and w2.st.tasks > 0, "(a) both workers got tasks")
+    H.eq(pool:publish(policy), 1, "(a) publishing unchanged weights keeps the version")
+    -- a training step: new weights, a new version, the workers fetch them
+    local p = policy:params()
+    local ptr = ffi.cast("float *", p:data_ptr())
+    for i = 0, p:numel() - 1, 7 do ptr[i] = ptr[i] * 0.5 end
+    local trained = ds4.load(FIX .. "/tiny_a")
+    trained:set_params(p)
+    H.eq(pool:publish(trained), 2, "(a) a changed model is version 2")
+    local res2 = pool:generate(PROMPTS, GEN)
+    check_equal_local(res2, trained, PROMPTS, GEN, "(a) version 2")
+    H.eq(res2[#res2].policy_version, 2, "(a) max_staleness = 0: version 2 results")
+    H.eq(pool:stats().bytes_served, 4 * bytes, "(a) and fetched version 2 once each")
+    H.eq(w1.loaded, 2, "(a) worker 1 holds version 2")
+    -- record_experts / record_index travel as routing frames
+    local ro = { n = 2, max_new_tokens = 4, temperature = 1.0, seed = 3, record_experts = true, record_index = true }
+    local res3 = pool:generate({ PROMPTS[3] }, ro)
+    local ref3 = local_reference(trained, { PROMPTS[3] }, ro, 1)
+    local same = true
+    for s = 1, 2 do
+        local a, b = res3[s], ref3[s]
+        if not (a.experts and a.index_picks) or a.experts:numel() ~= b.experts:numel()
+            or a.index_picks:numel() ~= b.index_picks:numel() then
+            same = false
+        else
+            for i = 1, b.experts:numel() do if a.experts[i] ~= b.experts[i] then same = false end end
+            for i = 1, b.index_picks:numel() do if a.index_picks[i] ~= b.index_picks[i] then same = false end end
+            for d = 1, 3 do if a.experts:size(d) ~= b.experts:size(d) then same = false end end
+        end
+    end
+    H.check(same, "(a) routed experts and indexer picks equal the local generation's")
+    H.raises(function() pool:generate({ { 1, 2 } }, { stop = { "x" } }) end, { "stop token ids only" },
+        "(a) stop strings")
+    H.raises(function() pool:generate({ { VOCAB } }, {}) end, { "not a token id" }, "(a) bad prompt")
+    H.raises(function() pool:generate({ { 1 } }, { on_token = function() end }) end, { "on_token" }, "(a) on_token")
+    H.raises(function() pool:generate({ { 1 } }, { nope = 1 }) end, { "unknown option 'nope'" }, "(a) unknown option")
+    local rt = pool:generate(ds4.tensor({ { 5, 6, 7 }, { 8, 9, 10 } }, "I32"), { n = 1, max_new_tokens = 3, seed = 4 })
+    local rl = pool:generate({ { 5, 6, 7 }, { 8, 9, 10 } }, { n = 1, max_new_tokens = 3, seed = 4 })
+    H.same({ rt[1].ids, rt[2].ids }, { rl[1].ids, rl[2].ids }, "(a) a [B, S] tensor of prompts")
+    pool:close()
+    local byes = 0
+    for _, id in ipairs({ "w1", "w2" }) do
+        for _, fr in ipairs(net.peers[id].inbox) do if codec.decode(fr).t == "bye" then byes = byes + 1 end end
+    end
+    H.eq(byes, 2, "(a) close says bye to every worker")
+end
+
+-- ------------------------------------------------------------------------------------------------ (b) leases
+
+do
+    local net = new_net()
+    local pool = new_pool(net, { lease_s = 2, lease_rate = 1e9, dead_s = 1e9 })
+    script_peer(net, "a-hang", { beat = true }) -- takes tasks, never answers
+    local _, w = real_worker(net, "b-real")
+    local res = pool:generate(PROMPTS, GEN)
+    check_equal_local(res, policy, PROMPTS, GEN, "(b) with a hanging worker")
+    local st = pool:stats()
+    H.check(st.reissued >= 1, "(b) expired leases re-issued: " .. st.reissued)
+    H.eq(st.completed, #PROMPTS, "(b) every task completed once")
+    H.eq(st.failed, 0, "(b) none failed")
+    H.eq(w.st.tasks, #PROMPTS, "(b) the live worker did all of them")
+    local reissued_attempt = false
+    for _, r in ipairs(res) do if r.attempt > 0 and r.worker == "b-real" then reissued_attempt = true end end
+    H.check(reissued_attempt, "(b) a result of attempt > 0")
+    H.check(net.logged("lease on a%-hang expired"), "(b) the expiry is logged")
+
+    -- a silent worker (no heartbeats) is declared dead and its leases re-issued
+    local net2 = new_net()
+    local pool2 = new_pool(net2, { dead_s = 3 })
+    script_peer(net2, "a-silent", {})
+    real_worker(net2, "b-real")
+    local res2 = pool2:generate(PROMPTS, GEN)
+    check_equal_local(res2, policy, PROMPTS, GEN, "(b) with a dead worker")
+    local st2 = pool2:stats()
+    H.eq(st2.dead, 1, "(b) one worker declared dead")
+    H.check(st2.reissued >= 1, "(b) its leases re-issued")
+    H.eq(st2.completed, #PROMPTS, "(b) every task completed")
+    H.eq(st2.n_workers, 1, "(b) the dead worker's session is gone")
+end
+
+-- ------------------------------------------------------------------------------------------------ (c) duplicates
+
+do
+    local net = new_net()
+    local pool = new_pool(net, { lease_s = 1, lease_rate = 1e9, dead_s = 1e9 })
+    -- answers every task, but 3 s late: its leases expire first, the tasks are done elsewhere, then the answers
+    -- arrive (and one more copy of each, to be sure)
+    script_peer(net, "a-late", { beat = true, on_task = function(p, m)
+        local msg, raw = fake_samples(m, 1)
+        p.due[#p.due + 1] = { at = net.clock + 3, msg = msg, raw = raw }
+        p.due[#p.due + 1] = { at = net.clock + 3.5, msg = msg, raw = raw }
+    end })
+    real_worker(net, "b-real")
+    local res = pool:generate(PROMPTS, GEN)
+    check_equal_local(res, policy, PROMPTS, GEN, "(c) late answers lose")
+    local late = #net.peers["a-late"].tasks
+    H.check(late >= 1, "(c) the late worker got tasks")
+    -- let the late answers arrive
+    local t0 = net.clock
+    while net.clock - t0 < 5 do pool:service(100) end
+    local st = pool:stats()
+    H.eq(st.duplicates, 2 * late, "(c) every late answer dropped as a duplicate")
+    H.eq(st.completed, #PROMPTS, "(c) completed once each")
+    H.eq(st.completed + st.failed, st.tasks, "(c) every task accounted for exactly once")
+    local state_replies = 0
+    for _, m in ipairs(net.peers["a-late"].replies) do
+        if m.t == "error" and m.code_name == "state" and m.reason:find("already completed") then
+            state_replies = state_replies + 1
+        end
+    end
+    H.eq(state_replies, 2 * late, "(c) each duplicate answered 'already completed'")
+
+    -- the first valid answer wins even from an earlier attempt: the late worker answers attempt 0 at 1.5 s, after
+    -- its lease (1 s) expired and the re-issue went to a worker that never answers
+    local net2 = new_net()
+    local pool2 = new_pool(net2, { lease_s = 1, lease_rate = 1e9, dead_s = 1e9, max_attempts = 10 })
+    script_peer(net2, "a-late", { beat = true, credit = 1, on_task = function(p, m)
+        if m.attempt == 0 then
+            local msg, raw = fake_samples(m, 1)
+            p.due[#p.due + 1] = { at = net2.clock + 1.5, msg = msg, raw = raw }
+        end
+    end })
+    local r2 = pool2:generate({ { 1, 2, 3 } }, { n = 2, max_new_tokens = 2 })
+    H.eq(r2[1].attempt, 0, "(c) an earlier attempt's valid answer completes the task")
+    H.eq(#r2[1].ids, 2, "(c) with its samples")
+end
+
+-- ------------------------------------------------------------------------------------------------ (d) staleness
+
+for _, mode in ipairs({ "requeue", "accept_with_version" }) do
+    local net = new_net()
+    local pool = new_pool(net, { max_staleness = 1, stale = mode, lease_s = 5, dead_s = 1e9 })
+    local p = policy:params()
+    for v = 1, 3 do
+        local m = ds4.load(FIX .. "/tiny_a")
+        local q = p:clone()
+        ffi.cast("float *", q:data_ptr())[0] = v
+        m:set_params(q)
+        pool:publish(m)
+    end
+    H.eq(pool.version, 3, "(d) three versions published")
+    -- a worker that answers from version 1 (older than 3 - 1), once per task; then honest answers
+    local stale_peer = script_peer(net, "a-stale", { beat = true, credit = 1, on_task = function(pp, m)
+        pp.seen = pp.seen or {}
+        local v = pp.seen[m.task_id] and 3 or 1
+        pp.seen[m.task_id] = true
+        pp.send(fake_samples(m, v))
+        pp.send({ t = "credit", n = 1 })
+    end })
+    local res = pool:generate({ { 1, 2 }, { 3, 4 } }, { n = 2, max_new_tokens = 2 })
+    local st = pool:stats()
+    if mode == "requeue" then
+        H.eq(st.stale_requeued, 2, "(d) requeue: both stale answers re-queued")
+        H.eq(res[1].policy_version, 3, "(d) requeue: the results are of the current version")
+        H.eq(res[1].attempt, 1, "(d) requeue: from attempt 1")
+        local stale_err = 0
+        for _, m in ipairs(stale_peer.replies) do if m.t == "error" and m.code_name == "stale" then
+            stale_err = stale_err + 1 end end
+        H.eq(stale_err, 2, "(d) requeue: each stale answer got a stale error")
+    else
+        H.eq(st.stale_accepted, 2, "(d) accept_with_version: kept")
+        H.eq(res[1].policy_version, 1, "(d) accept_with_version: the results say version 1")
+    end
+    H.eq(st.completed, 2, "(d) completed once each")
+end
+
+-- ------------------------------------------------------------------------------------------------ (e) failures
+
+do
+    local net = new_net()
+    local pool = new_pool(net, { lease_s = 1, lease_rate = 1e9, dead_s = 1e9, max_attempts = 3 })
+    script_peer(net, "a-hang", { beat = true, credit = 10 }) -- hung workers keep the credit of their leases
+    script_peer(net, "b-hang", { beat = true, credit = 10 })
+    local res = pool:generate({ { 1, 2 }, { 3 } }, { n = 2, max_new_tokens = 2 })
+    H.eq(res.failed, 4, "(e) every sample of both tasks failed")
+    H.eq(res[1].finish_reason, "failed", "(e) finish_reason failed")
+    H.eq(#res[1].ids, 0, "(e) no tokens")
+    local st = pool:stats()
+    H.eq(st.failed, 2, "(e) two tasks failed")
+    H.eq(st.completed + st.failed, st.tasks, "(e) every task accounted for")
+    H.check(net.logged("failed after 3 attempts"), "(e) logged")
+end
+
+-- ------------------------------------------------------------------------------------------------ (f) bad input
+
+do
+    local net = new_net()
+    local pool = new_pool(net, {})
+    pool:publish(policy)
+    local g = net.endpoint("garbage")
+    g.step = function() end
+    local function send_raw(frames) g.transport:send(frames) end
+    local function replies()
+        local out = {}
+        while true do
+            local fr = table.remove(g.inbox, 1)
+            if not fr then break end
+            out[#out + 1] = codec.decode(fr) or { t = "undecodable" }
+        end
+        return out
+    end
+    send_raw({ "not msgpack at all" })
+    send_raw({ "\129\161v\2" }) -- {v = 2}: another version
+    send_raw({ "" })
+    send_raw({ ds4.wire.encode({ t = "credit", n = 1 })[1], "an extra frame" })
+    pool:service(0)
+    local r = replies()
+    H.eq(#r, 4, "(f) every malformed message answered")
+    local codes = {}
+    for i, m in ipairs(r) do codes[i] = m.t == "error" and m.code_name or m.t end
+    H.check(codes[1] == "parse" or codes[1] == "not_map", "(f) garbage -> " .. tostring(codes[1]))
+    H.eq(codes[2], "version", "(f) version mismatch")
+    H.check(codes[3] ~= nil and codes[3] ~= "undecodable", "(f) empty frame -> " .. tostring(codes[3]))
+    H.eq(codes[4], "frame", "(f) undeclared raw frame")
+    H.check(r[1].reason and #r[1].reason > 0, "(f) with the decoder's message")
+    -- a valid message from a worker without a session
+    send_raw(ds4.wire.encode({ t = "credit", n = 1 }))
+    pool:service(0)
+    r = replies()
+    H.eq(r[1] and r[1].code_name, "state", "(f) unknown worker -> state")
+    H.check(r[1] and r[1].reason:find("unknown worker", 1, true), "(f) 'unknown worker: send hello'")
+    -- an error message is never answered
+    send_raw(ds4.wire.encode({ t = "error", code = 4, reason = "x" }))
+    -- {v = 1, t = "error", code = 4, bogus = 1}: a malformed error (unknown key) is not answered either
+    send_raw({ "\132\161v\1\161t\165error\164code\4\165bogus\1" })
+    pool:service(0)
+    H.eq(#replies(), 0, "(f) errors are not answered")
+    -- 150 rejects: replies stop after 100
+    for _ = 1, 150 do send_raw({ "junk" }) end
+    pool:service(0)
+    local n = #replies()
+    H.check(n <= 101 and n >= 90, "(f) at most ~100 error replies to a flooding peer, got " .. n)
+    H.check(net.logged("more than 100 rejected"), "(f) muting is logged")
+    -- mismatched hellos are refused
+    local bad = script_peer(net, "wrong-vocab", { vocab = VOCAB + 1 })
+    pool:service(0)
+    local refused = false
+    for _, m in ipairs(bad.replies) do if m.t == "error" and m.code_name == "refused" then refused = true end end
+    H.check(refused, "(f) a worker with another vocabulary is refused")
+    H.check(net.logged("refused worker wrong%-vocab"), "(f) and the refusal is logged")
+    H.eq(pool:stats().n_workers, 0, "(f) nobody joined")
+    -- hash-routing tables: a worker from another random init of the same config is refused
+    local other = ds4.random_model(FIX .. "/tiny_a", 99)
+    local op = net.endpoint("other-tables")
+    local ow = workermod.new({ model = other, id = "other-tables", transport = op.transport, clock = net.now,
+        log = net.log, interrupted = function() return false end })
+    op.step = function() local st = ow:step(0); if st then op.gone = true; op.status = st end end
+    ow:start()
+    for _ = 1, 3 do pool:service(0) end
+    H.eq(op.status, 1, "(f) the worker with other tables stops with status 1")
+    H.check(net.logged("hash%-routing tables differ"), "(f) the table mismatch is logged")
+
+    -- a worker gets garbage and an unknown worker error: it replies error / says hello again, and keeps working
+    local _, w = real_worker(net, "real")
+    for _ = 1, 3 do pool:service(0) end
+    H.eq(w.loaded, 1, "(f) the worker loaded version 1")
+    local wp = net.peers["real"]
+    wp.inbox[#wp.inbox + 1] = { "garbage frame" }
+    wp.inbox[#wp.inbox + 1] = ds4.wire.encode({ t = "hello", worker = "x", policy = 0, max_batch = 1, threads = 1,
+        vocab_size = 1, n_params = 1, build = "" })
+    local before = pool:stats().rejected
+    for _ = 1, 3 do pool:service(0) end
+    H.eq(w.st.rejected, 1, "(f) the worker rejected the garbage")
+    H.check(pool:stats().rejected >= before, "(f) its error replies reached the pool")
+    H.check(net.logged("worker real reports parse") or net.logged("worker real reports not_map"),
+        "(f) the pool logged the worker's error reply")
+    local hellos = w.st.hellos
+    wp.inbox[#wp.inbox + 1] = ds4.wire.encode({ t = "error", code = 32, reason = "unknown worker: send hello" })
+    for _ = 1, 3 do pool:service(0) end
+    H.eq(w.st.hellos, hellos + 1, "(f) 'unknown worker' -> hello again")
+    H.check(w.session, "(f) and the session is back")
+    local res = pool:generate(PROMPTS, GEN)
+    check_equal_local(res, policy, PROMPTS, GEN, "(f) after all that")
+    -- a trainer bye: the worker says hello again (to a later trainer)
+    wp.inbox[#wp.inbox + 1] = ds4.wire.encode({ t = "bye", reason = "test" })
+    hellos = w.st.hellos
+    w:step(0)
+    H.eq(w.st.hellos, hellos + 1, "(f) bye -> hello")
+end
+
+-- ------------------------------------------------------------------------------------------------ (g) CRC
+
+do
+    local net = new_net()
+    local pool = new_pool(net, { chunk_bytes = 256 * 1024 })
+    pool:publish(policy)
+    -- corrupt the published buffer after its CRC was taken: every chunk is self-consistent (its CRC is computed
+    -- when served), the whole buffer is not
+    local v = pool.weights[1]
+    ffi.cast("uint8_t *", v.ptr)[12345] = 77 + ffi.cast("uint8_t *", v.ptr)[12345]
+    local _, w = real_worker(net, "w")
+    local t0 = net.clock
+    while net.clock - t0 < 2 do pool:service(100) end
+    H.eq(w.loaded, 0, "(g) a corrupt buffer is never loaded")
+    H.eq(pool:stats().chunks_served, 2 * v.chunks, "(g) fetched twice (one restart)")
+    H.check(net.logged("worker w reports crc"), "(g) then reported as a crc error")
+end
+
+H.done("test_rollout_pool")

@@ -1,0 +1,309 @@
+#!/usr/bin/env bash
+# test_rollout.sh — remote rollouts for real: a trainer process (a ds4.rollout.pool on tcp://127.0.0.1 with CURVE
+# keys from `ds4 keygen`) and three `ds4 worker` processes, all on this machine.
+#   1. plain TCP without --insecure is refused, by the worker and by the pool, with a message saying why;
+#   2. trainer 1 runs 3 rounds of 24 tasks (n = 4) with a publish after each; worker w2 is killed with -9 while it
+#      holds leases and started again under the same id; a worker whose key is not in the allow-list is refused
+#      at the CURVE handshake and the refusal is logged. The trainer checks and prints: every task completed
+#      exactly once (completed = tasks, failed = 0, n results per prompt in order), leases re-issued, and every
+#      result equal to its own model:generate of that prompt with ds4.rollout.task_seed at the policy version the
+#      result reports (tokens and log-probabilities, bitwise);
+#   3. trainer 1 is killed with -9 and trainer 2 binds the same port: the workers notice ("unknown worker" /
+#      silence), say hello again, and trainer 2's rounds complete with the same checks; before them, a raw DEALER
+#      sends malformed frames and gets an error reply for each, and nobody crashes;
+#   4. SIGTERM: each worker says bye and exits 0;
+#   5. examples/dapo.lua --workers ipc://... with two local workers, tiny settings, --max-staleness 0: the
+#      rollouts come from the workers and the trainer's recomputed log-probabilities equal theirs.
+#   bash tests/test_rollout.sh <path-to-ds4> <fixtures_dir> <source_dir>
+set -euo pipefail
+DS4="$1"
+FIX="$2"
+SRC="$3"
+out="$(mktemp -d "${TMPDIR:-/tmp}/ds4-rollout.XXXXXX")"
+pids=()
+cleanup() {
+    for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null || true; done
+    rm -rf "$out"
+}
+trap cleanup EXIT
+# KEEP=1: leave the logs and keys in $out (for debugging)
+[ -n "${KEEP:-}" ] && trap 'for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null || true; done; echo "kept $out"' EXIT
+fail() {
+    echo "FAIL: $*"
+    for f in "$out"/*.log "$out"/*.err; do
+        [ -s "$f" ] || continue
+        echo "=== $f"
+        tail -n 25 "$f"
+    done
+    exit 1
+}
+wait_for() { # file, seconds
+    local i
+    for i in $(seq 1 $(($2 * 10))); do
+        [ -e "$1" ] && return 0
+        sleep 0.1
+    done
+    return 1
+}
+LAST=
+start_worker() { # id [extra args]: a CURVE worker of tiny_a on $EP
+    local id="$1"
+    shift
+    "$DS4" worker --connect "$EP" --model "$FIX/tiny_a" --threads 1 --key "$out/$id.key" \
+        --server-key "$out/trainer.pub" --id "$id" --verbose "$@" >>"$out/$id.log" 2>&1 &
+    LAST=$!
+    pids+=("$LAST")
+}
+
+# ------------------------------------------------------------------------------------------------ 1. plain TCP
+set +e
+"$DS4" worker --connect tcp://127.0.0.1:9 --model "$FIX/tiny_a" 2>"$out/plain_worker.err"
+rc=$?
+set -e
+[ "$rc" = 2 ] || fail "a plain-TCP worker without --insecure must exit 2, got $rc"
+grep -q "is plain TCP" "$out/plain_worker.err" || fail "no plain-TCP message from the worker"
+if "$DS4" run - 2>"$out/plain_pool.err" <<<'require("ds4").rollout.pool{bind = "tcp://127.0.0.1:*"}'; then
+    fail "a plain-TCP pool without insecure = true must fail"
+fi
+grep -q "is plain TCP" "$out/plain_pool.err" || fail "no plain-TCP message from the pool"
+if "$DS4" worker --connect ipc:///nowhere --config-from-trainer 2>"$out/cft.err"; then fail "--config-from-trainer"; fi
+grep -q "not available in protocol v1" "$out/cft.err" || fail "no message for --config-from-trainer"
+echo "plain TCP refused: ok"
+
+for k in trainer w1 w2 w3 raw rogue; do "$DS4" keygen --out "$out/$k" >/dev/null; done
+
+# ------------------------------------------------------------------------------------------------ the trainer
+cat >"$out/trainer.lua" <<'LUA'
+-- arg: fixtures mode(first|second) bind dir
+local ds4 = require("ds4")
+local ffi = require("ffi")
+local fix, mode, bind, dir = arg[1], arg[2], arg[3], arg[4]
+ds4.set_threads(1)
+local function exists(p) local f = io.open(p) if f then f:close() return true end return false end
+local function touch(p) assert(io.open(p, "w")):close() end
+local policy = ds4.load(fix .. "/tiny_a")
+local done = 0
+local pool = ds4.rollout.pool{ bind = bind, model = policy, workers = 3, wait_s = 60, dead_s = 4, timeout_s = 300,
+    curve = { secret = dir .. "/trainer.key", public = dir .. "/trainer.pub",
+              allow = { dir .. "/w1.pub", dir .. "/w2.pub", dir .. "/w3.pub", dir .. "/raw.pub" } },
+    on_result = function()
+        done = done + 1
+        if mode == "first" and done == 6 then -- hold still while the shell kills w2 (its leases stay out)
+            touch(dir .. "/mid")
+            for _ = 1, 300 do if exists(dir .. "/killed") then break end os.execute("sleep 0.1") end
+        end
+    end }
+local f = assert(io.open(dir .. "/endpoint_" .. mode .. ".tmp", "w"))
+f:write(pool.endpoint)
+f:close()
+os.rename(dir .. "/endpoint_" .. mode .. ".tmp", dir .. "/endpoint_" .. mode)
+if mode == "second" then -- the malformed-message client goes first
+    local t0 = os.time()
+    while not exists(dir .. "/raw_done") and os.time() - t0 < 60 do pool:service(100) end
+end
+local function snapshot()
+    local m = ds4.load(fix .. "/tiny_a")
+    m:set_params(policy:params())
+    return m
+end
+local versions = { snapshot() }
+local prompts = {}
+for i = 1, 24 do
+    local p = {}
+    for j = 1, 2 + i % 5 do p[j] = (i * 7 + j * 13) % 250 + 2 end
+    prompts[i] = p
+end
+local opts = { n = 4, max_new_tokens = 40, temperature = 1.0, top_p = 0.95 }
+local results, mismatches, order_bad = 0, 0, 0
+for r = 1, 3 do
+    opts.seed = (mode == "first" and 100 or 200) + r
+    local res = pool:generate(prompts, opts)
+    if #res ~= #prompts * opts.n then order_bad = order_bad + 1 end
+    for p = 1, #prompts do
+        local first = res[(p - 1) * opts.n + 1]
+        local o = {}
+        for k, v in pairs(opts) do o[k] = v end
+        o.seed = ds4.rollout.task_seed(opts.seed, p)
+        local ref = versions[first.policy_version]:generate({ prompts[p] }, o)
+        for s = 1, opts.n do
+            local a, b = res[(p - 1) * opts.n + s], ref[s]
+            if a.prompt_index ~= p or a.sample_index ~= s then order_bad = order_bad + 1 end
+            local same = #a.ids == #b.ids and a.finish_reason == b.finish_reason
+            for j = 1, #b.ids do
+                if a.ids[j] ~= b.ids[j] or a.logprobs[j] ~= b.logprobs[j] then same = false end
+            end
+            if not same then mismatches = mismatches + 1 end
+            results = results + 1
+        end
+    end
+    -- a "training step": new weights, published as the next policy version
+    local p = policy:params()
+    local ptr = ffi.cast("float *", p:data_ptr())
+    for i = 0, p:numel() - 1, 5 do ptr[i] = ptr[i] * 0.9 end
+    policy:set_params(p)
+    versions[pool:publish(policy)] = snapshot()
+end
+local st = pool:stats()
+print(("%s: tasks %d completed %d reissued %d duplicates %d failed %d results %d mismatches %d order %d versions %d "
+    .. "curve_refused %d"):format(mode, st.tasks, st.completed, st.reissued, st.duplicates, st.failed, results,
+    mismatches, order_bad, st.version, st.curve_refused or 0))
+io.stdout:flush()
+if mode == "first" then
+    touch(dir .. "/first_done")
+    while true do pool:service(100) end -- until killed
+end
+pool:close()
+LUA
+
+check_run() { # log mode: every task exactly once, results equal the local generation
+    local line
+    line="$(grep "^$2: " "$1")" || fail "no summary line from trainer $2"
+    echo "$line"
+    read -r _ _ tasks _ completed _ reissued _ dups _ failed _ results _ mism _ order _ versions _ refused <<<"$line"
+    [ "$tasks" = 72 ] && [ "$completed" = 72 ] || fail "trainer $2: $completed of $tasks tasks completed, want 72 of 72"
+    [ "$failed" = 0 ] || fail "trainer $2: $failed tasks failed"
+    [ "$results" = 288 ] || fail "trainer $2: $results results, want 288"
+    [ "$mism" = 0 ] || fail "trainer $2: $mism results differ from the local model:generate"
+    [ "$order" = 0 ] || fail "trainer $2: results out of order"
+    [ "$versions" = 4 ] || fail "trainer $2: $versions policy versions, want 4"
+    REISSUED=$reissued
+    REFUSED=$refused
+}
+
+# ------------------------------------------------------------------------------------------------ 2. trainer 1
+"$DS4" run "$out/trainer.lua" "$FIX" first "tcp://127.0.0.1:*" "$out" >"$out/t1.log" 2>"$out/t1.err" &
+T1=$!
+pids+=("$T1")
+wait_for "$out/endpoint_first" 60 || fail "trainer 1 did not start"
+EP="$(cat "$out/endpoint_first")"
+echo "trainer 1 on $EP"
+start_worker w1
+start_worker w2
+W2=$LAST
+start_worker w3
+# a worker with a key the trainer does not know: refused at the CURVE handshake
+"$DS4" worker --connect "$EP" --model "$FIX/tiny_a" --threads 1 --key "$out/rogue.key" \
+    --server-key "$out/trainer.pub" --id rogue >"$out/rogue.log" 2>&1 &
+ROGUE=$!
+pids+=("$ROGUE")
+wait_for "$out/mid" 120 || fail "trainer 1 made no progress"
+kill -9 "$W2"
+wait "$W2" 2>/dev/null || true
+touch "$out/killed"
+echo "killed w2 (-9) mid-run; starting it again"
+start_worker w2
+wait_for "$out/first_done" 240 || fail "trainer 1 did not finish"
+check_run "$out/t1.log" first
+[ "$REISSUED" -ge 1 ] || fail "trainer 1: nothing re-issued after w2 was killed"
+grep -q "worker w2 joined" "$out/t1.err" || fail "w2 never joined"
+[ "$(grep -c "worker w2 joined" "$out/t1.err")" -ge 2 ] || fail "the restarted w2 did not join again"
+grep -qF "refused CURVE key $(cat "$out/rogue.pub")" "$out/t1.err" || fail "the unknown key's refusal is not logged"
+grep -q "CURVE: refused" "$out/t1.err" || fail "the pool did not report the refusal"
+[ "$REFUSED" -ge 1 ] || fail "the pool counted no CURVE refusal"
+if grep -q "worker rogue joined" "$out/t1.err"; then fail "the rogue worker joined"; fi
+echo "trainer 1: ok (w2 killed and back, leases re-issued, rogue key refused)"
+
+# ------------------------------------------------------------------------------------------------ 3. trainer 2
+kill -9 "$T1"
+wait "$T1" 2>/dev/null || true
+echo "trainer 1 killed (-9); trainer 2 on the same port"
+"$DS4" run "$out/trainer.lua" "$FIX" second "$EP" "$out" >"$out/t2.log" 2>"$out/t2.err" &
+T2=$!
+pids+=("$T2")
+wait_for "$out/endpoint_second" 60 || fail "trainer 2 did not start"
+"$DS4" run - "$EP" "$out" >"$out/raw.log" 2>&1 <<'LUA' || fail "the raw client failed"
+-- a raw DEALER (an allowed key) sends malformed messages: each must get an error reply
+local ds4 = require("ds4")
+local ep, dir = arg[1], arg[2]
+local zmq = ds4.zmq
+local s = zmq.socket("DEALER")
+local sec = zmq.read_key(dir .. "/raw.key")
+s:set{ routing_id = "raw-client", curve_serverkey = zmq.read_key(dir .. "/trainer.pub"), curve_secretkey = sec,
+    curve_publickey = zmq.public_from_secret(sec) }
+s:connect(ep)
+local credit = ds4.wire.encode({ t = "credit", n = 1 })
+local cases = {
+    { "not a map", { "\193 garbage" }, "not_map" },
+    { "truncated msgpack", { "\130\161v\1\161t" }, "parse" },
+    { "another protocol version", { "\129\161v\2" }, "version" },
+    { "an empty header", { "" }, "parse" },
+    { "an undeclared raw frame", { credit[1], "extra" }, "frame" },
+    { "an oversized header", { ("\144"):rep(70000) }, "limit" },
+    { "an unknown message type", { "\130\161v\1\161t\164nope" }, "type" },
+    { "a credit from an unknown worker", credit, "state" },
+    { "a hello with another vocabulary", ds4.wire.encode({ t = "hello", worker = "raw-client", policy = 0,
+        max_batch = 1, threads = 1, vocab_size = 7, n_params = 1, build = "raw" }), "refused" },
+}
+for _, c in ipairs(cases) do
+    assert(s:send(c[2], { timeout = 5000 }), "send failed")
+    local r = s:recv(10000)
+    assert(r, "no reply to " .. c[1])
+    local m = ds4.wire.decode(r)
+    assert(m and m.t == "error", "the reply to " .. c[1] .. " is not an error message")
+    assert(not c[3] or m.code_name == c[3], ("%s: got %s, want %s"):format(c[1], m.code_name, tostring(c[3])))
+    print(("%s -> error %s: %s"):format(c[1], m.code_name, m.reason))
+end
+s:close()
+assert(io.open(dir .. "/raw_done", "w")):close()
+LUA
+cat "$out/raw.log"
+wait "$T2" || fail "trainer 2 failed"
+check_run "$out/t2.log" second
+grep -q "rejected a message from raw-client" "$out/t2.err" || fail "trainer 2 did not log the rejections"
+grep -q "refused worker raw-client" "$out/t2.err" || fail "trainer 2 did not log the refused hello"
+for id in w1 w2 w3; do
+    grep -q "worker $id joined" "$out/t2.err" || fail "$id did not reconnect to trainer 2"
+done
+echo "trainer 2: ok (workers reconnected; malformed messages answered with errors)"
+
+# ------------------------------------------------------------------------------------------------ 4. SIGTERM
+for p in "${pids[@]}"; do
+    [ "$p" = "$T1" ] || [ "$p" = "$T2" ] || [ "$p" = "$W2" ] || kill -TERM "$p" 2>/dev/null || true
+done
+for p in "${pids[@]}"; do
+    [ "$p" = "$T1" ] || [ "$p" = "$T2" ] || [ "$p" = "$W2" ] || { wait "$p" || fail "a worker exited $? on SIGTERM"; }
+done
+grep -q "stopped:" "$out/w1.log" || fail "w1 did not stop cleanly"
+echo "SIGTERM: every worker said bye and exited 0"
+pids=()
+
+# ------------------------------------------------------------------------------------------------ 5. dapo.lua
+mkdir -p "$out/dapo"
+sock="ipc://$out/dapo.sock"
+"$DS4" run "$SRC/examples/dapo.lua" --steps 3 --sft-steps 30 --eval 24 --prompts 6 --n 4 --max-new-tokens 14 \
+    --out "$out/dapo" --quiet --workers "$sock" --n-workers 2 --max-staleness 0 >"$out/dapo.log" 2>"$out/dapo.err" &
+D=$!
+pids+=("$D")
+wait_for "$out/dapo/worker_model/config.json" 120 || fail "dapo.lua did not save the workers' model"
+for id in d1 d2; do
+    "$DS4" worker --connect "$sock" --model "$out/dapo/worker_model" --threads 1 --id "$id" >"$out/$id.log" 2>&1 &
+    pids+=("$!")
+done
+wait "$D" || fail "dapo.lua with workers failed"
+grep -q "workers: .* tasks completed, 0 re-issued" "$out/dapo.log" || fail "dapo.lua: no worker summary"
+grep -q "greedy accuracy on 24 held-out problems" "$out/dapo.log" || fail "dapo.lua did not finish"
+"$DS4" run - "$out/dapo/metrics.jsonl" <<'LUA' || fail "dapo.lua metrics"
+local json = require("ds4.chat.json")
+local n, trained = 0, 0
+for line in io.lines(arg[1]) do
+    local m = json.decode(line)
+    if m.step > 0 then
+        n = n + 1
+        if m["logprob_mismatch/max"] then
+            trained = trained + 1
+            assert(m["logprob_mismatch/max"] < 1e-4, "worker vs trainer log-probs differ by " .. m["logprob_mismatch/max"])
+        end
+    end
+end
+assert(n == 3, n .. " RL steps")
+print(("dapo metrics: %d steps, %d with training, worker log-probs equal the trainer's"):format(n, trained))
+LUA
+for p in "${pids[@]}"; do [ "$p" = "$D" ] || kill -TERM "$p" 2>/dev/null || true; done
+for p in "${pids[@]}"; do [ "$p" = "$D" ] || { wait "$p" || fail "a dapo worker exited $? on SIGTERM"; }; done
+pids=()
+grep -Eq "stopped: [1-9][0-9]* tasks" "$out/d1.log" && grep -Eq "stopped: [1-9][0-9]* tasks" "$out/d2.log" ||
+    fail "a dapo worker did no work"
+if grep -l "AddressSanitizer\|runtime error:\|LeakSanitizer" "$out"/*.log "$out"/*.err 2>/dev/null; then
+    fail "sanitizer reports in the logs above"
+fi
+echo "1 passed, 0 failed"
