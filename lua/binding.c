@@ -671,6 +671,19 @@ int ds4l_class(lua_State *L, const char *mt, const luaL_Reg *methods, lua_CFunct
     return 1;
 }
 
+void *ds4l_push_model_owned(lua_State *L, size_t size, const char *mt, int model_idx) {
+    model_idx = model_idx < 0 ? lua_gettop(L) + model_idx + 1 : model_idx;
+    void *p = lua_newuserdata(L, size);
+    memset(p, 0, size);
+    luaL_getmetatable(L, mt);
+    lua_setmetatable(L, -2);
+    lua_createtable(L, 0, 1);
+    lua_pushvalue(L, model_idx);
+    lua_setfield(L, -2, "model");
+    lua_setfenv(L, -2);
+    return p;
+}
+
 void ds4l_weak_registry_table(lua_State *L, const char *key, const char *mode) {
     lua_getfield(L, LUA_REGISTRYINDEX, key);
     if (!lua_istable(L, -1)) {

@@ -66,6 +66,9 @@ void ds4l_tokenizer_open(lua_State *L);
 /* Push the metatable `mt`, creating it first when it does not exist yet: __index = a table of `methods`, __gc,
  * __tostring (either may be NULL) and __name. Returns 1 when it was created. */
 int ds4l_class(lua_State *L, const char *mt, const luaL_Reg *methods, lua_CFunction gc, lua_CFunction tostring);
+/* Push a new userdata of `size` bytes (zeroed) with metatable `mt` whose environment table holds the model at
+ * stack index model_idx under "model", so the model outlives the object (caches, optimizers). */
+void *ds4l_push_model_owned(lua_State *L, size_t size, const char *mt, int model_idx);
 /* Make sure the registry holds a table under `key` with weak `mode` ("k", "v", "kv"); nothing is pushed. */
 void ds4l_weak_registry_table(lua_State *L, const char *key, const char *mode);
 

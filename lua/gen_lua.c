@@ -355,15 +355,8 @@ static int m_new_cache(lua_State *L) {
     const char *fname = "ds4.model:new_cache";
     ds4_model *m = ds4l_model_check(L, 1, fname);
     int64_t max_len = check_int(L, 2, fname, "bad argument #1 (max_len)", 1, MAX_EXACT, "a positive integer");
-    cache_box *b = lua_newuserdata(L, sizeof *b);
-    b->c = NULL;
+    cache_box *b = ds4l_push_model_owned(L, sizeof *b, CACHE_MT, 1);
     b->m = m;
-    luaL_getmetatable(L, CACHE_MT);
-    lua_setmetatable(L, -2);
-    lua_createtable(L, 0, 1);
-    lua_pushvalue(L, 1);
-    lua_setfield(L, -2, "model");
-    lua_setfenv(L, -2);
     ds4_error err = {0};
     if (ds4_cache_create(m, max_len, &b->c, &err) != DS4_OK) ds4l_raise_ds4(L, fname, &err);
     return 1;

@@ -470,15 +470,8 @@ static int l_adamw(lua_State *L) {
         lua_pop(L, 1);
     }
     /* Box first (see ds4lua.h), then create into it. */
-    adamw_box *b = lua_newuserdata(L, sizeof *b);
-    b->a = NULL;
+    adamw_box *b = ds4l_push_model_owned(L, sizeof *b, ADAMW_MT, 1);
     b->o = o;
-    luaL_getmetatable(L, ADAMW_MT);
-    lua_setmetatable(L, -2);
-    lua_createtable(L, 0, 1);
-    lua_pushvalue(L, 1);
-    lua_setfield(L, -2, "model");
-    lua_setfenv(L, -2);
     ds4_error err = {0};
     if (ds4_adamw_create(m, &o, &b->a, &err) != DS4_OK) ds4l_raise_ds4(L, fname, &err);
     return 1;

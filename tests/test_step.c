@@ -182,19 +182,4 @@ static void run_fixture(ds4_engine *eng, const char *fixtures, const char *name)
     ds4_model_free(m);
 }
 
-int main(int argc, char **argv) {
-    if (argc < 2) {
-        fprintf(stderr, "usage: test_step FIXTURES_DIR\n");
-        return 2;
-    }
-    ds4_error err = {0};
-    ds4_engine *eng = NULL;
-    ds4_engine_options o = {.n_threads = 2};
-    CHECK_OK(ds4_engine_create(&o, &eng, &err), &err);
-    if (!eng) return ds4t_finish("test_step");
-    run_fixture(eng, argv[1], "tiny_a");
-    run_fixture(eng, argv[1], "tiny_b");
-    run_fixture(eng, argv[1], "tiny_hf");
-    ds4_engine_free(eng);
-    return ds4t_finish("test_step");
-}
+int main(int argc, char **argv) { return ds4t_main_fixtures(argc, argv, "test_step", run_fixture); }

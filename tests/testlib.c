@@ -56,3 +56,20 @@ double ds4t_max_abs_diff(const float *a, const float *b, int64_t n) {
     }
     return d;
 }
+
+int ds4t_main_fixtures(int argc, char **argv, const char *name,
+                       void (*run)(ds4_engine *eng, const char *fixtures, const char *fixture)) {
+    if (argc < 2) {
+        fprintf(stderr, "usage: %s FIXTURES_DIR\n", name);
+        return 2;
+    }
+    ds4_error err = {0};
+    ds4_engine *eng = NULL;
+    ds4_engine_options o = {.n_threads = 2};
+    CHECK_OK(ds4_engine_create(&o, &eng, &err), &err);
+    if (!eng) return ds4t_finish(name);
+    static const char *const fixtures[] = {"tiny_a", "tiny_b", "tiny_hf"};
+    for (int k = 0; k < 3; k++) run(eng, argv[1], fixtures[k]);
+    ds4_engine_free(eng);
+    return ds4t_finish(name);
+}

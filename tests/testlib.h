@@ -35,6 +35,11 @@ int ds4t_finish(const char *name);
 int ds4t_load_fixture(ds4_engine *eng, const char *fixtures, const char *name, ds4_model **m, ds4_st_file **io,
                       ds4_forward_args *args);
 
+/* main() of a test that runs `run` on the fixtures tiny_a, tiny_b and tiny_hf with a 2-thread engine:
+ * usage check, engine, the three runs, summary line and exit code. */
+int ds4t_main_fixtures(int argc, char **argv, const char *name,
+                       void (*run)(ds4_engine *eng, const char *fixtures, const char *fixture));
+
 /* max |a[i] - b[i]| over n floats (in double); NaN anywhere gives NaN, so `<= tol` checks fail on it. */
 double ds4t_max_abs_diff(const float *a, const float *b, int64_t n);
 
