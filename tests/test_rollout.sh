@@ -270,18 +270,22 @@ pids=()
 # ------------------------------------------------------------------------------------------------ 5. dapo.lua
 mkdir -p "$out/dapo"
 sock="ipc://$out/dapo.sock"
-"$DS4" run "$SRC/examples/dapo.lua" --steps 3 --sft-steps 30 --eval 24 --prompts 6 --n 4 --max-new-tokens 14 \
+# a small dataset in the user format and a short warm-up: the built-in task's 20,000-problem files and 64-row SFT
+# batches take minutes under the sanitizers, and this part checks the rollout path, not learning
+for i in $(seq 1 32); do echo "{\"prompt\": \"$i+1=\", \"answer\": \"$((i + 1))\"}"; done >"$out/dapo.jsonl"
+"$DS4" run "$SRC/examples/dapo.lua" --data "$out/dapo.jsonl" --steps 3 --sft-steps 20 --sft-batch 16 --eval 8 \
+    --prompts 6 --n 4 --max-new-tokens 14 \
     --out "$out/dapo" --quiet --workers "$sock" --n-workers 2 --max-staleness 0 >"$out/dapo.log" 2>"$out/dapo.err" &
 D=$!
 pids+=("$D")
-wait_for "$out/dapo/worker_model/config.json" 120 || fail "dapo.lua did not save the workers' model"
+wait_for "$out/dapo/worker_model/config.json" 300 || fail "dapo.lua did not save the workers' model"
 for id in d1 d2; do
     "$DS4" worker --connect "$sock" --model "$out/dapo/worker_model" --threads 1 --id "$id" >"$out/$id.log" 2>&1 &
     pids+=("$!")
 done
 wait "$D" || fail "dapo.lua with workers failed"
 grep -q "workers: .* tasks completed, 0 re-issued" "$out/dapo.log" || fail "dapo.lua: no worker summary"
-grep -q "greedy accuracy on 24 held-out problems" "$out/dapo.log" || fail "dapo.lua did not finish"
+grep -q "greedy accuracy on 8 held-out problems" "$out/dapo.log" || fail "dapo.lua did not finish"
 "$DS4" run - "$out/dapo/metrics.jsonl" <<'LUA' || fail "dapo.lua metrics"
 local json = require("ds4.chat.json")
 local n, trained = 0, 0
