@@ -1,10 +1,13 @@
-/* generate.c — batched generation on ds4_model_step (ds4_gen.h).
+/* generate.c — batched generation on ds4_model_step (ds4_gen.h), on the model's backend.
  *
  * Prompts are prefilled in steps of at most prefill_chunk tokens (a prompt may span steps: any chunking gives the
  * same state). When a prompt's last token has run, its cache is copied to the prompt's other samples and every
  * sample draws its first token from the same logits. Then all running sequences decode one token per step, at
  * most max_batch per step. A sequence's draws use the counter-based uniform (seed, stream = prompt << 32 | sample,
- * step = tokens generated so far), so results do not depend on batching, chunking or max_batch. */
+ * step = tokens generated so far), so results do not depend on batching, chunking or max_batch.
+ *
+ * The logits of a step stay in backend memory; the draws of the step (one per sequence that takes a token) run as
+ * one sampling operation there, and only the ids and log-probabilities come back to the host. */
 #define _POSIX_C_SOURCE 200809L /* clock_gettime */
 #include <stdio.h>
 #include <stdlib.h>
@@ -13,6 +16,7 @@
 
 #include "internal.h"
 #include "model.h"
+#include "sched.h"
 
 typedef struct gseq {
     ds4_cache *cache;
@@ -22,6 +26,22 @@ typedef struct gseq {
     size_t text_len, text_cap;
 } gseq;
 
+/* The draws of one step: sequence, logits row and uniform of each (host), the same in backend memory with the
+ * step's logits, and the results. */
+typedef struct draws {
+    int64_t n;
+    int64_t *seq;                   /* [nseq] host */
+    int32_t *row;
+    double *u;
+    int64_t *id;                    /* results, host */
+    double *lpm, *lps;
+    void *mem;                      /* backend: logits [rows, V], row, u, id, lpm, lps */
+    float *b_logits;
+    int32_t *b_row;
+    double *b_u, *b_lpm, *b_lps;
+    int64_t *b_id;
+} draws;
+
 typedef struct gen {
     ds4_model *m;
     const ds4_gen_args *a;
@@ -29,7 +49,7 @@ typedef struct gen {
     gseq *gs;
     int64_t V, L, K, ncsa, topk;
     size_t max_stop;                /* longest stop string */
-    void *sample_ws;
+    draws d;
     int cancelled;
 } gen;
 
@@ -141,22 +161,13 @@ static int64_t find_bytes(const char *hay, size_t n, const char *needle, size_t 
     return -1;
 }
 
-/* Sample sequence i's next token from logits [V]; record it and decide whether the sequence stops. */
-static ds4_status emit(gen *g, int64_t i, const float *logits, ds4_error *err) {
+/* Record sequence i's next token (drawn with log-probabilities lpm / lps) and decide whether the sequence stops. */
+static ds4_status record(gen *g, int64_t i, int64_t id, double lpm, double lps, ds4_error *err) {
     const ds4_gen_args *a = g->a;
     ds4_gen_seq *s = &g->r->seqs[i];
     gseq *q = &g->gs[i];
     ds4_status st = reserve_token(g, i, err);
     if (st) return st;
-    const uint64_t stream = ((uint64_t)s->prompt_index << 32) | (uint64_t)s->sample_index;
-    double lpm = 0, lps = 0;
-    const int64_t id = ds4_sample(logits, g->V, &a->sampling, ds4_sample_uniform(a->seed, stream, (uint64_t)s->n_ids),
-                                  &lpm, &lps, g->sample_ws, err);
-    if (id < 0) {
-        char msg[sizeof err->msg];
-        snprintf(msg, sizeof msg, "%s", err ? err->msg : "");
-        return ds4_fail(err, DS4_ERR_ARG, "generate: sequence %lld, token %lld: %s", (long long)i, (long long)s->n_ids, msg);
-    }
     s->ids[s->n_ids] = id;
     s->logprobs[s->n_ids] = (float)lpm;
     s->sample_logprobs[s->n_ids] = (float)lps;
@@ -191,6 +202,40 @@ static ds4_status emit(gen *g, int64_t i, const float *logits, ds4_error *err) {
     return DS4_OK;
 }
 
+/* Queue a draw of sequence i's next token from row `row` of the step's logits. */
+static void queue_draw(gen *g, int64_t i, int64_t row) {
+    const ds4_gen_seq *s = &g->r->seqs[i];
+    const uint64_t stream = ((uint64_t)s->prompt_index << 32) | (uint64_t)s->sample_index;
+    draws *d = &g->d;
+    d->seq[d->n] = i;
+    d->row[d->n] = (int32_t)row;
+    d->u[d->n] = ds4_sample_uniform(g->a->seed, stream, (uint64_t)s->n_ids);
+    d->n++;
+}
+
+/* Run the queued draws on the backend and record them in queue order. */
+static ds4_status run_draws(gen *g, ds4_error *err) {
+    draws *d = &g->d;
+    const int64_t n = d->n;
+    d->n = 0;
+    if (n == 0) return DS4_OK;
+    ds4_dev *dev = g->m->dev;
+    const int32_t *row = ds4_dev_input(dev, d->b_row, d->row, (size_t)n * sizeof *d->row);
+    const double *u = ds4_dev_input(dev, d->b_u, d->u, (size_t)n * sizeof *d->u);
+    int64_t *id = dev->host_visible ? d->id : d->b_id;
+    double *lpm = dev->host_visible ? d->lpm : d->b_lpm, *lps = dev->host_visible ? d->lps : d->b_lps;
+    OP(dev, sample, .logits = d->b_logits, .lrow = row, .rows = n, .V = g->V, .p = g->a->sampling, .u = u, .id = id,
+       .lp_model = lpm, .lp_sample = lps);
+    if (!dev->host_visible) {
+        ds4_dev_download(dev, d->id, id, (size_t)n * sizeof *id);
+        ds4_dev_download(dev, d->lpm, lpm, (size_t)n * sizeof *lpm);
+        ds4_dev_download(dev, d->lps, lps, (size_t)n * sizeof *lps);
+    }
+    ds4_status st = ds4_dev_check(dev, "generate", err);
+    for (int64_t r = 0; r < n && !st; r++) st = record(g, d->seq[r], d->id[r], d->lpm[r], d->lps[r], err);
+    return st;
+}
+
 static int poll_cancel(gen *g) {
     if (g->a->cancel && *g->a->cancel) g->cancelled = 1;
     return g->cancelled;
@@ -200,7 +245,6 @@ static int poll_cancel(gen *g) {
 typedef struct step_buf {
     int64_t *ids, *counts, *who;
     ds4_cache **caches;
-    float *logits;
     int32_t *ex, *ix;
 } step_buf;
 
@@ -221,9 +265,9 @@ static ds4_status prefill(gen *g, step_buf *b, int64_t chunk, ds4_error *err) {
             off += take;
             if (off == a->prompt_lens[p]) p++, off = 0;
         }
-        ds4_step_args sa = {.nseq = ns, .caches = b->caches, .counts = b->counts, .ids = b->ids,
-                            .last_logits = b->logits, .experts = b->ex, .index_picks = b->ix};
-        ds4_status st = ds4_model_step(g->m, &sa, err);
+        ds4_step_args sa = {.nseq = ns, .caches = b->caches, .counts = b->counts, .ids = b->ids, .experts = b->ex,
+                            .index_picks = b->ix};
+        ds4_status st = ds4_step_run(g->m, &sa, g->d.b_logits, err);
         if (st) return st;
         for (int64_t k = 0, r0 = 0; k < ns; r0 += b->counts[k], k++) {
             const int64_t pk = b->who[k], first = pk * n, len = ds4_cache_len(b->caches[k]);
@@ -236,9 +280,9 @@ static ds4_status prefill(gen *g, step_buf *b, int64_t chunk, ds4_error *err) {
                     if ((st = keep_rows(g, first + j, 0, len, src->experts, src->index_picks, 0, err))) return st;
                 }
             }
-            for (int64_t j = 0; j < n; j++)
-                if ((st = emit(g, first + j, b->logits + k * g->V, err))) return st;
+            for (int64_t j = 0; j < n; j++) queue_draw(g, first + j, k);
         }
+        if ((st = run_draws(g, err))) return st;
         g->r->prefill_tokens += nt;
     }
     return DS4_OK;
@@ -261,16 +305,17 @@ static ds4_status decode(gen *g, step_buf *b, int64_t maxb, ds4_error *err) {
             }
             if (ns == 0) break;
             any = 1;
-            ds4_step_args sa = {.nseq = ns, .caches = b->caches, .counts = b->counts, .ids = b->ids,
-                                .last_logits = b->logits, .experts = b->ex, .index_picks = b->ix};
-            ds4_status st = ds4_model_step(g->m, &sa, err);
+            ds4_step_args sa = {.nseq = ns, .caches = b->caches, .counts = b->counts, .ids = b->ids, .experts = b->ex,
+                                .index_picks = b->ix};
+            ds4_status st = ds4_step_run(g->m, &sa, g->d.b_logits, err);
             if (st) return st;
             g->r->decode_tokens += ns;
             for (int64_t k = 0; k < ns; k++) {
                 const int64_t si = b->who[k];
                 if ((st = keep_rows(g, si, ds4_cache_len(b->caches[k]) - 1, 1, b->ex, b->ix, k, err))) return st;
-                if ((st = emit(g, si, b->logits + k * g->V, err))) return st;
+                queue_draw(g, si, k);
             }
+            if ((st = run_draws(g, err))) return st;
         }
         if (!any) return DS4_OK;
     }
@@ -302,19 +347,40 @@ ds4_status ds4_generate(ds4_model *m, const ds4_gen_args *a, ds4_gen_result **ou
     }
     g.r = r;
     g.gs = calloc((size_t)nseq, sizeof *g.gs);
-    g.sample_ws = malloc(ds4_sample_scratch_bytes(g.V));
     b.ids = malloc((size_t)tok_rows * sizeof *b.ids);
     b.counts = malloc((size_t)seq_rows * sizeof *b.counts);
     b.who = malloc((size_t)seq_rows * sizeof *b.who);
     b.caches = malloc((size_t)seq_rows * sizeof *b.caches);
-    b.logits = malloc((size_t)(seq_rows * g.V) * sizeof *b.logits);
     if (a->record_experts) b.ex = malloc((size_t)(tok_rows * g.L * g.K) * sizeof *b.ex);
     if (a->record_index && g.ncsa) b.ix = malloc((size_t)(tok_rows * g.ncsa * g.topk) * sizeof *b.ix);
-    if (!r || !r->seqs || !g.gs || !g.sample_ws || !b.ids || !b.counts || !b.who || !b.caches || !b.logits ||
+    /* a step draws at most one token per sequence */
+    g.d.seq = malloc((size_t)nseq * (2 * sizeof(int64_t) + 3 * sizeof(double) + sizeof(int32_t)));
+    if (!r || !r->seqs || !g.gs || !b.ids || !b.counts || !b.who || !b.caches || !g.d.seq ||
         (a->record_experts && !b.ex) || (a->record_index && g.ncsa && !b.ix)) {
         st = ds4_fail(err, DS4_ERR_OOM, "generate: buffers for %lld sequences (vocabulary %lld)", (long long)nseq,
                       (long long)g.V);
         goto done;
+    }
+    g.d.id = g.d.seq + nseq;
+    g.d.u = (double *)(g.d.id + nseq);
+    g.d.lpm = g.d.u + nseq;
+    g.d.lps = g.d.lpm + nseq;
+    g.d.row = (int32_t *)(g.d.lps + nseq);
+    {
+        ds4_dev *dev = m->dev;
+        const size_t lbytes = ((size_t)(seq_rows * g.V) * sizeof(float) + 63) & ~(size_t)63;
+        if ((st = dev->ops->alloc(dev, lbytes + (size_t)nseq * (sizeof(int64_t) + 3 * sizeof(double) + sizeof(int32_t)),
+                                  &g.d.mem, err))) {
+            ds4_error_prefix(err, "generate: logits of %lld sequences (vocabulary %lld): ", (long long)seq_rows,
+                             (long long)g.V);
+            goto done;
+        }
+        g.d.b_logits = g.d.mem;
+        g.d.b_id = (int64_t *)(void *)((char *)g.d.mem + lbytes);
+        g.d.b_u = (double *)(g.d.b_id + nseq);
+        g.d.b_lpm = g.d.b_u + nseq;
+        g.d.b_lps = g.d.b_lpm + nseq;
+        g.d.b_row = (int32_t *)(g.d.b_lps + nseq);
     }
     for (int64_t i = 0; i < nseq; i++) {
         ds4_gen_seq *s = &r->seqs[i];
@@ -346,12 +412,12 @@ done:
         free(g.gs[i].text);
     }
     free(g.gs);
-    free(g.sample_ws);
+    free(g.d.seq);
+    if (g.d.mem) m->dev->ops->free(m->dev, g.d.mem);
     free(b.ids);
     free(b.counts);
     free(b.who);
     free(b.caches);
-    free(b.logits);
     free(b.ex);
     free(b.ix);
     if (st) {

@@ -7,14 +7,26 @@
 #include <string.h>
 
 #include "internal.h"
+#include "shape_limits.h"
 #include "model.h"
+#include "ops.h"
+#include "sched.h"
 
 /* ------------------------------------------------------------------------------------------------ table */
 
-typedef struct {
+/* One walk over every tensor of the model (walk_model), in table order. Recording (bind NULL) appends a table
+ * entry per tensor and counts offsets; binding re-walks the same calls and points each view of `w` at the
+ * memory bind() gives for the entry with that index, so any backend's copy gets the same views. */
+typedef struct builder {
     ds4_model *m;
-    size_t cap;
+    ds4_weights *w;
+    size_t cap, next;
     int64_t f32_off, i32_off;
+    void *(*bind)(struct builder *b, const ds4_param *p, size_t i);
+    char *base;
+    int32_t *i32_base;
+    int64_t (*byte_offset)(const ds4_model *m, size_t i, void *ctx);
+    void *ctx;
     ds4_status st;
     ds4_error *err;
 } builder;
@@ -26,6 +38,11 @@ static void add(builder *b, ds4_dtype dt, void **slot, int32_t ndim, const int64
                 const char *fmt, ...) {
     if (b->st) return;
     ds4_model *m = b->m;
+    if (b->bind) {
+        const size_t i = b->next++;
+        if (slot) *slot = b->bind(b, &m->table[i], i);
+        return;
+    }
     if (m->n_table == b->cap) {
         size_t nc = b->cap ? b->cap * 2 : 256;
         ds4_param *t = realloc(m->table, nc * sizeof *t);
@@ -55,7 +72,7 @@ static void add(builder *b, ds4_dtype dt, void **slot, int32_t ndim, const int64
         p->numel *= shape[i];
     }
     p->dtype = dt;
-    p->slot = slot;
+    p->lowp = dt == DS4_F32 && ds4_param_lowp(name, ndim);
     if (dt == DS4_F32) {
         p->offset = b->f32_off;
         b->f32_off += p->numel;
@@ -63,7 +80,19 @@ static void add(builder *b, ds4_dtype dt, void **slot, int32_t ndim, const int64
         p->offset = b->i32_off;
         b->i32_off += p->numel;
     }
+    if (slot) *slot = NULL; /* bound once the buffer exists */
     m->n_table++;
+}
+
+int ds4_param_lowp(const char *name, int32_t ndim) {
+    static const char *const fp32[] = {"_fn", ".ape", "ffn.gate.weight", "tid2eid", NULL};
+    if (ndim != 2) return 0;
+    const size_t n = strlen(name);
+    for (int i = 0; fp32[i]; i++) {
+        const size_t k = strlen(fp32[i]);
+        if (n >= k && strcmp(name + n - k, fp32[i]) == 0) return 0;
+    }
+    return 1;
 }
 
 #define SHAPE(...) ((const int64_t[]){__VA_ARGS__})
@@ -128,6 +157,63 @@ static void add_block(builder *b, ds4_layer_w *l, const ds4_config *c, const cha
     ADD(b, &l->sw3, pre, "ffn.shared_experts.w3.weight", I, D);
 }
 
+/* Every tensor of the model, in table order, into b->w (whose layers array holds L entries). */
+static void walk_model(builder *b) {
+    const ds4_config *cfg = &b->m->cfg;
+    ds4_weights *w = b->w;
+    const int64_t L = cfg->num_hidden_layers, D = cfg->hidden_size, V = cfg->vocab_size, n = cfg->hc_mult;
+    ADD(b, &w->embed, "", "embed.weight", V, D);
+    for (int64_t i = 0; i < L; i++) {
+        ds4_layer_w *l = &w->layers[i];
+        l->type = cfg->layer_types[i];
+        l->is_hash = cfg->layer_is_hash[i];
+        char pre[32];
+        snprintf(pre, sizeof pre, "layers.%lld.", (long long)i);
+        add_block(b, l, cfg, pre);
+    }
+    ADD(b, &w->norm, "", "norm.weight", D);
+    ADD(b, &w->hc_head_fn, "", "hc_head_fn", n, n * D);
+    ADD(b, &w->hc_head_base, "", "hc_head_base", n);
+    ADD(b, &w->hc_head_scale, "", "hc_head_scale", 1);
+    if (!cfg->tie_word_embeddings) ADD(b, &w->head, "", "head.weight", V, D);
+    if (b->m->has_mtp) {
+        ds4_mtp_w *t = &w->mtp;
+        t->block.type = DS4_ATTN_SLIDING; /* official compress_ratios[n_layers] = 0 */
+        t->block.is_hash = 0;
+        add_block(b, &t->block, cfg, "mtp.0.");
+        ADD(b, &t->e_proj, "mtp.0.", "e_proj.weight", D, D);
+        ADD(b, &t->h_proj, "mtp.0.", "h_proj.weight", D, D);
+        ADD(b, &t->enorm, "mtp.0.", "enorm.weight", D);
+        ADD(b, &t->hnorm, "mtp.0.", "hnorm.weight", D);
+        ADD(b, &t->norm, "mtp.0.", "norm.weight", D);
+        ADD(b, &t->hc_head_fn, "mtp.0.", "hc_head_fn", n, n * D);
+        ADD(b, &t->hc_head_base, "mtp.0.", "hc_head_base", n);
+        ADD(b, &t->hc_head_scale, "mtp.0.", "hc_head_scale", 1);
+    }
+    if (cfg->tie_word_embeddings) w->head = w->embed;
+}
+
+static void *bind_entry(builder *b, const ds4_param *p, size_t i) {
+    if (p->dtype != DS4_F32) return b->i32_base ? b->i32_base + p->offset : NULL; /* a gradient set has no tables */
+    return b->base + b->byte_offset(b->m, i, b->ctx);
+}
+
+void ds4_weights_bind(const ds4_model *m, ds4_weights *w, ds4_dtype mdt, char *base,
+                      int64_t (*byte_offset)(const ds4_model *m, size_t i, void *ctx), void *ctx, int32_t *i32_base) {
+    ds4_layer_w *layers = w->layers;
+    memset(w, 0, sizeof *w);
+    w->layers = layers;
+    w->mdt = mdt;
+    builder b = {.m = (ds4_model *)m, .w = w, .bind = bind_entry, .base = base, .i32_base = i32_base,
+                 .byte_offset = byte_offset, .ctx = ctx};
+    walk_model(&b);
+}
+
+static int64_t f32_byte_offset(const ds4_model *m, size_t i, void *ctx) {
+    (void)ctx;
+    return m->table[i].offset * (int64_t)sizeof(float);
+}
+
 typedef struct {
     const char *name;
     size_t idx;
@@ -140,61 +226,36 @@ static int cmp_name_idx(const void *a, const void *b) {
 ds4_status ds4_model_alloc(ds4_engine *e, const ds4_config *cfg, int with_mtp, ds4_model **out, ds4_error *err) {
     ds4_status s = ds4_config_validate(cfg, err);
     if (s) return s;
-    /* limits of the fixed per-token arrays in forward.c (far above any released configuration) */
-    if (cfg->hc_mult > 32)
-        return ds4_fail(err, DS4_ERR_UNSUPPORTED, "model alloc: hc_mult %lld > 32", (long long)cfg->hc_mult);
-    if (cfg->num_experts_per_tok > 64)
-        return ds4_fail(err, DS4_ERR_UNSUPPORTED, "model alloc: num_experts_per_tok %lld > 64",
-                        (long long)cfg->num_experts_per_tok);
-    if (cfg->rope_main.dim > 2048 || cfg->rope_compress.dim > 2048)
-        return ds4_fail(err, DS4_ERR_UNSUPPORTED, "model alloc: rotary width %lld / %lld > 2048",
-                        (long long)cfg->rope_main.dim, (long long)cfg->rope_compress.dim);
-    if (cfg->compress_rate_csa > 256 || cfg->compress_rate_hca > 256) /* pooling slots on the stack in backward.c */
-        return ds4_fail(err, DS4_ERR_UNSUPPORTED, "model alloc: compress rates %lld / %lld > 256",
-                        (long long)cfg->compress_rate_csa, (long long)cfg->compress_rate_hca);
-    if (cfg->n_routed_experts > 4096)
-        return ds4_fail(err, DS4_ERR_UNSUPPORTED, "model alloc: n_routed_experts %lld > 4096",
-                        (long long)cfg->n_routed_experts);
+    /* the shape limits every backend's kernels rely on (shape_limits.h) */
+    if (cfg->hc_mult > DS4_MAX_HC)
+        return ds4_fail(err, DS4_ERR_UNSUPPORTED, "model alloc: hc_mult %lld > %d", (long long)cfg->hc_mult, DS4_MAX_HC);
+    if (cfg->num_experts_per_tok > DS4_MAX_TOPK_EXPERTS)
+        return ds4_fail(err, DS4_ERR_UNSUPPORTED, "model alloc: num_experts_per_tok %lld > %d",
+                        (long long)cfg->num_experts_per_tok, DS4_MAX_TOPK_EXPERTS);
+    if (cfg->rope_main.dim > DS4_MAX_ROPE_DIM || cfg->rope_compress.dim > DS4_MAX_ROPE_DIM)
+        return ds4_fail(err, DS4_ERR_UNSUPPORTED, "model alloc: rotary width %lld / %lld > %d",
+                        (long long)cfg->rope_main.dim, (long long)cfg->rope_compress.dim, DS4_MAX_ROPE_DIM);
+    if (cfg->compress_rate_csa > DS4_MAX_RATE || cfg->compress_rate_hca > DS4_MAX_RATE)
+        return ds4_fail(err, DS4_ERR_UNSUPPORTED, "model alloc: compress rates %lld / %lld > %d",
+                        (long long)cfg->compress_rate_csa, (long long)cfg->compress_rate_hca, DS4_MAX_RATE);
+    if (cfg->n_routed_experts > DS4_MAX_EXPERTS)
+        return ds4_fail(err, DS4_ERR_UNSUPPORTED, "model alloc: n_routed_experts %lld > %d",
+                        (long long)cfg->n_routed_experts, DS4_MAX_EXPERTS);
     ds4_model *m = calloc(1, sizeof *m);
     if (!m) return ds4_fail(err, DS4_ERR_OOM, "model alloc: model struct");
     m->engine = e;
     m->cfg = *cfg;
     m->has_mtp = with_mtp;
-    const int64_t L = cfg->num_hidden_layers, D = cfg->hidden_size, V = cfg->vocab_size, n = cfg->hc_mult;
-    m->layers = calloc((size_t)L, sizeof *m->layers);
-    if (!m->layers) {
-        free(m);
+    const int64_t L = cfg->num_hidden_layers;
+    m->w.layers = calloc((size_t)L, sizeof *m->w.layers);
+    m->dev_w.layers = calloc((size_t)L, sizeof *m->dev_w.layers);
+    m->gw.layers = calloc((size_t)L, sizeof *m->gw.layers);
+    if (!m->w.layers || !m->dev_w.layers || !m->gw.layers) {
+        ds4_model_free(m);
         return ds4_fail(err, DS4_ERR_OOM, "model alloc: %lld layers", (long long)L);
     }
-    builder b = {.m = m, .err = err};
-    ADD(&b, &m->embed, "", "embed.weight", V, D);
-    for (int64_t i = 0; i < L; i++) {
-        ds4_layer_w *l = &m->layers[i];
-        l->type = cfg->layer_types[i];
-        l->is_hash = cfg->layer_is_hash[i];
-        char pre[32];
-        snprintf(pre, sizeof pre, "layers.%lld.", (long long)i);
-        add_block(&b, l, cfg, pre);
-    }
-    ADD(&b, &m->norm, "", "norm.weight", D);
-    ADD(&b, &m->hc_head_fn, "", "hc_head_fn", n, n * D);
-    ADD(&b, &m->hc_head_base, "", "hc_head_base", n);
-    ADD(&b, &m->hc_head_scale, "", "hc_head_scale", 1);
-    if (!cfg->tie_word_embeddings) ADD(&b, &m->head, "", "head.weight", V, D);
-    if (with_mtp) {
-        ds4_mtp_w *t = &m->mtp;
-        t->block.type = DS4_ATTN_SLIDING; /* official compress_ratios[n_layers] = 0 */
-        t->block.is_hash = 0;
-        add_block(&b, &t->block, cfg, "mtp.0.");
-        ADD(&b, &t->e_proj, "mtp.0.", "e_proj.weight", D, D);
-        ADD(&b, &t->h_proj, "mtp.0.", "h_proj.weight", D, D);
-        ADD(&b, &t->enorm, "mtp.0.", "enorm.weight", D);
-        ADD(&b, &t->hnorm, "mtp.0.", "hnorm.weight", D);
-        ADD(&b, &t->norm, "mtp.0.", "norm.weight", D);
-        ADD(&b, &t->hc_head_fn, "mtp.0.", "hc_head_fn", n, n * D);
-        ADD(&b, &t->hc_head_base, "mtp.0.", "hc_head_base", n);
-        ADD(&b, &t->hc_head_scale, "mtp.0.", "hc_head_scale", 1);
-    }
+    builder b = {.m = m, .w = &m->w, .err = err};
+    walk_model(&b);
     if (b.st) {
         ds4_model_free(m);
         return b.st;
@@ -218,16 +279,19 @@ ds4_status ds4_model_alloc(ds4_engine *e, const ds4_config *cfg, int with_mtp, d
         return ds4_fail(err, DS4_ERR_OOM, "model alloc: name index");
     }
     for (size_t i = 0; i < m->n_table; i++) {
-        ds4_param *p = &m->table[i];
-        void *base = p->dtype == DS4_F32 ? (void *)(m->params + p->offset) : (void *)(m->tid2eid_all + p->offset);
-        if (p->slot) *p->slot = base;
-        byname[i].name = p->name;
+        byname[i].name = m->table[i].name;
         byname[i].idx = i;
     }
     qsort(byname, m->n_table, sizeof *byname, cmp_name_idx);
     for (size_t i = 0; i < m->n_table; i++) m->sorted[i] = byname[i].idx;
     free(byname);
-    if (cfg->tie_word_embeddings) m->head = m->embed;
+    ds4_weights_bind(m, &m->w, DS4_F32, (char *)m->params, f32_byte_offset, NULL, m->tid2eid_all);
+    if ((s = ds4_cpu_dev_create(e->pool, &m->cpu, err))) {
+        ds4_model_free(m);
+        return s;
+    }
+    m->dev = m->cpu;
+    m->dw = &m->w;
     *out = m;
     return DS4_OK;
 }
@@ -254,13 +318,14 @@ void ds4_model_free(ds4_model *m) {
     free(m->sorted);
     free(m->params);
     free(m->tid2eid_all);
-    free(m->layers);
-    free(m->ws);
+    ds4_model_release_backend(m);
+    free(m->w.layers);
+    free(m->dev_w.layers);
+    free(m->gw.layers);
     free(m->rope_cs[0]);
     free(m->rope_cs[1]);
     free(m->grads);
     free(m->router_loads);
-    ds4_tape_free(m->tape);
     free(m);
 }
 
@@ -281,6 +346,7 @@ ds4_status ds4_model_enable_grad(ds4_model *m, ds4_error *err) {
     if (m->grads) return DS4_OK;
     m->grads = calloc((size_t)(m->n_params ? m->n_params : 1), sizeof(float));
     if (!m->grads) return ds4_fail(err, DS4_ERR_OOM, "enable_grad: %lld fp32 gradients", (long long)m->n_params);
+    ds4_weights_bind(m, &m->gw, DS4_F32, (char *)m->grads, f32_byte_offset, NULL, NULL);
     return DS4_OK;
 }
 
@@ -319,7 +385,7 @@ ds4_status ds4_model_update_router_bias(ds4_model *m, double gamma, ds4_error *e
     if (!m->router_loads) return DS4_OK; /* no training forward yet: nothing counted */
     const int64_t L = m->cfg.num_hidden_layers, E = m->cfg.n_routed_experts;
     for (int64_t l = 0; l <= L; l++) {
-        const ds4_layer_w *lw = l < L ? &m->layers[l] : (m->has_mtp ? &m->mtp.block : NULL);
+        const ds4_layer_w *lw = l < L ? &m->w.layers[l] : (m->has_mtp ? &m->w.mtp.block : NULL);
         int64_t *load = m->router_loads + l * E, total = 0;
         for (int64_t e = 0; e < E; e++) total += load[e];
         if (lw && !lw->is_hash && lw->gate_bias && total > 0) {
@@ -637,7 +703,7 @@ ds4_status ds4_model_create_random(ds4_engine *e, const ds4_config *cfg, uint64_
              * expert 0 K times): a partial Fisher-Yates shuffle per row. */
             int32_t *t = m->tid2eid_all + p->offset;
             const int64_t E = cfg->n_routed_experts, K = cfg->num_experts_per_tok;
-            int32_t perm[4096]; /* E <= 4096, checked above */
+            int32_t perm[DS4_MAX_EXPERTS]; /* E <= DS4_MAX_EXPERTS, checked in ds4_model_alloc */
             for (int64_t r = 0; r < p->shape[0]; r++) {
                 const int64_t En = E;
                 for (int64_t x = 0; x < En; x++) perm[x] = (int32_t)x;

@@ -1,10 +1,13 @@
 /* model.h — the model's internal layout.
  *
- * All trainable parameters live in ONE flat fp32 buffer (`params`); a table of named views (canonical
- * official names, shape, offset) describes it, and the per-layer structs below hold pointers into it.
- * Checkpoint I/O, and later gradients, optimizer state and all-reduce, work on the flat buffer; the names
- * exist for I/O. The hash-routing tables (tid2eid) are integer buffers outside it: they are data, not
- * parameters. Routed experts of a layer are contiguous: w1 [E, I, D], w2 [E, D, I], w3 [E, I, D]. */
+ * All trainable parameters live in ONE flat fp32 buffer (`params`, host memory: the master copy); a table of named
+ * views (canonical official names, shape, offset) describes it. A view set (ds4_weights) holds one pointer per
+ * tensor: `w` points into `params` and is what the CPU backend computes with; a model moved to another backend
+ * (ds4_model_to) also has `dw`, the same views bound to that backend's copy of the weights, where the matrices a
+ * matmul reads may be held in a lower precision (`mdt`, see ds4_param_lowp). Checkpoint I/O, gradients and the
+ * optimizer work on the flat buffers; the names exist for I/O. The hash-routing tables (tid2eid) are integer
+ * buffers outside it: they are data, not parameters. Routed experts of a layer are contiguous:
+ * w1 [E, I, D], w2 [E, D, I], w3 [E, I, D]. */
 #ifndef DS4_MODEL_H
 #define DS4_MODEL_H
 
@@ -13,6 +16,7 @@
 #include "ds4.h"
 #include "engine.h"
 
+/* In a view set whose mdt is BF16 the pointers marked "M" point at bf16 data; every other pointer is fp32. */
 typedef struct ds4_hc_w {
     float *fn;     /* [(2+n)·n, n·D] */
     float *base;   /* [(2+n)·n] */
@@ -23,8 +27,8 @@ typedef struct ds4_compressor_w {
     int64_t width; /* c·dd: 2·dd with overlapping windows (CSA), dd otherwise */
     int64_t dd;    /* entry width: head_dim, or index_head_dim for the indexer's compressor */
     int64_t rate;  /* m */
-    float *wkv;    /* [width, D] */
-    float *wgate;  /* [width, D] */
+    float *wkv;    /* M [width, D] */
+    float *wgate;  /* M [width, D] */
     float *ape;    /* [m, width] position bias added to the gate */
     float *norm;   /* [dd] */
 } ds4_compressor_w;
@@ -35,32 +39,43 @@ typedef struct ds4_layer_w {
     float *attn_norm, *ffn_norm;         /* [D] */
     ds4_hc_w hc_attn, hc_ffn;
     /* attention */
-    float *wq_a;                         /* [q_lora, D] */
+    float *wq_a;                         /* M [q_lora, D] */
     float *q_norm;                       /* [q_lora] */
-    float *wq_b;                         /* [H·d, q_lora] */
-    float *wkv;                          /* [d, D] */
+    float *wq_b;                         /* M [H·d, q_lora] */
+    float *wkv;                          /* M [d, D] */
     float *kv_norm;                      /* [d] */
-    float *wo_a;                         /* [g·o_lora, H·d/g] */
-    float *wo_b;                         /* [D, g·o_lora] */
+    float *wo_a;                         /* M [g·o_lora, H·d/g] */
+    float *wo_b;                         /* M [D, g·o_lora] */
     float *sink;                         /* [H] */
     ds4_compressor_w comp;               /* CSA / HCA */
     ds4_compressor_w idx_comp;           /* CSA: the indexer's own compressor */
-    float *idx_wq_b;                     /* [n_I·c_I, q_lora] */
-    float *idx_weights;                  /* [n_I, D] */
+    float *idx_wq_b;                     /* M [n_I·c_I, q_lora] */
+    float *idx_weights;                  /* M [n_I, D] */
     /* MoE */
-    float *gate;                         /* [E, D] */
+    float *gate;                         /* [E, D] (fp32: the router's scores stay fp32) */
     float *gate_bias;                    /* [E] learned layers: selection-only correction bias */
     int32_t *tid2eid;                    /* [V, K] hash layers */
-    float *w1, *w2, *w3;                 /* experts, see above */
-    float *sw1, *sw2, *sw3;              /* shared expert: [I, D], [D, I], [I, D] */
+    float *w1, *w2, *w3;                 /* M experts, see above */
+    float *sw1, *sw2, *sw3;              /* M shared expert: [I, D], [D, I], [I, D] */
 } ds4_layer_w;
 
 typedef struct ds4_mtp_w {
     ds4_layer_w block;                   /* sliding attention, learned routing */
-    float *e_proj, *h_proj;              /* [D, D] */
+    float *e_proj, *h_proj;              /* M [D, D] */
     float *enorm, *hnorm, *norm;         /* [D] */
     float *hc_head_fn, *hc_head_base, *hc_head_scale; /* [n, n·D], [n], [1] */
 } ds4_mtp_w;
+
+/* One pointer per tensor of the model, in some backend's memory. */
+typedef struct ds4_weights {
+    ds4_dtype mdt;                       /* dtype of the "M" matrices (F32, or BF16 on CUDA) */
+    float *embed;                        /* M [V, D] */
+    float *head;                         /* M [V, D] (aliases embed when tied) */
+    float *norm;                         /* [D] */
+    float *hc_head_fn, *hc_head_base, *hc_head_scale;
+    ds4_layer_w *layers;                 /* [L] */
+    ds4_mtp_w mtp;
+} ds4_weights;
 
 /* One named view of the flat buffer (or of a layer's tid2eid table). */
 typedef struct ds4_param {
@@ -70,53 +85,67 @@ typedef struct ds4_param {
     int64_t numel;
     int64_t offset;                      /* into params (F32) or into the owning tid2eid table (I32) */
     ds4_dtype dtype;                     /* DS4_F32, or DS4_I32 for tid2eid */
-    void **slot;                         /* where the resolved pointer is stored */
+    int32_t lowp;                        /* an "M" matrix: held in the backend's mdt */
     char *src;                           /* its name in the checkpoint it was loaded from (NULL: not loaded) */
     int32_t src_part;                    /* 0 whole tensor; 1 / 3 the w1 / w3 rows of expert src_expert in a
                                             packed gate_up_proj [E, 2I, D]; 2 its slice of a packed down_proj */
     int64_t src_expert;
 } ds4_param;
 
+struct ds4_dev;
+struct ds4_tape;
+
 struct ds4_model {
     ds4_engine *engine;
     ds4_config cfg;
     int has_mtp;
-    float *params;                       /* the flat fp32 buffer */
+    float *params;                       /* the flat fp32 buffer (host, the master copy) */
     int64_t n_params;
     ds4_param *table;
     size_t n_table;
     size_t *sorted;                      /* table indices sorted by name, for lookup */
     int32_t *tid2eid_all;                /* all hash tables, contiguous */
     int64_t n_tid2eid;
-    /* views */
-    float *embed;                        /* [V, D] */
-    float *head;                         /* [V, D] (aliases embed when tied) */
-    float *norm;                         /* [D] */
-    float *hc_head_fn, *hc_head_base, *hc_head_scale;
-    ds4_layer_w *layers;                 /* [L] */
-    ds4_mtp_w mtp;
-    /* forward workspace, planned from (B, S) and reused while it is large enough */
+    ds4_weights w;                       /* views into params / tid2eid_all */
+    /* the backend the model computes on (docs/design.md): the CPU backend on the engine's pool, or CUDA */
+    struct ds4_dev *dev;
+    struct ds4_dev *cpu;                 /* the CPU backend, kept while the model lives on another one */
+    const ds4_weights *dw;               /* the views the backend computes with (&w on the CPU) */
+    ds4_weights dev_w;                   /* another backend's views, bound to dev_mem */
+    void *dev_mem;                       /* another backend's copy of the weights (and tid2eid tables) */
+    int params_dirty;                    /* the host params changed since dev_mem was written */
+    /* forward workspace in backend memory, planned from (B, S) and reused while it is large enough */
     void *ws;
     size_t ws_bytes;
     /* RoPE tables [rope_n, r] of (cos, sin) pairs for positions 0 .. rope_n-1 (main, compress): a pure function of
-     * the config, grown on demand, so decode steps at long positions do not recompute them */
+     * the config, grown on demand, so decode steps at long positions do not recompute them; rope_dev: the
+     * backend's copies (== rope_cs on the CPU) */
     float *rope_cs[2];
+    float *rope_dev[2];
     int64_t rope_n;
     uint64_t step_serial;                /* ds4_model_step calls, to detect a cache passed twice in one step */
     /* training */
     float *grads;                        /* flat, parallel to params; NULL until enable_grad */
+    ds4_weights gw;                      /* views into grads (the backward's "gradient of each tensor") */
     ds4_train_options topt;
-    struct ds4_tape *tape;               /* activations of the last training forward (fwd.h) */
+    struct ds4_tape *tape;               /* activations of the last training forward (sched.h) */
     int64_t *router_loads;               /* [(L + 1), E] expert loads since the last bias update */
 };
 
-void ds4_tape_free(struct ds4_tape *t);
+void ds4_tape_free(struct ds4_model *m, struct ds4_tape *t);
 
 /* Build the parameter table for `cfg` (with MTP when `with_mtp`), allocate the flat buffer (zeroed) and
- * resolve every view. */
+ * resolve every view. The model computes on the CPU backend of engine e. */
 ds4_status ds4_model_alloc(ds4_engine *e, const ds4_config *cfg, int with_mtp, ds4_model **out, ds4_error *err);
 /* Index of the table entry with this canonical name, or -1. */
 int64_t ds4_model_find(const ds4_model *m, const char *name);
+/* Bind a view set to memory laid out by `byte_offset(i)` for table entry i (the view of entry i points at
+ * base + byte_offset(i) for F32 entries, i32_base + 4·offset for tid2eid). */
+void ds4_weights_bind(const ds4_model *m, ds4_weights *w, ds4_dtype mdt, char *base,
+                      int64_t (*byte_offset)(const ds4_model *m, size_t i, void *ctx), void *ctx, int32_t *i32_base);
+/* Whether a tensor is an "M" matrix (read by a matmul or the embedding; held in the backend's mdt). The router's
+ * gate, the mHC mixing matrices, the compressors' position biases and every vector stay fp32. */
+int ds4_param_lowp(const char *name, int32_t ndim);
 
 /* Canonical official name for a checkpoint tensor name in any accepted spelling. Returns 1 and writes `out`
  * when the name is recognised, 0 otherwise. Packed HF experts map to "<prefix>.ffn.experts.gate_up_proj" /

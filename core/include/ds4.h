@@ -298,6 +298,12 @@ typedef struct ds4_forward_result {
  * Results do not depend on the number of threads (bit-identical). */
 ds4_status ds4_model_forward(ds4_model *m, const ds4_forward_args *args, ds4_forward_result *res, ds4_error *err);
 
+/* Plan the memory of passes of up to `tokens` rows at positions < `max_pos` (a forward of [B, S] is B·S rows at
+ * positions < S; a step of N new tokens whose longest sequence reaches P is N rows at positions < P) now, on the
+ * model's backend, so that such passes allocate nothing (the workspace only grows). With `training`, also the
+ * backward's scratch. Optional: a pass plans what it needs itself. */
+ds4_status ds4_model_reserve(ds4_model *m, int64_t tokens, int64_t max_pos, int training, ds4_error *err);
+
 #ifdef __cplusplus
 }
 #endif

@@ -1,23 +1,19 @@
-/* fwd.h — the forward pass's internal state, shared by forward.c and backward.c (not installed).
+/* sched.h — the model schedule's internal state, shared by forward.c, step.c, backward.c and plan.c (not
+ * installed). docs/design.md describes the schedule, the op table and memory planning.
  *
- * A training forward fills a tape: per block, the activations the backward pass needs (copies taken at the
- * points noted below, because the forward's scratch is reused by the next layer). Everything is planned
- * from (B, S) once per call; nothing is allocated per token or per layer. */
-#ifndef DS4_FWD_H
-#define DS4_FWD_H
+ * A pass runs T rows through the model on the model's backend. Every buffer it uses is planned from its shape
+ * (B, S) or (T, Smax) before it starts, in one workspace of backend memory kept in the model and reused while it
+ * is large enough; nothing is allocated per token or per layer. A training forward also fills a tape: per block,
+ * the activations the backward pass needs (copies taken at the points noted below, because the pass's buffers
+ * are reused by the next layer). */
+#ifndef DS4_SCHED_H
+#define DS4_SCHED_H
 
-#include <math.h>
 #include <stdint.h>
 
-#include "kernels_cpu.h"
+#include "cache.h"
 #include "model.h"
-
-enum { MAX_TASKS = 64 };
-
-typedef struct rope_tab {
-    int64_t half;     /* r/2 rotated pairs */
-    float *cs;        /* [S, r] interleaved (cos, sin) per pair, already scaled by attention_factor */
-} rope_tab;
+#include "ops.h"
 
 /* Activations of one block saved by a training forward (T = B·S rows). */
 typedef struct ds4_layer_tape {
@@ -54,11 +50,14 @@ typedef struct ds4_tape {
     int64_t B, S, T;              /* of the main forward; the MTP block runs over S-1 positions */
     int valid;                    /* a training forward filled it and no backward consumed it */
     int with_mtp;
-    ds4_layer_tape *layers;       /* [L] main blocks, then [1] the MTP block */
+    ds4_layer_tape *layers;       /* [L] main blocks, then [1] the MTP block (host structs, backend pointers) */
     float *X_L;                   /* [T, n, D] final streams */
     float *u_fin, *y_fin;         /* [T, D] HyperHead output / after the final norm */
     float *logits;                /* [T, V] */
-    int64_t *ids, *labels;        /* [T] */
+    int64_t *ids, *labels;        /* [T] backend copies */
+    int64_t *hids, *hlabels;      /* [T] host copies (the schedule derives targets and MTP rows from them) */
+    int64_t *tgt;                 /* [T] targets of the rows of logits (backend) */
+    float *lp;                    /* [2, T] log-probabilities and entropies (backend) */
     /* MTP (positions i < S-1): inputs and its head */
     float *mtp_e, *mtp_en;        /* [T1, D] embedding of token i+1 / after enorm */
     float *mtp_hn;                /* [T1, n, D] hnorm of X^L_i */
@@ -68,19 +67,22 @@ typedef struct ds4_tape {
     int64_t loss_tokens, mtp_tokens; /* scored tokens of the main and MTP losses */
     int with_ikl;                 /* indexer KL loss: the indexer activations are kept */
     int64_t sel_stride;
-    char *mem;
+    void *mem;                    /* backend memory */
     size_t bytes;
-    char *bmem;                   /* backward workspace, planned from (B, S) */
+    void *bmem;                   /* backward workspace, planned from (B, S) */
     size_t bbytes;
 } ds4_tape;
 
-typedef struct fwd {
+/* One pass (forward or step) over T rows. */
+typedef struct ds4_pass {
     ds4_model *m;
     const ds4_config *c;
-    ds4_pool *pool;
-    int64_t B, S, T, ntask;
-    rope_tab rmain, rcomp;
-    /* planned scratch */
+    ds4_dev *dev;
+    const ds4_weights *w;         /* the backend's views */
+    int64_t B, S, T;              /* a step has B = 0: no [B, S] buffers are planned */
+    ds4_rows rows;                /* how row t finds its position and cache */
+    ds4_rope_table rmain, rcomp;
+    /* planned activations */
     float *X, *Xt, *Xz;           /* [T, n, D] streams */
     float *pre, *post, *comb;     /* [T, n], [T, n], [T, n, n] */
     float *u, *h, *a;             /* [T, D] */
@@ -97,9 +99,6 @@ typedef struct fwd {
     int32_t *sel;                 /* [T, sel_stride] indexer picks */
     int32_t *nsel;                /* [T] number of picks */
     int64_t sel_stride;           /* max(1, min(index_topk, S)) */
-    float *scratch;               /* [ntask, scratch_stride] per-task scratch, see plan() */
-    int64_t scratch_stride;
-    int64_t key_off;              /* attention scratch: logits first, then key pointers from here */
     float *rl;                    /* [T, E] router scores */
     int32_t *eidx;                /* [T, K] */
     float *ew;                    /* [T, K] */
@@ -108,34 +107,35 @@ typedef struct fwd {
     float *ye;                    /* [T·K, D] expert outputs before weighting */
     float *g1, *g3;               /* [T·K, I] */
     int32_t *perm;                /* [T·K] (token·K + slot) grouped by expert */
-    int64_t *ecount;              /* [E + 1] */
-    float *logits_ws;             /* [T, V] when the caller wants a loss but no logits */
+    int64_t *ecount;              /* [E + 1] group boundaries */
+    float *logits_ws;             /* [T, V] when the caller wants a loss but no logits (or cannot be written to) */
+    int64_t *ids;                 /* [T] the tokens (backend) */
+    int64_t *tgt;                 /* [T] the target of each row of logits (-100: none) */
+    double *nll;                  /* [T] per-row losses */
     int64_t *mtp_ids;             /* [T] next-token ids for the MTP block */
-    ds4_tape *tape;               /* training forward: where to save activations (NULL: inference) */
-    ds4_layer_tape *lt;           /* the current block's slot in the tape (NULL: inference) */
-    /* ds4_model_step: the T rows are the new tokens of nseq sequences, each appended to its cache (S is then the
-     * largest position + 1, B is 0: no [B, S] buffers are planned) */
-    const int64_t *pos;           /* [T] absolute position of each row; NULL in a full forward (row t at t % S) */
-    const int32_t *rowseq;        /* [T] the sequence of each row */
-    struct ds4_step_seq *seqs;    /* [nseq] */
-    int64_t nseq;
-    int64_t li, csa_i;            /* the main layer being run, and its rank among the CSA layers */
-    const int32_t *replay_experts; /* [T, L, K] routing replay (ds4_forward_args), or NULL */
+    int32_t *rowmap;              /* [T] rows gathered for the MTP block / the last row of each step sequence */
+    /* step: row tables (backend copies of the host tables) */
+    int64_t *pos;
+    int32_t *rowseq;
+    ds4_seq_desc *seqs;
+    /* routing replay and records (backend; the caller's arrays on a host-visible backend) */
+    const int32_t *replay_experts; /* [T, L, K], or NULL */
     const int32_t *replay_index;  /* [T, n_csa, index_topk], or NULL */
-    int replay_on;                /* the block being run is a main layer (replay applies) */
     int32_t *rec_experts;         /* [T, L, K] routed experts to record, or NULL */
     int32_t *rec_index;           /* [T, n_csa, index_topk] indexer picks to record, or NULL */
-} fwd;
+    int replay_on;                /* the block being run is a main layer (replay applies) */
+    int64_t njobs[2];             /* step: compressor jobs of the step per rate class ([0] CSA, [1] HCA) */
+    ds4_tape *tape;               /* training forward: where to save activations (NULL: inference) */
+    ds4_layer_tape *lt;           /* the current block's slot in the tape (NULL: inference) */
+    int64_t li, csa_i;            /* the main layer being run, and its rank among the CSA layers */
+} ds4_pass;
 
-/* One sequence of a step: tokens [p0, p0 + n) at rows [r0, r0 + n). */
-typedef struct ds4_step_seq {
-    struct ds4_cache *cache;
-    int64_t p0, n, r0;
-    int64_t w0[2];                /* first compressor-job index of its new windows (main, indexer) */
-} ds4_step_seq;
-
-static inline int64_t ds4_row_pos(const fwd *f, int64_t t) { return f->pos ? f->pos[t] : t % f->S; }
-
+/* What a pass needs planned beyond its activations. */
+typedef struct ds4_pass_opts {
+    int logits_ws;                /* plan logits_ws */
+    int replay_experts, replay_index, rec_experts, rec_index;
+    int64_t nseq;                 /* step: sequences (for the row tables) */
+} ds4_pass_opts;
 
 /* A bump allocator for planned workspaces: planning runs it once with base NULL to size the block, then
  * again over the allocated block to hand out 64-byte-aligned slices. */
@@ -151,37 +151,35 @@ static inline void *ds4_arena_take(ds4_arena *a, size_t n, size_t elem) {
     return p;
 }
 
-/* The mHC residual mix of one token (§2.2): from the comb logits (mix logits 2n.., scaled by sc2, plus base),
- * row softmax, +eps, column-normalise, then (iters-1) × (row, column), in fp64 → M [n, n]. With `tape` (room
- * for (2·iters + 1)·n·n doubles) the states before each normalisation step are kept for the backward: state 0
- * is softmax + eps, state k (k = 1 .. 2·iters-1) the result of step k (odd k: column, even k: row), and the
- * plain softmax at offset 2·iters·n·n. */
-void ds4_hc_sinkhorn(const ds4_config *c, const float *comb_logits, float sc2, const float *comb_base, double *M,
-                     double *tape);
+/* plan.c: set up a pass of T rows at positions < S (B sequences of S in a full forward, B = 0 in a step) on the
+ * model's backend: plan its buffers in the model's workspace (grown when needed), reserve the backend's scratch
+ * and make the RoPE tables cover positions < S. */
+ds4_status ds4_pass_setup(ds4_model *m, ds4_pass *p, int64_t B, int64_t S, int64_t T, const ds4_pass_opts *o,
+                          int training, ds4_error *err);
+/* Size (and grow) a tape for (B, S) in backend memory. */
+ds4_status ds4_tape_reserve(ds4_model *m, ds4_tape *tp, int64_t B, int64_t S, int with_mtp, ds4_error *err);
 
-static inline const float *rope_at(const rope_tab *t, int64_t pos) { return t->cs + pos * 2 * t->half; }
-static inline float sigmoidf(float x) { return 1.0f / (1.0f + expf(-x)); }
+/* A host input of a pass: used in place on a host-visible backend, else uploaded into its planned buffer. */
+static inline const void *ds4_pass_input(ds4_pass *p, void *planned, const void *host, size_t bytes) {
+    return ds4_dev_input(p->dev, planned, host, bytes);
+}
 
-typedef void (*range_fn)(fwd *f, void *ctx, int64_t begin, int64_t end, int64_t task);
-/* Split [0, n) into f->ntask contiguous ranges; task i may use scratch slot i. */
-void ds4_fwd_parallel_range(fwd *f, int64_t n, range_fn fn, void *ctx);
-void ds4_fwd_norm_rows(fwd *f, float *x, const float *w, int64_t rows, int64_t width);
-void ds4_fwd_rope_rows(fwd *f, float *x, int64_t heads, int64_t width, const rope_tab *rt, int sign);
+/* forward.c: one decoder block over streams X (result back in X; Xt is scratch), with token ids `ids` for hash
+ * routing; the head of a pass (logits = head(norm(HyperHead(X))) for p->T rows). */
+void ds4_block(ds4_pass *p, const ds4_layer_w *l, float *X, const int64_t *ids);
+void ds4_lm_head(ds4_pass *p, const float *X, const float *fn, const float *base, const float *scale, const float *norm,
+                 float *logits, float *u_keep, float *y_keep);
+/* The forward of ds4_model_forward / _train; with a tape it also saves what the backward needs. */
+ds4_status ds4_forward_run(ds4_model *m, const ds4_forward_args *args, ds4_forward_result *res, ds4_tape *tape,
+                           ds4_error *err);
 
-/* Per-call setup shared by forward and backward: the fwd state for (B, S) with its scratch planned in the
- * model's workspace and the RoPE tables filled. */
-ds4_status ds4_fwd_setup(ds4_model *m, fwd *f, int64_t B, int64_t S, int need_logits_ws, ds4_error *err);
+/* step.c: ds4_model_step, with each sequence's last logits left in backend memory at last_dev ([nseq, V]) when
+ * it is non-NULL (generation samples there). */
+ds4_status ds4_step_run(ds4_model *m, const ds4_step_args *a, float *last_dev, ds4_error *err);
 
-/* The forward of ds4_model_forward; with a tape it also saves what the backward needs. */
-ds4_status ds4_fwd_run(ds4_model *m, const ds4_forward_args *args, ds4_forward_result *res, ds4_tape *tape,
-                       ds4_error *err);
-/* The indexer KL loss of one CSA layer from its tape (T = B·S queries): returns Σ_t KL_t over the queries with
- * picks and attention mass on them, their count in *nq. With dI (T × sel_stride, may be NULL) it also writes
- * d(weight · mean_t KL_t)/d(score) = weight/nq · (q − p) for every pick (0 elsewhere). */
-double ds4_ikl_eval(const ds4_config *c, const ds4_layer_tape *lt, int64_t T, int64_t S, int64_t sel_stride,
-                    float *dI, double weight, int64_t *nq);
-
-/* Router score s(x) for one logit and its derivative ds/dx (sqrt-softplus, sigmoid; softmax is per row). */
-float ds4_fwd_score(ds4_score_func sf, float x);
+/* backend.c: make the backend's weights current (after the host params changed) before a pass. */
+ds4_status ds4_model_sync_weights(ds4_model *m, ds4_error *err);
+/* Free every backend resource of the model (workspace, tape, weights copy, RoPE copies, backends). */
+void ds4_model_release_backend(ds4_model *m);
 
 #endif

@@ -1,0 +1,119 @@
+/* cpu.h — the CPU backend's internals, shared by its operation files (cpu_*.c).
+ *
+ * The CPU backend is the fp32 reference. Its operations split their rows (or entries, or columns) into contiguous
+ * ranges run on the engine's thread pool; every output element is computed by the same scalar code whatever the
+ * split, so results never depend on the thread count. Reductions that feed normalisations accumulate in double
+ * (kernels_cpu.h). */
+#ifndef DS4_CPU_H
+#define DS4_CPU_H
+
+#include <math.h>
+#include <stdint.h>
+
+#include "kernels_cpu.h"
+#include "ops.h"
+#include "sched.h"
+
+enum { DS4_CPU_MAX_TASKS = 64 };
+
+typedef struct ds4_cpu {
+    ds4_dev dev;                  /* first: a ds4_dev * of this backend is a ds4_cpu * */
+    ds4_pool *pool;
+    int64_t ntask;                /* ranges per parallel operation: 4 per thread, at most DS4_CPU_MAX_TASKS */
+    /* private scratch, sized by reserve() */
+    float *scratch;               /* [ntask, scratch_stride] per-range scratch, see cpu_dev.c */
+    int64_t scratch_stride;
+    int64_t key_off;              /* attention scratch: logits first, then key pointers from here */
+    double *sk;                   /* [ntask, sk_stride] Sinkhorn states of the mHC backward */
+    int64_t sk_stride;
+    float *rinv;                  /* RMS factors of the norm backward */
+    float *lin_wt, *lin_dw;       /* linear backward: Wᵀ, the dW product */
+    float *lin_a, *lin_b, *lin_c; /* linear backward: dx product, dyᵀ, xᵀ */
+    void *sample_ws;              /* ds4_sample's scratch, grown to the vocabulary at the first draw */
+    size_t sample_bytes;
+    void *mem;
+    size_t bytes;
+} ds4_cpu;
+
+static inline ds4_cpu *ds4_cpu_of(ds4_dev *d) { return (ds4_cpu *)d; }
+
+typedef void (*ds4_cpu_range_fn)(const ds4_cpu *cpu, const void *args, int64_t begin, int64_t end, int64_t task);
+/* Split [0, n) into min(ntask, n) contiguous ranges on the pool; range i may use scratch slot i. */
+void ds4_cpu_parallel(const ds4_cpu *cpu, int64_t n, ds4_cpu_range_fn fn, const void *args);
+static inline float *ds4_cpu_scratch(const ds4_cpu *cpu, int64_t task) { return cpu->scratch + task * cpu->scratch_stride; }
+
+static inline const float *ds4_rope_at(const ds4_rope_table *t, int64_t pos) { return t->cs + pos * 2 * t->half; }
+static inline float ds4_sigmoidf(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+/* The mHC residual mix of one token: from the comb logits (mix logits 2n.., scaled by sc2, plus base), row softmax,
+ * +eps, column-normalise, then (iters-1) × (row, column), in fp64 → M [n, n]. With `tape` (room for
+ * (2·iters + 1)·n·n doubles) the states before each normalisation step are kept for the backward: state 0 is
+ * softmax + eps, state k (k = 1 .. 2·iters-1) the result of step k (odd k: column, even k: row), and the plain
+ * softmax at offset 2·iters·n·n. */
+void ds4_hc_sinkhorn(const ds4_config *c, const float *comb_logits, float sc2, const float *comb_base, double *M,
+                     double *tape);
+/* Router score s(x) for one logit (sqrt-softplus, sigmoid; softmax is per row). */
+float ds4_score(ds4_score_func sf, float x);
+
+/* The operations, by file. */
+void ds4_cpu_embed(ds4_dev *d, const ds4_a_embed *a);
+void ds4_cpu_hc_pre(ds4_dev *d, const ds4_a_hc_pre *a);
+void ds4_cpu_hc_post(ds4_dev *d, const ds4_a_hc_post *a);
+void ds4_cpu_hyperhead(ds4_dev *d, const ds4_a_hyperhead *a);
+void ds4_cpu_hc_pre_bwd(ds4_dev *d, const ds4_a_hc_pre_bwd *a);
+void ds4_cpu_hc_post_bwd(ds4_dev *d, const ds4_a_hc_post_bwd *a);
+void ds4_cpu_hyperhead_bwd(ds4_dev *d, const ds4_a_hyperhead_bwd *a);
+
+void ds4_cpu_rmsnorm(ds4_dev *d, const ds4_a_rmsnorm *a);
+void ds4_cpu_rope(ds4_dev *d, const ds4_a_rope *a);
+void ds4_cpu_scale(ds4_dev *d, const ds4_a_scale *a);
+void ds4_cpu_copy_rows(ds4_dev *d, const ds4_a_copy_rows *a);
+void ds4_cpu_gather_rows(ds4_dev *d, const ds4_a_gather_rows *a);
+void ds4_cpu_scatter_rows(ds4_dev *d, const ds4_a_scatter_rows *a);
+void ds4_cpu_add_rows(ds4_dev *d, const ds4_a_add_rows *a);
+void ds4_cpu_add_bcast(ds4_dev *d, const ds4_a_add_bcast *a);
+void ds4_cpu_norm_bwd(ds4_dev *d, const ds4_a_norm_bwd *a);
+void ds4_cpu_colsum_add(ds4_dev *d, const ds4_a_colsum_add *a);
+void ds4_cpu_sum_streams(ds4_dev *d, const ds4_a_sum_streams *a);
+
+void ds4_cpu_matmul(ds4_dev *d, const ds4_a_matmul *a);
+void ds4_cpu_matmul_grouped(ds4_dev *d, const ds4_a_matmul_grouped *a);
+void ds4_cpu_linear_bwd_x(ds4_dev *d, const ds4_a_linear_bwd_x *a);
+void ds4_cpu_linear_bwd_w(ds4_dev *d, const ds4_a_linear_bwd_w *a);
+void ds4_cpu_linear_bwd_x_grouped(ds4_dev *d, const ds4_a_linear_bwd_x_grouped *a);
+void ds4_cpu_linear_bwd_w_grouped(ds4_dev *d, const ds4_a_linear_bwd_w_grouped *a);
+
+void ds4_cpu_compress(ds4_dev *d, const ds4_a_compress *a);
+void ds4_cpu_indexer(ds4_dev *d, const ds4_a_indexer *a);
+void ds4_cpu_attention(ds4_dev *d, const ds4_a_attention *a);
+void ds4_cpu_cache_commit(ds4_dev *d, const ds4_a_cache_commit *a);
+void ds4_cpu_record_picks(ds4_dev *d, const ds4_a_record_picks *a);
+void ds4_cpu_ikl(ds4_dev *d, const ds4_a_ikl *a);
+void ds4_cpu_attn_bwd_q(ds4_dev *d, const ds4_a_attn_bwd *a);
+void ds4_cpu_attn_bwd_kv(ds4_dev *d, const ds4_a_attn_bwd *a);
+void ds4_cpu_attn_bwd_entry(ds4_dev *d, const ds4_a_attn_bwd *a);
+void ds4_cpu_pick_inverse(ds4_dev *d, const ds4_a_pick_inverse *a);
+void ds4_cpu_entry_rope(ds4_dev *d, const ds4_a_entry_rope *a);
+void ds4_cpu_comp_bwd(ds4_dev *d, const ds4_a_comp_bwd *a);
+void ds4_cpu_ikl_bwd_q(ds4_dev *d, const ds4_a_ikl_bwd *a);
+void ds4_cpu_ikl_bwd_k(ds4_dev *d, const ds4_a_ikl_bwd *a);
+
+void ds4_cpu_route(ds4_dev *d, const ds4_a_route *a);
+void ds4_cpu_count_loads(ds4_dev *d, const ds4_a_count_loads *a);
+void ds4_cpu_moe_sort(ds4_dev *d, const ds4_a_moe_sort *a);
+void ds4_cpu_moe_weigh(ds4_dev *d, const ds4_a_moe_weigh *a);
+void ds4_cpu_swiglu(ds4_dev *d, const ds4_a_swiglu *a);
+void ds4_cpu_moe_combine(ds4_dev *d, const ds4_a_moe_combine *a);
+void ds4_cpu_swiglu_bwd(ds4_dev *d, const ds4_a_swiglu_bwd *a);
+void ds4_cpu_moe_dws(ds4_dev *d, const ds4_a_moe_dws *a);
+void ds4_cpu_moe_dy(ds4_dev *d, const ds4_a_moe_dy *a);
+void ds4_cpu_moe_sum_slots(ds4_dev *d, const ds4_a_moe_sum_slots *a);
+void ds4_cpu_router_bwd(ds4_dev *d, const ds4_a_router_bwd *a);
+
+void ds4_cpu_ce_rows(ds4_dev *d, const ds4_a_ce_rows *a);
+void ds4_cpu_logprobs(ds4_dev *d, const ds4_a_logprobs *a);
+void ds4_cpu_sample(ds4_dev *d, const ds4_a_sample *a);
+void ds4_cpu_logp_bwd(ds4_dev *d, const ds4_a_logp_bwd *a);
+void ds4_cpu_embed_bwd(ds4_dev *d, const ds4_a_embed_bwd *a);
+
+#endif

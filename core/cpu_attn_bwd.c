@@ -1,0 +1,246 @@
+/* cpu_attn_bwd.c — CPU backward of the attention sub-layer (full forward tapes only): attention with sink in three
+ * phases (per query, per window key, per compressed entry, so that no two ranges write the same gradient), the
+ * inverse of the CSA picks, the compressor's pooling, and the indexer-KL loss. */
+#include <string.h>
+
+#include "cpu.h"
+#include "shape_limits.h"
+
+/* The key list of query t, in the forward's order: window keys, then compressed entries. */
+static int64_t key_list(const ds4_a_attn_bwd *a, int64_t t, const float **keys) {
+    const ds4_config *c = a->c;
+    const ds4_layer_tape *lt = a->lt;
+    const int64_t S = a->S, d = c->head_dim, row = t / S, s = t % S, win = c->sliding_window;
+    const int64_t j0 = s - win + 1 > 0 ? s - win + 1 : 0;
+    int64_t nk = 0;
+    for (int64_t j = j0; j <= s; j++) keys[nk++] = lt->kv + (row * S + j) * d;
+    if (a->l->type == DS4_ATTN_HCA) {
+        int64_t valid = (s + 1) / c->compress_rate_hca;
+        if (valid > lt->nwin) valid = lt->nwin;
+        for (int64_t w = 0; w < valid; w++) keys[nk++] = lt->cK + (row * S + w) * d;
+    } else if (a->l->type == DS4_ATTN_CSA) {
+        for (int64_t i = 0; i < lt->nsel[t]; i++) keys[nk++] = lt->cK + (row * S + lt->sel[t * a->sel_stride + i]) * d;
+    }
+    return nk;
+}
+
+/* Phase A, per query: probabilities P, logit gradients DS (scale folded in), dq and the sink gradient. */
+static void attn_q_range(const ds4_cpu *cpu, const void *p, int64_t b, int64_t e, int64_t task) {
+    const ds4_a_attn_bwd *a = p;
+    const ds4_config *c = a->c;
+    const int64_t H = c->num_attention_heads, d = c->head_dim;
+    const float scale = 1.0f / sqrtf((float)d);
+    const float **keys = (const float **)(void *)(ds4_cpu_scratch(cpu, task) + cpu->key_off);
+    for (int64_t t = b; t < e; t++) {
+        const int64_t nk = key_list(a, t, keys);
+        for (int64_t h = 0; h < H; h++) {
+            const float *q = a->lt->q + (t * H + h) * d, *dout = a->dout + (t * H + h) * d;
+            float *P = a->P + (t * H + h) * a->maxk, *DS = a->DS + (t * H + h) * a->maxk;
+            const float sink = a->l->sink[h];
+            float mx = sink;
+            for (int64_t k = 0; k < nk; k++) {
+                P[k] = ds4_dot(q, keys[k], d) * scale;
+                mx = P[k] > mx ? P[k] : mx;
+            }
+            double den = exp((double)(sink - mx));
+            const double psink_num = den;
+            for (int64_t k = 0; k < nk; k++) den += (P[k] = (float)exp((double)(P[k] - mx)));
+            double pdp = 0;
+            for (int64_t k = 0; k < nk; k++) {
+                P[k] = (float)(P[k] / den);
+                DS[k] = ds4_dot(dout, keys[k], d); /* dp_k: the value is the key */
+                pdp += (double)P[k] * DS[k];
+            }
+            a->dsink_t[t * H + h] = (float)(-(psink_num / den) * pdp);
+            float *dq = a->dq + (t * H + h) * d;
+            memset(dq, 0, (size_t)d * sizeof(float));
+            for (int64_t k = 0; k < nk; k++) {
+                DS[k] = (float)(P[k] * (DS[k] - pdp)) * scale;
+                ds4_axpy(dq, DS[k], keys[k], d);
+            }
+        }
+    }
+}
+
+void ds4_cpu_attn_bwd_q(ds4_dev *d, const ds4_a_attn_bwd *a) {
+    ds4_cpu_parallel(ds4_cpu_of(d), a->B * a->S, attn_q_range, a);
+}
+
+/* dkey += Σ_h (DS·q + P·dout) for the query t at key-list position kidx */
+static void key_grad_from(const ds4_a_attn_bwd *a, int64_t t, int64_t kidx, float *dk) {
+    const int64_t H = a->c->num_attention_heads, d = a->c->head_dim;
+    for (int64_t h = 0; h < H; h++) {
+        const int64_t o = (t * H + h) * a->maxk + kidx;
+        ds4_axpy(dk, a->DS[o], a->lt->q + (t * H + h) * d, d);
+        ds4_axpy(dk, a->P[o], a->dout + (t * H + h) * d, d);
+    }
+}
+
+/* Phase B1, per window key (token j): the queries j .. j+win-1 of its row. */
+static void attn_kv_range(const ds4_cpu *cpu, const void *p, int64_t b, int64_t e, int64_t task) {
+    const ds4_a_attn_bwd *a = p;
+    const int64_t S = a->S, win = a->c->sliding_window, d = a->c->head_dim;
+    for (int64_t tk = b; tk < e; tk++) {
+        const int64_t row = tk / S, j = tk % S;
+        float *dk = a->dkv + tk * d;
+        memset(dk, 0, (size_t)d * sizeof(float));
+        for (int64_t s = j; s < S && s < j + win; s++) {
+            const int64_t j0 = s - win + 1 > 0 ? s - win + 1 : 0;
+            key_grad_from(a, row * S + s, j - j0, dk);
+        }
+    }
+}
+
+void ds4_cpu_attn_bwd_kv(ds4_dev *d, const ds4_a_attn_bwd *a) {
+    ds4_cpu_parallel(ds4_cpu_of(d), a->B * a->S, attn_kv_range, a);
+}
+
+/* Phase B2, per compressed entry (row, w): HCA queries s with w < floor((s+1)/m); CSA the queries that picked it
+ * (inverse lists). */
+static void attn_entry_range(const ds4_cpu *cpu, const void *p, int64_t b, int64_t e, int64_t task) {
+    const ds4_a_attn_bwd *a = p;
+    const ds4_config *c = a->c;
+    const int64_t S = a->S, win = c->sliding_window, d = c->head_dim, nwin = a->lt->nwin;
+    for (int64_t i = b; i < e; i++) {
+        const int64_t row = i / nwin, w = i % nwin;
+        float *dk = a->dK + (row * S + w) * d;
+        memset(dk, 0, (size_t)d * sizeof(float));
+        if (a->l->type == DS4_ATTN_HCA) {
+            const int64_t m = c->compress_rate_hca;
+            for (int64_t s = (w + 1) * m - 1; s < S; s++) {
+                const int64_t j0 = s - win + 1 > 0 ? s - win + 1 : 0;
+                key_grad_from(a, row * S + s, (s - j0 + 1) + w, dk);
+            }
+        } else {
+            for (int64_t q = a->inv_off[row * S + w]; q < a->inv_off[row * S + w + 1]; q++) {
+                const int64_t t = a->inv_t[q], s = t % S;
+                const int64_t j0 = s - win + 1 > 0 ? s - win + 1 : 0;
+                key_grad_from(a, t, (s - j0 + 1) + a->inv_i[q], dk);
+            }
+        }
+    }
+}
+
+void ds4_cpu_attn_bwd_entry(ds4_dev *d, const ds4_a_attn_bwd *a) {
+    ds4_cpu_parallel(ds4_cpu_of(d), a->B * a->lt->nwin, attn_entry_range, a);
+}
+
+void ds4_cpu_pick_inverse(ds4_dev *d, const ds4_a_pick_inverse *a) {
+    (void)d;
+    const int64_t S = a->S, n = a->B * S;
+    memset(a->inv_off, 0, (size_t)(n + 1) * sizeof(int64_t));
+    for (int64_t t = 0; t < a->T; t++)
+        for (int64_t i = 0; i < a->nsel[t]; i++) a->inv_off[(t / S) * S + a->sel[t * a->sel_stride + i] + 1]++;
+    for (int64_t x = 0; x < n; x++) a->inv_off[x + 1] += a->inv_off[x];
+    for (int64_t t = 0; t < a->T; t++) /* t ascending: each list is in query order */
+        for (int64_t i = 0; i < a->nsel[t]; i++) {
+            const int64_t slot = a->inv_off[(t / S) * S + a->sel[t * a->sel_stride + i]]++;
+            a->inv_t[slot] = (int32_t)t;
+            a->inv_i[slot] = (int32_t)i;
+        }
+    for (int64_t x = n; x > 0; x--) a->inv_off[x] = a->inv_off[x - 1];
+    a->inv_off[0] = 0;
+}
+
+void ds4_cpu_entry_rope(ds4_dev *d, const ds4_a_entry_rope *a) {
+    (void)d;
+    for (int64_t row = 0; row < a->B; row++)
+        for (int64_t win = 0; win < a->nwin; win++)
+            ds4_rope_apply(a->x + (row * a->S + win) * a->dd, a->dd, a->rt.half, ds4_rope_at(&a->rt, win * a->m), a->sign);
+}
+
+/* Pooling backward per channel ch < dd (a range owns channel ch of every entry, its two source channels of C/Z
+ * and its ape columns, so nothing races): α = softmax over the slots, pooled = Σ α·kv. */
+static void comp_bwd_range(const ds4_cpu *cpu, const void *p, int64_t b, int64_t e, int64_t task) {
+    const ds4_a_comp_bwd *a = p;
+    const ds4_compressor_w *w = a->w;
+    const int64_t m = w->rate, dd = w->dd, width = w->width, S = a->S;
+    for (int64_t ch = b; ch < e; ch++)
+        for (int64_t row = 0; row < a->B; row++)
+            for (int64_t win = 0; win < a->nwin; win++) {
+                float gl[2 * DS4_MAX_RATE], kv[2 * DS4_MAX_RATE];
+                int64_t tok[2 * DS4_MAX_RATE], colv[2 * DS4_MAX_RATE], jv[2 * DS4_MAX_RATE], ns = 0;
+                if (a->overlap && win > 0)
+                    for (int64_t j = 0; j < m; j++) {
+                        tok[ns] = row * S + (win - 1) * m + j, colv[ns] = ch, jv[ns] = j;
+                        gl[ns] = a->Z[tok[ns] * width + ch] + w->ape[j * width + ch];
+                        kv[ns] = a->C[tok[ns] * width + ch];
+                        ns++;
+                    }
+                const int64_t off = a->overlap ? dd : 0;
+                for (int64_t j = 0; j < m; j++) {
+                    tok[ns] = row * S + win * m + j, colv[ns] = off + ch, jv[ns] = j;
+                    gl[ns] = a->Z[tok[ns] * width + off + ch] + w->ape[j * width + off + ch];
+                    kv[ns] = a->C[tok[ns] * width + off + ch];
+                    ns++;
+                }
+                float mx = -INFINITY;
+                for (int64_t k = 0; k < ns; k++) mx = gl[k] > mx ? gl[k] : mx;
+                double den = 0;
+                for (int64_t k = 0; k < ns; k++) den += (gl[k] = (float)exp((double)(gl[k] - mx)));
+                const float dp = a->dpool[(row * S + win) * dd + ch];
+                double adot = 0;
+                for (int64_t k = 0; k < ns; k++) {
+                    gl[k] = (float)(gl[k] / den); /* α */
+                    adot += (double)gl[k] * dp * kv[k];
+                }
+                for (int64_t k = 0; k < ns; k++) {
+                    const float dg = (float)(gl[k] * ((double)dp * kv[k] - adot));
+                    a->dC[tok[k] * width + colv[k]] = gl[k] * dp;
+                    a->dZ[tok[k] * width + colv[k]] = dg;
+                    a->gape[jv[k] * width + colv[k]] += dg;
+                }
+            }
+}
+
+void ds4_cpu_comp_bwd(ds4_dev *d, const ds4_a_comp_bwd *a) {
+    ds4_cpu_parallel(ds4_cpu_of(d), a->w->dd, comp_bwd_range, a);
+}
+
+/* Indexer KL backward, per query: I_i = Σ_h ω_h·relu(q_h·K_i)·c^-1/2 over the picks i. dω and dq stay with the
+ * query; the per-pick dscore·ω·[q·K > 0]·c^-1/2 goes to dsi for the per-entry gather. */
+static void ikl_q_range(const ds4_cpu *cpu, const void *p, int64_t b, int64_t e, int64_t task) {
+    const ds4_a_ikl_bwd *a = p;
+    const ds4_layer_tape *lt = a->lt;
+    const int64_t nI = a->c->index_n_heads, cI = a->c->index_head_dim, S = a->S, sel = a->sel_stride;
+    const float qscale = 1.0f / sqrtf((float)cI);
+    for (int64_t t = b; t < e; t++) {
+        const int64_t row = t / S;
+        memset(a->diq + t * nI * cI, 0, (size_t)(nI * cI) * sizeof(float));
+        for (int64_t h = 0; h < nI; h++) {
+            const float *q = lt->iq + (t * nI + h) * cI;
+            float dw = 0;
+            for (int64_t i = 0; i < lt->nsel[t]; i++) {
+                const float *key = lt->iK + (row * S + lt->sel[t * sel + i]) * cI;
+                const float dot = ds4_dot(q, key, cI), g = a->dI[t * sel + i];
+                dw += g * (dot > 0 ? dot * qscale : 0.0f);
+                const float ds = dot > 0 ? g * lt->iw[t * nI + h] * qscale : 0.0f;
+                a->dsi[(t * nI + h) * sel + i] = ds;
+                if (ds != 0) ds4_axpy(a->diq + (t * nI + h) * cI, ds, key, cI);
+            }
+            a->diw[t * nI + h] = dw;
+        }
+    }
+}
+
+void ds4_cpu_ikl_bwd_q(ds4_dev *d, const ds4_a_ikl_bwd *a) { ds4_cpu_parallel(ds4_cpu_of(d), a->T, ikl_q_range, a); }
+
+/* Per indexer entry: dK_w = Σ over the queries that picked it (inverse lists) of Σ_h dsi · q_h. */
+static void ikl_k_range(const ds4_cpu *cpu, const void *p, int64_t b, int64_t e, int64_t task) {
+    const ds4_a_ikl_bwd *a = p;
+    const ds4_layer_tape *lt = a->lt;
+    const int64_t nI = a->c->index_n_heads, cI = a->c->index_head_dim, S = a->S, sel = a->sel_stride;
+    for (int64_t x = b; x < e; x++) {
+        const int64_t row = x / lt->nwin, w = x % lt->nwin;
+        float *dk = a->dK + (row * S + w) * cI;
+        memset(dk, 0, (size_t)cI * sizeof(float));
+        for (int64_t q = a->inv_off[row * S + w]; q < a->inv_off[row * S + w + 1]; q++) {
+            const int64_t t = a->inv_t[q], i = a->inv_i[q];
+            for (int64_t h = 0; h < nI; h++) ds4_axpy(dk, a->dsi[(t * nI + h) * sel + i], lt->iq + (t * nI + h) * cI, cI);
+        }
+    }
+}
+
+void ds4_cpu_ikl_bwd_k(ds4_dev *d, const ds4_a_ikl_bwd *a) {
+    ds4_cpu_parallel(ds4_cpu_of(d), a->B * a->lt->nwin, ikl_k_range, a);
+}

@@ -1,0 +1,261 @@
+/* cpu_hc.c — CPU operations of the residual streams: the embedding into n streams, the mHC sites (pre: mixing
+ * coefficients with Sinkhorn and the collapse; post: the expansion), the HyperHead, and their backward.
+ * docs/architecture.md, "Hyper-connections", gives the equations. */
+#include <string.h>
+
+#include "cpu.h"
+#include "shape_limits.h"
+
+void ds4_cpu_embed(ds4_dev *d, const ds4_a_embed *a) {
+    if (a->edt != DS4_F32) {
+        ds4_dev_fail(d, DS4_ERR_UNSUPPORTED, "embed: table dtype %s (the CPU backend holds fp32 weights)",
+                     ds4_dtype_name(a->edt));
+        return;
+    }
+    const float *E = a->E;
+    for (int64_t t = 0; t < a->T; t++)
+        for (int64_t i = 0; i < a->n; i++)
+            memcpy(a->X + (t * a->n + i) * a->D, E + a->ids[t] * a->D, (size_t)a->D * sizeof(float));
+}
+
+void ds4_hc_sinkhorn(const ds4_config *c, const float *comb_logits, float sc2, const float *comb_base, double *M,
+                     double *tape) {
+    const int64_t n = c->hc_mult, it = c->hc_sinkhorn_iters, nn = n * n;
+    const double hc_eps = c->hc_eps;
+    double *P = tape ? tape + 2 * it * nn : NULL;
+    for (int64_t j = 0; j < n; j++) {
+        double mx = -INFINITY, sum = 0;
+        for (int64_t k = 0; k < n; k++) {
+            const double r = (double)(comb_logits[j * n + k] * sc2 + comb_base[j * n + k]);
+            M[j * n + k] = r;
+            mx = r > mx ? r : mx;
+        }
+        for (int64_t k = 0; k < n; k++) sum += (M[j * n + k] = exp(M[j * n + k] - mx));
+        for (int64_t k = 0; k < n; k++) {
+            if (P) P[j * n + k] = M[j * n + k] / sum;
+            M[j * n + k] = M[j * n + k] / sum + hc_eps;
+        }
+    }
+    if (tape) memcpy(tape, M, (size_t)nn * sizeof(double));
+    for (int64_t step = 1; step < 2 * it; step++) {
+        const int col = step % 2 == 1; /* step 1 is a column normalisation; the last one is too */
+        for (int64_t a = 0; a < n; a++) {
+            double s = 0;
+            for (int64_t q = 0; q < n; q++) s += col ? M[q * n + a] : M[a * n + q];
+            for (int64_t q = 0; q < n; q++) {
+                if (col) M[q * n + a] /= s + hc_eps;
+                else M[a * n + q] /= s + hc_eps;
+            }
+        }
+        if (tape) memcpy(tape + step * nn, M, (size_t)nn * sizeof(double));
+    }
+}
+
+/* pre/post/comb and the collapsed input u for tokens [b, e). */
+static void hc_pre_range(const ds4_cpu *cpu, const void *p, int64_t b, int64_t e, int64_t task) {
+    const ds4_a_hc_pre *a = p;
+    const ds4_config *c = a->c;
+    const int64_t n = c->hc_mult, D = c->hidden_size, nD = n * D, mix = (2 + n) * n;
+    const double eps = c->rms_norm_eps, hc_eps = c->hc_eps;
+    float *xn = ds4_cpu_scratch(cpu, task); /* n·D floats */
+    float mixv[DS4_MAX_HC_MIX];
+    double M[DS4_MAX_HC_SQ];
+    for (int64_t t = b; t < e; t++) {
+        const float *x = a->X + t * nD;
+        ds4_rmsnorm_rows(xn, x, NULL, 1, nD, eps);
+        for (int64_t j = 0; j < mix; j++) mixv[j] = ds4_dot(a->w->fn + j * nD, xn, nD);
+        const float *base = a->w->base, *sc = a->w->scale;
+        float *pre = a->pre + t * n, *post = a->post + t * n, *comb = a->comb + t * n * n;
+        for (int64_t i = 0; i < n; i++) {
+            pre[i] = ds4_sigmoidf(mixv[i] * sc[0] + base[i]) + (float)hc_eps;
+            post[i] = 2.0f * ds4_sigmoidf(mixv[n + i] * sc[1] + base[n + i]);
+        }
+        ds4_hc_sinkhorn(c, mixv + 2 * n, sc[2], base + 2 * n, M, NULL);
+        for (int64_t i = 0; i < n * n; i++) comb[i] = (float)M[i];
+        float *u = a->u + t * D;
+        memset(u, 0, (size_t)D * sizeof(float));
+        for (int64_t i = 0; i < n; i++) ds4_axpy(u, pre[i], x + i * D, D);
+    }
+}
+
+void ds4_cpu_hc_pre(ds4_dev *d, const ds4_a_hc_pre *a) { ds4_cpu_parallel(ds4_cpu_of(d), a->T, hc_pre_range, a); }
+
+/* X'[k] = post_k · a + Σ_j comb[j][k] · X[j]  (the sum runs over the SOURCE stream j: Mᵀ X). */
+static void hc_post_range(const ds4_cpu *cpu, const void *p, int64_t b, int64_t e, int64_t task) {
+    const ds4_a_hc_post *a = p;
+    const int64_t n = a->c->hc_mult, D = a->c->hidden_size;
+    for (int64_t t = b; t < e; t++) {
+        const float *x = a->X + t * n * D, *at = a->a + t * D, *post = a->post + t * n, *comb = a->comb + t * n * n;
+        float *xo = a->Xo + t * n * D;
+        for (int64_t k = 0; k < n; k++) {
+            float *y = xo + k * D;
+            memset(y, 0, (size_t)D * sizeof(float));
+            for (int64_t j = 0; j < n; j++) ds4_axpy(y, comb[j * n + k], x + j * D, D);
+            ds4_axpy(y, post[k], at, D);
+        }
+    }
+}
+
+void ds4_cpu_hc_post(ds4_dev *d, const ds4_a_hc_post *a) { ds4_cpu_parallel(ds4_cpu_of(d), a->T, hc_post_range, a); }
+
+/* HyperHead: p_i = σ(s·(W_h RMS(vec X))_i + b_i) + eps; y = Σ p_i X_i. */
+static void hyperhead_range(const ds4_cpu *cpu, const void *p, int64_t b, int64_t e, int64_t task) {
+    const ds4_a_hyperhead *a = p;
+    const int64_t n = a->c->hc_mult, D = a->c->hidden_size;
+    float *xn = ds4_cpu_scratch(cpu, task);
+    for (int64_t t = b; t < e; t++) {
+        const float *x = a->X + t * n * D;
+        ds4_rmsnorm_rows(xn, x, NULL, 1, n * D, a->c->rms_norm_eps);
+        float pre[DS4_MAX_HC];
+        for (int64_t i = 0; i < n; i++)
+            pre[i] = ds4_sigmoidf(ds4_dot(a->fn + i * n * D, xn, n * D) * a->scale[0] + a->base[i]) + (float)a->c->hc_eps;
+        float *u = a->u + t * D;
+        memset(u, 0, (size_t)D * sizeof(float));
+        for (int64_t i = 0; i < n; i++) ds4_axpy(u, pre[i], x + i * D, D);
+    }
+}
+
+void ds4_cpu_hyperhead(ds4_dev *d, const ds4_a_hyperhead *a) {
+    ds4_cpu_parallel(ds4_cpu_of(d), a->T, hyperhead_range, a);
+}
+
+/* ------------------------------------------------------------------------------------------------ backward */
+
+/* Recompute one site's coefficients with a Sinkhorn tape and back-propagate dpre (from du), dpost, dcomb to the
+ * mix logits; also dX += pre_i · du (the collapse itself). Per token; weight-side sums come later. */
+static void hc_pre_bwd_range(const ds4_cpu *cpu, const void *p, int64_t b, int64_t e, int64_t task) {
+    const ds4_a_hc_pre_bwd *a = p;
+    const ds4_config *c = a->c;
+    const int64_t n = c->hc_mult, D = c->hidden_size, nD = n * D, mix = (2 + n) * n, it = c->hc_sinkhorn_iters;
+    const double hc_eps = c->hc_eps;
+    const float *base = a->w->base, *sc = a->w->scale;
+    double *tape = cpu->sk + task * cpu->sk_stride; /* (2·iters) states of n·n, then the softmax P */
+    for (int64_t t = b; t < e; t++) {
+        const float *x = a->X + t * nD, *du = a->du + t * D;
+        float *xn = a->xn + t * nD, *mixv = a->dmix + t * mix; /* dmix holds mix first, then its gradient */
+        ds4_rmsnorm_rows(xn, x, NULL, 1, nD, c->rms_norm_eps);
+        for (int64_t j = 0; j < mix; j++) mixv[j] = ds4_dot(a->w->fn + j * nD, xn, nD);
+        float *dzb = a->dzb + t * mix, *dzs = a->dzs + t * 3;
+        dzs[0] = dzs[1] = dzs[2] = 0;
+        /* pre = σ(z)+eps, z = mix·s0 + b: the collapse gradient dpre_i = <du, X_i> */
+        for (int64_t i = 0; i < n; i++) {
+            const float sg = ds4_sigmoidf(mixv[i] * sc[0] + base[i]);
+            ds4_axpy(a->dX + t * nD + i * D, sg + (float)hc_eps, du, D);
+            const float dz = ds4_dot(du, x + i * D, D) * sg * (1.0f - sg);
+            dzb[i] = dz;
+            dzs[0] += dz * mixv[i];
+        }
+        for (int64_t i = 0; i < n; i++) {
+            const float sg = ds4_sigmoidf(mixv[n + i] * sc[1] + base[n + i]);
+            const float dz = a->dpost[t * n + i] * 2.0f * sg * (1.0f - sg);
+            dzb[n + i] = dz;
+            dzs[1] += dz * mixv[n + i];
+        }
+        /* Sinkhorn forward again, keeping its states */
+        double M[DS4_MAX_HC_SQ];
+        ds4_hc_sinkhorn(c, mixv + 2 * n, sc[2], base + 2 * n, M, tape);
+        const double *P = tape + 2 * it * n * n;
+        const int64_t ns = 2 * it; /* states 0 .. 2·iters − 1 */
+        /* backward through the normalisations: y = x / (Σ x + eps) along an axis */
+        double g[DS4_MAX_HC_SQ], gx[DS4_MAX_HC_SQ];
+        for (int64_t i = 0; i < n * n; i++) g[i] = a->dcomb[t * n * n + i];
+        for (int64_t s = ns - 1; s >= 1; s--) {
+            const double *x0 = tape + (s - 1) * n * n;
+            const int col = s % 2 == 1;
+            for (int64_t q0 = 0; q0 < n; q0++) {
+                double sum = 0, gs = 0;
+                for (int64_t q = 0; q < n; q++) {
+                    const int64_t ix = col ? q * n + q0 : q0 * n + q;
+                    sum += x0[ix];
+                    gs += g[ix] * x0[ix];
+                }
+                const double cden = sum + hc_eps;
+                for (int64_t q = 0; q < n; q++) {
+                    const int64_t ix = col ? q * n + q0 : q0 * n + q;
+                    gx[ix] = g[ix] / cden - gs / (cden * cden);
+                }
+            }
+            memcpy(g, gx, (size_t)(n * n) * sizeof(double));
+        }
+        /* softmax rows (the +eps passes the gradient through) */
+        for (int64_t j = 0; j < n; j++) {
+            double dot = 0;
+            for (int64_t k = 0; k < n; k++) dot += P[j * n + k] * g[j * n + k];
+            for (int64_t k = 0; k < n; k++) {
+                const float dz = (float)(P[j * n + k] * (g[j * n + k] - dot));
+                dzb[2 * n + j * n + k] = dz;
+                dzs[2] += dz * mixv[2 * n + j * n + k];
+            }
+        }
+        for (int64_t i = 0; i < mix; i++) mixv[i] = dzb[i] * sc[i < n ? 0 : (i < 2 * n ? 1 : 2)];
+    }
+}
+
+void ds4_cpu_hc_pre_bwd(ds4_dev *d, const ds4_a_hc_pre_bwd *a) {
+    ds4_cpu_parallel(ds4_cpu_of(d), a->T, hc_pre_bwd_range, a);
+}
+
+/* X'[k] = post_k·a + Σ_j comb[j][k]·X[j]: da, dpost, dcomb and dX (per token). The coefficients are recomputed
+ * from X exactly as the forward did. */
+static void hc_post_bwd_range(const ds4_cpu *cpu, const void *p, int64_t b, int64_t e, int64_t task) {
+    const ds4_a_hc_post_bwd *a = p;
+    const ds4_config *c = a->c;
+    const int64_t n = c->hc_mult, D = c->hidden_size, nD = n * D, mix = (2 + n) * n;
+    float *xn = ds4_cpu_scratch(cpu, task);
+    const float *base = a->w->base, *sc = a->w->scale;
+    for (int64_t t = b; t < e; t++) {
+        const float *x = a->X + t * nD, *dxo = a->dXo + t * nD, *at = a->a + t * D;
+        float mixv[DS4_MAX_HC_MIX];
+        double M[DS4_MAX_HC_SQ];
+        ds4_rmsnorm_rows(xn, x, NULL, 1, nD, c->rms_norm_eps);
+        for (int64_t j = 2 * n; j < mix; j++) mixv[j] = ds4_dot(a->w->fn + j * nD, xn, nD);
+        for (int64_t i = 0; i < n; i++) mixv[n + i] = ds4_dot(a->w->fn + (n + i) * nD, xn, nD);
+        ds4_hc_sinkhorn(c, mixv + 2 * n, sc[2], base + 2 * n, M, NULL);
+        float *da = a->da + t * D, *dX = a->dX + t * nD;
+        memset(da, 0, (size_t)D * sizeof(float));
+        for (int64_t k = 0; k < n; k++) {
+            const float post = 2.0f * ds4_sigmoidf(mixv[n + k] * sc[1] + base[n + k]);
+            ds4_axpy(da, post, dxo + k * D, D);
+            a->dpost[t * n + k] = ds4_dot(dxo + k * D, at, D);
+        }
+        for (int64_t j = 0; j < n; j++) {
+            float *dxj = dX + j * D;
+            memset(dxj, 0, (size_t)D * sizeof(float));
+            for (int64_t k = 0; k < n; k++) {
+                a->dcomb[t * n * n + j * n + k] = ds4_dot(dxo + k * D, x + j * D, D);
+                ds4_axpy(dxj, (float)M[j * n + k], dxo + k * D, D);
+            }
+        }
+    }
+}
+
+void ds4_cpu_hc_post_bwd(ds4_dev *d, const ds4_a_hc_post_bwd *a) {
+    ds4_cpu_parallel(ds4_cpu_of(d), a->T, hc_post_bwd_range, a);
+}
+
+/* HyperHead backward per token: y = Σ p_i X_i, p = σ(s·(W x̂) + b) + eps. */
+static void hyperhead_bwd_range(const ds4_cpu *cpu, const void *p, int64_t b, int64_t e, int64_t task) {
+    const ds4_a_hyperhead_bwd *a = p;
+    const int64_t n = a->c->hc_mult, D = a->c->hidden_size, nD = n * D;
+    for (int64_t t = b; t < e; t++) {
+        const float *x = a->X + t * nD, *du = a->du + t * D;
+        float *xn = a->xn + t * nD, *dm = a->dmix + t * n, *dzb = a->dzb + t * n;
+        ds4_rmsnorm_rows(xn, x, NULL, 1, nD, a->c->rms_norm_eps);
+        a->dzs[t * 3] = 0;
+        for (int64_t i = 0; i < n; i++) {
+            const float mix = ds4_dot(a->fn + i * nD, xn, nD);
+            const float sg = ds4_sigmoidf(mix * a->scale[0] + a->base[i]);
+            float *dx = a->dX + t * nD + i * D;
+            memset(dx, 0, (size_t)D * sizeof(float));
+            ds4_axpy(dx, sg + (float)a->c->hc_eps, du, D);
+            const float dz = ds4_dot(du, x + i * D, D) * sg * (1.0f - sg);
+            dzb[i] = dz;
+            a->dzs[t * 3] += dz * mix;
+            dm[i] = dz * a->scale[0];
+        }
+    }
+}
+
+void ds4_cpu_hyperhead_bwd(ds4_dev *d, const ds4_a_hyperhead_bwd *a) {
+    ds4_cpu_parallel(ds4_cpu_of(d), a->T, hyperhead_bwd_range, a);
+}

@@ -1,0 +1,95 @@
+/* cpu_head.c — CPU operations at the ends of the model: per-row cross-entropy and log-probabilities over the
+ * vocabulary (sums in double, the max subtracted first), sampling, and the backward of the log-probabilities
+ * and of the embedding. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "cpu.h"
+
+void ds4_cpu_ce_rows(ds4_dev *d, const ds4_a_ce_rows *a) {
+    (void)d;
+    const int64_t V = a->V;
+    for (int64_t r = 0; r < a->rows; r++) {
+        const int64_t y = a->tgt[r];
+        if (y == -100) continue;
+        const float *z = a->logits + r * V;
+        float mx = -INFINITY;
+        for (int64_t v = 0; v < V; v++) mx = z[v] > mx ? z[v] : mx;
+        double se = 0;
+        for (int64_t v = 0; v < V; v++) se += exp((double)z[v] - mx);
+        a->nll[r] = log(se) + mx - z[y];
+    }
+}
+
+void ds4_cpu_logprobs(ds4_dev *d, const ds4_a_logprobs *a) {
+    (void)d;
+    const int64_t V = a->V;
+    for (int64_t t = 0; t < a->rows; t++) {
+        const float *z = a->logits + t * V;
+        float mx = -INFINITY;
+        for (int64_t v = 0; v < V; v++) mx = z[v] > mx ? z[v] : mx;
+        double se = 0, ez = 0;
+        for (int64_t v = 0; v < V; v++) {
+            const double e = exp((double)z[v] - mx);
+            se += e;
+            ez += e * ((double)z[v] - mx);
+        }
+        const double lse = log(se);
+        const int64_t y = a->tgt[t];
+        if (a->logp) a->logp[t] = y == -100 ? 0.0f : (float)((double)z[y] - mx - lse);
+        if (a->entropy) a->entropy[t] = (float)(lse - ez / se); /* H = log Σe − E[z − mx] */
+    }
+}
+
+void ds4_cpu_sample(ds4_dev *d, const ds4_a_sample *a) {
+    ds4_cpu *cpu = ds4_cpu_of(d);
+    const size_t need = ds4_sample_scratch_bytes(a->V);
+    if (need > cpu->sample_bytes) {
+        void *ws = realloc(cpu->sample_ws, need);
+        if (!ws) {
+            ds4_dev_fail(d, DS4_ERR_OOM, "sample: scratch of %zu bytes for a vocabulary of %lld", need, (long long)a->V);
+            return;
+        }
+        cpu->sample_ws = ws;
+        cpu->sample_bytes = need;
+    }
+    for (int64_t r = 0; r < a->rows; r++) {
+        ds4_error e;
+        a->id[r] = ds4_sample(a->logits + (int64_t)a->lrow[r] * a->V, a->V, &a->p, a->u[r], &a->lp_model[r], &a->lp_sample[r],
+                              cpu->sample_ws, &e);
+        if (a->id[r] < 0) {
+            ds4_dev_fail(d, DS4_ERR_ARG, "sample: row %lld of [%lld, %lld]: %s", (long long)r, (long long)a->rows,
+                         (long long)a->V, e.msg);
+            return;
+        }
+    }
+}
+
+/* dlogits of a per-token objective on log p(target): d logp_y / dz = onehot(y) − softmax(z), so dz = g·(onehot −
+ * softmax) at scored rows, 0 elsewhere. The cross-entropy is the case g = −scale. */
+void ds4_cpu_logp_bwd(ds4_dev *d, const ds4_a_logp_bwd *a) {
+    (void)d;
+    const int64_t V = a->V;
+    for (int64_t r = 0; r < a->rows; r++) {
+        float *dl = a->dl + r * V;
+        const float *z = a->logits + r * V;
+        const int64_t y = a->tgt[r];
+        const double g = a->dlogp ? (double)a->dlogp[r] : a->g0;
+        if (y == -100 || g == 0) {
+            memset(dl, 0, (size_t)V * sizeof(float));
+            continue;
+        }
+        float mx = -INFINITY;
+        for (int64_t v = 0; v < V; v++) mx = z[v] > mx ? z[v] : mx;
+        double se = 0;
+        for (int64_t v = 0; v < V; v++) se += exp((double)z[v] - mx);
+        for (int64_t v = 0; v < V; v++) dl[v] = (float)(-g * exp((double)z[v] - mx) / se);
+        dl[y] += (float)g;
+    }
+}
+
+void ds4_cpu_embed_bwd(ds4_dev *d, const ds4_a_embed_bwd *a) {
+    (void)d;
+    for (int64_t t = 0; t < a->T; t++) /* token order: repeated ids add up deterministically */
+        for (int64_t i = 0; i < a->n; i++) ds4_axpy(a->ge + a->ids[t] * a->D, 1.0f, a->dx + (t * a->n + i) * a->D, a->D);
+}
