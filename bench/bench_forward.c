@@ -26,8 +26,9 @@
 
 #include "ds4.h"
 
-/* ~50M parameters, all V4 features on. Parameter count from the shapes (spec §8; D=512, H=8, d=128, q_lora 256,
- * 4 output groups x o_lora 128, n=4 streams, E=16 routed + 1 shared expert of width I=96, indexer 8 x 64):
+/* ~50M parameters, all V4 features on. Parameter count from the shapes (docs/architecture.md, "Checkpoint names";
+ * D=512, H=8, d=128, q_lora 256, 4 output groups x o_lora 128, n=4 streams, E=16 routed + 1 shared expert of
+ * width I=96, indexer 8 x 64):
  *   embed + head          2 x 16000 x 512                            = 16,384,000
  *   attention, sliding    wq_a, wq_b, wkv, wo_a, wo_b, q/kv norms, sink =    852,360 per layer (x2)
  *              CSA        + compressor 263,296 + indexer 266,816       =  1,382,472 per layer (x3)

@@ -1,6 +1,6 @@
 /* names.c — map every accepted checkpoint spelling of a tensor name to the canonical official name.
  *
- * Three spellings reach us (spec/ds4-architecture.md, note at the top and §8.3):
+ * Three spellings reach us (docs/architecture.md, "Checkpoint names"):
  *   official release   layers.0.attn.wq_a.weight, embed.weight, hc_head_fn, layers.0.attn.kv_norm.weight
  *   save_pretrained    the official names under "model." — except that transformers' reverse renaming turns
  *                      every kv_norm into norm (model.layers.0.attn.norm.weight) and writes the top-level

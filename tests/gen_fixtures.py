@@ -24,7 +24,7 @@ fixture with ties could not be matched by any independent implementation.
 
 MTP (not implemented by transformers) is built from transformers' own DeepseekV4DecoderLayer for block index
 num_hidden_layers (sliding attention, learned routing) plus the official MTPBlock equations
-(spec/ds4-architecture.md §5): for position i < S-1,
+(docs/architecture.md, "MTP"): for position i < S-1,
   Z_i[k] = e_proj(enorm(Embed[t_{i+1}])) + h_proj(hnorm(X^L_i[k]))
   mtp_logits_i = head(mtp.norm(mtp.HyperHead(Block(Z)_i)))        (predicts t_{i+2})
 with the block's attention running causally over positions 0..S-2.

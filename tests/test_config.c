@@ -176,7 +176,8 @@ static void test_fixture(const char *name, ds4_config *out) {
 
 /* ------------------------------------------------------------------------------------------------ (b) V4-Flash */
 
-/* The released deepseek-ai/DeepSeek-V4-Flash config.json (spec §1.1), legacy spellings included. */
+/* The released deepseek-ai/DeepSeek-V4-Flash config.json (docs/architecture.md, "Configuration"), legacy spellings
+ * included. */
 static char *flash_json(void) {
     char ratios[512];
     size_t l = (size_t)snprintf(ratios, sizeof ratios, "[0, 0");

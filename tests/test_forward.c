@@ -1,7 +1,8 @@
 /* test_forward.c — the CPU forward pass against transformers' DeepseekV4ForCausalLM (fp32) fixtures.
  *
  * For each fixture (tests/gen_fixtures.py): logits, loss, the residual streams after every layer, and for
- * tiny_a the MTP logits and loss (official §5 equations around transformers' own decoder layer).
+ * tiny_a the MTP logits and loss (the official MTP equations of docs/architecture.md, "MTP", around transformers'
+ * own decoder layer).
  *
  * Tolerances are the issue's acceptance bounds: max |Δlogit| <= 1e-4 · max(1, max|logit|) and loss within
  * 1e-5 relative. Both implementations are fp32 with different summation orders; measured differences are

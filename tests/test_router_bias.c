@@ -1,5 +1,6 @@
 /* test_router_bias.c — the aux-loss-free balancing update, bias_e += γ·sign(mean load − load_e), applied after
- * each optimizer step when router_bias_gamma > 0 (DeepSeek-V3 §2.1.2; spec/ds4-architecture.md §4.3).
+ * each optimizer step when router_bias_gamma > 0 (DeepSeek-V3 technical report, arXiv 2412.19437,
+ * section 2.1.2; docs/architecture.md, "MoE").
  *
  * Closed-form checks: each learned layer's counted loads sum to tokens × K (hash layers count nothing); after
  * one step every learned bias moved by exactly +γ, −γ or 0 according to its load against the mean, computed

@@ -1,11 +1,11 @@
 /* ds4_gen.h — incremental decoding with a per-sequence cache, sampling, and batched generation. Included by
  * ds4.h.
  *
- * A ds4_cache is one sequence's state of every layer (spec/ds4-architecture.md §7.1): the sliding-window ring of
- * the last `sliding_window` K(=V) vectors, and for CSA / HCA layers the compressed entries, the raw projections of
- * the incomplete window (pending) and, for CSA's overlapping windows, those of the last complete window; for CSA
- * the lightning indexer's entries and its own pending / overlap rows. Memory per sequence is the window plus one
- * entry per compression window up to the capacity given at creation, never a full KV history.
+ * A ds4_cache is one sequence's state of every layer (docs/architecture.md, "Decoding cache"): the sliding-window
+ * ring of the last `sliding_window` K(=V) vectors, and for CSA / HCA layers the compressed entries, the raw
+ * projections of the incomplete window (pending) and, for CSA's overlapping windows, those of the last complete
+ * window; for CSA the lightning indexer's entries and its own pending / overlap rows. Memory per sequence is the
+ * window plus one entry per compression window up to the capacity given at creation, never a full KV history.
  *
  * Positions are absolute from 0 for every sequence (compression windows are aligned to position 0; no padding).
  * ds4_model_step appends any number of new tokens to each of several sequences at once; any chunking of a
