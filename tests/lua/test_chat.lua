@@ -1,5 +1,5 @@
 -- test_chat.lua — chat templates (ds4.chat): DeepSeek-V4 rendering against hand-written expected text,
--- token-exact loss masks, the failure modes of other frameworks' mask builders (spec/anchors-rl.md §2.3),
+-- token-exact loss masks, the failure modes of other frameworks' mask builders (docs/rl.md, "Chat masks"),
 -- append-only checks, ChatML, user templates, errors, and the Python-compatible JSON they render.
 --
 -- The expected strings below are written out by hand from the rules of DeepSeek-V4's official encoder
@@ -142,8 +142,8 @@ for _, entry in ipairs(toks) do
     TNAME = entry.name
     io.write("test_chat: tokenizer ", TNAME, "\n")
 
-    -- 1. The answer also occurs in the reasoning (anchors-rl §2.3 bug 1): the mask must cover the real answer
-    -- and EOS, at the end, not the "4" inside the reasoning.
+    -- 1. The answer also occurs in the reasoning (docs/rl.md, "Chat masks", failure 1): the mask must cover the
+    -- real answer and EOS, at the end, not the "4" inside the reasoning.
     do
         local msgs = { { role = "system", content = SYS }, { role = "user", content = "What is 2+2?" },
             { role = "assistant", reasoning_content = "2+2 = 4, answer 4", content = "4" } }
@@ -227,8 +227,8 @@ for _, entry in ipairs(toks) do
             BOS .. U .. "Hi" .. A .. "</think>c" .. EOS .. U .. "Again" .. A .. "<think>", "second-turn prompt")
     end
 
-    -- 5. Tools: the "## Tools" block, a tool-call-only assistant turn (bug 2), tool result folding, and
-    -- drop_thinking switched off by the tools.
+    -- 5. Tools: the "## Tools" block, a tool-call-only assistant turn (docs/rl.md, "Chat masks", failure 2), tool
+    -- result folding, and drop_thinking switched off by the tools.
     do
         local msgs = weather_conversation()
         local want = BOS .. SYS .. "\n\n" .. TOOLS_BLOCK .. U .. "Weather in Paris?" .. A .. "<think>I need the tool.</think>"

@@ -3,7 +3,7 @@
 -- and evaluate / evaluate_batch with broken user reward functions.
 --
 -- Every expected value below is written out by hand from the documented rules (the DAPO penalty from
--- DAPO Eq. 13 as restated in spec/anchors-rl.md §1.3), not produced by the code under test.
+-- DAPO Eq. 13 as restated in docs/rl.md, "Overlong handling"), not produced by the code under test.
 local H = dofile((arg[0]:match("^(.*)/[^/]*$") or ".") .. "/harness.lua")
 local reward = require("ds4.reward")
 local rm = require("ds4.reward.math")

@@ -1,6 +1,6 @@
 --[==[ ds4.rl.advantage — advantage estimators (pure Lua; LuaJIT 2.1 / Lua 5.1).
 
-Citations "anchors §x" refer to /work/shared/spec/anchors-rl.md (framework snapshots listed there).
+Citations docs/rl.md, "Name" refer to sections of docs/rl.md (formulas, defaults and the frameworks they follow).
 
 Data layout (shared by every ds4.rl module). A batch is an array of samples; a sample holds response tokens
 only (the prompt is not part of these arrays):
@@ -16,40 +16,42 @@ a per-token array for the token-level ones) and sample.returns (per-token, "gae"
 
 Functions
   group_mean(rewards, groups [, {std = true, eps = 1e-6, unbiased = true}]) -> advantages (array)
-      GRPO (anchors §1.1):  A_i = (R_i - mean_g R) / (std_g R + eps)   with std = true
-                             A_i =  R_i - mean_g R                       with std = false (Dr.GRPO, §1.5)
+      GRPO (docs/rl.md, "GRPO"):  A_i = (R_i - mean_g R) / (std_g R + eps)   with std = true
+                                   A_i =  R_i - mean_g R                 with std = false ("Dr.GRPO")
       std is the unbiased (Bessel-corrected, n - 1) sample standard deviation: torch.std's default, which verl
       compute_grpo_outcome_advantage calls (the other frameworks use torch's default .std() too); unbiased =
       false uses the population std. eps = 1e-6 is the verl / Miles / NeMo value (OpenRLHF 1e-9, TRL 1e-4: pass it).
       A group of one gets A = 0 (its baseline is its own reward: NeMo, and Miles which switches std off for
       n = 1; verl instead uses mean 0, std 1 there, i.e. A = R).
   leave_one_out(rewards, groups) -> advantages
-      RLOO (anchors §1.6): A_i = R_i - (sum_{j in g, j != i} R_j) / (n_g - 1)  (= n/(n-1) (R_i - mean)); n = 1 -> 0.
-  dr_grpo(rewards, groups) -> advantages           Dr.GRPO (anchors §1.5): R_i - mean_g R, no std division.
+      RLOO (docs/rl.md, "RLOO"): A_i = R_i - (sum_{j in g, j != i} R_j) / (n_g - 1)  (= n/(n-1) (R_i - mean));
+      n = 1 -> 0.
+  dr_grpo(rewards, groups) -> advantages           Dr.GRPO (docs/rl.md, "Dr.GRPO"): R_i - mean_g R, no std division.
   whiten(samples, values [, {eps = 1e-8, unbiased = true}]) -> values (new per-sample arrays)
-      Batch whitening over the masked tokens of the whole batch, as verl masked_whiten:
+      Batch whitening over the masked tokens of the whole batch, as verl masked_whiten (docs/rl.md, "Whitening"):
       (v - mean) / sqrt(var + eps), var the masked variance with Bessel correction N/(N-1); masked-out tokens
       get 0. One trained token (N = 1): v - mean = 0.
   reinforce_pp_baseline(samples [, {eps = 1e-8}]) -> per-sample arrays
-      REINFORCE++-baseline (anchors §1.6; verl core_algos.py:422-473, Miles, OpenRLHF reinforce_baseline):
+      REINFORCE++-baseline (docs/rl.md, "REINFORCE++"; verl core_algos.py:422-473, Miles, OpenRLHF
+      reinforce_baseline):
       A_t = (S_i - mean_g S) + kl_t, then whitened over all masked tokens of the batch. S_i = reward (+ the
       scalar kl_reward), kl_t = the per-token kl_reward (0 when absent). Singleton group: mean = S_i.
   reinforce_pp(samples [, {gamma = 1, eps = 1e-8}]) -> advantages, returns (per-sample arrays)
-      REINFORCE++ (anchors §1.6, arXiv 2501.03262; verl core_algos.py:582-618, Miles
+      REINFORCE++ (docs/rl.md, "REINFORCE++", arXiv 2501.03262; verl core_algos.py:582-618, Miles
       get_reinforce_plus_plus_returns): token rewards r_t (see token_rewards below), discounted return
       G_t = r_t + gamma G_{t+1} over the trained tokens (untrained tokens are skipped: they carry G through
       unchanged, as verl's GAE does for observation tokens), then advantages = whiten(G).
   token_rewards(sample) -> array
-      sample.token_rewards (copied) or zeros with sample.reward at the last trained token (anchors §1.6:
-      "scalar reward added at the last masked token"), plus sample.kl_reward (per token, or a scalar added at
-      the last trained token).
+      sample.token_rewards (copied) or zeros with sample.reward at the last trained token (docs/rl.md,
+      "REINFORCE++": the scalar reward sits at the last masked token), plus sample.kl_reward (per token, or a
+      scalar added at the last trained token).
   gae(token_rewards, values, gamma, lambda [, mask]) -> advantages, returns (arrays)
-      GAE (anchors §1.6; verl core_algos.py:214-262): delta_t = r_t + gamma V_{t+1} - V_t (V after the last
+      GAE (docs/rl.md, "GAE"; verl core_algos.py:214-262): delta_t = r_t + gamma V_{t+1} - V_t (V after the last
       token = 0), A_t = delta_t + gamma lambda A_{t+1}, returns = A + V. With a mask, untrained tokens are
       skipped exactly as verl does: the next value and the running A are carried through them unchanged (their
       own A is the carried value; they are not trained). Defaults elsewhere: gamma = lambda = 1 (Miles, verl,
-      OpenRLHF). NOTE: ds4 has no value head yet (deferred: critic model, value loss = clipped MSE, §1.6);
-      gae is implemented and tested so a value head can plug in: put per-token V_t in sample.values.
+      OpenRLHF). NOTE: ds4 has no value head yet (deferred: critic model, value loss = clipped MSE, docs/rl.md,
+      "GAE"); gae is implemented and tested so a value head can plug in: put per-token V_t in sample.values.
   compute(samples, spec) -> stats
       spec.kind:
         "grpo"                   group_mean with spec.std (default true), spec.eps (1e-6), spec.unbiased
@@ -63,7 +65,7 @@ Functions
       Outcome kinds use the score S_i = sample.reward + kl_reward (a scalar kl_reward, or the sum of a
       per-token one over the trained tokens, as verl sums token_level_rewards) and write sample.adv = number.
       spec.whiten = true after an outcome kind: additional batch whitening over masked tokens (Miles
-      --normalize-advantages, anchors §1.1), which turns sample.adv into per-token arrays.
+      --normalize-advantages, docs/rl.md, "GRPO"), which turns sample.adv into per-token arrays.
       stats = {adv_mean, adv_std, adv_min, adv_max (over trained tokens), reward_mean, groups,
                zero_std_groups (groups whose scores are all equal), tokens}
 ]==]

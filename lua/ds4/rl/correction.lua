@@ -1,15 +1,16 @@
 --[==[ ds4.rl.correction — rollout/train mismatch: three-policy importance correction and its metrics.
 
-Citations "anchors §x" refer to /work/shared/spec/anchors-rl.md.
+Citations docs/rl.md, "Name" refer to sections of docs/rl.md.
 
-Three log-probs per token (anchors §1.11): rollout_logp (reported by the inference engine with the sample),
-old_logp (recomputed by the trainer at the same weights, before the update) and logp (current policy, in
-ds4.rl.loss). The PPO ratio uses logp - old_logp; this module corrects for old_logp != rollout_logp (kernel,
-precision, MoE routing differences) with a DETACHED per-token weight w_t that multiplies the per-token policy
-loss ("decoupled / 3-policy PPO", Miles --use-tis, verl rollout_correction, OpenRLHF is_correction, NeMo).
+Three log-probs per token (docs/rl.md, "Mismatch correction"): rollout_logp (reported by the inference engine
+with the sample), old_logp (recomputed by the trainer at the same weights, before the update) and logp (current
+policy, in ds4.rl.loss). The PPO ratio uses logp - old_logp; this module corrects for old_logp != rollout_logp
+(kernel, precision, MoE routing differences) with a DETACHED per-token weight w_t that multiplies the per-token
+policy loss ("decoupled / 3-policy PPO", Miles --use-tis, verl rollout_correction, OpenRLHF is_correction, NeMo).
 w depends on old_logp and rollout_logp only, never on logp, so it carries no gradient.
 
-  delta_t = clamp(old_logp_t - rollout_logp_t, -20, 20)       (the same log-ratio clamp as every framework, §1.2)
+  delta_t = clamp(old_logp_t - rollout_logp_t, -20, 20)       (the log-ratio clamp of every framework,
+                                                                docs/rl.md, "PPO clip")
   level = "token":      rho_t = exp(delta_t)
   level = "sequence":   rho_t = exp(clamp(sum_u M_u delta_u, -20, 20)) for every token of the sequence
                         (product of token ratios: TRL vllm_importance_sampling_correction "sequence_*")

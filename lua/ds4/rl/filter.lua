@@ -1,10 +1,11 @@
 --[==[ ds4.rl.filter — DAPO dynamic sampling and overlong handling (the filter side).
 
-Citations "anchors §x" refer to /work/shared/spec/anchors-rl.md.
+Citations docs/rl.md, "Name" refer to sections of docs/rl.md.
 
   keep_groups(samples [, {key = "reward", tol = 0}]) -> kept, counts
-      DAPO dynamic sampling (anchors §1.3.2): drop every group whose rewards are all equal (max - min <= tol;
-      zero std: no learning signal for a group-relative advantage). A group of one is all-equal and is dropped.
+      DAPO dynamic sampling (docs/rl.md, "Dynamic sampling"): drop every group whose rewards are all equal
+      (max - min <= tol; zero std: no learning signal for a group-relative advantage). A group of one is
+      all-equal and is dropped.
       key names the sample field compared (default "reward"; verl-recipe#125: filter on the binary accuracy,
       not on a shaped score, so pass key = "acc" when rewards are shaped). Order is preserved.
       counts = {groups, kept_groups, dropped_groups, samples, kept_samples, frac_zero_std}
@@ -16,13 +17,14 @@ Citations "anchors §x" refer to /work/shared/spec/anchors-rl.md.
       decides here). Group ids must be unique across calls (e.g. a prompt uid): a repeat is an error.
       stats = {calls, groups_seen, groups_kept, groups_used, samples}
   overlong_filter(samples [, {reason = "length"}]) -> n_masked
-      Overlong filtering (anchors §1.3.4): a sample truncated at the length limit (finish_reason == "length",
-      or sample.truncated == true) gets mask = all 0 (as many zeros as its mask / logp / rollout_logp /
-      old_logp / ids array has entries, else sample.length). Its reward stays, so it still counts in its group's
-      baseline (NeMo overlong_filtering). Off in the DAPO preset (verl docs: most paper experiments ran
-      without it).
+      Overlong filtering (docs/rl.md, "Overlong handling"): a sample truncated at the length limit
+      (finish_reason == "length", or sample.truncated == true) gets mask = all 0 (as many zeros as its mask /
+      logp / rollout_logp / old_logp / ids array has entries, else sample.length). Its reward stays, so it still
+      counts in its group's baseline (NeMo overlong_filtering). Off in the DAPO preset (verl docs: most paper
+      experiments ran without it).
   soft_overlong(len, max_len, cache [, factor = 1]) -> penalty
-      DAPO Eq. 13 soft overlong punishment (anchors §1.3.4; TRL other_rewards.py, verl dapo reward manager):
+      DAPO Eq. 13 soft overlong punishment (docs/rl.md, "Overlong handling"; TRL other_rewards.py, verl dapo
+      reward manager):
           0                                  if L <= Lmax - Lcache
           ((Lmax - Lcache) - L) / Lcache     if Lmax - Lcache < L <= Lmax
           -1                                 if L > Lmax

@@ -8,8 +8,9 @@ per-token gradients, rollout/train mismatch correction, dynamic sampling and ove
   rl.filter      ds4.rl.filter      keep_groups, fill_batch, overlong_filter, soft_overlong, apply_soft_overlong
   rl.algorithms  presets (plain tables, below);  rl.preset(name [, overrides]) -> a deep copy merged with overrides
 
-Each module's header has the formulas, the data layout and the framework each default follows; "anchors §x" is
-/work/shared/spec/anchors-rl.md. One training step, as the RL loop is expected to drive it:
+Each module's header has the formulas, the data layout and the framework each default follows; a citation
+docs/rl.md, "Name" is the section of docs/rl.md that explains it with its sources. One training step, as the RL
+loop is expected to drive it:
 
   local spec = rl.preset("dapo")
   -- samples: {reward, group, finish_reason, rollout_logp, mask, ...} per response (response tokens only)
@@ -37,7 +38,8 @@ Preset fields (read by the RL loop; a preset is also a valid spec for rl.loss.co
   dynamic_sampling {enable, max_extra_batches, key}   -> rl.filter.keep_groups / fill_batch
   overlong         {filter = bool, soft = nil | {max_len, cache, factor}}  -> rl.filter
   tis              nil or {level, mode, lo, hi, veto, normalize} (rl.correction); off in every preset as in
-                   Miles / verl / NeMo (TRL turns its sequence-mask correction on by default, anchors §1.11);
+                   Miles / verl / NeMo (TRL turns its sequence-mask correction on by default, docs/rl.md,
+                   "Mismatch correction");
                    rl.tis_default is Miles' --use-tis setting, ready to assign.
   refs             where the numbers come from (text)
 ]==]
@@ -55,11 +57,11 @@ M.tis_default = { level = "token", mode = "truncate", lo = 0, hi = 2.0 }
 local function off() return { enable = false } end
 
 M.algorithms = {
-    -- GRPO (DeepSeekMath) as the frameworks run it (anchors §1.1, §1.2, §1.4, §1.9): std-normalised group
-    -- baseline (unbiased std, eps 1e-6: verl / Miles), PPO clip 0.2 both sides (every framework), sequence-mean
-    -- of token-means (the GRPO paper; Miles default; TRL loss_type "grpo"), k3 KL in the loss. KL coefficient:
-    -- verl's kl_loss_coef 0.001 with kl_loss_type low_var_kl (= k3); NeMo uses 0.01, TRL 0.0, the GRPO paper
-    -- 0.04 (not in the anchors): override kl.coef to taste, or kl = nil for no reference model.
+    -- GRPO (DeepSeekMath) as the frameworks run it (docs/rl.md, "GRPO", "PPO clip", "Aggregation", "KL"):
+    -- std-normalised group baseline (unbiased std, eps 1e-6: verl / Miles), PPO clip 0.2 both sides (every
+    -- framework), sequence-mean of token-means (the GRPO paper; Miles default; TRL loss_type "grpo"), k3 KL in the
+    -- loss. KL coefficient: verl's kl_loss_coef 0.001 with kl_loss_type low_var_kl (= k3); NeMo uses 0.01, TRL 0.0,
+    -- the GRPO paper 0.04 (arXiv 2402.03300): override kl.coef to taste, or kl = nil for no reference model.
     grpo = {
         name = "grpo",
         adv = { kind = "grpo", std = true, eps = 1e-6 },
@@ -69,9 +71,10 @@ M.algorithms = {
         entropy_coef = 0,
         dynamic_sampling = off(),
         overlong = { filter = false },
-        refs = "anchors §1.1 (verl/Miles eps 1e-6), §1.2 (eps 0.2), §1.4 (seq-mean-token-mean), §1.9 (verl k3 0.001)",
+        refs = 'docs/rl.md, "GRPO" (verl/Miles eps 1e-6), "PPO clip" (eps 0.2), "Aggregation" (seq-mean-token-mean), '
+            .. '"KL" (verl k3 0.001)',
     },
-    -- DAPO (arXiv 2503.14476; anchors §1.3): clip-higher 0.2 / 0.28, token-mean over the global batch, no KL,
+    -- DAPO (arXiv 2503.14476; docs/rl.md, "DAPO"): clip-higher 0.2 / 0.28, token-mean over the global batch, no KL,
     -- dynamic sampling (verl recipe max_num_gen_batches 10 = 1 + 9 extra), soft overlong punishment with the
     -- 32B recipe's L_max 20480, L_cache 4096, factor 1.0; overlong filtering off (verl docs: most paper runs
     -- without it). DAPO's reward is +1 / -1 (verl math_dapo): that is the reward function's business.
@@ -84,9 +87,9 @@ M.algorithms = {
         entropy_coef = 0,
         dynamic_sampling = { enable = true, max_extra_batches = 9, key = "reward" },
         overlong = { filter = false, soft = { max_len = 20480, cache = 4096, factor = 1.0 } },
-        refs = "anchors §1.3 (verl docs/algo/dapo.md, recipe/dapo/run_dapo_qwen2.5_32b.sh; Miles DSV4 0.2/0.28)",
+        refs = 'docs/rl.md, "DAPO" (verl docs/algo/dapo.md, recipe/dapo/run_dapo_qwen2.5_32b.sh; Miles DSV4 0.2/0.28)',
     },
-    -- Dr.GRPO (anchors §1.5): no std division, no per-sequence length normalisation: sum / (N * L_max) with
+    -- Dr.GRPO (docs/rl.md, "Dr.GRPO"): no std division, no per-sequence length normalisation: sum / (N * L_max) with
     -- L_max = the maximum response length (TRL max_completion_length, verl response length). agg.max_len has
     -- no universal value: set it, e.g. rl.preset("dr_grpo", {agg = {max_len = 4096}}); rl.loss.compute errors
     -- until it is set. No KL (TRL beta 0).
@@ -99,9 +102,9 @@ M.algorithms = {
         entropy_coef = 0,
         dynamic_sampling = off(),
         overlong = { filter = false },
-        refs = "anchors §1.5 (TRL scale_rewards none + loss_type dr_grpo; verl seq-mean-token-sum-norm)",
+        refs = 'docs/rl.md, "Dr.GRPO" (TRL scale_rewards none + loss_type dr_grpo; verl seq-mean-token-sum-norm)',
     },
-    -- GSPO (anchors §1.7): sequence-level geometric-mean ratio, tiny clip range 3e-4 / 4e-4 (verl
+    -- GSPO (docs/rl.md, "GSPO"): sequence-level geometric-mean ratio, tiny clip range 3e-4 / 4e-4 (verl
     -- examples/gspo_trainer/run_qwen30b_gspo.sh, the paper's values; Miles recipes use 4e-4 both sides),
     -- sequence-mean aggregation (forced by verl and OpenRLHF), no KL.
     gspo = {
@@ -113,9 +116,9 @@ M.algorithms = {
         entropy_coef = 0,
         dynamic_sampling = off(),
         overlong = { filter = false },
-        refs = "anchors §1.7 (verl run_qwen30b_gspo.sh 3e-4/4e-4, seq-mean-token-mean)",
+        refs = 'docs/rl.md, "GSPO" (verl run_qwen30b_gspo.sh 3e-4/4e-4, seq-mean-token-mean)',
     },
-    -- CISPO (MiniMax-M1, anchors §1.8): detached clipped IS weight times logp. No lower bound (the paper's
+    -- CISPO (MiniMax-M1, docs/rl.md, "CISPO"): detached clipped IS weight times logp. No lower bound (the paper's
     -- choice; TRL clamps only from above), upper cap 5.0 on the ratio (TRL epsilon_high = 5.0 "ScaleRL
     -- recommends", i.e. eps_high = 4 in the 1 + eps_high form), token-level normalisation as in the MiniMax-M1
     -- objective (1 / sum |o_i|), group-normalised advantage, no KL.
@@ -128,9 +131,9 @@ M.algorithms = {
         entropy_coef = 0,
         dynamic_sampling = off(),
         overlong = { filter = false },
-        refs = "anchors §1.8 (verl compute_policy_loss_cispo; TRL cispo cap 5.0)",
+        refs = 'docs/rl.md, "CISPO" (verl compute_policy_loss_cispo; TRL cispo cap 5.0)',
     },
-    -- REINFORCE++ (arXiv 2501.03262, anchors §1.6): KL in the per-token reward (OpenRLHF's default: reward
+    -- REINFORCE++ (arXiv 2501.03262, docs/rl.md, "REINFORCE++"): KL in the per-token reward (OpenRLHF's default: reward
     -- shaping, k1, init_coef 0.01), outcome reward at the last token, discounted return with gamma 1, batch
     -- whitening; PPO clip 0.2, token-mean (OpenRLHF token_level_loss).
     reinforce_pp = {
@@ -142,9 +145,9 @@ M.algorithms = {
         entropy_coef = 0,
         dynamic_sampling = off(),
         overlong = { filter = false },
-        refs = "anchors §1.6 (verl core_algos.py:582-618), §1.9 (OpenRLHF init_coef 0.01, k1)",
+        refs = 'docs/rl.md, "REINFORCE++" (verl core_algos.py:582-618), "KL" (OpenRLHF init_coef 0.01, k1)',
     },
-    -- REINFORCE++-baseline (anchors §1.6): (R - group mean) + per-token KL reward, batch-whitened.
+    -- REINFORCE++-baseline (docs/rl.md, "REINFORCE++"): (R - group mean) + per-token KL reward, batch-whitened.
     reinforce_pp_baseline = {
         name = "reinforce_pp_baseline",
         adv = { kind = "reinforce_pp_baseline", eps = 1e-8 },
@@ -154,9 +157,9 @@ M.algorithms = {
         entropy_coef = 0,
         dynamic_sampling = off(),
         overlong = { filter = false },
-        refs = "anchors §1.6 (verl core_algos.py:422-473, OpenRLHF reinforce_baseline), §1.9",
+        refs = 'docs/rl.md, "REINFORCE++" (verl core_algos.py:422-473, OpenRLHF reinforce_baseline), "KL"',
     },
-    -- RLOO (anchors §1.6): leave-one-out baseline; PPO clip 0.2, token-mean, KL as reward shaping (OpenRLHF's
+    -- RLOO (docs/rl.md, "RLOO"): leave-one-out baseline; PPO clip 0.2, token-mean, KL as reward shaping (OpenRLHF's
     -- default for every estimator: k1, 0.01).
     rloo = {
         name = "rloo",
@@ -167,7 +170,7 @@ M.algorithms = {
         entropy_coef = 0,
         dynamic_sampling = off(),
         overlong = { filter = false },
-        refs = "anchors §1.6 (OpenRLHF experience_maker.py:264-266), §1.9",
+        refs = 'docs/rl.md, "RLOO" (OpenRLHF experience_maker.py:264-266), "KL"',
     },
 }
 

@@ -1,6 +1,7 @@
 --[==[ ds4.rl.loss — policy losses per token with their exact gradient w.r.t. each token's log-probability.
 
-Citations "anchors §x" refer to /work/shared/spec/anchors-rl.md (framework snapshots and paths listed there).
+Citations docs/rl.md, "Name" refer to sections of docs/rl.md (formulas, defaults, and the frameworks and files
+they follow).
 
 There is no autograd in Lua: compute() returns the loss value AND dLoss/dlogp for every response token; the
 trainer scatters those numbers into an F32 [B, S] tensor and calls model:backward_logprobs(g) (lua/train_lua.c),
@@ -9,8 +10,8 @@ which back-propagates sum_{b,s} g[b][s] * logp[b][s]. The loss is MINIMISED (it 
 Sample fields (response tokens only; arrays of equal length n):
   logp          current policy log pi_theta(o_t | ...), recomputed by the trainer (model:logprobs())
   old_logp      the policy the PPO ratio is taken against (the trainer's recompute before the update, or the
-                rollout's log-probs in "bypass" mode, anchors §1.11). Optional: when absent it is the current
-                logp DETACHED, i.e. ratio = 1 with gradient A (one update per rollout).
+                rollout's log-probs in "bypass" mode, docs/rl.md, "Mismatch correction"). Optional: when absent it
+                is the current logp DETACHED, i.e. ratio = 1 with gradient A (one update per rollout).
   rollout_logp  optional, log-probs the inference engine reported (spec.tis; mismatch metrics)
   ref_logp      optional, reference policy (needed when spec.kl puts KL in the loss)
   mask          optional, 1 = trained token, 0 = not (default all 1); the gradient is 0 where mask = 0
@@ -18,23 +19,23 @@ Sample fields (response tokens only; arrays of equal length n):
   entropy       optional per-token entropy H_t of pi_theta at that position (model:logprobs{entropy = true}):
                 reported as a metric and used as the entropy-bonus baseline
 Notation: x_t = logp_t, o_t = old_logp_t, M_t = mask, A_t = advantage, |o_i| = sum_t M_t.
-Every ratio is exp of a log-ratio clamped to [-20, 20] (verl, Miles, OpenRLHF, anchors §1.2); outside the clamp
-the gradient is 0.
+Every ratio is exp of a log-ratio clamped to [-20, 20] (verl, Miles, OpenRLHF, docs/rl.md, "PPO clip"); outside
+the clamp the gradient is 0.
 
 Policy losses (spec.loss.kind; per-token loss l_t, minimised)
-  "ppo_clip"  r_t = exp(x_t - o_t)                                               (anchors §1.2, §1.3)
+  "ppo_clip"  r_t = exp(x_t - o_t)                               (docs/rl.md, "PPO clip", "DAPO")
               l_t = max(-A_t r_t, -A_t clip(r_t, 1 - eps_low, 1 + eps_high))
               dual clip (spec.loss.clip_c = c > 1, only where A_t < 0): l_t = min(l_t, -c A_t)
               eps_high defaults to eps_low (Miles --eps-clip-high); clip_c default off (Miles, OpenRLHF, NeMo;
               verl always applies c = 3).
-  "gspo"      s_i = exp( sum_t M_t (x_t - o_t) / |o_i| )   (sequence geometric-mean ratio, anchors §1.7)
+  "gspo"      s_i = exp( sum_t M_t (x_t - o_t) / |o_i| )   (sequence geometric-mean ratio, docs/rl.md, "GSPO")
               l_t = the ppo_clip loss at ratio s_i (per-token A_t allowed; the dual clip too), i.e. Miles'
               broadcast of the sequence log-ratio to every token before the standard clip. The gradient flows
               to every token through the mean: dJ/dx_u = (sum_t w_t dl_t/ds) * s_i M_u / |o_i|, where w_t
               is the aggregation (and TIS) weight of token t. With seq_mean_token_mean and a scalar A this is
               exactly the GSPO paper's sequence objective and verl's GSPO-token straight-through form.
   "cispo"     l_t = -sg(clip(r_t, 1 - eps_low, 1 + eps_high)) A_t x_t,   dl_t/dx_t = -clip(r_t, ...) A_t
-              (MiniMax-M1, anchors §1.8; verl compute_policy_loss_cispo). eps_low = nil: no lower bound (the
+              (MiniMax-M1, docs/rl.md, "CISPO"; verl compute_policy_loss_cispo). eps_low = nil: no lower bound (the
               paper's choice); eps_high = nil: no upper bound. Its value is the surrogate, not an objective.
 Loss-kind-agnostic metric: clip_frac = fraction of trained tokens whose gradient is zeroed by the clip
 (ppo_clip / gspo: the clipped branch strictly larger, verl pg_clipfrac), or whose weight was clipped (cispo);
@@ -48,8 +49,9 @@ u == v (torch.maximum / torch.minimum backward). Consequence: at r exactly on 1 
 unclipped one (both operands have gradient -A there); at r exactly at the dual-clip point -c A the gradient is
 halved.
 
-Aggregation (spec.agg; REQUIRED — frameworks differ silently, anchors §1.4). J = sum_i f_i sum_t M_t lhat_t where
-lhat_t is the per-token total loss (policy loss times the TIS weight, plus KL and entropy terms):
+Aggregation (spec.agg; REQUIRED — frameworks differ silently, docs/rl.md, "Aggregation").
+J = sum_i f_i sum_t M_t lhat_t where lhat_t is the per-token total loss (policy loss times the TIS weight, plus KL
+and entropy terms):
   "token_mean"               f_i = 1 / T,  T = opts.denom or the number of trained tokens in `samples`
                              (DAPO; verl token-mean, OpenRLHF, TRL "dapo", NeMo). For micro-batching pass the
                              GLOBAL token count as opts.denom (loss.count(all_samples)).
@@ -64,7 +66,7 @@ lhat_t is the per-token total loss (policy loss times the TIS weight, plus KL an
   spec.agg is a mode string or {mode = ..., max_len = L, constant = C}; "-" spellings (token-mean) accepted.
 
 KL to the reference policy (spec.kl = {coef = beta, estimator = "k1"|"k2"|"k3", where = "loss"|"reward",
-clamp = true}; anchors §1.9). With x = logp - ref_logp:
+clamp = true}; docs/rl.md, "KL"). With x = logp - ref_logp:
   k1 = x                           dk1/dx = 1
   k2 = x^2 / 2                     dk2/dx = x
   k3 = exp(-x) - 1 + x             dk3/dx = 1 - exp(-x)      ("low_var_kl")
@@ -78,7 +80,8 @@ clamp = true}; anchors §1.9). With x = logp - ref_logp:
   apply_kl_penalty; rollout_logp when old_logp is absent): a constant, no gradient. ds4.rl.advantage adds it:
   outcome estimators to the score, token estimators per token.
 
-Entropy bonus (spec.entropy_coef = alpha; default 0 = report only, every framework's default, anchors §1.10).
+Entropy bonus (spec.entropy_coef = alpha; default 0 = report only, every framework's default, docs/rl.md,
+"Entropy").
 The entropy H(s) = -sum_a pi(a|s) log pi(a|s) is not a function of the sampled token's logp alone, so its
 gradient cannot be passed through backward_logprobs directly. Its exact gradient is an expectation over the
 sampled token a ~ pi:
