@@ -1,16 +1,22 @@
-/* backend.c — which backend a model computes on, and the backend-side copies of its weights.
+/* backend.c — which backend a model computes on, and the backend-side copy of its weights.
  *
- * A model is created on the CPU backend of its engine (its weights are the host fp32 master copy, used in place).
- * ds4_model_to moves it to another backend: the weights are copied there once (in the backend's working dtype for
- * the "M" matrices, ds4_param_lowp), and every later pass, step and generation runs there. Host parameter changes
- * (optimizer steps, loading state) mark the copy dirty; the next pass refreshes it. docs/design.md. */
+ * A model is created on the CPU backend of its engine: its weights are the host fp32 master copy, used in place.
+ * ds4_model_to moves it to another backend: the weights are copied there once, each tensor in its working dtype
+ * (the "M" matrices, ds4_param_lowp, in the device's dtype; everything else fp32), in table order, each tensor
+ * 16-byte aligned except routed experts after the first, which must follow expert 0 contiguously. Host parameter
+ * changes mark the copy dirty; the next pass refreshes it. docs/design.md. */
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "internal.h"
 #include "profile.h"
 #include "sched.h"
+#ifdef DS4_HAVE_CUDA
+#include "cuda_backend.h"
+#endif
 
+/* Free what the model's passes keep on its backend: workspace, tape, RoPE copies. */
 static void free_pass_memory(ds4_model *m) {
     ds4_dev *d = m->dev;
     if (!d) return;
@@ -27,21 +33,195 @@ static void free_pass_memory(ds4_model *m) {
     }
 }
 
-void ds4_model_release_backend(ds4_model *m) {
+static void print_profile(ds4_model *m, ds4_dev *d) {
+    if (!d || !d->prof || !m->engine || !m->engine->profile_env) return;
+    char buf[8192];
+    ds4_profile_format(d, buf, sizeof buf);
+    fprintf(stderr, "ds4 profile (DS4_PROFILE=1), model of %lld parameters:\n%s", (long long)m->n_params, buf);
+}
+
+/* Give the non-CPU backend back (the CPU one stays). */
+static void drop_device(ds4_model *m) {
     free_pass_memory(m);
     if (m->dev && m->dev != m->cpu) {
+        print_profile(m, m->dev);
         m->dev->ops->free(m->dev, m->dev_mem);
         ds4_dev_release(m->dev);
     }
     m->dev_mem = NULL;
+    free(m->dev_off);
+    m->dev_off = NULL;
+    m->dev = m->cpu;
+    m->dw = &m->w;
+    m->dev_opt = (ds4_device_options){0};
+}
+
+void ds4_model_release_backend(ds4_model *m) {
+    drop_device(m);
+    print_profile(m, m->cpu);
     ds4_dev_release(m->cpu);
     m->dev = m->cpu = NULL;
 }
 
-ds4_status ds4_model_sync_weights(ds4_model *m, ds4_error *err) {
-    if (m->dev == m->cpu || !m->params_dirty) return DS4_OK;
-    (void)err;
+static int64_t dev_byte_offset(const ds4_model *m, size_t i, void *ctx) {
+    (void)ctx;
+    return m->dev_off[i];
+}
+
+/* Lay the weights out for a backend with matrix dtype mdt: byte offsets into m->dev_off, sizes into m->dev_*. */
+static ds4_status layout(ds4_model *m, ds4_dtype mdt, ds4_error *err) {
+    int64_t *off = malloc((m->n_table ? m->n_table : 1) * sizeof *off);
+    if (!off) return ds4_fail(err, DS4_ERR_OOM, "model to device: %zu offsets", m->n_table);
+    size_t at = 0;
+    for (size_t i = 0; i < m->n_table; i++) {
+        const ds4_param *p = &m->table[i];
+        off[i] = -1;
+        if (p->dtype != DS4_F32) continue;
+        if (!p->follows) at = (at + 15) & ~(size_t)15;
+        off[i] = (int64_t)at;
+        at += (size_t)p->numel * ds4_dtype_size(p->lowp ? mdt : DS4_F32);
+    }
+    m->dev_f32_bytes = (at + 15) & ~(size_t)15;
+    m->dev_bytes = m->dev_f32_bytes + (size_t)m->n_tid2eid * sizeof(int32_t);
+    free(m->dev_off);
+    m->dev_off = off;
     return DS4_OK;
+}
+
+/* Write the host weights into the backend copy (converting the matrices to mdt), through a bounded staging buffer. */
+static ds4_status upload_weights(ds4_model *m, ds4_dev *d, void *mem, ds4_dtype mdt, ds4_error *err) {
+    enum { STAGE = 1 << 24 };
+    char *stage = malloc(STAGE);
+    if (!stage) return ds4_fail(err, DS4_ERR_OOM, "model to device: staging buffer");
+    ds4_status st = DS4_OK;
+    for (size_t i = 0; i < m->n_table && !st; i++) {
+        const ds4_param *p = &m->table[i];
+        if (p->dtype != DS4_F32) continue;
+        const float *src = m->params + p->offset;
+        const ds4_dtype dt = p->lowp ? mdt : DS4_F32;
+        const size_t es = ds4_dtype_size(dt), per = STAGE / es;
+        for (int64_t k = 0; k < p->numel && !st; k += (int64_t)per) {
+            const int64_t n = p->numel - k < (int64_t)per ? p->numel - k : (int64_t)per;
+            if (dt == DS4_BF16) {
+                uint16_t *h = (uint16_t *)(void *)stage;
+                for (int64_t j = 0; j < n; j++) h[j] = ds4_f32_to_bf16(src[k + j]);
+            } else {
+                memcpy(stage, src + k, (size_t)n * sizeof(float));
+            }
+            st = d->ops->upload(d, (char *)mem + m->dev_off[i] + (size_t)k * es, stage, (size_t)n * es, err);
+        }
+    }
+    if (!st && m->n_tid2eid)
+        st = d->ops->upload(d, (char *)mem + m->dev_f32_bytes, m->tid2eid_all, (size_t)m->n_tid2eid * sizeof(int32_t),
+                            err);
+    if (!st) st = d->ops->sync(d, err);
+    free(stage);
+    if (st) ds4_error_prefix(err, "model to device: uploading the weights: ");
+    return st;
+}
+
+ds4_status ds4_model_sync_weights(ds4_model *m, ds4_error *err) {
+    /* the profile follows the engine's switch at every pass */
+    if ((m->engine->profile != 0) != (m->dev->prof != NULL)) {
+        ds4_status s = ds4_profile_enable(m->dev, m->engine->profile, err);
+        if (s) return s;
+    }
+    if (m->dev == m->cpu || !m->params_dirty) return DS4_OK;
+    ds4_status s = upload_weights(m, m->dev, m->dev_mem, m->dev_w.mdt, err);
+    if (!s) m->params_dirty = 0;
+    return s;
+}
+
+void ds4_model_params_changed(ds4_model *m) {
+    if (m) m->params_dirty = 1;
+}
+
+ds4_device_options ds4_model_device(const ds4_model *m) { return m->dev_opt; }
+
+const char *ds4_model_device_name(const ds4_model *m) {
+    if (m->dev_opt.type != DS4_DEVICE_CUDA) return "cpu";
+    static const char *const names[2][8] = {
+        {"cuda:0 fp32", "cuda:1 fp32", "cuda:2 fp32", "cuda:3 fp32", "cuda:4 fp32", "cuda:5 fp32", "cuda:6 fp32",
+         "cuda:7 fp32"},
+        {"cuda:0 bf16", "cuda:1 bf16", "cuda:2 bf16", "cuda:3 bf16", "cuda:4 bf16", "cuda:5 bf16", "cuda:6 bf16",
+         "cuda:7 bf16"}};
+    const int i = m->dev_opt.index;
+    if (i < 0 || i > 7) return m->dev_opt.dtype == DS4_BF16 ? "cuda bf16" : "cuda fp32";
+    return names[m->dev_opt.dtype == DS4_BF16][i];
+}
+
+ds4_status ds4_model_to(ds4_model *m, const ds4_device_options *o, ds4_error *err) {
+    if (!m || !o) return ds4_fail(err, DS4_ERR_ARG, "model to device: NULL argument");
+    if (o->type != DS4_DEVICE_CPU && o->type != DS4_DEVICE_CUDA)
+        return ds4_fail(err, DS4_ERR_ARG, "model to device: unknown device type %d", (int)o->type);
+    const ds4_dtype mdt = o->dtype == DS4_BF16 ? DS4_BF16 : DS4_F32;
+    if (o->dtype != DS4_F32 && o->dtype != DS4_BF16)
+        return ds4_fail(err, DS4_ERR_ARG, "model to device: dtype %s (F32 or BF16)", ds4_dtype_name(o->dtype));
+    if (o->type == DS4_DEVICE_CPU) {
+        if (mdt != DS4_F32)
+            return ds4_fail(err, DS4_ERR_UNSUPPORTED, "model to cpu: dtype %s (the CPU backend is fp32)",
+                            ds4_dtype_name(mdt));
+        if (m->dev != m->cpu) drop_device(m);
+        return DS4_OK;
+    }
+#ifndef DS4_HAVE_CUDA
+    return ds4_fail(err, DS4_ERR_UNSUPPORTED,
+                    "model to cuda:%d: this build of ds4 has no CUDA backend (nvcc was not found when it was configured)",
+                    (int)o->index);
+#else
+    if (m->dev != m->cpu && m->dev_opt.index == o->index && m->dev_opt.dtype == mdt) return DS4_OK;
+    int count = 0;
+    ds4_status s = ds4_cuda_device_count(&count, err);
+    if (s) return s;
+    if (count == 0)
+        return ds4_fail(err, DS4_ERR_UNSUPPORTED, "model to cuda:%d: no CUDA device here (no driver or no GPU)",
+                        (int)o->index);
+    if (o->index < 0 || o->index >= count)
+        return ds4_fail(err, DS4_ERR_ARG, "model to cuda:%d: %d CUDA device%s", (int)o->index, count,
+                        count == 1 ? "" : "s");
+    ds4_dev *nd = NULL;
+    if ((s = ds4_cuda_dev_create(o->index, &nd, err))) return s;
+    int64_t *old_off = m->dev_off;
+    m->dev_off = NULL;
+    void *mem = NULL;
+    s = layout(m, mdt, err);
+    if (!s) {
+        s = nd->ops->alloc(nd, m->dev_bytes, &mem, err);
+        if (s) ds4_error_prefix(err, "model to cuda:%d (%lld parameters, %s): ", (int)o->index, (long long)m->n_params,
+                                ds4_dtype_name(mdt));
+    }
+    if (!s) s = upload_weights(m, nd, mem, mdt, err);
+    if (s) { /* nothing changed: the model stays where it was */
+        if (mem) nd->ops->free(nd, mem);
+        ds4_dev_release(nd);
+        free(m->dev_off);
+        m->dev_off = old_off;
+        return s;
+    }
+    int64_t *new_off = m->dev_off;
+    const size_t f32b = m->dev_f32_bytes, bytes = m->dev_bytes;
+    m->dev_off = old_off;
+    drop_device(m);
+    m->dev_off = new_off;
+    m->dev_f32_bytes = f32b;
+    m->dev_bytes = bytes;
+    m->dev = nd;
+    m->dev_mem = mem;
+    ds4_weights_bind(m, &m->dev_w, mdt, mem, dev_byte_offset, NULL, (int32_t *)(void *)((char *)mem + f32b));
+    m->dw = &m->dev_w;
+    m->dev_opt = (ds4_device_options){DS4_DEVICE_CUDA, o->index, mdt};
+    m->params_dirty = 0;
+    return DS4_OK;
+#endif
+}
+
+size_t ds4_model_profile_report(ds4_model *m, char *buf, size_t len) {
+    if (!m) return 0;
+    return ds4_profile_format(m->dev, buf, len);
+}
+
+void ds4_model_profile_reset(ds4_model *m) {
+    if (m) ds4_profile_reset(m->dev);
 }
 
 ds4_status ds4_model_reserve(ds4_model *m, int64_t tokens, int64_t max_pos, int training, ds4_error *err) {

@@ -21,6 +21,10 @@ ds4_status ds4_engine_create(const ds4_engine_options *opt, ds4_engine **out, ds
         free(e);
         return s;
     }
+    if (opt) e->device = opt->device;
+    const char *prof = getenv("DS4_PROFILE");
+    e->profile_env = prof && prof[0] == '1';
+    e->profile = (opt && opt->profile) || e->profile_env;
     *out = e;
     return DS4_OK;
 }
@@ -32,6 +36,12 @@ void ds4_engine_free(ds4_engine *e) {
 }
 
 int32_t ds4_engine_threads(const ds4_engine *e) { return ds4_pool_threads(e->pool); }
+
+void ds4_engine_set_profile(ds4_engine *e, int on) {
+    if (e) e->profile = on != 0;
+}
+
+int ds4_engine_profile(const ds4_engine *e) { return e ? e->profile : 0; }
 
 const char *ds4_build_info(void) {
 #if defined(DS4_HAVE_CUDA) && defined(DS4_HAVE_NCCL)

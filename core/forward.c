@@ -181,7 +181,8 @@ static void moe(ds4_pass *f, const ds4_layer_w *l, const int64_t *ids) {
         ds4_dev_copy(dev, lt->eidx, f->eidx, (size_t)TK * sizeof(int32_t));
         keep(f, lt->ew, f->ew, TK);
         if (f->m->router_loads && !l->is_hash) /* expert loads for the aux-loss-free bias update */
-            OP(dev, count_loads, .loads = f->m->router_loads + (lt - f->tape->layers) * E, .eidx = f->eidx, .n = TK);
+            OP(dev, count_loads, .loads = (f->tape->loads ? f->tape->loads : f->m->router_loads) + (lt - f->tape->layers) * E,
+               .eidx = f->eidx, .n = TK);
     }
     /* routed experts: (token, slot) pairs grouped by expert, one GEMM per expert group */
     OP(dev, moe_sort, .eidx = f->eidx, .n = TK, .E = E, .perm = f->perm, .off = f->ecount);
@@ -424,6 +425,8 @@ ds4_status ds4_forward_run(ds4_model *m, const ds4_forward_args *args, ds4_forwa
                            (size_t)(T * ds4_model_csa_layers(m) * c->index_topk) * sizeof(int32_t));
     f.replay_on = 1;
     f.csa_i = 0;
+    const size_t nloads = (size_t)((c->num_hidden_layers + 1) * c->n_routed_experts);
+    if (tape && tape->loads) ds4_dev_fill(f.dev, tape->loads, 0, nloads * sizeof(int64_t));
     OP(f.dev, embed, .X = f.X, .E = f.w->embed, .edt = f.w->mdt, .ids = ids, .T = T, .n = n, .D = D); /* X⁰ */
     for (int64_t li = 0; li < c->num_hidden_layers; li++) {
         f.lt = tape ? &tape->layers[li] : NULL;
@@ -482,6 +485,14 @@ ds4_status ds4_forward_run(ds4_model *m, const ds4_forward_args *args, ds4_forwa
             nq_all += nq;
         }
         r.indexer_loss = nq_all ? sum : 0.0;
+    }
+    if (tape && tape->loads) { /* this forward's expert loads join the model's host counters */
+        int64_t *ld = malloc(nloads * sizeof *ld);
+        if (!ld) ds4_dev_fail(f.dev, DS4_ERR_OOM, "training forward: %zu expert loads", nloads);
+        ds4_dev_download(f.dev, ld, tape->loads, nloads * sizeof *ld);
+        if (ld && !f.dev->st)
+            for (size_t i = 0; i < nloads; i++) m->router_loads[i] += ld[i];
+        free(ld);
     }
     free(host);
     if ((s = ds4_dev_check(f.dev, tape ? "training forward" : "forward", err))) return s;

@@ -73,6 +73,7 @@ static void add(builder *b, ds4_dtype dt, void **slot, int32_t ndim, const int64
     }
     p->dtype = dt;
     p->lowp = dt == DS4_F32 && ds4_param_lowp(name, ndim);
+    p->follows = slot == NULL; /* routed experts e > 0: reached as expert 0's view + e·stride */
     if (dt == DS4_F32) {
         p->offset = b->f32_off;
         b->f32_off += p->numel;
@@ -383,6 +384,7 @@ ds4_status ds4_model_update_router_bias(ds4_model *m, double gamma, ds4_error *e
     if (!(gamma >= 0) || !isfinite(gamma))
         return ds4_fail(err, DS4_ERR_ARG, "router bias update: gamma %g must be finite and >= 0", gamma);
     if (!m->router_loads) return DS4_OK; /* no training forward yet: nothing counted */
+    ds4_model_params_changed(m);
     const int64_t L = m->cfg.num_hidden_layers, E = m->cfg.n_routed_experts;
     for (int64_t l = 0; l <= L; l++) {
         const ds4_layer_w *lw = l < L ? &m->w.layers[l] : (m->has_mtp ? &m->w.mtp.block : NULL);
@@ -660,6 +662,7 @@ ds4_status ds4_model_load(ds4_engine *e, const char *dir, ds4_model **out, ds4_e
 done:
     free(loaded);
     ds4_checkpoint_close(ck);
+    if (!s && e->device.type != DS4_DEVICE_CPU) s = ds4_model_to(m, &e->device, err);
     if (s) {
         ds4_model_free(m);
         return s;
@@ -724,6 +727,10 @@ ds4_status ds4_model_create_random(ds4_engine *e, const ds4_config *cfg, uint64_
                  ends_with(p->name, "gate.bias"))
             fill = 0.0;
         for (int64_t k = 0; k < p->numel; k++) w[k] = isnan(fill) ? (float)(normal(&st) * std) : (float)fill;
+    }
+    if (e->device.type != DS4_DEVICE_CPU && (s = ds4_model_to(m, &e->device, err))) {
+        ds4_model_free(m);
+        return s;
     }
     *out = m;
     return DS4_OK;

@@ -86,6 +86,7 @@ typedef struct ds4_param {
     int64_t offset;                      /* into params (F32) or into the owning tid2eid table (I32) */
     ds4_dtype dtype;                     /* DS4_F32, or DS4_I32 for tid2eid */
     int32_t lowp;                        /* an "M" matrix: held in the backend's mdt */
+    int32_t follows;                     /* a routed expert after the first: contiguous with the entry before it */
     char *src;                           /* its name in the checkpoint it was loaded from (NULL: not loaded) */
     int32_t src_part;                    /* 0 whole tensor; 1 / 3 the w1 / w3 rows of expert src_expert in a
                                             packed gate_up_proj [E, 2I, D]; 2 its slice of a packed down_proj */
@@ -113,6 +114,9 @@ struct ds4_model {
     const ds4_weights *dw;               /* the views the backend computes with (&w on the CPU) */
     ds4_weights dev_w;                   /* another backend's views, bound to dev_mem */
     void *dev_mem;                       /* another backend's copy of the weights (and tid2eid tables) */
+    int64_t *dev_off;                    /* [n_table] byte offset of each F32 entry in dev_mem */
+    size_t dev_f32_bytes, dev_bytes;     /* the weights, then the tid2eid tables */
+    ds4_device_options dev_opt;          /* where it computes */
     int params_dirty;                    /* the host params changed since dev_mem was written */
     /* forward workspace in backend memory, planned from (B, S) and reused while it is large enough */
     void *ws;

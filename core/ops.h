@@ -61,7 +61,7 @@ static inline int64_t ds4_rows_pos(const ds4_rows *r, int64_t t) { return r->pos
 /* X[t, i, :] = E[ids[t], :] for i < n  (X [T, n, D], E [V, D] of dtype edt) */
 typedef struct { float *X; const void *E; ds4_dtype edt; const int64_t *ids; int64_t T, n, D; } ds4_a_embed;
 
-/* mHC pre of one site per token (docs/architecture.md, mHC): x̂ = RMS(vec X), mix = fn·x̂; pre = σ(mix·s0 + b) + eps,
+/* mHC pre of one site per token (docs/architecture.md, "Hyper-connections"): x̂ = RMS(vec X), mix = fn·x̂; pre = σ(mix·s0 + b) + eps,
  * post = 2σ(mix·s1 + b), comb = Sinkhorn(mix·s2 + b); u = Σ pre_i X_i.  X [T, n, D] → pre, post [T, n],
  * comb [T, n, n], u [T, D] */
 typedef struct { const ds4_config *c; const ds4_hc_w *w; const float *X; float *pre, *post, *comb, *u; int64_t T; } ds4_a_hc_pre;

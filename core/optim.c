@@ -370,6 +370,7 @@ ds4_status ds4_adamw_step(ds4_adamw *a, ds4_adamw_stats *stats, ds4_error *err) 
                         "adamw step: the model has no gradient buffer (enable gradients, run a training forward and "
                         "a backward first)");
     float *params = ds4_model_params(m);
+    ds4_model_params_changed(m); /* a model on a device refreshes its copy before its next pass */
 
     /* The trainable tensors, in parameter-buffer order (the order of the norm's sum). */
     size_t nr = 0;

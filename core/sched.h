@@ -58,6 +58,8 @@ typedef struct ds4_tape {
     int64_t *hids, *hlabels;      /* [T] host copies (the schedule derives targets and MTP rows from them) */
     int64_t *tgt;                 /* [T] targets of the rows of logits (backend) */
     float *lp;                    /* [2, T] log-probabilities and entropies (backend) */
+    int64_t *loads;               /* [(L + 1), E] expert loads of this forward, off the host (then added to the
+                                     model's host counters); NULL on a host-visible backend, which counts in place */
     /* MTP (positions i < S-1): inputs and its head */
     float *mtp_e, *mtp_en;        /* [T1, D] embedding of token i+1 / after enorm */
     float *mtp_hn;                /* [T1, n, D] hnorm of X^L_i */

@@ -210,6 +210,7 @@ extern "C" void ds4_cuda_close(ds4_cuda *c) {
 }
 
 extern "C" int ds4_cuda_device_index(const ds4_cuda *c) { return c ? c->device : -1; }
+extern "C" cudaStream_t ds4_cuda_stream(const ds4_cuda *c) { return c ? c->stream : (cudaStream_t)0; }
 
 // ------------------------------------------------------------------------------------------ memory
 

@@ -50,6 +50,14 @@ ds4_status ds4_cuda_open(int device, ds4_cuda **out, ds4_error *err);
 /* Release the context (waits for its stream). NULL is allowed. */
 void ds4_cuda_close(ds4_cuda *c);
 int ds4_cuda_device_index(const ds4_cuda *c);
+#ifdef __CUDACC__
+/* The context's stream (CUDA code only). */
+cudaStream_t ds4_cuda_stream(const ds4_cuda *c);
+#endif
+
+/* The model backend of core/ops.h on device `device` (cuda_dev.cu): a context of its own; *out has one reference. */
+struct ds4_dev;
+ds4_status ds4_cuda_dev_create(int device, struct ds4_dev **out, ds4_error *err);
 
 /* ------------------------------------------------------------------------------------------------ memory */
 

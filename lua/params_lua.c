@@ -48,6 +48,7 @@ static int m_set_params(lua_State *L) {
         bytes = (size_t)n * sizeof(float);
     }
     if (bytes) memmove(ds4_model_params(m), src, bytes);
+    ds4_model_params_changed(m);
     lua_settop(L, 1);
     return 1;
 }

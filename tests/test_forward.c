@@ -138,7 +138,7 @@ int main(int argc, char **argv) {
     const char *fixtures = argc > 1 ? argv[1] : "tests/fixtures";
     ds4_error err = {0};
     ds4_engine *eng = NULL, *eng1 = NULL;
-    ds4_engine_options o = {0}, o1 = {1};
+    ds4_engine_options o = {0}, o1 = {.n_threads = 1};
     CHECK_OK(ds4_engine_create(&o, &eng, &err), &err);
     CHECK_OK(ds4_engine_create(&o1, &eng1, &err), &err);
     if (!eng || !eng1) return ds4t_finish("test_forward");

@@ -228,13 +228,31 @@ const char *ds4_attn_type_name(ds4_attn_type t);
 /* ------------------------------------------------------------------------------------------------ engine */
 
 typedef struct ds4_engine ds4_engine;
+
+/* Where a model computes (docs/design.md). CPU: fp32, the reference. CUDA: device `index`, with the weight
+ * matrices that matmuls read held in `dtype` (DS4_F32, the reference mode, or DS4_BF16: bf16 weights, fp32
+ * activations and accumulation; norms, softmax, Sinkhorn, router scores, compressor gates and log-softmax stay
+ * fp32). A zero-initialised value is the CPU. */
+typedef enum ds4_device_type { DS4_DEVICE_CPU = 0, DS4_DEVICE_CUDA = 1 } ds4_device_type;
+typedef struct ds4_device_options {
+    ds4_device_type type;
+    int32_t index;      /* CUDA device ordinal */
+    ds4_dtype dtype;    /* DS4_F32 (0) or DS4_BF16; the CPU is always fp32 */
+} ds4_device_options;
+
 typedef struct ds4_engine_options {
     int32_t n_threads;  /* 0: all online cores */
+    ds4_device_options device; /* where models loaded or created by this engine compute (default: the CPU) */
+    int32_t profile;    /* nonzero: per-op profiles from the start (also: environment DS4_PROFILE=1) */
 } ds4_engine_options;
 
 ds4_status ds4_engine_create(const ds4_engine_options *opt, ds4_engine **out, ds4_error *err);
 void ds4_engine_free(ds4_engine *e);
 int32_t ds4_engine_threads(const ds4_engine *e);
+/* Switch the per-op profile of every model of the engine on or off (from their next pass); see
+ * ds4_model_profile_report. */
+void ds4_engine_set_profile(ds4_engine *e, int on);
+int ds4_engine_profile(const ds4_engine *e);
 /* Build facts for `ds4 version`: "cpu", "cpu+cuda", ... */
 const char *ds4_build_info(void);
 
@@ -297,6 +315,23 @@ typedef struct ds4_forward_result {
  * it serves one forward at a time: callers must not run two forwards of the same model concurrently.
  * Results do not depend on the number of threads (bit-identical). */
 ds4_status ds4_model_forward(ds4_model *m, const ds4_forward_args *args, ds4_forward_result *res, ds4_error *err);
+
+/* Move the model to another device (or back to the CPU): its weights are copied there in the device's working
+ * dtype, and every later forward, step and generation runs there; tensors handed back are host memory. The host
+ * fp32 parameters stay the master copy (ds4_model_params). Caches made before the move belong to the old device
+ * (a step with them is an error). Fails without changing anything when there is no such device, the build has no
+ * CUDA, or the device memory is short (the message says how much was asked and how much is free). */
+ds4_status ds4_model_to(ds4_model *m, const ds4_device_options *o, ds4_error *err);
+ds4_device_options ds4_model_device(const ds4_model *m);
+/* A short description: "cpu", "cuda:0 bf16". */
+const char *ds4_model_device_name(const ds4_model *m);
+/* Call after writing to the host parameters (ds4_model_params, tensor views): a model on a device refreshes its copy
+ * before its next pass. ds4's own writers (optimizer steps, router-bias updates, checkpoint loads) call it. */
+void ds4_model_params_changed(ds4_model *m);
+/* The per-op profile of the model's backend since the last reset (time per op of the operation table, calls, bytes),
+ * sorted by time, as text (NUL-terminated, truncated to len); returns its length. */
+size_t ds4_model_profile_report(ds4_model *m, char *buf, size_t len);
+void ds4_model_profile_reset(ds4_model *m);
 
 /* Plan the memory of passes of up to `tokens` rows at positions < `max_pos` (a forward of [B, S] is B·S rows at
  * positions < S; a step of N new tokens whose longest sequence reaches P is N rows at positions < P) now, on the

@@ -1,0 +1,262 @@
+// cuda_dev.cu — the CUDA backend instance: device memory, transfers, scratch, launch checking, per-op device
+// timers for the profile, and the operation table (cuda_dev.cuh for the contract).
+#include <cstdarg>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+
+#include "cuda_dev.cuh"
+
+#define CK(call, ...)                                                                                          \
+    do {                                                                                                       \
+        const cudaError_t e_ = (call);                                                                         \
+        if (e_ != cudaSuccess) {                                                                               \
+            (void)cudaGetLastError();                                                                          \
+            char ctx_[512];                                                                                    \
+            snprintf(ctx_, sizeof ctx_, __VA_ARGS__);                                                          \
+            return ds4_fail(err, DS4_ERR_CUDA, "%s: %s: %s (%s)", ctx_, #call, cudaGetErrorString(e_),        \
+                            cudaGetErrorName(e_));                                                             \
+        }                                                                                                      \
+    } while (0)
+
+bool ds4_cuda_launched(ds4_dev *d, const char *op, const char *fmt, ...) {
+    cudaError_t e = cudaGetLastError();
+    cuda_dev *cd = cdev(d);
+    if (e == cudaSuccess && cd->sync_each_op) e = cudaStreamSynchronize(cd->stream);
+    if (e == cudaSuccess) return true;
+    (void)cudaGetLastError();
+    char shapes[400];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(shapes, sizeof shapes, fmt, ap);
+    va_end(ap);
+    ds4_dev_fail(d, DS4_ERR_CUDA, "%s %s: kernel %s: %s (%s)", op, shapes, cd->sync_each_op ? "failed" : "launch",
+                 cudaGetErrorString(e), cudaGetErrorName(e));
+    return false;
+}
+
+// ------------------------------------------------------------------------------------------ memory
+
+static ds4_status c_alloc(ds4_dev *d, size_t bytes, void **out, ds4_error *err) {
+    cuda_dev *cd = cdev(d);
+    *out = NULL;
+    CK(cudaSetDevice(cd->device), "cuda alloc %zu bytes", bytes);
+    void *p = NULL;
+    const cudaError_t e = cudaMalloc(&p, bytes ? bytes : 256);
+    if (e != cudaSuccess) {
+        (void)cudaGetLastError();
+        size_t fr = 0, tot = 0;
+        (void)cudaMemGetInfo(&fr, &tot);
+        (void)cudaGetLastError();
+        return ds4_fail(err, e == cudaErrorMemoryAllocation ? DS4_ERR_OOM : DS4_ERR_CUDA,
+                        "cuda alloc on device %d: asked for %.1f MiB, %.1f MiB free of %.1f MiB: %s", cd->device,
+                        bytes / 1048576.0, fr / 1048576.0, tot / 1048576.0, cudaGetErrorString(e));
+    }
+    *out = p;
+    return DS4_OK;
+}
+
+static void c_free(ds4_dev *d, void *p) {
+    if (!p) return;
+    (void)cudaSetDevice(cdev(d)->device);
+    (void)cudaFree(p);
+    (void)cudaGetLastError();
+}
+
+static ds4_status c_upload(ds4_dev *d, void *dst, const void *src, size_t bytes, ds4_error *err) {
+    cuda_dev *cd = cdev(d);
+    if (!bytes) return DS4_OK;
+    // from pageable memory: the call returns once the source is staged, so the caller may reuse it at once
+    CK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, cd->stream), "cuda upload %zu bytes", bytes);
+    return DS4_OK;
+}
+
+static ds4_status c_download(ds4_dev *d, void *dst, const void *src, size_t bytes, ds4_error *err) {
+    cuda_dev *cd = cdev(d);
+    if (!bytes) return DS4_OK;
+    CK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, cd->stream), "cuda download %zu bytes", bytes);
+    CK(cudaStreamSynchronize(cd->stream), "cuda download %zu bytes (or an earlier operation on the stream)", bytes);
+    return DS4_OK;
+}
+
+static void c_copy(ds4_dev *d, void *dst, const void *src, size_t bytes) {
+    const cudaError_t e = cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, cdev(d)->stream);
+    if (e != cudaSuccess) {
+        (void)cudaGetLastError();
+        ds4_dev_fail(d, DS4_ERR_CUDA, "copy %zu bytes: cudaMemcpyAsync: %s", bytes, cudaGetErrorString(e));
+    }
+}
+
+static void c_fill(ds4_dev *d, void *dst, int byte, size_t bytes) {
+    const cudaError_t e = cudaMemsetAsync(dst, byte, bytes, cdev(d)->stream);
+    if (e != cudaSuccess) {
+        (void)cudaGetLastError();
+        ds4_dev_fail(d, DS4_ERR_CUDA, "fill %zu bytes: cudaMemsetAsync: %s", bytes, cudaGetErrorString(e));
+    }
+}
+
+static ds4_status c_sync(ds4_dev *d, ds4_error *err) {
+    CK(cudaStreamSynchronize(cdev(d)->stream), "cuda synchronize (an operation enqueued on the stream failed)");
+    return DS4_OK;
+}
+
+void *ds4_cuda_scratch(ds4_dev *d, size_t bytes, const char *op) {
+    cuda_dev *cd = cdev(d);
+    if (bytes <= cd->scratch_bytes) return cd->scratch;
+    // growing frees the old block: wait for the operations that may still read it
+    (void)cudaStreamSynchronize(cd->stream);
+    c_free(d, cd->scratch);
+    cd->scratch = NULL;
+    cd->scratch_bytes = 0;
+    ds4_error e;
+    if (c_alloc(d, bytes, &cd->scratch, &e)) {
+        ds4_dev_fail(d, e.code, "%s: scratch: %s", op, e.msg);
+        return NULL;
+    }
+    cd->scratch_bytes = bytes;
+    return cd->scratch;
+}
+
+// Nothing to size ahead: the operations that need scratch (sampling, sorting experts) take it from ds4_cuda_scratch,
+// which generation and the schedule size before their loops through the first pass.
+static ds4_status c_reserve(ds4_dev *d, const ds4_config *c, int64_t T, int64_t S, int training, ds4_error *err) {
+    (void)d, (void)c, (void)T, (void)S, (void)training, (void)err;
+    return DS4_OK;
+}
+
+static void c_destroy(ds4_dev *d) {
+    cuda_dev *cd = cdev(d);
+    if (!cd) return;
+    (void)cudaSetDevice(cd->device);
+    (void)cudaStreamSynchronize(cd->stream);
+    c_free(d, cd->scratch);
+    if (cd->host_err) (void)cudaFreeHost(cd->host_err);
+    ds4_cuda_close(cd->cu);
+    free(cd);
+}
+
+// ------------------------------------------------------------------------------------------ profile timers
+
+// Event pairs recorded around each operation; their times are read (one synchronisation) when the table is printed
+// or the pool is full, so profiling does not serialise the stream op by op.
+namespace {
+struct timer_state {
+    enum { N = 4096 };
+    cudaEvent_t ev[2 * N];
+    int op[N];
+    int used;
+};
+}
+
+static void t_flush(ds4_dev *d) {
+    timer_state *s = (timer_state *)d->prof->timer_state;
+    if (!s || !s->used) return;
+    (void)cudaEventSynchronize(s->ev[2 * s->used - 1]);
+    for (int i = 0; i < s->used; i++) {
+        float ms = 0;
+        if (cudaEventElapsedTime(&ms, s->ev[2 * i], s->ev[2 * i + 1]) == cudaSuccess)
+            d->prof->seconds[s->op[i]] += 1e-3 * (double)ms;
+    }
+    (void)cudaGetLastError();
+    s->used = 0;
+}
+
+static int t_start(ds4_dev *d, ds4_op_id op) {
+    timer_state *s = (timer_state *)d->prof->timer_state;
+    if (s->used == timer_state::N) t_flush(d);
+    const int i = s->used++;
+    s->op[i] = (int)op;
+    (void)cudaEventRecord(s->ev[2 * i], cdev(d)->stream);
+    return i;
+}
+
+static void t_stop(ds4_dev *d, ds4_op_id op, int token) {
+    (void)op;
+    timer_state *s = (timer_state *)d->prof->timer_state;
+    (void)cudaEventRecord(s->ev[2 * token + 1], cdev(d)->stream);
+}
+
+static void t_free(ds4_dev *d) {
+    timer_state *s = (timer_state *)d->prof->timer_state;
+    if (!s) return;
+    for (int i = 0; i < 2 * timer_state::N; i++) (void)cudaEventDestroy(s->ev[i]);
+    (void)cudaGetLastError();
+    free(s);
+    d->prof->timer_state = NULL;
+}
+
+static ds4_status c_profile_init(ds4_dev *d, ds4_error *err) {
+    timer_state *s = (timer_state *)calloc(1, sizeof *s);
+    if (!s) return ds4_fail(err, DS4_ERR_OOM, "cuda profile: timer pool");
+    for (int i = 0; i < 2 * timer_state::N; i++) {
+        const cudaError_t e = cudaEventCreate(&s->ev[i]);
+        if (e != cudaSuccess) {
+            for (int j = 0; j < i; j++) (void)cudaEventDestroy(s->ev[j]);
+            free(s);
+            (void)cudaGetLastError();
+            return ds4_fail(err, DS4_ERR_CUDA, "cuda profile: cudaEventCreate: %s", cudaGetErrorString(e));
+        }
+    }
+    d->prof->timer_state = s;
+    d->prof->timer_start = t_start;
+    d->prof->timer_stop = t_stop;
+    d->prof->timer_flush = t_flush;
+    d->prof->timer_free = t_free;
+    return DS4_OK;
+}
+
+// ------------------------------------------------------------------------------------------ table
+
+static const ds4_ops cuda_ops = [] {
+    ds4_ops o;
+    memset(&o, 0, sizeof o);
+    o.name = "cuda";
+    o.alloc = c_alloc;
+    o.free = c_free;
+    o.upload = c_upload;
+    o.download = c_download;
+    o.copy = c_copy;
+    o.fill = c_fill;
+    o.sync = c_sync;
+    o.reserve = c_reserve;
+    o.destroy = c_destroy;
+    o.profile_init = c_profile_init;
+#define SET(name) o.name = ds4_cuda_##name;
+    SET(embed) SET(hc_pre) SET(hc_post) SET(hyperhead) SET(rmsnorm) SET(rope) SET(scale) SET(copy_rows)
+    SET(gather_rows) SET(scatter_rows) SET(add_rows) SET(add_bcast) SET(matmul) SET(matmul_grouped) SET(compress)
+    SET(indexer) SET(attention) SET(cache_commit) SET(record_picks) SET(route) SET(count_loads) SET(moe_sort)
+    SET(moe_weigh) SET(swiglu) SET(moe_combine) SET(ce_rows) SET(logprobs) SET(sample)
+#undef SET
+    return o;
+}();
+
+extern "C" ds4_status ds4_cuda_dev_create(int device, ds4_dev **out, ds4_error *err) {
+    *out = NULL;
+    ds4_cuda *cu = NULL;
+    ds4_status st = ds4_cuda_open(device, &cu, err);
+    if (st) return st;
+    cuda_dev *cd = (cuda_dev *)calloc(1, sizeof *cd);
+    if (!cd) {
+        ds4_cuda_close(cu);
+        return ds4_fail(err, DS4_ERR_OOM, "cuda backend: %zu bytes", sizeof *cd);
+    }
+    cd->dev.ops = &cuda_ops;
+    cd->dev.kind = DS4_DEV_CUDA;
+    cd->dev.host_visible = 0;
+    cd->dev.refs = 1;
+    cd->cu = cu;
+    cd->device = device;
+    cd->stream = ds4_cuda_stream(cu);
+    cudaDeviceProp p;
+    if (cudaGetDeviceProperties(&p, device) != cudaSuccess) {
+        (void)cudaGetLastError();
+        c_destroy(&cd->dev);
+        return ds4_fail(err, DS4_ERR_CUDA, "cuda backend: cudaGetDeviceProperties(%d) failed", device);
+    }
+    cd->sm_count = p.multiProcessorCount;
+    cd->smem_optin = p.sharedMemPerBlockOptin;
+    const char *sync = getenv("DS4_CUDA_SYNC");
+    cd->sync_each_op = sync && sync[0] == '1';
+    *out = &cd->dev;
+    return DS4_OK;
+}

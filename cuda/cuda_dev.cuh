@@ -1,0 +1,134 @@
+// cuda_dev.cuh — the CUDA backend's internals, shared by its operation files (cuda_*.cu).
+//
+// The backend implements the operation table of core/ops.h over device memory on one stream. Contract with the
+// schedule (docs/design.md):
+//   - Every launch is checked; a failure is recorded in the backend's sticky error with the operation's name, its
+//     shapes and the CUDA error string (ds4_dev_fail). Errors of a kernel that faults while running surface at the
+//     next synchronising call (a download); DS4_CUDA_SYNC=1 synchronises after every operation so that the message
+//     names the operation that faulted.
+//   - Batch invariance: no kernel chooses its reduction order by the number of rows. Each output element is
+//     reduced in a fixed order that depends only on the model's shapes (the GEMMs never split K; row reductions
+//     use a fixed block size and a fixed tree), so a row's result is the same bits alone or in any batch, in a
+//     full forward or a decoding step.
+//   - Activations are fp32; a weight matrix is fp32 or bf16 (its wdt), accumulated in fp32.
+#ifndef DS4_CUDA_DEV_CUH
+#define DS4_CUDA_DEV_CUH
+
+#include <cstdint>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+extern "C" {
+#include "internal.h"
+#include "ops.h"
+#include "profile.h"
+}
+#include "cuda_backend.h"
+
+struct cuda_dev {
+    ds4_dev dev;                  // first: a ds4_dev * of this backend is a cuda_dev *
+    ds4_cuda *cu;                 // device, stream, cuBLAS handle
+    cudaStream_t stream;
+    int device;
+    int sm_count;
+    size_t smem_optin;            // the largest dynamic shared memory a block may ask for
+    int sync_each_op;             // DS4_CUDA_SYNC=1
+    // scratch owned by the backend (grown, never shrunk; allocated before a pass, never inside one)
+    void *scratch;
+    size_t scratch_bytes;
+    int32_t *host_err;            // pinned: per-row status words of the sampler
+    size_t host_err_n;
+};
+
+static inline cuda_dev *cdev(ds4_dev *d) { return reinterpret_cast<cuda_dev *>(d); }
+
+// Check the launch just made; record a failure naming the operation and its shapes. Returns true on success.
+bool ds4_cuda_launched(ds4_dev *d, const char *op, const char *fmt, ...) DS4_PRINTF(3, 4);
+// Device scratch of at least `bytes`, or NULL (failure recorded) — for operations that need temporary memory.
+void *ds4_cuda_scratch(ds4_dev *d, size_t bytes, const char *op);
+
+// ------------------------------------------------------------------------------------------ device helpers
+
+__device__ __forceinline__ float ds4d_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+__device__ __forceinline__ float ds4d_silu(float x) { return x / (1.0f + expf(-x)); }
+
+// Warp sums in a fixed butterfly order: every lane gets the same bits, whatever the caller's batch.
+__device__ __forceinline__ double ds4d_warp_sum(double v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+__device__ __forceinline__ float ds4d_warp_sumf(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+__device__ __forceinline__ float ds4d_warp_maxf(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// Block sum of per-thread doubles in a fixed order (warp butterflies, then warp 0 over the warp sums). `sh` holds
+// one double per warp. Every thread gets the total; ends with a barrier.
+__device__ __forceinline__ double ds4d_block_sum(double v, double *sh) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+    v = ds4d_warp_sum(v);
+    if (lane == 0) sh[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        double t = lane < nw ? sh[lane] : 0.0;
+        t = ds4d_warp_sum(t);
+        if (lane == 0) sh[0] = t;
+    }
+    __syncthreads();
+    const double t = sh[0];
+    __syncthreads();
+    return t;
+}
+
+__device__ __forceinline__ float ds4d_block_maxf(float v, float *sh) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+    v = ds4d_warp_maxf(v);
+    if (lane == 0) sh[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        float t = lane < nw ? sh[lane] : -INFINITY;
+        t = ds4d_warp_maxf(t);
+        if (lane == 0) sh[0] = t;
+    }
+    __syncthreads();
+    const float t = sh[0];
+    __syncthreads();
+    return t;
+}
+
+// RMSNorm factor 1 / sqrt(mean(x²) + eps) of `n` values computed from a sum of squares in double, as the CPU does.
+__device__ __forceinline__ float ds4d_rms_inv(double ss, int64_t n, double eps) {
+    return (float)(1.0 / sqrt(ss / (double)n + eps));
+}
+
+// Interleaved RoPE of the trailing 2·half channels of a vector of width `width` (sign -1: inverse rotation).
+__device__ __forceinline__ void ds4d_rope_pair(float *p, const float *cs, int64_t i, int sign) {
+    const float c = cs[2 * i], s = sign * cs[2 * i + 1];
+    const float a = p[2 * i], b = p[2 * i + 1];
+    p[2 * i] = a * c - b * s;
+    p[2 * i + 1] = b * c + a * s;
+}
+
+// Launch geometry helpers.
+static inline unsigned ds4_blocks(int64_t n, int threads) {
+    const int64_t b = (n + threads - 1) / threads;
+    return (unsigned)(b < 1 ? 1 : (b > 0x7fffffff ? 0x7fffffff : b));
+}
+
+// The operations, by file.
+#define DS4_CUDA_OP(name) void ds4_cuda_##name(ds4_dev *d, const ds4_a_##name *a);
+DS4_CUDA_OP(embed) DS4_CUDA_OP(hc_pre) DS4_CUDA_OP(hc_post) DS4_CUDA_OP(hyperhead)
+DS4_CUDA_OP(rmsnorm) DS4_CUDA_OP(rope) DS4_CUDA_OP(scale) DS4_CUDA_OP(copy_rows) DS4_CUDA_OP(gather_rows)
+DS4_CUDA_OP(scatter_rows) DS4_CUDA_OP(add_rows) DS4_CUDA_OP(add_bcast)
+DS4_CUDA_OP(matmul) DS4_CUDA_OP(matmul_grouped)
+DS4_CUDA_OP(compress) DS4_CUDA_OP(indexer) DS4_CUDA_OP(attention) DS4_CUDA_OP(cache_commit) DS4_CUDA_OP(record_picks)
+DS4_CUDA_OP(route) DS4_CUDA_OP(count_loads) DS4_CUDA_OP(moe_sort) DS4_CUDA_OP(moe_weigh) DS4_CUDA_OP(swiglu)
+DS4_CUDA_OP(moe_combine)
+DS4_CUDA_OP(ce_rows) DS4_CUDA_OP(logprobs) DS4_CUDA_OP(sample)
+#undef DS4_CUDA_OP
+
+#endif

@@ -1,0 +1,338 @@
+// cuda_head.cu — the vocabulary end on the GPU: per-row cross-entropy and log-probabilities, and sampling.
+//
+// One block of ROW_THREADS per row. The log-sum-exp of a row is computed by one function (row_stats) in every
+// kernel here, so the log-probability a generation reports for a token and the one a training forward computes
+// for it are the same bits (the rollout / training mismatch is exactly 0 on the GPU as on the CPU).
+//
+// Sampling follows ds4_sample (core/sample.c) step by step, in double: temperature, top-k, top-p, min-p in HF's
+// order, then the inverse CDF at the uniform u over the kept tokens in ascending id order. Its sums run over 256
+// contiguous chunks (each chunk sequential, then the chunk sums sequential), so a draw is deterministic and does
+// not depend on the batch; it equals the CPU's draw from the same logits unless u·total falls within rounding
+// (~1e-16 relative) of a boundary between two tokens.
+#include <cstring>
+
+#include "cuda_dev.cuh"
+
+namespace {
+
+constexpr int ROW_THREADS = 256;
+
+struct row_stats_t {
+    float mx;
+    int64_t arg;                  // lowest id of the maximum
+    double se, ez;                // Σ e^{z - mx}, Σ e^{z - mx}·(z - mx)
+};
+
+// Max (and its lowest id), Σ exp and Σ exp·(z - mx) of one row; every thread gets them.
+__device__ row_stats_t row_stats(const float *z, int64_t V, bool want_ez, double *shd, float *shf, int64_t *shi) {
+    const int tid = threadIdx.x;
+    float mx = -INFINITY;
+    int64_t arg = -1;
+    for (int64_t v = tid; v < V; v += ROW_THREADS)
+        if (arg < 0 || z[v] > mx) mx = z[v], arg = v;
+    shf[tid] = mx;
+    shi[tid] = arg;
+    __syncthreads();
+    if (tid == 0) {
+        float m = -INFINITY;
+        int64_t a = -1;
+        for (int i = 0; i < ROW_THREADS; i++)
+            if (shi[i] >= 0 && (a < 0 || shf[i] > m || (shf[i] == m && shi[i] < a))) m = shf[i], a = shi[i];
+        shf[0] = m;
+        shi[0] = a;
+    }
+    __syncthreads();
+    row_stats_t r;
+    r.mx = shf[0];
+    r.arg = shi[0];
+    __syncthreads();
+    double se = 0, ez = 0;
+    for (int64_t v = tid; v < V; v += ROW_THREADS) {
+        const double e = exp((double)z[v] - r.mx);
+        se += e;
+        if (want_ez) ez += e * ((double)z[v] - r.mx);
+    }
+    r.se = ds4d_block_sum(se, shd);
+    r.ez = want_ez ? ds4d_block_sum(ez, shd) : 0;
+    return r;
+}
+
+__global__ void __launch_bounds__(ROW_THREADS) ce_kernel(const float *logits, int64_t V, const int64_t *tgt, double *nll) {
+    __shared__ double shd[ROW_THREADS / 32];
+    __shared__ float shf[ROW_THREADS];
+    __shared__ int64_t shi[ROW_THREADS];
+    const int64_t r = blockIdx.x, y = tgt[r];
+    if (y == -100) return;
+    const float *z = logits + r * V;
+    const row_stats_t s = row_stats(z, V, false, shd, shf, shi);
+    if (threadIdx.x == 0) nll[r] = log(s.se) + s.mx - z[y];
+}
+
+__global__ void __launch_bounds__(ROW_THREADS) logprobs_kernel(const float *logits, int64_t V, const int64_t *tgt,
+                                                               float *logp, float *entropy) {
+    __shared__ double shd[ROW_THREADS / 32];
+    __shared__ float shf[ROW_THREADS];
+    __shared__ int64_t shi[ROW_THREADS];
+    const int64_t r = blockIdx.x;
+    const float *z = logits + r * V;
+    const row_stats_t s = row_stats(z, V, entropy != nullptr, shd, shf, shi);
+    if (threadIdx.x == 0) {
+        const double lse = log(s.se);
+        const int64_t y = tgt[r];
+        if (logp) logp[r] = y == -100 ? 0.0f : (float)((double)z[y] - s.mx - lse);
+        if (entropy) entropy[r] = (float)(lse - s.ez / s.se);
+    }
+}
+
+// ------------------------------------------------------------------------------------------ sampling
+
+struct sample_args {
+    const float *logits;
+    const int32_t *lrow;
+    int64_t V, pow2;
+    double temperature, top_p, min_p;
+    int64_t top_k;
+    const double *u;
+    int64_t *id;
+    double *lpm, *lps;
+    double *w;                    // [rows, pow2] scratch weights
+    int32_t *wid;                 // [rows, pow2] their ids
+    int32_t *status;              // [rows, 2]: code (0 ok, 1 NaN, 2 +inf, 3 all -inf), index
+};
+
+// Sort e[0, n) (padded to n2, a power of two) by (w desc, id asc), or by id asc.
+__device__ void bitonic(double *w, int32_t *id, int64_t n2, bool by_id) {
+    for (int64_t size = 2; size <= n2; size <<= 1)
+        for (int64_t stride = size >> 1; stride > 0; stride >>= 1) {
+            for (int64_t i = threadIdx.x; i < n2; i += ROW_THREADS) {
+                const int64_t j = i ^ stride;
+                if (j <= i) continue;
+                const bool asc = (i & size) == 0;
+                const bool j_first = by_id ? id[j] < id[i] : (w[j] > w[i] || (w[j] == w[i] && id[j] < id[i]));
+                if (j_first == asc) {
+                    const double tw = w[i];
+                    w[i] = w[j], w[j] = tw;
+                    const int32_t ti = id[i];
+                    id[i] = id[j], id[j] = ti;
+                }
+            }
+            __syncthreads();
+        }
+}
+
+// Chunked sums over w[0, n): thread c owns chunk [c·L, min(n, (c+1)·L)); pre[c] = Σ of the chunks before c (pre[P]
+// the total), each chunk summed in order and the chunk sums in order.
+__device__ void chunk_prefix(const double *w, int64_t n, double *pre, int64_t *L_out) {
+    const int64_t L = (n + ROW_THREADS - 1) / ROW_THREADS, c = threadIdx.x;
+    double part = 0;
+    for (int64_t j = c * L; j < n && j < (c + 1) * L; j++) part += w[j];
+    pre[c + 1] = part;
+    __syncthreads();
+    if (c == 0) {
+        double acc = 0;
+        pre[0] = 0;
+        for (int i = 1; i <= ROW_THREADS; i++) {
+            acc += pre[i];
+            pre[i] = acc;
+        }
+    }
+    __syncthreads();
+    *L_out = L;
+}
+
+// The first j in [0, n) whose running sum pre[c] + (within its chunk) passes `limit` (sum > limit, or, with
+// ratio, sum / tot >= limit); n when none does.
+__device__ int64_t first_past(const double *w, int64_t n, const double *pre, int64_t L, double limit, bool ratio,
+                              double tot, int64_t *shi) {
+    const int64_t c = threadIdx.x;
+    int64_t found = n;
+    double cum = pre[c];
+    for (int64_t j = c * L; j < n && j < (c + 1) * L; j++) {
+        cum += w[j];
+        if (ratio ? cum / tot >= limit : cum > limit) {
+            found = j;
+            break;
+        }
+    }
+    shi[c] = found;
+    __syncthreads();
+    if (c == 0) {
+        int64_t f = n;
+        for (int i = 0; i < ROW_THREADS; i++) f = shi[i] < f ? shi[i] : f;
+        shi[0] = f;
+    }
+    __syncthreads();
+    const int64_t f = shi[0];
+    __syncthreads();
+    return f;
+}
+
+__global__ void __launch_bounds__(ROW_THREADS) sample_kernel(sample_args a) {
+    __shared__ double shd[ROW_THREADS / 32], pre[ROW_THREADS + 1];
+    __shared__ float shf[ROW_THREADS];
+    __shared__ int64_t shi[ROW_THREADS];
+    __shared__ int bad;
+    const int64_t r = blockIdx.x, V = a.V;
+    const float *z = a.logits + (int64_t)a.lrow[r] * V;
+    const int tid = threadIdx.x;
+    if (tid == 0) bad = 0;
+    __syncthreads();
+    for (int64_t v = tid; v < V; v += ROW_THREADS)
+        if (z[v] != z[v] || (isinf(z[v]) && z[v] > 0)) atomicExch(&bad, 1);
+    __syncthreads();
+    if (bad) { // report the lowest offending index
+        int64_t first = V;
+        for (int64_t v = tid; v < V; v += ROW_THREADS)
+            if ((z[v] != z[v] || (isinf(z[v]) && z[v] > 0)) && v < first) first = v;
+        shi[tid] = first;
+        __syncthreads();
+        if (tid == 0) {
+            for (int i = 1; i < ROW_THREADS; i++) first = shi[i] < first ? shi[i] : first;
+            first = shi[0] < first ? shi[0] : first;
+            a.status[2 * r] = z[first] != z[first] ? 1 : 2;
+            a.status[2 * r + 1] = (int32_t)first;
+            a.id[r] = -1;
+        }
+        return;
+    }
+    const row_stats_t s = row_stats(z, V, false, shd, shf, shi);
+    if (isinf(s.mx)) {
+        if (tid == 0) a.status[2 * r] = 3, a.status[2 * r + 1] = -1, a.id[r] = -1;
+        return;
+    }
+    /* log p_model of a token, written exactly as logprobs_kernel writes it (the same association), so a rollout's
+     * log-probability and the training forward's are the same bits */
+    const double lse = log(s.se);
+#define LOG_P(y) ((double)z[y] - s.mx - lse)
+    if (a.temperature == 0) {
+        if (tid == 0) a.id[r] = s.arg, a.lpm[r] = LOG_P(s.arg), a.lps[r] = 0, a.status[2 * r] = 0;
+        return;
+    }
+    double *w = a.w + r * a.pow2;
+    int32_t *id = a.wid + r * a.pow2;
+    for (int64_t v = tid; v < a.pow2; v += ROW_THREADS) {
+        w[v] = v < V ? exp(((double)z[v] - s.mx) / a.temperature) : -1.0; // padding sorts last
+        id[v] = (int32_t)v;
+    }
+    __syncthreads();
+    int64_t n = V, L;
+    const bool topk = a.top_k > 0 && a.top_k < V, topp = a.top_p > 0 && a.top_p < 1;
+    if (topk || topp) {
+        bitonic(w, id, a.pow2, false);
+        if (topk) n = a.top_k;
+        if (topp) {
+            chunk_prefix(w, n, pre, &L);
+            const double tot = pre[ROW_THREADS];
+            const int64_t f = first_past(w, n, pre, L, a.top_p, true, tot, shi);
+            n = f < n ? f + 1 : n;
+        }
+    }
+    // min-p (the argmax's weight is exactly 1, so p_i >= min_p·p_max is w_i >= min_p): stable compaction
+    if (a.min_p > 0) {
+        if (tid == 0) {
+            int64_t m = 0;
+            for (int64_t j = 0; j < n; j++)
+                if (w[j] >= a.min_p) w[m] = w[j], id[m] = id[j], m++;
+            shi[0] = m;
+        }
+        __syncthreads();
+        n = shi[0];
+        __syncthreads();
+    }
+    if (topk || topp) {
+        int64_t n2 = 1;
+        while (n2 < n) n2 <<= 1;
+        for (int64_t j = n + tid; j < n2; j += ROW_THREADS) id[j] = 0x7fffffff, w[j] = 0; // padding sorts last
+        __syncthreads();
+        bitonic(w, id, n2, true);
+    }
+    chunk_prefix(w, n, pre, &L);
+    const double tot = pre[ROW_THREADS];
+    const double target = a.u[r] * tot;
+    int64_t pick = first_past(w, n, pre, L, target, false, tot, shi);
+    if (pick == n) { // rounding kept the running sum at or below the target: the last kept token of nonzero weight
+        if (tid == 0) {
+            pick = 0;
+            for (int64_t j = 0; j < n; j++)
+                if (w[j] > 0) pick = j;
+            shi[0] = pick;
+        }
+        __syncthreads();
+        pick = shi[0];
+    }
+    if (tid == 0) {
+        a.id[r] = id[pick];
+        a.lpm[r] = LOG_P(id[pick]);
+        a.lps[r] = log(w[pick] / tot);
+        a.status[2 * r] = 0;
+    }
+#undef LOG_P
+}
+
+} // namespace
+
+void ds4_cuda_ce_rows(ds4_dev *d, const ds4_a_ce_rows *a) {
+    if (a->rows <= 0) return;
+    ce_kernel<<<(unsigned)a->rows, ROW_THREADS, 0, cdev(d)->stream>>>(a->logits, a->V, a->tgt, a->nll);
+    ds4_cuda_launched(d, "ce_rows", "[%lld x %lld]", (long long)a->rows, (long long)a->V);
+}
+
+void ds4_cuda_logprobs(ds4_dev *d, const ds4_a_logprobs *a) {
+    if (a->rows <= 0) return;
+    logprobs_kernel<<<(unsigned)a->rows, ROW_THREADS, 0, cdev(d)->stream>>>(a->logits, a->V, a->tgt, a->logp,
+                                                                              a->entropy);
+    ds4_cuda_launched(d, "logprobs", "[%lld x %lld]", (long long)a->rows, (long long)a->V);
+}
+
+void ds4_cuda_sample(ds4_dev *d, const ds4_a_sample *a) {
+    cuda_dev *cd = cdev(d);
+    if (a->rows <= 0) return;
+    const ds4_sampling *p = &a->p;
+    if (!(p->temperature >= 0) || isinf(p->temperature) || p->top_k < 0 || !(p->top_p >= 0 && p->top_p <= 1) ||
+        !(p->min_p >= 0 && p->min_p <= 1)) {
+        ds4_dev_fail(d, DS4_ERR_ARG, "sample: temperature %g, top_k %lld, top_p %g, min_p %g out of range",
+                     p->temperature, (long long)p->top_k, p->top_p, p->min_p);
+        return;
+    }
+    int64_t pow2 = 1;
+    while (pow2 < a->V) pow2 <<= 1;
+    const size_t wbytes = p->temperature > 0 ? (size_t)a->rows * pow2 * (sizeof(double) + sizeof(int32_t)) : 0;
+    char *scr = (char *)ds4_cuda_scratch(d, wbytes + (size_t)a->rows * 2 * sizeof(int32_t), "sample");
+    if (!scr) return;
+    if ((size_t)a->rows > cd->host_err_n) {
+        if (cd->host_err) (void)cudaFreeHost(cd->host_err);
+        cd->host_err = NULL;
+        cd->host_err_n = 0;
+        if (cudaMallocHost((void **)&cd->host_err, (size_t)a->rows * 2 * sizeof(int32_t)) != cudaSuccess) {
+            (void)cudaGetLastError();
+            ds4_dev_fail(d, DS4_ERR_OOM, "sample: pinned status of %lld rows", (long long)a->rows);
+            return;
+        }
+        cd->host_err_n = (size_t)a->rows;
+    }
+    sample_args g = {a->logits, a->lrow, a->V, pow2, p->temperature, p->top_p, p->min_p, p->top_k, a->u, a->id,
+                     a->lp_model, a->lp_sample, (double *)scr, (int32_t *)(scr + (size_t)a->rows * pow2 * sizeof(double)),
+                     (int32_t *)(scr + wbytes)};
+    sample_kernel<<<(unsigned)a->rows, ROW_THREADS, 0, cd->stream>>>(g);
+    if (!ds4_cuda_launched(d, "sample", "[%lld draws x %lld]", (long long)a->rows, (long long)a->V)) return;
+    // the status words come back now: an invalid row is an error of this operation, naming the row
+    if (cudaMemcpyAsync(cd->host_err, g.status, (size_t)a->rows * 2 * sizeof(int32_t), cudaMemcpyDeviceToHost,
+                        cd->stream) != cudaSuccess ||
+        cudaStreamSynchronize(cd->stream) != cudaSuccess) {
+        const cudaError_t e = cudaGetLastError();
+        ds4_dev_fail(d, DS4_ERR_CUDA, "sample [%lld draws x %lld]: %s", (long long)a->rows, (long long)a->V,
+                     cudaGetErrorString(e));
+        return;
+    }
+    for (int64_t r = 0; r < a->rows; r++) {
+        const int32_t code = cd->host_err[2 * r], at = cd->host_err[2 * r + 1];
+        if (!code) continue;
+        if (code == 3)
+            ds4_dev_fail(d, DS4_ERR_ARG, "sample: row %lld of [%lld, %lld]: all logits are -inf", (long long)r,
+                         (long long)a->rows, (long long)a->V);
+        else
+            ds4_dev_fail(d, DS4_ERR_ARG, "sample: row %lld of [%lld, %lld]: logits[%d] is %s", (long long)r,
+                         (long long)a->rows, (long long)a->V, at, code == 1 ? "NaN" : "+inf (the softmax is undefined)");
+        return;
+    }
+}

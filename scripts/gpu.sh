@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# gpu.sh — on a machine with an NVIDIA GPU: build ds4 with its CUDA backend, run the whole test suite (the GPU tests
+# run there instead of skipping) and the GPU benchmarks, and end with ONE summary line. CI has no GPU and cannot run
+# this; its summary line goes into the notes and bench/RESULTS.md.
+#
+#   bash scripts/gpu.sh [LOG_DIR]                 # logs into LOG_DIR (default: $OUT if set, else build-gpu/logs)
+#   DEPS_ENV=dir/use-debs.sh DEPS_DIR=dir/debs bash scripts/gpu.sh
+#                                                 # a machine without package access: source DEPS_ENV with DEPS_DIR
+#                                                 # first (it unpacks Debian packages and points pkg-config and the
+#                                                 # loader at them)
+#   GPU_STAGES="build tests bench"                # a subset (default: all three)
+#   BENCH_ARGS="--quick"                          # passed to bench/gpu_bench.sh
+set -uo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+LOG="${1:-${OUT:-$ROOT/build-gpu/logs}}"
+STAGES="${GPU_STAGES:-build tests bench}"
+mkdir -p "$LOG"
+if [ -n "${DEPS_ENV:-}" ]; then
+    # shellcheck disable=SC1090
+    . "$DEPS_ENV" "${DEPS_DIR:?DEPS_DIR names the folder of .deb files}"
+fi
+say() { printf '== gpu: %s\n' "$*"; }
+gpu="$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | head -n1)"
+say "device: ${gpu:-none found}; $(nvcc --version 2>/dev/null | tail -n1)"
+build_status=skipped tests_status=skipped bench_status=skipped
+
+if [[ " $STAGES " == *" build "* ]]; then
+    gen=()
+    command -v ninja >/dev/null && gen=(-G Ninja)
+    t0=$SECONDS
+    if cmake -S . -B build-gpu "${gen[@]}" -DCMAKE_BUILD_TYPE=Release >"$LOG/configure.log" 2>&1 &&
+        cmake --build build-gpu -j "$(nproc)" >"$LOG/build.log" 2>&1; then
+        build_status="ok ($((SECONDS - t0)) s)"
+        grep -q "CUDA backend ON" "$LOG/configure.log" || build_status="ok, but WITHOUT the CUDA backend"
+    else
+        build_status=FAILED
+        tail -n 30 "$LOG/build.log" "$LOG/configure.log"
+    fi
+    say "build: $build_status"
+fi
+
+if [[ " $STAGES " == *" tests "* ]]; then
+    # the GPU tests first, verbose (their numbers are the record), then the whole suite
+    for t in test_cuda test_cuda_ops test_cuda_model; do
+        "build-gpu/$t" "$ROOT/tests/fixtures" >"$LOG/$t.log" 2>&1
+        say "$t: exit $? ($(tail -n1 "$LOG/$t.log"))"
+    done
+    ctest --test-dir build-gpu --output-on-failure -j 8 >"$LOG/ctest.log" 2>&1
+    total="$(sed -n 's/.*tests failed out of \([0-9]*\).*/\1/p' "$LOG/ctest.log" | tail -n1)"
+    failed="$(sed -n 's/.* \([0-9]*\) tests failed out of .*/\1/p' "$LOG/ctest.log" | tail -n1)"
+    skipped="$(grep -c '(Skipped)' "$LOG/ctest.log" || true)"
+    tests_status="${total:-?} tests, ${failed:-?} failed, ${skipped} skipped"
+    grep -E "Failed|\*\*\*|Skipped" "$LOG/ctest.log" | head -n 20
+    say "ctest: $tests_status"
+fi
+
+if [[ " $STAGES " == *" bench "* ]]; then
+    if [ -x bench/gpu_bench.sh ] || [ -f bench/gpu_bench.sh ]; then
+        # shellcheck disable=SC2086
+        bash bench/gpu_bench.sh build-gpu "$LOG" ${BENCH_ARGS:-} >"$LOG/bench.log" 2>&1
+        bench_status="$(grep '^bench:' "$LOG/bench.log" | tail -n1 | sed 's/^bench: //')"
+        [ -n "$bench_status" ] || bench_status="FAILED ($(tail -n1 "$LOG/bench.log"))"
+    fi
+fi
+echo "gpu summary: ${gpu:-no GPU}; build $build_status; ctest $tests_status; bench ${bench_status}"
