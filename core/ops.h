@@ -52,6 +52,9 @@ typedef struct ds4_rows {
     const int32_t *rowseq;        /* step: [T] the sequence of each row */
     const ds4_seq_desc *seqs;     /* step: [nseq] */
     int64_t nseq, li;
+    int64_t cap;                  /* step: the largest capacity among the sequences' caches, a bound of S that stays
+                                     fixed while they decode (a backend sizes per-pass resources from it) */
+    const int64_t *njobs;         /* step: [2] the compressor jobs of the step per rate class (backend memory) */
 } ds4_rows;
 
 static inline int64_t ds4_rows_pos(const ds4_rows *r, int64_t t) { return r->pos ? r->pos[t] : t % r->S; }
@@ -295,6 +298,12 @@ typedef struct ds4_ops {
     void (*destroy)(ds4_dev *d);
     /* optional: install device timers into d->prof (profile.h) */
     ds4_status (*profile_init)(ds4_dev *d, ds4_error *err);
+    /* optional: run a pass as one recorded unit (CUDA graphs). graph_begin returns 1 when it replayed the pass
+     * recorded under `key` (the caller skips the pass's operations), else 0: the caller runs them (the backend may
+     * be recording them) and then calls graph_end, which launches what was recorded. A key must name everything the
+     * pass's launches depend on: shapes, buffer addresses, flags; its inputs live in backend memory. */
+    int (*graph_begin)(ds4_dev *d, uint64_t key);
+    void (*graph_end)(ds4_dev *d, uint64_t key);
     /* operations; NULL: not implemented by this backend (the call fails with a message naming it) */
 #define DS4_OP_FIELD(name) void (*name)(ds4_dev *d, const ds4_a_##name *a);
     DS4_OPS(DS4_OP_FIELD)

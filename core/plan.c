@@ -98,7 +98,9 @@ static void plan(ds4_pass *f, ds4_arena *a, const ds4_pass_opts *o) {
     const size_t I = (size_t)c->moe_intermediate_size, E = (size_t)c->n_routed_experts, L = (size_t)c->num_hidden_layers;
     const size_t cI = (size_t)c->index_head_dim, nI = (size_t)c->index_n_heads;
     const size_t ncsa = (size_t)ds4_model_csa_layers(f->m), topk = (size_t)c->index_topk;
-    f->sel_stride = c->index_topk < f->S ? c->index_topk : f->S;
+    /* picks per row: a full forward needs min(index_topk, S); a step keeps room for the full top-k whatever its
+     * positions, so that its layout does not move while decoding goes on */
+    f->sel_stride = f->B == 0 || c->index_topk < f->S ? c->index_topk : f->S;
     if (f->sel_stride < 1) f->sel_stride = 1;
     f->X = ds4_arena_take(a, T * n * D, 4);
     f->Xt = ds4_arena_take(a, T * n * D, 4);
@@ -143,6 +145,7 @@ static void plan(ds4_pass *f, ds4_arena *a, const ds4_pass_opts *o) {
     f->pos = o->nseq ? ds4_arena_take(a, T, 8) : NULL;
     f->rowseq = o->nseq ? ds4_arena_take(a, T, 4) : NULL;
     f->seqs = o->nseq ? ds4_arena_take(a, (size_t)o->nseq, sizeof(ds4_seq_desc)) : NULL;
+    f->njobs_dev = o->nseq ? ds4_arena_take(a, 2, 8) : NULL;
     f->replay_experts = o->replay_experts ? ds4_arena_take(a, T * L * K, 4) : NULL;
     f->replay_index = o->replay_index ? ds4_arena_take(a, T * ncsa * topk, 4) : NULL;
     f->rec_experts = o->rec_experts ? ds4_arena_take(a, T * L * K, 4) : NULL;

@@ -120,6 +120,7 @@ typedef struct ds4_pass {
     int64_t *pos;
     int32_t *rowseq;
     ds4_seq_desc *seqs;
+    int64_t *njobs_dev;           /* [2] */
     /* routing replay and records (backend; the caller's arrays on a host-visible backend) */
     const int32_t *replay_experts; /* [T, L, K], or NULL */
     const int32_t *replay_index;  /* [T, n_csa, index_topk], or NULL */

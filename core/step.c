@@ -43,6 +43,19 @@ static ds4_status check_step(const ds4_model *m, const ds4_step_args *a, int64_t
     return DS4_OK;
 }
 
+/* The record key of a decoding step: its shape, where its buffers are, what it writes. */
+static uint64_t step_key(const ds4_model *m, const ds4_pass *f, int64_t nseq, int64_t cap, const float *last_out,
+                         const ds4_step_args *a) {
+    const uint64_t v[] = {(uint64_t)nseq, (uint64_t)f->T, (uint64_t)cap, (uint64_t)(uintptr_t)m->ws,
+                          (uint64_t)(uintptr_t)last_out, (uint64_t)(uintptr_t)m->rope_dev[0],
+                          (uint64_t)(uintptr_t)m->rope_dev[1], (uint64_t)(uintptr_t)f->w->embed,
+                          (uint64_t)(a->experts != NULL), (uint64_t)(a->index_picks != NULL), (uint64_t)m->ws_bytes};
+    uint64_t h = 1469598103934665603ull;
+    for (size_t i = 0; i < sizeof v / sizeof v[0]; i++)
+        for (int b = 0; b < 8; b++) h = (h ^ ((v[i] >> (8 * b)) & 0xff)) * 1099511628211ull;
+    return h | 1; /* never 0: 0 means "not recorded" */
+}
+
 ds4_status ds4_model_step(ds4_model *m, const ds4_step_args *a, ds4_error *err) {
     return ds4_step_run(m, a, NULL, err);
 }
@@ -99,43 +112,55 @@ ds4_status ds4_step_run(ds4_model *m, const ds4_step_args *a, float *last_dev, d
     ds4_pass f;
     st = ds4_pass_setup(m, &f, 0, Smax, N, &po, 0, err);
     if (st) goto done;
-    f.rows = (ds4_rows){.T = N, .S = Smax, .nseq = nseq};
+    int64_t cap = 0, decode = 1;
+    for (int64_t s = 0; s < nseq; s++) {
+        cap = a->caches[s]->cap > cap ? a->caches[s]->cap : cap;
+        decode &= a->counts[s] == 1;
+    }
+    /* every input the pass reads goes to the backend first (a recorded pass replays over the same buffers) */
+    f.rows = (ds4_rows){.T = N, .S = Smax, .nseq = nseq, .cap = cap};
     f.rows.pos = ds4_pass_input(&f, f.pos, pos, (size_t)N * sizeof *pos);
     f.rows.rowseq = ds4_pass_input(&f, f.rowseq, rowseq, (size_t)N * sizeof *rowseq);
     f.rows.seqs = ds4_pass_input(&f, f.seqs, seqs, (size_t)nseq * sizeof *seqs);
+    f.rows.njobs = ds4_pass_input(&f, f.njobs_dev, njobs, sizeof njobs);
+    const int32_t *rows_last = ds4_pass_input(&f, f.rowmap, lastrow, (size_t)nseq * sizeof(int32_t));
     f.njobs[0] = njobs[0];
     f.njobs[1] = njobs[1];
     f.rec_experts = a->experts && hv ? a->experts : f.rec_experts;
     f.rec_index = ncsa && a->index_picks && hv ? a->index_picks : f.rec_index;
     const int64_t *ids = ds4_pass_input(&f, f.ids, a->ids, (size_t)N * sizeof(int64_t));
-    OP(f.dev, embed, .X = f.X, .E = f.w->embed, .edt = f.w->mdt, .ids = ids, .T = N, .n = n, .D = D); /* X⁰ */
-    f.csa_i = 0;
-    for (int64_t li = 0; li < L; li++) {
-        f.li = li;
-        f.rows.li = li;
-        ds4_block(&f, &f.w->layers[li], f.X, ids);
-        f.csa_i += c->layer_types[li] == DS4_ATTN_CSA;
+    float *logits = a->logits ? (hv ? a->logits : f.logits_ws) : NULL;
+    float *last_out = last_dev ? last_dev : (hv ? a->last_logits : f.logits_ws);
+    /* A decoding step (one new token per sequence) of a given shape is the same sequence of launches every time: a
+     * backend may record it once and replay it (CUDA graphs); the key names everything the launches depend on. */
+    const uint64_t key = decode && !a->logits && want_logits ? step_key(m, &f, nseq, cap, last_out, a) : 0;
+    if (!(key && f.dev->ops->graph_begin && f.dev->ops->graph_begin(f.dev, key))) {
+        OP(f.dev, embed, .X = f.X, .E = f.w->embed, .edt = f.w->mdt, .ids = ids, .T = N, .n = n, .D = D); /* X⁰ */
+        f.csa_i = 0;
+        for (int64_t li = 0; li < L; li++) {
+            f.li = li;
+            f.rows.li = li;
+            ds4_block(&f, &f.w->layers[li], f.X, ids);
+            f.csa_i += c->layer_types[li] == DS4_ATTN_CSA;
+        }
+        if (logits) {
+            ds4_lm_head(&f, f.X, f.w->hc_head_fn, f.w->hc_head_base, f.w->hc_head_scale, f.w->norm, logits, NULL, NULL);
+            if (last_dev)
+                OP(f.dev, gather_rows, .dst = last_dev, .src = logits, .idx = rows_last, .div = 1, .rows = nseq, .width = V);
+        } else if (want_logits) {
+            /* only the last row of each sequence goes through the head: gather them into the front of Xt */
+            OP(f.dev, gather_rows, .dst = f.Xt, .src = f.X, .idx = rows_last, .div = 1, .rows = nseq, .width = n * D);
+            f.T = nseq;
+            ds4_lm_head(&f, f.Xt, f.w->hc_head_fn, f.w->hc_head_base, f.w->hc_head_scale, f.w->norm, last_out, NULL, NULL);
+        }
+        if (key && f.dev->ops->graph_end) f.dev->ops->graph_end(f.dev, key);
     }
-    if (want_logits && a->logits) {
-        float *logits = hv ? a->logits : f.logits_ws;
-        ds4_lm_head(&f, f.X, f.w->hc_head_fn, f.w->hc_head_base, f.w->hc_head_scale, f.w->norm, logits, NULL, NULL);
-        if (logits != a->logits) ds4_dev_download(f.dev, a->logits, logits, (size_t)(N * V) * sizeof(float));
-        if (a->last_logits && !f.dev->st)
-            for (int64_t s = 0; s < nseq; s++)
-                memcpy(a->last_logits + s * V, a->logits + (int64_t)lastrow[s] * V, (size_t)V * sizeof(float));
-        if (last_dev)
-            OP(f.dev, gather_rows, .dst = last_dev, .src = logits, .idx = ds4_pass_input(&f, f.rowmap, lastrow,
-               (size_t)nseq * sizeof(int32_t)), .div = 1, .rows = nseq, .width = V);
-    } else if (want_logits) {
-        /* only the last row of each sequence goes through the head: gather them into the front of Xt */
-        const int32_t *rows = ds4_pass_input(&f, f.rowmap, lastrow, (size_t)nseq * sizeof(int32_t));
-        OP(f.dev, gather_rows, .dst = f.Xt, .src = f.X, .idx = rows, .div = 1, .rows = nseq, .width = n * D);
-        f.T = nseq;
-        float *out = last_dev ? last_dev : (hv ? a->last_logits : f.logits_ws);
-        ds4_lm_head(&f, f.Xt, f.w->hc_head_fn, f.w->hc_head_base, f.w->hc_head_scale, f.w->norm, out, NULL, NULL);
-        if (a->last_logits && out != a->last_logits)
-            ds4_dev_download(f.dev, a->last_logits, out, (size_t)(nseq * V) * sizeof(float));
-    }
+    if (logits && logits != a->logits) ds4_dev_download(f.dev, a->logits, logits, (size_t)(N * V) * sizeof(float));
+    if (logits && a->last_logits && !f.dev->st)
+        for (int64_t s = 0; s < nseq; s++)
+            memcpy(a->last_logits + s * V, a->logits + (int64_t)lastrow[s] * V, (size_t)V * sizeof(float));
+    if (!logits && a->last_logits && last_out != a->last_logits)
+        ds4_dev_download(f.dev, a->last_logits, last_out, (size_t)(nseq * V) * sizeof(float));
     if (a->experts && f.rec_experts != a->experts)
         ds4_dev_download(f.dev, a->experts, f.rec_experts, (size_t)(N * L * K) * sizeof(int32_t));
     if (ncsa && a->index_picks && f.rec_index != a->index_picks)

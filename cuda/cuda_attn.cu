@@ -53,6 +53,7 @@ __global__ void compress_kernel(comp_args a) {
     __shared__ float *dst;
     __shared__ int64_t win_s, nprev_s;
     const int64_t job = blockIdx.x, m = a.m, dd = a.dd;
+    if (a.rows.pos && job >= a.rows.njobs[a.cls]) return; // a step's grid is a bound; its job count is data
     if (threadIdx.x == 0) {
         int64_t win, nprev;
         if (!a.rows.pos) {
@@ -218,75 +219,98 @@ struct att_args {
     const int32_t *sel, *nsel;
 };
 
-constexpr int ATT_WARPS = 4;
+constexpr int ATT_THREADS = 128;
 
-// One query row per block, its heads one warp at a time. Scores: lane l takes keys l, l+32, ..; max and the
-// denominator (double) over lanes by butterfly; output: lane l owns channels l, l+32, .., summing keys in order.
-__global__ void __launch_bounds__(ATT_WARPS * 32) attention_kernel(att_args a) {
-    extern __shared__ char smem[];
-    const float **keys = (const float **)smem;                  // [maxk]
-    float *lg = (float *)(keys + a.maxk);                       // [ATT_WARPS][maxk]
-    float *qs = lg + ATT_WARPS * a.maxk;                        // [ATT_WARPS][d]
-    __shared__ int64_t nk_s;
-    const int64_t t = blockIdx.x, d = a.d;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    if (threadIdx.x == 0) {
-        const int64_t s = row_pos(a.rows, t);
-        const int64_t j0 = s - a.win + 1 > 0 ? s - a.win + 1 : 0;
-        int64_t nk = 0;
-        const ds4_seq_desc *sq = a.rows.pos ? &a.rows.seqs[a.rows.rowseq[t]] : nullptr;
-        for (int64_t j = j0; j <= s; j++) {
-            if (!sq) keys[nk++] = a.kv + ((t / a.rows.S) * a.rows.S + j) * d;
-            else if (j >= sq->p0) keys[nk++] = a.kv + (sq->r0 + j - sq->p0) * d;
-            else keys[nk++] = sq->layers[a.rows.li].ring + (j % sq->ring) * d;
+// Key k of query row t, in the CPU's order: window keys j0..s first (from this pass, or the cache's ring for tokens
+// before a step), then the compressed entries (HCA: all causal ones; CSA: the indexer's picks in pick order).
+struct key_list {
+    const float *kv_row, *ring, *ent;
+    const int32_t *sel;
+    int64_t j0, nwk, nk, p0, r0, R, d;
+
+    __device__ const float *at(const float *kv, int64_t k) const {
+        if (k < nwk) {
+            const int64_t j = j0 + k;
+            if (!ring || j >= p0) return kv_row + (j - p0) * d;
+            return ring + (j % R) * d;
         }
-        if (a.type != DS4_ATTN_SLIDING) {
-            const int64_t v = (s + 1) / a.m;
-            int64_t valid;
-            const float *ent;
-            if (sq) {
-                valid = v;
-                ent = sq->layers[a.rows.li].comp.ent;
-            } else {
-                valid = v < a.nwin ? v : a.nwin;
-                ent = a.cK + (t / a.rows.S) * a.rows.S * d;
-            }
-            if (a.type == DS4_ATTN_HCA)
-                for (int64_t w = 0; w < valid; w++) keys[nk++] = ent + w * d;
-            else
-                for (int64_t i = 0; i < a.nsel[t]; i++) keys[nk++] = ent + a.sel[t * a.sel_stride + i] * d;
-        }
-        nk_s = nk;
+        const int64_t e = k - nwk;
+        return ent + (sel ? (int64_t)sel[e] : e) * d;
     }
+};
+
+__device__ key_list keys_of(const att_args &a, int64_t t) {
+    key_list L;
+    const int64_t s = row_pos(a.rows, t), d = a.d;
+    L.d = d;
+    L.j0 = s - a.win + 1 > 0 ? s - a.win + 1 : 0;
+    L.nwk = s - L.j0 + 1;
+    L.sel = nullptr;
+    L.ent = nullptr;
+    int64_t valid = 0;
+    if (a.rows.pos) {
+        const ds4_seq_desc *sq = &a.rows.seqs[a.rows.rowseq[t]];
+        L.ring = sq->layers[a.rows.li].ring;
+        L.p0 = sq->p0;
+        L.R = sq->ring;
+        L.kv_row = a.kv + sq->r0 * d; // key j >= p0 sits at row r0 + j - p0 of this pass
+        if (a.type != DS4_ATTN_SLIDING) L.ent = sq->layers[a.rows.li].comp.ent, valid = (s + 1) / a.m;
+    } else {
+        L.ring = nullptr;
+        L.p0 = 0;
+        L.R = 1;
+        L.kv_row = a.kv + (t / a.rows.S) * a.rows.S * d;
+        if (a.type != DS4_ATTN_SLIDING) {
+            valid = (s + 1) / a.m < a.nwin ? (s + 1) / a.m : a.nwin;
+            L.ent = a.cK + (t / a.rows.S) * a.rows.S * d;
+        }
+    }
+    int64_t ne = 0;
+    if (a.type == DS4_ATTN_HCA) ne = valid;
+    if (a.type == DS4_ATTN_CSA) ne = a.nsel[t], L.sel = a.sel + t * a.sel_stride;
+    L.nk = L.nwk + ne;
+    return L;
+}
+
+// One block per (query row, head). Scores: warp w takes keys w, w+4, ..; each a dot product of lane-strided channels
+// summed by a fixed butterfly. Max and denominator (double) over the block in a fixed tree. Output: thread c owns
+// channel c and adds the keys in order.
+__global__ void __launch_bounds__(ATT_THREADS) attention_kernel(att_args a) {
+    extern __shared__ char smem[];
+    const float **kp = (const float **)smem;  // [maxk] key pointers, resolved once
+    float *lg = (float *)(kp + a.maxk);       // [maxk]
+    __shared__ double shd[ATT_THREADS / 32];
+    __shared__ float shf[ATT_THREADS / 32];
+    const int64_t t = blockIdx.x / a.H, h = blockIdx.x % a.H, d = a.d;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const key_list L = keys_of(a, t);
+    for (int64_t k = threadIdx.x; k < L.nk; k += ATT_THREADS) kp[k] = L.at(a.kv, k);
     __syncthreads();
-    const int64_t nk = nk_s;
+    const float *q = a.q + (t * a.H + h) * d;
     const float scale = 1.0f / sqrtf((float)d);
-    float *l = lg + warp * a.maxk, *qw = qs + warp * d;
-    for (int64_t h = warp; h < a.H; h += ATT_WARPS) {
-        const float *q = a.q + (t * a.H + h) * d;
-        for (int64_t c = lane; c < d; c += 32) qw[c] = q[c];
-        __syncwarp();
-        float mx = a.sink[h];
-        for (int64_t k = lane; k < nk; k += 32) {
-            const float *kk = keys[k];
-            float dot = 0;
-            for (int64_t c = 0; c < d; c++) dot = fmaf(qw[c], kk[c], dot);
-            l[k] = dot * scale;
-            mx = fmaxf(mx, l[k]);
-        }
-        mx = ds4d_warp_maxf(mx);
-        double den = 0;
-        for (int64_t k = lane; k < nk; k += 32) den += (double)(l[k] = (float)exp((double)(l[k] - mx)));
-        den = ds4d_warp_sum(den) + exp((double)(a.sink[h] - mx));
-        for (int64_t k = lane; k < nk; k += 32) l[k] = (float)(l[k] / den);
-        __syncwarp();
-        float *o = a.o + (t * a.H + h) * d;
-        for (int64_t c = lane; c < d; c += 32) {
-            float acc = 0;
-            for (int64_t k = 0; k < nk; k++) acc += l[k] * keys[k][c];
-            o[c] = acc;
-        }
-        __syncwarp();
+    float mx = a.sink[h];
+    for (int64_t k = warp; k < L.nk; k += ATT_THREADS / 32) {
+        const float *key = kp[k];
+        float dot = 0;
+        for (int64_t c = lane; c < d; c += 32) dot = fmaf(q[c], key[c], dot);
+        dot = ds4d_warp_sumf(dot) * scale;
+        if (lane == 0) lg[k] = dot;
+        mx = fmaxf(mx, dot);
+    }
+    if (lane == 0) shf[warp] = mx;
+    __syncthreads();
+    mx = shf[0];
+    for (int w = 1; w < ATT_THREADS / 32; w++) mx = fmaxf(mx, shf[w]);
+    double den = 0;
+    for (int64_t k = threadIdx.x; k < L.nk; k += ATT_THREADS) den += (double)(lg[k] = (float)exp((double)(lg[k] - mx)));
+    den = ds4d_block_sum(den, shd) + exp((double)(a.sink[h] - mx));
+    for (int64_t k = threadIdx.x; k < L.nk; k += ATT_THREADS) lg[k] = (float)(lg[k] / den);
+    __syncthreads();
+    float *o = a.o + (t * a.H + h) * d;
+    for (int64_t c = threadIdx.x; c < d; c += ATT_THREADS) {
+        float acc = 0;
+        for (int64_t k = 0; k < L.nk; k++) acc += lg[k] * kp[k][c];
+        o[c] = acc;
     }
 }
 
@@ -339,7 +363,9 @@ __global__ void commit_kernel(commit_args a, int phase) {
 } // namespace
 
 void ds4_cuda_compress(ds4_dev *d, const ds4_a_compress *a) {
-    const int64_t jobs = a->rows.pos ? a->njobs : a->B * a->nwin;
+    /* a step launches a bound of its jobs (each sequence completes at most n/m + 1 windows; blocks past the real count,
+     * read on the device, exit), so that the launch does not depend on the step's positions */
+    const int64_t jobs = a->rows.pos ? a->rows.T / a->w->rate + a->rows.nseq : a->B * a->nwin;
     if (jobs <= 0) return;
     const ds4_compressor_w *w = a->w;
     if (w->rate > DS4_MAX_RATE) {
@@ -361,7 +387,7 @@ void ds4_cuda_indexer(ds4_dev *d, const ds4_a_indexer *a) {
         ds4_dev_fill(d, a->nsel, 0, (size_t)T * sizeof(int32_t));
         return;
     }
-    const int64_t maxv = a->rows.pos ? a->rows.S / c->compress_rate_csa : a->nwin;
+    const int64_t maxv = a->rows.pos ? a->rows.cap / c->compress_rate_csa : a->nwin; /* a step: from the capacity */
     int64_t pow2 = 1;
     while (pow2 < maxv) pow2 <<= 1;
     const size_t smem = (size_t)pow2 * (sizeof(float) + sizeof(int32_t));
@@ -372,7 +398,10 @@ void ds4_cuda_indexer(ds4_dev *d, const ds4_a_indexer *a) {
                      (long long)a->rows.S);
         return;
     }
-    if (smem > 48 * 1024) cudaFuncSetAttribute(indexer_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    if (smem > 48 * 1024 && smem > cdev(d)->smem_idx) { /* raised once per size, not per launch */
+        cudaFuncSetAttribute(indexer_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+        cdev(d)->smem_idx = smem;
+    }
     idx_args g = {a->iq, a->iw, a->iK, a->rows, a->nwin, a->topk, c->index_n_heads, c->index_head_dim,
                   c->compress_rate_csa, a->sel_stride, c->index_topk, pow2, a->sel, a->nsel, a->replay, a->replay_ld};
     indexer_kernel<<<(unsigned)T, 256, smem, cdev(d)->stream>>>(g);
@@ -396,24 +425,29 @@ void ds4_cuda_attention(ds4_dev *d, const ds4_a_attention *a) {
         return;
     }
     const ds4_config *c = a->c;
-    const int64_t S = a->rows.S, win = c->sliding_window < S ? c->sliding_window : S;
+    const int64_t S = a->rows.pos ? a->rows.cap : a->rows.S; /* a step: sized from the capacity, fixed while decoding */
+    const int64_t win = c->sliding_window < S ? c->sliding_window : S, H = c->num_attention_heads;
     const int64_t m = a->type == DS4_ATTN_HCA ? c->compress_rate_hca : c->compress_rate_csa;
     const int64_t maxk = win + (a->type == DS4_ATTN_HCA ? S / m : (a->type == DS4_ATTN_CSA ? a->sel_stride : 0));
-    const size_t smem = (size_t)maxk * sizeof(float *) + (size_t)ATT_WARPS * maxk * sizeof(float) +
-                        (size_t)ATT_WARPS * c->head_dim * sizeof(float);
+    const size_t smem = (size_t)maxk * (sizeof(float) + sizeof(float *));
     if (smem > cdev(d)->smem_optin) {
         ds4_dev_fail(d, DS4_ERR_UNSUPPORTED, "attention: %lld keys per query need %zu bytes of shared memory (> %zu)",
                      (long long)maxk, smem, cdev(d)->smem_optin);
         return;
     }
-    if (smem > 48 * 1024)
+    if (T * H > 0x7fffffff) {
+        ds4_dev_fail(d, DS4_ERR_UNSUPPORTED, "attention: %lld queries x %lld heads", (long long)T, (long long)H);
+        return;
+    }
+    if (smem > 48 * 1024 && smem > cdev(d)->smem_attn) { /* raised once per size, not per launch */
         cudaFuncSetAttribute(attention_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
-    att_args g = {a->sink, a->q, a->kv, a->cK, a->o, a->rows, c->num_attention_heads, c->head_dim, c->sliding_window,
-                  a->nwin, m, a->sel_stride, maxk, (int)a->type, a->sel, a->nsel};
-    attention_kernel<<<(unsigned)T, ATT_WARPS * 32, smem, cdev(d)->stream>>>(g);
-    ds4_cuda_launched(d, "attention", "[%lld queries, %lld heads x %lld, <= %lld keys, %s]", (long long)T,
-                      (long long)c->num_attention_heads, (long long)c->head_dim, (long long)maxk,
-                      ds4_attn_type_name(a->type));
+        cdev(d)->smem_attn = smem;
+    }
+    att_args g = {a->sink, a->q, a->kv, a->cK, a->o, a->rows, H, c->head_dim, c->sliding_window, a->nwin, m,
+                  a->sel_stride, maxk, (int)a->type, a->sel, a->nsel};
+    attention_kernel<<<(unsigned)(T * H), ATT_THREADS, smem, cdev(d)->stream>>>(g);
+    ds4_cuda_launched(d, "attention", "[%lld queries, %lld heads x %lld, <= %lld keys, %s]", (long long)T, (long long)H,
+                      (long long)c->head_dim, (long long)maxk, ds4_attn_type_name(a->type));
 }
 
 void ds4_cuda_cache_commit(ds4_dev *d, const ds4_a_cache_commit *a) {

@@ -100,21 +100,55 @@ static ds4_status c_sync(ds4_dev *d, ds4_error *err) {
     return DS4_OK;
 }
 
-void *ds4_cuda_scratch(ds4_dev *d, size_t bytes, const char *op) {
+void *ds4_cuda_scratch(ds4_dev *d, size_t bytes, const char *op, int slot) {
     cuda_dev *cd = cdev(d);
-    if (bytes <= cd->scratch_bytes) return cd->scratch;
+    if (bytes <= cd->scratch_bytes[slot]) return cd->scratch[slot];
+    if (cd->recording) {
+        ds4_dev_fail(d, DS4_ERR_INTERNAL, "%s: scratch would grow while a pass is recorded", op);
+        return NULL;
+    }
+    cd->generation++;
     // growing frees the old block: wait for the operations that may still read it
     (void)cudaStreamSynchronize(cd->stream);
-    c_free(d, cd->scratch);
-    cd->scratch = NULL;
-    cd->scratch_bytes = 0;
+    c_free(d, cd->scratch[slot]);
+    cd->scratch[slot] = NULL;
+    cd->scratch_bytes[slot] = 0;
     ds4_error e;
-    if (c_alloc(d, bytes, &cd->scratch, &e)) {
+    if (c_alloc(d, bytes, &cd->scratch[slot], &e)) {
         ds4_dev_fail(d, e.code, "%s: scratch: %s", op, e.msg);
         return NULL;
     }
-    cd->scratch_bytes = bytes;
-    return cd->scratch;
+    cd->scratch_bytes[slot] = bytes;
+    return cd->scratch[slot];
+}
+
+int *ds4_cuda_counters(ds4_dev *d, size_t n, const char *op) {
+    cuda_dev *cd = cdev(d);
+    if (n <= cd->ncounters) return cd->counters;
+    if (cd->recording) {
+        ds4_dev_fail(d, DS4_ERR_INTERNAL, "%s: counters would grow while a pass is recorded", op);
+        return NULL;
+    }
+    cd->generation++;
+    (void)cudaStreamSynchronize(cd->stream);
+    c_free(d, cd->counters);
+    cd->counters = NULL;
+    cd->ncounters = 0;
+    ds4_error e;
+    void *p = NULL;
+    if (c_alloc(d, n * sizeof(int), &p, &e)) {
+        ds4_dev_fail(d, e.code, "%s: counters: %s", op, e.msg);
+        return NULL;
+    }
+    if (cudaMemset(p, 0, n * sizeof(int)) != cudaSuccess) {
+        (void)cudaGetLastError();
+        c_free(d, p);
+        ds4_dev_fail(d, DS4_ERR_CUDA, "%s: counters: cudaMemset failed", op);
+        return NULL;
+    }
+    cd->counters = (int *)p;
+    cd->ncounters = n;
+    return cd->counters;
 }
 
 // Nothing to size ahead: the operations that need scratch (sampling, sorting experts) take it from ds4_cuda_scratch,
@@ -124,12 +158,83 @@ static ds4_status c_reserve(ds4_dev *d, const ds4_config *c, int64_t T, int64_t 
     return DS4_OK;
 }
 
+// ------------------------------------------------------------------------------------------ recorded passes
+
+// A key seen the first time runs as usual (which also grows whatever scratch its operations need); the second time
+// its operations are recorded (recording does not run them) and graph_end launches the record; from then on it is
+// replayed. Not while profiling (per-op timers) or with DS4_CUDA_SYNC=1.
+static int c_graph_begin(ds4_dev *d, uint64_t key) {
+    cuda_dev *cd = cdev(d);
+    if (!cd->graphs_on || d->prof || cd->sync_each_op || d->st) return 0;
+    cuda_dev::graph_entry *e = NULL, *lru = &cd->graphs[0];
+    for (auto &g : cd->graphs) {
+        if (g.key == key) e = &g;
+        if (g.used < lru->used) lru = &g;
+    }
+    cd->clock++;
+    if (e && e->exec && e->generation == cd->generation) {
+        e->used = cd->clock;
+        const cudaError_t err = cudaGraphLaunch(e->exec, cd->stream);
+        if (err != cudaSuccess) {
+            (void)cudaGetLastError();
+            ds4_dev_fail(d, DS4_ERR_CUDA, "recorded step: cudaGraphLaunch: %s", cudaGetErrorString(err));
+        }
+        return 1;
+    }
+    if (!e) { // first sighting: remember it, run as usual
+        if (lru->exec) (void)cudaGraphExecDestroy(lru->exec);
+        *lru = cuda_dev::graph_entry{key, cd->generation, cd->clock, NULL};
+        return 0;
+    }
+    if (e->exec) { // recorded over scratch that has moved since
+        (void)cudaGraphExecDestroy(e->exec);
+        e->exec = NULL;
+    }
+    e->used = cd->clock;
+    if (cudaStreamBeginCapture(cd->stream, cudaStreamCaptureModeThreadLocal) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return 0;
+    }
+    cd->recording = e;
+    return 0;
+}
+
+static void c_graph_end(ds4_dev *d, uint64_t key) {
+    cuda_dev *cd = cdev(d);
+    cuda_dev::graph_entry *e = cd->recording;
+    if (!e) return;
+    cd->recording = NULL;
+    cudaGraph_t g = NULL;
+    cudaError_t err = cudaStreamEndCapture(cd->stream, &g);
+    if (err == cudaSuccess && !d->st) err = cudaGraphInstantiate(&e->exec, g, 0);
+    if (g) (void)cudaGraphDestroy(g);
+    if (err == cudaSuccess && !d->st) {
+        e->generation = cd->generation;
+        err = cudaGraphLaunch(e->exec, cd->stream);
+    }
+    if (err != cudaSuccess) {
+        (void)cudaGetLastError();
+        if (e->exec) (void)cudaGraphExecDestroy(e->exec);
+        e->exec = NULL;
+        e->key = 0;
+        ds4_dev_fail(d, DS4_ERR_CUDA, "recording a step (key %llx): %s", (unsigned long long)key, cudaGetErrorString(err));
+    } else if (d->st) { // an operation failed while recording: nothing ran; the failure stands
+        if (e->exec) (void)cudaGraphExecDestroy(e->exec);
+        e->exec = NULL;
+        e->key = 0;
+    }
+}
+
 static void c_destroy(ds4_dev *d) {
     cuda_dev *cd = cdev(d);
     if (!cd) return;
     (void)cudaSetDevice(cd->device);
     (void)cudaStreamSynchronize(cd->stream);
-    c_free(d, cd->scratch);
+    for (auto &g : cd->graphs)
+        if (g.exec) (void)cudaGraphExecDestroy(g.exec);
+    c_free(d, cd->scratch[0]);
+    c_free(d, cd->scratch[1]);
+    c_free(d, cd->counters);
     if (cd->host_err) (void)cudaFreeHost(cd->host_err);
     ds4_cuda_close(cd->cu);
     free(cd);
@@ -221,6 +326,8 @@ static const ds4_ops cuda_ops = [] {
     o.reserve = c_reserve;
     o.destroy = c_destroy;
     o.profile_init = c_profile_init;
+    o.graph_begin = c_graph_begin;
+    o.graph_end = c_graph_end;
 #define SET(name) o.name = ds4_cuda_##name;
     SET(embed) SET(hc_pre) SET(hc_post) SET(hyperhead) SET(rmsnorm) SET(rope) SET(scale) SET(copy_rows)
     SET(gather_rows) SET(scatter_rows) SET(add_rows) SET(add_bcast) SET(matmul) SET(matmul_grouped) SET(compress)
@@ -255,8 +362,9 @@ extern "C" ds4_status ds4_cuda_dev_create(int device, ds4_dev **out, ds4_error *
     }
     cd->sm_count = p.multiProcessorCount;
     cd->smem_optin = p.sharedMemPerBlockOptin;
-    const char *sync = getenv("DS4_CUDA_SYNC");
+    const char *sync = getenv("DS4_CUDA_SYNC"), *graphs = getenv("DS4_CUDA_GRAPHS");
     cd->sync_each_op = sync && sync[0] == '1';
+    cd->graphs_on = !(graphs && graphs[0] == '0');
     *out = &cd->dev;
     return DS4_OK;
 }

@@ -33,19 +33,39 @@ struct cuda_dev {
     int sm_count;
     size_t smem_optin;            // the largest dynamic shared memory a block may ask for
     int sync_each_op;             // DS4_CUDA_SYNC=1
+    int smem_set[4];              // kernels whose dynamic shared memory limit was raised (skinny fp32 GEMM, ...)
+    size_t smem_attn, smem_idx;   // the limits raised so far for attention and the indexer
     // scratch owned by the backend (grown, never shrunk; allocated before a pass, never inside one)
-    void *scratch;
-    size_t scratch_bytes;
+    void *scratch[2];
+    size_t scratch_bytes[2];
+    int *counters;
+    size_t ncounters;
     int32_t *host_err;            // pinned: per-row status words of the sampler
     size_t host_err_n;
+    // recorded passes (CUDA graphs), keyed by the schedule; a record holds scratch addresses, so moving the scratch
+    // (generation++) retires every record
+    struct graph_entry {
+        uint64_t key, generation, used;
+        cudaGraphExec_t exec;
+    } graphs[16];
+    uint64_t generation, clock;
+    int graphs_on;                // DS4_CUDA_GRAPHS=0 switches recording off
+    graph_entry *recording;
 };
 
 static inline cuda_dev *cdev(ds4_dev *d) { return reinterpret_cast<cuda_dev *>(d); }
 
 // Check the launch just made; record a failure naming the operation and its shapes. Returns true on success.
 bool ds4_cuda_launched(ds4_dev *d, const char *op, const char *fmt, ...) DS4_PRINTF(3, 4);
-// Device scratch of at least `bytes`, or NULL (failure recorded) — for operations that need temporary memory.
-void *ds4_cuda_scratch(ds4_dev *d, size_t bytes, const char *op);
+// Device scratch of at least `bytes`, or NULL (failure recorded) — for operations that need temporary memory. Slot
+// 0 is the GEMMs' (slice partials); slot 1 an operation's own temporaries, which may then call a GEMM.
+void *ds4_cuda_scratch(ds4_dev *d, size_t bytes, const char *op, int slot);
+// y [M, N] (row stride ldy) = x [M, K] (row stride ldx) · Wᵀ with fp32 W [N, K]: the batch-invariant GEMM of
+// cuda_gemm.cu, for operations that contain a product (the mHC mixing logits).
+void ds4_cuda_gemm_f32(ds4_dev *d, const char *op, float *y, int64_t ldy, const float *x, int64_t ldx, const float *W,
+                       int64_t M, int64_t K, int64_t N);
+// At least n int counters that are 0 on return and that their users leave at 0 (the skinny GEMMs' tile counters).
+int *ds4_cuda_counters(ds4_dev *d, size_t n, const char *op);
 
 // ------------------------------------------------------------------------------------------ device helpers
 

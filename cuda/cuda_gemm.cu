@@ -2,22 +2,26 @@
 //
 // Every output element is reduced over K in ONE fixed order that depends on K alone, never on M, the tile it falls
 // in, or which kernel variant runs; so a row gives the same bits alone, in a batch, in a prefill or in a decoding
-// step. There is no split-K.
-//   fp32 weights: each output is fmaf-accumulated sequentially over k = 0, 1, .., K-1 from 0 (chunks of 16 padded
-//     with zeros), by one thread. Tile shapes vary with M; the arithmetic per element does not.
+// step. The order: K is cut into slices of KSLICE = 256; each slice's partial sum starts from 0 and is accumulated
+// in k order; the output is 0 + P0 + P1 + ... in slice order (fp32 adds). Within a slice:
+//   fp32 weights: fmaf over k = s·256 .. s·256+255 sequentially (chunks of 16 padded with zeros past K).
 //   bf16 weights: x is rounded to bf16 (round-to-nearest-even) and the products accumulate in fp32 on the tensor
-//     cores (mma.sync m16n8k16), over K in chunks of 32 in increasing order (zero padded). Within a chunk, thread
-//     (g, t) of a warp holds the 8 consecutive k's 8t..8t+7 of its row and column; the first mma takes 8t..8t+3
-//     into its k-slots (2t, 2t+1, 2t+8, 2t+9), the second 8t+4..8t+7. Every kernel below feeds the tensor cores
-//     through mma_k32 with that mapping, so the sums they do are the same sums.
-// Kernels: a tiled one through shared memory for many rows, a "skinny" one that streams W straight from global
-// memory with several chunks in flight for few rows (decoding: the rows are tiny, W is everything).
+//     cores (mma.sync m16n8k16) over the slice's chunks of 32 in order (zero padded). Within a chunk, thread (g, t)
+//     of a warp holds the 8 consecutive k's 8t..8t+7 of its row and column; the first mma takes 8t..8t+3 into its
+//     k-slots (2t, 2t+1, 2t+8, 2t+9), the second 8t+4..8t+7. Every kernel feeds the tensor cores through mma_k32
+//     with that mapping, so the sums they do are the same sums.
+// The fixed slices are what lets few-row products (decoding) spread one output's K over many warps — each computes
+// the partials of its slices, the last to finish adds them in slice order — without changing a bit.
+// Kernels: tiled ones through shared memory for many rows; "skinny" ones for at most 16 rows, one warp (bf16) or one
+// block (fp32) per (column tile, slice), streaming W from global memory.
 #include <cstdio>
 #include <cstring>
 
 #include "cuda_dev.cuh"
 
 namespace {
+
+constexpr int KSLICE = 256;
 
 struct gemm_args {
     float *y;
@@ -30,18 +34,21 @@ struct gemm_args {
     int64_t gx, gy, gw;           // batched: group z reads x + z·gx, W + z·gw, writes y + z·gy (elements)
     const int64_t *off;           // row groups: rows [off[e], off[e+1]) use W + e·wstride; NULL: plain
     int64_t E, wstride;
+    float *part;                  // skinny kernels with several slices: partials [groups, S, M, N]
+    int64_t S;                    // slices: ceil(K / KSLICE)
+    int *count;                   // skinny kernels: per output tile, the slices done (kept at 0 between uses)
 };
 
 // The rows [r0, r1) a block works on, and its W; false when the block has no tile (row groups are data-dependent).
 template <int BM>
-__device__ __forceinline__ bool block_rows(const gemm_args &a, int64_t &r0, int64_t &r1, int64_t &woff) {
+__device__ __forceinline__ bool block_rows(const gemm_args &a, int64_t tile, int64_t &r0, int64_t &r1, int64_t &woff) {
     if (!a.off) {
-        r0 = (int64_t)blockIdx.y * BM;
+        r0 = tile * BM;
         r1 = a.M;
         woff = 0;
         return r0 < a.M;
     }
-    int64_t t = blockIdx.y;
+    int64_t t = tile;
     for (int64_t e = 0; e < a.E; e++) {
         const int64_t b = a.off[e], n = a.off[e + 1] - b, tiles = (n + BM - 1) / BM;
         if (t < tiles) {
@@ -55,25 +62,55 @@ __device__ __forceinline__ bool block_rows(const gemm_args &a, int64_t &r0, int6
     return false;
 }
 
+// A skinny kernel's result for (group z, slice s, row r, column c): the partial, or y itself when K is one slice.
+__device__ __forceinline__ void put(const gemm_args &a, int z, int64_t s, int64_t r, int64_t c, float v) {
+    if (a.S == 1) a.y[z * a.gy + r * a.ldy + c] = v;
+    else a.part[((z * a.S + s) * a.M + r) * a.N + c] = v;
+}
+
+// After a skinny block wrote its slice's partials of the output tile rows [r0, r1) x columns [c0, c1): the last block
+// of the tile to finish (a counter per tile) adds the tile's partials in slice order, y = 0 + P0 + P1 + .., and resets
+// the counter. Which block does it does not matter: the order of the sum is fixed.
+__device__ void finish_tile(const gemm_args &a, int z, int64_t r0, int64_t r1, int64_t c0, int64_t c1) {
+    if (a.S == 1) return;
+    __shared__ int last;
+    __threadfence();
+    __syncthreads();
+    int *cnt = a.count + ((int64_t)z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
+    if (threadIdx.x == 0) last = atomicAdd(cnt, 1) == (int)a.S - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    const int64_t nc = c1 - c0;
+    for (int64_t i = threadIdx.x; i < (r1 - r0) * nc; i += blockDim.x) {
+        const int64_t r = r0 + i / nc, c = c0 + i % nc;
+        float v = 0;
+        for (int64_t s = 0; s < a.S; s++) v += __ldcg(&a.part[((z * a.S + s) * a.M + r) * a.N + c]);
+        a.y[z * a.gy + r * a.ldy + c] = v;
+    }
+    if (threadIdx.x == 0) *cnt = 0;
+}
+
 // ------------------------------------------------------------------------------------------ fp32
 
 template <int BM, int BN, int TM, int TN>
 __global__ void __launch_bounds__((BM / TM) * (BN / TN)) gemm_f32_kernel(gemm_args a) {
     constexpr int BK = 16, NTH = (BM / TM) * (BN / TN);
+    static_assert(KSLICE % BK == 0, "slices hold whole chunks");
     __shared__ float sA[BK][BM + 1], sB[BK][BN + 1];
     int64_t r0, r1, woff;
-    if (!block_rows<BM>(a, r0, r1, woff)) return;
+    if (!block_rows<BM>(a, blockIdx.y, r0, r1, woff)) return;
     const int z = blockIdx.z;
     const float *x = a.x + z * a.gx;
     const float *W = (const float *)a.W + z * a.gw + woff;
     float *y = a.y + z * a.gy;
     const int64_t n0 = (int64_t)blockIdx.x * BN;
     const int tid = threadIdx.x, ty = tid / (BN / TN), tx = tid % (BN / TN);
-    float acc[TM][TN];
+    float tot[TM][TN], acc[TM][TN];
 #pragma unroll
     for (int i = 0; i < TM; i++)
 #pragma unroll
-        for (int j = 0; j < TN; j++) acc[i][j] = 0.0f;
+        for (int j = 0; j < TN; j++) tot[i][j] = acc[i][j] = 0.0f;
     for (int64_t k0 = 0; k0 < a.K; k0 += BK) {
         for (int i = tid; i < BM * BK; i += NTH) {
             const int m = i / BK, kk = i % BK;
@@ -95,6 +132,11 @@ __global__ void __launch_bounds__((BM / TM) * (BN / TN)) gemm_f32_kernel(gemm_ar
                 for (int j = 0; j < TN; j++) acc[i][j] = fmaf(av, sB[kk][tx * TN + j], acc[i][j]);
             }
         __syncthreads();
+        if ((k0 + BK) % KSLICE == 0 || k0 + BK >= a.K) // a slice ends: its partial joins the total
+#pragma unroll
+            for (int i = 0; i < TM; i++)
+#pragma unroll
+                for (int j = 0; j < TN; j++) tot[i][j] += acc[i][j], acc[i][j] = 0.0f;
     }
 #pragma unroll
     for (int i = 0; i < TM; i++) {
@@ -103,9 +145,41 @@ __global__ void __launch_bounds__((BM / TM) * (BN / TN)) gemm_f32_kernel(gemm_ar
 #pragma unroll
         for (int j = 0; j < TN; j++) {
             const int64_t c = n0 + tx * TN + j;
-            if (c < a.N) y[r * a.ldy + c] = acc[i][j];
+            if (c < a.N) y[r * a.ldy + c] = tot[i][j];
         }
     }
+}
+
+// fp32, at most 16 rows: one block of 256 threads per (32 columns, slice, row tile); the slice of W and x staged in
+// shared memory, each thread two outputs accumulated over the slice in k order (chunks of 16, zero padded).
+constexpr int F32S_COLS = 32, F32S_LD = KSLICE + 1;
+
+__global__ void __launch_bounds__(256) gemm_f32_skinny(gemm_args a) {
+    extern __shared__ float sm[];
+    float *sW = sm, *sX = sm + F32S_COLS * F32S_LD; // [32][257], [16][257]
+    int64_t r0, r1, woff;
+    if (!block_rows<16>(a, blockIdx.y, r0, r1, woff)) return;
+    const int z = blockIdx.z / (int)a.S;
+    const int64_t s = blockIdx.z % a.S, k0 = s * KSLICE, n0 = (int64_t)blockIdx.x * F32S_COLS;
+    const float *x = a.x + z * a.gx, *W = (const float *)a.W + z * a.gw + woff;
+    const int64_t kpad = ((a.K + 15) / 16) * 16, klen = (k0 + KSLICE < kpad ? k0 + KSLICE : kpad) - k0;
+    for (int i = threadIdx.x; i < F32S_COLS * KSLICE; i += 256) {
+        const int n = i / KSLICE, k = i % KSLICE;
+        sW[n * F32S_LD + k] = n0 + n < a.N && k0 + k < a.K ? W[(n0 + n) * a.ldw + k0 + k] : 0.0f;
+    }
+    for (int i = threadIdx.x; i < 16 * KSLICE; i += 256) {
+        const int r = i / KSLICE, k = i % KSLICE;
+        sX[r * F32S_LD + k] = r0 + r < r1 && r < 16 && k0 + k < a.K ? x[(r0 + r) * a.ldx + k0 + k] : 0.0f;
+    }
+    __syncthreads();
+    for (int o = threadIdx.x; o < 16 * F32S_COLS; o += 256) {
+        const int r = o / F32S_COLS, n = o % F32S_COLS;
+        if (r0 + r >= r1 || n0 + n >= a.N) continue;
+        float acc = 0;
+        for (int64_t k = 0; k < klen; k++) acc = fmaf(sX[r * F32S_LD + k], sW[n * F32S_LD + k], acc);
+        put(a, z, s, r0 + r, n0 + n, acc);
+    }
+    finish_tile(a, z, r0, r1 < r0 + 16 ? r1 : r0 + 16, n0, n0 + F32S_COLS < a.N ? n0 + F32S_COLS : a.N);
 }
 
 // ------------------------------------------------------------------------------------------ bf16
@@ -150,7 +224,7 @@ __device__ __forceinline__ void load_a8(const float *x, int64_t ldx, int64_t r, 
 __device__ __forceinline__ void load_b8(const __nv_bfloat16 *W, int64_t ldw, int64_t c, int64_t N, int64_t k0,
                                         int64_t K, bool vec, uint32_t (&w)[4]) {
     if (c < N && vec && k0 + 8 <= K) {
-        const uint4 p = *reinterpret_cast<const uint4 *>(W + c * ldw + k0);
+        const uint4 p = __ldg(reinterpret_cast<const uint4 *>(W + c * ldw + k0));
         w[0] = p.x, w[1] = p.y, w[2] = p.z, w[3] = p.w;
         return;
     }
@@ -182,7 +256,7 @@ __global__ void __launch_bounds__((BM / WM) * (BN / WN) * 32) gemm_bf16_tiled(ge
     static_assert(AL >= 1 && BL >= 1, "tile too small for the block");
     __shared__ __align__(16) __nv_bfloat16 sA[BM * LDS], sB[BN * LDS];
     int64_t r0, r1, woff;
-    if (!block_rows<BM>(a, r0, r1, woff)) return;
+    if (!block_rows<BM>(a, blockIdx.y, r0, r1, woff)) return;
     const int z = blockIdx.z;
     const float *x = a.x + z * a.gx;
     const __nv_bfloat16 *W = (const __nv_bfloat16 *)a.W + z * a.gw + woff;
@@ -190,11 +264,13 @@ __global__ void __launch_bounds__((BM / WM) * (BN / WN) * 32) gemm_bf16_tiled(ge
     const int64_t n0 = (int64_t)blockIdx.x * BN;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
     const int wm = (warp / (BN / WN)) * WM, wn = (warp % (BN / WN)) * WN;
-    float acc[MT][NT][4];
+    float acc[MT][NT][4], tot[MT][NT][4];
 #pragma unroll
     for (int i = 0; i < MT; i++)
 #pragma unroll
-        for (int j = 0; j < NT; j++) acc[i][j][0] = acc[i][j][1] = acc[i][j][2] = acc[i][j][3] = 0.0f;
+        for (int j = 0; j < NT; j++)
+#pragma unroll
+            for (int q = 0; q < 4; q++) acc[i][j][q] = tot[i][j][q] = 0.0f;
     uint32_t ra[AL][4], rb[BL][4];
     auto fetch = [&](int64_t k0) {
 #pragma unroll
@@ -241,112 +317,134 @@ __global__ void __launch_bounds__((BM / WM) * (BN / WN) * 32) gemm_bf16_tiled(ge
             for (int i = 0; i < MT; i++) mma_k32(acc[i][j], af[i][0], af[i][1], bf);
         }
         __syncthreads();
+        if ((k0 + 32) % KSLICE == 0 || k0 + 32 >= a.K) // a slice ends: its partial joins the total
+#pragma unroll
+            for (int i = 0; i < MT; i++)
+#pragma unroll
+                for (int j = 0; j < NT; j++)
+#pragma unroll
+                    for (int q = 0; q < 4; q++) tot[i][j][q] += acc[i][j][q], acc[i][j][q] = 0.0f;
     }
     const int64_t rend = r1 < r0 + BM ? r1 : r0 + BM;
 #pragma unroll
     for (int i = 0; i < MT; i++)
 #pragma unroll
         for (int j = 0; j < NT; j++)
-            store_tile(y, a.ldy, r0 + wm + i * 16 + g, rend, n0 + wn + j * 8 + 2 * t, a.N, acc[i][j]);
+            store_tile(y, a.ldy, r0 + wm + i * 16 + g, rend, n0 + wn + j * 8 + 2 * t, a.N, tot[i][j]);
 }
 
-// Skinny: 16 rows per block; each warp streams NT column tiles of W straight from global memory, U chunks in
-// flight. For decoding, where W is all the traffic.
-template <int NT, int U, int WARPS>
+// Skinny: at most 16 rows; one warp per (8 columns, slice): the slice's 8 chunks of W loaded at once straight from
+// global memory (128 bytes per lane in flight), then multiplied. WARPS warps per block side by side in N.
+template <int WARPS>
 __global__ void __launch_bounds__(WARPS * 32) gemm_bf16_skinny(gemm_args a, int vec_a, int vec_b) {
+    constexpr int U = KSLICE / 32;
     int64_t r0, r1, woff;
-    if (!block_rows<16>(a, r0, r1, woff)) return;
-    const int z = blockIdx.z;
+    if (!block_rows<16>(a, blockIdx.y, r0, r1, woff)) return;
+    const int z = blockIdx.z / (int)a.S;
+    const int64_t s = blockIdx.z % a.S;
     const float *x = a.x + z * a.gx;
     const __nv_bfloat16 *W = (const __nv_bfloat16 *)a.W + z * a.gw + woff;
-    float *y = a.y + z * a.gy;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int64_t n0 = ((int64_t)blockIdx.x * WARPS + warp) * NT * 8;
-    if (n0 >= a.N) return;
-    const int64_t rend = r1 < r0 + 16 ? r1 : r0 + 16;
-    float acc[NT][4];
-#pragma unroll
-    for (int j = 0; j < NT; j++) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
-    for (int64_t k0 = 0; k0 < a.K; k0 += 32 * U) {
-        uint32_t ag[U][4], ag8[U][4], bw[U][NT][4];
+    const int64_t nb = (int64_t)blockIdx.x * WARPS * 8, n0 = nb + warp * 8;
+    const int64_t rend = r1 < r0 + 16 ? r1 : r0 + 16, k0 = s * KSLICE;
+    if (n0 < a.N) { // a warp past N has no columns, but still takes part in the block's barriers below
+        uint32_t ag[U][4], ag8[U][4], bw[U][4];
 #pragma unroll
         for (int u = 0; u < U; u++) {
             const int64_t k = k0 + u * 32 + t * 8;
-#pragma unroll
-            for (int j = 0; j < NT; j++) load_b8(W, a.ldw, n0 + j * 8 + g, a.N, k, a.K, vec_b, bw[u][j]);
+            load_b8(W, a.ldw, n0 + g, a.N, k, a.K, vec_b, bw[u]);
             load_a8(x, a.ldx, r0 + g, rend, k, a.K, vec_a, ag[u]);
             load_a8(x, a.ldx, r0 + g + 8, rend, k, a.K, vec_a, ag8[u]);
         }
+        float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
         for (int u = 0; u < U; u++)
-            if (k0 + u * 32 < a.K)
+            if (k0 + u * 32 < a.K) mma_k32(acc, ag[u], ag8[u], bw[u]);
+        const int64_t c = n0 + 2 * t;
+        const int64_t rr[2] = {r0 + g, r0 + g + 8};
 #pragma unroll
-                for (int j = 0; j < NT; j++) mma_k32(acc[j], ag[u], ag8[u], bw[u][j]);
+        for (int h = 0; h < 2; h++)
+#pragma unroll
+            for (int q = 0; q < 2; q++)
+                if (rr[h] < rend && c + q < a.N) put(a, z, s, rr[h], c + q, acc[2 * h + q]);
     }
-#pragma unroll
-    for (int j = 0; j < NT; j++) store_tile(y, a.ldy, r0 + g, rend, n0 + j * 8 + 2 * t, a.N, acc[j]);
+    finish_tile(a, z, r0, rend, nb, nb + WARPS * 8 < a.N ? nb + WARPS * 8 : a.N);
 }
 
 bool aligned(const void *p, size_t to) { return ((uintptr_t)p % to) == 0; }
 
 // Launch the variant for `rows_hint` rows per (group of) W. Which variant runs never changes the result.
-void gemm(ds4_dev *d, const char *op, const gemm_args &a, ds4_dtype wdt, int64_t groups, int64_t rows_hint) {
+void gemm(ds4_dev *d, const char *op, gemm_args a, ds4_dtype wdt, int64_t groups, int64_t rows_hint) {
     cuda_dev *cd = cdev(d);
     if (a.M <= 0 || a.N <= 0) return;
     if (a.K <= 0) {
         ds4_dev_fail(d, DS4_ERR_ARG, "%s: K = %lld", op, (long long)a.K);
         return;
     }
-    if (groups > 65535) {
-        ds4_dev_fail(d, DS4_ERR_UNSUPPORTED, "%s: %lld groups > 65535", op, (long long)groups);
+    if (wdt != DS4_F32 && wdt != DS4_BF16) {
+        ds4_dev_fail(d, DS4_ERR_UNSUPPORTED, "%s: weight dtype %s", op, ds4_dtype_name(wdt));
         return;
     }
-    const unsigned gz = (unsigned)(groups > 0 ? groups : 1);
+    const int64_t G = groups > 0 ? groups : 1;
+    a.S = (a.K + KSLICE - 1) / KSLICE;
+    /* the skinny kernels (16 rows per block, parallel over K slices) when the tiled ones would leave most of the GPU
+     * idle: few rows, or so few output tiles that the tiled grid has fewer blocks than two per SM */
+    const int64_t tiled_blocks = G * ((rows_hint + 63) / 64) * ((a.N + 127) / 128);
+    const bool skinny = rows_hint <= 16 || (tiled_blocks < 2 * (int64_t)cd->sm_count && rows_hint <= 1024);
+    if (G * (skinny ? a.S : 1) > 65535) {
+        ds4_dev_fail(d, DS4_ERR_UNSUPPORTED, "%s: %lld groups x %lld slices > 65535", op, (long long)G, (long long)a.S);
+        return;
+    }
     auto grid_y = [&](int BM) {
         const int64_t t = a.off ? (a.M + BM - 1) / BM + a.E : (a.M + BM - 1) / BM;
         return (unsigned)(t < 1 ? 1 : t);
     };
-    if (wdt == DS4_F32) {
-        if (rows_hint <= 16) {
-            dim3 grid(ds4_blocks(a.N, 128), grid_y(16), gz);
-            gemm_f32_kernel<16, 128, 1, 8><<<grid, 256, 0, cd->stream>>>(a);
-        } else {
-            dim3 grid(ds4_blocks(a.N, 64), grid_y(64), gz);
-            gemm_f32_kernel<64, 64, 4, 4><<<grid, 256, 0, cd->stream>>>(a);
-        }
-    } else if (wdt == DS4_BF16) {
-        const int va = (int)(aligned(a.x, 16) && a.ldx % 4 == 0 && a.gx % 4 == 0);
-        const int vb = (int)(aligned(a.W, 16) && a.ldw % 8 == 0 && a.gw % 8 == 0 && a.wstride % 8 == 0);
-        if (rows_hint <= 16) {
-            // enough warps to cover the SMs: NT = 1 column tile of 8 per warp when N is small
-            if (a.N >= (int64_t)cd->sm_count * 8 * 2 * 8) {
-                dim3 grid(ds4_blocks(a.N, 8 * 2 * 8), grid_y(16), gz);
-                gemm_bf16_skinny<2, 4, 8><<<grid, 256, 0, cd->stream>>>(a, va, vb);
-            } else {
-                dim3 grid(ds4_blocks(a.N, 8 * 4), grid_y(16), gz);
-                gemm_bf16_skinny<1, 8, 4><<<grid, 128, 0, cd->stream>>>(a, va, vb);
-            }
-        } else {
-            dim3 grid(ds4_blocks(a.N, 128), grid_y(64), gz);
-            gemm_bf16_tiled<64, 128, 32, 32><<<grid, 256, 0, cd->stream>>>(a, va, vb);
-        }
+    const int64_t cols = wdt == DS4_F32 ? F32S_COLS : 4 * 8; // a skinny block's columns
+    if (skinny && a.S > 1) {
+        a.part = (float *)ds4_cuda_scratch(d, (size_t)(G * a.S * a.M * a.N) * sizeof(float), op, 0);
+        a.count = ds4_cuda_counters(d, (size_t)(G * grid_y(16)) * ds4_blocks(a.N, (int)cols), op);
+        if (!a.part || !a.count) return;
+    }
+    const int va = (int)(aligned(a.x, 16) && a.ldx % 4 == 0 && a.gx % 4 == 0);
+    const int vb = (int)(aligned(a.W, 16) && a.ldw % 8 == 0 && a.gw % 8 == 0 && a.wstride % 8 == 0);
+    if (wdt == DS4_F32 && skinny) {
+        const size_t smem = (size_t)(F32S_COLS + 16) * F32S_LD * sizeof(float);
+        if (!cd->smem_set[0]) /* once per backend: the limit is a property of the kernel */
+            cd->smem_set[0] = cudaFuncSetAttribute(gemm_f32_skinny, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                   (int)smem) == cudaSuccess;
+        dim3 grid(ds4_blocks(a.N, (int)cols), grid_y(16), (unsigned)(G * a.S));
+        gemm_f32_skinny<<<grid, 256, smem, cd->stream>>>(a);
+    } else if (wdt == DS4_F32) {
+        dim3 grid(ds4_blocks(a.N, 64), grid_y(64), (unsigned)G);
+        gemm_f32_kernel<64, 64, 4, 4><<<grid, 256, 0, cd->stream>>>(a);
+    } else if (skinny) {
+        dim3 grid(ds4_blocks(a.N, (int)cols), grid_y(16), (unsigned)(G * a.S));
+        gemm_bf16_skinny<4><<<grid, 128, 0, cd->stream>>>(a, va, vb);
     } else {
-        ds4_dev_fail(d, DS4_ERR_UNSUPPORTED, "%s: weight dtype %s", op, ds4_dtype_name(wdt));
-        return;
+        dim3 grid(ds4_blocks(a.N, 128), grid_y(64), (unsigned)G);
+        gemm_bf16_tiled<64, 128, 32, 32><<<grid, 256, 0, cd->stream>>>(a, va, vb);
     }
     ds4_cuda_launched(d, op, "[%lld x %lld] x [%lld x %lld]^T (%s, %lld groups%s)", (long long)a.M, (long long)a.K,
-                      (long long)a.N, (long long)a.K, ds4_dtype_name(wdt), (long long)gz, a.off ? ", by expert" : "");
+                      (long long)a.N, (long long)a.K, ds4_dtype_name(wdt), (long long)G, a.off ? ", by expert" : "");
 }
 
 } // namespace
 
+void ds4_cuda_gemm_f32(ds4_dev *d, const char *op, float *y, int64_t ldy, const float *x, int64_t ldx, const float *W,
+                       int64_t M, int64_t K, int64_t N) {
+    gemm_args g = {y, ldy, x, ldx, W, K, M, N, K, 0, 0, 0, nullptr, 0, 0, nullptr, 0, nullptr};
+    gemm(d, op, g, DS4_F32, 1, M);
+}
+
 void ds4_cuda_matmul(ds4_dev *d, const ds4_a_matmul *a) {
-    gemm_args g = {a->y, a->ldy, a->x, a->ldx, a->W, a->K, a->T, a->O, a->K, a->gx, a->gy, a->gw, nullptr, 0, 0};
+    gemm_args g = {a->y, a->ldy, a->x, a->ldx, a->W, a->K, a->T, a->O, a->K, a->gx, a->gy, a->gw, nullptr, 0, 0,
+                   nullptr, 0, nullptr};
     gemm(d, "matmul", g, a->wdt, a->groups, a->T);
 }
 
 void ds4_cuda_matmul_grouped(ds4_dev *d, const ds4_a_matmul_grouped *a) {
-    gemm_args g = {a->y, a->O, a->x, a->K, a->W, a->K, a->rows, a->O, a->K, 0, 0, 0, a->off, a->E, a->wstride};
+    gemm_args g = {a->y, a->O, a->x, a->K, a->W, a->K, a->rows, a->O, a->K, 0, 0, 0, a->off, a->E, a->wstride,
+                   nullptr, 0, nullptr};
     /* rows per expert group: few when decoding (each expert streams its weights once) */
     gemm(d, "matmul_grouped", g, a->wdt, 1, a->E > 0 ? (a->rows + a->E - 1) / a->E : a->rows);
 }

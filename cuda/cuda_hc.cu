@@ -1,6 +1,7 @@
 // cuda_hc.cu — the residual streams on the GPU: mHC pre (mixing coefficients with Sinkhorn in fp64, the collapse),
-// mHC post (the expansion) and the HyperHead. One block per token; the dot products of the mixing matrix with the
-// normalised streams are one warp each, lanes striding k and summing in a fixed butterfly.
+// mHC post (the expansion) and the HyperHead. The mixing logits are a GEMM of the normalised streams (n·D long) with
+// the mixing matrix: the batch-invariant GEMM of cuda_gemm.cu, which spreads those long dot products over many warps
+// when there are few tokens (decoding); the coefficients then take one block per token.
 #include "cuda_dev.cuh"
 #include "shape_limits.h"
 
@@ -43,34 +44,27 @@ __device__ void sinkhorn_warp(const float *cl, float sc2, const float *cb, int64
     }
 }
 
-// mix[j] = fn_j · (x / rms(x)) for j < nmix, into shared memory; returns the RMS factor.
-__device__ void mix_logits(const float *x, const float *fn, int64_t nD, int64_t nmix, double eps, float *mix,
-                           double *sh) {
+// xn[t] = X[t] / rms(X[t]) over the n·D values of a token (the normalised streams the mixing matrix reads).
+__global__ void __launch_bounds__(HC_THREADS) hc_norm_kernel(const float *X, float *xn, int64_t nD, double eps) {
+    __shared__ double sh[HC_THREADS / 32];
+    const int64_t t = blockIdx.x;
+    const float *x = X + t * nD;
     double ss = 0;
     for (int64_t i = threadIdx.x; i < nD; i += blockDim.x) ss += (double)x[i] * x[i];
     ss = ds4d_block_sum(ss, sh);
     const float inv = ds4d_rms_inv(ss, nD, eps);
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    for (int64_t j = warp; j < nmix; j += nw) {
-        const float *f = fn + j * nD;
-        float acc = 0;
-        for (int64_t k = lane; k < nD; k += 32) acc = fmaf(f[k], x[k] * inv, acc);
-        acc = ds4d_warp_sumf(acc);
-        if (lane == 0) mix[j] = acc;
-    }
-    __syncthreads();
+    for (int64_t i = threadIdx.x; i < nD; i += blockDim.x) xn[t * nD + i] = x[i] * inv;
 }
 
-__global__ void __launch_bounds__(HC_THREADS) hc_pre_kernel(const float *X, const float *fn, const float *base,
-                                                            const float *sc, float *pre, float *post, float *comb,
-                                                            float *u, int64_t n, int64_t D, int64_t iters, double eps,
-                                                            double hc_eps) {
-    __shared__ double sh[HC_THREADS / 32];
-    __shared__ float mix[DS4_MAX_HC_MIX], spre[DS4_MAX_HC];
+// Coefficients of one token from its mixing logits: pre, post, the Sinkhorn comb, and the collapse u = Σ pre_i X_i.
+__global__ void __launch_bounds__(HC_THREADS) hc_coef_kernel(const float *X, const float *mixall, const float *base,
+                                                             const float *sc, float *pre, float *post, float *comb,
+                                                             float *u, int64_t n, int64_t D, int64_t iters,
+                                                             double hc_eps) {
+    __shared__ float spre[DS4_MAX_HC];
     __shared__ double M[DS4_MAX_HC_SQ];
-    const int64_t t = blockIdx.x, nD = n * D, nmix = (2 + n) * n;
-    const float *x = X + t * nD;
-    mix_logits(x, fn, nD, nmix, eps, mix, sh);
+    const int64_t t = blockIdx.x, nmix = (2 + n) * n;
+    const float *x = X + t * n * D, *mix = mixall + t * nmix;
     if (threadIdx.x < 32) {
         for (int64_t i = threadIdx.x; i < n; i += 32) {
             spre[i] = ds4d_sigmoid(mix[i] * sc[0] + base[i]) + (float)hc_eps;
@@ -100,15 +94,13 @@ __global__ void hc_post_kernel(const float *X, const float *A, const float *post
     Xo[i] = y;
 }
 
-__global__ void __launch_bounds__(HC_THREADS) hyperhead_kernel(const float *X, const float *fn, const float *base,
-                                                               const float *sc, float *u, int64_t n, int64_t D,
-                                                               double eps, double hc_eps) {
-    __shared__ double sh[HC_THREADS / 32];
-    __shared__ float mix[DS4_MAX_HC], spre[DS4_MAX_HC];
-    const int64_t t = blockIdx.x, nD = n * D;
-    const float *x = X + t * nD;
-    mix_logits(x, fn, nD, n, eps, mix, sh);
-    if (threadIdx.x < n) spre[threadIdx.x] = ds4d_sigmoid(mix[threadIdx.x] * sc[0] + base[threadIdx.x]) + (float)hc_eps;
+__global__ void __launch_bounds__(HC_THREADS) hyperhead_coef_kernel(const float *X, const float *mixall,
+                                                                    const float *base, const float *sc, float *u,
+                                                                    int64_t n, int64_t D, double hc_eps) {
+    __shared__ float spre[DS4_MAX_HC];
+    const int64_t t = blockIdx.x;
+    const float *x = X + t * n * D;
+    if (threadIdx.x < n) spre[threadIdx.x] = ds4d_sigmoid(mixall[t * n + threadIdx.x] * sc[0] + base[threadIdx.x]) + (float)hc_eps;
     __syncthreads();
     for (int64_t c = threadIdx.x; c < D; c += blockDim.x) {
         float acc = 0;
@@ -117,16 +109,30 @@ __global__ void __launch_bounds__(HC_THREADS) hyperhead_kernel(const float *X, c
     }
 }
 
+// The normalised streams and their mixing logits [T, nmix] (in scratch slot 1), or NULL after a failure.
+float *mix_logits(ds4_dev *d, const char *op, const float *X, const float *fn, int64_t T, int64_t nD, int64_t nmix,
+                  double eps) {
+    float *xn = (float *)ds4_cuda_scratch(d, (size_t)(T * (nD + nmix)) * sizeof(float), op, 1);
+    if (!xn) return NULL;
+    float *mix = xn + T * nD;
+    hc_norm_kernel<<<(unsigned)T, HC_THREADS, 0, cdev(d)->stream>>>(X, xn, nD, eps);
+    if (!ds4_cuda_launched(d, op, "norm [%lld tokens x %lld]", (long long)T, (long long)nD)) return NULL;
+    ds4_cuda_gemm_f32(d, op, mix, nmix, xn, nD, fn, T, nD, nmix);
+    return d->st ? NULL : mix;
+}
+
 } // namespace
 
 void ds4_cuda_hc_pre(ds4_dev *d, const ds4_a_hc_pre *a) {
     if (a->T <= 0) return;
     const ds4_config *c = a->c;
-    hc_pre_kernel<<<(unsigned)a->T, HC_THREADS, 0, cdev(d)->stream>>>(
-        a->X, a->w->fn, a->w->base, a->w->scale, a->pre, a->post, a->comb, a->u, c->hc_mult, c->hidden_size,
-        c->hc_sinkhorn_iters, c->rms_norm_eps, c->hc_eps);
-    ds4_cuda_launched(d, "hc_pre", "[%lld tokens, %lld streams, %lld]", (long long)a->T, (long long)c->hc_mult,
-                      (long long)c->hidden_size);
+    const int64_t n = c->hc_mult, D = c->hidden_size, nmix = (2 + n) * n;
+    const float *mix = mix_logits(d, "hc_pre", a->X, a->w->fn, a->T, n * D, nmix, c->rms_norm_eps);
+    if (!mix) return;
+    hc_coef_kernel<<<(unsigned)a->T, HC_THREADS, 0, cdev(d)->stream>>>(a->X, mix, a->w->base, a->w->scale, a->pre,
+                                                                         a->post, a->comb, a->u, n, D,
+                                                                         c->hc_sinkhorn_iters, c->hc_eps);
+    ds4_cuda_launched(d, "hc_pre", "[%lld tokens, %lld streams, %lld]", (long long)a->T, (long long)n, (long long)D);
 }
 
 void ds4_cuda_hc_post(ds4_dev *d, const ds4_a_hc_post *a) {
@@ -141,9 +147,10 @@ void ds4_cuda_hc_post(ds4_dev *d, const ds4_a_hc_post *a) {
 void ds4_cuda_hyperhead(ds4_dev *d, const ds4_a_hyperhead *a) {
     if (a->T <= 0) return;
     const ds4_config *c = a->c;
-    hyperhead_kernel<<<(unsigned)a->T, HC_THREADS, 0, cdev(d)->stream>>>(a->X, a->fn, a->base, a->scale, a->u,
-                                                                          c->hc_mult, c->hidden_size, c->rms_norm_eps,
-                                                                          c->hc_eps);
-    ds4_cuda_launched(d, "hyperhead", "[%lld tokens, %lld streams, %lld]", (long long)a->T, (long long)c->hc_mult,
-                      (long long)c->hidden_size);
+    const int64_t n = c->hc_mult, D = c->hidden_size;
+    const float *mix = mix_logits(d, "hyperhead", a->X, a->fn, a->T, n * D, n, c->rms_norm_eps);
+    if (!mix) return;
+    hyperhead_coef_kernel<<<(unsigned)a->T, HC_THREADS, 0, cdev(d)->stream>>>(a->X, mix, a->base, a->scale, a->u, n, D,
+                                                                                c->hc_eps);
+    ds4_cuda_launched(d, "hyperhead", "[%lld tokens, %lld streams, %lld]", (long long)a->T, (long long)n, (long long)D);
 }

@@ -297,7 +297,7 @@ void ds4_cuda_sample(ds4_dev *d, const ds4_a_sample *a) {
     int64_t pow2 = 1;
     while (pow2 < a->V) pow2 <<= 1;
     const size_t wbytes = p->temperature > 0 ? (size_t)a->rows * pow2 * (sizeof(double) + sizeof(int32_t)) : 0;
-    char *scr = (char *)ds4_cuda_scratch(d, wbytes + (size_t)a->rows * 2 * sizeof(int32_t), "sample");
+    char *scr = (char *)ds4_cuda_scratch(d, wbytes + (size_t)a->rows * 2 * sizeof(int32_t), "sample", 1);
     if (!scr) return;
     if ((size_t)a->rows > cd->host_err_n) {
         if (cd->host_err) (void)cudaFreeHost(cd->host_err);

@@ -193,7 +193,7 @@ void ds4_cuda_count_loads(ds4_dev *d, const ds4_a_count_loads *a) {
 
 void ds4_cuda_moe_sort(ds4_dev *d, const ds4_a_moe_sort *a) {
     if (a->E <= 0) return;
-    int64_t *cnt = (int64_t *)ds4_cuda_scratch(d, (size_t)a->E * sizeof(int64_t), "moe_sort");
+    int64_t *cnt = (int64_t *)ds4_cuda_scratch(d, (size_t)a->E * sizeof(int64_t), "moe_sort", 1);
     if (!cnt) return;
     for (int pass = 0; pass < 2; pass++) {
         moe_sort_kernel<<<(unsigned)a->E, 256, 0, cdev(d)->stream>>>(a->eidx, a->n, a->E, cnt, a->perm, a->off, pass);
