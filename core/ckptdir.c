@@ -288,22 +288,13 @@ uint32_t ds4_crc32(uint32_t crc, const void *data, size_t n) {
 /* Size (and CRC-32, and fsync) of the regular file `path`. */
 static ds4_status file_digest(const char *what, const char *path, const crc_tables *t, int want_crc, int want_sync,
                               int64_t *size, uint32_t *crc, ds4_error *err) {
-    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
-    if (fd < 0)
-        return ds4_fail(err, errno == ENOENT ? DS4_ERR_NOT_FOUND : DS4_ERR_IO, "%s: open %s: %s", what, path,
-                        strerror(errno));
-    struct stat st;
-    ds4_status s = DS4_OK;
+    int fd;
+    ds4_status s = ds4_open_regular(path, O_NOFOLLOW, DS4_ERR_FORMAT, &fd, size, err); /* never blocks on a FIFO */
+    if (s) {
+        ds4_error_prefix(err, "%s: ", what);
+        return s;
+    }
     unsigned char *buf = NULL;
-    if (fstat(fd, &st) != 0) {
-        s = ds4_fail(err, DS4_ERR_IO, "%s: stat %s: %s", what, path, strerror(errno));
-        goto out;
-    }
-    if (!S_ISREG(st.st_mode)) {
-        s = ds4_fail(err, DS4_ERR_FORMAT, "%s: %s is not a regular file", what, path);
-        goto out;
-    }
-    *size = (int64_t)st.st_size;
     if (want_crc) {
         enum { CHUNK = 1 << 20 };
         buf = malloc(CHUNK);
