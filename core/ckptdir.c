@@ -529,6 +529,36 @@ static void sb_printf(sbuf *b, const char *fmt, ...) {
     }
 }
 
+/* After a commit of step `step`: remove crash leftovers (".tmp-", ".old-", ".del-" + pid@host) that can no longer
+ * belong to a running writer. Those of this host whose process is gone, and those of an older step than the one
+ * just committed, whatever their pid or host: one writer per root (ds4_ckpt.h) means nobody is still writing an
+ * older step, and the pid test alone keeps a leftover forever where pids repeat across restarts (a container's
+ * trainer is often pid 1 again) or the host name changes with each container. Best effort: a leftover that
+ * cannot be removed now is tried again after the next commit. */
+static void clean_leftovers(const char *root, int64_t step) {
+    int dfd = open(root, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (dfd < 0) return;
+    name_list names = {0};
+    int rc = read_names(dfd, &names);
+    char me[80];
+    this_host(me, sizeof me);
+    for (size_t i = 0; rc == 0 && i < names.n; i++) {
+        int64_t lstep, pid;
+        left_kind kind;
+        char host[256];
+        if (!parse_leftover(names.v[i], &lstep, &kind, &pid, host, sizeof host)) continue;
+        int mine = !host[0] || !strcmp(host, me);
+        if (lstep >= step && !(mine && !pid_alive(pid))) continue;
+        struct stat st;
+        if (fstatat(dfd, names.v[i], &st, AT_SYMLINK_NOFOLLOW) != 0 || !S_ISDIR(st.st_mode)) continue;
+        char *p = join(root, names.v[i]);
+        if (p) ds4_fs_rmtree("checkpoint commit", p, NULL);
+        free(p);
+    }
+    names_free(&names);
+    close(dfd);
+}
+
 ds4_status ds4_ckpt_commit(const char *root, int64_t step, const char *tmp_path, ds4_error *err) {
     const char *what = "checkpoint commit";
     if (!root || !root[0] || !tmp_path) return ds4_fail(err, DS4_ERR_ARG, "%s: NULL or empty argument", what);
@@ -652,6 +682,7 @@ ds4_status ds4_ckpt_commit(const char *root, int64_t step, const char *tmp_path,
     }
     s = ds4_fs_sync_dir(what, root, err);
     if (had_old) ds4_fs_rmtree(what, old, NULL); /* best effort: at worst an ".old-" leftover remains */
+    if (!s) clean_leftovers(root, step);
 out:
     if (dfd >= 0) close(dfd);
     names_free(&files);
