@@ -43,6 +43,19 @@ ds4_adamw_coefs ds4_adamw_coefs_at(const ds4_adamw_hparams *h, int64_t t, double
     return c;
 }
 
+/* One element of the update: the scalar form of ds4_adamw_update (its SSE lanes compute the same bits). */
+static inline void adamw_elem(const ds4_adamw_coefs *c, int small_w, float omw, float p, float g, float m, float v,
+                              float *p_out, float *m_out, float *v_out) {
+    const float pi = p * c->decay_mul; /* torch decays first, in its own pass; per element the same */
+    const float mi = small_w ? m + c->one_m_b1 * (g - m) : g - (g - m) * omw;
+    float vi = v * c->beta2;
+    vi = vi + c->one_m_b2 * g * g;
+    const float denom = sqrtf(vi) / c->bc2_sqrt + c->eps;
+    *m_out = mi;
+    *v_out = vi;
+    *p_out = pi + c->neg_step * mi / denom;
+}
+
 void ds4_adamw_update(const ds4_adamw_coefs *c, float *p, const float *g, float *m, float *v, int64_t n) {
     const float w = c->one_m_b1, b2 = c->beta2, w2 = c->one_m_b2, ns = c->neg_step, bs = c->bc2_sqrt,
                 eps = c->eps, dm = c->decay_mul; /* dm = 1 without decay: p·1 is exact */
@@ -71,17 +84,20 @@ void ds4_adamw_update(const ds4_adamw_coefs *c, float *p, const float *g, float 
         }
     }
 #endif
-    for (; i < n; i++) {
-        float pi = p[i] * dm; /* torch decays first, in its own pass; per element the same */
-        float gi = g[i];
-        float mi = small_w ? m[i] + w * (gi - m[i]) : gi - (gi - m[i]) * omw;
-        float vi = v[i] * b2;
-        vi = vi + w2 * gi * gi;
-        float denom = sqrtf(vi) / bs + eps;
-        m[i] = mi;
-        v[i] = vi;
-        p[i] = pi + ns * mi / denom;
+    for (; i < n; i++) adamw_elem(c, small_w, omw, p[i], g[i], m[i], v[i], &p[i], &m[i], &v[i]);
+}
+
+int64_t ds4_adamw_count_nonfinite(const ds4_adamw_coefs *c, float coef, const float *p, const float *g,
+                                  const float *m, const float *v, int64_t n) {
+    const int small_w = fabsf(c->one_m_b1) < 0.5f;
+    const float omw = 1.0f - c->one_m_b1;
+    int64_t bad = 0;
+    for (int64_t i = 0; i < n; i++) {
+        float pn, mn, vn;
+        adamw_elem(c, small_w, omw, p[i], coef == 1.0f ? g[i] : g[i] * coef, m[i], v[i], &pn, &mn, &vn);
+        bad += !(isfinite(pn) && isfinite(mn) && isfinite(vn));
     }
+    return bad;
 }
 
 void ds4_adamw_update_range(const ds4_adamw_hparams *h, int64_t t, double lr, float *p, const float *g, float *m,
@@ -221,6 +237,37 @@ void ds4_adamw_update_ranges(const ds4_optim_range *r, size_t n, const ds4_optim
         return;
     }
     for (size_t i = 0; i < n; i++) update_chunk(&r[i], 0, r[i].n);
+}
+
+static int64_t nonfinite_chunk(const ds4_optim_range *r, int64_t begin, int64_t n, float coef) {
+    return ds4_adamw_count_nonfinite(&r->c, coef, r->p + begin, r->g + begin, r->m + begin, r->v + begin, n);
+}
+
+static void task_nonfinite(void *vctx, int64_t i) {
+    multi_ctx *c = vctx;
+    const ds4_optim_chunk *k = &c->chunks[i];
+    c->partial[i] = (double)nonfinite_chunk(&c->r[k->range], k->begin, k->n, c->coef);
+}
+
+int64_t ds4_adamw_count_nonfinite_ranges(const ds4_optim_range *r, size_t n, float coef, const ds4_optim_chunk *chunks,
+                                         int64_t n_chunks, double *partial, ds4_pool *pool, size_t *first_range) {
+    int64_t total = 0;
+    *first_range = n;
+    if (pool && chunks && partial && n_chunks > 0) {
+        multi_ctx c = {.r = r, .chunks = chunks, .partial = partial, .coef = coef};
+        ds4_pool_run(pool, n_chunks, task_nonfinite, &c);
+        for (int64_t k = 0; k < n_chunks; k++) {
+            if (partial[k] > 0 && chunks[k].range < *first_range) *first_range = chunks[k].range;
+            total += (int64_t)partial[k];
+        }
+        return total;
+    }
+    for (size_t i = 0; i < n; i++) {
+        int64_t b = nonfinite_chunk(&r[i], 0, r[i].n, coef);
+        if (b > 0 && i < *first_range) *first_range = i;
+        total += b;
+    }
+    return total;
 }
 
 /* ------------------------------------------------------------------------------------------------ schedule */
@@ -429,11 +476,24 @@ ds4_status ds4_adamw_step(ds4_adamw *a, ds4_adamw_stats *stats, ds4_error *err) 
                         "and the step count are unchanged",
                         (long long)a->steps + 1, nr, norm);
     float coef = ds4_grad_clip_coef(norm, a->o.clip);
-    ds4_grad_scale(a->ranges, nr, coef, a->chunks, nc, pool);
-    for (size_t k = 0; k < nr; k++) {
-        int64_t t = ++a->tensor_steps[a->range_tensor[k]];
-        a->ranges[k].c = ds4_adamw_coefs_at(&a->h, t, lr, a->ranges[k].c.decay);
+    for (size_t k = 0; k < nr; k++)
+        a->ranges[k].c = ds4_adamw_coefs_at(&a->h, a->tensor_steps[a->range_tensor[k]] + 1, lr, a->ranges[k].c.decay);
+    /* A finite gradient can still give non-finite weights (an lr of 1e38 overflows the step; huge gradients
+     * overflow v): compute the update without writing it first, and refuse it whole, so that the model is never
+     * left half-updated or poisoned. Costs one extra read of p, g, m, v. */
+    size_t first = nr;
+    const int64_t bad = ds4_adamw_count_nonfinite_ranges(a->ranges, nr, coef, a->chunks, nc, a->partial, pool, &first);
+    if (bad > 0) {
+        const char *name = NULL;
+        ds4_tensor view;
+        if (first >= nr || ds4_model_tensor_at(m, a->range_tensor[first], &name, &view, NULL) != DS4_OK) name = "?";
+        return ds4_fail(err, DS4_ERR_ARG,
+                        "adamw step %lld: the update would make %lld of %lld parameters non-finite (first in %s; lr %g, "
+                        "gradient norm %g, clip %g); parameters, moments, gradients and the step count are unchanged",
+                        (long long)a->steps + 1, (long long)bad, (long long)total_elems, name, lr, norm, a->o.clip);
     }
+    ds4_grad_scale(a->ranges, nr, coef, a->chunks, nc, pool);
+    for (size_t k = 0; k < nr; k++) ++a->tensor_steps[a->range_tensor[k]];
     ds4_adamw_update_ranges(a->ranges, nr, a->chunks, nc, pool);
     a->steps++;
     if (m->topt.router_bias_gamma > 0) {

@@ -43,7 +43,8 @@ Models
                                    -> {logits = F32 [B, S, V], loss = number|nil, loss_tokens = n,
                                        mtp_logits = F32 [B, S-1, V], mtp_loss = number|nil, mtp_loss_tokens,
                                        hidden = F32 [L, B, S, hc_mult, hidden_size]}
-                                   loss is nil when there are no labels or no scored token.
+                                   loss is nil when there are no labels or no scored token; a scored loss
+                                   is always a number, NaN included (then backward refuses that forward).
   model:config()                   config table: every field; layer_types / mlp_layer_types as strings,
                                    rope_parameters = {main = {...}, compress = {...}}, compress_rates
   model:n_params()  model:has_mtp()
@@ -51,7 +52,7 @@ Models
   model:params()                   F32 tensor [n_params]: a copy of the flat fp32 parameter buffer (lua/params_lua.c)
   model:set_params(src)            replace every parameter from an F32 tensor of n_params elements or a string of
                                    4 n_params little-endian bytes (one memcpy; gradients and optimizer state kept;
-                                   not from an on_token callback) -> model
+                                   raises inside an on_token callback of this model's generation) -> model
   model:tables_crc()               CRC-32 of the non-fp32 tensors (hash-routing tid2eid tables): equal parameters
                                    give equal outputs only if these agree too
   model:free()                     release now (later calls raise "model has been freed")
@@ -84,18 +85,23 @@ Training (lua/train_lua.c)
                                    betas ({0.9, 0.999}), eps (1e-8), weight_decay (0.01; not on norms, biases,
                                    sinks, mHC base/scale), clip (off), schedule ("constant"|"linear"|"cosine"),
                                    warmup (linear warm-up steps), total (end of the decay), min_lr_ratio (0)
-  opt:step()                       clip, update -> {lr = ..., grad_norm = (before clipping), step = updates done}
+  opt:step()                       clip, update -> {lr = ..., grad_norm = (before clipping), step = updates done};
+                                   raises, changing nothing (parameters, moments, gradients, step count), when the
+                                   gradient norm or the updated parameters would not be finite, and inside an
+                                   on_token callback of the model's generation
   opt:lr()  opt:steps()  opt:free() the next update's lr, updates done, release now (keeps the model alive)
 
 Saving and checkpoints (lua/save_lua.c; layout and guarantees: core/include/ds4_ckpt.h)
   model:save(dir [, opts])         config.json + model.safetensors under the names transformers' save_pretrained
                                    writes (from_pretrained loads it); written in a sibling and renamed into place.
                                    opts.dtype = "F32" (exact, default) | "BF16" | "F16"; opts.overwrite = true
-                                   replaces an existing dir that holds only checkpoint files. -> dir
+                                   replaces an existing dir that holds only checkpoint files. -> dir. A model with
+                                   a NaN or infinite weight is refused (here and by checkpoints.save).
   ds4.checkpoints.save(root, step, model [, opts])  -> root/step_NNNNNN (step = completed updates), committed
                                    atomically with a checksummed COMPLETE marker. opts.extra = {name = tensor},
                                    opts.meta = {JSON-able table}, opts.states = {name = {tensors = ..., meta = ...}},
-                                   opts.dtype; opts.keep_last / keep_every / clean: prune afterwards
+                                   opts.dtype; opts.keep_last / keep_every / clean: prune afterwards. The commit
+                                   removes crash leftovers no running writer can own (ds4_ckpt.h)
   ds4.checkpoints.load(root [, step]) -> dir, extra, meta, step of the newest (or given) complete checkpoint
                                    (nil when there is none); ds4.load(dir) loads its model
   ds4.checkpoints.list(root)       complete steps, ascending (every file's size and CRC-32 verified)
