@@ -83,9 +83,19 @@ local function write_jsonl(path, n, r)
     f:close()
 end
 
+-- ------------------------------------------------------------------------------------------------ tokens
+local tok = ds4.tokenizer() -- built-in byte-level tokenizer with the DeepSeek chat special tokens
+local template = chat.get("deepseek_v4")
+local EOS = tok:special("eos")
+
+-- Every conversation is checked as it is read (ds4.data: types, roles, and that the template renders it with at
+-- least one trained token); a bad line stops the run here, naming file:line, not in the middle of training.
 local function read_jsonl(path)
     local rows = {}
-    for line in io.lines(path) do rows[#rows + 1] = json.decode(line).messages end
+    for i, row in ipairs(ds4.data.read_jsonl(path, { format = "messages", tokenizer = tok, template = template,
+        render_opts = { thinking = false } })) do
+        rows[i] = row.messages
+    end
     return rows
 end
 
@@ -93,11 +103,6 @@ local r = rng(opts.seed)
 write_jsonl(opts.out .. "/train.jsonl", 2000, r)
 write_jsonl(opts.out .. "/heldout.jsonl", 64, r)
 local train, heldout = read_jsonl(opts.out .. "/train.jsonl"), read_jsonl(opts.out .. "/heldout.jsonl")
-
--- ------------------------------------------------------------------------------------------------ tokens
-local tok = ds4.tokenizer() -- built-in byte-level tokenizer with the DeepSeek chat special tokens
-local template = chat.get("deepseek_v4")
-local EOS = tok:special("eos")
 
 -- ids and labels of one conversation: labels carry the token where the mask trains it, -100 elsewhere
 -- (position t is scored against labels[t + 1], so a label marks the token to be predicted)

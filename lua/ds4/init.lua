@@ -166,6 +166,13 @@ Chat templates (lua/ds4/chat/: loaded on first use of ds4.chat; same as require(
   tmpl:check_prefix(tok, before, after, opts [, opts_after])  true, or false + why (append-only check)
   ds4.chat.register(name, {segments = fn} or {render = fn})   ds4.chat.list()   ds4.chat.builder(tok)
 
+Datasets and metrics (pure Lua, loaded on first use)
+  ds4.data.read_jsonl(path, {format = "prompt_answer" | "messages", tokenizer, template})  -> rows, every row
+                                   checked (types, empty prompts, NaN answers, renderable conversations); errors
+                                   name file:line. ds4.data.parse_jsonl(text, name, opts) on a string
+  ds4.metrics.open(path [, {resume_step = k}])  -> JSONL writer: w:write(record) writes one whole line, flushed,
+                                   errors raised; resume drops a torn last line and records past step k
+
 Rewards (lua/ds4/reward/, pure Lua: ds4.reward = require("ds4.reward"), loaded on first use; API in its init.lua)
   reward.math_reward(resp, sample) {score = 1/0, info = {extracted, reference, reason}} vs sample.answer;
                                    extract_boxed / extract_last_number / extract_answer / normalize / math_equal
@@ -346,8 +353,9 @@ function M.script_dir()
     return script:match("^(.*)/[^/]*$") or "."
 end
 
--- pure-Lua parts load on first use: ds4.chat, ds4.reward, ds4.rl, ds4.rollout
-local LAZY = { chat = "ds4.chat", reward = "ds4.reward", rl = "ds4.rl", rollout = "ds4.rollout" }
+-- pure-Lua parts load on first use: ds4.chat, ds4.reward, ds4.rl, ds4.rollout, ds4.data, ds4.metrics
+local LAZY = { chat = "ds4.chat", reward = "ds4.reward", rl = "ds4.rl", rollout = "ds4.rollout", data = "ds4.data",
+    metrics = "ds4.metrics" }
 setmetatable(M, { __index = function(t, k)
     if LAZY[k] then
         t[k] = require(LAZY[k])
