@@ -179,7 +179,9 @@ end
 
 ffi.cdef("int isatty(int fd);")
 local tty = not opts.quiet and ffi.C.isatty(1) == 1
-local metrics = assert(io.open(opts.out .. "/metrics.jsonl", "a"))
+-- one whole, flushed line per step; a write error stops the run. A resumed run drops what it will redo (records
+-- past its checkpoint) and a line torn by the crash.
+local metrics = ds4.metrics.open(opts.out .. "/metrics.jsonl", { resume_step = opts.resume and start - 1 or nil })
 local function now() return os.clock() end -- CPU seconds of this process (all threads)
 
 print(("sft: %s, %d parameters; %d train / %d held-out conversations; %d steps of %d"):format(
@@ -198,8 +200,8 @@ for step = start, opts.steps do
     local st = opt:step()
     local dt = now() - t0
     local tps = (#ids * #ids[1]) / math.max(dt, 1e-9)
-    metrics:write(json.encode({ step = step, loss = out.loss, lr = st.lr, grad_norm = st.grad_norm,
-        tokens = trained, tokens_per_s = tps }), "\n")
+    metrics:write({ step = step, loss = out.loss, lr = st.lr, grad_norm = st.grad_norm, tokens = trained,
+        tokens_per_s = tps })
     if tty then
         local w = 30
         local done = math.floor(w * step / opts.steps)

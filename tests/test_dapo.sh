@@ -78,6 +78,8 @@ fails 2 "--eval must be an integer >= 1" --eval 0
 fails 1 'null.jsonl:4: "answer" must be a string or a finite number, got null' --data "$out/null.jsonl" --eval 1
 { cat "$out/three.jsonl"; echo '{"prompt": "", "answer": 2}'; } >"$out/empty.jsonl"
 fails 1 'empty.jsonl:4: "prompt" is empty' --data "$out/empty.jsonl" --eval 1
+# a diverging policy (lr 1e3) stops with the step and the metric named instead of finishing with exit status 0
+fails 1 "trainer.run: step 1: kl = " "${small[@]}" "${from[@]}" --minibatches 2 --lr 1e3 --steps 4
 echo '{"prompt": 5}' >"$out/bad.jsonl"
 if "$DS4" run "$SRC/examples/dapo.lua" --data "$out/bad.jsonl" --out "$out/bad" --quiet 2>"$out/bad.err"; then
     echo "a malformed dataset must fail"; exit 1
