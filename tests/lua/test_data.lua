@@ -36,6 +36,10 @@ do
     bad('{"prompt": "1+1=", "answer": 1e999}', { "d.jsonl:2:", "not a finite number" }, "1e999 (Infinity)")
     bad('{"prompt": "1+1=", "answer": NaN}', { "d.jsonl:2:", "not a finite number" }, "NaN answer")
     bad('{"prompt": "1+1=", "answer": -Infinity}', { "d.jsonl:2:", "not a finite number" }, "-Infinity answer")
+    bad('{"prompt": "1+1=", "answer": 3e11031333333333333333333}', { "d.jsonl:2:", "not a finite number" },
+        "an exponent of many digits overflows to infinity (fuzz_dataset found it raising inside the decoder)")
+    H.eq(parse('{"prompt": "x", "answer": -3e-11031333333333333333333}')[1].answer, "-0.0",
+        "an exponent of many digits underflows to zero")
     bad('{"prompt": "1+1=", "answer": ""}', { "d.jsonl:2:", "empty string" }, "empty answer")
     bad('{"prompt": "1+1="}', { "d.jsonl:2:", '"answer"', "missing" }, "no answer")
     bad('{"prompt": "", "answer": "2"}', { "d.jsonl:2:", '"prompt" is empty' }, "empty prompt")
