@@ -78,7 +78,7 @@ end
 -- Option values that would only fail later, deep inside a run: refused now, naming the option.
 local function usage_error(msg)
     io.stderr:write("dapo.lua: " .. msg .. "\n")
-    os.exit(2)
+    os.exit(2, true) -- close the state: the model and tokenizer are freed (no leak reports under LeakSanitizer)
 end
 for _, k in ipairs({ "steps", "eval", "prompts", "n", "max-new-tokens", "minibatches", "sft-batch", "n-workers",
     "max-staleness", "seed" }) do

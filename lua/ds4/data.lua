@@ -121,6 +121,10 @@ local function check_opts(opts, fname)
     if not FORMATS[fmt] then
         error(fname .. ": opts.format must be \"prompt_answer\" or \"messages\", got " .. tostring(fmt), 3)
     end
+    local mr = opts.max_rows
+    if mr ~= nil and (type(mr) ~= "number" or mr ~= math.floor(mr) or mr < 1) then
+        error(fname .. ": opts.max_rows must be an integer >= 1, got " .. tostring(mr), 3)
+    end
     local template = opts.template
     if type(template) == "string" then template = require("ds4.chat").get(template) end
     if template and not opts.tokenizer then error(fname .. ": opts.template needs opts.tokenizer", 3) end

@@ -55,6 +55,7 @@ do
     H.raises(function() parse("x", { tokenzier = tok }) end, { "unknown option 'tokenzier'" }, "unknown option")
     H.eq(#parse('{"prompt": "a", "answer": 1}\n{"prompt": "b", "answer": 2}\n{"prompt": "', { max_rows = 2 }), 2,
         "max_rows stops before later lines")
+    H.raises(function() parse("x", { max_rows = "2" }) end, { "opts.max_rows must be an integer" }, "bad max_rows")
 end
 
 -- ------------------------------------------------------------------------------------------------ messages
