@@ -466,6 +466,15 @@ function Pool:pick_worker(t)
 end
 
 function Pool:dispatch()
+    -- most calls find every worker busy: say so without looking at each queued task
+    local room = false
+    for _, w in pairs(self.workers) do
+        if w.credit > 0 and not self:quarantine_of(w.id) and lease_room(self, w) > 0 then
+            room = true
+            break
+        end
+    end
+    if not room and not self:all_quarantined() then return end
     local i = 1
     while i <= #self.queue do
         local t = self.tasks[self.queue[i]]
