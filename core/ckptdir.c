@@ -288,22 +288,13 @@ uint32_t ds4_crc32(uint32_t crc, const void *data, size_t n) {
 /* Size (and CRC-32, and fsync) of the regular file `path`. */
 static ds4_status file_digest(const char *what, const char *path, const crc_tables *t, int want_crc, int want_sync,
                               int64_t *size, uint32_t *crc, ds4_error *err) {
-    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
-    if (fd < 0)
-        return ds4_fail(err, errno == ENOENT ? DS4_ERR_NOT_FOUND : DS4_ERR_IO, "%s: open %s: %s", what, path,
-                        strerror(errno));
-    struct stat st;
-    ds4_status s = DS4_OK;
+    int fd;
+    ds4_status s = ds4_open_regular(path, O_NOFOLLOW, DS4_ERR_FORMAT, &fd, size, err); /* never blocks on a FIFO */
+    if (s) {
+        ds4_error_prefix(err, "%s: ", what);
+        return s;
+    }
     unsigned char *buf = NULL;
-    if (fstat(fd, &st) != 0) {
-        s = ds4_fail(err, DS4_ERR_IO, "%s: stat %s: %s", what, path, strerror(errno));
-        goto out;
-    }
-    if (!S_ISREG(st.st_mode)) {
-        s = ds4_fail(err, DS4_ERR_FORMAT, "%s: %s is not a regular file", what, path);
-        goto out;
-    }
-    *size = (int64_t)st.st_size;
     if (want_crc) {
         enum { CHUNK = 1 << 20 };
         buf = malloc(CHUNK);
@@ -538,6 +529,36 @@ static void sb_printf(sbuf *b, const char *fmt, ...) {
     }
 }
 
+/* After a commit of step `step`: remove crash leftovers (".tmp-", ".old-", ".del-" + pid@host) that can no longer
+ * belong to a running writer. Those of this host whose process is gone, and those of an older step than the one
+ * just committed, whatever their pid or host: one writer per root (ds4_ckpt.h) means nobody is still writing an
+ * older step, and the pid test alone keeps a leftover forever where pids repeat across restarts (a container's
+ * trainer is often pid 1 again) or the host name changes with each container. Best effort: a leftover that
+ * cannot be removed now is tried again after the next commit. */
+static void clean_leftovers(const char *root, int64_t step) {
+    int dfd = open(root, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (dfd < 0) return;
+    name_list names = {0};
+    int rc = read_names(dfd, &names);
+    char me[80];
+    this_host(me, sizeof me);
+    for (size_t i = 0; rc == 0 && i < names.n; i++) {
+        int64_t lstep, pid;
+        left_kind kind;
+        char host[256];
+        if (!parse_leftover(names.v[i], &lstep, &kind, &pid, host, sizeof host)) continue;
+        int mine = !host[0] || !strcmp(host, me);
+        if (lstep >= step && !(mine && !pid_alive(pid))) continue;
+        struct stat st;
+        if (fstatat(dfd, names.v[i], &st, AT_SYMLINK_NOFOLLOW) != 0 || !S_ISDIR(st.st_mode)) continue;
+        char *p = join(root, names.v[i]);
+        if (p) ds4_fs_rmtree("checkpoint commit", p, NULL);
+        free(p);
+    }
+    names_free(&names);
+    close(dfd);
+}
+
 ds4_status ds4_ckpt_commit(const char *root, int64_t step, const char *tmp_path, ds4_error *err) {
     const char *what = "checkpoint commit";
     if (!root || !root[0] || !tmp_path) return ds4_fail(err, DS4_ERR_ARG, "%s: NULL or empty argument", what);
@@ -661,6 +682,7 @@ ds4_status ds4_ckpt_commit(const char *root, int64_t step, const char *tmp_path,
     }
     s = ds4_fs_sync_dir(what, root, err);
     if (had_old) ds4_fs_rmtree(what, old, NULL); /* best effort: at worst an ".old-" leftover remains */
+    if (!s) clean_leftovers(root, step);
 out:
     if (dfd >= 0) close(dfd);
     names_free(&files);

@@ -31,6 +31,13 @@
 #define CFG_DIM_MAX ((int64_t)INT32_MAX)
 /* Positions are also handled as doubles (YaRN); keep them exactly representable. */
 #define CFG_POS_MAX ((int64_t)1 << 53)
+/* Loop counts that no weight shape bounds, so a config alone could make a forward run for hours: Sinkhorn
+ * iterations of every mHC site (V4 uses 20), the indexer's top-k (V4-Flash: 512; per-row selection buffers and
+ * routing records hold index_topk entries; the rollout protocol's index_shape caps it at 65536) and the MTP
+ * depth (ds4 builds at most one MTP block, as V4 has). */
+#define CFG_SINKHORN_MAX 100
+#define CFG_TOPK_MAX 65536
+#define CFG_MTP_MAX 1
 
 static const char *const ATTN_NAMES[3] = {"sliding_attention", "compressed_sparse_attention",
                                           "heavily_compressed_attention"};
@@ -931,11 +938,11 @@ ds4_status ds4_config_validate(const ds4_config *c, ds4_error *err) {
         {"compress_rate_hca", c->compress_rate_hca, CFG_DIM_MAX},
         {"index_n_heads", c->index_n_heads, CFG_DIM_MAX},
         {"index_head_dim", c->index_head_dim, CFG_DIM_MAX},
-        {"index_topk", c->index_topk, CFG_DIM_MAX},
+        {"index_topk", c->index_topk, CFG_TOPK_MAX},
         {"n_routed_experts", c->n_routed_experts, CFG_DIM_MAX},
         {"moe_intermediate_size", c->moe_intermediate_size, CFG_DIM_MAX},
         {"hc_mult", c->hc_mult, CFG_DIM_MAX},
-        {"hc_sinkhorn_iters", c->hc_sinkhorn_iters, CFG_DIM_MAX},
+        {"hc_sinkhorn_iters", c->hc_sinkhorn_iters, CFG_SINKHORN_MAX},
         {"max_position_embeddings", c->max_position_embeddings, CFG_POS_MAX},
     };
     for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++)
@@ -957,9 +964,14 @@ ds4_status ds4_config_validate(const ds4_config *c, ds4_error *err) {
                         "config: field 'n_shared_experts' = %lld is not supported (transformers builds exactly one "
                         "shared expert)",
                         (long long)c->n_shared_experts);
-    if ((st = check_range("num_nextn_predict_layers", c->num_nextn_predict_layers, 0, CFG_DIM_MAX, err))) return st;
-    if ((st = check_range("bos_token_id", c->bos_token_id, -1, CFG_DIM_MAX, err))) return st;
-    if ((st = check_range("eos_token_id", c->eos_token_id, -1, CFG_DIM_MAX, err))) return st;
+    if (c->num_nextn_predict_layers < 0 || c->num_nextn_predict_layers > CFG_MTP_MAX)
+        return ds4_fail(err, DS4_ERR_CONFIG,
+                        "config: field 'num_nextn_predict_layers' must be in [0, %d] (ds4 builds at most one MTP "
+                        "block; got %lld)",
+                        CFG_MTP_MAX, (long long)c->num_nextn_predict_layers);
+    /* -1: none; otherwise an id the model can emit (a stop id outside the vocabulary is never sampled) */
+    if ((st = check_range("bos_token_id", c->bos_token_id, -1, c->vocab_size - 1, err))) return st;
+    if ((st = check_range("eos_token_id", c->eos_token_id, -1, c->vocab_size - 1, err))) return st;
     if ((int)c->scoring_func < 0 || (int)c->scoring_func > 2)
         return ds4_fail(err, DS4_ERR_CONFIG, "config: field 'scoring_func' has invalid value %d", (int)c->scoring_func);
     if ((c->norm_topk_prob != 0 && c->norm_topk_prob != 1) || (c->tie_word_embeddings != 0 && c->tie_word_embeddings != 1))

@@ -1,6 +1,5 @@
 /* error.c — status names and the error-filling helpers. */
 #define _POSIX_C_SOURCE 200809L
-#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -51,34 +50,4 @@ void ds4_error_prefix(ds4_error *err, const char *fmt, ...) {
     if (ol > room) ol = room;
     memcpy(err->msg + pl, old, ol);
     err->msg[pl + ol] = 0;
-}
-
-ds4_status ds4_read_file(const char *path, size_t max_bytes, char **out, size_t *len, ds4_error *err) {
-    FILE *f = fopen(path, "rb");
-    if (!f) return ds4_fail(err, DS4_ERR_IO, "open %s: %s", path, strerror(errno));
-    if (fseek(f, 0, SEEK_END) != 0) {
-        fclose(f);
-        return ds4_fail(err, DS4_ERR_IO, "seek %s: %s", path, strerror(errno));
-    }
-    long sz = ftell(f);
-    if (sz < 0 || (unsigned long)sz > max_bytes) {
-        fclose(f);
-        return ds4_fail(err, DS4_ERR_IO, "read %s: size %ld outside [0, %zu]", path, sz, max_bytes);
-    }
-    rewind(f);
-    char *buf = malloc((size_t)sz + 1);
-    if (!buf) {
-        fclose(f);
-        return ds4_fail(err, DS4_ERR_OOM, "read %s: cannot allocate %ld bytes", path, sz);
-    }
-    size_t got = fread(buf, 1, (size_t)sz, f);
-    fclose(f);
-    if (got != (size_t)sz) {
-        free(buf);
-        return ds4_fail(err, DS4_ERR_IO, "read %s: short read (%zu of %ld bytes)", path, got, sz);
-    }
-    buf[sz] = 0;
-    *out = buf;
-    if (len) *len = (size_t)sz;
-    return DS4_OK;
 }

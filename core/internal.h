@@ -36,7 +36,13 @@ static inline int ds4_add_size(size_t a, size_t b, size_t *out) {
 /* "[2,37,256]" into buf (truncated to cap, always NUL-terminated): for error messages. */
 void ds4_shape_str(char *buf, size_t cap, int32_t ndim, const int64_t *shape);
 
-/* Read a whole file into a malloc'd NUL-terminated buffer (limit: max_bytes). */
+/* Open the regular file `path` for reading (O_RDONLY | O_CLOEXEC | flags, e.g. O_NOFOLLOW) without ever blocking
+ * in open(2): a FIFO, directory or device is refused with status `not_regular` (core/file.c). *fd receives the
+ * descriptor (-1 on failure) and *size (may be NULL) the file's size; errors read "open PATH: ..."
+ * (DS4_ERR_NOT_FOUND for a missing file, DS4_ERR_IO for other failures). */
+ds4_status ds4_open_regular(const char *path, int flags, ds4_status not_regular, int *fd, int64_t *size,
+                            ds4_error *err);
+/* Read a whole regular file into a malloc'd NUL-terminated buffer (limit: max_bytes). */
 ds4_status ds4_read_file(const char *path, size_t max_bytes, char **out, size_t *len, ds4_error *err);
 
 #ifdef __cplusplus

@@ -43,45 +43,151 @@ ds4_adamw_coefs ds4_adamw_coefs_at(const ds4_adamw_hparams *h, int64_t t, double
     return c;
 }
 
+/* One element of the update: the scalar form of ds4_adamw_update (its SSE lanes compute the same bits). */
+static inline void adamw_elem(const ds4_adamw_coefs *c, int small_w, float omw, float p, float g, float m, float v,
+                              float *p_out, float *m_out, float *v_out) {
+    const float pi = p * c->decay_mul; /* torch decays first, in its own pass; per element the same */
+    const float mi = small_w ? m + c->one_m_b1 * (g - m) : g - (g - m) * omw;
+    float vi = v * c->beta2;
+    vi = vi + c->one_m_b2 * g * g;
+    const float denom = sqrtf(vi) / c->bc2_sqrt + c->eps;
+    *m_out = mi;
+    *v_out = vi;
+    *p_out = pi + c->neg_step * mi / denom;
+}
+
+#if defined(__SSE2__)
+/* Four lanes of exactly the scalar expression of adamw_elem (for β1 < 0.5 lerp weights, the branch ATen takes):
+ * SSE add/mul/div/sqrt are the IEEE-rounded fp32 operations, so the bits are the same (the scalar sqrtf also
+ * cannot vectorise while it may set errno). */
+typedef struct adamw_sse {
+    __m128 w, b2, w2, ns, bs, eps, dm;
+} adamw_sse;
+
+static adamw_sse adamw_sse_coefs(const ds4_adamw_coefs *c) {
+    adamw_sse k = {_mm_set1_ps(c->one_m_b1), _mm_set1_ps(c->beta2), _mm_set1_ps(c->one_m_b2),
+                   _mm_set1_ps(c->neg_step), _mm_set1_ps(c->bc2_sqrt), _mm_set1_ps(c->eps), _mm_set1_ps(c->decay_mul)};
+    return k;
+}
+
+/* The decayed parameters and the new moments. */
+static inline void adamw_moments(const adamw_sse *k, __m128 p, __m128 g, __m128 m, __m128 v, __m128 *pi, __m128 *mi,
+                                 __m128 *vi) {
+    *pi = _mm_mul_ps(p, k->dm);
+    *mi = _mm_add_ps(m, _mm_mul_ps(k->w, _mm_sub_ps(g, m)));
+    *vi = _mm_add_ps(_mm_mul_ps(v, k->b2), _mm_mul_ps(_mm_mul_ps(k->w2, g), g));
+}
+
+static inline void adamw_lanes(const adamw_sse *k, __m128 p, __m128 g, __m128 m, __m128 v, __m128 *p_out,
+                               __m128 *m_out, __m128 *v_out) {
+    __m128 pi, mi, vi;
+    adamw_moments(k, p, g, m, v, &pi, &mi, &vi);
+    const __m128 den = _mm_add_ps(_mm_div_ps(_mm_sqrt_ps(vi), k->bs), k->eps);
+    *m_out = mi;
+    *v_out = vi;
+    *p_out = _mm_add_ps(pi, _mm_div_ps(_mm_mul_ps(k->ns, mi), den));
+}
+#endif
+
 void ds4_adamw_update(const ds4_adamw_coefs *c, float *p, const float *g, float *m, float *v, int64_t n) {
-    const float w = c->one_m_b1, b2 = c->beta2, w2 = c->one_m_b2, ns = c->neg_step, bs = c->bc2_sqrt,
-                eps = c->eps, dm = c->decay_mul; /* dm = 1 without decay: p·1 is exact */
     /* ATen's lerp takes "start + w·(end - start)" for w < 0.5 and "end - (end - start)·(1 - w)" otherwise
      * (better rounding near either end); reproduce the branch it takes for this β1. */
-    const int small_w = fabsf(w) < 0.5f;
-    const float omw = 1.0f - w;
+    const int small_w = fabsf(c->one_m_b1) < 0.5f;
+    const float omw = 1.0f - c->one_m_b1;
     int64_t i = 0;
 #if defined(__SSE2__)
-    /* Four lanes of exactly the scalar expression below: SSE add/mul/div/sqrt are the IEEE-rounded fp32
-     * operations, so the bits are the same (the scalar sqrtf also cannot vectorise while it may set errno).
-     * About 4x faster on cached chunks, 1.8x on a 50M-parameter model where memory bandwidth limits. */
+    /* About 4x faster than the scalar loop on cached chunks, 1.8x on a 50M-parameter model (memory bound). */
     if (small_w) {
-        const __m128 W = _mm_set1_ps(w), B2 = _mm_set1_ps(b2), W2 = _mm_set1_ps(w2), NS = _mm_set1_ps(ns),
-                     BS = _mm_set1_ps(bs), E = _mm_set1_ps(eps), DM = _mm_set1_ps(dm);
+        const adamw_sse k = adamw_sse_coefs(c);
         for (; i + 4 <= n; i += 4) {
-            const __m128 gi = _mm_loadu_ps(g + i);
-            __m128 mi = _mm_loadu_ps(m + i), vi = _mm_loadu_ps(v + i);
-            const __m128 pi = _mm_mul_ps(_mm_loadu_ps(p + i), DM);
-            mi = _mm_add_ps(mi, _mm_mul_ps(W, _mm_sub_ps(gi, mi)));
-            vi = _mm_add_ps(_mm_mul_ps(vi, B2), _mm_mul_ps(_mm_mul_ps(W2, gi), gi));
-            const __m128 den = _mm_add_ps(_mm_div_ps(_mm_sqrt_ps(vi), BS), E);
-            _mm_storeu_ps(m + i, mi);
-            _mm_storeu_ps(v + i, vi);
-            _mm_storeu_ps(p + i, _mm_add_ps(pi, _mm_div_ps(_mm_mul_ps(NS, mi), den)));
+            __m128 pn, mn, vn;
+            adamw_lanes(&k, _mm_loadu_ps(p + i), _mm_loadu_ps(g + i), _mm_loadu_ps(m + i), _mm_loadu_ps(v + i), &pn,
+                        &mn, &vn);
+            _mm_storeu_ps(m + i, mn);
+            _mm_storeu_ps(v + i, vn);
+            _mm_storeu_ps(p + i, pn);
+        }
+    }
+#endif
+    for (; i < n; i++) adamw_elem(c, small_w, omw, p[i], g[i], m[i], v[i], &p[i], &m[i], &v[i]);
+}
+
+/* A cheap proof that an update stays finite, without its square root and divisions: when p·decay, m' and v' are
+ * finite, the step ns·m'/den is at most |ns|·max|m'|/eps in size (den = sqrt(v')/bs + eps >= eps), so p' is finite
+ * when that plus max|p·decay| is far below FLT_MAX. Training is always far below (|ns| ~ 1e-2, |m'| ~ 1, eps
+ * 1e-8: 1e6); an lr of 1e38, eps = 0 or an overflowing v fail the proof and go to the exact count. */
+static int surely_finite(const ds4_adamw_coefs *c, float coef, const float *p, const float *g, const float *m,
+                         const float *v, int64_t n) {
+    if (!(c->eps > 0) || !isfinite(c->neg_step) || !isfinite(c->decay_mul)) return 0;
+    const int small_w = fabsf(c->one_m_b1) < 0.5f;
+    const float omw = 1.0f - c->one_m_b1;
+    float maxm = 0, maxp = 0, fin = 0;
+    int64_t i = 0;
+#if defined(__SSE2__)
+    if (small_w) {
+        const adamw_sse k = adamw_sse_coefs(c);
+        const __m128 cf = _mm_set1_ps(coef), abs_mask = _mm_castsi128_ps(_mm_set1_epi32(0x7fffffff));
+        __m128 acc = _mm_setzero_ps(), mm = _mm_setzero_ps(), mp = _mm_setzero_ps();
+        for (; i + 4 <= n; i += 4) {
+            __m128 gi = _mm_loadu_ps(g + i), pi, mi, vi;
+            if (coef != 1.0f) gi = _mm_mul_ps(gi, cf);
+            adamw_moments(&k, _mm_loadu_ps(p + i), gi, _mm_loadu_ps(m + i), _mm_loadu_ps(v + i), &pi, &mi, &vi);
+            /* x - x: 0 for a finite x, NaN otherwise; a NaN stays in the sum */
+            acc = _mm_add_ps(acc, _mm_add_ps(_mm_sub_ps(pi, pi), _mm_add_ps(_mm_sub_ps(mi, mi), _mm_sub_ps(vi, vi))));
+            mm = _mm_max_ps(mm, _mm_and_ps(mi, abs_mask));
+            mp = _mm_max_ps(mp, _mm_and_ps(pi, abs_mask));
+        }
+        float a[4], b[4], d[4];
+        _mm_storeu_ps(a, acc);
+        _mm_storeu_ps(b, mm);
+        _mm_storeu_ps(d, mp);
+        for (int l = 0; l < 4; l++) {
+            fin += a[l];
+            maxm = b[l] > maxm ? b[l] : maxm;
+            maxp = d[l] > maxp ? d[l] : maxp;
         }
     }
 #endif
     for (; i < n; i++) {
-        float pi = p[i] * dm; /* torch decays first, in its own pass; per element the same */
-        float gi = g[i];
-        float mi = small_w ? m[i] + w * (gi - m[i]) : gi - (gi - m[i]) * omw;
-        float vi = v[i] * b2;
-        vi = vi + w2 * gi * gi;
-        float denom = sqrtf(vi) / bs + eps;
-        m[i] = mi;
-        v[i] = vi;
-        p[i] = pi + ns * mi / denom;
+        const float gi = coef == 1.0f ? g[i] : g[i] * coef;
+        const float pi = p[i] * c->decay_mul;
+        const float mi = small_w ? m[i] + c->one_m_b1 * (gi - m[i]) : gi - (gi - m[i]) * omw;
+        const float vi = v[i] * c->beta2 + c->one_m_b2 * gi * gi;
+        fin += (pi - pi) + (mi - mi) + (vi - vi);
+        maxm = fabsf(mi) > maxm ? fabsf(mi) : maxm;
+        maxp = fabsf(pi) > maxp ? fabsf(pi) : maxp;
     }
+    return fin == 0 && fabs((double)c->neg_step) * (double)maxm / (double)c->eps + (double)maxp < 1e37;
+}
+
+int64_t ds4_adamw_count_nonfinite(const ds4_adamw_coefs *c, float coef, const float *p, const float *g,
+                                  const float *m, const float *v, int64_t n) {
+    if (surely_finite(c, coef, p, g, m, v, n)) return 0;
+    const int small_w = fabsf(c->one_m_b1) < 0.5f;
+    const float omw = 1.0f - c->one_m_b1;
+    int64_t bad = 0, i = 0;
+#if defined(__SSE2__)
+    if (small_w) {
+        /* the fast path only says whether any lane is non-finite: x - x is 0 for a finite x and NaN otherwise,
+         * and a NaN stays in the running sum; the exact count is the scalar loop's, run only then */
+        const adamw_sse k = adamw_sse_coefs(c);
+        const __m128 cf = _mm_set1_ps(coef);
+        __m128 acc = _mm_setzero_ps();
+        for (; i + 4 <= n; i += 4) {
+            __m128 gi = _mm_loadu_ps(g + i), pn, mn, vn;
+            if (coef != 1.0f) gi = _mm_mul_ps(gi, cf); /* what ds4_grad_scale will write */
+            adamw_lanes(&k, _mm_loadu_ps(p + i), gi, _mm_loadu_ps(m + i), _mm_loadu_ps(v + i), &pn, &mn, &vn);
+            acc = _mm_add_ps(acc, _mm_add_ps(_mm_sub_ps(pn, pn), _mm_add_ps(_mm_sub_ps(mn, mn), _mm_sub_ps(vn, vn))));
+        }
+        if (_mm_movemask_ps(_mm_cmpunord_ps(acc, acc)) != 0) i = 0;
+    }
+#endif
+    for (; i < n; i++) {
+        float pn, mn, vn;
+        adamw_elem(c, small_w, omw, p[i], coef == 1.0f ? g[i] : g[i] * coef, m[i], v[i], &pn, &mn, &vn);
+        bad += !(isfinite(pn) && isfinite(mn) && isfinite(vn));
+    }
+    return bad;
 }
 
 void ds4_adamw_update_range(const ds4_adamw_hparams *h, int64_t t, double lr, float *p, const float *g, float *m,
@@ -221,6 +327,37 @@ void ds4_adamw_update_ranges(const ds4_optim_range *r, size_t n, const ds4_optim
         return;
     }
     for (size_t i = 0; i < n; i++) update_chunk(&r[i], 0, r[i].n);
+}
+
+static int64_t nonfinite_chunk(const ds4_optim_range *r, int64_t begin, int64_t n, float coef) {
+    return ds4_adamw_count_nonfinite(&r->c, coef, r->p + begin, r->g + begin, r->m + begin, r->v + begin, n);
+}
+
+static void task_nonfinite(void *vctx, int64_t i) {
+    multi_ctx *c = vctx;
+    const ds4_optim_chunk *k = &c->chunks[i];
+    c->partial[i] = (double)nonfinite_chunk(&c->r[k->range], k->begin, k->n, c->coef);
+}
+
+int64_t ds4_adamw_count_nonfinite_ranges(const ds4_optim_range *r, size_t n, float coef, const ds4_optim_chunk *chunks,
+                                         int64_t n_chunks, double *partial, ds4_pool *pool, size_t *first_range) {
+    int64_t total = 0;
+    *first_range = n;
+    if (pool && chunks && partial && n_chunks > 0) {
+        multi_ctx c = {.r = r, .chunks = chunks, .partial = partial, .coef = coef};
+        ds4_pool_run(pool, n_chunks, task_nonfinite, &c);
+        for (int64_t k = 0; k < n_chunks; k++) {
+            if (partial[k] > 0 && chunks[k].range < *first_range) *first_range = chunks[k].range;
+            total += (int64_t)partial[k];
+        }
+        return total;
+    }
+    for (size_t i = 0; i < n; i++) {
+        int64_t b = nonfinite_chunk(&r[i], 0, r[i].n, coef);
+        if (b > 0 && i < *first_range) *first_range = i;
+        total += b;
+    }
+    return total;
 }
 
 /* ------------------------------------------------------------------------------------------------ schedule */
@@ -430,11 +567,24 @@ ds4_status ds4_adamw_step(ds4_adamw *a, ds4_adamw_stats *stats, ds4_error *err) 
                         "and the step count are unchanged",
                         (long long)a->steps + 1, nr, norm);
     float coef = ds4_grad_clip_coef(norm, a->o.clip);
-    ds4_grad_scale(a->ranges, nr, coef, a->chunks, nc, pool);
-    for (size_t k = 0; k < nr; k++) {
-        int64_t t = ++a->tensor_steps[a->range_tensor[k]];
-        a->ranges[k].c = ds4_adamw_coefs_at(&a->h, t, lr, a->ranges[k].c.decay);
+    for (size_t k = 0; k < nr; k++)
+        a->ranges[k].c = ds4_adamw_coefs_at(&a->h, a->tensor_steps[a->range_tensor[k]] + 1, lr, a->ranges[k].c.decay);
+    /* A finite gradient can still give non-finite weights (an lr of 1e38 overflows the step; huge gradients
+     * overflow v): compute the update without writing it first, and refuse it whole, so that the model is never
+     * left half-updated or poisoned. Costs one extra read of p, g, m, v. */
+    size_t first = nr;
+    const int64_t bad = ds4_adamw_count_nonfinite_ranges(a->ranges, nr, coef, a->chunks, nc, a->partial, pool, &first);
+    if (bad > 0) {
+        const char *name = NULL;
+        ds4_tensor view;
+        if (first >= nr || ds4_model_tensor_at(m, a->range_tensor[first], &name, &view, NULL) != DS4_OK) name = "?";
+        return ds4_fail(err, DS4_ERR_ARG,
+                        "adamw step %lld: the update would make %lld of %lld parameters non-finite (first in %s; lr %g, "
+                        "gradient norm %g, clip %g); parameters, moments, gradients and the step count are unchanged",
+                        (long long)a->steps + 1, (long long)bad, (long long)total_elems, name, lr, norm, a->o.clip);
     }
+    ds4_grad_scale(a->ranges, nr, coef, a->chunks, nc, pool);
+    for (size_t k = 0; k < nr; k++) ++a->tensor_steps[a->range_tensor[k]];
     ds4_adamw_update_ranges(a->ranges, nr, a->chunks, nc, pool);
     a->steps++;
     if (m->topt.router_bias_gamma > 0) {

@@ -43,6 +43,10 @@ typedef struct ds4_adamw_coefs {
 ds4_adamw_coefs ds4_adamw_coefs_at(const ds4_adamw_hparams *h, int64_t t, double lr, int decay);
 /* One AdamW update of n elements (serial): p, m, v updated in place from g. */
 void ds4_adamw_update(const ds4_adamw_coefs *c, float *p, const float *g, float *m, float *v, int64_t n);
+/* How many of n elements an update would leave with a non-finite p, m or v, the gradient first multiplied by coef
+ * (as ds4_grad_scale does; 1: unscaled). Writes nothing: ds4_adamw_step checks with it before it updates. */
+int64_t ds4_adamw_count_nonfinite(const ds4_adamw_coefs *c, float coef, const float *p, const float *g,
+                                  const float *m, const float *v, int64_t n);
 /* ds4_adamw_coefs_at + ds4_adamw_update. decay: apply hparams.weight_decay to this range. */
 void ds4_adamw_update_range(const ds4_adamw_hparams *h, int64_t t, double lr, float *p, const float *g, float *m,
                             float *v, int64_t n, int decay);
@@ -89,6 +93,10 @@ double ds4_grad_clip(const ds4_optim_range *r, size_t n, double clip, const ds4_
 /* ds4_adamw_update of every range with its own coefficients. */
 void ds4_adamw_update_ranges(const ds4_optim_range *r, size_t n, const ds4_optim_chunk *chunks, int64_t n_chunks,
                              ds4_pool *pool);
+/* ds4_adamw_count_nonfinite over every range (gradients scaled by coef): the total, and in *first_range the
+ * first range with one (n when none). partial: [n_chunks] scratch. */
+int64_t ds4_adamw_count_nonfinite_ranges(const ds4_optim_range *r, size_t n, float coef, const ds4_optim_chunk *chunks,
+                                         int64_t n_chunks, double *partial, ds4_pool *pool, size_t *first_range);
 
 const ds4_adamw_options *ds4_adamw_get_options(const ds4_adamw *a);
 

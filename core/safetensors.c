@@ -398,28 +398,18 @@ ds4_status ds4_st_open(const char *path, ds4_st_file **out, ds4_error *err) {
     if (!out) return ds4_fail(err, DS4_ERR_ARG, "safetensors open: out is NULL");
     *out = NULL;
     if (!path) return ds4_fail(err, DS4_ERR_ARG, "safetensors open: path is NULL");
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0) {
-        int e = errno;
-        return ds4_fail(err, e == ENOENT ? DS4_ERR_NOT_FOUND : DS4_ERR_IO, "safetensors open %s: %s", path,
-                        strerror(e));
+    int fd;
+    int64_t size = 0;
+    ds4_status ost = ds4_open_regular(path, 0, DS4_ERR_IO, &fd, &size, err); /* a FIFO would block a plain open(2) */
+    if (ost) {
+        ds4_error_prefix(err, "safetensors ");
+        return ost;
     }
-    struct stat sb;
-    if (fstat(fd, &sb) != 0) {
-        int e = errno;
+    if (size < 0 || (uint64_t)size > (uint64_t)SIZE_MAX) {
         close(fd);
-        return ds4_fail(err, DS4_ERR_IO, "safetensors open %s: fstat: %s", path, strerror(e));
+        return ds4_fail(err, DS4_ERR_IO, "safetensors open %s: size %lld not addressable", path, (long long)size);
     }
-    if (!S_ISREG(sb.st_mode)) {
-        close(fd);
-        return ds4_fail(err, DS4_ERR_IO, "safetensors open %s: not a regular file", path);
-    }
-    if (sb.st_size < 0 || (uint64_t)sb.st_size > (uint64_t)SIZE_MAX) {
-        close(fd);
-        return ds4_fail(err, DS4_ERR_IO, "safetensors open %s: size %lld not addressable", path,
-                        (long long)sb.st_size);
-    }
-    size_t len = (size_t)sb.st_size;
+    size_t len = (size_t)size;
     ds4_st_file *f = calloc(1, sizeof *f);
     if (!f) {
         close(fd);

@@ -12,6 +12,7 @@
 #define _POSIX_C_SOURCE 200809L
 #include <dirent.h>
 #include <errno.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -220,11 +221,39 @@ static ds4_status check_opts(const ds4_save_options *opt, ds4_save_options *o, d
     return DS4_OK;
 }
 
+/* A diverged model (NaN or Inf weights) must never become a checkpoint that looks complete: it would load, and
+ * then every loss would be NaN. */
+static ds4_status check_finite(const ds4_model *m, const char *dir, ds4_error *err) {
+    const size_t n = ds4_model_tensor_count(m);
+    for (size_t i = 0; i < n; i++) {
+        const char *name = NULL;
+        ds4_tensor v;
+        ds4_status st = ds4_model_tensor_at(m, i, &name, &v, err);
+        if (st) return st;
+        if (v.dtype != DS4_F32) continue;
+        const float *x = v.data;
+        const int64_t k = ds4_tensor_numel(&v);
+        int64_t bad = 0, first = -1;
+        for (int64_t j = 0; j < k; j++)
+            if (!isfinite(x[j])) {
+                if (first < 0) first = j;
+                bad++;
+            }
+        if (bad)
+            return ds4_fail(err, DS4_ERR_ARG,
+                            "model save %s: tensor %s holds %lld non-finite values of %lld (element %lld is %g): "
+                            "refusing to write the weights of a diverged model",
+                            dir, name, (long long)bad, (long long)k, (long long)first, (double)x[first]);
+    }
+    return DS4_OK;
+}
+
 ds4_status ds4_model_write_files(const ds4_model *m, const char *dir, const ds4_save_options *opt, ds4_error *err) {
     if (!m || !dir) return ds4_fail(err, DS4_ERR_ARG, "model save: NULL argument");
     ds4_save_options o;
     ds4_status st = check_opts(opt, &o, err);
     if (st) return st;
+    if ((st = check_finite(m, dir, err))) return st;
     size_t dl = strlen(dir);
     char *path = malloc(dl + 32);
     if (!path) return ds4_fail(err, DS4_ERR_OOM, "model save %s: path", dir);
@@ -303,6 +332,7 @@ ds4_status ds4_model_save_opts(const ds4_model *m, const char *dir_in, const ds4
     ds4_save_options o;
     ds4_status st = check_opts(opt, &o, err);
     if (st) return st;
+    if ((st = check_finite(m, dir_in, err))) return st; /* before anything is created */
     const size_t cap = strlen(dir_in) + 64;
     char *dir = malloc(cap), *parent = malloc(cap), *base = malloc(cap), *tmp = malloc(cap), *old = malloc(cap);
     if (!dir || !parent || !base || !tmp || !old) {

@@ -1,8 +1,8 @@
 /* tokenizer.c — Hugging Face tokenizer.json byte-level BPE: loading, encode, decode (see ds4_tokenizer.h).
  *
  * The encode pipeline mirrors HF tokenizers' encode(text, add_special_tokens=False):
- *   1. added tokens with normalized = false are cut out of the raw text (leftmost-longest walk of a trie,
- *      then HF's single_word / lstrip / rstrip rules);
+ *   1. added tokens with normalized = false are cut out of the raw text (leftmost-longest matches, found in
+ *      linear time by an automaton over the reversed tokens; then HF's single_word / lstrip / rstrip rules);
  *   2. each stretch between them is normalised (NFC or nothing) and the added tokens with normalized = true
  *      are cut out of the normalised text the same way;
  *   3. each remaining stretch runs through the pre-tokenizer steps depth-first: a step splits its piece and
@@ -83,10 +83,14 @@ typedef struct merge_ent {
 #define AT_LSTRIP 2u
 #define AT_RSTRIP 4u
 
-/* Added-token trie: root[b] is the node reached by first byte b (0 = none; node 0 is unused); children are a
- * sibling list. id >= 0 marks the end of a token. */
+/* Added-token matcher: an Aho-Corasick automaton over the *reversed* token texts. root[b] is the node reached by
+ * the last byte b of a token (node 0 is the root itself); children are a sibling list; id >= 0 marks a whole
+ * (reversed) token. fail is the usual failure link and out the deepest node on the node's fail chain (itself
+ * included) that is a whole token, 0 when none. Reading a text backwards, the state at byte i is the longest
+ * reversed-token prefix that the text read so far ends with — the longest token suffix that p[i..] starts with —
+ * so its `out` is the longest added token that starts at i. starts[b]: some token begins with byte b. */
 typedef struct trie_node {
-    uint32_t child, sibling;
+    uint32_t child, sibling, fail, out, depth;
     int32_t id;
     uint8_t byte, flags;
 } trie_node;
@@ -94,6 +98,8 @@ typedef struct trie {
     trie_node *nodes;
     uint32_t n, cap;
     uint32_t root[256];
+    uint8_t starts[256];
+    size_t max_len; /* longest token: the state at i depends on p[i .. i + max_len) only */
     int empty;
 } trie;
 
@@ -130,6 +136,8 @@ typedef struct tok_scratch {
     size_t norm_cap;
     uint8_t *pre;   /* " " + piece for ByteLevel's add_prefix_space */
     size_t pre_cap;
+    uint32_t *best[2]; /* added-token matches of one block of text (trie `out` node per start position), for the */
+    size_t best_cap[2]; /* raw [0] and the normalised [1] automaton: a raw stretch is split while the other runs */
     bsym *syms;     /* large-piece BPE */
     bheap *heap;
     size_t big_cap;
@@ -425,7 +433,7 @@ static int trie_init(trie *tr) {
     tr->cap = 64;
     tr->nodes = calloc(tr->cap, sizeof *tr->nodes);
     if (!tr->nodes) return 0;
-    tr->n = 1; /* node 0: "none" */
+    tr->n = 1; /* node 0: the root */
     tr->empty = 1;
     return 1;
 }
@@ -439,53 +447,91 @@ static uint32_t trie_new_node(trie *tr, uint8_t byte) {
         tr->cap *= 2;
     }
     trie_node *nd = &tr->nodes[tr->n];
-    nd->child = nd->sibling = 0;
+    nd->child = nd->sibling = nd->fail = nd->out = nd->depth = 0;
     nd->id = -1;
     nd->byte = byte;
     nd->flags = 0;
     return tr->n++;
 }
 
+static uint32_t trie_child(const trie *tr, uint32_t node, uint8_t byte) {
+    if (!node) return tr->root[byte];
+    uint32_t c = tr->nodes[node].child;
+    while (c && tr->nodes[c].byte != byte) c = tr->nodes[c].sibling;
+    return c;
+}
+
+/* Insert token s[0..n) reversed. trie_build must run after the last insert. */
 static int trie_insert(trie *tr, const uint8_t *s, size_t n, int32_t id, uint8_t flags) {
     if (n == 0) return 1;
-    uint32_t cur = tr->root[s[0]];
-    if (!cur) {
-        if (!(cur = trie_new_node(tr, s[0]))) return 0;
-        tr->root[s[0]] = cur;
-    }
-    for (size_t i = 1; i < n; i++) {
-        uint32_t c = tr->nodes[cur].child;
-        while (c && tr->nodes[c].byte != s[i]) c = tr->nodes[c].sibling;
+    if (n > UINT32_MAX) return 0;
+    uint32_t cur = 0;
+    for (size_t k = n; k-- > 0;) {
+        uint32_t c = trie_child(tr, cur, s[k]);
         if (!c) {
-            if (!(c = trie_new_node(tr, s[i]))) return 0;
-            tr->nodes[c].sibling = tr->nodes[cur].child;
-            tr->nodes[cur].child = c;
+            if (!(c = trie_new_node(tr, s[k]))) return 0;
+            tr->nodes[c].depth = (uint32_t)(n - k);
+            if (!cur) {
+                tr->root[s[k]] = c;
+            } else {
+                tr->nodes[c].sibling = tr->nodes[cur].child;
+                tr->nodes[cur].child = c;
+            }
         }
         cur = c;
     }
     tr->nodes[cur].id = id;
     tr->nodes[cur].flags = flags;
+    tr->starts[s[0]] = 1;
+    if (n > tr->max_len) tr->max_len = n;
     tr->empty = 0;
     return 1;
 }
 
-/* The longest token starting at p (AhoCorasick LeftmostLongest, at one start position). */
-static size_t trie_longest(const trie *tr, const uint8_t *p, size_t n, int32_t *id, uint8_t *flags) {
-    uint32_t cur = tr->root[p[0]];
-    size_t best = 0;
-    for (size_t i = 1; cur; i++) {
-        const trie_node *nd = &tr->nodes[cur];
-        if (nd->id >= 0) {
-            best = i;
-            *id = nd->id;
-            *flags = nd->flags;
-        }
-        if (i >= n) break;
-        uint32_t c = nd->child;
-        while (c && tr->nodes[c].byte != p[i]) c = tr->nodes[c].sibling;
-        cur = c;
+/* The automaton's transition from `node` on `byte`, following failure links. */
+static uint32_t trie_step(const trie *tr, uint32_t node, uint8_t byte) {
+    for (;;) {
+        uint32_t c = trie_child(tr, node, byte);
+        if (c || !node) return c;
+        node = tr->nodes[node].fail;
     }
-    return best;
+}
+
+/* Failure and output links, breadth-first (a node's fail link is shallower than the node). */
+static int trie_build(trie *tr) {
+    uint32_t *queue = malloc((size_t)tr->n * sizeof *queue);
+    if (!queue) return 0;
+    size_t head = 0, tail = 0;
+    for (int b = 0; b < 256; b++) {
+        uint32_t c = tr->root[b];
+        if (!c) continue;
+        tr->nodes[c].fail = 0;
+        tr->nodes[c].out = tr->nodes[c].id >= 0 ? c : 0;
+        queue[tail++] = c;
+    }
+    while (head < tail) {
+        uint32_t u = queue[head++];
+        for (uint32_t c = tr->nodes[u].child; c; c = tr->nodes[c].sibling) {
+            uint32_t f = trie_step(tr, tr->nodes[u].fail, tr->nodes[c].byte);
+            tr->nodes[c].fail = f;
+            tr->nodes[c].out = tr->nodes[c].id >= 0 ? c : tr->nodes[f].out;
+            queue[tail++] = c;
+        }
+    }
+    free(queue);
+    return 1;
+}
+
+/* best[i - a] = the `out` node of the longest token starting at i, for i in [a, b): one backward pass from
+ * b + max_len - 1 (the state at i depends on the max_len bytes from i only). */
+static void trie_matches(const trie *tr, const uint8_t *p, size_t n, size_t a, size_t b, uint32_t *best) {
+    size_t e = b + tr->max_len - 1;
+    if (e > n) e = n;
+    uint32_t st = 0;
+    for (size_t j = e; j-- > a;) {
+        st = trie_step(tr, st, p[j]);
+        if (j < b) best[j - a] = tr->nodes[st].out;
+    }
 }
 
 /* ------------------------------------------------------------------------------------------------ regexes */
@@ -528,6 +574,8 @@ static void scratch_free(tok_scratch *s) {
     pcre2_jit_stack_free(s->jit);
     free(s->norm);
     free(s->pre);
+    free(s->best[0]);
+    free(s->best[1]);
     free(s->syms);
     free(s->heap);
     free(s->cache);
@@ -580,6 +628,12 @@ static void scratch_release(const ds4_tokenizer *t, tok_scratch *s) {
         s->pre = NULL;
         s->pre_cap = 0;
     }
+    for (int lv = 0; lv < 2; lv++)
+        if (s->best_cap[lv] > ((size_t)1 << 18)) {
+            free(s->best[lv]);
+            s->best[lv] = NULL;
+            s->best_cap[lv] = 0;
+        }
     pthread_mutex_lock(&p->mu);
     if (p->n_free < TOK_POOL_MAX) {
         s->next = p->free_list;
@@ -979,21 +1033,38 @@ typedef ds4_status (*text_fn)(enc *e, const uint8_t *p, size_t n);
  * text between them goes to `text`. */
 static ds4_status split_added(enc *e, const trie *tr, const uint8_t *p, size_t n, text_fn text) {
     if (tr->empty) return text(e, p, n);
-    size_t start_offset = 0, i = 0;
+    /* matches are computed a block at a time: [blk_a, blk_b), at least max_len long so that the backward pass
+     * that fills a block reads at most twice its length (linear overall, memory bounded by the longest token) */
+    const size_t W = tr->max_len > 4096 ? tr->max_len : 4096;
+    tok_scratch *sc = e->s;
+    const int lv = tr != &e->t->trie_raw;
+    if (sc->best_cap[lv] < W) {
+        uint32_t *nb = realloc(sc->best[lv], W * sizeof *nb);
+        if (!nb) return ds4_fail(e->err, DS4_ERR_OOM, "tokenizer encode: added-token matches for %zu bytes", W);
+        sc->best[lv] = nb;
+        sc->best_cap[lv] = W;
+    }
+    uint32_t *const best = sc->best[lv];
+    size_t start_offset = 0, i = 0, blk_a = 0, blk_b = 0;
     ds4_status st;
     while (i < n) {
-        if (!tr->root[p[i]]) {
+        if (!tr->starts[p[i]]) {
             i++;
             continue;
         }
-        int32_t id = -1;
-        uint8_t fl = 0;
-        size_t len = trie_longest(tr, p + i, n - i, &id, &fl);
-        if (!len) {
+        if (i >= blk_b) {
+            blk_a = i;
+            blk_b = n - i > W ? i + W : n;
+            trie_matches(tr, p, n, blk_a, blk_b, best);
+        }
+        const uint32_t node = best[i - blk_a];
+        if (!node) {
             i++;
             continue;
         }
-        size_t start = i, stop = i + len;
+        const int32_t id = tr->nodes[node].id;
+        const uint8_t fl = tr->nodes[node].flags;
+        size_t start = i, stop = i + tr->nodes[node].depth;
         i = stop; /* the automaton resumes after the match even when a rule below discards it */
         if (fl & AT_SINGLE_WORD) {
             uint32_t cp;
@@ -1878,6 +1949,10 @@ static ds4_status build(loader *L, const ds4_json *root) {
         }
         free(nbuf);
         nbuf = NULL;
+    }
+    if (!trie_build(&t->trie_raw) || !trie_build(&t->trie_norm)) {
+        st = oom(L, "added-token automaton");
+        goto done;
     }
     t->pool = calloc(1, sizeof *t->pool);
     if (!t->pool) {

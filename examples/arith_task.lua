@@ -52,20 +52,13 @@ function T.write_jsonl(path, n, r, exclude)
     return seen
 end
 
--- Samples {prompt = ids, text = prompt string, answer = string} from a JSONL file of {prompt, answer}.
+-- Samples {prompt = ids, text = prompt string, answer = string} from a JSONL file of {prompt, answer}. ds4.data
+-- checks every row (a non-empty prompt, an answer that is a string or a finite number) and names file:line.
 function T.read_jsonl(path, tok)
-    local out, ln = {}, 0
-    for line in io.lines(path) do
-        ln = ln + 1
-        if line:match("%S") then
-            local ok, row = pcall(json.decode, line)
-            if not ok or type(row) ~= "table" or type(row.prompt) ~= "string" or row.answer == nil then
-                error(("%s:%d: expected {\"prompt\": string, \"answer\": ...}"):format(path, ln), 2)
-            end
-            out[#out + 1] = { prompt = T.encode(tok, row.prompt), text = row.prompt, answer = tostring(row.answer) }
-        end
+    local out = {}
+    for i, row in ipairs(ds4.data.read_jsonl(path, { tokenizer = tok })) do
+        out[i] = { prompt = row.ids, text = row.prompt, answer = row.answer }
     end
-    if #out == 0 then error(path .. ": no samples", 2) end
     return out
 end
 
@@ -107,6 +100,7 @@ end
 -- Supervised warm-up on "\boxed{answer}<eos>" (loss on the response only), `steps` AdamW updates of `batch`
 -- samples drawn in order from `samples`.
 function T.sft(model, tok, samples, o)
+    if #samples == 0 then error("arith_task.sft: no training samples", 2) end
     local eos = model:config().eos_token_id
     local opt = ds4.adamw(model, { lr = o.lr, betas = { 0.9, 0.95 }, weight_decay = 0.0, clip = 1.0,
         schedule = "constant", warmup = math.max(1, math.floor(o.steps / 15)), total = o.steps })

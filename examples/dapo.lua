@@ -75,6 +75,21 @@ do
         i = i + 1
     end
 end
+-- Option values that would only fail later, deep inside a run: refused now, naming the option.
+local function usage_error(msg)
+    io.stderr:write("dapo.lua: " .. msg .. "\n")
+    os.exit(2, true) -- close the state: the model and tokenizer are freed (no leak reports under LeakSanitizer)
+end
+for _, k in ipairs({ "steps", "eval", "prompts", "n", "max-new-tokens", "minibatches", "sft-batch", "n-workers",
+    "max-staleness", "seed" }) do
+    local v, lo = opts[k], (k == "eval" or k == "prompts" or k == "n" or k == "max-new-tokens" or k == "minibatches"
+        or k == "sft-batch") and 1 or 0
+    if v ~= math.floor(v) or v < lo then usage_error(("--%s must be an integer >= %d, got %s"):format(k, lo, v)) end
+end
+if opts["sft-steps"] ~= math.floor(opts["sft-steps"]) or opts["sft-steps"] < -1 then
+    usage_error("--sft-steps must be an integer >= 0, got " .. opts["sft-steps"])
+end
+if not (opts.lr > 0 and opts.lr < math.huge) then usage_error("--lr must be a positive number, got " .. opts.lr) end
 os.execute(("mkdir -p '%s'"):format(opts.out))
 
 -- Where rollouts come from: nil workers = the policy itself, in this process; an endpoint = remote `ds4 worker`
@@ -116,9 +131,18 @@ local train = task.read_jsonl(train_path, tok)
 local heldout
 if eval_path ~= "" then
     heldout = task.read_jsonl(eval_path, tok)
-else -- a user's single file: hold out its last --eval samples
+else -- a user's single file: hold out its last --eval samples, and train on the rest
+    if #train < 2 then
+        usage_error(("--data %s has %d problem: nothing can be held out of it; give the held-out problems as "
+            .. "--eval-data FILE"):format(train_path, #train))
+    elseif opts.eval >= #train then
+        usage_error(("--data %s has %d problems and --eval %d would hold out %s, leaving nothing to train on: pass "
+            .. "--eval N with N < %d (for example --eval %d), or the held-out problems as --eval-data FILE"):format(
+            train_path, #train, opts.eval, opts.eval > #train and "more than all of them" or "all of them", #train,
+            math.max(1, math.floor(#train / 5))))
+    end
     heldout = {}
-    for i = math.max(1, #train - opts.eval + 1), #train do heldout[#heldout + 1] = table.remove(train) end
+    for _ = 1, opts.eval do heldout[#heldout + 1] = table.remove(train) end
 end
 while #heldout > opts.eval do table.remove(heldout) end
 

@@ -83,9 +83,19 @@ local function write_jsonl(path, n, r)
     f:close()
 end
 
+-- ------------------------------------------------------------------------------------------------ tokens
+local tok = ds4.tokenizer() -- built-in byte-level tokenizer with the DeepSeek chat special tokens
+local template = chat.get("deepseek_v4")
+local EOS = tok:special("eos")
+
+-- Every conversation is checked as it is read (ds4.data: types, roles, and that the template renders it with at
+-- least one trained token); a bad line stops the run here, naming file:line, not in the middle of training.
 local function read_jsonl(path)
     local rows = {}
-    for line in io.lines(path) do rows[#rows + 1] = json.decode(line).messages end
+    for i, row in ipairs(ds4.data.read_jsonl(path, { format = "messages", tokenizer = tok, template = template,
+        render_opts = { thinking = false } })) do
+        rows[i] = row.messages
+    end
     return rows
 end
 
@@ -93,11 +103,6 @@ local r = rng(opts.seed)
 write_jsonl(opts.out .. "/train.jsonl", 2000, r)
 write_jsonl(opts.out .. "/heldout.jsonl", 64, r)
 local train, heldout = read_jsonl(opts.out .. "/train.jsonl"), read_jsonl(opts.out .. "/heldout.jsonl")
-
--- ------------------------------------------------------------------------------------------------ tokens
-local tok = ds4.tokenizer() -- built-in byte-level tokenizer with the DeepSeek chat special tokens
-local template = chat.get("deepseek_v4")
-local EOS = tok:special("eos")
 
 -- ids and labels of one conversation: labels carry the token where the mask trains it, -100 elsewhere
 -- (position t is scored against labels[t + 1], so a label marks the token to be predicted)
@@ -174,7 +179,9 @@ end
 
 ffi.cdef("int isatty(int fd);")
 local tty = not opts.quiet and ffi.C.isatty(1) == 1
-local metrics = assert(io.open(opts.out .. "/metrics.jsonl", "a"))
+-- one whole, flushed line per step; a write error stops the run. A resumed run drops what it will redo (records
+-- past its checkpoint) and a line torn by the crash.
+local metrics = ds4.metrics.open(opts.out .. "/metrics.jsonl", { resume_step = opts.resume and start - 1 or nil })
 local function now() return os.clock() end -- CPU seconds of this process (all threads)
 
 print(("sft: %s, %d parameters; %d train / %d held-out conversations; %d steps of %d"):format(
@@ -193,8 +200,8 @@ for step = start, opts.steps do
     local st = opt:step()
     local dt = now() - t0
     local tps = (#ids * #ids[1]) / math.max(dt, 1e-9)
-    metrics:write(json.encode({ step = step, loss = out.loss, lr = st.lr, grad_norm = st.grad_norm,
-        tokens = trained, tokens_per_s = tps }), "\n")
+    metrics:write({ step = step, loss = out.loss, lr = st.lr, grad_norm = st.grad_norm, tokens = trained,
+        tokens_per_s = tps })
     if tty then
         local w = 30
         local done = math.floor(w * step / opts.steps)

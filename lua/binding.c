@@ -622,12 +622,13 @@ static int m_forward(lua_State *L) {
     memset(&out, 0, sizeof out);
     ds4_error err = {0};
     if (ds4l_train_forward(L, 1, opts, b->m, &args, &out, &err) != DS4_OK) ds4l_raise_ds4(L, fname, &err);
-    /* NaN means "nothing scored": nil, so `if r.loss then` reads naturally. */
-    if (!isnan(out.loss)) set_num(L, "loss", out.loss);
+    /* nil only when nothing was scored, so `if r.loss then` reads naturally; a scored loss is always a number, NaN
+     * or infinite included (the core's NaN also means "nothing scored": the token count tells them apart). */
+    if (out.loss_tokens > 0) set_num(L, "loss", out.loss);
     set_num(L, "loss_tokens", (double)out.loss_tokens);
     if (!isnan(out.indexer_loss)) set_num(L, "indexer_loss", out.indexer_loss); /* training, indexer_kl > 0 */
     if (want_mtp) {
-        if (!isnan(out.mtp_loss)) set_num(L, "mtp_loss", out.mtp_loss);
+        if (out.mtp_loss_tokens > 0) set_num(L, "mtp_loss", out.mtp_loss);
         set_num(L, "mtp_loss_tokens", (double)out.mtp_loss_tokens);
     }
     return 1;

@@ -76,6 +76,10 @@ void ds4l_weak_registry_table(lua_State *L, const char *key, const char *mode);
  * that has been freed (tokenizer_lua.c). */
 const ds4_tokenizer *ds4l_tokenizer_test(lua_State *L, int idx, int *freed);
 
+/* 1 when the model userdata at idx is generating (its model:generate is on the C stack: the caller is inside an
+ * on_token callback), when nothing may change its weights (gen_lua.c). */
+int ds4l_model_busy(lua_State *L, int idx);
+
 /* The `ds4.core` module: package.preload["ds4.core"]. */
 int luaopen_ds4_core(lua_State *L);
 

@@ -174,6 +174,8 @@ static int model_busy(lua_State *L, int idx) {
     return busy;
 }
 
+int ds4l_model_busy(lua_State *L, int idx) { return model_busy(L, idx); }
+
 static void check_not_busy(lua_State *L, int model_idx, const char *fname) {
     if (model_busy(L, model_idx))
         ds4l_raise(L, "%s: the model is generating (called from an on_token callback?); one step, forward or "
@@ -944,7 +946,7 @@ static const luaL_Reg cache_methods[] = {
 
 /* Model methods that run or change the model: wrapped so that an on_token callback cannot re-enter them. */
 static const char *const guarded_names[] = {
-    "free", "forward", "zero_grad", "backward", "backward_logprobs", "set_train_options", NULL,
+    "free", "forward", "zero_grad", "backward", "backward_logprobs", "set_train_options", "set_params", NULL,
 };
 
 void ds4l_gen_open(lua_State *L) {

@@ -10,8 +10,8 @@
  *                               the parameter buffer, so two models agree on every output only if these agree too.
  *
  * set_params replaces the weights only: gradients and optimizer state (train_lua.c) are left alone. Call it between
- * generations, not from an on_token callback (memory-safe, but the rest of that generation would mix two sets of
- * weights). */
+ * generations: from an on_token callback it raises (gen_lua.c guards it), since the rest of that generation would
+ * mix two sets of weights. */
 #include <string.h>
 
 #include "ds4lua.h"

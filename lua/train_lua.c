@@ -11,7 +11,9 @@
  *
  * Which training forward model:backward() differentiates is tracked per model in a weak-keyed registry table
  * (model userdata -> loss_tokens of its last training forward), so that the default scale is known and a
- * second backward of the same forward (which would count its gradient twice) is an error, as in torch.
+ * second backward of the same forward (which would count its gradient twice) is an error, as in torch. A
+ * forward whose loss came out NaN or infinite is recorded as the loss's text instead: backward refuses it
+ * rather than fill the gradients with non-finite values.
  *
  * The optimizer userdata keeps its model alive through its environment table; ds4_adamw_free never touches
  * the model, and every other optimizer call first checks that the model has not been freed (model:free()). */
@@ -23,7 +25,8 @@
 #include "ds4lua.h"
 
 #define ADAMW_MT "ds4.adamw"
-#define PENDING_KEY "ds4.train.pending" /* weak-keyed: model -> loss_tokens of its last training forward */
+#define PENDING_KEY "ds4.train.pending" /* weak-keyed: model -> loss_tokens of its last training forward, or the */
+                                        /* text of its loss ("nan", "inf") when that was not finite */
 
 /* ------------------------------------------------------------------------------------------------ helpers */
 
@@ -75,11 +78,37 @@ ds4_status ds4l_train_forward(lua_State *L, int model_idx, int opts_idx, ds4_mod
      * forward leaves nothing to differentiate. */
     set_pending(L, model_idx, -1);
     ds4_status s = ds4_model_forward_train(m, args, res, err);
-    if (s == DS4_OK) set_pending(L, model_idx, (double)res->loss_tokens);
+    if (s == DS4_OK && res->loss_tokens > 0 && !isfinite(res->loss)) {
+        push_pending(L);
+        lua_pushvalue(L, model_idx);
+        lua_pushfstring(L, "%s", isnan(res->loss) ? "nan" : res->loss > 0 ? "inf" : "-inf");
+        lua_rawset(L, -3);
+        lua_pop(L, 1);
+    } else if (s == DS4_OK) {
+        set_pending(L, model_idx, (double)res->loss_tokens);
+    }
     return s;
 }
 
 /* ------------------------------------------------------------------------------------------------ model methods */
+
+/* Raise when the pending training forward of the model at slot 1 had a non-finite loss (and forget it: the next
+ * training forward replaces it anyway). */
+static void check_finite_forward(lua_State *L, const char *fname) {
+    push_pending(L);
+    lua_pushvalue(L, 1);
+    lua_rawget(L, -2);
+    if (lua_type(L, -1) != LUA_TSTRING) {
+        lua_pop(L, 2);
+        return;
+    }
+    char loss[16];
+    snprintf(loss, sizeof loss, "%s", lua_tostring(L, -1));
+    lua_pop(L, 2);
+    set_pending(L, 1, -1);
+    ds4l_raise(L, "%s: the last training forward's loss is %s: its gradient would not be finite (check the inputs, "
+                  "the labels and the weights)", fname, loss);
+}
 
 static int m_zero_grad(lua_State *L) {
     const char *fname = "ds4.model:zero_grad";
@@ -101,6 +130,7 @@ static int m_backward(lua_State *L) {
         scale = lua_tonumber(L, 2);
         if (!isfinite(scale)) ds4l_raise(L, "%s: scale %g is not finite", fname, scale);
     }
+    check_finite_forward(L, fname);
     push_pending(L);
     lua_pushvalue(L, 1);
     lua_rawget(L, -2);
@@ -218,6 +248,7 @@ static int m_backward_logprobs(lua_State *L) {
     int64_t B, S;
     ds4_error err = {0};
     if (ds4_model_last_batch(m, &B, &S, &err) != DS4_OK) ds4l_raise_ds4(L, fname, &err);
+    check_finite_forward(L, fname);
     if (g->dtype != DS4_F32 || ds4_tensor_numel(g) != B * S) {
         char sh[96];
         ds4l_format_shape(sh, sizeof sh, g->ndim, g->shape);
@@ -288,6 +319,12 @@ static adamw_box *check_adamw(lua_State *L, const char *fname) {
 static int o_step(lua_State *L) {
     const char *fname = "ds4.adamw:step";
     ds4_adamw *a = check_adamw(L, fname)->a;
+    lua_getfenv(L, 1);
+    lua_getfield(L, -1, "model");
+    if (ds4l_model_busy(L, -1))
+        ds4l_raise(L, "%s: the model is generating (called from an on_token callback?): an update now would make the "
+                      "rest of that generation use other weights", fname);
+    lua_pop(L, 2);
     ds4_adamw_stats st;
     ds4_error err = {0};
     if (ds4_adamw_step(a, &st, &err) != DS4_OK) ds4l_raise_ds4(L, fname, &err);

@@ -247,6 +247,58 @@ static void test_vector_tail(void) {
         }
 }
 
+/* ds4_adamw_count_nonfinite (what opt:step checks before it writes) counts exactly the elements to which
+ * ds4_adamw_update, run on copies after the gradient scale, writes a NaN or an infinity in p, m or v: ordinary
+ * updates (0), an lr that overflows the step, a gradient whose square overflows v, NaN / Inf already in p or g,
+ * eps = 0 with zero moments (0 / 0), both lerp branches, lengths with and without a scalar tail. */
+static void test_nonfinite_count(void) {
+    enum { N = 1031 };
+    static float p[N], g[N], m[N], v[N], p2[N], g2[N], m2[N], v2[N];
+    struct {
+        const char *what;
+        double lr, eps, beta1;
+        float coef, g_at_100, p_at_7;
+        int zero;
+    } cases[] = {
+        {"ordinary", 1e-3, 1e-8, 0.9, 1.0f, 0, 0, 0},
+        {"ordinary, clipped", 1e-3, 1e-8, 0.9, 0.25f, 0, 0, 0},
+        {"lerp branch for beta1 < 0.5", 1e-3, 1e-8, 0.3, 1.0f, 0, 0, 0},
+        {"lr 1e38", 1e38, 1e-8, 0.9, 1.0f, 0, 0, 0},
+        {"lr 1e30", 1e30, 1e-8, 0.9, 1.0f, 0, 0, 0},
+        {"a gradient of 1e20 (v overflows)", 1e-3, 1e-8, 0.9, 1.0f, 1e20f, 0, 0},
+        {"a NaN gradient", 1e-3, 1e-8, 0.9, 1.0f, NAN, 0, 0},
+        {"an infinite parameter", 1e-3, 1e-8, 0.9, 1.0f, 0, INFINITY, 0},
+        {"eps 0 with zero moments and gradients", 1e-3, 0, 0.9, 1.0f, 0, 0, 1},
+    };
+    for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++)
+        for (int len = N - 3; len <= N; len += 3) {
+            uint64_t s = 7 + k;
+            for (int i = 0; i < len; i++) {
+                p[i] = rng_f(&s);
+                g[i] = cases[k].zero ? 0 : rng_f(&s);
+                m[i] = cases[k].zero ? 0 : rng_f(&s) * 0.1f;
+                v[i] = cases[k].zero ? 0 : fabsf(rng_f(&s)) * 0.01f;
+            }
+            if (cases[k].g_at_100 != 0 || isnan(cases[k].g_at_100)) g[100] = cases[k].g_at_100;
+            if (cases[k].p_at_7 != 0) p[7] = cases[k].p_at_7;
+            const ds4_adamw_hparams h = {.beta1 = cases[k].beta1, .beta2 = 0.999, .eps = cases[k].eps,
+                                         .weight_decay = 0.01};
+            ds4_adamw_coefs c = ds4_adamw_coefs_at(&h, 2, cases[k].lr, 1);
+            memcpy(p2, p, sizeof p);
+            memcpy(m2, m, sizeof m);
+            memcpy(v2, v, sizeof v);
+            for (int i = 0; i < len; i++) g2[i] = cases[k].coef == 1.0f ? g[i] : g[i] * cases[k].coef;
+            ds4_adamw_update(&c, p2, g2, m2, v2, len);
+            int64_t want = 0;
+            for (int i = 0; i < len; i++) want += !(isfinite(p2[i]) && isfinite(m2[i]) && isfinite(v2[i]));
+            const int64_t got = ds4_adamw_count_nonfinite(&c, cases[k].coef, p, g, m, v, len);
+            CHECK(got == want, "%s, %d elements: counted %lld non-finite, the update writes %lld", cases[k].what, len,
+                  (long long)got, (long long)want);
+            if (k == 0) CHECK(want == 0, "the ordinary case is finite");
+            if (k == 3) CHECK(want > 0, "lr 1e38 overflows");
+        }
+}
+
 /* ---------------------------------------------------------------------------------------- clip coefficient */
 
 static void test_clip_coef(void) {
@@ -357,6 +409,7 @@ int main(int argc, char **argv) {
     test_fixture(fixtures);
     test_determinism();
     test_vector_tail();
+    test_nonfinite_count();
     test_clip_coef();
     test_schedules(fixtures);
     test_one_step();

@@ -286,10 +286,6 @@ static void test_crashes(const char *base) {
     char root[4096], d[4300];
     snprintf(root, sizeof root, "%s/crash", base);
     commit_step(root, 20, 5000);
-    /* a .tmp dir with files but no marker (killed before the commit) */
-    char *tmp = NULL;
-    CHECK_OK(ds4_ckpt_begin(root, 30, &tmp, &err), &err);
-    if (tmp) write_seeded(tmp, "a.bin", 5000, 30);
     /* a final-named directory without a marker */
     snprintf(d, sizeof d, "%s/step_000040", root);
     mkdir(d, 0755);
@@ -329,6 +325,11 @@ static void test_crashes(const char *base) {
         snprintf(to, sizeof to, "%s/step_000096", root);
         CHECK(rename(from, to) == 0, "rename");
     }
+    /* a .tmp dir with files but no marker, of a live writer (this process; made after the commits above, which
+     * remove leftovers of older steps) */
+    char *tmp = NULL;
+    CHECK_OK(ds4_ckpt_begin(root, 30, &tmp, &err), &err);
+    if (tmp) write_seeded(tmp, "a.bin", 5000, 30);
     /* leftovers: a dead process of this host, a process of another host, a dead replaced/removed checkpoint */
     pid_t dp = dead_pid();
     snprintf(d, sizeof d, "%s/step_000100.tmp-%ld", root, (long)dp);
@@ -619,6 +620,54 @@ static void test_killed_commit(const char *base) {
     free(en);
 }
 
+/* Crash leftovers do not outlive the next successful commit: a commit of step 50 removes those of this host whose
+ * process is gone and those of any step older than 50 (pid alive or not, this host or another: one writer per
+ * root, and pids repeat across container restarts); a live writer's newer step and another host's newer step
+ * stay. */
+static void test_commit_cleans(const char *base) {
+    ds4_error err = {0};
+    char root[4096], d[4096 + 512], host[256] = "";
+    snprintf(root, sizeof root, "%s/clean", base);
+    commit_step(root, 10, 100);
+    if (gethostname(host, sizeof host) != 0) host[0] = 0;
+    host[64] = 0; /* as ckptdir.c writes it: at most 64 characters, [A-Za-z0-9._-] */
+    for (char *c = host; *c; c++)
+        if (!((*c >= 'a' && *c <= 'z') || (*c >= 'A' && *c <= 'Z') || (*c >= '0' && *c <= '9') || *c == '-' ||
+              *c == '.' || *c == '_'))
+            *c = '_';
+    pid_t dp = dead_pid();
+    const long alive = (long)getppid();
+    static const struct {
+        const char *fmt;
+        int live, stays;
+    } cases[] = {
+        {"step_000060.tmp-%ld@%s", 0, 0},              /* newer step, this host, process gone */
+        {"step_000060.del-%ld@%s", 0, 0},              /* same, a removal interrupted */
+        {"step_000020.tmp-%ld@%s", 1, 0},              /* older step: the pid is alive (reused) */
+        {"step_000030.old-%ld@%s", 1, 0},              /* older step, a replaced checkpoint */
+        {"step_000040.tmp-%ld@elsewhere.invalid", 0, 0}, /* older step, another host */
+        {"step_000060.tmp-%ld@%s", 1, 1},              /* newer step, live writer: stays */
+        {"step_000070.tmp-%ld@elsewhere.invalid", 0, 1}, /* newer step, another host: stays */
+    };
+    const size_t nc = sizeof cases / sizeof cases[0];
+    char names[8][400];
+    for (size_t i = 0; i < nc; i++) {
+        snprintf(names[i], sizeof names[i], cases[i].fmt, cases[i].live ? alive : (long)dp, host);
+        snprintf(d, sizeof d, "%s/%.300s", root, names[i]);
+        CHECK(mkdir(d, 0755) == 0, "mkdir %s", d);
+        write_seeded(d, "a.bin", 100, (uint32_t)i);
+    }
+    commit_step(root, 50, 100);
+    for (size_t i = 0; i < nc; i++) {
+        snprintf(d, sizeof d, "%s/%.300s", root, names[i]);
+        CHECK(ds4t_exists(d) == cases[i].stays, "after the commit of step 50: %s %s", names[i],
+              cases[i].stays ? "was removed" : "is still there");
+    }
+    int64_t want[] = {10, 50};
+    check_list(root, want, 2, "commit with leftovers around");
+    (void)err;
+}
+
 int main(int argc, char **argv) {
     (void)argc, (void)argv;
     char base[] = "/tmp/ds4_test_ckptdir_XXXXXX";
@@ -633,6 +682,7 @@ int main(int argc, char **argv) {
     test_retention(base);
     test_state(base);
     test_killed_commit(base);
+    test_commit_cleans(base);
     if (getenv("DS4_KEEP_CKPT")) printf("kept %s\n", base);
     else ds4t_rm_rf(base);
     return ds4t_finish("test_ckptdir");

@@ -573,6 +573,15 @@ static void test_validate(void) {
     BAD(c.index_topk = 0, DS4_ERR_CONFIG, "'index_topk'");
     BAD(c.hc_mult = 0, DS4_ERR_CONFIG, "'hc_mult'");
     BAD(c.hc_sinkhorn_iters = 0, DS4_ERR_CONFIG, "'hc_sinkhorn_iters'");
+    /* loop counts no weight shape bounds: a config alone must not make a forward run for hours */
+    BAD(c.hc_sinkhorn_iters = 1000000000, DS4_ERR_CONFIG, "'hc_sinkhorn_iters' must be in [1, 100]");
+    BAD(c.hc_sinkhorn_iters = 101, DS4_ERR_CONFIG, "'hc_sinkhorn_iters'");
+    BAD(c.index_topk = INT32_MAX, DS4_ERR_CONFIG, "'index_topk' must be in [1, 65536]");
+    BAD(c.num_nextn_predict_layers = 1000000, DS4_ERR_CONFIG, "'num_nextn_predict_layers' must be in [0, 1]");
+    BAD(c.num_nextn_predict_layers = 2, DS4_ERR_CONFIG, "at most one MTP block");
+    BAD(c.eos_token_id = c.vocab_size, DS4_ERR_CONFIG, "'eos_token_id' must be in [-1, 129279]");
+    BAD(c.bos_token_id = c.vocab_size + 5, DS4_ERR_CONFIG, "'bos_token_id'");
+    BAD(c.eos_token_id = -2, DS4_ERR_CONFIG, "'eos_token_id'");
     BAD(c.num_key_value_heads = 64, DS4_ERR_CONFIG, "'num_key_value_heads'");
     BAD(c.o_groups = 7, DS4_ERR_CONFIG, "'o_groups'");
     BAD(c.num_experts_per_tok = 0, DS4_ERR_CONFIG, "'num_experts_per_tok'");
@@ -597,6 +606,14 @@ static void test_validate(void) {
     c = d;
     for (int i = 0; i < c.num_hidden_layers; i++) c.layer_types[i] = DS4_ATTN_HCA;
     c.rope_compress.dim = 256;
+    CHECK_OK(ds4_config_validate(&c, &err), &err);
+    /* the bounds themselves are accepted */
+    c = d;
+    c.hc_sinkhorn_iters = 100;
+    c.index_topk = 65536;
+    c.num_nextn_predict_layers = 0;
+    c.bos_token_id = -1;
+    c.eos_token_id = c.vocab_size - 1;
     CHECK_OK(ds4_config_validate(&c, &err), &err);
 }
 

@@ -59,6 +59,27 @@ check "$out/replay" 3
     --quiet >"$out/builtin.log"
 grep -q "greedy accuracy on 16 held-out problems" "$out/builtin.log"
 grep -q '"prompt"' "$out/builtin/train.jsonl"
+# what a dataset or the options get wrong is refused before anything trains, naming the line or the option:
+# too few rows for --eval (they all became held-out problems and SFT crashed on an empty set), a null answer
+# (it became the string "json.null"), an empty prompt (it crashed the run after SFT)
+fails() { # expected-exit-status expected-message args...
+    local want="$1" msg="$2" rc=0
+    shift 2
+    "$DS4" run "$SRC/examples/dapo.lua" --out "$out/fail" --quiet "$@" >/dev/null 2>"$out/fail.err" || rc=$?
+    [ "$rc" = "$want" ] || { echo "dapo.lua $*: exit $rc, want $want"; cat "$out/fail.err"; exit 1; }
+    grep -qF -- "$msg" "$out/fail.err" || { echo "dapo.lua $*: no message '$msg'"; cat "$out/fail.err"; exit 1; }
+}
+head -n 3 "$out/mine.jsonl" >"$out/three.jsonl"
+fails 2 "has 3 problems and --eval 200 would hold out more than all of them" --data "$out/three.jsonl"
+head -n 1 "$out/mine.jsonl" >"$out/one.jsonl"
+fails 2 "has 1 problem: nothing can be held out" --data "$out/one.jsonl" --eval 2
+fails 2 "--eval must be an integer >= 1" --eval 0
+{ cat "$out/three.jsonl"; echo '{"prompt": "1+1=", "answer": null}'; } >"$out/null.jsonl"
+fails 1 'null.jsonl:4: "answer" must be a string or a finite number, got null' --data "$out/null.jsonl" --eval 1
+{ cat "$out/three.jsonl"; echo '{"prompt": "", "answer": 2}'; } >"$out/empty.jsonl"
+fails 1 'empty.jsonl:4: "prompt" is empty' --data "$out/empty.jsonl" --eval 1
+# a diverging policy (lr 1e3) stops with the step and the metric named instead of finishing with exit status 0
+fails 1 "trainer.run: step 1: kl = " "${small[@]}" "${from[@]}" --minibatches 2 --lr 1e3 --steps 4
 echo '{"prompt": 5}' >"$out/bad.jsonl"
 if "$DS4" run "$SRC/examples/dapo.lua" --data "$out/bad.jsonl" --out "$out/bad" --quiet 2>"$out/bad.err"; then
     echo "a malformed dataset must fail"; exit 1

@@ -5,6 +5,7 @@
 
 #include <dirent.h>
 #include <errno.h>
+#include <signal.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -786,6 +787,60 @@ static void test_index(void) {
     free(dir);
 }
 
+/* A FIFO where a file is expected: open(2) without O_NONBLOCK would wait for a writer forever. Every reader of
+ * caller-named files (safetensors, checkpoint directories, config.json, tokenizer.json, whole-file reads) must
+ * refuse it at once. SIGALRM ends the test if any of them blocks. */
+static void on_alarm(int sig) {
+    (void)sig;
+    static const char msg[] = "test_safetensors: FAIL: a reader blocked on a FIFO for 20 s\n";
+    if (write(2, msg, sizeof msg - 1) < 0) _exit(1);
+    _exit(1);
+}
+
+static void test_fifos(const char *fixtures) {
+    char *dir = make_tmpdir();
+    if (!dir) return;
+    signal(SIGALRM, on_alarm);
+    alarm(20);
+    char *cfg_src = join(fixtures, "tiny_a/config.json");
+    char *text = NULL;
+    size_t len = 0;
+    ds4_error err;
+    CHECK_OK(ds4_read_file(cfg_src, (size_t)1 << 20, &text, &len, &err), &err);
+    if (text) write_text(dir, "config.json", text);
+    free(text);
+    free(cfg_src);
+    char *st = join(dir, "model.safetensors");
+    CHECK(mkfifo(st, 0600) == 0, "mkfifo %s: %s", st, strerror(errno));
+    ds4_st_file *f = NULL;
+    CHECK_STATUS(ds4_st_open(st, &f, &err), DS4_ERR_IO, &err);
+    CHECK(strstr(err.msg, "not a regular file (a FIFO)") != NULL, "st_open on a FIFO: %s", err.msg);
+    ds4_checkpoint *ck = NULL;
+    CHECK(ds4_checkpoint_open(dir, &ck, &err) != DS4_OK, "checkpoint open of a directory with a FIFO shard");
+    ds4_checkpoint_close(ck);
+    ds4_engine *eng = NULL;
+    CHECK_OK(ds4_engine_create(NULL, &eng, &err), &err);
+    ds4_model *m = NULL;
+    CHECK(ds4_model_load(eng, dir, &m, &err) != DS4_OK, "model load with a FIFO model.safetensors");
+    CHECK(strstr(err.msg, "FIFO") != NULL, "model load names the FIFO: %s", err.msg);
+    ds4_model_free(m);
+    ds4_engine_free(eng);
+    char *cfg = join(dir, "config.json");
+    unlink(cfg);
+    CHECK(mkfifo(cfg, 0600) == 0, "mkfifo %s: %s", cfg, strerror(errno));
+    ds4_config c;
+    CHECK_STATUS(ds4_config_load(dir, &c, &err), DS4_ERR_IO, &err);
+    CHECK_STATUS(ds4_read_file(cfg, 100, &text, &len, &err), DS4_ERR_IO, &err);
+    ds4_tokenizer *tok = NULL;
+    CHECK_STATUS(ds4_tokenizer_load(cfg, &tok, &err), DS4_ERR_IO, &err);
+    alarm(0);
+    signal(SIGALRM, SIG_DFL);
+    free(cfg);
+    free(st);
+    rm_tree(dir);
+    free(dir);
+}
+
 int main(int argc, char **argv) {
     if (argc < 2) {
         fprintf(stderr, "usage: %s <fixtures_dir>\n", argv[0]);
@@ -796,5 +851,6 @@ int main(int argc, char **argv) {
     test_round_trip();
     test_malformed();
     test_index();
+    test_fifos(argv[1]);
     return ds4t_finish("test_safetensors");
 }

@@ -12,6 +12,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "ds4.h"
 #include "internal.h"
@@ -370,7 +371,9 @@ static void test_long_inputs(ds4_tokenizer *tk[3]) {
  * pre_tokenizer and decoder JSON. Returns a malloc'd string. */
 static char *make_json(const char *normalizer, const char *pre, const char *decoder, const char *model_extra,
                        const char *extra_vocab, const char *merges, const char *added) {
-    size_t cap = 65536, o = 0;
+    size_t cap = 65536 + strlen(normalizer) + strlen(pre) + strlen(decoder) + strlen(model_extra) +
+                 strlen(extra_vocab) + strlen(merges) + strlen(added),
+           o = 0;
     char *j = malloc(cap);
     if (!j) return NULL;
     o += (size_t)snprintf(j + o, cap - o,
@@ -838,6 +841,149 @@ static void test_threads(ds4_tokenizer *tk[2], const tcase *cs, size_t n) {
 
 /* ------------------------------------------------------------------------------------------------ main */
 
+/* Reference for the added-token tests below, written out naively: leftmost-longest matching of `tok` (k tokens) in
+ * text[0..n), the gaps handed to the next level (level 1: the normalised tokens; after it, bytes). */
+typedef struct ref_level {
+    const char *tok[8];
+    size_t len[8];
+    int32_t id[8];
+    size_t k;
+} ref_level;
+
+static void ref_encode(const ref_level *lv, int level, const char *text, size_t n, int32_t *out, size_t *no) {
+    if (level == 2) {
+        for (size_t i = 0; i < n; i++) out[(*no)++] = (unsigned char)text[i];
+        return;
+    }
+    const ref_level *L = &lv[level];
+    size_t gap = 0, i = 0;
+    while (i < n) {
+        size_t best = 0, bi = 0;
+        for (size_t t = 0; t < L->k; t++)
+            if (L->len[t] > best && L->len[t] <= n - i && !memcmp(text + i, L->tok[t], L->len[t])) {
+                best = L->len[t];
+                bi = t;
+            }
+        if (!best) {
+            i++;
+            continue;
+        }
+        ref_encode(lv, level + 1, text + gap, i - gap, out, no);
+        out[(*no)++] = L->id[bi];
+        i += best;
+        gap = i;
+    }
+    ref_encode(lv, level + 1, text + gap, n - gap, out, no);
+}
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* Added tokens are found leftmost-longest, raw ones first and normalised ones in the stretches between them, in
+ * time linear in the text: random token sets over a small alphabet against the naive reference above (short texts,
+ * and long ones that cross the matcher's 4096-byte blocks), then a text that is a long prefix of a long token —
+ * the case where matching from every start position took time quadratic in the text (10 s for 100k bytes). */
+static void test_added_linear(void) {
+    uint64_t rs = 12345;
+    char toks[16][8];
+    char *text = malloc(20000);
+    int32_t *want = malloc(20000 * sizeof *want);
+    if (!text || !want) {
+        CHECK(0, "allocation");
+        free(text);
+        free(want);
+        return;
+    }
+    int bad = 0;
+    for (int iter = 0; iter < 300 && !bad; iter++) {
+        ref_level lv[2] = {{{0}, {0}, {0}, 0}, {{0}, {0}, {0}, 0}};
+        char added[4096];
+        size_t ao = 0;
+        ao += (size_t)snprintf(added + ao, sizeof added - ao, "[");
+        const int nt = 1 + (int)(rng_next(&rs) % 6);
+        int made = 0;
+        for (int t = 0; t < nt; t++) {
+            size_t len = 2 + rng_next(&rs) % 4; /* a one-byte token would be the vocabulary's own byte id */
+            for (size_t c = 0; c < len; c++) toks[t][c] = (char)('a' + rng_next(&rs) % 3);
+            toks[t][len] = 0;
+            int dup = 0;
+            for (int u = 0; u < t; u++) dup |= !strcmp(toks[u], toks[t]);
+            if (dup) continue;
+            const int norm = (int)(rng_next(&rs) % 2);
+            ref_level *L = &lv[norm];
+            L->tok[L->k] = toks[t];
+            L->len[L->k] = len;
+            L->id[L->k] = 256 + made;
+            L->k++;
+            ao += (size_t)snprintf(added + ao, sizeof added - ao,
+                                   "%s{\"id\":%d,\"content\":\"%s\",\"single_word\":false,\"lstrip\":false,"
+                                   "\"rstrip\":false,\"normalized\":%s,\"special\":false}",
+                                   made ? "," : "", 256 + made, toks[t], norm ? "true" : "false");
+            made++;
+        }
+        snprintf(added + ao, sizeof added - ao, "]");
+        ds4_tokenizer *tk = load_made("null", BL_NOREGEX, "", "[]", added);
+        if (!tk) break;
+        for (int rep_ = 0; rep_ < 20 && !bad; rep_++) {
+            size_t n = rep_ < 18 ? rng_next(&rs) % 60 : 9000 + rng_next(&rs) % 1000;
+            for (size_t i = 0; i < n; i++) text[i] = (char)('a' + rng_next(&rs) % 4); /* 'd' matches no token */
+            size_t nw = 0;
+            ref_encode(lv, 0, text, n, want, &nw);
+            if (!expect_ids(tk, text, n, want, nw, "added tokens against the naive leftmost-longest reference")) {
+                fprintf(stderr, "  tokens:");
+                for (int l = 0; l < 2; l++)
+                    for (size_t t = 0; t < lv[l].k; t++) fprintf(stderr, " %s%s", lv[l].tok[t], l ? "(norm)" : "");
+                fprintf(stderr, "\n  text (%zu bytes): %.80s\n", n, text);
+                bad = 1;
+            }
+        }
+        ds4_tokenizer_free(tk);
+    }
+    free(text);
+    free(want);
+
+    enum { N = 100000 };
+    char *tok_text = malloc(N + 2), *added = malloc(N + 256), *txt = malloc(N + 1);
+    int32_t *ids = malloc((N + 1) * sizeof *ids);
+    if (tok_text && added && txt && ids) {
+        memset(tok_text, 'a', N);
+        tok_text[N] = 'b';
+        tok_text[N + 1] = 0;
+        snprintf(added, N + 256,
+                 "[{\"id\":256,\"content\":\"%s\",\"single_word\":false,\"lstrip\":false,\"rstrip\":false,"
+                 "\"normalized\":false,\"special\":false}]",
+                 tok_text);
+        ds4_tokenizer *tk = load_made("null", BL_NOREGEX, "", "[]", added);
+        if (tk) {
+            memset(txt, 'a', N);
+            for (size_t i = 0; i < N; i++) ids[i] = 'a';
+            const double t0 = now_s();
+            expect_ids(tk, txt, N, ids, N, "100k bytes, a prefix of a 100001-byte added token: no match");
+            const double dt = now_s() - t0;
+            CHECK(dt < 2.0, "encoding 100k bytes against a long added token took %.2f s (linear time: milliseconds)",
+                  dt);
+            /* and the token itself, after one other byte: a match as long as the matcher's block */
+            int32_t two[2] = {'c', 256};
+            expect_ids(tk, "c", 1, two, 1, "one byte");
+            char *whole = malloc(N + 3);
+            if (whole) {
+                whole[0] = 'c';
+                memcpy(whole + 1, tok_text, N + 1);
+                expect_ids(tk, whole, N + 2, two, 2, "a byte, then the 100001-byte added token");
+                free(whole);
+            }
+            ds4_tokenizer_free(tk);
+        }
+    }
+    free(tok_text);
+    free(added);
+    free(txt);
+    free(ids);
+}
+
 int main(int argc, char **argv) {
     const char *dir = argc > 1 ? argv[1] : "tests/fixtures";
     ds4_tokenizer *tk[3] = {NULL, NULL, NULL};
@@ -866,6 +1012,7 @@ int main(int argc, char **argv) {
     test_long_inputs(tk);
     test_added_flags();
     test_added_ids();
+    test_added_linear();
     test_split_rules();
     test_malformed();
     test_byte_level(tk[2]);

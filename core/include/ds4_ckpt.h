@@ -22,8 +22,9 @@
  * step_ + at least 6 digits (the canonical "%06lld" spelling), its marker parses, names the same step, and
  * every file it lists exists with the recorded size (and CRC-32, when verifying fully). A process killed at
  * any point therefore leaves either the previous set of checkpoints or a new complete one, plus at most a
- * leftover directory (".tmp-", ".old-" or ".del-" + pid@host) that is never listed and that ds4_ckpt_prune
- * removes on request once its writer is dead.
+ * leftover directory (".tmp-", ".old-" or ".del-" + pid@host) that is never listed, that the next successful
+ * commit removes (its writer's process is gone, or its step is older than the step committed), and that
+ * ds4_ckpt_prune removes on request once its writer is dead.
  *
  * Checkpoints of one ROOT are written from one host at a time (leftovers of other hosts are reported but
  * never removed, since their writer's liveness cannot be checked from here). All strings returned through
@@ -76,7 +77,9 @@ ds4_status ds4_ckpt_begin(const char *root, int64_t step, char **tmp_path, ds4_e
 /* Seal tmp_path (from ds4_ckpt_begin for the same root and step) and rename it to ROOT/step_NNNNNN. Every
  * entry of tmp_path must be a regular file named with [A-Za-z0-9._-] only. An existing ROOT/step_NNNNNN is
  * replaced (moved aside, then removed once the new one is in place). On failure tmp_path is left as it is:
- * remove it with ds4_ckpt_abort. */
+ * remove it with ds4_ckpt_abort. After a successful commit, crash leftovers of ROOT are removed (best effort):
+ * this host's whose process is gone, and any of an older step than `step` (one writer per ROOT: nobody is still
+ * writing an older step; pids repeat across container restarts, so the pid test alone would keep them). */
 ds4_status ds4_ckpt_commit(const char *root, int64_t step, const char *tmp_path, ds4_error *err);
 /* Remove a temporary checkpoint directory. Refuses any path whose last component is not a
  * "step_NNNNNN.tmp-..." name, so that it can never delete anything else. */

@@ -43,7 +43,8 @@ Models
                                    -> {logits = F32 [B, S, V], loss = number|nil, loss_tokens = n,
                                        mtp_logits = F32 [B, S-1, V], mtp_loss = number|nil, mtp_loss_tokens,
                                        hidden = F32 [L, B, S, hc_mult, hidden_size]}
-                                   loss is nil when there are no labels or no scored token.
+                                   loss is nil when there are no labels or no scored token; a scored loss
+                                   is always a number, NaN included (then backward refuses that forward).
   model:config()                   config table: every field; layer_types / mlp_layer_types as strings,
                                    rope_parameters = {main = {...}, compress = {...}}, compress_rates
   model:n_params()  model:has_mtp()
@@ -51,7 +52,7 @@ Models
   model:params()                   F32 tensor [n_params]: a copy of the flat fp32 parameter buffer (lua/params_lua.c)
   model:set_params(src)            replace every parameter from an F32 tensor of n_params elements or a string of
                                    4 n_params little-endian bytes (one memcpy; gradients and optimizer state kept;
-                                   not from an on_token callback) -> model
+                                   raises inside an on_token callback of this model's generation) -> model
   model:tables_crc()               CRC-32 of the non-fp32 tensors (hash-routing tid2eid tables): equal parameters
                                    give equal outputs only if these agree too
   model:free()                     release now (later calls raise "model has been freed")
@@ -84,18 +85,23 @@ Training (lua/train_lua.c)
                                    betas ({0.9, 0.999}), eps (1e-8), weight_decay (0.01; not on norms, biases,
                                    sinks, mHC base/scale), clip (off), schedule ("constant"|"linear"|"cosine"),
                                    warmup (linear warm-up steps), total (end of the decay), min_lr_ratio (0)
-  opt:step()                       clip, update -> {lr = ..., grad_norm = (before clipping), step = updates done}
+  opt:step()                       clip, update -> {lr = ..., grad_norm = (before clipping), step = updates done};
+                                   raises, changing nothing (parameters, moments, gradients, step count), when the
+                                   gradient norm or the updated parameters would not be finite, and inside an
+                                   on_token callback of the model's generation
   opt:lr()  opt:steps()  opt:free() the next update's lr, updates done, release now (keeps the model alive)
 
 Saving and checkpoints (lua/save_lua.c; layout and guarantees: core/include/ds4_ckpt.h)
   model:save(dir [, opts])         config.json + model.safetensors under the names transformers' save_pretrained
                                    writes (from_pretrained loads it); written in a sibling and renamed into place.
                                    opts.dtype = "F32" (exact, default) | "BF16" | "F16"; opts.overwrite = true
-                                   replaces an existing dir that holds only checkpoint files. -> dir
+                                   replaces an existing dir that holds only checkpoint files. -> dir. A model with
+                                   a NaN or infinite weight is refused (here and by checkpoints.save).
   ds4.checkpoints.save(root, step, model [, opts])  -> root/step_NNNNNN (step = completed updates), committed
                                    atomically with a checksummed COMPLETE marker. opts.extra = {name = tensor},
                                    opts.meta = {JSON-able table}, opts.states = {name = {tensors = ..., meta = ...}},
-                                   opts.dtype; opts.keep_last / keep_every / clean: prune afterwards
+                                   opts.dtype; opts.keep_last / keep_every / clean: prune afterwards. The commit
+                                   removes crash leftovers no running writer can own (ds4_ckpt.h)
   ds4.checkpoints.load(root [, step]) -> dir, extra, meta, step of the newest (or given) complete checkpoint
                                    (nil when there is none); ds4.load(dir) loads its model
   ds4.checkpoints.list(root)       complete steps, ascending (every file's size and CRC-32 verified)
@@ -159,6 +165,13 @@ Chat templates (lua/ds4/chat/: loaded on first use of ds4.chat; same as require(
   tmpl:render(tok, messages, opts) -> {ids, mask, text, segments}; mask[i] = 1 on trained (model-produced) tokens
   tmpl:check_prefix(tok, before, after, opts [, opts_after])  true, or false + why (append-only check)
   ds4.chat.register(name, {segments = fn} or {render = fn})   ds4.chat.list()   ds4.chat.builder(tok)
+
+Datasets and metrics (pure Lua, loaded on first use)
+  ds4.data.read_jsonl(path, {format = "prompt_answer" | "messages", tokenizer, template})  -> rows, every row
+                                   checked (types, empty prompts, NaN answers, renderable conversations); errors
+                                   name file:line. ds4.data.parse_jsonl(text, name, opts) on a string
+  ds4.metrics.open(path [, {resume_step = k}])  -> JSONL writer: w:write(record) writes one whole line, flushed,
+                                   errors raised; resume drops a torn last line and records past step k
 
 Rewards (lua/ds4/reward/, pure Lua: ds4.reward = require("ds4.reward"), loaded on first use; API in its init.lua)
   reward.math_reward(resp, sample) {score = 1/0, info = {extracted, reference, reason}} vs sample.answer;
@@ -340,8 +353,9 @@ function M.script_dir()
     return script:match("^(.*)/[^/]*$") or "."
 end
 
--- pure-Lua parts load on first use: ds4.chat, ds4.reward, ds4.rl, ds4.rollout
-local LAZY = { chat = "ds4.chat", reward = "ds4.reward", rl = "ds4.rl", rollout = "ds4.rollout" }
+-- pure-Lua parts load on first use: ds4.chat, ds4.reward, ds4.rl, ds4.rollout, ds4.data, ds4.metrics
+local LAZY = { chat = "ds4.chat", reward = "ds4.reward", rl = "ds4.rl", rollout = "ds4.rollout", data = "ds4.data",
+    metrics = "ds4.metrics" }
 setmetatable(M, { __index = function(t, k)
     if LAZY[k] then
         t[k] = require(LAZY[k])

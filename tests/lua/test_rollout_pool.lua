@@ -18,8 +18,14 @@
 --   (f) malformed frames, messages from unknown workers and mismatched hellos get error replies (muted after
 --       100 rejects in 60 s) and change nothing; a worker answers garbage with an error and keeps working, says
 --       hello again after "unknown worker" or a trainer bye;
---   (g) a corrupted weight buffer (whole-buffer CRC mismatch) is fetched again, then reported as a crc error.
-package.path = ((arg[0]:match("^(.*)/[^/]*$") or ".") .. "/?.lua;") .. package.path
+--   (g) a corrupted weight buffer (whole-buffer CRC mismatch) is fetched again, then reported as a crc error;
+--   (h) issue 18: beside an honest worker, a worker that misbehaves in each way of tests/chaos/bad_worker.lua
+--       (out-of-range ids, NaN log-probabilities, error replies, future versions, a new hello, a credit flood,
+--       silence): every task completes exactly once, with the honest worker's results; bad answers are rejected
+--       and counted, tasks go back to a worker that has not failed them, repeat offenders are quarantined;
+--   (i) the checks of answers one by one (Pool:check_samples), and quarantine across hellos and its end.
+local TEST_DIR = arg[0]:match("^(.*)/[^/]*$") or "."
+package.path = TEST_DIR .. "/?.lua;" .. TEST_DIR .. "/../chaos/?.lua;" .. package.path
 local H = require("harness")
 local ds4 = require("ds4")
 local ffi = require("ffi")
@@ -396,7 +402,30 @@ do
     local st = pool:stats()
     H.eq(st.failed, 2, "(e) two tasks failed")
     H.eq(st.completed + st.failed, st.tasks, "(e) every task accounted for")
-    H.check(net.logged("failed after 3 attempts"), "(e) logged")
+    -- workers that never completed a task are blamed, not the tasks: both are quarantined, and then nobody is
+    -- left to wait for
+    H.eq(st.quarantined, 2, "(e) both hung workers quarantined")
+    H.check(net.logged("failed after %d failed leases %(last: every connected worker is quarantined%)"), "(e) logged")
+
+    -- workers with a record (each completed a task, then hangs) charge the tasks: max_attempts failed leases fail
+    -- a task
+    local net2 = new_net()
+    local pool2 = new_pool(net2, { lease_s = 1, lease_rate = 1e9, dead_s = 1e9, max_attempts = 3,
+        quarantine_after = 100 })
+    local function flaky(p, m)
+        if p.answered then return end
+        p.answered = true
+        local seq = { { prompt_len = m.prompt_len, n_gen = 2, finish = 1, stop_index = -1, n_rows = 0 } }
+        p.send({ t = "samples", task_id = m.task_id, attempt = m.attempt, policy = 1, n = 1, seq = seq },
+            { tokens = { 3, 4 }, logprobs = { -1, -1 }, sample_logprobs = { -1, -1 } })
+        p.send({ t = "credit", n = 1 })
+    end
+    script_peer(net2, "a-flaky", { beat = true, credit = 10, on_task = flaky })
+    script_peer(net2, "b-flaky", { beat = true, credit = 10, on_task = flaky })
+    local r2 = pool2:generate({ { 1, 2 }, { 3 }, { 4 }, { 5 } }, { n = 1, max_new_tokens = 2 })
+    H.eq(r2.failed, 2, "(e) two tasks answered, two failed")
+    H.eq(pool2:stats().quarantined, 0, "(e) nobody quarantined (quarantine_after = 100)")
+    H.check(net2.logged("failed after 3 failed leases"), "(e) a task charged 3 times fails")
 end
 
 -- ------------------------------------------------------------------------------------------------ (f) bad input
@@ -512,6 +541,148 @@ do
     H.eq(w.loaded, 0, "(g) a corrupt buffer is never loaded")
     H.eq(pool:stats().chunks_served, 2 * v.chunks, "(g) fetched twice (one restart)")
     H.check(net.logged("worker w reports crc"), "(g) then reported as a crc error")
+end
+
+-- ------------------------------------------------------------------------------------------------ (h) bad workers
+
+local badmod = require("bad_worker")
+local MANY = {}
+for i = 1, 16 do MANY[i] = { 2 + i, 40 + (i * 7) % 50, 9 } end
+local GEN2 = { n = 2, max_new_tokens = 6, temperature = 1.0, seed = 5 }
+for _, mode in ipairs(badmod.MODES) do
+    local net = new_net()
+    local pool = new_pool(net, { lease_s = 2, lease_rate = 1e9, dead_s = 3 })
+    local bp = net.endpoint("a-bad") -- "a" < "b": with equal credit the bad worker is picked first
+    local bw = badmod.new(mode, "a-bad", bp.transport, { vocab = VOCAB, n_params = policy:n_params(),
+        clock = net.now })
+    bp.step = function() bw:step() end
+    real_worker(net, "b-honest")
+    local res = pool:generate(MANY, GEN2)
+    local what = "(h) " .. mode
+    check_equal_local(res, policy, MANY, GEN2, what)
+    local st = pool:stats()
+    H.eq(st.completed, #MANY, what .. ": every task completed")
+    H.eq(st.failed, 0, what .. ": no task failed")
+    H.eq(st.completed + st.failed, st.tasks, what .. ": every task accounted for once")
+    local honest = true
+    for _, r in ipairs(res) do if r.worker ~= "b-honest" then honest = false end end
+    H.check(honest, what .. ": every result is the honest worker's")
+    H.check(bw.tasks >= 1, what .. ": the bad worker was given tasks")
+    if mode == "bad_ids" or mode == "nan_logprobs" or mode == "future_version" then
+        H.check(st.invalid >= 1, what .. ": its answers were rejected and counted")
+        H.check(net.logged("rejected samples for task"), what .. ": and logged")
+    end
+    if mode ~= "credit_flood" and mode ~= "silence" then
+        H.eq(st.quarantined, 1, what .. ": quarantined")
+        H.check(net.logged("worker a%-bad quarantined"), what .. ": the quarantine is logged with its reason")
+        -- 3 failures quarantine it; a 4th task may have been leased with the 3rd (probation: 2 at a time)
+        H.check(bw.tasks <= 4, what .. ": no task after the quarantine (" .. bw.tasks .. " taken)")
+    else
+        H.check(bw.tasks <= 4, what .. ": at most probation leases at a time (" .. bw.tasks .. " taken)")
+    end
+end
+
+-- ------------------------------------------------------------------------------------------------ (i) checks
+
+do
+    local net = new_net()
+    local pool = new_pool(net, { quarantine_after = 2, quarantine_s = 50, lease_s = 1, lease_rate = 1e9,
+        dead_s = 1e9 })
+    pool:publish(policy)
+    local eos = policy:config().eos_token_id
+    local t = { sampling = { n = 1, max_new_tokens = 3, stop = { 7 }, ignore_eos = false }, prompt_len = 2 }
+    local w = { caps = { vocab_size = VOCAB } }
+    local function msg(gen, finish, stop_index, lp, policy_v)
+        local m = { n = 1, policy = policy_v or 1, experts_layers = 0, index_layers = 0, experts_k = 0,
+            index_topk = 0, seq = { { prompt_len = 2, n_gen = #gen, finish = codec.FINISH_CODE[finish],
+                stop_index = stop_index or -1, n_rows = 0 } } }
+        local l = {}
+        for i = 1, #gen do l[i] = lp or -0.5 end
+        m.tokens, m.logprobs, m.sample_logprobs = codec.pack_i32(gen), codec.pack_f32(l), codec.pack_f32(l)
+        return m
+    end
+    local function verdict(...) return pool:check_samples(t, msg(...), w) end
+    H.eq(verdict({ 3, 4, 5 }, "length"), nil, "(i) a good sample")
+    H.eq(verdict({ 3, eos }, "eos"), nil, "(i) a sample ending with eos")
+    H.eq(verdict({ 3, 7 }, "stop_token", 0), nil, "(i) a sample ending with its stop id")
+    local function bad(why, ...)
+        local v = verdict(...)
+        H.check(v ~= nil and v:find(why, 1, true) ~= nil, ("(i) refused (%s): %s"):format(why, tostring(v)))
+    end
+    bad("is not a token id", { 3, VOCAB, 5 }, "length")
+    bad("is not a token id", { -1, 4, 5 }, "length")
+    bad("not finite values <= 0", { 3, 4, 5 }, "length", nil, 0 / 0)
+    bad("not finite values <= 0", { 3, 4, 5 }, "length", nil, -1 / 0)
+    bad("not finite values <= 0", { 3, 4, 5 }, "length", nil, 0.5)
+    bad("max_new_tokens is 3", { 3, 4 }, "length")
+    bad("its last token is 4", { 3, 4 }, "eos")
+    bad("stop id 7 at token 1", { 7, 4, 5 }, "length")
+    bad("stop id " .. eos .. " at token 2", { 3, eos, 5 }, "length")
+    bad("finished by stop id #1, but its last token is 4", { 3, 4 }, "stop_token", 0)
+    bad("cancelled", { 3, 4 }, "cancelled")
+    bad("policy version 0", { 3, 4, 5 }, "length", nil, nil, 0)
+    bad("no generated token", {}, "length")
+    t.sampling.ignore_eos = true
+    H.eq(verdict({ eos, eos, 5 }, "length"), nil, "(i) ignore_eos: eos may come anywhere")
+    bad("the task ignores eos", { 3, eos }, "eos")
+    t.sampling.ignore_eos = false
+    local m = msg({ 3, 4, 5 }, "length")
+    m.experts_layers, m.experts_k = 4, 2
+    H.check((pool:check_samples(t, m, w) or ""):find("not asked for", 1, true), "(i) unasked routing records")
+    -- routing records: the model's shape, and values the forward's replay accepts
+    local cfg = policy:config()
+    local L, K, E, topk = cfg.num_hidden_layers, cfg.num_experts_per_tok, cfg.n_routed_experts, cfg.index_topk
+    local ncsa = 0
+    for _, lt in ipairs(cfg.layer_types) do if lt == "compressed_sparse_attention" then ncsa = ncsa + 1 end end
+    t.sampling.record_experts, t.sampling.record_index = true, true
+    local function routed(experts, index)
+        local mm = msg({ 3, 4, 5 }, "length")
+        mm.seq[1].n_rows = 4
+        mm.experts_layers, mm.experts_k, mm.index_layers, mm.index_topk = L, K, ncsa, topk
+        mm.experts, mm.index = codec.pack_i32(experts), codec.pack_i32(index)
+        return pool:check_samples(t, mm, w)
+    end
+    local ex, ix = {}, {}
+    for r = 0, 3 do
+        for l = 0, L - 1 do for k = 0, K - 1 do ex[#ex + 1] = (l + k + r) % E end end
+        for c = 0, ncsa - 1 do for k = 0, topk - 1 do ix[#ix + 1] = k == 0 and (r >= 3 and 0 or -1) or -1 end end
+    end
+    H.eq(routed(ex, ix), nil, "(i) good routing records")
+    local e2 = { unpack(ex) }
+    e2[K * L + 1] = E -- row 1, layer 0, slot 0: not an expert
+    H.check((routed(e2, ix) or ""):find("expert " .. E .. " is not a distinct expert", 1, true), "(i) expert out of range")
+    e2 = { unpack(ex) }
+    e2[2] = e2[1] -- row 0, layer 0: a repeated expert
+    H.check((routed(e2, ix) or ""):find("is not a distinct expert", 1, true), "(i) repeated expert")
+    local i2 = { unpack(ix) }
+    i2[1] = 0 -- row 0 sees no compressed entry yet: pick 0 is not causal
+    H.check((routed(ex, i2) or ""):find("is not a distinct causal entry", 1, true), "(i) a non-causal index pick")
+    local mm = msg({ 3, 4, 5 }, "length")
+    mm.experts_layers, mm.experts_k, mm.index_layers, mm.index_topk = L + 1, K, ncsa, topk
+    H.check((pool:check_samples(t, mm, w) or ""):find("the model routes", 1, true), "(i) experts of another shape")
+    t.sampling.record_experts, t.sampling.record_index = false, false
+
+    -- quarantine is by worker id: a new hello does not lift it; it lapses after quarantine_s
+    local bp = net.endpoint("q-bad")
+    local bw = badmod.new("error", "q-bad", bp.transport, { vocab = VOCAB, n_params = policy:n_params(),
+        clock = net.now })
+    bp.step = function() bw:step() end
+    local _, hw = real_worker(net, "r-honest")
+    local res = pool:generate({ { 1, 2 }, { 3, 4 }, { 5, 6 } }, { n = 1, max_new_tokens = 3, seed = 1 })
+    H.eq(res.failed, 0, "(i) nothing failed")
+    H.check(pool:stats().workers["q-bad"].quarantined ~= nil, "(i) q-bad quarantined after 2 errors in a row")
+    bw:hello()
+    for _ = 1, 3 do pool:service(0) end
+    H.check(pool:stats().workers["q-bad"].quarantined ~= nil, "(i) still quarantined after a new hello")
+    H.check(net.logged("q%-bad is quarantined for"), "(i) the hello is told it stays quarantined")
+    local before = bw.tasks
+    pool:generate({ { 7, 8 }, { 9, 10 } }, { n = 1, max_new_tokens = 3, seed = 2 })
+    H.eq(bw.tasks, before, "(i) a quarantined worker gets no task")
+    net.clock = net.clock + 60
+    pool:service(0)
+    H.eq(pool:stats().workers["q-bad"].quarantined, nil, "(i) the quarantine lapses after quarantine_s")
+    H.check(net.logged("quarantine over"), "(i) and its end is logged")
+    H.check(hw.st.tasks >= 5, "(i) the honest worker did the work")
 end
 
 H.done("test_rollout_pool")

@@ -303,6 +303,13 @@ function Decoder:value(depth)
     self.pos = q
     local lit = sub(s, p, q - 1)
     local x = tonumber(lit)
+    if x == nil then
+        -- LuaJIT's tonumber gives up on exponents of very many digits ("1e11031333333333333333333"): the value is
+        -- what Python's float() makes of it, an overflow to infinity or an underflow to zero, with the sign
+        local m = tonumber(int .. frac)
+        local neg = int:sub(1, 1) == "-"
+        x = (m == 0 or exp:find("^[eE]%-")) and (neg and -0.0 or 0.0) or (neg and -math.huge or math.huge)
+    end
     if frac == "" and exp == "" then
         if math.abs(x) < 2 ^ 53 then return x end
         local digits = int:gsub("^%-", "")

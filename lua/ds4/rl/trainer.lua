@@ -12,6 +12,7 @@
       optim = {lr = 3e-4, betas = {0.9, 0.99}, weight_decay = 0, clip = 1.0, warmup = 0},
       steps = 100, minibatches = 1, reference = nil, out = "runs/x", seed = 1, progress = true,
       routing_replay = false,                 -- train with the experts / indexer picks the rollout used
+      guard = {max_kl = 10, max_grad_norm = 1e6, max_failed_frac = 0.5, max_idle_steps = 10},  -- when to stop
   }
 
 Rollout source: rollout.source is any object with source:generate(prompts, opts) -> results shaped like
@@ -35,17 +36,30 @@ One step:
   4. advantages (algorithm.adv), then `minibatches` optimizer updates, each a training forward, the policy loss
      with its analytic dLoss/dlogp (rl.loss.compute, normalised within the minibatch: one update = one
      normalisation) and model:backward_logprobs.
-Metrics (one JSON object per step in out/metrics.jsonl): step, reward/mean (all generated samples),
-reward/kept_mean, groups/kept, groups/generated, gen_batches, reward/errors, eval/accuracy (eval steps), kl
-(to the reference when there is one, else the old→new policy KL estimate), clip_frac, entropy,
-response_len/mean, logprob_mismatch/mean, logprob_mismatch/max, loss, grad_norm, lr, tokens_per_s (generated +
-trained tokens per wall second), seconds.
+Metrics (one JSON object per step in out/metrics.jsonl, written whole and flushed by ds4.metrics; a write error
+stops the run): step, reward/mean (generated samples that did not fail), reward/kept_mean, groups/kept,
+groups/generated, groups/failed, gen_batches, reward/errors, eval/accuracy (eval steps), kl (to the reference
+when there is one, else the old→new policy KL estimate), clip_frac, entropy, response_len/mean,
+logprob_mismatch/mean, logprob_mismatch/max, loss, grad_norm, lr, tokens_per_s (generated + trained tokens per
+wall second), seconds.
+
+Guards: the run stops with an error naming the step and the metric (after writing that step's metrics line) when
+  - a rollout group failed (finish_reason "failed": a remote task that ran out of attempts) — each failure is
+    counted (groups/failed) and logged, and more than guard.max_failed_frac (0.5) of a step's groups failing
+    stops the run before it trains on what is left;
+  - the loss, kl, entropy or grad_norm is not finite, or the optimizer refuses an update (ds4.adamw: the update
+    would make the weights non-finite);
+  - kl exceeds guard.max_kl (10 nats per token) or grad_norm (before clipping) guard.max_grad_norm (1e6): a
+    diverging policy (lr 1e3: kl 9.5e6, accuracy to 0) ends with a message instead of exit status 0;
+  - guard.max_idle_steps (10) steps in a row trained on nothing (dynamic sampling kept no group: every group's
+    rewards were equal): a collapsed policy (or a solved task) is not silently run to the end. With one
+    minibatch the old->new KL is not observable within a step, so this is what catches a collapse there.
+  guard = false turns the bounds off (non-finite values and failed batches still stop the run).
 ]==]
 
 local ds4 = require("ds4")
 local rl = require("ds4.rl")
 local reward_mod = require("ds4.reward")
-local json = require("ds4.chat.json")
 
 local M = {}
 
@@ -82,6 +96,8 @@ function M.evaluate(model, eval, decode, max_new_tokens, stop)
 end
 
 -- One batch of rollouts: samples with rewards; `group_base` makes group ids unique across calls.
+local function is_failed(r) return r.finish_reason == "failed" end
+
 local function rollout_batch(cfg, k, group_base, stats)
     local ro = cfg.rollout
     local src = ro.source or cfg.model
@@ -92,12 +108,22 @@ local function rollout_batch(cfg, k, group_base, stats)
         top_p = ro.top_p, top_k = ro.top_k, seed = cfg.seed * 1000003 + k, stop = ro.stop, tokenizer = ro.tokenizer,
         record_experts = cfg.routing_replay or nil, record_index = cfg.routing_replay or nil })
     local texts, smp = {}, {}
+    local bad, failed = {}, 0
     for i, r in ipairs(res) do
+        local g = math.floor((i - 1) / ro.n)
         texts[i] = cfg.decode(r.ids)
-        smp[i] = items[math.floor((i - 1) / ro.n) + 1]
+        smp[i] = items[g + 1]
+        if is_failed(r) and not bad[g] then
+            bad[g] = true
+            failed = failed + 1
+            if stats.failed_groups + failed <= 5 then
+                io.stderr:write(("trainer: rollout group %d failed: %s\n"):format(g + 1, tostring(r.error or
+                    "no reason given")))
+            end
+        end
     end
+    stats.failed_groups = stats.failed_groups + failed
     local scores, _, errors = reward_mod.evaluate_batch(cfg.reward, texts, smp)
-    local bad = {}
     for _, e in ipairs(errors) do
         bad[math.floor((e.index - 1) / ro.n)] = true
         stats.errors = stats.errors + 1
@@ -106,6 +132,7 @@ local function rollout_batch(cfg, k, group_base, stats)
     local out = {}
     for i, r in ipairs(res) do
         local g = math.floor((i - 1) / ro.n)
+        if is_failed(r) then goto continue end
         stats.generated = stats.generated + 1
         stats.gen_tokens = stats.gen_tokens + #r.ids
         stats.len_sum = stats.len_sum + #r.ids
@@ -115,6 +142,7 @@ local function rollout_batch(cfg, k, group_base, stats)
                 group = group_base + g, finish_reason = r.finish_reason, length = #r.ids, sample = smp[i],
                 experts = r.experts, index_picks = r.index_picks }
         end
+        ::continue::
     end
     stats.groups_generated = stats.groups_generated + #items
     return out
@@ -212,10 +240,47 @@ local function defaults(cfg)
     cfg.minibatches = cfg.minibatches or 1
     cfg.seed = cfg.seed or 1
     if cfg.progress == nil then cfg.progress = true end
+    local g = cfg.guard == nil and {} or cfg.guard
+    if g ~= false and type(g) ~= "table" then error("trainer.run: config.guard must be a table or false", 3) end
+    g = g or { max_kl = math.huge, max_grad_norm = math.huge, max_idle_steps = math.huge }
+    local known = { max_kl = 10, max_grad_norm = 1e6, max_failed_frac = 0.5, max_idle_steps = 10 }
+    for k in pairs(g) do
+        if not known[k] then
+            error("trainer.run: config.guard: unknown key '" .. tostring(k) .. "' (max_kl, max_grad_norm, "
+                .. "max_failed_frac, max_idle_steps)", 3)
+        end
+    end
+    cfg.guard = {}
+    for k, def in pairs(known) do cfg.guard[k] = g[k] == nil and def or g[k] end
+    for k, v in pairs(cfg.guard) do
+        if type(v) ~= "number" or not (v >= 0) then
+            error(("trainer.run: config.guard.%s must be a number >= 0, got %s"):format(k, tostring(v)), 3)
+        end
+    end
     local a = cfg.algorithm
     if a.kl and not cfg.reference then
         error("trainer.run: algorithm " .. tostring(a.name) .. " has a KL term: pass config.reference (a frozen " ..
             "copy of the starting policy), or set algorithm.kl = nil", 3)
+    end
+end
+
+local function finite(x) return type(x) == "number" and x == x and x ~= math.huge and x ~= -math.huge end
+
+-- The divergence guard: an error naming the step and the metric, or nil.
+local function diverged(row, guard)
+    for _, k in ipairs({ "loss", "kl", "entropy", "grad_norm" }) do
+        if row[k] ~= nil and not finite(row[k]) then
+            return ("%s is %s: training diverged (a smaller lr, or check the rewards and the data)"):format(k,
+                tostring(row[k]))
+        end
+    end
+    if row.kl and row.kl > guard.max_kl then
+        return ("kl = %.4g exceeds guard.max_kl = %g: the policy is moving too far per step (lower the learning "
+            .. "rate, or raise guard.max_kl)"):format(row.kl, guard.max_kl)
+    end
+    if row.grad_norm and row.grad_norm > guard.max_grad_norm then
+        return ("grad_norm = %.4g exceeds guard.max_grad_norm = %g: exploding gradients (lower the learning rate, "
+            .. "or raise guard.max_grad_norm)"):format(row.grad_norm, guard.max_grad_norm)
     end
 end
 
@@ -227,22 +292,22 @@ function M.run(cfg)
     local opt = ds4.adamw(model, { lr = o.lr or 3e-4, betas = o.betas or { 0.9, 0.99 }, weight_decay = o.weight_decay or 0,
         clip = o.clip or 1.0, schedule = o.schedule or "constant", warmup = o.warmup or 0,
         total = cfg.steps * cfg.minibatches })
-    local metrics_f = cfg.out and assert(io.open(cfg.out .. "/metrics.jsonl", "a")) or nil
+    local metrics_f = cfg.out and ds4.metrics.open(cfg.out .. "/metrics.jsonl") or nil
     local tty = cfg.progress and ffi.C.isatty(1) == 1
     local history = {}
     local t_start = now()
-    local group_base, gen_calls = 0, 0
+    local group_base, gen_calls, failed_total, idle = 0, 0, 0, 0
     local eval_acc
     if cfg.eval and cfg.eval.samples then
         eval_acc = M.evaluate(model, cfg.eval, cfg.decode, cfg.eval.max_new_tokens or ro.max_new_tokens, ro.stop)
         history[#history + 1] = { step = 0, ["eval/accuracy"] = eval_acc }
-        if metrics_f then metrics_f:write(json.encode(history[#history]), "\n") end
+        if metrics_f then metrics_f:write(history[#history]) end
     end
     local first_acc = eval_acc
     for step = 1, cfg.steps do
         local t0 = now()
         local st = { errors = 0, generated = 0, gen_tokens = 0, len_sum = 0, reward_sum = 0, reward_n = 0,
-            groups_generated = 0 }
+            groups_generated = 0, failed_groups = 0 }
         local function gen()
             gen_calls = gen_calls + 1
             local b = rollout_batch(cfg, gen_calls, group_base, st)
@@ -259,10 +324,21 @@ function M.run(cfg)
             samples, batches = gen(), 1
         end
         local row = { step = step, ["reward/mean"] = st.reward_n > 0 and st.reward_sum / st.reward_n or 0,
-            ["groups/generated"] = st.groups_generated, gen_batches = batches, ["reward/errors"] = st.errors,
-            ["response_len/mean"] = st.generated > 0 and st.len_sum / st.generated or 0 }
+            ["groups/generated"] = st.groups_generated, ["groups/failed"] = st.failed_groups, gen_batches = batches,
+            ["reward/errors"] = st.errors, ["response_len/mean"] = st.generated > 0 and st.len_sum / st.generated or 0 }
+        failed_total = failed_total + st.failed_groups
+        local stop
+        if st.failed_groups > 0 then
+            io.stderr:write(("trainer: step %d: %d of %d rollout groups failed (%d in the run so far)\n"):format(step,
+                st.failed_groups, st.groups_generated, failed_total))
+            if st.failed_groups > cfg.guard.max_failed_frac * st.groups_generated then
+                stop = ("%d of %d rollout groups failed, more than guard.max_failed_frac = %g: the rollout source is "
+                    .. "failing (see its log); not training on what is left"):format(st.failed_groups,
+                    st.groups_generated, cfg.guard.max_failed_frac)
+            end
+        end
         local trained_tokens = 0
-        if #samples > 0 then
+        if #samples > 0 and not stop then
             if spec.overlong and spec.overlong.filter then rl.filter.overlong_filter(samples) end
             if spec.overlong and spec.overlong.soft then rl.filter.apply_soft_overlong(samples, spec.overlong.soft) end
             -- old policy = the current weights, recomputed (three-policy view: rollout, old, new)
@@ -289,8 +365,15 @@ function M.run(cfg)
                     local base = (i - 1) * S + #s.prompt - 1
                     for j, v in ipairs(out.grads[i]) do g[base + j] = v end
                 end
-                model:backward_logprobs(g)
-                last = opt:step()
+                local ok, r = pcall(function()
+                    model:backward_logprobs(g)
+                    return opt:step()
+                end)
+                if not ok then -- a NaN loss, or an update the optimizer refuses (non-finite weights)
+                    stop = "the update failed: " .. tostring(r)
+                    break
+                end
+                last = r
                 local m = out.metrics
                 local w = m.tokens or T
                 agg.tokens = agg.tokens + w
@@ -312,19 +395,32 @@ function M.run(cfg)
             row.lr = last and last.lr
         end
         row["groups/kept"] = #samples / ro.n
+        idle = #samples > 0 and 0 or idle + 1
+        if idle > 0 and not stop then
+            io.stderr:write(("trainer: step %d trained on nothing: every group's rewards were equal (reward/mean "
+                .. "%.3f; %d step(s) in a row)\n"):format(step, row["reward/mean"], idle))
+            if idle >= cfg.guard.max_idle_steps then
+                stop = ("%d steps in a row trained on nothing (guard.max_idle_steps = %g; reward/mean %.3f): every "
+                    .. "group's rewards were equal, so the policy has collapsed or the task is solved"):format(idle,
+                    cfg.guard.max_idle_steps, row["reward/mean"])
+            end
+        end
+        stop = stop or diverged(row, cfg.guard)
         -- a remote source (ds4.rollout.pool) gets the new weights: a new policy version its workers fetch
-        if ro.source and ro.source.publish and #samples > 0 then ro.source:publish(model) end
+        if ro.source and ro.source.publish and #samples > 0 and not stop then ro.source:publish(model) end
         local dt = now() - t0
         row.seconds = dt
         row.tokens_per_s = (st.gen_tokens + trained_tokens) / math.max(dt, 1e-9)
-        if cfg.eval and cfg.eval.samples and ((cfg.eval.every and step % cfg.eval.every == 0) or step == cfg.steps) then
+        if not stop and cfg.eval and cfg.eval.samples and ((cfg.eval.every and step % cfg.eval.every == 0)
+            or step == cfg.steps) then
             eval_acc = M.evaluate(model, cfg.eval, cfg.decode, cfg.eval.max_new_tokens or ro.max_new_tokens, ro.stop)
             row["eval/accuracy"] = eval_acc
         end
         history[#history + 1] = row
-        if metrics_f then
-            metrics_f:write(json.encode(row), "\n")
-            metrics_f:flush()
+        if metrics_f then metrics_f:write(row) end
+        if stop then
+            if metrics_f then metrics_f:close() end
+            error(("trainer.run: step %d: %s"):format(step, stop), 0)
         end
         if cfg.progress then
             local msg = ("step %d/%d reward %.3f kept %d/%d groups clip %.3f kl %.2e ent %.3f len %.1f%s %.1fs"):format(
@@ -341,7 +437,8 @@ function M.run(cfg)
         end
     end
     if metrics_f then metrics_f:close() end
-    return { history = history, eval_before = first_acc, eval_after = eval_acc, seconds = now() - t_start }
+    return { history = history, eval_before = first_acc, eval_after = eval_acc, seconds = now() - t_start,
+        failed_groups = failed_total }
 end
 
 return M

@@ -15,6 +15,9 @@
       lease_s = 60, lease_rate = 1000, -- lease deadline: lease_s + n · max_new_tokens / lease_rate seconds
       dead_s = 10,                     -- a worker silent this long is dead: its leases are re-issued
       heartbeat_s = 1, max_attempts = 3, chunk_bytes = 16 MiB, wait_s = 60, timeout_s = nil (generate: no limit),
+      max_credit = 16,                 -- leases a worker may hold at once (its credit above this is ignored) ...
+      probation = 2,                   -- ... and until it has completed a task, this many
+      quarantine_after = 3, quarantine_s = 300,   -- failed leases in a row that quarantine a worker, and for how long
       log = function(level, msg) ... end, verbose = false, quiet = false,
       on_result = function(prompt_index, results, worker) ... end,   -- called as each task completes
   }
@@ -30,6 +33,18 @@
   counts them). opts.stop holds token ids only (stop strings are not in protocol v1); on_token is refused (samples
   arrive per task: cfg.on_result reports progress); max_batch, prefill_chunk and tokenizer are accepted and not
   used (each worker has its own --max-batch).
+
+  A worker's answer is trusted only after it is checked (Pool:check_samples): every token id in [0, vocab), every
+  log-probability finite and <= 0, each sample ending the way its finish reason says (max_new_tokens reached, the
+  EOS or the named stop id last, none of them earlier), a policy version the trainer published, routing records
+  only when asked for and shaped and valued as the model's forward accepts them. A bad answer is rejected (error
+  reply, logged, counted in stats().invalid) and its task re-issued. A task never goes back to a worker that
+  failed it (an error reply, a rejected answer, an expired lease, a new hello or death while holding it) while a
+  live worker that has not failed it exists: the task waits for that worker's credit. quarantine_after failed
+  leases in a row quarantine a worker (by id, through new hellos) for quarantine_s: it gets no task, its leases are
+  re-issued, and the reason is logged (stats().quarantined, stats().workers[id].quarantined). A worker holds at most
+  max_credit leases, and probation until its first completed task, so a worker that grants credit and never answers
+  delays a few tasks by a lease, not a whole batch.
 
   Testing: cfg.transport = {recv = function(self, timeout_ms) -> peer, frames | nil, send = function(self, peer,
   frames) -> true | nil, err, close = function(self)} replaces the socket and cfg.clock = function() -> seconds
@@ -176,7 +191,8 @@ function M.new(cfg)
     if type(cfg) ~= "table" then error("ds4.rollout.pool: a config table expected", 2) end
     local known = { bind = 1, model = 1, curve = 1, insecure = 1, workers = 1, max_staleness = 1, stale = 1,
         lease_s = 1, lease_rate = 1, dead_s = 1, heartbeat_s = 1, max_attempts = 1, chunk_bytes = 1, wait_s = 1,
-        timeout_s = 1, log = 1, verbose = 1, transport = 1, clock = 1, quiet = 1, on_result = 1 }
+        timeout_s = 1, log = 1, verbose = 1, transport = 1, clock = 1, quiet = 1, on_result = 1, max_credit = 1,
+        probation = 1, quarantine_after = 1, quarantine_s = 1 }
     for k in pairs(cfg) do
         if not known[k] then error("ds4.rollout.pool: unknown option '" .. tostring(k) .. "'", 2) end
     end
@@ -199,6 +215,20 @@ function M.new(cfg)
     self.dead_s = cfg.dead_s or 10
     self.heartbeat_s = cfg.heartbeat_s or 1
     self.max_attempts = cfg.max_attempts or 3
+    local function count(k, def, lo, hi)
+        local v = cfg[k] == nil and def or cfg[k]
+        if type(v) ~= "number" or v ~= math.floor(v) or v < lo or v > hi then
+            error(("ds4.rollout.pool: %s must be an integer in [%d, %d], got %s"):format(k, lo, hi, tostring(v)), 3)
+        end
+        return v
+    end
+    self.max_credit = count("max_credit", 16, 1, MAX_CREDIT)
+    self.probation = count("probation", 2, 1, MAX_CREDIT)
+    self.quarantine_after = count("quarantine_after", 3, 1, 2 ^ 31)
+    self.quarantine_s = cfg.quarantine_s or 300
+    if type(self.quarantine_s) ~= "number" or not (self.quarantine_s >= 0) then
+        error("ds4.rollout.pool: quarantine_s must be a number of seconds >= 0", 2)
+    end
     self.chunk_bytes = cfg.chunk_bytes or MAX_CHUNK
     if self.chunk_bytes % 4 ~= 0 or self.chunk_bytes < 4 or self.chunk_bytes > MAX_CHUNK then
         error("ds4.rollout.pool: chunk_bytes must be a multiple of 4 in [4, 16 MiB]", 2)
@@ -209,6 +239,12 @@ function M.new(cfg)
         local c = self.model:config()
         self.vocab, self.n_params = c.vocab_size, self.model:n_params()
         self.tables = self.model.tables_crc and self.model:tables_crc() or nil
+        self.eos = c.eos_token_id and c.eos_token_id >= 0 and c.eos_token_id or nil
+        -- what routing records must look like (the model's forward refuses anything else: tests/test_replay.c)
+        local ncsa = 0
+        for _, lt in ipairs(c.layer_types or {}) do if lt == "compressed_sparse_attention" then ncsa = ncsa + 1 end end
+        self.routing = { layers = c.num_hidden_layers, k = c.num_experts_per_tok, experts = c.n_routed_experts,
+            ncsa = ncsa, topk = c.index_topk, rate = (c.compress_rates or {}).compressed_sparse_attention }
     end
     self.transport = cfg.transport or zmq_transport(cfg, function(l, m) self.logf(l, m) end)
     self.endpoint = self.transport.endpoint or cfg.bind
@@ -223,9 +259,11 @@ function M.new(cfg)
     self.version = 0
     self.weights = {}     -- version -> {version, tensor, ptr, bytes, chunk, chunks, crc, chunk_crc}
     self.rejects = {}     -- peer -> {t0, n, muted, log_t0, log_n, suppressed}
+    self.health = {}      -- worker id -> {streak, failures, completed, quarantined = {reason, since, till} | nil}
     self.zap_refused = 0
     self.st = { tasks = 0, completed = 0, failed = 0, reissued = 0, duplicates = 0, stale_requeued = 0,
-        stale_accepted = 0, rejected = 0, refused = 0, publishes = 0, publish_seconds = 0, bytes_served = 0,
+        stale_accepted = 0, rejected = 0, refused = 0, invalid = 0, quarantined = 0, publishes = 0,
+        publish_seconds = 0, bytes_served = 0,
         chunks_served = 0, samples = 0, tokens = 0, generate_seconds = 0, dead = 0, hellos = 0, syncs = {} }
     self.last_service = self.now()
     self.logf("info", ("listening on %s (%s)"):format(tostring(self.endpoint),
@@ -264,20 +302,98 @@ end
 
 -- ------------------------------------------------------------------------------------------------ leases
 
--- Put a task back at the front of the queue with attempt + 1. failure: whether this lease counts toward
--- max_attempts (it failed) or not (the worker left cleanly, the samples were stale).
+-- ------------------------------------------------------------------------------------------------ worker health
+
+-- Per worker id, kept across sessions (a new hello does not wipe a record): failed leases in a row, in all,
+-- completed tasks, and the quarantine if any.
+function Pool:health_of(id)
+    local h = self.health[id]
+    if not h then
+        h = { streak = 0, failures = 0, completed = 0 }
+        self.health[id] = h
+    end
+    return h
+end
+
+-- The quarantine of worker `id` while it lasts, else nil (a lapsed one is lifted, with a fresh streak).
+function Pool:quarantine_of(id)
+    local h = self.health[id]
+    local q = h and h.quarantined
+    if q and self.now() >= q.till then
+        h.quarantined, h.streak = nil, 0
+        self:log("warn", ("worker %s: quarantine over after %.0f s: it gets tasks again"):format(printable(id),
+            self.now() - q.since))
+        return nil
+    end
+    return q
+end
+
+-- A lease of task t (nil: no task in particular) on worker `id` ended as a failure: t never goes back to it while
+-- another worker could take it, and quarantine_after failures in a row quarantine the worker.
+function Pool:note_failure(id, t, why)
+    if t then t.failed_by[id] = true end
+    local h = self:health_of(id)
+    h.streak, h.failures = h.streak + 1, h.failures + 1
+    if h.quarantined or h.streak < self.quarantine_after then return end
+    local now = self.now()
+    h.quarantined = { reason = why, since = now, till = now + self.quarantine_s }
+    self.st.quarantined = self.st.quarantined + 1
+    self:log("warn", ("worker %s quarantined for %g s after %d failed leases in a row (last: %s): it gets no task, "
+        .. "its credit is ignored"):format(printable(id), self.quarantine_s, h.streak, tostring(why)))
+    local w = self.workers[id]
+    if w then -- its other leases go elsewhere now; they did not fail (yet), so they do not count against the tasks
+        local ids = {}
+        for tid in pairs(w.leases) do ids[#ids + 1] = tid end
+        table.sort(ids, function(a, b) return a > b end)
+        for _, tid in ipairs(ids) do
+            local lt = self.tasks[tid]
+            if lt then self:requeue(lt, "worker " .. printable(id) .. " quarantined", false) end
+        end
+    end
+end
+
+-- True when workers are connected and every one of them is quarantined.
+function Pool:all_quarantined()
+    local any = false
+    for id in pairs(self.workers) do
+        if not self:quarantine_of(id) then return false end
+        any = true
+    end
+    return any
+end
+
+function Pool:note_success(id)
+    local h = self:health_of(id)
+    h.streak, h.completed = 0, h.completed + 1
+end
+
+-- A task that will not complete: n "failed" results for the caller.
+function Pool:fail_task(t, why)
+    t.state = "failed"
+    t.error = why
+    self.done_ids[t.id] = true
+    self.st.failed = self.st.failed + 1
+    self:log("warn", ("task %d failed after %d failed leases (last: %s)"):format(t.id, t.bounces, why))
+end
+
+-- Put a task back at the front of the queue with attempt + 1. failure: whether this lease failed (it counts against
+-- its worker, and may count toward the task's max_attempts) or not (the worker left cleanly, the samples were
+-- stale). Only a worker that has completed a task before charges the task: a worker that never has may be the
+-- problem itself (a buggy or hostile one), so its failures count against it (quarantine) and a task is not lost
+-- to a crowd of such workers failing it in turn. Any 4 x max_attempts failed leases fail the task all the same.
 function Pool:requeue(t, why, failure)
     if t.state ~= "leased" then return end
-    local lw = self.workers[t.worker]
+    local holder = t.worker
+    local lw = self.workers[holder]
     if lw then lw.leases[t.id] = nil end
     t.worker, t.deadline = nil, nil
-    if failure then t.failures = t.failures + 1 end
-    if t.failures >= self.max_attempts then
-        t.state = "failed"
-        t.error = why
-        self.done_ids[t.id] = true
-        self.st.failed = self.st.failed + 1
-        self:log("warn", ("task %d failed after %d attempts (last: %s)"):format(t.id, t.failures, why))
+    if failure then
+        t.bounces = t.bounces + 1
+        if holder and self:health_of(holder).completed > 0 then t.failures = t.failures + 1 end
+    end
+    if t.failures >= self.max_attempts or t.bounces >= 4 * self.max_attempts then
+        self:fail_task(t, why)
+        if holder then self:note_failure(holder, t, why) end
         return
     end
     t.state = "queued"
@@ -285,6 +401,7 @@ function Pool:requeue(t, why, failure)
     table.insert(self.queue, 1, t.id)
     self.st.reissued = self.st.reissued + 1
     self:log("debug", ("task %d re-issued as attempt %d: %s"):format(t.id, t.attempt, why))
+    if failure and holder then self:note_failure(holder, t, why) end
 end
 
 function Pool:drop_worker(w, failure, why)
@@ -303,21 +420,61 @@ local function lease_deadline(self, t, now)
     return now + self.lease_s + t.sampling.n * t.sampling.max_new_tokens / self.lease_rate
 end
 
+-- How many more leases worker w may hold: max_credit, or probation until it has completed a task.
+local function lease_room(self, w)
+    local n = 0
+    for _ in pairs(w.leases) do n = n + 1 end
+    return (self:health_of(w.id).completed > 0 and self.max_credit or self.probation) - n
+end
+
+-- Ranks the workers that may take task t: for a task that failed before, one that has completed tasks first; then
+-- one that never had t; then the most credit; then the smallest id.
+local function rank(self, w, t)
+    local proven = t.bounces > 0 and self:health_of(w.id).completed > 0 and 1 or 0
+    return proven, t.tried[w.id] and 0 or 1, w.credit
+end
+
+local function better(self, a, b, t)
+    local p1, f1, c1 = rank(self, a, t)
+    local p2, f2, c2 = rank(self, b, t)
+    if p1 ~= p2 then return p1 > p2 end
+    if f1 ~= f2 then return f1 > f2 end
+    if c1 ~= c2 then return c1 > c2 end
+    return a.id < b.id
+end
+
+-- The worker for task t now, or nil (it waits). Quarantined workers get nothing. A worker that failed t gets it
+-- again only when every other live, unquarantined worker has failed it too (else t waits for their credit).
 function Pool:pick_worker(t)
-    local best, fallback
+    local best, fallback, someone_clean
     for _, w in pairs(self.workers) do
-        if w.credit > 0 then
-            if not t.tried[w.id] then
-                if not best or w.credit > best.credit or (w.credit == best.credit and w.id < best.id) then best = w end
-            elseif not fallback or w.credit > fallback.credit then
-                fallback = w
+        if not self:quarantine_of(w.id) then
+            local failed = t.failed_by[w.id]
+            if not failed then someone_clean = true end
+            if w.credit > 0 and lease_room(self, w) > 0 then
+                if not failed then
+                    if not best or better(self, w, best, t) then best = w end
+                elseif not fallback or w.credit > fallback.credit then
+                    fallback = w
+                end
             end
         end
     end
-    return best or fallback
+    if best then return best end
+    if not someone_clean then return fallback end
+    return nil
 end
 
 function Pool:dispatch()
+    -- most calls find every worker busy: say so without looking at each queued task
+    local room = false
+    for _, w in pairs(self.workers) do
+        if w.credit > 0 and not self:quarantine_of(w.id) and lease_room(self, w) > 0 then
+            room = true
+            break
+        end
+    end
+    if not room and not self:all_quarantined() then return end
     local i = 1
     while i <= #self.queue do
         local t = self.tasks[self.queue[i]]
@@ -325,7 +482,15 @@ function Pool:dispatch()
             table.remove(self.queue, i)
         else
             local w = self:pick_worker(t)
-            if not w then return end
+            if not w and self:all_quarantined() then
+                -- waiting would be waiting for a quarantine to lapse: fail now, so that the caller sees it
+                table.remove(self.queue, i)
+                self:fail_task(t, "every connected worker is quarantined")
+                goto next_task
+            elseif not w then
+                i = i + 1 -- it waits; a task behind it may have a worker
+                goto next_task
+            end
             table.remove(self.queue, i)
             w.credit = w.credit - 1
             t.state, t.worker = "leased", w.id
@@ -349,6 +514,7 @@ function Pool:dispatch()
                 i = i + 1
             end -- else the worker was unreachable: drop_worker re-queued the task (attempt + 1)
         end
+        ::next_task::
     end
 end
 
@@ -416,9 +582,13 @@ function Pool:on_message(peer, frames)
     end
     if t == "credit" then
         local c = w.credit + m.n
-        if c > MAX_CREDIT then
-            self:log("warn", ("worker %s: credit %d above %d, excess ignored"):format(printable(peer), c, MAX_CREDIT))
-            c = MAX_CREDIT
+        if c > self.max_credit then
+            if not w.credit_capped then
+                w.credit_capped = true
+                self:log("warn", ("worker %s: credit %d above max_credit %d, excess ignored"):format(printable(peer), c,
+                    self.max_credit))
+            end
+            c = self.max_credit
         end
         w.credit = c
     elseif t == "heartbeat" then
@@ -480,11 +650,17 @@ function Pool:on_hello(peer, m)
     -- the hello's policy is a version of whichever trainer the worker talked to last: only heartbeats after our
     -- announce say what it holds
     local w = { id = peer, credit = 0, leases = {}, last_seen = now, last_sent = 0, policy = 0,
-        caps = { max_batch = m.max_batch, threads = m.threads, build = m.build }, tasks = 0, tokens = 0, since = now }
+        caps = { max_batch = m.max_batch, threads = m.threads, build = m.build, vocab_size = m.vocab_size }, tasks = 0,
+        tokens = 0, since = now }
     self.workers[peer] = w
     self.st.hellos = self.st.hellos + 1
     self:log("info", ("worker %s joined (%s, max_batch %d, %d threads)%s"):format(printable(peer),
         tostring(m.build), m.max_batch or 0, m.threads or 0, old and " again: a new session, its leases re-issued" or ""))
+    local q = self:quarantine_of(peer)
+    if q then
+        self:log("warn", ("worker %s is quarantined for %.0f s more (%s): no task until then"):format(printable(peer),
+            q.till - now, tostring(q.reason)))
+    end
     if self.version > 0 then self:announce(w) end
 end
 
@@ -502,7 +678,7 @@ function Pool:on_error(peer, w, m)
         return
     end
     self:log("warn", ("worker %s reports %s: %s%s"):format(printable(peer), name, tostring(m.reason),
-        m.ref_t and m.ref_t ~= "" and (" (about " .. m.ref_t .. " " .. tostring(m.ref_id) .. ")") or ""))
+        m.ref_t and m.ref_t ~= "" and (" (about %s %.0f)"):format(m.ref_t, m.ref_id or -1) or ""))
     if m.ref_t == "task" or m.ref_t == "samples" then
         local t = self.tasks[m.ref_id]
         if t and t.state == "leased" and t.worker == peer and t.attempt == m.ref_n then
@@ -576,13 +752,14 @@ function Pool:on_samples(w, m)
     if not bad and m.policy > self.version then
         bad = ("policy version %d is newer than the trainer's %d"):format(m.policy, self.version)
     end
-    if not bad and ((t.sampling.record_experts and m.experts_layers == 0) or (t.sampling.record_index and
-        m.index_layers == 0)) then
-        bad = "routing records were asked for and are missing"
-    end
+    bad = bad or self:check_samples(t, m, w)
     if bad then
+        self.st.invalid = self.st.invalid + 1
+        self:log("warn", ("rejected samples for task %d attempt %d from %s: %s"):format(m.task_id, m.attempt,
+            printable(peer), bad))
         self:reply_error(peer, "state", bad, "samples", m.task_id, m.attempt)
-        if holder then self:requeue(t, "bad samples from " .. printable(peer) .. ": " .. bad, true) end
+        local why = "bad samples from " .. printable(peer) .. ": " .. bad
+        if holder then self:requeue(t, why, true) else self:note_failure(peer, t, why) end
         return
     end
     local stale = m.policy < self.version - self.S
@@ -608,10 +785,125 @@ function Pool:on_samples(w, m)
     self.done_ids[t.id] = true
     t.result = self:build_results(t, m, peer)
     w.tasks = w.tasks + 1
+    self:note_success(peer)
     self.st.completed = self.st.completed + 1
     self.st.samples = self.st.samples + m.n
     if self.cfg.on_result then self.cfg.on_result(t.index, t.result, peer) end
     return true
+end
+
+local FINITE_LOGP_MAX = 1e-3 -- a log-probability is <= 0; fp32 rounding never gets near this
+
+-- Why the samples m for task t (from worker w) cannot be trained on, or nil. The codec has checked the message's
+-- shape (counts, frame sizes, finish codes, stop_index against finish); this checks the values against the task
+-- and the model. Nothing here trusts the worker: one holding an allowed key can still be buggy.
+function Pool:check_samples(t, m, w)
+    local s = t.sampling
+    if m.policy < 1 then return "policy version 0: generated before any published weights were loaded" end
+    if m.experts_layers > 0 and not s.record_experts then return "routing records (experts) that were not asked for" end
+    if m.index_layers > 0 and not s.record_index then return "routing records (index) that were not asked for" end
+    if (s.record_experts and m.experts_layers == 0) or (s.record_index and m.index_layers == 0) then
+        return "routing records were asked for and are missing"
+    end
+    local R = self.routing
+    if R and m.experts_layers > 0 and (m.experts_layers ~= R.layers or m.experts_k ~= R.k) then
+        return ("experts records of shape [rows, %d, %d], the model routes [rows, %d, %d]"):format(m.experts_layers,
+            m.experts_k, R.layers, R.k)
+    end
+    if R and m.index_layers > 0 and (m.index_layers ~= R.ncsa or m.index_topk ~= R.topk) then
+        return ("index records of shape [rows, %d, %d], the model picks [rows, %d, %d]"):format(m.index_layers,
+            m.index_topk, R.ncsa, R.topk)
+    end
+    local vocab = self.vocab or w.caps.vocab_size
+    local ids = ffi.cast("const int32_t *", codec.raw(m, "tokens") or "")
+    local lp = ffi.cast("const float *", codec.raw(m, "logprobs") or "")
+    local slp = ffi.cast("const float *", codec.raw(m, "sample_logprobs") or "")
+    local stop = {}
+    for _, v in ipairs(s.stop) do stop[v] = true end
+    local eos = not s.ignore_eos and self.eos or nil
+    local off = 0
+    for i = 1, m.n do
+        local q = m.seq[i]
+        local g = q.n_gen
+        if g < 1 then return ("sample %d has no generated token"):format(i) end
+        for j = 0, g - 1 do
+            local id = ids[off + j]
+            if id < 0 or (vocab and id >= vocab) then
+                return ("sample %d token %d = %d is not a token id (vocabulary %s)"):format(i, j + 1, id, tostring(vocab))
+            end
+            local a, b = lp[off + j], slp[off + j]
+            if not (a <= FINITE_LOGP_MAX and a > -math.huge) or not (b <= FINITE_LOGP_MAX and b > -math.huge) then
+                return ("sample %d token %d has log-probabilities %s / %s: not finite values <= 0"):format(i, j + 1,
+                    tostring(a), tostring(b))
+            end
+            if j < g - 1 and (stop[id] or id == eos) then
+                return ("sample %d has the stop id %d at token %d of %d: generation ends there"):format(i, id, j + 1, g)
+            end
+        end
+        local last, finish = ids[off + g - 1], codec.FINISH[q.finish]
+        if finish == "length" then
+            if g ~= s.max_new_tokens then
+                return ("sample %d finished by length after %d tokens, max_new_tokens is %d"):format(i, g,
+                    s.max_new_tokens)
+            end
+        elseif finish == "eos" then
+            if s.ignore_eos or (self.eos and last ~= self.eos) then
+                return ("sample %d finished by eos, but %s"):format(i, s.ignore_eos and "the task ignores eos" or
+                    ("its last token is %d, not %d"):format(last, self.eos))
+            end
+        elseif finish == "stop_token" then
+            if q.stop_index >= #s.stop or last ~= s.stop[q.stop_index + 1] then
+                return ("sample %d finished by stop id #%d, but its last token is %d"):format(i, q.stop_index + 1, last)
+            end
+        else
+            return ("sample %d finished by %s, which a task cannot end with"):format(i, tostring(finish))
+        end
+        off = off + g
+    end
+    if R and (m.experts_layers > 0 or m.index_layers > 0) then return self:check_routing(m) end
+end
+
+-- The first of the K values at p outside [lo, hi) or repeating an earlier non-negative one, or nil.
+local function bad_slot(p, K, lo, hi)
+    for k = 0, K - 1 do
+        local e = p[k]
+        if e < lo or e >= hi then return e end
+        if e >= 0 then
+            for j = 0, k - 1 do if p[j] == e then return e end end
+        end
+    end
+end
+
+-- Routing records as the forward's replay accepts them (core/forward.c check_args): per row, either -1 first
+-- (the row routes itself) or K distinct experts in [0, E); index picks -1 or distinct causal entries.
+function Pool:check_routing(m)
+    local R = self.routing
+    local ex = m.experts_layers > 0 and ffi.cast("const int32_t *", codec.raw(m, "experts") or "")
+    local ix = m.index_layers > 0 and ffi.cast("const int32_t *", codec.raw(m, "index") or "")
+    local row0 = 0
+    for i = 1, m.n do
+        local q = m.seq[i]
+        for r = 0, q.n_rows - 1 do
+            for l = 0, (ex and R.layers or 0) - 1 do
+                local p = ex + ((row0 + r) * R.layers + l) * R.k
+                local e = p[0] >= 0 and bad_slot(p, R.k, 0, R.experts)
+                if e then
+                    return ("sample %d row %d layer %d: expert %d is not a distinct expert in [0, %d)"):format(i, r, l,
+                        e, R.experts)
+                end
+            end
+            local valid = R.rate and math.floor((r + 1) / R.rate) or math.huge
+            for c = 0, (ix and R.ncsa or 0) - 1 do
+                local p = ix + ((row0 + r) * R.ncsa + c) * R.topk
+                local e = p[0] >= 0 and bad_slot(p, R.topk, -1, valid)
+                if e then
+                    return ("sample %d row %d CSA layer %d: index pick %d is not a distinct causal entry in [0, %s) "
+                        .. "or -1"):format(i, r, c, e, tostring(valid))
+                end
+            end
+        end
+        row0 = row0 + q.n_rows
+    end
 end
 
 function Pool:build_results(t, m, peer)
@@ -755,7 +1047,8 @@ function Pool:generate(prompts, opts)
         local id = self.next_id
         self.next_id = self.next_id + 1
         local t = { id = id, index = p, prompt_bytes = codec.pack_i32(ids), prompt_len = #ids, sampling = s,
-            seed = M.task_seed(s.seed, p), attempt = 0, failures = 0, state = "queued", tried = {}, issued = {} }
+            seed = M.task_seed(s.seed, p), attempt = 0, failures = 0, state = "queued", tried = {}, issued = {},
+            failed_by = {}, bounces = 0 }
         self.tasks[id] = t
         order[p] = t
         self.queue[#self.queue + 1] = id
@@ -774,7 +1067,10 @@ function Pool:generate(prompts, opts)
         local now = self.now()
         if remaining > 0 and now - last_note > 10 then
             last_note = now
-            self:log("info", ("waiting: %d of %d tasks left, %d workers"):format(remaining, #order, self:n_workers()))
+            local quarantined = 0
+            for id in pairs(self.workers) do if self:quarantine_of(id) then quarantined = quarantined + 1 end end
+            self:log(quarantined > 0 and "warn" or "info", ("waiting: %d of %d tasks left, %d workers (%d quarantined)")
+                :format(remaining, #order, self:n_workers(), quarantined))
         end
         if self.cfg.timeout_s and now - t0 > self.cfg.timeout_s then
             error(("pool:generate: %d of %d tasks unfinished after %g s (%d workers)"):format(remaining, #order,
@@ -856,7 +1152,10 @@ function Pool:stats()
     for id, w in pairs(self.workers) do
         local leases = 0
         for _ in pairs(w.leases) do leases = leases + 1 end
-        st.workers[id] = { credit = w.credit, leases = leases, policy = w.policy, tasks = w.tasks }
+        local h = self:health_of(id)
+        local q = self:quarantine_of(id)
+        st.workers[id] = { credit = w.credit, leases = leases, policy = w.policy, tasks = w.tasks,
+            failures = h.failures, streak = h.streak, quarantined = q and q.reason or nil }
         n = n + 1
     end
     st.n_workers = n
