@@ -1,6 +1,7 @@
 /* bench_forward.c — CPU forward throughput (tokens/s) of the fp32 reference forward pass.
  *
  *   build/bench_forward [--threads N] [--config PATH] [--runs N] [--quick] [--only fixture|50m]
+ *   build/bench_forward --print-config 50m     (the 50m config.json, for bench/cpu_vs_torch.sh)
  *
  * Two models, both with random weights (ds4_model_create_random):
  *   fixture  the tiny_a test fixture's config (tests/fixtures/tiny_a/config.json, or --config PATH: a
@@ -230,7 +231,8 @@ static void usage(FILE *f) {
             "                 (default tests/fixtures/tiny_a/config.json, looked up from . and ..)\n"
             "  --runs N       timed forwards per shape, at least 5 (default 5)\n"
             "  --quick        smaller shapes (1x128, 4x32), one warm-up\n"
-            "  --only NAME    run only the fixture or the 50m model\n");
+            "  --only NAME    run only the fixture or the 50m model\n"
+            "  --print-config 50m  print the 50m model's config.json and exit\n");
 }
 
 int main(int argc, char **argv) {
@@ -243,7 +245,10 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--runs") && i + 1 < argc) runs = atoi(argv[++i]);
         else if (!strcmp(a, "--only") && i + 1 < argc) only = argv[++i];
         else if (!strcmp(a, "--quick")) quick = 1;
-        else if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
+        else if (!strcmp(a, "--print-config") && i + 1 < argc && !strcmp(argv[i + 1], "50m")) {
+            fputs(CONFIG_50M, stdout); /* the same model for another engine (bench/cpu_vs_torch.sh) */
+            return 0;
+        } else if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
             usage(stdout);
             return 0;
         } else if (a[0] != '-' && !config_path) config_path = a;
