@@ -27,8 +27,9 @@ typedef struct ds4_cpu {
     double *sk;                   /* [ntask, sk_stride] Sinkhorn states of the mHC backward */
     int64_t sk_stride;
     float *rinv;                  /* RMS factors of the norm backward */
-    float *lin_wt, *lin_dw;       /* linear backward: Wᵀ, the dW product */
-    float *lin_a, *lin_b, *lin_c; /* linear backward: dx product, dyᵀ, xᵀ */
+    float *gemm_ws;               /* [threads, DS4_GEMM_WS_FLOATS] the matrix products' per-thread scratch */
+    float *gemm_shared;           /* training: room to pack a product's B once per operation (ds4_gemm_run) */
+    int64_t gemm_shared_floats;
     void *sample_ws;              /* ds4_sample's scratch, grown to the vocabulary at the first draw */
     size_t sample_bytes;
     void *mem;
@@ -40,6 +41,9 @@ static inline ds4_cpu *ds4_cpu_of(ds4_dev *d) { return (ds4_cpu *)d; }
 typedef void (*ds4_cpu_range_fn)(const ds4_cpu *cpu, const void *args, int64_t begin, int64_t end, int64_t task);
 /* Split [0, n) into min(ntask, n) contiguous ranges on the pool; range i may use scratch slot i. */
 void ds4_cpu_parallel(const ds4_cpu *cpu, int64_t n, ds4_cpu_range_fn fn, const void *args);
+/* The same with ranges of at least `grain` items (one range, on the calling thread, when n < 2·grain): for cheap
+ * items, where waking the pool would cost more than the work. */
+void ds4_cpu_parallel_grain(const ds4_cpu *cpu, int64_t n, int64_t grain, ds4_cpu_range_fn fn, const void *args);
 static inline float *ds4_cpu_scratch(const ds4_cpu *cpu, int64_t task) { return cpu->scratch + task * cpu->scratch_stride; }
 
 static inline const float *ds4_rope_at(const ds4_rope_table *t, int64_t pos) { return t->cs + pos * 2 * t->half; }

@@ -22,7 +22,13 @@ static void range_task(void *p, int64_t i) {
 }
 
 void ds4_cpu_parallel(const ds4_cpu *cpu, int64_t n, ds4_cpu_range_fn fn, const void *args) {
-    const int64_t nt = cpu->ntask < n ? cpu->ntask : n;
+    ds4_cpu_parallel_grain(cpu, n, 1, fn, args);
+}
+
+void ds4_cpu_parallel_grain(const ds4_cpu *cpu, int64_t n, int64_t grain, ds4_cpu_range_fn fn, const void *args) {
+    int64_t nt = grain > 1 ? n / grain : n;
+    if (nt > cpu->ntask) nt = cpu->ntask;
+    if (nt < 1) nt = n > 0 ? 1 : 0;
     if (nt <= 0) return;
     range_job j = {cpu, args, fn, n, nt};
     ds4_pool_run(cpu->pool, nt, range_task, &j);
@@ -71,41 +77,41 @@ static size_t zmax(size_t a, size_t b) { return a > b ? a : b; }
 
 /* Per-range scratch of a forward pass, the largest of: mHC / HyperHead normalised streams (n·D), compressor slots
  * (2m gates, 2m values, 4m row pointers of 2 floats each: 12m), indexer scores (<= S entries), attention logits
- * (window + <= S entries) followed by as many key pointers (2 floats each). The backward adds its Sinkhorn
- * states, RMS factors and the transposes of the linear backward (largest weight; widest activation times the most
- * rows any linear backward sees: routed-expert slots or per-stream rows). */
+ * (window + <= S entries) followed by as many key pointers (2 floats each); in training also a vocabulary row of
+ * doubles (the log-probability backward). The backward adds its Sinkhorn states, RMS factors and the room in which
+ * the linear backward packs an operand once per operation. (The matrix products' per-thread scratch does not depend
+ * on the pass: it is made with the backend.) */
 static ds4_status cpu_reserve(ds4_dev *d, const ds4_config *c, int64_t T, int64_t S, int training, ds4_error *err) {
     ds4_cpu *cpu = ds4_cpu_of(d);
     const size_t n = (size_t)c->hc_mult, D = (size_t)c->hidden_size, V = (size_t)c->vocab_size;
-    const size_t H = (size_t)c->num_attention_heads, dh = (size_t)c->head_dim, K = (size_t)c->num_experts_per_tok;
-    const size_t I = (size_t)c->moe_intermediate_size, E = (size_t)c->n_routed_experts, qr = (size_t)c->q_lora_rank;
-    const size_t mix = (2 + n) * n, GO = (size_t)(c->o_groups * c->o_lora_rank), nD = n * D, Tz = (size_t)T;
+    const size_t H = (size_t)c->num_attention_heads, nD = n * D, Tz = (size_t)T;
     const int64_t mmax = c->compress_rate_csa > c->compress_rate_hca ? c->compress_rate_csa : c->compress_rate_hca;
     const int64_t nkeys = (c->sliding_window < S ? c->sliding_window : S) + S;
     const int64_t key_off = (nkeys + 1) & ~(int64_t)1; /* keep the pointer array 8-byte aligned */
     int64_t stride = key_off + 2 * nkeys;
     if ((int64_t)nD > stride) stride = (int64_t)nD;
     if (12 * mmax > stride) stride = 12 * mmax;
+    if (training && 2 * (int64_t)V > stride) stride = 2 * (int64_t)V; /* logp_bwd: a row of exps in double */
     stride = (stride + 15) & ~(int64_t)15;
-    size_t ok = 0, lin_rows = 0, sk_stride = 0;
+    size_t sk_stride = 0, shared = 0;
     if (training) {
-        ok = zmax(V * D, H * dh * qr);
-        ok = zmax(ok, D * GO);
-        ok = zmax(ok, GO * H * dh);
-        ok = zmax(ok, mix * nD);
-        ok = zmax(ok, I * D);
-        ok = zmax(ok, 2 * dh * D);
-        ok = zmax(ok, E * D);
-        ok = zmax(ok, D * D);
-        ok = zmax(ok, qr * D);
-        size_t wmax = zmax(V, nD);
-        wmax = zmax(wmax, H * dh);
-        wmax = zmax(wmax, 2 * dh);
-        wmax = zmax(wmax, GO);
-        wmax = zmax(wmax, zmax(I, E));
-        wmax = zmax(wmax, zmax(qr, mix));
-        lin_rows = zmax(Tz * K, Tz * n) * wmax;
         sk_stride = (2 * (size_t)c->hc_sinkhorn_iters + 2) * n * n;
+        /* The linear backward packs its B once per operation (cpu_gemm.c): W (dx = dy W; the routed experts' W all at
+         * once) or the layer input x (dW += dyᵀ x; x at most the widest input times the most rows). Each product's
+         * width is rounded up to 8 columns. */
+        const size_t dh = (size_t)c->head_dim, I = (size_t)c->moe_intermediate_size, E = (size_t)c->n_routed_experts;
+        const size_t qr = (size_t)c->q_lora_rank, mix = (2 + n) * n, GO = (size_t)(c->o_groups * c->o_lora_rank);
+        const size_t K = (size_t)c->num_experts_per_tok, nI = (size_t)c->index_n_heads, cI = (size_t)c->index_head_dim;
+        size_t w = zmax(V * D, H * dh * qr);
+        w = zmax(w, zmax(D * GO, GO * H * dh));
+        w = zmax(w, zmax(mix * nD, (E + 1) * I * D));
+        w = zmax(w, zmax(4 * dh * D, zmax(D * D, qr * D)));
+        w = zmax(w, zmax(nI * cI * qr, E * D));
+        size_t in = zmax(zmax(D, nD), zmax(qr, H * dh));
+        in = zmax(in, zmax(I, GO));
+        const size_t act = zmax(Tz * K, Tz * n) * in;
+        const size_t big = zmax(zmax(V, nD), zmax(H * dh, E * I + I)); /* slack: 8 columns more per product */
+        shared = zmax(w, act) + 8 * big * (E + (size_t)c->o_groups + 2);
     }
     const size_t ntask = (size_t)cpu->ntask;
     ds4_arena a = {0};
@@ -114,8 +120,7 @@ static ds4_status cpu_reserve(ds4_dev *d, const ds4_config *c, int64_t T, int64_
         float *scratch = ds4_arena_take(&a, ntask * (size_t)stride, 4);
         double *sk = training ? ds4_arena_take(&a, ntask * sk_stride, 8) : NULL;
         float *rinv = training ? ds4_arena_take(&a, Tz * zmax(n, H), 4) : NULL;
-        float *lin[5];
-        for (int i = 0; i < 5; i++) lin[i] = training ? ds4_arena_take(&a, i < 2 ? ok : lin_rows, 4) : NULL;
+        float *gshared = training ? ds4_arena_take(&a, shared, 4) : NULL;
         if (pass == 0) {
             if (a.used <= cpu->bytes) {
                 a.base = cpu->mem;
@@ -137,11 +142,8 @@ static ds4_status cpu_reserve(ds4_dev *d, const ds4_config *c, int64_t T, int64_
         cpu->sk = sk;
         cpu->sk_stride = (int64_t)sk_stride;
         cpu->rinv = rinv;
-        cpu->lin_wt = lin[0];
-        cpu->lin_dw = lin[1];
-        cpu->lin_a = lin[2];
-        cpu->lin_b = lin[3];
-        cpu->lin_c = lin[4];
+        cpu->gemm_shared = gshared;
+        cpu->gemm_shared_floats = (int64_t)shared;
     }
     return DS4_OK;
 }
@@ -150,6 +152,7 @@ static void cpu_destroy(ds4_dev *d) {
     ds4_cpu *cpu = ds4_cpu_of(d);
     if (!cpu) return;
     free(cpu->mem);
+    free(cpu->gemm_ws);
     free(cpu->sample_ws);
     free(cpu);
 }
@@ -182,6 +185,13 @@ ds4_status ds4_cpu_dev_create(ds4_pool *pool, ds4_dev **out, ds4_error *err) {
     cpu->pool = pool;
     cpu->ntask = 4 * (int64_t)ds4_pool_threads(pool);
     if (cpu->ntask > DS4_CPU_MAX_TASKS) cpu->ntask = DS4_CPU_MAX_TASKS;
+    void *ws = NULL;
+    const size_t ws_bytes = (size_t)ds4_pool_threads(pool) * DS4_GEMM_WS_FLOATS * sizeof(float);
+    if (posix_memalign(&ws, 64, ws_bytes)) {
+        free(cpu);
+        return ds4_fail(err, DS4_ERR_OOM, "cpu backend: matmul scratch of %zu bytes", ws_bytes);
+    }
+    cpu->gemm_ws = ws;
     *out = &cpu->dev;
     return DS4_OK;
 }

@@ -6,16 +6,21 @@
 #include "cpu.h"
 #include "shape_limits.h"
 
+static void embed_range(const ds4_cpu *cpu, const void *p, int64_t b, int64_t e, int64_t task) {
+    const ds4_a_embed *a = p;
+    const float *E = a->E;
+    for (int64_t t = b; t < e; t++)
+        for (int64_t i = 0; i < a->n; i++)
+            memcpy(a->X + (t * a->n + i) * a->D, E + a->ids[t] * a->D, (size_t)a->D * sizeof(float));
+}
+
 void ds4_cpu_embed(ds4_dev *d, const ds4_a_embed *a) {
     if (a->edt != DS4_F32) {
         ds4_dev_fail(d, DS4_ERR_UNSUPPORTED, "embed: table dtype %s (the CPU backend holds fp32 weights)",
                      ds4_dtype_name(a->edt));
         return;
     }
-    const float *E = a->E;
-    for (int64_t t = 0; t < a->T; t++)
-        for (int64_t i = 0; i < a->n; i++)
-            memcpy(a->X + (t * a->n + i) * a->D, E + a->ids[t] * a->D, (size_t)a->D * sizeof(float));
+    ds4_cpu_parallel_grain(ds4_cpu_of(d), a->T, 8, embed_range, a);
 }
 
 void ds4_hc_sinkhorn(const ds4_config *c, const float *comb_logits, float sc2, const float *comb_base, double *M,

@@ -6,10 +6,10 @@
 
 #include "cpu.h"
 
-void ds4_cpu_ce_rows(ds4_dev *d, const ds4_a_ce_rows *a) {
-    (void)d;
+static void ce_range(const ds4_cpu *cpu, const void *p, int64_t b, int64_t e, int64_t task) {
+    const ds4_a_ce_rows *a = p;
     const int64_t V = a->V;
-    for (int64_t r = 0; r < a->rows; r++) {
+    for (int64_t r = b; r < e; r++) {
         const int64_t y = a->tgt[r];
         if (y == -100) continue;
         const float *z = a->logits + r * V;
@@ -21,10 +21,13 @@ void ds4_cpu_ce_rows(ds4_dev *d, const ds4_a_ce_rows *a) {
     }
 }
 
-void ds4_cpu_logprobs(ds4_dev *d, const ds4_a_logprobs *a) {
-    (void)d;
+/* Rows are independent: any split gives the same bits. */
+void ds4_cpu_ce_rows(ds4_dev *d, const ds4_a_ce_rows *a) { ds4_cpu_parallel(ds4_cpu_of(d), a->rows, ce_range, a); }
+
+static void logprobs_range(const ds4_cpu *cpu, const void *p, int64_t b, int64_t end, int64_t task) {
+    const ds4_a_logprobs *a = p;
     const int64_t V = a->V;
-    for (int64_t t = 0; t < a->rows; t++) {
+    for (int64_t t = b; t < end; t++) {
         const float *z = a->logits + t * V;
         float mx = -INFINITY;
         for (int64_t v = 0; v < V; v++) mx = z[v] > mx ? z[v] : mx;
@@ -40,6 +43,8 @@ void ds4_cpu_logprobs(ds4_dev *d, const ds4_a_logprobs *a) {
         if (a->entropy) a->entropy[t] = (float)(lse - ez / se); /* H = log Σe − E[z − mx] */
     }
 }
+
+void ds4_cpu_logprobs(ds4_dev *d, const ds4_a_logprobs *a) { ds4_cpu_parallel(ds4_cpu_of(d), a->rows, logprobs_range, a); }
 
 void ds4_cpu_sample(ds4_dev *d, const ds4_a_sample *a) {
     ds4_cpu *cpu = ds4_cpu_of(d);
@@ -66,11 +71,13 @@ void ds4_cpu_sample(ds4_dev *d, const ds4_a_sample *a) {
 }
 
 /* dlogits of a per-token objective on log p(target): d logp_y / dz = onehot(y) − softmax(z), so dz = g·(onehot −
- * softmax) at scored rows, 0 elsewhere. The cross-entropy is the case g = −scale. */
-void ds4_cpu_logp_bwd(ds4_dev *d, const ds4_a_logp_bwd *a) {
-    (void)d;
+ * softmax) at scored rows, 0 elsewhere. The cross-entropy is the case g = −scale. Each exp is taken once and kept
+ * (in double, in the range's scratch) for the normalised pass: the same values as taking it twice. */
+static void logp_bwd_range(const ds4_cpu *cpu, const void *p, int64_t b, int64_t e, int64_t task) {
+    const ds4_a_logp_bwd *a = p;
     const int64_t V = a->V;
-    for (int64_t r = 0; r < a->rows; r++) {
+    double *ex = (double *)(void *)ds4_cpu_scratch(cpu, task); /* V doubles: cpu_reserve sizes the scratch for them */
+    for (int64_t r = b; r < e; r++) {
         float *dl = a->dl + r * V;
         const float *z = a->logits + r * V;
         const int64_t y = a->tgt[r];
@@ -82,14 +89,26 @@ void ds4_cpu_logp_bwd(ds4_dev *d, const ds4_a_logp_bwd *a) {
         float mx = -INFINITY;
         for (int64_t v = 0; v < V; v++) mx = z[v] > mx ? z[v] : mx;
         double se = 0;
-        for (int64_t v = 0; v < V; v++) se += exp((double)z[v] - mx);
-        for (int64_t v = 0; v < V; v++) dl[v] = (float)(-g * exp((double)z[v] - mx) / se);
+        for (int64_t v = 0; v < V; v++) se += (ex[v] = exp((double)z[v] - mx));
+        for (int64_t v = 0; v < V; v++) dl[v] = (float)(-g * ex[v] / se);
         dl[y] += (float)g;
     }
 }
 
+void ds4_cpu_logp_bwd(ds4_dev *d, const ds4_a_logp_bwd *a) { ds4_cpu_parallel(ds4_cpu_of(d), a->rows, logp_bwd_range, a); }
+
+/* Column blocks of 16, every token in order: repeated ids add up deterministically. */
+static void embed_bwd_range(const ds4_cpu *cpu, const void *p, int64_t b, int64_t e, int64_t task) {
+    const ds4_a_embed_bwd *a = p;
+    const int64_t c0 = b * 16, c1 = e * 16 < a->D ? e * 16 : a->D;
+    for (int64_t t = 0; t < a->T; t++)
+        for (int64_t i = 0; i < a->n; i++) {
+            float *g = a->ge + a->ids[t] * a->D;
+            const float *x = a->dx + (t * a->n + i) * a->D;
+            for (int64_t j = c0; j < c1; j++) g[j] += 1.0f * x[j];
+        }
+}
+
 void ds4_cpu_embed_bwd(ds4_dev *d, const ds4_a_embed_bwd *a) {
-    (void)d;
-    for (int64_t t = 0; t < a->T; t++) /* token order: repeated ids add up deterministically */
-        for (int64_t i = 0; i < a->n; i++) ds4_axpy(a->ge + a->ids[t] * a->D, 1.0f, a->dx + (t * a->n + i) * a->D, a->D);
+    ds4_cpu_parallel_grain(ds4_cpu_of(d), (a->D + 15) / 16, 2, embed_bwd_range, a);
 }

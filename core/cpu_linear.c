@@ -1,8 +1,10 @@
 /* cpu_linear.c — CPU matmuls: y = x Wᵀ (plain, column-grouped, row-grouped by expert) and the linear backward.
  *
- * The backward computes dx = dy W and dW += dyᵀ x with the forward's kernel (which only does x·Wᵀ) on transposed
- * copies; transposes are cheap next to the products. Every output element is one fixed-order 8-lane dot product
- * (kernels_cpu.h), so tiles and thread splits never change a bit. */
+ * All of them are products of ds4_gemm_run (cpu_gemm.c), which reads either operand along or across the summed
+ * dimension: the backward's dx = dy W and dW += dyᵀ x read W, dy and x where they lie, with no transposed copies.
+ * Every output element is one fixed-order 8-lane dot product (kernels_cpu.h), so tiles and thread splits never
+ * change a bit, and the sums are the ones the reference kernels computed on transposed copies. A grouped operation
+ * (output groups, routed experts) runs all its groups as one parallel job. */
 #include <string.h>
 
 #include "cpu.h"
@@ -13,97 +15,104 @@ static void check_f32(ds4_dev *d, const char *op, ds4_dtype wdt) {
                      ds4_dtype_name(wdt));
 }
 
+/* At most this many groups per job (the output groups and the routed experts are far fewer). */
+enum { MAX_GROUPS = 256 };
+
+static void run(const ds4_cpu *cpu, const ds4_gemm *g, int64_t n) {
+    ds4_gemm_run(cpu->pool, g, n, cpu->gemm_ws, cpu->gemm_shared, cpu->gemm_shared_floats);
+}
+
+/* y[t, o] = Σ_k x[t, k]·W[o, k]: A = x, B = W, both read along k. */
+static ds4_gemm fwd(float *y, int64_t ldy, const float *x, int64_t ldx, const float *W, int64_t T, int64_t K, int64_t O) {
+    return (ds4_gemm){.y = y, .ldy = ldy, .a = x, .a_rs = ldx, .a_ks = 1, .b = W, .b_rs = K, .b_ks = 1, .M = T, .N = O, .R = K};
+}
+
+/* dx[t, k] (+)= Σ_o dy[t, o]·W[o, k]: A = dy along o, B(k, o) = W[o, k] read across. */
+static ds4_gemm bwd_x(float *dx, int64_t lddx, int acc, const float *dy, int64_t ldy, const float *W, int64_t T, int64_t K,
+                      int64_t O) {
+    return (ds4_gemm){.y = dx, .ldy = lddx, .a = dy, .a_rs = ldy, .a_ks = 1, .b = W, .b_rs = 1, .b_ks = K,
+                      .M = T, .N = K, .R = O, .acc = acc};
+}
+
+/* dW[o, k] += Σ_t dy[t, o]·x[t, k]: A(o, t) = dy[t, o] and B(k, t) = x[t, k], both read across t. */
+static ds4_gemm bwd_w(float *dW, const float *dy, int64_t ldy, const float *x, int64_t ldx, int64_t T, int64_t K, int64_t O) {
+    return (ds4_gemm){.y = dW, .ldy = K, .a = dy, .a_rs = 1, .a_ks = ldy, .b = x, .b_rs = 1, .b_ks = ldx,
+                      .M = O, .N = K, .R = T, .acc = 1};
+}
+
 void ds4_cpu_matmul(ds4_dev *d, const ds4_a_matmul *a) {
     check_f32(d, "matmul", a->wdt);
     if (d->st) return;
-    const ds4_cpu *cpu = ds4_cpu_of(d);
     const int64_t G = a->groups > 1 ? a->groups : 1;
-    for (int64_t g = 0; g < G; g++)
-        ds4_matmul_nt(cpu->pool, a->y + g * a->gy, a->ldy, a->x + g * a->gx, a->ldx, (const float *)a->W + g * a->gw,
-                      a->T, a->K, a->O);
+    if (G > MAX_GROUPS) {
+        ds4_dev_fail(d, DS4_ERR_UNSUPPORTED, "matmul: %lld groups (at most %d)", (long long)G, MAX_GROUPS);
+        return;
+    }
+    ds4_gemm g[MAX_GROUPS];
+    for (int64_t k = 0; k < G; k++)
+        g[k] = fwd(a->y + k * a->gy, a->ldy, a->x + k * a->gx, a->ldx, (const float *)a->W + k * a->gw, a->T, a->K, a->O);
+    run(ds4_cpu_of(d), g, G);
+}
+
+/* The expert groups with rows, in expert order; returns their count or -1 (too many). */
+static int64_t groups_of(ds4_dev *d, const char *op, const int64_t *off, int64_t E) {
+    if (E > MAX_GROUPS) {
+        ds4_dev_fail(d, DS4_ERR_UNSUPPORTED, "%s: %lld row groups (at most %d)", op, (long long)E, MAX_GROUPS);
+        return -1;
+    }
+    return E;
 }
 
 void ds4_cpu_matmul_grouped(ds4_dev *d, const ds4_a_matmul_grouped *a) {
     check_f32(d, "matmul_grouped", a->wdt);
-    if (d->st) return;
-    const ds4_cpu *cpu = ds4_cpu_of(d);
+    if (d->st || groups_of(d, "matmul_grouped", a->off, a->E) < 0) return;
+    ds4_gemm g[MAX_GROUPS];
+    int64_t n = 0;
     for (int64_t e = 0; e < a->E; e++) {
-        const int64_t r0 = a->off[e], n = a->off[e + 1] - r0;
-        if (n > 0)
-            ds4_matmul_nt(cpu->pool, a->y + r0 * a->O, a->O, a->x + r0 * a->K, a->K, (const float *)a->W + e * a->wstride,
-                          n, a->K, a->O);
+        const int64_t r0 = a->off[e], rows = a->off[e + 1] - r0;
+        if (rows > 0)
+            g[n++] = fwd(a->y + r0 * a->O, a->O, a->x + r0 * a->K, a->K, (const float *)a->W + e * a->wstride, rows, a->K, a->O);
     }
+    run(ds4_cpu_of(d), g, n);
 }
 
 /* ------------------------------------------------------------------------------------------------ backward */
 
-typedef struct {
-    float *dst;
-    const float *src;
-    int64_t rows, cols, lds, ldd;
-} tr_ctx;
-
-/* dst[c, r] = src[r, c] for the src rows [b, e) of this range. Column tiles of 32 keep the 32 destination rows
- * being filled (each written sequentially in r) in L1, instead of touching a new line per element. */
-static void tr_range(const ds4_cpu *cpu, const void *p, int64_t b, int64_t e, int64_t task) {
-    const tr_ctx *t = p;
-    for (int64_t c0 = 0; c0 < t->cols; c0 += 32) {
-        const int64_t c1 = c0 + 32 < t->cols ? c0 + 32 : t->cols;
-        for (int64_t r = b; r < e; r++) {
-            const float *s = t->src + r * t->lds;
-            for (int64_t c = c0; c < c1; c++) t->dst[c * t->ldd + r] = s[c];
-        }
-    }
-}
-
-/* dst [cols, rows] = srcᵀ (src [rows, cols] with row stride lds). */
-static void transpose(const ds4_cpu *cpu, float *dst, const float *src, int64_t rows, int64_t cols, int64_t lds) {
-    tr_ctx t = {dst, src, rows, cols, lds, rows};
-    ds4_cpu_parallel(cpu, rows, tr_range, &t);
-}
-
-static void bwd_x(const ds4_cpu *cpu, float *dx, int64_t lddx, int acc, const float *dy, int64_t ldy, const float *W,
-                  int64_t T, int64_t K, int64_t O) {
-    if (T <= 0) return;
-    transpose(cpu, cpu->lin_wt, W, O, K, K); /* Wᵀ [K, O] */
-    ds4_matmul_nt(cpu->pool, cpu->lin_a, K, dy, ldy, cpu->lin_wt, T, O, K);
-    for (int64_t t = 0; t < T; t++) {
-        if (acc) ds4_axpy(dx + t * lddx, 1.0f, cpu->lin_a + t * K, K);
-        else memcpy(dx + t * lddx, cpu->lin_a + t * K, (size_t)K * sizeof(float));
-    }
-}
-
-static void bwd_w(const ds4_cpu *cpu, float *dW, const float *dy, int64_t ldy, const float *x, int64_t ldx, int64_t T,
-                  int64_t K, int64_t O) {
-    if (T <= 0) return;
-    transpose(cpu, cpu->lin_b, dy, T, O, ldy); /* dyᵀ [O, T] */
-    transpose(cpu, cpu->lin_c, x, T, K, ldx);  /* xᵀ [K, T] */
-    ds4_matmul_nt(cpu->pool, cpu->lin_dw, K, cpu->lin_b, T, cpu->lin_c, O, T, K);
-    ds4_axpy(dW, 1.0f, cpu->lin_dw, O * K);
-}
-
 void ds4_cpu_linear_bwd_x(ds4_dev *d, const ds4_a_linear_bwd_x *a) {
     check_f32(d, "linear_bwd_x", a->wdt);
-    if (!d->st) bwd_x(ds4_cpu_of(d), a->dx, a->lddx, a->acc, a->dy, a->ldy, a->W, a->T, a->K, a->O);
+    if (d->st || a->T <= 0) return;
+    const ds4_gemm g = bwd_x(a->dx, a->lddx, a->acc, a->dy, a->ldy, a->W, a->T, a->K, a->O);
+    run(ds4_cpu_of(d), &g, 1);
 }
 
 void ds4_cpu_linear_bwd_w(ds4_dev *d, const ds4_a_linear_bwd_w *a) {
-    bwd_w(ds4_cpu_of(d), a->dW, a->dy, a->ldy, a->x, a->ldx, a->T, a->K, a->O);
+    if (a->T <= 0) return; /* no rows: dW stays as it is (a sum of nothing added would turn -0 into +0) */
+    const ds4_gemm g = bwd_w(a->dW, a->dy, a->ldy, a->x, a->ldx, a->T, a->K, a->O);
+    run(ds4_cpu_of(d), &g, 1);
 }
 
 void ds4_cpu_linear_bwd_x_grouped(ds4_dev *d, const ds4_a_linear_bwd_x_grouped *a) {
     check_f32(d, "linear_bwd_x_grouped", a->wdt);
-    if (d->st) return;
+    if (d->st || groups_of(d, "linear_bwd_x_grouped", a->off, a->E) < 0) return;
+    ds4_gemm g[MAX_GROUPS];
+    int64_t n = 0;
     for (int64_t e = 0; e < a->E; e++) {
-        const int64_t r0 = a->off[e], n = a->off[e + 1] - r0;
-        bwd_x(ds4_cpu_of(d), a->dx + r0 * a->K, a->K, a->acc, a->dy + r0 * a->O, a->O,
-              (const float *)a->W + e * a->wstride, n, a->K, a->O);
+        const int64_t r0 = a->off[e], rows = a->off[e + 1] - r0;
+        if (rows > 0)
+            g[n++] = bwd_x(a->dx + r0 * a->K, a->K, a->acc, a->dy + r0 * a->O, a->O, (const float *)a->W + e * a->wstride,
+                           rows, a->K, a->O);
     }
+    run(ds4_cpu_of(d), g, n);
 }
 
 void ds4_cpu_linear_bwd_w_grouped(ds4_dev *d, const ds4_a_linear_bwd_w_grouped *a) {
+    if (groups_of(d, "linear_bwd_w_grouped", a->off, a->E) < 0) return;
+    ds4_gemm g[MAX_GROUPS];
+    int64_t n = 0;
     for (int64_t e = 0; e < a->E; e++) {
-        const int64_t r0 = a->off[e], n = a->off[e + 1] - r0;
-        bwd_w(ds4_cpu_of(d), a->dW + e * a->wstride, a->dy + r0 * a->O, a->O, a->x + r0 * a->K, a->K, n, a->K, a->O);
+        const int64_t r0 = a->off[e], rows = a->off[e + 1] - r0;
+        if (rows > 0)
+            g[n++] = bwd_w(a->dW + e * a->wstride, a->dy + r0 * a->O, a->O, a->x + r0 * a->K, a->K, rows, a->K, a->O);
     }
+    run(ds4_cpu_of(d), g, n);
 }

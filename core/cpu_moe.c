@@ -74,15 +74,20 @@ void ds4_cpu_moe_sort(ds4_dev *d, const ds4_a_moe_sort *a) {
     off[0] = 0;
 }
 
-void ds4_cpu_moe_weigh(ds4_dev *d, const ds4_a_moe_weigh *a) {
-    (void)d;
-    for (int64_t r = 0; r < a->rows; r++) {
+/* perm is a permutation of the slots (moe_sort): ranges of r write disjoint rows. */
+static void weigh_range(const ds4_cpu *cpu, const void *p, int64_t b, int64_t e, int64_t task) {
+    const ds4_a_moe_weigh *a = p;
+    for (int64_t r = b; r < e; r++) {
         const int32_t slot = a->perm[r];
         const float w = a->ew[slot];
         const float *src = a->ye + r * a->D;
         float *dst = a->yk + (int64_t)slot * a->D;
         for (int64_t cc = 0; cc < a->D; cc++) dst[cc] = src[cc] * w;
     }
+}
+
+void ds4_cpu_moe_weigh(ds4_dev *d, const ds4_a_moe_weigh *a) {
+    ds4_cpu_parallel_grain(ds4_cpu_of(d), a->rows, 16, weigh_range, a);
 }
 
 /* silu(min(g, λ)) · clamp(u, -λ, λ), in place into g1 */
@@ -146,15 +151,19 @@ void ds4_cpu_swiglu_bwd(ds4_dev *d, const ds4_a_swiglu_bwd *a) {
     ds4_cpu_parallel(ds4_cpu_of(d), a->rows, swiglu_bwd_range, a);
 }
 
-void ds4_cpu_moe_dws(ds4_dev *d, const ds4_a_moe_dws *a) {
-    (void)d;
-    for (int64_t slot = 0; slot < a->T * a->K; slot++)
+static void dws_range(const ds4_cpu *cpu, const void *p, int64_t b, int64_t e, int64_t task) {
+    const ds4_a_moe_dws *a = p;
+    for (int64_t slot = b; slot < e; slot++)
         a->dws[slot] = ds4_dot(a->da + (slot / a->K) * a->D, a->ye + slot * a->D, a->D);
 }
 
-void ds4_cpu_moe_dy(ds4_dev *d, const ds4_a_moe_dy *a) {
-    (void)d;
-    for (int64_t r = 0; r < a->rows; r++) {
+void ds4_cpu_moe_dws(ds4_dev *d, const ds4_a_moe_dws *a) {
+    ds4_cpu_parallel_grain(ds4_cpu_of(d), a->T * a->K, 16, dws_range, a);
+}
+
+static void dy_range(const ds4_cpu *cpu, const void *p, int64_t b, int64_t e, int64_t task) {
+    const ds4_a_moe_dy *a = p;
+    for (int64_t r = b; r < e; r++) {
         const int64_t slot = a->perm[r];
         float *dy = a->dys + r * a->D;
         memset(dy, 0, (size_t)a->D * sizeof(float));
@@ -162,21 +171,27 @@ void ds4_cpu_moe_dy(ds4_dev *d, const ds4_a_moe_dy *a) {
     }
 }
 
-void ds4_cpu_moe_sum_slots(ds4_dev *d, const ds4_a_moe_sum_slots *a) {
-    (void)d;
-    for (int64_t t = 0; t < a->T; t++) /* slot order: deterministic */
+void ds4_cpu_moe_dy(ds4_dev *d, const ds4_a_moe_dy *a) { ds4_cpu_parallel_grain(ds4_cpu_of(d), a->rows, 16, dy_range, a); }
+
+static void sum_slots_range(const ds4_cpu *cpu, const void *p, int64_t b, int64_t e, int64_t task) {
+    const ds4_a_moe_sum_slots *a = p;
+    for (int64_t t = b; t < e; t++) /* slot order: deterministic */
         for (int64_t k = 0; k < a->K; k++) ds4_axpy(a->dh + t * a->D, 1.0f, a->dxslot + (t * a->K + k) * a->D, a->D);
+}
+
+void ds4_cpu_moe_sum_slots(ds4_dev *d, const ds4_a_moe_sum_slots *a) {
+    ds4_cpu_parallel_grain(ds4_cpu_of(d), a->T, 16, sum_slots_range, a);
 }
 
 /* Router: w_k = rsf·s_k / (Σ s + 1e-20) on the gathered scores (the correction bias only selected), then through
  * the score function. */
-void ds4_cpu_router_bwd(ds4_dev *d, const ds4_a_router_bwd *a) {
-    (void)d;
+static void router_bwd_range(const ds4_cpu *cpu, const void *p, int64_t b, int64_t e_, int64_t task) {
+    const ds4_a_router_bwd *a = p;
     const ds4_config *c = a->c;
-    const int64_t T = a->T, E = c->n_routed_experts, K = c->num_experts_per_tok;
+    const int64_t E = c->n_routed_experts, K = c->num_experts_per_tok;
     const float rsf = (float)c->routed_scaling_factor;
-    memset(a->dsc, 0, (size_t)(T * E) * sizeof(float));
-    for (int64_t t = 0; t < T; t++) {
+    memset(a->dsc + b * E, 0, (size_t)((e_ - b) * E) * sizeof(float));
+    for (int64_t t = b; t < e_; t++) {
         const int32_t *idx = a->eidx + t * K;
         const float *s = a->rsc + t * E;
         float sum = 0, wdot = 0;
@@ -185,7 +200,7 @@ void ds4_cpu_router_bwd(ds4_dev *d, const ds4_a_router_bwd *a) {
         for (int64_t k = 0; k < K; k++) wdot += a->dws[t * K + k] * s[idx[k]];
         for (int64_t k = 0; k < K; k++) a->dsc[t * E + idx[k]] += rsf * (a->dws[t * K + k] / sum - wdot / (sum * sum));
     }
-    for (int64_t t = 0; t < T; t++) {
+    for (int64_t t = b; t < e_; t++) {
         const float *x = a->rlog + t * E, *s = a->rsc + t * E, *ds = a->dsc + t * E;
         float *dl = a->dlog + t * E;
         if (c->scoring_func == DS4_SCORE_SOFTMAX) {
@@ -211,4 +226,8 @@ void ds4_cpu_router_bwd(ds4_dev *d, const ds4_a_router_bwd *a) {
             }
         }
     }
+}
+
+void ds4_cpu_router_bwd(ds4_dev *d, const ds4_a_router_bwd *a) {
+    ds4_cpu_parallel_grain(ds4_cpu_of(d), a->T, 32, router_bwd_range, a);
 }

@@ -24,55 +24,104 @@ static void rope_range(const ds4_cpu *cpu, const void *p, int64_t b, int64_t e, 
 
 void ds4_cpu_rope(ds4_dev *d, const ds4_a_rope *a) { ds4_cpu_parallel(ds4_cpu_of(d), a->rows.T, rope_range, a); }
 
-void ds4_cpu_scale(ds4_dev *d, const ds4_a_scale *a) {
-    (void)d;
-    for (int64_t i = 0; i < a->n; i++) a->x[i] *= a->s;
+/* Row operations below split their rows (or, where two rows may write the same destination, their columns) over
+ * the pool with a grain that keeps a range worth waking a thread for; every element is computed by the same
+ * scalar expression in the same order whatever the split. */
+enum { ROW_GRAIN_FLOATS = 16384, COL_BLOCK = 16 };
+
+static int64_t row_grain(int64_t width) { return width >= ROW_GRAIN_FLOATS ? 1 : ROW_GRAIN_FLOATS / (width > 0 ? width : 1); }
+
+static void scale_range(const ds4_cpu *cpu, const void *p, int64_t b, int64_t e, int64_t task) {
+    const ds4_a_scale *a = p;
+    for (int64_t i = b; i < e; i++) a->x[i] *= a->s;
 }
 
-void ds4_cpu_copy_rows(ds4_dev *d, const ds4_a_copy_rows *a) {
-    (void)d;
-    for (int64_t r = 0; r < a->rows; r++)
+void ds4_cpu_scale(ds4_dev *d, const ds4_a_scale *a) {
+    ds4_cpu_parallel_grain(ds4_cpu_of(d), a->n, ROW_GRAIN_FLOATS, scale_range, a);
+}
+
+static void copy_range(const ds4_cpu *cpu, const void *p, int64_t b, int64_t e, int64_t task) {
+    const ds4_a_copy_rows *a = p;
+    for (int64_t r = b; r < e; r++)
         memcpy((char *)a->dst + r * a->ldd, (const char *)a->src + r * a->lds, (size_t)a->row_bytes);
 }
 
-void ds4_cpu_gather_rows(ds4_dev *d, const ds4_a_gather_rows *a) {
-    (void)d;
-    for (int64_t r = 0; r < a->rows; r++)
+void ds4_cpu_copy_rows(ds4_dev *d, const ds4_a_copy_rows *a) {
+    ds4_cpu_parallel_grain(ds4_cpu_of(d), a->rows, row_grain(a->row_bytes / 4), copy_range, a);
+}
+
+static void gather_range(const ds4_cpu *cpu, const void *p, int64_t b, int64_t e, int64_t task) {
+    const ds4_a_gather_rows *a = p;
+    for (int64_t r = b; r < e; r++)
         memcpy(a->dst + r * a->width, a->src + (a->idx[r] / a->div) * a->width, (size_t)a->width * sizeof(float));
 }
 
-void ds4_cpu_scatter_rows(ds4_dev *d, const ds4_a_scatter_rows *a) {
-    (void)d;
-    for (int64_t r = 0; r < a->rows; r++)
-        memcpy(a->dst + (int64_t)a->idx[r] * a->width, a->src + r * a->width, (size_t)a->width * sizeof(float));
+void ds4_cpu_gather_rows(ds4_dev *d, const ds4_a_gather_rows *a) {
+    ds4_cpu_parallel_grain(ds4_cpu_of(d), a->rows, row_grain(a->width), gather_range, a);
 }
 
-void ds4_cpu_add_rows(ds4_dev *d, const ds4_a_add_rows *a) {
-    (void)d;
+/* Column blocks [b, e) of COL_BLOCK floats, every row in order: a repeated destination row keeps its sequence of
+ * writes (or adds). */
+static void scatter_range(const ds4_cpu *cpu, const void *p, int64_t b, int64_t e, int64_t task) {
+    const ds4_a_scatter_rows *a = p;
+    const int64_t c0 = b * COL_BLOCK, c1 = e * COL_BLOCK < a->width ? e * COL_BLOCK : a->width;
+    for (int64_t r = 0; r < a->rows; r++)
+        memcpy(a->dst + (int64_t)a->idx[r] * a->width + c0, a->src + r * a->width + c0, (size_t)(c1 - c0) * sizeof(float));
+}
+
+static int64_t col_grain(int64_t rows) {
+    const int64_t per_block = rows * COL_BLOCK;
+    return per_block >= ROW_GRAIN_FLOATS ? 1 : ROW_GRAIN_FLOATS / (per_block > 0 ? per_block : 1);
+}
+
+void ds4_cpu_scatter_rows(ds4_dev *d, const ds4_a_scatter_rows *a) {
+    ds4_cpu_parallel_grain(ds4_cpu_of(d), (a->width + COL_BLOCK - 1) / COL_BLOCK, col_grain(a->rows), scatter_range, a);
+}
+
+static void add_rows_range(const ds4_cpu *cpu, const void *p, int64_t b, int64_t e, int64_t task) {
+    const ds4_a_add_rows *a = p;
+    const int64_t c0 = b * COL_BLOCK, c1 = e * COL_BLOCK < a->width ? e * COL_BLOCK : a->width;
     for (int64_t r = 0; r < a->rows; r++) {
         float *y = a->dst + (int64_t)a->idx[r] * a->width;
         const float *x = a->src + r * a->width;
-        for (int64_t i = 0; i < a->width; i++) y[i] += x[i];
+        for (int64_t i = c0; i < c1; i++) y[i] += x[i];
     }
 }
 
-void ds4_cpu_add_bcast(ds4_dev *d, const ds4_a_add_bcast *a) {
-    (void)d;
-    for (int64_t t = 0; t < a->T; t++)
+void ds4_cpu_add_rows(ds4_dev *d, const ds4_a_add_rows *a) {
+    ds4_cpu_parallel_grain(ds4_cpu_of(d), (a->width + COL_BLOCK - 1) / COL_BLOCK, col_grain(a->rows), add_rows_range, a);
+}
+
+static void add_bcast_range(const ds4_cpu *cpu, const void *p, int64_t b, int64_t e, int64_t task) {
+    const ds4_a_add_bcast *a = p;
+    for (int64_t t = b; t < e; t++)
         for (int64_t i = 0; i < a->n; i++) ds4_axpy(a->x + (t * a->n + i) * a->D, 1.0f, a->h + t * a->D, a->D);
 }
 
-void ds4_cpu_sum_streams(ds4_dev *d, const ds4_a_sum_streams *a) {
-    (void)d;
-    memset(a->du, 0, (size_t)(a->T * a->D) * sizeof(float));
-    for (int64_t t = 0; t < a->T; t++)
+void ds4_cpu_add_bcast(ds4_dev *d, const ds4_a_add_bcast *a) {
+    ds4_cpu_parallel_grain(ds4_cpu_of(d), a->T, row_grain(a->n * a->D), add_bcast_range, a);
+}
+
+static void sum_streams_range(const ds4_cpu *cpu, const void *p, int64_t b, int64_t e, int64_t task) {
+    const ds4_a_sum_streams *a = p;
+    memset(a->du + b * a->D, 0, (size_t)((e - b) * a->D) * sizeof(float));
+    for (int64_t t = b; t < e; t++)
         for (int64_t k = 0; k < a->n; k++) ds4_axpy(a->du + t * a->D, 1.0f, a->dX + (t * a->n + k) * a->D, a->D);
 }
 
-void ds4_cpu_colsum_add(ds4_dev *d, const ds4_a_colsum_add *a) {
-    (void)d;
+void ds4_cpu_sum_streams(ds4_dev *d, const ds4_a_sum_streams *a) {
+    ds4_cpu_parallel_grain(ds4_cpu_of(d), a->T, row_grain(a->n * a->D), sum_streams_range, a);
+}
+
+static void colsum_range(const ds4_cpu *cpu, const void *p, int64_t b, int64_t e, int64_t task) {
+    const ds4_a_colsum_add *a = p;
+    const int64_t c0 = b * COL_BLOCK, c1 = e * COL_BLOCK < a->width ? e * COL_BLOCK : a->width;
     for (int64_t r = 0; r < a->rows; r++) /* row order: deterministic */
-        for (int64_t i = 0; i < a->width; i++) a->dst[i] += a->src[r * a->ld + i];
+        for (int64_t i = c0; i < c1; i++) a->dst[i] += a->src[r * a->ld + i];
+}
+
+void ds4_cpu_colsum_add(ds4_dev *d, const ds4_a_colsum_add *a) {
+    ds4_cpu_parallel_grain(ds4_cpu_of(d), (a->width + COL_BLOCK - 1) / COL_BLOCK, col_grain(a->rows), colsum_range, a);
 }
 
 /* ------------------------------------------------------------------------------------------------ norm backward */
@@ -113,12 +162,20 @@ typedef struct {
     int64_t rows, width;
 } nw_ctx;
 
+enum { NW_BLOCK = 64 };
+
+/* A range owns blocks of NW_BLOCK columns and walks the rows once, in order, for all of them: each column's sum is
+ * the same fixed-order sum over rows as a column-at-a-time loop, without striding down the matrix per column. */
 static void nw_range(const ds4_cpu *cpu, const void *p, int64_t b, int64_t e, int64_t task) {
     const nw_ctx *c = p;
-    for (int64_t i = b; i < e; i++) { /* a column per range item: a fixed-order sum over rows */
-        double s = 0;
-        for (int64_t r = 0; r < c->rows; r++) s += (double)c->dy[r * c->width + i] * c->x[r * c->width + i] * c->rinv[r];
-        c->dw[i] += (float)s;
+    for (int64_t blk = b; blk < e; blk++) {
+        const int64_t c0 = blk * NW_BLOCK, c1 = c0 + NW_BLOCK < c->width ? c0 + NW_BLOCK : c->width;
+        double s[NW_BLOCK] = {0};
+        for (int64_t r = 0; r < c->rows; r++) {
+            const float *dy = c->dy + r * c->width, *x = c->x + r * c->width;
+            for (int64_t i = c0; i < c1; i++) s[i - c0] += (double)dy[i] * x[i] * c->rinv[r];
+        }
+        for (int64_t i = c0; i < c1; i++) c->dw[i] += (float)s[i - c0];
     }
 }
 
@@ -133,7 +190,7 @@ void ds4_cpu_norm_bwd(ds4_dev *d, const ds4_a_norm_bwd *a) {
         if (a->dw) {
             ds4_cpu_parallel(cpu, a->rows, nb_range, &c);
             nw_ctx cw = {a->dw, a->dy + o, a->x + o, cpu->rinv, a->rows, a->width};
-            ds4_cpu_parallel(cpu, a->width, nw_range, &cw);
+            ds4_cpu_parallel(cpu, (a->width + NW_BLOCK - 1) / NW_BLOCK, nw_range, &cw);
         }
         c.rinv_only = 0;
         ds4_cpu_parallel(cpu, a->rows, nb_range, &c);

@@ -100,35 +100,6 @@ void ds4_matmul_nt_serial(float *y, int64_t ldy, const float *x, int64_t ldx, co
     matmul_block(y, ldy, x, ldx, W, 0, T, 0, O, K);
 }
 
-/* Tiles sized so a W block (TO rows × K) and an x block (TT rows × K) stay in L2 for K up to a few thousand. */
-enum { TT = 32, TO = 48 };
-
-typedef struct {
-    float *y;
-    int64_t ldy;
-    const float *x;
-    int64_t ldx;
-    const float *W;
-    int64_t T, K, O, nto;
-} mm_job;
-
-static void mm_task(void *ctx, int64_t i) {
-    const mm_job *j = ctx;
-    int64_t bt = i / j->nto, bo = i % j->nto;
-    int64_t t0 = bt * TT, o0 = bo * TO;
-    int64_t t1 = t0 + TT < j->T ? t0 + TT : j->T;
-    int64_t o1 = o0 + TO < j->O ? o0 + TO : j->O;
-    matmul_block(j->y, j->ldy, j->x, j->ldx, j->W, t0, t1, o0, o1, j->K);
-}
-
-void ds4_matmul_nt(ds4_pool *pool, float *y, int64_t ldy, const float *x, int64_t ldx, const float *W, int64_t T,
-                   int64_t K, int64_t O) {
-    if (T <= 0 || O <= 0) return;
-    mm_job j = {y, ldy, x, ldx, W, T, K, O, (O + TO - 1) / TO};
-    int64_t ntt = (T + TT - 1) / TT;
-    ds4_pool_run(pool, ntt * j.nto, mm_task, &j);
-}
-
 void ds4_rmsnorm_rows(float *y, const float *x, const float *w, int64_t rows, int64_t n, double eps) {
     for (int64_t r = 0; r < rows; r++) {
         const float *xr = x + r * n;

@@ -12,13 +12,43 @@
 
 #include "threadpool.h"
 
-/* y[t, o] = Σ_k x[t, k] · W[o, k]   (x: [T, K] row stride ldx; W: [O, K] contiguous; y: [T, O] row stride ldy).
- * Threaded over (token block, output block) tiles of the pool. */
-void ds4_matmul_nt(ds4_pool *pool, float *y, int64_t ldy, const float *x, int64_t ldx, const float *W, int64_t T,
-                   int64_t K, int64_t O);
-/* Same on the calling thread only (for use inside a pool task). */
+/* y[t, o] = Σ_k x[t, k] · W[o, k]   (x: [T, K] row stride ldx; W: [O, K] contiguous; y: [T, O] row stride ldy), on
+ * the calling thread (for small products inside a pool task; the backend's matmuls use ds4_gemm_run). */
 void ds4_matmul_nt_serial(float *y, int64_t ldy, const float *x, int64_t ldx, const float *W, int64_t T,
                           int64_t K, int64_t O);
+
+/* One matrix product for ds4_gemm_run: y[i·ldy + j] = s (acc: y[i·ldy + j] + s) for i < M, j < N, with
+ * s = Σ_r A(i, r)·B(j, r) over r < R, A(i, r) = a[i·a_rs + r·a_ks], B(j, r) = b[j·b_rs + r·b_ks]: either operand may be
+ * read along r (ks = 1) or across it (rs = 1, a transposed view). s is summed exactly as ds4_dot sums (eight lanes over
+ * r < R & ~7 combined in a fixed tree, then the last R % 8 products in order), whatever the tiling and the thread count
+ * (cpu_gemm.c). R = 0 gives s = 0. */
+typedef struct ds4_gemm {
+    float *y;
+    int64_t ldy;
+    const float *a;
+    int64_t a_rs, a_ks;
+    const float *b;
+    int64_t b_rs, b_ks;
+    int64_t M, N, R;
+    int acc;
+} ds4_gemm;
+
+enum {
+    DS4_GEMM_MR = 6,   /* A rows per register tile */
+    DS4_GEMM_KC = 512, /* values of r per chunk */
+    DS4_GEMM_MC = 48,  /* the largest tile: MC rows of A × NC rows of B */
+    DS4_GEMM_NC = 64,
+    DS4_GEMM_WS_HEAD = 16, /* floats of bookkeeping at the head of a thread's scratch */
+    /* per-thread scratch: the head, packed A and B blocks, and the lane sums of a tile between chunks */
+    DS4_GEMM_WS_FLOATS = DS4_GEMM_WS_HEAD + DS4_GEMM_MC * DS4_GEMM_KC + DS4_GEMM_NC * DS4_GEMM_KC +
+                         DS4_GEMM_MC * DS4_GEMM_NC * 8
+};
+
+/* Run the n products (independent outputs) as one parallel job over their tiles; ws holds DS4_GEMM_WS_FLOATS floats
+ * for each thread of the pool (pool NULL: the calling thread alone, one slot). shared (shared_floats, may be NULL):
+ * room to pack a B that is read across r once for the whole run (8·ceil(N/8)·(R & ~7) floats per such product); a
+ * product that does not fit packs per tile instead, with the same result. */
+void ds4_gemm_run(ds4_pool *pool, const ds4_gemm *g, int64_t n, float *ws, float *shared, int64_t shared_floats);
 
 /* Σ_k a[k]·b[k] with the same 8-lane accumulation as the matmul. */
 float ds4_dot(const float *a, const float *b, int64_t n);

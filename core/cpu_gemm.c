@@ -1,0 +1,331 @@
+/* cpu_gemm.c — the CPU backend's matrix products, y[i, j] = Σ_r A(i, r)·B(j, r) (or y += that sum), with either
+ * operand read along r contiguously or across it (a transposed view), so that the linear backward needs no
+ * transposed copies. See kernels_cpu.h for the contract.
+ *
+ * Every output is the sum the reference kernel has always computed (ds4_dot): eight fp32 lanes, lane l summing
+ * the products of r ≡ l (mod 8) for r < R8 = R & ~7 in increasing r, the lanes combined as
+ * ((l0 + l4) + (l1 + l5)) + ((l2 + l6) + (l3 + l7)), then the products of r = R8 .. R-1 added one by one. Only the
+ * layout of the work changes: operands are copied into packed panels (6 rows of A, 8 rows of B, 8 values of r per
+ * step, zero-padded at the edges), a register tile of 6 × 2 outputs runs over a chunk of up to KC values of r, and
+ * the lane sums of a tile that spans several chunks wait in memory between chunks. Tiles, chunks and threads change
+ * which instructions run when, never which products are added in which order, so the bits do not depend on them.
+ * Zero-padded rows and columns produce outputs that are never written. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels_cpu.h"
+
+#pragma GCC diagnostic ignored "-Wpsabi" /* see kernels_cpu.c: the 8-lane helpers are always inlined */
+
+typedef float v8f __attribute__((vector_size(32)));
+
+__attribute__((always_inline)) static inline v8f ld8(const float *p) {
+    v8f v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+__attribute__((always_inline)) static inline void st8(float *p, v8f v) { memcpy(p, &v, sizeof v); }
+
+/* Packing and finishing are data movement and the lane tree: an AVX2 clone only makes them faster. */
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && !defined(__SANITIZE_ADDRESS__)
+#define GEMM_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define GEMM_CLONES
+#endif
+
+/* MR rows of A and NP columns of B per packed panel; KC values of r per chunk; a tile is at most MC × NC outputs. */
+enum { MR = DS4_GEMM_MR, NP = 2, KC = DS4_GEMM_KC, MC = DS4_GEMM_MC, NC = DS4_GEMM_NC };
+
+/* A(i, r) and B(j, r) of one problem */
+static inline float a_at(const ds4_gemm *g, int64_t i, int64_t r) { return g->a[i * g->a_rs + r * g->a_ks]; }
+static inline float b_at(const ds4_gemm *g, int64_t j, int64_t r) { return g->b[j * g->b_rs + r * g->b_ks]; }
+
+/* dst[q·8 + l] = src[l·ks + q] for q, l < 8: an 8 × 8 block transposed with shuffles (data movement only). */
+__attribute__((always_inline)) static inline void transpose8(float *dst, const float *src, int64_t ks) {
+    typedef int32_t v8i __attribute__((vector_size(32)));
+    v8f r[8], t[8], u[8];
+    for (int l = 0; l < 8; l++) r[l] = ld8(src + l * ks);
+    for (int l = 0; l < 8; l += 2) {
+        t[l] = __builtin_shuffle(r[l], r[l + 1], (v8i){0, 8, 1, 9, 4, 12, 5, 13});
+        t[l + 1] = __builtin_shuffle(r[l], r[l + 1], (v8i){2, 10, 3, 11, 6, 14, 7, 15});
+    }
+    for (int h = 0; h < 8; h += 4)
+        for (int l = 0; l < 2; l++) {
+            u[h + 2 * l] = __builtin_shuffle(t[h + l], t[h + l + 2], (v8i){0, 1, 8, 9, 4, 5, 12, 13});
+            u[h + 2 * l + 1] = __builtin_shuffle(t[h + l], t[h + l + 2], (v8i){2, 3, 10, 11, 6, 7, 14, 15});
+        }
+    for (int q = 0; q < 4; q++) {
+        st8(dst + q * 8, __builtin_shuffle(u[q], u[q + 4], (v8i){0, 1, 2, 3, 8, 9, 10, 11}));
+        st8(dst + (q + 4) * 8, __builtin_shuffle(u[q], u[q + 4], (v8i){4, 5, 6, 7, 12, 13, 14, 15}));
+    }
+}
+
+/* Pack rows [i0, i0 + n) of a view X(i, r) = x[i·rs + r·ks] (extent rows in all) over r in [r0, r0 + 8·nk) into
+ * panels of `width` rows, `pstride` floats apart: dst[panel][r / 8][row in panel][r % 8], rows past n zero. */
+GEMM_CLONES
+static void pack(float *dst, int64_t pstride, const float *x, int64_t rs, int64_t ks, int64_t extent, int64_t i0,
+                 int64_t n, int64_t width, int64_t r0, int64_t nk) {
+    const int64_t npanel = (n + width - 1) / width;
+    float blk[64];
+    for (int64_t p = 0; p < npanel; p++) {
+        float *d = dst + p * pstride;
+        const int64_t rows = n - p * width < width ? n - p * width : width, c0 = i0 + p * width;
+        if (ks == 1) {
+            for (int64_t q = 0; q < rows; q++) {
+                const float *src = x + (c0 + q) * rs + r0;
+                for (int64_t k = 0; k < nk; k++) memcpy(d + (k * width + q) * 8, src + k * 8, 8 * sizeof(float));
+            }
+        } else if (rs == 1 && c0 + 8 <= extent) {
+            /* a transposed view: row r of x holds X(c0 .. c0 + 7, r) side by side */
+            for (int64_t k = 0; k < nk; k++) {
+                if (width == 8) {
+                    transpose8(d + k * 64, x + (r0 + k * 8) * ks + c0, ks);
+                } else {
+                    transpose8(blk, x + (r0 + k * 8) * ks + c0, ks);
+                    memcpy(d + k * width * 8, blk, (size_t)(rows * 8) * sizeof(float));
+                }
+            }
+        } else {
+            for (int64_t q = 0; q < rows; q++)
+                for (int64_t r = 0; r < 8 * nk; r++) d[((r / 8) * width + q) * 8 + r % 8] = x[(c0 + q) * rs + (r0 + r) * ks];
+        }
+        if (rows < width)
+            for (int64_t k = 0; k < nk; k++) memset(d + (k * width + rows) * 8, 0, (size_t)((width - rows) * 8) * sizeof(float));
+    }
+}
+
+/* The lane sums of eight accumulators, s[k] = ((l0 + l4) + (l1 + l5)) + ((l2 + l6) + (l3 + l7)) of a[k], computed
+ * for all eight at once: every output is the same three levels of scalar additions on the same operands, the
+ * shuffles only line the operands up. */
+__attribute__((always_inline)) static inline void lane_sums8(const v8f a[8], float *s) {
+    typedef int32_t v8i __attribute__((vector_size(32)));
+    const v8i lo = {0, 1, 2, 3, 8, 9, 10, 11}, hi = {4, 5, 6, 7, 12, 13, 14, 15};
+    const v8i ev = {0, 2, 8, 10, 4, 6, 12, 14}, od = {1, 3, 9, 11, 5, 7, 13, 15};
+    v8f p[4], q[2];
+    for (int k = 0; k < 4; k++) /* [a_2k lanes i + (i+4)], then [a_2k+1 ...] */
+        p[k] = __builtin_shuffle(a[2 * k], a[2 * k + 1], lo) + __builtin_shuffle(a[2 * k], a[2 * k + 1], hi);
+    for (int k = 0; k < 2; k++) /* pairs of those: (l0+l4)+(l1+l5) and (l2+l6)+(l3+l7) */
+        q[k] = __builtin_shuffle(p[2 * k], p[2 * k + 1], ev) + __builtin_shuffle(p[2 * k], p[2 * k + 1], od);
+    const v8f r = __builtin_shuffle(q[0], q[1], ev) + __builtin_shuffle(q[0], q[1], od);
+    /* r holds the sums of a0, a2, a4, a6, a1, a3, a5, a7 */
+    s[0] = r[0], s[2] = r[1], s[4] = r[2], s[6] = r[3], s[1] = r[4], s[3] = r[5], s[5] = r[6], s[7] = r[7];
+}
+
+/* The register tile: rows 0..5 of an A panel × columns c, c+1 of a B panel, over nk steps of 8 values of r. The lane
+ * sums start at zero (first chunk) or from `io` ([6][NP][8], this pair's columns); after the last chunk the outputs'
+ * lane sums go to sums[6][NP] (this pair's columns), else the lanes go back to `io`. In the AVX2 version each A vector
+ * is loaded once and held in a register (the empty asm keeps GCC from re-reading it as a memory operand of each
+ * multiply): 8 loads per 12 multiply-add pairs, which with separate multiplies and adds keeps the floating-point
+ * pipes busy. */
+#define RS (NP * 8) /* floats between rows of a block of lanes */
+#define TILE_6X2(HOLD)                                                                                              \
+    v8f c00 = {0}, c01 = {0}, c10 = {0}, c11 = {0}, c20 = {0}, c21 = {0};                                         \
+    v8f c30 = {0}, c31 = {0}, c40 = {0}, c41 = {0}, c50 = {0}, c51 = {0};                                         \
+    float *o0 = io + c * 8;                                                                                        \
+    if (!first) {                                                                                                  \
+        c00 = ld8(o0), c01 = ld8(o0 + 8), c10 = ld8(o0 + RS), c11 = ld8(o0 + RS + 8), c20 = ld8(o0 + 2 * RS);      \
+        c21 = ld8(o0 + 2 * RS + 8), c30 = ld8(o0 + 3 * RS), c31 = ld8(o0 + 3 * RS + 8), c40 = ld8(o0 + 4 * RS);    \
+        c41 = ld8(o0 + 4 * RS + 8), c50 = ld8(o0 + 5 * RS), c51 = ld8(o0 + 5 * RS + 8);                            \
+    }                                                                                                              \
+    bp += c * 8;                                                                                                   \
+    for (int64_t k = 0; k < nk; k++, ap += MR * 8, bp += NP * 8) {                                                 \
+        const v8f u0 = ld8(bp), u1 = ld8(bp + 8);                                                                  \
+        v8f v;                                                                                                     \
+        v = ld8(ap); HOLD(v); c00 += v * u0; c01 += v * u1;                                                        \
+        v = ld8(ap + 8); HOLD(v); c10 += v * u0; c11 += v * u1;                                                    \
+        v = ld8(ap + 16); HOLD(v); c20 += v * u0; c21 += v * u1;                                                   \
+        v = ld8(ap + 24); HOLD(v); c30 += v * u0; c31 += v * u1;                                                   \
+        v = ld8(ap + 32); HOLD(v); c40 += v * u0; c41 += v * u1;                                                   \
+        v = ld8(ap + 40); HOLD(v); c50 += v * u0; c51 += v * u1;                                                   \
+    }                                                                                                              \
+    if (sums) {                                                                                                    \
+        const v8f a[8] = {c00, c01, c10, c11, c20, c21, c30, c31}, b[8] = {c40, c41, c50, c51, c50, c51, c50, c51}; \
+        float s[16];                                                                                               \
+        lane_sums8(a, s);                                                                                          \
+        lane_sums8(b, s + 8);                                                                                      \
+        for (int q = 0; q < 6; q++) sums[q * NP + c] = s[2 * q], sums[q * NP + c + 1] = s[2 * q + 1];              \
+        return;                                                                                                    \
+    }                                                                                                              \
+    st8(o0, c00), st8(o0 + 8, c01), st8(o0 + RS, c10), st8(o0 + RS + 8, c11), st8(o0 + 2 * RS, c20);               \
+    st8(o0 + 2 * RS + 8, c21), st8(o0 + 3 * RS, c30), st8(o0 + 3 * RS + 8, c31), st8(o0 + 4 * RS, c40);            \
+    st8(o0 + 4 * RS + 8, c41), st8(o0 + 5 * RS, c50), st8(o0 + 5 * RS + 8, c51);
+
+#define HOLD_NONE(v) (void)(v)
+static void tile_6x2(const float *ap, const float *bp, int64_t nk, int first, float *io, float *sums, int c) {
+    TILE_6X2(HOLD_NONE)
+}
+
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && !defined(__SANITIZE_ADDRESS__)
+#define HOLD_REG(v) __asm__("" : "+x"(v))
+__attribute__((target("avx2"))) static void tile_6x2_avx2(const float *ap, const float *bp, int64_t nk, int first,
+                                                         float *io, float *sums, int c) {
+    TILE_6X2(HOLD_REG)
+}
+#define HAVE_AVX2_TILE 1
+#endif
+
+typedef void (*tile_fn)(const float *ap, const float *bp, int64_t nk, int first, float *io, float *sums, int c);
+
+/* Chosen once; both tiles compute the same bits (separate IEEE multiplies and adds, lane for lane). */
+static tile_fn pick_tile(void) {
+#ifdef HAVE_AVX2_TILE
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx2")) return tile_6x2_avx2;
+#endif
+    return tile_6x2;
+}
+
+/* The outputs (i0 + q, j0 + c), q < mv, c < nv: their lane sums (sums [MR][NP]) plus the products of the last R % 8
+ * values of r one by one, stored (or added). */
+static void finish(const ds4_gemm *g, const float *sums, int64_t i0, int64_t mv, int64_t j0, int64_t nv) {
+    const int64_t R8 = g->R & ~(int64_t)7;
+    const int acc = g->acc;
+    for (int64_t q = 0; q < mv; q++) {
+        float *y = g->y + (i0 + q) * g->ldy + j0;
+        for (int64_t c = 0; c < nv; c++) {
+            float s = sums[q * NP + c];
+            for (int64_t r = R8; r < g->R; r++) s += a_at(g, i0 + q, r) * b_at(g, j0 + c, r);
+            y[c] = acc ? y[c] + s : s;
+        }
+    }
+}
+
+/* What a worker's B block holds, so that consecutive tiles of the same columns (the task order puts them together)
+ * pack it once. Reset at the start of every run. */
+typedef struct {
+    const ds4_gemm *g;
+    int64_t j0, n, r0;
+} b_key;
+
+/* One tile: rows [i0, i0 + m) × columns [j0, j0 + n) of problem g, every chunk of r. ws: DS4_GEMM_WS_FLOATS, its
+ * head a b_key. bpre: g's B packed whole (every panel over all of R8), or NULL. */
+static void gemm_tile(const ds4_gemm *g, int64_t i0, int64_t m, int64_t j0, int64_t n, float *ws, tile_fn tile,
+                      const float *bpre) {
+    b_key *key = (b_key *)(void *)ws;
+    float *pa = ws + DS4_GEMM_WS_HEAD, *pb = pa + MC * KC, *lanes = pb + NC * KC; /* lanes: [MC/MR][NC/NP][MR][NP][8] */
+    const int64_t R8 = g->R & ~(int64_t)7, mp = (m + MR - 1) / MR, np = (n + NP - 1) / NP;
+    float sums[MR * NP];
+    if (R8 == 0) {
+        memset(sums, 0, sizeof sums); /* the lane sums of no products: +0, as the reference's zero lanes give */
+        for (int64_t ip = 0; ip < mp; ip++)
+            for (int64_t jp = 0; jp < np; jp++)
+                finish(g, sums, i0 + ip * MR, m - ip * MR < MR ? m - ip * MR : MR, j0 + jp * NP,
+                       n - jp * NP < NP ? n - jp * NP : NP);
+        return;
+    }
+    for (int64_t r0 = 0; r0 < R8; r0 += KC) {
+        const int64_t kc = R8 - r0 < KC ? R8 - r0 : KC, nk = kc / 8;
+        const int first = r0 == 0, last = r0 + kc == R8;
+        pack(pa, nk * MR * 8, g->a, g->a_rs, g->a_ks, g->M, i0, m, MR, r0, nk);
+        const float *bb;
+        int64_t bstride;
+        if (bpre) {
+            bb = bpre + (j0 / NP) * (R8 / 8) * NP * 8 + (r0 / 8) * NP * 8;
+            bstride = (R8 / 8) * NP * 8;
+        } else {
+            if (key->g != g || key->j0 != j0 || key->n != n || key->r0 != r0) {
+                pack(pb, nk * NP * 8, g->b, g->b_rs, g->b_ks, g->N, j0, n, NP, r0, nk);
+                *key = (b_key){g, j0, n, r0};
+            }
+            bb = pb;
+            bstride = nk * NP * 8;
+        }
+        for (int64_t ip = 0; ip < mp; ip++) {
+            const float *ap = pa + ip * nk * MR * 8;
+            const int64_t mv = m - ip * MR < MR ? m - ip * MR : MR;
+            for (int64_t jp = 0; jp < np; jp++) {
+                const float *bp = bb + jp * bstride;
+                const int64_t nv = n - jp * NP < NP ? n - jp * NP : NP;
+                float *io = lanes + (ip * (NC / NP) + jp) * MR * NP * 8; /* lane sums kept between chunks */
+                for (int c = 0; c < nv; c += 2) tile(ap, bp, nk, first, io, last ? sums : NULL, c);
+                if (last) finish(g, sums, i0 + ip * MR, mv, j0 + jp * NP, nv);
+            }
+        }
+    }
+}
+
+/* ------------------------------------------------------------------------------------------------ scheduling */
+
+typedef struct {
+    const ds4_gemm *g;
+    int64_t n, mc, nc;
+    int64_t *first;               /* [n + 1] first tile of each problem */
+    float *ws;
+    int64_t ws_stride;
+    tile_fn tile;
+    float *const *bpre;           /* [n] each problem's pre-packed B, or NULL */
+    int64_t *pfirst;              /* [n + 1] first B panel of each problem (pre-packing) */
+} gemm_job;
+
+static int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+/* Tiles run column block by column block, so that the workers that take consecutive tiles share B's panels in
+ * their caches. */
+static void gemm_task(void *ctx, int64_t t, int32_t worker) {
+    const gemm_job *j = ctx;
+    int64_t p = 0;
+    while (j->first[p + 1] <= t) p++;
+    const ds4_gemm *g = &j->g[p];
+    const int64_t k = t - j->first[p], nbi = cdiv(g->M, j->mc), bj = k / nbi, bi = k % nbi;
+    const int64_t i0 = bi * j->mc, j0 = bj * j->nc;
+    gemm_tile(g, i0, g->M - i0 < j->mc ? g->M - i0 : j->mc, j0, g->N - j0 < j->nc ? g->N - j0 : j->nc,
+              j->ws + (int64_t)worker * j->ws_stride, j->tile, j->bpre[p]);
+}
+
+/* Pre-packing: panel t (numbered across the problems) of B over all of R8. */
+static void prepack_task(void *ctx, int64_t t) {
+    const gemm_job *j = ctx;
+    int64_t p = 0;
+    while (j->pfirst[p + 1] <= t) p++;
+    const ds4_gemm *g = &j->g[p];
+    const int64_t P = t - j->pfirst[p], R8 = g->R & ~(int64_t)7, j0 = P * NP;
+    pack(j->bpre[p] + P * (R8 / 8) * NP * 8, 0, g->b, g->b_rs, g->b_ks, g->N, j0, g->N - j0 < NP ? g->N - j0 : NP, NP, 0,
+         R8 / 8);
+}
+
+/* B is worth packing once for the whole run where it is read across r (a transposed view): its panels are then
+ * gathered with transposes once instead of once per row block. */
+static int wants_prepack(const ds4_gemm *g) { return g->b_rs == 1 && g->b_ks != 1 && g->R >= 8 && g->M > 0 && g->N > 0; }
+
+void ds4_gemm_run(ds4_pool *pool, const ds4_gemm *g, int64_t n, float *ws, float *shared, int64_t shared_floats) {
+    enum { MAX_PROBLEMS = 256 };
+    int64_t first[MAX_PROBLEMS + 1], pfirst[MAX_PROBLEMS + 1];
+    float *bpre[MAX_PROBLEMS];
+    const tile_fn tile = pick_tile();
+    const int64_t threads = pool ? ds4_pool_threads(pool) : 1;
+    for (int64_t w = 0; w < threads; w++) *(b_key *)(void *)(ws + w * DS4_GEMM_WS_FLOATS) = (b_key){0};
+    for (int64_t p0 = 0; p0 < n; p0 += MAX_PROBLEMS) {
+        const int64_t cnt = n - p0 < MAX_PROBLEMS ? n - p0 : MAX_PROBLEMS;
+        /* the largest tiles that still give every thread a few, down to 12 × 16 */
+        int64_t mc = MC, nc = NC, tiles = 0;
+        for (;;) {
+            tiles = 0;
+            for (int64_t p = 0; p < cnt; p++) tiles += cdiv(g[p0 + p].M, mc) * cdiv(g[p0 + p].N, nc);
+            if (tiles >= 3 * threads || (mc <= 2 * MR && nc <= 2 * NP)) break;
+            if (mc * 3 >= nc * 2 && mc > 2 * MR) mc /= 2;
+            else nc /= 2;
+        }
+        first[0] = pfirst[0] = 0;
+        int64_t used = 0;
+        for (int64_t p = 0; p < cnt; p++) {
+            const ds4_gemm *q = &g[p0 + p];
+            first[p + 1] = first[p] + (q->M > 0 && q->N > 0 ? cdiv(q->M, mc) * cdiv(q->N, nc) : 0);
+            const int64_t need = cdiv(q->N, NP) * NP * (q->R & ~(int64_t)7);
+            bpre[p] = NULL;
+            if (wants_prepack(q) && shared && used + need <= shared_floats) {
+                bpre[p] = shared + used;
+                used += need;
+            }
+            pfirst[p + 1] = pfirst[p] + (bpre[p] ? cdiv(q->N, NP) : 0);
+        }
+        gemm_job j = {g + p0, cnt, mc, nc, first, ws, DS4_GEMM_WS_FLOATS, tile, bpre, pfirst};
+        if (pool) {
+            ds4_pool_run(pool, pfirst[cnt], prepack_task, &j);
+            ds4_pool_run_worker(pool, first[cnt], gemm_task, &j);
+        } else {
+            for (int64_t t = 0; t < pfirst[cnt]; t++) prepack_task(&j, t);
+            for (int64_t t = 0; t < first[cnt]; t++) gemm_task(&j, t, 0);
+        }
+    }
+}
