@@ -14,7 +14,10 @@
 #include "ops.h"
 #include "sched.h"
 
-enum { DS4_CPU_MAX_TASKS = 64 };
+enum {
+    DS4_CPU_MAX_TASKS = 64,
+    DS4_HC_TB = 8, /* tokens per block of the mHC mix logits (a small product with fn; scratch of DS4_HC_TB · n·D) */
+};
 
 typedef struct ds4_cpu {
     ds4_dev dev;                  /* first: a ds4_dev * of this backend is a ds4_cpu * */

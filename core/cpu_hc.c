@@ -56,30 +56,34 @@ void ds4_hc_sinkhorn(const ds4_config *c, const float *comb_logits, float sc2, c
     }
 }
 
-/* pre/post/comb and the collapsed input u for tokens [b, e). */
+/* pre/post/comb and the collapsed input u for tokens [b, e). The mix logits of DS4_HC_TB tokens at a time are one
+ * small product with fn (each the same 8-lane dot as ds4_dot), so fn is read once per block instead of per token. */
 static void hc_pre_range(const ds4_cpu *cpu, const void *p, int64_t b, int64_t e, int64_t task) {
     const ds4_a_hc_pre *a = p;
     const ds4_config *c = a->c;
     const int64_t n = c->hc_mult, D = c->hidden_size, nD = n * D, mix = (2 + n) * n;
     const double eps = c->rms_norm_eps, hc_eps = c->hc_eps;
-    float *xn = ds4_cpu_scratch(cpu, task); /* n·D floats */
-    float mixv[DS4_MAX_HC_MIX];
+    float *xn = ds4_cpu_scratch(cpu, task); /* DS4_HC_TB · n·D floats */
+    float mixb[DS4_HC_TB * DS4_MAX_HC_MIX];
     double M[DS4_MAX_HC_SQ];
-    for (int64_t t = b; t < e; t++) {
-        const float *x = a->X + t * nD;
-        ds4_rmsnorm_rows(xn, x, NULL, 1, nD, eps);
-        for (int64_t j = 0; j < mix; j++) mixv[j] = ds4_dot(a->w->fn + j * nD, xn, nD);
-        const float *base = a->w->base, *sc = a->w->scale;
-        float *pre = a->pre + t * n, *post = a->post + t * n, *comb = a->comb + t * n * n;
-        for (int64_t i = 0; i < n; i++) {
-            pre[i] = ds4_sigmoidf(mixv[i] * sc[0] + base[i]) + (float)hc_eps;
-            post[i] = 2.0f * ds4_sigmoidf(mixv[n + i] * sc[1] + base[n + i]);
+    for (int64_t t0 = b; t0 < e; t0 += DS4_HC_TB) {
+        const int64_t tb = e - t0 < DS4_HC_TB ? e - t0 : DS4_HC_TB;
+        ds4_rmsnorm_rows(xn, a->X + t0 * nD, NULL, tb, nD, eps);
+        ds4_matmul_nt_serial(mixb, mix, xn, nD, a->w->fn, tb, nD, mix);
+        for (int64_t t = t0; t < t0 + tb; t++) {
+            const float *x = a->X + t * nD, *mixv = mixb + (t - t0) * mix;
+            const float *base = a->w->base, *sc = a->w->scale;
+            float *pre = a->pre + t * n, *post = a->post + t * n, *comb = a->comb + t * n * n;
+            for (int64_t i = 0; i < n; i++) {
+                pre[i] = ds4_sigmoidf(mixv[i] * sc[0] + base[i]) + (float)hc_eps;
+                post[i] = 2.0f * ds4_sigmoidf(mixv[n + i] * sc[1] + base[n + i]);
+            }
+            ds4_hc_sinkhorn(c, mixv + 2 * n, sc[2], base + 2 * n, M, NULL);
+            for (int64_t i = 0; i < n * n; i++) comb[i] = (float)M[i];
+            float *u = a->u + t * D;
+            memset(u, 0, (size_t)D * sizeof(float));
+            for (int64_t i = 0; i < n; i++) ds4_axpy(u, pre[i], x + i * D, D);
         }
-        ds4_hc_sinkhorn(c, mixv + 2 * n, sc[2], base + 2 * n, M, NULL);
-        for (int64_t i = 0; i < n * n; i++) comb[i] = (float)M[i];
-        float *u = a->u + t * D;
-        memset(u, 0, (size_t)D * sizeof(float));
-        for (int64_t i = 0; i < n; i++) ds4_axpy(u, pre[i], x + i * D, D);
     }
 }
 
@@ -135,11 +139,13 @@ static void hc_pre_bwd_range(const ds4_cpu *cpu, const void *p, int64_t b, int64
     const double hc_eps = c->hc_eps;
     const float *base = a->w->base, *sc = a->w->scale;
     double *tape = cpu->sk + task * cpu->sk_stride; /* (2·iters) states of n·n, then the softmax P */
+    /* xn and the mix logits for all the range's tokens first: one small product with fn (dmix holds mix first,
+     * then its gradient) */
+    ds4_rmsnorm_rows(a->xn + b * nD, a->X + b * nD, NULL, e - b, nD, c->rms_norm_eps);
+    ds4_matmul_nt_serial(a->dmix + b * mix, mix, a->xn + b * nD, nD, a->w->fn, e - b, nD, mix);
     for (int64_t t = b; t < e; t++) {
         const float *x = a->X + t * nD, *du = a->du + t * D;
-        float *xn = a->xn + t * nD, *mixv = a->dmix + t * mix; /* dmix holds mix first, then its gradient */
-        ds4_rmsnorm_rows(xn, x, NULL, 1, nD, c->rms_norm_eps);
-        for (int64_t j = 0; j < mix; j++) mixv[j] = ds4_dot(a->w->fn + j * nD, xn, nD);
+        float *mixv = a->dmix + t * mix;
         float *dzb = a->dzb + t * mix, *dzs = a->dzs + t * 3;
         dzs[0] = dzs[1] = dzs[2] = 0;
         /* pre = σ(z)+eps, z = mix·s0 + b: the collapse gradient dpre_i = <du, X_i> */
@@ -206,15 +212,20 @@ static void hc_post_bwd_range(const ds4_cpu *cpu, const void *p, int64_t b, int6
     const ds4_a_hc_post_bwd *a = p;
     const ds4_config *c = a->c;
     const int64_t n = c->hc_mult, D = c->hidden_size, nD = n * D, mix = (2 + n) * n;
-    float *xn = ds4_cpu_scratch(cpu, task);
+    float *xn = ds4_cpu_scratch(cpu, task); /* DS4_HC_TB · n·D floats */
     const float *base = a->w->base, *sc = a->w->scale;
+    float mixb[DS4_HC_TB * DS4_MAX_HC_MIX];
     for (int64_t t = b; t < e; t++) {
+        const int64_t k0 = (t - b) % DS4_HC_TB;
+        if (k0 == 0) { /* the post and comb logits (rows n .. mix-1 of fn) of the next block of tokens */
+            const int64_t tb = e - t < DS4_HC_TB ? e - t : DS4_HC_TB;
+            ds4_rmsnorm_rows(xn, a->X + t * nD, NULL, tb, nD, c->rms_norm_eps);
+            ds4_matmul_nt_serial(mixb, mix, xn, nD, a->w->fn + n * nD, tb, nD, mix - n);
+        }
         const float *x = a->X + t * nD, *dxo = a->dXo + t * nD, *at = a->a + t * D;
         float mixv[DS4_MAX_HC_MIX];
         double M[DS4_MAX_HC_SQ];
-        ds4_rmsnorm_rows(xn, x, NULL, 1, nD, c->rms_norm_eps);
-        for (int64_t j = 2 * n; j < mix; j++) mixv[j] = ds4_dot(a->w->fn + j * nD, xn, nD);
-        for (int64_t i = 0; i < n; i++) mixv[n + i] = ds4_dot(a->w->fn + (n + i) * nD, xn, nD);
+        for (int64_t j = n; j < mix; j++) mixv[j] = mixb[k0 * mix + j - n];
         ds4_hc_sinkhorn(c, mixv + 2 * n, sc[2], base + 2 * n, M, NULL);
         float *da = a->da + t * D, *dX = a->dX + t * nD;
         memset(da, 0, (size_t)D * sizeof(float));
