@@ -184,13 +184,15 @@ void ds4_cpu_record_picks(ds4_dev *d, const ds4_a_record_picks *a) {
 
 /* ------------------------------------------------------------------------------------------------ attention */
 
-/* Joint softmax with sink over window keys ∪ permitted compressed entries; values = keys. */
+/* Joint softmax with sink over window keys ∪ permitted compressed entries; values = keys. All heads share the keys
+ * (one KV head), so the logits of every head are one small product with the key rows and the outputs one weighted
+ * sum over them (ds4_dots_ptr, ds4_wsum_ptr: the same dots and the same sequence of adds as head by head). */
 static void attn_range(const ds4_cpu *cpu, const void *p, int64_t b, int64_t e, int64_t task) {
     const ds4_a_attention *a = p;
     const ds4_config *c = a->c;
     const int64_t H = c->num_attention_heads, d = c->head_dim, win = c->sliding_window;
     const float scale = 1.0f / sqrtf((float)d);
-    float *lg = ds4_cpu_scratch(cpu, task);
+    float *lg = ds4_cpu_scratch(cpu, task); /* [H, nk] logits, then probabilities */
     const float **keys = (const float **)(void *)(lg + cpu->key_off);
     for (int64_t t = b; t < e; t++) {
         const int64_t s = ds4_rows_pos(&a->rows, t);
@@ -206,22 +208,23 @@ static void attn_range(const ds4_cpu *cpu, const void *p, int64_t b, int64_t e, 
             else
                 for (int64_t i = 0; i < a->nsel[t]; i++) keys[nk++] = ent + a->sel[t * a->sel_stride + i] * d;
         }
-        float *tgt = a->type == DS4_ATTN_CSA && a->itgt ? a->itgt + t * a->sel_stride : NULL;
-        if (tgt) memset(tgt, 0, (size_t)a->sel_stride * sizeof(float));
+        ds4_dots_ptr(lg, nk, a->q + t * H * d, d, H, keys, nk, d);
         for (int64_t hh = 0; hh < H; hh++) {
-            const float *q = a->q + (t * H + hh) * d;
-            float mx = a->sink[hh];
+            float *l = lg + hh * nk, mx = a->sink[hh];
             for (int64_t k = 0; k < nk; k++) {
-                lg[k] = ds4_dot(q, keys[k], d) * scale;
-                if (lg[k] > mx) mx = lg[k];
+                l[k] = l[k] * scale;
+                if (l[k] > mx) mx = l[k];
             }
             double den = exp((double)(a->sink[hh] - mx));
-            for (int64_t k = 0; k < nk; k++) den += (lg[k] = (float)exp((double)(lg[k] - mx)));
-            float *o = a->o + (t * H + hh) * d;
-            memset(o, 0, (size_t)d * sizeof(float));
-            for (int64_t k = 0; k < nk; k++) ds4_axpy(o, (float)(lg[k] / den), keys[k], d);
-            if (tgt) /* attention mass on each indexer pick, the indexer KL loss's (detached) target */
-                for (int64_t k = s - j0 + 1; k < nk; k++) tgt[k - (s - j0 + 1)] += (float)(lg[k] / den);
+            for (int64_t k = 0; k < nk; k++) den += (l[k] = (float)exp((double)(l[k] - mx)));
+            for (int64_t k = 0; k < nk; k++) l[k] = (float)(l[k] / den);
+        }
+        ds4_wsum_ptr(a->o + t * H * d, d, lg, nk, H, keys, nk, d);
+        float *tgt = a->type == DS4_ATTN_CSA && a->itgt ? a->itgt + t * a->sel_stride : NULL;
+        if (tgt) { /* attention mass on each indexer pick, the indexer KL loss's (detached) target */
+            memset(tgt, 0, (size_t)a->sel_stride * sizeof(float));
+            for (int64_t hh = 0; hh < H; hh++)
+                for (int64_t k = s - j0 + 1; k < nk; k++) tgt[k - (s - j0 + 1)] += lg[hh * nk + k];
         }
     }
 }

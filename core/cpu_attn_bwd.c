@@ -24,7 +24,9 @@ static int64_t key_list(const ds4_a_attn_bwd *a, int64_t t, const float **keys) 
     return nk;
 }
 
-/* Phase A, per query: probabilities P, logit gradients DS (scale folded in), dq and the sink gradient. */
+/* Phase A, per query: probabilities P, logit gradients DS (scale folded in), dq and the sink gradient. The dots of
+ * every head with the shared keys and the dq sums run as small products (ds4_dots_ptr, ds4_wsum_ptr), with the same
+ * sums as head by head. */
 static void attn_q_range(const ds4_cpu *cpu, const void *p, int64_t b, int64_t e, int64_t task) {
     const ds4_a_attn_bwd *a = p;
     const ds4_config *c = a->c;
@@ -33,13 +35,15 @@ static void attn_q_range(const ds4_cpu *cpu, const void *p, int64_t b, int64_t e
     const float **keys = (const float **)(void *)(ds4_cpu_scratch(cpu, task) + cpu->key_off);
     for (int64_t t = b; t < e; t++) {
         const int64_t nk = key_list(a, t, keys);
+        float *Pt = a->P + t * H * a->maxk, *DSt = a->DS + t * H * a->maxk;
+        ds4_dots_ptr(Pt, a->maxk, a->lt->q + t * H * d, d, H, keys, nk, d);
+        ds4_dots_ptr(DSt, a->maxk, a->dout + t * H * d, d, H, keys, nk, d); /* dp_k: the value is the key */
         for (int64_t h = 0; h < H; h++) {
-            const float *q = a->lt->q + (t * H + h) * d, *dout = a->dout + (t * H + h) * d;
-            float *P = a->P + (t * H + h) * a->maxk, *DS = a->DS + (t * H + h) * a->maxk;
+            float *P = Pt + h * a->maxk, *DS = DSt + h * a->maxk;
             const float sink = a->l->sink[h];
             float mx = sink;
             for (int64_t k = 0; k < nk; k++) {
-                P[k] = ds4_dot(q, keys[k], d) * scale;
+                P[k] = P[k] * scale;
                 mx = P[k] > mx ? P[k] : mx;
             }
             double den = exp((double)(sink - mx));
@@ -48,17 +52,12 @@ static void attn_q_range(const ds4_cpu *cpu, const void *p, int64_t b, int64_t e
             double pdp = 0;
             for (int64_t k = 0; k < nk; k++) {
                 P[k] = (float)(P[k] / den);
-                DS[k] = ds4_dot(dout, keys[k], d); /* dp_k: the value is the key */
                 pdp += (double)P[k] * DS[k];
             }
             a->dsink_t[t * H + h] = (float)(-(psink_num / den) * pdp);
-            float *dq = a->dq + (t * H + h) * d;
-            memset(dq, 0, (size_t)d * sizeof(float));
-            for (int64_t k = 0; k < nk; k++) {
-                DS[k] = (float)(P[k] * (DS[k] - pdp)) * scale;
-                ds4_axpy(dq, DS[k], keys[k], d);
-            }
+            for (int64_t k = 0; k < nk; k++) DS[k] = (float)(P[k] * (DS[k] - pdp)) * scale;
         }
+        ds4_wsum_ptr(a->dq + t * H * d, d, DSt, a->maxk, H, keys, nk, d);
     }
 }
 

@@ -77,7 +77,7 @@ static size_t zmax(size_t a, size_t b) { return a > b ? a : b; }
 
 /* Per-range scratch of a forward pass, the largest of: mHC / HyperHead normalised streams (DS4_HC_TB tokens of
  * n·D), compressor slots (2m gates, 2m values, 4m row pointers of 2 floats each: 12m), indexer scores (<= S entries),
- * attention logits (window + <= S entries) followed by as many key pointers (2 floats each); in training also a
+ * attention logits of every head (H × (window + <= S entries)) followed by as many key pointers (2 floats each); in training also a
  * vocabulary row of doubles (the log-probability backward). The backward adds its Sinkhorn states, RMS factors and the room in which
  * the linear backward packs an operand once per operation. (The matrix products' per-thread scratch does not depend
  * on the pass: it is made with the backend.) */
@@ -87,7 +87,7 @@ static ds4_status cpu_reserve(ds4_dev *d, const ds4_config *c, int64_t T, int64_
     const size_t H = (size_t)c->num_attention_heads, nD = n * D, Tz = (size_t)T;
     const int64_t mmax = c->compress_rate_csa > c->compress_rate_hca ? c->compress_rate_csa : c->compress_rate_hca;
     const int64_t nkeys = (c->sliding_window < S ? c->sliding_window : S) + S;
-    const int64_t key_off = (nkeys + 1) & ~(int64_t)1; /* keep the pointer array 8-byte aligned */
+    const int64_t key_off = ((int64_t)H * nkeys + 1) & ~(int64_t)1; /* logits of every head; pointers 8-byte aligned */
     int64_t stride = key_off + 2 * nkeys;
     if (DS4_HC_TB * (int64_t)nD > stride) stride = DS4_HC_TB * (int64_t)nD;
     if (12 * mmax > stride) stride = 12 * mmax;

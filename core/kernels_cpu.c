@@ -41,19 +41,20 @@ float ds4_dot(const float *a, const float *b, int64_t n) {
     return s;
 }
 
-/* A 4-token × 3-output register tile over the whole K: 12 vector accumulators plus 3 weight vectors and one
- * input vector fit the 16 AVX registers; each step loads 7 vectors for 12 vector multiply-adds. Every output
- * element is one ds4_dot-style 8-lane sum, so tiles, remainders and thread splits all give identical bits. */
+/* A 4-row × 3-output register tile over the whole K: 12 vector accumulators plus 3 weight vectors and one input
+ * vector fit the 16 AVX registers; each step loads 7 vectors for 12 vector multiply-adds. Every output element is
+ * one ds4_dot-style 8-lane sum, so tiles, remainders and thread splits all give identical bits. Row o of W is wp[o]
+ * when wp is given, else W + o·K. */
 DS4_CLONES
-static void matmul_block(float *y, int64_t ldy, const float *x, int64_t ldx, const float *W, int64_t t0,
-                         int64_t t1, int64_t o0, int64_t o1, int64_t K) {
+static void dot_block(float *y, int64_t ldy, const float *x, int64_t ldx, int64_t nx, const float *const *wp,
+                      const float *W, int64_t nw, int64_t K) {
     const int64_t K8 = K & ~(int64_t)7;
-    int64_t t = t0;
-    for (; t + 4 <= t1; t += 4) {
+    int64_t t = 0;
+    for (; t + 4 <= nx; t += 4) {
         const float *x0 = x + t * ldx, *x1 = x0 + ldx, *x2 = x1 + ldx, *x3 = x2 + ldx;
-        int64_t o = o0;
-        for (; o + 3 <= o1; o += 3) {
-            const float *w0 = W + o * K, *w1 = w0 + K, *w2 = w1 + K;
+        int64_t o = 0;
+        for (; o + 3 <= nw; o += 3) {
+            const float *w0 = wp ? wp[o] : W + o * K, *w1 = wp ? wp[o + 1] : w0 + K, *w2 = wp ? wp[o + 2] : w1 + K;
             v8f c00 = {0}, c01 = {0}, c02 = {0}, c10 = {0}, c11 = {0}, c12 = {0};
             v8f c20 = {0}, c21 = {0}, c22 = {0}, c30 = {0}, c31 = {0}, c32 = {0};
             for (int64_t k = 0; k < K8; k += 8) {
@@ -77,11 +78,55 @@ static void matmul_block(float *y, int64_t ldy, const float *x, int64_t ldx, con
                     y[(t + i) * ldy + o + j] = acc;
                 }
         }
-        for (; o < o1; o++)
-            for (int i = 0; i < 4; i++) y[(t + i) * ldy + o] = ds4_dot(x + (t + i) * ldx, W + o * K, K);
+        for (; o < nw; o++)
+            for (int i = 0; i < 4; i++) y[(t + i) * ldy + o] = ds4_dot(x + (t + i) * ldx, wp ? wp[o] : W + o * K, K);
     }
-    for (; t < t1; t++)
-        for (int64_t o = o0; o < o1; o++) y[t * ldy + o] = ds4_dot(x + t * ldx, W + o * K, K);
+    for (; t < nx; t++)
+        for (int64_t o = 0; o < nw; o++) y[t * ldy + o] = ds4_dot(x + t * ldx, wp ? wp[o] : W + o * K, K);
+}
+
+void ds4_dots_ptr(float *y, int64_t ldy, const float *x, int64_t ldx, int64_t nx, const float *const *w, int64_t nw,
+                  int64_t K) {
+    dot_block(y, ldy, x, ldx, nx, w, NULL, nw, K);
+}
+
+/* o[h·ldo + i] = Σ_k p[h·ldp + k]·v[k][i] for h < nh, i < n, summed from +0 in increasing k: for every element the
+ * additions a zeroed row followed by ds4_axpy(o_h, p[h][k], v[k]) for k = 0, 1, .. makes, with 4 rows × 16 columns
+ * held in registers across all of k instead of reloading o for every k. */
+DS4_CLONES
+void ds4_wsum_ptr(float *o, int64_t ldo, const float *p, int64_t ldp, int64_t nh, const float *const *v, int64_t nk,
+                  int64_t n) {
+    const int64_t n16 = n & ~(int64_t)15;
+    int64_t h = 0;
+    for (; h + 4 <= nh; h += 4) {
+        const float *p0 = p + h * ldp, *p1 = p0 + ldp, *p2 = p1 + ldp, *p3 = p2 + ldp;
+        for (int64_t i = 0; i < n16; i += 16) {
+            v8f a0 = {0}, b0 = {0}, a1 = {0}, b1 = {0}, a2 = {0}, b2 = {0}, a3 = {0}, b3 = {0};
+            for (int64_t k = 0; k < nk; k++) {
+                const v8f x = load8(v[k] + i), z = load8(v[k] + i + 8);
+                v8f s = {p0[k], p0[k], p0[k], p0[k], p0[k], p0[k], p0[k], p0[k]};
+                a0 += s * x, b0 += s * z;
+                s = (v8f){p1[k], p1[k], p1[k], p1[k], p1[k], p1[k], p1[k], p1[k]};
+                a1 += s * x, b1 += s * z;
+                s = (v8f){p2[k], p2[k], p2[k], p2[k], p2[k], p2[k], p2[k], p2[k]};
+                a2 += s * x, b2 += s * z;
+                s = (v8f){p3[k], p3[k], p3[k], p3[k], p3[k], p3[k], p3[k], p3[k]};
+                a3 += s * x, b3 += s * z;
+            }
+            float *q = o + h * ldo + i;
+            memcpy(q, &a0, 32), memcpy(q + 8, &b0, 32), q += ldo;
+            memcpy(q, &a1, 32), memcpy(q + 8, &b1, 32), q += ldo;
+            memcpy(q, &a2, 32), memcpy(q + 8, &b2, 32), q += ldo;
+            memcpy(q, &a3, 32), memcpy(q + 8, &b3, 32);
+        }
+    }
+    /* the rest: rows past the last group of 4, columns past the last 16, one scalar sum each */
+    for (int64_t r = 0; r < nh; r++)
+        for (int64_t i = r < h ? n16 : 0; i < n; i++) {
+            float acc = 0.0f;
+            for (int64_t k = 0; k < nk; k++) acc += p[r * ldp + k] * v[k][i];
+            o[r * ldo + i] = acc;
+        }
 }
 
 DS4_CLONES
@@ -97,7 +142,7 @@ void ds4_axpy(float *y, float a, const float *x, int64_t n) {
 
 void ds4_matmul_nt_serial(float *y, int64_t ldy, const float *x, int64_t ldx, const float *W, int64_t T,
                           int64_t K, int64_t O) {
-    matmul_block(y, ldy, x, ldx, W, 0, T, 0, O, K);
+    dot_block(y, ldy, x, ldx, T, NULL, W, O, K);
 }
 
 void ds4_rmsnorm_rows(float *y, const float *x, const float *w, int64_t rows, int64_t n, double eps) {

@@ -53,6 +53,17 @@ void ds4_gemm_run(ds4_pool *pool, const ds4_gemm *g, int64_t n, float *ws, float
 /* Σ_k a[k]·b[k] with the same 8-lane accumulation as the matmul. */
 float ds4_dot(const float *a, const float *b, int64_t n);
 
+/* y[i·ldy + k] = Σ_j x[i·ldx + j]·w[k][j] for i < nx, k < nw: the dots of nx rows with nw rows given by pointers
+ * (attention keys), each summed as ds4_dot sums. */
+void ds4_dots_ptr(float *y, int64_t ldy, const float *x, int64_t ldx, int64_t nx, const float *const *w, int64_t nw,
+                  int64_t K);
+
+/* o[h·ldo + i] = Σ_k p[h·ldp + k]·v[k][i] for h < nh, i < n (rows v[k] given by pointers), each element summed from
+ * +0 in increasing k with fp32 adds: exactly what zeroing o and ds4_axpy(o_h, p[h][k], v[k], n) for k = 0, 1, ..
+ * give, without re-reading o for every k. */
+void ds4_wsum_ptr(float *o, int64_t ldo, const float *p, int64_t ldp, int64_t nh, const float *const *v, int64_t nk,
+                  int64_t n);
+
 /* y[i] += a · x[i]. Vectorised across i only, so each element's arithmetic is the plain scalar one. */
 void ds4_axpy(float *y, float a, const float *x, int64_t n);
 

@@ -1,4 +1,4 @@
-/* test_gemm.c — the CPU matrix products (core/cpu_gemm.c) against a plain scalar reference of the summation order
+/* test_gemm.c — the CPU matrix products (core/cpu_gemm.c) and the attention's pointer-row kernels against a plain scalar reference of the summation order
  * they promise: eight fp32 lanes over r < R & ~7 (lane l takes r ≡ l mod 8, in order), the lanes combined as
  * ((l0 + l4) + (l1 + l5)) + ((l2 + l6) + (l3 + l7)), then the last R % 8 products one by one. Bit for bit, for
  * operands read along and across r, strides, accumulation, edge tiles, several chunks of r, several products in one
@@ -57,8 +57,40 @@ static void make(prob *p, int64_t M, int64_t N, int64_t R, int ta, int tb, int a
 
 static void drop(prob *p) { free(p->a), free(p->b), free(p->y), free(p->want); }
 
+/* ds4_dots_ptr against ds4_dot, ds4_wsum_ptr against a zeroed row and ds4_axpy per k (the attention's kernels) */
+static void check_ptr_kernels(void) {
+    static const int64_t shapes[][3] = {{1, 1, 1}, {8, 130, 128}, {5, 7, 37}, {4, 3, 16}, {9, 200, 64}, {3, 2, 15}};
+    for (size_t si = 0; si < sizeof shapes / sizeof *shapes; si++) {
+        const int64_t nh = shapes[si][0], nk = shapes[si][1], n = shapes[si][2];
+        float *q = malloc((size_t)(nh * n) * sizeof(float)), *rows = malloc((size_t)(nk * n) * sizeof(float));
+        float *p = malloc((size_t)(nh * nk) * sizeof(float)), *y = malloc((size_t)(nh * nk) * sizeof(float));
+        float *o = malloc((size_t)(nh * n) * sizeof(float)), *want = malloc((size_t)(nh * n) * sizeof(float));
+        const float **v = malloc((size_t)nk * sizeof(float *));
+        for (int64_t i = 0; i < nh * n; i++) q[i] = frand();
+        for (int64_t i = 0; i < nk * n; i++) rows[i] = frand();
+        for (int64_t i = 0; i < nh * nk; i++) p[i] = i % 5 == 0 ? -0.0f : frand();
+        for (int64_t k = 0; k < nk; k++) v[k] = rows + ((k * 7) % nk) * n; /* pointers in no particular order */
+        ds4_dots_ptr(y, nk, q, n, nh, v, nk, n);
+        int same = 1;
+        for (int64_t h = 0; h < nh; h++)
+            for (int64_t k = 0; k < nk; k++) {
+                const float w = ds4_dot(q + h * n, v[k], n);
+                same &= !memcmp(&w, &y[h * nk + k], sizeof w);
+            }
+        CHECK(same, "ds4_dots_ptr %lld x %lld x %lld differs from ds4_dot", (long long)nh, (long long)nk, (long long)n);
+        ds4_wsum_ptr(o, n, p, nk, nh, v, nk, n);
+        memset(want, 0, (size_t)(nh * n) * sizeof(float));
+        for (int64_t h = 0; h < nh; h++)
+            for (int64_t k = 0; k < nk; k++) ds4_axpy(want + h * n, p[h * nk + k], v[k], n);
+        CHECK(!memcmp(o, want, (size_t)(nh * n) * sizeof(float)), "ds4_wsum_ptr %lld x %lld x %lld differs from ds4_axpy",
+              (long long)nh, (long long)nk, (long long)n);
+        free(q), free(rows), free(p), free(y), free(o), free(want), free(v);
+    }
+}
+
 int main(int argc, char **argv) {
     (void)argc, (void)argv;
+    check_ptr_kernels();
     static const int64_t shapes[][3] = {{1, 1, 0},   {1, 1, 1},    {5, 3, 7},     {6, 8, 8},    {7, 9, 17},
                                         {13, 2, 64}, {48, 64, 512}, {50, 70, 515}, {97, 131, 40}, {12, 9, 1031},
                                         {64, 96, 96}, {3, 200, 1100}};
