@@ -62,37 +62,34 @@ __attribute__((always_inline)) static inline void transpose8(float *dst, const f
 }
 
 /* Pack rows [i0, i0 + n) of a view X(i, r) = x[i·rs + r·ks] (extent rows in all) over r in [r0, r0 + 8·nk) into
- * panels of `width` rows, `pstride` floats apart: dst[panel][r / 8][row in panel][r % 8], rows past n zero. */
+ * panels of `width` rows, `pstride` floats apart: dst[panel][r / 8][row in panel][r % 8], rows past n zero. A
+ * transposed view (rs = 1) is gathered 8 rows at a time with 8 × 8 transposes. */
 GEMM_CLONES
 static void pack(float *dst, int64_t pstride, const float *x, int64_t rs, int64_t ks, int64_t extent, int64_t i0,
                  int64_t n, int64_t width, int64_t r0, int64_t nk) {
-    const int64_t npanel = (n + width - 1) / width;
-    float blk[64];
-    for (int64_t p = 0; p < npanel; p++) {
-        float *d = dst + p * pstride;
-        const int64_t rows = n - p * width < width ? n - p * width : width, c0 = i0 + p * width;
-        if (ks == 1) {
-            for (int64_t q = 0; q < rows; q++) {
-                const float *src = x + (c0 + q) * rs + r0;
-                for (int64_t k = 0; k < nk; k++) memcpy(d + (k * width + q) * 8, src + k * 8, 8 * sizeof(float));
-            }
-        } else if (rs == 1 && c0 + 8 <= extent) {
-            /* a transposed view: row r of x holds X(c0 .. c0 + 7, r) side by side */
+    int64_t q0 = 0; /* rows [0, q0) are done */
+    if (ks != 1 && rs == 1) {
+        float blk[64];
+        for (; q0 + 8 <= n && i0 + q0 + 8 <= extent; q0 += 8)
             for (int64_t k = 0; k < nk; k++) {
-                if (width == 8) {
-                    transpose8(d + k * 64, x + (r0 + k * 8) * ks + c0, ks);
-                } else {
-                    transpose8(blk, x + (r0 + k * 8) * ks + c0, ks);
-                    memcpy(d + k * width * 8, blk, (size_t)(rows * 8) * sizeof(float));
+                transpose8(blk, x + (r0 + k * 8) * ks + i0 + q0, ks); /* blk[q·8 + l] = X(i0 + q0 + q, r0 + 8k + l) */
+                for (int64_t q = 0; q < 8; q++) {
+                    const int64_t row = q0 + q;
+                    memcpy(dst + (row / width) * pstride + (k * width + row % width) * 8, blk + q * 8, 8 * sizeof(float));
                 }
             }
-        } else {
-            for (int64_t q = 0; q < rows; q++)
-                for (int64_t r = 0; r < 8 * nk; r++) d[((r / 8) * width + q) * 8 + r % 8] = x[(c0 + q) * rs + (r0 + r) * ks];
-        }
-        if (rows < width)
-            for (int64_t k = 0; k < nk; k++) memset(d + (k * width + rows) * 8, 0, (size_t)((width - rows) * 8) * sizeof(float));
     }
+    for (int64_t row = q0; row < n; row++) {
+        float *d = dst + (row / width) * pstride + (row % width) * 8;
+        const float *src = x + (i0 + row) * rs + r0 * ks;
+        if (ks == 1)
+            for (int64_t k = 0; k < nk; k++) memcpy(d + k * width * 8, src + k * 8, 8 * sizeof(float));
+        else
+            for (int64_t r = 0; r < 8 * nk; r++) d[(r / 8) * width * 8 + r % 8] = src[r * ks];
+    }
+    for (int64_t row = n; row % width; row++) /* zero rows up to the end of the last panel */
+        for (int64_t k = 0; k < nk; k++)
+            memset(dst + (row / width) * pstride + (k * width + row % width) * 8, 0, 8 * sizeof(float));
 }
 
 /* The lane sums of eight accumulators, s[k] = ((l0 + l4) + (l1 + l5)) + ((l2 + l6) + (l3 + l7)) of a[k], computed
@@ -250,38 +247,42 @@ static void gemm_tile(const ds4_gemm *g, int64_t i0, int64_t m, int64_t j0, int6
 typedef struct {
     const ds4_gemm *g;
     int64_t n, mc, nc;
-    int64_t *first;               /* [n + 1] first tile of each problem */
+    int64_t *first;               /* [n + 1] first task of each problem */
+    int64_t *bper;                /* [n] row blocks per task of each problem */
     float *ws;
     int64_t ws_stride;
     tile_fn tile;
     float *const *bpre;           /* [n] each problem's pre-packed B, or NULL */
-    int64_t *pfirst;              /* [n + 1] first B panel of each problem (pre-packing) */
+    int64_t *pfirst;              /* [n + 1] first group of 8 B columns of each problem (pre-packing) */
 } gemm_job;
 
 static int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-/* Tiles run column block by column block, so that the workers that take consecutive tiles share B's panels in
- * their caches. */
+/* A task is a run of row blocks of one column block: its tiles share B's packed block (b_key), which a worker then
+ * packs once per task rather than once per tile. */
 static void gemm_task(void *ctx, int64_t t, int32_t worker) {
     const gemm_job *j = ctx;
     int64_t p = 0;
     while (j->first[p + 1] <= t) p++;
     const ds4_gemm *g = &j->g[p];
-    const int64_t k = t - j->first[p], nbi = cdiv(g->M, j->mc), bj = k / nbi, bi = k % nbi;
-    const int64_t i0 = bi * j->mc, j0 = bj * j->nc;
-    gemm_tile(g, i0, g->M - i0 < j->mc ? g->M - i0 : j->mc, j0, g->N - j0 < j->nc ? g->N - j0 : j->nc,
-              j->ws + (int64_t)worker * j->ws_stride, j->tile, j->bpre[p]);
+    const int64_t nbi = cdiv(g->M, j->mc), per = j->bper[p], runs = cdiv(nbi, per), k = t - j->first[p];
+    const int64_t bj = k / runs, b0 = (k % runs) * per, b1 = b0 + per < nbi ? b0 + per : nbi, j0 = bj * j->nc;
+    for (int64_t bi = b0; bi < b1; bi++) {
+        const int64_t i0 = bi * j->mc;
+        gemm_tile(g, i0, g->M - i0 < j->mc ? g->M - i0 : j->mc, j0, g->N - j0 < j->nc ? g->N - j0 : j->nc,
+                  j->ws + (int64_t)worker * j->ws_stride, j->tile, j->bpre[p]);
+    }
 }
 
-/* Pre-packing: panel t (numbered across the problems) of B over all of R8. */
+/* Pre-packing: columns [8t, 8t + 8) (numbered across the problems) of B over all of R8, into their panels. */
 static void prepack_task(void *ctx, int64_t t) {
     const gemm_job *j = ctx;
     int64_t p = 0;
     while (j->pfirst[p + 1] <= t) p++;
     const ds4_gemm *g = &j->g[p];
-    const int64_t P = t - j->pfirst[p], R8 = g->R & ~(int64_t)7, j0 = P * NP;
-    pack(j->bpre[p] + P * (R8 / 8) * NP * 8, 0, g->b, g->b_rs, g->b_ks, g->N, j0, g->N - j0 < NP ? g->N - j0 : NP, NP, 0,
-         R8 / 8);
+    const int64_t R8 = g->R & ~(int64_t)7, j0 = (t - j->pfirst[p]) * 8, pstride = (R8 / 8) * NP * 8;
+    pack(j->bpre[p] + (j0 / NP) * pstride, pstride, g->b, g->b_rs, g->b_ks, g->N, j0, g->N - j0 < 8 ? g->N - j0 : 8, NP,
+         0, R8 / 8);
 }
 
 /* B is worth packing once for the whole run where it is read across r (a transposed view): its panels are then
@@ -290,7 +291,7 @@ static int wants_prepack(const ds4_gemm *g) { return g->b_rs == 1 && g->b_ks != 
 
 void ds4_gemm_run(ds4_pool *pool, const ds4_gemm *g, int64_t n, float *ws, float *shared, int64_t shared_floats) {
     enum { MAX_PROBLEMS = 256 };
-    int64_t first[MAX_PROBLEMS + 1], pfirst[MAX_PROBLEMS + 1];
+    int64_t first[MAX_PROBLEMS + 1], pfirst[MAX_PROBLEMS + 1], bper[MAX_PROBLEMS];
     float *bpre[MAX_PROBLEMS];
     const tile_fn tile = pick_tile();
     const int64_t threads = pool ? ds4_pool_threads(pool) : 1;
@@ -298,28 +299,35 @@ void ds4_gemm_run(ds4_pool *pool, const ds4_gemm *g, int64_t n, float *ws, float
     for (int64_t p0 = 0; p0 < n; p0 += MAX_PROBLEMS) {
         const int64_t cnt = n - p0 < MAX_PROBLEMS ? n - p0 : MAX_PROBLEMS;
         /* the largest tiles that still give every thread a few, down to 12 × 16 */
-        int64_t mc = MC, nc = NC, tiles = 0;
+        int64_t mc = MC, nc = NC, tiles = 0, cols = 0;
         for (;;) {
-            tiles = 0;
-            for (int64_t p = 0; p < cnt; p++) tiles += cdiv(g[p0 + p].M, mc) * cdiv(g[p0 + p].N, nc);
-            if (tiles >= 3 * threads || (mc <= 2 * MR && nc <= 2 * NP)) break;
-            if (mc * 3 >= nc * 2 && mc > 2 * MR) mc /= 2;
+            tiles = cols = 0;
+            for (int64_t p = 0; p < cnt; p++) {
+                tiles += cdiv(g[p0 + p].M, mc) * cdiv(g[p0 + p].N, nc);
+                cols += cdiv(g[p0 + p].N, nc);
+            }
+            if (tiles >= 3 * threads || (mc <= 2 * MR && nc <= 16)) break;
+            if ((mc * 3 >= nc * 2 || nc <= 16) && mc > 2 * MR) mc /= 2;
             else nc /= 2;
         }
+        /* about four tasks per thread: whole column blocks where there are that many, else runs of row blocks */
+        const int64_t split = threads > 1 ? cdiv(4 * threads, cols > 0 ? cols : 1) : 1;
         first[0] = pfirst[0] = 0;
         int64_t used = 0;
         for (int64_t p = 0; p < cnt; p++) {
             const ds4_gemm *q = &g[p0 + p];
-            first[p + 1] = first[p] + (q->M > 0 && q->N > 0 ? cdiv(q->M, mc) * cdiv(q->N, nc) : 0);
+            const int64_t nbi = cdiv(q->M, mc);
+            bper[p] = nbi > 0 ? cdiv(nbi, split) : 1;
+            first[p + 1] = first[p] + (q->M > 0 && q->N > 0 ? cdiv(q->N, nc) * cdiv(nbi, bper[p]) : 0);
             const int64_t need = cdiv(q->N, NP) * NP * (q->R & ~(int64_t)7);
             bpre[p] = NULL;
             if (wants_prepack(q) && shared && used + need <= shared_floats) {
                 bpre[p] = shared + used;
                 used += need;
             }
-            pfirst[p + 1] = pfirst[p] + (bpre[p] ? cdiv(q->N, NP) : 0);
+            pfirst[p + 1] = pfirst[p] + (bpre[p] ? cdiv(q->N, 8) : 0);
         }
-        gemm_job j = {g + p0, cnt, mc, nc, first, ws, DS4_GEMM_WS_FLOATS, tile, bpre, pfirst};
+        gemm_job j = {g + p0, cnt, mc, nc, first, bper, ws, DS4_GEMM_WS_FLOATS, tile, bpre, pfirst};
         if (pool) {
             ds4_pool_run(pool, pfirst[cnt], prepack_task, &j);
             ds4_pool_run_worker(pool, first[cnt], gemm_task, &j);
