@@ -219,7 +219,7 @@ static void attn_range(const ds4_cpu *cpu, const void *p, int64_t b, int64_t e, 
             for (int64_t k = 0; k < nk; k++) den += (l[k] = (float)exp((double)(l[k] - mx)));
             for (int64_t k = 0; k < nk; k++) l[k] = (float)(l[k] / den);
         }
-        ds4_wsum_ptr(a->o + t * H * d, d, lg, nk, H, keys, nk, d);
+        ds4_wsum_ptr(a->o + t * H * d, d, lg, nk, H, keys, nk, d, 0);
         float *tgt = a->type == DS4_ATTN_CSA && a->itgt ? a->itgt + t * a->sel_stride : NULL;
         if (tgt) { /* attention mass on each indexer pick, the indexer KL loss's (detached) target */
             memset(tgt, 0, (size_t)a->sel_stride * sizeof(float));

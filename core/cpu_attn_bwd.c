@@ -57,7 +57,7 @@ static void attn_q_range(const ds4_cpu *cpu, const void *p, int64_t b, int64_t e
             a->dsink_t[t * H + h] = (float)(-(psink_num / den) * pdp);
             for (int64_t k = 0; k < nk; k++) DS[k] = (float)(P[k] * (DS[k] - pdp)) * scale;
         }
-        ds4_wsum_ptr(a->dq + t * H * d, d, DSt, a->maxk, H, keys, nk, d);
+        ds4_wsum_ptr(a->dq + t * H * d, d, DSt, a->maxk, H, keys, nk, d, 0);
     }
 }
 
@@ -65,13 +65,47 @@ void ds4_cpu_attn_bwd_q(ds4_dev *d, const ds4_a_attn_bwd *a) {
     ds4_cpu_parallel(ds4_cpu_of(d), a->B * a->S, attn_q_range, a);
 }
 
+/* The rows a key's gradient adds up, with their weights, in the order the sum takes them; flushed into dk through
+ * ds4_wsum_ptr (the same adds as one ds4_axpy per row onto a zeroed dk) whenever the range's scratch is full. */
+typedef struct {
+    const float **row;
+    float *coef;
+    int64_t n, cap, d;
+    float *dk;
+    int started;                  /* dk holds the sum so far (else it is still to be zeroed) */
+} kg_list;
+
+static kg_list kg_begin(const ds4_cpu *cpu, int64_t task, float *dk, int64_t d) {
+    float *ws = ds4_cpu_scratch(cpu, task);
+    const int64_t cap = (cpu->scratch_stride - 2) / 3; /* a pointer (2 floats) and a weight per row */
+    return (kg_list){(const float **)(void *)ws, ws + 2 * cap, 0, cap, d, dk, 0};
+}
+
+static void kg_flush(kg_list *l) {
+    if (l->n == 0) return;
+    ds4_wsum_ptr(l->dk, l->d, l->coef, l->n, 1, l->row, l->n, l->d, l->started);
+    l->started = 1;
+    l->n = 0;
+}
+
+static void kg_add(kg_list *l, float c, const float *row) {
+    if (l->n == l->cap) kg_flush(l);
+    l->coef[l->n] = c;
+    l->row[l->n++] = row;
+}
+
+static void kg_end(kg_list *l) {
+    kg_flush(l);
+    if (!l->started) memset(l->dk, 0, (size_t)l->d * sizeof(float));
+}
+
 /* dkey += Σ_h (DS·q + P·dout) for the query t at key-list position kidx */
-static void key_grad_from(const ds4_a_attn_bwd *a, int64_t t, int64_t kidx, float *dk) {
+static void key_grad_from(const ds4_a_attn_bwd *a, int64_t t, int64_t kidx, kg_list *l) {
     const int64_t H = a->c->num_attention_heads, d = a->c->head_dim;
     for (int64_t h = 0; h < H; h++) {
         const int64_t o = (t * H + h) * a->maxk + kidx;
-        ds4_axpy(dk, a->DS[o], a->lt->q + (t * H + h) * d, d);
-        ds4_axpy(dk, a->P[o], a->dout + (t * H + h) * d, d);
+        kg_add(l, a->DS[o], a->lt->q + (t * H + h) * d);
+        kg_add(l, a->P[o], a->dout + (t * H + h) * d);
     }
 }
 
@@ -81,12 +115,12 @@ static void attn_kv_range(const ds4_cpu *cpu, const void *p, int64_t b, int64_t 
     const int64_t S = a->S, win = a->c->sliding_window, d = a->c->head_dim;
     for (int64_t tk = b; tk < e; tk++) {
         const int64_t row = tk / S, j = tk % S;
-        float *dk = a->dkv + tk * d;
-        memset(dk, 0, (size_t)d * sizeof(float));
+        kg_list l = kg_begin(cpu, task, a->dkv + tk * d, d);
         for (int64_t s = j; s < S && s < j + win; s++) {
             const int64_t j0 = s - win + 1 > 0 ? s - win + 1 : 0;
-            key_grad_from(a, row * S + s, j - j0, dk);
+            key_grad_from(a, row * S + s, j - j0, &l);
         }
+        kg_end(&l);
     }
 }
 
@@ -102,21 +136,21 @@ static void attn_entry_range(const ds4_cpu *cpu, const void *p, int64_t b, int64
     const int64_t S = a->S, win = c->sliding_window, d = c->head_dim, nwin = a->lt->nwin;
     for (int64_t i = b; i < e; i++) {
         const int64_t row = i / nwin, w = i % nwin;
-        float *dk = a->dK + (row * S + w) * d;
-        memset(dk, 0, (size_t)d * sizeof(float));
+        kg_list l = kg_begin(cpu, task, a->dK + (row * S + w) * d, d);
         if (a->l->type == DS4_ATTN_HCA) {
             const int64_t m = c->compress_rate_hca;
             for (int64_t s = (w + 1) * m - 1; s < S; s++) {
                 const int64_t j0 = s - win + 1 > 0 ? s - win + 1 : 0;
-                key_grad_from(a, row * S + s, (s - j0 + 1) + w, dk);
+                key_grad_from(a, row * S + s, (s - j0 + 1) + w, &l);
             }
         } else {
             for (int64_t q = a->inv_off[row * S + w]; q < a->inv_off[row * S + w + 1]; q++) {
                 const int64_t t = a->inv_t[q], s = t % S;
                 const int64_t j0 = s - win + 1 > 0 ? s - win + 1 : 0;
-                key_grad_from(a, t, (s - j0 + 1) + a->inv_i[q], dk);
+                key_grad_from(a, t, (s - j0 + 1) + a->inv_i[q], &l);
             }
         }
+        kg_end(&l);
     }
 }
 

@@ -90,18 +90,24 @@ void ds4_dots_ptr(float *y, int64_t ldy, const float *x, int64_t ldx, int64_t nx
     dot_block(y, ldy, x, ldx, nx, w, NULL, nw, K);
 }
 
-/* o[h·ldo + i] = Σ_k p[h·ldp + k]·v[k][i] for h < nh, i < n, summed from +0 in increasing k: for every element the
- * additions a zeroed row followed by ds4_axpy(o_h, p[h][k], v[k]) for k = 0, 1, .. makes, with 4 rows × 16 columns
- * held in registers across all of k instead of reloading o for every k. */
+/* o[h·ldo + i] (+)= Σ_k p[h·ldp + k]·v[k][i] for h < nh, i < n, summed in increasing k onto +0 (or onto o when acc):
+ * for every element the additions that zeroing o (or not) and ds4_axpy(o_h, p[h][k], v[k]) for k = 0, 1, .. make,
+ * with a block of o held in registers across all of k instead of reloaded for every k: 4 rows × 16 columns, or one
+ * row × 32 columns where fewer than 4 rows are left. */
 DS4_CLONES
 void ds4_wsum_ptr(float *o, int64_t ldo, const float *p, int64_t ldp, int64_t nh, const float *const *v, int64_t nk,
-                  int64_t n) {
-    const int64_t n16 = n & ~(int64_t)15;
+                  int64_t n, int acc) {
+    const int64_t n16 = n & ~(int64_t)15, n32 = n & ~(int64_t)31;
     int64_t h = 0;
     for (; h + 4 <= nh; h += 4) {
         const float *p0 = p + h * ldp, *p1 = p0 + ldp, *p2 = p1 + ldp, *p3 = p2 + ldp;
         for (int64_t i = 0; i < n16; i += 16) {
+            float *q = o + h * ldo + i;
             v8f a0 = {0}, b0 = {0}, a1 = {0}, b1 = {0}, a2 = {0}, b2 = {0}, a3 = {0}, b3 = {0};
+            if (acc) {
+                a0 = load8(q), b0 = load8(q + 8), a1 = load8(q + ldo), b1 = load8(q + ldo + 8);
+                a2 = load8(q + 2 * ldo), b2 = load8(q + 2 * ldo + 8), a3 = load8(q + 3 * ldo), b3 = load8(q + 3 * ldo + 8);
+            }
             for (int64_t k = 0; k < nk; k++) {
                 const v8f x = load8(v[k] + i), z = load8(v[k] + i + 8);
                 v8f s = {p0[k], p0[k], p0[k], p0[k], p0[k], p0[k], p0[k], p0[k]};
@@ -113,19 +119,32 @@ void ds4_wsum_ptr(float *o, int64_t ldo, const float *p, int64_t ldp, int64_t nh
                 s = (v8f){p3[k], p3[k], p3[k], p3[k], p3[k], p3[k], p3[k], p3[k]};
                 a3 += s * x, b3 += s * z;
             }
-            float *q = o + h * ldo + i;
             memcpy(q, &a0, 32), memcpy(q + 8, &b0, 32), q += ldo;
             memcpy(q, &a1, 32), memcpy(q + 8, &b1, 32), q += ldo;
             memcpy(q, &a2, 32), memcpy(q + 8, &b2, 32), q += ldo;
             memcpy(q, &a3, 32), memcpy(q + 8, &b3, 32);
         }
     }
-    /* the rest: rows past the last group of 4, columns past the last 16, one scalar sum each */
+    for (int64_t r = h; r < nh; r++) {
+        const float *pr = p + r * ldp;
+        for (int64_t i = 0; i < n32; i += 32) {
+            float *q = o + r * ldo + i;
+            v8f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+            if (acc) a0 = load8(q), a1 = load8(q + 8), a2 = load8(q + 16), a3 = load8(q + 24);
+            for (int64_t k = 0; k < nk; k++) {
+                const v8f s = {pr[k], pr[k], pr[k], pr[k], pr[k], pr[k], pr[k], pr[k]};
+                const float *x = v[k] + i;
+                a0 += s * load8(x), a1 += s * load8(x + 8), a2 += s * load8(x + 16), a3 += s * load8(x + 24);
+            }
+            memcpy(q, &a0, 32), memcpy(q + 8, &a1, 32), memcpy(q + 16, &a2, 32), memcpy(q + 24, &a3, 32);
+        }
+    }
+    /* the rest: columns past the blocks, one scalar sum each */
     for (int64_t r = 0; r < nh; r++)
-        for (int64_t i = r < h ? n16 : 0; i < n; i++) {
-            float acc = 0.0f;
-            for (int64_t k = 0; k < nk; k++) acc += p[r * ldp + k] * v[k][i];
-            o[r * ldo + i] = acc;
+        for (int64_t i = r < h ? n16 : n32; i < n; i++) {
+            float s = acc ? o[r * ldo + i] : 0.0f;
+            for (int64_t k = 0; k < nk; k++) s += p[r * ldp + k] * v[k][i];
+            o[r * ldo + i] = s;
         }
 }
 

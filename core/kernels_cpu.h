@@ -58,11 +58,11 @@ float ds4_dot(const float *a, const float *b, int64_t n);
 void ds4_dots_ptr(float *y, int64_t ldy, const float *x, int64_t ldx, int64_t nx, const float *const *w, int64_t nw,
                   int64_t K);
 
-/* o[h·ldo + i] = Σ_k p[h·ldp + k]·v[k][i] for h < nh, i < n (rows v[k] given by pointers), each element summed from
- * +0 in increasing k with fp32 adds: exactly what zeroing o and ds4_axpy(o_h, p[h][k], v[k], n) for k = 0, 1, ..
- * give, without re-reading o for every k. */
+/* o[h·ldo + i] (+)= Σ_k p[h·ldp + k]·v[k][i] for h < nh, i < n (rows v[k] given by pointers), each element summed
+ * in increasing k with fp32 adds onto +0 (acc = 0) or onto its value in o (acc = 1): exactly what zeroing o (or not)
+ * and ds4_axpy(o_h, p[h][k], v[k], n) for k = 0, 1, .. give, without re-reading o for every k. */
 void ds4_wsum_ptr(float *o, int64_t ldo, const float *p, int64_t ldp, int64_t nh, const float *const *v, int64_t nk,
-                  int64_t n);
+                  int64_t n, int acc);
 
 /* y[i] += a · x[i]. Vectorised across i only, so each element's arithmetic is the plain scalar one. */
 void ds4_axpy(float *y, float a, const float *x, int64_t n);

@@ -59,7 +59,8 @@ static void drop(prob *p) { free(p->a), free(p->b), free(p->y), free(p->want); }
 
 /* ds4_dots_ptr against ds4_dot, ds4_wsum_ptr against a zeroed row and ds4_axpy per k (the attention's kernels) */
 static void check_ptr_kernels(void) {
-    static const int64_t shapes[][3] = {{1, 1, 1}, {8, 130, 128}, {5, 7, 37}, {4, 3, 16}, {9, 200, 64}, {3, 2, 15}};
+    static const int64_t shapes[][3] = {{1, 1, 1},    {8, 130, 128}, {5, 7, 37},  {4, 3, 16},
+                                        {9, 200, 64}, {3, 2, 15},    {1, 300, 128}, {2, 9, 71}};
     for (size_t si = 0; si < sizeof shapes / sizeof *shapes; si++) {
         const int64_t nh = shapes[si][0], nk = shapes[si][1], n = shapes[si][2];
         float *q = malloc((size_t)(nh * n) * sizeof(float)), *rows = malloc((size_t)(nk * n) * sizeof(float));
@@ -78,11 +79,17 @@ static void check_ptr_kernels(void) {
                 same &= !memcmp(&w, &y[h * nk + k], sizeof w);
             }
         CHECK(same, "ds4_dots_ptr %lld x %lld x %lld differs from ds4_dot", (long long)nh, (long long)nk, (long long)n);
-        ds4_wsum_ptr(o, n, p, nk, nh, v, nk, n);
+        ds4_wsum_ptr(o, n, p, nk, nh, v, nk, n, 0);
         memset(want, 0, (size_t)(nh * n) * sizeof(float));
         for (int64_t h = 0; h < nh; h++)
             for (int64_t k = 0; k < nk; k++) ds4_axpy(want + h * n, p[h * nk + k], v[k], n);
         CHECK(!memcmp(o, want, (size_t)(nh * n) * sizeof(float)), "ds4_wsum_ptr %lld x %lld x %lld differs from ds4_axpy",
+              (long long)nh, (long long)nk, (long long)n);
+        /* accumulating onto o: the sums continue where they were (here a second pass over the same rows) */
+        ds4_wsum_ptr(o, n, p, nk, nh, v, nk, n, 1);
+        for (int64_t h = 0; h < nh; h++)
+            for (int64_t k = 0; k < nk; k++) ds4_axpy(want + h * n, p[h * nk + k], v[k], n);
+        CHECK(!memcmp(o, want, (size_t)(nh * n) * sizeof(float)), "ds4_wsum_ptr (acc) %lld x %lld x %lld differs",
               (long long)nh, (long long)nk, (long long)n);
         free(q), free(rows), free(p), free(y), free(o), free(want), free(v);
     }
