@@ -188,18 +188,18 @@ static void finish(const ds4_gemm *g, const float *sums, int64_t i0, int64_t mv,
     }
 }
 
-/* What a worker's B block holds, so that consecutive tiles of the same columns (the task order puts them together)
- * pack it once. Reset at the start of every run. */
+/* What a worker's packed A and B blocks hold, so that consecutive tiles of the same rows or columns (the task order
+ * puts them together) pack them once. Reset at the start of every run. */
 typedef struct {
     const ds4_gemm *g;
-    int64_t j0, n, r0;
-} b_key;
+    int64_t i0, n, r0;
+} blk_key;
 
 /* One tile: rows [i0, i0 + m) × columns [j0, j0 + n) of problem g, every chunk of r. ws: DS4_GEMM_WS_FLOATS, its
  * head a b_key. bpre: g's B packed whole (every panel over all of R8), or NULL. */
 static void gemm_tile(const ds4_gemm *g, int64_t i0, int64_t m, int64_t j0, int64_t n, float *ws, tile_fn tile,
                       const float *bpre) {
-    b_key *key = (b_key *)(void *)ws;
+    blk_key *akey = (blk_key *)(void *)ws, *key = akey + 1;
     float *pa = ws + DS4_GEMM_WS_HEAD, *pb = pa + MC * KC, *lanes = pb + NC * KC; /* lanes: [MC/MR][NC/NP][MR][NP][8] */
     const int64_t R8 = g->R & ~(int64_t)7, mp = (m + MR - 1) / MR, np = (n + NP - 1) / NP;
     float sums[MR * NP];
@@ -214,16 +214,19 @@ static void gemm_tile(const ds4_gemm *g, int64_t i0, int64_t m, int64_t j0, int6
     for (int64_t r0 = 0; r0 < R8; r0 += KC) {
         const int64_t kc = R8 - r0 < KC ? R8 - r0 : KC, nk = kc / 8;
         const int first = r0 == 0, last = r0 + kc == R8;
-        pack(pa, nk * MR * 8, g->a, g->a_rs, g->a_ks, g->M, i0, m, MR, r0, nk);
+        if (akey->g != g || akey->i0 != i0 || akey->n != m || akey->r0 != r0) {
+            pack(pa, nk * MR * 8, g->a, g->a_rs, g->a_ks, g->M, i0, m, MR, r0, nk);
+            *akey = (blk_key){g, i0, m, r0};
+        }
         const float *bb;
         int64_t bstride;
         if (bpre) {
             bb = bpre + (j0 / NP) * (R8 / 8) * NP * 8 + (r0 / 8) * NP * 8;
             bstride = (R8 / 8) * NP * 8;
         } else {
-            if (key->g != g || key->j0 != j0 || key->n != n || key->r0 != r0) {
+            if (key->g != g || key->i0 != j0 || key->n != n || key->r0 != r0) {
                 pack(pb, nk * NP * 8, g->b, g->b_rs, g->b_ks, g->N, j0, n, NP, r0, nk);
-                *key = (b_key){g, j0, n, r0};
+                *key = (blk_key){g, j0, n, r0};
             }
             bb = pb;
             bstride = nk * NP * 8;
@@ -248,7 +251,7 @@ typedef struct {
     const ds4_gemm *g;
     int64_t n, mc, nc;
     int64_t *first;               /* [n + 1] first task of each problem */
-    int64_t *bper;                /* [n] row blocks per task of each problem */
+    int64_t *bper;                /* [n] blocks per task of each problem */
     float *ws;
     int64_t ws_stride;
     tile_fn tile;
@@ -258,17 +261,20 @@ typedef struct {
 
 static int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-/* A task is a run of row blocks of one column block: its tiles share B's packed block (b_key), which a worker then
- * packs once per task rather than once per tile. */
+/* A task is a run of row blocks of one column block, whose tiles share B's packed block, or (where B was packed
+ * once for the run) a run of column blocks of one row block, whose tiles share A's: a worker packs it once per task
+ * rather than once per tile. */
 static void gemm_task(void *ctx, int64_t t, int32_t worker) {
     const gemm_job *j = ctx;
     int64_t p = 0;
     while (j->first[p + 1] <= t) p++;
     const ds4_gemm *g = &j->g[p];
-    const int64_t nbi = cdiv(g->M, j->mc), per = j->bper[p], runs = cdiv(nbi, per), k = t - j->first[p];
-    const int64_t bj = k / runs, b0 = (k % runs) * per, b1 = b0 + per < nbi ? b0 + per : nbi, j0 = bj * j->nc;
-    for (int64_t bi = b0; bi < b1; bi++) {
-        const int64_t i0 = bi * j->mc;
+    const int amajor = j->bpre[p] != NULL;
+    const int64_t nbi = cdiv(g->M, j->mc), nbj = cdiv(g->N, j->nc), inner = amajor ? nbj : nbi;
+    const int64_t per = j->bper[p], runs = cdiv(inner, per), k = t - j->first[p];
+    const int64_t outer = k / runs, b0 = (k % runs) * per, b1 = b0 + per < inner ? b0 + per : inner;
+    for (int64_t b = b0; b < b1; b++) {
+        const int64_t i0 = (amajor ? outer : b) * j->mc, j0 = (amajor ? b : outer) * j->nc;
         gemm_tile(g, i0, g->M - i0 < j->mc ? g->M - i0 : j->mc, j0, g->N - j0 < j->nc ? g->N - j0 : j->nc,
                   j->ws + (int64_t)worker * j->ws_stride, j->tile, j->bpre[p]);
     }
@@ -295,30 +301,22 @@ void ds4_gemm_run(ds4_pool *pool, const ds4_gemm *g, int64_t n, float *ws, float
     float *bpre[MAX_PROBLEMS];
     const tile_fn tile = pick_tile();
     const int64_t threads = pool ? ds4_pool_threads(pool) : 1;
-    for (int64_t w = 0; w < threads; w++) *(b_key *)(void *)(ws + w * DS4_GEMM_WS_FLOATS) = (b_key){0};
+    for (int64_t w = 0; w < threads; w++) memset(ws + w * DS4_GEMM_WS_FLOATS, 0, 2 * sizeof(blk_key));
     for (int64_t p0 = 0; p0 < n; p0 += MAX_PROBLEMS) {
         const int64_t cnt = n - p0 < MAX_PROBLEMS ? n - p0 : MAX_PROBLEMS;
         /* the largest tiles that still give every thread a few, down to 12 × 16 */
-        int64_t mc = MC, nc = NC, tiles = 0, cols = 0;
+        int64_t mc = MC, nc = NC, tiles = 0;
         for (;;) {
-            tiles = cols = 0;
-            for (int64_t p = 0; p < cnt; p++) {
-                tiles += cdiv(g[p0 + p].M, mc) * cdiv(g[p0 + p].N, nc);
-                cols += cdiv(g[p0 + p].N, nc);
-            }
+            tiles = 0;
+            for (int64_t p = 0; p < cnt; p++) tiles += cdiv(g[p0 + p].M, mc) * cdiv(g[p0 + p].N, nc);
             if (tiles >= 3 * threads || (mc <= 2 * MR && nc <= 16)) break;
             if ((mc * 3 >= nc * 2 || nc <= 16) && mc > 2 * MR) mc /= 2;
             else nc /= 2;
         }
-        /* about four tasks per thread: whole column blocks where there are that many, else runs of row blocks */
-        const int64_t split = threads > 1 ? cdiv(4 * threads, cols > 0 ? cols : 1) : 1;
         first[0] = pfirst[0] = 0;
-        int64_t used = 0;
+        int64_t used = 0, outer = 0;
         for (int64_t p = 0; p < cnt; p++) {
             const ds4_gemm *q = &g[p0 + p];
-            const int64_t nbi = cdiv(q->M, mc);
-            bper[p] = nbi > 0 ? cdiv(nbi, split) : 1;
-            first[p + 1] = first[p] + (q->M > 0 && q->N > 0 ? cdiv(q->N, nc) * cdiv(nbi, bper[p]) : 0);
             const int64_t need = cdiv(q->N, NP) * NP * (q->R & ~(int64_t)7);
             bpre[p] = NULL;
             if (wants_prepack(q) && shared && used + need <= shared_floats) {
@@ -326,6 +324,15 @@ void ds4_gemm_run(ds4_pool *pool, const ds4_gemm *g, int64_t n, float *ws, float
                 used += need;
             }
             pfirst[p + 1] = pfirst[p] + (bpre[p] ? cdiv(q->N, 8) : 0);
+            outer += bpre[p] ? cdiv(q->M, mc) : cdiv(q->N, nc);
+        }
+        /* about four tasks per thread: whole runs where there are that many, else shorter ones */
+        const int64_t split = threads > 1 ? cdiv(4 * threads, outer > 0 ? outer : 1) : 1;
+        for (int64_t p = 0; p < cnt; p++) {
+            const ds4_gemm *q = &g[p0 + p];
+            const int64_t nbi = cdiv(q->M, mc), nbj = cdiv(q->N, nc), inner = bpre[p] ? nbj : nbi;
+            bper[p] = inner > 0 ? cdiv(inner, split) : 1;
+            first[p + 1] = first[p] + (q->M > 0 && q->N > 0 ? (bpre[p] ? nbi : nbj) * cdiv(inner, bper[p]) : 0);
         }
         gemm_job j = {g + p0, cnt, mc, nc, first, bper, ws, DS4_GEMM_WS_FLOATS, tile, bpre, pfirst};
         if (pool) {
