@@ -111,7 +111,7 @@ __attribute__((always_inline)) static inline void lane_sums8(const v8f a[8], flo
 
 /* The register tile: rows 0..5 of an A panel × columns c, c+1 of a B panel, over nk steps of 8 values of r. The lane
  * sums start at zero (first chunk) or from `io` ([6][NP][8], this pair's columns); after the last chunk the outputs'
- * lane sums go to sums[6][NP] (this pair's columns), else the lanes go back to `io`. In the AVX2 version each A vector
+ * lane sums go to sums[q·NC + c] (q < 6: rows; NC floats per row of the tile), else the lanes go back to `io`. In the AVX2 version each A vector
  * is loaded once and held in a register (the empty asm keeps GCC from re-reading it as a memory operand of each
  * multiply): 8 loads per 12 multiply-add pairs, which with separate multiplies and adds keeps the floating-point
  * pipes busy. */
@@ -141,7 +141,7 @@ __attribute__((always_inline)) static inline void lane_sums8(const v8f a[8], flo
         float s[16];                                                                                               \
         lane_sums8(a, s);                                                                                          \
         lane_sums8(b, s + 8);                                                                                      \
-        for (int q = 0; q < 6; q++) sums[q * NP + c] = s[2 * q], sums[q * NP + c + 1] = s[2 * q + 1];              \
+        for (int q = 0; q < 6; q++) sums[q * NC + c] = s[2 * q], sums[q * NC + c + 1] = s[2 * q + 1];              \
         return;                                                                                                    \
     }                                                                                                              \
     st8(o0, c00), st8(o0 + 8, c01), st8(o0 + RS, c10), st8(o0 + RS + 8, c11), st8(o0 + 2 * RS, c20);               \
@@ -173,16 +173,21 @@ static tile_fn pick_tile(void) {
     return tile_6x2;
 }
 
-/* The outputs (i0 + q, j0 + c), q < mv, c < nv: their lane sums (sums [MR][NP]) plus the products of the last R % 8
+/* The outputs (i0 + q, j0 + c), q < mv, c < n: their lane sums (sums[q·NC + c]) plus the products of the last R % 8
  * values of r one by one, stored (or added). */
-static void finish(const ds4_gemm *g, const float *sums, int64_t i0, int64_t mv, int64_t j0, int64_t nv) {
-    const int64_t R8 = g->R & ~(int64_t)7;
+static void finish(const ds4_gemm *g, const float *sums, int64_t i0, int64_t mv, int64_t j0, int64_t n) {
+    const int64_t R = g->R, R8 = R & ~(int64_t)7, ldy = g->ldy;
+    float *y0 = g->y + i0 * ldy + j0;
+    if (R8 == R && !g->acc) {
+        for (int64_t q = 0; q < mv; q++) memcpy(y0 + q * ldy, sums + q * NC, (size_t)n * sizeof(float));
+        return;
+    }
     const int acc = g->acc;
     for (int64_t q = 0; q < mv; q++) {
-        float *y = g->y + (i0 + q) * g->ldy + j0;
-        for (int64_t c = 0; c < nv; c++) {
-            float s = sums[q * NP + c];
-            for (int64_t r = R8; r < g->R; r++) s += a_at(g, i0 + q, r) * b_at(g, j0 + c, r);
+        float *y = y0 + q * ldy;
+        for (int64_t c = 0; c < n; c++) {
+            float s = sums[q * NC + c];
+            for (int64_t r = R8; r < R; r++) s += a_at(g, i0 + q, r) * b_at(g, j0 + c, r);
             y[c] = acc ? y[c] + s : s;
         }
     }
@@ -202,13 +207,10 @@ static void gemm_tile(const ds4_gemm *g, int64_t i0, int64_t m, int64_t j0, int6
     blk_key *akey = (blk_key *)(void *)ws, *key = akey + 1;
     float *pa = ws + DS4_GEMM_WS_HEAD, *pb = pa + MC * KC, *lanes = pb + NC * KC; /* lanes: [MC/MR][NC/NP][MR][NP][8] */
     const int64_t R8 = g->R & ~(int64_t)7, mp = (m + MR - 1) / MR, np = (n + NP - 1) / NP;
-    float sums[MR * NP];
+    float sums[MR * NC]; /* one row block of the tile's finished lane sums */
     if (R8 == 0) {
         memset(sums, 0, sizeof sums); /* the lane sums of no products: +0, as the reference's zero lanes give */
-        for (int64_t ip = 0; ip < mp; ip++)
-            for (int64_t jp = 0; jp < np; jp++)
-                finish(g, sums, i0 + ip * MR, m - ip * MR < MR ? m - ip * MR : MR, j0 + jp * NP,
-                       n - jp * NP < NP ? n - jp * NP : NP);
+        for (int64_t ip = 0; ip < mp; ip++) finish(g, sums, i0 + ip * MR, m - ip * MR < MR ? m - ip * MR : MR, j0, n);
         return;
     }
     for (int64_t r0 = 0; r0 < R8; r0 += KC) {
@@ -238,9 +240,9 @@ static void gemm_tile(const ds4_gemm *g, int64_t i0, int64_t m, int64_t j0, int6
                 const float *bp = bb + jp * bstride;
                 const int64_t nv = n - jp * NP < NP ? n - jp * NP : NP;
                 float *io = lanes + (ip * (NC / NP) + jp) * MR * NP * 8; /* lane sums kept between chunks */
-                for (int c = 0; c < nv; c += 2) tile(ap, bp, nk, first, io, last ? sums : NULL, c);
-                if (last) finish(g, sums, i0 + ip * MR, mv, j0 + jp * NP, nv);
+                for (int c = 0; c < nv; c += 2) tile(ap, bp, nk, first, io, last ? sums + jp * NP : NULL, c);
             }
+            if (last) finish(g, sums, i0 + ip * MR, mv, j0, n);
         }
     }
 }

@@ -162,7 +162,7 @@ typedef struct {
     int64_t rows, width;
 } nw_ctx;
 
-enum { NW_BLOCK = 64 };
+enum { NW_BLOCK = 32 };
 
 /* A range owns blocks of NW_BLOCK columns and walks the rows once, in order, for all of them: each column's sum is
  * the same fixed-order sum over rows as a column-at-a-time loop, without striding down the matrix per column. */
