@@ -175,11 +175,22 @@ static tile_fn pick_tile(void) {
 
 /* The outputs (i0 + q, j0 + c), q < mv, c < n: their lane sums (sums[q·NC + c]) plus the products of the last R % 8
  * values of r one by one, stored (or added). */
+GEMM_CLONES
 static void finish(const ds4_gemm *g, const float *sums, int64_t i0, int64_t mv, int64_t j0, int64_t n) {
     const int64_t R = g->R, R8 = R & ~(int64_t)7, ldy = g->ldy;
     float *y0 = g->y + i0 * ldy + j0;
     if (R8 == R && !g->acc) {
         for (int64_t q = 0; q < mv; q++) memcpy(y0 + q * ldy, sums + q * NC, (size_t)n * sizeof(float));
+        return;
+    }
+    if (R8 == R) { /* y + s, 8 outputs at a time (elementwise fp32 adds) */
+        for (int64_t q = 0; q < mv; q++) {
+            float *y = y0 + q * ldy;
+            const float *sq = sums + q * NC;
+            int64_t c = 0;
+            for (; c + 8 <= n; c += 8) st8(y + c, ld8(y + c) + ld8(sq + c));
+            for (; c < n; c++) y[c] = y[c] + sq[c];
+        }
         return;
     }
     const int acc = g->acc;
