@@ -136,6 +136,91 @@ void ds4_model_params_changed(ds4_model *m) {
     if (m) m->params_dirty = 1;
 }
 
+ds4_status ds4_cuda_devices(int32_t *n, ds4_error *err) {
+    if (!n) return ds4_fail(err, DS4_ERR_ARG, "cuda devices: n is NULL");
+    *n = 0;
+#ifdef DS4_HAVE_CUDA
+    int count = 0;
+    ds4_status s = ds4_cuda_device_count(&count, err);
+    if (!s) *n = count;
+    return s;
+#else
+    (void)err;
+    return DS4_OK;
+#endif
+}
+
+/* a equals the first len bytes of b, ignoring ASCII case, and b has no more */
+static int word_is(const char *a, size_t len, const char *b) {
+    size_t i = 0;
+    for (; i < len && b[i]; i++) {
+        const char x = a[i] >= 'A' && a[i] <= 'Z' ? (char)(a[i] - 'A' + 'a') : a[i];
+        if (x != b[i]) return 0;
+    }
+    return i == len && !b[i];
+}
+
+static int dtype_word(const char *w, size_t len, ds4_dtype *out) {
+    if (word_is(w, len, "fp32") || word_is(w, len, "f32") || word_is(w, len, "float32")) *out = DS4_F32;
+    else if (word_is(w, len, "bf16") || word_is(w, len, "bfloat16")) *out = DS4_BF16;
+    else return 0;
+    return 1;
+}
+
+ds4_status ds4_device_parse(const char *spec, const char *dtype, ds4_device_options *out, ds4_error *err) {
+    if (!spec || !out) return ds4_fail(err, DS4_ERR_ARG, "device: NULL argument");
+    ds4_device_options o = {0};
+    const char *p = spec;
+    while (*p == ' ') p++;
+    size_t n = 0;
+    while (p[n] && p[n] != ' ' && p[n] != ':') n++;
+    if (word_is(p, n, "cpu")) {
+        o.type = DS4_DEVICE_CPU;
+    } else if (word_is(p, n, "cuda") || word_is(p, n, "gpu")) {
+        o.type = DS4_DEVICE_CUDA;
+    } else {
+        return ds4_fail(err, DS4_ERR_ARG, "device '%s': expected cpu, cuda or cuda:N (with an optional dtype: "
+                        "\"cuda:0 bf16\")", spec);
+    }
+    p += n;
+    if (*p == ':') {
+        if (o.type != DS4_DEVICE_CUDA)
+            return ds4_fail(err, DS4_ERR_ARG, "device '%s': only cuda takes an index", spec);
+        p++;
+        int64_t idx = 0;
+        const char *d0 = p;
+        while (*p >= '0' && *p <= '9' && idx < 1024) idx = idx * 10 + (*p++ - '0');
+        if (p == d0 || idx >= 1024 || (*p && *p != ' '))
+            return ds4_fail(err, DS4_ERR_ARG, "device '%s': the index after cuda: must be an integer in [0, 1023]",
+                            spec);
+        o.index = (int32_t)idx;
+    }
+    while (*p == ' ') p++;
+    int have = 0;
+    ds4_dtype dt = o.type == DS4_DEVICE_CUDA ? DS4_BF16 : DS4_F32; /* the CPU is fp32; CUDA defaults to bf16 */
+    if (*p) {
+        size_t k = strlen(p);
+        while (k && p[k - 1] == ' ') k--;
+        if (!dtype_word(p, k, &dt))
+            return ds4_fail(err, DS4_ERR_ARG, "device '%s': unknown dtype after the device (fp32 or bf16)", spec);
+        have = 1;
+    }
+    if (dtype) {
+        ds4_dtype d2;
+        if (!dtype_word(dtype, strlen(dtype), &d2))
+            return ds4_fail(err, DS4_ERR_ARG, "device dtype '%s': expected fp32 or bf16", dtype);
+        if (have && d2 != dt)
+            return ds4_fail(err, DS4_ERR_ARG, "device '%s' with dtype '%s': two different dtypes", spec, dtype);
+        dt = d2;
+    }
+    if (o.type == DS4_DEVICE_CPU && dt != DS4_F32)
+        return ds4_fail(err, DS4_ERR_UNSUPPORTED, "device '%s'%s%s: the CPU backend computes in fp32 only", spec,
+                        dtype ? " dtype " : "", dtype ? dtype : "");
+    o.dtype = dt;
+    *out = o;
+    return DS4_OK;
+}
+
 ds4_device_options ds4_model_device(const ds4_model *m) { return m->dev_opt; }
 
 const char *ds4_model_device_name(const ds4_model *m) {
