@@ -365,6 +365,9 @@ extern "C" ds4_status ds4_cuda_dev_create(int device, ds4_dev **out, ds4_error *
     const char *sync = getenv("DS4_CUDA_SYNC"), *graphs = getenv("DS4_CUDA_GRAPHS");
     cd->sync_each_op = sync && sync[0] == '1';
     cd->graphs_on = !(graphs && graphs[0] == '0');
+    /* a tuning knob, not a numerical one: both GEMM variants give the same bits (cuda_gemm.cu) */
+    const char *skinny = getenv("DS4_CUDA_SKINNY_ROWS");
+    cd->skinny_rows = skinny && skinny[0] ? strtoll(skinny, NULL, 10) : 1024;
     *out = &cd->dev;
     return DS4_OK;
 }

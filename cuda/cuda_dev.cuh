@@ -50,6 +50,7 @@ struct cuda_dev {
     } graphs[16];
     uint64_t generation, clock;
     int graphs_on;                // DS4_CUDA_GRAPHS=0 switches recording off
+    int64_t skinny_rows;          // GEMMs of at most this many rows may take the skinny kernels (DS4_CUDA_SKINNY_ROWS)
     graph_entry *recording;
 };
 

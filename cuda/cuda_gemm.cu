@@ -390,7 +390,7 @@ void gemm(ds4_dev *d, const char *op, gemm_args a, ds4_dtype wdt, int64_t groups
     /* the skinny kernels (16 rows per block, parallel over K slices) when the tiled ones would leave most of the GPU
      * idle: few rows, or so few output tiles that the tiled grid has fewer blocks than two per SM */
     const int64_t tiled_blocks = G * ((rows_hint + 63) / 64) * ((a.N + 127) / 128);
-    const bool skinny = rows_hint <= 16 || (tiled_blocks < 2 * (int64_t)cd->sm_count && rows_hint <= 1024);
+    const bool skinny = rows_hint <= 16 || (tiled_blocks < 2 * (int64_t)cd->sm_count && rows_hint <= cd->skinny_rows);
     if (G * (skinny ? a.S : 1) > 65535) {
         ds4_dev_fail(d, DS4_ERR_UNSUPPORTED, "%s: %lld groups x %lld slices > 65535", op, (long long)G, (long long)a.S);
         return;
