@@ -367,7 +367,7 @@ extern "C" ds4_status ds4_cuda_dev_create(int device, ds4_dev **out, ds4_error *
     cd->graphs_on = !(graphs && graphs[0] == '0');
     /* a tuning knob, not a numerical one: both GEMM variants give the same bits (cuda_gemm.cu) */
     const char *skinny = getenv("DS4_CUDA_SKINNY_ROWS");
-    cd->skinny_rows = skinny && skinny[0] ? strtoll(skinny, NULL, 10) : 1024;
+    cd->skinny_rows = skinny && skinny[0] ? strtoll(skinny, NULL, 10) : 256;
     *out = &cd->dev;
     return DS4_OK;
 }

@@ -387,18 +387,20 @@ void gemm(ds4_dev *d, const char *op, gemm_args a, ds4_dtype wdt, int64_t groups
     }
     const int64_t G = groups > 0 ? groups : 1;
     a.S = (a.K + KSLICE - 1) / KSLICE;
+    auto grid_y = [&](int BM) {
+        const int64_t t = a.off ? (a.M + BM - 1) / BM + a.E : (a.M + BM - 1) / BM;
+        return (unsigned)(t < 1 ? 1 : t);
+    };
     /* the skinny kernels (16 rows per block, parallel over K slices) when the tiled ones would leave most of the GPU
-     * idle: few rows, or so few output tiles that the tiled grid has fewer blocks than two per SM */
-    const int64_t tiled_blocks = G * ((rows_hint + 63) / 64) * ((a.N + 127) / 128);
+     * idle: few rows (per group of W), or so few output tiles that the tiled grid (every expert's tiles, for grouped
+     * GEMMs) has fewer blocks than two per SM. Measured on an H100 (bench/RESULTS.md): at 128-256 rows the skinny
+     * kernels win 2-3x; at 512 and more rows they lose (they read W once per 16 rows and write K-slice partials). */
+    const int64_t tiled_blocks = G * (int64_t)grid_y(64) * ((a.N + 127) / 128);
     const bool skinny = rows_hint <= 16 || (tiled_blocks < 2 * (int64_t)cd->sm_count && rows_hint <= cd->skinny_rows);
     if (G * (skinny ? a.S : 1) > 65535) {
         ds4_dev_fail(d, DS4_ERR_UNSUPPORTED, "%s: %lld groups x %lld slices > 65535", op, (long long)G, (long long)a.S);
         return;
     }
-    auto grid_y = [&](int BM) {
-        const int64_t t = a.off ? (a.M + BM - 1) / BM + a.E : (a.M + BM - 1) / BM;
-        return (unsigned)(t < 1 ? 1 : t);
-    };
     const int64_t cols = wdt == DS4_F32 ? F32S_COLS : 4 * 8; // a skinny block's columns
     if (skinny && a.S > 1) {
         a.part = (float *)ds4_cuda_scratch(d, (size_t)(G * a.S * a.M * a.N) * sizeof(float), op, 0);
