@@ -420,6 +420,9 @@ static ds4_status tape_ready(ds4_model *m, const char *op, ds4_error *err) {
     if (!m->grads) return ds4_fail(err, DS4_ERR_ARG, "%s: gradients are not enabled (enable_grad)", op);
     if (!m->tape || !m->tape->valid)
         return ds4_fail(err, DS4_ERR_ARG, "%s: no training forward to differentiate (call forward_train first)", op);
+    ds4_status s = ds4_model_train_bind(m, err);
+    if (s) return s;
+    if (m->dgrads) m->grads_stale = 1; /* the backward adds into the device's gradients */
     return DS4_OK;
 }
 

@@ -332,6 +332,8 @@ ds4_status ds4_model_forward_train(ds4_model *m, const ds4_forward_args *args, d
                                    ds4_error *err) {
     if (!m) return ds4_fail(err, DS4_ERR_ARG, "training forward: model is NULL");
     if (!m->grads) return ds4_fail(err, DS4_ERR_ARG, "training forward: gradients are not enabled (enable_grad)");
+    ds4_status s = ds4_model_train_bind(m, err); /* on a device: gradients there before anything runs */
+    if (s) return s;
     if (!m->tape && !(m->tape = calloc(1, sizeof *m->tape)))
         return ds4_fail(err, DS4_ERR_OOM, "training forward: tape");
     if (!m->router_loads &&

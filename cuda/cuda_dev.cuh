@@ -150,6 +150,7 @@ DS4_CUDA_OP(compress) DS4_CUDA_OP(indexer) DS4_CUDA_OP(attention) DS4_CUDA_OP(ca
 DS4_CUDA_OP(route) DS4_CUDA_OP(count_loads) DS4_CUDA_OP(moe_sort) DS4_CUDA_OP(moe_weigh) DS4_CUDA_OP(swiglu)
 DS4_CUDA_OP(moe_combine)
 DS4_CUDA_OP(ce_rows) DS4_CUDA_OP(logprobs) DS4_CUDA_OP(sample)
+DS4_CUDA_OP(optim_sumsq) DS4_CUDA_OP(adamw) DS4_CUDA_OP(cast_params)
 #undef DS4_CUDA_OP
 
 #endif
