@@ -92,7 +92,7 @@ static void bplan(bwd *b, ds4_arena *a) {
     b->inv_t = ds4_arena_take(a, T * (topk ? topk : 1), 4);
     b->inv_i = ds4_arena_take(a, T * (topk ? topk : 1), 4);
     b->inv_off = ds4_arena_take(a, B * S + 1, 8);
-    b->dlog = ds4_arena_take(a, T * zmax(V, E), 4);
+    b->dlog = ds4_arena_take(a, zmax((size_t)b->tp->head_rows * V, T * E), 4); /* a head chunk's, or the routers' */
     b->dsc = ds4_arena_take(a, T * E, 4);
     b->dws = ds4_arena_take(a, T * K, 4);
     b->xs = ds4_arena_take(a, T * K * D, 4);
@@ -365,14 +365,23 @@ static void targets(int64_t *tgt, const int64_t *labels, int64_t B, int64_t Sl, 
 }
 
 /* The head of a pass: logits = head(norm(HyperHead(X))) → dX (written), for the objective Σ g·log p(target) with
- * g = dlogp[row] (or g0 when dlogp is NULL) at the rows whose target (tgt, backend) is not -100. */
-static void head_bwd(bwd *b, const float *logits, const float *u, const float *y, const float *X, const float *fn,
-                     const float *base, const float *scale, const float *nw, float *gfn, float *gbase, float *gscale,
-                     float *gnorm, const int64_t *tgt, const float *dlogp, double g0, float *dX) {
+ * g = dlogp[row] (or g0 when dlogp is NULL) at the rows whose target (tgt, backend) is not -100. In chunks of the
+ * tape's head_rows, as the forward ran it: each chunk's logits recomputed from y (the same product on the same rows,
+ * so the same bits), its logit gradient, and its share of dy and of the head's weight gradient (chunks add in order). */
+static void head_bwd(bwd *b, const float *u, const float *y, const float *X, const float *fn, const float *base,
+                     const float *scale, const float *nw, float *gfn, float *gbase, float *gscale, float *gnorm,
+                     const int64_t *tgt, const float *dlogp, double g0, float *dX) {
     const ds4_config *c = &b->m->cfg;
-    const int64_t T = b->f.T, D = c->hidden_size, V = c->vocab_size;
-    OP(b->f.dev, logp_bwd, .dl = b->dlog, .logits = logits, .rows = T, .V = V, .tgt = tgt, .dlogp = dlogp, .g0 = g0);
-    lin_bwd(b, b->dh, D, 0, b->gw->head, b->dlog, V, y, D, b->f.w->head, b->mdt, T, D, V);
+    const int64_t T = b->f.T, D = c->hidden_size, V = c->vocab_size, R = b->tp->head_rows;
+    float *logits = b->tp->logits;
+    for (int64_t r0 = 0; r0 < T; r0 += R) {
+        const int64_t n = T - r0 < R ? T - r0 : R;
+        OP(b->f.dev, matmul, .y = logits, .ldy = V, .x = y + r0 * D, .ldx = D, .W = b->f.w->head, .wdt = b->mdt,
+           .T = n, .K = D, .O = V);
+        OP(b->f.dev, logp_bwd, .dl = b->dlog, .logits = logits, .rows = n, .V = V, .tgt = tgt + r0,
+           .dlogp = dlogp ? dlogp + r0 : NULL, .g0 = g0);
+        lin_bwd(b, b->dh + r0 * D, D, 0, b->gw->head, b->dlog, V, y + r0 * D, D, b->f.w->head, b->mdt, n, D, V);
+    }
     norm_bwd(b, b->du, 0, gnorm, b->dh, u, nw, T, D);
     hyperhead_bwd(b, X, fn, base, scale, gfn, gbase, gscale, b->du, dX);
 }
@@ -390,7 +399,7 @@ static void mtp_bwd(bwd *b, double ms, int64_t *htgt, int32_t *hrows) {
     targets(htgt, tp->hlabels, B, S1, S, 2);
     ds4_dev_upload(dev, tp->tgt, htgt, (size_t)T1 * sizeof(int64_t));
     /* the main gradient stays in dX; the MTP pass works in dmtp (block_bwd's scratch is dXt) */
-    head_bwd(b, tp->mtp_logits, tp->mtp_u, tp->mtp_y, tp->mtp_X, mt->hc_head_fn, mt->hc_head_base, mt->hc_head_scale,
+    head_bwd(b, tp->mtp_u, tp->mtp_y, tp->mtp_X, mt->hc_head_fn, mt->hc_head_base, mt->hc_head_scale,
              mt->norm, gm->hc_head_fn, gm->hc_head_base, gm->hc_head_scale, gm->norm, tp->tgt, NULL, -ms, b->dmtp);
     block_bwd(b, &mt->block, &gm->block, &tp->layers[c->num_hidden_layers], b->dmtp);
     /* z_i[k] = e_proj(enorm(e_{i+1})) + h_proj(hnorm(X^L_i[k])) */
@@ -437,16 +446,10 @@ ds4_status ds4_model_last_batch(const ds4_model *m, int64_t *batch, int64_t *seq
 ds4_status ds4_model_logprobs(ds4_model *m, float *logp, float *entropy, ds4_error *err) {
     ds4_status s = tape_ready(m, "logprobs", err);
     if (s) return s;
+    /* the training forward computed them with its head, chunk by chunk (forward.c, head_chunks) */
     const ds4_tape *tp = m->tape;
     const int64_t T = tp->T;
-    int64_t *htgt = malloc((size_t)T * sizeof *htgt);
-    if (!htgt) return ds4_fail(err, DS4_ERR_OOM, "logprobs: host targets of %lld tokens", (long long)T);
-    targets(htgt, tp->hlabels, tp->B, tp->S, tp->S, 1);
     ds4_dev *dev = m->dev;
-    ds4_dev_upload(dev, tp->tgt, htgt, (size_t)T * sizeof *htgt);
-    free(htgt);
-    OP(dev, logprobs, .logits = tp->logits, .rows = T, .V = m->cfg.vocab_size, .tgt = tp->tgt, .logp = tp->lp,
-       .entropy = tp->lp + T);
     if (logp) ds4_dev_download(dev, logp, tp->lp, (size_t)T * sizeof(float));
     if (entropy) ds4_dev_download(dev, entropy, tp->lp + T, (size_t)T * sizeof(float));
     return ds4_dev_check(dev, "logprobs", err);
@@ -509,7 +512,7 @@ static ds4_status backward_impl(ds4_model *m, const float *dlogp, double scale, 
     ds4_dev_upload(dev, tp->tgt, htgt, (size_t)T * sizeof(int64_t));
     const float *dl = ds4_pass_input(&b.f, b.dlogp, dlogp, (size_t)T * sizeof(float));
     const ds4_weights *wv = b.f.w;
-    head_bwd(&b, tp->logits, tp->u_fin, tp->y_fin, tp->X_L, wv->hc_head_fn, wv->hc_head_base, wv->hc_head_scale, wv->norm,
+    head_bwd(&b, tp->u_fin, tp->y_fin, tp->X_L, wv->hc_head_fn, wv->hc_head_base, wv->hc_head_scale, wv->norm,
              b.gw->hc_head_fn, b.gw->hc_head_base, b.gw->hc_head_scale, b.gw->norm, tp->tgt, dl, -scale, b.dX);
     if (tp->with_mtp && tp->mtp_tokens > 0 && !dlogp)
         /* MTP term λ·mean over its own scored tokens: per-token scale λ·scale·(main tokens / MTP tokens), which is

@@ -62,7 +62,8 @@ static double rel_t(const float *a, const float *b, int64_t n) {
  * micro-batches row by row (2); mtp / ikl options. Returns a copy of the flat gradients (host). */
 static float *grads_of(ds4_model *m, const ds4_forward_args *a, int mode, double mtp, double ikl) {
     ds4_error err = {0};
-    ds4_train_options to = {.mtp_lambda = mtp, .indexer_kl = ikl};
+    /* the per-token path and the MTP loss run the head in chunks of 5 rows (on both backends) */
+    ds4_train_options to = {.mtp_lambda = mtp, .indexer_kl = ikl, .head_chunk = mode == 1 || mtp > 0 ? 5 : 0};
     CHECK_OK(ds4_model_set_train_options(m, &to, &err), &err);
     CHECK_OK(ds4_model_enable_grad(m, &err), &err);
     ds4_model_zero_grad(m);

@@ -22,6 +22,11 @@ typedef struct ds4_train_options {
     double router_bias_gamma; /* > 0: after each optimizer step, the aux-loss-free balancing update of every
                                  learned router's selection bias: bias_e += γ·sign(mean load − load_e), loads
                                  counted over the training forwards since the previous step */
+    int64_t head_chunk;       /* rows of logits a training pass holds at once: the LM head, its losses and
+                                 log-probabilities run over chunks of this many tokens and the backward recomputes
+                                 each chunk's logits, so [T, V] logits never exist. 0: the backend's default (all rows
+                                 on the CPU; 1024 on a GPU). Changes summation order only in the head's weight
+                                 gradient (chunks add in order). */
 } ds4_train_options;
 
 /* Allocate the gradient buffer (zeroed). Idempotent. */
