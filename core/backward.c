@@ -142,7 +142,9 @@ static void lin_bwd(bwd *b, float *dx, int64_t lddx, int acc, float *dW, const f
     if (dx)
         OP(b->f.dev, linear_bwd_x, .dx = dx, .lddx = lddx, .acc = acc, .dy = dy, .ldy = ldy, .W = W, .wdt = wdt, .T = T,
            .K = K, .O = O);
-    if (dW) OP(b->f.dev, linear_bwd_w, .dW = dW, .dy = dy, .ldy = ldy, .x = x, .ldx = ldx, .T = T, .K = K, .O = O);
+    if (dW)
+        OP(b->f.dev, linear_bwd_w, .dW = dW, .dy = dy, .ldy = ldy, .x = x, .ldx = ldx, .T = T, .K = K, .O = O,
+           .wdt = wdt);
 }
 
 static void norm_bwd(bwd *b, float *dx, int acc, float *dw, const float *dy, const float *x, const float *w,
@@ -309,17 +311,17 @@ static void routed_bwd(bwd *b, const ds4_layer_w *l, const ds4_layer_w *g, const
     OP(dev, linear_bwd_x_grouped, .dx = b->dact, .dy = b->dys, .W = l->w2, .wdt = b->mdt, .wstride = D * I,
        .off = b->ecount, .E = E, .rows = TK, .K = I, .O = D);
     OP(dev, linear_bwd_w_grouped, .dW = g->w2, .wstride = D * I, .dy = b->dys, .x = b->act, .off = b->ecount, .E = E,
-       .rows = TK, .K = I, .O = D);
+       .rows = TK, .K = I, .O = D, .wdt = b->mdt);
     OP(dev, swiglu_bwd, .g1 = b->g1s, .g3 = b->g3s, .dact = b->dact, .dg1 = b->act, .dg3 = b->dact, .rows = TK, .I = I,
        .lim = lim, .grads = 1);
     OP(dev, linear_bwd_x_grouped, .dx = b->dxs, .dy = b->act, .W = l->w1, .wdt = b->mdt, .wstride = I * D,
        .off = b->ecount, .E = E, .rows = TK, .K = D, .O = I);
     OP(dev, linear_bwd_w_grouped, .dW = g->w1, .wstride = I * D, .dy = b->act, .x = b->xs, .off = b->ecount, .E = E,
-       .rows = TK, .K = D, .O = I);
+       .rows = TK, .K = D, .O = I, .wdt = b->mdt);
     OP(dev, linear_bwd_x_grouped, .dx = b->dxs, .acc = 1, .dy = b->dact, .W = l->w3, .wdt = b->mdt, .wstride = I * D,
        .off = b->ecount, .E = E, .rows = TK, .K = D, .O = I);
     OP(dev, linear_bwd_w_grouped, .dW = g->w3, .wstride = I * D, .dy = b->dact, .x = b->xs, .off = b->ecount, .E = E,
-       .rows = TK, .K = D, .O = I);
+       .rows = TK, .K = D, .O = I, .wdt = b->mdt);
     /* the input gradients are in expert order: file them by slot, then sum each token's slots in slot order */
     OP(dev, scatter_rows, .dst = b->dxslot, .src = b->dxs, .idx = b->perm, .rows = TK, .width = D);
     OP(dev, moe_sum_slots, .dh = b->dh, .dxslot = b->dxslot, .T = T, .K = K, .D = D);

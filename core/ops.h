@@ -183,17 +183,23 @@ typedef struct {
 /* dl[r] = g_r·(onehot(tgt[r]) − softmax(logits[r])) with g_r = dlogp[r] (or g0 when dlogp is NULL); 0 at rows
  * with tgt -100 or g_r = 0 */
 typedef struct { float *dl; const float *logits; int64_t rows, V; const int64_t *tgt; const float *dlogp; double g0; } ds4_a_logp_bwd;
-/* y = x Wᵀ backward. linear_bwd_x: dx = dy·W (added when acc); linear_bwd_w: dW += dyᵀ·x */
+/* y = x Wᵀ backward. linear_bwd_x: dx = dy·W (added when acc); linear_bwd_w: dW += dyᵀ·x. wdt is the dtype W is
+ * held in; for linear_bwd_w (dW is fp32 either way) BF16 asks for the product of dy and x rounded to bf16, as the
+ * bf16 forward rounds its product's input; F32 (0, the default) is the exact fp32 product. */
 typedef struct {
     float *dx; int64_t lddx; int acc; const float *dy; int64_t ldy; const void *W; ds4_dtype wdt; int64_t T, K, O;
 } ds4_a_linear_bwd_x;
-typedef struct { float *dW; const float *dy; int64_t ldy; const float *x; int64_t ldx, T, K, O; } ds4_a_linear_bwd_w;
+typedef struct {
+    float *dW; const float *dy; int64_t ldy; const float *x; int64_t ldx, T, K, O; ds4_dtype wdt;
+} ds4_a_linear_bwd_w;
 /* The same per row group of off (ds4_a_matmul_grouped): dx rows written (acc: added); dW + e·wstride added */
 typedef struct {
     float *dx; int acc; const float *dy; const void *W; ds4_dtype wdt; int64_t wstride; const int64_t *off;
     int64_t E, rows, K, O;
 } ds4_a_linear_bwd_x_grouped;
-typedef struct { float *dW; int64_t wstride; const float *dy, *x; const int64_t *off; int64_t E, rows, K, O; } ds4_a_linear_bwd_w_grouped;
+typedef struct {
+    float *dW; int64_t wstride; const float *dy, *x; const int64_t *off; int64_t E, rows, K, O; ds4_dtype wdt;
+} ds4_a_linear_bwd_w_grouped;
 
 /* RMSNorm backward over `groups` groups of `rows` rows (group g at + g·gstride elements): dx written or added
  * (acc; may alias dy), dw += (may be NULL). */

@@ -334,6 +334,7 @@ static const ds4_ops cuda_ops = [] {
     SET(indexer) SET(attention) SET(cache_commit) SET(record_picks) SET(route) SET(count_loads) SET(moe_sort)
     SET(moe_weigh) SET(swiglu) SET(moe_combine) SET(ce_rows) SET(logprobs) SET(sample)
     SET(optim_sumsq) SET(adamw) SET(cast_params)
+    SET(logp_bwd) SET(linear_bwd_x) SET(linear_bwd_w) SET(linear_bwd_x_grouped) SET(linear_bwd_w_grouped) SET(norm_bwd) SET(colsum_add) SET(sum_streams) SET(embed_bwd)
 #undef SET
     return o;
 }();
