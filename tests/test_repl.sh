@@ -230,6 +230,18 @@ repl --model "$WORK/with_tok" <<<'=tok:special("eos") ~= nil'
 expect_rc "DIR/tokenizer.json" 0 $rc
 expect_in "DIR/tokenizer.json" "$WORK/err" "tokenizer $WORK/with_tok/tokenizer.json"
 expect_line "DIR/tokenizer.json" "$WORK/out" "true"
+# a checkpoint without a tokenizer says so in the banner instead of falling back silently
+repl --model "$TINY" <<<'=1'
+expect_in "no tokenizer.json" "$WORK/err" "built-in byte-level (the checkpoint has no tokenizer.json)"
+# a model saved from the REPL carries its tokenizer and chat template: a new REPL on it picks both up
+repl <<<"model:save(\"$WORK/saved\")"
+expect_rc "model:save in the REPL" 0 $rc
+[ -f "$WORK/saved/tokenizer_config.json" ] || fail "model:save wrote no tokenizer_config.json"
+repl --model "$WORK/saved" < <(printf '=tok:special("assistant") ~= nil\nchat("hi", {max_new_tokens = 2})\n')
+expect_rc "saved model" 0 $rc
+expect_in "saved model" "$WORK/err" "tokenizer $WORK/saved/tokenizer.json"
+expect_line "saved model: its tokenizer has the chat tokens" "$WORK/out" "true"
+expect_not_in "saved model: chat works" "$WORK/err" "outside this model's vocabulary"
 
 echo "test_repl: $checks checks, $fails failures"
 [ $fails -eq 0 ]

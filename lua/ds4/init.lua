@@ -27,7 +27,10 @@ Safetensors
   ds4.save_tensors(path, tbl)      write {name = tensor}, names sorted (deterministic bytes)
 
 Models
-  ds4.load(dir)                    model from an HF checkpoint directory (config.json + safetensors)
+  ds4.load(dir)                    model from an HF checkpoint directory (config.json + safetensors); a
+                                   dir/tokenizer.json (+ tokenizer_config.json) is loaded and attached to it
+  model:tokenizer()                -> the attached tokenizer and its chat template name (nil when none)
+  model:set_tokenizer(tok [, {chat_template = name, config = table}])  attach one (nil detaches) -> model
   ds4.random_model(config [, seed]) model with random weights (HF initialisation) from a config path
   ds4.new_model(cfg [, seed])      the same from a Lua table of config.json fields (e.g. for training from
                                    scratch: {vocab_size = 280, hidden_size = 64, ...}; absent fields take the
@@ -70,6 +73,7 @@ Tokenizer (HF tokenizer.json byte-level BPE; equals HF tokenizers' encode(text, 
   tok:special(name)                id of a DeepSeek special token by name, nil if absent: "bos", "eos", "user",
                                    "assistant", "think", "end_think", "latest_reminder", "dsml", "pad", "tool_*", ...
   tok:is_special(id)               true for special added tokens (what skip_special drops)
+  tok:to_json()                    the tokenizer.json text it was loaded from (the built-in one's: generated)
   ds4.special_tokens()             {name = token text} of those names
   ds4.is_tokenizer(x)
 
@@ -97,10 +101,14 @@ Saving and checkpoints (lua/save_lua.c; layout and guarantees: core/include/ds4_
                                    opts.dtype = "F32" (exact, default) | "BF16" | "F16"; opts.overwrite = true
                                    replaces an existing dir that holds only checkpoint files. -> dir. A model with
                                    a NaN or infinite weight is refused (here and by checkpoints.save).
+                                   The attached tokenizer is written with the weights (tokenizer.json,
+                                   tokenizer_config.json: lua/ds4/pretrained.lua); opts.tokenizer = tok | false,
+                                   opts.chat_template = name override it; opts.files = {name = text}: more *.json
   ds4.checkpoints.save(root, step, model [, opts])  -> root/step_NNNNNN (step = completed updates), committed
                                    atomically with a checksummed COMPLETE marker. opts.extra = {name = tensor},
                                    opts.meta = {JSON-able table}, opts.states = {name = {tensors = ..., meta = ...}},
-                                   opts.dtype; opts.keep_last / keep_every / clean: prune afterwards. The commit
+                                   opts.dtype, opts.tokenizer / chat_template / files as model:save;
+                                   opts.keep_last / keep_every / clean: prune afterwards. The commit
                                    removes crash leftovers no running writer can own (ds4_ckpt.h)
   ds4.checkpoints.load(root [, step]) -> dir, extra, meta, step of the newest (or given) complete checkpoint
                                    (nil when there is none); ds4.load(dir) loads its model
@@ -343,6 +351,80 @@ function M.new_model(cfg, seed)
         error("ds4.new_model: bad argument #1 (config table expected, got " .. type(cfg) .. ")", 2)
     end
     return core.random_model_json(require("ds4.chat.json").encode(cfg), seed)
+end
+
+-- ------------------------------------------------------------------------------------------------ tokenizers
+
+-- A model's tokenizer and chat template travel with it (ds4.pretrained): ds4.load attaches what the directory
+-- holds, model:save and ds4.checkpoints.save write it back. Weak keys: the record goes when the model does.
+local attached = setmetatable({}, { __mode = "k" })
+local pretrained = require("ds4.pretrained")
+local model_methods = core.model_methods
+
+function model_methods.set_tokenizer(m, tok, opts)
+    if not M.is_model(m) then error("ds4.model:set_tokenizer: self must be a ds4.model", 2) end
+    if tok ~= nil and not core.is_tokenizer(tok) then
+        error("ds4.model:set_tokenizer: bad argument #1 (ds4.tokenizer or nil expected, got " .. type(tok) .. ")", 2)
+    end
+    if opts ~= nil and type(opts) ~= "table" then
+        error("ds4.model:set_tokenizer: opts must be a table {chat_template = name, config = table}", 2)
+    end
+    opts = opts or {}
+    if opts.chat_template ~= nil and type(opts.chat_template) ~= "string" then
+        error("ds4.model:set_tokenizer: opts.chat_template must be a template name", 2)
+    end
+    attached[m] = tok and { tokenizer = tok, chat_template = opts.chat_template or pretrained.template_for(tok, opts.config),
+        config = opts.config } or nil
+    return m
+end
+
+-- -> tokenizer, chat template name (nil, nil when none is attached)
+function model_methods.tokenizer(m)
+    local a = attached[m]
+    if not a then return nil end
+    return a.tokenizer, a.chat_template
+end
+
+-- opts.files for a save: the attached tokenizer's files (opts.tokenizer = false: none; a ds4.tokenizer: that one),
+-- under the caller's own opts.files.
+local function with_tokenizer_files(m, opts, fname)
+    if opts ~= nil and type(opts) ~= "table" then return opts end -- the C function names the bad argument
+    local o = {}
+    for k, v in pairs(opts or {}) do if k ~= "tokenizer" and k ~= "chat_template" then o[k] = v end end
+    local tok, a = opts and opts.tokenizer, attached[m]
+    if tok ~= nil and tok ~= false and not core.is_tokenizer(tok) then
+        error(fname .. ": opts.tokenizer must be a ds4.tokenizer or false, got " .. type(tok), 3)
+    end
+    if tok == false or (tok == nil and not a) then return o end
+    local files = pretrained.files(tok or a.tokenizer, { chat_template = opts and opts.chat_template
+        or (not tok and a.chat_template) or nil, config = not tok and a.config or nil })
+    if o.files ~= nil and type(o.files) ~= "table" then
+        error(fname .. ": opts.files must be a table {name = text}, got " .. type(o.files), 3)
+    end
+    for k, v in pairs(o.files or {}) do files[k] = v end
+    o.files = files
+    return o
+end
+
+local core_save = model_methods.save
+function model_methods.save(m, dir, opts)
+    return core_save(m, dir, with_tokenizer_files(m, opts, "ds4.model:save"))
+end
+
+local core_ckpt_save = core.checkpoints.save
+function M.checkpoints.save(root, step, m, opts)
+    return core_ckpt_save(root, step, m, with_tokenizer_files(m, opts, "ds4.checkpoints.save"))
+end
+
+-- ds4.load(dir, ...) also reads dir/tokenizer.json (+ tokenizer_config.json) when present and attaches it.
+function M.load(dir, ...)
+    local m = core.load(dir, ...)
+    if type(dir) == "string" then
+        local ok, tok, info = pcall(pretrained.read, dir)
+        if not ok then error("ds4.load: " .. tostring(tok), 2) end
+        if tok then model_methods.set_tokenizer(m, tok, info) end
+    end
+    return m
 end
 
 -- ------------------------------------------------------------------------------------------------ misc

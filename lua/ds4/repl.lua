@@ -247,9 +247,7 @@ end
 -- ------------------------------------------------------------------------------------------------ chat
 
 local function default_template(t)
-    if t:special("assistant") then return "deepseek_v4" end
-    if t:token_to_id("<|im_start|>") then return "chatml" end
-    return "deepseek_v4"
+    return require("ds4.pretrained").template_for(t) or "deepseek_v4"
 end
 
 -- The ids that end an assistant turn under the template.
@@ -269,7 +267,7 @@ function M.chat(text, opts)
     if opts ~= nil and type(opts) ~= "table" then error("chat: opts must be a table, got " .. type(opts), 2) end
     opts = opts or {}
     local m, t, V = current()
-    local name = opts.template or S.template or default_template(t)
+    local name = opts.template or S.template or S.model_template or default_template(t)
     local tmpl = ds4.chat.get(name)
     local thinking = opts.thinking == true
     local msgs = {}
@@ -465,31 +463,31 @@ local function demo_model(t)
     }, 1234)
 end
 
-local function file_exists(path)
-    local f = io.open(path, "rb")
-    if f then f:close() return true end
-    return false
-end
-
 -- opts: model (dir), tokenizer (path), threads, interactive. Sets the globals and prints the banner (stdout when
 -- interactive, else stderr, so that piped output holds only what the input printed).
 function M.setup(opts)
     opts = opts or {}
     if opts.threads then ds4.set_threads(opts.threads) end
     local tok_path = opts.tokenizer
-    if not tok_path and opts.model and file_exists(opts.model .. "/tokenizer.json") then
-        tok_path = opts.model .. "/tokenizer.json"
-    end
-    local t = ds4.tokenizer(tok_path)
-    local m, model_desc
+    local m, model_desc, t, tok_desc
     if opts.model then
-        m = ds4.load(opts.model)
+        m = ds4.load(opts.model) -- attaches DIR/tokenizer.json and the chat template of tokenizer_config.json
         model_desc = opts.model
-    else
+        local attached, template = m:tokenizer()
+        if attached and not tok_path then
+            t, tok_desc, S.model_template = attached, opts.model .. "/tokenizer.json", template
+        end
+    end
+    if not t then
+        t = ds4.tokenizer(tok_path)
+        tok_desc = tok_path or ("built-in byte-level" .. (opts.model and " (the checkpoint has no tokenizer.json)" or ""))
+    end
+    if not m then
         m = demo_model(t)
         model_desc = "random demo model"
         S.random = true
     end
+    if not m:tokenizer() then m:set_tokenizer(t) end -- so that model:save writes the tokenizer in use
     local cfg = m:config()
     _G.ds4, _G.model, _G.tok = ds4, m, t
     for _, name in ipairs({ "chat", "chat_reset", "chat_history", "generate", "logprobs", "top", "help" }) do
@@ -498,7 +496,7 @@ function M.setup(opts)
     local banner = ("ds4 %s repl: model %s (%d layers, hidden %d, vocab %d, %.2fM parameters), tokenizer %s "
         .. "(vocab %d).%s help() lists the helpers, Ctrl-D exits."):format(ds4.version, model_desc,
         cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size, m:n_params() / 1e6,
-        tok_path or "built-in byte-level", t:vocab_size(),
+        tok_desc, t:vocab_size(),
         S.random and " Its weights are random: its outputs are noise." or "")
     local f = opts.interactive and io.stdout or io.stderr
     f:write(banner, "\n")
