@@ -435,9 +435,11 @@ function M.script_dir()
     return script:match("^(.*)/[^/]*$") or "."
 end
 
--- pure-Lua parts load on first use: ds4.chat, ds4.reward, ds4.rl, ds4.rollout, ds4.data, ds4.metrics
+-- pure-Lua parts load on first use: ds4.chat, ds4.reward, ds4.rl, ds4.rollout, ds4.data, ds4.metrics, and the run
+-- tooling: ds4.options, ds4.rundir, ds4.runlog, ds4.tensorboard, ds4.fs
 local LAZY = { chat = "ds4.chat", reward = "ds4.reward", rl = "ds4.rl", rollout = "ds4.rollout", data = "ds4.data",
-    metrics = "ds4.metrics" }
+    metrics = "ds4.metrics", options = "ds4.options", rundir = "ds4.rundir", runlog = "ds4.runlog",
+    tensorboard = "ds4.tensorboard", fs = "ds4.fs" }
 setmetatable(M, { __index = function(t, k)
     if LAZY[k] then
         t[k] = require(LAZY[k])
