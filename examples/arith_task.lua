@@ -17,14 +17,15 @@ local T = {}
 -- Lua numbers are doubles, so the product must stay below 2^53 to be exact (16807 · 2^31 < 2^46); the classic
 -- 1103515245 multiplier would round and fall into short cycles. The draw uses the high part (s / m · n), not
 -- s % n.
+-- Returns the draw function and its state ({s = ...}: saved in RL checkpoints, so that a resumed run draws on).
 function T.rng(seed)
     local m = 2147483647
-    local s = seed % m
-    if s == 0 then s = 1 end
+    local st = { s = seed % m }
+    if st.s == 0 then st.s = 1 end
     return function(n)
-        s = s * 16807 % m
-        return math.floor(s / m * n)
-    end
+        st.s = st.s * 16807 % m
+        return math.floor(st.s / m * n)
+    end, st
 end
 
 -- a in [0, 1000), b in [0, 10): 10,000 problems, so the RL steps rarely repeat one and held-out accuracy measures
@@ -53,10 +54,14 @@ function T.write_jsonl(path, n, r, exclude)
 end
 
 -- Samples {prompt = ids, text = prompt string, answer = string} from a JSONL file of {prompt, answer}. ds4.data
--- checks every row (a non-empty prompt, an answer that is a string or a finite number) and names file:line.
-function T.read_jsonl(path, tok)
+-- checks every row (a non-empty prompt, an answer that is a string or a finite number) and names file:line. opts:
+-- ds4.data's template, thinking and columns: a conversational prompt is rendered with the template (generation
+-- prompt appended), and text is the rendering.
+function T.read_jsonl(path, tok, opts)
+    opts = opts or {}
     local out = {}
-    for i, row in ipairs(ds4.data.read_jsonl(path, { tokenizer = tok })) do
+    for i, row in ipairs(ds4.data.read_jsonl(path, { tokenizer = tok, template = opts.template,
+        thinking = opts.thinking, columns = opts.columns })) do
         out[i] = { prompt = row.ids, text = row.prompt, answer = row.answer }
     end
     return out

@@ -239,8 +239,10 @@ static int m_logprobs(lua_State *L) {
     return want_entropy ? 2 : 1;
 }
 
-/* model:backward_logprobs(g): g is an F32 tensor [B, S] of d objective / d logp per position (ignored where
- * unscored). Consumes the training forward, like model:backward. */
+/* model:backward_logprobs(g): g is an F32 tensor [B, S] of dLoss/dlogp per position, for the loss the optimizer
+ * MINIMISES (ignored where unscored): the gradients get sum g[b][s] * d logp[b][s] / d theta added. The SFT mean
+ * loss -mean(logp) is g = -1/N on every scored position (tests/lua/test_train.lua checks that against torch).
+ * Consumes the training forward, like model:backward. */
 static int m_backward_logprobs(lua_State *L) {
     const char *fname = "ds4.model:backward_logprobs";
     ds4_model *m = ds4l_model_check(L, 1, fname);

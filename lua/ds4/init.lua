@@ -85,6 +85,14 @@ Training (lua/train_lua.c)
   model:backward([scale])          add the gradient of scale * (sum of per-token CE) of the last training forward;
                                    scale defaults to 1 / loss_tokens (gradient of out.loss); once per forward
   model:grads()                    {official name = F32 tensor}: copies of the gradients (fp32 parameters)
+  model:logprobs([{entropy = true}]) -> logp F32 [B, S] (, entropy [B, S]) of the last training forward:
+                                   logp[b][s] = log p(labels[b][s + 1] | ids[b][1..s]), the log-probability of the
+                                   NEXT position's label, 0 where that label is -100 (the last column is always
+                                   0); does not consume the forward
+  model:backward_logprobs(g)       g: F32 [B, S] laid out as logp, g[b][s] = dLoss/dlogp[b][s] of the loss being
+                                   MINIMISED: adds sum g * dlogp/dtheta to the gradients (the SFT mean loss is
+                                   g = -1/N on every scored position; a policy-gradient loss -A logp is g = -A);
+                                   consumes the forward, as backward does. ds4.rl.trainer's config.loss returns g
   ds4.adamw(model [, opts])        AdamW as torch.optim.AdamW (+ clip_grad_norm_, LR schedule); opts: lr (1e-3),
                                    betas ({0.9, 0.999}), eps (1e-8), weight_decay (0.01; not on norms, biases,
                                    sinks, mHC base/scale), clip (off), schedule ("constant"|"linear"|"cosine"),

@@ -250,16 +250,6 @@ local function default_template(t)
     return require("ds4.pretrained").template_for(t) or "deepseek_v4"
 end
 
--- The ids that end an assistant turn under the template.
-local function end_of_turn(t, name)
-    if name == "chatml" then
-        local id = t:token_to_id("<|im_end|>")
-        return id and { id } or {}
-    end
-    local eos = t:special("eos")
-    return eos and { eos } or {}
-end
-
 local CHAT_OWN = { thinking = true, system = true, template = true }
 
 function M.chat(text, opts)
@@ -285,7 +275,7 @@ function M.chat(text, opts)
     S.turns = S.turns + 1
     local g = { max_new_tokens = 512, temperature = 0.7, top_p = 0.95, seed = S.turns }
     for k, v in pairs(opts) do if not CHAT_OWN[k] then g[k] = v end end
-    local stop = end_of_turn(t, name)
+    local stop = ds4.chat.end_of_turn(t, name)
     if type(g.stop) == "table" then for _, v in ipairs(g.stop) do stop[#stop + 1] = v end end
     g.stop = stop
     for _, v in ipairs(stop) do if type(v) == "string" then g.tokenizer = t break end end
