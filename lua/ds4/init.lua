@@ -448,7 +448,7 @@ end
 local LAZY = { chat = "ds4.chat", reward = "ds4.reward", rl = "ds4.rl", rollout = "ds4.rollout", data = "ds4.data",
     metrics = "ds4.metrics", options = "ds4.options", rundir = "ds4.rundir", runlog = "ds4.runlog",
     tensorboard = "ds4.tensorboard", fs = "ds4.fs" }
-setmetatable(M, { __index = function(t, k)
+setmetatable(M, { __lazy = LAZY, __index = function(t, k) -- __lazy: the names, for the REPL's Tab completion
     if LAZY[k] then
         t[k] = require(LAZY[k])
         return t[k]
