@@ -87,6 +87,8 @@ sft --steps 6 --save-every 2 --data pc.jsonl --eval 1 --run-id ck >/dev/null
 sft --steps 8 --resume >resume.log # continues runs/sft/latest (= ck) with its configuration, 8 steps now
 grep -q "resuming from runs/sft/ck/ckpt/step_000006" resume.log || { cat resume.log; fail "--resume continues latest"; }
 [ "$(grep -c '"loss"' runs/sft/ck/metrics.jsonl)" = 8 ] || fail "the resumed run has steps 1..8 once"
+grep -q '"ds4_chat_template": "deepseek_v4"' runs/sft/ck/ckpt/step_000008/tokenizer_config.json ||
+    fail "an SFT checkpoint carries its tokenizer and template"
 
 # ------------------------------------------------------------------------------------------------ 5. errors
 fails 2 "--data pc.jsonl has 3 rows and --eval 3 would hold out all of them" --data pc.jsonl --eval 3

@@ -182,12 +182,25 @@ Chat templates (lua/ds4/chat/: loaded on first use of ds4.chat; same as require(
   tmpl:check_prefix(tok, before, after, opts [, opts_after])  true, or false + why (append-only check)
   ds4.chat.register(name, {segments = fn} or {render = fn})   ds4.chat.list()   ds4.chat.builder(tok)
 
-Datasets and metrics (pure Lua, loaded on first use)
-  ds4.data.read_jsonl(path, {format = "prompt_answer" | "messages", tokenizer, template})  -> rows, every row
-                                   checked (types, empty prompts, NaN answers, renderable conversations); errors
-                                   name file:line. ds4.data.parse_jsonl(text, name, opts) on a string
+Datasets, runs and metrics (pure Lua, loaded on first use; each file's header has the details)
+  ds4.data.read_jsonl(path, {format = "auto" | "prompt_answer" | "messages" | "prompt_completion", tokenizer,
+                                   template, thinking, columns = {field = "dotted.path"} | "verl", eos})  -> rows,
+                                   every row checked (types, empty prompts, NaN answers, renderable conversations)
+                                   and, with a tokenizer, tokenised (ids; SFT rows also labels); errors name
+                                   file:line and the field. ds4.data.parse_jsonl(text, name, opts) on a string
   ds4.metrics.open(path [, {resume_step = k}])  -> JSONL writer: w:write(record) writes one whole line, flushed,
-                                   errors raised; resume drops a torn last line and records past step k
+                                   errors raised; resume drops a torn last line and records past step k.
+                                   ds4.metrics.clock() (monotonic seconds), ds4.metrics.wall() (epoch seconds)
+  ds4.options.parse(arg, spec [, {base = file}])  options from defaults, a Lua config file (--config) and the
+                                   command line (--name V, --name=V, dotted fields of table options);
+                                   ds4.options.write(path, opts, spec) the effective configuration
+  ds4.rundir.open{root, out, id, resume}  a run's own directory (root/<start time>, root/latest);
+                                   ds4.rundir.start(arg, spec, root) -> opts, run: parse, open, write config.lua
+  ds4.runlog.open(dir [, {resume_step, tensorboard = true}])  -> log: log:write(row) (metrics.jsonl and
+                                   TensorBoard scalars), log:table(step, name, header, rows), log:close()
+  ds4.tensorboard.open(dir) -> w: w:scalars(step, {tag = x}), w:text(step, tag, text | rows), w:close();
+                                   ds4.tensorboard.available() (built with protobuf-c); ds4.tb: the raw records
+  ds4.fs                           mkdir_p, exists, is_dir, write_atomic, symlink, readlink (through the FFI)
 
 Rewards (lua/ds4/reward/, pure Lua: ds4.reward = require("ds4.reward"), loaded on first use; API in its init.lua)
   reward.math_reward(resp, sample) {score = 1/0, info = {extracted, reference, reason}} vs sample.answer;
@@ -197,7 +210,8 @@ Rewards (lua/ds4/reward/, pure Lua: ds4.reward = require("ds4.reward"), loaded o
   reward.evaluate(fn, resp, sample) -> score, info, err   never raises: errors / NaN / bad results -> err
   reward.evaluate_batch(fn, responses, samples) -> scores (nil where failed), infos, errors {{index, message}}
 
-RL algorithms (lua/ds4/rl/, pure Lua: ds4.rl = require("ds4.rl"); formulas and citations atop each file)
+RL algorithms (lua/ds4/rl/, pure Lua: ds4.rl = require("ds4.rl"); formulas and citations atop each file;
+the loop: require("ds4.rl.trainer").run{...}, with checkpoints, resume, metrics and a user loss)
   rl.advantage   group_mean / leave_one_out / dr_grpo / reinforce_pp / gae / compute(samples, spec)
   rl.loss        compute(samples, spec, {denom, num_seqs}) -> {loss, grads (dLoss/dlogp per token), metrics}:
                  ppo_clip (eps_low / eps_high, dual clip), gspo, cispo; aggregation named explicitly; KL k1/k2/k3
