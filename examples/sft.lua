@@ -180,7 +180,7 @@ end
 local train, heldout
 if opts.data == "" then
     local r = rng(opts.seed)
-    if not run.resumed or not io.open(OUT .. "/train.jsonl") then
+    if not (run.resumed and ds4.fs.exists(OUT .. "/train.jsonl")) then -- a resumed run reads the files it wrote
         write_jsonl(OUT .. "/train.jsonl", 2000, r)
         write_jsonl(OUT .. "/heldout.jsonl", 64, r)
     end
