@@ -29,7 +29,9 @@ for f in "$LIBDIR/libds4.so" "$LIBDIR/pkgconfig/ds4.pc" "$LIBDIR/cmake/ds4/ds4Co
     "$P/share/lua/5.1/ds4/rl/trainer.lua"; do
     [ -e "$f" ] || fail "$f was not installed"
 done
-if ldd "$LIBDIR/lua/5.1/ds4/core.so" | grep -qi luajit; then
+# (ldd into a file: with pipefail, grep -q closing the pipe early would fail the pipeline)
+ldd "$LIBDIR/lua/5.1/ds4/core.so" >"$out/ldd.txt"
+if grep -qi luajit "$out/ldd.txt"; then
     fail "core.so links LuaJIT: a second LuaJIT in the process of whoever loads it"
 fi
 
@@ -48,13 +50,15 @@ cc "${SAN[@]}" "$SRC/tests/embed/embed.c" -o "$out/embed_pc" $(pkg-config --cfla
     fail "cc with pkg-config --cflags --libs ds4"
 LD_LIBRARY_PATH="$LIBDIR${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" "$out/embed_pc" "$FIX/tiny_a" ||
     fail "the pkg-config build (libds4.so)"
-ldd "$out/embed_pc" | grep -q "libds4.so" || fail "pkg-config --libs ds4 did not link libds4.so"
+ldd "$out/embed_pc" >"$out/ldd.txt"
+grep -q "libds4.so" "$out/ldd.txt" || fail "pkg-config --libs ds4 did not link libds4.so"
 # --static: libds4.a and its private dependencies (-Bstatic picks the archive over the .so for -lds4 only)
 # shellcheck disable=SC2046
 cc "${SAN[@]}" "$SRC/tests/embed/embed.c" -o "$out/embed_pc_static" $(pkg-config --cflags ds4) \
     -L"$LIBDIR" -Wl,-Bstatic -lds4 -Wl,-Bdynamic $(pkg-config --static --libs ds4 | sed 's/ -lds4 / /') ||
     fail "cc with pkg-config --static --libs ds4"
-if ldd "$out/embed_pc_static" | grep -q "libds4.so"; then fail "the static build links libds4.so"; fi
+ldd "$out/embed_pc_static" >"$out/ldd.txt"
+if grep -q "libds4.so" "$out/ldd.txt"; then fail "the static build links libds4.so"; fi
 "$out/embed_pc_static" "$FIX/tiny_a" || fail "the pkg-config build (libds4.a)"
 
 # ------------------------------------------------------------------------------------------------ 3. find_package
