@@ -47,7 +47,7 @@ for h in help --help -h; do
     run $h
     expect_rc "$h" 0 $rc
     expect_in "$h" "$WORK/out" "usage: ds4"
-    expect_in "$h" "$WORK/out" "run FILE"
+    expect_in "$h" "$WORK/out" "run [--device D] [--dtype T] FILE"
     expect_in "$h" "$WORK/out" "version"
 done
 "$DS4" >"$WORK/out" 2>"$WORK/err"; rc=$?
@@ -58,6 +58,35 @@ run frobnicate
 expect_rc "unknown command" 2 $rc
 expect_in "unknown command" "$WORK/err" "unknown command 'frobnicate'"
 expect_in "unknown command" "$WORK/err" "usage: ds4"
+
+# ---------------------------------------------------------------------------------------------- --device
+printf 'local ds4 = require("ds4")\nprint("device=" .. ds4.device(), select("#", ...))\n' >"$WORK/dev.lua"
+run run --device cpu "$WORK/dev.lua" a b
+expect_rc "run --device cpu" 0 $rc
+expect_in "run --device cpu" "$WORK/out" "device=cpu	2"
+run run --device=cuda:1 --dtype fp32 - <"$WORK/dev.lua"
+expect_rc "run --device=cuda:1 --dtype fp32" 0 $rc
+expect_in "run --device=cuda:1 --dtype fp32" "$WORK/out" "device=cuda:1 fp32"
+run run --dtype bf16 "$WORK/dev.lua"
+expect_in "run --dtype alone: the GPU" "$WORK/out" "device=cuda:0 bf16"
+run run --device tpu "$WORK/dev.lua"
+expect_rc "run --device tpu" 2 $rc
+expect_in "run --device tpu" "$WORK/err" "ds4 run: device 'tpu': expected cpu, cuda or cuda:N"
+run run --device cpu --dtype bf16 "$WORK/dev.lua"
+expect_rc "run --device cpu --dtype bf16" 2 $rc
+expect_in "run --device cpu --dtype bf16" "$WORK/err" "fp32 only"
+run run --device
+expect_rc "run --device (no value)" 2 $rc
+expect_in "run --device (no value)" "$WORK/err" "--device needs a value"
+run run --device cpu
+expect_rc "run --device cpu (no script)" 2 $rc
+expect_in "run --device cpu (no script)" "$WORK/err" "missing script"
+run repl --device cuda:z </dev/null
+expect_rc "repl --device cuda:z" 2 $rc
+expect_in "repl --device cuda:z" "$WORK/err" "index after cuda:"
+run worker --connect "ipc://$WORK/none" --model "$FIXTURES/tiny_a" --device tpu
+expect_rc "worker --device tpu" 2 $rc
+expect_in "worker --device tpu" "$WORK/err" "ds4 worker: ds4.set_device: device 'tpu'"
 
 run run
 expect_rc "run without a script" 2 $rc

@@ -27,14 +27,24 @@ Safetensors
   ds4.save_tensors(path, tbl)      write {name = tensor}, names sorted (deterministic bytes)
 
 Models
-  ds4.load(dir)                    model from an HF checkpoint directory (config.json + safetensors); a
+  ds4.load(dir [, opts])           model from an HF checkpoint directory (config.json + safetensors);
+                                   opts = {device = "cpu" | "cuda" | "cuda:N", dtype = "bf16" | "fp32"}
+                                   (default: ds4.set_device's; on CUDA the dtype defaults to bf16); a
                                    dir/tokenizer.json (+ tokenizer_config.json) is loaded and attached to it
   model:tokenizer()                -> the attached tokenizer and its chat template name (nil when none)
   model:set_tokenizer(tok [, {chat_template = name, config = table}])  attach one (nil detaches) -> model
-  ds4.random_model(config [, seed]) model with random weights (HF initialisation) from a config path
-  ds4.new_model(cfg [, seed])      the same from a Lua table of config.json fields (e.g. for training from
+  ds4.random_model(config [, seed | opts]) model with random weights (HF initialisation) from a config path;
+                                   opts = {seed = n, device = ..., dtype = ...}
+  ds4.new_model(cfg [, seed | opts]) the same from a Lua table of config.json fields (e.g. for training from
                                    scratch: {vocab_size = 280, hidden_size = 64, ...}; absent fields take the
                                    V4-Flash defaults, legacy spellings are folded as for config.json)
+  model:to(device [, dtype])       move the model ("cpu", "cuda", "cuda:N"; also model:to{device=, dtype=}):
+                                   weights copied in the working dtype, the host fp32 parameters stay the master
+                                   copy; forward, generate, step run there; tensors handed back are host
+                                   tensors; caches made before belong to the old device -> model
+  model:device()                   -> "cpu" | "cuda:N", "fp32" | "bf16"
+  model:profile([reset])           the per-op profile (ds4.profile(true) first): time, calls, bytes per op,
+                                   sorted by time (CUDA events on the GPU, wall time on the CPU)
   ds4.config(path)                 config table of a config.json / checkpoint directory (no weights read)
   model:forward(ids [, opts])      ids: integer tensor [B, S] (I64/I32/... or floats holding integers) or a
                                    table of equal-length rows; opts.labels (same forms, -100 = ignore),
@@ -175,6 +185,11 @@ Generation (lua/gen_lua.c; C contract: core/include/ds4_gen.h)
 Engine
   ds4.set_threads(n)               CPU threads (0 = all cores); before loading models (or after freeing them)
   ds4.threads()                    the engine's thread count (creates the engine)
+  ds4.set_device(device [, dtype]) where models made from now on compute (`ds4 run|repl|worker --device`)
+  ds4.device()                     that default: "cpu" or "cuda:N bf16"
+  ds4.cuda_devices()               usable CUDA devices (0 without a GPU, a driver or a CUDA build)
+  ds4.profile([on])                switch the per-op profile of every model on/off -> the previous state
+                                   (environment DS4_PROFILE=1: on, printed to stderr when a model is freed)
 
 Chat templates (lua/ds4/chat/: loaded on first use of ds4.chat; same as require("ds4.chat"))
   ds4.chat.get(name)               template: "deepseek_v4" (official DeepSeek-V4 format), "chatml", or registered
@@ -368,11 +383,11 @@ function M.config_summary(cfg)
         cfg.num_experts_per_tok, cfg.n_shared_experts, cfg.hc_mult, cfg.num_nextn_predict_layers)
 end
 
-function M.new_model(cfg, seed)
+function M.new_model(cfg, seed_or_opts)
     if type(cfg) ~= "table" then
         error("ds4.new_model: bad argument #1 (config table expected, got " .. type(cfg) .. ")", 2)
     end
-    return core.random_model_json(require("ds4.chat.json").encode(cfg), seed)
+    return core.random_model_json(require("ds4.chat.json").encode(cfg), seed_or_opts)
 end
 
 -- ------------------------------------------------------------------------------------------------ tokenizers

@@ -1,6 +1,6 @@
 --[[ ds4.repl — the globals and helpers of `ds4 repl` (lua/repl.c runs the prompt and calls M.setup once).
 
-  ds4 repl [--model DIR] [--tokenizer FILE] [--threads N]
+  ds4 repl [--model DIR] [--tokenizer FILE] [--threads N] [--device D] [--dtype T]
 
 Globals:
   ds4                    the module (require("ds4"))
@@ -568,9 +568,11 @@ function M.setup(opts)
     for _, name in ipairs({ "chat", "chat_reset", "chat_history", "generate", "logprobs", "top", "help" }) do
         _G[name] = M[name]
     end
-    local banner = ("ds4 %s repl: model %s (%d layers, hidden %d, vocab %d, %.2fM parameters), tokenizer %s "
+    local dev, dt = m:device()
+    local banner = ("ds4 %s repl: model %s (%d layers, hidden %d, vocab %d, %.2fM parameters, on %s), tokenizer %s "
         .. "(vocab %d).%s help() lists the helpers, Ctrl-D exits."):format(ds4.version, model_desc,
         cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size, m:n_params() / 1e6,
+        dev == "cpu" and "the CPU" or (dev .. " " .. dt),
         tok_desc, t:vocab_size(),
         S.random and " Its weights are random: its outputs are noise." or "")
     local f = opts.interactive and io.stdout or io.stderr

@@ -560,8 +560,9 @@ end
 -- ------------------------------------------------------------------------------------------------ ds4 worker
 
 local USAGE = [[
-usage: ds4 worker --connect ENDPOINT [--model DIR|CONFIG.json] [--threads N] [--key FILE --server-key FILE |
-                  --insecure] [--id NAME] [--max-batch N] [--credits N] [--give-up S] [--quiet] [--verbose]
+usage: ds4 worker --connect ENDPOINT [--model DIR|CONFIG.json] [--threads N] [--device D] [--dtype T]
+                  [--key FILE --server-key FILE | --insecure] [--id NAME] [--max-batch N] [--credits N]
+                  [--give-up S] [--quiet] [--verbose]
 
   --connect EP        the trainer pool's endpoint (tcp://HOST:PORT, ipc://PATH)
   --model DIR         this worker's model: a checkpoint directory, or a config.json (random weights); the
@@ -570,6 +571,9 @@ usage: ds4 worker --connect ENDPOINT [--model DIR|CONFIG.json] [--threads N] [--
                       start from the trainer's checkpoint (a worker whose tables differ is refused).
   --config-from-trainer  not available in protocol v1 (the trainer cannot send its config yet): use --model
   --threads N         CPU threads (0 = all cores)
+  --device D          where the model generates: cpu (default), cuda or cuda:N
+  --dtype T           the GPU's working dtype: bf16 (default) or fp32; the trainer's log-probabilities equal the
+                      worker's only when both compute on the same kind of device in the same dtype
   --key FILE          this worker's CURVE secret key (`ds4 keygen --out PREFIX` writes PREFIX.key, PREFIX.pub)
   --server-key FILE   the trainer's CURVE public key (its .pub file)
   --insecure          plain TCP without CURVE (unauthenticated, unencrypted); not needed for ipc://
@@ -597,7 +601,7 @@ function M.main(argv)
     local o = { threads = -1, ["max-batch"] = 0, credits = 2, ["give-up"] = 120 }
     local flags = { insecure = true, quiet = true, verbose = true, ["config-from-trainer"] = true }
     local valued = { connect = true, model = true, threads = true, key = true, ["server-key"] = true, id = true,
-        ["max-batch"] = true, credits = true, ["give-up"] = true }
+        ["max-batch"] = true, credits = true, ["give-up"] = true, device = true, dtype = true }
     local i = 1
     while i <= #argv do
         local a = argv[i]
@@ -678,6 +682,13 @@ function M.main(argv)
         return 2
     end
     if threads >= 0 then ds4.set_threads(threads) end
+    if o.device or o.dtype then
+        local ok, err = pcall(ds4.set_device, o.device or "cuda", o.dtype)
+        if not ok then
+            io.stderr:write("ds4 worker: " .. tostring(err) .. "\n")
+            return 2
+        end
+    end
     local model
     local ok, err = pcall(function()
         if o.model:match("%.json$") then model = ds4.random_model(o.model, 0) else model = ds4.load(o.model) end
