@@ -311,6 +311,8 @@ int64_t ds4_model_find(const ds4_model *m, const char *name) {
 
 void ds4_model_free(ds4_model *m) {
     if (!m) return;
+    /* first: giving the training state back rebinds the host gradients through m->table (free_train_state) */
+    ds4_model_release_backend(m);
     for (size_t i = 0; i < m->n_table; i++) {
         free(m->table[i].name);
         free(m->table[i].src);
@@ -319,7 +321,6 @@ void ds4_model_free(ds4_model *m) {
     free(m->sorted);
     free(m->params);
     free(m->tid2eid_all);
-    ds4_model_release_backend(m);
     free(m->w.layers);
     free(m->dev_w.layers);
     free(m->gw.layers);

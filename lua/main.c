@@ -13,8 +13,9 @@
  * inside lua_cpcall, so an out-of-memory error during setup is reported instead of reaching the panic
  * function. Exit status: 0 success, 1 script error, 2 usage error; os.exit(n) in a script exits with n.
  *
- * File-scope mutable state: exactly two variables, both for Ctrl-C (see "Ctrl-C" below and lua/repl.h): the
- * interrupt flag ds4l_interrupt and the state the SIGINT handler interrupts, ds4l_signal_state. */
+ * File-scope mutable state: two variables for Ctrl-C (see "Ctrl-C" below and lua/repl.h): the interrupt flag
+ * ds4l_interrupt and the state the SIGINT handler interrupts, ds4l_signal_state; and lua/repl.c's complete_state,
+ * the state libedit's Tab completion asks while the REPL reads at a terminal. */
 #define _XOPEN_SOURCE 700 /* realpath (XSI), stat, sigaction */
 #include <errno.h>
 #include <limits.h>

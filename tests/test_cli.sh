@@ -216,7 +216,7 @@ if cmake --install "$BUILD" --prefix "$PREFIX" >"$WORK/install.log" 2>&1; then
     checks=$((checks + 1))
     [ -x "$PREFIX/bin/ds4" ] || fail "install: $PREFIX/bin/ds4 missing"
     checks=$((checks + 1))
-    [ -f "$PREFIX/share/ds4/lua/ds4/init.lua" ] || fail "install: share/ds4/lua/ds4/init.lua missing"
+    [ -f "$PREFIX/share/lua/5.1/ds4/init.lua" ] || fail "install: share/lua/5.1/ds4/init.lua missing"
     mkdir -p "$WORK/elsewhere"
     cp "$WORK/req.lua" "$WORK/elsewhere/req.lua"
     # A clean environment, but the loader keeps a non-default library path where the machine has one (a GPU host
@@ -227,7 +227,7 @@ if cmake --install "$BUILD" --prefix "$PREFIX" >"$WORK/install.log" 2>&1; then
     expect_rc "installed ds4" 0 $rc
     expect_in "installed ds4" "$WORK/out" "version=$VERSION"
     # The installed binary must find its own library, not the source tree's.
-    expect_in "installed ds4" "$WORK/out" "path=$PREFIX/share/ds4/lua/?.lua;$PREFIX/share/ds4/lua/?/init.lua;"
+    expect_in "installed ds4" "$WORK/out" "path=$PREFIX/share/lua/5.1/?.lua;$PREFIX/share/lua/5.1/?/init.lua;"
     expect_not_in "installed ds4" "$WORK/out" "$SRC/lua"
 
     # Relocated: the whole prefix moved elsewhere still works and uses its new location.
@@ -236,7 +236,7 @@ if cmake --install "$BUILD" --prefix "$PREFIX" >"$WORK/install.log" 2>&1; then
     (cd "$WORK/elsewhere" && "${clean[@]}" "$MOVED/bin/ds4" run req.lua >"$WORK/out" 2>"$WORK/err")
     rc=$?
     expect_rc "relocated ds4" 0 $rc
-    expect_in "relocated ds4" "$WORK/out" "path=$MOVED/share/ds4/lua/?.lua;"
+    expect_in "relocated ds4" "$WORK/out" "path=$MOVED/share/lua/5.1/?.lua;"
     expect_not_in "relocated ds4" "$WORK/out" "$SRC/lua"
 else
     fail "cmake --install $BUILD --prefix $PREFIX failed"
