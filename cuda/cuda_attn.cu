@@ -213,6 +213,7 @@ __global__ void record_picks_kernel(int32_t *dst, int64_t ld, const int32_t *sel
 struct att_args {
     const float *sink, *q, *kv, *cK;
     float *o;
+    float *ptgt;                  // CSA with the indexer-KL target: [T, H, sel_stride] each head's mass on each pick
     ds4_rows rows;
     int64_t H, d, win, nwin, m, sel_stride, maxk;
     int type;
@@ -304,7 +305,10 @@ __global__ void __launch_bounds__(ATT_THREADS) attention_kernel(att_args a) {
     double den = 0;
     for (int64_t k = threadIdx.x; k < L.nk; k += ATT_THREADS) den += (double)(lg[k] = (float)exp((double)(lg[k] - mx)));
     den = ds4d_block_sum(den, shd) + exp((double)(a.sink[h] - mx));
-    for (int64_t k = threadIdx.x; k < L.nk; k += ATT_THREADS) lg[k] = (float)(lg[k] / den);
+    for (int64_t k = threadIdx.x; k < L.nk; k += ATT_THREADS) {
+        lg[k] = (float)(lg[k] / den);
+        if (a.ptgt && k >= L.nwk) a.ptgt[(t * a.H + h) * a.sel_stride + (k - L.nwk)] = lg[k];
+    }
     __syncthreads();
     float *o = a.o + (t * a.H + h) * d;
     for (int64_t c = threadIdx.x; c < d; c += ATT_THREADS) {
@@ -312,6 +316,18 @@ __global__ void __launch_bounds__(ATT_THREADS) attention_kernel(att_args a) {
         for (int64_t k = 0; k < L.nk; k++) acc += lg[k] * kp[k][c];
         o[c] = acc;
     }
+}
+
+// The indexer-KL target of row t's pick i: the heads' masses added in head order from 0, as the CPU; 0 past the picks.
+__global__ void itgt_kernel(float *itgt, const float *ptgt, const int32_t *nsel, int64_t T, int64_t H,
+                            int64_t sel_stride) {
+    const int64_t x = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (x >= T * sel_stride) return;
+    const int64_t t = x / sel_stride, i = x % sel_stride;
+    float acc = 0;
+    if (i < nsel[t])
+        for (int64_t h = 0; h < H; h++) acc += ptgt[(t * H + h) * sel_stride + i];
+    itgt[x] = acc;
 }
 
 // ------------------------------------------------------------------------------------------ cache commit
@@ -420,10 +436,6 @@ void ds4_cuda_record_picks(ds4_dev *d, const ds4_a_record_picks *a) {
 void ds4_cuda_attention(ds4_dev *d, const ds4_a_attention *a) {
     const int64_t T = a->rows.T;
     if (T <= 0) return;
-    if (a->itgt) {
-        ds4_dev_fail(d, DS4_ERR_UNSUPPORTED, "attention: the indexer-KL target (training) is not on the cuda backend yet");
-        return;
-    }
     const ds4_config *c = a->c;
     const int64_t S = a->rows.pos ? a->rows.cap : a->rows.S; /* a step: sized from the capacity, fixed while decoding */
     const int64_t win = c->sliding_window < S ? c->sliding_window : S, H = c->num_attention_heads;
@@ -443,11 +455,23 @@ void ds4_cuda_attention(ds4_dev *d, const ds4_a_attention *a) {
         cudaFuncSetAttribute(attention_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
         cdev(d)->smem_attn = smem;
     }
-    att_args g = {a->sink, a->q, a->kv, a->cK, a->o, a->rows, H, c->head_dim, c->sliding_window, a->nwin, m,
+    /* the indexer-KL target sums the heads' masses on each pick: each (row, head) block files its own, and a second
+     * kernel adds them in head order, so that no two blocks add into one value */
+    const int tgt = a->type == DS4_ATTN_CSA && a->itgt;
+    float *ptgt = NULL;
+    if (tgt && !(ptgt = (float *)ds4_cuda_scratch(d, (size_t)(T * H * a->sel_stride) * sizeof(float), "attention", 1)))
+        return;
+    att_args g = {a->sink, a->q, a->kv, a->cK, a->o, ptgt, a->rows, H, c->head_dim, c->sliding_window, a->nwin, m,
                   a->sel_stride, maxk, (int)a->type, a->sel, a->nsel};
     attention_kernel<<<(unsigned)(T * H), ATT_THREADS, smem, cdev(d)->stream>>>(g);
-    ds4_cuda_launched(d, "attention", "[%lld queries, %lld heads x %lld, <= %lld keys, %s]", (long long)T, (long long)H,
-                      (long long)c->head_dim, (long long)maxk, ds4_attn_type_name(a->type));
+    if (!ds4_cuda_launched(d, "attention", "[%lld queries, %lld heads x %lld, <= %lld keys, %s]", (long long)T,
+                           (long long)H, (long long)c->head_dim, (long long)maxk, ds4_attn_type_name(a->type)) ||
+        !tgt)
+        return;
+    itgt_kernel<<<ds4_blocks(T * a->sel_stride, 256), 256, 0, cdev(d)->stream>>>(a->itgt, ptgt, a->nsel, T, H,
+                                                                               a->sel_stride);
+    ds4_cuda_launched(d, "attention", "[indexer-KL target of %lld queries x %lld picks, %lld heads]", (long long)T,
+                      (long long)a->sel_stride, (long long)H);
 }
 
 void ds4_cuda_cache_commit(ds4_dev *d, const ds4_a_cache_commit *a) {
