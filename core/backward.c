@@ -92,7 +92,7 @@ static void bplan(bwd *b, ds4_arena *a) {
     b->inv_t = ds4_arena_take(a, T * (topk ? topk : 1), 4);
     b->inv_i = ds4_arena_take(a, T * (topk ? topk : 1), 4);
     b->inv_off = ds4_arena_take(a, B * S + 1, 8);
-    b->dlog = ds4_arena_take(a, T * zmax(V, E), 4);
+    b->dlog = ds4_arena_take(a, zmax((size_t)b->tp->head_rows * V, T * E), 4); /* a head chunk's, or the routers' */
     b->dsc = ds4_arena_take(a, T * E, 4);
     b->dws = ds4_arena_take(a, T * K, 4);
     b->xs = ds4_arena_take(a, T * K * D, 4);
@@ -142,7 +142,9 @@ static void lin_bwd(bwd *b, float *dx, int64_t lddx, int acc, float *dW, const f
     if (dx)
         OP(b->f.dev, linear_bwd_x, .dx = dx, .lddx = lddx, .acc = acc, .dy = dy, .ldy = ldy, .W = W, .wdt = wdt, .T = T,
            .K = K, .O = O);
-    if (dW) OP(b->f.dev, linear_bwd_w, .dW = dW, .dy = dy, .ldy = ldy, .x = x, .ldx = ldx, .T = T, .K = K, .O = O);
+    if (dW)
+        OP(b->f.dev, linear_bwd_w, .dW = dW, .dy = dy, .ldy = ldy, .x = x, .ldx = ldx, .T = T, .K = K, .O = O,
+           .wdt = wdt);
 }
 
 static void norm_bwd(bwd *b, float *dx, int acc, float *dw, const float *dy, const float *x, const float *w,
@@ -309,17 +311,17 @@ static void routed_bwd(bwd *b, const ds4_layer_w *l, const ds4_layer_w *g, const
     OP(dev, linear_bwd_x_grouped, .dx = b->dact, .dy = b->dys, .W = l->w2, .wdt = b->mdt, .wstride = D * I,
        .off = b->ecount, .E = E, .rows = TK, .K = I, .O = D);
     OP(dev, linear_bwd_w_grouped, .dW = g->w2, .wstride = D * I, .dy = b->dys, .x = b->act, .off = b->ecount, .E = E,
-       .rows = TK, .K = I, .O = D);
+       .rows = TK, .K = I, .O = D, .wdt = b->mdt);
     OP(dev, swiglu_bwd, .g1 = b->g1s, .g3 = b->g3s, .dact = b->dact, .dg1 = b->act, .dg3 = b->dact, .rows = TK, .I = I,
        .lim = lim, .grads = 1);
     OP(dev, linear_bwd_x_grouped, .dx = b->dxs, .dy = b->act, .W = l->w1, .wdt = b->mdt, .wstride = I * D,
        .off = b->ecount, .E = E, .rows = TK, .K = D, .O = I);
     OP(dev, linear_bwd_w_grouped, .dW = g->w1, .wstride = I * D, .dy = b->act, .x = b->xs, .off = b->ecount, .E = E,
-       .rows = TK, .K = D, .O = I);
+       .rows = TK, .K = D, .O = I, .wdt = b->mdt);
     OP(dev, linear_bwd_x_grouped, .dx = b->dxs, .acc = 1, .dy = b->dact, .W = l->w3, .wdt = b->mdt, .wstride = I * D,
        .off = b->ecount, .E = E, .rows = TK, .K = D, .O = I);
     OP(dev, linear_bwd_w_grouped, .dW = g->w3, .wstride = I * D, .dy = b->dact, .x = b->xs, .off = b->ecount, .E = E,
-       .rows = TK, .K = D, .O = I);
+       .rows = TK, .K = D, .O = I, .wdt = b->mdt);
     /* the input gradients are in expert order: file them by slot, then sum each token's slots in slot order */
     OP(dev, scatter_rows, .dst = b->dxslot, .src = b->dxs, .idx = b->perm, .rows = TK, .width = D);
     OP(dev, moe_sum_slots, .dh = b->dh, .dxslot = b->dxslot, .T = T, .K = K, .D = D);
@@ -365,14 +367,23 @@ static void targets(int64_t *tgt, const int64_t *labels, int64_t B, int64_t Sl, 
 }
 
 /* The head of a pass: logits = head(norm(HyperHead(X))) → dX (written), for the objective Σ g·log p(target) with
- * g = dlogp[row] (or g0 when dlogp is NULL) at the rows whose target (tgt, backend) is not -100. */
-static void head_bwd(bwd *b, const float *logits, const float *u, const float *y, const float *X, const float *fn,
-                     const float *base, const float *scale, const float *nw, float *gfn, float *gbase, float *gscale,
-                     float *gnorm, const int64_t *tgt, const float *dlogp, double g0, float *dX) {
+ * g = dlogp[row] (or g0 when dlogp is NULL) at the rows whose target (tgt, backend) is not -100. In chunks of the
+ * tape's head_rows, as the forward ran it: each chunk's logits recomputed from y (the same product on the same rows,
+ * so the same bits), its logit gradient, and its share of dy and of the head's weight gradient (chunks add in order). */
+static void head_bwd(bwd *b, const float *u, const float *y, const float *X, const float *fn, const float *base,
+                     const float *scale, const float *nw, float *gfn, float *gbase, float *gscale, float *gnorm,
+                     const int64_t *tgt, const float *dlogp, double g0, float *dX) {
     const ds4_config *c = &b->m->cfg;
-    const int64_t T = b->f.T, D = c->hidden_size, V = c->vocab_size;
-    OP(b->f.dev, logp_bwd, .dl = b->dlog, .logits = logits, .rows = T, .V = V, .tgt = tgt, .dlogp = dlogp, .g0 = g0);
-    lin_bwd(b, b->dh, D, 0, b->gw->head, b->dlog, V, y, D, b->f.w->head, b->mdt, T, D, V);
+    const int64_t T = b->f.T, D = c->hidden_size, V = c->vocab_size, R = b->tp->head_rows;
+    float *logits = b->tp->logits;
+    for (int64_t r0 = 0; r0 < T; r0 += R) {
+        const int64_t n = T - r0 < R ? T - r0 : R;
+        OP(b->f.dev, matmul, .y = logits, .ldy = V, .x = y + r0 * D, .ldx = D, .W = b->f.w->head, .wdt = b->mdt,
+           .T = n, .K = D, .O = V);
+        OP(b->f.dev, logp_bwd, .dl = b->dlog, .logits = logits, .rows = n, .V = V, .tgt = tgt + r0,
+           .dlogp = dlogp ? dlogp + r0 : NULL, .g0 = g0);
+        lin_bwd(b, b->dh + r0 * D, D, 0, b->gw->head, b->dlog, V, y + r0 * D, D, b->f.w->head, b->mdt, n, D, V);
+    }
     norm_bwd(b, b->du, 0, gnorm, b->dh, u, nw, T, D);
     hyperhead_bwd(b, X, fn, base, scale, gfn, gbase, gscale, b->du, dX);
 }
@@ -390,7 +401,7 @@ static void mtp_bwd(bwd *b, double ms, int64_t *htgt, int32_t *hrows) {
     targets(htgt, tp->hlabels, B, S1, S, 2);
     ds4_dev_upload(dev, tp->tgt, htgt, (size_t)T1 * sizeof(int64_t));
     /* the main gradient stays in dX; the MTP pass works in dmtp (block_bwd's scratch is dXt) */
-    head_bwd(b, tp->mtp_logits, tp->mtp_u, tp->mtp_y, tp->mtp_X, mt->hc_head_fn, mt->hc_head_base, mt->hc_head_scale,
+    head_bwd(b, tp->mtp_u, tp->mtp_y, tp->mtp_X, mt->hc_head_fn, mt->hc_head_base, mt->hc_head_scale,
              mt->norm, gm->hc_head_fn, gm->hc_head_base, gm->hc_head_scale, gm->norm, tp->tgt, NULL, -ms, b->dmtp);
     block_bwd(b, &mt->block, &gm->block, &tp->layers[c->num_hidden_layers], b->dmtp);
     /* z_i[k] = e_proj(enorm(e_{i+1})) + h_proj(hnorm(X^L_i[k])) */
@@ -420,6 +431,9 @@ static ds4_status tape_ready(ds4_model *m, const char *op, ds4_error *err) {
     if (!m->grads) return ds4_fail(err, DS4_ERR_ARG, "%s: gradients are not enabled (enable_grad)", op);
     if (!m->tape || !m->tape->valid)
         return ds4_fail(err, DS4_ERR_ARG, "%s: no training forward to differentiate (call forward_train first)", op);
+    ds4_status s = ds4_model_train_bind(m, err);
+    if (s) return s;
+    if (m->dgrads) m->grads_stale = 1; /* the backward adds into the device's gradients */
     return DS4_OK;
 }
 
@@ -434,16 +448,10 @@ ds4_status ds4_model_last_batch(const ds4_model *m, int64_t *batch, int64_t *seq
 ds4_status ds4_model_logprobs(ds4_model *m, float *logp, float *entropy, ds4_error *err) {
     ds4_status s = tape_ready(m, "logprobs", err);
     if (s) return s;
+    /* the training forward computed them with its head, chunk by chunk (forward.c, head_chunks) */
     const ds4_tape *tp = m->tape;
     const int64_t T = tp->T;
-    int64_t *htgt = malloc((size_t)T * sizeof *htgt);
-    if (!htgt) return ds4_fail(err, DS4_ERR_OOM, "logprobs: host targets of %lld tokens", (long long)T);
-    targets(htgt, tp->hlabels, tp->B, tp->S, tp->S, 1);
     ds4_dev *dev = m->dev;
-    ds4_dev_upload(dev, tp->tgt, htgt, (size_t)T * sizeof *htgt);
-    free(htgt);
-    OP(dev, logprobs, .logits = tp->logits, .rows = T, .V = m->cfg.vocab_size, .tgt = tp->tgt, .logp = tp->lp,
-       .entropy = tp->lp + T);
     if (logp) ds4_dev_download(dev, logp, tp->lp, (size_t)T * sizeof(float));
     if (entropy) ds4_dev_download(dev, entropy, tp->lp + T, (size_t)T * sizeof(float));
     return ds4_dev_check(dev, "logprobs", err);
@@ -506,7 +514,7 @@ static ds4_status backward_impl(ds4_model *m, const float *dlogp, double scale, 
     ds4_dev_upload(dev, tp->tgt, htgt, (size_t)T * sizeof(int64_t));
     const float *dl = ds4_pass_input(&b.f, b.dlogp, dlogp, (size_t)T * sizeof(float));
     const ds4_weights *wv = b.f.w;
-    head_bwd(&b, tp->logits, tp->u_fin, tp->y_fin, tp->X_L, wv->hc_head_fn, wv->hc_head_base, wv->hc_head_scale, wv->norm,
+    head_bwd(&b, tp->u_fin, tp->y_fin, tp->X_L, wv->hc_head_fn, wv->hc_head_base, wv->hc_head_scale, wv->norm,
              b.gw->hc_head_fn, b.gw->hc_head_base, b.gw->hc_head_scale, b.gw->norm, tp->tgt, dl, -scale, b.dX);
     if (tp->with_mtp && tp->mtp_tokens > 0 && !dlogp)
         /* MTP term λ·mean over its own scored tokens: per-token scale λ·scale·(main tokens / MTP tokens), which is

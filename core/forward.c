@@ -232,18 +232,44 @@ void ds4_lm_head(ds4_pass *f, const float *X, const float *fn, const float *base
     keep(f, u_keep, f->u, f->T * D);
     norm(f, f->u, f->u, nw, f->T, D);
     keep(f, y_keep, f->u, f->T * D);
-    matmul(f, logits, f->u, f->w->head, f->w->mdt, f->T, D, f->c->vocab_size);
+    if (logits) matmul(f, logits, f->u, f->w->head, f->w->mdt, f->T, D, f->c->vocab_size);
+}
+
+int64_t ds4_head_rows(const ds4_model *m, int64_t T) {
+    int64_t r = m->topt.head_chunk > 0 ? m->topt.head_chunk : (m->dev->host_visible ? T : 1024);
+    return r < T ? (r > 0 ? r : 1) : (T > 0 ? T : 1);
+}
+
+/* The head of a training pass over its input y [rows, D] (f->u), in chunks of the tape's head_rows: per row the
+ * cross-entropy against tgt (backend, -100: none) into nll, and with lp non-NULL the log-probability and entropy
+ * (lp [rows], lp + lp_ld [rows]); out (host, may be NULL): the logits for a caller who asked for them. Only one chunk
+ * of logits exists on the backend at a time. */
+static void head_chunks(ds4_pass *f, const ds4_tape *tp, int64_t rows, const int64_t *tgt, double *nll, float *lp,
+                        int64_t lp_ld, float *out) {
+    const int64_t D = f->c->hidden_size, V = f->c->vocab_size, R = tp->head_rows;
+    for (int64_t r0 = 0; r0 < rows; r0 += R) {
+        const int64_t n = rows - r0 < R ? rows - r0 : R;
+        matmul(f, tp->logits, f->u + r0 * D, f->w->head, f->w->mdt, n, D, V);
+        if (out) ds4_dev_download(f->dev, out + r0 * V, tp->logits, (size_t)(n * V) * sizeof(float));
+        OP(f->dev, ce_rows, .logits = tp->logits, .rows = n, .V = V, .tgt = tgt + r0, .nll = nll + r0);
+        if (lp)
+            OP(f->dev, logprobs, .logits = tp->logits, .rows = n, .V = V, .tgt = tgt + r0, .logp = lp + r0,
+               .entropy = lp + lp_ld + r0);
+    }
 }
 
 /* Mean cross-entropy of the rows of logits [B, Sl, V] against labels[b, s + shift] (s + shift < S; -100 ignored):
- * per-row losses on the backend, summed here in row order. htgt / hnll are host scratch of B·Sl entries. */
+ * per-row losses on the backend, summed here in row order. htgt / hnll are host scratch of B·Sl entries. logits
+ * NULL: a training pass, whose head runs in chunks here (head_chunks; lp: also its log-probabilities). */
 static void cross_entropy(ds4_pass *f, const float *logits, int64_t B, int64_t Sl, const int64_t *labels, int64_t S,
-                          int64_t shift, int64_t *htgt, double *hnll, double *loss, int64_t *count) {
+                          int64_t shift, int64_t *htgt, double *hnll, double *loss, int64_t *count, float *lp,
+                          float *out) {
     const int64_t rows = B * Sl;
     for (int64_t b = 0; b < B; b++)
         for (int64_t s = 0; s < Sl; s++) htgt[b * Sl + s] = s + shift < S ? labels[b * S + s + shift] : -100;
     ds4_dev_upload(f->dev, f->tgt, htgt, (size_t)rows * sizeof(int64_t));
-    OP(f->dev, ce_rows, .logits = logits, .rows = rows, .V = f->c->vocab_size, .tgt = f->tgt, .nll = f->nll);
+    if (logits) OP(f->dev, ce_rows, .logits = logits, .rows = rows, .V = f->c->vocab_size, .tgt = f->tgt, .nll = f->nll);
+    else head_chunks(f, f->tape, rows, f->tgt, f->nll, lp, rows, out);
     ds4_dev_download(f->dev, hnll, f->nll, (size_t)rows * sizeof(double));
     double sum = 0;
     int64_t cnt = 0;
@@ -332,6 +358,8 @@ ds4_status ds4_model_forward_train(ds4_model *m, const ds4_forward_args *args, d
                                    ds4_error *err) {
     if (!m) return ds4_fail(err, DS4_ERR_ARG, "training forward: model is NULL");
     if (!m->grads) return ds4_fail(err, DS4_ERR_ARG, "training forward: gradients are not enabled (enable_grad)");
+    ds4_status s = ds4_model_train_bind(m, err); /* on a device: gradients there before anything runs */
+    if (s) return s;
     if (!m->tape && !(m->tape = calloc(1, sizeof *m->tape)))
         return ds4_fail(err, DS4_ERR_OOM, "training forward: tape");
     if (!m->router_loads &&
@@ -343,7 +371,7 @@ ds4_status ds4_model_forward_train(ds4_model *m, const ds4_forward_args *args, d
 /* The MTP block (positions i < S-1 combine the final streams X^L_i with the embedding of token i+1 and run one more
  * block over the S-1 positions; its logits predict token i+2) on the pass's final streams f->X. */
 static void mtp_forward(ds4_pass *f, const int64_t *ids, float *mtp_logits, ds4_tape *tape, int64_t *hidx,
-                        int32_t *rows) {
+                        int32_t *rows) { /* with a tape, mtp_logits is NULL: the training pass's head runs in chunks */
     const ds4_config *c = f->c;
     const ds4_mtp_w *mt = &f->w->mtp;
     const int64_t n = c->hc_mult, D = c->hidden_size, S1 = f->S - 1, B = f->B, T1 = B * S1;
@@ -437,7 +465,7 @@ ds4_status ds4_forward_run(ds4_model *m, const ds4_forward_args *args, ds4_forwa
         if (args->hidden) ds4_dev_download(f.dev, args->hidden + li * T * n * D, f.X, (size_t)(T * n * D) * sizeof(float));
     }
     f.lt = NULL;
-    float *logits = tape ? tape->logits : (args->logits && hv ? args->logits : f.logits_ws);
+    float *logits = tape ? NULL : (args->logits && hv ? args->logits : f.logits_ws); /* a tape: in chunks */
     ds4_forward_result r = {NAN, 0, NAN, 0, NAN};
     if (args->logits || args->labels || tape) {
         if (tape) {
@@ -449,18 +477,21 @@ ds4_status ds4_forward_run(ds4_model *m, const ds4_forward_args *args, ds4_forwa
         }
         ds4_lm_head(&f, f.X, f.w->hc_head_fn, f.w->hc_head_base, f.w->hc_head_scale, f.w->norm, logits,
                     tape ? tape->u_fin : NULL, tape ? tape->y_fin : NULL);
-        if (args->logits && logits != args->logits)
+        if (args->logits && logits && logits != args->logits)
             ds4_dev_download(f.dev, args->logits, logits, (size_t)(T * V) * sizeof(float));
-        if (args->labels) cross_entropy(&f, logits, B, S, args->labels, S, 1, htgt, hnll, &r.loss, &r.loss_tokens);
+        if (args->labels)
+            cross_entropy(&f, logits, B, S, args->labels, S, 1, htgt, hnll, &r.loss, &r.loss_tokens,
+                          tape ? tape->lp : NULL, tape ? args->logits : NULL);
     }
     if (want_mtp) {
         const int64_t T1 = B * (S - 1);
-        float *mtp_logits = train_mtp ? tape->mtp_logits : (hv ? args->mtp_logits : f.logits_ws);
+        float *mtp_logits = train_mtp ? NULL : (hv ? args->mtp_logits : f.logits_ws);
         mtp_forward(&f, args->ids, mtp_logits, train_mtp ? tape : NULL, htgt, hrows);
-        if (args->mtp_logits && mtp_logits != args->mtp_logits)
+        if (args->mtp_logits && mtp_logits && mtp_logits != args->mtp_logits)
             ds4_dev_download(f.dev, args->mtp_logits, mtp_logits, (size_t)(T1 * V) * sizeof(float));
         if (args->labels)
-            cross_entropy(&f, mtp_logits, B, S - 1, args->labels, S, 2, htgt, hnll, &r.mtp_loss, &r.mtp_loss_tokens);
+            cross_entropy(&f, mtp_logits, B, S - 1, args->labels, S, 2, htgt, hnll, &r.mtp_loss, &r.mtp_loss_tokens,
+                          NULL, train_mtp ? args->mtp_logits : NULL);
     }
     if (tape && tape->with_ikl) {
         /* the indexer KL loss (training option): per CSA layer the mean KL over its queries, summed over layers */

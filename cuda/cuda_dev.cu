@@ -333,6 +333,8 @@ static const ds4_ops cuda_ops = [] {
     SET(gather_rows) SET(scatter_rows) SET(add_rows) SET(add_bcast) SET(matmul) SET(matmul_grouped) SET(compress)
     SET(indexer) SET(attention) SET(cache_commit) SET(record_picks) SET(route) SET(count_loads) SET(moe_sort)
     SET(moe_weigh) SET(swiglu) SET(moe_combine) SET(ce_rows) SET(logprobs) SET(sample)
+    SET(optim_sumsq) SET(adamw) SET(cast_params)
+    SET(logp_bwd) SET(linear_bwd_x) SET(linear_bwd_w) SET(linear_bwd_x_grouped) SET(linear_bwd_w_grouped) SET(norm_bwd) SET(colsum_add) SET(sum_streams) SET(embed_bwd)
     SET(attn_bwd_q) SET(attn_bwd_kv) SET(attn_bwd_entry) SET(pick_inverse) SET(entry_rope) SET(comp_bwd) SET(ikl)
     SET(ikl_bwd_q) SET(ikl_bwd_k)
 #undef SET

@@ -169,6 +169,8 @@ static int m_grads(lua_State *L) {
         canonical = lua_toboolean(L, -1);
         lua_pop(L, 1);
     }
+    ds4_error serr = {0};
+    if (ds4_model_host_sync(m, &serr) != DS4_OK) ds4l_raise_ds4(L, fname, &serr);
     const float *g = ds4_model_grads(m);
     if (!g) ds4l_raise(L, "%s: gradients are not enabled (call model:zero_grad() first)", fname);
     const ds4_config *c = ds4_model_config(m);
@@ -274,10 +276,13 @@ static int m_set_train_options(lua_State *L) {
         else if (!strcmp(k, "indexer_kl") && lua_type(L, -1) == LUA_TNUMBER) o.indexer_kl = lua_tonumber(L, -1);
         else if (!strcmp(k, "router_bias_gamma") && lua_type(L, -1) == LUA_TNUMBER)
             o.router_bias_gamma = lua_tonumber(L, -1);
+        else if (!strcmp(k, "head_chunk") && lua_type(L, -1) == LUA_TNUMBER && lua_tonumber(L, -1) >= 0 &&
+                 lua_tonumber(L, -1) <= 1e9 && lua_tonumber(L, -1) == (int64_t)lua_tonumber(L, -1))
+            o.head_chunk = (int64_t)lua_tonumber(L, -1);
         else
             ds4l_raise(L,
                        "%s: unknown or mistyped option '%s' (known: mtp_lambda = number, router_bias_gamma = number, "
-                       "indexer_kl = number)",
+                       "indexer_kl = number, head_chunk = integer >= 0)",
                        fname, k);
         lua_pop(L, 1);
     }
@@ -352,6 +357,8 @@ static int o_steps(lua_State *L) {
 static int o_state(lua_State *L) {
     const char *fname = "ds4.adamw:state";
     adamw_box *b = check_adamw(L, fname);
+    ds4_error err = {0};
+    if (ds4_adamw_sync_state(b->a, &err) != DS4_OK) ds4l_raise_ds4(L, fname, &err); /* moments on a device */
     ds4_adamw_state st;
     ds4_adamw_get_state(b->a, &st);
     lua_createtable(L, 0, 4);
@@ -399,6 +406,7 @@ static int o_load_state(lua_State *L) {
     memcpy(st.v, src[1]->data, src[1]->nbytes);
     memcpy(st.tensor_steps, src[2]->data, src[2]->nbytes);
     *st.steps = step;
+    ds4_adamw_state_changed(b->a); /* a model on a device gets these moments at the next step */
     return 0;
 }
 
