@@ -18,69 +18,18 @@
  *   - then the CPU's results are uploaded to the GPU, so that each next operation is compared on identical inputs.
  * The indexer-KL loss (double per query) is compared by relative Frobenius error <= 1e-5 as well: its scores are fp32
  * sums of the same kind. */
-#include <math.h>
-#include <stdlib.h>
-#include <string.h>
-
 #include "testlib.h"
 
 #ifdef DS4_HAVE_CUDA
-#include "cuda_backend.h"
-#include "engine.h"
-#include "ops.h"
+#include "cuda_twin.h"
 #include "sched.h"
 
-static ds4_dev *cpu, *gpu;
-
-/* ------------------------------------------------------------------------------------------------ buffers */
-
-typedef struct buf {
-    void *h, *d;                  /* the CPU side's copy (host) and the GPU side's */
-    size_t bytes;
-} buf;
-
-static uint64_t rng = 0x243f6a8885a308d3ull;
-static uint64_t next_u64(void) {
-    rng ^= rng << 13, rng ^= rng >> 7, rng ^= rng << 17;
-    return rng;
-}
-static float uni(float lo, float hi) { return lo + (hi - lo) * (float)((double)(next_u64() >> 11) / 9007199254740992.0); }
-
-static void upload(buf *b) {
-    ds4_error err;
-    CHECK_OK(gpu->ops->upload(gpu, b->d, b->h, b->bytes, &err), &err);
-}
-static void *download(const buf *b) {
-    void *h = malloc(b->bytes ? b->bytes : 1);
-    ds4_error err;
-    CHECK_OK(gpu->ops->download(gpu, h, b->d, b->bytes, &err), &err);
-    return h;
-}
-/* `bytes` filled with `byte` on both sides (0xff: the NaN poison of an output) */
-static buf b_fill(size_t bytes, int byte) {
-    buf b = {malloc(bytes ? bytes : 1), NULL, bytes};
-    ds4_error err;
-    CHECK_OK(gpu->ops->alloc(gpu, bytes, &b.d, &err), &err);
-    memset(b.h, byte, bytes);
-    upload(&b);
-    return b;
-}
-static buf b_rand(int64_t n, float lo, float hi) {
-    buf b = b_fill((size_t)n * sizeof(float), 0);
-    for (int64_t i = 0; i < n; i++) ((float *)b.h)[i] = uni(lo, hi);
-    upload(&b);
-    return b;
-}
-static void b_free(buf *b) {
-    free(b->h);
-    if (b->d) gpu->ops->free(gpu, b->d);
-    b->h = b->d = NULL;
-}
-
-static void settle(const char *what) {
-    ds4_error err;
-    CHECK_OK(ds4_dev_check(gpu, what, &err), &err);
-    CHECK_OK(gpu->ops->sync(gpu, &err), &err);
+/* `bytes` of zeros on both sides */
+static twin tw_zero(size_t bytes) {
+    twin t = tw_new(bytes);
+    memset(t.h, 0, bytes);
+    tw_push(&t);
+    return t;
 }
 
 /* ------------------------------------------------------------------------------------------------ comparisons */
@@ -127,16 +76,16 @@ typedef struct ctx {
     int64_t B, S, T, H, d, m, nwin, stride, maxk, nI, cI, half;
     ds4_layer_w l[2];             /* [0] the CPU's (host pointers), [1] the GPU's */
     ds4_layer_tape lt[2];
-    buf q, kv, cK, sink, dout, sel, nsel, iq, iw, iK, itgt, cs, o;          /* tape and inputs */
-    buf P, DS, dsink, dq, dkv, dK, inv_off, inv_t, inv_i;                   /* attention backward */
-    buf C, Z, ape, dpool, dC, dZ, gape;                                     /* pooling backward */
+    twin q, kv, cK, sink, dout, sel, nsel, iq, iw, iK, itgt, cs, o;          /* tape and inputs */
+    twin P, DS, dsink, dq, dkv, dK, inv_off, inv_t, inv_i;                   /* attention backward */
+    twin C, Z, ape, dpool, dC, dZ, gape;                                     /* pooling backward */
     ds4_compressor_w cw[2];
     int overlap;
-    buf kl, has, dI, diq, diw, dsi, dKi;                                    /* indexer KL */
+    twin kl, has, dI, diq, diw, dsi, dKi;                                    /* indexer KL */
     int with_dI;
 } ctx;
 
-#define SIDE(b) (side ? x->b.d : x->b.h)
+#define SIDE(b) S(x->b)
 static ds4_dev *dev_of(int side) { return side ? gpu : cpu; }
 
 static void s_attention(const ctx *x, int side) {
@@ -191,7 +140,7 @@ static void s_ikl_k(const ctx *x, int side) {
 
 typedef struct out {
     const char *name;
-    buf *b;
+    twin *b;
     kind k;
     double tol;
     int inout;                    /* read and written: restored before the second GPU run */
@@ -209,20 +158,20 @@ static void check_op(const char *what, const ctx *x, void (*step)(const ctx *, i
         }
     step(x, 0);
     step(x, 1);
-    settle(what);
+    check_dev(gpu, what);
     for (int i = 0; i < n; i++) {
-        first[i] = download(o[i].b);
+        first[i] = fetch(o[i].b);
         if (o[i].inout) {
             void *cpu_result = o[i].b->h;
             o[i].b->h = orig[i];
-            upload(o[i].b);
+            tw_push(o[i].b);
             o[i].b->h = cpu_result;
         }
     }
     step(x, 1);
-    settle(what);
+    check_dev(gpu, what);
     for (int i = 0; i < n; i++) {
-        void *again = download(o[i].b);
+        void *again = fetch(o[i].b);
         CHECK(memcmp(again, first[i], o[i].b->bytes) == 0, "%s: %s differs between two GPU runs", what, o[i].name);
         free(again);
         if (o[i].k == EXACT) {
@@ -234,7 +183,7 @@ static void check_op(const char *what, const ctx *x, void (*step)(const ctx *, i
             CHECK(e <= o[i].tol && bad == 0, "%s: %s: rel. Frobenius %g (bound %g), %lld elements written that the CPU "
                   "leaves untouched", what, o[i].name, e, o[i].tol, (long long)bad);
         }
-        upload(o[i].b);
+        tw_push(o[i].b);
         free(first[i]);
         free(orig[i]);
     }
@@ -250,15 +199,15 @@ static void make_picks(ctx *x, int64_t topk) {
         if (t % 3 == 1 && k > 1) k = k / 2;
         for (int64_t w = 0; w < v; w++) perm[w] = (int32_t)w;
         for (int64_t i = 0; i < k; i++) {
-            const int64_t j = i + (int64_t)(next_u64() % (uint64_t)(v - i));
+            const int64_t j = i + (int64_t)(urand() * (double)(v - i));
             const int32_t tmp = perm[i];
             perm[i] = perm[j], perm[j] = tmp;
         }
         for (int64_t i = 0; i < x->stride; i++) sel[t * x->stride + i] = i < k ? perm[i] : -1;
         nsel[t] = (int32_t)k;
     }
-    upload(&x->sel);
-    upload(&x->nsel);
+    tw_push(&x->sel);
+    tw_push(&x->nsel);
 }
 
 static void tapes(ctx *x) {
@@ -273,15 +222,15 @@ static void tapes(ctx *x) {
 /* The pooling backward of a compressor of entry width dd (overlapping windows for CSA). */
 static void t_comp_bwd(ctx *x, int64_t dd, const char *what) {
     const int64_t width = (x->overlap ? 2 : 1) * dd;
-    x->C = b_rand(x->T * width, -1, 1), x->Z = b_rand(x->T * width, -2, 2), x->ape = b_rand(x->m * width, -0.5f, 0.5f);
-    x->dpool = b_rand(x->B * x->S * dd, -1, 1), x->gape = b_rand(x->m * width, -1, 1);
-    x->dC = b_fill((size_t)(x->T * width) * 4, 0xff), x->dZ = b_fill((size_t)(x->T * width) * 4, 0xff);
+    x->C = tw_f(x->T * width, -1, 1), x->Z = tw_f(x->T * width, -2, 2), x->ape = tw_f(x->m * width, -0.5f, 0.5f);
+    x->dpool = tw_f(x->B * x->S * dd, -1, 1), x->gape = tw_f(x->m * width, -1, 1);
+    x->dC = tw_out((size_t)(x->T * width) * 4), x->dZ = tw_out((size_t)(x->T * width) * 4);
     for (int side = 0; side < 2; side++)
         x->cw[side] = (ds4_compressor_w){.width = width, .dd = dd, .rate = x->m, .ape = SIDE(ape)};
     out o[] = {{"dC", &x->dC, F32, 1e-5, 0}, {"dZ", &x->dZ, F32, 1e-5, 0}, {"gape", &x->gape, F32, 1e-5, 1}};
     check_op(what, x, s_comp_bwd, o, 3);
-    buf *all[] = {&x->C, &x->Z, &x->ape, &x->dpool, &x->gape, &x->dC, &x->dZ};
-    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) b_free(all[i]);
+    twin *all[] = {&x->C, &x->Z, &x->ape, &x->dpool, &x->gape, &x->dC, &x->dZ};
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) tw_free(all[i]);
 }
 
 static void t_case(const tcase *tc) {
@@ -306,11 +255,11 @@ static void t_case(const tcase *tc) {
     char name[240];
 #define NAME(op) (snprintf(name, sizeof name, "%s (%s)", op, what), name)
 
-    x->q = b_rand(T * H * d, -1, 1), x->kv = b_rand(T * d, -1, 1), x->cK = b_rand(BS * d, -1, 1);
-    x->sink = b_rand(H, -1, 1), x->dout = b_rand(T * H * d, -1, 1), x->cs = b_rand(x->S * 2 * x->half, -1, 1);
-    x->sel = b_fill((size_t)(T * st) * 4, 0), x->nsel = b_fill((size_t)T * 4, 0);
-    x->iq = b_rand(T * x->nI * x->cI, -1, 1), x->iw = b_rand(T * x->nI, -1, 1), x->iK = b_rand(BS * x->cI, -1, 1);
-    x->itgt = b_fill((size_t)(T * st) * 4, 0xff), x->o = b_fill((size_t)(T * H * d) * 4, 0xff);
+    x->q = tw_f(T * H * d, -1, 1), x->kv = tw_f(T * d, -1, 1), x->cK = tw_f(BS * d, -1, 1);
+    x->sink = tw_f(H, -1, 1), x->dout = tw_f(T * H * d, -1, 1), x->cs = tw_f(x->S * 2 * x->half, -1, 1);
+    x->sel = tw_zero((size_t)(T * st) * 4), x->nsel = tw_zero((size_t)T * 4);
+    x->iq = tw_f(T * x->nI * x->cI, -1, 1), x->iw = tw_f(T * x->nI, -1, 1), x->iK = tw_f(BS * x->cI, -1, 1);
+    x->itgt = tw_out((size_t)(T * st) * 4), x->o = tw_out((size_t)(T * H * d) * 4);
     if (tc->type == DS4_ATTN_CSA) make_picks(x, tc->topk);
     tapes(x);
 
@@ -318,11 +267,11 @@ static void t_case(const tcase *tc) {
         out o[] = {{"o", &x->o, F32, 1e-5, 0}, {"itgt", &x->itgt, F32, 1e-5, 0}};
         check_op(NAME("attention with itgt"), x, s_attention, o, 2);
     }
-    x->P = b_fill((size_t)(T * H * x->maxk) * 4, 0xff), x->DS = b_fill((size_t)(T * H * x->maxk) * 4, 0xff);
-    x->dsink = b_fill((size_t)(T * H) * 4, 0xff), x->dq = b_fill((size_t)(T * H * d) * 4, 0xff);
-    x->dkv = b_fill((size_t)(T * d) * 4, 0xff), x->dK = b_fill((size_t)(BS * d) * 4, 0xff);
-    x->inv_off = b_fill((size_t)(BS + 1) * 8, 0xff), x->inv_t = b_fill((size_t)(T * st) * 4, 0xff);
-    x->inv_i = b_fill((size_t)(T * st) * 4, 0xff);
+    x->P = tw_out((size_t)(T * H * x->maxk) * 4), x->DS = tw_out((size_t)(T * H * x->maxk) * 4);
+    x->dsink = tw_out((size_t)(T * H) * 4), x->dq = tw_out((size_t)(T * H * d) * 4);
+    x->dkv = tw_out((size_t)(T * d) * 4), x->dK = tw_out((size_t)(BS * d) * 4);
+    x->inv_off = tw_out((size_t)(BS + 1) * 8), x->inv_t = tw_out((size_t)(T * st) * 4);
+    x->inv_i = tw_out((size_t)(T * st) * 4);
     {
         out o[] = {{"P", &x->P, F32, 1e-5, 0}, {"DS", &x->DS, F32, 1e-5, 0}, {"dsink_t", &x->dsink, F32, 1e-5, 0},
                    {"dq", &x->dq, F32, 1e-5, 0}};
@@ -352,15 +301,15 @@ static void t_case(const tcase *tc) {
                 memset((float *)x->itgt.h + t * st, 0, (size_t)st * 4);
                 break;
             }
-        upload(&x->itgt);
-        x->kl = b_fill((size_t)T * 8, 0xff), x->has = b_fill((size_t)T * 4, 0xff);
-        x->dI = b_fill((size_t)(T * st) * 4, 0xff);
+        tw_push(&x->itgt);
+        x->kl = tw_out((size_t)T * 8), x->has = tw_out((size_t)T * 4);
+        x->dI = tw_out((size_t)(T * st) * 4);
         out o[] = {{"kl", &x->kl, F64, 1e-5, 0}, {"has", &x->has, EXACT, 0, 0}, {"dI", &x->dI, F32, 1e-5, 0}};
         check_op(NAME("ikl"), x, s_ikl, o, 2);
         x->with_dI = 1;
         check_op(NAME("ikl with dI"), x, s_ikl, o, 3);
-        x->diq = b_fill((size_t)(T * x->nI * x->cI) * 4, 0xff), x->diw = b_fill((size_t)(T * x->nI) * 4, 0xff);
-        x->dsi = b_fill((size_t)(T * x->nI * st) * 4, 0xff), x->dKi = b_fill((size_t)(BS * x->cI) * 4, 0xff);
+        x->diq = tw_out((size_t)(T * x->nI * x->cI) * 4), x->diw = tw_out((size_t)(T * x->nI) * 4);
+        x->dsi = tw_out((size_t)(T * x->nI * st) * 4), x->dKi = tw_out((size_t)(BS * x->cI) * 4);
         out oq[] = {{"diq", &x->diq, F32, 1e-5, 0}, {"diw", &x->diw, F32, 1e-5, 0}, {"dsi", &x->dsi, F32, 1e-5, 0}};
         check_op(NAME("ikl_bwd_q"), x, s_ikl_q, oq, 3);
         out ok[] = {{"dK", &x->dKi, F32, 1e-5, 0}};
@@ -368,11 +317,11 @@ static void t_case(const tcase *tc) {
         t_comp_bwd(x, x->cI, NAME("comp_bwd (indexer)"));
     }
 #undef NAME
-    buf *all[] = {&x->q, &x->kv, &x->cK, &x->sink, &x->dout, &x->sel, &x->nsel, &x->iq, &x->iw, &x->iK, &x->itgt,
+    twin *all[] = {&x->q, &x->kv, &x->cK, &x->sink, &x->dout, &x->sel, &x->nsel, &x->iq, &x->iw, &x->iK, &x->itgt,
                   &x->cs, &x->o, &x->P, &x->DS, &x->dsink, &x->dq, &x->dkv, &x->dK, &x->inv_off, &x->inv_t,
                   &x->inv_i, &x->kl, &x->has, &x->dI, &x->diq, &x->diw, &x->dsi, &x->dKi};
     for (size_t i = 0; i < sizeof all / sizeof all[0]; i++)
-        if (all[i]->h) b_free(all[i]);
+        if (all[i]->h) tw_free(all[i]);
 }
 
 /* An operation whose shared memory would not fit fails with a message, not a crash. */
@@ -392,18 +341,11 @@ static void t_too_large(void) {
 
 int main(int argc, char **argv) {
     (void)argc, (void)argv;
-    int n = 0;
-    ds4_error err = {0};
-    if (ds4_cuda_device_count(&n, &err) || n == 0) {
-        printf("test_cuda_bwd_attn: skipped (no CUDA device)\n");
-        return 77;
-    }
     ds4_engine *eng = NULL;
-    ds4_engine_options eo = {.n_threads = 2};
-    CHECK_OK(ds4_engine_create(&eo, &eng, &err), &err);
-    CHECK_OK(ds4_cpu_dev_create(eng->pool, &cpu, &err), &err);
-    CHECK_OK(ds4_cuda_dev_create(0, &gpu, &err), &err);
-    if (!cpu || !gpu) return ds4t_finish("test_cuda_bwd_attn");
+    const int rc = twins_open("test_cuda_bwd_attn", &eng);
+    if (rc == 77) return 77;
+    if (rc) return ds4t_finish("test_cuda_bwd_attn");
+    ds4_error err = {0};
     ds4_config big = {0}; /* CPU scratch (attention key lists) for every shape below */
     big.hc_mult = 4, big.hidden_size = 64, big.num_attention_heads = 4, big.head_dim = 64, big.sliding_window = 128;
     big.compress_rate_csa = 4, big.compress_rate_hca = 128, big.index_topk = 64;
@@ -421,9 +363,7 @@ int main(int argc, char **argv) {
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) t_case(&cases[i]);
     t_too_large();
-    ds4_dev_release(gpu);
-    ds4_dev_release(cpu);
-    ds4_engine_free(eng);
+    twins_close(eng);
     return ds4t_finish("test_cuda_bwd_attn");
 }
 #else
