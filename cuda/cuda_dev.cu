@@ -336,6 +336,8 @@ static const ds4_ops cuda_ops = [] {
     SET(optim_sumsq) SET(adamw) SET(cast_params)
     SET(logp_bwd) SET(linear_bwd_x) SET(linear_bwd_w) SET(linear_bwd_x_grouped) SET(linear_bwd_w_grouped) SET(norm_bwd) SET(colsum_add) SET(sum_streams) SET(embed_bwd)
     SET(hc_pre_bwd) SET(hc_post_bwd) SET(hyperhead_bwd) SET(swiglu_bwd) SET(moe_dws) SET(moe_dy) SET(moe_sum_slots) SET(router_bwd)
+    SET(attn_bwd_q) SET(attn_bwd_kv) SET(attn_bwd_entry) SET(pick_inverse) SET(entry_rope) SET(comp_bwd) SET(ikl)
+    SET(ikl_bwd_q) SET(ikl_bwd_k)
 #undef SET
     return o;
 }();

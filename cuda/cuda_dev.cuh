@@ -153,6 +153,8 @@ DS4_CUDA_OP(ce_rows) DS4_CUDA_OP(logprobs) DS4_CUDA_OP(sample)
 DS4_CUDA_OP(optim_sumsq) DS4_CUDA_OP(adamw) DS4_CUDA_OP(cast_params)
 DS4_CUDA_OP(logp_bwd) DS4_CUDA_OP(linear_bwd_x) DS4_CUDA_OP(linear_bwd_w) DS4_CUDA_OP(linear_bwd_x_grouped) DS4_CUDA_OP(linear_bwd_w_grouped) DS4_CUDA_OP(norm_bwd) DS4_CUDA_OP(colsum_add) DS4_CUDA_OP(sum_streams) DS4_CUDA_OP(embed_bwd)
 DS4_CUDA_OP(hc_pre_bwd) DS4_CUDA_OP(hc_post_bwd) DS4_CUDA_OP(hyperhead_bwd) DS4_CUDA_OP(swiglu_bwd) DS4_CUDA_OP(moe_dws) DS4_CUDA_OP(moe_dy) DS4_CUDA_OP(moe_sum_slots) DS4_CUDA_OP(router_bwd)
+DS4_CUDA_OP(attn_bwd_q) DS4_CUDA_OP(attn_bwd_kv) DS4_CUDA_OP(attn_bwd_entry) DS4_CUDA_OP(pick_inverse)
+DS4_CUDA_OP(entry_rope) DS4_CUDA_OP(comp_bwd) DS4_CUDA_OP(ikl) DS4_CUDA_OP(ikl_bwd_q) DS4_CUDA_OP(ikl_bwd_k)
 #undef DS4_CUDA_OP
 
 #endif
