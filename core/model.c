@@ -205,9 +205,15 @@ void ds4_weights_bind(const ds4_model *m, ds4_weights *w, ds4_dtype mdt, char *b
     memset(w, 0, sizeof *w);
     w->layers = layers;
     w->mdt = mdt;
+    w->bf16_in = mdt == DS4_BF16 || (w == &m->w && m->emulate_bf16);
     builder b = {.m = (ds4_model *)m, .w = w, .bind = bind_entry, .base = base, .i32_base = i32_base,
                  .byte_offset = byte_offset, .ctx = ctx};
     walk_model(&b);
+}
+
+void ds4_model_emulate_bf16(ds4_model *m, int on) {
+    m->emulate_bf16 = on != 0;
+    m->w.bf16_in = on != 0;
 }
 
 int64_t ds4_f32_byte_offset(const ds4_model *m, size_t i, void *ctx) {

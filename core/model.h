@@ -69,6 +69,7 @@ typedef struct ds4_mtp_w {
 /* One pointer per tensor of the model, in some backend's memory. */
 typedef struct ds4_weights {
     ds4_dtype mdt;                       /* dtype of the "M" matrices (F32, or BF16 on CUDA) */
+    int32_t bf16_in;                     /* products with M matrices round their activations to bf16 (ops.h) */
     float *embed;                        /* M [V, D] */
     float *head;                         /* M [V, D] (aliases embed when tied) */
     float *norm;                         /* [D] */
@@ -108,6 +109,7 @@ struct ds4_model {
     int32_t *tid2eid_all;                /* all hash tables, contiguous */
     int64_t n_tid2eid;
     ds4_weights w;                       /* views into params / tid2eid_all */
+    int32_t emulate_bf16;                /* w.bf16_in on the CPU: ds4_model_emulate_bf16 */
     /* the backend the model computes on (docs/design.md): the CPU backend on the engine's pool, or CUDA */
     struct ds4_dev *dev;
     struct ds4_dev *cpu;                 /* the CPU backend, kept while the model lives on another one */
@@ -168,6 +170,9 @@ int64_t ds4_model_find(const ds4_model *m, const char *name);
  * base + byte_offset(i) for F32 entries, i32_base + 4·offset for tid2eid). */
 void ds4_weights_bind(const ds4_model *m, ds4_weights *w, ds4_dtype mdt, char *base,
                       int64_t (*byte_offset)(const ds4_model *m, size_t i, void *ctx), void *ctx, int32_t *i32_base);
+/* A test reference for the bf16 mode: the CPU's products with M matrices round their activation operands to bf16
+ * as the bf16 mode does (ops.h, bf16_in). The M matrices' values are the caller's to round (the CPU keeps fp32). */
+void ds4_model_emulate_bf16(ds4_model *m, int on);
 /* The byte offset of table entry i in the flat fp32 layout (params, grads): ds4_weights_bind's offset function. */
 int64_t ds4_f32_byte_offset(const ds4_model *m, size_t i, void *ctx);
 /* Whether a tensor is an "M" matrix (read by a matmul or the embedding; held in the backend's mdt). The router's

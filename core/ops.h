@@ -77,17 +77,22 @@ typedef struct { const ds4_config *c; const float *X, *fn, *base, *scale; float 
 /* y = w ⊙ x / sqrt(mean(x²) + eps) per row (w NULL: unweighted); y may equal x */
 typedef struct { float *y; const float *x, *w; int64_t rows, width; double eps; } ds4_a_rmsnorm;
 
+/* bf16_in (in every product below): the activation operands (x; dy; dy and x for dW) are rounded to bf16 before
+ * the product, which then accumulates in fp32. The bf16 mode sets it on every product with an M matrix (its weight
+ * in bf16); the CPU backend honours it on fp32 weights too, which makes the fp32 reference an emulation of the bf16
+ * mode's rounding points (ds4_model_emulate_bf16: the reference the bf16 tests compare with). */
+
 /* y[t, o] = Σ_k x[t, k]·W[o, k] for t < T, o < O; with groups > 1, group g reads x + g·gx, W + g·gw (elements)
  * and writes y + g·gy (the grouped output projection) */
 typedef struct {
     float *y; int64_t ldy; const float *x; int64_t ldx; const void *W; ds4_dtype wdt;
-    int64_t T, K, O, groups, gx, gy, gw;
+    int64_t T, K, O, groups, gx, gy, gw; int bf16_in;
 } ds4_a_matmul;
 /* Row groups: rows [off[e], off[e+1]) of x use W + e·wstride (the routed experts). off [E + 1] in backend memory;
  * rows is the largest off[E] can be (the kernels read the real extent from off). x [rows, K], y [rows, O]. */
 typedef struct {
     float *y; const float *x; const void *W; ds4_dtype wdt; int64_t wstride; const int64_t *off;
-    int64_t E, rows, K, O;
+    int64_t E, rows, K, O; int bf16_in;
 } ds4_a_matmul_grouped;
 
 /* Rotate the trailing 2·half channels of each of `heads` vectors of width `width` of row t by its position
@@ -185,20 +190,22 @@ typedef struct {
 typedef struct { float *dl; const float *logits; int64_t rows, V; const int64_t *tgt; const float *dlogp; double g0; } ds4_a_logp_bwd;
 /* y = x Wᵀ backward. linear_bwd_x: dx = dy·W (added when acc); linear_bwd_w: dW += dyᵀ·x. wdt is the dtype W is
  * held in; for linear_bwd_w (dW is fp32 either way) BF16 asks for the product of dy and x rounded to bf16, as the
- * bf16 forward rounds its product's input; F32 (0, the default) is the exact fp32 product. */
+ * bf16 forward rounds its product's input (the same as bf16_in); F32 (0, the default) is the exact fp32 product. */
 typedef struct {
     float *dx; int64_t lddx; int acc; const float *dy; int64_t ldy; const void *W; ds4_dtype wdt; int64_t T, K, O;
+    int bf16_in;
 } ds4_a_linear_bwd_x;
 typedef struct {
-    float *dW; const float *dy; int64_t ldy; const float *x; int64_t ldx, T, K, O; ds4_dtype wdt;
+    float *dW; const float *dy; int64_t ldy; const float *x; int64_t ldx, T, K, O; ds4_dtype wdt; int bf16_in;
 } ds4_a_linear_bwd_w;
 /* The same per row group of off (ds4_a_matmul_grouped): dx rows written (acc: added); dW + e·wstride added */
 typedef struct {
     float *dx; int acc; const float *dy; const void *W; ds4_dtype wdt; int64_t wstride; const int64_t *off;
-    int64_t E, rows, K, O;
+    int64_t E, rows, K, O; int bf16_in;
 } ds4_a_linear_bwd_x_grouped;
 typedef struct {
     float *dW; int64_t wstride; const float *dy, *x; const int64_t *off; int64_t E, rows, K, O; ds4_dtype wdt;
+    int bf16_in;
 } ds4_a_linear_bwd_w_grouped;
 
 /* RMSNorm backward over `groups` groups of `rows` rows (group g at + g·gstride elements): dx written or added

@@ -456,6 +456,11 @@ void ds4_cuda_logp_bwd(ds4_dev *d, const ds4_a_logp_bwd *a) {
 }
 
 // dx [T, K] (row stride lddx) (+)= dy [T, O] (row stride ldy) · W [O, K]: A(t, o) = dy[t, o], B(k, o) = W[o, k].
+// bf16_in with fp32 weights is the CPU reference's emulation of the bf16 mode (ops.h); here bf16 weights imply it.
+static void fp32_bf16_in(ds4_dev *d, const char *op) {
+    ds4_dev_fail(d, DS4_ERR_UNSUPPORTED, "%s: bf16_in with fp32 weights (the CPU's emulation of the bf16 mode)", op);
+}
+
 void ds4_cuda_linear_bwd_x(ds4_dev *d, const ds4_a_linear_bwd_x *a) {
     if (a->T <= 0 || a->K <= 0) return;
     prod_args p = {};
@@ -464,6 +469,7 @@ void ds4_cuda_linear_bwd_x(ds4_dev *d, const ds4_a_linear_bwd_x *a) {
     char s[160];
     snprintf(s, sizeof s, "dx [%lld x %lld]%s = dy [%lld x %lld] x W [%lld x %lld]", (long long)a->T, (long long)a->K,
              a->acc ? " +" : "", (long long)a->T, (long long)a->O, (long long)a->O, (long long)a->K);
+    if (a->bf16_in && a->wdt != DS4_BF16) return fp32_bf16_in(d, "linear_bwd_x");
     product(d, "linear_bwd_x", p, a->wdt, true, s);
 }
 
@@ -476,7 +482,7 @@ void ds4_cuda_linear_bwd_w(ds4_dev *d, const ds4_a_linear_bwd_w *a) {
     char s[160];
     snprintf(s, sizeof s, "dW [%lld x %lld] += dy^T [%lld x %lld] x x [%lld x %lld]", (long long)a->O, (long long)a->K,
              (long long)a->O, (long long)a->T, (long long)a->T, (long long)a->K);
-    product(d, "linear_bwd_w", p, a->wdt, false, s);
+    product(d, "linear_bwd_w", p, a->bf16_in ? DS4_BF16 : a->wdt, false, s);
 }
 
 // Rows [off[e], off[e+1]) of dx [rows, K] (+)= the same rows of dy [rows, O] · W_e [O, K], W_e = W + e·wstride.
@@ -489,6 +495,7 @@ void ds4_cuda_linear_bwd_x_grouped(ds4_dev *d, const ds4_a_linear_bwd_x_grouped 
     snprintf(s, sizeof s, "dx [%lld x %lld]%s = dy [%lld x %lld] x W [%lld x %lld x %lld] by expert",
              (long long)a->rows, (long long)a->K, a->acc ? " +" : "", (long long)a->rows, (long long)a->O,
              (long long)a->E, (long long)a->O, (long long)a->K);
+    if (a->bf16_in && a->wdt != DS4_BF16) return fp32_bf16_in(d, "linear_bwd_x_grouped");
     product(d, "linear_bwd_x_grouped", p, a->wdt, true, s);
 }
 
@@ -502,7 +509,7 @@ void ds4_cuda_linear_bwd_w_grouped(ds4_dev *d, const ds4_a_linear_bwd_w_grouped 
     snprintf(s, sizeof s, "dW [%lld x %lld x %lld] += dy^T [%lld x %lld] x x [%lld x %lld] by expert", (long long)a->E,
              (long long)a->O, (long long)a->K, (long long)a->O, (long long)a->rows, (long long)a->rows,
              (long long)a->K);
-    product(d, "linear_bwd_w_grouped", p, a->wdt, false, s);
+    product(d, "linear_bwd_w_grouped", p, a->bf16_in ? DS4_BF16 : a->wdt, false, s);
 }
 
 void ds4_cuda_norm_bwd(ds4_dev *d, const ds4_a_norm_bwd *a) {

@@ -378,13 +378,22 @@ void ds4_cuda_gemm_f32(ds4_dev *d, const char *op, float *y, int64_t ldy, const 
     gemm(d, op, g, DS4_F32, 1, M);
 }
 
+// bf16_in (ops.h) with fp32 weights is the CPU reference's emulation of the bf16 mode; bf16 weights imply it here.
+static bool fp32_bf16_in(ds4_dev *d, const char *op, int bf16_in, ds4_dtype wdt) {
+    if (!bf16_in || wdt == DS4_BF16) return false;
+    ds4_dev_fail(d, DS4_ERR_UNSUPPORTED, "%s: bf16_in with fp32 weights (the CPU's emulation of the bf16 mode)", op);
+    return true;
+}
+
 void ds4_cuda_matmul(ds4_dev *d, const ds4_a_matmul *a) {
+    if (fp32_bf16_in(d, "matmul", a->bf16_in, a->wdt)) return;
     gemm_args g = {a->y, a->ldy, a->x, a->ldx, a->W, a->K, a->T, a->O, a->K, a->gx, a->gy, a->gw, nullptr, 0, 0,
                    nullptr, 0, nullptr};
     gemm(d, "matmul", g, a->wdt, a->groups, a->T);
 }
 
 void ds4_cuda_matmul_grouped(ds4_dev *d, const ds4_a_matmul_grouped *a) {
+    if (fp32_bf16_in(d, "matmul_grouped", a->bf16_in, a->wdt)) return;
     gemm_args g = {a->y, a->O, a->x, a->K, a->W, a->K, a->rows, a->O, a->K, 0, 0, 0, a->off, a->E, a->wstride,
                    nullptr, 0, nullptr};
     /* rows per expert group: few when decoding (each expert streams its weights once) */
