@@ -67,6 +67,8 @@ local SPEC = {
         { "minibatches", 2, "optimizer updates per step" },
         { "lr", 3e-4, "learning rate" },
         { "seed", 1, "seed of the data, the model and the rollouts" },
+        { "device", "", "where the model computes: cpu, cuda, cuda:N (default: ds4 run --device's, else cpu)" },
+        { "dtype", "", "fp32 or bf16 (default: bf16 on CUDA, fp32 on the CPU)" },
         { "routing_replay", false, "train with the experts the rollouts used" },
         { "out", "", "run directory (default: " .. (EX.root or "runs/dapo") .. "/<start time>)" },
         { "run_id", "", "name of the run under the default root (default: the start time)" },
@@ -86,6 +88,10 @@ local SPEC = {
     },
 }
 local opts, run = ds4.rundir.start(arg, SPEC, EX.root or "runs/dapo")
+-- the models made below compute there (ds4.set_device checks the spelling and that the device exists)
+if opts.device ~= "" or opts.dtype ~= "" then
+    ds4.set_device(opts.device ~= "" and opts.device or ds4.device():match("^%S+"), opts.dtype ~= "" and opts.dtype or nil)
+end
 local OUT = run.dir
 -- Option values that would only fail later, deep inside a run: refused now, naming the option.
 local function usage_error(msg)

@@ -56,6 +56,8 @@ local SPEC = {
         { "weight_decay", 0.1, "AdamW weight decay" },
         { "min_lr_ratio", 0.1, "cosine decay floor, as a fraction of lr" },
         { "seed", 1, "model initialisation and toy data seed" },
+        { "device", "", "where the model computes: cpu, cuda, cuda:N (default: ds4 run --device's, else cpu)" },
+        { "dtype", "", "fp32 or bf16 (default: bf16 on CUDA, fp32 on the CPU)" },
         { "out", "", "run directory (default: runs/sft/<start time>)" },
         { "run_id", "", "name of the run under runs/sft (default: the start time)" },
         { "resume", false, "continue the run in --out (or runs/sft/latest) from its newest checkpoint" },
@@ -67,6 +69,10 @@ local SPEC = {
     },
 }
 local opts, run = rundir.start(arg, SPEC, "runs/sft") -- RUN/config.lua: the effective configuration
+-- the models made below compute there (ds4.set_device checks the spelling and that the device exists)
+if opts.device ~= "" or opts.dtype ~= "" then
+    ds4.set_device(opts.device ~= "" and opts.device or ds4.device():match("^%S+"), opts.dtype ~= "" and opts.dtype or nil)
+end
 local OUT = run.dir
 local function usage_error(msg)
     io.stderr:write("sft.lua: " .. msg .. "\n")
