@@ -192,23 +192,26 @@ int main(int argc, char **argv) {
         free(ids);
         free(last);
     }
-    if (prof_path) { /* the per-op profile of one batch-1 generation */
-        ds4_engine_set_profile(eng, 1);
-        ds4_gen_args ga = {.nprompts = 1, .prompts = prompts, .prompt_lens = lens, .n = 1, .max_new_tokens = new_tokens,
-                           .ignore_eos = 1};
-        if (ds4_generate(m, &ga, &r, &err)) DIE("bench_gpu: %s", err.msg);
-        ds4_gen_result_free(r);
-        ds4_model_profile_reset(m);
-        if (ds4_generate(m, &ga, &r, &err)) DIE("bench_gpu: %s", err.msg);
-        ds4_gen_result_free(r);
-        char buf[16384];
-        ds4_model_profile_report(m, buf, sizeof buf);
+    if (prof_path) { /* the per-op profiles of one generation at batch 1 and at batch 64 (n samples of a prompt) */
         FILE *f = fopen(prof_path, "w");
-        if (f) {
-            fprintf(f, "per-op profile: one generation, batch 1, %lld + %lld tokens, %s\n%s", (long long)plen,
-                    (long long)new_tokens, ds4_model_device_name(m), buf);
-            fclose(f);
+        if (!f) DIE("bench_gpu: cannot write %s", prof_path);
+        ds4_engine_set_profile(eng, 1);
+        static const int32_t pbatch[2] = {1, 64};
+        for (int k = 0; k < 2; k++) {
+            ds4_gen_args ga = {.nprompts = 1, .prompts = prompts, .prompt_lens = lens, .n = pbatch[k],
+                               .max_new_tokens = new_tokens, .ignore_eos = 1};
+            if (ds4_generate(m, &ga, &r, &err)) DIE("bench_gpu: %s", err.msg);
+            ds4_gen_result_free(r);
+            ds4_model_profile_reset(m);
+            if (ds4_generate(m, &ga, &r, &err)) DIE("bench_gpu: %s", err.msg);
+            ds4_gen_result_free(r);
+            char buf[16384];
+            ds4_model_profile_report(m, buf, sizeof buf);
+            fprintf(f, "%sper-op profile: one generation, %d sample%s of one prompt, %lld + %lld tokens, %s "
+                    "(profiled: no CUDA graphs, an event pair per op)\n%s", k ? "\n" : "", (int)pbatch[k],
+                    pbatch[k] == 1 ? "" : "s", (long long)plen, (long long)new_tokens, ds4_model_device_name(m), buf);
         }
+        fclose(f);
         ds4_engine_set_profile(eng, 0);
     }
     free(prompt_mem);

@@ -28,4 +28,20 @@ done
 roof=$(val ds4 roofline_b1 "$log/bench_ds4.txt"); bw=$(val ds4 copy_GBps "$log/bench_ds4.txt")
 pre=$(val ds4 prefill_8x512 "$log/bench_ds4.txt")
 [ "$hf_ok" = 1 ] || summary="$summary (transformers FAILED: $(tail -n1 "$log/bench_hf.txt"))"
-echo "bench: generate (64 new tokens, bf16) vs transformers eager:$summary; prefill 8x512 ${pre:-?} tok/s; b1 roofline $(awk -v r="${roof:-0}" 'BEGIN{printf "%.0f%%", 100*r}') of ${bw:-?} GB/s"
+# one training step (bf16, batch 8 x 1024): ds4 against transformers + torch AdamW, eager (TRAIN_COMPILE=1: also
+# torch.compile, whose compilation takes minutes)
+train=""
+if [ -x "$build/bench_train_gpu" ]; then
+    "$build/bench_train_gpu" >"$log/bench_train_ds4.txt" 2>&1 || echo "ds4 training bench FAILED: $(tail -n1 "$log/bench_train_ds4.txt")"
+    PYTHONUNBUFFERED=1 python3 bench/hf_train.py >"$log/bench_train_hf.txt" 2>&1 || true
+    [ "${TRAIN_COMPILE:-0}" = 1 ] && PYTHONUNBUFFERED=1 timeout 900 python3 bench/hf_train.py --compile \
+        >"$log/bench_train_hf_compile.txt" 2>&1
+    grep -h "^#" "$log/bench_train_ds4.txt" "$log/bench_train_hf.txt" "$log/bench_train_hf_compile.txt" 2>/dev/null
+    dt=$(val ds4 train_tokens_per_s "$log/bench_train_ds4.txt"); ht=$(val hf train_tokens_per_s "$log/bench_train_hf.txt")
+    ct=$(val hf_compile train_tokens_per_s "$log/bench_train_hf_compile.txt" 2>/dev/null)
+    dm=$(val ds4 train_peak_gib "$log/bench_train_ds4.txt"); hm=$(val hf train_peak_gib "$log/bench_train_hf.txt")
+    mfu=$(val ds4 train_mfu "$log/bench_train_ds4.txt")
+    r=""; [ -n "$dt" ] && [ -n "$ht" ] && r=$(awk -v a="$dt" -v b="$ht" 'BEGIN{printf " (%.2fx)", a/b}')
+    train="; train 8x1024 ds4 ${dt:-?} tok/s${r} ${dm:-?} GiB, MFU $(awk -v m="${mfu:-0}" 'BEGIN{printf "%.1f%%", 100*m}'), transformers eager ${ht:-?} tok/s ${hm:-?} GiB${ct:+, torch.compile $ct tok/s}"
+fi
+echo "bench: generate (64 new tokens, bf16) vs transformers eager:$summary; prefill 8x512 ${pre:-?} tok/s; b1 roofline $(awk -v r="${roof:-0}" 'BEGIN{printf "%.0f%%", 100*r}') of ${bw:-?} GB/s$train"

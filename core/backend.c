@@ -40,9 +40,32 @@ static void print_profile(ds4_model *m, ds4_dev *d) {
     fprintf(stderr, "ds4 profile (DS4_PROFILE=1), model of %lld parameters:\n%s", (long long)m->n_params, buf);
 }
 
+/* Free the training state kept on a device (the host mirrors must have been brought up to date first, when they
+ * are to survive) and point the gradient views back at the host buffer. */
+static void free_train_state(ds4_model *m) {
+    ds4_dev *d = m->dev;
+    if (d && d != m->cpu) {
+        d->ops->free(d, m->dgrads);
+        d->ops->free(d, m->dmaster);
+        d->ops->free(d, m->dmoments);
+        d->ops->free(d, m->dscratch);
+        d->ops->free(d, m->dcast);
+    }
+    m->dgrads = m->dmaster = m->dmoments = NULL;
+    m->dscratch = NULL;
+    m->dscratch_bytes = 0;
+    m->dcast = NULL;
+    m->n_cast = 0;
+    m->moments_owner = NULL;
+    m->moments_home[0] = m->moments_home[1] = NULL;
+    m->host_stale = m->grads_stale = 0;
+    if (m->grads) ds4_weights_bind(m, &m->gw, DS4_F32, (char *)m->grads, ds4_f32_byte_offset, NULL, NULL);
+}
+
 /* Give the non-CPU backend back (the CPU one stays). */
 static void drop_device(ds4_model *m) {
     free_pass_memory(m);
+    free_train_state(m);
     if (m->dev && m->dev != m->cpu) {
         print_profile(m, m->dev);
         m->dev->ops->free(m->dev, m->dev_mem);
@@ -120,6 +143,113 @@ static ds4_status upload_weights(ds4_model *m, ds4_dev *d, void *mem, ds4_dtype 
     return st;
 }
 
+/* ------------------------------------------------------------------------------------------------ training state */
+
+ds4_status ds4_model_train_bind(ds4_model *m, ds4_error *err) {
+    ds4_dev *d = m->dev;
+    if (!m->grads || d == m->cpu || m->dgrads) return DS4_OK;
+    const size_t bytes = (size_t)m->n_params * sizeof(float);
+    void *g = NULL;
+    ds4_status s = d->ops->alloc(d, bytes ? bytes : 4, &g, err);
+    if (!s) s = d->ops->upload(d, g, m->grads, bytes, err);
+    if (s) {
+        d->ops->free(d, g);
+        ds4_error_prefix(err, "gradients on %s (%lld fp32 values): ", ds4_model_device_name(m), (long long)m->n_params);
+        return s;
+    }
+    m->dgrads = g;
+    m->grads_stale = 0;
+    ds4_weights_bind(m, &m->gw, DS4_F32, (char *)m->dgrads, ds4_f32_byte_offset, NULL, NULL);
+    return DS4_OK;
+}
+
+ds4_status ds4_model_master_ready(ds4_model *m, size_t scratch_bytes, ds4_error *err) {
+    ds4_dev *d = m->dev;
+    if (d == m->cpu) return ds4_fail(err, DS4_ERR_INTERNAL, "device optimizer state on the cpu backend");
+    const size_t P = (size_t)m->n_params, bytes = P * sizeof(float);
+    ds4_status s = DS4_OK;
+    if (!m->dmaster) {
+        /* the cast table: every fp32 table entry, master (flat) -> working copy (the backend's layout and dtype) */
+        int64_t n = 0;
+        for (size_t i = 0; i < m->n_table; i++) n += m->table[i].dtype == DS4_F32;
+        ds4_cast_entry *e = malloc((size_t)(n ? n : 1) * sizeof *e);
+        if (!e) return ds4_fail(err, DS4_ERR_OOM, "device optimizer: cast table of %lld tensors", (long long)n);
+        int64_t k = 0;
+        for (size_t i = 0; i < m->n_table; i++) {
+            const ds4_param *p = &m->table[i];
+            if (p->dtype != DS4_F32) continue;
+            e[k++] = (ds4_cast_entry){.src = p->offset, .dst = m->dev_off[i], .n = p->numel, .lowp = p->lowp};
+        }
+        void *master = NULL, *moments = NULL, *cast = NULL;
+        s = d->ops->alloc(d, bytes ? bytes : 4, &master, err);
+        if (!s) s = d->ops->alloc(d, bytes ? 2 * bytes : 4, &moments, err);
+        if (!s) s = d->ops->alloc(d, (size_t)(n ? n : 1) * sizeof *e, &cast, err);
+        if (!s) s = d->ops->upload(d, master, m->params, bytes, err);
+        if (!s) s = d->ops->upload(d, cast, e, (size_t)n * sizeof *e, err);
+        free(e);
+        if (s) {
+            d->ops->free(d, master);
+            d->ops->free(d, moments);
+            d->ops->free(d, cast);
+            ds4_error_prefix(err, "device optimizer on %s (fp32 master weights and two moments, %lld parameters): ",
+                             ds4_model_device_name(m), (long long)m->n_params);
+            return s;
+        }
+        m->dmaster = master;
+        m->dmoments = moments;
+        m->dcast = cast;
+        m->n_cast = n;
+        m->moments_owner = NULL;
+        m->host_stale = 0;
+    }
+    if (m->dscratch_bytes < scratch_bytes) {
+        void *p = NULL;
+        if ((s = d->ops->alloc(d, scratch_bytes, &p, err))) {
+            ds4_error_prefix(err, "device optimizer scratch: ");
+            return s;
+        }
+        d->ops->free(d, m->dscratch);
+        m->dscratch = p;
+        m->dscratch_bytes = scratch_bytes;
+    }
+    return DS4_OK;
+}
+
+ds4_status ds4_model_host_sync(ds4_model *m, ds4_error *err) {
+    ds4_dev *d = m->dev;
+    const size_t bytes = (size_t)m->n_params * sizeof(float);
+    ds4_status s = DS4_OK;
+    if (m->host_stale && m->dmaster) {
+        if ((s = d->ops->download(d, m->params, m->dmaster, bytes, err))) {
+            ds4_error_prefix(err, "reading the weights back from %s: ", ds4_model_device_name(m));
+            return s;
+        }
+        m->host_stale = 0;
+    }
+    if (m->grads_stale && m->dgrads && m->grads) {
+        if ((s = d->ops->download(d, m->grads, m->dgrads, bytes, err))) {
+            ds4_error_prefix(err, "reading the gradients back from %s: ", ds4_model_device_name(m));
+            return s;
+        }
+        m->grads_stale = 0;
+    }
+    return DS4_OK;
+}
+
+/* Before the training state on the device goes away: host params and gradients up to date, the optimizer's moments
+ * back in its host buffers. */
+static ds4_status save_train_state(ds4_model *m, ds4_error *err) {
+    ds4_status s = ds4_model_host_sync(m, err);
+    if (s || !m->moments_owner || !m->dmoments) return s;
+    ds4_dev *d = m->dev;
+    const size_t bytes = (size_t)m->n_params * sizeof(float);
+    for (int k = 0; k < 2 && !s; k++) s = d->ops->download(d, m->moments_home[k], m->dmoments + (size_t)k * m->n_params,
+                                                          bytes, err);
+    if (s) ds4_error_prefix(err, "reading the optimizer's moments back from %s: ", ds4_model_device_name(m));
+    else m->moments_owner = NULL;
+    return s;
+}
+
 ds4_status ds4_model_sync_weights(ds4_model *m, ds4_error *err) {
     /* the profile follows the engine's switch at every pass */
     if ((m->engine->profile != 0) != (m->dev->prof != NULL)) {
@@ -128,12 +258,101 @@ ds4_status ds4_model_sync_weights(ds4_model *m, ds4_error *err) {
     }
     if (m->dev == m->cpu || !m->params_dirty) return DS4_OK;
     ds4_status s = upload_weights(m, m->dev, m->dev_mem, m->dev_w.mdt, err);
+    if (!s && m->dmaster) { /* the host was written (after it had been brought up to date): the master follows */
+        s = m->dev->ops->upload(m->dev, m->dmaster, m->params, (size_t)m->n_params * sizeof(float), err);
+        if (s) ds4_error_prefix(err, "model to device: uploading the master weights: ");
+    }
     if (!s) m->params_dirty = 0;
     return s;
 }
 
 void ds4_model_params_changed(ds4_model *m) {
     if (m) m->params_dirty = 1;
+}
+
+ds4_status ds4_cuda_devices(int32_t *n, ds4_error *err) {
+    if (!n) return ds4_fail(err, DS4_ERR_ARG, "cuda devices: n is NULL");
+    *n = 0;
+#ifdef DS4_HAVE_CUDA
+    int count = 0;
+    ds4_status s = ds4_cuda_device_count(&count, err);
+    if (!s) *n = count;
+    return s;
+#else
+    (void)err;
+    return DS4_OK;
+#endif
+}
+
+/* a equals the first len bytes of b, ignoring ASCII case, and b has no more */
+static int word_is(const char *a, size_t len, const char *b) {
+    size_t i = 0;
+    for (; i < len && b[i]; i++) {
+        const char x = a[i] >= 'A' && a[i] <= 'Z' ? (char)(a[i] - 'A' + 'a') : a[i];
+        if (x != b[i]) return 0;
+    }
+    return i == len && !b[i];
+}
+
+static int dtype_word(const char *w, size_t len, ds4_dtype *out) {
+    if (word_is(w, len, "fp32") || word_is(w, len, "f32") || word_is(w, len, "float32")) *out = DS4_F32;
+    else if (word_is(w, len, "bf16") || word_is(w, len, "bfloat16")) *out = DS4_BF16;
+    else return 0;
+    return 1;
+}
+
+ds4_status ds4_device_parse(const char *spec, const char *dtype, ds4_device_options *out, ds4_error *err) {
+    if (!spec || !out) return ds4_fail(err, DS4_ERR_ARG, "device: NULL argument");
+    ds4_device_options o = {0};
+    const char *p = spec;
+    while (*p == ' ') p++;
+    size_t n = 0;
+    while (p[n] && p[n] != ' ' && p[n] != ':') n++;
+    if (word_is(p, n, "cpu")) {
+        o.type = DS4_DEVICE_CPU;
+    } else if (word_is(p, n, "cuda") || word_is(p, n, "gpu")) {
+        o.type = DS4_DEVICE_CUDA;
+    } else {
+        return ds4_fail(err, DS4_ERR_ARG, "device '%s': expected cpu, cuda or cuda:N (with an optional dtype: "
+                        "\"cuda:0 bf16\")", spec);
+    }
+    p += n;
+    if (*p == ':') {
+        if (o.type != DS4_DEVICE_CUDA)
+            return ds4_fail(err, DS4_ERR_ARG, "device '%s': only cuda takes an index", spec);
+        p++;
+        int64_t idx = 0;
+        const char *d0 = p;
+        while (*p >= '0' && *p <= '9' && idx < 1024) idx = idx * 10 + (*p++ - '0');
+        if (p == d0 || idx >= 1024 || (*p && *p != ' '))
+            return ds4_fail(err, DS4_ERR_ARG, "device '%s': the index after cuda: must be an integer in [0, 1023]",
+                            spec);
+        o.index = (int32_t)idx;
+    }
+    while (*p == ' ') p++;
+    int have = 0;
+    ds4_dtype dt = o.type == DS4_DEVICE_CUDA ? DS4_BF16 : DS4_F32; /* the CPU is fp32; CUDA defaults to bf16 */
+    if (*p) {
+        size_t k = strlen(p);
+        while (k && p[k - 1] == ' ') k--;
+        if (!dtype_word(p, k, &dt))
+            return ds4_fail(err, DS4_ERR_ARG, "device '%s': unknown dtype after the device (fp32 or bf16)", spec);
+        have = 1;
+    }
+    if (dtype) {
+        ds4_dtype d2;
+        if (!dtype_word(dtype, strlen(dtype), &d2))
+            return ds4_fail(err, DS4_ERR_ARG, "device dtype '%s': expected fp32 or bf16", dtype);
+        if (have && d2 != dt)
+            return ds4_fail(err, DS4_ERR_ARG, "device '%s' with dtype '%s': two different dtypes", spec, dtype);
+        dt = d2;
+    }
+    if (o.type == DS4_DEVICE_CPU && dt != DS4_F32)
+        return ds4_fail(err, DS4_ERR_UNSUPPORTED, "device '%s'%s%s: the CPU backend computes in fp32 only", spec,
+                        dtype ? " dtype " : "", dtype ? dtype : "");
+    o.dtype = dt;
+    *out = o;
+    return DS4_OK;
 }
 
 ds4_device_options ds4_model_device(const ds4_model *m) { return m->dev_opt; }
@@ -161,7 +380,11 @@ ds4_status ds4_model_to(ds4_model *m, const ds4_device_options *o, ds4_error *er
         if (mdt != DS4_F32)
             return ds4_fail(err, DS4_ERR_UNSUPPORTED, "model to cpu: dtype %s (the CPU backend is fp32)",
                             ds4_dtype_name(mdt));
-        if (m->dev != m->cpu) drop_device(m);
+        if (m->dev != m->cpu) {
+            ds4_status s = save_train_state(m, err);
+            if (s) return s;
+            drop_device(m);
+        }
         return DS4_OK;
     }
 #ifndef DS4_HAVE_CUDA
@@ -190,6 +413,7 @@ ds4_status ds4_model_to(ds4_model *m, const ds4_device_options *o, ds4_error *er
         if (s) ds4_error_prefix(err, "model to cuda:%d (%lld parameters, %s): ", (int)o->index, (long long)m->n_params,
                                 ds4_dtype_name(mdt));
     }
+    if (!s) s = save_train_state(m, err); /* the host copies must be current before they are uploaded */
     if (!s) s = upload_weights(m, nd, mem, mdt, err);
     if (s) { /* nothing changed: the model stays where it was */
         if (mem) nd->ops->free(nd, mem);
@@ -211,7 +435,7 @@ ds4_status ds4_model_to(ds4_model *m, const ds4_device_options *o, ds4_error *er
     m->dw = &m->dev_w;
     m->dev_opt = (ds4_device_options){DS4_DEVICE_CUDA, o->index, mdt};
     m->params_dirty = 0;
-    return DS4_OK;
+    return ds4_model_train_bind(m, err); /* gradients follow the model (a failure leaves them on the host) */
 #endif
 }
 

@@ -92,7 +92,7 @@ static void bplan(bwd *b, ds4_arena *a) {
     b->inv_t = ds4_arena_take(a, T * (topk ? topk : 1), 4);
     b->inv_i = ds4_arena_take(a, T * (topk ? topk : 1), 4);
     b->inv_off = ds4_arena_take(a, B * S + 1, 8);
-    b->dlog = ds4_arena_take(a, T * zmax(V, E), 4);
+    b->dlog = ds4_arena_take(a, zmax((size_t)b->tp->head_rows * V, T * E), 4); /* a head chunk's, or the routers' */
     b->dsc = ds4_arena_take(a, T * E, 4);
     b->dws = ds4_arena_take(a, T * K, 4);
     b->xs = ds4_arena_take(a, T * K * D, 4);
@@ -135,14 +135,18 @@ static const void *wat(const float *W, ds4_dtype dt, int64_t off) {
 /* ------------------------------------------------------------------------------------------------ helpers */
 
 /* Backward of y = x Wᵀ over T rows: dx = dy W (added when acc, else written; dx may be NULL) and dW += dyᵀ x
- * (dW may be NULL). */
+ * (dW may be NULL). M: W is an M matrix (held in mdt; the bf16 mode rounds the products' operands), else fp32. */
 static void lin_bwd(bwd *b, float *dx, int64_t lddx, int acc, float *dW, const float *dy, int64_t ldy, const float *x,
-                    int64_t ldx, const void *W, ds4_dtype wdt, int64_t T, int64_t K, int64_t O) {
+                    int64_t ldx, const void *W, int M, int64_t T, int64_t K, int64_t O) {
     if (T <= 0) return;
+    const ds4_dtype wdt = M ? b->mdt : DS4_F32;
+    const int bf16_in = M && b->f.w->bf16_in;
     if (dx)
         OP(b->f.dev, linear_bwd_x, .dx = dx, .lddx = lddx, .acc = acc, .dy = dy, .ldy = ldy, .W = W, .wdt = wdt, .T = T,
-           .K = K, .O = O);
-    if (dW) OP(b->f.dev, linear_bwd_w, .dW = dW, .dy = dy, .ldy = ldy, .x = x, .ldx = ldx, .T = T, .K = K, .O = O);
+           .K = K, .O = O, .bf16_in = bf16_in);
+    if (dW)
+        OP(b->f.dev, linear_bwd_w, .dW = dW, .dy = dy, .ldy = ldy, .x = x, .ldx = ldx, .T = T, .K = K, .O = O,
+           .wdt = wdt, .bf16_in = bf16_in);
 }
 
 static void norm_bwd(bwd *b, float *dx, int acc, float *dw, const float *dy, const float *x, const float *w,
@@ -166,7 +170,7 @@ static void hc_site_bwd(bwd *b, const ds4_hc_w *w, const ds4_hc_w *g, const floa
     OP(b->f.dev, hc_pre_bwd, .c = c, .w = w, .X = X, .du = du, .dX = dX, .dpost = b->dpost, .dcomb = b->dcomb,
        .dmix = b->dmix, .xn = b->xn, .dzb = b->dzb, .dzs = b->dzs, .T = T);
     /* mix = fn · x̂: dfn += dmixᵀ x̂, dx̂ = dmix · fn, then through the RMS over n·D */
-    lin_bwd(b, b->dxn, nD, 0, g->fn, b->dmix, mix, b->xn, nD, w->fn, DS4_F32, T, nD, mix);
+    lin_bwd(b, b->dxn, nD, 0, g->fn, b->dmix, mix, b->xn, nD, w->fn, 0, T, nD, mix);
     norm_bwd(b, dX, 1, NULL, b->dxn, X, NULL, T, nD);
     OP(b->f.dev, colsum_add, .dst = g->base, .src = b->dzb, .rows = T, .width = mix, .ld = mix);
     OP(b->f.dev, colsum_add, .dst = g->scale, .src = b->dzs, .rows = T, .width = 3, .ld = 3);
@@ -177,7 +181,7 @@ static void hyperhead_bwd(bwd *b, const float *X, const float *fn, const float *
     const int64_t T = b->f.T, n = b->m->cfg.hc_mult, nD = n * b->m->cfg.hidden_size;
     OP(b->f.dev, hyperhead_bwd, .c = &b->m->cfg, .X = X, .fn = fn, .base = base, .scale = scale, .du = du, .dX = dX,
        .dmix = b->dmix, .xn = b->xn, .dzb = b->dzb, .dzs = b->dzs, .T = T);
-    lin_bwd(b, b->dxn, nD, 0, gfn, b->dmix, n, b->xn, nD, fn, DS4_F32, T, nD, n);
+    lin_bwd(b, b->dxn, nD, 0, gfn, b->dmix, n, b->xn, nD, fn, 0, T, nD, n);
     norm_bwd(b, dX, 1, NULL, b->dxn, X, NULL, T, nD);
     OP(b->f.dev, colsum_add, .dst = gbase, .src = b->dzb, .rows = T, .width = n, .ld = n);
     OP(b->f.dev, colsum_add, .dst = gscale, .src = b->dzs, .rows = T, .width = 1, .ld = 3);
@@ -200,8 +204,8 @@ static void comp_bwd(bwd *b, const ds4_compressor_w *w, const ds4_compressor_w *
     ds4_dev_fill(dev, b->dZ, 0, (size_t)(T * w->width) * sizeof(float));
     OP(dev, comp_bwd, .c = c, .w = w, .overlap = overlap, .C = C, .Z = Z, .dpool = b->dpool, .dC = b->dC, .dZ = b->dZ,
        .gape = g->ape, .B = B, .S = S, .nwin = nwin);
-    lin_bwd(b, want_dh ? b->dh : NULL, D, 1, g->wkv, b->dC, w->width, lt->h_attn, D, w->wkv, b->mdt, T, D, w->width);
-    lin_bwd(b, want_dh ? b->dh : NULL, D, 1, g->wgate, b->dZ, w->width, lt->h_attn, D, w->wgate, b->mdt, T, D, w->width);
+    lin_bwd(b, want_dh ? b->dh : NULL, D, 1, g->wkv, b->dC, w->width, lt->h_attn, D, w->wkv, 1, T, D, w->width);
+    lin_bwd(b, want_dh ? b->dh : NULL, D, 1, g->wgate, b->dZ, w->width, lt->h_attn, D, w->wgate, 1, T, D, w->width);
 }
 
 /* The indexer KL loss's backward for one CSA layer (after the attention backward built the inverse pick lists):
@@ -230,9 +234,9 @@ static void indexer_kl_bwd(bwd *b, const ds4_layer_w *l, const ds4_layer_w *g, c
     OP(dev, ikl_bwd_k, .c = c, .lt = lt, .B = b->f.B, .S = b->f.S, .T = T, .sel_stride = stride, .dsi = b->dsi,
        .inv_off = b->inv_off, .inv_t = b->inv_t, .inv_i = b->inv_i, .dK = b->dK);
     rope_bwd(b, b->diq, nI, cI, &b->f.rcomp, 1);
-    lin_bwd(b, NULL, qr, 0, g->idx_wq_b, b->diq, nI * cI, lt->qr, qr, l->idx_wq_b, b->mdt, T, qr, nI * cI);
+    lin_bwd(b, NULL, qr, 0, g->idx_wq_b, b->diq, nI * cI, lt->qr, qr, l->idx_wq_b, 1, T, qr, nI * cI);
     OP(dev, scale, .x = b->diw, .n = T * nI, .s = 1.0f / sqrtf((float)nI)); /* ω = weights_proj(h) · n_I^-1/2 */
-    lin_bwd(b, NULL, D, 0, g->idx_weights, b->diw, nI, lt->h_attn, D, l->idx_weights, b->mdt, T, D, nI);
+    lin_bwd(b, NULL, D, 0, g->idx_weights, b->diw, nI, lt->h_attn, D, l->idx_weights, 1, T, D, nI);
     comp_bwd(b, &l->idx_comp, &g->idx_comp, lt, lt->iC, lt->iZ, lt->ipool, 1, 0);
 }
 
@@ -243,10 +247,10 @@ static void attention_bwd(bwd *b, const ds4_layer_w *l, const ds4_layer_w *g, co
     const int64_t qr = c->q_lora_rank, G = c->o_groups, ol = c->o_lora_rank, gw = H * d / G;
     const ds4_rope_table *rt = l->type == DS4_ATTN_SLIDING ? &b->f.rmain : &b->f.rcomp;
     ds4_dev *dev = b->f.dev;
-    lin_bwd(b, b->dy, G * ol, 0, g->wo_b, b->da, D, lt->y, G * ol, l->wo_b, b->mdt, T, G * ol, D);
+    lin_bwd(b, b->dy, G * ol, 0, g->wo_b, b->da, D, lt->y, G * ol, l->wo_b, 1, T, G * ol, D);
     for (int64_t k = 0; k < G; k++)
         lin_bwd(b, b->do_ + k * gw, H * d, 0, g->wo_a + k * ol * gw, b->dy + k * ol, G * ol, lt->o + k * gw, H * d,
-                wat(l->wo_a, b->mdt, k * ol * gw), b->mdt, T, gw, ol);
+                wat(l->wo_a, b->mdt, k * ol * gw), 1, T, gw, ol);
     rope_bwd(b, b->do_, H, d, rt, -1); /* the output was de-rotated */
     const ds4_a_attn_bwd ab = {.c = c, .l = l, .lt = lt, .B = b->f.B, .S = S, .sel_stride = b->tp->sel_stride,
                                .dout = b->do_, .P = b->P, .DS = b->DS, .maxk = b->maxk, .dsink_t = b->dsink_t,
@@ -267,13 +271,13 @@ static void attention_bwd(bwd *b, const ds4_layer_w *l, const ds4_layer_w *g, co
     /* window keys: RoPE, kv_norm, wkv */
     rope_bwd(b, b->dkv, 1, d, rt, 1);
     norm_bwd(b, b->dkv, 0, g->kv_norm, b->dkv, lt->kv_pre, l->kv_norm, T, d);
-    lin_bwd(b, b->dh, D, 1, g->wkv, b->dkv, d, lt->h_attn, D, l->wkv, b->mdt, T, D, d);
+    lin_bwd(b, b->dh, D, 1, g->wkv, b->dkv, d, lt->h_attn, D, l->wkv, 1, T, D, d);
     /* queries: RoPE, per-head RMS, wq_b, q_norm, wq_a */
     rope_bwd(b, b->dq, H, d, rt, 1);
     norm_bwd(b, b->dq, 0, NULL, b->dq, lt->q_pre, NULL, T * H, d);
-    lin_bwd(b, b->dqa, qr, 0, g->wq_b, b->dq, H * d, lt->qr, qr, l->wq_b, b->mdt, T, qr, H * d);
+    lin_bwd(b, b->dqa, qr, 0, g->wq_b, b->dq, H * d, lt->qr, qr, l->wq_b, 1, T, qr, H * d);
     norm_bwd(b, b->dqa, 0, g->q_norm, b->dqa, lt->qa, l->q_norm, T, qr);
-    lin_bwd(b, b->dh, D, 1, g->wq_a, b->dqa, qr, lt->h_attn, D, l->wq_a, b->mdt, T, D, qr);
+    lin_bwd(b, b->dh, D, 1, g->wq_a, b->dqa, qr, lt->h_attn, D, l->wq_a, 1, T, D, qr);
 }
 
 /* ------------------------------------------------------------------------------------------------ MoE */
@@ -284,13 +288,13 @@ static void shared_bwd(bwd *b, const ds4_layer_w *l, const ds4_layer_w *g, const
     const int64_t T = b->f.T, D = c->hidden_size, I = c->moe_intermediate_size;
     const float lim = (float)c->swiglu_limit;
     OP(b->f.dev, swiglu_bwd, .g1 = lt->sg1, .g3 = lt->sg3, .act = b->act, .rows = T, .I = I, .lim = lim);
-    lin_bwd(b, b->dact, I, 0, g->sw2, b->da, D, b->act, I, l->sw2, b->mdt, T, I, D);
+    lin_bwd(b, b->dact, I, 0, g->sw2, b->da, D, b->act, I, l->sw2, 1, T, I, D);
     /* act is no longer needed: dg1 goes there; dg3 overwrites dact element by element, each element read (for both)
      * before it is written */
     OP(b->f.dev, swiglu_bwd, .g1 = lt->sg1, .g3 = lt->sg3, .dact = b->dact, .dg1 = b->act, .dg3 = b->dact, .rows = T,
        .I = I, .lim = lim, .grads = 1);
-    lin_bwd(b, b->dh, D, 0, g->sw1, b->act, I, lt->h_ffn, D, l->sw1, b->mdt, T, D, I);
-    lin_bwd(b, b->dh, D, 1, g->sw3, b->dact, I, lt->h_ffn, D, l->sw3, b->mdt, T, D, I);
+    lin_bwd(b, b->dh, D, 0, g->sw1, b->act, I, lt->h_ffn, D, l->sw1, 1, T, D, I);
+    lin_bwd(b, b->dh, D, 1, g->sw3, b->dact, I, lt->h_ffn, D, l->sw3, 1, T, D, I);
 }
 
 /* The routed experts' backward, per expert group (the same arithmetic as shared_bwd on each group's rows). */
@@ -307,19 +311,19 @@ static void routed_bwd(bwd *b, const ds4_layer_w *l, const ds4_layer_w *g, const
     OP(dev, moe_dy, .dys = b->dys, .da = b->da, .ew = lt->ew, .perm = b->perm, .rows = TK, .K = K, .D = D);
     OP(dev, swiglu_bwd, .g1 = b->g1s, .g3 = b->g3s, .act = b->act, .rows = TK, .I = I, .lim = lim);
     OP(dev, linear_bwd_x_grouped, .dx = b->dact, .dy = b->dys, .W = l->w2, .wdt = b->mdt, .wstride = D * I,
-       .off = b->ecount, .E = E, .rows = TK, .K = I, .O = D);
+       .off = b->ecount, .E = E, .rows = TK, .K = I, .O = D, .bf16_in = b->f.w->bf16_in);
     OP(dev, linear_bwd_w_grouped, .dW = g->w2, .wstride = D * I, .dy = b->dys, .x = b->act, .off = b->ecount, .E = E,
-       .rows = TK, .K = I, .O = D);
+       .rows = TK, .K = I, .O = D, .wdt = b->mdt, .bf16_in = b->f.w->bf16_in);
     OP(dev, swiglu_bwd, .g1 = b->g1s, .g3 = b->g3s, .dact = b->dact, .dg1 = b->act, .dg3 = b->dact, .rows = TK, .I = I,
        .lim = lim, .grads = 1);
     OP(dev, linear_bwd_x_grouped, .dx = b->dxs, .dy = b->act, .W = l->w1, .wdt = b->mdt, .wstride = I * D,
-       .off = b->ecount, .E = E, .rows = TK, .K = D, .O = I);
+       .off = b->ecount, .E = E, .rows = TK, .K = D, .O = I, .bf16_in = b->f.w->bf16_in);
     OP(dev, linear_bwd_w_grouped, .dW = g->w1, .wstride = I * D, .dy = b->act, .x = b->xs, .off = b->ecount, .E = E,
-       .rows = TK, .K = D, .O = I);
+       .rows = TK, .K = D, .O = I, .wdt = b->mdt, .bf16_in = b->f.w->bf16_in);
     OP(dev, linear_bwd_x_grouped, .dx = b->dxs, .acc = 1, .dy = b->dact, .W = l->w3, .wdt = b->mdt, .wstride = I * D,
-       .off = b->ecount, .E = E, .rows = TK, .K = D, .O = I);
+       .off = b->ecount, .E = E, .rows = TK, .K = D, .O = I, .bf16_in = b->f.w->bf16_in);
     OP(dev, linear_bwd_w_grouped, .dW = g->w3, .wstride = I * D, .dy = b->dact, .x = b->xs, .off = b->ecount, .E = E,
-       .rows = TK, .K = D, .O = I);
+       .rows = TK, .K = D, .O = I, .wdt = b->mdt, .bf16_in = b->f.w->bf16_in);
     /* the input gradients are in expert order: file them by slot, then sum each token's slots in slot order */
     OP(dev, scatter_rows, .dst = b->dxslot, .src = b->dxs, .idx = b->perm, .rows = TK, .width = D);
     OP(dev, moe_sum_slots, .dh = b->dh, .dxslot = b->dxslot, .T = T, .K = K, .D = D);
@@ -335,7 +339,7 @@ static void moe_bwd(bwd *b, const ds4_layer_w *l, const ds4_layer_w *g, const ds
     routed_bwd(b, l, g, lt);
     OP(b->f.dev, router_bwd, .c = c, .eidx = lt->eidx, .rsc = lt->rsc, .rlog = lt->rlog, .dws = b->dws, .dsc = b->dsc,
        .dlog = b->dlog, .T = T);
-    lin_bwd(b, b->dh, D, 1, g->gate, b->dlog, E, lt->h_ffn, D, l->gate, DS4_F32, T, D, E);
+    lin_bwd(b, b->dh, D, 1, g->gate, b->dlog, E, lt->h_ffn, D, l->gate, 0, T, D, E);
 }
 
 /* ------------------------------------------------------------------------------------------------ block / head */
@@ -365,14 +369,23 @@ static void targets(int64_t *tgt, const int64_t *labels, int64_t B, int64_t Sl, 
 }
 
 /* The head of a pass: logits = head(norm(HyperHead(X))) → dX (written), for the objective Σ g·log p(target) with
- * g = dlogp[row] (or g0 when dlogp is NULL) at the rows whose target (tgt, backend) is not -100. */
-static void head_bwd(bwd *b, const float *logits, const float *u, const float *y, const float *X, const float *fn,
-                     const float *base, const float *scale, const float *nw, float *gfn, float *gbase, float *gscale,
-                     float *gnorm, const int64_t *tgt, const float *dlogp, double g0, float *dX) {
+ * g = dlogp[row] (or g0 when dlogp is NULL) at the rows whose target (tgt, backend) is not -100. In chunks of the
+ * tape's head_rows, as the forward ran it: each chunk's logits recomputed from y (the same product on the same rows,
+ * so the same bits), its logit gradient, and its share of dy and of the head's weight gradient (chunks add in order). */
+static void head_bwd(bwd *b, const float *u, const float *y, const float *X, const float *fn, const float *base,
+                     const float *scale, const float *nw, float *gfn, float *gbase, float *gscale, float *gnorm,
+                     const int64_t *tgt, const float *dlogp, double g0, float *dX) {
     const ds4_config *c = &b->m->cfg;
-    const int64_t T = b->f.T, D = c->hidden_size, V = c->vocab_size;
-    OP(b->f.dev, logp_bwd, .dl = b->dlog, .logits = logits, .rows = T, .V = V, .tgt = tgt, .dlogp = dlogp, .g0 = g0);
-    lin_bwd(b, b->dh, D, 0, b->gw->head, b->dlog, V, y, D, b->f.w->head, b->mdt, T, D, V);
+    const int64_t T = b->f.T, D = c->hidden_size, V = c->vocab_size, R = b->tp->head_rows;
+    float *logits = b->tp->logits;
+    for (int64_t r0 = 0; r0 < T; r0 += R) {
+        const int64_t n = T - r0 < R ? T - r0 : R;
+        OP(b->f.dev, matmul, .y = logits, .ldy = V, .x = y + r0 * D, .ldx = D, .W = b->f.w->head, .wdt = b->mdt,
+           .T = n, .K = D, .O = V, .bf16_in = b->f.w->bf16_in);
+        OP(b->f.dev, logp_bwd, .dl = b->dlog, .logits = logits, .rows = n, .V = V, .tgt = tgt + r0,
+           .dlogp = dlogp ? dlogp + r0 : NULL, .g0 = g0);
+        lin_bwd(b, b->dh + r0 * D, D, 0, b->gw->head, b->dlog, V, y + r0 * D, D, b->f.w->head, 1, n, D, V);
+    }
     norm_bwd(b, b->du, 0, gnorm, b->dh, u, nw, T, D);
     hyperhead_bwd(b, X, fn, base, scale, gfn, gbase, gscale, b->du, dX);
 }
@@ -390,12 +403,12 @@ static void mtp_bwd(bwd *b, double ms, int64_t *htgt, int32_t *hrows) {
     targets(htgt, tp->hlabels, B, S1, S, 2);
     ds4_dev_upload(dev, tp->tgt, htgt, (size_t)T1 * sizeof(int64_t));
     /* the main gradient stays in dX; the MTP pass works in dmtp (block_bwd's scratch is dXt) */
-    head_bwd(b, tp->mtp_logits, tp->mtp_u, tp->mtp_y, tp->mtp_X, mt->hc_head_fn, mt->hc_head_base, mt->hc_head_scale,
+    head_bwd(b, tp->mtp_u, tp->mtp_y, tp->mtp_X, mt->hc_head_fn, mt->hc_head_base, mt->hc_head_scale,
              mt->norm, gm->hc_head_fn, gm->hc_head_base, gm->hc_head_scale, gm->norm, tp->tgt, NULL, -ms, b->dmtp);
     block_bwd(b, &mt->block, &gm->block, &tp->layers[c->num_hidden_layers], b->dmtp);
     /* z_i[k] = e_proj(enorm(e_{i+1})) + h_proj(hnorm(X^L_i[k])) */
     OP(dev, sum_streams, .du = b->du, .dX = b->dmtp, .T = T1, .n = n, .D = D);
-    lin_bwd(b, b->dh, D, 0, gm->e_proj, b->du, D, tp->mtp_en, D, mt->e_proj, b->mdt, T1, D, D);
+    lin_bwd(b, b->dh, D, 0, gm->e_proj, b->du, D, tp->mtp_en, D, mt->e_proj, 1, T1, D, D);
     norm_bwd(b, b->da, 0, gm->enorm, b->dh, tp->mtp_e, mt->enorm, T1, D);
     for (int64_t bb = 0; bb < B; bb++)
         for (int64_t i = 0; i < S1; i++) {
@@ -405,7 +418,7 @@ static void mtp_bwd(bwd *b, double ms, int64_t *htgt, int32_t *hrows) {
     ds4_dev_upload(dev, b->mids, htgt, (size_t)T1 * sizeof(int64_t));
     ds4_dev_upload(dev, b->rowmap, hrows, (size_t)T1 * sizeof(int32_t));
     OP(dev, embed_bwd, .ge = b->gw->embed, .ids = b->mids, .dx = b->da, .T = T1, .n = 1, .D = D);
-    lin_bwd(b, b->dxn, D, 0, gm->h_proj, b->dmtp, D, tp->mtp_hn, D, mt->h_proj, b->mdt, T1 * n, D, D);
+    lin_bwd(b, b->dxn, D, 0, gm->h_proj, b->dmtp, D, tp->mtp_hn, D, mt->h_proj, 1, T1 * n, D, D);
     /* hnorm over the rows X^L[b, i < S-1, k]: gather them, then add the gradient back */
     OP(dev, gather_rows, .dst = b->xn, .src = tp->X_L, .idx = b->rowmap, .div = 1, .rows = T1, .width = nD);
     norm_bwd(b, b->dxn, 0, gm->hnorm, b->dxn, b->xn, mt->hnorm, T1 * n, D);
@@ -420,6 +433,9 @@ static ds4_status tape_ready(ds4_model *m, const char *op, ds4_error *err) {
     if (!m->grads) return ds4_fail(err, DS4_ERR_ARG, "%s: gradients are not enabled (enable_grad)", op);
     if (!m->tape || !m->tape->valid)
         return ds4_fail(err, DS4_ERR_ARG, "%s: no training forward to differentiate (call forward_train first)", op);
+    ds4_status s = ds4_model_train_bind(m, err);
+    if (s) return s;
+    if (m->dgrads) m->grads_stale = 1; /* the backward adds into the device's gradients */
     return DS4_OK;
 }
 
@@ -434,16 +450,10 @@ ds4_status ds4_model_last_batch(const ds4_model *m, int64_t *batch, int64_t *seq
 ds4_status ds4_model_logprobs(ds4_model *m, float *logp, float *entropy, ds4_error *err) {
     ds4_status s = tape_ready(m, "logprobs", err);
     if (s) return s;
+    /* the training forward computed them with its head, chunk by chunk (forward.c, head_chunks) */
     const ds4_tape *tp = m->tape;
     const int64_t T = tp->T;
-    int64_t *htgt = malloc((size_t)T * sizeof *htgt);
-    if (!htgt) return ds4_fail(err, DS4_ERR_OOM, "logprobs: host targets of %lld tokens", (long long)T);
-    targets(htgt, tp->hlabels, tp->B, tp->S, tp->S, 1);
     ds4_dev *dev = m->dev;
-    ds4_dev_upload(dev, tp->tgt, htgt, (size_t)T * sizeof *htgt);
-    free(htgt);
-    OP(dev, logprobs, .logits = tp->logits, .rows = T, .V = m->cfg.vocab_size, .tgt = tp->tgt, .logp = tp->lp,
-       .entropy = tp->lp + T);
     if (logp) ds4_dev_download(dev, logp, tp->lp, (size_t)T * sizeof(float));
     if (entropy) ds4_dev_download(dev, entropy, tp->lp + T, (size_t)T * sizeof(float));
     return ds4_dev_check(dev, "logprobs", err);
@@ -506,7 +516,7 @@ static ds4_status backward_impl(ds4_model *m, const float *dlogp, double scale, 
     ds4_dev_upload(dev, tp->tgt, htgt, (size_t)T * sizeof(int64_t));
     const float *dl = ds4_pass_input(&b.f, b.dlogp, dlogp, (size_t)T * sizeof(float));
     const ds4_weights *wv = b.f.w;
-    head_bwd(&b, tp->logits, tp->u_fin, tp->y_fin, tp->X_L, wv->hc_head_fn, wv->hc_head_base, wv->hc_head_scale, wv->norm,
+    head_bwd(&b, tp->u_fin, tp->y_fin, tp->X_L, wv->hc_head_fn, wv->hc_head_base, wv->hc_head_scale, wv->norm,
              b.gw->hc_head_fn, b.gw->hc_head_base, b.gw->hc_head_scale, b.gw->norm, tp->tgt, dl, -scale, b.dX);
     if (tp->with_mtp && tp->mtp_tokens > 0 && !dlogp)
         /* MTP term λ·mean over its own scored tokens: per-token scale λ·scale·(main tokens / MTP tokens), which is

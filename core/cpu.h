@@ -122,5 +122,10 @@ void ds4_cpu_logprobs(ds4_dev *d, const ds4_a_logprobs *a);
 void ds4_cpu_sample(ds4_dev *d, const ds4_a_sample *a);
 void ds4_cpu_logp_bwd(ds4_dev *d, const ds4_a_logp_bwd *a);
 void ds4_cpu_embed_bwd(ds4_dev *d, const ds4_a_embed_bwd *a);
+/* cpu_optim.c: the optimizer's operations (optim.c runs its own threaded loops on the CPU; these are the definitions
+ * the CUDA versions are tested against) */
+void ds4_cpu_optim_sumsq(ds4_dev *d, const ds4_a_optim_sumsq *a);
+void ds4_cpu_adamw(ds4_dev *d, const ds4_a_adamw *a);
+void ds4_cpu_cast_params(ds4_dev *d, const ds4_a_cast_params *a);
 
 #endif

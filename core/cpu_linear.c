@@ -4,10 +4,28 @@
  * dimension: the backward's dx = dy W and dW += dyᵀ x read W, dy and x where they lie, with no transposed copies.
  * Every output element is one fixed-order 8-lane dot product (kernels_cpu.h), so tiles and thread splits never
  * change a bit, and the sums are the ones the reference kernels computed on transposed copies. A grouped operation
- * (output groups, routed experts) runs all its groups as one parallel job. */
+ * (output groups, routed experts) runs all its groups as one parallel job.
+ *
+ * bf16_in (ops.h) rounds the activation operands to bf16 into a copy first: the fp32 reference of the bf16 mode's
+ * rounding points, for tests. That copy is allocated per call, which a test reference can afford. */
+#include <stdlib.h>
 #include <string.h>
 
 #include "cpu.h"
+
+/* The `span` floats from x rounded to bf16 (a new block the caller frees), x itself when !on or span <= 0, NULL
+ * (failure recorded on d) when the copy cannot be allocated. */
+static const float *bf16_copy(ds4_dev *d, const char *op, int on, const float *x, int64_t span, float **own) {
+    *own = NULL;
+    if (!on || span <= 0 || !x) return x;
+    float *c = malloc((size_t)span * sizeof(float));
+    if (!c) {
+        ds4_dev_fail(d, DS4_ERR_OOM, "%s: bf16 operand copy of %lld floats", op, (long long)span);
+        return NULL;
+    }
+    for (int64_t i = 0; i < span; i++) c[i] = ds4_bf16_to_f32(ds4_f32_to_bf16(x[i]));
+    return *own = c;
+}
 
 static void check_f32(ds4_dev *d, const char *op, ds4_dtype wdt) {
     if (wdt != DS4_F32)
@@ -48,10 +66,15 @@ void ds4_cpu_matmul(ds4_dev *d, const ds4_a_matmul *a) {
         ds4_dev_fail(d, DS4_ERR_UNSUPPORTED, "matmul: %lld groups (at most %d)", (long long)G, MAX_GROUPS);
         return;
     }
+    float *own;
+    const float *x = bf16_copy(d, "matmul", a->bf16_in, a->x, a->T > 0 ? (a->T - 1) * a->ldx + (G - 1) * a->gx + a->K : 0,
+                               &own);
+    if (d->st) return;
     ds4_gemm g[MAX_GROUPS];
     for (int64_t k = 0; k < G; k++)
-        g[k] = fwd(a->y + k * a->gy, a->ldy, a->x + k * a->gx, a->ldx, (const float *)a->W + k * a->gw, a->T, a->K, a->O);
+        g[k] = fwd(a->y + k * a->gy, a->ldy, x + k * a->gx, a->ldx, (const float *)a->W + k * a->gw, a->T, a->K, a->O);
     run(ds4_cpu_of(d), g, G);
+    free(own);
 }
 
 /* The expert groups with rows, in expert order; returns their count or -1 (too many). */
@@ -66,14 +89,18 @@ static int64_t groups_of(ds4_dev *d, const char *op, const int64_t *off, int64_t
 void ds4_cpu_matmul_grouped(ds4_dev *d, const ds4_a_matmul_grouped *a) {
     check_f32(d, "matmul_grouped", a->wdt);
     if (d->st || groups_of(d, "matmul_grouped", a->off, a->E) < 0) return;
+    float *own;
+    const float *x = bf16_copy(d, "matmul_grouped", a->bf16_in, a->x, a->off[a->E] * a->K, &own);
+    if (d->st) return;
     ds4_gemm g[MAX_GROUPS];
     int64_t n = 0;
     for (int64_t e = 0; e < a->E; e++) {
         const int64_t r0 = a->off[e], rows = a->off[e + 1] - r0;
         if (rows > 0)
-            g[n++] = fwd(a->y + r0 * a->O, a->O, a->x + r0 * a->K, a->K, (const float *)a->W + e * a->wstride, rows, a->K, a->O);
+            g[n++] = fwd(a->y + r0 * a->O, a->O, x + r0 * a->K, a->K, (const float *)a->W + e * a->wstride, rows, a->K, a->O);
     }
     run(ds4_cpu_of(d), g, n);
+    free(own);
 }
 
 /* ------------------------------------------------------------------------------------------------ backward */
@@ -81,38 +108,64 @@ void ds4_cpu_matmul_grouped(ds4_dev *d, const ds4_a_matmul_grouped *a) {
 void ds4_cpu_linear_bwd_x(ds4_dev *d, const ds4_a_linear_bwd_x *a) {
     check_f32(d, "linear_bwd_x", a->wdt);
     if (d->st || a->T <= 0) return;
-    const ds4_gemm g = bwd_x(a->dx, a->lddx, a->acc, a->dy, a->ldy, a->W, a->T, a->K, a->O);
+    float *own;
+    const float *dy = bf16_copy(d, "linear_bwd_x", a->bf16_in, a->dy, (a->T - 1) * a->ldy + a->O, &own);
+    if (d->st) return;
+    const ds4_gemm g = bwd_x(a->dx, a->lddx, a->acc, dy, a->ldy, a->W, a->T, a->K, a->O);
     run(ds4_cpu_of(d), &g, 1);
+    free(own);
 }
 
+/* wdt BF16 asks for the rounded operands as bf16_in does (ops.h) */
 void ds4_cpu_linear_bwd_w(ds4_dev *d, const ds4_a_linear_bwd_w *a) {
     if (a->T <= 0) return; /* no rows: dW stays as it is (a sum of nothing added would turn -0 into +0) */
-    const ds4_gemm g = bwd_w(a->dW, a->dy, a->ldy, a->x, a->ldx, a->T, a->K, a->O);
-    run(ds4_cpu_of(d), &g, 1);
+    const int on = a->bf16_in || a->wdt == DS4_BF16;
+    float *own_dy, *own_x = NULL;
+    const float *dy = bf16_copy(d, "linear_bwd_w", on, a->dy, (a->T - 1) * a->ldy + a->O, &own_dy);
+    const float *x = d->st ? NULL : bf16_copy(d, "linear_bwd_w", on, a->x, (a->T - 1) * a->ldx + a->K, &own_x);
+    if (!d->st) {
+        const ds4_gemm g = bwd_w(a->dW, dy, a->ldy, x, a->ldx, a->T, a->K, a->O);
+        run(ds4_cpu_of(d), &g, 1);
+    }
+    free(own_dy);
+    free(own_x);
 }
 
 void ds4_cpu_linear_bwd_x_grouped(ds4_dev *d, const ds4_a_linear_bwd_x_grouped *a) {
     check_f32(d, "linear_bwd_x_grouped", a->wdt);
     if (d->st || groups_of(d, "linear_bwd_x_grouped", a->off, a->E) < 0) return;
+    float *own;
+    const float *dy = bf16_copy(d, "linear_bwd_x_grouped", a->bf16_in, a->dy, a->off[a->E] * a->O, &own);
+    if (d->st) return;
     ds4_gemm g[MAX_GROUPS];
     int64_t n = 0;
     for (int64_t e = 0; e < a->E; e++) {
         const int64_t r0 = a->off[e], rows = a->off[e + 1] - r0;
         if (rows > 0)
-            g[n++] = bwd_x(a->dx + r0 * a->K, a->K, a->acc, a->dy + r0 * a->O, a->O, (const float *)a->W + e * a->wstride,
+            g[n++] = bwd_x(a->dx + r0 * a->K, a->K, a->acc, dy + r0 * a->O, a->O, (const float *)a->W + e * a->wstride,
                            rows, a->K, a->O);
     }
     run(ds4_cpu_of(d), g, n);
+    free(own);
 }
 
+/* wdt BF16 asks for the rounded operands as bf16_in does (ops.h) */
 void ds4_cpu_linear_bwd_w_grouped(ds4_dev *d, const ds4_a_linear_bwd_w_grouped *a) {
     if (groups_of(d, "linear_bwd_w_grouped", a->off, a->E) < 0) return;
-    ds4_gemm g[MAX_GROUPS];
-    int64_t n = 0;
-    for (int64_t e = 0; e < a->E; e++) {
-        const int64_t r0 = a->off[e], rows = a->off[e + 1] - r0;
-        if (rows > 0)
-            g[n++] = bwd_w(a->dW + e * a->wstride, a->dy + r0 * a->O, a->O, a->x + r0 * a->K, a->K, rows, a->K, a->O);
+    const int on = a->bf16_in || a->wdt == DS4_BF16;
+    float *own_dy, *own_x = NULL;
+    const float *dy = bf16_copy(d, "linear_bwd_w_grouped", on, a->dy, a->off[a->E] * a->O, &own_dy);
+    const float *x = d->st ? NULL : bf16_copy(d, "linear_bwd_w_grouped", on, a->x, a->off[a->E] * a->K, &own_x);
+    if (!d->st) {
+        ds4_gemm g[MAX_GROUPS];
+        int64_t n = 0;
+        for (int64_t e = 0; e < a->E; e++) {
+            const int64_t r0 = a->off[e], rows = a->off[e + 1] - r0;
+            if (rows > 0)
+                g[n++] = bwd_w(a->dW + e * a->wstride, dy + r0 * a->O, a->O, x + r0 * a->K, a->K, rows, a->K, a->O);
+        }
+        run(ds4_cpu_of(d), g, n);
     }
-    run(ds4_cpu_of(d), g, n);
+    free(own_dy);
+    free(own_x);
 }

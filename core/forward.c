@@ -19,8 +19,10 @@ static void keep(ds4_pass *f, float *dst, const float *src, int64_t n) {
     if (dst) ds4_dev_copy(f->dev, dst, src, (size_t)n * sizeof(float));
 }
 
-static void matmul(ds4_pass *f, float *y, const float *x, const void *W, ds4_dtype wdt, int64_t T, int64_t K, int64_t O) {
-    OP(f->dev, matmul, .y = y, .ldy = O, .x = x, .ldx = K, .W = W, .wdt = wdt, .T = T, .K = K, .O = O);
+/* M: W is an M matrix (held in the views' mdt; its product rounds x to bf16 in the bf16 mode), else an fp32 weight */
+static void matmul(ds4_pass *f, float *y, const float *x, const void *W, int M, int64_t T, int64_t K, int64_t O) {
+    OP(f->dev, matmul, .y = y, .ldy = O, .x = x, .ldx = K, .W = W, .wdt = M ? f->w->mdt : DS4_F32, .T = T, .K = K,
+       .O = O, .bf16_in = M && f->w->bf16_in);
 }
 
 static void norm(ds4_pass *f, float *y, const float *x, const float *w, int64_t rows, int64_t width) {
@@ -38,8 +40,8 @@ static void rope(ds4_pass *f, float *x, int64_t heads, int64_t width, const ds4_
 static int64_t compress(ds4_pass *f, const ds4_compressor_w *w, int which, float *C, float *Z, float *out, int overlap,
                         float *keep_C, float *keep_Z, float *keep_pool) {
     const int64_t D = f->c->hidden_size;
-    matmul(f, C, f->h, w->wkv, f->w->mdt, f->T, D, w->width);
-    matmul(f, Z, f->h, w->wgate, f->w->mdt, f->T, D, w->width);
+    matmul(f, C, f->h, w->wkv, 1, f->T, D, w->width);
+    matmul(f, Z, f->h, w->wgate, 1, f->T, D, w->width);
     keep(f, keep_C, C, f->T * w->width);
     keep(f, keep_Z, Z, f->T * w->width);
     const int cls = overlap ? 0 : 1; /* CSA windows, or HCA windows */
@@ -61,9 +63,9 @@ static void indexer(ds4_pass *f, const ds4_layer_w *l, ds4_layer_tape *lt) {
     const int64_t T = f->T, D = c->hidden_size, qr = c->q_lora_rank, nI = c->index_n_heads, cI = c->index_head_dim;
     const int64_t nwin = compress(f, &l->idx_comp, 1, f->iC, f->iZ, f->iK, 1, lt ? lt->iC : NULL, lt ? lt->iZ : NULL,
                                   lt ? lt->ipool : NULL);
-    matmul(f, f->iq, f->qr, l->idx_wq_b, f->w->mdt, T, qr, nI * cI);
+    matmul(f, f->iq, f->qr, l->idx_wq_b, 1, T, qr, nI * cI);
     rope(f, f->iq, nI, cI, &f->rcomp, 1);
-    matmul(f, f->iw, f->h, l->idx_weights, f->w->mdt, T, D, nI);
+    matmul(f, f->iw, f->h, l->idx_weights, 1, T, D, nI);
     OP(f->dev, scale, .x = f->iw, .n = T * nI, .s = 1.0f / sqrtf((float)nI));
     if (lt && lt->iq) {
         keep(f, lt->iq, f->iq, T * nI * cI);
@@ -89,20 +91,20 @@ static void attention(ds4_pass *f, const ds4_layer_w *l) {
     const ds4_dtype mdt = f->w->mdt;
     ds4_layer_tape *lt = f->lt;
     norm(f, f->h, f->u, l->attn_norm, T, D);
-    matmul(f, f->qr, f->h, l->wq_a, mdt, T, D, qr);
+    matmul(f, f->qr, f->h, l->wq_a, 1, T, D, qr);
     if (lt) {
         keep(f, lt->h_attn, f->h, T * D);
         keep(f, lt->qa, f->qr, T * qr);
     }
     norm(f, f->qr, f->qr, l->q_norm, T, qr);
-    matmul(f, f->q, f->qr, l->wq_b, mdt, T, qr, H * d);
+    matmul(f, f->q, f->qr, l->wq_b, 1, T, qr, H * d);
     if (lt) {
         keep(f, lt->qr, f->qr, T * qr);
         keep(f, lt->q_pre, f->q, T * H * d);
     }
     norm(f, f->q, f->q, NULL, T * H, d); /* per-head unweighted RMS */
     rope(f, f->q, H, d, rt, 1);
-    matmul(f, f->kv, f->h, l->wkv, mdt, T, D, d);
+    matmul(f, f->kv, f->h, l->wkv, 1, T, D, d);
     if (lt) keep(f, lt->kv_pre, f->kv, T * d);
     norm(f, f->kv, f->kv, l->kv_norm, T, d);
     rope(f, f->kv, 1, d, rt, 1);
@@ -134,8 +136,8 @@ static void attention(ds4_pass *f, const ds4_layer_w *l) {
     /* grouped output projection: group g = heads [g·H/G, (g+1)·H/G) → o_lora values */
     const int64_t G = c->o_groups, ol = c->o_lora_rank, gw = H * d / G;
     OP(f->dev, matmul, .y = f->y, .ldy = G * ol, .x = f->o, .ldx = H * d, .W = l->wo_a, .wdt = mdt, .T = T, .K = gw,
-       .O = ol, .groups = G, .gx = gw, .gy = ol, .gw = ol * gw);
-    matmul(f, f->a, f->y, l->wo_b, mdt, T, G * ol, D);
+       .O = ol, .groups = G, .gx = gw, .gy = ol, .gw = ol * gw, .bf16_in = f->w->bf16_in);
+    matmul(f, f->a, f->y, l->wo_b, 1, T, G * ol, D);
     if (lt) {
         keep(f, lt->y, f->y, T * G * ol);
         keep(f, lt->a_attn, f->a, T * D);
@@ -148,12 +150,12 @@ static void attention(ds4_pass *f, const ds4_layer_w *l) {
  * (training) the pre-activations are kept. */
 static void shared_expert(ds4_pass *f, const ds4_layer_w *l, int64_t rows, float *out, float *g1_keep, float *g3_keep) {
     const int64_t D = f->c->hidden_size, I = f->c->moe_intermediate_size;
-    matmul(f, f->g1, f->h, l->sw1, f->w->mdt, rows, D, I);
-    matmul(f, f->g3, f->h, l->sw3, f->w->mdt, rows, D, I);
+    matmul(f, f->g1, f->h, l->sw1, 1, rows, D, I);
+    matmul(f, f->g3, f->h, l->sw3, 1, rows, D, I);
     keep(f, g1_keep, f->g1, rows * I);
     keep(f, g3_keep, f->g3, rows * I);
     OP(f->dev, swiglu, .g1 = f->g1, .g3 = f->g3, .rows = rows, .I = I, .lim = (float)f->c->swiglu_limit);
-    matmul(f, out, f->g1, l->sw2, f->w->mdt, rows, I, D);
+    matmul(f, out, f->g1, l->sw2, 1, rows, I, D);
 }
 
 /* The MoE sub-layer on f->u with token ids `ids` (hash routing): result in f->a. */
@@ -165,7 +167,7 @@ static void moe(ds4_pass *f, const ds4_layer_w *l, const int64_t *ids) {
     ds4_dev *dev = f->dev;
     ds4_layer_tape *lt = f->lt;
     norm(f, f->h, f->u, l->ffn_norm, T, D);
-    matmul(f, f->rl, f->h, l->gate, DS4_F32, T, D, E);
+    matmul(f, f->rl, f->h, l->gate, 0, T, D, E);
     if (lt) {
         keep(f, lt->h_ffn, f->h, T * D);
         keep(f, lt->rlog, f->rl, T * E);
@@ -188,16 +190,16 @@ static void moe(ds4_pass *f, const ds4_layer_w *l, const int64_t *ids) {
     OP(dev, moe_sort, .eidx = f->eidx, .n = TK, .E = E, .perm = f->perm, .off = f->ecount);
     OP(dev, gather_rows, .dst = f->xg, .src = f->h, .idx = f->perm, .div = K, .rows = TK, .width = D);
     OP(dev, matmul_grouped, .y = f->g1, .x = f->xg, .W = l->w1, .wdt = mdt, .wstride = I * D, .off = f->ecount, .E = E,
-       .rows = TK, .K = D, .O = I);
+       .rows = TK, .K = D, .O = I, .bf16_in = f->w->bf16_in);
     OP(dev, matmul_grouped, .y = f->g3, .x = f->xg, .W = l->w3, .wdt = mdt, .wstride = I * D, .off = f->ecount, .E = E,
-       .rows = TK, .K = D, .O = I);
+       .rows = TK, .K = D, .O = I, .bf16_in = f->w->bf16_in);
     if (lt) {
         OP(dev, scatter_rows, .dst = lt->eg1, .src = f->g1, .idx = f->perm, .rows = TK, .width = I);
         OP(dev, scatter_rows, .dst = lt->eg3, .src = f->g3, .idx = f->perm, .rows = TK, .width = I);
     }
     OP(dev, swiglu, .g1 = f->g1, .g3 = f->g3, .rows = TK, .I = I, .lim = (float)c->swiglu_limit);
     OP(dev, matmul_grouped, .y = f->ye, .x = f->g1, .W = l->w2, .wdt = mdt, .wstride = D * I, .off = f->ecount, .E = E,
-       .rows = TK, .K = I, .O = D);
+       .rows = TK, .K = I, .O = D, .bf16_in = f->w->bf16_in);
     if (lt) OP(dev, scatter_rows, .dst = lt->ye, .src = f->ye, .idx = f->perm, .rows = TK, .width = D);
     OP(dev, moe_weigh, .yk = f->yk, .ye = f->ye, .perm = f->perm, .ew = f->ew, .rows = TK, .D = D);
     shared_expert(f, l, T, f->a, lt ? lt->sg1 : NULL, lt ? lt->sg3 : NULL); /* every token */
@@ -232,18 +234,44 @@ void ds4_lm_head(ds4_pass *f, const float *X, const float *fn, const float *base
     keep(f, u_keep, f->u, f->T * D);
     norm(f, f->u, f->u, nw, f->T, D);
     keep(f, y_keep, f->u, f->T * D);
-    matmul(f, logits, f->u, f->w->head, f->w->mdt, f->T, D, f->c->vocab_size);
+    if (logits) matmul(f, logits, f->u, f->w->head, 1, f->T, D, f->c->vocab_size);
+}
+
+int64_t ds4_head_rows(const ds4_model *m, int64_t T) {
+    int64_t r = m->topt.head_chunk > 0 ? m->topt.head_chunk : (m->dev->host_visible ? T : 1024);
+    return r < T ? (r > 0 ? r : 1) : (T > 0 ? T : 1);
+}
+
+/* The head of a training pass over its input y [rows, D] (f->u), in chunks of the tape's head_rows: per row the
+ * cross-entropy against tgt (backend, -100: none) into nll, and with lp non-NULL the log-probability and entropy
+ * (lp [rows], lp + lp_ld [rows]); out (host, may be NULL): the logits for a caller who asked for them. Only one chunk
+ * of logits exists on the backend at a time. */
+static void head_chunks(ds4_pass *f, const ds4_tape *tp, int64_t rows, const int64_t *tgt, double *nll, float *lp,
+                        int64_t lp_ld, float *out) {
+    const int64_t D = f->c->hidden_size, V = f->c->vocab_size, R = tp->head_rows;
+    for (int64_t r0 = 0; r0 < rows; r0 += R) {
+        const int64_t n = rows - r0 < R ? rows - r0 : R;
+        matmul(f, tp->logits, f->u + r0 * D, f->w->head, 1, n, D, V);
+        if (out) ds4_dev_download(f->dev, out + r0 * V, tp->logits, (size_t)(n * V) * sizeof(float));
+        OP(f->dev, ce_rows, .logits = tp->logits, .rows = n, .V = V, .tgt = tgt + r0, .nll = nll + r0);
+        if (lp)
+            OP(f->dev, logprobs, .logits = tp->logits, .rows = n, .V = V, .tgt = tgt + r0, .logp = lp + r0,
+               .entropy = lp + lp_ld + r0);
+    }
 }
 
 /* Mean cross-entropy of the rows of logits [B, Sl, V] against labels[b, s + shift] (s + shift < S; -100 ignored):
- * per-row losses on the backend, summed here in row order. htgt / hnll are host scratch of B·Sl entries. */
+ * per-row losses on the backend, summed here in row order. htgt / hnll are host scratch of B·Sl entries. logits
+ * NULL: a training pass, whose head runs in chunks here (head_chunks; lp: also its log-probabilities). */
 static void cross_entropy(ds4_pass *f, const float *logits, int64_t B, int64_t Sl, const int64_t *labels, int64_t S,
-                          int64_t shift, int64_t *htgt, double *hnll, double *loss, int64_t *count) {
+                          int64_t shift, int64_t *htgt, double *hnll, double *loss, int64_t *count, float *lp,
+                          float *out) {
     const int64_t rows = B * Sl;
     for (int64_t b = 0; b < B; b++)
         for (int64_t s = 0; s < Sl; s++) htgt[b * Sl + s] = s + shift < S ? labels[b * S + s + shift] : -100;
     ds4_dev_upload(f->dev, f->tgt, htgt, (size_t)rows * sizeof(int64_t));
-    OP(f->dev, ce_rows, .logits = logits, .rows = rows, .V = f->c->vocab_size, .tgt = f->tgt, .nll = f->nll);
+    if (logits) OP(f->dev, ce_rows, .logits = logits, .rows = rows, .V = f->c->vocab_size, .tgt = f->tgt, .nll = f->nll);
+    else head_chunks(f, f->tape, rows, f->tgt, f->nll, lp, rows, out);
     ds4_dev_download(f->dev, hnll, f->nll, (size_t)rows * sizeof(double));
     double sum = 0;
     int64_t cnt = 0;
@@ -332,6 +360,8 @@ ds4_status ds4_model_forward_train(ds4_model *m, const ds4_forward_args *args, d
                                    ds4_error *err) {
     if (!m) return ds4_fail(err, DS4_ERR_ARG, "training forward: model is NULL");
     if (!m->grads) return ds4_fail(err, DS4_ERR_ARG, "training forward: gradients are not enabled (enable_grad)");
+    ds4_status s = ds4_model_train_bind(m, err); /* on a device: gradients there before anything runs */
+    if (s) return s;
     if (!m->tape && !(m->tape = calloc(1, sizeof *m->tape)))
         return ds4_fail(err, DS4_ERR_OOM, "training forward: tape");
     if (!m->router_loads &&
@@ -343,7 +373,7 @@ ds4_status ds4_model_forward_train(ds4_model *m, const ds4_forward_args *args, d
 /* The MTP block (positions i < S-1 combine the final streams X^L_i with the embedding of token i+1 and run one more
  * block over the S-1 positions; its logits predict token i+2) on the pass's final streams f->X. */
 static void mtp_forward(ds4_pass *f, const int64_t *ids, float *mtp_logits, ds4_tape *tape, int64_t *hidx,
-                        int32_t *rows) {
+                        int32_t *rows) { /* with a tape, mtp_logits is NULL: the training pass's head runs in chunks */
     const ds4_config *c = f->c;
     const ds4_mtp_w *mt = &f->w->mtp;
     const int64_t n = c->hc_mult, D = c->hidden_size, S1 = f->S - 1, B = f->B, T1 = B * S1;
@@ -363,13 +393,13 @@ static void mtp_forward(ds4_pass *f, const int64_t *ids, float *mtp_logits, ds4_
     f->rows.T = T1;
     if (tape) keep(f, tape->mtp_e, f->a, T1 * D);
     norm(f, f->a, f->a, mt->enorm, T1, D);
-    matmul(f, f->h, f->a, mt->e_proj, f->w->mdt, T1, D, D);
+    matmul(f, f->h, f->a, mt->e_proj, 1, T1, D, D);
     norm(f, f->Xt, f->Xt, mt->hnorm, T1 * n, D);
     if (tape) {
         keep(f, tape->mtp_en, f->a, T1 * D);
         keep(f, tape->mtp_hn, f->Xt, T1 * n * D);
     }
-    matmul(f, f->Xz, f->Xt, mt->h_proj, f->w->mdt, T1 * n, D, D);
+    matmul(f, f->Xz, f->Xt, mt->h_proj, 1, T1 * n, D, D);
     OP(f->dev, add_bcast, .x = f->Xz, .h = f->h, .T = T1, .n = n, .D = D);
     f->lt = tape ? &tape->layers[c->num_hidden_layers] : NULL;
     f->replay_on = 0; /* the MTP block routes itself */
@@ -437,7 +467,7 @@ ds4_status ds4_forward_run(ds4_model *m, const ds4_forward_args *args, ds4_forwa
         if (args->hidden) ds4_dev_download(f.dev, args->hidden + li * T * n * D, f.X, (size_t)(T * n * D) * sizeof(float));
     }
     f.lt = NULL;
-    float *logits = tape ? tape->logits : (args->logits && hv ? args->logits : f.logits_ws);
+    float *logits = tape ? NULL : (args->logits && hv ? args->logits : f.logits_ws); /* a tape: in chunks */
     ds4_forward_result r = {NAN, 0, NAN, 0, NAN};
     if (args->logits || args->labels || tape) {
         if (tape) {
@@ -449,18 +479,21 @@ ds4_status ds4_forward_run(ds4_model *m, const ds4_forward_args *args, ds4_forwa
         }
         ds4_lm_head(&f, f.X, f.w->hc_head_fn, f.w->hc_head_base, f.w->hc_head_scale, f.w->norm, logits,
                     tape ? tape->u_fin : NULL, tape ? tape->y_fin : NULL);
-        if (args->logits && logits != args->logits)
+        if (args->logits && logits && logits != args->logits)
             ds4_dev_download(f.dev, args->logits, logits, (size_t)(T * V) * sizeof(float));
-        if (args->labels) cross_entropy(&f, logits, B, S, args->labels, S, 1, htgt, hnll, &r.loss, &r.loss_tokens);
+        if (args->labels)
+            cross_entropy(&f, logits, B, S, args->labels, S, 1, htgt, hnll, &r.loss, &r.loss_tokens,
+                          tape ? tape->lp : NULL, tape ? args->logits : NULL);
     }
     if (want_mtp) {
         const int64_t T1 = B * (S - 1);
-        float *mtp_logits = train_mtp ? tape->mtp_logits : (hv ? args->mtp_logits : f.logits_ws);
+        float *mtp_logits = train_mtp ? NULL : (hv ? args->mtp_logits : f.logits_ws);
         mtp_forward(&f, args->ids, mtp_logits, train_mtp ? tape : NULL, htgt, hrows);
-        if (args->mtp_logits && mtp_logits != args->mtp_logits)
+        if (args->mtp_logits && mtp_logits && mtp_logits != args->mtp_logits)
             ds4_dev_download(f.dev, args->mtp_logits, mtp_logits, (size_t)(T1 * V) * sizeof(float));
         if (args->labels)
-            cross_entropy(&f, mtp_logits, B, S - 1, args->labels, S, 2, htgt, hnll, &r.mtp_loss, &r.mtp_loss_tokens);
+            cross_entropy(&f, mtp_logits, B, S - 1, args->labels, S, 2, htgt, hnll, &r.mtp_loss, &r.mtp_loss_tokens,
+                          NULL, train_mtp ? args->mtp_logits : NULL);
     }
     if (tape && tape->with_ikl) {
         /* the indexer KL loss (training option): per CSA layer the mean KL over its queries, summed over layers */

@@ -205,12 +205,18 @@ void ds4_weights_bind(const ds4_model *m, ds4_weights *w, ds4_dtype mdt, char *b
     memset(w, 0, sizeof *w);
     w->layers = layers;
     w->mdt = mdt;
+    w->bf16_in = mdt == DS4_BF16 || (w == &m->w && m->emulate_bf16);
     builder b = {.m = (ds4_model *)m, .w = w, .bind = bind_entry, .base = base, .i32_base = i32_base,
                  .byte_offset = byte_offset, .ctx = ctx};
     walk_model(&b);
 }
 
-static int64_t f32_byte_offset(const ds4_model *m, size_t i, void *ctx) {
+void ds4_model_emulate_bf16(ds4_model *m, int on) {
+    m->emulate_bf16 = on != 0;
+    m->w.bf16_in = on != 0;
+}
+
+int64_t ds4_f32_byte_offset(const ds4_model *m, size_t i, void *ctx) {
     (void)ctx;
     return m->table[i].offset * (int64_t)sizeof(float);
 }
@@ -286,7 +292,7 @@ ds4_status ds4_model_alloc(ds4_engine *e, const ds4_config *cfg, int with_mtp, d
     qsort(byname, m->n_table, sizeof *byname, cmp_name_idx);
     for (size_t i = 0; i < m->n_table; i++) m->sorted[i] = byname[i].idx;
     free(byname);
-    ds4_weights_bind(m, &m->w, DS4_F32, (char *)m->params, f32_byte_offset, NULL, m->tid2eid_all);
+    ds4_weights_bind(m, &m->w, DS4_F32, (char *)m->params, ds4_f32_byte_offset, NULL, m->tid2eid_all);
     if ((s = ds4_cpu_dev_create(e->pool, &m->cpu, err))) {
         ds4_model_free(m);
         return s;
@@ -311,6 +317,8 @@ int64_t ds4_model_find(const ds4_model *m, const char *name) {
 
 void ds4_model_free(ds4_model *m) {
     if (!m) return;
+    /* first: giving the training state back rebinds the host gradients through m->table (free_train_state) */
+    ds4_model_release_backend(m);
     for (size_t i = 0; i < m->n_table; i++) {
         free(m->table[i].name);
         free(m->table[i].src);
@@ -319,7 +327,6 @@ void ds4_model_free(ds4_model *m) {
     free(m->sorted);
     free(m->params);
     free(m->tid2eid_all);
-    ds4_model_release_backend(m);
     free(m->w.layers);
     free(m->dev_w.layers);
     free(m->gw.layers);
@@ -347,16 +354,28 @@ ds4_status ds4_model_enable_grad(ds4_model *m, ds4_error *err) {
     if (m->grads) return DS4_OK;
     m->grads = calloc((size_t)(m->n_params ? m->n_params : 1), sizeof(float));
     if (!m->grads) return ds4_fail(err, DS4_ERR_OOM, "enable_grad: %lld fp32 gradients", (long long)m->n_params);
-    ds4_weights_bind(m, &m->gw, DS4_F32, (char *)m->grads, f32_byte_offset, NULL, NULL);
-    return DS4_OK;
+    ds4_weights_bind(m, &m->gw, DS4_F32, (char *)m->grads, ds4_f32_byte_offset, NULL, NULL);
+    return ds4_model_train_bind(m, err); /* on a device: the gradients live there */
 }
 
 void ds4_model_zero_grad(ds4_model *m) {
-    if (m && m->grads) memset(m->grads, 0, (size_t)m->n_params * sizeof(float));
+    if (!m || !m->grads) return;
+    if (m->dgrads) { /* on the device; the host mirror is now behind (a fill failure surfaces at the next pass) */
+        m->dev->ops->fill(m->dev, m->dgrads, 0, (size_t)m->n_params * sizeof(float));
+        m->grads_stale = 1;
+        return;
+    }
+    memset(m->grads, 0, (size_t)m->n_params * sizeof(float));
 }
 
-float *ds4_model_params(ds4_model *m) { return m->params; }
-float *ds4_model_grads(ds4_model *m) { return m->grads; }
+float *ds4_model_params(ds4_model *m) {
+    ds4_error err = {0};
+    return ds4_model_host_sync(m, &err) ? NULL : m->params;
+}
+float *ds4_model_grads(ds4_model *m) {
+    ds4_error err = {0};
+    return ds4_model_host_sync(m, &err) || !m->grads ? NULL : m->grads;
+}
 
 ds4_status ds4_model_set_train_options(ds4_model *m, const ds4_train_options *o, ds4_error *err) {
     if (!m || !o) return ds4_fail(err, DS4_ERR_ARG, "set_train_options: NULL argument");
@@ -384,22 +403,40 @@ ds4_status ds4_model_update_router_bias(ds4_model *m, double gamma, ds4_error *e
     if (!(gamma >= 0) || !isfinite(gamma))
         return ds4_fail(err, DS4_ERR_ARG, "router bias update: gamma %g must be finite and >= 0", gamma);
     if (!m->router_loads) return DS4_OK; /* no training forward yet: nothing counted */
-    ds4_model_params_changed(m);
+    /* With the master weights on a device the biases are updated there: each one read, changed on the host in the
+     * same fp32 arithmetic, written to the master and to the working copy (fp32 vectors in both), so the rest of the
+     * weights need not come back. Otherwise on the host, and a device copy is refreshed before the next pass. */
+    ds4_dev *d = m->dmaster ? m->dev : NULL;
+    if (!d) ds4_model_params_changed(m);
     const int64_t L = m->cfg.num_hidden_layers, E = m->cfg.n_routed_experts;
-    for (int64_t l = 0; l <= L; l++) {
+    float *tmp = d ? malloc((size_t)E * sizeof(float)) : NULL;
+    if (d && !tmp) return ds4_fail(err, DS4_ERR_OOM, "router bias update: %lld values", (long long)E);
+    ds4_status s = DS4_OK;
+    for (int64_t l = 0; l <= L && !s; l++) {
         const ds4_layer_w *lw = l < L ? &m->w.layers[l] : (m->has_mtp ? &m->w.mtp.block : NULL);
+        const ds4_layer_w *dw = l < L ? &m->dw->layers[l] : (m->has_mtp ? &m->dw->mtp.block : NULL);
         int64_t *load = m->router_loads + l * E, total = 0;
         for (int64_t e = 0; e < E; e++) total += load[e];
         if (lw && !lw->is_hash && lw->gate_bias && total > 0) {
+            float *b = lw->gate_bias, *master = NULL;
+            if (d) {
+                master = m->dmaster + (lw->gate_bias - m->params); /* the same flat offset */
+                if ((s = d->ops->download(d, tmp, master, (size_t)E * sizeof(float), err))) break;
+                b = tmp;
+            }
             /* sign(mean − load_e) compared exactly in integers: E·load_e vs total */
             for (int64_t e = 0; e < E; e++) {
                 const int64_t diff = total - E * load[e];
-                lw->gate_bias[e] += (float)(gamma * (double)((diff > 0) - (diff < 0)));
+                b[e] += (float)(gamma * (double)((diff > 0) - (diff < 0)));
             }
+            if (d && !(s = d->ops->upload(d, master, tmp, (size_t)E * sizeof(float), err)))
+                s = d->ops->upload(d, dw->gate_bias, tmp, (size_t)E * sizeof(float), err);
         }
         memset(load, 0, (size_t)E * sizeof(int64_t));
     }
-    return DS4_OK;
+    free(tmp);
+    if (s) ds4_error_prefix(err, "router bias update on %s: ", ds4_model_device_name(m));
+    return s;
 }
 
 /* AdamW weight decay applies to matrices only: not to norms, biases (router bias, compressor position bias
@@ -443,6 +480,9 @@ ds4_status ds4_model_tensor_at(const ds4_model *m, size_t i, const char **name, 
     const ds4_param *p = &m->table[i];
     if (name) *name = p->name;
     if (view) {
+        /* the view reads the host copy: bring it up to date first (a mirror refresh, so the model stays "const") */
+        ds4_status s = ds4_model_host_sync((ds4_model *)(uintptr_t)m, err);
+        if (s) return s;
         memset(view, 0, sizeof *view);
         view->dtype = p->dtype;
         view->ndim = p->ndim;

@@ -69,6 +69,7 @@ typedef struct ds4_mtp_w {
 /* One pointer per tensor of the model, in some backend's memory. */
 typedef struct ds4_weights {
     ds4_dtype mdt;                       /* dtype of the "M" matrices (F32, or BF16 on CUDA) */
+    int32_t bf16_in;                     /* products with M matrices round their activations to bf16 (ops.h) */
     float *embed;                        /* M [V, D] */
     float *head;                         /* M [V, D] (aliases embed when tied) */
     float *norm;                         /* [D] */
@@ -108,6 +109,7 @@ struct ds4_model {
     int32_t *tid2eid_all;                /* all hash tables, contiguous */
     int64_t n_tid2eid;
     ds4_weights w;                       /* views into params / tid2eid_all */
+    int32_t emulate_bf16;                /* w.bf16_in on the CPU: ds4_model_emulate_bf16 */
     /* the backend the model computes on (docs/design.md): the CPU backend on the engine's pool, or CUDA */
     struct ds4_dev *dev;
     struct ds4_dev *cpu;                 /* the CPU backend, kept while the model lives on another one */
@@ -134,9 +136,30 @@ struct ds4_model {
     ds4_train_options topt;
     struct ds4_tape *tape;               /* activations of the last training forward (sched.h) */
     int64_t *router_loads;               /* [(L + 1), E] expert loads since the last bias update */
+    /* training on a backend the host cannot read (docs/design.md, "Training on a device"): the state lives there and
+     * the host buffers mirror it; host_stale / grads_stale say when a mirror is behind */
+    float *dgrads;                       /* [n_params] the gradients (flat, as grads); gw views point here */
+    float *dmaster;                      /* [n_params] the fp32 master weights, once a device optimizer has stepped */
+    float *dmoments;                     /* [2, n_params] AdamW's m and v */
+    const void *moments_owner;           /* the optimizer (ds4_adamw) whose moments dmoments holds, or NULL */
+    float *moments_home[2];              /* that optimizer's host m and v, where the moments go when the model moves */
+    void *dscratch;                      /* the optimizer's pieces, coefficients and per-piece results */
+    size_t dscratch_bytes;
+    struct ds4_cast_entry *dcast;        /* [n_cast] master -> working copy (backend memory) */
+    int64_t n_cast;
+    int host_stale;                      /* params older than dmaster */
+    int grads_stale;                     /* grads older than dgrads */
 };
 
 void ds4_tape_free(struct ds4_model *m, struct ds4_tape *t);
+
+/* Training state on the model's backend (backend.c). ds4_model_train_bind: gradients where the model computes (on a
+ * device: dgrads, initialised from the host's, gw rebound). ds4_model_master_ready: dmaster from the host params,
+ * the moments buffer and the cast table, on first use. ds4_model_host_sync: the host params and gradients brought
+ * up to date (a download when they are stale). */
+ds4_status ds4_model_train_bind(struct ds4_model *m, ds4_error *err);
+ds4_status ds4_model_master_ready(struct ds4_model *m, size_t scratch_bytes, ds4_error *err);
+ds4_status ds4_model_host_sync(struct ds4_model *m, ds4_error *err);
 
 /* Build the parameter table for `cfg` (with MTP when `with_mtp`), allocate the flat buffer (zeroed) and
  * resolve every view. The model computes on the CPU backend of engine e. */
@@ -147,6 +170,11 @@ int64_t ds4_model_find(const ds4_model *m, const char *name);
  * base + byte_offset(i) for F32 entries, i32_base + 4·offset for tid2eid). */
 void ds4_weights_bind(const ds4_model *m, ds4_weights *w, ds4_dtype mdt, char *base,
                       int64_t (*byte_offset)(const ds4_model *m, size_t i, void *ctx), void *ctx, int32_t *i32_base);
+/* A test reference for the bf16 mode: the CPU's products with M matrices round their activation operands to bf16
+ * as the bf16 mode does (ops.h, bf16_in). The M matrices' values are the caller's to round (the CPU keeps fp32). */
+void ds4_model_emulate_bf16(ds4_model *m, int on);
+/* The byte offset of table entry i in the flat fp32 layout (params, grads): ds4_weights_bind's offset function. */
+int64_t ds4_f32_byte_offset(const ds4_model *m, size_t i, void *ctx);
 /* Whether a tensor is an "M" matrix (read by a matmul or the embedding; held in the backend's mdt). The router's
  * gate, the mHC mixing matrices, the compressors' position biases and every vector stay fp32. */
 int ds4_param_lowp(const char *name, int32_t ndim);

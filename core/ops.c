@@ -211,7 +211,7 @@ size_t ds4_profile_format(ds4_dev *d, char *buf, size_t len) {
             order[j] = order[j - 1];
             order[j - 1] = t;
         }
-    APPEND("%-22s %10s %10s %7s %11s %12s %10s\n", "op (" /* backend */ "", "calls", "ms", "%", "us/call", "MB",
+    APPEND("%-22s %10s %10s %7s %11s %12s %10s\n", "op", "calls", "ms", "%", "us/call", "MB",
            "GB/s");
     for (int k = 0; k < n; k++) {
         const int i = order[k];

@@ -25,6 +25,7 @@
 #include "ds4.h"
 #include "internal.h"
 #include "model.h"
+#include "optim.h"
 #include "threadpool.h"
 
 typedef struct ds4_layer_tape ds4_layer_tape; /* sched.h */
@@ -76,17 +77,22 @@ typedef struct { const ds4_config *c; const float *X, *fn, *base, *scale; float 
 /* y = w ⊙ x / sqrt(mean(x²) + eps) per row (w NULL: unweighted); y may equal x */
 typedef struct { float *y; const float *x, *w; int64_t rows, width; double eps; } ds4_a_rmsnorm;
 
+/* bf16_in (in every product below): the activation operands (x; dy; dy and x for dW) are rounded to bf16 before
+ * the product, which then accumulates in fp32. The bf16 mode sets it on every product with an M matrix (its weight
+ * in bf16); the CPU backend honours it on fp32 weights too, which makes the fp32 reference an emulation of the bf16
+ * mode's rounding points (ds4_model_emulate_bf16: the reference the bf16 tests compare with). */
+
 /* y[t, o] = Σ_k x[t, k]·W[o, k] for t < T, o < O; with groups > 1, group g reads x + g·gx, W + g·gw (elements)
  * and writes y + g·gy (the grouped output projection) */
 typedef struct {
     float *y; int64_t ldy; const float *x; int64_t ldx; const void *W; ds4_dtype wdt;
-    int64_t T, K, O, groups, gx, gy, gw;
+    int64_t T, K, O, groups, gx, gy, gw; int bf16_in;
 } ds4_a_matmul;
 /* Row groups: rows [off[e], off[e+1]) of x use W + e·wstride (the routed experts). off [E + 1] in backend memory;
  * rows is the largest off[E] can be (the kernels read the real extent from off). x [rows, K], y [rows, O]. */
 typedef struct {
     float *y; const float *x; const void *W; ds4_dtype wdt; int64_t wstride; const int64_t *off;
-    int64_t E, rows, K, O;
+    int64_t E, rows, K, O; int bf16_in;
 } ds4_a_matmul_grouped;
 
 /* Rotate the trailing 2·half channels of each of `heads` vectors of width `width` of row t by its position
@@ -182,17 +188,25 @@ typedef struct {
 /* dl[r] = g_r·(onehot(tgt[r]) − softmax(logits[r])) with g_r = dlogp[r] (or g0 when dlogp is NULL); 0 at rows
  * with tgt -100 or g_r = 0 */
 typedef struct { float *dl; const float *logits; int64_t rows, V; const int64_t *tgt; const float *dlogp; double g0; } ds4_a_logp_bwd;
-/* y = x Wᵀ backward. linear_bwd_x: dx = dy·W (added when acc); linear_bwd_w: dW += dyᵀ·x */
+/* y = x Wᵀ backward. linear_bwd_x: dx = dy·W (added when acc); linear_bwd_w: dW += dyᵀ·x. wdt is the dtype W is
+ * held in; for linear_bwd_w (dW is fp32 either way) BF16 asks for the product of dy and x rounded to bf16, as the
+ * bf16 forward rounds its product's input (the same as bf16_in); F32 (0, the default) is the exact fp32 product. */
 typedef struct {
     float *dx; int64_t lddx; int acc; const float *dy; int64_t ldy; const void *W; ds4_dtype wdt; int64_t T, K, O;
+    int bf16_in;
 } ds4_a_linear_bwd_x;
-typedef struct { float *dW; const float *dy; int64_t ldy; const float *x; int64_t ldx, T, K, O; } ds4_a_linear_bwd_w;
+typedef struct {
+    float *dW; const float *dy; int64_t ldy; const float *x; int64_t ldx, T, K, O; ds4_dtype wdt; int bf16_in;
+} ds4_a_linear_bwd_w;
 /* The same per row group of off (ds4_a_matmul_grouped): dx rows written (acc: added); dW + e·wstride added */
 typedef struct {
     float *dx; int acc; const float *dy; const void *W; ds4_dtype wdt; int64_t wstride; const int64_t *off;
-    int64_t E, rows, K, O;
+    int64_t E, rows, K, O; int bf16_in;
 } ds4_a_linear_bwd_x_grouped;
-typedef struct { float *dW; int64_t wstride; const float *dy, *x; const int64_t *off; int64_t E, rows, K, O; } ds4_a_linear_bwd_w_grouped;
+typedef struct {
+    float *dW; int64_t wstride; const float *dy, *x; const int64_t *off; int64_t E, rows, K, O; ds4_dtype wdt;
+    int bf16_in;
+} ds4_a_linear_bwd_w_grouped;
 
 /* RMSNorm backward over `groups` groups of `rows` rows (group g at + g·gstride elements): dx written or added
  * (acc; may alias dy), dw += (may be NULL). */
@@ -260,6 +274,26 @@ typedef struct { float *du; const float *dX; int64_t T, n, D; } ds4_a_sum_stream
 /* ge[ids[t]] += Σ_i dx[t, i] for t in order (the embedding gradient; repeated ids add up deterministically) */
 typedef struct { float *ge; const int64_t *ids; const float *dx; int64_t T, n, D; } ds4_a_embed_bwd;
 
+/* -------------------------------------------------------------------------------------- optimizer arguments */
+
+/* The optimizer on a backend whose memory the host cannot read (optim.c runs these only there; its host functions,
+ * ds4_grad_global_norm and ds4_adamw_update, are the reference). A piece is at most DS4_OPTIM_CHUNK elements
+ * [off, off + n) of the flat fp32 buffers, inside trainable tensor `range`. */
+typedef struct ds4_optim_piece { int64_t off, n; int64_t range; } ds4_optim_piece;
+/* partial[c] = Σ g[i]² over piece c, in double, in a fixed order */
+typedef struct { const ds4_optim_piece *pieces; int64_t n; const float *g; double *partial; } ds4_a_optim_sumsq;
+/* update = 0: bad[c] = how many elements of piece c the AdamW update would leave with a non-finite p, m or v (the
+ * gradient scaled by coef first); nothing written. update = 1: g *= coef (when coef != 1), then ds4_adamw_update's
+ * arithmetic on p, m, v with coefs[range] (the same fp32 operations, so the same bits as the host's). */
+typedef struct {
+    const ds4_optim_piece *pieces; int64_t n; const ds4_adamw_coefs *coefs; float coef; float *p, *g, *m, *v;
+    int64_t *bad; int update;
+} ds4_a_adamw;
+/* The working copy of the weights from the fp32 master: entry k copies n values from src + e[k].src (elements) to
+ * dst + e[k].dst (bytes), rounded to mdt (round to nearest even) when e[k].lowp, else as fp32. */
+typedef struct ds4_cast_entry { int64_t src, dst, n; int64_t lowp; } ds4_cast_entry;
+typedef struct { void *dst; const float *src; const ds4_cast_entry *e; int64_t n; ds4_dtype mdt; } ds4_a_cast_params;
+
 /* ------------------------------------------------------------------------------------------------ the table */
 
 /* X(name): the operations, in the order the profiler lists them when tied. */
@@ -271,7 +305,8 @@ typedef struct { float *ge; const int64_t *ids; const float *dx; int64_t T, n, D
     X(logp_bwd) X(linear_bwd_x) X(linear_bwd_w) X(linear_bwd_x_grouped) X(linear_bwd_w_grouped) X(norm_bwd)      \
     X(hc_pre_bwd) X(hc_post_bwd) X(hyperhead_bwd) X(colsum_add) X(attn_bwd_q) X(attn_bwd_kv) X(attn_bwd_entry)   \
     X(pick_inverse) X(entry_rope) X(comp_bwd) X(ikl_bwd_q) X(ikl_bwd_k) X(swiglu_bwd) X(moe_dws) X(moe_dy)       \
-    X(moe_sum_slots) X(router_bwd) X(sum_streams) X(embed_bwd)
+    X(moe_sum_slots) X(router_bwd) X(sum_streams) X(embed_bwd)                                                   \
+    X(optim_sumsq) X(adamw) X(cast_params)
 
 typedef enum ds4_op_id {
 #define DS4_OP_ENUM(name) DS4_OP_##name,

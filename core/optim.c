@@ -21,6 +21,7 @@
 
 #include "internal.h"
 #include "model.h"
+#include "ops.h"
 #include "optim.h"
 
 #define DS4_PI 3.14159265358979323846
@@ -216,7 +217,7 @@ void ds4_optim_make_chunks(const ds4_optim_range *r, size_t n, ds4_optim_chunk *
 
 /* Sum of squares of one chunk in double. Eight independent accumulators in a fixed pattern (so the loop can use
  * vector lanes without reassociating anything the compiler would have to prove), combined in a fixed order. */
-static double chunk_sumsq(const float *g, int64_t n) {
+double ds4_optim_sumsq(const float *g, int64_t n) {
     double acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     int64_t i = 0;
     for (; i + 8 <= n; i += 8)
@@ -241,7 +242,7 @@ typedef struct {
 static void task_sumsq(void *vctx, int64_t i) {
     multi_ctx *c = vctx;
     const ds4_optim_chunk *k = &c->chunks[i];
-    c->partial[i] = chunk_sumsq(c->r[k->range].g + k->begin, k->n);
+    c->partial[i] = ds4_optim_sumsq(c->r[k->range].g + k->begin, k->n);
 }
 
 static void scale_chunk(float *g, int64_t n, float coef) {
@@ -282,7 +283,7 @@ double ds4_grad_global_norm(const ds4_optim_range *r, size_t n, const ds4_optim_
         for (size_t i = 0; i < n; i++) {
             double s = 0;
             for (int64_t b = 0; b < r[i].n; b += DS4_OPTIM_CHUNK)
-                s += chunk_sumsq(r[i].g + b, r[i].n - b < DS4_OPTIM_CHUNK ? r[i].n - b : DS4_OPTIM_CHUNK);
+                s += ds4_optim_sumsq(r[i].g + b, r[i].n - b < DS4_OPTIM_CHUNK ? r[i].n - b : DS4_OPTIM_CHUNK);
             if (sumsq) sumsq[i] = s;
             total += s;
         }
@@ -401,6 +402,10 @@ struct ds4_adamw {
     ds4_optim_chunk *chunks;     /* [max_chunks] */
     double *partial;             /* [max_chunks] */
     int64_t max_chunks;
+    /* a model on a device: the pieces and coefficients sent there, the per-piece counts read back */
+    ds4_optim_piece *pieces;     /* [max_chunks] */
+    ds4_adamw_coefs *coefs;      /* [n_tensors] */
+    int64_t *bad;                /* [max_chunks] */
 };
 
 static ds4_status check_options(const ds4_adamw_options *o, ds4_error *err) {
@@ -466,7 +471,11 @@ ds4_status ds4_adamw_create(ds4_model *m, const ds4_adamw_options *o, ds4_adamw 
     a->range_tensor = calloc(tn, sizeof *a->range_tensor);
     a->chunks = calloc(cn, sizeof *a->chunks);
     a->partial = calloc(cn, sizeof *a->partial);
-    if (!a->m || !a->v || !a->tensor_steps || !a->ranges || !a->range_tensor || !a->chunks || !a->partial) {
+    a->pieces = calloc(cn, sizeof *a->pieces);
+    a->coefs = calloc(tn, sizeof *a->coefs);
+    a->bad = calloc(cn, sizeof *a->bad);
+    if (!a->m || !a->v || !a->tensor_steps || !a->ranges || !a->range_tensor || !a->chunks || !a->partial ||
+        !a->pieces || !a->coefs || !a->bad) {
         ds4_adamw_free(a);
         return ds4_fail(err, DS4_ERR_OOM, "adamw create: moments for %lld parameters (%zu tensors)", (long long)P, T);
     }
@@ -476,6 +485,11 @@ ds4_status ds4_adamw_create(ds4_model *m, const ds4_adamw_options *o, ds4_adamw 
 
 void ds4_adamw_free(ds4_adamw *a) {
     if (!a) return;
+    /* moments held on the model's device are this optimizer's only copy: they go with it */
+    if (a->model && a->model->moments_owner == a) a->model->moments_owner = NULL;
+    free(a->pieces);
+    free(a->coefs);
+    free(a->bad);
     free(a->m);
     free(a->v);
     free(a->tensor_steps);
@@ -492,6 +506,120 @@ int64_t ds4_adamw_steps(const ds4_adamw *a) { return a ? a->steps : 0; }
  * chunking is the same either way, so the result is too. */
 #define SERIAL_BELOW ((int64_t)1 << 16)
 
+/* The step on a backend the host cannot read (docs/design.md, "Training on a device"): the same stages as the host
+ * step below — norm from per-piece sums of squares added in piece order, refusal of a non-finite norm or update, clip,
+ * AdamW — run by the backend's optim_sumsq / adamw operations over the fp32 master weights, the gradients and the
+ * moments it holds; then the working weights are cast from the master. Only the per-piece sums and counts cross to
+ * the host. */
+static ds4_status adamw_step_device(ds4_adamw *a, size_t nr, int64_t total_elems, ds4_adamw_stats *stats,
+                                    ds4_error *err) {
+    ds4_model *m = a->model;
+    ds4_dev *d = m->dev;
+    const int64_t nc = ds4_optim_chunk_count(a->ranges, nr);
+    const size_t off_bad = (size_t)a->max_chunks * sizeof(double), off_pieces = 2 * off_bad,
+                 off_coefs = off_pieces + (size_t)a->max_chunks * sizeof(ds4_optim_piece),
+                 scratch = off_coefs + (a->n_tensors ? a->n_tensors : 1) * sizeof(ds4_adamw_coefs);
+    ds4_status s = ds4_model_master_ready(m, scratch, err);
+    if (s) return s;
+    const size_t P = (size_t)m->n_params, bytes = P * sizeof(float);
+    if (m->moments_owner != a) { /* this optimizer's moments are on the host: send them */
+        if ((s = d->ops->upload(d, m->dmoments, a->m, bytes, err)) ||
+            (s = d->ops->upload(d, m->dmoments + P, a->v, bytes, err))) {
+            ds4_error_prefix(err, "adamw step: the moments to %s: ", ds4_model_device_name(m));
+            return s;
+        }
+        m->moments_owner = a;
+        m->moments_home[0] = a->m;
+        m->moments_home[1] = a->v;
+    }
+    char *sc = m->dscratch;
+    double *d_partial = (double *)(void *)sc;
+    int64_t *d_bad = (int64_t *)(void *)(sc + off_bad);
+    ds4_optim_piece *d_pieces = (ds4_optim_piece *)(void *)(sc + off_pieces);
+    ds4_adamw_coefs *d_coefs = (ds4_adamw_coefs *)(void *)(sc + off_coefs);
+    float *grads = m->dgrads, *master = m->dmaster, *mom = m->dmoments, *mov = m->dmoments + P;
+    /* pieces in flat offsets: the ranges were built over the host buffers, whose offsets the device buffers share */
+    ds4_optim_make_chunks(a->ranges, nr, a->chunks);
+    for (int64_t k = 0; k < nc; k++) {
+        const ds4_optim_chunk *c = &a->chunks[k];
+        a->pieces[k] = (ds4_optim_piece){.off = (a->ranges[c->range].g - m->grads) + c->begin, .n = c->n,
+                                         .range = (int64_t)c->range};
+    }
+    ds4_dev_upload(d, d_pieces, a->pieces, (size_t)nc * sizeof *a->pieces);
+    OP(d, optim_sumsq, .pieces = d_pieces, .n = nc, .g = grads, .partial = d_partial);
+    ds4_dev_download(d, a->partial, d_partial, (size_t)nc * sizeof(double));
+    if ((s = ds4_dev_check(d, "adamw step: gradient norm: ", err))) return s;
+    double total = 0;
+    for (size_t i = 0, k = 0; i < nr; i++) { /* per tensor, then tensors in order: the host step's additions */
+        double t = 0;
+        for (; k < (size_t)nc && a->chunks[k].range == i; k++) t += a->partial[k];
+        total += t;
+    }
+    const double norm = sqrt(total), lr = ds4_lr_at(&a->o, a->steps);
+    if (stats) {
+        stats->lr = lr;
+        stats->grad_norm = norm;
+        stats->step = a->steps;
+    }
+    if (!isfinite(norm))
+        return ds4_fail(err, DS4_ERR_ARG,
+                        "adamw step %lld: the gradient norm over %zu trainable tensors is %g; parameters, moments "
+                        "and the step count are unchanged",
+                        (long long)a->steps + 1, nr, norm);
+    const float coef = ds4_grad_clip_coef(norm, a->o.clip);
+    for (size_t k = 0; k < nr; k++)
+        a->coefs[k] = ds4_adamw_coefs_at(&a->h, a->tensor_steps[a->range_tensor[k]] + 1, lr, a->ranges[k].c.decay);
+    ds4_dev_upload(d, d_coefs, a->coefs, nr * sizeof *a->coefs);
+    OP(d, adamw, .pieces = d_pieces, .n = nc, .coefs = d_coefs, .coef = coef, .p = master, .g = grads, .m = mom,
+       .v = mov, .bad = d_bad, .update = 0);
+    ds4_dev_download(d, a->bad, d_bad, (size_t)nc * sizeof(int64_t));
+    if ((s = ds4_dev_check(d, "adamw step: finiteness check: ", err))) return s;
+    int64_t bad = 0;
+    size_t first = nr;
+    for (int64_t k = 0; k < nc; k++) {
+        if (a->bad[k] > 0 && a->chunks[k].range < first) first = a->chunks[k].range;
+        bad += a->bad[k];
+    }
+    if (bad > 0) {
+        const ds4_param *p = first < nr ? &m->table[a->range_tensor[first]] : NULL;
+        return ds4_fail(err, DS4_ERR_ARG,
+                        "adamw step %lld: the update would make %lld of %lld parameters non-finite (first in %s; lr %g, "
+                        "gradient norm %g, clip %g); parameters, moments, gradients and the step count are unchanged",
+                        (long long)a->steps + 1, (long long)bad, (long long)total_elems, p ? p->name : "?", lr, norm,
+                        a->o.clip);
+    }
+    OP(d, adamw, .pieces = d_pieces, .n = nc, .coefs = d_coefs, .coef = coef, .p = master, .g = grads, .m = mom,
+       .v = mov, .update = 1);
+    OP(d, cast_params, .dst = m->dev_mem, .src = master, .e = m->dcast, .n = m->n_cast, .mdt = m->dev_w.mdt);
+    if ((s = ds4_dev_check(d, "adamw step: update: ", err))) {
+        /* the update may be half written: the device copies cannot be trusted; say so */
+        ds4_error_prefix(err, "the model's weights on the device may be partly updated: ");
+        return s;
+    }
+    m->host_stale = 1;
+    m->grads_stale = 1; /* the clipped gradients are in the device buffer */
+    for (size_t k = 0; k < nr; k++) ++a->tensor_steps[a->range_tensor[k]];
+    a->steps++;
+    if (m->topt.router_bias_gamma > 0 && (s = ds4_model_update_router_bias(m, m->topt.router_bias_gamma, err))) return s;
+    if (stats) stats->step = a->steps;
+    return DS4_OK;
+}
+
+ds4_status ds4_adamw_sync_state(ds4_adamw *a, ds4_error *err) {
+    if (!a) return ds4_fail(err, DS4_ERR_ARG, "adamw state: optimizer is NULL");
+    ds4_model *m = a->model;
+    if (m->moments_owner != a || !m->dmoments) return DS4_OK;
+    const size_t P = (size_t)m->n_params, bytes = P * sizeof(float);
+    ds4_status s = m->dev->ops->download(m->dev, a->m, m->dmoments, bytes, err);
+    if (!s) s = m->dev->ops->download(m->dev, a->v, m->dmoments + P, bytes, err);
+    if (s) ds4_error_prefix(err, "adamw state: reading the moments back from %s: ", ds4_model_device_name(m));
+    return s;
+}
+
+void ds4_adamw_state_changed(ds4_adamw *a) {
+    if (a && a->model && a->model->moments_owner == a) a->model->moments_owner = NULL; /* sent again at the next step */
+}
+
 ds4_status ds4_adamw_step(ds4_adamw *a, ds4_adamw_stats *stats, ds4_error *err) {
     if (!a) return ds4_fail(err, DS4_ERR_ARG, "adamw step: optimizer is NULL");
     ds4_model *m = a->model;
@@ -501,13 +629,19 @@ ds4_status ds4_adamw_step(ds4_adamw *a, ds4_adamw_stats *stats, ds4_error *err) 
                         "%zu tensors, now %lld in %zu)",
                         (long long)a->n_params, a->n_tensors, (long long)ds4_model_param_count(m),
                         ds4_model_tensor_count(m));
-    float *grads = ds4_model_grads(m);
+    const int on_device = !m->dev->host_visible;
+    if (on_device && m->grads && !m->dgrads) {
+        ds4_status s = ds4_model_train_bind(m, err);
+        if (s) return s;
+    }
+    /* on a device the host buffers only lend their offsets to the ranges (the arithmetic reads the device's) */
+    float *grads = on_device ? m->grads : ds4_model_grads(m);
     if (!grads)
         return ds4_fail(err, DS4_ERR_ARG,
                         "adamw step: the model has no gradient buffer (enable gradients, run a training forward and "
                         "a backward first)");
-    float *params = ds4_model_params(m);
-    ds4_model_params_changed(m); /* a model on a device refreshes its copy before its next pass */
+    float *params = on_device ? m->params : ds4_model_params(m);
+    if (!on_device) ds4_model_params_changed(m);
 
     /* The trainable tensors, in parameter-buffer order (the order of the norm's sum). */
     size_t nr = 0;
@@ -549,6 +683,7 @@ ds4_status ds4_adamw_step(ds4_adamw *a, ds4_adamw_stats *stats, ds4_error *err) 
     if (nc > a->max_chunks)
         return ds4_fail(err, DS4_ERR_INTERNAL, "adamw step: %lld chunks > the %lld planned at create", (long long)nc,
                         (long long)a->max_chunks);
+    if (on_device) return adamw_step_device(a, nr, total_elems, stats, err);
     ds4_optim_make_chunks(a->ranges, nr, a->chunks);
     ds4_pool *pool = total_elems >= SERIAL_BELOW ? m->engine->pool : NULL;
 

@@ -66,6 +66,9 @@ typedef struct ds4_optim_chunk {
     int64_t begin, n;
 } ds4_optim_chunk;
 
+/* Σ g[i]² over n elements in double (the per-chunk sum of ds4_grad_global_norm). */
+double ds4_optim_sumsq(const float *g, int64_t n);
+
 /* Number of chunks the ranges split into, and the split itself (chunks: that many entries). Empty ranges give
  * no chunk. */
 int64_t ds4_optim_chunk_count(const ds4_optim_range *r, size_t n);

@@ -246,7 +246,8 @@ static void plan_tape(const ds4_model *m, ds4_tape *tp, ds4_arena *a, int64_t B,
     tp->X_L = ds4_arena_take(a, T * n * D, 4);
     tp->u_fin = ds4_arena_take(a, T * D, 4);
     tp->y_fin = ds4_arena_take(a, T * D, 4);
-    tp->logits = ds4_arena_take(a, T * V, 4);
+    tp->head_rows = ds4_head_rows(m, T);
+    tp->logits = ds4_arena_take(a, (size_t)tp->head_rows * V, 4);
     tp->ids = ds4_arena_take(a, T, 8);
     tp->labels = ds4_arena_take(a, T, 8);
     tp->tgt = ds4_arena_take(a, T, 8);
@@ -257,7 +258,6 @@ static void plan_tape(const ds4_model *m, ds4_tape *tp, ds4_arena *a, int64_t B,
     tp->mtp_hn = with_mtp ? ds4_arena_take(a, T * n * D, 4) : NULL;
     tp->mtp_u = with_mtp ? ds4_arena_take(a, T * D, 4) : NULL;
     tp->mtp_y = with_mtp ? ds4_arena_take(a, T * D, 4) : NULL;
-    tp->mtp_logits = with_mtp ? ds4_arena_take(a, T * V, 4) : NULL;
     tp->mtp_X = with_mtp ? ds4_arena_take(a, T * n * D, 4) : NULL;
 }
 

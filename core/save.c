@@ -218,6 +218,22 @@ static ds4_status check_opts(const ds4_save_options *opt, ds4_save_options *o, d
     if (o->dtype != DS4_F32 && o->dtype != DS4_BF16 && o->dtype != DS4_F16)
         return ds4_fail(err, DS4_ERR_ARG, "model save: dtype %s is not one of F32, BF16, F16",
                         ds4_dtype_name(o->dtype) ? ds4_dtype_name(o->dtype) : "?");
+    if (o->n_files && !o->files) return ds4_fail(err, DS4_ERR_ARG, "model save: %zu files but NULL files", o->n_files);
+    for (size_t i = 0; i < o->n_files; i++) {
+        const ds4_save_file *f = &o->files[i];
+        const char *n = f->name;
+        size_t l = n ? strlen(n) : 0;
+        int ok = l > 5 && l < NAME_CAP && n[0] != '.' && !strcmp(n + l - 5, ".json") && strcmp(n, "config.json") &&
+                 (f->data || !f->len);
+        for (size_t k = 0; ok && k < l; k++) {
+            char c = n[k];
+            ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' || c == '_' ||
+                 c == '-';
+        }
+        if (!ok)
+            return ds4_fail(err, DS4_ERR_ARG, "model save: files[%zu]: name '%s' is not a plain *.json file name "
+                            "([A-Za-z0-9._-], not config.json) with data", i, n ? n : "(null)");
+    }
     return DS4_OK;
 }
 
@@ -279,6 +295,14 @@ ds4_status ds4_model_write_files(const ds4_model *m, const char *dir, const ds4_
         }
     }
     free(path);
+    for (size_t i = 0; !st && i < o.n_files; i++) {
+        size_t cap = dl + strlen(o.files[i].name) + 2;
+        char *fp = malloc(cap);
+        if (!fp) return ds4_fail(err, DS4_ERR_OOM, "model save %s: path", dir);
+        snprintf(fp, cap, "%s/%s", dir, o.files[i].name);
+        st = ds4_fs_write_file("model save", fp, o.files[i].data, o.files[i].len, err);
+        free(fp);
+    }
     return st;
 }
 

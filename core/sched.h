@@ -53,7 +53,8 @@ typedef struct ds4_tape {
     ds4_layer_tape *layers;       /* [L] main blocks, then [1] the MTP block (host structs, backend pointers) */
     float *X_L;                   /* [T, n, D] final streams */
     float *u_fin, *y_fin;         /* [T, D] HyperHead output / after the final norm */
-    float *logits;                /* [T, V] */
+    int64_t head_rows;            /* rows per chunk of the LM head (ds4_head_rows at the forward) */
+    float *logits;                /* [head_rows, V] one chunk of logits (main head, then the MTP head) */
     int64_t *ids, *labels;        /* [T] backend copies */
     int64_t *hids, *hlabels;      /* [T] host copies (the schedule derives targets and MTP rows from them) */
     int64_t *tgt;                 /* [T] targets of the rows of logits (backend) */
@@ -64,7 +65,6 @@ typedef struct ds4_tape {
     float *mtp_e, *mtp_en;        /* [T1, D] embedding of token i+1 / after enorm */
     float *mtp_hn;                /* [T1, n, D] hnorm of X^L_i */
     float *mtp_u, *mtp_y;         /* [T1, D] MTP HyperHead output / after mtp norm */
-    float *mtp_logits;            /* [T1, V] */
     float *mtp_X;                 /* [T1, n, D] MTP block output */
     int64_t loss_tokens, mtp_tokens; /* scored tokens of the main and MTP losses */
     int with_ikl;                 /* indexer KL loss: the indexer activations are kept */
@@ -170,8 +170,13 @@ static inline const void *ds4_pass_input(ds4_pass *p, void *planned, const void 
 /* forward.c: one decoder block over streams X (result back in X; Xt is scratch), with token ids `ids` for hash
  * routing; the head of a pass (logits = head(norm(HyperHead(X))) for p->T rows). */
 void ds4_block(ds4_pass *p, const ds4_layer_w *l, float *X, const int64_t *ids);
+/* logits NULL: only the head's input y = norm(HyperHead(X)), left in p->u (a training pass then runs the head in
+ * chunks of ds4_head_rows). */
 void ds4_lm_head(ds4_pass *p, const float *X, const float *fn, const float *base, const float *scale, const float *norm,
                  float *logits, float *u_keep, float *y_keep);
+/* Rows per chunk of the LM head in a training pass of T rows (ds4_train_options.head_chunk; 0: all rows on a
+ * host-visible backend, 1024 elsewhere). */
+int64_t ds4_head_rows(const ds4_model *m, int64_t T);
 /* The forward of ds4_model_forward / _train; with a tape it also saves what the backward needs. */
 ds4_status ds4_forward_run(ds4_model *m, const ds4_forward_args *args, ds4_forward_result *res, ds4_tape *tape,
                            ds4_error *err);

@@ -172,6 +172,8 @@ struct ds4_tokenizer {
     int bl_prefix_space, bl_use_regex;
     tok_regex gpt2;
     tok_pool *pool;
+    char *json;                   /* the tokenizer.json text it was loaded from (ds4_tokenizer_json) */
+    size_t json_len;
 };
 
 #define ID_ASSIGNED 1u
@@ -1259,6 +1261,7 @@ const char *ds4_tokenizer_special_name_at(size_t i) { return i < N_SPECIAL_NAMES
 
 void ds4_tokenizer_free(ds4_tokenizer *t) {
     if (!t) return;
+    free(t->json);
     free(t->arena);
     free(t->tok_off);
     free(t->tok_len);
@@ -1991,12 +1994,22 @@ ds4_status ds4_tokenizer_load_json(const char *json, size_t len, ds4_tokenizer *
     loader L = {t, err};
     ds4_status st = build(&L, root);
     ds4_json_free(root);
+    /* Kept verbatim: a saved model writes it next to its weights (tokenizer.json), so that what loads the model
+     * back gets this tokenizer, id for id, whatever this loader ignored (post_processor, ...). */
+    if (!st && !(t->json = malloc(len ? len : 1))) st = ds4_fail(err, DS4_ERR_OOM, "tokenizer: out of memory");
     if (st) {
         ds4_tokenizer_free(t);
         return st;
     }
+    if (len) memcpy(t->json, json, len);
+    t->json_len = len;
     *out = t;
     return DS4_OK;
+}
+
+const char *ds4_tokenizer_json(const ds4_tokenizer *tok, size_t *len) {
+    if (len) *len = tok ? tok->json_len : 0;
+    return tok ? tok->json : NULL;
 }
 
 ds4_status ds4_tokenizer_load(const char *path, ds4_tokenizer **out, ds4_error *err) {
@@ -2031,8 +2044,10 @@ ds4_status ds4_tokenizer_byte_level(ds4_tokenizer **out, ds4_error *err) {
             "\"normalized\":false,\"special\":true}",
             i ? "," : "", 256 + i, SPECIAL_NAMES[i].content);
     PUT("],\"normalizer\":null,\"pre_tokenizer\":{\"type\":\"ByteLevel\",\"add_prefix_space\":false,"
-        "\"trim_offsets\":false,\"use_regex\":false},\"post_processor\":null,\"decoder\":{\"type\":\"ByteLevel\"},"
-        "\"model\":{\"type\":\"BPE\",\"dropout\":null,\"unk_token\":null,\"byte_fallback\":false,\"vocab\":{");
+        "\"trim_offsets\":false,\"use_regex\":false},\"post_processor\":null,\"decoder\":{\"type\":\"ByteLevel\","
+        "\"add_prefix_space\":false,\"trim_offsets\":false,\"use_regex\":false},"
+        "\"model\":{\"type\":\"BPE\",\"dropout\":null,\"unk_token\":null,\"continuing_subword_prefix\":null,"
+        "\"end_of_word_suffix\":null,\"fuse_unk\":false,\"byte_fallback\":false,\"ignore_merges\":false,\"vocab\":{");
     for (uint32_t b = 0; b < 256; b++) {
         uint32_t cp = byte_to_cp(b);
         if (cp == '"' || cp == '\\') PUT("%s\"\\%c\":%u", b ? "," : "", (char)cp, b);

@@ -213,6 +213,8 @@ __global__ void record_picks_kernel(int32_t *dst, int64_t ld, const int32_t *sel
 struct att_args {
     const float *sink, *q, *kv, *cK;
     float *o;
+    float *smx;                   // CSA with the indexer-KL target: [T, H] each softmax's max and denominator
+    double *sden;
     ds4_rows rows;
     int64_t H, d, win, nwin, m, sel_stride, maxk;
     int type;
@@ -304,6 +306,7 @@ __global__ void __launch_bounds__(ATT_THREADS) attention_kernel(att_args a) {
     double den = 0;
     for (int64_t k = threadIdx.x; k < L.nk; k += ATT_THREADS) den += (double)(lg[k] = (float)exp((double)(lg[k] - mx)));
     den = ds4d_block_sum(den, shd) + exp((double)(a.sink[h] - mx));
+    if (a.smx && threadIdx.x == 0) a.smx[t * a.H + h] = mx, a.sden[t * a.H + h] = den;
     for (int64_t k = threadIdx.x; k < L.nk; k += ATT_THREADS) lg[k] = (float)(lg[k] / den);
     __syncthreads();
     float *o = a.o + (t * a.H + h) * d;
@@ -312,6 +315,31 @@ __global__ void __launch_bounds__(ATT_THREADS) attention_kernel(att_args a) {
         for (int64_t k = 0; k < L.nk; k++) acc += lg[k] * kp[k][c];
         o[c] = acc;
     }
+}
+
+// The indexer-KL target of row t's pick i (one warp each): every head's probability of the pick, recomputed with the
+// attention kernel's arithmetic from its max and denominator (so the same bits), added in head order from 0 as the
+// CPU; 0 past the picks. Recomputing one logit per (pick, head) costs far less memory than keeping [T, H, picks].
+__global__ void __launch_bounds__(ATT_THREADS) itgt_kernel(att_args a, float *itgt) {
+    const int64_t x = (int64_t)blockIdx.x * (ATT_THREADS / 32) + (threadIdx.x >> 5), T = a.rows.T;
+    const int lane = threadIdx.x & 31;
+    if (x >= T * a.sel_stride) return; // whole warps
+    const int64_t t = x / a.sel_stride, i = x % a.sel_stride, d = a.d;
+    float acc = 0;
+    if (i < a.nsel[t]) {
+        const key_list L = keys_of(a, t);
+        const float *key = L.at(a.kv, L.nwk + i);
+        const float scale = 1.0f / sqrtf((float)d);
+        for (int64_t h = 0; h < a.H; h++) {
+            const float *q = a.q + (t * a.H + h) * d;
+            float dot = 0;
+            for (int64_t c = lane; c < d; c += 32) dot = fmaf(q[c], key[c], dot);
+            dot = ds4d_warp_sumf(dot) * scale;
+            const float e = (float)exp((double)(dot - a.smx[t * a.H + h]));
+            acc += (float)(e / a.sden[t * a.H + h]);
+        }
+    }
+    if (lane == 0) itgt[x] = acc;
 }
 
 // ------------------------------------------------------------------------------------------ cache commit
@@ -420,10 +448,6 @@ void ds4_cuda_record_picks(ds4_dev *d, const ds4_a_record_picks *a) {
 void ds4_cuda_attention(ds4_dev *d, const ds4_a_attention *a) {
     const int64_t T = a->rows.T;
     if (T <= 0) return;
-    if (a->itgt) {
-        ds4_dev_fail(d, DS4_ERR_UNSUPPORTED, "attention: the indexer-KL target (training) is not on the cuda backend yet");
-        return;
-    }
     const ds4_config *c = a->c;
     const int64_t S = a->rows.pos ? a->rows.cap : a->rows.S; /* a step: sized from the capacity, fixed while decoding */
     const int64_t win = c->sliding_window < S ? c->sliding_window : S, H = c->num_attention_heads;
@@ -443,11 +467,27 @@ void ds4_cuda_attention(ds4_dev *d, const ds4_a_attention *a) {
         cudaFuncSetAttribute(attention_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
         cdev(d)->smem_attn = smem;
     }
-    att_args g = {a->sink, a->q, a->kv, a->cK, a->o, a->rows, H, c->head_dim, c->sliding_window, a->nwin, m,
+    /* the indexer-KL target sums the heads' masses on each pick: the (row, head) blocks keep their softmax's max and
+     * denominator, and a second kernel adds the heads' probabilities of each pick in head order, so that no two
+     * blocks add into one value */
+    const int tgt = a->type == DS4_ATTN_CSA && a->itgt;
+    float *smx = NULL;
+    double *sden = NULL;
+    if (tgt) {
+        sden = (double *)ds4_cuda_scratch(d, (size_t)(T * H) * (sizeof(double) + sizeof(float)), "attention", 1);
+        if (!sden) return;
+        smx = (float *)(sden + T * H);
+    }
+    att_args g = {a->sink, a->q, a->kv, a->cK, a->o, smx, sden, a->rows, H, c->head_dim, c->sliding_window, a->nwin, m,
                   a->sel_stride, maxk, (int)a->type, a->sel, a->nsel};
     attention_kernel<<<(unsigned)(T * H), ATT_THREADS, smem, cdev(d)->stream>>>(g);
-    ds4_cuda_launched(d, "attention", "[%lld queries, %lld heads x %lld, <= %lld keys, %s]", (long long)T, (long long)H,
-                      (long long)c->head_dim, (long long)maxk, ds4_attn_type_name(a->type));
+    if (!ds4_cuda_launched(d, "attention", "[%lld queries, %lld heads x %lld, <= %lld keys, %s]", (long long)T,
+                           (long long)H, (long long)c->head_dim, (long long)maxk, ds4_attn_type_name(a->type)) ||
+        !tgt)
+        return;
+    itgt_kernel<<<ds4_blocks(T * a->sel_stride, ATT_THREADS / 32), ATT_THREADS, 0, cdev(d)->stream>>>(g, a->itgt);
+    ds4_cuda_launched(d, "attention", "[indexer-KL target of %lld queries x %lld picks, %lld heads]", (long long)T,
+                      (long long)a->sel_stride, (long long)H);
 }
 
 void ds4_cuda_cache_commit(ds4_dev *d, const ds4_a_cache_commit *a) {

@@ -333,6 +333,11 @@ static const ds4_ops cuda_ops = [] {
     SET(gather_rows) SET(scatter_rows) SET(add_rows) SET(add_bcast) SET(matmul) SET(matmul_grouped) SET(compress)
     SET(indexer) SET(attention) SET(cache_commit) SET(record_picks) SET(route) SET(count_loads) SET(moe_sort)
     SET(moe_weigh) SET(swiglu) SET(moe_combine) SET(ce_rows) SET(logprobs) SET(sample)
+    SET(optim_sumsq) SET(adamw) SET(cast_params)
+    SET(logp_bwd) SET(linear_bwd_x) SET(linear_bwd_w) SET(linear_bwd_x_grouped) SET(linear_bwd_w_grouped) SET(norm_bwd) SET(colsum_add) SET(sum_streams) SET(embed_bwd)
+    SET(hc_pre_bwd) SET(hc_post_bwd) SET(hyperhead_bwd) SET(swiglu_bwd) SET(moe_dws) SET(moe_dy) SET(moe_sum_slots) SET(router_bwd)
+    SET(attn_bwd_q) SET(attn_bwd_kv) SET(attn_bwd_entry) SET(pick_inverse) SET(entry_rope) SET(comp_bwd) SET(ikl)
+    SET(ikl_bwd_q) SET(ikl_bwd_k)
 #undef SET
     return o;
 }();
@@ -365,6 +370,9 @@ extern "C" ds4_status ds4_cuda_dev_create(int device, ds4_dev **out, ds4_error *
     const char *sync = getenv("DS4_CUDA_SYNC"), *graphs = getenv("DS4_CUDA_GRAPHS");
     cd->sync_each_op = sync && sync[0] == '1';
     cd->graphs_on = !(graphs && graphs[0] == '0');
+    /* a tuning knob, not a numerical one: both GEMM variants give the same bits (cuda_gemm.cu) */
+    const char *skinny = getenv("DS4_CUDA_SKINNY_ROWS");
+    cd->skinny_rows = skinny && skinny[0] ? strtoll(skinny, NULL, 10) : 256;
     *out = &cd->dev;
     return DS4_OK;
 }

@@ -50,6 +50,7 @@ struct cuda_dev {
     } graphs[16];
     uint64_t generation, clock;
     int graphs_on;                // DS4_CUDA_GRAPHS=0 switches recording off
+    int64_t skinny_rows;          // GEMMs of at most this many rows may take the skinny kernels (DS4_CUDA_SKINNY_ROWS)
     graph_entry *recording;
 };
 
@@ -149,6 +150,11 @@ DS4_CUDA_OP(compress) DS4_CUDA_OP(indexer) DS4_CUDA_OP(attention) DS4_CUDA_OP(ca
 DS4_CUDA_OP(route) DS4_CUDA_OP(count_loads) DS4_CUDA_OP(moe_sort) DS4_CUDA_OP(moe_weigh) DS4_CUDA_OP(swiglu)
 DS4_CUDA_OP(moe_combine)
 DS4_CUDA_OP(ce_rows) DS4_CUDA_OP(logprobs) DS4_CUDA_OP(sample)
+DS4_CUDA_OP(optim_sumsq) DS4_CUDA_OP(adamw) DS4_CUDA_OP(cast_params)
+DS4_CUDA_OP(logp_bwd) DS4_CUDA_OP(linear_bwd_x) DS4_CUDA_OP(linear_bwd_w) DS4_CUDA_OP(linear_bwd_x_grouped) DS4_CUDA_OP(linear_bwd_w_grouped) DS4_CUDA_OP(norm_bwd) DS4_CUDA_OP(colsum_add) DS4_CUDA_OP(sum_streams) DS4_CUDA_OP(embed_bwd)
+DS4_CUDA_OP(hc_pre_bwd) DS4_CUDA_OP(hc_post_bwd) DS4_CUDA_OP(hyperhead_bwd) DS4_CUDA_OP(swiglu_bwd) DS4_CUDA_OP(moe_dws) DS4_CUDA_OP(moe_dy) DS4_CUDA_OP(moe_sum_slots) DS4_CUDA_OP(router_bwd)
+DS4_CUDA_OP(attn_bwd_q) DS4_CUDA_OP(attn_bwd_kv) DS4_CUDA_OP(attn_bwd_entry) DS4_CUDA_OP(pick_inverse)
+DS4_CUDA_OP(entry_rope) DS4_CUDA_OP(comp_bwd) DS4_CUDA_OP(ikl) DS4_CUDA_OP(ikl_bwd_q) DS4_CUDA_OP(ikl_bwd_k)
 #undef DS4_CUDA_OP
 
 #endif

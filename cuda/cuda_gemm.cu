@@ -8,8 +8,8 @@
 //   bf16 weights: x is rounded to bf16 (round-to-nearest-even) and the products accumulate in fp32 on the tensor
 //     cores (mma.sync m16n8k16) over the slice's chunks of 32 in order (zero padded). Within a chunk, thread (g, t)
 //     of a warp holds the 8 consecutive k's 8t..8t+7 of its row and column; the first mma takes 8t..8t+3 into its
-//     k-slots (2t, 2t+1, 2t+8, 2t+9), the second 8t+4..8t+7. Every kernel feeds the tensor cores through mma_k32
-//     with that mapping, so the sums they do are the same sums.
+//     k-slots (2t, 2t+1, 2t+8, 2t+9), the second 8t+4..8t+7. Every kernel feeds the tensor cores through
+//     ds4d_mma_k32 (cuda_tile.cuh) with that mapping, so the sums they do are the same sums.
 // The fixed slices are what lets few-row products (decoding) spread one output's K over many warps — each computes
 // the partials of its slices, the last to finish adds them in slice order — without changing a bit.
 // Kernels: tiled ones through shared memory for many rows; "skinny" ones for at most 16 rows, one warp (bf16) or one
@@ -18,6 +18,7 @@
 #include <cstring>
 
 #include "cuda_dev.cuh"
+#include "cuda_tile.cuh"
 
 namespace {
 
@@ -48,18 +49,7 @@ __device__ __forceinline__ bool block_rows(const gemm_args &a, int64_t tile, int
         woff = 0;
         return r0 < a.M;
     }
-    int64_t t = tile;
-    for (int64_t e = 0; e < a.E; e++) {
-        const int64_t b = a.off[e], n = a.off[e + 1] - b, tiles = (n + BM - 1) / BM;
-        if (t < tiles) {
-            r0 = b + t * BM;
-            r1 = a.off[e + 1];
-            woff = e * a.wstride;
-            return true;
-        }
-        t -= tiles;
-    }
-    return false;
+    return ds4d_group_tile<BM>(a.off, a.E, a.wstride, tile, r0, r1, woff);
 }
 
 // A skinny kernel's result for (group z, slice s, row r, column c): the partial, or y itself when K is one slice.
@@ -107,10 +97,8 @@ __global__ void __launch_bounds__((BM / TM) * (BN / TN)) gemm_f32_kernel(gemm_ar
     const int64_t n0 = (int64_t)blockIdx.x * BN;
     const int tid = threadIdx.x, ty = tid / (BN / TN), tx = tid % (BN / TN);
     float tot[TM][TN], acc[TM][TN];
-#pragma unroll
-    for (int i = 0; i < TM; i++)
-#pragma unroll
-        for (int j = 0; j < TN; j++) tot[i][j] = acc[i][j] = 0.0f;
+    ds4d_fma_zero(tot);
+    ds4d_fma_zero(acc);
     for (int64_t k0 = 0; k0 < a.K; k0 += BK) {
         for (int i = tid; i < BM * BK; i += NTH) {
             const int m = i / BK, kk = i % BK;
@@ -123,20 +111,10 @@ __global__ void __launch_bounds__((BM / TM) * (BN / TN)) gemm_f32_kernel(gemm_ar
             sB[kk][n] = c < a.N && k < a.K ? W[c * a.ldw + k] : 0.0f;
         }
         __syncthreads();
-#pragma unroll
-        for (int kk = 0; kk < BK; kk++)
-#pragma unroll
-            for (int i = 0; i < TM; i++) {
-                const float av = sA[kk][ty * TM + i];
-#pragma unroll
-                for (int j = 0; j < TN; j++) acc[i][j] = fmaf(av, sB[kk][tx * TN + j], acc[i][j]);
-            }
+        ds4d_fma_chunk(acc, sA, sB, ty, tx);
         __syncthreads();
         if ((k0 + BK) % KSLICE == 0 || k0 + BK >= a.K) // a slice ends: its partial joins the total
-#pragma unroll
-            for (int i = 0; i < TM; i++)
-#pragma unroll
-                for (int j = 0; j < TN; j++) tot[i][j] += acc[i][j], acc[i][j] = 0.0f;
+            ds4d_fma_fold(tot, acc);
     }
 #pragma unroll
     for (int i = 0; i < TM; i++) {
@@ -183,21 +161,6 @@ __global__ void __launch_bounds__(256) gemm_f32_skinny(gemm_args a) {
 }
 
 // ------------------------------------------------------------------------------------------ bf16
-
-__device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                         uint32_t b0, uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-// One chunk of 32 k's: ag / ag8 are the 8 bf16 of rows g and g+8 at k = 8t..8t+7 (4 words), b those of column g.
-__device__ __forceinline__ void mma_k32(float (&c)[4], const uint32_t (&ag)[4], const uint32_t (&ag8)[4],
-                                        const uint32_t (&b)[4]) {
-    mma_bf16(c, ag[0], ag8[0], ag[1], ag8[1], b[0], b[1]);
-    mma_bf16(c, ag[2], ag8[2], ag[3], ag8[3], b[2], b[3]);
-}
 
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
     __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
@@ -265,12 +228,8 @@ __global__ void __launch_bounds__((BM / WM) * (BN / WN) * 32) gemm_bf16_tiled(ge
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
     const int wm = (warp / (BN / WN)) * WM, wn = (warp % (BN / WN)) * WN;
     float acc[MT][NT][4], tot[MT][NT][4];
-#pragma unroll
-    for (int i = 0; i < MT; i++)
-#pragma unroll
-        for (int j = 0; j < NT; j++)
-#pragma unroll
-            for (int q = 0; q < 4; q++) acc[i][j][q] = tot[i][j][q] = 0.0f;
+    ds4d_mma_zero(acc);
+    ds4d_mma_zero(tot);
     uint32_t ra[AL][4], rb[BL][4];
     auto fetch = [&](int64_t k0) {
 #pragma unroll
@@ -301,29 +260,10 @@ __global__ void __launch_bounds__((BM / WM) * (BN / WN) * 32) gemm_bf16_tiled(ge
         stash();
         __syncthreads();
         if (k0 + 32 < a.K) fetch(k0 + 32);
-        uint32_t af[MT][2][4];
-#pragma unroll
-        for (int i = 0; i < MT; i++)
-#pragma unroll
-            for (int h = 0; h < 2; h++) {
-                const uint4 v = *reinterpret_cast<const uint4 *>(&sA[(wm + i * 16 + g + h * 8) * LDS + t * 8]);
-                af[i][h][0] = v.x, af[i][h][1] = v.y, af[i][h][2] = v.z, af[i][h][3] = v.w;
-            }
-#pragma unroll
-        for (int j = 0; j < NT; j++) {
-            const uint4 v = *reinterpret_cast<const uint4 *>(&sB[(wn + j * 8 + g) * LDS + t * 8]);
-            const uint32_t bf[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-            for (int i = 0; i < MT; i++) mma_k32(acc[i][j], af[i][0], af[i][1], bf);
-        }
+        ds4d_mma_chunk<MT, NT, LDS>(acc, sA, sB, wm, wn, g, t);
         __syncthreads();
         if ((k0 + 32) % KSLICE == 0 || k0 + 32 >= a.K) // a slice ends: its partial joins the total
-#pragma unroll
-            for (int i = 0; i < MT; i++)
-#pragma unroll
-                for (int j = 0; j < NT; j++)
-#pragma unroll
-                    for (int q = 0; q < 4; q++) tot[i][j][q] += acc[i][j][q], acc[i][j][q] = 0.0f;
+            ds4d_mma_fold(tot, acc);
     }
     const int64_t rend = r1 < r0 + BM ? r1 : r0 + BM;
 #pragma unroll
@@ -359,7 +299,7 @@ __global__ void __launch_bounds__(WARPS * 32) gemm_bf16_skinny(gemm_args a, int 
         float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
         for (int u = 0; u < U; u++)
-            if (k0 + u * 32 < a.K) mma_k32(acc, ag[u], ag8[u], bw[u]);
+            if (k0 + u * 32 < a.K) ds4d_mma_k32(acc, ag[u], ag8[u], bw[u]);
         const int64_t c = n0 + 2 * t;
         const int64_t rr[2] = {r0 + g, r0 + g + 8};
 #pragma unroll
@@ -387,18 +327,20 @@ void gemm(ds4_dev *d, const char *op, gemm_args a, ds4_dtype wdt, int64_t groups
     }
     const int64_t G = groups > 0 ? groups : 1;
     a.S = (a.K + KSLICE - 1) / KSLICE;
-    /* the skinny kernels (16 rows per block, parallel over K slices) when the tiled ones would leave most of the GPU
-     * idle: few rows, or so few output tiles that the tiled grid has fewer blocks than two per SM */
-    const int64_t tiled_blocks = G * ((rows_hint + 63) / 64) * ((a.N + 127) / 128);
-    const bool skinny = rows_hint <= 16 || (tiled_blocks < 2 * (int64_t)cd->sm_count && rows_hint <= 1024);
-    if (G * (skinny ? a.S : 1) > 65535) {
-        ds4_dev_fail(d, DS4_ERR_UNSUPPORTED, "%s: %lld groups x %lld slices > 65535", op, (long long)G, (long long)a.S);
-        return;
-    }
     auto grid_y = [&](int BM) {
         const int64_t t = a.off ? (a.M + BM - 1) / BM + a.E : (a.M + BM - 1) / BM;
         return (unsigned)(t < 1 ? 1 : t);
     };
+    /* the skinny kernels (16 rows per block, parallel over K slices) when the tiled ones would leave most of the GPU
+     * idle: few rows (per group of W), or so few output tiles that the tiled grid (every expert's tiles, for grouped
+     * GEMMs) has fewer blocks than two per SM. Measured on an H100 (bench/RESULTS.md): at 128-256 rows the skinny
+     * kernels win 2-3x; at 512 and more rows they lose (they read W once per 16 rows and write K-slice partials). */
+    const int64_t tiled_blocks = G * (int64_t)grid_y(64) * ((a.N + 127) / 128);
+    const bool skinny = rows_hint <= 16 || (tiled_blocks < 2 * (int64_t)cd->sm_count && rows_hint <= cd->skinny_rows);
+    if (G * (skinny ? a.S : 1) > 65535) {
+        ds4_dev_fail(d, DS4_ERR_UNSUPPORTED, "%s: %lld groups x %lld slices > 65535", op, (long long)G, (long long)a.S);
+        return;
+    }
     const int64_t cols = wdt == DS4_F32 ? F32S_COLS : 4 * 8; // a skinny block's columns
     if (skinny && a.S > 1) {
         a.part = (float *)ds4_cuda_scratch(d, (size_t)(G * a.S * a.M * a.N) * sizeof(float), op, 0);
@@ -436,13 +378,22 @@ void ds4_cuda_gemm_f32(ds4_dev *d, const char *op, float *y, int64_t ldy, const 
     gemm(d, op, g, DS4_F32, 1, M);
 }
 
+// bf16_in (ops.h) with fp32 weights is the CPU reference's emulation of the bf16 mode; bf16 weights imply it here.
+static bool fp32_bf16_in(ds4_dev *d, const char *op, int bf16_in, ds4_dtype wdt) {
+    if (!bf16_in || wdt == DS4_BF16) return false;
+    ds4_dev_fail(d, DS4_ERR_UNSUPPORTED, "%s: bf16_in with fp32 weights (the CPU's emulation of the bf16 mode)", op);
+    return true;
+}
+
 void ds4_cuda_matmul(ds4_dev *d, const ds4_a_matmul *a) {
+    if (fp32_bf16_in(d, "matmul", a->bf16_in, a->wdt)) return;
     gemm_args g = {a->y, a->ldy, a->x, a->ldx, a->W, a->K, a->T, a->O, a->K, a->gx, a->gy, a->gw, nullptr, 0, 0,
                    nullptr, 0, nullptr};
     gemm(d, "matmul", g, a->wdt, a->groups, a->T);
 }
 
 void ds4_cuda_matmul_grouped(ds4_dev *d, const ds4_a_matmul_grouped *a) {
+    if (fp32_bf16_in(d, "matmul_grouped", a->bf16_in, a->wdt)) return;
     gemm_args g = {a->y, a->O, a->x, a->K, a->W, a->K, a->rows, a->O, a->K, 0, 0, 0, a->off, a->E, a->wstride,
                    nullptr, 0, nullptr};
     /* rows per expert group: few when decoding (each expert streams its weights once) */

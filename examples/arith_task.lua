@@ -17,14 +17,15 @@ local T = {}
 -- Lua numbers are doubles, so the product must stay below 2^53 to be exact (16807 · 2^31 < 2^46); the classic
 -- 1103515245 multiplier would round and fall into short cycles. The draw uses the high part (s / m · n), not
 -- s % n.
+-- Returns the draw function and its state ({s = ...}: saved in RL checkpoints, so that a resumed run draws on).
 function T.rng(seed)
     local m = 2147483647
-    local s = seed % m
-    if s == 0 then s = 1 end
+    local st = { s = seed % m }
+    if st.s == 0 then st.s = 1 end
     return function(n)
-        s = s * 16807 % m
-        return math.floor(s / m * n)
-    end
+        st.s = st.s * 16807 % m
+        return math.floor(st.s / m * n)
+    end, st
 end
 
 -- a in [0, 1000), b in [0, 10): 10,000 problems, so the RL steps rarely repeat one and held-out accuracy measures
@@ -53,10 +54,14 @@ function T.write_jsonl(path, n, r, exclude)
 end
 
 -- Samples {prompt = ids, text = prompt string, answer = string} from a JSONL file of {prompt, answer}. ds4.data
--- checks every row (a non-empty prompt, an answer that is a string or a finite number) and names file:line.
-function T.read_jsonl(path, tok)
+-- checks every row (a non-empty prompt, an answer that is a string or a finite number) and names file:line. opts:
+-- ds4.data's template, thinking and columns: a conversational prompt is rendered with the template (generation
+-- prompt appended), and text is the rendering.
+function T.read_jsonl(path, tok, opts)
+    opts = opts or {}
     local out = {}
-    for i, row in ipairs(ds4.data.read_jsonl(path, { tokenizer = tok })) do
+    for i, row in ipairs(ds4.data.read_jsonl(path, { tokenizer = tok, template = opts.template,
+        thinking = opts.thinking, columns = opts.columns })) do
         out[i] = { prompt = row.ids, text = row.prompt, answer = row.answer }
     end
     return out
@@ -69,22 +74,10 @@ function T.encode(tok, s)
     return o
 end
 
--- The small DeepSeek-V4-architecture model of the example: every layer type (sliding, CSA with its indexer,
--- HCA), hash-routed and learned MoE, mHC with 2 streams; ~0.6 M parameters.
+-- The small DeepSeek-V4-architecture model of the examples (examples/small_model.lua): ~0.6 M parameters.
+local HERE = debug.getinfo(1, "S").source:match("^@(.*)/[^/]*$") or "." -- this file's directory
 function T.model_config(tok)
-    return {
-        vocab_size = tok:vocab_size(), hidden_size = 64, num_hidden_layers = 4,
-        num_attention_heads = 4, head_dim = 32, qk_rope_head_dim = 16, q_lora_rank = 32,
-        o_groups = 2, o_lora_rank = 32, sliding_window = 16,
-        layer_types = { "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
-                        "compressed_sparse_attention" },
-        compress_rates = { compressed_sparse_attention = 4, heavily_compressed_attention = 8 },
-        mlp_layer_types = { "hash_moe", "moe", "moe", "moe" },
-        index_n_heads = 4, index_head_dim = 32, index_topk = 4,
-        n_routed_experts = 8, num_experts_per_tok = 2, moe_intermediate_size = 64,
-        hc_mult = 2, num_nextn_predict_layers = 0, initializer_range = 0.05,
-        bos_token_id = tok:special("bos"), eos_token_id = tok:special("eos"),
-    }
+    return dofile(HERE .. "/small_model.lua")(tok)
 end
 
 -- Reward: 1 for a correct boxed (or last-number) answer, 0 otherwise.

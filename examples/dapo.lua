@@ -1,35 +1,40 @@
---[[ examples/dapo.lua — DAPO on a verifiable task, end to end on a CPU, with nothing downloaded.
+--[[ examples/dapo.lua — DAPO on a verifiable task, end to end on a CPU, with nothing downloaded; or on your data
+and model.
 
-  ds4 run examples/dapo.lua [--steps N] [--sft-steps N] [--model DIR] [--tokenizer FILE] [--data FILE.jsonl]
-                            [--eval-data FILE.jsonl] [--eval N] [--out DIR] [--seed N] [--lr X] [--prompts N]
-                            [--n N] [--max-new-tokens N] [--minibatches N] [--algorithm dapo|grpo|gspo|...]
-                            [--routing-replay] [--sft-batch N] [--save DIR] [--quiet]
-                            [--workers ENDPOINT] [--n-workers N] [--max-staleness S]
-                            [--curve PREFIX --allow A.pub,B.pub | --insecure]
+  ds4 run examples/dapo.lua [--config run.lua] [--data FILE.jsonl] [--model DIR] [--steps N] [--OPTION VALUE ...]
+  ds4 run examples/dapo.lua --help                  every option, with its default
 
-  1. data: without --data, writes addition problems ("a+b=", a up to three digits, b one digit, answer in \boxed{}) as JSONL to
-     DIR/eval.jsonl and DIR/train.jsonl (no training problem repeats a held-out one) and reads them back — the format a user's own dataset uses
-     ({"prompt": ..., "answer": ...} per line);
-  2. model: without --model, builds a small DeepSeek-V4-architecture model from a Lua config
-     (examples/arith_task.lua) and the built-in byte-level tokenizer; with --model DIR, loads an HF checkpoint
-     (and DIR/tokenizer.json, or --tokenizer);
+  1. data: --data FILE.jsonl, {"prompt": ..., "answer": ...} per line (checked before anything trains: errors
+     name file:line and the field); the prompt is text, or a chat conversation ([{"role": "user", "content":
+     ...}], TRL's conversational format) rendered with the chat template (--chat-template, default the model's;
+     the generation prompt appended, --thinking for thinking mode); --columns.answer reward_model.ground_truth
+     (or --columns verl) reads verl's layout. Held out: --eval-data, or the last --eval rows of --data. Without
+     --data, addition problems ("a+b=", a up to three digits, b one digit, answer in \boxed{}) are written as
+     JSONL to RUN/eval.jsonl and RUN/train.jsonl (no training problem repeats a held-out one) and read back;
+  2. model: without --model, a small DeepSeek-V4-architecture model (examples/small_model.lua) over the
+     built-in byte-level tokenizer; with --model DIR, an HF checkpoint and its tokenizer (DIR/tokenizer.json;
+     --tokenizer FILE, or byte, overrides it);
   3. SFT warm-up (--sft-steps, default 150 for the built-in model, 0 with --model) to partial accuracy;
   4. greedy accuracy on the held-out problems (--eval, default 200) before RL;
   5. RL with the algorithm table below (DAPO: clip-higher 0.2 / 0.28, dynamic sampling, token-level loss,
-     soft overlong punishment) through ds4.rl.trainer — metrics as JSON lines in DIR/metrics.jsonl, progress on
-     the terminal;
-  6. greedy accuracy after RL, and DIR/metrics.svg, a plot of reward and accuracy; --save DIR2 writes the trained
-     model as an HF checkpoint (load it with --model DIR2 --tokenizer byte, or ds4.load / from_pretrained).
-  examples/grpo.lua and examples/gspo.lua run this file with another algorithm table.
+     soft overlong punishment) through ds4.rl.trainer; --algorithm NAME picks another preset, and dotted options
+     change any field (--algorithm.loss.eps_high 0.3, or algorithm = {name = "grpo", ...} in a config file);
+  6. greedy accuracy after RL. The run directory (--out DIR, default runs/dapo/<start time>; runs/dapo/latest
+     links to the newest) holds config.lua (the effective configuration: --config it to run again), metrics.jsonl
+     and TensorBoard event files (`tensorboard --logdir runs/dapo`), completions.jsonl (--log-completions N: a
+     few sampled completions every N steps), metrics.svg (reward and accuracy, loss, KL, entropy) and, with
+     --save-every K, checkpoints ckpt/step_NNNNNN (policy and tokenizer, optimizer, data position, counters);
+     --resume continues the run in --out (or runs/dapo/latest) from its newest checkpoint, bitwise as if it had
+     not stopped. --save DIR2 writes the trained model and its tokenizer as an HF checkpoint.
+  examples/grpo.lua and examples/gspo.lua run this file with another default algorithm.
 
-  Rollouts come from the policy itself by default. The ROLLOUT table below switches them to remote workers
-  (`ds4 worker` processes, lua/ds4/rollout/): --workers ENDPOINT fills it in. The trainer then binds a pool there
-  after the SFT warm-up, saves the warmed-up model to DIR/worker_model (start the workers from it: it carries the
-  hash-routing tables the weight sync does not), and publishes every optimizer step's weights to the workers:
-    ds4 worker --connect ENDPOINT --model DIR/worker_model [--insecure | --key W.key --server-key PREFIX.pub]
-  tcp:// needs CURVE keys (`ds4 keygen --out PREFIX`: --curve PREFIX for the trainer, --allow the workers' .pub
-  files) or --insecure; ipc:// stays on this host. --max-staleness 0 makes every rollout use the newest weights
-  (default 1: one step behind at most, corrected by the importance ratio against the recomputed log-probs).
+  Rollouts come from the policy itself by default. --workers ENDPOINT switches them to remote workers (`ds4 worker`
+  processes, lua/ds4/rollout/): the trainer binds a pool there after the SFT warm-up, saves the warmed-up model to
+  RUN/worker_model (start the workers from it: it carries the hash-routing tables the weight sync does not), prints
+  the command that starts a worker, and publishes every optimizer step's weights to the workers. tcp:// needs CURVE
+  keys (`ds4 keygen --out PREFIX`: --curve PREFIX for the trainer, --allow the workers' .pub files) or --insecure;
+  ipc:// stays on this host. --max-staleness 0 makes every rollout use the newest weights (default 1: one step
+  behind at most, corrected by the importance ratio against the recomputed log-probs).
 ]]
 
 local ds4 = require("ds4")
@@ -38,99 +43,152 @@ local trainer = require("ds4.rl.trainer")
 local task = dofile(ds4.script_dir() .. "/arith_task.lua")
 
 -- ------------------------------------------------------------------------------------------------ options
-local defaults = { steps = 120, ["sft-steps"] = -1, model = "", tokenizer = "", data = "", ["eval-data"] = "",
-    eval = 200, out = "runs/dapo", seed = 1, lr = 3e-4, prompts = 32, n = 8, ["max-new-tokens"] = 20,
-    minibatches = 2, algorithm = "dapo", ["routing-replay"] = false, ["sft-batch"] = 64, save = "", quiet = false,
-    workers = "", ["n-workers"] = 0, ["max-staleness"] = 1, curve = "", allow = "", insecure = false }
-local opts = {}
-for k, v in pairs(defaults) do opts[k] = v end
-for k, v in pairs(DS4_EXAMPLE_DEFAULTS or {}) do opts[k] = v end -- set by grpo.lua / gspo.lua
-do
-    local i = 1
-    while i <= #arg do
-        local k = arg[i]:match("^%-%-(.+)$")
-        if not k or defaults[k] == nil then
-            io.stderr:write("dapo.lua: unknown option " .. tostring(arg[i]) .. "\nusage: ds4 run examples/dapo.lua "
-                .. "[--steps N] [--sft-steps N] [--model DIR] [--tokenizer FILE] [--data FILE.jsonl] [--eval-data "
-                .. "FILE.jsonl] [--eval N] [--out DIR] [--seed N] [--lr X] [--prompts N] [--n N] [--max-new-tokens N] "
-                .. "[--minibatches N] [--algorithm NAME] [--routing-replay] [--sft-batch N] [--save DIR] [--quiet] "
-                .. "[--workers ENDPOINT [--n-workers N] [--max-staleness S] [--curve PREFIX --allow A.pub,B.pub | "
-                .. "--insecure]]\n")
-            os.exit(2)
-        end
-        if k == "quiet" or k == "routing-replay" or k == "insecure" then
-            opts[k] = true
-        else
-            i = i + 1
-            if arg[i] == nil then
-                io.stderr:write("dapo.lua: --" .. k .. " needs a value\n")
-                os.exit(2)
-            end
-            if type(defaults[k]) == "number" then
-                opts[k] = tonumber(arg[i]) or error("--" .. k .. " needs a number, got " .. arg[i], 0)
-            else
-                opts[k] = arg[i]
-            end
-        end
-        i = i + 1
-    end
+local EX = DS4_EXAMPLE_DEFAULTS or {} -- set by grpo.lua / gspo.lua: {algorithm = name, root = "runs/NAME"}
+local SPEC = {
+    program = arg and arg[0] or "examples/dapo.lua",
+    summary = "RL (DAPO by default) with a verifiable reward, on a JSONL dataset of prompts and answers.",
+    options = {
+        { "data", "", "training prompts, JSONL {\"prompt\": text or conversation, \"answer\": ...}" },
+        { "eval_data", "", "held-out prompts, same format (default: the last --eval rows of --data)" },
+        { "eval", 200, "held-out problems" },
+        { "columns", {}, "field names of --data (--columns.answer reward_model.ground_truth), or verl", table = true },
+        { "chat_template", "", "template for conversational prompts (default: the model's)" },
+        { "thinking", false, "render conversational prompts in thinking mode" },
+        { "model", "", "HF checkpoint directory (default: a new small model)" },
+        { "tokenizer", "", "tokenizer.json, or byte (default: the model's, else byte)" },
+        { "sft_steps", -1, "SFT warm-up steps (-1: 150 for the built-in model, 0 with --model)" },
+        { "sft_batch", 64, "SFT warm-up batch" },
+        { "algorithm", EX.algorithm or "dapo", "dapo, grpo, gspo, dr_grpo, cispo; dotted fields override the preset",
+            table = true },
+        { "steps", 120, "RL steps" },
+        { "prompts", 32, "prompts per step" },
+        { "n", 8, "samples per prompt" },
+        { "max_new_tokens", 20, "response budget" },
+        { "minibatches", 2, "optimizer updates per step" },
+        { "lr", 3e-4, "learning rate" },
+        { "seed", 1, "seed of the data, the model and the rollouts" },
+        { "device", "", "where the model computes: cpu, cuda, cuda:N (default: ds4 run --device's, else cpu)" },
+        { "dtype", "", "fp32 or bf16 (default: bf16 on CUDA, fp32 on the CPU)" },
+        { "routing_replay", false, "train with the experts the rollouts used" },
+        { "out", "", "run directory (default: " .. (EX.root or "runs/dapo") .. "/<start time>)" },
+        { "run_id", "", "name of the run under the default root (default: the start time)" },
+        { "resume", false, "continue the run in --out (or the latest) from its newest checkpoint" },
+        { "save_every", 0, "checkpoint every K RL steps (0: none)" },
+        { "keep_last", 3, "checkpoints kept" },
+        { "log_completions", 20, "a table of sampled completions every N steps (0: none)" },
+        { "tensorboard", true, "write TensorBoard event files" },
+        { "save", "", "write the trained model (and tokenizer) here" },
+        { "quiet", false, "no progress output" },
+        { "workers", "", "remote rollout workers: the endpoint to bind (tcp://0.0.0.0:5555, ipc:///tmp/x)" },
+        { "n_workers", 0, "wait for this many workers before the first step" },
+        { "max_staleness", 1, "policy versions a rollout may lag behind" },
+        { "curve", "", "the trainer's CURVE key prefix (PREFIX.key, PREFIX.pub)" },
+        { "allow", "", "the workers' public keys, comma-separated .pub files" },
+        { "insecure", false, "plain TCP without CURVE" },
+    },
+}
+local opts, run = ds4.rundir.start(arg, SPEC, EX.root or "runs/dapo")
+-- the models made below compute there (ds4.set_device checks the spelling and that the device exists)
+if opts.device ~= "" or opts.dtype ~= "" then
+    ds4.set_device(opts.device ~= "" and opts.device or ds4.device():match("^%S+"), opts.dtype ~= "" and opts.dtype or nil)
 end
+local OUT = run.dir
 -- Option values that would only fail later, deep inside a run: refused now, naming the option.
 local function usage_error(msg)
     io.stderr:write("dapo.lua: " .. msg .. "\n")
     os.exit(2, true) -- close the state: the model and tokenizer are freed (no leak reports under LeakSanitizer)
 end
-for _, k in ipairs({ "steps", "eval", "prompts", "n", "max-new-tokens", "minibatches", "sft-batch", "n-workers",
-    "max-staleness", "seed" }) do
-    local v, lo = opts[k], (k == "eval" or k == "prompts" or k == "n" or k == "max-new-tokens" or k == "minibatches"
-        or k == "sft-batch") and 1 or 0
-    if v ~= math.floor(v) or v < lo then usage_error(("--%s must be an integer >= %d, got %s"):format(k, lo, v)) end
+for _, k in ipairs({ "steps", "eval", "prompts", "n", "max_new_tokens", "minibatches", "sft_batch", "n_workers",
+    "max_staleness", "seed", "save_every", "keep_last", "log_completions" }) do
+    local v, lo = opts[k], (k == "eval" or k == "prompts" or k == "n" or k == "max_new_tokens" or k == "minibatches"
+        or k == "sft_batch" or k == "keep_last") and 1 or 0
+    if v ~= math.floor(v) or v < lo then
+        usage_error(("--%s must be an integer >= %d, got %s"):format(k:gsub("_", "-"), lo, v))
+    end
 end
-if opts["sft-steps"] ~= math.floor(opts["sft-steps"]) or opts["sft-steps"] < -1 then
-    usage_error("--sft-steps must be an integer >= 0, got " .. opts["sft-steps"])
+if opts.sft_steps ~= math.floor(opts.sft_steps) or opts.sft_steps < -1 then
+    usage_error("--sft-steps must be an integer >= 0, got " .. opts.sft_steps)
 end
 if not (opts.lr > 0 and opts.lr < math.huge) then usage_error("--lr must be a positive number, got " .. opts.lr) end
-os.execute(("mkdir -p '%s'"):format(opts.out))
 
--- Where rollouts come from: nil workers = the policy itself, in this process; an endpoint = remote `ds4 worker`
--- processes behind a ds4.rollout.pool bound there. Changing this one table is the whole switch.
-local ROLLOUT = {
-    workers = opts.workers ~= "" and opts.workers or nil, -- e.g. "tcp://0.0.0.0:5555", "ipc:///tmp/dapo.sock"
-    expect = opts["n-workers"],                             -- wait for this many workers before the first step
-    max_staleness = opts["max-staleness"],
-    curve = nil,                                            -- {secret, public, allow = {...}} (key files or Z85)
-    insecure = opts.insecure,                               -- plain TCP without CURVE
+-- ------------------------------------------------------------------------------------------------ algorithm
+-- The algorithm is data: a preset, with this example's settings (DAPO's soft overlong punishment scaled to this
+-- task's response budget: the paper's 20480 / 4096 are for long proofs; no reference model here, so no KL), then
+-- the user's fields (--algorithm.loss.eps_high 0.3, or a table in a config file).
+local M = opts.max_new_tokens
+local EXAMPLE = {
+    dapo = { overlong = { soft = { max_len = M, cache = math.max(1, math.floor(M / 4)), factor = 1.0 } },
+        agg = "token_mean" },
+    grpo = { kl = rl.NIL },
+    dr_grpo = { agg = { max_len = M } },
 }
-if opts.curve ~= "" then
-    local allow = {}
-    for f in opts.allow:gmatch("[^,]+") do allow[#allow + 1] = f end
-    ROLLOUT.curve = { secret = opts.curve .. ".key", public = opts.curve .. ".pub", allow = allow }
+-- the fields a preset has, and those a spec may add: a misspelt field is an error, not a silent no-op
+local FIELDS = { name = 1, adv = 1, loss = 1, agg = 1, kl = 1, entropy_coef = 1, dynamic_sampling = 1, overlong = 1,
+    tis = 1, refs = 1 }
+local LOSS_FIELDS = { kind = 1, eps_low = 1, eps_high = 1, clip_c = 1 }
+local function algorithm_of(a)
+    local name, user = a, {}
+    if type(a) == "table" then
+        name = a.name or EX.algorithm or "dapo"
+        for k, v in pairs(a) do if k ~= "name" then user[k] = v end end
+    end
+    if not rl.algorithms[name] then
+        local names = {}
+        for k in pairs(rl.algorithms) do names[#names + 1] = k end
+        table.sort(names)
+        usage_error(("--algorithm: unknown algorithm '%s' (%s)"):format(tostring(name), table.concat(names, ", ")))
+    end
+    for k, v in pairs(user) do
+        if not FIELDS[k] then usage_error(("--algorithm.%s: no such field of an algorithm"):format(tostring(k))) end
+        if k == "loss" and type(v) == "table" then
+            for lk in pairs(v) do
+                if not LOSS_FIELDS[lk] then
+                    usage_error(("--algorithm.loss.%s: no such field (kind, eps_low, eps_high, clip_c)"):format(lk))
+                end
+            end
+        end
+    end
+    return rl.merge(rl.preset(name, EXAMPLE[name]), user), name
 end
+local algo, algo_name = algorithm_of(opts.algorithm)
 
 -- ------------------------------------------------------------------------------------------------ model
-local tok, model
+local tok, template_name, model
 if opts.model ~= "" then
     model = ds4.load(opts.model)
-    local tpath = opts.tokenizer ~= "" and opts.tokenizer or (opts.model .. "/tokenizer.json")
-    tok = tpath == "byte" and ds4.tokenizer() or ds4.tokenizer(tpath) -- "byte": the built-in byte-level one
-else
-    tok = (opts.tokenizer ~= "" and opts.tokenizer ~= "byte") and ds4.tokenizer(opts.tokenizer) or ds4.tokenizer()
-    model = ds4.new_model(task.model_config(tok), opts.seed)
+    tok, template_name = model:tokenizer()
+    if opts.tokenizer == "" and not tok then
+        usage_error(("%s has no tokenizer.json: pass --tokenizer FILE (or --tokenizer byte for the built-in "
+            .. "byte-level one)"):format(opts.model))
+    end
 end
-if opts["sft-steps"] < 0 then opts["sft-steps"] = opts.model ~= "" and 0 or 150 end
+if opts.tokenizer ~= "" then
+    tok = opts.tokenizer == "byte" and ds4.tokenizer() or ds4.tokenizer(opts.tokenizer)
+    template_name = nil
+end
+tok = tok or ds4.tokenizer()
+model = model or ds4.new_model(task.model_config(tok), opts.seed)
+if opts.chat_template ~= "" then template_name = opts.chat_template end
+template_name = template_name or require("ds4.pretrained").template_for(tok)
+model:set_tokenizer(tok, { chat_template = template_name }) -- checkpoints and --save carry both
+if opts.sft_steps < 0 then opts.sft_steps = opts.model ~= "" and 0 or 150 end
+local okt, template = pcall(function() return template_name and ds4.chat.get(template_name) end)
+if not okt then usage_error("--chat-template: " .. tostring(template)) end
 
 -- ------------------------------------------------------------------------------------------------ data
-local train_path, eval_path = opts.data, opts["eval-data"]
+local train_path, eval_path = opts.data, opts.eval_data
 if train_path == "" then
     -- held-out problems first; no training problem repeats one of them
-    train_path, eval_path = opts.out .. "/train.jsonl", opts.out .. "/eval.jsonl"
+    train_path, eval_path = OUT .. "/train.jsonl", OUT .. "/eval.jsonl"
     local held = task.write_jsonl(eval_path, opts.eval, task.rng(opts.seed + 7919))
     task.write_jsonl(train_path, 20000, task.rng(opts.seed), held)
 end
-local train = task.read_jsonl(train_path, tok)
+local read_opts = { template = template, thinking = opts.thinking,
+    columns = (type(opts.columns) == "string" or next(opts.columns)) and opts.columns or nil }
+local train = task.read_jsonl(train_path, tok, read_opts)
 local heldout
 if eval_path ~= "" then
-    heldout = task.read_jsonl(eval_path, tok)
+    heldout = task.read_jsonl(eval_path, tok, read_opts)
 else -- a user's single file: hold out its last --eval samples, and train on the rest
     if #train < 2 then
         usage_error(("--data %s has %d problem: nothing can be held out of it; give the held-out problems as "
@@ -145,73 +203,100 @@ else -- a user's single file: hold out its last --eval samples, and train on the
     for _ = 1, opts.eval do heldout[#heldout + 1] = table.remove(train) end
 end
 while #heldout > opts.eval do table.remove(heldout) end
-
--- ------------------------------------------------------------------------------------------------ algorithm
--- The algorithm is data: this table is the whole difference between DAPO, GRPO and GSPO runs. DAPO's soft
--- overlong punishment is scaled to this task's response budget (the paper's 20480 / 4096 are for long proofs).
-local M = opts["max-new-tokens"]
-local algorithms = {
-    dapo = rl.preset("dapo", { overlong = { soft = { max_len = M, cache = math.max(1, math.floor(M / 4)), factor = 1.0 } },
-                               agg = "token_mean" }),
-    grpo = rl.preset("grpo", { kl = rl.NIL }), -- no reference model in this example (KL coefficient 0)
-    gspo = rl.preset("gspo"),
-    dr_grpo = rl.preset("dr_grpo", { agg = { max_len = M } }),
-    cispo = rl.preset("cispo"),
-}
-local algo = DS4_EXAMPLE_ALGORITHM or algorithms[opts.algorithm] or error("unknown --algorithm " .. opts.algorithm, 0)
+local V = model:config().vocab_size
+for _, set in ipairs({ train, heldout }) do
+    for _, s in ipairs(set) do
+        for _, id in ipairs(s.prompt) do
+            if id >= V then
+                usage_error(("a prompt (%q) has token %d, outside the model's vocabulary (%d ids): the tokenizer does "
+                    .. "not fit the model"):format(s.text:sub(1, 40), id, V))
+            end
+        end
+    end
+end
+-- a chat turn ends at the template's end-of-turn token: <|im_end|> for chatml (EOS, which ends a deepseek_v4 turn,
+-- stops every generation anyway)
+local stop
+for _, id in ipairs(template_name and ds4.chat.end_of_turn(tok, template_name) or {}) do
+    if id ~= model:config().eos_token_id then stop = stop or {}; stop[#stop + 1] = id end
+end
 
 local function decode(ids)
     local t = {}
     for i, v in ipairs(ids) do t[i] = v end
     return tok:decode(t)
 end
-local eval = { samples = heldout, correct = task.correct, max_new_tokens = M }
 
-print(("%s: %s, %d parameters; %d train / %d held-out problems; %s"):format(opts.algorithm,
+-- ------------------------------------------------------------------------------------------------ warm-up
+local resuming = opts.resume and ds4.checkpoints.latest(OUT .. "/ckpt") ~= nil
+print(("%s: %s, %d parameters; %d train / %d held-out problems; %s; run %s"):format(algo_name,
     ds4.config_summary(model:config()), model:n_params(), #train, #heldout, opts.model ~= "" and opts.model
-    or "built-in model"))
-local wall0 = os.time()
-if opts["sft-steps"] > 0 then
-    local acc0 = trainer.evaluate(model, eval, decode, M)
+    or "built-in model", OUT))
+local wall0 = ds4.metrics.clock()
+if opts.sft_steps > 0 and not resuming then -- a resumed run's checkpoint holds the warmed-up (and trained) policy
+    local acc0 = trainer.evaluate(model, { samples = heldout, correct = task.correct }, decode, M, stop)
     print(("greedy accuracy before SFT: %.1f%%"):format(100 * acc0))
-    task.sft(model, tok, train, { steps = opts["sft-steps"], batch = opts["sft-batch"], lr = 3e-3,
-        progress = not opts.quiet })
+    task.sft(model, tok, train, { steps = opts.sft_steps, batch = opts.sft_batch, lr = 3e-3, progress = not opts.quiet })
 end
 
 -- ------------------------------------------------------------------------------------------------ RL
-local source -- nil: model:generate in this process
-if ROLLOUT.workers then
-    local wdir = opts.out .. "/worker_model"
-    model:save(wdir, { overwrite = true }) -- the workers' starting point (its tables; weights come over the wire)
-    source = ds4.rollout.pool{ bind = ROLLOUT.workers, model = model, workers = ROLLOUT.expect,
-        max_staleness = ROLLOUT.max_staleness, curve = ROLLOUT.curve, insecure = ROLLOUT.insecure,
-        quiet = opts.quiet }
-    print(("rollouts: remote workers on %s; start them with: ds4 worker --connect %s --model %s%s"):format(
-        source.endpoint, source.endpoint, wdir, ROLLOUT.curve and " --key W.key --server-key " .. opts.curve .. ".pub"
-        or (ROLLOUT.insecure and " --insecure" or "")))
+local function shell_word(s)
+    if s:find("^[%w%./:_=,@+-]+$") then return s end
+    return "'" .. s:gsub("'", "'\\''") .. "'"
 end
-local k0 = 0
-local r = task.rng(opts.seed + 104729)
+local source -- nil: model:generate in this process
+if opts.workers ~= "" then
+    local curve
+    if opts.curve ~= "" then
+        local allow = {}
+        for f in opts.allow:gmatch("[^,]+") do allow[#allow + 1] = f end
+        curve = { secret = opts.curve .. ".key", public = opts.curve .. ".pub", allow = allow }
+    end
+    local wdir = OUT .. "/worker_model"
+    model:save(wdir, { overwrite = true }) -- the workers' starting point (its tables; weights come over the wire)
+    source = ds4.rollout.pool{ bind = opts.workers, model = model, workers = opts.n_workers,
+        max_staleness = opts.max_staleness, curve = curve, insecure = opts.insecure, quiet = opts.quiet }
+    -- a command line to paste on a worker machine: this ds4, the endpoint with this host's name where it was bound
+    -- to every interface, and for CURVE each allowed worker's own key pair (A.pub's secret is A.key)
+    local ep = source.endpoint:gsub("^tcp://0%.0%.0%.0:", "tcp://" .. ds4.fs.hostname() .. ":"):gsub("^tcp://%*:",
+        "tcp://" .. ds4.fs.hostname() .. ":")
+    local exe = (arg and arg[-2]) or "ds4"
+    local cmd = ("%s worker --connect %s --model %s"):format(shell_word(exe), shell_word(ep), shell_word(wdir))
+    if curve then
+        for _, pub in ipairs(curve.allow) do
+            print(("start a worker: %s --key %s --server-key %s"):format(cmd, shell_word((pub:gsub("%.pub$", ""))
+                .. ".key"), shell_word(curve.public)))
+        end
+    else
+        print(("start a worker: %s%s"):format(cmd, opts.insecure and " --insecure" or ""))
+    end
+    io.stdout:flush() -- the command is wanted now, also when stdout is a file
+end
+local r, rstate = task.rng(opts.seed + 104729) -- one stream of training problems; its state is checkpointed
 local result = trainer.run{
     model = model,
     algorithm = algo,
     prompts = function(_, n) -- a fresh draw of n training problems each call
         local out = {}
         for i = 1, n do out[i] = train[r(#train) + 1] end
-        k0 = k0 + n
         return out
     end,
+    state = { save = function() return { rng = rstate.s } end, load = function(t) rstate.s = t.rng end },
     reward = task.reward,
     decode = decode,
     eval = { samples = heldout, correct = task.correct, every = 40, max_new_tokens = M },
-    rollout = { n = opts.n, prompts_per_step = opts.prompts, max_new_tokens = M, temperature = 1.0, source = source },
+    rollout = { n = opts.n, prompts_per_step = opts.prompts, max_new_tokens = M, temperature = 1.0, source = source,
+        stop = stop },
     optim = { lr = opts.lr, betas = { 0.9, 0.99 }, weight_decay = 0.0, clip = 1.0 },
     steps = opts.steps,
     minibatches = opts.minibatches,
-    routing_replay = opts["routing-replay"],
-    out = opts.out,
+    routing_replay = opts.routing_replay,
+    out = OUT,
     seed = opts.seed,
     progress = not opts.quiet,
+    checkpoint = { every = opts.save_every, keep_last = opts.keep_last, resume = opts.resume },
+    log_completions = { every = opts.log_completions, n = 4 },
+    tensorboard = opts.tensorboard,
 }
 
 if source then
@@ -223,14 +308,19 @@ if source then
 end
 local before, after = result.eval_before, result.eval_after
 print(("greedy accuracy on %d held-out problems: %.1f%% after SFT -> %.1f%% after %s (%+.1f points); %d s in all")
-    :format(#heldout, 100 * before, 100 * after, opts.algorithm, 100 * (after - before), os.time() - wall0))
+    :format(#heldout, 100 * before, 100 * after, algo_name, 100 * (after - before), ds4.metrics.clock() - wall0))
 if opts.save ~= "" then
-    model:save(opts.save, { overwrite = true }) -- config.json + model.safetensors (save_pretrained names)
+    model:save(opts.save, { overwrite = true }) -- config.json + model.safetensors (save_pretrained names) + tokenizer
     print("model saved to " .. opts.save)
 end
 local plot = require("ds4.plot")
-plot.svg(opts.out .. "/metrics.svg", result.history, {
-    title = opts.algorithm .. ": reward and held-out accuracy",
-    series = { { key = "reward/mean", label = "reward (mean over rollouts)" },
-               { key = "eval/accuracy", label = "greedy held-out accuracy" } } })
-print("metrics: " .. opts.out .. "/metrics.jsonl, plot: " .. opts.out .. "/metrics.svg")
+plot.svg(OUT .. "/metrics.svg", result.history, { panels = {
+    { title = algo_name .. ": reward and held-out accuracy", series = {
+        { key = "reward/mean", label = "reward (mean over rollouts)" },
+        { key = "eval/accuracy", label = "greedy held-out accuracy" } } },
+    { title = "policy loss", series = { { key = "loss", label = "loss" } } },
+    { title = "KL", series = { { key = "kl", label = "kl (old -> new policy, or to the reference)" } } },
+    { title = "entropy", series = { { key = "entropy", label = "entropy (nats per token)" } } },
+} })
+print(("run: %s (config.lua, metrics.jsonl, metrics.svg%s)"):format(OUT,
+    ds4.tensorboard.available() and opts.tensorboard and ", TensorBoard events" or ""))

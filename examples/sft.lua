@@ -1,54 +1,94 @@
---[[ examples/sft.lua — supervised fine-tuning of a small DeepSeek-V4-architecture model from scratch.
+--[[ examples/sft.lua — supervised fine-tuning: your dataset and model, or a small model from scratch on a toy set.
 
-  ds4 run examples/sft.lua [--steps N] [--batch N] [--lr X] [--out DIR] [--seed N] [--quiet]
-                           [--save-every K] [--keep-last N] [--resume]
+  ds4 run examples/sft.lua [--config run.lua] [--data FILE.jsonl] [--eval-data FILE.jsonl] [--model DIR]
+                           [--tokenizer FILE|byte] [--chat-template NAME] [--steps N] [--batch N] [--lr X] ...
+  ds4 run examples/sft.lua --help                   every option, with its default
 
-What it does, end to end, with nothing downloaded:
-  1. generates a toy chat dataset in Lua (reverse a word, add two numbers, echo an upper-case word) and writes
-     it as JSONL (one {"messages": [...]} per line) to DIR/train.jsonl and DIR/heldout.jsonl, then reads the
-     files back: the on-disk format is what a real dataset would use;
-  2. renders every conversation with the DeepSeek-V4 chat template (chat mode) through the built-in
-     byte-level tokenizer; the loss mask trains only what the assistant produces (its answer and EOS);
-  3. builds a small model from a Lua config (random initialisation) and trains it with AdamW (linear warm-up,
-     cosine decay, clipping), token-mean loss over each batch;
-  4. shows a progress bar on a terminal (plain lines otherwise) and appends metrics as JSON lines to
-     DIR/metrics.jsonl: step, loss, lr, grad_norm, tokens (trained tokens in the batch), tokens_per_s;
-  5. reports the held-out loss before and after training;
-  6. with --save-every K, writes DIR/ckpt/step_NNNNNN every K updates (weights, AdamW moments and step counts,
-     the held-out loss at the start) and keeps the last --keep-last; --resume continues from the newest
-     complete checkpoint. Nothing else is random and batch k is a function of k, so an interrupted and
-     resumed run gives bit-identical losses and weights to an uninterrupted one (tests/test_resume.sh).
+What it does, end to end:
+  1. data: --data FILE.jsonl, one row per line, checked before anything trains (ds4.data: errors name file:line
+     and the field): {"messages": [...]} conversations (system / user / assistant / tool turns, tool calls; the
+     shape HF chat datasets use) or {"prompt": ..., "completion": ...} pairs (TRL's format: plain text, or
+     conversations); --columns.messages / --columns.prompt / --columns.completion map other field names. The
+     held-out rows are --eval-data, or the last --eval rows of --data. Without --data, a toy chat set (reverse a
+     word, add two numbers, upper-case a word) is generated and written as JSONL into the run directory, then read
+     back like any dataset;
+  2. model: --model DIR loads an HF checkpoint with its tokenizer (DIR/tokenizer.json; --tokenizer FILE, or
+     "byte" for the built-in byte-level one, overrides it); without --model a small DeepSeek-V4-architecture
+     model is built from a Lua config (random initialisation) over the tokenizer's vocabulary;
+  3. conversations are rendered with --chat-template (default: the model's, from tokenizer_config.json, else the
+     one the tokenizer's special tokens call for); the loss trains only what the assistant produces (plain
+     prompt/completion rows: the completion and EOS); rows longer than --max-len tokens are cut there;
+  4. AdamW (linear warm-up, cosine decay, clipping), token-mean loss over each batch; batch k holds rows
+     (k-1)*batch+1 ... of the training set, cyclically: nothing else is random, so a resumed run is bit-identical;
+  5. the run directory (--out DIR, default runs/sft/<start time>, runs/sft/latest links to it; a directory that
+     holds a run is never appended to: --resume continues it) gets config.lua (the effective configuration: run it
+     again with --config), metrics.jsonl (step, loss, lr, grad_norm, tokens, tokens_per_s), TensorBoard event files
+     (tensorboard --logdir runs/sft), metrics.svg, and with --save-every K checkpoints ckpt/step_NNNNNN (weights,
+     tokenizer, AdamW moments and step counts; the last --keep-last kept); --resume continues from the newest;
+  6. the held-out loss before and after training (on the toy set: exit status 1 when it did not fall), and the
+     trained model with its tokenizer in RUN/model (or --save DIR): load it with ds4.load, `ds4 repl --model`, or
+     from_pretrained.
 ]]
 
 local ds4 = require("ds4")
-local chat = require("ds4.chat")
+local rundir = require("ds4.rundir")
 local json = require("ds4.chat.json")
 local ffi = require("ffi")
 
 -- ------------------------------------------------------------------------------------------------ options
-local opts = { steps = 150, batch = 16, lr = 3e-3, out = "runs/sft", seed = 1, quiet = false,
-    ["save-every"] = 0, ["keep-last"] = 3, resume = false }
-do
-    local i = 1
-    while i <= #arg do
-        local k = arg[i]:match("^%-%-(.+)$")
-        if not k or opts[k] == nil then
-            io.stderr:write("usage: ds4 run examples/sft.lua [--steps N] [--batch N] [--lr X] [--out DIR] [--seed N]"
-                .. " [--quiet] [--save-every K] [--keep-last N] [--resume]\n")
-            os.exit(2)
-        end
-        if k == "quiet" or k == "resume" then
-            opts[k] = true
-        else
-            i = i + 1
-            opts[k] = type(opts[k]) == "number" and assert(tonumber(arg[i]), "--" .. k .. " needs a number") or arg[i]
-        end
-        i = i + 1
+local SPEC = {
+    program = "examples/sft.lua",
+    summary = "Supervised fine-tuning on a JSONL dataset (or a generated toy set) of a checkpoint or a new model.",
+    options = {
+        { "data", "", "training data, JSONL: {\"messages\": [...]} or {\"prompt\": ..., \"completion\": ...} rows" },
+        { "eval_data", "", "held-out data, same format (default: the last --eval rows of --data)" },
+        { "eval", 64, "held-out rows taken from --data when there is no --eval-data" },
+        { "columns", {}, "field names of --data: --columns.messages conv (prompt, completion too)", table = true },
+        { "model", "", "HF checkpoint directory (default: a new small model)" },
+        { "tokenizer", "", "tokenizer.json, or byte (default: the model's, else byte)" },
+        { "chat_template", "", "deepseek_v4, chatml, ... (default: the model's)" },
+        { "thinking", false, "render conversations in thinking mode" },
+        { "max_len", 1024, "rows longer than this many tokens are cut" },
+        { "steps", 150, "optimizer updates" },
+        { "batch", 16, "rows per update" },
+        { "lr", 3e-3, "peak learning rate" },
+        { "warmup", -1, "warm-up updates (-1: steps / 10)" },
+        { "weight_decay", 0.1, "AdamW weight decay" },
+        { "min_lr_ratio", 0.1, "cosine decay floor, as a fraction of lr" },
+        { "seed", 1, "model initialisation and toy data seed" },
+        { "device", "", "where the model computes: cpu, cuda, cuda:N (default: ds4 run --device's, else cpu)" },
+        { "dtype", "", "fp32 or bf16 (default: bf16 on CUDA, fp32 on the CPU)" },
+        { "out", "", "run directory (default: runs/sft/<start time>)" },
+        { "run_id", "", "name of the run under runs/sft (default: the start time)" },
+        { "resume", false, "continue the run in --out (or runs/sft/latest) from its newest checkpoint" },
+        { "save_every", 0, "checkpoint every K updates (0: none)" },
+        { "keep_last", 3, "checkpoints kept" },
+        { "save", "", "where the trained model goes (default: RUN/model)" },
+        { "tensorboard", true, "write TensorBoard event files" },
+        { "quiet", false, "no progress output" },
+    },
+}
+local opts, run = rundir.start(arg, SPEC, "runs/sft") -- RUN/config.lua: the effective configuration
+-- the models made below compute there (ds4.set_device checks the spelling and that the device exists)
+if opts.device ~= "" or opts.dtype ~= "" then
+    ds4.set_device(opts.device ~= "" and opts.device or ds4.device():match("^%S+"), opts.dtype ~= "" and opts.dtype or nil)
+end
+local OUT = run.dir
+local function usage_error(msg)
+    io.stderr:write("sft.lua: " .. msg .. "\n")
+    os.exit(2, true)
+end
+for _, k in ipairs({ "steps", "batch", "eval", "max_len", "keep_last" }) do
+    if opts[k] ~= math.floor(opts[k]) or opts[k] < 1 then
+        usage_error(("--%s must be an integer >= 1, got %s"):format(k:gsub("_", "-"), opts[k]))
     end
 end
-assert(os.execute(("mkdir -p '%s'"):format(opts.out)) == 0 or true)
+if opts.save_every ~= math.floor(opts.save_every) or opts.save_every < 0 then
+    usage_error("--save-every must be an integer >= 0, got " .. opts.save_every)
+end
+if not (opts.lr > 0 and opts.lr < math.huge) then usage_error("--lr must be a positive number, got " .. opts.lr) end
 
--- ------------------------------------------------------------------------------------------------ dataset
+-- ------------------------------------------------------------------------------------------------ toy dataset
 -- The "minimal standard" generator (s <- 16807 s mod 2^31 - 1): the dataset depends only on the seed. Lua
 -- numbers are doubles: the product stays below 2^53, so it is exact (a 1103515245 multiplier would round and
 -- fall into short cycles); the draw takes the high part (s / m · n), not the poorly mixed s % n.
@@ -83,49 +123,104 @@ local function write_jsonl(path, n, r)
     f:close()
 end
 
--- ------------------------------------------------------------------------------------------------ tokens
-local tok = ds4.tokenizer() -- built-in byte-level tokenizer with the DeepSeek chat special tokens
-local template = chat.get("deepseek_v4")
-local EOS = tok:special("eos")
+-- ------------------------------------------------------------------------------------------------ model
+local model, tok, template_name
+local ckroot = OUT .. "/ckpt"
+local resume_dir, resume_step, resume_meta
+if run.resumed then
+    local d, _, meta, step = ds4.checkpoints.load(ckroot)
+    if d then resume_dir, resume_meta, resume_step = d, meta, step end
+end
+local model_dir = resume_dir or (opts.model ~= "" and opts.model or nil)
+if model_dir then
+    model = ds4.load(model_dir)
+    tok, template_name = model:tokenizer()
+end
+if opts.tokenizer ~= "" then
+    tok = opts.tokenizer == "byte" and ds4.tokenizer() or ds4.tokenizer(opts.tokenizer)
+    template_name = nil
+elseif model_dir and not tok then
+    usage_error(("%s has no tokenizer.json: pass --tokenizer FILE (or --tokenizer byte for the built-in "
+        .. "byte-level one)"):format(model_dir))
+end
+tok = tok or ds4.tokenizer() -- built-in byte-level tokenizer with the DeepSeek chat special tokens
+if opts.chat_template ~= "" then template_name = opts.chat_template end
+template_name = template_name or require("ds4.pretrained").template_for(tok)
+local okt, template = pcall(function() return template_name and ds4.chat.get(template_name) end)
+if not okt then usage_error("--chat-template: " .. tostring(template)) end
+if not model then
+    model = ds4.new_model(dofile(ds4.script_dir() .. "/small_model.lua")(tok), opts.seed)
+end
+model:set_tokenizer(tok, { chat_template = template_name }) -- checkpoints and the saved model carry both
+local V = model:config().vocab_size
+local EOS = model:config().eos_token_id or tok:special("eos") or 0
 
--- Every conversation is checked as it is read (ds4.data: types, roles, and that the template renders it with at
--- least one trained token); a bad line stops the run here, naming file:line, not in the middle of training.
-local function read_jsonl(path)
-    local rows = {}
-    for i, row in ipairs(ds4.data.read_jsonl(path, { format = "messages", tokenizer = tok, template = template,
-        render_opts = { thinking = false } })) do
-        rows[i] = row.messages
+-- ------------------------------------------------------------------------------------------------ data
+-- Every row is checked and tokenised as it is read (ds4.data): types, roles, that the template renders it and
+-- trains at least one token; a bad line stops the run here, naming file:line and the field.
+local function read(path)
+    local ok, rows = pcall(ds4.data.read_jsonl, path, { format = "auto", tokenizer = tok, template = template,
+        render_opts = { thinking = opts.thinking }, columns = next(opts.columns) and opts.columns or nil, eos = EOS })
+    if not ok then
+        local msg = tostring(rows)
+        if not template and msg:find("chat template", 1, true) then
+            msg = msg .. " (this tokenizer calls for no template: pass --chat-template NAME)"
+        end
+        error(msg, 0)
+    end
+    if rows.format == "prompt_answer" then
+        error(("%s: rows are {\"prompt\", \"answer\"} (RL prompts, examples/dapo.lua); SFT trains on {\"messages\": "
+            .. "[...]} or {\"prompt\", \"completion\"} rows"):format(path), 0)
+    end
+    for _, r in ipairs(rows) do
+        for _, id in ipairs(r.ids) do
+            if id >= V then
+                error(("%s:%d: token id %d is outside the model's vocabulary (%d ids): the tokenizer does not fit the "
+                    .. "model"):format(path, r.line, id, V), 0)
+            end
+        end
     end
     return rows
 end
 
-local r = rng(opts.seed)
-write_jsonl(opts.out .. "/train.jsonl", 2000, r)
-write_jsonl(opts.out .. "/heldout.jsonl", 64, r)
-local train, heldout = read_jsonl(opts.out .. "/train.jsonl"), read_jsonl(opts.out .. "/heldout.jsonl")
-
--- ids and labels of one conversation: labels carry the token where the mask trains it, -100 elsewhere
--- (position t is scored against labels[t + 1], so a label marks the token to be predicted)
-local function encode(messages)
-    local rr = template:render(tok, messages, { thinking = false })
-    local labels = {}
-    for i = 1, #rr.ids do labels[i] = rr.mask[i] == 1 and rr.ids[i] or -100 end
-    return rr.ids, labels
+local train, heldout
+if opts.data == "" then
+    local r = rng(opts.seed)
+    if not (run.resumed and ds4.fs.exists(OUT .. "/train.jsonl")) then -- a resumed run reads the files it wrote
+        write_jsonl(OUT .. "/train.jsonl", 2000, r)
+        write_jsonl(OUT .. "/heldout.jsonl", 64, r)
+    end
+    train, heldout = read(OUT .. "/train.jsonl"), read(OUT .. "/heldout.jsonl")
+else
+    train = read(opts.data)
+    if opts.eval_data ~= "" then
+        heldout = read(opts.eval_data)
+    else
+        if #train <= opts.eval then
+            usage_error(("--data %s has %d rows and --eval %d would hold out %s, leaving nothing to train on: pass "
+                .. "--eval N with N < %d, or the held-out rows as --eval-data FILE"):format(opts.data, #train,
+                opts.eval, opts.eval > #train and "more than all of them" or "all of them", #train))
+        end
+        heldout = {}
+        for _ = 1, opts.eval do table.insert(heldout, 1, table.remove(train)) end
+    end
 end
 
--- a rectangular batch: rows padded at the end with EOS and label -100 (causal attention never looks right,
--- and compression windows are aligned to position 0, so trailing padding changes nothing before it)
+-- A rectangular batch: rows cut at --max-len, padded at the end with EOS and label -100 (causal attention never
+-- looks right, and compression windows are aligned to position 0, so trailing padding changes nothing before it).
+local cut = 0
 local function make_batch(rows)
-    local ids, labels, S = {}, {}, 0
-    for i, m in ipairs(rows) do
-        ids[i], labels[i] = encode(m)
-        S = math.max(S, #ids[i])
+    local ids, labels, S, trained = {}, {}, 0, 0
+    for i, row in ipairs(rows) do
+        local n = math.min(#row.ids, opts.max_len)
+        if n < #row.ids then cut = cut + 1 end
+        local x, l = {}, {}
+        for t = 1, n do x[t], l[t] = row.ids[t], row.labels[t] end
+        ids[i], labels[i] = x, l
+        S = math.max(S, n)
     end
-    local trained = 0
     for i = 1, #rows do
-        for t = #ids[i] + 1, S do
-            ids[i][t], labels[i][t] = EOS, -100
-        end
+        for t = #ids[i] + 1, S do ids[i][t], labels[i][t] = EOS, -100 end
         for t = 2, S do
             if labels[i][t] ~= -100 then trained = trained + 1 end
         end
@@ -133,62 +228,48 @@ local function make_batch(rows)
     return ids, labels, trained
 end
 
--- ------------------------------------------------------------------------------------------------ model
-local model = ds4.new_model({
-    vocab_size = tok:vocab_size(), hidden_size = 64, num_hidden_layers = 4,
-    num_attention_heads = 4, head_dim = 32, qk_rope_head_dim = 16, q_lora_rank = 32,
-    o_groups = 2, o_lora_rank = 32, sliding_window = 16,
-    layer_types = { "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
-                    "compressed_sparse_attention" },
-    compress_rates = { compressed_sparse_attention = 4, heavily_compressed_attention = 8 },
-    mlp_layer_types = { "hash_moe", "moe", "moe", "moe" },
-    index_n_heads = 4, index_head_dim = 32, index_topk = 4,
-    n_routed_experts = 8, num_experts_per_tok = 2, moe_intermediate_size = 64,
-    hc_mult = 2, num_nextn_predict_layers = 0, initializer_range = 0.05,
-    bos_token_id = tok:special("bos"), eos_token_id = EOS,
-}, opts.seed)
-
+-- The held-out loss: token-mean over every held-out row, in batches of --batch rows.
 local function heldout_loss()
-    local ids, labels = make_batch(heldout)
-    return model:forward(ids, { labels = labels, train = false }).loss
+    local sum, n = 0, 0
+    for b = 1, #heldout, opts.batch do
+        local rows = {}
+        for i = b, math.min(#heldout, b + opts.batch - 1) do rows[#rows + 1] = heldout[i] end
+        local ids, labels = make_batch(rows)
+        local out = model:forward(ids, { labels = labels, train = false })
+        if out.loss then sum, n = sum + out.loss * out.loss_tokens, n + out.loss_tokens end
+    end
+    return n > 0 and sum / n or 0
 end
 
-local ckroot = opts.out .. "/ckpt"
-local start, before = 1, nil
-local resume_state
-if opts.resume then
-    local dir, _, meta, step = ds4.checkpoints.load(ckroot)
-    if dir then
-        model:free()
-        model = ds4.load(dir)
-        resume_state = ds4.checkpoints.read_state(dir, "optimizer")
-        start, before = step + 1, meta.heldout_before
-        print(("resuming from %s (%d updates done)"):format(dir, step))
-    else
-        print("no checkpoint under " .. ckroot .. ": starting from scratch")
-    end
+-- ------------------------------------------------------------------------------------------------ training
+local start, before = 1, resume_meta and resume_meta.heldout_before or nil
+local opt = ds4.adamw(model, { lr = opts.lr, betas = { 0.9, 0.95 }, weight_decay = opts.weight_decay, clip = 1.0,
+    schedule = "cosine", warmup = opts.warmup >= 0 and opts.warmup or math.max(1, math.floor(opts.steps / 10)),
+    total = opts.steps, min_lr_ratio = opts.min_lr_ratio })
+if resume_dir then
+    local st = ds4.checkpoints.read_state(resume_dir, "optimizer")
+    opt:load_state({ m = st.m, v = st.v, tensor_steps = st.tensor_steps, step = resume_step })
+    start = resume_step + 1
+    print(("resuming from %s (%d updates done)"):format(resume_dir, resume_step))
+elseif run.resumed then
+    print("no checkpoint under " .. ckroot .. ": starting from scratch")
 end
 before = before or heldout_loss()
-local opt = ds4.adamw(model, { lr = opts.lr, betas = { 0.9, 0.95 }, weight_decay = 0.1, clip = 1.0,
-    schedule = "cosine", warmup = math.max(1, math.floor(opts.steps / 10)), total = opts.steps,
-    min_lr_ratio = 0.1 })
-if resume_state then
-    local st = resume_state
-    opt:load_state({ m = st.m, v = st.v, tensor_steps = st.tensor_steps, step = start - 1 })
-end
 
 ffi.cdef("int isatty(int fd);")
 local tty = not opts.quiet and ffi.C.isatty(1) == 1
--- one whole, flushed line per step; a write error stops the run. A resumed run drops what it will redo (records
--- past its checkpoint) and a line torn by the crash.
-local metrics = ds4.metrics.open(opts.out .. "/metrics.jsonl", { resume_step = opts.resume and start - 1 or nil })
-local function now() return os.clock() end -- CPU seconds of this process (all threads)
+-- metrics.jsonl (one whole, flushed line per step; a write error stops the run) and TensorBoard events; a resumed
+-- run drops what it will redo (records past its checkpoint) and a line torn by the crash
+local log = ds4.runlog.open(OUT, { resume_step = resume_dir and start - 1 or nil, tensorboard = opts.tensorboard })
+local now = ds4.metrics.clock
 
-print(("sft: %s, %d parameters; %d train / %d held-out conversations; %d steps of %d"):format(
-    ds4.config_summary(model:config()), model:n_params(), #train, #heldout, opts.steps, opts.batch))
+print(("sft: %s, %d parameters; %d train / %d held-out rows (%s); %d steps of %d; run %s"):format(
+    ds4.config_summary(model:config()), model:n_params(), #train, #heldout, opts.data ~= "" and opts.data or
+    "toy set", opts.steps, opts.batch, OUT))
 print(("held-out loss before training: %.4f"):format(before))
+if not resume_dir then log:write({ step = 0, ["eval/loss"] = before }) end
 
-local wall0 = os.time()
+local wall0 = now()
 for step = start, opts.steps do
     local rows = {}
     for i = 1, opts.batch do rows[i] = train[((step - 1) * opts.batch + i - 1) % #train + 1] end
@@ -200,7 +281,7 @@ for step = start, opts.steps do
     local st = opt:step()
     local dt = now() - t0
     local tps = (#ids * #ids[1]) / math.max(dt, 1e-9)
-    metrics:write({ step = step, loss = out.loss, lr = st.lr, grad_norm = st.grad_norm, tokens = trained,
+    log:write({ step = step, loss = out.loss, lr = st.lr, grad_norm = st.grad_norm, tokens = trained,
         tokens_per_s = tps })
     if tty then
         local w = 30
@@ -212,22 +293,31 @@ for step = start, opts.steps do
         print(("step %d/%d loss %.4f lr %.2e grad_norm %.3f tokens/s %.0f"):format(step, opts.steps, out.loss,
             st.lr, st.grad_norm, tps))
     end
-    if opts["save-every"] > 0 and (step % opts["save-every"] == 0 or step == opts.steps) then
+    if opts.save_every > 0 and (step % opts.save_every == 0 or step == opts.steps) then
         local os_ = opt:state()
         ds4.checkpoints.save(ckroot, step, model, {
             states = { optimizer = { tensors = { m = os_.m, v = os_.v, tensor_steps = os_.tensor_steps },
                                      meta = { step = os_.step } } },
             meta = { heldout_before = before, seed = opts.seed, batch = opts.batch },
-            keep_last = opts["keep-last"] })
+            keep_last = opts.keep_last })
     end
 end
 if tty then io.write("\n") end
-metrics:close()
 
 local after = heldout_loss()
-print(("held-out loss after training:  %.4f (from %.4f; %d s)"):format(after, before, os.time() - wall0))
-print("metrics: " .. opts.out .. "/metrics.jsonl")
+log:write({ step = opts.steps, ["eval/loss"] = after })
+log:close()
+local save = opts.save ~= "" and opts.save or OUT .. "/model"
+model:save(save, { overwrite = true }) -- weights, config.json, tokenizer.json, tokenizer_config.json
+local plot = require("ds4.plot")
+plot.svg(OUT .. "/metrics.svg", plot.read_jsonl(OUT .. "/metrics.jsonl"), { title = "sft: training loss",
+    series = { { key = "loss", label = "training loss" }, { key = "eval/loss", label = "held-out loss" } } })
+if cut > 0 then print(("%d rows were cut at --max-len %d tokens"):format(cut, opts.max_len)) end
+print(("held-out loss after training:  %.4f (from %.4f; %d s)"):format(after, before, now() - wall0))
+print(("run: %s (metrics.jsonl, metrics.svg, config.lua%s); model: %s"):format(OUT,
+    log.tensorboard and ", TensorBoard events" or "", save))
 if not (after < before) then
     io.stderr:write("sft: the held-out loss did not fall\n")
-    os.exit(1)
+    -- on the built-in toy set that is a failure of the example itself; on a user's data, a finding to report
+    if opts.data == "" then os.exit(1, true) end
 end

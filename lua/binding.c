@@ -77,6 +77,9 @@ static void engine_ref_release(engine_ref *r) {
 typedef struct engine_holder {
     engine_ref *ref;
     int32_t n_threads; /* for the next engine; 0 = all online cores */
+    int32_t profile;   /* ds4.profile before the engine exists: applied when it is made */
+    ds4_device_options device; /* where ds4.load / new_model / random_model put a model without a device option:
+                                  ds4.set_device, `ds4 ... --device` (DS4L_DEVICE_KEY) */
 } engine_holder;
 
 static int holder_gc(lua_State *L) {
@@ -102,7 +105,7 @@ static engine_ref *get_engine(lua_State *L, const char *fname) {
     /* No Lua call between malloc and handing the record to the holder: nothing can raise there. */
     engine_ref *r = malloc(sizeof *r);
     if (!r) ds4l_raise(L, "%s: engine create: out of memory", fname);
-    ds4_engine_options opt = {.n_threads = h->n_threads};
+    ds4_engine_options opt = {.n_threads = h->n_threads, .profile = h->profile};
     ds4_error err = {0};
     if (ds4_engine_create(&opt, &r->e, &err) != DS4_OK) {
         free(r);
@@ -136,6 +139,98 @@ static int l_set_threads(lua_State *L) {
 
 static int l_threads(lua_State *L) {
     lua_pushinteger(L, ds4_engine_threads(get_engine(L, "ds4.threads")->e));
+    return 1;
+}
+
+/* ------------------------------------------------------------------------------------------------ devices */
+
+/* The device named by the string at idx (with the optional dtype string at dtype_idx, 0 = none). */
+static ds4_device_options check_device(lua_State *L, int idx, int dtype_idx, const char *fname) {
+    if (lua_type(L, idx) != LUA_TSTRING)
+        ds4l_raise(L, "%s: device expected as a string (\"cpu\", \"cuda\", \"cuda:N\"), got %s", fname,
+                   luaL_typename(L, idx));
+    const char *dt = NULL;
+    if (dtype_idx && !lua_isnoneornil(L, dtype_idx)) {
+        if (lua_type(L, dtype_idx) != LUA_TSTRING)
+            ds4l_raise(L, "%s: dtype expected as a string (\"fp32\" or \"bf16\"), got %s", fname,
+                       luaL_typename(L, dtype_idx));
+        dt = lua_tostring(L, dtype_idx);
+    }
+    ds4_device_options o;
+    ds4_error err = {0};
+    if (ds4_device_parse(lua_tostring(L, idx), dt, &o, &err) != DS4_OK) ds4l_raise_ds4(L, fname, &err);
+    return o;
+}
+
+/* The device of an options table at idx ({device = ..., dtype = ...}): *given = 0 when it names neither. */
+static ds4_device_options opts_device(lua_State *L, int idx, const char *fname, int *given) {
+    *given = 0;
+    ds4_device_options o = {0};
+    if (!lua_istable(L, idx)) return o;
+    lua_getfield(L, idx, "device");
+    lua_getfield(L, idx, "dtype");
+    const int dev = lua_gettop(L) - 1;
+    if (!lua_isnil(L, dev) || !lua_isnil(L, dev + 1)) {
+        if (lua_isnil(L, dev)) lua_pushliteral(L, "cuda"), lua_replace(L, dev); /* a dtype alone: the GPU's */
+        o = check_device(L, dev, dev + 1, fname);
+        *given = 1;
+    }
+    lua_pop(L, 2);
+    return o;
+}
+
+static const char *device_spelling(const ds4_device_options *o, char *buf, size_t cap) {
+    if (o->type != DS4_DEVICE_CUDA) return "cpu";
+    snprintf(buf, cap, "cuda:%d %s", (int)o->index, o->dtype == DS4_BF16 ? "bf16" : "fp32");
+    return buf;
+}
+
+/* Put the new model at the device asked for (opts at idx, else the default of ds4.set_device). */
+static void place_model(lua_State *L, ds4_model *m, int opts_idx, const char *fname) {
+    int given = 0;
+    ds4_device_options o = opts_device(L, opts_idx, fname, &given);
+    if (!given) o = get_holder(L)->device;
+    if (o.type == DS4_DEVICE_CPU) return;
+    ds4_error err = {0};
+    if (ds4_model_to(m, &o, &err) != DS4_OK) ds4l_raise_ds4(L, fname, &err);
+}
+
+/* ds4.set_device(device [, dtype]): where models made from now on compute ("cpu", "cuda", "cuda:N"; dtype "bf16"
+ * (the GPU's default) or "fp32"). Models that exist stay where they are (model:to moves one). */
+static int l_set_device(lua_State *L) {
+    ds4_device_options o = check_device(L, 1, 2, "ds4.set_device");
+    get_holder(L)->device = o;
+    return 0;
+}
+
+/* ds4.device() -> "cpu" or "cuda:N bf16": the default of ds4.set_device. */
+static int l_device(lua_State *L) {
+    char buf[64];
+    lua_pushstring(L, device_spelling(&get_holder(L)->device, buf, sizeof buf));
+    return 1;
+}
+
+/* ds4.cuda_devices() -> the number of usable CUDA devices (0 without a GPU, a driver or a CUDA build). */
+static int l_cuda_devices(lua_State *L) {
+    int32_t n = 0;
+    ds4_error err = {0};
+    if (ds4_cuda_devices(&n, &err) != DS4_OK) ds4l_raise_ds4(L, "ds4.cuda_devices", &err);
+    lua_pushinteger(L, n);
+    return 1;
+}
+
+/* ds4.profile([on]) -> whether the per-op profile is on (before the change). With an argument: switch it for every
+ * model of this state, from their next pass (model:profile() reads it). */
+static int l_profile(lua_State *L) {
+    engine_holder *h = get_holder(L);
+    const int was = h->ref ? ds4_engine_profile(h->ref->e) : h->profile;
+    if (!lua_isnoneornil(L, 1)) {
+        if (lua_type(L, 1) != LUA_TBOOLEAN)
+            ds4l_raise(L, "ds4.profile: bad argument #1 (boolean expected, got %s)", luaL_typename(L, 1));
+        h->profile = lua_toboolean(L, 1);
+        if (h->ref) ds4_engine_set_profile(h->ref->e, h->profile);
+    }
+    lua_pushboolean(L, was);
     return 1;
 }
 
@@ -329,29 +424,47 @@ ds4_model *ds4l_model_check(lua_State *L, int idx, const char *fname) {
     return b->m;
 }
 
+/* ds4.load(dir [, {device = "cuda[:N]" | "cpu", dtype = "bf16" | "fp32"}]) */
 static int l_load(lua_State *L) {
     const char *fname = "ds4.load";
     const char *dir = check_path(L, 1, fname);
+    if (!lua_isnoneornil(L, 2) && !lua_istable(L, 2))
+        ds4l_raise(L, "%s: bad argument #2 (options table expected, got %s)", fname, luaL_typename(L, 2));
+    int given = 0;
+    (void)opts_device(L, 2, fname, &given); /* a misspelt device fails before the checkpoint is read */
     model_box *b = push_model_box(L);
     engine_ref *r = get_engine(L, fname);
     ds4_error err = {0};
     if (ds4_model_load(r->e, dir, &b->m, &err) != DS4_OK) ds4l_raise_ds4(L, fname, &err);
     model_adopt(b, r);
+    place_model(L, b->m, 2, fname);
     return 1;
 }
 
-/* Push a model with random weights (HF's initialisation) for `cfg`; the seed is argument 2. */
+/* Push a model with random weights (HF's initialisation) for `cfg`; argument 2 is the seed or an options table
+ * {seed = ..., device = ..., dtype = ...}. */
 static int push_random_model(lua_State *L, const char *fname, const ds4_config *cfg) {
     int64_t seed = 0;
-    if (!lua_isnoneornil(L, 2) &&
-        (lua_type(L, 2) != LUA_TNUMBER || !number_to_i64(lua_tonumber(L, 2), &seed) || seed < 0))
-        ds4l_raise(L, "%s: bad argument #2 (non-negative integer seed expected, got %s)", fname,
-                   lua_isnumber(L, 2) ? lua_tostring(L, 2) : luaL_typename(L, 2));
+    int opts = 0;
+    if (lua_istable(L, 2)) {
+        opts = 2;
+        lua_getfield(L, 2, "seed");
+    } else {
+        lua_pushvalue(L, 2);
+    }
+    if (!lua_isnil(L, -1) &&
+        (lua_type(L, -1) != LUA_TNUMBER || !number_to_i64(lua_tonumber(L, -1), &seed) || seed < 0))
+        ds4l_raise(L, "%s: bad argument #2 (non-negative integer seed, or a table {seed, device, dtype}, expected; "
+                   "got %s)", fname, lua_isnumber(L, -1) ? lua_tostring(L, -1) : luaL_typename(L, -1));
+    lua_pop(L, 1);
+    int given = 0;
+    (void)opts_device(L, opts, fname, &given);
     ds4_error err = {0};
     model_box *b = push_model_box(L);
     engine_ref *r = get_engine(L, fname);
     if (ds4_model_create_random(r->e, cfg, (uint64_t)seed, &b->m, &err) != DS4_OK) ds4l_raise_ds4(L, fname, &err);
     model_adopt(b, r);
+    place_model(L, b->m, opts, fname);
     return 1;
 }
 
@@ -374,6 +487,49 @@ static int l_random_model_json(lua_State *L) {
     ds4_error err = {0};
     if (ds4_config_parse(text, len, &cfg, &err) != DS4_OK) ds4l_raise_ds4(L, fname, &err);
     return push_random_model(L, fname, &cfg);
+}
+
+/* model:to(device [, dtype]) or model:to{device = ..., dtype = ...} -> model. Copies the weights to the device (the
+ * host fp32 parameters stay the master copy); on failure the model stays where it was. Caches made before belong to
+ * the old device. */
+static int m_to(lua_State *L) {
+    const char *fname = "ds4.model:to";
+    model_box *b = check_model(L, fname);
+    ds4_device_options o;
+    if (lua_istable(L, 2)) {
+        int given = 0;
+        o = opts_device(L, 2, fname, &given);
+        if (!given) ds4l_raise(L, "%s: the options table names no device", fname);
+    } else {
+        o = check_device(L, 2, 3, fname);
+    }
+    ds4_error err = {0};
+    if (ds4_model_to(b->m, &o, &err) != DS4_OK) ds4l_raise_ds4(L, fname, &err);
+    lua_settop(L, 1);
+    return 1;
+}
+
+/* model:device() -> "cpu" or "cuda:N", and the dtype its matmuls read ("fp32" or "bf16"). */
+static int m_device(lua_State *L) {
+    model_box *b = check_model(L, "ds4.model:device");
+    const ds4_device_options o = ds4_model_device(b->m);
+    if (o.type == DS4_DEVICE_CUDA) lua_pushfstring(L, "cuda:%d", (int)o.index);
+    else lua_pushliteral(L, "cpu");
+    lua_pushstring(L, o.type == DS4_DEVICE_CUDA && o.dtype == DS4_BF16 ? "bf16" : "fp32");
+    return 2;
+}
+
+/* model:profile([reset]) -> the per-op profile since the last reset, as a table sorted by time (ds4.profile(true)
+ * switches it on); with reset = true, starts a new one after reading. */
+static int m_profile(lua_State *L) {
+    const char *fname = "ds4.model:profile";
+    model_box *b = check_model(L, fname);
+    enum { CAP = 1 << 16 }; /* one line per op of the table: a few kB */
+    char *buf = lua_newuserdata(L, CAP);
+    const size_t n = ds4_model_profile_report(b->m, buf, CAP);
+    lua_pushlstring(L, buf, n < CAP ? n : CAP - 1);
+    if (lua_toboolean(L, 2)) ds4_model_profile_reset(b->m);
+    return 1;
 }
 
 static int m_free(lua_State *L) {
@@ -638,7 +794,8 @@ static int m_forward(lua_State *L) {
 
 static const luaL_Reg model_methods[] = {
     {"forward", m_forward}, {"config", m_config}, {"n_params", m_n_params}, {"has_mtp", m_has_mtp},
-    {"tensors", m_tensors}, {"free", m_free},     {NULL, NULL},
+    {"tensors", m_tensors}, {"free", m_free},     {"to", m_to},           {"device", m_device},
+    {"profile", m_profile}, {NULL, NULL},
 };
 
 static const luaL_Reg module_functions[] = {
@@ -648,6 +805,10 @@ static const luaL_Reg module_functions[] = {
     {"config", l_config},
     {"set_threads", l_set_threads},
     {"threads", l_threads},
+    {"set_device", l_set_device},
+    {"device", l_device},
+    {"cuda_devices", l_cuda_devices},
+    {"profile", l_profile},
     {NULL, NULL},
 };
 
@@ -708,8 +869,7 @@ int luaopen_ds4_core(lua_State *L) {
     lua_pop(L, 1);
     if (!have) {
         engine_holder *h = lua_newuserdata(L, sizeof *h);
-        h->ref = NULL;
-        h->n_threads = 0;
+        memset(h, 0, sizeof *h);
         lua_newtable(L);
         lua_pushcfunction(L, holder_gc);
         lua_setfield(L, -2, "__gc");
@@ -735,6 +895,9 @@ int luaopen_ds4_core(lua_State *L) {
     ds4l_gen_open(L);   /* lua/gen_lua.c (after the others: it guards some of their model methods) */
     ds4l_zmq_open(L);   /* lua/zmq_lua.c: ds4.zmq */
     ds4l_wire_open(L);  /* lua/wire_lua.c: ds4.wire */
+#ifdef DS4_HAVE_TENSORBOARD
+    ds4l_tb_open(L); /* lua/tb_lua.c: ds4.core.tb, TensorBoard event records (when built with protobuf-c) */
+#endif
 
     lua_pushliteral(L, DS4_VERSION_STRING);
     lua_setfield(L, mod, "version");

@@ -107,6 +107,9 @@ int ds4l_keygen_main(int argc, char **argv);
 /* lua/wire_lua.c: put the ds4.wire table (the rollout wire codec, rollout/wire.h) into the module table at the top
  * of the stack. */
 void ds4l_wire_open(lua_State *L);
+/* lua/tb_lua.c (built with protobuf-c only: DS4_HAVE_TENSORBOARD): put the ds4.tb table (TensorBoard event records)
+ * into the module table at the top of the stack. */
+void ds4l_tb_open(lua_State *L);
 /* lua/train_lua.c: model:forward's pass: a training forward (activations kept for model:backward) when
  * opts.train is true, or when it is nil and labels are given to a model with gradients enabled; else
  * ds4_model_forward. model_idx: the model's stack slot; opts_idx: the options table's slot, or 0. */

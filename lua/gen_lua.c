@@ -946,7 +946,7 @@ static const luaL_Reg cache_methods[] = {
 
 /* Model methods that run or change the model: wrapped so that an on_token callback cannot re-enter them. */
 static const char *const guarded_names[] = {
-    "free", "forward", "zero_grad", "backward", "backward_logprobs", "set_train_options", "set_params", NULL,
+    "free", "forward", "zero_grad", "backward", "backward_logprobs", "set_train_options", "set_params", "to", NULL,
 };
 
 void ds4l_gen_open(lua_State *L) {

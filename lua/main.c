@@ -1,7 +1,8 @@
 /* main.c — the `ds4` program: runs Lua scripts against libds4, and the interactive REPL.
  *
- *   ds4 run FILE.lua [args...]   run a script (FILE "-" = stdin)
- *   ds4 repl [--model DIR] [--tokenizer FILE] [--threads N]   interactive Lua prompt (lua/repl.c, lua/ds4/repl.lua)
+ *   ds4 run [--device D] FILE.lua [args...]   run a script (FILE "-" = stdin)
+ *   ds4 repl [--model DIR] [--tokenizer FILE] [--threads N] [--device D]   interactive Lua prompt (lua/repl.c,
+ *                                lua/ds4/repl.lua)
  *   ds4 worker --connect EP ...  a rollout worker (lua/ds4/rollout/worker.lua parses the rest of the options)
  *   ds4 keygen [--out PREFIX]    a CURVE key pair for ZeroMQ (lua/zmq_lua.c: ds4l_keygen_main)
  *   ds4 version                  versions of ds4 and of the libraries it was built with
@@ -12,8 +13,9 @@
  * inside lua_cpcall, so an out-of-memory error during setup is reported instead of reaching the panic
  * function. Exit status: 0 success, 1 script error, 2 usage error; os.exit(n) in a script exits with n.
  *
- * File-scope mutable state: exactly two variables, both for Ctrl-C (see "Ctrl-C" below and lua/repl.h): the
- * interrupt flag ds4l_interrupt and the state the SIGINT handler interrupts, ds4l_signal_state. */
+ * File-scope mutable state: two variables for Ctrl-C (see "Ctrl-C" below and lua/repl.h): the interrupt flag
+ * ds4l_interrupt and the state the SIGINT handler interrupts, ds4l_signal_state; and lua/repl.c's complete_state,
+ * the state libedit's Tab completion asks while the REPL reads at a terminal. */
 #define _XOPEN_SOURCE 700 /* realpath (XSI), stat, sigaction */
 #include <errno.h>
 #include <limits.h>
@@ -49,8 +51,12 @@ static void usage(FILE *f) {
             "usage: ds4 <command> [arguments]\n"
             "\n"
             "commands:\n"
-            "  run FILE [ARGS...]  run the Lua script FILE (\"-\" reads it from stdin); the script gets\n"
+            "  run [--device D] [--dtype T] FILE [ARGS...]\n"
+            "                      run the Lua script FILE (\"-\" reads it from stdin); the script gets\n"
             "                      arg[0] = FILE, arg[1..n] = ARGS, and ARGS as `...`\n"
+            "      --device D          where models compute unless the script says otherwise: cpu (default),\n"
+            "                          cuda or cuda:N (ds4.set_device)\n"
+            "      --dtype T           the GPU's working dtype: bf16 (default) or fp32 (the reference)\n"
             "  repl [OPTIONS]      interactive Lua prompt with `ds4`, `model`, `tok` and helpers (help() lists\n"
             "                      them); with stdin not a terminal, runs stdin line by line as the prompt would\n"
             "      --model DIR         load this checkpoint (default: a small random demo model: its outputs\n"
@@ -58,8 +64,9 @@ static void usage(FILE *f) {
             "      --tokenizer FILE    a tokenizer.json (default: DIR/tokenizer.json when present, else the\n"
             "                          built-in byte-level tokenizer)\n"
             "      --threads N         CPU threads (0 = all cores)\n"
-            "  worker --connect ENDPOINT [--model DIR|CONFIG.json] [--threads N] [--key FILE --server-key FILE |\n"
-            "         --insecure] [--id NAME] [--max-batch N] [--credits N]\n"
+            "      --device D, --dtype T   as for run\n"
+            "  worker --connect ENDPOINT [--model DIR|CONFIG.json] [--threads N] [--device D] [--dtype T]\n"
+            "         [--key FILE --server-key FILE | --insecure] [--id NAME] [--max-batch N] [--credits N]\n"
             "                      a rollout worker for a trainer's ds4.rollout.pool (`ds4 worker --help`);\n"
             "                      Ctrl-C or SIGTERM: says bye to the trainer and exits 0\n"
             "  keygen [--out PREFIX] [--force]\n"
@@ -234,6 +241,7 @@ typedef struct run_ctx {
     int argc;
     char **argv;
     int script;                 /* argv index of the script (ds4 run) */
+    const char *device, *dtype; /* --device / --dtype of ds4 run and ds4 repl, or NULL */
     const ds4l_repl_opts *repl; /* ds4 repl: its options; NULL for ds4 run */
     int worker;                 /* ds4 worker: argv[2..] go to require("ds4.rollout.worker").main(arg) */
     int status;                 /* exit status */
@@ -287,10 +295,36 @@ static int run_worker(lua_State *L, run_ctx *ctx) {
     return 0;
 }
 
+/* --device / --dtype: require("ds4.core").set_device(device, dtype) (the spelling was checked by parse_device). */
+static int apply_device(lua_State *L, const run_ctx *ctx) {
+    if (!ctx->device && !ctx->dtype) return 1;
+    lua_pushcfunction(L, traceback);
+    lua_getglobal(L, "require");
+    lua_pushliteral(L, "ds4.core");
+    if (lua_pcall(L, 1, 1, -3) != 0) {
+        report(L);
+        return 0;
+    }
+    lua_getfield(L, -1, "set_device");
+    lua_pushstring(L, ctx->device ? ctx->device : "cuda");
+    if (ctx->dtype) lua_pushstring(L, ctx->dtype);
+    else lua_pushnil(L);
+    if (lua_pcall(L, 2, 0, -5) != 0) {
+        report(L);
+        return 0;
+    }
+    lua_pop(L, 2);
+    return 1;
+}
+
 static int pmain(lua_State *L) {
     run_ctx *ctx = lua_touserdata(L, 1);
     lua_settop(L, 0);
     setup_state(L);
+    if (!apply_device(L, ctx)) {
+        ctx->status = 2;
+        return 0;
+    }
 
     if (ctx->repl) {
         install_sigint(1); /* stays installed: every Ctrl-C is seen (repl.c says what it does) */
@@ -349,9 +383,30 @@ static int run_state(run_ctx *ctx) {
     return ctx->status;
 }
 
-/* ds4 repl's options: --model DIR, --tokenizer FILE, --threads N (also --opt=VALUE). Returns -1 when they are
- * fine, else the exit status (0 for --help, 2 for a usage error). */
-static int parse_repl_args(int argc, char **argv, ds4l_repl_opts *o) {
+/* Check a --device / --dtype pair's spelling now, so that a typo is a usage error before anything loads. */
+static int parse_device(const char *cmd, const char *device, const char *dtype) {
+    if (!device && !dtype) return 1;
+    ds4_device_options o;
+    ds4_error err = {0};
+    if (ds4_device_parse(device ? device : "cuda", dtype, &o, &err) == DS4_OK) return 1;
+    fprintf(stderr, "ds4 %s: %s\n", cmd, err.msg);
+    return 0;
+}
+
+/* The value of option `name` at argv[*i] ("--name VALUE" or "--name=VALUE"), advancing *i past it; NULL when
+ * argv[*i] is not that option; "" when the value is missing. */
+static const char *option_value(int argc, char **argv, int *i, const char *name) {
+    const char *a = argv[*i];
+    const size_t n = strlen(name);
+    if (strncmp(a, name, n) != 0 || (a[n] != 0 && a[n] != '=')) return NULL;
+    if (a[n] == '=') return a + n + 1;
+    if (*i + 1 < argc) return argv[++*i];
+    return "";
+}
+
+/* ds4 repl's options: --model DIR, --tokenizer FILE, --threads N, --device D, --dtype T (also --opt=VALUE).
+ * Returns -1 when they are fine, else the exit status (0 for --help, 2 for a usage error). */
+static int parse_repl_args(int argc, char **argv, ds4l_repl_opts *o, run_ctx *ctx) {
     o->model = NULL;
     o->tokenizer = NULL;
     o->threads = -1;
@@ -361,10 +416,10 @@ static int parse_repl_args(int argc, char **argv, ds4l_repl_opts *o) {
             usage(stdout);
             return 0;
         }
-        static const char *const names[] = {"--model", "--tokenizer", "--threads"};
+        static const char *const names[] = {"--model", "--tokenizer", "--threads", "--device", "--dtype"};
         int which = -1;
         const char *val = NULL;
-        for (int k = 0; k < 3; k++) {
+        for (int k = 0; k < 5; k++) {
             size_t n = strlen(names[k]);
             if (strncmp(a, names[k], n) == 0 && (a[n] == 0 || a[n] == '=')) {
                 which = k;
@@ -387,6 +442,10 @@ static int parse_repl_args(int argc, char **argv, ds4l_repl_opts *o) {
             o->model = val;
         } else if (which == 1) {
             o->tokenizer = val;
+        } else if (which == 3) {
+            ctx->device = val;
+        } else if (which == 4) {
+            ctx->dtype = val;
         } else {
             char *end = NULL;
             errno = 0;
@@ -399,7 +458,7 @@ static int parse_repl_args(int argc, char **argv, ds4l_repl_opts *o) {
             o->threads = (int)n;
         }
     }
-    return -1;
+    return parse_device("repl", ctx->device, ctx->dtype) ? -1 : 2;
 }
 
 int main(int argc, char **argv) {
@@ -410,12 +469,25 @@ int main(int argc, char **argv) {
     const char *cmd = argv[1];
     if (strcmp(cmd, "version") == 0 || strcmp(cmd, "--version") == 0) return print_version();
     if (strcmp(cmd, "run") == 0) {
-        if (argc < 3) {
+        run_ctx ctx = {.argc = argc, .argv = argv, .script = 2, .repl = NULL, .status = 0};
+        for (const char *v; ctx.script < argc; ctx.script++) { /* ds4's own options come before the script */
+            int i = ctx.script;
+            if ((v = option_value(argc, argv, &i, "--device"))) ctx.device = v;
+            else if ((v = option_value(argc, argv, &i, "--dtype"))) ctx.dtype = v;
+            else break;
+            if (!*v) {
+                fprintf(stderr, "ds4 run: %s needs a value\n\n", argv[ctx.script]);
+                usage(stderr);
+                return 2;
+            }
+            ctx.script = i;
+        }
+        if (ctx.script >= argc) {
             fprintf(stderr, "ds4 run: missing script (a .lua file, or - for stdin)\n\n");
             usage(stderr);
             return 2;
         }
-        run_ctx ctx = {.argc = argc, .argv = argv, .script = 2, .repl = NULL, .status = 0};
+        if (!parse_device("run", ctx.device, ctx.dtype)) return 2;
         return run_state(&ctx);
     }
     if (strcmp(cmd, "keygen") == 0) return ds4l_keygen_main(argc, argv);
@@ -425,9 +497,9 @@ int main(int argc, char **argv) {
     }
     if (strcmp(cmd, "repl") == 0) {
         ds4l_repl_opts o;
-        int rc = parse_repl_args(argc, argv, &o);
-        if (rc >= 0) return rc;
         run_ctx ctx = {.argc = argc, .argv = argv, .script = 0, .repl = &o, .status = 0};
+        int rc = parse_repl_args(argc, argv, &o, &ctx);
+        if (rc >= 0) return rc;
         return run_state(&ctx);
     }
     fprintf(stderr, "ds4: unknown command '%s'\n\n", cmd);

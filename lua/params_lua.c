@@ -21,6 +21,8 @@ static int m_params(lua_State *L) {
     ds4_model *m = ds4l_model_check(L, 1, fname);
     int64_t n = ds4_model_param_count(m);
     ds4_tensor *t = ds4l_tensor_push_new(L, fname, DS4_F32, 1, &n);
+    ds4_error err = {0};
+    if (ds4_model_host_sync(m, &err) != DS4_OK) ds4l_raise_ds4(L, fname, &err); /* a model training on a device */
     if (n > 0) memcpy(t->data, ds4_model_params(m), (size_t)n * sizeof(float));
     return 1;
 }
@@ -47,6 +49,8 @@ static int m_set_params(lua_State *L) {
         src = t->data;
         bytes = (size_t)n * sizeof(float);
     }
+    ds4_error err = {0};
+    if (ds4_model_host_sync(m, &err) != DS4_OK) ds4l_raise_ds4(L, fname, &err);
     if (bytes) memmove(ds4_model_params(m), src, bytes);
     ds4_model_params_changed(m);
     lua_settop(L, 1);

@@ -11,7 +11,8 @@
  *   - end of input (Ctrl-D at an empty prompt) exits with status 0.
  *
  * Interactive (stdin is a terminal): libedit's readline with line editing, history in ~/.ds4_history (failures
- * to read or write it are ignored), Tab inserts a tab. Otherwise stdin is read line by line with the same
+ * to read or write it are ignored), Tab completion of globals, keywords, table fields and methods (model:<Tab>;
+ * lua/ds4/repl.lua's complete) and a Tab at the start of a line or after a space inserted as indentation. Otherwise stdin is read line by line with the same
  * semantics and no prompt; errors are reported and execution continues; the exit status is 0 at the end of the
  * input (as lua.c does with piped input; use `ds4 run` when an error must fail).
  *
@@ -530,6 +531,62 @@ static void guard_generate(lua_State *L) {
     lua_pop(L, 1);
 }
 
+/* ------------------------------------------------------------------------------------------------ completion */
+
+/* Tab completion asks Lua (require("ds4.repl").complete: globals, keywords, a.b.<field>, obj:<method>), and
+ * libedit's completion callbacks take no context: the state is kept here while the REPL reads at a terminal
+ * (NULL otherwise). One of the program's file-scope variables (main.c lists them). */
+static lua_State *complete_state;
+
+#define COMPLETIONS_KEY "ds4.repl.completions"
+
+/* Run by lua_cpcall (its argument, the word, a C string, is the lightuserdata at index 1): the list of
+ * ds4.repl.complete(word) into the registry. */
+static int compute_completions(lua_State *L) {
+    const char *word = lua_touserdata(L, 1);
+    lua_getglobal(L, "require");
+    lua_pushliteral(L, "ds4.repl");
+    lua_call(L, 1, 1);
+    lua_getfield(L, -1, "complete");
+    lua_pushstring(L, word);
+    lua_call(L, 1, 1);
+    if (!lua_istable(L, -1)) return 0;
+    lua_setfield(L, LUA_REGISTRYINDEX, COMPLETIONS_KEY);
+    return 0;
+}
+
+/* libedit's generator: state 0 computes the list, then each call hands out the next entry (malloc'd: libedit
+ * frees it); NULL at the end. */
+static char *complete_next(const char *text, int state) {
+    lua_State *L = complete_state;
+    if (!L) return NULL;
+    int top = lua_gettop(L);
+    if (state == 0) {
+        lua_pushnil(L);
+        lua_setfield(L, LUA_REGISTRYINDEX, COMPLETIONS_KEY);
+        if (lua_cpcall(L, compute_completions, (void *)text) != 0) lua_settop(L, top); /* no completions */
+    }
+    char *out = NULL;
+    lua_getfield(L, LUA_REGISTRYINDEX, COMPLETIONS_KEY);
+    if (lua_istable(L, -1)) {
+        lua_rawgeti(L, -1, state + 1);
+        if (lua_type(L, -1) == LUA_TSTRING) out = strdup(lua_tostring(L, -1));
+    }
+    lua_settop(L, top);
+    return out;
+}
+
+static char **repl_completion(const char *text, int start, int end) {
+    (void)end;
+    rl_attempted_completion_over = 1; /* never libedit's file names */
+    /* Tab at the start of a line or after white space is indentation: pasted code keeps its tabs */
+    if (text[0] == 0 && (start == 0 || rl_line_buffer[start - 1] == ' ' || rl_line_buffer[start - 1] == '\t')) {
+        rl_insert_text("\t");
+        return NULL;
+    }
+    return rl_completion_matches(text, complete_next);
+}
+
 /* ------------------------------------------------------------------------------------------------ setup */
 
 /* require("ds4.repl").setup{model = ..., tokenizer = ..., threads = ..., interactive = ...}: the globals, the
@@ -583,7 +640,10 @@ static void setup_tty(repl *r) {
     rl_catch_signals = 0;          /* main.c's handler sees every Ctrl-C */
     rl_getc_function = repl_getc;  /* read before rl_initialize: used only when set by then */
     rl_initialize();
-    rl_bind_key('\t', rl_insert);  /* no file-name completion: pasted code keeps its tabs */
+    /* Tab completes names (repl_completion); '.' and ':' are part of a word, so model:ge<Tab> is one */
+    rl_attempted_completion_function = repl_completion;
+    rl_basic_word_break_characters = " \t\n\"\\'`@$><=;|&{(,+-*/%^~#[]";
+    rl_completion_append_character = 0;
     stifle_history(HISTORY_MAX);
     const char *home = getenv("HOME");
     int n = home && *home ? snprintf(r->history, sizeof r->history, "%s/%s", home, HISTORY_FILE) : -1;
@@ -613,7 +673,10 @@ int ds4l_repl(lua_State *L, const ds4l_repl_opts *o) {
     r.line_slot = lua_gettop(L);
 
     if (setup(&r, o) != 0) return 1;
-    if (r.tty) setup_tty(&r);
+    if (r.tty) {
+        setup_tty(&r);
+        complete_state = L;
+    }
 
     lua_pushnil(L); /* the unfinished chunk, or nil */
     const int pending = lua_gettop(L);
@@ -673,6 +736,7 @@ int ds4l_repl(lua_State *L, const ds4l_repl_opts *o) {
         if (st == 1) report(L);
         else evaluate(&r);
     }
+    complete_state = NULL;
     lua_settop(L, r.tostring_slot - 1);
     fflush(stdout);
     return 0;

@@ -1,10 +1,11 @@
 /* save_lua.c — model:save and the ds4.checkpoints table (core/save.c, core/ckptdir.c).
  *
- *   model:save(dir [, {dtype = "F32"|"BF16"|"F16", overwrite = false}]) -> dir
+ *   model:save(dir [, {dtype = "F32"|"BF16"|"F16", overwrite = false, files = {name = text}}]) -> dir
+ *       opts.files: more *.json files (tokenizer.json, ...) written with the weights, published with them
  *   ds4.checkpoints.save(root, step, model [, opts]) -> path of ROOT/step_NNNNNN
  *       opts.extra = {name = tensor}, opts.meta = {JSON-able table}  -> extra.safetensors / extra.json
  *       opts.states = {name = {tensors = {...}, meta = {...}}}         -> <name>.safetensors / <name>.json
- *       opts.dtype, and opts.keep_last / keep_every / clean: prune after the commit
+ *       opts.dtype, opts.files (as model:save), and opts.keep_last / keep_every / clean: prune after the commit
  *   ds4.checkpoints.load(root [, step]) -> dir, extra, meta, step   (nil when root has no complete checkpoint)
  *   ds4.checkpoints.list / latest / scan / check / prune / path / begin / commit / abort / write_state /
  *       read_state: the C API one to one (see the comment at the top of lua/ds4/init.lua).
@@ -166,6 +167,41 @@ static ds4_dtype opt_dtype(lua_State *L, int opts, const char *fname) {
     }
     lua_pop(L, 1);
     return d;
+}
+
+/* opts.files = {name = string, ...} -> o->files / n_files, in a scratch userdata pushed on the stack (pointing into
+ * the strings of opts.files, which the caller's opts keeps alive). The names are checked by the save itself. */
+static void opt_files(lua_State *L, int opts, const char *fname, ds4_save_options *o) {
+    size_t n = 0;
+    if (opts) lua_getfield(L, opts, "files");
+    else lua_pushnil(L);
+    int files = lua_gettop(L);
+    if (!lua_isnil(L, files) && !lua_istable(L, files))
+        ds4l_raise(L, "%s: opts.files must be a table {name = text}, got %s", fname, luaL_typename(L, files));
+    if (lua_istable(L, files)) {
+        lua_pushnil(L);
+        while (lua_next(L, files)) {
+            if (lua_type(L, -2) != LUA_TSTRING || lua_type(L, -1) != LUA_TSTRING)
+                ds4l_raise(L, "%s: opts.files entries must be name = text (strings), got %s = %s", fname,
+                           luaL_typename(L, -2), luaL_typename(L, -1));
+            lua_pop(L, 1);
+            n++;
+        }
+    }
+    ds4_save_file *f = lua_newuserdata(L, (n ? n : 1) * sizeof *f);
+    size_t k = 0;
+    if (n) {
+        lua_pushnil(L);
+        while (lua_next(L, files)) {
+            f[k].name = lua_tostring(L, -2);
+            f[k].data = lua_tolstring(L, -1, &f[k].len);
+            k++;
+            lua_pop(L, 1);
+        }
+    }
+    lua_remove(L, files);
+    o->files = f;
+    o->n_files = n;
 }
 
 /* ------------------------------------------------------------------------------------------------ tensors */
@@ -394,9 +430,10 @@ static int m_save(lua_State *L) {
     ds4_model *m = ds4l_model_check(L, 1, fname);
     const char *dir = arg_string(L, 2, fname, "directory");
     int opts = opt_table(L, 3, fname);
-    static const char *const known[] = {"dtype", "overwrite", NULL};
+    static const char *const known[] = {"dtype", "overwrite", "files", NULL};
     if (opts) check_keys(L, opts, fname, known);
     ds4_save_options o = {.dtype = opt_dtype(L, opts, fname), .overwrite = opt_bool(L, opts, "overwrite", fname)};
+    opt_files(L, opts, fname, &o);
     ds4_error err = {0};
     if (ds4_model_save_opts(m, dir, &o, &err) != DS4_OK) ds4l_raise_ds4(L, fname, &err);
     lua_pushvalue(L, 2);
@@ -643,6 +680,7 @@ static int save_work(lua_State *L) {
     ds4_model *m = ds4l_model_check(L, 1, fname);
     const char *tmp = lua_tostring(L, 3);
     ds4_save_options o = {.dtype = (ds4_dtype)lua_tointeger(L, 4)};
+    opt_files(L, lua_istable(L, 2) ? 2 : 0, fname, &o);
     ds4_error err = {0};
     if (ds4_model_write_files(m, tmp, &o, &err) != DS4_OK) ds4l_raise_ds4(L, fname, &err);
     if (lua_isnil(L, 2)) return 0;
@@ -682,7 +720,8 @@ static int c_save(lua_State *L) {
     int64_t step = to_count(L, 2, fname, "step");
     ds4l_model_check(L, 3, fname);
     int opts = opt_table(L, 4, fname);
-    static const char *const known[] = {"extra", "meta", "states", "dtype", "keep_last", "keep_every", "clean", NULL};
+    static const char *const known[] = {"extra", "meta", "states", "dtype", "keep_last", "keep_every", "clean",
+                                        "files", NULL};
     if (opts) check_keys(L, opts, fname, known);
     lua_settop(L, 4);
     ds4_dtype dtype = opt_dtype(L, opts, fname);

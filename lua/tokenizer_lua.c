@@ -4,6 +4,7 @@
  *   tok:encode(text [, {bos = true}])      -> Lua array of ids (no BOS unless asked)
  *   tok:decode(ids [, {skip_special = true}])   ids: Lua array or integer tensor -> string (exact bytes)
  *   tok:vocab_size()  tok:token_to_id(s)  tok:id_to_token(id)  tok:special(name)  tok:is_special(id)
+ *   tok:to_json()                          the tokenizer.json text it was loaded from
  *
  * Ownership (see ds4lua.h): the tokenizer lives in a userdata box with __gc, pushed before loading; encode's id
  * array lives in a second boxed buffer while the Lua table is built, so an allocation error raised by Lua
@@ -220,6 +221,15 @@ static int m_is_special(lua_State *L) {
     return 1;
 }
 
+/* tok:to_json() -> the tokenizer.json text it was loaded from (what model:save writes next to the weights). */
+static int m_to_json(lua_State *L) {
+    const ds4_tokenizer *t = check_tok(L, "tokenizer:to_json");
+    size_t len = 0;
+    const char *s = ds4_tokenizer_json(t, &len);
+    lua_pushlstring(L, s ? s : "", len);
+    return 1;
+}
+
 static int m_tostring(lua_State *L) {
     tok_box *b = luaL_testudata(L, 1, TOK_MT);
     if (b && b->t) lua_pushfstring(L, "ds4.tokenizer (vocabulary size %d)", (int)ds4_tokenizer_vocab_size(b->t));
@@ -247,7 +257,7 @@ static int l_is_tokenizer(lua_State *L) {
 static const luaL_Reg tok_methods[] = {
     {"encode", m_encode},           {"decode", m_decode},   {"vocab_size", m_vocab_size},
     {"token_to_id", m_token_to_id}, {"id_to_token", m_id_to_token}, {"special", m_special},
-    {"is_special", m_is_special},   {NULL, NULL},
+    {"is_special", m_is_special},   {"to_json", m_to_json},         {NULL, NULL},
 };
 
 void ds4l_tokenizer_open(lua_State *L) {

@@ -15,8 +15,10 @@
  * forward whose loss came out NaN or infinite is recorded as the loss's text instead: backward refuses it
  * rather than fill the gradients with non-finite values.
  *
- * The optimizer userdata keeps its model alive through its environment table; ds4_adamw_free never touches
- * the model, and every other optimizer call first checks that the model has not been freed (model:free()). */
+ * The optimizer userdata keeps its model alive through its environment table, so a collection never frees the
+ * model first. ds4_adamw_free reads the model (it hands back the moments a device held for it), so an explicit
+ * model:free() first frees the C optimizers of that model (a registry table lists them), which then raise "model
+ * has been freed"; every other optimizer call checks that the model has not been freed. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -169,6 +171,8 @@ static int m_grads(lua_State *L) {
         canonical = lua_toboolean(L, -1);
         lua_pop(L, 1);
     }
+    ds4_error serr = {0};
+    if (ds4_model_host_sync(m, &serr) != DS4_OK) ds4l_raise_ds4(L, fname, &serr);
     const float *g = ds4_model_grads(m);
     if (!g) ds4l_raise(L, "%s: gradients are not enabled (call model:zero_grad() first)", fname);
     const ds4_config *c = ds4_model_config(m);
@@ -239,8 +243,10 @@ static int m_logprobs(lua_State *L) {
     return want_entropy ? 2 : 1;
 }
 
-/* model:backward_logprobs(g): g is an F32 tensor [B, S] of d objective / d logp per position (ignored where
- * unscored). Consumes the training forward, like model:backward. */
+/* model:backward_logprobs(g): g is an F32 tensor [B, S] of dLoss/dlogp per position, for the loss the optimizer
+ * MINIMISES (ignored where unscored): the gradients get sum g[b][s] * d logp[b][s] / d theta added. The SFT mean
+ * loss -mean(logp) is g = -1/N on every scored position (tests/lua/test_train.lua checks that against torch).
+ * Consumes the training forward, like model:backward. */
 static int m_backward_logprobs(lua_State *L) {
     const char *fname = "ds4.model:backward_logprobs";
     ds4_model *m = ds4l_model_check(L, 1, fname);
@@ -274,10 +280,13 @@ static int m_set_train_options(lua_State *L) {
         else if (!strcmp(k, "indexer_kl") && lua_type(L, -1) == LUA_TNUMBER) o.indexer_kl = lua_tonumber(L, -1);
         else if (!strcmp(k, "router_bias_gamma") && lua_type(L, -1) == LUA_TNUMBER)
             o.router_bias_gamma = lua_tonumber(L, -1);
+        else if (!strcmp(k, "head_chunk") && lua_type(L, -1) == LUA_TNUMBER && lua_tonumber(L, -1) >= 0 &&
+                 lua_tonumber(L, -1) <= 1e9 && lua_tonumber(L, -1) == (int64_t)lua_tonumber(L, -1))
+            o.head_chunk = (int64_t)lua_tonumber(L, -1);
         else
             ds4l_raise(L,
                        "%s: unknown or mistyped option '%s' (known: mtp_lambda = number, router_bias_gamma = number, "
-                       "indexer_kl = number)",
+                       "indexer_kl = number, head_chunk = integer >= 0)",
                        fname, k);
         lua_pop(L, 1);
     }
@@ -291,7 +300,11 @@ static int m_set_train_options(lua_State *L) {
 typedef struct adamw_box {
     ds4_adamw *a;
     ds4_adamw_options o; /* as created: for opt:lr() and tostring */
+    int model_freed;     /* a was freed by model:free() */
 } adamw_box;
+
+/* registry: model userdata -> {optimizer userdata = true}, weak keys at both levels */
+#define OPTIMIZERS_KEY "ds4.optimizers_of_model"
 
 static int adamw_gc(lua_State *L) {
     adamw_box *b = lua_touserdata(L, 1);
@@ -308,6 +321,7 @@ static adamw_box *check_adamw(lua_State *L, const char *fname) {
     if (!b)
         ds4l_raise(L, "%s: self must be a ds4.adamw optimizer (got %s); call it as opt:method(...)", fname,
                    luaL_typename(L, 1));
+    if (b->model_freed) ds4l_raise(L, "%s: model has been freed", fname);
     if (!b->a) ds4l_raise(L, "%s: optimizer has been freed", fname);
     lua_getfenv(L, 1);
     lua_getfield(L, -1, "model");
@@ -352,6 +366,8 @@ static int o_steps(lua_State *L) {
 static int o_state(lua_State *L) {
     const char *fname = "ds4.adamw:state";
     adamw_box *b = check_adamw(L, fname);
+    ds4_error err = {0};
+    if (ds4_adamw_sync_state(b->a, &err) != DS4_OK) ds4l_raise_ds4(L, fname, &err); /* moments on a device */
     ds4_adamw_state st;
     ds4_adamw_get_state(b->a, &st);
     lua_createtable(L, 0, 4);
@@ -399,6 +415,7 @@ static int o_load_state(lua_State *L) {
     memcpy(st.v, src[1]->data, src[1]->nbytes);
     memcpy(st.tensor_steps, src[2]->data, src[2]->nbytes);
     *st.steps = step;
+    ds4_adamw_state_changed(b->a); /* a model on a device gets these moments at the next step */
     return 0;
 }
 
@@ -407,6 +424,7 @@ static int o_free(lua_State *L) {
     if (!b) ds4l_raise(L, "ds4.adamw:free: self must be a ds4.adamw optimizer (got %s)", luaL_typename(L, 1));
     ds4_adamw_free(b->a);
     b->a = NULL;
+    b->model_freed = 0; /* from now on: "optimizer has been freed" */
     return 0;
 }
 
@@ -511,7 +529,50 @@ static int l_adamw(lua_State *L) {
     b->o = o;
     ds4_error err = {0};
     if (ds4_adamw_create(m, &o, &b->a, &err) != DS4_OK) ds4l_raise_ds4(L, fname, &err);
+    int box = lua_gettop(L);
+    lua_getfield(L, LUA_REGISTRYINDEX, OPTIMIZERS_KEY);
+    lua_pushvalue(L, 1);
+    lua_rawget(L, -2);
+    if (!lua_istable(L, -1)) {
+        lua_pop(L, 1);
+        lua_newtable(L);
+        lua_createtable(L, 0, 1);
+        lua_pushliteral(L, "k");
+        lua_setfield(L, -2, "__mode");
+        lua_setmetatable(L, -2);
+        lua_pushvalue(L, 1);
+        lua_pushvalue(L, -2);
+        lua_rawset(L, -4);
+    }
+    lua_pushvalue(L, box);
+    lua_pushboolean(L, 1);
+    lua_rawset(L, -3);
+    lua_settop(L, box);
     return 1;
+}
+
+/* model:free(): the model's optimizers first (see the top of this file), then the original free (upvalue 1). */
+static int m_free_optimizers_first(lua_State *L) {
+    lua_getfield(L, LUA_REGISTRYINDEX, OPTIMIZERS_KEY);
+    lua_pushvalue(L, 1);
+    lua_rawget(L, -2);
+    if (lua_istable(L, -1)) {
+        lua_pushnil(L);
+        while (lua_next(L, -2)) {
+            lua_pop(L, 1);
+            adamw_box *b = luaL_testudata(L, -1, ADAMW_MT);
+            if (b && b->a) {
+                ds4_adamw_free(b->a);
+                b->a = NULL;
+                b->model_freed = 1;
+            }
+        }
+    }
+    lua_pop(L, 2);
+    lua_pushvalue(L, lua_upvalueindex(1));
+    lua_insert(L, 1);
+    lua_call(L, lua_gettop(L) - 1, LUA_MULTRET);
+    return lua_gettop(L);
 }
 
 /* ------------------------------------------------------------------------------------------------ module */
@@ -539,9 +600,13 @@ void ds4l_train_open(lua_State *L) {
         lua_pushcfunction(L, r->func);
         lua_setfield(L, -2, r->name);
     }
+    lua_getfield(L, -1, "free");
+    lua_pushcclosure(L, m_free_optimizers_first, 1);
+    lua_setfield(L, -2, "free");
     lua_pop(L, 1);
 
     ds4l_weak_registry_table(L, PENDING_KEY, "k");
+    ds4l_weak_registry_table(L, OPTIMIZERS_KEY, "k");
     ds4l_class(L, ADAMW_MT, adamw_methods, adamw_gc, o_tostring);
     lua_pop(L, 1);
 

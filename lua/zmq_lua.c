@@ -1154,8 +1154,25 @@ static int write_key_file(const char *path, const char *text, int force, mode_t 
 static void keygen_usage(FILE *f) {
     fprintf(f, "usage: ds4 keygen [--out PREFIX] [--force]\n"
                "  makes a CURVE key pair for ZeroMQ (Z85 text). With --out: PREFIX.key (the secret key, mode 0600)\n"
-               "  and PREFIX.pub (the public key); existing files are kept unless --force. Without --out: prints\n"
-               "  \"public <z85>\" and \"secret <z85>\" to stdout.\n");
+               "  and PREFIX.pub (the public key), creating PREFIX's missing directories (mode 0700); existing files\n"
+               "  are kept unless --force. Without --out: prints \"public <z85>\" and \"secret <z85>\" to stdout.\n");
+}
+
+/* mkdir -p of the directories above prefix ("keys/w1" -> keys), the new ones mode 0700: they hold secret keys.
+ * Returns 0, or errno with the failing directory in `dir` (cap bytes). */
+static int make_parents(const char *prefix, char *dir, size_t cap) {
+    size_t n = strlen(prefix);
+    if (n >= cap) return ENAMETOOLONG;
+    memcpy(dir, prefix, n + 1);
+    for (size_t i = 1; i < n; i++) {
+        if (dir[i] != '/' || dir[i - 1] == '/') continue;
+        dir[i] = 0;
+        struct stat st;
+        if (mkdir(dir, 0700) != 0 && !(errno == EEXIST && stat(dir, &st) == 0 && S_ISDIR(st.st_mode)))
+            return errno == EEXIST ? ENOTDIR : errno;
+        dir[i] = '/';
+    }
+    return 0;
 }
 
 int ds4l_keygen_main(int argc, char **argv) {
@@ -1217,6 +1234,13 @@ int ds4l_keygen_main(int argc, char **argv) {
     }
     snprintf(kpath, pl + 5, "%s.key", prefix);
     snprintf(ppath, pl + 5, "%s.pub", prefix);
+    char dir[4096];
+    int de = make_parents(prefix, dir, sizeof dir);
+    if (de) {
+        fprintf(stderr, "ds4 keygen: cannot create the directory %s: %s\n", de == ENAMETOOLONG ? prefix : dir,
+                strerror(de));
+        goto done;
+    }
     if (!force) {
         struct stat st;
         const char *exists = stat(kpath, &st) == 0 ? kpath : stat(ppath, &st) == 0 ? ppath : NULL;

@@ -11,6 +11,8 @@
 #   libpcre2-dev libutf8proc-dev      the tokenizer: PCRE2 runs the pre-tokenizer regexes (\p{L}, \p{N}, ...),
 #                                     utf8proc gives NFC and Unicode categories
 #   libedit-dev                       `ds4 repl`: line editing and history (BSD-licensed, readline-compatible API)
+#   libprotobuf-c-dev protobuf-c-compiler  TensorBoard event files (the Event protobuf, lua/tb_event.proto); the
+#                                     build leaves them out, and writes no event files, where they are missing
 #   clang libclang-rt-14-dev          libFuzzer targets and the sanitizer runtimes (ASan, UBSan, LSan)
 #   llvm-14                           llvm-symbolizer, so sanitizer and fuzzer reports show file:line
 # The CUDA toolkit is optional and is not installed here: the build switches the CUDA backend on when nvcc is
@@ -29,6 +31,8 @@ PACKAGES=(
     libpcre2-dev
     libutf8proc-dev
     libedit-dev
+    libprotobuf-c-dev
+    protobuf-c-compiler
     clang
     libclang-rt-14-dev
     llvm-14

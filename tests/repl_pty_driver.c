@@ -8,7 +8,9 @@
  *   (d) Ctrl-C stops a running Lua loop ("interrupted!");
  *   (e) an error prints its message and the prompt returns;
  *   (f) Ctrl-C at the prompt abandons the line; the process stays;
- *   (g) Ctrl-D at an empty prompt exits with status 0, and the history file has the lines typed.
+ *   (g) Ctrl-D at an empty prompt exits with status 0, and the history file has the lines typed;
+ *   (h) (before g) Tab completes a model's method (model:n_pa -> model:n_params), a global and a module's field,
+ *       and a Tab at the start of a line is indentation, not a completion.
  * Every wait is bounded (EXPECT_SECONDS per expectation, plus an overall alarm), so it never hangs. On failure it
  * prints the step, what it waited for and the end of the transcript (control characters escaped).
  *
@@ -357,6 +359,34 @@ int main(int argc, char **argv) {
     expect(&d, "\n7\r");
     prompt(&d);
 
+    /* (h) Tab completion: a method of the model, a global, a module's field; a Tab at the start of a line is
+     * indentation (pasted code keeps it) */
+    d.step = "h: Tab completion";
+    d.mark = d.len;
+    /* libedit redraws only the completed tail of the word: what the completed line evaluates to is the check */
+    send(&d, "=model:n_pa\t");
+    expect(&d, "rams");
+    type_line(&d, "() > 0");
+    expect(&d, "\ntrue\r");
+    prompt(&d);
+    send(&d, "=#chat_hi\t");
+    expect(&d, "story");
+    type_line(&d, "()");
+    expect(&d, "\n0\r");
+    prompt(&d);
+    send(&d, "=type(ds4.config_su\t");
+    expect(&d, "mmary");
+    type_line(&d, ")");
+    expect(&d, "\nfunction\r");
+    prompt(&d);
+    send(&d, "\tindent = 6");
+    expect(&d, "indent = 6");
+    type_line(&d, "");
+    prompt(&d);
+    type_line(&d, "=indent");
+    expect(&d, "\n6\r");
+    prompt(&d);
+
     /* (g) Ctrl-D at an empty prompt */
     d.step = "g: Ctrl-D";
     send(&d, "\x04");
@@ -392,6 +422,6 @@ int main(int argc, char **argv) {
     if (getenv("REPL_PTY_VERBOSE")) dump(&d);
     free(d.buf);
     printf("repl_pty: all checks passed (prompt, values, multi-line, streaming, Ctrl-C in a generation, in a loop "
-           "and at the prompt, errors, Ctrl-D, history)\n");
+           "and at the prompt, errors, Tab completion, Ctrl-D, history)\n");
     return 0;
 }

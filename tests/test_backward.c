@@ -93,6 +93,29 @@ static void run(ds4_engine *eng, const char *fixtures, const char *name) {
     check_grads(m, gf, "main.", name, 0);
     /* the tape is consumed: a second backward needs a new forward */
     CHECK_STATUS(ds4_model_backward(m, 1.0, &err), DS4_ERR_ARG, &err);
+    /* The head in chunks of 7 rows (head_chunk): per-row losses and log-probabilities come from the same per-row
+     * operations on the same logits, so they are the same bits; the head's weight gradient adds the chunks in order
+     * (another summation order), so every gradient is held to the torch bound again. */
+    {
+        const int64_t T = B * S;
+        float *lp0 = malloc((size_t)T * 8), *lp1 = lp0 + T;
+        ds4_forward_result r0 = r, r1;
+        ds4_model_zero_grad(m);
+        CHECK_OK(ds4_model_forward_train(m, &a, &r, &err), &err);
+        CHECK_OK(ds4_model_logprobs(m, lp0, NULL, &err), &err);
+        ds4_train_options chunked = {.head_chunk = 7};
+        CHECK_OK(ds4_model_set_train_options(m, &chunked, &err), &err);
+        CHECK_OK(ds4_model_forward_train(m, &a, &r1, &err), &err);
+        CHECK_OK(ds4_model_logprobs(m, lp1, NULL, &err), &err);
+        CHECK(r1.loss == r0.loss && r.loss == r0.loss, "%s: loss with the head in chunks %.17g vs %.17g", name, r1.loss,
+              r0.loss);
+        CHECK(memcmp(lp0, lp1, (size_t)T * 4) == 0, "%s: log-probabilities with the head in chunks differ", name);
+        CHECK_OK(ds4_model_backward(m, 1.0 / (double)r1.loss_tokens, &err), &err);
+        check_grads(m, gf, "main.", name, 0);
+        ds4_train_options plain = {0};
+        CHECK_OK(ds4_model_set_train_options(m, &plain, &err), &err);
+        free(lp0);
+    }
     /* Per-token log-probabilities against an independent log-softmax of the inference logits. */
     {
         const int64_t T = B * S, V = ds4_model_config(m)->vocab_size;

@@ -47,7 +47,7 @@ for h in help --help -h; do
     run $h
     expect_rc "$h" 0 $rc
     expect_in "$h" "$WORK/out" "usage: ds4"
-    expect_in "$h" "$WORK/out" "run FILE"
+    expect_in "$h" "$WORK/out" "run [--device D] [--dtype T] FILE"
     expect_in "$h" "$WORK/out" "version"
 done
 "$DS4" >"$WORK/out" 2>"$WORK/err"; rc=$?
@@ -58,6 +58,35 @@ run frobnicate
 expect_rc "unknown command" 2 $rc
 expect_in "unknown command" "$WORK/err" "unknown command 'frobnicate'"
 expect_in "unknown command" "$WORK/err" "usage: ds4"
+
+# ---------------------------------------------------------------------------------------------- --device
+printf 'local ds4 = require("ds4")\nprint("device=" .. ds4.device(), select("#", ...))\n' >"$WORK/dev.lua"
+run run --device cpu "$WORK/dev.lua" a b
+expect_rc "run --device cpu" 0 $rc
+expect_in "run --device cpu" "$WORK/out" "device=cpu	2"
+run run --device=cuda:1 --dtype fp32 - <"$WORK/dev.lua"
+expect_rc "run --device=cuda:1 --dtype fp32" 0 $rc
+expect_in "run --device=cuda:1 --dtype fp32" "$WORK/out" "device=cuda:1 fp32"
+run run --dtype bf16 "$WORK/dev.lua"
+expect_in "run --dtype alone: the GPU" "$WORK/out" "device=cuda:0 bf16"
+run run --device tpu "$WORK/dev.lua"
+expect_rc "run --device tpu" 2 $rc
+expect_in "run --device tpu" "$WORK/err" "ds4 run: device 'tpu': expected cpu, cuda or cuda:N"
+run run --device cpu --dtype bf16 "$WORK/dev.lua"
+expect_rc "run --device cpu --dtype bf16" 2 $rc
+expect_in "run --device cpu --dtype bf16" "$WORK/err" "fp32 only"
+run run --device
+expect_rc "run --device (no value)" 2 $rc
+expect_in "run --device (no value)" "$WORK/err" "--device needs a value"
+run run --device cpu
+expect_rc "run --device cpu (no script)" 2 $rc
+expect_in "run --device cpu (no script)" "$WORK/err" "missing script"
+run repl --device cuda:z </dev/null
+expect_rc "repl --device cuda:z" 2 $rc
+expect_in "repl --device cuda:z" "$WORK/err" "index after cuda:"
+run worker --connect "ipc://$WORK/none" --model "$FIXTURES/tiny_a" --device tpu
+expect_rc "worker --device tpu" 2 $rc
+expect_in "worker --device tpu" "$WORK/err" "ds4 worker: ds4.set_device: device 'tpu'"
 
 run run
 expect_rc "run without a script" 2 $rc
@@ -187,7 +216,7 @@ if cmake --install "$BUILD" --prefix "$PREFIX" >"$WORK/install.log" 2>&1; then
     checks=$((checks + 1))
     [ -x "$PREFIX/bin/ds4" ] || fail "install: $PREFIX/bin/ds4 missing"
     checks=$((checks + 1))
-    [ -f "$PREFIX/share/ds4/lua/ds4/init.lua" ] || fail "install: share/ds4/lua/ds4/init.lua missing"
+    [ -f "$PREFIX/share/lua/5.1/ds4/init.lua" ] || fail "install: share/lua/5.1/ds4/init.lua missing"
     mkdir -p "$WORK/elsewhere"
     cp "$WORK/req.lua" "$WORK/elsewhere/req.lua"
     # A clean environment, but the loader keeps a non-default library path where the machine has one (a GPU host
@@ -198,7 +227,7 @@ if cmake --install "$BUILD" --prefix "$PREFIX" >"$WORK/install.log" 2>&1; then
     expect_rc "installed ds4" 0 $rc
     expect_in "installed ds4" "$WORK/out" "version=$VERSION"
     # The installed binary must find its own library, not the source tree's.
-    expect_in "installed ds4" "$WORK/out" "path=$PREFIX/share/ds4/lua/?.lua;$PREFIX/share/ds4/lua/?/init.lua;"
+    expect_in "installed ds4" "$WORK/out" "path=$PREFIX/share/lua/5.1/?.lua;$PREFIX/share/lua/5.1/?/init.lua;"
     expect_not_in "installed ds4" "$WORK/out" "$SRC/lua"
 
     # Relocated: the whole prefix moved elsewhere still works and uses its new location.
@@ -207,7 +236,7 @@ if cmake --install "$BUILD" --prefix "$PREFIX" >"$WORK/install.log" 2>&1; then
     (cd "$WORK/elsewhere" && "${clean[@]}" "$MOVED/bin/ds4" run req.lua >"$WORK/out" 2>"$WORK/err")
     rc=$?
     expect_rc "relocated ds4" 0 $rc
-    expect_in "relocated ds4" "$WORK/out" "path=$MOVED/share/ds4/lua/?.lua;"
+    expect_in "relocated ds4" "$WORK/out" "path=$MOVED/share/lua/5.1/?.lua;"
     expect_not_in "relocated ds4" "$WORK/out" "$SRC/lua"
 else
     fail "cmake --install $BUILD --prefix $PREFIX failed"

@@ -20,113 +20,9 @@
 #include "testlib.h"
 
 #ifdef DS4_HAVE_CUDA
-#include "cuda_backend.h"
-#include "engine.h"
-#include "ops.h"
-
-static ds4_dev *cpu, *gpu;
-
-typedef struct twin {
-    void *h, *d;
-    size_t bytes;
-} twin;
-
-static uint64_t rs = 0x9e3779b97f4a7c15ull;
-static double urand(void) {
-    rs ^= rs >> 12, rs ^= rs << 25, rs ^= rs >> 27;
-    return (double)((rs * 0x2545f4914f6cdd1dull) >> 11) * (1.0 / 9007199254740992.0);
-}
-static float frand(float lo, float hi) { return lo + (hi - lo) * (float)urand(); }
-
-static twin tw_new(size_t bytes) {
-    twin t = {malloc(bytes ? bytes : 1), NULL, bytes};
-    ds4_error err;
-    CHECK_OK(gpu->ops->alloc(gpu, bytes, &t.d, &err), &err);
-    return t;
-}
-static void tw_push(twin *t) {
-    ds4_error err;
-    CHECK_OK(gpu->ops->upload(gpu, t->d, t->h, t->bytes, &err), &err);
-}
-static twin tw_f(int64_t n, float lo, float hi) {
-    twin t = tw_new((size_t)n * 4);
-    for (int64_t i = 0; i < n; i++) ((float *)t.h)[i] = frand(lo, hi);
-    tw_push(&t);
-    return t;
-}
-static twin tw_i32(int64_t n, const int32_t *v) {
-    twin t = tw_new((size_t)n * 4);
-    memcpy(t.h, v, (size_t)n * 4);
-    tw_push(&t);
-    return t;
-}
-static twin tw_i64(int64_t n, const int64_t *v) {
-    twin t = tw_new((size_t)n * 8);
-    memcpy(t.h, v, (size_t)n * 8);
-    tw_push(&t);
-    return t;
-}
-/* an output: poisoned on both sides */
-static twin tw_out(size_t bytes) {
-    twin t = tw_new(bytes);
-    memset(t.h, 0xff, bytes);
-    tw_push(&t);
-    return t;
-}
-/* an in/out buffer (both sides start from the same values) */
-static twin tw_copy(const twin *src) {
-    twin t = tw_new(src->bytes);
-    memcpy(t.h, src->h, src->bytes);
-    tw_push(&t);
-    return t;
-}
-static void tw_free(twin *t) {
-    free(t->h);
-    gpu->ops->free(gpu, t->d);
-}
-#define S(t) (side ? (t).d : (t).h)
-
-/* the device's copy, downloaded */
-static void *fetch(const twin *t) {
-    void *h = malloc(t->bytes ? t->bytes : 1);
-    ds4_error err;
-    CHECK_OK(gpu->ops->download(gpu, h, t->d, t->bytes, &err), &err);
-    return h;
-}
-
-static double rel_frob(const float *got, const float *ref, int64_t n) {
-    double num = 0, den = 0;
-    for (int64_t i = 0; i < n; i++) {
-        if (!isfinite(got[i]) || !isfinite(ref[i])) return INFINITY;
-        const double d = (double)got[i] - ref[i];
-        num += d * d;
-        den += (double)ref[i] * ref[i];
-    }
-    return sqrt(num / (den > 0 ? den : 1));
-}
-
-static void cmp_f(const char *what, const twin *t, int64_t n, double tol) {
-    float *g = fetch(t);
-    const double e = rel_frob(g, t->h, n);
-    CHECK(e <= tol, "%s: rel. Frobenius %g > %g", what, e, tol);
-    free(g);
-}
-
-static void cmp_bytes(const char *what, const twin *t) {
-    void *g = fetch(t);
-    CHECK(memcmp(g, t->h, t->bytes) == 0, "%s: CUDA and CPU differ", what);
-    free(g);
-}
-
-static void check_dev(ds4_dev *d, const char *what) {
-    ds4_error err;
-    CHECK_OK(ds4_dev_check(d, what, &err), &err);
-    CHECK_OK(d->ops->sync(d, &err), &err);
-}
+#include "cuda_twin.h"
 
 /* ------------------------------------------------------------------------------------------------ matmuls */
-
-static uint16_t bf(float x) { return ds4_f32_to_bf16(x); }
 
 static void t_matmul(int64_t T, int64_t K, int64_t O, int64_t G, ds4_dtype wdt) {
     twin x = tw_f(T * K * G, -1, 1), W = tw_f(O * K * G, -0.5f, 0.5f), y = tw_out((size_t)(T * O * G) * 4);
@@ -476,18 +372,11 @@ static void t_head(void) {
 
 int main(int argc, char **argv) {
     (void)argc, (void)argv;
-    int n = 0;
-    ds4_error err = {0};
-    if (ds4_cuda_device_count(&n, &err) || n == 0) {
-        printf("test_cuda_ops: skipped (no CUDA device)\n");
-        return 77;
-    }
     ds4_engine *eng = NULL;
-    ds4_engine_options o = {.n_threads = 2};
-    CHECK_OK(ds4_engine_create(&o, &eng, &err), &err);
-    CHECK_OK(ds4_cpu_dev_create(eng->pool, &cpu, &err), &err);
-    CHECK_OK(ds4_cuda_dev_create(0, &gpu, &err), &err);
-    if (!cpu || !gpu) return ds4t_finish("test_cuda_ops");
+    const int open = twins_open("test_cuda_ops", &eng);
+    if (open == 77) return 77;
+    if (open) return ds4t_finish("test_cuda_ops");
+    ds4_error err = {0};
     ds4_config big = {0};
     big.hc_mult = 4, big.hidden_size = 4096, big.vocab_size = 32000, big.num_attention_heads = 16, big.head_dim = 128;
     big.sliding_window = 128, big.compress_rate_csa = 4, big.compress_rate_hca = 128, big.index_topk = 64;
@@ -517,9 +406,7 @@ int main(int argc, char **argv) {
     t_attention(DS4_ATTN_CSA);
     t_attention(DS4_ATTN_HCA);
     t_head();
-    ds4_dev_release(gpu);
-    ds4_dev_release(cpu);
-    ds4_engine_free(eng);
+    twins_close(eng);
     return ds4t_finish("test_cuda_ops");
 }
 #else

@@ -62,10 +62,12 @@ grep -q '"prompt"' "$out/builtin/train.jsonl"
 # what a dataset or the options get wrong is refused before anything trains, naming the line or the option:
 # too few rows for --eval (they all became held-out problems and SFT crashed on an empty set), a null answer
 # (it became the string "json.null"), an empty prompt (it crashed the run after SFT)
+k=0
 fails() { # expected-exit-status expected-message args...
     local want="$1" msg="$2" rc=0
     shift 2
-    "$DS4" run "$SRC/examples/dapo.lua" --out "$out/fail" --quiet "$@" >/dev/null 2>"$out/fail.err" || rc=$?
+    k=$((k + 1)) # a directory per run: one that holds a run is refused
+    "$DS4" run "$SRC/examples/dapo.lua" --out "$out/fail$k" --quiet "$@" >/dev/null 2>"$out/fail.err" || rc=$?
     [ "$rc" = "$want" ] || { echo "dapo.lua $*: exit $rc, want $want"; cat "$out/fail.err"; exit 1; }
     grep -qF -- "$msg" "$out/fail.err" || { echo "dapo.lua $*: no message '$msg'"; cat "$out/fail.err"; exit 1; }
 }

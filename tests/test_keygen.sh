@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # test_keygen.sh — `ds4 keygen`: CURVE key pairs for ZeroMQ as files (PREFIX.key mode 0600, PREFIX.pub) or on
 # stdout; Z85 lengths; the public key matches the secret (checked through ds4.zmq.public_from_secret); existing
-# files are kept unless --force; bad arguments exit 2.
+# files are kept unless --force; missing directories of PREFIX are created (mode 0700); bad arguments exit 2.
 #
 # usage: bash tests/test_keygen.sh <path-to-ds4> <fixtures_dir> <source_dir>
 set -u
@@ -100,9 +100,19 @@ checks=$((checks + 1))
 expect_eq "--force: mode back to 600" "$(stat -c %a "$WORK/k.key")" "600"
 expect_eq "--force: public matches secret" "$(public_of "$(key_of "$WORK/k.key")")" "$(key_of "$WORK/k.pub")"
 
-run keygen --out "$WORK/no/such/dir/k"
-expect_rc "keygen into a missing directory" 1 $rc
-expect_in "keygen into a missing directory" "$WORK/err" "cannot write"
+# missing directories are created (issue 17: `ds4 keygen --out keys/w1` failed when keys/ did not exist), mode 0700
+(cd "$WORK" && "$DS4" keygen --out new/keys/w1 >"$WORK/out" 2>"$WORK/err")
+rc=$?
+expect_rc "keygen into a missing directory" 0 $rc
+checks=$((checks + 2))
+[ -f "$WORK/new/keys/w1.key" ] && [ -f "$WORK/new/keys/w1.pub" ] || fail "new/keys/w1.key and .pub missing"
+expect_eq "a created key directory is private" "$(stat -c %a "$WORK/new/keys")" "700"
+expect_eq "keys in a created directory: public matches secret" \
+    "$(public_of "$(key_of "$WORK/new/keys/w1.key")")" "$(key_of "$WORK/new/keys/w1.pub")"
+: >"$WORK/plainfile"
+run keygen --out "$WORK/plainfile/k"
+expect_rc "keygen under a file" 1 $rc
+expect_in "keygen under a file" "$WORK/err" "cannot create the directory $WORK/plainfile: Not a directory"
 
 # ---------------------------------------------------------------------------------------------- bad arguments
 for args in "--bogus" "--out" "--out=" "--force" "extra" "--out $WORK/a --out $WORK/b"; do

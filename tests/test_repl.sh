@@ -128,7 +128,8 @@ cmp -s <(sed 's|, [0-9.]* tokens/s]|]|' "$WORK/out") <(sed 's|, [0-9.]* tokens/s
 
 # no --model: the random demo model covers the byte-level tokenizer, chat works and keeps the history
 cat >"$WORK/chat.lua" <<'EOF'
-chat("hello", {max_new_tokens = 8})
+reply, res = chat("hello", {max_new_tokens = 8})
+=type(reply), reply == chat_history()[2].content, res.finish_reason
 =#chat_history(), chat_history()[1].role, chat_history()[2].role
 chat("again", {max_new_tokens = 4, thinking = true})
 =#chat_history(), type(chat_history()[4].reasoning_content)
@@ -140,11 +141,40 @@ repl <"$WORK/chat.lua"
 expect_rc "demo model" 0 $rc
 expect_in "demo model banner" "$WORK/err" "random demo model"
 expect_in "demo model banner" "$WORK/err" "noise"
+expect_line "chat returns the reply and the result" "$WORK/out" $'string\ttrue\tlength'
+expect_in "chat prints its finish line" "$WORK/out" "[8 tokens, finish length"
 expect_line "chat history" "$WORK/out" $'2\tuser\tassistant'
 expect_line "chat history, thinking" "$WORK/out" $'4\tstring'
 expect_line "chat_reset" "$WORK/out" "0"
 expect_line "demo vocabulary" "$WORK/out" "true"
 expect_not_in "demo model" "$WORK/err" "stack traceback"
+
+# a reply that ends with EOS also gets its finish line (it used to get none); the model is made to end the turn at
+# once by replacing its generate with one whose result says so
+cat >"$WORK/chat_eos.lua" <<'EOF'
+local mt = getmetatable(model).__index; local g = mt.generate; mt.generate = function(m, p, o) o.max_new_tokens = 2; local r = g(m, p, o); r[1].ids[#r[1].ids] = tok:special("eos"); r[1].finish_reason = "eos"; return r end
+reply = chat("hello")
+=#reply
+EOF
+repl <"$WORK/chat_eos.lua"
+expect_in "chat ended by EOS prints its finish line" "$WORK/out" "[2 tokens, finish eos"
+expect_line "the reply without the EOS" "$WORK/out" "1"
+# Tab completion's candidates (the terminal side is repl_pty): methods, fields, globals, keywords
+cat >"$WORK/complete.lua" <<'EOF'
+=table.concat(require("ds4.repl").complete("model:n_pa"), ",")
+=table.concat(require("ds4.repl").complete("ds4.chat.get"), ",")
+=table.concat(require("ds4.repl").complete("chat_h"), ",")
+=table.concat(require("ds4.repl").complete("ds4.r"), ",")
+=#require("ds4.repl").complete("model.nothing.x"), #require("ds4.repl").complete("1+")
+=table.concat(require("ds4.repl").complete("whi"), ",")
+EOF
+repl <"$WORK/complete.lua"
+expect_line "complete a method" "$WORK/out" "model:n_params"
+expect_line "complete a field" "$WORK/out" "ds4.chat.get"
+expect_line "complete a global" "$WORK/out" "chat_history"
+expect_line "complete lazy modules" "$WORK/out" "ds4.random_model,ds4.random_model_json,ds4.reward,ds4.rl,ds4.rollout,ds4.rundir,ds4.runlog"
+expect_line "nothing to complete" "$WORK/out" $'0\t0'
+expect_line "complete a keyword" "$WORK/out" "while"
 
 # ---------------------------------------------------------------------------------------------- Ctrl-C (SIGINT)
 # wait_for FILE TEXT: until FILE contains TEXT (at most 20 s)
@@ -230,6 +260,18 @@ repl --model "$WORK/with_tok" <<<'=tok:special("eos") ~= nil'
 expect_rc "DIR/tokenizer.json" 0 $rc
 expect_in "DIR/tokenizer.json" "$WORK/err" "tokenizer $WORK/with_tok/tokenizer.json"
 expect_line "DIR/tokenizer.json" "$WORK/out" "true"
+# a checkpoint without a tokenizer says so in the banner instead of falling back silently
+repl --model "$TINY" <<<'=1'
+expect_in "no tokenizer.json" "$WORK/err" "built-in byte-level (the checkpoint has no tokenizer.json)"
+# a model saved from the REPL carries its tokenizer and chat template: a new REPL on it picks both up
+repl <<<"model:save(\"$WORK/saved\")"
+expect_rc "model:save in the REPL" 0 $rc
+[ -f "$WORK/saved/tokenizer_config.json" ] || fail "model:save wrote no tokenizer_config.json"
+repl --model "$WORK/saved" < <(printf '=tok:special("assistant") ~= nil\nchat("hi", {max_new_tokens = 2})\n')
+expect_rc "saved model" 0 $rc
+expect_in "saved model" "$WORK/err" "tokenizer $WORK/saved/tokenizer.json"
+expect_line "saved model: its tokenizer has the chat tokens" "$WORK/out" "true"
+expect_not_in "saved model: chat works" "$WORK/err" "outside this model's vocabulary"
 
 echo "test_repl: $checks checks, $fails failures"
 [ $fails -eq 0 ]

@@ -37,20 +37,23 @@ fail() {
     done
     exit 1
 }
-wait_for() { # file, seconds
+wait_for() { # file, seconds [, text the file must contain]
     local i
     for i in $(seq 1 $(($2 * 10))); do
-        [ -e "$1" ] && return 0
+        if [ -e "$1" ] && { [ -z "${3:-}" ] || grep -qF -- "$3" "$1"; }; then return 0; fi
         sleep 0.1
     done
     return 1
 }
 LAST=
+# Workers here wait for a trainer as long as the test runs (--give-up: without it a worker leaves after 120 s without
+# a session, which the refused one and, under the sanitizers, the others between trainers can reach)
+GIVE_UP=(--give-up 3600)
 start_worker() { # id [extra args]: a CURVE worker of tiny_a on $EP
     local id="$1"
     shift
     "$DS4" worker --connect "$EP" --model "$FIX/tiny_a" --threads 1 --key "$out/$id.key" \
-        --server-key "$out/trainer.pub" --id "$id" --verbose "$@" >>"$out/$id.log" 2>&1 &
+        --server-key "$out/trainer.pub" --id "$id" --verbose "${GIVE_UP[@]}" "$@" >>"$out/$id.log" 2>&1 &
     LAST=$!
     pids+=("$LAST")
 }
@@ -183,7 +186,7 @@ W2=$LAST
 start_worker w3
 # a worker with a key the trainer does not know: refused at the CURVE handshake
 "$DS4" worker --connect "$EP" --model "$FIX/tiny_a" --threads 1 --key "$out/rogue.key" \
-    --server-key "$out/trainer.pub" --id rogue >"$out/rogue.log" 2>&1 &
+    --server-key "$out/trainer.pub" --id rogue "${GIVE_UP[@]}" >"$out/rogue.log" 2>&1 &
 ROGUE=$!
 pids+=("$ROGUE")
 wait_for "$out/mid" 120 || fail "trainer 1 made no progress"
@@ -278,9 +281,12 @@ for i in $(seq 1 32); do echo "{\"prompt\": \"$i+1=\", \"answer\": \"$((i + 1))\
     --out "$out/dapo" --quiet --workers "$sock" --n-workers 2 --max-staleness 0 >"$out/dapo.log" 2>"$out/dapo.err" &
 D=$!
 pids+=("$D")
-wait_for "$out/dapo/worker_model/config.json" 300 || fail "dapo.lua did not save the workers' model"
+wait_for "$out/dapo.log" 300 "start a worker: " || fail "dapo.lua printed no worker command line"
+# the printed command line is what a user pastes: run it as it is (plus a thread count and an id)
+cmd="$(sed -n 's/^start a worker: //p' "$out/dapo.log")"
+case "$cmd" in *" worker --connect $sock --model $out/dapo/worker_model"*) ;; *) fail "worker command: $cmd" ;; esac
 for id in d1 d2; do
-    "$DS4" worker --connect "$sock" --model "$out/dapo/worker_model" --threads 1 --id "$id" >"$out/$id.log" 2>&1 &
+    eval "exec $cmd --threads 1 --id $id ${GIVE_UP[*]}" >"$out/$id.log" 2>&1 &
     pids+=("$!")
 done
 wait "$D" || fail "dapo.lua with workers failed"

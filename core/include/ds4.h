@@ -255,6 +255,13 @@ void ds4_engine_set_profile(ds4_engine *e, int on);
 int ds4_engine_profile(const ds4_engine *e);
 /* Build facts for `ds4 version`: "cpu", "cpu+cuda", ... */
 const char *ds4_build_info(void);
+/* The number of CUDA devices this process can use: 0 in a build without CUDA, without a driver or without a GPU. */
+ds4_status ds4_cuda_devices(int32_t *n, ds4_error *err);
+/* Parse a device spelling: "cpu", "cuda" (device 0) or "cuda:N", optionally followed by a space and a dtype
+ * ("cuda:1 bf16", as ds4_model_device_name writes it). `dtype` (may be NULL) names the dtype separately: "fp32"
+ * ("f32", "float32") or "bf16" ("bfloat16"), case-insensitive; given both ways they must agree. Without a dtype: fp32
+ * on the CPU, bf16 on CUDA. Checks the spelling only, not whether such a device exists (ds4_model_to does). */
+ds4_status ds4_device_parse(const char *spec, const char *dtype, ds4_device_options *out, ds4_error *err);
 
 /* ------------------------------------------------------------------------------------------------ model */
 

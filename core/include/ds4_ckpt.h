@@ -38,11 +38,22 @@ extern "C" {
 
 /* ------------------------------------------------------------------------------------------------ models */
 
+/* A file saved next to the weights (e.g. tokenizer.json): name is a plain file name of [A-Za-z0-9._-] ending in
+ * .json (what a checkpoint directory may hold, see overwrite), not config.json. */
+typedef struct ds4_save_file {
+    const char *name;
+    const void *data;
+    size_t len;
+} ds4_save_file;
+
 typedef struct ds4_save_options {
     ds4_dtype dtype;          /* floating-point parameters: DS4_F32 (0, the default: exact), DS4_BF16 or DS4_F16
                                  (rounded to nearest even). Hash-routing tables are always I64, as HF writes. */
     int32_t overwrite;        /* 1: replace an existing non-empty `dir`, provided it holds nothing but files of
                                  a checkpoint (config.json, *.safetensors, *.json); 0: refuse */
+    const ds4_save_file *files; /* n_files more files written (and fsynced) with the weights, before the rename or
+                                 commit that publishes them: the tokenizer of a saved model appears with it */
+    size_t n_files;
 } ds4_save_options;
 
 /* Save to `dir` (created with its missing parents) as F32, refusing a non-empty existing `dir`. */

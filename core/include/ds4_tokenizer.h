@@ -58,6 +58,10 @@ ds4_status ds4_tokenizer_load_json(const char *json, size_t len, ds4_tokenizer *
  * below (bos 256, eos 257, user 258, assistant 259, think 260, end_think 261, ...). */
 ds4_status ds4_tokenizer_byte_level(ds4_tokenizer **out, ds4_error *err);
 void ds4_tokenizer_free(ds4_tokenizer *tok);
+/* The tokenizer.json text tok was loaded from (the built-in one's generated text for ds4_tokenizer_byte_level),
+ * byte for byte: len bytes, not NUL-terminated, valid while tok lives. Saving it as DIR/tokenizer.json and
+ * loading that gives the same tokenizer. */
+const char *ds4_tokenizer_json(const ds4_tokenizer *tok, size_t *len);
 
 /* Tokenise len bytes of text and append the ids to out (on failure out->n is left as it was). No BOS unless
  * flags has DS4_TOK_ADD_BOS. Matches HF's tokenizer.encode(text, add_special_tokens=False).ids. */

@@ -22,13 +22,23 @@ typedef struct ds4_train_options {
     double router_bias_gamma; /* > 0: after each optimizer step, the aux-loss-free balancing update of every
                                  learned router's selection bias: bias_e += γ·sign(mean load − load_e), loads
                                  counted over the training forwards since the previous step */
+    int64_t head_chunk;       /* rows of logits a training pass holds at once: the LM head, its losses and
+                                 log-probabilities run over chunks of this many tokens and the backward recomputes
+                                 each chunk's logits, so [T, V] logits never exist. 0: the backend's default (all rows
+                                 on the CPU; 1024 on a GPU). Changes summation order only in the head's weight
+                                 gradient (chunks add in order). */
 } ds4_train_options;
 
 /* Allocate the gradient buffer (zeroed). Idempotent. */
 ds4_status ds4_model_enable_grad(ds4_model *m, ds4_error *err);
 void ds4_model_zero_grad(ds4_model *m);
+/* The host buffers. For a model training on a device (docs/design.md) they are mirrors, brought up to date by these
+ * calls (a download; NULL if it fails): write to params, then call ds4_model_params_changed; writes to the returned
+ * gradients do not reach the device's. */
 float *ds4_model_params(ds4_model *m);         /* flat [ds4_model_param_count] */
 float *ds4_model_grads(ds4_model *m);          /* flat, parallel to params; NULL before enable_grad */
+/* Bring the host params and gradients up to date with the device's (nothing to do on the CPU). */
+ds4_status ds4_model_host_sync(ds4_model *m, ds4_error *err);
 ds4_status ds4_model_set_train_options(ds4_model *m, const ds4_train_options *o, ds4_error *err);
 
 /* Per named tensor i (as ds4_model_tensor_at): flat offset and size in the parameter buffer, whether it
@@ -120,8 +130,11 @@ typedef struct ds4_adamw_state {
     size_t n_tensors;
     int64_t *steps;           /* the optimizer's update count (what the schedule reads) */
 } ds4_adamw_state;
-/* Pointers into the optimizer (mutable: a resume writes through them). */
+/* Pointers into the optimizer (mutable: a resume writes through them). For a model on a device the moments live
+ * there between steps: call ds4_adamw_sync_state before reading them, and ds4_adamw_state_changed after writing. */
 void ds4_adamw_get_state(ds4_adamw *a, ds4_adamw_state *out);
+ds4_status ds4_adamw_sync_state(ds4_adamw *a, ds4_error *err);
+void ds4_adamw_state_changed(ds4_adamw *a);
 
 
 #ifdef __cplusplus

@@ -27,11 +27,24 @@ Safetensors
   ds4.save_tensors(path, tbl)      write {name = tensor}, names sorted (deterministic bytes)
 
 Models
-  ds4.load(dir)                    model from an HF checkpoint directory (config.json + safetensors)
-  ds4.random_model(config [, seed]) model with random weights (HF initialisation) from a config path
-  ds4.new_model(cfg [, seed])      the same from a Lua table of config.json fields (e.g. for training from
+  ds4.load(dir [, opts])           model from an HF checkpoint directory (config.json + safetensors);
+                                   opts = {device = "cpu" | "cuda" | "cuda:N", dtype = "bf16" | "fp32"}
+                                   (default: ds4.set_device's; on CUDA the dtype defaults to bf16); a
+                                   dir/tokenizer.json (+ tokenizer_config.json) is loaded and attached to it
+  model:tokenizer()                -> the attached tokenizer and its chat template name (nil when none)
+  model:set_tokenizer(tok [, {chat_template = name, config = table}])  attach one (nil detaches) -> model
+  ds4.random_model(config [, seed | opts]) model with random weights (HF initialisation) from a config path;
+                                   opts = {seed = n, device = ..., dtype = ...}
+  ds4.new_model(cfg [, seed | opts]) the same from a Lua table of config.json fields (e.g. for training from
                                    scratch: {vocab_size = 280, hidden_size = 64, ...}; absent fields take the
                                    V4-Flash defaults, legacy spellings are folded as for config.json)
+  model:to(device [, dtype])       move the model ("cpu", "cuda", "cuda:N"; also model:to{device=, dtype=}):
+                                   weights copied in the working dtype, the host fp32 parameters stay the master
+                                   copy; forward, generate, step run there; tensors handed back are host
+                                   tensors; caches made before belong to the old device -> model
+  model:device()                   -> "cpu" | "cuda:N", "fp32" | "bf16"
+  model:profile([reset])           the per-op profile (ds4.profile(true) first): time, calls, bytes per op,
+                                   sorted by time (CUDA events on the GPU, wall time on the CPU)
   ds4.config(path)                 config table of a config.json / checkpoint directory (no weights read)
   model:forward(ids [, opts])      ids: integer tensor [B, S] (I64/I32/... or floats holding integers) or a
                                    table of equal-length rows; opts.labels (same forms, -100 = ignore),
@@ -70,6 +83,7 @@ Tokenizer (HF tokenizer.json byte-level BPE; equals HF tokenizers' encode(text, 
   tok:special(name)                id of a DeepSeek special token by name, nil if absent: "bos", "eos", "user",
                                    "assistant", "think", "end_think", "latest_reminder", "dsml", "pad", "tool_*", ...
   tok:is_special(id)               true for special added tokens (what skip_special drops)
+  tok:to_json()                    the tokenizer.json text it was loaded from (the built-in one's: generated)
   ds4.special_tokens()             {name = token text} of those names
   ds4.is_tokenizer(x)
 
@@ -81,6 +95,14 @@ Training (lua/train_lua.c)
   model:backward([scale])          add the gradient of scale * (sum of per-token CE) of the last training forward;
                                    scale defaults to 1 / loss_tokens (gradient of out.loss); once per forward
   model:grads()                    {official name = F32 tensor}: copies of the gradients (fp32 parameters)
+  model:logprobs([{entropy = true}]) -> logp F32 [B, S] (, entropy [B, S]) of the last training forward:
+                                   logp[b][s] = log p(labels[b][s + 1] | ids[b][1..s]), the log-probability of the
+                                   NEXT position's label, 0 where that label is -100 (the last column is always
+                                   0); does not consume the forward
+  model:backward_logprobs(g)       g: F32 [B, S] laid out as logp, g[b][s] = dLoss/dlogp[b][s] of the loss being
+                                   MINIMISED: adds sum g * dlogp/dtheta to the gradients (the SFT mean loss is
+                                   g = -1/N on every scored position; a policy-gradient loss -A logp is g = -A);
+                                   consumes the forward, as backward does. ds4.rl.trainer's config.loss returns g
   ds4.adamw(model [, opts])        AdamW as torch.optim.AdamW (+ clip_grad_norm_, LR schedule); opts: lr (1e-3),
                                    betas ({0.9, 0.999}), eps (1e-8), weight_decay (0.01; not on norms, biases,
                                    sinks, mHC base/scale), clip (off), schedule ("constant"|"linear"|"cosine"),
@@ -97,10 +119,14 @@ Saving and checkpoints (lua/save_lua.c; layout and guarantees: core/include/ds4_
                                    opts.dtype = "F32" (exact, default) | "BF16" | "F16"; opts.overwrite = true
                                    replaces an existing dir that holds only checkpoint files. -> dir. A model with
                                    a NaN or infinite weight is refused (here and by checkpoints.save).
+                                   The attached tokenizer is written with the weights (tokenizer.json,
+                                   tokenizer_config.json: lua/ds4/pretrained.lua); opts.tokenizer = tok | false,
+                                   opts.chat_template = name override it; opts.files = {name = text}: more *.json
   ds4.checkpoints.save(root, step, model [, opts])  -> root/step_NNNNNN (step = completed updates), committed
                                    atomically with a checksummed COMPLETE marker. opts.extra = {name = tensor},
                                    opts.meta = {JSON-able table}, opts.states = {name = {tensors = ..., meta = ...}},
-                                   opts.dtype; opts.keep_last / keep_every / clean: prune afterwards. The commit
+                                   opts.dtype, opts.tokenizer / chat_template / files as model:save;
+                                   opts.keep_last / keep_every / clean: prune afterwards. The commit
                                    removes crash leftovers no running writer can own (ds4_ckpt.h)
   ds4.checkpoints.load(root [, step]) -> dir, extra, meta, step of the newest (or given) complete checkpoint
                                    (nil when there is none); ds4.load(dir) loads its model
@@ -159,6 +185,11 @@ Generation (lua/gen_lua.c; C contract: core/include/ds4_gen.h)
 Engine
   ds4.set_threads(n)               CPU threads (0 = all cores); before loading models (or after freeing them)
   ds4.threads()                    the engine's thread count (creates the engine)
+  ds4.set_device(device [, dtype]) where models made from now on compute (`ds4 run|repl|worker --device`)
+  ds4.device()                     that default: "cpu" or "cuda:N bf16"
+  ds4.cuda_devices()               usable CUDA devices (0 without a GPU, a driver or a CUDA build)
+  ds4.profile([on])                switch the per-op profile of every model on/off -> the previous state
+                                   (environment DS4_PROFILE=1: on, printed to stderr when a model is freed)
 
 Chat templates (lua/ds4/chat/: loaded on first use of ds4.chat; same as require("ds4.chat"))
   ds4.chat.get(name)               template: "deepseek_v4" (official DeepSeek-V4 format), "chatml", or registered
@@ -166,12 +197,25 @@ Chat templates (lua/ds4/chat/: loaded on first use of ds4.chat; same as require(
   tmpl:check_prefix(tok, before, after, opts [, opts_after])  true, or false + why (append-only check)
   ds4.chat.register(name, {segments = fn} or {render = fn})   ds4.chat.list()   ds4.chat.builder(tok)
 
-Datasets and metrics (pure Lua, loaded on first use)
-  ds4.data.read_jsonl(path, {format = "prompt_answer" | "messages", tokenizer, template})  -> rows, every row
-                                   checked (types, empty prompts, NaN answers, renderable conversations); errors
-                                   name file:line. ds4.data.parse_jsonl(text, name, opts) on a string
+Datasets, runs and metrics (pure Lua, loaded on first use; each file's header has the details)
+  ds4.data.read_jsonl(path, {format = "auto" | "prompt_answer" | "messages" | "prompt_completion", tokenizer,
+                                   template, thinking, columns = {field = "dotted.path"} | "verl", eos})  -> rows,
+                                   every row checked (types, empty prompts, NaN answers, renderable conversations)
+                                   and, with a tokenizer, tokenised (ids; SFT rows also labels); errors name
+                                   file:line and the field. ds4.data.parse_jsonl(text, name, opts) on a string
   ds4.metrics.open(path [, {resume_step = k}])  -> JSONL writer: w:write(record) writes one whole line, flushed,
-                                   errors raised; resume drops a torn last line and records past step k
+                                   errors raised; resume drops a torn last line and records past step k.
+                                   ds4.metrics.clock() (monotonic seconds), ds4.metrics.wall() (epoch seconds)
+  ds4.options.parse(arg, spec [, {base = file}])  options from defaults, a Lua config file (--config) and the
+                                   command line (--name V, --name=V, dotted fields of table options);
+                                   ds4.options.write(path, opts, spec) the effective configuration
+  ds4.rundir.open{root, out, id, resume}  a run's own directory (root/<start time>, root/latest);
+                                   ds4.rundir.start(arg, spec, root) -> opts, run: parse, open, write config.lua
+  ds4.runlog.open(dir [, {resume_step, tensorboard = true}])  -> log: log:write(row) (metrics.jsonl and
+                                   TensorBoard scalars), log:table(step, name, header, rows), log:close()
+  ds4.tensorboard.open(dir) -> w: w:scalars(step, {tag = x}), w:text(step, tag, text | rows), w:close();
+                                   ds4.tensorboard.available() (built with protobuf-c); ds4.tb: the raw records
+  ds4.fs                           mkdir_p, exists, is_dir, write_atomic, symlink, readlink (through the FFI)
 
 Rewards (lua/ds4/reward/, pure Lua: ds4.reward = require("ds4.reward"), loaded on first use; API in its init.lua)
   reward.math_reward(resp, sample) {score = 1/0, info = {extracted, reference, reason}} vs sample.answer;
@@ -181,7 +225,8 @@ Rewards (lua/ds4/reward/, pure Lua: ds4.reward = require("ds4.reward"), loaded o
   reward.evaluate(fn, resp, sample) -> score, info, err   never raises: errors / NaN / bad results -> err
   reward.evaluate_batch(fn, responses, samples) -> scores (nil where failed), infos, errors {{index, message}}
 
-RL algorithms (lua/ds4/rl/, pure Lua: ds4.rl = require("ds4.rl"); formulas and citations atop each file)
+RL algorithms (lua/ds4/rl/, pure Lua: ds4.rl = require("ds4.rl"); formulas and citations atop each file;
+the loop: require("ds4.rl.trainer").run{...}, with checkpoints, resume, metrics and a user loss)
   rl.advantage   group_mean / leave_one_out / dr_grpo / reinforce_pp / gae / compute(samples, spec)
   rl.loss        compute(samples, spec, {denom, num_seqs}) -> {loss, grads (dLoss/dlogp per token), metrics}:
                  ppo_clip (eps_low / eps_high, dual clip), gspo, cispo; aggregation named explicitly; KL k1/k2/k3
@@ -338,11 +383,85 @@ function M.config_summary(cfg)
         cfg.num_experts_per_tok, cfg.n_shared_experts, cfg.hc_mult, cfg.num_nextn_predict_layers)
 end
 
-function M.new_model(cfg, seed)
+function M.new_model(cfg, seed_or_opts)
     if type(cfg) ~= "table" then
         error("ds4.new_model: bad argument #1 (config table expected, got " .. type(cfg) .. ")", 2)
     end
-    return core.random_model_json(require("ds4.chat.json").encode(cfg), seed)
+    return core.random_model_json(require("ds4.chat.json").encode(cfg), seed_or_opts)
+end
+
+-- ------------------------------------------------------------------------------------------------ tokenizers
+
+-- A model's tokenizer and chat template travel with it (ds4.pretrained): ds4.load attaches what the directory
+-- holds, model:save and ds4.checkpoints.save write it back. Weak keys: the record goes when the model does.
+local attached = setmetatable({}, { __mode = "k" })
+local pretrained = require("ds4.pretrained")
+local model_methods = core.model_methods
+
+function model_methods.set_tokenizer(m, tok, opts)
+    if not M.is_model(m) then error("ds4.model:set_tokenizer: self must be a ds4.model", 2) end
+    if tok ~= nil and not core.is_tokenizer(tok) then
+        error("ds4.model:set_tokenizer: bad argument #1 (ds4.tokenizer or nil expected, got " .. type(tok) .. ")", 2)
+    end
+    if opts ~= nil and type(opts) ~= "table" then
+        error("ds4.model:set_tokenizer: opts must be a table {chat_template = name, config = table}", 2)
+    end
+    opts = opts or {}
+    if opts.chat_template ~= nil and type(opts.chat_template) ~= "string" then
+        error("ds4.model:set_tokenizer: opts.chat_template must be a template name", 2)
+    end
+    attached[m] = tok and { tokenizer = tok, chat_template = opts.chat_template or pretrained.template_for(tok, opts.config),
+        config = opts.config } or nil
+    return m
+end
+
+-- -> tokenizer, chat template name (nil, nil when none is attached)
+function model_methods.tokenizer(m)
+    local a = attached[m]
+    if not a then return nil end
+    return a.tokenizer, a.chat_template
+end
+
+-- opts.files for a save: the attached tokenizer's files (opts.tokenizer = false: none; a ds4.tokenizer: that one),
+-- under the caller's own opts.files.
+local function with_tokenizer_files(m, opts, fname)
+    if opts ~= nil and type(opts) ~= "table" then return opts end -- the C function names the bad argument
+    local o = {}
+    for k, v in pairs(opts or {}) do if k ~= "tokenizer" and k ~= "chat_template" then o[k] = v end end
+    local tok, a = opts and opts.tokenizer, attached[m]
+    if tok ~= nil and tok ~= false and not core.is_tokenizer(tok) then
+        error(fname .. ": opts.tokenizer must be a ds4.tokenizer or false, got " .. type(tok), 3)
+    end
+    if tok == false or (tok == nil and not a) then return o end
+    local files = pretrained.files(tok or a.tokenizer, { chat_template = opts and opts.chat_template
+        or (not tok and a.chat_template) or nil, config = not tok and a.config or nil })
+    if o.files ~= nil and type(o.files) ~= "table" then
+        error(fname .. ": opts.files must be a table {name = text}, got " .. type(o.files), 3)
+    end
+    for k, v in pairs(o.files or {}) do files[k] = v end
+    o.files = files
+    return o
+end
+
+local core_save = model_methods.save
+function model_methods.save(m, dir, opts)
+    return core_save(m, dir, with_tokenizer_files(m, opts, "ds4.model:save"))
+end
+
+local core_ckpt_save = core.checkpoints.save
+function M.checkpoints.save(root, step, m, opts)
+    return core_ckpt_save(root, step, m, with_tokenizer_files(m, opts, "ds4.checkpoints.save"))
+end
+
+-- ds4.load(dir, ...) also reads dir/tokenizer.json (+ tokenizer_config.json) when present and attaches it.
+function M.load(dir, ...)
+    local m = core.load(dir, ...)
+    if type(dir) == "string" then
+        local ok, tok, info = pcall(pretrained.read, dir)
+        if not ok then error("ds4.load: " .. tostring(tok), 2) end
+        if tok then model_methods.set_tokenizer(m, tok, info) end
+    end
+    return m
 end
 
 -- ------------------------------------------------------------------------------------------------ misc
@@ -353,10 +472,12 @@ function M.script_dir()
     return script:match("^(.*)/[^/]*$") or "."
 end
 
--- pure-Lua parts load on first use: ds4.chat, ds4.reward, ds4.rl, ds4.rollout, ds4.data, ds4.metrics
+-- pure-Lua parts load on first use: ds4.chat, ds4.reward, ds4.rl, ds4.rollout, ds4.data, ds4.metrics, and the run
+-- tooling: ds4.options, ds4.rundir, ds4.runlog, ds4.tensorboard, ds4.fs
 local LAZY = { chat = "ds4.chat", reward = "ds4.reward", rl = "ds4.rl", rollout = "ds4.rollout", data = "ds4.data",
-    metrics = "ds4.metrics" }
-setmetatable(M, { __index = function(t, k)
+    metrics = "ds4.metrics", options = "ds4.options", rundir = "ds4.rundir", runlog = "ds4.runlog",
+    tensorboard = "ds4.tensorboard", fs = "ds4.fs" }
+setmetatable(M, { __lazy = LAZY, __index = function(t, k) -- __lazy: the names, for the REPL's Tab completion
     if LAZY[k] then
         t[k] = require(LAZY[k])
         return t[k]

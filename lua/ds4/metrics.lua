@@ -2,7 +2,10 @@
 
   local w = ds4.metrics.open(path [, {resume_step = k}])
   w:write(record)      -- one JSON object (a table), as one line
+  w:write_bytes(s)     -- s as it is (binary records), by the same single write
   w:close()
+  ds4.metrics.clock()  -- seconds of a monotonic clock (durations; os.clock would add up every thread's CPU time)
+  ds4.metrics.wall()   -- seconds since the epoch, with fractions (timestamps: TensorBoard's wall_time)
 
 Each record is encoded first and then written as one whole line by one unbuffered write, so the file holds every
 record written before a crash (a kill -9 loses at most the record being written, never earlier ones, and a
@@ -18,8 +21,19 @@ lines dropped. tests/lua/test_metrics.lua, tests/chaos/test_kill_resume.sh.
 ]==]
 
 local json = require("ds4.chat.json")
+local ffi = require("ffi")
 
 local M = {}
+
+pcall(ffi.cdef, "typedef struct ds4_timespec { long tv_sec; long tv_nsec; } ds4_timespec;")
+pcall(ffi.cdef, "int clock_gettime(int clk, ds4_timespec *tp);")
+local ts = ffi.new("ds4_timespec")
+local function clock_s(id)
+    ffi.C.clock_gettime(id, ts)
+    return tonumber(ts.tv_sec) + 1e-9 * tonumber(ts.tv_nsec)
+end
+function M.clock() return clock_s(1) end -- CLOCK_MONOTONIC
+function M.wall() return clock_s(0) end  -- CLOCK_REALTIME
 local W = {}
 W.__index = W
 
@@ -86,6 +100,13 @@ function W:write(record)
     if not self.f then fail("write " .. self.path .. ": the file is closed") end
     if type(record) ~= "table" then fail(("write %s: a table expected, got %s"):format(self.path, type(record))) end
     write_all(self.f, json.encode(record) .. "\n", self.path)
+    self.written = self.written + 1
+end
+
+-- bytes written as they are, by the same single unbuffered write (ds4.tensorboard's records)
+function W:write_bytes(s)
+    if not self.f then fail("write " .. self.path .. ": the file is closed") end
+    write_all(self.f, s, self.path)
     self.written = self.written + 1
 end
 

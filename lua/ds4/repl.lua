@@ -1,18 +1,21 @@
 --[[ ds4.repl — the globals and helpers of `ds4 repl` (lua/repl.c runs the prompt and calls M.setup once).
 
-  ds4 repl [--model DIR] [--tokenizer FILE] [--threads N]
+  ds4 repl [--model DIR] [--tokenizer FILE] [--threads N] [--device D] [--dtype T]
 
 Globals:
   ds4                    the module (require("ds4"))
   model                  ds4.load(DIR) with --model DIR; otherwise a small random demo model (ds4.new_model, vocabulary
                          covering the built-in byte-level tokenizer and its chat specials): its outputs are noise
-  tok                    --tokenizer FILE, else DIR/tokenizer.json when present, else the built-in byte-level tokenizer
+  tok                    --tokenizer FILE, else the model's (DIR/tokenizer.json), else the built-in byte-level one
   chat(text [, opts])    one user turn: the conversation so far is rendered with the chat template (deepseek_v4 for the
-                         byte-level and DeepSeek tokenizers, chatml for a tokenizer with <|im_start|>), the reply is
+                         byte-level and DeepSeek tokenizers, chatml for a tokenizer with <|im_start|>; a saved model's
+                         tokenizer_config.json names its own), the reply is
                          streamed to stdout as it is generated and stops at the template's end-of-turn token; both turns
                          join the history. opts: thinking (false), system (system message of a new conversation),
                          template, max_new_tokens (512), temperature (0.7), top_p (0.95), top_k, min_p, seed (default:
-                         the turn number). Returns nothing (the reply is printed; chat_history() has it).
+                         the turn number). Prints [N tokens, finish ..., tokens/s] after the reply, however
+                         it ended, and returns the reply text and the result table, as generate does
+                         (reply = chat("...") keeps it; chat_history() has it too).
   chat_reset()           forget the conversation;  chat_history() -> its messages
   generate{prompt = text or ids, max_new_tokens = 64, ...}
                          stream a continuation to stdout, then a line [N tokens, finish ..., tokens/s]. Any other key
@@ -247,19 +250,7 @@ end
 -- ------------------------------------------------------------------------------------------------ chat
 
 local function default_template(t)
-    if t:special("assistant") then return "deepseek_v4" end
-    if t:token_to_id("<|im_start|>") then return "chatml" end
-    return "deepseek_v4"
-end
-
--- The ids that end an assistant turn under the template.
-local function end_of_turn(t, name)
-    if name == "chatml" then
-        local id = t:token_to_id("<|im_end|>")
-        return id and { id } or {}
-    end
-    local eos = t:special("eos")
-    return eos and { eos } or {}
+    return require("ds4.pretrained").template_for(t) or "deepseek_v4"
 end
 
 local CHAT_OWN = { thinking = true, system = true, template = true }
@@ -269,7 +260,7 @@ function M.chat(text, opts)
     if opts ~= nil and type(opts) ~= "table" then error("chat: opts must be a table, got " .. type(opts), 2) end
     opts = opts or {}
     local m, t, V = current()
-    local name = opts.template or S.template or default_template(t)
+    local name = opts.template or S.template or S.model_template or default_template(t)
     local tmpl = ds4.chat.get(name)
     local thinking = opts.thinking == true
     local msgs = {}
@@ -287,17 +278,14 @@ function M.chat(text, opts)
     S.turns = S.turns + 1
     local g = { max_new_tokens = 512, temperature = 0.7, top_p = 0.95, seed = S.turns }
     for k, v in pairs(opts) do if not CHAT_OWN[k] then g[k] = v end end
-    local stop = end_of_turn(t, name)
+    local stop = ds4.chat.end_of_turn(t, name)
     if type(g.stop) == "table" then for _, v in ipairs(g.stop) do stop[#stop + 1] = v end end
     g.stop = stop
     for _, v in ipairs(stop) do if type(v) == "string" then g.tokenizer = t break end end
     local res = run(m, t, r.ids, g, true, nil)
     local out = res[1]
     local reply = text_of(t, out)
-    write("\n")
-    if out.finish_reason ~= "eos" and out.finish_reason ~= "stop_token" then
-        write(summary(out, res.stats) .. "\n")
-    end
+    write("\n" .. summary(out, res.stats) .. "\n") -- whatever ended the turn: EOS, a stop token, the length
     -- both turns join the history (a cut-short reply too: it is what was shown)
     if opts.system and #S.messages == 0 then S.messages[1] = msgs[1] end
     S.messages[#S.messages + 1] = user
@@ -312,6 +300,8 @@ function M.chat(text, opts)
     end
     S.messages[#S.messages + 1] = a
     S.template = name
+    out.stats = res.stats
+    return reply, out
 end
 
 function M.chat_reset()
@@ -434,16 +424,99 @@ end
 local HELP = [[
 globals: ds4 (the module), model, tok (the tokenizer)
   chat("text" [, {thinking, system, max_new_tokens, temperature, top_p, top_k, seed}])  one chat turn, streamed
+                                                                                        -> reply, result
   chat_reset()  chat_history()                  forget / show the conversation
   generate{prompt = "text" or ids, max_new_tokens = 64, temperature = 1, seed = 0, ...}  -> text, result
   logprobs{text = "...", prompt = "..."}          per-token log-probabilities            -> {ids, logprobs, ...}
   top("text", k)                                 the k most probable next tokens         -> {{id, token, p}, ...}
   help()                                         this list
 Lines: "=expr" prints expr; an expression prints its values; unfinished chunks continue at ">>".
+Tab completes names: globals, tables' fields (ds4.ch<Tab>), methods (model:<Tab>); at a line's start it indents.
 Ctrl-C stops running code or a generation; Ctrl-D (at an empty prompt) exits.]]
 
 function M.help()
     write(HELP .. "\n")
+end
+
+-- ------------------------------------------------------------------------------------------------ completion
+
+local KEYWORDS = { "and", "break", "do", "else", "elseif", "end", "false", "for", "function", "goto", "if", "in",
+    "local", "nil", "not", "or", "repeat", "return", "then", "true", "until", "while" }
+
+-- The fields a value offers without running code: a table's own keys, then (for tables and userdata) those of its
+-- metatable's __index tables (methods), and the names a module loads on first use (a metatable's __lazy table, as
+-- ds4's). An __index function is never called.
+local function fields(v, add)
+    for _ = 1, 8 do
+        if type(v) == "table" then
+            for k in pairs(v) do add(k) end
+        end
+        local mt = (type(v) == "table" or type(v) == "userdata") and getmetatable(v)
+        if type(mt) ~= "table" then return end
+        if type(rawget(mt, "__lazy")) == "table" then
+            for k in pairs(rawget(mt, "__lazy")) do add(k) end
+        end
+        v = rawget(mt, "__index")
+        if type(v) ~= "table" then return end
+    end
+end
+
+-- The value of a.b.c from the globals, by raw lookups and __index tables only (nil when any step is missing); a
+-- module named in a __lazy table is required (ds4.chat.<Tab> lists ds4.chat's functions before its first use).
+local function lookup(path)
+    local v = _G
+    for name in path:gmatch("[^.]+") do
+        local nxt
+        local t = v
+        for _ = 1, 8 do
+            if type(t) == "table" then nxt = rawget(t, name) end
+            if nxt ~= nil then break end
+            local mt = (type(t) == "table" or type(t) == "userdata") and getmetatable(t)
+            local lazy = type(mt) == "table" and rawget(mt, "__lazy")
+            if type(lazy) == "table" and type(lazy[name]) == "string" then
+                local ok, mod = pcall(require, lazy[name])
+                nxt = ok and mod or nil
+                break
+            end
+            t = type(mt) == "table" and rawget(mt, "__index") or nil
+            if type(t) ~= "table" then break end
+        end
+        if nxt == nil then return nil end
+        v = nxt
+    end
+    return v
+end
+
+-- Tab completion (lua/repl.c asks): the completions of `word`, the name before the cursor: a global or keyword,
+-- a.b.<field> or obj:<method> (a function-valued field). Full words, sorted; {} when there is nothing to offer.
+function M.complete(word)
+    if type(word) ~= "string" then return {} end
+    local out, seen = {}, {}
+    local prefix, sep, part = word:match("^([%a_][%w_.]*)([.:])([%w_]*)$")
+    if prefix and not prefix:find("%.%.") and prefix:sub(-1) ~= "." then
+        local v = lookup(prefix)
+        if v == nil then return out end
+        fields(v, function(k)
+            if type(k) == "string" and k:match("^[%a_][%w_]*$") and k:sub(1, #part) == part and not seen[k] then
+                local f = sep == "." or type(lookup(prefix .. "." .. k)) == "function"
+                if f then
+                    seen[k] = true
+                    out[#out + 1] = prefix .. sep .. k
+                end
+            end
+        end)
+    elseif word:match("^[%a_]?[%w_]*$") then
+        local function add(k)
+            if type(k) == "string" and k:match("^[%a_][%w_]*$") and k:sub(1, #word) == word and not seen[k] then
+                seen[k] = true
+                out[#out + 1] = k
+            end
+        end
+        fields(_G, add)
+        for _, k in ipairs(KEYWORDS) do add(k) end
+    end
+    table.sort(out)
+    return out
 end
 
 -- ------------------------------------------------------------------------------------------------ setup
@@ -465,40 +538,42 @@ local function demo_model(t)
     }, 1234)
 end
 
-local function file_exists(path)
-    local f = io.open(path, "rb")
-    if f then f:close() return true end
-    return false
-end
-
 -- opts: model (dir), tokenizer (path), threads, interactive. Sets the globals and prints the banner (stdout when
 -- interactive, else stderr, so that piped output holds only what the input printed).
 function M.setup(opts)
     opts = opts or {}
     if opts.threads then ds4.set_threads(opts.threads) end
     local tok_path = opts.tokenizer
-    if not tok_path and opts.model and file_exists(opts.model .. "/tokenizer.json") then
-        tok_path = opts.model .. "/tokenizer.json"
-    end
-    local t = ds4.tokenizer(tok_path)
-    local m, model_desc
+    local m, model_desc, t, tok_desc
     if opts.model then
-        m = ds4.load(opts.model)
+        m = ds4.load(opts.model) -- attaches DIR/tokenizer.json and the chat template of tokenizer_config.json
         model_desc = opts.model
-    else
+        local attached, template = m:tokenizer()
+        if attached and not tok_path then
+            t, tok_desc, S.model_template = attached, opts.model .. "/tokenizer.json", template
+        end
+    end
+    if not t then
+        t = ds4.tokenizer(tok_path)
+        tok_desc = tok_path or ("built-in byte-level" .. (opts.model and " (the checkpoint has no tokenizer.json)" or ""))
+    end
+    if not m then
         m = demo_model(t)
         model_desc = "random demo model"
         S.random = true
     end
+    if not m:tokenizer() then m:set_tokenizer(t) end -- so that model:save writes the tokenizer in use
     local cfg = m:config()
     _G.ds4, _G.model, _G.tok = ds4, m, t
     for _, name in ipairs({ "chat", "chat_reset", "chat_history", "generate", "logprobs", "top", "help" }) do
         _G[name] = M[name]
     end
-    local banner = ("ds4 %s repl: model %s (%d layers, hidden %d, vocab %d, %.2fM parameters), tokenizer %s "
+    local dev, dt = m:device()
+    local banner = ("ds4 %s repl: model %s (%d layers, hidden %d, vocab %d, %.2fM parameters, on %s), tokenizer %s "
         .. "(vocab %d).%s help() lists the helpers, Ctrl-D exits."):format(ds4.version, model_desc,
         cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size, m:n_params() / 1e6,
-        tok_path or "built-in byte-level", t:vocab_size(),
+        dev == "cpu" and "the CPU" or (dev .. " " .. dt),
+        tok_desc, t:vocab_size(),
         S.random and " Its weights are random: its outputs are noise." or "")
     local f = opts.interactive and io.stdout or io.stderr
     f:write(banner, "\n")

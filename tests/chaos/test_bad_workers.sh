@@ -82,7 +82,8 @@ pids+=("$T")
 for _ in $(seq 1 600); do [ -e "$out/endpoint" ] && break; sleep 0.1; done
 [ -e "$out/endpoint" ] || fail "the trainer did not start"
 EP="$(cat "$out/endpoint")"
-"$DS4" worker --connect "$EP" --model "$FIX/tiny_a" --insecure --threads 1 --id honest >"$out/honest.log" 2>&1 &
+"$DS4" worker --connect "$EP" --model "$FIX/tiny_a" --insecure --threads 1 --id honest --give-up 3600 \
+    >"$out/honest.log" 2>&1 &
 pids+=("$!")
 for m in "${MODES[@]}"; do
     "$DS4" run "$SRC/tests/chaos/run_bad_worker.lua" "$EP" "$m" "bad-$m" "$FIX" 300 >"$out/bad-$m.log" 2>&1 &

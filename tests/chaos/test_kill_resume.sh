@@ -33,12 +33,12 @@ wait "$pid" 2>/dev/null || true
 killed=$pid
 pid=
 n="$(wc -l <"$out/run/metrics.jsonl")"
-[ "$n" -ge 10 ] || fail "after kill -9 past update 10, metrics.jsonl has $n lines"
+[ "$n" -ge 11 ] || fail "after kill -9 past update 10, metrics.jsonl has $n lines"
 "$DS4" run - "$out/run/metrics.jsonl" <<'LUA' || fail "the killed run's metrics do not parse"
 local json = require("ds4.chat.json")
 local text = assert(io.open(arg[1], "rb")):read("*a")
 assert(text:sub(-1) == "\n", "the last line is torn")
-local k = 0
+local k = -1 -- the first line is the held-out loss at step 0
 for line in text:gmatch("([^\n]*)\n") do
     k = k + 1
     local r = assert(json.decode(line), "line " .. k .. " does not parse")
@@ -56,14 +56,19 @@ mkdir -p "$out/run/ckpt/step_000015.tmp-$killed@$host" "$out/run/ckpt/step_00001
 grep -q "resuming from" "$out/resume.log" || fail "the second run did not resume"
 "$DS4" run - "$out/run/metrics.jsonl" <<'LUA' || fail "metrics after the resume"
 local json = require("ds4.chat.json")
-local k = 0
+local k, held = 0, 0
 for line in io.lines(arg[1]) do
-    k = k + 1
     local r = assert(json.decode(line), "line " .. k .. " does not parse: " .. line)
-    assert(r.step == k, ("line %d has step %s: every step once, in order"):format(k, tostring(r.step)))
-    assert(type(r.loss) == "number", "line " .. k .. " has no loss")
+    if r["eval/loss"] then -- the held-out loss before and after training
+        held = held + 1
+        assert(r.step == (held == 1 and 0 or 30), "held-out loss records at steps 0 and 30")
+    else
+        k = k + 1
+        assert(r.step == k, ("record %d has step %s: every step once, in order"):format(k, tostring(r.step)))
+        assert(type(r.loss) == "number", "record " .. k .. " has no loss")
+    end
 end
-assert(k == 30, k .. " records, want 30")
+assert(k == 30 and held == 2, k .. " records and " .. held .. " held-out ones, want 30 and 2")
 print("resumed: 30 records, every step once, every line whole")
 LUA
 left="$(find "$out/run/ckpt" -maxdepth 1 -name 'step_*.*-*' | wc -l)"
@@ -75,7 +80,9 @@ if [ -c /dev/full ]; then
     mkdir -p "$out/full"
     ln -s /dev/full "$out/full/metrics.jsonl"
     rc=0
-    "$DS4" run "$SRC/examples/sft.lua" --steps 3 --batch 4 --quiet --out "$out/full" >"$out/full.log" 2>&1 || rc=$?
+    # --resume: the directory holds a metrics file already (a new run refuses to append to it)
+    "$DS4" run "$SRC/examples/sft.lua" --steps 3 --batch 4 --quiet --out "$out/full" --resume --tensorboard=false \
+        >"$out/full.log" 2>&1 || rc=$?
     [ "$rc" = 1 ] || fail "metrics on a full disk: exit status $rc, want 1"
     grep -q "ds4.metrics: write .*No space left on device" "$out/full.log" || fail "no 'No space left' message"
     echo "full disk: the run stops with status 1 and says why"

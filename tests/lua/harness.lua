@@ -92,6 +92,13 @@ function H.raises(fn, needles, what)
     return err
 end
 
+-- True when tensors a and b hold the same bytes (bitwise equality: -0 ~= 0, NaN payloads count).
+function H.same_bytes(a, b)
+    local ffi = require("ffi")
+    pcall(ffi.cdef, "int memcmp(const void *a, const void *b, size_t n);")
+    return a:nbytes() == b:nbytes() and ffi.C.memcmp(a:data_ptr(), b:data_ptr(), a:nbytes()) == 0
+end
+
 -- The fixtures directory: arg[1], else tests/fixtures next to this file's directory.
 -- The whole file at path, as a string.
 function H.read_file(path)

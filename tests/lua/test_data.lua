@@ -83,6 +83,88 @@ do
         "without a template only the structure is checked")
 end
 
+-- ------------------------------------------------------------------------------------------------ issue 17
+-- SFT on user datasets: messages rows with tool turns, prompt/completion rows (plain text and conversations), the
+-- format detected from the first row; RL prompts as conversations (TRL) and verl's layout through a column mapping.
+do
+    local tok = ds4.tokenizer()
+    local chat = require("ds4.chat")
+    local tmpl = chat.get("deepseek_v4")
+    local EOS = tok:special("eos")
+    local function labels_of(r)
+        local l = {}
+        for i, id in ipairs(r.ids) do l[i] = r.mask[i] == 1 and id or -100 end
+        return l
+    end
+    -- messages with system / user / assistant-with-tool-calls (content null) / tool turns: ids and labels are the
+    -- template's rendering and mask
+    local conv = '{"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "weather?"}, '
+        .. '{"role": "assistant", "content": null, "tool_calls": [{"name": "get", "arguments": {"city": "Oslo"}}]}, '
+        .. '{"role": "tool", "content": "rain"}, {"role": "assistant", "content": "It rains."}]}'
+    local rows = parse(conv, { format = "auto", tokenizer = tok, template = "deepseek_v4",
+        render_opts = { thinking = false } })
+    H.eq(rows.format, "messages", "auto: a messages row")
+    H.eq(rows[1].messages[3].content, nil, "null content becomes absent")
+    local want = tmpl:render(tok, rows[1].messages, { thinking = false })
+    H.same(rows[1].ids, want.ids, "messages: ids are the rendering's")
+    H.same(rows[1].labels, labels_of(want), "messages: labels where the mask trains")
+    -- plain prompt / completion: prompt bytes (not trained), completion bytes and EOS (trained)
+    rows = parse('{"prompt": "ab", "completion": "cd"}\n{"prompt": "x", "completion": " y"}',
+        { format = "auto", tokenizer = tok })
+    H.eq(rows.format, "prompt_completion", "auto: a prompt/completion row")
+    H.same(rows[1].ids, { 97, 98, 99, 100, EOS }, "prompt/completion ids")
+    H.same(rows[1].labels, { -100, -100, 99, 100, EOS }, "prompt/completion labels")
+    H.same(parse('{"prompt": "a", "completion": "b"}', { format = "auto", tokenizer = tok, eos = 7 })[1].ids,
+        { 97, 98, 7 }, "opts.eos ends plain completions")
+    -- conversational prompt / completion: only the completion's turns train, not an assistant turn of the prompt
+    local pc = '{"prompt": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}, '
+        .. '{"role": "user", "content": "2+2?"}], "completion": [{"role": "assistant", "content": "4"}]}'
+    rows = parse(pc, { format = "auto", tokenizer = tok, template = tmpl, render_opts = { thinking = false } })
+    local msgs = {
+        { role = "user", content = "hi" }, { role = "assistant", content = "hello", train = false },
+        { role = "user", content = "2+2?" }, { role = "assistant", content = "4" } }
+    want = tmpl:render(tok, msgs, { thinking = false })
+    H.same(rows[1].ids, want.ids, "conversational prompt/completion: ids")
+    H.same(rows[1].labels, labels_of(want), "conversational prompt/completion: the prompt's assistant turn untrained")
+    local trained = {}
+    for _, l in ipairs(rows[1].labels) do if l ~= -100 then trained[#trained + 1] = l end end
+    H.eq(tok:decode(trained), "4" .. tok:decode({ EOS }), "only the completion and its end of turn train")
+    -- RL prompts: a conversation rendered with the generation prompt and the thinking mode chosen
+    local rl_rows = parse('{"prompt": [{"role": "user", "content": "1+1?"}], "answer": 2}',
+        { tokenizer = tok, template = "deepseek_v4", thinking = true })
+    local gen = tmpl:render(tok, { { role = "user", content = "1+1?" } }, { add_generation_prompt = true,
+        thinking = true })
+    H.same(rl_rows[1].ids, gen.ids, "a conversational RL prompt: rendered ids with the generation prompt")
+    H.eq(rl_rows[1].prompt, gen.text, "and its rendered text")
+    H.eq(rl_rows[1].answer, "2", "its answer")
+    local nothink = parse('{"prompt": [{"role": "user", "content": "1+1?"}], "answer": 2}',
+        { tokenizer = tok, template = "deepseek_v4" })
+    H.check(#nothink[1].ids ~= #rl_rows[1].ids or nothink[1].prompt ~= rl_rows[1].prompt,
+        "thinking mode changes the generation prompt")
+    -- verl's layout: the reference answer in reward_model.ground_truth
+    local verl = '{"data_source": "gsm8k", "prompt": [{"role": "user", "content": "3*3?"}], "ability": "math", '
+        .. '"reward_model": {"style": "rule", "ground_truth": "9"}, "extra_info": {"index": 0}}'
+    rows = parse(verl, { tokenizer = tok, template = "deepseek_v4", columns = "verl" })
+    H.eq(rows[1].answer, "9", "verl: columns = \"verl\" reads reward_model.ground_truth")
+    rows = parse('{"q": "hi", "meta": {"gold": 5}}', { columns = { prompt = "q", answer = "meta.gold" } })
+    H.same({ rows[1].prompt, rows[1].answer }, { "hi", "5" }, "a custom column mapping with a dotted path")
+    local function bad(line, opts, needles, what) H.raises(function() parse(line, opts) end, needles, what) end
+    bad('{"prompt": [{"role": "user", "content": "x"}], "reward_model": {"ground_truth": null}}',
+        { tokenizer = tok, template = "deepseek_v4", columns = "verl" },
+        { "d.jsonl:1:", '"reward_model.ground_truth" (answer)', "got null" }, "verl: the mapped field is named")
+    bad('{"prompt": [{"role": "user", "content": "x"}], "answer": 1}', { tokenizer = tok },
+        { "d.jsonl:1:", '"prompt" is a conversation', "chat template" }, "a conversation without a template")
+    bad('{"prompt": "a", "completion": [{"role": "assistant", "content": "b"}]}', { format = "auto" },
+        { "d.jsonl:1:", "must both be strings or both be conversations" }, "mixed prompt/completion")
+    bad('{"prompt": "a", "completion": ""}', { format = "auto", tokenizer = tok }, { "d.jsonl:1:",
+        '"completion" is empty' }, "an empty completion")
+    bad('{"prompt": "a", "completion": "b"}\n{"messages": [{"role": "user", "content": "x"}]}', { format = "auto" },
+        { "d.jsonl:2:", "a messages row in a prompt_completion file" }, "auto: rows of another shape")
+    bad('{"prompt": "a", "answer": 1}', { columns = { answr = "x" } }, { "unknown field 'answr'" }, "column typo")
+    bad('{"prompt": "a", "answer": 1}', { columns = { answer = "a..b" } }, { "opts.columns.answer" }, "bad path")
+    bad('{"prompt": "a", "answer": 1}', { columns = "trl" }, { "unknown layout 'trl'" }, "unknown layout")
+end
+
 -- ------------------------------------------------------------------------------------------------ arith_task
 do
     local task = dofile(H.fixtures() .. "/../../examples/arith_task.lua")

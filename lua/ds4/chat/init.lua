@@ -5,6 +5,7 @@
   local r = t:render(tok, messages, opts)    -- {ids = {...}, mask = {...}, text = "...", segments = {...}}
   local ok, why = t:check_prefix(tok, messages_before, messages_after, opts)
   chat.register(name, template)  chat.list()  chat.builder(tok)  chat.prefix_report(r_before, r_after)
+  chat.end_of_turn(tok, name)                -- the ids that end an assistant turn (generation stop ids)
 
 Messages are Lua arrays of tables {role = ..., content = ..., reasoning_content = ..., tool_calls = ...,
 tool_call_id = ...}; each template's file documents the roles and options it accepts. Every template
@@ -310,6 +311,17 @@ function M.get(name)
         return registry[name]
     end
     error(("ds4.chat.get: unknown template %s (known: %s)"):format(quote(name), table.concat(M.list(), ", ")), 2)
+end
+
+-- The ids that end an assistant turn under template `name` (what a generation stops at): <|im_end|> for chatml,
+-- the tokenizer's EOS otherwise (the DeepSeek-V4 format ends a turn with it); {} when the tokenizer lacks it.
+function M.end_of_turn(tok, name)
+    if name == "chatml" then
+        local id = tok:token_to_id("<|im_end|>")
+        return id and { id } or {}
+    end
+    local eos = tok:special("eos")
+    return eos and { eos } or {}
 end
 
 function M.list()

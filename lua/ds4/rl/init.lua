@@ -6,7 +6,8 @@ per-token gradients, rollout/train mismatch correction, dynamic sampling and ove
   rl.loss        ds4.rl.loss        compute (loss + dLoss/dlogp per token + metrics), kl_value, kl_in_reward, ...
   rl.correction  ds4.rl.correction  TIS / MIS / sequence-level weights, mismatch metrics
   rl.filter      ds4.rl.filter      keep_groups, fill_batch, overlong_filter, soft_overlong, apply_soft_overlong
-  rl.algorithms  presets (plain tables, below);  rl.preset(name [, overrides]) -> a deep copy merged with overrides
+  rl.algorithms  presets (plain tables, below);  rl.preset(name [, overrides]) -> a deep copy merged with overrides;
+                 rl.merge(dst, src) the merge it applies (tables key by key, rl.NIL deletes a field)
 
 Each module's header has the formulas, the data layout and the framework each default follows; a citation
 docs/rl.md, "Name" is the section of docs/rl.md that explains it with its sources. One training step, as the RL
@@ -196,6 +197,9 @@ local function merge(dst, src)
     end
     return dst
 end
+
+-- merge(dst, src): src's fields into dst, tables key by key (rl.NIL deletes); returns dst. What preset applies.
+M.merge = merge
 
 function M.preset(name, overrides)
     local p = M.algorithms[name]

@@ -1,9 +1,11 @@
---[==[ ds4.rl.trainer — the RL loop: rollouts, rewards, dynamic sampling, advantages, policy-loss updates, metrics.
+--[==[ ds4.rl.trainer — the RL loop: rollouts, rewards, dynamic sampling, advantages, policy-loss updates, metrics,
+checkpoints.
 
   local summary = require("ds4.rl.trainer").run{
       model = model,                          -- the policy (a ds4.model with gradients)
       algorithm = rl.preset("dapo", {...}),   -- any rl.algorithms preset (or a table of the same shape)
-      prompts = function(k, n) ... end,       -- the k-th call's n training samples {prompt = ids, answer = ...}
+      prompts = function(k, n) ... end,       -- the k-th call's n training samples {prompt = ids, answer = ...};
+                                              -- for an exact resume it must depend on k only (k is restored)
       reward = function(text, sample) ... end,-- number or {score, info}; errors are reported per sample
       decode = function(ids) ... end,         -- ids -> text (the tokenizer's decode)
       eval = {samples = {...}, every = 50, correct = function(text, sample) -> bool},
@@ -12,7 +14,14 @@
       optim = {lr = 3e-4, betas = {0.9, 0.99}, weight_decay = 0, clip = 1.0, warmup = 0},
       steps = 100, minibatches = 1, reference = nil, out = "runs/x", seed = 1, progress = true,
       routing_replay = false,                 -- train with the experts / indexer picks the rollout used
-      guard = {max_kl = 10, max_grad_norm = 1e6, max_failed_frac = 0.5, max_idle_steps = 10},  -- when to stop
+      guard = {max_kl = 10, max_grad_norm = 1e6, max_failed_frac = 0.5, max_idle_steps = 10,
+               max_reward_error_frac = 0.5},  -- when to stop
+      loss = nil,                             -- a user loss: function(mb, spec, opts) -> {loss, grads, metrics}
+      checkpoint = {every = 0, keep_last = 3, resume = false, dir = out .. "/ckpt"},
+      state = {save = function() -> table, load = function(table)},   -- the caller's own state in checkpoints
+      log_completions = {every = 0, n = 4},   -- a table of sampled completions every N steps
+      tensorboard = true,                     -- TensorBoard event files beside metrics.jsonl
+      on_step = function(step, row) ... end,  -- after each step's metrics (and checkpoint); false stops the run
   }
 
 Rollout source: rollout.source is any object with source:generate(prompts, opts) -> results shaped like
@@ -22,10 +31,12 @@ method, so switching is one table field; a source with a :publish(model) method 
 step's optimizer updates (the pool makes it a new policy version that its workers fetch).
 
 One step:
-  1. rollouts: prompts_per_step prompts × n samples; rewards through ds4.reward.evaluate_batch (a sample whose
-     reward function fails is reported and its whole group is dropped); with algorithm.dynamic_sampling.enable,
-     groups whose rewards are all equal are dropped and more batches are generated (at most max_extra_batches)
-     to fill prompts_per_step groups (DAPO);
+  1. rollouts: prompts_per_step prompts × n samples; rewards through ds4.reward.evaluate_batch, each sample seen as
+     its prompt's data table plus response_ids (the generated ids), response_len (their count) and finish_reason
+     (so ds4.reward.overlong_reward and other length-aware rewards work); a sample whose reward function fails is
+     reported and its whole group is dropped; with algorithm.dynamic_sampling.enable, groups whose rewards are all
+     equal are dropped and more batches are generated (at most max_extra_batches) to fill prompts_per_step groups
+     (DAPO);
   2. overlong: filtering (mask = 0 for samples cut by max_new_tokens) and/or the soft punishment added to the
      reward, as algorithm.overlong says;
   3. old log-probabilities recomputed by a forward at the current weights (the rollout engine's log-probs are
@@ -34,19 +45,43 @@ One step:
      with routing_replay, every training forward uses the routed experts and indexer picks the rollout recorded
      (model:forward's opts.replay; the token the rollout never ran and padding route themselves);
   4. advantages (algorithm.adv), then `minibatches` optimizer updates, each a training forward, the policy loss
-     with its analytic dLoss/dlogp (rl.loss.compute, normalised within the minibatch: one update = one
-     normalisation) and model:backward_logprobs.
-Metrics (one JSON object per step in out/metrics.jsonl, written whole and flushed by ds4.metrics; a write error
-stops the run): step, reward/mean (generated samples that did not fail), reward/kept_mean, groups/kept,
-groups/generated, groups/failed, gen_batches, reward/errors, eval/accuracy (eval steps), kl (to the reference
-when there is one, else the old→new policy KL estimate), clip_frac, entropy, response_len/mean,
-logprob_mismatch/mean, logprob_mismatch/max, loss, grad_norm, lr, tokens_per_s (generated + trained tokens per
-wall second), seconds.
+     with its analytic dLoss/dlogp (rl.loss.compute, or config.loss; normalised within the minibatch: one update =
+     one normalisation) and model:backward_logprobs.
+
+A user loss (config.loss) replaces rl.loss.compute: loss(mb, spec, {denom = T, num_seqs = N, step_tokens,
+step_seqs}) gets the minibatch's samples (T its trained tokens and N its samples, what rl.loss.compute normalises
+by; step_tokens / step_seqs the same over the whole step), each with, for its response tokens t = 1..#s.ids: s.logp[t] (the current policy's log p of token t, from
+model:logprobs of the training forward), s.old_logp[t] (the same before this step's updates), s.rollout_logp[t]
+(what the generator reported), s.ref_logp[t] (with a KL term), s.entropy[t], s.mask (nil = all 1), s.adv (a number
+or per-token array: algorithm.adv's advantage) and s.reward. It returns {loss = number (minimised), grads = {[i] = {dLoss/dlogp[t] per response token of sample i}},
+metrics = {clip_frac = ..., entropy = ..., kl = ..., tokens = ...} (optional)}. The trainer scatters grads into an
+F32 [B, S] tensor at each token's position (model:logprobs' layout: logp[b][s] scores labels[b][s + 1]) and calls
+model:backward_logprobs, which adds sum g * dlogp/dtheta to the gradients: g is dLoss/dlogp of the loss being
+minimised (the SFT loss -mean(logp) is g = -1/N on every scored token).
+
+Metrics: one record per step in out/metrics.jsonl (ds4.metrics: whole lines, flushed; a write error stops the run)
+and as TensorBoard scalars in out/events.out.tfevents.* (ds4.runlog): step, reward/mean, reward/std, reward/min,
+reward/max, rewards/NAME (each reward component, ds4.reward.combine), reward/kept_mean, reward/errors,
+response_len/mean, /min, /max, /clipped_ratio (ds4.rl.stats), groups/kept, groups/generated, groups/failed,
+gen_batches, eval/accuracy (eval steps), kl (to the reference when there is one, else the old→new policy KL
+estimate), clip_frac, entropy, logprob_mismatch/mean, logprob_mismatch/max, loss, grad_norm, lr, tokens_per_s
+(generated + trained tokens per wall second), seconds, and the time split time/generate, time/reward, time/train,
+time/eval (seconds). log_completions = {every = N, n = k} writes k sampled completions of every Nth step (prompt,
+completion, reward, finish_reason) to out/completions.jsonl and as a TensorBoard text table (and prints them with
+progress on).
+
+Checkpoints (checkpoint.every = K RL steps, and the last step): out/ckpt/step_NNNNNN, NNNNNN = completed optimizer
+updates, with the policy, the optimizer, the reference model, the loop's counters and config.state.save()
+(ds4.rl.resume). checkpoint.resume = true continues from the newest one: the rest of the run is bitwise the one an
+uninterrupted run would have done (tests/lua/test_trainer_resume.lua), and out/metrics.jsonl drops the records past
+the checkpoint's step.
 
 Guards: the run stops with an error naming the step and the metric (after writing that step's metrics line) when
   - a rollout group failed (finish_reason "failed": a remote task that ran out of attempts) — each failure is
     counted (groups/failed) and logged, and more than guard.max_failed_frac (0.5) of a step's groups failing
     stops the run before it trains on what is left;
+  - more than guard.max_reward_error_frac (0.5) of a step's samples got no reward (the reward function raised or
+    returned something that is not a finite number): a broken reward, named with its first error;
   - the loss, kl, entropy or grad_norm is not finite, or the optimizer refuses an update (ds4.adamw: the update
     would make the weights non-finite);
   - kl exceeds guard.max_kl (10 nats per token) or grad_norm (before clipping) guard.max_grad_norm (1e6): a
@@ -60,20 +95,14 @@ Guards: the run stops with an error naming the step and the metric (after writin
 local ds4 = require("ds4")
 local rl = require("ds4.rl")
 local reward_mod = require("ds4.reward")
+local stats_mod = require("ds4.rl.stats")
+local resume = require("ds4.rl.resume")
+local ffi = require("ffi")
 
 local M = {}
 
-local ffi = require("ffi")
-pcall(ffi.cdef, [[
-typedef struct ds4_timespec { long tv_sec; long tv_nsec; } ds4_timespec;
-int clock_gettime(int clk, ds4_timespec *tp);
-int isatty(int fd);
-]])
-local ts = ffi.new("ds4_timespec")
-local function now() -- wall seconds (CLOCK_MONOTONIC); os.clock would add up the CPU time of every thread
-    ffi.C.clock_gettime(1, ts)
-    return tonumber(ts.tv_sec) + 1e-9 * tonumber(ts.tv_nsec)
-end
+pcall(ffi.cdef, "int isatty(int fd);")
+local now = ds4.metrics.clock -- wall seconds (monotonic); os.clock would add up the CPU time of every thread
 
 -- Greedy accuracy of `model` (or source) on eval samples.
 function M.evaluate(model, eval, decode, max_new_tokens, stop)
@@ -95,56 +124,75 @@ function M.evaluate(model, eval, decode, max_new_tokens, stop)
     return ok / #eval.samples, res
 end
 
--- One batch of rollouts: samples with rewards; `group_base` makes group ids unique across calls.
 local function is_failed(r) return r.finish_reason == "failed" end
 
-local function rollout_batch(cfg, k, group_base, stats)
+-- What a reward function sees for one sample: the prompt's data table, plus the response's ids, length and finish
+-- reason (a copy: the n samples of a prompt share its table).
+local function reward_view(item, r)
+    local v = {}
+    for k, x in pairs(item) do v[k] = x end
+    v.response_ids, v.response_len, v.finish_reason = r.ids, #r.ids, r.finish_reason
+    return v
+end
+
+-- One batch of rollouts: samples with rewards; `group_base` makes group ids unique across calls. st accumulates the
+-- step's counts, timings and ds4.rl.stats.
+local function rollout_batch(cfg, k, group_base, st)
     local ro = cfg.rollout
     local src = ro.source or cfg.model
     local items = cfg.prompts(k, ro.prompts_per_step)
     local prompts = {}
     for i, it in ipairs(items) do prompts[i] = it.prompt end
+    local t0 = now()
     local res = src:generate(prompts, { n = ro.n, max_new_tokens = ro.max_new_tokens, temperature = ro.temperature,
         top_p = ro.top_p, top_k = ro.top_k, seed = cfg.seed * 1000003 + k, stop = ro.stop, tokenizer = ro.tokenizer,
         record_experts = cfg.routing_replay or nil, record_index = cfg.routing_replay or nil })
-    local texts, smp = {}, {}
+    local t1 = now()
+    st.t_generate = st.t_generate + (t1 - t0)
+    local texts, views = {}, {}
     local bad, failed = {}, 0
     for i, r in ipairs(res) do
         local g = math.floor((i - 1) / ro.n)
         texts[i] = cfg.decode(r.ids)
-        smp[i] = items[g + 1]
+        views[i] = reward_view(items[g + 1], r)
         if is_failed(r) and not bad[g] then
             bad[g] = true
             failed = failed + 1
-            if stats.failed_groups + failed <= 5 then
+            if st.failed_groups + failed <= 5 then
                 io.stderr:write(("trainer: rollout group %d failed: %s\n"):format(g + 1, tostring(r.error or
                     "no reason given")))
             end
         end
     end
-    stats.failed_groups = stats.failed_groups + failed
-    local scores, _, errors = reward_mod.evaluate_batch(cfg.reward, texts, smp)
+    st.failed_groups = st.failed_groups + failed
+    local scores, infos, errors = reward_mod.evaluate_batch(cfg.reward, texts, views)
+    st.t_reward = st.t_reward + (now() - t1)
     for _, e in ipairs(errors) do
         bad[math.floor((e.index - 1) / ro.n)] = true
-        stats.errors = stats.errors + 1
-        if stats.errors <= 5 then io.stderr:write(("reward error (sample %d): %s\n"):format(e.index, e.message)) end
+        st.errors = st.errors + 1
+        st.first_error = st.first_error or e.message
+        if st.errors <= 5 then io.stderr:write(("reward error (sample %d): %s\n"):format(e.index, e.message)) end
     end
     local out = {}
     for i, r in ipairs(res) do
         local g = math.floor((i - 1) / ro.n)
-        if is_failed(r) then goto continue end
-        stats.generated = stats.generated + 1
-        stats.gen_tokens = stats.gen_tokens + #r.ids
-        stats.len_sum = stats.len_sum + #r.ids
-        if scores[i] then stats.reward_sum, stats.reward_n = stats.reward_sum + scores[i], stats.reward_n + 1 end
-        if not bad[g] and #r.ids > 0 then
-            out[#out + 1] = { prompt = prompts[g + 1], ids = r.ids, rollout_logp = r.logprobs, reward = scores[i],
-                group = group_base + g, finish_reason = r.finish_reason, length = #r.ids, sample = smp[i],
-                experts = r.experts, index_picks = r.index_picks }
+        if not is_failed(r) then
+            st.generated = st.generated + 1
+            st.gen_tokens = st.gen_tokens + #r.ids
+            stats_mod.add(st.acc, { reward = scores[i], info = infos[i], length = #r.ids,
+                finish_reason = r.finish_reason })
+            if #st.shown < st.show_n then
+                st.shown[#st.shown + 1] = { cfg.decode(prompts[g + 1]), texts[i], scores[i] and
+                    ("%.4g"):format(scores[i]) or "error", r.finish_reason }
+            end
+            if not bad[g] and #r.ids > 0 then
+                out[#out + 1] = { prompt = prompts[g + 1], ids = r.ids, rollout_logp = r.logprobs, reward = scores[i],
+                    group = group_base + g, finish_reason = r.finish_reason, length = #r.ids, sample = views[i],
+                    experts = r.experts, index_picks = r.index_picks }
+            end
         end
-        ::continue::
     end
-    stats.groups_generated = stats.groups_generated + #items
+    st.groups_generated = st.groups_generated + #items
     return out
 end
 
@@ -240,14 +288,20 @@ local function defaults(cfg)
     cfg.minibatches = cfg.minibatches or 1
     cfg.seed = cfg.seed or 1
     if cfg.progress == nil then cfg.progress = true end
+    if cfg.loss ~= nil and type(cfg.loss) ~= "function" then
+        error("trainer.run: config.loss must be a function(mb, spec, opts) -> {loss, grads, metrics}, got "
+            .. type(cfg.loss), 3)
+    end
     local g = cfg.guard == nil and {} or cfg.guard
     if g ~= false and type(g) ~= "table" then error("trainer.run: config.guard must be a table or false", 3) end
-    g = g or { max_kl = math.huge, max_grad_norm = math.huge, max_idle_steps = math.huge }
-    local known = { max_kl = 10, max_grad_norm = 1e6, max_failed_frac = 0.5, max_idle_steps = 10 }
+    g = g or { max_kl = math.huge, max_grad_norm = math.huge, max_idle_steps = math.huge,
+        max_reward_error_frac = 1 }
+    local known = { max_kl = 10, max_grad_norm = 1e6, max_failed_frac = 0.5, max_idle_steps = 10,
+        max_reward_error_frac = 0.5 }
     for k in pairs(g) do
         if not known[k] then
             error("trainer.run: config.guard: unknown key '" .. tostring(k) .. "' (max_kl, max_grad_norm, "
-                .. "max_failed_frac, max_idle_steps)", 3)
+                .. "max_failed_frac, max_idle_steps, max_reward_error_frac)", 3)
         end
     end
     cfg.guard = {}
@@ -257,11 +311,44 @@ local function defaults(cfg)
             error(("trainer.run: config.guard.%s must be a number >= 0, got %s"):format(k, tostring(v)), 3)
         end
     end
+    local ck = cfg.checkpoint or {}
+    if type(ck) ~= "table" then error("trainer.run: config.checkpoint must be a table", 3) end
+    cfg.checkpoint = { every = ck.every or 0, keep_last = ck.keep_last or 3, resume = ck.resume == true,
+        dir = ck.dir or (cfg.out and cfg.out .. "/ckpt") }
+    if (cfg.checkpoint.every > 0 or cfg.checkpoint.resume) and not cfg.checkpoint.dir then
+        error("trainer.run: checkpoints need config.out or config.checkpoint.dir", 3)
+    end
+    local lc = cfg.log_completions or {}
+    cfg.log_completions = { every = lc.every or 0, n = lc.n or 4 }
+    if cfg.state ~= nil and (type(cfg.state) ~= "table" or type(cfg.state.save) ~= "function" or
+        type(cfg.state.load) ~= "function") then
+        error("trainer.run: config.state must be {save = function() -> table, load = function(table)}", 3)
+    end
     local a = cfg.algorithm
     if a.kl and not cfg.reference then
         error("trainer.run: algorithm " .. tostring(a.name) .. " has a KL term: pass config.reference (a frozen " ..
             "copy of the starting policy), or set algorithm.kl = nil", 3)
     end
+end
+
+-- A user loss's result, checked: what is wrong with it, or nil.
+local function bad_loss_result(out, mb)
+    if type(out) ~= "table" then return "returned a " .. type(out) .. ", not {loss, grads, metrics}" end
+    if type(out.loss) ~= "number" then return "result.loss is a " .. type(out.loss) .. ", not a number" end
+    if type(out.grads) ~= "table" then return "result.grads is a " .. type(out.grads) .. ", not an array" end
+    for i, s in ipairs(mb) do
+        local g = out.grads[i]
+        if type(g) ~= "table" or #g ~= #s.ids then
+            return ("result.grads[%d] must hold %d numbers (one per response token), got %s"):format(i, #s.ids,
+                type(g) == "table" and #g .. " entries" or type(g))
+        end
+        for t = 1, #g do
+            if type(g[t]) ~= "number" then
+                return ("result.grads[%d][%d] is a %s, not a number"):format(i, t, type(g[t]))
+            end
+        end
+    end
+    if out.metrics ~= nil and type(out.metrics) ~= "table" then return "result.metrics must be a table" end
 end
 
 local function finite(x) return type(x) == "number" and x == x and x ~= math.huge and x ~= -math.huge end
@@ -284,34 +371,147 @@ local function diverged(row, guard)
     end
 end
 
+
+-- The updates of one step: old (and reference) log-probabilities, advantages, `minibatches` optimizer updates.
+-- Fills the row's loss metrics; returns the trained token count and a reason to stop (nil when fine).
+local function train(cfg, opt, samples, row)
+    local model, spec, pad = cfg.model, cfg.algorithm, cfg.pad
+    if spec.overlong and spec.overlong.filter then rl.filter.overlong_filter(samples) end
+    if spec.overlong and spec.overlong.soft then rl.filter.apply_soft_overlong(samples, spec.overlong.soft) end
+    -- old policy = the current weights, recomputed (three-policy view: rollout, old, new)
+    forward_logp(model, samples, pad, "old_logp", nil, cfg.routing_replay)
+    local mm = rl.correction.metrics(samples) or {}
+    if spec.kl then
+        forward_logp(cfg.reference, samples, pad, "ref_logp")
+        if spec.kl.where == "reward" then
+            rl.loss.kl_in_reward(samples, spec.kl.coef, spec.kl.estimator, { level = spec.kl.level })
+        end
+    end
+    rl.advantage.compute(samples, spec.adv)
+    local kept_sum = 0
+    for _, s in ipairs(samples) do kept_sum = kept_sum + s.reward end
+    local T = 0 -- the step's trained tokens (a user loss may want the step's normaliser rather than its minibatch's)
+    for _, s in ipairs(samples) do
+        if s.mask then for _, v in ipairs(s.mask) do T = T + v end else T = T + #s.ids end
+    end
+    local agg = { loss = 0, clip_frac = 0, kl = 0, entropy = 0, tokens = 0 }
+    local last, stop, trained = nil, nil, 0
+    for _, mb in ipairs(split_groups(samples, cfg.minibatches)) do
+        model:zero_grad()
+        local _, _, S = forward_logp(model, mb, pad, "logp", "entropy", cfg.routing_replay)
+        local Tm, Nm = rl.loss.count(mb)
+        local out
+        if cfg.loss then
+            local ok, r = pcall(cfg.loss, mb, spec, { denom = Tm, num_seqs = Nm, step_tokens = T, step_seqs = #samples })
+            if not ok then return trained, "config.loss raised: " .. tostring(r) end
+            local why = bad_loss_result(r, mb)
+            if why then return trained, "config.loss " .. why end
+            out = r
+        else
+            out = rl.loss.compute(mb, spec, { denom = Tm, num_seqs = Nm })
+        end
+        local g = ds4.zeros({ #mb, S })
+        for i, s in ipairs(mb) do
+            local base = (i - 1) * S + #s.prompt - 1
+            for j, v in ipairs(out.grads[i]) do g[base + j] = v end
+        end
+        local ok, r = pcall(function()
+            model:backward_logprobs(g)
+            return opt:step()
+        end)
+        if not ok then -- a NaN loss, or an update the optimizer refuses (non-finite weights)
+            stop = "the update failed: " .. tostring(r)
+            break
+        end
+        last = r
+        local m = out.metrics or {}
+        local w = m.tokens or Tm
+        agg.tokens = agg.tokens + w
+        agg.loss = agg.loss + (out.loss or 0) * w
+        agg.clip_frac = agg.clip_frac + (m.clip_frac or 0) * w
+        agg.kl = agg.kl + ((spec.kl and m.kl) or m.ppo_kl or 0) * w
+        agg.entropy = agg.entropy + (m.entropy or 0) * w
+        trained = trained + #mb * S
+    end
+    local w = math.max(agg.tokens, 1)
+    row.loss, row.clip_frac, row.kl, row.entropy = agg.loss / w, agg.clip_frac / w, agg.kl / w, agg.entropy / w
+    row["reward/kept_mean"] = kept_sum / #samples
+    row["logprob_mismatch/mean"] = mm.mismatch_abs_mean or 0
+    row["logprob_mismatch/max"] = mm.mismatch_abs_max or 0
+    row.grad_norm = last and last.grad_norm
+    row.lr = last and last.lr
+    return trained, stop
+end
+
+local function progress_line(cfg, step, row, kept, dt)
+    return ("step %d/%d reward %.3f kept %d/%d groups clip %.3f kl %.2e ent %.3f len %.1f%s %.1fs"):format(
+        step, cfg.steps, row["reward/mean"], kept, row["groups/generated"], row.clip_frac or 0, row.kl or 0,
+        row.entropy or 0, row["response_len/mean"],
+        row["eval/accuracy"] and (" acc %.3f"):format(row["eval/accuracy"]) or "", dt)
+end
+
+local function print_completions(step, rows)
+    print(("completions at step %d:"):format(step))
+    for _, r in ipairs(rows) do
+        local function cut(s) s = s:gsub("\n", "\\n") return #s > 60 and s:sub(1, 57) .. "..." or s end
+        print(("  %-24s -> %-40s reward %s (%s)"):format(cut(r[1]), cut(r[2]), r[3], r[4]))
+    end
+end
+
 function M.run(cfg)
     defaults(cfg)
     local model, spec, ro = cfg.model, cfg.algorithm, cfg.rollout
-    local pad = model:config().eos_token_id or 0
+    cfg.pad = model:config().eos_token_id or 0
     local o = cfg.optim
     local opt = ds4.adamw(model, { lr = o.lr or 3e-4, betas = o.betas or { 0.9, 0.99 }, weight_decay = o.weight_decay or 0,
         clip = o.clip or 1.0, schedule = o.schedule or "constant", warmup = o.warmup or 0,
         total = cfg.steps * cfg.minibatches })
-    local metrics_f = cfg.out and ds4.metrics.open(cfg.out .. "/metrics.jsonl") or nil
-    local tty = cfg.progress and ffi.C.isatty(1) == 1
-    local history = {}
-    local t_start = now()
-    local group_base, gen_calls, failed_total, idle = 0, 0, 0, 0
-    local eval_acc
-    if cfg.eval and cfg.eval.samples then
-        eval_acc = M.evaluate(model, cfg.eval, cfg.decode, cfg.eval.max_new_tokens or ro.max_new_tokens, ro.stop)
-        history[#history + 1] = { step = 0, ["eval/accuracy"] = eval_acc }
-        if metrics_f then metrics_f:write(history[#history]) end
+    local ck = cfg.checkpoint
+    -- the loop's counters: what a checkpoint saves and a resume restores
+    local state = { step = 0, gen_calls = 0, group_base = 0, failed_total = 0, idle = 0 }
+    local resumed_from
+    if ck.resume then
+        local st, dir = resume.load(ck.dir, model, opt, cfg.reference)
+        if st then
+            state, resumed_from = st, dir
+            if cfg.state and st.user ~= nil then cfg.state.load(st.user) end
+            -- a remote source serves the resumed weights from the first step on
+            if ro.source and ro.source.publish then ro.source:publish(model) end
+            if cfg.progress then print(("trainer: resuming from %s (RL step %d)"):format(dir, st.step)) end
+        elseif cfg.progress then
+            print("trainer: no checkpoint under " .. ck.dir .. ": starting from step 1")
+        end
     end
-    local first_acc = eval_acc
-    for step = 1, cfg.steps do
+    local log = cfg.out and ds4.runlog.open(cfg.out, { resume_step = resumed_from and state.step or nil,
+        tensorboard = cfg.tensorboard ~= false, quiet = not cfg.progress }) or nil
+    local history = {}
+    if resumed_from and log then history = require("ds4.plot").read_jsonl(cfg.out .. "/metrics.jsonl") end
+    local tty = cfg.progress and ffi.C.isatty(1) == 1
+    local t_start = now()
+    local function finish(msg)
+        if log then log:close() end
+        if msg then error(msg, 0) end
+    end
+    local function evaluate()
+        return M.evaluate(model, cfg.eval, cfg.decode, cfg.eval.max_new_tokens or ro.max_new_tokens, ro.stop)
+    end
+    if cfg.eval and cfg.eval.samples and not resumed_from then
+        state.eval_acc = evaluate()
+        state.first_acc = state.eval_acc
+        history[#history + 1] = { step = 0, ["eval/accuracy"] = state.eval_acc }
+        if log then log:write(history[#history]) end
+    end
+    local stopped_at
+    for step = state.step + 1, cfg.steps do
         local t0 = now()
-        local st = { errors = 0, generated = 0, gen_tokens = 0, len_sum = 0, reward_sum = 0, reward_n = 0,
-            groups_generated = 0, failed_groups = 0 }
+        local lc = cfg.log_completions
+        local st = { errors = 0, generated = 0, gen_tokens = 0, groups_generated = 0, failed_groups = 0,
+            t_generate = 0, t_reward = 0, acc = stats_mod.new(), shown = {},
+            show_n = (lc.every > 0 and step % lc.every == 0) and lc.n or 0 }
         local function gen()
-            gen_calls = gen_calls + 1
-            local b = rollout_batch(cfg, gen_calls, group_base, st)
-            group_base = group_base + ro.prompts_per_step
+            state.gen_calls = state.gen_calls + 1
+            local b = rollout_batch(cfg, state.gen_calls, state.group_base, st)
+            state.group_base = state.group_base + ro.prompts_per_step
             return b
         end
         local samples, batches
@@ -323,110 +523,67 @@ function M.run(cfg)
         else
             samples, batches = gen(), 1
         end
-        local row = { step = step, ["reward/mean"] = st.reward_n > 0 and st.reward_sum / st.reward_n or 0,
-            ["groups/generated"] = st.groups_generated, ["groups/failed"] = st.failed_groups, gen_batches = batches,
-            ["reward/errors"] = st.errors, ["response_len/mean"] = st.generated > 0 and st.len_sum / st.generated or 0 }
-        failed_total = failed_total + st.failed_groups
+        local row = stats_mod.row(st.acc, { step = step, ["groups/generated"] = st.groups_generated,
+            ["groups/failed"] = st.failed_groups, gen_batches = batches, ["reward/errors"] = st.errors })
+        state.failed_total = state.failed_total + st.failed_groups
         local stop
         if st.failed_groups > 0 then
             io.stderr:write(("trainer: step %d: %d of %d rollout groups failed (%d in the run so far)\n"):format(step,
-                st.failed_groups, st.groups_generated, failed_total))
+                st.failed_groups, st.groups_generated, state.failed_total))
             if st.failed_groups > cfg.guard.max_failed_frac * st.groups_generated then
                 stop = ("%d of %d rollout groups failed, more than guard.max_failed_frac = %g: the rollout source is "
                     .. "failing (see its log); not training on what is left"):format(st.failed_groups,
                     st.groups_generated, cfg.guard.max_failed_frac)
             end
         end
-        local trained_tokens = 0
-        if #samples > 0 and not stop then
-            if spec.overlong and spec.overlong.filter then rl.filter.overlong_filter(samples) end
-            if spec.overlong and spec.overlong.soft then rl.filter.apply_soft_overlong(samples, spec.overlong.soft) end
-            -- old policy = the current weights, recomputed (three-policy view: rollout, old, new)
-            forward_logp(model, samples, pad, "old_logp", nil, cfg.routing_replay)
-            local mm = rl.correction.metrics(samples) or {}
-            if spec.kl then
-                forward_logp(cfg.reference, samples, pad, "ref_logp")
-                if spec.kl.where == "reward" then
-                    rl.loss.kl_in_reward(samples, spec.kl.coef, spec.kl.estimator, { level = spec.kl.level })
-                end
-            end
-            rl.advantage.compute(samples, spec.adv)
-            local kept_sum = 0
-            for _, s in ipairs(samples) do kept_sum = kept_sum + s.reward end
-            local agg = { loss = 0, clip_frac = 0, kl = 0, entropy = 0, tokens = 0 }
-            local last
-            for _, mb in ipairs(split_groups(samples, cfg.minibatches)) do
-                model:zero_grad()
-                local _, _, S = forward_logp(model, mb, pad, "logp", "entropy", cfg.routing_replay)
-                local T, N = rl.loss.count(mb)
-                local out = rl.loss.compute(mb, spec, { denom = T, num_seqs = N })
-                local g = ds4.zeros({ #mb, S })
-                for i, s in ipairs(mb) do
-                    local base = (i - 1) * S + #s.prompt - 1
-                    for j, v in ipairs(out.grads[i]) do g[base + j] = v end
-                end
-                local ok, r = pcall(function()
-                    model:backward_logprobs(g)
-                    return opt:step()
-                end)
-                if not ok then -- a NaN loss, or an update the optimizer refuses (non-finite weights)
-                    stop = "the update failed: " .. tostring(r)
-                    break
-                end
-                last = r
-                local m = out.metrics
-                local w = m.tokens or T
-                agg.tokens = agg.tokens + w
-                agg.loss = agg.loss + (out.loss or 0) * w
-                agg.clip_frac = agg.clip_frac + (m.clip_frac or 0) * w
-                agg.kl = agg.kl + ((spec.kl and m.kl) or m.ppo_kl or 0) * w
-                agg.entropy = agg.entropy + (m.entropy or 0) * w
-                trained_tokens = trained_tokens + #mb * S
-            end
-            local w = math.max(agg.tokens, 1)
-            row.loss = agg.loss / w
-            row.clip_frac = agg.clip_frac / w
-            row.kl = agg.kl / w
-            row.entropy = agg.entropy / w
-            row["reward/kept_mean"] = kept_sum / #samples
-            row["logprob_mismatch/mean"] = mm.mismatch_abs_mean or 0
-            row["logprob_mismatch/max"] = mm.mismatch_abs_max or 0
-            row.grad_norm = last and last.grad_norm
-            row.lr = last and last.lr
+        if not stop and st.errors > 0 and st.errors > cfg.guard.max_reward_error_frac * st.generated then
+            stop = ("%d of %d rewards failed (more than guard.max_reward_error_frac = %g): the reward function is "
+                .. "broken; the first error: %s"):format(st.errors, st.generated, cfg.guard.max_reward_error_frac,
+                tostring(st.first_error))
         end
+        local trained_tokens, t_train = 0, now()
+        if #samples > 0 and not stop then trained_tokens, stop = train(cfg, opt, samples, row) end
+        t_train = now() - t_train
         row["groups/kept"] = #samples / ro.n
-        idle = #samples > 0 and 0 or idle + 1
-        if idle > 0 and not stop then
+        state.idle = #samples > 0 and 0 or state.idle + 1
+        if state.idle > 0 and not stop then
             io.stderr:write(("trainer: step %d trained on nothing: every group's rewards were equal (reward/mean "
-                .. "%.3f; %d step(s) in a row)\n"):format(step, row["reward/mean"], idle))
-            if idle >= cfg.guard.max_idle_steps then
-                stop = ("%d steps in a row trained on nothing (guard.max_idle_steps = %g; reward/mean %.3f): every "
-                    .. "group's rewards were equal, so the policy has collapsed or the task is solved"):format(idle,
-                    cfg.guard.max_idle_steps, row["reward/mean"])
+                .. "%.3f; %d step(s) in a row)\n"):format(step, row["reward/mean"], state.idle))
+            if state.idle >= cfg.guard.max_idle_steps then
+                stop = ("%d steps in a row trained on nothing: no group survived filtering (guard.max_idle_steps = %g; "
+                    .. "reward/mean %.3f): every group's rewards were equal, so the policy has collapsed or the task "
+                    .. "is solved"):format(state.idle, cfg.guard.max_idle_steps, row["reward/mean"])
             end
         end
         stop = stop or diverged(row, cfg.guard)
         -- a remote source (ds4.rollout.pool) gets the new weights: a new policy version its workers fetch
         if ro.source and ro.source.publish and #samples > 0 and not stop then ro.source:publish(model) end
+        local t_eval = now()
+        if not stop and cfg.eval and cfg.eval.samples and ((cfg.eval.every and step % cfg.eval.every == 0)
+            or step == cfg.steps) then
+            state.eval_acc = evaluate()
+            row["eval/accuracy"] = state.eval_acc
+        end
+        t_eval = now() - t_eval
         local dt = now() - t0
         row.seconds = dt
         row.tokens_per_s = (st.gen_tokens + trained_tokens) / math.max(dt, 1e-9)
-        if not stop and cfg.eval and cfg.eval.samples and ((cfg.eval.every and step % cfg.eval.every == 0)
-            or step == cfg.steps) then
-            eval_acc = M.evaluate(model, cfg.eval, cfg.decode, cfg.eval.max_new_tokens or ro.max_new_tokens, ro.stop)
-            row["eval/accuracy"] = eval_acc
-        end
+        row["time/generate"], row["time/reward"], row["time/train"], row["time/eval"] = st.t_generate, st.t_reward,
+            t_train, t_eval
         history[#history + 1] = row
-        if metrics_f then metrics_f:write(row) end
-        if stop then
-            if metrics_f then metrics_f:close() end
-            error(("trainer.run: step %d: %s"):format(step, stop), 0)
+        if log then
+            log:write(row)
+            if #st.shown > 0 then log:table(step, "completions", { "prompt", "completion", "reward", "finish_reason" },
+                st.shown) end
+        end
+        if stop then finish(("trainer.run: step %d: %s"):format(step, stop)) end
+        state.step = step
+        if ck.every > 0 and (step % ck.every == 0 or step == cfg.steps) then
+            state.user = cfg.state and cfg.state.save() or nil
+            resume.save(ck.dir, model, opt, cfg.reference, state, ck.keep_last)
         end
         if cfg.progress then
-            local msg = ("step %d/%d reward %.3f kept %d/%d groups clip %.3f kl %.2e ent %.3f len %.1f%s %.1fs"):format(
-                step, cfg.steps, row["reward/mean"], #samples / ro.n, row["groups/generated"], row.clip_frac or 0,
-                row.kl or 0, row.entropy or 0, row["response_len/mean"],
-                row["eval/accuracy"] and (" acc %.3f"):format(row["eval/accuracy"]) or "", dt)
+            local msg = progress_line(cfg, step, row, #samples / ro.n, dt)
             if tty then
                 io.write("\r", msg, "   ")
                 if row["eval/accuracy"] or step == cfg.steps then io.write("\n") end
@@ -434,11 +591,20 @@ function M.run(cfg)
             elseif step == 1 or step % 10 == 0 or row["eval/accuracy"] or step == cfg.steps then
                 print(msg)
             end
+            if #st.shown > 0 then
+                if tty then io.write("\n") end
+                print_completions(step, st.shown)
+            end
+        end
+        if cfg.on_step and cfg.on_step(step, row) == false then
+            stopped_at = step
+            break
         end
     end
-    if metrics_f then metrics_f:close() end
-    return { history = history, eval_before = first_acc, eval_after = eval_acc, seconds = now() - t_start,
-        failed_groups = failed_total }
+    finish()
+    return { history = history, eval_before = state.first_acc, eval_after = state.eval_acc,
+        seconds = now() - t_start, failed_groups = state.failed_total, stopped_at = stopped_at,
+        resumed_from = resumed_from, updates = opt:steps() }
 end
 
 return M

@@ -10,10 +10,11 @@
                                        -- derived from the secret when absent
       max_batch = 0, credits = 2,      -- decode batch (0: all samples of a task); tasks asked for at a time
       silence_s = 10, hello_s = 5, heartbeat_s = 1, quiet = false, verbose = false,
+      give_up_s = 120,                 -- without a trainer (never joined, or its session lost) this long: exit 1
       interrupted = function() -> bool,-- default: the ds4 host's Ctrl-C / SIGTERM flag
       transport = ..., clock = ...,    -- tests: replace the socket and the clock (as the pool's)
       max_tasks = nil,                 -- tests: leave after this many tasks
-  } -> exit status (0: stopped by a signal or by max_tasks, after a bye)
+  } -> exit status (0: stopped by a signal or by max_tasks, after a bye; 1: refused, or no trainer for give_up_s)
 
   Loop: hello (caps: max_batch, threads, vocab, n_params, build with the tables CRC) -> the trainer's
   weight_announce -> weights fetched if the announced (version, CRC) is not what is loaded: weight_request with at
@@ -116,6 +117,7 @@ function M.new(cfg)
     self.silence_s = cfg.silence_s or 10
     self.hello_s = cfg.hello_s or 5
     self.heartbeat_s = cfg.heartbeat_s or 1
+    self.give_up_s = cfg.give_up_s or 120
     self.tables = self.model.tables_crc and self.model:tables_crc() or nil
     self.build = ("%s %s%s"):format("ds4", tostring(ds4.version), self.tables and (" tables=%08x"):format(self.tables)
         or "")
@@ -507,6 +509,19 @@ function W:step(timeout_ms)
     end
     self:pump()
     local now = self.now()
+    if self.session then
+        self.alone_since = nil
+    else
+        -- no trainer: not started yet, or gone (killed, finished). A worker does not wait forever for one.
+        self.alone_since = self.alone_since or now
+        if now - self.alone_since >= self.give_up_s then
+            self:log("error", ("no trainer at %s for %.0f s (it is gone, or was never started): giving up "
+                .. "(--give-up S waits longer)"):format(tostring(self.cfg.connect or "the transport"),
+                now - self.alone_since))
+            self.exit_status = 1
+            return 1
+        end
+    end
     if not self.session then
         local every = self.hello_ok and self.hello_s or 0.25
         if now - self.hello_at >= every then self:hello() end
@@ -545,8 +560,9 @@ end
 -- ------------------------------------------------------------------------------------------------ ds4 worker
 
 local USAGE = [[
-usage: ds4 worker --connect ENDPOINT [--model DIR|CONFIG.json] [--threads N] [--key FILE --server-key FILE |
-                  --insecure] [--id NAME] [--max-batch N] [--credits N] [--quiet] [--verbose]
+usage: ds4 worker --connect ENDPOINT [--model DIR|CONFIG.json] [--threads N] [--device D] [--dtype T]
+                  [--key FILE --server-key FILE | --insecure] [--id NAME] [--max-batch N] [--credits N]
+                  [--give-up S] [--quiet] [--verbose]
 
   --connect EP        the trainer pool's endpoint (tcp://HOST:PORT, ipc://PATH)
   --model DIR         this worker's model: a checkpoint directory, or a config.json (random weights); the
@@ -555,12 +571,16 @@ usage: ds4 worker --connect ENDPOINT [--model DIR|CONFIG.json] [--threads N] [--
                       start from the trainer's checkpoint (a worker whose tables differ is refused).
   --config-from-trainer  not available in protocol v1 (the trainer cannot send its config yet): use --model
   --threads N         CPU threads (0 = all cores)
+  --device D          where the model generates: cpu (default), cuda or cuda:N
+  --dtype T           the GPU's working dtype: bf16 (default) or fp32; the trainer's log-probabilities equal the
+                      worker's only when both compute on the same kind of device in the same dtype
   --key FILE          this worker's CURVE secret key (`ds4 keygen --out PREFIX` writes PREFIX.key, PREFIX.pub)
   --server-key FILE   the trainer's CURVE public key (its .pub file)
   --insecure          plain TCP without CURVE (unauthenticated, unencrypted); not needed for ipc://
   --id NAME           worker id (1..64 printable ASCII; default HOST-PID)
   --max-batch N       sequences per decode step (0 = all samples of a task)
   --credits N         tasks asked for at a time (default 2: one generating, one queued)
+  --give-up S         exit (status 1) after S seconds without a trainer: never reached, or gone (default 120)
 Ctrl-C or SIGTERM: finish nothing more, say bye, exit 0.]]
 
 local function hostname()
@@ -578,10 +598,10 @@ local function pid()
 end
 
 function M.main(argv)
-    local o = { threads = -1, ["max-batch"] = 0, credits = 2 }
+    local o = { threads = -1, ["max-batch"] = 0, credits = 2, ["give-up"] = 120 }
     local flags = { insecure = true, quiet = true, verbose = true, ["config-from-trainer"] = true }
     local valued = { connect = true, model = true, threads = true, key = true, ["server-key"] = true, id = true,
-        ["max-batch"] = true, credits = true }
+        ["max-batch"] = true, credits = true, ["give-up"] = true, device = true, dtype = true }
     local i = 1
     while i <= #argv do
         local a = argv[i]
@@ -633,7 +653,8 @@ function M.main(argv)
         return 2
     end
     local threads, max_batch, credits = num("threads", -1, 4096), num("max-batch", 0, 65536), num("credits", 1, 1024)
-    if not threads or not max_batch or not credits then return 2 end
+    local give_up = num("give-up", 1, 86400 * 365)
+    if not threads or not max_batch or not credits or not give_up then return 2 end
     local curve
     if o.key or o["server-key"] then
         if not (o.key and o["server-key"]) then
@@ -661,6 +682,13 @@ function M.main(argv)
         return 2
     end
     if threads >= 0 then ds4.set_threads(threads) end
+    if o.device or o.dtype then
+        local ok, err = pcall(ds4.set_device, o.device or "cuda", o.dtype)
+        if not ok then
+            io.stderr:write("ds4 worker: " .. tostring(err) .. "\n")
+            return 2
+        end
+    end
     local model
     local ok, err = pcall(function()
         if o.model:match("%.json$") then model = ds4.random_model(o.model, 0) else model = ds4.load(o.model) end
@@ -671,7 +699,7 @@ function M.main(argv)
     end
     local id = o.id or (hostname() .. "-" .. pid()):sub(1, 64)
     local w = M.new{ connect = o.connect, model = model, id = id, curve = curve, insecure = o.insecure,
-        max_batch = max_batch, credits = credits, quiet = o.quiet, verbose = o.verbose }
+        max_batch = max_batch, credits = credits, quiet = o.quiet, verbose = o.verbose, give_up_s = give_up }
     return w:run()
 end
 

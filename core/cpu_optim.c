@@ -1,0 +1,42 @@
+/* cpu_optim.c — the optimizer's operations of the CPU backend (core/ops.h): the definitions the CUDA versions are
+ * tested against, written with the host optimizer's own functions (optim.c), which the CPU path calls directly. */
+#include <math.h>
+
+#include "cpu.h"
+
+void ds4_cpu_optim_sumsq(ds4_dev *d, const ds4_a_optim_sumsq *a) {
+    (void)d;
+    for (int64_t c = 0; c < a->n; c++) a->partial[c] = ds4_optim_sumsq(a->g + a->pieces[c].off, a->pieces[c].n);
+}
+
+void ds4_cpu_adamw(ds4_dev *d, const ds4_a_adamw *a) {
+    (void)d;
+    for (int64_t c = 0; c < a->n; c++) {
+        const ds4_optim_piece *q = &a->pieces[c];
+        const ds4_adamw_coefs *cf = &a->coefs[q->range];
+        if (!a->update) {
+            a->bad[c] = ds4_adamw_count_nonfinite(cf, a->coef, a->p + q->off, a->g + q->off, a->m + q->off,
+                                                  a->v + q->off, q->n);
+            continue;
+        }
+        float *g = a->g + q->off;
+        if (a->coef != 1.0f)
+            for (int64_t i = 0; i < q->n; i++) g[i] *= a->coef;
+        ds4_adamw_update(cf, a->p + q->off, g, a->m + q->off, a->v + q->off, q->n);
+    }
+}
+
+void ds4_cpu_cast_params(ds4_dev *d, const ds4_a_cast_params *a) {
+    (void)d;
+    for (int64_t k = 0; k < a->n; k++) {
+        const ds4_cast_entry *e = &a->e[k];
+        const float *src = a->src + e->src;
+        if (e->lowp && a->mdt == DS4_BF16) {
+            uint16_t *dst = (uint16_t *)(void *)((char *)a->dst + e->dst);
+            for (int64_t i = 0; i < e->n; i++) dst[i] = ds4_f32_to_bf16(src[i]);
+        } else {
+            float *dst = (float *)(void *)((char *)a->dst + e->dst);
+            for (int64_t i = 0; i < e->n; i++) dst[i] = src[i];
+        }
+    }
+}

@@ -1,0 +1,663 @@
+// cuda_bwd_attn.cu — the attention sub-layer's backward on the GPU, from a full forward's tape: attention with sink
+// in three phases (per query, per window key, per compressed entry), the inverse of the CSA picks, RoPE of the
+// entries, the compressor's pooling, and the indexer-KL loss (the `ikl` op, also used by the training forward) with
+// its backward. core/cpu_attn_bwd.c and core/cpu_attn.c are the definitions; each kernel mirrors their arithmetic
+// (fp32 products, double where they use double).
+//
+// Determinism: no floating-point atomics. A gradient that several queries feed is gathered by its owner, which walks
+// its contributors in the CPU's order: a window key over the queries j .. j+win-1, an HCA entry over the queries
+// that see it, a CSA entry (main or indexer) over the inverse pick lists, which pick_inverse builds exactly as the
+// CPU (queries in order; integer counts only). The compressor's position-bias gradient is summed per element over
+// (sequence, window) in order from the dZ the pooling backward wrote. Block reductions use fixed trees
+// (ds4d_block_sum), so every launch gives the same bits.
+#include <cstdio>
+
+#include "cuda_dev.cuh"
+#include "shape_limits.h"
+extern "C" {
+#include "sched.h" // ds4_layer_tape: a host struct of device pointers, read here and passed to kernels by value
+}
+
+namespace {
+
+constexpr int BWD_THREADS = 128;
+
+// Threads for a kernel whose block walks `width` channels: a multiple of 32, at most 256.
+static int channel_threads(int64_t width) {
+    const int64_t t = (width + 31) / 32 * 32;
+    return (int)(t < 32 ? 32 : (t > 256 ? 256 : t));
+}
+
+// Raise a kernel's dynamic shared memory limit when it needs more than the default 48 KiB (per device, so asked at
+// every launch that needs it: the call is cheap and not a stream operation).
+template <typename K> static bool smem_fits(ds4_dev *d, K kernel, size_t smem, const char *op, const char *what) {
+    if (smem > cdev(d)->smem_optin) {
+        ds4_dev_fail(d, DS4_ERR_UNSUPPORTED, "%s: %s need %zu bytes of shared memory, more than the %zu a block may have",
+                     op, what, smem, cdev(d)->smem_optin);
+        return false;
+    }
+    if (smem > 48 * 1024) {
+        const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+        if (e != cudaSuccess) {
+            (void)cudaGetLastError();
+            ds4_dev_fail(d, DS4_ERR_CUDA, "%s: %s: shared memory limit %zu: %s", op, what, smem, cudaGetErrorString(e));
+            return false;
+        }
+    }
+    return true;
+}
+
+__device__ __forceinline__ int64_t clamp_picks(int32_t n, int64_t stride) {
+    return n < 0 ? 0 : (n > stride ? stride : (int64_t)n);
+}
+
+// ------------------------------------------------------------------------------------------ attention
+
+struct abwd_args {
+    const float *q, *kv, *cK, *sink, *dout; // q, dout [T, H, d]; kv [T, d]; cK [B·S, d]; sink [H]
+    const int32_t *sel, *nsel;              // [T, sel_stride], [T]
+    float *P, *DS;                          // [T, H, maxk]
+    float *dsink_t, *dq, *dkv, *dK;         // [T, H], [T, H, d], [T, d], [B·S, d]
+    const int64_t *inv_off;                 // [B·S + 1]
+    const int32_t *inv_t, *inv_i;           // [T·sel_stride]
+    int64_t S, H, d, win, m, nwin, sel_stride, maxk, kmax;
+    int type;
+};
+
+static abwd_args abwd_of(const ds4_a_attn_bwd *a) {
+    const ds4_config *c = a->c;
+    const ds4_layer_tape *lt = a->lt;
+    abwd_args g;
+    g.q = lt->q, g.kv = lt->kv, g.cK = lt->cK, g.sink = a->l->sink, g.dout = a->dout;
+    g.sel = lt->sel, g.nsel = lt->nsel;
+    g.P = a->P, g.DS = a->DS, g.dsink_t = a->dsink_t, g.dq = a->dq, g.dkv = a->dkv, g.dK = a->dK;
+    g.inv_off = a->inv_off, g.inv_t = a->inv_t, g.inv_i = a->inv_i;
+    g.S = a->S, g.H = c->num_attention_heads, g.d = c->head_dim, g.win = c->sliding_window;
+    g.m = a->l->type == DS4_ATTN_HCA ? c->compress_rate_hca : c->compress_rate_csa;
+    g.nwin = lt->nwin, g.sel_stride = a->sel_stride, g.maxk = a->maxk;
+    // the longest key list: the window (at most S keys) and every causal entry (HCA) or every pick (CSA)
+    const int64_t w = g.win < g.S ? g.win : g.S;
+    g.kmax = w + (a->l->type == DS4_ATTN_HCA ? g.nwin : (a->l->type == DS4_ATTN_CSA ? g.sel_stride : 0));
+    g.type = (int)a->l->type;
+    return g;
+}
+
+// Query t's key count and the address of its key k, in the forward's order: window keys j0..s (oldest first), then
+// the compressed entries (HCA: every causal one; CSA: the picks in pick order).
+struct bwd_keys {
+    int64_t j0, nwk, nk;
+};
+
+__device__ __forceinline__ bwd_keys bwd_keys_of(const abwd_args &a, int64_t t) {
+    const int64_t s = t % a.S;
+    bwd_keys L;
+    L.j0 = s - a.win + 1 > 0 ? s - a.win + 1 : 0;
+    L.nwk = s - L.j0 + 1;
+    int64_t ne = 0;
+    if (a.type == DS4_ATTN_HCA) {
+        ne = (s + 1) / a.m;
+        if (ne > a.nwin) ne = a.nwin;
+    } else if (a.type == DS4_ATTN_CSA) {
+        ne = clamp_picks(a.nsel[t], a.sel_stride);
+    }
+    L.nk = L.nwk + ne;
+    return L;
+}
+
+__device__ __forceinline__ const float *bwd_key_at(const abwd_args &a, const bwd_keys &L, int64_t t, int64_t k) {
+    const int64_t row = t / a.S;
+    if (k < L.nwk) return a.kv + (row * a.S + L.j0 + k) * a.d;
+    const int64_t e = k - L.nwk;
+    const int64_t w = a.type == DS4_ATTN_CSA ? (int64_t)a.sel[t * a.sel_stride + e] : e;
+    return a.cK + (row * a.S + w) * a.d;
+}
+
+// Phase A, one block per (query, head). Logits and dout·key: warp w takes keys w, w+4, .. (lane-strided channels,
+// a fixed butterfly; the same arithmetic as the forward kernel, so P is the forward's). Max, the denominator and
+// Σ P·dp (double) over the block in a fixed tree. dq: thread c owns channel c and adds the keys in order.
+__global__ void __launch_bounds__(BWD_THREADS) attn_bwd_q_kernel(abwd_args a) {
+    extern __shared__ char smem[];
+    const float **kp = (const float **)smem;  // [kmax] key pointers, resolved once
+    float *lg = (float *)(kp + a.kmax);       // [kmax] logits, then probabilities
+    float *dp = lg + a.kmax;                  // [kmax] dout·key, then logit gradients
+    __shared__ double shd[BWD_THREADS / 32];
+    __shared__ float shf[BWD_THREADS / 32];
+    const int64_t t = blockIdx.x / a.H, h = blockIdx.x % a.H, d = a.d;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const bwd_keys L = bwd_keys_of(a, t);
+    const int64_t nk = L.nk;
+    for (int64_t k = threadIdx.x; k < nk; k += BWD_THREADS) kp[k] = bwd_key_at(a, L, t, k);
+    __syncthreads();
+    const float *q = a.q + (t * a.H + h) * d, *g = a.dout + (t * a.H + h) * d;
+    const float scale = 1.0f / sqrtf((float)d), sink = a.sink[h];
+    float mx = sink;
+    for (int64_t k = warp; k < nk; k += BWD_THREADS / 32) {
+        const float *key = kp[k];
+        float dot = 0, dg = 0;
+        for (int64_t c = lane; c < d; c += 32) {
+            dot = fmaf(q[c], key[c], dot);
+            dg = fmaf(g[c], key[c], dg);
+        }
+        dot = ds4d_warp_sumf(dot) * scale;
+        dg = ds4d_warp_sumf(dg);
+        if (lane == 0) lg[k] = dot, dp[k] = dg;
+        mx = fmaxf(mx, dot);
+    }
+    if (lane == 0) shf[warp] = mx;
+    __syncthreads();
+    mx = shf[0];
+    for (int w = 1; w < BWD_THREADS / 32; w++) mx = fmaxf(mx, shf[w]);
+    // each thread revisits the keys it owns below (k ≡ threadIdx.x), so lg / dp need no barrier until dq
+    double den = 0;
+    for (int64_t k = threadIdx.x; k < nk; k += BWD_THREADS) den += (double)(lg[k] = (float)exp((double)(lg[k] - mx)));
+    const double psink = exp((double)(sink - mx));
+    den = ds4d_block_sum(den, shd) + psink;
+    float *P = a.P + (t * a.H + h) * a.maxk, *DS = a.DS + (t * a.H + h) * a.maxk;
+    double pdp = 0;
+    for (int64_t k = threadIdx.x; k < nk; k += BWD_THREADS) {
+        const float p = (float)(lg[k] / den);
+        lg[k] = p;
+        P[k] = p;
+        pdp += (double)p * dp[k];
+    }
+    pdp = ds4d_block_sum(pdp, shd);
+    if (threadIdx.x == 0) a.dsink_t[t * a.H + h] = (float)(-(psink / den) * pdp);
+    for (int64_t k = threadIdx.x; k < nk; k += BWD_THREADS) {
+        const float ds = (float)(lg[k] * ((double)dp[k] - pdp)) * scale;
+        dp[k] = ds;
+        DS[k] = ds;
+    }
+    __syncthreads();
+    float *dq = a.dq + (t * a.H + h) * d;
+    for (int64_t c = threadIdx.x; c < d; c += BWD_THREADS) {
+        float acc = 0;
+        for (int64_t k = 0; k < nk; k++) acc = fmaf(dp[k], kp[k][c], acc);
+        dq[c] = acc;
+    }
+}
+
+// acc += Σ_h (DS·q_h + P·dout_h)[c] of query t at its key-list position kidx, heads in order (the CPU's key_grad_from)
+__device__ __forceinline__ float key_grad(const abwd_args &a, int64_t t, int64_t kidx, int64_t c, float acc) {
+    const float *DS = a.DS + t * a.H * a.maxk + kidx, *P = a.P + t * a.H * a.maxk + kidx;
+    const float *q = a.q + t * a.H * a.d + c, *g = a.dout + t * a.H * a.d + c;
+    for (int64_t h = 0; h < a.H; h++) {
+        acc = fmaf(DS[h * a.maxk], q[h * a.d], acc);
+        acc = fmaf(P[h * a.maxk], g[h * a.d], acc);
+    }
+    return acc;
+}
+
+// Phase B1, one block per window key (token j of its sequence): the queries j .. j+win-1 in order.
+__global__ void attn_bwd_kv_kernel(abwd_args a) {
+    const int64_t tk = blockIdx.x, row = tk / a.S, j = tk % a.S;
+    const int64_t s1 = j + a.win < a.S ? j + a.win : a.S;
+    for (int64_t c = threadIdx.x; c < a.d; c += blockDim.x) {
+        float acc = 0;
+        for (int64_t s = j; s < s1; s++) {
+            const int64_t j0 = s - a.win + 1 > 0 ? s - a.win + 1 : 0;
+            acc = key_grad(a, row * a.S + s, j - j0, c, acc);
+        }
+        a.dkv[tk * a.d + c] = acc;
+    }
+}
+
+// Phase B2, one block per complete entry (sequence, w): HCA the queries s >= (w+1)·m - 1 in order; CSA the queries
+// that picked it, from the inverse lists (query order).
+__global__ void attn_bwd_entry_kernel(abwd_args a) {
+    const int64_t row = blockIdx.x / a.nwin, w = blockIdx.x % a.nwin, x = row * a.S + w;
+    for (int64_t c = threadIdx.x; c < a.d; c += blockDim.x) {
+        float acc = 0;
+        if (a.type == DS4_ATTN_HCA) {
+            for (int64_t s = (w + 1) * a.m - 1; s < a.S; s++) {
+                const int64_t j0 = s - a.win + 1 > 0 ? s - a.win + 1 : 0;
+                acc = key_grad(a, row * a.S + s, (s - j0 + 1) + w, c, acc);
+            }
+        } else {
+            for (int64_t i = a.inv_off[x]; i < a.inv_off[x + 1]; i++) {
+                const int64_t t = a.inv_t[i], s = t % a.S;
+                const int64_t j0 = s - a.win + 1 > 0 ? s - a.win + 1 : 0;
+                acc = key_grad(a, t, (s - j0 + 1) + a.inv_i[i], c, acc);
+            }
+        }
+        a.dK[x * a.d + c] = acc;
+    }
+}
+
+// ------------------------------------------------------------------------------------------ inverse picks
+
+// The picks of a sequence, cut into chunks of qc queries; hist [B, nch, S] counts, per chunk, the picks of each entry
+// and then holds where the chunk's part of each entry's list starts. Counting uses integer atomics (exact in any
+// order); the fill walks a chunk's queries in order with a barrier between them, so each list is in query order.
+struct pinv_args {
+    const int32_t *sel, *nsel;
+    int32_t *hist;
+    int64_t *inv_off;
+    int32_t *inv_t, *inv_i;
+    int64_t sel_stride, T, S, nch, qc;
+};
+
+__device__ __forceinline__ bool valid_pick(int32_t w, int64_t S) { return w >= 0 && w < S; }
+
+// Pass 0, one block per (sequence, chunk): counts. Pass 1 (fill), the same blocks: the slots, query by query.
+__global__ void pick_inverse_chunk_kernel(pinv_args a, int pass) {
+    const int64_t row = blockIdx.x / a.nch, ch = blockIdx.x % a.nch;
+    int32_t *hc = a.hist + (int64_t)blockIdx.x * a.S;
+    const int64_t s0 = ch * a.qc, s1 = s0 + a.qc < a.S ? s0 + a.qc : a.S;
+    for (int64_t s = s0; s < s1; s++) {
+        const int64_t t = row * a.S + s;
+        if (t >= a.T) break;
+        const int64_t n = clamp_picks(a.nsel[t], a.sel_stride);
+        for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+            const int32_t w = a.sel[t * a.sel_stride + i];
+            if (!valid_pick(w, a.S)) continue;
+            if (pass == 0) {
+                atomicAdd(&hc[w], 1);
+            } else { // a query's picks are distinct: the atomic only guards against invalid (repeated) picks
+                const int64_t slot = a.inv_off[row * a.S + w] + atomicAdd(&hc[w], 1);
+                a.inv_t[slot] = (int32_t)t;
+                a.inv_i[slot] = (int32_t)i;
+            }
+        }
+        if (pass == 1) __syncthreads(); // query s's slots are taken before query s+1's
+    }
+}
+
+// Per entry x = (sequence, w): the chunks' counts become their exclusive prefix (in chunk order), the total goes to
+// inv_off[x + 1].
+__global__ void pick_inverse_cols_kernel(pinv_args a, int64_t n) {
+    const int64_t x = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (x == 0) a.inv_off[0] = 0;
+    if (x >= n) return;
+    const int64_t row = x / a.S, w = x % a.S;
+    int32_t run = 0;
+    for (int64_t ch = 0; ch < a.nch; ch++) {
+        int32_t *h = a.hist + (row * a.nch + ch) * a.S + w;
+        const int32_t v = *h;
+        *h = run;
+        run += v;
+    }
+    a.inv_off[x + 1] = run;
+}
+
+// One block: inclusive scan of inv_off[1 .. n] in place (each thread a contiguous segment; integers, so exact).
+constexpr int SCAN_THREADS = 1024;
+__global__ void __launch_bounds__(SCAN_THREADS) pick_inverse_scan_kernel(int64_t *v, int64_t n) {
+    __shared__ int64_t part[SCAN_THREADS];
+    const int64_t per = (n + SCAN_THREADS - 1) / SCAN_THREADS, b = threadIdx.x * per;
+    const int64_t e = b + per < n ? b + per : n;
+    int64_t sum = 0;
+    for (int64_t i = b; i < e; i++) sum += v[1 + i];
+    part[threadIdx.x] = sum;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int64_t run = 0;
+        for (int i = 0; i < SCAN_THREADS; i++) {
+            const int64_t x = part[i];
+            part[i] = run;
+            run += x;
+        }
+    }
+    __syncthreads();
+    int64_t run = part[threadIdx.x];
+    for (int64_t i = b; i < e; i++) v[1 + i] = (run += v[1 + i]);
+}
+
+// ------------------------------------------------------------------------------------------ entries
+
+__global__ void entry_rope_kernel(float *x, int64_t S, int64_t nwin, int64_t dd, int64_t m, const float *cs, int64_t half,
+                                  int sign, int64_t n) {
+    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    const int64_t e = i / half, j = i % half, row = e / nwin, w = e % nwin;
+    ds4d_rope_pair(x + (row * S + w) * dd + dd - 2 * half, cs + w * m * 2 * half, j, sign);
+}
+
+// ------------------------------------------------------------------------------------------ compressor pooling
+
+struct cbwd_args {
+    const float *C, *Z, *ape, *dpool; // C, Z [T, width]; ape [m, width]; dpool [B·S, dd]
+    float *dC, *dZ, *gape;
+    int64_t m, dd, width, S, nwin;
+    int overlap;
+};
+
+// Gate of slot k of window `win`, channel ch, and the slot's token, column and position j (previous-window rows
+// first, their first halves; then this window's rows, their second halves with overlap), as the CPU lists them.
+__device__ __forceinline__ float comp_gate(const cbwd_args &a, int64_t row, int64_t win, int64_t ch, int64_t nprev,
+                                           int64_t k, int64_t *tok, int64_t *col) {
+    int64_t j;
+    if (k < nprev) {
+        j = k, *tok = row * a.S + (win - 1) * a.m + k, *col = ch;
+    } else {
+        j = k - nprev, *tok = row * a.S + win * a.m + j, *col = (a.overlap ? a.dd : 0) + ch;
+    }
+    return a.Z[*tok * a.width + *col] + a.ape[j * a.width + *col];
+}
+
+// One thread per (sequence, window, channel), channels fastest (coalesced columns): the slot softmax recomputed as
+// the forward (fp32 gates, double denominator), then dC = α·dp and dZ = α·(dp·kv − Σ α·dp·kv) (double) per slot.
+// Every (token, column) pooled belongs to exactly one (window, channel), so the writes never overlap.
+__global__ void comp_bwd_kernel(cbwd_args a, int64_t n) {
+    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    const int64_t ch = i % a.dd, e = i / a.dd, row = e / a.nwin, win = e % a.nwin;
+    const int64_t nprev = a.overlap && win > 0 ? a.m : 0, ns = nprev + a.m;
+    int64_t tok, col;
+    float mx = -INFINITY;
+    for (int64_t k = 0; k < ns; k++) mx = fmaxf(mx, comp_gate(a, row, win, ch, nprev, k, &tok, &col));
+    double den = 0;
+    for (int64_t k = 0; k < ns; k++)
+        den += (double)(float)exp((double)(comp_gate(a, row, win, ch, nprev, k, &tok, &col) - mx));
+    const float dp = a.dpool[(row * a.S + win) * a.dd + ch];
+    double adot = 0;
+    for (int64_t k = 0; k < ns; k++) {
+        const float ek = (float)exp((double)(comp_gate(a, row, win, ch, nprev, k, &tok, &col) - mx));
+        const float al = (float)(ek / den);
+        adot += (double)al * dp * a.C[tok * a.width + col];
+    }
+    for (int64_t k = 0; k < ns; k++) {
+        const float ek = (float)exp((double)(comp_gate(a, row, win, ch, nprev, k, &tok, &col) - mx));
+        const float al = (float)(ek / den), kv = a.C[tok * a.width + col];
+        a.dC[tok * a.width + col] = al * dp;
+        a.dZ[tok * a.width + col] = (float)(al * ((double)dp * kv - adot));
+    }
+}
+
+// One thread per position-bias element (j, col): gape += the dZ of the slot (j, col) of every window, sequences and
+// windows in order (the CPU's order of its += for that element). Columns below dd with overlap are previous-window
+// slots: windows 1.. read the rows of window win-1.
+__global__ void comp_bwd_ape_kernel(cbwd_args a, int64_t B) {
+    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= a.m * a.width) return;
+    const int64_t j = i / a.width, col = i % a.width;
+    const bool prev = a.overlap && col < a.dd;
+    float acc = a.gape[i];
+    for (int64_t row = 0; row < B; row++)
+        for (int64_t win = prev ? 1 : 0; win < a.nwin; win++) {
+            const int64_t tok = row * a.S + (prev ? win - 1 : win) * a.m + j;
+            acc += a.dZ[tok * a.width + col];
+        }
+    a.gape[i] = acc;
+}
+
+// ------------------------------------------------------------------------------------------ indexer KL
+
+struct ikl_args {
+    const float *iq, *iw, *iK, *itgt;  // iq [T, nI, cI]; iw [T, nI]; iK [B·S, cI]; itgt [T, stride]
+    const int32_t *sel, *nsel;         // [T, stride], [T]
+    const float *dI;                   // [T, stride]
+    float *dIo, *diq, *diw, *dsi, *dK; // [T, stride], [T, nI, cI], [T, nI], [T, nI, stride], [B·S, cI]
+    double *kl;
+    int32_t *has;
+    const int64_t *inv_off;
+    const int32_t *inv_t, *inv_i;
+    int64_t S, nI, cI, stride, nwin;
+    double scale;
+};
+
+static ikl_args ikl_of(const ds4_config *c, const ds4_layer_tape *lt, int64_t S, int64_t stride) {
+    ikl_args g{};
+    g.iq = lt->iq, g.iw = lt->iw, g.iK = lt->iK, g.itgt = lt->itgt, g.sel = lt->sel, g.nsel = lt->nsel;
+    g.S = S, g.nI = c->index_n_heads, g.cI = c->index_head_dim, g.stride = stride, g.nwin = lt->nwin;
+    return g;
+}
+
+// Indexer score of query t on the pick whose key is `key`, for a warp: Σ_h relu(q_h·key)·c^-1/2·ω_h in head order
+// (lane-strided dot products, fixed butterfly). Every lane gets the result.
+__device__ __forceinline__ float ikl_score(const ikl_args &a, int64_t t, const float *key, float qscale) {
+    const int lane = threadIdx.x & 31;
+    float acc = 0;
+    for (int64_t h = 0; h < a.nI; h++) {
+        const float *q = a.iq + (t * a.nI + h) * a.cI;
+        float dot = 0;
+        for (int64_t c = lane; c < a.cI; c += 32) dot = fmaf(q[c], key[c], dot);
+        dot = ds4d_warp_sumf(dot);
+        acc += (dot > 0 ? dot * qscale : 0.0f) * a.iw[t * a.nI + h];
+    }
+    return acc;
+}
+
+// One block per query: KL(p || q) over its picks; dI = scale·(q − p) when asked. Mass, max, denominator and the KL in
+// double over fixed trees.
+__global__ void __launch_bounds__(BWD_THREADS) ikl_kernel(ikl_args a) {
+    extern __shared__ float sc[]; // [stride] the picks' scores (fp32, as the CPU computes them)
+    __shared__ double shd[BWD_THREADS / 32];
+    __shared__ float shf[BWD_THREADS / 32];
+    const int64_t t = blockIdx.x, row = t / a.S, k = clamp_picks(a.nsel[t], a.stride);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const float *tg = a.itgt + t * a.stride;
+    if (a.dIo)
+        for (int64_t i = threadIdx.x; i < a.stride; i += BWD_THREADS) a.dIo[t * a.stride + i] = 0;
+    double mass = 0;
+    for (int64_t i = threadIdx.x; i < k; i += BWD_THREADS) mass += tg[i];
+    mass = ds4d_block_sum(mass, shd);
+    const int has = k > 0 && mass > 0;
+    if (threadIdx.x == 0) {
+        a.has[t] = has;
+        a.kl[t] = 0;
+    }
+    if (!has) return;
+    const float qscale = 1.0f / sqrtf((float)a.cI);
+    for (int64_t i = warp; i < k; i += BWD_THREADS / 32) {
+        const float s = ikl_score(a, t, a.iK + (row * a.S + a.sel[t * a.stride + i]) * a.cI, qscale);
+        if (lane == 0) sc[i] = s;
+    }
+    __syncthreads();
+    float mxf = -INFINITY;
+    for (int64_t i = threadIdx.x; i < k; i += BWD_THREADS) mxf = fmaxf(mxf, sc[i]);
+    const double mx = ds4d_block_maxf(mxf, shf);
+    double den = 0;
+    for (int64_t i = threadIdx.x; i < k; i += BWD_THREADS) den += exp((double)sc[i] - mx);
+    den = ds4d_block_sum(den, shd);
+    const double lden = log(den);
+    double kl = 0;
+    // the same i ↦ thread map as the zeroing above: dI[i] is written by one thread, in program order
+    for (int64_t i = threadIdx.x; i < k; i += BWD_THREADS) {
+        const double p = tg[i] / mass, lq = (double)sc[i] - mx - lden;
+        if (p > 0) kl += p * (log(p) - lq);
+        if (a.dIo) a.dIo[t * a.stride + i] = (float)(a.scale * (exp(lq) - p));
+    }
+    kl = ds4d_block_sum(kl, shd);
+    if (threadIdx.x == 0) a.kl[t] = kl;
+}
+
+// One block per (query, indexer head): the picks' dot products (warp per pick), dsi = dI·ω·c^-1/2 where the dot is
+// positive; dω summed by one thread in pick order (fp32, as the CPU); dq: thread c owns channel c, picks in order.
+__global__ void __launch_bounds__(BWD_THREADS) ikl_bwd_q_kernel(ikl_args a) {
+    extern __shared__ float ikl_sh[];
+    float *dots = ikl_sh, *dsv = ikl_sh + a.stride; // [stride] each
+    const int64_t t = blockIdx.x / a.nI, h = blockIdx.x % a.nI, row = t / a.S, k = clamp_picks(a.nsel[t], a.stride);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const float qscale = 1.0f / sqrtf((float)a.cI), om = a.iw[t * a.nI + h];
+    const float *q = a.iq + (t * a.nI + h) * a.cI;
+    const int32_t *sel = a.sel + t * a.stride;
+    for (int64_t i = warp; i < k; i += BWD_THREADS / 32) {
+        const float *key = a.iK + (row * a.S + sel[i]) * a.cI;
+        float dot = 0;
+        for (int64_t c = lane; c < a.cI; c += 32) dot = fmaf(q[c], key[c], dot);
+        dot = ds4d_warp_sumf(dot);
+        if (lane == 0) {
+            const float ds = dot > 0 ? a.dI[t * a.stride + i] * om * qscale : 0.0f;
+            dots[i] = dot;
+            dsv[i] = ds;
+            a.dsi[(t * a.nI + h) * a.stride + i] = ds;
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float dw = 0;
+        for (int64_t i = 0; i < k; i++) dw += a.dI[t * a.stride + i] * (dots[i] > 0 ? dots[i] * qscale : 0.0f);
+        a.diw[t * a.nI + h] = dw;
+    }
+    float *dq = a.diq + (t * a.nI + h) * a.cI;
+    for (int64_t c = threadIdx.x; c < a.cI; c += BWD_THREADS) {
+        float acc = 0;
+        for (int64_t i = 0; i < k; i++)
+            if (dsv[i] != 0) acc = fmaf(dsv[i], a.iK[(row * a.S + sel[i]) * a.cI + c], acc);
+        dq[c] = acc;
+    }
+}
+
+// One block per complete indexer entry (sequence, w): Σ over the queries that picked it (inverse lists, query order)
+// of Σ_h dsi·q_h.
+__global__ void ikl_bwd_k_kernel(ikl_args a) {
+    const int64_t row = blockIdx.x / a.nwin, w = blockIdx.x % a.nwin, x = row * a.S + w;
+    for (int64_t c = threadIdx.x; c < a.cI; c += blockDim.x) {
+        float acc = 0;
+        for (int64_t i = a.inv_off[x]; i < a.inv_off[x + 1]; i++) {
+            const int64_t t = a.inv_t[i], p = a.inv_i[i];
+            for (int64_t h = 0; h < a.nI; h++)
+                acc = fmaf(a.dsi[(t * a.nI + h) * a.stride + p], a.iq[(t * a.nI + h) * a.cI + c], acc);
+        }
+        a.dK[x * a.cI + c] = acc;
+    }
+}
+
+} // namespace
+
+// ------------------------------------------------------------------------------------------ operations
+
+static bool grid_fits(ds4_dev *d, int64_t blocks, const char *op, const char *what) {
+    if (blocks <= 0x7fffffff) return true;
+    ds4_dev_fail(d, DS4_ERR_UNSUPPORTED, "%s: %lld blocks (%s) exceed the grid", op, (long long)blocks, what);
+    return false;
+}
+
+void ds4_cuda_attn_bwd_q(ds4_dev *d, const ds4_a_attn_bwd *a) {
+    const int64_t T = a->B * a->S;
+    if (T <= 0) return;
+    const abwd_args g = abwd_of(a);
+    if (g.kmax > a->maxk) {
+        ds4_dev_fail(d, DS4_ERR_INTERNAL, "attn_bwd_q: %lld keys per query, the P / DS rows hold %lld",
+                     (long long)g.kmax, (long long)a->maxk);
+        return;
+    }
+    const size_t smem = (size_t)g.kmax * (sizeof(float *) + 2 * sizeof(float));
+    char what[96];
+    snprintf(what, sizeof what, "%lld keys per query", (long long)g.kmax);
+    if (!smem_fits(d, attn_bwd_q_kernel, smem, "attn_bwd_q", what) ||
+        !grid_fits(d, T * g.H, "attn_bwd_q", "queries x heads"))
+        return;
+    attn_bwd_q_kernel<<<(unsigned)(T * g.H), BWD_THREADS, smem, cdev(d)->stream>>>(g);
+    ds4_cuda_launched(d, "attn_bwd_q", "[%lld queries, %lld heads x %lld, <= %lld keys, %s]", (long long)T,
+                      (long long)g.H, (long long)g.d, (long long)g.kmax, ds4_attn_type_name(a->l->type));
+}
+
+void ds4_cuda_attn_bwd_kv(ds4_dev *d, const ds4_a_attn_bwd *a) {
+    const int64_t T = a->B * a->S;
+    if (T <= 0) return;
+    const abwd_args g = abwd_of(a);
+    if (!grid_fits(d, T, "attn_bwd_kv", "window keys")) return;
+    attn_bwd_kv_kernel<<<(unsigned)T, channel_threads(g.d), 0, cdev(d)->stream>>>(g);
+    ds4_cuda_launched(d, "attn_bwd_kv", "[%lld keys of %lld, window %lld, %lld heads]", (long long)T, (long long)g.d,
+                      (long long)g.win, (long long)g.H);
+}
+
+void ds4_cuda_attn_bwd_entry(ds4_dev *d, const ds4_a_attn_bwd *a) {
+    const abwd_args g = abwd_of(a);
+    const int64_t n = a->B * g.nwin;
+    if (n <= 0 || g.type == DS4_ATTN_SLIDING) return;
+    if (!grid_fits(d, n, "attn_bwd_entry", "entries")) return;
+    attn_bwd_entry_kernel<<<(unsigned)n, channel_threads(g.d), 0, cdev(d)->stream>>>(g);
+    ds4_cuda_launched(d, "attn_bwd_entry", "[%lld sequences x %lld entries of %lld, %s]", (long long)a->B,
+                      (long long)g.nwin, (long long)g.d, ds4_attn_type_name(a->l->type));
+}
+
+void ds4_cuda_pick_inverse(ds4_dev *d, const ds4_a_pick_inverse *a) {
+    const int64_t S = a->S, n = a->B * S;
+    if (n <= 0) return;
+    // chunks of 64 queries, fewer (longer) ones when the per-chunk tables would pass 2^24 counters: the chunking
+    // changes no result (integers), only the scratch and the parallelism
+    int64_t nch = (S + 63) / 64;
+    const int64_t cap = ((int64_t)1 << 24) / n;
+    if (nch > cap) nch = cap > 1 ? cap : 1;
+    const int64_t qc = (S + nch - 1) / nch;
+    nch = (S + qc - 1) / qc;
+    if (!grid_fits(d, a->B * nch, "pick_inverse", "sequences x chunks")) return;
+    const size_t hbytes = (size_t)(a->B * nch * S) * sizeof(int32_t);
+    int32_t *hist = (int32_t *)ds4_cuda_scratch(d, hbytes, "pick_inverse", 1);
+    if (!hist) return;
+    const cudaError_t e = cudaMemsetAsync(hist, 0, hbytes, cdev(d)->stream);
+    if (e != cudaSuccess) {
+        (void)cudaGetLastError();
+        ds4_dev_fail(d, DS4_ERR_CUDA, "pick_inverse: clearing %zu bytes: %s", hbytes, cudaGetErrorString(e));
+        return;
+    }
+    const pinv_args g = {a->sel, a->nsel, hist, a->inv_off, a->inv_t, a->inv_i, a->sel_stride, a->T, S, nch, qc};
+    const unsigned chunks = (unsigned)(a->B * nch);
+    pick_inverse_chunk_kernel<<<chunks, 256, 0, cdev(d)->stream>>>(g, 0);
+    if (!ds4_cuda_launched(d, "pick_inverse", "[%lld queries, %lld picks each, count]", (long long)a->T,
+                           (long long)a->sel_stride))
+        return;
+    pick_inverse_cols_kernel<<<ds4_blocks(n, 256), 256, 0, cdev(d)->stream>>>(g, n);
+    if (!ds4_cuda_launched(d, "pick_inverse", "[%lld entries, %lld chunks, offsets]", (long long)n, (long long)nch))
+        return;
+    pick_inverse_scan_kernel<<<1, SCAN_THREADS, 0, cdev(d)->stream>>>(a->inv_off, n);
+    if (!ds4_cuda_launched(d, "pick_inverse", "[%lld entries, scan]", (long long)n)) return;
+    pick_inverse_chunk_kernel<<<chunks, 256, 0, cdev(d)->stream>>>(g, 1);
+    ds4_cuda_launched(d, "pick_inverse", "[%lld queries, %lld picks each, fill]", (long long)a->T,
+                      (long long)a->sel_stride);
+}
+
+void ds4_cuda_entry_rope(ds4_dev *d, const ds4_a_entry_rope *a) {
+    const int64_t n = a->B * a->nwin * a->rt.half;
+    if (n <= 0) return;
+    entry_rope_kernel<<<ds4_blocks(n, 256), 256, 0, cdev(d)->stream>>>(a->x, a->S, a->nwin, a->dd, a->m, a->rt.cs,
+                                                                       a->rt.half, a->sign, n);
+    ds4_cuda_launched(d, "entry_rope", "[%lld sequences x %lld entries of %lld, %lld pairs]", (long long)a->B,
+                      (long long)a->nwin, (long long)a->dd, (long long)a->rt.half);
+}
+
+void ds4_cuda_comp_bwd(ds4_dev *d, const ds4_a_comp_bwd *a) {
+    const ds4_compressor_w *w = a->w;
+    const int64_t n = a->B * a->nwin * w->dd;
+    if (n <= 0) return;
+    const cbwd_args g = {a->C, a->Z, w->ape, a->dpool, a->dC, a->dZ, a->gape, w->rate, w->dd, w->width, a->S, a->nwin,
+                         a->overlap};
+    comp_bwd_kernel<<<ds4_blocks(n, 128), 128, 0, cdev(d)->stream>>>(g, n);
+    if (!ds4_cuda_launched(d, "comp_bwd", "[%lld sequences x %lld entries of %lld, rate %lld%s]", (long long)a->B,
+                           (long long)a->nwin, (long long)w->dd, (long long)w->rate, a->overlap ? ", overlap" : ""))
+        return;
+    comp_bwd_ape_kernel<<<ds4_blocks(w->rate * w->width, 128), 128, 0, cdev(d)->stream>>>(g, a->B);
+    ds4_cuda_launched(d, "comp_bwd", "[position bias %lld x %lld over %lld x %lld windows]", (long long)w->rate,
+                      (long long)w->width, (long long)a->B, (long long)a->nwin);
+}
+
+void ds4_cuda_ikl(ds4_dev *d, const ds4_a_ikl *a) {
+    if (a->T <= 0) return;
+    ikl_args g = ikl_of(a->c, a->lt, a->S, a->sel_stride);
+    g.dIo = a->dI, g.kl = a->kl, g.has = a->has, g.scale = a->scale;
+    const size_t smem = (size_t)a->sel_stride * sizeof(float);
+    char what[96];
+    snprintf(what, sizeof what, "%lld picks per query", (long long)a->sel_stride);
+    if (!smem_fits(d, ikl_kernel, smem, "ikl", what) || !grid_fits(d, a->T, "ikl", "queries")) return;
+    ikl_kernel<<<(unsigned)a->T, BWD_THREADS, smem, cdev(d)->stream>>>(g);
+    ds4_cuda_launched(d, "ikl", "[%lld queries, <= %lld picks, %lld heads x %lld]", (long long)a->T,
+                      (long long)a->sel_stride, (long long)a->c->index_n_heads, (long long)a->c->index_head_dim);
+}
+
+void ds4_cuda_ikl_bwd_q(ds4_dev *d, const ds4_a_ikl_bwd *a) {
+    if (a->T <= 0) return;
+    ikl_args g = ikl_of(a->c, a->lt, a->S, a->sel_stride);
+    g.dI = a->dI, g.diq = a->diq, g.diw = a->diw, g.dsi = a->dsi;
+    const size_t smem = (size_t)a->sel_stride * 2 * sizeof(float);
+    char what[96];
+    snprintf(what, sizeof what, "%lld picks per query", (long long)a->sel_stride);
+    if (!smem_fits(d, ikl_bwd_q_kernel, smem, "ikl_bwd_q", what) ||
+        !grid_fits(d, a->T * g.nI, "ikl_bwd_q", "queries x indexer heads"))
+        return;
+    ikl_bwd_q_kernel<<<(unsigned)(a->T * g.nI), BWD_THREADS, smem, cdev(d)->stream>>>(g);
+    ds4_cuda_launched(d, "ikl_bwd_q", "[%lld queries, <= %lld picks, %lld heads x %lld]", (long long)a->T,
+                      (long long)a->sel_stride, (long long)g.nI, (long long)g.cI);
+}
+
+void ds4_cuda_ikl_bwd_k(ds4_dev *d, const ds4_a_ikl_bwd *a) {
+    ikl_args g = ikl_of(a->c, a->lt, a->S, a->sel_stride);
+    const int64_t n = a->B * g.nwin;
+    if (n <= 0) return;
+    g.dsi = a->dsi, g.dK = a->dK, g.inv_off = a->inv_off, g.inv_t = a->inv_t, g.inv_i = a->inv_i;
+    if (!grid_fits(d, n, "ikl_bwd_k", "entries")) return;
+    ikl_bwd_k_kernel<<<(unsigned)n, channel_threads(g.cI), 0, cdev(d)->stream>>>(g);
+    ds4_cuda_launched(d, "ikl_bwd_k", "[%lld sequences x %lld entries of %lld, %lld heads]", (long long)a->B,
+                      (long long)g.nwin, (long long)g.cI, (long long)g.nI);
+}

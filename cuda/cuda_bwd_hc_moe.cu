@@ -1,0 +1,496 @@
+// cuda_bwd_hc_moe.cu — the backward of the residual streams and of the MoE on the GPU: mHC pre (the Sinkhorn
+// iterations replayed in fp64 from a tape of their states, as core/cpu_hc.c does), mHC post, the HyperHead, SwiGLU
+// with clamps, the routing weights' and the experts' output gradients, the per-token slot sums, and the router through
+// its score function. core/cpu_hc.c and core/cpu_moe.c are the definitions.
+//
+// Determinism: no atomics. Every output element is computed by one thread in the CPU's order, or reduced in an order
+// fixed by the shapes alone (the dot products over D: lane-strided partial sums, then a fixed butterfly; the mixing
+// logits: the batch-invariant GEMM of the forward), so two runs give the same bits and a token's result does not
+// depend on the batch. The weight-side sums over tokens are not done here: the per-token parts (dzb, dzs) are summed
+// in row order by colsum_add.
+//
+// Rounding: where the CPU's order is followed, a multiply-add is rounded twice as the CPU rounds it (it is built
+// without FMA contraction; nvcc would fuse a·b + c), so equal inputs give equal bits there up to the libm functions
+// (expf, exp). The long dot products and the mixing GEMM sum in another order and differ from the CPU by fp32
+// rounding. (The forward in cuda_hc.cu lets nvcc fuse mix·scale + base, so the coefficients recomputed here can
+// differ from the ones it used in the last bit.)
+#include "cuda_dev.cuh"
+#include "shape_limits.h"
+
+namespace {
+
+constexpr int BT = 256;                       // threads of a per-token block; the norm's tree is the forward's
+constexpr size_t TAPE_SMEM = 32768;           // a Sinkhorn tape up to this size stays in shared memory
+constexpr size_t TAPE_GLOBAL = (size_t)64 << 20; // else in scratch, at most this much per launch (tokens in chunks)
+constexpr int ROUTER_WARPS = 4;
+
+// a·b + c rounded twice, as the CPU computes it
+__device__ __forceinline__ float madd(float a, float b, float c) { return __fadd_rn(__fmul_rn(a, b), c); }
+__device__ __forceinline__ double madd(double a, double b, double c) { return __dadd_rn(__dmul_rn(a, b), c); }
+
+// <p, r> over D by one warp: lane l sums elements l, l + 32, .. in order, then a fixed butterfly. Every lane gets it.
+__device__ __forceinline__ float warp_dot(const float *p, const float *r, int64_t D) {
+    float s = 0.0f;
+    for (int64_t c = threadIdx.x & 31; c < D; c += 32) s = fmaf(p[c], r[c], s);
+    return ds4d_warp_sumf(s);
+}
+
+// ------------------------------------------------------------------------------------------ mHC and HyperHead
+
+// Per token (one block): the normalised streams xn = X / rms(X) over its n·D values (the forward's hc_norm_kernel:
+// same block size and tree, so the same bits and then the same mixing logits), and the dot products over D that do
+// not depend on the coefficients, one warp each:
+//   post == 0: out0[t·ld0 + i] = <G_t, X_t,i> for i < n          (G = du [T, D]: the collapse's dpre before σ')
+//   post == 1: out0[t·n + k] = <G_t,k, A_t>, out1[t·n² + j·n + k] = <G_t,k, X_t,j>   (G = dXo [T, n, D], A = a [T, D])
+__global__ void __launch_bounds__(BT) norm_dots_kernel(const float *X, float *xn, int64_t n, int64_t D, double eps,
+                                                       const float *G, const float *A, float *out0, int64_t ld0,
+                                                       float *out1, int post) {
+    __shared__ double sh[BT / 32];
+    const int64_t t = blockIdx.x, nD = n * D;
+    const float *x = X + t * nD;
+    double ss = 0;
+    for (int64_t i = threadIdx.x; i < nD; i += blockDim.x) ss += (double)x[i] * x[i];
+    ss = ds4d_block_sum(ss, sh);
+    const float inv = ds4d_rms_inv(ss, nD, eps);
+    for (int64_t i = threadIdx.x; i < nD; i += blockDim.x) xn[t * nD + i] = x[i] * inv;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+    const int64_t ndots = post ? n + n * n : n;
+    for (int64_t q = warp; q < ndots; q += nw) {
+        if (!post) {
+            const float v = warp_dot(G + t * D, x + q * D, D);
+            if (lane == 0) out0[t * ld0 + q] = v;
+        } else if (q < n) {
+            const float v = warp_dot(G + t * nD + q * D, A + t * D, D);
+            if (lane == 0) out0[t * n + q] = v;
+        } else {
+            const int64_t jk = q - n, j = jk / n, k = jk % n;
+            const float v = warp_dot(G + t * nD + k * D, x + j * D, D);
+            if (lane == 0) out1[t * n * n + jk] = v;
+        }
+    }
+}
+
+// Sinkhorn of one token by one warp, in fp64 and in the CPU's order (ds4_hc_sinkhorn): row softmax of the comb
+// logits (·sc2 + base, rounded in fp32 as the CPU does) + eps, column-normalise, then (iters − 1) × (row, column).
+// Lane l owns elements l, l + 32, .. of the n×n matrix; each element sums its row or column itself, sequentially in
+// index order, so all elements of a line divide by the same bits. State s (0: softmax + eps; s >= 1: after
+// normalisation s, odd s over columns) goes to st + (s % keep)·n²: keep = 2·iters keeps every state (the backward's
+// tape), keep = 2 only the last two. P (or NULL) receives the plain softmax. Returns the final state. Called by all 32
+// lanes of one warp; keep >= 2.
+__device__ const double *sinkhorn(const float *cl, float sc2, const float *cb, int64_t n, int64_t iters,
+                                  double hc_eps, double *st, int64_t keep, double *P) {
+    const int lane = threadIdx.x & 31;
+    const int64_t nn = n * n;
+    double *R = st + nn; // the logits wait in state 1's slot, which the first normalisation overwrites
+    for (int64_t e = lane; e < nn; e += 32) R[e] = (double)madd(cl[e], sc2, cb[e]);
+    __syncwarp();
+    for (int64_t e = lane; e < nn; e += 32) {
+        const int64_t j = e / n;
+        double mx = -INFINITY, sum = 0;
+        for (int64_t k = 0; k < n; k++) mx = R[j * n + k] > mx ? R[j * n + k] : mx;
+        for (int64_t k = 0; k < n; k++) sum += exp(R[j * n + k] - mx);
+        const double v = exp(R[e] - mx);
+        if (P) P[e] = v / sum;
+        st[e] = v / sum + hc_eps;
+    }
+    for (int64_t s = 1; s < 2 * iters; s++) {
+        __syncwarp(); // state s - 1 complete, and nobody still reads the slot that state s overwrites
+        const double *x0 = st + ((s - 1) % keep) * nn;
+        double *x1 = st + (s % keep) * nn;
+        const bool col = s % 2 == 1;
+        for (int64_t e = lane; e < nn; e += 32) {
+            const int64_t a = col ? e % n : e / n;
+            double sum = 0;
+            for (int64_t q = 0; q < n; q++) sum += col ? x0[q * n + a] : x0[a * n + q];
+            x1[e] = x0[e] / (sum + hc_eps);
+        }
+    }
+    __syncwarp();
+    return st + ((2 * iters - 1) % keep) * nn;
+}
+
+// The comb part of the mix gradient of one token (warp 0 of its block), as hc_pre_bwd_range: the Sinkhorn forward
+// again onto the tape [(2·iters + 1)·n²] (states 0 .. 2·iters − 1, then P), dcomb back through every normalisation
+// y = x / (Σ x + eps) along its line (g and gx [n²]: ping-pong), then through the row softmax (the +eps passes the
+// gradient). dz [n²] in fp32, as the CPU rounds it.
+__device__ void sinkhorn_bwd(const float *cl, float sc2, const float *cb, const float *dcomb, int64_t n,
+                             int64_t iters, double hc_eps, double *tape, double *g, double *gx, float *dz) {
+    const int lane = threadIdx.x & 31;
+    const int64_t nn = n * n, ns = 2 * iters;
+    const double *P = tape + ns * nn;
+    sinkhorn(cl, sc2, cb, n, iters, hc_eps, tape, ns, tape + ns * nn);
+    for (int64_t e = lane; e < nn; e += 32) g[e] = dcomb[e];
+    for (int64_t s = ns - 1; s >= 1; s--) {
+        __syncwarp();
+        const double *x0 = tape + (s - 1) * nn;
+        const bool col = s % 2 == 1;
+        for (int64_t e = lane; e < nn; e += 32) {
+            const int64_t a = col ? e % n : e / n;
+            double sum = 0, gs = 0;
+            for (int64_t q = 0; q < n; q++) {
+                const int64_t ix = col ? q * n + a : a * n + q;
+                sum += x0[ix];
+                gs = madd(g[ix], x0[ix], gs);
+            }
+            const double cden = sum + hc_eps;
+            gx[e] = g[e] / cden - gs / (cden * cden);
+        }
+        double *tmp = g;
+        g = gx, gx = tmp;
+    }
+    __syncwarp();
+    for (int64_t e = lane; e < nn; e += 32) {
+        const int64_t j = e / n;
+        double dot = 0;
+        for (int64_t k = 0; k < n; k++) dot = madd(P[j * n + k], g[j * n + k], dot);
+        dz[e] = (float)(P[e] * (g[e] - dot));
+    }
+}
+
+struct coef_args {
+    const float *du;              // [T, D]
+    const float *dpost, *dcomb;   // [T, n], [T, n, n] (not read by the HyperHead)
+    const float *base, *sc;       // [nmix], [3]
+    float *dX;                    // [T, n, D]: mHC pre adds, the HyperHead writes
+    float *dmix;                  // [T, nmix]: the mixing logits on entry, their gradient on return
+    float *dzb;                   // [T, nmix]: the dots <du, X_i> in columns < n on entry, the base gradient on return
+    float *dzs;                   // [T, 3]: the scale gradient (the HyperHead: column 0 only)
+    double *gtape;                // [tokens of a launch, (2·iters + 1)·n²] tapes in scratch, or NULL: in shared memory
+    int64_t t0, n, D, iters;
+    double hc_eps;
+    int head;                     // the HyperHead: pre only (nmix = n), no post, no Sinkhorn
+};
+
+// The coefficients' backward of one token per block. Warp 0 computes the pre (and post) parts of dz from the
+// logits; then, for mHC pre, warp 0 replays Sinkhorn and back-propagates dcomb while the other warps apply the
+// collapse's gradient dX_i += pre_i · du (the HyperHead: all warps, dX written). Finally warp 0 writes dzb, dmix =
+// dz · scale and the scale sums dzs, summed sequentially in the CPU's order.
+__global__ void __launch_bounds__(BT) coef_bwd_kernel(coef_args a) {
+    __shared__ float smix[DS4_MAX_HC_MIX], sdz[DS4_MAX_HC_MIX], spre[DS4_MAX_HC];
+    extern __shared__ double dyn[]; // Sinkhorn: g, gx [n²], then the tape when it is not in scratch
+    const int64_t t = a.t0 + blockIdx.x, n = a.n, D = a.D, nn = n * n, nmix = a.head ? n : (2 + n) * n;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const bool sink = !a.head;
+    for (int64_t i = threadIdx.x; i < nmix; i += blockDim.x) smix[i] = a.dmix[t * nmix + i];
+    __syncthreads();
+    if (warp == 0)
+        for (int64_t i = lane; i < n; i += 32) {
+            const float sg = ds4d_sigmoid(madd(smix[i], a.sc[0], a.base[i]));
+            spre[i] = sg + (float)a.hc_eps;
+            sdz[i] = a.dzb[t * nmix + i] * sg * (1.0f - sg);
+            if (sink) {
+                const float sp = ds4d_sigmoid(madd(smix[n + i], a.sc[1], a.base[n + i]));
+                sdz[n + i] = a.dpost[t * n + i] * 2.0f * sp * (1.0f - sp);
+            }
+        }
+    __syncthreads();
+    if (sink && warp == 0) {
+        double *tape = a.gtape ? a.gtape + (int64_t)blockIdx.x * (2 * a.iters + 1) * nn : dyn + 2 * nn;
+        sinkhorn_bwd(smix + 2 * n, a.sc[2], a.base + 2 * n, a.dcomb + t * nn, n, a.iters, a.hc_eps, tape, dyn,
+                     dyn + nn, sdz + 2 * n);
+    } else {
+        const int64_t first = threadIdx.x - (sink ? 32 : 0), stride = blockDim.x - (sink ? 32 : 0);
+        const float *du = a.du + t * D;
+        float *dX = a.dX + t * n * D;
+        for (int64_t i = 0; i < n; i++)
+            for (int64_t c = first; c < D; c += stride)
+                dX[i * D + c] = madd(spre[i], du[c], a.head ? 0.0f : dX[i * D + c]);
+    }
+    if (warp == 0) {
+        __syncwarp();
+        for (int64_t i = lane; i < nmix; i += 32) {
+            a.dzb[t * nmix + i] = sdz[i];
+            a.dmix[t * nmix + i] = sdz[i] * a.sc[i < n ? 0 : (i < 2 * n ? 1 : 2)];
+        }
+        if (lane == 0) {
+            float z0 = 0.0f, z1 = 0.0f, z2 = 0.0f;
+            for (int64_t i = 0; i < n; i++) z0 = madd(sdz[i], smix[i], z0);
+            a.dzs[t * 3] = z0;
+            if (sink) {
+                for (int64_t i = n; i < 2 * n; i++) z1 = madd(sdz[i], smix[i], z1);
+                for (int64_t i = 2 * n; i < nmix; i++) z2 = madd(sdz[i], smix[i], z2);
+                a.dzs[t * 3 + 1] = z1, a.dzs[t * 3 + 2] = z2;
+            }
+        }
+    }
+}
+
+// mHC post backward of one token per block, from dpost / dcomb already in place (norm_dots_kernel): warp 0
+// recomputes post (first) and M (Sinkhorn, the last two states in st [2·n²]) from the logits mixp = [post | comb]
+// [T, n + n²]; meanwhile the other warps form da = Σ_k post_k dXo_k; then all form dX_j = Σ_k M[j][k] dXo_k. Sums in
+// k order from 0, as the CPU's axpys.
+__global__ void __launch_bounds__(BT) post_bwd_kernel(const float *dXo, const float *mixp, const float *base,
+                                                      const float *sc, float *dX, float *da, int64_t n, int64_t D,
+                                                      int64_t iters, double hc_eps) {
+    __shared__ float spost[DS4_MAX_HC], sM[DS4_MAX_HC_SQ];
+    extern __shared__ double st[];
+    const int64_t t = blockIdx.x, nn = n * n;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const float *m = mixp + t * (n + nn), *dxo = dXo + t * n * D;
+    if (warp == 0)
+        for (int64_t i = lane; i < n; i += 32) spost[i] = 2.0f * ds4d_sigmoid(madd(m[i], sc[1], base[n + i]));
+    __syncthreads();
+    if (warp == 0) {
+        const double *M = sinkhorn(m + n, sc[2], base + 2 * n, n, iters, hc_eps, st, 2, nullptr);
+        for (int64_t e = lane; e < nn; e += 32) sM[e] = (float)M[e];
+    } else {
+        for (int64_t c = threadIdx.x - 32; c < D; c += blockDim.x - 32) {
+            float acc = 0.0f;
+            for (int64_t k = 0; k < n; k++) acc = madd(spost[k], dxo[k * D + c], acc);
+            da[t * D + c] = acc;
+        }
+    }
+    __syncthreads();
+    for (int64_t j = 0; j < n; j++)
+        for (int64_t c = threadIdx.x; c < D; c += blockDim.x) {
+            float acc = 0.0f;
+            for (int64_t k = 0; k < n; k++) acc = madd(sM[j * n + k], dxo[k * D + c], acc);
+            dX[(t * n + j) * D + c] = acc;
+        }
+}
+
+// The shapes the per-token kernels take: one block per token, a token's mixing values in shared arrays sized by
+// DS4_MAX_HC, at least one Sinkhorn iteration (the CPU's tape layout assumes it; configs require it).
+bool hc_shapes_ok(ds4_dev *d, const char *op, int64_t T, int64_t n, int64_t D, int64_t iters, bool sink) {
+    if (n < 1 || n > DS4_MAX_HC) {
+        ds4_dev_fail(d, DS4_ERR_UNSUPPORTED, "%s: hc_mult %lld (1 .. %d)", op, (long long)n, DS4_MAX_HC);
+        return false;
+    }
+    if (D < 1) {
+        ds4_dev_fail(d, DS4_ERR_UNSUPPORTED, "%s: hidden size %lld", op, (long long)D);
+        return false;
+    }
+    if (sink && iters < 1) {
+        ds4_dev_fail(d, DS4_ERR_UNSUPPORTED, "%s: hc_sinkhorn_iters %lld (at least 1)", op, (long long)iters);
+        return false;
+    }
+    if (T > 0x7fffffff) {
+        ds4_dev_fail(d, DS4_ERR_UNSUPPORTED, "%s: %lld tokens (one block each: at most 2^31 - 1)", op, (long long)T);
+        return false;
+    }
+    return true;
+}
+
+// norm_dots_kernel over T tokens, checked.
+bool norm_dots(ds4_dev *d, const char *op, const float *X, float *xn, int64_t T, int64_t n, int64_t D, double eps,
+               const float *G, const float *A, float *out0, int64_t ld0, float *out1, int post) {
+    norm_dots_kernel<<<(unsigned)T, BT, 0, cdev(d)->stream>>>(X, xn, n, D, eps, G, A, out0, ld0, out1, post);
+    return ds4_cuda_launched(d, op, "norm and dots [%lld tokens, %lld streams, %lld]", (long long)T, (long long)n,
+                             (long long)D);
+}
+
+// coef_bwd_kernel over T tokens: the Sinkhorn tape in shared memory when it fits, else in scratch slot 1 (the GEMM
+// before it uses slot 0), tokens in chunks so that the scratch stays bounded.
+void coef_bwd(ds4_dev *d, const char *op, coef_args g, int64_t T) {
+    const int64_t nn = g.n * g.n, tape = g.head ? 0 : (2 * g.iters + 1) * nn;
+    size_t smem = g.head ? 0 : (size_t)(2 * nn + tape) * sizeof(double);
+    int64_t chunk = T;
+    g.gtape = nullptr;
+    if (smem > TAPE_SMEM) {
+        smem = (size_t)(2 * nn) * sizeof(double);
+        const int64_t fit = (int64_t)(TAPE_GLOBAL / ((size_t)tape * sizeof(double)));
+        chunk = fit < 1 ? 1 : (fit < T ? fit : T);
+        g.gtape = (double *)ds4_cuda_scratch(d, (size_t)(chunk * tape) * sizeof(double), op, 1);
+        if (!g.gtape) return;
+    }
+    for (int64_t t0 = 0; t0 < T; t0 += chunk) {
+        g.t0 = t0;
+        const int64_t nt = T - t0 < chunk ? T - t0 : chunk;
+        coef_bwd_kernel<<<(unsigned)nt, BT, smem, cdev(d)->stream>>>(g);
+        if (!ds4_cuda_launched(d, op, "coefficients [tokens %lld .. %lld of %lld, %lld streams, %lld, %lld iterations%s]",
+                               (long long)t0, (long long)(t0 + nt), (long long)T, (long long)g.n, (long long)g.D,
+                               (long long)g.iters, g.gtape ? ", tape in scratch" : ""))
+            return;
+    }
+}
+
+// ------------------------------------------------------------------------------------------ MoE and router
+
+// SwiGLU with clamps (cpu_moe.c, swiglu_bwd_range): grads = 0 recomputes act; grads = 1 writes dg1 / dg3, where the
+// clamps pass the gradient inside [min, max] with the boundaries. dg3 may be dact: each element is read first.
+__global__ void swiglu_bwd_kernel(const float *g1, const float *g3, const float *dact, float *act, float *dg1,
+                                  float *dg3, int64_t N, float lim, int grads) {
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < N; i += (int64_t)gridDim.x * blockDim.x) {
+        const float x1 = g1[i], x3 = g3[i];
+        const float g = x1 > lim ? lim : x1;
+        const float u = x3 < -lim ? -lim : (x3 > lim ? lim : x3);
+        if (!grads) {
+            act[i] = ds4d_silu(g) * u;
+            continue;
+        }
+        const float sgm = ds4d_sigmoid(g), silu = g * sgm;
+        const float dsilu = sgm * madd(g, 1.0f - sgm, 1.0f);
+        const float dy = dact[i];
+        dg1[i] = x1 <= lim ? dy * u * dsilu : 0.0f;
+        dg3[i] = (x3 >= -lim && x3 <= lim) ? dy * silu : 0.0f;
+    }
+}
+
+// dws[slot] = <da[slot / K], ye[slot]>, one warp per slot.
+__global__ void moe_dws_kernel(float *dws, const float *da, const float *ye, int64_t n, int64_t K, int64_t D) {
+    const int warps = blockDim.x >> 5;
+    for (int64_t s = (int64_t)blockIdx.x * warps + (threadIdx.x >> 5); s < n; s += (int64_t)gridDim.x * warps) {
+        const float v = warp_dot(da + (s / K) * D, ye + s * D, D);
+        if ((threadIdx.x & 31) == 0) dws[s] = v;
+    }
+}
+
+// dys[r] = 0 + ew[perm[r]] · da[perm[r] / K] (the CPU clears the row, then adds)
+__global__ void moe_dy_kernel(float *dys, const float *da, const float *ew, const int32_t *perm, int64_t N, int64_t K,
+                              int64_t D) {
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < N; i += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t slot = perm[i / D];
+        dys[i] = madd(ew[slot], da[(slot / K) * D + i % D], 0.0f);
+    }
+}
+
+// dh[t] += dxslot[t·K + k] for k in slot order, one add at a time as the CPU's axpys
+__global__ void moe_sum_slots_kernel(float *dh, const float *dxslot, int64_t N, int64_t K, int64_t D) {
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < N; i += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t t = i / D, c = i % D;
+        float acc = dh[i];
+        for (int64_t k = 0; k < K; k++) acc = __fadd_rn(acc, dxslot[(t * K + k) * D + c]);
+        dh[i] = acc;
+    }
+}
+
+// Router backward, one warp per token (cpu_moe.c, ds4_cpu_router_bwd): lane 0 takes the K selected slots in order
+// (the renormalisation w_k = rsf·s_k / (Σ s + 1e-20), a repeated expert adding up), then every expert's logit
+// gradient through the score function. The softmax's <s, dsc> is a double sum (lanes, then the butterfly).
+__global__ void __launch_bounds__(ROUTER_WARPS * 32) router_bwd_kernel(const int32_t *eidx, const float *rsc,
+                                                                       const float *rlog, const float *dws, float *dsc,
+                                                                       float *dlog, int64_t T, int64_t E, int64_t K,
+                                                                       float rsf, int sf) {
+    const int lane = threadIdx.x & 31;
+    for (int64_t t = (int64_t)blockIdx.x * ROUTER_WARPS + (threadIdx.x >> 5); t < T;
+         t += (int64_t)gridDim.x * ROUTER_WARPS) {
+        const int32_t *idx = eidx + t * K;
+        const float *s = rsc + t * E, *x = rlog + t * E, *dw = dws + t * K;
+        float *ds = dsc + t * E, *dl = dlog + t * E;
+        for (int64_t e = lane; e < E; e += 32) ds[e] = 0.0f;
+        __syncwarp();
+        if (lane == 0) {
+            float sum = 0.0f, wdot = 0.0f;
+            for (int64_t k = 0; k < K; k++) sum += s[idx[k]];
+            sum += 1e-20f;
+            for (int64_t k = 0; k < K; k++) wdot = madd(dw[k], s[idx[k]], wdot);
+            for (int64_t k = 0; k < K; k++) ds[idx[k]] = madd(rsf, dw[k] / sum - wdot / (sum * sum), ds[idx[k]]);
+        }
+        __syncwarp();
+        if (sf == DS4_SCORE_SOFTMAX) {
+            double dot = 0;
+            for (int64_t e = lane; e < E; e += 32) dot += (double)s[e] * ds[e]; // exact products: fusing is harmless
+            dot = ds4d_warp_sum(dot);
+            for (int64_t e = lane; e < E; e += 32) dl[e] = (float)(s[e] * (ds[e] - dot));
+        } else if (sf == DS4_SCORE_SIGMOID) {
+            for (int64_t e = lane; e < E; e += 32) dl[e] = ds[e] * s[e] * (1.0f - s[e]);
+        } else {
+            // d sqrt(softplus(x)) = σ(x) / (2 sqrt(softplus(x))); where the score underflowed to 0 its limit
+            // e^{x/2} / 2; above torch's threshold 20 softplus is x. Zero upstream gradients are skipped.
+            for (int64_t e = lane; e < E; e += 32) {
+                if (ds[e] == 0.0f) {
+                    dl[e] = 0.0f;
+                    continue;
+                }
+                double der;
+                if (x[e] > 20.0f) der = 0.5 / s[e];
+                else if (s[e] > 0) der = (1.0 / (1.0 + exp(-(double)x[e]))) / (2.0 * s[e]);
+                else der = 0.5 * exp(0.5 * (double)x[e]);
+                dl[e] = (float)(ds[e] * der);
+            }
+        }
+    }
+}
+
+} // namespace
+
+void ds4_cuda_hc_pre_bwd(ds4_dev *d, const ds4_a_hc_pre_bwd *a) {
+    if (a->T <= 0) return;
+    const ds4_config *c = a->c;
+    const int64_t T = a->T, n = c->hc_mult, D = c->hidden_size, nD = n * D, nmix = (2 + n) * n;
+    if (!hc_shapes_ok(d, "hc_pre_bwd", T, n, D, c->hc_sinkhorn_iters, true)) return;
+    // xn [T, nD]; dzb[:, :n] = <du, X_i> (read back by coef_bwd_kernel); dmix [T, nmix] = the mixing logits
+    if (!norm_dots(d, "hc_pre_bwd", a->X, a->xn, T, n, D, c->rms_norm_eps, a->du, nullptr, a->dzb, nmix, nullptr, 0))
+        return;
+    ds4_cuda_gemm_f32(d, "hc_pre_bwd", a->dmix, nmix, a->xn, nD, a->w->fn, T, nD, nmix);
+    if (d->st) return;
+    coef_args g = {a->du, a->dpost, a->dcomb, a->w->base, a->w->scale, a->dX, a->dmix, a->dzb, a->dzs, nullptr, 0, n, D,
+                   c->hc_sinkhorn_iters, c->hc_eps, 0};
+    coef_bwd(d, "hc_pre_bwd", g, T);
+}
+
+void ds4_cuda_hc_post_bwd(ds4_dev *d, const ds4_a_hc_post_bwd *a) {
+    if (a->T <= 0) return;
+    const ds4_config *c = a->c;
+    const int64_t T = a->T, n = c->hc_mult, D = c->hidden_size, nD = n * D, np = n + n * n;
+    if (!hc_shapes_ok(d, "hc_post_bwd", T, n, D, c->hc_sinkhorn_iters, true)) return;
+    // scratch: xn [T, nD], then mixp [T, n + n²] = the post and comb logits (rows n .. of fn)
+    float *xn = (float *)ds4_cuda_scratch(d, (size_t)(T * (nD + np)) * sizeof(float), "hc_post_bwd", 1);
+    if (!xn) return;
+    float *mixp = xn + T * nD;
+    if (!norm_dots(d, "hc_post_bwd", a->X, xn, T, n, D, c->rms_norm_eps, a->dXo, a->a, a->dpost, n, a->dcomb, 1))
+        return;
+    ds4_cuda_gemm_f32(d, "hc_post_bwd", mixp, np, xn, nD, a->w->fn + n * nD, T, nD, np);
+    if (d->st) return;
+    post_bwd_kernel<<<(unsigned)T, BT, (size_t)(2 * n * n) * sizeof(double), cdev(d)->stream>>>(
+        a->dXo, mixp, a->w->base, a->w->scale, a->dX, a->da, n, D, c->hc_sinkhorn_iters, c->hc_eps);
+    ds4_cuda_launched(d, "hc_post_bwd", "[%lld tokens, %lld streams, %lld, %lld iterations]", (long long)T, (long long)n,
+                      (long long)D, (long long)c->hc_sinkhorn_iters);
+}
+
+void ds4_cuda_hyperhead_bwd(ds4_dev *d, const ds4_a_hyperhead_bwd *a) {
+    if (a->T <= 0) return;
+    const ds4_config *c = a->c;
+    const int64_t T = a->T, n = c->hc_mult, D = c->hidden_size, nD = n * D;
+    if (!hc_shapes_ok(d, "hyperhead_bwd", T, n, D, 0, false)) return;
+    // xn [T, nD]; dzb [T, n] = <du, X_i>; dmix [T, n] = the logits
+    if (!norm_dots(d, "hyperhead_bwd", a->X, a->xn, T, n, D, c->rms_norm_eps, a->du, nullptr, a->dzb, n, nullptr, 0))
+        return;
+    ds4_cuda_gemm_f32(d, "hyperhead_bwd", a->dmix, n, a->xn, nD, a->fn, T, nD, n);
+    if (d->st) return;
+    coef_args g = {a->du, nullptr, nullptr, a->base, a->scale, a->dX, a->dmix, a->dzb, a->dzs, nullptr, 0, n, D, 0,
+                   c->hc_eps, 1};
+    coef_bwd(d, "hyperhead_bwd", g, T);
+}
+
+void ds4_cuda_swiglu_bwd(ds4_dev *d, const ds4_a_swiglu_bwd *a) {
+    const int64_t N = a->rows * a->I;
+    if (N <= 0) return;
+    swiglu_bwd_kernel<<<ds4_blocks(N, 256), 256, 0, cdev(d)->stream>>>(a->g1, a->g3, a->dact, a->act, a->dg1, a->dg3,
+                                                                         N, a->lim, a->grads);
+    ds4_cuda_launched(d, "swiglu_bwd", "[%lld x %lld%s]", (long long)a->rows, (long long)a->I,
+                      a->grads ? ", gradients" : ", activation");
+}
+
+void ds4_cuda_moe_dws(ds4_dev *d, const ds4_a_moe_dws *a) {
+    const int64_t n = a->T * a->K;
+    if (n <= 0) return;
+    moe_dws_kernel<<<ds4_blocks(n, 8), 256, 0, cdev(d)->stream>>>(a->dws, a->da, a->ye, n, a->K, a->D);
+    ds4_cuda_launched(d, "moe_dws", "[%lld tokens, top %lld, %lld]", (long long)a->T, (long long)a->K, (long long)a->D);
+}
+
+void ds4_cuda_moe_dy(ds4_dev *d, const ds4_a_moe_dy *a) {
+    const int64_t N = a->rows * a->D;
+    if (N <= 0) return;
+    moe_dy_kernel<<<ds4_blocks(N, 256), 256, 0, cdev(d)->stream>>>(a->dys, a->da, a->ew, a->perm, N, a->K, a->D);
+    ds4_cuda_launched(d, "moe_dy", "[%lld rows, top %lld, %lld]", (long long)a->rows, (long long)a->K, (long long)a->D);
+}
+
+void ds4_cuda_moe_sum_slots(ds4_dev *d, const ds4_a_moe_sum_slots *a) {
+    const int64_t N = a->T * a->D;
+    if (N <= 0) return;
+    moe_sum_slots_kernel<<<ds4_blocks(N, 256), 256, 0, cdev(d)->stream>>>(a->dh, a->dxslot, N, a->K, a->D);
+    ds4_cuda_launched(d, "moe_sum_slots", "[%lld tokens, top %lld, %lld]", (long long)a->T, (long long)a->K,
+                      (long long)a->D);
+}
+
+void ds4_cuda_router_bwd(ds4_dev *d, const ds4_a_router_bwd *a) {
+    if (a->T <= 0) return;
+    const ds4_config *c = a->c;
+    const int64_t E = c->n_routed_experts, K = c->num_experts_per_tok;
+    router_bwd_kernel<<<ds4_blocks(a->T, ROUTER_WARPS), ROUTER_WARPS * 32, 0, cdev(d)->stream>>>(
+        a->eidx, a->rsc, a->rlog, a->dws, a->dsc, a->dlog, a->T, E, K, (float)c->routed_scaling_factor,
+        (int)c->scoring_func);
+    ds4_cuda_launched(d, "router_bwd", "[%lld tokens, %lld experts, top %lld, score %d]", (long long)a->T, (long long)E,
+                      (long long)K, (int)c->scoring_func);
+}

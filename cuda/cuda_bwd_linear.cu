@@ -1,0 +1,585 @@
+// cuda_bwd_linear.cu — the backward of the linear layers on the GPU and of what sits around them: the
+// log-probabilities' gradient, dx = dy·W and dW += dyᵀ·x (plain and by expert), the RMSNorm backward, column sums,
+// stream sums and the embedding gradient.
+//
+// Every result is the same bits run after run: no floating-point atomics; each output element is reduced by one
+// thread (or one fixed tree of a block) in an order fixed by the shapes. Where the CPU reference adds in an order
+// that a GPU can follow cheaply (column sums, stream sums, the embedding rows in token order) the kernels follow it
+// and give the CPU's bits; the products and the double sums of the row ops follow their own fixed orders.
+//
+// The products. One family of tiled kernels computes y(m, n) (+)= Σ_r A(m, r)·B(n, r) for operands read through
+// strides, A(m, r) = a[m·a_rs + r·a_ks] and B(n, r) = b[n·b_rs + r·b_ks], so that dx = dy·W reads W across its rows
+// and dW = dyᵀ·x reads dy and x down their columns where they lie: no transposed copies. The reduction runs over r
+// in chunks (16 fp32 / 32 bf16) in r order; slices of 256 r's are summed apart and added in slice order (as the
+// forward GEMM does: shorter fp32 chains). fp32: fmaf in registers; bf16: A and B rounded to bf16 (round to nearest
+// even; a bf16 weight as it is) and multiplied on the tensor cores (mma.sync m16n8k16, fp32 accumulation) through
+// the forward GEMM's steps (cuda_tile.cuh). Groups: rows [off[e], off[e+1]) of dy / dx use expert e's W
+// (linear_bwd_x_grouped: each block finds its expert tile from off, as the forward's grouped GEMM), or the reduction
+// runs over those rows into expert e's dW (linear_bwd_w_grouped: grid z = expert); off is read on the device, nothing
+// synchronises. A plain product whose output has few tiles (a long reduction into a small dW) cuts r into a number of
+// chunks fixed by the shapes, writes per-chunk partials and adds them in chunk order.
+#include <cstdio>
+
+#include "cuda_dev.cuh"
+#include "cuda_tile.cuh"
+
+namespace {
+
+constexpr int RSLICE = 256;        // r's per slice of a product's reduction (the forward GEMM's KSLICE)
+constexpr int SPLIT_BLOCKS = 256;  // a plain product with fewer output tiles splits r to reach about this many blocks
+constexpr int NORM_CHUNK = 256;    // rows per partial of the norm weight gradient
+
+// ------------------------------------------------------------------------------------------ products
+
+struct prod_args {
+    float *y;
+    int64_t ldy;                  // y(m, n) at y[m·ldy + n]
+    const float *a;
+    int64_t a_rs, a_ks;           // A(m, r) = a[m·a_rs + r·a_ks]
+    const void *b;
+    int64_t b_rs, b_ks;           // B(n, r) = b[n·b_rs + r·b_ks]: fp32, or bf16 bits (a bf16 weight)
+    int64_t M, N, R;
+    const int64_t *off;           // NULL: plain; else E + 1 group bounds (device memory)
+    int64_t E;
+    int rgroup;                   // with off: 0 rows m of group e use b + e·bstride; 1 block z sums r over group z
+    int64_t bstride, ystride;     //   into y + z·ystride
+    float *part;                  // split: block z sums r over [z·chunk, +chunk) into part [splits, M, N]
+    int64_t chunk;
+    int acc;                      // y += Σ (1) or y = Σ (0); the sum is formed first, then added once
+};
+
+struct out_t {
+    float *y;
+    int64_t ld;
+    int add;
+};
+
+__device__ __forceinline__ void emit(const out_t &o, int64_t m, int64_t n, float v) {
+    float *q = o.y + m * o.ld + n;
+    *q = o.add ? *q + v : v;
+}
+
+// The rows [m0, m1) of tile `tile` and the offset of its B; false when the block has no tile (row groups).
+template <int BM>
+__device__ __forceinline__ bool tile_rows(const prod_args &p, int64_t tile, int64_t &m0, int64_t &m1, int64_t &boff) {
+    if (!p.off || p.rgroup) {
+        m0 = tile * BM;
+        m1 = p.M;
+        boff = 0;
+        return m0 < p.M;
+    }
+    return ds4d_group_tile<BM>(p.off, p.E, p.bstride, tile, m0, m1, boff);
+}
+
+// The reduction range [r0, r1) of grid slice z and where its sums go; false for an empty group (its dW untouched,
+// as on the CPU: adding a sum of nothing would turn -0 into +0).
+__device__ __forceinline__ bool red_range(const prod_args &p, int64_t z, int64_t &r0, int64_t &r1, out_t &o) {
+    if (p.off && p.rgroup) {
+        r0 = p.off[z];
+        r1 = p.off[z + 1];
+        o = {p.y + z * p.ystride, p.ldy, p.acc};
+        return r1 > r0;
+    }
+    if (p.part) {
+        r0 = z * p.chunk;
+        r1 = r0 + p.chunk < p.R ? r0 + p.chunk : p.R;
+        o = {p.part + z * p.M * p.N, p.N, 0};
+        return true;
+    }
+    r0 = 0;
+    r1 = p.R;
+    o = {p.y, p.ldy, p.acc};
+    return true;
+}
+
+// Loads into shared memory: consecutive threads take consecutive n of B (its n stride is 1 in every use: W read
+// across its rows, x down its columns) and, with AM, consecutive m of A (dy down its columns, for dW), else
+// consecutive r of A (dy along its rows, for dx); so every warp reads contiguous memory. The mapping only decides
+// which thread loads what, never a sum.
+
+// fp32: BM × BN per block of (BM/TM)·(BN/TN) threads, TM × TN outputs each; chunks of 16 r's staged in shared memory.
+template <int BM, int BN, int TM, int TN, bool AM>
+__global__ void __launch_bounds__((BM / TM) * (BN / TN)) prod_f32(prod_args p) {
+    constexpr int BK = 16, NTH = (BM / TM) * (BN / TN);
+    static_assert(RSLICE % BK == 0, "slices hold whole chunks");
+    __shared__ float sA[BK][BM + 1], sB[BK][BN + 1];
+    int64_t m0, m1, boff, r0, r1;
+    out_t o;
+    if (!tile_rows<BM>(p, blockIdx.x, m0, m1, boff) || !red_range(p, blockIdx.z, r0, r1, o)) return;
+    const float *B = (const float *)p.b + boff;
+    const int64_t n0 = (int64_t)blockIdx.y * BN, mend = m1 < m0 + BM ? m1 : m0 + BM;
+    const int tid = threadIdx.x, ty = tid / (BN / TN), tx = tid % (BN / TN);
+    float tot[TM][TN], acc[TM][TN];
+    ds4d_fma_zero(tot);
+    ds4d_fma_zero(acc);
+    for (int64_t k0 = r0; k0 < r1; k0 += BK) {
+        for (int i = tid; i < BM * BK; i += NTH) {
+            const int m = AM ? i % BM : i / BK, kk = AM ? i / BM : i % BK;
+            const int64_t r = m0 + m, k = k0 + kk;
+            sA[kk][m] = r < mend && k < r1 ? p.a[r * p.a_rs + k * p.a_ks] : 0.0f;
+        }
+        for (int i = tid; i < BN * BK; i += NTH) {
+            const int n = i % BN, kk = i / BN;
+            const int64_t c = n0 + n, k = k0 + kk;
+            sB[kk][n] = c < p.N && k < r1 ? B[c * p.b_rs + k * p.b_ks] : 0.0f;
+        }
+        __syncthreads();
+        ds4d_fma_chunk(acc, sA, sB, ty, tx);
+        __syncthreads();
+        if ((k0 - r0 + BK) % RSLICE == 0 || k0 + BK >= r1) // a slice ends: its partial joins the total
+            ds4d_fma_fold(tot, acc);
+    }
+#pragma unroll
+    for (int i = 0; i < TM; i++) {
+        const int64_t m = m0 + ty * TM + i;
+        if (m >= mend) continue;
+#pragma unroll
+        for (int j = 0; j < TN; j++) {
+            const int64_t n = n0 + tx * TN + j;
+            if (n < p.N) emit(o, m, n, tot[i][j]);
+        }
+    }
+}
+
+// bf16 ------------------------------------------------------------------------------------------
+
+// An operand value as bf16: fp32 rounded to nearest even (as pack_bf16 in cuda_gemm.cu), bf16 bits as they are.
+__device__ __forceinline__ __nv_bfloat16 to_bf16(float v) { return __float2bfloat16_rn(v); }
+__device__ __forceinline__ __nv_bfloat16 to_bf16(unsigned short v) { return __ushort_as_bfloat16(v); }
+
+// bf16: BM × BN per block of (BM/WM)·(BN/WN) warps, each WM × WN of m16n8 tiles; chunks of 32 r's staged in shared
+// memory as bf16 rows of 40 (sA[m][k], sB[n][k]), the next chunk's values in registers while the current one is
+// multiplied on the tensor cores as the forward GEMM does (cuda_tile.cuh). TB: B's element type (float: rounded
+// here; unsigned short: bf16 bits).
+template <int BM, int BN, int WM, int WN, bool AM, typename TB>
+__global__ void __launch_bounds__((BM / WM) * (BN / WN) * 32) prod_bf16(prod_args p) {
+    constexpr int NTH = (BM / WM) * (BN / WN) * 32, MT = WM / 16, NT = WN / 8, LDS = 40, KC = 32;
+    constexpr int AL = BM * KC / NTH, BL = BN * KC / NTH; // values per thread and chunk
+    static_assert(AL * NTH == BM * KC && BL * NTH == BN * KC && RSLICE % KC == 0, "tile shapes");
+    static_assert(NTH % BM == 0 && NTH % KC == 0 && NTH % BN == 0, "a thread keeps its row (AM) or k across l");
+    __shared__ __align__(16) __nv_bfloat16 sA[BM * LDS], sB[BN * LDS];
+    int64_t m0, m1, boff, r0, r1;
+    out_t o;
+    if (!tile_rows<BM>(p, blockIdx.x, m0, m1, boff) || !red_range(p, blockIdx.z, r0, r1, o)) return;
+    const TB *B = (const TB *)p.b + boff;
+    const int64_t n0 = (int64_t)blockIdx.y * BN, mend = m1 < m0 + BM ? m1 : m0 + BM;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+    const int wm = (warp / (BN / WN)) * WM, wn = (warp % (BN / WN)) * WN;
+    float acc[MT][NT][4], tot[MT][NT][4];
+    ds4d_mma_zero(acc);
+    ds4d_mma_zero(tot);
+    // This thread's elements of a chunk: A row ta (+ l·SA with !AM) at k ka (+ l·SA with AM); B row tb at k kb + l·SB.
+    constexpr int SA = AM ? NTH / BM : NTH / KC, SB = NTH / BN;
+    const int ta = AM ? tid % BM : tid / KC, ka = AM ? tid / BM : tid % KC, tb = tid % BN, kb = tid / BN;
+    const int64_t astep = AM ? SA * p.a_ks : SA * p.a_rs, bstep = SB * p.b_ks;
+    const bool brow = n0 + tb < p.N;
+    float ra[AL];
+    TB rb[BL];
+    auto fetch = [&](int64_t k0) {
+        const float *qa = p.a + (m0 + ta) * p.a_rs + (k0 + ka) * p.a_ks;
+#pragma unroll
+        for (int l = 0; l < AL; l++) {
+            const bool in = (AM ? m0 + ta < mend : m0 + ta + l * SA < mend) && (AM ? k0 + ka + l * SA : k0 + ka) < r1;
+            ra[l] = in ? qa[l * astep] : 0.0f;
+        }
+        const TB *qb = B + (n0 + tb) * p.b_rs + (k0 + kb) * p.b_ks;
+#pragma unroll
+        for (int l = 0; l < BL; l++) rb[l] = brow && k0 + kb + l * SB < r1 ? qb[l * bstep] : (TB)0;
+    };
+    auto stash = [&]() {
+#pragma unroll
+        for (int l = 0; l < AL; l++) sA[(AM ? ta : ta + l * SA) * LDS + (AM ? ka + l * SA : ka)] = to_bf16(ra[l]);
+#pragma unroll
+        for (int l = 0; l < BL; l++) sB[tb * LDS + kb + l * SB] = to_bf16(rb[l]);
+    };
+    fetch(r0);
+    for (int64_t k0 = r0; k0 < r1; k0 += KC) {
+        stash();
+        __syncthreads();
+        if (k0 + KC < r1) fetch(k0 + KC);
+        ds4d_mma_chunk<MT, NT, LDS>(acc, sA, sB, wm, wn, g, t);
+        __syncthreads();
+        if ((k0 - r0 + KC) % RSLICE == 0 || k0 + KC >= r1) // a slice ends: its partial joins the total
+            ds4d_mma_fold(tot, acc);
+    }
+    // the m16n8 accumulator layout: (row g, columns 2t, 2t+1) and (row g + 8, the same columns)
+#pragma unroll
+    for (int i = 0; i < MT; i++)
+#pragma unroll
+        for (int j = 0; j < NT; j++)
+#pragma unroll
+            for (int q = 0; q < 4; q++) {
+                const int64_t m = m0 + wm + i * 16 + g + (q >> 1) * 8, n = n0 + wn + j * 8 + 2 * t + (q & 1);
+                if (m < mend && n < p.N) emit(o, m, n, tot[i][j][q]);
+            }
+}
+
+// y (+)= the split partials of each output, added in chunk order.
+__global__ void split_sum(float *y, int64_t ldy, const float *part, int64_t S, int64_t M, int64_t N, int acc) {
+    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= M * N) return;
+    float s = part[i];
+    for (int64_t z = 1; z < S; z++) s += part[z * M * N + i];
+    float *q = y + (i / N) * ldy + i % N;
+    *q = acc ? *q + s : s;
+}
+
+constexpr int F32_BM = 64, F32_BN = 64, BF_BM = 64, BF_BN = 128;
+
+// Run one product in the mode wdt (F32: fp32 kernel; BF16: tensor cores). weight_b: B is the weight, in wdt, and A is
+// read along its rows (dx = dy·W); else B is fp32 activations (rounded in BF16) and A is read down its columns (dW).
+void product(ds4_dev *d, const char *op, prod_args p, ds4_dtype wdt, bool weight_b, const char *shapes) {
+    cuda_dev *cd = cdev(d);
+    if (wdt != DS4_F32 && wdt != DS4_BF16) {
+        ds4_dev_fail(d, DS4_ERR_UNSUPPORTED, "%s %s: weight dtype %s (F32 or BF16)", op, shapes, ds4_dtype_name(wdt));
+        return;
+    }
+    const int BM = wdt == DS4_F32 ? F32_BM : BF_BM, BN = wdt == DS4_F32 ? F32_BN : BF_BN;
+    const int64_t gx = (p.M + BM - 1) / BM + (p.off && !p.rgroup ? p.E : 0), gy = (p.N + BN - 1) / BN;
+    int64_t gz = p.off && p.rgroup ? p.E : 1;
+    p.part = nullptr;
+    p.chunk = p.R;
+    if (!p.off && p.R > RSLICE && gx * gy < SPLIT_BLOCKS) {
+        // a small output over a long reduction: chunks of whole slices, their number fixed by the shapes alone
+        const int64_t slices = (p.R + RSLICE - 1) / RSLICE;
+        int64_t want = (SPLIT_BLOCKS + gx * gy - 1) / (gx * gy);
+        if (want > slices) want = slices;
+        p.chunk = (slices + want - 1) / want * RSLICE;
+        gz = (p.R + p.chunk - 1) / p.chunk;
+    }
+    if (gx > 0x7fffffff || gy > 65535 || gz > 65535) {
+        ds4_dev_fail(d, DS4_ERR_UNSUPPORTED, "%s %s: a grid of %lld x %lld x %lld blocks is beyond CUDA's limits", op,
+                     shapes, (long long)gx, (long long)gy, (long long)gz);
+        return;
+    }
+    if (gz > 1 && !p.off) {
+        p.part = (float *)ds4_cuda_scratch(d, (size_t)(gz * p.M * p.N) * sizeof(float), op, 0);
+        if (!p.part) return;
+    }
+    const dim3 grid((unsigned)gx, (unsigned)gy, (unsigned)gz);
+    if (wdt == DS4_F32 && weight_b)
+        prod_f32<F32_BM, F32_BN, 4, 4, false><<<grid, 256, 0, cd->stream>>>(p);
+    else if (wdt == DS4_F32)
+        prod_f32<F32_BM, F32_BN, 4, 4, true><<<grid, 256, 0, cd->stream>>>(p);
+    else if (weight_b)
+        prod_bf16<BF_BM, BF_BN, 32, 32, false, unsigned short><<<grid, 256, 0, cd->stream>>>(p);
+    else
+        prod_bf16<BF_BM, BF_BN, 32, 32, true, float><<<grid, 256, 0, cd->stream>>>(p);
+    if (!ds4_cuda_launched(d, op, "%s (%s)", shapes, ds4_dtype_name(wdt)) || !p.part) return;
+    split_sum<<<ds4_blocks(p.M * p.N, 256), 256, 0, cd->stream>>>(p.y, p.ldy, p.part, gz, p.M, p.N, p.acc);
+    ds4_cuda_launched(d, op, "%s (%s): the sum of %lld partials", shapes, ds4_dtype_name(wdt), (long long)gz);
+}
+
+// ------------------------------------------------------------------------------------------ row ops
+
+// Threads of a row block for a row of `width`: the block shape (so the reduction tree) follows the width only.
+int row_threads(int64_t width) { return width >= 256 ? 256 : (width >= 128 ? 128 : (width >= 64 ? 64 : 32)); }
+
+// One block per row: g = dlogp[r] (or g0); dl = g·(onehot − softmax) with the max and Σ exp of the CPU (double).
+// dl may be the logits: every value of the row is read (two block sums, each ending with a barrier) before any
+// is written, and each thread then reads and writes only its own elements.
+__global__ void logp_bwd_kernel(float *dl, const float *logits, int64_t V, const int64_t *tgt, const float *dlogp,
+                                double g0) {
+    __shared__ double shd[8];
+    __shared__ float shf[8];
+    const int64_t r = blockIdx.x, y = tgt[r];
+    const float *z = logits + r * V;
+    float *o = dl + r * V;
+    const double g = dlogp ? (double)dlogp[r] : g0;
+    if (y == -100 || g == 0) {
+        for (int64_t v = threadIdx.x; v < V; v += blockDim.x) o[v] = 0.0f;
+        return;
+    }
+    float mx = -INFINITY;
+    for (int64_t v = threadIdx.x; v < V; v += blockDim.x) mx = z[v] > mx ? z[v] : mx;
+    mx = ds4d_block_maxf(mx, shf);
+    double se = 0;
+    for (int64_t v = threadIdx.x; v < V; v += blockDim.x) se += exp((double)z[v] - mx);
+    se = ds4d_block_sum(se, shd);
+    for (int64_t v = threadIdx.x; v < V; v += blockDim.x) {
+        float val = (float)(-g * exp((double)z[v] - mx) / se);
+        if (v == y) val += (float)g;
+        o[v] = val;
+    }
+}
+
+struct norm_args {
+    float *dx;
+    float *dw;
+    const float *dy, *x, *w;
+    float *rinv;                  // [groups, rows] (float, as the CPU keeps them)
+    double *part;                 // [groups, chunks, width]
+    int64_t rows, width, groups, gstride, chunks;
+    double eps;
+    int acc;
+};
+
+// One block per (group, row). rinv_only: the RMS factor alone (for the weight gradient); else dx (written or added).
+// dx may alias dy: the row's dot is a block sum (ending with a barrier) before any dx is written, and each thread
+// then reads dy[i] before it writes dx[i] for its own i.
+__global__ void norm_bwd_rows(norm_args a, int rinv_only) {
+    __shared__ double sh[8];
+    const int64_t gr = blockIdx.x, g = gr / a.rows, r = gr % a.rows, n = a.width;
+    const int64_t o = g * a.gstride + r * n;
+    const float *x = a.x + o, *dy = a.dy + o, *w = a.w;
+    float *dx = a.dx + o;
+    double ss = 0;
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) ss += (double)x[i] * x[i];
+    ss = ds4d_block_sum(ss, sh);
+    const double ri = 1.0 / sqrt(ss / (double)n + a.eps);
+    if (rinv_only) {
+        if (threadIdx.x == 0) a.rinv[gr] = (float)ri;
+        return;
+    }
+    double dot = 0;
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) dot += (double)(w ? w[i] * dy[i] : dy[i]) * x[i];
+    dot = ds4d_block_sum(dot, sh);
+    const double k = ri * ri * ri * dot / (double)n;
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+        const double gi = (double)(w ? w[i] * dy[i] : dy[i]) * ri - (double)x[i] * k;
+        dx[i] = a.acc ? dx[i] + (float)gi : (float)gi;
+    }
+}
+
+// The weight gradient's partial of (column tile, row chunk, group): 8 row lanes per column, each over every 8th row
+// of the chunk, then the lanes added in lane order.
+__global__ void __launch_bounds__(256) norm_dw_part(norm_args a) {
+    __shared__ double sh[8][33];
+    const int64_t i = (int64_t)blockIdx.x * 32 + threadIdx.x, c = blockIdx.y, g = blockIdx.z;
+    const int64_t rb = c * NORM_CHUNK, re = rb + NORM_CHUNK < a.rows ? rb + NORM_CHUNK : a.rows;
+    double s = 0;
+    if (i < a.width)
+        for (int64_t r = rb + threadIdx.y; r < re; r += 8) {
+            const int64_t o = g * a.gstride + r * a.width + i;
+            s += (double)a.dy[o] * (double)a.x[o] * (double)a.rinv[g * a.rows + r];
+        }
+    sh[threadIdx.y][threadIdx.x] = s;
+    __syncthreads();
+    if (threadIdx.y || i >= a.width) return;
+    double t = sh[0][threadIdx.x];
+    for (int l = 1; l < 8; l++) t += sh[l][threadIdx.x];
+    a.part[(g * a.chunks + c) * a.width + i] = t;
+}
+
+// dw[i] += each group's sum (chunks in order, in double) rounded to fp32, group by group as the CPU adds them.
+__global__ void norm_dw_finish(norm_args a) {
+    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= a.width) return;
+    float w = a.dw[i];
+    for (int64_t g = 0; g < a.groups; g++) {
+        double s = 0;
+        for (int64_t c = 0; c < a.chunks; c++) s += a.part[(g * a.chunks + c) * a.width + i];
+        w += (float)s;
+    }
+    a.dw[i] = w;
+}
+
+// dst[i] += src[r·ld + i] row by row in order: one thread per column, the CPU's sequence of fp32 adds.
+__global__ void colsum_kernel(float *dst, const float *src, int64_t rows, int64_t width, int64_t ld) {
+    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= width) return;
+    float s = dst[i];
+    for (int64_t r = 0; r < rows; r++) s += src[r * ld + i];
+    dst[i] = s;
+}
+
+// du[t, c] = 0 + dX[t, 0, c] + dX[t, 1, c] + ... in stream order (the CPU's adds onto a zeroed row).
+__global__ void sum_streams_kernel(float *du, const float *dX, int64_t T, int64_t n, int64_t D) {
+    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= T * D) return;
+    const int64_t t = i / D, c = i % D;
+    float s = 0.0f;
+    for (int64_t k = 0; k < n; k++) s += dX[(t * n + k) * D + c];
+    du[i] = s;
+}
+
+// The embedding gradient's links: for each token, whether it is the first of its id (lead) and the next token of the
+// same id (next, T for none), from every id compared with every other through shared-memory tiles of 256 (T² compares:
+// ~70M at 8K tokens, a few microseconds; a sort would scale better for much larger batches).
+__global__ void __launch_bounds__(256) embed_links(const int64_t *ids, int64_t T, int32_t *next, int32_t *lead) {
+    __shared__ int64_t sid[256];
+    const int64_t t = (int64_t)blockIdx.x * 256 + threadIdx.x;
+    const int64_t v = t < T ? ids[t] : 0;
+    int64_t nx = T;
+    int first = 1;
+    for (int64_t j0 = 0; j0 < T; j0 += 256) {
+        __syncthreads();
+        if (j0 + threadIdx.x < T) sid[threadIdx.x] = ids[j0 + threadIdx.x];
+        __syncthreads();
+        const int64_t jn = T - j0 < 256 ? T - j0 : 256;
+        if (t < T)
+            for (int64_t j = 0; j < jn; j++)
+                if (sid[j] == v) {
+                    const int64_t q = j0 + j;
+                    if (q < t) first = 0;
+                    else if (q > t && q < nx) nx = q;
+                }
+    }
+    if (t < T) {
+        next[t] = (int32_t)nx;
+        lead[t] = first;
+    }
+}
+
+// The block of the first token of each id adds, column by column, every token of that id in token order (following
+// the links) and each token's streams in order onto the embedding row: the CPU's sequence of fp32 adds. The blocks of
+// the other tokens have nothing to do.
+__global__ void embed_bwd_kernel(float *ge, const int64_t *ids, const int32_t *next, const int32_t *lead,
+                                 const float *dx, int64_t T, int64_t n, int64_t D) {
+    const int64_t t = blockIdx.x;
+    if (!lead[t]) return;
+    const int64_t c = (int64_t)blockIdx.y * blockDim.x + threadIdx.x;
+    if (c >= D) return;
+    float *row = ge + ids[t] * D + c;
+    float s = *row;
+    for (int64_t q = t; q < T; q = next[q]) {
+        const float *src = dx + q * n * D + c;
+        for (int64_t i = 0; i < n; i++) s += src[i * D];
+    }
+    *row = s;
+}
+
+size_t align256(size_t n) { return (n + 255) & ~(size_t)255; }
+
+} // namespace
+
+// ------------------------------------------------------------------------------------------ operations
+
+void ds4_cuda_logp_bwd(ds4_dev *d, const ds4_a_logp_bwd *a) {
+    if (a->rows <= 0 || a->V <= 0) return;
+    if (a->rows > 0x7fffffff) {
+        ds4_dev_fail(d, DS4_ERR_UNSUPPORTED, "logp_bwd: %lld rows x %lld", (long long)a->rows, (long long)a->V);
+        return;
+    }
+    logp_bwd_kernel<<<(unsigned)a->rows, 256, 0, cdev(d)->stream>>>(a->dl, a->logits, a->V, a->tgt, a->dlogp, a->g0);
+    ds4_cuda_launched(d, "logp_bwd", "[%lld x %lld]", (long long)a->rows, (long long)a->V);
+}
+
+// dx [T, K] (row stride lddx) (+)= dy [T, O] (row stride ldy) · W [O, K]: A(t, o) = dy[t, o], B(k, o) = W[o, k].
+// bf16_in with fp32 weights is the CPU reference's emulation of the bf16 mode (ops.h); here bf16 weights imply it.
+static void fp32_bf16_in(ds4_dev *d, const char *op) {
+    ds4_dev_fail(d, DS4_ERR_UNSUPPORTED, "%s: bf16_in with fp32 weights (the CPU's emulation of the bf16 mode)", op);
+}
+
+void ds4_cuda_linear_bwd_x(ds4_dev *d, const ds4_a_linear_bwd_x *a) {
+    if (a->T <= 0 || a->K <= 0) return;
+    prod_args p = {};
+    p.y = a->dx, p.ldy = a->lddx, p.a = a->dy, p.a_rs = a->ldy, p.a_ks = 1, p.b = a->W, p.b_rs = 1, p.b_ks = a->K;
+    p.M = a->T, p.N = a->K, p.R = a->O, p.acc = a->acc;
+    char s[160];
+    snprintf(s, sizeof s, "dx [%lld x %lld]%s = dy [%lld x %lld] x W [%lld x %lld]", (long long)a->T, (long long)a->K,
+             a->acc ? " +" : "", (long long)a->T, (long long)a->O, (long long)a->O, (long long)a->K);
+    if (a->bf16_in && a->wdt != DS4_BF16) return fp32_bf16_in(d, "linear_bwd_x");
+    product(d, "linear_bwd_x", p, a->wdt, true, s);
+}
+
+// dW [O, K] += dyᵀ · x over T rows: A(o, t) = dy[t, o], B(k, t) = x[t, k] (both read down their columns).
+void ds4_cuda_linear_bwd_w(ds4_dev *d, const ds4_a_linear_bwd_w *a) {
+    if (a->T <= 0 || a->K <= 0 || a->O <= 0) return; // no rows: dW stays as it is (the CPU's too)
+    prod_args p = {};
+    p.y = a->dW, p.ldy = a->K, p.a = a->dy, p.a_rs = 1, p.a_ks = a->ldy, p.b = a->x, p.b_rs = 1, p.b_ks = a->ldx;
+    p.M = a->O, p.N = a->K, p.R = a->T, p.acc = 1;
+    char s[160];
+    snprintf(s, sizeof s, "dW [%lld x %lld] += dy^T [%lld x %lld] x x [%lld x %lld]", (long long)a->O, (long long)a->K,
+             (long long)a->O, (long long)a->T, (long long)a->T, (long long)a->K);
+    product(d, "linear_bwd_w", p, a->bf16_in ? DS4_BF16 : a->wdt, false, s);
+}
+
+// Rows [off[e], off[e+1]) of dx [rows, K] (+)= the same rows of dy [rows, O] · W_e [O, K], W_e = W + e·wstride.
+void ds4_cuda_linear_bwd_x_grouped(ds4_dev *d, const ds4_a_linear_bwd_x_grouped *a) {
+    if (a->E <= 0 || a->rows <= 0 || a->K <= 0) return;
+    prod_args p = {};
+    p.y = a->dx, p.ldy = a->K, p.a = a->dy, p.a_rs = a->O, p.a_ks = 1, p.b = a->W, p.b_rs = 1, p.b_ks = a->K;
+    p.M = a->rows, p.N = a->K, p.R = a->O, p.acc = a->acc, p.off = a->off, p.E = a->E, p.bstride = a->wstride;
+    char s[160];
+    snprintf(s, sizeof s, "dx [%lld x %lld]%s = dy [%lld x %lld] x W [%lld x %lld x %lld] by expert",
+             (long long)a->rows, (long long)a->K, a->acc ? " +" : "", (long long)a->rows, (long long)a->O,
+             (long long)a->E, (long long)a->O, (long long)a->K);
+    if (a->bf16_in && a->wdt != DS4_BF16) return fp32_bf16_in(d, "linear_bwd_x_grouped");
+    product(d, "linear_bwd_x_grouped", p, a->wdt, true, s);
+}
+
+// dW_e [O, K] += dyᵀ · x over the rows [off[e], off[e+1]) of dy [rows, O] and x [rows, K]; dW_e = dW + e·wstride.
+void ds4_cuda_linear_bwd_w_grouped(ds4_dev *d, const ds4_a_linear_bwd_w_grouped *a) {
+    if (a->E <= 0 || a->K <= 0 || a->O <= 0) return;
+    prod_args p = {};
+    p.y = a->dW, p.ldy = a->K, p.a = a->dy, p.a_rs = 1, p.a_ks = a->O, p.b = a->x, p.b_rs = 1, p.b_ks = a->K;
+    p.M = a->O, p.N = a->K, p.R = a->rows, p.acc = 1, p.off = a->off, p.E = a->E, p.rgroup = 1, p.ystride = a->wstride;
+    char s[160];
+    snprintf(s, sizeof s, "dW [%lld x %lld x %lld] += dy^T [%lld x %lld] x x [%lld x %lld] by expert", (long long)a->E,
+             (long long)a->O, (long long)a->K, (long long)a->O, (long long)a->rows, (long long)a->rows,
+             (long long)a->K);
+    product(d, "linear_bwd_w_grouped", p, a->bf16_in ? DS4_BF16 : a->wdt, false, s);
+}
+
+void ds4_cuda_norm_bwd(ds4_dev *d, const ds4_a_norm_bwd *a) {
+    const int64_t groups = a->groups > 0 ? a->groups : 1;
+    if (a->rows <= 0 || a->width <= 0) return;
+    cudaStream_t st = cdev(d)->stream;
+    norm_args n = {a->dx, a->dw, a->dy, a->x, a->w, nullptr, nullptr, a->rows, a->width, groups, a->gstride,
+                   (a->rows + NORM_CHUNK - 1) / NORM_CHUNK, a->eps, a->acc};
+    if (groups * a->rows > 0x7fffffff || (a->dw && (n.chunks > 65535 || groups > 65535))) {
+        ds4_dev_fail(d, DS4_ERR_UNSUPPORTED, "norm_bwd: %lld groups x %lld rows x %lld", (long long)groups,
+                     (long long)a->rows, (long long)a->width);
+        return;
+    }
+    const int th = row_threads(a->width);
+    if (a->dw) { // the weight gradient reads dy: before dx (which may be dy) is written
+        const size_t rb = align256((size_t)(groups * a->rows) * sizeof(float));
+        const size_t pb = (size_t)(groups * n.chunks * a->width) * sizeof(double);
+        char *s = (char *)ds4_cuda_scratch(d, rb + pb, "norm_bwd", 1);
+        if (!s) return;
+        n.rinv = (float *)s;
+        n.part = (double *)(s + rb);
+        norm_bwd_rows<<<(unsigned)(groups * a->rows), th, 0, st>>>(n, 1);
+        if (!ds4_cuda_launched(d, "norm_bwd", "[%lld groups x %lld x %lld]: RMS factors", (long long)groups,
+                               (long long)a->rows, (long long)a->width))
+            return;
+        norm_dw_part<<<dim3(ds4_blocks(a->width, 32), (unsigned)n.chunks, (unsigned)groups), dim3(32, 8), 0, st>>>(n);
+        if (!ds4_cuda_launched(d, "norm_bwd", "[%lld groups x %lld x %lld]: weight partials", (long long)groups,
+                               (long long)a->rows, (long long)a->width))
+            return;
+        norm_dw_finish<<<ds4_blocks(a->width, 256), 256, 0, st>>>(n);
+        if (!ds4_cuda_launched(d, "norm_bwd", "[%lld groups x %lld x %lld]: weight gradient", (long long)groups,
+                               (long long)a->rows, (long long)a->width))
+            return;
+    }
+    norm_bwd_rows<<<(unsigned)(groups * a->rows), th, 0, st>>>(n, 0);
+    ds4_cuda_launched(d, "norm_bwd", "[%lld groups x %lld x %lld]%s", (long long)groups, (long long)a->rows,
+                      (long long)a->width, a->acc ? " (added)" : "");
+}
+
+void ds4_cuda_colsum_add(ds4_dev *d, const ds4_a_colsum_add *a) {
+    if (a->rows <= 0 || a->width <= 0) return;
+    colsum_kernel<<<ds4_blocks(a->width, 128), 128, 0, cdev(d)->stream>>>(a->dst, a->src, a->rows, a->width, a->ld);
+    ds4_cuda_launched(d, "colsum_add", "[%lld rows x %lld, stride %lld]", (long long)a->rows, (long long)a->width,
+                      (long long)a->ld);
+}
+
+void ds4_cuda_sum_streams(ds4_dev *d, const ds4_a_sum_streams *a) {
+    const int64_t n = a->T * a->D;
+    if (n <= 0) return;
+    sum_streams_kernel<<<ds4_blocks(n, 256), 256, 0, cdev(d)->stream>>>(a->du, a->dX, a->T, a->n, a->D);
+    ds4_cuda_launched(d, "sum_streams", "[%lld, %lld, %lld]", (long long)a->T, (long long)a->n, (long long)a->D);
+}
+
+// Links between the tokens of each id, then one pass that adds each id's tokens in order.
+void ds4_cuda_embed_bwd(ds4_dev *d, const ds4_a_embed_bwd *a) {
+    if (a->T <= 0 || a->D <= 0) return;
+    if (a->T >= 0x7fffffff || (a->D + 255) / 256 > 65535) {
+        ds4_dev_fail(d, DS4_ERR_UNSUPPORTED, "embed_bwd: [%lld tokens, %lld streams, %lld]", (long long)a->T,
+                     (long long)a->n, (long long)a->D);
+        return;
+    }
+    cudaStream_t st = cdev(d)->stream;
+    const size_t nb = align256((size_t)a->T * sizeof(int32_t));
+    char *s = (char *)ds4_cuda_scratch(d, 2 * nb, "embed_bwd", 1);
+    if (!s) return;
+    int32_t *next = (int32_t *)s, *lead = (int32_t *)(s + nb);
+    embed_links<<<ds4_blocks(a->T, 256), 256, 0, st>>>(a->ids, a->T, next, lead);
+    if (!ds4_cuda_launched(d, "embed_bwd", "[%lld tokens]: links between equal ids", (long long)a->T)) return;
+    embed_bwd_kernel<<<dim3((unsigned)a->T, (unsigned)((a->D + 255) / 256)), 256, 0, st>>>(a->ge, a->ids, next, lead,
+                                                                                           a->dx, a->T, a->n, a->D);
+    ds4_cuda_launched(d, "embed_bwd", "[%lld tokens, %lld streams, %lld]", (long long)a->T, (long long)a->n,
+                      (long long)a->D);
+}

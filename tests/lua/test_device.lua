@@ -1,0 +1,253 @@
+-- test_device.lua — where models compute, from Lua: ds4.load / new_model / random_model options, model:to,
+-- model:device, ds4.set_device, ds4.cuda_devices, ds4.profile and model:profile.
+-- Usage: ds4 run tests/lua/test_device.lua <fixtures_dir>
+--
+-- Part 1 runs everywhere: spellings and their errors, the CPU as the default, a failed move that leaves the model
+-- usable where it was (on a machine without a GPU: "no CUDA device here" or "no CUDA backend"), the profile.
+-- Part 2 runs where ds4.cuda_devices() > 0 (scripts/gpu.sh runs it on a GPU machine; CI has none), each fixture
+-- in fp32 and bf16, against the CPU model as the reference:
+--   logits: fp32 max |diff| <= 1e-4 * max(1, max |ref|) (test_forward.lua's bound: two fp32 summation orders);
+--           bf16 <= 2 e_w + 1e-2 max(1, max |ref|), where e_w is how far the CPU moves when only the weights that
+--           the GPU holds in bf16 are rounded to bf16 (measured here, as tests/test_cuda_model.c does): bf16 mode
+--           also rounds the GEMMs' activation inputs, an error of the same relative size (2^-9), hence twice;
+--           1e-2 covers fp32 accumulation. On these random inputs a rounding can flip a routing choice, so e_w
+--           ranges from 0.014 (tiny_hf) to 0.62 (tiny_b); a wrong op would not follow the CPU's own flips.
+--   batch invariance, bitwise: a sequence alone == row 0 of a batch with another, == model:step in chunks.
+--   generation: greedy ids in fp32 equal the CPU's; the rollout's logprobs equal log-softmax (double, here) of
+--           the same device's forward logits within 1e-5 (test_generate.lua's bound).
+--   moves: cuda -> cpu gives the CPU's logits bitwise (the host fp32 master copy is untouched); a cache made
+--           before a move is refused.
+package.path = ((arg[0]:match("^(.*)/[^/]*$") or ".") .. "/?.lua;") .. package.path
+local H = require("harness")
+local ds4 = require("ds4")
+
+local fixtures = H.fixtures()
+
+-- ------------------------------------------------------------------------------------------------ helpers
+
+local function lcg(seed)
+    local s = seed
+    return function(lo, hi)
+        s = (s * 16807) % 2147483647
+        return lo + s % (hi - lo)
+    end
+end
+
+local function random_rows(B, S, V, seed)
+    local r, rows = lcg(seed), {}
+    for b = 1, B do
+        rows[b] = {}
+        for s = 1, S do rows[b][s] = r(2, V) end
+    end
+    return rows
+end
+
+local function max_diff(a, b)
+    local d, m = 0, 0
+    for i = 1, b:numel() do
+        local e = math.abs(a[i] - b[i])
+        if e ~= e then e = math.huge end -- NaN counts as a failure
+        if e > d then d = e end
+        if math.abs(b[i]) > m then m = math.abs(b[i]) end
+    end
+    return d, m
+end
+
+-- Count of elements that are not bitwise equal (NaN never equals).
+local function n_diff(a, b, a0, b0, n)
+    local c = 0
+    for i = 1, n do
+        if a[a0 + i] ~= b[b0 + i] then c = c + 1 end
+    end
+    return c
+end
+
+local function log_softmax_at(logits, row0, V, id)
+    local m = -math.huge
+    for v = 1, V do m = math.max(m, logits[row0 + v]) end
+    local s = 0
+    for v = 1, V do s = s + math.exp(logits[row0 + v] - m) end
+    return logits[row0 + id + 1] - m - math.log(s)
+end
+
+-- The CPU model from `dir` with the weights that a bf16 device holds in bf16 (ds4_param_lowp: 2-D fp32 matrices except
+-- the mHC mixing "_fn", the position biases ".ape", the router gate and tid2eid) rounded to bf16.
+local function cpu_bf16_weights(dir)
+    local m = ds4.load(dir)
+    local t = m:tensors()
+    m:free()
+    for k, v in pairs(t) do
+        local low = v:ndim() == 2 and v:dtype() == "F32"
+        for _, s in ipairs({ "_fn", ".ape", "ffn.gate.weight", "tid2eid" }) do
+            if k:sub(-#s) == s then low = false end
+        end
+        if low then t[k] = v:to("BF16"):to("F32") end
+    end
+    local tmp = H.make_temp_dir()
+    local ok = os.execute("cp " .. H.shell_quote(dir .. "/config.json") .. " " .. H.shell_quote(tmp))
+    assert(ok == 0 or ok == true, "cannot copy " .. dir .. "/config.json")
+    ds4.save_tensors(tmp .. "/model.safetensors", t)
+    local mw = ds4.load(tmp)
+    os.execute("rm -r " .. H.shell_quote(tmp))
+    return mw
+end
+
+-- ------------------------------------------------------------------------------------------------ part 1
+
+H.eq(ds4.device(), "cpu", "default device")
+local ncuda = ds4.cuda_devices()
+H.check(type(ncuda) == "number" and ncuda >= 0 and ncuda == math.floor(ncuda), "cuda_devices: a count")
+
+H.raises(function() ds4.set_device("tpu") end, { "ds4.set_device", "'tpu'", "cpu, cuda or cuda:N" }, "unknown device")
+H.raises(function() ds4.set_device("cuda:x") end, { "index after cuda:" }, "bad index")
+H.raises(function() ds4.set_device("cpu", "bf16") end, { "fp32 only" }, "bf16 on the CPU")
+H.raises(function() ds4.set_device("cuda", "fp16") end, { "fp32 or bf16" }, "unknown dtype")
+H.raises(function() ds4.set_device("cuda:0 bf16", "fp32") end, { "two different dtypes" }, "dtype twice")
+H.raises(function() ds4.set_device(3) end, { "device expected as a string" }, "device type")
+ds4.set_device("cuda:3", "fp32")
+H.eq(ds4.device(), "cuda:3 fp32", "set_device cuda:3 fp32")
+ds4.set_device("GPU")
+H.eq(ds4.device(), "cuda:0 bf16", "gpu means cuda:0, bf16 by default")
+ds4.set_device("cuda:1 FP32")
+H.eq(ds4.device(), "cuda:1 fp32", "dtype inside the spelling")
+ds4.set_device("cpu")
+H.eq(ds4.device(), "cpu", "back to the cpu")
+
+local dir = fixtures .. "/tiny_a"
+local cpu = ds4.load(dir)
+local dev, dt = cpu:device()
+H.eq(dev, "cpu", "a loaded model is on the cpu")
+H.eq(dt, "fp32", "cpu dtype")
+H.check(cpu:to("cpu") == cpu, "to(cpu) on the cpu returns the model")
+H.raises(function() cpu:to("cpu", "bf16") end, { "ds4.model:to", "fp32 only" }, "to cpu bf16")
+H.raises(function() cpu:to({}) end, { "names no device" }, "to{}")
+H.raises(function() cpu:to("tpu") end, { "'tpu'" }, "to tpu")
+H.raises(function() ds4.load(dir, { device = "cuda:x" }) end, { "ds4.load", "index after cuda:" }, "load bad device")
+H.raises(function() ds4.load(dir, 5) end, { "ds4.load", "options table expected" }, "load bad options")
+H.raises(function() ds4.random_model(dir .. "/config.json", { seed = -1 }) end, { "non-negative integer seed" },
+    "random_model seed")
+local cfg_table = cpu:config()
+
+local ids = random_rows(2, 37, cfg_table.vocab_size, 7)
+local ref = cpu:forward(ids).logits
+
+if ncuda == 0 then
+    -- A move that cannot be made says why, and the model stays usable on the CPU.
+    local why = { "cuda:0" }
+    local err = H.raises(function() cpu:to("cuda") end, why, "to cuda without a GPU")
+    H.check(err and (err:find("no CUDA device here", 1, true) or err:find("no CUDA backend", 1, true)),
+        "to cuda without a GPU: the reason: " .. tostring(err))
+    H.raises(function() ds4.load(dir, { device = "cuda" }) end, { "ds4.load", "cuda:0" }, "load on cuda")
+    H.raises(function() ds4.new_model(cfg_table, { device = "cuda", seed = 1 }) end, { "ds4.new_model", "cuda:0" },
+        "new_model on cuda")
+    H.eq(cpu:device(), "cpu", "still on the cpu")
+    local d = max_diff(cpu:forward(ids).logits, ref)
+    H.eq(d, 0, "forward after a failed move: same logits")
+end
+
+-- The profile: off by default, then per op with the backend named; a reset empties it.
+H.eq(ds4.profile(), false, "profile off by default")
+H.check(cpu:profile():find("off", 1, true), "profile report when off")
+H.eq(ds4.profile(true), false, "profile(true) returns the previous state")
+cpu:forward(ids)
+local rep = cpu:profile(true)
+H.check(rep:find("matmul", 1, true) and rep:find("cpu backend", 1, true), "profile report:\n" .. rep)
+H.check(not cpu:profile():find("matmul", 1, true), "profile reset")
+H.eq(ds4.profile(false), true, "profile(false)")
+
+-- ------------------------------------------------------------------------------------------------ part 2
+
+if ncuda == 0 then
+    print("test_device: no CUDA device here: the GPU part is skipped")
+    H.done("test_device")
+    return
+end
+
+for _, name in ipairs({ "tiny_a", "tiny_b", "tiny_hf" }) do
+    local fdir = fixtures .. "/" .. name
+    local m_cpu = ds4.load(fdir)
+    local cfg = m_cpu:config()
+    local V = cfg.vocab_size
+    local S = 41
+    local rows = random_rows(2, S, V, 11)
+    local one = { rows[1] }
+    local ref_logits = m_cpu:forward(rows).logits
+    local e_w = max_diff(cpu_bf16_weights(fdir):forward(rows).logits, ref_logits)
+    local prompt = { 5, 9, 2, 7, 3, 8, 4 }
+    local ref_gen = m_cpu:generate({ prompt }, { max_new_tokens = 12, temperature = 0, ignore_eos = true })[1]
+    for _, dtype in ipairs({ "fp32", "bf16" }) do
+        local what = name .. " " .. dtype
+        local m = ds4.load(fdir, { device = "cuda", dtype = dtype })
+        local d1, d2 = m:device()
+        H.eq(d1, "cuda:0", what .. ": device")
+        H.eq(d2, dtype, what .. ": dtype")
+        local lg = m:forward(rows).logits
+        H.eq(lg:dtype(), "F32", what .. ": host F32 logits")
+        local d, mx = max_diff(lg, ref_logits)
+        local tol = dtype == "fp32" and 1e-4 * math.max(1, mx) or 2 * e_w + 1e-2 * math.max(1, mx)
+        H.check(d <= tol, ("%s: logits max |diff| %.3g > %.3g"):format(what, d, tol))
+        print(("test_device: %s logits vs cpu: max |diff| %.3g (bound %.3g; cpu with bf16 weights: %.3g)"):format(
+            what, d, tol, e_w))
+
+        -- batch invariance: alone == row 0 of the batch == stepped in chunks
+        local alone = m:forward(one).logits
+        H.eq(n_diff(alone, lg, 0, 0, S * V), 0, what .. ": alone vs in a batch, elements not bitwise equal")
+        local c = m:new_cache(64)
+        local at = 0
+        for _, k in ipairs({ 5, 1, 3, 17, 15 }) do
+            local chunk = {}
+            for i = 1, k do chunk[i] = rows[1][at + i] end
+            local st = m:step(c, chunk, { logits = "all" }).logits
+            H.eq(n_diff(st, alone, 0, at * V, k * V), 0, ("%s: step chunk at %d, not bitwise equal"):format(what, at))
+            at = at + k
+        end
+
+        -- generation: the rollout's logprobs against a forward over prompt .. generated, on this device
+        local g = m:generate({ prompt }, { max_new_tokens = 12, temperature = 0, ignore_eos = true })[1]
+        if dtype == "fp32" then H.same(g.ids, ref_gen.ids, what .. ": greedy ids equal the cpu's") end
+        local full = {}
+        for i, v in ipairs(prompt) do full[i] = v end
+        for i, v in ipairs(g.ids) do full[#prompt + i] = v end
+        local fl = m:forward({ full }).logits
+        local worst = 0
+        for i, id in ipairs(g.ids) do
+            local lp = log_softmax_at(fl, (#prompt + i - 2) * V, V, id)
+            worst = math.max(worst, math.abs(lp - g.logprobs[i]))
+            if worst ~= worst then worst = math.huge end
+        end
+        H.check(worst <= 1e-5, ("%s: generate logprobs vs forward: max |diff| %.3g"):format(what, worst))
+
+        -- profile on the device
+        ds4.profile(true)
+        m:forward(one)
+        local p = m:profile(true)
+        H.check(p:find("cuda backend", 1, true) and p:find("matmul", 1, true), what .. ": cuda profile:\n" .. p)
+        ds4.profile(false)
+
+        -- back to the CPU: the host master copy is the CPU model's
+        local cache = m:new_cache(16)
+        H.check(m:to("cpu") == m, what .. ": to(cpu) returns the model")
+        H.eq(m:device(), "cpu", what .. ": on the cpu")
+        H.eq(n_diff(m:forward(rows).logits, ref_logits, 0, 0, 2 * S * V), 0, what .. ": cpu after the gpu")
+        H.raises(function() m:step(cache, { 1, 2 }) end, {}, what .. ": a cache of the old device")
+        m:to("cuda", dtype == "fp32" and "bf16" or "fp32")
+        local _, back = m:device()
+        H.check(back ~= dtype, what .. ": to another dtype")
+        m:free()
+    end
+end
+
+-- new_model / random_model on the device, and the default of ds4.set_device
+ds4.set_device("cuda", "fp32")
+local m = ds4.random_model(fixtures .. "/tiny_b/config.json", 3)
+H.eq(m:device(), "cuda:0", "random_model follows set_device")
+local m2 = ds4.new_model(m:config(), { seed = 3, device = "cpu" })
+H.eq(m2:device(), "cpu", "an explicit device wins over set_device")
+local x = random_rows(1, 9, m:config().vocab_size, 5)
+local d = max_diff(m:forward(x).logits, m2:forward(x).logits)
+H.check(d <= 1e-4, ("random_model on cuda vs new_model on cpu, same seed: max |diff| %.3g"):format(d))
+ds4.set_device("cpu")
+H.raises(function() m:to("cuda:" .. ncuda) end, { "cuda:" .. ncuda, "CUDA device" }, "a device that is not there")
+H.eq(m:device(), "cuda:0", "still on cuda:0 after the failed move")
+
+H.done("test_device")

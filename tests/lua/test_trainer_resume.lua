@@ -1,0 +1,106 @@
+-- test_trainer_resume.lua — RL checkpoints and resume (issue 17): ds4.rl.trainer with checkpoint = {every = 2},
+-- stopped after step 2 (on_step returns false) and resumed in a fresh model, gives bitwise the run that never
+-- stopped: the final policy parameters, the optimizer's moments, and every metric but the timings. The checkpoint
+-- holds the reference model of a KL term (the resumed run's reference starts perturbed and must come back), the
+-- loop's counters (which batch of prompts comes next, so prompts(k, n) sees the same k) and the caller's own state
+-- (config.state); its name counts completed optimizer updates (2 minibatches per step: step 2 = step_000004).
+-- Usage: ds4 run tests/lua/test_trainer_resume.lua <fixtures_dir>
+package.path = ((arg[0]:match("^(.*)/[^/]*$") or ".") .. "/?.lua;") .. package.path
+local H = require("harness")
+local ds4 = require("ds4")
+local trainer = require("ds4.rl.trainer")
+local rl = require("ds4.rl")
+
+local FIX = H.fixtures()
+ds4.set_threads(2)
+
+local same_bytes = H.same_bytes
+
+-- prompts as a function of k only; the caller's state counts the calls
+local function config(model, reference, out, o)
+    local calls = { n = 0 }
+    local cfg = {
+        model = model,
+        reference = reference,
+        algorithm = rl.preset("grpo", { kl = { coef = 0.05, estimator = "k3", where = "loss" } }),
+        prompts = function(k, n)
+            calls.n = calls.n + 1
+            local p = {}
+            for i = 1, n do p[i] = { prompt = { 5 + (k * 7 + i) % 40, 6 + (k + i) % 30, 7 } } end
+            return p
+        end,
+        reward = function(text) return (#text > 0 and text:byte(1) % 2 == 0) and 1 or 0 end,
+        decode = function(ids)
+            local t = {}
+            for i, v in ipairs(ids) do t[i] = string.char(v % 256) end
+            return table.concat(t)
+        end,
+        rollout = { n = 4, prompts_per_step = 4, max_new_tokens = 5, temperature = 1.0 },
+        optim = { lr = 3e-3 },
+        steps = 4,
+        minibatches = 2,
+        out = out,
+        seed = 11,
+        progress = false,
+        checkpoint = { every = 2, resume = o.resume },
+        state = { save = function() return { calls = calls.n } end, load = function(t) calls.n = t.calls end },
+        on_step = o.on_step,
+    }
+    return cfg, calls
+end
+
+local rows_of = require("ds4.plot").read_jsonl
+
+local TIMING = { seconds = true, tokens_per_s = true, ["time/generate"] = true, ["time/reward"] = true,
+    ["time/train"] = true, ["time/eval"] = true }
+
+local tmp = H.make_temp_dir()
+-- A: four steps without stopping
+local ma = ds4.load(FIX .. "/tiny_a")
+local cfg_a, calls_a = config(ma, ds4.load(FIX .. "/tiny_a"), tmp .. "/a", {})
+local ra = trainer.run(cfg_a)
+H.eq(ra.updates, 8, "4 steps x 2 minibatches = 8 updates")
+-- B: the same run, stopped after step 2
+local mb = ds4.load(FIX .. "/tiny_a")
+local rb = trainer.run((config(mb, ds4.load(FIX .. "/tiny_a"), tmp .. "/b", {
+    on_step = function(step) return step < 2 end })))
+H.eq(rb.stopped_at, 2, "on_step returning false stops the run after step 2")
+H.check(io.open(tmp .. "/b/ckpt/step_000004/COMPLETE") ~= nil, "the checkpoint of step 2 is named by its 4 updates")
+local _, tstate = ds4.checkpoints.read_state(tmp .. "/b/ckpt/step_000004", "trainer")
+H.eq(tstate.step, 2, "the trainer state records the RL step")
+H.eq(tstate.user.calls, 2, "and the caller's state (config.state.save)")
+-- C: resumed in a fresh model, with a perturbed reference that the checkpoint must restore
+local mc = ds4.load(FIX .. "/tiny_a")
+local refc = ds4.load(FIX .. "/tiny_a")
+local ref_params = refc:params()
+local scaled = refc:params()
+for i = 1, scaled:numel() do scaled[i] = scaled[i] * 0.5 end
+refc:set_params(scaled)
+local cfg_c, calls_c = config(mc, refc, tmp .. "/b", { resume = true })
+local rc = trainer.run(cfg_c)
+H.eq(rc.resumed_from, tmp .. "/b/ckpt/step_000004", "resumed from the newest checkpoint")
+H.eq(rc.updates, 8, "the optimizer's update count continues")
+H.check(same_bytes(mc:params(), ma:params()), "the resumed run's final parameters equal the uninterrupted run's, bit for bit")
+H.check(same_bytes(refc:params(), ref_params), "the reference model is the checkpoint's, not the perturbed one")
+H.eq(calls_c.n, calls_a.n, "the caller's state continued from the checkpoint")
+local sa = ds4.checkpoints.read_state(tmp .. "/a/ckpt/step_000008", "optimizer")
+local sc = ds4.checkpoints.read_state(tmp .. "/b/ckpt/step_000008", "optimizer")
+H.check(same_bytes(sa.m, sc.m) and same_bytes(sa.v, sc.v), "the final AdamW moments are bit-identical")
+local a_rows, c_rows = rows_of(tmp .. "/a/metrics.jsonl"), rows_of(tmp .. "/b/metrics.jsonl")
+H.eq(#c_rows, #a_rows, "the resumed run's metrics file has every step once")
+for i, ra_row in ipairs(a_rows) do
+    local rc_row = c_rows[i] or {}
+    H.eq(rc_row.step, ra_row.step, "step of record " .. i)
+    for k, v in pairs(ra_row) do
+        if not TIMING[k] then H.eq(rc_row[k], v, ("step %d: %s"):format(ra_row.step, k)) end
+    end
+end
+H.eq(#rc.history, 4, "the returned history covers the steps before the resume too")
+
+-- a model whose hash-routing tables differ from the checkpoint's is refused, naming why
+local other = ds4.load(FIX .. "/tiny_b")
+H.raises(function() trainer.run((config(other, ds4.load(FIX .. "/tiny_b"), tmp .. "/b", { resume = true }))) end,
+    { "trainer.run: resume:", "hash-routing tables" }, "a model of other tables")
+
+os.execute("rm -rf " .. H.shell_quote(tmp))
+H.done("test_trainer_resume")

@@ -1,0 +1,348 @@
+/* test_cuda_bwd_linear.c — the CUDA backward operations of the linear family (logp_bwd, linear_bwd_x / _w and their
+ * expert-grouped forms, norm_bwd, colsum_add, sum_streams, embed_bwd) against the CPU backend's, on random inputs with
+ * odd shapes, through the argument structs the schedule uses (core/ops.h), with the flags and aliasing it uses.
+ *
+ * Exit 77 (skipped) without a CUDA build or device. As in test_cuda_ops.c (cuda_twin.h): every output poisoned with
+ * NaN (bytes 0xff) on both sides, in/out accumulators starting from the same random values. Each CUDA operation runs
+ * twice from the same start and must give the same bits (determinism: no atomics, fixed reduction orders). Bounds:
+ *   - column sums, stream sums and the embedding gradient: exactly the CPU's bits (the GPU adds in the CPU's order,
+ *     one fp32 add at a time);
+ *   - logp_bwd and norm_bwd: rel. Frobenius <= 1e-6. Both sides form every value in double (sums of exp, sums of
+ *     squares and dots) and round it to fp32 once; the double sums differ in order only (~1e-16 relative), so an
+ *     fp32 result differs at most by one rounding (2^-24 ~ 6e-8) and rarely; the norm weight gradient adds the RMS
+ *     factors as fp32 (as the CPU keeps them), which can flip by one rounding too;
+ *   - the products (dx = dy·W, dW += dyᵀ·x): rel. Frobenius <= 1e-5, the bound of test_cuda_ops.c: fp32 sums of R
+ *     terms in another order differ like sqrt(R)·2^-24 (~2e-6 at R = 1000, the longest here). bf16: the CPU gets the
+ *     same bf16-rounded operands (dy, W, and x for dW), so the products are exact on both sides and only the fp32
+ *     accumulation order differs: the same bound. A wrong index, a missing term or a wrong group is O(1). */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "testlib.h"
+
+#ifdef DS4_HAVE_CUDA
+#include "cuda_twin.h"
+
+static void *memdup(const void *p, size_t n) {
+    void *q = malloc(n ? n : 1);
+    memcpy(q, p, n);
+    return q;
+}
+
+/* The outputs of one check, for running its CUDA operations twice: their start bytes (poison, or an accumulator's
+ * start values) are kept; after the first run its results are kept and the start restored; the second run must give
+ * the same bits. Then the CPU runs, and the comparisons read the second run. */
+enum { MAXO = 2 };
+typedef struct outs {
+    twin *t[MAXO];
+    int n;
+    void *init[MAXO], *first[MAXO];
+} outs;
+
+/* the outputs a, b (b may be NULL), their start bytes kept */
+static outs outs_of(twin *a, twin *b) {
+    outs o = {.t = {a, b}, .n = b ? 2 : 1};
+    for (int i = 0; i < o.n; i++) o.init[i] = memdup(o.t[i]->h, o.t[i]->bytes);
+    return o;
+}
+
+/* after CUDA run `run` (0, 1) of check `what` */
+static void outs_gpu_done(outs *o, int run, const char *what) {
+    check_dev(gpu, what);
+    for (int i = 0; i < o->n; i++) {
+        twin *t = o->t[i];
+        void *g = fetch(t);
+        if (run == 0) {
+            o->first[i] = g;
+            ds4_error err;
+            CHECK_OK(gpu->ops->upload(gpu, t->d, o->init[i], t->bytes, &err), &err);
+            continue;
+        }
+        CHECK(memcmp(g, o->first[i], t->bytes) == 0, "%s: output %d differs between two CUDA runs", what, i);
+        free(g);
+        free(o->first[i]);
+        free(o->init[i]);
+    }
+}
+
+/* The runs of a check, two on the GPU (side 1) and then the CPU (side 0):
+ *     for (int run = 0, side = 1; run < 3; side = next_run(&o, &run, what)) OP(side ? gpu : cpu, ...); */
+static int next_run(outs *o, int *run, const char *what) {
+    if (*run < 2) outs_gpu_done(o, *run, what);
+    return ++*run < 2;
+}
+
+/* Rows of cols elements at row stride ld, where row i counts when i % period < rows (period: rows of a group, or
+ * INT64_MAX for one block), against the CPU by rel. Frobenius; every other element (row gaps, rows outside: poison
+ * or untouched start values) must be the CPU's bits. */
+static void cmp_block(const char *what, const twin *t, int64_t rows, int64_t period, int64_t cols, int64_t ld,
+                      double tol) {
+    const float *g = fetch(t), *h = t->h;
+    const int64_t n = (int64_t)(t->bytes / 4);
+    float *gb = malloc((size_t)n * 4 + 4), *hb = malloc((size_t)n * 4 + 4);
+    int64_t m = 0, outside = 0;
+    for (int64_t i = 0; i < n; i++) {
+        if ((i / ld) % period < rows && i % ld < cols) gb[m] = g[i], hb[m++] = h[i];
+        else outside += memcmp(&g[i], &h[i], 4) != 0;
+    }
+    const double e = rel_frob(gb, hb, m);
+    CHECK(e <= tol, "%s: rel. Frobenius %g > %g", what, e, tol);
+    CHECK(outside == 0, "%s: %lld elements outside the rows changed", what, (long long)outside);
+    free((void *)g), free(gb), free(hb);
+}
+
+/* The CPU's copy of x rounded to bf16 (and the device's, which the GPU would round to the same values). */
+static void round_bf16(twin *x) {
+    float *v = x->h;
+    for (size_t i = 0; i < x->bytes / 4; i++) v[i] = ds4_bf16_to_f32(bf(v[i]));
+    tw_push(x);
+}
+
+/* W for the device in wdt (bf16 bits, or W itself) after rounding the CPU's W to the same values */
+static twin weight_for(twin *W, ds4_dtype wdt) {
+    if (wdt != DS4_BF16) return *W;
+    const int64_t n = (int64_t)(W->bytes / 4);
+    twin Wd = tw_new((size_t)n * 2);
+    for (int64_t i = 0; i < n; i++) {
+        ((uint16_t *)Wd.h)[i] = bf(((float *)W->h)[i]);
+        ((float *)W->h)[i] = ds4_bf16_to_f32(((uint16_t *)Wd.h)[i]);
+    }
+    tw_push(W), tw_push(&Wd);
+    return Wd;
+}
+
+/* ------------------------------------------------------------------------------------------------ logp_bwd */
+
+static void t_logp_bwd(int per_token) {
+    enum { R = 11 };
+    const int64_t V = 3001;
+    const int64_t tgt[R] = {5, -100, 3000, 0, 17, 1234, -100, 7, 2999, 1, 2};
+    float g[R];
+    for (int r = 0; r < R; r++) g[r] = frand(-2, 2);
+    g[3] = 0; /* a scored row with no gradient: all zero */
+    twin lg = tw_f(R * V, -8, 8), tg = tw_i64(R, tgt), dlp = tw_new(sizeof g), dl = tw_out((size_t)(R * V) * 4);
+    memcpy(dlp.h, g, sizeof g);
+    tw_push(&dlp);
+    const char *what = per_token ? "logp_bwd (per-token dlogp)" : "logp_bwd (g0)";
+    outs o = outs_of(&dl, NULL);
+    for (int run = 0, side = 1; run < 3; side = next_run(&o, &run, what)) {
+        OP(side ? gpu : cpu, logp_bwd, .dl = S(dl), .logits = S(lg), .rows = R, .V = V, .tgt = S(tg),
+           .dlogp = per_token ? S(dlp) : NULL, .g0 = -0.37);
+    }
+    cmp_f(what, &dl, R * V, 1e-6);
+    twin all[] = {lg, tg, dlp, dl};
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) tw_free(&all[i]);
+}
+
+/* ------------------------------------------------------------------------------------------------ products */
+
+/* dx [T, K] (row stride K + pad) (+)= dy·W and dW += dyᵀ·x, with dy and x row strides O + pad and K + pad */
+static void t_linear(int64_t T, int64_t K, int64_t O, int64_t pad, int acc, ds4_dtype wdt) {
+    const int64_t ldy = O + pad, ldx = K + pad, lddx = K + pad;
+    twin dy = tw_f(T * ldy, -1, 1), x = tw_f(T * ldx, -1, 1), W = tw_f(O * K, -0.5f, 0.5f);
+    twin dW = tw_f(O * K, -0.1f, 0.1f), dx = acc ? tw_f(T * lddx, -1, 1) : tw_out((size_t)(T * lddx) * 4);
+    if (wdt == DS4_BF16) round_bf16(&dy), round_bf16(&x);
+    twin Wd = weight_for(&W, wdt);
+    char what[128];
+    snprintf(what, sizeof what, "linear_bwd %s T %lld K %lld O %lld pad %lld%s", ds4_dtype_name(wdt), (long long)T,
+             (long long)K, (long long)O, (long long)pad, acc ? " acc" : "");
+    outs o = outs_of(&dx, &dW);
+    for (int run = 0, side = 1; run < 3; side = next_run(&o, &run, what)) {
+        ds4_dev *d = side ? gpu : cpu;
+        const ds4_dtype dt = side ? wdt : DS4_F32;
+        OP(d, linear_bwd_x, .dx = S(dx), .lddx = lddx, .acc = acc, .dy = S(dy), .ldy = ldy, .W = side ? Wd.d : W.h,
+           .wdt = dt, .T = T, .K = K, .O = O);
+        OP(d, linear_bwd_w, .dW = S(dW), .dy = S(dy), .ldy = ldy, .x = S(x), .ldx = ldx, .T = T, .K = K, .O = O,
+           .wdt = dt);
+    }
+    char w2[160];
+    snprintf(w2, sizeof w2, "%s: dx", what);
+    cmp_block(w2, &dx, T, INT64_MAX, K, lddx, 1e-5);
+    snprintf(w2, sizeof w2, "%s: dW", what);
+    cmp_f(w2, &dW, O * K, 1e-5);
+    if (Wd.d != W.d) tw_free(&Wd);
+    twin all[] = {dy, x, W, dW, dx};
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) tw_free(&all[i]);
+}
+
+/* Routed-expert groups: expert e has counts[e] rows (some 0, one longer than a 256-row slice); rows past off[E]
+ * belong to no group and must stay as they are. */
+static void t_linear_grouped(int64_t K, int64_t O, int acc, ds4_dtype wdt) {
+    enum { E = 7 };
+    const int64_t counts[E] = {3, 0, 17, 1, 0, 70, 300};
+    int64_t off[E + 1] = {0};
+    for (int e = 0; e < E; e++) off[e + 1] = off[e] + counts[e];
+    const int64_t rows = off[E] + 5;
+    twin of = tw_i64(E + 1, off), dy = tw_f(rows * O, -1, 1), x = tw_f(rows * K, -1, 1);
+    twin W = tw_f(E * O * K, -0.5f, 0.5f);
+    twin dW = tw_f(E * O * K, -0.1f, 0.1f), dx = acc ? tw_f(rows * K, -1, 1) : tw_out((size_t)(rows * K) * 4);
+    if (wdt == DS4_BF16) round_bf16(&dy), round_bf16(&x);
+    twin Wd = weight_for(&W, wdt);
+    float *dW0 = memdup(dW.h, dW.bytes);
+    char what[128];
+    snprintf(what, sizeof what, "linear_bwd grouped %s K %lld O %lld%s", ds4_dtype_name(wdt), (long long)K,
+             (long long)O, acc ? " acc" : "");
+    outs o = outs_of(&dx, &dW);
+    for (int run = 0, side = 1; run < 3; side = next_run(&o, &run, what)) {
+        ds4_dev *d = side ? gpu : cpu;
+        const ds4_dtype dt = side ? wdt : DS4_F32;
+        OP(d, linear_bwd_x_grouped, .dx = S(dx), .acc = acc, .dy = S(dy), .W = side ? Wd.d : W.h, .wdt = dt,
+           .wstride = O * K, .off = S(of), .E = E, .rows = rows, .K = K, .O = O);
+        OP(d, linear_bwd_w_grouped, .dW = S(dW), .wstride = O * K, .dy = S(dy), .x = S(x), .off = S(of), .E = E,
+           .rows = rows, .K = K, .O = O, .wdt = dt);
+    }
+    char w2[160];
+    snprintf(w2, sizeof w2, "%s: dx", what);
+    cmp_block(w2, &dx, off[E], INT64_MAX, K, K, 1e-5);
+    snprintf(w2, sizeof w2, "%s: dW", what);
+    cmp_f(w2, &dW, E * O * K, 1e-5);
+    float *g = fetch(&dW);
+    for (int e = 0; e < E; e++)
+        if (!counts[e])
+            CHECK(memcmp(g + e * O * K, dW0 + e * O * K, (size_t)(O * K) * 4) == 0,
+                  "%s: expert %d has no rows: its dW changed", what, e);
+    free(g), free(dW0);
+    if (Wd.d != W.d) tw_free(&Wd);
+    twin all[] = {of, dy, x, W, dW, dx};
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) tw_free(&all[i]);
+}
+
+/* ------------------------------------------------------------------------------------------------ norm_bwd */
+
+typedef enum { NB_PLAIN, NB_ALIAS, NB_ACC } nb_kind;
+
+/* RMSNorm backward over `groups` groups of `rows` rows, group stride slots·width (rows < slots: the rows in between
+ * stay as they are). NB_PLAIN: dx written into its own buffer; NB_ALIAS: dx = dy (the schedule's in-place use);
+ * NB_ACC: dx added. weighted: w and dw (the weight gradient read before dx overwrites dy). */
+static void t_norm_bwd(int64_t rows, int64_t width, int64_t groups, int64_t slots, nb_kind kind, int weighted) {
+    const int64_t n = groups * slots * width;
+    twin x = tw_f(n, -2, 2), dy = tw_f(n, -1, 1), w = tw_f(width, 0.5f, 1.5f), dw = tw_f(width, -0.1f, 0.1f);
+    twin dx = kind == NB_ACC ? tw_f(n, -1, 1) : tw_out((size_t)n * 4);
+    twin *out = kind == NB_ALIAS ? &dy : &dx;
+    char what[128];
+    snprintf(what, sizeof what, "norm_bwd [%lld groups x %lld (of %lld) x %lld]%s%s", (long long)groups,
+             (long long)rows, (long long)slots, (long long)width,
+             kind == NB_ALIAS ? " dx = dy" : kind == NB_ACC ? " acc" : "", weighted ? " weighted" : "");
+    outs o = outs_of(out, weighted ? &dw : NULL);
+    for (int run = 0, side = 1; run < 3; side = next_run(&o, &run, what)) {
+        OP(side ? gpu : cpu, norm_bwd, .dx = S(*out), .acc = kind == NB_ACC, .dw = weighted ? S(dw) : NULL, .dy = S(dy),
+           .x = S(x), .w = weighted ? S(w) : NULL, .rows = rows, .width = width, .eps = 1e-6, .groups = groups,
+           .gstride = slots * width);
+    }
+    char w2[160];
+    snprintf(w2, sizeof w2, "%s: dx", what);
+    cmp_block(w2, out, rows, slots, width, width, 1e-6);
+    if (weighted) {
+        snprintf(w2, sizeof w2, "%s: dw", what);
+        cmp_f(w2, &dw, width, 1e-6);
+    }
+    twin all[] = {x, dy, w, dw, dx};
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) tw_free(&all[i]);
+}
+
+/* ------------------------------------------------------------------------------------------------ sums */
+
+static void t_colsum(int64_t rows, int64_t width, int64_t ld) {
+    twin src = tw_f(rows * ld, -1, 1), dst = tw_f(width, -1, 1);
+    char what[96];
+    snprintf(what, sizeof what, "colsum_add [%lld rows x %lld, stride %lld]", (long long)rows, (long long)width,
+             (long long)ld);
+    outs o = outs_of(&dst, NULL);
+    for (int run = 0, side = 1; run < 3; side = next_run(&o, &run, what)) {
+        OP(side ? gpu : cpu, colsum_add, .dst = S(dst), .src = S(src), .rows = rows, .width = width, .ld = ld);
+    }
+    cmp_bytes(what, &dst);
+    tw_free(&src), tw_free(&dst);
+}
+
+static void t_sum_streams(int64_t T, int64_t n, int64_t D) {
+    twin dX = tw_f(T * n * D, -1, 1), du = tw_out((size_t)(T * D) * 4);
+    outs o = outs_of(&du, NULL);
+    for (int run = 0, side = 1; run < 3; side = next_run(&o, &run, "sum_streams")) {
+        OP(side ? gpu : cpu, sum_streams, .du = S(du), .dX = S(dX), .T = T, .n = n, .D = D);
+    }
+    cmp_bytes("sum_streams", &du);
+    tw_free(&dX), tw_free(&du);
+}
+
+/* ge[ids[t]] += Σ_i dx[t, i]: ids drawn from V values (many repeats), or all equal (one long chain) */
+static void t_embed_bwd(int64_t T, int64_t n, int64_t D, int64_t V, int all_same) {
+    int64_t *ids = malloc((size_t)T * 8);
+    for (int64_t t = 0; t < T; t++) ids[t] = all_same ? V - 1 : (int64_t)(urand() * (double)V) % V;
+    twin id = tw_i64(T, ids), dx = tw_f(T * n * D, -1, 1), ge = tw_f(V * D, -1, 1);
+    char what[96];
+    snprintf(what, sizeof what, "embed_bwd [%lld tokens, %lld streams, %lld] of %lld ids%s", (long long)T, (long long)n,
+             (long long)D, (long long)V, all_same ? " (all the same)" : "");
+    outs o = outs_of(&ge, NULL);
+    for (int run = 0, side = 1; run < 3; side = next_run(&o, &run, what)) {
+        OP(side ? gpu : cpu, embed_bwd, .ge = S(ge), .ids = S(id), .dx = S(dx), .T = T, .n = n, .D = D);
+    }
+    cmp_bytes(what, &ge);
+    free(ids);
+    tw_free(&id), tw_free(&dx), tw_free(&ge);
+}
+
+/* A shape or dtype the operations cannot take is an error of the operation that names it, not a crash. */
+static void t_errors(void) {
+    twin dy = tw_f(4 * 3, -1, 1), W = tw_f(3 * 5, -1, 1), dx = tw_out(4 * 5 * 4);
+    OP(gpu, linear_bwd_x, .dx = dx.d, .lddx = 5, .dy = dy.d, .ldy = 3, .W = W.d, .wdt = DS4_F16, .T = 4, .K = 5,
+       .O = 3);
+    ds4_error err;
+    CHECK_STATUS(ds4_dev_check(gpu, "linear_bwd_x", &err), DS4_ERR_UNSUPPORTED, &err);
+    CHECK(strstr(err.msg, "linear_bwd_x") && strstr(err.msg, "F16"), "names the op and the dtype: %s", err.msg);
+    tw_free(&dy), tw_free(&W), tw_free(&dx);
+}
+
+int main(int argc, char **argv) {
+    (void)argc, (void)argv;
+    ds4_engine *eng = NULL;
+    const int open = twins_open("test_cuda_bwd_linear", &eng);
+    if (open == 77) return 77;
+    if (open) return ds4t_finish("test_cuda_bwd_linear");
+    /* CPU scratch of the linear backward (transposes up to 512K floats) and the norm backward (1024 rows) */
+    ds4_config c = {0};
+    c.hc_mult = 4, c.hidden_size = 512, c.vocab_size = 1024, c.num_attention_heads = 16, c.head_dim = 64;
+    c.sliding_window = 64, c.compress_rate_csa = 4, c.compress_rate_hca = 128, c.index_topk = 16;
+    c.num_experts_per_tok = 4, c.n_routed_experts = 8, c.moe_intermediate_size = 256, c.q_lora_rank = 256;
+    c.o_groups = 2, c.o_lora_rank = 128, c.index_n_heads = 4, c.index_head_dim = 64, c.hc_sinkhorn_iters = 20;
+    ds4_error err;
+    CHECK_OK(cpu->ops->reserve(cpu, &c, 64, 64, 1, &err), &err);
+    t_logp_bwd(1);
+    t_logp_bwd(0);
+    const ds4_dtype dts[2] = {DS4_F32, DS4_BF16};
+    for (int i = 0; i < 2; i++) {
+        const ds4_dtype dt = dts[i];
+        t_linear(1, 5, 3, 0, 0, dt);       /* one row, tiny */
+        t_linear(37, 96, 40, 3, 1, dt);    /* strided rows, dx added */
+        t_linear(300, 130, 77, 0, 0, dt);  /* dW over more than one 256-row slice: split into partials */
+        t_linear(1000, 200, 50, 1, 1, dt); /* a long reduction into a small dW: four partials */
+        t_linear(5, 70, 600, 0, 1, dt);    /* dx over O = 600: split too */
+        t_linear(512, 512, 384, 0, 0, dt); /* many tiles in both products */
+        t_linear_grouped(96, 40, 0, dt);
+        t_linear_grouped(37, 129, 1, dt);  /* K, O odd; dx added */
+    }
+    t_norm_bwd(37, 300, 1, 37, NB_PLAIN, 1);
+    t_norm_bwd(37, 300, 1, 37, NB_ALIAS, 1); /* kv_norm, q_norm: dx = dy with the weight gradient */
+    t_norm_bwd(5, 4096, 1, 5, NB_ACC, 0);    /* the mHC RMS over n·D: added, unweighted */
+    t_norm_bwd(600, 7, 1, 600, NB_ALIAS, 1); /* narrow rows, three row chunks of the weight gradient */
+    t_norm_bwd(11, 64, 3, 16, NB_PLAIN, 1);  /* compressor entries: groups with rows between them */
+    t_norm_bwd(48, 64, 1, 48, NB_ALIAS, 0);  /* per-head q RMS: in place, unweighted */
+    t_colsum(1000, 24, 24);
+    t_colsum(37, 1, 3); /* HyperHead's scale: column 0 of [T, 3] */
+    t_colsum(5, 3, 3);
+    t_sum_streams(37, 4, 300);
+    t_sum_streams(3, 1, 5);
+    t_embed_bwd(200, 4, 300, 50, 0);
+    t_embed_bwd(64, 1, 33, 7, 1);
+    t_embed_bwd(700, 1, 520, 1000, 0); /* more than one tile of 256 ids, columns over two blocks */
+    t_errors();
+    twins_close(eng);
+    return ds4t_finish("test_cuda_bwd_linear");
+}
+#else
+int main(void) {
+    printf("test_cuda_bwd_linear: skipped (built without CUDA)\n");
+    return 77;
+}
+#endif
