@@ -77,29 +77,38 @@ void ds4_cpu_matmul(ds4_dev *d, const ds4_a_matmul *a) {
     free(own);
 }
 
-/* The expert groups with rows, in expert order; returns their count or -1 (too many). */
-static int64_t groups_of(ds4_dev *d, const char *op, const int64_t *off, int64_t E) {
+/* One product per row group of off that has rows (the routed experts that got tokens), in expert order, run as one
+ * job. make(a, in, e, r0, rows) is group e's product over rows [r0, r0 + rows); in holds the operation's activation
+ * operands (as rounded for bf16_in). */
+typedef ds4_gemm (*group_fn)(const void *a, const float *const in[2], int64_t e, int64_t r0, int64_t rows);
+
+static void run_groups(ds4_dev *d, const char *op, const int64_t *off, int64_t E, group_fn make, const void *a,
+                       const float *const in[2]) {
+    if (d->st) return;
     if (E > MAX_GROUPS) {
         ds4_dev_fail(d, DS4_ERR_UNSUPPORTED, "%s: %lld row groups (at most %d)", op, (long long)E, MAX_GROUPS);
-        return -1;
+        return;
     }
-    return E;
+    ds4_gemm g[MAX_GROUPS];
+    int64_t n = 0;
+    for (int64_t e = 0; e < E; e++) {
+        const int64_t r0 = off[e], rows = off[e + 1] - r0;
+        if (rows > 0) g[n++] = make(a, in, e, r0, rows);
+    }
+    run(ds4_cpu_of(d), g, n);
+}
+
+static ds4_gemm fwd_group(const void *p, const float *const in[2], int64_t e, int64_t r0, int64_t rows) {
+    const ds4_a_matmul_grouped *a = p;
+    return fwd(a->y + r0 * a->O, a->O, in[0] + r0 * a->K, a->K, (const float *)a->W + e * a->wstride, rows, a->K, a->O);
 }
 
 void ds4_cpu_matmul_grouped(ds4_dev *d, const ds4_a_matmul_grouped *a) {
     check_f32(d, "matmul_grouped", a->wdt);
-    if (d->st || groups_of(d, "matmul_grouped", a->off, a->E) < 0) return;
+    if (d->st) return;
     float *own;
     const float *x = bf16_copy(d, "matmul_grouped", a->bf16_in, a->x, a->off[a->E] * a->K, &own);
-    if (d->st) return;
-    ds4_gemm g[MAX_GROUPS];
-    int64_t n = 0;
-    for (int64_t e = 0; e < a->E; e++) {
-        const int64_t r0 = a->off[e], rows = a->off[e + 1] - r0;
-        if (rows > 0)
-            g[n++] = fwd(a->y + r0 * a->O, a->O, x + r0 * a->K, a->K, (const float *)a->W + e * a->wstride, rows, a->K, a->O);
-    }
-    run(ds4_cpu_of(d), g, n);
+    run_groups(d, "matmul_grouped", a->off, a->E, fwd_group, a, (const float *const[2]){x, NULL});
     free(own);
 }
 
@@ -131,41 +140,33 @@ void ds4_cpu_linear_bwd_w(ds4_dev *d, const ds4_a_linear_bwd_w *a) {
     free(own_x);
 }
 
+static ds4_gemm bwd_x_group(const void *p, const float *const in[2], int64_t e, int64_t r0, int64_t rows) {
+    const ds4_a_linear_bwd_x_grouped *a = p;
+    return bwd_x(a->dx + r0 * a->K, a->K, a->acc, in[0] + r0 * a->O, a->O, (const float *)a->W + e * a->wstride, rows,
+                 a->K, a->O);
+}
+
 void ds4_cpu_linear_bwd_x_grouped(ds4_dev *d, const ds4_a_linear_bwd_x_grouped *a) {
     check_f32(d, "linear_bwd_x_grouped", a->wdt);
-    if (d->st || groups_of(d, "linear_bwd_x_grouped", a->off, a->E) < 0) return;
+    if (d->st) return;
     float *own;
     const float *dy = bf16_copy(d, "linear_bwd_x_grouped", a->bf16_in, a->dy, a->off[a->E] * a->O, &own);
-    if (d->st) return;
-    ds4_gemm g[MAX_GROUPS];
-    int64_t n = 0;
-    for (int64_t e = 0; e < a->E; e++) {
-        const int64_t r0 = a->off[e], rows = a->off[e + 1] - r0;
-        if (rows > 0)
-            g[n++] = bwd_x(a->dx + r0 * a->K, a->K, a->acc, dy + r0 * a->O, a->O, (const float *)a->W + e * a->wstride,
-                           rows, a->K, a->O);
-    }
-    run(ds4_cpu_of(d), g, n);
+    run_groups(d, "linear_bwd_x_grouped", a->off, a->E, bwd_x_group, a, (const float *const[2]){dy, NULL});
     free(own);
+}
+
+static ds4_gemm bwd_w_group(const void *p, const float *const in[2], int64_t e, int64_t r0, int64_t rows) {
+    const ds4_a_linear_bwd_w_grouped *a = p;
+    return bwd_w(a->dW + e * a->wstride, in[0] + r0 * a->O, a->O, in[1] + r0 * a->K, a->K, rows, a->K, a->O);
 }
 
 /* wdt BF16 asks for the rounded operands as bf16_in does (ops.h) */
 void ds4_cpu_linear_bwd_w_grouped(ds4_dev *d, const ds4_a_linear_bwd_w_grouped *a) {
-    if (groups_of(d, "linear_bwd_w_grouped", a->off, a->E) < 0) return;
     const int on = a->bf16_in || a->wdt == DS4_BF16;
     float *own_dy, *own_x = NULL;
     const float *dy = bf16_copy(d, "linear_bwd_w_grouped", on, a->dy, a->off[a->E] * a->O, &own_dy);
     const float *x = d->st ? NULL : bf16_copy(d, "linear_bwd_w_grouped", on, a->x, a->off[a->E] * a->K, &own_x);
-    if (!d->st) {
-        ds4_gemm g[MAX_GROUPS];
-        int64_t n = 0;
-        for (int64_t e = 0; e < a->E; e++) {
-            const int64_t r0 = a->off[e], rows = a->off[e + 1] - r0;
-            if (rows > 0)
-                g[n++] = bwd_w(a->dW + e * a->wstride, dy + r0 * a->O, a->O, x + r0 * a->K, a->K, rows, a->K, a->O);
-        }
-        run(ds4_cpu_of(d), g, n);
-    }
+    run_groups(d, "linear_bwd_w_grouped", a->off, a->E, bwd_w_group, a, (const float *const[2]){dy, x});
     free(own_dy);
     free(own_x);
 }
