@@ -211,6 +211,24 @@ typedef struct {
     int64_t i0, n, r0;
 } blk_key;
 
+/* A tile of fewer than DIRECT_M rows with both operands read along r (decode: one or two tokens per product or per
+ * expert) is summed by ds4_dot straight from the operands: packing would pad its rows to MR and copy B for a single
+ * pass. ds4_dot is the sum the packed path computes (kernels_cpu.h), so the bits are the same. */
+enum { DIRECT_M = 3 };
+
+static int direct_tile(const ds4_gemm *g, int64_t m) { return m < DIRECT_M && g->a_ks == 1 && g->b_ks == 1; }
+
+static void gemm_direct(const ds4_gemm *g, int64_t i0, int64_t m, int64_t j0, int64_t n) {
+    for (int64_t q = 0; q < m; q++) {
+        const float *a = g->a + (i0 + q) * g->a_rs;
+        float *y = g->y + (i0 + q) * g->ldy + j0;
+        for (int64_t c = 0; c < n; c++) {
+            const float s = ds4_dot(a, g->b + (j0 + c) * g->b_rs, g->R);
+            y[c] = g->acc ? y[c] + s : s;
+        }
+    }
+}
+
 /* One tile: rows [i0, i0 + m) × columns [j0, j0 + n) of problem g, every chunk of r. ws: DS4_GEMM_WS_FLOATS, its
  * head a b_key. bpre: g's B packed whole (every panel over all of R8), or NULL. */
 static void gemm_tile(const ds4_gemm *g, int64_t i0, int64_t m, int64_t j0, int64_t n, float *ws, tile_fn tile,
@@ -219,6 +237,10 @@ static void gemm_tile(const ds4_gemm *g, int64_t i0, int64_t m, int64_t j0, int6
     float *pa = ws + DS4_GEMM_WS_HEAD, *pb = pa + MC * KC, *lanes = pb + NC * KC; /* lanes: [MC/MR][NC/NP][MR][NP][8] */
     const int64_t R8 = g->R & ~(int64_t)7, mp = (m + MR - 1) / MR, np = (n + NP - 1) / NP;
     float sums[MR * NC]; /* one row block of the tile's finished lane sums */
+    if (!bpre && direct_tile(g, m)) {
+        gemm_direct(g, i0, m, j0, n);
+        return;
+    }
     if (R8 == 0) {
         memset(sums, 0, sizeof sums); /* the lane sums of no products: +0, as the reference's zero lanes give */
         for (int64_t ip = 0; ip < mp; ip++) finish(g, sums, i0 + ip * MR, m - ip * MR < MR ? m - ip * MR : MR, j0, n);
