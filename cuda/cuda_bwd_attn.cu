@@ -7,7 +7,7 @@
 // Determinism: no floating-point atomics. A gradient that several queries feed is gathered by its owner over its
 // contributors in query order: a window key over the queries j .. j+win-1, an HCA entry over the queries that see
 // it, a CSA entry (main or indexer) over the inverse pick lists, which pick_inverse builds exactly as the CPU
-// (queries in order; integer counts only). The attention's key gradients cut those lists into chunks of 16 queries
+// (queries in order; integer counts only). The attention's key gradients cut those lists into chunks of 64 queries
 // added in parallel and folded in chunk order (an order fixed by the shapes, not the CPU's). The compressor's position-bias gradient is summed per element over
 // (sequence, window) in order from the dZ the pooling backward wrote. Block reductions use fixed trees
 // (ds4d_block_sum), so every launch gives the same bits.
@@ -192,7 +192,7 @@ __device__ __forceinline__ float key_grad(const abwd_args &a, int64_t t, int64_t
 // list is cut into chunks of KEY_QCHUNK queries, one block per (key, chunk) adds its chunk in query order into a
 // partial, and a fold adds the partials in chunk order: a fixed order set by the shapes (the same bits every run),
 // instead of one thread walking up to S queries one after another.
-constexpr int KEY_QCHUNK = 16;
+constexpr int KEY_QCHUNK = 64;
 
 // B1 (kind 0): window key tk = token j of its sequence, seen by the queries j .. j+win-1. B2 (kind 1): complete
 // entry w of sequence `row`: HCA the queries s >= (w+1)·m - 1 in order; CSA the queries that picked it, from the
