@@ -228,22 +228,32 @@ def is_linear(name, arr):
     return arr.ndim == 2 and name.endswith(".weight")
 
 
-def write_official(src, cfg, root):
+def split(tensors, quantise):
+    """(quantised tensors, reference tensors): quantise(name, arr) gives (weight entry, scale entry, dequantised)
+    for every F32 2-D weight; the other tensors go to both lists unchanged."""
     quant, ref = [], []
-    for name, dtype, arr in official_tensors(src):
+    for name, dtype, arr in tensors:
         if dtype == "F32" and is_linear(name, arr):
-            base = name[:-len(".weight")]
-            if ".ffn.experts." in name and arr.shape[1] % FP4_BLOCK == 0:
-                packed, scales, deq = quant_fp4(arr)
-                quant.append((name, "I8", packed))
-            else:
-                codes, scales, deq = quant_fp8(arr, 128, 128, e8m0=True)
-                quant.append((name, "F8_E4M3", codes))
-            quant.append((base + ".scale", "F8_E8M0", scales))
+            w, s, deq = quantise(name, arr)
+            quant += [w, s]
             ref.append((name, "F32", deq))
         else:
             quant.append((name, dtype, arr))
             ref.append((name, dtype, arr))
+    return quant, ref
+
+
+def official_quantise(name, arr):
+    scale_name = name[:-len(".weight")] + ".scale"
+    if ".ffn.experts." in name and arr.shape[1] % FP4_BLOCK == 0:
+        packed, scales, deq = quant_fp4(arr)
+        return (name, "I8", packed), (scale_name, "F8_E8M0", scales), deq
+    codes, scales, deq = quant_fp8(arr, 128, 128, e8m0=True)
+    return (name, "F8_E4M3", codes), (scale_name, "F8_E8M0", scales), deq
+
+
+def write_official(src, cfg, root):
+    quant, ref = split(official_tensors(src), official_quantise)
     qcfg = dict(cfg, quantization_config={"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                           "weight_block_size": [128, 128], "scale_fmt": "ue8m0"})
     # two shards; a scale goes to the other shard than its weight, so a reader must look across shards
@@ -273,16 +283,12 @@ def write_official(src, cfg, root):
 
 def write_hf(src, cfg, root):
     br, bc = 16, 24
-    quant, ref = [], []
-    for name, (dtype, arr) in src.items():
-        if dtype == "F32" and is_linear(name, arr):
-            codes, scales, deq = quant_fp8(arr, br, bc, e8m0=False)
-            quant.append((name, "F8_E4M3", codes))
-            quant.append((name + "_scale_inv", "F32", scales))
-            ref.append((name, "F32", deq))
-        else:
-            quant.append((name, dtype, arr))
-            ref.append((name, dtype, arr))
+
+    def quantise(name, arr):
+        codes, scales, deq = quant_fp8(arr, br, bc, e8m0=False)
+        return (name, "F8_E4M3", codes), (name + "_scale_inv", "F32", scales), deq
+
+    quant, ref = split([(n, d, a) for n, (d, a) in src.items()], quantise)
     qcfg = dict(cfg, quantization_config={"quant_method": "fp8", "activation_scheme": "dynamic",
                                           "weight_block_size": [br, bc]})
     for sub, tensors, c in (("quant_hf", quant, qcfg), ("quant_hf_ref", ref, cfg)):

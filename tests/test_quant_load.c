@@ -128,6 +128,15 @@ static void rm_dir(const char *dir) {
     rmdir(dir);
 }
 
+/* A borrowed tensor view of a checkpoint entry (ds4_st_write only reads it). */
+static void entry_view(const ds4_st_entry *en, ds4_tensor *t) {
+    t->dtype = en->dtype;
+    t->ndim = en->ndim;
+    memcpy(t->shape, en->shape, sizeof t->shape);
+    t->data = (void *)(uintptr_t)en->data;
+    t->nbytes = en->nbytes;
+}
+
 /* Copy fixture `src` (sharded or not) into a new directory as one model.safetensors with edit `e` applied. */
 static int make_copy(const char *src, const edit *e, char *dir, size_t cap) {
     const char *base = getenv("TMPDIR");
@@ -151,11 +160,7 @@ static int make_copy(const char *src, const edit *e, char *dir, size_t cap) {
         const ds4_st_entry *en = ds4_checkpoint_entry_at(ck, i);
         if (e->drop && strcmp(en->name, e->drop) == 0) continue;
         ds4_tensor *t = &ts[k];
-        t->dtype = en->dtype;
-        t->ndim = en->ndim;
-        memcpy(t->shape, en->shape, sizeof t->shape);
-        t->data = (void *)(uintptr_t)en->data;
-        t->nbytes = en->nbytes;
+        entry_view(en, t);
         if (e->target && strcmp(en->name, e->target) == 0) {
             found = 1;
             if (e->new_retype) t->dtype = e->new_dtype;
@@ -180,14 +185,9 @@ static int make_copy(const char *src, const edit *e, char *dir, size_t cap) {
         const ds4_st_entry *from = ds4_checkpoint_find(ck, e->add_from);
         CHECK(from != NULL, "%s not in %s", e->add_from, src);
         if (from) {
-            ds4_tensor *t = &ts[k];
-            t->dtype = from->dtype;
-            t->ndim = from->ndim;
-            memcpy(t->shape, from->shape, sizeof t->shape);
-            t->data = (void *)(uintptr_t)from->data;
-            t->nbytes = from->nbytes;
+            entry_view(from, &ts[k]);
             names[k] = e->add;
-            tp[k] = t;
+            tp[k] = &ts[k];
             k++;
         }
     }
