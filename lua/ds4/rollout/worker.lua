@@ -59,7 +59,10 @@ local function zmq_transport(cfg, log)
     local t = { sock = s }
     s:set{ routing_id = cfg.id, immediate = true, linger = 0, sndhwm = 1000, rcvhwm = 1000, heartbeat_ivl = 1000,
         heartbeat_timeout = 10000, heartbeat_ttl = 10000, reconnect_ivl = 100, reconnect_ivl_max = 5000,
-        maxmsgsize = 16 * 1024 * 1024 + 65536 }
+        -- the largest message is the weight announcement: the model's config, tokenizer.json (~8 MB for a 129k
+        -- vocabulary) and hash-routing tables (layers x vocab x top-k int32: ~9 MB for DeepSeek-V4's three hash
+        -- layers), each frame also checked against the wire limits; weight chunks are at most 16 MiB
+        maxmsgsize = 256 * 1024 * 1024 }
     if cfg.curve then
         local secret = codec.read_key(cfg.curve.secret, "ds4 worker: this worker's secret key")
         local public = cfg.curve.public and codec.read_key(cfg.curve.public, "ds4 worker: this worker's public key")
