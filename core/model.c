@@ -10,6 +10,7 @@
 #include "shape_limits.h"
 #include "model.h"
 #include "ops.h"
+#include "quant.h"
 #include "sched.h"
 
 /* ------------------------------------------------------------------------------------------------ table */
@@ -530,8 +531,8 @@ static ds4_status shape_error(ds4_error *err, const char *src, const ds4_st_entr
 static ds4_status load_f32(float *dst, const ds4_st_entry *e, const char *src, ds4_error *err) {
     if (!ds4_dtype_is_float(e->dtype) || e->dtype == DS4_F8_E4M3 || e->dtype == DS4_F8_E5M2 || e->dtype == DS4_F8_E8M0)
         return ds4_fail(err, DS4_ERR_UNSUPPORTED,
-                        "model load: tensor '%s' is %s; model weights must be F32, BF16 or F16 (quantised FP8/FP4 "
-                        "checkpoints are read raw by ds4.load_tensors but are not dequantised yet)",
+                        "model load: tensor '%s' is %s; this tensor must be F32, BF16 or F16 (FP8 e4m3 and packed "
+                        "FP4 are read for 2-D weights with a scale tensor, docs/checkpoints.md)",
                         src, ds4_dtype_name(e->dtype));
     int64_t n = 1;
     for (int32_t i = 0; i < e->ndim; i++) n *= e->shape[i];
@@ -611,10 +612,63 @@ static ds4_status load_packed(ds4_model *m, const char *canon, const ds4_st_entr
 
 static int is_mtp_name(const char *canon) { return strncmp(canon, "mtp.", 4) == 0; }
 
+/* The scale stored beside weight `src` ("X.weight"): "X.scale" (official) or "X.weight_scale_inv" (transformers). */
+static ds4_status find_scale(const ds4_checkpoint *ck, const char *src, const ds4_st_entry **out, ds4_error *err) {
+    *out = NULL;
+    size_t n = strlen(src);
+    const size_t k = sizeof ".weight" - 1;
+    if (n <= k || strcmp(src + n - k, ".weight") != 0) return DS4_OK;
+    char a[544], b[544];
+    snprintf(a, sizeof a, "%.*s.scale", (int)(n - k), src);
+    snprintf(b, sizeof b, "%s_scale_inv", src);
+    const ds4_st_entry *sa = ds4_checkpoint_find(ck, a), *sb = ds4_checkpoint_find(ck, b);
+    if (sa && sb)
+        return ds4_fail(err, DS4_ERR_FORMAT, "model load: weight '%s' has two scales, '%s' and '%s'", src, a, b);
+    *out = sa ? sa : sb;
+    return DS4_OK;
+}
+
+/* A checkpoint tensor that is the scale of a weight (its name does not name a parameter, but with ".weight" in
+ * place of ".scale" / ".weight_scale_inv" it does). 1 if so; *s is set when its weight is missing. */
+static int is_scale(const ds4_checkpoint *ck, const ds4_st_entry *en, ds4_status *s, ds4_error *err) {
+    char target[544], canon[512];
+    if (!ds4_quant_scale_target(en->name, target, sizeof target) || !ds4_canonical_name(target, canon, sizeof canon))
+        return 0;
+    if (!ds4_checkpoint_find(ck, target))
+        *s = ds4_fail(err, DS4_ERR_FORMAT, "model load: scale '%s' (%s) has no weight: '%s' is not in the checkpoint",
+                      en->name, ds4_dtype_name(en->dtype), target);
+    return 1;
+}
+
+/* One checkpoint tensor into parameter p: float as is, FP8 / FP4 dequantised with the scale stored beside it. */
+static ds4_status load_param(ds4_model *m, const ds4_checkpoint *ck, const ds4_quant_format *qf, ds4_param *p,
+                             const ds4_st_entry *en, ds4_error *err) {
+    const ds4_st_entry *scale;
+    ds4_status s = find_scale(ck, en->name, &scale, err);
+    if (s) return s;
+    if (ds4_quant_kind(en->dtype) != DS4_Q_NONE && p->dtype == DS4_F32 && p->ndim == 2) {
+        s = ds4_quant_dequant(m->params + p->offset, en, scale, p->shape[0], p->shape[1], qf, err);
+        if (s) ds4_error_prefix(err, "model load: ");
+        return s;
+    }
+    if (scale)
+        return ds4_fail(err, DS4_ERR_FORMAT, "model load: scale '%s' belongs to '%s', which is %s, not a quantised "
+                        "weight (F8_E4M3, or FP4 packed in I8 / U8)", scale->name, en->name, ds4_dtype_name(en->dtype));
+    if (!same_shape(p, en)) return shape_error(err, en->name, en, p->ndim, p->shape);
+    if (p->dtype == DS4_I32) return load_tid2eid(m->tid2eid_all + p->offset, en, en->name, m->cfg.n_routed_experts, err);
+    return load_f32(m->params + p->offset, en, en->name, err);
+}
+
 ds4_status ds4_model_load(ds4_engine *e, const char *dir, ds4_model **out, ds4_error *err) {
     if (!e || !dir || !out) return ds4_fail(err, DS4_ERR_ARG, "model load: NULL argument");
     ds4_config cfg;
     ds4_status s = ds4_config_load(dir, &cfg, err);
+    if (s) {
+        ds4_error_prefix(err, "model load %s: ", dir);
+        return s;
+    }
+    ds4_quant_format qf;
+    s = ds4_quant_format_load(dir, &qf, err);
     if (s) {
         ds4_error_prefix(err, "model load %s: ", dir);
         return s;
@@ -656,7 +710,7 @@ ds4_status ds4_model_load(ds4_engine *e, const char *dir, ds4_model **out, ds4_e
     for (size_t i = 0; i < nt && !s; i++) {
         const ds4_st_entry *en = ds4_checkpoint_entry_at(ck, i);
         if (!ds4_canonical_name(en->name, canon, sizeof canon)) {
-            namelist_add(&unexpected, en->name);
+            if (!is_scale(ck, en, &s, err)) namelist_add(&unexpected, en->name); /* a scale is read with its weight */
             continue;
         }
         if (strstr(canon, ".ffn.experts.gate_up_proj") || strstr(canon, ".ffn.experts.down_proj")) {
@@ -674,12 +728,7 @@ ds4_status ds4_model_load(ds4_engine *e, const char *dir, ds4_model **out, ds4_e
             s = ds4_fail(err, DS4_ERR_FORMAT, "model load: '%s' is given twice (second time as '%s')", p->name, en->name);
             break;
         }
-        if (!same_shape(p, en)) {
-            s = shape_error(err, en->name, en, p->ndim, p->shape);
-            break;
-        }
-        if (p->dtype == DS4_I32) s = load_tid2eid(m->tid2eid_all + p->offset, en, en->name, cfg.n_routed_experts, err);
-        else s = load_f32(m->params + p->offset, en, en->name, err);
+        s = load_param(m, ck, &qf, p, en, err);
         loaded[idx] = 1;
         if (!s && !(p->src = strdup(en->name))) s = ds4_fail(err, DS4_ERR_OOM, "model load: name '%s'", en->name);
     }

@@ -28,7 +28,11 @@ struct ds4_cuda {
     int device;
     cudaStream_t stream;
     cublasHandle_t blas;
+    void *blas_ws;                // cuBLAS's workspace (BLAS_WORKSPACE bytes)
 };
+
+// cuBLAS's own recommendation for Hopper is 32 MiB; with a workspace of our own it never allocates one itself.
+constexpr size_t BLAS_WORKSPACE = (size_t)32 << 20;
 
 // ------------------------------------------------------------------------------------------ error helpers
 
@@ -189,9 +193,20 @@ extern "C" ds4_status ds4_cuda_open(int device, ds4_cuda **out, ds4_error *err) 
     s = cublasSetStream(c->blas, c->stream);
     if (s == CUBLAS_STATUS_SUCCESS) s = cublasSetMathMode(c->blas, CUBLAS_PEDANTIC_MATH);
     if (s == CUBLAS_STATUS_SUCCESS) s = cublasSetPointerMode(c->blas, CUBLAS_POINTER_MODE_HOST);
+    if (s == CUBLAS_STATUS_SUCCESS) {
+        e = cudaMalloc(&c->blas_ws, BLAS_WORKSPACE);
+        if (e != cudaSuccess) {
+            c->blas_ws = NULL;
+            ds4_cuda_close(c);
+            return cuda_fail(err, e, "cudaMalloc", "cuda open device %d: cuBLAS workspace of %zu bytes", device,
+                             BLAS_WORKSPACE);
+        }
+        s = cublasSetWorkspace(c->blas, c->blas_ws, BLAS_WORKSPACE);
+    }
     if (s != CUBLAS_STATUS_SUCCESS) {
         ds4_cuda_close(c);
-        return blas_fail(err, s, "cublasSetStream/SetMathMode/SetPointerMode", "cuda open device %d", device);
+        return blas_fail(err, s, "cublasSetStream/SetMathMode/SetPointerMode/SetWorkspace", "cuda open device %d",
+                         device);
     }
     *out = c;
     return DS4_OK;
@@ -203,6 +218,7 @@ extern "C" void ds4_cuda_close(ds4_cuda *c) {
     if (cudaSetDevice(c->device) == cudaSuccess) {
         if (c->stream) (void)cudaStreamSynchronize(c->stream);
         if (c->blas) (void)cublasDestroy(c->blas);
+        if (c->blas_ws) (void)cudaFree(c->blas_ws);
         if (c->stream) (void)cudaStreamDestroy(c->stream);
     }
     (void)cudaGetLastError();
@@ -211,6 +227,7 @@ extern "C" void ds4_cuda_close(ds4_cuda *c) {
 
 extern "C" int ds4_cuda_device_index(const ds4_cuda *c) { return c ? c->device : -1; }
 extern "C" cudaStream_t ds4_cuda_stream(const ds4_cuda *c) { return c ? c->stream : (cudaStream_t)0; }
+extern "C" void *ds4_cuda_blas(const ds4_cuda *c) { return c ? (void *)c->blas : NULL; }
 
 // ------------------------------------------------------------------------------------------ memory
 

@@ -53,6 +53,9 @@ int ds4_cuda_device_index(const ds4_cuda *c);
 #ifdef __CUDACC__
 /* The context's stream (CUDA code only). */
 cudaStream_t ds4_cuda_stream(const ds4_cuda *c);
+/* The context's cuBLAS handle (a cublasHandle_t) on that stream: pedantic math (no TF32), host scalars, and a
+ * workspace of its own allocated at open, so that a cuBLAS call never allocates inside a pass or a recorded graph. */
+void *ds4_cuda_blas(const ds4_cuda *c);
 #endif
 
 /* The model backend of core/ops.h on device `device` (cuda_dev.cu): a context of its own; *out has one reference. */

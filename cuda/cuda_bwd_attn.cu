@@ -4,10 +4,11 @@
 // its backward. core/cpu_attn_bwd.c and core/cpu_attn.c are the definitions; each kernel mirrors their arithmetic
 // (fp32 products, double where they use double).
 //
-// Determinism: no floating-point atomics. A gradient that several queries feed is gathered by its owner, which walks
-// its contributors in the CPU's order: a window key over the queries j .. j+win-1, an HCA entry over the queries
-// that see it, a CSA entry (main or indexer) over the inverse pick lists, which pick_inverse builds exactly as the
-// CPU (queries in order; integer counts only). The compressor's position-bias gradient is summed per element over
+// Determinism: no floating-point atomics. A gradient that several queries feed is gathered by its owner over its
+// contributors in query order: a window key over the queries j .. j+win-1, an HCA entry over the queries that see
+// it, a CSA entry (main or indexer) over the inverse pick lists, which pick_inverse builds exactly as the CPU
+// (queries in order; integer counts only). The attention's key gradients cut those lists into chunks of 64 queries
+// added in parallel and folded in chunk order (an order fixed by the shapes, not the CPU's). The compressor's position-bias gradient is summed per element over
 // (sequence, window) in order from the dZ the pooling backward wrote. Block reductions use fixed trees
 // (ds4d_block_sum), so every launch gives the same bits.
 #include <cstdio>
@@ -187,40 +188,70 @@ __device__ __forceinline__ float key_grad(const abwd_args &a, int64_t t, int64_t
     return acc;
 }
 
-// Phase B1, one block per window key (token j of its sequence): the queries j .. j+win-1 in order.
-__global__ void attn_bwd_kv_kernel(abwd_args a) {
-    const int64_t tk = blockIdx.x, row = tk / a.S, j = tk % a.S;
-    const int64_t s1 = j + a.win < a.S ? j + a.win : a.S;
+// Phases B1 and B2: a key's gradient is a sum over the queries that saw it (heads in order within a query). The
+// list is cut into chunks of KEY_QCHUNK queries, one block per (key, chunk) adds its chunk in query order into a
+// partial, and a fold adds the partials in chunk order: a fixed order set by the shapes (the same bits every run),
+// instead of one thread walking up to S queries one after another.
+constexpr int KEY_QCHUNK = 64;
+
+// B1 (kind 0): window key tk = token j of its sequence, seen by the queries j .. j+win-1. B2 (kind 1): complete
+// entry w of sequence `row`: HCA the queries s >= (w+1)·m - 1 in order; CSA the queries that picked it, from the
+// inverse lists (query order). key_list gives the list's length; key_item its i-th query and the key's place in
+// that query's key list.
+__device__ __forceinline__ int64_t key_list(const abwd_args &a, int kind, int64_t key) {
+    if (kind == 0) {
+        const int64_t j = key % a.S;
+        return (j + a.win < a.S ? j + a.win : a.S) - j;
+    }
+    const int64_t row = key / a.nwin, w = key % a.nwin;
+    if (a.type == DS4_ATTN_HCA) return a.S - ((w + 1) * a.m - 1) > 0 ? a.S - ((w + 1) * a.m - 1) : 0;
+    const int64_t x = row * a.S + w;
+    return a.inv_off[x + 1] - a.inv_off[x];
+}
+
+__device__ __forceinline__ void key_item(const abwd_args &a, int kind, int64_t key, int64_t i, int64_t *t,
+                                         int64_t *kidx) {
+    if (kind == 0) {
+        const int64_t row = key / a.S, j = key % a.S, s = j + i;
+        const int64_t j0 = s - a.win + 1 > 0 ? s - a.win + 1 : 0;
+        *t = row * a.S + s, *kidx = j - j0;
+        return;
+    }
+    const int64_t row = key / a.nwin, w = key % a.nwin;
+    if (a.type == DS4_ATTN_HCA) {
+        const int64_t s = (w + 1) * a.m - 1 + i, j0 = s - a.win + 1 > 0 ? s - a.win + 1 : 0;
+        *t = row * a.S + s, *kidx = (s - j0 + 1) + w;
+        return;
+    }
+    const int64_t at = a.inv_off[row * a.S + w] + i, tt = a.inv_t[at], s = tt % a.S;
+    const int64_t j0 = s - a.win + 1 > 0 ? s - a.win + 1 : 0;
+    *t = tt, *kidx = (s - j0 + 1) + a.inv_i[at];
+}
+
+// one block per (key, chunk): part[(key·nch + chunk), c] = the chunk's queries added in order (0 for an empty chunk)
+__global__ void key_grad_part_kernel(abwd_args a, int kind, int64_t nch, float *part) {
+    const int64_t key = blockIdx.x / nch, ch = blockIdx.x % nch;
+    const int64_t n = key_list(a, kind, key), i0 = ch * KEY_QCHUNK, i1 = i0 + KEY_QCHUNK < n ? i0 + KEY_QCHUNK : n;
     for (int64_t c = threadIdx.x; c < a.d; c += blockDim.x) {
         float acc = 0;
-        for (int64_t s = j; s < s1; s++) {
-            const int64_t j0 = s - a.win + 1 > 0 ? s - a.win + 1 : 0;
-            acc = key_grad(a, row * a.S + s, j - j0, c, acc);
+        for (int64_t i = i0; i < i1; i++) {
+            int64_t t, kidx;
+            key_item(a, kind, key, i, &t, &kidx);
+            acc = key_grad(a, t, kidx, c, acc);
         }
-        a.dkv[tk * a.d + c] = acc;
+        part[blockIdx.x * a.d + c] = acc;
     }
 }
 
-// Phase B2, one block per complete entry (sequence, w): HCA the queries s >= (w+1)·m - 1 in order; CSA the queries
-// that picked it, from the inverse lists (query order).
-__global__ void attn_bwd_entry_kernel(abwd_args a) {
-    const int64_t row = blockIdx.x / a.nwin, w = blockIdx.x % a.nwin, x = row * a.S + w;
-    for (int64_t c = threadIdx.x; c < a.d; c += blockDim.x) {
-        float acc = 0;
-        if (a.type == DS4_ATTN_HCA) {
-            for (int64_t s = (w + 1) * a.m - 1; s < a.S; s++) {
-                const int64_t j0 = s - a.win + 1 > 0 ? s - a.win + 1 : 0;
-                acc = key_grad(a, row * a.S + s, (s - j0 + 1) + w, c, acc);
-            }
-        } else {
-            for (int64_t i = a.inv_off[x]; i < a.inv_off[x + 1]; i++) {
-                const int64_t t = a.inv_t[i], s = t % a.S;
-                const int64_t j0 = s - a.win + 1 > 0 ? s - a.win + 1 : 0;
-                acc = key_grad(a, t, (s - j0 + 1) + a.inv_i[i], c, acc);
-            }
-        }
-        a.dK[x * a.d + c] = acc;
-    }
+// out row of key = 0 + part(chunk 0) + part(chunk 1) + ... (window keys: dkv[tk]; entries: dK[row·S + w])
+__global__ void key_grad_fold_kernel(abwd_args a, int kind, int64_t nkeys, int64_t nch, const float *part) {
+    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= nkeys * a.d) return;
+    const int64_t key = i / a.d, c = i % a.d;
+    float s = 0;
+    for (int64_t ch = 0; ch < nch; ch++) s += part[(key * nch + ch) * a.d + c];
+    if (kind == 0) a.dkv[key * a.d + c] = s;
+    else a.dK[((key / a.nwin) * a.S + key % a.nwin) * a.d + c] = s;
 }
 
 // ------------------------------------------------------------------------------------------ inverse picks
@@ -543,24 +574,38 @@ void ds4_cuda_attn_bwd_q(ds4_dev *d, const ds4_a_attn_bwd *a) {
                       (long long)g.H, (long long)g.d, (long long)g.kmax, ds4_attn_type_name(a->l->type));
 }
 
+// The key gradients of one kind (0: window keys, 1: complete entries) through partials of KEY_QCHUNK queries.
+static void key_grads(ds4_dev *d, const abwd_args &g, int kind, int64_t nkeys, int64_t longest, const char *op,
+                      const char *shapes) {
+    const int64_t nch = longest > 0 ? (longest + KEY_QCHUNK - 1) / KEY_QCHUNK : 1;
+    if (!grid_fits(d, nkeys * nch, op, "keys x query chunks")) return;
+    auto *part = (float *)ds4_cuda_scratch(d, (size_t)(nkeys * nch * g.d) * sizeof(float), op, 0);
+    if (!part) return;
+    key_grad_part_kernel<<<(unsigned)(nkeys * nch), channel_threads(g.d), 0, cdev(d)->stream>>>(g, kind, nch, part);
+    if (!ds4_cuda_launched(d, op, "%s: partials of %lld chunks", shapes, (long long)nch)) return;
+    key_grad_fold_kernel<<<ds4_blocks(nkeys * g.d, 256), 256, 0, cdev(d)->stream>>>(g, kind, nkeys, nch, part);
+    ds4_cuda_launched(d, op, "%s: fold", shapes);
+}
+
 void ds4_cuda_attn_bwd_kv(ds4_dev *d, const ds4_a_attn_bwd *a) {
     const int64_t T = a->B * a->S;
     if (T <= 0) return;
     const abwd_args g = abwd_of(a);
-    if (!grid_fits(d, T, "attn_bwd_kv", "window keys")) return;
-    attn_bwd_kv_kernel<<<(unsigned)T, channel_threads(g.d), 0, cdev(d)->stream>>>(g);
-    ds4_cuda_launched(d, "attn_bwd_kv", "[%lld keys of %lld, window %lld, %lld heads]", (long long)T, (long long)g.d,
-                      (long long)g.win, (long long)g.H);
+    char shapes[128];
+    snprintf(shapes, sizeof shapes, "[%lld keys of %lld, window %lld, %lld heads]", (long long)T, (long long)g.d,
+             (long long)g.win, (long long)g.H);
+    key_grads(d, g, 0, T, g.win < g.S ? g.win : g.S, "attn_bwd_kv", shapes);
 }
 
 void ds4_cuda_attn_bwd_entry(ds4_dev *d, const ds4_a_attn_bwd *a) {
     const abwd_args g = abwd_of(a);
     const int64_t n = a->B * g.nwin;
     if (n <= 0 || g.type == DS4_ATTN_SLIDING) return;
-    if (!grid_fits(d, n, "attn_bwd_entry", "entries")) return;
-    attn_bwd_entry_kernel<<<(unsigned)n, channel_threads(g.d), 0, cdev(d)->stream>>>(g);
-    ds4_cuda_launched(d, "attn_bwd_entry", "[%lld sequences x %lld entries of %lld, %s]", (long long)a->B,
-                      (long long)g.nwin, (long long)g.d, ds4_attn_type_name(a->l->type));
+    char shapes[128];
+    snprintf(shapes, sizeof shapes, "[%lld sequences x %lld entries of %lld, %s]", (long long)a->B, (long long)g.nwin,
+             (long long)g.d, ds4_attn_type_name(a->l->type));
+    // a list holds at most one query per position of the sequence
+    key_grads(d, g, 1, n, g.S, "attn_bwd_entry", shapes);
 }
 
 void ds4_cuda_pick_inverse(ds4_dev *d, const ds4_a_pick_inverse *a) {

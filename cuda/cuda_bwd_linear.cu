@@ -18,7 +18,21 @@
 // runs over those rows into expert e's dW (linear_bwd_w_grouped: grid z = expert); off is read on the device, nothing
 // synchronises. A plain product whose output has few tiles (a long reduction into a small dW) cuts r into a number of
 // chunks fixed by the shapes, writes per-chunk partials and adds them in chunk order.
+//
+// In bf16 the plain (not grouped) products go to cuBLAS instead: the backward needs no batch invariance (only the
+// forward must give a sequence the same bits whatever shares its batch: the rollout's log-probabilities), only
+// determinism, and cuBLAS gives the same bits at every run for the same shapes on the same GPU with one stream and
+// its own workspace (its documented reproducibility), about twice as fast as the tiles on training shapes. The fp32
+// operands are first rounded to bf16 (nearest even, as the tiles round them) into scratch; the products accumulate
+// in fp32 (CUBLAS_COMPUTE_32F on the tensor cores). fp32 mode keeps the tiles: it is the reference mode, and its
+// 10-step trajectory check (tests/test_cuda_train.c, tiny_a) holds with their order; tiny_a is chaotic under AdamW
+// (a ~1e-7 change in step 0's gradients, as cuBLAS's fp32 order gives, moves step 1's loss by 1.5e-5 and the
+// trajectory ends 1e-3 from torch; with the tiles it stays within 1.5e-7). The tiles also keep the
+// grouped products, whose row groups live on the device (cuBLAS would need them on the host: a synchronisation
+// per layer).
 #include <cstdio>
+
+#include <cublas_v2.h>
 
 #include "cuda_dev.cuh"
 #include "cuda_tile.cuh"
@@ -375,12 +389,25 @@ __global__ void norm_dw_finish(norm_args a) {
 }
 
 // dst[i] += src[r·ld + i] row by row in order: one thread per column, the CPU's sequence of fp32 adds.
+// dst[c] += src[0, c] + src[1, c] + ... one fp32 add at a time in row order (the CPU's bits). The columns are few
+// (3 to a few dozen) and the rows many: a block stages COLSUM_ROWS rows of its columns in shared memory with coalesced
+// loads, then one thread per column adds them in order, so the sequential chain waits on shared memory, not on a
+// global load per row.
+constexpr int COLSUM_COLS = 32, COLSUM_ROWS = 256;
 __global__ void colsum_kernel(float *dst, const float *src, int64_t rows, int64_t width, int64_t ld) {
-    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= width) return;
-    float s = dst[i];
-    for (int64_t r = 0; r < rows; r++) s += src[r * ld + i];
-    dst[i] = s;
+    __shared__ float tile[COLSUM_ROWS][COLSUM_COLS + 1];
+    const int64_t c0 = (int64_t)blockIdx.x * COLSUM_COLS;
+    const int cw = (int)(width - c0 < COLSUM_COLS ? width - c0 : COLSUM_COLS);
+    float s = threadIdx.x < cw ? dst[c0 + threadIdx.x] : 0.0f;
+    for (int64_t r0 = 0; r0 < rows; r0 += COLSUM_ROWS) {
+        const int rn = (int)(rows - r0 < COLSUM_ROWS ? rows - r0 : COLSUM_ROWS);
+        __syncthreads();
+        for (int e = threadIdx.x; e < rn * cw; e += blockDim.x) tile[e / cw][e % cw] = src[(r0 + e / cw) * ld + c0 + e % cw];
+        __syncthreads();
+        if (threadIdx.x < cw)
+            for (int r = 0; r < rn; r++) s += tile[r][threadIdx.x];
+    }
+    if (threadIdx.x < cw) dst[c0 + threadIdx.x] = s;
 }
 
 // du[t, c] = 0 + dX[t, 0, c] + dX[t, 1, c] + ... in stream order (the CPU's adds onto a zeroed row).
@@ -456,6 +483,45 @@ void ds4_cuda_logp_bwd(ds4_dev *d, const ds4_a_logp_bwd *a) {
 }
 
 // dx [T, K] (row stride lddx) (+)= dy [T, O] (row stride ldy) · W [O, K]: A(t, o) = dy[t, o], B(k, o) = W[o, k].
+// dst [rows, cols] (dense) = src [rows, cols] (row stride ld) rounded to bf16, nearest even
+__global__ void to_bf16_kernel(__nv_bfloat16 *dst, const float *src, int64_t rows, int64_t cols, int64_t ld) {
+    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= rows * cols) return;
+    dst[i] = __float2bfloat16_rn(src[(i / cols) * ld + i % cols]);
+}
+
+static bool to_bf16(ds4_dev *d, const char *op, __nv_bfloat16 *dst, const float *src, int64_t rows, int64_t cols,
+                    int64_t ld) {
+    to_bf16_kernel<<<ds4_blocks(rows * cols, 256), 256, 0, cdev(d)->stream>>>(dst, src, rows, cols, ld);
+    return ds4_cuda_launched(d, op, "operand [%lld x %lld] to bf16", (long long)rows, (long long)cols);
+}
+
+// C (col-major [m x n], ldc) = alpha·op(A)·op(B) + beta·C through cuBLAS, A and B in `dt` (fp32 or bf16), C fp32.
+static void blas_gemm(ds4_dev *d, const char *op, const char *shapes, cublasOperation_t ta, cublasOperation_t tb,
+                      int64_t m, int64_t n, int64_t k, const void *A, int64_t lda, const void *B, int64_t ldb, float beta,
+                      float *C, int64_t ldc, cudaDataType_t dt) {
+    if (m > INT32_MAX || n > INT32_MAX || k > INT32_MAX || lda > INT32_MAX || ldb > INT32_MAX || ldc > INT32_MAX) {
+        ds4_dev_fail(d, DS4_ERR_UNSUPPORTED, "%s %s: a dimension past 2^31 (cuBLAS)", op, shapes);
+        return;
+    }
+    cublasHandle_t h = (cublasHandle_t)ds4_cuda_blas(cdev(d)->cu);
+    const float one = 1.0f;
+    // default math: tensor cores for bf16 with fp32 accumulation, never TF32 for fp32 (that needs the TF32 mode);
+    // the handle's pedantic mode comes back after the call
+    cublasStatus_t s = cublasSetMathMode(h, (cublasMath_t)(CUBLAS_DEFAULT_MATH |
+                                                           CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION));
+    if (s == CUBLAS_STATUS_SUCCESS)
+        s = cublasGemmEx(h, ta, tb, (int)m, (int)n, (int)k, &one, A, dt, (int)lda, B, dt, (int)ldb, &beta, C, CUDA_R_32F,
+                         (int)ldc, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+    const cublasStatus_t s2 = cublasSetMathMode(h, CUBLAS_PEDANTIC_MATH);
+    if (s == CUBLAS_STATUS_SUCCESS) s = s2;
+    if (s != CUBLAS_STATUS_SUCCESS)
+        ds4_dev_fail(d, DS4_ERR_CUDA, "%s %s: cublasGemmEx: %s (%s)", op, shapes, cublasGetStatusString(s),
+                     cublasGetStatusName(s));
+    else
+        ds4_cuda_launched(d, op, "%s (cuBLAS)", shapes);
+}
+
 // bf16_in with fp32 weights is the CPU reference's emulation of the bf16 mode (ops.h); here bf16 weights imply it.
 static void fp32_bf16_in(ds4_dev *d, const char *op) {
     ds4_dev_fail(d, DS4_ERR_UNSUPPORTED, "%s: bf16_in with fp32 weights (the CPU's emulation of the bf16 mode)", op);
@@ -470,7 +536,18 @@ void ds4_cuda_linear_bwd_x(ds4_dev *d, const ds4_a_linear_bwd_x *a) {
     snprintf(s, sizeof s, "dx [%lld x %lld]%s = dy [%lld x %lld] x W [%lld x %lld]", (long long)a->T, (long long)a->K,
              a->acc ? " +" : "", (long long)a->T, (long long)a->O, (long long)a->O, (long long)a->K);
     if (a->bf16_in && a->wdt != DS4_BF16) return fp32_bf16_in(d, "linear_bwd_x");
-    product(d, "linear_bwd_x", p, a->wdt, true, s);
+    // fp32 (the reference mode), another dtype (the tiles' error), no reduction (O = 0: the tiles write the zeros)
+    if (a->wdt != DS4_BF16 || a->O <= 0) return product(d, "linear_bwd_x", p, a->wdt, true, s);
+    // column-major: dxᵀ [K x T] (+)= Wᵀ [K x O] · dyᵀ [O x T]; W row-major [O, K] is column-major [K x O]
+    const void *dy = a->dy;
+    int64_t ldy = a->ldy;
+    if (a->wdt == DS4_BF16) {
+        auto *c = (__nv_bfloat16 *)ds4_cuda_scratch(d, (size_t)(a->T * a->O) * sizeof(__nv_bfloat16), "linear_bwd_x", 1);
+        if (!c || !to_bf16(d, "linear_bwd_x", c, a->dy, a->T, a->O, a->ldy)) return;
+        dy = c, ldy = a->O;
+    }
+    blas_gemm(d, "linear_bwd_x", s, CUBLAS_OP_N, CUBLAS_OP_N, a->K, a->T, a->O, a->W, a->K, dy, ldy, a->acc ? 1.0f : 0.0f,
+              a->dx, a->lddx, a->wdt == DS4_BF16 ? CUDA_R_16BF : CUDA_R_32F);
 }
 
 // dW [O, K] += dyᵀ · x over T rows: A(o, t) = dy[t, o], B(k, t) = x[t, k] (both read down their columns).
@@ -482,7 +559,22 @@ void ds4_cuda_linear_bwd_w(ds4_dev *d, const ds4_a_linear_bwd_w *a) {
     char s[160];
     snprintf(s, sizeof s, "dW [%lld x %lld] += dy^T [%lld x %lld] x x [%lld x %lld]", (long long)a->O, (long long)a->K,
              (long long)a->O, (long long)a->T, (long long)a->T, (long long)a->K);
-    product(d, "linear_bwd_w", p, a->bf16_in ? DS4_BF16 : a->wdt, false, s);
+    const ds4_dtype mode = a->bf16_in ? DS4_BF16 : a->wdt;
+    if (mode != DS4_BF16) return product(d, "linear_bwd_w", p, mode, false, s); // fp32, or the tiles' error
+    // column-major: dWᵀ [K x O] += xᵀ [K x T] · dy [T x O]; x row-major [T, K] is column-major [K x T] (ld ldx), dy
+    // row-major [T, O] is column-major [O x T], transposed
+    const void *x = a->x, *dy = a->dy;
+    int64_t ldx = a->ldx, ldy = a->ldy;
+    if (mode == DS4_BF16) {
+        auto *c = (__nv_bfloat16 *)ds4_cuda_scratch(d, (size_t)(a->T * (a->O + a->K)) * sizeof(__nv_bfloat16),
+                                                    "linear_bwd_w", 1);
+        if (!c || !to_bf16(d, "linear_bwd_w", c, a->dy, a->T, a->O, a->ldy) ||
+            !to_bf16(d, "linear_bwd_w", c + a->T * a->O, a->x, a->T, a->K, a->ldx))
+            return;
+        dy = c, ldy = a->O, x = c + a->T * a->O, ldx = a->K;
+    }
+    blas_gemm(d, "linear_bwd_w", s, CUBLAS_OP_N, CUBLAS_OP_T, a->K, a->O, a->T, x, ldx, dy, ldy, 1.0f, a->dW, a->K,
+              mode == DS4_BF16 ? CUDA_R_16BF : CUDA_R_32F);
 }
 
 // Rows [off[e], off[e+1]) of dx [rows, K] (+)= the same rows of dy [rows, O] · W_e [O, K], W_e = W + e·wstride.
@@ -551,7 +643,8 @@ void ds4_cuda_norm_bwd(ds4_dev *d, const ds4_a_norm_bwd *a) {
 
 void ds4_cuda_colsum_add(ds4_dev *d, const ds4_a_colsum_add *a) {
     if (a->rows <= 0 || a->width <= 0) return;
-    colsum_kernel<<<ds4_blocks(a->width, 128), 128, 0, cdev(d)->stream>>>(a->dst, a->src, a->rows, a->width, a->ld);
+    colsum_kernel<<<ds4_blocks(a->width, COLSUM_COLS), 256, 0, cdev(d)->stream>>>(a->dst, a->src, a->rows, a->width,
+                                                                               a->ld);
     ds4_cuda_launched(d, "colsum_add", "[%lld rows x %lld, stride %lld]", (long long)a->rows, (long long)a->width,
                       (long long)a->ld);
 }

@@ -30,8 +30,9 @@ and model.
 
   Rollouts come from the policy itself by default. --workers ENDPOINT switches them to remote workers (`ds4 worker`
   processes, lua/ds4/rollout/): the trainer binds a pool there after the SFT warm-up, saves the warmed-up model to
-  RUN/worker_model (start the workers from it: it carries the hash-routing tables the weight sync does not), prints
-  the command that starts a worker, and publishes every optimizer step's weights to the workers. tcp:// needs CURVE
+  RUN/worker_model (a worker may start from it, or from nothing: the weight announcement carries the config, the
+  tokenizer and the hash-routing tables), prints the command that starts a worker, and publishes every optimizer
+  step's weights to the workers. tcp:// needs CURVE
   keys (`ds4 keygen --out PREFIX`: --curve PREFIX for the trainer, --allow the workers' .pub files) or --insecure;
   ipc:// stays on this host. --max-staleness 0 makes every rollout use the newest weights (default 1: one step
   behind at most, corrected by the importance ratio against the recomputed log-probs).

@@ -1,6 +1,7 @@
 /* tokenizer_lua.c — the tokenizer in the ds4.core module: ds4.tokenizer([path]) and its methods.
  *
  *   local tok = ds4.tokenizer(path)        tokenizer.json; ds4.tokenizer() is the built-in byte-level one
+ *   ds4.tokenizer_from_json(text)          the same from tokenizer.json's text
  *   tok:encode(text [, {bos = true}])      -> Lua array of ids (no BOS unless asked)
  *   tok:decode(ids [, {skip_special = true}])   ids: Lua array or integer tensor -> string (exact bytes)
  *   tok:vocab_size()  tok:token_to_id(s)  tok:id_to_token(id)  tok:special(name)  tok:is_special(id)
@@ -77,6 +78,22 @@ static int opt_bool(lua_State *L, int idx, const char *key, const char *fname) {
     int v = lua_toboolean(L, -1);
     lua_pop(L, 1);
     return v;
+}
+
+/* ds4.tokenizer_from_json(text): a tokenizer.json's text (a rollout worker gets its tokenizer over the wire). */
+static int l_tokenizer_from_json(lua_State *L) {
+    const char *fname = "ds4.tokenizer_from_json";
+    size_t len = 0;
+    if (lua_type(L, 1) != LUA_TSTRING)
+        ds4l_raise(L, "%s: bad argument #1 (tokenizer.json text expected, got %s)", fname, luaL_typename(L, 1));
+    const char *text = lua_tolstring(L, 1, &len);
+    tok_box *b = lua_newuserdata(L, sizeof *b);
+    b->t = NULL;
+    luaL_getmetatable(L, TOK_MT);
+    lua_setmetatable(L, -2);
+    ds4_error err = {0};
+    if (ds4_tokenizer_load_json(text, len, &b->t, &err) != DS4_OK) ds4l_raise_ds4(L, fname, &err);
+    return 1;
 }
 
 static int l_tokenizer(lua_State *L) {
@@ -272,6 +289,8 @@ void ds4l_tokenizer_open(lua_State *L) {
     lua_pop(L, 1);
     lua_pushcfunction(L, l_tokenizer);
     lua_setfield(L, mod, "tokenizer");
+    lua_pushcfunction(L, l_tokenizer_from_json);
+    lua_setfield(L, mod, "tokenizer_from_json");
     lua_pushcfunction(L, l_is_tokenizer);
     lua_setfield(L, mod, "is_tokenizer");
     lua_pushcfunction(L, l_special_tokens);

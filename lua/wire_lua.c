@@ -6,16 +6,17 @@
  *                                   an unknown or invalid limit)
  *   ds4.wire.crc32(s [, crc]) -> number        ds4.wire.error_message(code, reason, ref_t [, ref_id, ref_n])
  *   ds4.wire.default_limits() -> table         ds4.wire.codes = {name = number}   ds4.wire.code_name(n)
- *   ds4.wire.VERSION = 1
+ *   ds4.wire.VERSION = 2
  *
  * Lua messages mirror ds4_wire_msg: msg.t is the type name ("hello", "credit", "task", "samples",
  * "weight_announce", "weight_request", "weight_chunk", "heartbeat", "error", "bye") and the other keys are the
  * fields of that type's struct in wire.h (task_id, not the header's "task"; hello's caps fields flat; samples'
  * per-sample values in msg.seq[i] = {prompt_len, n_gen, finish, stop_index, n_rows}). Raw frames go by their
- * protocol.md names (prompt; tokens, logprobs, sample_logprobs, experts, index; weights): on encode from the
- * `frames` table or from msg itself, as a Lua array of numbers, a string of little-endian bytes, or a ds4 tensor
- * of the frame's dtype (I32 / F32); on decode as Lua arrays of numbers, except weights, kept as a string of
- * bytes (opts.raw = true keeps every raw frame as a string). The full key list of every type is in
+ * protocol.md names (prompt; tokens, logprobs, sample_logprobs, experts, index; weights; config, tokenizer,
+ * tables): on encode from the `frames` table or from msg itself, as a Lua array of numbers, a string of
+ * little-endian bytes, or a ds4 tensor of the frame's dtype (I32 / F32); the u8 frames config and tokenizer as
+ * strings only; on decode as Lua arrays of numbers, except weights, config and tokenizer, kept as strings of
+ * bytes (opts.raw = true keeps every raw frame as a string). The announce's model CRCs default to its frames'. The full key list of every type is in
  * lua/ds4/init.lua.
  *
  * Encode checks the Lua side (unknown keys, types, integer ranges of the C fields: "ds4.wire.encode:
@@ -44,15 +45,17 @@ typedef struct type_spec {
     const char *const *frames; /* raw frame names, NULL-terminated */
 } type_spec;
 
-static const char *const K_HELLO[] = {"worker",   "max_batch", "threads", "vocab_size",
-                                      "n_params", "build",     "policy",  NULL};
+static const char *const K_HELLO[] = {"worker",     "max_batch",  "threads", "vocab_size", "n_params",
+                                      "config_crc", "tables_crc", "build",   "policy",     NULL};
 static const char *const K_CREDIT[] = {"n", NULL};
 static const char *const K_TASK[] = {
     "task_id", "attempt", "policy", "max_new_tokens", "temperature",    "top_k",        "top_p",      "min_p",
     "n",       "seed",    "stop",   "ignore_eos",     "record_experts", "record_index", "prompt_len", NULL};
 static const char *const K_SAMPLES[] = {"task_id",        "attempt",   "policy",       "n",          "seq",
                                         "experts_layers", "experts_k", "index_layers", "index_topk", NULL};
-static const char *const K_ANNOUNCE[] = {"version", "bytes", "chunk", "chunks", "n_params", "dtype", "crc", NULL};
+static const char *const K_ANNOUNCE[] = {"version",    "bytes",         "chunk",      "chunks",        "n_params",
+                                         "dtype",      "crc",           "config_crc", "tokenizer_crc", "tables_crc",
+                                         "chat_template", NULL};
 static const char *const K_REQUEST[] = {"version", "index", NULL};
 static const char *const K_CHUNK[] = {"version", "index", "offset", "bytes", "chunk", "crc", NULL};
 static const char *const K_HEARTBEAT[] = {"policy", "active", NULL};
@@ -64,13 +67,14 @@ static const char *const F_NONE[] = {NULL};
 static const char *const F_TASK[] = {"prompt", NULL};
 static const char *const F_SAMPLES[] = {"tokens", "logprobs", "sample_logprobs", "experts", "index", NULL};
 static const char *const F_CHUNK[] = {"weights", NULL};
+static const char *const F_ANNOUNCE[] = {"config", "tokenizer", "tables", NULL};
 
 static const type_spec TYPES[DS4_WIRE_TYPE_COUNT] = {
     [DS4_WIRE_HELLO] = {"hello", K_HELLO, F_NONE},
     [DS4_WIRE_CREDIT] = {"credit", K_CREDIT, F_NONE},
     [DS4_WIRE_TASK] = {"task", K_TASK, F_TASK},
     [DS4_WIRE_SAMPLES] = {"samples", K_SAMPLES, F_SAMPLES},
-    [DS4_WIRE_WEIGHT_ANNOUNCE] = {"weight_announce", K_ANNOUNCE, F_NONE},
+    [DS4_WIRE_WEIGHT_ANNOUNCE] = {"weight_announce", K_ANNOUNCE, F_ANNOUNCE},
     [DS4_WIRE_WEIGHT_REQUEST] = {"weight_request", K_REQUEST, F_NONE},
     [DS4_WIRE_WEIGHT_CHUNK] = {"weight_chunk", K_CHUNK, F_CHUNK},
     [DS4_WIRE_HEARTBEAT] = {"heartbeat", K_HEARTBEAT, F_NONE},
@@ -260,7 +264,7 @@ static void check_keys(enc_ctx *e, int idx, const char *const *keys, const char 
 
 /* ------------------------------------------------------------------------------------------------ encode: frames */
 
-typedef enum { FR_I32, FR_F32 } frame_kind;
+typedef enum { FR_I32, FR_F32, FR_U8 } frame_kind; /* FR_U8: bytes, given and returned as a string */
 
 /* Raw frame `name`: frames[name], else msg[name]. Returns 0 when absent (view zeroed); else fills view with
  * bytes that stay alive on the Lua stack (a string, a tensor, or a scratch buffer pushed here). */
@@ -287,6 +291,7 @@ static int f_frame(enc_ctx *e, const char *name, frame_kind kind, ds4_wire_view 
         view->data = lua_tolstring(L, idx, &view->len);
         return 1;
     }
+    if (kind == FR_U8) efail(e, name, "expected a string of bytes, got %s", luaL_typename(L, idx));
     ds4_tensor *tn = ds4l_tensor_test(L, idx);
     if (tn) {
         ds4_dtype want = kind == FR_I32 ? DS4_I32 : DS4_F32;
@@ -454,6 +459,8 @@ static void enc_fill(enc_ctx *e, ds4_wire_msg *m) {
         h->threads = f_u32(e, "threads", 1, 0);
         h->vocab_size = f_u32(e, "vocab_size", 1, 0);
         h->n_params = f_u53(e, "n_params", 1, 0);
+        h->config_crc = f_u32(e, "config_crc", 0, 0);
+        h->tables_crc = f_u32(e, "tables_crc", 0, 0);
         f_str(e, "build", h->build, sizeof h->build, 0, "");
         h->policy = f_u53(e, "policy", 0, 0);
         break;
@@ -504,6 +511,14 @@ static void enc_fill(enc_ctx *e, ds4_wire_msg *m) {
         w->chunks = f_u32(e, "chunks", 0, w->chunk ? (uint32_t)((w->bytes + w->chunk - 1) / w->chunk) : 0);
         f_str(e, "dtype", w->dtype, sizeof w->dtype, 0, "f32");
         w->crc = f_u32(e, "crc", 1, 0);
+        /* the model's frames; their CRCs default to the bytes' own (given: sent as given, a test's corruption) */
+        need_frame(e, "config", FR_U8, &w->config);
+        f_frame(e, "tokenizer", FR_U8, &w->tokenizer); /* absent: 0 bytes (no tokenizer, no tables) */
+        f_frame(e, "tables", FR_I32, &w->tables);
+        w->config_crc = f_u32(e, "config_crc", 0, ds4_crc32(0, w->config.data, w->config.len));
+        w->tokenizer_crc = f_u32(e, "tokenizer_crc", 0, ds4_crc32(0, w->tokenizer.data, w->tokenizer.len));
+        w->tables_crc = f_u32(e, "tables_crc", 0, ds4_crc32(0, w->tables.data, w->tables.len));
+        f_str(e, "chat_template", w->chat_template, sizeof w->chat_template, 0, "");
         break;
     }
     case DS4_WIRE_WEIGHT_REQUEST:
@@ -667,6 +682,8 @@ static void push_msg(lua_State *L, const ds4_wire_msg *m, int raw) {
         set_num(L, "threads", h->threads);
         set_num(L, "vocab_size", h->vocab_size);
         set_num(L, "n_params", (double)h->n_params);
+        set_num(L, "config_crc", h->config_crc);
+        set_num(L, "tables_crc", h->tables_crc);
         set_str(L, "build", h->build);
         set_num(L, "policy", (double)h->policy);
         break;
@@ -742,6 +759,13 @@ static void push_msg(lua_State *L, const ds4_wire_msg *m, int raw) {
         set_num(L, "n_params", (double)w->n_params);
         set_str(L, "dtype", w->dtype);
         set_num(L, "crc", w->crc);
+        set_num(L, "config_crc", w->config_crc);
+        set_num(L, "tokenizer_crc", w->tokenizer_crc);
+        set_num(L, "tables_crc", w->tables_crc);
+        set_str(L, "chat_template", w->chat_template);
+        set_frame(L, "config", w->config, FR_U8, 1); /* bytes: always strings */
+        set_frame(L, "tokenizer", w->tokenizer, FR_U8, 1);
+        set_frame(L, "tables", w->tables, FR_I32, raw);
         break;
     }
     case DS4_WIRE_WEIGHT_REQUEST:

@@ -439,11 +439,16 @@ static int mul_u64(uint64_t a, uint64_t b, uint64_t *out) {
 
 /* ------------------------------------------------------------------------------------------------ frames */
 
+enum { FR_I32 = 0, FR_F32 = 1, FR_U8 = 2 };
+static const char *const DTYPE_NAMES[] = {"i32", "f32", "u8"};
+#define ANY_COUNT UINT64_MAX /* fspec.count of a frame whose size only its declaration gives (bounded by
+                                max_frame_bytes): the announce's model frames */
+
 typedef struct fspec {
     const char *name;  /* declared name */
-    uint64_t count;    /* elements the header's fields imply */
+    uint64_t count;    /* elements the header's fields imply, or ANY_COUNT */
     const char *from;  /* what they are derived from, for messages */
-    int is_f32;        /* 1 f32, 0 i32 */
+    int dtype;         /* FR_I32, FR_F32, FR_U8 */
 } fspec;
 
 /* The "f" declarations against the actual frames and against the counts the header implies. */
@@ -464,7 +469,8 @@ static ds4_wire_code check_frames(dx *d, const msgpack_object *root, int nframes
         if (e->type != MSGPACK_OBJECT_ARRAY || e->via.array.size != 3)
             return dfail(d, DS4_WIRE_EVALTYPE, "'%s' must be a [name, dtype, count] array, got %s", nm, otype(e));
         const msgpack_object *en = &e->via.array.ptr[0], *et = &e->via.array.ptr[1], *ec = &e->via.array.ptr[2];
-        const char *dt = sp[k].is_f32 ? "f32" : "i32";
+        const char *dt = DTYPE_NAMES[sp[k].dtype];
+        size_t esz = sp[k].dtype == FR_U8 ? 1 : 4;
         if (en->type != MSGPACK_OBJECT_STR || et->type != MSGPACK_OBJECT_STR)
             return dfail(d, DS4_WIRE_EVALTYPE, "'%s': name and dtype must be strings, got %s and %s", nm, otype(en),
                          otype(et));
@@ -477,13 +483,13 @@ static ds4_wire_code check_frames(dx *d, const msgpack_object *root, int nframes
         uint64_t cnt;
         TRY(as_uint(d, ec, nm, 0, UINT64_MAX, &cnt));
         size_t len = lens[k + 1];
-        if (len % 4)
+        if (len % esz)
             return dfail(d, DS4_WIRE_EFRAME, "raw frame %u '%s' is %zu bytes, not a multiple of 4 (%s)", k + 1,
                          sp[k].name, len, dt);
-        if (cnt != len / 4)
+        if (cnt != len / esz)
             return dfail(d, DS4_WIRE_EFRAME, "raw frame %u '%s' is declared %llu %s elements, the frame holds %zu (%zu bytes)",
-                         k + 1, sp[k].name, (unsigned long long)cnt, dt, len / 4, len);
-        if (cnt != sp[k].count)
+                         k + 1, sp[k].name, (unsigned long long)cnt, dt, len / esz, len);
+        if (sp[k].count != ANY_COUNT && cnt != sp[k].count)
             return dfail(d, DS4_WIRE_ECOUNT, "raw frame %u '%s' holds %llu elements, %s gives %llu", k + 1, sp[k].name,
                          (unsigned long long)cnt, sp[k].from, (unsigned long long)sp[k].count);
     }
@@ -507,7 +513,8 @@ typedef struct dargs {
 
 static ds4_wire_code dec_hello(dx *d, const dargs *a, ds4_wire_hello *m) {
     static const char *const K[] = {"v", "t", "f", "worker", "caps", "policy"};
-    static const char *const KC[] = {"max_batch", "threads", "vocab_size", "n_params", "build"};
+    static const char *const KC[] = {"max_batch", "threads", "vocab_size", "n_params", "config_crc", "tables_crc",
+                                     "build"};
     const msgpack_object *caps = NULL;
     size_t smax = d->lim->max_str_bytes;
     TRY(check_map(d, a->root, "", K, NKEYS(K)));
@@ -519,8 +526,13 @@ static ds4_wire_code dec_hello(dx *d, const dargs *a, ds4_wire_hello *m) {
     TRY(g_map(d, a->root, "caps", KC, NKEYS(KC), &caps));
     TRY(g_u32(d, caps, "caps", "max_batch", 1, 1, 65536, &m->max_batch));
     TRY(g_u32(d, caps, "caps", "threads", 1, 1, 4096, &m->threads));
-    TRY(g_u32(d, caps, "caps", "vocab_size", 1, 1, I32_MAX, &m->vocab_size));
-    TRY(g_u64(d, caps, "caps", "n_params", 1, 1, DS4_WIRE_MAX_ID, &m->n_params));
+    TRY(g_u32(d, caps, "caps", "vocab_size", 1, 0, I32_MAX, &m->vocab_size));
+    TRY(g_u64(d, caps, "caps", "n_params", 1, 0, DS4_WIRE_MAX_ID, &m->n_params));
+    if ((m->vocab_size == 0) != (m->n_params == 0))
+        return dfail(d, DS4_WIRE_ERANGE, "caps.vocab_size = %u and caps.n_params = %llu: both 0 (no model) or neither",
+                     m->vocab_size, (unsigned long long)m->n_params);
+    TRY(g_u32(d, caps, "caps", "config_crc", 1, 0, U32_MAX, &m->config_crc));
+    TRY(g_u32(d, caps, "caps", "tables_crc", 1, 0, U32_MAX, &m->tables_crc));
     TRY(g_str(d, caps, "caps", "build", 1, 0, smax, m->build, sizeof m->build));
     TRY(g_u64(d, a->root, "", "policy", 1, 0, DS4_WIRE_MAX_ID, &m->policy));
     return check_frames(d, a->root, a->nframes, a->lens, NULL, 0);
@@ -715,9 +727,10 @@ static ds4_wire_code weight_geometry(dx *d, uint64_t bytes, uint32_t chunk, uint
 }
 
 static ds4_wire_code dec_announce(dx *d, const dargs *a, ds4_wire_weight_announce *m) {
-    static const char *const K[] = {"v", "t", "f", "version", "bytes", "chunk", "chunks", "layout", "crc"};
+    static const char *const K[] = {"v", "t", "f", "version", "bytes", "chunk", "chunks", "layout", "crc", "model"};
     static const char *const KL[] = {"n_params", "dtype"};
-    const msgpack_object *lay = NULL;
+    static const char *const KM[] = {"config_crc", "tokenizer_crc", "tables_crc", "chat_template"};
+    const msgpack_object *lay = NULL, *mod = NULL;
     uint64_t chunks;
     TRY(check_map(d, a->root, "", K, NKEYS(K)));
     TRY(g_u64(d, a->root, "", "version", 1, 1, DS4_WIRE_MAX_ID, &m->version));
@@ -737,7 +750,35 @@ static ds4_wire_code dec_announce(dx *d, const dargs *a, ds4_wire_weight_announc
     if (m->bytes / 4 != m->n_params)
         return dfail(d, DS4_WIRE_ERANGE, "bytes = %llu is not layout.n_params = %llu times 4 (f32)",
                      (unsigned long long)m->bytes, (unsigned long long)m->n_params);
-    return check_frames(d, a->root, a->nframes, a->lens, NULL, 0);
+    TRY(g_map(d, a->root, "model", KM, NKEYS(KM), &mod));
+    TRY(g_u32(d, mod, "model", "config_crc", 1, 0, U32_MAX, &m->config_crc));
+    TRY(g_u32(d, mod, "model", "tokenizer_crc", 1, 0, U32_MAX, &m->tokenizer_crc));
+    TRY(g_u32(d, mod, "model", "tables_crc", 1, 0, U32_MAX, &m->tables_crc));
+    size_t smax = d->lim->max_str_bytes;
+    TRY(g_str(d, mod, "model", "chat_template", 1, 0, smax < DS4_WIRE_TEMPLATE_CAP ? smax : DS4_WIRE_TEMPLATE_CAP,
+              m->chat_template, sizeof m->chat_template));
+    fspec sp[3] = {{"config", ANY_COUNT, "", FR_U8}, {"tokenizer", ANY_COUNT, "", FR_U8},
+                   {"tables", ANY_COUNT, "", FR_I32}};
+    TRY(check_frames(d, a->root, a->nframes, a->lens, sp, 3));
+    m->config = view_of(1, a->frames, a->lens);
+    m->tokenizer = view_of(2, a->frames, a->lens);
+    m->tables = view_of(3, a->frames, a->lens);
+    if (m->config.len < 2) /* "{}" at least: a worker without local files builds its model from it */
+        return dfail(d, DS4_WIRE_ERANGE, "the config frame is %zu bytes, a JSON object needs at least 2",
+                     m->config.len);
+    if (a->verify_crc) {
+        /* a worker builds its model from these: a corrupted table would route tokens to other experts silently */
+        const struct { const char *name; ds4_wire_view v; uint32_t want; } f[3] = {
+            {"config", m->config, m->config_crc}, {"tokenizer", m->tokenizer, m->tokenizer_crc},
+            {"tables", m->tables, m->tables_crc}};
+        for (int k = 0; k < 3; k++) {
+            uint32_t crc = ds4_crc32(0, f[k].v.data, f[k].v.len);
+            if (crc != f[k].want)
+                return dfail(d, DS4_WIRE_ECRC, "the %s frame (%zu bytes): CRC-32 %08x, model.%s_crc says %08x",
+                             f[k].name, f[k].v.len, crc, f[k].name, f[k].want);
+        }
+    }
+    return DS4_WIRE_OK;
 }
 
 static ds4_wire_code dec_request(dx *d, const dargs *a, ds4_wire_weight_request *m) {
@@ -945,6 +986,7 @@ int ds4_wire_equal(const ds4_wire_msg *a, const ds4_wire_msg *b, const char **fi
             EQ(str_eq(a->hello.worker, b->hello.worker, sizeof a->hello.worker), "hello.worker")
             EQ(F(hello.max_batch), "hello.caps.max_batch") EQ(F(hello.threads), "hello.caps.threads")
             EQ(F(hello.vocab_size), "hello.caps.vocab_size") EQ(F(hello.n_params), "hello.caps.n_params")
+            EQ(F(hello.config_crc), "hello.caps.config_crc") EQ(F(hello.tables_crc), "hello.caps.tables_crc")
             EQ(str_eq(a->hello.build, b->hello.build, sizeof a->hello.build), "hello.caps.build")
             EQ(F(hello.policy), "hello.policy")
             break;
@@ -990,6 +1032,14 @@ int ds4_wire_equal(const ds4_wire_msg *a, const ds4_wire_msg *b, const char **fi
             EQ(F(announce.n_params), "weight_announce.layout.n_params")
             EQ(str_eq(a->announce.dtype, b->announce.dtype, sizeof a->announce.dtype), "weight_announce.layout.dtype")
             EQ(F(announce.crc), "weight_announce.crc")
+            EQ(F(announce.config_crc), "weight_announce.model.config_crc")
+            EQ(F(announce.tokenizer_crc), "weight_announce.model.tokenizer_crc")
+            EQ(F(announce.tables_crc), "weight_announce.model.tables_crc")
+            EQ(str_eq(a->announce.chat_template, b->announce.chat_template, sizeof a->announce.chat_template),
+               "weight_announce.model.chat_template")
+            EQ(view_eq(a->announce.config, b->announce.config), "weight_announce.config (frame)")
+            EQ(view_eq(a->announce.tokenizer, b->announce.tokenizer), "weight_announce.tokenizer (frame)")
+            EQ(view_eq(a->announce.tables, b->announce.tables), "weight_announce.tables (frame)")
             break;
         case DS4_WIRE_WEIGHT_REQUEST:
             EQ(F(request.version), "weight_request.version") EQ(F(request.index), "weight_request.index")
@@ -1056,15 +1106,15 @@ static void p_head(enc *e, uint32_t nkeys, ds4_wire_type t) {
     p_u(e, "v", DS4_WIRE_VERSION);
     p_s(e, "t", TYPE_NAMES[t], 32);
 }
-/* "f": one [name, dtype, count] per raw frame, count = the view's length / 4. */
-static void p_frames(enc *e, int n, const char *const *names, const int *is_f32, const ds4_wire_view *views) {
+/* "f": one [name, dtype, count] per raw frame, count = the view's length / the element size. */
+static void p_frames(enc *e, int n, const char *const *names, const int *dtype, const ds4_wire_view *views) {
     p_key(e, "f");
     e->rc |= msgpack_pack_array(&e->pk, (size_t)n);
     for (int k = 0; k < n; k++) {
         e->rc |= msgpack_pack_array(&e->pk, 3);
         p_sval(e, names[k], 32);
-        p_sval(e, is_f32[k] ? "f32" : "i32", 8);
-        e->rc |= msgpack_pack_uint64(&e->pk, views[k].len / 4);
+        p_sval(e, DTYPE_NAMES[dtype[k]], 8);
+        e->rc |= msgpack_pack_uint64(&e->pk, dtype[k] == FR_U8 ? views[k].len : views[k].len / 4);
     }
 }
 
@@ -1091,7 +1141,9 @@ ds4_status ds4_wire_encode(const ds4_wire_msg *m, ds4_wire_out *out, ds4_error *
         if (m->samples.n > DS4_WIRE_SAMPLES_CAP) bad = "n is over DS4_WIRE_SAMPLES_CAP";
         break;
     case DS4_WIRE_WEIGHT_ANNOUNCE:
-        if (!str_fits(m->announce.dtype, sizeof m->announce.dtype)) bad = "layout.dtype is not NUL-terminated";
+        if (!str_fits(m->announce.dtype, sizeof m->announce.dtype) ||
+            !str_fits(m->announce.chat_template, sizeof m->announce.chat_template))
+            bad = "a string field is not NUL-terminated";
         break;
     case DS4_WIRE_ERROR:
         if (!str_fits(m->error.reason, sizeof m->error.reason) || !str_fits(m->error.ref_t, sizeof m->error.ref_t))
@@ -1117,11 +1169,13 @@ ds4_status ds4_wire_encode(const ds4_wire_msg *m, ds4_wire_out *out, ds4_error *
         p_head(&e, 5, m->type);
         p_s(&e, "worker", h->worker, sizeof h->worker);
         p_key(&e, "caps");
-        e.rc |= msgpack_pack_map(&e.pk, 5);
+        e.rc |= msgpack_pack_map(&e.pk, 7);
         p_u(&e, "max_batch", h->max_batch);
         p_u(&e, "threads", h->threads);
         p_u(&e, "vocab_size", h->vocab_size);
         p_u(&e, "n_params", h->n_params);
+        p_u(&e, "config_crc", h->config_crc);
+        p_u(&e, "tables_crc", h->tables_crc);
         p_s(&e, "build", h->build, sizeof h->build);
         p_u(&e, "policy", h->policy);
         break;
@@ -1206,7 +1260,9 @@ ds4_status ds4_wire_encode(const ds4_wire_msg *m, ds4_wire_out *out, ds4_error *
     }
     case DS4_WIRE_WEIGHT_ANNOUNCE: {
         const ds4_wire_weight_announce *w = &m->announce;
-        p_head(&e, 8, m->type);
+        static const char *const names[] = {"config", "tokenizer", "tables"};
+        static const int dt[] = {FR_U8, FR_U8, FR_I32};
+        p_head(&e, 10, m->type);
         p_u(&e, "version", w->version);
         p_u(&e, "bytes", w->bytes);
         p_u(&e, "chunk", w->chunk);
@@ -1216,6 +1272,16 @@ ds4_status ds4_wire_encode(const ds4_wire_msg *m, ds4_wire_out *out, ds4_error *
         p_u(&e, "n_params", w->n_params);
         p_s(&e, "dtype", w->dtype, sizeof w->dtype);
         p_u(&e, "crc", w->crc);
+        p_key(&e, "model");
+        e.rc |= msgpack_pack_map(&e.pk, 4);
+        p_u(&e, "config_crc", w->config_crc);
+        p_u(&e, "tokenizer_crc", w->tokenizer_crc);
+        p_u(&e, "tables_crc", w->tables_crc);
+        p_s(&e, "chat_template", w->chat_template, sizeof w->chat_template);
+        views[nv++] = w->config;
+        views[nv++] = w->tokenizer;
+        views[nv++] = w->tables;
+        p_frames(&e, 3, names, dt, views);
         break;
     }
     case DS4_WIRE_WEIGHT_REQUEST:

@@ -34,7 +34,9 @@
 extern "C" {
 #endif
 
-#define DS4_WIRE_VERSION 1
+/* 2: hello carries the model's config and table CRCs (or none: a worker without a model), weight_announce
+ * carries the model itself (config.json, tokenizer.json, chat template name, hash-routing tables). */
+#define DS4_WIRE_VERSION 2
 
 /* Compile-time capacities of the structs below. The configurable limits (ds4_wire_limits) may be lowered
  * from these, never raised past them. */
@@ -42,6 +44,7 @@ extern "C" {
 #define DS4_WIRE_STR_CAP 256      /* bytes of a string field (the buffers hold one more, for the NUL) */
 #define DS4_WIRE_SAMPLES_CAP 256  /* samples per samples message */
 #define DS4_WIRE_STOP_CAP 64      /* stop token ids per task */
+#define DS4_WIRE_TEMPLATE_CAP 64  /* bytes of weight_announce.chat_template */
 #define DS4_WIRE_MAX_ID 9007199254740991ull /* 2^53 - 1: task ids, policy versions, counts of parameters and
                                               bytes; exact in a Lua number */
 
@@ -57,7 +60,7 @@ typedef enum ds4_wire_code {
     DS4_WIRE_EPARSE = 4,    /* the header is not one well-formed msgpack object (truncated, invalid byte, ext) */
     DS4_WIRE_ETRAILING = 5, /* bytes after the header object */
     DS4_WIRE_ENOTMAP = 6,   /* the header is not a msgpack map */
-    DS4_WIRE_EVERSION = 7,  /* "v" is not DS4_WIRE_VERSION */
+    DS4_WIRE_EVERSION = 7,  /* "v" is not DS4_WIRE_VERSION (a peer of another protocol version) */
     DS4_WIRE_ETYPE = 8,     /* "t" names no message type */
     DS4_WIRE_EMISSING = 9,  /* a required key is absent */
     DS4_WIRE_EKEY = 10,     /* an unknown key, or a key that is not a string */
@@ -66,12 +69,13 @@ typedef enum ds4_wire_code {
     DS4_WIRE_ERANGE = 13,   /* a value outside its range, or inconsistent with another (offset past the end) */
     DS4_WIRE_EFRAME = 14,   /* the raw frames do not match their declaration: count, name, dtype, byte size */
     DS4_WIRE_ECOUNT = 15,   /* declared element counts disagree with the header (array lengths, sums) */
-    DS4_WIRE_ECRC = 16,     /* a weight chunk's CRC-32 does not match its bytes */
+    DS4_WIRE_ECRC = 16,     /* a weight chunk's or an announce's model frame's CRC-32 does not match its bytes */
     /* never returned by the codec: sent in error messages by the worker loop and the trainer pool */
     DS4_WIRE_ESTATE = 32,   /* valid message, wrong moment: unknown or finished task, unknown worker (send
                                hello), weight version no longer kept, task without credit */
     DS4_WIRE_ESTALE = 33,   /* samples generated with a policy older than the staleness bound allows */
-    DS4_WIRE_EREFUSED = 34, /* hello refused: model mismatch (vocab_size, n_params) or worker id in use */
+    DS4_WIRE_EREFUSED = 34, /* hello refused: model mismatch (vocab_size, n_params, config, tables) or worker id in
+                               use; or a worker refusing the trainer's model (it differs from its --model) */
     DS4_WIRE_EINTERNAL = 35 /* the sender failed (generation error, out of memory): the task may be re-issued */
 } ds4_wire_code;
 
@@ -107,7 +111,7 @@ typedef enum ds4_wire_type {
     DS4_WIRE_CREDIT,         /* "credit"           worker -> trainer */
     DS4_WIRE_TASK,           /* "task"             trainer -> worker, 1 frame (prompt) */
     DS4_WIRE_SAMPLES,        /* "samples"          worker -> trainer, 3 to 5 frames */
-    DS4_WIRE_WEIGHT_ANNOUNCE,/* "weight_announce"  trainer -> worker */
+    DS4_WIRE_WEIGHT_ANNOUNCE,/* "weight_announce"  trainer -> worker, 3 frames (config, tokenizer, tables) */
     DS4_WIRE_WEIGHT_REQUEST, /* "weight_request"   worker -> trainer */
     DS4_WIRE_WEIGHT_CHUNK,   /* "weight_chunk"     trainer -> worker, 1 frame (the chunk) */
     DS4_WIRE_HEARTBEAT,      /* "heartbeat"        both ways */
@@ -130,8 +134,10 @@ typedef struct ds4_wire_hello {
     /* capabilities ("caps" map) */
     uint32_t max_batch;                /* sequences per decode step: 1..65536 */
     uint32_t threads;                  /* CPU threads: 1..4096 */
-    uint32_t vocab_size;               /* 1..2^31-1 */
-    uint64_t n_params;                 /* 1..DS4_WIRE_MAX_ID */
+    uint32_t vocab_size;               /* 1..2^31-1; 0 (with n_params 0): no model, build it from the announce */
+    uint64_t n_params;                 /* 1..DS4_WIRE_MAX_ID; 0 exactly when vocab_size is 0 */
+    uint32_t config_crc;               /* CRC-32 of the model's canonical config JSON (ds4_config_to_json); 0: none */
+    uint32_t tables_crc;               /* CRC-32 of its hash-routing tables (non-fp32 tensors in order); 0: none */
     char build[DS4_WIRE_STR_CAP + 1];  /* free text ("ds4 0.1.0 cpu+cuda"), 0..max_str_bytes */
     uint64_t policy;                   /* policy version loaded, 0: none */
 } ds4_wire_hello;
@@ -191,6 +197,12 @@ typedef struct ds4_wire_weight_announce {
     uint64_t n_params; /* layout.n_params */
     char dtype[8];     /* layout.dtype: "f32" */
     uint32_t crc;      /* CRC-32 (ds4_crc32) of the whole buffer */
+    /* the model the weights belong to ("model" map; what a worker without local files builds its model from) */
+    uint32_t config_crc, tokenizer_crc, tables_crc; /* CRC-32 of each frame below (checked by ds4_wire_decode) */
+    char chat_template[DS4_WIRE_TEMPLATE_CAP + 1];  /* the tokenizer's chat template name, 0..64 bytes; "" none */
+    ds4_wire_view config;    /* frame 1 "config": u8, the canonical config JSON (ds4_config_to_json), >= 2 bytes */
+    ds4_wire_view tokenizer; /* frame 2 "tokenizer": u8, tokenizer.json; 0 bytes: the model has no tokenizer */
+    ds4_wire_view tables;    /* frame 3 "tables": i32, every non-fp32 tensor (tid2eid) in tensor order; may be 0 */
 } ds4_wire_weight_announce;
 
 typedef struct ds4_wire_weight_request {

@@ -23,7 +23,7 @@ fi
 say() { printf '== gpu: %s\n' "$*"; }
 gpu="$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | head -n1)"
 say "device: ${gpu:-none found}; $(nvcc --version 2>/dev/null | tail -n1)"
-build_status=skipped tests_status=skipped bench_status=skipped
+build_status=skipped tests_status=skipped bench_status=skipped dapo_status=skipped
 
 if [[ " $STAGES " == *" build "* ]]; then
     gen=()
@@ -59,6 +59,21 @@ if [[ " $STAGES " == *" tests "* ]]; then
     say "ctest: $tests_status"
 fi
 
+if [[ " $STAGES " == *" tests "* ]] && [ -x build-gpu/ds4 ]; then
+    # RL on the GPU: a short DAPO run (bf16); the trainer's recomputed log-probabilities must equal the rollout's
+    # exactly (logprob_mismatch/max 0 at every step)
+    rm -rf "$LOG/dapo"
+    if timeout 300 build-gpu/ds4 run examples/dapo.lua --device cuda --steps 4 --sft-steps 30 --eval 50 --prompts 16 \
+        --out "$LOG/dapo" >"$LOG/dapo.log" 2>&1; then
+        steps="$(grep -c '"logprob_mismatch/max"' "$LOG/dapo/metrics.jsonl" 2>/dev/null || true)"
+        nonzero="$(grep -o '"logprob_mismatch/max": *[^,}]*' "$LOG/dapo/metrics.jsonl" | grep -vc ': *0$' || true)"
+        dapo_status="$steps steps, logprob_mismatch/max nonzero in ${nonzero:-?}"
+    else
+        dapo_status="FAILED ($(tail -n1 "$LOG/dapo.log"))"
+    fi
+    say "dapo --device cuda: $dapo_status"
+fi
+
 if [[ " $STAGES " == *" bench "* ]]; then
     if [ -x bench/gpu_bench.sh ] || [ -f bench/gpu_bench.sh ]; then
         # shellcheck disable=SC2086
@@ -67,4 +82,4 @@ if [[ " $STAGES " == *" bench "* ]]; then
         [ -n "$bench_status" ] || bench_status="FAILED ($(tail -n1 "$LOG/bench.log"))"
     fi
 fi
-echo "gpu summary: ${gpu:-no GPU}; build $build_status; ctest $tests_status; bench ${bench_status}"
+echo "gpu summary: ${gpu:-no GPU}; build $build_status; ctest $tests_status; dapo --device cuda $dapo_status; bench ${bench_status}"

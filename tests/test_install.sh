@@ -4,7 +4,7 @@
 #      lib/cmake/ds4/ds4Config.cmake, the Lua binding as a C module (lib/lua/5.1/ds4/core.so, which must not link
 #      LuaJIT itself) and the Lua library under share/lua/5.1;
 #   2. tests/embed/embed.c (load the fixture, forward, compare the loss with transformers'; tokenize) built with
-#      `cc $(pkg-config --cflags --libs ds4)` against libds4.so, and with --static against libds4.a;
+#      `cc $(pc --cflags --libs)` against libds4.so, and with --static against libds4.a;
 #   3. the same program built by a CMake project through find_package(ds4): ds4::ds4 and ds4::ds4_static;
 #   4. the system `luajit` runs `require("ds4")` with the prefix in LUA_PATH / LUA_CPATH: a forward pass (the loss
 #      against transformers'), the tokenizer, ds4.rl, a saved model's tokenizer coming back through ds4.load.
@@ -43,10 +43,20 @@ if grep -q '^DS4_SANITIZE:BOOL=ON' "$BUILD/CMakeCache.txt" 2>/dev/null; then
                 "ASAN_OPTIONS=detect_leaks=0:${ASAN_OPTIONS:-}")
 fi
 export PKG_CONFIG_PATH="$LIBDIR/pkgconfig"
+# pkg-config for ds4. Where the dependencies come from packages unpacked into a folder (PKG_CONFIG_SYSROOT_DIR, as on
+# a machine without package access), pkg-config puts that folder before every path, the prefix's too: take it off
+# the prefix's paths only (the dependencies' stay under the folder, where they are).
+pc() {
+    if [ -n "${PKG_CONFIG_SYSROOT_DIR:-}" ]; then
+        pkg-config "$@" ds4 | sed "s|${PKG_CONFIG_SYSROOT_DIR%/}$P|$P|g"
+    else
+        pkg-config "$@" ds4
+    fi
+}
 
 # ------------------------------------------------------------------------------------------------ 2. pkg-config
 # shellcheck disable=SC2046
-cc "${SAN[@]}" "$SRC/tests/embed/embed.c" -o "$out/embed_pc" $(pkg-config --cflags --libs ds4) ||
+cc "${SAN[@]}" "$SRC/tests/embed/embed.c" -o "$out/embed_pc" $(pc --cflags --libs) ||
     fail "cc with pkg-config --cflags --libs ds4"
 LD_LIBRARY_PATH="$LIBDIR${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" "$out/embed_pc" "$FIX/tiny_a" ||
     fail "the pkg-config build (libds4.so)"
@@ -54,8 +64,8 @@ ldd "$out/embed_pc" >"$out/ldd.txt"
 grep -q "libds4.so" "$out/ldd.txt" || fail "pkg-config --libs ds4 did not link libds4.so"
 # --static: libds4.a and its private dependencies (-Bstatic picks the archive over the .so for -lds4 only)
 # shellcheck disable=SC2046
-cc "${SAN[@]}" "$SRC/tests/embed/embed.c" -o "$out/embed_pc_static" $(pkg-config --cflags ds4) \
-    -L"$LIBDIR" -Wl,-Bstatic -lds4 -Wl,-Bdynamic $(pkg-config --static --libs ds4 | sed 's/ -lds4 / /') ||
+cc "${SAN[@]}" "$SRC/tests/embed/embed.c" -o "$out/embed_pc_static" $(pc --cflags) \
+    -L"$LIBDIR" -Wl,-Bstatic -lds4 -Wl,-Bdynamic $(pc --static --libs | sed 's/ -lds4 / /') ||
     fail "cc with pkg-config --static --libs ds4"
 ldd "$out/embed_pc_static" >"$out/ldd.txt"
 if grep -q "libds4.so" "$out/ldd.txt"; then fail "the static build links libds4.so"; fi

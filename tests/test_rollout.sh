@@ -69,8 +69,6 @@ if "$DS4" run - 2>"$out/plain_pool.err" <<<'require("ds4").rollout.pool{bind = "
     fail "a plain-TCP pool without insecure = true must fail"
 fi
 grep -q "is plain TCP" "$out/plain_pool.err" || fail "no plain-TCP message from the pool"
-if "$DS4" worker --connect ipc:///nowhere --config-from-trainer 2>"$out/cft.err"; then fail "--config-from-trainer"; fi
-grep -q "not available in protocol v1" "$out/cft.err" || fail "no message for --config-from-trainer"
 echo "plain TCP refused: ok"
 
 for k in trainer w1 w2 w3 raw rogue; do "$DS4" keygen --out "$out/$k" >/dev/null; done
@@ -228,11 +226,13 @@ local credit = ds4.wire.encode({ t = "credit", n = 1 })
 local cases = {
     { "not a map", { "\193 garbage" }, "not_map" },
     { "truncated msgpack", { "\130\161v\1\161t" }, "parse" },
-    { "another protocol version", { "\129\161v\2" }, "version" },
+    { "another protocol version", { "\129\161v\3" }, "version" },
     { "an empty header", { "" }, "parse" },
     { "an undeclared raw frame", { credit[1], "extra" }, "frame" },
     { "an oversized header", { ("\144"):rep(70000) }, "limit" },
-    { "an unknown message type", { "\130\161v\1\161t\164nope" }, "type" },
+    { "an unknown message type", { "\130\161v\2\161t\164nope" }, "type" },
+    -- a peer of protocol version 1 (this hello as version 1 wrote it): refused by version, whatever else it says
+    { "a version 1 hello", { "\131\161v\1\161t\165hello\166worker\170raw-client" }, "version" },
     { "a credit from an unknown worker", credit, "state" },
     { "a hello with another vocabulary", ds4.wire.encode({ t = "hello", worker = "raw-client", policy = 0,
         max_batch = 1, threads = 1, vocab_size = 7, n_params = 1, build = "raw" }), "refused" },
@@ -254,6 +254,8 @@ wait "$T2" || fail "trainer 2 failed"
 check_run "$out/t2.log" second
 grep -q "rejected a message from raw-client" "$out/t2.err" || fail "trainer 2 did not log the rejections"
 grep -q "refused worker raw-client" "$out/t2.err" || fail "trainer 2 did not log the refused hello"
+grep -q "protocol version 1, this build speaks version 2" "$out/t2.err" || fail "trainer 2 did not log the v1 refusal"
+grep -q "a version 1 hello -> error version: .*protocol version 1" "$out/raw.log" || fail "no version error for v1"
 for id in w1 w2 w3; do
     grep -q "worker $id joined" "$out/t2.err" || fail "$id did not reconnect to trainer 2"
 done

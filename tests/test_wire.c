@@ -30,6 +30,9 @@ static int32_t g_experts[27 * 2 * 3];
 static int32_t g_index[27 * 1 * 4];
 /* weights: 10 f32 = 40 bytes in chunks of 16: chunks of 16, 16, 8 bytes */
 static float g_weights[10] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10};
+static const char g_config[] = "{\"vocab_size\": 129280}";
+static const char g_tokenizer[] = "{\"model\": {\"type\": \"BPE\"}}";
+static int32_t g_tables[6] = {3, 1, 0, 2, 7, 5};
 
 static ds4_wire_view V(const void *p, size_t n) {
     ds4_wire_view v = {p, n};
@@ -44,6 +47,8 @@ static void mk_hello(ds4_wire_msg *m) {
     m->hello.threads = 16;
     m->hello.vocab_size = 129280;
     m->hello.n_params = 284000000000ull;
+    m->hello.config_crc = 0x1a2b3c4du;
+    m->hello.tables_crc = 0xdeadbeefu;
     strcpy(m->hello.build, "ds4 0.1.0 cpu+cuda");
     m->hello.policy = 41;
 }
@@ -120,6 +125,13 @@ static void mk_announce(ds4_wire_msg *m) {
     m->announce.n_params = 10;
     strcpy(m->announce.dtype, "f32");
     m->announce.crc = ds4_crc32(0, g_weights, sizeof g_weights);
+    m->announce.config = V(g_config, sizeof g_config - 1);
+    m->announce.tokenizer = V(g_tokenizer, sizeof g_tokenizer - 1);
+    m->announce.tables = V(g_tables, sizeof g_tables);
+    m->announce.config_crc = ds4_crc32(0, g_config, sizeof g_config - 1);
+    m->announce.tokenizer_crc = ds4_crc32(0, g_tokenizer, sizeof g_tokenizer - 1);
+    m->announce.tables_crc = ds4_crc32(0, g_tables, sizeof g_tables);
+    strcpy(m->announce.chat_template, "deepseek_v4");
 }
 
 static void mk_request(ds4_wire_msg *m) {
@@ -504,16 +516,19 @@ static void test_rejects(void) {
 
     /* --- version and type */
     load(&w, &m);
-    patch(&w, P_SET, "v", mo_u(2));
-    EXPECT("wrong version", &w, DS4_WIRE_EVERSION, "protocol version 2, this build speaks version 1");
+    patch(&w, P_SET, "v", mo_u(1));
+    EXPECT("a version 1 peer", &w, DS4_WIRE_EVERSION, "protocol version 1, this build speaks version 2");
+    load(&w, &m);
+    patch(&w, P_SET, "v", mo_u(3));
+    EXPECT("wrong version", &w, DS4_WIRE_EVERSION, "protocol version 3, this build speaks version 2");
     load(&w, &m);
     patch(&w, P_SET, "v", mo_i(-1));
     EXPECT("negative version", &w, DS4_WIRE_EVERSION, "protocol version -1");
     /* another version may have other keys: the version is judged before anything else in the map */
     load(&w, &m);
-    patch(&w, P_SET, "v", mo_u(2));
+    patch(&w, P_SET, "v", mo_u(1));
     patch(&w, P_ADD, "future_key", mo_u(1));
-    EXPECT("wrong version with unknown keys", &w, DS4_WIRE_EVERSION, "protocol version 2");
+    EXPECT("wrong version with unknown keys", &w, DS4_WIRE_EVERSION, "protocol version 1");
     load(&w, &m);
     patch(&w, P_SET, "v", mo_s("1"));
     EXPECT("version as a string", &w, DS4_WIRE_EVALTYPE, "'v' must be an unsigned integer, got str");
@@ -611,8 +626,8 @@ static void test_rejects(void) {
     patch(&w, P_DUP, "v", mo_u(1));
     EXPECT("duplicate version key", &w, DS4_WIRE_EDUP, "duplicate key 'v'");
     {
-        /* {"v": 1, "t": "credit", "n": 1, 7: 1}: a key that is not a string */
-        memcpy(w.hdr, "\x84\xa1v\x01\xa1t\xa6" "credit\xa1n\x01\x07\x01", 18);
+        /* {"v": 2, "t": "credit", "n": 1, 7: 1}: a key that is not a string */
+        memcpy(w.hdr, "\x84\xa1v\x02\xa1t\xa6" "credit\xa1n\x01\x07\x01", 18);
         w.l[0] = 18;
         w.n = 1;
         EXPECT("integer key", &w, DS4_WIRE_EKEY, "key 3 is not a string (unsigned integer)");
@@ -649,6 +664,11 @@ static void test_rejects(void) {
     mk_hello(&m);
     load(&w, &m);
     EXPECT("valid hello", &w, DS4_WIRE_OK, NULL);
+    patch(&w, P_SET, "caps.vocab_size", mo_u(0));
+    EXPECT("hello: vocab 0 with parameters", &w, DS4_WIRE_ERANGE, "both 0 (no model) or neither");
+    patch(&w, P_SET, "caps.n_params", mo_u(0));
+    EXPECT("hello without a model", &w, DS4_WIRE_OK, NULL);
+    load(&w, &m);
     {
         static char s257[257];
         memset(s257, 'b', sizeof s257);
@@ -813,6 +833,22 @@ static void test_rejects(void) {
     load(&w, &m);
     patch(&w, P_SET, "bytes", mo_u(1ull << 45));
     EXPECT("announced weights over the limit", &w, DS4_WIRE_ELIMIT, "weights of 35184372088832 bytes, limit 17592186044416");
+    /* the model frames: a worker builds its model from them, so each is checked against its CRC */
+    load(&w, &m);
+    patch(&w, P_SET, "model.tables_crc", mo_u(m.announce.tables_crc ^ 1u));
+    EXPECT("announce tables CRC mismatch", &w, DS4_WIRE_ECRC, "the tables frame (24 bytes): CRC-32");
+    load(&w, &m);
+    patch(&w, P_SET, "model.config_crc", mo_u(m.announce.config_crc ^ 1u));
+    EXPECT("announce config CRC mismatch", &w, DS4_WIRE_ECRC, "the config frame");
+    load(&w, &m);
+    patch(&w, P_SET, "model.tokenizer_crc", mo_u(m.announce.tokenizer_crc ^ 1u));
+    EXPECT("announce tokenizer CRC mismatch", &w, DS4_WIRE_ECRC, "the tokenizer frame");
+    load(&w, &m);
+    patch(&w, P_DEL, "model", mo_u(0));
+    EXPECT("announce without its model", &w, DS4_WIRE_EMISSING, "model");
+    load(&w, &m);
+    w.l[3] = 20;
+    EXPECT("announce tables frame shorter than declared", &w, DS4_WIRE_EFRAME, "declared 6 i32 elements");
 
     mk_chunk(&m, 2);
     load(&w, &m);

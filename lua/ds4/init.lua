@@ -68,12 +68,15 @@ Models
                                    raises inside an on_token callback of this model's generation) -> model
   model:tables_crc()               CRC-32 of the non-fp32 tensors (hash-routing tid2eid tables): equal parameters
                                    give equal outputs only if these agree too
+  model:tables() / model:set_tables(bytes)  those tables as int32 bytes (tensor order) / replace them (ids checked)
+  model:config_json()              the canonical config JSON (what a rollout worker builds its model from)
   model:free()                     release now (later calls raise "model has been freed")
   ds4.is_model(x)
   ds4.config_summary(cfg)          one-line description of a config table
 
 Tokenizer (HF tokenizer.json byte-level BPE; equals HF tokenizers' encode(text, add_special_tokens=False))
   ds4.tokenizer([path])            tokenizer.json -> tokenizer; no path: the built-in byte-level tokenizer
+  ds4.tokenizer_from_json(text)    the same from tokenizer.json's text (tok:to_json()'s inverse)
                                    (ids 0..255 = bytes, DeepSeek chat special tokens from 256)
   tok:encode(text [, {bos = true}]) -> Lua array of ids; no BOS unless bos = true (error if the tokenizer has
                                    no <｜begin▁of▁sentence｜>). Invalid UTF-8 is encoded by its bytes.
@@ -277,7 +280,8 @@ ZeroMQ (lua/zmq_lua.c; one context per Lua state, made on first use, terminated 
 Rollout wire codec (lua/wire_lua.c; rollout/protocol.md; the C API: rollout/wire.h)
   ds4.wire.encode(msg [, frames]) -> array of frame strings (header, raw frames), ready for sock:send. msg.t is
                                    the type; the other keys mirror that type's struct in wire.h:
-    hello           worker, max_batch, threads, vocab_size, n_params, build (""), policy (0)
+    hello           worker, max_batch, threads, vocab_size, n_params (both 0: no model), config_crc (0),
+                    tables_crc (0), build (""), policy (0)
     credit          n
     task            task_id, attempt (0), policy, max_new_tokens, temperature (1), top_k (0), top_p (1),
                     min_p (0), n (1), seed (0; a number, or a decimal string above 2^53), stop ({}),
@@ -286,7 +290,9 @@ Rollout wire codec (lua/wire_lua.c; rollout/protocol.md; the C API: rollout/wire
                     "eos", "stop_token", "stop_string", "cancelled"), stop_index (-1), n_rows (0)}, ...},
                     experts_layers, experts_k, index_layers, index_topk (0 = no such frame); frames tokens (i32),
                     logprobs, sample_logprobs (f32), experts, index (i32, when their shape is set)
-    weight_announce version, n_params, bytes (4 n_params), chunk, chunks (ceil(bytes / chunk)), dtype ("f32"), crc
+    weight_announce version, n_params, bytes (4 n_params), chunk, chunks (ceil(bytes / chunk)), dtype ("f32"), crc,
+                    chat_template (""), config_crc, tokenizer_crc, tables_crc (each its frame's CRC); frames config,
+                    tokenizer (strings of bytes; tokenizer "" when none), tables (i32)
     weight_request  version, index
     weight_chunk    version, index, offset (index chunk), bytes, chunk, crc (computed when absent); frame weights
     heartbeat       policy, active (0)
@@ -335,6 +341,7 @@ local M = {}
 for k, v in pairs(core) do
     M[k] = v
 end
+M.tokenizer_from_json = core.tokenizer_from_json
 M.tokenizer = core.tokenizer  -- lua/tokenizer_lua.c (copied above with the rest of ds4.core; named for the reader)
 
 local type, tostring, error = type, tostring, error

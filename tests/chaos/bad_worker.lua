@@ -42,8 +42,10 @@ function W:send(msg, raw) return self.transport:send(codec.encode(msg, raw)) end
 
 function W:hello()
     self.credited = false
-    self:send({ t = "hello", worker = self.id, policy = 0, max_batch = 8, threads = 1, vocab_size = self.vocab,
-        n_params = self.n_params, build = "bad_worker " .. self.mode })
+    -- as a worker without local files (protocol v2: no vocabulary, parameters or CRCs to match); its vocabulary
+    -- for spoiling answers is self.vocab all the same
+    self:send({ t = "hello", worker = self.id, policy = 0, max_batch = 8, threads = 1, vocab_size = 0, n_params = 0,
+        build = "bad_worker " .. self.mode })
 end
 
 -- Well-formed samples for task m (every sample max_new_tokens long, finish "length"), spoiled as the mode says.

@@ -126,8 +126,10 @@ local function script_peer(net, id, behaviour)
     p.send = send
     p.last_beat = net.clock
     p.policy = 0
+    local cj = policy:config_json()
     send({ t = "hello", worker = id, policy = 0, max_batch = 8, threads = 1, vocab_size = behaviour.vocab or VOCAB,
-        n_params = policy:n_params(), build = "script" })
+        n_params = policy:n_params(), config_crc = codec.crc32(cj, #cj), tables_crc = policy:tables_crc(),
+        build = "script" })
     p.step = function()
         while true do
             local fr = table.remove(p.inbox, 1)
@@ -447,7 +449,7 @@ do
         return out
     end
     send_raw({ "not msgpack at all" })
-    send_raw({ "\129\161v\2" }) -- {v = 2}: another version
+    send_raw({ "\129\161v\1" }) -- {v = 1}: a peer of protocol version 1
     send_raw({ "" })
     send_raw({ ds4.wire.encode({ t = "credit", n = 1 })[1], "an extra frame" })
     pool:service(0)
@@ -468,8 +470,8 @@ do
     H.check(r[1] and r[1].reason:find("unknown worker", 1, true), "(f) 'unknown worker: send hello'")
     -- an error message is never answered
     send_raw(ds4.wire.encode({ t = "error", code = 4, reason = "x" }))
-    -- {v = 1, t = "error", code = 4, bogus = 1}: a malformed error (unknown key) is not answered either
-    send_raw({ "\132\161v\1\161t\165error\164code\4\165bogus\1" })
+    -- {v = 2, t = "error", code = 4, bogus = 1}: a malformed error (unknown key) is not answered either
+    send_raw({ "\132\161v\2\161t\165error\164code\4\165bogus\1" })
     pool:service(0)
     H.eq(#replies(), 0, "(f) errors are not answered")
     -- 150 rejects: replies stop after 100
@@ -495,7 +497,7 @@ do
     ow:start()
     for _ = 1, 3 do pool:service(0) end
     H.eq(op.status, 1, "(f) the worker with other tables stops with status 1")
-    H.check(net.logged("hash%-routing tables differ"), "(f) the table mismatch is logged")
+    H.check(net.logged("hash%-routing tables %(tid2eid%) differ"), "(f) the table mismatch is logged")
 
     -- a worker gets garbage and an unknown worker error: it replies error / says hello again, and keeps working
     local _, w = real_worker(net, "real")

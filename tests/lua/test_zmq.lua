@@ -257,7 +257,8 @@ local MESSAGES = {
       { tokens = { 9, 10, 11 }, logprobs = { -0.5, -1.25, -2 }, sample_logprobs = { -0.25, 0, -1 },
         experts = { 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13 } } },
     { { t = "weight_announce", version = 3, n_params = 10, bytes = 40, chunk = 16, chunks = 3, dtype = "f32",
-        crc = 12345 } },
+        crc = 12345, chat_template = "chatml" },
+      { config = '{"vocab_size": 280}', tokenizer = '{"model": {}}', tables = { 3, 1, 0, 2 } } },
     { { t = "weight_request", version = 3, index = 2 } },
     { { t = "weight_chunk", version = 3, index = 2, offset = 32, bytes = 40, chunk = 16,
         weights = "\0\1\2\3\4\5\6\7" } },
@@ -283,7 +284,7 @@ do
         H.check(dec ~= nil, t .. ": decodes (" .. tostring(code) .. " " .. tostring(why) .. ")")
         if dec then
             H.eq(dec.t, t, t .. ": type")
-            H.eq(dec.v, 1, t .. ": version")
+            H.eq(dec.v, 2, t .. ": version")
             -- encode(decode(x)) is x, byte for byte: every field survived the trip
             H.same(wire.encode(dec), out, t .. ": re-encoding the decoded message gives the same frames")
             for k, v in pairs(msg) do
@@ -339,7 +340,7 @@ do -- encode errors name the field
     H.raises(function() wire.encode(m) end, { "task.prompt", "missing raw frame" }, "missing frame")
     H.raises(function() wire.encode(base(), { tokens = {} }) end, "unknown frame tokens", "frame of another type")
     H.raises(function() wire.encode({ t = "nope" }) end, "msg.t must name a message type", "unknown type")
-    H.raises(function() wire.encode({ t = "credit", n = 1, v = 2 }) end, "credit.v", "wrong version")
+    H.raises(function() wire.encode({ t = "credit", n = 1, v = 1 }) end, "credit.v", "wrong version")
     H.raises(function() wire.encode({ t = "samples", task_id = 1, policy = 1,
         seq = { { prompt_len = 1, n_gen = 1, finish = "bogus" } }, tokens = { 1 }, logprobs = { 0 },
         sample_logprobs = { 0 } }) end, "samples.seq[1].finish", "bad finish name")
@@ -357,7 +358,7 @@ do -- decode never raises on bad input; it says what is wrong
     bad({ "garbage" }, "not_map", "garbage")
     bad({ "" }, nil, "empty header")
     bad({}, "frame", "no frames")
-    bad({ "\129\161v\2" }, "version", "version 2") -- {"v": 2}
+    bad({ "\129\161v\1" }, "version", "version 1") -- {"v": 1}: a peer of protocol version 1
     bad({ "\222\255\255" }, nil, "truncated map")
     local task = wire.encode({ t = "task", task_id = 1, policy = 1, max_new_tokens = 4, prompt = { 1, 2 } })
     bad({ task[1] }, "frame", "task without its frame")
@@ -390,7 +391,7 @@ do -- helpers
     dec = wire.decode(wire.error_message("parse", string.rep("x", 1000)))
     H.eq(#dec.reason, 256, "error_message cuts a long reason to 256 bytes")
     H.eq(wire.code_name(33), "stale", "code_name")
-    H.eq(wire.VERSION, 1, "wire.VERSION")
+    H.eq(wire.VERSION, 2, "wire.VERSION")
 end
 
 d2:close() -- r2 stays open for lua_close

@@ -239,6 +239,8 @@ function M.new(cfg)
         local c = self.model:config()
         self.vocab, self.n_params = c.vocab_size, self.model:n_params()
         self.tables = self.model.tables_crc and self.model:tables_crc() or nil
+        local cj = self.model.config_json and self.model:config_json()
+        self.config_crc = cj and codec.crc32(cj, #cj) or nil
         self.eos = c.eos_token_id and c.eos_token_id >= 0 and c.eos_token_id or nil
         -- what routing records must look like (the model's forward refuses anything else: tests/test_replay.c)
         local ncsa = 0
@@ -624,18 +626,22 @@ end
 function Pool:on_hello(peer, m)
     local caps = m
     local refuse
+    -- n_params 0: a worker without local files, which builds its model from our announce (protocol v2); one with
+    -- a model must have ours exactly: other routing tables or config would generate other tokens, silently
     if m.worker ~= peer then
         refuse = ("worker id %q differs from the connection's routing id"):format(tostring(m.worker))
+    elseif caps.n_params == 0 then
+        refuse = nil
     elseif self.vocab and caps.vocab_size ~= self.vocab then
         refuse = ("vocab_size %d, the trainer's model has %d"):format(caps.vocab_size, self.vocab)
     elseif self.n_params and caps.n_params ~= self.n_params then
         refuse = ("n_params %d, the trainer's model has %d"):format(caps.n_params, self.n_params)
-    else
-        local tab = type(caps.build) == "string" and caps.build:match("tables=(%x+)")
-        if tab and self.tables and tonumber(tab, 16) ~= self.tables then
-            refuse = ("hash-routing tables differ (crc %s, the trainer's %08x): start the worker from the trainer's "
-                .. "checkpoint"):format(tab, self.tables)
-        end
+    elseif self.tables and caps.tables_crc ~= self.tables then
+        refuse = ("hash-routing tables (tid2eid) differ: crc %08x, the trainer's %08x; start the worker without "
+            .. "--model (it takes the trainer's) or from the trainer's checkpoint"):format(caps.tables_crc, self.tables)
+    elseif self.config_crc and caps.config_crc ~= self.config_crc then
+        refuse = ("model config differs: crc %08x, the trainer's %08x; start the worker without --model (it takes "
+            .. "the trainer's) or from the trainer's checkpoint"):format(caps.config_crc, self.config_crc)
     end
     if refuse then
         self.st.refused = self.st.refused + 1
@@ -667,8 +673,11 @@ end
 function Pool:announce(w)
     local cur = self.weights[self.version]
     if w.policy < cur.version then w.sync = { version = cur.version, t0 = self.now() } end
+    local d = cur.model
     self:send(w.id, { t = "weight_announce", version = cur.version, bytes = cur.bytes, chunk = cur.chunk,
-        chunks = cur.chunks, n_params = cur.bytes / 4, dtype = "f32", crc = cur.crc })
+        chunks = cur.chunks, n_params = cur.bytes / 4, dtype = "f32", crc = cur.crc, chat_template = d.chat_template,
+        config_crc = d.config_crc, tokenizer_crc = d.tokenizer_crc, tables_crc = d.tables_crc },
+        { config = d.config, tokenizer = d.tokenizer, tables = d.tables })
 end
 
 function Pool:on_error(peer, w, m)
@@ -1105,6 +1114,18 @@ end
 
 -- ------------------------------------------------------------------------------------------------ weights
 
+-- What protocol v2's announce carries besides the weights: enough for a worker without local files to build the
+-- very model the weights belong to (config, tokenizer, chat template, hash-routing tables), with their CRCs.
+local function describe_model(model)
+    local tok, template = model:tokenizer()
+    local d = { config = model:config_json(), tokenizer = tok and tok:to_json() or "", chat_template = template or "",
+        tables = model:tables() }
+    d.config_crc = codec.crc32(d.config, #d.config)
+    d.tokenizer_crc = codec.crc32(d.tokenizer, #d.tokenizer)
+    d.tables_crc = codec.crc32(d.tables, #d.tables)
+    return d
+end
+
 function Pool:publish(model)
     model = model or self.model
     if not model then error("pool:publish: a model is required", 2) end
@@ -1123,7 +1144,7 @@ function Pool:publish(model)
     local crc = 0
     for off = 0, bytes - 1, MAX_CHUNK do crc = codec.crc32(ptr + off, math.min(MAX_CHUNK, bytes - off), crc) end
     local v = { version = self.version + 1, tensor = buf, ptr = ptr, bytes = bytes, chunk = math.min(self.chunk_bytes,
-        bytes), crc = crc, chunk_crc = {} }
+        bytes), crc = crc, chunk_crc = {}, model = describe_model(model) }
     v.chunks = math.ceil(bytes / v.chunk)
     self.weights[v.version] = v
     if self.weights[v.version - 2] then self.weights[v.version - 2] = nil end -- keep the current and the previous

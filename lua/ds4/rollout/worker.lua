@@ -3,8 +3,9 @@
 
   require("ds4.rollout.worker").run{
       connect = "tcp://HOST:PORT",     -- the pool's endpoint
-      model = model,                   -- this worker's engine copy (any weights of the right architecture: the
-                                       -- trainer's policy replaces them; the hash-routing tables must match)
+      model = model,                   -- this worker's engine copy (any weights of the trainer's architecture: its
+                                       -- policy replaces them; config and hash-routing tables must equal the
+                                       -- trainer's, else refused); nil: built from the trainer's announce
       id = "name",                     -- routing id / worker id (1..64 printable ASCII); default host-pid
       curve = {secret = KEY, server = KEY [, public = KEY]} | insecure = true,  -- keys or key files; public:
                                        -- derived from the secret when absent
@@ -16,8 +17,9 @@
       max_tasks = nil,                 -- tests: leave after this many tasks
   } -> exit status (0: stopped by a signal or by max_tasks, after a bye; 1: refused, or no trainer for give_up_s)
 
-  Loop: hello (caps: max_batch, threads, vocab, n_params, build with the tables CRC) -> the trainer's
-  weight_announce -> weights fetched if the announced (version, CRC) is not what is loaded: weight_request with at
+  Loop: hello (caps: max_batch, threads, vocab, n_params, config and tables CRCs; 0s without a model) -> the
+  trainer's weight_announce, which carries its model (config, tokenizer, template, tables): built from it when this
+  worker has none, else compared with ours (a mismatch: error refused, exit 1) -> weights fetched if the announced (version, CRC) is not what is loaded: weight_request with at
   most 4 chunks in flight, each chunk checked (geometry, CRC) and copied into a staging tensor at its offset, the
   whole buffer's CRC checked, then model:set_params(staging) — between tasks, so a generation never mixes two
   versions -> credit -> tasks, each one model:generate call (one prompt, n samples, the task's seed: the same tokens
@@ -57,7 +59,10 @@ local function zmq_transport(cfg, log)
     local t = { sock = s }
     s:set{ routing_id = cfg.id, immediate = true, linger = 0, sndhwm = 1000, rcvhwm = 1000, heartbeat_ivl = 1000,
         heartbeat_timeout = 10000, heartbeat_ttl = 10000, reconnect_ivl = 100, reconnect_ivl_max = 5000,
-        maxmsgsize = 16 * 1024 * 1024 + 65536 }
+        -- the largest message is the weight announcement: the model's config, tokenizer.json (~8 MB for a 129k
+        -- vocabulary) and hash-routing tables (layers x vocab x top-k int32: ~9 MB for DeepSeek-V4's three hash
+        -- layers), each frame also checked against the wire limits; weight chunks are at most 16 MiB
+        maxmsgsize = 256 * 1024 * 1024 }
     if cfg.curve then
         local secret = codec.read_key(cfg.curve.secret, "ds4 worker: this worker's secret key")
         local public = cfg.curve.public and codec.read_key(cfg.curve.public, "ds4 worker: this worker's public key")
@@ -93,13 +98,24 @@ end
 
 -- ------------------------------------------------------------------------------------------------ state
 
+-- The model this worker generates with, and what its hello says about it (0s: none yet).
+function W:adopt(model)
+    self.model = model
+    if not model then
+        self.vocab, self.n_params, self.config_crc, self.tables = 0, 0, 0, 0
+        return
+    end
+    self.vocab = model:config().vocab_size
+    self.n_params = model:n_params()
+    self.config_json = model:config_json()
+    self.config_crc = codec.crc32(self.config_json, #self.config_json)
+    self.tables = model:tables_crc()
+end
+
 function M.new(cfg)
     local self = setmetatable({}, W)
     self.cfg = cfg
-    self.model = cfg.model or error("ds4 worker: a model is required", 2)
-    local mc = self.model:config()
-    self.vocab = mc.vocab_size
-    self.n_params = self.model:n_params()
+    self:adopt(cfg.model) -- nil: built from the trainer's first announce (protocol v2)
     self.id = cfg.id or (((os.getenv("HOSTNAME") or "worker") .. "-" .. tostring(math.random(1, 1e9))):sub(1, 64))
     if #self.id < 1 or #self.id > 64 or self.id:find("[^\33-\126]") then
         error("ds4 worker: the worker id must be 1..64 printable ASCII characters without spaces, got '" ..
@@ -118,9 +134,7 @@ function M.new(cfg)
     self.hello_s = cfg.hello_s or 5
     self.heartbeat_s = cfg.heartbeat_s or 1
     self.give_up_s = cfg.give_up_s or 120
-    self.tables = self.model.tables_crc and self.model:tables_crc() or nil
-    self.build = ("%s %s%s"):format("ds4", tostring(ds4.version), self.tables and (" tables=%08x"):format(self.tables)
-        or "")
+    self.build = ("%s %s"):format("ds4", tostring(ds4.version))
     self.transport = cfg.transport or zmq_transport({ connect = cfg.connect, id = self.id, curve = cfg.curve,
         insecure = cfg.insecure }, self.logf)
     self.session = false      -- a weight_announce answered our latest hello
@@ -148,12 +162,12 @@ function W:send(msg, raw)
 end
 
 function W:hello()
-    local c = self.model:config()
     self.hello_at = self.now()
     self.st.hellos = self.st.hellos + 1
     local ok, err = self:send({ t = "hello", worker = self.id, policy = self.loaded, max_batch =
         math.max(1, math.min(65536, self.max_batch > 0 and self.max_batch or 64)), threads = math.max(1, ds4.threads()),
-        vocab_size = c.vocab_size, n_params = self.n_params, build = self.build })
+        vocab_size = self.vocab, n_params = self.n_params, config_crc = self.config_crc, tables_crc = self.tables,
+        build = self.build })
     self.hello_ok = ok
     if not ok and not self.warned_unconnected and self.now() - (self.started or self.now()) > 10 then
         self.warned_unconnected = true
@@ -195,7 +209,48 @@ end
 
 -- ------------------------------------------------------------------------------------------------ weights
 
+-- Protocol v2: the announce carries the trainer's model (its frames' CRCs checked by the decoder). Without a model
+-- of our own we build it from that; with one (--model), it must be the trainer's exactly: other hash-routing tables
+-- or another config would generate other tokens under the same weights, silently. Returns an error or nil.
+function W:check_model(m)
+    if not self.model then
+        local ok, err = pcall(function()
+            local model = require("ds4.core").random_model_json(m.config, 0)
+            if model:config_json() ~= m.config then
+                error("the model built from the trainer's config does not reproduce it (another ds4 version?)", 0)
+            end
+            model:set_tables(m.tables)
+            if #m.tokenizer > 0 then
+                model:set_tokenizer(ds4.tokenizer_from_json(m.tokenizer),
+                    { chat_template = m.chat_template ~= "" and m.chat_template or nil })
+            end
+            self:adopt(model)
+        end)
+        if not ok then return "cannot build the trainer's model: " .. tostring(err) end
+        self:log("info", ("built the trainer's model from its announce: %d parameters, vocabulary %d, tables crc "
+            .. "%08x%s"):format(self.n_params, self.vocab, self.tables, #m.tokenizer > 0 and (", tokenizer, template "
+            .. (m.chat_template ~= "" and m.chat_template or "none")) or ", no tokenizer"))
+    end
+    if self.tables ~= m.tables_crc then
+        return ("the trainer's hash-routing tables (tid2eid) differ from this worker's --model: crc %08x, this "
+            .. "worker's %08x; start the worker without --model (it takes the trainer's model) or from the trainer's "
+            .. "checkpoint"):format(m.tables_crc, self.tables)
+    end
+    if self.config_crc ~= m.config_crc then
+        return ("the trainer's model config differs from this worker's --model: crc %08x, this worker's %08x; "
+            .. "start the worker without --model or from the trainer's checkpoint"):format(m.config_crc, self.config_crc)
+    end
+    return nil
+end
+
 function W:on_announce(m)
+    local mismatch = self:check_model(m)
+    if mismatch then
+        self:log("warn", "refusing the trainer's model: " .. mismatch)
+        self:send(codec.error_msg("refused", mismatch, "weight_announce", m.version))
+        self.exit_status = 1
+        return
+    end
     if not self.session then
         self.session = true
         self:log("info", ("session with the trainer: policy version %d (%.1f MB)"):format(m.version, m.bytes / 1e6))
@@ -436,6 +491,12 @@ function W:on_message(frames)
         if ref_t == "" then ref_t = nil end
         rate_log(self, ("rejected a message from the trainer: %s (%s)"):format(tostring(why), tostring(code)))
         if ref_t ~= "error" then self:send(codec.error_msg(code or "parse", why, ref_t)) end
+        if code == "version" then
+            -- a trainer of another protocol version: nothing it sends can be understood, so waiting is pointless
+            self:log("warn", "the trainer speaks another protocol version (" .. tostring(why) .. "): run the same "
+                .. "ds4 version on the trainer and the workers")
+            self.exit_status = 1
+        end
         return
     end
     local t = m.t
@@ -482,8 +543,8 @@ end
 
 function W:start()
     self.started = self.now()
-    self:log("info", ("connecting to %s (%d parameters)"):format(tostring(self.cfg.connect or "transport"),
-        self.n_params))
+    self:log("info", ("connecting to %s (%s)"):format(tostring(self.cfg.connect or "transport"), self.model and
+        ("%d parameters"):format(self.n_params) or "no model: it comes from the trainer"))
     self:hello()
 end
 
@@ -565,11 +626,11 @@ usage: ds4 worker --connect ENDPOINT [--model DIR|CONFIG.json] [--threads N] [--
                   [--give-up S] [--quiet] [--verbose]
 
   --connect EP        the trainer pool's endpoint (tcp://HOST:PORT, ipc://PATH)
-  --model DIR         this worker's model: a checkpoint directory, or a config.json (random weights); the
-                      trainer's policy weights replace its parameters, so any weights of the trainer's
-                      architecture do. Hash-routed layers' tables are not sent: when the model has them,
-                      start from the trainer's checkpoint (a worker whose tables differ is refused).
-  --config-from-trainer  not available in protocol v1 (the trainer cannot send its config yet): use --model
+  --model DIR         optional: without it the worker needs no local files and builds its model from what the
+                      trainer sends (config, tokenizer, hash-routing tables, weights). With it (a checkpoint
+                      directory, or a config.json: random weights) the trainer's weights replace its
+                      parameters, and its config and hash-routing tables must equal the trainer's: a
+                      mismatch is refused on both sides (start from the trainer's checkpoint, or without it)
   --threads N         CPU threads (0 = all cores)
   --device D          where the model generates: cpu (default), cuda or cuda:N
   --dtype T           the GPU's working dtype: bf16 (default) or fp32; the trainer's log-probabilities equal the
@@ -599,7 +660,7 @@ end
 
 function M.main(argv)
     local o = { threads = -1, ["max-batch"] = 0, credits = 2, ["give-up"] = 120 }
-    local flags = { insecure = true, quiet = true, verbose = true, ["config-from-trainer"] = true }
+    local flags = { insecure = true, quiet = true, verbose = true }
     local valued = { connect = true, model = true, threads = true, key = true, ["server-key"] = true, id = true,
         ["max-batch"] = true, credits = true, ["give-up"] = true, device = true, dtype = true }
     local i = 1
@@ -642,16 +703,6 @@ function M.main(argv)
         io.stderr:write("ds4 worker: --connect ENDPOINT is required\n\n" .. USAGE .. "\n")
         return 2
     end
-    if o["config-from-trainer"] then
-        io.stderr:write("ds4 worker: --config-from-trainer is not available in protocol v1 (no message carries the "
-            .. "model config yet): start the worker with --model DIR (the trainer's checkpoint) or --model "
-            .. "config.json\n")
-        return 2
-    end
-    if not o.model then
-        io.stderr:write("ds4 worker: --model DIR (or CONFIG.json) is required\n\n" .. USAGE .. "\n")
-        return 2
-    end
     local threads, max_batch, credits = num("threads", -1, 4096), num("max-batch", 0, 65536), num("credits", 1, 1024)
     local give_up = num("give-up", 1, 86400 * 365)
     if not threads or not max_batch or not credits or not give_up then return 2 end
@@ -691,6 +742,7 @@ function M.main(argv)
     end
     local model
     local ok, err = pcall(function()
+        if not o.model then return end -- built from the trainer's announce
         if o.model:match("%.json$") then model = ds4.random_model(o.model, 0) else model = ds4.load(o.model) end
     end)
     if not ok then
