@@ -44,14 +44,25 @@ if grep -q '^DS4_SANITIZE:BOOL=ON' "$BUILD/CMakeCache.txt" 2>/dev/null; then
 fi
 export PKG_CONFIG_PATH="$LIBDIR/pkgconfig"
 # pkg-config for ds4. Where the dependencies come from packages unpacked into a folder (PKG_CONFIG_SYSROOT_DIR, as on
-# a machine without package access), pkg-config puts that folder before every path, the prefix's too: take it off
-# the prefix's paths only (the dependencies' stay under the folder, where they are).
+# a machine without package access), pkg-config puts that folder before every -I / -L path, also the ones that lie
+# outside it (the installed prefix, the CUDA toolkit): a path that is missing under the folder but present without
+# it is given back without it.
 pc() {
-    if [ -n "${PKG_CONFIG_SYSROOT_DIR:-}" ]; then
-        pkg-config "$@" ds4 | sed "s|${PKG_CONFIG_SYSROOT_DIR%/}$P|$P|g"
-    else
-        pkg-config "$@" ds4
-    fi
+    local out tok p root res=()
+    out="$(pkg-config "$@" ds4)" || return 1
+    root="${PKG_CONFIG_SYSROOT_DIR:-}"
+    root="${root%/}"
+    [ -n "$root" ] || { echo "$out"; return 0; }
+    for tok in $out; do
+        case "$tok" in
+        -I"$root"/* | -L"$root"/*)
+            p="${tok:2}"
+            if [ ! -e "$p" ] && [ -e "${p#"$root"}" ]; then tok="${tok:0:2}${p#"$root"}"; fi
+            ;;
+        esac
+        res+=("$tok")
+    done
+    echo "${res[*]}"
 }
 
 # ------------------------------------------------------------------------------------------------ 2. pkg-config
