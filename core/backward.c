@@ -522,7 +522,23 @@ static ds4_status backward_impl(ds4_model *m, const float *dlogp, double scale, 
         /* MTP term λ·mean over its own scored tokens: per-token scale λ·scale·(main tokens / MTP tokens), which is
          * λ / mtp_tokens when scale = 1 / loss_tokens */
         mtp_bwd(&b, m->topt.mtp_lambda * scale * (double)tp->loss_tokens / (double)tp->mtp_tokens, htgt, hrows);
-    for (int64_t li = L - 1; li >= 0; li--) block_bwd(&b, &wv->layers[li], &b.gw->layers[li], &tp->layers[li], b.dX);
+    int64_t ncsa = 0; /* CSA layers before the block being recomputed (its indexer replay offset) */
+    for (int64_t li = 0; li < L; li++) ncsa += c->layer_types[li] == DS4_ATTN_CSA;
+    for (int64_t li = L - 1; li >= 0; li--) {
+        ncsa -= c->layer_types[li] == DS4_ATTN_CSA;
+        if (tp->recompute) {
+            /* refill the shared slots: block li's forward again from its kept input, with its kept decisions, on the
+             * pass's activation buffers (the backward's own live in its workspace) */
+            b.f.tape = tp;
+            b.f.lt = &tp->layers[li];
+            b.f.li = b.f.rows.li = li;
+            b.f.csa_i = ncsa;
+            b.f.recompute = 1;
+            ds4_dev_copy(dev, b.f.X, tp->layers[li].X_in, (size_t)(T * c->hc_mult * c->hidden_size) * sizeof(float));
+            ds4_block(&b.f, &wv->layers[li], b.f.X, tp->ids);
+        }
+        block_bwd(&b, &wv->layers[li], &b.gw->layers[li], &tp->layers[li], b.dX);
+    }
     OP(dev, embed_bwd, .ge = b.gw->embed, .ids = tp->ids, .dx = b.dX, .T = T, .n = c->hc_mult, .D = c->hidden_size);
     free(htgt);
     tp->valid = 0;

@@ -18,6 +18,14 @@
 #pragma GCC diagnostic ignored "-Wpsabi" /* see kernels_cpu.c: the 8-lane helpers are always inlined */
 
 typedef float v8f __attribute__((vector_size(32)));
+/* Two vectors' lanes picked by eight constant indices (0-7: a, 8-15: b): GCC's and clang's spellings of the same
+ * data movement (the fuzz build uses clang). */
+#if defined(__clang__)
+#define SHUF8(a, b, ...) __builtin_shufflevector((a), (b), __VA_ARGS__)
+#else
+typedef int32_t ds4_v8i __attribute__((vector_size(32)));
+#define SHUF8(a, b, ...) __builtin_shuffle((a), (b), (ds4_v8i){__VA_ARGS__})
+#endif
 
 __attribute__((always_inline)) static inline v8f ld8(const float *p) {
     v8f v;
@@ -43,21 +51,20 @@ static inline float b_at(const ds4_gemm *g, int64_t j, int64_t r) { return g->b[
 
 /* dst[q·8 + l] = src[l·ks + q] for q, l < 8: an 8 × 8 block transposed with shuffles (data movement only). */
 __attribute__((always_inline)) static inline void transpose8(float *dst, const float *src, int64_t ks) {
-    typedef int32_t v8i __attribute__((vector_size(32)));
     v8f r[8], t[8], u[8];
     for (int l = 0; l < 8; l++) r[l] = ld8(src + l * ks);
     for (int l = 0; l < 8; l += 2) {
-        t[l] = __builtin_shuffle(r[l], r[l + 1], (v8i){0, 8, 1, 9, 4, 12, 5, 13});
-        t[l + 1] = __builtin_shuffle(r[l], r[l + 1], (v8i){2, 10, 3, 11, 6, 14, 7, 15});
+        t[l] = SHUF8(r[l], r[l + 1], 0, 8, 1, 9, 4, 12, 5, 13);
+        t[l + 1] = SHUF8(r[l], r[l + 1], 2, 10, 3, 11, 6, 14, 7, 15);
     }
     for (int h = 0; h < 8; h += 4)
         for (int l = 0; l < 2; l++) {
-            u[h + 2 * l] = __builtin_shuffle(t[h + l], t[h + l + 2], (v8i){0, 1, 8, 9, 4, 5, 12, 13});
-            u[h + 2 * l + 1] = __builtin_shuffle(t[h + l], t[h + l + 2], (v8i){2, 3, 10, 11, 6, 7, 14, 15});
+            u[h + 2 * l] = SHUF8(t[h + l], t[h + l + 2], 0, 1, 8, 9, 4, 5, 12, 13);
+            u[h + 2 * l + 1] = SHUF8(t[h + l], t[h + l + 2], 2, 3, 10, 11, 6, 7, 14, 15);
         }
     for (int q = 0; q < 4; q++) {
-        st8(dst + q * 8, __builtin_shuffle(u[q], u[q + 4], (v8i){0, 1, 2, 3, 8, 9, 10, 11}));
-        st8(dst + (q + 4) * 8, __builtin_shuffle(u[q], u[q + 4], (v8i){4, 5, 6, 7, 12, 13, 14, 15}));
+        st8(dst + q * 8, SHUF8(u[q], u[q + 4], 0, 1, 2, 3, 8, 9, 10, 11));
+        st8(dst + (q + 4) * 8, SHUF8(u[q], u[q + 4], 4, 5, 6, 7, 12, 13, 14, 15));
     }
 }
 
@@ -96,15 +103,20 @@ static void pack(float *dst, int64_t pstride, const float *x, int64_t rs, int64_
  * for all eight at once: every output is the same three levels of scalar additions on the same operands, the
  * shuffles only line the operands up. */
 __attribute__((always_inline)) static inline void lane_sums8(const v8f a[8], float *s) {
-    typedef int32_t v8i __attribute__((vector_size(32)));
-    const v8i lo = {0, 1, 2, 3, 8, 9, 10, 11}, hi = {4, 5, 6, 7, 12, 13, 14, 15};
-    const v8i ev = {0, 2, 8, 10, 4, 6, 12, 14}, od = {1, 3, 9, 11, 5, 7, 13, 15};
+#define LO 0, 1, 2, 3, 8, 9, 10, 11
+#define HI 4, 5, 6, 7, 12, 13, 14, 15
+#define EV 0, 2, 8, 10, 4, 6, 12, 14
+#define OD 1, 3, 9, 11, 5, 7, 13, 15
     v8f p[4], q[2];
     for (int k = 0; k < 4; k++) /* [a_2k lanes i + (i+4)], then [a_2k+1 ...] */
-        p[k] = __builtin_shuffle(a[2 * k], a[2 * k + 1], lo) + __builtin_shuffle(a[2 * k], a[2 * k + 1], hi);
+        p[k] = SHUF8(a[2 * k], a[2 * k + 1], LO) + SHUF8(a[2 * k], a[2 * k + 1], HI);
     for (int k = 0; k < 2; k++) /* pairs of those: (l0+l4)+(l1+l5) and (l2+l6)+(l3+l7) */
-        q[k] = __builtin_shuffle(p[2 * k], p[2 * k + 1], ev) + __builtin_shuffle(p[2 * k], p[2 * k + 1], od);
-    const v8f r = __builtin_shuffle(q[0], q[1], ev) + __builtin_shuffle(q[0], q[1], od);
+        q[k] = SHUF8(p[2 * k], p[2 * k + 1], EV) + SHUF8(p[2 * k], p[2 * k + 1], OD);
+    const v8f r = SHUF8(q[0], q[1], EV) + SHUF8(q[0], q[1], OD);
+#undef LO
+#undef HI
+#undef EV
+#undef OD
     /* r holds the sums of a0, a2, a4, a6, a1, a3, a5, a7 */
     s[0] = r[0], s[2] = r[1], s[4] = r[2], s[6] = r[3], s[1] = r[4], s[3] = r[5], s[5] = r[6], s[7] = r[7];
 }

@@ -74,6 +74,11 @@ static void indexer(ds4_pass *f, const ds4_layer_w *l, ds4_layer_tape *lt) {
     }
     /* a step's rows each see their own number of entries: k = min(index_topk, causal entries) per row */
     const int64_t K = c->index_topk, ncsa = ds4_model_csa_layers(f->m);
+    if (f->recompute) { /* the picks the training forward made */
+        ds4_dev_copy(f->dev, f->sel, lt->sel, (size_t)(T * f->sel_stride) * sizeof(int32_t));
+        ds4_dev_copy(f->dev, f->nsel, lt->nsel, (size_t)T * sizeof(int32_t));
+        return;
+    }
     const int replay = f->replay_index && f->replay_on;
     OP(f->dev, indexer, .c = c, .iq = f->iq, .iw = f->iw, .iK = f->iK, .rows = f->rows, .nwin = nwin,
        .topk = f->rows.pos ? K : (K < nwin ? K : nwin), .sel = f->sel, .nsel = f->nsel, .sel_stride = f->sel_stride,
@@ -127,7 +132,7 @@ static void attention(ds4_pass *f, const ds4_layer_w *l) {
     if (lt) {
         lt->nwin = nwin;
         if (nwin) keep(f, lt->cK, f->cK, f->B * f->S * d);
-        if (l->type == DS4_ATTN_CSA) {
+        if (l->type == DS4_ATTN_CSA && !f->recompute) {
             ds4_dev_copy(f->dev, lt->sel, f->sel, (size_t)(T * f->sel_stride) * sizeof(int32_t));
             ds4_dev_copy(f->dev, lt->nsel, f->nsel, (size_t)T * sizeof(int32_t));
         }
@@ -173,12 +178,17 @@ static void moe(ds4_pass *f, const ds4_layer_w *l, const int64_t *ids) {
         keep(f, lt->rlog, f->rl, T * E);
     }
     const int replay = f->replay_experts && f->replay_on;
-    OP(dev, route, .c = c, .l = l, .ids = ids, .s = f->rl, .eidx = f->eidx, .ew = f->ew,
-       .replay = replay ? f->replay_experts + f->li * K : NULL, .replay_ld = L * K, .T = T);
+    if (f->recompute) { /* the experts and weights the training forward chose (its scores are kept too) */
+        ds4_dev_copy(dev, f->eidx, lt->eidx, (size_t)TK * sizeof(int32_t));
+        ds4_dev_copy(dev, f->ew, lt->ew, (size_t)TK * sizeof(float));
+    } else {
+        OP(dev, route, .c = c, .l = l, .ids = ids, .s = f->rl, .eidx = f->eidx, .ew = f->ew,
+           .replay = replay ? f->replay_experts + f->li * K : NULL, .replay_ld = L * K, .T = T);
+    }
     if (f->rec_experts)
         OP(dev, copy_rows, .dst = f->rec_experts + f->li * K, .ldd = L * K * 4, .src = f->eidx, .lds = K * 4, .rows = T,
            .row_bytes = K * 4);
-    if (lt) {
+    if (lt && !f->recompute) {
         keep(f, lt->rsc, f->rl, T * E);
         ds4_dev_copy(dev, lt->eidx, f->eidx, (size_t)TK * sizeof(int32_t));
         keep(f, lt->ew, f->ew, TK);
@@ -410,6 +420,27 @@ static void mtp_forward(ds4_pass *f, const int64_t *ids, float *mtp_logits, ds4_
                 tape ? tape->mtp_u : NULL, tape ? tape->mtp_y : NULL);
 }
 
+/* The indexer KL loss of CSA layer li from its tape (training option): the mean KL over its queries into *sum, the
+ * queries into *nq_all. With recomputation the layer's tape slots are shared, so it runs right after the block. */
+static void ikl_layer(ds4_pass *f, ds4_tape *tape, int64_t li, double *hnll, int32_t *has, double *sum,
+                      int64_t *nq_all) {
+    const int64_t T = f->T;
+    OP(f->dev, ikl, .c = f->c, .lt = &tape->layers[li], .T = T, .S = f->S, .sel_stride = tape->sel_stride, .kl = f->nll,
+       .has = (int32_t *)f->rowmap);
+    ds4_dev_download(f->dev, hnll, f->nll, (size_t)T * sizeof(double));
+    ds4_dev_download(f->dev, has, f->rowmap, (size_t)T * sizeof(int32_t));
+    if (f->dev->st) return;
+    double kl = 0;
+    int64_t nq = 0;
+    for (int64_t t = 0; t < T; t++)
+        if (has[t]) {
+            kl += hnll[t];
+            nq++;
+        }
+    if (nq > 0) *sum += kl / (double)nq;
+    *nq_all += nq;
+}
+
 ds4_status ds4_forward_run(ds4_model *m, const ds4_forward_args *args, ds4_forward_result *res, ds4_tape *tape,
                            ds4_error *err) {
     if (!m) return ds4_fail(err, DS4_ERR_ARG, "forward: model is NULL");
@@ -458,12 +489,16 @@ ds4_status ds4_forward_run(ds4_model *m, const ds4_forward_args *args, ds4_forwa
     const size_t nloads = (size_t)((c->num_hidden_layers + 1) * c->n_routed_experts);
     if (tape && tape->loads) ds4_dev_fill(f.dev, tape->loads, 0, nloads * sizeof(int64_t));
     OP(f.dev, embed, .X = f.X, .E = f.w->embed, .edt = f.w->mdt, .ids = ids, .T = T, .n = n, .D = D); /* X⁰ */
+    double ikl_sum = 0; /* the indexer KL loss over the CSA layers (tape->with_ikl) */
+    int64_t ikl_nq = 0;
     for (int64_t li = 0; li < c->num_hidden_layers; li++) {
         f.lt = tape ? &tape->layers[li] : NULL;
         f.li = li;
         f.rows.li = li;
         ds4_block(&f, &f.w->layers[li], f.X, ids);
         f.csa_i += c->layer_types[li] == DS4_ATTN_CSA;
+        if (tape && tape->with_ikl && tape->recompute && c->layer_types[li] == DS4_ATTN_CSA && !f.dev->st)
+            ikl_layer(&f, tape, li, hnll, (int32_t *)hrows, &ikl_sum, &ikl_nq);
         if (args->hidden) ds4_dev_download(f.dev, args->hidden + li * T * n * D, f.X, (size_t)(T * n * D) * sizeof(float));
     }
     f.lt = NULL;
@@ -497,27 +532,9 @@ ds4_status ds4_forward_run(ds4_model *m, const ds4_forward_args *args, ds4_forwa
     }
     if (tape && tape->with_ikl) {
         /* the indexer KL loss (training option): per CSA layer the mean KL over its queries, summed over layers */
-        double sum = 0;
-        int64_t nq_all = 0;
-        int32_t *has = hrows;
-        for (int64_t li = 0; li < c->num_hidden_layers; li++) {
-            if (c->layer_types[li] != DS4_ATTN_CSA) continue;
-            OP(f.dev, ikl, .c = c, .lt = &tape->layers[li], .T = T, .S = S, .sel_stride = tape->sel_stride, .kl = f.nll,
-               .has = (int32_t *)f.rowmap);
-            ds4_dev_download(f.dev, hnll, f.nll, (size_t)T * sizeof(double));
-            ds4_dev_download(f.dev, has, f.rowmap, (size_t)T * sizeof(int32_t));
-            if (f.dev->st) break;
-            double kl = 0;
-            int64_t nq = 0;
-            for (int64_t t = 0; t < T; t++)
-                if (has[t]) {
-                    kl += hnll[t];
-                    nq++;
-                }
-            if (nq > 0) sum += kl / (double)nq;
-            nq_all += nq;
-        }
-        r.indexer_loss = nq_all ? sum : 0.0;
+        for (int64_t li = 0; !tape->recompute && li < c->num_hidden_layers && !f.dev->st; li++)
+            if (c->layer_types[li] == DS4_ATTN_CSA) ikl_layer(&f, tape, li, hnll, hrows, &ikl_sum, &ikl_nq);
+        r.indexer_loss = ikl_nq ? ikl_sum : 0.0;
     }
     if (tape && tape->loads) { /* this forward's expert loads join the model's host counters */
         int64_t *ld = malloc(nloads * sizeof *ld);

@@ -393,6 +393,8 @@ ds4_status ds4_model_set_train_options(ds4_model *m, const ds4_train_options *o,
     if (!(o->router_bias_gamma >= 0) || !isfinite(o->router_bias_gamma))
         return ds4_fail(err, DS4_ERR_ARG, "set_train_options: router_bias_gamma %g must be finite and >= 0",
                         o->router_bias_gamma);
+    if (o->recompute != 0 && o->recompute != 1)
+        return ds4_fail(err, DS4_ERR_ARG, "set_train_options: recompute %d must be 0 or 1", (int)o->recompute);
     m->topt = *o;
     return DS4_OK;
 }

@@ -198,11 +198,39 @@ static void plan_tape(const ds4_model *m, ds4_tape *tp, ds4_arena *a, int64_t B,
     tp->with_mtp = with_mtp;
     tp->with_ikl = m->topt.indexer_kl > 0;
     tp->sel_stride = (int64_t)selw;
-    for (int64_t li = 0; li < L + (with_mtp ? 1 : 0); li++) {
-        ds4_layer_tape *lt = a->base ? &tp->layers[li] : &(ds4_layer_tape){0};
-        const ds4_attn_type ty = li < L ? c->layer_types[li] : DS4_ATTN_SLIDING;
+    tp->recompute = m->topt.recompute != 0;
+    /* With recomputation the main blocks share one set of activation slots (sized for the widest layer type present),
+     * which the backward refills block by block; each block keeps its own input streams and decisions. The MTP block
+     * keeps its own slots. */
+    int any_csa = 0, any_hca = 0;
+    for (int64_t li = 0; li < L; li++) any_csa |= c->layer_types[li] == DS4_ATTN_CSA, any_hca |= c->layer_types[li] == DS4_ATTN_HCA;
+    ds4_layer_tape shared = {0};
+    for (int64_t li = (tp->recompute ? -1 : 0); li < L + (with_mtp ? 1 : 0); li++) {
+        /* li = -1: the shared slots (recomputation) */
+        ds4_layer_tape *lt = li < 0 ? &shared : (a->base ? &tp->layers[li] : &(ds4_layer_tape){0});
+        const ds4_attn_type ty = li < 0 ? (any_csa ? DS4_ATTN_CSA : any_hca ? DS4_ATTN_HCA : DS4_ATTN_SLIDING)
+                                        : (li < L ? c->layer_types[li] : DS4_ATTN_SLIDING);
         const size_t width = ty == DS4_ATTN_CSA ? 2 * d : (ty == DS4_ATTN_HCA ? d : 0);
-        lt->X_in = ds4_arena_take(a, T * n * D, 4);
+        const int own = li < 0 || li >= L || !tp->recompute; /* the activation slots are this block's own */
+        if (!own) {
+            /* the shared slots, without the kinds this layer's type does not have */
+            const ds4_layer_tape keep = *lt;
+            *lt = shared;
+            lt->cC = width ? shared.cC : NULL, lt->cZ = width ? shared.cZ : NULL;
+            lt->pool = width ? shared.pool : NULL, lt->cK = width ? shared.cK : NULL;
+            const int ikl = ty == DS4_ATTN_CSA && m->topt.indexer_kl > 0;
+            if (!ikl) lt->iq = lt->iw = lt->iK = lt->iC = lt->iZ = lt->ipool = lt->itgt = NULL;
+            lt->nwin = keep.nwin;
+        }
+        if (li >= 0) { /* a block's own: its input streams and decisions */
+            lt->X_in = ds4_arena_take(a, T * n * D, 4);
+            lt->sel = ty == DS4_ATTN_CSA ? ds4_arena_take(a, T * selw, 4) : NULL;
+            lt->nsel = ty == DS4_ATTN_CSA ? ds4_arena_take(a, T, 4) : NULL;
+            lt->rsc = ds4_arena_take(a, T * E, 4);
+            lt->eidx = ds4_arena_take(a, T * K, 4);
+            lt->ew = ds4_arena_take(a, T * K, 4);
+        }
+        if (!own) continue;
         lt->X_mid = ds4_arena_take(a, T * n * D, 4);
         lt->u_attn = ds4_arena_take(a, T * D, 4);
         lt->h_attn = ds4_arena_take(a, T * D, 4);
@@ -216,7 +244,6 @@ static void plan_tape(const ds4_model *m, ds4_tape *tp, ds4_arena *a, int64_t B,
         lt->cZ = width ? ds4_arena_take(a, T * width, 4) : NULL;
         lt->pool = width ? ds4_arena_take(a, T * d, 4) : NULL;
         lt->cK = width ? ds4_arena_take(a, T * d, 4) : NULL;
-        lt->sel = ty == DS4_ATTN_CSA ? ds4_arena_take(a, T * selw, 4) : NULL;
         const int ikl = ty == DS4_ATTN_CSA && m->topt.indexer_kl > 0;
         const size_t nI = (size_t)c->index_n_heads, cI = (size_t)c->index_head_dim;
         lt->iq = ikl ? ds4_arena_take(a, T * nI * cI, 4) : NULL;
@@ -226,16 +253,12 @@ static void plan_tape(const ds4_model *m, ds4_tape *tp, ds4_arena *a, int64_t B,
         lt->iZ = ikl ? ds4_arena_take(a, T * 2 * cI, 4) : NULL;
         lt->ipool = ikl ? ds4_arena_take(a, T * cI, 4) : NULL;
         lt->itgt = ikl ? ds4_arena_take(a, T * selw, 4) : NULL;
-        lt->nsel = ty == DS4_ATTN_CSA ? ds4_arena_take(a, T, 4) : NULL;
         lt->o = ds4_arena_take(a, T * H * d, 4);
         lt->y = ds4_arena_take(a, T * (size_t)(c->o_groups * c->o_lora_rank), 4);
         lt->a_attn = ds4_arena_take(a, T * D, 4);
         lt->u_ffn = ds4_arena_take(a, T * D, 4);
         lt->h_ffn = ds4_arena_take(a, T * D, 4);
         lt->rlog = ds4_arena_take(a, T * E, 4);
-        lt->rsc = ds4_arena_take(a, T * E, 4);
-        lt->eidx = ds4_arena_take(a, T * K, 4);
-        lt->ew = ds4_arena_take(a, T * K, 4);
         lt->eg1 = ds4_arena_take(a, T * K * I, 4);
         lt->eg3 = ds4_arena_take(a, T * K * I, 4);
         lt->ye = ds4_arena_take(a, T * K * D, 4);

@@ -68,6 +68,8 @@ typedef struct ds4_tape {
     float *mtp_X;                 /* [T1, n, D] MTP block output */
     int64_t loss_tokens, mtp_tokens; /* scored tokens of the main and MTP losses */
     int with_ikl;                 /* indexer KL loss: the indexer activations are kept */
+    int recompute;                /* per-block recomputation: the main blocks share one set of activation slots;
+                                     each keeps its own X_in, sel / nsel, rsc, eidx and ew */
     int64_t sel_stride;
     void *mem;                    /* backend memory */
     size_t bytes;
@@ -131,6 +133,9 @@ typedef struct ds4_pass {
     ds4_tape *tape;               /* training forward: where to save activations (NULL: inference) */
     ds4_layer_tape *lt;           /* the current block's slot in the tape (NULL: inference) */
     int64_t li, csa_i;            /* the main layer being run, and its rank among the CSA layers */
+    int recompute;                /* the backward re-running a block (ds4_train_options.recompute): its routing and
+                                     indexer picks come from lt (as the forward made them, replayed or not), nothing
+                                     is counted or recorded */
 } ds4_pass;
 
 /* What a pass needs planned beyond its activations. */

@@ -283,10 +283,12 @@ static int m_set_train_options(lua_State *L) {
         else if (!strcmp(k, "head_chunk") && lua_type(L, -1) == LUA_TNUMBER && lua_tonumber(L, -1) >= 0 &&
                  lua_tonumber(L, -1) <= 1e9 && lua_tonumber(L, -1) == (int64_t)lua_tonumber(L, -1))
             o.head_chunk = (int64_t)lua_tonumber(L, -1);
+        else if (!strcmp(k, "recompute") && lua_type(L, -1) == LUA_TBOOLEAN)
+            o.recompute = lua_toboolean(L, -1);
         else
             ds4l_raise(L,
                        "%s: unknown or mistyped option '%s' (known: mtp_lambda = number, router_bias_gamma = number, "
-                       "indexer_kl = number, head_chunk = integer >= 0)",
+                       "indexer_kl = number, head_chunk = integer >= 0, recompute = boolean)",
                        fname, k);
         lua_pop(L, 1);
     }

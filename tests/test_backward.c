@@ -15,6 +15,9 @@
 
 #include "testlib.h"
 
+#include "model.h"
+#include "sched.h"
+
 static int zero_expected(const char *name, int mtp_on) {
     if (strstr(name, ".attn.indexer.") || strstr(name, ".ffn.gate.bias")) return 1;
     return !mtp_on && strncmp(name, "mtp.", 4) == 0;
@@ -186,6 +189,65 @@ out:
     ds4_model_free(m);
 }
 
+/* Per-block recomputation (ds4_train_options.recompute) is the same computation run twice, so on the deterministic
+ * CPU it must give the same bits as keeping every block's activations: losses, log-probabilities and every gradient,
+ * for CE, the per-token path, the MTP loss, the indexer-KL option and the head in chunks; and a smaller tape. */
+static void recompute(ds4_engine *eng, const char *fixtures, const char *name) {
+    ds4_error err = {0};
+    ds4_model *m = NULL;
+    ds4_st_file *io = NULL;
+    ds4_forward_args a;
+    if (ds4t_load_fixture(eng, fixtures, name, &m, &io, &a)) return;
+    const int64_t T = a.batch * a.seq, P = ds4_model_param_count(m);
+    const int mtp = ds4_model_has_mtp(m), csa = ds4_model_config(m)->index_topk > 0;
+    CHECK_OK(ds4_model_enable_grad(m, &err), &err);
+    float *g[2], *lp[2];
+    for (int mode = 0; mode < 4; mode++) {
+        if ((mode == 2 && !mtp) || (mode == 3 && !csa)) continue;
+        static const char *const what[4] = {"ce", "per-token log-probs", "mtp", "indexer-kl + head chunks of 7"};
+        ds4_forward_result r[2];
+        size_t bytes[2] = {0, 0};
+        for (int k = 0; k < 2; k++) {
+            ds4_train_options o = {.mtp_lambda = mode == 2 ? 0.3 : 0, .indexer_kl = mode == 3 ? 1.0 : 0,
+                                   .head_chunk = mode == 3 ? 7 : 0, .recompute = k};
+            CHECK_OK(ds4_model_set_train_options(m, &o, &err), &err);
+            ds4_model_zero_grad(m);
+            CHECK_OK(ds4_model_forward_train(m, &a, &r[k], &err), &err);
+            bytes[k] = m->tape ? m->tape->bytes : 0;
+            lp[k] = malloc((size_t)T * sizeof(float));
+            CHECK_OK(ds4_model_logprobs(m, lp[k], NULL, &err), &err);
+            if (mode == 1) {
+                float *dlp = malloc((size_t)T * sizeof(float));
+                for (int64_t t = 0; t < T; t++) dlp[t] = (float)(-1.0 / (double)(t + 1)); /* any weights */
+                CHECK_OK(ds4_model_backward_logprobs(m, dlp, &err), &err);
+                free(dlp);
+            } else {
+                CHECK_OK(ds4_model_backward(m, 1.0 / (double)r[k].loss_tokens, &err), &err);
+            }
+            g[k] = malloc((size_t)P * sizeof(float));
+            memcpy(g[k], ds4_model_grads(m), (size_t)P * sizeof(float));
+            /* the next forward plans the tape afresh: free it so that its size is this option's */
+            ds4_tape_free(m, m->tape);
+            m->tape = NULL;
+        }
+        CHECK(memcmp(&r[0].loss, &r[1].loss, sizeof r[0].loss) == 0, "%s %s: loss %.9g with recomputation, %.9g without",
+              name, what[mode], r[1].loss, r[0].loss);
+        CHECK(memcmp(&r[0].indexer_loss, &r[1].indexer_loss, sizeof(double)) == 0 || (isnan(r[0].indexer_loss) &&
+              isnan(r[1].indexer_loss)), "%s %s: indexer loss differs", name, what[mode]);
+        CHECK(memcmp(lp[0], lp[1], (size_t)T * sizeof(float)) == 0, "%s %s: log-probabilities differ", name, what[mode]);
+        int64_t diff = 0;
+        for (int64_t i = 0; i < P; i++) diff += memcmp(&g[0][i], &g[1][i], sizeof(float)) != 0;
+        CHECK(diff == 0, "%s %s: %lld of %lld gradient values differ with recomputation", name, what[mode],
+              (long long)diff, (long long)P);
+        CHECK(bytes[1] < bytes[0], "%s %s: tape %zu bytes with recomputation, %zu without", name, what[mode], bytes[1],
+              bytes[0]);
+        printf("  %-8s %-30s recomputation: same bits; tape %zu -> %zu bytes\n", name, what[mode], bytes[0], bytes[1]);
+        for (int k = 0; k < 2; k++) free(g[k]), free(lp[k]);
+    }
+    ds4_st_close(io);
+    ds4_model_free(m);
+}
+
 int main(int argc, char **argv) {
     const char *fixtures = argc > 1 ? argv[1] : "tests/fixtures";
     ds4_error err = {0};
@@ -195,6 +257,9 @@ int main(int argc, char **argv) {
     run(eng, fixtures, "tiny_a");
     run(eng, fixtures, "tiny_b");
     run(eng, fixtures, "tiny_hf");
+    recompute(eng, fixtures, "tiny_a");
+    recompute(eng, fixtures, "tiny_b");
+    recompute(eng, fixtures, "tiny_hf");
     ds4_engine_free(eng);
     return ds4t_finish("test_backward");
 }

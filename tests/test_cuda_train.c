@@ -32,7 +32,9 @@
  *  5. Moves and refusals: a step that would make weights non-finite is refused with the device's weights, moments
  *     and step count unchanged; a model trained on the device, moved to the CPU, has the device's weights, its
  *     optimizer's moments come home, and training continues there; the router-bias update on the device equals the
- *     CPU's. */
+ *     CPU's.
+ *  6. Per-block recomputation (train option recompute): gradients and loss bitwise equal to keeping every block's
+ *     activations, fp32 and bf16, tiny_a (MTP) and tiny_b (CSA, indexer-KL). */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -664,6 +666,46 @@ out:
     ds4_model_free(c);
 }
 
+/* Per-block recomputation on the device: the same bits as keeping every block's activations (the GPU's operations are
+ * deterministic, and the recomputed blocks reuse the forward's routing and picks), for CE with MTP and the indexer-KL
+ * option, in fp32 and bf16. */
+static void recompute_gpu(ds4_engine *eng, const char *fixtures, const char *name, const ds4_device_options *dev) {
+    ds4_error err = {0};
+    ds4_model *m = NULL;
+    ds4_st_file *io = NULL;
+    ds4_forward_args a;
+    if (ds4t_load_fixture(eng, fixtures, name, &m, &io, &a)) return;
+    CHECK_OK(ds4_model_to(m, dev, &err), &err);
+    CHECK_OK(ds4_model_enable_grad(m, &err), &err);
+    const int64_t P = ds4_model_param_count(m);
+    float *g[2] = {0};
+    double loss[2] = {0};
+    for (int k = 0; k < 2; k++) {
+        ds4_train_options o = {.mtp_lambda = ds4_model_has_mtp(m) ? 0.3 : 0,
+                               .indexer_kl = ds4_model_config(m)->index_topk > 0 ? 1.0 : 0, .recompute = k};
+        CHECK_OK(ds4_model_set_train_options(m, &o, &err), &err);
+        ds4_model_zero_grad(m);
+        ds4_forward_result r;
+        CHECK_OK(ds4_model_forward_train(m, &a, &r, &err), &err);
+        CHECK_OK(ds4_model_backward(m, 1.0 / (double)r.loss_tokens, &err), &err);
+        loss[k] = r.loss;
+        const float *gg = ds4_model_grads(m);
+        g[k] = copy_f(gg, P);
+        CHECK(gg != NULL, "gradients readable");
+    }
+    int64_t diff = 0;
+    for (int64_t i = 0; g[0] && g[1] && i < P; i++) diff += memcmp(&g[0][i], &g[1][i], 4) != 0;
+    CHECK(diff == 0 && memcmp(&loss[0], &loss[1], sizeof(double)) == 0,
+          "%s %s: recomputation changed %lld of %lld gradient values (loss %.9g vs %.9g)", name, dname(dev),
+          (long long)diff, (long long)P, loss[1], loss[0]);
+    printf("  %-8s %s recomputation: %lld gradient values differ, loss %s\n", name, dname(dev), (long long)diff,
+           loss[0] == loss[1] ? "equal" : "differs");
+    free(g[0]);
+    free(g[1]);
+    ds4_st_close(io);
+    ds4_model_free(m);
+}
+
 int main(int argc, char **argv) {
     const char *fixtures = argc > 1 ? argv[1] : "tests/fixtures";
     int n = 0;
@@ -689,6 +731,11 @@ int main(int argc, char **argv) {
         determinism(eng, fixtures, &CUDA_BF16);
     }
     if (!only || strstr(only, "moves")) moves(eng, fixtures);
+    if (!only || strstr(only, "recompute"))
+        for (int k = 0; k < 2; k++) {
+            recompute_gpu(eng, fixtures, "tiny_a", k ? &CUDA_BF16 : &CUDA_F32);
+            recompute_gpu(eng, fixtures, "tiny_b", k ? &CUDA_BF16 : &CUDA_F32);
+        }
     ds4_engine_free(eng);
     return ds4t_finish("test_cuda_train");
 }

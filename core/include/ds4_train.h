@@ -27,6 +27,11 @@ typedef struct ds4_train_options {
                                  each chunk's logits, so [T, V] logits never exist. 0: the backend's default (all rows
                                  on the CPU; 1024 on a GPU). Changes summation order only in the head's weight
                                  gradient (chunks add in order). */
+    int32_t recompute;        /* 1: per-block activation recomputation. The training forward keeps, per main block,
+                                 only its input streams and its routing and indexer decisions; the backward runs each
+                                 block's forward again (with those decisions) just before its backward, so the tape
+                                 holds one block's activations instead of every block's. Gradients, losses and
+                                 log-probabilities are the same bits; a step costs about one more forward. */
 } ds4_train_options;
 
 /* Allocate the gradient buffer (zeroed). Idempotent. */

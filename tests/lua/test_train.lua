@@ -322,6 +322,17 @@ do
     model:backward()
     local gi = model:grads({ canonical = true })
     H.check(sumsq(gi["layers.1.attn.indexer.wq_b.weight"]) > 0, "the indexer gets a gradient")
+    -- per-block recomputation: the same gradients, bit for bit (test_backward.c checks every mode)
+    model:set_train_options({ indexer_kl = 1.0, recompute = true })
+    model:zero_grad()
+    local o4 = model:forward(ids, { labels = labels })
+    model:backward()
+    local gr = model:grads({ canonical = true })
+    H.eq(o4.loss, o3.loss, "recompute: the same loss")
+    for _, name in ipairs({ "embed.weight", "layers.1.attn.indexer.wq_b.weight", "layers.2.hc_ffn_fn" }) do
+        H.eq(rel_frob(gr[name], gi[name]), 0, "recompute: the same gradient of " .. name)
+    end
+    H.raises(function() model:set_train_options({ recompute = 1 }) end, { "recompute = boolean" }, "recompute is a boolean")
     model:set_train_options({})
     model:zero_grad()
     H.eq(model:forward(ids, { labels = labels }).indexer_loss, nil, "no indexer_loss without the option")
