@@ -19,6 +19,7 @@ const char *ds4_status_name(ds4_status s) {
     case DS4_ERR_NOT_FOUND: return "not found";
     case DS4_ERR_CUDA: return "CUDA error";
     case DS4_ERR_INTERNAL: return "internal error";
+    case DS4_ERR_COMM: return "communication error";
     }
     return "unknown status";
 }

@@ -895,6 +895,7 @@ int luaopen_ds4_core(lua_State *L) {
     ds4l_gen_open(L);   /* lua/gen_lua.c (after the others: it guards some of their model methods) */
     ds4l_zmq_open(L);   /* lua/zmq_lua.c: ds4.zmq */
     ds4l_wire_open(L);  /* lua/wire_lua.c: ds4.wire */
+    ds4l_dist_open(L);  /* lua/dist_lua.c: ds4.dist */
 #ifdef DS4_HAVE_TENSORBOARD
     ds4l_tb_open(L); /* lua/tb_lua.c: ds4.core.tb, TensorBoard event records (when built with protobuf-c) */
 #endif

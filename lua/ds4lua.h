@@ -107,6 +107,9 @@ int ds4l_keygen_main(int argc, char **argv);
 /* lua/wire_lua.c: put the ds4.wire table (the rollout wire codec, rollout/wire.h) into the module table at the top
  * of the stack. */
 void ds4l_wire_open(lua_State *L);
+/* lua/dist_lua.c: put the ds4.dist table (the communicator and collectives on tensors, dist/ds4_dist.h) into the
+ * module table at the top of the stack. */
+void ds4l_dist_open(lua_State *L);
 /* lua/tb_lua.c (built with protobuf-c only: DS4_HAVE_TENSORBOARD): put the ds4.tb table (TensorBoard event records)
  * into the module table at the top of the stack. */
 void ds4l_tb_open(lua_State *L);

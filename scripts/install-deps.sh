@@ -15,6 +15,8 @@
 #                                     build leaves them out, and writes no event files, where they are missing
 #   clang libclang-rt-14-dev          libFuzzer targets and the sanitizer runtimes (ASan, UBSan, LSan)
 #   llvm-14                           llvm-symbolizer, so sanitizer and fuzzer reports show file:line
+#   openmpi-bin libopenmpi-dev        ds4.dist on CPU ranks (mpirun, MPI collectives); the build leaves the MPI
+#                                     communicator out, and its tests skip, where they are missing
 # The CUDA toolkit is optional and is not installed here: the build switches the CUDA backend on when nvcc is
 # found and builds a CPU-only ds4 otherwise. No Python is needed to build or test (tests/gen_fixtures.py runs
 # only on a torch host, to regenerate fixtures).
@@ -36,6 +38,8 @@ PACKAGES=(
     clang
     libclang-rt-14-dev
     llvm-14
+    openmpi-bin
+    libopenmpi-dev
 )
 
 log() { printf 'install-deps: %s\n' "$*"; }

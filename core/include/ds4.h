@@ -35,7 +35,8 @@ typedef enum ds4_status {
     DS4_ERR_UNSUPPORTED,  /* valid input that this build does not handle */
     DS4_ERR_NOT_FOUND,    /* a named item (tensor, file, key) is missing */
     DS4_ERR_CUDA,         /* CUDA / cuBLAS / NCCL failure */
-    DS4_ERR_INTERNAL      /* a broken invariant: a bug in ds4 */
+    DS4_ERR_INTERNAL,     /* a broken invariant: a bug in ds4 */
+    DS4_ERR_COMM          /* a collective between ranks failed (MPI): a peer gone, the network */
 } ds4_status;
 
 typedef struct ds4_error {

@@ -1,0 +1,134 @@
+/* mpi_backend.c — the collectives on CPU ranks through MPI. Every MPI call is checked: the communicator is a
+ * duplicate of MPI_COMM_WORLD with MPI_ERRORS_RETURN, so a failure (a peer gone, a bad argument) comes back here
+ * as a code, and MPI_Error_string goes into the ds4 error with the operation and sizes. */
+#include <limits.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+#include <mpi.h>
+
+#include "internal.h"
+#include "mpi_backend.h"
+
+struct dist_mpi {
+    MPI_Comm world; /* duplicate of MPI_COMM_WORLD: our errhandler, no interference with the host's traffic */
+    int we_initialized;
+};
+
+int dist_mpi_built(void) { return 1; }
+
+/* Fill err from MPI return code rc ("dist <op>: MPI_Xxx failed: <MPI's text> (<detail>)"). */
+static ds4_status mpi_fail(ds4_error *err, int rc, const char *op, const char *call, const char *detail) {
+    char text[MPI_MAX_ERROR_STRING + 1] = {0};
+    int len = 0;
+    if (MPI_Error_string(rc, text, &len) != MPI_SUCCESS) snprintf(text, sizeof text, "MPI error code %d", rc);
+    return ds4_fail(err, DS4_ERR_COMM, "dist %s: %s failed: %s (%s)", op, call, text, detail);
+}
+
+#define MPI_TRY(op, call, detail, expr)                                                                             \
+    do {                                                                                                            \
+        int rc_ = (expr);                                                                                           \
+        if (rc_ != MPI_SUCCESS) return mpi_fail(err, rc_, op, call, detail);                                        \
+    } while (0)
+
+ds4_status dist_mpi_open(dist_mpi **out, int32_t *rank, int32_t *size, int32_t *local_rank, ds4_error *err) {
+    *out = NULL;
+    int inited = 0, finalized = 0;
+    /* Before MPI_Init errors are fatal by MPI's default; these two may be called at any time and cannot fail. */
+    MPI_Finalized(&finalized);
+    if (finalized)
+        return ds4_fail(err, DS4_ERR_UNSUPPORTED, "dist init: MPI was already finalized in this process (MPI allows "
+                                                  "one MPI_Init per process: init once, finalize at the end)");
+    MPI_Initialized(&inited);
+    dist_mpi *m = calloc(1, sizeof *m);
+    if (!m) return ds4_fail(err, DS4_ERR_OOM, "dist init: allocating the communicator (%zu bytes)", sizeof *m);
+    m->world = MPI_COMM_NULL;
+    if (!inited) {
+        int rc = MPI_Init(NULL, NULL);
+        if (rc != MPI_SUCCESS) {
+            free(m);
+            return mpi_fail(err, rc, "init", "MPI_Init", "MPI_COMM_WORLD");
+        }
+        m->we_initialized = 1;
+    }
+    ds4_status st = DS4_OK;
+    int r = 0, n = 0, lr = 0, rc;
+    MPI_Comm node = MPI_COMM_NULL;
+    /* MPI_COMM_WORLD still has MPI_ERRORS_ARE_FATAL here: set ours on it for the dup, which inherits it. */
+    if ((rc = MPI_Comm_dup(MPI_COMM_WORLD, &m->world)) != MPI_SUCCESS)
+        st = mpi_fail(err, rc, "init", "MPI_Comm_dup", "MPI_COMM_WORLD");
+    else if ((rc = MPI_Comm_set_errhandler(m->world, MPI_ERRORS_RETURN)) != MPI_SUCCESS)
+        st = mpi_fail(err, rc, "init", "MPI_Comm_set_errhandler", "MPI_ERRORS_RETURN");
+    else if ((rc = MPI_Comm_rank(m->world, &r)) != MPI_SUCCESS)
+        st = mpi_fail(err, rc, "init", "MPI_Comm_rank", "world");
+    else if ((rc = MPI_Comm_size(m->world, &n)) != MPI_SUCCESS)
+        st = mpi_fail(err, rc, "init", "MPI_Comm_size", "world");
+    else if ((rc = MPI_Comm_split_type(m->world, MPI_COMM_TYPE_SHARED, r, MPI_INFO_NULL, &node)) != MPI_SUCCESS)
+        st = mpi_fail(err, rc, "init", "MPI_Comm_split_type", "MPI_COMM_TYPE_SHARED");
+    else if ((rc = MPI_Comm_rank(node, &lr)) != MPI_SUCCESS)
+        st = mpi_fail(err, rc, "init", "MPI_Comm_rank", "node communicator");
+    if (node != MPI_COMM_NULL && (rc = MPI_Comm_free(&node)) != MPI_SUCCESS && st == DS4_OK)
+        st = mpi_fail(err, rc, "init", "MPI_Comm_free", "node communicator");
+    if (st != DS4_OK) {
+        dist_mpi_close(m, 0, NULL);
+        return st;
+    }
+    *rank = r, *size = n, *local_rank = lr;
+    *out = m;
+    return DS4_OK;
+}
+
+ds4_status dist_mpi_close(dist_mpi *m, int finalize, ds4_error *err) {
+    if (!m) return DS4_OK;
+    ds4_status st = DS4_OK;
+    int rc;
+    if (m->world != MPI_COMM_NULL && (rc = MPI_Comm_free(&m->world)) != MPI_SUCCESS)
+        st = mpi_fail(err, rc, "finalize", "MPI_Comm_free", "world duplicate");
+    if (finalize && m->we_initialized && (rc = MPI_Finalize()) != MPI_SUCCESS && st == DS4_OK)
+        st = mpi_fail(err, rc, "finalize", "MPI_Finalize", "MPI_COMM_WORLD");
+    free(m);
+    return st;
+}
+
+ds4_status dist_mpi_barrier(dist_mpi *m, ds4_error *err) {
+    MPI_TRY("barrier", "MPI_Barrier", "world", MPI_Barrier(m->world));
+    return DS4_OK;
+}
+
+/* MPI counts are int: large buffers go in chunks of at most INT_MAX / 2 elements (chunking keeps each element's
+ * sum a sum over ranks in MPI's order, so the result is the same as one call's). */
+#define CHUNK ((int64_t)(INT_MAX / 2))
+
+ds4_status dist_mpi_all_reduce_sum(dist_mpi *m, ds4_dtype dtype, void *buf, int64_t count, ds4_error *err) {
+    MPI_Datatype t = dtype == DS4_F64 ? MPI_DOUBLE : MPI_FLOAT;
+    size_t esz = dtype == DS4_F64 ? 8 : 4;
+    char detail[96];
+    for (int64_t off = 0; off < count; off += CHUNK) {
+        int n = (int)(count - off < CHUNK ? count - off : CHUNK);
+        snprintf(detail, sizeof detail, "%s, %lld elements", ds4_dtype_name(dtype), (long long)count);
+        MPI_TRY("all_reduce", "MPI_Allreduce", detail,
+                MPI_Allreduce(MPI_IN_PLACE, (char *)buf + (size_t)off * esz, n, t, MPI_SUM, m->world));
+    }
+    return DS4_OK;
+}
+
+ds4_status dist_mpi_all_gather(dist_mpi *m, const void *send, void *recv, size_t nbytes, ds4_error *err) {
+    if (nbytes > (size_t)INT_MAX)
+        return ds4_fail(err, DS4_ERR_UNSUPPORTED, "dist all_gather: %zu bytes per rank (MPI counts stop at %d)",
+                        nbytes, INT_MAX);
+    char detail[64];
+    snprintf(detail, sizeof detail, "%zu bytes per rank", nbytes);
+    MPI_TRY("all_gather", "MPI_Allgather", detail,
+            MPI_Allgather(send, (int)nbytes, MPI_BYTE, recv, (int)nbytes, MPI_BYTE, m->world));
+    return DS4_OK;
+}
+
+ds4_status dist_mpi_broadcast(dist_mpi *m, void *buf, size_t nbytes, int32_t root, ds4_error *err) {
+    char detail[64];
+    for (size_t off = 0; off < nbytes; off += (size_t)CHUNK) {
+        int n = (int)(nbytes - off < (size_t)CHUNK ? nbytes - off : (size_t)CHUNK);
+        snprintf(detail, sizeof detail, "%zu bytes from rank %d", nbytes, root);
+        MPI_TRY("broadcast", "MPI_Bcast", detail, MPI_Bcast((char *)buf + off, n, MPI_BYTE, root, m->world));
+    }
+    return DS4_OK;
+}

@@ -1,0 +1,24 @@
+/* mpi_backend.h — what dist/comm.c asks of MPI. Implemented by mpi_backend.c (built when CMake finds MPI) or by
+ * mpi_absent.c (every call refused, naming the missing dependency). Not installed. */
+#ifndef DS4_DIST_MPI_BACKEND_H
+#define DS4_DIST_MPI_BACKEND_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "ds4.h"
+
+typedef struct dist_mpi dist_mpi;
+
+int dist_mpi_built(void);
+/* MPI_Init (when not yet initialized), a duplicate of MPI_COMM_WORLD with MPI_ERRORS_RETURN, and a split by shared
+ * memory node for the local rank. */
+ds4_status dist_mpi_open(dist_mpi **out, int32_t *rank, int32_t *size, int32_t *local_rank, ds4_error *err);
+/* Free the duplicates; MPI_Finalize when `finalize` and dist_mpi_open initialized MPI. Frees `m` in every case. */
+ds4_status dist_mpi_close(dist_mpi *m, int finalize, ds4_error *err);
+ds4_status dist_mpi_barrier(dist_mpi *m, ds4_error *err);
+ds4_status dist_mpi_all_reduce_sum(dist_mpi *m, ds4_dtype dtype, void *buf, int64_t count, ds4_error *err);
+ds4_status dist_mpi_all_gather(dist_mpi *m, const void *send, void *recv, size_t nbytes, ds4_error *err);
+ds4_status dist_mpi_broadcast(dist_mpi *m, void *buf, size_t nbytes, int32_t root, ds4_error *err);
+
+#endif

@@ -1,0 +1,201 @@
+/* dist_lua.c — ds4.dist: the communicator (dist/ds4_dist.h) for scripts, and collectives on ds4 tensors.
+ *
+ *   ds4.dist.init()                    -> rank, world_size   (idempotent; a world of one without a launcher)
+ *   ds4.dist.rank() / world_size() / local_rank() / backend() ("mpi" or "single") / is_initialized()
+ *   ds4.dist.barrier()
+ *   ds4.dist.all_reduce(t [, "sum"])   in place on an F32 / F64 tensor; returns t
+ *   ds4.dist.all_gather(t)             -> a new tensor [world_size, ...t's shape], rank order
+ *   ds4.dist.broadcast(t, root)        in place (any dtype): every rank's t becomes rank root's; returns t
+ *   ds4.dist.all_reduce_grads(model [, scale])   the model's flat gradient buffer summed over ranks, times scale
+ *   ds4.dist.finalize()                MPI_Finalize (every rank must call it); later calls need a new process
+ *
+ * The communicator is a box in this lua_State's registry, not a C global. Its __gc (lua_close after an error)
+ * frees it without MPI_Finalize: finalizing is collective, and a rank that fails must not wait for the others
+ * there; it exits instead, and mpirun ends the job (docs/distributed.md). */
+#include <string.h>
+
+#include "ds4_dist.h"
+#include "ds4_train.h"
+#include "ds4lua.h"
+
+#define COMM_MT "ds4.dist.comm"
+#define COMM_KEY "ds4.dist.current" /* registry slot of the live box (not COMM_MT: that slot holds the metatable) */
+
+typedef struct comm_box {
+    ds4_comm *c;
+} comm_box;
+
+static int comm_gc(lua_State *L) {
+    comm_box *b = luaL_checkudata(L, 1, COMM_MT);
+    ds4_comm_abandon(b->c);
+    b->c = NULL;
+    return 0;
+}
+
+/* The live box in the registry, or NULL. Leaves the stack as it was. */
+static comm_box *current(lua_State *L) {
+    lua_getfield(L, LUA_REGISTRYINDEX, COMM_KEY);
+    comm_box *b = luaL_testudata(L, -1, COMM_MT);
+    lua_pop(L, 1); /* the registry keeps the box alive */
+    return b && b->c ? b : NULL;
+}
+
+static ds4_comm *need(lua_State *L, const char *fname) {
+    comm_box *b = current(L);
+    if (!b) ds4l_raise(L, "%s: the communicator is not initialized (call ds4.dist.init() first)", fname);
+    return b->c;
+}
+
+static int d_init(lua_State *L) {
+    comm_box *b = current(L);
+    if (!b) {
+        b = lua_newuserdata(L, sizeof *b); /* boxed before anything can raise */
+        b->c = NULL;
+        luaL_getmetatable(L, COMM_MT);
+        lua_setmetatable(L, -2);
+        ds4_error err = {0};
+        if (ds4_comm_init(&b->c, &err) != DS4_OK) ds4l_raise_ds4(L, "ds4.dist.init", &err);
+        lua_setfield(L, LUA_REGISTRYINDEX, COMM_KEY);
+    }
+    lua_pushinteger(L, ds4_comm_rank(b->c));
+    lua_pushinteger(L, ds4_comm_world_size(b->c));
+    return 2;
+}
+
+static int d_finalize(lua_State *L) {
+    comm_box *b = current(L);
+    if (!b) return 0;
+    ds4_comm *c = b->c;
+    b->c = NULL;
+    lua_pushnil(L);
+    lua_setfield(L, LUA_REGISTRYINDEX, COMM_KEY);
+    ds4_error err = {0};
+    if (ds4_comm_finalize(c, &err) != DS4_OK) ds4l_raise_ds4(L, "ds4.dist.finalize", &err);
+    return 0;
+}
+
+static int d_is_initialized(lua_State *L) {
+    lua_pushboolean(L, current(L) != NULL);
+    return 1;
+}
+static int d_rank(lua_State *L) {
+    lua_pushinteger(L, ds4_comm_rank(need(L, "ds4.dist.rank")));
+    return 1;
+}
+static int d_world_size(lua_State *L) {
+    lua_pushinteger(L, ds4_comm_world_size(need(L, "ds4.dist.world_size")));
+    return 1;
+}
+static int d_local_rank(lua_State *L) {
+    lua_pushinteger(L, ds4_comm_local_rank(need(L, "ds4.dist.local_rank")));
+    return 1;
+}
+static int d_backend(lua_State *L) {
+    lua_pushstring(L, ds4_comm_backend(need(L, "ds4.dist.backend")));
+    return 1;
+}
+
+static int d_barrier(lua_State *L) {
+    ds4_error err = {0};
+    if (ds4_comm_barrier(need(L, "ds4.dist.barrier"), &err) != DS4_OK) ds4l_raise_ds4(L, "ds4.dist.barrier", &err);
+    return 0;
+}
+
+static int d_all_reduce(lua_State *L) {
+    const char *fname = "ds4.dist.all_reduce";
+    ds4_comm *c = need(L, fname);
+    ds4_tensor *t = ds4l_tensor_check(L, 1, fname, 1);
+    const char *op = luaL_optstring(L, 2, "sum");
+    if (strcmp(op, "sum") != 0) ds4l_raise(L, "%s: op \"%s\" is not supported (\"sum\" only)", fname, op);
+    if (t->dtype != DS4_F32 && t->dtype != DS4_F64) {
+        char shape[128];
+        ds4l_format_shape(shape, sizeof shape, t->ndim, t->shape);
+        ds4l_raise(L, "%s: tensor %s %s: F32 or F64 only", fname, ds4_dtype_name(t->dtype), shape);
+    }
+    ds4_error err = {0};
+    if (ds4_comm_all_reduce_sum(c, t->dtype, t->data, ds4_tensor_numel(t), &err) != DS4_OK)
+        ds4l_raise_ds4(L, fname, &err);
+    lua_settop(L, 1);
+    return 1;
+}
+
+static int d_all_gather(lua_State *L) {
+    const char *fname = "ds4.dist.all_gather";
+    ds4_comm *c = need(L, fname);
+    ds4_tensor *t = ds4l_tensor_check(L, 1, fname, 1);
+    if (t->ndim + 1 > DS4_MAX_DIMS)
+        ds4l_raise(L, "%s: tensor of %d dims: the result would have %d (at most %d)", fname, t->ndim, t->ndim + 1,
+                   DS4_MAX_DIMS);
+    int64_t shape[DS4_MAX_DIMS];
+    shape[0] = ds4_comm_world_size(c);
+    for (int32_t i = 0; i < t->ndim; i++) shape[i + 1] = t->shape[i];
+    ds4_tensor *out = ds4l_tensor_push_new(L, fname, t->dtype, t->ndim + 1, shape);
+    ds4_error err = {0};
+    if (ds4_comm_all_gather(c, t->data, out->data, t->nbytes, &err) != DS4_OK) ds4l_raise_ds4(L, fname, &err);
+    return 1;
+}
+
+static int d_broadcast(lua_State *L) {
+    const char *fname = "ds4.dist.broadcast";
+    ds4_comm *c = need(L, fname);
+    ds4_tensor *t = ds4l_tensor_check(L, 1, fname, 1);
+    lua_Integer root = luaL_optinteger(L, 2, 0);
+    if (root < 0 || root >= ds4_comm_world_size(c))
+        ds4l_raise(L, "%s: root %lld outside ranks [0, %d)", fname, (long long)root, ds4_comm_world_size(c));
+    ds4_error err = {0};
+    if (ds4_comm_broadcast(c, t->data, t->nbytes, (int32_t)root, &err) != DS4_OK) ds4l_raise_ds4(L, fname, &err);
+    lua_settop(L, 1);
+    return 1;
+}
+
+/* Data parallelism's one step between backward and the optimizer: the gradient buffer summed over ranks, then
+ * multiplied by scale (the caller's normalisation: a rank whose loss was the mean over its n_r tokens passes
+ * scale = n_r / N on the sum, or sums token-sums and passes 1 / N; docs/distributed.md). CPU models only: the
+ * host buffer of a device model is a mirror, and writes to it do not reach the device. */
+static int d_all_reduce_grads(lua_State *L) {
+    const char *fname = "ds4.dist.all_reduce_grads";
+    ds4_comm *c = need(L, fname);
+    ds4_model *m = ds4l_model_check(L, 1, fname);
+    double scale = luaL_optnumber(L, 2, 1.0);
+    if (ds4_model_device(m).type != DS4_DEVICE_CPU)
+        ds4l_raise(L, "%s: the model is on %s; this works on CPU models only (NCCL is not built)", fname,
+                   ds4_model_device_name(m));
+    float *g = ds4_model_grads(m);
+    if (!g) ds4l_raise(L, "%s: gradients are not enabled (call model:zero_grad() first)", fname);
+    int64_t n = ds4_model_param_count(m);
+    ds4_error err = {0};
+    if (ds4_comm_all_reduce_sum(c, DS4_F32, g, n, &err) != DS4_OK) ds4l_raise_ds4(L, fname, &err);
+    if (scale != 1.0) {
+        const float s = (float)scale;
+        for (int64_t i = 0; i < n; i++) g[i] *= s;
+    }
+    return 0;
+}
+
+void ds4l_dist_open(lua_State *L) {
+    static const luaL_Reg fns[] = {
+        {"init", d_init},
+        {"finalize", d_finalize},
+        {"is_initialized", d_is_initialized},
+        {"rank", d_rank},
+        {"world_size", d_world_size},
+        {"local_rank", d_local_rank},
+        {"backend", d_backend},
+        {"barrier", d_barrier},
+        {"all_reduce", d_all_reduce},
+        {"all_gather", d_all_gather},
+        {"broadcast", d_broadcast},
+        {"all_reduce_grads", d_all_reduce_grads},
+        {NULL, NULL},
+    };
+    ds4l_class(L, COMM_MT, NULL, comm_gc, NULL);
+    lua_pop(L, 1);
+    lua_newtable(L);
+    for (const luaL_Reg *r = fns; r->name; r++) {
+        lua_pushcfunction(L, r->func);
+        lua_setfield(L, -2, r->name);
+    }
+    lua_pushboolean(L, ds4_dist_have_mpi());
+    lua_setfield(L, -2, "have_mpi");
+    lua_setfield(L, -2, "dist");
+}

@@ -1,0 +1,70 @@
+-- dist_collectives.lua — the collectives of ds4.dist on N ranks against closed forms. Run by tests/test_dist_mpi.sh
+-- under `mpirun -np N` (and once without mpirun: a world of one); not a ctest entry itself (no test_ prefix).
+-- Every rank checks its own results; a failure exits 1 and mpirun ends the job.
+package.path = ((arg[0]:match("^(.*)/[^/]*$") or ".") .. "/?.lua;") .. package.path
+local H = require("harness")
+local ds4 = require("ds4")
+
+local r, n = ds4.dist.init()
+H.eq(ds4.dist.rank(), r, "rank()")
+H.eq(ds4.dist.world_size(), n, "world_size()")
+local want_n = tonumber(os.getenv("DS4_TEST_WORLD") or "1")
+H.eq(n, want_n, "world size as launched")
+H.check(r >= 0 and r < n, "rank in [0, n)")
+H.eq(ds4.dist.backend(), n > 1 and "mpi" or (os.getenv("OMPI_COMM_WORLD_RANK") and "mpi" or "single"), "backend")
+H.check(ds4.dist.local_rank() >= 0 and ds4.dist.local_rank() < n, "local_rank in [0, n)")
+ds4.dist.barrier()
+
+-- all_reduce sum, F32: element i of rank r holds (r + 1) * (i + 1); the sum is (i + 1) * n (n + 1) / 2, exact in
+-- fp32 for these magnitudes (integers below 2^24), so any summation order gives it.
+local m = 1000
+local vals = {}
+for i = 1, m do vals[i] = (r + 1) * i end
+local t = ds4.tensor(vals, "F32")
+H.check(ds4.dist.all_reduce(t, "sum") == t, "all_reduce returns its tensor (in place)")
+local bad = 0
+for i = 1, m do
+    if t[i] ~= i * n * (n + 1) / 2 then bad = bad + 1 end
+end
+H.eq(bad, 0, "F32 all_reduce: elements off the closed form i * n(n+1)/2")
+
+-- F64 with values that need double precision: 1 + r * 2^-40 sums to n + 2^-40 n(n-1)/2 exactly in fp64, and
+-- -r * 2^600 (beyond fp32's range; a power of two times a small integer, so every partial sum is exact).
+local d = ds4.tensor({ 1 + r * 2 ^ -40, -r * 2 ^ 600 }, "F64")
+ds4.dist.all_reduce(d)
+H.eq(d[1], n + 2 ^ -40 * n * (n - 1) / 2, "F64 all_reduce keeps 2^-40")
+H.eq(d[2], -2 ^ 600 * n * (n - 1) / 2, "F64 all_reduce of large values")
+
+-- all_gather: each rank contributes a 2 x 3 I32 block of (rank, position); the result is [n, 2, 3] in rank order.
+local blk = ds4.tensor({ { r, r * 10 + 1, r * 10 + 2 }, { r * 10 + 3, r * 10 + 4, -r } }, "I32")
+local g = ds4.dist.all_gather(blk)
+H.same(g:shape(), { n, 2, 3 }, "all_gather shape")
+bad = 0
+for k = 0, n - 1 do
+    local want = { k, k * 10 + 1, k * 10 + 2, k * 10 + 3, k * 10 + 4, -k }
+    for j = 1, 6 do
+        if g[k * 6 + j] ~= want[j] then bad = bad + 1 end
+    end
+end
+H.eq(bad, 0, "all_gather: elements off rank order")
+
+-- broadcast from the last rank, BF16 (any dtype: bytes are copied): every rank ends with the root's values.
+local root = n - 1
+local b = ds4.tensor({ r + 0.5, -r, 3 }, "BF16")
+H.check(ds4.dist.broadcast(b, root) == b, "broadcast returns its tensor")
+H.same(b:totable(), { root + 0.5, -root, 3 }, "broadcast from rank " .. root)
+
+-- errors name the function and the problem
+H.raises(function() return ds4.dist.all_reduce(blk) end, { "ds4.dist.all_reduce", "I32", "F32 or F64 only" },
+    "all_reduce of I32")
+H.raises(function() return ds4.dist.all_reduce(t, "max") end, { "ds4.dist.all_reduce", "\"max\"", "sum" },
+    "all_reduce op max")
+H.raises(function() return ds4.dist.broadcast(b, n) end, { "ds4.dist.broadcast", "root " .. n, "outside ranks" },
+    "broadcast root out of range")
+
+ds4.dist.barrier()
+ds4.dist.finalize()
+H.check(not ds4.dist.is_initialized(), "finalize ends the communicator")
+H.raises(function() return ds4.dist.rank() end, { "ds4.dist.rank", "not initialized", "ds4.dist.init()" },
+    "rank after finalize")
+H.done("dist_collectives rank " .. r .. " of " .. n)

@@ -1,0 +1,113 @@
+-- dist_data_parallel.lua — data parallelism by hand: N ranks, each with 1/N of the batch's rows, all-reduce their
+-- gradients (ds4.dist.all_reduce_grads) and step AdamW; every rank also trains a second copy of the model on the
+-- whole batch alone (the single-process reference, computed in the same process, independent of MPI). After each
+-- of K steps the all-reduced gradients and the weights must match the reference's.
+--
+-- Normalisation: the loss of a forward is the mean over its scored tokens. A rank's loss is the mean over its
+-- n_r tokens, the batch's over N = sum n_r, so dL/dθ = sum_r (n_r / N) dL_r/dθ: each rank's gradient is
+-- scaled by n_r / N (the scale all_reduce_grads applies after the sum is the same for every rank only when the
+-- n_r are equal; they are here: every row is fully scored; unequal shards scale before the sum, as below).
+-- MTP's loss is a mean over its own tokens (S - 2 per row); with equal rows its ratio m_r / M is n_r / N too.
+--
+-- Bound: the reference sums each gradient over all B·S positions in the engine's order; DP sums per-rank partial
+-- sums, MPI adds N of them, then one multiply by n_r / N: the same fp32 terms in another order. Step 1 (same
+-- weights on both sides) measures that alone: gradient rel ≤ 2e-6 per tensor (measured 3.3e-7 on 2 ranks; for
+-- scale, one process summing the two half-batch gradients in double gives 3.2e-7 against the whole batch, and
+-- permuting the batch's rows 5.7e-7). Later steps start from weights that already differ by that much, and AdamW
+-- (g / sqrt(v)) turns a tiny relative change of a near-zero gradient into an update change of up to ~lr, so the
+-- bounds widen: gradient rel ≤ 5e-5, weights |Δw| ≤ 5e-5 = lr / 20 after K = 3 steps (measured 5.8e-6 and
+-- 1.2e-5 on 4 ranks). A wrong normalisation (a missing 1/N, or n_r / N left out) is off by a factor of 2 to 4:
+-- gradient rel ≥ 0.5, far outside either bound (weights alone would not show it: Adam is scale-invariant).
+package.path = ((arg[0]:match("^(.*)/[^/]*$") or ".") .. "/?.lua;") .. package.path
+local H = require("harness")
+local ds4 = require("ds4")
+local ffi = require("ffi")
+
+local r, n = ds4.dist.init()
+local dir = H.fixtures() .. "/tiny_a"
+local B, S, V, K = 4, 37, 256, 3
+assert(B % n == 0, "the test's batch of 4 rows splits evenly over 1, 2 or 4 ranks")
+
+-- The global batch: the same on every rank (a fixed LCG), each row fully scored (labels = ids, HF shift inside).
+local seed = 12345
+local function lcg()
+    seed = (seed * 1103515245 + 12345) % 2147483648
+    return seed
+end
+local rows = {}
+for b = 1, B do
+    rows[b] = {}
+    for s = 1, S do rows[b][s] = lcg() % V end
+end
+local function batch(first, count)
+    local t = {}
+    for b = first, first + count - 1 do t[#t + 1] = rows[b] end
+    return ds4.tensor(t, "I64")
+end
+local all_ids = batch(1, B)
+local per = B / n
+local my_ids = batch(r * per + 1, per)
+
+local function opts() return { lr = 1e-3, betas = { 0.9, 0.95 }, eps = 1e-8, weight_decay = 0.1, clip = 1.0 } end
+local ref, dp = ds4.load(dir), ds4.load(dir)
+local ref_opt, dp_opt = ds4.adamw(ref, opts()), ds4.adamw(dp, opts())
+
+-- max |a - b| and ‖a − b‖ / ‖b‖ over two F32 tensors of equal size
+local function diff(a, b)
+    local pa, pb = ffi.cast("const float *", a:data_ptr()), ffi.cast("const float *", b:data_ptr())
+    local mx, dd, bb = 0, 0, 0
+    for i = 0, b:numel() - 1 do
+        local e = math.abs(pa[i] - pb[i])
+        if e > mx then mx = e end
+        dd, bb = dd + e * e, bb + pb[i] * pb[i]
+    end
+    return mx, math.sqrt(dd) / math.sqrt(bb)
+end
+
+local worst_g, worst_w = 0, 0
+for k = 1, K do
+    ref:zero_grad()
+    local out_ref = ref:forward(all_ids, { labels = all_ids })
+    ref:backward()
+    dp:zero_grad()
+    local out = dp:forward(my_ids, { labels = my_ids })
+    dp:backward()
+    -- token-mean over the global batch: the global count comes from the ranks, not from an assumption
+    local cnt = ds4.tensor({ out.loss_tokens }, "F64")
+    ds4.dist.all_reduce(cnt)
+    local N = cnt[1]
+    H.eq(N, out_ref.loss_tokens, "global scored tokens = the whole batch's")
+    ds4.dist.all_reduce_grads(dp, out.loss_tokens / N)
+    -- the global loss the same way: sum of n_r * loss_r over N
+    local l = ds4.tensor({ out.loss * out.loss_tokens }, "F64")
+    ds4.dist.all_reduce(l)
+    H.near(l[1] / N, out_ref.loss, 1e-6 * math.abs(out_ref.loss), "global loss, step " .. k)
+
+    local gmax, grel = 0, 0
+    local gd, gr = dp:grads({ canonical = true }), ref:grads({ canonical = true })
+    for name, g in pairs(gr) do
+        local m, rel = diff(gd[name], g)
+        gmax = math.max(gmax, m)
+        if rel == rel then grel = math.max(grel, rel) end -- NaN: a tensor whose reference gradient is all zero
+        if rel ~= rel then H.eq(m, 0, "zero gradient of " .. name .. " stays zero") end
+    end
+    worst_g = math.max(worst_g, grel)
+    if os.getenv("DS4_TEST_VERBOSE") and r == 0 then print(("step %d: gradient rel %.3g"):format(k, grel)) end
+    H.check(grel <= (k == 1 and 2e-6 or 5e-5), ("step %d: all-reduced gradients vs the whole batch's: rel %.3g (max |Δ| %.3g)"):format(
+        k, grel, gmax))
+    ref_opt:step()
+    dp_opt:step()
+    local wmax = diff(dp:params(), ref:params())
+    worst_w = math.max(worst_w, wmax)
+    H.check(wmax <= 5e-5, ("step %d: weights max |Δ| %.3g vs one process on the whole batch"):format(k, wmax))
+end
+-- the ranks hold the same weights (broadcast rank 0's and compare)
+local w = dp:params()
+local w0 = ds4.dist.broadcast(w:clone(), 0)
+H.eq((diff(w, w0)), 0, "every rank's weights equal rank 0's")
+if r == 0 then
+    print(("dist_data_parallel: %d ranks, %d steps: worst gradient rel %.3g, worst weight |Δ| %.3g"):format(n, K,
+        worst_g, worst_w))
+end
+ds4.dist.finalize()
+H.done("dist_data_parallel rank " .. r .. " of " .. n)

@@ -1,0 +1,60 @@
+-- test_dist.lua — ds4.dist in a process that no launcher started: a world of one (rank 0, size 1), collectives
+-- that are the identity, and the errors of misuse. The multi-rank runs are tests/test_dist_mpi.sh (mpirun).
+package.path = ((arg[0]:match("^(.*)/[^/]*$") or ".") .. "/?.lua;") .. package.path
+local H = require("harness")
+local ds4 = require("ds4")
+
+H.check(not ds4.dist.is_initialized(), "not initialized before init()")
+H.raises(function() return ds4.dist.world_size() end, { "ds4.dist.world_size", "not initialized" },
+    "world_size before init")
+H.raises(function() return ds4.dist.barrier() end, { "ds4.dist.barrier", "not initialized" }, "barrier before init")
+local r, n = ds4.dist.init()
+H.eq(r, 0, "rank of a world of one")
+H.eq(n, 1, "size of a world of one")
+local r2, n2 = ds4.dist.init()
+H.check(r2 == 0 and n2 == 1, "init() again returns the same communicator")
+H.eq(ds4.dist.backend(), "single", "backend without a launcher")
+H.eq(type(ds4.dist.have_mpi), "boolean", "have_mpi says whether this build has MPI")
+ds4.dist.barrier()
+local t = ds4.tensor({ 1.5, -2, 1e-30 }, "F32")
+ds4.dist.all_reduce(t)
+H.same(t:totable(), ds4.tensor({ 1.5, -2, 1e-30 }, "F32"):totable(), "all_reduce of one rank is the identity")
+local g = ds4.dist.all_gather(ds4.tensor({ { 1, 2 }, { 3, 4 } }, "I64"))
+H.same(g:shape(), { 1, 2, 2 }, "all_gather adds a leading rank dimension")
+H.same(g:totable(), { { { 1, 2 }, { 3, 4 } } }, "all_gather of one rank copies")
+H.raises(function() return ds4.dist.broadcast(t, 1) end, { "ds4.dist.broadcast", "root 1 outside ranks [0, 1)" },
+    "broadcast root 1 of 1")
+H.raises(function() return ds4.dist.all_reduce({}) end, { "ds4.dist.all_reduce", "ds4.tensor expected" },
+    "all_reduce of a table")
+H.raises(function() return ds4.dist.all_gather(ds4.zeros({ 1, 1, 1, 1, 1, 1, 1, 1 })) end,
+    { "ds4.dist.all_gather", "8 dims", "at most 8" }, "all_gather of an 8-d tensor")
+
+-- all_reduce_grads on a world of one: the sum is the identity, the scale applies
+local m = ds4.load(H.fixtures() .. "/tiny_a")
+H.raises(function() return ds4.dist.all_reduce_grads(m) end, { "ds4.dist.all_reduce_grads", "not enabled" },
+    "all_reduce_grads before zero_grad")
+local io_t = ds4.load_tensors(H.fixtures() .. "/tiny_a/io.safetensors")
+m:zero_grad()
+m:forward(io_t.input_ids, { labels = io_t.labels })
+m:backward()
+local before = m:grads({ canonical = true })
+ds4.dist.all_reduce_grads(m, 0.5)
+local after = m:grads({ canonical = true })
+local bad, seen = 0, 0
+for name, gt in pairs(before) do
+    local at = after[name]
+    for i = 1, gt:numel() do
+        seen = seen + 1
+        if at[i] ~= gt[i] * 0.5 then bad = bad + 1 end -- halving is exact in binary floating point
+    end
+end
+H.check(seen > 0, "the model has gradients")
+H.eq(bad, 0, "all_reduce_grads(m, 0.5) on one rank halves every gradient exactly")
+
+ds4.dist.finalize()
+H.check(not ds4.dist.is_initialized(), "finalize")
+ds4.dist.finalize() -- a second finalize does nothing
+local r3 = ds4.dist.init() -- a world of one needs no MPI, so it can start again
+H.eq(r3, 0, "init after finalize (world of one)")
+ds4.dist.finalize()
+H.done("test_dist")

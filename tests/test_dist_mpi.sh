@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# test_dist_mpi.sh DS4 FIXTURES SOURCE — ds4.dist on CPU ranks under `mpirun -np 2` and `-np 4`: the collectives
+# against closed forms (tests/lua/dist_collectives.lua), data parallelism against one process on the whole batch
+# (tests/lua/dist_data_parallel.lua), and a rank that dies (tests/lua/dist_rank_dies.lua): the others must be ended
+# with an error naming that rank within a bound, not hang.
+# Skips (77) when mpirun is absent or ds4 was built without MPI (docs/distributed.md).
+set -uo pipefail
+DS4="$1"; FIX="$2"; SRC="$3"
+T="$SRC/tests/lua"
+# Open MPI refuses to start as root (CI runs as root) unless told twice.
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+# One machine, no network: the loopback/shared-memory transports only, no probing of other interfaces.
+export OMPI_MCA_btl_tcp_if_include=lo OMPI_MCA_oob_tcp_if_include=lo
+
+if ! command -v mpirun >/dev/null 2>&1; then
+    echo "SKIP: mpirun not found (install openmpi-bin: scripts/install-deps.sh)"
+    exit 77
+fi
+have="$(echo 'io.write(tostring(require("ds4").dist.have_mpi))' | "$DS4" run - 2>&1)" || true
+if [ "$have" != "true" ]; then
+    echo "SKIP: this ds4 was built without MPI (ds4.dist.have_mpi = $have)"
+    exit 77
+fi
+
+fail=0
+bad() { echo "FAIL: $*"; fail=1; }
+LOG="$(mktemp "${TMPDIR:-/tmp}/ds4-dist.XXXXXX")"
+trap 'rm -f "$LOG"' EXIT
+
+# $1 = np, rest = script and args; a wall-clock bound so that a hang fails instead of stalling ctest
+run_np() {
+    local np="$1"; shift
+    DS4_TEST_WORLD="$np" timeout -k 5 240 mpirun -np "$np" --oversubscribe -x DS4_TEST_WORLD "$DS4" run "$@" >"$LOG" 2>&1
+}
+
+# a world of one, without mpirun
+DS4_TEST_WORLD=1 "$DS4" run "$T/dist_collectives.lua" "$FIX" >"$LOG" 2>&1 || { cat "$LOG"; bad "collectives, no mpirun"; }
+
+for np in 2 4; do
+    if run_np "$np" "$T/dist_collectives.lua" "$FIX"; then
+        c="$(grep -c 'dist_collectives rank [0-9]* of '"$np"': [0-9]* checks, 0 failures' "$LOG")"
+        [ "$c" = "$np" ] || { cat "$LOG"; bad "collectives -np $np: $c of $np ranks reported success"; }
+    else
+        cat "$LOG"; bad "collectives -np $np"
+    fi
+    if run_np "$np" "$T/dist_data_parallel.lua" "$FIX"; then
+        grep 'dist_data_parallel:' "$LOG"
+        c="$(grep -c 'dist_data_parallel rank [0-9]* of '"$np"': [0-9]* checks, 0 failures' "$LOG")"
+        [ "$c" = "$np" ] || { cat "$LOG"; bad "data parallel -np $np: $c of $np ranks reported success"; }
+    else
+        cat "$LOG"; bad "data parallel -np $np"
+    fi
+done
+
+# A rank that dies: mpirun must end the job (non-zero), name the rank, and do it well within the bound. The
+# survivors loop on collectives for 120 s if nobody ends them, and the timeout is 90 s: a hang fails here.
+for mode in kill error; do
+    for np in 2 4; do
+        t0=$SECONDS
+        rc=0
+        timeout -k 5 90 mpirun -np "$np" --oversubscribe "$DS4" run "$T/dist_rank_dies.lua" "$mode" >"$LOG" 2>&1 || rc=$?
+        dt=$((SECONDS - t0))
+        last=$((np - 1))
+        if [ "$rc" -eq 0 ] || [ "$rc" -eq 124 ] || [ "$dt" -ge 60 ]; then
+            cat "$LOG"; bad "rank dies ($mode, -np $np): exit $rc after $dt s (want a non-zero exit within 60 s)"
+        elif [ "$mode" = kill ] && ! grep -q "process rank $last .*exited on signal 9" "$LOG"; then
+            cat "$LOG"; bad "rank dies (kill, -np $np): mpirun's message does not name rank $last and signal 9"
+        elif [ "$mode" = error ] && ! grep -q "rank $last fails on purpose" "$LOG"; then
+            cat "$LOG"; bad "rank dies (error, -np $np): the failing rank's error is not in the output"
+        elif grep -q "still running after 120 s" "$LOG"; then
+            cat "$LOG"; bad "rank dies ($mode, -np $np): a survivor was not ended"
+        else
+            echo "rank dies ($mode, -np $np): job ended in $dt s, exit $rc"
+        fi
+    done
+done
+exit "$fail"
