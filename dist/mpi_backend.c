@@ -33,18 +33,18 @@ static ds4_status mpi_fail(ds4_error *err, int rc, const char *op, const char *c
 
 ds4_status dist_mpi_open(dist_mpi **out, int32_t *rank, int32_t *size, int32_t *local_rank, ds4_error *err) {
     *out = NULL;
-    int inited = 0, finalized = 0;
-    /* Before MPI_Init errors are fatal by MPI's default; these two may be called at any time and cannot fail. */
-    MPI_Finalized(&finalized);
+    int inited = 0, finalized = 0, rc;
+    /* These two may be called at any time, before MPI_Init too (when errors would still be fatal by default). */
+    if ((rc = MPI_Finalized(&finalized)) != MPI_SUCCESS) return mpi_fail(err, rc, "init", "MPI_Finalized", "process");
+    if ((rc = MPI_Initialized(&inited)) != MPI_SUCCESS) return mpi_fail(err, rc, "init", "MPI_Initialized", "process");
     if (finalized)
         return ds4_fail(err, DS4_ERR_UNSUPPORTED, "dist init: MPI was already finalized in this process (MPI allows "
                                                   "one MPI_Init per process: init once, finalize at the end)");
-    MPI_Initialized(&inited);
     dist_mpi *m = calloc(1, sizeof *m);
     if (!m) return ds4_fail(err, DS4_ERR_OOM, "dist init: allocating the communicator (%zu bytes)", sizeof *m);
     m->world = MPI_COMM_NULL;
     if (!inited) {
-        int rc = MPI_Init(NULL, NULL);
+        rc = MPI_Init(NULL, NULL);
         if (rc != MPI_SUCCESS) {
             free(m);
             return mpi_fail(err, rc, "init", "MPI_Init", "MPI_COMM_WORLD");
@@ -52,7 +52,7 @@ ds4_status dist_mpi_open(dist_mpi **out, int32_t *rank, int32_t *size, int32_t *
         m->we_initialized = 1;
     }
     ds4_status st = DS4_OK;
-    int r = 0, n = 0, lr = 0, rc;
+    int r = 0, n = 0, lr = 0;
     MPI_Comm node = MPI_COMM_NULL;
     /* MPI_COMM_WORLD still has MPI_ERRORS_ARE_FATAL here: set ours on it for the dup, which inherits it. */
     if ((rc = MPI_Comm_dup(MPI_COMM_WORLD, &m->world)) != MPI_SUCCESS)

@@ -6,7 +6,7 @@
  *   ds4.dist.all_reduce(t [, "sum"])   in place on an F32 / F64 tensor; returns t
  *   ds4.dist.all_gather(t)             -> a new tensor [world_size, ...t's shape], rank order
  *   ds4.dist.broadcast(t, root)        in place (any dtype): every rank's t becomes rank root's; returns t
- *   ds4.dist.all_reduce_grads(model [, scale])   the model's flat gradient buffer summed over ranks, times scale
+ *   ds4.dist.all_reduce_grads(model [, scale])   the model's flat gradient buffer times scale, summed over ranks
  *   ds4.dist.finalize()                MPI_Finalize (every rank must call it); later calls need a new process
  *
  * The communicator is a box in this lua_State's registry, not a C global. Its __gc (lua_close after an error)
@@ -148,10 +148,11 @@ static int d_broadcast(lua_State *L) {
     return 1;
 }
 
-/* Data parallelism's one step between backward and the optimizer: the gradient buffer summed over ranks, then
- * multiplied by scale (the caller's normalisation: a rank whose loss was the mean over its n_r tokens passes
- * scale = n_r / N on the sum, or sums token-sums and passes 1 / N; docs/distributed.md). CPU models only: the
- * host buffer of a device model is a mirror, and writes to it do not reach the device. */
+/* Data parallelism's one step between backward and the optimizer: every rank multiplies its gradient buffer by
+ * scale (its share of the global normalisation: a rank whose loss was the mean over its n_r tokens passes
+ * n_r / N, N the global count), then the buffers are summed over ranks: sum_r (n_r / N) g_r, the gradient of the
+ * global token mean, for equal and unequal shards alike (docs/distributed.md). CPU models only: the host buffer of
+ * a device model is a mirror, and writes to it do not reach the device. */
 static int d_all_reduce_grads(lua_State *L) {
     const char *fname = "ds4.dist.all_reduce_grads";
     ds4_comm *c = need(L, fname);
@@ -163,12 +164,12 @@ static int d_all_reduce_grads(lua_State *L) {
     float *g = ds4_model_grads(m);
     if (!g) ds4l_raise(L, "%s: gradients are not enabled (call model:zero_grad() first)", fname);
     int64_t n = ds4_model_param_count(m);
-    ds4_error err = {0};
-    if (ds4_comm_all_reduce_sum(c, DS4_F32, g, n, &err) != DS4_OK) ds4l_raise_ds4(L, fname, &err);
     if (scale != 1.0) {
         const float s = (float)scale;
         for (int64_t i = 0; i < n; i++) g[i] *= s;
     }
+    ds4_error err = {0};
+    if (ds4_comm_all_reduce_sum(c, DS4_F32, g, n, &err) != DS4_OK) ds4l_raise_ds4(L, fname, &err);
     return 0;
 }
 

@@ -12,13 +12,25 @@ export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 # One machine, no network: the loopback/shared-memory transports only, no probing of other interfaces.
 export OMPI_MCA_btl_tcp_if_include=lo OMPI_MCA_oob_tcp_if_include=lo
 
+fail=0
+bad() { echo "FAIL: $*"; fail=1; }
+
+# torchrun-style variables without an MPI launcher are refused, naming the variables and what to use instead (this
+# needs no MPI: it runs in every build)
+out="$(echo 'require("ds4").dist.init()' | RANK=1 WORLD_SIZE=2 LOCAL_RANK=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 \
+    "$DS4" run - 2>&1)" && bad "torchrun-style init succeeded: $out"
+grep -q "torchrun-style launch (RANK=1 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29500) needs the NCCL" \
+    <<<"$out" || bad "torchrun-style refusal message: $out"
+
 if ! command -v mpirun >/dev/null 2>&1; then
     echo "SKIP: mpirun not found (install openmpi-bin: scripts/install-deps.sh)"
+    [ "$fail" -eq 0 ] || exit 1
     exit 77
 fi
 have="$(echo 'io.write(tostring(require("ds4").dist.have_mpi))' | "$DS4" run - 2>&1)" || true
 if [ "$have" != "true" ]; then
     echo "SKIP: this ds4 was built without MPI (ds4.dist.have_mpi = $have)"
+    [ "$fail" -eq 0 ] || exit 1
     exit 77
 fi
 
@@ -31,9 +43,6 @@ if [ -n "${ASAN_OPTIONS:-}" ]; then
     export ASAN_OPTIONS="$ASAN_OPTIONS:detect_leaks=0"
     echo "note: sanitizer build: mpirun ranks run with detect_leaks=0 (Open MPI's plugin leaks)"
 fi
-
-fail=0
-bad() { echo "FAIL: $*"; fail=1; }
 LOG="$(mktemp "${TMPDIR:-/tmp}/ds4-dist.XXXXXX")"
 trap 'rm -f "$LOG"' EXIT
 
