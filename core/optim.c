@@ -511,6 +511,23 @@ int64_t ds4_adamw_steps(const ds4_adamw *a) { return a ? a->steps : 0; }
  * AdamW — run by the backend's optim_sumsq / adamw operations over the fp32 master weights, the gradients and the
  * moments it holds; then the working weights are cast from the master. Only the per-piece sums and counts cross to
  * the host. */
+/* A step's statistics, then its gradient norm checked: torch would carry a NaN/Inf norm into every parameter; refuse
+ * instead and leave the model untouched, so a caller can skip the batch. (The host and the device step alike.) */
+static ds4_status step_norm_check(const ds4_adamw *a, size_t nr, double norm, double lr, ds4_adamw_stats *stats,
+                                  ds4_error *err) {
+    if (stats) {
+        stats->lr = lr;
+        stats->grad_norm = norm;
+        stats->step = a->steps;
+    }
+    if (!isfinite(norm))
+        return ds4_fail(err, DS4_ERR_ARG,
+                        "adamw step %lld: the gradient norm over %zu trainable tensors is %g; parameters, moments "
+                        "and the step count are unchanged",
+                        (long long)a->steps + 1, nr, norm);
+    return DS4_OK;
+}
+
 static ds4_status adamw_step_device(ds4_adamw *a, size_t nr, int64_t total_elems, ds4_adamw_stats *stats,
                                     ds4_error *err) {
     ds4_model *m = a->model;
@@ -556,16 +573,8 @@ static ds4_status adamw_step_device(ds4_adamw *a, size_t nr, int64_t total_elems
         total += t;
     }
     const double norm = sqrt(total), lr = ds4_lr_at(&a->o, a->steps);
-    if (stats) {
-        stats->lr = lr;
-        stats->grad_norm = norm;
-        stats->step = a->steps;
-    }
-    if (!isfinite(norm))
-        return ds4_fail(err, DS4_ERR_ARG,
-                        "adamw step %lld: the gradient norm over %zu trainable tensors is %g; parameters, moments "
-                        "and the step count are unchanged",
-                        (long long)a->steps + 1, nr, norm);
+    s = step_norm_check(a, nr, norm, lr, stats, err);
+    if (s) return s;
     const float coef = ds4_grad_clip_coef(norm, a->o.clip);
     for (size_t k = 0; k < nr; k++)
         a->coefs[k] = ds4_adamw_coefs_at(&a->h, a->tensor_steps[a->range_tensor[k]] + 1, lr, a->ranges[k].c.decay);
@@ -689,18 +698,8 @@ ds4_status ds4_adamw_step(ds4_adamw *a, ds4_adamw_stats *stats, ds4_error *err) 
 
     double norm = ds4_grad_global_norm(a->ranges, nr, a->chunks, nc, a->partial, NULL, pool);
     double lr = ds4_lr_at(&a->o, a->steps);
-    if (stats) {
-        stats->lr = lr;
-        stats->grad_norm = norm;
-        stats->step = a->steps;
-    }
-    /* torch would carry a NaN/Inf norm into every parameter; refuse instead and leave the model untouched, so a
-     * caller can skip the batch. */
-    if (!isfinite(norm))
-        return ds4_fail(err, DS4_ERR_ARG,
-                        "adamw step %lld: the gradient norm over %zu trainable tensors is %g; parameters, moments "
-                        "and the step count are unchanged",
-                        (long long)a->steps + 1, nr, norm);
+    ds4_status s = step_norm_check(a, nr, norm, lr, stats, err);
+    if (s) return s;
     float coef = ds4_grad_clip_coef(norm, a->o.clip);
     for (size_t k = 0; k < nr; k++)
         a->ranges[k].c = ds4_adamw_coefs_at(&a->h, a->tensor_steps[a->range_tensor[k]] + 1, lr, a->ranges[k].c.decay);
@@ -722,10 +721,7 @@ ds4_status ds4_adamw_step(ds4_adamw *a, ds4_adamw_stats *stats, ds4_error *err) 
     for (size_t k = 0; k < nr; k++) ++a->tensor_steps[a->range_tensor[k]];
     ds4_adamw_update_ranges(a->ranges, nr, a->chunks, nc, pool);
     a->steps++;
-    if (m->topt.router_bias_gamma > 0) {
-        ds4_status s = ds4_model_update_router_bias(m, m->topt.router_bias_gamma, err);
-        if (s) return s;
-    }
+    if (m->topt.router_bias_gamma > 0 && (s = ds4_model_update_router_bias(m, m->topt.router_bias_gamma, err))) return s;
     if (stats) stats->step = a->steps;
     return DS4_OK;
 }
