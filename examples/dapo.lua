@@ -9,11 +9,12 @@ and model.
      ...}], TRL's conversational format) rendered with the chat template (--chat-template, default the model's;
      the generation prompt appended, --thinking for thinking mode); --columns.answer reward_model.ground_truth
      (or --columns verl) reads verl's layout. Held out: --eval-data, or the last --eval rows of --data. Without
-     --data, addition problems ("a+b=", a up to three digits, b one digit, answer in \boxed{}) are written as
-     JSONL to RUN/eval.jsonl and RUN/train.jsonl (no training problem repeats a held-out one) and read back;
-  2. model: without --model, a small DeepSeek-V4-architecture model (examples/small_model.lua) over the
-     built-in byte-level tokenizer; with --model DIR, an HF checkpoint and its tokenizer (DIR/tokenizer.json;
-     --tokenizer FILE, or byte, overrides it);
+     --data, generated problems (--task add: "a+b=", a up to three digits, b one digit; --task mul: "a*b=", a up to
+     four digits, b one digit from 2 to 9; the answer in \boxed{}) are written as JSONL to RUN/eval.jsonl and RUN/train.jsonl (no training
+     problem repeats a held-out one) and read back;
+  2. model: without --model, a new DeepSeek-V4-architecture model (--arch small: examples/small_model.lua, ~0.6 M
+     parameters; --arch gpu: examples/gpu_model.lua, ~220 M) over the built-in byte-level tokenizer; with
+     --model DIR, an HF checkpoint and its tokenizer (DIR/tokenizer.json; --tokenizer FILE, or byte, overrides it);
   3. SFT warm-up (--sft-steps, default 150 for the built-in model, 0 with --model) to partial accuracy;
   4. greedy accuracy on the held-out problems (--eval, default 200) before RL;
   5. RL with the algorithm table below (DAPO: clip-higher 0.2 / 0.28, dynamic sampling, token-level loss,
@@ -52,13 +53,17 @@ local SPEC = {
         { "data", "", "training prompts, JSONL {\"prompt\": text or conversation, \"answer\": ...}" },
         { "eval_data", "", "held-out prompts, same format (default: the last --eval rows of --data)" },
         { "eval", 200, "held-out problems" },
+        { "eval_every", 40, "held-out accuracy every N RL steps" },
+        { "task", "add", "the generated problems without --data: add (a+b=, a < 1000, b < 10) or mul (a*b=, a < 10000, 2 <= b < 10)" },
         { "columns", {}, "field names of --data (--columns.answer reward_model.ground_truth), or verl", table = true },
         { "chat_template", "", "template for conversational prompts (default: the model's)" },
         { "thinking", false, "render conversational prompts in thinking mode" },
-        { "model", "", "HF checkpoint directory (default: a new small model)" },
+        { "model", "", "HF checkpoint directory (default: a new model of --arch)" },
+        { "arch", "small", "the new model without --model: small (~0.6 M parameters), gpu (~220 M), or a Lua file" },
         { "tokenizer", "", "tokenizer.json, or byte (default: the model's, else byte)" },
         { "sft_steps", -1, "SFT warm-up steps (-1: 150 for the built-in model, 0 with --model)" },
         { "sft_batch", 64, "SFT warm-up batch" },
+        { "sft_lr", 3e-3, "SFT warm-up learning rate" },
         { "algorithm", EX.algorithm or "dapo", "dapo, grpo, gspo, dr_grpo, cispo; dotted fields override the preset",
             table = true },
         { "steps", 120, "RL steps" },
@@ -99,9 +104,9 @@ local function usage_error(msg)
     io.stderr:write("dapo.lua: " .. msg .. "\n")
     os.exit(2, true) -- close the state: the model and tokenizer are freed (no leak reports under LeakSanitizer)
 end
-for _, k in ipairs({ "steps", "eval", "prompts", "n", "max_new_tokens", "minibatches", "sft_batch", "n_workers",
+for _, k in ipairs({ "steps", "eval", "eval_every", "prompts", "n", "max_new_tokens", "minibatches", "sft_batch", "n_workers",
     "max_staleness", "seed", "save_every", "keep_last", "log_completions" }) do
-    local v, lo = opts[k], (k == "eval" or k == "prompts" or k == "n" or k == "max_new_tokens" or k == "minibatches"
+    local v, lo = opts[k], (k == "eval" or k == "eval_every" or k == "prompts" or k == "n" or k == "max_new_tokens" or k == "minibatches"
         or k == "sft_batch" or k == "keep_last") and 1 or 0
     if v ~= math.floor(v) or v < lo then
         usage_error(("--%s must be an integer >= %d, got %s"):format(k:gsub("_", "-"), lo, v))
@@ -110,7 +115,12 @@ end
 if opts.sft_steps ~= math.floor(opts.sft_steps) or opts.sft_steps < -1 then
     usage_error("--sft-steps must be an integer >= 0, got " .. opts.sft_steps)
 end
-if not (opts.lr > 0 and opts.lr < math.huge) then usage_error("--lr must be a positive number, got " .. opts.lr) end
+for _, k in ipairs({ "lr", "sft_lr" }) do
+    if not (opts[k] > 0 and opts[k] < math.huge) then
+        usage_error(("--%s must be a positive number, got %s"):format(k:gsub("_", "-"), opts[k]))
+    end
+end
+if not task.kinds[opts.task] then usage_error(("--task must be add or mul, got '%s'"):format(opts.task)) end
 
 -- ------------------------------------------------------------------------------------------------ algorithm
 -- The algorithm is data: a preset, with this example's settings (DAPO's soft overlong punishment scaled to this
@@ -168,7 +178,11 @@ if opts.tokenizer ~= "" then
     template_name = nil
 end
 tok = tok or ds4.tokenizer()
-model = model or ds4.new_model(task.model_config(tok), opts.seed)
+if not model then
+    local okc, cfg = pcall(task.model_config, tok, opts.arch)
+    if not okc then usage_error("--arch: " .. tostring(cfg)) end
+    model = ds4.new_model(cfg, opts.seed)
+end
 if opts.chat_template ~= "" then template_name = opts.chat_template end
 template_name = template_name or require("ds4.pretrained").template_for(tok)
 model:set_tokenizer(tok, { chat_template = template_name }) -- checkpoints and --save carry both
@@ -181,8 +195,8 @@ local train_path, eval_path = opts.data, opts.eval_data
 if train_path == "" then
     -- held-out problems first; no training problem repeats one of them
     train_path, eval_path = OUT .. "/train.jsonl", OUT .. "/eval.jsonl"
-    local held = task.write_jsonl(eval_path, opts.eval, task.rng(opts.seed + 7919))
-    task.write_jsonl(train_path, 20000, task.rng(opts.seed), held)
+    local held = task.write_jsonl(eval_path, opts.eval, task.rng(opts.seed + 7919), nil, opts.task)
+    task.write_jsonl(train_path, 20000, task.rng(opts.seed), held, opts.task)
 end
 local read_opts = { template = template, thinking = opts.thinking,
     columns = (type(opts.columns) == "string" or next(opts.columns)) and opts.columns or nil }
@@ -237,7 +251,7 @@ local wall0 = ds4.metrics.clock()
 if opts.sft_steps > 0 and not resuming then -- a resumed run's checkpoint holds the warmed-up (and trained) policy
     local acc0 = trainer.evaluate(model, { samples = heldout, correct = task.correct }, decode, M, stop)
     print(("greedy accuracy before SFT: %.1f%%"):format(100 * acc0))
-    task.sft(model, tok, train, { steps = opts.sft_steps, batch = opts.sft_batch, lr = 3e-3, progress = not opts.quiet })
+    task.sft(model, tok, train, { steps = opts.sft_steps, batch = opts.sft_batch, lr = opts.sft_lr, progress = not opts.quiet })
 end
 
 -- ------------------------------------------------------------------------------------------------ RL
@@ -285,7 +299,7 @@ local result = trainer.run{
     state = { save = function() return { rng = rstate.s } end, load = function(t) rstate.s = t.rng end },
     reward = task.reward,
     decode = decode,
-    eval = { samples = heldout, correct = task.correct, every = 40, max_new_tokens = M },
+    eval = { samples = heldout, correct = task.correct, every = opts.eval_every, max_new_tokens = M },
     rollout = { n = opts.n, prompts_per_step = opts.prompts, max_new_tokens = M, temperature = 1.0, source = source,
         stop = stop },
     optim = { lr = opts.lr, betas = { 0.9, 0.99 }, weight_decay = 0.0, clip = 1.0 },

@@ -3,13 +3,15 @@
 # checkpoint, a NEW process resuming from it, and 7 more updates. The per-step losses (as printed to
 # metrics.jsonl, full double precision) and the final weights must be bit-identical, and the resumed run
 # must really have started from the checkpoint (its metrics begin at step 6).
-#   bash tests/test_resume.sh <path-to-ds4> <fixtures_dir> <source_dir>
+#   bash tests/test_resume.sh <path-to-ds4> <fixtures_dir> <source_dir> [SFT OPTION ...]
+# Options after the third argument go to every sft.lua run (tests/test_resume_cuda.sh: --device cuda --dtype ...).
 set -euo pipefail
 DS4="$1"
 SRC="$3"
+shift 3
 tmp="$(mktemp -d "${TMPDIR:-/tmp}/ds4-resume.XXXXXX")"
 trap 'rm -rf "$tmp"' EXIT
-common=(--steps 12 --batch 8 --quiet)
+common=(--steps 12 --batch 8 --quiet "$@")
 "$DS4" run "$SRC/examples/sft.lua" "${common[@]}" --out "$tmp/full" --save-every 12 >/dev/null
 # interrupted: the same schedule (--steps 12), stopped after update 5 by a one-line wrapper
 cat >"$tmp/stop5.lua" <<LUA
@@ -39,5 +41,5 @@ cmp "$tmp/full/ckpt/step_000012/model.safetensors" "$tmp/part/ckpt/step_000012/m
     { echo "final weights differ"; exit 1; }
 cmp "$tmp/full/ckpt/step_000012/optimizer.safetensors" "$tmp/part/ckpt/step_000012/optimizer.safetensors" ||
     { echo "final optimizer state differs"; exit 1; }
-echo "resume: 12 losses and the final weights and moments are bit-identical"
+echo "resume${*:+ ($*)}: 12 losses and the final weights and moments are bit-identical"
 echo "1 passed, 0 failed"
