@@ -5,6 +5,7 @@
  * (the "M" matrices, ds4_param_lowp, in the device's dtype; everything else fp32), in table order, each tensor
  * 16-byte aligned except routed experts after the first, which must follow expert 0 contiguously. Host parameter
  * changes mark the copy dirty; the next pass refreshes it. docs/design.md. */
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -234,6 +235,36 @@ ds4_status ds4_model_host_sync(ds4_model *m, ds4_error *err) {
         m->grads_stale = 0;
     }
     return DS4_OK;
+}
+
+ds4_status ds4_model_grad_buffer(ds4_model *m, float **out, int64_t *count, ds4_error *err) {
+    if (!m || !out || !count) return ds4_fail(err, DS4_ERR_ARG, "grad_buffer: model, out or count is NULL");
+    *out = NULL;
+    *count = 0;
+    if (!m->grads)
+        return ds4_fail(err, DS4_ERR_ARG, "grad_buffer: gradients are not enabled (ds4_model_enable_grad first)");
+    if (m->dgrads) {
+        ds4_status s = ds4_dev_check(m->dev, "grad_buffer", err);
+        if (!s) s = m->dev->ops->sync(m->dev, err);
+        if (s) return s;
+    }
+    *out = m->dgrads ? m->dgrads : m->grads;
+    *count = m->n_params;
+    return DS4_OK;
+}
+
+void ds4_model_grads_changed(ds4_model *m) {
+    if (m && m->dgrads) m->grads_stale = 1;
+}
+
+ds4_status ds4_model_scale_grads(ds4_model *m, double scale, ds4_error *err) {
+    if (!m) return ds4_fail(err, DS4_ERR_ARG, "scale_grads: model is NULL");
+    if (!m->grads)
+        return ds4_fail(err, DS4_ERR_ARG, "scale_grads: gradients are not enabled (ds4_model_enable_grad first)");
+    if (!isfinite(scale)) return ds4_fail(err, DS4_ERR_ARG, "scale_grads: scale %g is not finite", scale);
+    OP(m->dev, scale, .x = m->dgrads ? m->dgrads : m->grads, .n = m->n_params, .s = (float)scale);
+    ds4_model_grads_changed(m);
+    return ds4_dev_check(m->dev, "scale_grads", err);
 }
 
 /* Before the training state on the device goes away: host params and gradients up to date, the optimizer's moments

@@ -1,19 +1,35 @@
-/* comm.c — the communicator value: launch detection, argument checks, and the choice between a world of one
- * (no MPI needed: every collective is the identity or a copy) and the MPI backend. */
+/* comm.c — the communicator value: launch detection, argument checks, the choice of the host backend (a world of
+ * one, which needs nothing; MPI under mpirun / srun; the TCP star under torchrun-style variables) and, when asked
+ * for, the NCCL communicator for device buffers. */
+#define _POSIX_C_SOURCE 200809L
+#include <errno.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "ds4_dist.h"
 #include "internal.h"
 #include "mpi_backend.h"
+#include "nccl_backend.h"
+#include "tcp_backend.h"
 
 struct ds4_comm {
     ds4_launch launch;
     int32_t rank, world_size, local_rank;
-    dist_mpi *mpi; /* NULL for a world of one */
+    double timeout_s;
+    dist_mpi *mpi;   /* host collectives under an MPI launcher */
+    dist_tcp *tcp;   /* host collectives under a torchrun-style launch */
+    dist_nccl *nccl; /* device collectives, when asked for */
 };
 
+enum { DEFAULT_TIMEOUT_S = 300 };
+
 int ds4_dist_have_mpi(void) { return dist_mpi_built(); }
+int ds4_dist_have_nccl(void) { return dist_nccl_built(); }
+
+void ds4_comm_options_default(ds4_comm_options *o) {
+    memset(o, 0, sizeof *o);
+    o->device = -1;
+}
 
 /* Under mpirun, torchrun-style RANK / WORLD_SIZE (set by a wrapper script, say) must not contradict MPI's. */
 static ds4_status check_agrees(const char *name, int32_t mpi_value, ds4_error *err) {
@@ -27,29 +43,80 @@ static ds4_status check_agrees(const char *name, int32_t mpi_value, ds4_error *e
     return DS4_OK;
 }
 
-ds4_status ds4_comm_init(ds4_comm **out, ds4_error *err) {
+static ds4_status timeout_from(const ds4_comm_options *o, double *out, ds4_error *err) {
+    *out = DEFAULT_TIMEOUT_S;
+    if (o->timeout_s > 0) {
+        *out = o->timeout_s;
+        return DS4_OK;
+    }
+    const char *s = getenv("DS4_DIST_TIMEOUT");
+    if (!s || !*s) return DS4_OK;
+    char *end = NULL;
+    errno = 0;
+    double v = strtod(s, &end);
+    if (errno || *end || !(v > 0) || v > 1e7)
+        return ds4_fail(err, DS4_ERR_ARG, "dist init: DS4_DIST_TIMEOUT=\"%s\" is not a number of seconds in (0, 1e7]",
+                        s);
+    *out = v;
+    return DS4_OK;
+}
+
+/* The host broadcast as the NCCL backend wants it (the unique id). */
+static ds4_status bcast_for_nccl(void *ctx, void *buf, size_t nbytes, int32_t root, ds4_error *err) {
+    return ds4_comm_broadcast(ctx, buf, nbytes, root, err);
+}
+
+/* The CUDA device of this rank's NCCL communicator. */
+static ds4_status pick_device(const ds4_comm *c, const ds4_comm_options *o, int32_t *out, ds4_error *err) {
+    int32_t n = 0;
+    ds4_status st = ds4_cuda_devices(&n, err);
+    if (st) return st;
+    if (n <= 0)
+        return ds4_fail(err, DS4_ERR_UNSUPPORTED, "dist init: NCCL was asked for on rank %d, but this process sees no "
+                                                  "CUDA device", c->rank);
+    if (o->device >= n)
+        return ds4_fail(err, DS4_ERR_ARG, "dist init: device cuda:%d asked for, this process sees %d", o->device, n);
+    /* CUDA_VISIBLE_DEVICES may leave one device per process: then the local rank's device is that one */
+    *out = o->device >= 0 ? o->device : c->local_rank % n;
+    return DS4_OK;
+}
+
+ds4_status ds4_comm_init(ds4_comm **out, ds4_error *err) { return ds4_comm_init_with(NULL, out, err); }
+
+ds4_status ds4_comm_init_with(const ds4_comm_options *opts, ds4_comm **out, ds4_error *err) {
     if (!out) return ds4_fail(err, DS4_ERR_ARG, "dist init: out is NULL");
     *out = NULL;
+    ds4_comm_options o;
+    ds4_comm_options_default(&o);
+    if (opts) o = *opts;
+    if (o.nccl && !dist_nccl_built()) {
+        dist_nccl *none = NULL;
+        return dist_nccl_open(0, 1, 0, 0, NULL, NULL, &none, err); /* the refusal, naming the reason */
+    }
     ds4_launch l;
     ds4_status st = ds4_launch_detect(NULL, NULL, &l, err);
-    if (st != DS4_OK) return st;
-    if (l.launcher == DS4_LAUNCH_TORCHRUN)
-        return ds4_fail(err, DS4_ERR_UNSUPPORTED,
-                        "dist init: torchrun-style launch (RANK=%d WORLD_SIZE=%d MASTER_ADDR=%s MASTER_PORT=%d) needs "
-                        "the NCCL rendezvous, which ds4 does not have yet; launch CPU ranks with mpirun or srun",
-                        l.rank, l.world_size, l.master_addr[0] ? l.master_addr : "(unset)", l.master_port);
+    double timeout = 0;
+    if (!st) st = timeout_from(&o, &timeout, err);
+    if (st) return st;
     ds4_comm *c = calloc(1, sizeof *c);
     if (!c) return ds4_fail(err, DS4_ERR_OOM, "dist init: allocating the communicator (%zu bytes)", sizeof *c);
     c->launch = l;
     c->rank = 0, c->world_size = 1, c->local_rank = 0;
+    c->timeout_s = timeout;
     if (l.launcher == DS4_LAUNCH_MPI || l.launcher == DS4_LAUNCH_SLURM) {
         st = dist_mpi_open(&c->mpi, &c->rank, &c->world_size, &c->local_rank, err);
         if (st == DS4_OK && (st = check_agrees("RANK", c->rank, err)) == DS4_OK)
             st = check_agrees("WORLD_SIZE", c->world_size, err);
-        if (st != DS4_OK) {
-            ds4_comm_abandon(c);
-            return st;
-        }
+    } else if (l.launcher == DS4_LAUNCH_TORCHRUN) {
+        c->rank = l.rank, c->world_size = l.world_size;
+        st = dist_tcp_open(&l, timeout, &c->tcp, &c->local_rank, err);
+    }
+    int32_t device = -1;
+    if (!st && o.nccl) st = pick_device(c, &o, &device, err);
+    if (!st && o.nccl) st = dist_nccl_open(c->rank, c->world_size, device, timeout, bcast_for_nccl, c, &c->nccl, err);
+    if (st) {
+        ds4_comm_abandon(c);
+        return st;
     }
     *out = c;
     return DS4_OK;
@@ -57,13 +124,17 @@ ds4_status ds4_comm_init(ds4_comm **out, ds4_error *err) {
 
 ds4_status ds4_comm_finalize(ds4_comm *c, ds4_error *err) {
     if (!c) return DS4_OK;
-    ds4_status st = dist_mpi_close(c->mpi, 1, err);
+    ds4_status st = dist_nccl_close(c->nccl, 1, err);
+    dist_tcp_close(c->tcp);
+    ds4_status s2 = dist_mpi_close(c->mpi, 1, st ? NULL : err);
     free(c);
-    return st;
+    return st ? st : s2;
 }
 
 void ds4_comm_abandon(ds4_comm *c) {
     if (!c) return;
+    dist_nccl_close(c->nccl, 0, NULL); /* aborted: the peers' watchdogs see it */
+    dist_tcp_close(c->tcp);
     dist_mpi_close(c->mpi, 0, NULL); /* the duplicate is freed; MPI itself is left for the launcher to end */
     free(c);
 }
@@ -71,23 +142,34 @@ void ds4_comm_abandon(ds4_comm *c) {
 int32_t ds4_comm_rank(const ds4_comm *c) { return c->rank; }
 int32_t ds4_comm_world_size(const ds4_comm *c) { return c->world_size; }
 int32_t ds4_comm_local_rank(const ds4_comm *c) { return c->local_rank; }
-const char *ds4_comm_backend(const ds4_comm *c) { return c->mpi ? "mpi" : "single"; }
+const char *ds4_comm_backend(const ds4_comm *c) { return c->mpi ? "mpi" : c->tcp ? "tcp" : "single"; }
 ds4_launcher ds4_comm_launcher(const ds4_comm *c) { return c->launch.launcher; }
+int32_t ds4_comm_device(const ds4_comm *c) { return c->nccl ? dist_nccl_device(c->nccl) : -1; }
+double ds4_comm_timeout(const ds4_comm *c) { return c->timeout_s; }
 
 ds4_status ds4_comm_barrier(ds4_comm *c, ds4_error *err) {
     if (!c) return ds4_fail(err, DS4_ERR_ARG, "dist barrier: communicator is NULL");
-    return c->mpi ? dist_mpi_barrier(c->mpi, err) : DS4_OK;
+    if (c->mpi) return dist_mpi_barrier(c->mpi, err);
+    if (c->tcp) return dist_tcp_barrier(c->tcp, err);
+    return DS4_OK;
+}
+
+static ds4_status check_sum(const char *op, ds4_dtype dtype, const void *buf, int64_t count, ds4_error *err) {
+    if (dtype != DS4_F32 && dtype != DS4_F64)
+        return ds4_fail(err, DS4_ERR_UNSUPPORTED, "dist %s: sum of %s (F32 and F64 only)", op,
+                        ds4_dtype_name(dtype) ? ds4_dtype_name(dtype) : "an invalid dtype");
+    if (count < 0 || (count > 0 && !buf))
+        return ds4_fail(err, DS4_ERR_ARG, "dist %s: %lld elements at %p", op, (long long)count, buf);
+    return DS4_OK;
 }
 
 ds4_status ds4_comm_all_reduce_sum(ds4_comm *c, ds4_dtype dtype, void *buf, int64_t count, ds4_error *err) {
     if (!c) return ds4_fail(err, DS4_ERR_ARG, "dist all_reduce: communicator is NULL");
-    if (dtype != DS4_F32 && dtype != DS4_F64)
-        return ds4_fail(err, DS4_ERR_UNSUPPORTED, "dist all_reduce: sum of %s (F32 and F64 only)",
-                        ds4_dtype_name(dtype) ? ds4_dtype_name(dtype) : "an invalid dtype");
-    if (count < 0 || (count > 0 && !buf))
-        return ds4_fail(err, DS4_ERR_ARG, "dist all_reduce: %lld elements at %p", (long long)count, buf);
-    if (count == 0 || !c->mpi) return DS4_OK;
-    return dist_mpi_all_reduce_sum(c->mpi, dtype, buf, count, err);
+    ds4_status st = check_sum("all_reduce", dtype, buf, count, err);
+    if (st || count == 0) return st;
+    if (c->mpi) return dist_mpi_all_reduce_sum(c->mpi, dtype, buf, count, err);
+    if (c->tcp) return dist_tcp_all_reduce_sum(c->tcp, dtype, buf, count, err);
+    return DS4_OK;
 }
 
 ds4_status ds4_comm_all_gather(ds4_comm *c, const void *send, void *recv, size_t nbytes, ds4_error *err) {
@@ -95,11 +177,10 @@ ds4_status ds4_comm_all_gather(ds4_comm *c, const void *send, void *recv, size_t
     if (nbytes > 0 && (!send || !recv))
         return ds4_fail(err, DS4_ERR_ARG, "dist all_gather: %zu bytes per rank, send %p, recv %p", nbytes, send, recv);
     if (nbytes == 0) return DS4_OK;
-    if (!c->mpi) {
-        memmove(recv, send, nbytes);
-        return DS4_OK;
-    }
-    return dist_mpi_all_gather(c->mpi, send, recv, nbytes, err);
+    if (c->mpi) return dist_mpi_all_gather(c->mpi, send, recv, nbytes, err);
+    if (c->tcp) return dist_tcp_all_gather(c->tcp, send, recv, nbytes, err);
+    memmove(recv, send, nbytes);
+    return DS4_OK;
 }
 
 ds4_status ds4_comm_broadcast(ds4_comm *c, void *buf, size_t nbytes, int32_t root, ds4_error *err) {
@@ -107,6 +188,75 @@ ds4_status ds4_comm_broadcast(ds4_comm *c, void *buf, size_t nbytes, int32_t roo
     if (root < 0 || root >= c->world_size)
         return ds4_fail(err, DS4_ERR_ARG, "dist broadcast: root %d outside ranks [0, %d)", root, c->world_size);
     if (nbytes > 0 && !buf) return ds4_fail(err, DS4_ERR_ARG, "dist broadcast: %zu bytes at NULL", nbytes);
-    if (nbytes == 0 || !c->mpi) return DS4_OK;
-    return dist_mpi_broadcast(c->mpi, buf, nbytes, root, err);
+    if (nbytes == 0) return DS4_OK;
+    if (c->mpi) return dist_mpi_broadcast(c->mpi, buf, nbytes, root, err);
+    if (c->tcp) return dist_tcp_broadcast(c->tcp, buf, nbytes, root, err);
+    return DS4_OK;
+}
+
+/* ------------------------------------------------------------------------------------------------ device buffers */
+
+static ds4_status need_nccl(const ds4_comm *c, const char *op, ds4_error *err) {
+    if (!c) return ds4_fail(err, DS4_ERR_ARG, "dist %s: communicator is NULL", op);
+    if (!c->nccl)
+        return ds4_fail(err, DS4_ERR_ARG, "dist %s: device buffers need the NCCL communicator (ds4_comm_options.nccl; "
+                                          "Lua: ds4.dist.init{device = \"cuda\"})", op);
+    return DS4_OK;
+}
+
+ds4_status ds4_comm_device_all_reduce_sum(ds4_comm *c, ds4_dtype dtype, void *dev_buf, int64_t count, ds4_error *err) {
+    ds4_status st = need_nccl(c, "all_reduce", err);
+    if (!st) st = check_sum("all_reduce", dtype, dev_buf, count, err);
+    if (st || count == 0) return st;
+    return dist_nccl_all_reduce_sum(c->nccl, dtype, dev_buf, count, err);
+}
+
+ds4_status ds4_comm_device_all_gather(ds4_comm *c, const void *dev_send, void *dev_recv, size_t nbytes,
+                                      ds4_error *err) {
+    ds4_status st = need_nccl(c, "all_gather", err);
+    if (st) return st;
+    if (nbytes > 0 && (!dev_send || !dev_recv))
+        return ds4_fail(err, DS4_ERR_ARG, "dist all_gather: %zu bytes per rank, send %p, recv %p", nbytes, dev_send,
+                        dev_recv);
+    return nbytes ? dist_nccl_all_gather(c->nccl, dev_send, dev_recv, nbytes, err) : DS4_OK;
+}
+
+ds4_status ds4_comm_device_broadcast(ds4_comm *c, void *dev_buf, size_t nbytes, int32_t root, ds4_error *err) {
+    ds4_status st = need_nccl(c, "broadcast", err);
+    if (st) return st;
+    if (root < 0 || root >= c->world_size)
+        return ds4_fail(err, DS4_ERR_ARG, "dist broadcast: root %d outside ranks [0, %d)", root, c->world_size);
+    if (nbytes > 0 && !dev_buf) return ds4_fail(err, DS4_ERR_ARG, "dist broadcast: %zu bytes at NULL", nbytes);
+    return nbytes ? dist_nccl_broadcast(c->nccl, dev_buf, nbytes, root, err) : DS4_OK;
+}
+
+/* ------------------------------------------------------------------------------------------------ gradients */
+
+ds4_status ds4_comm_all_reduce_grads(ds4_comm *c, ds4_model *m, double scale, ds4_error *err) {
+    if (!c || !m) return ds4_fail(err, DS4_ERR_ARG, "dist all_reduce_grads: communicator or model is NULL");
+    const ds4_device_options dev = ds4_model_device(m);
+    if (dev.type == DS4_DEVICE_CUDA && (c->nccl || c->world_size > 1) && ds4_comm_device(c) != dev.index) {
+        if (!c->nccl)
+            return ds4_fail(err, DS4_ERR_ARG, "dist all_reduce_grads: the model is on %s and there are %d ranks: a "
+                                              "device model needs the NCCL communicator (Lua: ds4.dist.init{device = "
+                                              "\"cuda\"})", ds4_model_device_name(m), c->world_size);
+        return ds4_fail(err, DS4_ERR_ARG, "dist all_reduce_grads: the model is on %s, the communicator's NCCL on "
+                                          "cuda:%d (move the model to ds4.dist.device())", ds4_model_device_name(m),
+                        ds4_comm_device(c));
+    }
+    ds4_status st = scale != 1.0 ? ds4_model_scale_grads(m, scale, err) : DS4_OK;
+    if (!st && dev.type == DS4_DEVICE_CUDA && !c->nccl) return DS4_OK; /* a world of one (checked above) */
+    float *g = NULL;
+    int64_t n = 0;
+    if (!st) st = ds4_model_grad_buffer(m, &g, &n, err);
+    if (st) {
+        ds4_error_prefix(err, "dist all_reduce_grads: ");
+        return st;
+    }
+    if (dev.type == DS4_DEVICE_CUDA && c->nccl) {
+        st = ds4_comm_device_all_reduce_sum(c, DS4_F32, g, n, err);
+        ds4_model_grads_changed(m);
+        return st;
+    }
+    return ds4_comm_all_reduce_sum(c, DS4_F32, g, n, err);
 }

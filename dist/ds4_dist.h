@@ -1,14 +1,20 @@
 /* ds4_dist.h — the communicator: which rank this process is, how many there are, and the collectives that data
- * parallelism needs on host buffers (docs/distributed.md).
+ * parallelism needs, on host buffers and (with NCCL) on device buffers (docs/distributed.md).
  *
- * A communicator is a value: ds4_comm_init makes one, ds4_comm_free ends it; nothing is kept in globals by ds4
+ * A communicator is a value: ds4_comm_init makes one, ds4_comm_finalize ends it; nothing is kept in globals by ds4
  * (MPI itself is process-wide: MPI_Init may run once per process, so a second communicator after the first one
  * finalized MPI is refused with a message saying so).
  *
  * Launch detection (dist/launch.c): a process started by mpirun (Open MPI, MPICH) or srun is a rank of an MPI job;
- * a process with none of those variables and WORLD_SIZE unset or 1 is a world of one, which needs no MPI at all;
- * torchrun-style variables with WORLD_SIZE > 1 and no MPI launcher are refused (DS4_ERR_UNSUPPORTED): they need
- * the NCCL rendezvous, which is not built yet. Under mpirun, RANK / WORLD_SIZE, when set, must agree with MPI's. */
+ * torchrun-style variables (RANK, WORLD_SIZE > 1, MASTER_ADDR, MASTER_PORT) without an MPI launcher make the ranks
+ * meet over TCP at rank 0 (dist/tcp_backend.c), which then carries the host collectives; a process with none of
+ * those variables and WORLD_SIZE unset or 1 is a world of one, which needs neither. Under mpirun, RANK / WORLD_SIZE,
+ * when set, must agree with MPI's.
+ *
+ * Device buffers: with ds4_comm_options.nccl, the communicator also holds an NCCL communicator on one CUDA device per
+ * process (by default the local rank's), whose unique id rank 0 hands out through the host collectives. Its calls
+ * wait with a deadline (DS4_DIST_TIMEOUT, default 300 s): a rank that dies or hangs makes the others fail with
+ * DS4_ERR_COMM naming the collective, not hang. */
 #ifndef DS4_DIST_H
 #define DS4_DIST_H
 
@@ -51,24 +57,41 @@ const char *ds4_launcher_name(ds4_launcher l); /* "single", "mpi", "slurm", "tor
 
 typedef struct ds4_comm ds4_comm;
 
-/* 1 when this build has the MPI backend (CMake found MPI), else 0: then only a world of one can be made. */
+/* 1 when this build has the MPI backend (CMake found MPI), else 0: then mpirun / srun launches are refused. */
 int ds4_dist_have_mpi(void);
+/* 1 when this build has the NCCL backend (CMake found NCCL next to the CUDA toolkit), else 0. */
+int ds4_dist_have_nccl(void);
+
+typedef struct ds4_comm_options {
+    int32_t nccl;      /* 1: also an NCCL communicator for device buffers (ds4_comm_device_*) */
+    int32_t device;    /* its CUDA device; -1: the local rank modulo the visible devices */
+    double timeout_s;  /* deadline of the TCP rendezvous and of every TCP and NCCL collective (not of MPI's: mpirun
+                          ends a job whose rank died); <= 0: DS4_DIST_TIMEOUT from the environment, else 300 */
+} ds4_comm_options;
+/* nccl 0, device -1, timeout_s 0 */
+void ds4_comm_options_default(ds4_comm_options *o);
 
 /* Make the communicator the environment describes (ds4_launch_detect on the process environment). Under an MPI
  * launcher this calls MPI_Init (unless the host already did) on a private duplicate of MPI_COMM_WORLD whose errors
  * are returned, not fatal. */
 ds4_status ds4_comm_init(ds4_comm **out, ds4_error *err);
+/* The same with options (NULL: the defaults). A torchrun-style launch runs the TCP rendezvous here (every rank
+ * must call it); with o->nccl, every rank also creates its NCCL communicator here. */
+ds4_status ds4_comm_init_with(const ds4_comm_options *o, ds4_comm **out, ds4_error *err);
 /* End the communicator: MPI_Finalize when ds4_comm_init initialized MPI (a collective step: every rank must call
  * it). NULL is allowed. */
 ds4_status ds4_comm_finalize(ds4_comm *c, ds4_error *err);
-/* Free without finalizing MPI: for a rank that is failing; the launcher then ends the job (docs/distributed.md). */
+/* Free without finalizing MPI (and aborting NCCL): for a rank that is failing; the launcher then ends the job, and
+ * the TCP and NCCL peers see the closed connections (docs/distributed.md). */
 void ds4_comm_abandon(ds4_comm *c);
 
 int32_t ds4_comm_rank(const ds4_comm *c);
 int32_t ds4_comm_world_size(const ds4_comm *c);
 int32_t ds4_comm_local_rank(const ds4_comm *c); /* rank among the processes of this machine */
-const char *ds4_comm_backend(const ds4_comm *c); /* "mpi" or "single" */
+const char *ds4_comm_backend(const ds4_comm *c); /* host collectives: "mpi", "tcp" or "single" */
 ds4_launcher ds4_comm_launcher(const ds4_comm *c);
+int32_t ds4_comm_device(const ds4_comm *c);      /* the NCCL communicator's CUDA device; -1 without one */
+double ds4_comm_timeout(const ds4_comm *c);      /* seconds */
 
 ds4_status ds4_comm_barrier(ds4_comm *c, ds4_error *err);
 /* In place: buf[i] = sum over ranks of buf[i]. dtype DS4_F32 or DS4_F64; count elements. The summation order is
@@ -78,6 +101,20 @@ ds4_status ds4_comm_all_reduce_sum(ds4_comm *c, ds4_dtype dtype, void *buf, int6
 ds4_status ds4_comm_all_gather(ds4_comm *c, const void *send, void *recv, size_t nbytes, ds4_error *err);
 /* In place: every rank's buf becomes rank root's. */
 ds4_status ds4_comm_broadcast(ds4_comm *c, void *buf, size_t nbytes, int32_t root, ds4_error *err);
+
+/* The same three on buffers in the memory of the communicator's CUDA device (ds4_comm_device), through NCCL; each
+ * returns once the collective has completed on the device. DS4_ERR_ARG without an NCCL communicator. The sum's
+ * order is NCCL's (with 2 ranks every element is one fp32 addition, so the result does not depend on it). */
+ds4_status ds4_comm_device_all_reduce_sum(ds4_comm *c, ds4_dtype dtype, void *dev_buf, int64_t count, ds4_error *err);
+ds4_status ds4_comm_device_all_gather(ds4_comm *c, const void *dev_send, void *dev_recv, size_t nbytes,
+                                      ds4_error *err);
+ds4_status ds4_comm_device_broadcast(ds4_comm *c, void *dev_buf, size_t nbytes, int32_t root, ds4_error *err);
+
+/* Data parallelism's step between backward and the optimizer: the model's gradient buffer times `scale` (this
+ * rank's share of the global normalisation), then summed over ranks, where the model computes: a CPU model through
+ * the host collectives, a CUDA model through NCCL on its device (which must be the communicator's). A world of one
+ * only scales (unless it has NCCL, which then runs too). docs/distributed.md, "Data parallelism". */
+ds4_status ds4_comm_all_reduce_grads(ds4_comm *c, ds4_model *m, double scale, ds4_error *err);
 
 #ifdef __cplusplus
 }

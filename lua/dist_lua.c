@@ -1,17 +1,27 @@
 /* dist_lua.c — ds4.dist: the communicator (dist/ds4_dist.h) for scripts, and collectives on ds4 tensors.
  *
- *   ds4.dist.init()                    -> rank, world_size   (idempotent; a world of one without a launcher)
- *   ds4.dist.rank() / world_size() / local_rank() / backend() ("mpi" or "single") / is_initialized()
+ *   ds4.dist.init([opts])              -> rank, world_size   (idempotent; a world of one without a launcher)
+ *        opts.device = "cpu" (default) | "cuda" (NCCL on the local rank's GPU) | "cuda:N"
+ *        opts.timeout = seconds         (the TCP rendezvous and the TCP and NCCL collectives; default
+ *                                        DS4_DIST_TIMEOUT, else 300)
+ *   ds4.dist.rank() / world_size() / local_rank() / backend() ("mpi", "tcp" or "single") / is_initialized()
+ *   ds4.dist.device()                  "cuda:N" of the NCCL communicator, "cpu" without one: where to put the model
  *   ds4.dist.barrier()
  *   ds4.dist.all_reduce(t [, "sum"])   in place on an F32 / F64 tensor; returns t
  *   ds4.dist.all_gather(t)             -> a new tensor [world_size, ...t's shape], rank order
  *   ds4.dist.broadcast(t, root)        in place (any dtype): every rank's t becomes rank root's; returns t
  *   ds4.dist.all_reduce_grads(model [, scale])   the model's flat gradient buffer times scale, summed over ranks
- *   ds4.dist.finalize()                MPI_Finalize (every rank must call it); later calls need a new process
+ *                                      (a CUDA model: on its device, through NCCL)
+ *   ds4.dist.finalize()                MPI_Finalize / NCCL finalize (every rank must call it)
+ *   ds4.dist.have_mpi, have_nccl       what this build has
+ *
+ * Tensors are host memory (ds4 tensors have no device form), so the tensor collectives always take the host path
+ * (MPI or TCP); device memory is reached through a model's gradients.
  *
  * The communicator is a box in this lua_State's registry, not a C global. Its __gc (lua_close after an error)
- * frees it without MPI_Finalize: finalizing is collective, and a rank that fails must not wait for the others
- * there; it exits instead, and mpirun ends the job (docs/distributed.md). */
+ * frees it without MPI_Finalize (and aborts NCCL): finalizing is collective, and a rank that fails must not wait
+ * for the others there; it exits instead, and mpirun ends the job, or the TCP / NCCL peers see it gone
+ * (docs/distributed.md). */
 #include <string.h>
 
 #include "ds4_dist.h"
@@ -46,15 +56,49 @@ static ds4_comm *need(lua_State *L, const char *fname) {
     return b->c;
 }
 
+/* init's options table at idx (absent: the defaults) */
+static void init_options(lua_State *L, int idx, ds4_comm_options *o) {
+    const char *fname = "ds4.dist.init";
+    ds4_comm_options_default(o);
+    if (lua_isnoneornil(L, idx)) return;
+    luaL_checktype(L, idx, LUA_TTABLE);
+    for (lua_pushnil(L); lua_next(L, idx); lua_pop(L, 1)) {
+        const char *k = lua_type(L, -2) == LUA_TSTRING ? lua_tostring(L, -2) : NULL;
+        if (!k || (strcmp(k, "device") != 0 && strcmp(k, "timeout") != 0))
+            ds4l_raise(L, "%s: unknown option %s (known: device, timeout)", fname,
+                       k ? lua_pushfstring(L, "'%s'", k) : luaL_typename(L, -2));
+    }
+    lua_getfield(L, idx, "device");
+    if (!lua_isnil(L, -1)) {
+        const char *spec = lua_tostring(L, -1);
+        ds4_device_options d;
+        ds4_error err = {0};
+        if (lua_type(L, -1) != LUA_TSTRING) ds4l_raise(L, "%s: device must be a string (\"cpu\", \"cuda\", \"cuda:N\")", fname);
+        if (ds4_device_parse(spec, NULL, &d, &err) != DS4_OK) ds4l_raise_ds4(L, fname, &err);
+        o->nccl = d.type == DS4_DEVICE_CUDA;
+        /* "cuda" alone: the local rank's GPU; "cuda:N": that one */
+        o->device = o->nccl && strchr(spec, ':') ? d.index : -1;
+    }
+    lua_getfield(L, idx, "timeout");
+    if (!lua_isnil(L, -1)) {
+        if (lua_type(L, -1) != LUA_TNUMBER || !(lua_tonumber(L, -1) > 0))
+            ds4l_raise(L, "%s: timeout must be a positive number of seconds", fname);
+        o->timeout_s = lua_tonumber(L, -1);
+    }
+    lua_pop(L, 2);
+}
+
 static int d_init(lua_State *L) {
     comm_box *b = current(L);
     if (!b) {
+        ds4_comm_options o;
+        init_options(L, 1, &o);
         b = lua_newuserdata(L, sizeof *b); /* boxed before anything can raise */
         b->c = NULL;
         luaL_getmetatable(L, COMM_MT);
         lua_setmetatable(L, -2);
         ds4_error err = {0};
-        if (ds4_comm_init(&b->c, &err) != DS4_OK) ds4l_raise_ds4(L, "ds4.dist.init", &err);
+        if (ds4_comm_init_with(&o, &b->c, &err) != DS4_OK) ds4l_raise_ds4(L, "ds4.dist.init", &err);
         lua_setfield(L, LUA_REGISTRYINDEX, COMM_KEY);
     }
     lua_pushinteger(L, ds4_comm_rank(b->c));
@@ -92,6 +136,13 @@ static int d_local_rank(lua_State *L) {
 }
 static int d_backend(lua_State *L) {
     lua_pushstring(L, ds4_comm_backend(need(L, "ds4.dist.backend")));
+    return 1;
+}
+
+static int d_device(lua_State *L) {
+    int32_t d = ds4_comm_device(need(L, "ds4.dist.device"));
+    if (d < 0) lua_pushliteral(L, "cpu");
+    else lua_pushfstring(L, "cuda:%d", (int)d);
     return 1;
 }
 
@@ -148,28 +199,17 @@ static int d_broadcast(lua_State *L) {
     return 1;
 }
 
-/* Data parallelism's one step between backward and the optimizer: every rank multiplies its gradient buffer by
- * scale (its share of the global normalisation: a rank whose loss was the mean over its n_r tokens passes
- * n_r / N, N the global count), then the buffers are summed over ranks: sum_r (n_r / N) g_r, the gradient of the
- * global token mean, for equal and unequal shards alike (docs/distributed.md). CPU models only: the host buffer of
- * a device model is a mirror, and writes to it do not reach the device. */
+/* Data parallelism's one step between backward and the optimizer (ds4_comm_all_reduce_grads): every rank multiplies
+ * its gradient buffer by scale (its share of the global normalisation: a rank whose loss was the mean over its n_r
+ * tokens passes n_r / N, N the global count), then the buffers are summed over ranks: sum_r (n_r / N) g_r, the
+ * gradient of the global token mean, for equal and unequal shards alike (docs/distributed.md). */
 static int d_all_reduce_grads(lua_State *L) {
     const char *fname = "ds4.dist.all_reduce_grads";
     ds4_comm *c = need(L, fname);
     ds4_model *m = ds4l_model_check(L, 1, fname);
     double scale = luaL_optnumber(L, 2, 1.0);
-    if (ds4_model_device(m).type != DS4_DEVICE_CPU)
-        ds4l_raise(L, "%s: the model is on %s; this works on CPU models only (NCCL is not built)", fname,
-                   ds4_model_device_name(m));
-    float *g = ds4_model_grads(m);
-    if (!g) ds4l_raise(L, "%s: gradients are not enabled (call model:zero_grad() first)", fname);
-    int64_t n = ds4_model_param_count(m);
-    if (scale != 1.0) {
-        const float s = (float)scale;
-        for (int64_t i = 0; i < n; i++) g[i] *= s;
-    }
     ds4_error err = {0};
-    if (ds4_comm_all_reduce_sum(c, DS4_F32, g, n, &err) != DS4_OK) ds4l_raise_ds4(L, fname, &err);
+    if (ds4_comm_all_reduce_grads(c, m, scale, &err) != DS4_OK) ds4l_raise_ds4(L, fname, &err);
     return 0;
 }
 
@@ -182,6 +222,7 @@ void ds4l_dist_open(lua_State *L) {
         {"world_size", d_world_size},
         {"local_rank", d_local_rank},
         {"backend", d_backend},
+        {"device", d_device},
         {"barrier", d_barrier},
         {"all_reduce", d_all_reduce},
         {"all_gather", d_all_gather},
@@ -198,5 +239,7 @@ void ds4l_dist_open(lua_State *L) {
     }
     lua_pushboolean(L, ds4_dist_have_mpi());
     lua_setfield(L, -2, "have_mpi");
+    lua_pushboolean(L, ds4_dist_have_nccl());
+    lua_setfield(L, -2, "have_nccl");
     lua_setfield(L, -2, "dist");
 }

@@ -43,11 +43,17 @@ fi
 if [[ " $STAGES " == *" tests "* ]]; then
     # the GPU tests first, verbose (their numbers are the record), then the whole suite
     for t in test_cuda test_cuda_ops test_cuda_bwd_linear test_cuda_bwd_attn test_cuda_bwd_hc_moe test_cuda_model \
-        test_cuda_train; do
+        test_cuda_train test_dist_nccl; do
         [ -x "build-gpu/$t" ] || continue
         "build-gpu/$t" "$ROOT/tests/fixtures" >"$LOG/$t.log" 2>&1
         say "$t: exit $? ($(tail -n1 "$LOG/$t.log"))"
     done
+    # NCCL on 1 GPU, and on 2 (4) ranks when the machine has 2 (4) GPUs: torchrun-style and mpirun launches, data
+    # parallelism on the GPUs, a rank killed or hung (docs/distributed.md)
+    if [ -x build-gpu/ds4 ]; then
+        bash tests/test_dist_nccl.sh build-gpu/ds4 "$ROOT/tests/fixtures" "$ROOT" >"$LOG/test_dist_nccl_sh.log" 2>&1
+        say "test_dist_nccl.sh: exit $? ($(grep -c '^FAIL' "$LOG/test_dist_nccl_sh.log") FAIL lines; $(tail -n1 "$LOG/test_dist_nccl_sh.log"))"
+    fi
     ctest --test-dir build-gpu --output-on-failure -j 8 >"$LOG/ctest.log" 2>&1
     # "100% tests passed out of N" (ctest 3.28+) or "..., K tests failed out of N"
     total="$(sed -n 's/.*tests.* out of \([0-9]*\).*/\1/p' "$LOG/ctest.log" | tail -n1)"

@@ -11,7 +11,8 @@ H.eq(ds4.dist.world_size(), n, "world_size()")
 local want_n = tonumber(os.getenv("DS4_TEST_WORLD") or "1")
 H.eq(n, want_n, "world size as launched")
 H.check(r >= 0 and r < n, "rank in [0, n)")
-H.eq(ds4.dist.backend(), n > 1 and "mpi" or (os.getenv("OMPI_COMM_WORLD_RANK") and "mpi" or "single"), "backend")
+H.eq(ds4.dist.backend(), os.getenv("DS4_TEST_BACKEND") or (os.getenv("OMPI_COMM_WORLD_RANK") and "mpi" or "single"),
+    "backend")
 H.check(ds4.dist.local_rank() >= 0 and ds4.dist.local_rank() < n, "local_rank in [0, n)")
 ds4.dist.barrier()
 

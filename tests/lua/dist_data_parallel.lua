@@ -18,12 +18,18 @@
 -- bounds widen: gradient rel ≤ 5e-5, weights |Δw| ≤ 5e-5 = lr / 20 after K = 3 steps (measured 5.8e-6 and
 -- 1.2e-5 on 4 ranks). A wrong normalisation (a missing 1/N, or n_r / N left out) is off by a factor of 2 to 4:
 -- gradient rel ≥ 0.5, far outside either bound (weights alone would not show it: Adam is scale-invariant).
+--
+-- DS4_TEST_DEVICE=cuda (tests/test_dist_nccl.sh on a GPU machine): both copies live on this rank's GPU
+-- (ds4.dist.init{device = "cuda"}, fp32 mode) and the gradients are all-reduced there through NCCL. The same bounds
+-- hold by the same argument: the CUDA backend's sums are fixed-order fp32 too, and differ from the whole batch's
+-- only in how the tokens are grouped.
 package.path = ((arg[0]:match("^(.*)/[^/]*$") or ".") .. "/?.lua;") .. package.path
 local H = require("harness")
 local ds4 = require("ds4")
 local ffi = require("ffi")
 
-local r, n = ds4.dist.init()
+local on_device = os.getenv("DS4_TEST_DEVICE") == "cuda"
+local r, n = ds4.dist.init(on_device and { device = "cuda" } or nil)
 local dir = H.fixtures() .. "/tiny_a"
 local B, S, V, K = 4, 37, 256, 3
 assert(n == 1 or n == 2 or n == 4, "the test's batch of 4 rows is split for 1, 2 or 4 ranks")
@@ -52,6 +58,11 @@ local my_ids = batch(first, split[r + 1])
 
 local function opts() return { lr = 1e-3, betas = { 0.9, 0.95 }, eps = 1e-8, weight_decay = 0.1, clip = 1.0 } end
 local ref, dp = ds4.load(dir), ds4.load(dir)
+if on_device then
+    H.eq(ds4.dist.device():match("^cuda:%d+$") ~= nil, true, "ds4.dist.device() names this rank's GPU")
+    ref:to(ds4.dist.device(), "fp32")
+    dp:to(ds4.dist.device(), "fp32")
+end
 local ref_opt, dp_opt = ds4.adamw(ref, opts()), ds4.adamw(dp, opts())
 
 -- max |a - b| and ‖a − b‖ / ‖b‖ over two F32 tensors of equal size
@@ -108,8 +119,8 @@ local w = dp:params()
 local w0 = ds4.dist.broadcast(w:clone(), 0)
 H.eq((diff(w, w0)), 0, "every rank's weights equal rank 0's")
 if r == 0 then
-    print(("dist_data_parallel: %d ranks, %d steps: worst gradient rel %.3g, worst weight |Δ| %.3g"):format(n, K,
-        worst_g, worst_w))
+    print(("dist_data_parallel: %d ranks (%s, %s), %d steps: worst gradient rel %.3g, worst weight |Δ| %.3g"):format(
+        n, ds4.dist.backend(), ds4.dist.device(), K, worst_g, worst_w))
 end
 ds4.dist.finalize()
 H.done("dist_data_parallel rank " .. r .. " of " .. n)

@@ -1,0 +1,36 @@
+# dist_launch.sh — sourced by tests/test_dist_tcp.sh and tests/test_dist_nccl.sh: start ranks as plain processes
+# with the variables torchrun sets (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR=127.0.0.1, MASTER_PORT), no MPI.
+#
+#   launch NP LOG BOUND CMD...   ranks 0..NP-1 run CMD under `timeout BOUND`; rank r's output goes to LOG.r; sets
+#                                RCS (their exit codes, 124: the bound was hit) and ELAPSED (seconds); returns 0
+#                                when every rank exited 0. A port is drawn at random and drawn again when rank 0
+#                                finds it taken.
+#   EXTRA_ENV                    "NAME=value ..." added to every rank's environment (word-split)
+
+free_port() { echo $((20000 + (RANDOM * 32768 + RANDOM) % 40000)); }
+
+launch() {
+    local np="$1" log="$2" bound="$3"
+    shift 3
+    local attempt r pids
+    for attempt in 1 2 3 4 5; do
+        PORT="$(free_port)"
+        local t0=$SECONDS
+        pids=()
+        for ((r = 0; r < np; r++)); do
+            # shellcheck disable=SC2086
+            env RANK="$r" WORLD_SIZE="$np" LOCAL_RANK="$r" MASTER_ADDR=127.0.0.1 MASTER_PORT="$PORT" ${EXTRA_ENV:-} \
+                timeout -k 5 "$bound" "$@" >"$log.$r" 2>&1 &
+            pids+=($!)
+        done
+        RCS=()
+        for ((r = 0; r < np; r++)); do
+            wait "${pids[$r]}"
+            RCS+=($?)
+        done
+        ELAPSED=$((SECONDS - t0))
+        grep -q "Address already in use" "$log.0" || break
+    done
+    for r in "${RCS[@]}"; do [ "$r" -eq 0 ] || return 1; done
+    return 0
+}

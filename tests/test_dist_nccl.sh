@@ -1,0 +1,109 @@
+#!/usr/bin/env bash
+# test_dist_nccl.sh DS4 FIXTURES SOURCE — the NCCL communicator on GPUs (docs/distributed.md). Skips (77) without
+# NCCL in the build or without a GPU (CI); scripts/gpu.sh runs it on a GPU machine.
+#
+#   1 GPU: test_dist_nccl (device all_reduce / all_gather / broadcast against closed forms, all_reduce_grads of a
+#          CUDA model) as a world of one; data parallelism by hand (tests/lua/dist_data_parallel.lua) on the GPU.
+#   2 GPUs or more, for 2 ranks (and 4 with 4 GPUs): the same, launched torchrun-style (plain processes, the TCP
+#          rendezvous hands out the NCCL id) and, when mpirun and MPI are there, under mpirun; the data-parallel run
+#          compares 2 ranks' NCCL all-reduced gradients and weights with one copy on the whole batch; then a rank
+#          killed (SIGKILL) or hung after the first all-reduce: the survivor's NCCL all-reduce must fail, naming NCCL,
+#          within DS4_DIST_TIMEOUT (20 s here) plus a margin — not hang.
+set -uo pipefail
+DS4="$1"; FIX="$2"; SRC="$3"
+T="$SRC/tests/lua"
+BIN="$(dirname "$DS4")"
+# shellcheck source=tests/dist_launch.sh
+. "$SRC/tests/dist_launch.sh"
+
+have="$(echo 'io.write(tostring(require("ds4").dist.have_nccl))' | "$DS4" run - 2>&1)" || true
+if [ "$have" != "true" ]; then
+    echo "SKIP: this ds4 was built without NCCL (ds4.dist.have_nccl = $have)"
+    exit 77
+fi
+ngpu="$(echo 'io.write(require("ds4").cuda_devices())' | "$DS4" run - 2>/dev/null)" || ngpu=0
+if [ "${ngpu:-0}" -lt 1 ]; then
+    echo "SKIP: no CUDA device"
+    exit 77
+fi
+[ -x "$BIN/test_dist_nccl" ] || { echo "FAIL: $BIN/test_dist_nccl not built"; exit 1; }
+
+fail=0
+bad() { echo "FAIL: $*"; fail=1; }
+LOG="$(mktemp -d "${TMPDIR:-/tmp}/ds4-dist-nccl.XXXXXX")"
+trap 'rm -rf "$LOG"' EXIT
+show() { for f in "$LOG"/*; do echo "--- $f"; tail -n 20 "$f"; done; }
+export DS4_DIST_TIMEOUT=120
+# (NCCL_DEBUG=WARN, the default, prints NCCL's own warnings, which go into the logs shown on failure)
+
+# rank r's log says "<what> rank r of np: N ... 0 failures/failed"
+all_passed() {
+    local np="$1" what="$2" prefix="$3" r
+    for ((r = 0; r < np; r++)); do
+        grep -q "$what rank $r of $np: [0-9]* \(checks, 0 failures\|passed, 0 failed\)" "$prefix.$r" || return 1
+    done
+}
+
+# ---- one GPU: a world of one
+"$BIN/test_dist_nccl" "$FIX" >"$LOG/one.0" 2>&1
+grep 'all_reduce_grads' "$LOG/one.0"
+all_passed 1 test_dist_nccl "$LOG/one" || { show; bad "test_dist_nccl, 1 rank"; }
+DS4_TEST_DEVICE=cuda "$DS4" run "$T/dist_data_parallel.lua" "$FIX" >"$LOG/one.0" 2>&1
+grep 'dist_data_parallel:' "$LOG/one.0"
+all_passed 1 dist_data_parallel "$LOG/one" || { show; bad "data parallel on cuda, 1 rank"; }
+rm -f "$LOG"/one.*
+
+if [ "$ngpu" -lt 2 ]; then
+    echo "note: $ngpu GPU: the multi-rank part needs 2 (it ran nothing more)"
+    exit "$fail"
+fi
+sizes="2"
+[ "$ngpu" -ge 4 ] && sizes="2 4"
+have_mpi=0
+if command -v mpirun >/dev/null 2>&1 &&
+    [ "$(echo 'io.write(tostring(require("ds4").dist.have_mpi))' | "$DS4" run - 2>&1)" = true ]; then
+    have_mpi=1
+    export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+else
+    echo "note: no mpirun or no MPI in this build: the mpirun launches are not run (torchrun-style ones are)"
+fi
+mpi_ranks() { # NP CMD...: under mpirun, rank r's output in $LOG/run.r
+    local np="$1"
+    shift
+    timeout -k 5 300 mpirun -np "$np" -x DS4_DIST_TIMEOUT -x DS4_TEST_DEVICE \
+        bash -c 'exec "$@" >"'"$LOG"'/run.$OMPI_COMM_WORLD_RANK" 2>&1' rank "$@" >"$LOG/mpi" 2>&1
+}
+
+for np in $sizes; do
+    launch "$np" "$LOG/run" 300 "$BIN/test_dist_nccl" "$FIX"
+    grep 'all_reduce_grads' "$LOG/run.0"
+    all_passed "$np" test_dist_nccl "$LOG/run" || { show; bad "test_dist_nccl, $np ranks, torchrun-style (exit ${RCS[*]})"; }
+    EXTRA_ENV="DS4_TEST_DEVICE=cuda" launch "$np" "$LOG/run" 300 "$DS4" run "$T/dist_data_parallel.lua" "$FIX"
+    grep 'dist_data_parallel:' "$LOG/run.0"
+    all_passed "$np" dist_data_parallel "$LOG/run" ||
+        { show; bad "data parallel on cuda, $np ranks, torchrun-style (exit ${RCS[*]})"; }
+    if [ "$have_mpi" -eq 1 ]; then
+        mpi_ranks "$np" "$BIN/test_dist_nccl" "$FIX"
+        all_passed "$np" test_dist_nccl "$LOG/run" || { show; bad "test_dist_nccl, $np ranks, mpirun"; }
+        DS4_TEST_DEVICE=cuda mpi_ranks "$np" "$DS4" run "$T/dist_data_parallel.lua" "$FIX"
+        grep 'dist_data_parallel:' "$LOG/run.0"
+        all_passed "$np" dist_data_parallel "$LOG/run" || { show; bad "data parallel on cuda, $np ranks, mpirun"; }
+    fi
+done
+rm -f "$LOG"/run.* "$LOG/mpi"
+
+# A rank killed or hung after the first NCCL all-reduce: the survivor's next all-reduce must fail within the
+# timeout (NCCL's own error, or the watchdog's abort), naming NCCL; the bound is the timeout plus 40 s of margin.
+export DS4_DIST_TIMEOUT=20 DS4_TEST_HANG_S=25
+for mode in kill hang; do
+    EXTRA_ENV="DS4_TEST_DEVICE=cuda" launch 2 "$LOG/run" 120 "$DS4" run "$T/dist_rank_dies.lua" "$mode" "$FIX"
+    if [ "${RCS[0]}" -ne 0 ] && [ "${RCS[0]}" -ne 124 ] && grep -q "(NCCL)" "$LOG/run.0"; then
+        echo "rank dies ($mode, 2 GPUs): rank 0 failed with exit ${RCS[0]}: $(grep -o 'dist [a-z_]* (NCCL): .*' "$LOG/run.0" | head -n1 | cut -c1-200)"
+    else
+        show; bad "rank dies ($mode, 2 GPUs): rank 0 exit ${RCS[0]} (want non-zero, not the bound's 124) and an NCCL error"
+    fi
+    t="$(grep -o 'not complete after [0-9]* s' "$LOG/run.0" || true)"
+    [ -z "$t" ] || echo "  (the watchdog: $t)"
+    echo "  all ranks done in $ELAPSED s"
+done
+exit "$fail"

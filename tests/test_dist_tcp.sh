@@ -1,0 +1,141 @@
+#!/usr/bin/env bash
+# test_dist_tcp.sh DS4 FIXTURES SOURCE — ds4.dist on CPU ranks launched torchrun-style (RANK, WORLD_SIZE,
+# MASTER_ADDR, MASTER_PORT; plain processes, no MPI): the TCP rendezvous and the collectives over the star around
+# rank 0 (dist/tcp_backend.c). The same Lua tests as under mpirun (tests/test_dist_mpi.sh): the collectives against
+# closed forms, data parallelism against one process on the whole batch, and a rank that dies (kill, error) or hangs
+# — the others must fail naming it within a bound. Then the rendezvous' own failures: a rank that never comes, no
+# rank 0, disagreeing WORLD_SIZE, a duplicate RANK, a stray connection that is not a ds4 rank (ignored), ranks that
+# call different collectives, malformed settings. Needs nothing but the ds4 binary and loopback TCP.
+set -uo pipefail
+DS4="$1"; FIX="$2"; SRC="$3"
+T="$SRC/tests/lua"
+# shellcheck source=tests/dist_launch.sh
+. "$SRC/tests/dist_launch.sh"
+
+fail=0
+bad() { echo "FAIL: $*"; fail=1; }
+LOG="$(mktemp -d "${TMPDIR:-/tmp}/ds4-dist-tcp.XXXXXX")"
+trap 'rm -rf "$LOG"' EXIT
+show() { for f in "$LOG"/*; do echo "--- $f"; tail -n 15 "$f"; done; }
+
+# every rank's log has the harness' "N checks, 0 failures" line for `what`
+all_passed() {
+    local np="$1" what="$2" r
+    for ((r = 0; r < np; r++)); do grep -q "$what rank $r of $np: [0-9]* checks, 0 failures" "$LOG/run.$r" || return 1; done
+}
+
+export DS4_DIST_TIMEOUT=60
+for np in 2 4; do
+    EXTRA_ENV="DS4_TEST_WORLD=$np DS4_TEST_BACKEND=tcp" launch "$np" "$LOG/run" 120 "$DS4" run "$T/dist_collectives.lua" "$FIX"
+    all_passed "$np" dist_collectives || { show; bad "collectives, $np ranks (exit codes ${RCS[*]})"; }
+    launch "$np" "$LOG/run" 120 "$DS4" run "$T/dist_data_parallel.lua" "$FIX"
+    grep 'dist_data_parallel:' "$LOG/run.0"
+    all_passed "$np" dist_data_parallel || { show; bad "data parallel, $np ranks (exit codes ${RCS[*]})"; }
+done
+rm -f "$LOG"/run.*
+
+# A rank that dies or hangs: every survivor exits non-zero (not by the bound: 124) within 30 s, rank 0 names the
+# failed rank, and the other survivors name rank 0 (whose failure closed their connections; with `hang`, their own
+# timeout may come first). With `hang` the silent rank is found by rank 0's timeout (2 s here); it wakes after 5 s
+# and fails at its next collective.
+export DS4_DIST_TIMEOUT=2 DS4_TEST_HANG_S=5
+for mode in kill error hang; do
+    for np in 2 4; do
+        launch "$np" "$LOG/run" 60 "$DS4" run "$T/dist_rank_dies.lua" "$mode"
+        last=$((np - 1))
+        case "$mode" in
+        hang) want="rank $last sent nothing to rank 0 for 2 s" ;;
+        *) want="rank $last closed its connection to rank 0" ;;
+        esac
+        ok=1
+        for ((r = 0; r < last; r++)); do
+            [ "${RCS[$r]}" -ne 0 ] && [ "${RCS[$r]}" -ne 124 ] || ok=0
+        done
+        grep -q "$want" "$LOG/run.0" || ok=0
+        for ((r = 1; r < last; r++)); do
+            grep -q "rank 0 \(closed its connection\|sent nothing\) to rank $r" "$LOG/run.$r" || ok=0
+        done
+        if [ "$ok" -eq 1 ] && [ "$ELAPSED" -lt 30 ]; then
+            echo "rank dies ($mode, $np ranks): survivors failed in ${ELAPSED} s (all ranks done), exit codes ${RCS[*]}"
+        else
+            show; bad "rank dies ($mode, $np ranks): exit codes ${RCS[*]} after $ELAPSED s; want survivors non-zero, \"$want\" at rank 0"
+        fi
+    done
+done
+rm -f "$LOG"/run.*
+unset DS4_TEST_HANG_S
+
+# ---- the rendezvous' failures
+INIT='require("ds4").dist.init() print("joined")'
+rank() { # RANK WORLD_SIZE PORT [VAR=value ...]: one rank running $INIT (or $CODE) in the background, output to $LOG/rank.RANK
+    local r="$1" w="$2" p="$3"
+    shift 3
+    env RANK="$r" WORLD_SIZE="$w" MASTER_ADDR=127.0.0.1 MASTER_PORT="$p" "$@" \
+        timeout -k 5 60 "$DS4" run - <<<"${CODE:-$INIT}" >"$LOG/rank.$r${TAG:-}" 2>&1 &
+}
+expect() { # FILE PATTERN WHAT
+    grep -q "$2" "$1" || { echo "--- $1"; cat "$1"; bad "$3: want \"$2\""; }
+}
+
+# a rank that never comes: rank 0 fails after the timeout naming it
+p="$(free_port)"
+t0=$SECONDS
+rank 0 3 "$p"
+rank 1 3 "$p"
+wait
+expect "$LOG/rank.0" "2 of 3 ranks joined rank 0 on 127.0.0.1:$p within 2 s (DS4_DIST_TIMEOUT); missing: 2" "missing rank"
+expect "$LOG/rank.1" "rank 0 \(closed its connection\|sent nothing to rank 1\)" "missing rank, the rank that came"
+[ $((SECONDS - t0)) -lt 20 ] || bad "missing rank: took $((SECONDS - t0)) s"
+
+# no rank 0: the others give up after the timeout, saying where they looked
+p="$(free_port)"
+rank 1 2 "$p"
+wait
+expect "$LOG/rank.1" "rank 1 could not reach rank 0 at MASTER_ADDR=127.0.0.1 MASTER_PORT=$p within 2 s" "no rank 0"
+
+# disagreeing WORLD_SIZE; a duplicate RANK
+p="$(free_port)"
+rank 0 2 "$p"
+rank 1 3 "$p"
+wait
+expect "$LOG/rank.0" "rank 1 says WORLD_SIZE=3, rank 0 WORLD_SIZE=2" "world size mismatch"
+p="$(free_port)"
+rank 0 3 "$p"
+rank 1 3 "$p"
+TAG=b rank 1 3 "$p"
+wait
+expect "$LOG/rank.0" "two processes say they are rank 1" "duplicate rank"
+
+# a stray connection (not a ds4 rank) while rank 0 waits is closed and not counted: the job still forms
+p="$(free_port)"
+rank 0 2 "$p"
+for _ in $(seq 50); do (exec 3<>"/dev/tcp/127.0.0.1/$p") 2>/dev/null && break; sleep 0.1; done
+(exec 3<>"/dev/tcp/127.0.0.1/$p" && printf 'GET / HTTP/1.0\r\n\r\n' >&3) 2>/dev/null
+rank 1 2 "$p"
+wait
+expect "$LOG/rank.0" "^joined" "stray connection, rank 0"
+expect "$LOG/rank.1" "^joined" "stray connection, rank 1"
+
+# ranks that call different collectives are told so, not fed misread bytes
+p="$(free_port)"
+CODE='local d = require("ds4").dist; d.init(); d.all_reduce(require("ds4").tensor({1, 2}, "F32"))' rank 0 2 "$p"
+CODE='local d = require("ds4").dist; d.init(); d.all_gather(require("ds4").tensor({1, 2}, "F32"))' rank 1 2 "$p"
+wait
+expect "$LOG/rank.0" "rank 1 is in all_gather #1 while rank 0 is in all_reduce #1: the ranks called different collectives" \
+    "different collectives"
+p="$(free_port)"
+CODE='local d = require("ds4").dist; d.init(); d.all_reduce(require("ds4").tensor({1, 2}, "F32"))' rank 0 2 "$p"
+CODE='local d = require("ds4").dist; d.init(); d.all_reduce(require("ds4").tensor({1, 2, 3}, "F32"))' rank 1 2 "$p"
+wait
+expect "$LOG/rank.0" "rank 1 has 12 bytes (dtype / root 0) where rank 0 has 8 bytes" "different sizes"
+
+# settings that cannot work are refused before anything is opened
+out="$(RANK=0 WORLD_SIZE=2 "$DS4" run - <<<"$INIT" 2>&1)" && bad "no MASTER_ADDR: init succeeded"
+grep -q "needs MASTER_ADDR and MASTER_PORT" <<<"$out" || bad "no MASTER_ADDR: $out"
+out="$(RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=1 DS4_DIST_TIMEOUT=soon "$DS4" run - <<<"$INIT" 2>&1)" &&
+    bad "DS4_DIST_TIMEOUT=soon: init succeeded"
+grep -q 'DS4_DIST_TIMEOUT="soon" is not a number of seconds' <<<"$out" || bad "DS4_DIST_TIMEOUT=soon: $out"
+out="$(RANK=0 WORLD_SIZE=2 MASTER_ADDR=no.such.host.invalid MASTER_PORT=29500 "$DS4" run - <<<"$INIT" 2>&1)" &&
+    bad "unresolvable MASTER_ADDR: init succeeded"
+grep -q "MASTER_ADDR=no.such.host.invalid MASTER_PORT=29500" <<<"$out" || bad "unresolvable MASTER_ADDR: $out"
+exit "$fail"
