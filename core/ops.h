@@ -247,7 +247,7 @@ typedef struct {
 } ds4_a_pick_inverse;
 /* RoPE on the nwin complete entries of each of B sequences (entry w at position w·m) */
 typedef struct { float *x; int64_t B, S, nwin, dd, m; ds4_rope_table rt; int sign; } ds4_a_entry_rope;
-/* Pooling backward: dC / dZ of the pooled tokens (others untouched), gape += */
+/* Pooling backward: dC / dZ of the pooled tokens (others untouched), gape += (NULL: a frozen bias, skipped) */
 typedef struct {
     const ds4_config *c; const ds4_compressor_w *w; int overlap; const float *C, *Z, *dpool; float *dC, *dZ, *gape;
     int64_t B, S, nwin;
