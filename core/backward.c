@@ -243,6 +243,12 @@ static void indexer_kl_bwd(bwd *b, const ds4_layer_w *l, const ds4_layer_w *g, c
        .diq = b->diq, .diw = b->diw, .dsi = b->dsi);
     OP(dev, ikl_bwd_k, .c = c, .lt = lt, .B = b->f.B, .S = b->f.S, .T = T, .sel_stride = stride, .dsi = b->dsi,
        .inv_off = b->inv_off, .inv_t = b->inv_t, .inv_i = b->inv_i, .dK = b->dK);
+    if (b->m->kv_qat) { /* the QAT option: straight through the rounding, back through the (symmetric) rotation */
+        const ds4_fq rot = {.hadamard = 1};
+        OP(dev, fake_quant, .x = b->diq, .rows = T * nI, .width = cI, .q = rot);
+        OP(dev, fake_quant, .x = b->dK, .rows = lt->nwin, .width = cI, .groups = b->f.B, .gstride = b->f.S * cI,
+           .q = rot);
+    }
     rope_bwd(b, b->diq, nI, cI, &b->f.rcomp, 1);
     lin_bwd(b, NULL, qr, 0, g->idx_wq_b, b->diq, nI * cI, lt->qr, qr, l->idx_wq_b, 1, T, qr, nI * cI);
     ds4_lora_bwd(&b->lc, l->lora, DS4_LORA_AB(l->lora, idx_wq_b), DS4_LORA_AB(g->lora, idx_wq_b), NULL, 0, b->diq,

@@ -35,6 +35,24 @@ static void rope(ds4_pass *f, float *x, int64_t heads, int64_t width, const ds4_
 
 /* ------------------------------------------------------------------------------------------------ attention */
 
+/* The QAT option (docs/architecture.md, "FP8 KV quantisation-aware training") for a key-side vector of `width`
+ * channels whose last 2·half are rotated by RoPE: window keys and the attention compressor's entries get their
+ * non-RoPE channels rounded to e4m3 in blocks of 64; the indexer's queries and entries (indexer != 0) the Hadamard
+ * rotation, then e2m1 in blocks of 32 over the whole vector. Off (fmt 0) unless the model has kv_qat on. */
+static ds4_fq qat_of(const ds4_pass *f, int indexer, int64_t width, int64_t half) {
+    ds4_fq q = {0};
+    if (!f->m->kv_qat) return q;
+    if (indexer) {
+        q.fmt = DS4_FQ_E2M1;
+        q.hadamard = 1;
+        q.nq = width;
+    } else {
+        q.fmt = DS4_FQ_E4M3;
+        q.nq = width - 2 * half;
+    }
+    return q;
+}
+
 /* Entries of a compressor over h: returns the number of complete windows per row (0 in a step, where the entries
  * go to the caches). In training the projections and pooled entries are kept (keep_* non-NULL). */
 static int64_t compress(ds4_pass *f, const ds4_compressor_w *w, int which, float *C, float *Z, float *out, int overlap,
@@ -47,13 +65,14 @@ static int64_t compress(ds4_pass *f, const ds4_compressor_w *w, int which, float
     const int cls = overlap ? 0 : 1; /* CSA windows, or HCA windows */
     if (f->rows.pos) {
         OP(f->dev, compress, .c = f->c, .w = w, .overlap = overlap, .which = which, .cls = cls, .C = C, .Z = Z,
-           .rows = f->rows, .njobs = f->njobs[cls], .rt = f->rcomp);
+           .rows = f->rows, .njobs = f->njobs[cls], .rt = f->rcomp, .q = qat_of(f, which, w->dd, f->rcomp.half));
         return 0;
     }
     const int64_t nwin = f->S / w->rate;
     if (nwin == 0) return 0;
     OP(f->dev, compress, .c = f->c, .w = w, .overlap = overlap, .which = which, .cls = cls, .C = C, .Z = Z, .out = out,
-       .pool = keep_pool, .rows = f->rows, .B = f->B, .nwin = nwin, .rt = f->rcomp);
+       .pool = keep_pool, .rows = f->rows, .B = f->B, .nwin = nwin, .rt = f->rcomp,
+       .q = qat_of(f, which, w->dd, f->rcomp.half));
     return nwin;
 }
 
@@ -66,6 +85,7 @@ static void indexer(ds4_pass *f, const ds4_layer_w *l, ds4_layer_tape *lt) {
     matmul(f, f->iq, f->qr, l->idx_wq_b, 1, T, qr, nI * cI);
     ds4_lora_fwd(f, l->lora, DS4_LORA_AB(l->lora, idx_wq_b), f->iq, nI * cI, f->qr, qr, T, qr, nI * cI);
     rope(f, f->iq, nI, cI, &f->rcomp, 1);
+    if (f->m->kv_qat) OP(f->dev, fake_quant, .x = f->iq, .rows = T * nI, .width = cI, .q = qat_of(f, 1, cI, 0));
     matmul(f, f->iw, f->h, l->idx_weights, 1, T, D, nI);
     ds4_lora_fwd(f, l->lora, DS4_LORA_AB(l->lora, idx_weights), f->iw, nI, f->h, D, T, D, nI);
     OP(f->dev, scale, .x = f->iw, .n = T * nI, .s = 1.0f / sqrtf((float)nI));
@@ -119,6 +139,7 @@ static void attention(ds4_pass *f, const ds4_layer_w *l) {
     if (lt) keep(f, lt->kv_pre, f->kv, T * d);
     norm(f, f->kv, f->kv, l->kv_norm, T, d);
     rope(f, f->kv, 1, d, rt, 1);
+    if (f->m->kv_qat) OP(f->dev, fake_quant, .x = f->kv, .rows = T, .width = d, .q = qat_of(f, 0, d, rt->half));
     if (lt) {
         keep(f, lt->q, f->q, T * H * d);
         keep(f, lt->kv, f->kv, T * d);

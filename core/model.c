@@ -10,6 +10,7 @@
 #include "shape_limits.h"
 #include "lora.h"
 #include "model.h"
+#include "ds4_gen.h"
 #include "ops.h"
 #include "quant.h"
 #include "sched.h"
@@ -232,6 +233,23 @@ void ds4_model_emulate_bf16(ds4_model *m, int on) {
     m->emulate_bf16 = on != 0;
     m->w.bf16_in = on != 0;
 }
+
+ds4_status ds4_model_set_kv_qat(ds4_model *m, int on, ds4_error *err) {
+    if (!m) return ds4_fail(err, DS4_ERR_ARG, "kv_qat: NULL model");
+    if (on && m->dev != m->cpu)
+        return ds4_fail(err, DS4_ERR_UNSUPPORTED,
+                        "kv_qat: the FP8 KV quantisation-aware option runs on the CPU backend only so far (the model is "
+                        "on %s)", ds4_model_device_name(m));
+    const int64_t cI = m->cfg.index_head_dim;
+    if (on && ds4_model_csa_layers(m) > 0 && (cI < 1 || (cI & (cI - 1))))
+        return ds4_fail(err, DS4_ERR_UNSUPPORTED,
+                        "kv_qat: the indexer's Hadamard rotation needs index_head_dim to be a power of two, got %lld",
+                        (long long)cI);
+    m->kv_qat = on != 0;
+    return DS4_OK;
+}
+
+int ds4_model_kv_qat(const ds4_model *m) { return m && m->kv_qat; }
 
 int64_t ds4_f32_byte_offset(const ds4_model *m, size_t i, void *ctx) {
     (void)ctx;

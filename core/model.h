@@ -135,6 +135,7 @@ struct ds4_model {
     int64_t n_tid2eid;
     ds4_weights w;                       /* views into params / tid2eid_all */
     int32_t emulate_bf16;                /* w.bf16_in on the CPU: ds4_model_emulate_bf16 */
+    int32_t kv_qat;                      /* the FP8 KV quantisation-aware option: ds4_model_set_kv_qat */
     /* the backend the model computes on (docs/design.md): the CPU backend on the engine's pool, or CUDA */
     struct ds4_dev *dev;
     struct ds4_dev *cpu;                 /* the CPU backend, kept while the model lives on another one */

@@ -561,6 +561,21 @@ static int m_has_mtp(lua_State *L) {
     return 1;
 }
 
+/* model:set_kv_qat(on): the FP8 KV quantisation-aware option (ds4_model_set_kv_qat); model:kv_qat() reads it. */
+static int m_set_kv_qat(lua_State *L) {
+    const char *fname = "ds4.model:set_kv_qat";
+    ds4_model *m = check_model(L, fname)->m;
+    if (lua_type(L, 2) != LUA_TBOOLEAN) ds4l_raise(L, "%s: on must be a boolean, got %s", fname, luaL_typename(L, 2));
+    ds4_error err = {0};
+    if (ds4_model_set_kv_qat(m, lua_toboolean(L, 2), &err) != DS4_OK) ds4l_raise_ds4(L, fname, &err);
+    return 0;
+}
+
+static int m_kv_qat(lua_State *L) {
+    lua_pushboolean(L, ds4_model_kv_qat(check_model(L, "ds4.model:kv_qat")->m));
+    return 1;
+}
+
 /* model:tensors() -> {name = tensor}: copies of the parameters (canonical official names). */
 static int m_tensors(lua_State *L) {
     const char *fname = "ds4.model:tensors";
@@ -804,7 +819,7 @@ static int m_forward(lua_State *L) {
 static const luaL_Reg model_methods[] = {
     {"forward", m_forward}, {"config", m_config}, {"n_params", m_n_params}, {"has_mtp", m_has_mtp},
     {"tensors", m_tensors}, {"free", m_free},     {"to", m_to},           {"device", m_device},
-    {"profile", m_profile}, {NULL, NULL},
+    {"profile", m_profile}, {"set_kv_qat", m_set_kv_qat}, {"kv_qat", m_kv_qat}, {NULL, NULL},
 };
 
 static const luaL_Reg module_functions[] = {
