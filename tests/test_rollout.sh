@@ -11,6 +11,8 @@
 #   3. trainer 1 is killed with -9 and trainer 2 binds the same port: the workers notice ("unknown worker" /
 #      silence), say hello again, and trainer 2's rounds complete with the same checks; before them, a raw DEALER
 #      sends malformed frames and gets an error reply for each, and nobody crashes;
+#      the workers batch their tasks continuously (up to 32 sequences, several tasks at once: checked in their
+#      logs), round 2 with frequent stop ids so that sequences of one batch end at mixed lengths;
 #   4. SIGTERM: each worker says bye and exits 0;
 #   5. examples/dapo.lua --workers ipc://... with two local workers, tiny settings, --max-staleness 0: the
 #      rollouts come from the workers and the trainer's recomputed log-probabilities equal theirs.
@@ -118,6 +120,8 @@ local opts = { n = 4, max_new_tokens = 40, temperature = 1.0, top_p = 0.95 }
 local results, mismatches, order_bad = 0, 0, 0
 for r = 1, 3 do
     opts.seed = (mode == "first" and 100 or 200) + r
+    -- round 2: frequent stop ids, so that the sequences of a worker's batch end at mixed lengths
+    opts.stop = r == 2 and { 3, 17, 42, 99, 150, 201 } or nil
     local res = pool:generate(prompts, opts)
     if #res ~= #prompts * opts.n then order_bad = order_bad + 1 end
     for p = 1, #prompts do
@@ -260,6 +264,10 @@ for id in w1 w2 w3; do
     grep -q "worker $id joined" "$out/t2.err" || fail "$id did not reconnect to trainer 2"
 done
 echo "trainer 2: ok (workers reconnected; malformed messages answered with errors)"
+# continuous batching: a worker ran several tasks at once (and still matched model:generate of each, above)
+most="$(grep -ho "admitted: [0-9]* tasks in the batcher" "$out"/w*.log | awk '{ if ($2 > m) m = $2 } END { print m + 0 }')"
+[ "$most" -ge 3 ] || fail "no worker held 3 or more tasks in its batcher at once (at most $most)"
+echo "continuous batching: up to $most tasks at once in a worker's batcher, results equal to local generation"
 
 # ------------------------------------------------------------------------------------------------ 4. SIGTERM
 for p in "${pids[@]}"; do
