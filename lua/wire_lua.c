@@ -50,7 +50,8 @@ static const char *const K_HELLO[] = {"worker",     "max_batch",  "threads", "vo
 static const char *const K_CREDIT[] = {"n", NULL};
 static const char *const K_TASK[] = {
     "task_id", "attempt", "policy", "max_new_tokens", "temperature",    "top_k",        "top_p",      "min_p",
-    "n",       "seed",    "stop",   "ignore_eos",     "record_experts", "record_index", "prompt_len", NULL};
+    "n",       "seed",    "stop",   "stop_strings",   "ignore_eos",     "record_experts", "record_index", "prompt_len",
+    NULL};
 static const char *const K_SAMPLES[] = {"task_id",        "attempt",   "policy",       "n",          "seq",
                                         "experts_layers", "experts_k", "index_layers", "index_topk", NULL};
 static const char *const K_ANNOUNCE[] = {"version",    "bytes",         "chunk",      "chunks",        "n_params",
@@ -494,6 +495,24 @@ static void enc_fill(enc_ctx *e, ds4_wire_msg *m) {
             t->n_stop = (uint32_t)n;
         }
         lua_pop(L, 1);
+        st = get(e, "stop_strings");
+        if (st != LUA_TNIL) {
+            if (st != LUA_TTABLE) efail(e, "stop_strings", "expected an array of strings, got %s", show(L, -1));
+            size_t n = lua_objlen(L, -1);
+            if (n > DS4_WIRE_STOP_STR_CAP) efail(e, "stop_strings", "%zu strings; at most %d", n, DS4_WIRE_STOP_STR_CAP);
+            for (size_t i = 0; i < n; i++) {
+                lua_rawgeti(L, -1, (int)i + 1);
+                size_t len = 0;
+                const char *sv = lua_type(L, -1) == LUA_TSTRING ? lua_tolstring(L, -1, &len) : NULL;
+                if (!sv || len < 1 || len > DS4_WIRE_STOP_STR_BYTES || strlen(sv) != len)
+                    efail(e, "stop_strings", "element %zu is %s, expected a string of 1..%d bytes without NUL", i + 1,
+                          show(L, -1), DS4_WIRE_STOP_STR_BYTES);
+                memcpy(t->stop_str[i], sv, len + 1);
+                lua_pop(L, 1);
+            }
+            t->n_stop_str = (uint32_t)n;
+        }
+        lua_pop(L, 1);
         t->ignore_eos = f_bool(e, "ignore_eos");
         t->record_experts = f_bool(e, "record_experts");
         t->record_index = f_bool(e, "record_index");
@@ -713,6 +732,12 @@ static void push_msg(lua_State *L, const ds4_wire_msg *m, int raw) {
             lua_rawseti(L, -2, (int)i + 1);
         }
         lua_setfield(L, -2, "stop");
+        lua_createtable(L, (int)t->n_stop_str, 0);
+        for (uint32_t i = 0; i < t->n_stop_str; i++) {
+            lua_pushstring(L, t->stop_str[i]);
+            lua_rawseti(L, -2, (int)i + 1);
+        }
+        lua_setfield(L, -2, "stop_strings");
         set_bool(L, "ignore_eos", t->ignore_eos);
         set_bool(L, "record_experts", t->record_experts);
         set_bool(L, "record_index", t->record_index);

@@ -548,9 +548,9 @@ static ds4_wire_code dec_credit(dx *d, const dargs *a, ds4_wire_credit *m) {
 static ds4_wire_code dec_task(dx *d, const dargs *a, ds4_wire_task *m) {
     static const char *const K[] = {"v", "t", "f", "task", "attempt", "policy", "sampling", "prompt_len"};
     static const char *const KS[] = {"max_new_tokens", "temperature", "top_k", "top_p", "min_p", "n", "seed", "stop",
-                                     "ignore_eos", "record_experts", "record_index"};
+                                     "stop_strings", "ignore_eos", "record_experts", "record_index"};
     const ds4_wire_limits *L = d->lim;
-    const msgpack_object *s = NULL, *stop = NULL;
+    const msgpack_object *s = NULL, *stop = NULL, *strs = NULL;
     TRY(check_map(d, a->root, "", K, NKEYS(K)));
     TRY(g_u64(d, a->root, "", "task", 1, 0, DS4_WIRE_MAX_ID, &m->task_id));
     TRY(g_u32(d, a->root, "", "attempt", 1, 0, U32_MAX, &m->attempt));
@@ -580,6 +580,12 @@ static ds4_wire_code dec_task(dx *d, const dargs *a, ds4_wire_task *m) {
         snprintf(nm, sizeof nm, "sampling.stop[%u]", i);
         TRY(as_int(d, &stop[i], nm, 0, I32_MAX, &v));
         m->stop[i] = (int32_t)v;
+    }
+    TRY(g_arr(d, s, "sampling", "stop_strings", 0, DS4_WIRE_STOP_STR_CAP, &strs, &m->n_stop_str));
+    for (uint32_t i = 0; i < m->n_stop_str; i++) {
+        char nm[40];
+        snprintf(nm, sizeof nm, "sampling.stop_strings[%u]", i);
+        TRY(as_str(d, &strs[i], nm, 1, DS4_WIRE_STOP_STR_BYTES, m->stop_str[i], sizeof m->stop_str[i]));
     }
     TRY(g_bool(d, s, "sampling", "ignore_eos", 0, &m->ignore_eos));
     TRY(g_bool(d, s, "sampling", "record_experts", 0, &m->record_experts));
@@ -1001,6 +1007,9 @@ int ds4_wire_equal(const ds4_wire_msg *a, const ds4_wire_msg *b, const char **fi
             EQ(F(task.seed), "task.sampling.seed") EQ(F(task.n_stop), "task.sampling.stop (count)")
             for (uint32_t i = 0; !f && i < x->n_stop && i < DS4_WIRE_STOP_CAP; i++)
                 EQ(x->stop[i] == y->stop[i], "task.sampling.stop[]")
+            EQ(F(task.n_stop_str), "task.sampling.stop_strings (count)")
+            for (uint32_t i = 0; !f && i < x->n_stop_str && i < DS4_WIRE_STOP_STR_CAP; i++)
+                EQ(str_eq(x->stop_str[i], y->stop_str[i], sizeof x->stop_str[i]), "task.sampling.stop_strings[]")
             EQ(F(task.ignore_eos), "task.sampling.ignore_eos")
             EQ(F(task.record_experts), "task.sampling.record_experts")
             EQ(F(task.record_index), "task.sampling.record_index") EQ(F(task.prompt_len), "task.prompt_len")
@@ -1136,6 +1145,9 @@ ds4_status ds4_wire_encode(const ds4_wire_msg *m, ds4_wire_out *out, ds4_error *
         break;
     case DS4_WIRE_TASK:
         if (m->task.n_stop > DS4_WIRE_STOP_CAP) bad = "n_stop is over DS4_WIRE_STOP_CAP";
+        if (m->task.n_stop_str > DS4_WIRE_STOP_STR_CAP) bad = "n_stop_str is over DS4_WIRE_STOP_STR_CAP";
+        for (uint32_t i = 0; !bad && i < m->task.n_stop_str && i < DS4_WIRE_STOP_STR_CAP; i++)
+            if (!str_fits(m->task.stop_str[i], sizeof m->task.stop_str[i])) bad = "a stop string is not NUL-terminated";
         break;
     case DS4_WIRE_SAMPLES:
         if (m->samples.n > DS4_WIRE_SAMPLES_CAP) bad = "n is over DS4_WIRE_SAMPLES_CAP";
@@ -1193,7 +1205,7 @@ ds4_status ds4_wire_encode(const ds4_wire_msg *m, ds4_wire_out *out, ds4_error *
         p_u(&e, "attempt", t->attempt);
         p_u(&e, "policy", t->policy);
         p_key(&e, "sampling");
-        e.rc |= msgpack_pack_map(&e.pk, 11);
+        e.rc |= msgpack_pack_map(&e.pk, 11 + (t->n_stop_str > 0)); /* stop_strings only when there are some */
         p_u(&e, "max_new_tokens", t->max_new_tokens);
         p_d(&e, "temperature", t->temperature);
         p_u(&e, "top_k", t->top_k);
@@ -1204,6 +1216,11 @@ ds4_status ds4_wire_encode(const ds4_wire_msg *m, ds4_wire_out *out, ds4_error *
         p_key(&e, "stop");
         e.rc |= msgpack_pack_array(&e.pk, t->n_stop);
         for (uint32_t i = 0; i < t->n_stop; i++) e.rc |= msgpack_pack_int64(&e.pk, t->stop[i]);
+        if (t->n_stop_str > 0) {
+            p_key(&e, "stop_strings");
+            e.rc |= msgpack_pack_array(&e.pk, t->n_stop_str);
+            for (uint32_t i = 0; i < t->n_stop_str; i++) p_sval(&e, t->stop_str[i], sizeof t->stop_str[i]);
+        }
         p_b(&e, "ignore_eos", t->ignore_eos);
         p_b(&e, "record_experts", t->record_experts);
         p_b(&e, "record_index", t->record_index);

@@ -35,8 +35,9 @@ extern "C" {
 #endif
 
 /* 2: hello carries the model's config and table CRCs (or none: a worker without a model), weight_announce
- * carries the model itself (config.json, tokenizer.json, chat template name, hash-routing tables). */
-#define DS4_WIRE_VERSION 2
+ * carries the model itself (config.json, tokenizer.json, chat template name, hash-routing tables).
+ * 3: a task may carry stop strings (sampling.stop_strings), and samples may end with finish stop_string. */
+#define DS4_WIRE_VERSION 3
 
 /* Compile-time capacities of the structs below. The configurable limits (ds4_wire_limits) may be lowered
  * from these, never raised past them. */
@@ -44,6 +45,8 @@ extern "C" {
 #define DS4_WIRE_STR_CAP 256      /* bytes of a string field (the buffers hold one more, for the NUL) */
 #define DS4_WIRE_SAMPLES_CAP 256  /* samples per samples message */
 #define DS4_WIRE_STOP_CAP 64      /* stop token ids per task */
+#define DS4_WIRE_STOP_STR_CAP 16  /* stop strings per task */
+#define DS4_WIRE_STOP_STR_BYTES 64 /* bytes of one stop string (the buffers hold one more, for the NUL) */
 #define DS4_WIRE_TEMPLATE_CAP 64  /* bytes of weight_announce.chat_template */
 #define DS4_WIRE_MAX_ID 9007199254740991ull /* 2^53 - 1: task ids, policy versions, counts of parameters and
                                               bytes; exact in a Lua number */
@@ -160,6 +163,8 @@ typedef struct ds4_wire_task {
     uint64_t seed;                     /* any */
     uint32_t n_stop;                   /* 0..max_stop_ids */
     int32_t stop[DS4_WIRE_STOP_CAP];   /* extra stop token ids, each 0..2^31-1 */
+    uint32_t n_stop_str;               /* 0..DS4_WIRE_STOP_STR_CAP (version 3) */
+    char stop_str[DS4_WIRE_STOP_STR_CAP][DS4_WIRE_STOP_STR_BYTES + 1]; /* stop strings, 1..64 bytes, no NUL */
     uint8_t ignore_eos, record_experts, record_index; /* 0 or 1 */
     uint32_t prompt_len;               /* 1..max_prompt_tokens */
     ds4_wire_view prompt;              /* frame 1 "prompt": i32 LE [prompt_len] */

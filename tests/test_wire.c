@@ -77,6 +77,9 @@ static void mk_task(ds4_wire_msg *m) {
     t->stop[0] = 1;
     t->stop[1] = 128799;
     t->stop[2] = 0;
+    t->n_stop_str = 2;
+    strcpy(t->stop_str[0], "</answer>");
+    strcpy(t->stop_str[1], "\n\n");
     t->ignore_eos = 1;
     t->record_experts = 1;
     t->record_index = 0;
@@ -517,10 +520,13 @@ static void test_rejects(void) {
     /* --- version and type */
     load(&w, &m);
     patch(&w, P_SET, "v", mo_u(1));
-    EXPECT("a version 1 peer", &w, DS4_WIRE_EVERSION, "protocol version 1, this build speaks version 2");
+    EXPECT("a version 1 peer", &w, DS4_WIRE_EVERSION, "protocol version 1, this build speaks version 3");
     load(&w, &m);
-    patch(&w, P_SET, "v", mo_u(3));
-    EXPECT("wrong version", &w, DS4_WIRE_EVERSION, "protocol version 3, this build speaks version 2");
+    patch(&w, P_SET, "v", mo_u(2));
+    EXPECT("a version 2 peer", &w, DS4_WIRE_EVERSION, "protocol version 2, this build speaks version 3");
+    load(&w, &m);
+    patch(&w, P_SET, "v", mo_u(4));
+    EXPECT("wrong version", &w, DS4_WIRE_EVERSION, "protocol version 4, this build speaks version 3");
     load(&w, &m);
     patch(&w, P_SET, "v", mo_i(-1));
     EXPECT("negative version", &w, DS4_WIRE_EVERSION, "protocol version -1");
@@ -595,6 +601,27 @@ static void test_rejects(void) {
         EXPECT("negative stop id", &w, DS4_WIRE_ERANGE, "'sampling.stop[1]' = -7");
     }
     {
+        /* stop strings (version 3): strings of 1..64 bytes without NUL, at most 16 */
+        static const char long65[] = "0123456789012345678901234567890123456789012345678901234567890123X";
+        msgpack_object st[2] = {mo_s("ok"), mo_u(5)};
+        load(&w, &m);
+        patch(&w, P_SET, "sampling.stop_strings", mo_arr(st, 2));
+        EXPECT("stop string not a string", &w, DS4_WIRE_EVALTYPE, "'sampling.stop_strings[1]' must be a string");
+        st[1] = mo_s("");
+        load(&w, &m);
+        patch(&w, P_SET, "sampling.stop_strings", mo_arr(st, 2));
+        EXPECT("empty stop string", &w, DS4_WIRE_ERANGE, "'sampling.stop_strings[1]' is 0 bytes");
+        st[1] = mo_s(long65);
+        load(&w, &m);
+        patch(&w, P_SET, "sampling.stop_strings", mo_arr(st, 2));
+        EXPECT("stop string of 65 bytes", &w, DS4_WIRE_ELIMIT, "'sampling.stop_strings[1]' is 65 bytes, limit 64");
+        msgpack_object many[17];
+        for (int i = 0; i < 17; i++) many[i] = mo_s("x");
+        load(&w, &m);
+        patch(&w, P_SET, "sampling.stop_strings", mo_arr(many, 17));
+        EXPECT("17 stop strings", &w, DS4_WIRE_ELIMIT, "'sampling.stop_strings' has 17 elements, limit 16");
+    }
+    {
         static msgpack_object st[65];
         for (int i = 0; i < 65; i++) st[i] = mo_u((uint64_t)i);
         load(&w, &m);
@@ -627,7 +654,7 @@ static void test_rejects(void) {
     EXPECT("duplicate version key", &w, DS4_WIRE_EDUP, "duplicate key 'v'");
     {
         /* {"v": 2, "t": "credit", "n": 1, 7: 1}: a key that is not a string */
-        memcpy(w.hdr, "\x84\xa1v\x02\xa1t\xa6" "credit\xa1n\x01\x07\x01", 18);
+        memcpy(w.hdr, "\x84\xa1v\x03\xa1t\xa6" "credit\xa1n\x01\x07\x01", 18);
         w.l[0] = 18;
         w.n = 1;
         EXPECT("integer key", &w, DS4_WIRE_EKEY, "key 3 is not a string (unsigned integer)");
@@ -941,6 +968,12 @@ static void test_encoder(void) {
     mk_task(&m);
     m.task.n_stop = 65;
     EXPECT_ENC("n_stop over the capacity", &m, "n_stop is over DS4_WIRE_STOP_CAP");
+    mk_task(&m);
+    m.task.n_stop_str = 17;
+    EXPECT_ENC("n_stop_str over the capacity", &m, "n_stop_str is over DS4_WIRE_STOP_STR_CAP");
+    mk_task(&m);
+    m.task.stop_str[1][0] = 0;
+    EXPECT_ENC("an empty stop string", &m, "is 0 bytes");
     mk_samples(&m, 0);
     m.samples.seq[1].n_rows = 3;
     EXPECT_ENC("rows without routing", &m, "field samples.rows[] does not survive encoding");

@@ -263,6 +263,11 @@ function W:on_announce(m)
         self.exit_status = 1
         return
     end
+    -- stop strings are matched in the text of the trainer's tokenizer (a --model's own may differ)
+    if #m.tokenizer > 0 and m.tokenizer_crc ~= self.stop_tok_crc then
+        local ok, tok = pcall(ds4.tokenizer_from_json, m.tokenizer)
+        if ok then self.stop_tok, self.stop_tok_crc = tok, m.tokenizer_crc end
+    end
     if not self.session then
         self.session = true
         self:log("info", ("session with the trainer: policy version %d (%.1f MB)"):format(m.version, m.bytes / 1e6))
@@ -425,6 +430,9 @@ function W:on_task(m)
         end
     end
     if not bad and type(m.seed) ~= "number" then bad = "seed above 2^53 is not supported by this worker" end
+    if not bad and #(m.stop_strings or {}) > 0 and not self.stop_tok then
+        bad = "stop strings need the trainer's tokenizer, and its announce carried none"
+    end
     if bad then
         rate_log(self, ("task %d refused: %s"):format(m.task_id, bad))
         self:send(codec.error_msg("range", bad, "task", m.task_id, m.attempt))
@@ -476,13 +484,15 @@ end
 function W:submit(t)
     local stop = {}
     for i, v in ipairs(t.stop or {}) do stop[i] = v end
-    t.stop_ids = stop
+    t.stop_ids = t.stop or {}
+    for _, v in ipairs(t.stop_strings or {}) do stop[#stop + 1] = v end
     local ok, tag = pcall(self.batcher, self)
     if ok then
         ok, tag = pcall(self.bt.submit, self.bt, { t.ids }, { n = t.n, max_new_tokens = t.max_new_tokens,
             temperature = t.temperature, top_k = t.top_k, top_p = t.top_p, min_p = t.min_p, seed = t.seed, stop = stop,
             ignore_eos = t.ignore_eos or false, record_experts = t.record_experts or false,
-            record_index = t.record_index or false })
+            record_index = t.record_index or false,
+            tokenizer = #(t.stop_strings or {}) > 0 and self.stop_tok or nil })
     end
     if not ok then return self:task_failed(t, tag) end
     t.t0, t.policy_used = self.now(), self.loaded
@@ -546,6 +556,8 @@ function W:answer(t, res)
         if r.finish_reason == "stop_token" then
             for k, v in ipairs(t.stop_ids) do if v == r.stop then q.stop_index = k - 1 break end end
             if q.stop_index < 0 then q.finish = codec.FINISH_CODE.eos end
+        elseif r.finish_reason == "stop_string" then
+            for k, v in ipairs(t.stop_strings or {}) do if v == r.stop then q.stop_index = k - 1 break end end
         end
         for j = 1, #r.ids do
             toks[#toks + 1] = r.ids[j]
