@@ -1131,42 +1131,88 @@ static void test_mutation(int iters) {
     CHECK(codes[DS4_WIRE_EPARSE] && codes[DS4_WIRE_EFRAME] && codes[DS4_WIRE_ECRC], "mutations reach the checks");
 }
 
-/* WIRE_WRITE_CORPUS=DIR: write every valid seed message in fuzz_wire's input layout (byte 0 = frames, u16 LE
- * lengths, the frames) as DIR/NN_TYPE.bin: the seed corpus tests/fuzz/corpus/wire/. */
+/* Seed message i encoded in fuzz_wire's input layout (byte 0 = frames, u16 LE lengths, the frames) into buf
+ * (malloc'd, *n bytes), and its file name NN_TYPE.bin; 0 when encoding failed (counted as a failed check). */
+static int seed_bytes(int i, unsigned char **buf, size_t *n, char *name, size_t cap) {
+    ds4_wire_msg m;
+    ds4_wire_out o;
+    ds4_error err;
+    mk_seed(i, &m);
+    if (ds4_wire_encode(&m, &o, &err) != DS4_OK) {
+        CHECK(0, "seed %d: %s", i, err.msg);
+        return 0;
+    }
+    snprintf(name, cap, "%02d_%s.bin", i, ds4_wire_type_name(m.type));
+    size_t total = 1 + 2 * (size_t)o.nframes;
+    for (int k = 0; k < o.nframes; k++) total += o.lens[k];
+    unsigned char *b = malloc(total), *p = b;
+    if (b) {
+        *p++ = (unsigned char)o.nframes;
+        for (int k = 0; k < o.nframes; k++) {
+            *p++ = (unsigned char)(o.lens[k] & 0xff);
+            *p++ = (unsigned char)(o.lens[k] >> 8);
+        }
+        for (int k = 0; k < o.nframes; k++) memcpy(p, o.frames[k], o.lens[k]), p += o.lens[k];
+    }
+    ds4_wire_out_free(&o);
+    CHECK(b != NULL, "seed %d: out of memory", i);
+    *buf = b;
+    *n = total;
+    return b != NULL;
+}
+
+/* WIRE_WRITE_CORPUS=DIR: write every valid seed message as DIR/NN_TYPE.bin: the seed corpus
+ * tests/fuzz/corpus/wire/, which is also the golden set below. */
 static void write_corpus(const char *dir) {
     for (int i = 0; i < NSEED; i++) {
-        ds4_wire_msg m;
-        ds4_wire_out o;
-        ds4_error err;
-        mk_seed(i, &m);
-        if (ds4_wire_encode(&m, &o, &err) != DS4_OK) {
-            CHECK(0, "corpus: %s", err.msg);
-            continue;
-        }
-        char path[4096];
-        snprintf(path, sizeof path, "%s/%02d_%s.bin", dir, i, ds4_wire_type_name(m.type));
+        unsigned char *b;
+        size_t n;
+        char name[64], path[4096];
+        if (!seed_bytes(i, &b, &n, name, sizeof name)) continue;
+        snprintf(path, sizeof path, "%s/%s", dir, name);
         FILE *f = fopen(path, "wb");
         CHECK(f != NULL, "corpus: cannot write %s", path);
         if (f) {
-            fputc(o.nframes, f);
-            for (int k = 0; k < o.nframes; k++) {
-                fputc((int)(o.lens[k] & 0xff), f);
-                fputc((int)(o.lens[k] >> 8), f);
-            }
-            for (int k = 0; k < o.nframes; k++) fwrite(o.frames[k], 1, o.lens[k], f);
+            fwrite(b, 1, n, f);
             fclose(f);
         }
-        ds4_wire_out_free(&o);
+        free(b);
     }
 }
 
+/* Golden encodings: every seed message encodes to the bytes committed in tests/fuzz/corpus/wire/ (written by
+ * WIRE_WRITE_CORPUS when the protocol changed): the encoder's output is the wire format, byte for byte, so a
+ * refactoring of the codec that changes one byte fails here. */
+static void test_golden(const char *fixtures) {
+    int compared = 0;
+    for (int i = 0; i < NSEED; i++) {
+        unsigned char *b;
+        size_t n;
+        char name[64], path[4096];
+        if (!seed_bytes(i, &b, &n, name, sizeof name)) continue;
+        snprintf(path, sizeof path, "%s/../fuzz/corpus/wire/%s", fixtures, name);
+        FILE *f = fopen(path, "rb");
+        CHECK(f != NULL, "golden: cannot read %s", path);
+        if (f) {
+            unsigned char *g = malloc(n + 1);
+            size_t got = g ? fread(g, 1, n + 1, f) : 0;
+            CHECK(got == n && memcmp(g, b, n) == 0, "golden: %s: the encoding (%zu bytes) differs from the committed "
+                  "one (%zu bytes)", name, n, got);
+            compared += got == n && memcmp(g, b, n) == 0;
+            free(g);
+            fclose(f);
+        }
+        free(b);
+    }
+    printf("golden: %d of %d seed messages encode to their committed bytes\n", compared, NSEED);
+}
+
 int main(int argc, char **argv) {
-    (void)argc;
-    (void)argv;
     for (int i = 0; i < 27 * 6; i++) g_experts[i] = i % 7;
     for (int i = 0; i < 27 * 4; i++) g_index[i] = i % 5 - 1;
     g_verbose = getenv("WIRE_VERBOSE") != NULL;
     if (getenv("WIRE_WRITE_CORPUS")) write_corpus(getenv("WIRE_WRITE_CORPUS"));
+    if (argc > 1) test_golden(argv[1]);
     test_round_trip();
     test_rejects();
     test_encoder();

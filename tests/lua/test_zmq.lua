@@ -250,7 +250,8 @@ local MESSAGES = {
     { { t = "credit", n = 4 } },
     { { t = "task", task_id = 7, attempt = 1, policy = 2, max_new_tokens = 16, temperature = 0.75, top_k = 5,
         top_p = 0.5, min_p = 0.25, n = 2, seed = "18446744073709551615", stop = { 1, 2 }, ignore_eos = true,
-        stop_strings = { "</answer>", "\n\n" }, record_experts = true, record_index = false, prompt_len = 3 }, { prompt = { 5, 0, 7 } } },
+        stop_strings = { "</answer>", "\n\n" }, record_experts = true, record_index = false, prompt_len = 3 },
+      { prompt = { 5, 0, 7 } } },
     { { t = "samples", task_id = 7, attempt = 1, policy = 2, n = 2, experts_layers = 2, experts_k = 1,
         seq = { { prompt_len = 3, n_gen = 2, finish = 1, stop_index = -1, n_rows = 4 },
                 { prompt_len = 3, n_gen = 1, finish = "stop_token", stop_index = 0, n_rows = 3 } } },
@@ -267,6 +268,29 @@ local MESSAGES = {
         ref_n = 0 } },
     { { t = "bye", reason = "shutting down" } },
 }
+
+-- Golden encodings of MESSAGES through the binding (Lua table -> C struct -> bytes), committed in
+-- tests/fixtures/wire_lua_golden.hex (one line of hex per message; WIRE_WRITE_GOLDEN=1 rewrites it after a protocol
+-- change): the Lua side of the codec fills every field as before, byte for byte.
+do
+    local lines = {}
+    for _, case in ipairs(MESSAGES) do
+        local out = wire.encode(case[1], case[2])
+        local hex = {}
+        for _, fr in ipairs(out) do hex[#hex + 1] = (fr:gsub(".", function(c) return ("%02x"):format(c:byte()) end)) end
+        lines[#lines + 1] = case[1].t .. " " .. table.concat(hex, " ")
+    end
+    local path = H.fixtures() .. "/wire_lua_golden.hex"
+    if os.getenv("WIRE_WRITE_GOLDEN") then
+        local f = assert(io.open(path, "w"))
+        f:write(table.concat(lines, "\n"), "\n")
+        f:close()
+    end
+    local want = {}
+    for line in io.lines(path) do want[#want + 1] = line end
+    H.eq(#want, #lines, "golden: one line per message")
+    for i, line in ipairs(lines) do H.eq(line, want[i], "golden: the encoding of " .. MESSAGES[i][1].t) end
+end
 
 do
     H.eq(#MESSAGES, #wire.types, "a message of every type")
