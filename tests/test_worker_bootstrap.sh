@@ -52,7 +52,9 @@ local ffi = require("ffi")
 local fix, dir = arg[1], arg[2]
 ds4.set_threads(1)
 local policy = ds4.load(fix .. "/tiny_a")
-local pool = ds4.rollout.pool{ bind = "tcp://127.0.0.1:*", model = policy, workers = 1, wait_s = 60,
+-- max_staleness = 0: round 2's tasks need version 2, so the worker must fetch and load it (with a bound of 1 a
+-- continuously batching worker may take all of round 2 before the download of version 2 ends, legitimately)
+local pool = ds4.rollout.pool{ bind = "tcp://127.0.0.1:*", model = policy, workers = 1, wait_s = 60, max_staleness = 0,
     timeout_s = 300, curve = { secret = dir .. "/trainer.key", public = dir .. "/trainer.pub",
     allow = { dir .. "/w1.pub", dir .. "/w0.pub" } } }
 local f = assert(io.open(dir .. "/endpoint.tmp", "w"))
