@@ -146,4 +146,40 @@ b2 = nil
 collectgarbage()
 collectgarbage()
 
+-- On a GPU (ds4.cuda_devices() > 0; scripts/gpu.sh runs this there, CI has none): the same tasks through a
+-- batcher of the model on CUDA, fp32 and bf16, each task's results against model:generate of that task alone on the
+-- same device (batch invariance of the device's step: a sequence's tokens and log-probabilities do not depend on
+-- what shares its steps).
+if ds4.cuda_devices() > 0 then
+    for _, dtype in ipairs({ "fp32", "bf16" }) do
+        local mg = ds4.load(fixtures .. "/tiny_a", { device = "cuda", dtype = dtype })
+        local bg = mg:batcher{ max_seqs = 4, prefill_chunk = 5 }
+        local tags = {}
+        for i = 1, #tasks do tags[bg:submit({ tasks[i].prompt }, tasks[i].o)] = i end
+        local got, guard = {}, 0
+        while next(tags) and guard < 5000 do
+            bg:step()
+            guard = guard + 1
+            local tag, res = bg:take()
+            while tag do
+                got[tags[tag]] = res
+                tags[tag] = nil
+                tag, res = bg:take()
+            end
+        end
+        for i = 1, #tasks do
+            local ref = mg:generate({ tasks[i].prompt }, tasks[i].o)
+            for s = 1, tasks[i].o.n do
+                H.same(got[i] and got[i][s].ids, ref[s].ids, ("cuda %s task %d sample %d: ids"):format(dtype, i, s))
+                H.same(got[i] and got[i][s].logprobs, ref[s].logprobs,
+                    ("cuda %s task %d sample %d: log-probabilities (bitwise)"):format(dtype, i, s))
+            end
+        end
+        bg:free()
+    end
+    io.write("batcher on CUDA (fp32, bf16): every task equal to its generation alone\n")
+else
+    io.write("batcher: no CUDA device here: the GPU part is skipped\n")
+end
+
 H.done("test_batcher")
