@@ -4,6 +4,8 @@
   build/ds4 run bench/bench_rollout.lua [--workers N] [--worker-threads T] [--tasks T] [--n N] [--prompt P]
                                         [--new-tokens K] [--syncs S] [--endpoint tcp|ipc] [--curve] [--local]
                                         [--quick]
+  build/ds4 run bench/bench_rollout.lua --batching [--in-flight 1,8,32] [--worker-threads 2] [--tasks 64]
+                                        [--n 1] [--prompt 64] [--new-tokens 32] [--rounds 3] [--local]
 
   1. the model is built (seed 1) and saved once to a temporary directory, from which each worker starts (the
      hash-routing tables must match); the workers are started as background processes of this script;
@@ -14,6 +16,14 @@
      every sequence runs to K) through pool:generate: samples/s and generated tokens/s, median of 3 rounds after a
      warm-up round; --local also times model:generate on the same prompts in this process (2 threads) for
      comparison.
+  --batching: worker decode throughput with continuous batching. One `ds4 worker` (--worker-threads, default 2
+  here) is started per setting K of --in-flight with `--max-batch K*n --credits K`: K tasks in flight, all of them
+  decoding in one batch (K = 1: one task at a time, today's worker before continuous batching, which ran one
+  model:generate per task), plus `--max-batch n --credits 2` (one task generating, one queued: that worker's
+  default). --tasks tasks of n samples, ignore_eos (every sequence runs --new-tokens): generated tokens/s of
+  pool:generate, best and median of --rounds rounds after a warm-up round (the machine may be shared: the best is
+  the least disturbed). --local also runs model:batcher{max_seqs = K*n} in this process (no worker, no wire) and
+  model:generate one task at a time.
   Prints the machine's core count; record results in bench/RESULTS.md.
 ]]
 
@@ -22,7 +32,9 @@ local ffi = require("ffi")
 local codec = require("ds4.rollout.codec")
 
 local o = { workers = 2, ["worker-threads"] = 1, tasks = 16, n = 8, prompt = 64, ["new-tokens"] = 32, syncs = 3,
-    endpoint = "tcp", curve = false, ["local"] = false, quick = false }
+    endpoint = "tcp", curve = false, ["local"] = false, quick = false, batching = false, ["in-flight"] = "1,8,32",
+    rounds = 3 }
+local given = {}
 do
     local i = 1
     while i <= #arg do
@@ -34,10 +46,17 @@ do
             i = i + 1
             o[k] = type(o[k]) == "number" and assert(tonumber(arg[i]), "--" .. k .. " needs a number") or arg[i]
         end
+        given[k] = true
         i = i + 1
     end
 end
 if o.quick then o.tasks, o.n, o["new-tokens"], o.syncs = 4, 4, 8, 1 end
+if o.batching then -- its own defaults: 64 single-sample tasks, one 2-thread worker
+    if not given.tasks then o.tasks = 64 end
+    if not given.n then o.n = 1 end
+    if not given["worker-threads"] then o["worker-threads"] = 2 end
+    o.workers = 1
+end
 
 local CONFIG_50M = {
     model_type = "deepseek_v4", vocab_size = 16000, hidden_size = 512, num_hidden_layers = 8,
@@ -72,7 +91,7 @@ for line in io.lines("/proc/cpuinfo") do if line:match("^processor") then cores 
 print(("bench_rollout: 50m config, %d parameters (%.1f MB of fp32), %d workers x %d threads, %d cores, %s%s"):format(
     model:n_params(), bytes / 1e6, o.workers, o["worker-threads"], cores, o.endpoint, o.curve and " + CURVE" or ""))
 
-local cfg = { model = model, workers = o.workers, wait_s = 120, quiet = true }
+local cfg = { model = model, workers = o.batching and 1 or o.workers, wait_s = 120, quiet = true, max_credit = 256 }
 local key_args = ""
 if o.endpoint == "ipc" then
     cfg.bind = "ipc://" .. tmp .. "/pool.sock"
@@ -88,6 +107,121 @@ else
     end
 end
 local pool = ds4.rollout.pool(cfg)
+
+-- ------------------------------------------------------------------------------------------------ batching
+local function make_prompts()
+    local rng, ps = 12345, {}
+    for t = 1, o.tasks do
+        local p = {}
+        for j = 1, o.prompt do
+            rng = (rng * 1103515245 + 12345) % 2147483648
+            p[j] = rng % 16000
+        end
+        ps[t] = p
+    end
+    return ps
+end
+
+local function best_median(times)
+    table.sort(times)
+    return times[1], times[math.ceil(#times / 2)]
+end
+
+-- CPU seconds (user + system, all threads) a process has used so far, from /proc/PID/stat (clock ticks of 1/100 s).
+local function cpu_seconds(pid)
+    local f = io.open("/proc/" .. pid .. "/stat")
+    if not f then return 0 end
+    local line = f:read("*l")
+    f:close()
+    local rest = line:match("%) (.*)$") -- after the command name, which may hold spaces
+    local fields = {}
+    for w in rest:gmatch("%S+") do fields[#fields + 1] = w end
+    return (tonumber(fields[12]) + tonumber(fields[13])) / 100 -- utime, stime (fields 14, 15 of the whole line)
+end
+
+if o.batching then
+    pool:publish(model) -- version 1 = the saved weights: each worker checks their CRC and loads nothing
+    local prompts = make_prompts()
+    local gopts = { n = o.n, max_new_tokens = o["new-tokens"], temperature = 1.0, ignore_eos = true, seed = 7 }
+    local tokens = o.tasks * o.n * o["new-tokens"]
+    local settings = {}
+    for k in o["in-flight"]:gmatch("%d+") do
+        local kk = tonumber(k)
+        settings[#settings + 1] = { name = ("%d in flight"):format(kk), args = ("--max-batch %d --credits %d"):format(
+            kk * o.n, kk) }
+    end
+    settings[#settings + 1] = { name = "one at a time + one queued", args = ("--max-batch %d --credits 2"):format(o.n) }
+    print(("batching: %d tasks x %d samples x %d new tokens (prompt %d), one worker of %d threads, best and median "
+        .. "of %d rounds"):format(o.tasks, o.n, o["new-tokens"], o.prompt, o["worker-threads"], o.rounds))
+    local base
+    for i, st in ipairs(settings) do
+        local pidf = tmp .. "/batch_pid" .. i
+        os.execute(("%s worker --connect %s --model %s --threads %d --id batch%d --quiet %s%s >%s 2>&1 & echo $! >%s"):format(
+            sh(DS4), sh(pool.endpoint), sh(tmp .. "/model"), o["worker-threads"], i, st.args, key_args,
+            sh(tmp .. "/batch" .. i .. ".log"), sh(pidf)))
+        assert(pool:wait(1, 120) == 1, "the worker did not connect")
+        pool:sync(120)
+        local f = assert(io.open(pidf))
+        local wpid = f:read("*l")
+        f:close()
+        local times, cpus = {}, {}
+        for r = 0, o.rounds do
+            local a, c = codec.now(), cpu_seconds(wpid)
+            local res = pool:generate(prompts, gopts)
+            local dt = codec.now() - a
+            assert(#res == o.tasks * o.n)
+            if r > 0 then times[#times + 1], cpus[#cpus + 1] = dt, cpu_seconds(wpid) - c end
+        end
+        local best, med = best_median(times)
+        local cbest = best_median(cpus)
+        base = base or { best, cbest }
+        print(("  %-28s (%s): %6.0f tokens/s best, %6.0f median (%.2fx); %6.0f tokens per worker CPU-second "
+            .. "(%.2fx)"):format(st.name, st.args, tokens / best, tokens / med, base[1] / best, tokens / cbest,
+            base[2] / cbest))
+        os.execute("kill -TERM $(cat " .. sh(pidf) .. ") 2>/dev/null")
+        local t0 = codec.now()
+        while pool:n_workers() > 0 and codec.now() - t0 < 20 do pool:service(100) end
+    end
+    if o["local"] then
+        print("  in process (this process, 2 threads, no worker):")
+        local function run_batcher(k)
+            local b = model:batcher{ max_seqs = k * o.n }
+            local next_t, done = 1, 0
+            while next_t <= math.min(k, o.tasks) do b:submit({ prompts[next_t] }, gopts) next_t = next_t + 1 end
+            while done < o.tasks do
+                b:step()
+                while b:take() do
+                    done = done + 1
+                    if next_t <= o.tasks then b:submit({ prompts[next_t] }, gopts) next_t = next_t + 1 end
+                end
+            end
+            b:free()
+        end
+        local function timed(fn) -- wall and CPU seconds (os.clock: this process, all threads)
+            local times, cpus = {}, {}
+            for r = 0, o.rounds do
+                local a, c = codec.now(), os.clock()
+                fn()
+                if r > 0 then times[#times + 1], cpus[#cpus + 1] = codec.now() - a, os.clock() - c end
+            end
+            local best, med = best_median(times)
+            return best, med, (best_median(cpus))
+        end
+        local best, med, cpu = timed(function() for t = 1, o.tasks do model:generate({ prompts[t] }, gopts) end end)
+        local lbase = { best, cpu }
+        print(("  %-28s: %6.0f tokens/s best, %6.0f median; %6.0f tokens per CPU-second"):format(
+            "model:generate per task", tokens / best, tokens / med, tokens / cpu))
+        for k in o["in-flight"]:gmatch("%d+") do
+            best, med, cpu = timed(function() run_batcher(tonumber(k)) end)
+            print(("  %-28s: %6.0f tokens/s best, %6.0f median (%.2fx); %6.0f tokens per CPU-second (%.2fx)"):format(
+                ("batcher, %s in flight"):format(k), tokens / best, tokens / med, lbase[1] / best, tokens / cpu,
+                lbase[2] / cpu))
+        end
+    end
+    pool:close()
+    os.execute("rm -rf " .. sh(tmp))
+    return
+end
 for i = 1, o.workers do
     os.execute(("%s worker --connect %s --model %s --threads %d --id bench%d --quiet%s >%s 2>&1 & echo $! >>%s"):format(
         sh(DS4), sh(pool.endpoint), sh(tmp .. "/model"), o["worker-threads"], i, key_args,
@@ -124,16 +258,7 @@ print(("weight sync median: %.3f s, %.1f MB/s (publish %.3f s, fetch %.3f s)"):f
     o.workers * bytes / 1e6 / med.total, med.publish, med.sync))
 
 -- ------------------------------------------------------------------------------------------------ generation
-local rng = 12345
-local prompts = {}
-for t = 1, o.tasks do
-    local p = {}
-    for j = 1, o.prompt do
-        rng = (rng * 1103515245 + 12345) % 2147483648
-        p[j] = rng % 16000
-    end
-    prompts[t] = p
-end
+local prompts = make_prompts()
 local gopts = { n = o.n, max_new_tokens = o["new-tokens"], temperature = 1.0, ignore_eos = true, seed = 7 }
 local function timed(src)
     local times = {}

@@ -1,13 +1,23 @@
-/* generate.c — batched generation on ds4_model_step (ds4_gen.h), on the model's backend.
+/* generate.c — generation on ds4_model_step (ds4_gen.h): the continuous batcher, and ds4_generate over it.
  *
- * Prompts are prefilled in steps of at most prefill_chunk tokens (a prompt may span steps: any chunking gives the
- * same state). When a prompt's last token has run, its cache is copied to the prompt's other samples and every
- * sample draws its first token from the same logits. Then all running sequences decode one token per step, at
- * most max_batch per step. A sequence's draws use the counter-based uniform (seed, stream = prompt << 32 | sample,
- * step = tokens generated so far), so results do not depend on batching, chunking or max_batch.
+ * A task is one ds4_gen_args (its prompts, n samples each, its sampling, seed and stops). Each prompt of a task
+ * is a group of n sequences, admitted together when the batcher has room for n more sequences (FIFO over groups;
+ * a group larger than the batcher is admitted when nothing else runs). Every step of the batcher appends to every
+ * admitted sequence at once: one token per decoding sequence, and a piece of at most prefill_chunk prompt tokens
+ * (over all prefilling groups) for the prompts still being read; it runs as ds4_model_step calls of at most
+ * max_seqs sequences. When a prompt's last token has run, its cache is copied to the group's other samples and
+ * every sample draws its first token from the same logits. A group leaves as soon as its n sequences have
+ * finished (its caches are freed and its room goes to the next group), a task when all its groups have.
  *
- * The logits of a step stay in backend memory; the draws of the step (one per sequence that takes a token) run as
- * one sampling operation there, and only the ids and log-probabilities come back to the host. */
+ * Why results do not depend on what shares a step: ds4_model_step is batch invariant (a sequence's rows come out
+ * the same bits whatever else is in the step, whatever the chunking), and a sequence's draws use the
+ * counter-based uniform (task seed, stream = prompt << 32 | sample, step = tokens generated so far). So a task's
+ * result equals ds4_generate of its arguments alone, bit for bit, whatever other tasks run beside it, whenever it
+ * was admitted and whatever max_seqs / prefill_chunk are.
+ *
+ * The logits of a step stay in backend memory; the draws of the step (one per sequence that takes a token) run
+ * as one sampling operation per distinct sampling setting there, and only the ids and log-probabilities come back
+ * to the host. */
 #define _POSIX_C_SOURCE 200809L /* clock_gettime */
 #include <stdio.h>
 #include <stdlib.h>
@@ -26,32 +36,80 @@ typedef struct gseq {
     size_t text_len, text_cap;
 } gseq;
 
-/* The draws of one step: sequence, logits row and uniform of each (host), the same in backend memory with the
- * step's logits, and the results. */
+struct btask;
+
+/* One prompt of a task: its n sequences, admitted together. */
+typedef struct bgroup {
+    struct btask *t;
+    int64_t p;                      /* prompt index in the task */
+    int64_t fed;                    /* prompt tokens run so far */
+    int64_t live;                   /* sequences not finished (admitted groups) */
+    enum { G_QUEUED, G_PREFILL, G_DECODE, G_DONE } state;
+} bgroup;
+
+/* One submitted ds4_gen_args, with copies of everything it points at. */
+typedef struct btask {
+    uint64_t tag;
+    int64_t nseq;
+    ds4_gen_args a;                 /* prompts, prompt_lens, stop_ids, stop_strings point into the copies below */
+    int64_t *ids_copy, *lens_copy, *stop_copy;
+    char **strs_copy;
+    size_t max_stop;                /* longest stop string */
+    ds4_gen_result *r;
+    gseq *gs;                       /* [nseq] */
+    bgroup *groups;                 /* [nprompts] */
+    int64_t next_group;             /* the first group not yet admitted */
+    int64_t groups_left;            /* groups not done */
+    int cancelled;
+    int prefilled_this_step, ran_this_step;
+    ds4_status st;                  /* a failed step's code: the task ended without a result */
+    struct btask *next;
+} btask;
+
+/* One item of a step: a decoding sequence (count 1) or a piece of a group's prompt. */
+typedef struct bitem {
+    btask *t;
+    int64_t seq;                    /* sequence index in the task (a prompt piece: the group's first) */
+    bgroup *g;                      /* a prompt piece: its group; a decode row: NULL */
+    int64_t count;
+} bitem;
+
+/* The draws of one model step: sequence, logits row and uniform of each (host), the same in backend memory with
+ * the step's logits, and the results. */
 typedef struct draws {
-    int64_t n;
-    int64_t *seq;                   /* [nseq] host */
+    int64_t n, cap;
+    btask **task;                   /* [cap] host */
+    int64_t *seq;
     int32_t *row;
     double *u;
     int64_t *id;                    /* results, host */
     double *lpm, *lps;
-    void *mem;                      /* backend: logits [rows, V], row, u, id, lpm, lps */
-    float *b_logits;
+    void *mem;                      /* backend: row, u, id, lpm, lps [cap] */
     int32_t *b_row;
     double *b_u, *b_lpm, *b_lps;
     int64_t *b_id;
 } draws;
 
-typedef struct gen {
+struct ds4_batcher {
     ds4_model *m;
-    const ds4_gen_args *a;
-    ds4_gen_result *r;
-    gseq *gs;
+    ds4_dev *dev;                   /* the model's backend at creation, retained: it holds the buffers below */
+    int64_t max_seqs, chunk;
     int64_t V, L, K, ncsa, topk;
-    size_t max_stop;                /* longest stop string */
+    btask *head, *tail;             /* unfinished tasks, in submission order */
+    btask *done_head, *done_tail;   /* finished tasks not yet taken */
+    int64_t alive;                  /* sequences of admitted groups that are not done */
+    int64_t nqueued, nrunning, ndone;
+    int64_t steps, prefill_tokens, decode_tokens;
+    /* step scratch */
+    bitem *items;                   /* [icap] */
+    int64_t icap;
+    int64_t *ids, *counts;          /* [chunk + max_seqs], [max_seqs] */
+    ds4_cache **caches;             /* [max_seqs] */
+    int32_t *ex, *ix;               /* [chunk + max_seqs, L, K], [.., n_csa, topk] when a task records them */
+    int64_t rec_rows;               /* rows ex / ix hold (0: not allocated yet) */
+    float *b_logits;                /* backend [max_seqs, V] */
     draws d;
-    int cancelled;
-} gen;
+};
 
 static double now_s(void) {
     struct timespec ts;
@@ -110,10 +168,10 @@ static int grow(void **p, int64_t *cap, int64_t need, size_t elem) {
     return 1;
 }
 
-/* Room for n_ids + 1 generated tokens and their routing rows. */
-static ds4_status reserve_token(gen *g, int64_t i, ds4_error *err) {
-    ds4_gen_seq *s = &g->r->seqs[i];
-    gseq *q = &g->gs[i];
+/* Room for n_ids + 1 generated tokens of sequence i of task t. */
+static ds4_status reserve_token(btask *t, int64_t i, ds4_error *err) {
+    ds4_gen_seq *s = &t->r->seqs[i];
+    gseq *q = &t->gs[i];
     const int64_t need = s->n_ids + 1;
     if (need > q->cap) {
         int64_t c1 = q->cap, c2 = q->cap, c3 = q->cap;
@@ -125,32 +183,32 @@ static ds4_status reserve_token(gen *g, int64_t i, ds4_error *err) {
     return DS4_OK;
 }
 
-/* Routing rows for tokens [0, rows) of sequence i. */
-static ds4_status reserve_rows(gen *g, int64_t i, int64_t rows, ds4_error *err) {
-    ds4_gen_seq *s = &g->r->seqs[i];
-    gseq *q = &g->gs[i];
+/* Routing rows for tokens [0, rows) of sequence i of task t. */
+static ds4_status reserve_rows(const ds4_batcher *b, btask *t, int64_t i, int64_t rows, ds4_error *err) {
+    ds4_gen_seq *s = &t->r->seqs[i];
+    gseq *q = &t->gs[i];
     if (rows <= q->rows_cap) return DS4_OK;
+    const int rec_ix = t->a.record_index && b->ncsa > 0;
     int64_t c1 = q->rows_cap, c2 = q->rows_cap;
     int ok = 1;
-    if (g->a->record_experts) ok = grow((void **)&s->experts, &c1, rows, (size_t)(g->L * g->K) * sizeof(int32_t));
-    if (ok && g->a->record_index && g->ncsa > 0)
-        ok = grow((void **)&s->index_picks, &c2, rows, (size_t)(g->ncsa * g->topk) * sizeof(int32_t));
+    if (t->a.record_experts) ok = grow((void **)&s->experts, &c1, rows, (size_t)(b->L * b->K) * sizeof(int32_t));
+    if (ok && rec_ix) ok = grow((void **)&s->index_picks, &c2, rows, (size_t)(b->ncsa * b->topk) * sizeof(int32_t));
     if (!ok) return ds4_fail(err, DS4_ERR_OOM, "generate: routing record of sequence %lld (%lld tokens)", (long long)i, (long long)rows);
-    q->rows_cap = g->a->record_experts ? c1 : c2;
-    if (g->a->record_experts && g->a->record_index && g->ncsa > 0) q->rows_cap = c1 < c2 ? c1 : c2;
+    q->rows_cap = t->a.record_experts ? c1 : c2;
+    if (t->a.record_experts && rec_ix) q->rows_cap = c1 < c2 ? c1 : c2;
     return DS4_OK;
 }
 
 /* Store the routing of `count` rows of a step (from step row r0) as sequence i's token rows [at, at + count). */
-static ds4_status keep_rows(gen *g, int64_t i, int64_t at, int64_t count, const int32_t *ex, const int32_t *ix,
-                            int64_t r0, ds4_error *err) {
-    if (!g->a->record_experts && !g->a->record_index) return DS4_OK;
-    ds4_status st = reserve_rows(g, i, at + count, err);
+static ds4_status keep_rows(const ds4_batcher *b, btask *t, int64_t i, int64_t at, int64_t count, const int32_t *ex,
+                            const int32_t *ix, int64_t r0, ds4_error *err) {
+    if (!t->a.record_experts && !t->a.record_index) return DS4_OK;
+    ds4_status st = reserve_rows(b, t, i, at + count, err);
     if (st) return st;
-    ds4_gen_seq *s = &g->r->seqs[i];
-    const int64_t we = g->L * g->K, wi = g->ncsa * g->topk;
-    if (ex) memcpy(s->experts + at * we, ex + r0 * we, (size_t)(count * we) * sizeof(int32_t));
-    if (ix && wi) memcpy(s->index_picks + at * wi, ix + r0 * wi, (size_t)(count * wi) * sizeof(int32_t));
+    ds4_gen_seq *s = &t->r->seqs[i];
+    const int64_t we = b->L * b->K, wi = b->ncsa * b->topk;
+    if (t->a.record_experts) memcpy(s->experts + at * we, ex + r0 * we, (size_t)(count * we) * sizeof(int32_t));
+    if (t->a.record_index && wi) memcpy(s->index_picks + at * wi, ix + r0 * wi, (size_t)(count * wi) * sizeof(int32_t));
     return DS4_OK;
 }
 
@@ -162,17 +220,17 @@ static int64_t find_bytes(const char *hay, size_t n, const char *needle, size_t 
 }
 
 /* Record sequence i's next token (drawn with log-probabilities lpm / lps) and decide whether the sequence stops. */
-static ds4_status record(gen *g, int64_t i, int64_t id, double lpm, double lps, ds4_error *err) {
-    const ds4_gen_args *a = g->a;
-    ds4_gen_seq *s = &g->r->seqs[i];
-    gseq *q = &g->gs[i];
-    ds4_status st = reserve_token(g, i, err);
+static ds4_status record(const ds4_batcher *b, btask *t, int64_t i, int64_t id, double lpm, double lps, ds4_error *err) {
+    const ds4_gen_args *a = &t->a;
+    ds4_gen_seq *s = &t->r->seqs[i];
+    gseq *q = &t->gs[i];
+    ds4_status st = reserve_token(t, i, err);
     if (st) return st;
     s->ids[s->n_ids] = id;
     s->logprobs[s->n_ids] = (float)lpm;
     s->sample_logprobs[s->n_ids] = (float)lps;
     s->n_ids++;
-    if (id == g->m->cfg.eos_token_id && !a->ignore_eos) s->finish = DS4_FINISH_EOS;
+    if (id == b->m->cfg.eos_token_id && !a->ignore_eos) s->finish = DS4_FINISH_EOS;
     for (int64_t k = 0; k < a->n_stop_ids && !s->finish; k++)
         if (a->stop_ids[k] == id) {
             s->finish = DS4_FINISH_STOP_TOKEN;
@@ -180,15 +238,15 @@ static ds4_status record(gen *g, int64_t i, int64_t id, double lpm, double lps, 
         }
     if (a->n_stop_strings > 0 && !s->finish) {
         size_t nb = 0;
-        const char *b = ds4_tokenizer_id_bytes(a->tokenizer, (int32_t)id, &nb);
-        if (b && nb) {
+        const char *bytes = ds4_tokenizer_id_bytes(a->tokenizer, (int32_t)id, &nb);
+        if (bytes && nb) {
             int64_t need = (int64_t)(q->text_len + nb), cap = (int64_t)q->text_cap;
             if (!grow((void **)&q->text, &cap, need, 1))
                 return ds4_fail(err, DS4_ERR_OOM, "generate: decoded text of sequence %lld", (long long)i);
             q->text_cap = (size_t)cap;
-            memcpy(q->text + q->text_len, b, nb);
+            memcpy(q->text + q->text_len, bytes, nb);
             /* only a match that ends in the new bytes is new */
-            const size_t from = q->text_len + 1 > g->max_stop ? q->text_len + 1 - g->max_stop : 0;
+            const size_t from = q->text_len + 1 > t->max_stop ? q->text_len + 1 - t->max_stop : 0;
             q->text_len += nb;
             for (int64_t k = 0; k < a->n_stop_strings && !s->finish; k++)
                 if (find_bytes(q->text + from, q->text_len - from, a->stop_strings[k], strlen(a->stop_strings[k])) >= 0) {
@@ -198,234 +256,562 @@ static ds4_status record(gen *g, int64_t i, int64_t id, double lpm, double lps, 
         }
     }
     if (!s->finish && s->n_ids >= a->max_new_tokens) s->finish = DS4_FINISH_LENGTH;
-    if (a->on_token && a->on_token(a->ud, i, id, lpm)) g->cancelled = 1;
+    if (a->on_token && a->on_token(a->ud, i, id, lpm)) t->cancelled = 1;
     return DS4_OK;
 }
 
-/* Queue a draw of sequence i's next token from row `row` of the step's logits. */
-static void queue_draw(gen *g, int64_t i, int64_t row) {
-    const ds4_gen_seq *s = &g->r->seqs[i];
+/* ------------------------------------------------------------------------------------------------ draws */
+
+static ds4_status reserve_draws(ds4_batcher *b, int64_t need, ds4_error *err) {
+    draws *d = &b->d;
+    if (need <= d->cap) return DS4_OK;
+    int64_t cap = d->cap ? d->cap : 64;
+    while (cap < need) cap *= 2;
+    const size_t per = sizeof(btask *) + 2 * sizeof(int64_t) + 3 * sizeof(double) + sizeof(int32_t);
+    void *host = realloc(d->task, (size_t)cap * per);
+    if (!host) return ds4_fail(err, DS4_ERR_OOM, "generate: draw buffers for %lld draws", (long long)cap);
+    d->task = host;
+    d->seq = (int64_t *)(void *)(d->task + cap);
+    d->id = d->seq + cap;
+    d->u = (double *)(d->id + cap);
+    d->lpm = d->u + cap;
+    d->lps = d->lpm + cap;
+    d->row = (int32_t *)(d->lps + cap);
+    ds4_dev *dev = b->dev;
+    if (d->mem) dev->ops->free(dev, d->mem);
+    d->mem = NULL;
+    d->cap = 0;
+    ds4_status st = dev->ops->alloc(dev, (size_t)cap * (sizeof(int64_t) + 3 * sizeof(double) + sizeof(int32_t)), &d->mem, err);
+    if (st) return st;
+    d->b_id = d->mem;
+    d->b_u = (double *)(d->b_id + cap);
+    d->b_lpm = d->b_u + cap;
+    d->b_lps = d->b_lpm + cap;
+    d->b_row = (int32_t *)(d->b_lps + cap);
+    d->cap = cap;
+    return DS4_OK;
+}
+
+/* Queue a draw of sequence i of task t's next token from row `row` of the step's logits. */
+static void queue_draw(ds4_batcher *b, btask *t, int64_t i, int64_t row) {
+    const ds4_gen_seq *s = &t->r->seqs[i];
     const uint64_t stream = ((uint64_t)s->prompt_index << 32) | (uint64_t)s->sample_index;
-    draws *d = &g->d;
+    draws *d = &b->d;
+    d->task[d->n] = t;
     d->seq[d->n] = i;
     d->row[d->n] = (int32_t)row;
-    d->u[d->n] = ds4_sample_uniform(g->a->seed, stream, (uint64_t)s->n_ids);
+    d->u[d->n] = ds4_sample_uniform(t->a.seed, stream, (uint64_t)s->n_ids);
     d->n++;
 }
 
-/* Run the queued draws on the backend and record them in queue order. */
-static ds4_status run_draws(gen *g, ds4_error *err) {
-    draws *d = &g->d;
+static int same_sampling(const ds4_sampling *x, const ds4_sampling *y) {
+    return x->temperature == y->temperature && x->top_k == y->top_k && x->top_p == y->top_p && x->min_p == y->min_p;
+}
+
+static void swap_draws(draws *d, int64_t i, int64_t j) {
+#define SWAP(T, arr)                                                                                                   \
+    do {                                                                                                               \
+        T tmp = d->arr[i];                                                                                             \
+        d->arr[i] = d->arr[j];                                                                                         \
+        d->arr[j] = tmp;                                                                                               \
+    } while (0)
+    SWAP(btask *, task);
+    SWAP(int64_t, seq);
+    SWAP(int32_t, row);
+    SWAP(double, u);
+#undef SWAP
+}
+
+/* Draws [lo, hi) with one sampling setting, as one backend operation. */
+static ds4_status run_range(ds4_batcher *b, int64_t lo, int64_t hi, ds4_error *err) {
+    draws *d = &b->d;
+    const int64_t n = hi - lo;
+    ds4_dev *dev = b->dev;
+    const int32_t *row = ds4_dev_input(dev, d->b_row + lo, d->row + lo, (size_t)n * sizeof *d->row);
+    const double *u = ds4_dev_input(dev, d->b_u + lo, d->u + lo, (size_t)n * sizeof *d->u);
+    int64_t *id = dev->host_visible ? d->id + lo : d->b_id + lo;
+    double *lpm = dev->host_visible ? d->lpm + lo : d->b_lpm + lo, *lps = dev->host_visible ? d->lps + lo : d->b_lps + lo;
+    OP(dev, sample, .logits = b->b_logits, .lrow = row, .rows = n, .V = b->V, .p = d->task[lo]->a.sampling, .u = u,
+       .id = id, .lp_model = lpm, .lp_sample = lps);
+    if (!dev->host_visible) {
+        ds4_dev_download(dev, d->id + lo, id, (size_t)n * sizeof *id);
+        ds4_dev_download(dev, d->lpm + lo, lpm, (size_t)n * sizeof *lpm);
+        ds4_dev_download(dev, d->lps + lo, lps, (size_t)n * sizeof *lps);
+    }
+    return ds4_dev_check(dev, "generate", err);
+}
+
+/* Run the queued draws, grouped by sampling setting (stable), and record them in that order. */
+static ds4_status run_draws(ds4_batcher *b, ds4_error *err) {
+    draws *d = &b->d;
     const int64_t n = d->n;
     d->n = 0;
-    if (n == 0) return DS4_OK;
-    ds4_dev *dev = g->m->dev;
-    const int32_t *row = ds4_dev_input(dev, d->b_row, d->row, (size_t)n * sizeof *d->row);
-    const double *u = ds4_dev_input(dev, d->b_u, d->u, (size_t)n * sizeof *d->u);
-    int64_t *id = dev->host_visible ? d->id : d->b_id;
-    double *lpm = dev->host_visible ? d->lpm : d->b_lpm, *lps = dev->host_visible ? d->lps : d->b_lps;
-    OP(dev, sample, .logits = d->b_logits, .lrow = row, .rows = n, .V = g->V, .p = g->a->sampling, .u = u, .id = id,
-       .lp_model = lpm, .lp_sample = lps);
-    if (!dev->host_visible) {
-        ds4_dev_download(dev, d->id, id, (size_t)n * sizeof *id);
-        ds4_dev_download(dev, d->lpm, lpm, (size_t)n * sizeof *lpm);
-        ds4_dev_download(dev, d->lps, lps, (size_t)n * sizeof *lps);
+    ds4_status st = DS4_OK;
+    for (int64_t lo = 0; lo < n && !st;) {
+        int64_t hi = lo + 1;
+        for (int64_t j = lo + 1; j < n; j++)
+            if (same_sampling(&d->task[j]->a.sampling, &d->task[lo]->a.sampling)) {
+                for (int64_t k = j; k > hi; k--) swap_draws(d, k, k - 1); /* keeps the others in order */
+                hi++;
+            }
+        st = run_range(b, lo, hi, err);
+        lo = hi;
     }
-    ds4_status st = ds4_dev_check(dev, "generate", err);
-    for (int64_t r = 0; r < n && !st; r++) st = record(g, d->seq[r], d->id[r], d->lpm[r], d->lps[r], err);
+    for (int64_t r = 0; r < n && !st; r++) st = record(b, d->task[r], d->seq[r], d->id[r], d->lpm[r], d->lps[r], err);
     return st;
 }
 
-static int poll_cancel(gen *g) {
-    if (g->a->cancel && *g->a->cancel) g->cancelled = 1;
-    return g->cancelled;
+/* ------------------------------------------------------------------------------------------------ tasks */
+
+static void free_task(btask *t) {
+    if (!t) return;
+    for (int64_t i = 0; t->gs && i < t->nseq; i++) {
+        ds4_cache_free(t->gs[i].cache);
+        free(t->gs[i].text);
+    }
+    free(t->gs);
+    free(t->groups);
+    ds4_gen_result_free(t->r);
+    free(t->ids_copy);
+    free(t->lens_copy);
+    free(t->stop_copy);
+    free(t->strs_copy);
+    free(t);
 }
 
-/* Scratch of one step: ids, caches, counts, last logits, routing rows. */
-typedef struct step_buf {
-    int64_t *ids, *counts, *who;
-    ds4_cache **caches;
-    int32_t *ex, *ix;
-} step_buf;
+/* A copy of a's arrays, so that the caller may free them after ds4_batcher_submit. */
+static ds4_status copy_task_args(btask *t, const ds4_gen_args *a, ds4_error *err) {
+    t->a = *a;
+    int64_t total = 0;
+    for (int64_t p = 0; p < a->nprompts; p++) total += a->prompt_lens[p];
+    size_t sbytes = 0;
+    for (int64_t k = 0; k < a->n_stop_strings; k++) {
+        sbytes += strlen(a->stop_strings[k]) + 1;
+        if (strlen(a->stop_strings[k]) > t->max_stop) t->max_stop = strlen(a->stop_strings[k]);
+    }
+    t->ids_copy = malloc((size_t)total * sizeof(int64_t));
+    t->lens_copy = malloc((size_t)a->nprompts * (sizeof(int64_t) + sizeof(int64_t *)));
+    t->stop_copy = malloc((size_t)(a->n_stop_ids + 1) * sizeof(int64_t));
+    t->strs_copy = malloc((size_t)(a->n_stop_strings + 1) * sizeof(char *) + sbytes);
+    if (!t->ids_copy || !t->lens_copy || !t->stop_copy || !t->strs_copy)
+        return ds4_fail(err, DS4_ERR_OOM, "generate: copies of %lld prompt tokens", (long long)total);
+    const int64_t **prompts = (const int64_t **)(void *)(t->lens_copy + a->nprompts);
+    for (int64_t p = 0, off = 0; p < a->nprompts; p++) {
+        memcpy(t->ids_copy + off, a->prompts[p], (size_t)a->prompt_lens[p] * sizeof(int64_t));
+        prompts[p] = t->ids_copy + off;
+        t->lens_copy[p] = a->prompt_lens[p];
+        off += a->prompt_lens[p];
+    }
+    if (a->n_stop_ids) memcpy(t->stop_copy, a->stop_ids, (size_t)a->n_stop_ids * sizeof(int64_t));
+    char *sb = (char *)(t->strs_copy + a->n_stop_strings + 1);
+    for (int64_t k = 0; k < a->n_stop_strings; k++) {
+        const size_t len = strlen(a->stop_strings[k]) + 1;
+        memcpy(sb, a->stop_strings[k], len);
+        t->strs_copy[k] = sb;
+        sb += len;
+    }
+    t->a.prompts = prompts;
+    t->a.prompt_lens = t->lens_copy;
+    t->a.stop_ids = a->n_stop_ids ? t->stop_copy : NULL;
+    t->a.stop_strings = a->n_stop_strings ? (const char *const *)t->strs_copy : NULL;
+    return DS4_OK;
+}
 
-static ds4_status prefill(gen *g, step_buf *b, int64_t chunk, ds4_error *err) {
-    const ds4_gen_args *a = g->a;
-    const int64_t n = a->n;
-    int64_t p = 0, off = 0;
-    while (p < a->nprompts) {
-        if (poll_cancel(g)) return DS4_OK;
-        int64_t ns = 0, nt = 0;
-        while (p < a->nprompts && nt < chunk) {
-            const int64_t take = a->prompt_lens[p] - off < chunk - nt ? a->prompt_lens[p] - off : chunk - nt;
-            memcpy(b->ids + nt, a->prompts[p] + off, (size_t)take * sizeof(int64_t));
-            b->caches[ns] = g->gs[p * n].cache;
-            b->counts[ns] = take;
-            b->who[ns++] = p;
-            nt += take;
-            off += take;
-            if (off == a->prompt_lens[p]) p++, off = 0;
-        }
-        ds4_step_args sa = {.nseq = ns, .caches = b->caches, .counts = b->counts, .ids = b->ids, .experts = b->ex,
-                            .index_picks = b->ix};
-        ds4_status st = ds4_step_run(g->m, &sa, g->d.b_logits, err);
-        if (st) return st;
-        for (int64_t k = 0, r0 = 0; k < ns; r0 += b->counts[k], k++) {
-            const int64_t pk = b->who[k], first = pk * n, len = ds4_cache_len(b->caches[k]);
-            if ((st = keep_rows(g, first, len - b->counts[k], b->counts[k], b->ex, b->ix, r0, err))) return st;
-            if (len < a->prompt_lens[pk]) continue; /* the prompt goes on in the next step */
-            for (int64_t j = 1; j < n; j++) {
-                if ((st = ds4_cache_copy(g->gs[first + j].cache, g->gs[first].cache, err))) return st;
-                ds4_gen_seq *src = &g->r->seqs[first];
-                if (src->experts || src->index_picks) {
-                    if ((st = keep_rows(g, first + j, 0, len, src->experts, src->index_picks, 0, err))) return st;
+/* Group g leaves: its caches are freed (its sequences' routing rows are complete) and its room is given back. */
+static ds4_status finish_group(ds4_batcher *b, bgroup *g, ds4_error *err) {
+    btask *t = g->t;
+    const int64_t n = t->a.n, first = g->p * n;
+    ds4_status st = DS4_OK;
+    for (int64_t j = first; j < first + n; j++) {
+        ds4_gen_seq *s = &t->r->seqs[j];
+        if (!s->finish) s->finish = DS4_FINISH_CANCELLED;
+        s->n_rows = t->gs[j].cache ? ds4_cache_len(t->gs[j].cache) : 0;
+        if (!st && (t->a.record_experts || (t->a.record_index && b->ncsa)))
+            st = reserve_rows(b, t, j, s->n_rows > 0 ? s->n_rows : 1, err);
+        ds4_cache_free(t->gs[j].cache);
+        t->gs[j].cache = NULL;
+    }
+    if (g->state != G_QUEUED) b->alive -= g->live;
+    g->live = 0;
+    g->state = G_DONE;
+    t->groups_left--;
+    return st;
+}
+
+/* Move a task whose groups are all done from the running list to the finished list. */
+static void retire(ds4_batcher *b, btask *t) {
+    btask **pp = &b->head, *prev = NULL;
+    while (*pp && *pp != t) prev = *pp, pp = &(*pp)->next;
+    if (!*pp) return;
+    *pp = t->next;
+    if (b->tail == t) b->tail = prev;
+    if (t->next_group > 0) b->nrunning--;
+    else b->nqueued--;
+    t->next = NULL;
+    if (b->done_tail) b->done_tail->next = t;
+    else b->done_head = t;
+    b->done_tail = t;
+    b->ndone++;
+}
+
+/* End every group of t that is still queued or running (cancel, or a failed step). */
+static ds4_status end_task(ds4_batcher *b, btask *t, ds4_error *err) {
+    ds4_status st = DS4_OK;
+    for (int64_t p = 0; p < t->a.nprompts; p++) {
+        ds4_status s2 = t->groups[p].state == G_DONE ? DS4_OK : finish_group(b, &t->groups[p], err);
+        if (!st) st = s2;
+    }
+    retire(b, t);
+    return st;
+}
+
+/* Admit queued groups, in submission order, while they fit (a group larger than max_seqs when nothing runs). */
+static ds4_status admit(ds4_batcher *b, ds4_error *err) {
+    for (btask *t = b->head; t; t = t->next) {
+        while (t->next_group < t->a.nprompts) {
+            const int64_t n = t->a.n;
+            if (b->alive > 0 && b->alive + n > b->max_seqs) return DS4_OK;
+            bgroup *g = &t->groups[t->next_group];
+            const int64_t len = t->a.prompt_lens[g->p];
+            for (int64_t j = g->p * n; j < (g->p + 1) * n; j++) {
+                /* the last generated token never runs through the model */
+                ds4_status st = ds4_cache_create(b->m, len + t->a.max_new_tokens - 1, &t->gs[j].cache, err);
+                if (st) {
+                    for (int64_t k = g->p * n; k < j; k++) ds4_cache_free(t->gs[k].cache), t->gs[k].cache = NULL;
+                    return st;
                 }
             }
-            for (int64_t j = 0; j < n; j++) queue_draw(g, first + j, k);
+            if (t->next_group == 0) b->nqueued--, b->nrunning++;
+            t->next_group++;
+            g->state = G_PREFILL;
+            g->live = n;
+            b->alive += n;
         }
-        if ((st = run_draws(g, err))) return st;
-        g->r->prefill_tokens += nt;
     }
     return DS4_OK;
 }
 
-static ds4_status decode(gen *g, step_buf *b, int64_t maxb, ds4_error *err) {
-    const int64_t nseq = g->r->nseq;
-    for (;;) {
-        int64_t i = 0, any = 0;
-        while (i < nseq) {
-            if (poll_cancel(g)) return DS4_OK;
-            int64_t ns = 0;
-            for (; i < nseq && ns < maxb; i++) {
-                ds4_gen_seq *s = &g->r->seqs[i];
-                if (s->finish) continue;
-                b->caches[ns] = g->gs[i].cache;
-                b->counts[ns] = 1;
-                b->ids[ns] = s->ids[s->n_ids - 1];
-                b->who[ns++] = i;
+/* ------------------------------------------------------------------------------------------------ steps */
+
+/* The work of one batcher step: every decoding sequence, and prompt pieces of at most chunk tokens in all. */
+static ds4_status plan_items(ds4_batcher *b, int64_t *nitems, ds4_error *err) {
+    int64_t n = 0, budget = b->chunk;
+    for (btask *t = b->head; t; t = t->next)
+        for (int64_t p = 0; p < t->next_group; p++) {
+            bgroup *g = &t->groups[p];
+            if (g->state == G_DECODE) {
+                for (int64_t j = p * t->a.n; j < (p + 1) * t->a.n; j++) {
+                    if (t->r->seqs[j].finish) continue;
+                    if (!grow((void **)&b->items, &b->icap, n + 1, sizeof *b->items)) goto oom;
+                    b->items[n++] = (bitem){.t = t, .seq = j, .g = NULL, .count = 1};
+                }
+            } else if (g->state == G_PREFILL && budget > 0) {
+                const int64_t left = t->a.prompt_lens[p] - g->fed, take = left < budget ? left : budget;
+                if (!grow((void **)&b->items, &b->icap, n + 1, sizeof *b->items)) goto oom;
+                b->items[n++] = (bitem){.t = t, .seq = p * t->a.n, .g = g, .count = take};
+                budget -= take;
             }
-            if (ns == 0) break;
-            any = 1;
-            ds4_step_args sa = {.nseq = ns, .caches = b->caches, .counts = b->counts, .ids = b->ids, .experts = b->ex,
-                                .index_picks = b->ix};
-            ds4_status st = ds4_step_run(g->m, &sa, g->d.b_logits, err);
-            if (st) return st;
-            g->r->decode_tokens += ns;
-            for (int64_t k = 0; k < ns; k++) {
-                const int64_t si = b->who[k];
-                if ((st = keep_rows(g, si, ds4_cache_len(b->caches[k]) - 1, 1, b->ex, b->ix, k, err))) return st;
-                queue_draw(g, si, k);
-            }
-            if ((st = run_draws(g, err))) return st;
         }
-        if (!any) return DS4_OK;
+    *nitems = n;
+    return DS4_OK;
+oom:
+    return ds4_fail(err, DS4_ERR_OOM, "generate: the work list of a step (%lld items)", (long long)n + 1);
+}
+
+/* Routing-record rows for steps of up to `rows` tokens, when a running task records them. */
+static ds4_status reserve_records(ds4_batcher *b, int64_t rows, ds4_error *err) {
+    if (rows <= b->rec_rows) return DS4_OK;
+    int32_t *ex = realloc(b->ex, (size_t)(rows * b->L * b->K) * sizeof *ex);
+    if (ex) b->ex = ex;
+    int32_t *ix = b->ncsa ? realloc(b->ix, (size_t)(rows * b->ncsa * b->topk) * sizeof *ix) : NULL;
+    if (ix) b->ix = ix;
+    if (!ex || (b->ncsa && !ix)) return ds4_fail(err, DS4_ERR_OOM, "generate: routing records of %lld rows", (long long)rows);
+    b->rec_rows = rows;
+    return DS4_OK;
+}
+
+/* One ds4_model_step over items [lo, hi) (at most max_seqs sequences), then their draws. */
+static ds4_status run_items(ds4_batcher *b, int64_t lo, int64_t hi, int record, ds4_error *err) {
+    int64_t ns = 0, nt = 0, ndraw = 0;
+    for (int64_t k = lo; k < hi; k++) {
+        const bitem *it = &b->items[k];
+        btask *t = it->t;
+        memcpy(b->ids + nt, it->g ? t->a.prompts[it->g->p] + it->g->fed : &t->r->seqs[it->seq].ids[t->r->seqs[it->seq].n_ids - 1],
+               (size_t)it->count * sizeof(int64_t));
+        b->caches[ns] = t->gs[it->seq].cache;
+        b->counts[ns++] = it->count;
+        nt += it->count;
+        ndraw += it->g ? t->a.n : 1;
+    }
+    ds4_status st = reserve_draws(b, ndraw, err);
+    if (!st && record) st = reserve_records(b, nt, err);
+    if (st) return st;
+    ds4_step_args sa = {.nseq = ns, .caches = b->caches, .counts = b->counts, .ids = b->ids,
+                        .experts = record ? b->ex : NULL, .index_picks = record && b->ncsa ? b->ix : NULL};
+    if ((st = ds4_step_run(b->m, &sa, b->b_logits, err))) return st;
+    b->steps++;
+    for (int64_t k = lo, r0 = 0; k < hi; r0 += b->items[k].count, k++) {
+        const bitem *it = &b->items[k];
+        btask *t = it->t;
+        const int64_t len = ds4_cache_len(t->gs[it->seq].cache), row = k - lo;
+        t->ran_this_step = 1;
+        if ((st = keep_rows(b, t, it->seq, len - it->count, it->count, b->ex, b->ix, r0, err))) return st;
+        if (!it->g) {
+            t->r->decode_tokens++;
+            b->decode_tokens++;
+            queue_draw(b, t, it->seq, row);
+            continue;
+        }
+        bgroup *g = it->g;
+        g->fed += it->count;
+        t->r->prefill_tokens += it->count;
+        b->prefill_tokens += it->count;
+        t->prefilled_this_step = 1;
+        if (g->fed < t->a.prompt_lens[g->p]) continue; /* the prompt goes on in the next step */
+        const int64_t first = it->seq;
+        for (int64_t j = first + 1; j < first + t->a.n; j++) {
+            if ((st = ds4_cache_copy(t->gs[j].cache, t->gs[first].cache, err))) return st;
+            const ds4_gen_seq *src = &t->r->seqs[first];
+            if ((src->experts || src->index_picks) && (st = keep_rows(b, t, j, 0, len, src->experts, src->index_picks, 0, err)))
+                return st;
+        }
+        g->state = G_DECODE;
+        for (int64_t j = first; j < first + t->a.n; j++) queue_draw(b, t, j, row);
+    }
+    return run_draws(b, err);
+}
+
+/* After draws: groups whose sequences have all finished leave; tasks that are done (or cancelled) retire. */
+static ds4_status sweep(ds4_batcher *b, ds4_error *err) {
+    ds4_status st = DS4_OK;
+    for (btask *t = b->head, *next; t; t = next) {
+        next = t->next;
+        if (t->a.cancel && *t->a.cancel) t->cancelled = 1;
+        if (t->cancelled) {
+            ds4_status s2 = end_task(b, t, err);
+            if (!st) st = s2;
+            continue;
+        }
+        for (int64_t p = 0; p < t->next_group; p++) {
+            bgroup *g = &t->groups[p];
+            if (g->state != G_DECODE) continue;
+            int64_t live = 0;
+            for (int64_t j = p * t->a.n; j < (p + 1) * t->a.n; j++) live += !t->r->seqs[j].finish;
+            b->alive -= g->live - live;
+            g->live = live;
+            if (live == 0) {
+                ds4_status s2 = finish_group(b, g, err);
+                if (!st) st = s2;
+            }
+        }
+        if (t->groups_left == 0) retire(b, t);
+    }
+    return st;
+}
+
+/* A failed step: every admitted task ends without a result, carrying the step's code. */
+static void fail_running(ds4_batcher *b, ds4_status code) {
+    ds4_error ignore = {0};
+    for (btask *t = b->head, *next; t; t = next) {
+        next = t->next;
+        if (t->next_group == 0) continue;
+        t->st = code;
+        end_task(b, t, &ignore);
     }
 }
+
+ds4_status ds4_batcher_step(ds4_batcher *b, ds4_error *err) {
+    if (!b) return ds4_fail(err, DS4_ERR_ARG, "batcher step: batcher is NULL");
+    if (b->m->dev != b->dev)
+        return ds4_fail(err, DS4_ERR_ARG, "batcher step: the model moved to the %s backend after the batcher was made on %s "
+                        "(make the batcher after moving the model)", b->m->dev->ops->name, b->dev->ops->name);
+    const double t0 = now_s();
+    ds4_status st = sweep(b, err); /* cancellations since the last step */
+    if (!st) st = admit(b, err);
+    int64_t nitems = 0;
+    if (!st) st = plan_items(b, &nitems, err);
+    for (btask *t = b->head; t; t = t->next) t->prefilled_this_step = t->ran_this_step = 0;
+    int record = 0;
+    for (btask *t = b->head; t && !record; t = t->next) record = t->next_group > 0 && (t->a.record_experts || t->a.record_index);
+    /* model steps of at most max_seqs sequences; items of a task cancelled by on_token meanwhile are dropped */
+    for (int64_t lo = 0; lo < nitems && !st;) {
+        int64_t hi = lo, keep = lo;
+        while (hi < nitems && keep - lo < b->max_seqs) {
+            btask *t = b->items[hi].t;
+            if (!t->cancelled && !(t->a.cancel && *t->a.cancel)) b->items[keep++] = b->items[hi];
+            hi++;
+        }
+        if (keep > lo) st = run_items(b, lo, keep, record, err);
+        lo = hi;
+    }
+    const double dt = now_s() - t0;
+    for (btask *t = b->head; t; t = t->next) {
+        if (t->prefilled_this_step) t->r->prefill_seconds += dt;
+        else if (t->ran_this_step) t->r->decode_seconds += dt;
+    }
+    if (!st) st = sweep(b, err);
+    if (st) fail_running(b, st);
+    return st;
+}
+
+/* ------------------------------------------------------------------------------------------------ API */
+
+ds4_status ds4_batcher_create(ds4_model *m, const ds4_batcher_options *o, ds4_batcher **out, ds4_error *err) {
+    if (!out) return ds4_fail(err, DS4_ERR_ARG, "batcher: out is NULL");
+    *out = NULL;
+    if (!m || !o) return ds4_fail(err, DS4_ERR_ARG, "batcher: model or options is NULL");
+    if (o->max_seqs < 1 || o->max_seqs > (1 << 20) || o->prefill_chunk < 0 || o->prefill_chunk > (1 << 24))
+        return ds4_fail(err, DS4_ERR_ARG, "batcher: max_seqs %lld outside [1, 2^20] or prefill_chunk %lld outside [0, 2^24]",
+                        (long long)o->max_seqs, (long long)o->prefill_chunk);
+    ds4_batcher *b = calloc(1, sizeof *b);
+    if (!b) return ds4_fail(err, DS4_ERR_OOM, "batcher: state");
+    const ds4_config *c = &m->cfg;
+    b->m = m;
+    b->dev = m->dev;
+    ds4_dev_retain(b->dev);
+    b->max_seqs = o->max_seqs;
+    b->chunk = o->prefill_chunk > 0 ? o->prefill_chunk : 2048;
+    b->V = c->vocab_size;
+    b->L = c->num_hidden_layers;
+    b->K = c->num_experts_per_tok;
+    b->ncsa = ds4_model_csa_layers(m);
+    b->topk = c->index_topk;
+    /* a step holds at most max_seqs sequences: chunk prompt tokens and one token of every other sequence */
+    b->ids = malloc((size_t)(b->chunk + b->max_seqs) * sizeof *b->ids);
+    b->counts = malloc((size_t)b->max_seqs * sizeof *b->counts);
+    b->caches = malloc((size_t)b->max_seqs * sizeof *b->caches);
+    ds4_status st = DS4_OK;
+    if (!b->ids || !b->counts || !b->caches) st = ds4_fail(err, DS4_ERR_OOM, "batcher: step buffers for %lld sequences", (long long)b->max_seqs);
+    if (!st && (st = b->dev->ops->alloc(b->dev, (size_t)(b->max_seqs * b->V) * sizeof(float), (void **)&b->b_logits, err)))
+        ds4_error_prefix(err, "batcher: logits of %lld sequences (vocabulary %lld): ", (long long)b->max_seqs, (long long)b->V);
+    if (!st) st = reserve_draws(b, b->max_seqs, err);
+    if (st) {
+        ds4_batcher_free(b);
+        return st;
+    }
+    *out = b;
+    return DS4_OK;
+}
+
+ds4_status ds4_batcher_submit(ds4_batcher *b, const ds4_gen_args *a, uint64_t tag, ds4_error *err) {
+    if (!b) return ds4_fail(err, DS4_ERR_ARG, "batcher submit: batcher is NULL");
+    ds4_status st = check_args(b->m, a, err);
+    if (st) return st;
+    btask *t = calloc(1, sizeof *t);
+    if (!t) return ds4_fail(err, DS4_ERR_OOM, "batcher submit: task");
+    t->tag = tag;
+    const int64_t nseq = a->nprompts * a->n;
+    t->nseq = nseq;
+    if ((st = copy_task_args(t, a, err))) goto fail;
+    t->r = calloc(1, sizeof *t->r);
+    if (t->r) {
+        t->r->nseq = nseq;
+        t->r->seqs = calloc((size_t)nseq, sizeof *t->r->seqs);
+    }
+    t->gs = calloc((size_t)nseq, sizeof *t->gs);
+    t->groups = calloc((size_t)a->nprompts, sizeof *t->groups);
+    if (!t->r || !t->r->seqs || !t->gs || !t->groups) {
+        st = ds4_fail(err, DS4_ERR_OOM, "batcher submit: %lld sequences", (long long)nseq);
+        goto fail;
+    }
+    for (int64_t i = 0; i < nseq; i++) {
+        ds4_gen_seq *s = &t->r->seqs[i];
+        s->prompt_index = i / a->n;
+        s->sample_index = i % a->n;
+        s->prompt_len = a->prompt_lens[s->prompt_index];
+        s->stop_index = -1;
+    }
+    for (int64_t p = 0; p < a->nprompts; p++) t->groups[p] = (bgroup){.t = t, .p = p, .state = G_QUEUED};
+    t->groups_left = a->nprompts;
+    if (b->tail) b->tail->next = t;
+    else b->head = t;
+    b->tail = t;
+    b->nqueued++;
+    return DS4_OK;
+fail:
+    free_task(t);
+    return st;
+}
+
+int ds4_batcher_take(ds4_batcher *b, uint64_t *tag, ds4_gen_result **res, ds4_status *st) {
+    if (!b || !b->done_head) return 0;
+    btask *t = b->done_head;
+    b->done_head = t->next;
+    if (!b->done_head) b->done_tail = NULL;
+    b->ndone--;
+    if (tag) *tag = t->tag;
+    if (st) *st = t->st;
+    if (res) {
+        *res = t->st ? NULL : t->r;
+        if (!t->st) t->r = NULL;
+    }
+    free_task(t);
+    return 1;
+}
+
+int ds4_batcher_cancel(ds4_batcher *b, uint64_t tag) {
+    if (!b) return 0;
+    for (btask *t = b->head; t; t = t->next)
+        if (t->tag == tag) {
+            ds4_error ignore = {0};
+            t->cancelled = 1;
+            end_task(b, t, &ignore);
+            return 1;
+        }
+    return 0;
+}
+
+void ds4_batcher_get_stats(const ds4_batcher *b, ds4_batcher_stats *s) {
+    if (!s) return;
+    memset(s, 0, sizeof *s);
+    if (!b) return;
+    s->queued = b->nqueued;
+    s->running = b->nrunning;
+    s->finished = b->ndone;
+    s->seqs = b->alive;
+    s->free_seqs = b->alive < b->max_seqs ? b->max_seqs - b->alive : 0;
+    s->steps = b->steps;
+    s->prefill_tokens = b->prefill_tokens;
+    s->decode_tokens = b->decode_tokens;
+}
+
+void ds4_batcher_free(ds4_batcher *b) {
+    if (!b) return;
+    for (btask *t = b->head, *next; t; t = next) next = t->next, free_task(t);
+    for (btask *t = b->done_head, *next; t; t = next) next = t->next, free_task(t);
+    ds4_dev *dev = b->dev;
+    if (b->b_logits) dev->ops->free(dev, b->b_logits);
+    if (b->d.mem) dev->ops->free(dev, b->d.mem);
+    ds4_dev_release(dev); /* the backend outlives the model while a batcher still holds it */
+    free(b->d.task);
+    free(b->items);
+    free(b->ids);
+    free(b->counts);
+    free(b->caches);
+    free(b->ex);
+    free(b->ix);
+    free(b);
+}
+
+/* ------------------------------------------------------------------------------------------------ generate */
 
 ds4_status ds4_generate(ds4_model *m, const ds4_gen_args *a, ds4_gen_result **out, ds4_error *err) {
     if (!out) return ds4_fail(err, DS4_ERR_ARG, "generate: out is NULL");
     *out = NULL;
     ds4_status st = check_args(m, a, err);
     if (st) return st;
-    const ds4_config *c = &m->cfg;
-    gen g = {.m = m, .a = a, .V = c->vocab_size, .L = c->num_hidden_layers, .K = c->num_experts_per_tok,
-             .ncsa = ds4_model_csa_layers(m), .topk = c->index_topk};
-    for (int64_t k = 0; k < a->n_stop_strings; k++)
-        if (strlen(a->stop_strings[k]) > g.max_stop) g.max_stop = strlen(a->stop_strings[k]);
     const int64_t nseq = a->nprompts * a->n;
-    const int64_t chunk = a->prefill_chunk > 0 ? a->prefill_chunk : 2048;
-    const int64_t maxb = a->max_batch > 0 && a->max_batch < nseq ? a->max_batch : nseq;
-    /* rows of a step: prefill steps hold at most min(nprompts, chunk) sequences and chunk tokens */
-    int64_t total = 0;
-    for (int64_t p = 0; p < a->nprompts; p++) total += a->prompt_lens[p];
-    const int64_t tok_rows = (chunk < total ? chunk : total) > maxb ? (chunk < total ? chunk : total) : maxb;
-    const int64_t seq_rows = (a->nprompts < chunk ? a->nprompts : chunk) > maxb ? (a->nprompts < chunk ? a->nprompts : chunk) : maxb;
-    ds4_gen_result *r = calloc(1, sizeof *r);
-    step_buf b = {0};
-    if (r) {
-        r->nseq = nseq;
-        r->seqs = calloc((size_t)nseq, sizeof *r->seqs);
-    }
-    g.r = r;
-    g.gs = calloc((size_t)nseq, sizeof *g.gs);
-    b.ids = malloc((size_t)tok_rows * sizeof *b.ids);
-    b.counts = malloc((size_t)seq_rows * sizeof *b.counts);
-    b.who = malloc((size_t)seq_rows * sizeof *b.who);
-    b.caches = malloc((size_t)seq_rows * sizeof *b.caches);
-    if (a->record_experts) b.ex = malloc((size_t)(tok_rows * g.L * g.K) * sizeof *b.ex);
-    if (a->record_index && g.ncsa) b.ix = malloc((size_t)(tok_rows * g.ncsa * g.topk) * sizeof *b.ix);
-    /* a step draws at most one token per sequence */
-    g.d.seq = malloc((size_t)nseq * (2 * sizeof(int64_t) + 3 * sizeof(double) + sizeof(int32_t)));
-    if (!r || !r->seqs || !g.gs || !b.ids || !b.counts || !b.who || !b.caches || !g.d.seq ||
-        (a->record_experts && !b.ex) || (a->record_index && g.ncsa && !b.ix)) {
-        st = ds4_fail(err, DS4_ERR_OOM, "generate: buffers for %lld sequences (vocabulary %lld)", (long long)nseq,
-                      (long long)g.V);
-        goto done;
-    }
-    g.d.id = g.d.seq + nseq;
-    g.d.u = (double *)(g.d.id + nseq);
-    g.d.lpm = g.d.u + nseq;
-    g.d.lps = g.d.lpm + nseq;
-    g.d.row = (int32_t *)(g.d.lps + nseq);
-    {
-        ds4_dev *dev = m->dev;
-        const size_t lbytes = ((size_t)(seq_rows * g.V) * sizeof(float) + 63) & ~(size_t)63;
-        if ((st = dev->ops->alloc(dev, lbytes + (size_t)nseq * (sizeof(int64_t) + 3 * sizeof(double) + sizeof(int32_t)),
-                                  &g.d.mem, err))) {
-            ds4_error_prefix(err, "generate: logits of %lld sequences (vocabulary %lld): ", (long long)seq_rows,
-                             (long long)g.V);
-            goto done;
-        }
-        g.d.b_logits = g.d.mem;
-        g.d.b_id = (int64_t *)(void *)((char *)g.d.mem + lbytes);
-        g.d.b_u = (double *)(g.d.b_id + nseq);
-        g.d.b_lpm = g.d.b_u + nseq;
-        g.d.b_lps = g.d.b_lpm + nseq;
-        g.d.b_row = (int32_t *)(g.d.b_lps + nseq);
-    }
-    for (int64_t i = 0; i < nseq; i++) {
-        ds4_gen_seq *s = &r->seqs[i];
-        s->prompt_index = i / a->n;
-        s->sample_index = i % a->n;
-        s->prompt_len = a->prompt_lens[s->prompt_index];
-        s->stop_index = -1;
-        /* the last generated token never runs through the model */
-        if ((st = ds4_cache_create(m, s->prompt_len + a->max_new_tokens - 1, &g.gs[i].cache, err))) goto done;
-    }
-    double t0 = now_s();
-    st = prefill(&g, &b, chunk, err);
-    double t1 = now_s();
-    r->prefill_seconds = t1 - t0;
-    if (st) goto done;
-    st = decode(&g, &b, maxb, err);
-    r->decode_seconds = now_s() - t1;
-    if (st) goto done;
-    for (int64_t i = 0; i < nseq; i++) {
-        ds4_gen_seq *s = &r->seqs[i];
-        if (!s->finish) s->finish = DS4_FINISH_CANCELLED;
-        s->n_rows = ds4_cache_len(g.gs[i].cache);
-        if ((a->record_experts || (a->record_index && g.ncsa)) && (st = reserve_rows(&g, i, s->n_rows > 0 ? s->n_rows : 1, err)))
-            goto done;
-    }
-done:
-    for (int64_t i = 0; g.gs && i < nseq; i++) {
-        ds4_cache_free(g.gs[i].cache);
-        free(g.gs[i].text);
-    }
-    free(g.gs);
-    free(g.d.seq);
-    if (g.d.mem) m->dev->ops->free(m->dev, g.d.mem);
-    free(b.ids);
-    free(b.counts);
-    free(b.who);
-    free(b.caches);
-    free(b.ex);
-    free(b.ix);
-    if (st) {
-        ds4_gen_result_free(r);
-        return st;
-    }
-    *out = r;
-    return DS4_OK;
+    ds4_batcher_options o = {.max_seqs = a->max_batch > 0 && a->max_batch < nseq ? a->max_batch : nseq,
+                             .prefill_chunk = a->prefill_chunk};
+    ds4_batcher *b = NULL;
+    if ((st = ds4_batcher_create(m, &o, &b, err))) return st;
+    if (!(st = ds4_batcher_submit(b, a, 0, err)))
+        while (b->head && !(st = ds4_batcher_step(b, err))) {}
+    ds4_status task_st = DS4_OK;
+    if (!st && !ds4_batcher_take(b, NULL, out, &task_st))
+        st = ds4_fail(err, DS4_ERR_ARG, "generate: internal error: the batcher finished without the task");
+    ds4_batcher_free(b);
+    return st ? st : task_st;
 }
 
 void ds4_gen_result_free(ds4_gen_result *r) {

@@ -654,57 +654,37 @@ static const char *const gen_known[] = {
     "max_new_tokens, temperature, top_k, top_p, min_p, n, seed, stop, tokenizer, ignore_eos, record_experts, "      \
     "record_index, max_batch, prefill_chunk, on_token"
 
-/* model:generate(prompts [, opts]) -> res (see the comment at the top of lua/ds4/init.lua). */
-static int m_generate(lua_State *L) {
-    const char *fname = "ds4.model:generate";
-    ds4_model *m = ds4l_model_check(L, 1, fname);
-    int opts = opt_table(L, 3, fname, 2);
-    if (opts) check_keys(L, opts, fname, gen_known, GEN_KNOWN_LIST);
-    lua_settop(L, 3); /* 1 model, 2 prompts, 3 opts */
-    check_not_busy(L, 1, fname);
-    const ds4_config *cfg = ds4_model_config(m);
-    const int64_t V = cfg->vocab_size;
+/* The scalar options of a generation (opts at idx; 0: none) into a. */
+static void read_gen_opts(lua_State *L, int opts, const char *fname, ds4_gen_args *a) {
+    a->max_new_tokens = opt_int(L, opts, "max_new_tokens", 64, 1, MAX_EXACT, "a positive integer", fname);
+    a->sampling = read_sampling(L, opts, fname);
+    a->n = (int32_t)opt_int(L, opts, "n", 1, 1, 2147483647.0, "a positive integer (samples per prompt)", fname);
+    a->seed = (uint64_t)opt_int(L, opts, "seed", 0, 0, MAX_EXACT, "a non-negative integer (at most 2^53)", fname);
+    a->ignore_eos = opt_bool(L, opts, "ignore_eos", 0, fname);
+    a->record_experts = opt_bool(L, opts, "record_experts", 0, fname);
+    a->record_index = opt_bool(L, opts, "record_index", 0, fname);
+    a->max_batch = opt_int(L, opts, "max_batch", 0, 0, MAX_EXACT, "an integer >= 0 (0: all sequences)", fname);
+    a->prefill_chunk = opt_int(L, opts, "prefill_chunk", 0, 0, MAX_EXACT, "an integer >= 0 (0: 2048)", fname);
+}
 
-    ds4_gen_args a;
-    memset(&a, 0, sizeof a);
-    a.max_new_tokens = opt_int(L, opts, "max_new_tokens", 64, 1, MAX_EXACT, "a positive integer", fname);
-    a.sampling = read_sampling(L, opts, fname);
-    a.n = (int32_t)opt_int(L, opts, "n", 1, 1, 2147483647.0, "a positive integer (samples per prompt)", fname);
-    a.seed = (uint64_t)opt_int(L, opts, "seed", 0, 0, MAX_EXACT, "a non-negative integer (at most 2^53)", fname);
-    a.ignore_eos = opt_bool(L, opts, "ignore_eos", 0, fname);
-    a.record_experts = opt_bool(L, opts, "record_experts", 0, fname);
-    a.record_index = opt_bool(L, opts, "record_index", 0, fname);
-    a.max_batch = opt_int(L, opts, "max_batch", 0, 0, MAX_EXACT, "an integer >= 0 (0: all sequences)", fname);
-    a.prefill_chunk = opt_int(L, opts, "prefill_chunk", 0, 0, MAX_EXACT, "an integer >= 0 (0: 2048)", fname);
-
-    /* Fixed slots above the arguments: 4 on_token, 5 tokenizer, 6 stashed error, 7 run record. */
-    if (opts) lua_getfield(L, opts, "on_token");
-    else lua_pushnil(L);
-    if (!lua_isnil(L, 4) && !lua_isfunction(L, 4)) {
-        char vb[96];
-        ds4l_raise(L, "%s: opts.on_token must be a function(i, id, logprob), got %s", fname,
-                   value_str(L, 4, vb, sizeof vb));
-    }
+/* Push opts.tokenizer (nil, or a live ds4.tokenizer: returned). */
+static const ds4_tokenizer *push_gen_tokenizer(lua_State *L, int opts, const char *fname) {
     if (opts) lua_getfield(L, opts, "tokenizer");
     else lua_pushnil(L);
-    const ds4_tokenizer *tok = NULL;
-    if (!lua_isnil(L, 5)) {
-        int freed = 0;
-        tok = ds4l_tokenizer_test(L, 5, &freed);
-        if (freed) ds4l_raise(L, "%s: opts.tokenizer has been freed", fname);
-        if (!tok)
-            ds4l_raise(L, "%s: opts.tokenizer must be a ds4.tokenizer (ds4.tokenizer([path])), got %s", fname,
-                       luaL_typename(L, 5));
-    }
-    lua_pushnil(L); /* 6: error raised by on_token */
-    gen_ctx *g = lua_newuserdata(L, sizeof *g); /* 7 */
-    memset(g, 0, sizeof *g);
-    g->L = L;
-    g->fn_slot = lua_isnil(L, 4) ? 0 : 4;
-    g->err_slot = 6;
+    if (lua_isnil(L, -1)) return NULL;
+    int freed = 0;
+    const ds4_tokenizer *tok = ds4l_tokenizer_test(L, -1, &freed);
+    if (freed) ds4l_raise(L, "%s: opts.tokenizer has been freed", fname);
+    if (!tok)
+        ds4l_raise(L, "%s: opts.tokenizer must be a ds4.tokenizer (ds4.tokenizer([path])), got %s", fname,
+                   luaL_typename(L, -1));
+    return tok;
+}
 
-    /* Prompts: an array of id sequences (Lua arrays or 1-D tensors), or a 2-D tensor [B, S] of B prompts. */
-    ds4_tensor *pt = ds4l_tensor_test(L, 2);
+/* The prompts at idx (an array of id sequences, Lua arrays or 1-D tensors, or a 2-D tensor [B, S] of B prompts)
+ * into a->nprompts / prompts / prompt_lens, copied into scratch userdata left on the stack. */
+static void read_gen_prompts(lua_State *L, int idx, int64_t V, const char *fname, ds4_gen_args *a) {
+    ds4_tensor *pt = ds4l_tensor_test(L, idx);
     int64_t np;
     if (pt) {
         char sh[128];
@@ -715,12 +695,12 @@ static int m_generate(lua_State *L) {
                        fname, ds4_dtype_name(pt->dtype), sh);
         np = pt->shape[0];
     } else {
-        if (!lua_istable(L, 2))
+        if (!lua_istable(L, idx))
             ds4l_raise(L, "%s: bad argument #1 (array of prompts expected, each an array of token ids; got %s)",
-                       fname, luaL_typename(L, 2));
-        np = (int64_t)lua_objlen(L, 2);
+                       fname, luaL_typename(L, idx));
+        np = (int64_t)lua_objlen(L, idx);
         if (np < 1) ds4l_raise(L, "%s: bad argument #1 is an empty array (at least one prompt is needed)", fname);
-        lua_rawgeti(L, 2, 1);
+        lua_rawgeti(L, idx, 1);
         int flat = lua_type(L, -1) == LUA_TNUMBER;
         lua_pop(L, 1);
         if (flat)
@@ -728,8 +708,8 @@ static int m_generate(lua_State *L) {
                           "array of numbers (wrap a single prompt: {ids})",
                        fname);
     }
-    if ((double)np * (double)a.n > 2147483647.0)
-        ds4l_raise(L, "%s: %lld prompts x n = %d samples is too many", fname, (long long)np, (int)a.n);
+    if ((double)np * (double)a->n > 2147483647.0)
+        ds4l_raise(L, "%s: %lld prompts x n = %d samples is too many", fname, (long long)np, (int)a->n);
     const int64_t **prompts = lua_newuserdata(L, (size_t)np * sizeof *prompts);
     int64_t *lens = lua_newuserdata(L, (size_t)np * sizeof *lens);
     char what[64];
@@ -738,7 +718,7 @@ static int m_generate(lua_State *L) {
         if (pt) {
             lens[p] = pt->shape[1];
         } else {
-            lua_rawgeti(L, 2, (int)(p + 1));
+            lua_rawgeti(L, idx, (int)(p + 1));
             snprintf(what, sizeof what, "prompts[%lld]", (long long)(p + 1));
             lens[p] = id_seq_len(L, -1, fname, what);
             lua_pop(L, 1);
@@ -756,7 +736,7 @@ static int m_generate(lua_State *L) {
                 idbuf[off + j] = (int64_t)v;
             }
         } else {
-            lua_rawgeti(L, 2, (int)(p + 1));
+            lua_rawgeti(L, idx, (int)(p + 1));
             snprintf(what, sizeof what, "prompts[%lld]", (long long)(p + 1));
             id_seq_fill(L, lua_gettop(L), lens[p], V, idbuf + off, fname, what);
             lua_pop(L, 1);
@@ -764,24 +744,35 @@ static int m_generate(lua_State *L) {
         prompts[p] = idbuf + off;
         off += lens[p];
     }
-    a.nprompts = np;
-    a.prompts = prompts;
-    a.prompt_lens = lens;
+    a->nprompts = np;
+    a->prompts = prompts;
+    a->prompt_lens = lens;
+}
 
-    /* Stop values: integer ids and strings, in one array; copied out (on_token may change opts.stop). */
+/* The stop values of a generation: token ids and strings, in opts.stop's order within each kind. */
+typedef struct gen_stops {
+    const int64_t *ids;
+    const char *const *strs;
+    int64_t n_ids, n_strs;
+} gen_stops;
+
+/* opts.stop (integer ids and strings in one array) into a and *s, copied into scratch (on_token may change
+ * opts.stop). Leaves exactly four values on the stack: opts.stop (or nil), then the scratch of the ids, of the
+ * string pointers and of the strings' bytes. */
+static void read_gen_stops(lua_State *L, int opts, int64_t V, const ds4_tokenizer *tok, const char *fname,
+                           ds4_gen_args *a, gen_stops *s) {
     int64_t n_sid = 0, n_sstr = 0;
     size_t str_bytes = 0;
-    int stop_slot = 0;
-    if (opts) {
-        lua_getfield(L, opts, "stop");
-        stop_slot = lua_gettop(L);
-        if (lua_isnil(L, stop_slot)) {
-            stop_slot = 0;
-        } else if (!lua_istable(L, stop_slot) || ds4l_tensor_test(L, stop_slot)) {
-            char vb[96];
-            ds4l_raise(L, "%s: opts.stop must be an array of token ids and strings, got %s", fname,
-                       value_str(L, stop_slot, vb, sizeof vb));
-        }
+    char what[64];
+    if (opts) lua_getfield(L, opts, "stop");
+    else lua_pushnil(L);
+    int stop_slot = lua_gettop(L);
+    if (lua_isnil(L, stop_slot)) {
+        stop_slot = 0;
+    } else if (!lua_istable(L, stop_slot) || ds4l_tensor_test(L, stop_slot)) {
+        char vb[96];
+        ds4l_raise(L, "%s: opts.stop must be an array of token ids and strings, got %s", fname,
+                   value_str(L, stop_slot, vb, sizeof vb));
     }
     const int64_t n_stop = stop_slot ? (int64_t)lua_objlen(L, stop_slot) : 0;
     for (int64_t i = 0; i < n_stop; i++) {
@@ -795,15 +786,15 @@ static int m_generate(lua_State *L) {
             n_sid++;
         } else if (ty == LUA_TSTRING) {
             size_t len = 0;
-            const char *s = lua_tolstring(L, -1, &len);
+            const char *str = lua_tolstring(L, -1, &len);
             if (len == 0) ds4l_raise(L, "%s: opts.stop[%lld] is an empty string", fname, (long long)(i + 1));
-            if (strlen(s) != len)
+            if (strlen(str) != len)
                 ds4l_raise(L, "%s: opts.stop[%lld] contains a NUL byte (stop strings are NUL-terminated in C)", fname,
                            (long long)(i + 1));
             if (!tok)
                 ds4l_raise(L, "%s: opts.stop[%lld] is a string (\"%.40s\"): stop strings need opts.tokenizer (a "
                               "ds4.tokenizer) to decode the generated tokens",
-                           fname, (long long)(i + 1), s);
+                           fname, (long long)(i + 1), str);
             n_sstr++;
             str_bytes += len + 1;
         } else {
@@ -822,18 +813,110 @@ static int m_generate(lua_State *L) {
             stop_ids[si++] = (int64_t)lua_tonumber(L, -1);
         } else {
             size_t len = 0;
-            const char *s = lua_tolstring(L, -1, &len);
-            memcpy(str_buf + off, s, len + 1);
+            const char *str = lua_tolstring(L, -1, &len);
+            memcpy(str_buf + off, str, len + 1);
             stop_strs[ss++] = str_buf + off;
             off += (int64_t)len + 1;
         }
         lua_pop(L, 1);
     }
-    a.stop_ids = n_sid ? stop_ids : NULL;
-    a.n_stop_ids = n_sid;
-    a.stop_strings = n_sstr ? stop_strs : NULL;
-    a.n_stop_strings = n_sstr;
-    a.tokenizer = tok;
+    *s = (gen_stops){.ids = stop_ids, .strs = stop_strs, .n_ids = n_sid, .n_strs = n_sstr};
+    a->stop_ids = n_sid ? stop_ids : NULL;
+    a->n_stop_ids = n_sid;
+    a->stop_strings = n_sstr ? stop_strs : NULL;
+    a->n_stop_strings = n_sstr;
+    a->tokenizer = tok;
+}
+
+/* Push the results of a generation as model:generate returns them (the table of the comment at the top). */
+static void push_gen_results(lua_State *L, ds4_model *m, const ds4_gen_result *r, int rec_experts, int rec_index,
+                             const gen_stops *stops, const char *fname) {
+    const ds4_config *cfg = ds4_model_config(m);
+    if (r->nseq > INT32_MAX) ds4l_raise(L, "%s: %lld results do not fit a Lua array", fname, (long long)r->nseq);
+    const int64_t nl = cfg->num_hidden_layers, K = cfg->num_experts_per_tok;
+    const int64_t n_csa = ds4_model_csa_layers(m), topk = cfg->index_topk;
+    lua_createtable(L, (int)r->nseq, 1);
+    const int res = lua_gettop(L);
+    for (int64_t i = 0; i < r->nseq; i++) {
+        const ds4_gen_seq *s = &r->seqs[i];
+        if (s->n_ids > INT32_MAX) ds4l_raise(L, "%s: %lld ids do not fit a Lua array", fname, (long long)s->n_ids);
+        lua_createtable(L, 0, 12);
+        push_i64_array(L, s->ids, s->n_ids);
+        lua_setfield(L, -2, "ids");
+        push_f32_array(L, s->logprobs, s->n_ids);
+        lua_setfield(L, -2, "logprobs");
+        push_f32_array(L, s->sample_logprobs, s->n_ids);
+        lua_setfield(L, -2, "sample_logprobs");
+        lua_pushstring(L, ds4_finish_name(s->finish));
+        lua_setfield(L, -2, "finish_reason");
+        if (s->finish == DS4_FINISH_STOP_TOKEN && s->stop_index >= 0 && s->stop_index < stops->n_ids) {
+            lua_pushnumber(L, (lua_Number)stops->ids[s->stop_index]);
+            lua_setfield(L, -2, "stop");
+        } else if (s->finish == DS4_FINISH_STOP_STRING && s->stop_index >= 0 && s->stop_index < stops->n_strs) {
+            lua_pushstring(L, stops->strs[s->stop_index]);
+            lua_setfield(L, -2, "stop");
+        }
+        set_num(L, "prompt_index", (double)(s->prompt_index + 1));
+        set_num(L, "sample_index", (double)(s->sample_index + 1));
+        set_num(L, "prompt_len", (double)s->prompt_len);
+        /* recorded rows: a model without CSA layers records no picks (NULL), which is an [n_rows, 0, topk] tensor */
+        if (rec_experts) {
+            const int64_t shape[3] = {s->n_rows, nl, K};
+            ds4_tensor *t = ds4l_tensor_push_new(L, fname, DS4_I32, 3, shape);
+            if (t->nbytes && s->experts) memcpy(t->data, s->experts, t->nbytes);
+            lua_setfield(L, -2, "experts");
+        }
+        if (rec_index) {
+            const int64_t shape[3] = {s->n_rows, n_csa, topk};
+            ds4_tensor *t = ds4l_tensor_push_new(L, fname, DS4_I32, 3, shape);
+            if (t->nbytes && s->index_picks) memcpy(t->data, s->index_picks, t->nbytes);
+            lua_setfield(L, -2, "index_picks");
+        }
+        lua_rawseti(L, res, (int)(i + 1));
+    }
+    lua_createtable(L, 0, 6);
+    set_num(L, "prefill_tokens", (double)r->prefill_tokens);
+    set_num(L, "decode_tokens", (double)r->decode_tokens);
+    set_num(L, "prefill_seconds", r->prefill_seconds);
+    set_num(L, "decode_seconds", r->decode_seconds);
+    set_num(L, "prefill_tokens_per_s", r->prefill_seconds > 0 ? (double)r->prefill_tokens / r->prefill_seconds : 0);
+    set_num(L, "decode_tokens_per_s", r->decode_seconds > 0 ? (double)r->decode_tokens / r->decode_seconds : 0);
+    lua_setfield(L, res, "stats");
+}
+
+/* model:generate(prompts [, opts]) -> res (see the comment at the top of lua/ds4/init.lua). */
+static int m_generate(lua_State *L) {
+    const char *fname = "ds4.model:generate";
+    ds4_model *m = ds4l_model_check(L, 1, fname);
+    int opts = opt_table(L, 3, fname, 2);
+    if (opts) check_keys(L, opts, fname, gen_known, GEN_KNOWN_LIST);
+    lua_settop(L, 3); /* 1 model, 2 prompts, 3 opts */
+    check_not_busy(L, 1, fname);
+    const int64_t V = ds4_model_config(m)->vocab_size;
+
+    ds4_gen_args a;
+    memset(&a, 0, sizeof a);
+    read_gen_opts(L, opts, fname, &a);
+
+    /* Fixed slots above the arguments: 4 on_token, 5 tokenizer, 6 stashed error, 7 run record. */
+    if (opts) lua_getfield(L, opts, "on_token");
+    else lua_pushnil(L);
+    if (!lua_isnil(L, 4) && !lua_isfunction(L, 4)) {
+        char vb[96];
+        ds4l_raise(L, "%s: opts.on_token must be a function(i, id, logprob), got %s", fname,
+                   value_str(L, 4, vb, sizeof vb));
+    }
+    const ds4_tokenizer *tok = push_gen_tokenizer(L, opts, fname);
+    lua_pushnil(L); /* 6: error raised by on_token */
+    gen_ctx *g = lua_newuserdata(L, sizeof *g); /* 7 */
+    memset(g, 0, sizeof *g);
+    g->L = L;
+    g->fn_slot = lua_isnil(L, 4) ? 0 : 4;
+    g->err_slot = 6;
+
+    read_gen_prompts(L, 2, V, fname, &a);
+    gen_stops stops;
+    read_gen_stops(L, opts, V, tok, fname, &a, &stops);
 
     if (g->fn_slot) {
         a.on_token = gen_on_token;
@@ -870,59 +953,8 @@ static int m_generate(lua_State *L) {
         lua_error(L);
     }
     if (st != DS4_OK) ds4l_raise_ds4(L, fname, &err);
-    const ds4_gen_result *r = box->r;
-    if (!r) ds4l_raise(L, "%s: internal error: ds4_generate returned no result", fname);
-    if (r->nseq > INT32_MAX) ds4l_raise(L, "%s: %lld results do not fit a Lua array", fname, (long long)r->nseq);
-
-    const int64_t nl = cfg->num_hidden_layers, K = cfg->num_experts_per_tok;
-    const int64_t n_csa = ds4_model_csa_layers(m), topk = cfg->index_topk;
-    lua_createtable(L, (int)r->nseq, 1);
-    const int res = lua_gettop(L);
-    for (int64_t i = 0; i < r->nseq; i++) {
-        const ds4_gen_seq *s = &r->seqs[i];
-        if (s->n_ids > INT32_MAX) ds4l_raise(L, "%s: %lld ids do not fit a Lua array", fname, (long long)s->n_ids);
-        lua_createtable(L, 0, 12);
-        push_i64_array(L, s->ids, s->n_ids);
-        lua_setfield(L, -2, "ids");
-        push_f32_array(L, s->logprobs, s->n_ids);
-        lua_setfield(L, -2, "logprobs");
-        push_f32_array(L, s->sample_logprobs, s->n_ids);
-        lua_setfield(L, -2, "sample_logprobs");
-        lua_pushstring(L, ds4_finish_name(s->finish));
-        lua_setfield(L, -2, "finish_reason");
-        if (s->finish == DS4_FINISH_STOP_TOKEN && s->stop_index >= 0 && s->stop_index < n_sid) {
-            lua_pushnumber(L, (lua_Number)stop_ids[s->stop_index]);
-            lua_setfield(L, -2, "stop");
-        } else if (s->finish == DS4_FINISH_STOP_STRING && s->stop_index >= 0 && s->stop_index < n_sstr) {
-            lua_pushstring(L, stop_strs[s->stop_index]);
-            lua_setfield(L, -2, "stop");
-        }
-        set_num(L, "prompt_index", (double)(s->prompt_index + 1));
-        set_num(L, "sample_index", (double)(s->sample_index + 1));
-        set_num(L, "prompt_len", (double)s->prompt_len);
-        /* recorded rows: a model without CSA layers records no picks (NULL), which is an [n_rows, 0, topk] tensor */
-        if (a.record_experts) {
-            const int64_t shape[3] = {s->n_rows, nl, K};
-            ds4_tensor *t = ds4l_tensor_push_new(L, fname, DS4_I32, 3, shape);
-            if (t->nbytes && s->experts) memcpy(t->data, s->experts, t->nbytes);
-            lua_setfield(L, -2, "experts");
-        }
-        if (a.record_index) {
-            const int64_t shape[3] = {s->n_rows, n_csa, topk};
-            ds4_tensor *t = ds4l_tensor_push_new(L, fname, DS4_I32, 3, shape);
-            if (t->nbytes && s->index_picks) memcpy(t->data, s->index_picks, t->nbytes);
-            lua_setfield(L, -2, "index_picks");
-        }
-        lua_rawseti(L, res, (int)(i + 1));
-    }
-    lua_createtable(L, 0, 6);
-    set_num(L, "prefill_tokens", (double)r->prefill_tokens);
-    set_num(L, "decode_tokens", (double)r->decode_tokens);
-    set_num(L, "prefill_seconds", r->prefill_seconds);
-    set_num(L, "decode_seconds", r->decode_seconds);
-    set_num(L, "prefill_tokens_per_s", r->prefill_seconds > 0 ? (double)r->prefill_tokens / r->prefill_seconds : 0);
-    set_num(L, "decode_tokens_per_s", r->decode_seconds > 0 ? (double)r->decode_tokens / r->decode_seconds : 0);
-    lua_setfield(L, res, "stats");
+    if (!box->r) ds4l_raise(L, "%s: internal error: ds4_generate returned no result", fname);
+    push_gen_results(L, m, box->r, a.record_experts, a.record_index, &stops, fname);
     /* the result's memory now, rather than at the next collection */
     box = lua_touserdata(L, box_slot);
     ds4_gen_result_free(box->r);
@@ -930,12 +962,242 @@ static int m_generate(lua_State *L) {
     return 1;
 }
 
+/* ------------------------------------------------------------------------------------------------ batcher */
+
+/* model:batcher([opts]) -> ds4.batcher (continuous batching, ds4_gen.h): opts.max_seqs (32) sequences run at once,
+ * opts.prefill_chunk (0: 2048) prompt tokens per step.
+ *   b:submit(prompts [, opts]) -> tag   opts: those of model:generate but max_batch, prefill_chunk, on_token
+ *   b:step()                            one step of every admitted sequence (raises when the step fails: then
+ *                                       every admitted task ends, and take() returns it with the message)
+ *   b:take() -> tag, res | tag, nil, message | nil   the oldest finished task; res as model:generate's
+ *   b:cancel(tag) -> bool  b:stats() -> {queued, running, finished, seqs, free_seqs, steps, prefill_tokens,
+ *                                        decode_tokens}  b:free()
+ * A task's res equals model:generate(prompts, opts) alone, bit for bit, whatever else runs in the batcher.
+ * Per pending task, the batcher's environment table keeps {the stop scratch, counts, record flags} under its tag
+ * (pending[tag]) so that take() can name the stop that matched. */
+#define BATCHER_MT "ds4.batcher"
+
+typedef struct batcher_box {
+    ds4_batcher *b;
+    uint64_t next_tag;
+    char last_err[sizeof(((ds4_error *)0)->msg)]; /* the message of the last failed step, for the tasks it ended */
+} batcher_box;
+
+static const char *const batcher_submit_known[] = {
+    "max_new_tokens", "temperature", "top_k", "top_p", "min_p", "n", "seed", "stop", "tokenizer", "ignore_eos",
+    "record_experts", "record_index", NULL,
+};
+
+static int batcher_gc(lua_State *L) {
+    batcher_box *b = lua_touserdata(L, 1);
+    if (b) {
+        ds4_batcher_free(b->b);
+        b->b = NULL;
+    }
+    return 0;
+}
+
+/* The live batcher at idx whose model is alive; pushes nothing. */
+static batcher_box *batcher_check(lua_State *L, int idx, const char *fname, ds4_model **m) {
+    batcher_box *b = luaL_testudata(L, idx, BATCHER_MT);
+    if (!b) ds4l_raise(L, "%s: self must be a ds4.batcher (model:batcher()), got %s", fname, luaL_typename(L, idx));
+    if (!b->b) ds4l_raise(L, "%s: the batcher has been freed", fname);
+    lua_getfenv(L, idx);
+    lua_getfield(L, -1, "model");
+    ds4_model *mm = ds4l_model_check(L, -1, fname); /* raises "model has been freed" */
+    lua_pop(L, 2);
+    if (m) *m = mm;
+    return b;
+}
+
+/* Push the batcher's pending table (in its environment). */
+static void push_pending(lua_State *L, int idx) {
+    lua_getfenv(L, idx);
+    lua_getfield(L, -1, "pending");
+    lua_remove(L, -2);
+}
+
+static int m_batcher(lua_State *L) {
+    const char *fname = "ds4.model:batcher";
+    ds4_model *m = ds4l_model_check(L, 1, fname);
+    int opts = opt_table(L, 2, fname, 1);
+    if (opts) {
+        static const char *const known[] = {"max_seqs", "prefill_chunk", NULL};
+        check_keys(L, opts, fname, known, "max_seqs, prefill_chunk");
+    }
+    lua_settop(L, 2);
+    ds4_batcher_options o = {
+        .max_seqs = opt_int(L, opts, "max_seqs", 32, 1, 1 << 20, "an integer in [1, 2^20]", fname),
+        .prefill_chunk = opt_int(L, opts, "prefill_chunk", 0, 0, 1 << 24, "an integer in [0, 2^24] (0: 2048)", fname)};
+    batcher_box *b = ds4l_push_model_owned(L, sizeof *b, BATCHER_MT, 1);
+    lua_getfenv(L, -1);
+    lua_newtable(L);
+    lua_setfield(L, -2, "pending");
+    lua_pop(L, 1);
+    ds4_error err = {0};
+    if (ds4_batcher_create(m, &o, &b->b, &err) != DS4_OK) ds4l_raise_ds4(L, fname, &err);
+    return 1;
+}
+
+static int b_submit(lua_State *L) {
+    const char *fname = "ds4.batcher:submit";
+    ds4_model *m = NULL;
+    batcher_box *b = batcher_check(L, 1, fname, &m);
+    int opts = opt_table(L, 3, fname, 2);
+    if (opts)
+        check_keys(L, opts, fname, batcher_submit_known,
+                   "max_new_tokens, temperature, top_k, top_p, min_p, n, seed, stop, tokenizer, ignore_eos, "
+                   "record_experts, record_index");
+    lua_settop(L, 3); /* 1 batcher, 2 prompts, 3 opts */
+    const int64_t V = ds4_model_config(m)->vocab_size;
+    ds4_gen_args a;
+    memset(&a, 0, sizeof a);
+    read_gen_opts(L, opts, fname, &a);
+    const ds4_tokenizer *tok = push_gen_tokenizer(L, opts, fname); /* 4 */
+    read_gen_prompts(L, 2, V, fname, &a);
+    gen_stops stops;
+    read_gen_stops(L, opts, V, tok, fname, &a, &stops); /* the top 3: the stop scratch */
+    const int top = lua_gettop(L);
+    /* pending[tag] = {ids, strs, bytes, n_ids, n_strs, record_experts, record_index, tokenizer} */
+    lua_createtable(L, 8, 0);
+    for (int k = 0; k < 3; k++) {
+        lua_pushvalue(L, top - 2 + k);
+        lua_rawseti(L, -2, k + 1);
+    }
+    const double rec[4] = {(double)stops.n_ids, (double)stops.n_strs, a.record_experts, a.record_index};
+    for (int k = 0; k < 4; k++) {
+        lua_pushnumber(L, rec[k]);
+        lua_rawseti(L, -2, k + 4);
+    }
+    lua_pushvalue(L, 4); /* the tokenizer stays alive while the task may decode with it */
+    lua_rawseti(L, -2, 8);
+    const uint64_t tag = ++b->next_tag;
+    ds4_error err = {0};
+    if (ds4_batcher_submit(b->b, &a, tag, &err) != DS4_OK) ds4l_raise_ds4(L, fname, &err);
+    push_pending(L, 1);
+    lua_pushnumber(L, (lua_Number)tag);
+    lua_pushvalue(L, -3);
+    lua_rawset(L, -3);
+    lua_pushnumber(L, (lua_Number)tag);
+    return 1;
+}
+
+static int b_step(lua_State *L) {
+    const char *fname = "ds4.batcher:step";
+    ds4_model *m = NULL;
+    batcher_box *b = batcher_check(L, 1, fname, &m);
+    lua_getfenv(L, 1);
+    lua_getfield(L, -1, "model");
+    check_not_busy(L, lua_gettop(L), fname);
+    lua_pop(L, 2);
+    ds4_error err = {0};
+    if (ds4_batcher_step(b->b, &err) != DS4_OK) {
+        snprintf(b->last_err, sizeof b->last_err, "%s", err.msg);
+        ds4l_raise_ds4(L, fname, &err);
+    }
+    return 0;
+}
+
+static int b_take(lua_State *L) {
+    const char *fname = "ds4.batcher:take";
+    ds4_model *m = NULL;
+    batcher_box *b = batcher_check(L, 1, fname, &m);
+    lua_settop(L, 1);
+    genres_box *box = lua_newuserdata(L, sizeof *box); /* 2: owns the result until it is pushed */
+    box->r = NULL;
+    luaL_getmetatable(L, GENRES_MT);
+    lua_setmetatable(L, -2);
+    uint64_t tag = 0;
+    ds4_status st = DS4_OK;
+    if (!ds4_batcher_take(b->b, &tag, &box->r, &st)) return 0;
+    push_pending(L, 1); /* 3 */
+    lua_pushnumber(L, (lua_Number)tag);
+    lua_rawget(L, 3); /* 4: the task's record */
+    lua_pushnumber(L, (lua_Number)tag);
+    lua_pushnil(L);
+    lua_rawset(L, 3);
+    lua_pushnumber(L, (lua_Number)tag); /* 5 */
+    if (st != DS4_OK || !box->r || !lua_istable(L, 4)) {
+        lua_pushnil(L);
+        lua_pushfstring(L, "%s: the task ended with a failed step (%s): %s", fname, ds4_status_name(st), b->last_err);
+        return 3;
+    }
+    double rec[7];
+    for (int k = 0; k < 7; k++) {
+        lua_rawgeti(L, 4, k + 1);
+        rec[k] = k < 3 ? 0 : lua_tonumber(L, -1);
+        if (k >= 3) lua_pop(L, 1);
+    }
+    /* stack 6..8: the stop scratch */
+    const gen_stops stops = {.ids = lua_touserdata(L, 6), .strs = lua_touserdata(L, 7), .n_ids = (int64_t)rec[3],
+                             .n_strs = (int64_t)rec[4]};
+    push_gen_results(L, m, box->r, rec[5] != 0, rec[6] != 0, &stops, fname);
+    ds4_gen_result_free(box->r);
+    box->r = NULL;
+    lua_pushvalue(L, 5);
+    lua_insert(L, -2);
+    return 2;
+}
+
+static int b_cancel(lua_State *L) {
+    const char *fname = "ds4.batcher:cancel";
+    batcher_box *b = batcher_check(L, 1, fname, NULL);
+    const uint64_t tag = (uint64_t)check_int(L, 2, fname, "bad argument #1 (tag)", 0, MAX_EXACT, "a task's tag");
+    lua_pushboolean(L, ds4_batcher_cancel(b->b, tag));
+    return 1;
+}
+
+static int b_stats(lua_State *L) {
+    batcher_box *b = batcher_check(L, 1, "ds4.batcher:stats", NULL);
+    ds4_batcher_stats s;
+    ds4_batcher_get_stats(b->b, &s);
+    lua_createtable(L, 0, 8);
+    set_num(L, "queued", (double)s.queued);
+    set_num(L, "running", (double)s.running);
+    set_num(L, "finished", (double)s.finished);
+    set_num(L, "seqs", (double)s.seqs);
+    set_num(L, "free_seqs", (double)s.free_seqs);
+    set_num(L, "steps", (double)s.steps);
+    set_num(L, "prefill_tokens", (double)s.prefill_tokens);
+    set_num(L, "decode_tokens", (double)s.decode_tokens);
+    return 1;
+}
+
+static int b_free(lua_State *L) {
+    batcher_box *b = luaL_checkudata(L, 1, BATCHER_MT);
+    ds4_batcher_free(b->b);
+    b->b = NULL;
+    lua_getfenv(L, 1);
+    lua_newtable(L);
+    lua_setfield(L, -2, "pending");
+    return 0;
+}
+
+static int b_tostring(lua_State *L) {
+    batcher_box *b = luaL_checkudata(L, 1, BATCHER_MT);
+    if (!b->b) {
+        lua_pushstring(L, "ds4.batcher (freed)");
+        return 1;
+    }
+    ds4_batcher_stats s;
+    ds4_batcher_get_stats(b->b, &s);
+    lua_pushfstring(L, "ds4.batcher (%d running, %d queued, %d sequences, %d free)", (int)s.running, (int)s.queued,
+                    (int)s.seqs, (int)s.free_seqs);
+    return 1;
+}
+
+static const luaL_Reg batcher_methods[] = {
+    {"submit", b_submit}, {"step", b_step}, {"take", b_take}, {"cancel", b_cancel},
+    {"stats", b_stats},   {"free", b_free}, {NULL, NULL},
+};
+
 /* ------------------------------------------------------------------------------------------------ module */
 
 static const luaL_Reg gen_model_methods[] = {
     {"generate", m_generate},
     {"new_cache", m_new_cache},
     {"step", m_step},
+    {"batcher", m_batcher},
     {NULL, NULL},
 };
 
@@ -972,6 +1234,8 @@ void ds4l_gen_open(lua_State *L) {
 
     ds4l_weak_registry_table(L, BUSY_KEY, "kv");
     ds4l_class(L, CACHE_MT, cache_methods, cache_gc, c_tostring);
+    lua_pop(L, 1);
+    ds4l_class(L, BATCHER_MT, batcher_methods, batcher_gc, b_tostring);
     lua_pop(L, 1);
     if (luaL_newmetatable(L, GENRES_MT)) {
         lua_pushcfunction(L, genres_gc);

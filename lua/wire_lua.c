@@ -6,7 +6,7 @@
  *                                   an unknown or invalid limit)
  *   ds4.wire.crc32(s [, crc]) -> number        ds4.wire.error_message(code, reason, ref_t [, ref_id, ref_n])
  *   ds4.wire.default_limits() -> table         ds4.wire.codes = {name = number}   ds4.wire.code_name(n)
- *   ds4.wire.VERSION = 2
+ *   ds4.wire.VERSION = 3
  *
  * Lua messages mirror ds4_wire_msg: msg.t is the type name ("hello", "credit", "task", "samples",
  * "weight_announce", "weight_request", "weight_chunk", "heartbeat", "error", "bye") and the other keys are the
@@ -18,6 +18,9 @@
  * strings only; on decode as Lua arrays of numbers, except weights, config and tokenizer, kept as strings of
  * bytes (opts.raw = true keeps every raw frame as a string). The announce's model CRCs default to its frames'. The full key list of every type is in
  * lua/ds4/init.lua.
+ *
+ * Field names, kinds, Lua keys and defaults come from the codec's field table (ds4_wire_fields, rollout/wire.h):
+ * fill_fields and push_fields walk it; each type's arrays, shapes and frames are its own code below.
  *
  * Encode checks the Lua side (unknown keys, types, integer ranges of the C fields: "ds4.wire.encode:
  * task.attempt: ...") and then ds4_wire_encode validates the message the way a receiver would (ranges, cross-
@@ -39,28 +42,17 @@
 
 /* ------------------------------------------------------------------------------------------------ tables */
 
+/* What the field table (ds4_wire_fields) does not give: the Lua keys of a type's arrays and shapes, which the
+ * binding names its own way (samples' seq and shape sizes; error's code_name), and its raw frames. */
 typedef struct type_spec {
     const char *name;
-    const char *const *keys;   /* header fields, NULL-terminated (t and v are always allowed) */
+    const char *const *extra;  /* Lua keys beyond the fields', NULL-terminated */
     const char *const *frames; /* raw frame names, NULL-terminated */
 } type_spec;
 
-static const char *const K_HELLO[] = {"worker",     "max_batch",  "threads", "vocab_size", "n_params",
-                                      "config_crc", "tables_crc", "build",   "policy",     NULL};
-static const char *const K_CREDIT[] = {"n", NULL};
-static const char *const K_TASK[] = {
-    "task_id", "attempt", "policy", "max_new_tokens", "temperature",    "top_k",        "top_p",      "min_p",
-    "n",       "seed",    "stop",   "ignore_eos",     "record_experts", "record_index", "prompt_len", NULL};
-static const char *const K_SAMPLES[] = {"task_id",        "attempt",   "policy",       "n",          "seq",
-                                        "experts_layers", "experts_k", "index_layers", "index_topk", NULL};
-static const char *const K_ANNOUNCE[] = {"version",    "bytes",         "chunk",      "chunks",        "n_params",
-                                         "dtype",      "crc",           "config_crc", "tokenizer_crc", "tables_crc",
-                                         "chat_template", NULL};
-static const char *const K_REQUEST[] = {"version", "index", NULL};
-static const char *const K_CHUNK[] = {"version", "index", "offset", "bytes", "chunk", "crc", NULL};
-static const char *const K_HEARTBEAT[] = {"policy", "active", NULL};
-static const char *const K_ERROR[] = {"code", "code_name", "reason", "ref_t", "ref_id", "ref_n", NULL};
-static const char *const K_BYE[] = {"reason", NULL};
+static const char *const X_NONE[] = {NULL};
+static const char *const X_SAMPLES[] = {"seq", "experts_layers", "experts_k", "index_layers", "index_topk", NULL};
+static const char *const X_ERROR[] = {"code_name", NULL};
 static const char *const K_SEQ[] = {"prompt_len", "n_gen", "finish", "finish_reason", "stop_index", "n_rows", NULL};
 
 static const char *const F_NONE[] = {NULL};
@@ -70,17 +62,27 @@ static const char *const F_CHUNK[] = {"weights", NULL};
 static const char *const F_ANNOUNCE[] = {"config", "tokenizer", "tables", NULL};
 
 static const type_spec TYPES[DS4_WIRE_TYPE_COUNT] = {
-    [DS4_WIRE_HELLO] = {"hello", K_HELLO, F_NONE},
-    [DS4_WIRE_CREDIT] = {"credit", K_CREDIT, F_NONE},
-    [DS4_WIRE_TASK] = {"task", K_TASK, F_TASK},
-    [DS4_WIRE_SAMPLES] = {"samples", K_SAMPLES, F_SAMPLES},
-    [DS4_WIRE_WEIGHT_ANNOUNCE] = {"weight_announce", K_ANNOUNCE, F_ANNOUNCE},
-    [DS4_WIRE_WEIGHT_REQUEST] = {"weight_request", K_REQUEST, F_NONE},
-    [DS4_WIRE_WEIGHT_CHUNK] = {"weight_chunk", K_CHUNK, F_CHUNK},
-    [DS4_WIRE_HEARTBEAT] = {"heartbeat", K_HEARTBEAT, F_NONE},
-    [DS4_WIRE_ERROR] = {"error", K_ERROR, F_NONE},
-    [DS4_WIRE_BYE] = {"bye", K_BYE, F_NONE},
+    [DS4_WIRE_HELLO] = {"hello", X_NONE, F_NONE},
+    [DS4_WIRE_CREDIT] = {"credit", X_NONE, F_NONE},
+    [DS4_WIRE_TASK] = {"task", X_NONE, F_TASK},
+    [DS4_WIRE_SAMPLES] = {"samples", X_SAMPLES, F_SAMPLES},
+    [DS4_WIRE_WEIGHT_ANNOUNCE] = {"weight_announce", X_NONE, F_ANNOUNCE},
+    [DS4_WIRE_WEIGHT_REQUEST] = {"weight_request", X_NONE, F_NONE},
+    [DS4_WIRE_WEIGHT_CHUNK] = {"weight_chunk", X_NONE, F_CHUNK},
+    [DS4_WIRE_HEARTBEAT] = {"heartbeat", X_NONE, F_NONE},
+    [DS4_WIRE_ERROR] = {"error", X_ERROR, F_NONE},
+    [DS4_WIRE_BYE] = {"bye", X_NONE, F_NONE},
 };
+
+/* The Lua keys of type t (its fields' Lua names, then its extra keys), NULL-terminated in keys[cap]. */
+static void lua_keys(ds4_wire_type t, const char **keys, int cap) {
+    int nf, n = 0;
+    const ds4_wire_field *f = ds4_wire_fields(t, &nf);
+    for (int i = 0; i < nf && n + 1 < cap; i++)
+        if (f[i].lua) keys[n++] = f[i].lua;
+    for (const char *const *x = TYPES[t].extra; *x && n + 1 < cap; x++) keys[n++] = *x;
+    keys[n] = NULL;
+}
 
 static const char *const FINISH_NAMES[] = {NULL, "length", "eos", "stop_token", "stop_string", "cancelled"};
 
@@ -392,11 +394,40 @@ static uint32_t error_code(enc_ctx *e) {
     return v;
 }
 
+/* A field absent from the message table. */
+static int absent(enc_ctx *e, const char *key) {
+    int t = get(e, key);
+    lua_pop(e->L, 1);
+    return t == LUA_TNIL;
+}
+
+/* The fields of m's type that the table describes whole (not OTHER, not the binding's OWN; a CALC one when given),
+ * each from its Lua key with its Lua default. */
+static void fill_fields(enc_ctx *e, ds4_wire_msg *m) {
+    int nf;
+    const ds4_wire_field *f = ds4_wire_fields(m->type, &nf);
+    char *base = (char *)m + offsetof(ds4_wire_msg, hello);
+    for (int i = 0; i < nf; i++) {
+        const ds4_wire_field *x = &f[i];
+        if (!x->lua || x->kind == DS4_WIRE_K_OTHER || (x->flags & DS4_WIRE_F_LUA_OWN)) continue;
+        if ((x->flags & DS4_WIRE_F_LUA_CALC) && absent(e, x->lua)) continue; /* the type's fill derives it */
+        void *p = base + x->offset;
+        const int req = (x->flags & DS4_WIRE_F_LUA_REQ) != 0;
+        switch (x->kind) {
+        case DS4_WIRE_K_U32: *(uint32_t *)p = (uint32_t)f_int(e, x->lua, 0, U32_MAX_D, req, x->def); break;
+        case DS4_WIRE_K_U64: /* a seed may exceed 2^53: given as a decimal string */
+            *(uint64_t *)p = x->hi > (uint64_t)MAX_EXACT ? f_seed(e, x->lua) : f_u53(e, x->lua, req, (uint64_t)x->def);
+            break;
+        case DS4_WIRE_K_F64: *(double *)p = f_num(e, x->lua, req, x->def); break;
+        case DS4_WIRE_K_BOOL: *(uint8_t *)p = f_bool(e, x->lua); break;
+        case DS4_WIRE_K_STR: f_str(e, x->lua, p, x->size, req, x->sdef ? x->sdef : ""); break;
+        default: break;
+        }
+    }
+}
+
 static void enc_samples(enc_ctx *e, ds4_wire_samples *s) {
     lua_State *L = e->L;
-    s->task_id = f_u53(e, "task_id", 1, 0);
-    s->attempt = f_u32(e, "attempt", 0, 0);
-    s->policy = f_u53(e, "policy", 1, 0);
     s->experts_layers = f_u32(e, "experts_layers", 0, 0);
     s->experts_k = f_u32(e, "experts_k", 0, 0);
     s->index_layers = f_u32(e, "index_layers", 0, 0);
@@ -448,36 +479,14 @@ static void enc_samples(enc_ctx *e, ds4_wire_samples *s) {
                  : "given, but index_layers and index_topk are 0");
 }
 
-/* Fill m from the message table at e->msg (raw frames stay referenced on the stack). */
+/* Fill m from the message table at e->msg (raw frames stay referenced on the stack): the table's fields, then
+ * what each type has beyond them (arrays, frames, the values a Lua message may leave out and the binding derives). */
 static void enc_fill(enc_ctx *e, ds4_wire_msg *m) {
     lua_State *L = e->L;
+    fill_fields(e, m);
     switch (m->type) {
-    case DS4_WIRE_HELLO: {
-        ds4_wire_hello *h = &m->hello;
-        f_str(e, "worker", h->worker, sizeof h->worker, 1, "");
-        h->max_batch = f_u32(e, "max_batch", 1, 0);
-        h->threads = f_u32(e, "threads", 1, 0);
-        h->vocab_size = f_u32(e, "vocab_size", 1, 0);
-        h->n_params = f_u53(e, "n_params", 1, 0);
-        h->config_crc = f_u32(e, "config_crc", 0, 0);
-        h->tables_crc = f_u32(e, "tables_crc", 0, 0);
-        f_str(e, "build", h->build, sizeof h->build, 0, "");
-        h->policy = f_u53(e, "policy", 0, 0);
-        break;
-    }
-    case DS4_WIRE_CREDIT: m->credit.n = f_u32(e, "n", 1, 0); break;
     case DS4_WIRE_TASK: {
         ds4_wire_task *t = &m->task;
-        t->task_id = f_u53(e, "task_id", 1, 0);
-        t->attempt = f_u32(e, "attempt", 0, 0);
-        t->policy = f_u53(e, "policy", 1, 0);
-        t->max_new_tokens = f_u32(e, "max_new_tokens", 1, 0);
-        t->temperature = f_num(e, "temperature", 0, 1.0);
-        t->top_k = f_u32(e, "top_k", 0, 0);
-        t->top_p = f_num(e, "top_p", 0, 1.0);
-        t->min_p = f_num(e, "min_p", 0, 0.0);
-        t->n = f_u32(e, "n", 0, 1);
-        t->seed = f_seed(e, "seed");
         int st = get(e, "stop");
         if (st != LUA_TNIL) {
             if (st != LUA_TTABLE) efail(e, "stop", "expected an array of token ids, got %s", show(L, -1));
@@ -494,68 +503,50 @@ static void enc_fill(enc_ctx *e, ds4_wire_msg *m) {
             t->n_stop = (uint32_t)n;
         }
         lua_pop(L, 1);
-        t->ignore_eos = f_bool(e, "ignore_eos");
-        t->record_experts = f_bool(e, "record_experts");
-        t->record_index = f_bool(e, "record_index");
+        st = get(e, "stop_strings");
+        if (st != LUA_TNIL) {
+            if (st != LUA_TTABLE) efail(e, "stop_strings", "expected an array of strings, got %s", show(L, -1));
+            size_t n = lua_objlen(L, -1);
+            if (n > DS4_WIRE_STOP_STR_CAP) efail(e, "stop_strings", "%zu strings; at most %d", n, DS4_WIRE_STOP_STR_CAP);
+            for (size_t i = 0; i < n; i++) {
+                lua_rawgeti(L, -1, (int)i + 1);
+                size_t len = 0;
+                const char *sv = lua_type(L, -1) == LUA_TSTRING ? lua_tolstring(L, -1, &len) : NULL;
+                if (!sv || len < 1 || len > DS4_WIRE_STOP_STR_BYTES || strlen(sv) != len)
+                    efail(e, "stop_strings", "element %zu is %s, expected a string of 1..%d bytes without NUL", i + 1,
+                          show(L, -1), DS4_WIRE_STOP_STR_BYTES);
+                memcpy(t->stop_str[i], sv, len + 1);
+                lua_pop(L, 1);
+            }
+            t->n_stop_str = (uint32_t)n;
+        }
+        lua_pop(L, 1);
         need_frame(e, "prompt", FR_I32, &t->prompt);
-        t->prompt_len = f_u32(e, "prompt_len", 0, (uint32_t)(t->prompt.len / 4));
+        if (absent(e, "prompt_len")) t->prompt_len = (uint32_t)(t->prompt.len / 4);
         break;
     }
     case DS4_WIRE_SAMPLES: enc_samples(e, &m->samples); break;
     case DS4_WIRE_WEIGHT_ANNOUNCE: {
         ds4_wire_weight_announce *w = &m->announce;
-        w->version = f_u53(e, "version", 1, 0);
-        w->n_params = f_u53(e, "n_params", 1, 0);
-        w->bytes = f_u53(e, "bytes", 0, w->n_params <= (uint64_t)MAX_EXACT / 4 ? 4 * w->n_params : 0);
-        w->chunk = f_u32(e, "chunk", 1, 0);
-        w->chunks = f_u32(e, "chunks", 0, w->chunk ? (uint32_t)((w->bytes + w->chunk - 1) / w->chunk) : 0);
-        f_str(e, "dtype", w->dtype, sizeof w->dtype, 0, "f32");
-        w->crc = f_u32(e, "crc", 1, 0);
+        if (absent(e, "bytes")) w->bytes = w->n_params <= (uint64_t)MAX_EXACT / 4 ? 4 * w->n_params : 0;
+        if (absent(e, "chunks")) w->chunks = w->chunk ? (uint32_t)((w->bytes + w->chunk - 1) / w->chunk) : 0;
         /* the model's frames; their CRCs default to the bytes' own (given: sent as given, a test's corruption) */
         need_frame(e, "config", FR_U8, &w->config);
         f_frame(e, "tokenizer", FR_U8, &w->tokenizer); /* absent: 0 bytes (no tokenizer, no tables) */
         f_frame(e, "tables", FR_I32, &w->tables);
-        w->config_crc = f_u32(e, "config_crc", 0, ds4_crc32(0, w->config.data, w->config.len));
-        w->tokenizer_crc = f_u32(e, "tokenizer_crc", 0, ds4_crc32(0, w->tokenizer.data, w->tokenizer.len));
-        w->tables_crc = f_u32(e, "tables_crc", 0, ds4_crc32(0, w->tables.data, w->tables.len));
-        f_str(e, "chat_template", w->chat_template, sizeof w->chat_template, 0, "");
+        if (absent(e, "config_crc")) w->config_crc = ds4_crc32(0, w->config.data, w->config.len);
+        if (absent(e, "tokenizer_crc")) w->tokenizer_crc = ds4_crc32(0, w->tokenizer.data, w->tokenizer.len);
+        if (absent(e, "tables_crc")) w->tables_crc = ds4_crc32(0, w->tables.data, w->tables.len);
         break;
     }
-    case DS4_WIRE_WEIGHT_REQUEST:
-        m->request.version = f_u53(e, "version", 1, 0);
-        m->request.index = f_u32(e, "index", 1, 0);
-        break;
     case DS4_WIRE_WEIGHT_CHUNK: {
         ds4_wire_weight_chunk *w = &m->chunk;
-        w->version = f_u53(e, "version", 1, 0);
-        w->index = f_u32(e, "index", 1, 0);
-        w->bytes = f_u53(e, "bytes", 1, 0);
-        w->chunk = f_u32(e, "chunk", 1, 0);
-        w->offset = f_u53(e, "offset", 0, (uint64_t)w->index * w->chunk);
+        if (absent(e, "offset")) w->offset = (uint64_t)w->index * w->chunk;
         need_frame(e, "weights", FR_F32, &w->data);
-        if (get(e, "crc") == LUA_TNIL) {
-            w->crc = ds4_crc32(0, w->data.data, w->data.len);
-            lua_pop(L, 1);
-        } else {
-            lua_pop(L, 1);
-            w->crc = f_u32(e, "crc", 1, 0);
-        }
+        if (absent(e, "crc")) w->crc = ds4_crc32(0, w->data.data, w->data.len);
         break;
     }
-    case DS4_WIRE_HEARTBEAT:
-        m->heartbeat.policy = f_u53(e, "policy", 1, 0);
-        m->heartbeat.active = f_u32(e, "active", 0, 0);
-        break;
-    case DS4_WIRE_ERROR: {
-        ds4_wire_errmsg *x = &m->error;
-        x->code = error_code(e);
-        f_str(e, "reason", x->reason, sizeof x->reason, 0, "");
-        f_str(e, "ref_t", x->ref_t, sizeof x->ref_t, 0, "");
-        x->ref_id = f_u53(e, "ref_id", 0, 0);
-        x->ref_n = f_u32(e, "ref_n", 0, 0);
-        break;
-    }
-    case DS4_WIRE_BYE: f_str(e, "reason", m->bye.reason, sizeof m->bye.reason, 0, ""); break;
+    case DS4_WIRE_ERROR: m->error.code = error_code(e); break;
     default: break;
     }
 }
@@ -615,7 +606,9 @@ static int l_encode(lua_State *L) {
     if (!lua_isnil(L, -1) && !(lua_type(L, -1) == LUA_TNUMBER && lua_tonumber(L, -1) == DS4_WIRE_VERSION))
         efail(&e, "v", "this build speaks protocol version %d, got %s", DS4_WIRE_VERSION, show(L, -1));
     lua_pop(L, 1);
-    check_keys(&e, 1, TYPES[type].keys, TYPES[type].frames, 1);
+    const char *keys[48];
+    lua_keys(type, keys, 48);
+    check_keys(&e, 1, keys, TYPES[type].frames, 1);
     if (e.frames) {
         lua_pushnil(L);
         while (lua_next(L, 2)) {
@@ -670,62 +663,63 @@ static void set_frame(lua_State *L, const char *k, ds4_wire_view v, frame_kind k
     lua_setfield(L, -2, k);
 }
 
+/* The fields of m's type that the table describes whole, each under its Lua key (a seed above 2^53 as a decimal
+ * string). */
+static void push_fields(lua_State *L, const ds4_wire_msg *m) {
+    int nf;
+    const ds4_wire_field *f = ds4_wire_fields(m->type, &nf);
+    const char *base = (const char *)m + offsetof(ds4_wire_msg, hello);
+    for (int i = 0; i < nf; i++) {
+        const ds4_wire_field *x = &f[i];
+        const void *p = base + x->offset;
+        if (!x->lua || x->kind == DS4_WIRE_K_OTHER) continue;
+        switch (x->kind) {
+        case DS4_WIRE_K_U32: set_num(L, x->lua, *(const uint32_t *)p); break;
+        case DS4_WIRE_K_U64: {
+            const uint64_t v = *(const uint64_t *)p;
+            if (v <= (uint64_t)MAX_EXACT) {
+                set_num(L, x->lua, (double)v);
+            } else {
+                char buf[32];
+                snprintf(buf, sizeof buf, "%llu", (unsigned long long)v);
+                set_str(L, x->lua, buf);
+            }
+            break;
+        }
+        case DS4_WIRE_K_F64: set_num(L, x->lua, *(const double *)p); break;
+        case DS4_WIRE_K_BOOL: set_bool(L, x->lua, *(const uint8_t *)p); break;
+        case DS4_WIRE_K_STR: set_str(L, x->lua, p); break;
+        default: break;
+        }
+    }
+}
+
+/* A decoded message as a Lua table: t, v, the table's fields, then each type's arrays, shapes and frames. */
 static void push_msg(lua_State *L, const ds4_wire_msg *m, int raw) {
     lua_createtable(L, 0, 16);
     set_str(L, "t", ds4_wire_type_name(m->type));
     set_num(L, "v", DS4_WIRE_VERSION);
+    push_fields(L, m);
     switch (m->type) {
-    case DS4_WIRE_HELLO: {
-        const ds4_wire_hello *h = &m->hello;
-        set_str(L, "worker", h->worker);
-        set_num(L, "max_batch", h->max_batch);
-        set_num(L, "threads", h->threads);
-        set_num(L, "vocab_size", h->vocab_size);
-        set_num(L, "n_params", (double)h->n_params);
-        set_num(L, "config_crc", h->config_crc);
-        set_num(L, "tables_crc", h->tables_crc);
-        set_str(L, "build", h->build);
-        set_num(L, "policy", (double)h->policy);
-        break;
-    }
-    case DS4_WIRE_CREDIT: set_num(L, "n", m->credit.n); break;
     case DS4_WIRE_TASK: {
         const ds4_wire_task *t = &m->task;
-        set_num(L, "task_id", (double)t->task_id);
-        set_num(L, "attempt", t->attempt);
-        set_num(L, "policy", (double)t->policy);
-        set_num(L, "max_new_tokens", t->max_new_tokens);
-        set_num(L, "temperature", t->temperature);
-        set_num(L, "top_k", t->top_k);
-        set_num(L, "top_p", t->top_p);
-        set_num(L, "min_p", t->min_p);
-        set_num(L, "n", t->n);
-        if (t->seed <= (uint64_t)MAX_EXACT) {
-            set_num(L, "seed", (double)t->seed);
-        } else {
-            char buf[32];
-            snprintf(buf, sizeof buf, "%llu", (unsigned long long)t->seed);
-            set_str(L, "seed", buf);
-        }
         lua_createtable(L, (int)t->n_stop, 0);
         for (uint32_t i = 0; i < t->n_stop; i++) {
             lua_pushnumber(L, t->stop[i]);
             lua_rawseti(L, -2, (int)i + 1);
         }
         lua_setfield(L, -2, "stop");
-        set_bool(L, "ignore_eos", t->ignore_eos);
-        set_bool(L, "record_experts", t->record_experts);
-        set_bool(L, "record_index", t->record_index);
-        set_num(L, "prompt_len", t->prompt_len);
+        lua_createtable(L, (int)t->n_stop_str, 0);
+        for (uint32_t i = 0; i < t->n_stop_str; i++) {
+            lua_pushstring(L, t->stop_str[i]);
+            lua_rawseti(L, -2, (int)i + 1);
+        }
+        lua_setfield(L, -2, "stop_strings");
         set_frame(L, "prompt", t->prompt, FR_I32, raw);
         break;
     }
     case DS4_WIRE_SAMPLES: {
         const ds4_wire_samples *s = &m->samples;
-        set_num(L, "task_id", (double)s->task_id);
-        set_num(L, "attempt", s->attempt);
-        set_num(L, "policy", (double)s->policy);
-        set_num(L, "n", s->n);
         lua_createtable(L, (int)s->n, 0);
         for (uint32_t i = 0; i < s->n; i++) {
             const ds4_wire_seq *q = &s->seq[i];
@@ -752,53 +746,15 @@ static void push_msg(lua_State *L, const ds4_wire_msg *m, int raw) {
     }
     case DS4_WIRE_WEIGHT_ANNOUNCE: {
         const ds4_wire_weight_announce *w = &m->announce;
-        set_num(L, "version", (double)w->version);
-        set_num(L, "bytes", (double)w->bytes);
-        set_num(L, "chunk", w->chunk);
-        set_num(L, "chunks", w->chunks);
-        set_num(L, "n_params", (double)w->n_params);
-        set_str(L, "dtype", w->dtype);
-        set_num(L, "crc", w->crc);
-        set_num(L, "config_crc", w->config_crc);
-        set_num(L, "tokenizer_crc", w->tokenizer_crc);
-        set_num(L, "tables_crc", w->tables_crc);
-        set_str(L, "chat_template", w->chat_template);
         set_frame(L, "config", w->config, FR_U8, 1); /* bytes: always strings */
         set_frame(L, "tokenizer", w->tokenizer, FR_U8, 1);
         set_frame(L, "tables", w->tables, FR_I32, raw);
         break;
     }
-    case DS4_WIRE_WEIGHT_REQUEST:
-        set_num(L, "version", (double)m->request.version);
-        set_num(L, "index", m->request.index);
+    case DS4_WIRE_WEIGHT_CHUNK:
+        set_frame(L, "weights", m->chunk.data, FR_U8, 1); /* bytes: always a string */
         break;
-    case DS4_WIRE_WEIGHT_CHUNK: {
-        const ds4_wire_weight_chunk *w = &m->chunk;
-        set_num(L, "version", (double)w->version);
-        set_num(L, "index", w->index);
-        set_num(L, "offset", (double)w->offset);
-        set_num(L, "bytes", (double)w->bytes);
-        set_num(L, "chunk", w->chunk);
-        set_num(L, "crc", w->crc);
-        lua_pushlstring(L, w->data.len ? (const char *)w->data.data : "", w->data.len); /* bytes: always a string */
-        lua_setfield(L, -2, "weights");
-        break;
-    }
-    case DS4_WIRE_HEARTBEAT:
-        set_num(L, "policy", (double)m->heartbeat.policy);
-        set_num(L, "active", m->heartbeat.active);
-        break;
-    case DS4_WIRE_ERROR: {
-        const ds4_wire_errmsg *x = &m->error;
-        set_num(L, "code", x->code);
-        set_str(L, "code_name", ds4_wire_error_name(x->code));
-        set_str(L, "reason", x->reason);
-        set_str(L, "ref_t", x->ref_t);
-        set_num(L, "ref_id", (double)x->ref_id);
-        set_num(L, "ref_n", x->ref_n);
-        break;
-    }
-    case DS4_WIRE_BYE: set_str(L, "reason", m->bye.reason); break;
+    case DS4_WIRE_ERROR: set_str(L, "code_name", ds4_wire_error_name(m->error.code)); break;
     default: break;
     }
 }

@@ -7,10 +7,16 @@
  * element must actually be present (the walk consumes at least one byte per object), nesting is bounded, ext
  * types are refused and the object must end exactly at the end of the frame. Only a header that passed is
  * handed to msgpack_unpack_next; its allocations are then at most one msgpack_object (24 bytes) per byte of
- * the header plus the zone's chunk overhead, and the header is at most max_header_bytes. */
+ * the header plus the zone's chunk overhead, and the header is at most max_header_bytes.
+ *
+ * Every header field of every message is declared once, in the field table (ds4_wire_fields: key, nested map,
+ * kind, range, where in the struct, its Lua name and default): the decoder reads, the encoder writes and the
+ * equality compares by walking it, as the Lua binding (lua/wire_lua.c) fills and pushes. What a table row cannot
+ * say stays per type: arrays and shapes (its OTHER rows), raw frames and cross-field rules (check_*). */
 #define _POSIX_C_SOURCE 200809L /* strnlen */
 #include <stdarg.h>
 #include <stdint.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -429,7 +435,6 @@ static ds4_wire_code g_map(dx *d, const msgpack_object *map, const char *key, co
         ds4_wire_code c_ = (x);                   \
         if (c_ != DS4_WIRE_OK) return c_;         \
     } while (0)
-#define NKEYS(a) ((int)(sizeof(a) / sizeof((a)[0])))
 
 static int mul_u64(uint64_t a, uint64_t b, uint64_t *out) {
     if (a && b > UINT64_MAX / a) return 0;
@@ -501,6 +506,171 @@ static ds4_wire_view view_of(int k, const void *const *frames, const size_t *len
     return v;
 }
 
+/* ------------------------------------------------------------------------------------------------ fields */
+
+/* The field table of rollout/wire.h: one row per header field, in the encoder's key order. Ranges are protocol.md
+ * §3's; strings marked STRLIM are also bounded by max_str_bytes. */
+#define MAX_ID DS4_WIRE_MAX_ID
+#define REQ DS4_WIRE_F_REQ
+#define STRLIM DS4_WIRE_F_STRLIM
+#define LREQ DS4_WIRE_F_LUA_REQ
+#define CALC DS4_WIRE_F_LUA_CALC
+#define OWN DS4_WIRE_F_LUA_OWN
+#define AT(T, f) .offset = offsetof(T, f), .size = sizeof(((T *)0)->f)
+#define U64(T, name, map, key, lua, flags, lo, hi, f) {name, map, key, lua, DS4_WIRE_K_U64, flags, lo, hi, AT(T, f)}
+#define U32(T, name, map, key, lua, flags, lo, hi, f) {name, map, key, lua, DS4_WIRE_K_U32, flags, lo, hi, AT(T, f)}
+#define F64(T, name, map, key, flags, lo, hi, d, f)                                                                    \
+    {name, map, key, key, DS4_WIRE_K_F64, flags, .flo = lo, .fhi = hi, .def = d, AT(T, f)}
+#define BOOL(T, name, map, key, f) {name, map, key, key, DS4_WIRE_K_BOOL, 0, AT(T, f)}
+#define STR(T, name, map, key, flags, lo, hi, sd, f) {name, map, key, key, DS4_WIRE_K_STR, flags, lo, hi, .sdef = sd, AT(T, f)}
+#define OTHER(name, map, key, lua) {name, map, key, lua, DS4_WIRE_K_OTHER, .flags = 0}
+
+static const ds4_wire_field F_HELLO[] = {
+    STR(ds4_wire_hello, "hello.worker", NULL, "worker", REQ | LREQ | STRLIM, 1, WORKER_ID_MAX, NULL, worker),
+    U32(ds4_wire_hello, "hello.caps.max_batch", "caps", "max_batch", "max_batch", REQ | LREQ, 1, 65536, max_batch),
+    U32(ds4_wire_hello, "hello.caps.threads", "caps", "threads", "threads", REQ | LREQ, 1, 4096, threads),
+    U32(ds4_wire_hello, "hello.caps.vocab_size", "caps", "vocab_size", "vocab_size", REQ | LREQ, 0, I32_MAX, vocab_size),
+    U64(ds4_wire_hello, "hello.caps.n_params", "caps", "n_params", "n_params", REQ | LREQ, 0, MAX_ID, n_params),
+    U32(ds4_wire_hello, "hello.caps.config_crc", "caps", "config_crc", "config_crc", REQ, 0, U32_MAX, config_crc),
+    U32(ds4_wire_hello, "hello.caps.tables_crc", "caps", "tables_crc", "tables_crc", REQ, 0, U32_MAX, tables_crc),
+    STR(ds4_wire_hello, "hello.caps.build", "caps", "build", REQ | STRLIM, 0, DS4_WIRE_STR_CAP, NULL, build),
+    U64(ds4_wire_hello, "hello.policy", NULL, "policy", "policy", REQ, 0, MAX_ID, policy),
+};
+static const ds4_wire_field F_CREDIT[] = {
+    U32(ds4_wire_credit, "credit.n", NULL, "n", "n", REQ | LREQ, 1, 65536, n),
+};
+static const ds4_wire_field F_TASK[] = {
+    U64(ds4_wire_task, "task.task", NULL, "task", "task_id", REQ | LREQ, 0, MAX_ID, task_id),
+    U32(ds4_wire_task, "task.attempt", NULL, "attempt", "attempt", REQ, 0, U32_MAX, attempt),
+    U64(ds4_wire_task, "task.policy", NULL, "policy", "policy", REQ | LREQ, 0, MAX_ID, policy),
+    U32(ds4_wire_task, "task.sampling.max_new_tokens", "sampling", "max_new_tokens", "max_new_tokens", REQ | LREQ, 1,
+        U32_MAX, max_new_tokens),
+    F64(ds4_wire_task, "task.sampling.temperature", "sampling", "temperature", REQ, 0.0, 1000.0, 1.0, temperature),
+    U32(ds4_wire_task, "task.sampling.top_k", "sampling", "top_k", "top_k", REQ, 0, I32_MAX, top_k),
+    F64(ds4_wire_task, "task.sampling.top_p", "sampling", "top_p", REQ, 0.0, 1.0, 1.0, top_p),
+    F64(ds4_wire_task, "task.sampling.min_p", "sampling", "min_p", REQ, 0.0, 1.0, 0.0, min_p),
+    {"task.sampling.n", "sampling", "n", "n", DS4_WIRE_K_U32, REQ, 1, U32_MAX, .def = 1, AT(ds4_wire_task, n)},
+    U64(ds4_wire_task, "task.sampling.seed", "sampling", "seed", "seed", REQ, 0, UINT64_MAX, seed),
+    OTHER("task.sampling.stop", "sampling", "stop", "stop"),
+    OTHER("task.sampling.stop_strings", "sampling", "stop_strings", "stop_strings"),
+    BOOL(ds4_wire_task, "task.sampling.ignore_eos", "sampling", "ignore_eos", ignore_eos),
+    BOOL(ds4_wire_task, "task.sampling.record_experts", "sampling", "record_experts", record_experts),
+    BOOL(ds4_wire_task, "task.sampling.record_index", "sampling", "record_index", record_index),
+    U32(ds4_wire_task, "task.prompt_len", NULL, "prompt_len", "prompt_len", REQ | CALC, 1, U32_MAX, prompt_len),
+};
+static const ds4_wire_field F_SAMPLES[] = {
+    U64(ds4_wire_samples, "samples.task", NULL, "task", "task_id", REQ | LREQ, 0, MAX_ID, task_id),
+    U32(ds4_wire_samples, "samples.attempt", NULL, "attempt", "attempt", REQ, 0, U32_MAX, attempt),
+    U64(ds4_wire_samples, "samples.policy", NULL, "policy", "policy", REQ | LREQ, 0, MAX_ID, policy),
+    U32(ds4_wire_samples, "samples.n", NULL, "n", "n", REQ | OWN, 1, U32_MAX, n),
+    OTHER("samples.prompt_len[]", NULL, "prompt_len", NULL),
+    OTHER("samples.gen[]", NULL, "gen", NULL),
+    OTHER("samples.finish[]", NULL, "finish", NULL),
+    OTHER("samples.stop_index[]", NULL, "stop_index", NULL),
+    OTHER("samples.rows[]", NULL, "rows", NULL),
+    OTHER("samples.experts_shape", NULL, "experts_shape", NULL),
+    OTHER("samples.index_shape", NULL, "index_shape", NULL),
+};
+static const ds4_wire_field F_ANNOUNCE[] = {
+    U64(ds4_wire_weight_announce, "weight_announce.version", NULL, "version", "version", REQ | LREQ, 1, MAX_ID, version),
+    U64(ds4_wire_weight_announce, "weight_announce.bytes", NULL, "bytes", "bytes", REQ | CALC, 4, MAX_ID, bytes),
+    U32(ds4_wire_weight_announce, "weight_announce.chunk", NULL, "chunk", "chunk", REQ | LREQ, 4, U32_MAX, chunk),
+    U32(ds4_wire_weight_announce, "weight_announce.chunks", NULL, "chunks", "chunks", REQ | CALC, 1, U32_MAX, chunks),
+    U64(ds4_wire_weight_announce, "weight_announce.layout.n_params", "layout", "n_params", "n_params", REQ | LREQ, 1,
+        MAX_ID, n_params),
+    STR(ds4_wire_weight_announce, "weight_announce.layout.dtype", "layout", "dtype", REQ, 1,
+        sizeof(((ds4_wire_weight_announce *)0)->dtype) - 1, "f32", dtype),
+    U32(ds4_wire_weight_announce, "weight_announce.crc", NULL, "crc", "crc", REQ | LREQ, 0, U32_MAX, crc),
+    U32(ds4_wire_weight_announce, "weight_announce.model.config_crc", "model", "config_crc", "config_crc", REQ | CALC, 0,
+        U32_MAX, config_crc),
+    U32(ds4_wire_weight_announce, "weight_announce.model.tokenizer_crc", "model", "tokenizer_crc", "tokenizer_crc",
+        REQ | CALC, 0, U32_MAX, tokenizer_crc),
+    U32(ds4_wire_weight_announce, "weight_announce.model.tables_crc", "model", "tables_crc", "tables_crc", REQ | CALC, 0,
+        U32_MAX, tables_crc),
+    STR(ds4_wire_weight_announce, "weight_announce.model.chat_template", "model", "chat_template", REQ | STRLIM, 0,
+        DS4_WIRE_TEMPLATE_CAP, NULL, chat_template),
+};
+static const ds4_wire_field F_REQUEST[] = {
+    U64(ds4_wire_weight_request, "weight_request.version", NULL, "version", "version", REQ | LREQ, 1, MAX_ID, version),
+    U32(ds4_wire_weight_request, "weight_request.index", NULL, "index", "index", REQ | LREQ, 0, U32_MAX, index),
+};
+static const ds4_wire_field F_CHUNK[] = {
+    U64(ds4_wire_weight_chunk, "weight_chunk.version", NULL, "version", "version", REQ | LREQ, 1, MAX_ID, version),
+    U32(ds4_wire_weight_chunk, "weight_chunk.index", NULL, "index", "index", REQ | LREQ, 0, U32_MAX, index),
+    U64(ds4_wire_weight_chunk, "weight_chunk.offset", NULL, "offset", "offset", REQ | CALC, 0, MAX_ID, offset),
+    U64(ds4_wire_weight_chunk, "weight_chunk.bytes", NULL, "bytes", "bytes", REQ | LREQ, 4, MAX_ID, bytes),
+    U32(ds4_wire_weight_chunk, "weight_chunk.chunk", NULL, "chunk", "chunk", REQ | LREQ, 4, U32_MAX, chunk),
+    U32(ds4_wire_weight_chunk, "weight_chunk.crc", NULL, "crc", "crc", REQ | CALC, 0, U32_MAX, crc),
+};
+static const ds4_wire_field F_HEARTBEAT[] = {
+    U64(ds4_wire_heartbeat, "heartbeat.policy", NULL, "policy", "policy", REQ | LREQ, 0, MAX_ID, policy),
+    U32(ds4_wire_heartbeat, "heartbeat.active", NULL, "active", "active", REQ, 0, U32_MAX, active),
+};
+static const ds4_wire_field F_ERROR[] = {
+    U32(ds4_wire_errmsg, "error.code", NULL, "code", "code", REQ | OWN, 1, 65535, code),
+    STR(ds4_wire_errmsg, "error.reason", NULL, "reason", REQ | STRLIM, 0, DS4_WIRE_STR_CAP, NULL, reason),
+    STR(ds4_wire_errmsg, "error.ref_t", NULL, "ref_t", STRLIM, 0, REF_T_MAX, NULL, ref_t),
+    U64(ds4_wire_errmsg, "error.ref_id", NULL, "ref_id", "ref_id", 0, 0, MAX_ID, ref_id),
+    U32(ds4_wire_errmsg, "error.ref_n", NULL, "ref_n", "ref_n", 0, 0, U32_MAX, ref_n),
+};
+static const ds4_wire_field F_BYE[] = {
+    STR(ds4_wire_bye, "bye.reason", NULL, "reason", STRLIM, 0, DS4_WIRE_STR_CAP, NULL, reason),
+};
+#undef MAX_ID
+#undef REQ
+#undef STRLIM
+#undef LREQ
+#undef CALC
+#undef OWN
+#undef AT
+#undef U64
+#undef U32
+#undef F64
+#undef BOOL
+#undef STR
+#undef OTHER
+
+const ds4_wire_field *ds4_wire_fields(ds4_wire_type t, int *n) {
+#define T(F) (*n = (int)(sizeof F / sizeof F[0]), F)
+    switch (t) {
+    case DS4_WIRE_HELLO: return T(F_HELLO);
+    case DS4_WIRE_CREDIT: return T(F_CREDIT);
+    case DS4_WIRE_TASK: return T(F_TASK);
+    case DS4_WIRE_SAMPLES: return T(F_SAMPLES);
+    case DS4_WIRE_WEIGHT_ANNOUNCE: return T(F_ANNOUNCE);
+    case DS4_WIRE_WEIGHT_REQUEST: return T(F_REQUEST);
+    case DS4_WIRE_WEIGHT_CHUNK: return T(F_CHUNK);
+    case DS4_WIRE_HEARTBEAT: return T(F_HEARTBEAT);
+    case DS4_WIRE_ERROR: return T(F_ERROR);
+    case DS4_WIRE_BYE: return T(F_BYE);
+    default: *n = 0; return NULL;
+    }
+#undef T
+}
+
+/* The fields' struct inside a message: every struct of the union starts at its address. */
+static void *body(ds4_wire_msg *m) { return (char *)m + offsetof(ds4_wire_msg, hello); }
+static const void *cbody(const ds4_wire_msg *m) { return (const char *)m + offsetof(ds4_wire_msg, hello); }
+
+/* Field i opens a nested map (its first field there). */
+static int opens_map(const ds4_wire_field *f, int i) {
+    return f[i].map && (i == 0 || !f[i - 1].map || strcmp(f[i - 1].map, f[i].map) != 0);
+}
+
+/* The keys allowed in the header map of type t (map NULL: v, t, f, its fields' keys and its nested maps' keys)
+ * or in its nested map `map`. */
+static int map_keys(ds4_wire_type t, const char *map, const char **keys, int cap) {
+    int nf, n = 0;
+    const ds4_wire_field *f = ds4_wire_fields(t, &nf);
+    if (!map) keys[n++] = "v", keys[n++] = "t", keys[n++] = "f";
+    for (int i = 0; i < nf && n < cap; i++) {
+        if (!map && !f[i].map) keys[n++] = f[i].key;
+        else if (!map && opens_map(f, i)) keys[n++] = f[i].map;
+        else if (map && f[i].map && strcmp(f[i].map, map) == 0) keys[n++] = f[i].key;
+    }
+    return n;
+}
+
 /* ------------------------------------------------------------------------------------------------ per type */
 
 typedef struct dargs {
@@ -511,60 +681,60 @@ typedef struct dargs {
     int verify_crc;
 } dargs;
 
-static ds4_wire_code dec_hello(dx *d, const dargs *a, ds4_wire_hello *m) {
-    static const char *const K[] = {"v", "t", "f", "worker", "caps", "policy"};
-    static const char *const KC[] = {"max_batch", "threads", "vocab_size", "n_params", "config_crc", "tables_crc",
-                                     "build"};
-    const msgpack_object *caps = NULL;
-    size_t smax = d->lim->max_str_bytes;
-    TRY(check_map(d, a->root, "", K, NKEYS(K)));
-    TRY(g_str(d, a->root, "", "worker", 1, 1, smax < WORKER_ID_MAX ? smax : WORKER_ID_MAX, m->worker, sizeof m->worker));
+/* Read field f (not OTHER) from map into p, with its range, its length and limits. */
+static ds4_wire_code dec_field(dx *d, const msgpack_object *map, const ds4_wire_field *f, void *p) {
+    const int req = (f->flags & DS4_WIRE_F_REQ) != 0;
+    const char *path = f->map ? f->map : "";
+    size_t hi = (size_t)f->hi;
+    switch (f->kind) {
+    case DS4_WIRE_K_U64: return g_u64(d, map, path, f->key, req, f->lo, f->hi, p);
+    case DS4_WIRE_K_U32: return g_u32(d, map, path, f->key, req, f->lo, f->hi, p);
+    case DS4_WIRE_K_F64: return g_f64(d, map, path, f->key, req, f->flo, f->fhi, p);
+    case DS4_WIRE_K_BOOL: return g_bool(d, map, path, f->key, req, p);
+    case DS4_WIRE_K_STR:
+        if ((f->flags & DS4_WIRE_F_STRLIM) && d->lim->max_str_bytes < hi) hi = d->lim->max_str_bytes;
+        return g_str(d, map, path, f->key, req, (size_t)f->lo, hi, p, f->size);
+    default: return DS4_WIRE_OK;
+    }
+}
+
+/* The header map's keys, then every field of type t (a nested map's keys when it is reached) into base. Fields of
+ * kind OTHER, the cross-field rules and the frames are the type's check below. */
+static ds4_wire_code dec_fields(dx *d, ds4_wire_type t, const msgpack_object *root, void *base) {
+    const char *keys[MAP_MAX + 3];
+    TRY(check_map(d, root, "", keys, map_keys(t, NULL, keys, MAP_MAX + 3)));
+    int nf;
+    const ds4_wire_field *f = ds4_wire_fields(t, &nf);
+    const msgpack_object *map = root;
+    for (int i = 0; i < nf; i++) {
+        if (opens_map(f, i)) {
+            const char *mk[MAP_MAX];
+            TRY(g_map(d, root, f[i].map, mk, map_keys(t, f[i].map, mk, MAP_MAX), &map));
+        } else if (!f[i].map) {
+            map = root;
+        }
+        TRY(dec_field(d, map, &f[i], (char *)base + f[i].offset));
+    }
+    return DS4_WIRE_OK;
+}
+
+static ds4_wire_code check_hello(dx *d, const dargs *a, ds4_wire_hello *m) {
     for (const char *p = m->worker; *p; p++)
         if (*p <= 0x20 || *p >= 0x7f)
             return dfail(d, DS4_WIRE_ERANGE, "'worker' must be printable ASCII without spaces (byte 0x%02x)",
                          (unsigned char)*p);
-    TRY(g_map(d, a->root, "caps", KC, NKEYS(KC), &caps));
-    TRY(g_u32(d, caps, "caps", "max_batch", 1, 1, 65536, &m->max_batch));
-    TRY(g_u32(d, caps, "caps", "threads", 1, 1, 4096, &m->threads));
-    TRY(g_u32(d, caps, "caps", "vocab_size", 1, 0, I32_MAX, &m->vocab_size));
-    TRY(g_u64(d, caps, "caps", "n_params", 1, 0, DS4_WIRE_MAX_ID, &m->n_params));
     if ((m->vocab_size == 0) != (m->n_params == 0))
         return dfail(d, DS4_WIRE_ERANGE, "caps.vocab_size = %u and caps.n_params = %llu: both 0 (no model) or neither",
                      m->vocab_size, (unsigned long long)m->n_params);
-    TRY(g_u32(d, caps, "caps", "config_crc", 1, 0, U32_MAX, &m->config_crc));
-    TRY(g_u32(d, caps, "caps", "tables_crc", 1, 0, U32_MAX, &m->tables_crc));
-    TRY(g_str(d, caps, "caps", "build", 1, 0, smax, m->build, sizeof m->build));
-    TRY(g_u64(d, a->root, "", "policy", 1, 0, DS4_WIRE_MAX_ID, &m->policy));
     return check_frames(d, a->root, a->nframes, a->lens, NULL, 0);
 }
 
-static ds4_wire_code dec_credit(dx *d, const dargs *a, ds4_wire_credit *m) {
-    static const char *const K[] = {"v", "t", "f", "n"};
-    TRY(check_map(d, a->root, "", K, NKEYS(K)));
-    TRY(g_u32(d, a->root, "", "n", 1, 1, 65536, &m->n));
-    return check_frames(d, a->root, a->nframes, a->lens, NULL, 0);
-}
-
-static ds4_wire_code dec_task(dx *d, const dargs *a, ds4_wire_task *m) {
-    static const char *const K[] = {"v", "t", "f", "task", "attempt", "policy", "sampling", "prompt_len"};
-    static const char *const KS[] = {"max_new_tokens", "temperature", "top_k", "top_p", "min_p", "n", "seed", "stop",
-                                     "ignore_eos", "record_experts", "record_index"};
+static ds4_wire_code check_task(dx *d, const dargs *a, ds4_wire_task *m) {
     const ds4_wire_limits *L = d->lim;
-    const msgpack_object *s = NULL, *stop = NULL;
-    TRY(check_map(d, a->root, "", K, NKEYS(K)));
-    TRY(g_u64(d, a->root, "", "task", 1, 0, DS4_WIRE_MAX_ID, &m->task_id));
-    TRY(g_u32(d, a->root, "", "attempt", 1, 0, U32_MAX, &m->attempt));
-    TRY(g_u64(d, a->root, "", "policy", 1, 0, DS4_WIRE_MAX_ID, &m->policy));
-    TRY(g_map(d, a->root, "sampling", KS, NKEYS(KS), &s));
-    TRY(g_u32(d, s, "sampling", "max_new_tokens", 1, 1, U32_MAX, &m->max_new_tokens));
+    const msgpack_object *s = mget(a->root, "sampling"), *stop = NULL, *strs = NULL;
     if (m->max_new_tokens > L->max_gen_tokens)
         return dfail(d, DS4_WIRE_ELIMIT, "sampling.max_new_tokens = %u, limit %llu", m->max_new_tokens,
                      (unsigned long long)L->max_gen_tokens);
-    TRY(g_f64(d, s, "sampling", "temperature", 1, 0.0, 1000.0, &m->temperature));
-    TRY(g_u32(d, s, "sampling", "top_k", 1, 0, I32_MAX, &m->top_k));
-    TRY(g_f64(d, s, "sampling", "top_p", 1, 0.0, 1.0, &m->top_p));
-    TRY(g_f64(d, s, "sampling", "min_p", 1, 0.0, 1.0, &m->min_p));
-    TRY(g_u32(d, s, "sampling", "n", 1, 1, U32_MAX, &m->n));
     if (m->n > L->max_samples)
         return dfail(d, DS4_WIRE_ELIMIT, "sampling.n = %u samples, limit %u", m->n, L->max_samples);
     if ((uint64_t)m->n * m->max_new_tokens > L->max_gen_tokens)
@@ -572,7 +742,6 @@ static ds4_wire_code dec_task(dx *d, const dargs *a, ds4_wire_task *m) {
                      "sampling.n * max_new_tokens = %u * %u tokens could not be returned in one samples message "
                      "(limit %llu generated tokens)",
                      m->n, m->max_new_tokens, (unsigned long long)L->max_gen_tokens);
-    TRY(g_u64(d, s, "sampling", "seed", 1, 0, UINT64_MAX, &m->seed));
     TRY(g_arr(d, s, "sampling", "stop", 0, L->max_stop_ids, &stop, &m->n_stop));
     for (uint32_t i = 0; i < m->n_stop; i++) {
         char nm[32];
@@ -581,10 +750,12 @@ static ds4_wire_code dec_task(dx *d, const dargs *a, ds4_wire_task *m) {
         TRY(as_int(d, &stop[i], nm, 0, I32_MAX, &v));
         m->stop[i] = (int32_t)v;
     }
-    TRY(g_bool(d, s, "sampling", "ignore_eos", 0, &m->ignore_eos));
-    TRY(g_bool(d, s, "sampling", "record_experts", 0, &m->record_experts));
-    TRY(g_bool(d, s, "sampling", "record_index", 0, &m->record_index));
-    TRY(g_u32(d, a->root, "", "prompt_len", 1, 1, U32_MAX, &m->prompt_len));
+    TRY(g_arr(d, s, "sampling", "stop_strings", 0, DS4_WIRE_STOP_STR_CAP, &strs, &m->n_stop_str));
+    for (uint32_t i = 0; i < m->n_stop_str; i++) {
+        char nm[40];
+        snprintf(nm, sizeof nm, "sampling.stop_strings[%u]", i);
+        TRY(as_str(d, &strs[i], nm, 1, DS4_WIRE_STOP_STR_BYTES, m->stop_str[i], sizeof m->stop_str[i]));
+    }
     if (m->prompt_len > L->max_prompt_tokens)
         return dfail(d, DS4_WIRE_ELIMIT, "prompt_len = %u tokens, limit %u", m->prompt_len, L->max_prompt_tokens);
     fspec sp[1] = {{"prompt", m->prompt_len, "prompt_len", 0}};
@@ -621,18 +792,10 @@ static ds4_wire_code g_shape(dx *d, const msgpack_object *root, const char *key,
     return DS4_WIRE_OK;
 }
 
-static ds4_wire_code dec_samples(dx *d, const dargs *a, ds4_wire_samples *m) {
-    static const char *const K[] = {"v",      "t",          "f",    "task",          "attempt",    "policy", "n",
-                                    "prompt_len", "gen",    "finish", "stop_index", "rows", "experts_shape",
-                                    "index_shape"};
+static ds4_wire_code check_samples(dx *d, const dargs *a, ds4_wire_samples *m) {
     const ds4_wire_limits *L = d->lim;
     const msgpack_object *pl, *gen, *fin, *si, *rows;
     char nm[48];
-    TRY(check_map(d, a->root, "", K, NKEYS(K)));
-    TRY(g_u64(d, a->root, "", "task", 1, 0, DS4_WIRE_MAX_ID, &m->task_id));
-    TRY(g_u32(d, a->root, "", "attempt", 1, 0, U32_MAX, &m->attempt));
-    TRY(g_u64(d, a->root, "", "policy", 1, 0, DS4_WIRE_MAX_ID, &m->policy));
-    TRY(g_u32(d, a->root, "", "n", 1, 1, U32_MAX, &m->n));
     if (m->n > L->max_samples)
         return dfail(d, DS4_WIRE_ELIMIT, "n = %u samples in one message, limit %u", m->n, L->max_samples);
     TRY(g_shape(d, a->root, "experts_shape", 256, 256, &m->experts_layers, &m->experts_k));
@@ -726,21 +889,8 @@ static ds4_wire_code weight_geometry(dx *d, uint64_t bytes, uint32_t chunk, uint
     return DS4_WIRE_OK;
 }
 
-static ds4_wire_code dec_announce(dx *d, const dargs *a, ds4_wire_weight_announce *m) {
-    static const char *const K[] = {"v", "t", "f", "version", "bytes", "chunk", "chunks", "layout", "crc", "model"};
-    static const char *const KL[] = {"n_params", "dtype"};
-    static const char *const KM[] = {"config_crc", "tokenizer_crc", "tables_crc", "chat_template"};
-    const msgpack_object *lay = NULL, *mod = NULL;
+static ds4_wire_code check_announce(dx *d, const dargs *a, ds4_wire_weight_announce *m) {
     uint64_t chunks;
-    TRY(check_map(d, a->root, "", K, NKEYS(K)));
-    TRY(g_u64(d, a->root, "", "version", 1, 1, DS4_WIRE_MAX_ID, &m->version));
-    TRY(g_u64(d, a->root, "", "bytes", 1, 4, DS4_WIRE_MAX_ID, &m->bytes));
-    TRY(g_u32(d, a->root, "", "chunk", 1, 4, U32_MAX, &m->chunk));
-    TRY(g_u32(d, a->root, "", "chunks", 1, 1, U32_MAX, &m->chunks));
-    TRY(g_map(d, a->root, "layout", KL, NKEYS(KL), &lay));
-    TRY(g_u64(d, lay, "layout", "n_params", 1, 1, DS4_WIRE_MAX_ID, &m->n_params));
-    TRY(g_str(d, lay, "layout", "dtype", 1, 1, sizeof m->dtype - 1, m->dtype, sizeof m->dtype));
-    TRY(g_u32(d, a->root, "", "crc", 1, 0, U32_MAX, &m->crc));
     if (strcmp(m->dtype, "f32") != 0)
         return dfail(d, DS4_WIRE_ERANGE, "layout.dtype '%s' is not supported (only \"f32\")", m->dtype);
     TRY(weight_geometry(d, m->bytes, m->chunk, &chunks));
@@ -750,13 +900,6 @@ static ds4_wire_code dec_announce(dx *d, const dargs *a, ds4_wire_weight_announc
     if (m->bytes / 4 != m->n_params)
         return dfail(d, DS4_WIRE_ERANGE, "bytes = %llu is not layout.n_params = %llu times 4 (f32)",
                      (unsigned long long)m->bytes, (unsigned long long)m->n_params);
-    TRY(g_map(d, a->root, "model", KM, NKEYS(KM), &mod));
-    TRY(g_u32(d, mod, "model", "config_crc", 1, 0, U32_MAX, &m->config_crc));
-    TRY(g_u32(d, mod, "model", "tokenizer_crc", 1, 0, U32_MAX, &m->tokenizer_crc));
-    TRY(g_u32(d, mod, "model", "tables_crc", 1, 0, U32_MAX, &m->tables_crc));
-    size_t smax = d->lim->max_str_bytes;
-    TRY(g_str(d, mod, "model", "chat_template", 1, 0, smax < DS4_WIRE_TEMPLATE_CAP ? smax : DS4_WIRE_TEMPLATE_CAP,
-              m->chat_template, sizeof m->chat_template));
     fspec sp[3] = {{"config", ANY_COUNT, "", FR_U8}, {"tokenizer", ANY_COUNT, "", FR_U8},
                    {"tables", ANY_COUNT, "", FR_I32}};
     TRY(check_frames(d, a->root, a->nframes, a->lens, sp, 3));
@@ -781,29 +924,17 @@ static ds4_wire_code dec_announce(dx *d, const dargs *a, ds4_wire_weight_announc
     return DS4_WIRE_OK;
 }
 
-static ds4_wire_code dec_request(dx *d, const dargs *a, ds4_wire_weight_request *m) {
-    static const char *const K[] = {"v", "t", "f", "version", "index"};
-    TRY(check_map(d, a->root, "", K, NKEYS(K)));
-    TRY(g_u64(d, a->root, "", "version", 1, 1, DS4_WIRE_MAX_ID, &m->version));
-    TRY(g_u32(d, a->root, "", "index", 1, 0, U32_MAX, &m->index));
-    return check_frames(d, a->root, a->nframes, a->lens, NULL, 0);
+/* The chunk limit is tighter than the frame limit: an oversized payload is refused before anything else. */
+static ds4_wire_code precheck_chunk(dx *d, int nframes, const size_t *lens) {
+    for (int k = 1; k < nframes; k++)
+        if (lens[k] > d->lim->max_chunk_bytes)
+            return dfail(d, DS4_WIRE_ELIMIT, "raw frame %d is %zu bytes, over the weight chunk limit of %u bytes", k,
+                         lens[k], d->lim->max_chunk_bytes);
+    return DS4_WIRE_OK;
 }
 
-static ds4_wire_code dec_chunk(dx *d, const dargs *a, ds4_wire_weight_chunk *m) {
-    static const char *const K[] = {"v", "t", "f", "version", "index", "offset", "bytes", "chunk", "crc"};
+static ds4_wire_code check_chunk(dx *d, const dargs *a, ds4_wire_weight_chunk *m) {
     uint64_t chunks;
-    /* the chunk limit is tighter than the frame limit: refuse an oversized payload before anything else */
-    for (int k = 1; k < a->nframes; k++)
-        if (a->lens[k] > d->lim->max_chunk_bytes)
-            return dfail(d, DS4_WIRE_ELIMIT, "raw frame %d is %zu bytes, over the weight chunk limit of %u bytes", k,
-                         a->lens[k], d->lim->max_chunk_bytes);
-    TRY(check_map(d, a->root, "", K, NKEYS(K)));
-    TRY(g_u64(d, a->root, "", "version", 1, 1, DS4_WIRE_MAX_ID, &m->version));
-    TRY(g_u32(d, a->root, "", "index", 1, 0, U32_MAX, &m->index));
-    TRY(g_u64(d, a->root, "", "offset", 1, 0, DS4_WIRE_MAX_ID, &m->offset));
-    TRY(g_u64(d, a->root, "", "bytes", 1, 4, DS4_WIRE_MAX_ID, &m->bytes));
-    TRY(g_u32(d, a->root, "", "chunk", 1, 4, U32_MAX, &m->chunk));
-    TRY(g_u32(d, a->root, "", "crc", 1, 0, U32_MAX, &m->crc));
     TRY(weight_geometry(d, m->bytes, m->chunk, &chunks));
     if (m->offset >= m->bytes)
         return dfail(d, DS4_WIRE_ERANGE, "chunk offset %llu is beyond the announced size of %llu bytes",
@@ -825,33 +956,6 @@ static ds4_wire_code dec_chunk(dx *d, const dargs *a, ds4_wire_weight_chunk *m) 
                          m->index, m->data.len, (unsigned long long)m->offset, crc, m->crc);
     }
     return DS4_WIRE_OK;
-}
-
-static ds4_wire_code dec_heartbeat(dx *d, const dargs *a, ds4_wire_heartbeat *m) {
-    static const char *const K[] = {"v", "t", "f", "policy", "active"};
-    TRY(check_map(d, a->root, "", K, NKEYS(K)));
-    TRY(g_u64(d, a->root, "", "policy", 1, 0, DS4_WIRE_MAX_ID, &m->policy));
-    TRY(g_u32(d, a->root, "", "active", 1, 0, U32_MAX, &m->active));
-    return check_frames(d, a->root, a->nframes, a->lens, NULL, 0);
-}
-
-static ds4_wire_code dec_error(dx *d, const dargs *a, ds4_wire_errmsg *m) {
-    static const char *const K[] = {"v", "t", "f", "code", "reason", "ref_t", "ref_id", "ref_n"};
-    size_t smax = d->lim->max_str_bytes;
-    TRY(check_map(d, a->root, "", K, NKEYS(K)));
-    TRY(g_u32(d, a->root, "", "code", 1, 1, 65535, &m->code));
-    TRY(g_str(d, a->root, "", "reason", 1, 0, smax, m->reason, sizeof m->reason));
-    TRY(g_str(d, a->root, "", "ref_t", 0, 0, smax < REF_T_MAX ? smax : REF_T_MAX, m->ref_t, sizeof m->ref_t));
-    TRY(g_u64(d, a->root, "", "ref_id", 0, 0, DS4_WIRE_MAX_ID, &m->ref_id));
-    TRY(g_u32(d, a->root, "", "ref_n", 0, 0, U32_MAX, &m->ref_n));
-    return check_frames(d, a->root, a->nframes, a->lens, NULL, 0);
-}
-
-static ds4_wire_code dec_bye(dx *d, const dargs *a, ds4_wire_bye *m) {
-    static const char *const K[] = {"v", "t", "f", "reason"};
-    TRY(check_map(d, a->root, "", K, NKEYS(K)));
-    TRY(g_str(d, a->root, "", "reason", 0, 0, d->lim->max_str_bytes, m->reason, sizeof m->reason));
-    return check_frames(d, a->root, a->nframes, a->lens, NULL, 0);
 }
 
 /* ------------------------------------------------------------------------------------------------ decode */
@@ -941,21 +1045,18 @@ static ds4_wire_code decode_impl(const ds4_wire_limits *lim, int nframes, const 
         goto done;
     }
     d.tn = TYPE_NAMES[ty];
-    /* 4. the type's schema, then its frames */
+    /* 4. the type's schema (its fields, then its own rules), then its frames */
     dargs a = {root, nframes, frames, lens, verify_crc};
-    switch (ty) {
-    case DS4_WIRE_HELLO: c = dec_hello(&d, &a, &out->hello); break;
-    case DS4_WIRE_CREDIT: c = dec_credit(&d, &a, &out->credit); break;
-    case DS4_WIRE_TASK: c = dec_task(&d, &a, &out->task); break;
-    case DS4_WIRE_SAMPLES: c = dec_samples(&d, &a, &out->samples); break;
-    case DS4_WIRE_WEIGHT_ANNOUNCE: c = dec_announce(&d, &a, &out->announce); break;
-    case DS4_WIRE_WEIGHT_REQUEST: c = dec_request(&d, &a, &out->request); break;
-    case DS4_WIRE_WEIGHT_CHUNK: c = dec_chunk(&d, &a, &out->chunk); break;
-    case DS4_WIRE_HEARTBEAT: c = dec_heartbeat(&d, &a, &out->heartbeat); break;
-    case DS4_WIRE_ERROR: c = dec_error(&d, &a, &out->error); break;
-    case DS4_WIRE_BYE: c = dec_bye(&d, &a, &out->bye); break;
-    default: c = dfail(&d, DS4_WIRE_EARG, "internal: type %d", (int)ty); break;
-    }
+    c = ty == DS4_WIRE_WEIGHT_CHUNK ? precheck_chunk(&d, nframes, lens) : DS4_WIRE_OK;
+    if (c == DS4_WIRE_OK) c = dec_fields(&d, ty, root, body(out));
+    if (c == DS4_WIRE_OK) switch (ty) {
+        case DS4_WIRE_HELLO: c = check_hello(&d, &a, &out->hello); break;
+        case DS4_WIRE_TASK: c = check_task(&d, &a, &out->task); break;
+        case DS4_WIRE_SAMPLES: c = check_samples(&d, &a, &out->samples); break;
+        case DS4_WIRE_WEIGHT_ANNOUNCE: c = check_announce(&d, &a, &out->announce); break;
+        case DS4_WIRE_WEIGHT_CHUNK: c = check_chunk(&d, &a, &out->chunk); break;
+        default: c = check_frames(&d, root, nframes, lens, NULL, 0); break; /* no frames, no rules of their own */
+        }
     if (c != DS4_WIRE_OK) memset(out, 0, sizeof *out);
     out->type = ty;
 done:
@@ -975,42 +1076,42 @@ static int view_eq(ds4_wire_view a, ds4_wire_view b) { return a.len == b.len && 
 static int dbl_eq(double a, double b) { return memcmp(&a, &b, sizeof a) == 0; }
 static int str_eq(const char *a, const char *b, size_t cap) { return strncmp(a, b, cap) == 0; }
 
+static int field_eq(const ds4_wire_field *f, const void *x, const void *y) {
+    switch (f->kind) {
+    case DS4_WIRE_K_U64: return *(const uint64_t *)x == *(const uint64_t *)y;
+    case DS4_WIRE_K_U32: return *(const uint32_t *)x == *(const uint32_t *)y;
+    case DS4_WIRE_K_F64: return dbl_eq(*(const double *)x, *(const double *)y);
+    case DS4_WIRE_K_BOOL: return *(const uint8_t *)x == *(const uint8_t *)y;
+    case DS4_WIRE_K_STR: return str_eq(x, y, f->size);
+    default: return 1;
+    }
+}
+
 int ds4_wire_equal(const ds4_wire_msg *a, const ds4_wire_msg *b, const char **field) {
     const char *f = NULL;
 #define EQ(cond, name)      \
     if (!f && !(cond)) f = name;
 #define F(x) (a->x == b->x)
     EQ(F(type), "type")
+    int nf = 0;
+    const ds4_wire_field *fl = f ? NULL : ds4_wire_fields(a->type, &nf);
+    for (int i = 0; i < nf && !f; i++)
+        EQ(field_eq(&fl[i], (const char *)cbody(a) + fl[i].offset, (const char *)cbody(b) + fl[i].offset), fl[i].name)
+    /* arrays, shapes and frames */
     if (!f) switch (a->type) {
-        case DS4_WIRE_HELLO:
-            EQ(str_eq(a->hello.worker, b->hello.worker, sizeof a->hello.worker), "hello.worker")
-            EQ(F(hello.max_batch), "hello.caps.max_batch") EQ(F(hello.threads), "hello.caps.threads")
-            EQ(F(hello.vocab_size), "hello.caps.vocab_size") EQ(F(hello.n_params), "hello.caps.n_params")
-            EQ(F(hello.config_crc), "hello.caps.config_crc") EQ(F(hello.tables_crc), "hello.caps.tables_crc")
-            EQ(str_eq(a->hello.build, b->hello.build, sizeof a->hello.build), "hello.caps.build")
-            EQ(F(hello.policy), "hello.policy")
-            break;
-        case DS4_WIRE_CREDIT: EQ(F(credit.n), "credit.n") break;
         case DS4_WIRE_TASK: {
             const ds4_wire_task *x = &a->task, *y = &b->task;
-            EQ(F(task.task_id), "task.task") EQ(F(task.attempt), "task.attempt") EQ(F(task.policy), "task.policy")
-            EQ(F(task.max_new_tokens), "task.sampling.max_new_tokens")
-            EQ(dbl_eq(x->temperature, y->temperature), "task.sampling.temperature")
-            EQ(F(task.top_k), "task.sampling.top_k") EQ(dbl_eq(x->top_p, y->top_p), "task.sampling.top_p")
-            EQ(dbl_eq(x->min_p, y->min_p), "task.sampling.min_p") EQ(F(task.n), "task.sampling.n")
-            EQ(F(task.seed), "task.sampling.seed") EQ(F(task.n_stop), "task.sampling.stop (count)")
+            EQ(F(task.n_stop), "task.sampling.stop (count)")
             for (uint32_t i = 0; !f && i < x->n_stop && i < DS4_WIRE_STOP_CAP; i++)
                 EQ(x->stop[i] == y->stop[i], "task.sampling.stop[]")
-            EQ(F(task.ignore_eos), "task.sampling.ignore_eos")
-            EQ(F(task.record_experts), "task.sampling.record_experts")
-            EQ(F(task.record_index), "task.sampling.record_index") EQ(F(task.prompt_len), "task.prompt_len")
+            EQ(F(task.n_stop_str), "task.sampling.stop_strings (count)")
+            for (uint32_t i = 0; !f && i < x->n_stop_str && i < DS4_WIRE_STOP_STR_CAP; i++)
+                EQ(str_eq(x->stop_str[i], y->stop_str[i], sizeof x->stop_str[i]), "task.sampling.stop_strings[]")
             EQ(view_eq(x->prompt, y->prompt), "task.prompt (frame)")
             break;
         }
         case DS4_WIRE_SAMPLES: {
             const ds4_wire_samples *x = &a->samples, *y = &b->samples;
-            EQ(F(samples.task_id), "samples.task") EQ(F(samples.attempt), "samples.attempt")
-            EQ(F(samples.policy), "samples.policy") EQ(F(samples.n), "samples.n")
             for (uint32_t i = 0; !f && i < x->n && i < DS4_WIRE_SAMPLES_CAP; i++) {
                 const ds4_wire_seq *p = &x->seq[i], *q = &y->seq[i];
                 EQ(p->prompt_len == q->prompt_len, "samples.prompt_len[]") EQ(p->n_gen == q->n_gen, "samples.gen[]")
@@ -1027,39 +1128,11 @@ int ds4_wire_equal(const ds4_wire_msg *a, const ds4_wire_msg *b, const char **fi
             break;
         }
         case DS4_WIRE_WEIGHT_ANNOUNCE:
-            EQ(F(announce.version), "weight_announce.version") EQ(F(announce.bytes), "weight_announce.bytes")
-            EQ(F(announce.chunk), "weight_announce.chunk") EQ(F(announce.chunks), "weight_announce.chunks")
-            EQ(F(announce.n_params), "weight_announce.layout.n_params")
-            EQ(str_eq(a->announce.dtype, b->announce.dtype, sizeof a->announce.dtype), "weight_announce.layout.dtype")
-            EQ(F(announce.crc), "weight_announce.crc")
-            EQ(F(announce.config_crc), "weight_announce.model.config_crc")
-            EQ(F(announce.tokenizer_crc), "weight_announce.model.tokenizer_crc")
-            EQ(F(announce.tables_crc), "weight_announce.model.tables_crc")
-            EQ(str_eq(a->announce.chat_template, b->announce.chat_template, sizeof a->announce.chat_template),
-               "weight_announce.model.chat_template")
             EQ(view_eq(a->announce.config, b->announce.config), "weight_announce.config (frame)")
             EQ(view_eq(a->announce.tokenizer, b->announce.tokenizer), "weight_announce.tokenizer (frame)")
             EQ(view_eq(a->announce.tables, b->announce.tables), "weight_announce.tables (frame)")
             break;
-        case DS4_WIRE_WEIGHT_REQUEST:
-            EQ(F(request.version), "weight_request.version") EQ(F(request.index), "weight_request.index")
-            break;
-        case DS4_WIRE_WEIGHT_CHUNK:
-            EQ(F(chunk.version), "weight_chunk.version") EQ(F(chunk.index), "weight_chunk.index")
-            EQ(F(chunk.offset), "weight_chunk.offset") EQ(F(chunk.bytes), "weight_chunk.bytes")
-            EQ(F(chunk.chunk), "weight_chunk.chunk") EQ(F(chunk.crc), "weight_chunk.crc")
-            EQ(view_eq(a->chunk.data, b->chunk.data), "weight_chunk.weights (frame)")
-            break;
-        case DS4_WIRE_HEARTBEAT:
-            EQ(F(heartbeat.policy), "heartbeat.policy") EQ(F(heartbeat.active), "heartbeat.active")
-            break;
-        case DS4_WIRE_ERROR:
-            EQ(F(error.code), "error.code")
-            EQ(str_eq(a->error.reason, b->error.reason, sizeof a->error.reason), "error.reason")
-            EQ(str_eq(a->error.ref_t, b->error.ref_t, sizeof a->error.ref_t), "error.ref_t")
-            EQ(F(error.ref_id), "error.ref_id") EQ(F(error.ref_n), "error.ref_n")
-            break;
-        case DS4_WIRE_BYE: EQ(str_eq(a->bye.reason, b->bye.reason, sizeof a->bye.reason), "bye.reason") break;
+        case DS4_WIRE_WEIGHT_CHUNK: EQ(view_eq(a->chunk.data, b->chunk.data), "weight_chunk.weights (frame)") break;
         default: break;
         }
 #undef EQ
@@ -1120,6 +1193,115 @@ static void p_frames(enc *e, int n, const char *const *names, const int *dtype, 
 
 static int str_fits(const char *s, size_t cap) { return strnlen(s, cap) < cap; }
 
+static void enc_field(enc *e, const ds4_wire_field *f, const void *p) {
+    switch (f->kind) {
+    case DS4_WIRE_K_U64: p_u(e, f->key, *(const uint64_t *)p); break;
+    case DS4_WIRE_K_U32: p_u(e, f->key, *(const uint32_t *)p); break;
+    case DS4_WIRE_K_F64: p_d(e, f->key, *(const double *)p); break;
+    case DS4_WIRE_K_BOOL: p_b(e, f->key, *(const uint8_t *)p); break;
+    case DS4_WIRE_K_STR: p_s(e, f->key, p, f->size); break;
+    default: break;
+    }
+}
+
+/* Field f of kind OTHER: whether m carries it (task.sampling.stop_strings only when there are some; the samples'
+ * rows and shapes only with routing records), and with e its key and value packed. */
+static int enc_other(enc *e, const ds4_wire_msg *m, const ds4_wire_field *f) {
+    if (m->type == DS4_WIRE_TASK) {
+        const ds4_wire_task *t = &m->task;
+        const int strs = strcmp(f->key, "stop_strings") == 0;
+        const uint32_t n = strs ? t->n_stop_str : t->n_stop;
+        if (strs && n == 0) return 0;
+        if (!e) return 1;
+        p_key(e, f->key);
+        e->rc |= msgpack_pack_array(&e->pk, n);
+        for (uint32_t i = 0; i < n; i++) {
+            if (strs) p_sval(e, t->stop_str[i], sizeof t->stop_str[i]);
+            else e->rc |= msgpack_pack_int64(&e->pk, t->stop[i]);
+        }
+        return 1;
+    }
+    const ds4_wire_samples *s = &m->samples; /* the other type with OTHER fields */
+    const int ex = s->experts_layers || s->experts_k, ix = s->index_layers || s->index_topk;
+    const int shape = f->key[strlen(f->key) - 1] == 'e'; /* experts_shape, index_shape */
+    if (shape || strcmp(f->key, "rows") == 0) {
+        const int on = shape ? (f->key[0] == 'e' ? ex : ix) : ex || ix;
+        if (!on) return 0;
+    }
+    if (!e) return 1;
+    p_key(e, f->key);
+    if (shape) {
+        e->rc |= msgpack_pack_array(&e->pk, 2);
+        e->rc |= msgpack_pack_uint64(&e->pk, f->key[0] == 'e' ? s->experts_layers : s->index_layers);
+        e->rc |= msgpack_pack_uint64(&e->pk, f->key[0] == 'e' ? s->experts_k : s->index_topk);
+        return 1;
+    }
+    e->rc |= msgpack_pack_array(&e->pk, s->n);
+    for (uint32_t i = 0; i < s->n; i++) {
+        const ds4_wire_seq *q = &s->seq[i];
+        switch (f->key[0]) {
+        case 'p': e->rc |= msgpack_pack_uint64(&e->pk, q->prompt_len); break;
+        case 'g': e->rc |= msgpack_pack_uint64(&e->pk, q->n_gen); break;
+        case 'f': e->rc |= msgpack_pack_uint64(&e->pk, q->finish); break;
+        case 's': e->rc |= msgpack_pack_int64(&e->pk, q->stop_index); break;
+        default: e->rc |= msgpack_pack_uint64(&e->pk, q->n_rows); break; /* rows */
+        }
+    }
+    return 1;
+}
+
+static int present(const ds4_wire_msg *m, const ds4_wire_field *f) {
+    return f->kind != DS4_WIRE_K_OTHER || enc_other(NULL, m, f);
+}
+
+/* The raw frames of m in order (names, dtypes, views); how many (0: a type without frames, and no "f"). */
+static int frames_of(const ds4_wire_msg *m, const char **names, int *dt, ds4_wire_view *views) {
+    int n = 0;
+#define FR(name, kind, view) (names[n] = (name), dt[n] = (kind), views[n] = (view), n++)
+    switch (m->type) {
+    case DS4_WIRE_TASK: FR("prompt", FR_I32, m->task.prompt); break;
+    case DS4_WIRE_SAMPLES: {
+        const ds4_wire_samples *s = &m->samples;
+        FR("tokens", FR_I32, s->tokens);
+        FR("logprobs", FR_F32, s->logprobs);
+        FR("sample_logprobs", FR_F32, s->sample_logprobs);
+        if (s->experts_layers || s->experts_k) FR("experts", FR_I32, s->experts);
+        if (s->index_layers || s->index_topk) FR("index", FR_I32, s->index);
+        break;
+    }
+    case DS4_WIRE_WEIGHT_ANNOUNCE:
+        FR("config", FR_U8, m->announce.config);
+        FR("tokenizer", FR_U8, m->announce.tokenizer);
+        FR("tables", FR_I32, m->announce.tables);
+        break;
+    case DS4_WIRE_WEIGHT_CHUNK: FR("weights", FR_F32, m->chunk.data); break;
+    default: break;
+    }
+#undef FR
+    return n;
+}
+
+/* The header of m: v, t, its fields in table order (each nested map packed where its first field is), "f". */
+static void enc_header(enc *e, const ds4_wire_msg *m, int nv, const char *const *names, const int *dt,
+                       const ds4_wire_view *views) {
+    int nf;
+    const ds4_wire_field *f = ds4_wire_fields(m->type, &nf);
+    uint32_t top = 2 + (nv > 0);
+    for (int i = 0; i < nf; i++) top += f[i].map ? (uint32_t)opens_map(f, i) : (uint32_t)present(m, &f[i]);
+    p_head(e, top, m->type);
+    for (int i = 0; i < nf; i++) {
+        if (opens_map(f, i)) {
+            uint32_t in = 0;
+            for (int j = i; j < nf && f[j].map && strcmp(f[j].map, f[i].map) == 0; j++) in += (uint32_t)present(m, &f[j]);
+            p_key(e, f[i].map);
+            e->rc |= msgpack_pack_map(&e->pk, in);
+        }
+        if (f[i].kind == DS4_WIRE_K_OTHER) enc_other(e, m, &f[i]);
+        else enc_field(e, &f[i], (const char *)cbody(m) + f[i].offset);
+    }
+    if (nv > 0) p_frames(e, nv, names, dt, views);
+}
+
 ds4_status ds4_wire_encode(const ds4_wire_msg *m, ds4_wire_out *out, ds4_error *err) {
     if (!out) return ds4_fail(err, DS4_ERR_ARG, "wire encode: out is NULL");
     memset(out, 0, sizeof *out);
@@ -1128,32 +1310,19 @@ ds4_status ds4_wire_encode(const ds4_wire_msg *m, ds4_wire_out *out, ds4_error *
         return ds4_fail(err, DS4_ERR_ARG, "wire encode: message type %d is not a message", (int)m->type);
     const char *tn = TYPE_NAMES[m->type];
     /* what the packing below indexes or reads as C strings must be sane before it runs */
+    int nf;
+    const ds4_wire_field *f = ds4_wire_fields(m->type, &nf);
+    for (int i = 0; i < nf; i++)
+        if (f[i].kind == DS4_WIRE_K_STR && !str_fits((const char *)cbody(m) + f[i].offset, f[i].size))
+            return ds4_fail(err, DS4_ERR_ARG, "wire encode: %s: %s is not NUL-terminated", tn, f[i].name);
     const char *bad = NULL;
-    switch (m->type) {
-    case DS4_WIRE_HELLO:
-        if (!str_fits(m->hello.worker, sizeof m->hello.worker) || !str_fits(m->hello.build, sizeof m->hello.build))
-            bad = "a string field is not NUL-terminated";
-        break;
-    case DS4_WIRE_TASK:
+    if (m->type == DS4_WIRE_TASK) {
         if (m->task.n_stop > DS4_WIRE_STOP_CAP) bad = "n_stop is over DS4_WIRE_STOP_CAP";
-        break;
-    case DS4_WIRE_SAMPLES:
-        if (m->samples.n > DS4_WIRE_SAMPLES_CAP) bad = "n is over DS4_WIRE_SAMPLES_CAP";
-        break;
-    case DS4_WIRE_WEIGHT_ANNOUNCE:
-        if (!str_fits(m->announce.dtype, sizeof m->announce.dtype) ||
-            !str_fits(m->announce.chat_template, sizeof m->announce.chat_template))
-            bad = "a string field is not NUL-terminated";
-        break;
-    case DS4_WIRE_ERROR:
-        if (!str_fits(m->error.reason, sizeof m->error.reason) || !str_fits(m->error.ref_t, sizeof m->error.ref_t))
-            bad = "a string field is not NUL-terminated";
-        break;
-    case DS4_WIRE_BYE:
-        if (!str_fits(m->bye.reason, sizeof m->bye.reason)) bad = "reason is not NUL-terminated";
-        break;
-    default: break;
+        if (m->task.n_stop_str > DS4_WIRE_STOP_STR_CAP) bad = "n_stop_str is over DS4_WIRE_STOP_STR_CAP";
+        for (uint32_t i = 0; !bad && i < m->task.n_stop_str; i++)
+            if (!str_fits(m->task.stop_str[i], sizeof m->task.stop_str[i])) bad = "a stop string is not NUL-terminated";
     }
+    if (m->type == DS4_WIRE_SAMPLES && m->samples.n > DS4_WIRE_SAMPLES_CAP) bad = "n is over DS4_WIRE_SAMPLES_CAP";
     if (bad) return ds4_fail(err, DS4_ERR_ARG, "wire encode: %s: %s", tn, bad);
 
     msgpack_sbuffer sb;
@@ -1161,170 +1330,11 @@ ds4_status ds4_wire_encode(const ds4_wire_msg *m, ds4_wire_out *out, ds4_error *
     enc e;
     msgpack_packer_init(&e.pk, &sb, msgpack_sbuffer_write);
     e.rc = 0;
+    const char *names[DS4_WIRE_FRAMES_CAP - 1];
+    int dt[DS4_WIRE_FRAMES_CAP - 1];
     ds4_wire_view views[DS4_WIRE_FRAMES_CAP - 1];
-    int nv = 0;
-    switch (m->type) {
-    case DS4_WIRE_HELLO: {
-        const ds4_wire_hello *h = &m->hello;
-        p_head(&e, 5, m->type);
-        p_s(&e, "worker", h->worker, sizeof h->worker);
-        p_key(&e, "caps");
-        e.rc |= msgpack_pack_map(&e.pk, 7);
-        p_u(&e, "max_batch", h->max_batch);
-        p_u(&e, "threads", h->threads);
-        p_u(&e, "vocab_size", h->vocab_size);
-        p_u(&e, "n_params", h->n_params);
-        p_u(&e, "config_crc", h->config_crc);
-        p_u(&e, "tables_crc", h->tables_crc);
-        p_s(&e, "build", h->build, sizeof h->build);
-        p_u(&e, "policy", h->policy);
-        break;
-    }
-    case DS4_WIRE_CREDIT:
-        p_head(&e, 3, m->type);
-        p_u(&e, "n", m->credit.n);
-        break;
-    case DS4_WIRE_TASK: {
-        const ds4_wire_task *t = &m->task;
-        static const char *const names[] = {"prompt"};
-        static const int f32[] = {0};
-        p_head(&e, 8, m->type);
-        p_u(&e, "task", t->task_id);
-        p_u(&e, "attempt", t->attempt);
-        p_u(&e, "policy", t->policy);
-        p_key(&e, "sampling");
-        e.rc |= msgpack_pack_map(&e.pk, 11);
-        p_u(&e, "max_new_tokens", t->max_new_tokens);
-        p_d(&e, "temperature", t->temperature);
-        p_u(&e, "top_k", t->top_k);
-        p_d(&e, "top_p", t->top_p);
-        p_d(&e, "min_p", t->min_p);
-        p_u(&e, "n", t->n);
-        p_u(&e, "seed", t->seed);
-        p_key(&e, "stop");
-        e.rc |= msgpack_pack_array(&e.pk, t->n_stop);
-        for (uint32_t i = 0; i < t->n_stop; i++) e.rc |= msgpack_pack_int64(&e.pk, t->stop[i]);
-        p_b(&e, "ignore_eos", t->ignore_eos);
-        p_b(&e, "record_experts", t->record_experts);
-        p_b(&e, "record_index", t->record_index);
-        p_u(&e, "prompt_len", t->prompt_len);
-        views[nv++] = t->prompt;
-        p_frames(&e, 1, names, f32, views);
-        break;
-    }
-    case DS4_WIRE_SAMPLES: {
-        const ds4_wire_samples *s = &m->samples;
-        int ex = s->experts_layers || s->experts_k, ix = s->index_layers || s->index_topk;
-        const char *names[5] = {"tokens", "logprobs", "sample_logprobs"};
-        int f32[5] = {0, 1, 1};
-        p_head(&e, 11 + (uint32_t)((ex || ix) + ex + ix), m->type);
-        p_u(&e, "task", s->task_id);
-        p_u(&e, "attempt", s->attempt);
-        p_u(&e, "policy", s->policy);
-        p_u(&e, "n", s->n);
-#define PER_SAMPLE(key, expr, pack)                                        \
-    p_key(&e, key);                                                        \
-    e.rc |= msgpack_pack_array(&e.pk, s->n);                               \
-    for (uint32_t i = 0; i < s->n; i++) e.rc |= pack(&e.pk, s->seq[i].expr);
-        PER_SAMPLE("prompt_len", prompt_len, msgpack_pack_uint64)
-        PER_SAMPLE("gen", n_gen, msgpack_pack_uint64)
-        PER_SAMPLE("finish", finish, msgpack_pack_uint64)
-        PER_SAMPLE("stop_index", stop_index, msgpack_pack_int64)
-        if (ex || ix) {
-            PER_SAMPLE("rows", n_rows, msgpack_pack_uint64)
-        }
-#undef PER_SAMPLE
-        views[nv++] = s->tokens;
-        views[nv++] = s->logprobs;
-        views[nv++] = s->sample_logprobs;
-        if (ex) {
-            p_key(&e, "experts_shape");
-            e.rc |= msgpack_pack_array(&e.pk, 2);
-            e.rc |= msgpack_pack_uint64(&e.pk, s->experts_layers);
-            e.rc |= msgpack_pack_uint64(&e.pk, s->experts_k);
-            names[nv] = "experts";
-            f32[nv] = 0;
-            views[nv++] = s->experts;
-        }
-        if (ix) {
-            p_key(&e, "index_shape");
-            e.rc |= msgpack_pack_array(&e.pk, 2);
-            e.rc |= msgpack_pack_uint64(&e.pk, s->index_layers);
-            e.rc |= msgpack_pack_uint64(&e.pk, s->index_topk);
-            names[nv] = "index";
-            f32[nv] = 0;
-            views[nv++] = s->index;
-        }
-        p_frames(&e, nv, names, f32, views);
-        break;
-    }
-    case DS4_WIRE_WEIGHT_ANNOUNCE: {
-        const ds4_wire_weight_announce *w = &m->announce;
-        static const char *const names[] = {"config", "tokenizer", "tables"};
-        static const int dt[] = {FR_U8, FR_U8, FR_I32};
-        p_head(&e, 10, m->type);
-        p_u(&e, "version", w->version);
-        p_u(&e, "bytes", w->bytes);
-        p_u(&e, "chunk", w->chunk);
-        p_u(&e, "chunks", w->chunks);
-        p_key(&e, "layout");
-        e.rc |= msgpack_pack_map(&e.pk, 2);
-        p_u(&e, "n_params", w->n_params);
-        p_s(&e, "dtype", w->dtype, sizeof w->dtype);
-        p_u(&e, "crc", w->crc);
-        p_key(&e, "model");
-        e.rc |= msgpack_pack_map(&e.pk, 4);
-        p_u(&e, "config_crc", w->config_crc);
-        p_u(&e, "tokenizer_crc", w->tokenizer_crc);
-        p_u(&e, "tables_crc", w->tables_crc);
-        p_s(&e, "chat_template", w->chat_template, sizeof w->chat_template);
-        views[nv++] = w->config;
-        views[nv++] = w->tokenizer;
-        views[nv++] = w->tables;
-        p_frames(&e, 3, names, dt, views);
-        break;
-    }
-    case DS4_WIRE_WEIGHT_REQUEST:
-        p_head(&e, 4, m->type);
-        p_u(&e, "version", m->request.version);
-        p_u(&e, "index", m->request.index);
-        break;
-    case DS4_WIRE_WEIGHT_CHUNK: {
-        const ds4_wire_weight_chunk *w = &m->chunk;
-        static const char *const names[] = {"weights"};
-        static const int f32[] = {1};
-        p_head(&e, 9, m->type);
-        p_u(&e, "version", w->version);
-        p_u(&e, "index", w->index);
-        p_u(&e, "offset", w->offset);
-        p_u(&e, "bytes", w->bytes);
-        p_u(&e, "chunk", w->chunk);
-        p_u(&e, "crc", w->crc);
-        views[nv++] = w->data;
-        p_frames(&e, 1, names, f32, views);
-        break;
-    }
-    case DS4_WIRE_HEARTBEAT:
-        p_head(&e, 4, m->type);
-        p_u(&e, "policy", m->heartbeat.policy);
-        p_u(&e, "active", m->heartbeat.active);
-        break;
-    case DS4_WIRE_ERROR: {
-        const ds4_wire_errmsg *x = &m->error;
-        p_head(&e, 7, m->type);
-        p_u(&e, "code", x->code);
-        p_s(&e, "reason", x->reason, sizeof x->reason);
-        p_s(&e, "ref_t", x->ref_t, sizeof x->ref_t);
-        p_u(&e, "ref_id", x->ref_id);
-        p_u(&e, "ref_n", x->ref_n);
-        break;
-    }
-    case DS4_WIRE_BYE:
-        p_head(&e, 3, m->type);
-        p_s(&e, "reason", m->bye.reason, sizeof m->bye.reason);
-        break;
-    default: break;
-    }
+    const int nv = frames_of(m, names, dt, views);
+    enc_header(&e, m, nv, names, dt, views);
     if (e.rc) {
         msgpack_sbuffer_destroy(&sb);
         return ds4_fail(err, DS4_ERR_OOM, "wire encode: %s: out of memory packing the header", tn);

@@ -35,8 +35,9 @@ extern "C" {
 #endif
 
 /* 2: hello carries the model's config and table CRCs (or none: a worker without a model), weight_announce
- * carries the model itself (config.json, tokenizer.json, chat template name, hash-routing tables). */
-#define DS4_WIRE_VERSION 2
+ * carries the model itself (config.json, tokenizer.json, chat template name, hash-routing tables).
+ * 3: a task may carry stop strings (sampling.stop_strings), and samples may end with finish stop_string. */
+#define DS4_WIRE_VERSION 3
 
 /* Compile-time capacities of the structs below. The configurable limits (ds4_wire_limits) may be lowered
  * from these, never raised past them. */
@@ -44,6 +45,8 @@ extern "C" {
 #define DS4_WIRE_STR_CAP 256      /* bytes of a string field (the buffers hold one more, for the NUL) */
 #define DS4_WIRE_SAMPLES_CAP 256  /* samples per samples message */
 #define DS4_WIRE_STOP_CAP 64      /* stop token ids per task */
+#define DS4_WIRE_STOP_STR_CAP 16  /* stop strings per task */
+#define DS4_WIRE_STOP_STR_BYTES 64 /* bytes of one stop string (the buffers hold one more, for the NUL) */
 #define DS4_WIRE_TEMPLATE_CAP 64  /* bytes of weight_announce.chat_template */
 #define DS4_WIRE_MAX_ID 9007199254740991ull /* 2^53 - 1: task ids, policy versions, counts of parameters and
                                               bytes; exact in a Lua number */
@@ -160,6 +163,8 @@ typedef struct ds4_wire_task {
     uint64_t seed;                     /* any */
     uint32_t n_stop;                   /* 0..max_stop_ids */
     int32_t stop[DS4_WIRE_STOP_CAP];   /* extra stop token ids, each 0..2^31-1 */
+    uint32_t n_stop_str;               /* 0..DS4_WIRE_STOP_STR_CAP (version 3) */
+    char stop_str[DS4_WIRE_STOP_STR_CAP][DS4_WIRE_STOP_STR_BYTES + 1]; /* stop strings, 1..64 bytes, no NUL */
     uint8_t ignore_eos, record_experts, record_index; /* 0 or 1 */
     uint32_t prompt_len;               /* 1..max_prompt_tokens */
     ds4_wire_view prompt;              /* frame 1 "prompt": i32 LE [prompt_len] */
@@ -252,6 +257,48 @@ typedef struct ds4_wire_msg {
         ds4_wire_bye bye;
     };
 } ds4_wire_msg;
+
+/* ------------------------------------------------------------------------------------------------ fields */
+
+/* Every header field of every message type, declared once, in wire order (the encoder's key order): the codec's
+ * decoder, encoder and equality (rollout/wire.c) and the Lua binding's fill and push (lua/wire_lua.c) all walk
+ * this table. A field of kind DS4_WIRE_K_OTHER (task.sampling.stop and stop_strings; the samples' per-sample
+ * arrays and routing shapes) has its key here and its values in each place's own code, as have the raw frames
+ * and the cross-field rules (protocol.md §3). */
+typedef enum ds4_wire_kind {
+    DS4_WIRE_K_U64,   /* msgpack uint -> uint64_t */
+    DS4_WIRE_K_U32,   /* msgpack uint -> uint32_t */
+    DS4_WIRE_K_F64,   /* a float (an integer accepted) -> double */
+    DS4_WIRE_K_BOOL,  /* true / false -> uint8_t */
+    DS4_WIRE_K_STR,   /* str -> char[size], NUL-terminated */
+    DS4_WIRE_K_OTHER  /* an array or a shape: the type's own code */
+} ds4_wire_kind;
+
+enum {
+    DS4_WIRE_F_REQ = 1,      /* required on the wire (absent otherwise: 0, "") */
+    DS4_WIRE_F_STRLIM = 2,   /* a string also at most max_str_bytes */
+    DS4_WIRE_F_LUA_REQ = 4,  /* required in a Lua message (absent otherwise: def / sdef) */
+    DS4_WIRE_F_LUA_CALC = 8, /* absent from a Lua message: the binding derives it from the other fields */
+    DS4_WIRE_F_LUA_OWN = 16  /* the binding reads it its own way (an error code by name, samples.n from seq) */
+};
+
+typedef struct ds4_wire_field {
+    const char *name;   /* "hello.caps.max_batch": the name in messages (ds4_wire_equal's field) */
+    const char *map;    /* NULL: a key of the header map; else the key of the nested map holding it */
+    const char *key;    /* the key on the wire */
+    const char *lua;    /* the key in a Lua message (ds4.wire); NULL: the binding names it otherwise */
+    ds4_wire_kind kind;
+    unsigned flags;     /* DS4_WIRE_F_* */
+    uint64_t lo, hi;    /* integers: the range; strings: the range of the length in bytes */
+    double flo, fhi;    /* doubles: the range */
+    double def;         /* a number's or boolean's value when absent from a Lua message */
+    const char *sdef;   /* a string's value when absent from a Lua message (NULL: "") */
+    size_t offset;      /* of the C field in its type's struct (every struct of ds4_wire_msg's union) */
+    size_t size;        /* of the C field */
+} ds4_wire_field;
+
+/* The fields of type t in wire order, and how many (*n); NULL and 0 for DS4_WIRE_NONE. */
+const ds4_wire_field *ds4_wire_fields(ds4_wire_type t, int *n);
 
 /* ------------------------------------------------------------------------------------------------ codec */
 

@@ -11,6 +11,8 @@
 #   3. trainer 1 is killed with -9 and trainer 2 binds the same port: the workers notice ("unknown worker" /
 #      silence), say hello again, and trainer 2's rounds complete with the same checks; before them, a raw DEALER
 #      sends malformed frames and gets an error reply for each, and nobody crashes;
+#      the workers batch their tasks continuously (up to 32 sequences, several tasks at once: checked in their
+#      logs), round 2 with frequent stop ids so that sequences of one batch end at mixed lengths;
 #   4. SIGTERM: each worker says bye and exits 0;
 #   5. examples/dapo.lua --workers ipc://... with two local workers, tiny settings, --max-staleness 0: the
 #      rollouts come from the workers and the trainer's recomputed log-probabilities equal theirs.
@@ -83,6 +85,7 @@ ds4.set_threads(1)
 local function exists(p) local f = io.open(p) if f then f:close() return true end return false end
 local function touch(p) assert(io.open(p, "w")):close() end
 local policy = ds4.load(fix .. "/tiny_a")
+policy:set_tokenizer(ds4.tokenizer()) -- byte-level (ids < 256 are bytes): the announce carries it, for stop strings
 local done = 0
 local pool = ds4.rollout.pool{ bind = bind, model = policy, workers = 3, wait_s = 60, dead_s = 4, timeout_s = 300,
     curve = { secret = dir .. "/trainer.key", public = dir .. "/trainer.pub",
@@ -115,9 +118,12 @@ for i = 1, 24 do
     prompts[i] = p
 end
 local opts = { n = 4, max_new_tokens = 40, temperature = 1.0, top_p = 0.95 }
-local results, mismatches, order_bad = 0, 0, 0
+local results, mismatches, order_bad, finishes = 0, 0, 0, {}
 for r = 1, 3 do
     opts.seed = (mode == "first" and 100 or 200) + r
+    -- round 2: frequent stop ids and stop strings (protocol v3), so that the sequences of a worker's batch end at
+    -- mixed lengths
+    opts.stop = r == 2 and { 3, 17, 42, 99, 150, 201, "!", "@A", "\x80" } or nil
     local res = pool:generate(prompts, opts)
     if #res ~= #prompts * opts.n then order_bad = order_bad + 1 end
     for p = 1, #prompts do
@@ -125,11 +131,13 @@ for r = 1, 3 do
         local o = {}
         for k, v in pairs(opts) do o[k] = v end
         o.seed = ds4.rollout.task_seed(opts.seed, p)
+        o.tokenizer = policy:tokenizer()
         local ref = versions[first.policy_version]:generate({ prompts[p] }, o)
         for s = 1, opts.n do
             local a, b = res[(p - 1) * opts.n + s], ref[s]
             if a.prompt_index ~= p or a.sample_index ~= s then order_bad = order_bad + 1 end
-            local same = #a.ids == #b.ids and a.finish_reason == b.finish_reason
+            local same = #a.ids == #b.ids and a.finish_reason == b.finish_reason and a.stop == b.stop
+            finishes[a.finish_reason] = (finishes[a.finish_reason] or 0) + 1
             for j = 1, #b.ids do
                 if a.ids[j] ~= b.ids[j] or a.logprobs[j] ~= b.logprobs[j] then same = false end
             end
@@ -148,6 +156,8 @@ local st = pool:stats()
 print(("%s: tasks %d completed %d reissued %d duplicates %d failed %d results %d mismatches %d order %d versions %d "
     .. "curve_refused %d"):format(mode, st.tasks, st.completed, st.reissued, st.duplicates, st.failed, results,
     mismatches, order_bad, st.version, st.curve_refused or 0))
+print(("%s finishes: stop_string %d stop_token %d length %d eos %d"):format(mode, finishes.stop_string or 0,
+    finishes.stop_token or 0, finishes.length or 0, finishes.eos or 0))
 io.stdout:flush()
 if mode == "first" then
     touch(dir .. "/first_done")
@@ -167,6 +177,10 @@ check_run() { # log mode: every task exactly once, results equal the local gener
     [ "$mism" = 0 ] || fail "trainer $2: $mism results differ from the local model:generate"
     [ "$order" = 0 ] || fail "trainer $2: results out of order"
     [ "$versions" = 4 ] || fail "trainer $2: $versions policy versions, want 4"
+    line="$(grep "^$2 finishes: " "$1")" || fail "no finishes line from trainer $2"
+    echo "$line"
+    read -r _ _ _ nstr _ ntok _ <<<"$line"
+    [ "$nstr" -gt 0 ] && [ "$ntok" -gt 0 ] || fail "trainer $2: no sample ended by a stop string or a stop id"
     REISSUED=$reissued
     REFUSED=$refused
 }
@@ -226,13 +240,14 @@ local credit = ds4.wire.encode({ t = "credit", n = 1 })
 local cases = {
     { "not a map", { "\193 garbage" }, "not_map" },
     { "truncated msgpack", { "\130\161v\1\161t" }, "parse" },
-    { "another protocol version", { "\129\161v\3" }, "version" },
+    { "another protocol version", { "\129\161v\4" }, "version" },
     { "an empty header", { "" }, "parse" },
     { "an undeclared raw frame", { credit[1], "extra" }, "frame" },
     { "an oversized header", { ("\144"):rep(70000) }, "limit" },
-    { "an unknown message type", { "\130\161v\2\161t\164nope" }, "type" },
-    -- a peer of protocol version 1 (this hello as version 1 wrote it): refused by version, whatever else it says
+    { "an unknown message type", { "\130\161v\3\161t\164nope" }, "type" },
+    -- peers of protocol versions 1 and 2 (a hello as they wrote it): refused by version, whatever else they say
     { "a version 1 hello", { "\131\161v\1\161t\165hello\166worker\170raw-client" }, "version" },
+    { "a version 2 hello", { "\131\161v\2\161t\165hello\166worker\170raw-client" }, "version" },
     { "a credit from an unknown worker", credit, "state" },
     { "a hello with another vocabulary", ds4.wire.encode({ t = "hello", worker = "raw-client", policy = 0,
         max_batch = 1, threads = 1, vocab_size = 7, n_params = 1, build = "raw" }), "refused" },
@@ -254,12 +269,18 @@ wait "$T2" || fail "trainer 2 failed"
 check_run "$out/t2.log" second
 grep -q "rejected a message from raw-client" "$out/t2.err" || fail "trainer 2 did not log the rejections"
 grep -q "refused worker raw-client" "$out/t2.err" || fail "trainer 2 did not log the refused hello"
-grep -q "protocol version 1, this build speaks version 2" "$out/t2.err" || fail "trainer 2 did not log the v1 refusal"
+grep -q "protocol version 1, this build speaks version 3" "$out/t2.err" || fail "trainer 2 did not log the v1 refusal"
+grep -q "protocol version 2, this build speaks version 3" "$out/t2.err" || fail "trainer 2 did not log the v2 refusal"
 grep -q "a version 1 hello -> error version: .*protocol version 1" "$out/raw.log" || fail "no version error for v1"
+grep -q "a version 2 hello -> error version: .*protocol version 2" "$out/raw.log" || fail "no version error for v2"
 for id in w1 w2 w3; do
     grep -q "worker $id joined" "$out/t2.err" || fail "$id did not reconnect to trainer 2"
 done
 echo "trainer 2: ok (workers reconnected; malformed messages answered with errors)"
+# continuous batching: a worker ran several tasks at once (and still matched model:generate of each, above)
+most="$(grep -ho "admitted: [0-9]* tasks in the batcher" "$out"/w*.log | awk '{ if ($2 > m) m = $2 } END { print m + 0 }')"
+[ "$most" -ge 3 ] || fail "no worker held 3 or more tasks in its batcher at once (at most $most)"
+echo "continuous batching: up to $most tasks at once in a worker's batcher, results equal to local generation"
 
 # ------------------------------------------------------------------------------------------------ 4. SIGTERM
 for p in "${pids[@]}"; do

@@ -77,6 +77,9 @@ static void mk_task(ds4_wire_msg *m) {
     t->stop[0] = 1;
     t->stop[1] = 128799;
     t->stop[2] = 0;
+    t->n_stop_str = 2;
+    strcpy(t->stop_str[0], "</answer>");
+    strcpy(t->stop_str[1], "\n\n");
     t->ignore_eos = 1;
     t->record_experts = 1;
     t->record_index = 0;
@@ -517,10 +520,13 @@ static void test_rejects(void) {
     /* --- version and type */
     load(&w, &m);
     patch(&w, P_SET, "v", mo_u(1));
-    EXPECT("a version 1 peer", &w, DS4_WIRE_EVERSION, "protocol version 1, this build speaks version 2");
+    EXPECT("a version 1 peer", &w, DS4_WIRE_EVERSION, "protocol version 1, this build speaks version 3");
     load(&w, &m);
-    patch(&w, P_SET, "v", mo_u(3));
-    EXPECT("wrong version", &w, DS4_WIRE_EVERSION, "protocol version 3, this build speaks version 2");
+    patch(&w, P_SET, "v", mo_u(2));
+    EXPECT("a version 2 peer", &w, DS4_WIRE_EVERSION, "protocol version 2, this build speaks version 3");
+    load(&w, &m);
+    patch(&w, P_SET, "v", mo_u(4));
+    EXPECT("wrong version", &w, DS4_WIRE_EVERSION, "protocol version 4, this build speaks version 3");
     load(&w, &m);
     patch(&w, P_SET, "v", mo_i(-1));
     EXPECT("negative version", &w, DS4_WIRE_EVERSION, "protocol version -1");
@@ -595,6 +601,27 @@ static void test_rejects(void) {
         EXPECT("negative stop id", &w, DS4_WIRE_ERANGE, "'sampling.stop[1]' = -7");
     }
     {
+        /* stop strings (version 3): strings of 1..64 bytes without NUL, at most 16 */
+        static const char long65[] = "0123456789012345678901234567890123456789012345678901234567890123X";
+        msgpack_object st[2] = {mo_s("ok"), mo_u(5)};
+        load(&w, &m);
+        patch(&w, P_SET, "sampling.stop_strings", mo_arr(st, 2));
+        EXPECT("stop string not a string", &w, DS4_WIRE_EVALTYPE, "'sampling.stop_strings[1]' must be a string");
+        st[1] = mo_s("");
+        load(&w, &m);
+        patch(&w, P_SET, "sampling.stop_strings", mo_arr(st, 2));
+        EXPECT("empty stop string", &w, DS4_WIRE_ERANGE, "'sampling.stop_strings[1]' is 0 bytes");
+        st[1] = mo_s(long65);
+        load(&w, &m);
+        patch(&w, P_SET, "sampling.stop_strings", mo_arr(st, 2));
+        EXPECT("stop string of 65 bytes", &w, DS4_WIRE_ELIMIT, "'sampling.stop_strings[1]' is 65 bytes, limit 64");
+        msgpack_object many[17];
+        for (int i = 0; i < 17; i++) many[i] = mo_s("x");
+        load(&w, &m);
+        patch(&w, P_SET, "sampling.stop_strings", mo_arr(many, 17));
+        EXPECT("17 stop strings", &w, DS4_WIRE_ELIMIT, "'sampling.stop_strings' has 17 elements, limit 16");
+    }
+    {
         static msgpack_object st[65];
         for (int i = 0; i < 65; i++) st[i] = mo_u((uint64_t)i);
         load(&w, &m);
@@ -627,7 +654,7 @@ static void test_rejects(void) {
     EXPECT("duplicate version key", &w, DS4_WIRE_EDUP, "duplicate key 'v'");
     {
         /* {"v": 2, "t": "credit", "n": 1, 7: 1}: a key that is not a string */
-        memcpy(w.hdr, "\x84\xa1v\x02\xa1t\xa6" "credit\xa1n\x01\x07\x01", 18);
+        memcpy(w.hdr, "\x84\xa1v\x03\xa1t\xa6" "credit\xa1n\x01\x07\x01", 18);
         w.l[0] = 18;
         w.n = 1;
         EXPECT("integer key", &w, DS4_WIRE_EKEY, "key 3 is not a string (unsigned integer)");
@@ -941,6 +968,12 @@ static void test_encoder(void) {
     mk_task(&m);
     m.task.n_stop = 65;
     EXPECT_ENC("n_stop over the capacity", &m, "n_stop is over DS4_WIRE_STOP_CAP");
+    mk_task(&m);
+    m.task.n_stop_str = 17;
+    EXPECT_ENC("n_stop_str over the capacity", &m, "n_stop_str is over DS4_WIRE_STOP_STR_CAP");
+    mk_task(&m);
+    m.task.stop_str[1][0] = 0;
+    EXPECT_ENC("an empty stop string", &m, "is 0 bytes");
     mk_samples(&m, 0);
     m.samples.seq[1].n_rows = 3;
     EXPECT_ENC("rows without routing", &m, "field samples.rows[] does not survive encoding");
@@ -1098,42 +1131,88 @@ static void test_mutation(int iters) {
     CHECK(codes[DS4_WIRE_EPARSE] && codes[DS4_WIRE_EFRAME] && codes[DS4_WIRE_ECRC], "mutations reach the checks");
 }
 
-/* WIRE_WRITE_CORPUS=DIR: write every valid seed message in fuzz_wire's input layout (byte 0 = frames, u16 LE
- * lengths, the frames) as DIR/NN_TYPE.bin: the seed corpus tests/fuzz/corpus/wire/. */
+/* Seed message i encoded in fuzz_wire's input layout (byte 0 = frames, u16 LE lengths, the frames) into buf
+ * (malloc'd, *n bytes), and its file name NN_TYPE.bin; 0 when encoding failed (counted as a failed check). */
+static int seed_bytes(int i, unsigned char **buf, size_t *n, char *name, size_t cap) {
+    ds4_wire_msg m;
+    ds4_wire_out o;
+    ds4_error err;
+    mk_seed(i, &m);
+    if (ds4_wire_encode(&m, &o, &err) != DS4_OK) {
+        CHECK(0, "seed %d: %s", i, err.msg);
+        return 0;
+    }
+    snprintf(name, cap, "%02d_%s.bin", i, ds4_wire_type_name(m.type));
+    size_t total = 1 + 2 * (size_t)o.nframes;
+    for (int k = 0; k < o.nframes; k++) total += o.lens[k];
+    unsigned char *b = malloc(total), *p = b;
+    if (b) {
+        *p++ = (unsigned char)o.nframes;
+        for (int k = 0; k < o.nframes; k++) {
+            *p++ = (unsigned char)(o.lens[k] & 0xff);
+            *p++ = (unsigned char)(o.lens[k] >> 8);
+        }
+        for (int k = 0; k < o.nframes; k++) memcpy(p, o.frames[k], o.lens[k]), p += o.lens[k];
+    }
+    ds4_wire_out_free(&o);
+    CHECK(b != NULL, "seed %d: out of memory", i);
+    *buf = b;
+    *n = total;
+    return b != NULL;
+}
+
+/* WIRE_WRITE_CORPUS=DIR: write every valid seed message as DIR/NN_TYPE.bin: the seed corpus
+ * tests/fuzz/corpus/wire/, which is also the golden set below. */
 static void write_corpus(const char *dir) {
     for (int i = 0; i < NSEED; i++) {
-        ds4_wire_msg m;
-        ds4_wire_out o;
-        ds4_error err;
-        mk_seed(i, &m);
-        if (ds4_wire_encode(&m, &o, &err) != DS4_OK) {
-            CHECK(0, "corpus: %s", err.msg);
-            continue;
-        }
-        char path[4096];
-        snprintf(path, sizeof path, "%s/%02d_%s.bin", dir, i, ds4_wire_type_name(m.type));
+        unsigned char *b;
+        size_t n;
+        char name[64], path[4096];
+        if (!seed_bytes(i, &b, &n, name, sizeof name)) continue;
+        snprintf(path, sizeof path, "%s/%s", dir, name);
         FILE *f = fopen(path, "wb");
         CHECK(f != NULL, "corpus: cannot write %s", path);
         if (f) {
-            fputc(o.nframes, f);
-            for (int k = 0; k < o.nframes; k++) {
-                fputc((int)(o.lens[k] & 0xff), f);
-                fputc((int)(o.lens[k] >> 8), f);
-            }
-            for (int k = 0; k < o.nframes; k++) fwrite(o.frames[k], 1, o.lens[k], f);
+            fwrite(b, 1, n, f);
             fclose(f);
         }
-        ds4_wire_out_free(&o);
+        free(b);
     }
 }
 
+/* Golden encodings: every seed message encodes to the bytes committed in tests/fuzz/corpus/wire/ (written by
+ * WIRE_WRITE_CORPUS when the protocol changed): the encoder's output is the wire format, byte for byte, so a
+ * refactoring of the codec that changes one byte fails here. */
+static void test_golden(const char *fixtures) {
+    int compared = 0;
+    for (int i = 0; i < NSEED; i++) {
+        unsigned char *b;
+        size_t n;
+        char name[64], path[4096];
+        if (!seed_bytes(i, &b, &n, name, sizeof name)) continue;
+        snprintf(path, sizeof path, "%s/../fuzz/corpus/wire/%s", fixtures, name);
+        FILE *f = fopen(path, "rb");
+        CHECK(f != NULL, "golden: cannot read %s", path);
+        if (f) {
+            unsigned char *g = malloc(n + 1);
+            size_t got = g ? fread(g, 1, n + 1, f) : 0;
+            CHECK(got == n && memcmp(g, b, n) == 0, "golden: %s: the encoding (%zu bytes) differs from the committed "
+                  "one (%zu bytes)", name, n, got);
+            compared += got == n && memcmp(g, b, n) == 0;
+            free(g);
+            fclose(f);
+        }
+        free(b);
+    }
+    printf("golden: %d of %d seed messages encode to their committed bytes\n", compared, NSEED);
+}
+
 int main(int argc, char **argv) {
-    (void)argc;
-    (void)argv;
     for (int i = 0; i < 27 * 6; i++) g_experts[i] = i % 7;
     for (int i = 0; i < 27 * 4; i++) g_index[i] = i % 5 - 1;
     g_verbose = getenv("WIRE_VERBOSE") != NULL;
     if (getenv("WIRE_WRITE_CORPUS")) write_corpus(getenv("WIRE_WRITE_CORPUS"));
+    if (argc > 1) test_golden(argv[1]);
     test_round_trip();
     test_rejects();
     test_encoder();

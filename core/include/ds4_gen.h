@@ -147,6 +147,52 @@ typedef struct ds4_gen_result {
 ds4_status ds4_generate(ds4_model *m, const ds4_gen_args *a, ds4_gen_result **out, ds4_error *err);
 void ds4_gen_result_free(ds4_gen_result *r);
 
+/* ------------------------------------------------------------------------------------------------ batcher */
+
+/* Continuous batching: tasks (each a ds4_gen_args) are submitted at any time; every ds4_batcher_step appends one
+ * token to every running sequence of every admitted task at once, and a piece of the prompts still being read
+ * (prefill_chunk tokens in all), so a new task's prefill joins while the others decode and a finished sequence's
+ * room goes to the next task at once. A prompt's n samples are admitted together when at most max_seqs sequences
+ * would then be running (a prompt with n > max_seqs when nothing else runs; steps then hold max_seqs sequences at a
+ * time), in submission order. A task's result is bit for bit ds4_generate(m, its args) alone: the same tokens,
+ * log-probabilities, finish reasons and routing records, whatever runs beside it (the model step is batch
+ * invariant and each sequence draws from its own stream, ds4_sample_uniform(seed, prompt << 32 | sample, k)).
+ * ds4_generate is one task in a batcher of max_seqs = max_batch (0: all its sequences).
+ *
+ * The batcher uses its model between steps only: nothing else may run the model during ds4_batcher_step, and
+ * changing the model's parameters while tasks are admitted mixes two models in their sequences. */
+typedef struct ds4_batcher ds4_batcher;
+
+typedef struct ds4_batcher_options {
+    int64_t max_seqs;               /* sequences running at once, in [1, 2^20] */
+    int64_t prefill_chunk;          /* prompt tokens per step over all prefilling prompts; 0: 2048 */
+} ds4_batcher_options;
+
+typedef struct ds4_batcher_stats {
+    int64_t queued, running, finished; /* tasks waiting for room / admitted / finished and not yet taken */
+    int64_t seqs, free_seqs;        /* sequences of admitted prompts still running; room left (max_seqs - seqs) */
+    int64_t steps, prefill_tokens, decode_tokens; /* model steps run and tokens they ran, since creation */
+} ds4_batcher_stats;
+
+ds4_status ds4_batcher_create(ds4_model *m, const ds4_batcher_options *o, ds4_batcher **out, ds4_error *err);
+void ds4_batcher_free(ds4_batcher *b);      /* drops unfinished and untaken tasks */
+/* Queue a task (checked as ds4_generate checks its args; its arrays and strings are copied). Its max_batch and
+ * prefill_chunk are ignored (the batcher's options rule); on_token and *cancel work as in ds4_generate, for this
+ * task: the callback's seq indexes the task's result, and a nonzero return or *cancel cancels only this task
+ * (cancel must stay valid until the task is taken). tag: the caller's name for the task. */
+ds4_status ds4_batcher_submit(ds4_batcher *b, const ds4_gen_args *a, uint64_t tag, ds4_error *err);
+/* One step: admit what fits, run every admitted sequence once, retire finished tasks. Without admitted or queued
+ * tasks it does nothing. On an error (a failed model step, out of memory) every admitted task ends: it is taken
+ * with that status and no result; queued tasks stay queued. */
+ds4_status ds4_batcher_step(ds4_batcher *b, ds4_error *err);
+/* Take the oldest finished task: 1 and its tag, its result (the caller frees it with ds4_gen_result_free; NULL when
+ * the task ended by a failed step) and status (DS4_OK, or that step's code); 0 when none is finished. */
+int ds4_batcher_take(ds4_batcher *b, uint64_t *tag, ds4_gen_result **res, ds4_status *st);
+/* Cancel a queued or running task now: it becomes finished (sequences still running: DS4_FINISH_CANCELLED, with
+ * what they generated). Returns 1 when the tag named an unfinished task. */
+int ds4_batcher_cancel(ds4_batcher *b, uint64_t tag);
+void ds4_batcher_get_stats(const ds4_batcher *b, ds4_batcher_stats *s);
+
 #ifdef __cplusplus
 }
 #endif

@@ -177,6 +177,16 @@ Generation (lua/gen_lua.c; C contract: core/include/ds4_gen.h)
                                    | "all" (F32 [N, V], every new token, sequence after sequence) | "none";
                                    opts.experts = true: I32 [N, L, K]; opts.index = true: I32 [N, n_csa, topk]
                                    -> {logits, experts, index_picks}. Any chunking gives the full forward's rows.
+  model:batcher{max_seqs = 32, prefill_chunk = 0}
+                                   ds4.batcher: continuous batching. b:submit(prompts [, opts]) -> tag (opts: those
+                                   of generate but max_batch, prefill_chunk, on_token); b:step() runs every admitted
+                                   sequence once (up to max_seqs at once; a task's prompt joins when its n samples
+                                   fit, in submission order) and retires finished tasks; b:take() -> tag, res (as
+                                   generate's) | tag, nil, message (ended by a failed step) | nil; b:cancel(tag),
+                                   b:stats() -> {queued, running, finished, seqs, free_seqs, steps, prefill_tokens,
+                                   decode_tokens}, b:free(). A task's res equals model:generate(prompts, opts)
+                                   alone, bit for bit, whatever else runs in the batcher. Do not change the model's
+                                   parameters while tasks are admitted.
   ds4.sample(logits, params, u)    one draw (ds4_sample): logits = tensor of V values or array of numbers,
                                    params = {temperature = 1, top_k = 0, top_p = 1, min_p = 0} (nil: those),
                                    u in [0, 1) (may be omitted when temperature = 0) -> id (0-based),

@@ -209,6 +209,84 @@ end
 
 -- ------------------------------------------------------------------------------------------------ (a) weights
 
+-- continuous batching: one worker, 5 sequence slots, as many tasks as fit (credits 0); prompts of 1..9 tokens, 2
+-- samples each, frequent stop ids: sequences end at mixed lengths, tasks join while others decode, and every result
+-- still equals model:generate of its prompt alone
+do
+    local net = new_net()
+    local pool = new_pool(net, { max_staleness = 0, max_credit = 32 })
+    local _, w = real_worker(net, "w-batch", { max_batch = 5, credits = 0 })
+    local prompts = {}
+    for i = 1, 16 do
+        local p = {}
+        for j = 1, 1 + (i * 5) % 9 do p[j] = (i * 13 + j * 7) % 200 + 2 end
+        prompts[i] = p
+    end
+    local opts = { n = 2, max_new_tokens = 12, temperature = 1.0, seed = 21, stop = { 3, 40, 77, 150 } }
+    -- the worker starts from zeroed weights: first load the policy (a greedy task), then batch
+    pool:generate({ prompts[1] }, { n = 1, max_new_tokens = 1 })
+    local res = pool:generate(prompts, opts)
+    check_equal_local(res, policy, prompts, opts, "(batching) 16 tasks through one batching worker")
+    local lens = {}
+    for _, r in ipairs(res) do lens[#r.ids] = true end
+    local distinct = 0
+    for _ in pairs(lens) do distinct = distinct + 1 end
+    H.check(distinct >= 3, "(batching) sequences ended at " .. distinct .. " different lengths")
+    H.check(w.st.max_active >= 3, "(batching) the worker held " .. w.st.max_active .. " tasks at once (>= 3)")
+    io.write(("(batching) 16 tasks, up to %d at once in a 5-slot worker, %d distinct lengths: equal to local\n"):format(
+        w.st.max_active, distinct))
+end
+
+-- stop strings over the wire (protocol v3): a policy with the byte-level tokenizer (ids < 256 are bytes), whose
+-- announce carries it to the worker; stop strings are the most frequent byte of a first local run and a two-byte
+-- string read off it, so that sequences stop by strings, by the stop id and by length. Every result equals the
+-- local model:generate with the model's tokenizer, the finish reasons and matched stops included.
+do
+    local net = new_net()
+    local m = ds4.load(FIX .. "/tiny_a")
+    m:set_tokenizer(ds4.tokenizer())
+    local pool = new_pool(net, { max_staleness = 0, model = m })
+    real_worker(net, "w-stops", { max_batch = 8 })
+    local prompts = {}
+    for i = 1, 8 do prompts[i] = { (i * 37) % 200 + 2, (i * 11) % 200 + 2, 7 } end
+    local first = m:generate(prompts, { n = 2, max_new_tokens = 16, temperature = 1.0, seed = 5 })
+    local count, ids = {}, {}
+    for _, r in ipairs(first) do
+        for _, id in ipairs(r.ids) do
+            if id > 0 then
+                if not count[id] then ids[#ids + 1] = id end
+                count[id] = (count[id] or 0) + 1
+            end
+        end
+    end
+    table.sort(ids, function(a, b) return count[a] > count[b] or (count[a] == count[b] and a < b) end)
+    local r1 = first[1].ids
+    local pair = string.char(r1[2] % 255 + 1, r1[3] % 255 + 1)
+    local opts = { n = 2, max_new_tokens = 16, temperature = 1.0, seed = 5,
+        stop = { string.char(ids[1]), pair, 9, string.char(ids[2]), string.char(ids[3]) } }
+    local res = pool:generate(prompts, opts)
+    local lopts = {}
+    for k, v in pairs(opts) do lopts[k] = v end
+    lopts.tokenizer = m:tokenizer()
+    check_equal_local(res, m, prompts, lopts, "(stops) stop strings")
+    local by = {}
+    for p = 1, #prompts do
+        local ref = local_reference(m, prompts, lopts, p)
+        for s = 1, 2 do
+            local r = res[(p - 1) * 2 + s]
+            by[r.finish_reason] = (by[r.finish_reason] or 0) + 1
+            H.eq(r.stop, ref[s].stop, "(stops) the matched stop of a remote result")
+        end
+    end
+    H.check((by.stop_string or 0) >= 3, "(stops) sequences ended by stop strings")
+    io.write(("(stops) stop_string %d, stop_token %d, length %d, eos %d: equal to local\n"):format(by.stop_string or 0,
+        by.stop_token or 0, by.length or 0, by.eos or 0))
+    H.raises(function() pool:generate({ { 1 } }, { stop = { "x" }, tokenizer = ds4.tokenizer() }) end,
+        { "must be the model's tokenizer" }, "(stops) another tokenizer")
+    H.raises(function() pool:generate({ { 1 } }, { stop = { ("y"):rep(65) } }) end, { "1..64 bytes" },
+        "(stops) a stop string too long")
+end
+
 do
     local net = new_net()
     local pool = new_pool(net, { chunk_bytes = 64 * 1024, max_staleness = 0 })
@@ -255,8 +333,8 @@ do
         end
     end
     H.check(same, "(a) routed experts and indexer picks equal the local generation's")
-    H.raises(function() pool:generate({ { 1, 2 } }, { stop = { "x" } }) end, { "stop token ids only" },
-        "(a) stop strings")
+    H.raises(function() pool:generate({ { 1, 2 } }, { stop = { "x" } }) end, { "stop strings need the model's tokenizer" },
+        "(a) stop strings without a tokenizer")
     H.raises(function() pool:generate({ { VOCAB } }, {}) end, { "not a token id" }, "(a) bad prompt")
     H.raises(function() pool:generate({ { 1 } }, { on_token = function() end }) end, { "on_token" }, "(a) on_token")
     H.raises(function() pool:generate({ { 1 } }, { nope = 1 }) end, { "unknown option 'nope'" }, "(a) unknown option")
@@ -470,8 +548,8 @@ do
     H.check(r[1] and r[1].reason:find("unknown worker", 1, true), "(f) 'unknown worker: send hello'")
     -- an error message is never answered
     send_raw(ds4.wire.encode({ t = "error", code = 4, reason = "x" }))
-    -- {v = 2, t = "error", code = 4, bogus = 1}: a malformed error (unknown key) is not answered either
-    send_raw({ "\132\161v\2\161t\165error\164code\4\165bogus\1" })
+    -- {v = 3, t = "error", code = 4, bogus = 1}: a malformed error (unknown key) is not answered either
+    send_raw({ "\132\161v\3\161t\165error\164code\4\165bogus\1" })
     pool:service(0)
     H.eq(#replies(), 0, "(f) errors are not answered")
     -- 150 rejects: replies stop after 100
@@ -628,6 +706,17 @@ do
     H.eq(verdict({ eos, eos, 5 }, "length"), nil, "(i) ignore_eos: eos may come anywhere")
     bad("the task ignores eos", { 3, eos }, "eos")
     t.sampling.ignore_eos = false
+    -- stop strings (byte-level tokenizer: ids < 256 are bytes): "BC" then "C"; a sample ends at the first token that
+    -- completes one, the first of them in the list
+    bad("stop_string, which a task cannot end with", { 65, 66 }, "stop_string", 0)
+    t.sampling.stop_strings, t.sampling.tokenizer = { "BC", "C" }, ds4.tokenizer()
+    H.eq(verdict({ 65, 66, 67 }, "stop_string", 0), nil, "(i) a sample ending with its stop string")
+    H.eq(verdict({ 65, 66, 68 }, "length"), nil, "(i) no stop string in the text")
+    bad("completes stop string #1 first", { 65, 66, 67 }, "stop_string", 1)
+    bad("stop string #2 occurs before the last token", { 67, 65, 66 }, "length")
+    bad("its last token completes stop string #2", { 65, 68, 67 }, "length")
+    bad("but the last token completes none", { 65, 66, 68 }, "stop_string", 0)
+    t.sampling.stop_strings, t.sampling.tokenizer = nil, nil
     local m = msg({ 3, 4, 5 }, "length")
     m.experts_layers, m.experts_k = 4, 2
     H.check((pool:check_samples(t, m, w) or ""):find("not asked for", 1, true), "(i) unasked routing records")

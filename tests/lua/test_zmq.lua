@@ -250,7 +250,8 @@ local MESSAGES = {
     { { t = "credit", n = 4 } },
     { { t = "task", task_id = 7, attempt = 1, policy = 2, max_new_tokens = 16, temperature = 0.75, top_k = 5,
         top_p = 0.5, min_p = 0.25, n = 2, seed = "18446744073709551615", stop = { 1, 2 }, ignore_eos = true,
-        record_experts = true, record_index = false, prompt_len = 3 }, { prompt = { 5, 0, 7 } } },
+        stop_strings = { "</answer>", "\n\n" }, record_experts = true, record_index = false, prompt_len = 3 },
+      { prompt = { 5, 0, 7 } } },
     { { t = "samples", task_id = 7, attempt = 1, policy = 2, n = 2, experts_layers = 2, experts_k = 1,
         seq = { { prompt_len = 3, n_gen = 2, finish = 1, stop_index = -1, n_rows = 4 },
                 { prompt_len = 3, n_gen = 1, finish = "stop_token", stop_index = 0, n_rows = 3 } } },
@@ -268,6 +269,29 @@ local MESSAGES = {
     { { t = "bye", reason = "shutting down" } },
 }
 
+-- Golden encodings of MESSAGES through the binding (Lua table -> C struct -> bytes), committed in
+-- tests/fixtures/wire_lua_golden.hex (one line of hex per message; WIRE_WRITE_GOLDEN=1 rewrites it after a protocol
+-- change): the Lua side of the codec fills every field as before, byte for byte.
+do
+    local lines = {}
+    for _, case in ipairs(MESSAGES) do
+        local out = wire.encode(case[1], case[2])
+        local hex = {}
+        for _, fr in ipairs(out) do hex[#hex + 1] = (fr:gsub(".", function(c) return ("%02x"):format(c:byte()) end)) end
+        lines[#lines + 1] = case[1].t .. " " .. table.concat(hex, " ")
+    end
+    local path = H.fixtures() .. "/wire_lua_golden.hex"
+    if os.getenv("WIRE_WRITE_GOLDEN") then
+        local f = assert(io.open(path, "w"))
+        f:write(table.concat(lines, "\n"), "\n")
+        f:close()
+    end
+    local want = {}
+    for line in io.lines(path) do want[#want + 1] = line end
+    H.eq(#want, #lines, "golden: one line per message")
+    for i, line in ipairs(lines) do H.eq(line, want[i], "golden: the encoding of " .. MESSAGES[i][1].t) end
+end
+
 do
     H.eq(#MESSAGES, #wire.types, "a message of every type")
     local router = r2 -- the TCP pair from above
@@ -284,7 +308,7 @@ do
         H.check(dec ~= nil, t .. ": decodes (" .. tostring(code) .. " " .. tostring(why) .. ")")
         if dec then
             H.eq(dec.t, t, t .. ": type")
-            H.eq(dec.v, 2, t .. ": version")
+            H.eq(dec.v, 3, t .. ": version")
             -- encode(decode(x)) is x, byte for byte: every field survived the trip
             H.same(wire.encode(dec), out, t .. ": re-encoding the decoded message gives the same frames")
             for k, v in pairs(msg) do
@@ -359,6 +383,7 @@ do -- decode never raises on bad input; it says what is wrong
     bad({ "" }, nil, "empty header")
     bad({}, "frame", "no frames")
     bad({ "\129\161v\1" }, "version", "version 1") -- {"v": 1}: a peer of protocol version 1
+    bad({ "\129\161v\2" }, "version", "version 2") -- {"v": 2}: a peer of protocol version 2 (no stop strings)
     bad({ "\222\255\255" }, nil, "truncated map")
     local task = wire.encode({ t = "task", task_id = 1, policy = 1, max_new_tokens = 4, prompt = { 1, 2 } })
     bad({ task[1] }, "frame", "task without its frame")
@@ -391,7 +416,7 @@ do -- helpers
     dec = wire.decode(wire.error_message("parse", string.rep("x", 1000)))
     H.eq(#dec.reason, 256, "error_message cuts a long reason to 256 bytes")
     H.eq(wire.code_name(33), "stale", "code_name")
-    H.eq(wire.VERSION, 2, "wire.VERSION")
+    H.eq(wire.VERSION, 3, "wire.VERSION")
 end
 
 d2:close() -- r2 stays open for lua_close

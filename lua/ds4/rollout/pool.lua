@@ -30,13 +30,15 @@
   version the result reports (res[i].policy_version), whichever worker made it and however often it was re-issued.
   Each result also has task, attempt and worker; a task that failed max_attempts times (its leases expired, its
   workers died, or they reported errors) yields n results with ids = {} and finish_reason "failed" (res.failed
-  counts them). opts.stop holds token ids only (stop strings are not in protocol v1); on_token is refused (samples
-  arrive per task: cfg.on_result reports progress); max_batch, prefill_chunk and tokenizer are accepted and not
-  used (each worker has its own --max-batch).
+  counts them). opts.stop holds token ids and stop strings (protocol v3: at most 64 ids and 16 strings of 1..64
+  bytes); the workers decode their output with the model's tokenizer (sent to them with the weights), so strings
+  need a model with a tokenizer, and a result equals model:generate with opts.tokenizer = model:tokenizer(). on_token
+  is refused (samples arrive per task: cfg.on_result reports progress); max_batch, prefill_chunk and tokenizer are
+  accepted and not used (each worker has its own --max-batch; opts.tokenizer, when given, must be the model's).
 
   A worker's answer is trusted only after it is checked (Pool:check_samples): every token id in [0, vocab), every
   log-probability finite and <= 0, each sample ending the way its finish reason says (max_new_tokens reached, the
-  EOS or the named stop id last, none of them earlier), a policy version the trainer published, routing records
+  EOS, the named stop id or a new match of the named stop string last, none of them earlier), a policy version the trainer published, routing records
   only when asked for and shaped and valued as the model's forward accepts them. A bad answer is rejected (error
   reply, logged, counted in stats().invalid) and its task re-issued. A task never goes back to a worker that
   failed it (an error reply, a rejected answer, an expired lease, a new hello or death while holding it) while a
@@ -117,19 +119,27 @@ local function check_gen_opts(opts)
         record_experts = opts.record_experts and true or false,
         record_index = opts.record_index and true or false,
         stop = {},
+        stop_strings = {},
     }
     if s.n * s.max_new_tokens > 2 ^ 20 then
         error(("pool:generate: n · max_new_tokens = %d exceeds the protocol's 2^20 tokens per task"):format(
             s.n * s.max_new_tokens), 3)
     end
     for i, v in ipairs(opts.stop or {}) do
-        if type(v) ~= "number" or v ~= math.floor(v) or v < 0 or v > 2 ^ 31 - 1 then
-            error(("pool:generate: opts.stop[%d]: remote workers take stop token ids only (protocol v1 has no stop "
-                .. "strings), got %s"):format(i, tostring(v)), 3)
+        if type(v) == "string" then
+            if #v < 1 or #v > 64 or v:find("\0", 1, true) then
+                error(("pool:generate: opts.stop[%d]: a stop string of 1..64 bytes without NUL, got %d bytes"):format(i,
+                    #v), 3)
+            end
+            s.stop_strings[#s.stop_strings + 1] = v
+        elseif type(v) ~= "number" or v ~= math.floor(v) or v < 0 or v > 2 ^ 31 - 1 then
+            error(("pool:generate: opts.stop[%d] must be a token id or a stop string, got %s"):format(i, tostring(v)), 3)
+        else
+            s.stop[#s.stop + 1] = v
         end
-        s.stop[i] = v
     end
     if #s.stop > 64 then error("pool:generate: at most 64 stop ids", 3) end
+    if #s.stop_strings > 16 then error("pool:generate: at most 16 stop strings", 3) end
     return s
 end
 
@@ -504,7 +514,8 @@ function Pool:dispatch()
             local ok = self:send(w.id, { t = "task", task_id = t.id, attempt = t.attempt, policy = math.max(1,
                 self.version - self.S), prompt_len = t.prompt_len, max_new_tokens = s.max_new_tokens,
                 temperature = s.temperature, top_k = s.top_k, top_p = s.top_p, min_p = s.min_p, n = s.n,
-                seed = t.seed, stop = s.stop, ignore_eos = s.ignore_eos, record_experts = s.record_experts,
+                seed = t.seed, stop = s.stop, stop_strings = s.stop_strings, ignore_eos = s.ignore_eos,
+                record_experts = s.record_experts,
                 record_index = s.record_index }, { prompt = t.prompt_bytes })
             if not ok and t.state == "leased" and t.worker == w.id then
                 -- high-water mark: no lease was made; the task keeps its attempt number and its place
@@ -803,6 +814,38 @@ end
 
 local FINITE_LOGP_MAX = 1e-3 -- a log-probability is <= 0; fp32 rounding never gets near this
 
+-- Stop strings (core/generate.c's rule): after each token, the first stop string with a match that ends in that
+-- token's bytes stops the sample (after eos and stop ids, which take precedence); so no stop string may occur in
+-- the text of the tokens before the last, and the last token's new matches must agree with the finish reason.
+local function check_stop_strings(s, ids, off, g, finish, stop_index)
+    -- the text as generation decodes it: each id's bytes (an id the tokenizer does not know adds none)
+    local V = s.tokenizer:vocab_size()
+    local list = {}
+    for j = 0, g - 1 do
+        local id = ids[off + j]
+        if id < V then list[#list + 1] = id end
+    end
+    local ok, full = pcall(s.tokenizer.decode, s.tokenizer, list)
+    if ids[off + g - 1] < V then list[#list] = nil end
+    local ok2, prev = pcall(s.tokenizer.decode, s.tokenizer, list)
+    if not ok or not ok2 then return "its tokens do not decode with the model's tokenizer" end
+    local first_new
+    for k, str in ipairs(s.stop_strings) do
+        if prev:find(str, 1, true) then
+            return ("the stop string #%d occurs before the last token: generation ends there"):format(k)
+        end
+        if not first_new and full:find(str, math.max(1, #prev - #str + 2), true) then first_new = k end
+    end
+    if finish == "stop_string" then
+        if first_new == nil or first_new ~= stop_index + 1 then
+            return ("finished by stop string #%d, but the last token completes %s"):format(stop_index + 1,
+                first_new and ("stop string #" .. first_new .. " first") or "none")
+        end
+    elseif finish == "length" and first_new then
+        return ("finished by length, but its last token completes stop string #%d"):format(first_new)
+    end
+end
+
 -- Why the samples m for task t (from worker w) cannot be trained on, or nil. The codec has checked the message's
 -- shape (counts, frame sizes, finish codes, stop_index against finish); this checks the values against the task
 -- and the model. Nothing here trusts the worker: one holding an allowed key can still be buggy.
@@ -864,8 +907,12 @@ function Pool:check_samples(t, m, w)
             if q.stop_index >= #s.stop or last ~= s.stop[q.stop_index + 1] then
                 return ("sample %d finished by stop id #%d, but its last token is %d"):format(i, q.stop_index + 1, last)
             end
-        else
+        elseif finish ~= "stop_string" or #(s.stop_strings or {}) == 0 then
             return ("sample %d finished by %s, which a task cannot end with"):format(i, tostring(finish))
+        end
+        if #(s.stop_strings or {}) > 0 then
+            local why = check_stop_strings(s, ids, off, g, finish, q.stop_index)
+            if why then return ("sample %d: %s"):format(i, why) end
         end
         off = off + g
     end
@@ -932,6 +979,7 @@ function Pool:build_results(t, m, peer)
             sample_index = i, prompt_len = q.prompt_len, policy_version = m.policy, task = t.id,
             attempt = m.attempt, worker = peer }
         if finish == "stop_token" and q.stop_index >= 0 then r.stop = t.sampling.stop[q.stop_index + 1] end
+        if finish == "stop_string" and q.stop_index >= 0 then r.stop = t.sampling.stop_strings[q.stop_index + 1] end
         local rows = q.n_rows
         if ex_inner then
             local tt = ds4.zeros({ rows, m.experts_layers, m.experts_k }, "I32")
@@ -1023,6 +1071,18 @@ function Pool:generate(prompts, opts)
     if type(prompts) ~= "table" then error("pool:generate: bad argument #1 (array of prompts expected)", 2) end
     opts = opts or {}
     local s = check_gen_opts(opts)
+    if #s.stop_strings > 0 then
+        local tok = self.model and self.model:tokenizer()
+        if not tok then
+            error("pool:generate: stop strings need the model's tokenizer (the workers decode their output with the "
+                .. "tokenizer the announce sends them): this model has none", 2)
+        end
+        if opts.tokenizer ~= nil and not rawequal(opts.tokenizer, tok) then
+            error("pool:generate: opts.tokenizer must be the model's tokenizer (model:tokenizer()): the workers decode "
+                .. "with that one", 2)
+        end
+        s.tokenizer = tok
+    end
     if self.version == 0 then
         if not self.model then error("pool:generate: nothing published yet: call pool:publish(model) first", 2) end
         self:publish(self.model)

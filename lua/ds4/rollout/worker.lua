@@ -9,7 +9,9 @@
       id = "name",                     -- routing id / worker id (1..64 printable ASCII); default host-pid
       curve = {secret = KEY, server = KEY [, public = KEY]} | insecure = true,  -- keys or key files; public:
                                        -- derived from the secret when absent
-      max_batch = 0, credits = 2,      -- decode batch (0: all samples of a task); tasks asked for at a time
+      max_batch = 32,                  -- sequences decoded together, over all running tasks (continuous batching)
+      credits = 0,                     -- tasks in flight: 0 asks for more while the batch has room (one queued);
+                                       -- N asks for N at first and one per answer
       silence_s = 10, hello_s = 5, heartbeat_s = 1, quiet = false, verbose = false,
       give_up_s = 120,                 -- without a trainer (never joined, or its session lost) this long: exit 1
       interrupted = function() -> bool,-- default: the ds4 host's Ctrl-C / SIGTERM flag
@@ -22,11 +24,14 @@
   worker has none, else compared with ours (a mismatch: error refused, exit 1) -> weights fetched if the announced (version, CRC) is not what is loaded: weight_request with at
   most 4 chunks in flight, each chunk checked (geometry, CRC) and copied into a staging tensor at its offset, the
   whole buffer's CRC checked, then model:set_params(staging) — between tasks, so a generation never mixes two
-  versions -> credit -> tasks, each one model:generate call (one prompt, n samples, the task's seed: the same tokens
-  whoever generates it) with a version at least the task's policy -> samples + one more credit. Heartbeats after
-  1 s without sending (also from on_token while generating); a trainer silent for silence_s, its bye, or its
-  "unknown worker" error (a restarted trainer) -> hello again (every hello_s) and queued tasks are dropped (the
-  trainer re-issues them). A malformed message is logged (rate-limited) and answered with error; a `refused` or
+  versions -> credit -> tasks, each submitted to the model's continuous batcher (model:batcher: one prompt, n
+  samples, the task's seed; up to max_batch sequences of all running tasks decode in one step, a task is admitted
+  as soon as its n sequences fit, and its result is model:generate's alone, bit for bit, whoever generates it and
+  whatever runs beside it) with a version at least the task's policy -> samples + one more credit, as each task
+  finishes. New weights are loaded once the running tasks have finished (no task is admitted meanwhile). Between
+  two decode steps the loop reads the trainer and sends heartbeats (after 1 s without sending); a trainer silent
+  for silence_s, its bye, or its "unknown worker" error (a restarted trainer) -> hello again (every hello_s) and
+  queued and running tasks are dropped (the trainer re-issues them). A malformed message is logged (rate-limited) and answered with error; a `refused` or
   `version` error ends the worker with status 1.
 ]==]
 
@@ -128,8 +133,10 @@ function M.new(cfg)
         if level == "info" and cfg.quiet then return end
         io.stderr:write(("ds4 worker %s: %s%s\n"):format(self.id, level == "warn" and "warning: " or "", msg))
     end
-    self.credits = cfg.credits or 2
-    self.max_batch = cfg.max_batch or 0
+    self.credits = cfg.credits or 0
+    self.max_batch = (cfg.max_batch or 0) > 0 and cfg.max_batch or 32
+    self.owed = 0             -- tasks asked for (credit) that have not arrived
+    self.running = {}         -- batcher tag -> task: admitted, not answered
     self.silence_s = cfg.silence_s or 10
     self.hello_s = cfg.hello_s or 5
     self.heartbeat_s = cfg.heartbeat_s or 1
@@ -143,7 +150,7 @@ function M.new(cfg)
     self.dl = nil             -- the download in progress
     self.last_recv, self.last_sent, self.hello_at = self.now(), 0, -math.huge
     self.st = { tasks = 0, samples = 0, tokens = 0, gen_seconds = 0, downloads = 0, download_bytes = 0,
-        download_seconds = 0, rejected = 0, hellos = 0, errors = 0 }
+        download_seconds = 0, rejected = 0, hellos = 0, errors = 0, max_active = 0 }
     self.log_t0, self.log_n, self.log_suppressed = 0, 0, 0
     return self
 end
@@ -165,7 +172,7 @@ function W:hello()
     self.hello_at = self.now()
     self.st.hellos = self.st.hellos + 1
     local ok, err = self:send({ t = "hello", worker = self.id, policy = self.loaded, max_batch =
-        math.max(1, math.min(65536, self.max_batch > 0 and self.max_batch or 64)), threads = math.max(1, ds4.threads()),
+        math.min(65536, self.max_batch), threads = math.max(1, ds4.threads()),
         vocab_size = self.vocab, n_params = self.n_params, config_crc = self.config_crc, tables_crc = self.tables,
         build = self.build })
     self.hello_ok = ok
@@ -186,6 +193,11 @@ function W:lose_session(why)
     if self.session then self:log("info", "session lost (" .. why .. "): saying hello again") end
     self.session = false
     self.credit_sent = false
+    self.owed = 0
+    if next(self.running) ~= nil then
+        self:log("debug", ("dropping %d running tasks (the trainer re-issues them)"):format(self:active()))
+        self:drop_running()
+    end
     if #self.queue > 0 then
         self:log("debug", ("dropping %d queued tasks (the trainer re-issues them)"):format(#self.queue))
         self.queue = {}
@@ -251,6 +263,11 @@ function W:on_announce(m)
         self.exit_status = 1
         return
     end
+    -- stop strings are matched in the text of the trainer's tokenizer (a --model's own may differ)
+    if #m.tokenizer > 0 and m.tokenizer_crc ~= self.stop_tok_crc then
+        local ok, tok = pcall(ds4.tokenizer_from_json, m.tokenizer)
+        if ok then self.stop_tok, self.stop_tok_crc = tok, m.tokenizer_crc end
+    end
     if not self.session then
         self.session = true
         self:log("info", ("session with the trainer: policy version %d (%.1f MB)"):format(m.version, m.bytes / 1e6))
@@ -260,6 +277,7 @@ function W:on_announce(m)
     self.announced = m.version
     if m.version == self.loaded and m.crc == self.loaded_crc then return self:grant_initial() end
     if self.dl and self.dl.version == m.version and self.dl.crc == m.crc then return end
+    if self.staged and self.staged.version == m.version and self.staged.crc == m.crc then return end
     if m.version < self.loaded then return self:grant_initial() end
     local bad
     if m.n_params ~= self.n_params then
@@ -290,6 +308,7 @@ function W:on_announce(m)
 end
 
 function W:start_download(m)
+    self.staged = nil -- the staging buffer is about to hold a newer version
     if not self.staging then self.staging = ds4.zeros({ self.n_params }) end
     self.dl = { version = m.version, bytes = m.bytes, chunk = m.chunk, chunks = m.chunks, crc = m.crc, next = 0,
         outstanding = 0, received = 0, got = {}, t0 = self.now(), restarts = (self.dl and self.dl.version ==
@@ -357,11 +376,20 @@ function W:on_chunk(m)
         d.retry_at = self.now() + 5
         return
     end
-    -- between tasks: the swap is one memcpy into the model's parameter buffer
+    -- the swap waits for the running tasks (W:apply_staged): a generation never mixes two versions
+    self.dl = nil
+    self.staged = d
+    self:apply_staged()
+end
+
+-- Load downloaded weights once no task runs: one memcpy into the model's parameter buffer.
+function W:apply_staged()
+    local d = self.staged
+    if not d or next(self.running) ~= nil then return end
+    self.staged = nil
     self.model:set_params(self.staging)
     local dt = self.now() - d.t0
     self.loaded, self.loaded_crc = d.version, d.crc
-    self.dl = nil
     self.st.downloads = self.st.downloads + 1
     self.st.download_bytes = self.st.download_bytes + d.bytes
     self.st.download_seconds = self.st.download_seconds + dt
@@ -373,13 +401,21 @@ end
 
 function W:grant_initial()
     if self.session and not self.credit_sent and self.loaded > 0 then
-        if self:send({ t = "credit", n = self.credits }) then self.credit_sent = true end
+        if self:credit(self.credits > 0 and self.credits or 1) then self.credit_sent = true end
     end
+end
+
+-- Ask for n more tasks; owed counts the tasks asked for that have not arrived yet.
+function W:credit(n)
+    local ok = self:send({ t = "credit", n = n })
+    if ok then self.owed = self.owed + n end
+    return ok
 end
 
 -- ------------------------------------------------------------------------------------------------ tasks
 
 function W:on_task(m)
+    self.owed = math.max(0, self.owed - 1)
     if not self.session then
         self:log("debug", ("dropping task %d: no session (it belongs to a session the trainer has ended)"):format(
             m.task_id))
@@ -394,48 +430,121 @@ function W:on_task(m)
         end
     end
     if not bad and type(m.seed) ~= "number" then bad = "seed above 2^53 is not supported by this worker" end
+    if not bad and #(m.stop_strings or {}) > 0 and not self.stop_tok then
+        bad = "stop strings need the trainer's tokenizer, and its announce carried none"
+    end
     if bad then
         rate_log(self, ("task %d refused: %s"):format(m.task_id, bad))
         self:send(codec.error_msg("range", bad, "task", m.task_id, m.attempt))
-        self:send({ t = "credit", n = 1 })
+        self:credit(1)
         return
     end
     m.ids = ids
+    self.owed = math.max(0, self.owed - 1)
     self.queue[#self.queue + 1] = m
 end
 
--- The first queued task this worker's weights may serve.
-function W:runnable()
-    for i, t in ipairs(self.queue) do
-        if t.policy <= self.loaded then return table.remove(self.queue, i) end
+-- ------------------------------------------------------------------------------------------------ batching
+
+-- Tasks run in the model's continuous batcher (model:batcher, core/generate.c): up to max_batch sequences decode
+-- together, a task is admitted as soon as its n sequences fit, and each task's results equal model:generate of
+-- its prompt with its seed alone (per-sequence sampling streams, a batch-invariant step), whatever runs beside it.
+function W:batcher()
+    if not self.bt or self.bt_model ~= self.model then
+        self.bt = self.model:batcher{ max_seqs = self.max_batch }
+        self.bt_model = self.model
+    end
+    return self.bt
+end
+
+-- Tasks admitted to the batcher and not answered yet.
+function W:active()
+    local n = 0
+    for _ in pairs(self.running) do n = n + 1 end
+    return n
+end
+
+-- Admit the queued tasks this worker's weights may serve. Not while new weights wait for the running tasks to
+-- finish (a generation never mixes two versions): the batcher drains, the weights are swapped, then admission
+-- goes on.
+function W:admit()
+    if self.staged or not self.session then return end
+    local i = 1
+    while i <= #self.queue do
+        local t = self.queue[i]
+        if t.policy <= self.loaded then
+            table.remove(self.queue, i)
+            self:submit(t)
+        else
+            i = i + 1
+        end
     end
 end
 
-function W:generate(t)
-    local s = t
-    local t0 = self.now()
-    local cancelled = false
+function W:submit(t)
     local stop = {}
-    for i, v in ipairs(s.stop or {}) do stop[i] = v end
-    local ok, res = pcall(self.model.generate, self.model, { t.ids }, { n = s.n, max_new_tokens = s.max_new_tokens,
-        temperature = s.temperature, top_k = s.top_k, top_p = s.top_p, min_p = s.min_p, seed = s.seed, stop = stop,
-        ignore_eos = s.ignore_eos or false, record_experts = s.record_experts or false,
-        record_index = s.record_index or false, max_batch = self.max_batch,
-        on_token = function()
-            if self.interrupted() then
-                cancelled = true
-                return false
-            end
-            if self.now() - self.last_sent >= self.heartbeat_s then self:heartbeat(1) end
-        end })
-    if cancelled or self.interrupted() then return "interrupted" end
-    if not ok then
-        self.st.errors = self.st.errors + 1
-        self:log("warn", ("task %d: generation failed: %s"):format(t.task_id, tostring(res)))
-        self:send(codec.error_msg("internal", "generation failed: " .. tostring(res), "task", t.task_id, t.attempt))
-        self:send({ t = "credit", n = 1 })
-        return
+    for i, v in ipairs(t.stop or {}) do stop[i] = v end
+    t.stop_ids = t.stop or {}
+    for _, v in ipairs(t.stop_strings or {}) do stop[#stop + 1] = v end
+    local ok, tag = pcall(self.batcher, self)
+    if ok then
+        ok, tag = pcall(self.bt.submit, self.bt, { t.ids }, { n = t.n, max_new_tokens = t.max_new_tokens,
+            temperature = t.temperature, top_k = t.top_k, top_p = t.top_p, min_p = t.min_p, seed = t.seed, stop = stop,
+            ignore_eos = t.ignore_eos or false, record_experts = t.record_experts or false,
+            record_index = t.record_index or false,
+            tokenizer = #(t.stop_strings or {}) > 0 and self.stop_tok or nil })
     end
+    if not ok then return self:task_failed(t, tag) end
+    t.t0, t.policy_used = self.now(), self.loaded
+    self.running[tag] = t
+    self.last_n = t.n
+    local active = self:active()
+    self.st.max_active = math.max(self.st.max_active, active)
+    self:log("debug", ("task %d attempt %d admitted: %d tasks in the batcher"):format(t.task_id, t.attempt, active))
+end
+
+function W:task_failed(t, why)
+    self.st.errors = self.st.errors + 1
+    self:log("warn", ("task %d: generation failed: %s"):format(t.task_id, tostring(why)))
+    self:send(codec.error_msg("internal", "generation failed: " .. tostring(why), "task", t.task_id, t.attempt))
+    self:credit(1)
+end
+
+-- One step of every running sequence, then the answers of the tasks that finished.
+function W:decode()
+    if not self.bt or next(self.running) == nil then return end
+    local ok, err = pcall(self.bt.step, self.bt)
+    if not ok then self:log("warn", "decode step failed: " .. tostring(err)) end
+    while true do
+        local tag, res, why = self.bt:take()
+        if not tag then break end
+        local t = self.running[tag]
+        self.running[tag] = nil
+        if t then
+            if res then self:answer(t, res) else self:task_failed(t, why) end
+        end
+    end
+end
+
+-- Drop every admitted task (a lost session, or leaving): their leases are re-issued by the trainer.
+function W:drop_running()
+    if not self.bt then return end
+    for tag in pairs(self.running) do self.bt:cancel(tag) end
+    while self.bt:take() do end
+    self.running = {}
+end
+
+-- More credit while the batcher has room and nothing waits (credits = 0: as many tasks as fit, one queued);
+-- with --credits N the worker asks for N at first and one per answer.
+function W:grow_credit()
+    if self.credits > 0 or not self.credit_sent or #self.queue > 0 or self.owed > 0 or self.staged then return end
+    local room = self.bt and self.bt:stats().free_seqs or self.max_batch
+    if room >= (self.last_n or 1) and self:active() + self.owed < 1024 then
+        self:credit(1)
+    end
+end
+
+function W:answer(t, res)
     local n = #res
     local seq = {}
     local toks, lps, slps = {}, {}, {}
@@ -445,8 +554,10 @@ function W:generate(t)
             or 1, stop_index = -1, n_rows = 0 }
         seq[i] = q
         if r.finish_reason == "stop_token" then
-            for k, v in ipairs(stop) do if v == r.stop then q.stop_index = k - 1 break end end
+            for k, v in ipairs(t.stop_ids) do if v == r.stop then q.stop_index = k - 1 break end end
             if q.stop_index < 0 then q.finish = codec.FINISH_CODE.eos end
+        elseif r.finish_reason == "stop_string" then
+            for k, v in ipairs(t.stop_strings or {}) do if v == r.stop then q.stop_index = k - 1 break end end
         end
         for j = 1, #r.ids do
             toks[#toks + 1] = r.ids[j]
@@ -466,19 +577,19 @@ function W:generate(t)
             end
         end
     end
-    local msg = { t = "samples", task_id = t.task_id, attempt = t.attempt, policy = self.loaded, n = n, seq = seq }
+    local msg = { t = "samples", task_id = t.task_id, attempt = t.attempt, policy = t.policy_used, n = n, seq = seq }
     local raw = { tokens = codec.pack_i32(toks), logprobs = codec.pack_f32(lps), sample_logprobs = codec.pack_f32(slps) }
     if exs then msg.experts_layers, msg.experts_k, raw.experts = exs[1], exs[2], table.concat(ex) end
     if ixs then msg.index_layers, msg.index_topk, raw.index = ixs[1], ixs[2], table.concat(ix) end
     self:send(msg, raw)
-    self:send({ t = "credit", n = 1 })
-    local dt = self.now() - t0
+    self:credit(1)
+    local dt = self.now() - t.t0
     self.st.tasks = self.st.tasks + 1
     self.st.samples = self.st.samples + n
     self.st.tokens = self.st.tokens + #toks
     self.st.gen_seconds = self.st.gen_seconds + dt
     self:log("debug", ("task %d attempt %d: %d samples, %d tokens in %.3f s (policy %d)"):format(t.task_id, t.attempt,
-        n, #toks, dt, self.loaded))
+        n, #toks, dt, t.policy_used))
 end
 
 -- ------------------------------------------------------------------------------------------------ messages
@@ -548,19 +659,21 @@ function W:start()
     self:hello()
 end
 
--- One turn of the loop: generate one runnable task, then handle what arrived (waiting up to timeout_ms when
--- there is nothing to generate), fetch weights, keep the session alive. Returns an exit status when the worker
--- should stop, else nil.
+-- One turn of the loop: admit what may run, one decode step of every running sequence (answering the tasks that
+-- finished), then handle what arrived (waiting up to timeout_ms when nothing runs), fetch weights, keep the
+-- session alive. Between two decode steps the worker reads the trainer and sends heartbeats, so it is never
+-- silent for longer than one step. Returns an exit status when the worker should stop, else nil.
 function W:step(timeout_ms)
     if self.interrupted() then return 0 end
     if self.exit_status then return self.exit_status end
-    local task = self.session and self:runnable() or nil
-    if task then
-        if self:generate(task) == "interrupted" then return 0 end
-        if self.cfg.max_tasks and self.st.tasks >= self.cfg.max_tasks then return 0 end
-    end
-    local wait = (self.session and self:peek_runnable()) and 0 or (timeout_ms or 50)
-    local fr = self.transport:recv(wait)
+    self:admit()
+    local tasks_before = self.st.tasks
+    self:decode()
+    if self.cfg.max_tasks and self.st.tasks >= self.cfg.max_tasks and self.st.tasks > tasks_before then return 0 end
+    if self.interrupted() then return 0 end
+    self:apply_staged()
+    local busy = next(self.running) ~= nil or (self.session and not self.staged and self:peek_runnable())
+    local fr = self.transport:recv(busy and 0 or (timeout_ms or 50))
     local n = 0
     while fr do
         self:on_message(fr)
@@ -569,6 +682,7 @@ function W:step(timeout_ms)
         fr = self.transport:recv(0)
     end
     self:pump()
+    self:grow_credit()
     local now = self.now()
     if self.session then
         self.alone_since = nil
@@ -589,12 +703,13 @@ function W:step(timeout_ms)
     elseif now - self.last_recv > self.silence_s then
         self:lose_session(("no message from the trainer for %.0f s"):format(now - self.last_recv))
     elseif now - self.last_sent >= self.heartbeat_s then
-        self:heartbeat(0)
+        self:heartbeat(self:active())
     end
     return self.exit_status
 end
 
 function W:finish(status)
+    self:drop_running() -- unanswered: the bye re-issues them
     if self.session or self.hello_ok then self:send({ t = "bye", reason = status == 0 and "stopping" or "refused" }) end
     self.transport:close(1000)
     self:log("info", ("stopped: %d tasks, %d samples, %d tokens"):format(self.st.tasks, self.st.samples,
@@ -639,8 +754,10 @@ usage: ds4 worker --connect ENDPOINT [--model DIR|CONFIG.json] [--threads N] [--
   --server-key FILE   the trainer's CURVE public key (its .pub file)
   --insecure          plain TCP without CURVE (unauthenticated, unencrypted); not needed for ipc://
   --id NAME           worker id (1..64 printable ASCII; default HOST-PID)
-  --max-batch N       sequences per decode step (0 = all samples of a task)
-  --credits N         tasks asked for at a time (default 2: one generating, one queued)
+  --max-batch N       sequences decoded together over all running tasks (continuous batching; default and 0: 32):
+                      a task of n samples runs as soon as n of them are free
+  --credits N         tasks in flight (running and queued) at most; default 0: as many as fit --max-batch,
+                      plus one queued (--credits 2 --max-batch n: one task of n samples at a time)
   --give-up S         exit (status 1) after S seconds without a trainer: never reached, or gone (default 120)
 Ctrl-C or SIGTERM: finish nothing more, say bye, exit 0.]]
 
@@ -659,7 +776,7 @@ local function pid()
 end
 
 function M.main(argv)
-    local o = { threads = -1, ["max-batch"] = 0, credits = 2, ["give-up"] = 120 }
+    local o = { threads = -1, ["max-batch"] = 32, credits = 0, ["give-up"] = 120 }
     local flags = { insecure = true, quiet = true, verbose = true }
     local valued = { connect = true, model = true, threads = true, key = true, ["server-key"] = true, id = true,
         ["max-batch"] = true, credits = true, ["give-up"] = true, device = true, dtype = true }
@@ -703,7 +820,7 @@ function M.main(argv)
         io.stderr:write("ds4 worker: --connect ENDPOINT is required\n\n" .. USAGE .. "\n")
         return 2
     end
-    local threads, max_batch, credits = num("threads", -1, 4096), num("max-batch", 0, 65536), num("credits", 1, 1024)
+    local threads, max_batch, credits = num("threads", -1, 4096), num("max-batch", 0, 65536), num("credits", 0, 1024)
     local give_up = num("give-up", 1, 86400 * 365)
     if not threads or not max_batch or not credits or not give_up then return 2 end
     local curve
