@@ -187,6 +187,10 @@ ds4_status ds4_model_lora_load(ds4_model *m, const char *dir, ds4_error *err);
 /* Write the adapters as a PEFT directory (atomically, as ds4_model_save; overwrite: replace an adapter directory).
  * base_name: adapter_config.json's base_model_name_or_path (may be NULL). */
 ds4_status ds4_model_lora_save(ds4_model *m, const char *dir, const char *base_name, int overwrite, ds4_error *err);
+/* Write adapter_config.json and adapter_model.safetensors into the existing directory `dir`, replacing files of those
+ * names, without the atomic swap: for checkpoint directories (their commit is the atomic step), which then hold the
+ * model and its adapters side by side (ds4_model_load(dir) then ds4_model_lora_load(dir) gives both back bitwise). */
+ds4_status ds4_model_lora_write_files(ds4_model *m, const char *dir, const char *base_name, ds4_error *err);
 /* W += s·B A on every adapted weight, then drop the adapters. */
 ds4_status ds4_model_merge_lora(ds4_model *m, ds4_error *err);
 /* Drop the adapters without merging them. */
