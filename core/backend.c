@@ -261,32 +261,50 @@ ds4_status ds4_model_host_sync(ds4_model *m, ds4_error *err) {
     return DS4_OK;
 }
 
+/* The gradients that train: the model's, or with adapters attached the adapters' (the model's buffer is not
+ * allocated then). host: the host buffer (NULL before gradients are enabled), dev: the backend's copy or NULL. */
+static int64_t trained_grads(ds4_model *m, float **host, float **dev) {
+    if (m->lora) {
+        *host = m->lora->grads;
+        *dev = m->lora->dgrads;
+        return m->lora->n;
+    }
+    *host = m->grads;
+    *dev = m->dgrads;
+    return m->n_params;
+}
+
 ds4_status ds4_model_grad_buffer(ds4_model *m, float **out, int64_t *count, ds4_error *err) {
     if (!m || !out || !count) return ds4_fail(err, DS4_ERR_ARG, "grad_buffer: model, out or count is NULL");
     *out = NULL;
     *count = 0;
-    if (!m->grads)
+    float *host, *dev;
+    const int64_t n = trained_grads(m, &host, &dev);
+    if (!host)
         return ds4_fail(err, DS4_ERR_ARG, "grad_buffer: gradients are not enabled (ds4_model_enable_grad first)");
-    if (m->dgrads) {
+    if (dev) {
         ds4_status s = ds4_dev_check(m->dev, "grad_buffer", err);
         if (!s) s = m->dev->ops->sync(m->dev, err);
         if (s) return s;
     }
-    *out = m->dgrads ? m->dgrads : m->grads;
-    *count = m->n_params;
+    *out = dev ? dev : host;
+    *count = n;
     return DS4_OK;
 }
 
 void ds4_model_grads_changed(ds4_model *m) {
-    if (m && m->dgrads) m->grads_stale = 1;
+    if (m && m->lora && m->lora->dgrads) m->lora->grads_stale = 1;
+    else if (m && m->dgrads) m->grads_stale = 1;
 }
 
 ds4_status ds4_model_scale_grads(ds4_model *m, double scale, ds4_error *err) {
     if (!m) return ds4_fail(err, DS4_ERR_ARG, "scale_grads: model is NULL");
-    if (!m->grads)
+    float *host, *dev;
+    const int64_t n = trained_grads(m, &host, &dev);
+    if (!host)
         return ds4_fail(err, DS4_ERR_ARG, "scale_grads: gradients are not enabled (ds4_model_enable_grad first)");
     if (!isfinite(scale)) return ds4_fail(err, DS4_ERR_ARG, "scale_grads: scale %g is not finite", scale);
-    OP(m->dev, scale, .x = m->dgrads ? m->dgrads : m->grads, .n = m->n_params, .s = (float)scale);
+    OP(m->dev, scale, .x = dev ? dev : host, .n = n, .s = (float)scale);
     ds4_model_grads_changed(m);
     return ds4_dev_check(m->dev, "scale_grads", err);
 }

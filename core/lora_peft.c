@@ -331,7 +331,8 @@ static ds4_status write_adapter(void *vctx, const char *dir, ds4_error *err) {
     return s;
 }
 
-ds4_status ds4_model_lora_save(ds4_model *m, const char *dir, const char *base_name, int overwrite, ds4_error *err) {
+/* What PEFT's layout can hold and what is worth writing: expert adapters on every layer or none, finite values. */
+static ds4_status check_savable(ds4_model *m, const char *dir, ds4_error *err) {
     if (!m || !dir) return ds4_fail(err, DS4_ERR_ARG, "lora save: NULL argument");
     ds4_lora *l = m->lora;
     if (!l) return ds4_fail(err, DS4_ERR_ARG, "lora save %s: the model has no adapters", dir);
@@ -346,8 +347,21 @@ ds4_status ds4_model_lora_save(ds4_model *m, const char *dir, const char *base_n
         if (!isfinite(l->params[i]))
             return ds4_fail(err, DS4_ERR_ARG, "lora save %s: adapter value %lld is %g: refusing to write diverged "
                             "adapters", dir, (long long)i, (double)l->params[i]);
+    return DS4_OK;
+}
+
+ds4_status ds4_model_lora_save(ds4_model *m, const char *dir, const char *base_name, int overwrite, ds4_error *err) {
+    ds4_status s = check_savable(m, dir, err);
+    if (s) return s;
     save_ctx c = {m, base_name};
     return ds4_dir_save_atomic("lora save", dir, overwrite, write_adapter, &c, err);
+}
+
+ds4_status ds4_model_lora_write_files(ds4_model *m, const char *dir, const char *base_name, ds4_error *err) {
+    ds4_status s = check_savable(m, dir, err);
+    if (s) return s;
+    save_ctx c = {m, base_name};
+    return write_adapter(&c, dir, err);
 }
 
 /* ------------------------------------------------------------------------------------------------ load */

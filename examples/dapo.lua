@@ -252,10 +252,8 @@ print(("%s: %s, %d parameters; %d train / %d held-out problems; %s; run %s"):for
 local wall0 = ds4.metrics.clock()
 if opts.lora ~= 0 then
     if opts.lora ~= math.floor(opts.lora) or opts.lora < 0 then usage_error("--lora must be a rank >= 1 (0: off)") end
-    -- not yet: checkpoints hold the weights, not adapters; workers are sent the weights, not adapters
-    if opts.workers ~= "" or opts.save_every > 0 or opts.resume then
-        usage_error("--lora does not combine with --workers, --save-every or --resume yet (docs/lora.md)")
-    end
+    -- not yet: workers are sent the weights, not adapters
+    if opts.workers ~= "" then usage_error("--lora does not combine with --workers yet (docs/lora.md)") end
 end
 if opts.sft_steps > 0 and not resuming then -- a resumed run's checkpoint holds the warmed-up (and trained) policy
     local acc0 = trainer.evaluate(model, { samples = heldout, correct = task.correct }, decode, M, stop)

@@ -28,6 +28,12 @@ What it does, end to end:
   6. the held-out loss before and after training (on the toy set: exit status 1 when it did not fall), and the
      trained model with its tokenizer in RUN/model (or --save DIR): load it with ds4.load, `ds4 repl --model`, or
      from_pretrained.
+
+--lora RANK (--lora-alpha A, --lora-targets attention,shared,experts) trains LoRA adapters only (docs/lora.md): the
+model's weights stay frozen, checkpoints hold the adapters beside them (and --resume restores both), and RUN/model
+(or --save) is the adapter as a PEFT directory (adapter_config.json + adapter_model.safetensors) for the --model
+checkpoint; a model built here has no directory, so its frozen weights go to RUN/base, named as the adapter's base.
+Load the result with ds4.load(BASE, {lora = RUN/model}), or PEFT's PeftModel.from_pretrained.
 ]]
 
 local ds4 = require("ds4")
@@ -64,6 +70,9 @@ local SPEC = {
         { "save_every", 0, "checkpoint every K updates (0: none)" },
         { "keep_last", 3, "checkpoints kept" },
         { "save", "", "where the trained model goes (default: RUN/model)" },
+        { "lora", 0, "train LoRA adapters of this rank only (0: every weight); docs/lora.md" },
+        { "lora_alpha", 0, "LoRA alpha (0: twice the rank)" },
+        { "lora_targets", "", "adapted weights, comma-separated (default: attention,shared,experts)" },
         { "tensorboard", true, "write TensorBoard event files" },
         { "quiet", false, "no progress output" },
     },
@@ -87,6 +96,7 @@ if opts.save_every ~= math.floor(opts.save_every) or opts.save_every < 0 then
     usage_error("--save-every must be an integer >= 0, got " .. opts.save_every)
 end
 if not (opts.lr > 0 and opts.lr < math.huge) then usage_error("--lr must be a positive number, got " .. opts.lr) end
+if opts.lora ~= math.floor(opts.lora) or opts.lora < 0 then usage_error("--lora must be a rank >= 1 (0: off)") end
 
 -- ------------------------------------------------------------------------------------------------ toy dataset
 -- The "minimal standard" generator (s <- 16807 s mod 2^31 - 1): the dataset depends only on the seed. Lua
@@ -132,8 +142,9 @@ if run.resumed then
     if d then resume_dir, resume_meta, resume_step = d, meta, step end
 end
 local model_dir = resume_dir or (opts.model ~= "" and opts.model or nil)
-if model_dir then
-    model = ds4.load(model_dir)
+if model_dir then -- a LoRA run's checkpoint holds its adapters beside the frozen weights
+    local adapter = resume_dir and ds4.fs.exists(resume_dir .. "/adapter_config.json") and resume_dir or nil
+    model = ds4.load(model_dir, { lora = adapter })
     tok, template_name = model:tokenizer()
 end
 if opts.tokenizer ~= "" then
@@ -152,6 +163,18 @@ if not model then
     model = ds4.new_model(dofile(ds4.script_dir() .. "/small_model.lua")(tok), opts.seed)
 end
 model:set_tokenizer(tok, { chat_template = template_name }) -- checkpoints and the saved model carry both
+local lora = model:lora_info()
+if lora and lora.rank ~= opts.lora then
+    usage_error(("%s holds LoRA adapters of rank %d: resume with --lora %d"):format(resume_dir, lora.rank, lora.rank))
+elseif resume_dir and not lora and opts.lora > 0 then
+    usage_error(resume_dir .. " holds no LoRA adapters (the run trained every weight): resume without --lora")
+elseif opts.lora > 0 and not lora then -- fresh adapters (B = 0: the model is unchanged); only they train from here
+    local targets = {}
+    for t in opts.lora_targets:gmatch("[^,%s]+") do targets[#targets + 1] = t end
+    local ok, e = pcall(model.lora, model, { rank = opts.lora, alpha = opts.lora_alpha > 0 and opts.lora_alpha or nil,
+        targets = #targets > 0 and targets or nil, seed = opts.seed })
+    if not ok then usage_error("--lora: " .. tostring(e)) end
+end
 local V = model:config().vocab_size
 local EOS = model:config().eos_token_id or tok:special("eos") or 0
 
@@ -266,6 +289,11 @@ local now = ds4.metrics.clock
 print(("sft: %s, %d parameters; %d train / %d held-out rows (%s); %d steps of %d; run %s"):format(
     ds4.config_summary(model:config()), model:n_params(), #train, #heldout, opts.data ~= "" and opts.data or
     "toy set", opts.steps, opts.batch, OUT))
+lora = model:lora_info()
+if lora then
+    print(("LoRA rank %d (scale %g): %d adapter values train, the %d weights are frozen"):format(lora.rank, lora.scale,
+        lora.numel, model:n_params()))
+end
 print(("held-out loss before training: %.4f"):format(before))
 if not resume_dir then log:write({ step = 0, ["eval/loss"] = before }) end
 
@@ -308,7 +336,17 @@ local after = heldout_loss()
 log:write({ step = opts.steps, ["eval/loss"] = after })
 log:close()
 local save = opts.save ~= "" and opts.save or OUT .. "/model"
-model:save(save, { overwrite = true }) -- weights, config.json, tokenizer.json, tokenizer_config.json
+if opts.lora > 0 then -- the adapter (PEFT); a base built here is saved beside the run, as the adapter's base
+    local base = opts.model
+    if base == "" then
+        base = OUT .. "/base"
+        model:save(base, { overwrite = true })
+    end
+    model:save_lora(save, { overwrite = true, base = base })
+    save = ("%s (LoRA adapter; base %s)"):format(save, base)
+else
+    model:save(save, { overwrite = true }) -- weights, config.json, tokenizer.json, tokenizer_config.json
+end
 local plot = require("ds4.plot")
 plot.svg(OUT .. "/metrics.svg", plot.read_jsonl(OUT .. "/metrics.jsonl"), { title = "sft: training loss",
     series = { { key = "loss", label = "training loss" }, { key = "eval/loss", label = "held-out loss" } } })

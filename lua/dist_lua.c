@@ -11,7 +11,8 @@
  *   ds4.dist.all_gather(t)             -> a new tensor [world_size, ...t's shape], rank order
  *   ds4.dist.broadcast(t, root)        in place (any dtype): every rank's t becomes rank root's; returns t
  *   ds4.dist.all_reduce_grads(model [, scale])   the model's flat gradient buffer times scale, summed over ranks
- *                                      (a CUDA model: on its device, through NCCL)
+ *                                      (a CUDA model: on its device, through NCCL; with LoRA adapters attached,
+ *                                      the adapters' gradient buffer, the only one that exists then)
  *   ds4.dist.finalize()                MPI_Finalize / NCCL finalize (every rank must call it)
  *   ds4.dist.have_mpi, have_nccl       what this build has
  *

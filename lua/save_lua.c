@@ -3,6 +3,7 @@
  *   model:save(dir [, {dtype = "F32"|"BF16"|"F16", overwrite = false, files = {name = text}}]) -> dir
  *       opts.files: more *.json files (tokenizer.json, ...) written with the weights, published with them
  *   ds4.checkpoints.save(root, step, model [, opts]) -> path of ROOT/step_NNNNNN
+ *       a model with LoRA adapters: adapter_config.json + adapter_model.safetensors (PEFT, F32) beside the weights
  *       opts.extra = {name = tensor}, opts.meta = {JSON-able table}  -> extra.safetensors / extra.json
  *       opts.states = {name = {tensors = {...}, meta = {...}}}         -> <name>.safetensors / <name>.json
  *       opts.dtype, opts.files (as model:save), and opts.keep_last / keep_every / clean: prune after the commit
@@ -683,6 +684,8 @@ static int save_work(lua_State *L) {
     opt_files(L, lua_istable(L, 2) ? 2 : 0, fname, &o);
     ds4_error err = {0};
     if (ds4_model_write_files(m, tmp, &o, &err) != DS4_OK) ds4l_raise_ds4(L, fname, &err);
+    /* the adapters beside the frozen weights, always F32 (a resume restores them bitwise) */
+    if (ds4_model_has_lora(m) && ds4_model_lora_write_files(m, tmp, NULL, &err) != DS4_OK) ds4l_raise_ds4(L, fname, &err);
     if (lua_isnil(L, 2)) return 0;
     lua_getfield(L, 2, "extra");
     int extra = lua_gettop(L);

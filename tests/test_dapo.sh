@@ -54,9 +54,14 @@ done
 "$DS4" run "$SRC/examples/dapo.lua" "${small[@]}" "${from[@]}" --routing-replay --out "$out/replay" --quiet \
     >"$out/replay.log"
 check "$out/replay" 3
-# LoRA: the same loop trains only rank-4 adapters; the rollout's and the trainer's log-probabilities agree exactly
-"$DS4" run "$SRC/examples/dapo.lua" "${small[@]}" "${from[@]}" --lora 4 --save "$out/adapter" --out "$out/lora" \
-    --quiet >"$out/lora.log"
+# LoRA: the same loop trains only rank-4 adapters; the rollout's and the trainer's log-probabilities agree exactly.
+# Two steps with a checkpoint (adapters beside the frozen weights), then a new process resumes for the third.
+"$DS4" run "$SRC/examples/dapo.lua" "${small[@]}" "${from[@]}" --lora 4 --steps 2 --save-every 2 --out "$out/lora" \
+    --quiet >/dev/null
+test -f "$out/lora/ckpt/step_000002/adapter_model.safetensors"
+"$DS4" run "$SRC/examples/dapo.lua" "${small[@]}" "${from[@]}" --lora 4 --save-every 2 --resume --save "$out/adapter" \
+    --out "$out/lora" --quiet >"$out/lora.log"
+grep -q "resuming from .*step_000002" "$out/lora.log"
 check "$out/lora" 3
 grep -q "LoRA adapter saved to" "$out/lora.log"
 test -f "$out/adapter/adapter_config.json" && test -f "$out/adapter/adapter_model.safetensors"

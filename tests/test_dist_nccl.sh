@@ -82,6 +82,11 @@ for np in $sizes; do
     grep 'dist_data_parallel:' "$LOG/run.0"
     all_passed "$np" dist_data_parallel "$LOG/run" ||
         { show; bad "data parallel on cuda, $np ranks, torchrun-style (exit ${RCS[*]})"; }
+    # LoRA: the adapters' gradient buffer, on the device, all-reduced through NCCL
+    EXTRA_ENV="DS4_TEST_DEVICE=cuda" launch "$np" "$LOG/run" 300 "$DS4" run "$T/dist_data_parallel.lua" "$FIX" lora
+    grep 'dist_data_parallel (LoRA):' "$LOG/run.0"
+    all_passed "$np" dist_data_parallel "$LOG/run" ||
+        { show; bad "LoRA data parallel on cuda, $np ranks, torchrun-style (exit ${RCS[*]})"; }
     if [ "$have_mpi" -eq 1 ]; then
         mpi_ranks "$np" "$BIN/test_dist_nccl" "$FIX"
         all_passed "$np" test_dist_nccl "$LOG/run" || { show; bad "test_dist_nccl, $np ranks, mpirun"; }

@@ -4,7 +4,8 @@
 # metrics.jsonl, full double precision) and the final weights must be bit-identical, and the resumed run
 # must really have started from the checkpoint (its metrics begin at step 6).
 #   bash tests/test_resume.sh <path-to-ds4> <fixtures_dir> <source_dir> [SFT OPTION ...]
-# Options after the third argument go to every sft.lua run (tests/test_resume_cuda.sh: --device cuda --dtype ...).
+# Options after the third argument go to every sft.lua run (tests/test_resume_cuda.sh: --device cuda --dtype ...;
+# tests/test_resume_lora.sh: --lora 4, where the adapters in the final checkpoint must be bit-identical too).
 set -euo pipefail
 DS4="$1"
 SRC="$3"
@@ -41,5 +42,11 @@ cmp "$tmp/full/ckpt/step_000012/model.safetensors" "$tmp/part/ckpt/step_000012/m
     { echo "final weights differ"; exit 1; }
 cmp "$tmp/full/ckpt/step_000012/optimizer.safetensors" "$tmp/part/ckpt/step_000012/optimizer.safetensors" ||
     { echo "final optimizer state differs"; exit 1; }
+if [ -f "$tmp/full/ckpt/step_000012/adapter_model.safetensors" ]; then # --lora: the adapters beside the weights
+    cmp "$tmp/full/ckpt/step_000012/adapter_model.safetensors" "$tmp/part/ckpt/step_000012/adapter_model.safetensors" ||
+        { echo "final LoRA adapters differ"; exit 1; }
+    cmp "$tmp/part/ckpt/step_000005/model.safetensors" "$tmp/full/ckpt/step_000012/model.safetensors" ||
+        { echo "LoRA: the frozen weights moved"; exit 1; }
+fi
 echo "resume${*:+ ($*)}: 12 losses and the final weights and moments are bit-identical"
 echo "1 passed, 0 failed"

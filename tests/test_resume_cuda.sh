@@ -2,7 +2,8 @@
 # test_resume_cuda.sh — exact resume on the GPU: tests/test_resume.sh (12 updates in one process == 5 updates, a
 # checkpoint, a NEW process and 7 more; losses, weights and AdamW moments bit-identical) with the model on CUDA
 # device 0, in bf16 (fp32 master weights, gradients and moments on the device; the checkpoint holds the master)
-# and in fp32. Skipped (exit 77) where ds4 sees no CUDA device: CI; scripts/gpu.sh runs it on a GPU machine.
+# and in fp32, and a LoRA run in bf16. Skipped (exit 77) where ds4 sees no CUDA device: CI; scripts/gpu.sh runs it
+# on a GPU machine.
 #   bash tests/test_resume_cuda.sh <path-to-ds4> <fixtures_dir> <source_dir>
 set -euo pipefail
 DS4="$1"
@@ -18,4 +19,6 @@ fi
 for dtype in bf16 fp32; do
     bash "$here/test_resume.sh" "$@" --device cuda --dtype "$dtype" | grep -v 'passed, 0 failed'
 done
-echo "2 passed, 0 failed"
+# LoRA on the device: the adapters, their gradients and moments live there; the checkpoint brings them home
+bash "$here/test_resume.sh" "$@" --device cuda --dtype bf16 --lora 4 | grep -v 'passed, 0 failed'
+echo "3 passed, 0 failed"

@@ -11,6 +11,8 @@
  *   ROOT/step_000020/            20 = completed optimizer updates (the unit of every step number below)
  *       config.json              the model, loadable by ds4_model_load and by from_pretrained
  *       model.safetensors
+ *       adapter_config.json      a model's LoRA adapters when it carries them (ds4_model_lora_write_files: PEFT's
+ *       adapter_model.safetensors  layout, F32; ds4_model_lora_load(dir) reads them back bitwise)
  *       <name>.safetensors       named extra state (optimizer moments, data-loader position, ...) written by
  *       <name>.json              ds4_ckpt_write_state: tensors + a JSON metadata object
  *       COMPLETE                 the marker, written and fsynced last: JSON {format, version, step, time,

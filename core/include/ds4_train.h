@@ -45,13 +45,14 @@ float *ds4_model_grads(ds4_model *m);          /* flat, parallel to params; NULL
 /* Bring the host params and gradients up to date with the device's (nothing to do on the CPU). */
 ds4_status ds4_model_host_sync(ds4_model *m, ds4_error *err);
 /* The gradient buffer where the model computes, for a collective over it (dist/, data parallelism): host memory on
- * the CPU, memory of the model's CUDA device there (ds4_model_device says which). *count = ds4_model_param_count.
+ * the CPU, memory of the model's CUDA device there (ds4_model_device says which). *count = ds4_model_param_count;
+ * with LoRA adapters attached, the adapters' gradient buffer instead (*count = their element count: only they train).
  * Everything enqueued on the model's backend has finished when this returns, so another stream (NCCL's) may read
  * and write the buffer until the model's next call; after writing it, call ds4_model_grads_changed (the host
  * mirror of a device model is then behind). DS4_ERR_ARG before enable_grad. */
 ds4_status ds4_model_grad_buffer(ds4_model *m, float **out, int64_t *count, ds4_error *err);
 void ds4_model_grads_changed(ds4_model *m);
-/* g[i] *= (float)scale over the whole gradient buffer, where the model computes (bitwise the same on CPU and CUDA:
+/* g[i] *= (float)scale over the whole gradient buffer (the adapters' with LoRA), where the model computes (bitwise the same on CPU and CUDA:
  * one fp32 product per element). */
 ds4_status ds4_model_scale_grads(ds4_model *m, double scale, ds4_error *err);
 ds4_status ds4_model_set_train_options(ds4_model *m, const ds4_train_options *o, ds4_error *err);
@@ -187,6 +188,10 @@ ds4_status ds4_model_lora_load(ds4_model *m, const char *dir, ds4_error *err);
 /* Write the adapters as a PEFT directory (atomically, as ds4_model_save; overwrite: replace an adapter directory).
  * base_name: adapter_config.json's base_model_name_or_path (may be NULL). */
 ds4_status ds4_model_lora_save(ds4_model *m, const char *dir, const char *base_name, int overwrite, ds4_error *err);
+/* Write adapter_config.json and adapter_model.safetensors into the existing directory `dir`, replacing files of those
+ * names, without the atomic swap: for checkpoint directories (their commit is the atomic step), which then hold the
+ * model and its adapters side by side (ds4_model_load(dir) then ds4_model_lora_load(dir) gives both back bitwise). */
+ds4_status ds4_model_lora_write_files(ds4_model *m, const char *dir, const char *base_name, ds4_error *err);
 /* W += s·B A on every adapted weight, then drop the adapters. */
 ds4_status ds4_model_merge_lora(ds4_model *m, ds4_error *err);
 /* Drop the adapters without merging them. */

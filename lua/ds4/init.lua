@@ -130,9 +130,11 @@ Saving and checkpoints (lua/save_lua.c; layout and guarantees: core/include/ds4_
                                    opts.meta = {JSON-able table}, opts.states = {name = {tensors = ..., meta = ...}},
                                    opts.dtype, opts.tokenizer / chat_template / files as model:save;
                                    opts.keep_last / keep_every / clean: prune afterwards. The commit
-                                   removes crash leftovers no running writer can own (ds4_ckpt.h)
+                                   removes crash leftovers no running writer can own (ds4_ckpt.h). A model with
+                                   LoRA adapters: its adapters too (adapter_config.json, adapter_model.safetensors)
   ds4.checkpoints.load(root [, step]) -> dir, extra, meta, step of the newest (or given) complete checkpoint
-                                   (nil when there is none); ds4.load(dir) loads its model
+                                   (nil when there is none); ds4.load(dir) loads its model (ds4.load(dir, {lora =
+                                   dir}) with its adapters, when it has adapter_config.json)
   ds4.checkpoints.list(root)       complete steps, ascending (every file's size and CRC-32 verified)
   ds4.checkpoints.latest(root)     newest complete step, or nil
   ds4.checkpoints.prune(root, {keep_last = K, keep_every = M, clean = false, dry_run = false})

@@ -19,6 +19,12 @@
 -- 1.2e-5 on 4 ranks). A wrong normalisation (a missing 1/N, or n_r / N left out) is off by a factor of 2 to 4:
 -- gradient rel ≥ 0.5, far outside either bound (weights alone would not show it: Adam is scale-invariant).
 --
+-- With the argument "lora" after the fixtures both copies carry the same rank-4 LoRA adapters (attention, shared and
+-- routed experts), so only they train: all_reduce_grads sums the adapters' gradient buffer, and the adapters'
+-- gradients (lora_grads) and values (lora_tensors) are compared under the same bounds by the same argument (their
+-- gradients are sums over the same positions; the frozen weights must stay bitwise what they were). At step 1 every
+-- B is 0, so every A's gradient is exactly 0 on both sides (checked: a zero stays zero).
+--
 -- DS4_TEST_DEVICE=cuda (tests/test_dist_nccl.sh on a GPU machine): both copies live on this rank's GPU
 -- (ds4.dist.init{device = "cuda"}, fp32 mode) and the gradients are all-reduced there through NCCL. The same bounds
 -- hold by the same argument: the CUDA backend's sums are fixed-order fp32 too, and differ from the whole batch's
@@ -29,6 +35,7 @@ local ds4 = require("ds4")
 local ffi = require("ffi")
 
 local on_device = os.getenv("DS4_TEST_DEVICE") == "cuda"
+local lora = arg[2] == "lora"
 local r, n = ds4.dist.init(on_device and { device = "cuda" } or nil)
 local dir = H.fixtures() .. "/tiny_a"
 local B, S, V, K = 4, 37, 256, 3
@@ -58,6 +65,14 @@ local my_ids = batch(first, split[r + 1])
 
 local function opts() return { lr = 1e-3, betas = { 0.9, 0.95 }, eps = 1e-8, weight_decay = 0.1, clip = 1.0 } end
 local ref, dp = ds4.load(dir), ds4.load(dir)
+if lora then
+    ref:lora{ rank = 4, seed = 7 }
+    dp:lora{ rank = 4, seed = 7 }
+end
+local frozen = dp:params()
+-- what trains: the adapters with LoRA, else the weights
+local function trained(m) return lora and m:lora_tensors() or { all = m:params() } end
+local function grads(m) return lora and m:lora_grads() or m:grads({ canonical = true }) end
 if on_device then
     H.eq(ds4.dist.device():match("^cuda:%d+$") ~= nil, true, "ds4.dist.device() names this rank's GPU")
     ref:to(ds4.dist.device(), "fp32")
@@ -97,7 +112,7 @@ for k = 1, K do
     H.near(l[1] / N, out_ref.loss, 1e-6 * math.abs(out_ref.loss), "global loss, step " .. k)
 
     local gmax, grel = 0, 0
-    local gd, gr = dp:grads({ canonical = true }), ref:grads({ canonical = true })
+    local gd, gr = grads(dp), grads(ref)
     for name, g in pairs(gr) do
         local m, rel = diff(gd[name], g)
         gmax = math.max(gmax, m)
@@ -110,17 +125,23 @@ for k = 1, K do
         k, grel, gmax))
     ref_opt:step()
     dp_opt:step()
-    local wmax = diff(dp:params(), ref:params())
+    local wmax, td, tr = 0, trained(dp), trained(ref)
+    for name, t in pairs(tr) do wmax = math.max(wmax, (diff(td[name], t))) end
     worst_w = math.max(worst_w, wmax)
     H.check(wmax <= 5e-5, ("step %d: weights max |Δ| %.3g vs one process on the whole batch"):format(k, wmax))
 end
 -- the ranks hold the same weights (broadcast rank 0's and compare)
-local w = dp:params()
-local w0 = ds4.dist.broadcast(w:clone(), 0)
-H.eq((diff(w, w0)), 0, "every rank's weights equal rank 0's")
+local tw, names = trained(dp), {}
+for name in pairs(tw) do names[#names + 1] = name end
+table.sort(names) -- a collective per tensor: the same order on every rank
+for _, name in ipairs(names) do
+    local w0 = ds4.dist.broadcast(tw[name]:clone(), 0)
+    H.eq((diff(tw[name], w0)), 0, "every rank's " .. name .. " equals rank 0's")
+end
+if lora then H.eq((diff(dp:params(), frozen)), 0, "LoRA: the frozen weights did not move") end
 if r == 0 then
-    print(("dist_data_parallel: %d ranks (%s, %s), %d steps: worst gradient rel %.3g, worst weight |Δ| %.3g"):format(
-        n, ds4.dist.backend(), ds4.dist.device(), K, worst_g, worst_w))
+    print(("dist_data_parallel%s: %d ranks (%s, %s), %d steps: worst gradient rel %.3g, worst weight |Δ| %.3g"):format(
+        lora and " (LoRA)" or "", n, ds4.dist.backend(), ds4.dist.device(), K, worst_g, worst_w))
 end
 ds4.dist.finalize()
 H.done("dist_data_parallel rank " .. r .. " of " .. n)

@@ -4,6 +4,7 @@
 -- holds the reference model of a KL term (the resumed run's reference starts perturbed and must come back), the
 -- loop's counters (which batch of prompts comes next, so prompts(k, n) sees the same k) and the caller's own state
 -- (config.state); its name counts completed optimizer updates (2 minibatches per step: step 2 = step_000004).
+-- The same with LoRA adapters: the adapters, their moments and the metrics bitwise, the frozen weights unmoved.
 -- Usage: ds4 run tests/lua/test_trainer_resume.lua <fixtures_dir>
 package.path = ((arg[0]:match("^(.*)/[^/]*$") or ".") .. "/?.lua;") .. package.path
 local H = require("harness")
@@ -101,6 +102,63 @@ H.eq(#rc.history, 4, "the returned history covers the steps before the resume to
 local other = ds4.load(FIX .. "/tiny_b")
 H.raises(function() trainer.run((config(other, ds4.load(FIX .. "/tiny_b"), tmp .. "/b", { resume = true }))) end,
     { "trainer.run: resume:", "hash-routing tables" }, "a model of other tables")
+
+-- LoRA: the same run training adapters only (rank 2 on the attention, shared and routed experts). The checkpoint
+-- holds the adapters beside the frozen weights and the optimizer's moments are the adapters'; the resumed policy
+-- gets fresh adapters of another seed, which the checkpoint's must replace.
+local function same_tensors(a, b)
+    for k, t in pairs(a) do
+        if not b[k] or not same_bytes(t, b[k]) then return false, k end
+    end
+    for k in pairs(b) do
+        if not a[k] then return false, k end
+    end
+    return true
+end
+local function lora_model(seed)
+    local m = ds4.load(FIX .. "/tiny_a")
+    m:lora{ rank = 2, alpha = 4, seed = seed }
+    return m
+end
+local la = lora_model(5)
+local base = la:params()
+local lra = trainer.run((config(la, ds4.load(FIX .. "/tiny_a"), tmp .. "/la", {})))
+H.eq(lra.updates, 8, "LoRA: 8 updates")
+H.check(same_bytes(la:params(), base), "LoRA: the frozen weights did not move")
+H.check(io.open(tmp .. "/la/ckpt/step_000004/adapter_model.safetensors") ~= nil and
+    io.open(tmp .. "/la/ckpt/step_000004/adapter_config.json") ~= nil, "LoRA: the checkpoint holds the adapters")
+local lb = lora_model(5)
+trainer.run((config(lb, ds4.load(FIX .. "/tiny_a"), tmp .. "/lb", { on_step = function(step) return step < 2 end })))
+local lc = lora_model(99)
+local cfg_lc, calls_lc = config(lc, ds4.load(FIX .. "/tiny_a"), tmp .. "/lb", { resume = true })
+local rlc = trainer.run(cfg_lc)
+H.eq(rlc.resumed_from, tmp .. "/lb/ckpt/step_000004", "LoRA: resumed from the checkpoint of step 2")
+H.eq(calls_lc.n, 4, "LoRA: the caller's state continued")
+local ok, key = same_tensors(lc:lora_tensors(), la:lora_tensors())
+H.check(ok, "LoRA: the resumed run's adapters equal the uninterrupted run's, bit for bit (first difference: "
+    .. tostring(key) .. ")")
+H.check(same_bytes(lc:params(), base), "LoRA: the resumed run's frozen weights are the checkpoint's")
+local lsa = ds4.checkpoints.read_state(tmp .. "/la/ckpt/step_000008", "optimizer")
+local lsc = ds4.checkpoints.read_state(tmp .. "/lb/ckpt/step_000008", "optimizer")
+H.eq(lsa.m:numel(), la:lora_info().numel, "LoRA: the optimizer's moments cover the adapters only")
+H.check(same_bytes(lsa.m, lsc.m) and same_bytes(lsa.v, lsc.v) and same_bytes(lsa.tensor_steps, lsc.tensor_steps),
+    "LoRA: the final AdamW moments and step counts are bit-identical")
+local la_rows, lc_rows = rows_of(tmp .. "/la/metrics.jsonl"), rows_of(tmp .. "/lb/metrics.jsonl")
+H.eq(#lc_rows, #la_rows, "LoRA: every step once in the resumed run's metrics")
+for i, r in ipairs(la_rows) do
+    for k, v in pairs(r) do
+        if not TIMING[k] then H.eq((lc_rows[i] or {})[k], v, ("LoRA step %d: %s"):format(r.step, k)) end
+    end
+end
+-- a LoRA checkpoint needs a policy with the same adapters; a full one, a policy without adapters
+H.raises(function() trainer.run((config(ds4.load(FIX .. "/tiny_a"), ds4.load(FIX .. "/tiny_a"), tmp .. "/lb",
+    { resume = true }))) end, { "trainer.run: resume:", "holds LoRA adapters", "model:lora" }, "a policy without adapters")
+local r4 = ds4.load(FIX .. "/tiny_a")
+r4:lora{ rank = 4 }
+H.raises(function() trainer.run((config(r4, ds4.load(FIX .. "/tiny_a"), tmp .. "/lb", { resume = true }))) end,
+    { "trainer.run: resume:", "rank 4", "rank 2" }, "adapters of another rank")
+H.raises(function() trainer.run((config(lora_model(1), ds4.load(FIX .. "/tiny_a"), tmp .. "/b", { resume = true })))
+end, { "trainer.run: resume:", "holds none" }, "a LoRA policy and a checkpoint of a full run")
 
 os.execute("rm -rf " .. H.shell_quote(tmp))
 H.done("test_trainer_resume")

@@ -5,7 +5,9 @@
   resume.load(root, model, opt, reference) -> state, dir | nil           the newest complete checkpoint
 
 A checkpoint (ds4.checkpoints: committed atomically, checksummed) holds
-  the policy                 model.safetensors + config.json, and the tokenizer attached to the model
+  the policy                 model.safetensors + config.json, and the tokenizer attached to the model; with LoRA
+                             adapters attached, the adapters too (adapter_config.json + adapter_model.safetensors,
+                             PEFT's layout) and the optimizer's moments are the adapters'
   optimizer.safetensors      AdamW moments m, v and per-tensor step counts; optimizer.json its update count
   reference.safetensors      the reference model's parameters (a KL term's frozen policy), when there is one: on
                              resume the caller builds the reference from anything of the right architecture (the
@@ -16,7 +18,8 @@ A checkpoint (ds4.checkpoints: committed atomically, checksummed) holds
 Names count completed optimizer updates, as examples/sft.lua's do (with minibatches M, RL step k has done k * M of
 them when every step trained). Loading puts the weights into the caller's model with model:set_params (its
 hash-routing tables must be the checkpoint's: they are compared), so objects holding the model (a rollout pool)
-keep working.
+keep working; the adapters go in with model:set_lora, so the caller attaches adapters of the checkpoint's rank,
+scale and targets first (model:lora{...}, as the run that wrote it did; a mismatch is refused, naming it).
 ]==]
 
 local ds4 = require("ds4")
@@ -41,11 +44,36 @@ local function restore_params(dst, src_params, tables, what)
     dst:set_params(src_params)
 end
 
+-- The checkpoint's adapters for the policy's (nil when neither has any), checked before anything is changed: both
+-- have adapters, of the same rank, scale and size (set_lora then checks the tensors one by one).
+local function saved_lora(dst, saved, dir)
+    local mine, theirs = dst:lora_info(), saved:lora_info()
+    if not theirs and not mine then return end
+    if not mine then
+        error(("trainer.run: resume: %s holds LoRA adapters (rank %d) and the policy has none: attach adapters of the "
+            .. "same rank and targets (model:lora{...}) before trainer.run"):format(dir, theirs.rank), 0)
+    end
+    if not theirs then
+        error(("trainer.run: resume: the policy has LoRA adapters and %s holds none (it was written by a run that "
+            .. "trained every weight)"):format(dir), 0)
+    end
+    if mine.rank ~= theirs.rank or mine.scale ~= theirs.scale or mine.numel ~= theirs.numel then
+        error(("trainer.run: resume: the policy's LoRA adapters (rank %d, scale %g, %d values) differ from %s's (rank "
+            .. "%d, scale %g, %d values)"):format(mine.rank, mine.scale, mine.numel, dir, theirs.rank, theirs.scale,
+            theirs.numel), 0)
+    end
+    return saved:lora_tensors()
+end
+
 function M.load(root, model, opt, reference)
     local dir, _, _, updates = ds4.checkpoints.load(root)
     if not dir then return nil end
-    local saved = ds4.load(dir)
-    local ok, err = pcall(restore_params, model, saved:params(), saved:tables_crc(), "policy")
+    local saved = ds4.load(dir, { lora = ds4.fs.exists(dir .. "/adapter_config.json") and dir or nil })
+    local ok, err = pcall(function()
+        local adapters = saved_lora(model, saved, dir)
+        restore_params(model, saved:params(), saved:tables_crc(), "policy")
+        if adapters then model:set_lora(adapters) end
+    end)
     local tables = saved:tables_crc()
     saved:free()
     if not ok then error(err, 0) end
