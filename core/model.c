@@ -408,6 +408,7 @@ void ds4_model_free(ds4_model *m) {
         free(m->table[i].name);
         free(m->table[i].src);
         free(m->table[i].src_scale);
+        free(m->table[i].sbytes);
     }
     free(m->table);
     free(m->sorted);
@@ -770,6 +771,22 @@ static int scan_fp4(const ds4_checkpoint *ck, int64_t L, uint8_t *kinds) {
     return any;
 }
 
+/* Remember how parameter p was stored (quantised weight en with `scale`), so that saving can write it so again;
+ * keep: a copy of the scale's bytes (an FP4-resident expert's are in q4 already). */
+static ds4_status note_quantised(ds4_param *p, const ds4_st_entry *en, const ds4_st_entry *scale, int keep,
+                                 ds4_error *err) {
+    p->qkind = (int32_t)ds4_quant_kind(en->dtype);
+    p->qdt = en->dtype;
+    p->sdt = scale->dtype;
+    p->sshape[0] = scale->shape[0];
+    p->sshape[1] = scale->shape[1];
+    const size_t nb = (size_t)(scale->shape[0] * scale->shape[1]) * ds4_dtype_size(scale->dtype);
+    if (!(p->src_scale = strdup(scale->name)) || (keep && !(p->sbytes = malloc(nb ? nb : 1))))
+        return ds4_fail(err, DS4_ERR_OOM, "model load: scale '%s'", scale->name);
+    if (keep) memcpy(p->sbytes, scale->data, nb);
+    return DS4_OK;
+}
+
 /* An FP4-resident expert: the checkpoint's packed bytes and e8m0 scales copied as they are (checked first, like a
  * dequantised weight's; a NaN scale refused), never expanded. */
 static ds4_status load_resident(ds4_model *m, ds4_param *p, const ds4_st_entry *en, const ds4_st_entry *scale,
@@ -795,9 +812,7 @@ static ds4_status load_resident(ds4_model *m, ds4_param *p, const ds4_st_entry *
                             "[%lld, %lld] is NaN", en->name, scale->name, (long long)(i / cols), (long long)(i % cols));
     memcpy(m->q4 + p->offset, en->data, (size_t)p->numel / 2);
     memcpy(m->q4 + p->qscale, sc, (size_t)ns);
-    p->qdt = en->dtype;
-    if (!(p->src_scale = strdup(scale->name))) return ds4_fail(err, DS4_ERR_OOM, "model load: name '%s'", scale->name);
-    return DS4_OK;
+    return note_quantised(p, en, scale, 0, err);
 }
 
 /* One checkpoint tensor into parameter p: float as is, FP8 / FP4 dequantised with the scale stored beside it (or an
@@ -811,7 +826,7 @@ static ds4_status load_param(ds4_model *m, const ds4_checkpoint *ck, const ds4_q
     if (ds4_quant_kind(en->dtype) != DS4_Q_NONE && p->dtype == DS4_F32 && p->ndim == 2) {
         s = ds4_quant_dequant(m->params + p->offset, en, scale, p->shape[0], p->shape[1], qf, err);
         if (s) ds4_error_prefix(err, "model load: ");
-        return s;
+        return s ? s : note_quantised(p, en, scale, 1, err);
     }
     if (scale)
         return ds4_fail(err, DS4_ERR_FORMAT, "model load: scale '%s' belongs to '%s', which is %s, not a quantised "
@@ -882,6 +897,8 @@ ds4_status ds4_model_load_opts(ds4_engine *e, const char *dir, const ds4_load_op
         ds4_error_prefix(err, "model load %s: ", dir);
         return s;
     }
+    m->qblock[0] = qf.block[0];
+    m->qblock[1] = qf.block[1];
     unsigned char *loaded = calloc(m->n_table ? m->n_table : 1, 1);
     if (!loaded) {
         s = ds4_fail(err, DS4_ERR_OOM, "model load: flags");

@@ -118,8 +118,13 @@ typedef struct ds4_param {
                                             (DS4_FP4_PACKED: its e2m1 pairs) */
     int64_t qscale;                      /* DS4_FP4_PACKED: bytes into q4 of its e8m0 scales */
     ds4_dtype dtype;                     /* DS4_F32, DS4_I32 for tid2eid, DS4_FP4_PACKED for an FP4-resident expert */
-    ds4_dtype qdt;                       /* DS4_FP4_PACKED: the checkpoint's dtype of its bytes (I8 or U8) */
-    char *src_scale;                     /* DS4_FP4_PACKED: its scale's name in the checkpoint */
+    /* how the checkpoint stored it, when quantised (saving writes it so again while that is exact: save_quant.c) */
+    int32_t qkind;                       /* ds4_qkind (quant.h): 0 float, 1 FP8, 2 FP4 */
+    ds4_dtype qdt;                       /* its values' dtype: F8_E4M3, I8 or U8 */
+    char *src_scale;                     /* its scale's name */
+    ds4_dtype sdt;                       /* the scale's dtype and shape */
+    int64_t sshape[2];
+    uint8_t *sbytes;                     /* a copy of the scale's bytes (NULL for DS4_FP4_PACKED: they are in q4) */
     int32_t lowp;                        /* an "M" matrix: held in the backend's mdt */
     int32_t follows;                     /* a routed expert after the first: contiguous with the entry before it */
     char *src;                           /* its name in the checkpoint it was loaded from (NULL: not loaded) */
@@ -147,6 +152,7 @@ struct ds4_model {
     int64_t n_q4;                        /* its bytes */
     uint8_t *fp4_kinds;                  /* [(L + 1)·3] whether layer li's (L: the MTP block's) w1, w2, w3 are
                                             FP4-resident; NULL: none is */
+    int64_t qblock[2];                   /* the checkpoint's FP8 block (rows, cols), for saving FP8 tensors again */
     ds4_weights w;                       /* views into params / tid2eid_all */
     int32_t emulate_bf16;                /* w.bf16_in on the CPU: ds4_model_emulate_bf16 */
     int32_t kv_qat;                      /* the FP8 KV quantisation-aware option: ds4_model_set_kv_qat */
