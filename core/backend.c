@@ -451,6 +451,10 @@ ds4_status ds4_model_to(ds4_model *m, const ds4_device_options *o, ds4_error *er
     const ds4_dtype mdt = o->dtype == DS4_BF16 ? DS4_BF16 : DS4_F32;
     if (o->dtype != DS4_F32 && o->dtype != DS4_BF16)
         return ds4_fail(err, DS4_ERR_ARG, "model to device: dtype %s (F32 or BF16)", ds4_dtype_name(o->dtype));
+    if (o->type != DS4_DEVICE_CPU && ds4_model_has_fp4(m))
+        return ds4_fail(err, DS4_ERR_UNSUPPORTED, "model to cuda: the model holds FP4-resident experts (%lld bytes), "
+                        "which run on the CPU backend only so far (no CUDA FP4 expert kernel yet); load it without "
+                        "fp4_experts to compute on a GPU", (long long)m->n_q4);
     if (o->type == DS4_DEVICE_CPU) {
         if (mdt != DS4_F32)
             return ds4_fail(err, DS4_ERR_UNSUPPORTED, "model to cpu: dtype %s (the CPU backend is fp32)",

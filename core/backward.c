@@ -342,21 +342,21 @@ static void routed_bwd(bwd *b, const ds4_layer_w *l, const ds4_layer_w *g, const
     OP(dev, gather_rows, .dst = b->g3s, .src = lt->eg3, .idx = b->perm, .div = 1, .rows = TK, .width = I);
     OP(dev, moe_dy, .dys = b->dys, .da = b->da, .ew = lt->ew, .perm = b->perm, .rows = TK, .K = K, .D = D);
     OP(dev, swiglu_bwd, .g1 = b->g1s, .g3 = b->g3s, .act = b->act, .rows = TK, .I = I, .lim = lim);
-    OP(dev, linear_bwd_x_grouped, .dx = b->dact, .dy = b->dys, .W = l->w2, .wdt = b->mdt, .wstride = D * I,
-       .off = b->ecount, .E = E, .rows = TK, .K = I, .O = D, .bf16_in = b->f.w->bf16_in);
+    OP(dev, linear_bwd_x_grouped, .dx = b->dact, .dy = b->dys, .W = l->w2, .wdt = l->edt[1], .Ws = l->escale[1],
+       .wstride = D * I, .off = b->ecount, .E = E, .rows = TK, .K = I, .O = D, .bf16_in = b->f.w->bf16_in);
     if (g->w2)
         OP(dev, linear_bwd_w_grouped, .dW = g->w2, .wstride = D * I, .dy = b->dys, .x = b->act, .off = b->ecount,
            .E = E, .rows = TK, .K = I, .O = D, .wdt = b->mdt, .bf16_in = b->f.w->bf16_in);
     ds4_lora_bwd_down(&b->lc, c, l->lora, g->lora, b->dact, b->dys, b->act, b->ecount, TK);
     OP(dev, swiglu_bwd, .g1 = b->g1s, .g3 = b->g3s, .dact = b->dact, .dg1 = b->act, .dg3 = b->dact, .rows = TK, .I = I,
        .lim = lim, .grads = 1);
-    OP(dev, linear_bwd_x_grouped, .dx = b->dxs, .dy = b->act, .W = l->w1, .wdt = b->mdt, .wstride = I * D,
-       .off = b->ecount, .E = E, .rows = TK, .K = D, .O = I, .bf16_in = b->f.w->bf16_in);
+    OP(dev, linear_bwd_x_grouped, .dx = b->dxs, .dy = b->act, .W = l->w1, .wdt = l->edt[0], .Ws = l->escale[0],
+       .wstride = I * D, .off = b->ecount, .E = E, .rows = TK, .K = D, .O = I, .bf16_in = b->f.w->bf16_in);
     if (g->w1)
         OP(dev, linear_bwd_w_grouped, .dW = g->w1, .wstride = I * D, .dy = b->act, .x = b->xs, .off = b->ecount,
            .E = E, .rows = TK, .K = D, .O = I, .wdt = b->mdt, .bf16_in = b->f.w->bf16_in);
-    OP(dev, linear_bwd_x_grouped, .dx = b->dxs, .acc = 1, .dy = b->dact, .W = l->w3, .wdt = b->mdt, .wstride = I * D,
-       .off = b->ecount, .E = E, .rows = TK, .K = D, .O = I, .bf16_in = b->f.w->bf16_in);
+    OP(dev, linear_bwd_x_grouped, .dx = b->dxs, .acc = 1, .dy = b->dact, .W = l->w3, .wdt = l->edt[2],
+       .Ws = l->escale[2], .wstride = I * D, .off = b->ecount, .E = E, .rows = TK, .K = D, .O = I, .bf16_in = b->f.w->bf16_in);
     if (g->w3)
         OP(dev, linear_bwd_w_grouped, .dW = g->w3, .wstride = I * D, .dy = b->dact, .x = b->xs, .off = b->ecount,
            .E = E, .rows = TK, .K = D, .O = I, .wdt = b->mdt, .bf16_in = b->f.w->bf16_in);

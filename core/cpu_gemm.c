@@ -13,6 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "fp4.h"
 #include "kernels_cpu.h"
 
 #pragma GCC diagnostic ignored "-Wpsabi" /* see kernels_cpu.c: the 8-lane helpers are always inlined */
@@ -47,7 +48,10 @@ enum { MR = DS4_GEMM_MR, NP = 2, KC = DS4_GEMM_KC, MC = DS4_GEMM_MC, NC = DS4_GE
 
 /* A(i, r) and B(j, r) of one problem */
 static inline float a_at(const ds4_gemm *g, int64_t i, int64_t r) { return g->a[i * g->a_rs + r * g->a_ks]; }
-static inline float b_at(const ds4_gemm *g, int64_t j, int64_t r) { return g->b[j * g->b_rs + r * g->b_ks]; }
+static inline float b_at(const ds4_gemm *g, int64_t j, int64_t r) {
+    const int64_t i = j * g->b_rs + r * g->b_ks;
+    return g->bq ? ds4_fp4_at(g->bq, g->bs, i) : g->b[i];
+}
 
 /* dst[q·8 + l] = src[l·ks + q] for q, l < 8: an 8 × 8 block transposed with shuffles (data movement only). */
 __attribute__((always_inline)) static inline void transpose8(float *dst, const float *src, int64_t ks) {
@@ -95,6 +99,35 @@ static void pack(float *dst, int64_t pstride, const float *x, int64_t rs, int64_
             for (int64_t r = 0; r < 8 * nk; r++) d[(r / 8) * width * 8 + r % 8] = src[r * ks];
     }
     for (int64_t row = n; row % width; row++) /* zero rows up to the end of the last panel */
+        for (int64_t k = 0; k < nk; k++)
+            memset(dst + (row / width) * pstride + (k * width + row % width) * 8, 0, 8 * sizeof(float));
+}
+
+/* pack() for an FP4-resident B (g->bq): the same panels, every value decoded (fp4.h) as it is placed. Decoding goes
+ * along B's contiguous runs: a row over the chunk's r when B is read along r (the forward, W[o, k]), a row of the
+ * tile's columns at each r when it is read across (dx = dy W). At most max(KC, NC) values are decoded at a time. */
+static void pack_fp4(float *dst, int64_t pstride, const ds4_gemm *g, int64_t i0, int64_t n, int64_t width, int64_t r0,
+                     int64_t nk) {
+    float run[KC > NC ? KC : NC];
+    const int64_t kr = 8 * nk;
+    if (g->b_ks == 1) {
+        for (int64_t row = 0; row < n; row++) {
+            ds4_fp4_decode(run, g->bq, g->bs, (i0 + row) * g->b_rs + r0, kr);
+            float *d = dst + (row / width) * pstride + (row % width) * 8;
+            for (int64_t k = 0; k < nk; k++) memcpy(d + k * width * 8, run + k * 8, 8 * sizeof(float));
+        }
+    } else if (g->b_rs == 1 && n <= NC) {
+        for (int64_t r = 0; r < kr; r++) {
+            ds4_fp4_decode(run, g->bq, g->bs, (r0 + r) * g->b_ks + i0, n);
+            for (int64_t row = 0; row < n; row++)
+                dst[(row / width) * pstride + ((r / 8) * width + row % width) * 8 + r % 8] = run[row];
+        }
+    } else {
+        for (int64_t row = 0; row < n; row++)
+            for (int64_t r = 0; r < kr; r++)
+                dst[(row / width) * pstride + ((r / 8) * width + row % width) * 8 + r % 8] = b_at(g, i0 + row, r0 + r);
+    }
+    for (int64_t row = n; row % width; row++)
         for (int64_t k = 0; k < nk; k++)
             memset(dst + (row / width) * pstride + (k * width + row % width) * 8, 0, 8 * sizeof(float));
 }
@@ -228,7 +261,7 @@ typedef struct {
  * pass. ds4_dot is the sum the packed path computes (kernels_cpu.h), so the bits are the same. */
 enum { DIRECT_M = 3 };
 
-static int direct_tile(const ds4_gemm *g, int64_t m) { return m < DIRECT_M && g->a_ks == 1 && g->b_ks == 1; }
+static int direct_tile(const ds4_gemm *g, int64_t m) { return m < DIRECT_M && g->a_ks == 1 && g->b_ks == 1 && !g->bq; }
 
 static void gemm_direct(const ds4_gemm *g, int64_t i0, int64_t m, int64_t j0, int64_t n) {
     for (int64_t q = 0; q < m; q++) {
@@ -272,7 +305,8 @@ static void gemm_tile(const ds4_gemm *g, int64_t i0, int64_t m, int64_t j0, int6
             bstride = (R8 / 8) * NP * 8;
         } else {
             if (key->g != g || key->i0 != j0 || key->n != n || key->r0 != r0) {
-                pack(pb, nk * NP * 8, g->b, g->b_rs, g->b_ks, g->N, j0, n, NP, r0, nk);
+                if (g->bq) pack_fp4(pb, nk * NP * 8, g, j0, n, NP, r0, nk);
+                else pack(pb, nk * NP * 8, g->b, g->b_rs, g->b_ks, g->N, j0, n, NP, r0, nk);
                 *key = (blk_key){g, j0, n, r0};
             }
             bb = pb;
@@ -339,8 +373,11 @@ static void prepack_task(void *ctx, int64_t t) {
 }
 
 /* B is worth packing once for the whole run where it is read across r (a transposed view): its panels are then
- * gathered with transposes once instead of once per row block. */
-static int wants_prepack(const ds4_gemm *g) { return g->b_rs == 1 && g->b_ks != 1 && g->R >= 8 && g->M > 0 && g->N > 0; }
+ * gathered with transposes once instead of once per row block. Never an FP4-resident B: that would hold a whole
+ * decoded matrix (an expert) in fp32. */
+static int wants_prepack(const ds4_gemm *g) {
+    return g->b_rs == 1 && g->b_ks != 1 && g->R >= 8 && g->M > 0 && g->N > 0 && !g->bq; /* FP4: tiles only */
+}
 
 void ds4_gemm_run(ds4_pool *pool, const ds4_gemm *g, int64_t n, float *ws, float *shared, int64_t shared_floats) {
     enum { MAX_PROBLEMS = 256 };

@@ -12,6 +12,7 @@
 #include <string.h>
 
 #include "cpu.h"
+#include "fp4.h"
 
 /* The `span` floats from x rounded to bf16 (a new block the caller frees), x itself when !on or span <= 0, NULL
  * (failure recorded on d) when the copy cannot be allocated. */
@@ -27,10 +28,22 @@ static const float *bf16_copy(ds4_dev *d, const char *op, int on, const float *x
     return *own = c;
 }
 
-static void check_f32(ds4_dev *d, const char *op, ds4_dtype wdt) {
-    if (wdt != DS4_F32)
-        ds4_dev_fail(d, DS4_ERR_UNSUPPORTED, "%s: weight dtype %s (the CPU backend holds fp32 weights)", op,
-                     ds4_dtype_name(wdt));
+/* fp4: the operation also takes FP4-resident weights (the routed experts' forward and input gradient) */
+static void check_wdt(ds4_dev *d, const char *op, ds4_dtype wdt, int fp4) {
+    if (wdt != DS4_F32 && !(fp4 && wdt == DS4_FP4_PACKED))
+        ds4_dev_fail(d, DS4_ERR_UNSUPPORTED, "%s: weight dtype %s (the CPU backend holds fp32 weights%s)", op,
+                     ds4_wdt_name(wdt), fp4 ? ", or FP4-resident experts" : "");
+}
+
+static void check_f32(ds4_dev *d, const char *op, ds4_dtype wdt) { check_wdt(d, op, wdt, 0); }
+
+/* Group e's B as the FP4-resident expert e (fp4.h): the packed bytes and scales instead of fp32 values. */
+static ds4_gemm packed_b(ds4_gemm g, ds4_dtype wdt, const void *W, const uint8_t *Ws, int64_t e, int64_t wstride) {
+    if (wdt != DS4_FP4_PACKED) return g;
+    g.b = NULL;
+    g.bq = (const uint8_t *)W + e * wstride / 2;
+    g.bs = Ws + e * wstride / DS4_FP4_BLOCK;
+    return g;
 }
 
 /* At most this many groups per job (the output groups and the routed experts are far fewer). */
@@ -100,11 +113,13 @@ static void run_groups(ds4_dev *d, const char *op, const int64_t *off, int64_t E
 
 static ds4_gemm fwd_group(const void *p, const float *const in[2], int64_t e, int64_t r0, int64_t rows) {
     const ds4_a_matmul_grouped *a = p;
-    return fwd(a->y + r0 * a->O, a->O, in[0] + r0 * a->K, a->K, (const float *)a->W + e * a->wstride, rows, a->K, a->O);
+    const float *W = a->wdt == DS4_F32 ? (const float *)a->W + e * a->wstride : NULL;
+    return packed_b(fwd(a->y + r0 * a->O, a->O, in[0] + r0 * a->K, a->K, W, rows, a->K, a->O), a->wdt, a->W, a->Ws, e,
+                    a->wstride);
 }
 
 void ds4_cpu_matmul_grouped(ds4_dev *d, const ds4_a_matmul_grouped *a) {
-    check_f32(d, "matmul_grouped", a->wdt);
+    check_wdt(d, "matmul_grouped", a->wdt, 1);
     if (d->st) return;
     float *own;
     const float *x = bf16_copy(d, "matmul_grouped", a->bf16_in, a->x, a->off[a->E] * a->K, &own);
@@ -142,12 +157,13 @@ void ds4_cpu_linear_bwd_w(ds4_dev *d, const ds4_a_linear_bwd_w *a) {
 
 static ds4_gemm bwd_x_group(const void *p, const float *const in[2], int64_t e, int64_t r0, int64_t rows) {
     const ds4_a_linear_bwd_x_grouped *a = p;
-    return bwd_x(a->dx + r0 * a->K, a->K, a->acc, in[0] + r0 * a->O, a->O, (const float *)a->W + e * a->wstride, rows,
-                 a->K, a->O);
+    const float *W = a->wdt == DS4_F32 ? (const float *)a->W + e * a->wstride : NULL;
+    return packed_b(bwd_x(a->dx + r0 * a->K, a->K, a->acc, in[0] + r0 * a->O, a->O, W, rows, a->K, a->O), a->wdt, a->W,
+                    a->Ws, e, a->wstride);
 }
 
 void ds4_cpu_linear_bwd_x_grouped(ds4_dev *d, const ds4_a_linear_bwd_x_grouped *a) {
-    check_f32(d, "linear_bwd_x_grouped", a->wdt);
+    check_wdt(d, "linear_bwd_x_grouped", a->wdt, 1);
     if (d->st) return;
     float *own;
     const float *dy = bf16_copy(d, "linear_bwd_x_grouped", a->bf16_in, a->dy, a->off[a->E] * a->O, &own);

@@ -200,7 +200,6 @@ static void moe(ds4_pass *f, const ds4_layer_w *l, const int64_t *ids) {
     const ds4_config *c = f->c;
     const int64_t T = f->T, D = c->hidden_size, E = c->n_routed_experts, K = c->num_experts_per_tok;
     const int64_t I = c->moe_intermediate_size, L = c->num_hidden_layers, TK = T * K;
-    const ds4_dtype mdt = f->w->mdt;
     ds4_dev *dev = f->dev;
     ds4_layer_tape *lt = f->lt;
     norm(f, f->h, f->u, l->ffn_norm, T, D);
@@ -231,18 +230,18 @@ static void moe(ds4_pass *f, const ds4_layer_w *l, const int64_t *ids) {
     /* routed experts: (token, slot) pairs grouped by expert, one GEMM per expert group */
     OP(dev, moe_sort, .eidx = f->eidx, .n = TK, .E = E, .perm = f->perm, .off = f->ecount);
     OP(dev, gather_rows, .dst = f->xg, .src = f->h, .idx = f->perm, .div = K, .rows = TK, .width = D);
-    OP(dev, matmul_grouped, .y = f->g1, .x = f->xg, .W = l->w1, .wdt = mdt, .wstride = I * D, .off = f->ecount, .E = E,
-       .rows = TK, .K = D, .O = I, .bf16_in = f->w->bf16_in);
-    OP(dev, matmul_grouped, .y = f->g3, .x = f->xg, .W = l->w3, .wdt = mdt, .wstride = I * D, .off = f->ecount, .E = E,
-       .rows = TK, .K = D, .O = I, .bf16_in = f->w->bf16_in);
+    OP(dev, matmul_grouped, .y = f->g1, .x = f->xg, .W = l->w1, .wdt = l->edt[0], .Ws = l->escale[0], .wstride = I * D,
+       .off = f->ecount, .E = E, .rows = TK, .K = D, .O = I, .bf16_in = f->w->bf16_in);
+    OP(dev, matmul_grouped, .y = f->g3, .x = f->xg, .W = l->w3, .wdt = l->edt[2], .Ws = l->escale[2], .wstride = I * D,
+       .off = f->ecount, .E = E, .rows = TK, .K = D, .O = I, .bf16_in = f->w->bf16_in);
     ds4_lora_fwd_gate_up(f, l->lora, f->g1, f->g3, f->xg, f->ecount, TK);
     if (lt) {
         OP(dev, scatter_rows, .dst = lt->eg1, .src = f->g1, .idx = f->perm, .rows = TK, .width = I);
         OP(dev, scatter_rows, .dst = lt->eg3, .src = f->g3, .idx = f->perm, .rows = TK, .width = I);
     }
     OP(dev, swiglu, .g1 = f->g1, .g3 = f->g3, .rows = TK, .I = I, .lim = (float)c->swiglu_limit);
-    OP(dev, matmul_grouped, .y = f->ye, .x = f->g1, .W = l->w2, .wdt = mdt, .wstride = D * I, .off = f->ecount, .E = E,
-       .rows = TK, .K = I, .O = D, .bf16_in = f->w->bf16_in);
+    OP(dev, matmul_grouped, .y = f->ye, .x = f->g1, .W = l->w2, .wdt = l->edt[1], .Ws = l->escale[1], .wstride = D * I,
+       .off = f->ecount, .E = E, .rows = TK, .K = I, .O = D, .bf16_in = f->w->bf16_in);
     ds4_lora_fwd_down(f, l->lora, f->ye, f->g1, f->ecount, TK);
     if (lt) OP(dev, scatter_rows, .dst = lt->ye, .src = f->ye, .idx = f->perm, .rows = TK, .width = D);
     OP(dev, moe_weigh, .yk = f->yk, .ye = f->ye, .perm = f->perm, .ew = f->ew, .rows = TK, .D = D);

@@ -31,6 +31,10 @@ typedef struct ds4_gemm {
     int64_t b_rs, b_ks;
     int64_t M, N, R;
     int acc;
+    /* B FP4-resident instead (b unused): B(j, r) is element j·b_rs + r·b_ks of the packed matrix with bytes bq and
+     * scales bs (fp4.h), decoded into the packed panels tile by tile, never as a whole; the same sums, bit for bit, as
+     * over the dequantised fp32 matrix. */
+    const uint8_t *bq, *bs;
 } ds4_gemm;
 
 enum {

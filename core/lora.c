@@ -307,6 +307,12 @@ ds4_status ds4_model_merge_lora(ds4_model *m, ds4_error *err) {
     ds4_status s = check_model(m, "merge_lora", err);
     if (s) return s;
     if (!m->lora) return ds4_fail(err, DS4_ERR_ARG, "merge_lora: the model has no adapters");
+    int expert_adapters = 0;
+    for (int64_t li = 0; li < m->cfg.num_hidden_layers; li++)
+        expert_adapters |= m->lora->hw[li].e13.A || m->lora->hw[li].e2.A;
+    if (ds4_model_has_fp4(m) && expert_adapters)
+        return ds4_fail(err, DS4_ERR_UNSUPPORTED, "merge_lora: the routed experts are FP4-resident (packed as loaded); "
+                        "merging their adapters would re-quantise them: load without fp4_experts to merge");
     if ((s = ds4_lora_host_sync(m, err)) || (s = ds4_model_host_sync(m, err))) return s;
     const ds4_config *c = &m->cfg;
     const ds4_lora *l = m->lora;

@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "fp4.h"
 #include "internal.h"
 #include "shape_limits.h"
 #include "lora.h"
@@ -24,7 +25,7 @@ typedef struct builder {
     ds4_model *m;
     ds4_weights *w;
     size_t cap, next;
-    int64_t f32_off, i32_off;
+    int64_t f32_off, i32_off, q4_off;
     void *(*bind)(struct builder *b, const ds4_param *p, size_t i);
     char *base;
     int32_t *i32_base;
@@ -80,6 +81,9 @@ static void add(builder *b, ds4_dtype dt, void **slot, int32_t ndim, const int64
     if (dt == DS4_F32) {
         p->offset = b->f32_off;
         b->f32_off += p->numel;
+    } else if (dt == DS4_FP4_PACKED) { /* its bytes; the scales are placed by add_experts */
+        p->offset = b->q4_off;
+        b->q4_off += p->numel / 2;
     } else {
         p->offset = b->i32_off;
         b->i32_off += p->numel;
@@ -116,8 +120,34 @@ static void add_compressor(builder *b, ds4_compressor_w *c, const char *pre, con
     ADD(b, &c->norm, p, "norm.weight", dd);
 }
 
-/* One decoder block's parameters under `pre` ("layers.3." or "mtp.0."). */
-static void add_block(builder *b, ds4_layer_w *l, const ds4_config *c, const char *pre) {
+/* The E routed experts of one kind (0 w1, 1 w2, 2 w3) of block li, [rows, cols] each, contiguous: in the flat fp32
+ * buffer, or FP4-resident in q4 (their bytes, then their scales) where m->fp4_kinds says so. Binding points the
+ * kind's view at expert 0 and records what it holds (edt, escale). */
+static void add_experts(builder *b, ds4_layer_w *l, int64_t li, int kind, int64_t E, int64_t rows, int64_t cols,
+                        const char *pre) {
+    static const char *const names[3] = {"w1", "w2", "w3"};
+    float **slot = kind == 0 ? &l->w1 : kind == 1 ? &l->w2 : &l->w3;
+    const ds4_model *m = b->m;
+    const size_t first = b->bind ? b->next : m->n_table;
+    const int packed = b->bind ? b->next < m->n_table && m->table[b->next].dtype == DS4_FP4_PACKED
+                               : m->fp4_kinds && m->fp4_kinds[li * 3 + kind];
+    for (int64_t e = 0; e < E; e++)
+        add(b, packed ? DS4_FP4_PACKED : DS4_F32, e ? NULL : (void **)slot, 2, SHAPE(rows, cols),
+            "%sffn.experts.%lld.%s.weight", pre, (long long)e, names[kind]);
+    if (b->st) return;
+    if (b->bind) {
+        l->edt[kind] = packed ? DS4_FP4_PACKED : b->w->mdt;
+        l->escale[kind] = packed && *slot ? m->q4 + m->table[first].qscale : NULL;
+        return;
+    }
+    if (!packed) return;
+    for (int64_t e = 0; e < E; e++) /* the scales after the E experts' bytes */
+        b->m->table[first + (size_t)e].qscale = b->q4_off + e * (rows * cols / DS4_FP4_BLOCK);
+    b->q4_off += E * (rows * cols / DS4_FP4_BLOCK);
+}
+
+/* One decoder block's parameters under `pre` ("layers.3." or "mtp.0."); li its index (L: the MTP block). */
+static void add_block(builder *b, ds4_layer_w *l, int64_t li, const ds4_config *c, const char *pre) {
     const int64_t D = c->hidden_size, n = c->hc_mult, mix = (2 + n) * n, H = c->num_attention_heads;
     const int64_t d = c->head_dim, E = c->n_routed_experts, I = c->moe_intermediate_size, K = c->num_experts_per_tok;
     ADD(b, &l->attn_norm, pre, "attn_norm.weight", D);
@@ -150,12 +180,9 @@ static void add_block(builder *b, ds4_layer_w *l, const ds4_config *c, const cha
     else
         ADD(b, &l->gate_bias, pre, "ffn.gate.bias", E);
     /* experts contiguous per matrix kind: w1 [E, I, D], w2 [E, D, I], w3 [E, I, D] */
-    for (int64_t e = 0; e < E; e++)
-        add(b, DS4_F32, e ? NULL : (void **)&l->w1, 2, SHAPE(I, D), "%sffn.experts.%lld.w1.weight", pre, (long long)e);
-    for (int64_t e = 0; e < E; e++)
-        add(b, DS4_F32, e ? NULL : (void **)&l->w2, 2, SHAPE(D, I), "%sffn.experts.%lld.w2.weight", pre, (long long)e);
-    for (int64_t e = 0; e < E; e++)
-        add(b, DS4_F32, e ? NULL : (void **)&l->w3, 2, SHAPE(I, D), "%sffn.experts.%lld.w3.weight", pre, (long long)e);
+    add_experts(b, l, li, 0, E, I, D, pre);
+    add_experts(b, l, li, 1, E, D, I, pre);
+    add_experts(b, l, li, 2, E, I, D, pre);
     ADD(b, &l->sw1, pre, "ffn.shared_experts.w1.weight", I, D);
     ADD(b, &l->sw2, pre, "ffn.shared_experts.w2.weight", D, I);
     ADD(b, &l->sw3, pre, "ffn.shared_experts.w3.weight", I, D);
@@ -173,7 +200,7 @@ static void walk_model(builder *b) {
         l->is_hash = cfg->layer_is_hash[i];
         char pre[32];
         snprintf(pre, sizeof pre, "layers.%lld.", (long long)i);
-        add_block(b, l, cfg, pre);
+        add_block(b, l, i, cfg, pre);
     }
     ADD(b, &w->norm, "", "norm.weight", D);
     ADD(b, &w->hc_head_fn, "", "hc_head_fn", n, n * D);
@@ -184,7 +211,7 @@ static void walk_model(builder *b) {
         ds4_mtp_w *t = &w->mtp;
         t->block.type = DS4_ATTN_SLIDING; /* official compress_ratios[n_layers] = 0 */
         t->block.is_hash = 0;
-        add_block(b, &t->block, cfg, "mtp.0.");
+        add_block(b, &t->block, L, cfg, "mtp.0.");
         ADD(b, &t->e_proj, "mtp.0.", "e_proj.weight", D, D);
         ADD(b, &t->h_proj, "mtp.0.", "h_proj.weight", D, D);
         ADD(b, &t->enorm, "mtp.0.", "enorm.weight", D);
@@ -198,6 +225,8 @@ static void walk_model(builder *b) {
 }
 
 static void *bind_entry(builder *b, const ds4_param *p, size_t i) {
+    /* FP4-resident experts live only in the host's q4: no gradient, no other backend's copy (ds4_model_to refuses) */
+    if (p->dtype == DS4_FP4_PACKED) return b->w == &b->m->w ? b->m->q4 + p->offset : NULL;
     if (p->dtype != DS4_F32) return b->i32_base ? b->i32_base + p->offset : NULL; /* a gradient set has no tables */
     return b->base + b->byte_offset(b->m, i, b->ctx);
 }
@@ -266,6 +295,14 @@ static int cmp_name_idx(const void *a, const void *b) {
 }
 
 ds4_status ds4_model_alloc(ds4_engine *e, const ds4_config *cfg, int with_mtp, ds4_model **out, ds4_error *err) {
+    return ds4_model_alloc_fp4(e, cfg, with_mtp, NULL, out, err);
+}
+
+int ds4_model_has_fp4(const ds4_model *m) { return m && m->q4 != NULL; }
+int64_t ds4_model_fp4_bytes(const ds4_model *m) { return m ? m->n_q4 : 0; }
+
+ds4_status ds4_model_alloc_fp4(ds4_engine *e, const ds4_config *cfg, int with_mtp, const uint8_t *fp4_kinds,
+                               ds4_model **out, ds4_error *err) {
     ds4_status s = ds4_config_validate(cfg, err);
     if (s) return s;
     /* the shape limits every backend's kernels rely on (shape_limits.h) */
@@ -296,6 +333,13 @@ ds4_status ds4_model_alloc(ds4_engine *e, const ds4_config *cfg, int with_mtp, d
         ds4_model_free(m);
         return ds4_fail(err, DS4_ERR_OOM, "model alloc: %lld layers", (long long)L);
     }
+    if (fp4_kinds) {
+        if (!(m->fp4_kinds = malloc((size_t)(L + 1) * 3))) {
+            ds4_model_free(m);
+            return ds4_fail(err, DS4_ERR_OOM, "model alloc: FP4 flags");
+        }
+        memcpy(m->fp4_kinds, fp4_kinds, (size_t)(L + 1) * 3);
+    }
     builder b = {.m = m, .w = &m->w, .err = err};
     walk_model(&b);
     if (b.st) {
@@ -304,6 +348,11 @@ ds4_status ds4_model_alloc(ds4_engine *e, const ds4_config *cfg, int with_mtp, d
     }
     m->n_params = b.f32_off;
     m->n_tid2eid = b.i32_off;
+    m->n_q4 = b.q4_off;
+    if (m->n_q4 > 0 && !(m->q4 = malloc((size_t)m->n_q4))) {
+        ds4_model_free(m);
+        return ds4_fail(err, DS4_ERR_OOM, "model alloc: %lld bytes of FP4-resident experts", (long long)m->n_q4);
+    }
     size_t bytes;
     if (!ds4_mul_size((size_t)m->n_params, sizeof(float), &bytes) || !(m->params = calloc(1, bytes ? bytes : 1))) {
         ds4_model_free(m);
@@ -358,11 +407,15 @@ void ds4_model_free(ds4_model *m) {
     for (size_t i = 0; i < m->n_table; i++) {
         free(m->table[i].name);
         free(m->table[i].src);
+        free(m->table[i].src_scale);
+        free(m->table[i].sbytes);
     }
     free(m->table);
     free(m->sorted);
     free(m->params);
     free(m->tid2eid_all);
+    free(m->q4);
+    free(m->fp4_kinds);
     free(m->w.layers);
     free(m->dev_w.layers);
     free(m->gw.layers);
@@ -527,8 +580,15 @@ ds4_status ds4_model_tensor_at(const ds4_model *m, size_t i, const char **name, 
         view->dtype = p->dtype;
         view->ndim = p->ndim;
         for (int32_t k = 0; k < p->ndim; k++) view->shape[k] = p->shape[k];
-        view->data = p->dtype == DS4_F32 ? (void *)(m->params + p->offset) : (void *)(m->tid2eid_all + p->offset);
-        view->nbytes = (size_t)p->numel * 4;
+        if (p->dtype == DS4_FP4_PACKED) { /* its packed bytes as stored: U8 [rows, cols/2] (the scales apart) */
+            view->dtype = DS4_U8;
+            view->shape[1] = p->shape[1] / 2;
+            view->data = m->q4 + p->offset;
+            view->nbytes = (size_t)p->numel / 2;
+        } else {
+            view->data = p->dtype == DS4_F32 ? (void *)(m->params + p->offset) : (void *)(m->tid2eid_all + p->offset);
+            view->nbytes = (size_t)p->numel * 4;
+        }
         view->refcount = 0; /* a borrowed view: never released */
     }
     return DS4_OK;
@@ -679,16 +739,94 @@ static int is_scale(const ds4_checkpoint *ck, const ds4_st_entry *en, ds4_status
     return 1;
 }
 
-/* One checkpoint tensor into parameter p: float as is, FP8 / FP4 dequantised with the scale stored beside it. */
+/* ------------------------------------------------------------------------------------------------ FP4-resident */
+
+/* A routed expert's canonical name ("layers.N.ffn.experts.X.wK.weight", "mtp.0.ffn.experts.X.wK.weight"): its block
+ * (L: the MTP block), expert and kind (0, 1, 2 for w1, w2, w3). 0 when the name is not one. */
+static int expert_name(const char *canon, int64_t L, int64_t *li, int64_t *x, int *kind) {
+    long long a = 0, b = 0;
+    int k = 0, n = 0;
+    if (sscanf(canon, "layers.%lld.ffn.experts.%lld.w%d.weight%n", &a, &b, &k, &n) == 3 && canon[n] == 0) *li = a;
+    else if (sscanf(canon, "mtp.0.ffn.experts.%lld.w%d.weight%n", &b, &k, &n) == 2 && canon[n] == 0) *li = L;
+    else return 0;
+    if (*li < 0 || *li > L || k < 1 || k > 3) return 0;
+    *x = b;
+    *kind = k - 1;
+    return 1;
+}
+
+/* Which expert kinds of which blocks are FP4-resident (kinds [(L + 1)·3]): those whose expert 0 the checkpoint
+ * stores in FP4. The others of a kind must then be FP4 too (load_resident says so when one is not). */
+static int scan_fp4(const ds4_checkpoint *ck, int64_t L, uint8_t *kinds) {
+    int any = 0;
+    char canon[512];
+    for (size_t i = 0; i < ds4_checkpoint_count(ck); i++) {
+        const ds4_st_entry *en = ds4_checkpoint_entry_at(ck, i);
+        int64_t li, x;
+        int kind;
+        if (ds4_canonical_name(en->name, canon, sizeof canon) && expert_name(canon, L, &li, &x, &kind) && x == 0 &&
+            ds4_quant_kind(en->dtype) == DS4_Q_FP4)
+            any = kinds[li * 3 + kind] = 1;
+    }
+    return any;
+}
+
+/* Remember how parameter p was stored (quantised weight en with `scale`), so that saving can write it so again;
+ * keep: a copy of the scale's bytes (an FP4-resident expert's are in q4 already). */
+static ds4_status note_quantised(ds4_param *p, const ds4_st_entry *en, const ds4_st_entry *scale, int keep,
+                                 ds4_error *err) {
+    p->qkind = (int32_t)ds4_quant_kind(en->dtype);
+    p->qdt = en->dtype;
+    p->sdt = scale->dtype;
+    p->sshape[0] = scale->shape[0];
+    p->sshape[1] = scale->shape[1];
+    const size_t nb = (size_t)(scale->shape[0] * scale->shape[1]) * ds4_dtype_size(scale->dtype);
+    if (!(p->src_scale = strdup(scale->name)) || (keep && !(p->sbytes = malloc(nb ? nb : 1))))
+        return ds4_fail(err, DS4_ERR_OOM, "model load: scale '%s'", scale->name);
+    if (keep) memcpy(p->sbytes, scale->data, nb);
+    return DS4_OK;
+}
+
+/* An FP4-resident expert: the checkpoint's packed bytes and e8m0 scales copied as they are (checked first, like a
+ * dequantised weight's; a NaN scale refused), never expanded. */
+static ds4_status load_resident(ds4_model *m, ds4_param *p, const ds4_st_entry *en, const ds4_st_entry *scale,
+                                const ds4_quant_format *qf, ds4_error *err) {
+    if (ds4_quant_kind(en->dtype) != DS4_Q_FP4)
+        return ds4_fail(err, DS4_ERR_FORMAT, "model load (fp4_experts): '%s' is %s, but expert 0 of its block and kind "
+                        "is FP4: FP4-resident experts of one block and kind must all be FP4", en->name,
+                        ds4_dtype_name(en->dtype));
+    ds4_status s = ds4_quant_check(en, scale, p->shape[0], p->shape[1], qf, err);
+    if (s) {
+        ds4_error_prefix(err, "model load (fp4_experts): ");
+        return s;
+    }
+    if (scale->dtype != DS4_F8_E8M0)
+        return ds4_fail(err, DS4_ERR_UNSUPPORTED, "model load (fp4_experts): '%s' has %s scales ('%s'); FP4-resident "
+                        "experts keep F8_E8M0 scales (load without fp4_experts to dequantise it)", en->name,
+                        ds4_dtype_name(scale->dtype), scale->name);
+    const uint8_t *sc = scale->data;
+    const int64_t ns = p->numel / DS4_FP4_BLOCK, cols = p->shape[1] / DS4_FP4_BLOCK;
+    for (int64_t i = 0; i < ns; i++)
+        if (sc[i] == 255)
+            return ds4_fail(err, DS4_ERR_FORMAT, "model load (fp4_experts): quantised weight '%s': scale '%s' element "
+                            "[%lld, %lld] is NaN", en->name, scale->name, (long long)(i / cols), (long long)(i % cols));
+    memcpy(m->q4 + p->offset, en->data, (size_t)p->numel / 2);
+    memcpy(m->q4 + p->qscale, sc, (size_t)ns);
+    return note_quantised(p, en, scale, 0, err);
+}
+
+/* One checkpoint tensor into parameter p: float as is, FP8 / FP4 dequantised with the scale stored beside it (or an
+ * FP4-resident expert's bytes and scales as they are). */
 static ds4_status load_param(ds4_model *m, const ds4_checkpoint *ck, const ds4_quant_format *qf, ds4_param *p,
                              const ds4_st_entry *en, ds4_error *err) {
     const ds4_st_entry *scale;
     ds4_status s = find_scale(ck, en->name, &scale, err);
     if (s) return s;
+    if (p->dtype == DS4_FP4_PACKED) return load_resident(m, p, en, scale, qf, err);
     if (ds4_quant_kind(en->dtype) != DS4_Q_NONE && p->dtype == DS4_F32 && p->ndim == 2) {
         s = ds4_quant_dequant(m->params + p->offset, en, scale, p->shape[0], p->shape[1], qf, err);
         if (s) ds4_error_prefix(err, "model load: ");
-        return s;
+        return s ? s : note_quantised(p, en, scale, 1, err);
     }
     if (scale)
         return ds4_fail(err, DS4_ERR_FORMAT, "model load: scale '%s' belongs to '%s', which is %s, not a quantised "
@@ -699,6 +837,11 @@ static ds4_status load_param(ds4_model *m, const ds4_checkpoint *ck, const ds4_q
 }
 
 ds4_status ds4_model_load(ds4_engine *e, const char *dir, ds4_model **out, ds4_error *err) {
+    return ds4_model_load_opts(e, dir, NULL, out, err);
+}
+
+ds4_status ds4_model_load_opts(ds4_engine *e, const char *dir, const ds4_load_options *opt, ds4_model **out,
+                               ds4_error *err) {
     if (!e || !dir || !out) return ds4_fail(err, DS4_ERR_ARG, "model load: NULL argument");
     ds4_config cfg;
     ds4_status s = ds4_config_load(dir, &cfg, err);
@@ -733,13 +876,29 @@ ds4_status ds4_model_load(ds4_engine *e, const char *dir, ds4_model **out, ds4_e
             with_mtp = 1;
         }
     }
+    uint8_t *kinds = NULL;
+    if (opt && opt->fp4_experts) {
+        if (!(kinds = calloc((size_t)(cfg.num_hidden_layers + 1) * 3, 1))) {
+            ds4_checkpoint_close(ck);
+            return ds4_fail(err, DS4_ERR_OOM, "model load %s: FP4 flags", dir);
+        }
+        if (!scan_fp4(ck, cfg.num_hidden_layers, kinds)) {
+            free(kinds);
+            ds4_checkpoint_close(ck);
+            return ds4_fail(err, DS4_ERR_ARG, "model load %s: fp4_experts, but the checkpoint stores no routed expert in "
+                            "FP4 (packed e2m1, I8 or U8, with a scale)", dir);
+        }
+    }
     ds4_model *m = NULL;
-    s = ds4_model_alloc(e, &cfg, with_mtp, &m, err);
+    s = ds4_model_alloc_fp4(e, &cfg, with_mtp, kinds, &m, err);
+    free(kinds);
     if (s) {
         ds4_checkpoint_close(ck);
         ds4_error_prefix(err, "model load %s: ", dir);
         return s;
     }
+    m->qblock[0] = qf.block[0];
+    m->qblock[1] = qf.block[1];
     unsigned char *loaded = calloc(m->n_table ? m->n_table : 1, 1);
     if (!loaded) {
         s = ds4_fail(err, DS4_ERR_OOM, "model load: flags");

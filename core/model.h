@@ -7,7 +7,10 @@
  * matmul reads may be held in a lower precision (`mdt`, see ds4_param_lowp). Checkpoint I/O, gradients and the
  * optimizer work on the flat buffers; the names exist for I/O. The hash-routing tables (tid2eid) are integer
  * buffers outside it: they are data, not parameters. Routed experts of a layer are contiguous:
- * w1 [E, I, D], w2 [E, D, I], w3 [E, I, D]. */
+ * w1 [E, I, D], w2 [E, D, I], w3 [E, I, D]. A model loaded with FP4-resident experts (ds4_load_options.fp4_experts,
+ * docs/checkpoints.md) keeps the routed experts its checkpoint stores in FP4 outside the flat buffer too, packed as
+ * stored (fp4.h) in one byte buffer `q4`: per layer and kind the E experts' bytes, then their scales. They are
+ * frozen: not parameters, no gradient, never changed. */
 #ifndef DS4_MODEL_H
 #define DS4_MODEL_H
 
@@ -78,6 +81,9 @@ typedef struct ds4_layer_w {
     float *gate_bias;                    /* [E] learned layers: selection-only correction bias */
     int32_t *tid2eid;                    /* [V, K] hash layers */
     float *w1, *w2, *w3;                 /* M experts, see above */
+    ds4_dtype edt[3];                    /* what w1, w2, w3 point at: the view set's mdt, or DS4_FP4_PACKED (fp4.h):
+                                            expert 0's packed bytes, with escale[k] its e8m0 scales */
+    const uint8_t *escale[3];
     float *sw1, *sw2, *sw3;              /* M shared expert: [I, D], [D, I], [I, D] */
     const ds4_lora_layer *lora;          /* this block's adapters in the same memory (NULL: none); kept when the
                                             view set is rebound, set by lora.c */
@@ -108,8 +114,17 @@ typedef struct ds4_param {
     int32_t ndim;
     int64_t shape[4];
     int64_t numel;
-    int64_t offset;                      /* into params (F32) or into the owning tid2eid table (I32) */
-    ds4_dtype dtype;                     /* DS4_F32, or DS4_I32 for tid2eid */
+    int64_t offset;                      /* into params (F32), the owning tid2eid table (I32), or bytes into q4
+                                            (DS4_FP4_PACKED: its e2m1 pairs) */
+    int64_t qscale;                      /* DS4_FP4_PACKED: bytes into q4 of its e8m0 scales */
+    ds4_dtype dtype;                     /* DS4_F32, DS4_I32 for tid2eid, DS4_FP4_PACKED for an FP4-resident expert */
+    /* how the checkpoint stored it, when quantised (saving writes it so again while that is exact: save_quant.c) */
+    int32_t qkind;                       /* ds4_qkind (quant.h): 0 float, 1 FP8, 2 FP4 */
+    ds4_dtype qdt;                       /* its values' dtype: F8_E4M3, I8 or U8 */
+    char *src_scale;                     /* its scale's name */
+    ds4_dtype sdt;                       /* the scale's dtype and shape */
+    int64_t sshape[2];
+    uint8_t *sbytes;                     /* a copy of the scale's bytes (NULL for DS4_FP4_PACKED: they are in q4) */
     int32_t lowp;                        /* an "M" matrix: held in the backend's mdt */
     int32_t follows;                     /* a routed expert after the first: contiguous with the entry before it */
     char *src;                           /* its name in the checkpoint it was loaded from (NULL: not loaded) */
@@ -133,6 +148,11 @@ struct ds4_model {
     size_t *sorted;                      /* table indices sorted by name, for lookup */
     int32_t *tid2eid_all;                /* all hash tables, contiguous */
     int64_t n_tid2eid;
+    uint8_t *q4;                         /* FP4-resident experts (NULL: none), see above */
+    int64_t n_q4;                        /* its bytes */
+    uint8_t *fp4_kinds;                  /* [(L + 1)·3] whether layer li's (L: the MTP block's) w1, w2, w3 are
+                                            FP4-resident; NULL: none is */
+    int64_t qblock[2];                   /* the checkpoint's FP8 block (rows, cols), for saving FP8 tensors again */
     ds4_weights w;                       /* views into params / tid2eid_all */
     int32_t emulate_bf16;                /* w.bf16_in on the CPU: ds4_model_emulate_bf16 */
     int32_t kv_qat;                      /* the FP8 KV quantisation-aware option: ds4_model_set_kv_qat */
@@ -192,6 +212,11 @@ ds4_status ds4_model_host_sync(struct ds4_model *m, ds4_error *err);
 /* Build the parameter table for `cfg` (with MTP when `with_mtp`), allocate the flat buffer (zeroed) and
  * resolve every view. The model computes on the CPU backend of engine e. */
 ds4_status ds4_model_alloc(ds4_engine *e, const ds4_config *cfg, int with_mtp, ds4_model **out, ds4_error *err);
+/* The same with FP4-resident experts where fp4_kinds ([(L + 1)·3], copied; NULL: none) says so. */
+ds4_status ds4_model_alloc_fp4(ds4_engine *e, const ds4_config *cfg, int with_mtp, const uint8_t *fp4_kinds,
+                               ds4_model **out, ds4_error *err);
+/* Whether the model holds FP4-resident experts. */
+int ds4_model_has_fp4(const ds4_model *m);
 /* Index of the table entry with this canonical name, or -1. */
 int64_t ds4_model_find(const ds4_model *m, const char *name);
 /* Bind a view set to memory laid out by `byte_offset(i)` for table entry i (the view of entry i points at

@@ -14,7 +14,9 @@
  * Pointers inside the argument structs are backend memory unless a field says "host". Weight structs
  * (ds4_layer_w, ds4_compressor_w, ds4_hc_w) are host structs whose pointers are backend memory. Matrices are
  * row-major; W [O, K] is the nn.Linear layout, y = x Wᵀ. A weight matrix has its own dtype (wdt): F32 on the
- * CPU, F32 or BF16 on CUDA; everything else (activations, norms, biases, scores) is fp32. */
+ * CPU, F32 or BF16 on CUDA; everything else (activations, norms, biases, scores) is fp32. The routed experts'
+ * products (matmul_grouped, linear_bwd_x_grouped) also take DS4_FP4_PACKED (fp4.h) on the CPU: W is then the packed
+ * bytes and Ws the e8m0 scales of expert 0, expert e's at W + e·wstride/2 and Ws + e·wstride/32 bytes. */
 #ifndef DS4_OPS_H
 #define DS4_OPS_H
 
@@ -93,7 +95,7 @@ typedef struct {
  * rows is the largest off[E] can be (the kernels read the real extent from off). x [rows, K], y [rows, O]. */
 typedef struct {
     float *y; const float *x; const void *W; ds4_dtype wdt; int64_t wstride; const int64_t *off;
-    int64_t E, rows, K, O; int bf16_in;
+    int64_t E, rows, K, O; int bf16_in; const uint8_t *Ws;
 } ds4_a_matmul_grouped;
 
 /* Rotate the trailing 2·half channels of each of `heads` vectors of width `width` of row t by its position
@@ -206,7 +208,7 @@ typedef struct {
 /* The same per row group of off (ds4_a_matmul_grouped): dx rows written (acc: added); dW + e·wstride added */
 typedef struct {
     float *dx; int acc; const float *dy; const void *W; ds4_dtype wdt; int64_t wstride; const int64_t *off;
-    int64_t E, rows, K, O; int bf16_in;
+    int64_t E, rows, K, O; int bf16_in; const uint8_t *Ws;
 } ds4_a_linear_bwd_x_grouped;
 typedef struct {
     float *dW; int64_t wstride; const float *dy, *x; const int64_t *off; int64_t E, rows, K, O; ds4_dtype wdt;

@@ -226,3 +226,50 @@ ds4_status ds4_quant_dequant(float *dst, const ds4_st_entry *w, const ds4_st_ent
     else dequant_fp4(dst, w, scale, rows, cols);
     return DS4_OK;
 }
+
+/* ------------------------------------------------------------------------------------------------ encode */
+
+/* The e4m3 code nearest to x (ties to even mantissa; beyond 448 the largest, 0x7E; the sign kept, so -0 gives 0x80). */
+static uint8_t e4m3_code(double x) {
+    const uint8_t sign = signbit(x) ? 0x80u : 0;
+    const double a = fabs(x);
+    if (!(a < 448.0)) return (uint8_t)(sign | 0x7Eu); /* NaN too: the check after encoding refuses it */
+    if (a < 0x1p-6) return (uint8_t)(sign | (uint8_t)nearbyint(a * 512.0)); /* subnormal m/8·2^-6; m = 8 is 2^-6 */
+    int k;
+    (void)frexp(a, &k); /* a = f·2^k, f in [0.5, 1): exponent field k + 6 */
+    int E = k + 6, mant = (int)nearbyint((ldexp(a, 1 - k) - 1.0) * 8.0);
+    if (mant == 8) E++, mant = 0;
+    if (E > 15 || (E == 15 && mant == 7)) return (uint8_t)(sign | 0x7Eu);
+    return (uint8_t)(sign | (uint8_t)(E << 3) | (uint8_t)mant);
+}
+
+/* The e2m1 code nearest to x (midpoints to the even code), sign kept. */
+static uint8_t e2m1_code(double x) {
+    static const double mid[7] = {0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0};
+    const double a = fabs(x);
+    uint8_t c = 0;
+    while (c < 7 && (a > mid[c] || (a == mid[c] && (c & 1)))) c++;
+    return (uint8_t)((signbit(x) ? 8u : 0u) | c);
+}
+
+ds4_status ds4_quant_encode(void *codes, const float *w, const ds4_st_entry *scale, int64_t rows, int64_t cols,
+                            ds4_qkind kind, const ds4_quant_format *q, ds4_error *err) {
+    if (!codes || !w || !scale || !q || (kind != DS4_Q_FP8 && kind != DS4_Q_FP4))
+        return ds4_fail(err, DS4_ERR_ARG, "quant encode: bad argument");
+    uint8_t *out = codes;
+    const int64_t sc = scale->shape[1];
+    if (kind == DS4_Q_FP8) {
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t c = 0; c < cols; c++)
+                out[r * cols + c] = e4m3_code((double)w[r * cols + c] /
+                                              (double)scale_at(scale, (r / q->block[0]) * sc + c / q->block[1]));
+        return DS4_OK;
+    }
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t j = 0; j < cols / 2; j++) {
+            const double s = (double)scale_at(scale, r * sc + (2 * j) / DS4_FP4_BLOCK);
+            out[r * (cols / 2) + j] = (uint8_t)(e2m1_code(w[r * cols + 2 * j] / s) |
+                                                (e2m1_code(w[r * cols + 2 * j + 1] / s) << 4));
+        }
+    return DS4_OK;
+}

@@ -47,6 +47,12 @@ ds4_status ds4_quant_check(const ds4_st_entry *w, const ds4_st_entry *scale, int
 ds4_status ds4_quant_dequant(float *dst, const ds4_st_entry *w, const ds4_st_entry *scale, int64_t rows,
                              int64_t cols, const ds4_quant_format *q, ds4_error *err);
 
+/* The inverse for saving: the codes nearest to w [rows, cols] under `scale` (FP8: [rows, cols] bytes; FP4: [rows,
+ * cols/2] packed as read). Exact where w came from dequantising with those scales; whether it did is the caller's to
+ * check (dequantise the codes again and compare). */
+ds4_status ds4_quant_encode(void *codes, const float *w, const ds4_st_entry *scale, int64_t rows, int64_t cols,
+                            ds4_qkind kind, const ds4_quant_format *q, ds4_error *err);
+
 /* e2m1 code (low 4 bits of `nibble`) as a float: sign bit 3, then {0, 0.5, 1, 1.5, 2, 3, 4, 6}. */
 float ds4_fp4_e2m1_to_f32(uint8_t nibble);
 

@@ -20,8 +20,10 @@
 #include <unistd.h>
 
 #include "ckpt_fs.h"
+#include "fp4.h"
 #include "internal.h"
 #include "model.h"
+#include "save_quant.h"
 
 enum { NAME_CAP = 256 };
 
@@ -69,6 +71,10 @@ typedef struct save_set {
     const ds4_tensor **tensor_ptrs;
     void *conv;                    /* converted floats (BF16/F16), when not F32 */
     int64_t *tid;                  /* tid2eid widened to I64 */
+    uint8_t *codes;                /* re-encoded quantised tensors (save_quant.h) */
+    float *scratch;                /* checking them */
+    float *dec;                    /* FP4-resident experts decoded, when every tensor is written as float */
+    int any_quant;                 /* some tensor is written quantised */
 } save_set;
 
 static void save_set_free(save_set *s) {
@@ -78,6 +84,9 @@ static void save_set_free(save_set *s) {
     free(s->tensor_ptrs);
     free(s->conv);
     free(s->tid);
+    free(s->codes);
+    free(s->scratch);
+    free(s->dec);
     memset(s, 0, sizeof *s);
 }
 
@@ -90,67 +99,125 @@ static int cmp_item(const void *a, const void *b) {
     return strcmp(((const sort_item *)a)->name, ((const sort_item *)b)->name);
 }
 
-/* Views of every parameter under its save_pretrained name, converted where the dtype asks for it. */
-static ds4_status build_set(const ds4_model *m, ds4_dtype dtype, save_set *s, ds4_error *err) {
-    memset(s, 0, sizeof *s);
+/* Room for every tensor of the model: a quantised one may add its scale (save_quant.h). */
+typedef struct {
+    size_t cap;
+    int64_t n_float, n_int, n_codes, n_scratch, n_dec;
+} set_sizes;
+
+static ds4_status size_set(const ds4_model *m, int expand, set_sizes *z, ds4_error *err) {
+    memset(z, 0, sizeof *z);
     const size_t n = ds4_model_tensor_count(m);
-    s->n = n;
-    s->names = calloc(n ? n : 1, sizeof *s->names);
-    s->tensors = calloc(n ? n : 1, sizeof *s->tensors);
-    s->name_ptrs = calloc(n ? n : 1, sizeof *s->name_ptrs);
-    s->tensor_ptrs = calloc(n ? n : 1, sizeof *s->tensor_ptrs);
-    sort_item *order = calloc(n ? n : 1, sizeof *order);
-    ds4_status st = DS4_OK;
-    if (!s->names || !s->tensors || !s->name_ptrs || !s->tensor_ptrs || !order) {
-        st = ds4_fail(err, DS4_ERR_OOM, "model save: tensor tables for %zu tensors", n);
-        goto out;
-    }
-    /* Converted copies live in two flat buffers sized from the whole model. */
-    int64_t n_float = 0, n_int = 0;
+    z->cap = n;
     for (size_t i = 0; i < n; i++) {
         ds4_tensor v;
-        st = ds4_model_tensor_at(m, i, NULL, &v, err);
-        if (st) goto out;
-        if (v.dtype == DS4_F32) n_float += ds4_tensor_numel(&v);
-        else n_int += ds4_tensor_numel(&v);
+        ds4_status st = ds4_model_tensor_at(m, i, NULL, &v, err); /* brings a device model's host copy up to date */
+        if (st) return st;
+        const ds4_param *p = &m->table[i];
+        int64_t codes, scratch;
+        if (ds4_qsave_candidate(m, i, expand, &codes, &scratch)) {
+            z->cap++;
+            z->n_codes += codes;
+            z->n_scratch = scratch > z->n_scratch ? scratch : z->n_scratch;
+        }
+        if (p->dtype == DS4_FP4_PACKED) {
+            if (expand) z->n_dec += p->numel, z->n_float += p->numel;
+        } else if (p->dtype == DS4_F32) {
+            z->n_float += p->numel; /* a quantised candidate may be written as float after all */
+        } else {
+            z->n_int += p->numel;
+        }
     }
-    if (dtype != DS4_F32 && n_float > 0 && !(s->conv = malloc((size_t)n_float * 2))) {
-        st = ds4_fail(err, DS4_ERR_OOM, "model save: %lld-element %s copy of the parameters", (long long)n_float,
-                      ds4_dtype_name(dtype));
-        goto out;
-    }
-    if (n_int > 0 && !(s->tid = malloc((size_t)n_int * sizeof(int64_t)))) {
-        st = ds4_fail(err, DS4_ERR_OOM, "model save: %lld-element I64 copy of the hash tables", (long long)n_int);
-        goto out;
-    }
-    int64_t fo = 0, io = 0;
-    for (size_t i = 0; i < n; i++) {
+    return DS4_OK;
+}
+
+static ds4_status alloc_set(save_set *s, const set_sizes *z, ds4_dtype dtype, ds4_error *err) {
+    const size_t c = z->cap ? z->cap : 1;
+    s->names = calloc(c, sizeof *s->names);
+    s->tensors = calloc(c, sizeof *s->tensors);
+    s->name_ptrs = calloc(c, sizeof *s->name_ptrs);
+    s->tensor_ptrs = calloc(c, sizeof *s->tensor_ptrs);
+    if (!s->names || !s->tensors || !s->name_ptrs || !s->tensor_ptrs)
+        return ds4_fail(err, DS4_ERR_OOM, "model save: tensor tables for %zu tensors", z->cap);
+    /* Converted copies live in flat buffers sized from the whole model. */
+    if (dtype != DS4_F32 && z->n_float > 0 && !(s->conv = malloc((size_t)z->n_float * 2)))
+        return ds4_fail(err, DS4_ERR_OOM, "model save: %lld-element %s copy of the parameters", (long long)z->n_float,
+                        ds4_dtype_name(dtype));
+    if (z->n_int > 0 && !(s->tid = malloc((size_t)z->n_int * sizeof(int64_t))))
+        return ds4_fail(err, DS4_ERR_OOM, "model save: %lld-element I64 copy of the hash tables", (long long)z->n_int);
+    if ((z->n_codes > 0 && !(s->codes = malloc((size_t)z->n_codes))) ||
+        (z->n_scratch > 0 && !(s->scratch = malloc((size_t)z->n_scratch * sizeof(float)))) ||
+        (z->n_dec > 0 && !(s->dec = malloc((size_t)z->n_dec * sizeof(float)))))
+        return ds4_fail(err, DS4_ERR_OOM, "model save: %lld bytes of quantised codes, %lld + %lld floats to check and "
+                        "decode them", (long long)z->n_codes, (long long)z->n_scratch, (long long)z->n_dec);
+    return DS4_OK;
+}
+
+/* Entry t as the float values src (numel) in the save dtype (conv + *fo when converted). */
+static void float_entry(ds4_tensor *t, const float *src, int64_t numel, ds4_dtype dtype, save_set *s, int64_t *fo) {
+    t->dtype = DS4_F32;
+    t->data = (void *)(uintptr_t)src;
+    t->nbytes = (size_t)numel * 4;
+    if (dtype == DS4_F32) return;
+    uint16_t *dst = (uint16_t *)s->conv + *fo;
+    for (int64_t k = 0; k < numel; k++) dst[k] = dtype == DS4_BF16 ? ds4_f32_to_bf16(src[k]) : ds4_f32_to_f16(src[k]);
+    t->dtype = dtype;
+    t->data = dst;
+    t->nbytes = (size_t)numel * 2;
+    *fo += numel;
+}
+
+/* Views of every parameter under its save_pretrained name: loaded-quantised ones in their loaded format while that is
+ * exact (unless expand), the others converted where the dtype asks for it. */
+static ds4_status build_set(const ds4_model *m, ds4_dtype dtype, int expand, save_set *s, ds4_error *err) {
+    memset(s, 0, sizeof *s);
+    set_sizes z;
+    ds4_status st = size_set(m, expand, &z, err);
+    sort_item *order = NULL;
+    if (!st) st = alloc_set(s, &z, dtype, err);
+    if (!st && !(order = calloc(z.cap ? z.cap : 1, sizeof *order)))
+        st = ds4_fail(err, DS4_ERR_OOM, "model save: order of %zu tensors", z.cap);
+    if (st) goto out;
+    int64_t fo = 0, io = 0, co = 0, dof = 0;
+    size_t k = 0;
+    for (size_t i = 0; i < ds4_model_tensor_count(m); i++) {
         const char *canon = NULL;
         ds4_tensor v;
         st = ds4_model_tensor_at(m, i, &canon, &v, err);
         if (st) goto out;
-        if (!ds4_hf_save_name(canon, s->names[i], NAME_CAP)) {
+        if (!ds4_hf_save_name(canon, s->names[k], NAME_CAP)) {
             st = ds4_fail(err, DS4_ERR_INTERNAL, "model save: no save_pretrained name for tensor '%s'", canon);
             goto out;
         }
-        const int64_t numel = ds4_tensor_numel(&v);
-        ds4_tensor *t = &s->tensors[i];
-        *t = v; /* shape, ndim; a borrowed view (refcount 0) */
-        if (v.dtype == DS4_F32) {
-            if (dtype != DS4_F32) {
-                uint16_t *dst = (uint16_t *)s->conv + fo;
-                const float *src = v.data;
-                for (int64_t k = 0; k < numel; k++)
-                    dst[k] = dtype == DS4_BF16 ? ds4_f32_to_bf16(src[k]) : ds4_f32_to_f16(src[k]);
-                t->dtype = dtype;
-                t->data = dst;
-                t->nbytes = (size_t)numel * 2;
-                fo += numel;
+        const ds4_param *p = &m->table[i];
+        ds4_tensor *t = &s->tensors[k];
+        int64_t ncodes, nscratch;
+        if (ds4_qsave_candidate(m, i, expand, &ncodes, &nscratch)) {
+            int yes = 0;
+            st = ds4_qsave_tensor(m, i, s->names[k], s->codes + co, s->scratch, t, t + 1, s->names[k + 1], NAME_CAP,
+                                  &yes, err);
+            if (st) goto out;
+            if (yes) {
+                co += ncodes;
+                s->any_quant = 1;
+                for (int j = 0; j < 2; j++) order[k + j] = (sort_item){s->names[k + j], k + j};
+                k += 2;
+                continue;
             }
+        }
+        const int64_t numel = p->numel;
+        *t = v; /* shape, ndim; a borrowed view (refcount 0) */
+        if (p->dtype == DS4_FP4_PACKED) { /* expand: its values as float */
+            ds4_qsave_decode(m, i, s->dec + dof);
+            t->shape[1] = p->shape[1];
+            float_entry(t, s->dec + dof, numel, dtype, s, &fo);
+            dof += numel;
+        } else if (v.dtype == DS4_F32) {
+            float_entry(t, v.data, numel, dtype, s, &fo);
         } else if (v.dtype == DS4_I32) {
             int64_t *dst = s->tid + io;
             const int32_t *src = v.data;
-            for (int64_t k = 0; k < numel; k++) dst[k] = src[k];
+            for (int64_t x = 0; x < numel; x++) dst[x] = src[x];
             t->dtype = DS4_I64;
             t->data = dst;
             t->nbytes = (size_t)numel * 8;
@@ -160,12 +227,13 @@ static ds4_status build_set(const ds4_model *m, ds4_dtype dtype, save_set *s, ds
                           ds4_dtype_name(v.dtype));
             goto out;
         }
-        order[i].name = s->names[i];
-        order[i].idx = i;
+        order[k] = (sort_item){s->names[k], k};
+        k++;
     }
+    s->n = k;
     /* Sorted by name: the same model always gives the same bytes. */
-    qsort(order, n, sizeof *order, cmp_item);
-    for (size_t i = 0; i < n; i++) {
+    qsort(order, k, sizeof *order, cmp_item);
+    for (size_t i = 0; i < k; i++) {
         s->name_ptrs[i] = order[i].name;
         s->tensor_ptrs[i] = &s->tensors[order[i].idx];
     }
@@ -181,8 +249,9 @@ static const char *hf_dtype_name(ds4_dtype d) {
     return d == DS4_BF16 ? "bfloat16" : d == DS4_F16 ? "float16" : "float32";
 }
 
-/* ds4_config_to_json plus the "dtype" field save_pretrained writes (transformers reads it for dtype="auto"). */
-static char *config_text(const ds4_config *c, ds4_dtype dtype, size_t *len) {
+/* ds4_config_to_json plus the "dtype" field save_pretrained writes (transformers reads it for dtype="auto"), and with
+ * quantised tensors (qblock non-NULL) the quantization_config that says their FP8 block. */
+static char *config_text(const ds4_config *c, ds4_dtype dtype, const int64_t *qblock, size_t *len) {
     char *js = ds4_config_to_json(c);
     if (!js) return NULL;
     char *close = strrchr(js, '}');
@@ -193,15 +262,19 @@ static char *config_text(const ds4_config *c, ds4_dtype dtype, size_t *len) {
     size_t head = (size_t)(close - js);
     while (head > 0 && (js[head - 1] == ' ' || js[head - 1] == '\n' || js[head - 1] == '\t' || js[head - 1] == '\r'))
         head--;
-    const char *fmt = ",\n  \"dtype\": \"%s\"\n}\n";
-    size_t cap = head + strlen(fmt) + 16;
+    const char *fmt = ",\n  \"dtype\": \"%s\"%s\n}\n";
+    char quant[192] = "";
+    if (qblock)
+        snprintf(quant, sizeof quant, ",\n  \"quantization_config\": {\"fmt\": \"e4m3\", \"quant_method\": \"fp8\", "
+                 "\"weight_block_size\": [%lld, %lld]}", (long long)qblock[0], (long long)qblock[1]);
+    size_t cap = head + strlen(fmt) + strlen(quant) + 16;
     char *out = malloc(cap);
     if (!out) {
         free(js);
         return NULL;
     }
     memcpy(out, js, head);
-    int w = snprintf(out + head, cap - head, fmt, hf_dtype_name(dtype));
+    int w = snprintf(out + head, cap - head, fmt, hf_dtype_name(dtype), quant);
     free(js);
     if (w < 0 || (size_t)w >= cap - head) {
         free(out);
@@ -273,27 +346,29 @@ ds4_status ds4_model_write_files(const ds4_model *m, const char *dir, const ds4_
     size_t dl = strlen(dir);
     char *path = malloc(dl + 32);
     if (!path) return ds4_fail(err, DS4_ERR_OOM, "model save %s: path", dir);
-    /* config.json first: a directory with weights but no config is useless, the reverse is merely
-     * incomplete — and neither is published before the caller's rename or commit anyway. */
-    size_t clen = 0;
-    char *cfg = config_text(ds4_model_config(m), o.dtype, &clen);
-    if (!cfg) {
+    /* the tensors first (in memory: whether any stays quantised decides the config), then config.json: a directory
+     * with weights but no config is useless, the reverse is merely incomplete — and neither is published before the
+     * caller's rename or commit anyway. */
+    save_set s;
+    st = build_set(m, o.dtype, o.expand_quantised, &s, err);
+    if (st) {
         free(path);
-        return ds4_fail(err, DS4_ERR_OOM, "model save %s: config.json text", dir);
+        return st;
     }
-    snprintf(path, dl + 32, "%s/config.json", dir);
-    st = ds4_fs_write_file("model save", path, cfg, clen, err);
+    size_t clen = 0;
+    char *cfg = config_text(ds4_model_config(m), o.dtype, s.any_quant ? m->qblock : NULL, &clen);
+    if (!cfg) st = ds4_fail(err, DS4_ERR_OOM, "model save %s: config.json text", dir);
+    if (!st) {
+        snprintf(path, dl + 32, "%s/config.json", dir);
+        st = ds4_fs_write_file("model save", path, cfg, clen, err);
+    }
     free(cfg);
     if (!st) {
-        save_set s;
-        st = build_set(m, o.dtype, &s, err);
-        if (!st) {
-            snprintf(path, dl + 32, "%s/model.safetensors", dir);
-            st = ds4_st_write(path, s.n, s.name_ptrs, s.tensor_ptrs, err);
-            if (st) ds4_error_prefix(err, "model save: ");
-            save_set_free(&s);
-        }
+        snprintf(path, dl + 32, "%s/model.safetensors", dir);
+        st = ds4_st_write(path, s.n, s.name_ptrs, s.tensor_ptrs, err);
+        if (st) ds4_error_prefix(err, "model save: ");
     }
+    save_set_free(&s);
     free(path);
     for (size_t i = 0; !st && i < o.n_files; i++) {
         size_t cap = dl + strlen(o.files[i].name) + 2;

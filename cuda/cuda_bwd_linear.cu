@@ -35,6 +35,7 @@
 #include <cublas_v2.h>
 
 #include "cuda_dev.cuh"
+#include "fp4.h"
 #include "cuda_tile.cuh"
 
 namespace {
@@ -245,7 +246,8 @@ constexpr int F32_BM = 64, F32_BN = 64, BF_BM = 64, BF_BN = 128;
 void product(ds4_dev *d, const char *op, prod_args p, ds4_dtype wdt, bool weight_b, const char *shapes) {
     cuda_dev *cd = cdev(d);
     if (wdt != DS4_F32 && wdt != DS4_BF16) {
-        ds4_dev_fail(d, DS4_ERR_UNSUPPORTED, "%s %s: weight dtype %s (F32 or BF16)", op, shapes, ds4_dtype_name(wdt));
+        ds4_dev_fail(d, DS4_ERR_UNSUPPORTED, "%s %s: weight dtype %s (F32 or BF16%s)", op, shapes, ds4_wdt_name(wdt),
+                     wdt == DS4_FP4_PACKED ? "; FP4-resident experts have no CUDA kernel yet" : "");
         return;
     }
     const int BM = wdt == DS4_F32 ? F32_BM : BF_BM, BN = wdt == DS4_F32 ? F32_BN : BF_BN;

@@ -18,6 +18,7 @@
 #include <cstring>
 
 #include "cuda_dev.cuh"
+#include "fp4.h"
 #include "cuda_tile.cuh"
 
 namespace {
@@ -322,7 +323,8 @@ void gemm(ds4_dev *d, const char *op, gemm_args a, ds4_dtype wdt, int64_t groups
         return;
     }
     if (wdt != DS4_F32 && wdt != DS4_BF16) {
-        ds4_dev_fail(d, DS4_ERR_UNSUPPORTED, "%s: weight dtype %s", op, ds4_dtype_name(wdt));
+        ds4_dev_fail(d, DS4_ERR_UNSUPPORTED, "%s: weight dtype %s (F32 or BF16%s)", op, ds4_wdt_name(wdt),
+                     wdt == DS4_FP4_PACKED ? "; FP4-resident experts have no CUDA kernel yet" : "");
         return;
     }
     const int64_t G = groups > 0 ? groups : 1;

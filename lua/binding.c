@@ -424,7 +424,8 @@ ds4_model *ds4l_model_check(lua_State *L, int idx, const char *fname) {
     return b->m;
 }
 
-/* ds4.load(dir [, {device = "cuda[:N]" | "cpu", dtype = "bf16" | "fp32", lora = adapter_dir}]) */
+/* ds4.load(dir [, {device = "cuda[:N]" | "cpu", dtype = "bf16" | "fp32", lora = adapter_dir, fp4_experts = bool}])
+ * fp4_experts: keep the routed experts stored in FP4 packed in memory (docs/checkpoints.md) */
 static int l_load(lua_State *L) {
     const char *fname = "ds4.load";
     const char *dir = check_path(L, 1, fname);
@@ -432,10 +433,18 @@ static int l_load(lua_State *L) {
         ds4l_raise(L, "%s: bad argument #2 (options table expected, got %s)", fname, luaL_typename(L, 2));
     int given = 0;
     (void)opts_device(L, 2, fname, &given); /* a misspelt device fails before the checkpoint is read */
+    ds4_load_options lo = {0};
+    if (lua_istable(L, 2)) {
+        lua_getfield(L, 2, "fp4_experts");
+        if (!lua_isnil(L, -1) && !lua_isboolean(L, -1))
+            ds4l_raise(L, "%s: opts.fp4_experts must be a boolean, got %s", fname, luaL_typename(L, -1));
+        lo.fp4_experts = lua_toboolean(L, -1);
+        lua_pop(L, 1);
+    }
     model_box *b = push_model_box(L);
     engine_ref *r = get_engine(L, fname);
     ds4_error err = {0};
-    if (ds4_model_load(r->e, dir, &b->m, &err) != DS4_OK) ds4l_raise_ds4(L, fname, &err);
+    if (ds4_model_load_opts(r->e, dir, &lo, &b->m, &err) != DS4_OK) ds4l_raise_ds4(L, fname, &err);
     model_adopt(b, r);
     place_model(L, b->m, 2, fname);
     if (lua_istable(L, 2)) { /* {lora = adapter_dir}: a PEFT adapter on top (docs/lora.md) */

@@ -1,7 +1,9 @@
 /* save_lua.c — model:save and the ds4.checkpoints table (core/save.c, core/ckptdir.c).
  *
- *   model:save(dir [, {dtype = "F32"|"BF16"|"F16", overwrite = false, files = {name = text}}]) -> dir
+ *   model:save(dir [, {dtype = "F32"|"BF16"|"F16", overwrite = false, files = {name = text},
+ *                      expand_quantised = false}]) -> dir
  *       opts.files: more *.json files (tokenizer.json, ...) written with the weights, published with them
+ *       opts.expand_quantised: write loaded-FP8/FP4 tensors in dtype too (else kept quantised while unchanged)
  *   ds4.checkpoints.save(root, step, model [, opts]) -> path of ROOT/step_NNNNNN
  *       a model with LoRA adapters: adapter_config.json + adapter_model.safetensors (PEFT, F32) beside the weights
  *       opts.extra = {name = tensor}, opts.meta = {JSON-able table}  -> extra.safetensors / extra.json
@@ -431,9 +433,10 @@ static int m_save(lua_State *L) {
     ds4_model *m = ds4l_model_check(L, 1, fname);
     const char *dir = arg_string(L, 2, fname, "directory");
     int opts = opt_table(L, 3, fname);
-    static const char *const known[] = {"dtype", "overwrite", "files", NULL};
+    static const char *const known[] = {"dtype", "overwrite", "files", "expand_quantised", NULL};
     if (opts) check_keys(L, opts, fname, known);
-    ds4_save_options o = {.dtype = opt_dtype(L, opts, fname), .overwrite = opt_bool(L, opts, "overwrite", fname)};
+    ds4_save_options o = {.dtype = opt_dtype(L, opts, fname), .overwrite = opt_bool(L, opts, "overwrite", fname),
+                          .expand_quantised = opt_bool(L, opts, "expand_quantised", fname)};
     opt_files(L, opts, fname, &o);
     ds4_error err = {0};
     if (ds4_model_save_opts(m, dir, &o, &err) != DS4_OK) ds4l_raise_ds4(L, fname, &err);

@@ -20,6 +20,11 @@ Writes, under tests/fixtures/:
                        weight_block_size), so that blocks are many and the last ones partial; packed 3-D experts
                        stay F32.
   quant_hf_ref/        the same dequantised to F32.
+  quant_fp4/           a variant of tiny_hf with 8 routed experts of intermediate size 32 (the new expert tensors
+                       random, seeded), so that every routed expert matrix (w1, w2, w3) has rows of 32 values and is
+                       FP4; everything else F32, official names. The fixture of the FP4-resident experts.
+  quant_fp4_ref/       the same dequantised to F32.
+tests/gen_quant_logits.py (torch, transformers) adds transformers' logits of each *_ref model.
 The products are computed in float32, as the format's readers do (an e8m0 scale makes them exact).
 
 Usage: python3 tests/gen_quant_fixtures.py [FIXTURES_DIR]
@@ -298,6 +303,54 @@ def write_hf(src, cfg, root):
         write_config(d, c)
 
 
+FP4_E, FP4_I = 8, 32  # quant_fp4: every routed expert matrix has 32-value rows
+
+
+def fp4_variant(src, cfg, seed=1414):
+    """tiny_hf with FP4_E routed experts of intermediate size FP4_I, in HF names: the tensors whose shapes depend
+    on E or I are new (normal, each with the spread of the tiny_hf tensor it replaces; the hash table a random
+    choice of K distinct experts per token), the others tiny_hf's."""
+    rng = np.random.default_rng(seed)
+    E, I, D, K = FP4_E, FP4_I, cfg["hidden_size"], cfg["num_experts_per_tok"]
+    shapes = {"mlp.experts.gate_up_proj": (E, 2 * I, D), "mlp.experts.down_proj": (E, D, I), "mlp.gate.weight": (E, D),
+              "mlp.gate.e_score_correction_bias": (E,), "mlp.shared_experts.gate_proj.weight": (I, D),
+              "mlp.shared_experts.up_proj.weight": (I, D), "mlp.shared_experts.down_proj.weight": (D, I)}
+    out = {}
+    for name, (dtype, arr) in src.items():
+        tail = next((t for t in shapes if name.endswith(t)), None)
+        if name.endswith("mlp.gate.tid2eid"):
+            arr = np.stack([rng.permutation(E)[:K] for _ in range(arr.shape[0])]).astype(arr.dtype)
+        elif tail:
+            arr = (rng.standard_normal(shapes[tail]) * float(arr.std() or 0.05)).astype(np.float32)
+        out[name] = (dtype, arr)
+    return out, dict(cfg, n_routed_experts=E, moe_intermediate_size=I)
+
+
+def write_fp4(src, cfg, root):
+    var, vcfg = fp4_variant(src, cfg)
+
+    def quantise(name, arr):
+        if ".ffn.experts." not in name:
+            return None
+        packed, scales, deq = quant_fp4(arr)
+        return (name, "U8", packed.view(np.uint8)), (name[:-len(".weight")] + ".scale", "F8_E8M0", scales), deq
+
+    quant, ref = [], []
+    for name, dtype, arr in official_tensors(var):
+        got = quantise(name, arr) if dtype == "F32" and is_linear(name, arr) else None
+        if got:
+            quant += [got[0], got[1]]
+            ref.append((name, "F32", got[2]))
+        else:
+            quant.append((name, dtype, arr))
+            ref.append((name, dtype, arr))
+    for sub, tensors in (("quant_fp4", quant), ("quant_fp4_ref", ref)):
+        d = os.path.join(root, sub)
+        os.makedirs(d, exist_ok=True)
+        st_write(os.path.join(d, "model.safetensors"), tensors)
+        write_config(d, vcfg)
+
+
 def write_config(d, cfg):
     with open(os.path.join(d, "config.json"), "w") as f:
         json.dump(cfg, f, indent=2, sort_keys=True)
@@ -315,6 +368,7 @@ def main():
     assert list(E2M1[:8]) == [0, 0.5, 1, 1.5, 2, 3, 4, 6] and E2M1[15] == -6.0
     write_official(src, cfg, root)
     write_hf(src, cfg, root)
+    write_fp4(src, cfg, root)
 
 
 if __name__ == "__main__":

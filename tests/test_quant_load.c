@@ -3,11 +3,13 @@
  * The references are independent of the code under test: tests/gen_quant_fixtures.py (numpy, written from the
  * formats' definitions) quantised tiny_hf's weights into two layouts and wrote the exactly dequantised fp32
  * weights beside them. Here every tensor of the quantised model must equal the reference's bit for bit, and so
- * must the logits. Then broken checkpoints, made by rewriting a fixture with one thing changed, must fail with
+ * must the logits. tests/gen_quant_logits.py ran transformers' DeepseekV4ForCausalLM (fp32) on each reference's
+ * weights: ds4's logits on the quantised checkpoint must match them (bound at hf_bound). Then broken checkpoints, made by rewriting a fixture with one thing changed, must fail with
  * an error that names the tensor. */
 #define _POSIX_C_SOURCE 200809L
 #include <dirent.h>
 #include <errno.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -27,7 +29,47 @@ static const char *fixture(const char *name) {
 
 /* ------------------------------------------------------------------------------------------------ exactness */
 
-static void check_equal(const char *quant, const char *ref) {
+static double max_abs(const float *x, int64_t n) {
+    double m = 0;
+    for (int64_t i = 0; i < n; i++) m = fabs((double)x[i]) > m ? fabs((double)x[i]) : m;
+    return m;
+}
+
+/* ds4 and transformers in fp32 differ only in summation orders: ~1e-6 of the largest logit on these fixtures
+ * (docs/checkpoints.md quotes the measured values). 1e-5 of max(1, max|logit|) leaves a margin of ten and is
+ * still far below what the quantisation itself moves (the check below requires the unquantised model to fail it
+ * by a factor of 100), so a dequantisation that is off in any block cannot pass. NaN fails (d is NaN). */
+static double hf_bound(const float *ref, int64_t n) {
+    const double r = max_abs(ref, n);
+    return 1e-5 * (r > 1 ? r : 1);
+}
+
+/* ds4's logits `got` on the quantised checkpoint against transformers' on the dequantised weights (ref/hf_logits) */
+static void check_hf_logits(const char *quant, const char *ref, const float *got, const float *unquantised,
+                            int64_t B, int64_t S, int64_t V) {
+    ds4_error err = {0};
+    char p[4096];
+    snprintf(p, sizeof p, "%s/%s/hf_logits.safetensors", g_fixtures, ref);
+    ds4_st_file *f = NULL;
+    CHECK_OK(ds4_st_open(p, &f, &err), &err);
+    const ds4_st_entry *l = f ? ds4_st_find(f, "logits") : NULL;
+    CHECK(l && l->dtype == DS4_F32 && l->ndim == 3 && l->shape[0] == B && l->shape[1] == S && l->shape[2] == V,
+          "%s: logits [%lld, %lld, %lld] F32 expected", p, (long long)B, (long long)S, (long long)V);
+    if (l && l->dtype == DS4_F32 && l->ndim == 3 && l->shape[0] * l->shape[1] * l->shape[2] == B * S * V) {
+        const float *hf = l->data;
+        const double d = ds4t_max_abs_diff(got, hf, B * S * V), tol = hf_bound(hf, B * S * V);
+        printf("%s: logits within %.3g of transformers' on the dequantised weights (bound %.3g)\n", quant, d, tol);
+        CHECK(d <= tol, "%s: logits differ from transformers' on %s by %g > %g", quant, ref, d, tol);
+        if (unquantised) {
+            const double du = ds4t_max_abs_diff(unquantised, hf, B * S * V);
+            CHECK(du > 100 * tol, "%s: the unquantised model is only %g from the dequantised one's logits: the "
+                  "comparison could not tell a skipped dequantisation", quant, du);
+        }
+    }
+    ds4_st_close(f);
+}
+
+static void check_equal(const char *quant, const char *ref, const char *unquantised) {
     ds4_error err = {0};
     ds4_model *a = NULL, *b = NULL;
     char qdir[4096];
@@ -67,17 +109,23 @@ static void check_equal(const char *quant, const char *ref) {
         CHECK_OK(ds4_model_forward(b, &args, &res, &err), &err);
         CHECK(memcmp(la, lb, (size_t)(B * S * V) * sizeof(float)) == 0, "%s: logits differ from %s's (max %g)",
               quant, ref, ds4t_max_abs_diff(la, lb, B * S * V));
-        /* the quantisation did something: the reference is not tiny_hf's fp32 model */
+        /* the quantisation did something: the reference is not the fp32 model it was made from */
         ds4_model *orig = NULL;
-        CHECK_OK(ds4_model_load(g_eng, fixture("tiny_hf"), &orig, &err), &err);
+        if (unquantised) CHECK_OK(ds4_model_load(g_eng, fixture(unquantised), &orig, &err), &err);
         if (orig) {
+            float *lq = malloc((size_t)(B * S * V) * sizeof(float));
+            memcpy(lq, la, (size_t)(B * S * V) * sizeof(float));
             args.logits = la;
             CHECK_OK(ds4_model_forward(orig, &args, &res, &err), &err);
             const double d = ds4t_max_abs_diff(la, lb, B * S * V);
             CHECK(d > 0 && d < 0.5, "%s: logits move by %g from the fp32 model's (want a small, nonzero change)",
                   quant, d);
             printf("%s: logits within %.3g of tiny_hf's fp32 model\n", quant, d);
+            check_hf_logits(quant, ref, lq, la, B, S, V);
+            free(lq);
             ds4_model_free(orig);
+        } else {
+            check_hf_logits(quant, ref, la, NULL, B, S, V);
         }
         free(la);
         free(lb);
@@ -308,8 +356,9 @@ int main(int argc, char **argv) {
     ds4_engine_options o = {.n_threads = 2};
     CHECK_OK(ds4_engine_create(&o, &g_eng, &err), &err);
     if (!g_eng) return ds4t_finish("test_quant_load");
-    check_equal("quant_official", "quant_official_ref");
-    check_equal("quant_hf", "quant_hf_ref");
+    check_equal("quant_official", "quant_official_ref", "tiny_hf");
+    check_equal("quant_hf", "quant_hf_ref", "tiny_hf");
+    check_equal("quant_fp4", "quant_fp4_ref", NULL);
     test_u8();
     test_errors();
     ds4_engine_free(g_eng);

@@ -272,6 +272,19 @@ typedef struct ds4_model ds4_model;
  * release names, the names transformers' save_pretrained writes (official names under "model."), or the HF
  * module names (packed experts). Missing or unexpected tensors give an error listing them. */
 ds4_status ds4_model_load(ds4_engine *e, const char *dir, ds4_model **out, ds4_error *err);
+
+typedef struct ds4_load_options {
+    /* Keep the routed experts the checkpoint stores in FP4 packed in memory as stored (4.25 bits per parameter:
+     * e2m1 pairs and an e8m0 scale per 32), decoded tile by tile inside the expert products, instead of dequantising
+     * them to fp32. They are then frozen (not parameters: full fine-tuning trains everything else, LoRA adapters
+     * train on top), and the model computes on the CPU only. docs/checkpoints.md, "FP4-resident experts". */
+    int32_t fp4_experts;
+} ds4_load_options;
+/* ds4_model_load with options (NULL: the defaults, as ds4_model_load). */
+ds4_status ds4_model_load_opts(ds4_engine *e, const char *dir, const ds4_load_options *opt, ds4_model **out,
+                               ds4_error *err);
+/* The bytes the model's FP4-resident experts occupy (packed values and scales); 0 without them. */
+int64_t ds4_model_fp4_bytes(const ds4_model *m);
 /* A model with random weights (HF init: N(0, initializer_range²), norms 1, ...) for benchmarks and training
  * from scratch. */
 ds4_status ds4_model_create_random(ds4_engine *e, const ds4_config *cfg, uint64_t seed, ds4_model **out,

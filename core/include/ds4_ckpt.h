@@ -51,6 +51,10 @@ typedef struct ds4_save_file {
 typedef struct ds4_save_options {
     ds4_dtype dtype;          /* floating-point parameters: DS4_F32 (0, the default: exact), DS4_BF16 or DS4_F16
                                  (rounded to nearest even). Hash-routing tables are always I64, as HF writes. */
+    int32_t expand_quantised; /* 0 (default): a tensor loaded as FP8 or FP4 is written so again, with its loaded
+                                 scales, while that is exactly its value (FP4-resident experts always; a dequantised
+                                 tensor unless training changed it: docs/checkpoints.md, "Saving"); 1: every tensor
+                                 is written in `dtype` */
     int32_t overwrite;        /* 1: replace an existing non-empty `dir`, provided it holds nothing but files of
                                  a checkpoint (config.json, *.safetensors, *.json); 0: refuse */
     const ds4_save_file *files; /* n_files more files written (and fsynced) with the weights, before the rename or
