@@ -45,6 +45,8 @@ static void print_profile(ds4_model *m, ds4_dev *d) {
  * are to survive) and point the gradient views back at the host buffer. */
 static void free_train_state(ds4_model *m) {
     ds4_dev *d = m->dev;
+    if (d && m->gsaved) d->ops->free(d, m->gsaved); /* on the CPU backend too: it is the backend's memory */
+    m->gsaved = NULL;
     if (d && d != m->cpu) {
         d->ops->free(d, m->dgrads);
         d->ops->free(d, m->dmaster);
@@ -250,11 +252,14 @@ ds4_status ds4_model_grad_buffer(ds4_model *m, float **out, int64_t *count, ds4_
     }
     *out = m->dgrads ? m->dgrads : m->grads;
     *count = m->n_params;
+    m->grads_zero = 0; /* the caller may write it */
     return DS4_OK;
 }
 
 void ds4_model_grads_changed(ds4_model *m) {
-    if (m && m->dgrads) m->grads_stale = 1;
+    if (!m) return;
+    m->grads_zero = 0;
+    if (m->dgrads) m->grads_stale = 1;
 }
 
 ds4_status ds4_model_scale_grads(ds4_model *m, double scale, ds4_error *err) {

@@ -461,6 +461,47 @@ ds4_status ds4_model_logprobs(ds4_model *m, float *logp, float *entropy, ds4_err
 
 static ds4_status backward_impl(ds4_model *m, const float *dlogp, double scale, ds4_error *err);
 
+/* A backward adds its gradient to the buffer with one fp32 addition per element. Inside a backward some elements
+ * receive many additions (a norm weight or a sink token by token, the embedding row of a repeated id, the head and
+ * embedding shared by the main and the MTP losses), so accumulating onto gradients that are already there would
+ * interleave them: ((g + t1) + t2) + ... instead of g + (t1 + t2 + ...). When the buffer is not known to be zero
+ * it is set aside, the backward runs on zeros, and the saved values are added back: k backwards accumulated in one
+ * buffer give ((G1 + G2) + G3) + ..., the same bits as the k gradients computed apart and summed in that order —
+ * which is what data parallelism's rank-order sum computes (docs/distributed.md, "Bitwise data parallelism"). The
+ * saved copy costs one buffer of n_params floats on the model's backend, allocated on the first accumulation. */
+static ds4_status set_aside(ds4_model *m, float **saved, ds4_error *err) {
+    *saved = NULL;
+    if (m->grads_zero || m->n_params == 0) return DS4_OK;
+    ds4_dev *d = m->dev;
+    const size_t bytes = (size_t)m->n_params * sizeof(float);
+    if (!m->gsaved) {
+        void *p = NULL;
+        ds4_status s = d->ops->alloc(d, bytes, &p, err);
+        if (s) {
+            ds4_error_prefix(err, "backward: the accumulated gradients set aside (%lld fp32 values): ",
+                             (long long)m->n_params);
+            return s;
+        }
+        m->gsaved = p;
+    }
+    float *g = m->dgrads ? m->dgrads : m->grads;
+    ds4_dev_copy(d, m->gsaved, g, bytes);
+    ds4_dev_fill(d, g, 0, bytes);
+    *saved = m->gsaved;
+    return DS4_OK;
+}
+
+/* g += saved, over the flat buffer in rows of ADD_ROW values (add_bcast with one stream is a plain add; the rows
+ * let the CPU backend spread it over its threads). */
+static void add_back(ds4_model *m, const float *saved) {
+    enum { ADD_ROW = 4096 };
+    float *g = m->dgrads ? m->dgrads : m->grads;
+    const int64_t n = m->n_params, full = n / ADD_ROW, rest = n - full * ADD_ROW;
+    if (full > 0) OP(m->dev, add_bcast, .x = g, .h = saved, .T = full, .n = 1, .D = ADD_ROW);
+    if (rest > 0)
+        OP(m->dev, add_bcast, .x = g + full * ADD_ROW, .h = saved + full * ADD_ROW, .T = 1, .n = 1, .D = rest);
+}
+
 ds4_status ds4_model_backward(ds4_model *m, double scale, ds4_error *err) {
     ds4_status s = tape_ready(m, "backward", err);
     if (s) return s;
@@ -516,6 +557,11 @@ static ds4_status backward_impl(ds4_model *m, const float *dlogp, double scale, 
     ds4_dev_upload(dev, tp->tgt, htgt, (size_t)T * sizeof(int64_t));
     const float *dl = ds4_pass_input(&b.f, b.dlogp, dlogp, (size_t)T * sizeof(float));
     const ds4_weights *wv = b.f.w;
+    float *gsaved = NULL;
+    if ((s = set_aside(m, &gsaved, err))) {
+        free(htgt);
+        return s;
+    }
     head_bwd(&b, tp->u_fin, tp->y_fin, tp->X_L, wv->hc_head_fn, wv->hc_head_base, wv->hc_head_scale, wv->norm,
              b.gw->hc_head_fn, b.gw->hc_head_base, b.gw->hc_head_scale, b.gw->norm, tp->tgt, dl, -scale, b.dX);
     if (tp->with_mtp && tp->mtp_tokens > 0 && !dlogp)
@@ -540,6 +586,8 @@ static ds4_status backward_impl(ds4_model *m, const float *dlogp, double scale, 
         block_bwd(&b, &wv->layers[li], &b.gw->layers[li], &tp->layers[li], b.dX);
     }
     OP(dev, embed_bwd, .ge = b.gw->embed, .ids = tp->ids, .dx = b.dX, .T = T, .n = c->hc_mult, .D = c->hidden_size);
+    if (gsaved) add_back(m, gsaved);
+    m->grads_zero = 0;
     free(htgt);
     tp->valid = 0;
     return ds4_dev_check(dev, "backward", err);

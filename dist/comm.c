@@ -81,6 +81,12 @@ static ds4_status pick_device(const ds4_comm *c, const ds4_comm_options *o, int3
     return DS4_OK;
 }
 
+void ds4_shard_range(int64_t count, int32_t world, int32_t rank, int64_t *off, int64_t *len) {
+    const int64_t q = count / world, r = count % world;
+    *len = q + (rank < r);
+    *off = rank * q + (rank < r ? rank : r);
+}
+
 ds4_status ds4_comm_init(ds4_comm **out, ds4_error *err) { return ds4_comm_init_with(NULL, out, err); }
 
 ds4_status ds4_comm_init_with(const ds4_comm_options *opts, ds4_comm **out, ds4_error *err) {

@@ -2,7 +2,10 @@
  *
  * Gradients live in one flat fp32 buffer parallel to the parameter buffer (same offsets as the named views
  * of ds4_model_tensor_at). Backward ACCUMULATES into it, so micro-batches add up; ds4_model_zero_grad
- * clears it. Parameters that receive no gradient from the active losses (the lightning indexer without its
+ * clears it. A backward adds its whole gradient with one fp32 addition per element (onto a buffer that is not
+ * known to be zero it runs on zeros and adds the set-aside values back), so k accumulated backwards give the same
+ * bits as their k gradients summed in order: ((G1 + G2) + G3) + ... (what data parallelism's rank-order sum
+ * computes). Writes through the pointer of ds4_model_grads must be followed by ds4_model_grads_changed. Parameters that receive no gradient from the active losses (the lightning indexer without its
  * KL loss, the selection-only router bias, the MTP block without the MTP loss) get exactly zero and are
  * reported as not trainable, so optimizers leave them alone (as torch does with a None gradient). */
 #ifndef DS4_TRAIN_H
