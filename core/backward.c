@@ -48,6 +48,8 @@ typedef struct bwd {
     int32_t *has, *rowmap;        /* [T] */
     int64_t *mids;                /* [T] MTP next-token ids */
     float *dlogp;                 /* [T] the caller's per-token gradient */
+    double ikl_scale;             /* > 0: the indexer KL's per-query factor (its weight / the global query count);
+                                     else the weight / this forward's own count, layer by layer */
 } bwd;
 
 /* ------------------------------------------------------------------------------------------------ planning */
@@ -228,7 +230,7 @@ static void indexer_kl_bwd(bwd *b, const ds4_layer_w *l, const ds4_layer_w *g, c
     free(has);
     if (nq == 0) return;
     OP(dev, ikl, .c = c, .lt = lt, .T = T, .S = b->f.S, .sel_stride = stride, .kl = b->kl, .has = b->has, .dI = b->dI,
-       .scale = b->m->topt.indexer_kl / (double)nq);
+       .scale = b->ikl_scale > 0 ? b->ikl_scale : b->m->topt.indexer_kl / (double)nq);
     OP(dev, ikl_bwd_q, .c = c, .lt = lt, .B = b->f.B, .S = b->f.S, .T = T, .sel_stride = stride, .dI = b->dI,
        .diq = b->diq, .diw = b->diw, .dsi = b->dsi);
     OP(dev, ikl_bwd_k, .c = c, .lt = lt, .B = b->f.B, .S = b->f.S, .T = T, .sel_stride = stride, .dsi = b->dsi,
@@ -459,7 +461,7 @@ ds4_status ds4_model_logprobs(ds4_model *m, float *logp, float *entropy, ds4_err
     return ds4_dev_check(dev, "logprobs", err);
 }
 
-static ds4_status backward_impl(ds4_model *m, const float *dlogp, double scale, ds4_error *err);
+static ds4_status backward_impl(ds4_model *m, const float *dlogp, const ds4_backward_scales *sc, ds4_error *err);
 
 /* A backward adds its gradient to the buffer with one fp32 addition per element. Inside a backward some elements
  * receive many additions (a norm weight or a sink token by token, the embedding row of a repeated id, the head and
@@ -506,25 +508,48 @@ ds4_status ds4_model_backward(ds4_model *m, double scale, ds4_error *err) {
     ds4_status s = tape_ready(m, "backward", err);
     if (s) return s;
     if (!isfinite(scale)) return ds4_fail(err, DS4_ERR_ARG, "backward: scale %g is not finite", scale);
-    return backward_impl(m, NULL, scale, err);
+    const ds4_backward_scales sc = {.ce = scale, .mtp = -1, .ikl = -1};
+    return backward_impl(m, NULL, &sc, err);
+}
+
+static ds4_status check_scales(const ds4_backward_scales *sc, const char *op, ds4_error *err) {
+    if (!sc) return ds4_fail(err, DS4_ERR_ARG, "%s: scales is NULL", op);
+    if (!isfinite(sc->ce) || !isfinite(sc->mtp) || !isfinite(sc->ikl))
+        return ds4_fail(err, DS4_ERR_ARG, "%s: scales ce %g, mtp %g, ikl %g: each must be finite", op, sc->ce, sc->mtp,
+                        sc->ikl);
+    return DS4_OK;
+}
+
+ds4_status ds4_model_backward_scaled(ds4_model *m, const ds4_backward_scales *sc, ds4_error *err) {
+    ds4_status s = tape_ready(m, "backward", err);
+    if (!s) s = check_scales(sc, "backward", err);
+    return s ? s : backward_impl(m, NULL, sc, err);
 }
 
 ds4_status ds4_model_backward_logprobs(ds4_model *m, const float *dlogp, ds4_error *err) {
+    return ds4_model_backward_logprobs_scaled(m, dlogp, -1, err);
+}
+
+ds4_status ds4_model_backward_logprobs_scaled(ds4_model *m, const float *dlogp, double ikl_scale, ds4_error *err) {
     ds4_status s = tape_ready(m, "backward_logprobs", err);
     if (s) return s;
+    if (!isfinite(ikl_scale))
+        return ds4_fail(err, DS4_ERR_ARG, "backward_logprobs: indexer KL scale %g is not finite", ikl_scale);
     if (!dlogp) return ds4_fail(err, DS4_ERR_ARG, "backward_logprobs: dlogp is NULL");
     for (int64_t t = 0; t < m->tape->T; t++)
         if (!isfinite(dlogp[t]))
             return ds4_fail(err, DS4_ERR_ARG, "backward_logprobs: dlogp[%lld, %lld] = %g is not finite (dlogp [%lld, %lld])",
                             (long long)(t / m->tape->S), (long long)(t % m->tape->S), (double)dlogp[t],
                             (long long)m->tape->B, (long long)m->tape->S);
-    return backward_impl(m, dlogp, 0.0, err);
+    const ds4_backward_scales sc = {.ce = 0, .mtp = -1, .ikl = ikl_scale};
+    return backward_impl(m, dlogp, &sc, err);
 }
 
 /* The CE path passes dlogp = NULL and scale; the per-token path passes dlogp (and the MTP term, when on, keeps its
  * own mean normalisation relative to the main loss: see below). */
-static ds4_status backward_impl(ds4_model *m, const float *dlogp, double scale, ds4_error *err) {
+static ds4_status backward_impl(ds4_model *m, const float *dlogp, const ds4_backward_scales *sc, ds4_error *err) {
     ds4_tape *tp = m->tape;
+    const double scale = sc->ce;
     const ds4_config *c = &m->cfg;
     bwd b;
     memset(&b, 0, sizeof b);
@@ -534,6 +559,7 @@ static ds4_status backward_impl(ds4_model *m, const float *dlogp, double scale, 
     b.tp = tp;
     b.gw = &m->gw;
     b.mdt = b.f.w->mdt;
+    b.ikl_scale = sc->ikl;
     ds4_arena a = {0};
     bplan(&b, &a);
     if (a.used > tp->bbytes) {
@@ -565,9 +591,11 @@ static ds4_status backward_impl(ds4_model *m, const float *dlogp, double scale, 
     head_bwd(&b, tp->u_fin, tp->y_fin, tp->X_L, wv->hc_head_fn, wv->hc_head_base, wv->hc_head_scale, wv->norm,
              b.gw->hc_head_fn, b.gw->hc_head_base, b.gw->hc_head_scale, b.gw->norm, tp->tgt, dl, -scale, b.dX);
     if (tp->with_mtp && tp->mtp_tokens > 0 && !dlogp)
-        /* MTP term λ·mean over its own scored tokens: per-token scale λ·scale·(main tokens / MTP tokens), which is
-         * λ / mtp_tokens when scale = 1 / loss_tokens */
-        mtp_bwd(&b, m->topt.mtp_lambda * scale * (double)tp->loss_tokens / (double)tp->mtp_tokens, htgt, hrows);
+        /* MTP term λ·mean over its own scored tokens: by default the per-token scale λ·scale·(main tokens / MTP
+         * tokens), which is λ / mtp_tokens when scale = 1 / loss_tokens; the caller's own (λ / the global MTP count)
+         * when given */
+        mtp_bwd(&b, sc->mtp >= 0 ? sc->mtp : m->topt.mtp_lambda * scale * (double)tp->loss_tokens / (double)tp->mtp_tokens,
+                htgt, hrows);
     int64_t ncsa = 0; /* CSA layers before the block being recomputed (its indexer replay offset) */
     for (int64_t li = 0; li < L; li++) ncsa += c->layer_types[li] == DS4_ATTN_CSA;
     for (int64_t li = L - 1; li >= 0; li--) {

@@ -205,7 +205,7 @@ static ds4_status record(gen *g, int64_t i, int64_t id, double lpm, double lps, 
 /* Queue a draw of sequence i's next token from row `row` of the step's logits. */
 static void queue_draw(gen *g, int64_t i, int64_t row) {
     const ds4_gen_seq *s = &g->r->seqs[i];
-    const uint64_t stream = ((uint64_t)s->prompt_index << 32) | (uint64_t)s->sample_index;
+    const uint64_t stream = ((uint64_t)(g->a->prompt_base + s->prompt_index) << 32) | (uint64_t)s->sample_index;
     draws *d = &g->d;
     d->seq[d->n] = i;
     d->row[d->n] = (int32_t)row;

@@ -6,6 +6,10 @@
  *                                     inference forward; opts.train = true enables gradients itself)
  *   model:backward([scale])           gradient of scale · Σ per-token CE of the last training forward, added to
  *                                     the gradients; scale defaults to 1 / loss_tokens (the mean loss)
+ *   model:backward{ce = s, mtp = s2, ikl = s3}   each loss part with its own factor (ds4_model_backward_scaled:
+ *                                     ce per scored token, mtp per MTP-scored token, ikl per indexer query; mtp /
+ *                                     ikl left out: their defaults), for means over a global batch
+ *                                     (docs/distributed.md, "Loss normalisation")
  *   model:grads()                     {name = F32 tensor}: copies of the gradients of every fp32 parameter
  *   ds4.adamw(model, opts)            optimizer: opt:step() -> {lr, grad_norm, step}, opt:lr(), opt:steps()
  *
@@ -126,7 +130,24 @@ static int m_backward(lua_State *L) {
     ds4_model *m = ds4l_model_check(L, 1, fname);
     int explicit_scale = !lua_isnoneornil(L, 2);
     double scale = 0;
-    if (explicit_scale) {
+    ds4_backward_scales sc = {.ce = 0, .mtp = -1, .ikl = -1};
+    const int parts = lua_type(L, 2) == LUA_TTABLE;
+    if (parts) {
+        static const char *const known[] = {"ce", "mtp", "ikl", NULL};
+        double *dst[] = {&sc.ce, &sc.mtp, &sc.ikl};
+        for (lua_pushnil(L); lua_next(L, 2); lua_pop(L, 1)) {
+            const char *k = lua_type(L, -2) == LUA_TSTRING ? lua_tostring(L, -2) : NULL;
+            int i = 0;
+            while (k && known[i] && strcmp(k, known[i]) != 0) i++;
+            if (!k || !known[i] || lua_type(L, -1) != LUA_TNUMBER)
+                ds4l_raise(L, "%s: scales: unknown or mistyped field %s (known: ce, mtp, ikl = number)", fname,
+                           k ? lua_pushfstring(L, "'%s'", k) : luaL_typename(L, -2));
+            *dst[i] = lua_tonumber(L, -1);
+        }
+        lua_getfield(L, 2, "ce");
+        if (lua_isnil(L, -1)) ds4l_raise(L, "%s: scales need ce (the factor of the cross-entropy sum)", fname);
+        lua_pop(L, 1);
+    } else if (explicit_scale) {
         if (lua_type(L, 2) != LUA_TNUMBER)
             ds4l_raise(L, "%s: bad argument #1 (scale number expected, got %s)", fname, luaL_typename(L, 2));
         scale = lua_tonumber(L, 2);
@@ -144,14 +165,15 @@ static int m_backward(lua_State *L) {
                    "%s: no training forward to differentiate (call model:zero_grad(), then model:forward(ids, "
                    "{labels = ...}); each training forward can be back-propagated once)",
                    fname);
-    if (!explicit_scale) {
+    if (!explicit_scale && !parts) {
         if (!(tokens > 0))
             ds4l_raise(L, "%s: the last training forward scored no token (every label is -100); pass an explicit "
                           "scale", fname);
         scale = 1.0 / tokens;
     }
     ds4_error err = {0};
-    if (ds4_model_backward(m, scale, &err) != DS4_OK) ds4l_raise_ds4(L, fname, &err);
+    if (!parts) sc.ce = scale;
+    if (ds4_model_backward_scaled(m, &sc, &err) != DS4_OK) ds4l_raise_ds4(L, fname, &err);
     set_pending(L, 1, -1);
     return 0;
 }
@@ -243,9 +265,10 @@ static int m_logprobs(lua_State *L) {
     return want_entropy ? 2 : 1;
 }
 
-/* model:backward_logprobs(g): g is an F32 tensor [B, S] of dLoss/dlogp per position, for the loss the optimizer
- * MINIMISES (ignored where unscored): the gradients get sum g[b][s] * d logp[b][s] / d theta added. The SFT mean
- * loss -mean(logp) is g = -1/N on every scored position (tests/lua/test_train.lua checks that against torch).
+/* model:backward_logprobs(g [, {ikl = s}]): g is an F32 tensor [B, S] of dLoss/dlogp per position, for the loss the
+ * optimizer MINIMISES (ignored where unscored): the gradients get sum g[b][s] * d logp[b][s] / d theta added. The SFT
+ * mean loss -mean(logp) is g = -1/N on every scored position (tests/lua/test_train.lua checks that against torch).
+ * ikl: the indexer KL loss's per-query factor (indexer_kl / the global query count; default: its own count).
  * Consumes the training forward, like model:backward. */
 static int m_backward_logprobs(lua_State *L) {
     const char *fname = "ds4.model:backward_logprobs";
@@ -261,7 +284,18 @@ static int m_backward_logprobs(lua_State *L) {
         ds4l_raise(L, "%s: gradient must be an F32 tensor of %lld x %lld values (the last forward's ids), got %s %s",
                    fname, (long long)B, (long long)S, ds4_dtype_name(g->dtype), sh);
     }
-    if (ds4_model_backward_logprobs(m, g->data, &err) != DS4_OK) ds4l_raise_ds4(L, fname, &err);
+    double ikl = -1;
+    if (!lua_isnoneornil(L, 3)) {
+        luaL_checktype(L, 3, LUA_TTABLE);
+        for (lua_pushnil(L); lua_next(L, 3); lua_pop(L, 1))
+            if (lua_type(L, -2) != LUA_TSTRING || strcmp(lua_tostring(L, -2), "ikl") != 0 ||
+                lua_type(L, -1) != LUA_TNUMBER)
+                ds4l_raise(L, "%s: options: unknown or mistyped field (known: ikl = number)", fname);
+        lua_getfield(L, 3, "ikl");
+        ikl = lua_isnil(L, -1) ? -1 : lua_tonumber(L, -1);
+        lua_pop(L, 1);
+    }
+    if (ds4_model_backward_logprobs_scaled(m, g->data, ikl, &err) != DS4_OK) ds4l_raise_ds4(L, fname, &err);
     set_pending(L, 1, -1);
     return 0;
 }

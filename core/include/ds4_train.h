@@ -79,6 +79,19 @@ ds4_status ds4_model_forward_train(ds4_model *m, const ds4_forward_args *args, d
  * of one global batch pass 1 / (scored tokens of the whole global batch) to each. */
 ds4_status ds4_model_backward(ds4_model *m, double scale, ds4_error *err);
 
+/* Each part of the loss with its own normalisation, for a loss spread over micro-batches and ranks whose parts are
+ * means over different counts (docs/distributed.md, "Loss normalisation"): the gradient of
+ *     ce · Σ CE(scored tokens) + mtp · Σ CE_mtp(MTP-scored tokens) + ikl · Σ_layers Σ KL(queries with picks)
+ * A global token-mean is ce = 1 / N (N: scored tokens of the global batch), mtp = mtp_lambda / M (M: its MTP-scored
+ * tokens, ds4_forward_result.mtp_loss_tokens summed), ikl = indexer_kl / Q (Q: the queries with picks,
+ * ds4_forward_result.indexer_queries summed; the same count in every CSA layer, since picks depend on positions
+ * only). mtp < 0 or ikl <= 0: that part's default as ds4_model_backward(ce) computes it (MTP: λ·ce·(loss_tokens /
+ * mtp_tokens); indexer KL: indexer_kl / this forward's own query count, per layer). */
+typedef struct ds4_backward_scales {
+    double ce, mtp, ikl;
+} ds4_backward_scales;
+ds4_status ds4_model_backward_scaled(ds4_model *m, const ds4_backward_scales *s, ds4_error *err);
+
 /* Expert loads counted by training forwards since the last reset: loads[l·E + e] = number of (token, slot)
  * routings of layer l (0..L-1, then L for the MTP block) to expert e. NULL before the first training forward. */
 const int64_t *ds4_model_router_loads(const ds4_model *m);
@@ -98,6 +111,9 @@ ds4_status ds4_model_logprobs(ds4_model *m, float *logp, float *entropy, ds4_err
  * this with dlogp = -scale at every scored position (the cross-entropy is −Σ logp), so any policy loss
  * written in Lua goes through the same code. */
 ds4_status ds4_model_backward_logprobs(ds4_model *m, const float *dlogp, ds4_error *err);
+/* The same with the indexer KL loss's per-query factor (> 0: indexer_kl / the global query count; <= 0: the
+ * default, its own count), for a policy loss spread over ranks. */
+ds4_status ds4_model_backward_logprobs_scaled(ds4_model *m, const float *dlogp, double ikl_scale, ds4_error *err);
 
 /* ------------------------------------------------------------------------------------------------ AdamW */
 

@@ -153,7 +153,9 @@ Generation (lua/gen_lua.c; C contract: core/include/ds4_gen.h)
                                    seed (0), stop = {id or string, ...} (strings need opts.tokenizer, a
                                    ds4.tokenizer that decodes the output), ignore_eos (false), record_experts
                                    (false), record_index (false), max_batch (0 = all sequences per decode step),
-                                   prefill_chunk (0 = 2048), on_token = function(i, id, logprob) called as each
+                                   prefill_chunk (0 = 2048), prompt_base (0: these prompts' index offset in the
+                                   random streams — a share of a larger batch passes its first prompt's index
+                                   there to draw what the whole batch would), on_token = function(i, id, logprob) called as each
                                    token is sampled (i = result index; returning false cancels the whole
                                    generation; an error in it cancels, then is re-raised by generate)
                                    -> res[(p-1)*n + s] = {ids = {generated ids, prompt excluded; a final eos /
