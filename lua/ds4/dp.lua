@@ -1,0 +1,110 @@
+--[==[ ds4.dp — data parallelism for training scripts: which share of a global batch this rank takes, and the
+reductions its metrics and counts need (docs/distributed.md, "Data parallelism in the examples").
+
+  local dp = require("ds4.dp")
+  local rank, world = dp.init()             -- ds4.dist.init() when a launcher started this process with more than
+                                            -- one rank (mpirun, srun, torchrun-style variables); else a world of one
+                                            -- without any communicator (nothing to finalize)
+  dp.rank(), dp.world(), dp.is_root()       -- rank 0 writes files, checkpoints and prints
+  local first, count = dp.share(n, parts, k) -- part k (0-based) of n items split in `parts` contiguous parts:
+                                            -- n // parts each, the first n % parts one more (ds4_shard_range)
+  local s = dp.sum({a, b, ...})             -- every rank's numbers summed (F64, rank order: the same sum whatever
+                                            -- the launcher); a table of the same length on every rank
+  local m = dp.max({a, ...}), dp.min({...}) -- the same for max / min
+  local all = dp.gather_strings(s)          -- every rank's string, in rank order
+  dp.broadcast_string(s [, root])           -- rank root's string on every rank
+  dp.barrier(), dp.finalize()               -- finalize only ends a communicator that dp.init made
+
+Every function works in a world of one (it returns its input), so a script written with ds4.dp runs unchanged
+without a launcher. The share of each rank is contiguous and in rank order, so the global batch, read in rank
+order, is the batch one process would have taken: with the rank-order sum of the gradients (ds4.dist.all_reduce
+and the backward's single addition per element, docs/distributed.md) training on N ranks gives the same bits as one
+process accumulating the same micro-batches.
+]==]
+local ds4 = require("ds4")
+local ffi = require("ffi")
+
+local M = {}
+local started = false -- this module called ds4.dist.init (and so finalizes)
+
+-- Launched with more than one rank? (the variables mpirun, srun and torchrun set; ds4's dist/launch.c reads the
+-- same ones and says more about malformed values when init runs)
+local function launched_world()
+    for _, v in ipairs({ "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "SLURM_NTASKS", "WORLD_SIZE" }) do
+        local n = tonumber(os.getenv(v) or "")
+        if n and n > 1 then return n end
+    end
+    return 1
+end
+
+function M.init()
+    if not ds4.dist.is_initialized() and launched_world() > 1 then
+        ds4.dist.init()
+        started = true
+    end
+    return M.rank(), M.world()
+end
+
+local function on() return ds4.dist.is_initialized() and ds4.dist.world_size() > 1 end
+
+function M.rank() return on() and ds4.dist.rank() or 0 end
+function M.world() return on() and ds4.dist.world_size() or 1 end
+function M.is_root() return M.rank() == 0 end
+function M.barrier() if on() then ds4.dist.barrier() end end
+
+function M.finalize()
+    if started and ds4.dist.is_initialized() then ds4.dist.finalize() end
+    started = false
+end
+
+function M.share(n, parts, k)
+    local q, r = math.floor(n / parts), n % parts
+    local count = q + (k < r and 1 or 0)
+    return k * q + math.min(k, r) + 1, count
+end
+
+function M.sum(t)
+    if not on() or #t == 0 then return t end
+    local x = ds4.tensor(t, "F64")
+    ds4.dist.all_reduce(x)
+    local out = {}
+    for i = 1, #t do out[i] = x[i] end
+    return out
+end
+
+local function fold(t, pick)
+    if not on() or #t == 0 then return t end
+    local g = ds4.dist.all_gather(ds4.tensor(t, "F64")) -- [world, #t]
+    local out = {}
+    for i = 1, #t do
+        local v = g[i]
+        for r = 1, M.world() - 1 do v = pick(v, g[r * #t + i]) end
+        out[i] = v
+    end
+    return out
+end
+
+function M.max(t) return fold(t, math.max) end
+function M.min(t) return fold(t, math.min) end
+
+function M.gather_strings(s)
+    if not on() then return { s } end
+    local W = M.world()
+    local lens = ds4.dist.all_gather(ds4.tensor({ #s }, "F64"))
+    local most = 0
+    for r = 1, W do most = math.max(most, lens[r]) end
+    local buf = ds4.zeros({ math.max(most, 1) }, "U8")
+    ffi.copy(buf:data_ptr(), s, #s)
+    local all = ds4.dist.all_gather(buf) -- [world, most]
+    local base = ffi.cast("const char *", all:data_ptr())
+    local out = {}
+    for r = 0, W - 1 do out[r + 1] = ffi.string(base + r * math.max(most, 1), lens[r + 1]) end
+    return out
+end
+
+function M.broadcast_string(s, root)
+    if not on() then return s end
+    return M.gather_strings(s)[(root or 0) + 1]
+end
+
+return M
