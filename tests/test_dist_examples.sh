@@ -73,4 +73,30 @@ else
     tcp 4 "$W/sft_tcp4" "${SFT[@]}"
     compare "$W/sft_m4" "$W/sft_tcp4" "sft, 4 torchrun-style ranks = 1 process of 4 micro-batches (bitwise)"
 fi
+
+# ---- dapo.lua: a model warmed up once (40 SFT steps on "i+1=" problems: mixed groups, so every RL step trains,
+# as in tests/test_dapo.sh), then 3 RL steps of 6 prompts x 4 samples, 2 minibatches, from it. The ranks generate
+# their prompts' samples (the same random streams as one process: generate's prompt_base), the rollouts and rewards
+# are gathered, the groups' advantages computed on the whole batch, each minibatch split into the ranks' micro-batches.
+for i in $(seq 1 40); do echo "{\"prompt\": \"$i+1=\", \"answer\": \"$((i + 1))\"}"; done >"$W/mine.jsonl"
+timeout -k 5 300 "$DS4" run "$SRC/examples/dapo.lua" --data "$W/mine.jsonl" --eval 8 --steps 0 --sft-steps 40 \
+    --sft-batch 32 --save "$W/warm_model" --out "$W/warm" --quiet >"$W/warm.log" 2>&1 || { tail -20 "$W/warm.log"; bad "dapo warm-up"; }
+RL=("$SRC/examples/dapo.lua" --data "$W/mine.jsonl" --eval 8 --steps 3 --prompts 6 --n 4 --max-new-tokens 14
+    --minibatches 2 --model "$W/warm_model" --tokenizer byte --sft-steps 0 --save-every 0)
+trains() { # RUN: some step trained (a gradient norm above 0), or the comparison would say little
+    grep -q '"grad_norm": [0-9.]*[1-9]' "$1/metrics.jsonl" || bad "dapo $1: no step trained (every group's rewards equal)"
+}
+rl_one() { one "$1" "${RL[@]}" "${@:2}" --save "$1/final"; }
+rl_one "$W/rl_m2" --micro-batches 2
+trains "$W/rl_m2"
+rl_one "$W/rl_m4" --micro-batches 4
+tcp 2 "$W/rl_tcp2" "${RL[@]}" --save "$W/rl_tcp2/final"
+compare "$W/rl_m2" "$W/rl_tcp2" "dapo, 2 torchrun-style ranks = 1 process of 2 micro-batches (bitwise)"
+if [ "$have_mpi" = 1 ]; then
+    mpi 4 "$W/rl_mpi4" "${RL[@]}" --save "$W/rl_mpi4/final"
+    compare "$W/rl_m4" "$W/rl_mpi4" "dapo, mpirun -np 4 = 1 process of 4 micro-batches (bitwise)"
+else
+    tcp 4 "$W/rl_tcp4" "${RL[@]}" --save "$W/rl_tcp4/final"
+    compare "$W/rl_m4" "$W/rl_tcp4" "dapo, 4 torchrun-style ranks = 1 process of 4 micro-batches (bitwise)"
+fi
 exit "$fail"

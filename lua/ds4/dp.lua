@@ -12,6 +12,7 @@ reductions its metrics and counts need (docs/distributed.md, "Data parallelism i
                                             -- the launcher); a table of the same length on every rank
   local m = dp.max({a, ...}), dp.min({...}) -- the same for max / min
   local all = dp.gather_strings(s)          -- every rank's string, in rank order
+  local nums = dp.gather_numbers({...})     -- every rank's array of numbers (any lengths), in rank order
   dp.broadcast_string(s [, root])           -- rank root's string on every rank
   dp.barrier(), dp.finalize()               -- finalize only ends a communicator that dp.init made
 
@@ -87,19 +88,37 @@ end
 function M.max(t) return fold(t, math.max) end
 function M.min(t) return fold(t, math.min) end
 
+-- Every rank's variable-length payload of n elements: each rank fills a buffer of the longest rank's size (at least
+-- 1) through fill(ptr), the buffers are gathered, and read(base, rank, n_of_rank, stride) is called per rank.
+local function gather_padded(n, dtype, ctype, fill, read)
+    local W = M.world()
+    local lens = ds4.dist.all_gather(ds4.tensor({ n }, "F64"))
+    local most = 1
+    for r = 1, W do most = math.max(most, lens[r]) end
+    local buf = ds4.zeros({ most }, dtype)
+    fill(ffi.cast(ctype, buf:data_ptr()))
+    local all = ds4.dist.all_gather(buf) -- [world, most]
+    local base = ffi.cast(ctype, all:data_ptr())
+    local out = {}
+    for r = 0, W - 1 do out[r + 1] = read(base + r * most, lens[r + 1]) end
+    return out
+end
+
 function M.gather_strings(s)
     if not on() then return { s } end
-    local W = M.world()
-    local lens = ds4.dist.all_gather(ds4.tensor({ #s }, "F64"))
-    local most = 0
-    for r = 1, W do most = math.max(most, lens[r]) end
-    local buf = ds4.zeros({ math.max(most, 1) }, "U8")
-    ffi.copy(buf:data_ptr(), s, #s)
-    local all = ds4.dist.all_gather(buf) -- [world, most]
-    local base = ffi.cast("const char *", all:data_ptr())
-    local out = {}
-    for r = 0, W - 1 do out[r + 1] = ffi.string(base + r * math.max(most, 1), lens[r + 1]) end
-    return out
+    return gather_padded(#s, "U8", "char *", function(p) ffi.copy(p, s, #s) end, ffi.string)
+end
+
+-- every rank's array of numbers (any lengths), in rank order, exact (F64)
+function M.gather_numbers(t)
+    if not on() then return { t } end
+    return gather_padded(#t, "F64", "double *", function(p)
+        for i = 1, #t do p[i - 1] = t[i] end
+    end, function(q, n)
+        local a = {}
+        for i = 1, n do a[i] = q[i - 1] end
+        return a
+    end)
 end
 
 function M.broadcast_string(s, root)
