@@ -99,6 +99,8 @@ local opts, run = ds4.rundir.start(arg, SPEC, EX.root or "runs/dapo") -- with se
 local ROOT = ds4.dp.is_root()
 if not ROOT then print = function() end end
 -- the models made below compute there (ds4.set_device checks the spelling and that the device exists)
+-- data parallel on GPUs: each rank's model on its own GPU (the NCCL communicator's, ds4.dp)
+if ds4.dp.device() then opts.device = ds4.dp.device() end
 if opts.device ~= "" or opts.dtype ~= "" then
     ds4.set_device(opts.device ~= "" and opts.device or ds4.device():match("^%S+"), opts.dtype ~= "" and opts.dtype or nil)
 end

@@ -80,6 +80,8 @@ local opts, run = rundir.start(arg, SPEC, "runs/sft") -- RUN/config.lua: the eff
 local ROOT = dp.is_root()
 if not ROOT then print = function() end end -- rank 0 reports for the job
 -- the models made below compute there (ds4.set_device checks the spelling and that the device exists)
+-- data parallel on GPUs: each rank's model on its own GPU (the NCCL communicator's, ds4.dp)
+if ds4.dp.device() then opts.device = ds4.dp.device() end
 if opts.device ~= "" or opts.dtype ~= "" then
     ds4.set_device(opts.device ~= "" and opts.device or ds4.device():match("^%S+"), opts.dtype ~= "" and opts.dtype or nil)
 end

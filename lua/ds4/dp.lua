@@ -2,9 +2,11 @@
 reductions its metrics and counts need (docs/distributed.md, "Data parallelism in the examples").
 
   local dp = require("ds4.dp")
-  local rank, world = dp.init()             -- ds4.dist.init() when a launcher started this process with more than
+  local rank, world = dp.init([device])     -- ds4.dist.init() when a launcher started this process with more than
                                             -- one rank (mpirun, srun, torchrun-style variables); else a world of one
-                                            -- without any communicator (nothing to finalize)
+                                            -- without any communicator (nothing to finalize). device "cuda...": with
+                                            -- NCCL on the local rank's GPU; dp.device() then names it (put the model
+                                            -- there)
   dp.rank(), dp.world(), dp.is_root()       -- rank 0 writes files, checkpoints and prints
   local first, count = dp.share(n, parts, k) -- part k (0-based) of n items split in `parts` contiguous parts:
                                             -- n // parts each, the first n % parts one more (ds4_shard_range)
@@ -38,15 +40,24 @@ local function launched_world()
     return 1
 end
 
-function M.init()
+-- device: where the script's model will compute ("cuda", "cuda:N", "cpu"; nil or "": ds4 run --device's). A CUDA
+-- model's gradients are summed on the GPUs, through NCCL on the local rank's GPU: the script then puts its model on
+-- ds4.dist.device() (M.device() says where).
+function M.init(device)
     if not ds4.dist.is_initialized() and launched_world() > 1 then
-        ds4.dist.init()
+        local dev = (device and device ~= "") and device or ds4.device():match("^%S+")
+        ds4.dist.init(dev:match("^cuda") and { device = "cuda" } or nil)
         started = true
     end
     return M.rank(), M.world()
 end
 
 local function on() return ds4.dist.is_initialized() and ds4.dist.world_size() > 1 end
+
+-- The device a data-parallel rank's model belongs on: the NCCL communicator's GPU, or nil (no NCCL: keep yours).
+function M.device()
+    if on() and ds4.dist.device() ~= "cpu" then return ds4.dist.device() end
+end
 
 function M.rank() return on() and ds4.dist.rank() or 0 end
 function M.world() return on() and ds4.dist.world_size() or 1 end

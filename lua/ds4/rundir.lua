@@ -72,8 +72,10 @@ end
 function M.start(argv, spec, root)
     local options = require("ds4.options")
     local dp = require("ds4.dp")
-    dp.init() -- launched with several ranks: they meet here; rank 0 opens the run directory, the others learn it
     local opts = options.parse(argv, spec)
+    -- launched with several ranks: they meet here (NCCL too when the script's --device is a GPU); rank 0 opens the
+    -- run directory, the others learn it
+    dp.init(type(opts.device) == "string" and opts.device or nil)
     local ok, run = true, nil
     if dp.is_root() then
         ok, run = pcall(M.open, { root = root, out = opts.out, id = opts.run_id, resume = opts.resume,
