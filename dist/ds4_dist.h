@@ -115,6 +115,15 @@ ds4_status ds4_comm_device_all_gather(ds4_comm *c, const void *dev_send, void *d
                                       ds4_error *err);
 ds4_status ds4_comm_device_broadcast(ds4_comm *c, void *dev_buf, size_t nbytes, int32_t root, ds4_error *err);
 
+/* In place: buf's bytes [off[r]·esz, (off[r] + len[r])·esz) come from rank r, for every rank r (disjoint regions, the
+ * same off / len on every rank): the all-gather of a sharded buffer (ZeRO-1's updated parameters). */
+ds4_status ds4_comm_all_gather_regions(ds4_comm *c, void *buf, size_t esz, const int64_t *off, const int64_t *len,
+                                       ds4_error *err);
+/* ZeRO-1 over this communicator (ds4_adamw_set_shard): the optimizer keeps the moments of this rank's shard and
+ * updates its parameters only; its steps then sum the norm's partials and gather the parameters here, so the
+ * communicator must outlive its steps. Host (CPU) models. */
+ds4_status ds4_comm_shard_optimizer(ds4_comm *c, ds4_adamw *a, ds4_error *err);
+
 /* Data parallelism's step between backward and the optimizer: the model's gradient buffer times `scale` (this
  * rank's share of the global normalisation), then summed over ranks, where the model computes: a CPU model through
  * the host collectives, a CUDA model through NCCL on its device (which must be the communicator's). A world of one

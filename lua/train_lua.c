@@ -366,6 +366,14 @@ static adamw_box *check_adamw(lua_State *L, const char *fname) {
     return b;
 }
 
+ds4_adamw *ds4l_adamw_check(lua_State *L, int idx, const char *fname) {
+    lua_pushvalue(L, idx);
+    lua_insert(L, 1);
+    ds4_adamw *a = check_adamw(L, fname)->a;
+    lua_remove(L, 1);
+    return a;
+}
+
 static int o_step(lua_State *L) {
     const char *fname = "ds4.adamw:step";
     ds4_adamw *a = check_adamw(L, fname)->a;
@@ -398,7 +406,9 @@ static int o_steps(lua_State *L) {
 }
 
 /* opt:state() -> {m = F32 [n_params], v = F32 [n_params], tensor_steps = I64 [n_tensors], step = n}: copies of
- * everything an exact resume needs (the moments are parallel to the model's flat parameter buffer). */
+ * everything an exact resume needs (the moments are parallel to the model's flat parameter buffer). A sharded
+ * optimizer (ZeRO-1, ds4.dist.shard_optimizer) gathers every rank's moments: every rank calls it together, and the
+ * state is the unsharded one, which any number of ranks can load. */
 static int o_state(lua_State *L) {
     const char *fname = "ds4.adamw:state";
     adamw_box *b = check_adamw(L, fname);
@@ -408,13 +418,12 @@ static int o_state(lua_State *L) {
     ds4_adamw_get_state(b->a, &st);
     lua_createtable(L, 0, 4);
     const int64_t np[1] = {st.n_params}, nt[1] = {(int64_t)st.n_tensors};
-    ds4_tensor *t = ds4l_tensor_push_new(L, fname, DS4_F32, 1, np);
-    memcpy(t->data, st.m, t->nbytes);
+    ds4_tensor *tm = ds4l_tensor_push_new(L, fname, DS4_F32, 1, np);
     lua_setfield(L, -2, "m");
-    t = ds4l_tensor_push_new(L, fname, DS4_F32, 1, np);
-    memcpy(t->data, st.v, t->nbytes);
+    ds4_tensor *tv = ds4l_tensor_push_new(L, fname, DS4_F32, 1, np);
     lua_setfield(L, -2, "v");
-    t = ds4l_tensor_push_new(L, fname, DS4_I64, 1, nt);
+    if (ds4_adamw_gather_moments(b->a, tm->data, tv->data, &err) != DS4_OK) ds4l_raise_ds4(L, fname, &err);
+    ds4_tensor *t = ds4l_tensor_push_new(L, fname, DS4_I64, 1, nt);
     memcpy(t->data, st.tensor_steps, t->nbytes);
     lua_setfield(L, -2, "tensor_steps");
     lua_pushnumber(L, (lua_Number)*st.steps);
@@ -423,7 +432,8 @@ static int o_state(lua_State *L) {
 }
 
 /* opt:load_state(state): the inverse of opt:state(), for an optimizer created with the same options over a
- * model of the same configuration. Sizes and dtypes are checked before anything is written. */
+ * model of the same configuration (sharded or not, over any number of ranks: a sharded one keeps its region of the
+ * whole moments). Sizes and dtypes are checked before anything is written. */
 static int o_load_state(lua_State *L) {
     const char *fname = "ds4.adamw:load_state";
     adamw_box *b = check_adamw(L, fname);
@@ -447,8 +457,8 @@ static int o_load_state(lua_State *L) {
         ds4l_raise(L, "%s: state.step must be a non-negative integer", fname);
     const int64_t step = (int64_t)lua_tonumber(L, -1);
     lua_pop(L, 1);
-    memcpy(st.m, src[0]->data, src[0]->nbytes);
-    memcpy(st.v, src[1]->data, src[1]->nbytes);
+    memcpy(st.m, (const float *)src[0]->data + st.m_offset, (size_t)st.m_count * sizeof(float));
+    memcpy(st.v, (const float *)src[1]->data + st.m_offset, (size_t)st.m_count * sizeof(float));
     memcpy(st.tensor_steps, src[2]->data, src[2]->nbytes);
     *st.steps = step;
     ds4_adamw_state_changed(b->a); /* a model on a device gets these moments at the next step */

@@ -158,8 +158,10 @@ int64_t ds4_adamw_steps(const ds4_adamw *a);
  * each named tensor has its own update count (torch keeps state["step"] per parameter; a tensor that becomes
  * trainable later starts its bias correction at 1). */
 typedef struct ds4_adamw_state {
-    float *m, *v;             /* [n_params] each */
+    float *m, *v;             /* [m_count] each: elements [m_offset, m_offset + m_count) of the flat buffer (all of
+                                 it, 0 and n_params, unless the optimizer is sharded: ds4_adamw_set_shard) */
     int64_t n_params;
+    int64_t m_offset, m_count;
     int64_t *tensor_steps;    /* [n_tensors], indexed like ds4_model_tensor_at */
     size_t n_tensors;
     int64_t *steps;           /* the optimizer's update count (what the schedule reads) */
@@ -169,6 +171,29 @@ typedef struct ds4_adamw_state {
 void ds4_adamw_get_state(ds4_adamw *a, ds4_adamw_state *out);
 ds4_status ds4_adamw_sync_state(ds4_adamw *a, ds4_error *err);
 void ds4_adamw_state_changed(ds4_adamw *a);
+/* The whole moments, m and v [n_params] each (a sharded optimizer gathers every rank's part: a collective step,
+ * every rank calls it). */
+ds4_status ds4_adamw_gather_moments(ds4_adamw *a, float *m, float *v, ds4_error *err);
+
+/* ZeRO-1 (docs/distributed.md, "ZeRO-1"): the ranks of a data-parallel job split the optimizer. The flat buffer's
+ * fp32 tensors are cut into pieces of DS4_OPTIM_CHUNK elements (each tensor from its start); rank r owns a
+ * contiguous run of pieces (ds4_shard_range over their number), keeps Adam's moments for those only, and updates
+ * only those parameters; the gradient norm's per-piece sums of squares are summed over ranks (each piece has one
+ * owner: the others add zeros), so the norm, the clip coefficient, every update and the refusal of a non-finite one
+ * are the bits the unsharded optimizer computes; then the updated parameters are gathered on every rank. Every rank
+ * must hold the whole summed gradient (an all-reduce before the step). Host (CPU) models only for now. */
+typedef struct ds4_adamw_shard {
+    int32_t rank, world;
+    void *ctx;
+    /* in place: buf[i] summed over ranks, in rank order (the same on every rank) */
+    ds4_status (*sum_f64)(void *ctx, double *buf, int64_t n, ds4_error *err);
+    /* in place: buf[off[r] .. off[r] + len[r]) from rank r, for every rank r (the regions are disjoint) */
+    ds4_status (*gather_f32)(void *ctx, float *buf, const int64_t *off, const int64_t *len, ds4_error *err);
+} ds4_adamw_shard;
+/* Shard the optimizer (its current moments keep their values); the collectives must stay valid while it steps. */
+ds4_status ds4_adamw_set_shard(ds4_adamw *a, const ds4_adamw_shard *s, ds4_error *err);
+/* This rank's region of the flat buffer: elements [*off, *off + *len) (the whole buffer when not sharded). */
+void ds4_adamw_shard_region(const ds4_adamw *a, int64_t *off, int64_t *len);
 
 
 #ifdef __cplusplus
