@@ -24,7 +24,8 @@ What it does, end to end:
      launched with several ranks (mpirun -np N, srun, or torchrun-style variables: docs/distributed.md) the batch
      is split into N·M micro-batches, rank r taking micro-batches r·M ... r·M + M - 1, the token count and the
      gradients are summed over ranks and every rank takes the same update; rank 0 alone writes the run directory and
-     prints. The result is the same bits as one process with --micro-batches N·M;
+     prints. The result is the same bits as one process with --micro-batches N·M; --zero shards the optimizer's
+     moments over the ranks (ZeRO-1, the same bits again), and its checkpoints resume on any number of ranks;
   5. the run directory (--out DIR, default runs/sft/<start time>, runs/sft/latest links to it; a directory that
      holds a run is never appended to: --resume continues it) gets config.lua (the effective configuration: run it
      again with --config), metrics.jsonl (step, loss, lr, grad_norm, tokens, tokens_per_s), TensorBoard event files
@@ -58,6 +59,7 @@ local SPEC = {
         { "steps", 150, "optimizer updates" },
         { "batch", 16, "rows per update" },
         { "micro_batches", 1, "micro-batches per update on each rank (gradient accumulation)" },
+        { "zero", false, "with several ranks: ZeRO-1, each keeps and steps its shard of the optimizer (CPU models)" },
         { "lr", 3e-3, "peak learning rate" },
         { "warmup", -1, "warm-up updates (-1: steps / 10)" },
         { "weight_decay", 0.1, "AdamW weight decay" },
@@ -264,6 +266,9 @@ local start, before = 1, resume_meta and resume_meta.heldout_before or nil
 local opt = ds4.adamw(model, { lr = opts.lr, betas = { 0.9, 0.95 }, weight_decay = opts.weight_decay, clip = 1.0,
     schedule = "cosine", warmup = opts.warmup >= 0 and opts.warmup or math.max(1, math.floor(opts.steps / 10)),
     total = opts.steps, min_lr_ratio = opts.min_lr_ratio })
+-- ZeRO-1: each rank keeps the moments of its shard and updates those weights; the weights are gathered after every
+-- step, the same bits as the whole optimizer's (docs/distributed.md, "ZeRO-1")
+if opts.zero and dp.world() > 1 then ds4.dist.shard_optimizer(opt) end
 if resume_dir then
     local st = ds4.checkpoints.read_state(resume_dir, "optimizer")
     opt:load_state({ m = st.m, v = st.v, tensor_steps = st.tensor_steps, step = resume_step })
@@ -336,13 +341,13 @@ for step = start, opts.steps do
         print(("step %d/%d loss %.4f lr %.2e grad_norm %.3f tokens/s %.0f"):format(step, opts.steps, loss,
             st.lr, st.grad_norm, tps))
     end
-    if ROOT and opts.save_every > 0 and (step % opts.save_every == 0 or step == opts.steps) then
-        local os_ = opt:state()
-        ds4.checkpoints.save(ckroot, step, model, {
+    if opts.save_every > 0 and (step % opts.save_every == 0 or step == opts.steps) then
+        local os_ = opt:state() -- every rank: a sharded optimizer gathers its moments (a whole state, any rank count)
+        if ROOT then ds4.checkpoints.save(ckroot, step, model, {
             states = { optimizer = { tensors = { m = os_.m, v = os_.v, tensor_steps = os_.tensor_steps },
                                      meta = { step = os_.step } } },
             meta = { heldout_before = before, seed = opts.seed, batch = opts.batch },
-            keep_last = opts.keep_last })
+            keep_last = opts.keep_last }) end
     end
 end
 if tty then io.write("\n") end

@@ -2,7 +2,7 @@
 # test_dist_examples.sh DS4 FIXTURES SOURCE — data parallelism inside the examples (docs/distributed.md): sft.lua
 # and dapo.lua launched on 2 and 4 CPU ranks (under mpirun, and torchrun-style over the TCP rendezvous) train the
 # same model as one process running the same micro-batches (tests/lua/dist_compare_runs.lua compares the saved
-# weights and metrics.jsonl).
+# weights and metrics.jsonl); sft.lua --zero (ZeRO-1) too, and its 2-rank checkpoint resumed by one process.
 #
 # Bitwise: N ranks of one micro-batch each against one process with --micro-batches N (sft) or the same prompts
 # (dapo): the ranks' gradients are summed in rank order and a backward adds its gradient once, so the sums are the
@@ -62,6 +62,14 @@ one "$W/sft_m2" "${SFT[@]}" --micro-batches 2
 one "$W/sft_m4" "${SFT[@]}" --micro-batches 4
 tcp 2 "$W/sft_tcp2" "${SFT[@]}"
 compare "$W/sft_m2" "$W/sft_tcp2" "sft, 2 torchrun-style ranks = 1 process of 2 micro-batches (bitwise)"
+# ZeRO-1, with a checkpoint at step 3 (gathered on every rank, written by rank 0) resumed by one process
+tcp 2 "$W/sft_zero2" "${SFT[@]}" --zero --save-every 3
+compare "$W/sft_m2" "$W/sft_zero2" "sft --zero, 2 torchrun-style ranks = 1 process of 2 micro-batches (bitwise)"
+cp -r "$W/sft_zero2" "$W/sft_resume1" # the run as it stood at step 3: its checkpoint, data, config and metrics
+rm -rf "$W/sft_resume1/ckpt/step_000006" "$W/sft_resume1/model"
+timeout -k 5 300 "$DS4" run "${SFT[@]}" --micro-batches 2 --resume --out "$W/sft_resume1" --quiet >"$W/sft_resume1.log" 2>&1 ||
+    { tail -20 "$W/sft_resume1.log"; bad "resume of the --zero checkpoint by one process"; }
+compare "$W/sft_m2" "$W/sft_resume1" "sft: a 2-rank --zero checkpoint at step 3 resumed by 1 process = uninterrupted (bitwise)"
 if [ "$have_mpi" = 1 ]; then
     mpi 2 "$W/sft_mpi2" "${SFT[@]}"
     compare "$W/sft_m2" "$W/sft_mpi2" "sft, mpirun -np 2 = 1 process of 2 micro-batches (bitwise)"
