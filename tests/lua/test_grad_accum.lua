@@ -39,6 +39,9 @@ end
 
 local model = ds4.load(dir)
 model:set_train_options({ mtp_lambda = 0.3, indexer_kl = 1.0 })
+-- DS4_TEST_DEVICE=cuda (tests/test_dist_nccl.sh on a GPU machine): the same on the CUDA backend, fp32 mode (the
+-- set-aside copy, fill and add run there)
+if os.getenv("DS4_TEST_DEVICE") == "cuda" then model:to("cuda", "fp32") end
 local scale = 1 / 150
 
 local function copy(g)
