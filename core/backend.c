@@ -11,6 +11,7 @@
 #include <string.h>
 
 #include "internal.h"
+#include "lora.h"
 #include "profile.h"
 #include "sched.h"
 #ifdef DS4_HAVE_CUDA
@@ -65,8 +66,29 @@ static void free_train_state(ds4_model *m) {
     if (m->grads) ds4_weights_bind(m, &m->gw, DS4_F32, (char *)m->grads, ds4_f32_byte_offset, NULL, NULL);
 }
 
+ds4_status ds4_model_drop_train_state(ds4_model *m, ds4_error *err) {
+    ds4_status s = ds4_model_host_sync(m, err);
+    if (s) return s;
+    if (m->moments_owner && m->dmoments) {
+        const size_t bytes = (size_t)m->n_params * sizeof(float);
+        for (int k = 0; k < 2 && !s; k++)
+            s = m->dev->ops->download(m->dev, m->moments_home[k], m->dmoments + (size_t)k * m->n_params, bytes, err);
+        if (s) return s;
+    }
+    free(m->grads);
+    m->grads = NULL;
+    free_train_state(m);
+    if (m->tape) {
+        ds4_tape_free(m, m->tape);
+        m->tape = NULL;
+    }
+    ds4_weights_clear(m, &m->gw);
+    return DS4_OK;
+}
+
 /* Give the non-CPU backend back (the CPU one stays). */
 static void drop_device(ds4_model *m) {
+    (void)ds4_lora_release_backend(m, NULL); /* callers that must not lose a device-side update synced first */
     free_pass_memory(m);
     free_train_state(m);
     if (m->dev && m->dev != m->cpu) {
@@ -149,6 +171,7 @@ static ds4_status upload_weights(ds4_model *m, ds4_dev *d, void *mem, ds4_dtype 
 /* ------------------------------------------------------------------------------------------------ training state */
 
 ds4_status ds4_model_train_bind(ds4_model *m, ds4_error *err) {
+    if (m->lora) return ds4_lora_train_bind(m, err);
     ds4_dev *d = m->dev;
     if (!m->grads || d == m->cpu || m->dgrads) return DS4_OK;
     const size_t bytes = (size_t)m->n_params * sizeof(float);
@@ -171,7 +194,7 @@ ds4_status ds4_model_master_ready(ds4_model *m, size_t scratch_bytes, ds4_error 
     if (d == m->cpu) return ds4_fail(err, DS4_ERR_INTERNAL, "device optimizer state on the cpu backend");
     const size_t P = (size_t)m->n_params, bytes = P * sizeof(float);
     ds4_status s = DS4_OK;
-    if (!m->dmaster) {
+    if (!m->dmaster && !m->lora) { /* adapters are stepped in place: no master or moments of the frozen weights */
         /* the cast table: every fp32 table entry, master (flat) -> working copy (the backend's layout and dtype) */
         int64_t n = 0;
         for (size_t i = 0; i < m->n_table; i++) n += m->table[i].dtype == DS4_F32;
@@ -221,7 +244,8 @@ ds4_status ds4_model_master_ready(ds4_model *m, size_t scratch_bytes, ds4_error 
 ds4_status ds4_model_host_sync(ds4_model *m, ds4_error *err) {
     ds4_dev *d = m->dev;
     const size_t bytes = (size_t)m->n_params * sizeof(float);
-    ds4_status s = DS4_OK;
+    ds4_status s = ds4_lora_host_sync(m, err);
+    if (s) return s;
     if (m->host_stale && m->dmaster) {
         if ((s = d->ops->download(d, m->params, m->dmaster, bytes, err))) {
             ds4_error_prefix(err, "reading the weights back from %s: ", ds4_model_device_name(m));
@@ -276,6 +300,7 @@ ds4_status ds4_model_scale_grads(ds4_model *m, double scale, ds4_error *err) {
  * back in its host buffers. */
 static ds4_status save_train_state(ds4_model *m, ds4_error *err) {
     ds4_status s = ds4_model_host_sync(m, err);
+    if (!s) s = ds4_lora_release_backend(m, err); /* the adapters' copies and moments come home too */
     if (s || !m->moments_owner || !m->dmoments) return s;
     ds4_dev *d = m->dev;
     const size_t bytes = (size_t)m->n_params * sizeof(float);
@@ -292,8 +317,9 @@ ds4_status ds4_model_sync_weights(ds4_model *m, ds4_error *err) {
         ds4_status s = ds4_profile_enable(m->dev, m->engine->profile, err);
         if (s) return s;
     }
-    if (m->dev == m->cpu || !m->params_dirty) return DS4_OK;
-    ds4_status s = upload_weights(m, m->dev, m->dev_mem, m->dev_w.mdt, err);
+    ds4_status s = ds4_lora_sync(m, err);
+    if (s || m->dev == m->cpu || !m->params_dirty) return s;
+    s = upload_weights(m, m->dev, m->dev_mem, m->dev_w.mdt, err);
     if (!s && m->dmaster) { /* the host was written (after it had been brought up to date): the master follows */
         s = m->dev->ops->upload(m->dev, m->dmaster, m->params, (size_t)m->n_params * sizeof(float), err);
         if (s) ds4_error_prefix(err, "model to device: uploading the master weights: ");
@@ -423,6 +449,10 @@ ds4_status ds4_model_to(ds4_model *m, const ds4_device_options *o, ds4_error *er
         }
         return DS4_OK;
     }
+    if (m->kv_qat)
+        return ds4_fail(err, DS4_ERR_UNSUPPORTED,
+                        "model to cuda:%d: the FP8 KV quantisation-aware option (kv_qat) is on, and it runs on the CPU "
+                        "backend only so far: turn it off first", (int)o->index);
 #ifndef DS4_HAVE_CUDA
     return ds4_fail(err, DS4_ERR_UNSUPPORTED,
                     "model to cuda:%d: this build of ds4 has no CUDA backend (nvcc was not found when it was configured)",
@@ -456,6 +486,7 @@ ds4_status ds4_model_to(ds4_model *m, const ds4_device_options *o, ds4_error *er
         ds4_dev_release(nd);
         free(m->dev_off);
         m->dev_off = old_off;
+        (void)ds4_lora_to_backend(m, NULL); /* save_train_state brought the adapters home: back where they were */
         return s;
     }
     int64_t *new_off = m->dev_off;
@@ -471,6 +502,8 @@ ds4_status ds4_model_to(ds4_model *m, const ds4_device_options *o, ds4_error *er
     m->dw = &m->dev_w;
     m->dev_opt = (ds4_device_options){DS4_DEVICE_CUDA, o->index, mdt};
     m->params_dirty = 0;
+    s = ds4_lora_to_backend(m, err); /* the adapters follow the model */
+    if (s) return s;
     return ds4_model_train_bind(m, err); /* gradients follow the model (a failure leaves them on the host) */
 #endif
 }

@@ -11,6 +11,7 @@
 #include <string.h>
 
 #include "internal.h"
+#include "lora.h"
 #include "sched.h"
 
 typedef struct bwd {
@@ -50,6 +51,7 @@ typedef struct bwd {
     float *dlogp;                 /* [T] the caller's per-token gradient */
     double ikl_scale;             /* > 0: the indexer KL's per-query factor (its weight / the global query count);
                                      else the weight / this forward's own count, layer by layer */
+    ds4_lora_bwd_ctx lc;          /* LoRA scratch u, v [T·max(K, 1), r] (lora_sched.c) */
 } bwd;
 
 /* ------------------------------------------------------------------------------------------------ planning */
@@ -119,6 +121,9 @@ static void bplan(bwd *b, ds4_arena *a) {
     b->rowmap = ds4_arena_take(a, T, 4);
     b->mids = ds4_arena_take(a, T, 8);
     b->dlogp = ds4_arena_take(a, T, 4);
+    const size_t lr = b->m->lora ? (size_t)b->m->lora->r : 0, rows = T * (K > 1 ? K : 1);
+    b->lc.u = lr ? ds4_arena_take(a, rows * lr, 4) : NULL;
+    b->lc.v = lr ? ds4_arena_take(a, rows * lr, 4) : NULL;
 }
 
 /* B / S / T of the pass the backward is in (the main blocks, or the MTP block over S-1 positions). */
@@ -151,6 +156,11 @@ static void lin_bwd(bwd *b, float *dx, int64_t lddx, int acc, float *dW, const f
            .wdt = wdt, .bf16_in = bf16_in);
 }
 
+/* dst += the column sums of src (dst NULL: a frozen weight, nothing to compute) */
+static void colsum(bwd *b, float *dst, const float *src, int64_t rows, int64_t width, int64_t ld) {
+    if (dst) OP(b->f.dev, colsum_add, .dst = dst, .src = src, .rows = rows, .width = width, .ld = ld);
+}
+
 static void norm_bwd(bwd *b, float *dx, int acc, float *dw, const float *dy, const float *x, const float *w,
                      int64_t rows, int64_t width) {
     OP(b->f.dev, norm_bwd, .dx = dx, .acc = acc, .dw = dw, .dy = dy, .x = x, .w = w, .rows = rows, .width = width,
@@ -174,8 +184,8 @@ static void hc_site_bwd(bwd *b, const ds4_hc_w *w, const ds4_hc_w *g, const floa
     /* mix = fn · x̂: dfn += dmixᵀ x̂, dx̂ = dmix · fn, then through the RMS over n·D */
     lin_bwd(b, b->dxn, nD, 0, g->fn, b->dmix, mix, b->xn, nD, w->fn, 0, T, nD, mix);
     norm_bwd(b, dX, 1, NULL, b->dxn, X, NULL, T, nD);
-    OP(b->f.dev, colsum_add, .dst = g->base, .src = b->dzb, .rows = T, .width = mix, .ld = mix);
-    OP(b->f.dev, colsum_add, .dst = g->scale, .src = b->dzs, .rows = T, .width = 3, .ld = 3);
+    colsum(b, g->base, b->dzb, T, mix, mix);
+    colsum(b, g->scale, b->dzs, T, 3, 3);
 }
 
 static void hyperhead_bwd(bwd *b, const float *X, const float *fn, const float *base, const float *scale, float *gfn,
@@ -185,8 +195,8 @@ static void hyperhead_bwd(bwd *b, const float *X, const float *fn, const float *
        .dmix = b->dmix, .xn = b->xn, .dzb = b->dzb, .dzs = b->dzs, .T = T);
     lin_bwd(b, b->dxn, nD, 0, gfn, b->dmix, n, b->xn, nD, fn, 0, T, nD, n);
     norm_bwd(b, dX, 1, NULL, b->dxn, X, NULL, T, nD);
-    OP(b->f.dev, colsum_add, .dst = gbase, .src = b->dzb, .rows = T, .width = n, .ld = n);
-    OP(b->f.dev, colsum_add, .dst = gscale, .src = b->dzs, .rows = T, .width = 1, .ld = 3);
+    colsum(b, gbase, b->dzb, T, n, n);
+    colsum(b, gscale, b->dzs, T, 1, 3);
 }
 
 /* ------------------------------------------------------------------------------------------------ attention */
@@ -235,10 +245,20 @@ static void indexer_kl_bwd(bwd *b, const ds4_layer_w *l, const ds4_layer_w *g, c
        .diq = b->diq, .diw = b->diw, .dsi = b->dsi);
     OP(dev, ikl_bwd_k, .c = c, .lt = lt, .B = b->f.B, .S = b->f.S, .T = T, .sel_stride = stride, .dsi = b->dsi,
        .inv_off = b->inv_off, .inv_t = b->inv_t, .inv_i = b->inv_i, .dK = b->dK);
+    if (b->m->kv_qat) { /* the QAT option: straight through the rounding, back through the (symmetric) rotation */
+        const ds4_fq rot = {.hadamard = 1};
+        OP(dev, fake_quant, .x = b->diq, .rows = T * nI, .width = cI, .q = rot);
+        OP(dev, fake_quant, .x = b->dK, .rows = lt->nwin, .width = cI, .groups = b->f.B, .gstride = b->f.S * cI,
+           .q = rot);
+    }
     rope_bwd(b, b->diq, nI, cI, &b->f.rcomp, 1);
     lin_bwd(b, NULL, qr, 0, g->idx_wq_b, b->diq, nI * cI, lt->qr, qr, l->idx_wq_b, 1, T, qr, nI * cI);
+    ds4_lora_bwd(&b->lc, l->lora, DS4_LORA_AB(l->lora, idx_wq_b), DS4_LORA_AB(g->lora, idx_wq_b), NULL, 0, b->diq,
+                 nI * cI, lt->qr, qr, T, qr, nI * cI);
     OP(dev, scale, .x = b->diw, .n = T * nI, .s = 1.0f / sqrtf((float)nI)); /* ω = weights_proj(h) · n_I^-1/2 */
     lin_bwd(b, NULL, D, 0, g->idx_weights, b->diw, nI, lt->h_attn, D, l->idx_weights, 1, T, D, nI);
+    ds4_lora_bwd(&b->lc, l->lora, DS4_LORA_AB(l->lora, idx_weights), DS4_LORA_AB(g->lora, idx_weights), NULL, 0,
+                 b->diw, nI, lt->h_attn, D, T, D, nI);
     comp_bwd(b, &l->idx_comp, &g->idx_comp, lt, lt->iC, lt->iZ, lt->ipool, 1, 0);
 }
 
@@ -249,10 +269,14 @@ static void attention_bwd(bwd *b, const ds4_layer_w *l, const ds4_layer_w *g, co
     const int64_t qr = c->q_lora_rank, G = c->o_groups, ol = c->o_lora_rank, gw = H * d / G;
     const ds4_rope_table *rt = l->type == DS4_ATTN_SLIDING ? &b->f.rmain : &b->f.rcomp;
     ds4_dev *dev = b->f.dev;
+    const ds4_lora_layer *lo = l->lora, *go = g->lora;
     lin_bwd(b, b->dy, G * ol, 0, g->wo_b, b->da, D, lt->y, G * ol, l->wo_b, 1, T, G * ol, D);
+    ds4_lora_bwd(&b->lc, lo, DS4_LORA_AB(lo, wo_b), DS4_LORA_AB(go, wo_b), b->dy, G * ol, b->da, D, lt->y, G * ol, T,
+                 G * ol, D);
     for (int64_t k = 0; k < G; k++)
-        lin_bwd(b, b->do_ + k * gw, H * d, 0, g->wo_a + k * ol * gw, b->dy + k * ol, G * ol, lt->o + k * gw, H * d,
-                wat(l->wo_a, b->mdt, k * ol * gw), 1, T, gw, ol);
+        lin_bwd(b, b->do_ + k * gw, H * d, 0, g->wo_a ? g->wo_a + k * ol * gw : NULL, b->dy + k * ol, G * ol,
+                lt->o + k * gw, H * d, wat(l->wo_a, b->mdt, k * ol * gw), 1, T, gw, ol);
+    ds4_lora_bwd_wo_a(&b->lc, c, lo, go, b->do_, b->dy, lt->o, T);
     rope_bwd(b, b->do_, H, d, rt, -1); /* the output was de-rotated */
     const ds4_a_attn_bwd ab = {.c = c, .l = l, .lt = lt, .B = b->f.B, .S = S, .sel_stride = b->tp->sel_stride,
                                .dout = b->do_, .P = b->P, .DS = b->DS, .maxk = b->maxk, .dsink_t = b->dsink_t,
@@ -260,7 +284,7 @@ static void attention_bwd(bwd *b, const ds4_layer_w *l, const ds4_layer_w *g, co
                                .inv_i = b->inv_i};
     ds4_op_attn_bwd_q(dev, &ab);
     ds4_op_attn_bwd_kv(dev, &ab);
-    OP(dev, colsum_add, .dst = g->sink, .src = b->dsink_t, .rows = T, .width = H, .ld = H);
+    colsum(b, g->sink, b->dsink_t, T, H, H);
     ds4_dev_fill(dev, b->dh, 0, (size_t)(T * D) * sizeof(float));
     if (l->type != DS4_ATTN_SLIDING && lt->nwin > 0) {
         if (l->type == DS4_ATTN_CSA) /* inverse of the indexer picks: (query, position) per entry */
@@ -274,12 +298,16 @@ static void attention_bwd(bwd *b, const ds4_layer_w *l, const ds4_layer_w *g, co
     rope_bwd(b, b->dkv, 1, d, rt, 1);
     norm_bwd(b, b->dkv, 0, g->kv_norm, b->dkv, lt->kv_pre, l->kv_norm, T, d);
     lin_bwd(b, b->dh, D, 1, g->wkv, b->dkv, d, lt->h_attn, D, l->wkv, 1, T, D, d);
+    ds4_lora_bwd(&b->lc, lo, DS4_LORA_AB(lo, wkv), DS4_LORA_AB(go, wkv), b->dh, D, b->dkv, d, lt->h_attn, D, T, D, d);
     /* queries: RoPE, per-head RMS, wq_b, q_norm, wq_a */
     rope_bwd(b, b->dq, H, d, rt, 1);
     norm_bwd(b, b->dq, 0, NULL, b->dq, lt->q_pre, NULL, T * H, d);
     lin_bwd(b, b->dqa, qr, 0, g->wq_b, b->dq, H * d, lt->qr, qr, l->wq_b, 1, T, qr, H * d);
+    ds4_lora_bwd(&b->lc, lo, DS4_LORA_AB(lo, wq_b), DS4_LORA_AB(go, wq_b), b->dqa, qr, b->dq, H * d, lt->qr, qr, T, qr,
+                 H * d);
     norm_bwd(b, b->dqa, 0, g->q_norm, b->dqa, lt->qa, l->q_norm, T, qr);
     lin_bwd(b, b->dh, D, 1, g->wq_a, b->dqa, qr, lt->h_attn, D, l->wq_a, 1, T, D, qr);
+    ds4_lora_bwd(&b->lc, lo, DS4_LORA_AB(lo, wq_a), DS4_LORA_AB(go, wq_a), b->dh, D, b->dqa, qr, lt->h_attn, D, T, D, qr);
 }
 
 /* ------------------------------------------------------------------------------------------------ MoE */
@@ -290,13 +318,17 @@ static void shared_bwd(bwd *b, const ds4_layer_w *l, const ds4_layer_w *g, const
     const int64_t T = b->f.T, D = c->hidden_size, I = c->moe_intermediate_size;
     const float lim = (float)c->swiglu_limit;
     OP(b->f.dev, swiglu_bwd, .g1 = lt->sg1, .g3 = lt->sg3, .act = b->act, .rows = T, .I = I, .lim = lim);
+    const ds4_lora_layer *lo = l->lora, *go = g->lora;
     lin_bwd(b, b->dact, I, 0, g->sw2, b->da, D, b->act, I, l->sw2, 1, T, I, D);
+    ds4_lora_bwd(&b->lc, lo, DS4_LORA_AB(lo, sw2), DS4_LORA_AB(go, sw2), b->dact, I, b->da, D, b->act, I, T, I, D);
     /* act is no longer needed: dg1 goes there; dg3 overwrites dact element by element, each element read (for both)
      * before it is written */
     OP(b->f.dev, swiglu_bwd, .g1 = lt->sg1, .g3 = lt->sg3, .dact = b->dact, .dg1 = b->act, .dg3 = b->dact, .rows = T,
        .I = I, .lim = lim, .grads = 1);
     lin_bwd(b, b->dh, D, 0, g->sw1, b->act, I, lt->h_ffn, D, l->sw1, 1, T, D, I);
     lin_bwd(b, b->dh, D, 1, g->sw3, b->dact, I, lt->h_ffn, D, l->sw3, 1, T, D, I);
+    ds4_lora_bwd(&b->lc, lo, DS4_LORA_AB(lo, sw1), DS4_LORA_AB(go, sw1), b->dh, D, b->act, I, lt->h_ffn, D, T, D, I);
+    ds4_lora_bwd(&b->lc, lo, DS4_LORA_AB(lo, sw3), DS4_LORA_AB(go, sw3), b->dh, D, b->dact, I, lt->h_ffn, D, T, D, I);
 }
 
 /* The routed experts' backward, per expert group (the same arithmetic as shared_bwd on each group's rows). */
@@ -314,18 +346,23 @@ static void routed_bwd(bwd *b, const ds4_layer_w *l, const ds4_layer_w *g, const
     OP(dev, swiglu_bwd, .g1 = b->g1s, .g3 = b->g3s, .act = b->act, .rows = TK, .I = I, .lim = lim);
     OP(dev, linear_bwd_x_grouped, .dx = b->dact, .dy = b->dys, .W = l->w2, .wdt = b->mdt, .wstride = D * I,
        .off = b->ecount, .E = E, .rows = TK, .K = I, .O = D, .bf16_in = b->f.w->bf16_in);
-    OP(dev, linear_bwd_w_grouped, .dW = g->w2, .wstride = D * I, .dy = b->dys, .x = b->act, .off = b->ecount, .E = E,
-       .rows = TK, .K = I, .O = D, .wdt = b->mdt, .bf16_in = b->f.w->bf16_in);
+    if (g->w2)
+        OP(dev, linear_bwd_w_grouped, .dW = g->w2, .wstride = D * I, .dy = b->dys, .x = b->act, .off = b->ecount,
+           .E = E, .rows = TK, .K = I, .O = D, .wdt = b->mdt, .bf16_in = b->f.w->bf16_in);
+    ds4_lora_bwd_down(&b->lc, c, l->lora, g->lora, b->dact, b->dys, b->act, b->ecount, TK);
     OP(dev, swiglu_bwd, .g1 = b->g1s, .g3 = b->g3s, .dact = b->dact, .dg1 = b->act, .dg3 = b->dact, .rows = TK, .I = I,
        .lim = lim, .grads = 1);
     OP(dev, linear_bwd_x_grouped, .dx = b->dxs, .dy = b->act, .W = l->w1, .wdt = b->mdt, .wstride = I * D,
        .off = b->ecount, .E = E, .rows = TK, .K = D, .O = I, .bf16_in = b->f.w->bf16_in);
-    OP(dev, linear_bwd_w_grouped, .dW = g->w1, .wstride = I * D, .dy = b->act, .x = b->xs, .off = b->ecount, .E = E,
-       .rows = TK, .K = D, .O = I, .wdt = b->mdt, .bf16_in = b->f.w->bf16_in);
+    if (g->w1)
+        OP(dev, linear_bwd_w_grouped, .dW = g->w1, .wstride = I * D, .dy = b->act, .x = b->xs, .off = b->ecount,
+           .E = E, .rows = TK, .K = D, .O = I, .wdt = b->mdt, .bf16_in = b->f.w->bf16_in);
     OP(dev, linear_bwd_x_grouped, .dx = b->dxs, .acc = 1, .dy = b->dact, .W = l->w3, .wdt = b->mdt, .wstride = I * D,
        .off = b->ecount, .E = E, .rows = TK, .K = D, .O = I, .bf16_in = b->f.w->bf16_in);
-    OP(dev, linear_bwd_w_grouped, .dW = g->w3, .wstride = I * D, .dy = b->dact, .x = b->xs, .off = b->ecount, .E = E,
-       .rows = TK, .K = D, .O = I, .wdt = b->mdt, .bf16_in = b->f.w->bf16_in);
+    if (g->w3)
+        OP(dev, linear_bwd_w_grouped, .dW = g->w3, .wstride = I * D, .dy = b->dact, .x = b->xs, .off = b->ecount,
+           .E = E, .rows = TK, .K = D, .O = I, .wdt = b->mdt, .bf16_in = b->f.w->bf16_in);
+    ds4_lora_bwd_gate_up(&b->lc, c, l->lora, g->lora, b->dxs, b->act, b->dact, b->xs, b->ecount, TK);
     /* the input gradients are in expert order: file them by slot, then sum each token's slots in slot order */
     OP(dev, scatter_rows, .dst = b->dxslot, .src = b->dxs, .idx = b->perm, .rows = TK, .width = D);
     OP(dev, moe_sum_slots, .dh = b->dh, .dxslot = b->dxslot, .T = T, .K = K, .D = D);
@@ -419,7 +456,7 @@ static void mtp_bwd(bwd *b, double ms, int64_t *htgt, int32_t *hrows) {
         }
     ds4_dev_upload(dev, b->mids, htgt, (size_t)T1 * sizeof(int64_t));
     ds4_dev_upload(dev, b->rowmap, hrows, (size_t)T1 * sizeof(int32_t));
-    OP(dev, embed_bwd, .ge = b->gw->embed, .ids = b->mids, .dx = b->da, .T = T1, .n = 1, .D = D);
+    if (b->gw->embed) OP(dev, embed_bwd, .ge = b->gw->embed, .ids = b->mids, .dx = b->da, .T = T1, .n = 1, .D = D);
     lin_bwd(b, b->dxn, D, 0, gm->h_proj, b->dmtp, D, tp->mtp_hn, D, mt->h_proj, 1, T1 * n, D, D);
     /* hnorm over the rows X^L[b, i < S-1, k]: gather them, then add the gradient back */
     OP(dev, gather_rows, .dst = b->xn, .src = tp->X_L, .idx = b->rowmap, .div = 1, .rows = T1, .width = nD);
@@ -432,12 +469,13 @@ static void mtp_bwd(bwd *b, double ms, int64_t *htgt, int32_t *hrows) {
 
 static ds4_status tape_ready(ds4_model *m, const char *op, ds4_error *err) {
     if (!m) return ds4_fail(err, DS4_ERR_ARG, "%s: model is NULL", op);
-    if (!m->grads) return ds4_fail(err, DS4_ERR_ARG, "%s: gradients are not enabled (enable_grad)", op);
+    if (!ds4_model_grad_enabled(m)) return ds4_fail(err, DS4_ERR_ARG, "%s: gradients are not enabled (enable_grad)", op);
     if (!m->tape || !m->tape->valid)
         return ds4_fail(err, DS4_ERR_ARG, "%s: no training forward to differentiate (call forward_train first)", op);
     ds4_status s = ds4_model_train_bind(m, err);
     if (s) return s;
     if (m->dgrads) m->grads_stale = 1; /* the backward adds into the device's gradients */
+    if (m->lora && m->lora->dgrads) m->lora->grads_stale = 1;
     return DS4_OK;
 }
 
@@ -473,7 +511,9 @@ static ds4_status backward_impl(ds4_model *m, const float *dlogp, const ds4_back
  * saved copy costs one buffer of n_params floats on the model's backend, allocated on the first accumulation. */
 static ds4_status set_aside(ds4_model *m, float **saved, ds4_error *err) {
     *saved = NULL;
-    if (m->grads_zero || m->n_params == 0) return DS4_OK;
+    /* adapters (LoRA) train in their own buffer, which accumulates as the backward adds (not set aside: data
+     * parallelism of adapters is not wired) */
+    if (m->lora || !m->grads || m->grads_zero || m->n_params == 0) return DS4_OK;
     ds4_dev *d = m->dev;
     const size_t bytes = (size_t)m->n_params * sizeof(float);
     if (!m->gsaved) {
@@ -574,6 +614,7 @@ static ds4_status backward_impl(ds4_model *m, const float *dlogp, const ds4_back
     }
     ds4_arena w = {tp->bmem, 0};
     bplan(&b, &w);
+    b.lc.dev = b.f.dev;
     const int64_t T = tp->T, L = c->num_hidden_layers;
     int64_t *htgt = malloc((size_t)T * (sizeof(int64_t) + sizeof(int32_t)));
     if (!htgt) return ds4_fail(err, DS4_ERR_OOM, "backward: host scratch for %lld rows", (long long)T);
@@ -613,7 +654,8 @@ static ds4_status backward_impl(ds4_model *m, const float *dlogp, const ds4_back
         }
         block_bwd(&b, &wv->layers[li], &b.gw->layers[li], &tp->layers[li], b.dX);
     }
-    OP(dev, embed_bwd, .ge = b.gw->embed, .ids = tp->ids, .dx = b.dX, .T = T, .n = c->hc_mult, .D = c->hidden_size);
+    if (b.gw->embed)
+        OP(dev, embed_bwd, .ge = b.gw->embed, .ids = tp->ids, .dx = b.dX, .T = T, .n = c->hc_mult, .D = c->hidden_size);
     if (gsaved) add_back(m, gsaved);
     m->grads_zero = 0;
     free(htgt);

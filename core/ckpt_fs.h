@@ -21,6 +21,12 @@ ds4_status ds4_fs_sync_dir(const char *what, const char *path, ds4_error *err);
 ds4_status ds4_fs_rmtree(const char *what, const char *path, ds4_error *err);
 /* Split `path` (trailing slashes ignored) into its parent directory and last component, into caller buffers.
  * Returns 0 when the path has no usable last component ("", "/", ".", "..") or a buffer is too small. */
+/* Write a directory atomically (save.c): `write` fills a sibling "<dir>.tmp-<pid>", which is fsynced and renamed
+ * into place. An existing directory is replaced only with `overwrite` and only when it holds nothing but checkpoint
+ * files (*.json, *.safetensors); `what` prefixes messages ("model save"). */
+typedef ds4_status (*ds4_dir_writer)(void *ctx, const char *dir, ds4_error *err);
+ds4_status ds4_dir_save_atomic(const char *what, const char *dir, int overwrite, ds4_dir_writer write, void *ctx,
+                               ds4_error *err);
 int ds4_fs_split(const char *path, char *parent, size_t pcap, char *base, size_t bcap);
 
 #endif

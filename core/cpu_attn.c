@@ -39,6 +39,7 @@ static void pool_entry(const ds4_a_compress *a, const float *const *Cr, const fl
     if (pool_keep) memcpy(pool_keep, out, (size_t)dd * sizeof(float));
     ds4_rmsnorm_rows(out, out, w->norm, 1, dd, a->c->rms_norm_eps);
     ds4_rope_apply(out, dd, a->rt.half, ds4_rope_at(&a->rt, win * m), 1);
+    if (a->q.fmt || a->q.hadamard) ds4_fake_quant_row(out, dd, &a->q); /* the QAT option, the same in a step */
 }
 
 /* Scratch of one range for pool_entry: gates, values, then 4m row pointers. */

@@ -221,7 +221,7 @@ static void comp_bwd_range(const ds4_cpu *cpu, const void *p, int64_t b, int64_t
                     const float dg = (float)(gl[k] * ((double)dp * kv[k] - adot));
                     a->dC[tok[k] * width + colv[k]] = gl[k] * dp;
                     a->dZ[tok[k] * width + colv[k]] = dg;
-                    a->gape[jv[k] * width + colv[k]] += dg;
+                    if (a->gape) a->gape[jv[k] * width + colv[k]] += dg;
                 }
             }
 }

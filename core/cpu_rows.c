@@ -40,6 +40,19 @@ void ds4_cpu_scale(ds4_dev *d, const ds4_a_scale *a) {
     ds4_cpu_parallel_grain(ds4_cpu_of(d), a->n, ROW_GRAIN_FLOATS, scale_range, a);
 }
 
+/* rows of every group, numbered group-major */
+static void fake_quant_range(const ds4_cpu *cpu, const void *p, int64_t b, int64_t e, int64_t task) {
+    const ds4_a_fake_quant *a = p;
+    for (int64_t i = b; i < e; i++)
+        ds4_fake_quant_row(a->x + (i / a->rows) * a->gstride + (i % a->rows) * a->width, a->width, &a->q);
+}
+
+void ds4_cpu_fake_quant(ds4_dev *d, const ds4_a_fake_quant *a) {
+    if (a->rows <= 0) return;
+    ds4_cpu_parallel_grain(ds4_cpu_of(d), (a->groups > 0 ? a->groups : 1) * a->rows, row_grain(a->width),
+                           fake_quant_range, a);
+}
+
 static void copy_range(const ds4_cpu *cpu, const void *p, int64_t b, int64_t e, int64_t task) {
     const ds4_a_copy_rows *a = p;
     for (int64_t r = b; r < e; r++)

@@ -35,6 +35,24 @@ static void rope(ds4_pass *f, float *x, int64_t heads, int64_t width, const ds4_
 
 /* ------------------------------------------------------------------------------------------------ attention */
 
+/* The QAT option (docs/architecture.md, "FP8 KV quantisation-aware training") for a key-side vector of `width`
+ * channels whose last 2·half are rotated by RoPE: window keys and the attention compressor's entries get their
+ * non-RoPE channels rounded to e4m3 in blocks of 64; the indexer's queries and entries (indexer != 0) the Hadamard
+ * rotation, then e2m1 in blocks of 32 over the whole vector. Off (fmt 0) unless the model has kv_qat on. */
+static ds4_fq qat_of(const ds4_pass *f, int indexer, int64_t width, int64_t half) {
+    ds4_fq q = {0};
+    if (!f->m->kv_qat) return q;
+    if (indexer) {
+        q.fmt = DS4_FQ_E2M1;
+        q.hadamard = 1;
+        q.nq = width;
+    } else {
+        q.fmt = DS4_FQ_E4M3;
+        q.nq = width - 2 * half;
+    }
+    return q;
+}
+
 /* Entries of a compressor over h: returns the number of complete windows per row (0 in a step, where the entries
  * go to the caches). In training the projections and pooled entries are kept (keep_* non-NULL). */
 static int64_t compress(ds4_pass *f, const ds4_compressor_w *w, int which, float *C, float *Z, float *out, int overlap,
@@ -47,13 +65,14 @@ static int64_t compress(ds4_pass *f, const ds4_compressor_w *w, int which, float
     const int cls = overlap ? 0 : 1; /* CSA windows, or HCA windows */
     if (f->rows.pos) {
         OP(f->dev, compress, .c = f->c, .w = w, .overlap = overlap, .which = which, .cls = cls, .C = C, .Z = Z,
-           .rows = f->rows, .njobs = f->njobs[cls], .rt = f->rcomp);
+           .rows = f->rows, .njobs = f->njobs[cls], .rt = f->rcomp, .q = qat_of(f, which, w->dd, f->rcomp.half));
         return 0;
     }
     const int64_t nwin = f->S / w->rate;
     if (nwin == 0) return 0;
     OP(f->dev, compress, .c = f->c, .w = w, .overlap = overlap, .which = which, .cls = cls, .C = C, .Z = Z, .out = out,
-       .pool = keep_pool, .rows = f->rows, .B = f->B, .nwin = nwin, .rt = f->rcomp);
+       .pool = keep_pool, .rows = f->rows, .B = f->B, .nwin = nwin, .rt = f->rcomp,
+       .q = qat_of(f, which, w->dd, f->rcomp.half));
     return nwin;
 }
 
@@ -64,8 +83,11 @@ static void indexer(ds4_pass *f, const ds4_layer_w *l, ds4_layer_tape *lt) {
     const int64_t nwin = compress(f, &l->idx_comp, 1, f->iC, f->iZ, f->iK, 1, lt ? lt->iC : NULL, lt ? lt->iZ : NULL,
                                   lt ? lt->ipool : NULL);
     matmul(f, f->iq, f->qr, l->idx_wq_b, 1, T, qr, nI * cI);
+    ds4_lora_fwd(f, l->lora, DS4_LORA_AB(l->lora, idx_wq_b), f->iq, nI * cI, f->qr, qr, T, qr, nI * cI);
     rope(f, f->iq, nI, cI, &f->rcomp, 1);
+    if (f->m->kv_qat) OP(f->dev, fake_quant, .x = f->iq, .rows = T * nI, .width = cI, .q = qat_of(f, 1, cI, 0));
     matmul(f, f->iw, f->h, l->idx_weights, 1, T, D, nI);
+    ds4_lora_fwd(f, l->lora, DS4_LORA_AB(l->lora, idx_weights), f->iw, nI, f->h, D, T, D, nI);
     OP(f->dev, scale, .x = f->iw, .n = T * nI, .s = 1.0f / sqrtf((float)nI));
     if (lt && lt->iq) {
         keep(f, lt->iq, f->iq, T * nI * cI);
@@ -94,15 +116,18 @@ static void attention(ds4_pass *f, const ds4_layer_w *l) {
     const int64_t T = f->T, D = c->hidden_size, H = c->num_attention_heads, d = c->head_dim, qr = c->q_lora_rank;
     const ds4_rope_table *rt = l->type == DS4_ATTN_SLIDING ? &f->rmain : &f->rcomp;
     const ds4_dtype mdt = f->w->mdt;
+    const ds4_lora_layer *lo = l->lora;
     ds4_layer_tape *lt = f->lt;
     norm(f, f->h, f->u, l->attn_norm, T, D);
     matmul(f, f->qr, f->h, l->wq_a, 1, T, D, qr);
+    ds4_lora_fwd(f, lo, DS4_LORA_AB(lo, wq_a), f->qr, qr, f->h, D, T, D, qr);
     if (lt) {
         keep(f, lt->h_attn, f->h, T * D);
         keep(f, lt->qa, f->qr, T * qr);
     }
     norm(f, f->qr, f->qr, l->q_norm, T, qr);
     matmul(f, f->q, f->qr, l->wq_b, 1, T, qr, H * d);
+    ds4_lora_fwd(f, lo, DS4_LORA_AB(lo, wq_b), f->q, H * d, f->qr, qr, T, qr, H * d);
     if (lt) {
         keep(f, lt->qr, f->qr, T * qr);
         keep(f, lt->q_pre, f->q, T * H * d);
@@ -110,9 +135,11 @@ static void attention(ds4_pass *f, const ds4_layer_w *l) {
     norm(f, f->q, f->q, NULL, T * H, d); /* per-head unweighted RMS */
     rope(f, f->q, H, d, rt, 1);
     matmul(f, f->kv, f->h, l->wkv, 1, T, D, d);
+    ds4_lora_fwd(f, lo, DS4_LORA_AB(lo, wkv), f->kv, d, f->h, D, T, D, d);
     if (lt) keep(f, lt->kv_pre, f->kv, T * d);
     norm(f, f->kv, f->kv, l->kv_norm, T, d);
     rope(f, f->kv, 1, d, rt, 1);
+    if (f->m->kv_qat) OP(f->dev, fake_quant, .x = f->kv, .rows = T, .width = d, .q = qat_of(f, 0, d, rt->half));
     if (lt) {
         keep(f, lt->q, f->q, T * H * d);
         keep(f, lt->kv, f->kv, T * d);
@@ -142,7 +169,9 @@ static void attention(ds4_pass *f, const ds4_layer_w *l) {
     const int64_t G = c->o_groups, ol = c->o_lora_rank, gw = H * d / G;
     OP(f->dev, matmul, .y = f->y, .ldy = G * ol, .x = f->o, .ldx = H * d, .W = l->wo_a, .wdt = mdt, .T = T, .K = gw,
        .O = ol, .groups = G, .gx = gw, .gy = ol, .gw = ol * gw, .bf16_in = f->w->bf16_in);
+    ds4_lora_fwd_wo_a(f, lo, f->y, f->o, T);
     matmul(f, f->a, f->y, l->wo_b, 1, T, G * ol, D);
+    ds4_lora_fwd(f, lo, DS4_LORA_AB(lo, wo_b), f->a, D, f->y, G * ol, T, G * ol, D);
     if (lt) {
         keep(f, lt->y, f->y, T * G * ol);
         keep(f, lt->a_attn, f->a, T * D);
@@ -156,11 +185,14 @@ static void attention(ds4_pass *f, const ds4_layer_w *l) {
 static void shared_expert(ds4_pass *f, const ds4_layer_w *l, int64_t rows, float *out, float *g1_keep, float *g3_keep) {
     const int64_t D = f->c->hidden_size, I = f->c->moe_intermediate_size;
     matmul(f, f->g1, f->h, l->sw1, 1, rows, D, I);
+    ds4_lora_fwd(f, l->lora, DS4_LORA_AB(l->lora, sw1), f->g1, I, f->h, D, rows, D, I);
     matmul(f, f->g3, f->h, l->sw3, 1, rows, D, I);
+    ds4_lora_fwd(f, l->lora, DS4_LORA_AB(l->lora, sw3), f->g3, I, f->h, D, rows, D, I);
     keep(f, g1_keep, f->g1, rows * I);
     keep(f, g3_keep, f->g3, rows * I);
     OP(f->dev, swiglu, .g1 = f->g1, .g3 = f->g3, .rows = rows, .I = I, .lim = (float)f->c->swiglu_limit);
     matmul(f, out, f->g1, l->sw2, 1, rows, I, D);
+    ds4_lora_fwd(f, l->lora, DS4_LORA_AB(l->lora, sw2), out, D, f->g1, I, rows, I, D);
 }
 
 /* The MoE sub-layer on f->u with token ids `ids` (hash routing): result in f->a. */
@@ -203,6 +235,7 @@ static void moe(ds4_pass *f, const ds4_layer_w *l, const int64_t *ids) {
        .rows = TK, .K = D, .O = I, .bf16_in = f->w->bf16_in);
     OP(dev, matmul_grouped, .y = f->g3, .x = f->xg, .W = l->w3, .wdt = mdt, .wstride = I * D, .off = f->ecount, .E = E,
        .rows = TK, .K = D, .O = I, .bf16_in = f->w->bf16_in);
+    ds4_lora_fwd_gate_up(f, l->lora, f->g1, f->g3, f->xg, f->ecount, TK);
     if (lt) {
         OP(dev, scatter_rows, .dst = lt->eg1, .src = f->g1, .idx = f->perm, .rows = TK, .width = I);
         OP(dev, scatter_rows, .dst = lt->eg3, .src = f->g3, .idx = f->perm, .rows = TK, .width = I);
@@ -210,6 +243,7 @@ static void moe(ds4_pass *f, const ds4_layer_w *l, const int64_t *ids) {
     OP(dev, swiglu, .g1 = f->g1, .g3 = f->g3, .rows = TK, .I = I, .lim = (float)c->swiglu_limit);
     OP(dev, matmul_grouped, .y = f->ye, .x = f->g1, .W = l->w2, .wdt = mdt, .wstride = D * I, .off = f->ecount, .E = E,
        .rows = TK, .K = I, .O = D, .bf16_in = f->w->bf16_in);
+    ds4_lora_fwd_down(f, l->lora, f->ye, f->g1, f->ecount, TK);
     if (lt) OP(dev, scatter_rows, .dst = lt->ye, .src = f->ye, .idx = f->perm, .rows = TK, .width = D);
     OP(dev, moe_weigh, .yk = f->yk, .ye = f->ye, .perm = f->perm, .ew = f->ew, .rows = TK, .D = D);
     shared_expert(f, l, T, f->a, lt ? lt->sg1 : NULL, lt ? lt->sg3 : NULL); /* every token */
@@ -369,7 +403,8 @@ ds4_status ds4_model_forward(ds4_model *m, const ds4_forward_args *args, ds4_for
 ds4_status ds4_model_forward_train(ds4_model *m, const ds4_forward_args *args, ds4_forward_result *res,
                                    ds4_error *err) {
     if (!m) return ds4_fail(err, DS4_ERR_ARG, "training forward: model is NULL");
-    if (!m->grads) return ds4_fail(err, DS4_ERR_ARG, "training forward: gradients are not enabled (enable_grad)");
+    if (!ds4_model_grad_enabled(m))
+        return ds4_fail(err, DS4_ERR_ARG, "training forward: gradients are not enabled (enable_grad)");
     ds4_status s = ds4_model_train_bind(m, err); /* on a device: gradients there before anything runs */
     if (s) return s;
     if (!m->tape && !(m->tape = calloc(1, sizeof *m->tape)))

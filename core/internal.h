@@ -33,6 +33,16 @@ static inline int ds4_add_size(size_t a, size_t b, size_t *out) {
     return 1;
 }
 
+/* splitmix64: a tiny, well-mixed generator; callers own the state, so a seed determines everything. */
+static inline uint64_t ds4_splitmix64(uint64_t *s) {
+    uint64_t z = (*s += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+/* Uniform in (0, 1): the top 53 bits, centred in their interval. */
+static inline double ds4_uniform01(uint64_t *s) { return ((ds4_splitmix64(s) >> 11) + 0.5) * (1.0 / 9007199254740992.0); }
+
 /* "[2,37,256]" into buf (truncated to cap, always NUL-terminated): for error messages. */
 void ds4_shape_str(char *buf, size_t cap, int32_t ndim, const int64_t *shape);
 

@@ -8,7 +8,9 @@
 
 #include "internal.h"
 #include "shape_limits.h"
+#include "lora.h"
 #include "model.h"
+#include "ds4_gen.h"
 #include "ops.h"
 #include "quant.h"
 #include "sched.h"
@@ -212,10 +214,42 @@ void ds4_weights_bind(const ds4_model *m, ds4_weights *w, ds4_dtype mdt, char *b
     walk_model(&b);
 }
 
+void ds4_weights_clear(const ds4_model *m, ds4_weights *w) {
+    ds4_layer_w *layers = w->layers;
+    const ds4_dtype mdt = w->mdt;
+    for (int64_t li = 0; li < m->cfg.num_hidden_layers; li++) {
+        const ds4_lora_layer *lo = layers[li].lora;
+        memset(&layers[li], 0, sizeof layers[li]);
+        layers[li].type = m->cfg.layer_types[li];
+        layers[li].is_hash = m->cfg.layer_is_hash[li];
+        layers[li].lora = lo;
+    }
+    memset(w, 0, sizeof *w);
+    w->layers = layers;
+    w->mdt = mdt;
+}
+
 void ds4_model_emulate_bf16(ds4_model *m, int on) {
     m->emulate_bf16 = on != 0;
     m->w.bf16_in = on != 0;
 }
+
+ds4_status ds4_model_set_kv_qat(ds4_model *m, int on, ds4_error *err) {
+    if (!m) return ds4_fail(err, DS4_ERR_ARG, "kv_qat: NULL model");
+    if (on && m->dev != m->cpu)
+        return ds4_fail(err, DS4_ERR_UNSUPPORTED,
+                        "kv_qat: the FP8 KV quantisation-aware option runs on the CPU backend only so far (the model is "
+                        "on %s)", ds4_model_device_name(m));
+    const int64_t cI = m->cfg.index_head_dim;
+    if (on && ds4_model_csa_layers(m) > 0 && (cI < 1 || (cI & (cI - 1))))
+        return ds4_fail(err, DS4_ERR_UNSUPPORTED,
+                        "kv_qat: the indexer's Hadamard rotation needs index_head_dim to be a power of two, got %lld",
+                        (long long)cI);
+    m->kv_qat = on != 0;
+    return DS4_OK;
+}
+
+int ds4_model_kv_qat(const ds4_model *m) { return m && m->kv_qat; }
 
 int64_t ds4_f32_byte_offset(const ds4_model *m, size_t i, void *ctx) {
     (void)ctx;
@@ -319,6 +353,7 @@ int64_t ds4_model_find(const ds4_model *m, const char *name) {
 void ds4_model_free(ds4_model *m) {
     if (!m) return;
     /* first: giving the training state back rebinds the host gradients through m->table (free_train_state) */
+    ds4_model_drop_lora(m);
     ds4_model_release_backend(m);
     for (size_t i = 0; i < m->n_table; i++) {
         free(m->table[i].name);
@@ -352,6 +387,7 @@ const char *ds4_model_tensor_source(const ds4_model *m, size_t i, int32_t *part,
 
 ds4_status ds4_model_enable_grad(ds4_model *m, ds4_error *err) {
     if (!m) return ds4_fail(err, DS4_ERR_ARG, "enable_grad: model is NULL");
+    if (m->lora) return ds4_lora_enable_grad(m, err); /* only the adapters train */
     if (m->grads) return DS4_OK;
     m->grads = calloc((size_t)(m->n_params ? m->n_params : 1), sizeof(float));
     if (!m->grads) return ds4_fail(err, DS4_ERR_OOM, "enable_grad: %lld fp32 gradients", (long long)m->n_params);
@@ -361,6 +397,7 @@ ds4_status ds4_model_enable_grad(ds4_model *m, ds4_error *err) {
 }
 
 void ds4_model_zero_grad(ds4_model *m) {
+    if (m && m->lora) ds4_lora_zero_grad(m);
     if (!m || !m->grads) return;
     m->grads_zero = 1;
     if (m->dgrads) { /* on the device; the host mirror is now behind (a fill failure surfaces at the next pass) */
@@ -766,16 +803,9 @@ done:
 
 /* ------------------------------------------------------------------------------------------------ random init */
 
-/* splitmix64: a tiny, well-mixed generator; the model owns no RNG state, the seed determines everything. */
-static uint64_t splitmix(uint64_t *s) {
-    uint64_t z = (*s += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-}
-static double uniform01(uint64_t *s) { return ((splitmix(s) >> 11) + 0.5) * (1.0 / 9007199254740992.0); }
+/* The model owns no RNG state: the seed determines everything. */
 static double normal(uint64_t *s) {
-    double u = uniform01(s), v = uniform01(s);
+    double u = ds4_uniform01(s), v = ds4_uniform01(s);
     return sqrt(-2.0 * log(u)) * cos(6.283185307179586 * v);
 }
 
@@ -804,7 +834,7 @@ ds4_status ds4_model_create_random(ds4_engine *e, const ds4_config *cfg, uint64_
                 const int64_t En = E;
                 for (int64_t x = 0; x < En; x++) perm[x] = (int32_t)x;
                 for (int64_t k = 0; k < K; k++) {
-                    int64_t j = k + (int64_t)(splitmix(&st) % (uint64_t)(En - k));
+                    int64_t j = k + (int64_t)(ds4_splitmix64(&st) % (uint64_t)(En - k));
                     int32_t tmp = perm[k];
                     perm[k] = perm[j];
                     perm[j] = tmp;

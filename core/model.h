@@ -16,6 +16,28 @@
 #include "ds4.h"
 #include "engine.h"
 
+/* A LoRA adapter on one weight W [O, K] (docs/lora.md): y = x Wᵀ + s·(x Aᵀ)·B with A [r, K] and B [r, O]. B is
+ * PEFT's lora_B transposed, so the forward's add and every backward product is an existing operation (matmul,
+ * linear_bwd_x / _w) with no transposed copy. Routed experts: A [E, r, K], B [E, r, O]. Adapters are fp32 in every
+ * mode. NULL: no adapter on that weight. */
+typedef struct ds4_lora_ab {
+    float *A, *B;
+} ds4_lora_ab;
+
+/* The adapters of one decoder block, in some memory (the host's, a backend's, or their gradients). */
+typedef struct ds4_lora_layer {
+    int64_t r;                           /* rank */
+    float s;                             /* alpha / r (alpha / sqrt(r) with rsLoRA) */
+    ds4_lora_ab wq_a, wq_b, wkv, wo_b;
+    ds4_lora_ab wo_a;                    /* A [r, H·d/g] shared by the groups, B [g, r, o_lora] one block per group */
+    ds4_lora_ab idx_wq_b, idx_weights;   /* the lightning indexer's query and head-weight projections */
+    ds4_lora_ab sw1, sw2, sw3;           /* shared expert */
+    ds4_lora_ab e13;                     /* routed gate_up: A [E, r, D] shared by w1 and w3 (PEFT's layout for the
+                                            packed gate_up_proj), B [E, r, I] the w1 half */
+    float *e3B;                          /* [E, r, I] the w3 half of the gate_up B */
+    ds4_lora_ab e2;                      /* routed down: A [E, r, I], B [E, r, D] */
+} ds4_lora_layer;
+
 /* In a view set whose mdt is BF16 the pointers marked "M" point at bf16 data; every other pointer is fp32. */
 typedef struct ds4_hc_w {
     float *fn;     /* [(2+n)·n, n·D] */
@@ -57,6 +79,8 @@ typedef struct ds4_layer_w {
     int32_t *tid2eid;                    /* [V, K] hash layers */
     float *w1, *w2, *w3;                 /* M experts, see above */
     float *sw1, *sw2, *sw3;              /* M shared expert: [I, D], [D, I], [I, D] */
+    const ds4_lora_layer *lora;          /* this block's adapters in the same memory (NULL: none); kept when the
+                                            view set is rebound, set by lora.c */
 } ds4_layer_w;
 
 typedef struct ds4_mtp_w {
@@ -96,6 +120,7 @@ typedef struct ds4_param {
 
 struct ds4_dev;
 struct ds4_tape;
+struct ds4_lora;
 
 struct ds4_model {
     ds4_engine *engine;
@@ -110,6 +135,7 @@ struct ds4_model {
     int64_t n_tid2eid;
     ds4_weights w;                       /* views into params / tid2eid_all */
     int32_t emulate_bf16;                /* w.bf16_in on the CPU: ds4_model_emulate_bf16 */
+    int32_t kv_qat;                      /* the FP8 KV quantisation-aware option: ds4_model_set_kv_qat */
     /* the backend the model computes on (docs/design.md): the CPU backend on the engine's pool, or CUDA */
     struct ds4_dev *dev;
     struct ds4_dev *cpu;                 /* the CPU backend, kept while the model lives on another one */
@@ -152,6 +178,8 @@ struct ds4_model {
     int64_t n_cast;
     int host_stale;                      /* params older than dmaster */
     int grads_stale;                     /* grads older than dgrads */
+    struct ds4_lora *lora;               /* LoRA adapters (lora.h); while present only they train: grads stays NULL and
+                                            gw's base views are NULL, so no frozen weight's gradient is computed */
 };
 
 void ds4_tape_free(struct ds4_model *m, struct ds4_tape *t);
@@ -173,6 +201,12 @@ int64_t ds4_model_find(const ds4_model *m, const char *name);
  * base + byte_offset(i) for F32 entries, i32_base + 4·offset for tid2eid). */
 void ds4_weights_bind(const ds4_model *m, ds4_weights *w, ds4_dtype mdt, char *base,
                       int64_t (*byte_offset)(const ds4_model *m, size_t i, void *ctx), void *ctx, int32_t *i32_base);
+/* Every view of w NULL (its layers array, layer types and adapter pointers kept): the gradient view set while only
+ * adapters train, so the backward skips every frozen weight's gradient. */
+void ds4_weights_clear(const ds4_model *m, ds4_weights *w);
+/* Drop the model's own training state: host and device gradients, master weights and moments (host copies brought
+ * up to date first), the tape; gw cleared. */
+ds4_status ds4_model_drop_train_state(ds4_model *m, ds4_error *err);
 /* A test reference for the bf16 mode: the CPU's products with M matrices round their activation operands to bf16
  * as the bf16 mode does (ops.h, bf16_in). The M matrices' values are the caller's to round (the CPU keeps fp32). */
 void ds4_model_emulate_bf16(ds4_model *m, int on);

@@ -23,6 +23,7 @@
 
 #include "cache.h"
 #include "ds4.h"
+#include "fake_quant.h"
 #include "internal.h"
 #include "model.h"
 #include "optim.h"
@@ -109,6 +110,7 @@ typedef struct {
     const float *C, *Z;           /* [T, width] projections of this pass (Z without the position bias) */
     float *out, *pool;            /* full forward: [B, S, dd] */
     ds4_rows rows; int64_t B, nwin, njobs; ds4_rope_table rt;
+    ds4_fq q;                     /* the QAT option: each entry fake-quantised after its RoPE (fmt 0: off) */
 } ds4_a_compress;
 
 /* Lightning-indexer scores of row t over its causal entries w < (pos + 1)/m, and their top-k (largest first,
@@ -132,6 +134,9 @@ typedef struct { const ds4_config *c; ds4_attn_type type; const float *kv, *cC, 
 
 /* x[i] *= s */
 typedef struct { float *x; int64_t n; float s; } ds4_a_scale;
+/* The QAT option (fake_quant.h): each of `rows` vectors of `width` floats of each of `groups` groups (group g at
+ * x + g·gstride; groups 0 counts as 1) rotated and / or fake-quantised in place as q says. */
+typedef struct { float *x; int64_t rows, width, groups, gstride; ds4_fq q; } ds4_a_fake_quant;
 /* dst[t·ld + i] = i < nsel[t] ? sel[t·sel_stride + i] : -1 for i < K */
 typedef struct { int32_t *dst; int64_t ld; const int32_t *sel, *nsel; int64_t sel_stride, K, T; } ds4_a_record_picks;
 /* row r of dst (byte stride ldd) = row r of src (byte stride lds), row_bytes each */
@@ -247,7 +252,7 @@ typedef struct {
 } ds4_a_pick_inverse;
 /* RoPE on the nwin complete entries of each of B sequences (entry w at position w·m) */
 typedef struct { float *x; int64_t B, S, nwin, dd, m; ds4_rope_table rt; int sign; } ds4_a_entry_rope;
-/* Pooling backward: dC / dZ of the pooled tokens (others untouched), gape += */
+/* Pooling backward: dC / dZ of the pooled tokens (others untouched), gape += (NULL: a frozen bias, skipped) */
 typedef struct {
     const ds4_config *c; const ds4_compressor_w *w; int overlap; const float *C, *Z, *dpool; float *dC, *dZ, *gape;
     int64_t B, S, nwin;
@@ -299,7 +304,7 @@ typedef struct { void *dst; const float *src; const ds4_cast_entry *e; int64_t n
 /* X(name): the operations, in the order the profiler lists them when tied. */
 #define DS4_OPS(X)                                                                                              \
     X(embed) X(hc_pre) X(hc_post) X(hyperhead) X(rmsnorm) X(matmul) X(matmul_grouped) X(rope) X(compress)        \
-    X(indexer) X(attention) X(cache_commit) X(scale) X(record_picks) X(copy_rows) X(route) X(count_loads)        \
+    X(indexer) X(attention) X(cache_commit) X(scale) X(fake_quant) X(record_picks) X(copy_rows) X(route) X(count_loads)        \
     X(moe_sort) X(gather_rows) X(scatter_rows) X(add_rows) X(moe_weigh) X(swiglu) X(moe_combine) X(add_bcast)    \
     X(ce_rows) X(logprobs) X(ikl) X(sample)                                                                       \
     X(logp_bwd) X(linear_bwd_x) X(linear_bwd_w) X(linear_bwd_x_grouped) X(linear_bwd_w_grouped) X(norm_bwd)      \

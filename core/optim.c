@@ -20,6 +20,7 @@
 #endif
 
 #include "internal.h"
+#include "lora.h"
 #include "model.h"
 #include "ops.h"
 #include "optim.h"
@@ -416,7 +417,28 @@ struct ds4_adamw {
     ds4_optim_chunk *own_chunks; /* [max_chunks] */
     double *own_partial;         /* [max_chunks] */
     double *bad_ranges;          /* [n_tensors] refusal counts per trainable tensor, summed over ranks */
+    const ds4_lora *lora;        /* the model's adapters when created on a model that carries them: then the optimizer
+                                    steps them alone (moments and tensors are the adapters') */
 };
+
+/* The tensors the optimizer steps: the model's, or its adapters' while it carries them. */
+static size_t target_count(const ds4_model *m) { return m->lora ? m->lora->n_table : ds4_model_tensor_count(m); }
+static int64_t target_numel(const ds4_model *m) { return m->lora ? m->lora->n : ds4_model_param_count(m); }
+
+static ds4_status target_info(const ds4_model *m, size_t i, ds4_tensor_info *ti, ds4_error *err) {
+    if (!m->lora) return ds4_model_tensor_info(m, i, ti, err);
+    const ds4_lora_param *p = &m->lora->table[i];
+    ti->offset = p->offset;
+    ti->numel = p->numel;
+    ti->is_param = 1;
+    ti->trainable = ds4_lora_trainable(m, p);
+    ti->decay = ti->trainable;
+    return DS4_OK;
+}
+
+static const char *target_name(const ds4_model *m, size_t i) {
+    return m->lora ? m->lora->table[i].name : m->table[i].name;
+}
 
 static ds4_status check_options(const ds4_adamw_options *o, ds4_error *err) {
     const char *w = "adamw create";
@@ -453,13 +475,13 @@ ds4_status ds4_adamw_create(ds4_model *m, const ds4_adamw_options *o, ds4_adamw 
     *out = NULL;
     ds4_status s = check_options(o, err);
     if (s) return s;
-    const int64_t P = ds4_model_param_count(m);
-    const size_t T = ds4_model_tensor_count(m);
+    const int64_t P = target_numel(m);
+    const size_t T = target_count(m);
     /* Worst-case chunk count: every fp32 tensor trainable. */
     int64_t max_chunks = 0;
     for (size_t i = 0; i < T; i++) {
         ds4_tensor_info ti;
-        if ((s = ds4_model_tensor_info(m, i, &ti, err))) {
+        if ((s = target_info(m, i, &ti, err))) {
             ds4_error_prefix(err, "adamw create: ");
             return s;
         }
@@ -468,6 +490,7 @@ ds4_status ds4_adamw_create(ds4_model *m, const ds4_adamw_options *o, ds4_adamw 
     ds4_adamw *a = calloc(1, sizeof *a);
     if (!a) return ds4_fail(err, DS4_ERR_OOM, "adamw create: optimizer struct");
     a->model = m;
+    a->lora = m->lora;
     a->o = *o;
     a->h = (ds4_adamw_hparams){.beta1 = o->beta1, .beta2 = o->beta2, .eps = o->eps, .weight_decay = o->weight_decay};
     a->n_params = P;
@@ -497,6 +520,7 @@ void ds4_adamw_free(ds4_adamw *a) {
     if (!a) return;
     /* moments held on the model's device are this optimizer's only copy: they go with it */
     if (a->model && a->model->moments_owner == a) a->model->moments_owner = NULL;
+    if (a->model && a->model->lora && a->model->lora->moments_owner == a) a->model->lora->moments_owner = NULL;
     free(a->pieces);
     free(a->coefs);
     free(a->bad);
@@ -548,34 +572,49 @@ static ds4_status adamw_step_device(ds4_adamw *a, size_t nr, int64_t total_elems
                                     ds4_error *err) {
     ds4_model *m = a->model;
     ds4_dev *d = m->dev;
+    ds4_lora *l = m->lora;
     const int64_t nc = ds4_optim_chunk_count(a->ranges, nr);
     const size_t off_bad = (size_t)a->max_chunks * sizeof(double), off_pieces = 2 * off_bad,
                  off_coefs = off_pieces + (size_t)a->max_chunks * sizeof(ds4_optim_piece),
                  scratch = off_coefs + (a->n_tensors ? a->n_tensors : 1) * sizeof(ds4_adamw_coefs);
-    ds4_status s = ds4_model_master_ready(m, scratch, err);
+    ds4_status s = ds4_model_master_ready(m, scratch, err); /* with adapters: the scratch only */
     if (s) return s;
-    const size_t P = (size_t)m->n_params, bytes = P * sizeof(float);
-    if (m->moments_owner != a) { /* this optimizer's moments are on the host: send them */
-        if ((s = d->ops->upload(d, m->dmoments, a->m, bytes, err)) ||
-            (s = d->ops->upload(d, m->dmoments + P, a->v, bytes, err))) {
+    const size_t P = (size_t)a->n_params, bytes = P * sizeof(float);
+    /* the buffers stepped: the model's fp32 master (then cast to the working copy), or the adapters, which are fp32
+     * and read by the kernels directly */
+    float **dmom = l ? &l->dmoments : &m->dmoments;
+    const void **owner = l ? &l->moments_owner : &m->moments_owner;
+    float **home = l ? l->moments_home : m->moments_home;
+    if (l && !l->dmoments) {
+        void *mem = NULL;
+        if ((s = d->ops->alloc(d, 2 * bytes, &mem, err))) {
+            ds4_error_prefix(err, "adamw step: adapter moments on %s: ", ds4_model_device_name(m));
+            return s;
+        }
+        l->dmoments = mem;
+        l->moments_owner = NULL;
+    }
+    if (*owner != a) { /* this optimizer's moments are on the host: send them */
+        if ((s = d->ops->upload(d, *dmom, a->m, bytes, err)) || (s = d->ops->upload(d, *dmom + P, a->v, bytes, err))) {
             ds4_error_prefix(err, "adamw step: the moments to %s: ", ds4_model_device_name(m));
             return s;
         }
-        m->moments_owner = a;
-        m->moments_home[0] = a->m;
-        m->moments_home[1] = a->v;
+        *owner = a;
+        home[0] = a->m;
+        home[1] = a->v;
     }
     char *sc = m->dscratch;
     double *d_partial = (double *)(void *)sc;
     int64_t *d_bad = (int64_t *)(void *)(sc + off_bad);
     ds4_optim_piece *d_pieces = (ds4_optim_piece *)(void *)(sc + off_pieces);
     ds4_adamw_coefs *d_coefs = (ds4_adamw_coefs *)(void *)(sc + off_coefs);
-    float *grads = m->dgrads, *master = m->dmaster, *mom = m->dmoments, *mov = m->dmoments + P;
+    float *grads = l ? l->dgrads : m->dgrads, *master = l ? l->dparams : m->dmaster, *mom = *dmom, *mov = *dmom + P;
+    const float *host_grads = l ? l->grads : m->grads;
     /* pieces in flat offsets: the ranges were built over the host buffers, whose offsets the device buffers share */
     ds4_optim_make_chunks(a->ranges, nr, a->chunks);
     for (int64_t k = 0; k < nc; k++) {
         const ds4_optim_chunk *c = &a->chunks[k];
-        a->pieces[k] = (ds4_optim_piece){.off = (a->ranges[c->range].g - m->grads) + c->begin, .n = c->n,
+        a->pieces[k] = (ds4_optim_piece){.off = (a->ranges[c->range].g - host_grads) + c->begin, .n = c->n,
                                          .range = (int64_t)c->range};
     }
     ds4_dev_upload(d, d_pieces, a->pieces, (size_t)nc * sizeof *a->pieces);
@@ -606,23 +645,27 @@ static ds4_status adamw_step_device(ds4_adamw *a, size_t nr, int64_t total_elems
         bad += a->bad[k];
     }
     if (bad > 0) {
-        const ds4_param *p = first < nr ? &m->table[a->range_tensor[first]] : NULL;
         return ds4_fail(err, DS4_ERR_ARG,
                         "adamw step %lld: the update would make %lld of %lld parameters non-finite (first in %s; lr %g, "
                         "gradient norm %g, clip %g); parameters, moments, gradients and the step count are unchanged",
-                        (long long)a->steps + 1, (long long)bad, (long long)total_elems, p ? p->name : "?", lr, norm,
-                        a->o.clip);
+                        (long long)a->steps + 1, (long long)bad, (long long)total_elems,
+                        first < nr ? target_name(m, a->range_tensor[first]) : "?", lr, norm, a->o.clip);
     }
     OP(d, adamw, .pieces = d_pieces, .n = nc, .coefs = d_coefs, .coef = coef, .p = master, .g = grads, .m = mom,
        .v = mov, .update = 1);
-    OP(d, cast_params, .dst = m->dev_mem, .src = master, .e = m->dcast, .n = m->n_cast, .mdt = m->dev_w.mdt);
+    if (!l) OP(d, cast_params, .dst = m->dev_mem, .src = master, .e = m->dcast, .n = m->n_cast, .mdt = m->dev_w.mdt);
     if ((s = ds4_dev_check(d, "adamw step: update: ", err))) {
         /* the update may be half written: the device copies cannot be trusted; say so */
         ds4_error_prefix(err, "the model's weights on the device may be partly updated: ");
         return s;
     }
-    m->host_stale = 1;
-    m->grads_stale = 1; /* the clipped gradients are in the device buffer */
+    if (l) {
+        l->host_stale = 1;
+        l->grads_stale = 1;
+    } else {
+        m->host_stale = 1;
+        m->grads_stale = 1; /* the clipped gradients are in the device buffer */
+    }
     for (size_t k = 0; k < nr; k++) ++a->tensor_steps[a->range_tensor[k]];
     a->steps++;
     if (m->topt.router_bias_gamma > 0 && (s = ds4_model_update_router_bias(m, m->topt.router_bias_gamma, err))) return s;
@@ -633,16 +676,19 @@ static ds4_status adamw_step_device(ds4_adamw *a, size_t nr, int64_t total_elems
 ds4_status ds4_adamw_sync_state(ds4_adamw *a, ds4_error *err) {
     if (!a) return ds4_fail(err, DS4_ERR_ARG, "adamw state: optimizer is NULL");
     ds4_model *m = a->model;
-    if (m->moments_owner != a || !m->dmoments) return DS4_OK;
-    const size_t P = (size_t)m->n_params, bytes = P * sizeof(float);
-    ds4_status s = m->dev->ops->download(m->dev, a->m, m->dmoments, bytes, err);
-    if (!s) s = m->dev->ops->download(m->dev, a->v, m->dmoments + P, bytes, err);
+    const void *owner = m->lora ? m->lora->moments_owner : m->moments_owner;
+    float *dmom = m->lora ? m->lora->dmoments : m->dmoments;
+    if (owner != a || !dmom) return DS4_OK;
+    const size_t P = (size_t)a->n_params, bytes = P * sizeof(float);
+    ds4_status s = m->dev->ops->download(m->dev, a->m, dmom, bytes, err);
+    if (!s) s = m->dev->ops->download(m->dev, a->v, dmom + P, bytes, err);
     if (s) ds4_error_prefix(err, "adamw state: reading the moments back from %s: ", ds4_model_device_name(m));
     return s;
 }
 
 void ds4_adamw_state_changed(ds4_adamw *a) {
     if (a && a->model && a->model->moments_owner == a) a->model->moments_owner = NULL; /* sent again at the next step */
+    if (a && a->model && a->model->lora && a->model->lora->moments_owner == a) a->model->lora->moments_owner = NULL;
 }
 
 /* ------------------------------------------------------------------------------------------------ ZeRO-1 */
@@ -674,6 +720,7 @@ ds4_status ds4_adamw_set_shard(ds4_adamw *a, const ds4_adamw_shard *s, ds4_error
         return ds4_fail(err, DS4_ERR_ARG, "adamw shard: optimizer, collectives or rank %d of %d invalid",
                         s ? s->rank : -1, s ? s->world : -1);
     if (a->sharded) return ds4_fail(err, DS4_ERR_ARG, "adamw shard: the optimizer is sharded already");
+    if (a->lora) return ds4_fail(err, DS4_ERR_UNSUPPORTED, "adamw shard: an optimizer of LoRA adapters is not sharded");
     ds4_model *m = a->model;
     if (!m->dev->host_visible)
         return ds4_fail(err, DS4_ERR_UNSUPPORTED, "adamw shard: the model is on %s; ZeRO-1 is written for host (CPU) "
@@ -827,32 +874,42 @@ static ds4_status adamw_step_sharded(ds4_adamw *a, size_t nr, int64_t nc, float 
 ds4_status ds4_adamw_step(ds4_adamw *a, ds4_adamw_stats *stats, ds4_error *err) {
     if (!a) return ds4_fail(err, DS4_ERR_ARG, "adamw step: optimizer is NULL");
     ds4_model *m = a->model;
-    if (ds4_model_param_count(m) != a->n_params || ds4_model_tensor_count(m) != a->n_tensors)
+    if (m->lora != a->lora)
+        return ds4_fail(err, DS4_ERR_ARG,
+                        "adamw step: the model's LoRA adapters were %s since the optimizer was created; create a new "
+                        "optimizer (it steps the adapters while the model carries them, else the weights)",
+                        a->lora ? (m->lora ? "replaced" : "merged or dropped") : "attached");
+    if (target_numel(m) != a->n_params || target_count(m) != a->n_tensors)
         return ds4_fail(err, DS4_ERR_INTERNAL,
                         "adamw step: the model changed shape since the optimizer was created (%lld parameters in "
                         "%zu tensors, now %lld in %zu)",
-                        (long long)a->n_params, a->n_tensors, (long long)ds4_model_param_count(m),
-                        ds4_model_tensor_count(m));
+                        (long long)a->n_params, a->n_tensors, (long long)target_numel(m), target_count(m));
     const int on_device = !m->dev->host_visible;
-    if (on_device && m->grads && !m->dgrads) {
+    ds4_lora *l = m->lora;
+    if (on_device && (l ? l->grads && !l->dgrads : m->grads && !m->dgrads)) {
         ds4_status s = ds4_model_train_bind(m, err);
         if (s) return s;
     }
     /* on a device the host buffers only lend their offsets to the ranges (the arithmetic reads the device's) */
-    float *grads = on_device ? m->grads : ds4_model_grads(m);
+    float *grads = l ? l->grads : on_device ? m->grads : ds4_model_grads(m);
+    if (l && !on_device) {
+        ds4_status s = ds4_lora_host_sync(m, err);
+        if (s) return s;
+    }
     if (!grads)
         return ds4_fail(err, DS4_ERR_ARG,
                         "adamw step: the model has no gradient buffer (enable gradients, run a training forward and "
                         "a backward first)");
-    float *params = on_device ? m->params : ds4_model_params(m);
-    if (!on_device) ds4_model_params_changed(m);
+    float *params = l ? l->params : on_device ? m->params : ds4_model_params(m);
+    if (!on_device && l) l->dirty = 1;
+    else if (!on_device) ds4_model_params_changed(m);
 
     /* The trainable tensors, in parameter-buffer order (the order of the norm's sum). */
     size_t nr = 0;
     int64_t total_elems = 0;
     for (size_t i = 0; i < a->n_tensors; i++) {
         ds4_tensor_info ti;
-        ds4_status s = ds4_model_tensor_info(m, i, &ti, err);
+        ds4_status s = target_info(m, i, &ti, err);
         if (s) {
             ds4_error_prefix(err, "adamw step: ");
             return s;
@@ -905,9 +962,7 @@ ds4_status ds4_adamw_step(ds4_adamw *a, ds4_adamw_stats *stats, ds4_error *err) 
     size_t first = nr;
     const int64_t bad = ds4_adamw_count_nonfinite_ranges(a->ranges, nr, coef, a->chunks, nc, a->partial, pool, &first);
     if (bad > 0) {
-        const char *name = NULL;
-        ds4_tensor view;
-        if (first >= nr || ds4_model_tensor_at(m, a->range_tensor[first], &name, &view, NULL) != DS4_OK) name = "?";
+        const char *name = first < nr ? target_name(m, a->range_tensor[first]) : "?";
         return ds4_fail(err, DS4_ERR_ARG,
                         "adamw step %lld: the update would make %lld of %lld parameters non-finite (first in %s; lr %g, "
                         "gradient norm %g, clip %g); parameters, moments, gradients and the step count are unchanged",

@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "internal.h"
+#include "lora.h"
 #include "shape_limits.h"
 #include "sched.h"
 
@@ -136,6 +137,7 @@ static void plan(ds4_pass *f, ds4_arena *a, const ds4_pass_opts *o) {
     f->g3 = ds4_arena_take(a, T * K * I, 4);
     f->perm = ds4_arena_take(a, T * K, 4);
     f->ecount = ds4_arena_take(a, E + 1, 8);
+    f->lu = f->m->lora ? ds4_arena_take(a, T * (K > 1 ? K : 1) * (size_t)f->m->lora->r, 4) : NULL;
     f->logits_ws = o->logits_ws ? ds4_arena_take(a, T * (size_t)c->vocab_size, 4) : NULL;
     f->ids = ds4_arena_take(a, T, 8);
     f->tgt = ds4_arena_take(a, T, 8);

@@ -351,71 +351,88 @@ ds4_status ds4_model_save(const ds4_model *m, const char *dir, ds4_error *err) {
     return ds4_model_save_opts(m, dir, NULL, err);
 }
 
+typedef struct model_writer {
+    const ds4_model *m;
+    const ds4_save_options *o;
+} model_writer;
+
+static ds4_status write_model(void *ctx, const char *dir, ds4_error *err) {
+    const model_writer *w = ctx;
+    return ds4_model_write_files(w->m, dir, w->o, err);
+}
+
 ds4_status ds4_model_save_opts(const ds4_model *m, const char *dir_in, const ds4_save_options *opt, ds4_error *err) {
     if (!m || !dir_in) return ds4_fail(err, DS4_ERR_ARG, "model save: NULL argument");
     ds4_save_options o;
     ds4_status st = check_opts(opt, &o, err);
     if (st) return st;
     if ((st = check_finite(m, dir_in, err))) return st; /* before anything is created */
+    model_writer w = {m, &o};
+    return ds4_dir_save_atomic("model save", dir_in, o.overwrite, write_model, &w, err);
+}
+
+ds4_status ds4_dir_save_atomic(const char *what, const char *dir_in, int overwrite, ds4_dir_writer write, void *ctx,
+                               ds4_error *err) {
+    ds4_status st = DS4_OK;
     const size_t cap = strlen(dir_in) + 64;
     char *dir = malloc(cap), *parent = malloc(cap), *base = malloc(cap), *tmp = malloc(cap), *old = malloc(cap);
     if (!dir || !parent || !base || !tmp || !old) {
-        st = ds4_fail(err, DS4_ERR_OOM, "model save %s: paths", dir_in);
+        st = ds4_fail(err, DS4_ERR_OOM, "%s %s: paths", what, dir_in);
         goto out;
     }
     if (!ds4_fs_split(dir_in, parent, cap, base, cap)) {
-        st = ds4_fail(err, DS4_ERR_ARG, "model save '%s': not a directory path with a last component", dir_in);
+        st = ds4_fail(err, DS4_ERR_ARG, "%s '%s': not a directory path with a last component", what, dir_in);
         goto out;
     }
     snprintf(dir, cap, "%s/%s", parent, base);
     long pid = (long)getpid();
     snprintf(tmp, cap, "%s.tmp-%ld", dir, pid);
     snprintf(old, cap, "%s.old-%ld", dir, pid);
-    st = ds4_fs_mkdirs("model save", parent, err);
+    st = ds4_fs_mkdirs(what, parent, err);
     if (st) goto out;
     char why[512] = "";
     int target = inspect_target(dir, why, sizeof why);
     if (target == 3) {
-        st = ds4_fail(err, DS4_ERR_IO, "model save %s: refusing to save there: %s", dir, why);
+        st = ds4_fail(err, DS4_ERR_IO, "%s %s: refusing to save there: %s", what, dir, why);
         goto out;
     }
-    if (target == 2 && !o.overwrite) {
-        st = ds4_fail(err, DS4_ERR_IO, "model save %s: the directory exists and is not empty (set overwrite to "
-                      "replace it)", dir);
+    if (target == 2 && !overwrite) {
+        st = ds4_fail(err, DS4_ERR_IO, "%s %s: the directory exists and is not empty (set overwrite to replace it)",
+                      what, dir);
         goto out;
     }
     /* A leftover of an earlier attempt under our pid is ours to discard. */
-    st = ds4_fs_rmtree("model save", tmp, err);
+    st = ds4_fs_rmtree(what, tmp, err);
     if (st) goto out;
     if (mkdir(tmp, 0755) != 0) {
-        st = ds4_fail(err, DS4_ERR_IO, "model save %s: mkdir %s: %s", dir, tmp, strerror(errno));
+        st = ds4_fail(err, DS4_ERR_IO, "%s %s: mkdir %s: %s", what, dir, tmp, strerror(errno));
         goto out;
     }
-    st = ds4_model_write_files(m, tmp, &o, err);
-    if (!st) st = ds4_fs_sync_dir("model save", tmp, err);
+    st = write(ctx, tmp, err);
+    if (!st) st = ds4_fs_sync_dir(what, tmp, err);
     if (st) {
-        ds4_fs_rmtree("model save", tmp, NULL);
+        ds4_fs_rmtree(what, tmp, NULL);
         goto out;
     }
     if (target == 2) {
         /* rename(2) cannot replace a non-empty directory: move the old one aside first. Between the two renames
          * `dir` is absent, never half-written; the old copy is dropped only once the new one is in place. */
         if (rename(dir, old) != 0) {
-            st = ds4_fail(err, DS4_ERR_IO, "model save %s: rename the old directory to %s: %s", dir, old,
+            st = ds4_fail(err, DS4_ERR_IO, "%s %s: rename the old directory to %s: %s", what, dir, old,
                           strerror(errno));
-            ds4_fs_rmtree("model save", tmp, NULL);
+            ds4_fs_rmtree(what, tmp, NULL);
             goto out;
         }
     }
     if (rename(tmp, dir) != 0) {
-        st = ds4_fail(err, DS4_ERR_IO, "model save %s: rename from %s: %s", dir, tmp, strerror(errno));
+        st = ds4_fail(err, DS4_ERR_IO, "%s %s: rename from %s: %s", what, dir, tmp, strerror(errno));
         if (target == 2) (void)rename(old, dir);
-        ds4_fs_rmtree("model save", tmp, NULL);
+        ds4_fs_rmtree(what, tmp, NULL);
         goto out;
     }
-    st = ds4_fs_sync_dir("model save", parent, err);
+    st = ds4_fs_sync_dir(what, parent, err);
     /* The new directory is in place; failing to delete the old copy only leaves a ".old-" sibling behind. */
-    if (target == 2) ds4_fs_rmtree("model save", old, NULL);
+    if (target == 2) ds4_fs_rmtree(what, old, NULL);
 out:
     free(dir);
     free(parent);

@@ -123,6 +123,7 @@ typedef struct ds4_pass {
     int32_t *rowseq;
     ds4_seq_desc *seqs;
     int64_t *njobs_dev;           /* [2] */
+    float *lu;                    /* [T·max(K, 1), r] LoRA scratch (lora_sched.c), when the model carries adapters */
     /* routing replay and records (backend; the caller's arrays on a host-visible backend) */
     const int32_t *replay_experts; /* [T, L, K], or NULL */
     const int32_t *replay_index;  /* [T, n_csa, index_topk], or NULL */
@@ -185,6 +186,36 @@ int64_t ds4_head_rows(const ds4_model *m, int64_t T);
 /* The forward of ds4_model_forward / _train; with a tape it also saves what the backward needs. */
 ds4_status ds4_forward_run(ds4_model *m, const ds4_forward_args *args, ds4_forward_result *res, ds4_tape *tape,
                            ds4_error *err);
+
+/* lora_sched.c: the adapters' terms (docs/lora.md). Forward: y (row stride ldy) += s·(x Aᵀ)·B over T rows, nothing
+ * when the adapter is absent; wo_a per output group; the routed experts' gate_up (g1 and g3 from one A) and down over
+ * the expert row groups of off. */
+/* The adapter `field` of a layer's adapters lo (NULL when lo is) */
+#define DS4_LORA_AB(lo, field) ((lo) ? &(lo)->field : NULL)
+void ds4_lora_fwd(ds4_pass *f, const ds4_lora_layer *lo, const ds4_lora_ab *ab, float *y, int64_t ldy, const float *x,
+                  int64_t ldx, int64_t T, int64_t K, int64_t O);
+void ds4_lora_fwd_wo_a(ds4_pass *f, const ds4_lora_layer *lo, float *y, const float *o, int64_t T);
+void ds4_lora_fwd_gate_up(ds4_pass *f, const ds4_lora_layer *lo, float *g1, float *g3, const float *x,
+                          const int64_t *off, int64_t rows);
+void ds4_lora_fwd_down(ds4_pass *f, const ds4_lora_layer *lo, float *y, const float *act, const int64_t *off,
+                       int64_t rows);
+/* Backward: the adapter gradients (g, may be NULL) added and dx (may be NULL: a detached input) added to. u, v:
+ * scratch [T·max(K, 1), r] each. */
+typedef struct ds4_lora_bwd_ctx {
+    ds4_dev *dev;
+    float *u, *v;
+} ds4_lora_bwd_ctx;
+void ds4_lora_bwd(const ds4_lora_bwd_ctx *b, const ds4_lora_layer *lo, const ds4_lora_ab *ab, const ds4_lora_ab *g,
+                  float *dx, int64_t lddx, const float *dy, int64_t ldy, const float *x, int64_t ldx, int64_t T,
+                  int64_t K, int64_t O);
+void ds4_lora_bwd_wo_a(const ds4_lora_bwd_ctx *b, const ds4_config *c, const ds4_lora_layer *lo,
+                       const ds4_lora_layer *go, float *dout, const float *dy, const float *o, int64_t T);
+void ds4_lora_bwd_gate_up(const ds4_lora_bwd_ctx *b, const ds4_config *c, const ds4_lora_layer *lo,
+                          const ds4_lora_layer *go, float *dxs, const float *dg1, const float *dg3, const float *xs,
+                          const int64_t *off, int64_t rows);
+void ds4_lora_bwd_down(const ds4_lora_bwd_ctx *b, const ds4_config *c, const ds4_lora_layer *lo,
+                       const ds4_lora_layer *go, float *dact, const float *dys, const float *act, const int64_t *off,
+                       int64_t rows);
 
 /* step.c: ds4_model_step, with each sequence's last logits left in backend memory at last_dev ([nseq, V]) when
  * it is non-NULL (generation samples there). */

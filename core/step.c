@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "internal.h"
+#include "lora.h"
 #include "sched.h"
 
 static ds4_status check_step(const ds4_model *m, const ds4_step_args *a, int64_t *N, int64_t *Smax, ds4_error *err) {
@@ -49,7 +50,9 @@ static uint64_t step_key(const ds4_model *m, const ds4_pass *f, int64_t nseq, in
     const uint64_t v[] = {(uint64_t)nseq, (uint64_t)f->T, (uint64_t)cap, (uint64_t)(uintptr_t)m->ws,
                           (uint64_t)(uintptr_t)last_out, (uint64_t)(uintptr_t)m->rope_dev[0],
                           (uint64_t)(uintptr_t)m->rope_dev[1], (uint64_t)(uintptr_t)f->w->embed,
-                          (uint64_t)(a->experts != NULL), (uint64_t)(a->index_picks != NULL), (uint64_t)m->ws_bytes};
+                          (uint64_t)(a->experts != NULL), (uint64_t)(a->index_picks != NULL), (uint64_t)m->ws_bytes,
+                          /* the adapters' buffer: attaching or replacing them changes the launches */
+                          (uint64_t)(uintptr_t)(m->lora ? m->lora->dparams : NULL), (uint64_t)(m->lora ? m->lora->r : 0)};
     uint64_t h = 1469598103934665603ull;
     for (size_t i = 0; i < sizeof v / sizeof v[0]; i++)
         for (int b = 0; b < 8; b++) h = (h ^ ((v[i] >> (8 * b)) & 0xff)) * 1099511628211ull;

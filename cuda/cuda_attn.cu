@@ -396,6 +396,11 @@ void ds4_cuda_compress(ds4_dev *d, const ds4_a_compress *a) {
     const int64_t jobs = a->rows.pos ? a->rows.T / a->w->rate + a->rows.nseq : a->B * a->nwin;
     if (jobs <= 0) return;
     const ds4_compressor_w *w = a->w;
+    if (a->q.fmt || a->q.hadamard) {
+        ds4_dev_fail(d, DS4_ERR_UNSUPPORTED, "compress: the FP8 KV quantisation-aware option (kv_qat) runs on the CPU "
+                                             "backend only so far");
+        return;
+    }
     if (w->rate > DS4_MAX_RATE) {
         ds4_dev_fail(d, DS4_ERR_UNSUPPORTED, "compress: rate %lld > %d", (long long)w->rate, DS4_MAX_RATE);
         return;

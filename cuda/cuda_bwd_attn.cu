@@ -661,7 +661,8 @@ void ds4_cuda_comp_bwd(ds4_dev *d, const ds4_a_comp_bwd *a) {
                          a->overlap};
     comp_bwd_kernel<<<ds4_blocks(n, 128), 128, 0, cdev(d)->stream>>>(g, n);
     if (!ds4_cuda_launched(d, "comp_bwd", "[%lld sequences x %lld entries of %lld, rate %lld%s]", (long long)a->B,
-                           (long long)a->nwin, (long long)w->dd, (long long)w->rate, a->overlap ? ", overlap" : ""))
+                           (long long)a->nwin, (long long)w->dd, (long long)w->rate, a->overlap ? ", overlap" : "") ||
+        !a->gape) /* a frozen position bias (only adapters train): no gradient */
         return;
     comp_bwd_ape_kernel<<<ds4_blocks(w->rate * w->width, 128), 128, 0, cdev(d)->stream>>>(g, a->B);
     ds4_cuda_launched(d, "comp_bwd", "[position bias %lld x %lld over %lld x %lld windows]", (long long)w->rate,

@@ -73,6 +73,8 @@ local SPEC = {
         { "minibatches", 2, "optimizer updates per step" },
         { "micro_batches", 1, "micro-batches per update on each rank (gradient accumulation)" },
         { "lr", 3e-4, "learning rate" },
+        { "lora", 0, "train LoRA adapters of this rank only (0: train every weight); docs/lora.md" },
+        { "lora_alpha", 0, "LoRA alpha (0: twice the rank)" },
         { "seed", 1, "seed of the data, the model and the rollouts" },
         { "device", "", "where the model computes: cpu, cuda, cuda:N (default: ds4 run --device's, else cpu)" },
         { "dtype", "", "fp32 or bf16 (default: bf16 on CUDA, fp32 on the CPU)" },
@@ -257,6 +259,13 @@ print(("%s: %s, %d parameters; %d train / %d held-out problems; %s; run %s"):for
     ds4.config_summary(model:config()), model:n_params(), #train, #heldout, opts.model ~= "" and opts.model
     or "built-in model", OUT))
 local wall0 = ds4.metrics.clock()
+if opts.lora ~= 0 then
+    if opts.lora ~= math.floor(opts.lora) or opts.lora < 0 then usage_error("--lora must be a rank >= 1 (0: off)") end
+    -- not yet: checkpoints hold the weights, not adapters; workers are sent the weights, not adapters
+    if opts.workers ~= "" or opts.save_every > 0 or opts.resume then
+        usage_error("--lora does not combine with --workers, --save-every or --resume yet (docs/lora.md)")
+    end
+end
 if opts.sft_steps > 0 and not resuming then -- a resumed run's checkpoint holds the warmed-up (and trained) policy
     local acc0 = trainer.evaluate(model, { samples = heldout, correct = task.correct }, decode, M, stop)
     print(("greedy accuracy before SFT: %.1f%%"):format(100 * acc0))
@@ -295,6 +304,12 @@ if opts.workers ~= "" then
         print(("start a worker: %s%s"):format(cmd, opts.insecure and " --insecure" or ""))
     end
     io.stdout:flush() -- the command is wanted now, also when stdout is a file
+end
+if opts.lora > 0 then -- after the warm-up: RL trains the adapters only (the warmed-up weights stay frozen)
+    model:lora{ rank = opts.lora, alpha = opts.lora_alpha > 0 and opts.lora_alpha or 2 * opts.lora, seed = opts.seed }
+    local li = model:lora_info()
+    print(("LoRA rank %d (scale %g): %d trainable adapter values, %d frozen weights"):format(li.rank, li.scale,
+        li.numel, model:n_params()))
 end
 local r, rstate = task.rng(opts.seed + 104729) -- one stream of training problems; its state is checkpointed
 local result = trainer.run{
@@ -336,7 +351,10 @@ if not ROOT then return end
 local before, after = result.eval_before, result.eval_after
 print(("greedy accuracy on %d held-out problems: %.1f%% after SFT -> %.1f%% after %s (%+.1f points); %d s in all")
     :format(#heldout, 100 * before, 100 * after, algo_name, 100 * (after - before), ds4.metrics.clock() - wall0))
-if opts.save ~= "" then
+if opts.save ~= "" and opts.lora > 0 then
+    model:save_lora(opts.save, { overwrite = true, base = opts.model ~= "" and opts.model or nil }) -- PEFT's layout
+    print("LoRA adapter saved to " .. opts.save)
+elseif opts.save ~= "" then
     model:save(opts.save, { overwrite = true }) -- config.json + model.safetensors (save_pretrained names) + tokenizer
     print("model saved to " .. opts.save)
 end

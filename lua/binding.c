@@ -424,7 +424,7 @@ ds4_model *ds4l_model_check(lua_State *L, int idx, const char *fname) {
     return b->m;
 }
 
-/* ds4.load(dir [, {device = "cuda[:N]" | "cpu", dtype = "bf16" | "fp32"}]) */
+/* ds4.load(dir [, {device = "cuda[:N]" | "cpu", dtype = "bf16" | "fp32", lora = adapter_dir}]) */
 static int l_load(lua_State *L) {
     const char *fname = "ds4.load";
     const char *dir = check_path(L, 1, fname);
@@ -438,6 +438,15 @@ static int l_load(lua_State *L) {
     if (ds4_model_load(r->e, dir, &b->m, &err) != DS4_OK) ds4l_raise_ds4(L, fname, &err);
     model_adopt(b, r);
     place_model(L, b->m, 2, fname);
+    if (lua_istable(L, 2)) { /* {lora = adapter_dir}: a PEFT adapter on top (docs/lora.md) */
+        lua_getfield(L, 2, "lora");
+        if (!lua_isnil(L, -1)) {
+            if (lua_type(L, -1) != LUA_TSTRING)
+                ds4l_raise(L, "%s: opts.lora must be an adapter directory, got %s", fname, luaL_typename(L, -1));
+            if (ds4_model_lora_load(b->m, lua_tostring(L, -1), &err) != DS4_OK) ds4l_raise_ds4(L, fname, &err);
+        }
+        lua_pop(L, 1);
+    }
     return 1;
 }
 
@@ -549,6 +558,21 @@ static int m_n_params(lua_State *L) {
 
 static int m_has_mtp(lua_State *L) {
     lua_pushboolean(L, ds4_model_has_mtp(check_model(L, "ds4.model:has_mtp")->m));
+    return 1;
+}
+
+/* model:set_kv_qat(on): the FP8 KV quantisation-aware option (ds4_model_set_kv_qat); model:kv_qat() reads it. */
+static int m_set_kv_qat(lua_State *L) {
+    const char *fname = "ds4.model:set_kv_qat";
+    ds4_model *m = check_model(L, fname)->m;
+    if (lua_type(L, 2) != LUA_TBOOLEAN) ds4l_raise(L, "%s: on must be a boolean, got %s", fname, luaL_typename(L, 2));
+    ds4_error err = {0};
+    if (ds4_model_set_kv_qat(m, lua_toboolean(L, 2), &err) != DS4_OK) ds4l_raise_ds4(L, fname, &err);
+    return 0;
+}
+
+static int m_kv_qat(lua_State *L) {
+    lua_pushboolean(L, ds4_model_kv_qat(check_model(L, "ds4.model:kv_qat")->m));
     return 1;
 }
 
@@ -798,7 +822,7 @@ static int m_forward(lua_State *L) {
 static const luaL_Reg model_methods[] = {
     {"forward", m_forward}, {"config", m_config}, {"n_params", m_n_params}, {"has_mtp", m_has_mtp},
     {"tensors", m_tensors}, {"free", m_free},     {"to", m_to},           {"device", m_device},
-    {"profile", m_profile}, {NULL, NULL},
+    {"profile", m_profile}, {"set_kv_qat", m_set_kv_qat}, {"kv_qat", m_kv_qat}, {NULL, NULL},
 };
 
 static const luaL_Reg module_functions[] = {
@@ -893,6 +917,7 @@ int luaopen_ds4_core(lua_State *L) {
     ds4l_tensor_open(L);
     ds4l_tokenizer_open(L);
     ds4l_train_open(L); /* lua/train_lua.c */
+    ds4l_lora_open(L);  /* lua/lora_lua.c */
     ds4l_save_open(L);  /* lua/save_lua.c */
     ds4l_params_open(L); /* lua/params_lua.c */
     ds4l_gen_open(L);   /* lua/gen_lua.c (after the others: it guards some of their model methods) */

@@ -94,6 +94,8 @@ void ds4l_save_open(lua_State *L);
 /* lua/train_lua.c: add zero_grad / backward / grads to the model methods and ds4.adamw to the module table at
  * the top of the stack. */
 void ds4l_train_open(lua_State *L);
+/* lua/lora_lua.c: add lora / save_lora / load_lora / merge_lora / ... to the model methods (docs/lora.md). */
+void ds4l_lora_open(lua_State *L);
 /* lua/params_lua.c: add params / set_params / tables_crc (the flat fp32 parameter buffer, for weight sync) to the
  * model methods. */
 void ds4l_params_open(lua_State *L);

@@ -78,7 +78,7 @@ ds4_status ds4l_train_forward(lua_State *L, int model_idx, int opts_idx, ds4_mod
                        fname, (long long)args->batch, (long long)args->seq);
         if (ds4_model_enable_grad(m, err) != DS4_OK) return err->code;
     }
-    if (train == -1) train = args->labels && ds4_model_grads(m);
+    if (train == -1) train = args->labels && ds4_model_grad_enabled(m);
     if (!train) return ds4_model_forward(m, args, res, err);
     /* The previous training forward's activations are being replaced: forget it first, so that a failed
      * forward leaves nothing to differentiate. */

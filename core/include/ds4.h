@@ -332,6 +332,16 @@ ds4_status ds4_model_forward(ds4_model *m, const ds4_forward_args *args, ds4_for
  * CUDA, or the device memory is short (the message says how much was asked and how much is free). */
 ds4_status ds4_model_to(ds4_model *m, const ds4_device_options *o, ds4_error *err);
 ds4_device_options ds4_model_device(const ds4_model *m);
+/* The FP8 KV quantisation-aware option (off by default; docs/architecture.md, "FP8 KV quantisation-aware
+ * training"), as the official inference code computes: window keys and the attention compressor's entries have
+ * their non-RoPE channels rounded to FP8 e4m3 in blocks of 64 with power-of-two scales; the indexer's queries and
+ * entries are Hadamard-rotated and rounded to FP4 e2m1 in blocks of 32. Every forward, step and generation of the
+ * model applies it the same way (so rollout and training log-probabilities still agree exactly); gradients pass
+ * straight through the rounding. Set it before making caches: a cache holds what was computed when it was filled.
+ * CPU backend only so far (DS4_ERR_UNSUPPORTED on a model on CUDA); the indexer needs a power-of-two
+ * index_head_dim. */
+ds4_status ds4_model_set_kv_qat(ds4_model *m, int on, ds4_error *err);
+int ds4_model_kv_qat(const ds4_model *m);
 /* A short description: "cpu", "cuda:0 bf16". */
 const char *ds4_model_device_name(const ds4_model *m);
 /* Call after writing to the host parameters (ds4_model_params, tensor views): a model on a device refreshes its copy

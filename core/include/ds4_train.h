@@ -195,6 +195,64 @@ ds4_status ds4_adamw_set_shard(ds4_adamw *a, const ds4_adamw_shard *s, ds4_error
 /* This rank's region of the flat buffer: elements [*off, *off + *len) (the whole buffer when not sharded). */
 void ds4_adamw_shard_region(const ds4_adamw *a, int64_t *off, int64_t *len);
 
+/* ------------------------------------------------------------------------------------------------ LoRA */
+
+/* Low-rank adapters (docs/lora.md): on each targeted weight W [O, K] the model computes y = x Wᵀ + s·B(A x) with
+ * A [r, K], B [O, r] (PEFT's lora_A / lora_B), s = alpha / r (alpha / sqrt(r) with rsLoRA), adapters in fp32. While
+ * a model carries adapters only they train: the gradient buffer covers them alone (ds4_model_grads is NULL, no
+ * frozen weight's gradient is computed), and an optimizer created on the model steps the adapters only. Forward
+ * passes, model steps (decoding) and generation all apply them, so rollout and training log-probabilities agree. */
+enum ds4_lora_target {
+    DS4_LORA_WQ_A = 1u << 0,         /* attention projections (HF q_a_proj, q_b_proj, kv_proj, o_a_proj, o_b_proj) */
+    DS4_LORA_WQ_B = 1u << 1,
+    DS4_LORA_WKV = 1u << 2,
+    DS4_LORA_WO_A = 1u << 3,
+    DS4_LORA_WO_B = 1u << 4,
+    DS4_LORA_INDEXER = 1u << 5,      /* the lightning indexer's wq_b and weights_proj (CSA layers; they receive a
+                                        gradient only from the indexer KL loss) */
+    DS4_LORA_SHARED = 1u << 6,       /* the shared expert's w1, w2, w3 */
+    DS4_LORA_EXPERTS = 1u << 7,      /* every routed expert's own adapters: gate_up (w1 and w3) and down (w2) */
+    DS4_LORA_ALL = 0xffu
+};
+
+typedef struct ds4_lora_options {
+    int64_t rank;                    /* r >= 1 */
+    double alpha;                    /* scale alpha / r */
+    double dropout;                  /* must be 0: a dropout mask would make rollout and training differ */
+    uint32_t targets;                /* ds4_lora_target bits */
+    int32_t rslora;                  /* 1: scale alpha / sqrt(r) */
+    uint64_t seed;                   /* A ~ U(-1/sqrt(K), 1/sqrt(K)) (PEFT's default), B = 0: the model is unchanged */
+} ds4_lora_options;
+
+/* Attach fresh adapters (replacing any). The model's gradient buffer and training forward are dropped. */
+ds4_status ds4_model_lora(ds4_model *m, const ds4_lora_options *o, ds4_error *err);
+/* Attach the adapters of a PEFT directory (adapter_config.json + adapter_model.safetensors). */
+ds4_status ds4_model_lora_load(ds4_model *m, const char *dir, ds4_error *err);
+/* Write the adapters as a PEFT directory (atomically, as ds4_model_save; overwrite: replace an adapter directory).
+ * base_name: adapter_config.json's base_model_name_or_path (may be NULL). */
+ds4_status ds4_model_lora_save(ds4_model *m, const char *dir, const char *base_name, int overwrite, ds4_error *err);
+/* W += s·B A on every adapted weight, then drop the adapters. */
+ds4_status ds4_model_merge_lora(ds4_model *m, ds4_error *err);
+/* Drop the adapters without merging them. */
+void ds4_model_drop_lora(ds4_model *m);
+int ds4_model_has_lora(const ds4_model *m);
+/* The adapters' rank, scale and element count (0 without adapters). */
+ds4_status ds4_model_lora_info(const ds4_model *m, int64_t *rank, double *scale, int64_t *numel, ds4_error *err);
+/* Gradients are enabled: the model's (ds4_model_enable_grad) or, with adapters, the adapters'. */
+int ds4_model_grad_enabled(const ds4_model *m);
+
+/* The adapters (grads 0) or their gradients (grads 1) in PEFT's layout under PEFT's key names
+ * ("base_model.model.model.layers.0.self_attn.q_a_proj.lora_A.weight"): n new F32 tensors (names[i] malloc'd);
+ * release with ds4_lora_tensors_free. */
+typedef struct ds4_lora_tensors {
+    size_t n;
+    char **names;
+    ds4_tensor **tensors;
+} ds4_lora_tensors;
+ds4_status ds4_model_lora_tensors(ds4_model *m, int grads, ds4_lora_tensors *out, ds4_error *err);
+/* The inverse for values: write tensors (PEFT layout and names, every adapter tensor given once) into the adapters. */
+ds4_status ds4_model_lora_set(ds4_model *m, const ds4_lora_tensors *in, ds4_error *err);
+void ds4_lora_tensors_free(ds4_lora_tensors *t);
 
 #ifdef __cplusplus
 }

@@ -122,6 +122,29 @@ function H.make_temp_dir()
     return p
 end
 
+-- Park–Miller generator: r(lo, hi) draws an integer in [lo, hi) (products stay below 2^53, so exact in doubles).
+function H.lcg(seed)
+    local s = seed
+    return function(lo, hi)
+        s = (s * 16807) % 2147483647
+        return lo + math.floor(s / 2147483647 * (hi - lo))
+    end
+end
+
+-- n token ids drawn with r in [2, V): 0 and 1 (the fixtures' bos and eos) left out.
+function H.random_ids(r, n, V)
+    local t = {}
+    for i = 1, n do t[i] = r(2, V) end
+    return t
+end
+
+-- a[i .. j] as a new table
+function H.slice(a, i, j)
+    local t = {}
+    for k = i, j do t[#t + 1] = a[k] end
+    return t
+end
+
 function H.fixtures()
     if arg and arg[1] then return arg[1] end
     local dir = (arg and arg[0] or ""):match("^(.*)/[^/]*$") or "."

@@ -35,20 +35,7 @@ local TOL = 1e-5
 
 -- ------------------------------------------------------------------------------------------------ helpers
 
--- Park–Miller generator: deterministic token ids in [lo, hi) (products stay below 2^53).
-local function lcg(seed)
-    local s = seed
-    return function(lo, hi)
-        s = (s * 16807) % 2147483647
-        return lo + math.floor(s / 2147483647 * (hi - lo))
-    end
-end
-
-local function random_ids(rnd, n, V)
-    local t = {}
-    for i = 1, n do t[i] = rnd(2, V) end -- 0 (bos) and 1 (eos) left out
-    return t
-end
+local lcg, random_ids = H.lcg, H.random_ids -- Park–Miller draws; token ids without 0 (bos) and 1 (eos)
 
 local function concat(a, b)
     local t = {}
@@ -57,11 +44,7 @@ local function concat(a, b)
     return t
 end
 
-local function slice(a, i, j)
-    local t = {}
-    for k = i, j do t[#t + 1] = a[k] end
-    return t
-end
+local slice = H.slice
 
 local function f32(t) return ffi.cast("const float *", t:data_ptr()) end
 local function i32(t) return ffi.cast("const int32_t *", t:data_ptr()) end
