@@ -46,6 +46,8 @@ static void print_profile(ds4_model *m, ds4_dev *d) {
  * are to survive) and point the gradient views back at the host buffer. */
 static void free_train_state(ds4_model *m) {
     ds4_dev *d = m->dev;
+    if (d && m->gsaved) d->ops->free(d, m->gsaved); /* on the CPU backend too: it is the backend's memory */
+    m->gsaved = NULL;
     if (d && d != m->cpu) {
         d->ops->free(d, m->dgrads);
         d->ops->free(d, m->dmaster);
@@ -289,12 +291,15 @@ ds4_status ds4_model_grad_buffer(ds4_model *m, float **out, int64_t *count, ds4_
     }
     *out = dev ? dev : host;
     *count = n;
+    m->grads_zero = 0; /* the caller may write it */
     return DS4_OK;
 }
 
 void ds4_model_grads_changed(ds4_model *m) {
-    if (m && m->lora && m->lora->dgrads) m->lora->grads_stale = 1;
-    else if (m && m->dgrads) m->grads_stale = 1;
+    if (!m) return;
+    m->grads_zero = 0;
+    if (m->lora && m->lora->dgrads) m->lora->grads_stale = 1;
+    else if (m->dgrads) m->grads_stale = 1;
 }
 
 ds4_status ds4_model_scale_grads(ds4_model *m, double scale, ds4_error *err) {

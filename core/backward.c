@@ -49,6 +49,8 @@ typedef struct bwd {
     int32_t *has, *rowmap;        /* [T] */
     int64_t *mids;                /* [T] MTP next-token ids */
     float *dlogp;                 /* [T] the caller's per-token gradient */
+    double ikl_scale;             /* > 0: the indexer KL's per-query factor (its weight / the global query count);
+                                     else the weight / this forward's own count, layer by layer */
     ds4_lora_bwd_ctx lc;          /* LoRA scratch u, v [T·max(K, 1), r] (lora_sched.c) */
 } bwd;
 
@@ -238,7 +240,7 @@ static void indexer_kl_bwd(bwd *b, const ds4_layer_w *l, const ds4_layer_w *g, c
     free(has);
     if (nq == 0) return;
     OP(dev, ikl, .c = c, .lt = lt, .T = T, .S = b->f.S, .sel_stride = stride, .kl = b->kl, .has = b->has, .dI = b->dI,
-       .scale = b->m->topt.indexer_kl / (double)nq);
+       .scale = b->ikl_scale > 0 ? b->ikl_scale : b->m->topt.indexer_kl / (double)nq);
     OP(dev, ikl_bwd_q, .c = c, .lt = lt, .B = b->f.B, .S = b->f.S, .T = T, .sel_stride = stride, .dI = b->dI,
        .diq = b->diq, .diw = b->diw, .dsi = b->dsi);
     OP(dev, ikl_bwd_k, .c = c, .lt = lt, .B = b->f.B, .S = b->f.S, .T = T, .sel_stride = stride, .dsi = b->dsi,
@@ -497,31 +499,97 @@ ds4_status ds4_model_logprobs(ds4_model *m, float *logp, float *entropy, ds4_err
     return ds4_dev_check(dev, "logprobs", err);
 }
 
-static ds4_status backward_impl(ds4_model *m, const float *dlogp, double scale, ds4_error *err);
+static ds4_status backward_impl(ds4_model *m, const float *dlogp, const ds4_backward_scales *sc, ds4_error *err);
+
+/* A backward adds its gradient to the buffer with one fp32 addition per element. Inside a backward some elements
+ * receive many additions (a norm weight or a sink token by token, the embedding row of a repeated id, the head and
+ * embedding shared by the main and the MTP losses), so accumulating onto gradients that are already there would
+ * interleave them: ((g + t1) + t2) + ... instead of g + (t1 + t2 + ...). When the buffer is not known to be zero
+ * it is set aside, the backward runs on zeros, and the saved values are added back: k backwards accumulated in one
+ * buffer give ((G1 + G2) + G3) + ..., the same bits as the k gradients computed apart and summed in that order —
+ * which is what data parallelism's rank-order sum computes (docs/distributed.md, "Bitwise data parallelism"). The
+ * saved copy costs one buffer of n_params floats on the model's backend, allocated on the first accumulation. */
+static ds4_status set_aside(ds4_model *m, float **saved, ds4_error *err) {
+    *saved = NULL;
+    /* adapters (LoRA) train in their own buffer, which accumulates as the backward adds (not set aside: data
+     * parallelism of adapters is not wired) */
+    if (m->lora || !m->grads || m->grads_zero || m->n_params == 0) return DS4_OK;
+    ds4_dev *d = m->dev;
+    const size_t bytes = (size_t)m->n_params * sizeof(float);
+    if (!m->gsaved) {
+        void *p = NULL;
+        ds4_status s = d->ops->alloc(d, bytes, &p, err);
+        if (s) {
+            ds4_error_prefix(err, "backward: the accumulated gradients set aside (%lld fp32 values): ",
+                             (long long)m->n_params);
+            return s;
+        }
+        m->gsaved = p;
+    }
+    float *g = m->dgrads ? m->dgrads : m->grads;
+    ds4_dev_copy(d, m->gsaved, g, bytes);
+    ds4_dev_fill(d, g, 0, bytes);
+    *saved = m->gsaved;
+    return DS4_OK;
+}
+
+/* g += saved, over the flat buffer in rows of ADD_ROW values (add_bcast with one stream is a plain add; the rows
+ * let the CPU backend spread it over its threads). */
+static void add_back(ds4_model *m, const float *saved) {
+    enum { ADD_ROW = 4096 };
+    float *g = m->dgrads ? m->dgrads : m->grads;
+    const int64_t n = m->n_params, full = n / ADD_ROW, rest = n - full * ADD_ROW;
+    if (full > 0) OP(m->dev, add_bcast, .x = g, .h = saved, .T = full, .n = 1, .D = ADD_ROW);
+    if (rest > 0)
+        OP(m->dev, add_bcast, .x = g + full * ADD_ROW, .h = saved + full * ADD_ROW, .T = 1, .n = 1, .D = rest);
+}
 
 ds4_status ds4_model_backward(ds4_model *m, double scale, ds4_error *err) {
     ds4_status s = tape_ready(m, "backward", err);
     if (s) return s;
     if (!isfinite(scale)) return ds4_fail(err, DS4_ERR_ARG, "backward: scale %g is not finite", scale);
-    return backward_impl(m, NULL, scale, err);
+    const ds4_backward_scales sc = {.ce = scale, .mtp = -1, .ikl = -1};
+    return backward_impl(m, NULL, &sc, err);
+}
+
+static ds4_status check_scales(const ds4_backward_scales *sc, const char *op, ds4_error *err) {
+    if (!sc) return ds4_fail(err, DS4_ERR_ARG, "%s: scales is NULL", op);
+    if (!isfinite(sc->ce) || !isfinite(sc->mtp) || !isfinite(sc->ikl))
+        return ds4_fail(err, DS4_ERR_ARG, "%s: scales ce %g, mtp %g, ikl %g: each must be finite", op, sc->ce, sc->mtp,
+                        sc->ikl);
+    return DS4_OK;
+}
+
+ds4_status ds4_model_backward_scaled(ds4_model *m, const ds4_backward_scales *sc, ds4_error *err) {
+    ds4_status s = tape_ready(m, "backward", err);
+    if (!s) s = check_scales(sc, "backward", err);
+    return s ? s : backward_impl(m, NULL, sc, err);
 }
 
 ds4_status ds4_model_backward_logprobs(ds4_model *m, const float *dlogp, ds4_error *err) {
+    return ds4_model_backward_logprobs_scaled(m, dlogp, -1, err);
+}
+
+ds4_status ds4_model_backward_logprobs_scaled(ds4_model *m, const float *dlogp, double ikl_scale, ds4_error *err) {
     ds4_status s = tape_ready(m, "backward_logprobs", err);
     if (s) return s;
+    if (!isfinite(ikl_scale))
+        return ds4_fail(err, DS4_ERR_ARG, "backward_logprobs: indexer KL scale %g is not finite", ikl_scale);
     if (!dlogp) return ds4_fail(err, DS4_ERR_ARG, "backward_logprobs: dlogp is NULL");
     for (int64_t t = 0; t < m->tape->T; t++)
         if (!isfinite(dlogp[t]))
             return ds4_fail(err, DS4_ERR_ARG, "backward_logprobs: dlogp[%lld, %lld] = %g is not finite (dlogp [%lld, %lld])",
                             (long long)(t / m->tape->S), (long long)(t % m->tape->S), (double)dlogp[t],
                             (long long)m->tape->B, (long long)m->tape->S);
-    return backward_impl(m, dlogp, 0.0, err);
+    const ds4_backward_scales sc = {.ce = 0, .mtp = -1, .ikl = ikl_scale};
+    return backward_impl(m, dlogp, &sc, err);
 }
 
 /* The CE path passes dlogp = NULL and scale; the per-token path passes dlogp (and the MTP term, when on, keeps its
  * own mean normalisation relative to the main loss: see below). */
-static ds4_status backward_impl(ds4_model *m, const float *dlogp, double scale, ds4_error *err) {
+static ds4_status backward_impl(ds4_model *m, const float *dlogp, const ds4_backward_scales *sc, ds4_error *err) {
     ds4_tape *tp = m->tape;
+    const double scale = sc->ce;
     const ds4_config *c = &m->cfg;
     bwd b;
     memset(&b, 0, sizeof b);
@@ -531,6 +599,7 @@ static ds4_status backward_impl(ds4_model *m, const float *dlogp, double scale, 
     b.tp = tp;
     b.gw = &m->gw;
     b.mdt = b.f.w->mdt;
+    b.ikl_scale = sc->ikl;
     ds4_arena a = {0};
     bplan(&b, &a);
     if (a.used > tp->bbytes) {
@@ -555,12 +624,19 @@ static ds4_status backward_impl(ds4_model *m, const float *dlogp, double scale, 
     ds4_dev_upload(dev, tp->tgt, htgt, (size_t)T * sizeof(int64_t));
     const float *dl = ds4_pass_input(&b.f, b.dlogp, dlogp, (size_t)T * sizeof(float));
     const ds4_weights *wv = b.f.w;
+    float *gsaved = NULL;
+    if ((s = set_aside(m, &gsaved, err))) {
+        free(htgt);
+        return s;
+    }
     head_bwd(&b, tp->u_fin, tp->y_fin, tp->X_L, wv->hc_head_fn, wv->hc_head_base, wv->hc_head_scale, wv->norm,
              b.gw->hc_head_fn, b.gw->hc_head_base, b.gw->hc_head_scale, b.gw->norm, tp->tgt, dl, -scale, b.dX);
     if (tp->with_mtp && tp->mtp_tokens > 0 && !dlogp)
-        /* MTP term λ·mean over its own scored tokens: per-token scale λ·scale·(main tokens / MTP tokens), which is
-         * λ / mtp_tokens when scale = 1 / loss_tokens */
-        mtp_bwd(&b, m->topt.mtp_lambda * scale * (double)tp->loss_tokens / (double)tp->mtp_tokens, htgt, hrows);
+        /* MTP term λ·mean over its own scored tokens: by default the per-token scale λ·scale·(main tokens / MTP
+         * tokens), which is λ / mtp_tokens when scale = 1 / loss_tokens; the caller's own (λ / the global MTP count)
+         * when given */
+        mtp_bwd(&b, sc->mtp >= 0 ? sc->mtp : m->topt.mtp_lambda * scale * (double)tp->loss_tokens / (double)tp->mtp_tokens,
+                htgt, hrows);
     int64_t ncsa = 0; /* CSA layers before the block being recomputed (its indexer replay offset) */
     for (int64_t li = 0; li < L; li++) ncsa += c->layer_types[li] == DS4_ATTN_CSA;
     for (int64_t li = L - 1; li >= 0; li--) {
@@ -580,6 +656,8 @@ static ds4_status backward_impl(ds4_model *m, const float *dlogp, double scale, 
     }
     if (b.gw->embed)
         OP(dev, embed_bwd, .ge = b.gw->embed, .ids = tp->ids, .dx = b.dX, .T = T, .n = c->hc_mult, .D = c->hidden_size);
+    if (gsaved) add_back(m, gsaved);
+    m->grads_zero = 0;
     free(htgt);
     tp->valid = 0;
     return ds4_dev_check(dev, "backward", err);

@@ -455,9 +455,9 @@ static void mtp_forward(ds4_pass *f, const int64_t *ids, float *mtp_logits, ds4_
 }
 
 /* The indexer KL loss of CSA layer li from its tape (training option): the mean KL over its queries into *sum, the
- * queries into *nq_all. With recomputation the layer's tape slots are shared, so it runs right after the block. */
+ * most queries of any layer so far into *nq_max. With recomputation the layer's tape slots are shared, so it runs right after the block. */
 static void ikl_layer(ds4_pass *f, ds4_tape *tape, int64_t li, double *hnll, int32_t *has, double *sum,
-                      int64_t *nq_all) {
+                      int64_t *nq_max) {
     const int64_t T = f->T;
     OP(f->dev, ikl, .c = f->c, .lt = &tape->layers[li], .T = T, .S = f->S, .sel_stride = tape->sel_stride, .kl = f->nll,
        .has = (int32_t *)f->rowmap);
@@ -472,7 +472,7 @@ static void ikl_layer(ds4_pass *f, ds4_tape *tape, int64_t li, double *hnll, int
             nq++;
         }
     if (nq > 0) *sum += kl / (double)nq;
-    *nq_all += nq;
+    if (nq > *nq_max) *nq_max = nq;
 }
 
 ds4_status ds4_forward_run(ds4_model *m, const ds4_forward_args *args, ds4_forward_result *res, ds4_tape *tape,
@@ -537,7 +537,7 @@ ds4_status ds4_forward_run(ds4_model *m, const ds4_forward_args *args, ds4_forwa
     }
     f.lt = NULL;
     float *logits = tape ? NULL : (args->logits && hv ? args->logits : f.logits_ws); /* a tape: in chunks */
-    ds4_forward_result r = {NAN, 0, NAN, 0, NAN};
+    ds4_forward_result r = {NAN, 0, NAN, 0, NAN, 0};
     if (args->logits || args->labels || tape) {
         if (tape) {
             keep(&f, tape->X_L, f.X, T * n * D);
@@ -554,6 +554,14 @@ ds4_status ds4_forward_run(ds4_model *m, const ds4_forward_args *args, ds4_forwa
             cross_entropy(&f, logits, B, S, args->labels, S, 1, htgt, hnll, &r.loss, &r.loss_tokens,
                           tape ? tape->lp : NULL, tape ? args->logits : NULL);
     }
+    if (tape && tape->with_ikl) {
+        /* the indexer KL loss (training option): per CSA layer the mean KL over its queries, summed over layers;
+         * before the MTP block, which leaves the pass's shapes at its S - 1 positions */
+        for (int64_t li = 0; !tape->recompute && li < c->num_hidden_layers && !f.dev->st; li++)
+            if (c->layer_types[li] == DS4_ATTN_CSA) ikl_layer(&f, tape, li, hnll, hrows, &ikl_sum, &ikl_nq);
+        r.indexer_loss = ikl_nq ? ikl_sum : 0.0;
+        r.indexer_queries = ikl_nq;
+    }
     if (want_mtp) {
         const int64_t T1 = B * (S - 1);
         float *mtp_logits = train_mtp ? NULL : (hv ? args->mtp_logits : f.logits_ws);
@@ -563,12 +571,6 @@ ds4_status ds4_forward_run(ds4_model *m, const ds4_forward_args *args, ds4_forwa
         if (args->labels)
             cross_entropy(&f, mtp_logits, B, S - 1, args->labels, S, 2, htgt, hnll, &r.mtp_loss, &r.mtp_loss_tokens,
                           NULL, train_mtp ? args->mtp_logits : NULL);
-    }
-    if (tape && tape->with_ikl) {
-        /* the indexer KL loss (training option): per CSA layer the mean KL over its queries, summed over layers */
-        for (int64_t li = 0; !tape->recompute && li < c->num_hidden_layers && !f.dev->st; li++)
-            if (c->layer_types[li] == DS4_ATTN_CSA) ikl_layer(&f, tape, li, hnll, hrows, &ikl_sum, &ikl_nq);
-        r.indexer_loss = ikl_nq ? ikl_sum : 0.0;
     }
     if (tape && tape->loads) { /* this forward's expert loads join the model's host counters */
         int64_t *ld = malloc(nloads * sizeof *ld);

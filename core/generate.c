@@ -295,7 +295,7 @@ static ds4_status reserve_draws(ds4_batcher *b, int64_t need, ds4_error *err) {
 /* Queue a draw of sequence i of task t's next token from row `row` of the step's logits. */
 static void queue_draw(ds4_batcher *b, btask *t, int64_t i, int64_t row) {
     const ds4_gen_seq *s = &t->r->seqs[i];
-    const uint64_t stream = ((uint64_t)s->prompt_index << 32) | (uint64_t)s->sample_index;
+    const uint64_t stream = ((uint64_t)(t->a.prompt_base + s->prompt_index) << 32) | (uint64_t)s->sample_index;
     draws *d = &b->d;
     d->task[d->n] = t;
     d->seq[d->n] = i;

@@ -445,12 +445,14 @@ ds4_status ds4_model_enable_grad(ds4_model *m, ds4_error *err) {
     m->grads = calloc((size_t)(m->n_params ? m->n_params : 1), sizeof(float));
     if (!m->grads) return ds4_fail(err, DS4_ERR_OOM, "enable_grad: %lld fp32 gradients", (long long)m->n_params);
     ds4_weights_bind(m, &m->gw, DS4_F32, (char *)m->grads, ds4_f32_byte_offset, NULL, NULL);
+    m->grads_zero = 1;
     return ds4_model_train_bind(m, err); /* on a device: the gradients live there */
 }
 
 void ds4_model_zero_grad(ds4_model *m) {
     if (m && m->lora) ds4_lora_zero_grad(m);
     if (!m || !m->grads) return;
+    m->grads_zero = 1;
     if (m->dgrads) { /* on the device; the host mirror is now behind (a fill failure surfaces at the next pass) */
         m->dev->ops->fill(m->dev, m->dgrads, 0, (size_t)m->n_params * sizeof(float));
         m->grads_stale = 1;

@@ -178,6 +178,9 @@ struct ds4_model {
     uint64_t step_serial;                /* ds4_model_step calls, to detect a cache passed twice in one step */
     /* training */
     float *grads;                        /* flat, parallel to params; NULL until enable_grad */
+    int grads_zero;                      /* 1: the gradient buffer is known to hold zeros (enable_grad, zero_grad) */
+    float *gsaved;                       /* [n_params] backend memory: the gradients set aside while a backward runs
+                                            on zeros (backward.c, accumulation); allocated on first use */
     ds4_weights gw;                      /* views into grads (the backward's "gradient of each tensor") */
     ds4_train_options topt;
     struct ds4_tape *tape;               /* activations of the last training forward (sched.h) */

@@ -407,6 +407,16 @@ struct ds4_adamw {
     ds4_optim_piece *pieces;     /* [max_chunks] */
     ds4_adamw_coefs *coefs;      /* [n_tensors] */
     int64_t *bad;                /* [max_chunks] */
+    /* ZeRO-1 (ds4_adamw_set_shard): m and v hold elements [lo, hi) only; roff / rlen every rank's region */
+    int sharded;
+    ds4_adamw_shard sh;
+    int64_t lo, hi;
+    int64_t *roff, *rlen;        /* [world] */
+    ds4_optim_range *own;        /* [n_tensors] this rank's parts of the trainable tensors */
+    size_t *own_of;              /* [n_tensors] the trainable range each part belongs to */
+    ds4_optim_chunk *own_chunks; /* [max_chunks] */
+    double *own_partial;         /* [max_chunks] */
+    double *bad_ranges;          /* [n_tensors] refusal counts per trainable tensor, summed over ranks */
     const ds4_lora *lora;        /* the model's adapters when created on a model that carries them: then the optimizer
                                     steps them alone (moments and tensors are the adapters') */
 };
@@ -521,6 +531,12 @@ void ds4_adamw_free(ds4_adamw *a) {
     free(a->range_tensor);
     free(a->chunks);
     free(a->partial);
+    free(a->roff);
+    free(a->own);
+    free(a->own_of);
+    free(a->own_chunks);
+    free(a->own_partial);
+    free(a->bad_ranges);
     free(a);
 }
 
@@ -675,6 +691,186 @@ void ds4_adamw_state_changed(ds4_adamw *a) {
     if (a && a->model && a->model->lora && a->model->lora->moments_owner == a) a->model->lora->moments_owner = NULL;
 }
 
+/* ------------------------------------------------------------------------------------------------ ZeRO-1 */
+
+void ds4_adamw_shard_region(const ds4_adamw *a, int64_t *off, int64_t *len) {
+    *off = a->sharded ? a->lo : 0;
+    *len = a->sharded ? a->hi - a->lo : a->n_params;
+}
+
+/* The pieces of every fp32 tensor (trainable or not, so the layout does not move when trainability does), numbered
+ * in buffer order: piece k's first element into *first (when k < the count), their count returned. */
+static int64_t piece_at(ds4_model *m, size_t nt, int64_t k, int64_t *first, int64_t *end) {
+    int64_t seen = 0;
+    for (size_t i = 0; i < nt; i++) {
+        ds4_tensor_info ti;
+        if (ds4_model_tensor_info(m, i, &ti, NULL) || !ti.is_param || ti.numel <= 0) continue;
+        const int64_t n = (ti.numel + DS4_OPTIM_CHUNK - 1) / DS4_OPTIM_CHUNK;
+        if (k >= seen && k < seen + n) {
+            *first = ti.offset + (k - seen) * DS4_OPTIM_CHUNK;
+            *end = ti.offset + ti.numel < *first + DS4_OPTIM_CHUNK ? ti.offset + ti.numel : *first + DS4_OPTIM_CHUNK;
+        }
+        seen += n;
+    }
+    return seen;
+}
+
+ds4_status ds4_adamw_set_shard(ds4_adamw *a, const ds4_adamw_shard *s, ds4_error *err) {
+    if (!a || !s || !s->sum_f64 || !s->gather_f32 || s->world < 1 || s->rank < 0 || s->rank >= s->world)
+        return ds4_fail(err, DS4_ERR_ARG, "adamw shard: optimizer, collectives or rank %d of %d invalid",
+                        s ? s->rank : -1, s ? s->world : -1);
+    if (a->sharded) return ds4_fail(err, DS4_ERR_ARG, "adamw shard: the optimizer is sharded already");
+    if (a->lora) return ds4_fail(err, DS4_ERR_UNSUPPORTED, "adamw shard: an optimizer of LoRA adapters is not sharded");
+    ds4_model *m = a->model;
+    if (!m->dev->host_visible)
+        return ds4_fail(err, DS4_ERR_UNSUPPORTED, "adamw shard: the model is on %s; ZeRO-1 is written for host (CPU) "
+                                                  "models only", ds4_model_device_name(m));
+    int64_t first = 0, end = 0;
+    const int64_t pieces = piece_at(m, a->n_tensors, -1, &first, &end);
+    const size_t W = (size_t)s->world, tn = a->n_tensors ? a->n_tensors : 1;
+    const size_t cn = (size_t)(a->max_chunks > 0 ? a->max_chunks : 1);
+    a->roff = calloc(2 * W, sizeof *a->roff);
+    a->own = calloc(tn, sizeof *a->own);
+    a->own_of = calloc(tn, sizeof *a->own_of);
+    a->own_chunks = calloc(cn, sizeof *a->own_chunks);
+    a->own_partial = calloc(cn, sizeof *a->own_partial);
+    a->bad_ranges = calloc(tn, sizeof *a->bad_ranges);
+    if (!a->roff || !a->own || !a->own_of || !a->own_chunks || !a->own_partial || !a->bad_ranges)
+        return ds4_fail(err, DS4_ERR_OOM, "adamw shard: scratch for %zu tensors over %zu ranks", a->n_tensors, W);
+    a->rlen = a->roff + W;
+    for (int32_t r = 0; r < s->world; r++) { /* the region of a run of pieces: its first's start, its last's end */
+        int64_t p0 = 0, np = 0, last = 0;
+        const int64_t q = pieces / s->world, rem = pieces % s->world;
+        np = q + (r < rem);
+        p0 = r * q + (r < rem ? r : rem);
+        if (np == 0) continue;
+        piece_at(m, a->n_tensors, p0, &a->roff[r], &last);
+        piece_at(m, a->n_tensors, p0 + np - 1, &first, &end);
+        a->rlen[r] = end - a->roff[r];
+    }
+    const int64_t lo = a->roff[s->rank], n = a->rlen[s->rank];
+    float *mm = malloc((size_t)(n ? n : 1) * sizeof *mm), *vv = malloc((size_t)(n ? n : 1) * sizeof *vv);
+    if (!mm || !vv) {
+        free(mm);
+        free(vv);
+        return ds4_fail(err, DS4_ERR_OOM, "adamw shard: moments of %lld parameters", (long long)n);
+    }
+    memcpy(mm, a->m + lo, (size_t)n * sizeof *mm); /* the state so far, this rank's part */
+    memcpy(vv, a->v + lo, (size_t)n * sizeof *vv);
+    free(a->m);
+    free(a->v);
+    a->m = mm, a->v = vv;
+    a->lo = lo, a->hi = lo + n;
+    a->sh = *s;
+    a->sharded = 1;
+    return DS4_OK;
+}
+
+ds4_status ds4_adamw_gather_moments(ds4_adamw *a, float *m, float *v, ds4_error *err) {
+    int64_t off = 0, len = 0;
+    ds4_adamw_shard_region(a, &off, &len);
+    memcpy(m + off, a->m, (size_t)len * sizeof *m);
+    memcpy(v + off, a->v, (size_t)len * sizeof *v);
+    if (!a->sharded) return DS4_OK;
+    ds4_status s = a->sh.gather_f32(a->sh.ctx, m, a->roff, a->rlen, err);
+    if (!s) s = a->sh.gather_f32(a->sh.ctx, v, a->roff, a->rlen, err);
+    if (s) ds4_error_prefix(err, "adamw gather moments: ");
+    return s;
+}
+
+/* This rank's parts of the trainable ranges (within [lo, hi): whole pieces, so their chunks are the global
+ * chunks that fall there), with the moments of its region; returns how many. */
+static size_t own_parts(ds4_adamw *a, size_t nr, const float *grads) {
+    size_t no = 0;
+    for (size_t k = 0; k < nr; k++) {
+        const ds4_optim_range *r = &a->ranges[k];
+        const int64_t off = r->g - grads, b = off > a->lo ? off : a->lo;
+        const int64_t e = off + r->n < a->hi ? off + r->n : a->hi;
+        if (b >= e) continue;
+        ds4_optim_range *o = &a->own[no];
+        *o = *r;
+        o->g = r->g + (b - off), o->p = r->p + (b - off);
+        o->m = a->m + (b - a->lo), o->v = a->v + (b - a->lo);
+        o->n = e - b;
+        a->own_of[no++] = k;
+    }
+    return no;
+}
+
+/* The host step of a sharded optimizer: the unsharded step's stages, each on this rank's pieces, with the norm's
+ * per-chunk sums and the refusal counts summed over ranks, then the parameters gathered. */
+static ds4_status adamw_step_sharded(ds4_adamw *a, size_t nr, int64_t nc, float *grads, float *params, ds4_pool *pool,
+                                     ds4_adamw_stats *stats, ds4_error *err) {
+    ds4_model *m = a->model;
+    const size_t no = own_parts(a, nr, grads);
+    const int64_t noc = ds4_optim_chunk_count(a->own, no);
+    ds4_optim_make_chunks(a->own, no, a->own_chunks);
+    for (int64_t j = 0; j < noc; j++) a->own_partial[j] = ds4_optim_sumsq(a->own[a->own_chunks[j].range].g +
+                                                                          a->own_chunks[j].begin, a->own_chunks[j].n);
+    /* this rank's chunks are the global chunks inside [lo, hi), in the same order */
+    int64_t j = 0;
+    for (int64_t k = 0; k < nc; k++) {
+        const int64_t at = (a->ranges[a->chunks[k].range].g - grads) + a->chunks[k].begin;
+        a->partial[k] = at >= a->lo && at < a->hi && j < noc ? a->own_partial[j++] : 0.0;
+    }
+    if (j != noc)
+        return ds4_fail(err, DS4_ERR_INTERNAL, "adamw step (sharded): %lld of this rank's %lld chunks matched",
+                        (long long)j, (long long)noc);
+    ds4_status s = a->sh.sum_f64(a->sh.ctx, a->partial, nc, err);
+    if (s) {
+        ds4_error_prefix(err, "adamw step (sharded): the gradient norm's partial sums: ");
+        return s;
+    }
+    double total = 0; /* ds4_grad_global_norm's order: per tensor its chunks, then the tensors */
+    for (int64_t k = 0; k < nc;) {
+        double t = 0;
+        const size_t i = a->chunks[k].range;
+        for (; k < nc && a->chunks[k].range == i; k++) t += a->partial[k];
+        total += t;
+    }
+    const double norm = sqrt(total), lr = ds4_lr_at(&a->o, a->steps);
+    if ((s = step_norm_check(a, nr, norm, lr, stats, err))) return s;
+    const float coef = ds4_grad_clip_coef(norm, a->o.clip);
+    for (size_t q = 0; q < no; q++)
+        a->own[q].c = ds4_adamw_coefs_at(&a->h, a->tensor_steps[a->range_tensor[a->own_of[q]]] + 1, lr,
+                                         a->ranges[a->own_of[q]].c.decay);
+    memset(a->bad_ranges, 0, nr * sizeof *a->bad_ranges);
+    for (size_t q = 0; q < no; q++) {
+        const ds4_optim_range *o = &a->own[q];
+        a->bad_ranges[a->own_of[q]] = (double)ds4_adamw_count_nonfinite(&o->c, coef, o->p, o->g, o->m, o->v, o->n);
+    }
+    if ((s = a->sh.sum_f64(a->sh.ctx, a->bad_ranges, (int64_t)nr, err))) {
+        ds4_error_prefix(err, "adamw step (sharded): the refusal counts: ");
+        return s;
+    }
+    int64_t bad = 0;
+    size_t first = nr;
+    for (size_t k = 0; k < nr; k++) {
+        if (a->bad_ranges[k] > 0 && first == nr) first = k;
+        bad += (int64_t)a->bad_ranges[k];
+    }
+    if (bad > 0) {
+        const char *name = NULL;
+        ds4_tensor view;
+        if (ds4_model_tensor_at(m, a->range_tensor[first], &name, &view, NULL) != DS4_OK) name = "?";
+        return ds4_fail(err, DS4_ERR_ARG,
+                        "adamw step %lld: the update would make %lld parameters non-finite (first in %s; lr %g, "
+                        "gradient norm %g, clip %g); parameters, moments, gradients and the step count are unchanged",
+                        (long long)a->steps + 1, (long long)bad, name, lr, norm, a->o.clip);
+    }
+    ds4_grad_scale(a->own, no, coef, a->own_chunks, noc, pool);
+    for (size_t k = 0; k < nr; k++) ++a->tensor_steps[a->range_tensor[k]];
+    ds4_adamw_update_ranges(a->own, no, a->own_chunks, noc, pool);
+    a->steps++;
+    if ((s = a->sh.gather_f32(a->sh.ctx, params, a->roff, a->rlen, err))) {
+        ds4_error_prefix(err, "adamw step (sharded): gathering the updated parameters: ");
+        return s;
+    }
+    if (m->topt.router_bias_gamma > 0 && (s = ds4_model_update_router_bias(m, m->topt.router_bias_gamma, err))) return s;
+    if (stats) stats->step = a->steps;
+    return DS4_OK;
+}
+
 ds4_status ds4_adamw_step(ds4_adamw *a, ds4_adamw_stats *stats, ds4_error *err) {
     if (!a) return ds4_fail(err, DS4_ERR_ARG, "adamw step: optimizer is NULL");
     ds4_model *m = a->model;
@@ -727,8 +923,8 @@ ds4_status ds4_adamw_step(ds4_adamw *a, ds4_adamw_stats *stats, ds4_error *err) 
         memset(r, 0, sizeof *r);
         r->g = grads + ti.offset;
         r->p = params + ti.offset;
-        r->m = a->m + ti.offset;
-        r->v = a->v + ti.offset;
+        r->m = a->sharded ? NULL : a->m + ti.offset; /* sharded: the moments of this rank's part only (own) */
+        r->v = a->sharded ? NULL : a->v + ti.offset;
         r->n = ti.numel;
         r->c.decay = ti.decay; /* coefficients are filled in once the step is known to proceed */
         a->range_tensor[nr] = i;
@@ -751,6 +947,7 @@ ds4_status ds4_adamw_step(ds4_adamw *a, ds4_adamw_stats *stats, ds4_error *err) 
     if (on_device) return adamw_step_device(a, nr, total_elems, stats, err);
     ds4_optim_make_chunks(a->ranges, nr, a->chunks);
     ds4_pool *pool = total_elems >= SERIAL_BELOW ? m->engine->pool : NULL;
+    if (a->sharded) return adamw_step_sharded(a, nr, nc, grads, params, pool, stats, err);
 
     double norm = ds4_grad_global_norm(a->ranges, nr, a->chunks, nc, a->partial, NULL, pool);
     double lr = ds4_lr_at(&a->o, a->steps);
@@ -784,6 +981,7 @@ void ds4_adamw_get_state(ds4_adamw *a, ds4_adamw_state *out) {
     out->m = a->m;
     out->v = a->v;
     out->n_params = a->n_params;
+    ds4_adamw_shard_region(a, &out->m_offset, &out->m_count);
     out->tensor_steps = a->tensor_steps;
     out->n_tensors = a->n_tensors;
     out->steps = &a->steps;

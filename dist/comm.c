@@ -81,6 +81,12 @@ static ds4_status pick_device(const ds4_comm *c, const ds4_comm_options *o, int3
     return DS4_OK;
 }
 
+void ds4_shard_range(int64_t count, int32_t world, int32_t rank, int64_t *off, int64_t *len) {
+    const int64_t q = count / world, r = count % world;
+    *len = q + (rank < r);
+    *off = rank * q + (rank < r ? rank : r);
+}
+
 ds4_status ds4_comm_init(ds4_comm **out, ds4_error *err) { return ds4_comm_init_with(NULL, out, err); }
 
 ds4_status ds4_comm_init_with(const ds4_comm_options *opts, ds4_comm **out, ds4_error *err) {
@@ -259,4 +265,54 @@ ds4_status ds4_comm_all_reduce_grads(ds4_comm *c, ds4_model *m, double scale, ds
         return st;
     }
     return ds4_comm_all_reduce_sum(c, DS4_F32, g, n, err);
+}
+
+/* ------------------------------------------------------------------------------------------------ ZeRO-1 */
+
+/* Through the byte all-gather (rank order) of buffers padded to the largest region: one code path for MPI and TCP. */
+ds4_status ds4_comm_all_gather_regions(ds4_comm *c, void *buf, size_t esz, const int64_t *off, const int64_t *len,
+                                       ds4_error *err) {
+    if (!c || !buf || !off || !len || esz == 0)
+        return ds4_fail(err, DS4_ERR_ARG, "dist all_gather_regions: communicator, buffer or regions missing");
+    const int32_t W = c->world_size;
+    int64_t most = 0;
+    for (int32_t r = 0; r < W; r++) {
+        if (off[r] < 0 || len[r] < 0)
+            return ds4_fail(err, DS4_ERR_ARG, "dist all_gather_regions: rank %d's region [%lld, +%lld)", r,
+                            (long long)off[r], (long long)len[r]);
+        most = len[r] > most ? len[r] : most;
+    }
+    if (W == 1 || most == 0) return DS4_OK;
+    const size_t slot = (size_t)most * esz;
+    char *send = malloc(slot), *recv = malloc(slot * (size_t)W);
+    if (!send || !recv) {
+        free(send);
+        free(recv);
+        return ds4_fail(err, DS4_ERR_OOM, "dist all_gather_regions: %d x %zu bytes", W, slot);
+    }
+    char *b = buf;
+    memcpy(send, b + (size_t)off[c->rank] * esz, (size_t)len[c->rank] * esz);
+    ds4_status st = ds4_comm_all_gather(c, send, recv, slot, err);
+    for (int32_t r = 0; r < W && !st; r++)
+        if (r != c->rank) memcpy(b + (size_t)off[r] * esz, recv + (size_t)r * slot, (size_t)len[r] * esz);
+    free(send);
+    free(recv);
+    return st;
+}
+
+static ds4_status zero_sum(void *ctx, double *buf, int64_t n, ds4_error *err) {
+    return ds4_comm_all_reduce_sum(ctx, DS4_F64, buf, n, err);
+}
+
+static ds4_status zero_gather(void *ctx, float *buf, const int64_t *off, const int64_t *len, ds4_error *err) {
+    return ds4_comm_all_gather_regions(ctx, buf, sizeof *buf, off, len, err);
+}
+
+ds4_status ds4_comm_shard_optimizer(ds4_comm *c, ds4_adamw *a, ds4_error *err) {
+    if (!c || !a) return ds4_fail(err, DS4_ERR_ARG, "dist shard_optimizer: communicator or optimizer is NULL");
+    const ds4_adamw_shard sh = {.rank = c->rank, .world = c->world_size, .ctx = c, .sum_f64 = zero_sum,
+                                .gather_f32 = zero_gather};
+    ds4_status st = ds4_adamw_set_shard(a, &sh, err);
+    if (st) ds4_error_prefix(err, "dist shard_optimizer: ");
+    return st;
 }

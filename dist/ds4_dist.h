@@ -53,6 +53,10 @@ typedef const char *(*ds4_getenv_fn)(const char *name, void *ctx);
 ds4_status ds4_launch_detect(ds4_getenv_fn get, void *ctx, ds4_launch *out, ds4_error *err);
 const char *ds4_launcher_name(ds4_launcher l); /* "single", "mpi", "slurm", "torchrun" */
 
+/* The contiguous shard of `count` elements that rank `rank` of `world` owns (ZeRO-1's shards, the reduce-scatter's):
+ * count / world elements each, the first count % world ranks one more; *off its first element. */
+void ds4_shard_range(int64_t count, int32_t world, int32_t rank, int64_t *off, int64_t *len);
+
 /* ---------------------------------------------------------------------------------------------- communicator */
 
 typedef struct ds4_comm ds4_comm;
@@ -95,7 +99,8 @@ double ds4_comm_timeout(const ds4_comm *c);      /* seconds */
 
 ds4_status ds4_comm_barrier(ds4_comm *c, ds4_error *err);
 /* In place: buf[i] = sum over ranks of buf[i]. dtype DS4_F32 or DS4_F64; count elements. The summation order is
- * MPI's (for a given world size and count, the same on every run with Open MPI's default tuned algorithms). */
+ * fixed, rank 0's value + rank 1's + rank 2's + ... one addition at a time, over MPI (a reduce-scatter by hand, then
+ * an all-gather) and over the TCP star alike: the sum one process forms accumulating the ranks' values in order. */
 ds4_status ds4_comm_all_reduce_sum(ds4_comm *c, ds4_dtype dtype, void *buf, int64_t count, ds4_error *err);
 /* recv (world_size * nbytes) = every rank's send (nbytes each), in rank order. */
 ds4_status ds4_comm_all_gather(ds4_comm *c, const void *send, void *recv, size_t nbytes, ds4_error *err);
@@ -109,6 +114,15 @@ ds4_status ds4_comm_device_all_reduce_sum(ds4_comm *c, ds4_dtype dtype, void *de
 ds4_status ds4_comm_device_all_gather(ds4_comm *c, const void *dev_send, void *dev_recv, size_t nbytes,
                                       ds4_error *err);
 ds4_status ds4_comm_device_broadcast(ds4_comm *c, void *dev_buf, size_t nbytes, int32_t root, ds4_error *err);
+
+/* In place: buf's bytes [off[r]·esz, (off[r] + len[r])·esz) come from rank r, for every rank r (disjoint regions, the
+ * same off / len on every rank): the all-gather of a sharded buffer (ZeRO-1's updated parameters). */
+ds4_status ds4_comm_all_gather_regions(ds4_comm *c, void *buf, size_t esz, const int64_t *off, const int64_t *len,
+                                       ds4_error *err);
+/* ZeRO-1 over this communicator (ds4_adamw_set_shard): the optimizer keeps the moments of this rank's shard and
+ * updates its parameters only; its steps then sum the norm's partials and gather the parameters here, so the
+ * communicator must outlive its steps. Host (CPU) models. */
+ds4_status ds4_comm_shard_optimizer(ds4_comm *c, ds4_adamw *a, ds4_error *err);
 
 /* Data parallelism's step between backward and the optimizer: the model's gradient buffer times `scale` (this
  * rank's share of the global normalisation), then summed over ranks, where the model computes: a CPU model through

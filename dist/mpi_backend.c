@@ -7,12 +7,14 @@
 
 #include <mpi.h>
 
+#include "ds4_dist.h"
 #include "internal.h"
 #include "mpi_backend.h"
 
 struct dist_mpi {
     MPI_Comm world; /* duplicate of MPI_COMM_WORLD: our errhandler, no interference with the host's traffic */
     int we_initialized;
+    int rank, size;
 };
 
 int dist_mpi_built(void) { return 1; }
@@ -74,6 +76,7 @@ ds4_status dist_mpi_open(dist_mpi **out, int32_t *rank, int32_t *size, int32_t *
         return st;
     }
     *rank = r, *size = n, *local_rank = lr;
+    m->rank = r, m->size = n;
     *out = m;
     return DS4_OK;
 }
@@ -95,21 +98,75 @@ ds4_status dist_mpi_barrier(dist_mpi *m, ds4_error *err) {
     return DS4_OK;
 }
 
-/* MPI counts are int: large buffers go in chunks of at most INT_MAX / 2 elements (chunking keeps each element's
- * sum a sum over ranks in MPI's order, so the result is the same as one call's). */
+/* MPI counts are int: large buffers go in chunks of at most INT_MAX / 2 elements (every element's sum is formed
+ * whole inside one chunk, so chunking does not change it). */
 #define CHUNK ((int64_t)(INT_MAX / 2))
 
+/* The chunk's shard s (of n elements over `size` ranks) sums into buf + displs[s] on rank s: acc = rank 0's value,
+ * then + rank 1's, + rank 2's, ... in fp32 (or fp64), the TCP star's order. */
+static void sum_in_rank_order(ds4_dtype dtype, void *dst, const void *recv, int64_t len, int size) {
+    if (dtype == DS4_F64) {
+        double *d = dst;
+        const double *r = recv;
+        for (int64_t i = 0; i < len; i++) {
+            double a = r[i];
+            for (int k = 1; k < size; k++) a += r[k * len + i];
+            d[i] = a;
+        }
+    } else {
+        float *d = dst;
+        const float *r = recv;
+        for (int64_t i = 0; i < len; i++) {
+            float a = r[i];
+            for (int k = 1; k < size; k++) a += r[k * len + i];
+            d[i] = a;
+        }
+    }
+}
+
+/* The sum in a fixed order, the same for every world size's algorithm choice: a reduce-scatter by hand (each rank
+ * receives every rank's copy of its shard, MPI_Alltoallv, and adds them in rank order), then MPI_Allgatherv.
+ * MPI_Allreduce's order depends on the implementation's algorithm (recursive doubling, rings: (a + b) + (c + d)
+ * for 4 ranks), and data parallelism wants the sum that one process accumulating the ranks' micro-batches forms:
+ * ((a + b) + c) + d (docs/distributed.md, "Bitwise data parallelism"). It moves as many bytes as a ring. */
 ds4_status dist_mpi_all_reduce_sum(dist_mpi *m, ds4_dtype dtype, void *buf, int64_t count, ds4_error *err) {
     MPI_Datatype t = dtype == DS4_F64 ? MPI_DOUBLE : MPI_FLOAT;
-    size_t esz = dtype == DS4_F64 ? 8 : 4;
-    char detail[96];
-    for (int64_t off = 0; off < count; off += CHUNK) {
-        int n = (int)(count - off < CHUNK ? count - off : CHUNK);
-        snprintf(detail, sizeof detail, "%s, %lld elements", ds4_dtype_name(dtype), (long long)count);
-        MPI_TRY("all_reduce", "MPI_Allreduce", detail,
-                MPI_Allreduce(MPI_IN_PLACE, (char *)buf + (size_t)off * esz, n, t, MPI_SUM, m->world));
+    const size_t esz = dtype == DS4_F64 ? 8 : 4;
+    const int W = m->size;
+    const int64_t most = count < CHUNK ? count : CHUNK;
+    int *cnt = malloc((size_t)W * 4 * sizeof(int));
+    void *recv = malloc((size_t)((most + W - 1) / W) * (size_t)W * esz + esz);
+    if (!cnt || !recv) {
+        free(cnt);
+        free(recv);
+        return ds4_fail(err, DS4_ERR_OOM, "dist all_reduce: scratch for %lld elements over %d ranks", (long long)most, W);
     }
-    return DS4_OK;
+    int *displs = cnt + W, *rcnt = cnt + 2 * W, *rdispls = cnt + 3 * W;
+    char detail[96];
+    snprintf(detail, sizeof detail, "%s, %lld elements", ds4_dtype_name(dtype), (long long)count);
+    ds4_status st = DS4_OK;
+    for (int64_t off = 0; off < count && !st; off += CHUNK) {
+        const int64_t n = count - off < CHUNK ? count - off : CHUNK;
+        for (int r = 0; r < W; r++) {
+            int64_t o = 0, len = 0;
+            ds4_shard_range(n, W, r, &o, &len);
+            cnt[r] = (int)len, displs[r] = (int)o;
+        }
+        const int mine = cnt[m->rank];
+        for (int r = 0; r < W; r++) rcnt[r] = mine, rdispls[r] = r * mine;
+        char *b = (char *)buf + (size_t)off * esz;
+        int rc = MPI_Alltoallv(b, cnt, displs, t, recv, rcnt, rdispls, t, m->world);
+        if (rc != MPI_SUCCESS) {
+            st = mpi_fail(err, rc, "all_reduce", "MPI_Alltoallv", detail);
+            break;
+        }
+        sum_in_rank_order(dtype, b + (size_t)displs[m->rank] * esz, recv, mine, W);
+        rc = MPI_Allgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, b, cnt, displs, t, m->world);
+        if (rc != MPI_SUCCESS) st = mpi_fail(err, rc, "all_reduce", "MPI_Allgatherv", detail);
+    }
+    free(cnt);
+    free(recv);
+    return st;
 }
 
 ds4_status dist_mpi_all_gather(dist_mpi *m, const void *send, void *recv, size_t nbytes, ds4_error *err) {

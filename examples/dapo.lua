@@ -71,6 +71,7 @@ local SPEC = {
         { "n", 8, "samples per prompt" },
         { "max_new_tokens", 20, "response budget" },
         { "minibatches", 2, "optimizer updates per step" },
+        { "micro_batches", 1, "micro-batches per update on each rank (gradient accumulation)" },
         { "lr", 3e-4, "learning rate" },
         { "lora", 0, "train LoRA adapters of this rank only (0: train every weight); docs/lora.md" },
         { "lora_alpha", 0, "LoRA alpha (0: twice the rank)" },
@@ -95,8 +96,13 @@ local SPEC = {
         { "insecure", false, "plain TCP without CURVE" },
     },
 }
-local opts, run = ds4.rundir.start(arg, SPEC, EX.root or "runs/dapo")
+local opts, run = ds4.rundir.start(arg, SPEC, EX.root or "runs/dapo") -- with several ranks (ds4.dp): the same
+-- run and options on every rank; rank 0 alone writes and prints
+local ROOT = ds4.dp.is_root()
+if not ROOT then print = function() end end
 -- the models made below compute there (ds4.set_device checks the spelling and that the device exists)
+-- data parallel on GPUs: each rank's model on its own GPU (the NCCL communicator's, ds4.dp)
+if ds4.dp.device() then opts.device = ds4.dp.device() end
 if opts.device ~= "" or opts.dtype ~= "" then
     ds4.set_device(opts.device ~= "" and opts.device or ds4.device():match("^%S+"), opts.dtype ~= "" and opts.dtype or nil)
 end
@@ -106,9 +112,9 @@ local function usage_error(msg)
     io.stderr:write("dapo.lua: " .. msg .. "\n")
     os.exit(2, true) -- close the state: the model and tokenizer are freed (no leak reports under LeakSanitizer)
 end
-for _, k in ipairs({ "steps", "eval", "eval_every", "prompts", "n", "max_new_tokens", "minibatches", "sft_batch", "n_workers",
+for _, k in ipairs({ "steps", "eval", "eval_every", "prompts", "n", "max_new_tokens", "minibatches", "micro_batches", "sft_batch", "n_workers",
     "max_staleness", "seed", "save_every", "keep_last", "log_completions" }) do
-    local v, lo = opts[k], (k == "eval" or k == "eval_every" or k == "prompts" or k == "n" or k == "max_new_tokens" or k == "minibatches"
+    local v, lo = opts[k], (k == "eval" or k == "eval_every" or k == "prompts" or k == "n" or k == "max_new_tokens" or k == "minibatches" or k == "micro_batches"
         or k == "sft_batch" or k == "keep_last") and 1 or 0
     if v ~= math.floor(v) or v < lo then
         usage_error(("--%s must be an integer >= %d, got %s"):format(k:gsub("_", "-"), lo, v))
@@ -197,8 +203,11 @@ local train_path, eval_path = opts.data, opts.eval_data
 if train_path == "" then
     -- held-out problems first; no training problem repeats one of them
     train_path, eval_path = OUT .. "/train.jsonl", OUT .. "/eval.jsonl"
-    local held = task.write_jsonl(eval_path, opts.eval, task.rng(opts.seed + 7919), nil, opts.task)
-    task.write_jsonl(train_path, 20000, task.rng(opts.seed), held, opts.task)
+    if ROOT then
+        local held = task.write_jsonl(eval_path, opts.eval, task.rng(opts.seed + 7919), nil, opts.task)
+        task.write_jsonl(train_path, 20000, task.rng(opts.seed), held, opts.task)
+    end
+    ds4.dp.barrier() -- the other ranks read what rank 0 wrote (one machine, or a shared file system)
 end
 local read_opts = { template = template, thinking = opts.thinking,
     columns = (type(opts.columns) == "string" or next(opts.columns)) and opts.columns or nil }
@@ -318,6 +327,7 @@ local result = trainer.run{
     optim = { lr = opts.lr, betas = { 0.9, 0.99 }, weight_decay = 0.0, clip = 1.0 },
     steps = opts.steps,
     minibatches = opts.minibatches,
+    micro_batches = opts.micro_batches,
     routing_replay = opts.routing_replay,
     out = OUT,
     seed = opts.seed,
@@ -334,6 +344,8 @@ if source then
         st.bytes_served / 1e6))
     source:close()
 end
+ds4.dp.finalize() -- the ranks are done together; rank 0 alone saves and reports
+if not ROOT then return end
 local before, after = result.eval_before, result.eval_after
 print(("greedy accuracy on %d held-out problems: %.1f%% after SFT -> %.1f%% after %s (%+.1f points); %d s in all")
     :format(#heldout, 100 * before, 100 * after, algo_name, 100 * (after - before), ds4.metrics.clock() - wall0))

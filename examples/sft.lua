@@ -20,6 +20,12 @@ What it does, end to end:
      prompt/completion rows: the completion and EOS); rows longer than --max-len tokens are cut there;
   4. AdamW (linear warm-up, cosine decay, clipping), token-mean loss over each batch; batch k holds rows
      (k-1)*batch+1 ... of the training set, cyclically: nothing else is random, so a resumed run is bit-identical;
+     --micro-batches M splits each batch into M micro-batches whose gradients accumulate (same update, less memory);
+     launched with several ranks (mpirun -np N, srun, or torchrun-style variables: docs/distributed.md) the batch
+     is split into N·M micro-batches, rank r taking micro-batches r·M ... r·M + M - 1, the token count and the
+     gradients are summed over ranks and every rank takes the same update; rank 0 alone writes the run directory and
+     prints. The result is the same bits as one process with --micro-batches N·M; --zero shards the optimizer's
+     moments over the ranks (ZeRO-1, the same bits again), and its checkpoints resume on any number of ranks;
   5. the run directory (--out DIR, default runs/sft/<start time>, runs/sft/latest links to it; a directory that
      holds a run is never appended to: --resume continues it) gets config.lua (the effective configuration: run it
      again with --config), metrics.jsonl (step, loss, lr, grad_norm, tokens, tokens_per_s), TensorBoard event files
@@ -38,6 +44,7 @@ Load the result with ds4.load(BASE, {lora = RUN/model}), or PEFT's PeftModel.fro
 
 local ds4 = require("ds4")
 local rundir = require("ds4.rundir")
+local dp = require("ds4.dp")
 local json = require("ds4.chat.json")
 local ffi = require("ffi")
 
@@ -57,6 +64,8 @@ local SPEC = {
         { "max_len", 1024, "rows longer than this many tokens are cut" },
         { "steps", 150, "optimizer updates" },
         { "batch", 16, "rows per update" },
+        { "micro_batches", 1, "micro-batches per update on each rank (gradient accumulation)" },
+        { "zero", false, "with several ranks: ZeRO-1, each keeps and steps its shard of the optimizer (CPU models)" },
         { "lr", 3e-3, "peak learning rate" },
         { "warmup", -1, "warm-up updates (-1: steps / 10)" },
         { "weight_decay", 0.1, "AdamW weight decay" },
@@ -77,8 +86,13 @@ local SPEC = {
         { "quiet", false, "no progress output" },
     },
 }
-local opts, run = rundir.start(arg, SPEC, "runs/sft") -- RUN/config.lua: the effective configuration
+local opts, run = rundir.start(arg, SPEC, "runs/sft") -- RUN/config.lua: the effective configuration; with several
+-- ranks (ds4.dp) every rank gets the same run and options, rank 0 alone writes
+local ROOT = dp.is_root()
+if not ROOT then print = function() end end -- rank 0 reports for the job
 -- the models made below compute there (ds4.set_device checks the spelling and that the device exists)
+-- data parallel on GPUs: each rank's model on its own GPU (the NCCL communicator's, ds4.dp)
+if ds4.dp.device() then opts.device = ds4.dp.device() end
 if opts.device ~= "" or opts.dtype ~= "" then
     ds4.set_device(opts.device ~= "" and opts.device or ds4.device():match("^%S+"), opts.dtype ~= "" and opts.dtype or nil)
 end
@@ -87,7 +101,7 @@ local function usage_error(msg)
     io.stderr:write("sft.lua: " .. msg .. "\n")
     os.exit(2, true)
 end
-for _, k in ipairs({ "steps", "batch", "eval", "max_len", "keep_last" }) do
+for _, k in ipairs({ "steps", "batch", "eval", "max_len", "keep_last", "micro_batches" }) do
     if opts[k] ~= math.floor(opts[k]) or opts[k] < 1 then
         usage_error(("--%s must be an integer >= 1, got %s"):format(k:gsub("_", "-"), opts[k]))
     end
@@ -97,6 +111,11 @@ if opts.save_every ~= math.floor(opts.save_every) or opts.save_every < 0 then
 end
 if not (opts.lr > 0 and opts.lr < math.huge) then usage_error("--lr must be a positive number, got " .. opts.lr) end
 if opts.lora ~= math.floor(opts.lora) or opts.lora < 0 then usage_error("--lora must be a rank >= 1 (0: off)") end
+local PARTS = dp.world() * opts.micro_batches -- micro-batches per update, over all ranks
+if opts.batch < PARTS then
+    usage_error(("--batch %d is smaller than %d micro-batches (%d ranks x --micro-batches %d)"):format(opts.batch,
+        PARTS, dp.world(), opts.micro_batches))
+end
 
 -- ------------------------------------------------------------------------------------------------ toy dataset
 -- The "minimal standard" generator (s <- 16807 s mod 2^31 - 1): the dataset depends only on the seed. Lua
@@ -209,10 +228,11 @@ end
 local train, heldout
 if opts.data == "" then
     local r = rng(opts.seed)
-    if not (run.resumed and ds4.fs.exists(OUT .. "/train.jsonl")) then -- a resumed run reads the files it wrote
+    if ROOT and not (run.resumed and ds4.fs.exists(OUT .. "/train.jsonl")) then -- a resumed run reads its files
         write_jsonl(OUT .. "/train.jsonl", 2000, r)
         write_jsonl(OUT .. "/heldout.jsonl", 64, r)
     end
+    dp.barrier() -- the other ranks read what rank 0 wrote (one machine, or a shared file system)
     train, heldout = read(OUT .. "/train.jsonl"), read(OUT .. "/heldout.jsonl")
 else
     train = read(opts.data)
@@ -269,6 +289,9 @@ local start, before = 1, resume_meta and resume_meta.heldout_before or nil
 local opt = ds4.adamw(model, { lr = opts.lr, betas = { 0.9, 0.95 }, weight_decay = opts.weight_decay, clip = 1.0,
     schedule = "cosine", warmup = opts.warmup >= 0 and opts.warmup or math.max(1, math.floor(opts.steps / 10)),
     total = opts.steps, min_lr_ratio = opts.min_lr_ratio })
+-- ZeRO-1: each rank keeps the moments of its shard and updates those weights; the weights are gathered after every
+-- step, the same bits as the whole optimizer's (docs/distributed.md, "ZeRO-1")
+if opts.zero and dp.world() > 1 then ds4.dist.shard_optimizer(opt) end
 if resume_dir then
     local st = ds4.checkpoints.read_state(resume_dir, "optimizer")
     opt:load_state({ m = st.m, v = st.v, tensor_steps = st.tensor_steps, step = resume_step })
@@ -277,13 +300,14 @@ if resume_dir then
 elseif run.resumed then
     print("no checkpoint under " .. ckroot .. ": starting from scratch")
 end
-before = before or heldout_loss()
+before = before or (ROOT and heldout_loss() or 0)
 
 ffi.cdef("int isatty(int fd);")
-local tty = not opts.quiet and ffi.C.isatty(1) == 1
+local tty = ROOT and not opts.quiet and ffi.C.isatty(1) == 1
 -- metrics.jsonl (one whole, flushed line per step; a write error stops the run) and TensorBoard events; a resumed
 -- run drops what it will redo (records past its checkpoint) and a line torn by the crash
-local log = ds4.runlog.open(OUT, { resume_step = resume_dir and start - 1 or nil, tensorboard = opts.tensorboard })
+local log = ROOT and ds4.runlog.open(OUT, { resume_step = resume_dir and start - 1 or nil,
+    tensorboard = opts.tensorboard }) or { write = function() end, close = function() end }
 local now = ds4.metrics.clock
 
 print(("sft: %s, %d parameters; %d train / %d held-out rows (%s); %d steps of %d; run %s"):format(
@@ -297,40 +321,67 @@ end
 print(("held-out loss before training: %.4f"):format(before))
 if not resume_dir then log:write({ step = 0, ["eval/loss"] = before }) end
 
+-- This rank's micro-batches of an update: global micro-batch k (0-based) of PARTS holds the rows share(batch, PARTS,
+-- k) of the batch; rank r has k = r·M ... r·M + M - 1 (M = --micro-batches), so the ranks' micro-batches in rank order
+-- are one process's micro-batches in order.
+local function my_micro_batches(rows)
+    local out = {}
+    for j = 0, opts.micro_batches - 1 do
+        local first, count = dp.share(#rows, PARTS, dp.rank() * opts.micro_batches + j)
+        local mb = {}
+        for i = first, first + count - 1 do mb[#mb + 1] = rows[i] end
+        local ids, labels, trained = make_batch(mb)
+        out[#out + 1] = { ids = ids, labels = labels, trained = trained }
+    end
+    return out
+end
+
 local wall0 = now()
 for step = start, opts.steps do
     local rows = {}
     for i = 1, opts.batch do rows[i] = train[((step - 1) * opts.batch + i - 1) % #train + 1] end
-    local ids, labels, trained = make_batch(rows)
     local t0 = now()
+    local mbs = my_micro_batches(rows)
+    local mine, cells = 0, 0
+    for _, mb in ipairs(mbs) do mine, cells = mine + mb.trained, cells + #mb.ids * #mb.ids[1] end
+    local trained = dp.sum({ mine })[1] -- token-mean over the global batch: its trained tokens, from every rank
     model:zero_grad()
-    local out = model:forward(ids, { labels = labels })
-    model:backward() -- token-mean over this batch's trained tokens
+    local lsum = 0 -- Σ loss · tokens over this rank's micro-batches (in order)
+    for _, mb in ipairs(mbs) do
+        local out = model:forward(mb.ids, { labels = mb.labels })
+        if out.loss then lsum = lsum + out.loss * out.loss_tokens end
+        model:backward(1 / trained) -- each micro-batch's share of the global mean: one addition per gradient
+    end
+    if dp.world() > 1 then ds4.dist.all_reduce_grads(model) end -- summed in rank order
+    local loss = dp.sum({ lsum })[1] / trained
     local st = opt:step()
     local dt = now() - t0
-    local tps = (#ids * #ids[1]) / math.max(dt, 1e-9)
-    log:write({ step = step, loss = out.loss, lr = st.lr, grad_norm = st.grad_norm, tokens = trained,
+    local tps = dp.sum({ cells })[1] / math.max(dt, 1e-9)
+    log:write({ step = step, loss = loss, lr = st.lr, grad_norm = st.grad_norm, tokens = trained,
         tokens_per_s = tps })
     if tty then
         local w = 30
         local done = math.floor(w * step / opts.steps)
         io.write(("\r[%s%s] %d/%d loss %.4f lr %.2e |g| %.3f %.0f tok/s "):format(("#"):rep(done),
-            ("."):rep(w - done), step, opts.steps, out.loss, st.lr, st.grad_norm, tps))
+            ("."):rep(w - done), step, opts.steps, loss, st.lr, st.grad_norm, tps))
         io.flush()
     elseif not opts.quiet and (step % 10 == 0 or step == 1 or step == opts.steps) then
-        print(("step %d/%d loss %.4f lr %.2e grad_norm %.3f tokens/s %.0f"):format(step, opts.steps, out.loss,
+        print(("step %d/%d loss %.4f lr %.2e grad_norm %.3f tokens/s %.0f"):format(step, opts.steps, loss,
             st.lr, st.grad_norm, tps))
     end
     if opts.save_every > 0 and (step % opts.save_every == 0 or step == opts.steps) then
-        local os_ = opt:state()
-        ds4.checkpoints.save(ckroot, step, model, {
+        local os_ = opt:state() -- every rank: a sharded optimizer gathers its moments (a whole state, any rank count)
+        if ROOT then ds4.checkpoints.save(ckroot, step, model, {
             states = { optimizer = { tensors = { m = os_.m, v = os_.v, tensor_steps = os_.tensor_steps },
                                      meta = { step = os_.step } } },
             meta = { heldout_before = before, seed = opts.seed, batch = opts.batch },
-            keep_last = opts.keep_last })
+            keep_last = opts.keep_last }) end
     end
 end
 if tty then io.write("\n") end
+cut = dp.sum({ cut })[1]
+dp.finalize() -- the ranks are done together; rank 0 alone evaluates, saves and reports
+if not ROOT then return end
 
 local after = heldout_loss()
 log:write({ step = opts.steps, ["eval/loss"] = after })

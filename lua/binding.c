@@ -815,8 +815,11 @@ static int m_forward(lua_State *L) {
      * or infinite included (the core's NaN also means "nothing scored": the token count tells them apart). */
     if (out.loss_tokens > 0) set_num(L, "loss", out.loss);
     set_num(L, "loss_tokens", (double)out.loss_tokens);
-    if (!isnan(out.indexer_loss)) set_num(L, "indexer_loss", out.indexer_loss); /* training, indexer_kl > 0 */
-    if (want_mtp) {
+    if (!isnan(out.indexer_loss)) { /* training, indexer_kl > 0 */
+        set_num(L, "indexer_loss", out.indexer_loss);
+        set_num(L, "indexer_queries", (double)out.indexer_queries);
+    }
+    if (want_mtp || out.mtp_loss_tokens > 0) { /* asked for, or trained (mtp_lambda > 0) */
         if (out.mtp_loss_tokens > 0) set_num(L, "mtp_loss", out.mtp_loss);
         set_num(L, "mtp_loss_tokens", (double)out.mtp_loss_tokens);
     }

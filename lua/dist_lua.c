@@ -13,6 +13,8 @@
  *   ds4.dist.all_reduce_grads(model [, scale])   the model's flat gradient buffer times scale, summed over ranks
  *                                      (a CUDA model: on its device, through NCCL; with LoRA adapters attached,
  *                                      the adapters' gradient buffer, the only one that exists then)
+ *   ds4.dist.shard_optimizer(opt)      ZeRO-1: this rank keeps and steps its shard of the optimizer -> offset, count
+ *                                      of its region of the flat buffer (host models)
  *   ds4.dist.finalize()                MPI_Finalize / NCCL finalize (every rank must call it)
  *   ds4.dist.have_mpi, have_nccl       what this build has
  *
@@ -23,6 +25,7 @@
  * frees it without MPI_Finalize (and aborts NCCL): finalizing is collective, and a rank that fails must not wait
  * for the others there; it exits instead, and mpirun ends the job, or the TCP / NCCL peers see it gone
  * (docs/distributed.md). */
+#include <stdio.h>
 #include <string.h>
 
 #include "ds4_dist.h"
@@ -214,6 +217,51 @@ static int d_all_reduce_grads(lua_State *L) {
     return 0;
 }
 
+/* ZeRO-1's collectives for an optimizer sharded from Lua: through the communicator box, which the optimizer's
+ * environment keeps alive; after ds4.dist.finalize() (the box emptied) a step fails instead of touching a freed
+ * communicator. */
+static ds4_status finalized(ds4_error *err) {
+    if (err) {
+        err->code = DS4_ERR_ARG;
+        snprintf(err->msg, sizeof err->msg, "the communicator was finalized (ds4.dist.finalize) before this step");
+    }
+    return DS4_ERR_ARG;
+}
+
+static ds4_status zero_sum(void *ctx, double *buf, int64_t n, ds4_error *err) {
+    comm_box *b = ctx;
+    return b->c ? ds4_comm_all_reduce_sum(b->c, DS4_F64, buf, n, err) : finalized(err);
+}
+
+static ds4_status zero_gather(void *ctx, float *buf, const int64_t *off, const int64_t *len, ds4_error *err) {
+    comm_box *b = ctx;
+    return b->c ? ds4_comm_all_gather_regions(b->c, buf, sizeof *buf, off, len, err) : finalized(err);
+}
+
+/* ds4.dist.shard_optimizer(opt): ZeRO-1 (ds4_adamw_set_shard): this rank keeps the Adam moments of its shard of the
+ * flat buffer and updates those parameters only; each step sums the norm's partial sums over ranks and gathers the
+ * updated parameters, so every rank ends each step with the unsharded optimizer's weights, bit for bit. opt:state()
+ * then gathers (call it on every rank); opt:load_state takes a whole state (from any number of ranks). */
+static int d_shard_optimizer(lua_State *L) {
+    const char *fname = "ds4.dist.shard_optimizer";
+    comm_box *b = current(L);
+    if (!b) ds4l_raise(L, "%s: the communicator is not initialized (call ds4.dist.init() first)", fname);
+    ds4_adamw *a = ds4l_adamw_check(L, 1, fname);
+    const ds4_adamw_shard sh = {.rank = ds4_comm_rank(b->c), .world = ds4_comm_world_size(b->c), .ctx = b,
+                                .sum_f64 = zero_sum, .gather_f32 = zero_gather};
+    ds4_error err = {0};
+    if (ds4_adamw_set_shard(a, &sh, &err) != DS4_OK) ds4l_raise_ds4(L, fname, &err);
+    lua_getfenv(L, 1); /* the optimizer keeps the box (and so the ctx above) alive */
+    lua_getfield(L, LUA_REGISTRYINDEX, COMM_KEY);
+    lua_setfield(L, -2, "dist_comm");
+    lua_pop(L, 1);
+    int64_t off = 0, len = 0;
+    ds4_adamw_shard_region(a, &off, &len);
+    lua_pushinteger(L, (lua_Integer)off);
+    lua_pushinteger(L, (lua_Integer)len);
+    return 2;
+}
+
 void ds4l_dist_open(lua_State *L) {
     static const luaL_Reg fns[] = {
         {"init", d_init},
@@ -229,6 +277,7 @@ void ds4l_dist_open(lua_State *L) {
         {"all_gather", d_all_gather},
         {"broadcast", d_broadcast},
         {"all_reduce_grads", d_all_reduce_grads},
+        {"shard_optimizer", d_shard_optimizer},
         {NULL, NULL},
     };
     ds4l_class(L, COMM_MT, NULL, comm_gc, NULL);

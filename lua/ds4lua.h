@@ -86,6 +86,8 @@ int luaopen_ds4_core(lua_State *L);
 /* lua/binding.c: the live model behind the ds4.model at idx; raises "<fname>: ..." when the value is not a
  * model or the model has been freed. */
 ds4_model *ds4l_model_check(lua_State *L, int idx, const char *fname);
+/* The live optimizer (ds4.adamw userdata) at idx, its model alive too; raises otherwise (train_lua.c). */
+ds4_adamw *ds4l_adamw_check(lua_State *L, int idx, const char *fname);
 /* lua/save_lua.c: add model:save to the model methods and the ds4.checkpoints table to the module table at the
  * top of the stack. */
 void ds4l_save_open(lua_State *L);

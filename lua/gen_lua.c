@@ -648,11 +648,11 @@ static void push_f32_array(lua_State *L, const float *v, int64_t n) {
 static const char *const gen_known[] = {
     "max_new_tokens", "temperature", "top_k",          "top_p",        "min_p",     "n",
     "seed",           "stop",        "tokenizer",      "ignore_eos",   "record_experts",
-    "record_index",   "max_batch",   "prefill_chunk",  "on_token",     NULL,
+    "record_index",   "max_batch",   "prefill_chunk",  "on_token",     "prompt_base", NULL,
 };
 #define GEN_KNOWN_LIST                                                                                               \
     "max_new_tokens, temperature, top_k, top_p, min_p, n, seed, stop, tokenizer, ignore_eos, record_experts, "      \
-    "record_index, max_batch, prefill_chunk, on_token"
+    "record_index, max_batch, prefill_chunk, on_token, prompt_base"
 
 /* The scalar options of a generation (opts at idx; 0: none) into a. */
 static void read_gen_opts(lua_State *L, int opts, const char *fname, ds4_gen_args *a) {
@@ -660,6 +660,8 @@ static void read_gen_opts(lua_State *L, int opts, const char *fname, ds4_gen_arg
     a->sampling = read_sampling(L, opts, fname);
     a->n = (int32_t)opt_int(L, opts, "n", 1, 1, 2147483647.0, "a positive integer (samples per prompt)", fname);
     a->seed = (uint64_t)opt_int(L, opts, "seed", 0, 0, MAX_EXACT, "a non-negative integer (at most 2^53)", fname);
+    /* a share of a larger batch: its first prompt's index there, so the draws are the whole batch's */
+    a->prompt_base = opt_int(L, opts, "prompt_base", 0, 0, 2147483647.0, "an integer >= 0", fname);
     a->ignore_eos = opt_bool(L, opts, "ignore_eos", 0, fname);
     a->record_experts = opt_bool(L, opts, "record_experts", 0, fname);
     a->record_index = opt_bool(L, opts, "record_index", 0, fname);

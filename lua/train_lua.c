@@ -6,6 +6,10 @@
  *                                     inference forward; opts.train = true enables gradients itself)
  *   model:backward([scale])           gradient of scale · Σ per-token CE of the last training forward, added to
  *                                     the gradients; scale defaults to 1 / loss_tokens (the mean loss)
+ *   model:backward{ce = s, mtp = s2, ikl = s3}   each loss part with its own factor (ds4_model_backward_scaled:
+ *                                     ce per scored token, mtp per MTP-scored token, ikl per indexer query; mtp /
+ *                                     ikl left out: their defaults), for means over a global batch
+ *                                     (docs/distributed.md, "Loss normalisation")
  *   model:grads()                     {name = F32 tensor}: copies of the gradients of every fp32 parameter
  *   ds4.adamw(model, opts)            optimizer: opt:step() -> {lr, grad_norm, step}, opt:lr(), opt:steps()
  *
@@ -126,7 +130,24 @@ static int m_backward(lua_State *L) {
     ds4_model *m = ds4l_model_check(L, 1, fname);
     int explicit_scale = !lua_isnoneornil(L, 2);
     double scale = 0;
-    if (explicit_scale) {
+    ds4_backward_scales sc = {.ce = 0, .mtp = -1, .ikl = -1};
+    const int parts = lua_type(L, 2) == LUA_TTABLE;
+    if (parts) {
+        static const char *const known[] = {"ce", "mtp", "ikl", NULL};
+        double *dst[] = {&sc.ce, &sc.mtp, &sc.ikl};
+        for (lua_pushnil(L); lua_next(L, 2); lua_pop(L, 1)) {
+            const char *k = lua_type(L, -2) == LUA_TSTRING ? lua_tostring(L, -2) : NULL;
+            int i = 0;
+            while (k && known[i] && strcmp(k, known[i]) != 0) i++;
+            if (!k || !known[i] || lua_type(L, -1) != LUA_TNUMBER)
+                ds4l_raise(L, "%s: scales: unknown or mistyped field %s (known: ce, mtp, ikl = number)", fname,
+                           k ? lua_pushfstring(L, "'%s'", k) : luaL_typename(L, -2));
+            *dst[i] = lua_tonumber(L, -1);
+        }
+        lua_getfield(L, 2, "ce");
+        if (lua_isnil(L, -1)) ds4l_raise(L, "%s: scales need ce (the factor of the cross-entropy sum)", fname);
+        lua_pop(L, 1);
+    } else if (explicit_scale) {
         if (lua_type(L, 2) != LUA_TNUMBER)
             ds4l_raise(L, "%s: bad argument #1 (scale number expected, got %s)", fname, luaL_typename(L, 2));
         scale = lua_tonumber(L, 2);
@@ -144,14 +165,15 @@ static int m_backward(lua_State *L) {
                    "%s: no training forward to differentiate (call model:zero_grad(), then model:forward(ids, "
                    "{labels = ...}); each training forward can be back-propagated once)",
                    fname);
-    if (!explicit_scale) {
+    if (!explicit_scale && !parts) {
         if (!(tokens > 0))
             ds4l_raise(L, "%s: the last training forward scored no token (every label is -100); pass an explicit "
                           "scale", fname);
         scale = 1.0 / tokens;
     }
     ds4_error err = {0};
-    if (ds4_model_backward(m, scale, &err) != DS4_OK) ds4l_raise_ds4(L, fname, &err);
+    if (!parts) sc.ce = scale;
+    if (ds4_model_backward_scaled(m, &sc, &err) != DS4_OK) ds4l_raise_ds4(L, fname, &err);
     set_pending(L, 1, -1);
     return 0;
 }
@@ -243,9 +265,10 @@ static int m_logprobs(lua_State *L) {
     return want_entropy ? 2 : 1;
 }
 
-/* model:backward_logprobs(g): g is an F32 tensor [B, S] of dLoss/dlogp per position, for the loss the optimizer
- * MINIMISES (ignored where unscored): the gradients get sum g[b][s] * d logp[b][s] / d theta added. The SFT mean
- * loss -mean(logp) is g = -1/N on every scored position (tests/lua/test_train.lua checks that against torch).
+/* model:backward_logprobs(g [, {ikl = s}]): g is an F32 tensor [B, S] of dLoss/dlogp per position, for the loss the
+ * optimizer MINIMISES (ignored where unscored): the gradients get sum g[b][s] * d logp[b][s] / d theta added. The SFT
+ * mean loss -mean(logp) is g = -1/N on every scored position (tests/lua/test_train.lua checks that against torch).
+ * ikl: the indexer KL loss's per-query factor (indexer_kl / the global query count; default: its own count).
  * Consumes the training forward, like model:backward. */
 static int m_backward_logprobs(lua_State *L) {
     const char *fname = "ds4.model:backward_logprobs";
@@ -261,7 +284,18 @@ static int m_backward_logprobs(lua_State *L) {
         ds4l_raise(L, "%s: gradient must be an F32 tensor of %lld x %lld values (the last forward's ids), got %s %s",
                    fname, (long long)B, (long long)S, ds4_dtype_name(g->dtype), sh);
     }
-    if (ds4_model_backward_logprobs(m, g->data, &err) != DS4_OK) ds4l_raise_ds4(L, fname, &err);
+    double ikl = -1;
+    if (!lua_isnoneornil(L, 3)) {
+        luaL_checktype(L, 3, LUA_TTABLE);
+        for (lua_pushnil(L); lua_next(L, 3); lua_pop(L, 1))
+            if (lua_type(L, -2) != LUA_TSTRING || strcmp(lua_tostring(L, -2), "ikl") != 0 ||
+                lua_type(L, -1) != LUA_TNUMBER)
+                ds4l_raise(L, "%s: options: unknown or mistyped field (known: ikl = number)", fname);
+        lua_getfield(L, 3, "ikl");
+        ikl = lua_isnil(L, -1) ? -1 : lua_tonumber(L, -1);
+        lua_pop(L, 1);
+    }
+    if (ds4_model_backward_logprobs_scaled(m, g->data, ikl, &err) != DS4_OK) ds4l_raise_ds4(L, fname, &err);
     set_pending(L, 1, -1);
     return 0;
 }
@@ -332,6 +366,14 @@ static adamw_box *check_adamw(lua_State *L, const char *fname) {
     return b;
 }
 
+ds4_adamw *ds4l_adamw_check(lua_State *L, int idx, const char *fname) {
+    lua_pushvalue(L, idx);
+    lua_insert(L, 1);
+    ds4_adamw *a = check_adamw(L, fname)->a;
+    lua_remove(L, 1);
+    return a;
+}
+
 static int o_step(lua_State *L) {
     const char *fname = "ds4.adamw:step";
     ds4_adamw *a = check_adamw(L, fname)->a;
@@ -364,7 +406,9 @@ static int o_steps(lua_State *L) {
 }
 
 /* opt:state() -> {m = F32 [n_params], v = F32 [n_params], tensor_steps = I64 [n_tensors], step = n}: copies of
- * everything an exact resume needs (the moments are parallel to the model's flat parameter buffer). */
+ * everything an exact resume needs (the moments are parallel to the model's flat parameter buffer). A sharded
+ * optimizer (ZeRO-1, ds4.dist.shard_optimizer) gathers every rank's moments: every rank calls it together, and the
+ * state is the unsharded one, which any number of ranks can load. */
 static int o_state(lua_State *L) {
     const char *fname = "ds4.adamw:state";
     adamw_box *b = check_adamw(L, fname);
@@ -374,13 +418,12 @@ static int o_state(lua_State *L) {
     ds4_adamw_get_state(b->a, &st);
     lua_createtable(L, 0, 4);
     const int64_t np[1] = {st.n_params}, nt[1] = {(int64_t)st.n_tensors};
-    ds4_tensor *t = ds4l_tensor_push_new(L, fname, DS4_F32, 1, np);
-    memcpy(t->data, st.m, t->nbytes);
+    ds4_tensor *tm = ds4l_tensor_push_new(L, fname, DS4_F32, 1, np);
     lua_setfield(L, -2, "m");
-    t = ds4l_tensor_push_new(L, fname, DS4_F32, 1, np);
-    memcpy(t->data, st.v, t->nbytes);
+    ds4_tensor *tv = ds4l_tensor_push_new(L, fname, DS4_F32, 1, np);
     lua_setfield(L, -2, "v");
-    t = ds4l_tensor_push_new(L, fname, DS4_I64, 1, nt);
+    if (ds4_adamw_gather_moments(b->a, tm->data, tv->data, &err) != DS4_OK) ds4l_raise_ds4(L, fname, &err);
+    ds4_tensor *t = ds4l_tensor_push_new(L, fname, DS4_I64, 1, nt);
     memcpy(t->data, st.tensor_steps, t->nbytes);
     lua_setfield(L, -2, "tensor_steps");
     lua_pushnumber(L, (lua_Number)*st.steps);
@@ -389,7 +432,8 @@ static int o_state(lua_State *L) {
 }
 
 /* opt:load_state(state): the inverse of opt:state(), for an optimizer created with the same options over a
- * model of the same configuration. Sizes and dtypes are checked before anything is written. */
+ * model of the same configuration (sharded or not, over any number of ranks: a sharded one keeps its region of the
+ * whole moments). Sizes and dtypes are checked before anything is written. */
 static int o_load_state(lua_State *L) {
     const char *fname = "ds4.adamw:load_state";
     adamw_box *b = check_adamw(L, fname);
@@ -413,8 +457,8 @@ static int o_load_state(lua_State *L) {
         ds4l_raise(L, "%s: state.step must be a non-negative integer", fname);
     const int64_t step = (int64_t)lua_tonumber(L, -1);
     lua_pop(L, 1);
-    memcpy(st.m, src[0]->data, src[0]->nbytes);
-    memcpy(st.v, src[1]->data, src[1]->nbytes);
+    memcpy(st.m, (const float *)src[0]->data + st.m_offset, (size_t)st.m_count * sizeof(float));
+    memcpy(st.v, (const float *)src[1]->data + st.m_offset, (size_t)st.m_count * sizeof(float));
     memcpy(st.tensor_steps, src[2]->data, src[2]->nbytes);
     *st.steps = step;
     ds4_adamw_state_changed(b->a); /* a model on a device gets these moments at the next step */

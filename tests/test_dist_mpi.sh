@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # test_dist_mpi.sh DS4 FIXTURES SOURCE — ds4.dist on CPU ranks under `mpirun -np 2` and `-np 4`: the collectives
 # against closed forms (tests/lua/dist_collectives.lua), data parallelism against one process on the whole batch
-# (tests/lua/dist_data_parallel.lua; with LoRA adapters too, -np 2), and a rank that dies
+# (tests/lua/dist_data_parallel.lua; with LoRA adapters, dist_data_parallel_lora.lua, -np 2), and a rank that dies
 # (tests/lua/dist_rank_dies.lua): the others must be ended with an error naming that rank within a bound, not hang.
 # Skips (77) when mpirun is absent or ds4 was built without MPI (docs/distributed.md). Torchrun-style launches (no
 # MPI): tests/test_dist_tcp.sh.
@@ -63,7 +63,7 @@ for np in 2 4; do
     fi
 done
 # LoRA: 2 ranks all-reduce the adapters' gradients (the model's buffer does not exist then) == 1 rank on the batch
-if run_np 2 "$T/dist_data_parallel.lua" "$FIX" lora; then
+if run_np 2 "$T/dist_data_parallel_lora.lua" "$FIX" lora; then
     grep 'dist_data_parallel (LoRA):' "$LOG"
     c="$(grep -c 'dist_data_parallel rank [0-9]* of 2: [0-9]* checks, 0 failures' "$LOG")"
     [ "$c" = 2 ] || { cat "$LOG"; bad "LoRA data parallel -np 2: $c of 2 ranks reported success"; }

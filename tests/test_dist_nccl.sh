@@ -8,7 +8,8 @@
 #          rendezvous hands out the NCCL id) and, when mpirun and MPI are there, under mpirun; the data-parallel run
 #          compares 2 ranks' NCCL all-reduced gradients and weights with one copy on the whole batch; then a rank
 #          killed (SIGKILL) or hung after the first all-reduce: the survivor's NCCL all-reduce must fail, naming NCCL,
-#          within DS4_DIST_TIMEOUT (20 s here) plus a margin — not hang.
+#          within DS4_DIST_TIMEOUT (20 s here) plus a margin — not hang; examples/sft.lua on 2 GPUs against one GPU of
+#          2 micro-batches (bitwise, fp32 and bf16); on 1 GPU, test_grad_accum.lua on the CUDA backend.
 set -uo pipefail
 DS4="$1"; FIX="$2"; SRC="$3"
 T="$SRC/tests/lua"
@@ -51,6 +52,9 @@ all_passed 1 test_dist_nccl "$LOG/one" || { show; bad "test_dist_nccl, 1 rank"; 
 DS4_TEST_DEVICE=cuda "$DS4" run "$T/dist_data_parallel.lua" "$FIX" >"$LOG/one.0" 2>&1
 grep 'dist_data_parallel:' "$LOG/one.0"
 all_passed 1 dist_data_parallel "$LOG/one" || { show; bad "data parallel on cuda, 1 rank"; }
+# a backward adds its gradient once on the GPU too: accumulated = apart and summed, bit for bit
+DS4_TEST_DEVICE=cuda "$DS4" run "$T/test_grad_accum.lua" "$FIX" >"$LOG/one.0" 2>&1
+grep -q "test_grad_accum.lua: [0-9]* checks, 0 failures" "$LOG/one.0" || { show; bad "gradient accumulation on cuda"; }
 rm -f "$LOG"/one.*
 
 if [ "$ngpu" -lt 2 ]; then
@@ -83,7 +87,7 @@ for np in $sizes; do
     all_passed "$np" dist_data_parallel "$LOG/run" ||
         { show; bad "data parallel on cuda, $np ranks, torchrun-style (exit ${RCS[*]})"; }
     # LoRA: the adapters' gradient buffer, on the device, all-reduced through NCCL
-    EXTRA_ENV="DS4_TEST_DEVICE=cuda" launch "$np" "$LOG/run" 300 "$DS4" run "$T/dist_data_parallel.lua" "$FIX" lora
+    EXTRA_ENV="DS4_TEST_DEVICE=cuda" launch "$np" "$LOG/run" 300 "$DS4" run "$T/dist_data_parallel_lora.lua" "$FIX" lora
     grep 'dist_data_parallel (LoRA):' "$LOG/run.0"
     all_passed "$np" dist_data_parallel "$LOG/run" ||
         { show; bad "LoRA data parallel on cuda, $np ranks, torchrun-style (exit ${RCS[*]})"; }
@@ -96,6 +100,21 @@ for np in $sizes; do
     fi
 done
 rm -f "$LOG"/run.* "$LOG/mpi"
+
+# examples/sft.lua data parallel on 2 GPUs (torchrun-style; each rank on its GPU, gradients through NCCL) against one
+# GPU with 2 micro-batches: the same weights and metrics, bit for bit (with 2 ranks NCCL's sum is one addition per
+# element), in fp32 and bf16 (tests/lua/dist_compare_runs.lua)
+for dt in fp32 bf16; do
+    SFT=("$SRC/examples/sft.lua" --steps 6 --batch 8 --device cuda --dtype "$dt" --quiet)
+    "$DS4" run "${SFT[@]}" --micro-batches 2 --out "$LOG/sft1_$dt" >"$LOG/sft1.log" 2>&1 || { tail -20 "$LOG/sft1.log"; bad "sft on 1 GPU ($dt)"; }
+    launch 2 "$LOG/sft2" 300 "$DS4" run "${SFT[@]}" --out "$LOG/sft2_$dt" || { show; bad "sft on 2 GPUs ($dt) (exit ${RCS[*]})"; }
+    if "$DS4" run "$T/dist_compare_runs.lua" "$LOG/sft1_$dt" "$LOG/sft2_$dt" >"$LOG/cmp" 2>&1; then
+        echo "sft, 2 GPUs = 1 GPU of 2 micro-batches ($dt): $(grep 'dist_compare_runs:' "$LOG/cmp" | head -1)"
+    else
+        cat "$LOG/cmp"; bad "sft, 2 GPUs vs 1 GPU of 2 micro-batches ($dt)"
+    fi
+done
+rm -rf "$LOG"/sft* "$LOG/cmp"
 
 # A rank killed or hung after the first NCCL all-reduce: the survivor's next all-reduce must fail within the
 # timeout (NCCL's own error, or the watchdog's abort), naming NCCL; the bound is the timeout plus 40 s of margin.

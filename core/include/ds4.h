@@ -330,6 +330,7 @@ typedef struct ds4_forward_result {
     double mtp_loss;          /* CE of mtp_logits[i] against labels[i+2]; NaN when not computed */
     int64_t mtp_loss_tokens;
     double indexer_loss;      /* training forward with indexer_kl > 0: the indexer KL loss (unweighted); else NaN */
+    int64_t indexer_queries;  /* its queries with picks in one CSA layer (the most of any layer; they agree) */
 } ds4_forward_result;
 
 /* Runs on the engine's thread pool. A model reuses one workspace (planned from B and S, grown when needed), so

@@ -103,6 +103,9 @@ typedef struct ds4_gen_args {
     int64_t max_new_tokens;         /* >= 1 */
     ds4_sampling sampling;
     uint64_t seed;
+    int64_t prompt_base;            /* prompt p draws from stream (prompt_base + p) << 32 | sample: a share of a larger
+                                       batch passes its first prompt's index there, so its draws are the whole batch's
+                                       (data parallelism: each rank generates some prompts of one batch) */
     const int64_t *stop_ids;        /* [n_stop_ids] extra stop tokens */
     int64_t n_stop_ids;
     int32_t ignore_eos;             /* nonzero: eos_token_id does not stop */

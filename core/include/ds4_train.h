@@ -2,7 +2,10 @@
  *
  * Gradients live in one flat fp32 buffer parallel to the parameter buffer (same offsets as the named views
  * of ds4_model_tensor_at). Backward ACCUMULATES into it, so micro-batches add up; ds4_model_zero_grad
- * clears it. Parameters that receive no gradient from the active losses (the lightning indexer without its
+ * clears it. A backward adds its whole gradient with one fp32 addition per element (onto a buffer that is not
+ * known to be zero it runs on zeros and adds the set-aside values back), so k accumulated backwards give the same
+ * bits as their k gradients summed in order: ((G1 + G2) + G3) + ... (what data parallelism's rank-order sum
+ * computes). Writes through the pointer of ds4_model_grads must be followed by ds4_model_grads_changed. Parameters that receive no gradient from the active losses (the lightning indexer without its
  * KL loss, the selection-only router bias, the MTP block without the MTP loss) get exactly zero and are
  * reported as not trainable, so optimizers leave them alone (as torch does with a None gradient). */
 #ifndef DS4_TRAIN_H
@@ -77,6 +80,19 @@ ds4_status ds4_model_forward_train(ds4_model *m, const ds4_forward_args *args, d
  * of one global batch pass 1 / (scored tokens of the whole global batch) to each. */
 ds4_status ds4_model_backward(ds4_model *m, double scale, ds4_error *err);
 
+/* Each part of the loss with its own normalisation, for a loss spread over micro-batches and ranks whose parts are
+ * means over different counts (docs/distributed.md, "Loss normalisation"): the gradient of
+ *     ce · Σ CE(scored tokens) + mtp · Σ CE_mtp(MTP-scored tokens) + ikl · Σ_layers Σ KL(queries with picks)
+ * A global token-mean is ce = 1 / N (N: scored tokens of the global batch), mtp = mtp_lambda / M (M: its MTP-scored
+ * tokens, ds4_forward_result.mtp_loss_tokens summed), ikl = indexer_kl / Q (Q: the queries with picks,
+ * ds4_forward_result.indexer_queries summed; the same count in every CSA layer, since picks depend on positions
+ * only). mtp < 0 or ikl <= 0: that part's default as ds4_model_backward(ce) computes it (MTP: λ·ce·(loss_tokens /
+ * mtp_tokens); indexer KL: indexer_kl / this forward's own query count, per layer). */
+typedef struct ds4_backward_scales {
+    double ce, mtp, ikl;
+} ds4_backward_scales;
+ds4_status ds4_model_backward_scaled(ds4_model *m, const ds4_backward_scales *s, ds4_error *err);
+
 /* Expert loads counted by training forwards since the last reset: loads[l·E + e] = number of (token, slot)
  * routings of layer l (0..L-1, then L for the MTP block) to expert e. NULL before the first training forward. */
 const int64_t *ds4_model_router_loads(const ds4_model *m);
@@ -96,6 +112,9 @@ ds4_status ds4_model_logprobs(ds4_model *m, float *logp, float *entropy, ds4_err
  * this with dlogp = -scale at every scored position (the cross-entropy is −Σ logp), so any policy loss
  * written in Lua goes through the same code. */
 ds4_status ds4_model_backward_logprobs(ds4_model *m, const float *dlogp, ds4_error *err);
+/* The same with the indexer KL loss's per-query factor (> 0: indexer_kl / the global query count; <= 0: the
+ * default, its own count), for a policy loss spread over ranks. */
+ds4_status ds4_model_backward_logprobs_scaled(ds4_model *m, const float *dlogp, double ikl_scale, ds4_error *err);
 
 /* ------------------------------------------------------------------------------------------------ AdamW */
 
@@ -140,8 +159,10 @@ int64_t ds4_adamw_steps(const ds4_adamw *a);
  * each named tensor has its own update count (torch keeps state["step"] per parameter; a tensor that becomes
  * trainable later starts its bias correction at 1). */
 typedef struct ds4_adamw_state {
-    float *m, *v;             /* [n_params] each */
+    float *m, *v;             /* [m_count] each: elements [m_offset, m_offset + m_count) of the flat buffer (all of
+                                 it, 0 and n_params, unless the optimizer is sharded: ds4_adamw_set_shard) */
     int64_t n_params;
+    int64_t m_offset, m_count;
     int64_t *tensor_steps;    /* [n_tensors], indexed like ds4_model_tensor_at */
     size_t n_tensors;
     int64_t *steps;           /* the optimizer's update count (what the schedule reads) */
@@ -151,6 +172,29 @@ typedef struct ds4_adamw_state {
 void ds4_adamw_get_state(ds4_adamw *a, ds4_adamw_state *out);
 ds4_status ds4_adamw_sync_state(ds4_adamw *a, ds4_error *err);
 void ds4_adamw_state_changed(ds4_adamw *a);
+/* The whole moments, m and v [n_params] each (a sharded optimizer gathers every rank's part: a collective step,
+ * every rank calls it). */
+ds4_status ds4_adamw_gather_moments(ds4_adamw *a, float *m, float *v, ds4_error *err);
+
+/* ZeRO-1 (docs/distributed.md, "ZeRO-1"): the ranks of a data-parallel job split the optimizer. The flat buffer's
+ * fp32 tensors are cut into pieces of DS4_OPTIM_CHUNK elements (each tensor from its start); rank r owns a
+ * contiguous run of pieces (ds4_shard_range over their number), keeps Adam's moments for those only, and updates
+ * only those parameters; the gradient norm's per-piece sums of squares are summed over ranks (each piece has one
+ * owner: the others add zeros), so the norm, the clip coefficient, every update and the refusal of a non-finite one
+ * are the bits the unsharded optimizer computes; then the updated parameters are gathered on every rank. Every rank
+ * must hold the whole summed gradient (an all-reduce before the step). Host (CPU) models only for now. */
+typedef struct ds4_adamw_shard {
+    int32_t rank, world;
+    void *ctx;
+    /* in place: buf[i] summed over ranks, in rank order (the same on every rank) */
+    ds4_status (*sum_f64)(void *ctx, double *buf, int64_t n, ds4_error *err);
+    /* in place: buf[off[r] .. off[r] + len[r]) from rank r, for every rank r (the regions are disjoint) */
+    ds4_status (*gather_f32)(void *ctx, float *buf, const int64_t *off, const int64_t *len, ds4_error *err);
+} ds4_adamw_shard;
+/* Shard the optimizer (its current moments keep their values); the collectives must stay valid while it steps. */
+ds4_status ds4_adamw_set_shard(ds4_adamw *a, const ds4_adamw_shard *s, ds4_error *err);
+/* This rank's region of the flat buffer: elements [*off, *off + *len) (the whole buffer when not sharded). */
+void ds4_adamw_shard_region(const ds4_adamw *a, int64_t *off, int64_t *len);
 
 /* ------------------------------------------------------------------------------------------------ LoRA */
 

@@ -155,7 +155,9 @@ Generation (lua/gen_lua.c; C contract: core/include/ds4_gen.h)
                                    seed (0), stop = {id or string, ...} (strings need opts.tokenizer, a
                                    ds4.tokenizer that decodes the output), ignore_eos (false), record_experts
                                    (false), record_index (false), max_batch (0 = all sequences per decode step),
-                                   prefill_chunk (0 = 2048), on_token = function(i, id, logprob) called as each
+                                   prefill_chunk (0 = 2048), prompt_base (0: these prompts' index offset in the
+                                   random streams — a share of a larger batch passes its first prompt's index
+                                   there to draw what the whole batch would), on_token = function(i, id, logprob) called as each
                                    token is sampled (i = result index; returning false cancels the whole
                                    generation; an error in it cancels, then is re-raised by generate)
                                    -> res[(p-1)*n + s] = {ids = {generated ids, prompt excluded; a final eos /
@@ -231,6 +233,8 @@ Datasets, runs and metrics (pure Lua, loaded on first use; each file's header ha
   ds4.tensorboard.open(dir) -> w: w:scalars(step, {tag = x}), w:text(step, tag, text | rows), w:close();
                                    ds4.tensorboard.available() (built with protobuf-c); ds4.tb: the raw records
   ds4.fs                           mkdir_p, exists, is_dir, write_atomic, symlink, readlink (through the FFI)
+  ds4.dp                           data parallelism for scripts: init (when launched with several ranks), share
+                                   of a batch, sum / max / min of metrics over ranks, is_root (docs/distributed.md)
 
 Rewards (lua/ds4/reward/, pure Lua: ds4.reward = require("ds4.reward"), loaded on first use; API in its init.lua)
   reward.math_reward(resp, sample) {score = 1/0, info = {extracted, reference, reason}} vs sample.answer;
@@ -492,10 +496,10 @@ function M.script_dir()
 end
 
 -- pure-Lua parts load on first use: ds4.chat, ds4.reward, ds4.rl, ds4.rollout, ds4.data, ds4.metrics, and the run
--- tooling: ds4.options, ds4.rundir, ds4.runlog, ds4.tensorboard, ds4.fs
+-- tooling: ds4.options, ds4.rundir, ds4.runlog, ds4.tensorboard, ds4.fs, ds4.dp
 local LAZY = { chat = "ds4.chat", reward = "ds4.reward", rl = "ds4.rl", rollout = "ds4.rollout", data = "ds4.data",
     metrics = "ds4.metrics", options = "ds4.options", rundir = "ds4.rundir", runlog = "ds4.runlog",
-    tensorboard = "ds4.tensorboard", fs = "ds4.fs" }
+    tensorboard = "ds4.tensorboard", fs = "ds4.fs", dp = "ds4.dp" }
 setmetatable(M, { __lazy = LAZY, __index = function(t, k) -- __lazy: the names, for the REPL's Tab completion
     if LAZY[k] then
         t[k] = require(LAZY[k])

@@ -14,7 +14,8 @@
                 -- what the examples do: ds4.options.parse (spec must have out, run_id and resume options), open
                 -- the run directory (a usage error: message and exit status 2), parse again over the run's
                 -- config.lua when resuming (the command line still wins), and write the effective configuration
-                -- to RUN/config.lua
+                -- to RUN/config.lua. Launched with several ranks (ds4.dp), rank 0 does all of that and the
+                -- others get the same run (directory, id, resumed) and options
 A run directory holds (the scripts' choice): config.lua (the effective configuration, ds4.options.write),
 metrics.jsonl, events.out.tfevents.* (TensorBoard), completions.jsonl, metrics.svg, ckpt/step_NNNNNN.
 ]==]
@@ -70,16 +71,34 @@ end
 
 function M.start(argv, spec, root)
     local options = require("ds4.options")
+    local dp = require("ds4.dp")
     local opts = options.parse(argv, spec)
-    local ok, run = pcall(M.open, { root = root, out = opts.out, id = opts.run_id, resume = opts.resume,
-        program = spec.program })
-    if not ok then
-        io.stderr:write(tostring(run), "\n")
+    -- launched with several ranks: they meet here (NCCL too when the script's --device is a GPU); rank 0 opens the
+    -- run directory, the others learn it
+    dp.init(type(opts.device) == "string" and opts.device or nil)
+    local ok, run = true, nil
+    if dp.is_root() then
+        ok, run = pcall(M.open, { root = root, out = opts.out, id = opts.run_id, resume = opts.resume,
+            program = spec.program })
+    end
+    if ok and dp.is_root() then
+        local saved = run.dir .. "/config.lua"
+        if run.resumed and fs.exists(saved) then opts = options.parse(argv, spec, { base = saved }) end
+        options.write(saved, opts, spec)
+    end
+    -- rank 0 tells the others: "1\nDIR\nID\nRESUMED", or "0\nMESSAGE" (then every rank exits with status 2)
+    local word = dp.is_root() and (ok and ("1\n%s\n%s\n%s"):format(run.dir, run.id, tostring(run.resumed))
+        or ("0\n" .. tostring(run))) or ""
+    word = dp.broadcast_string(word)
+    if word:sub(1, 1) == "0" then
+        if dp.is_root() then io.stderr:write(word:sub(3), "\n") end
         os.exit(2, true)
     end
-    local saved = run.dir .. "/config.lua"
-    if run.resumed and fs.exists(saved) then opts = options.parse(argv, spec, { base = saved }) end
-    options.write(saved, opts, spec)
+    if not dp.is_root() then
+        local dir, id, resumed = word:match("^1\n(.*)\n([^\n]*)\n([^\n]*)$")
+        run = { dir = dir, id = id, resumed = resumed == "true" }
+        if run.resumed then opts = options.parse(argv, spec, { base = run.dir .. "/config.lua" }) end
+    end
     return opts, run
 end
 

@@ -29,6 +29,19 @@ for i = 1, m do
 end
 H.eq(bad, 0, "F32 all_reduce: elements off the closed form i * n(n+1)/2")
 
+-- The sum's order is rank order, one fp32 addition at a time: rank 0 holds 1, every other rank 2^-24 (half an ulp
+-- of 1). ((1 + h) + h) + h rounds to 1 at every step (ties to even); any other grouping adds h + h = 2^-23 first and
+-- gives 1 + 2^-23 (4 ranks: (1 + h) + (h + h), the recursive-doubling order). Each element of a buffer longer than
+-- the world (shards of uneven size: 1003 elements) must come out so.
+local hh = {}
+for i = 1, 1003 do hh[i] = r == 0 and 1 or 2 ^ -24 end
+local ro = ds4.dist.all_reduce(ds4.tensor(hh, "F32"))
+bad = 0
+for i = 1, 1003 do
+    if ro[i] ~= 1 then bad = bad + 1 end
+end
+H.eq(bad, 0, "F32 all_reduce sums in rank order (elements off 1)")
+
 -- F64 with values that need double precision: 1 + r * 2^-40 sums to n + 2^-40 n(n-1)/2 exactly in fp64, and
 -- -r * 2^600 (beyond fp32's range; a power of two times a small integer, so every partial sum is exact).
 local d = ds4.tensor({ 1 + r * 2 ^ -40, -r * 2 ^ 600 }, "F64")

@@ -425,6 +425,12 @@ local function seeds_and_batching()
     -- a sequence depends on its own prompt, the seed and its (prompt, sample) indices only, not on the others
     local other = model:generate({ random_ids(rnd, 7, V), prompts[2] }, with())
     same_results({ other[4], other[5], other[6] }, { r1[4], r1[5], r1[6] }, "prompt 2 next to another prompt 1")
+    -- a share of the batch (data parallelism: a rank's prompts) with prompt_base draws what the whole batch drew
+    local share = model:generate({ prompts[2], prompts[3] }, with({ prompt_base = 1 }))
+    same_results({ share[1], share[2], share[3], share[4], share[5], share[6] }, { r1[4], r1[5], r1[6], r1[7], r1[8], r1[9] },
+        "prompts 2..3 with prompt_base = 1")
+    H.check(first_diff(model:generate({ prompts[2] }, with())[1].ids, r1[4].ids) ~= nil,
+        "without prompt_base, prompt 2 alone draws another stream")
     -- prompts as 1-D tensors, and as one 2-D tensor of equal-length prompts
     same_results(model:generate({ ds4.tensor(prompts[1], "I64"), ds4.tensor(prompts[2], "I32"), prompts[3] }, with()), r1,
         "tensor prompts")

@@ -173,7 +173,7 @@ function M.parse_agg(agg, fn)
 end
 
 local function trained(s)
-    local n, len = 0, #s.logp
+    local n, len = 0, #(s.logp or s.ids) -- before its training forward a sample has ids of the same length
     local m = s.mask
     if m == nil then return len end
     for t = 1, len do n = n + m[t] end

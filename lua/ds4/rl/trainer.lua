@@ -97,31 +97,40 @@ local rl = require("ds4.rl")
 local reward_mod = require("ds4.reward")
 local stats_mod = require("ds4.rl.stats")
 local resume = require("ds4.rl.resume")
+local dp = require("ds4.dp")
+local json = require("ds4.chat.json")
 local ffi = require("ffi")
 
 local M = {}
 
 pcall(ffi.cdef, "int isatty(int fd);")
 local now = ds4.metrics.clock -- wall seconds (monotonic); os.clock would add up the CPU time of every thread
+-- warnings: from rank 0 only (with several ranks every rank holds the same gathered rollouts)
+local function warn(msg) if dp.is_root() then io.stderr:write(msg) end end
 
 -- Greedy accuracy of `model` (or source) on eval samples.
+-- With several ranks (ds4.dp) each greedily decodes its share of the samples and the counts are summed (greedy
+-- decoding is batch-invariant, so the accuracy is the one process's); res then holds this rank's share only.
 function M.evaluate(model, eval, decode, max_new_tokens, stop)
+    local first, count = dp.share(#eval.samples, dp.world(), dp.rank())
     local prompts = {}
-    for i, s in ipairs(eval.samples) do prompts[i] = s.prompt end
-    local res = model:generate(prompts, { max_new_tokens = max_new_tokens, temperature = 0, stop = stop })
+    for i = first, first + count - 1 do prompts[#prompts + 1] = eval.samples[i].prompt end
+    local res = #prompts > 0 and model:generate(prompts, { max_new_tokens = max_new_tokens, temperature = 0,
+        stop = stop }) or {}
     local ok = 0
-    for i, r in ipairs(res) do
+    for j, r in ipairs(res) do
+        local sample = eval.samples[first + j - 1]
         local text = decode(r.ids)
         local good
         if eval.correct then
-            good = eval.correct(text, eval.samples[i])
+            good = eval.correct(text, sample)
         else
-            local sc = reward_mod.evaluate(eval.reward, text, eval.samples[i])
+            local sc = reward_mod.evaluate(eval.reward, text, sample)
             good = sc ~= nil and sc > 0
         end
         if good then ok = ok + 1 end
     end
-    return ok / #eval.samples, res
+    return dp.sum({ ok })[1] / #eval.samples, res
 end
 
 local function is_failed(r) return r.finish_reason == "failed" end
@@ -137,41 +146,83 @@ end
 
 -- One batch of rollouts: samples with rewards; `group_base` makes group ids unique across calls. st accumulates the
 -- step's counts, timings and ds4.rl.stats.
+-- Every rank's rollouts and rewards, in rank order (= prompt order): each rank sends its samples' ids, log-probs,
+-- finish reasons, scores and reward infos as JSON (numbers in the shortest form that reads back exactly), and its
+-- reward errors with their global sample index.
+local function gather_rollouts(res, scores, infos, errors, base)
+    local mine = { s = {}, e = {} }
+    for i, r in ipairs(res) do
+        mine.s[i] = { ids = json.array(r.ids), lp = json.array(r.logprobs or {}), fr = r.finish_reason,
+            err = r.error and tostring(r.error) or nil, sc = scores[i], info = infos[i] }
+    end
+    for _, e in ipairs(errors) do mine.e[#mine.e + 1] = { i = e.index + base, m = e.message } end
+    local all_res, all_scores, all_infos, all_errors = {}, {}, {}, {}
+    for r, text in ipairs(dp.gather_strings(json.encode(mine))) do
+        local got, why = json.decode(text)
+        if type(got) ~= "table" or type(got.s) ~= "table" or type(got.e) ~= "table" then
+            error(("trainer: rank %d's rollouts do not decode: %s"):format(r - 1, tostring(why)), 0)
+        end
+        for _, x in ipairs(got.s) do
+            local i = #all_res + 1
+            all_res[i] = { ids = x.ids, logprobs = x.lp, finish_reason = x.fr, error = x.err }
+            all_scores[i], all_infos[i] = x.sc, x.info
+        end
+        for _, e in ipairs(got.e) do all_errors[#all_errors + 1] = { index = e.i, message = e.m } end
+    end
+    return all_res, all_scores, all_infos, all_errors
+end
+
 local function rollout_batch(cfg, k, group_base, st)
     local ro = cfg.rollout
     local src = ro.source or cfg.model
     local items = cfg.prompts(k, ro.prompts_per_step)
     local prompts = {}
     for i, it in ipairs(items) do prompts[i] = it.prompt end
+    -- this rank's prompts (all of them in a world of one), drawing the random streams the whole batch would
+    local p1, pc = dp.share(#items, dp.world(), dp.rank())
+    local share = {}
+    for i = p1, p1 + pc - 1 do share[#share + 1] = prompts[i] end
     local t0 = now()
-    local res = src:generate(prompts, { n = ro.n, max_new_tokens = ro.max_new_tokens, temperature = ro.temperature,
-        top_p = ro.top_p, top_k = ro.top_k, seed = cfg.seed * 1000003 + k, stop = ro.stop, tokenizer = ro.tokenizer,
-        record_experts = cfg.routing_replay or nil, record_index = cfg.routing_replay or nil })
+    local res = #share > 0 and src:generate(share, { n = ro.n, max_new_tokens = ro.max_new_tokens,
+        temperature = ro.temperature, top_p = ro.top_p, top_k = ro.top_k, seed = cfg.seed * 1000003 + k,
+        prompt_base = p1 > 1 and p1 - 1 or nil, stop = ro.stop, tokenizer = ro.tokenizer,
+        record_experts = cfg.routing_replay or nil, record_index = cfg.routing_replay or nil }) or {}
     local t1 = now()
     st.t_generate = st.t_generate + (t1 - t0)
     local texts, views = {}, {}
+    for i, r in ipairs(res) do
+        local g = math.floor((i - 1) / ro.n) + p1 - 1
+        texts[i] = cfg.decode(r.ids)
+        views[i] = reward_view(items[g + 1], r)
+    end
+    local scores, infos, errors = reward_mod.evaluate_batch(cfg.reward, texts, views)
+    if dp.world() > 1 then
+        res, scores, infos, errors = gather_rollouts(res, scores, infos, errors, (p1 - 1) * ro.n)
+        texts, views = {}, {}
+        for i, r in ipairs(res) do
+            texts[i] = cfg.decode(r.ids)
+            views[i] = reward_view(items[math.floor((i - 1) / ro.n) + 1], r)
+        end
+    end
+    st.t_reward = st.t_reward + (now() - t1)
     local bad, failed = {}, 0
     for i, r in ipairs(res) do
         local g = math.floor((i - 1) / ro.n)
-        texts[i] = cfg.decode(r.ids)
-        views[i] = reward_view(items[g + 1], r)
         if is_failed(r) and not bad[g] then
             bad[g] = true
             failed = failed + 1
             if st.failed_groups + failed <= 5 then
-                io.stderr:write(("trainer: rollout group %d failed: %s\n"):format(g + 1, tostring(r.error or
+                warn(("trainer: rollout group %d failed: %s\n"):format(g + 1, tostring(r.error or
                     "no reason given")))
             end
         end
     end
     st.failed_groups = st.failed_groups + failed
-    local scores, infos, errors = reward_mod.evaluate_batch(cfg.reward, texts, views)
-    st.t_reward = st.t_reward + (now() - t1)
     for _, e in ipairs(errors) do
         bad[math.floor((e.index - 1) / ro.n)] = true
         st.errors = st.errors + 1
         st.first_error = st.first_error or e.message
-        if st.errors <= 5 then io.stderr:write(("reward error (sample %d): %s\n"):format(e.index, e.message)) end
+        if st.errors <= 5 then warn(("reward error (sample %d): %s\n"):format(e.index, e.message)) end
     end
     local out = {}
     for i, r in ipairs(res) do
@@ -286,6 +337,18 @@ local function defaults(cfg)
     cfg.optim = cfg.optim or {}
     cfg.steps = cfg.steps or 100
     cfg.minibatches = cfg.minibatches or 1
+    cfg.micro_batches = cfg.micro_batches or 1
+    if type(cfg.micro_batches) ~= "number" or cfg.micro_batches < 1 or cfg.micro_batches ~= math.floor(cfg.micro_batches) then
+        error("trainer.run: config.micro_batches must be an integer >= 1, got " .. tostring(cfg.micro_batches), 3)
+    end
+    if dp.world() > 1 and ro.source then
+        error("trainer.run: a rollout source (remote workers) with several training ranks is not supported yet: " ..
+            "launch one trainer process, or let the ranks generate (no rollout.source)", 3)
+    end
+    if dp.world() > 1 and cfg.routing_replay then
+        error("trainer.run: routing_replay with several training ranks is not supported yet (the recorded routes " ..
+            "stay on the rank that generated them)", 3)
+    end
     cfg.seed = cfg.seed or 1
     if cfg.progress == nil then cfg.progress = true end
     if cfg.loss ~= nil and type(cfg.loss) ~= "function" then
@@ -372,17 +435,94 @@ local function diverged(row, guard)
 end
 
 
+-- samples[first .. first + count - 1]
+local function slice(samples, first, count)
+    local out = {}
+    for i = first, first + count - 1 do out[#out + 1] = samples[i] end
+    return out
+end
+
+-- A per-token field (old_logp, ref_logp) computed by each rank for its share of the samples: afterwards every rank
+-- has it for every sample (rank order = sample order; each sample's length is known to all, so the numbers of a
+-- rank are its samples' fields laid end to end).
+local function share_field(samples, field)
+    if dp.world() == 1 then return end
+    local first, count = dp.share(#samples, dp.world(), dp.rank())
+    local flat = {}
+    for i = first, first + count - 1 do
+        for _, v in ipairs(samples[i][field]) do flat[#flat + 1] = v end
+    end
+    local parts = dp.gather_numbers(flat)
+    for r = 0, dp.world() - 1 do
+        local f, c = dp.share(#samples, dp.world(), r)
+        local src, at = parts[r + 1], 0
+        for i = f, f + c - 1 do
+            local a = {}
+            for t = 1, #samples[i].ids do a[t] = src[at + t] end
+            at = at + #samples[i].ids
+            samples[i][field] = a
+        end
+    end
+end
+
+-- Old (or reference) log-probabilities of every sample: each rank forwards its share (a sequence's log-probs do not
+-- depend on the batch it is in), then they are shared.
+local function logp_all(model, samples, pad, field, replay)
+    local first, count = dp.share(#samples, dp.world(), dp.rank())
+    if count > 0 then forward_logp(model, slice(samples, first, count), pad, field, nil, replay) end
+    share_field(samples, field)
+end
+
+-- This rank's micro-batches of a minibatch: the minibatch's samples (in order) split into world × micro_batches
+-- contiguous parts; rank r takes parts r·M .. r·M + M - 1, so the ranks' parts in rank order are one process's.
+local function micro_batches(cfg, mb)
+    local parts, out = dp.world() * cfg.micro_batches, {}
+    for j = 0, cfg.micro_batches - 1 do
+        local first, count = dp.share(#mb, parts, dp.rank() * cfg.micro_batches + j)
+        if count > 0 then out[#out + 1] = slice(mb, first, count) end
+    end
+    return out
+end
+
+-- One micro-batch's policy loss and backward (its grads normalised by the whole minibatch's counts, lopts): the
+-- loss result, or nil and the reason to stop.
+local function micro_step(cfg, spec, pad, part, lopts)
+    local model = cfg.model
+    local _, _, S = forward_logp(model, part, pad, "logp", "entropy", cfg.routing_replay)
+    local out
+    if cfg.loss then
+        local ok, r = pcall(cfg.loss, part, spec, lopts)
+        if not ok then return nil, "config.loss raised: " .. tostring(r) end
+        local why = bad_loss_result(r, part)
+        if why then return nil, "config.loss " .. why end
+        out = r
+    else
+        out = rl.loss.compute(part, spec, { denom = lopts.denom, num_seqs = lopts.num_seqs })
+    end
+    local g = ds4.zeros({ #part, S })
+    for i, s in ipairs(part) do
+        local base = (i - 1) * S + #s.prompt - 1
+        for j, v in ipairs(out.grads[i]) do g[base + j] = v end
+    end
+    model:backward_logprobs(g)
+    out.cells = #part * S
+    return out
+end
+
 -- The updates of one step: old (and reference) log-probabilities, advantages, `minibatches` optimizer updates.
 -- Fills the row's loss metrics; returns the trained token count and a reason to stop (nil when fine).
+-- With several ranks (ds4.dp) every rank holds every sample (rollout_batch gathered them): the advantages are the
+-- global groups', each minibatch is split into the ranks' micro-batches (and cfg.micro_batches on each), normalised by
+-- the whole minibatch's counts, the gradients summed over ranks; every rank takes the same update.
 local function train(cfg, opt, samples, row)
     local model, spec, pad = cfg.model, cfg.algorithm, cfg.pad
     if spec.overlong and spec.overlong.filter then rl.filter.overlong_filter(samples) end
     if spec.overlong and spec.overlong.soft then rl.filter.apply_soft_overlong(samples, spec.overlong.soft) end
     -- old policy = the current weights, recomputed (three-policy view: rollout, old, new)
-    forward_logp(model, samples, pad, "old_logp", nil, cfg.routing_replay)
+    logp_all(model, samples, pad, "old_logp", cfg.routing_replay)
     local mm = rl.correction.metrics(samples) or {}
     if spec.kl then
-        forward_logp(cfg.reference, samples, pad, "ref_logp")
+        logp_all(cfg.reference, samples, pad, "ref_logp")
         if spec.kl.where == "reward" then
             rl.loss.kl_in_reward(samples, spec.kl.coef, spec.kl.estimator, { level = spec.kl.level })
         end
@@ -398,40 +538,49 @@ local function train(cfg, opt, samples, row)
     local last, stop, trained = nil, nil, 0
     for _, mb in ipairs(split_groups(samples, cfg.minibatches)) do
         model:zero_grad()
-        local _, _, S = forward_logp(model, mb, pad, "logp", "entropy", cfg.routing_replay)
         local Tm, Nm = rl.loss.count(mb)
-        local out
-        if cfg.loss then
-            local ok, r = pcall(cfg.loss, mb, spec, { denom = Tm, num_seqs = Nm, step_tokens = T, step_seqs = #samples })
-            if not ok then return trained, "config.loss raised: " .. tostring(r) end
-            local why = bad_loss_result(r, mb)
-            if why then return trained, "config.loss " .. why end
-            out = r
-        else
-            out = rl.loss.compute(mb, spec, { denom = Tm, num_seqs = Nm })
-        end
-        local g = ds4.zeros({ #mb, S })
-        for i, s in ipairs(mb) do
-            local base = (i - 1) * S + #s.prompt - 1
-            for j, v in ipairs(out.grads[i]) do g[base + j] = v end
-        end
-        local ok, r = pcall(function()
-            model:backward_logprobs(g)
-            return opt:step()
+        local lopts = { denom = Tm, num_seqs = Nm, step_tokens = T, step_seqs = #samples }
+        -- Σ over this rank's micro-batches of: loss, tokens, and the token-weighted clip_frac, kl, entropy
+        local sums = { 0, 0, 0, 0, 0 }
+        local ok, err = pcall(function()
+            for _, part in ipairs(micro_batches(cfg, mb)) do
+                local out, why = micro_step(cfg, spec, pad, part, lopts)
+                if not out then return why end
+                local m = out.metrics or {}
+                local w = m.tokens or rl.loss.count(part)
+                sums[1] = sums[1] + (out.loss or 0)
+                sums[2] = sums[2] + w
+                sums[3] = sums[3] + (m.clip_frac or 0) * w
+                sums[4] = sums[4] + ((spec.kl and m.kl) or m.ppo_kl or 0) * w
+                sums[5] = sums[5] + (m.entropy or 0) * w
+                trained = trained + out.cells
+            end
         end)
-        if not ok then -- a NaN loss, or an update the optimizer refuses (non-finite weights)
+        -- every rank learns whether one failed (a NaN loss, a user loss that raised), so that none waits alone in a
+        -- collective the others left
+        local flag = not ok and 2 or (err and 1 or 0)
+        local worst = dp.max({ flag })[1]
+        if worst > 0 then
+            local why = not ok and "the update failed: " .. tostring(err) or err
+                or "the update failed on another rank (see its output)"
+            if worst == 1 then return trained, why end -- the user loss failed: stop before the update
+            stop = why
+            break
+        end
+        if dp.world() > 1 then ds4.dist.all_reduce_grads(model) end -- summed in rank order
+        sums = dp.sum(sums)
+        local okstep, r = pcall(opt.step, opt)
+        if not okstep then -- an update the optimizer refuses (non-finite weights)
             stop = "the update failed: " .. tostring(r)
             break
         end
         last = r
-        local m = out.metrics or {}
-        local w = m.tokens or Tm
+        local w = sums[2]
         agg.tokens = agg.tokens + w
-        agg.loss = agg.loss + (out.loss or 0) * w
-        agg.clip_frac = agg.clip_frac + (m.clip_frac or 0) * w
-        agg.kl = agg.kl + ((spec.kl and m.kl) or m.ppo_kl or 0) * w
-        agg.entropy = agg.entropy + (m.entropy or 0) * w
-        trained = trained + #mb * S
+        agg.loss = agg.loss + sums[1] * w
+        agg.clip_frac = agg.clip_frac + sums[3]
+        agg.kl = agg.kl + sums[4]
+        agg.entropy = agg.entropy + sums[5]
     end
     local w = math.max(agg.tokens, 1)
     row.loss, row.clip_frac, row.kl, row.entropy = agg.loss / w, agg.clip_frac / w, agg.kl / w, agg.entropy / w
@@ -440,7 +589,7 @@ local function train(cfg, opt, samples, row)
     row["logprob_mismatch/max"] = mm.mismatch_abs_max or 0
     row.grad_norm = last and last.grad_norm
     row.lr = last and last.lr
-    return trained, stop
+    return dp.sum({ trained })[1], stop
 end
 
 local function progress_line(cfg, step, row, kept, dt)
@@ -460,6 +609,8 @@ end
 
 function M.run(cfg)
     defaults(cfg)
+    local ROOT = dp.is_root() -- with several ranks (ds4.dp), rank 0 alone logs, prints and writes checkpoints
+    cfg.progress = cfg.progress and ROOT
     local model, spec, ro = cfg.model, cfg.algorithm, cfg.rollout
     cfg.pad = model:config().eos_token_id or 0
     local o = cfg.optim
@@ -482,7 +633,7 @@ function M.run(cfg)
             print("trainer: no checkpoint under " .. ck.dir .. ": starting from step 1")
         end
     end
-    local log = cfg.out and ds4.runlog.open(cfg.out, { resume_step = resumed_from and state.step or nil,
+    local log = ROOT and cfg.out and ds4.runlog.open(cfg.out, { resume_step = resumed_from and state.step or nil,
         tensorboard = cfg.tensorboard ~= false, quiet = not cfg.progress }) or nil
     local history = {}
     if resumed_from and log then history = require("ds4.plot").read_jsonl(cfg.out .. "/metrics.jsonl") end
@@ -528,7 +679,7 @@ function M.run(cfg)
         state.failed_total = state.failed_total + st.failed_groups
         local stop
         if st.failed_groups > 0 then
-            io.stderr:write(("trainer: step %d: %d of %d rollout groups failed (%d in the run so far)\n"):format(step,
+            warn(("trainer: step %d: %d of %d rollout groups failed (%d in the run so far)\n"):format(step,
                 st.failed_groups, st.groups_generated, state.failed_total))
             if st.failed_groups > cfg.guard.max_failed_frac * st.groups_generated then
                 stop = ("%d of %d rollout groups failed, more than guard.max_failed_frac = %g: the rollout source is "
@@ -547,7 +698,7 @@ function M.run(cfg)
         row["groups/kept"] = #samples / ro.n
         state.idle = #samples > 0 and 0 or state.idle + 1
         if state.idle > 0 and not stop then
-            io.stderr:write(("trainer: step %d trained on nothing: every group's rewards were equal (reward/mean "
+            warn(("trainer: step %d trained on nothing: every group's rewards were equal (reward/mean "
                 .. "%.3f; %d step(s) in a row)\n"):format(step, row["reward/mean"], state.idle))
             if state.idle >= cfg.guard.max_idle_steps then
                 stop = ("%d steps in a row trained on nothing: no group survived filtering (guard.max_idle_steps = %g; "
@@ -580,7 +731,7 @@ function M.run(cfg)
         state.step = step
         if ck.every > 0 and (step % ck.every == 0 or step == cfg.steps) then
             state.user = cfg.state and cfg.state.save() or nil
-            resume.save(ck.dir, model, opt, cfg.reference, state, ck.keep_last)
+            if ROOT then resume.save(ck.dir, model, opt, cfg.reference, state, ck.keep_last) end
         end
         if cfg.progress then
             local msg = progress_line(cfg, step, row, #samples / ro.n, dt)

@@ -1,0 +1,151 @@
+-- dist_zero.lua FIXTURES MODE DIR SAVE_WORLD — ZeRO-1 (ds4.dist.shard_optimizer) on N CPU ranks, run by tests/test_dist_zero.sh.
+--
+-- Every rank trains two copies of tiny_a data-parallel on a 4-row batch (ranks' rows as in dist_data_parallel.lua:
+-- 2 ranks 1 + 3, 4 ranks one each), with the same gradients (token-mean over the global batch, all-reduced): `plain`
+-- with the unsharded AdamW, `zero` with its optimizer sharded. Clipping is active (clip 0.05 < the gradient norms)
+-- and weight decay on, so every stage of the step is exercised. After every step the two must hold the same weights
+-- bit for bit, report the same gradient norm, and zero's gathered state (opt:state()) must equal plain's. Each
+-- rank's shard must be its own (regions disjoint, in rank order).
+--
+-- MODE save: K1 = 2 steps, then rank 0 writes a checkpoint (weights + the gathered optimizer state) into DIR, then
+-- K2 = 2 more steps. MODE resume: load DIR's checkpoint on this world (any size), shard, K2 steps.
+-- In both, the final weights must equal those of one process that ran all K1 + K2 steps uninterrupted, in memory,
+-- with the unsharded optimizer, accumulating the saving world's micro-batches for the first K1 steps and this
+-- world's after (one micro-batch per rank, in rank order, is one process's sequence of micro-batches: the same bits,
+-- docs/distributed.md "Bitwise data parallelism"). So a checkpoint saved by 2 ranks resumes on 1 and on 4 exactly.
+package.path = ((arg[0]:match("^(.*)/[^/]*$") or ".") .. "/?.lua;") .. package.path
+local H = require("harness")
+local ds4 = require("ds4")
+local ffi = require("ffi")
+
+local MODE, DIR, SAVE_WORLD = arg[2], arg[3], tonumber(arg[4] or "2")
+assert(MODE == "save" or MODE == "resume", "usage: dist_zero.lua FIXTURES save|resume DIR SAVE_WORLD")
+local r, n = ds4.dist.init()
+local fixture = H.fixtures() .. "/tiny_a"
+local B, S, V, K1, K2 = 4, 37, 256, 2, 2
+local SPLIT = { [1] = { 4 }, [2] = { 1, 3 }, [4] = { 1, 1, 1, 1 } }
+assert(SPLIT[n] and SPLIT[SAVE_WORLD], "1, 2 or 4 ranks")
+
+local seed = 4242
+local function lcg()
+    seed = (seed * 1103515245 + 12345) % 2147483648
+    return seed
+end
+local rows = {}
+for b = 1, B do
+    rows[b] = {}
+    for s = 1, S do rows[b][s] = lcg() % V end
+end
+-- the micro-batches of a world: {ids} per rank, in rank order
+local function micro_batches(world)
+    local out, first = {}, 1
+    for _, count in ipairs(SPLIT[world]) do
+        local t = {}
+        for b = first, first + count - 1 do t[#t + 1] = rows[b] end
+        out[#out + 1] = ds4.tensor(t, "I64")
+        first = first + count
+    end
+    return out
+end
+local N = B * (S - 1) -- every row fully scored (labels = ids, the shift inside)
+
+local function opts() return { lr = 2e-3, betas = { 0.9, 0.95 }, eps = 1e-8, weight_decay = 0.1, clip = 0.05 } end
+
+local function differ(a, b)
+    local pa, pb = ffi.cast("const float *", a:data_ptr()), ffi.cast("const float *", b:data_ptr())
+    local c = 0
+    for i = 0, a:numel() - 1 do
+        if pa[i] ~= pb[i] then c = c + 1 end
+    end
+    return c
+end
+
+-- one data-parallel update of model on this rank's micro-batch
+local function dp_step(model, opt, ids)
+    model:zero_grad()
+    model:forward(ids, { labels = ids })
+    model:backward(1 / N)
+    ds4.dist.all_reduce_grads(model)
+    return opt:step()
+end
+
+-- the uninterrupted single-process reference: steps 1..K1 on the saving world's micro-batches, then this world's
+local ref = ds4.load(fixture)
+local ref_opt = ds4.adamw(ref, opts())
+local function ref_step(world)
+    ref:zero_grad()
+    for _, ids in ipairs(micro_batches(world)) do
+        ref:forward(ids, { labels = ids })
+        ref:backward(1 / N)
+    end
+    return ref_opt:step()
+end
+
+local mine = micro_batches(n)[r + 1]
+local zero, zopt, plain, popt
+if MODE == "save" then
+    zero, plain = ds4.load(fixture), ds4.load(fixture)
+    zopt, popt = ds4.adamw(zero, opts()), ds4.adamw(plain, opts())
+else
+    local dir, _, _, step = ds4.checkpoints.load(DIR)
+    H.eq(step, K1, "the checkpoint's step")
+    zero, plain = ds4.load(dir), ds4.load(dir)
+    zopt, popt = ds4.adamw(zero, opts()), ds4.adamw(plain, opts())
+    local st = ds4.checkpoints.read_state(dir, "optimizer")
+    for _, o in ipairs({ zopt, popt }) do
+        o:load_state({ m = st.m, v = st.v, tensor_steps = st.tensor_steps, step = step })
+    end
+end
+local off, len = ds4.dist.shard_optimizer(zopt)
+-- the shards: disjoint, in rank order
+local regions = ds4.dist.all_gather(ds4.tensor({ off, len }, "F64"))
+local ok_regions, prev_end = true, 0
+for q = 0, n - 1 do
+    local o, l = regions[2 * q + 1], regions[2 * q + 2]
+    if l > 0 then
+        if o < prev_end then ok_regions = false end
+        prev_end = o + l
+    end
+end
+H.check(ok_regions and prev_end <= zero:params():numel(), "shards disjoint and in rank order")
+H.check(n == 1 or len < zero:params():numel(), "a rank of several holds part of the optimizer only")
+
+local function check_state(k)
+    local zs, ps = zopt:state(), popt:state()
+    H.eq(differ(zs.m, ps.m) + differ(zs.v, ps.v), 0, "step " .. k .. ": gathered moments = the unsharded optimizer's")
+    H.eq(differ(zs.tensor_steps, ps.tensor_steps), 0, "step " .. k .. ": per-tensor step counts")
+    H.eq(zs.step, ps.step, "step " .. k .. ": update count")
+end
+
+local steps = MODE == "save" and K1 + K2 or K2
+local first_step = MODE == "save" and 1 or K1 + 1
+if MODE == "resume" then for _ = 1, K1 do ref_step(SAVE_WORLD) end end
+local clipped = false
+for k = first_step, first_step + steps - 1 do
+    local zs = dp_step(zero, zopt, mine)
+    local ps = dp_step(plain, popt, mine)
+    local rs = ref_step(k <= K1 and SAVE_WORLD or n)
+    clipped = clipped or zs.grad_norm > opts().clip
+    H.eq(zs.grad_norm, ps.grad_norm, "step " .. k .. ": gradient norm, sharded vs unsharded")
+    H.eq(differ(zero:params(), plain:params()), 0, "step " .. k .. ": weights, sharded vs unsharded optimizer")
+    H.eq(zs.grad_norm, rs.grad_norm, "step " .. k .. ": gradient norm vs the single process")
+    check_state(k)
+    if MODE == "save" and k == K1 then
+        local st = zopt:state() -- gathered: every rank calls it
+        if r == 0 then
+            ds4.checkpoints.save(DIR, K1, zero, { states = { optimizer = { tensors = { m = st.m, v = st.v,
+                tensor_steps = st.tensor_steps }, meta = { step = st.step } } } })
+        end
+        ds4.dist.barrier()
+    end
+end
+H.check(clipped, "the clip was active (the test exercises the clip coefficient)")
+local d = differ(zero:params(), ref:params())
+H.eq(d, 0, ("final weights vs one uninterrupted process (%s)"):format(MODE == "save" and ("%d ranks"):format(n)
+    or ("saved on %d ranks, resumed on %d"):format(SAVE_WORLD, n)))
+if r == 0 then
+    print(("dist_zero %s: %d ranks (%s), rank 0's shard %d of %d parameters; weights differing from one process: %d")
+        :format(MODE, n, ds4.dist.backend(), len, zero:params():numel(), d))
+end
+ds4.dist.finalize()
+H.done("dist_zero rank " .. r .. " of " .. n)

@@ -1,0 +1,110 @@
+#!/usr/bin/env bash
+# test_dist_examples.sh DS4 FIXTURES SOURCE — data parallelism inside the examples (docs/distributed.md): sft.lua
+# and dapo.lua launched on 2 and 4 CPU ranks (under mpirun, and torchrun-style over the TCP rendezvous) train the
+# same model as one process running the same micro-batches (tests/lua/dist_compare_runs.lua compares the saved
+# weights and metrics.jsonl); sft.lua --zero (ZeRO-1) too, and its 2-rank checkpoint resumed by one process.
+#
+# Bitwise: N ranks of one micro-batch each against one process with --micro-batches N (sft) or the same prompts
+# (dapo): the ranks' gradients are summed in rank order and a backward adds its gradient once, so the sums are the
+# same fp32 operations in the same order.
+# Within a bound: 2 ranks of 2 micro-batches against one process of 4 micro-batches: the process adds
+# ((G1 + G2) + G3) + G4, the ranks (G1 + G2) + (G3 + G4), which differ in the last bits; AdamW (g / sqrt(v)) turns a
+# last-bit change of a near-zero gradient into an update change of up to ~lr, so after 6 steps at lr 3e-3 the weights
+# may differ by up to a few lr: bound |Δw| <= 3e-3 (measured 2.4e-4), metrics (loss, grad_norm) within 1e-4
+# relative (measured 1e-7). A normalisation error (a factor 2 or 4 in the token count) moves step 1's grad_norm by
+# 50% or more, far outside.
+# MPI parts skip without mpirun or an MPI build; the torchrun-style parts need nothing but loopback TCP.
+set -uo pipefail
+DS4="$1"; FIX="$2"; SRC="$3"
+# shellcheck source=tests/dist_launch.sh
+. "$SRC/tests/dist_launch.sh"
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+export OMPI_MCA_btl_tcp_if_include=lo OMPI_MCA_oob_tcp_if_include=lo
+export DS4_DIST_TIMEOUT=120
+if [ -n "${ASAN_OPTIONS:-}" ]; then export ASAN_OPTIONS="$ASAN_OPTIONS:detect_leaks=0"; fi # Open MPI's plugin leaks
+
+fail=0
+bad() { echo "FAIL: $*"; fail=1; }
+W="$(mktemp -d "${TMPDIR:-/tmp}/ds4-dist-ex.XXXXXX")"
+trap 'rm -rf "$W"' EXIT
+
+have_mpi=0
+if command -v mpirun >/dev/null 2>&1 &&
+    [ "$(echo 'io.write(tostring(require("ds4").dist.have_mpi))' | "$DS4" run - 2>&1)" = "true" ]; then
+    have_mpi=1
+else
+    echo "note: no mpirun or no MPI in this build: the mpirun runs are skipped"
+fi
+
+compare() { # A B [bound] WHAT
+    local what="${*: -1}"
+    "$DS4" run "$SRC/tests/lua/dist_compare_runs.lua" "${@:1:$#-1}" >"$W/cmp.log" 2>&1 || { cat "$W/cmp.log"; bad "$what"; return; }
+    echo "$what: $(grep 'dist_compare_runs:' "$W/cmp.log" | head -1)"
+}
+one() { # OUT ARGS...: one process
+    local out="$1"; shift
+    timeout -k 5 300 "$DS4" run "$@" --out "$out" --quiet >"$out.log" 2>&1 || { tail -20 "$out.log"; bad "one process: $*"; }
+}
+mpi() { # NP OUT ARGS...
+    local np="$1" out="$2"; shift 2
+    timeout -k 5 300 mpirun -np "$np" --oversubscribe "$DS4" run "$@" --out "$out" --quiet >"$out.log" 2>&1 ||
+        { tail -20 "$out.log"; bad "mpirun -np $np: $*"; }
+}
+tcp() { # NP OUT ARGS...
+    local np="$1" out="$2"; shift 2
+    launch "$np" "$out.log" 300 "$DS4" run "$@" --out "$out" --quiet ||
+        { tail -20 "$out.log".*; bad "$np torchrun-style ranks (exit codes ${RCS[*]}): $*"; }
+}
+
+# ---- sft.lua: 8 rows per update, 6 updates on the generated toy set
+SFT=("$SRC/examples/sft.lua" --steps 6 --batch 8)
+one "$W/sft_m2" "${SFT[@]}" --micro-batches 2
+one "$W/sft_m4" "${SFT[@]}" --micro-batches 4
+tcp 2 "$W/sft_tcp2" "${SFT[@]}"
+compare "$W/sft_m2" "$W/sft_tcp2" "sft, 2 torchrun-style ranks = 1 process of 2 micro-batches (bitwise)"
+# ZeRO-1, with a checkpoint at step 3 (gathered on every rank, written by rank 0) resumed by one process
+tcp 2 "$W/sft_zero2" "${SFT[@]}" --zero --save-every 3
+compare "$W/sft_m2" "$W/sft_zero2" "sft --zero, 2 torchrun-style ranks = 1 process of 2 micro-batches (bitwise)"
+cp -r "$W/sft_zero2" "$W/sft_resume1" # the run as it stood at step 3: its checkpoint, data, config and metrics
+rm -rf "$W/sft_resume1/ckpt/step_000006" "$W/sft_resume1/model"
+timeout -k 5 300 "$DS4" run "${SFT[@]}" --micro-batches 2 --resume --out "$W/sft_resume1" --quiet >"$W/sft_resume1.log" 2>&1 ||
+    { tail -20 "$W/sft_resume1.log"; bad "resume of the --zero checkpoint by one process"; }
+compare "$W/sft_m2" "$W/sft_resume1" "sft: a 2-rank --zero checkpoint at step 3 resumed by 1 process = uninterrupted (bitwise)"
+if [ "$have_mpi" = 1 ]; then
+    mpi 2 "$W/sft_mpi2" "${SFT[@]}"
+    compare "$W/sft_m2" "$W/sft_mpi2" "sft, mpirun -np 2 = 1 process of 2 micro-batches (bitwise)"
+    mpi 4 "$W/sft_mpi4" "${SFT[@]}"
+    compare "$W/sft_m4" "$W/sft_mpi4" "sft, mpirun -np 4 = 1 process of 4 micro-batches (bitwise)"
+    mpi 2 "$W/sft_mpi2x2" "${SFT[@]}" --micro-batches 2
+    compare "$W/sft_m4" "$W/sft_mpi2x2" 3e-3 "sft, mpirun -np 2 x 2 micro-batches vs 1 process of 4 (bound)"
+else
+    tcp 4 "$W/sft_tcp4" "${SFT[@]}"
+    compare "$W/sft_m4" "$W/sft_tcp4" "sft, 4 torchrun-style ranks = 1 process of 4 micro-batches (bitwise)"
+fi
+
+# ---- dapo.lua: a model warmed up once (40 SFT steps on "i+1=" problems: mixed groups, so every RL step trains,
+# as in tests/test_dapo.sh), then 3 RL steps of 6 prompts x 4 samples, 2 minibatches, from it. The ranks generate
+# their prompts' samples (the same random streams as one process: generate's prompt_base), the rollouts and rewards
+# are gathered, the groups' advantages computed on the whole batch, each minibatch split into the ranks' micro-batches.
+for i in $(seq 1 40); do echo "{\"prompt\": \"$i+1=\", \"answer\": \"$((i + 1))\"}"; done >"$W/mine.jsonl"
+timeout -k 5 300 "$DS4" run "$SRC/examples/dapo.lua" --data "$W/mine.jsonl" --eval 8 --steps 0 --sft-steps 40 \
+    --sft-batch 32 --save "$W/warm_model" --out "$W/warm" --quiet >"$W/warm.log" 2>&1 || { tail -20 "$W/warm.log"; bad "dapo warm-up"; }
+RL=("$SRC/examples/dapo.lua" --data "$W/mine.jsonl" --eval 8 --steps 3 --prompts 6 --n 4 --max-new-tokens 14
+    --minibatches 2 --model "$W/warm_model" --tokenizer byte --sft-steps 0 --save-every 0)
+trains() { # RUN: some step trained (a gradient norm above 0), or the comparison would say little
+    grep -q '"grad_norm": [0-9.]*[1-9]' "$1/metrics.jsonl" || bad "dapo $1: no step trained (every group's rewards equal)"
+}
+rl_one() { one "$1" "${RL[@]}" "${@:2}" --save "$1/final"; }
+rl_one "$W/rl_m2" --micro-batches 2
+trains "$W/rl_m2"
+rl_one "$W/rl_m4" --micro-batches 4
+tcp 2 "$W/rl_tcp2" "${RL[@]}" --save "$W/rl_tcp2/final"
+compare "$W/rl_m2" "$W/rl_tcp2" "dapo, 2 torchrun-style ranks = 1 process of 2 micro-batches (bitwise)"
+if [ "$have_mpi" = 1 ]; then
+    mpi 4 "$W/rl_mpi4" "${RL[@]}" --save "$W/rl_mpi4/final"
+    compare "$W/rl_m4" "$W/rl_mpi4" "dapo, mpirun -np 4 = 1 process of 4 micro-batches (bitwise)"
+else
+    tcp 4 "$W/rl_tcp4" "${RL[@]}" --save "$W/rl_tcp4/final"
+    compare "$W/rl_m4" "$W/rl_tcp4" "dapo, 4 torchrun-style ranks = 1 process of 4 micro-batches (bitwise)"
+fi
+exit "$fail"
