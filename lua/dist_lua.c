@@ -12,6 +12,8 @@
  *   ds4.dist.broadcast(t, root)        in place (any dtype): every rank's t becomes rank root's; returns t
  *   ds4.dist.all_reduce_grads(model [, scale])   the model's flat gradient buffer times scale, summed over ranks
  *                                      (a CUDA model: on its device, through NCCL)
+ *   ds4.dist.expert_parallel(model [, on])   routed experts split over the ranks (on = true, the default; false:
+ *                                      off again); the model's forwards and backwards are then collective
  *   ds4.dist.finalize()                MPI_Finalize / NCCL finalize (every rank must call it)
  *   ds4.dist.have_mpi, have_nccl       what this build has
  *
@@ -30,6 +32,24 @@
 
 #define COMM_MT "ds4.dist.comm"
 #define COMM_KEY "ds4.dist.current" /* registry slot of the live box (not COMM_MT: that slot holds the metatable) */
+#define EP_KEY "ds4.dist.ep_models"  /* registry: weak-keyed set of the models whose expert parallelism uses the box */
+
+/* Turn expert parallelism off on every model that uses the communicator (before it goes: the models keep pointers
+ * to it). Leaves the stack as it was; never raises. */
+static void ep_detach_all(lua_State *L) {
+    lua_getfield(L, LUA_REGISTRYINDEX, EP_KEY);
+    if (!lua_istable(L, -1)) {
+        lua_pop(L, 1);
+        return;
+    }
+    for (lua_pushnil(L); lua_next(L, -2); lua_pop(L, 1)) {
+        ds4_model **pm = luaL_testudata(L, -2, DS4L_MODEL_MT); /* the model box's first field */
+        if (pm && *pm) ds4_model_set_expert_parallel(*pm, NULL, NULL);
+    }
+    lua_pop(L, 1);
+    lua_pushnil(L);
+    lua_setfield(L, LUA_REGISTRYINDEX, EP_KEY);
+}
 
 typedef struct comm_box {
     ds4_comm *c;
@@ -37,6 +57,7 @@ typedef struct comm_box {
 
 static int comm_gc(lua_State *L) {
     comm_box *b = luaL_checkudata(L, 1, COMM_MT);
+    if (b->c) ep_detach_all(L);
     ds4_comm_abandon(b->c);
     b->c = NULL;
     return 0;
@@ -109,6 +130,7 @@ static int d_init(lua_State *L) {
 static int d_finalize(lua_State *L) {
     comm_box *b = current(L);
     if (!b) return 0;
+    ep_detach_all(L);
     ds4_comm *c = b->c;
     b->c = NULL;
     lua_pushnil(L);
@@ -213,6 +235,28 @@ static int d_all_reduce_grads(lua_State *L) {
     return 0;
 }
 
+/* Expert parallelism (ds4_comm_expert_parallel): rank r computes routed experts [r·E/P, (r+1)·E/P) for every rank's
+ * tokens; every rank runs the rest of the model on its own tokens. The model remembers the communicator, so it is
+ * recorded here and detached when the communicator is finalized. */
+static int d_expert_parallel(lua_State *L) {
+    const char *fname = "ds4.dist.expert_parallel";
+    ds4_comm *c = need(L, fname);
+    ds4_model *m = ds4l_model_check(L, 1, fname);
+    const int on = lua_isnoneornil(L, 2) ? 1 : lua_toboolean(L, 2);
+    if (!lua_isnoneornil(L, 2) && !lua_isboolean(L, 2))
+        ds4l_raise(L, "%s: bad argument #2 (boolean expected, got %s)", fname, luaL_typename(L, 2));
+    ds4_error err = {0};
+    if (ds4_comm_expert_parallel(c, m, on, &err) != DS4_OK) ds4l_raise_ds4(L, fname, &err);
+    ds4l_weak_registry_table(L, EP_KEY, "k");
+    lua_getfield(L, LUA_REGISTRYINDEX, EP_KEY);
+    lua_pushvalue(L, 1);
+    if (on) lua_pushboolean(L, 1);
+    else lua_pushnil(L);
+    lua_rawset(L, -3);
+    lua_pop(L, 1);
+    return 0;
+}
+
 void ds4l_dist_open(lua_State *L) {
     static const luaL_Reg fns[] = {
         {"init", d_init},
@@ -228,6 +272,7 @@ void ds4l_dist_open(lua_State *L) {
         {"all_gather", d_all_gather},
         {"broadcast", d_broadcast},
         {"all_reduce_grads", d_all_reduce_grads},
+        {"expert_parallel", d_expert_parallel},
         {NULL, NULL},
     };
     ds4l_class(L, COMM_MT, NULL, comm_gc, NULL);

@@ -26,7 +26,6 @@
 package.path = ((arg[0]:match("^(.*)/[^/]*$") or ".") .. "/?.lua;") .. package.path
 local H = require("harness")
 local ds4 = require("ds4")
-local ffi = require("ffi")
 
 local on_device = os.getenv("DS4_TEST_DEVICE") == "cuda"
 local r, n = ds4.dist.init(on_device and { device = "cuda" } or nil)
@@ -45,16 +44,8 @@ for b = 1, B do
     rows[b] = {}
     for s = 1, S do rows[b][s] = lcg() % V end
 end
-local function batch(first, count)
-    local t = {}
-    for b = first, first + count - 1 do t[#t + 1] = rows[b] end
-    return ds4.tensor(t, "I64")
-end
-local all_ids = batch(1, B)
-local split = ({ [1] = { 4 }, [2] = { 1, 3 }, [4] = { 1, 1, 1, 1 } })[n] -- rows per rank
-local first = 1
-for k = 1, r do first = first + split[k] end
-local my_ids = batch(first, split[r + 1])
+local all_ids = H.batch(rows, 1, B)
+local my_ids = H.batch(rows, H.rank_rows(r, n))
 
 local function opts() return { lr = 1e-3, betas = { 0.9, 0.95 }, eps = 1e-8, weight_decay = 0.1, clip = 1.0 } end
 local ref, dp = ds4.load(dir), ds4.load(dir)
@@ -65,17 +56,7 @@ if on_device then
 end
 local ref_opt, dp_opt = ds4.adamw(ref, opts()), ds4.adamw(dp, opts())
 
--- max |a - b| and ‖a − b‖ / ‖b‖ over two F32 tensors of equal size
-local function diff(a, b)
-    local pa, pb = ffi.cast("const float *", a:data_ptr()), ffi.cast("const float *", b:data_ptr())
-    local mx, dd, bb = 0, 0, 0
-    for i = 0, b:numel() - 1 do
-        local e = math.abs(pa[i] - pb[i])
-        if e > mx then mx = e end
-        dd, bb = dd + e * e, bb + pb[i] * pb[i]
-    end
-    return mx, math.sqrt(dd) / math.sqrt(bb)
-end
+local diff = H.f32_diff
 
 local worst_g, worst_w = 0, 0
 for k = 1, K do
