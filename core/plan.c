@@ -184,7 +184,10 @@ ds4_status ds4_pass_setup(ds4_model *m, ds4_pass *p, int64_t B, int64_t S, int64
     }
     ds4_arena w = {(char *)m->ws, 0};
     plan(p, &w, o);
-    if ((s = m->dev->ops->reserve(m->dev, &m->cfg, T, S, training, err))) return s;
+    /* expert parallelism: this rank's experts run grouped products over up to ep_rows = K·Σ_ranks T rows */
+    const int64_t K = m->cfg.num_experts_per_tok > 0 ? m->cfg.num_experts_per_tok : 1;
+    const int64_t Tres = p->ep_rows / K > T ? p->ep_rows / K : T;
+    if ((s = m->dev->ops->reserve(m->dev, &m->cfg, Tres, S, training, err))) return s;
     if ((s = rope_reserve(m, S, err))) return s;
     p->rmain = (ds4_rope_table){m->rope_dev[0], m->cfg.rope_main.dim / 2};
     p->rcomp = (ds4_rope_table){m->rope_dev[1], m->cfg.rope_compress.dim / 2};

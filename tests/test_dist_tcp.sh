@@ -132,6 +132,22 @@ CODE='local d = require("ds4").dist; d.init(); d.all_reduce(require("ds4").tenso
 wait
 expect "$LOG/rank.0" "rank 1 has 12 bytes (dtype / root 0) where rank 0 has 8 bytes" "different sizes"
 
+# expert parallelism: 8 experts cannot be split over 3 ranks (refused on every rank); a rank that runs a forward
+# without it while the other has it on leaves the other's exchange unanswered: named by the timeout, not a hang
+EPCODE='local ds4 = require("ds4"); ds4.dist.init(); local m = ds4.load("'"$FIX"'/tiny_a")
+local ok, e = pcall(ds4.dist.expert_parallel, m); print(ok and "on" or e)'
+p="$(free_port)"
+for r in 0 1 2; do CODE="$EPCODE" rank "$r" 3 "$p"; done
+wait
+for r in 0 1 2; do expect "$LOG/rank.$r" "8 routed experts cannot be split evenly over 3 ranks" "experts over 3 ranks"; done
+EPCODE='local ds4 = require("ds4"); ds4.dist.init(); local m = ds4.load("'"$FIX"'/tiny_a")
+if ds4.dist.rank() == 0 then ds4.dist.expert_parallel(m) end
+m:forward(ds4.tensor({{5, 6, 7}}, "I64")); ds4.dist.barrier()'
+p="$(free_port)"
+for r in 0 1; do CODE="$EPCODE" rank "$r" 2 "$p" DS4_DIST_TIMEOUT=2; done
+wait
+expect "$LOG/rank.0" "rank 1 is in barrier #1 while rank 0 is in all_to_all_v #1" "expert parallelism on one rank only"
+
 # settings that cannot work are refused before anything is opened
 out="$(RANK=0 WORLD_SIZE=2 "$DS4" run - <<<"$INIT" 2>&1)" && bad "no MASTER_ADDR: init succeeded"
 grep -q "needs MASTER_ADDR and MASTER_PORT" <<<"$out" || bad "no MASTER_ADDR: $out"
