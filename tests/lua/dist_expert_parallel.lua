@@ -52,7 +52,6 @@ if on_device then
     ref:to(ds4.dist.device(), "fp32")
     ep:to(ds4.dist.device(), "fp32")
 end
-for _, m in ipairs({ ref, ep }) do m:set_train_options({ mtp_lambda = 0.3, router_bias_gamma = 1e-3 }) end
 ds4.dist.expert_parallel(ep)
 local ref_opt, ep_opt = ds4.adamw(ref, opts()), ds4.adamw(ep, opts())
 
@@ -66,6 +65,11 @@ end
 
 local worst_g, worst_w, experts_checked, gates_checked = 0, 0, 0, 0
 for k = 1, STEPS do
+    -- step 2 with per-block recomputation (the same bits by design): its backward runs each block's forward again,
+    -- expert exchanges included
+    local topt = { mtp_lambda = 0.3, router_bias_gamma = 1e-3, recompute = k == 2 }
+    ref:set_train_options(topt)
+    ep:set_train_options(topt)
     ref:zero_grad()
     local out_ref = ref:forward(all_ids, { labels = all_ids })
     ref:backward()
