@@ -70,8 +70,20 @@ static size_t scratch_bytes(const ds4_model *m, int64_t rows) {
     return (E + 1 + E + 2 * P + E / P + 1) * sizeof(int64_t) + (size_t)rows * sizeof(int32_t);
 }
 
+/* The hooks take the memory the model computes in (it may have moved since they were installed). */
+static ds4_status ep_device_check(const ds4_model *m, ds4_error *err) {
+    const ds4_device_options d = ds4_model_device(m);
+    const int32_t at = d.type == DS4_DEVICE_CUDA ? d.index : -1;
+    if (at == m->ep.device) return DS4_OK;
+    return ds4_fail(err, DS4_ERR_ARG, "expert parallel: the model computes on %s but its expert-parallel exchange was "
+                                      "set up for %s memory (set expert parallelism up again after moving the model)",
+                    ds4_model_device_name(m), m->ep.device < 0 ? "host" : "a CUDA device's");
+}
+
 ds4_status ds4_ep_reserve(ds4_model *m, int64_t rows, ds4_error *err) {
     if (!m->ep_on || rows <= 0) return DS4_OK;
+    ds4_status s = ep_device_check(m, err);
+    if (s) return s;
     const size_t need = scratch_bytes(m, rows);
     if (need <= m->ep_host_bytes) return DS4_OK;
     int64_t *p = realloc(m->ep_host, need);
@@ -84,11 +96,13 @@ ds4_status ds4_ep_reserve(ds4_model *m, int64_t rows, ds4_error *err) {
 ds4_status ds4_ep_pass_rows(ds4_model *m, int64_t T, int64_t *rows, ds4_error *err) {
     *rows = 0;
     if (!m->ep_on) return DS4_OK;
+    ds4_status s = ep_device_check(m, err); /* before the collective: every rank refuses alike */
+    if (s) return s;
     const int32_t P = m->ep.world;
     int64_t *t = calloc((size_t)P * 2, sizeof(int64_t));
     if (!t) return ds4_fail(err, DS4_ERR_OOM, "expert parallel: %d row counts", P);
     for (int32_t q = 0; q < P; q++) t[q] = T; /* this rank's T to every rank */
-    ds4_status s = m->ep.host_all_to_all(m->ep.ctx, t, t + P, sizeof(int64_t), err);
+    s = m->ep.host_all_to_all(m->ep.ctx, t, t + P, sizeof(int64_t), err);
     int64_t sum = 0;
     for (int32_t q = 0; q < P && !s; q++) {
         if (t[P + q] <= 0 || t[P + q] > INT32_MAX / m->cfg.num_experts_per_tok - sum)

@@ -46,6 +46,7 @@ ds4_status ds4_comm_expert_parallel(ds4_comm *c, ds4_model *m, int on, ds4_error
     const ds4_expert_parallel ep = {
         .rank = ds4_comm_rank(c),
         .world = ds4_comm_world_size(c),
+        .device = on_gpu ? dev.index : -1,
         .ctx = c,
         .all_to_all_v = on_gpu ? device_a2a_v : host_a2a_v,
         .host_all_to_all = host_blocks,

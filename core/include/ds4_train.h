@@ -94,6 +94,8 @@ ds4_status ds4_model_update_router_bias(ds4_model *m, double gamma, ds4_error *e
  * generation) is not: it computes every expert locally, as the weights are replicated on every rank. */
 typedef struct ds4_expert_parallel {
     int32_t rank, world;
+    int32_t device;           /* the memory all_to_all_v takes: -1 host (a CPU model), N: CUDA device N's; a pass of a
+                                 model on another device is refused (install the hooks again after moving it) */
     void *ctx;                /* passed to both calls */
     /* Rank q receives send_rows[q] rows of row_bytes bytes, the q-th consecutive block of send; recv gets
      * recv_rows[s] rows from rank s, blocks in rank order. Memory of the model's backend (host for a CPU model, its
