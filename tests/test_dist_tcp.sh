@@ -132,6 +132,16 @@ CODE='local d = require("ds4").dist; d.init(); d.all_reduce(require("ds4").tenso
 wait
 expect "$LOG/rank.0" "rank 1 has 12 bytes (dtype / root 0) where rank 0 has 8 bytes" "different sizes"
 
+# an all_to_all_v whose counts disagree (rank 1 expects 2 rows from rank 0, which sends 1) is refused by rank 0
+# before it reads a row
+A2A='local ds4 = require("ds4"); local d = ds4.dist; d.init()
+d.all_to_all_v(ds4.tensor({{1, 2}, {3, 4}}, "F32"), {1, 1}, d.rank() == 1 and {2, 1} or {1, 1})'
+p="$(free_port)"
+for r in 0 1; do CODE="$A2A" rank "$r" 2 "$p"; done
+wait
+expect "$LOG/rank.0" "rank 0 sends 1 rows to rank 1, which expects 2 from it: the ranks disagree on the counts" \
+    "all_to_all_v counts disagree"
+
 # expert parallelism: 8 experts cannot be split over 3 ranks (refused on every rank); a rank that runs a forward
 # without it while the other has it on leaves the other's exchange unanswered: named by the timeout, not a hang
 EPCODE='local ds4 = require("ds4"); ds4.dist.init(); local m = ds4.load("'"$FIX"'/tiny_a")
