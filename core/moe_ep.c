@@ -19,7 +19,6 @@
 #include <string.h>
 
 #include "internal.h"
-#include "lora.h"
 #include "sched.h"
 
 /* ------------------------------------------------------------------------------------------------ setup */
