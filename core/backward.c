@@ -340,6 +340,13 @@ static void routed_bwd(bwd *b, const ds4_layer_w *l, const ds4_layer_w *g, const
     ds4_dev *dev = b->f.dev;
     OP(dev, moe_sort, .eidx = lt->eidx, .n = TK, .E = E, .perm = b->perm, .off = b->ecount);
     OP(dev, gather_rows, .dst = b->xs, .src = lt->h_ffn, .idx = b->perm, .div = K, .rows = TK, .width = D);
+    if (b->f.ep_rows) { /* expert parallelism: the owners compute each row's expert backward (moe_ep.c) */
+        OP(dev, moe_dy, .dys = b->dys, .da = b->da, .ew = lt->ew, .perm = b->perm, .rows = TK, .K = K, .D = D);
+        ds4_ep_experts_bwd(&b->f, l, g, b->xs, b->dys, b->ecount, b->dxs);
+        OP(dev, scatter_rows, .dst = b->dxslot, .src = b->dxs, .idx = b->perm, .rows = TK, .width = D);
+        OP(dev, moe_sum_slots, .dh = b->dh, .dxslot = b->dxslot, .T = T, .K = K, .D = D);
+        return;
+    }
     OP(dev, gather_rows, .dst = b->g1s, .src = lt->eg1, .idx = b->perm, .div = 1, .rows = TK, .width = I);
     OP(dev, gather_rows, .dst = b->g3s, .src = lt->eg3, .idx = b->perm, .div = 1, .rows = TK, .width = I);
     OP(dev, moe_dy, .dys = b->dys, .da = b->da, .ew = lt->ew, .perm = b->perm, .rows = TK, .K = K, .D = D);
@@ -593,7 +600,10 @@ static ds4_status backward_impl(ds4_model *m, const float *dlogp, const ds4_back
     const ds4_config *c = &m->cfg;
     bwd b;
     memset(&b, 0, sizeof b);
-    ds4_status s = ds4_pass_setup(m, &b.f, tp->B, tp->S, tp->T, NULL, 1, err);
+    /* expert parallelism: the rows the forward planned (every rank's backward makes the same exchanges) */
+    const ds4_pass_opts po = {.ep_rows = m->ep_on ? tp->ep_rows : 0};
+    ds4_status s = ds4_ep_reserve(m, po.ep_rows, err);
+    if (!s) s = ds4_pass_setup(m, &b.f, tp->B, tp->S, tp->T, &po, 1, err);
     if (s) return s;
     b.m = m;
     b.tp = tp;
@@ -641,6 +651,7 @@ static ds4_status backward_impl(ds4_model *m, const float *dlogp, const ds4_back
     for (int64_t li = 0; li < L; li++) ncsa += c->layer_types[li] == DS4_ATTN_CSA;
     for (int64_t li = L - 1; li >= 0; li--) {
         ncsa -= c->layer_types[li] == DS4_ATTN_CSA;
+        b.f.li = li; /* named in expert-parallel errors */
         if (tp->recompute) {
             /* refill the shared slots: block li's forward again from its kept input, with its kept decisions, on the
              * pass's activation buffers (the backward's own live in its workspace) */

@@ -230,19 +230,23 @@ static void moe(ds4_pass *f, const ds4_layer_w *l, const int64_t *ids) {
     /* routed experts: (token, slot) pairs grouped by expert, one GEMM per expert group */
     OP(dev, moe_sort, .eidx = f->eidx, .n = TK, .E = E, .perm = f->perm, .off = f->ecount);
     OP(dev, gather_rows, .dst = f->xg, .src = f->h, .idx = f->perm, .div = K, .rows = TK, .width = D);
-    OP(dev, matmul_grouped, .y = f->g1, .x = f->xg, .W = l->w1, .wdt = l->edt[0], .Ws = l->escale[0], .wstride = I * D,
-       .off = f->ecount, .E = E, .rows = TK, .K = D, .O = I, .bf16_in = f->w->bf16_in);
-    OP(dev, matmul_grouped, .y = f->g3, .x = f->xg, .W = l->w3, .wdt = l->edt[2], .Ws = l->escale[2], .wstride = I * D,
-       .off = f->ecount, .E = E, .rows = TK, .K = D, .O = I, .bf16_in = f->w->bf16_in);
-    ds4_lora_fwd_gate_up(f, l->lora, f->g1, f->g3, f->xg, f->ecount, TK);
-    if (lt) {
-        OP(dev, scatter_rows, .dst = lt->eg1, .src = f->g1, .idx = f->perm, .rows = TK, .width = I);
-        OP(dev, scatter_rows, .dst = lt->eg3, .src = f->g3, .idx = f->perm, .rows = TK, .width = I);
+    if (f->ep_rows) { /* expert parallelism: each row computed by its expert's rank (moe_ep.c) */
+        ds4_ep_experts_fwd(f, l, f->xg, f->ecount, f->ye);
+    } else {
+        OP(dev, matmul_grouped, .y = f->g1, .x = f->xg, .W = l->w1, .wdt = l->edt[0], .Ws = l->escale[0],
+           .wstride = I * D, .off = f->ecount, .E = E, .rows = TK, .K = D, .O = I, .bf16_in = f->w->bf16_in);
+        OP(dev, matmul_grouped, .y = f->g3, .x = f->xg, .W = l->w3, .wdt = l->edt[2], .Ws = l->escale[2],
+           .wstride = I * D, .off = f->ecount, .E = E, .rows = TK, .K = D, .O = I, .bf16_in = f->w->bf16_in);
+        ds4_lora_fwd_gate_up(f, l->lora, f->g1, f->g3, f->xg, f->ecount, TK);
+        if (lt) {
+            OP(dev, scatter_rows, .dst = lt->eg1, .src = f->g1, .idx = f->perm, .rows = TK, .width = I);
+            OP(dev, scatter_rows, .dst = lt->eg3, .src = f->g3, .idx = f->perm, .rows = TK, .width = I);
+        }
+        OP(dev, swiglu, .g1 = f->g1, .g3 = f->g3, .rows = TK, .I = I, .lim = (float)c->swiglu_limit);
+        OP(dev, matmul_grouped, .y = f->ye, .x = f->g1, .W = l->w2, .wdt = l->edt[1], .Ws = l->escale[1],
+           .wstride = D * I, .off = f->ecount, .E = E, .rows = TK, .K = I, .O = D, .bf16_in = f->w->bf16_in);
+        ds4_lora_fwd_down(f, l->lora, f->ye, f->g1, f->ecount, TK);
     }
-    OP(dev, swiglu, .g1 = f->g1, .g3 = f->g3, .rows = TK, .I = I, .lim = (float)c->swiglu_limit);
-    OP(dev, matmul_grouped, .y = f->ye, .x = f->g1, .W = l->w2, .wdt = l->edt[1], .Ws = l->escale[1], .wstride = D * I,
-       .off = f->ecount, .E = E, .rows = TK, .K = I, .O = D, .bf16_in = f->w->bf16_in);
-    ds4_lora_fwd_down(f, l->lora, f->ye, f->g1, f->ecount, TK);
     if (lt) OP(dev, scatter_rows, .dst = lt->ye, .src = f->ye, .idx = f->perm, .rows = TK, .width = D);
     OP(dev, moe_weigh, .yk = f->yk, .ye = f->ye, .perm = f->perm, .ew = f->ew, .rows = TK, .D = D);
     shared_expert(f, l, T, f->a, lt ? lt->sg1 : NULL, lt ? lt->sg3 : NULL); /* every token */
@@ -497,12 +501,16 @@ ds4_status ds4_forward_run(ds4_model *m, const ds4_forward_args *args, ds4_forwa
     const int64_t B = args->batch, S = args->seq, T = B * S, n = c->hc_mult, D = c->hidden_size, V = c->vocab_size;
     /* logits land in the tape, in the caller's array (host-visible backends), or in a planned buffer */
     const int want_mtp = train_mtp || args->mtp_logits;
+    int64_t ep_rows = 0; /* expert parallelism: what this rank's experts may receive (a collective) */
+    if ((s = ds4_ep_pass_rows(m, T, &ep_rows, err))) return s;
     const ds4_pass_opts po = {
         .logits_ws = (!tape && ((args->logits && !hv) || (!args->logits && args->labels))) ||
                      (args->mtp_logits && !train_mtp && !hv),
         .replay_experts = args->replay_experts && !hv,
         .replay_index = args->replay_index && !hv,
+        .ep_rows = ep_rows,
     };
+    if (tape) tape->ep_rows = ep_rows;
     ds4_pass f;
     s = ds4_pass_setup(m, &f, B, S, T, &po, tape != NULL, err);
     if (s) return s;

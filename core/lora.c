@@ -196,6 +196,14 @@ static void drop_tape(ds4_model *m) {
 }
 
 ds4_status ds4_lora_attach(ds4_model *m, ds4_lora *l, ds4_error *err) {
+    int routed = 0; /* adapters on the routed experts in some layer */
+    for (int64_t li = 0; li < m->cfg.num_hidden_layers; li++) routed |= (l->mask[li] & (1u << DS4_LS_EGU | 1u << DS4_LS_EDOWN)) != 0;
+    if (m->ep_on && routed) {
+        ds4_lora_free(NULL, l);
+        return ds4_fail(err, DS4_ERR_UNSUPPORTED, "lora: adapters on the routed experts are not supported with expert "
+                                                  "parallelism (turn it off first, or leave the experts out of the "
+                                                  "targets)");
+    }
     ds4_status s = ds4_model_drop_train_state(m, err); /* no frozen weight keeps a gradient */
     if (s) {
         ds4_lora_free(NULL, l);

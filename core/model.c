@@ -423,6 +423,7 @@ void ds4_model_free(ds4_model *m) {
     free(m->rope_cs[1]);
     free(m->grads);
     free(m->router_loads);
+    free(m->ep_host);
     free(m);
 }
 
@@ -498,6 +499,8 @@ ds4_status ds4_model_update_router_bias(ds4_model *m, double gamma, ds4_error *e
     if (!(gamma >= 0) || !isfinite(gamma))
         return ds4_fail(err, DS4_ERR_ARG, "router bias update: gamma %g must be finite and >= 0", gamma);
     if (!m->router_loads) return DS4_OK; /* no training forward yet: nothing counted */
+    ds4_status es = ds4_ep_sum_loads(m, err); /* expert parallelism: every rank's tokens (a collective) */
+    if (es) return es;
     /* With the master weights on a device the biases are updated there: each one read, changed on the host in the
      * same fp32 arithmetic, written to the master and to the working copy (fp32 vectors in both), so the rest of the
      * weights need not come back. Otherwise on the host, and a device copy is refreshed before the next pass. */

@@ -200,6 +200,11 @@ struct ds4_model {
     int grads_stale;                     /* grads older than dgrads */
     struct ds4_lora *lora;               /* LoRA adapters (lora.h); while present only they train: grads stays NULL and
                                             gw's base views are NULL, so no frozen weight's gradient is computed */
+    /* expert parallelism (moe_ep.c): the hooks while on, and host scratch for the per-layer row counts and orders */
+    int ep_on;
+    ds4_expert_parallel ep;
+    int64_t *ep_host;
+    size_t ep_host_bytes;
 };
 
 void ds4_tape_free(struct ds4_model *m, struct ds4_tape *t);

@@ -152,6 +152,13 @@ static void plan(ds4_pass *f, ds4_arena *a, const ds4_pass_opts *o) {
     f->replay_index = o->replay_index ? ds4_arena_take(a, T * ncsa * topk, 4) : NULL;
     f->rec_experts = o->rec_experts ? ds4_arena_take(a, T * L * K, 4) : NULL;
     f->rec_index = o->rec_index ? ds4_arena_take(a, T * ncsa * topk, 4) : NULL;
+    const size_t R = (size_t)f->ep_rows, El = f->m->ep_on ? E / (size_t)f->m->ep.world : 0;
+    for (int k = 0; k < 4; k++) {
+        f->ep_x[k] = R ? ds4_arena_take(a, R * D, 4) : NULL;
+        f->ep_h[k] = R ? ds4_arena_take(a, R * I, 4) : NULL;
+    }
+    f->ep_idx = R ? ds4_arena_take(a, R, 4) : NULL;
+    f->ep_off = R ? ds4_arena_take(a, El + 1, 8) : NULL;
 }
 
 ds4_status ds4_pass_setup(ds4_model *m, ds4_pass *p, int64_t B, int64_t S, int64_t T, const ds4_pass_opts *o,
@@ -160,7 +167,7 @@ ds4_status ds4_pass_setup(ds4_model *m, ds4_pass *p, int64_t B, int64_t S, int64
     if (!o) o = &none;
     ds4_status s = ds4_model_sync_weights(m, err);
     if (s) return s;
-    *p = (ds4_pass){.m = m, .c = &m->cfg, .dev = m->dev, .w = m->dw, .B = B, .S = S, .T = T};
+    *p = (ds4_pass){.m = m, .c = &m->cfg, .dev = m->dev, .w = m->dw, .B = B, .S = S, .T = T, .ep_rows = o->ep_rows};
     p->rows = (ds4_rows){.T = T, .S = S};
     ds4_arena a = {0};
     plan(p, &a, o);
@@ -177,7 +184,10 @@ ds4_status ds4_pass_setup(ds4_model *m, ds4_pass *p, int64_t B, int64_t S, int64
     }
     ds4_arena w = {(char *)m->ws, 0};
     plan(p, &w, o);
-    if ((s = m->dev->ops->reserve(m->dev, &m->cfg, T, S, training, err))) return s;
+    /* expert parallelism: this rank's experts run grouped products over up to ep_rows = K·Σ_ranks T rows */
+    const int64_t K = m->cfg.num_experts_per_tok > 0 ? m->cfg.num_experts_per_tok : 1;
+    const int64_t Tres = p->ep_rows / K > T ? p->ep_rows / K : T;
+    if ((s = m->dev->ops->reserve(m->dev, &m->cfg, Tres, S, training, err))) return s;
     if ((s = rope_reserve(m, S, err))) return s;
     p->rmain = (ds4_rope_table){m->rope_dev[0], m->cfg.rope_main.dim / 2};
     p->rcomp = (ds4_rope_table){m->rope_dev[1], m->cfg.rope_compress.dim / 2};

@@ -67,6 +67,7 @@ typedef struct ds4_tape {
     float *mtp_u, *mtp_y;         /* [T1, D] MTP HyperHead output / after mtp norm */
     float *mtp_X;                 /* [T1, n, D] MTP block output */
     int64_t loss_tokens, mtp_tokens; /* scored tokens of the main and MTP losses */
+    int64_t ep_rows;              /* the forward ran with expert parallelism: its ds4_pass.ep_rows (else 0) */
     int with_ikl;                 /* indexer KL loss: the indexer activations are kept */
     int recompute;                /* per-block recomputation: the main blocks share one set of activation slots;
                                      each keeps its own X_in, sel / nsel, rsc, eidx and ew */
@@ -137,6 +138,13 @@ typedef struct ds4_pass {
     int recompute;                /* the backward re-running a block (ds4_train_options.recompute): its routing and
                                      indexer picks come from lt (as the forward made them, replayed or not), nothing
                                      is counted or recorded */
+    /* expert parallelism (moe_ep.c; 0 rows: off, the pass computes every expert itself). This rank's experts may
+     * receive up to ep_rows = K·Σ_ranks T rows (every slot of every rank): planned for that worst case. */
+    int64_t ep_rows;
+    float *ep_x[4];               /* [ep_rows, D] rows received, reordered by expert, results, rows to send back */
+    float *ep_h[4];               /* [ep_rows, I] the local experts' g1, g3 (forward); act, dact too (backward) */
+    int32_t *ep_idx;              /* [ep_rows] for the r-th row in (expert, source rank) order, its received row */
+    int64_t *ep_off;              /* [E / world + 1] local expert group boundaries of that order */
 } ds4_pass;
 
 /* What a pass needs planned beyond its activations. */
@@ -144,6 +152,7 @@ typedef struct ds4_pass_opts {
     int logits_ws;                /* plan logits_ws */
     int replay_experts, replay_index, rec_experts, rec_index;
     int64_t nseq;                 /* step: sequences (for the row tables) */
+    int64_t ep_rows;              /* expert parallelism: ds4_pass.ep_rows (0: off) */
 } ds4_pass_opts;
 
 /* A bump allocator for planned workspaces: planning runs it once with base NULL to size the block, then
@@ -220,6 +229,21 @@ void ds4_lora_bwd_down(const ds4_lora_bwd_ctx *b, const ds4_config *c, const ds4
 /* step.c: ds4_model_step, with each sequence's last logits left in backend memory at last_dev ([nseq, V]) when
  * it is non-NULL (generation samples there). */
 ds4_status ds4_step_run(ds4_model *m, const ds4_step_args *a, float *last_dev, ds4_error *err);
+
+/* moe_ep.c: expert parallelism (docs/distributed.md). ds4_ep_pass_rows: collective over the ranks, the ep_rows of a
+ * full pass of T rows on this rank (0 when the model's expert parallelism is off), host scratch reserved for it.
+ * ds4_ep_reserve: the scratch for a pass of `rows` (the backward, from its tape). */
+ds4_status ds4_ep_pass_rows(ds4_model *m, int64_t T, int64_t *rows, ds4_error *err);
+ds4_status ds4_ep_reserve(ds4_model *m, int64_t rows, ds4_error *err);
+/* The routed experts of layer l under expert parallelism. Forward: xg [T·K, D] grouped by expert (off = f->ecount)
+ * → ye [T·K, D] in the same order, each row computed by its expert's rank. Backward: from the same grouping of the
+ * expert inputs xs and output gradients dys, the input gradients dxs (written) and, on the owning rank, the expert
+ * weight gradients of g (added); the pre-activations recomputed from xs. */
+void ds4_ep_experts_fwd(ds4_pass *f, const ds4_layer_w *l, const float *xg, const int64_t *off, float *ye);
+void ds4_ep_experts_bwd(ds4_pass *f, const ds4_layer_w *l, const ds4_layer_w *g, const float *xs, const float *dys,
+                        const int64_t *off, float *dxs);
+/* Sum the model's expert-load counters over the ranks (a collective, before the bias update). */
+ds4_status ds4_ep_sum_loads(ds4_model *m, ds4_error *err);
 
 /* backend.c: make the backend's weights current (after the host params changed) before a pass. */
 ds4_status ds4_model_sync_weights(ds4_model *m, ds4_error *err);

@@ -200,6 +200,39 @@ ds4_status ds4_comm_broadcast(ds4_comm *c, void *buf, size_t nbytes, int32_t roo
     return DS4_OK;
 }
 
+/* Argument checks of an all_to_all_v (every count >= 0, buffers present where rows are) */
+static ds4_status check_a2a(const ds4_comm *c, const char *op, const void *send, const int64_t *send_rows,
+                            const void *recv, const int64_t *recv_rows, size_t row_bytes, ds4_error *err) {
+    if (!c) return ds4_fail(err, DS4_ERR_ARG, "dist %s: communicator is NULL", op);
+    if (!send_rows || !recv_rows || row_bytes == 0)
+        return ds4_fail(err, DS4_ERR_ARG, "dist %s: row counts %p / %p, rows of %zu bytes", op, (const void *)send_rows,
+                        (const void *)recv_rows, row_bytes);
+    int64_t so = 0, ro = 0;
+    for (int32_t q = 0; q < c->world_size; q++) {
+        if (send_rows[q] < 0 || recv_rows[q] < 0)
+            return ds4_fail(err, DS4_ERR_ARG, "dist %s: %lld rows to / %lld rows from rank %d", op,
+                            (long long)send_rows[q], (long long)recv_rows[q], q);
+        so += send_rows[q], ro += recv_rows[q];
+    }
+    if ((so && !send) || (ro && !recv))
+        return ds4_fail(err, DS4_ERR_ARG, "dist %s: %lld rows out of %p, %lld into %p", op, (long long)so, send,
+                        (long long)ro, recv);
+    return DS4_OK;
+}
+
+ds4_status ds4_comm_all_to_all_v(ds4_comm *c, const void *send, const int64_t *send_rows, void *recv,
+                                 const int64_t *recv_rows, size_t row_bytes, ds4_error *err) {
+    ds4_status st = check_a2a(c, "all_to_all_v", send, send_rows, recv, recv_rows, row_bytes, err);
+    if (st) return st;
+    if (c->mpi) return dist_mpi_all_to_all_v(c->mpi, send, send_rows, recv, recv_rows, row_bytes, err);
+    if (c->tcp) return dist_tcp_all_to_all_v(c->tcp, send, send_rows, recv, recv_rows, row_bytes, err);
+    if (send_rows[0] != recv_rows[0])
+        return ds4_fail(err, DS4_ERR_ARG, "dist all_to_all_v: a world of one sends %lld rows to itself and receives "
+                                          "%lld", (long long)send_rows[0], (long long)recv_rows[0]);
+    if (send_rows[0]) memmove(recv, send, (size_t)send_rows[0] * row_bytes);
+    return DS4_OK;
+}
+
 /* ------------------------------------------------------------------------------------------------ device buffers */
 
 static ds4_status need_nccl(const ds4_comm *c, const char *op, ds4_error *err) {
@@ -236,6 +269,13 @@ ds4_status ds4_comm_device_broadcast(ds4_comm *c, void *dev_buf, size_t nbytes, 
     return nbytes ? dist_nccl_broadcast(c->nccl, dev_buf, nbytes, root, err) : DS4_OK;
 }
 
+ds4_status ds4_comm_device_all_to_all_v(ds4_comm *c, const void *dev_send, const int64_t *send_rows, void *dev_recv,
+                                        const int64_t *recv_rows, size_t row_bytes, ds4_error *err) {
+    ds4_status st = need_nccl(c, "all_to_all_v", err);
+    if (!st) st = check_a2a(c, "all_to_all_v", dev_send, send_rows, dev_recv, recv_rows, row_bytes, err);
+    return st ? st : dist_nccl_all_to_all_v(c->nccl, dev_send, send_rows, dev_recv, recv_rows, row_bytes, err);
+}
+
 /* ------------------------------------------------------------------------------------------------ gradients */
 
 ds4_status ds4_comm_all_reduce_grads(ds4_comm *c, ds4_model *m, double scale, ds4_error *err) {
@@ -250,6 +290,12 @@ ds4_status ds4_comm_all_reduce_grads(ds4_comm *c, ds4_model *m, double scale, ds
                                           "cuda:%d (move the model to ds4.dist.device())", ds4_model_device_name(m),
                         ds4_comm_device(c));
     }
+    if (ds4_model_expert_parallel(m) && scale != 1.0)
+        return ds4_fail(err, DS4_ERR_ARG, "dist all_reduce_grads: scale %g with expert parallelism on: each expert's "
+                                          "gradient already holds every rank's rows, each scaled by its own "
+                                          "backward, so the global normalisation must be the backward's (backward "
+                                          "with 1 / the global token count on every rank) and the scale here 1 "
+                                          "(docs/distributed.md)", scale);
     ds4_status st = scale != 1.0 ? ds4_model_scale_grads(m, scale, err) : DS4_OK;
     if (!st && dev.type == DS4_DEVICE_CUDA && !c->nccl) return DS4_OK; /* a world of one (checked above) */
     float *g = NULL;

@@ -107,6 +107,12 @@ ds4_status ds4_comm_all_gather(ds4_comm *c, const void *send, void *recv, size_t
 /* In place: every rank's buf becomes rank root's. */
 ds4_status ds4_comm_broadcast(ds4_comm *c, void *buf, size_t nbytes, int32_t root, ds4_error *err);
 
+/* Rows to every rank: send_rows[q] rows of row_bytes bytes go to rank q (the q-th consecutive block of send); recv
+ * gets recv_rows[s] rows from rank s, blocks in rank order. Every rank's send_rows[q] must equal rank q's
+ * recv_rows[s = this rank] (the TCP star checks; MPI's behaviour otherwise is undefined). Bytes move unchanged. */
+ds4_status ds4_comm_all_to_all_v(ds4_comm *c, const void *send, const int64_t *send_rows, void *recv,
+                                 const int64_t *recv_rows, size_t row_bytes, ds4_error *err);
+
 /* The same three on buffers in the memory of the communicator's CUDA device (ds4_comm_device), through NCCL; each
  * returns once the collective has completed on the device. DS4_ERR_ARG without an NCCL communicator. The sum's
  * order is NCCL's (with 2 ranks every element is one fp32 addition, so the result does not depend on it). */
@@ -114,6 +120,9 @@ ds4_status ds4_comm_device_all_reduce_sum(ds4_comm *c, ds4_dtype dtype, void *de
 ds4_status ds4_comm_device_all_gather(ds4_comm *c, const void *dev_send, void *dev_recv, size_t nbytes,
                                       ds4_error *err);
 ds4_status ds4_comm_device_broadcast(ds4_comm *c, void *dev_buf, size_t nbytes, int32_t root, ds4_error *err);
+/* ds4_comm_all_to_all_v on device buffers (ncclSend / ncclRecv in one group). */
+ds4_status ds4_comm_device_all_to_all_v(ds4_comm *c, const void *dev_send, const int64_t *send_rows, void *dev_recv,
+                                        const int64_t *recv_rows, size_t row_bytes, ds4_error *err);
 
 /* In place: buf's bytes [off[r]·esz, (off[r] + len[r])·esz) come from rank r, for every rank r (disjoint regions, the
  * same off / len on every rank): the all-gather of a sharded buffer (ZeRO-1's updated parameters). */
@@ -129,6 +138,14 @@ ds4_status ds4_comm_shard_optimizer(ds4_comm *c, ds4_adamw *a, ds4_error *err);
  * the host collectives, a CUDA model through NCCL on its device (which must be the communicator's). A world of one
  * only scales (unless it has NCCL, which then runs too). docs/distributed.md, "Data parallelism". */
 ds4_status ds4_comm_all_reduce_grads(ds4_comm *c, ds4_model *m, double scale, ds4_error *err);
+
+/* Expert parallelism (docs/distributed.md, "Expert parallelism"): on = 1 installs the communicator's all-to-all as
+ * the model's expert-parallel hooks (ds4_model_set_expert_parallel): rank r computes experts [r·E/P, (r+1)·E/P)
+ * for every rank's tokens (host collectives for a CPU model; NCCL for a CUDA model, which must be on the
+ * communicator's device); on = 0 removes them. The communicator must outlive the model's use of them: turn expert
+ * parallelism off (or free the model) before ds4_comm_finalize. With it on, ds4_comm_all_reduce_grads takes scale 1
+ * only: the backward must carry the global normalisation. */
+ds4_status ds4_comm_expert_parallel(ds4_comm *c, ds4_model *m, int on, ds4_error *err);
 
 #ifdef __cplusplus
 }

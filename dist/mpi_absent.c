@@ -35,3 +35,8 @@ ds4_status dist_mpi_broadcast(dist_mpi *m, void *buf, size_t nbytes, int32_t roo
     (void)m, (void)buf, (void)nbytes, (void)root;
     return ds4_fail(err, DS4_ERR_INTERNAL, "dist broadcast: %s", NO_MPI);
 }
+ds4_status dist_mpi_all_to_all_v(dist_mpi *m, const void *send, const int64_t *send_rows, void *recv,
+                                 const int64_t *recv_rows, size_t row_bytes, ds4_error *err) {
+    (void)m, (void)send, (void)send_rows, (void)recv, (void)recv_rows, (void)row_bytes;
+    return ds4_fail(err, DS4_ERR_INTERNAL, "dist all_to_all_v: %s", NO_MPI);
+}

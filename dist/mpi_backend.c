@@ -189,3 +189,42 @@ ds4_status dist_mpi_broadcast(dist_mpi *m, void *buf, size_t nbytes, int32_t roo
     }
     return DS4_OK;
 }
+
+/* MPI's counts and displacements are int: they count rows of a contiguous row datatype (so a row of any size is one
+ * unit), and a job whose rows per rank or total rows pass INT_MAX is refused rather than chunked (an exchange of
+ * 2^31 rows is far beyond what a layer's experts receive). Pure data movement: the bytes arrive unchanged. */
+ds4_status dist_mpi_all_to_all_v(dist_mpi *m, const void *send, const int64_t *send_rows, void *recv,
+                                 const int64_t *recv_rows, size_t row_bytes, ds4_error *err) {
+    int P = 0, rc;
+    MPI_TRY("all_to_all_v", "MPI_Comm_size", "world", MPI_Comm_size(m->world, &P));
+    if (row_bytes == 0 || row_bytes > (size_t)INT_MAX)
+        return ds4_fail(err, DS4_ERR_UNSUPPORTED, "dist all_to_all_v: rows of %zu bytes (1 .. %d)", row_bytes, INT_MAX);
+    int *v = malloc((size_t)P * 4 * sizeof(int));
+    if (!v) return ds4_fail(err, DS4_ERR_OOM, "dist all_to_all_v: counts of %d ranks", P);
+    int *sc = v, *sd = v + P, *rcn = v + 2 * P, *rd = v + 3 * P;
+    int64_t so = 0, ro = 0;
+    for (int q = 0; q < P; q++) {
+        if (send_rows[q] < 0 || recv_rows[q] < 0 || send_rows[q] > INT_MAX - so || recv_rows[q] > INT_MAX - ro) {
+            free(v);
+            return ds4_fail(err, DS4_ERR_UNSUPPORTED, "dist all_to_all_v: %lld rows to / %lld from rank %d after %lld / "
+                                                      "%lld (MPI counts stop at %d rows)", (long long)send_rows[q],
+                            (long long)recv_rows[q], q, (long long)so, (long long)ro, INT_MAX);
+        }
+        sc[q] = (int)send_rows[q], sd[q] = (int)so, rcn[q] = (int)recv_rows[q], rd[q] = (int)ro;
+        so += send_rows[q], ro += recv_rows[q];
+    }
+    char detail[96];
+    snprintf(detail, sizeof detail, "%lld rows out, %lld in, %zu bytes each", (long long)so, (long long)ro, row_bytes);
+    MPI_Datatype row = MPI_DATATYPE_NULL;
+    ds4_status st = DS4_OK;
+    if ((rc = MPI_Type_contiguous((int)row_bytes, MPI_BYTE, &row)) != MPI_SUCCESS)
+        st = mpi_fail(err, rc, "all_to_all_v", "MPI_Type_contiguous", detail);
+    else if ((rc = MPI_Type_commit(&row)) != MPI_SUCCESS)
+        st = mpi_fail(err, rc, "all_to_all_v", "MPI_Type_commit", detail);
+    else if ((rc = MPI_Alltoallv(send, sc, sd, row, recv, rcn, rd, row, m->world)) != MPI_SUCCESS)
+        st = mpi_fail(err, rc, "all_to_all_v", "MPI_Alltoallv", detail);
+    if (row != MPI_DATATYPE_NULL && (rc = MPI_Type_free(&row)) != MPI_SUCCESS && !st)
+        st = mpi_fail(err, rc, "all_to_all_v", "MPI_Type_free", detail);
+    free(v);
+    return st;
+}

@@ -20,5 +20,9 @@ ds4_status dist_mpi_barrier(dist_mpi *m, ds4_error *err);
 ds4_status dist_mpi_all_reduce_sum(dist_mpi *m, ds4_dtype dtype, void *buf, int64_t count, ds4_error *err);
 ds4_status dist_mpi_all_gather(dist_mpi *m, const void *send, void *recv, size_t nbytes, ds4_error *err);
 ds4_status dist_mpi_broadcast(dist_mpi *m, void *buf, size_t nbytes, int32_t root, ds4_error *err);
+/* send_rows[q] rows of row_bytes to rank q (consecutive blocks of send), recv_rows[s] from rank s (consecutive blocks
+ * of recv, rank order): MPI_Alltoallv over a row datatype. */
+ds4_status dist_mpi_all_to_all_v(dist_mpi *m, const void *send, const int64_t *send_rows, void *recv,
+                                 const int64_t *recv_rows, size_t row_bytes, ds4_error *err);
 
 #endif

@@ -43,3 +43,8 @@ ds4_status dist_nccl_broadcast(dist_nccl *n, void *dev_buf, size_t nbytes, int32
     (void)n, (void)dev_buf, (void)nbytes, (void)root;
     return ds4_fail(err, DS4_ERR_INTERNAL, "dist broadcast: %s", NO_NCCL);
 }
+ds4_status dist_nccl_all_to_all_v(dist_nccl *n, const void *dev_send, const int64_t *send_rows, void *dev_recv,
+                                  const int64_t *recv_rows, size_t row_bytes, ds4_error *err) {
+    (void)n, (void)dev_send, (void)send_rows, (void)dev_recv, (void)recv_rows, (void)row_bytes;
+    return ds4_fail(err, DS4_ERR_INTERNAL, "dist all_to_all_v: %s", NO_NCCL);
+}

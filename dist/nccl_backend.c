@@ -215,3 +215,30 @@ ds4_status dist_nccl_broadcast(dist_nccl *n, void *dev_buf, size_t nbytes, int32
     ncclResult_t r = ncclBroadcast(dev_buf, dev_buf, nbytes, ncclUint8, root, n->comm, n->stream);
     return issued(n, r, "broadcast", "ncclBroadcast", detail, err);
 }
+
+/* Point-to-point in one group (NCCL has no all-to-all-v): every pair's send and receive are enqueued together, so no
+ * order of peers can deadlock; the group is one collective for the watchdog. Data movement only. */
+ds4_status dist_nccl_all_to_all_v(dist_nccl *n, const void *dev_send, const int64_t *send_rows, void *dev_recv,
+                                  const int64_t *recv_rows, size_t row_bytes, ds4_error *err) {
+    ds4_status st = begin(n, "all_to_all_v", err);
+    if (st) return st;
+    size_t so = 0, ro = 0;
+    for (int32_t q = 0; q < n->world; q++) so += (size_t)send_rows[q] * row_bytes, ro += (size_t)recv_rows[q] * row_bytes;
+    char detail[96];
+    snprintf(detail, sizeof detail, "%zu bytes out, %zu in, rows of %zu bytes", so, ro, row_bytes);
+    ncclResult_t r = ncclGroupStart();
+    if (r != ncclSuccess) return die(n, "all_to_all_v", detail, err, "ncclGroupStart failed: %s", ncclGetErrorString(r));
+    so = ro = 0;
+    for (int32_t q = 0; q < n->world && (r == ncclSuccess || r == ncclInProgress); q++) {
+        const size_t sb = (size_t)send_rows[q] * row_bytes, rb = (size_t)recv_rows[q] * row_bytes;
+        if (sb) r = ncclSend((const char *)dev_send + so, sb, ncclUint8, q, n->comm, n->stream);
+        if (rb && (r == ncclSuccess || r == ncclInProgress))
+            r = ncclRecv((char *)dev_recv + ro, rb, ncclUint8, q, n->comm, n->stream);
+        so += sb, ro += rb;
+    }
+    const ncclResult_t g = ncclGroupEnd(); /* always closes the group, even after a failed enqueue */
+    if (r != ncclSuccess && r != ncclInProgress)
+        return die(n, "all_to_all_v", detail, err, "ncclSend / ncclRecv failed: %s: %s", ncclGetErrorString(r),
+                   last_error(n));
+    return issued(n, g, "all_to_all_v", "ncclGroupEnd", detail, err);
+}

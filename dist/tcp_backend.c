@@ -44,7 +44,7 @@ enum {
     HDR = 32,
     CHUNK = 1 << 20,
 };
-typedef enum { OP_HELLO = 1, OP_WELCOME, OP_BARRIER, OP_ALL_REDUCE, OP_ALL_GATHER, OP_BROADCAST } op_t;
+typedef enum { OP_HELLO = 1, OP_WELCOME, OP_BARRIER, OP_ALL_REDUCE, OP_ALL_GATHER, OP_BROADCAST, OP_ALL_TO_ALL } op_t;
 
 static const char *op_name(uint32_t op) {
     switch (op) {
@@ -54,6 +54,7 @@ static const char *op_name(uint32_t op) {
     case OP_ALL_REDUCE: return "all_reduce";
     case OP_ALL_GATHER: return "all_gather";
     case OP_BROADCAST: return "broadcast";
+    case OP_ALL_TO_ALL: return "all_to_all_v";
     }
     return "an unknown message";
 }
@@ -61,7 +62,7 @@ static const char *op_name(uint32_t op) {
 typedef struct msg {
     uint32_t magic, op;
     uint64_t seq, bytes;
-    uint32_t extra; /* all_reduce: dtype; broadcast: root; hello / welcome: protocol version */
+    uint32_t extra; /* all_reduce: dtype; broadcast: root; all_to_all_v: row bytes; hello / welcome: version */
     uint32_t rank;  /* the sender */
 } msg;
 
@@ -562,5 +563,117 @@ ds4_status dist_tcp_broadcast(dist_tcp *t, void *buf, size_t nbytes, int32_t roo
         if (!st) st = xfer(t, t->fd[0], 0, buf, nbytes, dl, 0, "broadcast", err);
     }
     if (st) append(err, " (%zu bytes from rank %d; rank %d of %d)", nbytes, root, t->rank, t->world);
+    return end(t, st, err);
+}
+
+/* ------------------------------------------------------------------------------------------------ all_to_all_v */
+
+/* The rows of an all_to_all_v go through rank 0 as well. Every rank sends a header, its row counts (send_rows[P] then
+ * recv_rows[P], 64-bit little-endian) and its rows; rank 0 reads every rank's counts first and checks that they
+ * agree (rank s's send_rows[q] is rank q's recv_rows[s]) before it sizes anything by them, then reads the rows in
+ * rank order and sends each rank its blocks, sources in rank order. Data movement only: the bytes arrive unchanged,
+ * so the result is deterministic. Rank 0 holds every rank's rows at once (fine for the CPU ranks this serves). */
+
+static ds4_status a2a_counts_check(const dist_tcp *t, const int64_t *cnt, size_t row_bytes, ds4_error *err) {
+    const int32_t P = t->world;
+    for (int32_t s = 0; s < P; s++) {
+        int64_t sum = 0;
+        for (int32_t q = 0; q < P; q++) {
+            const int64_t out = cnt[(size_t)s * 2 * P + q], in = cnt[(size_t)q * 2 * P + P + s];
+            if (out < 0 || out > (int64_t)(SIZE_MAX / 4 / row_bytes) / P - sum)
+                return ds4_fail(err, DS4_ERR_COMM, "dist all_to_all_v: rank %d sends %lld rows of %zu bytes to rank "
+                                                   "%d (not a valid count)", s, (long long)out, row_bytes, q);
+            if (out != in)
+                return ds4_fail(err, DS4_ERR_COMM, "dist all_to_all_v: rank %d sends %lld rows to rank %d, which "
+                                                   "expects %lld from it: the ranks disagree on the counts", s,
+                                (long long)out, q, (long long)in);
+            sum += out;
+        }
+    }
+    return DS4_OK;
+}
+
+/* Rank 0: every rank's counts and rows in, every rank's blocks out. cnt [P, 2P]; mine: rank 0's own. */
+static ds4_status a2a_hub(dist_tcp *t, const msg *m, double dl, const char *send, char *recv, int64_t *cnt,
+                          size_t rb, ds4_error *err) {
+    const int32_t P = t->world;
+    unsigned char *raw = (unsigned char *)t->scratch;
+    ds4_status st = DS4_OK;
+    for (int32_t r = 1; r < P && !st; r++) {
+        st = hub_recv_hdr(t, r, m, dl, err);
+        if (!st) st = xfer(t, t->fd[r], 0, raw, (size_t)P * 16, dl, r, "all_to_all_v", err);
+        for (int32_t i = 0; i < 2 * P && !st; i++) cnt[(size_t)r * 2 * P + i] = (int64_t)get64(raw + 8 * i);
+    }
+    if (!st) st = a2a_counts_check(t, cnt, rb, err);
+    char **rows = st ? NULL : calloc((size_t)P, sizeof *rows); /* rows[s]: rank s's rows (rows[0]: send) */
+    if (!st && !rows) st = ds4_fail(err, DS4_ERR_OOM, "dist all_to_all_v: %d row buffers", P);
+    for (int32_t s = 1; s < P && !st; s++) {
+        size_t n = 0;
+        for (int32_t q = 0; q < P; q++) n += (size_t)cnt[(size_t)s * 2 * P + q] * rb;
+        rows[s] = malloc(n ? n : 1);
+        if (!rows[s]) st = ds4_fail(err, DS4_ERR_OOM, "dist all_to_all_v: %zu bytes from rank %d", n, s);
+        else st = xfer(t, t->fd[s], 0, rows[s], n, dl, s, "all_to_all_v", err);
+    }
+    if (rows) rows[0] = (char *)(uintptr_t)send;
+    for (int32_t q = 0; q < P && !st; q++) {
+        size_t total = 0;
+        for (int32_t s = 0; s < P; s++) total += (size_t)cnt[(size_t)s * 2 * P + q] * rb;
+        msg out = *m;
+        out.bytes = total;
+        if (q > 0) st = send_msg(t, t->fd[q], q, &out, dl, err);
+        char *dst = recv;
+        for (int32_t s = 0; s < P && !st; s++) {
+            size_t at = 0; /* block q of rank s's rows */
+            for (int32_t qq = 0; qq < q; qq++) at += (size_t)cnt[(size_t)s * 2 * P + qq] * rb;
+            const size_t n = (size_t)cnt[(size_t)s * 2 * P + q] * rb;
+            if (q == 0) {
+                if (n) memmove(dst, rows[s] + at, n);
+                dst += n;
+            } else {
+                st = xfer(t, t->fd[q], 1, rows[s] + at, n, dl, q, "all_to_all_v", err);
+            }
+        }
+    }
+    for (int32_t s = 1; rows && s < P; s++) free(rows[s]);
+    free(rows);
+    return st;
+}
+
+ds4_status dist_tcp_all_to_all_v(dist_tcp *t, const void *send, const int64_t *send_rows, void *recv,
+                                 const int64_t *recv_rows, size_t row_bytes, ds4_error *err) {
+    const int32_t P = t->world;
+    if (row_bytes == 0 || row_bytes > UINT32_MAX || (size_t)P * 16 > CHUNK)
+        return ds4_fail(err, DS4_ERR_UNSUPPORTED, "dist all_to_all_v: rows of %zu bytes among %d ranks", row_bytes, P);
+    int64_t *cnt = calloc((size_t)P * 2 * P, sizeof *cnt); /* [P, 2P] counts; rank 0 fills every rank's */
+    if (!cnt) return ds4_fail(err, DS4_ERR_OOM, "dist all_to_all_v: counts of %d ranks", P);
+    size_t out = 0, in = 0;
+    for (int32_t q = 0; q < P; q++) {
+        cnt[q] = send_rows[q], cnt[P + q] = recv_rows[q];
+        out += (size_t)send_rows[q] * row_bytes, in += (size_t)recv_rows[q] * row_bytes;
+    }
+    msg m;
+    double dl = 0;
+    ds4_status st = begin(t, OP_ALL_TO_ALL, (uint64_t)P * 16, (uint32_t)row_bytes, &m, &dl, err);
+    if (st) {
+        free(cnt);
+        return st;
+    }
+    if (t->rank == 0) {
+        st = a2a_hub(t, &m, dl, send, recv, cnt, row_bytes, err);
+    } else {
+        unsigned char *raw = malloc((size_t)P * 16);
+        if (!raw) st = ds4_fail(err, DS4_ERR_OOM, "dist all_to_all_v: counts of %d ranks", P);
+        for (int32_t i = 0; i < 2 * P && !st; i++) put64(raw + 8 * i, (uint64_t)cnt[i]);
+        if (!st) st = send_msg(t, t->fd[0], 0, &m, dl, err);
+        if (!st) st = xfer(t, t->fd[0], 1, raw, (size_t)P * 16, dl, 0, "all_to_all_v", err);
+        if (!st) st = xfer(t, t->fd[0], 1, (void *)(uintptr_t)send, out, dl, 0, "all_to_all_v", err);
+        msg want = m;
+        want.rank = 0, want.bytes = in; /* what this rank's recv_rows say: checked before a byte is read */
+        if (!st) st = recv_msg(t, t->fd[0], 0, &want, dl, err);
+        if (!st) st = xfer(t, t->fd[0], 0, recv, in, dl, 0, "all_to_all_v", err);
+        free(raw);
+    }
+    free(cnt);
+    if (st) append(err, " (%zu bytes out, %zu in, rows of %zu bytes; rank %d of %d)", out, in, row_bytes, t->rank, P);
     return end(t, st, err);
 }

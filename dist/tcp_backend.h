@@ -26,5 +26,8 @@ ds4_status dist_tcp_barrier(dist_tcp *t, ds4_error *err);
 ds4_status dist_tcp_all_reduce_sum(dist_tcp *t, ds4_dtype dtype, void *buf, int64_t count, ds4_error *err);
 ds4_status dist_tcp_all_gather(dist_tcp *t, const void *send, void *recv, size_t nbytes, ds4_error *err);
 ds4_status dist_tcp_broadcast(dist_tcp *t, void *buf, size_t nbytes, int32_t root, ds4_error *err);
+/* ds4_comm_all_to_all_v: rows through rank 0, which checks that the ranks' counts agree before reading any row. */
+ds4_status dist_tcp_all_to_all_v(dist_tcp *t, const void *send, const int64_t *send_rows, void *recv,
+                                 const int64_t *recv_rows, size_t row_bytes, ds4_error *err);
 
 #endif

@@ -10,11 +10,15 @@
  *   ds4.dist.all_reduce(t [, "sum"])   in place on an F32 / F64 tensor; returns t
  *   ds4.dist.all_gather(t)             -> a new tensor [world_size, ...t's shape], rank order
  *   ds4.dist.broadcast(t, root)        in place (any dtype): every rank's t becomes rank root's; returns t
+ *   ds4.dist.all_to_all_v(t, send_rows, recv_rows)   rows of t: send_rows[q] to rank q, recv_rows[s] from rank s
+ *                                      -> a new tensor of the received rows, rank order
  *   ds4.dist.all_reduce_grads(model [, scale])   the model's flat gradient buffer times scale, summed over ranks
  *                                      (a CUDA model: on its device, through NCCL; with LoRA adapters attached,
  *                                      the adapters' gradient buffer, the only one that exists then)
  *   ds4.dist.shard_optimizer(opt)      ZeRO-1: this rank keeps and steps its shard of the optimizer -> offset, count
  *                                      of its region of the flat buffer (host models)
+ *   ds4.dist.expert_parallel(model [, on])   routed experts split over the ranks (on = true, the default; false:
+ *                                      off again); the model's forwards and backwards are then collective
  *   ds4.dist.finalize()                MPI_Finalize / NCCL finalize (every rank must call it)
  *   ds4.dist.have_mpi, have_nccl       what this build has
  *
@@ -34,6 +38,24 @@
 
 #define COMM_MT "ds4.dist.comm"
 #define COMM_KEY "ds4.dist.current" /* registry slot of the live box (not COMM_MT: that slot holds the metatable) */
+#define EP_KEY "ds4.dist.ep_models"  /* registry: weak-keyed set of the models whose expert parallelism uses the box */
+
+/* Turn expert parallelism off on every model that uses the communicator (before it goes: the models keep pointers
+ * to it). Leaves the stack as it was; never raises. */
+static void ep_detach_all(lua_State *L) {
+    lua_getfield(L, LUA_REGISTRYINDEX, EP_KEY);
+    if (!lua_istable(L, -1)) {
+        lua_pop(L, 1);
+        return;
+    }
+    for (lua_pushnil(L); lua_next(L, -2); lua_pop(L, 1)) {
+        ds4_model **pm = luaL_testudata(L, -2, DS4L_MODEL_MT); /* the model box's first field */
+        if (pm && *pm) ds4_model_set_expert_parallel(*pm, NULL, NULL);
+    }
+    lua_pop(L, 1);
+    lua_pushnil(L);
+    lua_setfield(L, LUA_REGISTRYINDEX, EP_KEY);
+}
 
 typedef struct comm_box {
     ds4_comm *c;
@@ -41,6 +63,7 @@ typedef struct comm_box {
 
 static int comm_gc(lua_State *L) {
     comm_box *b = luaL_checkudata(L, 1, COMM_MT);
+    if (b->c) ep_detach_all(L);
     ds4_comm_abandon(b->c);
     b->c = NULL;
     return 0;
@@ -113,6 +136,7 @@ static int d_init(lua_State *L) {
 static int d_finalize(lua_State *L) {
     comm_box *b = current(L);
     if (!b) return 0;
+    ep_detach_all(L);
     ds4_comm *c = b->c;
     b->c = NULL;
     lua_pushnil(L);
@@ -190,6 +214,48 @@ static int d_all_gather(lua_State *L) {
     return 1;
 }
 
+/* The per-rank row counts at idx: a table of world_size non-negative integers. */
+static void row_counts(lua_State *L, int idx, int32_t P, int64_t *out, const char *fname, const char *what) {
+    luaL_checktype(L, idx, LUA_TTABLE);
+    if ((int64_t)lua_objlen(L, idx) != P)
+        ds4l_raise(L, "%s: %s has %d entries, one per rank (%d) expected", fname, what, (int)lua_objlen(L, idx), P);
+    for (int32_t q = 0; q < P; q++) {
+        lua_rawgeti(L, idx, q + 1);
+        const double v = lua_tonumber(L, -1);
+        if (lua_type(L, -1) != LUA_TNUMBER || v < 0 || v != (double)(int64_t)v || v > 9e15)
+            ds4l_raise(L, "%s: %s[%d] must be a non-negative integer", fname, what, q + 1);
+        out[q] = (int64_t)v;
+        lua_pop(L, 1);
+    }
+}
+
+/* ds4.dist.all_to_all_v(t, send_rows, recv_rows) -> a new tensor [sum(recv_rows), ...t's other dims]: rows of t (its
+ * first dimension) in consecutive blocks, send_rows[q] of them to rank q; recv_rows[s] rows come from rank s, in rank
+ * order. Every rank's send_rows[q] must be rank q's recv_rows[s] (the TCP star checks). */
+static int d_all_to_all_v(lua_State *L) {
+    const char *fname = "ds4.dist.all_to_all_v";
+    ds4_comm *c = need(L, fname);
+    ds4_tensor *t = ds4l_tensor_check(L, 1, fname, 1);
+    const int32_t P = ds4_comm_world_size(c);
+    int64_t *cnt = lua_newuserdata(L, (size_t)P * 2 * sizeof(int64_t)); /* owned by Lua: nothing leaks on a raise */
+    row_counts(L, 2, P, cnt, fname, "send_rows");
+    row_counts(L, 3, P, cnt + P, fname, "recv_rows");
+    int64_t row = (int64_t)ds4_dtype_size(t->dtype), out_rows = 0, in_rows = 0;
+    for (int32_t i = 1; i < t->ndim; i++) row *= t->shape[i];
+    for (int32_t q = 0; q < P; q++) out_rows += cnt[q], in_rows += cnt[P + q];
+    if (t->ndim < 1 || row <= 0 || out_rows != t->shape[0])
+        ds4l_raise(L, "%s: sends %lld rows of a tensor of %d dims with %lld rows", fname, (long long)out_rows, t->ndim,
+                   (long long)(t->ndim ? t->shape[0] : 0));
+    int64_t shape[DS4_MAX_DIMS];
+    for (int32_t i = 0; i < t->ndim; i++) shape[i] = t->shape[i];
+    shape[0] = in_rows;
+    ds4_tensor *out = ds4l_tensor_push_new(L, fname, t->dtype, t->ndim, shape);
+    ds4_error err = {0};
+    if (ds4_comm_all_to_all_v(c, t->data, cnt, out->data, cnt + P, (size_t)row, &err) != DS4_OK)
+        ds4l_raise_ds4(L, fname, &err);
+    return 1;
+}
+
 static int d_broadcast(lua_State *L) {
     const char *fname = "ds4.dist.broadcast";
     ds4_comm *c = need(L, fname);
@@ -262,6 +328,28 @@ static int d_shard_optimizer(lua_State *L) {
     return 2;
 }
 
+/* Expert parallelism (ds4_comm_expert_parallel): rank r computes routed experts [r·E/P, (r+1)·E/P) for every rank's
+ * tokens; every rank runs the rest of the model on its own tokens. The model remembers the communicator, so it is
+ * recorded here and detached when the communicator is finalized. */
+static int d_expert_parallel(lua_State *L) {
+    const char *fname = "ds4.dist.expert_parallel";
+    ds4_comm *c = need(L, fname);
+    ds4_model *m = ds4l_model_check(L, 1, fname);
+    const int on = lua_isnoneornil(L, 2) ? 1 : lua_toboolean(L, 2);
+    if (!lua_isnoneornil(L, 2) && !lua_isboolean(L, 2))
+        ds4l_raise(L, "%s: bad argument #2 (boolean expected, got %s)", fname, luaL_typename(L, 2));
+    ds4_error err = {0};
+    if (ds4_comm_expert_parallel(c, m, on, &err) != DS4_OK) ds4l_raise_ds4(L, fname, &err);
+    ds4l_weak_registry_table(L, EP_KEY, "k");
+    lua_getfield(L, LUA_REGISTRYINDEX, EP_KEY);
+    lua_pushvalue(L, 1);
+    if (on) lua_pushboolean(L, 1);
+    else lua_pushnil(L);
+    lua_rawset(L, -3);
+    lua_pop(L, 1);
+    return 0;
+}
+
 void ds4l_dist_open(lua_State *L) {
     static const luaL_Reg fns[] = {
         {"init", d_init},
@@ -276,8 +364,10 @@ void ds4l_dist_open(lua_State *L) {
         {"all_reduce", d_all_reduce},
         {"all_gather", d_all_gather},
         {"broadcast", d_broadcast},
+        {"all_to_all_v", d_all_to_all_v},
         {"all_reduce_grads", d_all_reduce_grads},
         {"shard_optimizer", d_shard_optimizer},
+        {"expert_parallel", d_expert_parallel},
         {NULL, NULL},
     };
     ds4l_class(L, COMM_MT, NULL, comm_gc, NULL);

@@ -621,9 +621,28 @@ static int m_free_optimizers_first(lua_State *L) {
     return lua_gettop(L);
 }
 
+/* model:router_loads() -> I64 tensor [L + 1, E] (a copy): the expert loads counted by training forwards since the
+ * last router-bias update (layers 0..L-1, then the MTP block); nil before the first training forward. With expert
+ * parallelism on they are this rank's tokens' (the bias update sums them over the ranks). */
+static int m_router_loads(lua_State *L) {
+    const char *fname = "ds4.model:router_loads";
+    ds4_model *m = ds4l_model_check(L, 1, fname);
+    const int64_t *loads = ds4_model_router_loads(m);
+    if (!loads) {
+        lua_pushnil(L);
+        return 1;
+    }
+    const ds4_config *c = ds4_model_config(m);
+    const int64_t shape[2] = {c->num_hidden_layers + 1, c->n_routed_experts};
+    ds4_tensor *t = ds4l_tensor_push_new(L, fname, DS4_I64, 2, shape);
+    memcpy(t->data, loads, (size_t)(shape[0] * shape[1]) * sizeof(int64_t));
+    return 1;
+}
+
 /* ------------------------------------------------------------------------------------------------ module */
 
 static const luaL_Reg train_model_methods[] = {
+    {"router_loads", m_router_loads},
     {"zero_grad", m_zero_grad},
     {"backward", m_backward},
     {"grads", m_grads},

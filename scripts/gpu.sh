@@ -50,7 +50,7 @@ if [[ " $STAGES " == *" tests "* ]]; then
         say "$t: exit $? ($(tail -n1 "$LOG/$t.log"))"
     done
     # NCCL on 1 GPU, and on 2 (4) ranks when the machine has 2 (4) GPUs: torchrun-style and mpirun launches, data
-    # parallelism on the GPUs, a rank killed or hung (docs/distributed.md)
+    # and expert parallelism on the GPUs, a rank killed or hung (docs/distributed.md)
     if [ -x build-gpu/ds4 ]; then
         bash tests/test_dist_nccl.sh build-gpu/ds4 "$ROOT/tests/fixtures" "$ROOT" >"$LOG/test_dist_nccl_sh.log" 2>&1
         say "test_dist_nccl.sh: exit $? ($(grep -c '^FAIL' "$LOG/test_dist_nccl_sh.log") FAIL lines; $(tail -n1 "$LOG/test_dist_nccl_sh.log"))"

@@ -3,10 +3,12 @@
 # NCCL in the build or without a GPU (CI); scripts/gpu.sh runs it on a GPU machine.
 #
 #   1 GPU: test_dist_nccl (device all_reduce / all_gather / broadcast against closed forms, all_reduce_grads of a
-#          CUDA model) as a world of one; data parallelism by hand (tests/lua/dist_data_parallel.lua) on the GPU.
+#          CUDA model) as a world of one; data parallelism by hand (tests/lua/dist_data_parallel.lua) and expert
+#          parallelism (tests/lua/dist_expert_parallel.lua: rows through NCCL send / recv) on the GPU.
 #   2 GPUs or more, for 2 ranks (and 4 with 4 GPUs): the same, launched torchrun-style (plain processes, the TCP
 #          rendezvous hands out the NCCL id) and, when mpirun and MPI are there, under mpirun; the data-parallel run
-#          compares 2 ranks' NCCL all-reduced gradients and weights with one copy on the whole batch; then a rank
+#          compares 2 ranks' NCCL all-reduced gradients and weights with one copy on the whole batch, the
+#          expert-parallel run its logits, expert gradients and loads (bitwise) and the rest; then a rank
 #          killed (SIGKILL) or hung after the first all-reduce: the survivor's NCCL all-reduce must fail, naming NCCL,
 #          within DS4_DIST_TIMEOUT (20 s here) plus a margin — not hang; examples/sft.lua on 2 GPUs against one GPU of
 #          2 micro-batches (bitwise, fp32 and bf16); on 1 GPU, test_grad_accum.lua on the CUDA backend.
@@ -49,9 +51,11 @@ all_passed() {
 "$BIN/test_dist_nccl" "$FIX" >"$LOG/one.0" 2>&1
 grep 'all_reduce_grads' "$LOG/one.0"
 all_passed 1 test_dist_nccl "$LOG/one" || { show; bad "test_dist_nccl, 1 rank"; }
-DS4_TEST_DEVICE=cuda "$DS4" run "$T/dist_data_parallel.lua" "$FIX" >"$LOG/one.0" 2>&1
-grep 'dist_data_parallel:' "$LOG/one.0"
-all_passed 1 dist_data_parallel "$LOG/one" || { show; bad "data parallel on cuda, 1 rank"; }
+for t in dist_data_parallel dist_expert_parallel; do
+    DS4_TEST_DEVICE=cuda "$DS4" run "$T/$t.lua" "$FIX" >"$LOG/one.0" 2>&1
+    grep "$t:" "$LOG/one.0"
+    all_passed 1 "$t" "$LOG/one" || { show; bad "$t on cuda, 1 rank"; }
+done
 # a backward adds its gradient once on the GPU too: accumulated = apart and summed, bit for bit
 DS4_TEST_DEVICE=cuda "$DS4" run "$T/test_grad_accum.lua" "$FIX" >"$LOG/one.0" 2>&1
 grep -q "test_grad_accum.lua: [0-9]* checks, 0 failures" "$LOG/one.0" || { show; bad "gradient accumulation on cuda"; }
@@ -82,10 +86,11 @@ for np in $sizes; do
     launch "$np" "$LOG/run" 300 "$BIN/test_dist_nccl" "$FIX"
     grep 'all_reduce_grads' "$LOG/run.0"
     all_passed "$np" test_dist_nccl "$LOG/run" || { show; bad "test_dist_nccl, $np ranks, torchrun-style (exit ${RCS[*]})"; }
-    EXTRA_ENV="DS4_TEST_DEVICE=cuda" launch "$np" "$LOG/run" 300 "$DS4" run "$T/dist_data_parallel.lua" "$FIX"
-    grep 'dist_data_parallel:' "$LOG/run.0"
-    all_passed "$np" dist_data_parallel "$LOG/run" ||
-        { show; bad "data parallel on cuda, $np ranks, torchrun-style (exit ${RCS[*]})"; }
+    for t in dist_data_parallel dist_expert_parallel; do
+        EXTRA_ENV="DS4_TEST_DEVICE=cuda" launch "$np" "$LOG/run" 300 "$DS4" run "$T/$t.lua" "$FIX"
+        grep "$t:" "$LOG/run.0"
+        all_passed "$np" "$t" "$LOG/run" || { show; bad "$t on cuda, $np ranks, torchrun-style (exit ${RCS[*]})"; }
+    done
     # LoRA: the adapters' gradient buffer, on the device, all-reduced through NCCL
     EXTRA_ENV="DS4_TEST_DEVICE=cuda" launch "$np" "$LOG/run" 300 "$DS4" run "$T/dist_data_parallel_lora.lua" "$FIX" lora
     grep 'dist_data_parallel (LoRA):' "$LOG/run.0"
@@ -94,9 +99,11 @@ for np in $sizes; do
     if [ "$have_mpi" -eq 1 ]; then
         mpi_ranks "$np" "$BIN/test_dist_nccl" "$FIX"
         all_passed "$np" test_dist_nccl "$LOG/run" || { show; bad "test_dist_nccl, $np ranks, mpirun"; }
-        DS4_TEST_DEVICE=cuda mpi_ranks "$np" "$DS4" run "$T/dist_data_parallel.lua" "$FIX"
-        grep 'dist_data_parallel:' "$LOG/run.0"
-        all_passed "$np" dist_data_parallel "$LOG/run" || { show; bad "data parallel on cuda, $np ranks, mpirun"; }
+        for t in dist_data_parallel dist_expert_parallel; do
+            DS4_TEST_DEVICE=cuda mpi_ranks "$np" "$DS4" run "$T/$t.lua" "$FIX"
+            grep "$t:" "$LOG/run.0"
+            all_passed "$np" "$t" "$LOG/run" || { show; bad "$t on cuda, $np ranks, mpirun"; }
+        done
     fi
 done
 rm -f "$LOG"/run.* "$LOG/mpi"

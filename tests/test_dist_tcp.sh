@@ -2,7 +2,7 @@
 # test_dist_tcp.sh DS4 FIXTURES SOURCE — ds4.dist on CPU ranks launched torchrun-style (RANK, WORLD_SIZE,
 # MASTER_ADDR, MASTER_PORT; plain processes, no MPI): the TCP rendezvous and the collectives over the star around
 # rank 0 (dist/tcp_backend.c). The same Lua tests as under mpirun (tests/test_dist_mpi.sh): the collectives against
-# closed forms, data parallelism against one process on the whole batch, and a rank that dies (kill, error) or hangs
+# closed forms, data and expert parallelism against one process on the whole batch, and a rank that dies (kill, error) or hangs
 # — the others must fail naming it within a bound. Then the rendezvous' own failures: a rank that never comes, no
 # rank 0, disagreeing WORLD_SIZE, a duplicate RANK, a stray connection that is not a ds4 rank (ignored), ranks that
 # call different collectives, malformed settings. Needs nothing but the ds4 binary and loopback TCP.
@@ -31,6 +31,9 @@ for np in 2 4; do
     launch "$np" "$LOG/run" 120 "$DS4" run "$T/dist_data_parallel.lua" "$FIX"
     grep 'dist_data_parallel:' "$LOG/run.0"
     all_passed "$np" dist_data_parallel || { show; bad "data parallel, $np ranks (exit codes ${RCS[*]})"; }
+    launch "$np" "$LOG/run" 120 "$DS4" run "$T/dist_expert_parallel.lua" "$FIX"
+    grep 'dist_expert_parallel:' "$LOG/run.0"
+    all_passed "$np" dist_expert_parallel || { show; bad "expert parallel, $np ranks (exit codes ${RCS[*]})"; }
 done
 rm -f "$LOG"/run.*
 
@@ -128,6 +131,32 @@ CODE='local d = require("ds4").dist; d.init(); d.all_reduce(require("ds4").tenso
 CODE='local d = require("ds4").dist; d.init(); d.all_reduce(require("ds4").tensor({1, 2, 3}, "F32"))' rank 1 2 "$p"
 wait
 expect "$LOG/rank.0" "rank 1 has 12 bytes (dtype / root 0) where rank 0 has 8 bytes" "different sizes"
+
+# an all_to_all_v whose counts disagree (rank 1 expects 2 rows from rank 0, which sends 1) is refused by rank 0
+# before it reads a row
+A2A='local ds4 = require("ds4"); local d = ds4.dist; d.init()
+d.all_to_all_v(ds4.tensor({{1, 2}, {3, 4}}, "F32"), {1, 1}, d.rank() == 1 and {2, 1} or {1, 1})'
+p="$(free_port)"
+for r in 0 1; do CODE="$A2A" rank "$r" 2 "$p"; done
+wait
+expect "$LOG/rank.0" "rank 0 sends 1 rows to rank 1, which expects 2 from it: the ranks disagree on the counts" \
+    "all_to_all_v counts disagree"
+
+# expert parallelism: 8 experts cannot be split over 3 ranks (refused on every rank); a rank that runs a forward
+# without it while the other has it on leaves the other's exchange unanswered: named by the timeout, not a hang
+EPCODE='local ds4 = require("ds4"); ds4.dist.init(); local m = ds4.load("'"$FIX"'/tiny_a")
+local ok, e = pcall(ds4.dist.expert_parallel, m); print(ok and "on" or e)'
+p="$(free_port)"
+for r in 0 1 2; do CODE="$EPCODE" rank "$r" 3 "$p"; done
+wait
+for r in 0 1 2; do expect "$LOG/rank.$r" "8 routed experts cannot be split evenly over 3 ranks" "experts over 3 ranks"; done
+EPCODE='local ds4 = require("ds4"); ds4.dist.init(); local m = ds4.load("'"$FIX"'/tiny_a")
+if ds4.dist.rank() == 0 then ds4.dist.expert_parallel(m) end
+m:forward(ds4.tensor({{5, 6, 7}}, "I64")); ds4.dist.barrier()'
+p="$(free_port)"
+for r in 0 1; do CODE="$EPCODE" rank "$r" 2 "$p" DS4_DIST_TIMEOUT=2; done
+wait
+expect "$LOG/rank.0" "rank 1 is in barrier #1 while rank 0 is in all_to_all_v #1" "expert parallelism on one rank only"
 
 # settings that cannot work are refused before anything is opened
 out="$(RANK=0 WORLD_SIZE=2 "$DS4" run - <<<"$INIT" 2>&1)" && bad "no MASTER_ADDR: init succeeded"

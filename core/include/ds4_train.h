@@ -101,6 +101,37 @@ const int64_t *ds4_model_router_loads(const ds4_model *m);
  * router_bias_gamma > 0; callable directly by a custom loop. */
 ds4_status ds4_model_update_router_bias(ds4_model *m, double gamma, ds4_error *err);
 
+/* ------------------------------------------------------------------------------------------------ expert parallelism */
+
+/* Expert parallelism (docs/distributed.md, "Expert parallelism"): rank `rank` of `world` computes routed experts
+ * [rank·E/world, (rank + 1)·E/world) of every MoE layer for the tokens of every rank, and everything else on its own
+ * tokens. The core does not know how ranks talk; the caller gives the two collectives (dist/: ds4_comm_expert_parallel
+ * over MPI, the TCP star or NCCL). While it is on, every full forward (ds4_model_forward, _forward_train) and every
+ * backward of the model is collective: every rank must make them in the same order. Decoding (ds4_model_step,
+ * generation) is not: it computes every expert locally, as the weights are replicated on every rank. */
+typedef struct ds4_expert_parallel {
+    int32_t rank, world;
+    int32_t device;           /* the memory all_to_all_v takes: -1 host (a CPU model), N: CUDA device N's; a pass of a
+                                 model on another device is refused (install the hooks again after moving it) */
+    void *ctx;                /* passed to both calls */
+    /* Rank q receives send_rows[q] rows of row_bytes bytes, the q-th consecutive block of send; recv gets
+     * recv_rows[s] rows from rank s, blocks in rank order. Memory of the model's backend (host for a CPU model, its
+     * CUDA device's otherwise), whose earlier work has finished. A row's bytes move unchanged. */
+    ds4_status (*all_to_all_v)(void *ctx, const void *send, const int64_t *send_rows, void *recv,
+                               const int64_t *recv_rows, size_t row_bytes, ds4_error *err);
+    /* Host memory, fixed blocks: block q (bytes each) of send goes to rank q; block s of recv comes from rank s. */
+    ds4_status (*host_all_to_all)(void *ctx, const void *send, void *recv, size_t bytes, ds4_error *err);
+} ds4_expert_parallel;
+
+/* Turn expert parallelism on (ep copied; its ctx must outlive it) or off (ep NULL). Refused when E is not a multiple
+ * of world, with LoRA adapters on the routed experts, or with a rank outside [0, world). Invalidates the tape (a
+ * training forward must be followed by a backward of the same mode). While it is on the expert loads of
+ * ds4_model_router_loads count this rank's tokens only; ds4_model_update_router_bias sums them over the ranks first
+ * (a collective then), so every rank applies the same update. */
+ds4_status ds4_model_set_expert_parallel(ds4_model *m, const ds4_expert_parallel *ep, ds4_error *err);
+/* The installed hooks, or NULL when expert parallelism is off. */
+const ds4_expert_parallel *ds4_model_expert_parallel(const ds4_model *m);
+
 /* Batch shape [B, S] of the last training forward (its tape). */
 ds4_status ds4_model_last_batch(const ds4_model *m, int64_t *batch, int64_t *seq, ds4_error *err);
 /* Per-token log-probabilities of the last training forward: logp[b·S + s] = log p(labels[b, s+1] | ids[b, ..s])

@@ -62,6 +62,23 @@ for k = 0, n - 1 do
 end
 H.eq(bad, 0, "all_gather: elements off rank order")
 
+-- all_to_all_v: rank s sends (s + q) % 3 rows to rank q, row i of that block = (s, 100 q + i) as I32; rank r receives
+-- (s + r) % 3 rows from rank s, in rank order (some blocks empty).
+local rows_to, send_rows, recv_rows = {}, {}, {}
+for q = 0, n - 1 do
+    send_rows[q + 1], recv_rows[q + 1] = (r + q) % 3, (q + r) % 3
+    for i = 0, (r + q) % 3 - 1 do rows_to[#rows_to + 1] = { r, 100 * q + i } end
+end
+local sent = #rows_to > 0 and ds4.tensor(rows_to, "I32") or ds4.zeros({ 0, 2 }, "I32")
+local got = ds4.dist.all_to_all_v(sent, send_rows, recv_rows)
+local want = {}
+for s = 0, n - 1 do
+    for i = 0, (s + r) % 3 - 1 do want[#want + 1] = { s, 100 * r + i } end
+end
+H.same(got:totable(), #want > 0 and want or {}, "all_to_all_v: blocks from every rank in rank order")
+H.raises(function() return ds4.dist.all_to_all_v(sent, { 1 }, recv_rows) end,
+    n > 1 and { "send_rows has 1 entries" } or { "sends 1 rows" }, "all_to_all_v with a wrong count")
+
 -- broadcast from the last rank, BF16 (any dtype: bytes are copied): every rank ends with the root's values.
 local root = n - 1
 local b = ds4.tensor({ r + 0.5, -r, 3 }, "BF16")

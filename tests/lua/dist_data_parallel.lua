@@ -26,7 +26,6 @@
 package.path = ((arg[0]:match("^(.*)/[^/]*$") or ".") .. "/?.lua;") .. package.path
 local H = require("harness")
 local ds4 = require("ds4")
-local ffi = require("ffi")
 
 local on_device = os.getenv("DS4_TEST_DEVICE") == "cuda"
 local r, n = ds4.dist.init(on_device and { device = "cuda" } or nil)
@@ -75,17 +74,7 @@ if on_device then H.eq(ds4.dist.device():match("^cuda:%d+$") ~= nil, true, "ds4.
 local ref_opt, dp_opt, acc_opt = ds4.adamw(ref, opts()), ds4.adamw(dp, opts()), ds4.adamw(acc, opts())
 local bitwise = not on_device or n <= 2
 
--- max |a - b| and ‖a − b‖ / ‖b‖ over two F32 tensors of equal size
-local function diff(a, b)
-    local pa, pb = ffi.cast("const float *", a:data_ptr()), ffi.cast("const float *", b:data_ptr())
-    local mx, dd, bb = 0, 0, 0
-    for i = 0, b:numel() - 1 do
-        local e = math.abs(pa[i] - pb[i])
-        if e > mx then mx = e end
-        dd, bb = dd + e * e, bb + pb[i] * pb[i]
-    end
-    return mx, math.sqrt(dd) / math.sqrt(bb)
-end
+local diff = H.f32_diff
 
 -- the number of elements of a and b (F32 tensors of equal size) that differ
 local function differ(a, b)

@@ -145,6 +145,35 @@ function H.slice(a, i, j)
     return t
 end
 
+-- The rows [first, first + count) of a 4-row global batch that rank r of n holds in the distributed tests: 1 rank
+-- all four, 2 ranks 1 and 3 rows (unequal on purpose), 4 ranks one each.
+function H.rank_rows(r, n)
+    local split = assert(({ [1] = { 4 }, [2] = { 1, 3 }, [4] = { 1, 1, 1, 1 } })[n], "a batch of 4 rows: 1, 2 or 4 ranks")
+    local first = 1
+    for k = 1, r do first = first + split[k] end
+    return first, split[r + 1]
+end
+
+-- An I64 tensor [count, S] of rows[first .. first + count - 1] (each a table of S token ids).
+function H.batch(rows, first, count)
+    local t = {}
+    for b = first, first + count - 1 do t[#t + 1] = rows[b] end
+    return require("ds4").tensor(t, "I64")
+end
+
+-- max |a − b|, ‖a − b‖ / ‖b‖ and ‖b‖² over two F32 tensors of equal size (a NaN difference makes the max NaN).
+function H.f32_diff(a, b)
+    local ffi = require("ffi")
+    local pa, pb = ffi.cast("const float *", a:data_ptr()), ffi.cast("const float *", b:data_ptr())
+    local mx, dd, bb = 0, 0, 0
+    for i = 0, b:numel() - 1 do
+        local e = math.abs(pa[i] - pb[i])
+        if not (e <= mx) then mx = e end
+        dd, bb = dd + e * e, bb + pb[i] * pb[i]
+    end
+    return mx, math.sqrt(dd) / math.sqrt(bb), bb
+end
+
 function H.fixtures()
     if arg and arg[1] then return arg[1] end
     local dir = (arg and arg[0] or ""):match("^(.*)/[^/]*$") or "."

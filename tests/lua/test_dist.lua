@@ -51,6 +51,20 @@ end
 H.check(seen > 0, "the model has gradients")
 H.eq(bad, 0, "all_reduce_grads(m, 0.5) on one rank halves every gradient exactly")
 
+-- expert parallelism on a world of one: the refusals (its equalities: dist_expert_parallel.lua)
+H.raises(function() ds4.dist.expert_parallel("m") end, { "ds4.dist.expert_parallel", "ds4.model expected" }, "not a model")
+H.raises(function() ds4.dist.expert_parallel(m, 1) end, { "boolean expected" }, "on must be a boolean")
+ds4.dist.expert_parallel(m)
+H.raises(function() ds4.dist.all_reduce_grads(m, 0.5) end, { "scale 0.5 with expert parallelism on" },
+    "all_reduce_grads scales nothing under expert parallelism")
+H.raises(function() m:lora({ rank = 2, targets = { "experts" } }) end,
+    { "routed experts are not supported with expert parallelism" }, "LoRA on the routed experts with expert parallelism")
+m:lora({ rank = 2, targets = { "shared" } }) -- other adapters are fine
+ds4.dist.expert_parallel(m, false)
+m:lora({ rank = 2, targets = { "experts" } })
+H.raises(function() ds4.dist.expert_parallel(m) end, { "LoRA adapters on its routed experts" },
+    "expert parallelism on a model with routed-expert adapters")
+
 ds4.dist.finalize()
 H.check(not ds4.dist.is_initialized(), "finalize")
 ds4.dist.finalize() -- a second finalize does nothing

@@ -1,0 +1,144 @@
+-- dist_expert_parallel.lua — expert parallelism (ds4.dist.expert_parallel): N ranks, each with some rows of a global
+-- batch (4 ranks: one row each; 2 ranks: 1 and 3 rows, unequal on purpose; 1 rank: all four, the exchange through
+-- a world of one), the routed experts of every MoE layer split over the ranks (tiny_a: 8 experts, 2 hash-routed
+-- layers, 2 learned, and the MTP block, whose loss is on here so that its MoE runs too). Every rank also runs a
+-- second copy of the model on the whole batch alone: the single-process reference, in the same process.
+--
+-- What must hold, and why:
+--  * logits: bitwise equal to the reference's rows of this rank. Each expert row is computed by the same kernels on
+--    the same bits wherever it runs (the grouped GEMMs are batch invariant), and combined at the token's rank in the
+--    same order.
+--  * routed-expert weight gradients: bitwise equal. The owner sums each expert's rows in (source rank, slot) order:
+--    the order of one process holding the ranks' rows one after another, which is the reference's batch. The
+--    all-reduce then adds zeros (the other ranks compute no gradient for experts they do not own).
+--  * every other gradient, router gates included: within data parallelism's bound, rel <= 2e-6 per tensor
+--    (docs/distributed.md and dist_data_parallel.lua give the reasoning: the all-reduce sums the same fp32 terms in
+--    another grouping). So the weights after a step differ in their last bits too (|Δ| <= 5e-5 = lr / 20, as there),
+--    and every step starts from the reference's weights again (set_params), which keeps each step's equalities
+--    bitwise; the optimizer state carries over.
+--    The router gates' gradient exists only through the routing weights (dws = <da, ye> at the token's rank, from
+--    the expert outputs the forward brought back): the reference's is checked to be non-zero, so a cut of that path
+--    (dws = 0) is a relative error of 1.
+--  * expert loads: summed over the ranks, equal to the reference's (integers); after the step the router-bias update
+--    (router_bias_gamma) used the global loads on every rank: biases bitwise equal to the reference's.
+--  * normalisation: with expert parallelism each rank's backward is scaled by 1 / N (N = the global scored tokens),
+--    because an expert's gradient mixes rows from every rank; all_reduce_grads then takes scale 1 (and refuses
+--    another).
+--
+-- DS4_TEST_DEVICE=cuda (tests/test_dist_nccl.sh on a GPU machine): both copies on this rank's GPU in fp32, the rows
+-- exchanged through NCCL. The same equalities are expected (the CUDA kernels are batch invariant too).
+package.path = ((arg[0]:match("^(.*)/[^/]*$") or ".") .. "/?.lua;") .. package.path
+local H = require("harness")
+local ds4 = require("ds4")
+local ffi = require("ffi")
+pcall(ffi.cdef, "int memcmp(const void *a, const void *b, size_t n);")
+
+local on_device = os.getenv("DS4_TEST_DEVICE") == "cuda"
+local r, n = ds4.dist.init(on_device and { device = "cuda" } or nil)
+local dir = H.fixtures() .. "/tiny_a"
+local B, S, V, STEPS = 4, 19, 256, 2
+assert(n == 1 or n == 2 or n == 4, "the test's batch of 4 rows is split for 1, 2 or 4 ranks")
+
+local rnd = H.lcg(4242)
+local rows = {}
+for b = 1, B do rows[b] = H.random_ids(rnd, S, V) end
+local all_ids = H.batch(rows, 1, B)
+local first, mine = H.rank_rows(r, n)
+local my_ids = H.batch(rows, first, mine)
+
+local function opts() return { lr = 1e-3, betas = { 0.9, 0.95 }, eps = 1e-8, weight_decay = 0.1, clip = 1.0 } end
+local ref, ep = ds4.load(dir), ds4.load(dir)
+if on_device then
+    ref:to(ds4.dist.device(), "fp32")
+    ep:to(ds4.dist.device(), "fp32")
+end
+ds4.dist.expert_parallel(ep)
+local ref_opt, ep_opt = ds4.adamw(ref, opts()), ds4.adamw(ep, opts())
+
+local diff = H.f32_diff
+
+local function to_f64(t)
+    local p, out = ffi.cast("const int64_t *", t:data_ptr()), {}
+    for i = 0, t:numel() - 1 do out[#out + 1] = tonumber(p[i]) end
+    return ds4.tensor(out, "F64")
+end
+
+local worst_g, worst_w, experts_checked, gates_checked = 0, 0, 0, 0
+for k = 1, STEPS do
+    -- step 2 with per-block recomputation (the same bits by design): its backward runs each block's forward again,
+    -- expert exchanges included
+    local topt = { mtp_lambda = 0.3, router_bias_gamma = 1e-3, recompute = k == 2 }
+    ref:set_train_options(topt)
+    ep:set_train_options(topt)
+    ref:zero_grad()
+    local out_ref = ref:forward(all_ids, { labels = all_ids })
+    ref:backward()
+    ep:zero_grad()
+    local out = ep:forward(my_ids, { labels = my_ids })
+    local cnt = ds4.dist.all_reduce(ds4.tensor({ out.loss_tokens }, "F64"))
+    local N = cnt[1]
+    H.eq(N, out_ref.loss_tokens, "global scored tokens = the whole batch's")
+    ep:backward(1 / N)
+    H.raises(function() ds4.dist.all_reduce_grads(ep, 0.5) end, { "expert parallelism", "scale" },
+        "all_reduce_grads with a scale under expert parallelism")
+    ds4.dist.all_reduce_grads(ep)
+
+    -- logits: this rank's rows of the reference's, bitwise
+    local row = S * V * 4
+    H.check(ffi.C.memcmp(out.logits:data_ptr(), ffi.cast("const char *", out_ref.logits:data_ptr()) + (first - 1) * row,
+        mine * row) == 0, ("step %d: logits of rows %d..%d bitwise equal to one process's"):format(k, first, first + mine - 1))
+    -- the global loss (main + λ·MTP; every row fully scored, so each part's share is n_r / N)
+    local l = ds4.dist.all_reduce(ds4.tensor({ out.loss * out.loss_tokens }, "F64"))
+    H.near(l[1] / N, out_ref.loss, 1e-6 * math.abs(out_ref.loss), "global loss, step " .. k)
+
+    local grel = 0
+    local gd, gr = ep:grads({ canonical = true }), ref:grads({ canonical = true })
+    for name, g in pairs(gr) do
+        local mx, rel, norm2 = diff(gd[name], g)
+        if name:find("%.experts%.%d+%.w[123]%.weight$") then
+            experts_checked = experts_checked + 1
+            H.check(H.same_bytes(gd[name], g) or mx == 0, ("step %d: %s bitwise equal (max |Δ| %.3g)"):format(k, name, mx))
+        else
+            if name:find("ffn%.gate%.weight$") then
+                gates_checked = gates_checked + 1
+                H.check(norm2 > 0, ("step %d: the reference's %s gradient is not zero"):format(k, name))
+            end
+            if norm2 > 0 then
+                grel = math.max(grel, rel)
+                H.check(rel <= 2e-6, ("step %d: %s rel %.3g (max |Δ| %.3g)"):format(k, name, rel, mx))
+            else
+                H.eq(mx, 0, ("step %d: zero gradient of %s stays zero"):format(k, name))
+            end
+        end
+    end
+    worst_g = math.max(worst_g, grel)
+    -- expert loads: every rank's, summed, equal the whole batch's
+    local lr, lf = ep:router_loads(), ref:router_loads()
+    local sum = ds4.dist.all_reduce(to_f64(lr))
+    H.check(H.same_bytes(sum, to_f64(lf)), ("step %d: expert loads summed over the ranks = one process's"):format(k))
+
+    ref_opt:step()
+    ep_opt:step()
+    local td, tr = ep:tensors(), ref:tensors()
+    for name, t in pairs(tr) do
+        if name:find("ffn%.gate%.bias$") then
+            H.check(H.same_bytes(td[name], t), ("step %d: %s (aux-loss-free update from the global loads) bitwise"):format(
+                k, name))
+        end
+    end
+    local wmax = diff(ep:params(), ref:params())
+    worst_w = math.max(worst_w, wmax)
+    H.check(wmax <= 5e-5, ("step %d: weights max |Δ| %.3g vs one process on the whole batch"):format(k, wmax))
+    -- the next step starts from the reference's weights again, so that its forward and backward can be bitwise too
+    -- (the non-expert gradients differed in their last bits, and so the weights: see above)
+    ep:set_params(ref:params())
+end
+H.check(experts_checked > 0 and gates_checked > 0, "expert and router gradients were compared")
+local w = ep:params()
+H.eq((diff(w, ds4.dist.broadcast(w:clone(), 0))), 0, "every rank's weights equal rank 0's")
+if r == 0 then
+    print(("dist_expert_parallel: %d ranks (%s, %s), %d steps: logits, expert gradients, loads and router biases bitwise; worst other gradient rel %.3g, weights |Δ| %.3g after a step"):format(
+        n, ds4.dist.backend(), ds4.dist.device(), STEPS, worst_g, worst_w))
+end
+ds4.dist.finalize()
+H.done("dist_expert_parallel rank " .. r .. " of " .. n)
