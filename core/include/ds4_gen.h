@@ -114,7 +114,7 @@ typedef struct ds4_gen_args {
     const ds4_tokenizer *tokenizer; /* decodes generated tokens for stop strings */
     int32_t record_experts;         /* keep each sequence's routed experts (for routing replay) */
     int32_t record_index;           /* keep each sequence's indexer picks */
-    int64_t max_batch;              /* at most this many sequences per decode step; 0: all */
+    int64_t max_batch;              /* at most this many sequences run at once (ds4_batcher max_seqs); 0: all */
     int64_t prefill_chunk;          /* at most this many prompt tokens per prefill step; 0: 2048 */
     ds4_token_fn on_token;          /* may be NULL */
     void *ud;
@@ -142,6 +142,8 @@ typedef struct ds4_gen_result {
     int64_t nseq;                   /* nprompts · n, prompt-major: seqs[i] is prompt i / n, sample i % n */
     ds4_gen_seq *seqs;
     int64_t prefill_tokens, decode_tokens;
+    /* seconds of the steps that ran prompt tokens of this task (they may also have decoded other sequences: with
+     * more prompt tokens than prefill_chunk, or beside other tasks in a batcher), and of its other steps */
     double prefill_seconds, decode_seconds;
 } ds4_gen_result;
 
