@@ -61,8 +61,7 @@ check "$out/replay" 3
 test -f "$out/lora/ckpt/step_000002/adapter_model.safetensors"
 "$DS4" run "$SRC/examples/dapo.lua" "${small[@]}" "${from[@]}" --lora 4 --save-every 2 --resume --save "$out/adapter" \
     --out "$out/lora" --quiet >"$out/lora.log"
-grep -q "resuming from .*step_000002" "$out/lora.log"
-check "$out/lora" 3
+check "$out/lora" 3 # each step once: a resume that started over would have logged steps 1 and 2 twice
 grep -q "LoRA adapter saved to" "$out/lora.log"
 test -f "$out/adapter/adapter_config.json" && test -f "$out/adapter/adapter_model.safetensors"
 "$DS4" run - "$out/lora/metrics.jsonl" <<'LUA'

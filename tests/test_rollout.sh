@@ -192,10 +192,12 @@ pids+=("$T1")
 wait_for "$out/endpoint_first" 60 || fail "trainer 1 did not start"
 EP="$(cat "$out/endpoint_first")"
 echo "trainer 1 on $EP"
-start_worker w1
-start_worker w2
+# --credits 8: at most 8 tasks in flight each (the batcher still holds several at once), so that the first worker to
+# connect cannot take every task and w2 holds leases when it is killed
+start_worker w1 --credits 8
+start_worker w2 --credits 8
 W2=$LAST
-start_worker w3
+start_worker w3 --credits 8
 # a worker with a key the trainer does not know: refused at the CURVE handshake
 "$DS4" worker --connect "$EP" --model "$FIX/tiny_a" --threads 1 --key "$out/rogue.key" \
     --server-key "$out/trainer.pub" --id rogue "${GIVE_UP[@]}" >"$out/rogue.log" 2>&1 &
@@ -206,7 +208,7 @@ kill -9 "$W2"
 wait "$W2" 2>/dev/null || true
 touch "$out/killed"
 echo "killed w2 (-9) mid-run; starting it again"
-start_worker w2
+start_worker w2 --credits 8
 wait_for "$out/first_done" 240 || fail "trainer 1 did not finish"
 check_run "$out/t1.log" first
 [ "$REISSUED" -ge 1 ] || fail "trainer 1: nothing re-issued after w2 was killed"
@@ -305,11 +307,12 @@ for i in $(seq 1 32); do echo "{\"prompt\": \"$i+1=\", \"answer\": \"$((i + 1))\
 D=$!
 pids+=("$D")
 wait_for "$out/dapo.log" 300 "start a worker: " || fail "dapo.lua printed no worker command line"
-# the printed command line is what a user pastes: run it as it is (plus a thread count and an id)
+# the printed command line is what a user pastes: run it as it is (plus a thread count, an id, and --credits 2: a
+# continuously batching worker would otherwise take every task of these small steps while the other one connects)
 cmd="$(sed -n 's/^start a worker: //p' "$out/dapo.log")"
 case "$cmd" in *" worker --connect $sock --model $out/dapo/worker_model"*) ;; *) fail "worker command: $cmd" ;; esac
 for id in d1 d2; do
-    eval "exec $cmd --threads 1 --id $id ${GIVE_UP[*]}" >"$out/$id.log" 2>&1 &
+    eval "exec $cmd --threads 1 --id $id --credits 2 ${GIVE_UP[*]}" >"$out/$id.log" 2>&1 &
     pids+=("$!")
 done
 wait "$D" || fail "dapo.lua with workers failed"
