@@ -261,15 +261,22 @@ typedef struct {
  * pass. ds4_dot is the sum the packed path computes (kernels_cpu.h), so the bits are the same. */
 enum { DIRECT_M = 3 };
 
-static int direct_tile(const ds4_gemm *g, int64_t m) { return m < DIRECT_M && g->a_ks == 1 && g->b_ks == 1 && !g->bq; }
+/* An FP4-resident B row is decoded whole into the worker's packing space first, which holds this many values. */
+enum { DIRECT_ROW_MAX = DS4_GEMM_MC * DS4_GEMM_KC + DS4_GEMM_NC * DS4_GEMM_KC };
 
-static void gemm_direct(const ds4_gemm *g, int64_t i0, int64_t m, int64_t j0, int64_t n) {
-    for (int64_t q = 0; q < m; q++) {
-        const float *a = g->a + (i0 + q) * g->a_rs;
-        float *y = g->y + (i0 + q) * g->ldy + j0;
-        for (int64_t c = 0; c < n; c++) {
-            const float s = ds4_dot(a, g->b + (j0 + c) * g->b_rs, g->R);
-            y[c] = g->acc ? y[c] + s : s;
+static int direct_tile(const ds4_gemm *g, int64_t m) {
+    return m < DIRECT_M && g->a_ks == 1 && g->b_ks == 1 && (!g->bq || g->R <= DIRECT_ROW_MAX);
+}
+
+/* row: DIRECT_ROW_MAX floats for an FP4-resident B's row (one row of an expert at a time, never the whole) */
+static void gemm_direct(const ds4_gemm *g, int64_t i0, int64_t m, int64_t j0, int64_t n, float *row) {
+    for (int64_t c = 0; c < n; c++) {
+        const float *b = g->b ? g->b + (j0 + c) * g->b_rs : row;
+        if (g->bq) ds4_fp4_decode(row, g->bq, g->bs, (j0 + c) * g->b_rs, g->R);
+        for (int64_t q = 0; q < m; q++) {
+            float *y = g->y + (i0 + q) * g->ldy + j0 + c;
+            const float s = ds4_dot(g->a + (i0 + q) * g->a_rs, b, g->R);
+            *y = g->acc ? *y + s : s;
         }
     }
 }
@@ -283,7 +290,8 @@ static void gemm_tile(const ds4_gemm *g, int64_t i0, int64_t m, int64_t j0, int6
     const int64_t R8 = g->R & ~(int64_t)7, mp = (m + MR - 1) / MR, np = (n + NP - 1) / NP;
     float sums[MR * NC]; /* one row block of the tile's finished lane sums */
     if (!bpre && direct_tile(g, m)) {
-        gemm_direct(g, i0, m, j0, n);
+        gemm_direct(g, i0, m, j0, n, pa);
+        if (g->bq) *akey = *key = (blk_key){0}; /* pa and pb held a decoded row */
         return;
     }
     if (R8 == 0) {

@@ -40,23 +40,28 @@ static inline float ds4_e8m0_value(uint8_t b) {
     return f;
 }
 
-/* out[k] = element e0 + k of the packed matrix (q, s), k < n */
-static inline void ds4_fp4_decode(float *out, const uint8_t *q, const uint8_t *s, int64_t e0, int64_t n) {
-    int64_t k = 0;
-    while (k < n) {
-        const int64_t e = e0 + k, blk_end = ((e >> 5) + 1) << 5, stop = blk_end - e0 < n ? blk_end - e0 : n;
-        const float sc = ds4_e8m0_value(s[e >> 5]);
-        for (; k < stop; k++) {
-            const int64_t i = e0 + k;
-            const uint8_t byte = q[i >> 1];
-            out[k] = ds4_fp4_lut[(i & 1) ? byte >> 4 : byte & 15u] * sc;
-        }
-    }
-}
-
 static inline float ds4_fp4_at(const uint8_t *q, const uint8_t *s, int64_t i) {
     const uint8_t byte = q[i >> 1];
     return ds4_fp4_lut[(i & 1) ? byte >> 4 : byte & 15u] * ds4_e8m0_value(s[i >> 5]);
 }
+
+/* out[k] = element e0 + k of the packed matrix (q, s), k < n. Whole bytes (two values) at a time under one scale per
+ * 32-value block; an odd first or last element alone. */
+static inline void ds4_fp4_decode(float *out, const uint8_t *q, const uint8_t *s, int64_t e0, int64_t n) {
+    int64_t k = 0;
+    if (n > 0 && (e0 & 1)) out[k++] = ds4_fp4_at(q, s, e0);
+    while (k + 1 < n) { /* e0 + k is even here, and so is every block's end */
+        const int64_t e = e0 + k, end = (((e >> 5) + 1) << 5) - e0, stop = end < n ? end : n;
+        const float sc = ds4_e8m0_value(s[e >> 5]);
+        const uint8_t *b = q + (e >> 1);
+        for (; k + 1 < stop; k += 2, b++) {
+            out[k] = ds4_fp4_lut[*b & 15u] * sc;
+            out[k + 1] = ds4_fp4_lut[*b >> 4] * sc;
+        }
+        if (k + 1 == stop) break; /* one value left, the last: below */
+    }
+    if (k < n) out[k] = ds4_fp4_at(q, s, e0 + k);
+}
+
 
 #endif

@@ -236,6 +236,27 @@ out:
     ds4_model_free(r);
 }
 
+/* ds4_fp4_decode's runs (pairs of values per byte, a scale per 32) against decoding each value on its own (ds4_fp4_at,
+ * the definition), from every start and length up to past a few blocks: odd starts and ends included. */
+static void test_decode_runs(void) {
+    uint8_t q[64], s[4];
+    uint64_t st = 11;
+    for (int i = 0; i < 64; i++) q[i] = (uint8_t)(ds4_splitmix64(&st) & 255u);
+    for (int i = 0; i < 4; i++) s[i] = (uint8_t)(100 + 9 * i);
+    int64_t bad = 0, runs = 0;
+    float out[128];
+    for (int64_t e0 = 0; e0 < 128; e0++)
+        for (int64_t n = 0; e0 + n <= 128; n++) {
+            ds4_fp4_decode(out, q, s, e0, n);
+            for (int64_t k = 0; k < n; k++) {
+                const float want = ds4_fp4_at(q, s, e0 + k);
+                bad += memcmp(&out[k], &want, sizeof want) != 0;
+            }
+            runs++;
+        }
+    CHECK(bad == 0, "ds4_fp4_decode: %lld values differ from ds4_fp4_at over %lld runs", (long long)bad, (long long)runs);
+}
+
 /* ------------------------------------------------------------------------------------------------ training */
 
 /* The same random adapters (B too: PEFT's B = 0 would hide the B path) on both models. */
@@ -407,6 +428,7 @@ int main(int argc, char **argv) {
     if (!g_eng) return ds4t_finish("test_fp4_resident");
     test_logits("quant_fp4", 6);      /* w1, w2, w3 of both layers */
     test_logits("quant_official", 4); /* w1 and w3 (w2's rows are 16 long: FP8, dequantised) */
+    test_decode_runs();
     test_guard();
     test_lora("quant_fp4");
     test_lora("quant_official");

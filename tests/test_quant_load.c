@@ -149,6 +149,7 @@ typedef struct edit {
     const char *add;          /* a tensor added: a copy of `add_from` under this name */
     const char *add_from;
     const char *config_from, *config_to; /* config.json text substitution */
+    int fp4_experts;          /* loaded with ds4_load_options.fp4_experts */
 } edit;
 
 static char *read_text(const char *path) {
@@ -276,7 +277,8 @@ static void expect_error(const char *what, const char *src, const edit *e, ds4_s
     if (make_copy(src, e, dir, sizeof dir)) return;
     ds4_error err = {0};
     ds4_model *m = NULL;
-    ds4_status s = ds4_model_load(g_eng, dir, &m, &err);
+    const ds4_load_options lo = {.fp4_experts = e->fp4_experts};
+    ds4_status s = ds4_model_load_opts(g_eng, dir, &lo, &m, &err);
     CHECK(s == want, "%s: status %s (%s), wanted %s", what, ds4_status_name(s), s ? err.msg : "", ds4_status_name(want));
     for (int i = 0; s && needles[i]; i++)
         CHECK(strstr(err.msg, needles[i]) != NULL, "%s: message lacks '%s': %s", what, needles[i], err.msg);
@@ -286,7 +288,22 @@ static void expect_error(const char *what, const char *src, const edit *e, ds4_s
 }
 
 static void test_errors(void) {
-    const char *O = "quant_official", *H = "quant_hf";
+    const char *O = "quant_official", *H = "quant_hf", *F = "quant_fp4";
+    /* FP4-resident experts (docs/checkpoints.md): every expert of a packed kind FP4, with finite e8m0 scales */
+    expect_error("fp4_experts: one expert FP8", F,
+                 &(edit){.target = "layers.0.ffn.experts.1.w1.weight", .new_retype = 1, .new_dtype = DS4_F8_E4M3,
+                         .new_ndim = 2, .new_shape = {32, 32}, .fp4_experts = 1},
+                 DS4_ERR_FORMAT, (const char *[]){"'layers.0.ffn.experts.1.w1.weight'", "must all be FP4", NULL});
+    expect_error("fp4_experts: F32 scales", F,
+                 &(edit){.target = "layers.0.ffn.experts.0.w2.scale", .new_retype = 1, .new_dtype = DS4_F32,
+                         .new_ndim = 2, .new_shape = {32, 1}, .fp4_experts = 1},
+                 DS4_ERR_UNSUPPORTED, (const char *[]){"'layers.0.ffn.experts.0.w2.weight'", "F8_E8M0", NULL});
+    expect_error("fp4_experts: NaN scale", F,
+                 &(edit){.target = "layers.1.ffn.experts.2.w3.scale", .poison_byte = 1, .fp4_experts = 1},
+                 DS4_ERR_FORMAT, (const char *[]){"'layers.1.ffn.experts.2.w3.scale'", "NaN", NULL});
+    expect_error("fp4_experts: missing scale", F,
+                 &(edit){.drop = "layers.1.ffn.experts.5.w2.scale", .fp4_experts = 1}, DS4_ERR_FORMAT,
+                 (const char *[]){"'layers.1.ffn.experts.5.w2.weight'", "no scale", NULL});
     expect_error("missing scale", O, &(edit){.drop = "layers.0.attn.wq_a.scale"}, DS4_ERR_FORMAT,
                  (const char *[]){"'layers.0.attn.wq_a.weight'", "no scale", NULL});
     expect_error("scale without weight", O, &(edit){.drop = "layers.0.attn.wkv.weight"}, DS4_ERR_FORMAT,

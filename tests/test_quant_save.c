@@ -155,10 +155,14 @@ static void test_roundtrip(const char *fx, int fp4) {
     ds4_model_free(m);
 }
 
-/* a full fine-tuning step changes the weights it trains: those are saved as F32, the others as loaded */
-static void test_trained(void) {
-    ds4_model *m = load_dir(fixture("quant_official"), 0);
+/* a full fine-tuning step (lora 0) changes the weights it trains: those are saved as F32, the others as loaded; a
+ * LoRA step (lora 1) changes no weight: everything stays as loaded */
+static void test_trained(int lora) {
+    ds4_model *m = load_dir(fixture("quant_official"), lora);
     if (!m) return;
+    ds4_error err0 = {0};
+    const ds4_lora_options lo = {.rank = 4, .alpha = 8, .targets = DS4_LORA_ALL};
+    if (lora) CHECK_OK(ds4_model_lora(m, &lo, &err0), &err0);
     const ds4_st_entry *ids, *lab;
     ds4_st_file *f = open_io(&ids, &lab);
     ds4_error err = {0};
@@ -176,18 +180,23 @@ static void test_trained(void) {
     }
     ds4_st_close(f);
     int64_t n = 0, n2 = 0, kept, floated, total;
-    float *l0 = logits(m, &n);
+    float *l0 = NULL;
     const char *dir = save(m, NULL);
     compare(fixture("quant_official"), dir, &kept, &floated, &total);
-    /* the indexer's projections train only through the indexer KL loss (off): they stay as loaded */
-    CHECK(floated > 0 && kept > 0 && kept + floated == total, "trained: %lld kept, %lld floated of %lld", (long long)kept,
-          (long long)floated, (long long)total);
+    /* full fine-tuning: the indexer's projections train only through the indexer KL loss (off), and experts no token
+     * reached get no update (no weight decay here): they stay as loaded */
+    CHECK(lora ? floated == 0 && kept == total : floated > 0 && kept > 0 && kept + floated == total,
+          "trained (%s): %lld kept, %lld floated of %lld", lora ? "LoRA" : "full", (long long)kept, (long long)floated,
+          (long long)total);
+    if (lora) ds4_model_drop_lora(m); /* the saved base model, without the adapters (saved apart, docs/lora.md) */
+    free(l0);
+    l0 = logits(m, &n);
     ds4_model *r = load_dir(dir, 0);
     float *l1 = r ? logits(r, &n2) : NULL;
     CHECK(l0 && l1 && n == n2 && !memcmp(l0, l1, (size_t)n * sizeof(float)),
           "trained: the saved checkpoint's logits differ from the trained model's");
-    printf("trained: %lld changed tensors saved as F32, %lld unchanged ones as loaded; reloaded logits bit for bit\n",
-           (long long)floated, (long long)kept);
+    printf("trained (%s): %lld changed tensors saved as F32, %lld unchanged ones as loaded; reloaded logits bit for "
+           "bit\n", lora ? "LoRA step, experts FP4-resident" : "full fine-tuning", (long long)floated, (long long)kept);
     free(l0);
     free(l1);
     ds4_model_free(r);
@@ -254,7 +263,8 @@ int main(int argc, char **argv) {
         test_roundtrip("quant_official", 1);
         test_roundtrip("quant_hf", 0);
         test_roundtrip("quant_fp4", 1);
-        test_trained();
+        test_trained(0);
+        test_trained(1);
         test_expand();
         ds4_engine_free(g_eng);
     }
