@@ -26,6 +26,7 @@
 package.path = ((arg[0]:match("^(.*)/[^/]*$") or ".") .. "/?.lua;") .. package.path
 local H = require("harness")
 local ds4 = require("ds4")
+local ffi = require("ffi")
 
 local on_device = os.getenv("DS4_TEST_DEVICE") == "cuda"
 local r, n = ds4.dist.init(on_device and { device = "cuda" } or nil)
