@@ -51,6 +51,10 @@ ds4_status ds4_model_set_expert_parallel(ds4_model *m, const ds4_expert_parallel
         return ds4_fail(err, DS4_ERR_UNSUPPORTED, "expert parallel: %lld routed experts cannot be split evenly over "
                                                   "%d ranks (E must be a multiple of the world size)", (long long)E,
                         ep->world);
+    if (ds4_model_has_fp4(m))
+        return ds4_fail(err, DS4_ERR_UNSUPPORTED, "expert parallel: the model holds FP4-resident routed experts "
+                                                  "(ds4.load{fp4_experts = true}), which expert parallelism does not "
+                                                  "support yet (load them expanded to fp32)");
     if (has_routed_lora(m))
         return ds4_fail(err, DS4_ERR_UNSUPPORTED, "expert parallel: the model has LoRA adapters on its routed experts, "
                                                   "which expert parallelism does not support yet (adapt other "
@@ -215,18 +219,23 @@ static void gate_up(ds4_pass *f, const ds4_layer_w *l, const ep_plan *p, const f
        .wstride = I * D, .off = f->ep_off, .E = p->El, .rows = p->R, .K = D, .O = I, .bf16_in = f->w->bf16_in);
 }
 
-static int lora_refused(ds4_pass *f, const ds4_layer_w *l) {
-    if (!l->lora || (!l->lora->e13.A && !l->lora->e2.A)) return 0;
-    ds4_dev_fail(f->dev, DS4_ERR_UNSUPPORTED, "expert parallel (layer %lld): LoRA adapters on the routed experts are "
-                                              "not supported with expert parallelism", (long long)f->li);
-    return 1;
+/* What ds4_model_set_expert_parallel refuses, checked again where it would be computed wrongly. */
+static int refused(ds4_pass *f, const ds4_layer_w *l) {
+    const ds4_dtype mdt = f->w->mdt;
+    const char *why = l->lora && (l->lora->e13.A || l->lora->e2.A) ? "LoRA adapters on the routed experts"
+                      : l->edt[0] != mdt || l->edt[1] != mdt || l->edt[2] != mdt ? "FP4-resident routed experts"
+                                                                                   : NULL;
+    if (why)
+        ds4_dev_fail(f->dev, DS4_ERR_UNSUPPORTED, "expert parallel (layer %lld): %s are not supported with expert "
+                                                  "parallelism", (long long)f->li, why);
+    return why != NULL;
 }
 
 void ds4_ep_experts_fwd(ds4_pass *f, const ds4_layer_w *l, const float *xg, const int64_t *off, float *ye) {
     const int64_t D = f->c->hidden_size, I = f->c->moe_intermediate_size;
     ds4_dev *dev = f->dev;
     ep_plan p;
-    if (dev->st || lora_refused(f, l) || !make_plan(f, off, &p)) return;
+    if (dev->st || refused(f, l) || !make_plan(f, off, &p)) return;
     float *recv = f->ep_x[0], *xo = f->ep_x[1], *yo = f->ep_x[2], *g1 = f->ep_h[0], *g3 = f->ep_h[1];
     if (!exchange(f, xg, p.send_rows, recv, p.recv_rows, D, "dispatch")) return;
     OP(dev, gather_rows, .dst = xo, .src = recv, .idx = f->ep_idx, .div = 1, .rows = p.R, .width = D);
@@ -247,7 +256,7 @@ void ds4_ep_experts_bwd(ds4_pass *f, const ds4_layer_w *l, const ds4_layer_w *g,
     const int bf = f->w->bf16_in;
     ds4_dev *dev = f->dev;
     ep_plan p;
-    if (dev->st || lora_refused(f, l) || !make_plan(f, off, &p)) return;
+    if (dev->st || refused(f, l) || !make_plan(f, off, &p)) return;
     float *xr = f->ep_x[0], *dyr = f->ep_x[1], *xo = f->ep_x[2], *dyo = f->ep_x[3];
     float *g1 = f->ep_h[0], *g3 = f->ep_h[1], *act = f->ep_h[2], *dact = f->ep_h[3];
     if (!exchange(f, xs, p.send_rows, xr, p.recv_rows, D, "dispatch (backward, inputs)") ||

@@ -11,11 +11,13 @@
 --  * routed-expert weight gradients: bitwise equal. The owner sums each expert's rows in (source rank, slot) order:
 --    the order of one process holding the ranks' rows one after another, which is the reference's batch. The
 --    all-reduce then adds zeros (the other ranks compute no gradient for experts they do not own).
---  * every other gradient, router gates included: within data parallelism's bound, rel <= 2e-6 per tensor
---    (docs/distributed.md and dist_data_parallel.lua give the reasoning: the all-reduce sums the same fp32 terms in
---    another grouping). So the weights after a step differ in their last bits too (|Δ| <= 5e-5 = lr / 20, as there),
---    and every step starts from the reference's weights again (set_params), which keeps each step's equalities
---    bitwise; the optimizer state carries over.
+--  * every other gradient, router gates included: bitwise equal to a third copy that accumulates the ranks'
+--    micro-batches in rank order without expert parallelism (data parallelism's all-reduce is a rank-order sum:
+--    docs/distributed.md, "Bitwise data parallelism"; on GPUs with NCCL for 2 ranks only), and within rel <= 2e-6 per
+--    tensor of the whole-batch reference (the same fp32 terms grouped per rank). So the weights after a step differ
+--    from the reference's in their last bits (|Δ| <= 5e-5 = lr / 20, as in dist_data_parallel.lua), and every step
+--    starts from the reference's weights again (set_params), which keeps each step's equalities bitwise; the
+--    optimizer state carries over.
 --    The router gates' gradient exists only through the routing weights (dws = <da, ye> at the token's rank, from
 --    the expert outputs the forward brought back): the reference's is checked to be non-zero, so a cut of that path
 --    (dws = 0) is a relative error of 1.
@@ -47,11 +49,15 @@ local first, mine = H.rank_rows(r, n)
 local my_ids = H.batch(rows, first, mine)
 
 local function opts() return { lr = 1e-3, betas = { 0.9, 0.95 }, eps = 1e-8, weight_decay = 0.1, clip = 1.0 } end
-local ref, ep = ds4.load(dir), ds4.load(dir)
+local ref, ep, acc = ds4.load(dir), ds4.load(dir), ds4.load(dir)
 if on_device then
-    ref:to(ds4.dist.device(), "fp32")
-    ep:to(ds4.dist.device(), "fp32")
+    for _, m in ipairs({ ref, ep, acc }) do m:to(ds4.dist.device(), "fp32") end
 end
+-- every rank's micro-batch, for the accumulating copy
+local mb = {}
+for q = 0, n - 1 do mb[q + 1] = H.batch(rows, H.rank_rows(q, n)) end
+-- the data-parallel all-reduce is a rank-order sum (MPI by hand, the TCP star; NCCL: with 2 ranks)
+local bitwise = not on_device or n <= 2
 ds4.dist.expert_parallel(ep)
 local ref_opt, ep_opt = ds4.adamw(ref, opts()), ds4.adamw(ep, opts())
 
@@ -63,13 +69,12 @@ local function to_f64(t)
     return ds4.tensor(out, "F64")
 end
 
-local worst_g, worst_w, experts_checked, gates_checked = 0, 0, 0, 0
+local worst_g, worst_w, experts_checked, gates_checked, bits = 0, 0, 0, 0, 0
 for k = 1, STEPS do
     -- step 2 with per-block recomputation (the same bits by design): its backward runs each block's forward again,
     -- expert exchanges included
     local topt = { mtp_lambda = 0.3, router_bias_gamma = 1e-3, recompute = k == 2 }
-    ref:set_train_options(topt)
-    ep:set_train_options(topt)
+    for _, m in ipairs({ ref, ep, acc }) do m:set_train_options(topt) end
     ref:zero_grad()
     local out_ref = ref:forward(all_ids, { labels = all_ids })
     ref:backward()
@@ -82,6 +87,13 @@ for k = 1, STEPS do
     H.raises(function() ds4.dist.all_reduce_grads(ep, 0.5) end, { "expert parallelism", "scale" },
         "all_reduce_grads with a scale under expert parallelism")
     ds4.dist.all_reduce_grads(ep)
+    -- one process accumulating the ranks' micro-batches in rank order, with the same normalisation, no expert
+    -- parallelism: what the non-expert gradients must equal bit for bit
+    acc:zero_grad()
+    for q = 1, n do
+        acc:forward(mb[q], { labels = mb[q] })
+        acc:backward(1 / N)
+    end
 
     -- logits: this rank's rows of the reference's, bitwise
     local row = S * V * 4
@@ -92,7 +104,7 @@ for k = 1, STEPS do
     H.near(l[1] / N, out_ref.loss, 1e-6 * math.abs(out_ref.loss), "global loss, step " .. k)
 
     local grel = 0
-    local gd, gr = ep:grads({ canonical = true }), ref:grads({ canonical = true })
+    local gd, gr, ga = ep:grads({ canonical = true }), ref:grads({ canonical = true }), acc:grads({ canonical = true })
     for name, g in pairs(gr) do
         local mx, rel, norm2 = diff(gd[name], g)
         if name:find("%.experts%.%d+%.w[123]%.weight$") then
@@ -102,6 +114,11 @@ for k = 1, STEPS do
             if name:find("ffn%.gate%.weight$") then
                 gates_checked = gates_checked + 1
                 H.check(norm2 > 0, ("step %d: the reference's %s gradient is not zero"):format(k, name))
+            end
+            if bitwise then
+                local amx = diff(gd[name], ga[name])
+                bits = bits + (amx == 0 and 0 or 1)
+                H.eq(amx, 0, ("step %d: %s equals the accumulating copy's"):format(k, name))
             end
             if norm2 > 0 then
                 grel = math.max(grel, rel)
@@ -132,13 +149,15 @@ for k = 1, STEPS do
     -- the next step starts from the reference's weights again, so that its forward and backward can be bitwise too
     -- (the non-expert gradients differed in their last bits, and so the weights: see above)
     ep:set_params(ref:params())
+    acc:set_params(ref:params())
 end
 H.check(experts_checked > 0 and gates_checked > 0, "expert and router gradients were compared")
 local w = ep:params()
 H.eq((diff(w, ds4.dist.broadcast(w:clone(), 0))), 0, "every rank's weights equal rank 0's")
 if r == 0 then
-    print(("dist_expert_parallel: %d ranks (%s, %s), %d steps: logits, expert gradients, loads and router biases bitwise; worst other gradient rel %.3g, weights |Δ| %.3g after a step"):format(
-        n, ds4.dist.backend(), ds4.dist.device(), STEPS, worst_g, worst_w))
+    print(("dist_expert_parallel: %d ranks (%s, %s), %d steps: logits, expert gradients, loads and router biases bitwise; other gradients %s; vs the whole batch: worst rel %.3g, weights |Δ| %.3g after a step"):format(
+        n, ds4.dist.backend(), ds4.dist.device(), STEPS,
+        bitwise and "bitwise = the accumulated micro-batches'" or "not compared bitwise (NCCL, > 2 ranks)", worst_g, worst_w))
 end
 ds4.dist.finalize()
 H.done("dist_expert_parallel rank " .. r .. " of " .. n)

@@ -64,6 +64,10 @@ ds4.dist.expert_parallel(m, false)
 m:lora({ rank = 2, targets = { "experts" } })
 H.raises(function() ds4.dist.expert_parallel(m) end, { "LoRA adapters on its routed experts" },
     "expert parallelism on a model with routed-expert adapters")
+local q4 = ds4.load(H.fixtures() .. "/quant_fp4", { fp4_experts = true })
+H.raises(function() ds4.dist.expert_parallel(q4) end, { "FP4-resident routed experts", "not support" },
+    "expert parallelism on FP4-resident experts")
+ds4.dist.expert_parallel(ds4.load(H.fixtures() .. "/quant_fp4")) -- the same experts expanded to fp32: fine
 
 ds4.dist.finalize()
 H.check(not ds4.dist.is_initialized(), "finalize")
