@@ -12,7 +12,8 @@ T="$SRC/tests/lua"
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 export OMPI_MCA_btl_tcp_if_include=lo OMPI_MCA_oob_tcp_if_include=lo
 export DS4_DIST_TIMEOUT=120
-if [ -n "${ASAN_OPTIONS:-}" ]; then export ASAN_OPTIONS="$ASAN_OPTIONS:detect_leaks=0"; fi # Open MPI's plugin leaks
+# Under the sanitizer build (ASAN_OPTIONS set) the mpirun runs are left to the release stage: the torchrun-style
+# ones take the same C paths, with leak checking, and the mpirun ones would need detect_leaks=0 (Open MPI's plugins).
 
 fail=0
 bad() { echo "FAIL: $*"; fail=1; }
@@ -36,7 +37,9 @@ passed "$W/tcp_res.log" 4 && report "$W/tcp_res.log" || { tail -20 "$W/tcp_res.l
 timeout -k 5 120 "$DS4" run "$T/dist_zero.lua" "$FIX" resume "$W/ck_tcp" 2 >"$W/one.log" 2>&1
 passed "$W/one.log" 1 && report "$W/one.log" || { tail -20 "$W/one.log"; bad "resume on 1 rank"; }
 
-if command -v mpirun >/dev/null 2>&1 &&
+if [ -n "${ASAN_OPTIONS:-}" ]; then
+    echo "note: sanitizer build: the mpirun runs are left to the release stage"
+elif command -v mpirun >/dev/null 2>&1 &&
     [ "$(echo 'io.write(tostring(require("ds4").dist.have_mpi))' | "$DS4" run - 2>&1)" = "true" ]; then
     mpi() { # NP LOG ARGS...
         local np="$1" log="$2"; shift 2
