@@ -10,15 +10,15 @@ DS4="$1"
 SRC="$3"
 out="$(mktemp -d "${TMPDIR:-/tmp}/ds4-sft-lora.XXXXXX")"
 trap 'rm -rf "$out"' EXIT
-"$DS4" run "$SRC/examples/sft.lua" --steps 40 --lora 8 --lora-targets attention,shared,experts --out "$out/run" \
+"$DS4" run "$SRC/examples/sft.lua" --steps 20 --batch 8 --lora 8 --lora-targets attention,shared,experts --out "$out/run" \
     --quiet >"$out/log"
 grep -q "LoRA rank 8 (scale 2)" "$out/log"
 [ "$(ls "$out/run/model" | tr '\n' ' ')" = "adapter_config.json adapter_model.safetensors " ] ||
     { echo "RUN/model must hold the adapter only: $(ls "$out/run/model")"; exit 1; }
-"$DS4" run - "$out/run" "$SRC" <<'LUA'
+"$DS4" run - "$out/run" "$SRC" 8 <<'LUA'
 local ds4 = require("ds4")
 local json = require("ds4.chat.json")
-local run, src = arg[1], arg[2]
+local run, src, B = arg[1], arg[2], tonumber(arg[3])
 local cfg = json.decode(io.open(run .. "/model/adapter_config.json"):read("a"))
 assert(cfg.r == 8 and cfg.lora_alpha == 16 and cfg.base_model_name_or_path == run .. "/base", "adapter_config.json")
 local m = ds4.load(run .. "/base", { lora = run .. "/model" })
@@ -28,15 +28,15 @@ local fresh = ds4.new_model(dofile(src .. "/examples/small_model.lua")(tok), 1)
 local a, b = m:params(), fresh:params()
 assert(a:numel() == b:numel(), "parameter count")
 for i = 1, a:numel() do assert(a[i] == b[i], "the frozen weights moved (parameter " .. i .. ")") end
--- the held-out loss as sft.lua computes it: token-mean over batches of 16 rows, EOS / -100 padding at the end
+-- the held-out loss as sft.lua computes it: token-mean over batches of --batch rows, EOS / -100 padding at the end
 local eos = m:config().eos_token_id
 local rows = ds4.data.read_jsonl(run .. "/heldout.jsonl", { format = "auto", tokenizer = tok,
     template = ds4.chat.get(template), render_opts = { thinking = false }, eos = eos })
 local sum, n = 0, 0
-for s = 1, #rows, 16 do
+for s = 1, #rows, B do
     local ids, labels, S = {}, {}, 0
-    for i = s, math.min(#rows, s + 15) do S = math.max(S, #rows[i].ids) end
-    for i = s, math.min(#rows, s + 15) do
+    for i = s, math.min(#rows, s + B - 1) do S = math.max(S, #rows[i].ids) end
+    for i = s, math.min(#rows, s + B - 1) do
         local x, l = {}, {}
         for t = 1, S do x[t], l[t] = rows[i].ids[t] or eos, rows[i].labels[t] or -100 end
         ids[#ids + 1], labels[#labels + 1] = x, l
