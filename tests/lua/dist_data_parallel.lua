@@ -35,27 +35,14 @@ local B, S, V, K = 4, 37, 256, 3
 assert(n == 1 or n == 2 or n == 4, "the test's batch of 4 rows is split for 1, 2 or 4 ranks")
 
 -- The global batch: the same on every rank (a fixed LCG), each row fully scored (labels = ids, HF shift inside).
-local seed = 12345
-local function lcg()
-    seed = (seed * 1103515245 + 12345) % 2147483648
-    return seed
-end
-local rows = {}
-for b = 1, B do
-    rows[b] = {}
-    for s = 1, S do rows[b][s] = lcg() % V end
-end
+local rows = H.lcg_rows(12345, B, S, V)
 -- labels: row b's first 3·b positions unscored (the main and MTP counts then differ from row to row)
 local lrows = {}
 for b = 1, B do
     lrows[b] = {}
     for s = 1, S do lrows[b][s] = s <= 3 * b and -100 or rows[b][s] end
 end
-local function batch(src, first, count)
-    local t = {}
-    for b = first, first + count - 1 do t[#t + 1] = src[b] end
-    return ds4.tensor(t, "I64")
-end
+local batch = H.batch
 local all_ids, all_labels = batch(rows, 1, B), batch(lrows, 1, B)
 local split = ({ [1] = { 4 }, [2] = { 1, 3 }, [4] = { 1, 1, 1, 1 } })[n] -- rows per rank
 local firsts = { 1 }

@@ -42,26 +42,12 @@ local B, S, V, K = 4, 37, 256, 3
 assert(n == 1 or n == 2 or n == 4, "the test's batch of 4 rows is split for 1, 2 or 4 ranks")
 
 -- The global batch: the same on every rank (a fixed LCG), each row fully scored (labels = ids, HF shift inside).
-local seed = 12345
-local function lcg()
-    seed = (seed * 1103515245 + 12345) % 2147483648
-    return seed
-end
-local rows = {}
-for b = 1, B do
-    rows[b] = {}
-    for s = 1, S do rows[b][s] = lcg() % V end
-end
-local function batch(first, count)
-    local t = {}
-    for b = first, first + count - 1 do t[#t + 1] = rows[b] end
-    return ds4.tensor(t, "I64")
-end
-local all_ids = batch(1, B)
+local rows = H.lcg_rows(12345, B, S, V)
+local all_ids = H.batch(rows, 1, B)
 local split = ({ [1] = { 4 }, [2] = { 1, 3 }, [4] = { 1, 1, 1, 1 } })[n] -- rows per rank
 local first = 1
 for k = 1, r do first = first + split[k] end
-local my_ids = batch(first, split[r + 1])
+local my_ids = H.batch(rows, first, split[r + 1])
 
 local function opts() return { lr = 1e-3, betas = { 0.9, 0.95 }, eps = 1e-8, weight_decay = 0.1, clip = 1.0 } end
 local ref, dp = ds4.load(dir), ds4.load(dir)

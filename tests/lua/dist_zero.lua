@@ -26,23 +26,12 @@ local B, S, V, K1, K2 = 4, 37, 256, 2, 2
 local SPLIT = { [1] = { 4 }, [2] = { 1, 3 }, [4] = { 1, 1, 1, 1 } }
 assert(SPLIT[n] and SPLIT[SAVE_WORLD], "1, 2 or 4 ranks")
 
-local seed = 4242
-local function lcg()
-    seed = (seed * 1103515245 + 12345) % 2147483648
-    return seed
-end
-local rows = {}
-for b = 1, B do
-    rows[b] = {}
-    for s = 1, S do rows[b][s] = lcg() % V end
-end
+local rows = H.lcg_rows(4242, B, S, V)
 -- the micro-batches of a world: {ids} per rank, in rank order
 local function micro_batches(world)
     local out, first = {}, 1
     for _, count in ipairs(SPLIT[world]) do
-        local t = {}
-        for b = first, first + count - 1 do t[#t + 1] = rows[b] end
-        out[#out + 1] = ds4.tensor(t, "I64")
+        out[#out + 1] = H.batch(rows, first, count)
         first = first + count
     end
     return out

@@ -122,6 +122,28 @@ function H.make_temp_dir()
     return p
 end
 
+-- Largest |a[i] - b[i]| (a NaN difference counts as infinite) and largest |b[i]| over two tensors' elements (flat
+-- reads through the tensor API).
+function H.max_diff(a, b)
+    local d, m = 0, 0
+    for i = 1, b:numel() do
+        local e = math.abs(a[i] - b[i])
+        if e ~= e then e = math.huge end
+        if e > d then d = e end
+        if math.abs(b[i]) > m then m = math.abs(b[i]) end
+    end
+    return d, m
+end
+
+-- Whether two tensors hold the same number of elements, each equal (a NaN never is).
+function H.bits_equal(a, b)
+    if a:numel() ~= b:numel() then return false end
+    for i = 1, a:numel() do
+        if a[i] ~= b[i] then return false end
+    end
+    return true
+end
+
 -- Park–Miller generator: r(lo, hi) draws an integer in [lo, hi) (products stay below 2^53, so exact in doubles).
 function H.lcg(seed)
     local s = seed
@@ -143,6 +165,21 @@ function H.slice(a, i, j)
     local t = {}
     for k = i, j do t[#t + 1] = a[k] end
     return t
+end
+
+-- B rows of S token ids in [0, V), the same on every rank and run: the distributed tests' global batch, drawn with
+-- the LCG s <- (1103515245 s + 12345) mod 2^31 from `seed` (its products exceed 2^53 and round in doubles, so the
+-- sequence is not the integer LCG's; it is fixed all the same, which is all these batches need).
+function H.lcg_rows(seed, B, S, V)
+    local rows = {}
+    for b = 1, B do
+        rows[b] = {}
+        for s = 1, S do
+            seed = (seed * 1103515245 + 12345) % 2147483648
+            rows[b][s] = seed % V
+        end
+    end
+    return rows
 end
 
 -- The rows [first, first + count) of a 4-row global batch that rank r of n holds in the distributed tests: 1 rank

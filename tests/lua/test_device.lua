@@ -42,16 +42,7 @@ local function random_rows(B, S, V, seed)
     return rows
 end
 
-local function max_diff(a, b)
-    local d, m = 0, 0
-    for i = 1, b:numel() do
-        local e = math.abs(a[i] - b[i])
-        if e ~= e then e = math.huge end -- NaN counts as a failure
-        if e > d then d = e end
-        if math.abs(b[i]) > m then m = math.abs(b[i]) end
-    end
-    return d, m
-end
+local max_diff = H.max_diff
 
 -- Count of elements that are not bitwise equal (NaN never equals).
 local function n_diff(a, b, a0, b0, n)

@@ -15,18 +15,7 @@ local ds4 = require("ds4")
 
 local fixtures = H.fixtures()
 
--- Largest |a - b| and largest |b| over all elements (flat reads through the tensor API).
-local function max_diff(a, b)
-    local d, m = 0, 0
-    for i = 1, b:numel() do
-        local x, y = a[i], b[i]
-        local e = math.abs(x - y)
-        if e ~= e then e = math.huge end -- NaN counts as a failure
-        if e > d then d = e end
-        if math.abs(y) > m then m = math.abs(y) end
-    end
-    return d, m
-end
+local max_diff = H.max_diff
 
 local function check_close(got, ref, what)
     if not H.check(got ~= nil, what .. ": missing") then return end

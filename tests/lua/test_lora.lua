@@ -27,24 +27,8 @@ local base_dir, ad_dir = fixtures .. "/tiny_hf", fixtures .. "/lora_hf"
 local io_t = ds4.load_tensors(ad_dir .. "/io.safetensors")
 local ids, labels = io_t.input_ids, io_t.labels
 
-local function max_diff(a, b)
-    local d, m = 0, 0
-    for i = 1, b:numel() do
-        local e = math.abs(a[i] - b[i])
-        if e ~= e then e = math.huge end
-        if e > d then d = e end
-        if math.abs(b[i]) > m then m = math.abs(b[i]) end
-    end
-    return d, m
-end
+local max_diff, bits_equal = H.max_diff, H.bits_equal
 
-local function bits_equal(a, b)
-    if a:numel() ~= b:numel() then return false end
-    for i = 1, a:numel() do
-        if a[i] ~= b[i] then return false end
-    end
-    return true
-end
 
 -- (a) forward against PEFT
 local model = ds4.load(base_dir, { lora = ad_dir })

@@ -49,16 +49,7 @@ local function remove_checkpoint(dir)
     os.remove(dir)
 end
 
-local function max_diff(a, b)
-    local d, m = 0, 0
-    for i = 1, b:numel() do
-        local e = math.abs(a[i] - b[i])
-        if e ~= e then e = math.huge end
-        if e > d then d = e end
-        if math.abs(b[i]) > m then m = math.abs(b[i]) end
-    end
-    return d, m
-end
+local max_diff = H.max_diff
 
 local weights = ds4.load_tensors(src .. "/model.safetensors")
 local io_t = ds4.load_tensors(src .. "/io.safetensors")
