@@ -3,7 +3,7 @@
  * random tokens, what bench/hf_train.py times transformers doing. Batch invariance and determinism are always on.
  *
  *   build/bench_train_gpu [--config bench/config_599m.json] [--batch 8] [--seq 1024] [--steps 5] [--dtype bf16|fp32]
- *                         [--peak-tflops 989]
+ *                         [--peak-tflops 989] [--profile FILE]
  *
  * Prints tokens/s, ms per step, device memory after the steps (the workspace and tape are planned and kept, so this is
  * the step's peak; cudaMemGetInfo: everything this process holds on the device) and per token, and the model FLOPs
@@ -75,11 +75,24 @@ static double keys_per_query(const ds4_config *c, int64_t S) {
     return k / (double)S;
 }
 
+/* One optimizer step on the batch; returns its loss. */
+static double train_step(ds4_model *m, ds4_adamw *opt, const ds4_forward_args *a, int64_t k) {
+    ds4_error err = {0};
+    ds4_forward_result r;
+    ds4_model_zero_grad(m);
+    if (ds4_model_forward_train(m, a, &r, &err)) DIE("bench_train_gpu: step %lld: %s", (long long)k, err.msg);
+    if (ds4_model_backward(m, 1.0 / (double)r.loss_tokens, &err))
+        DIE("bench_train_gpu: step %lld: %s", (long long)k, err.msg);
+    if (ds4_adamw_step(opt, NULL, &err)) DIE("bench_train_gpu: step %lld: %s", (long long)k, err.msg);
+    return r.loss;
+}
+
 int main(int argc, char **argv) {
     const char *cfg_path = "bench/config_599m.json";
     int64_t B = 8, S = 1024, steps = 5;
     int bf16 = 1;
     double peak_tflops = 989.0; /* H100 SXM dense bf16 tensor-core peak (NVIDIA's data sheet) */
+    const char *prof_path = NULL;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--config") && i + 1 < argc) cfg_path = argv[++i];
         else if (!strcmp(argv[i], "--batch") && i + 1 < argc) B = atoll(argv[++i]);
@@ -87,8 +100,9 @@ int main(int argc, char **argv) {
         else if (!strcmp(argv[i], "--steps") && i + 1 < argc) steps = atoll(argv[++i]);
         else if (!strcmp(argv[i], "--dtype") && i + 1 < argc) bf16 = strcmp(argv[++i], "fp32") != 0;
         else if (!strcmp(argv[i], "--peak-tflops") && i + 1 < argc) peak_tflops = atof(argv[++i]);
-        else DIE("usage: %s [--config F] [--batch B] [--seq S] [--steps N] [--dtype bf16|fp32] [--peak-tflops X]",
-                 argv[0]);
+        else if (!strcmp(argv[i], "--profile") && i + 1 < argc) prof_path = argv[++i];
+        else DIE("usage: %s [--config F] [--batch B] [--seq S] [--steps N] [--dtype bf16|fp32] [--peak-tflops X] "
+                 "[--profile FILE]", argv[0]);
     }
     if (B < 1 || S < 2 || steps < 1) DIE("bench_train_gpu: batch >= 1, seq >= 2, steps >= 1");
     ds4_error err = {0};
@@ -120,18 +134,15 @@ int main(int argc, char **argv) {
     for (int64_t i = 0; i < B * S; i++) ids[i] = rnd(cfg.vocab_size);
     ds4_forward_args a = {.ids = ids, .batch = B, .seq = S, .labels = ids};
     double best = 1e30, loss = NAN;
+    printf("# losses (all digits: two builds whose kernels give the same bits print the same line):");
     for (int64_t k = 0; k < steps + 2; k++) { /* two warm-up steps: kernels loaded, workspace and tape planned */
         const double ts = now_s();
-        ds4_forward_result r;
-        ds4_model_zero_grad(m);
-        if (ds4_model_forward_train(m, &a, &r, &err)) DIE("bench_train_gpu: step %lld: %s", (long long)k, err.msg);
-        if (ds4_model_backward(m, 1.0 / (double)r.loss_tokens, &err))
-            DIE("bench_train_gpu: step %lld: %s", (long long)k, err.msg);
-        if (ds4_adamw_step(opt, NULL, &err)) DIE("bench_train_gpu: step %lld: %s", (long long)k, err.msg);
+        loss = train_step(m, opt, &a, k);
         const double t = now_s() - ts; /* the step ends by reading the per-piece counts back: it has finished */
         if (k >= 2 && t < best) best = t;
-        loss = r.loss;
+        printf(" %.9g", loss);
     }
+    printf("\n");
     size_t free1 = 0;
 #ifdef DS4_HAVE_CUDA
     cudaMemGetInfo(&free1, &total);
@@ -149,6 +160,19 @@ int main(int argc, char **argv) {
            "query (summed over layers); MFU %.1f%% of %.0f TFLOP/s\n",
            flops_tok, A / 1e6, (long long)cfg.num_attention_heads, (long long)cfg.head_dim, kq, 100 * mfu,
            peak_tflops);
+    if (prof_path) { /* the per-op table of one more step, after the timed ones (an event pair per op slows it) */
+        FILE *f = fopen(prof_path, "w");
+        if (!f) DIE("bench_train_gpu: cannot write %s", prof_path);
+        ds4_engine_set_profile(eng, 1);
+        ds4_model_profile_reset(m);
+        train_step(m, opt, &a, steps + 2);
+        static char buf[32768];
+        ds4_model_profile_report(m, buf, sizeof buf);
+        fprintf(f, "per-op profile: one training step (forward, backward, AdamW), batch %lld x %lld, %s, %s\n%s",
+                (long long)B, (long long)S, bf16 ? "bf16" : "fp32", ds4_model_device_name(m), buf);
+        fclose(f);
+        ds4_engine_set_profile(eng, 0);
+    }
     ds4_adamw_free(opt);
     free(ids);
     ds4_model_free(m);

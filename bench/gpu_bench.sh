@@ -32,7 +32,7 @@ pre=$(val ds4 prefill_8x512 "$log/bench_ds4.txt")
 # torch.compile, whose compilation takes minutes)
 train=""
 if [ -x "$build/bench_train_gpu" ]; then
-    "$build/bench_train_gpu" >"$log/bench_train_ds4.txt" 2>&1 || echo "ds4 training bench FAILED: $(tail -n1 "$log/bench_train_ds4.txt")"
+    "$build/bench_train_gpu" --profile "$log/profile_train.txt" >"$log/bench_train_ds4.txt" 2>&1 || echo "ds4 training bench FAILED: $(tail -n1 "$log/bench_train_ds4.txt")"
     PYTHONUNBUFFERED=1 python3 bench/hf_train.py >"$log/bench_train_hf.txt" 2>&1 || true
     [ "${TRAIN_COMPILE:-0}" = 1 ] && PYTHONUNBUFFERED=1 timeout 900 python3 bench/hf_train.py --compile \
         >"$log/bench_train_hf_compile.txt" 2>&1

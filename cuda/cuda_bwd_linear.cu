@@ -163,16 +163,17 @@ __device__ __forceinline__ __nv_bfloat16 to_bf16(float v) { return __float2bfloa
 __device__ __forceinline__ __nv_bfloat16 to_bf16(unsigned short v) { return __ushort_as_bfloat16(v); }
 
 // bf16: BM × BN per block of (BM/WM)·(BN/WN) warps, each WM × WN of m16n8 tiles; chunks of 32 r's staged in shared
-// memory as bf16 rows of 40 (sA[m][k], sB[n][k]), the next chunk's values in registers while the current one is
-// multiplied on the tensor cores as the forward GEMM does (cuda_tile.cuh). TB: B's element type (float: rounded
-// here; unsigned short: bf16 bits).
+// memory as bf16 rows of 40 (sA[m][k], sB[n][k]) in two buffers, the next chunk's values loaded to registers before
+// the current one is multiplied on the tensor cores as the forward GEMM does (cuda_tile.cuh) and stored into the other
+// buffer after it: one barrier per chunk, as the forward's tiles. TB: B's element type (float: rounded here;
+// unsigned short: bf16 bits).
 template <int BM, int BN, int WM, int WN, bool AM, typename TB>
 __global__ void __launch_bounds__((BM / WM) * (BN / WN) * 32) prod_bf16(prod_args p) {
     constexpr int NTH = (BM / WM) * (BN / WN) * 32, MT = WM / 16, NT = WN / 8, LDS = 40, KC = 32;
     constexpr int AL = BM * KC / NTH, BL = BN * KC / NTH; // values per thread and chunk
     static_assert(AL * NTH == BM * KC && BL * NTH == BN * KC && RSLICE % KC == 0, "tile shapes");
     static_assert(NTH % BM == 0 && NTH % KC == 0 && NTH % BN == 0, "a thread keeps its row (AM) or k across l");
-    __shared__ __align__(16) __nv_bfloat16 sA[BM * LDS], sB[BN * LDS];
+    __shared__ __align__(16) __nv_bfloat16 sA[2][BM * LDS], sB[2][BN * LDS];
     int64_t m0, m1, boff, r0, r1;
     out_t o;
     if (!tile_rows<BM>(p, blockIdx.x, m0, m1, boff) || !red_range(p, blockIdx.z, r0, r1, o)) return;
@@ -201,20 +202,24 @@ __global__ void __launch_bounds__((BM / WM) * (BN / WN) * 32) prod_bf16(prod_arg
 #pragma unroll
         for (int l = 0; l < BL; l++) rb[l] = brow && k0 + kb + l * SB < r1 ? qb[l * bstep] : (TB)0;
     };
-    auto stash = [&]() {
+    auto stash = [&](int buf) {
 #pragma unroll
-        for (int l = 0; l < AL; l++) sA[(AM ? ta : ta + l * SA) * LDS + (AM ? ka + l * SA : ka)] = to_bf16(ra[l]);
+        for (int l = 0; l < AL; l++)
+            sA[buf][(AM ? ta : ta + l * SA) * LDS + (AM ? ka + l * SA : ka)] = to_bf16(ra[l]);
 #pragma unroll
-        for (int l = 0; l < BL; l++) sB[tb * LDS + kb + l * SB] = to_bf16(rb[l]);
+        for (int l = 0; l < BL; l++) sB[buf][tb * LDS + kb + l * SB] = to_bf16(rb[l]);
     };
     fetch(r0);
-    for (int64_t k0 = r0; k0 < r1; k0 += KC) {
-        stash();
+    stash(0);
+    __syncthreads();
+    int buf = 0;
+    for (int64_t k0 = r0; k0 < r1; k0 += KC, buf ^= 1) {
+        const bool more = k0 + KC < r1;
+        if (more) fetch(k0 + KC);
+        ds4d_mma_chunk<MT, NT, LDS>(acc, sA[buf], sB[buf], wm, wn, g, t);
+        if (more) stash(buf ^ 1);
         __syncthreads();
-        if (k0 + KC < r1) fetch(k0 + KC);
-        ds4d_mma_chunk<MT, NT, LDS>(acc, sA, sB, wm, wn, g, t);
-        __syncthreads();
-        if ((k0 - r0 + KC) % RSLICE == 0 || k0 + KC >= r1) // a slice ends: its partial joins the total
+        if ((k0 - r0 + KC) % RSLICE == 0 || !more) // a slice ends: its partial joins the total
             ds4d_mma_fold(tot, acc);
     }
     // the m16n8 accumulator layout: (row g, columns 2t, 2t+1) and (row g + 8, the same columns)

@@ -12,8 +12,9 @@
 //     ds4d_mma_k32 (cuda_tile.cuh) with that mapping, so the sums they do are the same sums.
 // The fixed slices are what lets few-row products (decoding) spread one output's K over many warps — each computes
 // the partials of its slices, the last to finish adds them in slice order — without changing a bit.
-// Kernels: tiled ones through shared memory for many rows; "skinny" ones for at most 16 rows, one warp (bf16) or one
-// block (fp32) per (column tile, slice), streaming W from global memory.
+// Kernels: tiled ones through shared memory for many rows (fp32 outputs of at most 32 columns: a narrow one); "skinny"
+// ones for at most 16 rows, one warp (bf16) or one block (fp32) per (column tile, slice), streaming W from global
+// memory.
 #include <cstdio>
 #include <cstring>
 
@@ -129,6 +130,72 @@ __global__ void __launch_bounds__((BM / TM) * (BN / TN)) gemm_f32_kernel(gemm_ar
     }
 }
 
+// fp32, narrow outputs (N <= 32: the hyper-connections' mixing logits, T rows of n·D into (2 + n)·n columns), many
+// rows. The tiled kernel's 64 x 64 tile would leave most of its columns empty and its grid one block per 64 rows; here
+// 128 threads take 32 rows and all the columns: thread (ty, tx) owns rows 2ty, 2ty + 1 and columns tx + 8j (j < TN),
+// x and W staged by chunks of 64 k as rows [m][k] / [n][k] (68 apart: 16-byte aligned, conflict-free float4 reads).
+// Each output is the tiled kernel's sum: fmaf in k order within a slice, zero padded, slices added in order (a chunk
+// of 64 never straddles a slice; extra zero-padded steps only turn a -0 partial into +0, which the fold's 0 + P0
+// does anyway).
+template <int TN>
+__global__ void __launch_bounds__(128) gemm_f32_narrow(gemm_args a) {
+    constexpr int BM = 32, BK = 64, LD = BK + 4, NC = 8 * TN;
+    static_assert(KSLICE % BK == 0, "slices hold whole chunks");
+    __shared__ __align__(16) float sA[BM * LD], sB[NC * LD];
+    int64_t r0, r1, woff;
+    if (!block_rows<BM>(a, blockIdx.y, r0, r1, woff)) return;
+    const int z = blockIdx.z;
+    const float *x = a.x + z * a.gx;
+    const float *W = (const float *)a.W + z * a.gw + woff;
+    float *y = a.y + z * a.gy;
+    const int tid = threadIdx.x, ty = tid >> 3, tx = tid & 7;
+    const int64_t rend = r1 < r0 + BM ? r1 : r0 + BM;
+    float tot[2][TN], acc[2][TN];
+    ds4d_fma_zero(tot);
+    ds4d_fma_zero(acc);
+    for (int64_t k0 = 0; k0 < a.K; k0 += BK) {
+        for (int i = tid; i < BM * BK; i += 128) {
+            const int m = i / BK, kk = i % BK;
+            const int64_t r = r0 + m, k = k0 + kk;
+            sA[m * LD + kk] = r < rend && k < a.K ? x[r * a.ldx + k] : 0.0f;
+        }
+        for (int i = tid; i < NC * BK; i += 128) {
+            const int n = i / BK, kk = i % BK;
+            const int64_t k = k0 + kk;
+            sB[n * LD + kk] = n < a.N && k < a.K ? W[n * a.ldw + k] : 0.0f;
+        }
+        __syncthreads();
+#pragma unroll 4
+        for (int kk = 0; kk < BK; kk += 4) {
+            const float4 p0 = *reinterpret_cast<const float4 *>(&sA[(2 * ty) * LD + kk]);
+            const float4 p1 = *reinterpret_cast<const float4 *>(&sA[(2 * ty + 1) * LD + kk]);
+            const float av[2][4] = {{p0.x, p0.y, p0.z, p0.w}, {p1.x, p1.y, p1.z, p1.w}};
+#pragma unroll
+            for (int j = 0; j < TN; j++) {
+                const float4 q = *reinterpret_cast<const float4 *>(&sB[(tx + 8 * j) * LD + kk]);
+                const float bv[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+                for (int u = 0; u < 4; u++)
+#pragma unroll
+                    for (int i = 0; i < 2; i++) acc[i][j] = fmaf(av[i][u], bv[u], acc[i][j]);
+            }
+        }
+        __syncthreads();
+        if ((k0 + BK) % KSLICE == 0 || k0 + BK >= a.K) // a slice ends: its partial joins the total
+            ds4d_fma_fold(tot, acc);
+    }
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        const int64_t r = r0 + 2 * ty + i;
+        if (r >= rend) continue;
+#pragma unroll
+        for (int j = 0; j < TN; j++) {
+            const int64_t c = tx + 8 * j;
+            if (c < a.N) y[r * a.ldy + c] = tot[i][j];
+        }
+    }
+}
+
 // fp32, at most 16 rows: one block of 256 threads per (32 columns, slice, row tile); the slice of W and x staged in
 // shared memory, each thread two outputs accumulated over the slice in k order (chunks of 16, zero padded).
 constexpr int F32S_COLS = 32, F32S_LD = KSLICE + 1;
@@ -212,13 +279,15 @@ __device__ __forceinline__ void store_tile(float *y, int64_t ldy, int64_t r, int
 }
 
 // Tiled: BM × BN per block of (BM/WM)·(BN/WN) warps, each WM × WN; chunks of 32 k staged in shared memory (bf16,
-// rows padded to 40 elements), the next chunk's loads in registers while the current one is multiplied.
+// rows padded to 40 elements) in two buffers: while the warps multiply the chunk in one, the next chunk's loads
+// (issued to registers before the multiply) are stored into the other, so one barrier per chunk suffices (the
+// barrier that ends chunk i also tells that nobody reads chunk i - 1's buffer, which chunk i + 1 overwrites).
 template <int BM, int BN, int WM, int WN>
 __global__ void __launch_bounds__((BM / WM) * (BN / WN) * 32) gemm_bf16_tiled(gemm_args a, int vec_a, int vec_b) {
     constexpr int NW = (BM / WM) * (BN / WN), NTH = NW * 32, MT = WM / 16, NT = WN / 8, LDS = 40;
     constexpr int AL = BM * 4 / NTH, BL = BN * 4 / NTH; // 8-value loads per thread and chunk
     static_assert(AL >= 1 && BL >= 1, "tile too small for the block");
-    __shared__ __align__(16) __nv_bfloat16 sA[BM * LDS], sB[BN * LDS];
+    __shared__ __align__(16) __nv_bfloat16 sA[2][BM * LDS], sB[2][BN * LDS];
     int64_t r0, r1, woff;
     if (!block_rows<BM>(a, blockIdx.y, r0, r1, woff)) return;
     const int z = blockIdx.z;
@@ -244,26 +313,31 @@ __global__ void __launch_bounds__((BM / WM) * (BN / WN) * 32) gemm_bf16_tiled(ge
             load_b8(W, a.ldw, n0 + row, a.N, k0 + part * 8, a.K, vec_b, rb[i]);
         }
     };
-    auto stash = [&]() {
+    auto stash = [&](int buf) {
 #pragma unroll
         for (int i = 0; i < AL; i++) {
             const int s = tid + i * NTH, row = s >> 2, part = s & 3;
-            *reinterpret_cast<uint4 *>(&sA[row * LDS + part * 8]) = make_uint4(ra[i][0], ra[i][1], ra[i][2], ra[i][3]);
+            *reinterpret_cast<uint4 *>(&sA[buf][row * LDS + part * 8]) =
+                make_uint4(ra[i][0], ra[i][1], ra[i][2], ra[i][3]);
         }
 #pragma unroll
         for (int i = 0; i < BL; i++) {
             const int s = tid + i * NTH, row = s >> 2, part = s & 3;
-            *reinterpret_cast<uint4 *>(&sB[row * LDS + part * 8]) = make_uint4(rb[i][0], rb[i][1], rb[i][2], rb[i][3]);
+            *reinterpret_cast<uint4 *>(&sB[buf][row * LDS + part * 8]) =
+                make_uint4(rb[i][0], rb[i][1], rb[i][2], rb[i][3]);
         }
     };
     fetch(0);
-    for (int64_t k0 = 0; k0 < a.K; k0 += 32) {
-        stash();
+    stash(0);
+    __syncthreads();
+    int buf = 0;
+    for (int64_t k0 = 0; k0 < a.K; k0 += 32, buf ^= 1) {
+        const bool more = k0 + 32 < a.K;
+        if (more) fetch(k0 + 32);
+        ds4d_mma_chunk<MT, NT, LDS>(acc, sA[buf], sB[buf], wm, wn, g, t);
+        if (more) stash(buf ^ 1);
         __syncthreads();
-        if (k0 + 32 < a.K) fetch(k0 + 32);
-        ds4d_mma_chunk<MT, NT, LDS>(acc, sA, sB, wm, wn, g, t);
-        __syncthreads();
-        if ((k0 + 32) % KSLICE == 0 || k0 + 32 >= a.K) // a slice ends: its partial joins the total
+        if ((k0 + 32) % KSLICE == 0 || !more) // a slice ends: its partial joins the total
             ds4d_mma_fold(tot, acc);
     }
     const int64_t rend = r1 < r0 + BM ? r1 : r0 + BM;
@@ -358,12 +432,23 @@ void gemm(ds4_dev *d, const char *op, gemm_args a, ds4_dtype wdt, int64_t groups
                                                    (int)smem) == cudaSuccess;
         dim3 grid(ds4_blocks(a.N, (int)cols), grid_y(16), (unsigned)(G * a.S));
         gemm_f32_skinny<<<grid, 256, smem, cd->stream>>>(a);
+    } else if (wdt == DS4_F32 && a.N <= 32) {
+        dim3 grid(1, grid_y(32), (unsigned)G);
+        if (a.N <= 8) gemm_f32_narrow<1><<<grid, 128, 0, cd->stream>>>(a);
+        else if (a.N <= 16) gemm_f32_narrow<2><<<grid, 128, 0, cd->stream>>>(a);
+        else if (a.N <= 24) gemm_f32_narrow<3><<<grid, 128, 0, cd->stream>>>(a);
+        else gemm_f32_narrow<4><<<grid, 128, 0, cd->stream>>>(a);
     } else if (wdt == DS4_F32) {
         dim3 grid(ds4_blocks(a.N, 64), grid_y(64), (unsigned)G);
         gemm_f32_kernel<64, 64, 4, 4><<<grid, 256, 0, cd->stream>>>(a);
     } else if (skinny) {
         dim3 grid(ds4_blocks(a.N, (int)cols), grid_y(16), (unsigned)(G * a.S));
         gemm_bf16_skinny<4><<<grid, 128, 0, cd->stream>>>(a, va, vb);
+    } else if (G * (int64_t)grid_y(128) * ((a.N + 127) / 128) >= (int64_t)cd->sm_count) {
+        /* a full wave of 128 x 128 tiles: eight warps of 64 x 32 (twice the products per barrier and per staged
+         * row of W of the 64 x 128 tile); fewer tiles than SMs: the 64 x 128 tile, twice the blocks */
+        dim3 grid(ds4_blocks(a.N, 128), grid_y(128), (unsigned)G);
+        gemm_bf16_tiled<128, 128, 64, 32><<<grid, 256, 0, cd->stream>>>(a, va, vb);
     } else {
         dim3 grid(ds4_blocks(a.N, 128), grid_y(64), (unsigned)G);
         gemm_bf16_tiled<64, 128, 32, 32><<<grid, 256, 0, cd->stream>>>(a, va, vb);
