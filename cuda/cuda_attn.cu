@@ -274,8 +274,8 @@ __device__ key_list keys_of(const att_args &a, int64_t t) {
     return L;
 }
 
-// One block per (query row, head). Scores: warp w takes keys w, w+4, ..; each a dot product of lane-strided channels
-// summed by a fixed butterfly. Max and denominator (double) over the block in a fixed tree. Output: thread c owns
+// One block per (query row, head). Scores: warp w takes keys w, w+4, .. (four at a time, so that their loads and
+// butterflies overlap); each a dot product of lane-strided channels summed by a fixed butterfly. Max and denominator (double) over the block in a fixed tree. Output: thread c owns
 // channel c and adds the keys in order.
 __global__ void __launch_bounds__(ATT_THREADS) attention_kernel(att_args a) {
     extern __shared__ char smem[];
@@ -291,13 +291,25 @@ __global__ void __launch_bounds__(ATT_THREADS) attention_kernel(att_args a) {
     const float *q = a.q + (t * a.H + h) * d;
     const float scale = 1.0f / sqrtf((float)d);
     float mx = a.sink[h];
-    for (int64_t k = warp; k < L.nk; k += ATT_THREADS / 32) {
-        const float *key = kp[k];
-        float dot = 0;
-        for (int64_t c = lane; c < d; c += 32) dot = fmaf(q[c], key[c], dot);
-        dot = ds4d_warp_sumf(dot) * scale;
-        if (lane == 0) lg[k] = dot;
-        mx = fmaxf(mx, dot);
+    constexpr int NWARP = ATT_THREADS / 32, U = 4; // a warp's keys U at a time: independent chains and butterflies
+    for (int64_t k0 = warp; k0 < L.nk; k0 += U * NWARP) {
+        const float *key[U];
+        float dot[U];
+#pragma unroll
+        for (int u = 0; u < U; u++) key[u] = k0 + u * NWARP < L.nk ? kp[k0 + u * NWARP] : nullptr, dot[u] = 0;
+        for (int64_t c = lane; c < d; c += 32) {
+            const float qc = q[c];
+#pragma unroll
+            for (int u = 0; u < U; u++)
+                if (key[u]) dot[u] = fmaf(qc, key[u][c], dot[u]);
+        }
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            if (!key[u]) continue;
+            dot[u] = ds4d_warp_sumf(dot[u]) * scale;
+            if (lane == 0) lg[k0 + u * NWARP] = dot[u];
+            mx = fmaxf(mx, dot[u]);
+        }
     }
     if (lane == 0) shf[warp] = mx;
     __syncthreads();

@@ -113,9 +113,9 @@ __device__ __forceinline__ const float *bwd_key_at(const abwd_args &a, const bwd
     return a.cK + (row * a.S + w) * a.d;
 }
 
-// Phase A, one block per (query, head). Logits and dout·key: warp w takes keys w, w+4, .. (lane-strided channels,
-// a fixed butterfly; the same arithmetic as the forward kernel, so P is the forward's). Max, the denominator and
-// Σ P·dp (double) over the block in a fixed tree. dq: thread c owns channel c and adds the keys in order.
+// Phase A, one block per (query, head). Logits and dout·key: warp w takes keys w, w+4, .., four at a time
+// (lane-strided channels, a fixed butterfly; the same arithmetic as the forward kernel, so P is the forward's). Max,
+// the denominator and Σ P·dp (double) over the block in a fixed tree. dq: thread c owns channel c and adds the keys in order.
 __global__ void __launch_bounds__(BWD_THREADS) attn_bwd_q_kernel(abwd_args a) {
     extern __shared__ char smem[];
     const float **kp = (const float **)smem;  // [kmax] key pointers, resolved once
@@ -132,17 +132,30 @@ __global__ void __launch_bounds__(BWD_THREADS) attn_bwd_q_kernel(abwd_args a) {
     const float *q = a.q + (t * a.H + h) * d, *g = a.dout + (t * a.H + h) * d;
     const float scale = 1.0f / sqrtf((float)d), sink = a.sink[h];
     float mx = sink;
-    for (int64_t k = warp; k < nk; k += BWD_THREADS / 32) {
-        const float *key = kp[k];
-        float dot = 0, dg = 0;
+    constexpr int NWARP = BWD_THREADS / 32, U = 4; // a warp's keys U at a time: independent chains and butterflies
+    for (int64_t k0 = warp; k0 < nk; k0 += U * NWARP) {
+        const float *key[U];
+        float dot[U], dg[U];
+#pragma unroll
+        for (int u = 0; u < U; u++) key[u] = k0 + u * NWARP < nk ? kp[k0 + u * NWARP] : nullptr, dot[u] = dg[u] = 0;
         for (int64_t c = lane; c < d; c += 32) {
-            dot = fmaf(q[c], key[c], dot);
-            dg = fmaf(g[c], key[c], dg);
+            const float qc = q[c], gc = g[c];
+#pragma unroll
+            for (int u = 0; u < U; u++)
+                if (key[u]) {
+                    const float kc = key[u][c];
+                    dot[u] = fmaf(qc, kc, dot[u]);
+                    dg[u] = fmaf(gc, kc, dg[u]);
+                }
         }
-        dot = ds4d_warp_sumf(dot) * scale;
-        dg = ds4d_warp_sumf(dg);
-        if (lane == 0) lg[k] = dot, dp[k] = dg;
-        mx = fmaxf(mx, dot);
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            if (!key[u]) continue;
+            dot[u] = ds4d_warp_sumf(dot[u]) * scale;
+            dg[u] = ds4d_warp_sumf(dg[u]);
+            if (lane == 0) lg[k0 + u * NWARP] = dot[u], dp[k0 + u * NWARP] = dg[u];
+            mx = fmaxf(mx, dot[u]);
+        }
     }
     if (lane == 0) shf[warp] = mx;
     __syncthreads();

@@ -33,7 +33,8 @@ struct cuda_dev {
     int sm_count;
     size_t smem_optin;            // the largest dynamic shared memory a block may ask for
     int sync_each_op;             // DS4_CUDA_SYNC=1
-    int smem_set[4];              // kernels whose dynamic shared memory limit was raised (skinny fp32 GEMM, ...)
+    int smem_set[4];              // kernels whose dynamic shared memory limit was raised: 1, refused: -1 (the skinny
+                                  // fp32 GEMM, the pipelined bf16 GEMM)
     size_t smem_attn, smem_idx;   // the limits raised so far for attention and the indexer
     // scratch owned by the backend (grown, never shrunk; allocated before a pass, never inside one)
     void *scratch[2];

@@ -348,6 +348,114 @@ __global__ void __launch_bounds__((BM / WM) * (BN / WN) * 32) gemm_bf16_tiled(ge
             store_tile(y, a.ldy, r0 + wm + i * 16 + g, rend, n0 + wn + j * 8 + 2 * t, a.N, tot[i][j]);
 }
 
+// Pipelined: the tiled kernel's sums with the loads in flight several chunks ahead. Chunks of 32 k are copied by
+// cp.async (no registers) into ST stages of shared memory, x as fp32 rows of 36 (144 bytes: 16-byte aligned, and the
+// fragment reads below are free of bank conflicts) and W as bf16 rows of 40; chunk c + ST - 1 is requested while
+// chunk c is multiplied, so the multiply rarely waits for memory. x is rounded to bf16 as each warp reads its
+// fragments (pack_bf16, the same rounding of the same values as the tiled kernel's stash), and the fragments feed
+// ds4d_mma_k32 in the same k-slots, so every output has the tiled kernel's bits. Needs 16-byte aligned rows of x and
+// W (vec_a, vec_b); a copy past K or past the rows reads fewer bytes (or none) and zero-fills the rest, as the
+// tiled kernel's loads do.
+__device__ __forceinline__ void cp_async16(void *dst, const void *src, int bytes) {
+    const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+// Bytes of a 16-byte piece starting at element k of a row of K elements of `size` bytes that lie inside the row.
+__device__ __forceinline__ int piece_bytes(int64_t k, int64_t K, int size) {
+    const int64_t b = (K - k) * size;
+    return b <= 0 ? 0 : (b >= 16 ? 16 : (int)b);
+}
+
+constexpr int PIPE_LA = 36, PIPE_LB = 40, PIPE_ST = 4;
+
+template <int BM, int BN, int ST>
+constexpr size_t pipe_smem() {
+    return (size_t)ST * (BM * PIPE_LA * sizeof(float) + BN * PIPE_LB * sizeof(__nv_bfloat16));
+}
+
+template <int BM, int BN, int WM, int WN, int ST>
+__global__ void __launch_bounds__((BM / WM) * (BN / WN) * 32) gemm_bf16_pipe(gemm_args a) {
+    constexpr int NTH = (BM / WM) * (BN / WN) * 32, MT = WM / 16, NT = WN / 8, LA = PIPE_LA, LB = PIPE_LB;
+    constexpr int ACP = BM * 8 / NTH, BCP = BN * 4 / NTH; // 16-byte copies per thread and chunk
+    static_assert(ACP >= 1 && BCP >= 1 && ST >= 2, "tile too small for the block");
+    extern __shared__ __align__(16) char pipe_mem[];
+    float *sA = reinterpret_cast<float *>(pipe_mem);                          // [ST][BM][LA]
+    __nv_bfloat16 *sB = reinterpret_cast<__nv_bfloat16 *>(sA + ST * BM * LA); // [ST][BN][LB]
+    int64_t r0, r1, woff;
+    if (!block_rows<BM>(a, blockIdx.y, r0, r1, woff)) return;
+    const int z = blockIdx.z;
+    const float *x = a.x + z * a.gx;
+    const __nv_bfloat16 *W = (const __nv_bfloat16 *)a.W + z * a.gw + woff;
+    float *y = a.y + z * a.gy;
+    const int64_t n0 = (int64_t)blockIdx.x * BN, rend = r1 < r0 + BM ? r1 : r0 + BM;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+    const int wm = (warp / (BN / WN)) * WM, wn = (warp % (BN / WN)) * WN;
+    auto issue = [&](int st, int64_t k0) {
+        float *dA = sA + st * BM * LA;
+        __nv_bfloat16 *dB = sB + st * BN * LB;
+#pragma unroll
+        for (int i = 0; i < ACP; i++) {
+            const int s = tid + i * NTH, row = s >> 3, part = s & 7;
+            const int64_t r = r0 + row, k = k0 + part * 4;
+            const int n = r < rend ? piece_bytes(k, a.K, 4) : 0;
+            cp_async16(dA + row * LA + part * 4, n ? x + r * a.ldx + k : x, n);
+        }
+#pragma unroll
+        for (int i = 0; i < BCP; i++) {
+            const int s = tid + i * NTH, row = s >> 2, part = s & 3;
+            const int64_t c = n0 + row, k = k0 + part * 8;
+            const int n = c < a.N ? piece_bytes(k, a.K, 2) : 0;
+            cp_async16(dB + row * LB + part * 8, n ? W + c * a.ldw + k : W, n);
+        }
+    };
+    float acc[MT][NT][4], tot[MT][NT][4];
+    ds4d_mma_zero(acc);
+    ds4d_mma_zero(tot);
+    const int64_t nch = (a.K + 31) / 32;
+#pragma unroll
+    for (int st = 0; st < ST - 1; st++) {
+        if (st < nch) issue(st, (int64_t)st * 32);
+        cp_async_commit();
+    }
+    for (int64_t kc = 0; kc < nch; kc++) {
+        cp_async_wait<ST - 2>(); // this thread's copies of chunk kc have landed
+        __syncthreads();         // everyone's have, and nobody still reads the stage that chunk kc + ST - 1 takes
+        if (kc + ST - 1 < nch) issue((int)((kc + ST - 1) % ST), (kc + ST - 1) * 32);
+        cp_async_commit();       // (an empty group past the end keeps wait_group's count)
+        const float *cA = sA + (kc % ST) * BM * LA;
+        const __nv_bfloat16 *cB = sB + (kc % ST) * BN * LB;
+        uint32_t af[MT][2][4];
+#pragma unroll
+        for (int i = 0; i < MT; i++)
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const float *q = cA + (wm + i * 16 + g + h * 8) * LA + t * 8;
+                const float4 p0 = *reinterpret_cast<const float4 *>(q), p1 = *reinterpret_cast<const float4 *>(q + 4);
+                af[i][h][0] = pack_bf16(p0.x, p0.y), af[i][h][1] = pack_bf16(p0.z, p0.w);
+                af[i][h][2] = pack_bf16(p1.x, p1.y), af[i][h][3] = pack_bf16(p1.z, p1.w);
+            }
+#pragma unroll
+        for (int j = 0; j < NT; j++) {
+            const uint4 v = *reinterpret_cast<const uint4 *>(&cB[(wn + j * 8 + g) * LB + t * 8]);
+            const uint32_t bf[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+            for (int i = 0; i < MT; i++) ds4d_mma_k32(acc[i][j], af[i][0], af[i][1], bf);
+        }
+        if (((kc + 1) * 32) % KSLICE == 0 || kc + 1 == nch) // a slice ends: its partial joins the total
+            ds4d_mma_fold(tot, acc);
+    }
+    cp_async_wait<0>();
+#pragma unroll
+    for (int i = 0; i < MT; i++)
+#pragma unroll
+        for (int j = 0; j < NT; j++)
+            store_tile(y, a.ldy, r0 + wm + i * 16 + g, rend, n0 + wn + j * 8 + 2 * t, a.N, tot[i][j]);
+}
+
 // Skinny: at most 16 rows; one warp per (8 columns, slice): the slice's 8 chunks of W loaded at once straight from
 // global memory (128 bytes per lane in flight), then multiplied. WARPS warps per block side by side in N.
 template <int WARPS>
@@ -446,9 +554,20 @@ void gemm(ds4_dev *d, const char *op, gemm_args a, ds4_dtype wdt, int64_t groups
         gemm_bf16_skinny<4><<<grid, 128, 0, cd->stream>>>(a, va, vb);
     } else if (G * (int64_t)grid_y(128) * ((a.N + 127) / 128) >= (int64_t)cd->sm_count) {
         /* a full wave of 128 x 128 tiles: eight warps of 64 x 32 (twice the products per barrier and per staged
-         * row of W of the 64 x 128 tile); fewer tiles than SMs: the 64 x 128 tile, twice the blocks */
+         * row of W of the 64 x 128 tile), loads in flight PIPE_ST chunks ahead where the rows are aligned; fewer
+         * tiles than SMs: the 64 x 128 tile, twice the blocks */
         dim3 grid(ds4_blocks(a.N, 128), grid_y(128), (unsigned)G);
-        gemm_bf16_tiled<128, 128, 64, 32><<<grid, 256, 0, cd->stream>>>(a, va, vb);
+        constexpr size_t smem = pipe_smem<128, 128, PIPE_ST>();
+        if (va && vb && !cd->smem_set[1]) { /* once per backend: the limit is a property of the kernel */
+            const cudaError_t e = cudaFuncSetAttribute(gemm_bf16_pipe<128, 128, 64, 32, PIPE_ST>,
+                                                       cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+            cd->smem_set[1] = e == cudaSuccess ? 1 : -1; /* refused (a GPU with less shared memory): the tiles */
+            if (e != cudaSuccess) (void)cudaGetLastError();
+        }
+        if (va && vb && cd->smem_set[1] == 1)
+            gemm_bf16_pipe<128, 128, 64, 32, PIPE_ST><<<grid, 256, smem, cd->stream>>>(a);
+        else
+            gemm_bf16_tiled<128, 128, 64, 32><<<grid, 256, 0, cd->stream>>>(a, va, vb);
     } else {
         dim3 grid(ds4_blocks(a.N, 128), grid_y(64), (unsigned)G);
         gemm_bf16_tiled<64, 128, 32, 32><<<grid, 256, 0, cd->stream>>>(a, va, vb);
