@@ -11,8 +11,10 @@
  *
  * Every header field of every message is declared once, in the field table (ds4_wire_fields: key, nested map,
  * kind, range, where in the struct, its Lua name and default): the decoder reads, the encoder writes and the
- * equality compares by walking it, as the Lua binding (lua/wire_lua.c) fills and pushes. What a table row cannot
- * say stays per type: arrays and shapes (its OTHER rows), raw frames and cross-field rules (check_*). */
+ * equality compares by walking it, as the Lua binding (lua/wire_lua.c) fills and pushes. A nested map may be
+ * optional as a whole (DS4_WIRE_F_OPT_MAP: weight_announce.adapter, there exactly when its first field is not 0).
+ * What a table row cannot say stays per type: arrays and shapes (its OTHER rows), raw frames and cross-field rules
+ * (check_*). */
 #define _POSIX_C_SOURCE 200809L /* strnlen */
 #include <stdarg.h>
 #include <stdint.h>
@@ -704,6 +706,7 @@ static int map_present(const ds4_wire_msg *m, const ds4_wire_field *f) {
     if (!f->map || !(f->flags & DS4_WIRE_F_OPT_MAP)) return 1;
     int nf;
     const ds4_wire_field *t = ds4_wire_fields(m->type, &nf);
+    if (!t || f < t || f >= t + nf) return 1; /* not a row of m's type: not one of its optional maps */
     int i = (int)(f - t);
     while (i > 0 && !opens_map(t, i)) i--;
     return nonzero(&t[i], (const char *)m + offsetof(ds4_wire_msg, hello) + t[i].offset);
