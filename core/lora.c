@@ -295,6 +295,95 @@ ds4_status ds4_model_lora_info(const ds4_model *m, int64_t *rank, double *scale,
     return DS4_OK;
 }
 
+ds4_status ds4_model_lora_layout(const ds4_model *m, int64_t *rank, double *alpha, int32_t *rslora, uint32_t *masks,
+                                 int64_t cap, ds4_error *err) {
+    ds4_status s = check_model(m, "lora layout", err);
+    if (s) return s;
+    if (!m->lora) return ds4_fail(err, DS4_ERR_ARG, "lora layout: the model has no adapters");
+    const int64_t L = m->cfg.num_hidden_layers;
+    if (masks && cap < L) return ds4_fail(err, DS4_ERR_ARG, "lora layout: room for %lld masks, the model has %lld layers",
+                                          (long long)cap, (long long)L);
+    if (rank) *rank = m->lora->r;
+    if (alpha) *alpha = m->lora->alpha;
+    if (rslora) *rslora = m->lora->rslora;
+    if (masks) memcpy(masks, m->lora->mask, (size_t)L * sizeof *masks);
+    return DS4_OK;
+}
+
+/* Every layer's mask names only weights the layer has (the indexer's on CSA layers). */
+static ds4_status check_masks(const ds4_model *m, const uint32_t *masks, int64_t n, const char *what, ds4_error *err) {
+    const int64_t L = m->cfg.num_hidden_layers;
+    if (!masks || n != L)
+        return ds4_fail(err, DS4_ERR_ARG, "%s: %lld layer masks for a model of %lld layers", what, (long long)n,
+                        (long long)L);
+    for (int64_t li = 0; li < L; li++)
+        if (masks[li] & ~ds4_lora_sites(DS4_LORA_ALL, m->cfg.layer_types[li]))
+            return ds4_fail(err, DS4_ERR_ARG, "%s: layer %lld's mask 0x%x names weights the layer does not have (its "
+                            "possible sites: 0x%x)", what, (long long)li, (unsigned)masks[li],
+                            (unsigned)ds4_lora_sites(DS4_LORA_ALL, m->cfg.layer_types[li]));
+    return DS4_OK;
+}
+
+ds4_status ds4_model_lora_layout_numel(const ds4_model *m, int64_t rank, const uint32_t *masks, int64_t n,
+                                       int64_t *numel, ds4_error *err) {
+    ds4_status s = check_model(m, "lora layout numel", err);
+    if (!s) s = check_masks(m, masks, n, "lora layout numel", err);
+    if (s) return s;
+    if (rank < 1 || rank > 65536)
+        return ds4_fail(err, DS4_ERR_ARG, "lora layout numel: rank %lld outside [1, 65536]", (long long)rank);
+    int64_t total = 0;
+    for (int64_t li = 0; li < n; li++)
+        for (int32_t site = 0; site < DS4_LS_COUNT; site++) {
+            if (!(masks[li] & (1u << site))) continue;
+            int32_t nd[3];
+            int64_t sh[3][3];
+            const int np = site_parts(&m->cfg, site, rank, nd, sh);
+            for (int k = 0; k < np; k++) {
+                int64_t e = 1;
+                for (int32_t j = 0; j < nd[k]; j++) e *= sh[k][j];
+                total += e;
+            }
+        }
+    *numel = total;
+    return DS4_OK;
+}
+
+ds4_status ds4_model_lora_attach_layout(ds4_model *m, int64_t rank, double alpha, int32_t rslora, const uint32_t *masks,
+                                        int64_t n, ds4_error *err) {
+    ds4_status s = check_model(m, "lora attach layout", err);
+    if (s) return s;
+    if ((s = check_masks(m, masks, n, "lora attach layout", err))) return s;
+    ds4_lora *l = NULL;
+    if ((s = ds4_lora_alloc(m, rank, alpha, rslora, masks, &l, err))) return s;
+    return ds4_lora_attach(m, l, err);
+}
+
+/* The host copy, brought up to date, and the element count n checked against the adapters'. */
+static ds4_status flat_access(ds4_model *m, int64_t n, const char *what, ds4_error *err) {
+    ds4_status s = check_model(m, what, err);
+    if (s) return s;
+    if (!m->lora) return ds4_fail(err, DS4_ERR_ARG, "%s: the model has no adapters", what);
+    if (n != m->lora->n)
+        return ds4_fail(err, DS4_ERR_SHAPE, "%s: %lld values given, the adapters have %lld", what, (long long)n,
+                        (long long)m->lora->n);
+    return ds4_lora_host_sync(m, err);
+}
+
+ds4_status ds4_model_lora_read(ds4_model *m, float *dst, int64_t n, ds4_error *err) {
+    ds4_status s = flat_access(m, n, "lora read", err);
+    if (!s) memcpy(dst, m->lora->params, (size_t)n * sizeof *dst);
+    return s;
+}
+
+ds4_status ds4_model_lora_write(ds4_model *m, const float *src, int64_t n, ds4_error *err) {
+    ds4_status s = flat_access(m, n, "lora write", err);
+    if (s) return s;
+    memcpy(m->lora->params, src, (size_t)n * sizeof *src);
+    m->lora->dirty = 1;
+    drop_tape(m);
+    return DS4_OK;
+}
+
 int ds4_model_grad_enabled(const ds4_model *m) {
     if (!m) return 0;
     return m->lora ? m->lora->grads != NULL : m->grads != NULL;

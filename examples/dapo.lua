@@ -33,7 +33,7 @@ and model.
   processes, lua/ds4/rollout/): the trainer binds a pool there after the SFT warm-up, saves the warmed-up model to
   RUN/worker_model (a worker may start from it, or from nothing: the weight announcement carries the config, the
   tokenizer and the hash-routing tables), prints the command that starts a worker, and publishes every optimizer
-  step's weights to the workers. tcp:// needs CURVE
+  step's weights to the workers (with --lora the adapters only, over the saved base: docs/lora.md). tcp:// needs CURVE
   keys (`ds4 keygen --out PREFIX`: --curve PREFIX for the trainer, --allow the workers' .pub files) or --insecure;
   ipc:// stays on this host. --max-staleness 0 makes every rollout use the newest weights (default 1: one step
   behind at most, corrected by the importance ratio against the recomputed log-probs).
@@ -259,11 +259,7 @@ print(("%s: %s, %d parameters; %d train / %d held-out problems; %s; run %s"):for
     ds4.config_summary(model:config()), model:n_params(), #train, #heldout, opts.model ~= "" and opts.model
     or "built-in model", OUT))
 local wall0 = ds4.metrics.clock()
-if opts.lora ~= 0 then
-    if opts.lora ~= math.floor(opts.lora) or opts.lora < 0 then usage_error("--lora must be a rank >= 1 (0: off)") end
-    -- not yet: workers are sent the weights, not adapters
-    if opts.workers ~= "" then usage_error("--lora does not combine with --workers yet (docs/lora.md)") end
-end
+if opts.lora ~= math.floor(opts.lora) or opts.lora < 0 then usage_error("--lora must be a rank >= 1 (0: off)") end
 if opts.sft_steps > 0 and not resuming then -- a resumed run's checkpoint holds the warmed-up (and trained) policy
     local acc0 = trainer.evaluate(model, { samples = heldout, correct = task.correct }, decode, M, stop)
     print(("greedy accuracy before SFT: %.1f%%"):format(100 * acc0))
@@ -339,9 +335,10 @@ local result = trainer.run{
 
 if source then
     local st = source:stats()
+    local last = st.syncs[#st.syncs] or { bytes = 0 }
     print(("workers: %d tasks completed, %d re-issued, %d duplicates dropped, %d failed; %d policy versions, %.1f MB "
-        .. "of weights served"):format(st.completed, st.reissued, st.duplicates, st.failed, st.version,
-        st.bytes_served / 1e6))
+        .. "of weights served; %.3f MB per version (%s)"):format(st.completed, st.reissued, st.duplicates, st.failed,
+        st.version, st.bytes_served / 1e6, last.bytes / 1e6, opts.lora > 0 and "the LoRA adapters" or "the weights"))
     source:close()
 end
 ds4.dp.finalize() -- the ranks are done together; rank 0 alone saves and reports

@@ -10,6 +10,10 @@
  *   model:lora_info()                 {rank, scale, numel} or nil
  *   model:lora_tensors() / model:lora_grads()   {PEFT key = F32 tensor} copies in PEFT's layout
  *   model:set_lora(tbl)               the inverse of lora_tensors (every adapter tensor, PEFT layout)
+ *   model:lora_layout()               {rank, alpha, rslora, masks = {per layer: adapted weights as site bits}} or nil
+ *   model:lora_from_layout(layout)    attach zero adapters of that layout (a rollout worker: the trainer's buffer)
+ *   model:lora_layout_numel(layout)   their element count, without attaching them (the layout checked)
+ *   model:lora_params() / model:set_lora_params(t)   the adapters' flat F32 buffer [numel] (ds4's order) out / in
  *
  * targets: any of "wq_a", "wq_b", "wkv", "wo_a", "wo_b", "attention" (those five), "indexer", "shared", "experts",
  * "all"; the default is {"attention", "shared", "experts"}. */
@@ -217,10 +221,121 @@ static int m_set_lora(lua_State *L) {
     return 0;
 }
 
+static int m_lora_layout(lua_State *L) {
+    const char *fname = "ds4.model:lora_layout";
+    ds4_model *m = ds4l_model_check(L, 1, fname);
+    if (!ds4_model_has_lora(m)) {
+        lua_pushnil(L);
+        return 1;
+    }
+    const int64_t n = ds4_model_config(m)->num_hidden_layers;
+    uint32_t *masks = lua_newuserdata(L, (size_t)(n ? n : 1) * sizeof *masks);
+    int64_t r;
+    double alpha;
+    int32_t rslora;
+    ds4_error err = {0};
+    if (ds4_model_lora_layout(m, &r, &alpha, &rslora, masks, n, &err) != DS4_OK) ds4l_raise_ds4(L, fname, &err);
+    lua_createtable(L, 0, 4);
+    lua_pushnumber(L, (lua_Number)r);
+    lua_setfield(L, -2, "rank");
+    lua_pushnumber(L, alpha);
+    lua_setfield(L, -2, "alpha");
+    lua_pushboolean(L, rslora);
+    lua_setfield(L, -2, "rslora");
+    lua_createtable(L, (int)n, 0);
+    for (int64_t i = 0; i < n; i++) {
+        lua_pushnumber(L, masks[i]);
+        lua_rawseti(L, -2, (int)i + 1);
+    }
+    lua_setfield(L, -2, "masks");
+    return 1;
+}
+
+/* A layout table's fields (masks: a userdata left on the stack); raises naming what is wrong. */
+typedef struct layout_arg {
+    double rank, alpha;
+    int rslora;
+    uint32_t *masks;
+    size_t n;
+} layout_arg;
+
+static layout_arg check_layout(lua_State *L, int idx, const char *fname) {
+    luaL_checktype(L, idx, LUA_TTABLE);
+    layout_arg a;
+    a.rank = opt_number(L, idx, "rank", 0, fname);
+    a.alpha = opt_number(L, idx, "alpha", NAN, fname);
+    if (!(a.rank >= 1 && a.rank <= 65536 && a.rank == floor(a.rank)))
+        ds4l_raise(L, "%s: layout.rank must be an integer in [1, 65536]", fname);
+    lua_getfield(L, idx, "rslora");
+    a.rslora = lua_toboolean(L, -1);
+    lua_pop(L, 1);
+    lua_getfield(L, idx, "masks");
+    if (!lua_istable(L, -1)) ds4l_raise(L, "%s: layout.masks must be a list of per-layer site bits", fname);
+    a.n = lua_objlen(L, -1);
+    a.masks = lua_newuserdata(L, (a.n ? a.n : 1) * sizeof *a.masks);
+    for (size_t i = 0; i < a.n; i++) {
+        lua_rawgeti(L, -2, (int)i + 1);
+        const double v = lua_tonumber(L, -1);
+        if (lua_type(L, -1) != LUA_TNUMBER || !(v >= 0 && v < 4294967296.0 && v == floor(v)))
+            ds4l_raise(L, "%s: layout.masks[%zu] must be an integer in [0, 2^32)", fname, i + 1);
+        a.masks[i] = (uint32_t)v;
+        lua_pop(L, 1);
+    }
+    return a;
+}
+
+static int m_lora_layout_numel(lua_State *L) {
+    const char *fname = "ds4.model:lora_layout_numel";
+    ds4_model *m = ds4l_model_check(L, 1, fname);
+    layout_arg a = check_layout(L, 2, fname);
+    int64_t n = 0;
+    ds4_error err = {0};
+    if (ds4_model_lora_layout_numel(m, (int64_t)a.rank, a.masks, (int64_t)a.n, &n, &err) != DS4_OK)
+        ds4l_raise_ds4(L, fname, &err);
+    lua_pushnumber(L, (lua_Number)n);
+    return 1;
+}
+
+static int m_lora_from_layout(lua_State *L) {
+    const char *fname = "ds4.model:lora_from_layout";
+    ds4_model *m = ds4l_model_check(L, 1, fname);
+    check_not_busy(L, fname);
+    layout_arg a = check_layout(L, 2, fname);
+    ds4_error err = {0};
+    if (ds4_model_lora_attach_layout(m, (int64_t)a.rank, a.alpha, a.rslora, a.masks, (int64_t)a.n, &err) != DS4_OK)
+        ds4l_raise_ds4(L, fname, &err);
+    return 0;
+}
+
+static int m_lora_params(lua_State *L) {
+    const char *fname = "ds4.model:lora_params";
+    ds4_model *m = ds4l_model_check(L, 1, fname);
+    int64_t n = 0;
+    ds4_error err = {0};
+    if (ds4_model_lora_info(m, NULL, NULL, &n, &err) != DS4_OK) ds4l_raise_ds4(L, fname, &err);
+    if (!n) ds4l_raise(L, "%s: the model has no adapters", fname);
+    ds4_tensor *t = ds4l_tensor_push_new(L, fname, DS4_F32, 1, &n);
+    if (ds4_model_lora_read(m, t->data, n, &err) != DS4_OK) ds4l_raise_ds4(L, fname, &err);
+    return 1;
+}
+
+static int m_set_lora_params(lua_State *L) {
+    const char *fname = "ds4.model:set_lora_params";
+    ds4_model *m = ds4l_model_check(L, 1, fname);
+    check_not_busy(L, fname);
+    ds4_tensor *t = ds4l_tensor_check(L, 2, fname, 1);
+    if (t->dtype != DS4_F32) ds4l_raise(L, "%s: need an F32 tensor, got %s", fname, ds4_dtype_name(t->dtype));
+    ds4_error err = {0};
+    if (ds4_model_lora_write(m, t->data, ds4_tensor_numel(t), &err) != DS4_OK) ds4l_raise_ds4(L, fname, &err);
+    return 0;
+}
+
 static const luaL_Reg lora_methods[] = {
     {"lora", m_lora},           {"save_lora", m_save_lora},       {"load_lora", m_load_lora},
     {"merge_lora", m_merge_lora}, {"drop_lora", m_drop_lora},     {"lora_info", m_lora_info},
     {"lora_tensors", m_lora_tensors}, {"lora_grads", m_lora_grads}, {"set_lora", m_set_lora},
+    {"lora_layout", m_lora_layout}, {"lora_from_layout", m_lora_from_layout}, {"lora_params", m_lora_params},
+    {"set_lora_params", m_set_lora_params}, {"lora_layout_numel", m_lora_layout_numel},
     {NULL, NULL},
 };
 

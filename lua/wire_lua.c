@@ -6,7 +6,7 @@
  *                                   an unknown or invalid limit)
  *   ds4.wire.crc32(s [, crc]) -> number        ds4.wire.error_message(code, reason, ref_t [, ref_id, ref_n])
  *   ds4.wire.default_limits() -> table         ds4.wire.codes = {name = number}   ds4.wire.code_name(n)
- *   ds4.wire.VERSION = 3
+ *   ds4.wire.VERSION = 4
  *
  * Lua messages mirror ds4_wire_msg: msg.t is the type name ("hello", "credit", "task", "samples",
  * "weight_announce", "weight_request", "weight_chunk", "heartbeat", "error", "bye") and the other keys are the
@@ -16,8 +16,10 @@
  * tables): on encode from the `frames` table or from msg itself, as a Lua array of numbers, a string of
  * little-endian bytes, or a ds4 tensor of the frame's dtype (I32 / F32); the u8 frames config and tokenizer as
  * strings only; on decode as Lua arrays of numbers, except weights, config and tokenizer, kept as strings of
- * bytes (opts.raw = true keeps every raw frame as a string). The announce's model CRCs default to its frames'. The full key list of every type is in
- * lua/ds4/init.lua.
+ * bytes (opts.raw = true keeps every raw frame as a string). The announce's model CRCs default to its frames'; a
+ * LoRA policy's announce has lora_rank, lora_alpha, lora_rslora, lora_base_version, lora_base_chunk, lora_base_crc
+ * (its "adapter" map: given one of them, the others but lora_rslora are required; a plain announce has none of them)
+ * and the lora_masks frame. The full key list of every type is in lua/ds4/init.lua.
  *
  * Field names, kinds, Lua keys and defaults come from the codec's field table (ds4_wire_fields, rollout/wire.h):
  * fill_fields and push_fields walk it; each type's arrays, shapes and frames are its own code below.
@@ -59,7 +61,7 @@ static const char *const F_NONE[] = {NULL};
 static const char *const F_TASK[] = {"prompt", NULL};
 static const char *const F_SAMPLES[] = {"tokens", "logprobs", "sample_logprobs", "experts", "index", NULL};
 static const char *const F_CHUNK[] = {"weights", NULL};
-static const char *const F_ANNOUNCE[] = {"config", "tokenizer", "tables", NULL};
+static const char *const F_ANNOUNCE[] = {"config", "tokenizer", "tables", "lora_masks", NULL};
 
 static const type_spec TYPES[DS4_WIRE_TYPE_COUNT] = {
     [DS4_WIRE_HELLO] = {"hello", X_NONE, F_NONE},
@@ -401,8 +403,15 @@ static int absent(enc_ctx *e, const char *key) {
     return t == LUA_TNIL;
 }
 
+/* An optional map (DS4_WIRE_F_OPT_MAP) is given in a Lua message when one of its fields' Lua keys is. */
+static int opt_map_given(enc_ctx *e, const ds4_wire_field *f, int nf, const char *map) {
+    for (int i = 0; i < nf; i++)
+        if (f[i].map && strcmp(f[i].map, map) == 0 && f[i].lua && !absent(e, f[i].lua)) return 1;
+    return 0;
+}
+
 /* The fields of m's type that the table describes whole (not OTHER, not the binding's OWN; a CALC one when given),
- * each from its Lua key with its Lua default. */
+ * each from its Lua key with its Lua default; an optional map's required fields only when the map is given. */
 static void fill_fields(enc_ctx *e, ds4_wire_msg *m) {
     int nf;
     const ds4_wire_field *f = ds4_wire_fields(m->type, &nf);
@@ -412,7 +421,8 @@ static void fill_fields(enc_ctx *e, ds4_wire_msg *m) {
         if (!x->lua || x->kind == DS4_WIRE_K_OTHER || (x->flags & DS4_WIRE_F_LUA_OWN)) continue;
         if ((x->flags & DS4_WIRE_F_LUA_CALC) && absent(e, x->lua)) continue; /* the type's fill derives it */
         void *p = base + x->offset;
-        const int req = (x->flags & DS4_WIRE_F_LUA_REQ) != 0;
+        const int req = (x->flags & DS4_WIRE_F_LUA_REQ) != 0 &&
+                        (!(x->flags & DS4_WIRE_F_OPT_MAP) || opt_map_given(e, f, nf, x->map));
         switch (x->kind) {
         case DS4_WIRE_K_U32: *(uint32_t *)p = (uint32_t)f_int(e, x->lua, 0, U32_MAX_D, req, x->def); break;
         case DS4_WIRE_K_U64: /* a seed may exceed 2^53: given as a decimal string */
@@ -537,6 +547,8 @@ static void enc_fill(enc_ctx *e, ds4_wire_msg *m) {
         if (absent(e, "config_crc")) w->config_crc = ds4_crc32(0, w->config.data, w->config.len);
         if (absent(e, "tokenizer_crc")) w->tokenizer_crc = ds4_crc32(0, w->tokenizer.data, w->tokenizer.len);
         if (absent(e, "tables_crc")) w->tables_crc = ds4_crc32(0, w->tables.data, w->tables.len);
+        if (w->lora_rank) need_frame(e, "lora_masks", FR_I32, &w->lora_masks);
+        else f_frame(e, "lora_masks", FR_I32, &w->lora_masks); /* given: the codec refuses it without the map */
         break;
     }
     case DS4_WIRE_WEIGHT_CHUNK: {
@@ -672,7 +684,7 @@ static void push_fields(lua_State *L, const ds4_wire_msg *m) {
     for (int i = 0; i < nf; i++) {
         const ds4_wire_field *x = &f[i];
         const void *p = base + x->offset;
-        if (!x->lua || x->kind == DS4_WIRE_K_OTHER) continue;
+        if (!x->lua || x->kind == DS4_WIRE_K_OTHER || !ds4_wire_field_present(m, x)) continue;
         switch (x->kind) {
         case DS4_WIRE_K_U32: set_num(L, x->lua, *(const uint32_t *)p); break;
         case DS4_WIRE_K_U64: {
@@ -749,6 +761,7 @@ static void push_msg(lua_State *L, const ds4_wire_msg *m, int raw) {
         set_frame(L, "config", w->config, FR_U8, 1); /* bytes: always strings */
         set_frame(L, "tokenizer", w->tokenizer, FR_U8, 1);
         set_frame(L, "tables", w->tables, FR_I32, raw);
+        if (w->lora_rank) set_frame(L, "lora_masks", w->lora_masks, FR_I32, raw);
         break;
     }
     case DS4_WIRE_WEIGHT_CHUNK:

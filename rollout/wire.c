@@ -11,8 +11,10 @@
  *
  * Every header field of every message is declared once, in the field table (ds4_wire_fields: key, nested map,
  * kind, range, where in the struct, its Lua name and default): the decoder reads, the encoder writes and the
- * equality compares by walking it, as the Lua binding (lua/wire_lua.c) fills and pushes. What a table row cannot
- * say stays per type: arrays and shapes (its OTHER rows), raw frames and cross-field rules (check_*). */
+ * equality compares by walking it, as the Lua binding (lua/wire_lua.c) fills and pushes. A nested map may be
+ * optional as a whole (DS4_WIRE_F_OPT_MAP: weight_announce.adapter, there exactly when its first field is not 0).
+ * What a table row cannot say stays per type: arrays and shapes (its OTHER rows), raw frames and cross-field rules
+ * (check_*). */
 #define _POSIX_C_SOURCE 200809L /* strnlen */
 #include <stdarg.h>
 #include <stdint.h>
@@ -516,6 +518,7 @@ static ds4_wire_view view_of(int k, const void *const *frames, const size_t *len
 #define LREQ DS4_WIRE_F_LUA_REQ
 #define CALC DS4_WIRE_F_LUA_CALC
 #define OWN DS4_WIRE_F_LUA_OWN
+#define OPTM DS4_WIRE_F_OPT_MAP
 #define AT(T, f) .offset = offsetof(T, f), .size = sizeof(((T *)0)->f)
 #define U64(T, name, map, key, lua, flags, lo, hi, f) {name, map, key, lua, DS4_WIRE_K_U64, flags, lo, hi, AT(T, f)}
 #define U32(T, name, map, key, lua, flags, lo, hi, f) {name, map, key, lua, DS4_WIRE_K_U32, flags, lo, hi, AT(T, f)}
@@ -589,6 +592,19 @@ static const ds4_wire_field F_ANNOUNCE[] = {
         U32_MAX, tables_crc),
     STR(ds4_wire_weight_announce, "weight_announce.model.chat_template", "model", "chat_template", REQ | STRLIM, 0,
         DS4_WIRE_TEMPLATE_CAP, NULL, chat_template),
+    /* a LoRA policy (version 4): the map is there exactly when rank is not 0; its Lua keys are flat (lora_*) */
+    U32(ds4_wire_weight_announce, "weight_announce.adapter.rank", "adapter", "rank", "lora_rank", REQ | LREQ | OPTM, 1,
+        65536, lora_rank),
+    {"weight_announce.adapter.alpha", "adapter", "alpha", "lora_alpha", DS4_WIRE_K_F64, REQ | LREQ | OPTM, .flo = -1e30,
+     .fhi = 1e30, AT(ds4_wire_weight_announce, lora_alpha)},
+    {"weight_announce.adapter.rslora", "adapter", "rslora", "lora_rslora", DS4_WIRE_K_BOOL, REQ | OPTM,
+     AT(ds4_wire_weight_announce, lora_rslora)},
+    U64(ds4_wire_weight_announce, "weight_announce.adapter.base_version", "adapter", "base_version", "lora_base_version",
+        REQ | LREQ | OPTM, 1, MAX_ID, base_version),
+    U32(ds4_wire_weight_announce, "weight_announce.adapter.base_chunk", "adapter", "base_chunk", "lora_base_chunk",
+        REQ | LREQ | OPTM, 4, U32_MAX, base_chunk),
+    U32(ds4_wire_weight_announce, "weight_announce.adapter.base_crc", "adapter", "base_crc", "lora_base_crc",
+        REQ | LREQ | OPTM, 0, U32_MAX, base_crc),
 };
 static const ds4_wire_field F_REQUEST[] = {
     U64(ds4_wire_weight_request, "weight_request.version", NULL, "version", "version", REQ | LREQ, 1, MAX_ID, version),
@@ -622,6 +638,7 @@ static const ds4_wire_field F_BYE[] = {
 #undef LREQ
 #undef CALC
 #undef OWN
+#undef OPTM
 #undef AT
 #undef U64
 #undef U32
@@ -671,6 +688,30 @@ static int map_keys(ds4_wire_type t, const char *map, const char **keys, int cap
     return n;
 }
 
+/* Field f's value in the struct at p is not zero. */
+static int nonzero(const ds4_wire_field *f, const void *p) {
+    switch (f->kind) {
+    case DS4_WIRE_K_U64: return *(const uint64_t *)p != 0;
+    case DS4_WIRE_K_U32: return *(const uint32_t *)p != 0;
+    case DS4_WIRE_K_F64: return *(const double *)p != 0.0;
+    case DS4_WIRE_K_BOOL: return *(const uint8_t *)p != 0;
+    case DS4_WIRE_K_STR: return *(const char *)p != 0;
+    default: return 1;
+    }
+}
+
+/* The nested map holding row f (of type t's table) is in m: always, unless it is an optional map whose first field
+ * is 0. */
+static int map_present(const ds4_wire_msg *m, const ds4_wire_field *f) {
+    if (!f->map || !(f->flags & DS4_WIRE_F_OPT_MAP)) return 1;
+    int nf;
+    const ds4_wire_field *t = ds4_wire_fields(m->type, &nf);
+    if (!t || f < t || f >= t + nf) return 1; /* not a row of m's type: not one of its optional maps */
+    int i = (int)(f - t);
+    while (i > 0 && !opens_map(t, i)) i--;
+    return nonzero(&t[i], (const char *)m + offsetof(ds4_wire_msg, hello) + t[i].offset);
+}
+
 /* ------------------------------------------------------------------------------------------------ per type */
 
 typedef struct dargs {
@@ -707,6 +748,10 @@ static ds4_wire_code dec_fields(dx *d, ds4_wire_type t, const msgpack_object *ro
     const ds4_wire_field *f = ds4_wire_fields(t, &nf);
     const msgpack_object *map = root;
     for (int i = 0; i < nf; i++) {
+        if (opens_map(f, i) && (f[i].flags & DS4_WIRE_F_OPT_MAP) && !mget(root, f[i].map)) {
+            while (i + 1 < nf && f[i + 1].map && strcmp(f[i + 1].map, f[i].map) == 0) i++; /* absent: its fields 0 */
+            continue;
+        }
         if (opens_map(f, i)) {
             const char *mk[MAP_MAX];
             TRY(g_map(d, root, f[i].map, mk, map_keys(t, f[i].map, mk, MAP_MAX), &map));
@@ -889,6 +934,18 @@ static ds4_wire_code weight_geometry(dx *d, uint64_t bytes, uint32_t chunk, uint
     return DS4_WIRE_OK;
 }
 
+/* A LoRA policy's "adapter" map against the rest (version 4): its base is an older version of n_params f32. */
+static ds4_wire_code check_adapter(dx *d, const ds4_wire_weight_announce *m) {
+    uint64_t chunks;
+    if (m->base_version >= m->version)
+        return dfail(d, DS4_WIRE_ERANGE, "adapter.base_version = %llu is not older than the version %llu",
+                     (unsigned long long)m->base_version, (unsigned long long)m->version);
+    if (m->n_params > DS4_WIRE_MAX_ID / 4)
+        return dfail(d, DS4_WIRE_ERANGE, "layout.n_params = %llu is too large for f32 bytes",
+                     (unsigned long long)m->n_params);
+    return weight_geometry(d, 4 * m->n_params, m->base_chunk, &chunks); /* the base: n_params f32 */
+}
+
 static ds4_wire_code check_announce(dx *d, const dargs *a, ds4_wire_weight_announce *m) {
     uint64_t chunks;
     if (strcmp(m->dtype, "f32") != 0)
@@ -897,15 +954,21 @@ static ds4_wire_code check_announce(dx *d, const dargs *a, ds4_wire_weight_annou
     if (m->chunks != chunks)
         return dfail(d, DS4_WIRE_ERANGE, "chunks = %u, but %llu bytes in chunks of %u make %llu", m->chunks,
                      (unsigned long long)m->bytes, m->chunk, (unsigned long long)chunks);
-    if (m->bytes / 4 != m->n_params)
+    if (m->lora_rank) TRY(check_adapter(d, m)); /* bytes: the adapters', whose count the layout gives */
+    else if (m->bytes / 4 != m->n_params)
         return dfail(d, DS4_WIRE_ERANGE, "bytes = %llu is not layout.n_params = %llu times 4 (f32)",
                      (unsigned long long)m->bytes, (unsigned long long)m->n_params);
-    fspec sp[3] = {{"config", ANY_COUNT, "", FR_U8}, {"tokenizer", ANY_COUNT, "", FR_U8},
-                   {"tables", ANY_COUNT, "", FR_I32}};
-    TRY(check_frames(d, a->root, a->nframes, a->lens, sp, 3));
+    fspec sp[4] = {{"config", ANY_COUNT, "", FR_U8}, {"tokenizer", ANY_COUNT, "", FR_U8},
+                   {"tables", ANY_COUNT, "", FR_I32}, {"lora_masks", ANY_COUNT, "", FR_I32}};
+    TRY(check_frames(d, a->root, a->nframes, a->lens, sp, m->lora_rank ? 4 : 3));
     m->config = view_of(1, a->frames, a->lens);
     m->tokenizer = view_of(2, a->frames, a->lens);
     m->tables = view_of(3, a->frames, a->lens);
+    if (m->lora_rank) {
+        m->lora_masks = view_of(4, a->frames, a->lens);
+        if (m->lora_masks.len < 4)
+            return dfail(d, DS4_WIRE_ERANGE, "the lora_masks frame is empty: a LoRA policy adapts at least one layer");
+    }
     if (m->config.len < 2) /* "{}" at least: a worker without local files builds its model from it */
         return dfail(d, DS4_WIRE_ERANGE, "the config frame is %zu bytes, a JSON object needs at least 2",
                      m->config.len);
@@ -1131,6 +1194,7 @@ int ds4_wire_equal(const ds4_wire_msg *a, const ds4_wire_msg *b, const char **fi
             EQ(view_eq(a->announce.config, b->announce.config), "weight_announce.config (frame)")
             EQ(view_eq(a->announce.tokenizer, b->announce.tokenizer), "weight_announce.tokenizer (frame)")
             EQ(view_eq(a->announce.tables, b->announce.tables), "weight_announce.tables (frame)")
+            EQ(view_eq(a->announce.lora_masks, b->announce.lora_masks), "weight_announce.lora_masks (frame)")
             break;
         case DS4_WIRE_WEIGHT_CHUNK: EQ(view_eq(a->chunk.data, b->chunk.data), "weight_chunk.weights (frame)") break;
         default: break;
@@ -1250,7 +1314,9 @@ static int enc_other(enc *e, const ds4_wire_msg *m, const ds4_wire_field *f) {
     return 1;
 }
 
-static int present(const ds4_wire_msg *m, const ds4_wire_field *f) {
+int ds4_wire_field_present(const ds4_wire_msg *m, const ds4_wire_field *f) {
+    if (!m || !f) return 0;
+    if (!map_present(m, f)) return 0;
     return f->kind != DS4_WIRE_K_OTHER || enc_other(NULL, m, f);
 }
 
@@ -1273,6 +1339,7 @@ static int frames_of(const ds4_wire_msg *m, const char **names, int *dt, ds4_wir
         FR("config", FR_U8, m->announce.config);
         FR("tokenizer", FR_U8, m->announce.tokenizer);
         FR("tables", FR_I32, m->announce.tables);
+        if (m->announce.lora_rank) FR("lora_masks", FR_I32, m->announce.lora_masks);
         break;
     case DS4_WIRE_WEIGHT_CHUNK: FR("weights", FR_F32, m->chunk.data); break;
     default: break;
@@ -1287,12 +1354,15 @@ static void enc_header(enc *e, const ds4_wire_msg *m, int nv, const char *const 
     int nf;
     const ds4_wire_field *f = ds4_wire_fields(m->type, &nf);
     uint32_t top = 2 + (nv > 0);
-    for (int i = 0; i < nf; i++) top += f[i].map ? (uint32_t)opens_map(f, i) : (uint32_t)present(m, &f[i]);
+    for (int i = 0; i < nf; i++)
+        top += f[i].map ? (uint32_t)(opens_map(f, i) && map_present(m, &f[i])) : (uint32_t)ds4_wire_field_present(m, &f[i]);
     p_head(e, top, m->type);
     for (int i = 0; i < nf; i++) {
+        if (!map_present(m, &f[i])) continue; /* an absent optional map: none of its fields */
         if (opens_map(f, i)) {
             uint32_t in = 0;
-            for (int j = i; j < nf && f[j].map && strcmp(f[j].map, f[i].map) == 0; j++) in += (uint32_t)present(m, &f[j]);
+            for (int j = i; j < nf && f[j].map && strcmp(f[j].map, f[i].map) == 0; j++)
+                in += (uint32_t)ds4_wire_field_present(m, &f[j]);
             p_key(e, f[i].map);
             e->rc |= msgpack_pack_map(&e->pk, in);
         }

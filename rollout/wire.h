@@ -36,8 +36,11 @@ extern "C" {
 
 /* 2: hello carries the model's config and table CRCs (or none: a worker without a model), weight_announce
  * carries the model itself (config.json, tokenizer.json, chat template name, hash-routing tables).
- * 3: a task may carry stop strings (sampling.stop_strings), and samples may end with finish stop_string. */
-#define DS4_WIRE_VERSION 3
+ * 3: a task may carry stop strings (sampling.stop_strings), and samples may end with finish stop_string.
+ * 4: weight_announce may describe a LoRA policy (its "adapter" map and "lora_masks" frame): the announced buffer is
+ * then the adapters', over frozen base weights published once as a version of their own (protocol.md §7.6). A
+ * version-3 peer would refuse that announce by its unknown key only after hello; a new version refuses it at once. */
+#define DS4_WIRE_VERSION 4
 
 /* Compile-time capacities of the structs below. The configurable limits (ds4_wire_limits) may be lowered
  * from these, never raised past them. */
@@ -114,7 +117,8 @@ typedef enum ds4_wire_type {
     DS4_WIRE_CREDIT,         /* "credit"           worker -> trainer */
     DS4_WIRE_TASK,           /* "task"             trainer -> worker, 1 frame (prompt) */
     DS4_WIRE_SAMPLES,        /* "samples"          worker -> trainer, 3 to 5 frames */
-    DS4_WIRE_WEIGHT_ANNOUNCE,/* "weight_announce"  trainer -> worker, 3 frames (config, tokenizer, tables) */
+    DS4_WIRE_WEIGHT_ANNOUNCE,/* "weight_announce"  trainer -> worker, 3 frames (config, tokenizer, tables), a LoRA
+                                policy's 4 (lora_masks) */
     DS4_WIRE_WEIGHT_REQUEST, /* "weight_request"   worker -> trainer */
     DS4_WIRE_WEIGHT_CHUNK,   /* "weight_chunk"     trainer -> worker, 1 frame (the chunk) */
     DS4_WIRE_HEARTBEAT,      /* "heartbeat"        both ways */
@@ -196,7 +200,7 @@ typedef struct ds4_wire_samples {
 
 typedef struct ds4_wire_weight_announce {
     uint64_t version;  /* 1..DS4_WIRE_MAX_ID */
-    uint64_t bytes;    /* 1..max_weight_bytes; = n_params · 4 */
+    uint64_t bytes;    /* 1..max_weight_bytes; = n_params · 4 (a LoRA policy: the adapters' values · 4) */
     uint32_t chunk;    /* bytes per chunk (the last may be shorter): 4..max_chunk_bytes, a multiple of 4 */
     uint32_t chunks;   /* = ceil(bytes / chunk) */
     uint64_t n_params; /* layout.n_params */
@@ -208,6 +212,17 @@ typedef struct ds4_wire_weight_announce {
     ds4_wire_view config;    /* frame 1 "config": u8, the canonical config JSON (ds4_config_to_json), >= 2 bytes */
     ds4_wire_view tokenizer; /* frame 2 "tokenizer": u8, tokenizer.json; 0 bytes: the model has no tokenizer */
     ds4_wire_view tables;    /* frame 3 "tables": i32, every non-fp32 tensor (tid2eid) in tensor order; may be 0 */
+    /* A LoRA policy ("adapter" map, version 4; lora_rank 0: a plain policy, and the fields below are 0): bytes /
+     * chunk / chunks / crc above describe the adapters' flat fp32 buffer, and n_params still counts the base model's
+     * parameters, whose frozen values are the weights of version base_version (fetched with weight_request like any
+     * version; chunk size base_chunk, CRC-32 base_crc). */
+    uint32_t lora_rank;      /* adapter.rank: 1..65536 */
+    double lora_alpha;       /* adapter.alpha: [-1e30, 1e30] */
+    uint8_t lora_rslora;     /* adapter.rslora: scale alpha / sqrt(rank), else alpha / rank */
+    uint64_t base_version;   /* adapter.base_version: 1..version - 1 */
+    uint32_t base_chunk;     /* adapter.base_chunk: 4..max_chunk_bytes, a multiple of 4 */
+    uint32_t base_crc;       /* adapter.base_crc: CRC-32 of the base's n_params f32 */
+    ds4_wire_view lora_masks;/* frame 4 "lora_masks": i32 [layers >= 1], each layer's adapted weights as site bits */
 } ds4_wire_weight_announce;
 
 typedef struct ds4_wire_weight_request {
@@ -279,7 +294,10 @@ enum {
     DS4_WIRE_F_STRLIM = 2,   /* a string also at most max_str_bytes */
     DS4_WIRE_F_LUA_REQ = 4,  /* required in a Lua message (absent otherwise: def / sdef) */
     DS4_WIRE_F_LUA_CALC = 8, /* absent from a Lua message: the binding derives it from the other fields */
-    DS4_WIRE_F_LUA_OWN = 16  /* the binding reads it its own way (an error code by name, samples.n from seq) */
+    DS4_WIRE_F_LUA_OWN = 16, /* the binding reads it its own way (an error code by name, samples.n from seq) */
+    DS4_WIRE_F_OPT_MAP = 32  /* of a nested map that may be absent as a whole (weight_announce.adapter): present
+                                exactly when its first field, whose range excludes 0, is not 0; absent, its fields
+                                are 0. Its REQ / LUA_REQ fields are required when it is present. */
 };
 
 typedef struct ds4_wire_field {
@@ -299,6 +317,11 @@ typedef struct ds4_wire_field {
 
 /* The fields of type t in wire order, and how many (*n); NULL and 0 for DS4_WIRE_NONE. */
 const ds4_wire_field *ds4_wire_fields(ds4_wire_type t, int *n);
+
+/* Whether field f (a row of ds4_wire_fields(m->type)) is in m's header: a field of an optional map (OPT_MAP) with
+ * its map, an OTHER field by its type's rule (stop strings when there are some, routing rows and shapes with
+ * routing records); every other field always. */
+int ds4_wire_field_present(const ds4_wire_msg *m, const ds4_wire_field *f);
 
 /* ------------------------------------------------------------------------------------------------ codec */
 

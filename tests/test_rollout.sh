@@ -14,8 +14,9 @@
 #      the workers batch their tasks continuously (up to 32 sequences, several tasks at once: checked in their
 #      logs), round 2 with frequent stop ids so that sequences of one batch end at mixed lengths;
 #   4. SIGTERM: each worker says bye and exits 0;
-#   5. examples/dapo.lua --workers ipc://... with two local workers, tiny settings, --max-staleness 0: the
-#      rollouts come from the workers and the trainer's recomputed log-probabilities equal theirs.
+#   5. examples/dapo.lua --workers ipc://... --lora 4 with two local workers, tiny settings, --max-staleness 0: the
+#      rollouts come from the workers and the trainer's recomputed log-probabilities equal theirs; the workers start
+#      from the warmed-up base the trainer saved and fetch only the adapters (protocol 4), version after version.
 #   bash tests/test_rollout.sh <path-to-ds4> <fixtures_dir> <source_dir>
 set -euo pipefail
 DS4="$1"
@@ -242,14 +243,15 @@ local credit = ds4.wire.encode({ t = "credit", n = 1 })
 local cases = {
     { "not a map", { "\193 garbage" }, "not_map" },
     { "truncated msgpack", { "\130\161v\1\161t" }, "parse" },
-    { "another protocol version", { "\129\161v\4" }, "version" },
+    { "another protocol version", { "\129\161v\5" }, "version" },
     { "an empty header", { "" }, "parse" },
     { "an undeclared raw frame", { credit[1], "extra" }, "frame" },
     { "an oversized header", { ("\144"):rep(70000) }, "limit" },
-    { "an unknown message type", { "\130\161v\3\161t\164nope" }, "type" },
-    -- peers of protocol versions 1 and 2 (a hello as they wrote it): refused by version, whatever else they say
+    { "an unknown message type", { "\130\161v\4\161t\164nope" }, "type" },
+    -- peers of protocol versions 1 to 3 (a hello as they wrote it): refused by version, whatever else they say
     { "a version 1 hello", { "\131\161v\1\161t\165hello\166worker\170raw-client" }, "version" },
     { "a version 2 hello", { "\131\161v\2\161t\165hello\166worker\170raw-client" }, "version" },
+    { "a version 3 hello", { "\131\161v\3\161t\165hello\166worker\170raw-client" }, "version" },
     { "a credit from an unknown worker", credit, "state" },
     { "a hello with another vocabulary", ds4.wire.encode({ t = "hello", worker = "raw-client", policy = 0,
         max_batch = 1, threads = 1, vocab_size = 7, n_params = 1, build = "raw" }), "refused" },
@@ -271,10 +273,12 @@ wait "$T2" || fail "trainer 2 failed"
 check_run "$out/t2.log" second
 grep -q "rejected a message from raw-client" "$out/t2.err" || fail "trainer 2 did not log the rejections"
 grep -q "refused worker raw-client" "$out/t2.err" || fail "trainer 2 did not log the refused hello"
-grep -q "protocol version 1, this build speaks version 3" "$out/t2.err" || fail "trainer 2 did not log the v1 refusal"
-grep -q "protocol version 2, this build speaks version 3" "$out/t2.err" || fail "trainer 2 did not log the v2 refusal"
+grep -q "protocol version 1, this build speaks version 4" "$out/t2.err" || fail "trainer 2 did not log the v1 refusal"
+grep -q "protocol version 2, this build speaks version 4" "$out/t2.err" || fail "trainer 2 did not log the v2 refusal"
+grep -q "protocol version 3, this build speaks version 4" "$out/t2.err" || fail "trainer 2 did not log the v3 refusal"
 grep -q "a version 1 hello -> error version: .*protocol version 1" "$out/raw.log" || fail "no version error for v1"
 grep -q "a version 2 hello -> error version: .*protocol version 2" "$out/raw.log" || fail "no version error for v2"
+grep -q "a version 3 hello -> error version: .*protocol version 3" "$out/raw.log" || fail "no version error for v3"
 for id in w1 w2 w3; do
     grep -q "worker $id joined" "$out/t2.err" || fail "$id did not reconnect to trainer 2"
 done
@@ -303,7 +307,8 @@ sock="ipc://$out/dapo.sock"
 for i in $(seq 1 32); do echo "{\"prompt\": \"$i+1=\", \"answer\": \"$((i + 1))\"}"; done >"$out/dapo.jsonl"
 "$DS4" run "$SRC/examples/dapo.lua" --data "$out/dapo.jsonl" --steps 3 --sft-steps 20 --sft-batch 16 --eval 8 \
     --prompts 6 --n 4 --max-new-tokens 14 \
-    --out "$out/dapo" --quiet --workers "$sock" --n-workers 2 --max-staleness 0 >"$out/dapo.log" 2>"$out/dapo.err" &
+    --out "$out/dapo" --quiet --workers "$sock" --n-workers 2 --max-staleness 0 --lora 4 >"$out/dapo.log" \
+    2>"$out/dapo.err" &
 D=$!
 pids+=("$D")
 wait_for "$out/dapo.log" 300 "start a worker: " || fail "dapo.lua printed no worker command line"
@@ -318,6 +323,12 @@ done
 wait "$D" || fail "dapo.lua with workers failed"
 grep -q "workers: .* tasks completed, 0 re-issued" "$out/dapo.log" || fail "dapo.lua: no worker summary"
 grep -q "greedy accuracy on 8 held-out problems" "$out/dapo.log" || fail "dapo.lua did not finish"
+grep -q "MB per version (the LoRA adapters)" "$out/dapo.log" || fail "dapo.lua --lora: no per-version size"
+for id in d1 d2; do # started from the saved base: only adapters fetched, never the base
+    grep -q "the starting weights are base version" "$out/$id.log" || fail "worker $id did not recognise the base"
+    grep -q "loaded policy version [0-9]* (LoRA adapters)" "$out/$id.log" || fail "worker $id loaded no adapters"
+    ! grep -q "fetched base" "$out/$id.log" || fail "worker $id fetched the base it had"
+done
 "$DS4" run - "$out/dapo/metrics.jsonl" <<'LUA' || fail "dapo.lua metrics"
 local json = require("ds4.chat.json")
 local n, trained = 0, 0

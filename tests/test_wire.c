@@ -137,6 +137,22 @@ static void mk_announce(ds4_wire_msg *m) {
     strcpy(m->announce.chat_template, "deepseek_v4");
 }
 
+/* A LoRA policy (version 4): the buffer is the adapters' (g_weights: 10 values), over a base of 100 parameters
+ * published as version 41 in chunks of 64 bytes; 4 layers' site masks. */
+static const int32_t g_masks[4] = {0xf9f, 0xfff, 0xfff, 0xf9f};
+static void mk_lora_announce(ds4_wire_msg *m) {
+    mk_announce(m);
+    ds4_wire_weight_announce *a = &m->announce;
+    a->n_params = 100;
+    a->base_version = 41;
+    a->base_chunk = 64;
+    a->base_crc = 0x12345678u;
+    a->lora_rank = 2;
+    a->lora_alpha = 4.0;
+    a->lora_rslora = 1;
+    a->lora_masks = V(g_masks, sizeof g_masks);
+}
+
 static void mk_request(ds4_wire_msg *m) {
     memset(m, 0, sizeof *m);
     m->type = DS4_WIRE_WEIGHT_REQUEST;
@@ -176,7 +192,7 @@ static void mk_bye(ds4_wire_msg *m) {
     strcpy(m->bye.reason, "SIGTERM");
 }
 
-#define NSEED 12
+#define NSEED 13
 static void mk_seed(int i, ds4_wire_msg *m) {
     switch (i) {
     case 0: mk_hello(m); break;
@@ -190,7 +206,8 @@ static void mk_seed(int i, ds4_wire_msg *m) {
     case 8: mk_chunk(m, 2); break;
     case 9: mk_heartbeat(m); break;
     case 10: mk_error(m); break;
-    default: mk_bye(m); break;
+    case 11: mk_bye(m); break;
+    default: mk_lora_announce(m); break;
     }
 }
 
@@ -520,13 +537,16 @@ static void test_rejects(void) {
     /* --- version and type */
     load(&w, &m);
     patch(&w, P_SET, "v", mo_u(1));
-    EXPECT("a version 1 peer", &w, DS4_WIRE_EVERSION, "protocol version 1, this build speaks version 3");
+    EXPECT("a version 1 peer", &w, DS4_WIRE_EVERSION, "protocol version 1, this build speaks version 4");
     load(&w, &m);
     patch(&w, P_SET, "v", mo_u(2));
-    EXPECT("a version 2 peer", &w, DS4_WIRE_EVERSION, "protocol version 2, this build speaks version 3");
+    EXPECT("a version 2 peer", &w, DS4_WIRE_EVERSION, "protocol version 2, this build speaks version 4");
     load(&w, &m);
-    patch(&w, P_SET, "v", mo_u(4));
-    EXPECT("wrong version", &w, DS4_WIRE_EVERSION, "protocol version 4, this build speaks version 3");
+    patch(&w, P_SET, "v", mo_u(3));
+    EXPECT("a version 3 peer (no LoRA policies)", &w, DS4_WIRE_EVERSION, "protocol version 3, this build speaks version 4");
+    load(&w, &m);
+    patch(&w, P_SET, "v", mo_u(5));
+    EXPECT("wrong version", &w, DS4_WIRE_EVERSION, "protocol version 5, this build speaks version 4");
     load(&w, &m);
     patch(&w, P_SET, "v", mo_i(-1));
     EXPECT("negative version", &w, DS4_WIRE_EVERSION, "protocol version -1");
@@ -653,8 +673,8 @@ static void test_rejects(void) {
     patch(&w, P_DUP, "v", mo_u(1));
     EXPECT("duplicate version key", &w, DS4_WIRE_EDUP, "duplicate key 'v'");
     {
-        /* {"v": 2, "t": "credit", "n": 1, 7: 1}: a key that is not a string */
-        memcpy(w.hdr, "\x84\xa1v\x03\xa1t\xa6" "credit\xa1n\x01\x07\x01", 18);
+        /* {"v": 4, "t": "credit", "n": 1, 7: 1}: a key that is not a string */
+        memcpy(w.hdr, "\x84\xa1v\x04\xa1t\xa6" "credit\xa1n\x01\x07\x01", 18);
         w.l[0] = 18;
         w.n = 1;
         EXPECT("integer key", &w, DS4_WIRE_EKEY, "key 3 is not a string (unsigned integer)");
@@ -876,6 +896,30 @@ static void test_rejects(void) {
     load(&w, &m);
     w.l[3] = 20;
     EXPECT("announce tables frame shorter than declared", &w, DS4_WIRE_EFRAME, "declared 6 i32 elements");
+    /* a LoRA policy: bytes are the adapters', the base is another version; its map and its frame go together */
+    mk_lora_announce(&m);
+    load(&w, &m);
+    EXPECT("valid LoRA announce", &w, DS4_WIRE_OK, NULL);
+    patch(&w, P_SET, "adapter.base_version", mo_u(42));
+    EXPECT("LoRA base not older than the version", &w, DS4_WIRE_ERANGE, "adapter.base_version = 42 is not older");
+    load(&w, &m);
+    patch(&w, P_SET, "adapter.base_chunk", mo_u(62));
+    EXPECT("LoRA base chunk not f32", &w, DS4_WIRE_ERANGE, "must be multiples of 4");
+    load(&w, &m);
+    patch(&w, P_SET, "adapter.rank", mo_u(0));
+    EXPECT("LoRA rank 0", &w, DS4_WIRE_ERANGE, "adapter.rank");
+    load(&w, &m);
+    patch(&w, P_DEL, "adapter.rslora", mo_u(0));
+    EXPECT("LoRA map without rslora", &w, DS4_WIRE_EMISSING, "adapter.rslora");
+    load(&w, &m);
+    patch(&w, P_ADD, "adapter.dropout", mo_u(0));
+    EXPECT("LoRA map with an unknown key", &w, DS4_WIRE_EKEY, "dropout");
+    load(&w, &m);
+    patch(&w, P_DEL, "adapter", mo_u(0));
+    EXPECT("lora_masks frame without the adapter map", &w, DS4_WIRE_ERANGE, "bytes = 40 is not layout.n_params = 100");
+    load(&w, &m);
+    w.n = 4; /* the masks frame dropped (its declaration stays) */
+    EXPECT("adapter map without the lora_masks frame", &w, DS4_WIRE_EFRAME, NULL);
 
     mk_chunk(&m, 2);
     load(&w, &m);
@@ -992,6 +1036,22 @@ static void test_encoder(void) {
     mk_chunk(&m, 1);
     m.chunk.data.data = NULL;
     EXPECT_ENC("NULL frame", &m, "raw frame 1 has NULL data of 16 bytes");
+    /* the adapter map goes with its rank: adapter fields or the lora_masks frame without it have no place */
+    mk_announce(&m);
+    m.announce.base_version = 3;
+    EXPECT_ENC("adapter field without a rank", &m, "field weight_announce.adapter.base_version does not survive");
+    mk_announce(&m);
+    m.announce.lora_masks = V(g_masks, sizeof g_masks);
+    EXPECT_ENC("lora_masks without a rank", &m, "field weight_announce.lora_masks (frame) does not survive");
+    mk_lora_announce(&m);
+    m.announce.lora_masks.len = 0;
+    EXPECT_ENC("LoRA announce without masks", &m, "the lora_masks frame is empty");
+    mk_lora_announce(&m);
+    m.announce.base_crc = 0; /* 0 is a CRC like any other: only the rank says whether the map is there */
+    ds4_wire_out o0;
+    ds4_error e0;
+    CHECK_OK(ds4_wire_encode(&m, &o0, &e0), &e0);
+    ds4_wire_out_free(&o0);
     /* the encoder does not check CRCs (decode does) */
     mk_chunk(&m, 1);
     m.chunk.crc ^= 1;

@@ -274,6 +274,22 @@ void ds4_model_drop_lora(ds4_model *m);
 int ds4_model_has_lora(const ds4_model *m);
 /* The adapters' rank, scale and element count (0 without adapters). */
 ds4_status ds4_model_lora_info(const ds4_model *m, int64_t *rank, double *scale, int64_t *numel, ds4_error *err);
+/* The adapters' layout, what makes their flat buffer (ds4's order: layer by layer, site by site, A before B; the
+ * optimizer's moments and ds4_model_lora_read use it): rank, alpha, rsLoRA and per layer the adapted weights as bits
+ * 1 << site, sites in the order wq_a, wq_b, wkv, wo_a, wo_b, indexer wq_b, indexer weights_proj, shared w1, w2, w3,
+ * routed experts' gate_up, down. masks: room for cap >= num_hidden_layers entries (may be NULL). */
+ds4_status ds4_model_lora_layout(const ds4_model *m, int64_t *rank, double *alpha, int32_t *rslora, uint32_t *masks,
+                                 int64_t cap, ds4_error *err);
+/* Attach zero adapters of that layout (n = num_hidden_layers masks, each checked against its layer): a rollout worker
+ * makes the trainer's adapter buffer this way, then fills it with ds4_model_lora_write. */
+ds4_status ds4_model_lora_attach_layout(ds4_model *m, int64_t rank, double alpha, int32_t rslora, const uint32_t *masks,
+                                        int64_t n, ds4_error *err);
+/* The element count of adapters of that layout on this model (the masks checked as above), without attaching them. */
+ds4_status ds4_model_lora_layout_numel(const ds4_model *m, int64_t rank, const uint32_t *masks, int64_t n,
+                                       int64_t *numel, ds4_error *err);
+/* Copy the adapters' flat fp32 buffer out / in (n = the adapters' element count, ds4_model_lora_info's numel). */
+ds4_status ds4_model_lora_read(ds4_model *m, float *dst, int64_t n, ds4_error *err);
+ds4_status ds4_model_lora_write(ds4_model *m, const float *src, int64_t n, ds4_error *err);
 /* Gradients are enabled: the model's (ds4_model_enable_grad) or, with adapters, the adapters'. */
 int ds4_model_grad_enabled(const ds4_model *m);
 

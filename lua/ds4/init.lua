@@ -308,7 +308,9 @@ Rollout wire codec (lua/wire_lua.c; rollout/protocol.md; the C API: rollout/wire
                     logprobs, sample_logprobs (f32), experts, index (i32, when their shape is set)
     weight_announce version, n_params, bytes (4 n_params), chunk, chunks (ceil(bytes / chunk)), dtype ("f32"), crc,
                     chat_template (""), config_crc, tokenizer_crc, tables_crc (each its frame's CRC); frames config,
-                    tokenizer (strings of bytes; tokenizer "" when none), tables (i32)
+                    tokenizer (strings of bytes; tokenizer "" when none), tables (i32); a LoRA policy (protocol 4):
+                    lora_rank, lora_alpha, lora_rslora, lora_base_version, lora_base_chunk, lora_base_crc and frame
+                    lora_masks (i32, per layer), bytes then the adapters' (4 x their count)
     weight_request  version, index
     weight_chunk    version, index, offset (index chunk), bytes, chunk, crc (computed when absent); frame weights
     heartbeat       policy, active (0)
@@ -328,7 +330,7 @@ Rollout wire codec (lua/wire_lua.c; rollout/protocol.md; the C API: rollout/wire
   ds4.wire.error_message(code, reason, ref_t [, ref_id, ref_n]) -> frames of an error message (reason cut to 256
                                    bytes)
   ds4.wire.crc32(s [, crc])        CRC-32 (IEEE) of a string or a tensor's bytes, continuing from crc
-  ds4.wire.codes = {name = number}  ds4.wire.code_name(n)  ds4.wire.types  ds4.wire.VERSION (1)
+  ds4.wire.codes = {name = number}  ds4.wire.code_name(n)  ds4.wire.types  ds4.wire.VERSION (4)
 
 Remote rollouts (lua/ds4/rollout/: pool.lua and worker.lua say everything; rollout/README.md, protocol.md)
   ds4.rollout.pool{bind, model, curve = {secret, public, allow} | insecure = true, workers = 0,

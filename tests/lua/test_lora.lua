@@ -17,6 +17,8 @@
 --  (f) save_lora → load_lora gives the same adapters bit for bit and the same logits; the saved keys are the fixture's;
 --  (g) merge_lora: the merged model's logits equal the adapted model's within 1e-5 · max(1, max |logit|);
 --  (h) a fresh model:lora leaves the outputs bit for bit unchanged (B = 0), and bad options are refused.
+--  (i) the layout and the flat buffer (lora_layout, lora_layout_numel, lora_from_layout, lora_params,
+--      set_lora_params): another model rebuilt from them holds the PEFT adapter tensor by tensor; bad layouts refused.
 -- With DS4_KEEP_SAVED=1 a trained adapter and its logits are kept for tests/check_lora_peft.py (path printed).
 package.path = ((arg[0]:match("^(.*)/[^/]*$") or ".") .. "/?.lua;") .. package.path
 local H = require("harness")
@@ -181,5 +183,34 @@ model:lora({ rank = 2 })
 H.raises(function() opt:step() end, { "LoRA" }, "(h) an optimizer of replaced adapters refuses to step")
 m3:drop_lora()
 H.check(bits_equal(m3:forward(ids).logits, plain), "(h) dropped")
+
+-- (i) the flat buffer and the layout (what a rollout worker rebuilds the trainer's adapters from): a model given
+-- the PEFT adapter's layout and flat values holds the same adapters as PEFT's, tensor by tensor
+local src = ds4.load(base_dir, { lora = ad_dir })
+local lay = src:lora_layout()
+H.eq(lay.rank, src:lora_info().rank, "(i) layout rank")
+local dst = ds4.load(base_dir)
+H.eq(dst:lora_layout(), nil, "(i) no adapters, no layout")
+H.eq(dst:lora_layout_numel(lay), src:lora_info().numel, "(i) the layout's element count without attaching it")
+dst:lora_from_layout(lay)
+H.eq(dst:lora_info().numel, src:lora_info().numel, "(i) same element count")
+H.eq(dst:lora_info().scale, src:lora_info().scale, "(i) same scale")
+dst:set_lora_params(src:lora_params())
+local same_all, theirs = true, src:lora_tensors()
+for key, t in pairs(dst:lora_tensors()) do same_all = same_all and theirs[key] ~= nil and bits_equal(t, theirs[key]) end
+H.check(same_all, "(i) flat copy: every PEFT tensor bit for bit")
+H.check(bits_equal(dst:forward(ids).logits, src:forward(ids).logits), "(i) and the same logits")
+local bad = { rank = lay.rank, alpha = lay.alpha, masks = {} }
+for i, m in ipairs(lay.masks) do bad.masks[i] = m end
+local plain_layer -- a layer without an indexer (tiny_hf: layer 2, HCA)
+for i, t in ipairs(dst:config().layer_types) do
+    if t ~= "compressed_sparse_attention" then plain_layer = plain_layer or i end
+end
+bad.masks[plain_layer] = 0xfff -- every site, the indexer's included
+H.raises(function() dst:lora_from_layout(bad) end, { "names weights the layer does not have" },
+    "(i) a mask naming the indexer on a layer without one")
+table.remove(bad.masks)
+H.raises(function() dst:lora_layout_numel(bad) end, { "layer masks for a model of" }, "(i) a mask per layer")
+H.raises(function() dst:set_lora_params(ds4.zeros({ 3 })) end, { "3 values given" }, "(i) wrong size refused")
 
 H.done("test_lora")

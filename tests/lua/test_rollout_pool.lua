@@ -23,7 +23,10 @@
 --       (out-of-range ids, NaN log-probabilities, error replies, future versions, a new hello, a credit flood,
 --       silence): every task completes exactly once, with the honest worker's results; bad answers are rejected
 --       and counted, tasks go back to a worker that has not failed them, repeat offenders are quarantined;
---   (i) the checks of answers one by one (Pool:check_samples), and quarantine across hellos and its end.
+--   (i) the checks of answers one by one (Pool:check_samples), and quarantine across hellos and its end;
+--   (j) LoRA policies (protocol 4): the frozen base travels once (a version of its own), each publish moves the
+--       adapters' bytes only, and results equal the trainer's generation with its adapters bitwise; workers attach
+--       the adapters' layout themselves, and drop them when the trainer publishes a plain (merged) model again.
 local TEST_DIR = arg[0]:match("^(.*)/[^/]*$") or "."
 package.path = TEST_DIR .. "/?.lua;" .. TEST_DIR .. "/../chaos/?.lua;" .. package.path
 local H = require("harness")
@@ -548,8 +551,8 @@ do
     H.check(r[1] and r[1].reason:find("unknown worker", 1, true), "(f) 'unknown worker: send hello'")
     -- an error message is never answered
     send_raw(ds4.wire.encode({ t = "error", code = 4, reason = "x" }))
-    -- {v = 3, t = "error", code = 4, bogus = 1}: a malformed error (unknown key) is not answered either
-    send_raw({ "\132\161v\3\161t\165error\164code\4\165bogus\1" })
+    -- {v = 4, t = "error", code = 4, bogus = 1}: a malformed error (unknown key) is not answered either
+    send_raw({ "\132\161v\4\161t\165error\164code\4\165bogus\1" })
     pool:service(0)
     H.eq(#replies(), 0, "(f) errors are not answered")
     -- 150 rejects: replies stop after 100
@@ -774,6 +777,78 @@ do
     H.eq(pool:stats().workers["q-bad"].quarantined, nil, "(i) the quarantine lapses after quarantine_s")
     H.check(net.logged("quarantine over"), "(i) and its end is logged")
     H.check(hw.st.tasks >= 5, "(i) the honest worker did the work")
+end
+
+-- ------------------------------------------------------------------------------------------------ (j) LoRA
+
+do
+    local function perturb(m, every, f)
+        local a = m:lora_params()
+        for i = 1, a:numel(), every do a[i] = f(a[i], i) end
+        m:set_lora_params(a)
+    end
+    local lp = ds4.load(FIX .. "/tiny_a")
+    lp:lora{ rank = 2, alpha = 4, seed = 3 }
+    -- every B is 0 after lora{}: give the adapters values that change what the model generates
+    perturb(lp, 1, function(x, i) return x + 0.05 * ((i * 37) % 11 - 5) end)
+    local ref_lora, ref_base = local_reference(lp, PROMPTS, GEN, 1), local_reference(policy, PROMPTS, GEN, 1)
+    local differs = false
+    for s = 1, GEN.n do
+        for j = 1, #ref_lora[s].ids do
+            if ref_lora[s].logprobs[j] ~= (ref_base[s].logprobs[j] or 0) then differs = true end
+        end
+    end
+    H.check(differs, "(j) the adapters change the policy's log-probabilities (the check below can fail)")
+    local net = new_net()
+    local pool = new_pool(net, { model = lp, chunk_bytes = 64 * 1024, max_staleness = 0 })
+    local _, w1 = real_worker(net, "w1") -- zeroed weights and no adapters: everything comes over the wire
+    local _, w2 = real_worker(net, "w2")
+    local res = pool:generate(PROMPTS, GEN)
+    check_equal_local(res, lp, PROMPTS, GEN, "(j) LoRA version 2")
+    H.eq(res[1].policy_version, 2, "(j) the base is version 1, the adapters version 2")
+    local base_b, ad_b = 4 * lp:n_params(), 4 * lp:lora_info().numel
+    H.eq(pool:stats().bytes_served, 2 * (base_b + ad_b), "(j) each worker fetched the base and the adapters once")
+    H.check(H.same_bytes(w1.model:params(), lp:params()) and H.same_bytes(w1.model:lora_params(), lp:lora_params()),
+        "(j) a worker holds the trainer's base and adapters bitwise")
+    -- a training step on the adapters: only they travel
+    perturb(lp, 3, function(x) return x * 0.5 + 0.001 end)
+    H.eq(pool:publish(lp), 3, "(j) changed adapters: version 3")
+    H.eq(pool:publish(lp), 3, "(j) publishing them unchanged keeps the version")
+    local res2 = pool:generate(PROMPTS, GEN)
+    check_equal_local(res2, lp, PROMPTS, GEN, "(j) LoRA version 3")
+    H.eq(pool:stats().bytes_served, 2 * (base_b + 2 * ad_b), "(j) version 3 moved the adapters' bytes only")
+    H.eq(w2.loaded, 3, "(j) worker 2 holds version 3")
+    -- the trainer changes the base (a merge): a plain version again; the workers drop their adapters
+    lp:merge_lora()
+    H.eq(pool:publish(lp), 4, "(j) the merged model: version 4")
+    local res3 = pool:generate(PROMPTS, GEN)
+    check_equal_local(res3, lp, PROMPTS, GEN, "(j) merged version 4")
+    H.check(w1.model:lora_info() == nil and w2.model:lora_info() == nil, "(j) the workers dropped their adapters")
+    H.eq(pool:stats().bytes_served, 2 * (2 * base_b + 2 * ad_b), "(j) version 4 moved the whole model")
+    -- adapters again, of another rank, on the merged base: a new base version, then the adapters. Worker 1 has a
+    -- task in its batcher meanwhile (its table of running tasks holds one): it fetches both and keeps them staged,
+    -- its model unchanged, until the batcher is empty (a generation never mixes two versions)
+    local merged = w1.model:params()
+    w1.running[{}] = { task_id = -1 }
+    lp:lora{ rank = 3, alpha = 3, seed = 5 }
+    perturb(lp, 1, function(x, i) return x + 0.03 * ((i * 13) % 7 - 3) end)
+    H.eq(pool:publish(lp), 6, "(j) adapters on the merged base: base version 5, adapters version 6")
+    for _ = 1, 200 do
+        if w1.staged then break end
+        pool:service(0)
+    end
+    H.check(w1.staged and w1.staged.what == "adapters" and w1.staged_base and w1.staged_base.version == 5,
+        "(j) with a task running, the new base and adapters wait staged")
+    H.check(w1.loaded == 4 and w1.model:lora_info() == nil and H.same_bytes(w1.model:params(), merged),
+        "(j) the running task's model is untouched: version 4, no adapters")
+    w1.running = {}
+    w1:step(0)
+    H.check(w1.loaded == 6 and w1.staged == nil and H.same_bytes(w1.model:params(), lp:params())
+        and H.same_bytes(w1.model:lora_params(), lp:lora_params()), "(j) once it ends, base and adapters go in together")
+    local res4 = pool:generate(PROMPTS, GEN)
+    check_equal_local(res4, lp, PROMPTS, GEN, "(j) rank-3 adapters, version 6")
+    H.eq(w1.model:lora_info().rank, 3, "(j) the workers re-attached adapters of the announced layout")
+    pool:close()
 end
 
 H.done("test_rollout_pool")

@@ -308,7 +308,7 @@ do
         H.check(dec ~= nil, t .. ": decodes (" .. tostring(code) .. " " .. tostring(why) .. ")")
         if dec then
             H.eq(dec.t, t, t .. ": type")
-            H.eq(dec.v, 3, t .. ": version")
+            H.eq(dec.v, wire.VERSION, t .. ": version")
             -- encode(decode(x)) is x, byte for byte: every field survived the trip
             H.same(wire.encode(dec), out, t .. ": re-encoding the decoded message gives the same frames")
             for k, v in pairs(msg) do
@@ -332,6 +332,30 @@ do
     H.same(dec.prompt, { 5, 0, 7 }, "task: prompt frame")
     dec = wire.decode(wire.encode(MESSAGES[3][1], MESSAGES[3][2]), nil, { raw = true })
     H.eq(dec.prompt, "\5\0\0\0\0\0\0\0\7\0\0\0", "opts.raw keeps raw frames as strings")
+    -- a LoRA policy's announce: the adapter map's fields flat (lora_*) and the lora_masks frame, both ways
+    local lora = { t = "weight_announce", version = 5, n_params = 100, bytes = 40, chunk = 16, crc = 7,
+        config = "{}", lora_rank = 4, lora_alpha = 8, lora_rslora = true, lora_base_version = 4,
+        lora_base_chunk = 64, lora_base_crc = 0 }
+    dec = wire.decode(wire.encode(lora, { lora_masks = { 0x9f, 0xfff } }))
+    for _, k in ipairs({ "lora_rank", "lora_alpha", "lora_rslora", "lora_base_version", "lora_base_chunk",
+        "lora_base_crc" }) do H.eq(dec[k], lora[k], "LoRA announce: " .. k) end
+    H.same(dec.lora_masks, { 0x9f, 0xfff }, "LoRA announce: lora_masks frame")
+    H.same(wire.encode(dec), wire.encode(lora, { lora_masks = { 0x9f, 0xfff } }), "LoRA announce: re-encoded")
+    lora.lora_rslora = nil
+    H.eq(wire.decode(wire.encode(lora, { lora_masks = { 1 } })).lora_rslora, false, "LoRA announce: rslora default")
+    dec = wire.decode(wire.encode(MESSAGES[5][1], MESSAGES[5][2]))
+    H.eq(dec.lora_rank, nil, "a plain announce has no lora_* fields")
+    H.eq(dec.lora_masks, nil, "a plain announce has no lora_masks frame")
+    H.raises(function() wire.encode(lora) end, { "weight_announce.lora_masks", "missing" }, "LoRA announce without masks")
+    lora.lora_base_version = nil
+    H.raises(function() wire.encode(lora, { lora_masks = { 1 } }) end, { "weight_announce.lora_base_version",
+        "missing" }, "LoRA announce without its base version")
+    H.raises(function() wire.encode({ t = "weight_announce", version = 5, n_params = 10, chunk = 16, crc = 7,
+        config = "{}", lora_base_version = 4 }) end, { "weight_announce.lora_rank", "missing" },
+        "an adapter field without the rank")
+    H.raises(function() wire.encode({ t = "weight_announce", version = 5, n_params = 10, chunk = 16, crc = 7,
+        config = "{}" }, { lora_masks = { 1 } }) end, "lora_masks (frame) does not survive",
+        "a lora_masks frame in a plain announce")
     -- the chunk CRC is computed when absent
     dec = wire.decode(wire.encode(MESSAGES[7][1]))
     H.eq(dec.crc, wire.crc32("\0\1\2\3\4\5\6\7"), "weight_chunk: crc computed by encode")
@@ -384,6 +408,7 @@ do -- decode never raises on bad input; it says what is wrong
     bad({}, "frame", "no frames")
     bad({ "\129\161v\1" }, "version", "version 1") -- {"v": 1}: a peer of protocol version 1
     bad({ "\129\161v\2" }, "version", "version 2") -- {"v": 2}: a peer of protocol version 2 (no stop strings)
+    bad({ "\129\161v\3" }, "version", "version 3") -- {"v": 3}: a peer of protocol version 3 (no LoRA policies)
     bad({ "\222\255\255" }, nil, "truncated map")
     local task = wire.encode({ t = "task", task_id = 1, policy = 1, max_new_tokens = 4, prompt = { 1, 2 } })
     bad({ task[1] }, "frame", "task without its frame")
@@ -416,7 +441,7 @@ do -- helpers
     dec = wire.decode(wire.error_message("parse", string.rep("x", 1000)))
     H.eq(#dec.reason, 256, "error_message cuts a long reason to 256 bytes")
     H.eq(wire.code_name(33), "stale", "code_name")
-    H.eq(wire.VERSION, 3, "wire.VERSION")
+    H.eq(wire.VERSION, 4, "wire.VERSION")
 end
 
 d2:close() -- r2 stays open for lua_close

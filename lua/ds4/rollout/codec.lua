@@ -12,6 +12,8 @@
   codec.error_msg(code_name, reason [, ref_t, ref_id, ref_n]) -> msg
   codec.FINISH (code -> name), codec.FINISH_CODE (name -> code), codec.CODE (name -> number)
   codec.now() -> monotonic seconds;  codec.crc32(ptr_or_string, len [, crc]) -> CRC-32 (ds4_crc32)
+  codec.buffer_crc(ptr, bytes) -> CRC-32 of a weight buffer (in 16 MiB pieces: lengths stay within size_t anywhere)
+  codec.same_layout(a, b) -> whether two LoRA layouts ({rank, alpha, rslora, masks}) make the same adapters
 ]==]
 
 local ffi = require("ffi")
@@ -41,6 +43,21 @@ function M.crc32(data, len, crc)
     end
     if type(data) ~= "string" then data = ffi.string(data, len) end
     return M.wire().crc32(data, crc)
+end
+
+function M.buffer_crc(ptr, bytes)
+    local crc, piece = 0, 16 * 1024 * 1024
+    for off = 0, bytes - 1, piece do crc = M.crc32(ptr + off, math.min(piece, bytes - off), crc) end
+    return crc
+end
+
+function M.same_layout(a, b)
+    if a.rank ~= b.rank or a.alpha ~= b.alpha or (a.rslora and true or false) ~= (b.rslora and true or false)
+        or #a.masks ~= #b.masks then
+        return false
+    end
+    for i, v in ipairs(a.masks) do if b.masks[i] ~= v then return false end end
+    return true
 end
 
 function M.same_bytes(a, b, len)

@@ -22,7 +22,8 @@
       on_result = function(prompt_index, results, worker) ... end,   -- called as each task completes
   }
   pool:generate(prompts, opts)   -- model:generate's interface and results (prompt-major, opts.n per prompt)
-  pool:publish(model)            -- a new policy version from the model's parameters (no-op when unchanged)
+  pool:publish(model)            -- a new policy version from the model's parameters (no-op when unchanged); a model
+                                 -- with LoRA adapters: the adapters only, over its frozen weights sent once
   pool:stats()  pool:close()  pool.endpoint  pool.version
 
   Sampling. One task per prompt carries all opts.n samples and its own seed, pool.task_seed(opts.seed, p): result
@@ -685,10 +686,17 @@ function Pool:announce(w)
     local cur = self.weights[self.version]
     if w.policy < cur.version then w.sync = { version = cur.version, t0 = self.now() } end
     local d = cur.model
-    self:send(w.id, { t = "weight_announce", version = cur.version, bytes = cur.bytes, chunk = cur.chunk,
-        chunks = cur.chunks, n_params = cur.bytes / 4, dtype = "f32", crc = cur.crc, chat_template = d.chat_template,
-        config_crc = d.config_crc, tokenizer_crc = d.tokenizer_crc, tables_crc = d.tables_crc },
-        { config = d.config, tokenizer = d.tokenizer, tables = d.tables })
+    local msg = { t = "weight_announce", version = cur.version, bytes = cur.bytes, chunk = cur.chunk,
+        chunks = cur.chunks, n_params = self.n_params, dtype = "f32", crc = cur.crc, chat_template = d.chat_template,
+        config_crc = d.config_crc, tokenizer_crc = d.tokenizer_crc, tables_crc = d.tables_crc }
+    local frames = { config = d.config, tokenizer = d.tokenizer, tables = d.tables }
+    local lo = cur.lora
+    if lo then -- a LoRA policy (protocol 4): the adapters' buffer over the base version's frozen weights
+        msg.lora_rank, msg.lora_alpha, msg.lora_rslora = lo.rank, lo.alpha, lo.rslora
+        msg.lora_base_version, msg.lora_base_chunk, msg.lora_base_crc = cur.base.version, cur.base.chunk, cur.base.crc
+        frames.lora_masks = lo.masks
+    end
+    self:send(w.id, msg, frames)
 end
 
 function Pool:on_error(peer, w, m)
@@ -1186,38 +1194,90 @@ local function describe_model(model)
     return d
 end
 
+-- The next version number holding a snapshot of buf (an F32 tensor the pool keeps): its CRC and chunking.
+local function new_version(self, buf)
+    local bytes = buf:nbytes()
+    local ptr = ffi.cast("const uint8_t *", buf:data_ptr())
+    self.version = self.version + 1
+    local v = { version = self.version, tensor = buf, ptr = ptr, bytes = bytes, chunk = math.min(self.chunk_bytes,
+        bytes), crc = codec.buffer_crc(ptr, bytes), chunk_crc = {} }
+    v.chunks = math.ceil(bytes / v.chunk)
+    self.weights[v.version] = v
+    return v
+end
+
+local function same_tensor(v, buf)
+    return v ~= nil and v.bytes == buf:nbytes() and codec.same_bytes(v.ptr, ffi.cast("const uint8_t *",
+        buf:data_ptr()), v.bytes)
+end
+
+-- A LoRA policy (protocol 4, rollout/protocol.md §7.6): the frozen weights are a version of their own, snapshotted
+-- again only when they changed and never announced, and each policy version is the adapters' buffer, announced with
+-- that base version and the adapters' layout. So a publish moves the adapters' bytes, and the base moves once.
+-- Returns the new current version (nil: nothing changed).
+local function publish_lora(self, model, base, lora)
+    local ad = model:lora_params()
+    local cur, bv = self.weights[self.version], self.weights[self.base_version or -1]
+    local base_same = same_tensor(bv, base)
+    if base_same and cur and cur.lora and codec.same_layout(cur.lora, lora) and same_tensor(cur, ad) then return nil end
+    local base_bytes = 0
+    if not base_same then
+        bv = new_version(self, base)
+        self.base_version, base_bytes = bv.version, bv.bytes
+    end
+    local v = new_version(self, ad)
+    v.lora, v.base, v.base_bytes = lora, bv, base_bytes
+    return v
+end
+
+-- Versions kept: the current and the previous policy, and the base versions they stand on.
+local function prune(self, prev)
+    local keep = {}
+    for _, k in ipairs({ self.version, prev }) do
+        local v = self.weights[k or -1]
+        if v then
+            keep[v.version] = true
+            if v.base then keep[v.base.version] = true end
+        end
+    end
+    for k in pairs(self.weights) do if not keep[k] then self.weights[k] = nil end end
+end
+
 function Pool:publish(model)
     model = model or self.model
     if not model then error("pool:publish: a model is required", 2) end
     local t0 = self.now()
     local buf = model:params()
     local bytes = buf:nbytes()
-    local ptr = ffi.cast("const uint8_t *", buf:data_ptr())
     if self.n_params and bytes ~= 4 * self.n_params then
         error(("pool:publish: the model has %d parameters, the pool's %d"):format(bytes / 4, self.n_params), 2)
     end
-    local cur = self.weights[self.version]
-    if cur and cur.bytes == bytes and codec.same_bytes(cur.ptr, ptr, bytes) then
+    local prev = self.version
+    local lora = model.lora_layout and model:lora_layout()
+    local v
+    if lora then
+        v = publish_lora(self, model, buf, lora)
+    elseif not same_tensor(self.weights[self.version], buf) or self.weights[self.version].lora then
+        v = new_version(self, buf)
+        v.base_bytes = 0
+        self.base_version = nil
+    end
+    if not v then
         self:service(0)
         return self.version
     end
-    local crc = 0
-    for off = 0, bytes - 1, MAX_CHUNK do crc = codec.crc32(ptr + off, math.min(MAX_CHUNK, bytes - off), crc) end
-    local v = { version = self.version + 1, tensor = buf, ptr = ptr, bytes = bytes, chunk = math.min(self.chunk_bytes,
-        bytes), crc = crc, chunk_crc = {}, model = describe_model(model) }
-    v.chunks = math.ceil(bytes / v.chunk)
-    self.weights[v.version] = v
-    if self.weights[v.version - 2] then self.weights[v.version - 2] = nil end -- keep the current and the previous
-    self.version = v.version
+    v.model = describe_model(model)
+    prune(self, prev)
     if not self.n_params then self.n_params = bytes / 4 end
     local dt = self.now() - t0
     self.st.publishes = self.st.publishes + 1
     self.st.publish_seconds = self.st.publish_seconds + dt
-    self.st.syncs[#self.st.syncs + 1] = { version = v.version, bytes = bytes, t0 = self.now(), workers = 0,
-        max_seconds = 0, snapshot_seconds = dt }
+    self.st.syncs[#self.st.syncs + 1] = { version = v.version, bytes = v.bytes, base_bytes = v.base_bytes,
+        t0 = self.now(), workers = 0, max_seconds = 0, snapshot_seconds = dt }
     if #self.st.syncs > 64 then table.remove(self.st.syncs, 1) end
     for _, w in pairs(self.workers) do self:announce(w) end
-    self:log("debug", ("published version %d (%.1f MB, crc %08x) in %.3f s"):format(v.version, bytes / 1e6, crc, dt))
+    self:log("debug", ("published version %d (%.1f MB%s, crc %08x) in %.3f s"):format(v.version, v.bytes / 1e6,
+        v.lora and (", LoRA adapters over base version %d"):format(v.base.version) or "", v.crc, dt))
     self:service(0)
     return v.version
 end

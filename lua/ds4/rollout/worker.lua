@@ -24,7 +24,9 @@
   worker has none, else compared with ours (a mismatch: error refused, exit 1) -> weights fetched if the announced (version, CRC) is not what is loaded: weight_request with at
   most 4 chunks in flight, each chunk checked (geometry, CRC) and copied into a staging tensor at its offset, the
   whole buffer's CRC checked, then model:set_params(staging) — between tasks, so a generation never mixes two
-  versions -> credit -> tasks, each submitted to the model's continuous batcher (model:batcher: one prompt, n
+  versions (a LoRA policy, protocol 4: its base version fetched once, or recognised in the starting weights, and
+  staged, then the adapters; both go in together, adapters of the announced layout attached when ours differ) ->
+  credit -> tasks, each submitted to the model's continuous batcher (model:batcher: one prompt, n
   samples, the task's seed; up to max_batch sequences of all running tasks decode in one step, a task is admitted
   as soon as its n sequences fit, and its result is model:generate's alone, bit for bit, whoever generates it and
   whatever runs beside it) with a version at least the task's policy -> samples + one more credit, as each task
@@ -255,6 +257,23 @@ function W:check_model(m)
     return nil
 end
 
+-- The CRC-32 of the model's own parameters (what the worker started from may be the trainer's weights already).
+local function own_crc(model, bytes)
+    return codec.buffer_crc(ffi.cast("const uint8_t *", model:params():data_ptr()), bytes)
+end
+
+-- A LoRA policy's announce (protocol 4): its adapter layout, checked against this model; nil + why if it does not fit.
+local function announced_layout(self, m)
+    local layout = { rank = m.lora_rank, alpha = m.lora_alpha, rslora = m.lora_rslora,
+        masks = codec.unpack_i32(codec.raw(m, "lora_masks") or "") }
+    local ok, n = pcall(self.model.lora_layout_numel, self.model, layout)
+    if not ok then return nil, "the trainer's adapter layout does not fit this model: " .. tostring(n) end
+    if m.bytes ~= 4 * n then
+        return nil, ("announce of %d adapter bytes, the layout makes %d values"):format(m.bytes, n)
+    end
+    return layout
+end
+
 function W:on_announce(m)
     local mismatch = self:check_model(m)
     if mismatch then
@@ -276,45 +295,94 @@ function W:on_announce(m)
     end
     self.announced = m.version
     if m.version == self.loaded and m.crc == self.loaded_crc then return self:grant_initial() end
-    if self.dl and self.dl.version == m.version and self.dl.crc == m.crc then return end
-    if self.staged and self.staged.version == m.version and self.staged.crc == m.crc then return end
+    if self.dl and self.dl.announce.version == m.version and self.dl.announce.crc == m.crc then return end
+    if self.staged and self.staged.announce.version == m.version and self.staged.announce.crc == m.crc then return end
     if m.version < self.loaded then return self:grant_initial() end
-    local bad
+    local bad, layout
     if m.n_params ~= self.n_params then
         bad = ("the trainer's model has %s parameters, this worker's %d"):format(tostring(m.n_params), self.n_params)
-    elseif m.bytes ~= 4 * self.n_params or m.dtype ~= "f32" then
-        bad = ("announce of %d bytes (%s), expected %d f32"):format(m.bytes, tostring(m.dtype), 4 * self.n_params)
+    elseif m.dtype ~= "f32" then
+        bad = ("announce of dtype %s, expected f32"):format(tostring(m.dtype))
+    elseif m.lora_rank then
+        layout, bad = announced_layout(self, m)
+    elseif m.bytes ~= 4 * self.n_params then
+        bad = ("announce of %d bytes, expected %d f32"):format(m.bytes, 4 * self.n_params)
     end
     if bad then
         self:log("warn", "cannot load the announced weights: " .. bad)
         self:send(codec.error_msg("refused", bad, "weight_announce", m.version))
         return
     end
-    -- the model we started from may already be these weights (the trainer's own checkpoint)
-    if self.loaded == 0 and not self.checked_own then
-        self.checked_own = true
-        local p = self.model:params()
-        local ptr = ffi.cast("const uint8_t *", p:data_ptr())
-        local crc = 0
-        for off = 0, m.bytes - 1, 16777216 do crc = codec.crc32(ptr + off, math.min(16777216, m.bytes - off), crc) end
-        if crc == m.crc then
-            self.loaded, self.loaded_crc = m.version, m.crc
-            self:log("info", ("the starting weights are version %d already"):format(m.version))
-            self:heartbeat()
-            return self:grant_initial()
+    -- the model we started from may already be these weights (the trainer's own checkpoint), or the LoRA base
+    local first = self.loaded == 0 and not self.checked_own
+    if first then self.checked_own = true end
+    if layout then
+        local function is_base(b) return b and b.version == m.lora_base_version and b.crc == m.lora_base_crc end
+        if not is_base(self.base) and not is_base(self.staged_base) then
+            if first and own_crc(self.model, 4 * self.n_params) == m.lora_base_crc then
+                self.base = { version = m.lora_base_version, crc = m.lora_base_crc }
+                self:log("info", ("the starting weights are base version %d already"):format(m.lora_base_version))
+            else
+                return self:start_download(m, "base", { version = m.lora_base_version, bytes = 4 * self.n_params,
+                    chunk = m.lora_base_chunk, chunks = math.ceil(4 * self.n_params / m.lora_base_chunk),
+                    crc = m.lora_base_crc })
+            end
         end
+        m.layout = layout
+        return self:start_download(m, "adapters", m)
     end
-    self:start_download(m)
+    if first and own_crc(self.model, m.bytes) == m.crc then
+        self.loaded, self.loaded_crc = m.version, m.crc
+        self:log("info", ("the starting weights are version %d already"):format(m.version))
+        self:heartbeat()
+        return self:grant_initial()
+    end
+    self:start_download(m, "weights", m)
 end
 
-function W:start_download(m)
-    self.staged = nil -- the staging buffer is about to hold a newer version
-    if not self.staging then self.staging = ds4.zeros({ self.n_params }) end
-    self.dl = { version = m.version, bytes = m.bytes, chunk = m.chunk, chunks = m.chunks, crc = m.crc, next = 0,
-        outstanding = 0, received = 0, got = {}, t0 = self.now(), restarts = (self.dl and self.dl.version ==
-        m.version) and self.dl.restarts or 0, ptr = ffi.cast("uint8_t *", self.staging:data_ptr()) }
-    self:log("debug", ("fetching version %d: %d chunks of %d bytes"):format(m.version, m.chunks, m.chunk))
+-- Fetch one buffer: "weights" (a plain policy: every parameter), "base" (a LoRA policy's frozen weights, staged
+-- until its adapters are in) or "adapters". target: {version, bytes, chunk, chunks, crc}; m: the announce.
+function W:start_download(m, what, target)
+    self.staged = nil -- a staging buffer is about to hold a newer version
+    local staging
+    if what == "adapters" then
+        if not self.lora_staging or self.lora_staging:numel() ~= target.bytes / 4 then
+            self.lora_staging = ds4.zeros({ target.bytes / 4 })
+        end
+        staging = self.lora_staging
+    else
+        self.staged_base = nil
+        if not self.staging then self.staging = ds4.zeros({ self.n_params }) end
+        staging = self.staging
+    end
+    local old = self.dl
+    self.dl = { version = target.version, bytes = target.bytes, chunk = target.chunk, chunks = target.chunks,
+        crc = target.crc, what = what, announce = m, next = 0, outstanding = 0, received = 0, got = {},
+        t0 = self.now(), restarts = (old and old.version == target.version) and old.restarts or 0,
+        ptr = ffi.cast("uint8_t *", staging:data_ptr()) }
+    self:log("debug", ("fetching version %d (%s): %d chunks of %d bytes"):format(target.version, what, target.chunks,
+        target.chunk))
     self:pump()
+end
+
+-- A complete, CRC-checked download of a policy version ("weights" or "adapters") goes into the model, with the
+-- staged base of a LoRA policy (W:apply_staged calls it when no task runs).
+function W:install(d)
+    local model, m = self.model, d.announce
+    if d.what == "weights" then
+        if model:lora_info() then model:drop_lora() end
+        model:set_params(self.staging)
+        self.base = nil
+    else
+        if self.staged_base then
+            model:set_params(self.staging)
+            self.base, self.staged_base = self.staged_base, nil
+        end
+        local have = model:lora_layout()
+        if not have or not codec.same_layout(have, m.layout) then model:lora_from_layout(m.layout) end
+        model:set_lora_params(self.lora_staging)
+    end
+    self.loaded, self.loaded_crc = m.version, m.crc
 end
 
 function W:pump()
@@ -357,8 +425,7 @@ function W:on_chunk(m)
     d.received = d.received + 1
     d.outstanding = math.max(0, d.outstanding - 1)
     if d.received < d.chunks then return self:pump() end
-    local crc = 0
-    for off = 0, d.bytes - 1, 16777216 do crc = codec.crc32(d.ptr + off, math.min(16777216, d.bytes - off), crc) end
+    local crc = codec.buffer_crc(d.ptr, d.bytes)
     if crc ~= d.crc then
         self.st.errors = self.st.errors + 1
         if d.restarts < 1 then
@@ -376,25 +443,31 @@ function W:on_chunk(m)
         d.retry_at = self.now() + 5
         return
     end
-    -- the swap waits for the running tasks (W:apply_staged): a generation never mixes two versions
+    local dt = self.now() - d.t0
     self.dl = nil
+    self.st.downloads = self.st.downloads + 1
+    self.st.download_bytes = self.st.download_bytes + d.bytes
+    self.st.download_seconds = self.st.download_seconds + dt
+    self:log("info", ("fetched %s of version %d (%.1f MB in %.3f s, %.1f MB/s)"):format(d.what, d.version,
+        d.bytes / 1e6, dt, d.bytes / 1e6 / math.max(dt, 1e-9)))
+    if d.what == "base" then -- kept staged: the model changes only when the adapters are in too
+        self.staged_base = { version = d.version, crc = d.crc }
+        return self:on_announce(d.announce)
+    end
+    -- the swap waits for the running tasks (W:apply_staged): a generation never mixes two versions
     self.staged = d
     self:apply_staged()
 end
 
--- Load downloaded weights once no task runs: one memcpy into the model's parameter buffer.
+-- Load downloaded weights once no task runs: one memcpy into the model's parameter buffer (and, for a LoRA policy,
+-- one into its adapters' buffer).
 function W:apply_staged()
     local d = self.staged
     if not d or next(self.running) ~= nil then return end
     self.staged = nil
-    self.model:set_params(self.staging)
-    local dt = self.now() - d.t0
-    self.loaded, self.loaded_crc = d.version, d.crc
-    self.st.downloads = self.st.downloads + 1
-    self.st.download_bytes = self.st.download_bytes + d.bytes
-    self.st.download_seconds = self.st.download_seconds + dt
-    self:log("info", ("loaded policy version %d (%.1f MB in %.3f s, %.1f MB/s)"):format(d.version, d.bytes / 1e6, dt,
-        d.bytes / 1e6 / math.max(dt, 1e-9)))
+    self:install(d)
+    self:log("info", ("loaded policy version %d%s"):format(self.loaded, d.what == "adapters" and " (LoRA adapters)"
+        or ""))
     self:heartbeat()
     self:grant_initial()
 end
