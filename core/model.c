@@ -537,6 +537,24 @@ ds4_status ds4_model_update_router_bias(ds4_model *m, double gamma, ds4_error *e
     return s;
 }
 
+ds4_status ds4_model_sum_router_loads(ds4_model *m,
+                                      ds4_status (*sum)(void *ctx, double *buf, int64_t n, ds4_error *err), void *ctx,
+                                      ds4_error *err) {
+    if (!m || !sum) return ds4_fail(err, DS4_ERR_ARG, "summing the router loads over ranks: model or sum is NULL");
+    if (!(m->topt.router_bias_gamma > 0) || !m->router_loads || m->ep_on) return DS4_OK;
+    const int64_t n = (m->cfg.num_hidden_layers + 1) * m->cfg.n_routed_experts;
+    double *buf = malloc((size_t)n * sizeof(double));
+    if (!buf) return ds4_fail(err, DS4_ERR_OOM, "summing the router loads over ranks: %lld values", (long long)n);
+    for (int64_t i = 0; i < n; i++) buf[i] = (double)m->router_loads[i];
+    ds4_status s = sum(ctx, buf, n, err);
+    if (!s)
+        for (int64_t i = 0; i < n; i++) m->router_loads[i] = (int64_t)buf[i];
+    else
+        ds4_error_prefix(err, "summing the router loads over ranks: ");
+    free(buf);
+    return s;
+}
+
 /* AdamW weight decay applies to matrices only: not to norms, biases (router bias, compressor position bias
  * 'ape'), attention sinks, or the mHC base/scale vectors. */
 static int decays(const char *name) {

@@ -278,6 +278,10 @@ ds4_status ds4_comm_device_all_to_all_v(ds4_comm *c, const void *dev_send, const
 
 /* ------------------------------------------------------------------------------------------------ gradients */
 
+static ds4_status sum_loads(void *ctx, double *buf, int64_t n, ds4_error *err) {
+    return ds4_comm_all_reduce_sum((ds4_comm *)ctx, DS4_F64, buf, n, err);
+}
+
 ds4_status ds4_comm_all_reduce_grads(ds4_comm *c, ds4_model *m, double scale, ds4_error *err) {
     if (!c || !m) return ds4_fail(err, DS4_ERR_ARG, "dist all_reduce_grads: communicator or model is NULL");
     const ds4_device_options dev = ds4_model_device(m);
@@ -308,9 +312,11 @@ ds4_status ds4_comm_all_reduce_grads(ds4_comm *c, ds4_model *m, double scale, ds
     if (dev.type == DS4_DEVICE_CUDA && c->nccl) {
         st = ds4_comm_device_all_reduce_sum(c, DS4_F32, g, n, err);
         ds4_model_grads_changed(m);
-        return st;
+    } else {
+        st = ds4_comm_all_reduce_sum(c, DS4_F32, g, n, err);
     }
-    return ds4_comm_all_reduce_sum(c, DS4_F32, g, n, err);
+    /* the router-bias update after the step must count the global batch's tokens, as one process would */
+    return st ? st : ds4_model_sum_router_loads(m, sum_loads, c, err);
 }
 
 /* ------------------------------------------------------------------------------------------------ ZeRO-1 */

@@ -100,6 +100,15 @@ const int64_t *ds4_model_router_loads(const ds4_model *m);
  * with no counted token are left alone), then reset the counts. Called by ds4_adamw_step when
  * router_bias_gamma > 0; callable directly by a custom loop. */
 ds4_status ds4_model_update_router_bias(ds4_model *m, double gamma, ds4_error *err);
+/* Data parallelism: replace the counted loads by their sum over the ranks, through `sum` (an in-place all-reduce of
+ * n doubles on every rank; the counts are integers below 2^53, so exact in any order), so that every rank's bias
+ * update sees the global batch's loads and the ranks' biases stay equal. Does nothing (and calls no collective)
+ * unless router_bias_gamma > 0 and loads were counted, and with expert parallelism on (whose update sums them
+ * itself); the condition is the same on every rank of a data-parallel run. Called once per optimizer step, after
+ * the last backward and before the step (ds4_comm_all_reduce_grads does). */
+ds4_status ds4_model_sum_router_loads(ds4_model *m,
+                                      ds4_status (*sum)(void *ctx, double *buf, int64_t n, ds4_error *err), void *ctx,
+                                      ds4_error *err);
 
 /* ------------------------------------------------------------------------------------------------ expert parallelism */
 

@@ -1,7 +1,9 @@
 -- dist_data_parallel.lua — data parallelism by hand: N ranks, each with some of the batch's rows (4 ranks: one each;
 -- 2 ranks: 1 and 3 rows, unequal on purpose), all-reduce their gradients (ds4.dist.all_reduce_grads) and step AdamW,
 -- with the MTP loss (λ = 0.3) and the indexer KL loss (1.0) on, and labels masked unevenly, so that the three parts
--- of the loss have different counts on every rank. Every rank also trains two more copies in the same process:
+-- of the loss have different counts on every rank; and the router-bias balancing on (γ = 1e-3), whose update after
+-- each step must see the global batch's expert loads (all_reduce_grads sums them over the ranks): a rank that used
+-- its own loads would move its biases by up to 2γ from the others' and from acc's. Every rank also trains two more copies in the same process:
 --   acc   one process accumulating the ranks' micro-batches in rank order (the same normalisation): the DP result
 --         must be the same BITS (the backward adds its gradient once, and the ranks' gradients are summed in rank
 --         order: ((G1 + G2) + G3) + G4 either way; docs/distributed.md, "Bitwise data parallelism"). Not checked for
@@ -55,7 +57,7 @@ local function opts() return { lr = 1e-3, betas = { 0.9, 0.95 }, eps = 1e-8, wei
 local LAMBDA, KAPPA = 0.3, 1.0
 local ref, dp, acc = ds4.load(dir), ds4.load(dir), ds4.load(dir)
 for _, m in ipairs({ ref, dp, acc }) do
-    m:set_train_options({ mtp_lambda = LAMBDA, indexer_kl = KAPPA })
+    m:set_train_options({ mtp_lambda = LAMBDA, indexer_kl = KAPPA, router_bias_gamma = 1e-3 })
     if on_device then m:to(ds4.dist.device(), "fp32") end
 end
 if on_device then H.eq(ds4.dist.device():match("^cuda:%d+$") ~= nil, true, "ds4.dist.device() names this rank's GPU") end
