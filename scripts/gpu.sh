@@ -11,6 +11,8 @@
 #   GPU_STAGES="build tests bench demo"           # a subset (default: build tests bench; demo, the README's GPU RL
 #                                                 # demonstration, takes ~4 more minutes)
 #   BENCH_ARGS="--quick"                          # passed to bench/gpu_bench.sh
+# The bench stage also runs bench/dist_bench.sh (data-parallel training on 1, 2 and 4 ranks) where there are 2 or
+# more GPUs.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -87,6 +89,15 @@ if [[ " $STAGES " == *" bench "* ]]; then
         bash bench/gpu_bench.sh build-gpu "$LOG" ${BENCH_ARGS:-} >"$LOG/bench.log" 2>&1
         bench_status="$(grep '^bench:' "$LOG/bench.log" | tail -n1 | sed 's/^bench: //')"
         [ -n "$bench_status" ] || bench_status="FAILED ($(tail -n1 "$LOG/bench.log"))"
+    fi
+    # data-parallel training on 1 and every GPU count up to the machine's (2, 4): weak scaling, NCCL all-reduce
+    ngpu="$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')"
+    if [ "${ngpu:-0}" -ge 2 ] && [ -x build-gpu/ds4 ]; then
+        sizes="1 2"
+        [ "$ngpu" -ge 4 ] && sizes="1 2 4"
+        # shellcheck disable=SC2086
+        bash bench/dist_bench.sh build-gpu/ds4 $sizes >"$LOG/dist_bench.log" 2>&1
+        bench_status="$bench_status; $(grep '^dist bench:' "$LOG/dist_bench.log" | tail -n1 | sed 's/^dist bench: //')"
     fi
 fi
 demo_status=skipped
