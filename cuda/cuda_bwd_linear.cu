@@ -395,26 +395,44 @@ __global__ void norm_dw_finish(norm_args a) {
     a.dw[i] = w;
 }
 
-// dst[i] += src[r·ld + i] row by row in order: one thread per column, the CPU's sequence of fp32 adds.
 // dst[c] += src[0, c] + src[1, c] + ... one fp32 add at a time in row order (the CPU's bits). The columns are few
-// (3 to a few dozen) and the rows many: a block stages COLSUM_ROWS rows of its columns in shared memory with coalesced
-// loads, then one thread per column adds them in order, so the sequential chain waits on shared memory, not on a
-// global load per row.
-constexpr int COLSUM_COLS = 32, COLSUM_ROWS = 256;
-__global__ void colsum_kernel(float *dst, const float *src, int64_t rows, int64_t width, int64_t ld) {
-    __shared__ float tile[COLSUM_ROWS][COLSUM_COLS + 1];
+// (3 to a few dozen) and the rows many: a block takes COLSUM_COLS columns; warp 0 (one lane per column) adds a tile of
+// COLSUM_ROWS rows from shared memory while the other warps stage the next tile into a second buffer with coalesced
+// loads, one barrier per tile. The adding lane reads eight rows into registers before it adds them, so the
+// sequential chain waits on fp32 adds, not on a shared-memory read per row.
+constexpr int COLSUM_COLS = 32, COLSUM_ROWS = 128;
+__global__ void __launch_bounds__(256) colsum_kernel(float *dst, const float *src, int64_t rows, int64_t width,
+                                                     int64_t ld) {
+    __shared__ float tile[2][COLSUM_ROWS][COLSUM_COLS + 1];
     const int64_t c0 = (int64_t)blockIdx.x * COLSUM_COLS;
     const int cw = (int)(width - c0 < COLSUM_COLS ? width - c0 : COLSUM_COLS);
-    float s = threadIdx.x < cw ? dst[c0 + threadIdx.x] : 0.0f;
-    for (int64_t r0 = 0; r0 < rows; r0 += COLSUM_ROWS) {
+    const int loader = (int)threadIdx.x - 32, nload = (int)blockDim.x - 32;
+    auto stage = [&](int buf, int64_t r0) {
         const int rn = (int)(rows - r0 < COLSUM_ROWS ? rows - r0 : COLSUM_ROWS);
-        __syncthreads();
-        for (int e = threadIdx.x; e < rn * cw; e += blockDim.x) tile[e / cw][e % cw] = src[(r0 + e / cw) * ld + c0 + e % cw];
-        __syncthreads();
-        if (threadIdx.x < cw)
-            for (int r = 0; r < rn; r++) s += tile[r][threadIdx.x];
+        for (int e = loader; e < rn * cw; e += nload) tile[buf][e / cw][e % cw] = src[(r0 + e / cw) * ld + c0 + e % cw];
+    };
+    float s = (int)threadIdx.x < cw ? dst[c0 + threadIdx.x] : 0.0f;
+    if (loader >= 0) stage(0, 0);
+    __syncthreads();
+    int buf = 0;
+    for (int64_t r0 = 0; r0 < rows; r0 += COLSUM_ROWS, buf ^= 1) {
+        if (loader >= 0) {
+            if (r0 + COLSUM_ROWS < rows) stage(buf ^ 1, r0 + COLSUM_ROWS);
+        } else if ((int)threadIdx.x < cw) {
+            const int rn = (int)(rows - r0 < COLSUM_ROWS ? rows - r0 : COLSUM_ROWS);
+            int r = 0;
+            for (; r + 8 <= rn; r += 8) {
+                float v[8];
+#pragma unroll
+                for (int u = 0; u < 8; u++) v[u] = tile[buf][r + u][threadIdx.x];
+#pragma unroll
+                for (int u = 0; u < 8; u++) s += v[u];
+            }
+            for (; r < rn; r++) s += tile[buf][r][threadIdx.x];
+        }
+        __syncthreads(); // the tile just added is free to restage; the one staged is complete
     }
-    if (threadIdx.x < cw) dst[c0 + threadIdx.x] = s;
+    if ((int)threadIdx.x < cw) dst[c0 + threadIdx.x] = s;
 }
 
 // du[t, c] = 0 + dX[t, 0, c] + dX[t, 1, c] + ... in stream order (the CPU's adds onto a zeroed row).
