@@ -256,6 +256,52 @@ __global__ void key_grad_part_kernel(abwd_args a, int kind, int64_t nch, float *
     }
 }
 
+// B1 for a group of WIN_KEYS consecutive window keys j0 .. j0 + WIN_KEYS - 1 of sequence `row` and one chunk index:
+// key j's chunk ch is the queries s = j + 64·ch .. (i = s - j in its list), so the group's chunks cover nearly the
+// same queries, and key_grad_part_kernel read each query's q and dout rows once per key (the pass was bound by those
+// reads). Here the block walks the union of the group's queries in order, reads q and dout of a (query, head) once
+// and adds them into every key of the group whose chunk holds the query: each key's partial gets its queries in
+// order and, per query, the heads in order (DS then P), the sums key_grad_part_kernel forms: the same bits.
+constexpr int WIN_KEYS = 16;
+
+__global__ void key_grad_win_kernel(abwd_args a, int64_t groups, int64_t nch, float *part) {
+    const int64_t ch = blockIdx.x % nch, grp = blockIdx.x / nch, row = grp / groups;
+    const int64_t j0 = (grp % groups) * WIN_KEYS, S = a.S;
+    const int nkey = (int)(S - j0 < WIN_KEYS ? S - j0 : WIN_KEYS);
+    int64_t lo[WIN_KEYS], hi[WIN_KEYS]; // key j0 + u's chunk: queries [lo, hi) (empty: lo >= hi)
+    int64_t s0 = INT64_MAX, s1 = 0;
+#pragma unroll
+    for (int u = 0; u < WIN_KEYS; u++) {
+        const int64_t j = j0 + u, n = u < nkey ? (j + a.win < S ? j + a.win : S) - j : 0;
+        lo[u] = j + ch * KEY_QCHUNK;
+        hi[u] = j + (ch * KEY_QCHUNK + KEY_QCHUNK < n ? ch * KEY_QCHUNK + KEY_QCHUNK : n);
+        if (lo[u] < hi[u]) s0 = lo[u] < s0 ? lo[u] : s0, s1 = hi[u] > s1 ? hi[u] : s1;
+    }
+    for (int64_t c = threadIdx.x; c < a.d; c += blockDim.x) {
+        float acc[WIN_KEYS];
+#pragma unroll
+        for (int u = 0; u < WIN_KEYS; u++) acc[u] = 0.0f;
+        for (int64_t s = s0; s < s1; s++) {
+            const int64_t t = row * S + s, q0 = s - a.win + 1 > 0 ? s - a.win + 1 : 0; // q0: the query's first key
+            const float *DS = a.DS + t * a.H * a.maxk, *P = a.P + t * a.H * a.maxk;
+            const float *q = a.q + t * a.H * a.d + c, *g = a.dout + t * a.H * a.d + c;
+            for (int64_t h = 0; h < a.H; h++) {
+                const float qv = q[h * a.d], gv = g[h * a.d];
+#pragma unroll
+                for (int u = 0; u < WIN_KEYS; u++)
+                    if (s >= lo[u] && s < hi[u]) {
+                        const int64_t kidx = j0 + u - q0;
+                        acc[u] = fmaf(DS[h * a.maxk + kidx], qv, acc[u]);
+                        acc[u] = fmaf(P[h * a.maxk + kidx], gv, acc[u]);
+                    }
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < WIN_KEYS; u++)
+            if (u < nkey) part[((row * S + j0 + u) * nch + ch) * a.d + c] = acc[u];
+    }
+}
+
 // out row of key = 0 + part(chunk 0) + part(chunk 1) + ... (window keys: dkv[tk]; entries: dK[row·S + w])
 __global__ void key_grad_fold_kernel(abwd_args a, int kind, int64_t nkeys, int64_t nch, const float *part) {
     const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
@@ -594,7 +640,13 @@ static void key_grads(ds4_dev *d, const abwd_args &g, int kind, int64_t nkeys, i
     if (!grid_fits(d, nkeys * nch, op, "keys x query chunks")) return;
     auto *part = (float *)ds4_cuda_scratch(d, (size_t)(nkeys * nch * g.d) * sizeof(float), op, 0);
     if (!part) return;
-    key_grad_part_kernel<<<(unsigned)(nkeys * nch), channel_threads(g.d), 0, cdev(d)->stream>>>(g, kind, nch, part);
+    if (kind == 0) { // window keys: the sequences' keys in groups (nkeys = B·S)
+        const int64_t groups = (g.S + WIN_KEYS - 1) / WIN_KEYS, nblk = nkeys / g.S * groups * nch;
+        if (!grid_fits(d, nblk, op, "key groups x query chunks")) return;
+        key_grad_win_kernel<<<(unsigned)nblk, channel_threads(g.d), 0, cdev(d)->stream>>>(g, groups, nch, part);
+    } else {
+        key_grad_part_kernel<<<(unsigned)(nkeys * nch), channel_threads(g.d), 0, cdev(d)->stream>>>(g, kind, nch, part);
+    }
     if (!ds4_cuda_launched(d, op, "%s: partials of %lld chunks", shapes, (long long)nch)) return;
     key_grad_fold_kernel<<<ds4_blocks(nkeys * g.d, 256), 256, 0, cdev(d)->stream>>>(g, kind, nkeys, nch, part);
     ds4_cuda_launched(d, op, "%s: fold", shapes);
