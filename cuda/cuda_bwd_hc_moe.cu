@@ -215,6 +215,66 @@ __global__ void __launch_bounds__(BT) coef_bwd_kernel(coef_args a) {
     }
 }
 
+// The same per token, one token per WARP (COEF_WARPS tokens a block), for tapes that fit in shared memory: the
+// per-token kernel above keeps 7 of its 8 warps waiting while warp 0 runs the Sinkhorn replay and backward (latency
+// bound fp64 chains), and an SM holds 8 such blocks, so 8 tokens at a time. Here each warp replays its own token's
+// Sinkhorn, then applies the collapse's gradient itself (elementwise, so in any order the same values); the per-token
+// arithmetic is the kernel above's, so the same bits. Shared memory per warp: smix, sdz [nmix], spre [n] floats,
+// then g, gx [n²] and the tape [(2·iters + 1)·n²] doubles (coef_warp_bytes).
+constexpr int COEF_WARPS = 4;
+
+__host__ __device__ inline size_t coef_warp_floats(int64_t n, int64_t nmix) { return (size_t)((2 * nmix + n + 1) / 2 * 2); }
+__host__ __device__ inline size_t coef_warp_bytes(int64_t n, int64_t nmix, int64_t tape) {
+    return coef_warp_floats(n, nmix) * sizeof(float) + (size_t)(2 * n * n + tape) * sizeof(double);
+}
+
+__global__ void __launch_bounds__(COEF_WARPS * 32) coef_bwd_warp_kernel(coef_args a, int64_t nt) {
+    extern __shared__ double wdyn[];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int64_t k = (int64_t)blockIdx.x * COEF_WARPS + warp; // the token within the launch
+    if (k >= nt) return; // a whole warp; nothing below synchronises the block
+    const int64_t t = a.t0 + k, n = a.n, D = a.D, nn = n * n, nmix = a.head ? n : (2 + n) * n;
+    const int64_t tape = a.head ? 0 : (2 * a.iters + 1) * nn;
+    char *mine = reinterpret_cast<char *>(wdyn) + (size_t)warp * coef_warp_bytes(n, nmix, tape);
+    float *smix = reinterpret_cast<float *>(mine), *sdz = smix + nmix, *spre = sdz + nmix;
+    double *dd = reinterpret_cast<double *>(smix + coef_warp_floats(n, nmix)); // g, gx, tape
+    const bool sink = !a.head;
+    for (int64_t i = lane; i < nmix; i += 32) smix[i] = a.dmix[t * nmix + i];
+    __syncwarp();
+    for (int64_t i = lane; i < n; i += 32) {
+        const float sg = ds4d_sigmoid(madd(smix[i], a.sc[0], a.base[i]));
+        spre[i] = sg + (float)a.hc_eps;
+        sdz[i] = a.dzb[t * nmix + i] * sg * (1.0f - sg);
+        if (sink) {
+            const float sp = ds4d_sigmoid(madd(smix[n + i], a.sc[1], a.base[n + i]));
+            sdz[n + i] = a.dpost[t * n + i] * 2.0f * sp * (1.0f - sp);
+        }
+    }
+    __syncwarp();
+    if (sink)
+        sinkhorn_bwd(smix + 2 * n, a.sc[2], a.base + 2 * n, a.dcomb + t * nn, n, a.iters, a.hc_eps, dd + 2 * nn, dd,
+                     dd + nn, sdz + 2 * n);
+    const float *du = a.du + t * D;
+    float *dX = a.dX + t * n * D;
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t c = lane; c < D; c += 32) dX[i * D + c] = madd(spre[i], du[c], a.head ? 0.0f : dX[i * D + c]);
+    __syncwarp();
+    for (int64_t i = lane; i < nmix; i += 32) {
+        a.dzb[t * nmix + i] = sdz[i];
+        a.dmix[t * nmix + i] = sdz[i] * a.sc[i < n ? 0 : (i < 2 * n ? 1 : 2)];
+    }
+    if (lane == 0) {
+        float z0 = 0.0f, z1 = 0.0f, z2 = 0.0f;
+        for (int64_t i = 0; i < n; i++) z0 = madd(sdz[i], smix[i], z0);
+        a.dzs[t * 3] = z0;
+        if (sink) {
+            for (int64_t i = n; i < 2 * n; i++) z1 = madd(sdz[i], smix[i], z1);
+            for (int64_t i = 2 * n; i < nmix; i++) z2 = madd(sdz[i], smix[i], z2);
+            a.dzs[t * 3 + 1] = z1, a.dzs[t * 3 + 2] = z2;
+        }
+    }
+}
+
 // mHC post backward of one token per block, from dpost / dcomb already in place (norm_dots_kernel): warp 0
 // recomputes post (first) and M (Sinkhorn, the last two states in st [2·n²]) from the logits mixp = [post | comb]
 // [T, n + n²]; meanwhile the other warps form da = Σ_k post_k dXo_k; then all form dX_j = Σ_k M[j][k] dXo_k. Sums in
@@ -283,6 +343,15 @@ bool norm_dots(ds4_dev *d, const char *op, const float *X, float *xn, int64_t T,
 // before it uses slot 0), tokens in chunks so that the scratch stays bounded.
 void coef_bwd(ds4_dev *d, const char *op, coef_args g, int64_t T) {
     const int64_t nn = g.n * g.n, tape = g.head ? 0 : (2 * g.iters + 1) * nn;
+    const size_t wsmem = COEF_WARPS * coef_warp_bytes(g.n, g.head ? g.n : (2 + g.n) * g.n, tape);
+    if (wsmem <= 48 * 1024) { // a token per warp (the usual shapes: n = 4, 20 iterations: 23 KB a block)
+        g.gtape = nullptr, g.t0 = 0;
+        coef_bwd_warp_kernel<<<(unsigned)((T + COEF_WARPS - 1) / COEF_WARPS), COEF_WARPS * 32, wsmem,
+                               cdev(d)->stream>>>(g, T);
+        ds4_cuda_launched(d, op, "coefficients [%lld tokens, %lld streams, %lld, %lld iterations, a token per warp]",
+                          (long long)T, (long long)g.n, (long long)g.D, (long long)g.iters);
+        return;
+    }
     size_t smem = g.head ? 0 : (size_t)(2 * nn + tape) * sizeof(double);
     int64_t chunk = T;
     g.gtape = nullptr;
