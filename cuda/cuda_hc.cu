@@ -82,6 +82,38 @@ __global__ void __launch_bounds__(HC_THREADS) hc_coef_kernel(const float *X, con
     }
 }
 
+// The same with a token per WARP (COEF_WARPS tokens a block; hc_n · hc_n ≤ COEF_SMALL_SQ): each warp runs its own
+// token's Sinkhorn and then the collapse (each output summed over the streams in order: the same sums), instead of a
+// block whose other 7 warps wait for warp 0's fp64 chains. The per-token arithmetic is hc_coef_kernel's: the same bits,
+// in a full forward and in a decoding step alike.
+constexpr int COEF_WARPS = 4, COEF_SMALL_SQ = 64;
+
+__global__ void __launch_bounds__(COEF_WARPS * 32) hc_coef_warp_kernel(const float *X, const float *mixall,
+                                                                       const float *base, const float *sc, float *pre,
+                                                                       float *post, float *comb, float *u, int64_t T,
+                                                                       int64_t n, int64_t D, int64_t iters,
+                                                                       double hc_eps) {
+    __shared__ double M[COEF_WARPS][COEF_SMALL_SQ];
+    __shared__ float spre[COEF_WARPS][COEF_SMALL_SQ];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int64_t t = (int64_t)blockIdx.x * COEF_WARPS + warp, nmix = (2 + n) * n;
+    if (t >= T) return; // a whole warp; nothing below synchronises the block
+    const float *x = X + t * n * D, *mix = mixall + t * nmix;
+    for (int64_t i = lane; i < n; i += 32) {
+        spre[warp][i] = ds4d_sigmoid(mix[i] * sc[0] + base[i]) + (float)hc_eps;
+        pre[t * n + i] = spre[warp][i];
+        post[t * n + i] = 2.0f * ds4d_sigmoid(mix[n + i] * sc[1] + base[n + i]);
+    }
+    sinkhorn_warp(mix + 2 * n, sc[2], base + 2 * n, n, iters, hc_eps, M[warp]);
+    for (int64_t i = lane; i < n * n; i += 32) comb[t * n * n + i] = (float)M[warp][i];
+    __syncwarp();
+    for (int64_t c = lane; c < D; c += 32) {
+        float acc = 0;
+        for (int64_t i = 0; i < n; i++) acc += spre[warp][i] * x[i * D + c];
+        u[t * D + c] = acc;
+    }
+}
+
 __global__ void hc_post_kernel(const float *X, const float *A, const float *post, const float *comb, float *Xo,
                                int64_t T, int64_t n, int64_t D) {
     const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
@@ -129,9 +161,14 @@ void ds4_cuda_hc_pre(ds4_dev *d, const ds4_a_hc_pre *a) {
     const int64_t n = c->hc_mult, D = c->hidden_size, nmix = (2 + n) * n;
     const float *mix = mix_logits(d, "hc_pre", a->X, a->w->fn, a->T, n * D, nmix, c->rms_norm_eps);
     if (!mix) return;
-    hc_coef_kernel<<<(unsigned)a->T, HC_THREADS, 0, cdev(d)->stream>>>(a->X, mix, a->w->base, a->w->scale, a->pre,
-                                                                         a->post, a->comb, a->u, n, D,
-                                                                         c->hc_sinkhorn_iters, c->hc_eps);
+    if (n * n <= COEF_SMALL_SQ)
+        hc_coef_warp_kernel<<<(unsigned)((a->T + COEF_WARPS - 1) / COEF_WARPS), COEF_WARPS * 32, 0, cdev(d)->stream>>>(
+            a->X, mix, a->w->base, a->w->scale, a->pre, a->post, a->comb, a->u, a->T, n, D, c->hc_sinkhorn_iters,
+            c->hc_eps);
+    else
+        hc_coef_kernel<<<(unsigned)a->T, HC_THREADS, 0, cdev(d)->stream>>>(a->X, mix, a->w->base, a->w->scale, a->pre,
+                                                                             a->post, a->comb, a->u, n, D,
+                                                                             c->hc_sinkhorn_iters, c->hc_eps);
     ds4_cuda_launched(d, "hc_pre", "[%lld tokens, %lld streams, %lld]", (long long)a->T, (long long)n, (long long)D);
 }
 
