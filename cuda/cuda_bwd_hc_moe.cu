@@ -309,6 +309,37 @@ __global__ void __launch_bounds__(BT) post_bwd_kernel(const float *dXo, const fl
         }
 }
 
+// The same with a token per WARP (COEF_WARPS tokens a block) for hc_mult^2 <= POST_SMALL_SQ: each warp recomputes
+// its token's post and Sinkhorn, then forms da and dX itself, with post_bwd_kernel's expressions (the same bits).
+constexpr int POST_SMALL_SQ = 64, POST_SMALL_N = 8;
+
+__global__ void __launch_bounds__(COEF_WARPS * 32) post_bwd_warp_kernel(const float *dXo, const float *mixp,
+                                                                        const float *base, const float *sc, float *dX,
+                                                                        float *da, int64_t T, int64_t n, int64_t D,
+                                                                        int64_t iters, double hc_eps) {
+    __shared__ double st[COEF_WARPS][2 * POST_SMALL_SQ];
+    __shared__ float spost[COEF_WARPS][POST_SMALL_N], sM[COEF_WARPS][POST_SMALL_SQ];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int64_t t = (int64_t)blockIdx.x * COEF_WARPS + warp, nn = n * n;
+    if (t >= T) return; // a whole warp; nothing below synchronises the block
+    const float *m = mixp + t * (n + nn), *dxo = dXo + t * n * D;
+    for (int64_t i = lane; i < n; i += 32) spost[warp][i] = 2.0f * ds4d_sigmoid(madd(m[i], sc[1], base[n + i]));
+    const double *M = sinkhorn(m + n, sc[2], base + 2 * n, n, iters, hc_eps, st[warp], 2, nullptr);
+    for (int64_t e = lane; e < nn; e += 32) sM[warp][e] = (float)M[e];
+    __syncwarp();
+    for (int64_t c = lane; c < D; c += 32) {
+        float acc = 0.0f;
+        for (int64_t k = 0; k < n; k++) acc = madd(spost[warp][k], dxo[k * D + c], acc);
+        da[t * D + c] = acc;
+    }
+    for (int64_t j = 0; j < n; j++)
+        for (int64_t c = lane; c < D; c += 32) {
+            float acc = 0.0f;
+            for (int64_t k = 0; k < n; k++) acc = madd(sM[warp][j * n + k], dxo[k * D + c], acc);
+            dX[(t * n + j) * D + c] = acc;
+        }
+}
+
 // The shapes the per-token kernels take: one block per token, a token's mixing values in shared arrays sized by
 // DS4_MAX_HC, at least one Sinkhorn iteration (the CPU's tape layout assumes it; configs require it).
 bool hc_shapes_ok(ds4_dev *d, const char *op, int64_t T, int64_t n, int64_t D, int64_t iters, bool sink) {
@@ -501,8 +532,12 @@ void ds4_cuda_hc_post_bwd(ds4_dev *d, const ds4_a_hc_post_bwd *a) {
         return;
     ds4_cuda_gemm_f32(d, "hc_post_bwd", mixp, np, xn, nD, a->w->fn + n * nD, T, nD, np);
     if (d->st) return;
-    post_bwd_kernel<<<(unsigned)T, BT, (size_t)(2 * n * n) * sizeof(double), cdev(d)->stream>>>(
-        a->dXo, mixp, a->w->base, a->w->scale, a->dX, a->da, n, D, c->hc_sinkhorn_iters, c->hc_eps);
+    if (n * n <= POST_SMALL_SQ)
+        post_bwd_warp_kernel<<<(unsigned)((T + COEF_WARPS - 1) / COEF_WARPS), COEF_WARPS * 32, 0, cdev(d)->stream>>>(
+            a->dXo, mixp, a->w->base, a->w->scale, a->dX, a->da, T, n, D, c->hc_sinkhorn_iters, c->hc_eps);
+    else
+        post_bwd_kernel<<<(unsigned)T, BT, (size_t)(2 * n * n) * sizeof(double), cdev(d)->stream>>>(
+            a->dXo, mixp, a->w->base, a->w->scale, a->dX, a->da, n, D, c->hc_sinkhorn_iters, c->hc_eps);
     ds4_cuda_launched(d, "hc_post_bwd", "[%lld tokens, %lld streams, %lld, %lld iterations]", (long long)T, (long long)n,
                       (long long)D, (long long)c->hc_sinkhorn_iters);
 }
