@@ -133,15 +133,16 @@ __global__ void __launch_bounds__((BM / TM) * (BN / TN)) gemm_f32_kernel(gemm_ar
 // fp32, narrow outputs (N <= 32: the hyper-connections' mixing logits, T rows of n·D into (2 + n)·n columns), many
 // rows. The tiled kernel's 64 x 64 tile would leave most of its columns empty and its grid one block per 64 rows; here
 // 128 threads take 32 rows and all the columns: thread (ty, tx) owns rows 2ty, 2ty + 1 and columns tx + 8j (j < TN),
-// x and W staged by chunks of 64 k as rows [m][k] / [n][k] (68 apart: 16-byte aligned, conflict-free float4 reads).
+// x and W staged by chunks of 64 k as rows [m][k] / [n][k] (68 apart: 16-byte aligned, conflict-free float4 reads)
+// in two buffers, the next chunk's loads issued before the current chunk is multiplied.
 // Each output is the tiled kernel's sum: fmaf in k order within a slice, zero padded, slices added in order (a chunk
 // of 64 never straddles a slice; extra zero-padded steps only turn a -0 partial into +0, which the fold's 0 + P0
 // does anyway).
 template <int TN>
 __global__ void __launch_bounds__(128) gemm_f32_narrow(gemm_args a) {
-    constexpr int BM = 32, BK = 64, LD = BK + 4, NC = 8 * TN;
+    constexpr int BM = 32, BK = 64, LD = BK + 4, NC = 8 * TN, XL = BM * BK / 128, WL = NC * BK / 128;
     static_assert(KSLICE % BK == 0, "slices hold whole chunks");
-    __shared__ __align__(16) float sA[BM * LD], sB[NC * LD];
+    __shared__ __align__(16) float sA[2][BM * LD], sB[2][NC * LD];
     int64_t r0, r1, woff;
     if (!block_rows<BM>(a, blockIdx.y, r0, r1, woff)) return;
     const int z = blockIdx.z;
@@ -150,29 +151,47 @@ __global__ void __launch_bounds__(128) gemm_f32_narrow(gemm_args a) {
     float *y = a.y + z * a.gy;
     const int tid = threadIdx.x, ty = tid >> 3, tx = tid & 7;
     const int64_t rend = r1 < r0 + BM ? r1 : r0 + BM;
+    // the next chunk's values wait in registers while the current one is multiplied; two buffers, one barrier
+    float rx[XL], rw[WL];
+    auto fetch = [&](int64_t k0) {
+#pragma unroll
+        for (int i = 0; i < XL; i++) {
+            const int e = tid + i * 128, m = e / BK, kk = e % BK;
+            const int64_t r = r0 + m, k = k0 + kk;
+            rx[i] = r < rend && k < a.K ? x[r * a.ldx + k] : 0.0f;
+        }
+#pragma unroll
+        for (int i = 0; i < WL; i++) {
+            const int e = tid + i * 128, n = e / BK, kk = e % BK;
+            const int64_t k = k0 + kk;
+            rw[i] = n < a.N && k < a.K ? W[n * a.ldw + k] : 0.0f;
+        }
+    };
+    auto stash = [&](int buf) {
+#pragma unroll
+        for (int i = 0; i < XL; i++) sA[buf][((tid + i * 128) / BK) * LD + (tid + i * 128) % BK] = rx[i];
+#pragma unroll
+        for (int i = 0; i < WL; i++) sB[buf][((tid + i * 128) / BK) * LD + (tid + i * 128) % BK] = rw[i];
+    };
     float tot[2][TN], acc[2][TN];
     ds4d_fma_zero(tot);
     ds4d_fma_zero(acc);
-    for (int64_t k0 = 0; k0 < a.K; k0 += BK) {
-        for (int i = tid; i < BM * BK; i += 128) {
-            const int m = i / BK, kk = i % BK;
-            const int64_t r = r0 + m, k = k0 + kk;
-            sA[m * LD + kk] = r < rend && k < a.K ? x[r * a.ldx + k] : 0.0f;
-        }
-        for (int i = tid; i < NC * BK; i += 128) {
-            const int n = i / BK, kk = i % BK;
-            const int64_t k = k0 + kk;
-            sB[n * LD + kk] = n < a.N && k < a.K ? W[n * a.ldw + k] : 0.0f;
-        }
-        __syncthreads();
+    fetch(0);
+    stash(0);
+    __syncthreads();
+    int buf = 0;
+    for (int64_t k0 = 0; k0 < a.K; k0 += BK, buf ^= 1) {
+        const bool more = k0 + BK < a.K;
+        if (more) fetch(k0 + BK);
+        const float *cA = sA[buf], *cB = sB[buf];
 #pragma unroll 4
         for (int kk = 0; kk < BK; kk += 4) {
-            const float4 p0 = *reinterpret_cast<const float4 *>(&sA[(2 * ty) * LD + kk]);
-            const float4 p1 = *reinterpret_cast<const float4 *>(&sA[(2 * ty + 1) * LD + kk]);
+            const float4 p0 = *reinterpret_cast<const float4 *>(&cA[(2 * ty) * LD + kk]);
+            const float4 p1 = *reinterpret_cast<const float4 *>(&cA[(2 * ty + 1) * LD + kk]);
             const float av[2][4] = {{p0.x, p0.y, p0.z, p0.w}, {p1.x, p1.y, p1.z, p1.w}};
 #pragma unroll
             for (int j = 0; j < TN; j++) {
-                const float4 q = *reinterpret_cast<const float4 *>(&sB[(tx + 8 * j) * LD + kk]);
+                const float4 q = *reinterpret_cast<const float4 *>(&cB[(tx + 8 * j) * LD + kk]);
                 const float bv[4] = {q.x, q.y, q.z, q.w};
 #pragma unroll
                 for (int u = 0; u < 4; u++)
@@ -180,8 +199,9 @@ __global__ void __launch_bounds__(128) gemm_f32_narrow(gemm_args a) {
                     for (int i = 0; i < 2; i++) acc[i][j] = fmaf(av[i][u], bv[u], acc[i][j]);
             }
         }
+        if (more) stash(buf ^ 1);
         __syncthreads();
-        if ((k0 + BK) % KSLICE == 0 || k0 + BK >= a.K) // a slice ends: its partial joins the total
+        if ((k0 + BK) % KSLICE == 0 || !more) // a slice ends: its partial joins the total
             ds4d_fma_fold(tot, acc);
     }
 #pragma unroll
