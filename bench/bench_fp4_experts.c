@@ -1,8 +1,9 @@
-/* bench_fp4_experts.c — FP4-resident routed experts on the CPU (docs/checkpoints.md, "FP4-resident experts"):
- * resident expert bytes, peak memory while loading, and the step-time overhead of decoding the packed experts inside
- * the expert GEMMs, against the same checkpoint loaded with its experts dequantised to fp32.
+/* bench_fp4_experts.c — FP4-resident routed experts (docs/checkpoints.md, "FP4-resident experts"): resident expert
+ * bytes, peak memory while loading, and the step-time overhead of decoding the packed experts inside the expert
+ * GEMMs, against the same checkpoint loaded with its experts dequantised to fp32; on the CPU, or with --device on a
+ * GPU (both ways moved there: "cuda" is bf16, "cuda fp32"; the weights' device bytes are printed too).
  *
- *   build/bench_fp4_experts [--threads N] [--runs N] [--seq S] [--dir DIR]
+ *   build/bench_fp4_experts [--threads N] [--runs N] [--seq S] [--dir DIR] [--device SPEC]
  *
  * The model: a config with many experts (defined below: 64 routed experts of width 128, top-4, hidden 512, 4 layers),
  * random weights (ds4_model_create_random) written as a checkpoint whose routed experts are FP4 (e2m1 + e8m0 per 32,
@@ -212,10 +213,13 @@ static int step_once(ds4_model *m, const int64_t *ids, int64_t S, timing *t, int
     ds4_error err = {0};
     ds4_forward_args a = {.ids = ids, .batch = 1, .seq = S, .labels = ids};
     ds4_forward_result r;
+    float *g;
+    int64_t ng;
     const double t0 = now_s();
     ds4_model_zero_grad(m);
+    /* the gradient buffer's call returns once the device has done what was enqueued (nothing to wait for on a CPU) */
     if (ds4_model_forward_train(m, &a, &r, &err) || ds4_model_backward(m, 1.0 / (double)r.loss_tokens, &err) ||
-        ds4_adamw_step(t->opt, NULL, &err))
+        ds4_adamw_step(t->opt, NULL, &err) || ds4_model_grad_buffer(m, &g, &ng, &err))
         return fail("training step", &err);
     if (timed) t->step = fmin(t->step, now_s() - t0);
     return 0;
@@ -250,15 +254,16 @@ static int measure_rss(const char *self, const char *dir, int fp4, long long *by
 int main(int argc, char **argv) {
     int threads = 0, runs = 5;
     int64_t S = 256;
-    const char *dir = NULL;
+    const char *dir = NULL, *device = NULL;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--load-rss") && i + 2 < argc) return load_rss(argv[i + 1], !strcmp(argv[i + 2], "fp4"));
         if (!strcmp(argv[i], "--threads") && i + 1 < argc) threads = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--runs") && i + 1 < argc) runs = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--seq") && i + 1 < argc) S = atoll(argv[++i]);
         else if (!strcmp(argv[i], "--dir") && i + 1 < argc) dir = argv[++i];
+        else if (!strcmp(argv[i], "--device") && i + 1 < argc) device = argv[++i];
         else {
-            fprintf(stderr, "usage: bench_fp4_experts [--threads N] [--runs N] [--seq S] [--dir DIR]\n");
+            fprintf(stderr, "usage: bench_fp4_experts [--threads N] [--runs N] [--seq S] [--dir DIR] [--device SPEC]\n");
             return 2;
         }
     }
@@ -282,9 +287,14 @@ int main(int argc, char **argv) {
     for (int w = 0; !rc && w < 2; w++) rc = measure_rss(argv[0], ckpt, w, &bytes[w], &hwm[w], &rss[w], &base[w]);
     ds4_model *way[2] = {NULL, NULL};
     timing t[2] = {{0}};
+    ds4_device_options dev = {0};
+    if (!rc && device && ds4_device_parse(device, NULL, &dev, &err)) rc = fail("--device", &err);
+    int64_t dev_bytes[2] = {0}, dev_fp4[2] = {0};
     for (int w = 0; !rc && w < 2; w++) {
         const ds4_load_options lo = {.fp4_experts = w};
         if (ds4_model_load_opts(e, ckpt, &lo, &way[w], &err)) rc = fail("load", &err);
+        else if (device && ds4_model_to(way[w], &dev, &err)) rc = fail("to device", &err);
+        else dev_bytes[w] = ds4_model_device_bytes(way[w], &dev_fp4[w]);
     }
     int64_t *ids = malloc((size_t)S * sizeof *ids);
     for (int64_t i = 0; i < S; i++) ids[i] = 2 + (i * 7919) % (cfg.vocab_size - 2);
@@ -295,7 +305,11 @@ int main(int argc, char **argv) {
         printf("config: %lld layers, %lld routed experts (top %lld) of width %lld, hidden %lld; %lld fp32 parameters, "
                "%lld of them routed-expert values\n", (long long)cfg.num_hidden_layers, E,
                (long long)cfg.num_experts_per_tok, I, D, params, ne);
-        printf("threads %d, best of %d runs, 1 x %lld tokens\n", (int)ds4_engine_threads(e), runs, (long long)S);
+        printf("threads %d, best of %d runs, 1 x %lld tokens, on %s\n", (int)ds4_engine_threads(e), runs, (long long)S,
+               ds4_model_device_name(way[0]));
+        if (device)
+            printf("weights on the device: dequantised %lld bytes, FP4-resident %lld bytes (%lld of them the packed "
+                   "experts)\n", (long long)dev_bytes[0], (long long)dev_bytes[1], (long long)dev_fp4[1]);
         printf("resident expert bytes: fp32 %lld, bf16 %lld, FP4 %lld (%.2f bits per value)\n", bytes[0], ne * 2,
                bytes[1], 8.0 * (double)bytes[1] / (double)ne);
         printf("load, fresh process: VmRSS before %.1f MiB; peak (VmHWM) / after (VmRSS): dequantised %.1f / %.1f "

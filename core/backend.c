@@ -3,13 +3,16 @@
  * A model is created on the CPU backend of its engine: its weights are the host fp32 master copy, used in place.
  * ds4_model_to moves it to another backend: the weights are copied there once, each tensor in its working dtype
  * (the "M" matrices, ds4_param_lowp, in the device's dtype; everything else fp32), in table order, each tensor
- * 16-byte aligned except routed experts after the first, which must follow expert 0 contiguously. Host parameter
- * changes mark the copy dirty; the next pass refreshes it. docs/design.md. */
+ * 16-byte aligned except routed experts after the first, which must follow expert 0 contiguously; then the tid2eid
+ * tables; then the FP4-resident experts' bytes and scales exactly as the host holds them (never expanded: the
+ * kernels decode them as they read them). Host parameter changes mark the copy dirty; the next pass refreshes it
+ * (the FP4-resident experts never change). docs/design.md. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "fp4.h"
 #include "internal.h"
 #include "lora.h"
 #include "profile.h"
@@ -116,7 +119,10 @@ static int64_t dev_byte_offset(const ds4_model *m, size_t i, void *ctx) {
     return m->dev_off[i];
 }
 
-/* Lay the weights out for a backend with matrix dtype mdt: byte offsets into m->dev_off, sizes into m->dev_*. */
+/* Lay the weights out for a backend with matrix dtype mdt: byte offsets into m->dev_off, sizes into m->dev_*. An
+ * FP4-resident expert kind's block of q4 (its E experts' bytes, then their scales: model.c) is placed whole from a
+ * 16-byte boundary (the kernels read the codes a 32-bit word at a time), so each expert's scales lie as far from its
+ * bytes as on the host; dev_off holds the bytes' offset. */
 static ds4_status layout(ds4_model *m, ds4_dtype mdt, ds4_error *err) {
     int64_t *off = malloc((m->n_table ? m->n_table : 1) * sizeof *off);
     if (!off) return ds4_fail(err, DS4_ERR_OOM, "model to device: %zu offsets", m->n_table);
@@ -131,6 +137,25 @@ static ds4_status layout(ds4_model *m, ds4_dtype mdt, ds4_error *err) {
     }
     m->dev_f32_bytes = (at + 15) & ~(size_t)15;
     m->dev_bytes = m->dev_f32_bytes + (size_t)m->n_tid2eid * sizeof(int32_t);
+    m->dev_q4_bytes = 0;
+    if (m->q4) {
+        const size_t q0 = (m->dev_bytes + 15) & ~(size_t)15;
+        size_t q = q0;
+        int64_t shift = 0; /* a kind's device offset minus its q4 offset */
+        for (size_t i = 0; i < m->n_table; i++) {
+            const ds4_param *p = &m->table[i];
+            if (p->dtype != DS4_FP4_PACKED) continue;
+            if (!p->follows) {
+                q = (q + 15) & ~(size_t)15;
+                shift = (int64_t)q - p->offset;
+            }
+            off[i] = p->offset + shift;
+            const size_t end = (size_t)(p->qscale + p->numel / DS4_FP4_BLOCK + shift);
+            if (end > q) q = end;
+        }
+        m->dev_q4_bytes = q - q0;
+        m->dev_bytes = q;
+    }
     free(m->dev_off);
     m->dev_off = off;
     return DS4_OK;
@@ -166,6 +191,29 @@ static ds4_status upload_weights(ds4_model *m, ds4_dev *d, void *mem, ds4_dtype 
     free(stage);
     if (st) ds4_error_prefix(err, "model to device: uploading the weights: ");
     return st;
+}
+
+/* The FP4-resident experts into the backend copy: each kind's block of q4 as it is, where layout() placed it. */
+static ds4_status upload_q4(ds4_model *m, ds4_dev *d, void *mem, ds4_error *err) {
+    ds4_status st = DS4_OK;
+    for (size_t i = 0; i < m->n_table && !st; i++) {
+        const ds4_param *p = &m->table[i];
+        if (p->dtype != DS4_FP4_PACKED || p->follows) continue;
+        size_t j = i; /* the kind's last expert: its scales end the block */
+        while (j + 1 < m->n_table && m->table[j + 1].dtype == DS4_FP4_PACKED && m->table[j + 1].follows) j++;
+        const int64_t end = m->table[j].qscale + m->table[j].numel / DS4_FP4_BLOCK;
+        st = d->ops->upload(d, (char *)mem + m->dev_off[i], m->q4 + p->offset, (size_t)(end - p->offset), err);
+    }
+    if (!st) st = d->ops->sync(d, err);
+    if (st) ds4_error_prefix(err, "model to device: uploading the FP4-resident experts (%lld bytes): ",
+                             (long long)m->n_q4);
+    return st;
+}
+
+int64_t ds4_model_device_bytes(const ds4_model *m, int64_t *fp4_bytes) {
+    const int on_dev = m && m->dev != m->cpu && m->dev_mem;
+    if (fp4_bytes) *fp4_bytes = on_dev ? (int64_t)m->dev_q4_bytes : 0;
+    return on_dev ? (int64_t)m->dev_bytes : 0;
 }
 
 /* ------------------------------------------------------------------------------------------------ training state */
@@ -456,10 +504,6 @@ ds4_status ds4_model_to(ds4_model *m, const ds4_device_options *o, ds4_error *er
     const ds4_dtype mdt = o->dtype == DS4_BF16 ? DS4_BF16 : DS4_F32;
     if (o->dtype != DS4_F32 && o->dtype != DS4_BF16)
         return ds4_fail(err, DS4_ERR_ARG, "model to device: dtype %s (F32 or BF16)", ds4_dtype_name(o->dtype));
-    if (o->type != DS4_DEVICE_CPU && ds4_model_has_fp4(m))
-        return ds4_fail(err, DS4_ERR_UNSUPPORTED, "model to cuda: the model holds FP4-resident experts (%lld bytes), "
-                        "which run on the CPU backend only so far (no CUDA FP4 expert kernel yet); load it without "
-                        "fp4_experts to compute on a GPU", (long long)m->n_q4);
     if (o->type == DS4_DEVICE_CPU) {
         if (mdt != DS4_F32)
             return ds4_fail(err, DS4_ERR_UNSUPPORTED, "model to cpu: dtype %s (the CPU backend is fp32)",
@@ -493,6 +537,7 @@ ds4_status ds4_model_to(ds4_model *m, const ds4_device_options *o, ds4_error *er
     ds4_dev *nd = NULL;
     if ((s = ds4_cuda_dev_create(o->index, &nd, err))) return s;
     int64_t *old_off = m->dev_off;
+    const size_t old_sizes[3] = {m->dev_f32_bytes, m->dev_bytes, m->dev_q4_bytes};
     m->dev_off = NULL;
     void *mem = NULL;
     s = layout(m, mdt, err);
@@ -503,21 +548,24 @@ ds4_status ds4_model_to(ds4_model *m, const ds4_device_options *o, ds4_error *er
     }
     if (!s) s = save_train_state(m, err); /* the host copies must be current before they are uploaded */
     if (!s) s = upload_weights(m, nd, mem, mdt, err);
+    if (!s && m->q4) s = upload_q4(m, nd, mem, err);
     if (s) { /* nothing changed: the model stays where it was */
         if (mem) nd->ops->free(nd, mem);
         ds4_dev_release(nd);
         free(m->dev_off);
         m->dev_off = old_off;
+        m->dev_f32_bytes = old_sizes[0], m->dev_bytes = old_sizes[1], m->dev_q4_bytes = old_sizes[2];
         (void)ds4_lora_to_backend(m, NULL); /* save_train_state brought the adapters home: back where they were */
         return s;
     }
     int64_t *new_off = m->dev_off;
-    const size_t f32b = m->dev_f32_bytes, bytes = m->dev_bytes;
+    const size_t f32b = m->dev_f32_bytes, bytes = m->dev_bytes, q4b = m->dev_q4_bytes;
     m->dev_off = old_off;
     drop_device(m);
     m->dev_off = new_off;
     m->dev_f32_bytes = f32b;
     m->dev_bytes = bytes;
+    m->dev_q4_bytes = q4b;
     m->dev = nd;
     m->dev_mem = mem;
     ds4_weights_bind(m, &m->dev_w, mdt, mem, dev_byte_offset, NULL, (int32_t *)(void *)((char *)mem + f32b));

@@ -135,9 +135,10 @@ static void add_experts(builder *b, ds4_layer_w *l, int64_t li, int kind, int64_
         add(b, packed ? DS4_FP4_PACKED : DS4_F32, e ? NULL : (void **)slot, 2, SHAPE(rows, cols),
             "%sffn.experts.%lld.%s.weight", pre, (long long)e, names[kind]);
     if (b->st) return;
-    if (b->bind) {
+    if (b->bind) { /* the scales lie as far from expert 0's bytes in the backend's copy as in q4 (backend.c) */
         l->edt[kind] = packed ? DS4_FP4_PACKED : b->w->mdt;
-        l->escale[kind] = packed && *slot ? m->q4 + m->table[first].qscale : NULL;
+        l->escale[kind] = packed && *slot ? (const uint8_t *)*slot + (m->table[first].qscale - m->table[first].offset)
+                                          : NULL;
         return;
     }
     if (!packed) return;
@@ -225,8 +226,12 @@ static void walk_model(builder *b) {
 }
 
 static void *bind_entry(builder *b, const ds4_param *p, size_t i) {
-    /* FP4-resident experts live only in the host's q4: no gradient, no other backend's copy (ds4_model_to refuses) */
-    if (p->dtype == DS4_FP4_PACKED) return b->w == &b->m->w ? b->m->q4 + p->offset : NULL;
+    /* FP4-resident experts: the host's q4, or the backend's copy of it (byte offsets in dev_off, backend.c); they
+     * have no gradient */
+    if (p->dtype == DS4_FP4_PACKED) {
+        if (b->w == &b->m->w) return b->m->q4 + p->offset;
+        return b->w == &b->m->dev_w && b->m->dev_off ? b->base + b->m->dev_off[i] : NULL;
+    }
     if (p->dtype != DS4_F32) return b->i32_base ? b->i32_base + p->offset : NULL; /* a gradient set has no tables */
     return b->base + b->byte_offset(b->m, i, b->ctx);
 }

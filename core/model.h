@@ -162,8 +162,10 @@ struct ds4_model {
     const ds4_weights *dw;               /* the views the backend computes with (&w on the CPU) */
     ds4_weights dev_w;                   /* another backend's views, bound to dev_mem */
     void *dev_mem;                       /* another backend's copy of the weights (and tid2eid tables) */
-    int64_t *dev_off;                    /* [n_table] byte offset of each F32 entry in dev_mem */
-    size_t dev_f32_bytes, dev_bytes;     /* the weights, then the tid2eid tables */
+    int64_t *dev_off;                    /* [n_table] byte offset in dev_mem of each F32 entry and of each
+                                            FP4-resident expert's bytes */
+    size_t dev_f32_bytes, dev_bytes;     /* the weights, then the tid2eid tables, then the FP4-resident experts */
+    size_t dev_q4_bytes;                 /* the FP4-resident experts' part of dev_bytes (backend.c, layout) */
     ds4_device_options dev_opt;          /* where it computes */
     int params_dirty;                    /* the host params changed since dev_mem was written */
     /* forward workspace in backend memory, planned from (B, S) and reused while it is large enough */

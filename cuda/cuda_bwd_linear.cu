@@ -36,6 +36,7 @@
 
 #include "cuda_dev.cuh"
 #include "fp4.h"
+#include "cuda_fp4.cuh"
 #include "cuda_tile.cuh"
 
 namespace {
@@ -61,6 +62,7 @@ struct prod_args {
     float *part;                  // split: block z sums r over [z·chunk, +chunk) into part [splits, M, N]
     int64_t chunk;
     int acc;                      // y += Σ (1) or y = Σ (0); the sum is formed first, then added once
+    const uint8_t *bs;            // B an FP4-resident weight (b: its codes): its scales (cuda_fp4.cuh)
 };
 
 struct out_t {
@@ -113,7 +115,8 @@ __device__ __forceinline__ bool red_range(const prod_args &p, int64_t z, int64_t
 // which thread loads what, never a sum.
 
 // fp32: BM × BN per block of (BM/TM)·(BN/TN) threads, TM × TN outputs each; chunks of 16 r's staged in shared memory.
-template <int BM, int BN, int TM, int TN, bool AM>
+// BP: how B is read (const float *, or an FP4-resident weight decoded to fp32).
+template <int BM, int BN, int TM, int TN, bool AM, typename BP>
 __global__ void __launch_bounds__((BM / TM) * (BN / TN)) prod_f32(prod_args p) {
     constexpr int BK = 16, NTH = (BM / TM) * (BN / TN);
     static_assert(RSLICE % BK == 0, "slices hold whole chunks");
@@ -121,7 +124,7 @@ __global__ void __launch_bounds__((BM / TM) * (BN / TN)) prod_f32(prod_args p) {
     int64_t m0, m1, boff, r0, r1;
     out_t o;
     if (!tile_rows<BM>(p, blockIdx.x, m0, m1, boff) || !red_range(p, blockIdx.z, r0, r1, o)) return;
-    const float *B = (const float *)p.b + boff;
+    const BP B = ds4d_weight<BP>(p.b, p.bs) + boff;
     const int64_t n0 = (int64_t)blockIdx.y * BN, mend = m1 < m0 + BM ? m1 : m0 + BM;
     const int tid = threadIdx.x, ty = tid / (BN / TN), tx = tid % (BN / TN);
     float tot[TM][TN], acc[TM][TN];
@@ -165,10 +168,11 @@ __device__ __forceinline__ __nv_bfloat16 to_bf16(unsigned short v) { return __us
 // bf16: BM × BN per block of (BM/WM)·(BN/WN) warps, each WM × WN of m16n8 tiles; chunks of 32 r's staged in shared
 // memory as bf16 rows of 40 (sA[m][k], sB[n][k]) in two buffers, the next chunk's values loaded to registers before
 // the current one is multiplied on the tensor cores as the forward GEMM does (cuda_tile.cuh) and stored into the other
-// buffer after it: one barrier per chunk, as the forward's tiles. TB: B's element type (float: rounded here;
-// unsigned short: bf16 bits).
-template <int BM, int BN, int WM, int WN, bool AM, typename TB>
+// buffer after it: one barrier per chunk, as the forward's tiles. BP: how B is read; its element type TB (float:
+// rounded here; unsigned short: bf16 bits, of a bf16 weight or of an FP4-resident one decoded, cuda_fp4.cuh).
+template <int BM, int BN, int WM, int WN, bool AM, typename BP>
 __global__ void __launch_bounds__((BM / WM) * (BN / WN) * 32) prod_bf16(prod_args p) {
+    using TB = typename ds4d_elem<BP>::type;
     constexpr int NTH = (BM / WM) * (BN / WN) * 32, MT = WM / 16, NT = WN / 8, LDS = 40, KC = 32;
     constexpr int AL = BM * KC / NTH, BL = BN * KC / NTH; // values per thread and chunk
     static_assert(AL * NTH == BM * KC && BL * NTH == BN * KC && RSLICE % KC == 0, "tile shapes");
@@ -177,7 +181,7 @@ __global__ void __launch_bounds__((BM / WM) * (BN / WN) * 32) prod_bf16(prod_arg
     int64_t m0, m1, boff, r0, r1;
     out_t o;
     if (!tile_rows<BM>(p, blockIdx.x, m0, m1, boff) || !red_range(p, blockIdx.z, r0, r1, o)) return;
-    const TB *B = (const TB *)p.b + boff;
+    const BP B = ds4d_weight<BP>(p.b, p.bs) + boff;
     const int64_t n0 = (int64_t)blockIdx.y * BN, mend = m1 < m0 + BM ? m1 : m0 + BM;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
     const int wm = (warp / (BN / WN)) * WM, wn = (warp % (BN / WN)) * WN;
@@ -198,7 +202,7 @@ __global__ void __launch_bounds__((BM / WM) * (BN / WN) * 32) prod_bf16(prod_arg
             const bool in = (AM ? m0 + ta < mend : m0 + ta + l * SA < mend) && (AM ? k0 + ka + l * SA : k0 + ka) < r1;
             ra[l] = in ? qa[l * astep] : 0.0f;
         }
-        const TB *qb = B + (n0 + tb) * p.b_rs + (k0 + kb) * p.b_ks;
+        const BP qb = B + (n0 + tb) * p.b_rs + (k0 + kb) * p.b_ks;
 #pragma unroll
         for (int l = 0; l < BL; l++) rb[l] = brow && k0 + kb + l * SB < r1 ? qb[l * bstep] : (TB)0;
     };
@@ -248,11 +252,19 @@ constexpr int F32_BM = 64, F32_BN = 64, BF_BM = 64, BF_BN = 128;
 
 // Run one product in the mode wdt (F32: fp32 kernel; BF16: tensor cores). weight_b: B is the weight, in wdt, and A is
 // read along its rows (dx = dy·W); else B is fp32 activations (rounded in BF16) and A is read down its columns (dW).
-void product(ds4_dev *d, const char *op, prod_args p, ds4_dtype wdt, bool weight_b, const char *shapes) {
+// fp4: B is an FP4-resident weight (codes p.b, scales p.bs) that the same kernel decodes to wdt's values.
+void product(ds4_dev *d, const char *op, prod_args p, ds4_dtype wdt, bool weight_b, const char *shapes,
+             bool fp4 = false) {
     cuda_dev *cd = cdev(d);
     if (wdt != DS4_F32 && wdt != DS4_BF16) {
         ds4_dev_fail(d, DS4_ERR_UNSUPPORTED, "%s %s: weight dtype %s (F32 or BF16%s)", op, shapes, ds4_wdt_name(wdt),
-                     wdt == DS4_FP4_PACKED ? "; FP4-resident experts have no CUDA kernel yet" : "");
+                     wdt == DS4_FP4_PACKED ? "; FP4-resident weights only in the routed experts' products" : "");
+        return;
+    }
+    /* an FP4-resident B: W [R, N] (n the column) by whole 32-value blocks of its rows (fp4.h), its scales given */
+    if (fp4 && (!weight_b || p.b_rs != 1 || p.N % DS4_FP4_BLOCK || p.bstride % DS4_FP4_BLOCK || !p.bs)) {
+        ds4_dev_fail(d, DS4_ERR_ARG, "%s %s: an FP4-resident weight's rows must be whole blocks of %d values, with "
+                     "scales%s", op, shapes, DS4_FP4_BLOCK, p.bs ? "" : " (none given)");
         return;
     }
     const int BM = wdt == DS4_F32 ? F32_BM : BF_BM, BN = wdt == DS4_F32 ? F32_BN : BF_BN;
@@ -278,15 +290,20 @@ void product(ds4_dev *d, const char *op, prod_args p, ds4_dtype wdt, bool weight
         if (!p.part) return;
     }
     const dim3 grid((unsigned)gx, (unsigned)gy, (unsigned)gz);
-    if (wdt == DS4_F32 && weight_b)
-        prod_f32<F32_BM, F32_BN, 4, 4, false><<<grid, 256, 0, cd->stream>>>(p);
+    if (wdt == DS4_F32 && fp4)
+        prod_f32<F32_BM, F32_BN, 4, 4, false, ds4d_fp4w<float>><<<grid, 256, 0, cd->stream>>>(p);
+    else if (wdt == DS4_F32 && weight_b)
+        prod_f32<F32_BM, F32_BN, 4, 4, false, const float *><<<grid, 256, 0, cd->stream>>>(p);
     else if (wdt == DS4_F32)
-        prod_f32<F32_BM, F32_BN, 4, 4, true><<<grid, 256, 0, cd->stream>>>(p);
+        prod_f32<F32_BM, F32_BN, 4, 4, true, const float *><<<grid, 256, 0, cd->stream>>>(p);
+    else if (fp4)
+        prod_bf16<BF_BM, BF_BN, 32, 32, false, ds4d_fp4w<unsigned short>><<<grid, 256, 0, cd->stream>>>(p);
     else if (weight_b)
-        prod_bf16<BF_BM, BF_BN, 32, 32, false, unsigned short><<<grid, 256, 0, cd->stream>>>(p);
+        prod_bf16<BF_BM, BF_BN, 32, 32, false, const unsigned short *><<<grid, 256, 0, cd->stream>>>(p);
     else
-        prod_bf16<BF_BM, BF_BN, 32, 32, true, float><<<grid, 256, 0, cd->stream>>>(p);
-    if (!ds4_cuda_launched(d, op, "%s (%s)", shapes, ds4_dtype_name(wdt)) || !p.part) return;
+        prod_bf16<BF_BM, BF_BN, 32, 32, true, const float *><<<grid, 256, 0, cd->stream>>>(p);
+    if (!ds4_cuda_launched(d, op, "%s (%s%s)", shapes, fp4 ? "FP4-resident, as " : "", ds4_dtype_name(wdt)) || !p.part)
+        return;
     split_sum<<<ds4_blocks(p.M * p.N, 256), 256, 0, cd->stream>>>(p.y, p.ldy, p.part, gz, p.M, p.N, p.acc);
     ds4_cuda_launched(d, op, "%s (%s): the sum of %lld partials", shapes, ds4_dtype_name(wdt), (long long)gz);
 }
@@ -608,10 +625,15 @@ void ds4_cuda_linear_bwd_x_grouped(ds4_dev *d, const ds4_a_linear_bwd_x_grouped 
     prod_args p = {};
     p.y = a->dx, p.ldy = a->K, p.a = a->dy, p.a_rs = a->O, p.a_ks = 1, p.b = a->W, p.b_rs = 1, p.b_ks = a->K;
     p.M = a->rows, p.N = a->K, p.R = a->O, p.acc = a->acc, p.off = a->off, p.E = a->E, p.bstride = a->wstride;
+    p.bs = a->Ws;
     char s[160];
     snprintf(s, sizeof s, "dx [%lld x %lld]%s = dy [%lld x %lld] x W [%lld x %lld x %lld] by expert",
              (long long)a->rows, (long long)a->K, a->acc ? " +" : "", (long long)a->rows, (long long)a->O,
              (long long)a->E, (long long)a->O, (long long)a->K);
+    // FP4-resident experts (the routed experts of a model loaded with fp4_experts) in the model's mode, which bf16_in
+    // tells: decoded to bf16 for the tensor cores, or to fp32
+    if (a->wdt == DS4_FP4_PACKED)
+        return product(d, "linear_bwd_x_grouped", p, a->bf16_in ? DS4_BF16 : DS4_F32, true, s, true);
     if (a->bf16_in && a->wdt != DS4_BF16) return fp32_bf16_in(d, "linear_bwd_x_grouped");
     product(d, "linear_bwd_x_grouped", p, a->wdt, true, s);
 }

@@ -20,6 +20,7 @@
 
 #include "cuda_dev.cuh"
 #include "fp4.h"
+#include "cuda_fp4.cuh"
 #include "cuda_tile.cuh"
 
 namespace {
@@ -40,6 +41,7 @@ struct gemm_args {
     float *part;                  // skinny kernels with several slices: partials [groups, S, M, N]
     int64_t S;                    // slices: ceil(K / KSLICE)
     int *count;                   // skinny kernels: per output tile, the slices done (kept at 0 between uses)
+    const uint8_t *ws;            // an FP4-resident W (W: its codes): its scales (cuda_fp4.cuh)
 };
 
 // The rows [r0, r1) a block works on, and its W; false when the block has no tile (row groups are data-dependent).
@@ -85,7 +87,7 @@ __device__ void finish_tile(const gemm_args &a, int z, int64_t r0, int64_t r1, i
 
 // ------------------------------------------------------------------------------------------ fp32
 
-template <int BM, int BN, int TM, int TN>
+template <int BM, int BN, int TM, int TN, typename WT>
 __global__ void __launch_bounds__((BM / TM) * (BN / TN)) gemm_f32_kernel(gemm_args a) {
     constexpr int BK = 16, NTH = (BM / TM) * (BN / TN);
     static_assert(KSLICE % BK == 0, "slices hold whole chunks");
@@ -94,7 +96,7 @@ __global__ void __launch_bounds__((BM / TM) * (BN / TN)) gemm_f32_kernel(gemm_ar
     if (!block_rows<BM>(a, blockIdx.y, r0, r1, woff)) return;
     const int z = blockIdx.z;
     const float *x = a.x + z * a.gx;
-    const float *W = (const float *)a.W + z * a.gw + woff;
+    const WT W = ds4d_weight<WT>(a.W, a.ws) + z * a.gw + woff;
     float *y = a.y + z * a.gy;
     const int64_t n0 = (int64_t)blockIdx.x * BN;
     const int tid = threadIdx.x, ty = tid / (BN / TN), tx = tid % (BN / TN);
@@ -138,7 +140,7 @@ __global__ void __launch_bounds__((BM / TM) * (BN / TN)) gemm_f32_kernel(gemm_ar
 // Each output is the tiled kernel's sum: fmaf in k order within a slice, zero padded, slices added in order (a chunk
 // of 64 never straddles a slice; extra zero-padded steps only turn a -0 partial into +0, which the fold's 0 + P0
 // does anyway).
-template <int TN>
+template <int TN, typename WT>
 __global__ void __launch_bounds__(128) gemm_f32_narrow(gemm_args a) {
     constexpr int BM = 32, BK = 64, LD = BK + 4, NC = 8 * TN, XL = BM * BK / 128, WL = NC * BK / 128;
     static_assert(KSLICE % BK == 0, "slices hold whole chunks");
@@ -147,7 +149,7 @@ __global__ void __launch_bounds__(128) gemm_f32_narrow(gemm_args a) {
     if (!block_rows<BM>(a, blockIdx.y, r0, r1, woff)) return;
     const int z = blockIdx.z;
     const float *x = a.x + z * a.gx;
-    const float *W = (const float *)a.W + z * a.gw + woff;
+    const WT W = ds4d_weight<WT>(a.W, a.ws) + z * a.gw + woff;
     float *y = a.y + z * a.gy;
     const int tid = threadIdx.x, ty = tid >> 3, tx = tid & 7;
     const int64_t rend = r1 < r0 + BM ? r1 : r0 + BM;
@@ -220,6 +222,7 @@ __global__ void __launch_bounds__(128) gemm_f32_narrow(gemm_args a) {
 // shared memory, each thread two outputs accumulated over the slice in k order (chunks of 16, zero padded).
 constexpr int F32S_COLS = 32, F32S_LD = KSLICE + 1;
 
+template <typename WT>
 __global__ void __launch_bounds__(256) gemm_f32_skinny(gemm_args a) {
     extern __shared__ float sm[];
     float *sW = sm, *sX = sm + F32S_COLS * F32S_LD; // [32][257], [16][257]
@@ -227,7 +230,8 @@ __global__ void __launch_bounds__(256) gemm_f32_skinny(gemm_args a) {
     if (!block_rows<16>(a, blockIdx.y, r0, r1, woff)) return;
     const int z = blockIdx.z / (int)a.S;
     const int64_t s = blockIdx.z % a.S, k0 = s * KSLICE, n0 = (int64_t)blockIdx.x * F32S_COLS;
-    const float *x = a.x + z * a.gx, *W = (const float *)a.W + z * a.gw + woff;
+    const float *x = a.x + z * a.gx;
+    const WT W = ds4d_weight<WT>(a.W, a.ws) + z * a.gw + woff;
     const int64_t kpad = ((a.K + 15) / 16) * 16, klen = (k0 + KSLICE < kpad ? k0 + KSLICE : kpad) - k0;
     for (int i = threadIdx.x; i < F32S_COLS * KSLICE; i += 256) {
         const int n = i / KSLICE, k = i % KSLICE;
@@ -286,6 +290,21 @@ __device__ __forceinline__ void load_b8(const __nv_bfloat16 *W, int64_t ldw, int
     for (int i = 0; i < 4; i++) w[i] = (uint32_t)h[2 * i] | ((uint32_t)h[2 * i + 1] << 16);
 }
 
+// The same from an FP4-resident W, decoded (cuda_fp4.cuh); vec: the element index c·ldw + k0 is a multiple of 8 and
+// the codes 4-byte aligned, so the 8 values are one word of codes under one scale.
+__device__ __forceinline__ void load_b8(const ds4d_fp4w<__nv_bfloat16> &W, int64_t ldw, int64_t c, int64_t N,
+                                        int64_t k0, int64_t K, bool vec, uint32_t (&w)[4]) {
+    if (c < N && vec && k0 + 8 <= K) {
+        ds4d_fp4_bf16x8(W, c * ldw + k0, w);
+        return;
+    }
+    uint32_t h[8];
+#pragma unroll
+    for (int i = 0; i < 8; i++) h[i] = c < N && k0 + i < K ? W.bits(c * ldw + k0 + i) : 0u;
+#pragma unroll
+    for (int i = 0; i < 4; i++) w[i] = h[2 * i] | (h[2 * i + 1] << 16);
+}
+
 __device__ __forceinline__ void store_tile(float *y, int64_t ldy, int64_t r, int64_t r1, int64_t c, int64_t N,
                                            const float (&acc)[4]) {
     if (r < r1) {
@@ -302,7 +321,7 @@ __device__ __forceinline__ void store_tile(float *y, int64_t ldy, int64_t r, int
 // rows padded to 40 elements) in two buffers: while the warps multiply the chunk in one, the next chunk's loads
 // (issued to registers before the multiply) are stored into the other, so one barrier per chunk suffices (the
 // barrier that ends chunk i also tells that nobody reads chunk i - 1's buffer, which chunk i + 1 overwrites).
-template <int BM, int BN, int WM, int WN>
+template <int BM, int BN, int WM, int WN, typename WT>
 __global__ void __launch_bounds__((BM / WM) * (BN / WN) * 32) gemm_bf16_tiled(gemm_args a, int vec_a, int vec_b) {
     constexpr int NW = (BM / WM) * (BN / WN), NTH = NW * 32, MT = WM / 16, NT = WN / 8, LDS = 40;
     constexpr int AL = BM * 4 / NTH, BL = BN * 4 / NTH; // 8-value loads per thread and chunk
@@ -312,7 +331,7 @@ __global__ void __launch_bounds__((BM / WM) * (BN / WN) * 32) gemm_bf16_tiled(ge
     if (!block_rows<BM>(a, blockIdx.y, r0, r1, woff)) return;
     const int z = blockIdx.z;
     const float *x = a.x + z * a.gx;
-    const __nv_bfloat16 *W = (const __nv_bfloat16 *)a.W + z * a.gw + woff;
+    const WT W = ds4d_weight<WT>(a.W, a.ws) + z * a.gw + woff;
     float *y = a.y + z * a.gy;
     const int64_t n0 = (int64_t)blockIdx.x * BN;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
@@ -478,7 +497,7 @@ __global__ void __launch_bounds__((BM / WM) * (BN / WN) * 32) gemm_bf16_pipe(gem
 
 // Skinny: at most 16 rows; one warp per (8 columns, slice): the slice's 8 chunks of W loaded at once straight from
 // global memory (128 bytes per lane in flight), then multiplied. WARPS warps per block side by side in N.
-template <int WARPS>
+template <int WARPS, typename WT>
 __global__ void __launch_bounds__(WARPS * 32) gemm_bf16_skinny(gemm_args a, int vec_a, int vec_b) {
     constexpr int U = KSLICE / 32;
     int64_t r0, r1, woff;
@@ -486,7 +505,7 @@ __global__ void __launch_bounds__(WARPS * 32) gemm_bf16_skinny(gemm_args a, int 
     const int z = blockIdx.z / (int)a.S;
     const int64_t s = blockIdx.z % a.S;
     const float *x = a.x + z * a.gx;
-    const __nv_bfloat16 *W = (const __nv_bfloat16 *)a.W + z * a.gw + woff;
+    const WT W = ds4d_weight<WT>(a.W, a.ws) + z * a.gw + woff;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int64_t nb = (int64_t)blockIdx.x * WARPS * 8, n0 = nb + warp * 8;
     const int64_t rend = r1 < r0 + 16 ? r1 : r0 + 16, k0 = s * KSLICE;
@@ -516,84 +535,122 @@ __global__ void __launch_bounds__(WARPS * 32) gemm_bf16_skinny(gemm_args a, int 
 
 bool aligned(const void *p, size_t to) { return ((uintptr_t)p % to) == 0; }
 
-// Launch the variant for `rows_hint` rows per (group of) W. Which variant runs never changes the result.
-void gemm(ds4_dev *d, const char *op, gemm_args a, ds4_dtype wdt, int64_t groups, int64_t rows_hint) {
+// How a product runs, once gemm() has chosen: the skinny kernels or not, x's and W's rows 16-byte aligned (va, vb;
+// for an FP4-resident W: 8-element groups of one word of codes), the grid's tiles per group of W.
+struct plan {
+    bool skinny;
+    int va, vb;
+    int64_t G, cols;
+};
+
+unsigned grid_rows(const gemm_args &a, int BM) {
+    const int64_t t = a.off ? (a.M + BM - 1) / BM + a.E : (a.M + BM - 1) / BM;
+    return (unsigned)(t < 1 ? 1 : t);
+}
+
+// Launch the kernels of `mode` (F32: fp32 FMAs; BF16: tensor cores) reading W as FP4 ? an FP4-resident weight decoded
+// to the mode's type (cuda_fp4.cuh): the same kernels, so the same sums as over the decoded values.
+template <bool FP4>
+void launch(cuda_dev *cd, const gemm_args &a, ds4_dtype mode, const plan &p) {
+    using WF = typename std::conditional<FP4, ds4d_fp4w<float>, const float *>::type;
+    using WB = typename std::conditional<FP4, ds4d_fp4w<__nv_bfloat16>, const __nv_bfloat16 *>::type;
+    const int64_t G = p.G;
+    if (mode == DS4_F32 && p.skinny) {
+        const size_t smem = (size_t)(F32S_COLS + 16) * F32S_LD * sizeof(float);
+        int &set = cd->smem_set[FP4 ? 2 : 0];
+        if (!set) /* once per backend: the limit is a property of the kernel */
+            set = cudaFuncSetAttribute(gemm_f32_skinny<WF>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) ==
+                  cudaSuccess;
+        dim3 grid(ds4_blocks(a.N, (int)p.cols), grid_rows(a, 16), (unsigned)(G * a.S));
+        gemm_f32_skinny<WF><<<grid, 256, smem, cd->stream>>>(a);
+    } else if (mode == DS4_F32 && a.N <= 32) {
+        dim3 grid(1, grid_rows(a, 32), (unsigned)G);
+        if (a.N <= 8) gemm_f32_narrow<1, WF><<<grid, 128, 0, cd->stream>>>(a);
+        else if (a.N <= 16) gemm_f32_narrow<2, WF><<<grid, 128, 0, cd->stream>>>(a);
+        else if (a.N <= 24) gemm_f32_narrow<3, WF><<<grid, 128, 0, cd->stream>>>(a);
+        else gemm_f32_narrow<4, WF><<<grid, 128, 0, cd->stream>>>(a);
+    } else if (mode == DS4_F32) {
+        dim3 grid(ds4_blocks(a.N, 64), grid_rows(a, 64), (unsigned)G);
+        gemm_f32_kernel<64, 64, 4, 4, WF><<<grid, 256, 0, cd->stream>>>(a);
+    } else if (p.skinny) {
+        dim3 grid(ds4_blocks(a.N, (int)p.cols), grid_rows(a, 16), (unsigned)(G * a.S));
+        gemm_bf16_skinny<4, WB><<<grid, 128, 0, cd->stream>>>(a, p.va, p.vb);
+    } else if (G * (int64_t)grid_rows(a, 128) * ((a.N + 127) / 128) >= (int64_t)cd->sm_count) {
+        /* a full wave of 128 x 128 tiles: eight warps of 64 x 32 (twice the products per barrier and per staged
+         * row of W of the 64 x 128 tile), loads in flight PIPE_ST chunks ahead where the rows are aligned; fewer
+         * tiles than SMs: the 64 x 128 tile, twice the blocks. An FP4-resident W takes the tiles: cp.async copies
+         * bytes and cannot decode them (the tiles give the pipeline's bits). */
+        dim3 grid(ds4_blocks(a.N, 128), grid_rows(a, 128), (unsigned)G);
+        if constexpr (!FP4) {
+            constexpr size_t smem = pipe_smem<128, 128, PIPE_ST>();
+            if (p.va && p.vb && !cd->smem_set[1]) { /* once per backend: the limit is a property of the kernel */
+                const cudaError_t e = cudaFuncSetAttribute(gemm_bf16_pipe<128, 128, 64, 32, PIPE_ST>,
+                                                           cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+                cd->smem_set[1] = e == cudaSuccess ? 1 : -1; /* refused (a GPU with less shared memory): the tiles */
+                if (e != cudaSuccess) (void)cudaGetLastError();
+            }
+            if (p.va && p.vb && cd->smem_set[1] == 1) {
+                gemm_bf16_pipe<128, 128, 64, 32, PIPE_ST><<<grid, 256, smem, cd->stream>>>(a);
+                return;
+            }
+        }
+        gemm_bf16_tiled<128, 128, 64, 32, WB><<<grid, 256, 0, cd->stream>>>(a, p.va, p.vb);
+    } else {
+        dim3 grid(ds4_blocks(a.N, 128), grid_rows(a, 64), (unsigned)G);
+        gemm_bf16_tiled<64, 128, 32, 32, WB><<<grid, 256, 0, cd->stream>>>(a, p.va, p.vb);
+    }
+}
+
+// Launch the variant for `rows_hint` rows per (group of) W. Which variant runs never changes the result. mode: the
+// arithmetic (F32 or BF16); wdt: how W is held, mode's dtype or DS4_FP4_PACKED (codes W, scales a.ws).
+void gemm(ds4_dev *d, const char *op, gemm_args a, ds4_dtype wdt, ds4_dtype mode, int64_t groups, int64_t rows_hint) {
     cuda_dev *cd = cdev(d);
     if (a.M <= 0 || a.N <= 0) return;
     if (a.K <= 0) {
         ds4_dev_fail(d, DS4_ERR_ARG, "%s: K = %lld", op, (long long)a.K);
         return;
     }
-    if (wdt != DS4_F32 && wdt != DS4_BF16) {
-        ds4_dev_fail(d, DS4_ERR_UNSUPPORTED, "%s: weight dtype %s (F32 or BF16%s)", op, ds4_wdt_name(wdt),
-                     wdt == DS4_FP4_PACKED ? "; FP4-resident experts have no CUDA kernel yet" : "");
+    const bool fp4 = wdt == DS4_FP4_PACKED;
+    if ((mode != DS4_F32 && mode != DS4_BF16) || (wdt != mode && !fp4)) {
+        ds4_dev_fail(d, DS4_ERR_UNSUPPORTED, "%s: weight dtype %s (F32 or BF16, or FP4-resident experts)", op,
+                     ds4_wdt_name(wdt));
         return;
     }
-    const int64_t G = groups > 0 ? groups : 1;
+    /* an FP4-resident W: whole 32-value blocks per row and per group (fp4.h), its scales given */
+    if (fp4 && (a.K % DS4_FP4_BLOCK || a.wstride % DS4_FP4_BLOCK || a.gw % DS4_FP4_BLOCK || !a.ws)) {
+        ds4_dev_fail(d, DS4_ERR_ARG, "%s: FP4-resident W [%lld x %lld] (group stride %lld): rows must be whole blocks "
+                     "of %d values, with scales%s", op, (long long)a.N, (long long)a.K, (long long)a.wstride,
+                     DS4_FP4_BLOCK, a.ws ? "" : " (none given)");
+        return;
+    }
+    plan p;
+    p.G = groups > 0 ? groups : 1;
     a.S = (a.K + KSLICE - 1) / KSLICE;
-    auto grid_y = [&](int BM) {
-        const int64_t t = a.off ? (a.M + BM - 1) / BM + a.E : (a.M + BM - 1) / BM;
-        return (unsigned)(t < 1 ? 1 : t);
-    };
     /* the skinny kernels (16 rows per block, parallel over K slices) when the tiled ones would leave most of the GPU
      * idle: few rows (per group of W), or so few output tiles that the tiled grid (every expert's tiles, for grouped
      * GEMMs) has fewer blocks than two per SM. Measured on an H100 (bench/RESULTS.md): at 128-256 rows the skinny
      * kernels win 2-3x; at 512 and more rows they lose (they read W once per 16 rows and write K-slice partials). */
-    const int64_t tiled_blocks = G * (int64_t)grid_y(64) * ((a.N + 127) / 128);
-    const bool skinny = rows_hint <= 16 || (tiled_blocks < 2 * (int64_t)cd->sm_count && rows_hint <= cd->skinny_rows);
-    if (G * (skinny ? a.S : 1) > 65535) {
-        ds4_dev_fail(d, DS4_ERR_UNSUPPORTED, "%s: %lld groups x %lld slices > 65535", op, (long long)G, (long long)a.S);
+    const int64_t tiled_blocks = p.G * (int64_t)grid_rows(a, 64) * ((a.N + 127) / 128);
+    p.skinny = rows_hint <= 16 || (tiled_blocks < 2 * (int64_t)cd->sm_count && rows_hint <= cd->skinny_rows);
+    if (p.G * (p.skinny ? a.S : 1) > 65535) {
+        ds4_dev_fail(d, DS4_ERR_UNSUPPORTED, "%s: %lld groups x %lld slices > 65535", op, (long long)p.G,
+                     (long long)a.S);
         return;
     }
-    const int64_t cols = wdt == DS4_F32 ? F32S_COLS : 4 * 8; // a skinny block's columns
-    if (skinny && a.S > 1) {
-        a.part = (float *)ds4_cuda_scratch(d, (size_t)(G * a.S * a.M * a.N) * sizeof(float), op, 0);
-        a.count = ds4_cuda_counters(d, (size_t)(G * grid_y(16)) * ds4_blocks(a.N, (int)cols), op);
+    p.cols = mode == DS4_F32 ? F32S_COLS : 4 * 8; // a skinny block's columns
+    if (p.skinny && a.S > 1) {
+        a.part = (float *)ds4_cuda_scratch(d, (size_t)(p.G * a.S * a.M * a.N) * sizeof(float), op, 0);
+        a.count = ds4_cuda_counters(d, (size_t)(p.G * grid_rows(a, 16)) * ds4_blocks(a.N, (int)p.cols), op);
         if (!a.part || !a.count) return;
     }
-    const int va = (int)(aligned(a.x, 16) && a.ldx % 4 == 0 && a.gx % 4 == 0);
-    const int vb = (int)(aligned(a.W, 16) && a.ldw % 8 == 0 && a.gw % 8 == 0 && a.wstride % 8 == 0);
-    if (wdt == DS4_F32 && skinny) {
-        const size_t smem = (size_t)(F32S_COLS + 16) * F32S_LD * sizeof(float);
-        if (!cd->smem_set[0]) /* once per backend: the limit is a property of the kernel */
-            cd->smem_set[0] = cudaFuncSetAttribute(gemm_f32_skinny, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                   (int)smem) == cudaSuccess;
-        dim3 grid(ds4_blocks(a.N, (int)cols), grid_y(16), (unsigned)(G * a.S));
-        gemm_f32_skinny<<<grid, 256, smem, cd->stream>>>(a);
-    } else if (wdt == DS4_F32 && a.N <= 32) {
-        dim3 grid(1, grid_y(32), (unsigned)G);
-        if (a.N <= 8) gemm_f32_narrow<1><<<grid, 128, 0, cd->stream>>>(a);
-        else if (a.N <= 16) gemm_f32_narrow<2><<<grid, 128, 0, cd->stream>>>(a);
-        else if (a.N <= 24) gemm_f32_narrow<3><<<grid, 128, 0, cd->stream>>>(a);
-        else gemm_f32_narrow<4><<<grid, 128, 0, cd->stream>>>(a);
-    } else if (wdt == DS4_F32) {
-        dim3 grid(ds4_blocks(a.N, 64), grid_y(64), (unsigned)G);
-        gemm_f32_kernel<64, 64, 4, 4><<<grid, 256, 0, cd->stream>>>(a);
-    } else if (skinny) {
-        dim3 grid(ds4_blocks(a.N, (int)cols), grid_y(16), (unsigned)(G * a.S));
-        gemm_bf16_skinny<4><<<grid, 128, 0, cd->stream>>>(a, va, vb);
-    } else if (G * (int64_t)grid_y(128) * ((a.N + 127) / 128) >= (int64_t)cd->sm_count) {
-        /* a full wave of 128 x 128 tiles: eight warps of 64 x 32 (twice the products per barrier and per staged
-         * row of W of the 64 x 128 tile), loads in flight PIPE_ST chunks ahead where the rows are aligned; fewer
-         * tiles than SMs: the 64 x 128 tile, twice the blocks */
-        dim3 grid(ds4_blocks(a.N, 128), grid_y(128), (unsigned)G);
-        constexpr size_t smem = pipe_smem<128, 128, PIPE_ST>();
-        if (va && vb && !cd->smem_set[1]) { /* once per backend: the limit is a property of the kernel */
-            const cudaError_t e = cudaFuncSetAttribute(gemm_bf16_pipe<128, 128, 64, 32, PIPE_ST>,
-                                                       cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
-            cd->smem_set[1] = e == cudaSuccess ? 1 : -1; /* refused (a GPU with less shared memory): the tiles */
-            if (e != cudaSuccess) (void)cudaGetLastError();
-        }
-        if (va && vb && cd->smem_set[1] == 1)
-            gemm_bf16_pipe<128, 128, 64, 32, PIPE_ST><<<grid, 256, smem, cd->stream>>>(a);
-        else
-            gemm_bf16_tiled<128, 128, 64, 32><<<grid, 256, 0, cd->stream>>>(a, va, vb);
-    } else {
-        dim3 grid(ds4_blocks(a.N, 128), grid_y(64), (unsigned)G);
-        gemm_bf16_tiled<64, 128, 32, 32><<<grid, 256, 0, cd->stream>>>(a, va, vb);
-    }
-    ds4_cuda_launched(d, op, "[%lld x %lld] x [%lld x %lld]^T (%s, %lld groups%s)", (long long)a.M, (long long)a.K,
-                      (long long)a.N, (long long)a.K, ds4_dtype_name(wdt), (long long)G, a.off ? ", by expert" : "");
+    p.va = (int)(aligned(a.x, 16) && a.ldx % 4 == 0 && a.gx % 4 == 0);
+    p.vb = fp4 ? (int)(aligned(a.W, 4) && a.ldw % 8 == 0 && a.gw % 8 == 0 && a.wstride % 8 == 0)
+               : (int)(aligned(a.W, 16) && a.ldw % 8 == 0 && a.gw % 8 == 0 && a.wstride % 8 == 0);
+    if (fp4) launch<true>(cd, a, mode, p);
+    else launch<false>(cd, a, mode, p);
+    ds4_cuda_launched(d, op, "[%lld x %lld] x [%lld x %lld]^T (%s%s%s, %lld groups%s)", (long long)a.M, (long long)a.K,
+                      (long long)a.N, (long long)a.K, ds4_wdt_name(wdt), fp4 ? " as " : "",
+                      fp4 ? ds4_dtype_name(mode) : "", (long long)p.G, a.off ? ", by expert" : "");
 }
 
 } // namespace
@@ -601,12 +658,13 @@ void gemm(ds4_dev *d, const char *op, gemm_args a, ds4_dtype wdt, int64_t groups
 void ds4_cuda_gemm_f32(ds4_dev *d, const char *op, float *y, int64_t ldy, const float *x, int64_t ldx, const float *W,
                        int64_t M, int64_t K, int64_t N) {
     gemm_args g = {y, ldy, x, ldx, W, K, M, N, K, 0, 0, 0, nullptr, 0, 0, nullptr, 0, nullptr};
-    gemm(d, op, g, DS4_F32, 1, M);
+    gemm(d, op, g, DS4_F32, DS4_F32, 1, M);
 }
 
-// bf16_in (ops.h) with fp32 weights is the CPU reference's emulation of the bf16 mode; bf16 weights imply it here.
+// bf16_in (ops.h) with fp32 weights is the CPU reference's emulation of the bf16 mode; bf16 weights imply it here,
+// and with FP4-resident weights it says which kernels decode them (bf16: the tensor cores; else fp32).
 static bool fp32_bf16_in(ds4_dev *d, const char *op, int bf16_in, ds4_dtype wdt) {
-    if (!bf16_in || wdt == DS4_BF16) return false;
+    if (!bf16_in || wdt == DS4_BF16 || wdt == DS4_FP4_PACKED) return false;
     ds4_dev_fail(d, DS4_ERR_UNSUPPORTED, "%s: bf16_in with fp32 weights (the CPU's emulation of the bf16 mode)", op);
     return true;
 }
@@ -615,13 +673,15 @@ void ds4_cuda_matmul(ds4_dev *d, const ds4_a_matmul *a) {
     if (fp32_bf16_in(d, "matmul", a->bf16_in, a->wdt)) return;
     gemm_args g = {a->y, a->ldy, a->x, a->ldx, a->W, a->K, a->T, a->O, a->K, a->gx, a->gy, a->gw, nullptr, 0, 0,
                    nullptr, 0, nullptr};
-    gemm(d, "matmul", g, a->wdt, a->groups, a->T);
+    gemm(d, "matmul", g, a->wdt, a->wdt, a->groups, a->T);
 }
 
 void ds4_cuda_matmul_grouped(ds4_dev *d, const ds4_a_matmul_grouped *a) {
     if (fp32_bf16_in(d, "matmul_grouped", a->bf16_in, a->wdt)) return;
     gemm_args g = {a->y, a->O, a->x, a->K, a->W, a->K, a->rows, a->O, a->K, 0, 0, 0, a->off, a->E, a->wstride,
-                   nullptr, 0, nullptr};
-    /* rows per expert group: few when decoding (each expert streams its weights once) */
-    gemm(d, "matmul_grouped", g, a->wdt, 1, a->E > 0 ? (a->rows + a->E - 1) / a->E : a->rows);
+                   nullptr, 0, nullptr, a->Ws};
+    /* rows per expert group: few when decoding (each expert streams its weights once); FP4-resident experts in the
+     * mode bf16_in says (the model's dtype) */
+    const ds4_dtype mode = a->wdt == DS4_FP4_PACKED ? (a->bf16_in ? DS4_BF16 : DS4_F32) : a->wdt;
+    gemm(d, "matmul_grouped", g, a->wdt, mode, 1, a->E > 0 ? (a->rows + a->E - 1) / a->E : a->rows);
 }

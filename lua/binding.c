@@ -565,6 +565,25 @@ static int m_n_params(lua_State *L) {
     return 1;
 }
 
+/* model:memory() -> {params = fp32 parameter bytes (host), fp4_experts = FP4-resident expert bytes (host),
+ * device = the weights' bytes on the model's backend (0 on the CPU), device_fp4_experts = of those, the FP4-resident
+ * experts'} */
+static int m_memory(lua_State *L) {
+    const ds4_model *m = check_model(L, "ds4.model:memory")->m;
+    int64_t dev_fp4 = 0;
+    const int64_t dev = ds4_model_device_bytes(m, &dev_fp4);
+    lua_createtable(L, 0, 4);
+    lua_pushnumber(L, (lua_Number)ds4_model_param_count(m) * 4);
+    lua_setfield(L, -2, "params");
+    lua_pushnumber(L, (lua_Number)ds4_model_fp4_bytes(m));
+    lua_setfield(L, -2, "fp4_experts");
+    lua_pushnumber(L, (lua_Number)dev);
+    lua_setfield(L, -2, "device");
+    lua_pushnumber(L, (lua_Number)dev_fp4);
+    lua_setfield(L, -2, "device_fp4_experts");
+    return 1;
+}
+
 static int m_has_mtp(lua_State *L) {
     lua_pushboolean(L, ds4_model_has_mtp(check_model(L, "ds4.model:has_mtp")->m));
     return 1;
@@ -831,7 +850,8 @@ static int m_forward(lua_State *L) {
 static const luaL_Reg model_methods[] = {
     {"forward", m_forward}, {"config", m_config}, {"n_params", m_n_params}, {"has_mtp", m_has_mtp},
     {"tensors", m_tensors}, {"free", m_free},     {"to", m_to},           {"device", m_device},
-    {"profile", m_profile}, {"set_kv_qat", m_set_kv_qat}, {"kv_qat", m_kv_qat}, {NULL, NULL},
+    {"profile", m_profile}, {"set_kv_qat", m_set_kv_qat}, {"kv_qat", m_kv_qat}, {"memory", m_memory},
+    {NULL, NULL},
 };
 
 static const luaL_Reg module_functions[] = {

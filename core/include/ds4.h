@@ -277,7 +277,8 @@ typedef struct ds4_load_options {
     /* Keep the routed experts the checkpoint stores in FP4 packed in memory as stored (4.25 bits per parameter:
      * e2m1 pairs and an e8m0 scale per 32), decoded tile by tile inside the expert products, instead of dequantising
      * them to fp32. They are then frozen (not parameters: full fine-tuning trains everything else, LoRA adapters
-     * train on top), and the model computes on the CPU only. docs/checkpoints.md, "FP4-resident experts". */
+     * train on top). On CUDA (ds4_model_to) they stay packed in device memory and the expert kernels decode them.
+     * docs/checkpoints.md, "FP4-resident experts". */
     int32_t fp4_experts;
 } ds4_load_options;
 /* ds4_model_load with options (NULL: the defaults, as ds4_model_load). */
@@ -285,6 +286,10 @@ ds4_status ds4_model_load_opts(ds4_engine *e, const char *dir, const ds4_load_op
                                ds4_error *err);
 /* The bytes the model's FP4-resident experts occupy (packed values and scales); 0 without them. */
 int64_t ds4_model_fp4_bytes(const ds4_model *m);
+/* The bytes of the model's weights on its backend: ds4_model_to's copy, 0 on the CPU backend (which computes with
+ * the host buffers). *fp4_bytes (may be NULL): of those, the FP4-resident experts', packed as on the host
+ * (ds4_model_fp4_bytes, plus at most 15 bytes of alignment per expert kind of a block). */
+int64_t ds4_model_device_bytes(const ds4_model *m, int64_t *fp4_bytes);
 /* A model with random weights (HF init: N(0, initializer_range²), norms 1, ...) for benchmarks and training
  * from scratch. */
 ds4_status ds4_model_create_random(ds4_engine *e, const ds4_config *cfg, uint64_t seed, ds4_model **out,
