@@ -60,7 +60,9 @@ local TIMING = { seconds = true, tokens_per_s = true, ["time/generate"] = true, 
     ["time/train"] = true, ["time/eval"] = true, policy_version = true }
 local function run(name, o)
     local policy = ds4.load(fix .. "/tiny_a")
-    pool:publish(policy) -- every run starts from the fixture's weights (a new version for the workers)
+    -- every run starts from the fixture's weights (a new version for the workers); the first run's are published by
+    -- the pool's first generate (its model's: the same weights)
+    if pool.version > 0 then pool:publish(policy) end
     local st0 = pool:stats()
     local worst, lagged, n = 0, 0, 0
     arrived_in_training = 0
@@ -93,10 +95,12 @@ local function run(name, o)
     training = false
     local st = pool:stats()
     local rows = require("ds4.plot").read_jsonl(dir .. "/" .. name .. "/metrics.jsonl")
-    local smax = 0
-    for _, r in ipairs(rows) do smax = math.max(smax, r["staleness/max"] or 0) end
-    print(("%s: steps %d samples %d worst_lag %d lagged %d staleness_max %d tasks %d completed %d failed %d "
-        .. "in_training %d"):format(name, #rows, n, worst, lagged, smax, st.tasks - st0.tasks,
+    local smax, smin = -1, math.huge
+    for _, r in ipairs(rows) do
+        smax, smin = math.max(smax, r["staleness/max"] or -1), math.min(smin, r["staleness/mean"] or -1)
+    end
+    print(("%s: steps %d samples %d worst_lag %d lagged %d staleness_max %d staleness_min %d tasks %d completed %d "
+        .. "failed %d in_training %d"):format(name, #rows, n, worst, lagged, smax, smin, st.tasks - st0.tasks,
         st.completed - st0.completed, st.failed - st0.failed, arrived_in_training))
     io.stdout:flush()
     local untimed = {}
@@ -149,7 +153,11 @@ for run in sync k0 k1 k2 slow; do
 done
 grep -q "^k0 vs sync: metrics equal, weights bitwise equal" "$out/trainer.log" ||
     fail "async max_staleness = 0 is not the synchronous run"
-for run in sync k0; do [ "$(field "$run" worst_lag)" = 0 ] || fail "$run: trained on a stale sample"; done
+for run in sync k0; do
+    [ "$(field "$run" worst_lag)" = 0 ] || fail "$run: trained on a stale sample"
+    [ "$(field "$run" staleness_max)" = 0 ] && [ "$(field "$run" staleness_min)" = 0 ] ||
+        fail "$run: staleness/mean and /max are not 0 at every step"
+done
 for K in 1 2; do
     w="$(field "k$K" worst_lag)"
     [ "$w" -le "$K" ] || fail "k$K: a sample $w versions old was trained on (max_staleness $K)"

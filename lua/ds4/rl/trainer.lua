@@ -300,7 +300,8 @@ local function finish_batch(cfg, b, group_base, st)
                 st.shown[#st.shown + 1] = { cfg.decode(prompts[g + 1]), texts[i], scores[i] and
                     ("%.4g"):format(scores[i]) or "error", r.finish_reason }
             end
-            local lag = r.policy_version and st.version - r.policy_version
+            -- against the version trained next (a pool's first call publishes version 1 only now)
+            local lag = r.policy_version and cfg.version() - r.policy_version
             if lag then
                 st.lag_n, st.lag_sum, st.lag_max = st.lag_n + 1, st.lag_sum + lag, math.max(st.lag_max, lag)
             end
@@ -816,7 +817,7 @@ function M.run(cfg)
         end
         local row = stats_mod.row(st.acc, { step = step, ["groups/generated"] = st.groups_generated,
             ["groups/failed"] = st.failed_groups, gen_batches = batches, ["reward/errors"] = st.errors })
-        row.policy_version = st.version
+        row.policy_version = cfg.version()
         if st.lag_n > 0 then
             row["staleness/mean"], row["staleness/max"] = st.lag_sum / st.lag_n, st.lag_max
         end
@@ -824,8 +825,8 @@ function M.run(cfg)
         local stop
         if K and st.lag_max > K then
             stop = ("a rollout of policy version %d is %d versions behind the policy (%d), more than async.max_staleness "
-                .. "= %d: the rollout source does not honour opts.min_policy"):format(st.version - st.lag_max,
-                st.lag_max, st.version, K)
+                .. "= %d: the rollout source does not honour opts.min_policy"):format(row.policy_version - st.lag_max,
+                st.lag_max, row.policy_version, K)
         end
         if st.failed_groups > 0 then
             warn(("trainer: step %d: %d of %d rollout groups failed (%d in the run so far)\n"):format(step,
