@@ -2,7 +2,8 @@
 # bench_async.sh — wall-clock of examples/dapo.lua with two `ds4 worker` processes, synchronous (--max-staleness 0)
 # against asynchronous (--async K), from the same warmed-up model (same seed: the SFT warm-up is deterministic).
 #
-#   bash bench/bench_async.sh [DS4 [STEPS [K]]]        defaults: build/ds4, 20, 1
+#   bash bench/bench_async.sh [DS4 [STEPS [K]]]        defaults: build/ds4, 40, 1 (dapo.lua's other defaults: 150
+#                                                      SFT steps, 32 prompts x 8 samples, 200 held-out problems)
 #   EXTRA="--prompts 32 --n 8" bash bench/bench_async.sh   more dapo.lua options for both runs
 #
 # Prints per mode: the RL steps' wall-clock (the sum of metrics.jsonl's seconds, warm-up and first evaluation
@@ -13,7 +14,7 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 DS4="${1:-$ROOT/build/ds4}"
-STEPS="${2:-20}"
+STEPS="${2:-40}"
 K="${3:-1}"
 EXTRA="${EXTRA:-}"
 tmp="$(mktemp -d "${TMPDIR:-/tmp}/ds4-bench-async.XXXXXX")"
@@ -26,8 +27,8 @@ run() { # name, dapo options...
     shift
     local sock="ipc://$tmp/$name.sock"
     # shellcheck disable=SC2086
-    "$DS4" run "$ROOT/examples/dapo.lua" --steps "$STEPS" --sft-steps 100 --eval 100 --eval-every 100000 \
-        --prompts 16 --n 8 --max-new-tokens 12 --log-completions 0 --quiet --tensorboard=false $EXTRA \
+    "$DS4" run "$ROOT/examples/dapo.lua" --steps "$STEPS" --eval-every 100000 --log-completions 0 --quiet \
+        --tensorboard=false $EXTRA \
         --out "$tmp/$name" --workers "$sock" --n-workers 2 "$@" >"$tmp/$name.log" 2>"$tmp/$name.err" &
     local d=$!
     pids+=("$d")
@@ -39,16 +40,19 @@ run() { # name, dapo options...
         sleep 0.1
     done
     [ -n "$cmd" ] || { echo "dapo.lua printed no worker command"; cat "$tmp/$name.err"; exit 1; }
-    local w
+    local w ws=()
     for w in 1 2; do
         eval "exec $cmd --threads 1 --id $name-w$w --quiet" >"$tmp/$name-w$w.log" 2>&1 &
+        ws+=("$!")
         pids+=("$!")
     done
     wait "$d" || { echo "dapo.lua ($name) failed"; tail -n 20 "$tmp/$name.err"; exit 1; }
+    for w in "${ws[@]}"; do kill -TERM "$w" 2>/dev/null || true; wait "$w" 2>/dev/null || true; done
     "$DS4" run - "$tmp/$name/metrics.jsonl" "$name" <<'LUA'
 local rows = require("ds4.plot").read_jsonl(arg[1])
-local s, g, t, e, lag, n, acc = 0, 0, 0, 0, 0, 0, nil
+local s, g, t, e, lag, n, acc, acc0 = 0, 0, 0, 0, 0, 0, nil, nil
 for _, r in ipairs(rows) do
+    if r.step == 0 then acc0 = r["eval/accuracy"] end
     if r.step > 0 then
         s, g, t, e = s + r.seconds, g + r["time/generate"], t + r["time/train"], e + r["time/eval"]
         lag, n = lag + (r["staleness/mean"] or 0), n + 1
@@ -56,7 +60,8 @@ for _, r in ipairs(rows) do
     acc = r["eval/accuracy"] or acc
 end
 print(("%-6s RL %6.1f s (%d steps): waited for rollouts %5.1f s, trained %5.1f s, evaluated %4.1f s; mean lag %.2f; "
-    .. "accuracy after %.1f%%"):format(arg[2], s, n, g, t, e, lag / math.max(n, 1), 100 * (acc or 0)))
+    .. "held-out accuracy %.1f%% -> %.1f%%"):format(arg[2], s, n, g, t, e, lag / math.max(n, 1), 100 * (acc0 or 0),
+    100 * (acc or 0)))
 local f = io.open(arg[1] .. ".total", "w")
 f:write(s)
 f:close()

@@ -7,6 +7,8 @@
 --       trains on samples exactly min(s - 1, K) versions old; every sample the loss sees carries the version that
 --       generated it; staleness/mean and /max say so; for s > 1 the rollout log-probabilities differ from the
 --       recomputed ones (other weights), and the truncated importance weights (tis) are reported and not all 1;
+--       with DAPO's dynamic sampling, batches submitted ahead that a step did not need are counted (gen_batches_unused)
+--       and no sample is older than K;
 --   (c) a source with :submit / :collect / :poll gets min_policy = v - K + (s - step) for each batch, is polled
 --       during training (train_delay_s makes each micro-batch slow), and one that returns samples older than K
 --       versions stops the run with a message naming the source; bad async options are refused.
@@ -142,6 +144,41 @@ for _, K in ipairs({ 1, 2 }) do
         end
     end
     H.eq(calls, 5, ("(b) K = %d: one rollout batch per step, none beyond the last step"):format(K))
+end
+
+-- (b) with DAPO's dynamic sampling (several batches a step): a step ahead gets as many batches as the last step used,
+-- more are generated when needed (lag 0), unneeded ones are dropped and counted; every batch generated is either
+-- trained on or counted unused, and no sample is more than K = 1 versions old (the test's own count)
+do
+    local model = ds4.load(FIX .. "/tiny_a")
+    local done, made, calls, worst, n = 0, {}, 0, 0, 0
+    local source = { generate = function(_, prompts, opts)
+        calls = calls + 1
+        local res = model:generate(prompts, opts)
+        for _, r in ipairs(res) do made[r.ids] = done end
+        return res
+    end }
+    local out = tmp .. "/k1_dapo"
+    trainer.run(base(model, out, { async = { max_staleness = 1 }, source = source, steps = 6,
+        algorithm = rl.preset("dapo", { overlong = { soft = { max_len = 4, cache = 1, factor = 1.0 } } }),
+        on_step = function(step) done = step end,
+        loss = function(mb, sp, opts)
+            for _, s in ipairs(mb) do
+                worst = math.max(worst, done - made[s.ids])
+                n = n + 1
+            end
+            return rl.loss.compute(mb, sp, opts)
+        end }))
+    local rows = rows_of(out .. "/metrics.jsonl")
+    local used, unused, many = 0, 0, 0
+    for _, r in ipairs(rows) do
+        used, unused = used + r.gen_batches, unused + r.gen_batches_unused
+        if r.gen_batches > 1 then many = many + 1 end
+        H.check(r["staleness/max"] <= 1, ("(b) dapo K = 1: step %d staleness/max %g"):format(r.step, r["staleness/max"]))
+    end
+    H.check(many > 0, "(b) dapo K = 1: some step drew several batches (" .. many .. ")")
+    H.eq(used + unused, calls, "(b) dapo K = 1: every batch generated was trained on or counted unused")
+    H.check(n > 0 and worst <= 1, ("(b) dapo K = 1: %d samples trained, at most %d version(s) old"):format(n, worst))
 end
 
 -- (c) a source with submit / collect / poll (as ds4.rollout.pool), generating at submission with the policy
