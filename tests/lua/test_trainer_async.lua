@@ -39,7 +39,7 @@ local function base(model, out, o)
         decode = decode,
         rollout = { n = 4, prompts_per_step = 3, max_new_tokens = 4, temperature = 1.0, source = o.source },
         optim = { lr = 1e-2 },
-        steps = o.steps or 4,
+        steps = o.steps or 3,
         minibatches = 1,
         micro_batches = o.micro_batches,
         out = out,
@@ -74,7 +74,7 @@ for _, algo in ipairs({ "grpo", "dapo" }) do
     trainer.run(base(ms, tmp .. "/sync_" .. algo, { algorithm = spec() }))
     trainer.run(base(ma, tmp .. "/k0_" .. algo, { algorithm = spec(), async = { max_staleness = 0 } }))
     local rs, ra = rows_of(tmp .. "/sync_" .. algo .. "/metrics.jsonl"), rows_of(tmp .. "/k0_" .. algo .. "/metrics.jsonl")
-    H.eq(#ra, 4, "(a) " .. algo .. ": four steps")
+    H.eq(#ra, 3, "(a) " .. algo .. ": three steps")
     H.same(untimed(ra), untimed(rs), "(a) " .. algo .. ": K = 0 has the synchronous run's metrics")
     H.check(H.same_bytes(ma:params(), ms:params()), "(a) " .. algo .. ": K = 0 gives the synchronous run's weights bitwise")
     if algo == "dapo" then
@@ -102,7 +102,7 @@ for _, K in ipairs({ 1, 2 }) do
     local spec = rl.preset("grpo", { kl = rl.NIL })
     spec.tis = rl.tis_default
     local out = tmp .. "/k" .. K
-    trainer.run(base(model, out, { async = { max_staleness = K }, source = source, steps = 5, algorithm = spec,
+    trainer.run(base(model, out, { async = { max_staleness = K }, source = source, steps = 4, algorithm = spec,
         on_step = function(step) done = step end,
         loss = function(mb, sp, opts)
             step_now = done + 1
@@ -124,8 +124,8 @@ for _, K in ipairs({ 1, 2 }) do
     H.eq(#bad, 0, ("(b) K = %d: every sample carries the version that generated it%s"):format(K,
         bad[1] and (": " .. bad[1]) or ""))
     local rows = rows_of(out .. "/metrics.jsonl")
-    H.eq(#rows, 5, ("(b) K = %d: five steps"):format(K))
-    for s = 1, 5 do
+    H.eq(#rows, 4, ("(b) K = %d: four steps"):format(K))
+    for s = 1, 4 do
         local want = math.min(s - 1, K)
         local lags = seen[s] or {}
         local ok = #lags > 0
@@ -143,7 +143,7 @@ for _, K in ipairs({ 1, 2 }) do
                 rows[s]["logprob_mismatch/max"], rows[s]["tis/weight_mean"]))
         end
     end
-    H.eq(calls, 5, ("(b) K = %d: one rollout batch per step, none beyond the last step"):format(K))
+    H.eq(calls, 4, ("(b) K = %d: one rollout batch per step, none beyond the last step"):format(K))
 end
 
 -- (b) with DAPO's dynamic sampling (several batches a step): a step ahead gets as many batches as the last step used,
@@ -159,7 +159,7 @@ do
         return res
     end }
     local out = tmp .. "/k1_dapo"
-    trainer.run(base(model, out, { async = { max_staleness = 1 }, source = source, steps = 6,
+    trainer.run(base(model, out, { async = { max_staleness = 1 }, source = source, steps = 4,
         algorithm = rl.preset("dapo", { overlong = { soft = { max_len = 4, cache = 1, factor = 1.0 } } }),
         on_step = function(step) done = step end,
         loss = function(mb, sp, opts)
