@@ -5,6 +5,8 @@
 #   bash bench/bench_async.sh [DS4 [STEPS [K]]]        defaults: build/ds4, 40, 1 (dapo.lua's other defaults: 150
 #                                                      SFT steps, 32 prompts x 8 samples, 200 held-out problems)
 #   EXTRA="--prompts 32 --n 8" bash bench/bench_async.sh   more dapo.lua options for both runs
+#   REPEAT=3 bash bench/bench_async.sh                 sync and async alternately, 3 times each (a shared machine's
+#                                                      load moves single runs by tens of percent)
 #
 # Prints per mode: the RL steps' wall-clock (the sum of metrics.jsonl's seconds, warm-up and first evaluation
 # excluded), the time the trainer waited for rollouts (time/generate), trained (time/train) and evaluated, the mean
@@ -59,7 +61,7 @@ for _, r in ipairs(rows) do
     end
     acc = r["eval/accuracy"] or acc
 end
-print(("%-6s RL %6.1f s (%d steps): waited for rollouts %5.1f s, trained %5.1f s, evaluated %4.1f s; mean lag %.2f; "
+print(("%-7s RL %6.1f s (%d steps): waited for rollouts %5.1f s, trained %5.1f s, evaluated %4.1f s; mean lag %.2f; "
     .. "held-out accuracy %.1f%% -> %.1f%%"):format(arg[2], s, n, g, t, e, lag / math.max(n, 1), 100 * (acc0 or 0),
     100 * (acc or 0)))
 local f = io.open(arg[1] .. ".total", "w")
@@ -68,7 +70,12 @@ f:close()
 LUA
 }
 
-run sync --max-staleness 0
-run async --async "$K"
-awk -v a="$(cat "$tmp/sync/metrics.jsonl.total")" -v b="$(cat "$tmp/async/metrics.jsonl.total")" \
-    'BEGIN { printf "async / sync wall-clock: %.2fx faster\n", a / b }'
+ratios=()
+for i in $(seq 1 "${REPEAT:-1}"); do
+    run "sync$i" --max-staleness 0
+    run "async$i" --async "$K"
+    ratios+=("$(awk -v a="$(cat "$tmp/sync$i/metrics.jsonl.total")" -v b="$(cat "$tmp/async$i/metrics.jsonl.total")" \
+        'BEGIN { printf "%.2f", a / b }')")
+    echo "round $i: sync / async wall-clock ${ratios[-1]}"
+done
+printf '%s\n' "${ratios[@]}" | sort -n | awk '{ r[NR] = $1 } END { printf "median sync / async wall-clock over %d rounds: %.2f\n", NR, r[int((NR + 1) / 2)] }'
