@@ -16,22 +16,7 @@
 set -euo pipefail
 DS4="$1"
 FIX="$2"
-out="$(mktemp -d "${TMPDIR:-/tmp}/ds4-async.XXXXXX")"
-pids=()
-cleanup() {
-    for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null || true; done
-    rm -rf "$out"
-}
-trap cleanup EXIT
-fail() {
-    echo "FAIL: $*"
-    for f in "$out"/*.log "$out"/*.err; do
-        [ -s "$f" ] || continue
-        echo "=== $f"
-        tail -n 25 "$f"
-    done
-    exit 1
-}
+. "$(dirname "${BASH_SOURCE[0]}")/proc_lib.sh" async # $out, pids, fail
 EP="ipc://$out/pool.sock"
 
 cat >"$out/trainer.lua" <<'LUA'

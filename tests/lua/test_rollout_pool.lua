@@ -446,19 +446,26 @@ local function publish_versions(pool, n)
     end
 end
 
+-- A peer that answers each task from version `first`, and the same task re-issued from version 3; `asked` collects
+-- the versions the tasks ask for.
+local function stale_once_peer(net, id, first, asked)
+    return script_peer(net, id, { beat = true, credit = 1, on_task = function(pp, m)
+        if asked then asked[#asked + 1] = m.policy end
+        pp.seen = pp.seen or {}
+        local v = pp.seen[m.task_id] and 3 or first
+        pp.seen[m.task_id] = true
+        pp.send(fake_samples(m, v))
+        pp.send({ t = "credit", n = 1 })
+    end })
+end
+
 for _, mode in ipairs({ "requeue", "accept_with_version" }) do
     local net = new_net()
     local pool = new_pool(net, { max_staleness = 1, stale = mode, lease_s = 5, dead_s = 1e9 })
     publish_versions(pool, 3)
     H.eq(pool.version, 3, "(d) three versions published")
     -- a worker that answers from version 1 (older than 3 - 1), once per task; then honest answers
-    local stale_peer = script_peer(net, "a-stale", { beat = true, credit = 1, on_task = function(pp, m)
-        pp.seen = pp.seen or {}
-        local v = pp.seen[m.task_id] and 3 or 1
-        pp.seen[m.task_id] = true
-        pp.send(fake_samples(m, v))
-        pp.send({ t = "credit", n = 1 })
-    end })
+    local stale_peer = stale_once_peer(net, "a-stale", 1)
     local res = pool:generate({ { 1, 2 }, { 3, 4 } }, { n = 2, max_new_tokens = 2 })
     local st = pool:stats()
     if mode == "requeue" then
@@ -839,14 +846,7 @@ do
     local pool = new_pool(net, { max_staleness = 5, stale = "accept_with_version", lease_s = 5, dead_s = 1e9 })
     publish_versions(pool, 3)
     local asked = {}
-    script_peer(net, "j-stale", { beat = true, credit = 1, on_task = function(pp, m)
-        asked[#asked + 1] = m.policy
-        pp.seen = pp.seen or {}
-        local v = pp.seen[m.task_id] and 3 or 2
-        pp.seen[m.task_id] = true
-        pp.send(fake_samples(m, v))
-        pp.send({ t = "credit", n = 1 })
-    end })
+    stale_once_peer(net, "j-stale", 2, asked)
     local res = pool:collect(pool:submit({ { 1, 2 } }, { n = 2, max_new_tokens = 2, min_policy = 3 }))
     H.eq(asked[1], 3, "(j) the task asks for min_policy")
     H.eq(pool:stats().stale_requeued, 1, "(j) the version-2 answer was re-issued")

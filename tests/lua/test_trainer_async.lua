@@ -64,6 +64,19 @@ local function untimed(rows)
     return out
 end
 
+-- The policy as its own rollout source, recording for each generated sample (by its ids table) clock() at the time:
+-- the steps completed when it was generated.
+local function recording_source(model, clock)
+    local src = { made = {}, calls = 0 }
+    function src.generate(_, prompts, opts)
+        src.calls = src.calls + 1
+        local res = model:generate(prompts, opts)
+        for _, r in ipairs(res) do src.made[r.ids] = clock() end
+        return res
+    end
+    return src
+end
+
 -- (a)
 for _, algo in ipairs({ "grpo", "dapo" }) do
     local function spec()
@@ -88,15 +101,9 @@ end
 -- (b)
 for _, K in ipairs({ 1, 2 }) do
     local model = ds4.load(FIX .. "/tiny_a")
-    local done = 0                -- steps completed, counted by on_step
-    local made = {}               -- ids table of each generated sample -> steps completed when it was generated
-    local calls = 0
-    local source = { generate = function(_, prompts, opts)
-        calls = calls + 1
-        local res = model:generate(prompts, opts)
-        for _, r in ipairs(res) do made[r.ids] = done end
-        return res
-    end }
+    local done = 0 -- steps completed, counted by on_step
+    local source = recording_source(model, function() return done end)
+    local made = source.made
     local seen, bad, differ = {}, {}, {}
     local step_now = 0
     local spec = rl.preset("grpo", { kl = rl.NIL })
@@ -143,7 +150,7 @@ for _, K in ipairs({ 1, 2 }) do
                 rows[s]["logprob_mismatch/max"], rows[s]["tis/weight_mean"]))
         end
     end
-    H.eq(calls, 4, ("(b) K = %d: one rollout batch per step, none beyond the last step"):format(K))
+    H.eq(source.calls, 4, ("(b) K = %d: one rollout batch per step, none beyond the last step"):format(K))
 end
 
 -- (b) with DAPO's dynamic sampling (several batches a step): a step ahead gets as many batches as the last step used,
@@ -151,13 +158,9 @@ end
 -- trained on or counted unused, and no sample is more than K = 1 versions old (the test's own count)
 do
     local model = ds4.load(FIX .. "/tiny_a")
-    local done, made, calls, worst, n = 0, {}, 0, 0, 0
-    local source = { generate = function(_, prompts, opts)
-        calls = calls + 1
-        local res = model:generate(prompts, opts)
-        for _, r in ipairs(res) do made[r.ids] = done end
-        return res
-    end }
+    local done, worst, n = 0, 0, 0
+    local source = recording_source(model, function() return done end)
+    local made = source.made
     local out = tmp .. "/k1_dapo"
     trainer.run(base(model, out, { async = { max_staleness = 1 }, source = source, steps = 4,
         algorithm = rl.preset("dapo", { overlong = { soft = { max_len = 4, cache = 1, factor = 1.0 } } }),
@@ -177,7 +180,7 @@ do
         H.check(r["staleness/max"] <= 1, ("(b) dapo K = 1: step %d staleness/max %g"):format(r.step, r["staleness/max"]))
     end
     H.check(many > 0, "(b) dapo K = 1: some step drew several batches (" .. many .. ")")
-    H.eq(used + unused, calls, "(b) dapo K = 1: every batch generated was trained on or counted unused")
+    H.eq(used + unused, source.calls, "(b) dapo K = 1: every batch generated was trained on or counted unused")
     H.check(n > 0 and worst <= 1, ("(b) dapo K = 1: %d samples trained, at most %d version(s) old"):format(n, worst))
 end
 
