@@ -36,7 +36,10 @@ and model.
   step's weights to the workers (with --lora the adapters only, over the saved base: docs/lora.md). tcp:// needs CURVE
   keys (`ds4 keygen --out PREFIX`: --curve PREFIX for the trainer, --allow the workers' .pub files) or --insecure;
   ipc:// stays on this host. --max-staleness 0 makes every rollout use the newest weights (default 1: one step
-  behind at most, corrected by the importance ratio against the recomputed log-probs).
+  behind at most, corrected by the importance ratio against the recomputed log-probs). --async K overlaps generation
+  with training: the workers generate the next K steps' rollouts, under weights at most K versions old, while the
+  trainer trains (docs/rl.md, "Asynchronous RL"; --async 0 is the synchronous loop with --max-staleness 0; add
+  --algorithm.tis.mode truncate, or a config file's algorithm.tis = rl.tis_default, for the importance correction).
 ]]
 
 local ds4 = require("ds4")
@@ -91,6 +94,8 @@ local SPEC = {
         { "workers", "", "remote rollout workers: the endpoint to bind (tcp://0.0.0.0:5555, ipc:///tmp/x)" },
         { "n_workers", 0, "wait for this many workers before the first step" },
         { "max_staleness", 1, "policy versions a rollout may lag behind" },
+        { "async", -1, "asynchronous RL: rollouts run up to K steps ahead, under weights at most K versions old, while "
+            .. "the trainer trains (-1: synchronous)" },
         { "curve", "", "the trainer's CURVE key prefix (PREFIX.key, PREFIX.pub)" },
         { "allow", "", "the workers' public keys, comma-separated .pub files" },
         { "insecure", false, "plain TCP without CURVE" },
@@ -119,6 +124,9 @@ for _, k in ipairs({ "steps", "eval", "eval_every", "prompts", "n", "max_new_tok
     if v ~= math.floor(v) or v < lo then
         usage_error(("--%s must be an integer >= %d, got %s"):format(k:gsub("_", "-"), lo, v))
     end
+end
+if opts.async ~= math.floor(opts.async) or opts.async < -1 then
+    usage_error("--async must be an integer >= 0 (or -1: synchronous), got " .. opts.async)
 end
 if opts.sft_steps ~= math.floor(opts.sft_steps) or opts.sft_steps < -1 then
     usage_error("--sft-steps must be an integer >= 0, got " .. opts.sft_steps)
@@ -331,6 +339,7 @@ local result = trainer.run{
     checkpoint = { every = opts.save_every, keep_last = opts.keep_last, resume = opts.resume },
     log_completions = { every = opts.log_completions, n = 4 },
     tensorboard = opts.tensorboard,
+    async = opts.async >= 0 and { max_staleness = opts.async } or nil,
 }
 
 if source then

@@ -22,32 +22,8 @@ set -euo pipefail
 DS4="$1"
 FIX="$2"
 SRC="$3"
-out="$(mktemp -d "${TMPDIR:-/tmp}/ds4-rollout.XXXXXX")"
-pids=()
-cleanup() {
-    for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null || true; done
-    rm -rf "$out"
-}
-trap cleanup EXIT
-# KEEP=1: leave the logs and keys in $out (for debugging)
-[ -n "${KEEP:-}" ] && trap 'for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null || true; done; echo "kept $out"' EXIT
-fail() {
-    echo "FAIL: $*"
-    for f in "$out"/*.log "$out"/*.err; do
-        [ -s "$f" ] || continue
-        echo "=== $f"
-        tail -n 25 "$f"
-    done
-    exit 1
-}
-wait_for() { # file, seconds [, text the file must contain]
-    local i
-    for i in $(seq 1 $(($2 * 10))); do
-        if [ -e "$1" ] && { [ -z "${3:-}" ] || grep -qF -- "$3" "$1"; }; then return 0; fi
-        sleep 0.1
-    done
-    return 1
-}
+# $out, pids, fail, wait_for (KEEP=1: leave the logs and keys in $out, for debugging)
+. "$(dirname "${BASH_SOURCE[0]}")/proc_lib.sh" rollout
 LAST=
 # Workers here wait for a trainer as long as the test runs (--give-up: without it a worker leaves after 120 s without
 # a session, which the refused one and, under the sanitizers, the others between trainers can reach)

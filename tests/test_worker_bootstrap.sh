@@ -12,27 +12,7 @@
 set -euo pipefail
 DS4="$1"
 FIX="$2"
-out="$(mktemp -d "${TMPDIR:-/tmp}/ds4-bootstrap.XXXXXX")"
-pids=()
-cleanup() {
-    for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null || true; done
-    rm -rf "$out"
-}
-trap cleanup EXIT
-fail() {
-    echo "FAIL: $*"
-    for f in "$out"/*.log "$out"/*.err; do
-        [ -s "$f" ] || continue
-        echo "=== $f"
-        tail -n 25 "$f"
-    done
-    exit 1
-}
-wait_for() { # file, seconds
-    local i
-    for i in $(seq 1 $(($2 * 10))); do [ -e "$1" ] && return 0; sleep 0.1; done
-    return 1
-}
+. "$(dirname "${BASH_SOURCE[0]}")/proc_lib.sh" bootstrap # $out, pids, fail, wait_for
 for k in trainer w1 w0; do "$DS4" keygen --out "$out/$k" >/dev/null; done
 
 # A checkpoint of tiny_a whose hash-routing tables are all zero (every token to expert 0, K times)

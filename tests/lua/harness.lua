@@ -211,6 +211,15 @@ function H.f32_diff(a, b)
     return mx, math.sqrt(dd) / math.sqrt(bb), bb
 end
 
+-- The RL tests' toy task: token ids read as bytes (id % 256: the text a byte-level decode gives), and a reward that
+-- is the parity of the first byte (1 when even), so that groups are mixed (informative) on random weights.
+function H.byte_text(ids)
+    local t = {}
+    for i, v in ipairs(ids) do t[i] = string.char(v % 256) end
+    return table.concat(t)
+end
+function H.parity_reward(text) return (#text > 0 and text:byte(1) % 2 == 0) and 1 or 0 end
+
 function H.fixtures()
     if arg and arg[1] then return arg[1] end
     local dir = (arg and arg[0] or ""):match("^(.*)/[^/]*$") or "."

@@ -27,6 +27,9 @@
 --   (j) LoRA policies (protocol 4): the frozen base travels once (a version of its own), each publish moves the
 --       adapters' bytes only, and results equal the trainer's generation with its adapters bitwise; workers attach
 --       the adapters' layout themselves, and drop them when the trainer publishes a plain (merged) model again.
+--   (k) asynchronous use: batches submitted together and collected out of order, a publish while they are in flight
+--       (each result equals model:generate at the version it reports), min_policy as a hard lower bound (re-issued
+--       even with accept_with_version), a cancelled batch's late answer dropped as a duplicate.
 local TEST_DIR = arg[0]:match("^(.*)/[^/]*$") or "."
 package.path = TEST_DIR .. "/?.lua;" .. TEST_DIR .. "/../chaos/?.lua;" .. package.path
 local H = require("harness")
@@ -434,26 +437,38 @@ end
 
 -- ------------------------------------------------------------------------------------------------ (d) staleness
 
-for _, mode in ipairs({ "requeue", "accept_with_version" }) do
-    local net = new_net()
-    local pool = new_pool(net, { max_staleness = 1, stale = mode, lease_s = 5, dead_s = 1e9 })
+-- Versions 1..n of the policy, each with its first weight set to the version number.
+local function publish_versions(pool, n)
     local p = policy:params()
-    for v = 1, 3 do
+    for v = 1, n do
         local m = ds4.load(FIX .. "/tiny_a")
         local q = p:clone()
         ffi.cast("float *", q:data_ptr())[0] = v
         m:set_params(q)
         pool:publish(m)
     end
-    H.eq(pool.version, 3, "(d) three versions published")
-    -- a worker that answers from version 1 (older than 3 - 1), once per task; then honest answers
-    local stale_peer = script_peer(net, "a-stale", { beat = true, credit = 1, on_task = function(pp, m)
+end
+
+-- A peer that answers each task from version `first`, and the same task re-issued from version 3; `asked` collects
+-- the versions the tasks ask for.
+local function stale_once_peer(net, id, first, asked)
+    return script_peer(net, id, { beat = true, credit = 1, on_task = function(pp, m)
+        if asked then asked[#asked + 1] = m.policy end
         pp.seen = pp.seen or {}
-        local v = pp.seen[m.task_id] and 3 or 1
+        local v = pp.seen[m.task_id] and 3 or first
         pp.seen[m.task_id] = true
         pp.send(fake_samples(m, v))
         pp.send({ t = "credit", n = 1 })
     end })
+end
+
+for _, mode in ipairs({ "requeue", "accept_with_version" }) do
+    local net = new_net()
+    local pool = new_pool(net, { max_staleness = 1, stale = mode, lease_s = 5, dead_s = 1e9 })
+    publish_versions(pool, 3)
+    H.eq(pool.version, 3, "(d) three versions published")
+    -- a worker that answers from version 1 (older than 3 - 1), once per task; then honest answers
+    local stale_peer = stale_once_peer(net, "a-stale", 1)
     local res = pool:generate({ { 1, 2 }, { 3, 4 } }, { n = 2, max_new_tokens = 2 })
     local st = pool:stats()
     if mode == "requeue" then
@@ -849,6 +864,101 @@ do
     check_equal_local(res4, lp, PROMPTS, GEN, "(j) rank-3 adapters, version 6")
     H.eq(w1.model:lora_info().rank, 3, "(j) the workers re-attached adapters of the announced layout")
     pool:close()
+end
+
+-- ------------------------------------------------------------------------------------------------ (k) async use
+
+do
+    local net = new_net()
+    local pool = new_pool(net, { max_staleness = 1 })
+    real_worker(net, "j-w1", { max_batch = 8, credits = 4 })
+    real_worker(net, "j-w2", { max_batch = 8, credits = 4 })
+    local v1 = ds4.load(FIX .. "/tiny_a")
+    H.eq(pool:publish(v1), 1, "(k) version 1")
+    local opts = { n = 2, max_new_tokens = 5, temperature = 1.0, seed = 31 }
+    local a = pool:submit(PROMPTS, opts)
+    local o2 = { n = 2, max_new_tokens = 5, temperature = 1.0, seed = 32, min_policy = 1 }
+    local b = pool:submit(PROMPTS, o2)
+    H.check(not pool:ready(a) and not pool:ready(b), "(k) two batches in flight")
+    for _ = 1, 3 do pool:poll() end
+    -- a new version while both are in flight: tasks not yet sent go out asking for version 1 or newer
+    local v2 = ds4.load(FIX .. "/tiny_a")
+    local q = v2:params()
+    ffi.cast("float *", q:data_ptr())[3] = 0.5
+    v2:set_params(q)
+    H.eq(pool:publish(v2), 2, "(k) version 2 published mid-flight")
+    local versions = { v1, v2 }
+    local rb = pool:collect(b) -- out of order
+    local ra = pool:collect(a)
+    for _, c in ipairs({ { ra, opts, "a" }, { rb, o2, "b" } }) do
+        local res, o, name = c[1], c[2], c[3]
+        local ok, seen = #res == #PROMPTS * 2, {}
+        for p = 1, #PROMPTS do
+            local r1 = res[(p - 1) * 2 + 1]
+            seen[r1.policy_version] = true
+            local ref = local_reference(versions[r1.policy_version], PROMPTS, { n = 2, max_new_tokens = 5,
+                temperature = 1.0, seed = o.seed }, p)
+            for s = 1, 2 do
+                local r, e = res[(p - 1) * 2 + s], ref[s]
+                ok = ok and #r.ids == #e.ids and r.finish_reason == e.finish_reason
+                for j = 1, #e.ids do ok = ok and r.ids[j] == e.ids[j] and r.logprobs[j] == e.logprobs[j] end
+            end
+        end
+        H.check(ok, "(k) batch " .. name .. ": every result equals model:generate at the version it reports")
+    end
+    H.eq(pool:stats().completed, 2 * #PROMPTS, "(k) every task of both batches completed once")
+    H.eq(next(pool.tasks), nil, "(k) nothing left after both are collected")
+    H.raises(function() pool:collect(a) end, { "collected already" }, "(k) a batch is collected once")
+    H.raises(function() pool:submit(PROMPTS, { n = 1, min_policy = 3 }) end, { "min_policy", "[1, 2]" },
+        "(k) min_policy above the current version")
+    H.raises(function() pool:submit(PROMPTS, { n = 1, min_policy = 0 }) end, { "min_policy" }, "(k) min_policy 0")
+end
+
+-- min_policy is a hard bound: a sample of an older version is re-issued even where max_staleness and
+-- accept_with_version would keep it
+do
+    local net = new_net()
+    local pool = new_pool(net, { max_staleness = 5, stale = "accept_with_version", lease_s = 5, dead_s = 1e9 })
+    publish_versions(pool, 3)
+    local asked = {}
+    stale_once_peer(net, "j-stale", 2, asked)
+    local res = pool:collect(pool:submit({ { 1, 2 } }, { n = 2, max_new_tokens = 2, min_policy = 3 }))
+    H.eq(asked[1], 3, "(k) the task asks for min_policy")
+    H.eq(pool:stats().stale_requeued, 1, "(k) the version-2 answer was re-issued")
+    H.eq(pool:stats().stale_accepted, 0, "(k) not accepted")
+    H.eq(res[1].policy_version, 3, "(k) the result is of version 3")
+    -- without min_policy the same pool keeps a version-2 answer (max_staleness 5)
+    local r2 = pool:generate({ { 3, 4 } }, { n = 2, max_new_tokens = 2 })
+    H.eq(r2[1].policy_version, 2, "(k) without min_policy, max_staleness applies")
+end
+
+-- a cancelled batch: its late answer is a duplicate, its queued tasks are never sent
+do
+    local net = new_net()
+    local pool = new_pool(net, { lease_s = 5, dead_s = 1e9 })
+    pool:publish(policy)
+    local held = {}
+    local answer = false
+    local peer = script_peer(net, "j-slow", { beat = true, credit = 1, on_task = function(pp, m)
+        held[#held + 1] = m
+        if answer then
+            pp.send(fake_samples(m, 1))
+            pp.send({ t = "credit", n = 1 })
+        end
+    end })
+    local b = pool:submit({ { 1, 2 }, { 3, 4 }, { 5, 6 } }, { n = 1, max_new_tokens = 2 })
+    for _ = 1, 5 do pool:poll() end
+    H.eq(#held, 1, "(k) one task leased (credit 1)")
+    pool:cancel(b)
+    peer.send(fake_samples(held[1], 1))
+    peer.send({ t = "credit", n = 2 })
+    for _ = 1, 5 do pool:poll() end
+    H.eq(pool:stats().duplicates, 1, "(k) the cancelled batch's late answer is dropped as a duplicate")
+    H.eq(#held, 1, "(k) the cancelled batch's queued tasks were never sent")
+    answer = true
+    local res = pool:generate({ { 7, 8 } }, { n = 1, max_new_tokens = 2 })
+    H.eq(#res, 1, "(k) the pool goes on after a cancel")
+    H.eq(#held, 2, "(k) with the new batch's task only")
 end
 
 H.done("test_rollout_pool")

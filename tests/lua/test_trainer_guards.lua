@@ -38,12 +38,7 @@ local function source(model, fail)
 end
 
 -- The parity of the first generated token decides the reward: groups are mixed (informative) on random weights.
-local function reward(text, sample) return (#text > 0 and text:byte(1) % 2 == 0) and 1 or 0 end
-local function decode(ids)
-    local t = {}
-    for i, v in ipairs(ids) do t[i] = string.char(v % 256) end
-    return table.concat(t)
-end
+local reward, decode = H.parity_reward, H.byte_text
 
 local function run(o)
     local model = o.model or ds4.load(FIX .. "/tiny_a")

@@ -30,12 +30,8 @@ local function config(model, reference, out, o)
             for i = 1, n do p[i] = { prompt = { 5 + (k * 7 + i) % 40, 6 + (k + i) % 30, 7 } } end
             return p
         end,
-        reward = function(text) return (#text > 0 and text:byte(1) % 2 == 0) and 1 or 0 end,
-        decode = function(ids)
-            local t = {}
-            for i, v in ipairs(ids) do t[i] = string.char(v % 256) end
-            return table.concat(t)
-        end,
+        reward = H.parity_reward,
+        decode = H.byte_text,
         rollout = { n = 4, prompts_per_step = 4, max_new_tokens = 5, temperature = 1.0 },
         optim = { lr = 3e-3 },
         steps = 4,

@@ -22,12 +22,7 @@ local FIX = H.fixtures()
 ds4.set_threads(2)
 local same_bytes = H.same_bytes
 
-local function decode(ids)
-    local t = {}
-    for i, v in ipairs(ids) do t[i] = string.char(v % 256) end
-    return table.concat(t)
-end
-local parity = function(text) return (#text > 0 and text:byte(1) % 2 == 0) and 1 or 0 end
+local decode, parity = H.byte_text, H.parity_reward
 
 local function base(model, out, o)
     o = o or {}

@@ -22,13 +22,37 @@ checkpoints.
       log_completions = {every = 0, n = 4},   -- a table of sampled completions every N steps
       tensorboard = true,                     -- TensorBoard event files beside metrics.jsonl
       on_step = function(step, row) ... end,  -- after each step's metrics (and checkpoint); false stops the run
+      async = nil,                            -- {max_staleness = K}: asynchronous RL (below); nil: synchronous
+      train_delay_s = nil,                    -- tests: seconds slept in every training micro-batch (a slow step)
   }
 
 Rollout source: rollout.source is any object with source:generate(prompts, opts) -> results shaped like
 model:generate's (ids, logprobs, finish_reason per sample, prompt-major with opts.n samples per prompt). Default:
 the policy itself, in process. The remote worker pool (ds4.rollout.pool, lua/ds4/rollout/) implements the same
 method, so switching is one table field; a source with a :publish(model) method is handed the policy after every
-step's optimizer updates (the pool makes it a new policy version that its workers fetch).
+step's optimizer updates (the pool makes it a new policy version that its workers fetch). Every sample carries the
+policy version that generated it: a pool's results report theirs; the policy itself (and a source that reports none)
+generates with the weights of the moment, version 1 + the steps that have updated them (source.version, when the
+source has one, is the version counter instead). A source with :poll (the pool) is served between the pieces of the
+trainer's own work — each training micro-batch, each old / reference log-probability forward (then split into
+minibatches x micro_batches parts), each evaluation token — at most every 20 ms, so that its workers get their
+heartbeats, tasks and weight chunks and their results are taken in while the trainer computes; the longest silence a
+worker sees is one such piece (docs/rl.md, "Asynchronous RL").
+
+Asynchronous RL (async = {max_staleness = K}): the rollout batches of steps t .. t + K are submitted before step t
+trains (a step ahead gets as many as the last step used; dynamic sampling draws several), so that the workers
+generate for the next K steps under older weights while the trainer trains. A source with :submit / :collect
+(ds4.rollout.pool) generates in the background; a batch of step s, submitted while version v is current during step
+t, asks for min_policy = v - K + (s - t) (step s trains on version v + (s - t) at most: one publish per step, so every
+sample it trains on is at most K versions old); any other source generates at submission (the policy itself: its
+samples are exactly min(s - 1, K) versions old at step s). Further batches a step needs are generated then
+(min_policy v - K); batches it did not need are dropped (gen_batches_unused). Lags are measured at every step (staleness/mean, staleness/max) and a
+sample more than K versions old stops the run (a source that does not honour min_policy). The off-policy gap is the
+rollout / old log-probability mismatch algorithm.tis corrects (decoupled PPO: the ratio is taken against the
+recomputed old policy, the importance weight against the rollout's). K = 0 is the synchronous loop, bitwise (with a
+pool: a pool of max_staleness 0); without async a pool's own max_staleness applies. Not with several ranks (K > 0).
+A checkpoint holds no batch in flight: a resumed asynchronous run draws new prompts for the K steps ahead, at the
+checkpoint's weights (valid, not bitwise the run that did not stop).
 
 One step:
   1. rollouts: prompts_per_step prompts × n samples; rewards through ds4.reward.evaluate_batch, each sample seen as
@@ -66,7 +90,9 @@ response_len/mean, /min, /max, /clipped_ratio (ds4.rl.stats), groups/kept, group
 gen_batches, eval/accuracy (eval steps), kl (to the reference when there is one, else the old→new policy KL
 estimate), clip_frac, entropy, logprob_mismatch/mean, logprob_mismatch/max, loss, grad_norm, lr, tokens_per_s
 (generated + trained tokens per wall second), seconds, and the time split time/generate, time/reward, time/train,
-time/eval (seconds). log_completions = {every = N, n = k} writes k sampled completions of every Nth step (prompt,
+time/eval (seconds), policy_version (the version trained), staleness/mean and staleness/max (versions between the
+policy trained and the one that generated each sample of the step), and with algorithm.tis tis/weight_mean,
+tis/frac_truncated, tis/frac_masked, tis/ess (ds4.rl.correction over the whole step). log_completions = {every = N, n = k} writes k sampled completions of every Nth step (prompt,
 completion, reward, finish_reason) to out/completions.jsonl and as a TensorBoard text table (and prints them with
 progress on).
 
@@ -104,6 +130,16 @@ local ffi = require("ffi")
 local M = {}
 
 pcall(ffi.cdef, "int isatty(int fd);")
+pcall(ffi.cdef, "int usleep(unsigned int usec);")
+-- cfg.train_delay_s (tests): a slow training micro-batch, as one long computation would be (no pool served meanwhile)
+local function sleep(s)
+    local us = math.floor(s * 1e6)
+    while us > 0 do
+        local d = math.min(us, 100000) -- usleep may refuse a second or more
+        ffi.C.usleep(d)
+        us = us - d
+    end
+end
 local now = ds4.metrics.clock -- wall seconds (monotonic); os.clock would add up the CPU time of every thread
 -- warnings: from rank 0 only (with several ranks every rank holds the same gathered rollouts)
 local function warn(msg) if dp.is_root() then io.stderr:write(msg) end end
@@ -111,12 +147,13 @@ local function warn(msg) if dp.is_root() then io.stderr:write(msg) end end
 -- Greedy accuracy of `model` (or source) on eval samples.
 -- With several ranks (ds4.dp) each greedily decodes its share of the samples and the counts are summed (greedy
 -- decoding is batch-invariant, so the accuracy is the one process's); res then holds this rank's share only.
-function M.evaluate(model, eval, decode, max_new_tokens, stop)
+-- tick (optional): called after every generated token, e.g. to serve a rollout pool while the evaluation runs.
+function M.evaluate(model, eval, decode, max_new_tokens, stop, tick)
     local first, count = dp.share(#eval.samples, dp.world(), dp.rank())
     local prompts = {}
     for i = first, first + count - 1 do prompts[#prompts + 1] = eval.samples[i].prompt end
     local res = #prompts > 0 and model:generate(prompts, { max_new_tokens = max_new_tokens, temperature = 0,
-        stop = stop }) or {}
+        stop = stop, on_token = tick and function() tick() end }) or {}
     local ok = 0
     for j, r in ipairs(res) do
         local sample = eval.samples[first + j - 1]
@@ -153,7 +190,7 @@ local function gather_rollouts(res, scores, infos, errors, base)
     local mine = { s = {}, e = {} }
     for i, r in ipairs(res) do
         mine.s[i] = { ids = json.array(r.ids), lp = json.array(r.logprobs or {}), fr = r.finish_reason,
-            err = r.error and tostring(r.error) or nil, sc = scores[i], info = infos[i] }
+            err = r.error and tostring(r.error) or nil, sc = scores[i], info = infos[i], pv = r.policy_version }
     end
     for _, e in ipairs(errors) do mine.e[#mine.e + 1] = { i = e.index + base, m = e.message } end
     local all_res, all_scores, all_infos, all_errors = {}, {}, {}, {}
@@ -164,7 +201,7 @@ local function gather_rollouts(res, scores, infos, errors, base)
         end
         for _, x in ipairs(got.s) do
             local i = #all_res + 1
-            all_res[i] = { ids = x.ids, logprobs = x.lp, finish_reason = x.fr, error = x.err }
+            all_res[i] = { ids = x.ids, logprobs = x.lp, finish_reason = x.fr, error = x.err, policy_version = x.pv }
             all_scores[i], all_infos[i] = x.sc, x.info
         end
         for _, e in ipairs(got.e) do all_errors[#all_errors + 1] = { index = e.i, message = e.m } end
@@ -172,7 +209,11 @@ local function gather_rollouts(res, scores, infos, errors, base)
     return all_res, all_scores, all_infos, all_errors
 end
 
-local function rollout_batch(cfg, k, group_base, st)
+-- Start one batch of rollouts (the k-th call of cfg.prompts): a source with :submit / :collect (ds4.rollout.pool)
+-- generates it in the background, with a policy version of at least min_policy when that is given; any other source
+-- (the policy itself) generates it now, with the weights it has now, and its results are stamped with the trainer's
+-- version (cfg.version()) unless they carry their own.
+local function submit_batch(cfg, k, st, min_policy)
     local ro = cfg.rollout
     local src = ro.source or cfg.model
     local items = cfg.prompts(k, ro.prompts_per_step)
@@ -182,11 +223,35 @@ local function rollout_batch(cfg, k, group_base, st)
     local p1, pc = dp.share(#items, dp.world(), dp.rank())
     local share = {}
     for i = p1, p1 + pc - 1 do share[#share + 1] = prompts[i] end
+    local b = { k = k, items = items, prompts = prompts, p1 = p1 }
     local t0 = now()
-    local res = #share > 0 and src:generate(share, { n = ro.n, max_new_tokens = ro.max_new_tokens,
+    local opts = { n = ro.n, max_new_tokens = ro.max_new_tokens,
         temperature = ro.temperature, top_p = ro.top_p, top_k = ro.top_k, seed = cfg.seed * 1000003 + k,
         prompt_base = p1 > 1 and p1 - 1 or nil, stop = ro.stop, tokenizer = ro.tokenizer,
-        record_experts = cfg.routing_replay or nil, record_index = cfg.routing_replay or nil }) or {}
+        record_experts = cfg.routing_replay or nil, record_index = cfg.routing_replay or nil }
+    if #share == 0 then
+        b.res = {}
+    elseif min_policy and src.submit and src.collect then
+        opts.min_policy = min_policy
+        b.handle = src:submit(share, opts)
+    else
+        b.res = src:generate(share, opts)
+        local v = cfg.version()
+        for _, r in ipairs(b.res) do r.policy_version = r.policy_version or v end
+    end
+    st.t_generate = st.t_generate + (now() - t0)
+    return b
+end
+
+-- Finish batch b: its results (waiting for them if they are still being generated), rewards and samples with their
+-- policy versions; group_base makes group ids unique across calls. st accumulates the step's counts, timings, version
+-- lags and ds4.rl.stats.
+local function finish_batch(cfg, b, group_base, st)
+    local ro = cfg.rollout
+    local src = ro.source or cfg.model
+    local items, prompts, p1 = b.items, b.prompts, b.p1
+    local t0 = now()
+    local res = b.res or src:collect(b.handle)
     local t1 = now()
     st.t_generate = st.t_generate + (t1 - t0)
     local texts, views = {}, {}
@@ -236,10 +301,15 @@ local function rollout_batch(cfg, k, group_base, st)
                 st.shown[#st.shown + 1] = { cfg.decode(prompts[g + 1]), texts[i], scores[i] and
                     ("%.4g"):format(scores[i]) or "error", r.finish_reason }
             end
+            -- against the version trained next (a pool's first call publishes version 1 only now)
+            local lag = r.policy_version and cfg.version() - r.policy_version
+            if lag then
+                st.lag_n, st.lag_sum, st.lag_max = st.lag_n + 1, st.lag_sum + lag, math.max(st.lag_max, lag)
+            end
             if not bad[g] and #r.ids > 0 then
                 out[#out + 1] = { prompt = prompts[g + 1], ids = r.ids, rollout_logp = r.logprobs, reward = scores[i],
                     group = group_base + g, finish_reason = r.finish_reason, length = #r.ids, sample = views[i],
-                    experts = r.experts, index_picks = r.index_picks }
+                    experts = r.experts, index_picks = r.index_picks, policy_version = r.policy_version }
             end
         end
     end
@@ -348,6 +418,27 @@ local function defaults(cfg)
     if dp.world() > 1 and cfg.routing_replay then
         error("trainer.run: routing_replay with several training ranks is not supported yet (the recorded routes " ..
             "stay on the rank that generated them)", 3)
+    end
+    if cfg.async ~= nil then
+        local a = cfg.async
+        if type(a) ~= "table" then error("trainer.run: config.async must be a table {max_staleness = K}", 3) end
+        for k in pairs(a) do
+            if k ~= "max_staleness" then
+                error("trainer.run: config.async: unknown key '" .. tostring(k) .. "' (max_staleness)", 3)
+            end
+        end
+        local K = a.max_staleness
+        if type(K) ~= "number" or K ~= math.floor(K) or K < 0 or K > 64 then
+            error("trainer.run: config.async.max_staleness must be an integer in [0, 64], got " .. tostring(K), 3)
+        end
+        if K > 0 and dp.world() > 1 then
+            error("trainer.run: config.async with several training ranks is not supported yet: launch one trainer "
+                .. "process, or max_staleness = 0", 3)
+        end
+    end
+    if cfg.train_delay_s ~= nil and (type(cfg.train_delay_s) ~= "number" or not (cfg.train_delay_s >= 0)
+        or cfg.train_delay_s > 3600) then
+        error("trainer.run: config.train_delay_s must be a number of seconds in [0, 3600]", 3)
     end
     cfg.seed = cfg.seed or 1
     if cfg.progress == nil then cfg.progress = true end
@@ -466,10 +557,18 @@ local function share_field(samples, field)
 end
 
 -- Old (or reference) log-probabilities of every sample: each rank forwards its share (a sequence's log-probs do not
--- depend on the batch it is in), then they are shared.
-local function logp_all(model, samples, pad, field, replay)
+-- depend on the batch it is in), then they are shared. With a pool to serve (cfg.tick), the share goes in `parts`
+-- forwards with the pool served between them, so that no single forward is longer than a training micro-batch's.
+local function logp_all(cfg, model, samples, field, replay)
     local first, count = dp.share(#samples, dp.world(), dp.rank())
-    if count > 0 then forward_logp(model, slice(samples, first, count), pad, field, nil, replay) end
+    local parts = cfg.tick and cfg.minibatches * cfg.micro_batches or 1
+    for j = 0, parts - 1 do
+        local f, c = dp.share(count, parts, j)
+        if c > 0 then
+            forward_logp(model, slice(samples, first + f - 1, c), cfg.pad, field, nil, replay)
+            if cfg.tick then cfg.tick() end
+        end
+    end
     share_field(samples, field)
 end
 
@@ -505,6 +604,7 @@ local function micro_step(cfg, spec, pad, part, lopts)
         for j, v in ipairs(out.grads[i]) do g[base + j] = v end
     end
     model:backward_logprobs(g)
+    if cfg.train_delay_s then sleep(cfg.train_delay_s) end
     out.cells = #part * S
     return out
 end
@@ -519,10 +619,11 @@ local function train(cfg, opt, samples, row)
     if spec.overlong and spec.overlong.filter then rl.filter.overlong_filter(samples) end
     if spec.overlong and spec.overlong.soft then rl.filter.apply_soft_overlong(samples, spec.overlong.soft) end
     -- old policy = the current weights, recomputed (three-policy view: rollout, old, new)
-    logp_all(model, samples, pad, "old_logp", cfg.routing_replay)
-    local mm = rl.correction.metrics(samples) or {}
+    logp_all(cfg, model, samples, "old_logp", cfg.routing_replay)
+    -- rollout vs old: kernels, routing, and in asynchronous runs the older policy versions that generated
+    local mm = (spec.tis and rl.correction.compute(samples, spec.tis).metrics or rl.correction.metrics(samples)) or {}
     if spec.kl then
-        logp_all(cfg.reference, samples, pad, "ref_logp")
+        logp_all(cfg, cfg.reference, samples, "ref_logp")
         if spec.kl.where == "reward" then
             rl.loss.kl_in_reward(samples, spec.kl.coef, spec.kl.estimator, { level = spec.kl.level })
         end
@@ -545,6 +646,7 @@ local function train(cfg, opt, samples, row)
         local ok, err = pcall(function()
             for _, part in ipairs(micro_batches(cfg, mb)) do
                 local out, why = micro_step(cfg, spec, pad, part, lopts)
+                if cfg.tick then cfg.tick() end
                 if not out then return why end
                 local m = out.metrics or {}
                 local w = m.tokens or rl.loss.count(part)
@@ -587,6 +689,10 @@ local function train(cfg, opt, samples, row)
     row["reward/kept_mean"] = kept_sum / #samples
     row["logprob_mismatch/mean"] = mm.mismatch_abs_mean or 0
     row["logprob_mismatch/max"] = mm.mismatch_abs_max or 0
+    if mm.tis_weight_mean then
+        row["tis/weight_mean"], row["tis/frac_truncated"], row["tis/frac_masked"], row["tis/ess"] =
+            mm.tis_weight_mean, mm.tis_frac_truncated, mm.tis_frac_masked, mm.tis_ess
+    end
     row.grad_norm = last and last.grad_norm
     row.lr = last and last.lr
     return dp.sum({ trained })[1], stop
@@ -619,12 +725,14 @@ function M.run(cfg)
         total = cfg.steps * cfg.minibatches })
     local ck = cfg.checkpoint
     -- the loop's counters: what a checkpoint saves and a resume restores
-    local state = { step = 0, gen_calls = 0, group_base = 0, failed_total = 0, idle = 0 }
+    -- (version: the policy version of a source without its own, the in-process policy's: 1 + the steps that updated it)
+    local state = { step = 0, gen_calls = 0, group_base = 0, failed_total = 0, idle = 0, version = 1 }
     local resumed_from
     if ck.resume then
         local st, dir = resume.load(ck.dir, model, opt, cfg.reference)
         if st then
             state, resumed_from = st, dir
+            state.version = state.version or 1 -- a checkpoint written before versions were counted
             if cfg.state and st.user ~= nil then cfg.state.load(st.user) end
             -- a remote source serves the resumed weights from the first step on
             if ro.source and ro.source.publish then ro.source:publish(model) end
@@ -639,12 +747,32 @@ function M.run(cfg)
     if resumed_from and log then history = require("ds4.plot").read_jsonl(cfg.out .. "/metrics.jsonl") end
     local tty = cfg.progress and ffi.C.isatty(1) == 1
     local t_start = now()
+    -- the policy version the rollouts are measured against: the source's own (a pool's published versions), else ours
+    local src = ro.source
+    cfg.version = (src and type(src.version) == "number") and function() return src.version end
+        or function() return state.version end
+    -- a source with :poll (ds4.rollout.pool) is served between the pieces of every computation here (micro-batches,
+    -- log-probability forwards, evaluation tokens), at most every 20 ms, so that its workers never hear silence
+    local last_tick = 0
+    cfg.tick = src and src.poll and function()
+        local t = now()
+        if t - last_tick >= 0.02 then
+            last_tick = t
+            src:poll()
+        end
+    end or nil
+    local K = cfg.async and cfg.async.max_staleness -- nil: synchronous
+    local pipe = {} -- step -> its rollout batches submitted ahead, up to K steps (asynchronous runs)
+    local batches_used = 1 -- by the last step: how many batches a step ahead gets
+    local function drop(b) if b.handle and src.cancel then src:cancel(b.handle) end end
     local function finish(msg)
+        for _, q in pairs(pipe) do for _, b in ipairs(q) do drop(b) end end
+        pipe = {}
         if log then log:close() end
         if msg then error(msg, 0) end
     end
     local function evaluate()
-        return M.evaluate(model, cfg.eval, cfg.decode, cfg.eval.max_new_tokens or ro.max_new_tokens, ro.stop)
+        return M.evaluate(model, cfg.eval, cfg.decode, cfg.eval.max_new_tokens or ro.max_new_tokens, ro.stop, cfg.tick)
     end
     if cfg.eval and cfg.eval.samples and not resumed_from then
         state.eval_acc = evaluate()
@@ -659,11 +787,32 @@ function M.run(cfg)
         local st = { errors = 0, generated = 0, gen_tokens = 0, groups_generated = 0, failed_groups = 0,
             t_generate = 0, t_reward = 0, acc = stats_mod.new(), shown = {},
             show_n = (lc.every > 0 and step % lc.every == 0) and lc.n or 0 }
-        local function gen()
+        st.version, st.lag_n, st.lag_sum, st.lag_max = cfg.version(), 0, 0, 0
+        local function submit(min_policy)
             state.gen_calls = state.gen_calls + 1
-            local b = rollout_batch(cfg, state.gen_calls, state.group_base, st)
+            return submit_batch(cfg, state.gen_calls, st, min_policy)
+        end
+        if K then
+            -- the batches of steps step .. step + K not yet submitted: those of step s may be generated by any version
+            -- from v - K + (s - step) on, v the current one; step s trains on version v + (s - step) at most (one
+            -- publish per step), so their lag is at most K. A step ahead gets as many batches as the last step used
+            -- (dynamic sampling draws several), the current one (the first step, or after a resume) one: K = 0 draws
+            -- exactly what the synchronous loop does, in its order.
+            for s = step, math.min(step + K, cfg.steps) do
+                if not pipe[s] then
+                    pipe[s] = {}
+                    for j = 1, s == step and 1 or batches_used do
+                        pipe[s][j] = submit(math.max(1, st.version - K + (s - step)))
+                    end
+                end
+            end
+        end
+        local function gen()
+            -- dynamic sampling's batches beyond those submitted ahead: generated now, trained now
+            local b = pipe[step] and table.remove(pipe[step], 1) or submit(K and math.max(1, st.version - K) or nil)
+            local out = finish_batch(cfg, b, state.group_base, st)
             state.group_base = state.group_base + ro.prompts_per_step
-            return b
+            return out
         end
         local samples, batches
         local ds = spec.dynamic_sampling
@@ -676,8 +825,23 @@ function M.run(cfg)
         end
         local row = stats_mod.row(st.acc, { step = step, ["groups/generated"] = st.groups_generated,
             ["groups/failed"] = st.failed_groups, gen_batches = batches, ["reward/errors"] = st.errors })
+        if K then -- batches submitted ahead that the step did not need (dynamic sampling filled it sooner)
+            if K > 0 then row.gen_batches_unused = #(pipe[step] or {}) end -- K = 0: the synchronous row
+            for _, b in ipairs(pipe[step] or {}) do drop(b) end
+            pipe[step] = nil
+            batches_used = math.min(batches, 1 + ((ds and ds.enable) and (ds.max_extra_batches or 9) or 0))
+        end
+        row.policy_version = cfg.version()
+        if st.lag_n > 0 then
+            row["staleness/mean"], row["staleness/max"] = st.lag_sum / st.lag_n, st.lag_max
+        end
         state.failed_total = state.failed_total + st.failed_groups
         local stop
+        if K and st.lag_max > K then
+            stop = ("a rollout of policy version %d is %d versions behind the policy (%d), more than async.max_staleness "
+                .. "= %d: the rollout source does not honour opts.min_policy"):format(row.policy_version - st.lag_max,
+                st.lag_max, row.policy_version, K)
+        end
         if st.failed_groups > 0 then
             warn(("trainer: step %d: %d of %d rollout groups failed (%d in the run so far)\n"):format(step,
                 st.failed_groups, st.groups_generated, state.failed_total))
@@ -708,7 +872,10 @@ function M.run(cfg)
         end
         stop = stop or diverged(row, cfg.guard)
         -- a remote source (ds4.rollout.pool) gets the new weights: a new policy version its workers fetch
-        if ro.source and ro.source.publish and #samples > 0 and not stop then ro.source:publish(model) end
+        if #samples > 0 and not stop then
+            state.version = state.version + 1
+            if ro.source and ro.source.publish then ro.source:publish(model) end
+        end
         local t_eval = now()
         if not stop and cfg.eval and cfg.eval.samples and ((cfg.eval.every and step % cfg.eval.every == 0)
             or step == cfg.steps) then

@@ -22,6 +22,12 @@
       on_result = function(prompt_index, results, worker) ... end,   -- called as each task completes
   }
   pool:generate(prompts, opts)   -- model:generate's interface and results (prompt-major, opts.n per prompt)
+  local b = pool:submit(prompts, opts)   -- the same, without waiting: a batch in flight (several may be); opts may
+                                 -- add min_policy = V: every sample of the batch is of version V or newer
+  pool:poll()                    -- serve without waiting (dispatch, results, heartbeats, weight chunks); a trainer
+                                 -- calls it between pieces of its own computation
+  pool:ready(b)  pool:collect(b) -- done yet?; wait for b (serving meanwhile) -> generate's results
+  pool:cancel(b)                 -- give b up (its late answers are dropped as duplicates)
   pool:publish(model)            -- a new policy version from the model's parameters (no-op when unchanged); a model
                                  -- with LoRA adapters: the adapters only, over its frozen weights sent once
   pool:stats()  pool:close()  pool.endpoint  pool.version
@@ -82,17 +88,18 @@ local GEN_KEYS = { max_new_tokens = true, temperature = true, top_k = true, top_
     seed = true, stop = true, tokenizer = true, ignore_eos = true, record_experts = true, record_index = true,
     max_batch = true, prefill_chunk = true, on_token = true }
 
-local function check_gen_opts(opts)
+-- d: how many more stack levels lie between the user's call and check_gen_opts's caller (error positions)
+local function check_gen_opts(opts, d)
     for k in pairs(opts) do
         if not GEN_KEYS[k] then
-            error("pool:generate: unknown option '" .. tostring(k) .. "' (known: model:generate's options)", 3)
+            error("pool:generate: unknown option '" .. tostring(k) .. "' (known: model:generate's options)", 3 + d)
         end
     end
     local function int(k, def, lo, hi)
         local v = opts[k]
         if v == nil then return def end
         if type(v) ~= "number" or v ~= math.floor(v) or v < lo or v > hi then
-            error(("pool:generate: opts.%s must be an integer in [%s, %s], got %s"):format(k, lo, hi, tostring(v)), 4)
+            error(("pool:generate: opts.%s must be an integer in [%s, %s], got %s"):format(k, lo, hi, tostring(v)), 4 + d)
         end
         return v
     end
@@ -100,13 +107,13 @@ local function check_gen_opts(opts)
         local v = opts[k]
         if v == nil then return def end
         if type(v) ~= "number" or not (v >= lo and v <= hi) then
-            error(("pool:generate: opts.%s must be a number in [%s, %s], got %s"):format(k, lo, hi, tostring(v)), 4)
+            error(("pool:generate: opts.%s must be a number in [%s, %s], got %s"):format(k, lo, hi, tostring(v)), 4 + d)
         end
         return v
     end
     if opts.on_token ~= nil then
         error("pool:generate: on_token is not supported by remote workers (a task's samples arrive whole; use "
-            .. "cfg.on_result for progress)", 3)
+            .. "cfg.on_result for progress)", 3 + d)
     end
     local s = {
         max_new_tokens = int("max_new_tokens", 64, 1, 2 ^ 20),
@@ -124,23 +131,23 @@ local function check_gen_opts(opts)
     }
     if s.n * s.max_new_tokens > 2 ^ 20 then
         error(("pool:generate: n · max_new_tokens = %d exceeds the protocol's 2^20 tokens per task"):format(
-            s.n * s.max_new_tokens), 3)
+            s.n * s.max_new_tokens), 3 + d)
     end
     for i, v in ipairs(opts.stop or {}) do
         if type(v) == "string" then
             if #v < 1 or #v > 64 or v:find("\0", 1, true) then
                 error(("pool:generate: opts.stop[%d]: a stop string of 1..64 bytes without NUL, got %d bytes"):format(i,
-                    #v), 3)
+                    #v), 3 + d)
             end
             s.stop_strings[#s.stop_strings + 1] = v
         elseif type(v) ~= "number" or v ~= math.floor(v) or v < 0 or v > 2 ^ 31 - 1 then
-            error(("pool:generate: opts.stop[%d] must be a token id or a stop string, got %s"):format(i, tostring(v)), 3)
+            error(("pool:generate: opts.stop[%d] must be a token id or a stop string, got %s"):format(i, tostring(v)), 3 + d)
         else
             s.stop[#s.stop + 1] = v
         end
     end
-    if #s.stop > 64 then error("pool:generate: at most 64 stop ids", 3) end
-    if #s.stop_strings > 16 then error("pool:generate: at most 16 stop strings", 3) end
+    if #s.stop > 64 then error("pool:generate: at most 64 stop ids", 3 + d) end
+    if #s.stop_strings > 16 then error("pool:generate: at most 16 stop strings", 3 + d) end
     return s
 end
 
@@ -262,9 +269,9 @@ function M.new(cfg)
     self.transport = cfg.transport or zmq_transport(cfg, function(l, m) self.logf(l, m) end)
     self.endpoint = self.transport.endpoint or cfg.bind
     self.workers = {}     -- id -> session
-    self.tasks = {}       -- id -> task of the running generate call
+    self.tasks = {}       -- id -> task of a batch not yet collected (several batches may be in flight)
     self.queue = {}       -- task ids waiting for a lease, in order
-    self.done_ids = {}    -- completed or failed ids of the current call (earlier calls: below low_water)
+    self.done_ids = {}    -- completed, failed or collected ids at or above low_water (the lowest live task id)
     -- ids increase within a run and start from the wall clock, so that a late answer meant for a previous
     -- trainer process on the same endpoint can never be taken for one of this run's tasks
     self.next_id = math.floor(os.time() % 2 ^ 31) * 2 ^ 21
@@ -512,8 +519,8 @@ function Pool:dispatch()
             t.issued[t.attempt] = w.id
             w.leases[t.id] = true
             local s = t.sampling
-            local ok = self:send(w.id, { t = "task", task_id = t.id, attempt = t.attempt, policy = math.max(1,
-                self.version - self.S), prompt_len = t.prompt_len, max_new_tokens = s.max_new_tokens,
+            local ok = self:send(w.id, { t = "task", task_id = t.id, attempt = t.attempt, policy = t.min_policy or
+                math.max(1, self.version - self.S), prompt_len = t.prompt_len, max_new_tokens = s.max_new_tokens,
                 temperature = s.temperature, top_k = s.top_k, top_p = s.top_p, min_p = s.min_p, n = s.n,
                 seed = t.seed, stop = s.stop, stop_strings = s.stop_strings, ignore_eos = s.ignore_eos,
                 record_experts = s.record_experts,
@@ -790,10 +797,12 @@ function Pool:on_samples(w, m)
         if holder then self:requeue(t, why, true) else self:note_failure(peer, t, why) end
         return
     end
-    local stale = m.policy < self.version - self.S
-    if stale and self.stale_mode == "requeue" then
+    -- a batch's own lower bound (submit's min_policy) is a hard one; otherwise current - max_staleness
+    local floor = t.min_policy or self.version - self.S
+    local stale = m.policy < floor
+    if stale and (self.stale_mode == "requeue" or t.min_policy) then
         self.st.stale_requeued = self.st.stale_requeued + 1
-        self:reply_error(peer, "stale", ("policy %d is older than %d - %d"):format(m.policy, self.version, self.S),
+        self:reply_error(peer, "stale", ("policy %d is older than %d"):format(m.policy, floor),
             "samples", m.task_id, m.attempt)
         if holder then self:requeue(t, ("stale samples (policy %d, current %d)"):format(m.policy, self.version),
             false) end
@@ -1074,28 +1083,44 @@ function Pool:wait(n, timeout_s)
     return self:n_workers()
 end
 
-function Pool:generate(prompts, opts)
+-- Queue the prompts as tasks and return at once: a batch handle for pool:collect. Tasks go out as workers have
+-- credit: now, and in every later pool call (poll, collect, generate, publish, sync, service). Batches of several
+-- submits are in flight together, served in submission order (a re-issued task goes first).
+-- opts.min_policy (a published version, at most the current one): the batch's samples are generated with that version
+-- or a newer one, whatever max_staleness says; an answer of an older version is re-issued (stale), even with
+-- stale = "accept_with_version". Without it each task asks for current - max_staleness when it is sent.
+local function submit(self, prompts, opts)
     if ds4.is_tensor(prompts) then prompts = prompts:totable() end -- [B, S]: B prompts
-    if type(prompts) ~= "table" then error("pool:generate: bad argument #1 (array of prompts expected)", 2) end
+    if type(prompts) ~= "table" then error("pool:generate: bad argument #1 (array of prompts expected)", 3) end
     opts = opts or {}
-    local s = check_gen_opts(opts)
+    local min_policy = opts.min_policy
+    if min_policy ~= nil then
+        local o = {}
+        for k, v in pairs(opts) do if k ~= "min_policy" then o[k] = v end end
+        opts = o
+    end
+    local s = check_gen_opts(opts, 1)
     if #s.stop_strings > 0 then
         local tok = self.model and self.model:tokenizer()
         if not tok then
             error("pool:generate: stop strings need the model's tokenizer (the workers decode their output with the "
-                .. "tokenizer the announce sends them): this model has none", 2)
+                .. "tokenizer the announce sends them): this model has none", 3)
         end
         if opts.tokenizer ~= nil and not rawequal(opts.tokenizer, tok) then
             error("pool:generate: opts.tokenizer must be the model's tokenizer (model:tokenizer()): the workers decode "
-                .. "with that one", 2)
+                .. "with that one", 3)
         end
         s.tokenizer = tok
     end
     if self.version == 0 then
-        if not self.model then error("pool:generate: nothing published yet: call pool:publish(model) first", 2) end
+        if not self.model then error("pool:generate: nothing published yet: call pool:publish(model) first", 3) end
         self:publish(self.model)
     end
-    local t0 = self.now()
+    if min_policy ~= nil and (type(min_policy) ~= "number" or min_policy ~= math.floor(min_policy) or min_policy < 1
+        or min_policy > self.version) then
+        error(("pool:submit: opts.min_policy must be a published version in [1, %d], got %s"):format(self.version,
+            tostring(min_policy)), 3)
+    end
     if self.expect > 0 and not self.waited then
         self.waited = true
         local n = self:wait(self.expect, self.cfg.wait_s or 60)
@@ -1104,60 +1129,114 @@ function Pool:generate(prompts, opts)
                 self.cfg.wait_s or 60))
         end
     end
-    -- a new call: the previous one's tasks are all complete or failed
-    self.tasks, self.queue, self.done_ids = {}, {}, {}
-    self.low_water = self.next_id
     local order = {}
     for p, pr in ipairs(prompts) do
         local ids = pr
         if ds4.is_tensor(pr) then ids = pr:totable() end
         if type(ids) ~= "table" or #ids == 0 then
-            error(("pool:generate: prompts[%d] must be a non-empty array of token ids"):format(p), 2)
+            error(("pool:generate: prompts[%d] must be a non-empty array of token ids"):format(p), 3)
         end
         for j, v in ipairs(ids) do
             if type(v) ~= "number" or v ~= math.floor(v) or v < 0 or (self.vocab and v >= self.vocab) then
-                error(("pool:generate: prompts[%d][%d] = %s is not a token id"):format(p, j, tostring(v)), 2)
+                error(("pool:generate: prompts[%d][%d] = %s is not a token id"):format(p, j, tostring(v)), 3)
             end
         end
         if #ids > 4096 then error(("pool:generate: prompts[%d] has %d tokens, the protocol's limit is 4096"):format(
-            p, #ids), 2) end
-        local id = self.next_id
+            p, #ids), 3) end
+        order[p] = { index = p, prompt_bytes = codec.pack_i32(ids), prompt_len = #ids }
+    end
+    -- ids are taken only now that every prompt is valid: a refused call leaves no task behind
+    for p, t in ipairs(order) do
+        t.id = self.next_id
         self.next_id = self.next_id + 1
-        local t = { id = id, index = p, prompt_bytes = codec.pack_i32(ids), prompt_len = #ids, sampling = s,
-            seed = M.task_seed(s.seed, p), attempt = 0, failures = 0, state = "queued", tried = {}, issued = {},
-            failed_by = {}, bounces = 0 }
-        self.tasks[id] = t
-        order[p] = t
-        self.queue[#self.queue + 1] = id
+        t.sampling, t.seed, t.min_policy = s, M.task_seed(s.seed, p), min_policy
+        t.attempt, t.failures, t.state, t.tried, t.issued, t.failed_by, t.bounces = 0, 0, "queued", {}, {}, {}, 0
+        self.tasks[t.id] = t
+        self.queue[#self.queue + 1] = t.id
     end
     self.st.tasks = self.st.tasks + #order
-    local remaining = #order
-    local last_note = self.now()
+    self:dispatch()
+    return { order = order, n = s.n, t0 = self.now(), pool = self }
+end
+
+function Pool:submit(prompts, opts)
+    local b = submit(self, prompts, opts)
+    return b
+end
+
+-- Give up batch b: its queued tasks are dropped, its leased ones forgotten (a late answer is a duplicate).
+function Pool:cancel(b)
+    if b.collected then return end
+    b.collected = true
+    for _, t in ipairs(b.order) do
+        if t.state == "leased" then
+            local w = self.workers[t.worker]
+            if w then w.leases[t.id] = nil end
+        end
+        if t.state ~= "done" and t.state ~= "failed" then t.state = "failed" end
+        self.done_ids[t.id] = true
+        self.tasks[t.id] = nil
+    end
+    self:prune_done()
+end
+
+local function unfinished(b)
+    local n = 0
+    for _, t in ipairs(b.order) do
+        if t.state ~= "done" and t.state ~= "failed" then n = n + 1 end
+    end
+    return n
+end
+
+-- Serve without waiting: send what workers have credit for, handle what has arrived, keep heartbeats, leases and
+-- weight downloads going. A trainer calls it between pieces of its own work (ds4.rl.trainer: between micro-batches)
+-- so that no worker hears silence while it computes.
+function Pool:poll()
+    self:dispatch()
+    local n = self:service(0)
+    self:dispatch()
+    return n
+end
+
+-- True when every task of batch b has completed or failed (collect would not wait).
+function Pool:ready(b)
+    return unfinished(b) == 0
+end
+
+-- Wait for batch b (serving meanwhile) and return its results as generate does. A batch is collected once.
+function Pool:collect(b)
+    if type(b) ~= "table" or b.pool ~= self or not b.order then
+        error("pool:collect: bad argument #1 (a batch from pool:submit expected)", 2)
+    end
+    if b.collected then error("pool:collect: this batch was collected already", 2) end
+    b.collected = true
+    local t0 = self.now()
+    local last_note = t0
+    local remaining = unfinished(b)
     while remaining > 0 do
         self:dispatch()
         self:service(20)
         self:dispatch()
-        remaining = 0
-        for _, t in ipairs(order) do
-            if t.state ~= "done" and t.state ~= "failed" then remaining = remaining + 1 end
-        end
+        remaining = unfinished(b)
         local now = self.now()
         if remaining > 0 and now - last_note > 10 then
             last_note = now
             local quarantined = 0
             for id in pairs(self.workers) do if self:quarantine_of(id) then quarantined = quarantined + 1 end end
             self:log(quarantined > 0 and "warn" or "info", ("waiting: %d of %d tasks left, %d workers (%d quarantined)")
-                :format(remaining, #order, self:n_workers(), quarantined))
+                :format(remaining, #b.order, self:n_workers(), quarantined))
         end
         if self.cfg.timeout_s and now - t0 > self.cfg.timeout_s then
-            error(("pool:generate: %d of %d tasks unfinished after %g s (%d workers)"):format(remaining, #order,
+            b.collected = false
+            self:cancel(b)
+            error(("pool:generate: %d of %d tasks unfinished after %g s (%d workers)"):format(remaining, #b.order,
                 self.cfg.timeout_s, self:n_workers()), 2)
         end
     end
     local res, failed = {}, 0
     local stats = { prefill_tokens = 0, decode_tokens = 0 }
-    for p, t in ipairs(order) do
-        for si = 1, s.n do
+    for p, t in ipairs(b.order) do
+        for si = 1, b.n do
             local r
             if t.state == "done" then
                 r = t.result[si]
@@ -1170,14 +1249,30 @@ function Pool:generate(prompts, opts)
             stats.decode_tokens = stats.decode_tokens + #r.ids
         end
         stats.prefill_tokens = stats.prefill_tokens + t.prompt_len
+        self.tasks[t.id] = nil -- its id stays in done_ids: a late answer is still recognised as a duplicate
     end
-    local dt = self.now() - t0
-    self.st.generate_seconds = self.st.generate_seconds + dt
-    stats.seconds = dt
-    stats.decode_tokens_per_s = stats.decode_tokens / math.max(dt, 1e-9)
+    self:prune_done()
+    local now = self.now()
+    self.st.generate_seconds = self.st.generate_seconds + (now - t0)
+    stats.seconds = now - b.t0 -- from submit: the time the batch took, whatever overlapped it
+    stats.wait_seconds = now - t0
+    stats.decode_tokens_per_s = stats.decode_tokens / math.max(stats.seconds, 1e-9)
     res.stats = stats
     res.failed = failed
     return res
+end
+
+-- Completed ids below every live task's are recognised by low_water alone: forget them.
+function Pool:prune_done()
+    local low = self.next_id
+    for id in pairs(self.tasks) do if id < low then low = id end end
+    self.low_water = low
+    for id in pairs(self.done_ids) do if id < low then self.done_ids[id] = nil end end
+end
+
+-- model:generate's interface: submit the prompts and wait for them.
+function Pool:generate(prompts, opts)
+    return self:collect(submit(self, prompts, opts))
 end
 
 -- ------------------------------------------------------------------------------------------------ weights

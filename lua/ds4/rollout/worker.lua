@@ -811,7 +811,7 @@ end
 local USAGE = [[
 usage: ds4 worker --connect ENDPOINT [--model DIR|CONFIG.json] [--threads N] [--device D] [--dtype T]
                   [--key FILE --server-key FILE | --insecure] [--id NAME] [--max-batch N] [--credits N]
-                  [--give-up S] [--quiet] [--verbose]
+                  [--give-up S] [--silence S] [--quiet] [--verbose]
 
   --connect EP        the trainer pool's endpoint (tcp://HOST:PORT, ipc://PATH)
   --model DIR         optional: without it the worker needs no local files and builds its model from what the
@@ -832,6 +832,7 @@ usage: ds4 worker --connect ENDPOINT [--model DIR|CONFIG.json] [--threads N] [--
   --credits N         tasks in flight (running and queued) at most; default 0: as many as fit --max-batch,
                       plus one queued (--credits 2 --max-batch n: one task of n samples at a time)
   --give-up S         exit (status 1) after S seconds without a trainer: never reached, or gone (default 120)
+  --silence S         a trainer silent this long has lost the session: hello again (default 10)
 Ctrl-C or SIGTERM: finish nothing more, say bye, exit 0.]]
 
 local function hostname()
@@ -849,10 +850,10 @@ local function pid()
 end
 
 function M.main(argv)
-    local o = { threads = -1, ["max-batch"] = 32, credits = 0, ["give-up"] = 120 }
+    local o = { threads = -1, ["max-batch"] = 32, credits = 0, ["give-up"] = 120, silence = 10 }
     local flags = { insecure = true, quiet = true, verbose = true }
     local valued = { connect = true, model = true, threads = true, key = true, ["server-key"] = true, id = true,
-        ["max-batch"] = true, credits = true, ["give-up"] = true, device = true, dtype = true }
+        ["max-batch"] = true, credits = true, ["give-up"] = true, silence = true, device = true, dtype = true }
     local i = 1
     while i <= #argv do
         local a = argv[i]
@@ -894,8 +895,8 @@ function M.main(argv)
         return 2
     end
     local threads, max_batch, credits = num("threads", -1, 4096), num("max-batch", 0, 65536), num("credits", 0, 1024)
-    local give_up = num("give-up", 1, 86400 * 365)
-    if not threads or not max_batch or not credits or not give_up then return 2 end
+    local give_up, silence = num("give-up", 1, 86400 * 365), num("silence", 1, 86400)
+    if not threads or not max_batch or not credits or not give_up or not silence then return 2 end
     local curve
     if o.key or o["server-key"] then
         if not (o.key and o["server-key"]) then
@@ -941,7 +942,8 @@ function M.main(argv)
     end
     local id = o.id or (hostname() .. "-" .. pid()):sub(1, 64)
     local w = M.new{ connect = o.connect, model = model, id = id, curve = curve, insecure = o.insecure,
-        max_batch = max_batch, credits = credits, quiet = o.quiet, verbose = o.verbose, give_up_s = give_up }
+        max_batch = max_batch, credits = credits, quiet = o.quiet, verbose = o.verbose, give_up_s = give_up,
+        silence_s = silence }
     return w:run()
 end
 
