@@ -2,14 +2,15 @@
  * operand read along r contiguously or across it (a transposed view), so that the linear backward needs no
  * transposed copies. See kernels_cpu.h for the contract.
  *
- * Every output is the sum the reference kernel has always computed (ds4_dot): eight fp32 lanes, lane l summing
- * the products of r ≡ l (mod 8) for r < R8 = R & ~7 in increasing r, the lanes combined as
- * ((l0 + l4) + (l1 + l5)) + ((l2 + l6) + (l3 + l7)), then the products of r = R8 .. R-1 added one by one. Only the
+ * Every output is the sum the reference kernel computes (ds4_dot): eight fp32 lanes, lane l taking the products of
+ * r ≡ l (mod 8) for r < R8 = R & ~7 in increasing r, each with a fused multiply-add, the lanes combined as
+ * ((l0 + l4) + (l1 + l5)) + ((l2 + l6) + (l3 + l7)), then the products of r = R8 .. R-1 fused in one by one. Only the
  * layout of the work changes: operands are copied into packed panels (6 rows of A, 8 rows of B, 8 values of r per
  * step, zero-padded at the edges), a register tile of 6 × 2 outputs runs over a chunk of up to KC values of r, and
  * the lane sums of a tile that spans several chunks wait in memory between chunks. Tiles, chunks and threads change
  * which instructions run when, never which products are added in which order, so the bits do not depend on them.
  * Zero-padded rows and columns produce outputs that are never written. */
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -156,12 +157,11 @@ __attribute__((always_inline)) static inline void lane_sums8(const v8f a[8], flo
 
 /* The register tile: rows 0..5 of an A panel × columns c, c+1 of a B panel, over nk steps of 8 values of r. The lane
  * sums start at zero (first chunk) or from `io` ([6][NP][8], this pair's columns); after the last chunk the outputs'
- * lane sums go to sums[q·NC + c] (q < 6: rows; NC floats per row of the tile), else the lanes go back to `io`. In the AVX2 version each A vector
- * is loaded once and held in a register (the empty asm keeps GCC from re-reading it as a memory operand of each
- * multiply): 8 loads per 12 multiply-add pairs, which with separate multiplies and adds keeps the floating-point
- * pipes busy. */
+ * lane sums go to sums[q·NC + c] (q < 6: rows; NC floats per row of the tile), else the lanes go back to `io`. In
+ * the FMA version each A vector is loaded once and held in a register (the empty asm keeps GCC from re-reading it as
+ * a memory operand of each multiply-add): 8 loads per 12 fused multiply-adds, fewer than the two load ports allow. */
 #define RS (NP * 8) /* floats between rows of a block of lanes */
-#define TILE_6X2(HOLD)                                                                                              \
+#define TILE_6X2(HOLD, FMA8)                                                                                        \
     v8f c00 = {0}, c01 = {0}, c10 = {0}, c11 = {0}, c20 = {0}, c21 = {0};                                         \
     v8f c30 = {0}, c31 = {0}, c40 = {0}, c41 = {0}, c50 = {0}, c51 = {0};                                         \
     float *o0 = io + c * 8;                                                                                        \
@@ -174,12 +174,12 @@ __attribute__((always_inline)) static inline void lane_sums8(const v8f a[8], flo
     for (int64_t k = 0; k < nk; k++, ap += MR * 8, bp += NP * 8) {                                                 \
         const v8f u0 = ld8(bp), u1 = ld8(bp + 8);                                                                  \
         v8f v;                                                                                                     \
-        v = ld8(ap); HOLD(v); c00 += v * u0; c01 += v * u1;                                                        \
-        v = ld8(ap + 8); HOLD(v); c10 += v * u0; c11 += v * u1;                                                    \
-        v = ld8(ap + 16); HOLD(v); c20 += v * u0; c21 += v * u1;                                                   \
-        v = ld8(ap + 24); HOLD(v); c30 += v * u0; c31 += v * u1;                                                   \
-        v = ld8(ap + 32); HOLD(v); c40 += v * u0; c41 += v * u1;                                                   \
-        v = ld8(ap + 40); HOLD(v); c50 += v * u0; c51 += v * u1;                                                   \
+        v = ld8(ap); HOLD(v); c00 = FMA8(c00, v, u0); c01 = FMA8(c01, v, u1);                                                        \
+        v = ld8(ap + 8); HOLD(v); c10 = FMA8(c10, v, u0); c11 = FMA8(c11, v, u1);                                                    \
+        v = ld8(ap + 16); HOLD(v); c20 = FMA8(c20, v, u0); c21 = FMA8(c21, v, u1);                                                   \
+        v = ld8(ap + 24); HOLD(v); c30 = FMA8(c30, v, u0); c31 = FMA8(c31, v, u1);                                                   \
+        v = ld8(ap + 32); HOLD(v); c40 = FMA8(c40, v, u0); c41 = FMA8(c41, v, u1);                                                   \
+        v = ld8(ap + 40); HOLD(v); c50 = FMA8(c50, v, u0); c51 = FMA8(c51, v, u1);                                                   \
     }                                                                                                              \
     if (sums) {                                                                                                    \
         const v8f a[8] = {c00, c01, c10, c11, c20, c21, c30, c31}, b[8] = {c40, c41, c50, c51, c50, c51, c50, c51}; \
@@ -193,27 +193,36 @@ __attribute__((always_inline)) static inline void lane_sums8(const v8f a[8], flo
     st8(o0 + 2 * RS + 8, c21), st8(o0 + 3 * RS, c30), st8(o0 + 3 * RS + 8, c31), st8(o0 + 4 * RS, c40);            \
     st8(o0 + 4 * RS + 8, c41), st8(o0 + 5 * RS, c50), st8(o0 + 5 * RS + 8, c51);
 
-#define HOLD_NONE(v) (void)(v)
-static void tile_6x2(const float *ap, const float *bp, int64_t nk, int first, float *io, float *sums, int c) {
-    TILE_6X2(HOLD_NONE)
+/* The portable tile: each lane's fused multiply-add by fmaf (for CPUs without FMA: slow, the same bits). */
+__attribute__((always_inline)) static inline v8f fma8_soft(v8f c, v8f a, v8f b) {
+    v8f r;
+    for (int l = 0; l < 8; l++) r[l] = fmaf(a[l], b[l], c[l]);
+    return r;
 }
 
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && !defined(__SANITIZE_ADDRESS__)
-#define HOLD_REG(v) __asm__("" : "+x"(v))
-__attribute__((target("avx2"))) static void tile_6x2_avx2(const float *ap, const float *bp, int64_t nk, int first,
-                                                         float *io, float *sums, int c) {
-    TILE_6X2(HOLD_REG)
+#define HOLD_NONE(v) (void)(v)
+static void tile_6x2(const float *ap, const float *bp, int64_t nk, int first, float *io, float *sums, int c) {
+    TILE_6X2(HOLD_NONE, fma8_soft)
 }
-#define HAVE_AVX2_TILE 1
+
+#ifdef DS4_X86_FMA
+#include <immintrin.h>
+__attribute__((target("avx2,fma"), always_inline)) static inline v8f fma8_hw(v8f c, v8f a, v8f b) {
+    return (v8f)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+}
+#define HOLD_REG(v) __asm__("" : "+x"(v))
+__attribute__((target("avx2,fma"))) static void tile_6x2_fma(const float *ap, const float *bp, int64_t nk, int first,
+                                                            float *io, float *sums, int c) {
+    TILE_6X2(HOLD_REG, fma8_hw)
+}
 #endif
 
 typedef void (*tile_fn)(const float *ap, const float *bp, int64_t nk, int first, float *io, float *sums, int c);
 
-/* Chosen once; both tiles compute the same bits (separate IEEE multiplies and adds, lane for lane). */
+/* Both tiles compute the same bits (fused multiply-adds lane for lane). */
 static tile_fn pick_tile(void) {
-#ifdef HAVE_AVX2_TILE
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx2")) return tile_6x2_avx2;
+#ifdef DS4_X86_FMA
+    if (ds4_cpu_fma()) return tile_6x2_fma;
 #endif
     return tile_6x2;
 }
@@ -243,7 +252,7 @@ static void finish(const ds4_gemm *g, const float *sums, int64_t i0, int64_t mv,
         float *y = y0 + q * ldy;
         for (int64_t c = 0; c < n; c++) {
             float s = sums[q * NC + c];
-            for (int64_t r = R8; r < R; r++) s += a_at(g, i0 + q, r) * b_at(g, j0 + c, r);
+            for (int64_t r = R8; r < R; r++) s = fmaf(a_at(g, i0 + q, r), b_at(g, j0 + c, r), s);
             y[c] = acc ? y[c] + s : s;
         }
     }

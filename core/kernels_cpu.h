@@ -2,8 +2,10 @@
  *
  * Numerics: inputs and outputs are fp32; reductions that feed normalisations (RMSNorm statistics, softmax
  * sums, log-sum-exp) accumulate in double, which is at least as accurate as the fp32 reference they are
- * compared against. Matmul dot products accumulate in fp32 over 8 fixed lanes combined in a fixed order, so
- * a result does not depend on the instruction set or the thread count. No -ffast-math anywhere. */
+ * compared against. Matmul dot products accumulate in fp32 over 8 fixed lanes combined in a fixed order, each
+ * lane adding its next product with a fused multiply-add (one rounding; the FMA instruction or the C library's
+ * fmaf, which round alike), so a result does not depend on the instruction set or the thread count. No -ffast-math
+ * anywhere: the compiler never fuses a multiply and an add by itself (ISO C mode keeps contraction off). */
 #ifndef DS4_KERNELS_CPU_H
 #define DS4_KERNELS_CPU_H
 
@@ -11,6 +13,15 @@
 #include <math.h>
 
 #include "threadpool.h"
+
+/* x86-64 builds carry AVX2 + FMA versions of the dot-product kernels next to the portable ones. */
+#if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__)
+#define DS4_X86_FMA 1
+#endif
+
+/* 1 when this CPU runs the AVX2 + FMA kernels (a CPUID test, cheap enough to make per call). Either way the results
+ * are the same bits: the portable kernels use fmaf. */
+int ds4_cpu_fma(void);
 
 /* y[t, o] = Σ_k x[t, k] · W[o, k]   (x: [T, K] row stride ldx; W: [O, K] contiguous; y: [T, O] row stride ldy), on
  * the calling thread (for small products inside a pool task; the backend's matmuls use ds4_gemm_run). */
@@ -54,7 +65,9 @@ enum {
  * product that does not fit packs per tile instead, with the same result. */
 void ds4_gemm_run(ds4_pool *pool, const ds4_gemm *g, int64_t n, float *ws, float *shared, int64_t shared_floats);
 
-/* Σ_k a[k]·b[k] with the same 8-lane accumulation as the matmul. */
+/* Σ_k a[k]·b[k] with the same 8-lane accumulation as the matmul: lane l = fma(a[k], b[k], lane l) for k ≡ l (mod 8),
+ * k < n & ~7, in increasing k from +0; the lanes combined as ((l0 + l4) + (l1 + l5)) + ((l2 + l6) + (l3 + l7)); then
+ * s = fma(a[k], b[k], s) for the last n % 8 values of k. */
 float ds4_dot(const float *a, const float *b, int64_t n);
 
 /* y[i·ldy + k] = Σ_j x[i·ldx + j]·w[k][j] for i < nx, k < nw: the dots of nx rows with nw rows given by pointers

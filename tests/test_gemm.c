@@ -1,6 +1,7 @@
 /* test_gemm.c — the CPU matrix products (core/cpu_gemm.c) and the attention's pointer-row kernels against a plain scalar reference of the summation order
- * they promise: eight fp32 lanes over r < R & ~7 (lane l takes r ≡ l mod 8, in order), the lanes combined as
- * ((l0 + l4) + (l1 + l5)) + ((l2 + l6) + (l3 + l7)), then the last R % 8 products one by one. Bit for bit, for
+ * they promise: eight fp32 lanes over r < R & ~7 (lane l takes r ≡ l mod 8, in order, each product fused into the
+ * lane with fmaf), the lanes combined as ((l0 + l4) + (l1 + l5)) + ((l2 + l6) + (l3 + l7)), then the last R % 8
+ * products fused in one by one. Bit for bit, for
  * operands read along and across r, strides, accumulation, edge tiles, several chunks of r, several products in one
  * run, 1 and 3 threads, with and without room to pack B once. */
 #include <math.h>
@@ -22,9 +23,9 @@ static float ref_dot(const ds4_gemm *g, int64_t i, int64_t j) {
     float lane[8] = {0};
     const int64_t R8 = g->R & ~(int64_t)7;
     for (int64_t r = 0; r < R8; r++)
-        lane[r % 8] = lane[r % 8] + g->a[i * g->a_rs + r * g->a_ks] * g->b[j * g->b_rs + r * g->b_ks];
+        lane[r % 8] = fmaf(g->a[i * g->a_rs + r * g->a_ks], g->b[j * g->b_rs + r * g->b_ks], lane[r % 8]);
     float s = ((lane[0] + lane[4]) + (lane[1] + lane[5])) + ((lane[2] + lane[6]) + (lane[3] + lane[7]));
-    for (int64_t r = R8; r < g->R; r++) s = s + g->a[i * g->a_rs + r * g->a_ks] * g->b[j * g->b_rs + r * g->b_ks];
+    for (int64_t r = R8; r < g->R; r++) s = fmaf(g->a[i * g->a_rs + r * g->a_ks], g->b[j * g->b_rs + r * g->b_ks], s);
     return s;
 }
 
