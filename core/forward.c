@@ -301,10 +301,10 @@ static void head_chunks(ds4_pass *f, ds4_tape *tp, int head, int64_t rows, const
         const int64_t n = rows - r0 < R ? rows - r0 : R;
         matmul(f, tp->logits, f->u + r0 * D, f->w->head, 1, n, D, V);
         if (out) ds4_dev_download(f->dev, out + r0 * V, tp->logits, (size_t)(n * V) * sizeof(float));
-        OP(f->dev, ce_rows, .logits = tp->logits, .rows = n, .V = V, .tgt = tgt + r0, .nll = nll + r0);
         if (lp)
             OP(f->dev, logprobs, .logits = tp->logits, .rows = n, .V = V, .tgt = tgt + r0, .logp = lp + r0,
-               .entropy = lp + lp_ld + r0);
+               .entropy = lp + lp_ld + r0, .nll = nll + r0);
+        else OP(f->dev, ce_rows, .logits = tp->logits, .rows = n, .V = V, .tgt = tgt + r0, .nll = nll + r0);
     }
     tp->logits_head = rows <= R ? head : 0;
 }
