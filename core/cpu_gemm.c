@@ -38,11 +38,7 @@ __attribute__((always_inline)) static inline v8f ld8(const float *p) {
 __attribute__((always_inline)) static inline void st8(float *p, v8f v) { memcpy(p, &v, sizeof v); }
 
 /* Packing and finishing are data movement and the lane tree: an AVX2 clone only makes them faster. */
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && !defined(__SANITIZE_ADDRESS__)
-#define GEMM_CLONES __attribute__((target_clones("avx2", "default")))
-#else
-#define GEMM_CLONES
-#endif
+#define GEMM_CLONES DS4_CLONES
 
 /* MR rows of A and NP columns of B per packed panel; KC values of r per chunk; a tile is at most MC × NC outputs. */
 enum { MR = DS4_GEMM_MR, NP = 2, KC = DS4_GEMM_KC, MC = DS4_GEMM_MC, NC = DS4_GEMM_NC };

@@ -24,14 +24,6 @@ __attribute__((always_inline)) static inline float hsum8(const v8f *p) {
     return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
 }
 
-/* An AVX2 clone where the CPU has it, chosen once at load time (ifunc); both clones compute the same bits. Not under
- * AddressSanitizer, whose instrumented ifunc resolvers would run before it is initialised. */
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && !defined(__SANITIZE_ADDRESS__)
-#define DS4_CLONES __attribute__((target_clones("avx2", "default")))
-#else
-#define DS4_CLONES
-#endif
-
 /* The step of every dot product's lanes, c + a·b rounded once (a fused multiply-add): the FMA instruction where the CPU
  * has one, else the C library's fmaf, which rounds the same (IEEE 754 fusedMultiplyAdd), so every machine gives the
  * same bits. The instruction is picked per call by a CPUID test (ds4_cpu_fma), not by an ifunc, so sanitizer builds
@@ -222,18 +214,60 @@ void ds4_matmul_nt_serial(float *y, int64_t ldy, const float *x, int64_t ldx, co
     dot_block(y, ldy, x, ldx, T, NULL, W, O, K);
 }
 
+typedef float v4f __attribute__((vector_size(16)));
+typedef double v4d __attribute__((vector_size(32)));
+
+__attribute__((always_inline)) static inline v4d load4d(const float *p) {
+    v4f v;
+    memcpy(&v, p, sizeof v);
+    return __builtin_convertvector(v, v4d);
+}
+
+/* Each product is exact in double (24 + 24 bits), so only the order of the additions is chosen: lo holds lanes 0-3,
+ * hi lanes 4-7, and lo + hi then (s0 + s1) + (s2 + s3) is the lane tree of the header. */
+DS4_CLONES
+double ds4_dot_f64(const float *w, const float *a, const float *b, int64_t n) {
+    v4d lo = {0, 0, 0, 0}, hi = {0, 0, 0, 0};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        v4f a0, a1;
+        memcpy(&a0, a + i, sizeof a0);
+        memcpy(&a1, a + i + 4, sizeof a1);
+        if (w) {
+            v4f w0, w1;
+            memcpy(&w0, w + i, sizeof w0);
+            memcpy(&w1, w + i + 4, sizeof w1);
+            a0 = w0 * a0, a1 = w1 * a1;
+        }
+        lo += __builtin_convertvector(a0, v4d) * load4d(b + i);
+        hi += __builtin_convertvector(a1, v4d) * load4d(b + i + 4);
+    }
+    const v4d s = lo + hi;
+    double r = (s[0] + s[1]) + (s[2] + s[3]);
+    for (; i < n; i++) r += (double)(w ? w[i] * a[i] : a[i]) * b[i];
+    return r;
+}
+
+/* y = x·inv (or w·(x·inv)), elementwise: the same fp32 operations as the scalar loop, 8 at a time. */
+DS4_CLONES
+static void scale_row(float *y, const float *x, const float *w, float inv, int64_t n) {
+    const v8f iv = {inv, inv, inv, inv, inv, inv, inv, inv};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        v8f v = load8(x + i) * iv;
+        if (w) v = load8(w + i) * v;
+        memcpy(y + i, &v, sizeof v);
+    }
+    for (; i < n; i++) y[i] = w ? w[i] * (x[i] * inv) : x[i] * inv;
+}
+
 void ds4_rmsnorm_rows(float *y, const float *x, const float *w, int64_t rows, int64_t n, double eps) {
     for (int64_t r = 0; r < rows; r++) {
         const float *xr = x + r * n;
-        float *yr = y + r * n;
-        double ss = 0;
-        for (int64_t i = 0; i < n; i++) ss += (double)xr[i] * xr[i];
+        const double ss = ds4_dot_f64(NULL, xr, xr, n);
         /* HF: x * rsqrt(mean + eps) in fp32, then weight * (...) */
-        float inv = (float)(1.0 / sqrt(ss / (double)n + eps));
-        if (w)
-            for (int64_t i = 0; i < n; i++) yr[i] = w[i] * (xr[i] * inv);
-        else
-            for (int64_t i = 0; i < n; i++) yr[i] = xr[i] * inv;
+        const float inv = (float)(1.0 / sqrt(ss / (double)n + eps));
+        scale_row(y + r * n, xr, w, inv, n);
     }
 }
 

@@ -14,6 +14,15 @@
 
 #include "threadpool.h"
 
+/* An AVX2 clone of a function where the CPU has it, chosen once at load time (ifunc), for kernels whose clones compute
+ * the same bits (elementwise IEEE operations, fixed reduction orders). Not under AddressSanitizer, whose instrumented
+ * ifunc resolvers would run before it is initialised. */
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && !defined(__SANITIZE_ADDRESS__)
+#define DS4_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define DS4_CLONES
+#endif
+
 /* x86-64 builds carry AVX2 + FMA versions of the dot-product kernels next to the portable ones. */
 #if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__)
 #define DS4_X86_FMA 1
@@ -84,8 +93,13 @@ void ds4_wsum_ptr(float *o, int64_t ldo, const float *p, int64_t ldp, int64_t nh
 /* y[i] += a · x[i]. Vectorised across i only, so each element's arithmetic is the plain scalar one. */
 void ds4_axpy(float *y, float a, const float *x, int64_t n);
 
+/* Σ (w[i]·a[i])·b[i] in double (w NULL: Σ a[i]·b[i]), w[i]·a[i] rounded to fp32 first: 8 lanes (i ≡ l mod 8) for
+ * i < n & ~7 combined as ((l0 + l4) + (l1 + l5)) + ((l2 + l6) + (l3 + l7)), then the last n % 8 terms in order. The
+ * sums of squares and dot products of the norms (ds4_rmsnorm_rows, the norm backward). */
+double ds4_dot_f64(const float *w, const float *a, const float *b, int64_t n);
+
 /* y = w ⊙ x / sqrt(mean(x²) + eps) for each of `rows` rows of width n (w may be NULL: unweighted).
- * y may alias x. */
+ * y may alias x. mean(x²) is ds4_dot_f64(NULL, x, x, n) / n. */
 void ds4_rmsnorm_rows(float *y, const float *x, const float *w, int64_t rows, int64_t n, double eps);
 
 /* Interleaved RoPE on the trailing 2*half channels of a vector of width `width`: pair (x[a], x[a+1]) with
