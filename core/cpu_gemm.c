@@ -223,6 +223,30 @@ static tile_fn pick_tile(void) {
     return tile_6x2;
 }
 
+/* finish() where R % 8 > 0: each output's lane sum with the last products fused in one by one (FMA1: fmaf, or the
+ * instruction inline). */
+#define FINISH_TAIL(FMA1)                                                                                           \
+    const int64_t R = g->R, R8 = R & ~(int64_t)7;                                                                  \
+    for (int64_t q = 0; q < mv; q++) {                                                                             \
+        float *y = g->y + (i0 + q) * g->ldy + j0;                                                                  \
+        for (int64_t c = 0; c < n; c++) {                                                                          \
+            float s = sums[q * NC + c];                                                                            \
+            for (int64_t r = R8; r < R; r++) s = FMA1(a_at(g, i0 + q, r), b_at(g, j0 + c, r), s);                  \
+            y[c] = g->acc ? y[c] + s : s;                                                                          \
+        }                                                                                                          \
+    }
+
+static void finish_tail_soft(const ds4_gemm *g, const float *sums, int64_t i0, int64_t mv, int64_t j0, int64_t n) {
+    FINISH_TAIL(fmaf)
+}
+
+#ifdef DS4_X86_FMA
+__attribute__((target("avx2,fma"))) static void finish_tail_hw(const ds4_gemm *g, const float *sums, int64_t i0,
+                                                              int64_t mv, int64_t j0, int64_t n) {
+    FINISH_TAIL(__builtin_fmaf)
+}
+#endif
+
 /* The outputs (i0 + q, j0 + c), q < mv, c < n: their lane sums (sums[q·NC + c]) plus the products of the last R % 8
  * values of r one by one, stored (or added). */
 GEMM_CLONES
@@ -243,15 +267,13 @@ static void finish(const ds4_gemm *g, const float *sums, int64_t i0, int64_t mv,
         }
         return;
     }
-    const int acc = g->acc;
-    for (int64_t q = 0; q < mv; q++) {
-        float *y = y0 + q * ldy;
-        for (int64_t c = 0; c < n; c++) {
-            float s = sums[q * NC + c];
-            for (int64_t r = R8; r < R; r++) s = fmaf(a_at(g, i0 + q, r), b_at(g, j0 + c, r), s);
-            y[c] = acc ? y[c] + s : s;
-        }
+#ifdef DS4_X86_FMA
+    if (ds4_cpu_fma()) {
+        finish_tail_hw(g, sums, i0, mv, j0, n);
+        return;
     }
+#endif
+    finish_tail_soft(g, sums, i0, mv, j0, n);
 }
 
 /* What a worker's packed A and B blocks hold, so that consecutive tiles of the same rows or columns (the task order
