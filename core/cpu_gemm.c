@@ -271,13 +271,16 @@ typedef struct {
     wide_fn wide; /* NULL: pairs one at a time */
 } gemm_kernels;
 
-static gemm_kernels pick_kernels(void) {
+/* The best kernels this CPU runs, at most `isa` (ds4_gemm_isa). */
+static gemm_kernels pick_kernels(ds4_gemm_isa isa) {
 #ifdef DS4_X86_FMA
-    if (ds4_cpu_fma()) {
+    if (isa >= DS4_GEMM_AVX2_FMA && ds4_cpu_fma()) {
         __builtin_cpu_init();
-        return (gemm_kernels){tile_6x2_fma, __builtin_cpu_supports("avx512f") ? tile_6x8_avx512 : NULL};
+        const int wide = isa >= DS4_GEMM_AVX512 && __builtin_cpu_supports("avx512f");
+        return (gemm_kernels){tile_6x2_fma, wide ? tile_6x8_avx512 : NULL};
     }
 #endif
+    (void)isa;
     return (gemm_kernels){tile_6x2, NULL};
 }
 
@@ -485,10 +488,15 @@ static int wants_prepack(const ds4_gemm *g) {
 }
 
 void ds4_gemm_run(ds4_pool *pool, const ds4_gemm *g, int64_t n, float *ws, float *shared, int64_t shared_floats) {
+    ds4_gemm_run_isa(pool, g, n, ws, shared, shared_floats, DS4_GEMM_AVX512);
+}
+
+void ds4_gemm_run_isa(ds4_pool *pool, const ds4_gemm *g, int64_t n, float *ws, float *shared, int64_t shared_floats,
+                      ds4_gemm_isa isa) {
     enum { MAX_PROBLEMS = 256 };
     int64_t first[MAX_PROBLEMS + 1], pfirst[MAX_PROBLEMS + 1], bper[MAX_PROBLEMS];
     float *bpre[MAX_PROBLEMS];
-    const gemm_kernels kern = pick_kernels();
+    const gemm_kernels kern = pick_kernels(isa);
     const int64_t threads = pool ? ds4_pool_threads(pool) : 1;
     for (int64_t w = 0; w < threads; w++) memset(ws + w * DS4_GEMM_WS_FLOATS, 0, 2 * sizeof(blk_key));
     for (int64_t p0 = 0; p0 < n; p0 += MAX_PROBLEMS) {

@@ -74,6 +74,13 @@ enum {
  * product that does not fit packs per tile instead, with the same result. */
 void ds4_gemm_run(ds4_pool *pool, const ds4_gemm *g, int64_t n, float *ws, float *shared, int64_t shared_floats);
 
+/* The register tiles ds4_gemm_run may use, in order: the portable one (fmaf lane by lane), the AVX2 + FMA one, the
+ * AVX-512 one. All give the same bits; ds4_gemm_run takes the best the CPU runs, ds4_gemm_run_isa the best up to
+ * `isa` (so tests can run each one the CPU has). */
+typedef enum { DS4_GEMM_PORTABLE, DS4_GEMM_AVX2_FMA, DS4_GEMM_AVX512 } ds4_gemm_isa;
+void ds4_gemm_run_isa(ds4_pool *pool, const ds4_gemm *g, int64_t n, float *ws, float *shared, int64_t shared_floats,
+                      ds4_gemm_isa isa);
+
 /* Σ_k a[k]·b[k] with the same 8-lane accumulation as the matmul: lane l = fma(a[k], b[k], lane l) for k ≡ l (mod 8),
  * k < n & ~7, in increasing k from +0; the lanes combined as ((l0 + l4) + (l1 + l5)) + ((l2 + l6) + (l3 + l7)); then
  * s = fma(a[k], b[k], s) for the last n % 8 values of k. */

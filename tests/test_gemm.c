@@ -3,7 +3,7 @@
  * lane with fmaf), the lanes combined as ((l0 + l4) + (l1 + l5)) + ((l2 + l6) + (l3 + l7)), then the last R % 8
  * products fused in one by one. Bit for bit, for
  * operands read along and across r, strides, accumulation, edge tiles, several chunks of r, several products in one
- * run, 1 and 3 threads, with and without room to pack B once. Also the double sums of the norms (ds4_dot_f64). */
+ * run, 1 and 3 threads, with and without room to pack B once, with every register tile the CPU runs. Also the double sums of the norms (ds4_dot_f64). */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -145,8 +145,11 @@ int main(int argc, char **argv) {
                     make(&p[s], shapes[s][0], shapes[s][1], shapes[s][2], ta, tb, acc);
                     g[s] = p[s].g;
                 }
-                /* one product per run, then all of them in one run */
-                for (int s = 0; s < nsh; s++) ds4_gemm_run(pool, &g[s], 1, ws, with_shared ? shared : NULL, shared_floats);
+                /* one product per run, each shape with each register tile over the modes (the CPU's best where it
+                 * lacks one), then all of them in one run */
+                for (int s = 0; s < nsh; s++)
+                    ds4_gemm_run_isa(pool, &g[s], 1, ws, with_shared ? shared : NULL, shared_floats,
+                                     (ds4_gemm_isa)((s + mode) % 3));
                 for (int s = 0; s < nsh; s++) {
                     CHECK(!memcmp(p[s].y, p[s].want, (size_t)p[s].ysize * sizeof(float)),
                           "threads %d shared %d ta %d tb %d acc %d: %lld x %lld x %lld differs from the reference", threads,
