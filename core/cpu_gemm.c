@@ -284,27 +284,38 @@ static gemm_kernels pick_kernels(ds4_gemm_isa isa) {
     return (gemm_kernels){tile_6x2, NULL};
 }
 
-/* finish() where R % 8 > 0: each output's lane sum with the last products fused in one by one (FMA1: fmaf, or the
- * instruction inline). */
-#define FINISH_TAIL(FMA1)                                                                                           \
-    const int64_t R = g->R, R8 = R & ~(int64_t)7;                                                                  \
+/* finish() where R % 8 > 0: each output's lane sum with the last products fused in one by one, in increasing r. B's
+ * last values for the tile's columns are gathered once (bt[r - R8][c]); the outputs of a row then take each r's
+ * multiply-add 8 columns at a time (FMA8; the portable version fmaf lane by lane): the same operations per output. */
+#define FINISH_TAIL(FMA8)                                                                                           \
+    const int64_t R = g->R, R8 = R & ~(int64_t)7, nt = R - R8, n8 = (n + 7) & ~(int64_t)7;                         \
+    float bt[7 * NC], s[NC];                                                                                       \
+    for (int64_t r = 0; r < nt; r++) {                                                                             \
+        for (int64_t c = 0; c < n; c++) bt[r * NC + c] = b_at(g, j0 + c, R8 + r);                                  \
+        for (int64_t c = n; c < n8; c++) bt[r * NC + c] = 0;                                                       \
+    }                                                                                                              \
     for (int64_t q = 0; q < mv; q++) {                                                                             \
         float *y = g->y + (i0 + q) * g->ldy + j0;                                                                  \
-        for (int64_t c = 0; c < n; c++) {                                                                          \
-            float s = sums[q * NC + c];                                                                            \
-            for (int64_t r = R8; r < R; r++) s = FMA1(a_at(g, i0 + q, r), b_at(g, j0 + c, r), s);                  \
-            y[c] = g->acc ? y[c] + s : s;                                                                          \
+        memcpy(s, sums + q * NC, (size_t)n * sizeof(float));                                                       \
+        memset(s + n, 0, (size_t)(n8 - n) * sizeof(float));                                                        \
+        for (int64_t r = 0; r < nt; r++) {                                                                         \
+            const float av = a_at(g, i0 + q, R8 + r);                                                              \
+            const v8f a8 = {av, av, av, av, av, av, av, av};                                                       \
+            for (int64_t c = 0; c < n8; c += 8) st8(s + c, FMA8(ld8(s + c), a8, ld8(bt + r * NC + c)));            \
         }                                                                                                          \
+        if (g->acc)                                                                                                \
+            for (int64_t c = 0; c < n; c++) y[c] = y[c] + s[c];                                                    \
+        else memcpy(y, s, (size_t)n * sizeof(float));                                                             \
     }
 
 static void finish_tail_soft(const ds4_gemm *g, const float *sums, int64_t i0, int64_t mv, int64_t j0, int64_t n) {
-    FINISH_TAIL(fmaf)
+    FINISH_TAIL(fma8_soft)
 }
 
 #ifdef DS4_X86_FMA
 __attribute__((target("avx2,fma"))) static void finish_tail_hw(const ds4_gemm *g, const float *sums, int64_t i0,
                                                               int64_t mv, int64_t j0, int64_t n) {
-    FINISH_TAIL(__builtin_fmaf)
+    FINISH_TAIL(fma8_hw)
 }
 #endif
 
