@@ -414,20 +414,24 @@ static void targets(int64_t *tgt, const int64_t *labels, int64_t B, int64_t Sl, 
         for (int64_t s = 0; s < Sl; s++) tgt[bb * Sl + s] = s + shift < S ? labels[bb * S + s + shift] : -100;
 }
 
-/* The head of a pass: logits = head(norm(HyperHead(X))) → dX (written), for the objective Σ g·log p(target) with
- * g = dlogp[row] (or g0 when dlogp is NULL) at the rows whose target (tgt, backend) is not -100. In chunks of the
- * tape's head_rows, as the forward ran it: each chunk's logits recomputed from y (the same product on the same rows,
- * so the same bits), its logit gradient, and its share of dy and of the head's weight gradient (chunks add in order). */
-static void head_bwd(bwd *b, const float *u, const float *y, const float *X, const float *fn, const float *base,
+/* The head (DS4_HEAD_MAIN / DS4_HEAD_MTP) of a pass: logits = head(norm(HyperHead(X))) → dX (written), for the
+ * objective Σ g·log p(target) with g = dlogp[row] (or g0 when dlogp is NULL) at the rows whose target (tgt, backend)
+ * is not -100. In chunks of the tape's head_rows, as the forward ran it: each chunk's logits recomputed from y (the
+ * same product on the same rows, so the same bits) unless the tape still holds them whole, its logit gradient, and its
+ * share of dy and of the head's weight gradient (chunks add in order). */
+static void head_bwd(bwd *b, int head, const float *u, const float *y, const float *X, const float *fn, const float *base,
                      const float *scale, const float *nw, float *gfn, float *gbase, float *gscale, float *gnorm,
                      const int64_t *tgt, const float *dlogp, double g0, float *dX) {
     const ds4_config *c = &b->m->cfg;
     const int64_t T = b->f.T, D = c->hidden_size, V = c->vocab_size, R = b->tp->head_rows;
     float *logits = b->tp->logits;
+    const int kept = b->tp->logits_head == head && T <= R;
+    b->tp->logits_head = T <= R ? head : 0;
     for (int64_t r0 = 0; r0 < T; r0 += R) {
         const int64_t n = T - r0 < R ? T - r0 : R;
-        OP(b->f.dev, matmul, .y = logits, .ldy = V, .x = y + r0 * D, .ldx = D, .W = b->f.w->head, .wdt = b->mdt,
-           .T = n, .K = D, .O = V, .bf16_in = b->f.w->bf16_in);
+        if (!kept)
+            OP(b->f.dev, matmul, .y = logits, .ldy = V, .x = y + r0 * D, .ldx = D, .W = b->f.w->head, .wdt = b->mdt,
+               .T = n, .K = D, .O = V, .bf16_in = b->f.w->bf16_in);
         OP(b->f.dev, logp_bwd, .dl = b->dlog, .logits = logits, .rows = n, .V = V, .tgt = tgt + r0,
            .dlogp = dlogp ? dlogp + r0 : NULL, .g0 = g0);
         lin_bwd(b, b->dh + r0 * D, D, 0, b->gw->head, b->dlog, V, y + r0 * D, D, b->f.w->head, 1, n, D, V);
@@ -449,7 +453,7 @@ static void mtp_bwd(bwd *b, double ms, int64_t *htgt, int32_t *hrows) {
     targets(htgt, tp->hlabels, B, S1, S, 2);
     ds4_dev_upload(dev, tp->tgt, htgt, (size_t)T1 * sizeof(int64_t));
     /* the main gradient stays in dX; the MTP pass works in dmtp (block_bwd's scratch is dXt) */
-    head_bwd(b, tp->mtp_u, tp->mtp_y, tp->mtp_X, mt->hc_head_fn, mt->hc_head_base, mt->hc_head_scale,
+    head_bwd(b, DS4_HEAD_MTP, tp->mtp_u, tp->mtp_y, tp->mtp_X, mt->hc_head_fn, mt->hc_head_base, mt->hc_head_scale,
              mt->norm, gm->hc_head_fn, gm->hc_head_base, gm->hc_head_scale, gm->norm, tp->tgt, NULL, -ms, b->dmtp);
     block_bwd(b, &mt->block, &gm->block, &tp->layers[c->num_hidden_layers], b->dmtp);
     /* z_i[k] = e_proj(enorm(e_{i+1})) + h_proj(hnorm(X^L_i[k])) */
@@ -639,7 +643,7 @@ static ds4_status backward_impl(ds4_model *m, const float *dlogp, const ds4_back
         free(htgt);
         return s;
     }
-    head_bwd(&b, tp->u_fin, tp->y_fin, tp->X_L, wv->hc_head_fn, wv->hc_head_base, wv->hc_head_scale, wv->norm,
+    head_bwd(&b, DS4_HEAD_MAIN, tp->u_fin, tp->y_fin, tp->X_L, wv->hc_head_fn, wv->hc_head_base, wv->hc_head_scale, wv->norm,
              b.gw->hc_head_fn, b.gw->hc_head_base, b.gw->hc_head_scale, b.gw->norm, tp->tgt, dl, -scale, b.dX);
     if (tp->with_mtp && tp->mtp_tokens > 0 && !dlogp)
         /* MTP term λ·mean over its own scored tokens: by default the per-token scale λ·scale·(main tokens / MTP

@@ -50,20 +50,58 @@ static void cpu_free(ds4_dev *d, void *p) {
     free(p);
 }
 
-static ds4_status cpu_upload(ds4_dev *d, void *dst, const void *src, size_t bytes, ds4_error *err) {
-    (void)d, (void)err;
-    if (dst != src) memcpy(dst, src, bytes);
-    return DS4_OK;
+/* Copies and fills of at least this many bytes run on the pool in pieces (a training forward keeps its activations
+ * with copies, zero_grad fills the gradients): on one thread they were the serial part of a step. */
+enum { PAR_BYTES = 1 << 20, PIECE_BYTES = 1 << 18 };
+
+typedef struct {
+    char *dst;
+    const char *src; /* NULL: fill with byte */
+    int byte;
+    size_t bytes;
+    int64_t pieces;
+} mem_job;
+
+static void mem_piece(void *p, int64_t i) {
+    const mem_job *j = p;
+    const size_t b = j->bytes * (size_t)i / (size_t)j->pieces, e = j->bytes * (size_t)(i + 1) / (size_t)j->pieces;
+    if (j->src) memcpy(j->dst + b, j->src + b, e - b);
+    else memset(j->dst + b, j->byte, e - b);
+}
+
+/* Pieces for a parallel copy or fill of `bytes`, 0 when it should run on the calling thread. */
+static int64_t mem_pieces(const ds4_cpu *cpu, size_t bytes) {
+    if (bytes < PAR_BYTES || ds4_pool_threads(cpu->pool) < 2) return 0;
+    const int64_t p = (int64_t)(bytes / PIECE_BYTES);
+    return p < cpu->ntask ? p : cpu->ntask;
 }
 
 static void cpu_copy(ds4_dev *d, void *dst, const void *src, size_t bytes) {
-    (void)d;
-    if (dst != src) memmove(dst, src, bytes);
+    if (dst == src) return;
+    const char *a = dst, *b = src;
+    const int64_t pieces = mem_pieces(ds4_cpu_of(d), bytes);
+    if (pieces == 0 || (a < b + bytes && b < a + bytes)) { /* overlapping: one memmove */
+        memmove(dst, src, bytes);
+        return;
+    }
+    mem_job j = {dst, src, 0, bytes, pieces};
+    ds4_pool_run(ds4_cpu_of(d)->pool, pieces, mem_piece, &j);
+}
+
+static ds4_status cpu_upload(ds4_dev *d, void *dst, const void *src, size_t bytes, ds4_error *err) {
+    (void)err;
+    cpu_copy(d, dst, src, bytes);
+    return DS4_OK;
 }
 
 static void cpu_fill(ds4_dev *d, void *dst, int byte, size_t bytes) {
-    (void)d;
-    memset(dst, byte, bytes);
+    const int64_t pieces = mem_pieces(ds4_cpu_of(d), bytes);
+    if (pieces == 0) {
+        memset(dst, byte, bytes);
+        return;
+    }
+    mem_job j = {dst, NULL, byte, bytes, pieces};
+    ds4_pool_run(ds4_cpu_of(d)->pool, pieces, mem_piece, &j);
 }
 
 static ds4_status cpu_sync(ds4_dev *d, ds4_error *err) {

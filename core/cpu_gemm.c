@@ -2,14 +2,15 @@
  * operand read along r contiguously or across it (a transposed view), so that the linear backward needs no
  * transposed copies. See kernels_cpu.h for the contract.
  *
- * Every output is the sum the reference kernel has always computed (ds4_dot): eight fp32 lanes, lane l summing
- * the products of r ≡ l (mod 8) for r < R8 = R & ~7 in increasing r, the lanes combined as
- * ((l0 + l4) + (l1 + l5)) + ((l2 + l6) + (l3 + l7)), then the products of r = R8 .. R-1 added one by one. Only the
+ * Every output is the sum the reference kernel computes (ds4_dot): eight fp32 lanes, lane l taking the products of
+ * r ≡ l (mod 8) for r < R8 = R & ~7 in increasing r, each with a fused multiply-add, the lanes combined as
+ * ((l0 + l4) + (l1 + l5)) + ((l2 + l6) + (l3 + l7)), then the products of r = R8 .. R-1 fused in one by one. Only the
  * layout of the work changes: operands are copied into packed panels (6 rows of A, 8 rows of B, 8 values of r per
  * step, zero-padded at the edges), a register tile of 6 × 2 outputs runs over a chunk of up to KC values of r, and
  * the lane sums of a tile that spans several chunks wait in memory between chunks. Tiles, chunks and threads change
  * which instructions run when, never which products are added in which order, so the bits do not depend on them.
  * Zero-padded rows and columns produce outputs that are never written. */
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -37,11 +38,7 @@ __attribute__((always_inline)) static inline v8f ld8(const float *p) {
 __attribute__((always_inline)) static inline void st8(float *p, v8f v) { memcpy(p, &v, sizeof v); }
 
 /* Packing and finishing are data movement and the lane tree: an AVX2 clone only makes them faster. */
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && !defined(__SANITIZE_ADDRESS__)
-#define GEMM_CLONES __attribute__((target_clones("avx2", "default")))
-#else
-#define GEMM_CLONES
-#endif
+#define GEMM_CLONES DS4_CLONES
 
 /* MR rows of A and NP columns of B per packed panel; KC values of r per chunk; a tile is at most MC × NC outputs. */
 enum { MR = DS4_GEMM_MR, NP = 2, KC = DS4_GEMM_KC, MC = DS4_GEMM_MC, NC = DS4_GEMM_NC };
@@ -154,69 +151,173 @@ __attribute__((always_inline)) static inline void lane_sums8(const v8f a[8], flo
     s[0] = r[0], s[2] = r[1], s[4] = r[2], s[6] = r[3], s[1] = r[4], s[3] = r[5], s[5] = r[6], s[7] = r[7];
 }
 
-/* The register tile: rows 0..5 of an A panel × columns c, c+1 of a B panel, over nk steps of 8 values of r. The lane
- * sums start at zero (first chunk) or from `io` ([6][NP][8], this pair's columns); after the last chunk the outputs'
- * lane sums go to sums[q·NC + c] (q < 6: rows; NC floats per row of the tile), else the lanes go back to `io`. In the AVX2 version each A vector
- * is loaded once and held in a register (the empty asm keeps GCC from re-reading it as a memory operand of each
- * multiply): 8 loads per 12 multiply-add pairs, which with separate multiplies and adds keeps the floating-point
- * pipes busy. */
+/* The register tile: rows q < 6 of A × the two columns of a B panel (bp: 16 floats per step, column 0's 8 values of
+ * r then column 1's), over nk steps of 8 values of r. Row q's 8 values of step k are at a[q] + k·astep: a packed A
+ * panel (astep = MR·8) or A's own row (astep = 8, A read along r). The lane sums start at zero (first chunk) or from
+ * `io` ([6][NP][8]); after the last chunk the outputs' lane sums go to sums[q·NC + c] (q < 6: rows, c < 2; NC floats
+ * per row of the tile), else the lanes go back to `io`. In the FMA version each A vector is loaded once and held in a
+ * register (the empty asm keeps GCC from re-reading it as a memory operand of each multiply-add): 8 loads per 12
+ * fused multiply-adds, fewer than the two load ports allow. */
 #define RS (NP * 8) /* floats between rows of a block of lanes */
-#define TILE_6X2(HOLD)                                                                                              \
+#define TILE_6X2(HOLD, FMA8)                                                                                        \
     v8f c00 = {0}, c01 = {0}, c10 = {0}, c11 = {0}, c20 = {0}, c21 = {0};                                         \
     v8f c30 = {0}, c31 = {0}, c40 = {0}, c41 = {0}, c50 = {0}, c51 = {0};                                         \
-    float *o0 = io + c * 8;                                                                                        \
     if (!first) {                                                                                                  \
-        c00 = ld8(o0), c01 = ld8(o0 + 8), c10 = ld8(o0 + RS), c11 = ld8(o0 + RS + 8), c20 = ld8(o0 + 2 * RS);      \
-        c21 = ld8(o0 + 2 * RS + 8), c30 = ld8(o0 + 3 * RS), c31 = ld8(o0 + 3 * RS + 8), c40 = ld8(o0 + 4 * RS);    \
-        c41 = ld8(o0 + 4 * RS + 8), c50 = ld8(o0 + 5 * RS), c51 = ld8(o0 + 5 * RS + 8);                            \
+        c00 = ld8(io), c01 = ld8(io + 8), c10 = ld8(io + RS), c11 = ld8(io + RS + 8), c20 = ld8(io + 2 * RS);      \
+        c21 = ld8(io + 2 * RS + 8), c30 = ld8(io + 3 * RS), c31 = ld8(io + 3 * RS + 8), c40 = ld8(io + 4 * RS);    \
+        c41 = ld8(io + 4 * RS + 8), c50 = ld8(io + 5 * RS), c51 = ld8(io + 5 * RS + 8);                            \
     }                                                                                                              \
-    bp += c * 8;                                                                                                   \
-    for (int64_t k = 0; k < nk; k++, ap += MR * 8, bp += NP * 8) {                                                 \
+    const float *a0 = a[0], *a1 = a[1], *a2 = a[2], *a3 = a[3], *a4 = a[4], *a5 = a[5];                            \
+    for (int64_t k = 0, o = 0; k < nk; k++, o += astep, bp += NP * 8) {                                            \
         const v8f u0 = ld8(bp), u1 = ld8(bp + 8);                                                                  \
         v8f v;                                                                                                     \
-        v = ld8(ap); HOLD(v); c00 += v * u0; c01 += v * u1;                                                        \
-        v = ld8(ap + 8); HOLD(v); c10 += v * u0; c11 += v * u1;                                                    \
-        v = ld8(ap + 16); HOLD(v); c20 += v * u0; c21 += v * u1;                                                   \
-        v = ld8(ap + 24); HOLD(v); c30 += v * u0; c31 += v * u1;                                                   \
-        v = ld8(ap + 32); HOLD(v); c40 += v * u0; c41 += v * u1;                                                   \
-        v = ld8(ap + 40); HOLD(v); c50 += v * u0; c51 += v * u1;                                                   \
+        v = ld8(a0 + o); HOLD(v); c00 = FMA8(c00, v, u0); c01 = FMA8(c01, v, u1);                                  \
+        v = ld8(a1 + o); HOLD(v); c10 = FMA8(c10, v, u0); c11 = FMA8(c11, v, u1);                                  \
+        v = ld8(a2 + o); HOLD(v); c20 = FMA8(c20, v, u0); c21 = FMA8(c21, v, u1);                                  \
+        v = ld8(a3 + o); HOLD(v); c30 = FMA8(c30, v, u0); c31 = FMA8(c31, v, u1);                                  \
+        v = ld8(a4 + o); HOLD(v); c40 = FMA8(c40, v, u0); c41 = FMA8(c41, v, u1);                                  \
+        v = ld8(a5 + o); HOLD(v); c50 = FMA8(c50, v, u0); c51 = FMA8(c51, v, u1);                                  \
     }                                                                                                              \
     if (sums) {                                                                                                    \
-        const v8f a[8] = {c00, c01, c10, c11, c20, c21, c30, c31}, b[8] = {c40, c41, c50, c51, c50, c51, c50, c51}; \
+        const v8f p[8] = {c00, c01, c10, c11, c20, c21, c30, c31}, q[8] = {c40, c41, c50, c51, c50, c51, c50, c51}; \
         float s[16];                                                                                               \
-        lane_sums8(a, s);                                                                                          \
-        lane_sums8(b, s + 8);                                                                                      \
-        for (int q = 0; q < 6; q++) sums[q * NC + c] = s[2 * q], sums[q * NC + c + 1] = s[2 * q + 1];              \
+        lane_sums8(p, s);                                                                                          \
+        lane_sums8(q, s + 8);                                                                                      \
+        for (int r = 0; r < 6; r++) sums[r * NC] = s[2 * r], sums[r * NC + 1] = s[2 * r + 1];                      \
         return;                                                                                                    \
     }                                                                                                              \
-    st8(o0, c00), st8(o0 + 8, c01), st8(o0 + RS, c10), st8(o0 + RS + 8, c11), st8(o0 + 2 * RS, c20);               \
-    st8(o0 + 2 * RS + 8, c21), st8(o0 + 3 * RS, c30), st8(o0 + 3 * RS + 8, c31), st8(o0 + 4 * RS, c40);            \
-    st8(o0 + 4 * RS + 8, c41), st8(o0 + 5 * RS, c50), st8(o0 + 5 * RS + 8, c51);
+    st8(io, c00), st8(io + 8, c01), st8(io + RS, c10), st8(io + RS + 8, c11), st8(io + 2 * RS, c20);               \
+    st8(io + 2 * RS + 8, c21), st8(io + 3 * RS, c30), st8(io + 3 * RS + 8, c31), st8(io + 4 * RS, c40);            \
+    st8(io + 4 * RS + 8, c41), st8(io + 5 * RS, c50), st8(io + 5 * RS + 8, c51);
+
+/* One column pair; wide: WIDE consecutive pairs of B panels bstride floats apart, their lanes in consecutive `io`
+ * blocks and their sums in consecutive columns. Every tile gives the same bits (the same fused multiply-adds lane for
+ * lane); the wide one is the AVX-512 tile below. */
+typedef void (*tile_fn)(const float *const *a, int64_t astep, const float *bp, int64_t nk, int first, float *io,
+                        float *sums);
+typedef void (*wide_fn)(const float *const *a, int64_t astep, const float *bp, int64_t bstride, int64_t nk, int first,
+                        float *io, float *sums);
+enum { WIDE = 4 };
+
+/* The portable tile: each lane's fused multiply-add by fmaf (for CPUs without FMA: slow, the same bits). */
+__attribute__((always_inline)) static inline v8f fma8_soft(v8f c, v8f a, v8f b) {
+    v8f r;
+    for (int l = 0; l < 8; l++) r[l] = fmaf(a[l], b[l], c[l]);
+    return r;
+}
 
 #define HOLD_NONE(v) (void)(v)
-static void tile_6x2(const float *ap, const float *bp, int64_t nk, int first, float *io, float *sums, int c) {
-    TILE_6X2(HOLD_NONE)
+static void tile_6x2(const float *const *a, int64_t astep, const float *bp, int64_t nk, int first, float *io,
+                     float *sums) {
+    TILE_6X2(HOLD_NONE, fma8_soft)
 }
 
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && !defined(__SANITIZE_ADDRESS__)
+#ifdef DS4_X86_FMA
+#include <immintrin.h>
+__attribute__((target("avx2,fma"), always_inline)) static inline v8f fma8_hw(v8f c, v8f a, v8f b) {
+    return (v8f)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+}
 #define HOLD_REG(v) __asm__("" : "+x"(v))
-__attribute__((target("avx2"))) static void tile_6x2_avx2(const float *ap, const float *bp, int64_t nk, int first,
-                                                         float *io, float *sums, int c) {
-    TILE_6X2(HOLD_REG)
+__attribute__((target("avx2,fma"))) static void tile_6x2_fma(const float *const *a, int64_t astep, const float *bp,
+                                                            int64_t nk, int first, float *io, float *sums) {
+    TILE_6X2(HOLD_REG, fma8_hw)
 }
-#define HAVE_AVX2_TILE 1
+
+/* The AVX-512 tile: 6 rows × 4 column pairs in 24 registers of 16 lanes, each holding a pair's two columns of 8
+ * lanes (the packed B panel's layout, so one load per pair); a row's 8 values are broadcast to both halves. 10 loads
+ * per 24 fused multiply-adds of 16 lanes. */
+#define W512_ROW(q)                                                                                                 \
+    {                                                                                                              \
+        const __m512 v = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(a##q + o))));     \
+        c##q##0 = _mm512_fmadd_ps(v, u0, c##q##0), c##q##1 = _mm512_fmadd_ps(v, u1, c##q##1);                      \
+        c##q##2 = _mm512_fmadd_ps(v, u2, c##q##2), c##q##3 = _mm512_fmadd_ps(v, u3, c##q##3);                      \
+    }
+#define W512_IO(X, q) X(q, 0), X(q, 1), X(q, 2), X(q, 3)
+#define W512_LOAD(q, p) c##q##p = first ? _mm512_setzero_ps() : _mm512_loadu_ps(io + (p) * MR * RS + (q) * RS)
+#define W512_STORE(q, p) _mm512_storeu_ps(io + (p) * MR * RS + (q) * RS, c##q##p)
+__attribute__((target("avx512f,avx2,fma"))) static void tile_6x8_avx512(const float *const *a, int64_t astep,
+                                                                       const float *bp, int64_t bstride, int64_t nk,
+                                                                       int first, float *io, float *sums) {
+    __m512 c00, c01, c02, c03, c10, c11, c12, c13, c20, c21, c22, c23;
+    __m512 c30, c31, c32, c33, c40, c41, c42, c43, c50, c51, c52, c53;
+    W512_IO(W512_LOAD, 0), W512_IO(W512_LOAD, 1), W512_IO(W512_LOAD, 2);
+    W512_IO(W512_LOAD, 3), W512_IO(W512_LOAD, 4), W512_IO(W512_LOAD, 5);
+    const float *a0 = a[0], *a1 = a[1], *a2 = a[2], *a3 = a[3], *a4 = a[4], *a5 = a[5];
+    const float *b0 = bp, *b1 = bp + bstride, *b2 = bp + 2 * bstride, *b3 = bp + 3 * bstride;
+    for (int64_t k = 0, o = 0, ob = 0; k < nk; k++, o += astep, ob += NP * 8) {
+        const __m512 u0 = _mm512_loadu_ps(b0 + ob), u1 = _mm512_loadu_ps(b1 + ob);
+        const __m512 u2 = _mm512_loadu_ps(b2 + ob), u3 = _mm512_loadu_ps(b3 + ob);
+        W512_ROW(0) W512_ROW(1) W512_ROW(2) W512_ROW(3) W512_ROW(4) W512_ROW(5)
+    }
+    W512_IO(W512_STORE, 0), W512_IO(W512_STORE, 1), W512_IO(W512_STORE, 2);
+    W512_IO(W512_STORE, 3), W512_IO(W512_STORE, 4), W512_IO(W512_STORE, 5);
+    if (!sums) return;
+    for (int p = 0; p < WIDE; p++) { /* the finished lanes, back from io: each pair's 12 outputs */
+        const float *l = io + p * MR * RS;
+        const v8f x[8] = {ld8(l), ld8(l + 8), ld8(l + RS), ld8(l + RS + 8), ld8(l + 2 * RS), ld8(l + 2 * RS + 8),
+                          ld8(l + 3 * RS), ld8(l + 3 * RS + 8)};
+        const v8f y[8] = {ld8(l + 4 * RS), ld8(l + 4 * RS + 8), ld8(l + 5 * RS), ld8(l + 5 * RS + 8),
+                          ld8(l + 5 * RS), ld8(l + 5 * RS + 8), ld8(l + 5 * RS), ld8(l + 5 * RS + 8)};
+        float s[16];
+        lane_sums8(x, s);
+        lane_sums8(y, s + 8);
+        for (int r = 0; r < 6; r++) sums[r * NC + 2 * p] = s[2 * r], sums[r * NC + 2 * p + 1] = s[2 * r + 1];
+    }
+}
 #endif
 
-typedef void (*tile_fn)(const float *ap, const float *bp, int64_t nk, int first, float *io, float *sums, int c);
+typedef struct {
+    tile_fn tile;
+    wide_fn wide; /* NULL: pairs one at a time */
+} gemm_kernels;
 
-/* Chosen once; both tiles compute the same bits (separate IEEE multiplies and adds, lane for lane). */
-static tile_fn pick_tile(void) {
-#ifdef HAVE_AVX2_TILE
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx2")) return tile_6x2_avx2;
+/* The best kernels this CPU runs, at most `isa` (ds4_gemm_isa). */
+static gemm_kernels pick_kernels(ds4_gemm_isa isa) {
+#ifdef DS4_X86_FMA
+    if (isa >= DS4_GEMM_AVX2_FMA && ds4_cpu_fma()) {
+        __builtin_cpu_init();
+        const int wide = isa >= DS4_GEMM_AVX512 && __builtin_cpu_supports("avx512f");
+        return (gemm_kernels){tile_6x2_fma, wide ? tile_6x8_avx512 : NULL};
+    }
 #endif
-    return tile_6x2;
+    (void)isa;
+    return (gemm_kernels){tile_6x2, NULL};
 }
+
+/* finish() where R % 8 > 0: each output's lane sum with the last products fused in one by one, in increasing r. B's
+ * last values for the tile's columns are gathered once (bt[r - R8][c]); the outputs of a row then take each r's
+ * multiply-add 8 columns at a time (FMA8; the portable version fmaf lane by lane): the same operations per output. */
+#define FINISH_TAIL(FMA8)                                                                                           \
+    const int64_t R = g->R, R8 = R & ~(int64_t)7, nt = R - R8, n8 = (n + 7) & ~(int64_t)7;                         \
+    float bt[7 * NC], s[NC];                                                                                       \
+    for (int64_t r = 0; r < nt; r++) {                                                                             \
+        for (int64_t c = 0; c < n; c++) bt[r * NC + c] = b_at(g, j0 + c, R8 + r);                                  \
+        for (int64_t c = n; c < n8; c++) bt[r * NC + c] = 0;                                                       \
+    }                                                                                                              \
+    for (int64_t q = 0; q < mv; q++) {                                                                             \
+        float *y = g->y + (i0 + q) * g->ldy + j0;                                                                  \
+        memcpy(s, sums + q * NC, (size_t)n * sizeof(float));                                                       \
+        memset(s + n, 0, (size_t)(n8 - n) * sizeof(float));                                                        \
+        for (int64_t r = 0; r < nt; r++) {                                                                         \
+            const float av = a_at(g, i0 + q, R8 + r);                                                              \
+            const v8f a8 = {av, av, av, av, av, av, av, av};                                                       \
+            for (int64_t c = 0; c < n8; c += 8) st8(s + c, FMA8(ld8(s + c), a8, ld8(bt + r * NC + c)));            \
+        }                                                                                                          \
+        if (g->acc)                                                                                                \
+            for (int64_t c = 0; c < n; c++) y[c] = y[c] + s[c];                                                    \
+        else memcpy(y, s, (size_t)n * sizeof(float));                                                             \
+    }
+
+static void finish_tail_soft(const ds4_gemm *g, const float *sums, int64_t i0, int64_t mv, int64_t j0, int64_t n) {
+    FINISH_TAIL(fma8_soft)
+}
+
+#ifdef DS4_X86_FMA
+__attribute__((target("avx2,fma"))) static void finish_tail_hw(const ds4_gemm *g, const float *sums, int64_t i0,
+                                                              int64_t mv, int64_t j0, int64_t n) {
+    FINISH_TAIL(fma8_hw)
+}
+#endif
 
 /* The outputs (i0 + q, j0 + c), q < mv, c < n: their lane sums (sums[q·NC + c]) plus the products of the last R % 8
  * values of r one by one, stored (or added). */
@@ -238,15 +339,13 @@ static void finish(const ds4_gemm *g, const float *sums, int64_t i0, int64_t mv,
         }
         return;
     }
-    const int acc = g->acc;
-    for (int64_t q = 0; q < mv; q++) {
-        float *y = y0 + q * ldy;
-        for (int64_t c = 0; c < n; c++) {
-            float s = sums[q * NC + c];
-            for (int64_t r = R8; r < R; r++) s += a_at(g, i0 + q, r) * b_at(g, j0 + c, r);
-            y[c] = acc ? y[c] + s : s;
-        }
+#ifdef DS4_X86_FMA
+    if (ds4_cpu_fma()) {
+        finish_tail_hw(g, sums, i0, mv, j0, n);
+        return;
     }
+#endif
+    finish_tail_soft(g, sums, i0, mv, j0, n);
 }
 
 /* What a worker's packed A and B blocks hold, so that consecutive tiles of the same rows or columns (the task order
@@ -282,12 +381,14 @@ static void gemm_direct(const ds4_gemm *g, int64_t i0, int64_t m, int64_t j0, in
 }
 
 /* One tile: rows [i0, i0 + m) × columns [j0, j0 + n) of problem g, every chunk of r. ws: DS4_GEMM_WS_FLOATS, its
- * head a b_key. bpre: g's B packed whole (every panel over all of R8), or NULL. */
-static void gemm_tile(const ds4_gemm *g, int64_t i0, int64_t m, int64_t j0, int64_t n, float *ws, tile_fn tile,
+ * head a b_key. bpre: g's B packed whole (every panel over all of R8), or NULL. An A read along r is not packed: the
+ * tiles read its rows where they lie (rows past the tile's read its last row: lanes that are never finished). */
+static void gemm_tile(const ds4_gemm *g, int64_t i0, int64_t m, int64_t j0, int64_t n, float *ws, gemm_kernels kern,
                       const float *bpre) {
     blk_key *akey = (blk_key *)(void *)ws, *key = akey + 1;
     float *pa = ws + DS4_GEMM_WS_HEAD, *pb = pa + MC * KC, *lanes = pb + NC * KC; /* lanes: [MC/MR][NC/NP][MR][NP][8] */
     const int64_t R8 = g->R & ~(int64_t)7, mp = (m + MR - 1) / MR, np = (n + NP - 1) / NP;
+    const int adirect = g->a_ks == 1;
     float sums[MR * NC]; /* one row block of the tile's finished lane sums */
     if (!bpre && direct_tile(g, m)) {
         gemm_direct(g, i0, m, j0, n, pa);
@@ -302,7 +403,7 @@ static void gemm_tile(const ds4_gemm *g, int64_t i0, int64_t m, int64_t j0, int6
     for (int64_t r0 = 0; r0 < R8; r0 += KC) {
         const int64_t kc = R8 - r0 < KC ? R8 - r0 : KC, nk = kc / 8;
         const int first = r0 == 0, last = r0 + kc == R8;
-        if (akey->g != g || akey->i0 != i0 || akey->n != m || akey->r0 != r0) {
+        if (!adirect && (akey->g != g || akey->i0 != i0 || akey->n != m || akey->r0 != r0)) {
             pack(pa, nk * MR * 8, g->a, g->a_rs, g->a_ks, g->M, i0, m, MR, r0, nk);
             *akey = (blk_key){g, i0, m, r0};
         }
@@ -321,13 +422,23 @@ static void gemm_tile(const ds4_gemm *g, int64_t i0, int64_t m, int64_t j0, int6
             bstride = nk * NP * 8;
         }
         for (int64_t ip = 0; ip < mp; ip++) {
-            const float *ap = pa + ip * nk * MR * 8;
             const int64_t mv = m - ip * MR < MR ? m - ip * MR : MR;
-            for (int64_t jp = 0; jp < np; jp++) {
-                const float *bp = bb + jp * bstride;
-                const int64_t nv = n - jp * NP < NP ? n - jp * NP : NP;
+            const float *ar[MR];
+            int64_t astep = MR * 8;
+            for (int64_t q = 0; q < MR; q++)
+                ar[q] = adirect ? g->a + (i0 + ip * MR + (q < mv ? q : mv - 1)) * g->a_rs + r0
+                                : pa + ip * nk * MR * 8 + q * 8;
+            if (adirect) astep = 8;
+            for (int64_t jp = 0; jp < np;) {
                 float *io = lanes + (ip * (NC / NP) + jp) * MR * NP * 8; /* lane sums kept between chunks */
-                for (int c = 0; c < nv; c += 2) tile(ap, bp, nk, first, io, last ? sums + jp * NP : NULL, c);
+                float *sp = last ? sums + jp * NP : NULL;
+                if (kern.wide && jp + WIDE <= np) {
+                    kern.wide(ar, astep, bb + jp * bstride, bstride, nk, first, io, sp);
+                    jp += WIDE;
+                } else {
+                    kern.tile(ar, astep, bb + jp * bstride, nk, first, io, sp);
+                    jp++;
+                }
             }
             if (last) finish(g, sums, i0 + ip * MR, mv, j0, n);
         }
@@ -343,7 +454,7 @@ typedef struct {
     int64_t *bper;                /* [n] blocks per task of each problem */
     float *ws;
     int64_t ws_stride;
-    tile_fn tile;
+    gemm_kernels kern;
     float *const *bpre;           /* [n] each problem's pre-packed B, or NULL */
     int64_t *pfirst;              /* [n + 1] first group of 8 B columns of each problem (pre-packing) */
 } gemm_job;
@@ -365,7 +476,7 @@ static void gemm_task(void *ctx, int64_t t, int32_t worker) {
     for (int64_t b = b0; b < b1; b++) {
         const int64_t i0 = (amajor ? outer : b) * j->mc, j0 = (amajor ? b : outer) * j->nc;
         gemm_tile(g, i0, g->M - i0 < j->mc ? g->M - i0 : j->mc, j0, g->N - j0 < j->nc ? g->N - j0 : j->nc,
-                  j->ws + (int64_t)worker * j->ws_stride, j->tile, j->bpre[p]);
+                  j->ws + (int64_t)worker * j->ws_stride, j->kern, j->bpre[p]);
     }
 }
 
@@ -388,10 +499,15 @@ static int wants_prepack(const ds4_gemm *g) {
 }
 
 void ds4_gemm_run(ds4_pool *pool, const ds4_gemm *g, int64_t n, float *ws, float *shared, int64_t shared_floats) {
+    ds4_gemm_run_isa(pool, g, n, ws, shared, shared_floats, DS4_GEMM_AVX512);
+}
+
+void ds4_gemm_run_isa(ds4_pool *pool, const ds4_gemm *g, int64_t n, float *ws, float *shared, int64_t shared_floats,
+                      ds4_gemm_isa isa) {
     enum { MAX_PROBLEMS = 256 };
     int64_t first[MAX_PROBLEMS + 1], pfirst[MAX_PROBLEMS + 1], bper[MAX_PROBLEMS];
     float *bpre[MAX_PROBLEMS];
-    const tile_fn tile = pick_tile();
+    const gemm_kernels kern = pick_kernels(isa);
     const int64_t threads = pool ? ds4_pool_threads(pool) : 1;
     for (int64_t w = 0; w < threads; w++) memset(ws + w * DS4_GEMM_WS_FLOATS, 0, 2 * sizeof(blk_key));
     for (int64_t p0 = 0; p0 < n; p0 += MAX_PROBLEMS) {
@@ -426,7 +542,7 @@ void ds4_gemm_run(ds4_pool *pool, const ds4_gemm *g, int64_t n, float *ws, float
             bper[p] = inner > 0 ? cdiv(inner, split) : 1;
             first[p + 1] = first[p] + (q->M > 0 && q->N > 0 ? (bpre[p] ? nbi : nbj) * cdiv(inner, bper[p]) : 0);
         }
-        gemm_job j = {g + p0, cnt, mc, nc, first, bper, ws, DS4_GEMM_WS_FLOATS, tile, bpre, pfirst};
+        gemm_job j = {g + p0, cnt, mc, nc, first, bper, ws, DS4_GEMM_WS_FLOATS, kern, bpre, pfirst};
         if (pool) {
             ds4_pool_run(pool, pfirst[cnt], prepack_task, &j);
             ds4_pool_run_worker(pool, first[cnt], gemm_task, &j);

@@ -39,6 +39,7 @@ static void logprobs_range(const ds4_cpu *cpu, const void *p, int64_t b, int64_t
         }
         const double lse = log(se);
         const int64_t y = a->tgt[t];
+        if (a->nll && y != -100) a->nll[t] = lse + mx - z[y]; /* ce_range's expression on the same sum */
         if (a->logp) a->logp[t] = y == -100 ? 0.0f : (float)((double)z[y] - mx - lse);
         if (a->entropy) a->entropy[t] = (float)(lse - ez / se); /* H = log Σe − E[z − mx] */
     }

@@ -4,6 +4,8 @@
 
 #include "cpu.h"
 
+#pragma GCC diagnostic ignored "-Wpsabi" /* 32-byte vectors stay inside the (cloned) functions */
+
 static void rmsnorm_range(const ds4_cpu *cpu, const void *p, int64_t b, int64_t e, int64_t task) {
     const ds4_a_rmsnorm *a = p;
     ds4_rmsnorm_rows(a->y + b * a->width, a->x + b * a->width, a->w, e - b, a->width, a->eps);
@@ -149,23 +151,49 @@ typedef struct {
     int rinv_only; /* first pass: the RMS factors alone */
 } nb_ctx;
 
+/* The elementwise step of the norm backward, dx (+)= (double)(w·dy)·ri − (double)x·k rounded to fp32, 4 at a time:
+ * the scalar expression's double operations lane by lane. */
+DS4_CLONES
+static void nb_dx(float *dx, const float *dy, const float *x, const float *w, double ri, double k, int acc, int64_t n) {
+    typedef float v4f __attribute__((vector_size(16)));
+    typedef double v4d __attribute__((vector_size(32)));
+    const v4d riv = {ri, ri, ri, ri}, kv = {k, k, k, k};
+    int64_t i = 0;
+    for (; i + 4 <= n; i += 4) {
+        v4f d, xv, o;
+        memcpy(&d, dy + i, sizeof d);
+        memcpy(&xv, x + i, sizeof xv);
+        if (w) {
+            v4f wv;
+            memcpy(&wv, w + i, sizeof wv);
+            d = wv * d;
+        }
+        const v4d g = __builtin_convertvector(d, v4d) * riv - __builtin_convertvector(xv, v4d) * kv;
+        o = __builtin_convertvector(g, v4f);
+        if (acc) {
+            v4f prev;
+            memcpy(&prev, dx + i, sizeof prev);
+            o = prev + o;
+        }
+        memcpy(dx + i, &o, sizeof o);
+    }
+    for (; i < n; i++) {
+        const double g = (double)(w ? w[i] * dy[i] : dy[i]) * ri - (double)x[i] * k;
+        dx[i] = acc ? dx[i] + (float)g : (float)g;
+    }
+}
+
 static void nb_range(const ds4_cpu *cpu, const void *p, int64_t b, int64_t e, int64_t task) {
     const nb_ctx *c = p;
     const int64_t n = c->width;
     for (int64_t r = b; r < e; r++) {
         const float *x = c->x + r * n, *dy = c->dy + r * n;
-        double ss = 0, dot = 0;
-        for (int64_t i = 0; i < n; i++) ss += (double)x[i] * x[i];
+        const double ss = ds4_dot_f64(NULL, x, x, n); /* the forward's sum (ds4_rmsnorm_rows) */
         const double ri = 1.0 / sqrt(ss / (double)n + c->eps);
         c->rinv[r] = (float)ri;
         if (c->rinv_only) continue;
-        for (int64_t i = 0; i < n; i++) dot += (double)(c->w ? c->w[i] * dy[i] : dy[i]) * x[i];
-        const double k = ri * ri * ri * dot / (double)n;
-        float *dx = c->dx + r * n;
-        for (int64_t i = 0; i < n; i++) {
-            double g = (double)(c->w ? c->w[i] * dy[i] : dy[i]) * ri - (double)x[i] * k;
-            dx[i] = c->acc ? dx[i] + (float)g : (float)g;
-        }
+        const double k = ri * ri * ri * ds4_dot_f64(c->w, dy, x, n) / (double)n;
+        nb_dx(c->dx + r * n, dy, x, c->w, ri, k, c->acc, n);
     }
 }
 
@@ -178,17 +206,39 @@ typedef struct {
 enum { NW_BLOCK = 32 };
 
 /* A range owns blocks of NW_BLOCK columns and walks the rows once, in order, for all of them: each column's sum is
- * the same fixed-order sum over rows as a column-at-a-time loop, without striding down the matrix per column. */
+ * the same fixed-order sum over rows as a column-at-a-time loop, without striding down the matrix per column; the
+ * columns of a block are 4-lane vectors of the same double operations. */
+DS4_CLONES
+static void nw_block(float *dw, const float *dy, const float *x, const float *rinv, int64_t rows, int64_t ld, int64_t c0,
+                     int64_t c1) {
+    typedef float v4f __attribute__((vector_size(16)));
+    typedef double v4d __attribute__((vector_size(32)));
+    v4d s[NW_BLOCK / 4];
+    memset(s, 0, sizeof s);
+    const int64_t full = c1 - c0 == NW_BLOCK;
+    for (int64_t r = 0; r < rows; r++) {
+        const float *dr = dy + r * ld + c0, *xr = x + r * ld + c0;
+        const double rv = rinv[r];
+        if (full) {
+            const v4d rr = {rv, rv, rv, rv};
+            for (int j = 0; j < NW_BLOCK / 4; j++) {
+                v4f a, bb;
+                memcpy(&a, dr + 4 * j, sizeof a);
+                memcpy(&bb, xr + 4 * j, sizeof bb);
+                s[j] += __builtin_convertvector(a, v4d) * __builtin_convertvector(bb, v4d) * rr;
+            }
+        } else {
+            for (int64_t i = 0; i < c1 - c0; i++) s[i / 4][i % 4] += (double)dr[i] * xr[i] * rv;
+        }
+    }
+    for (int64_t i = c0; i < c1; i++) dw[i] += (float)s[(i - c0) / 4][(i - c0) % 4];
+}
+
 static void nw_range(const ds4_cpu *cpu, const void *p, int64_t b, int64_t e, int64_t task) {
     const nw_ctx *c = p;
     for (int64_t blk = b; blk < e; blk++) {
         const int64_t c0 = blk * NW_BLOCK, c1 = c0 + NW_BLOCK < c->width ? c0 + NW_BLOCK : c->width;
-        double s[NW_BLOCK] = {0};
-        for (int64_t r = 0; r < c->rows; r++) {
-            const float *dy = c->dy + r * c->width, *x = c->x + r * c->width;
-            for (int64_t i = c0; i < c1; i++) s[i - c0] += (double)dy[i] * x[i] * c->rinv[r];
-        }
-        for (int64_t i = c0; i < c1; i++) c->dw[i] += (float)s[i - c0];
+        nw_block(c->dw, c->dy, c->x, c->rinv, c->rows, c->width, c0, c1);
     }
 }
 

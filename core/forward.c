@@ -292,19 +292,21 @@ int64_t ds4_head_rows(const ds4_model *m, int64_t T) {
 /* The head of a training pass over its input y [rows, D] (f->u), in chunks of the tape's head_rows: per row the
  * cross-entropy against tgt (backend, -100: none) into nll, and with lp non-NULL the log-probability and entropy
  * (lp [rows], lp + lp_ld [rows]); out (host, may be NULL): the logits for a caller who asked for them. Only one chunk
- * of logits exists on the backend at a time. */
-static void head_chunks(ds4_pass *f, const ds4_tape *tp, int64_t rows, const int64_t *tgt, double *nll, float *lp,
+ * of logits exists on the backend at a time; when one chunk holds all the rows, the tape notes that they are `head`'s
+ * (the backward then reads them instead of computing the same product again). */
+static void head_chunks(ds4_pass *f, ds4_tape *tp, int head, int64_t rows, const int64_t *tgt, double *nll, float *lp,
                         int64_t lp_ld, float *out) {
     const int64_t D = f->c->hidden_size, V = f->c->vocab_size, R = tp->head_rows;
     for (int64_t r0 = 0; r0 < rows; r0 += R) {
         const int64_t n = rows - r0 < R ? rows - r0 : R;
         matmul(f, tp->logits, f->u + r0 * D, f->w->head, 1, n, D, V);
         if (out) ds4_dev_download(f->dev, out + r0 * V, tp->logits, (size_t)(n * V) * sizeof(float));
-        OP(f->dev, ce_rows, .logits = tp->logits, .rows = n, .V = V, .tgt = tgt + r0, .nll = nll + r0);
         if (lp)
             OP(f->dev, logprobs, .logits = tp->logits, .rows = n, .V = V, .tgt = tgt + r0, .logp = lp + r0,
-               .entropy = lp + lp_ld + r0);
+               .entropy = lp + lp_ld + r0, .nll = nll + r0);
+        else OP(f->dev, ce_rows, .logits = tp->logits, .rows = n, .V = V, .tgt = tgt + r0, .nll = nll + r0);
     }
+    tp->logits_head = rows <= R ? head : 0;
 }
 
 /* Mean cross-entropy of the rows of logits [B, Sl, V] against labels[b, s + shift] (s + shift < S; -100 ignored):
@@ -318,7 +320,7 @@ static void cross_entropy(ds4_pass *f, const float *logits, int64_t B, int64_t S
         for (int64_t s = 0; s < Sl; s++) htgt[b * Sl + s] = s + shift < S ? labels[b * S + s + shift] : -100;
     ds4_dev_upload(f->dev, f->tgt, htgt, (size_t)rows * sizeof(int64_t));
     if (logits) OP(f->dev, ce_rows, .logits = logits, .rows = rows, .V = f->c->vocab_size, .tgt = f->tgt, .nll = f->nll);
-    else head_chunks(f, f->tape, rows, f->tgt, f->nll, lp, rows, out);
+    else head_chunks(f, f->tape, shift == 1 ? DS4_HEAD_MAIN : DS4_HEAD_MTP, rows, f->tgt, f->nll, lp, rows, out);
     ds4_dev_download(f->dev, hnll, f->nll, (size_t)rows * sizeof(double));
     double sum = 0;
     int64_t cnt = 0;
@@ -493,6 +495,7 @@ ds4_status ds4_forward_run(ds4_model *m, const ds4_forward_args *args, ds4_forwa
             return ds4_fail(err, DS4_ERR_SHAPE, "training forward: MTP loss needs seq >= 3 (ids [%lld, %lld])",
                             (long long)args->batch, (long long)args->seq);
         tape->valid = 0;
+        tape->logits_head = 0;
         s = ds4_tape_reserve(m, tape, args->batch, args->seq, train_mtp, err);
         if (s) return s;
     }

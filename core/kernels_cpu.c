@@ -24,65 +24,115 @@ __attribute__((always_inline)) static inline float hsum8(const v8f *p) {
     return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
 }
 
-/* An AVX2 clone where the CPU has it, chosen once at load time (ifunc); both clones compute the same bits. */
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && !defined(__SANITIZE_ADDRESS__)
-#define DS4_CLONES __attribute__((target_clones("avx2", "default")))
-#else
-#define DS4_CLONES
+/* The step of every dot product's lanes, c + a·b rounded once (a fused multiply-add): the FMA instruction where the CPU
+ * has one, else the C library's fmaf, which rounds the same (IEEE 754 fusedMultiplyAdd), so every machine gives the
+ * same bits. The instruction is picked per call by a CPUID test (ds4_cpu_fma), not by an ifunc, so sanitizer builds
+ * run it too. */
+__attribute__((always_inline)) static inline v8f fma8_soft(v8f c, v8f a, v8f b) {
+    v8f r;
+    for (int l = 0; l < 8; l++) r[l] = fmaf(a[l], b[l], c[l]);
+    return r;
+}
+
+#ifdef DS4_X86_FMA
+#include <immintrin.h>
+#define FMA_TARGET __attribute__((target("avx2,fma")))
+FMA_TARGET __attribute__((always_inline)) static inline v8f fma8_hw(v8f c, v8f a, v8f b) {
+    return (v8f)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+}
 #endif
 
-DS4_CLONES
-float ds4_dot(const float *a, const float *b, int64_t n) {
-    v8f acc = {0};
-    int64_t k = 0;
-    for (; k + 8 <= n; k += 8) acc += load8(a + k) * load8(b + k);
-    float s = hsum8(&acc);
-    for (; k < n; k++) s += a[k] * b[k];
+int ds4_cpu_fma(void) {
+#ifdef DS4_X86_FMA
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#else
+    return 0;
+#endif
+}
+
+#define DOT_BODY(FMA8)                                                                                              \
+    v8f acc = {0};                                                                                                 \
+    int64_t k = 0;                                                                                                 \
+    for (; k + 8 <= n; k += 8) acc = FMA8(acc, load8(a + k), load8(b + k));                                       \
+    float s = hsum8(&acc);                                                                                         \
+    for (; k < n; k++) s = fmaf(a[k], b[k], s);                                                                    \
     return s;
+
+static float dot_soft(const float *a, const float *b, int64_t n) { DOT_BODY(fma8_soft) }
+#ifdef DS4_X86_FMA
+FMA_TARGET static float dot_hw(const float *a, const float *b, int64_t n) { DOT_BODY(fma8_hw) }
+#endif
+
+float ds4_dot(const float *a, const float *b, int64_t n) {
+#ifdef DS4_X86_FMA
+    if (ds4_cpu_fma()) return dot_hw(a, b, n);
+#endif
+    return dot_soft(a, b, n);
 }
 
 /* A 4-row × 3-output register tile over the whole K: 12 vector accumulators plus 3 weight vectors and one input
  * vector fit the 16 AVX registers; each step loads 7 vectors for 12 vector multiply-adds. Every output element is
  * one ds4_dot-style 8-lane sum, so tiles, remainders and thread splits all give identical bits. Row o of W is wp[o]
  * when wp is given, else W + o·K. */
-DS4_CLONES
+#define DOT_BLOCK_BODY(FMA8, DOT)                                                                                   \
+    const int64_t K8 = K & ~(int64_t)7;                                                                            \
+    int64_t t = 0;                                                                                                 \
+    for (; t + 4 <= nx; t += 4) {                                                                                  \
+        const float *x0 = x + t * ldx, *x1 = x0 + ldx, *x2 = x1 + ldx, *x3 = x2 + ldx;                             \
+        int64_t o = 0;                                                                                             \
+        for (; o + 3 <= nw; o += 3) {                                                                              \
+            const float *w0 = wp ? wp[o] : W + o * K, *w1 = wp ? wp[o + 1] : w0 + K, *w2 = wp ? wp[o + 2] : w1 + K; \
+            v8f c00 = {0}, c01 = {0}, c02 = {0}, c10 = {0}, c11 = {0}, c12 = {0};                                  \
+            v8f c20 = {0}, c21 = {0}, c22 = {0}, c30 = {0}, c31 = {0}, c32 = {0};                                  \
+            for (int64_t k = 0; k < K8; k += 8) {                                                                  \
+                const v8f u0 = load8(w0 + k), u1 = load8(w1 + k), u2 = load8(w2 + k);                              \
+                v8f v = load8(x0 + k);                                                                             \
+                c00 = FMA8(c00, v, u0), c01 = FMA8(c01, v, u1), c02 = FMA8(c02, v, u2);                            \
+                v = load8(x1 + k);                                                                                 \
+                c10 = FMA8(c10, v, u0), c11 = FMA8(c11, v, u1), c12 = FMA8(c12, v, u2);                            \
+                v = load8(x2 + k);                                                                                 \
+                c20 = FMA8(c20, v, u0), c21 = FMA8(c21, v, u1), c22 = FMA8(c22, v, u2);                            \
+                v = load8(x3 + k);                                                                                 \
+                c30 = FMA8(c30, v, u0), c31 = FMA8(c31, v, u1), c32 = FMA8(c32, v, u2);                            \
+            }                                                                                                      \
+            float r[12] = {hsum8(&c00), hsum8(&c01), hsum8(&c02), hsum8(&c10), hsum8(&c11), hsum8(&c12),           \
+                           hsum8(&c20), hsum8(&c21), hsum8(&c22), hsum8(&c30), hsum8(&c31), hsum8(&c32)};          \
+            const float *xs[4] = {x0, x1, x2, x3}, *ws[3] = {w0, w1, w2};                                          \
+            for (int i = 0; i < 4; i++)                                                                            \
+                for (int j = 0; j < 3; j++) {                                                                      \
+                    float acc = r[i * 3 + j];                                                                      \
+                    for (int64_t k = K8; k < K; k++) acc = fmaf(xs[i][k], ws[j][k], acc);                          \
+                    y[(t + i) * ldy + o + j] = acc;                                                                \
+                }                                                                                                  \
+        }                                                                                                          \
+        for (; o < nw; o++)                                                                                        \
+            for (int i = 0; i < 4; i++) y[(t + i) * ldy + o] = DOT(x + (t + i) * ldx, wp ? wp[o] : W + o * K, K);  \
+    }                                                                                                              \
+    for (; t < nx; t++)                                                                                            \
+        for (int64_t o = 0; o < nw; o++) y[t * ldy + o] = DOT(x + t * ldx, wp ? wp[o] : W + o * K, K);
+
+static void dot_block_soft(float *y, int64_t ldy, const float *x, int64_t ldx, int64_t nx, const float *const *wp,
+                           const float *W, int64_t nw, int64_t K) {
+    DOT_BLOCK_BODY(fma8_soft, dot_soft)
+}
+
+#ifdef DS4_X86_FMA
+FMA_TARGET static void dot_block_hw(float *y, int64_t ldy, const float *x, int64_t ldx, int64_t nx,
+                                    const float *const *wp, const float *W, int64_t nw, int64_t K) {
+    DOT_BLOCK_BODY(fma8_hw, dot_hw)
+}
+#endif
+
 static void dot_block(float *y, int64_t ldy, const float *x, int64_t ldx, int64_t nx, const float *const *wp,
                       const float *W, int64_t nw, int64_t K) {
-    const int64_t K8 = K & ~(int64_t)7;
-    int64_t t = 0;
-    for (; t + 4 <= nx; t += 4) {
-        const float *x0 = x + t * ldx, *x1 = x0 + ldx, *x2 = x1 + ldx, *x3 = x2 + ldx;
-        int64_t o = 0;
-        for (; o + 3 <= nw; o += 3) {
-            const float *w0 = wp ? wp[o] : W + o * K, *w1 = wp ? wp[o + 1] : w0 + K, *w2 = wp ? wp[o + 2] : w1 + K;
-            v8f c00 = {0}, c01 = {0}, c02 = {0}, c10 = {0}, c11 = {0}, c12 = {0};
-            v8f c20 = {0}, c21 = {0}, c22 = {0}, c30 = {0}, c31 = {0}, c32 = {0};
-            for (int64_t k = 0; k < K8; k += 8) {
-                const v8f u0 = load8(w0 + k), u1 = load8(w1 + k), u2 = load8(w2 + k);
-                v8f v = load8(x0 + k);
-                c00 += v * u0; c01 += v * u1; c02 += v * u2;
-                v = load8(x1 + k);
-                c10 += v * u0; c11 += v * u1; c12 += v * u2;
-                v = load8(x2 + k);
-                c20 += v * u0; c21 += v * u1; c22 += v * u2;
-                v = load8(x3 + k);
-                c30 += v * u0; c31 += v * u1; c32 += v * u2;
-            }
-            float r[12] = {hsum8(&c00), hsum8(&c01), hsum8(&c02), hsum8(&c10), hsum8(&c11), hsum8(&c12),
-                           hsum8(&c20), hsum8(&c21), hsum8(&c22), hsum8(&c30), hsum8(&c31), hsum8(&c32)};
-            const float *xs[4] = {x0, x1, x2, x3}, *ws[3] = {w0, w1, w2};
-            for (int i = 0; i < 4; i++)
-                for (int j = 0; j < 3; j++) {
-                    float acc = r[i * 3 + j];
-                    for (int64_t k = K8; k < K; k++) acc += xs[i][k] * ws[j][k];
-                    y[(t + i) * ldy + o + j] = acc;
-                }
-        }
-        for (; o < nw; o++)
-            for (int i = 0; i < 4; i++) y[(t + i) * ldy + o] = ds4_dot(x + (t + i) * ldx, wp ? wp[o] : W + o * K, K);
+#ifdef DS4_X86_FMA
+    if (ds4_cpu_fma()) {
+        dot_block_hw(y, ldy, x, ldx, nx, wp, W, nw, K);
+        return;
     }
-    for (; t < nx; t++)
-        for (int64_t o = 0; o < nw; o++) y[t * ldy + o] = ds4_dot(x + t * ldx, wp ? wp[o] : W + o * K, K);
+#endif
+    dot_block_soft(y, ldy, x, ldx, nx, wp, W, nw, K);
 }
 
 void ds4_dots_ptr(float *y, int64_t ldy, const float *x, int64_t ldx, int64_t nx, const float *const *w, int64_t nw,
@@ -164,18 +214,60 @@ void ds4_matmul_nt_serial(float *y, int64_t ldy, const float *x, int64_t ldx, co
     dot_block(y, ldy, x, ldx, T, NULL, W, O, K);
 }
 
+typedef float v4f __attribute__((vector_size(16)));
+typedef double v4d __attribute__((vector_size(32)));
+
+__attribute__((always_inline)) static inline v4d load4d(const float *p) {
+    v4f v;
+    memcpy(&v, p, sizeof v);
+    return __builtin_convertvector(v, v4d);
+}
+
+/* Each product is exact in double (24 + 24 bits), so only the order of the additions is chosen: lo holds lanes 0-3,
+ * hi lanes 4-7, and lo + hi then (s0 + s1) + (s2 + s3) is the lane tree of the header. */
+DS4_CLONES
+double ds4_dot_f64(const float *w, const float *a, const float *b, int64_t n) {
+    v4d lo = {0, 0, 0, 0}, hi = {0, 0, 0, 0};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        v4f a0, a1;
+        memcpy(&a0, a + i, sizeof a0);
+        memcpy(&a1, a + i + 4, sizeof a1);
+        if (w) {
+            v4f w0, w1;
+            memcpy(&w0, w + i, sizeof w0);
+            memcpy(&w1, w + i + 4, sizeof w1);
+            a0 = w0 * a0, a1 = w1 * a1;
+        }
+        lo += __builtin_convertvector(a0, v4d) * load4d(b + i);
+        hi += __builtin_convertvector(a1, v4d) * load4d(b + i + 4);
+    }
+    const v4d s = lo + hi;
+    double r = (s[0] + s[1]) + (s[2] + s[3]);
+    for (; i < n; i++) r += (double)(w ? w[i] * a[i] : a[i]) * b[i];
+    return r;
+}
+
+/* y = x·inv (or w·(x·inv)), elementwise: the same fp32 operations as the scalar loop, 8 at a time. */
+DS4_CLONES
+static void scale_row(float *y, const float *x, const float *w, float inv, int64_t n) {
+    const v8f iv = {inv, inv, inv, inv, inv, inv, inv, inv};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        v8f v = load8(x + i) * iv;
+        if (w) v = load8(w + i) * v;
+        memcpy(y + i, &v, sizeof v);
+    }
+    for (; i < n; i++) y[i] = w ? w[i] * (x[i] * inv) : x[i] * inv;
+}
+
 void ds4_rmsnorm_rows(float *y, const float *x, const float *w, int64_t rows, int64_t n, double eps) {
     for (int64_t r = 0; r < rows; r++) {
         const float *xr = x + r * n;
-        float *yr = y + r * n;
-        double ss = 0;
-        for (int64_t i = 0; i < n; i++) ss += (double)xr[i] * xr[i];
+        const double ss = ds4_dot_f64(NULL, xr, xr, n);
         /* HF: x * rsqrt(mean + eps) in fp32, then weight * (...) */
-        float inv = (float)(1.0 / sqrt(ss / (double)n + eps));
-        if (w)
-            for (int64_t i = 0; i < n; i++) yr[i] = w[i] * (xr[i] * inv);
-        else
-            for (int64_t i = 0; i < n; i++) yr[i] = xr[i] * inv;
+        const float inv = (float)(1.0 / sqrt(ss / (double)n + eps));
+        scale_row(y + r * n, xr, w, inv, n);
     }
 }
 

@@ -2,8 +2,10 @@
  *
  * Numerics: inputs and outputs are fp32; reductions that feed normalisations (RMSNorm statistics, softmax
  * sums, log-sum-exp) accumulate in double, which is at least as accurate as the fp32 reference they are
- * compared against. Matmul dot products accumulate in fp32 over 8 fixed lanes combined in a fixed order, so
- * a result does not depend on the instruction set or the thread count. No -ffast-math anywhere. */
+ * compared against. Matmul dot products accumulate in fp32 over 8 fixed lanes combined in a fixed order, each
+ * lane adding its next product with a fused multiply-add (one rounding; the FMA instruction or the C library's
+ * fmaf, which round alike), so a result does not depend on the instruction set or the thread count. No -ffast-math
+ * anywhere: the compiler never fuses a multiply and an add by itself (ISO C mode keeps contraction off). */
 #ifndef DS4_KERNELS_CPU_H
 #define DS4_KERNELS_CPU_H
 
@@ -11,6 +13,24 @@
 #include <math.h>
 
 #include "threadpool.h"
+
+/* An AVX2 clone of a function where the CPU has it, chosen once at load time (ifunc), for kernels whose clones compute
+ * the same bits (elementwise IEEE operations, fixed reduction orders). Not under AddressSanitizer, whose instrumented
+ * ifunc resolvers would run before it is initialised. */
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && !defined(__SANITIZE_ADDRESS__)
+#define DS4_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define DS4_CLONES
+#endif
+
+/* x86-64 builds carry AVX2 + FMA versions of the dot-product kernels next to the portable ones. */
+#if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__)
+#define DS4_X86_FMA 1
+#endif
+
+/* 1 when this CPU runs the AVX2 + FMA kernels (a CPUID test, cheap enough to make per call). Either way the results
+ * are the same bits: the portable kernels use fmaf. */
+int ds4_cpu_fma(void);
 
 /* y[t, o] = Σ_k x[t, k] · W[o, k]   (x: [T, K] row stride ldx; W: [O, K] contiguous; y: [T, O] row stride ldy), on
  * the calling thread (for small products inside a pool task; the backend's matmuls use ds4_gemm_run). */
@@ -54,7 +74,16 @@ enum {
  * product that does not fit packs per tile instead, with the same result. */
 void ds4_gemm_run(ds4_pool *pool, const ds4_gemm *g, int64_t n, float *ws, float *shared, int64_t shared_floats);
 
-/* Σ_k a[k]·b[k] with the same 8-lane accumulation as the matmul. */
+/* The register tiles ds4_gemm_run may use, in order: the portable one (fmaf lane by lane), the AVX2 + FMA one, the
+ * AVX-512 one. All give the same bits; ds4_gemm_run takes the best the CPU runs, ds4_gemm_run_isa the best up to
+ * `isa` (so tests can run each one the CPU has). */
+typedef enum { DS4_GEMM_PORTABLE, DS4_GEMM_AVX2_FMA, DS4_GEMM_AVX512 } ds4_gemm_isa;
+void ds4_gemm_run_isa(ds4_pool *pool, const ds4_gemm *g, int64_t n, float *ws, float *shared, int64_t shared_floats,
+                      ds4_gemm_isa isa);
+
+/* Σ_k a[k]·b[k] with the same 8-lane accumulation as the matmul: lane l = fma(a[k], b[k], lane l) for k ≡ l (mod 8),
+ * k < n & ~7, in increasing k from +0; the lanes combined as ((l0 + l4) + (l1 + l5)) + ((l2 + l6) + (l3 + l7)); then
+ * s = fma(a[k], b[k], s) for the last n % 8 values of k. */
 float ds4_dot(const float *a, const float *b, int64_t n);
 
 /* y[i·ldy + k] = Σ_j x[i·ldx + j]·w[k][j] for i < nx, k < nw: the dots of nx rows with nw rows given by pointers
@@ -71,8 +100,13 @@ void ds4_wsum_ptr(float *o, int64_t ldo, const float *p, int64_t ldp, int64_t nh
 /* y[i] += a · x[i]. Vectorised across i only, so each element's arithmetic is the plain scalar one. */
 void ds4_axpy(float *y, float a, const float *x, int64_t n);
 
+/* Σ (w[i]·a[i])·b[i] in double (w NULL: Σ a[i]·b[i]), w[i]·a[i] rounded to fp32 first: 8 lanes (i ≡ l mod 8) for
+ * i < n & ~7 combined as ((l0 + l4) + (l1 + l5)) + ((l2 + l6) + (l3 + l7)), then the last n % 8 terms in order. The
+ * sums of squares and dot products of the norms (ds4_rmsnorm_rows, the norm backward). */
+double ds4_dot_f64(const float *w, const float *a, const float *b, int64_t n);
+
 /* y = w ⊙ x / sqrt(mean(x²) + eps) for each of `rows` rows of width n (w may be NULL: unweighted).
- * y may alias x. */
+ * y may alias x. mean(x²) is ds4_dot_f64(NULL, x, x, n) / n. */
 void ds4_rmsnorm_rows(float *y, const float *x, const float *w, int64_t rows, int64_t n, double eps);
 
 /* Interleaved RoPE on the trailing 2*half channels of a vector of width `width`: pair (x[a], x[a+1]) with

@@ -464,7 +464,9 @@ void ds4_model_zero_grad(ds4_model *m) {
         m->grads_stale = 1;
         return;
     }
-    memset(m->grads, 0, (size_t)m->n_params * sizeof(float));
+    /* a host-visible backend fills on its threads (the CPU backend's pool) */
+    if (m->dev && m->dev->host_visible) m->dev->ops->fill(m->dev, m->grads, 0, (size_t)m->n_params * sizeof(float));
+    else memset(m->grads, 0, (size_t)m->n_params * sizeof(float));
 }
 
 float *ds4_model_params(ds4_model *m) {

@@ -172,8 +172,9 @@ typedef struct { float *x; const float *h; int64_t T, n, D; } ds4_a_add_bcast;
 
 /* nll[r] = logsumexp(logits[r]) - logits[r, tgt[r]] (double) for rows with tgt[r] != -100 */
 typedef struct { const float *logits; int64_t rows, V; const int64_t *tgt; double *nll; } ds4_a_ce_rows;
-/* logp[r] = log softmax(logits[r])[tgt[r]] (0 where tgt is -100); entropy (may be NULL) of every row */
-typedef struct { const float *logits; int64_t rows, V; const int64_t *tgt; float *logp, *entropy; } ds4_a_logprobs;
+/* logp[r] = log softmax(logits[r])[tgt[r]] (0 where tgt is -100); entropy (may be NULL) of every row; nll (may be
+ * NULL): also what ce_rows writes there, the same bits (one pass over the row instead of two) */
+typedef struct { const float *logits; int64_t rows, V; const int64_t *tgt; float *logp, *entropy; double *nll; } ds4_a_logprobs;
 
 /* Indexer-KL loss of one CSA layer (training option) from its tape: per query, KL(p || q) over its picks (p the
  * attention mass, renormalised; q the softmax of the indexer scores) into kl[t] with has[t] = 1 where the query

@@ -91,27 +91,41 @@ static inline void adamw_lanes(const adamw_sse *k, __m128 p, __m128 g, __m128 m,
 }
 #endif
 
-void ds4_adamw_update(const ds4_adamw_coefs *c, float *p, const float *g, float *m, float *v, int64_t n) {
+/* g (as scaled, written back when coef != 1) then the update: the same bits as ds4_grad_scale followed by
+ * ds4_adamw_update, in one pass over memory. */
+static void adamw_update_scaled(const ds4_adamw_coefs *c, float coef, float *p, float *g, float *m, float *v,
+                                int64_t n) {
     /* ATen's lerp takes "start + w·(end - start)" for w < 0.5 and "end - (end - start)·(1 - w)" otherwise
      * (better rounding near either end); reproduce the branch it takes for this β1. */
-    const int small_w = fabsf(c->one_m_b1) < 0.5f;
+    const int small_w = fabsf(c->one_m_b1) < 0.5f, scale = coef != 1.0f;
     const float omw = 1.0f - c->one_m_b1;
     int64_t i = 0;
 #if defined(__SSE2__)
     /* About 4x faster than the scalar loop on cached chunks, 1.8x on a 50M-parameter model (memory bound). */
     if (small_w) {
         const adamw_sse k = adamw_sse_coefs(c);
+        const __m128 cf = _mm_set1_ps(coef);
         for (; i + 4 <= n; i += 4) {
-            __m128 pn, mn, vn;
-            adamw_lanes(&k, _mm_loadu_ps(p + i), _mm_loadu_ps(g + i), _mm_loadu_ps(m + i), _mm_loadu_ps(v + i), &pn,
-                        &mn, &vn);
+            __m128 pn, mn, vn, gi = _mm_loadu_ps(g + i);
+            if (scale) {
+                gi = _mm_mul_ps(gi, cf);
+                _mm_storeu_ps(g + i, gi);
+            }
+            adamw_lanes(&k, _mm_loadu_ps(p + i), gi, _mm_loadu_ps(m + i), _mm_loadu_ps(v + i), &pn, &mn, &vn);
             _mm_storeu_ps(m + i, mn);
             _mm_storeu_ps(v + i, vn);
             _mm_storeu_ps(p + i, pn);
         }
     }
 #endif
-    for (; i < n; i++) adamw_elem(c, small_w, omw, p[i], g[i], m[i], v[i], &p[i], &m[i], &v[i]);
+    for (; i < n; i++) {
+        if (scale) g[i] *= coef;
+        adamw_elem(c, small_w, omw, p[i], g[i], m[i], v[i], &p[i], &m[i], &v[i]);
+    }
+}
+
+void ds4_adamw_update(const ds4_adamw_coefs *c, float *p, const float *g, float *m, float *v, int64_t n) {
+    adamw_update_scaled(c, 1.0f, p, (float *)g, m, v, n); /* coef 1: g is only read */
 }
 
 /* A cheap proof that an update stays finite, without its square root and divisions: when p·decay, m' and v' are
@@ -256,14 +270,14 @@ static void task_scale(void *vctx, int64_t i) {
     scale_chunk(c->r[k->range].g + k->begin, k->n, c->coef);
 }
 
-static void update_chunk(const ds4_optim_range *r, int64_t begin, int64_t n) {
-    ds4_adamw_update(&r->c, r->p + begin, r->g + begin, r->m + begin, r->v + begin, n);
+static void update_chunk(const ds4_optim_range *r, float coef, int64_t begin, int64_t n) {
+    adamw_update_scaled(&r->c, coef, r->p + begin, r->g + begin, r->m + begin, r->v + begin, n);
 }
 
 static void task_update(void *vctx, int64_t i) {
     multi_ctx *c = vctx;
     const ds4_optim_chunk *k = &c->chunks[i];
-    update_chunk(&c->r[k->range], k->begin, k->n);
+    update_chunk(&c->r[k->range], c->coef, k->begin, k->n);
 }
 
 double ds4_grad_global_norm(const ds4_optim_range *r, size_t n, const ds4_optim_chunk *chunks, int64_t n_chunks,
@@ -323,12 +337,17 @@ double ds4_grad_clip(const ds4_optim_range *r, size_t n, double clip, const ds4_
 
 void ds4_adamw_update_ranges(const ds4_optim_range *r, size_t n, const ds4_optim_chunk *chunks, int64_t n_chunks,
                              ds4_pool *pool) {
+    ds4_adamw_update_ranges_scaled(r, n, 1.0f, chunks, n_chunks, pool);
+}
+
+void ds4_adamw_update_ranges_scaled(const ds4_optim_range *r, size_t n, float coef, const ds4_optim_chunk *chunks,
+                                    int64_t n_chunks, ds4_pool *pool) {
     if (pool && chunks && n_chunks > 0) {
-        multi_ctx c = {.r = r, .chunks = chunks};
+        multi_ctx c = {.r = r, .chunks = chunks, .coef = coef};
         ds4_pool_run(pool, n_chunks, task_update, &c);
         return;
     }
-    for (size_t i = 0; i < n; i++) update_chunk(&r[i], 0, r[i].n);
+    for (size_t i = 0; i < n; i++) update_chunk(&r[i], coef, 0, r[i].n);
 }
 
 static int64_t nonfinite_chunk(const ds4_optim_range *r, int64_t begin, int64_t n, float coef) {
@@ -968,9 +987,8 @@ ds4_status ds4_adamw_step(ds4_adamw *a, ds4_adamw_stats *stats, ds4_error *err) 
                         "gradient norm %g, clip %g); parameters, moments, gradients and the step count are unchanged",
                         (long long)a->steps + 1, (long long)bad, (long long)total_elems, name, lr, norm, a->o.clip);
     }
-    ds4_grad_scale(a->ranges, nr, coef, a->chunks, nc, pool);
     for (size_t k = 0; k < nr; k++) ++a->tensor_steps[a->range_tensor[k]];
-    ds4_adamw_update_ranges(a->ranges, nr, a->chunks, nc, pool);
+    ds4_adamw_update_ranges_scaled(a->ranges, nr, coef, a->chunks, nc, pool); /* clips the gradients as it goes */
     a->steps++;
     if (m->topt.router_bias_gamma > 0 && (s = ds4_model_update_router_bias(m, m->topt.router_bias_gamma, err))) return s;
     if (stats) stats->step = a->steps;

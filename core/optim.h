@@ -96,6 +96,9 @@ double ds4_grad_clip(const ds4_optim_range *r, size_t n, double clip, const ds4_
 /* ds4_adamw_update of every range with its own coefficients. */
 void ds4_adamw_update_ranges(const ds4_optim_range *r, size_t n, const ds4_optim_chunk *chunks, int64_t n_chunks,
                              ds4_pool *pool);
+/* ds4_grad_scale by coef, then ds4_adamw_update_ranges: the same bits in one pass over memory. */
+void ds4_adamw_update_ranges_scaled(const ds4_optim_range *r, size_t n, float coef, const ds4_optim_chunk *chunks,
+                                    int64_t n_chunks, ds4_pool *pool);
 /* ds4_adamw_count_nonfinite over every range (gradients scaled by coef): the total, and in *first_range the
  * first range with one (n when none). partial: [n_chunks] scratch. */
 int64_t ds4_adamw_count_nonfinite_ranges(const ds4_optim_range *r, size_t n, float coef, const ds4_optim_chunk *chunks,

@@ -46,6 +46,8 @@ typedef struct ds4_layer_tape {
     float *itgt;                  /* [T, sel_stride] attention mass on each pick, summed over heads */
 } ds4_layer_tape;
 
+enum { DS4_HEAD_MAIN = 1, DS4_HEAD_MTP = 2 }; /* ds4_tape.logits_head */
+
 typedef struct ds4_tape {
     int64_t B, S, T;              /* of the main forward; the MTP block runs over S-1 positions */
     int valid;                    /* a training forward filled it and no backward consumed it */
@@ -55,6 +57,8 @@ typedef struct ds4_tape {
     float *u_fin, *y_fin;         /* [T, D] HyperHead output / after the final norm */
     int64_t head_rows;            /* rows per chunk of the LM head (ds4_head_rows at the forward) */
     float *logits;                /* [head_rows, V] one chunk of logits (main head, then the MTP head) */
+    int logits_head;              /* the head (DS4_HEAD_MAIN / DS4_HEAD_MTP) whose logits `logits` holds for all its
+                                     rows (one chunk), so its backward need not compute them again; 0: none */
     int64_t *ids, *labels;        /* [T] backend copies */
     int64_t *hids, *hlabels;      /* [T] host copies (the schedule derives targets and MTP rows from them) */
     int64_t *tgt;                 /* [T] targets of the rows of logits (backend) */

@@ -1,5 +1,9 @@
-/* threadpool.c — see threadpool.h. Workers sleep on a condition variable between jobs; a job is a
- * (fn, ctx, n) triple plus an atomic next-index counter. */
+/* threadpool.c — see threadpool.h. A job is a (fn, ctx, n) triple plus an atomic next-index counter, published by
+ * bumping an atomic generation. Between jobs a worker first polls the generation for a short while (a training step
+ * runs over a thousand jobs, most under a millisecond, so waking sleeping threads for each was a large part of the
+ * time on many cores), then sleeps on a condition variable; the caller waits for the last worker the same way. Only
+ * when the pool has no more threads than the CPU has online processors: a spinning thread on a shared core would
+ * take the time of the thread it waits for. */
 #define _POSIX_C_SOURCE 200809L
 #include "threadpool.h"
 
@@ -7,29 +11,50 @@
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "internal.h"
 
+int sched_yield(void); /* POSIX <sched.h>, which core/sched.h shadows on this library's include path */
+
+/* Polls of the generation (or of the active count) before sleeping: about 20-60 µs, longer than the gap between
+ * two jobs of a pass, far shorter than the pause between passes. */
+enum { SPIN_POLLS = 4096 };
+
 struct ds4_pool {
     int32_t n_threads;          /* including the caller */
+    int spin;                   /* poll before sleeping (n_threads <= online processors) */
     pthread_t *threads;         /* n_threads - 1 workers */
     struct worker_arg *args;    /* their (pool, index) */
     pthread_mutex_t mu;
     pthread_cond_t wake, done;
-    uint64_t generation;        /* bumped per job so sleeping workers see a new one */
-    int stop;
+    atomic_uint_fast64_t generation; /* bumped per job; starts at 1 (wait_job's 0 means "stopped") */
+    atomic_int sleepers;        /* workers waiting on `wake` (changed under mu) */
+    atomic_int caller_sleeps;   /* the caller waits on `done` (changed under mu) */
+    atomic_int stop;
     ds4_task_fn fn;
-    ds4_task_worker_fn wfn;         /* set instead of fn by ds4_pool_run_worker */
+    ds4_task_worker_fn wfn;     /* set instead of fn by ds4_pool_run_worker */
     void *ctx;
     int64_t n;
     atomic_llong next;
-    int32_t active;             /* workers still inside the current job */
+    atomic_int active;          /* workers still inside the current job */
 };
 
 struct worker_arg {
     ds4_pool *pool;
     int32_t index;              /* 1 .. n_threads - 1; the calling thread is 0 */
 };
+
+/* One poll's wait: a pause, and every 64th poll the processor offered to another runnable thread (on a machine
+ * busier than it looked, the thread being waited for). */
+static inline void cpu_relax(int k) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+    if ((k & 63) == 63) sched_yield();
+}
 
 static void drain(ds4_pool *p, int32_t index) {
     for (;;) {
@@ -40,21 +65,38 @@ static void drain(ds4_pool *p, int32_t index) {
     }
 }
 
+/* The generation after `seen`, or 0 once the pool stops. The sleeper count is raised under mu before the last look
+ * at the generation, and run_job bumps the generation before it looks at the count (both sequentially consistent),
+ * so either the worker sees the new job or run_job sees the sleeper and broadcasts under mu. */
+static uint64_t wait_job(ds4_pool *p, uint64_t seen) {
+    for (int k = 0; p->spin && k < SPIN_POLLS; k++) {
+        const uint64_t g = atomic_load(&p->generation);
+        if (g != seen || atomic_load(&p->stop)) return atomic_load(&p->stop) ? 0 : g;
+        cpu_relax(k);
+    }
+    pthread_mutex_lock(&p->mu);
+    atomic_fetch_add(&p->sleepers, 1);
+    while (!atomic_load(&p->stop) && atomic_load(&p->generation) == seen) pthread_cond_wait(&p->wake, &p->mu);
+    atomic_fetch_sub(&p->sleepers, 1);
+    const uint64_t g = atomic_load(&p->stop) ? 0 : atomic_load(&p->generation);
+    pthread_mutex_unlock(&p->mu);
+    return g;
+}
+
 static void *worker(void *arg) {
     ds4_pool *p = ((struct worker_arg *)arg)->pool;
     const int32_t index = ((struct worker_arg *)arg)->index;
-    uint64_t seen = 0;
-    pthread_mutex_lock(&p->mu);
+    uint64_t seen = 1; /* the generation the pool starts at (a job already published is seen as new) */
     for (;;) {
-        while (!p->stop && p->generation == seen) pthread_cond_wait(&p->wake, &p->mu);
-        if (p->stop) break;
-        seen = p->generation;
-        pthread_mutex_unlock(&p->mu);
+        seen = wait_job(p, seen);
+        if (seen == 0) break;
         drain(p, index);
-        pthread_mutex_lock(&p->mu);
-        if (--p->active == 0) pthread_cond_signal(&p->done);
+        if (atomic_fetch_sub(&p->active, 1) == 1 && atomic_load(&p->caller_sleeps)) {
+            pthread_mutex_lock(&p->mu); /* the caller re-checks active under mu before it sleeps */
+            pthread_cond_signal(&p->done);
+            pthread_mutex_unlock(&p->mu);
+        }
     }
-    pthread_mutex_unlock(&p->mu);
     return NULL;
 }
 
@@ -64,14 +106,22 @@ ds4_status ds4_pool_create(int32_t n_threads, ds4_pool **out, ds4_error *err) {
     ds4_pool *p = calloc(1, sizeof *p);
     if (!p) return ds4_fail(err, DS4_ERR_OOM, "thread pool: allocation failed");
     p->n_threads = n_threads;
+    const long online = sysconf(_SC_NPROCESSORS_ONLN);
+    p->spin = online > 0 && n_threads <= online;
     pthread_mutex_init(&p->mu, NULL);
     pthread_cond_init(&p->wake, NULL);
     pthread_cond_init(&p->done, NULL);
+    atomic_init(&p->generation, 1); /* 0 means "stopped" to wait_job's callers */
+    atomic_init(&p->sleepers, 0);
+    atomic_init(&p->caller_sleeps, 0);
+    atomic_init(&p->stop, 0);
     atomic_init(&p->next, 0);
+    atomic_init(&p->active, 0);
     if (n_threads > 1) {
         p->threads = calloc((size_t)n_threads - 1, sizeof *p->threads);
         p->args = calloc((size_t)n_threads - 1, sizeof *p->args);
         if (!p->threads || !p->args) {
+            p->n_threads = 1; /* nothing started */
             ds4_pool_free(p);
             return ds4_fail(err, DS4_ERR_OOM, "thread pool: allocation failed");
         }
@@ -93,7 +143,7 @@ ds4_status ds4_pool_create(int32_t n_threads, ds4_pool **out, ds4_error *err) {
 void ds4_pool_free(ds4_pool *p) {
     if (!p) return;
     pthread_mutex_lock(&p->mu);
-    p->stop = 1;
+    atomic_store(&p->stop, 1);
     pthread_cond_broadcast(&p->wake);
     pthread_mutex_unlock(&p->mu);
     if (p->threads)
@@ -117,20 +167,29 @@ static void run_job(ds4_pool *p, int64_t n, ds4_task_fn fn, ds4_task_worker_fn w
         }
         return;
     }
-    pthread_mutex_lock(&p->mu);
+    /* every worker has left the previous job (active reached 0), so these plain stores race with nothing; the
+     * generation's bump publishes them */
     p->fn = fn;
     p->wfn = wfn;
     p->ctx = ctx;
     p->n = n;
     atomic_store(&p->next, 0);
-    p->active = p->n_threads - 1;
-    p->generation++;
-    pthread_cond_broadcast(&p->wake);
-    pthread_mutex_unlock(&p->mu);
+    atomic_store(&p->active, p->n_threads - 1);
+    atomic_fetch_add(&p->generation, 1);
+    if (atomic_load(&p->sleepers) > 0) {
+        pthread_mutex_lock(&p->mu);
+        pthread_cond_broadcast(&p->wake);
+        pthread_mutex_unlock(&p->mu);
+    }
     drain(p, 0);
-    pthread_mutex_lock(&p->mu);
-    while (p->active > 0) pthread_cond_wait(&p->done, &p->mu);
-    pthread_mutex_unlock(&p->mu);
+    for (int k = 0; p->spin && k < SPIN_POLLS && atomic_load(&p->active) > 0; k++) cpu_relax(k);
+    if (atomic_load(&p->active) > 0) {
+        pthread_mutex_lock(&p->mu);
+        atomic_store(&p->caller_sleeps, 1);
+        while (atomic_load(&p->active) > 0) pthread_cond_wait(&p->done, &p->mu);
+        atomic_store(&p->caller_sleeps, 0);
+        pthread_mutex_unlock(&p->mu);
+    }
 }
 
 void ds4_pool_run(ds4_pool *p, int64_t n, ds4_task_fn fn, void *ctx) { run_job(p, n, fn, NULL, ctx); }

@@ -282,6 +282,10 @@ void ds4_cuda_logprobs(ds4_dev *d, const ds4_a_logprobs *a) {
     logprobs_kernel<<<(unsigned)a->rows, ROW_THREADS, 0, cdev(d)->stream>>>(a->logits, a->V, a->tgt, a->logp,
                                                                               a->entropy);
     ds4_cuda_launched(d, "logprobs", "[%lld x %lld]", (long long)a->rows, (long long)a->V);
+    if (a->nll) { /* the cross-entropy as ce_rows computes it */
+        const ds4_a_ce_rows ce = {a->logits, a->rows, a->V, a->tgt, a->nll};
+        ds4_cuda_ce_rows(d, &ce);
+    }
 }
 
 void ds4_cuda_sample(ds4_dev *d, const ds4_a_sample *a) {

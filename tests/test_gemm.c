@@ -1,8 +1,9 @@
 /* test_gemm.c — the CPU matrix products (core/cpu_gemm.c) and the attention's pointer-row kernels against a plain scalar reference of the summation order
- * they promise: eight fp32 lanes over r < R & ~7 (lane l takes r ≡ l mod 8, in order), the lanes combined as
- * ((l0 + l4) + (l1 + l5)) + ((l2 + l6) + (l3 + l7)), then the last R % 8 products one by one. Bit for bit, for
+ * they promise: eight fp32 lanes over r < R & ~7 (lane l takes r ≡ l mod 8, in order, each product fused into the
+ * lane with fmaf), the lanes combined as ((l0 + l4) + (l1 + l5)) + ((l2 + l6) + (l3 + l7)), then the last R % 8
+ * products fused in one by one. Bit for bit, for
  * operands read along and across r, strides, accumulation, edge tiles, several chunks of r, several products in one
- * run, 1 and 3 threads, with and without room to pack B once. */
+ * run, 1 and 3 threads, with and without room to pack B once, with every register tile the CPU runs. Also the double sums of the norms (ds4_dot_f64). */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -22,9 +23,9 @@ static float ref_dot(const ds4_gemm *g, int64_t i, int64_t j) {
     float lane[8] = {0};
     const int64_t R8 = g->R & ~(int64_t)7;
     for (int64_t r = 0; r < R8; r++)
-        lane[r % 8] = lane[r % 8] + g->a[i * g->a_rs + r * g->a_ks] * g->b[j * g->b_rs + r * g->b_ks];
+        lane[r % 8] = fmaf(g->a[i * g->a_rs + r * g->a_ks], g->b[j * g->b_rs + r * g->b_ks], lane[r % 8]);
     float s = ((lane[0] + lane[4]) + (lane[1] + lane[5])) + ((lane[2] + lane[6]) + (lane[3] + lane[7]));
-    for (int64_t r = R8; r < g->R; r++) s = s + g->a[i * g->a_rs + r * g->a_ks] * g->b[j * g->b_rs + r * g->b_ks];
+    for (int64_t r = R8; r < g->R; r++) s = fmaf(g->a[i * g->a_rs + r * g->a_ks], g->b[j * g->b_rs + r * g->b_ks], s);
     return s;
 }
 
@@ -95,9 +96,35 @@ static void check_ptr_kernels(void) {
     }
 }
 
+/* ds4_dot_f64 (the norms' double sums) against its promised order written out: 8 double lanes, the lane tree, the
+ * tail in order; (w·a) rounded to fp32 first. Values of very different sizes, so another order would round
+ * differently. */
+static void check_dot_f64(void) {
+    static const int64_t ns[] = {0, 1, 7, 8, 9, 31, 512, 2053};
+    for (size_t k = 0; k < sizeof ns / sizeof *ns; k++) {
+        const int64_t n = ns[k];
+        float *w = malloc((size_t)(n + 1) * sizeof(float)), *a = malloc((size_t)(n + 1) * sizeof(float));
+        float *b = malloc((size_t)(n + 1) * sizeof(float));
+        for (int64_t i = 0; i < n; i++)
+            w[i] = frand(), a[i] = frand() * (i % 3 ? 1.0f : 1e6f), b[i] = frand() * (i % 5 ? 1e-3f : 1e4f);
+        for (int wi = 0; wi < 2; wi++) {
+            double lane[8] = {0};
+            const int64_t n8 = n & ~(int64_t)7;
+            for (int64_t i = 0; i < n8; i++) lane[i % 8] += (double)(wi ? w[i] * a[i] : a[i]) * (double)b[i];
+            double want = ((lane[0] + lane[4]) + (lane[1] + lane[5])) + ((lane[2] + lane[6]) + (lane[3] + lane[7]));
+            for (int64_t i = n8; i < n; i++) want += (double)(wi ? w[i] * a[i] : a[i]) * (double)b[i];
+            const double got = ds4_dot_f64(wi ? w : NULL, a, b, n);
+            CHECK(!memcmp(&got, &want, sizeof got), "ds4_dot_f64 n %lld w %d: %.17g, want %.17g", (long long)n, wi, got,
+                  want);
+        }
+        free(w), free(a), free(b);
+    }
+}
+
 int main(int argc, char **argv) {
     (void)argc, (void)argv;
     check_ptr_kernels();
+    check_dot_f64();
     static const int64_t shapes[][3] = {{1, 1, 0},   {1, 1, 1},    {5, 3, 7},     {6, 8, 8},    {7, 9, 17},
                                         {13, 2, 64}, {48, 64, 512}, {50, 70, 515}, {97, 131, 40}, {12, 9, 1031},
                                         {64, 96, 96}, {3, 200, 1100}};
@@ -118,8 +145,11 @@ int main(int argc, char **argv) {
                     make(&p[s], shapes[s][0], shapes[s][1], shapes[s][2], ta, tb, acc);
                     g[s] = p[s].g;
                 }
-                /* one product per run, then all of them in one run */
-                for (int s = 0; s < nsh; s++) ds4_gemm_run(pool, &g[s], 1, ws, with_shared ? shared : NULL, shared_floats);
+                /* one product per run, each shape with each register tile over the modes (the CPU's best where it
+                 * lacks one), then all of them in one run */
+                for (int s = 0; s < nsh; s++)
+                    ds4_gemm_run_isa(pool, &g[s], 1, ws, with_shared ? shared : NULL, shared_floats,
+                                     (ds4_gemm_isa)((s + mode) % 3));
                 for (int s = 0; s < nsh; s++) {
                     CHECK(!memcmp(p[s].y, p[s].want, (size_t)p[s].ysize * sizeof(float)),
                           "threads %d shared %d ta %d tb %d acc %d: %lld x %lld x %lld differs from the reference", threads,
