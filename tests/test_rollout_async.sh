@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # test_rollout_async.sh — asynchronous RL with real worker processes: one trainer (ds4.rl.trainer.run with a
-# ds4.rollout.pool on ipc://) and two `ds4 worker` processes started with --silence 2 (a trainer silent for 2 s has
-# lost the session). The trainer runs, one after another on the same pool and workers, from the same starting model:
+# ds4.rollout.pool on ipc://, heartbeats every 0.25 s) and two `ds4 worker` processes started with --silence 3 (a
+# trainer silent for 3 s has lost the session). The trainer runs, one after another on the same pool and workers, from the same starting model:
 #   sync   the synchronous loop (pool max_staleness 0);
 #   k0     async = {max_staleness = 0}: the same metrics (all but timings and version numbers) and bitwise the same
 #          weights as sync;
 #   k1/k2  async K = 1 and 2: every sample the loss sees is at most K versions behind the policy it trains (the
 #          test's own count: pool.version - sample.policy_version), as staleness/max says;
-#   slow   async K = 1, 4 micro-batches of 0.7 s each (train_delay_s): each training step lasts 2.8 s, longer than
-#          the workers' 2 s of patience, and yet no worker loses its session (the trainer serves the pool between
+#   slow   async K = 1, 4 micro-batches of 0.9 s each (train_delay_s): each training step lasts 3.6 s, longer than
+#          the workers' 3 s of patience, and yet no worker loses its session (the trainer serves the pool between
 #          micro-batches: no second hello, no worker declared dead, no "no message from the trainer" in their logs),
 #          results arrive while the trainer trains, and samples one version old are trained on.
 # Every task of every run completes exactly once (pool stats), and the workers exit 0 on SIGTERM.
@@ -28,10 +28,16 @@ local fix, ep, dir = arg[1], arg[2], arg[3]
 ds4.set_threads(1)
 local training, arrived_in_training = false, 0
 local pool = ds4.rollout.pool{ bind = ep, model = ds4.load(fix .. "/tiny_a"), workers = 2, wait_s = 120,
-    max_staleness = 0, timeout_s = 300, quiet = true,
+    max_staleness = 0, timeout_s = 300, quiet = true, heartbeat_s = 0.25,
     on_result = function() if training then arrived_in_training = arrived_in_training + 1 end end }
--- training lasts from the first loss call of a step to its publish (results handled inside publish do not count)
-local publish = pool.publish
+-- "training": from the moment a step's rollouts are collected to its publish (results handled inside publish do not
+-- count); a batch submitted ahead cannot be taken in before (submit only sends tasks)
+local collect, publish = pool.collect, pool.publish
+function pool.collect(self, b)
+    local res = collect(self, b)
+    training = true
+    return res
+end
 function pool.publish(self, m)
     training = false
     return publish(self, m)
@@ -67,7 +73,6 @@ local function run(name, o)
         async = o.K and { max_staleness = o.K } or nil,
         out = dir .. "/" .. name, seed = 5, progress = false,
         loss = function(mb, spec, opts)
-            training = true
             for _, s in ipairs(mb) do
                 local lag = pool.version - s.policy_version
                 worst = math.max(worst, lag)
@@ -111,7 +116,7 @@ local bits = a:nbytes() == b:nbytes() and ffi.C.memcmp(a:data_ptr(), b:data_ptr(
 print(("k0 vs sync: metrics %s, weights %s"):format(same and "equal" or "DIFFER", bits and "bitwise equal" or "DIFFER"))
 run("k1", { steps = 4, K = 1 })
 run("k2", { steps = 4, K = 2 })
-run("slow", { steps = 3, K = 1, micro_batches = 4, delay = 0.7 })
+run("slow", { steps = 3, K = 1, micro_batches = 4, delay = 0.9 })
 local st = pool:stats()
 print(("pool: hellos %d dead %d duplicates %d"):format(st.hellos, st.dead, st.duplicates))
 pool:close()
@@ -121,10 +126,10 @@ LUA
 T=$!
 pids+=("$T")
 for id in a1 a2; do
-    "$DS4" worker --connect "$EP" --threads 1 --id "$id" --silence 2 --give-up 600 --verbose >"$out/$id.log" 2>&1 &
+    "$DS4" worker --connect "$EP" --threads 1 --id "$id" --silence 3 --give-up 600 --verbose >"$out/$id.log" 2>&1 &
     pids+=("$!")
 done
-# bounded: the whole run takes ~15 s here (the slow run alone ~9 s); 10 minutes is a hang
+# bounded: the whole run takes ~15 s here (the slow run alone ~8 s), ~30 s under the sanitizers; 10 minutes is a hang
 for _ in $(seq 1 6000); do kill -0 "$T" 2>/dev/null || break; sleep 0.1; done
 kill -0 "$T" 2>/dev/null && fail "the trainer did not finish in 10 minutes"
 wait "$T" || fail "the trainer failed"
@@ -151,11 +156,12 @@ done
 [ "$(field slow worst_lag)" -le 1 ] || fail "slow: a sample more than 1 version old was trained on"
 [ "$(field slow lagged)" -gt 0 ] || fail "slow: no sample of an older version: the workers did not generate ahead"
 [ "$(field slow in_training)" -gt 0 ] || fail "slow: no result arrived while the trainer trained"
+[ "$(field sync in_training)" = 0 ] || fail "sync: results arrived while the trainer trained (nothing is in flight)"
 grep -q "^pool: hellos 2 dead 0 " "$out/trainer.log" || fail "a worker lost its session or was declared dead"
 if grep -l "no message from the trainer" "$out"/a1.log "$out"/a2.log; then
-    fail "a worker heard nothing from the trainer for 2 s"
+    fail "a worker heard nothing from the trainer for 3 s"
 fi
-echo "slow training steps (2.8 s, workers' --silence 2): no session lost"
+echo "slow training steps (3.6 s, workers' --silence 3): no session lost"
 
 for p in "${pids[@]}"; do [ "$p" = "$T" ] || kill -TERM "$p" 2>/dev/null || true; done
 for p in "${pids[@]}"; do [ "$p" = "$T" ] || { wait "$p" || fail "a worker exited $? on SIGTERM"; }; done

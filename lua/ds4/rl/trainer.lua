@@ -270,6 +270,7 @@ local function finish_batch(cfg, b, group_base, st)
         end
     end
     st.t_reward = st.t_reward + (now() - t1)
+    if cfg.tick then cfg.tick() end
     local bad, failed = {}, 0
     for i, r in ipairs(res) do
         local g = math.floor((i - 1) / ro.n)
@@ -782,6 +783,7 @@ function M.run(cfg)
     end
     local stopped_at
     for step = state.step + 1, cfg.steps do
+        if cfg.tick then cfg.tick() end -- also after the setup, the last step's logging and checkpoint
         local t0 = now()
         local lc = cfg.log_completions
         local st = { errors = 0, generated = 0, gen_tokens = 0, groups_generated = 0, failed_groups = 0,
@@ -898,6 +900,7 @@ function M.run(cfg)
         state.step = step
         if ck.every > 0 and (step % ck.every == 0 or step == cfg.steps) then
             state.user = cfg.state and cfg.state.save() or nil
+            if cfg.tick then cfg.tick() end
             if ROOT then resume.save(ck.dir, model, opt, cfg.reference, state, ck.keep_last) end
         end
         if cfg.progress then
