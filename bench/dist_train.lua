@@ -48,7 +48,7 @@ for step = 1, o.steps + 2 do
     dp.barrier()
     local t0 = metrics.clock()
     model:zero_grad()
-    local out = model:forward(ids, { labels = ids })
+    local out = model:forward(ids, { labels = ids, logits = false })
     local n = dp.sum({ out.loss_tokens })[1]
     model:backward(1 / n)
     if world > 1 then ds4.dist.all_reduce_grads(model) end

@@ -348,7 +348,7 @@ for step = start, opts.steps do
     model:zero_grad()
     local lsum = 0 -- Σ loss · tokens over this rank's micro-batches (in order)
     for _, mb in ipairs(mbs) do
-        local out = model:forward(mb.ids, { labels = mb.labels })
+        local out = model:forward(mb.ids, { labels = mb.labels, logits = false }) -- [B, S, V] stays unmade
         if out.loss then lsum = lsum + out.loss * out.loss_tokens end
         model:backward(1 / trained) -- each micro-batch's share of the global mean: one addition per gradient
     end

@@ -369,7 +369,10 @@ end
 
 local function forward_logp(model, samples, pad, field, entropy_field, replay)
     local ids, labels, S = pack(samples, pad)
-    model:forward(ids, { labels = labels, train = true, replay = replay and replay_tensors(samples, S) or nil })
+    -- logits = false: only the log-probabilities are read, so the head runs in chunks and [B, S, V] is never made
+    -- (on a GPU it would also come back to the host)
+    model:forward(ids, { labels = labels, train = true, logits = false,
+        replay = replay and replay_tensors(samples, S) or nil })
     local lp, en = model:logprobs({ entropy = entropy_field ~= nil })
     gather(lp, samples, S, field)
     if entropy_field then gather(en, samples, S, entropy_field) end
