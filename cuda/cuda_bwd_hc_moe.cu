@@ -161,6 +161,42 @@ struct coef_args {
     int head;                     // the HyperHead: pre only (nmix = n), no post, no Sinkhorn
 };
 
+// Token t's pre (and post) parts of dz from its logits smix, by one warp's lanes: spre = sigmoid(...) + eps, sdz.
+__device__ __forceinline__ void coef_dz_pre_post(const coef_args &a, int64_t t, int64_t nmix, const float *smix,
+                                                 float *spre, float *sdz, int lane) {
+    const int64_t n = a.n;
+    for (int64_t i = lane; i < n; i += 32) {
+        const float sg = ds4d_sigmoid(madd(smix[i], a.sc[0], a.base[i]));
+        spre[i] = sg + (float)a.hc_eps;
+        sdz[i] = a.dzb[t * nmix + i] * sg * (1.0f - sg);
+        if (!a.head) {
+            const float sp = ds4d_sigmoid(madd(smix[n + i], a.sc[1], a.base[n + i]));
+            sdz[n + i] = a.dpost[t * n + i] * 2.0f * sp * (1.0f - sp);
+        }
+    }
+}
+
+// Token t's results from its complete dz (one warp, after a __syncwarp): dzb, dmix = dz · scale, and the scale
+// sums dzs added sequentially by lane 0 in the CPU's order.
+__device__ __forceinline__ void coef_finish(const coef_args &a, int64_t t, int64_t nmix, const float *smix,
+                                            const float *sdz, int lane) {
+    const int64_t n = a.n;
+    for (int64_t i = lane; i < nmix; i += 32) {
+        a.dzb[t * nmix + i] = sdz[i];
+        a.dmix[t * nmix + i] = sdz[i] * a.sc[i < n ? 0 : (i < 2 * n ? 1 : 2)];
+    }
+    if (lane == 0) {
+        float z0 = 0.0f, z1 = 0.0f, z2 = 0.0f;
+        for (int64_t i = 0; i < n; i++) z0 = madd(sdz[i], smix[i], z0);
+        a.dzs[t * 3] = z0;
+        if (!a.head) {
+            for (int64_t i = n; i < 2 * n; i++) z1 = madd(sdz[i], smix[i], z1);
+            for (int64_t i = 2 * n; i < nmix; i++) z2 = madd(sdz[i], smix[i], z2);
+            a.dzs[t * 3 + 1] = z1, a.dzs[t * 3 + 2] = z2;
+        }
+    }
+}
+
 // The coefficients' backward of one token per block. Warp 0 computes the pre (and post) parts of dz from the
 // logits; then, for mHC pre, warp 0 replays Sinkhorn and back-propagates dcomb while the other warps apply the
 // collapse's gradient dX_i += pre_i · du (the HyperHead: all warps, dX written). Finally warp 0 writes dzb, dmix =
@@ -173,16 +209,7 @@ __global__ void __launch_bounds__(BT) coef_bwd_kernel(coef_args a) {
     const bool sink = !a.head;
     for (int64_t i = threadIdx.x; i < nmix; i += blockDim.x) smix[i] = a.dmix[t * nmix + i];
     __syncthreads();
-    if (warp == 0)
-        for (int64_t i = lane; i < n; i += 32) {
-            const float sg = ds4d_sigmoid(madd(smix[i], a.sc[0], a.base[i]));
-            spre[i] = sg + (float)a.hc_eps;
-            sdz[i] = a.dzb[t * nmix + i] * sg * (1.0f - sg);
-            if (sink) {
-                const float sp = ds4d_sigmoid(madd(smix[n + i], a.sc[1], a.base[n + i]));
-                sdz[n + i] = a.dpost[t * n + i] * 2.0f * sp * (1.0f - sp);
-            }
-        }
+    if (warp == 0) coef_dz_pre_post(a, t, nmix, smix, spre, sdz, lane);
     __syncthreads();
     if (sink && warp == 0) {
         double *tape = a.gtape ? a.gtape + (int64_t)blockIdx.x * (2 * a.iters + 1) * nn : dyn + 2 * nn;
@@ -198,20 +225,7 @@ __global__ void __launch_bounds__(BT) coef_bwd_kernel(coef_args a) {
     }
     if (warp == 0) {
         __syncwarp();
-        for (int64_t i = lane; i < nmix; i += 32) {
-            a.dzb[t * nmix + i] = sdz[i];
-            a.dmix[t * nmix + i] = sdz[i] * a.sc[i < n ? 0 : (i < 2 * n ? 1 : 2)];
-        }
-        if (lane == 0) {
-            float z0 = 0.0f, z1 = 0.0f, z2 = 0.0f;
-            for (int64_t i = 0; i < n; i++) z0 = madd(sdz[i], smix[i], z0);
-            a.dzs[t * 3] = z0;
-            if (sink) {
-                for (int64_t i = n; i < 2 * n; i++) z1 = madd(sdz[i], smix[i], z1);
-                for (int64_t i = 2 * n; i < nmix; i++) z2 = madd(sdz[i], smix[i], z2);
-                a.dzs[t * 3 + 1] = z1, a.dzs[t * 3 + 2] = z2;
-            }
-        }
+        coef_finish(a, t, nmix, smix, sdz, lane);
     }
 }
 
@@ -241,15 +255,7 @@ __global__ void __launch_bounds__(COEF_WARPS * 32) coef_bwd_warp_kernel(coef_arg
     const bool sink = !a.head;
     for (int64_t i = lane; i < nmix; i += 32) smix[i] = a.dmix[t * nmix + i];
     __syncwarp();
-    for (int64_t i = lane; i < n; i += 32) {
-        const float sg = ds4d_sigmoid(madd(smix[i], a.sc[0], a.base[i]));
-        spre[i] = sg + (float)a.hc_eps;
-        sdz[i] = a.dzb[t * nmix + i] * sg * (1.0f - sg);
-        if (sink) {
-            const float sp = ds4d_sigmoid(madd(smix[n + i], a.sc[1], a.base[n + i]));
-            sdz[n + i] = a.dpost[t * n + i] * 2.0f * sp * (1.0f - sp);
-        }
-    }
+    coef_dz_pre_post(a, t, nmix, smix, spre, sdz, lane);
     __syncwarp();
     if (sink)
         sinkhorn_bwd(smix + 2 * n, a.sc[2], a.base + 2 * n, a.dcomb + t * nn, n, a.iters, a.hc_eps, dd + 2 * nn, dd,
@@ -259,20 +265,7 @@ __global__ void __launch_bounds__(COEF_WARPS * 32) coef_bwd_warp_kernel(coef_arg
     for (int64_t i = 0; i < n; i++)
         for (int64_t c = lane; c < D; c += 32) dX[i * D + c] = madd(spre[i], du[c], a.head ? 0.0f : dX[i * D + c]);
     __syncwarp();
-    for (int64_t i = lane; i < nmix; i += 32) {
-        a.dzb[t * nmix + i] = sdz[i];
-        a.dmix[t * nmix + i] = sdz[i] * a.sc[i < n ? 0 : (i < 2 * n ? 1 : 2)];
-    }
-    if (lane == 0) {
-        float z0 = 0.0f, z1 = 0.0f, z2 = 0.0f;
-        for (int64_t i = 0; i < n; i++) z0 = madd(sdz[i], smix[i], z0);
-        a.dzs[t * 3] = z0;
-        if (sink) {
-            for (int64_t i = n; i < 2 * n; i++) z1 = madd(sdz[i], smix[i], z1);
-            for (int64_t i = 2 * n; i < nmix; i++) z2 = madd(sdz[i], smix[i], z2);
-            a.dzs[t * 3 + 1] = z1, a.dzs[t * 3 + 2] = z2;
-        }
-    }
+    coef_finish(a, t, nmix, smix, sdz, lane);
 }
 
 // mHC post backward of one token per block, from dpost / dcomb already in place (norm_dots_kernel): warp 0
