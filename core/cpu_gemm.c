@@ -534,8 +534,9 @@ void ds4_gemm_run_isa(ds4_pool *pool, const ds4_gemm *g, int64_t n, float *ws, f
             pfirst[p + 1] = pfirst[p] + (bpre[p] ? cdiv(q->N, 8) : 0);
             outer += bpre[p] ? cdiv(q->M, mc) : cdiv(q->N, nc);
         }
-        /* about four tasks per thread: whole runs where there are that many, else shorter ones */
-        const int64_t split = threads > 1 ? cdiv(4 * threads, outer > 0 ? outer : 1) : 1;
+        /* about eight tasks per thread (tiles at the edges cost less, and the last task of a job decides when it
+         * ends): whole runs where there are that many, else shorter ones */
+        const int64_t split = threads > 1 ? cdiv(8 * threads, outer > 0 ? outer : 1) : 1;
         for (int64_t p = 0; p < cnt; p++) {
             const ds4_gemm *q = &g[p0 + p];
             const int64_t nbi = cdiv(q->M, mc), nbj = cdiv(q->N, nc), inner = bpre[p] ? nbj : nbi;
