@@ -16,10 +16,8 @@
 
 #include "fp4.h"
 #include "kernels_cpu.h"
+#include "lanes8.h"
 
-#pragma GCC diagnostic ignored "-Wpsabi" /* see kernels_cpu.c: the 8-lane helpers are always inlined */
-
-typedef float v8f __attribute__((vector_size(32)));
 /* Two vectors' lanes picked by eight constant indices (0-7: a, 8-15: b): GCC's and clang's spellings of the same
  * data movement (the fuzz build uses clang). */
 #if defined(__clang__)
@@ -28,14 +26,6 @@ typedef float v8f __attribute__((vector_size(32)));
 typedef int32_t ds4_v8i __attribute__((vector_size(32)));
 #define SHUF8(a, b, ...) __builtin_shuffle((a), (b), (ds4_v8i){__VA_ARGS__})
 #endif
-
-__attribute__((always_inline)) static inline v8f ld8(const float *p) {
-    v8f v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-__attribute__((always_inline)) static inline void st8(float *p, v8f v) { memcpy(p, &v, sizeof v); }
 
 /* Packing and finishing are data movement and the lane tree: an AVX2 clone only makes them faster. */
 #define GEMM_CLONES DS4_CLONES
@@ -200,12 +190,6 @@ typedef void (*wide_fn)(const float *const *a, int64_t astep, const float *bp, i
 enum { WIDE = 4 };
 
 /* The portable tile: each lane's fused multiply-add by fmaf (for CPUs without FMA: slow, the same bits). */
-__attribute__((always_inline)) static inline v8f fma8_soft(v8f c, v8f a, v8f b) {
-    v8f r;
-    for (int l = 0; l < 8; l++) r[l] = fmaf(a[l], b[l], c[l]);
-    return r;
-}
-
 #define HOLD_NONE(v) (void)(v)
 static void tile_6x2(const float *const *a, int64_t astep, const float *bp, int64_t nk, int first, float *io,
                      float *sums) {
@@ -213,12 +197,8 @@ static void tile_6x2(const float *const *a, int64_t astep, const float *bp, int6
 }
 
 #ifdef DS4_X86_FMA
-#include <immintrin.h>
-__attribute__((target("avx2,fma"), always_inline)) static inline v8f fma8_hw(v8f c, v8f a, v8f b) {
-    return (v8f)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
-}
 #define HOLD_REG(v) __asm__("" : "+x"(v))
-__attribute__((target("avx2,fma"))) static void tile_6x2_fma(const float *const *a, int64_t astep, const float *bp,
+DS4_FMA_TARGET static void tile_6x2_fma(const float *const *a, int64_t astep, const float *bp,
                                                             int64_t nk, int first, float *io, float *sums) {
     TILE_6X2(HOLD_REG, fma8_hw)
 }
@@ -313,7 +293,7 @@ static void finish_tail_soft(const ds4_gemm *g, const float *sums, int64_t i0, i
 }
 
 #ifdef DS4_X86_FMA
-__attribute__((target("avx2,fma"))) static void finish_tail_hw(const ds4_gemm *g, const float *sums, int64_t i0,
+DS4_FMA_TARGET static void finish_tail_hw(const ds4_gemm *g, const float *sums, int64_t i0,
                                                               int64_t mv, int64_t j0, int64_t n) {
     FINISH_TAIL(fma8_hw)
 }
