@@ -439,19 +439,16 @@ typedef struct {
     int64_t *pfirst;              /* [n + 1] first group of 8 B columns of each problem (pre-packing) */
 } gemm_job;
 
-static int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
 /* A task is a run of row blocks of one column block, whose tiles share B's packed block, or (where B was packed
  * once for the run) a run of column blocks of one row block, whose tiles share A's: a worker packs it once per task
  * rather than once per tile. */
 static void gemm_task(void *ctx, int64_t t, int32_t worker) {
     const gemm_job *j = ctx;
-    int64_t p = 0;
-    while (j->first[p + 1] <= t) p++;
+    const int64_t p = ds4_gemm_problem_of(j->first, t);
     const ds4_gemm *g = &j->g[p];
     const int amajor = j->bpre[p] != NULL;
-    const int64_t nbi = cdiv(g->M, j->mc), nbj = cdiv(g->N, j->nc), inner = amajor ? nbj : nbi;
-    const int64_t per = j->bper[p], runs = cdiv(inner, per), k = t - j->first[p];
+    const int64_t nbi = ds4_cdiv(g->M, j->mc), nbj = ds4_cdiv(g->N, j->nc), inner = amajor ? nbj : nbi;
+    const int64_t per = j->bper[p], runs = ds4_cdiv(inner, per), k = t - j->first[p];
     const int64_t outer = k / runs, b0 = (k % runs) * per, b1 = b0 + per < inner ? b0 + per : inner;
     for (int64_t b = b0; b < b1; b++) {
         const int64_t i0 = (amajor ? outer : b) * j->mc, j0 = (amajor ? b : outer) * j->nc;
@@ -463,8 +460,7 @@ static void gemm_task(void *ctx, int64_t t, int32_t worker) {
 /* Pre-packing: columns [8t, 8t + 8) (numbered across the problems) of B over all of R8, into their panels. */
 static void prepack_task(void *ctx, int64_t t) {
     const gemm_job *j = ctx;
-    int64_t p = 0;
-    while (j->pfirst[p + 1] <= t) p++;
+    const int64_t p = ds4_gemm_problem_of(j->pfirst, t);
     const ds4_gemm *g = &j->g[p];
     const int64_t R8 = g->R & ~(int64_t)7, j0 = (t - j->pfirst[p]) * 8, pstride = (R8 / 8) * NP * 8;
     pack(j->bpre[p] + (j0 / NP) * pstride, pstride, g->b, g->b_rs, g->b_ks, g->N, j0, g->N - j0 < 8 ? g->N - j0 : 8, NP,
@@ -484,6 +480,10 @@ void ds4_gemm_run(ds4_pool *pool, const ds4_gemm *g, int64_t n, float *ws, float
 
 void ds4_gemm_run_isa(ds4_pool *pool, const ds4_gemm *g, int64_t n, float *ws, float *shared, int64_t shared_floats,
                       ds4_gemm_isa isa) {
+    if (n > 0 && g[0].seq) {
+        ds4_gemm_seq_run(pool, g, n, ws, isa);
+        return;
+    }
     enum { MAX_PROBLEMS = 256 };
     int64_t first[MAX_PROBLEMS + 1], pfirst[MAX_PROBLEMS + 1], bper[MAX_PROBLEMS];
     float *bpre[MAX_PROBLEMS];
@@ -496,7 +496,7 @@ void ds4_gemm_run_isa(ds4_pool *pool, const ds4_gemm *g, int64_t n, float *ws, f
         int64_t mc = MC, nc = NC, tiles = 0;
         for (;;) {
             tiles = 0;
-            for (int64_t p = 0; p < cnt; p++) tiles += cdiv(g[p0 + p].M, mc) * cdiv(g[p0 + p].N, nc);
+            for (int64_t p = 0; p < cnt; p++) tiles += ds4_cdiv(g[p0 + p].M, mc) * ds4_cdiv(g[p0 + p].N, nc);
             if (tiles >= 3 * threads || (mc <= 2 * MR && nc <= 16)) break;
             if ((mc * 3 >= nc * 2 || nc <= 16) && mc > 2 * MR) mc /= 2;
             else nc /= 2;
@@ -505,23 +505,23 @@ void ds4_gemm_run_isa(ds4_pool *pool, const ds4_gemm *g, int64_t n, float *ws, f
         int64_t used = 0, outer = 0;
         for (int64_t p = 0; p < cnt; p++) {
             const ds4_gemm *q = &g[p0 + p];
-            const int64_t need = cdiv(q->N, NP) * NP * (q->R & ~(int64_t)7);
+            const int64_t need = ds4_cdiv(q->N, NP) * NP * (q->R & ~(int64_t)7);
             bpre[p] = NULL;
             if (wants_prepack(q) && shared && used + need <= shared_floats) {
                 bpre[p] = shared + used;
                 used += need;
             }
-            pfirst[p + 1] = pfirst[p] + (bpre[p] ? cdiv(q->N, 8) : 0);
-            outer += bpre[p] ? cdiv(q->M, mc) : cdiv(q->N, nc);
+            pfirst[p + 1] = pfirst[p] + (bpre[p] ? ds4_cdiv(q->N, 8) : 0);
+            outer += bpre[p] ? ds4_cdiv(q->M, mc) : ds4_cdiv(q->N, nc);
         }
         /* about eight tasks per thread (tiles at the edges cost less, and the last task of a job decides when it
          * ends): whole runs where there are that many, else shorter ones */
-        const int64_t split = threads > 1 ? cdiv(8 * threads, outer > 0 ? outer : 1) : 1;
+        const int64_t split = threads > 1 ? ds4_cdiv(8 * threads, outer > 0 ? outer : 1) : 1;
         for (int64_t p = 0; p < cnt; p++) {
             const ds4_gemm *q = &g[p0 + p];
-            const int64_t nbi = cdiv(q->M, mc), nbj = cdiv(q->N, nc), inner = bpre[p] ? nbj : nbi;
-            bper[p] = inner > 0 ? cdiv(inner, split) : 1;
-            first[p + 1] = first[p] + (q->M > 0 && q->N > 0 ? (bpre[p] ? nbi : nbj) * cdiv(inner, bper[p]) : 0);
+            const int64_t nbi = ds4_cdiv(q->M, mc), nbj = ds4_cdiv(q->N, nc), inner = bpre[p] ? nbj : nbi;
+            bper[p] = inner > 0 ? ds4_cdiv(inner, split) : 1;
+            first[p + 1] = first[p] + (q->M > 0 && q->N > 0 ? (bpre[p] ? nbi : nbj) * ds4_cdiv(inner, bper[p]) : 0);
         }
         gemm_job j = {g + p0, cnt, mc, nc, first, bper, ws, DS4_GEMM_WS_FLOATS, kern, bpre, pfirst};
         if (pool) {

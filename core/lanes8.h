@@ -26,7 +26,9 @@ __attribute__((always_inline)) static inline v8f ld8(const float *p) {
 
 __attribute__((always_inline)) static inline void st8(float *p, v8f v) { memcpy(p, &v, sizeof v); }
 
-__attribute__((always_inline)) static inline v8f bcast8(float x) { return (v8f){x, x, x, x, x, x, x, x}; }
+/* x in every lane; a macro, not an inline function: inlined into an AVX2 function GCC builds such a helper's result
+ * lane by lane instead of with one broadcast */
+#define BCAST8(x) ((v8f){(x), (x), (x), (x), (x), (x), (x), (x)})
 
 __attribute__((always_inline)) static inline v8f fma8_soft(v8f c, v8f a, v8f b) {
     v8f r;
