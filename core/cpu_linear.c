@@ -51,7 +51,7 @@ static ds4_gemm packed_b(ds4_gemm g, ds4_dtype wdt, const void *W, const uint8_t
 enum { MAX_GROUPS = 256 };
 
 static void run(const ds4_cpu *cpu, const ds4_gemm *g, int64_t n) {
-    ds4_gemm_run(cpu->pool, g, n, cpu->gemm_ws, cpu->gemm_shared, cpu->gemm_shared_floats);
+    ds4_gemm_run(cpu->pool, g, n, cpu->gemm_ws);
 }
 
 /* y[t, o] = Σ_k x[t, k]·W[o, k]: A = x, B = W, both read along k. */

@@ -73,17 +73,14 @@ enum {
 };
 
 /* Run the n products (independent outputs) as one parallel job over their tiles; ws holds DS4_GEMM_WS_FLOATS floats
- * for each thread of the pool (pool NULL: the calling thread alone, one slot). shared (shared_floats, may be NULL):
- * room to pack a B that is read across r once for the whole run (8·ceil(N/8)·(R & ~7) floats per such product); a
- * product that does not fit packs per tile instead, with the same result. */
-void ds4_gemm_run(ds4_pool *pool, const ds4_gemm *g, int64_t n, float *ws, float *shared, int64_t shared_floats);
+ * for each thread of the pool (pool NULL: the calling thread alone, one slot). */
+void ds4_gemm_run(ds4_pool *pool, const ds4_gemm *g, int64_t n, float *ws);
 
 /* The register tiles ds4_gemm_run may use, in order: the portable one (fmaf lane by lane), the AVX2 + FMA one, the
  * AVX-512 one. All give the same bits; ds4_gemm_run takes the best the CPU runs, ds4_gemm_run_isa the best up to
  * `isa` (so tests can run each one the CPU has). */
 typedef enum { DS4_GEMM_PORTABLE, DS4_GEMM_AVX2_FMA, DS4_GEMM_AVX512 } ds4_gemm_isa;
-void ds4_gemm_run_isa(ds4_pool *pool, const ds4_gemm *g, int64_t n, float *ws, float *shared, int64_t shared_floats,
-                      ds4_gemm_isa isa);
+void ds4_gemm_run_isa(ds4_pool *pool, const ds4_gemm *g, int64_t n, float *ws, ds4_gemm_isa isa);
 /* For the schedulers of both kinds of run: ceil(a / b), and the problem of task t when problem p's tasks start at
  * first[p] (first[0] = 0, ascending). */
 static inline int64_t ds4_cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }

@@ -3,7 +3,7 @@
  * lane with fmaf), the lanes combined as ((l0 + l4) + (l1 + l5)) + ((l2 + l6) + (l3 + l7)), then the last R % 8
  * products fused in one by one. Bit for bit, for
  * operands read along and across r, strides, accumulation, edge tiles, several chunks of r, several products in one
- * run, 1 and 3 threads, with and without room to pack B once, with every register tile the CPU runs. The same for
+ * run, 1 and 3 threads, with every register tile the CPU runs. The same for
  * the backward's order (ds4_gemm.seq: one running sum of fused products in increasing r). Also the double sums of the norms (ds4_dot_f64). */
 #include <math.h>
 #include <stdlib.h>
@@ -142,12 +142,9 @@ int main(int argc, char **argv) {
         ds4_pool *pool = NULL;
         CHECK_OK(ds4_pool_create(threads, &pool, &err), &err);
         float *ws = malloc((size_t)threads * DS4_GEMM_WS_FLOATS * sizeof(float));
-        const int64_t shared_floats = 1 << 21;
-        float *shared = malloc((size_t)shared_floats * sizeof(float));
-        /* the forward's order without and with room to pack B once, then the backward's (seq) */
-        for (int variant = 0; variant < 3; variant++)
+        /* the forward's order, then the backward's (seq) */
+        for (int seq = 0; seq < 2; seq++)
             for (int mode = 0; mode < 8; mode++) {
-                const int with_shared = variant == 1, seq = variant == 2;
                 const int ta = mode & 1, tb = (mode >> 1) & 1, acc = (mode >> 2) & 1;
                 prob p[16];
                 ds4_gemm g[16];
@@ -158,12 +155,11 @@ int main(int argc, char **argv) {
                 /* one product per run, each shape with each register tile over the modes (the CPU's best where it
                  * lacks one), then all of them in one run */
                 for (int s = 0; s < nsh; s++)
-                    ds4_gemm_run_isa(pool, &g[s], 1, ws, with_shared ? shared : NULL, shared_floats,
-                                     (ds4_gemm_isa)((s + mode) % 3));
+                    ds4_gemm_run_isa(pool, &g[s], 1, ws, (ds4_gemm_isa)((s + mode) % 3));
                 for (int s = 0; s < nsh; s++) {
                     CHECK(!memcmp(p[s].y, p[s].want, (size_t)p[s].ysize * sizeof(float)),
-                          "threads %d shared %d seq %d ta %d tb %d acc %d: %lld x %lld x %lld differs from the reference",
-                          threads, with_shared, seq, ta, tb, acc, (long long)shapes[s][0], (long long)shapes[s][1],
+                          "threads %d seq %d ta %d tb %d acc %d: %lld x %lld x %lld differs from the reference", threads,
+                          seq, ta, tb, acc, (long long)shapes[s][0], (long long)shapes[s][1],
                           (long long)shapes[s][2]);
                     if (!acc) memset(p[s].y, 0xff, (size_t)p[s].ysize * sizeof(float)); /* NaN: must be overwritten */
                 }
@@ -172,17 +168,16 @@ int main(int argc, char **argv) {
                     for (int s = 0; s < nsh; s++)
                         for (int64_t i = 0; i < p[s].ysize; i++)
                             if ((i % g[s].ldy) >= g[s].N || i / g[s].ldy >= g[s].M) p[s].y[i] = p[s].want[i];
-                    ds4_gemm_run(pool, g, nsh, ws, with_shared ? shared : NULL, shared_floats);
+                    ds4_gemm_run(pool, g, nsh, ws);
                     for (int s = 0; s < nsh; s++)
                         CHECK(!memcmp(p[s].y, p[s].want, (size_t)p[s].ysize * sizeof(float)),
-                              "threads %d shared %d seq %d ta %d tb %d: %lld x %lld x %lld in a joint run differs",
-                              threads, with_shared, seq, ta, tb, (long long)shapes[s][0], (long long)shapes[s][1],
+                              "threads %d seq %d ta %d tb %d: %lld x %lld x %lld in a joint run differs", threads,
+                              seq, ta, tb, (long long)shapes[s][0], (long long)shapes[s][1],
                               (long long)shapes[s][2]);
                 }
                 for (int s = 0; s < nsh; s++) drop(&p[s]);
             }
         free(ws);
-        free(shared);
         ds4_pool_free(pool);
     }
     return ds4t_finish("test_gemm");
