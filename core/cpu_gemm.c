@@ -1,6 +1,6 @@
-/* cpu_gemm.c — the CPU backend's matrix products, y[i, j] = Σ_r A(i, r)·B(j, r) (or y += that sum), with either
- * operand read along r contiguously or across it (a transposed view), so that the linear backward needs no
- * transposed copies. See kernels_cpu.h for the contract.
+/* cpu_gemm.c — the CPU backend's matrix products in the forward's order, y[i, j] = Σ_r A(i, r)·B(j, r) (or y += that
+ * sum), with either operand read along r contiguously or across it (a transposed view). See kernels_cpu.h for the
+ * contract; the linear backward's products (ds4_gemm.seq) run in cpu_gemm_seq.c.
  *
  * Every output is the sum the reference kernel computes (ds4_dot): eight fp32 lanes, lane l taking the products of
  * r ≡ l (mod 8) for r < R8 = R & ~7 in increasing r, each with a fused multiply-add, the lanes combined as
