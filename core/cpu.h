@@ -31,8 +31,6 @@ typedef struct ds4_cpu {
     int64_t sk_stride;
     float *rinv;                  /* RMS factors of the norm backward */
     float *gemm_ws;               /* [threads, DS4_GEMM_WS_FLOATS] the matrix products' per-thread scratch */
-    float *gemm_shared;           /* training: room to pack a product's B once per operation (ds4_gemm_run) */
-    int64_t gemm_shared_floats;
     void *sample_ws;              /* ds4_sample's scratch, grown to the vocabulary at the first draw */
     size_t sample_bytes;
     void *mem;

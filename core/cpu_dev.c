@@ -115,10 +115,9 @@ static size_t zmax(size_t a, size_t b) { return a > b ? a : b; }
 
 /* Per-range scratch of a forward pass, the largest of: mHC / HyperHead normalised streams (DS4_HC_TB tokens of
  * n·D), compressor slots (2m gates, 2m values, 4m row pointers of 2 floats each: 12m), indexer scores (<= S entries),
- * attention logits of every head (H × (window + <= S entries)) followed by as many key pointers (2 floats each); in training also a
- * vocabulary row of doubles (the log-probability backward). The backward adds its Sinkhorn states, RMS factors and the room in which
- * the linear backward packs an operand once per operation. (The matrix products' per-thread scratch does not depend
- * on the pass: it is made with the backend.) */
+ * attention logits of every head (H × (window + <= S entries)) followed by as many key pointers (2 floats each); in
+ * training also a vocabulary row of doubles (the log-probability backward). The backward adds its Sinkhorn states and
+ * RMS factors. (The matrix products' per-thread scratch does not depend on the pass: it is made with the backend.) */
 static ds4_status cpu_reserve(ds4_dev *d, const ds4_config *c, int64_t T, int64_t S, int training, ds4_error *err) {
     ds4_cpu *cpu = ds4_cpu_of(d);
     const size_t n = (size_t)c->hc_mult, D = (size_t)c->hidden_size, V = (size_t)c->vocab_size;
@@ -131,26 +130,7 @@ static ds4_status cpu_reserve(ds4_dev *d, const ds4_config *c, int64_t T, int64_
     if (12 * mmax > stride) stride = 12 * mmax;
     if (training && 2 * (int64_t)V > stride) stride = 2 * (int64_t)V; /* logp_bwd: a row of exps in double */
     stride = (stride + 15) & ~(int64_t)15;
-    size_t sk_stride = 0, shared = 0;
-    if (training) {
-        sk_stride = (2 * (size_t)c->hc_sinkhorn_iters + 2) * n * n;
-        /* The linear backward packs its B once per operation (cpu_gemm.c): W (dx = dy W; the routed experts' W all at
-         * once) or the layer input x (dW += dyᵀ x; x at most the widest input times the most rows). Each product's
-         * width is rounded up to 8 columns. */
-        const size_t dh = (size_t)c->head_dim, I = (size_t)c->moe_intermediate_size, E = (size_t)c->n_routed_experts;
-        const size_t qr = (size_t)c->q_lora_rank, mix = (2 + n) * n, GO = (size_t)(c->o_groups * c->o_lora_rank);
-        const size_t K = (size_t)c->num_experts_per_tok, nI = (size_t)c->index_n_heads, cI = (size_t)c->index_head_dim;
-        size_t w = zmax(V * D, H * dh * qr);
-        w = zmax(w, zmax(D * GO, GO * H * dh));
-        w = zmax(w, zmax(mix * nD, (E + 1) * I * D));
-        w = zmax(w, zmax(4 * dh * D, zmax(D * D, qr * D)));
-        w = zmax(w, zmax(nI * cI * qr, E * D));
-        size_t in = zmax(zmax(D, nD), zmax(qr, H * dh));
-        in = zmax(in, zmax(I, GO));
-        const size_t act = zmax(Tz * K, Tz * n) * in;
-        const size_t big = zmax(zmax(V, nD), zmax(H * dh, E * I + I)); /* slack: 8 columns more per product */
-        shared = zmax(w, act) + 8 * big * (E + (size_t)c->o_groups + 2);
-    }
+    const size_t sk_stride = training ? (2 * (size_t)c->hc_sinkhorn_iters + 2) * n * n : 0;
     const size_t ntask = (size_t)cpu->ntask;
     ds4_arena a = {0};
     for (int pass = 0; pass < 2; pass++) {
@@ -158,7 +138,6 @@ static ds4_status cpu_reserve(ds4_dev *d, const ds4_config *c, int64_t T, int64_
         float *scratch = ds4_arena_take(&a, ntask * (size_t)stride, 4);
         double *sk = training ? ds4_arena_take(&a, ntask * sk_stride, 8) : NULL;
         float *rinv = training ? ds4_arena_take(&a, Tz * zmax(n, H), 4) : NULL;
-        float *gshared = training ? ds4_arena_take(&a, shared, 4) : NULL;
         if (pass == 0) {
             if (a.used <= cpu->bytes) {
                 a.base = cpu->mem;
@@ -180,8 +159,6 @@ static ds4_status cpu_reserve(ds4_dev *d, const ds4_config *c, int64_t T, int64_
         cpu->sk = sk;
         cpu->sk_stride = (int64_t)sk_stride;
         cpu->rinv = rinv;
-        cpu->gemm_shared = gshared;
-        cpu->gemm_shared_floats = (int64_t)shared;
     }
     return DS4_OK;
 }

@@ -1,6 +1,6 @@
-/* cpu_gemm.c — the CPU backend's matrix products, y[i, j] = Σ_r A(i, r)·B(j, r) (or y += that sum), with either
- * operand read along r contiguously or across it (a transposed view), so that the linear backward needs no
- * transposed copies. See kernels_cpu.h for the contract.
+/* cpu_gemm.c — the CPU backend's matrix products in the forward's order, y[i, j] = Σ_r A(i, r)·B(j, r) (or y += that
+ * sum), with either operand read along r contiguously or across it (a transposed view). See kernels_cpu.h for the
+ * contract; the linear backward's products (ds4_gemm.seq) run in cpu_gemm_seq.c.
  *
  * Every output is the sum the reference kernel computes (ds4_dot): eight fp32 lanes, lane l taking the products of
  * r ≡ l (mod 8) for r < R8 = R & ~7 in increasing r, each with a fused multiply-add, the lanes combined as
@@ -16,10 +16,8 @@
 
 #include "fp4.h"
 #include "kernels_cpu.h"
+#include "lanes8.h"
 
-#pragma GCC diagnostic ignored "-Wpsabi" /* see kernels_cpu.c: the 8-lane helpers are always inlined */
-
-typedef float v8f __attribute__((vector_size(32)));
 /* Two vectors' lanes picked by eight constant indices (0-7: a, 8-15: b): GCC's and clang's spellings of the same
  * data movement (the fuzz build uses clang). */
 #if defined(__clang__)
@@ -28,14 +26,6 @@ typedef float v8f __attribute__((vector_size(32)));
 typedef int32_t ds4_v8i __attribute__((vector_size(32)));
 #define SHUF8(a, b, ...) __builtin_shuffle((a), (b), (ds4_v8i){__VA_ARGS__})
 #endif
-
-__attribute__((always_inline)) static inline v8f ld8(const float *p) {
-    v8f v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-__attribute__((always_inline)) static inline void st8(float *p, v8f v) { memcpy(p, &v, sizeof v); }
 
 /* Packing and finishing are data movement and the lane tree: an AVX2 clone only makes them faster. */
 #define GEMM_CLONES DS4_CLONES
@@ -200,12 +190,6 @@ typedef void (*wide_fn)(const float *const *a, int64_t astep, const float *bp, i
 enum { WIDE = 4 };
 
 /* The portable tile: each lane's fused multiply-add by fmaf (for CPUs without FMA: slow, the same bits). */
-__attribute__((always_inline)) static inline v8f fma8_soft(v8f c, v8f a, v8f b) {
-    v8f r;
-    for (int l = 0; l < 8; l++) r[l] = fmaf(a[l], b[l], c[l]);
-    return r;
-}
-
 #define HOLD_NONE(v) (void)(v)
 static void tile_6x2(const float *const *a, int64_t astep, const float *bp, int64_t nk, int first, float *io,
                      float *sums) {
@@ -213,12 +197,8 @@ static void tile_6x2(const float *const *a, int64_t astep, const float *bp, int6
 }
 
 #ifdef DS4_X86_FMA
-#include <immintrin.h>
-__attribute__((target("avx2,fma"), always_inline)) static inline v8f fma8_hw(v8f c, v8f a, v8f b) {
-    return (v8f)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
-}
 #define HOLD_REG(v) __asm__("" : "+x"(v))
-__attribute__((target("avx2,fma"))) static void tile_6x2_fma(const float *const *a, int64_t astep, const float *bp,
+DS4_FMA_TARGET static void tile_6x2_fma(const float *const *a, int64_t astep, const float *bp,
                                                             int64_t nk, int first, float *io, float *sums) {
     TILE_6X2(HOLD_REG, fma8_hw)
 }
@@ -313,7 +293,7 @@ static void finish_tail_soft(const ds4_gemm *g, const float *sums, int64_t i0, i
 }
 
 #ifdef DS4_X86_FMA
-__attribute__((target("avx2,fma"))) static void finish_tail_hw(const ds4_gemm *g, const float *sums, int64_t i0,
+DS4_FMA_TARGET static void finish_tail_hw(const ds4_gemm *g, const float *sums, int64_t i0,
                                                               int64_t mv, int64_t j0, int64_t n) {
     FINISH_TAIL(fma8_hw)
 }
@@ -381,16 +361,15 @@ static void gemm_direct(const ds4_gemm *g, int64_t i0, int64_t m, int64_t j0, in
 }
 
 /* One tile: rows [i0, i0 + m) × columns [j0, j0 + n) of problem g, every chunk of r. ws: DS4_GEMM_WS_FLOATS, its
- * head a b_key. bpre: g's B packed whole (every panel over all of R8), or NULL. An A read along r is not packed: the
- * tiles read its rows where they lie (rows past the tile's read its last row: lanes that are never finished). */
-static void gemm_tile(const ds4_gemm *g, int64_t i0, int64_t m, int64_t j0, int64_t n, float *ws, gemm_kernels kern,
-                      const float *bpre) {
+ * head a b_key. An A read along r is not packed: the tiles read its rows where they lie (rows past the tile's read its
+ * last row: lanes that are never finished). */
+static void gemm_tile(const ds4_gemm *g, int64_t i0, int64_t m, int64_t j0, int64_t n, float *ws, gemm_kernels kern) {
     blk_key *akey = (blk_key *)(void *)ws, *key = akey + 1;
     float *pa = ws + DS4_GEMM_WS_HEAD, *pb = pa + MC * KC, *lanes = pb + NC * KC; /* lanes: [MC/MR][NC/NP][MR][NP][8] */
     const int64_t R8 = g->R & ~(int64_t)7, mp = (m + MR - 1) / MR, np = (n + NP - 1) / NP;
     const int adirect = g->a_ks == 1;
     float sums[MR * NC]; /* one row block of the tile's finished lane sums */
-    if (!bpre && direct_tile(g, m)) {
+    if (direct_tile(g, m)) {
         gemm_direct(g, i0, m, j0, n, pa);
         if (g->bq) *akey = *key = (blk_key){0}; /* pa and pb held a decoded row */
         return;
@@ -407,20 +386,13 @@ static void gemm_tile(const ds4_gemm *g, int64_t i0, int64_t m, int64_t j0, int6
             pack(pa, nk * MR * 8, g->a, g->a_rs, g->a_ks, g->M, i0, m, MR, r0, nk);
             *akey = (blk_key){g, i0, m, r0};
         }
-        const float *bb;
-        int64_t bstride;
-        if (bpre) {
-            bb = bpre + (j0 / NP) * (R8 / 8) * NP * 8 + (r0 / 8) * NP * 8;
-            bstride = (R8 / 8) * NP * 8;
-        } else {
-            if (key->g != g || key->i0 != j0 || key->n != n || key->r0 != r0) {
-                if (g->bq) pack_fp4(pb, nk * NP * 8, g, j0, n, NP, r0, nk);
-                else pack(pb, nk * NP * 8, g->b, g->b_rs, g->b_ks, g->N, j0, n, NP, r0, nk);
-                *key = (blk_key){g, j0, n, r0};
-            }
-            bb = pb;
-            bstride = nk * NP * 8;
+        if (key->g != g || key->i0 != j0 || key->n != n || key->r0 != r0) {
+            if (g->bq) pack_fp4(pb, nk * NP * 8, g, j0, n, NP, r0, nk);
+            else pack(pb, nk * NP * 8, g->b, g->b_rs, g->b_ks, g->N, j0, n, NP, r0, nk);
+            *key = (blk_key){g, j0, n, r0};
         }
+        const float *bb = pb;
+        const int64_t bstride = nk * NP * 8;
         for (int64_t ip = 0; ip < mp; ip++) {
             const int64_t mv = m - ip * MR < MR ? m - ip * MR : MR;
             const float *ar[MR];
@@ -455,58 +427,34 @@ typedef struct {
     float *ws;
     int64_t ws_stride;
     gemm_kernels kern;
-    float *const *bpre;           /* [n] each problem's pre-packed B, or NULL */
-    int64_t *pfirst;              /* [n + 1] first group of 8 B columns of each problem (pre-packing) */
 } gemm_job;
 
-static int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
-/* A task is a run of row blocks of one column block, whose tiles share B's packed block, or (where B was packed
- * once for the run) a run of column blocks of one row block, whose tiles share A's: a worker packs it once per task
- * rather than once per tile. */
+/* A task is a run of row blocks of one column block, whose tiles share B's packed block: a worker packs it once per
+ * task rather than once per tile. */
 static void gemm_task(void *ctx, int64_t t, int32_t worker) {
     const gemm_job *j = ctx;
-    int64_t p = 0;
-    while (j->first[p + 1] <= t) p++;
+    const int64_t p = ds4_gemm_problem_of(j->first, t);
     const ds4_gemm *g = &j->g[p];
-    const int amajor = j->bpre[p] != NULL;
-    const int64_t nbi = cdiv(g->M, j->mc), nbj = cdiv(g->N, j->nc), inner = amajor ? nbj : nbi;
-    const int64_t per = j->bper[p], runs = cdiv(inner, per), k = t - j->first[p];
-    const int64_t outer = k / runs, b0 = (k % runs) * per, b1 = b0 + per < inner ? b0 + per : inner;
+    const int64_t nbi = ds4_cdiv(g->M, j->mc), per = j->bper[p], runs = ds4_cdiv(nbi, per), k = t - j->first[p];
+    const int64_t j0 = (k / runs) * j->nc, b0 = (k % runs) * per, b1 = b0 + per < nbi ? b0 + per : nbi;
     for (int64_t b = b0; b < b1; b++) {
-        const int64_t i0 = (amajor ? outer : b) * j->mc, j0 = (amajor ? b : outer) * j->nc;
+        const int64_t i0 = b * j->mc;
         gemm_tile(g, i0, g->M - i0 < j->mc ? g->M - i0 : j->mc, j0, g->N - j0 < j->nc ? g->N - j0 : j->nc,
-                  j->ws + (int64_t)worker * j->ws_stride, j->kern, j->bpre[p]);
+                  j->ws + (int64_t)worker * j->ws_stride, j->kern);
     }
 }
 
-/* Pre-packing: columns [8t, 8t + 8) (numbered across the problems) of B over all of R8, into their panels. */
-static void prepack_task(void *ctx, int64_t t) {
-    const gemm_job *j = ctx;
-    int64_t p = 0;
-    while (j->pfirst[p + 1] <= t) p++;
-    const ds4_gemm *g = &j->g[p];
-    const int64_t R8 = g->R & ~(int64_t)7, j0 = (t - j->pfirst[p]) * 8, pstride = (R8 / 8) * NP * 8;
-    pack(j->bpre[p] + (j0 / NP) * pstride, pstride, g->b, g->b_rs, g->b_ks, g->N, j0, g->N - j0 < 8 ? g->N - j0 : 8, NP,
-         0, R8 / 8);
+void ds4_gemm_run(ds4_pool *pool, const ds4_gemm *g, int64_t n, float *ws) {
+    ds4_gemm_run_isa(pool, g, n, ws, DS4_GEMM_AVX512);
 }
 
-/* B is worth packing once for the whole run where it is read across r (a transposed view): its panels are then
- * gathered with transposes once instead of once per row block. Never an FP4-resident B: that would hold a whole
- * decoded matrix (an expert) in fp32. */
-static int wants_prepack(const ds4_gemm *g) {
-    return g->b_rs == 1 && g->b_ks != 1 && g->R >= 8 && g->M > 0 && g->N > 0 && !g->bq; /* FP4: tiles only */
-}
-
-void ds4_gemm_run(ds4_pool *pool, const ds4_gemm *g, int64_t n, float *ws, float *shared, int64_t shared_floats) {
-    ds4_gemm_run_isa(pool, g, n, ws, shared, shared_floats, DS4_GEMM_AVX512);
-}
-
-void ds4_gemm_run_isa(ds4_pool *pool, const ds4_gemm *g, int64_t n, float *ws, float *shared, int64_t shared_floats,
-                      ds4_gemm_isa isa) {
+void ds4_gemm_run_isa(ds4_pool *pool, const ds4_gemm *g, int64_t n, float *ws, ds4_gemm_isa isa) {
+    if (n > 0 && g[0].seq) {
+        ds4_gemm_seq_run(pool, g, n, ws, isa);
+        return;
+    }
     enum { MAX_PROBLEMS = 256 };
-    int64_t first[MAX_PROBLEMS + 1], pfirst[MAX_PROBLEMS + 1], bper[MAX_PROBLEMS];
-    float *bpre[MAX_PROBLEMS];
+    int64_t first[MAX_PROBLEMS + 1], bper[MAX_PROBLEMS];
     const gemm_kernels kern = pick_kernels(isa);
     const int64_t threads = pool ? ds4_pool_threads(pool) : 1;
     for (int64_t w = 0; w < threads; w++) memset(ws + w * DS4_GEMM_WS_FLOATS, 0, 2 * sizeof(blk_key));
@@ -516,39 +464,26 @@ void ds4_gemm_run_isa(ds4_pool *pool, const ds4_gemm *g, int64_t n, float *ws, f
         int64_t mc = MC, nc = NC, tiles = 0;
         for (;;) {
             tiles = 0;
-            for (int64_t p = 0; p < cnt; p++) tiles += cdiv(g[p0 + p].M, mc) * cdiv(g[p0 + p].N, nc);
+            for (int64_t p = 0; p < cnt; p++) tiles += ds4_cdiv(g[p0 + p].M, mc) * ds4_cdiv(g[p0 + p].N, nc);
             if (tiles >= 3 * threads || (mc <= 2 * MR && nc <= 16)) break;
             if ((mc * 3 >= nc * 2 || nc <= 16) && mc > 2 * MR) mc /= 2;
             else nc /= 2;
         }
-        first[0] = pfirst[0] = 0;
-        int64_t used = 0, outer = 0;
+        first[0] = 0;
+        int64_t outer = 0;
+        for (int64_t p = 0; p < cnt; p++) outer += ds4_cdiv(g[p0 + p].N, nc);
+        /* about eight tasks per thread (tiles at the edges cost less, and the last task of a job decides when it
+         * ends): whole runs where there are that many, else shorter ones */
+        const int64_t split = threads > 1 ? ds4_cdiv(8 * threads, outer > 0 ? outer : 1) : 1;
         for (int64_t p = 0; p < cnt; p++) {
             const ds4_gemm *q = &g[p0 + p];
-            const int64_t need = cdiv(q->N, NP) * NP * (q->R & ~(int64_t)7);
-            bpre[p] = NULL;
-            if (wants_prepack(q) && shared && used + need <= shared_floats) {
-                bpre[p] = shared + used;
-                used += need;
-            }
-            pfirst[p + 1] = pfirst[p] + (bpre[p] ? cdiv(q->N, 8) : 0);
-            outer += bpre[p] ? cdiv(q->M, mc) : cdiv(q->N, nc);
+            const int64_t nbi = ds4_cdiv(q->M, mc), nbj = ds4_cdiv(q->N, nc);
+            bper[p] = nbi > 0 ? ds4_cdiv(nbi, split) : 1;
+            first[p + 1] = first[p] + (q->M > 0 && q->N > 0 ? nbj * ds4_cdiv(nbi, bper[p]) : 0);
         }
-        /* about four tasks per thread: whole runs where there are that many, else shorter ones */
-        const int64_t split = threads > 1 ? cdiv(4 * threads, outer > 0 ? outer : 1) : 1;
-        for (int64_t p = 0; p < cnt; p++) {
-            const ds4_gemm *q = &g[p0 + p];
-            const int64_t nbi = cdiv(q->M, mc), nbj = cdiv(q->N, nc), inner = bpre[p] ? nbj : nbi;
-            bper[p] = inner > 0 ? cdiv(inner, split) : 1;
-            first[p + 1] = first[p] + (q->M > 0 && q->N > 0 ? (bpre[p] ? nbi : nbj) * cdiv(inner, bper[p]) : 0);
-        }
-        gemm_job j = {g + p0, cnt, mc, nc, first, bper, ws, DS4_GEMM_WS_FLOATS, kern, bpre, pfirst};
-        if (pool) {
-            ds4_pool_run(pool, pfirst[cnt], prepack_task, &j);
-            ds4_pool_run_worker(pool, first[cnt], gemm_task, &j);
-        } else {
-            for (int64_t t = 0; t < pfirst[cnt]; t++) prepack_task(&j, t);
+        gemm_job j = {g + p0, cnt, mc, nc, first, bper, ws, DS4_GEMM_WS_FLOATS, kern};
+        if (pool) ds4_pool_run_worker(pool, first[cnt], gemm_task, &j);
+        else
             for (int64_t t = 0; t < first[cnt]; t++) gemm_task(&j, t, 0);
-        }
     }
 }

@@ -1,10 +1,11 @@
 /* cpu_linear.c — CPU matmuls: y = x Wᵀ (plain, column-grouped, row-grouped by expert) and the linear backward.
  *
- * All of them are products of ds4_gemm_run (cpu_gemm.c), which reads either operand along or across the summed
- * dimension: the backward's dx = dy W and dW += dyᵀ x read W, dy and x where they lie, with no transposed copies.
- * Every output element is one fixed-order 8-lane dot product (kernels_cpu.h), so tiles and thread splits never
- * change a bit, and the sums are the ones the reference kernels computed on transposed copies. A grouped operation
- * (output groups, routed experts) runs all its groups as one parallel job.
+ * All of them are products of ds4_gemm_run. The forward's outputs are each one fixed-order 8-lane dot product
+ * (kernels_cpu.h, cpu_gemm.c), the same whatever rows are batched together. The backward's dx = dy W and dW += dyᵀ x
+ * sum their products in increasing order onto one running sum (ds4_gemm.seq, cpu_gemm_seq.c), which reads W, dy and x
+ * where they lie, with no transposed copies: the backward needs determinism, not batch invariance. Either way tiles
+ * and thread splits never change a bit. A grouped operation (output groups, routed experts) runs all its groups as
+ * one parallel job.
  *
  * bf16_in (ops.h) rounds the activation operands to bf16 into a copy first: the fp32 reference of the bf16 mode's
  * rounding points, for tests. That copy is allocated per call, which a test reference can afford. */
@@ -50,7 +51,7 @@ static ds4_gemm packed_b(ds4_gemm g, ds4_dtype wdt, const void *W, const uint8_t
 enum { MAX_GROUPS = 256 };
 
 static void run(const ds4_cpu *cpu, const ds4_gemm *g, int64_t n) {
-    ds4_gemm_run(cpu->pool, g, n, cpu->gemm_ws, cpu->gemm_shared, cpu->gemm_shared_floats);
+    ds4_gemm_run(cpu->pool, g, n, cpu->gemm_ws);
 }
 
 /* y[t, o] = Σ_k x[t, k]·W[o, k]: A = x, B = W, both read along k. */
@@ -62,13 +63,13 @@ static ds4_gemm fwd(float *y, int64_t ldy, const float *x, int64_t ldx, const fl
 static ds4_gemm bwd_x(float *dx, int64_t lddx, int acc, const float *dy, int64_t ldy, const float *W, int64_t T, int64_t K,
                       int64_t O) {
     return (ds4_gemm){.y = dx, .ldy = lddx, .a = dy, .a_rs = ldy, .a_ks = 1, .b = W, .b_rs = 1, .b_ks = K,
-                      .M = T, .N = K, .R = O, .acc = acc};
+                      .M = T, .N = K, .R = O, .acc = acc, .seq = 1};
 }
 
 /* dW[o, k] += Σ_t dy[t, o]·x[t, k]: A(o, t) = dy[t, o] and B(k, t) = x[t, k], both read across t. */
 static ds4_gemm bwd_w(float *dW, const float *dy, int64_t ldy, const float *x, int64_t ldx, int64_t T, int64_t K, int64_t O) {
     return (ds4_gemm){.y = dW, .ldy = K, .a = dy, .a_rs = 1, .a_ks = ldy, .b = x, .b_rs = 1, .b_ks = ldx,
-                      .M = O, .N = K, .R = T, .acc = 1};
+                      .M = O, .N = K, .R = T, .acc = 1, .seq = 1};
 }
 
 void ds4_cpu_matmul(ds4_dev *d, const ds4_a_matmul *a) {

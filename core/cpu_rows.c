@@ -209,8 +209,8 @@ enum { NW_BLOCK = 32 };
  * the same fixed-order sum over rows as a column-at-a-time loop, without striding down the matrix per column; the
  * columns of a block are 4-lane vectors of the same double operations. */
 DS4_CLONES
-static void nw_block(float *dw, const float *dy, const float *x, const float *rinv, int64_t rows, int64_t ld, int64_t c0,
-                     int64_t c1) {
+static void nw_block(float *dw, const float *dy, const float *x, const float *rinv, int64_t rows, int64_t ld,
+                     int64_t c0, int64_t c1) {
     typedef float v4f __attribute__((vector_size(16)));
     typedef double v4d __attribute__((vector_size(32)));
     v4d s[NW_BLOCK / 4];

@@ -1,47 +1,16 @@
 /* kernels_cpu.c — see kernels_cpu.h. */
 #include "kernels_cpu.h"
 
-/* The 8-lane helpers are static inline and always inlined; the ABI note about passing 32-byte vectors
- * by value without AVX does not apply to them. always_inline matters at -O0: an out-of-line baseline
- * helper called from the target_clones("avx2") clone would disagree with it on how vectors are passed. */
-#pragma GCC diagnostic ignored "-Wpsabi"
-
-#include <math.h>
-#include <string.h>
-
-/* 8 fp32 lanes. GCC lowers this to one AVX register or two SSE registers; ISO C mode (-std=c11) keeps
- * fp-contract off, so both give bit-identical results. */
-typedef float v8f __attribute__((vector_size(32)));
-
-__attribute__((always_inline)) static inline v8f load8(const float *p) {
-    v8f v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
+#include "lanes8.h"
 
 __attribute__((always_inline)) static inline float hsum8(const v8f *p) {
     const v8f v = *p;
     return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
 }
 
-/* The step of every dot product's lanes, c + a·b rounded once (a fused multiply-add): the FMA instruction where the CPU
- * has one, else the C library's fmaf, which rounds the same (IEEE 754 fusedMultiplyAdd), so every machine gives the
- * same bits. The instruction is picked per call by a CPUID test (ds4_cpu_fma), not by an ifunc, so sanitizer builds
- * run it too. */
-__attribute__((always_inline)) static inline v8f fma8_soft(v8f c, v8f a, v8f b) {
-    v8f r;
-    for (int l = 0; l < 8; l++) r[l] = fmaf(a[l], b[l], c[l]);
-    return r;
-}
-
-#ifdef DS4_X86_FMA
-#include <immintrin.h>
-#define FMA_TARGET __attribute__((target("avx2,fma")))
-FMA_TARGET __attribute__((always_inline)) static inline v8f fma8_hw(v8f c, v8f a, v8f b) {
-    return (v8f)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
-}
-#endif
-
+/* Every dot product's lane step is c + a·b rounded once (lanes8.h): the FMA instruction where the CPU has one, else
+ * the C library's fmaf, which rounds the same (IEEE 754 fusedMultiplyAdd), so every machine gives the same bits. The
+ * instruction is picked per call by a CPUID test (ds4_cpu_fma), not by an ifunc, so sanitizer builds run it too. */
 int ds4_cpu_fma(void) {
 #ifdef DS4_X86_FMA
     __builtin_cpu_init();
@@ -54,14 +23,14 @@ int ds4_cpu_fma(void) {
 #define DOT_BODY(FMA8)                                                                                              \
     v8f acc = {0};                                                                                                 \
     int64_t k = 0;                                                                                                 \
-    for (; k + 8 <= n; k += 8) acc = FMA8(acc, load8(a + k), load8(b + k));                                       \
+    for (; k + 8 <= n; k += 8) acc = FMA8(acc, ld8(a + k), ld8(b + k));                                           \
     float s = hsum8(&acc);                                                                                         \
     for (; k < n; k++) s = fmaf(a[k], b[k], s);                                                                    \
     return s;
 
 static float dot_soft(const float *a, const float *b, int64_t n) { DOT_BODY(fma8_soft) }
 #ifdef DS4_X86_FMA
-FMA_TARGET static float dot_hw(const float *a, const float *b, int64_t n) { DOT_BODY(fma8_hw) }
+DS4_FMA_TARGET static float dot_hw(const float *a, const float *b, int64_t n) { DOT_BODY(fma8_hw) }
 #endif
 
 float ds4_dot(const float *a, const float *b, int64_t n) {
@@ -86,14 +55,14 @@ float ds4_dot(const float *a, const float *b, int64_t n) {
             v8f c00 = {0}, c01 = {0}, c02 = {0}, c10 = {0}, c11 = {0}, c12 = {0};                                  \
             v8f c20 = {0}, c21 = {0}, c22 = {0}, c30 = {0}, c31 = {0}, c32 = {0};                                  \
             for (int64_t k = 0; k < K8; k += 8) {                                                                  \
-                const v8f u0 = load8(w0 + k), u1 = load8(w1 + k), u2 = load8(w2 + k);                              \
-                v8f v = load8(x0 + k);                                                                             \
+                const v8f u0 = ld8(w0 + k), u1 = ld8(w1 + k), u2 = ld8(w2 + k);                              \
+                v8f v = ld8(x0 + k);                                                                             \
                 c00 = FMA8(c00, v, u0), c01 = FMA8(c01, v, u1), c02 = FMA8(c02, v, u2);                            \
-                v = load8(x1 + k);                                                                                 \
+                v = ld8(x1 + k);                                                                                 \
                 c10 = FMA8(c10, v, u0), c11 = FMA8(c11, v, u1), c12 = FMA8(c12, v, u2);                            \
-                v = load8(x2 + k);                                                                                 \
+                v = ld8(x2 + k);                                                                                 \
                 c20 = FMA8(c20, v, u0), c21 = FMA8(c21, v, u1), c22 = FMA8(c22, v, u2);                            \
-                v = load8(x3 + k);                                                                                 \
+                v = ld8(x3 + k);                                                                                 \
                 c30 = FMA8(c30, v, u0), c31 = FMA8(c31, v, u1), c32 = FMA8(c32, v, u2);                            \
             }                                                                                                      \
             float r[12] = {hsum8(&c00), hsum8(&c01), hsum8(&c02), hsum8(&c10), hsum8(&c11), hsum8(&c12),           \
@@ -118,7 +87,7 @@ static void dot_block_soft(float *y, int64_t ldy, const float *x, int64_t ldx, i
 }
 
 #ifdef DS4_X86_FMA
-FMA_TARGET static void dot_block_hw(float *y, int64_t ldy, const float *x, int64_t ldx, int64_t nx,
+DS4_FMA_TARGET static void dot_block_hw(float *y, int64_t ldy, const float *x, int64_t ldx, int64_t nx,
                                     const float *const *wp, const float *W, int64_t nw, int64_t K) {
     DOT_BLOCK_BODY(fma8_hw, dot_hw)
 }
@@ -155,11 +124,11 @@ void ds4_wsum_ptr(float *o, int64_t ldo, const float *p, int64_t ldp, int64_t nh
             float *q = o + h * ldo + i;
             v8f a0 = {0}, b0 = {0}, a1 = {0}, b1 = {0}, a2 = {0}, b2 = {0}, a3 = {0}, b3 = {0};
             if (acc) {
-                a0 = load8(q), b0 = load8(q + 8), a1 = load8(q + ldo), b1 = load8(q + ldo + 8);
-                a2 = load8(q + 2 * ldo), b2 = load8(q + 2 * ldo + 8), a3 = load8(q + 3 * ldo), b3 = load8(q + 3 * ldo + 8);
+                a0 = ld8(q), b0 = ld8(q + 8), a1 = ld8(q + ldo), b1 = ld8(q + ldo + 8);
+                a2 = ld8(q + 2 * ldo), b2 = ld8(q + 2 * ldo + 8), a3 = ld8(q + 3 * ldo), b3 = ld8(q + 3 * ldo + 8);
             }
             for (int64_t k = 0; k < nk; k++) {
-                const v8f x = load8(v[k] + i), z = load8(v[k] + i + 8);
+                const v8f x = ld8(v[k] + i), z = ld8(v[k] + i + 8);
                 v8f s = {p0[k], p0[k], p0[k], p0[k], p0[k], p0[k], p0[k], p0[k]};
                 a0 += s * x, b0 += s * z;
                 s = (v8f){p1[k], p1[k], p1[k], p1[k], p1[k], p1[k], p1[k], p1[k]};
@@ -180,11 +149,11 @@ void ds4_wsum_ptr(float *o, int64_t ldo, const float *p, int64_t ldp, int64_t nh
         for (int64_t i = 0; i < n32; i += 32) {
             float *q = o + r * ldo + i;
             v8f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
-            if (acc) a0 = load8(q), a1 = load8(q + 8), a2 = load8(q + 16), a3 = load8(q + 24);
+            if (acc) a0 = ld8(q), a1 = ld8(q + 8), a2 = ld8(q + 16), a3 = ld8(q + 24);
             for (int64_t k = 0; k < nk; k++) {
                 const v8f s = {pr[k], pr[k], pr[k], pr[k], pr[k], pr[k], pr[k], pr[k]};
                 const float *x = v[k] + i;
-                a0 += s * load8(x), a1 += s * load8(x + 8), a2 += s * load8(x + 16), a3 += s * load8(x + 24);
+                a0 += s * ld8(x), a1 += s * ld8(x + 8), a2 += s * ld8(x + 16), a3 += s * ld8(x + 24);
             }
             memcpy(q, &a0, 32), memcpy(q + 8, &a1, 32), memcpy(q + 16, &a2, 32), memcpy(q + 24, &a3, 32);
         }
@@ -203,7 +172,7 @@ void ds4_axpy(float *y, float a, const float *x, int64_t n) {
     int64_t i = 0;
     const v8f av = {a, a, a, a, a, a, a, a};
     for (; i + 8 <= n; i += 8) {
-        v8f v = load8(y + i) + av * load8(x + i);
+        v8f v = ld8(y + i) + av * ld8(x + i);
         memcpy(y + i, &v, sizeof v);
     }
     for (; i < n; i++) y[i] += a * x[i];
@@ -254,8 +223,8 @@ static void scale_row(float *y, const float *x, const float *w, float inv, int64
     const v8f iv = {inv, inv, inv, inv, inv, inv, inv, inv};
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) {
-        v8f v = load8(x + i) * iv;
-        if (w) v = load8(w + i) * v;
+        v8f v = ld8(x + i) * iv;
+        if (w) v = ld8(w + i) * v;
         memcpy(y + i, &v, sizeof v);
     }
     for (; i < n; i++) y[i] = w ? w[i] * (x[i] * inv) : x[i] * inv;

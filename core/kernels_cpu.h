@@ -55,6 +55,10 @@ typedef struct ds4_gemm {
      * scales bs (fp4.h), decoded into the packed panels tile by tile, never as a whole; the same sums, bit for bit, as
      * over the dequantised fp32 matrix. */
     const uint8_t *bq, *bs;
+    /* seq: s summed in increasing r instead, one fused multiply-add per product onto a single running sum from +0
+     * (cpu_gemm_seq.c): the linear backward's products, which need determinism and thread-count independence but
+     * not the forward's batch invariance. Every problem of one run has the same seq. */
+    int seq;
 } ds4_gemm;
 
 enum {
@@ -69,17 +73,25 @@ enum {
 };
 
 /* Run the n products (independent outputs) as one parallel job over their tiles; ws holds DS4_GEMM_WS_FLOATS floats
- * for each thread of the pool (pool NULL: the calling thread alone, one slot). shared (shared_floats, may be NULL):
- * room to pack a B that is read across r once for the whole run (8·ceil(N/8)·(R & ~7) floats per such product); a
- * product that does not fit packs per tile instead, with the same result. */
-void ds4_gemm_run(ds4_pool *pool, const ds4_gemm *g, int64_t n, float *ws, float *shared, int64_t shared_floats);
+ * for each thread of the pool (pool NULL: the calling thread alone, one slot). */
+void ds4_gemm_run(ds4_pool *pool, const ds4_gemm *g, int64_t n, float *ws);
 
 /* The register tiles ds4_gemm_run may use, in order: the portable one (fmaf lane by lane), the AVX2 + FMA one, the
  * AVX-512 one. All give the same bits; ds4_gemm_run takes the best the CPU runs, ds4_gemm_run_isa the best up to
  * `isa` (so tests can run each one the CPU has). */
 typedef enum { DS4_GEMM_PORTABLE, DS4_GEMM_AVX2_FMA, DS4_GEMM_AVX512 } ds4_gemm_isa;
-void ds4_gemm_run_isa(ds4_pool *pool, const ds4_gemm *g, int64_t n, float *ws, float *shared, int64_t shared_floats,
-                      ds4_gemm_isa isa);
+void ds4_gemm_run_isa(ds4_pool *pool, const ds4_gemm *g, int64_t n, float *ws, ds4_gemm_isa isa);
+/* For the schedulers of both kinds of run: ceil(a / b), and the problem of task t when problem p's tasks start at
+ * first[p] (first[0] = 0, ascending). */
+static inline int64_t ds4_cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+static inline int64_t ds4_gemm_problem_of(const int64_t *first, int64_t t) {
+    int64_t p = 0;
+    while (first[p + 1] <= t) p++;
+    return p;
+}
+
+/* The run of problems with seq set (ds4_gemm_run_isa hands them here; ws as there). */
+void ds4_gemm_seq_run(ds4_pool *pool, const ds4_gemm *g, int64_t n, float *ws, ds4_gemm_isa isa);
 
 /* Σ_k a[k]·b[k] with the same 8-lane accumulation as the matmul: lane l = fma(a[k], b[k], lane l) for k ≡ l (mod 8),
  * k < n & ~7, in increasing k from +0; the lanes combined as ((l0 + l4) + (l1 + l5)) + ((l2 + l6) + (l3 + l7)); then

@@ -156,11 +156,11 @@ static int decode_by_gemm(const uint8_t *q, const uint8_t *s, int64_t O, int64_t
     /* forward: y[k, o] = Σ_r I[k, r] W[o, r] */
     const ds4_gemm f = {.y = yt, .ldy = O, .a = eye, .a_rs = n, .a_ks = 1, .b_rs = K, .b_ks = 1, .M = K, .N = O, .R = K,
                         .bq = q, .bs = s};
-    ds4_gemm_run(NULL, &f, 1, ws, NULL, 0);
-    /* input gradient: dx[o, k] = Σ_r I[o, r] W[r, k] */
+    ds4_gemm_run(NULL, &f, 1, ws);
+    /* input gradient: dx[o, k] = Σ_r I[o, r] W[r, k], in the backward's order (ds4_gemm.seq) as the backend runs it */
     const ds4_gemm b = {.y = out, .ldy = K, .a = eye, .a_rs = n, .a_ks = 1, .b_rs = 1, .b_ks = K, .M = O, .N = K, .R = O,
-                        .bq = q, .bs = s};
-    ds4_gemm_run(NULL, &b, 1, ws, NULL, 0);
+                        .bq = q, .bs = s, .seq = 1};
+    ds4_gemm_run(NULL, &b, 1, ws);
     int same = 1;
     for (int64_t o = 0; o < O; o++)
         for (int64_t k = 0; k < K; k++) same &= yt[k * O + o] == out[o * K + k];

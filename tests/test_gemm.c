@@ -3,7 +3,8 @@
  * lane with fmaf), the lanes combined as ((l0 + l4) + (l1 + l5)) + ((l2 + l6) + (l3 + l7)), then the last R % 8
  * products fused in one by one. Bit for bit, for
  * operands read along and across r, strides, accumulation, edge tiles, several chunks of r, several products in one
- * run, 1 and 3 threads, with and without room to pack B once, with every register tile the CPU runs. Also the double sums of the norms (ds4_dot_f64). */
+ * run, 1 and 3 threads, with every register tile the CPU runs. The same for
+ * the backward's order (ds4_gemm.seq: one running sum of fused products in increasing r). Also the double sums of the norms (ds4_dot_f64). */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -29,14 +30,21 @@ static float ref_dot(const ds4_gemm *g, int64_t i, int64_t j) {
     return s;
 }
 
+/* seq: every product fused into one running sum, in increasing r */
+static float ref_seq(const ds4_gemm *g, int64_t i, int64_t j) {
+    float s = 0.0f;
+    for (int64_t r = 0; r < g->R; r++) s = fmaf(g->a[i * g->a_rs + r * g->a_ks], g->b[j * g->b_rs + r * g->b_ks], s);
+    return s;
+}
+
 typedef struct {
     ds4_gemm g;
     float *a, *b, *y, *want;
     int64_t ysize;
 } prob;
 
-/* A [M, R] or its transpose [R, M] (ta), padded strides; B likewise (tb); y [M, ldy] */
-static void make(prob *p, int64_t M, int64_t N, int64_t R, int ta, int tb, int acc) {
+/* A [M, R] or its transpose [R, M] (ta), padded strides; B likewise (tb); y [M, ldy]; seq: the backward's order */
+static void make(prob *p, int64_t M, int64_t N, int64_t R, int ta, int tb, int acc, int seq) {
     const int64_t pad = 3, lda = (ta ? M : R) + pad, ldb = (tb ? N : R) + pad, ldy = N + 5;
     p->a = malloc((size_t)((ta ? R : M) * lda + 1) * sizeof(float));
     p->b = malloc((size_t)((tb ? R : N) * ldb + 1) * sizeof(float));
@@ -47,11 +55,11 @@ static void make(prob *p, int64_t M, int64_t N, int64_t R, int ta, int tb, int a
     for (int64_t i = 0; i < (tb ? R : N) * ldb; i++) p->b[i] = frand() * 1e3f;
     for (int64_t i = 0; i < p->ysize; i++) p->y[i] = i % 7 == 0 ? -0.0f : frand();
     p->g = (ds4_gemm){.y = p->y, .ldy = ldy, .a = p->a, .a_rs = ta ? 1 : lda, .a_ks = ta ? lda : 1, .b = p->b,
-                      .b_rs = tb ? 1 : ldb, .b_ks = tb ? ldb : 1, .M = M, .N = N, .R = R, .acc = acc};
+                      .b_rs = tb ? 1 : ldb, .b_ks = tb ? ldb : 1, .M = M, .N = N, .R = R, .acc = acc, .seq = seq};
     memcpy(p->want, p->y, (size_t)p->ysize * sizeof(float));
     for (int64_t i = 0; i < M; i++)
         for (int64_t j = 0; j < N; j++) {
-            const float s = ref_dot(&p->g, i, j);
+            const float s = seq ? ref_seq(&p->g, i, j) : ref_dot(&p->g, i, j);
             p->want[i * ldy + j] = acc ? p->want[i * ldy + j] + s : s;
         }
 }
@@ -127,33 +135,31 @@ int main(int argc, char **argv) {
     check_dot_f64();
     static const int64_t shapes[][3] = {{1, 1, 0},   {1, 1, 1},    {5, 3, 7},     {6, 8, 8},    {7, 9, 17},
                                         {13, 2, 64}, {48, 64, 512}, {50, 70, 515}, {97, 131, 40}, {12, 9, 1031},
-                                        {64, 96, 96}, {3, 200, 1100}};
+                                        {64, 96, 96}, {3, 200, 1100}, {386, 66, 257}};
     const int nsh = (int)(sizeof shapes / sizeof *shapes);
     ds4_error err;
     for (int threads = 1; threads <= 3; threads += 2) {
         ds4_pool *pool = NULL;
         CHECK_OK(ds4_pool_create(threads, &pool, &err), &err);
         float *ws = malloc((size_t)threads * DS4_GEMM_WS_FLOATS * sizeof(float));
-        const int64_t shared_floats = 1 << 21;
-        float *shared = malloc((size_t)shared_floats * sizeof(float));
-        for (int with_shared = 0; with_shared < 2; with_shared++)
+        /* the forward's order, then the backward's (seq) */
+        for (int seq = 0; seq < 2; seq++)
             for (int mode = 0; mode < 8; mode++) {
                 const int ta = mode & 1, tb = (mode >> 1) & 1, acc = (mode >> 2) & 1;
                 prob p[16];
                 ds4_gemm g[16];
                 for (int s = 0; s < nsh; s++) {
-                    make(&p[s], shapes[s][0], shapes[s][1], shapes[s][2], ta, tb, acc);
+                    make(&p[s], shapes[s][0], shapes[s][1], shapes[s][2], ta, tb, acc, seq);
                     g[s] = p[s].g;
                 }
                 /* one product per run, each shape with each register tile over the modes (the CPU's best where it
                  * lacks one), then all of them in one run */
                 for (int s = 0; s < nsh; s++)
-                    ds4_gemm_run_isa(pool, &g[s], 1, ws, with_shared ? shared : NULL, shared_floats,
-                                     (ds4_gemm_isa)((s + mode) % 3));
+                    ds4_gemm_run_isa(pool, &g[s], 1, ws, (ds4_gemm_isa)((s + mode) % 3));
                 for (int s = 0; s < nsh; s++) {
                     CHECK(!memcmp(p[s].y, p[s].want, (size_t)p[s].ysize * sizeof(float)),
-                          "threads %d shared %d ta %d tb %d acc %d: %lld x %lld x %lld differs from the reference", threads,
-                          with_shared, ta, tb, acc, (long long)shapes[s][0], (long long)shapes[s][1],
+                          "threads %d seq %d ta %d tb %d acc %d: %lld x %lld x %lld differs from the reference", threads,
+                          seq, ta, tb, acc, (long long)shapes[s][0], (long long)shapes[s][1],
                           (long long)shapes[s][2]);
                     if (!acc) memset(p[s].y, 0xff, (size_t)p[s].ysize * sizeof(float)); /* NaN: must be overwritten */
                 }
@@ -162,17 +168,16 @@ int main(int argc, char **argv) {
                     for (int s = 0; s < nsh; s++)
                         for (int64_t i = 0; i < p[s].ysize; i++)
                             if ((i % g[s].ldy) >= g[s].N || i / g[s].ldy >= g[s].M) p[s].y[i] = p[s].want[i];
-                    ds4_gemm_run(pool, g, nsh, ws, with_shared ? shared : NULL, shared_floats);
+                    ds4_gemm_run(pool, g, nsh, ws);
                     for (int s = 0; s < nsh; s++)
                         CHECK(!memcmp(p[s].y, p[s].want, (size_t)p[s].ysize * sizeof(float)),
-                              "threads %d shared %d ta %d tb %d: %lld x %lld x %lld in a joint run differs", threads,
-                              with_shared, ta, tb, (long long)shapes[s][0], (long long)shapes[s][1],
+                              "threads %d seq %d ta %d tb %d: %lld x %lld x %lld in a joint run differs", threads,
+                              seq, ta, tb, (long long)shapes[s][0], (long long)shapes[s][1],
                               (long long)shapes[s][2]);
                 }
                 for (int s = 0; s < nsh; s++) drop(&p[s]);
             }
         free(ws);
-        free(shared);
         ds4_pool_free(pool);
     }
     return ds4t_finish("test_gemm");
