@@ -39,15 +39,17 @@ rm -f "$LOG"/run.*
 
 # A rank that dies or hangs: every survivor exits non-zero (not by the bound: 124) within 30 s, rank 0 names the
 # failed rank, and the other survivors name rank 0 (whose failure closed their connections; with `hang`, their own
-# timeout may come first). With `hang` the silent rank is found by rank 0's timeout (2 s here); it wakes after 5 s
-# and fails at its next collective.
-export DS4_DIST_TIMEOUT=2 DS4_TEST_HANG_S=5
+# timeout may come first). With `hang` the silent rank is found by rank 0's timeout (TO s here); it wakes after
+# 2·TO s and fails at its next collective. TO is 4, not less: the ranks must also meet within it, and on a loaded
+# 2-core machine under the sanitizers starting 4 processes has taken more than 2 s.
+TO=4
+export DS4_DIST_TIMEOUT=$TO DS4_TEST_HANG_S=$((2 * TO))
 for mode in kill error hang; do
     for np in 2 4; do
         launch "$np" "$LOG/run" 60 "$DS4" run "$T/dist_rank_dies.lua" "$mode"
         last=$((np - 1))
         case "$mode" in
-        hang) want="rank $last sent nothing to rank 0 for 2 s" ;;
+        hang) want="rank $last sent nothing to rank 0 for $TO s" ;;
         *) want="rank $last closed its connection to rank 0" ;;
         esac
         ok=1
@@ -86,7 +88,7 @@ t0=$SECONDS
 rank 0 3 "$p"
 rank 1 3 "$p"
 wait
-expect "$LOG/rank.0" "2 of 3 ranks joined rank 0 on 127.0.0.1:$p within 2 s (DS4_DIST_TIMEOUT); missing: 2" "missing rank"
+expect "$LOG/rank.0" "2 of 3 ranks joined rank 0 on 127.0.0.1:$p within $TO s (DS4_DIST_TIMEOUT); missing: 2" "missing rank"
 expect "$LOG/rank.1" "rank 0 \(closed its connection\|sent nothing to rank 1\)" "missing rank, the rank that came"
 [ $((SECONDS - t0)) -lt 20 ] || bad "missing rank: took $((SECONDS - t0)) s"
 
@@ -94,7 +96,7 @@ expect "$LOG/rank.1" "rank 0 \(closed its connection\|sent nothing to rank 1\)" 
 p="$(free_port)"
 rank 1 2 "$p"
 wait
-expect "$LOG/rank.1" "rank 1 could not reach rank 0 at MASTER_ADDR=127.0.0.1 MASTER_PORT=$p within 2 s" "no rank 0"
+expect "$LOG/rank.1" "rank 1 could not reach rank 0 at MASTER_ADDR=127.0.0.1 MASTER_PORT=$p within $TO s" "no rank 0"
 
 # disagreeing WORLD_SIZE; a duplicate RANK
 p="$(free_port)"
@@ -154,7 +156,7 @@ EPCODE='local ds4 = require("ds4"); ds4.dist.init(); local m = ds4.load("'"$FIX"
 if ds4.dist.rank() == 0 then ds4.dist.expert_parallel(m) end
 m:forward(ds4.tensor({{5, 6, 7}}, "I64")); ds4.dist.barrier()'
 p="$(free_port)"
-for r in 0 1; do CODE="$EPCODE" rank "$r" 2 "$p" DS4_DIST_TIMEOUT=2; done
+for r in 0 1; do CODE="$EPCODE" rank "$r" 2 "$p" DS4_DIST_TIMEOUT=$TO; done
 wait
 expect "$LOG/rank.0" "rank 1 is in barrier #1 while rank 0 is in all_to_all_v #1" "expert parallelism on one rank only"
 
