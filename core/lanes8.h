@@ -3,9 +3,9 @@
  * instruction (fma8_hw, only inside functions compiled for that target: DS4_FMA_TARGET).
  *
  * GCC lowers the vector type to one AVX register or two SSE registers; ISO C mode (-std=c11) keeps fp-contract off,
- * so a plain a * b + c is never fused behind the code's back. The helpers are static inline and always inlined, so
- * the ABI note about passing 32-byte vectors by value without AVX does not apply to them (at -O0 an out-of-line
- * baseline helper called from an AVX2 function would disagree with it on how vectors are passed). */
+ * so a plain a * b + c is never fused behind the code's back. Only fma8_hw is a function (always inlined, and only
+ * called from functions of its own target); the rest are macros, so no 32-byte vector is ever passed by value
+ * between functions of different targets. */
 #ifndef DS4_LANES8_H
 #define DS4_LANES8_H
 
@@ -18,23 +18,35 @@
 
 typedef float v8f __attribute__((vector_size(32)));
 
-__attribute__((always_inline)) static inline v8f ld8(const float *p) {
-    v8f v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
+/* Loads, stores and the portable multiply-add are statement-expression macros, not functions: clang refuses any call
+ * that returns or takes a 32-byte vector in a function compiled without AVX (the baseline tiles), inlined or not
+ * ("AVX vector return ... changes the ABI"); a macro makes no call. */
+#define ld8(p)                                                                                                       \
+    ({                                                                                                             \
+        v8f ld8_v_;                                                                                                \
+        memcpy(&ld8_v_, (p), sizeof ld8_v_);                                                                       \
+        ld8_v_;                                                                                                    \
+    })
 
-__attribute__((always_inline)) static inline void st8(float *p, v8f v) { memcpy(p, &v, sizeof v); }
+#define st8(p, v)                                                                                                    \
+    ({                                                                                                             \
+        const v8f st8_v_ = (v);                                                                                    \
+        memcpy((p), &st8_v_, sizeof st8_v_);                                                                       \
+        (void)0;                                                                                                   \
+    })
 
 /* x in every lane; a macro, not an inline function: inlined into an AVX2 function GCC builds such a helper's result
  * lane by lane instead of with one broadcast */
 #define BCAST8(x) ((v8f){(x), (x), (x), (x), (x), (x), (x), (x)})
 
-__attribute__((always_inline)) static inline v8f fma8_soft(v8f c, v8f a, v8f b) {
-    v8f r;
-    for (int l = 0; l < 8; l++) r[l] = fmaf(a[l], b[l], c[l]);
-    return r;
-}
+/* c + a·b lane by lane, each rounded once (fmaf): the FMA instruction's bits on any CPU */
+#define fma8_soft(c, a, b)                                                                                           \
+    ({                                                                                                             \
+        const v8f f8c_ = (c), f8a_ = (a), f8b_ = (b);                                                              \
+        v8f f8r_;                                                                                                  \
+        for (int f8l_ = 0; f8l_ < 8; f8l_++) f8r_[f8l_] = fmaf(f8a_[f8l_], f8b_[f8l_], f8c_[f8l_]);                \
+        f8r_;                                                                                                      \
+    })
 
 #ifdef DS4_X86_FMA
 #include <immintrin.h>
