@@ -5,11 +5,12 @@
  * Every output is the sum the reference kernel computes (ds4_dot): eight fp32 lanes, lane l taking the products of
  * r ≡ l (mod 8) for r < R8 = R & ~7 in increasing r, each with a fused multiply-add, the lanes combined as
  * ((l0 + l4) + (l1 + l5)) + ((l2 + l6) + (l3 + l7)), then the products of r = R8 .. R-1 fused in one by one. Only the
- * layout of the work changes: operands are copied into packed panels (6 rows of A, 8 rows of B, 8 values of r per
- * step, zero-padded at the edges), a register tile of 6 × 2 outputs runs over a chunk of up to KC values of r, and
- * the lane sums of a tile that spans several chunks wait in memory between chunks. Tiles, chunks and threads change
- * which instructions run when, never which products are added in which order, so the bits do not depend on them.
- * Zero-padded rows and columns produce outputs that are never written. */
+ * layout of the work changes: B (and an A read across r) is copied into packed panels (6 rows of A, 2 columns of B,
+ * 8 values of r per step, zero-padded at the edges; an A read along r is read in place), a register tile of 6 × 2
+ * outputs (6 × 8 with AVX-512) runs over a chunk of up to KC values of r, and the lane sums of a tile that spans
+ * several chunks wait in memory between chunks. Tiles, chunks and threads change which instructions run when, never
+ * which products are added in which order, so the bits do not depend on them. Padded rows and columns produce
+ * outputs that are never written. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
