@@ -26,7 +26,9 @@ and model.
      few sampled completions every N steps), metrics.svg (reward and accuracy, loss, KL, entropy) and, with
      --save-every K, checkpoints ckpt/step_NNNNNN (policy and tokenizer, optimizer, data position, counters);
      --resume continues the run in --out (or runs/dapo/latest) from its newest checkpoint, bitwise as if it had
-     not stopped. --save DIR2 writes the trained model and its tokenizer as an HF checkpoint.
+     not stopped. --save DIR2 writes the trained model and its tokenizer as an HF checkpoint. Launched as several
+     ranks (docs/distributed.md), --zero shards the optimizer over them (ZeRO-1: the same bits), and its checkpoints
+     resume on any number of ranks.
   examples/grpo.lua and examples/gspo.lua run this file with another default algorithm.
 
   Rollouts come from the policy itself by default. --workers ENDPOINT switches them to remote workers (`ds4 worker`
@@ -75,6 +77,7 @@ local SPEC = {
         { "max_new_tokens", 20, "response budget" },
         { "minibatches", 2, "optimizer updates per step" },
         { "micro_batches", 1, "micro-batches per update on each rank (gradient accumulation)" },
+        { "zero", false, "with several ranks: ZeRO-1, each keeps and steps its shard of the optimizer" },
         { "lr", 3e-4, "learning rate" },
         { "lora", 0, "train LoRA adapters of this rank only (0: train every weight); docs/lora.md" },
         { "lora_alpha", 0, "LoRA alpha (0: twice the rank)" },
@@ -332,6 +335,7 @@ local result = trainer.run{
     steps = opts.steps,
     minibatches = opts.minibatches,
     micro_batches = opts.micro_batches,
+    zero = opts.zero,
     routing_replay = opts.routing_replay,
     out = OUT,
     seed = opts.seed,

@@ -2,7 +2,8 @@
 # test_dist_examples.sh DS4 FIXTURES SOURCE — data parallelism inside the examples (docs/distributed.md): sft.lua
 # and dapo.lua launched on 2 and 4 CPU ranks (under mpirun, and torchrun-style over the TCP rendezvous) train the
 # same model as one process running the same micro-batches (tests/lua/dist_compare_runs.lua compares the saved
-# weights and metrics.jsonl); sft.lua --zero (ZeRO-1) too, and its 2-rank checkpoint resumed by one process.
+# weights and metrics.jsonl); sft.lua --zero and dapo.lua --zero (ZeRO-1) too, and their 2-rank checkpoints resumed by
+# one process.
 #
 # Bitwise: N ranks of one micro-batch each against one process with --micro-batches N (sft) or the same prompts
 # (dapo): the ranks' gradients are summed in rank order and a backward adds its gradient once, so the sums are the
@@ -108,6 +109,19 @@ trains "$W/rl_m2"
 rl_one "$W/rl_m4" --micro-batches 4
 tcp 2 "$W/rl_tcp2" "${RL[@]}" --save "$W/rl_tcp2/final"
 compare "$W/rl_m2" "$W/rl_tcp2" "dapo, 2 torchrun-style ranks = 1 process of 2 micro-batches (bitwise)"
+# ZeRO-1 in the RL trainer, with checkpoints after RL steps 2 and 3 (every rank gathers the moments, rank 0 writes)
+tcp 2 "$W/rl_zero2" "${RL[@]}" --zero --save-every 2 --save "$W/rl_zero2/final"
+compare "$W/rl_m2" "$W/rl_zero2" "dapo --zero, 2 torchrun-style ranks = 1 process of 2 micro-batches (bitwise)"
+# the run as it stood after RL step 2 (its newest checkpoint, step 3's, dropped), resumed by one process
+cp -r "$W/rl_zero2" "$W/rl_zres1"
+rm -rf "$W/rl_zres1/final" "$W/rl_zres1/ckpt/$(ls "$W/rl_zres1/ckpt" | grep '^step_' | sort | tail -1)"
+# (--quiet=false, over the saved config's: the log must say it resumed, as a run from scratch would end with the same
+# bits)
+timeout -k 5 300 "$DS4" run "${RL[@]}" --micro-batches 2 --resume --save "$W/rl_zres1/final" --out "$W/rl_zres1" --quiet=false \
+    >"$W/rl_zres1.log" 2>&1 || { tail -20 "$W/rl_zres1.log"; bad "resume of the dapo --zero checkpoint by one process"; }
+grep -q "trainer: resuming from .*step_000004 (RL step 2)" "$W/rl_zres1.log" ||
+    { tail -20 "$W/rl_zres1.log"; bad "dapo: the resumed run did not start from the step-2 checkpoint"; }
+compare "$W/rl_m2" "$W/rl_zres1" "dapo: a 2-rank --zero checkpoint after RL step 2 resumed by 1 process = uninterrupted (bitwise)"
 if [ "$have_mpi" = 1 ]; then
     mpi 4 "$W/rl_mpi4" "${RL[@]}" --save "$W/rl_mpi4/final"
     compare "$W/rl_m4" "$W/rl_mpi4" "dapo, mpirun -np 4 = 1 process of 4 micro-batches (bitwise)"

@@ -1,7 +1,10 @@
 --[==[ ds4.rl.resume — RL checkpoints: what ds4.rl.trainer needs to continue a run exactly where it stopped.
 
   local resume = require("ds4.rl.resume")
-  resume.save(root, model, opt, reference, state [, keep_last]) -> dir    root/step_NNNNNN, NNNNNN = opt:steps()
+  resume.save(root, model, opt, reference, state [, keep_last [, opt_state]]) -> dir
+                                                                         root/step_NNNNNN, NNNNNN = opt:steps();
+                                                                         opt_state: opt:state() taken already (a
+                                                                         sharded optimizer's, which every rank gathers)
   resume.load(root, model, opt, reference) -> state, dir | nil           the newest complete checkpoint
 
 A checkpoint (ds4.checkpoints: committed atomically, checksummed) holds
@@ -26,8 +29,8 @@ local ds4 = require("ds4")
 
 local M = {}
 
-function M.save(root, model, opt, reference, state, keep_last)
-    local st = opt:state()
+function M.save(root, model, opt, reference, state, keep_last, opt_state)
+    local st = opt_state or opt:state()
     local states = {
         optimizer = { tensors = { m = st.m, v = st.v, tensor_steps = st.tensor_steps }, meta = { step = st.step } },
         trainer = { meta = state },

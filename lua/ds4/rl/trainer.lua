@@ -13,6 +13,8 @@ checkpoints.
                  stop = {...}, source = nil},
       optim = {lr = 3e-4, betas = {0.9, 0.99}, weight_decay = 0, clip = 1.0, warmup = 0},
       steps = 100, minibatches = 1, reference = nil, out = "runs/x", seed = 1, progress = true,
+      zero = false,                           -- with several ranks: ZeRO-1, each rank keeps and steps its shard of
+                                              -- the optimizer (ds4.dist.shard_optimizer; the same bits)
       routing_replay = false,                 -- train with the experts / indexer picks the rollout used
       guard = {max_kl = 10, max_grad_norm = 1e6, max_failed_frac = 0.5, max_idle_steps = 10,
                max_reward_error_frac = 0.5},  -- when to stop
@@ -100,7 +102,8 @@ Checkpoints (checkpoint.every = K RL steps, and the last step): out/ckpt/step_NN
 updates, with the policy, the optimizer, the reference model, the loop's counters and config.state.save()
 (ds4.rl.resume). checkpoint.resume = true continues from the newest one: the rest of the run is bitwise the one an
 uninterrupted run would have done (tests/lua/test_trainer_resume.lua), and out/metrics.jsonl drops the records past
-the checkpoint's step.
+the checkpoint's step. With zero = true every rank gathers the optimizer's moments for a checkpoint (opt:state(), a
+collective) and rank 0 writes the whole state, so the checkpoint resumes on any number of ranks, sharded or not.
 
 Guards: the run stops with an error naming the step and the metric (after writing that step's metrics line) when
   - a rollout group failed (finish_reason "failed": a remote task that ran out of attempts) — each failure is
@@ -727,6 +730,9 @@ function M.run(cfg)
     local opt = ds4.adamw(model, { lr = o.lr or 3e-4, betas = o.betas or { 0.9, 0.99 }, weight_decay = o.weight_decay or 0,
         clip = o.clip or 1.0, schedule = o.schedule or "constant", warmup = o.warmup or 0,
         total = cfg.steps * cfg.minibatches })
+    -- ZeRO-1: sharded before a resume loads the state (each rank keeps its region of the saved moments)
+    local sharded = cfg.zero and dp.world() > 1
+    if sharded then ds4.dist.shard_optimizer(opt) end
     local ck = cfg.checkpoint
     -- the loop's counters: what a checkpoint saves and a resume restores
     -- (version: the policy version of a source without its own, the in-process policy's: 1 + the steps that updated it)
@@ -904,7 +910,9 @@ function M.run(cfg)
         if ck.every > 0 and (step % ck.every == 0 or step == cfg.steps) then
             state.user = cfg.state and cfg.state.save() or nil
             if cfg.tick then cfg.tick() end
-            if ROOT then resume.save(ck.dir, model, opt, cfg.reference, state, ck.keep_last) end
+            -- a sharded optimizer's state is gathered by every rank together; rank 0 writes it
+            local ost = sharded and opt:state() or nil
+            if ROOT then resume.save(ck.dir, model, opt, cfg.reference, state, ck.keep_last, ost) end
         end
         if cfg.progress then
             local msg = progress_line(cfg, step, row, #samples / ro.n, dt)
