@@ -59,6 +59,7 @@ static void free_train_state(ds4_model *m) {
         d->ops->free(d, m->dcast);
     }
     m->dgrads = m->dmaster = m->dmoments = NULL;
+    m->moments_n = 0;
     m->dscratch = NULL;
     m->dscratch_bytes = 0;
     m->dcast = NULL;
@@ -73,9 +74,9 @@ ds4_status ds4_model_drop_train_state(ds4_model *m, ds4_error *err) {
     ds4_status s = ds4_model_host_sync(m, err);
     if (s) return s;
     if (m->moments_owner && m->dmoments) {
-        const size_t bytes = (size_t)m->n_params * sizeof(float);
+        const size_t bytes = (size_t)m->moments_n * sizeof(float);
         for (int k = 0; k < 2 && !s; k++)
-            s = m->dev->ops->download(m->dev, m->moments_home[k], m->dmoments + (size_t)k * m->n_params, bytes, err);
+            s = m->dev->ops->download(m->dev, m->moments_home[k], m->dmoments + (size_t)k * m->moments_n, bytes, err);
         if (s) return s;
     }
     free(m->grads);
@@ -218,6 +219,13 @@ int64_t ds4_model_device_bytes(const ds4_model *m, int64_t *fp4_bytes) {
 
 /* ------------------------------------------------------------------------------------------------ training state */
 
+void ds4_model_train_device_bytes(const ds4_model *m, int64_t *grads, int64_t *master, int64_t *moments) {
+    const int on_dev = m && m->dev != m->cpu;
+    *grads = on_dev && m->dgrads ? m->n_params * (int64_t)sizeof(float) : 0;
+    *master = on_dev && m->dmaster ? m->n_params * (int64_t)sizeof(float) : 0;
+    *moments = on_dev && m->dmoments ? 2 * m->moments_n * (int64_t)sizeof(float) : 0;
+}
+
 ds4_status ds4_model_train_bind(ds4_model *m, ds4_error *err) {
     if (m->lora) return ds4_lora_train_bind(m, err);
     ds4_dev *d = m->dev;
@@ -237,7 +245,38 @@ ds4_status ds4_model_train_bind(ds4_model *m, ds4_error *err) {
     return DS4_OK;
 }
 
-ds4_status ds4_model_master_ready(ds4_model *m, size_t scratch_bytes, ds4_error *err) {
+/* The moments buffer for 2 × n floats: kept when it has that size; else the moments it holds go back to their
+ * optimizer's host buffers (the only copy of them) and the buffer is made anew. */
+static ds4_status moments_ready(ds4_model *m, int64_t n, ds4_error *err) {
+    ds4_dev *d = m->dev;
+    if (m->dmoments && m->moments_n == n) return DS4_OK;
+    ds4_status s = DS4_OK;
+    if (m->moments_owner && m->dmoments) {
+        const size_t held = (size_t)m->moments_n * sizeof(float);
+        for (int k = 0; k < 2 && !s; k++)
+            s = d->ops->download(d, m->moments_home[k], m->dmoments + (size_t)k * m->moments_n, held, err);
+        if (s) {
+            ds4_error_prefix(err, "device optimizer: handing the moments back from %s: ", ds4_model_device_name(m));
+            return s;
+        }
+    }
+    d->ops->free(d, m->dmoments);
+    m->dmoments = NULL;
+    m->moments_n = 0;
+    m->moments_owner = NULL;
+    void *mem = NULL;
+    const size_t bytes = 2 * (size_t)n * sizeof(float);
+    if ((s = d->ops->alloc(d, bytes ? bytes : 4, &mem, err))) {
+        ds4_error_prefix(err, "device optimizer on %s (two moments of %lld values): ", ds4_model_device_name(m),
+                         (long long)n);
+        return s;
+    }
+    m->dmoments = mem;
+    m->moments_n = n;
+    return DS4_OK;
+}
+
+ds4_status ds4_model_master_ready(ds4_model *m, size_t scratch_bytes, int64_t moments_n, ds4_error *err) {
     ds4_dev *d = m->dev;
     if (d == m->cpu) return ds4_fail(err, DS4_ERR_INTERNAL, "device optimizer state on the cpu backend");
     const size_t P = (size_t)m->n_params, bytes = P * sizeof(float);
@@ -254,28 +293,25 @@ ds4_status ds4_model_master_ready(ds4_model *m, size_t scratch_bytes, ds4_error 
             if (p->dtype != DS4_F32) continue;
             e[k++] = (ds4_cast_entry){.src = p->offset, .dst = m->dev_off[i], .n = p->numel, .lowp = p->lowp};
         }
-        void *master = NULL, *moments = NULL, *cast = NULL;
+        void *master = NULL, *cast = NULL;
         s = d->ops->alloc(d, bytes ? bytes : 4, &master, err);
-        if (!s) s = d->ops->alloc(d, bytes ? 2 * bytes : 4, &moments, err);
         if (!s) s = d->ops->alloc(d, (size_t)(n ? n : 1) * sizeof *e, &cast, err);
         if (!s) s = d->ops->upload(d, master, m->params, bytes, err);
         if (!s) s = d->ops->upload(d, cast, e, (size_t)n * sizeof *e, err);
         free(e);
         if (s) {
             d->ops->free(d, master);
-            d->ops->free(d, moments);
             d->ops->free(d, cast);
-            ds4_error_prefix(err, "device optimizer on %s (fp32 master weights and two moments, %lld parameters): ",
+            ds4_error_prefix(err, "device optimizer on %s (fp32 master weights, %lld parameters): ",
                              ds4_model_device_name(m), (long long)m->n_params);
             return s;
         }
         m->dmaster = master;
-        m->dmoments = moments;
         m->dcast = cast;
         m->n_cast = n;
-        m->moments_owner = NULL;
         m->host_stale = 0;
     }
+    if (!m->lora && (s = moments_ready(m, moments_n, err))) return s;
     if (m->dscratch_bytes < scratch_bytes) {
         void *p = NULL;
         if ((s = d->ops->alloc(d, scratch_bytes, &p, err))) {
@@ -369,9 +405,9 @@ static ds4_status save_train_state(ds4_model *m, ds4_error *err) {
     if (!s) s = ds4_lora_release_backend(m, err); /* the adapters' copies and moments come home too */
     if (s || !m->moments_owner || !m->dmoments) return s;
     ds4_dev *d = m->dev;
-    const size_t bytes = (size_t)m->n_params * sizeof(float);
-    for (int k = 0; k < 2 && !s; k++) s = d->ops->download(d, m->moments_home[k], m->dmoments + (size_t)k * m->n_params,
-                                                          bytes, err);
+    const size_t bytes = (size_t)m->moments_n * sizeof(float);
+    for (int k = 0; k < 2 && !s; k++)
+        s = d->ops->download(d, m->moments_home[k], m->dmoments + (size_t)k * m->moments_n, bytes, err);
     if (s) ds4_error_prefix(err, "reading the optimizer's moments back from %s: ", ds4_model_device_name(m));
     else m->moments_owner = NULL;
     return s;

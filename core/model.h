@@ -191,7 +191,8 @@ struct ds4_model {
      * the host buffers mirror it; host_stale / grads_stale say when a mirror is behind */
     float *dgrads;                       /* [n_params] the gradients (flat, as grads); gw views point here */
     float *dmaster;                      /* [n_params] the fp32 master weights, once a device optimizer has stepped */
-    float *dmoments;                     /* [2, n_params] AdamW's m and v */
+    float *dmoments;                     /* [2, moments_n] AdamW's m and v */
+    int64_t moments_n;                   /* elements of each moment in dmoments: n_params, or a ZeRO-1 shard's count */
     const void *moments_owner;           /* the optimizer (ds4_adamw) whose moments dmoments holds, or NULL */
     float *moments_home[2];              /* that optimizer's host m and v, where the moments go when the model moves */
     void *dscratch;                      /* the optimizer's pieces, coefficients and per-piece results */
@@ -213,10 +214,11 @@ void ds4_tape_free(struct ds4_model *m, struct ds4_tape *t);
 
 /* Training state on the model's backend (backend.c). ds4_model_train_bind: gradients where the model computes (on a
  * device: dgrads, initialised from the host's, gw rebound). ds4_model_master_ready: dmaster from the host params,
- * the moments buffer and the cast table, on first use. ds4_model_host_sync: the host params and gradients brought
+ * the cast table, on first use, and the moments buffer of 2 × moments_n floats (moments_n: n_params, or a ZeRO-1
+ * shard's length; another size than the buffer's hands the moments it holds back to their optimizer and reallocates). ds4_model_host_sync: the host params and gradients brought
  * up to date (a download when they are stale). */
 ds4_status ds4_model_train_bind(struct ds4_model *m, ds4_error *err);
-ds4_status ds4_model_master_ready(struct ds4_model *m, size_t scratch_bytes, ds4_error *err);
+ds4_status ds4_model_master_ready(struct ds4_model *m, size_t scratch_bytes, int64_t moments_n, ds4_error *err);
 ds4_status ds4_model_host_sync(struct ds4_model *m, ds4_error *err);
 
 /* Build the parameter table for `cfg` (with MTP when `with_mtp`), allocate the flat buffer (zeroed) and

@@ -587,6 +587,46 @@ static ds4_status step_norm_check(const ds4_adamw *a, size_t nr, double norm, do
     return DS4_OK;
 }
 
+/* ZeRO-1 on a device: this rank's pieces are the run [*k0, *k1) of the step's pieces that lie in its region (whole
+ * pieces: a region is a run of pieces, and the pieces ascend in offset); unsharded, all of them. */
+static void own_piece_run(const ds4_adamw *a, int64_t nc, int64_t *k0, int64_t *k1) {
+    int64_t k = 0;
+    if (a->sharded)
+        while (k < nc && a->pieces[k].off < a->lo) k++;
+    *k0 = k;
+    if (a->sharded)
+        while (k < nc && a->pieces[k].off < a->hi) k++;
+    *k1 = a->sharded ? k : nc;
+}
+
+/* The refusal count of a device step, from the per-piece counts of pieces [k0, k1) (a->bad[k]): the total, and the
+ * first trainable range with one in *first (nr when none). Sharded: counted per range and summed over the ranks, so
+ * every rank refuses together. */
+static ds4_status device_refusals(ds4_adamw *a, size_t nr, int64_t k0, int64_t k1, int64_t *bad, size_t *first,
+                                  ds4_error *err) {
+    *bad = 0;
+    *first = nr;
+    if (!a->sharded) {
+        for (int64_t k = k0; k < k1; k++) {
+            if (a->bad[k] > 0 && a->chunks[k].range < *first) *first = a->chunks[k].range;
+            *bad += a->bad[k];
+        }
+        return DS4_OK;
+    }
+    memset(a->bad_ranges, 0, nr * sizeof *a->bad_ranges);
+    for (int64_t k = k0; k < k1; k++) a->bad_ranges[a->chunks[k].range] += (double)a->bad[k];
+    ds4_status s = a->sh.sum_f64(a->sh.ctx, a->bad_ranges, (int64_t)nr, err);
+    if (s) {
+        ds4_error_prefix(err, "adamw step (sharded): the refusal counts: ");
+        return s;
+    }
+    for (size_t k = 0; k < nr; k++) {
+        if (a->bad_ranges[k] > 0 && *first == nr) *first = k;
+        *bad += (int64_t)a->bad_ranges[k];
+    }
+    return DS4_OK;
+}
+
 static ds4_status adamw_step_device(ds4_adamw *a, size_t nr, int64_t total_elems, ds4_adamw_stats *stats,
                                     ds4_error *err) {
     ds4_model *m = a->model;
@@ -596,9 +636,12 @@ static ds4_status adamw_step_device(ds4_adamw *a, size_t nr, int64_t total_elems
     const size_t off_bad = (size_t)a->max_chunks * sizeof(double), off_pieces = 2 * off_bad,
                  off_coefs = off_pieces + (size_t)a->max_chunks * sizeof(ds4_optim_piece),
                  scratch = off_coefs + (a->n_tensors ? a->n_tensors : 1) * sizeof(ds4_adamw_coefs);
-    ds4_status s = ds4_model_master_ready(m, scratch, err); /* with adapters: the scratch only */
+    /* the moments this optimizer holds: elements [mo, mo + mn) of the flat buffer (a ZeRO-1 shard's, or all) */
+    int64_t mo = 0, mn = 0;
+    ds4_adamw_shard_region(a, &mo, &mn);
+    ds4_status s = ds4_model_master_ready(m, scratch, mn, err); /* with adapters: the scratch only */
     if (s) return s;
-    const size_t P = (size_t)a->n_params, bytes = P * sizeof(float);
+    const size_t mbytes = (size_t)mn * sizeof(float);
     /* the buffers stepped: the model's fp32 master (then cast to the working copy), or the adapters, which are fp32
      * and read by the kernels directly */
     float **dmom = l ? &l->dmoments : &m->dmoments;
@@ -606,7 +649,7 @@ static ds4_status adamw_step_device(ds4_adamw *a, size_t nr, int64_t total_elems
     float **home = l ? l->moments_home : m->moments_home;
     if (l && !l->dmoments) {
         void *mem = NULL;
-        if ((s = d->ops->alloc(d, 2 * bytes, &mem, err))) {
+        if ((s = d->ops->alloc(d, 2 * mbytes, &mem, err))) {
             ds4_error_prefix(err, "adamw step: adapter moments on %s: ", ds4_model_device_name(m));
             return s;
         }
@@ -614,7 +657,9 @@ static ds4_status adamw_step_device(ds4_adamw *a, size_t nr, int64_t total_elems
         l->moments_owner = NULL;
     }
     if (*owner != a) { /* this optimizer's moments are on the host: send them */
-        if ((s = d->ops->upload(d, *dmom, a->m, bytes, err)) || (s = d->ops->upload(d, *dmom + P, a->v, bytes, err))) {
+        s = d->ops->upload(d, *dmom, a->m, mbytes, err);
+        if (!s) s = d->ops->upload(d, *dmom + mn, a->v, mbytes, err);
+        if (s) {
             ds4_error_prefix(err, "adamw step: the moments to %s: ", ds4_model_device_name(m));
             return s;
         }
@@ -627,7 +672,7 @@ static ds4_status adamw_step_device(ds4_adamw *a, size_t nr, int64_t total_elems
     int64_t *d_bad = (int64_t *)(void *)(sc + off_bad);
     ds4_optim_piece *d_pieces = (ds4_optim_piece *)(void *)(sc + off_pieces);
     ds4_adamw_coefs *d_coefs = (ds4_adamw_coefs *)(void *)(sc + off_coefs);
-    float *grads = l ? l->dgrads : m->dgrads, *master = l ? l->dparams : m->dmaster, *mom = *dmom, *mov = *dmom + P;
+    float *grads = l ? l->dgrads : m->dgrads, *master = l ? l->dparams : m->dmaster, *mom = *dmom, *mov = *dmom + mn;
     const float *host_grads = l ? l->grads : m->grads;
     /* pieces in flat offsets: the ranges were built over the host buffers, whose offsets the device buffers share */
     ds4_optim_make_chunks(a->ranges, nr, a->chunks);
@@ -636,10 +681,20 @@ static ds4_status adamw_step_device(ds4_adamw *a, size_t nr, int64_t total_elems
         a->pieces[k] = (ds4_optim_piece){.off = (a->ranges[c->range].g - host_grads) + c->begin, .n = c->n,
                                          .range = (int64_t)c->range};
     }
-    ds4_dev_upload(d, d_pieces, a->pieces, (size_t)nc * sizeof *a->pieces);
-    OP(d, optim_sumsq, .pieces = d_pieces, .n = nc, .g = grads, .partial = d_partial);
-    ds4_dev_download(d, a->partial, d_partial, (size_t)nc * sizeof(double));
+    /* the pieces this rank steps (sharded: those of its region; the others' sums of squares are 0 here) */
+    int64_t k0 = 0, k1 = 0;
+    own_piece_run(a, nc, &k0, &k1);
+    const int64_t no = k1 - k0;
+    memset(a->partial, 0, (size_t)nc * sizeof *a->partial);
+    ds4_dev_upload(d, d_pieces, a->pieces + k0, (size_t)no * sizeof *a->pieces);
+    OP(d, optim_sumsq, .pieces = d_pieces, .n = no, .g = grads, .partial = d_partial);
+    ds4_dev_download(d, a->partial + k0, d_partial, (size_t)no * sizeof(double));
     if ((s = ds4_dev_check(d, "adamw step: gradient norm: ", err))) return s;
+    /* sharded: every piece's sum from its owner (the others add zeros, exactly) */
+    if (a->sharded && (s = a->sh.sum_f64(a->sh.ctx, a->partial, nc, err))) {
+        ds4_error_prefix(err, "adamw step (sharded): the gradient norm's partial sums: ");
+        return s;
+    }
     double total = 0;
     for (size_t i = 0, k = 0; i < nr; i++) { /* per tensor, then tensors in order: the host step's additions */
         double t = 0;
@@ -653,16 +708,13 @@ static ds4_status adamw_step_device(ds4_adamw *a, size_t nr, int64_t total_elems
     for (size_t k = 0; k < nr; k++)
         a->coefs[k] = ds4_adamw_coefs_at(&a->h, a->tensor_steps[a->range_tensor[k]] + 1, lr, a->ranges[k].c.decay);
     ds4_dev_upload(d, d_coefs, a->coefs, nr * sizeof *a->coefs);
-    OP(d, adamw, .pieces = d_pieces, .n = nc, .coefs = d_coefs, .coef = coef, .p = master, .g = grads, .m = mom,
-       .v = mov, .bad = d_bad, .update = 0);
-    ds4_dev_download(d, a->bad, d_bad, (size_t)nc * sizeof(int64_t));
+    OP(d, adamw, .pieces = d_pieces, .n = no, .coefs = d_coefs, .coef = coef, .p = master, .g = grads, .m = mom,
+       .v = mov, .bad = d_bad, .update = 0, .mo = mo);
+    ds4_dev_download(d, a->bad + k0, d_bad, (size_t)no * sizeof(int64_t));
     if ((s = ds4_dev_check(d, "adamw step: finiteness check: ", err))) return s;
     int64_t bad = 0;
     size_t first = nr;
-    for (int64_t k = 0; k < nc; k++) {
-        if (a->bad[k] > 0 && a->chunks[k].range < first) first = a->chunks[k].range;
-        bad += a->bad[k];
-    }
+    if ((s = device_refusals(a, nr, k0, k1, &bad, &first, err))) return s;
     if (bad > 0) {
         return ds4_fail(err, DS4_ERR_ARG,
                         "adamw step %lld: the update would make %lld of %lld parameters non-finite (first in %s; lr %g, "
@@ -670,8 +722,19 @@ static ds4_status adamw_step_device(ds4_adamw *a, size_t nr, int64_t total_elems
                         (long long)a->steps + 1, (long long)bad, (long long)total_elems,
                         first < nr ? target_name(m, a->range_tensor[first]) : "?", lr, norm, a->o.clip);
     }
-    OP(d, adamw, .pieces = d_pieces, .n = nc, .coefs = d_coefs, .coef = coef, .p = master, .g = grads, .m = mom,
-       .v = mov, .update = 1);
+    OP(d, adamw, .pieces = d_pieces, .n = no, .coefs = d_coefs, .coef = coef, .p = master, .g = grads, .m = mom,
+       .v = mov, .update = 1, .mo = mo);
+    if (a->sharded) {
+        /* every rank's region of the master from its owner (NCCL, on its own stream: the update must have finished) */
+        s = ds4_dev_check(d, "adamw step (sharded): update: ", err);
+        if (!s) s = d->ops->sync(d, err);
+        if (!s && (s = a->sh.gather_dev_f32(a->sh.ctx, master, a->roff, a->rlen, err)))
+            ds4_error_prefix(err, "adamw step (sharded): gathering the updated master weights: ");
+        if (s) {
+            ds4_error_prefix(err, "the model's weights on the device may be partly updated: ");
+            return s;
+        }
+    }
     if (!l) OP(d, cast_params, .dst = m->dev_mem, .src = master, .e = m->dcast, .n = m->n_cast, .mdt = m->dev_w.mdt);
     if ((s = ds4_dev_check(d, "adamw step: update: ", err))) {
         /* the update may be half written: the device copies cannot be trusted; say so */
@@ -698,9 +761,11 @@ ds4_status ds4_adamw_sync_state(ds4_adamw *a, ds4_error *err) {
     const void *owner = m->lora ? m->lora->moments_owner : m->moments_owner;
     float *dmom = m->lora ? m->lora->dmoments : m->dmoments;
     if (owner != a || !dmom) return DS4_OK;
-    const size_t P = (size_t)a->n_params, bytes = P * sizeof(float);
+    int64_t off = 0, len = 0; /* the moments held: the whole buffer's, or this rank's shard's (ZeRO-1) */
+    ds4_adamw_shard_region(a, &off, &len);
+    const size_t bytes = (size_t)len * sizeof(float);
     ds4_status s = m->dev->ops->download(m->dev, a->m, dmom, bytes, err);
-    if (!s) s = m->dev->ops->download(m->dev, a->v, dmom + P, bytes, err);
+    if (!s) s = m->dev->ops->download(m->dev, a->v, dmom + len, bytes, err);
     if (s) ds4_error_prefix(err, "adamw state: reading the moments back from %s: ", ds4_model_device_name(m));
     return s;
 }
@@ -741,9 +806,16 @@ ds4_status ds4_adamw_set_shard(ds4_adamw *a, const ds4_adamw_shard *s, ds4_error
     if (a->sharded) return ds4_fail(err, DS4_ERR_ARG, "adamw shard: the optimizer is sharded already");
     if (a->lora) return ds4_fail(err, DS4_ERR_UNSUPPORTED, "adamw shard: an optimizer of LoRA adapters is not sharded");
     ds4_model *m = a->model;
-    if (!m->dev->host_visible)
-        return ds4_fail(err, DS4_ERR_UNSUPPORTED, "adamw shard: the model is on %s; ZeRO-1 is written for host (CPU) "
-                                                  "models only", ds4_model_device_name(m));
+    if (!m->dev->host_visible && !s->gather_dev_f32)
+        return ds4_fail(err, DS4_ERR_UNSUPPORTED, "adamw shard: the model is on %s and the collectives have no device "
+                                                  "all-gather: a device model needs the NCCL communicator (Lua: "
+                                                  "ds4.dist.init{device = \"cuda\"})", ds4_model_device_name(m));
+    /* moments the optimizer keeps on the device come back first: the shard is cut from the current state */
+    ds4_status st = ds4_adamw_sync_state(a, err);
+    if (st) {
+        ds4_error_prefix(err, "adamw shard: ");
+        return st;
+    }
     int64_t first = 0, end = 0;
     const int64_t pieces = piece_at(m, a->n_tensors, -1, &first, &end);
     const size_t W = (size_t)s->world, tn = a->n_tensors ? a->n_tensors : 1;
@@ -782,16 +854,19 @@ ds4_status ds4_adamw_set_shard(ds4_adamw *a, const ds4_adamw_shard *s, ds4_error
     a->lo = lo, a->hi = lo + n;
     a->sh = *s;
     a->sharded = 1;
+    ds4_adamw_state_changed(a); /* a model on a device gets the shard's moments at the next step */
     return DS4_OK;
 }
 
 ds4_status ds4_adamw_gather_moments(ds4_adamw *a, float *m, float *v, ds4_error *err) {
+    ds4_status s = ds4_adamw_sync_state(a, err); /* moments held on the model's device come back first */
+    if (s) return s;
     int64_t off = 0, len = 0;
     ds4_adamw_shard_region(a, &off, &len);
     memcpy(m + off, a->m, (size_t)len * sizeof *m);
     memcpy(v + off, a->v, (size_t)len * sizeof *v);
     if (!a->sharded) return DS4_OK;
-    ds4_status s = a->sh.gather_f32(a->sh.ctx, m, a->roff, a->rlen, err);
+    s = a->sh.gather_f32(a->sh.ctx, m, a->roff, a->rlen, err);
     if (!s) s = a->sh.gather_f32(a->sh.ctx, v, a->roff, a->rlen, err);
     if (s) ds4_error_prefix(err, "adamw gather moments: ");
     return s;
@@ -963,6 +1038,11 @@ ds4_status ds4_adamw_step(ds4_adamw *a, ds4_adamw_stats *stats, ds4_error *err) 
     if (nc > a->max_chunks)
         return ds4_fail(err, DS4_ERR_INTERNAL, "adamw step: %lld chunks > the %lld planned at create", (long long)nc,
                         (long long)a->max_chunks);
+    if (on_device && a->sharded && !a->sh.gather_dev_f32)
+        return ds4_fail(err, DS4_ERR_UNSUPPORTED, "adamw step: the optimizer was sharded (ZeRO-1) without a device "
+                                                  "all-gather and the model is now on %s: shard it with the NCCL "
+                                                  "communicator (Lua: ds4.dist.init{device = \"cuda\"})",
+                        ds4_model_device_name(m));
     if (on_device) return adamw_step_device(a, nr, total_elems, stats, err);
     ds4_optim_make_chunks(a->ranges, nr, a->chunks);
     ds4_pool *pool = total_elems >= SERIAL_BELOW ? m->engine->pool : NULL;

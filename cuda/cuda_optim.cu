@@ -42,9 +42,12 @@ __device__ __forceinline__ elem_out adamw_elem(const ds4_adamw_coefs &c, float p
     return o;
 }
 
+// m and v hold elements [mo, ...) of the flat buffer (a ZeRO-1 shard's moments; mo = 0: all of it): element k's
+// moments are m[k - mo], v[k - mo].
 __global__ void __launch_bounds__(OPT_THREADS) adamw_check_kernel(const ds4_optim_piece *pc, const ds4_adamw_coefs *cf,
                                                                   float coef, const float *p, const float *g,
-                                                                  const float *m, const float *v, int64_t *bad) {
+                                                                  const float *m, const float *v, int64_t mo,
+                                                                  int64_t *bad) {
     __shared__ double sh[OPT_THREADS / 32];
     const ds4_optim_piece q = pc[blockIdx.x];
     const ds4_adamw_coefs c = cf[q.range];
@@ -52,7 +55,7 @@ __global__ void __launch_bounds__(OPT_THREADS) adamw_check_kernel(const ds4_opti
     for (int64_t i = threadIdx.x; i < q.n; i += OPT_THREADS) {
         const int64_t k = q.off + i;
         const float gi = coef == 1.0f ? g[k] : __fmul_rn(g[k], coef);
-        const elem_out o = adamw_elem(c, p[k], gi, m[k], v[k]);
+        const elem_out o = adamw_elem(c, p[k], gi, m[k - mo], v[k - mo]);
         nb += !(isfinite(o.p) && isfinite(o.m) && isfinite(o.v));
     }
     nb = ds4d_block_sum(nb, sh);
@@ -60,17 +63,18 @@ __global__ void __launch_bounds__(OPT_THREADS) adamw_check_kernel(const ds4_opti
 }
 
 __global__ void __launch_bounds__(OPT_THREADS) adamw_update_kernel(const ds4_optim_piece *pc, const ds4_adamw_coefs *cf,
-                                                                   float coef, float *p, float *g, float *m, float *v) {
+                                                                   float coef, float *p, float *g, float *m, float *v,
+                                                                   int64_t mo) {
     const ds4_optim_piece q = pc[blockIdx.x];
     const ds4_adamw_coefs c = cf[q.range];
     for (int64_t i = threadIdx.x; i < q.n; i += OPT_THREADS) {
-        const int64_t k = q.off + i;
+        const int64_t k = q.off + i, j = k - mo;
         float gi = g[k];
         if (coef != 1.0f) g[k] = gi = __fmul_rn(gi, coef); // the clipped gradient stays in the buffer, as on the host
-        const elem_out o = adamw_elem(c, p[k], gi, m[k], v[k]);
+        const elem_out o = adamw_elem(c, p[k], gi, m[j], v[j]);
         p[k] = o.p;
-        m[k] = o.m;
-        v[k] = o.v;
+        m[j] = o.m;
+        v[j] = o.v;
     }
 }
 
@@ -111,10 +115,10 @@ void ds4_cuda_adamw(ds4_dev *d, const ds4_a_adamw *a) {
     }
     if (a->update) {
         adamw_update_kernel<<<(unsigned)a->n, OPT_THREADS, 0, cdev(d)->stream>>>(a->pieces, a->coefs, a->coef, a->p, a->g, a->m,
-                                                                       a->v);
+                                                                       a->v, a->mo);
     } else {
         adamw_check_kernel<<<(unsigned)a->n, OPT_THREADS, 0, cdev(d)->stream>>>(a->pieces, a->coefs, a->coef, a->p,
-                                                                               a->g, a->m, a->v, a->bad);
+                                                                               a->g, a->m, a->v, a->mo, a->bad);
     }
     ds4_cuda_launched(d, "adamw", "[%lld pieces, %s]", (long long)a->n, a->update ? "update" : "check");
 }

@@ -352,6 +352,24 @@ ds4_status ds4_comm_all_gather_regions(ds4_comm *c, void *buf, size_t esz, const
     return st;
 }
 
+/* One in-place broadcast per rank, rooted at it (the NCCL path ds4_comm_device_broadcast already takes), each
+ * complete before the next: the regions are unequal, and a few broadcasts per optimizer step cost little. */
+ds4_status ds4_comm_device_all_gather_regions(ds4_comm *c, void *dev_buf, size_t esz, const int64_t *off,
+                                              const int64_t *len, ds4_error *err) {
+    ds4_status st = need_nccl(c, "all_gather_regions", err);
+    if (st) return st;
+    if (!dev_buf || !off || !len || esz == 0)
+        return ds4_fail(err, DS4_ERR_ARG, "dist all_gather_regions (device): buffer or regions missing");
+    for (int32_t r = 0; r < c->world_size; r++)
+        if (off[r] < 0 || len[r] < 0)
+            return ds4_fail(err, DS4_ERR_ARG, "dist all_gather_regions (device): rank %d's region [%lld, +%lld)", r,
+                            (long long)off[r], (long long)len[r]);
+    if (c->world_size == 1) return DS4_OK; /* its own region is all there is */
+    for (int32_t r = 0; r < c->world_size && !st; r++)
+        st = ds4_comm_device_broadcast(c, (char *)dev_buf + (size_t)off[r] * esz, (size_t)len[r] * esz, r, err);
+    return st;
+}
+
 static ds4_status zero_sum(void *ctx, double *buf, int64_t n, ds4_error *err) {
     return ds4_comm_all_reduce_sum(ctx, DS4_F64, buf, n, err);
 }
@@ -360,10 +378,15 @@ static ds4_status zero_gather(void *ctx, float *buf, const int64_t *off, const i
     return ds4_comm_all_gather_regions(ctx, buf, sizeof *buf, off, len, err);
 }
 
+static ds4_status zero_gather_dev(void *ctx, float *dev_buf, const int64_t *off, const int64_t *len, ds4_error *err) {
+    return ds4_comm_device_all_gather_regions(ctx, dev_buf, sizeof *dev_buf, off, len, err);
+}
+
 ds4_status ds4_comm_shard_optimizer(ds4_comm *c, ds4_adamw *a, ds4_error *err) {
     if (!c || !a) return ds4_fail(err, DS4_ERR_ARG, "dist shard_optimizer: communicator or optimizer is NULL");
+    /* a device model's master weights are gathered through NCCL, when the communicator has it */
     const ds4_adamw_shard sh = {.rank = c->rank, .world = c->world_size, .ctx = c, .sum_f64 = zero_sum,
-                                .gather_f32 = zero_gather};
+                                .gather_f32 = zero_gather, .gather_dev_f32 = c->nccl ? zero_gather_dev : NULL};
     ds4_status st = ds4_adamw_set_shard(a, &sh, err);
     if (st) ds4_error_prefix(err, "dist shard_optimizer: ");
     return st;

@@ -128,9 +128,14 @@ ds4_status ds4_comm_device_all_to_all_v(ds4_comm *c, const void *dev_send, const
  * same off / len on every rank): the all-gather of a sharded buffer (ZeRO-1's updated parameters). */
 ds4_status ds4_comm_all_gather_regions(ds4_comm *c, void *buf, size_t esz, const int64_t *off, const int64_t *len,
                                        ds4_error *err);
+/* The same on a buffer in the memory of the communicator's CUDA device (NCCL: one in-place broadcast per rank, rooted
+ * at it); returns once complete there. DS4_ERR_ARG without an NCCL communicator. */
+ds4_status ds4_comm_device_all_gather_regions(ds4_comm *c, void *dev_buf, size_t esz, const int64_t *off,
+                                              const int64_t *len, ds4_error *err);
 /* ZeRO-1 over this communicator (ds4_adamw_set_shard): the optimizer keeps the moments of this rank's shard and
  * updates its parameters only; its steps then sum the norm's partials and gather the parameters here, so the
- * communicator must outlive its steps. Host (CPU) models. */
+ * communicator must outlive its steps. A CUDA model's (on the communicator's device) needs the NCCL communicator: its
+ * updated fp32 master weights are gathered through it. */
 ds4_status ds4_comm_shard_optimizer(ds4_comm *c, ds4_adamw *a, ds4_error *err);
 
 /* Data parallelism's step between backward and the optimizer: the model's gradient buffer times `scale` (this

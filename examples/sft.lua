@@ -65,7 +65,7 @@ local SPEC = {
         { "steps", 150, "optimizer updates" },
         { "batch", 16, "rows per update" },
         { "micro_batches", 1, "micro-batches per update on each rank (gradient accumulation)" },
-        { "zero", false, "with several ranks: ZeRO-1, each keeps and steps its shard of the optimizer (CPU models)" },
+        { "zero", false, "with several ranks: ZeRO-1, each keeps and steps its shard of the optimizer" },
         { "lr", 3e-3, "peak learning rate" },
         { "warmup", -1, "warm-up updates (-1: steps / 10)" },
         { "weight_decay", 0.1, "AdamW weight decay" },

@@ -567,12 +567,20 @@ static int m_n_params(lua_State *L) {
 
 /* model:memory() -> {params = fp32 parameter bytes (host), fp4_experts = FP4-resident expert bytes (host),
  * device = the weights' bytes on the model's backend (0 on the CPU), device_fp4_experts = of those, the FP4-resident
- * experts'} */
+ * experts', device_grads / device_master / device_moments = the training state's bytes there (the gradients, the
+ * fp32 master weights, the optimizer's two moments: a ZeRO-1 shard's only when sharded; 0 on the CPU)} */
 static int m_memory(lua_State *L) {
     const ds4_model *m = check_model(L, "ds4.model:memory")->m;
-    int64_t dev_fp4 = 0;
+    int64_t dev_fp4 = 0, tg = 0, tm = 0, tv = 0;
     const int64_t dev = ds4_model_device_bytes(m, &dev_fp4);
-    lua_createtable(L, 0, 4);
+    ds4_model_train_device_bytes(m, &tg, &tm, &tv);
+    lua_createtable(L, 0, 7);
+    lua_pushnumber(L, (lua_Number)tg);
+    lua_setfield(L, -2, "device_grads");
+    lua_pushnumber(L, (lua_Number)tm);
+    lua_setfield(L, -2, "device_master");
+    lua_pushnumber(L, (lua_Number)tv);
+    lua_setfield(L, -2, "device_moments");
     lua_pushnumber(L, (lua_Number)ds4_model_param_count(m) * 4);
     lua_setfield(L, -2, "params");
     lua_pushnumber(L, (lua_Number)ds4_model_fp4_bytes(m));

@@ -16,7 +16,7 @@
  *                                      (a CUDA model: on its device, through NCCL; with LoRA adapters attached,
  *                                      the adapters' gradient buffer, the only one that exists then)
  *   ds4.dist.shard_optimizer(opt)      ZeRO-1: this rank keeps and steps its shard of the optimizer -> offset, count
- *                                      of its region of the flat buffer (host models)
+ *                                      of its region of the flat buffer (a CUDA model: with NCCL, init{device})
  *   ds4.dist.expert_parallel(model [, on])   routed experts split over the ranks (on = true, the default; false:
  *                                      off again); the model's forwards and backwards are then collective
  *   ds4.dist.finalize()                MPI_Finalize / NCCL finalize (every rank must call it)
@@ -304,6 +304,11 @@ static ds4_status zero_gather(void *ctx, float *buf, const int64_t *off, const i
     return b->c ? ds4_comm_all_gather_regions(b->c, buf, sizeof *buf, off, len, err) : finalized(err);
 }
 
+static ds4_status zero_gather_dev(void *ctx, float *dev_buf, const int64_t *off, const int64_t *len, ds4_error *err) {
+    comm_box *b = ctx;
+    return b->c ? ds4_comm_device_all_gather_regions(b->c, dev_buf, sizeof *dev_buf, off, len, err) : finalized(err);
+}
+
 /* ds4.dist.shard_optimizer(opt): ZeRO-1 (ds4_adamw_set_shard): this rank keeps the Adam moments of its shard of the
  * flat buffer and updates those parameters only; each step sums the norm's partial sums over ranks and gathers the
  * updated parameters, so every rank ends each step with the unsharded optimizer's weights, bit for bit. opt:state()
@@ -313,8 +318,10 @@ static int d_shard_optimizer(lua_State *L) {
     comm_box *b = current(L);
     if (!b) ds4l_raise(L, "%s: the communicator is not initialized (call ds4.dist.init() first)", fname);
     ds4_adamw *a = ds4l_adamw_check(L, 1, fname);
+    /* with NCCL (ds4.dist.init{device = "cuda"}) a CUDA model's master weights are gathered on its GPU */
     const ds4_adamw_shard sh = {.rank = ds4_comm_rank(b->c), .world = ds4_comm_world_size(b->c), .ctx = b,
-                                .sum_f64 = zero_sum, .gather_f32 = zero_gather};
+                                .sum_f64 = zero_sum, .gather_f32 = zero_gather,
+                                .gather_dev_f32 = ds4_comm_device(b->c) >= 0 ? zero_gather_dev : NULL};
     ds4_error err = {0};
     if (ds4_adamw_set_shard(a, &sh, &err) != DS4_OK) ds4l_raise_ds4(L, fname, &err);
     lua_getfenv(L, 1); /* the optimizer keeps the box (and so the ctx above) alive */

@@ -371,6 +371,32 @@ static void optimizer_ops(ds4_engine *eng) {
     ds4_dev_download(gpu, back, d_buf, (size_t)(4 * N) * 4);
     CHECK_OK(ds4_dev_check(gpu, "adamw", &err), &err);
     CHECK(memcmp(back, buf, (size_t)(4 * N) * 4) == 0, "adamw update: the device's p, g, m, v differ from the cpu's");
+    {
+        /* a ZeRO-1 shard: the third tensor's pieces, their moments alone in a buffer of their own (mo = its offset),
+         * against the cpu's update of the whole buffers over the same pieces */
+        const int64_t k0 = np - 3, mo = sizes[0] + sizes[1], len = sizes[2];
+        float *ms = malloc((size_t)(2 * len) * 4), *mback = malloc((size_t)(2 * len) * 4);
+        memcpy(ms, buf + 2 * N + mo, (size_t)len * 4);
+        memcpy(ms + len, buf + 3 * N + mo, (size_t)len * 4);
+        void *d_ms = NULL;
+        CHECK_OK(gpu->ops->alloc(gpu, (size_t)(2 * len) * 4, &d_ms, &err), &err);
+        CHECK_OK(gpu->ops->upload(gpu, d_ms, ms, (size_t)(2 * len) * 4, &err), &err);
+        const ds4_optim_piece *d_own = (const ds4_optim_piece *)d_pc + k0;
+        OP(cpu, adamw, .pieces = pc + k0, .n = 3, .coefs = cf, .coef = 0.75f, .p = buf, .g = buf + N, .m = buf + 2 * N,
+           .v = buf + 3 * N, .update = 1);
+        OP(gpu, adamw, .pieces = d_own, .n = 3, .coefs = d_cf, .coef = 0.75f, .p = dp, .g = dg, .m = d_ms,
+           .v = (float *)d_ms + len, .update = 1, .mo = mo);
+        ds4_dev_download(gpu, back, d_buf, (size_t)(2 * N) * 4);
+        ds4_dev_download(gpu, mback, d_ms, (size_t)(2 * len) * 4);
+        CHECK_OK(ds4_dev_check(gpu, "adamw (shard)", &err), &err);
+        CHECK(memcmp(back, buf, (size_t)(2 * N) * 4) == 0, "adamw update of a shard: p, g differ from the cpu's");
+        CHECK(memcmp(mback, buf + 2 * N + mo, (size_t)len * 4) == 0 &&
+                  memcmp(mback + len, buf + 3 * N + mo, (size_t)len * 4) == 0,
+              "adamw update of a shard: its moments differ from the cpu's");
+        gpu->ops->free(gpu, d_ms);
+        free(ms);
+        free(mback);
+    }
     /* cast: bf16 of the first tensor, fp32 of the rest, into a packed destination */
     ds4_cast_entry ce[3] = {{0, 0, sizes[0], 1}, {sizes[0], 2 * sizes[0] + 2, sizes[1], 0},
                             {sizes[0] + sizes[1], 2 * sizes[0] + 2 + 4 * sizes[1] + 4, sizes[2], 1}};

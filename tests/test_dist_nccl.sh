@@ -11,7 +11,13 @@
 #          expert-parallel run its logits, expert gradients and loads (bitwise) and the rest; then a rank
 #          killed (SIGKILL) or hung after the first all-reduce: the survivor's NCCL all-reduce must fail, naming NCCL,
 #          within DS4_DIST_TIMEOUT (20 s here) plus a margin — not hang; examples/sft.lua on 2 GPUs against one GPU of
-#          2 micro-batches (bitwise, fp32 and bf16); on 1 GPU, test_grad_accum.lua on the CUDA backend.
+#          2 micro-batches (bitwise, fp32 and bf16), with and without --zero; on 1 GPU, test_grad_accum.lua on the
+#          CUDA backend.
+#   ZeRO-1 on 2 GPUs (tests/lua/dist_zero.lua, DS4_TEST_DEVICE=cuda): the sharded device optimizer (its shard's moments
+#          on the GPU, the updated master weights gathered through NCCL) against the unsharded one after every step
+#          (weights, gradient norm, gathered moments: bitwise), each rank's training-state bytes on its GPU printed
+#          ("dist_zero memory:" lines: the moments half of the unsharded ones), and its checkpoint resumed on 1 GPU
+#          and on 2, each equal to one uninterrupted process, bitwise.
 set -uo pipefail
 DS4="$1"; FIX="$2"; SRC="$3"
 T="$SRC/tests/lua"
@@ -34,7 +40,8 @@ fi
 fail=0
 bad() { echo "FAIL: $*"; fail=1; }
 LOG="$(mktemp -d "${TMPDIR:-/tmp}/ds4-dist-nccl.XXXXXX")"
-trap 'rm -rf "$LOG"' EXIT
+ZCK="$LOG.zero" # ZeRO-1's checkpoint (beside the logs, which show() prints)
+trap 'rm -rf "$LOG" "$ZCK"' EXIT
 show() { for f in "$LOG"/*; do echo "--- $f"; tail -n 20 "$f"; done; }
 export DS4_DIST_TIMEOUT=120
 # (NCCL_DEBUG=WARN, the default, prints NCCL's own warnings, which go into the logs shown on failure)
@@ -108,6 +115,21 @@ for np in $sizes; do
 done
 rm -f "$LOG"/run.* "$LOG/mpi"
 
+# ZeRO-1 on 2 GPU ranks (torchrun-style): sharded = unsharded after every step; a checkpoint after 2 steps resumed on
+# 1 GPU (a world of one) and on 2, each ending with the weights of one uninterrupted process (bitwise: 2 ranks' NCCL
+# sums are one addition per element)
+Z=(env DS4_TEST_DEVICE=cuda "$DS4" run "$T/dist_zero.lua" "$FIX")
+launch 2 "$LOG/run" 300 "${Z[@]}" save "$ZCK" 2
+grep -h "dist_zero \(save\|memory\):" "$LOG"/run.0 "$LOG"/run.1
+all_passed 2 dist_zero "$LOG/run" || { show; bad "ZeRO-1 on cuda, 2 ranks, torchrun-style (exit ${RCS[*]})"; }
+"${Z[@]}" resume "$ZCK" 2 >"$LOG/one.0" 2>&1
+grep -h "dist_zero resume:" "$LOG/one.0"
+all_passed 1 dist_zero "$LOG/one" || { show; bad "ZeRO-1 on cuda: the 2-rank checkpoint resumed on 1 GPU"; }
+launch 2 "$LOG/run" 300 "${Z[@]}" resume "$ZCK" 2
+grep -h "dist_zero resume:" "$LOG/run.0"
+all_passed 2 dist_zero "$LOG/run" || { show; bad "ZeRO-1 on cuda: the 2-rank checkpoint resumed on 2 GPUs (exit ${RCS[*]})"; }
+rm -f "$LOG"/run.* "$LOG"/one.*
+
 # examples/sft.lua data parallel on 2 GPUs (torchrun-style; each rank on its GPU, gradients through NCCL) against one
 # GPU with 2 micro-batches: the same weights and metrics, bit for bit (with 2 ranks NCCL's sum is one addition per
 # element), in fp32 and bf16 (tests/lua/dist_compare_runs.lua)
@@ -119,6 +141,13 @@ for dt in fp32 bf16; do
         echo "sft, 2 GPUs = 1 GPU of 2 micro-batches ($dt): $(grep 'dist_compare_runs:' "$LOG/cmp" | head -1)"
     else
         cat "$LOG/cmp"; bad "sft, 2 GPUs vs 1 GPU of 2 micro-batches ($dt)"
+    fi
+    # --zero: each GPU keeps its shard of the moments; the working copy is cast from the gathered master
+    launch 2 "$LOG/sftz" 300 "$DS4" run "${SFT[@]}" --zero --out "$LOG/sftz_$dt" || { show; bad "sft --zero on 2 GPUs ($dt) (exit ${RCS[*]})"; }
+    if "$DS4" run "$T/dist_compare_runs.lua" "$LOG/sft1_$dt" "$LOG/sftz_$dt" >"$LOG/cmp" 2>&1; then
+        echo "sft --zero, 2 GPUs = 1 GPU of 2 micro-batches ($dt): $(grep 'dist_compare_runs:' "$LOG/cmp" | head -1)"
+    else
+        cat "$LOG/cmp"; bad "sft --zero, 2 GPUs vs 1 GPU of 2 micro-batches ($dt)"
     fi
 done
 rm -rf "$LOG"/sft* "$LOG/cmp"

@@ -55,6 +55,9 @@ ds4_status ds4_model_host_sync(ds4_model *m, ds4_error *err);
  * mirror of a device model is then behind). DS4_ERR_ARG before enable_grad. */
 ds4_status ds4_model_grad_buffer(ds4_model *m, float **out, int64_t *count, ds4_error *err);
 void ds4_model_grads_changed(ds4_model *m);
+/* The training state's bytes on the model's device (0 each on the CPU backend): the gradients, the fp32 master
+ * weights and the optimizer's two moments (a ZeRO-1 shard's only, when the optimizer stepping there is sharded). */
+void ds4_model_train_device_bytes(const ds4_model *m, int64_t *grads, int64_t *master, int64_t *moments);
 /* g[i] *= (float)scale over the whole gradient buffer (the adapters' with LoRA), where the model computes (bitwise the same on CPU and CUDA:
  * one fp32 product per element). */
 ds4_status ds4_model_scale_grads(ds4_model *m, double scale, ds4_error *err);
@@ -212,8 +215,8 @@ typedef struct ds4_adamw_state {
 void ds4_adamw_get_state(ds4_adamw *a, ds4_adamw_state *out);
 ds4_status ds4_adamw_sync_state(ds4_adamw *a, ds4_error *err);
 void ds4_adamw_state_changed(ds4_adamw *a);
-/* The whole moments, m and v [n_params] each (a sharded optimizer gathers every rank's part: a collective step,
- * every rank calls it). */
+/* The whole moments, m and v [n_params] each (read back from the model's device first when they are there; a sharded
+ * optimizer gathers every rank's part: a collective step, every rank calls it). */
 ds4_status ds4_adamw_gather_moments(ds4_adamw *a, float *m, float *v, ds4_error *err);
 
 /* ZeRO-1 (docs/distributed.md, "ZeRO-1"): the ranks of a data-parallel job split the optimizer. The flat buffer's
@@ -222,7 +225,9 @@ ds4_status ds4_adamw_gather_moments(ds4_adamw *a, float *m, float *v, ds4_error 
  * only those parameters; the gradient norm's per-piece sums of squares are summed over ranks (each piece has one
  * owner: the others add zeros), so the norm, the clip coefficient, every update and the refusal of a non-finite one
  * are the bits the unsharded optimizer computes; then the updated parameters are gathered on every rank. Every rank
- * must hold the whole summed gradient (an all-reduce before the step). Host (CPU) models only for now. */
+ * must hold the whole summed gradient (an all-reduce before the step). A model on a device (CUDA) keeps its shard's
+ * moments there, updates its region of the fp32 master weights there, and gathers the master with gather_dev_f32
+ * (NCCL) before the working copy is cast from it. */
 typedef struct ds4_adamw_shard {
     int32_t rank, world;
     void *ctx;
@@ -230,6 +235,9 @@ typedef struct ds4_adamw_shard {
     ds4_status (*sum_f64)(void *ctx, double *buf, int64_t n, ds4_error *err);
     /* in place: buf[off[r] .. off[r] + len[r]) from rank r, for every rank r (the regions are disjoint) */
     ds4_status (*gather_f32)(void *ctx, float *buf, const int64_t *off, const int64_t *len, ds4_error *err);
+    /* the same on a buffer in the model's device memory (NULL: host models only); called once everything enqueued
+     * on the model's device has finished, and returns once the gather has completed there */
+    ds4_status (*gather_dev_f32)(void *ctx, float *dev_buf, const int64_t *off, const int64_t *len, ds4_error *err);
 } ds4_adamw_shard;
 /* Shard the optimizer (its current moments keep their values); the collectives must stay valid while it steps. */
 ds4_status ds4_adamw_set_shard(ds4_adamw *a, const ds4_adamw_shard *s, ds4_error *err);

@@ -13,6 +13,12 @@
 -- with the unsharded optimizer, accumulating the saving world's micro-batches for the first K1 steps and this
 -- world's after (one micro-batch per rank, in rank order, is one process's sequence of micro-batches: the same bits,
 -- docs/distributed.md "Bitwise data parallelism"). So a checkpoint saved by 2 ranks resumes on 1 and on 4 exactly.
+--
+-- DS4_TEST_DEVICE=cuda (tests/test_dist_nccl.sh on a GPU machine): every copy on this rank's GPU (ds4.dist.init{device
+-- = "cuda"}, fp32 mode), gradients all-reduced through NCCL; zero's optimizer keeps its shard's moments on the GPU and
+-- gathers the updated master weights through NCCL. Each rank prints both copies' training state on the device
+-- (model:memory()): zero's moments must take 2 x its region x 4 bytes, plain's 2 x every parameter x 4. The check
+-- against the uninterrupted process runs for 1 and 2 ranks only (NCCL's sum over more is in an order of its own).
 package.path = ((arg[0]:match("^(.*)/[^/]*$") or ".") .. "/?.lua;") .. package.path
 local H = require("harness")
 local ds4 = require("ds4")
@@ -20,7 +26,12 @@ local ffi = require("ffi")
 
 local MODE, DIR, SAVE_WORLD = arg[2], arg[3], tonumber(arg[4] or "2")
 assert(MODE == "save" or MODE == "resume", "usage: dist_zero.lua FIXTURES save|resume DIR SAVE_WORLD")
-local r, n = ds4.dist.init()
+local on_device = os.getenv("DS4_TEST_DEVICE") == "cuda"
+local r, n = ds4.dist.init(on_device and { device = "cuda" } or nil)
+local function place(m)
+    if on_device then m:to(ds4.dist.device(), "fp32") end
+    return m
+end
 local fixture = H.fixtures() .. "/tiny_a"
 local B, S, V, K1, K2 = 4, 37, 256, 2, 2
 local SPLIT = { [1] = { 4 }, [2] = { 1, 3 }, [4] = { 1, 1, 1, 1 } }
@@ -59,7 +70,7 @@ local function dp_step(model, opt, ids)
 end
 
 -- the uninterrupted single-process reference: steps 1..K1 on the saving world's micro-batches, then this world's
-local ref = ds4.load(fixture)
+local ref = place(ds4.load(fixture))
 local ref_opt = ds4.adamw(ref, opts())
 local function ref_step(world)
     ref:zero_grad()
@@ -73,12 +84,12 @@ end
 local mine = micro_batches(n)[r + 1]
 local zero, zopt, plain, popt
 if MODE == "save" then
-    zero, plain = ds4.load(fixture), ds4.load(fixture)
+    zero, plain = place(ds4.load(fixture)), place(ds4.load(fixture))
     zopt, popt = ds4.adamw(zero, opts()), ds4.adamw(plain, opts())
 else
     local dir, _, _, step = ds4.checkpoints.load(DIR)
     H.eq(step, K1, "the checkpoint's step")
-    zero, plain = ds4.load(dir), ds4.load(dir)
+    zero, plain = place(ds4.load(dir)), place(ds4.load(dir))
     zopt, popt = ds4.adamw(zero, opts()), ds4.adamw(plain, opts())
     local st = ds4.checkpoints.read_state(dir, "optimizer")
     for _, o in ipairs({ zopt, popt }) do
@@ -117,8 +128,21 @@ for k = first_step, first_step + steps - 1 do
     clipped = clipped or zs.grad_norm > opts().clip
     H.eq(zs.grad_norm, ps.grad_norm, "step " .. k .. ": gradient norm, sharded vs unsharded")
     H.eq(differ(zero:params(), plain:params()), 0, "step " .. k .. ": weights, sharded vs unsharded optimizer")
-    H.eq(zs.grad_norm, rs.grad_norm, "step " .. k .. ": gradient norm vs the single process")
+    if not on_device or n <= 2 then
+        H.eq(zs.grad_norm, rs.grad_norm, "step " .. k .. ": gradient norm vs the single process")
+    end
     check_state(k)
+    if on_device and k == first_step then -- the training state on the GPU, both copies
+        local P = zero:params():numel()
+        local zm, pm = zero:memory(), plain:memory()
+        H.eq(zm.device_moments, 2 * len * 4, "zero's moments on the GPU: its region's")
+        H.eq(pm.device_moments, 2 * P * 4, "plain's moments on the GPU: every parameter's")
+        print(("dist_zero memory: rank %d of %d on %s: moments %.3f MB sharded (%d of %d parameters), %.3f MB "
+            .. "unsharded; master weights %.3f / %.3f MB, gradients %.3f / %.3f MB, weights %.3f / %.3f MB")
+            :format(r, n, ds4.dist.device(), zm.device_moments / 1e6, len, P, pm.device_moments / 1e6,
+            zm.device_master / 1e6, pm.device_master / 1e6, zm.device_grads / 1e6, pm.device_grads / 1e6,
+            zm.device / 1e6, pm.device / 1e6))
+    end
     if MODE == "save" and k == K1 then
         local st = zopt:state() -- gathered: every rank calls it
         if r == 0 then
@@ -130,11 +154,14 @@ for k = first_step, first_step + steps - 1 do
 end
 H.check(clipped, "the clip was active (the test exercises the clip coefficient)")
 local d = differ(zero:params(), ref:params())
-H.eq(d, 0, ("final weights vs one uninterrupted process (%s)"):format(MODE == "save" and ("%d ranks"):format(n)
-    or ("saved on %d ranks, resumed on %d"):format(SAVE_WORLD, n)))
+if not on_device or n <= 2 then
+    H.eq(d, 0, ("final weights vs one uninterrupted process (%s)"):format(MODE == "save" and ("%d ranks"):format(n)
+        or ("saved on %d ranks, resumed on %d"):format(SAVE_WORLD, n)))
+end
 if r == 0 then
-    print(("dist_zero %s: %d ranks (%s), rank 0's shard %d of %d parameters; weights differing from one process: %d")
-        :format(MODE, n, ds4.dist.backend(), len, zero:params():numel(), d))
+    print(("dist_zero %s: %d ranks (%s%s), rank 0's shard %d of %d parameters; weights differing from one process: %d")
+        :format(MODE, n, ds4.dist.backend(), on_device and ", " .. ds4.dist.device() or "", len,
+            zero:params():numel(), d))
 end
 ds4.dist.finalize()
 H.done("dist_zero rank " .. r .. " of " .. n)

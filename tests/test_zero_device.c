@@ -1,0 +1,277 @@
+/* test_zero_device.c — the optimizer's device step (core/optim.c, the path a CUDA model takes) on a machine without a
+ * GPU: a twin of the CPU backend that declares its memory host-invisible stands in for the device, so the step goes
+ * through the backend's optim_sumsq / adamw / cast_params operations, the device moments buffer, the read-backs and,
+ * sharded (ZeRO-1, ds4_adamw_set_shard), the per-piece sums and refusal counts summed over the ranks and the master
+ * gathered through gather_dev_f32. The CPU backend's operations are the host optimizer's own functions, so the
+ * reference is the host optimizer on a CPU model given the same gradients (its SSE update and chunk order are the host
+ * step's, not the device step's): every step's gradient norm, the final weights, the working copy and the moments
+ * must be the same bits, for the unsharded device step and for 2 ranks (threads, with collectives over shared
+ * memory). Clipping is active and weight decay on. The sharded twin's moments buffer must hold its shard only. On
+ * tiny_a, tiny_b and tiny_hf. */
+#define _POSIX_C_SOURCE 200809L
+#include <math.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "engine.h"
+#include "internal.h"
+#include "model.h"
+#include "ops.h"
+#include "testlib.h"
+
+enum { STEPS = 4, WORLD = 2 };
+
+static const ds4_adamw_options OPTS = {.lr = 2e-3, .beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8, .weight_decay = 0.1,
+                                       .clip = 0.05, .schedule = DS4_LR_CONSTANT};
+
+/* step k's gradient (the same on every rank: what the all-reduce leaves): a fixed pseudo-random pattern, |g| < 1e-3 */
+static void fill_grads(float *g, int64_t n, int k) {
+    uint64_t s = 0x9e3779b97f4a7c15ull * (uint64_t)(k + 1);
+    for (int64_t i = 0; i < n; i++) {
+        s ^= s >> 12, s ^= s << 25, s ^= s >> 27;
+        g[i] = (float)((double)((s * 0x2545f4914f6cdd1dull) >> 11) * (1.0 / 9007199254740992.0) * 2e-3 - 1e-3);
+    }
+}
+
+/* ---------------------------------------------------------------------------------------------- the twin device */
+
+/* Give a CPU model a "device": a CPU backend marked host-invisible, with a working copy laid out flat (fp32). */
+static ds4_dev *twin_attach(ds4_engine *e, ds4_model *m) {
+    ds4_error err = {0};
+    ds4_dev *d = NULL;
+    CHECK_OK(ds4_cpu_dev_create(e->pool, &d, &err), &err);
+    if (!d) return NULL;
+    d->host_visible = 0;
+    m->dev_off = malloc(m->n_table * sizeof *m->dev_off);
+    m->dev_mem = malloc((size_t)m->n_params * sizeof(float));
+    if (!m->dev_off || !m->dev_mem) {
+        CHECK(0, "twin: allocating the working copy");
+        return NULL;
+    }
+    for (size_t i = 0; i < m->n_table; i++)
+        m->dev_off[i] = m->table[i].dtype == DS4_F32 ? m->table[i].offset * (int64_t)sizeof(float) : -1;
+    memcpy(m->dev_mem, m->params, (size_t)m->n_params * sizeof(float));
+    m->dev_w.mdt = DS4_F32;
+    m->dev = d;
+    CHECK_OK(ds4_model_train_bind(m, &err), &err); /* the gradients on the twin */
+    return d;
+}
+
+/* Back to the CPU backend: the training state read back and freed through the twin, then the twin released. */
+static void twin_detach(ds4_model *m, ds4_dev *d) {
+    ds4_error err = {0};
+    CHECK_OK(ds4_model_drop_train_state(m, &err), &err);
+    free(m->dev_mem);
+    free(m->dev_off);
+    m->dev_mem = NULL;
+    m->dev_off = NULL;
+    m->dev = m->cpu;
+    ds4_dev_release(d);
+}
+
+/* ---------------------------------------------------------------------------------------------- collectives */
+
+/* WORLD threads meeting at a barrier; each publishes its buffer, then reads the others'. */
+typedef struct shared {
+    pthread_barrier_t bar;
+    double *dbuf[WORLD];
+    float *fbuf[WORLD];
+} shared;
+
+typedef struct rank_ctx {
+    shared *sh;
+    int32_t rank;
+    ds4_model *m;
+    ds4_adamw *opt;
+    double norms[STEPS];
+    float *mom_m, *mom_v; /* the gathered moments at the end */
+    int64_t off, len, dev_moments;
+    int failed;
+} rank_ctx;
+
+static ds4_status sum_f64(void *ctx, double *buf, int64_t n, ds4_error *err) {
+    rank_ctx *c = ctx;
+    double *sum = malloc((size_t)(n ? n : 1) * sizeof *sum);
+    if (!sum) return ds4_fail(err, DS4_ERR_OOM, "test sum_f64");
+    c->sh->dbuf[c->rank] = buf;
+    pthread_barrier_wait(&c->sh->bar);
+    for (int64_t i = 0; i < n; i++) { /* rank order */
+        double s = c->sh->dbuf[0][i];
+        for (int r = 1; r < WORLD; r++) s += c->sh->dbuf[r][i];
+        sum[i] = s;
+    }
+    pthread_barrier_wait(&c->sh->bar); /* everyone has read every buffer */
+    memcpy(buf, sum, (size_t)n * sizeof *sum);
+    free(sum);
+    return DS4_OK;
+}
+
+static ds4_status gather_f32(void *ctx, float *buf, const int64_t *off, const int64_t *len, ds4_error *err) {
+    (void)err;
+    rank_ctx *c = ctx;
+    c->sh->fbuf[c->rank] = buf;
+    pthread_barrier_wait(&c->sh->bar);
+    for (int r = 0; r < WORLD; r++) /* each rank reads the others' own regions, which nobody writes meanwhile */
+        if (r != c->rank) memcpy(buf + off[r], c->sh->fbuf[r] + off[r], (size_t)len[r] * sizeof *buf);
+    pthread_barrier_wait(&c->sh->bar);
+    return DS4_OK;
+}
+
+/* ---------------------------------------------------------------------------------------------- the runs */
+
+static void *rank_main(void *arg) {
+    rank_ctx *c = arg;
+    ds4_error err = {0};
+    for (int k = 0; k < STEPS && !c->failed; k++) {
+        float *g = NULL;
+        int64_t n = 0;
+        ds4_adamw_stats st;
+        if (ds4_model_grad_buffer(c->m, &g, &n, &err) != DS4_OK) { /* the twin's: host memory underneath */
+            c->failed = 1;
+            break;
+        }
+        fill_grads(g, n, k);
+        ds4_model_grads_changed(c->m);
+        if (ds4_adamw_step(c->opt, &st, &err) != DS4_OK) {
+            fprintf(stderr, "rank %d step %d: %s\n", c->rank, k + 1, err.msg);
+            c->failed = 1; /* the other rank then waits in vain: the test's timeout ends it, named by this line */
+            break;
+        }
+        c->norms[k] = st.grad_norm;
+    }
+    if (!c->failed && ds4_adamw_gather_moments(c->opt, c->mom_m, c->mom_v, &err) != DS4_OK) c->failed = 1;
+    int64_t gb = 0, mb = 0;
+    ds4_model_train_device_bytes(c->m, &gb, &mb, &c->dev_moments);
+    ds4_adamw_shard_region(c->opt, &c->off, &c->len);
+    return NULL;
+}
+
+static int same(const float *a, const float *b, int64_t n) { return memcmp(a, b, (size_t)n * sizeof *a) == 0; }
+
+static void run(ds4_engine *e, const char *fixtures, const char *fixture) {
+    ds4_error err = {0};
+    const char *dir = ds4t_path(fixtures, fixture);
+    ds4_model *ref = NULL, *one = NULL, *rk[WORLD] = {NULL};
+    CHECK_OK(ds4_model_load(e, dir, &ref, &err), &err);
+    CHECK_OK(ds4_model_load(e, dir, &one, &err), &err);
+    for (int r = 0; r < WORLD; r++) CHECK_OK(ds4_model_load(e, dir, &rk[r], &err), &err);
+    if (!ref || !one || !rk[0] || !rk[1]) goto out;
+    const int64_t P = ds4_model_param_count(ref);
+
+    /* the reference: the host optimizer on a CPU model */
+    ds4_adamw *ropt = NULL;
+    double ref_norms[STEPS];
+    CHECK_OK(ds4_model_enable_grad(ref, &err), &err);
+    CHECK_OK(ds4_adamw_create(ref, &OPTS, &ropt, &err), &err);
+    for (int k = 0; ropt && k < STEPS; k++) {
+        fill_grads(ds4_model_grads(ref), P, k);
+        ds4_model_grads_changed(ref);
+        ds4_adamw_stats st;
+        CHECK_OK(ds4_adamw_step(ropt, &st, &err), &err);
+        ref_norms[k] = st.grad_norm;
+        CHECK(k > 0 || st.grad_norm > OPTS.clip, "step 1: gradient norm %g above the clip %g", st.grad_norm, OPTS.clip);
+    }
+    ds4_adamw_state rs;
+    ds4_adamw_get_state(ropt, &rs);
+
+    /* the unsharded device step */
+    CHECK_OK(ds4_model_enable_grad(one, &err), &err);
+    ds4_dev *d1 = twin_attach(e, one);
+    ds4_adamw *o1 = NULL;
+    CHECK_OK(ds4_adamw_create(one, &OPTS, &o1, &err), &err);
+    int diff_norm = 0;
+    for (int k = 0; d1 && o1 && k < STEPS; k++) {
+        float *g = NULL;
+        int64_t n = 0;
+        ds4_adamw_stats st;
+        CHECK_OK(ds4_model_grad_buffer(one, &g, &n, &err), &err);
+        CHECK(g != one->grads, "the gradients live on the twin");
+        if (!g) break;
+        fill_grads(g, n, k);
+        ds4_model_grads_changed(one);
+        CHECK_OK(ds4_adamw_step(o1, &st, &err), &err);
+        diff_norm += st.grad_norm != ref_norms[k];
+    }
+    CHECK(diff_norm == 0, "unsharded device step: %d of %d gradient norms differ from the host step's", diff_norm, STEPS);
+    if (d1 && o1) {
+        int64_t gb = 0, mb = 0, vb = 0;
+        ds4_model_train_device_bytes(one, &gb, &mb, &vb);
+        CHECK(vb == 2 * P * 4 && mb == P * 4, "unsharded: moments %lld and master %lld bytes on the twin",
+              (long long)vb, (long long)mb);
+        CHECK(same((const float *)one->dev_mem, one->dmaster, P), "unsharded: the working copy is the master's cast");
+        float *m1 = malloc((size_t)P * 4), *v1 = malloc((size_t)P * 4);
+        CHECK_OK(ds4_adamw_gather_moments(o1, m1, v1, &err), &err);
+        CHECK(same(m1, rs.m, P) && same(v1, rs.v, P), "unsharded device step: the moments = the host step's");
+        CHECK(same(ds4_model_params(one), ds4_model_params(ref), P), "unsharded device step: weights = the host step's");
+        free(m1);
+        free(v1);
+    }
+    ds4_adamw_free(o1);
+    if (d1) twin_detach(one, d1);
+
+    /* ZeRO-1 over 2 ranks on twins */
+    shared sh;
+    pthread_barrier_init(&sh.bar, NULL, WORLD);
+    rank_ctx ctx[WORLD];
+    ds4_dev *dv[WORLD] = {NULL};
+    memset(ctx, 0, sizeof ctx);
+    int ready = 1;
+    for (int r = 0; r < WORLD; r++) {
+        rank_ctx *c = &ctx[r];
+        c->sh = &sh, c->rank = r, c->m = rk[r];
+        c->mom_m = malloc((size_t)P * 4), c->mom_v = malloc((size_t)P * 4);
+        CHECK_OK(ds4_model_enable_grad(rk[r], &err), &err);
+        dv[r] = twin_attach(e, rk[r]);
+        CHECK_OK(ds4_adamw_create(rk[r], &OPTS, &c->opt, &err), &err);
+        if (!dv[r] || !c->opt || !c->mom_m || !c->mom_v) {
+            ready = 0;
+            continue;
+        }
+        /* without a device gather a device model is refused */
+        ds4_adamw_shard no_dev = {.rank = r, .world = WORLD, .ctx = c, .sum_f64 = sum_f64, .gather_f32 = gather_f32};
+        CHECK_STATUS(ds4_adamw_set_shard(c->opt, &no_dev, &err), DS4_ERR_UNSUPPORTED, &err);
+        ds4_adamw_shard s = no_dev;
+        s.gather_dev_f32 = gather_f32; /* the twin's memory is host memory */
+        CHECK_OK(ds4_adamw_set_shard(c->opt, &s, &err), &err);
+    }
+    if (ready) {
+        pthread_t th[WORLD];
+        for (int r = 0; r < WORLD; r++) pthread_create(&th[r], NULL, rank_main, &ctx[r]);
+        for (int r = 0; r < WORLD; r++) pthread_join(th[r], NULL);
+        for (int r = 0; r < WORLD; r++) {
+            rank_ctx *c = &ctx[r];
+            CHECK(!c->failed, "rank %d: a step failed", r);
+            if (c->failed) continue;
+            int dn = 0;
+            for (int k = 0; k < STEPS; k++) dn += c->norms[k] != ref_norms[k];
+            CHECK(dn == 0, "rank %d: %d of %d gradient norms differ from the host step's", r, dn, STEPS);
+            CHECK(c->len > 0 && c->len < P, "rank %d: a shard of %lld of %lld parameters", r, (long long)c->len,
+                  (long long)P);
+            CHECK(c->dev_moments == 2 * c->len * 4, "rank %d: %lld bytes of moments on the twin, want its shard's %lld",
+                  r, (long long)c->dev_moments, (long long)(2 * c->len * 4));
+            CHECK(same(c->mom_m, rs.m, P) && same(c->mom_v, rs.v, P), "rank %d: gathered moments = the host step's", r);
+            CHECK(same((const float *)rk[r]->dev_mem, rk[r]->dmaster, P),
+                  "rank %d: the working copy is the gathered master's cast", r);
+            CHECK(same(ds4_model_params(rk[r]), ds4_model_params(ref), P), "rank %d: weights = the host step's", r);
+        }
+        CHECK(ctx[0].off + ctx[0].len == ctx[1].off, "the shards are adjacent, in rank order");
+        printf("  %s, %d steps, clip active: the device step, unsharded and sharded over %d ranks (shards of %lld and "
+               "%lld of %lld parameters), = the host optimizer, bitwise\n",
+               fixture, STEPS, WORLD, (long long)ctx[0].len, (long long)ctx[1].len, (long long)P);
+    }
+    for (int r = 0; r < WORLD; r++) {
+        ds4_adamw_free(ctx[r].opt);
+        if (dv[r]) twin_detach(rk[r], dv[r]);
+        free(ctx[r].mom_m);
+        free(ctx[r].mom_v);
+    }
+    pthread_barrier_destroy(&sh.bar);
+    ds4_adamw_free(ropt);
+out:
+    ds4_model_free(ref);
+    ds4_model_free(one);
+    for (int r = 0; r < WORLD; r++) ds4_model_free(rk[r]);
+}
+
+int main(int argc, char **argv) { return ds4t_main_fixtures(argc, argv, "test_zero_device", run); }
