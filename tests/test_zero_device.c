@@ -36,7 +36,9 @@ static void fill_grads(float *g, int64_t n, int k) {
 
 /* ---------------------------------------------------------------------------------------------- the twin device */
 
-/* Give a CPU model a "device": a CPU backend marked host-invisible, with a working copy laid out flat (fp32). */
+/* Give a CPU model a "device": a CPU backend marked host-invisible, with a working copy laid out flat (fp32). The
+ * backend runs its large copies on e's pool: each rank's twin gets an engine of its own, as a pool serves one caller
+ * at a time (ranks are processes of their own in a real job). */
 static ds4_dev *twin_attach(ds4_engine *e, ds4_model *m) {
     ds4_error err = {0};
     ds4_dev *d = NULL;
@@ -149,6 +151,52 @@ static void *rank_main(void *arg) {
 
 static int same(const float *a, const float *b, int64_t n) { return memcmp(a, b, (size_t)n * sizeof *a) == 0; }
 
+/* Rank 0's model goes on with an unsharded optimizer loaded from the gathered state (a checkpoint resumed on one
+ * rank), while the sharded one still holds its moments on the twin: the moments buffer must change size, handing the
+ * shard's moments back to their optimizer first. Two more steps, against the reference's two more. */
+static void resume_unsharded(ds4_model *m, rank_ctx *c, ds4_model *ref, ds4_adamw *ropt, int64_t P) {
+    ds4_error err = {0};
+    ds4_adamw *u = NULL;
+    CHECK_OK(ds4_adamw_create(m, &OPTS, &u, &err), &err);
+    if (!u) return;
+    ds4_adamw_state us, ss;
+    ds4_adamw_get_state(u, &us);
+    ds4_adamw_get_state(c->opt, &ss);
+    memcpy(us.m, c->mom_m, (size_t)P * sizeof(float));
+    memcpy(us.v, c->mom_v, (size_t)P * sizeof(float));
+    memcpy(us.tensor_steps, ss.tensor_steps, ss.n_tensors * sizeof *ss.tensor_steps);
+    *us.steps = *ss.steps;
+    ds4_adamw_state_changed(u);
+    /* the sharded optimizer's host copy is stale while its moments live on the twin (here: zeros, so that only the
+     * hand-back can restore it) */
+    memset(ss.m, 0, (size_t)c->len * sizeof(float));
+    memset(ss.v, 0, (size_t)c->len * sizeof(float));
+    int diff = 0;
+    for (int k = STEPS; k < STEPS + 2; k++) {
+        float *g = NULL;
+        int64_t n = 0;
+        ds4_adamw_stats st, rst;
+        CHECK_OK(ds4_model_grad_buffer(m, &g, &n, &err), &err);
+        if (!g) break;
+        fill_grads(g, n, k);
+        ds4_model_grads_changed(m);
+        CHECK_OK(ds4_adamw_step(u, &st, &err), &err);
+        fill_grads(ds4_model_grads(ref), P, k);
+        ds4_model_grads_changed(ref);
+        CHECK_OK(ds4_adamw_step(ropt, &rst, &err), &err);
+        diff += st.grad_norm != rst.grad_norm;
+        if (k == STEPS) /* the shard's moments came back to its optimizer when the buffer changed size */
+            CHECK(same(ss.m, c->mom_m + c->off, c->len) && same(ss.v, c->mom_v + c->off, c->len),
+                  "the sharded optimizer's moments handed back to it");
+    }
+    CHECK(diff == 0, "resumed unsharded: %d gradient norms differ from the host step's", diff);
+    int64_t gb = 0, mb = 0, vb = 0;
+    ds4_model_train_device_bytes(m, &gb, &mb, &vb);
+    CHECK(vb == 2 * P * 4, "resumed unsharded: %lld bytes of moments on the twin", (long long)vb);
+    CHECK(same(ds4_model_params(m), ds4_model_params(ref), P), "resumed unsharded: weights = the host step's");
+    ds4_adamw_free(u);
+}
+
 static void run(ds4_engine *e, const char *fixtures, const char *fixture) {
     ds4_error err = {0};
     const char *dir = ds4t_path(fixtures, fixture);
@@ -177,7 +225,7 @@ static void run(ds4_engine *e, const char *fixtures, const char *fixture) {
 
     /* the unsharded device step */
     CHECK_OK(ds4_model_enable_grad(one, &err), &err);
-    ds4_dev *d1 = twin_attach(e, one);
+    ds4_dev *d1 = twin_attach(e, one); /* the main thread alone: the models' engine */
     ds4_adamw *o1 = NULL;
     CHECK_OK(ds4_adamw_create(one, &OPTS, &o1, &err), &err);
     int diff_norm = 0;
@@ -215,6 +263,8 @@ static void run(ds4_engine *e, const char *fixtures, const char *fixture) {
     pthread_barrier_init(&sh.bar, NULL, WORLD);
     rank_ctx ctx[WORLD];
     ds4_dev *dv[WORLD] = {NULL};
+    ds4_engine *te[WORLD] = {NULL};
+    const ds4_engine_options teo = {.n_threads = 2};
     memset(ctx, 0, sizeof ctx);
     int ready = 1;
     for (int r = 0; r < WORLD; r++) {
@@ -222,7 +272,8 @@ static void run(ds4_engine *e, const char *fixtures, const char *fixture) {
         c->sh = &sh, c->rank = r, c->m = rk[r];
         c->mom_m = malloc((size_t)P * 4), c->mom_v = malloc((size_t)P * 4);
         CHECK_OK(ds4_model_enable_grad(rk[r], &err), &err);
-        dv[r] = twin_attach(e, rk[r]);
+        CHECK_OK(ds4_engine_create(&teo, &te[r], &err), &err);
+        dv[r] = te[r] ? twin_attach(te[r], rk[r]) : NULL;
         CHECK_OK(ds4_adamw_create(rk[r], &OPTS, &c->opt, &err), &err);
         if (!dv[r] || !c->opt || !c->mom_m || !c->mom_v) {
             ready = 0;
@@ -256,8 +307,10 @@ static void run(ds4_engine *e, const char *fixtures, const char *fixture) {
             CHECK(same(ds4_model_params(rk[r]), ds4_model_params(ref), P), "rank %d: weights = the host step's", r);
         }
         CHECK(ctx[0].off + ctx[0].len == ctx[1].off, "the shards are adjacent, in rank order");
+        if (!ctx[0].failed) resume_unsharded(rk[0], &ctx[0], ref, ropt, P);
         printf("  %s, %d steps, clip active: the device step, unsharded and sharded over %d ranks (shards of %lld and "
-               "%lld of %lld parameters), = the host optimizer, bitwise\n",
+               "%lld of %lld parameters), = the host optimizer, bitwise; the sharded state resumed unsharded on the "
+               "same device model\n",
                fixture, STEPS, WORLD, (long long)ctx[0].len, (long long)ctx[1].len, (long long)P);
     }
     for (int r = 0; r < WORLD; r++) {
@@ -265,6 +318,7 @@ static void run(ds4_engine *e, const char *fixtures, const char *fixture) {
         if (dv[r]) twin_detach(rk[r], dv[r]);
         free(ctx[r].mom_m);
         free(ctx[r].mom_v);
+        ds4_engine_free(te[r]); /* after its twin: the backend holds the engine's pool */
     }
     pthread_barrier_destroy(&sh.bar);
     ds4_adamw_free(ropt);
