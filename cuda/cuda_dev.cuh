@@ -66,6 +66,10 @@ void *ds4_cuda_scratch(ds4_dev *d, size_t bytes, const char *op, int slot);
 // cuda_gemm.cu, for operations that contain a product (the mHC mixing logits).
 void ds4_cuda_gemm_f32(ds4_dev *d, const char *op, float *y, int64_t ldy, const float *x, int64_t ldx, const float *W,
                        int64_t M, int64_t K, int64_t N);
+// dx [rows, K] (+)= dy [rows, O]·W_e over the rows [off[e], off[e+1]) of each expert e, bf16 W [E, O, K] (W_e =
+// W + e·wstride): the backward tiles' bits through the forward's grouped GEMM (cuda_gemm.cu).
+void ds4_cuda_grouped_dx_bf16(ds4_dev *d, const char *op, float *dx, int acc, const float *dy, const void *W,
+                              int64_t rows, int64_t O, int64_t K, const int64_t *off, int64_t E, int64_t wstride);
 // At least n int counters that are 0 on return and that their users leave at 0 (the skinny GEMMs' tile counters).
 int *ds4_cuda_counters(ds4_dev *d, size_t n, const char *op);
 

@@ -42,6 +42,7 @@ struct gemm_args {
     int64_t S;                    // slices: ceil(K / KSLICE)
     int *count;                   // skinny kernels: per output tile, the slices done (kept at 0 between uses)
     const uint8_t *ws;            // an FP4-resident W (W: its codes): its scales (cuda_fp4.cuh)
+    int acc;                      // the tiled and pipelined kernels: y += the sum (formed first, added once), not y =
 };
 
 // The rows [r0, r1) a block works on, and its W; false when the block has no tile (row groups are data-dependent).
@@ -306,14 +307,18 @@ __device__ __forceinline__ void load_b8(const ds4d_fp4w<__nv_bfloat16> &W, int64
 }
 
 __device__ __forceinline__ void store_tile(float *y, int64_t ldy, int64_t r, int64_t r1, int64_t c, int64_t N,
-                                           const float (&acc)[4]) {
+                                           const float (&acc)[4], int add) {
+    const auto put1 = [&](int64_t row, int64_t col, float v) {
+        float *q = y + row * ldy + col;
+        *q = add ? *q + v : v;
+    };
     if (r < r1) {
-        if (c < N) y[r * ldy + c] = acc[0];
-        if (c + 1 < N) y[r * ldy + c + 1] = acc[1];
+        if (c < N) put1(r, c, acc[0]);
+        if (c + 1 < N) put1(r, c + 1, acc[1]);
     }
     if (r + 8 < r1) {
-        if (c < N) y[(r + 8) * ldy + c] = acc[2];
-        if (c + 1 < N) y[(r + 8) * ldy + c + 1] = acc[3];
+        if (c < N) put1(r + 8, c, acc[2]);
+        if (c + 1 < N) put1(r + 8, c + 1, acc[3]);
     }
 }
 
@@ -384,7 +389,7 @@ __global__ void __launch_bounds__((BM / WM) * (BN / WN) * 32) gemm_bf16_tiled(ge
     for (int i = 0; i < MT; i++)
 #pragma unroll
         for (int j = 0; j < NT; j++)
-            store_tile(y, a.ldy, r0 + wm + i * 16 + g, rend, n0 + wn + j * 8 + 2 * t, a.N, tot[i][j]);
+            store_tile(y, a.ldy, r0 + wm + i * 16 + g, rend, n0 + wn + j * 8 + 2 * t, a.N, tot[i][j], a.acc);
 }
 
 // Pipelined: the tiled kernel's sums with the loads in flight several chunks ahead. Chunks of 32 k are copied by
@@ -492,7 +497,7 @@ __global__ void __launch_bounds__((BM / WM) * (BN / WN) * 32) gemm_bf16_pipe(gem
     for (int i = 0; i < MT; i++)
 #pragma unroll
         for (int j = 0; j < NT; j++)
-            store_tile(y, a.ldy, r0 + wm + i * 16 + g, rend, n0 + wn + j * 8 + 2 * t, a.N, tot[i][j]);
+            store_tile(y, a.ldy, r0 + wm + i * 16 + g, rend, n0 + wn + j * 8 + 2 * t, a.N, tot[i][j], a.acc);
 }
 
 // Skinny: at most 16 rows; one warp per (8 columns, slice): the slice's 8 chunks of W loaded at once straight from
@@ -632,6 +637,11 @@ void gemm(ds4_dev *d, const char *op, gemm_args a, ds4_dtype wdt, ds4_dtype mode
      * kernels win 2-3x; at 512 and more rows they lose (they read W once per 16 rows and write K-slice partials). */
     const int64_t tiled_blocks = p.G * (int64_t)grid_rows(a, 64) * ((a.N + 127) / 128);
     p.skinny = rows_hint <= 16 || (tiled_blocks < 2 * (int64_t)cd->sm_count && rows_hint <= cd->skinny_rows);
+    if (a.acc && (mode != DS4_BF16 || fp4)) { /* only the bf16 tiles and the pipeline add into y */
+        ds4_dev_fail(d, DS4_ERR_INTERNAL, "%s: y += x Wᵀ in %s mode%s", op, ds4_dtype_name(mode), fp4 ? ", FP4" : "");
+        return;
+    }
+    p.skinny = p.skinny && !a.acc;
     if (p.G * (p.skinny ? a.S : 1) > 65535) {
         ds4_dev_fail(d, DS4_ERR_UNSUPPORTED, "%s: %lld groups x %lld slices > 65535", op, (long long)p.G,
                      (long long)a.S);
@@ -659,6 +669,44 @@ void ds4_cuda_gemm_f32(ds4_dev *d, const char *op, float *y, int64_t ldy, const 
                        int64_t M, int64_t K, int64_t N) {
     gemm_args g = {y, ldy, x, ldx, W, K, M, N, K, 0, 0, 0, nullptr, 0, 0, nullptr, 0, nullptr};
     gemm(d, op, g, DS4_F32, DS4_F32, 1, M);
+}
+
+// Wt [E, K, O] = W_e [O, K] transposed, bf16 bits; 32 × 32 tiles through shared memory (coalesced both ways).
+static __global__ void transpose_bf16_kernel(unsigned short *Wt, const unsigned short *W, int64_t O, int64_t K,
+                                      int64_t wstride) {
+    __shared__ unsigned short tile[32][33];
+    const int64_t e = blockIdx.z, o0 = (int64_t)blockIdx.y * 32, k0 = (int64_t)blockIdx.x * 32;
+    const unsigned short *src = W + e * wstride;
+    unsigned short *dst = Wt + e * K * O;
+    for (int i = threadIdx.y; i < 32; i += blockDim.y)
+        if (o0 + i < O && k0 + threadIdx.x < K) tile[i][threadIdx.x] = src[(o0 + i) * K + k0 + threadIdx.x];
+    __syncthreads();
+    for (int i = threadIdx.y; i < 32; i += blockDim.y)
+        if (k0 + i < K && o0 + threadIdx.x < O) dst[(k0 + i) * O + o0 + threadIdx.x] = tile[threadIdx.x][i];
+}
+
+// dx [rows, K] (+)= dy [rows, O]·W_e for the rows [off[e], off[e+1]) of expert e, W [E, O, K] bf16 (W_e = W +
+// e·wstride). The backward's product is the forward's grouped y = x·Wᵀ with x = dy and W_eᵀ, which is transposed
+// into scratch first ([E, K, O], slot 1: the GEMM takes slot 0; E·O·K·2 bytes, the layer's experts only). Each output
+// is the same sum as the backward's tiles form (prod_bf16 in cuda_bwd_linear.cu): dy rounded to bf16 to nearest
+// even, the same mma k-slots over chunks of 32 in order, slices of 256 folded in order; so the same bits, with the
+// forward's pipelined loads (the backward's tiles stage through registers and ran at half the forward's rate).
+void ds4_cuda_grouped_dx_bf16(ds4_dev *d, const char *op, float *dx, int acc, const float *dy, const void *W,
+                              int64_t rows, int64_t O, int64_t K, const int64_t *off, int64_t E, int64_t wstride) {
+    if (rows <= 0 || O <= 0 || K <= 0 || E <= 0) return;
+    if (E > 65535) {
+        ds4_dev_fail(d, DS4_ERR_UNSUPPORTED, "%s: %lld experts (a grid's z is at most 65535)", op, (long long)E);
+        return;
+    }
+    unsigned short *Wt = (unsigned short *)ds4_cuda_scratch(d, (size_t)(E * O * K) * sizeof(unsigned short), op, 1);
+    if (!Wt) return;
+    const dim3 tgrid(ds4_blocks(K, 32), ds4_blocks(O, 32), (unsigned)E);
+    transpose_bf16_kernel<<<tgrid, dim3(32, 8), 0, cdev(d)->stream>>>(Wt, (const unsigned short *)W, O, K, wstride);
+    if (!ds4_cuda_launched(d, op, "[%lld experts x %lld x %lld] transposed (bf16)", (long long)E, (long long)O,
+                           (long long)K))
+        return;
+    gemm_args g = {dx, K, dy, O, Wt, O, rows, K, O, 0, 0, 0, off, E, K * O, nullptr, 0, nullptr, nullptr, acc};
+    gemm(d, op, g, DS4_BF16, DS4_BF16, 1, (rows + E - 1) / E);
 }
 
 // bf16_in (ops.h) with fp32 weights is the CPU reference's emulation of the bf16 mode; bf16 weights imply it here,
