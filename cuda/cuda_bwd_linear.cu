@@ -653,6 +653,10 @@ void ds4_cuda_linear_bwd_w_grouped(ds4_dev *d, const ds4_a_linear_bwd_w_grouped 
     snprintf(s, sizeof s, "dW [%lld x %lld x %lld] += dy^T [%lld x %lld] x x [%lld x %lld] by expert", (long long)a->E,
              (long long)a->O, (long long)a->K, (long long)a->O, (long long)a->rows, (long long)a->rows,
              (long long)a->K);
+    if ((a->bf16_in || a->wdt == DS4_BF16) && // the same bits as the tiles, through the pipelined GEMM where it runs
+        ds4_cuda_grouped_dw_bf16(d, "linear_bwd_w_grouped", a->dW, a->wstride, a->dy, a->x, a->rows, a->O, a->K, a->off,
+                                 a->E))
+        return;
     product(d, "linear_bwd_w_grouped", p, a->bf16_in ? DS4_BF16 : a->wdt, false, s);
 }
 

@@ -70,6 +70,10 @@ void ds4_cuda_gemm_f32(ds4_dev *d, const char *op, float *y, int64_t ldy, const 
 // W + e·wstride): the backward tiles' bits through the forward's grouped GEMM (cuda_gemm.cu).
 void ds4_cuda_grouped_dx_bf16(ds4_dev *d, const char *op, float *dx, int acc, const float *dy, const void *W,
                               int64_t rows, int64_t O, int64_t K, const int64_t *off, int64_t E, int64_t wstride);
+// dW_e [O, K] += dyᵀ·x over the rows [off[e], off[e+1]) (dW_e = dW + e·wstride), bf16: the backward tiles' bits
+// through the pipelined GEMM on operands transposed by groups; false (nothing done) where that kernel cannot run.
+bool ds4_cuda_grouped_dw_bf16(ds4_dev *d, const char *op, float *dW, int64_t wstride, const float *dy, const float *x,
+                              int64_t rows, int64_t O, int64_t K, const int64_t *off, int64_t E);
 // At least n int counters that are 0 on return and that their users leave at 0 (the skinny GEMMs' tile counters).
 int *ds4_cuda_counters(ds4_dev *d, size_t n, const char *op);
 
