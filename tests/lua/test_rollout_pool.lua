@@ -21,7 +21,7 @@
 --   (g) a corrupted weight buffer (whole-buffer CRC mismatch) is fetched again, then reported as a crc error;
 --   (h) issue 18: beside an honest worker, a worker that misbehaves in each way of tests/chaos/bad_worker.lua
 --       (out-of-range ids, NaN log-probabilities, error replies, future versions, a new hello, a credit flood,
---       silence): every task completes exactly once, with the honest worker's results; bad answers are rejected
+--       silence, malformed answers): every task completes exactly once, with the honest worker's results; bad answers are rejected
 --       and counted, tasks go back to a worker that has not failed them, repeat offenders are quarantined;
 --   (i) the checks of answers one by one (Pool:check_samples), and quarantine across hellos and its end;
 --   (j) LoRA policies (protocol 4): the frozen base travels once (a version of its own), each publish moves the
@@ -670,7 +670,8 @@ for _, mode in ipairs(badmod.MODES) do
         H.check(st.invalid >= 1, what .. ": its answers were rejected and counted")
         H.check(net.logged("rejected samples for task"), what .. ": and logged")
     end
-    if mode ~= "credit_flood" and mode ~= "silence" then
+    -- credit_flood, silence and garbage (malformed answers name no task) leave their leases to expire
+    if mode ~= "credit_flood" and mode ~= "silence" and mode ~= "garbage" then
         H.eq(st.quarantined, 1, what .. ": quarantined")
         H.check(net.logged("worker a%-bad quarantined"), what .. ": the quarantine is logged with its reason")
         -- 3 failures quarantine it; a 4th task may have been leased with the 3rd (probation: 2 at a time)
