@@ -301,11 +301,15 @@ Rollout wire codec (lua/wire_lua.c; rollout/protocol.md; the C API: rollout/wire
     credit          n
     task            task_id, attempt (0), policy, max_new_tokens, temperature (1), top_k (0), top_p (1),
                     min_p (0), n (1), seed (0; a number, or a decimal string above 2^53), stop ({}),
-                    ignore_eos, record_experts, record_index (false), prompt_len (#prompt); frame prompt (i32)
+                    ignore_eos, record_experts, record_index (false), stream (0: no partial messages; N: one
+                    every N new tokens, protocol 5), prompt_len (#prompt); frame prompt (i32)
     samples         task_id, attempt (0), policy, n (#seq), seq = {{prompt_len, n_gen, finish (1..5 or "length",
                     "eos", "stop_token", "stop_string", "cancelled"), stop_index (-1), n_rows (0)}, ...},
-                    experts_layers, experts_k, index_layers, index_topk (0 = no such frame); frames tokens (i32),
-                    logprobs, sample_logprobs (f32), experts, index (i32, when their shape is set)
+                    experts_layers, experts_k, index_layers, index_topk (0 = no such frame), token_versions
+                    (false; protocol 5); frames tokens (i32), logprobs, sample_logprobs (f32), policy_lag (i32, when
+                    token_versions: policy - each token's version), experts, index (i32, when their shape is set)
+    partial         task_id, attempt (0), policy, n (#seq), seq = {{offset, n_gen}, ...}; frames tokens (i32),
+                    logprobs, sample_logprobs (f32): a running task's newest tokens (protocol 5)
     weight_announce version, n_params, bytes (4 n_params), chunk, chunks (ceil(bytes / chunk)), dtype ("f32"), crc,
                     chat_template (""), config_crc, tokenizer_crc, tables_crc (each its frame's CRC); frames config,
                     tokenizer (strings of bytes; tokenizer "" when none), tables (i32); a LoRA policy (protocol 4):
@@ -330,7 +334,7 @@ Rollout wire codec (lua/wire_lua.c; rollout/protocol.md; the C API: rollout/wire
   ds4.wire.error_message(code, reason, ref_t [, ref_id, ref_n]) -> frames of an error message (reason cut to 256
                                    bytes)
   ds4.wire.crc32(s [, crc])        CRC-32 (IEEE) of a string or a tensor's bytes, continuing from crc
-  ds4.wire.codes = {name = number}  ds4.wire.code_name(n)  ds4.wire.types  ds4.wire.VERSION (4)
+  ds4.wire.codes = {name = number}  ds4.wire.code_name(n)  ds4.wire.types  ds4.wire.VERSION (5)
 
 Remote rollouts (lua/ds4/rollout/: pool.lua and worker.lua say everything; rollout/README.md, protocol.md)
   ds4.rollout.pool{bind, model, curve = {secret, public, allow} | insecure = true, workers = 0,
