@@ -120,7 +120,7 @@ typedef enum ds4_wire_type {
     DS4_WIRE_HELLO,          /* "hello"            worker -> trainer */
     DS4_WIRE_CREDIT,         /* "credit"           worker -> trainer */
     DS4_WIRE_TASK,           /* "task"             trainer -> worker, 1 frame (prompt) */
-    DS4_WIRE_SAMPLES,        /* "samples"          worker -> trainer, 3 to 5 frames */
+    DS4_WIRE_SAMPLES,        /* "samples"          worker -> trainer, 3 to 6 frames */
     DS4_WIRE_WEIGHT_ANNOUNCE,/* "weight_announce"  trainer -> worker, 3 frames (config, tokenizer, tables), a LoRA
                                 policy's 4 (lora_masks) */
     DS4_WIRE_WEIGHT_REQUEST, /* "weight_request"   worker -> trainer */
