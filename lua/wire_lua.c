@@ -442,14 +442,31 @@ static void fill_fields(enc_ctx *e, ds4_wire_msg *m) {
     }
 }
 
-static void enc_samples(enc_ctx *e, ds4_wire_samples *s) {
+/* One entry of samples' seq: {prompt_len, n_gen, finish or finish_reason, stop_index, n_rows}. */
+static void enc_sample_seq(enc_ctx *e, ds4_wire_seq *q) {
+    q->prompt_len = f_u32(e, "prompt_len", 1, 0);
+    q->n_gen = f_u32(e, "n_gen", 1, 0);
+    q->finish = finish_code(e, "finish");
+    uint32_t fr = finish_code(e, "finish_reason");
+    if (!q->finish && !fr) efail(e, "finish", "missing (1..5 or a finish reason name)");
+    if (q->finish && fr && q->finish != fr) efail(e, "finish_reason", "disagrees with finish = %u", (unsigned)q->finish);
+    if (!q->finish) q->finish = fr;
+    q->stop_index = (int32_t)f_int(e, "stop_index", -1, 2147483647.0, 0, -1);
+    q->n_rows = f_u32(e, "n_rows", 0, 0);
+}
+
+/* One entry of a partial message's seq (version 5): {offset, n_gen}. */
+static void enc_partial_seq(enc_ctx *e, ds4_wire_seq *q) {
+    q->offset = f_u32(e, "offset", 1, 0);
+    q->n_gen = f_u32(e, "n_gen", 1, 0);
+}
+
+/* msg.seq, an array of per-sample tables with the keys `keys` (read by `one`), msg.n its length when given, then the
+ * three token frames: what samples and partial messages share. */
+static void enc_seqs(enc_ctx *e, ds4_wire_samples *s, const char *const *keys, const char *shape,
+                     void (*one)(enc_ctx *, ds4_wire_seq *)) {
     lua_State *L = e->L;
-    s->experts_layers = f_u32(e, "experts_layers", 0, 0);
-    s->experts_k = f_u32(e, "experts_k", 0, 0);
-    s->index_layers = f_u32(e, "index_layers", 0, 0);
-    s->index_topk = f_u32(e, "index_topk", 0, 0);
-    if (get(e, "seq") != LUA_TTABLE)
-        efail(e, "seq", "expected an array of {prompt_len, n_gen, finish, ...}, got %s", show(L, -1));
+    if (get(e, "seq") != LUA_TTABLE) efail(e, "seq", "expected an array of %s, got %s", shape, show(L, -1));
     int seq = lua_gettop(L);
     size_t n = lua_objlen(L, seq);
     if (n < 1 || n > DS4_WIRE_SAMPLES_CAP) efail(e, "seq", "%zu entries; 1..%d expected", n, DS4_WIRE_SAMPLES_CAP);
@@ -460,22 +477,11 @@ static void enc_samples(enc_ctx *e, ds4_wire_samples *s) {
     for (size_t i = 0; i < n; i++) {
         lua_rawgeti(L, seq, (int)i + 1);
         snprintf(sub, sizeof sub, "seq[%zu]", i + 1);
-        if (!lua_istable(L, -1))
-            efail(e, sub, "expected a table {prompt_len, n_gen, finish, ...}, got %s", show(L, -1));
+        if (!lua_istable(L, -1)) efail(e, sub, "expected a table %s, got %s", shape, show(L, -1));
         e->msg = lua_gettop(L);
         e->sub = sub;
-        check_keys(e, e->msg, K_SEQ, NULL, 0);
-        ds4_wire_seq *q = &s->seq[i];
-        q->prompt_len = f_u32(e, "prompt_len", 1, 0);
-        q->n_gen = f_u32(e, "n_gen", 1, 0);
-        q->finish = finish_code(e, "finish");
-        uint32_t fr = finish_code(e, "finish_reason");
-        if (!q->finish && !fr) efail(e, "finish", "missing (1..5 or a finish reason name)");
-        if (q->finish && fr && q->finish != fr)
-            efail(e, "finish_reason", "disagrees with finish = %u", (unsigned)q->finish);
-        if (!q->finish) q->finish = fr;
-        q->stop_index = (int32_t)f_int(e, "stop_index", -1, 2147483647.0, 0, -1);
-        q->n_rows = f_u32(e, "n_rows", 0, 0);
+        check_keys(e, e->msg, keys, NULL, 0);
+        one(e, &s->seq[i]);
         e->sub = NULL;
         e->msg = msg;
         lua_pop(L, 1);
@@ -484,6 +490,14 @@ static void enc_samples(enc_ctx *e, ds4_wire_samples *s) {
     need_frame(e, "tokens", FR_I32, &s->tokens);
     need_frame(e, "logprobs", FR_F32, &s->logprobs);
     need_frame(e, "sample_logprobs", FR_F32, &s->sample_logprobs);
+}
+
+static void enc_samples(enc_ctx *e, ds4_wire_samples *s) {
+    s->experts_layers = f_u32(e, "experts_layers", 0, 0);
+    s->experts_k = f_u32(e, "experts_k", 0, 0);
+    s->index_layers = f_u32(e, "index_layers", 0, 0);
+    s->index_topk = f_u32(e, "index_topk", 0, 0);
+    enc_seqs(e, s, K_SEQ, "{prompt_len, n_gen, finish, ...}", enc_sample_seq);
     if (f_frame(e, "policy_lag", FR_I32, &s->policy_lag) != (s->token_versions != 0))
         efail(e, "policy_lag", s->token_versions ? "missing raw frame (token_versions is set)"
                                                  : "given, but token_versions is not set");
@@ -496,36 +510,6 @@ static void enc_samples(enc_ctx *e, ds4_wire_samples *s) {
         efail(e, "index",
               ix ? "missing raw frame (index_layers / index_topk are set)"
                  : "given, but index_layers and index_topk are 0");
-}
-
-/* A partial message (version 5): seq[i] = {offset, n_gen}, and the three token frames. */
-static void enc_partial(enc_ctx *e, ds4_wire_samples *s) {
-    lua_State *L = e->L;
-    if (get(e, "seq") != LUA_TTABLE) efail(e, "seq", "expected an array of {offset, n_gen}, got %s", show(L, -1));
-    int seq = lua_gettop(L);
-    size_t n = lua_objlen(L, seq);
-    if (n < 1 || n > DS4_WIRE_SAMPLES_CAP) efail(e, "seq", "%zu entries; 1..%d expected", n, DS4_WIRE_SAMPLES_CAP);
-    s->n = (uint32_t)f_int(e, "n", 1, DS4_WIRE_SAMPLES_CAP, 0, (double)n);
-    if (s->n != n) efail(e, "n", "%u, but seq has %zu entries", (unsigned)s->n, n);
-    int msg = e->msg;
-    char sub[32];
-    for (size_t i = 0; i < n; i++) {
-        lua_rawgeti(L, seq, (int)i + 1);
-        snprintf(sub, sizeof sub, "seq[%zu]", i + 1);
-        if (!lua_istable(L, -1)) efail(e, sub, "expected a table {offset, n_gen}, got %s", show(L, -1));
-        e->msg = lua_gettop(L);
-        e->sub = sub;
-        check_keys(e, e->msg, K_PSEQ, NULL, 0);
-        s->seq[i].offset = f_u32(e, "offset", 1, 0);
-        s->seq[i].n_gen = f_u32(e, "n_gen", 1, 0);
-        e->sub = NULL;
-        e->msg = msg;
-        lua_pop(L, 1);
-    }
-    lua_pop(L, 1); /* seq */
-    need_frame(e, "tokens", FR_I32, &s->tokens);
-    need_frame(e, "logprobs", FR_F32, &s->logprobs);
-    need_frame(e, "sample_logprobs", FR_F32, &s->sample_logprobs);
 }
 
 /* Fill m from the message table at e->msg (raw frames stay referenced on the stack): the table's fields, then
@@ -575,7 +559,7 @@ static void enc_fill(enc_ctx *e, ds4_wire_msg *m) {
         break;
     }
     case DS4_WIRE_SAMPLES: enc_samples(e, &m->samples); break;
-    case DS4_WIRE_PARTIAL: enc_partial(e, &m->partial); break;
+    case DS4_WIRE_PARTIAL: enc_seqs(e, &m->partial, K_PSEQ, "{offset, n_gen}", enc_partial_seq); break;
     case DS4_WIRE_WEIGHT_ANNOUNCE: {
         ds4_wire_weight_announce *w = &m->announce;
         if (absent(e, "bytes")) w->bytes = w->n_params <= (uint64_t)MAX_EXACT / 4 ? 4 * w->n_params : 0;

@@ -13,6 +13,7 @@
 set -euo pipefail
 DS4="$1"
 FIX="$2"
+SRC="$3"
 . "$(dirname "${BASH_SOURCE[0]}")/proc_lib.sh" partial # $out, pids, fail
 EP="ipc://$out/pool.sock"
 
@@ -22,6 +23,8 @@ local ffi = require("ffi")
 local rl = require("ds4.rl")
 local trainer = require("ds4.rl.trainer")
 local fix, ep, dir = arg[1], arg[2], arg[3]
+package.path = arg[4] .. "/tests/lua/?.lua;" .. package.path
+local toy = require("toy_rl")
 ds4.set_threads(1)
 local streamed, partials, order_bad = {}, 0, 0
 local pool = ds4.rollout.pool{ bind = ep, model = ds4.load(fix .. "/tiny_a"), workers = 2, wait_s = 60,
@@ -89,23 +92,13 @@ io.stdout:flush()
 local policy = ds4.load(fix .. "/tiny_a")
 pool:publish(policy)
 local worst = 0
-trainer.run{
-    model = policy,
-    algorithm = rl.preset("grpo", { kl = rl.NIL, tis = rl.tis_default }),
-    prompts = function(k, count)
-        local p = {}
-        for i = 1, count do p[i] = { prompt = { 5 + (k * 3 + i) % 40, 9, 7 } } end
-        return p
-    end,
-    reward = function(text) return (#text > 0 and text:byte(1) % 2 == 0) and 1 or 0 end,
-    decode = function(ids) local t = {} for i, v in ipairs(ids) do t[i] = string.char(v % 256) end return table.concat(t) end,
-    rollout = { n = 4, prompts_per_step = 3, max_new_tokens = 24, temperature = 1.0, source = pool },
-    optim = { lr = 1e-2 }, steps = 4, async = { max_staleness = 1 }, out = dir .. "/run", seed = 5, progress = false,
+trainer.run(toy.config(pool, {
+    model = policy, steps = 4, async = { max_staleness = 1 }, out = dir .. "/run",
     loss = function(mb, spec, o)
         for _, s in ipairs(mb) do worst = math.max(worst, pool.version - s.policy_version) end
         return rl.loss.compute(mb, spec, o)
     end,
-}
+}, 24))
 local rows = require("ds4.plot").read_jsonl(dir .. "/run/metrics.jsonl")
 local smax, has_mixed = 0, true
 for _, r in ipairs(rows) do
@@ -116,7 +109,7 @@ print(("async: steps %d worst_lag %d staleness_max %d mixed_metric %s"):format(#
 pool:close()
 LUA
 
-"$DS4" run "$out/trainer.lua" "$FIX" "$EP" "$out" >"$out/trainer.log" 2>"$out/trainer.err" &
+"$DS4" run "$out/trainer.lua" "$FIX" "$EP" "$out" "$SRC" >"$out/trainer.log" 2>"$out/trainer.err" &
 T=$!
 pids+=("$T")
 for id in p1 p2; do

@@ -11,8 +11,9 @@ local worker = require("ds4.rollout.worker")
 local ep, id, fix, factor = arg[1], arg[2], arg[3], tonumber(arg[4] or 10)
 pcall(ffi.cdef, "int poll(void *fds, unsigned long n, int timeout);")
 ds4.set_threads(1)
+-- one task at a time (credits 1): the test's other workers must take the rest
 local w = worker.new{ connect = ep, model = ds4.load(fix .. "/tiny_a"), id = id, silence_s = 2, give_up_s = 600,
-    verbose = true }
+    verbose = true, credits = 1 }
 local decode, busy, slept = w.decode, 0, 0
 function w:decode()
     local t0 = codec.now()
