@@ -217,18 +217,19 @@ s:set{ routing_id = "raw-client", curve_serverkey = zmq.read_key(dir .. "/traine
 s:connect(ep)
 local credit = ds4.wire.encode({ t = "credit", n = 1 })
 local cases = {
-    { "not a map", { "\193 garbage" }, "not_map" },
-    { "truncated msgpack", { "\130\161v\1\161t" }, "parse" },
-    { "another protocol version", { "\129\161v\5" }, "version" },
-    { "an empty header", { "" }, "parse" },
-    { "an undeclared raw frame", { credit[1], "extra" }, "frame" },
-    { "an oversized header", { ("\144"):rep(70000) }, "limit" },
-    { "an unknown message type", { "\130\161v\5\161t\164nope" }, "type" },
-    -- peers of protocol versions 1 to 4 (a hello as they wrote it; 4: no streaming, no per-token versions): refused by version, whatever else they say
+    -- peers of protocol versions 1 to 4 (a hello as they wrote it; 4: no streaming, no per-token versions),
+    -- first: the trainer logs at most 10 rejections of a peer per second: refused by version, whatever else they say
     { "a version 1 hello", { "\131\161v\1\161t\165hello\166worker\170raw-client" }, "version" },
     { "a version 2 hello", { "\131\161v\2\161t\165hello\166worker\170raw-client" }, "version" },
     { "a version 3 hello", { "\131\161v\3\161t\165hello\166worker\170raw-client" }, "version" },
     { "a version 4 hello", { "\131\161v\4\161t\165hello\166worker\170raw-client" }, "version" },
+    { "not a map", { "\193 garbage" }, "not_map" },
+    { "truncated msgpack", { "\130\161v\1\161t" }, "parse" },
+    { "another protocol version", { "\129\161v\6" }, "version" },
+    { "an empty header", { "" }, "parse" },
+    { "an undeclared raw frame", { credit[1], "extra" }, "frame" },
+    { "an oversized header", { ("\144"):rep(70000) }, "limit" },
+    { "an unknown message type", { "\130\161v\5\161t\164nope" }, "type" },
     { "a credit from an unknown worker", credit, "state" },
     { "a hello with another vocabulary", ds4.wire.encode({ t = "hello", worker = "raw-client", policy = 0,
         max_batch = 1, threads = 1, vocab_size = 7, n_params = 1, build = "raw" }), "refused" },
