@@ -836,6 +836,8 @@ function Pool:on_partial(w, m)
     local lp = ffi.cast("const float *", codec.raw(m, "logprobs") or "")
     local bad
     if m.n ~= s.n then bad = ("%d samples, the task asked for %d"):format(m.n, s.n) end
+    if m.policy > self.version then bad = ("policy version %d is newer than the trainer's %d"):format(m.policy,
+        self.version) end
     local off = 0
     for i = 1, bad and 0 or m.n do
         local q, have = m.seq[i], part[i] and #part[i].ids or 0
