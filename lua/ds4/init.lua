@@ -344,10 +344,15 @@ Remote rollouts (lua/ds4/rollout/: pool.lua and worker.lua say everything; rollo
                                    res.failed); prompt p is one task with seed ds4.rollout.task_seed(opts.seed, p)
   pool:publish(model) -> version   snapshot the parameters as a new policy version (unchanged: same version);
                                    trainer.run calls it after every step when rollout.source has it
+  pool:submit(prompts, opts) -> b  pool:poll()  pool:ready(b)  pool:collect(b)  pool:cancel(b)  pool:progress(b)
+                                   batches in flight; opts.min_policy = V (every sample of version >= V), opts.stream
+                                   = N (each task's tokens streamed every N: cfg.on_partial, pool:progress)
   pool:stats()  pool:sync([timeout_s])  pool:wait(n [, timeout_s])  pool:service([timeout_ms])  pool:close()
   pool.endpoint  pool.version
   ds4.rollout.task_seed(seed, p)   the seed of prompt p of a generate call with opts.seed = seed
-  ds4.rollout.worker.run{connect, model, id, curve | insecure, max_batch, credits} -> exit status (`ds4 worker`)
+  ds4.rollout.worker.run{connect, model, id, curve | insecure, max_batch, credits, partial_rollouts}
+                                   -> exit status (`ds4 worker`; partial_rollouts: new weights go in under running
+                                   sequences, each token's version in the answer)
 
 Misc
   ds4.version  ds4.build_info  ds4.luajit_version
