@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # test_rollout_partial.sh — streaming and partial rollouts (protocol 5) with real processes on ipc://: one trainer (a
 # ds4.rollout.pool) and two `ds4 worker --partial-rollouts` processes.
-#   1. a batch submitted with stream = 16 and long generations (256 tokens, eos ignored): partial results arrive while
+#   1. a batch submitted with stream = 32 and long generations (512 tokens, eos ignored): partial results arrive while
 #      it runs (cfg.on_partial), each continuing the last; once some have, the trainer publishes version 2. The
 #      workers put version 2 in under their running sequences: answers carry each token's version, the tokens
 #      before the switch are the trainer's own model:generate at version 1 (bitwise), versions never go back, the
@@ -44,7 +44,7 @@ local v1 = ds4.load(fix .. "/tiny_a")
 pool:publish(v1)
 local prompts = {}
 for i = 1, 8 do prompts[i] = { 3 + i, (i * 29) % 200 + 2, 7 } end
-local opts = { n = 2, max_new_tokens = 256, temperature = 1.0, seed = 9, ignore_eos = true, stream = 16 }
+local opts = { n = 2, max_new_tokens = 512, temperature = 1.0, seed = 9, ignore_eos = true, stream = 32 }
 local b = pool:submit(prompts, opts)
 local t0 = os.time()
 while partials < 1 and os.time() - t0 < 60 do pool:poll() end
@@ -58,7 +58,7 @@ local res = pool:collect(b)
 local versions = { v1, v2 }
 local mixed, prefix_bad, back, oldest_bad, stream_bad, whole_bad = 0, 0, 0, 0, 0, 0
 for p = 1, #prompts do
-    local o = { n = 2, max_new_tokens = 256, temperature = 1.0, ignore_eos = true,
+    local o = { n = 2, max_new_tokens = 512, temperature = 1.0, ignore_eos = true,
         seed = ds4.rollout.task_seed(opts.seed, p) }
     local ref = { v1:generate({ prompts[p] }, o), v2:generate({ prompts[p] }, o) }
     for s = 1, 2 do
