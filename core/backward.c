@@ -60,7 +60,8 @@ static size_t zmax(size_t a, size_t b) { return a > b ? a : b; }
 
 static void bplan(bwd *b, ds4_arena *a) {
     const ds4_config *c = &b->m->cfg;
-    const size_t T = (size_t)b->tp->T, S = (size_t)b->tp->S, B = (size_t)b->tp->B;
+    /* with context parallelism the tape holds this rank's rows, but attention runs over the whole sequence */
+    const size_t B = (size_t)b->tp->B, S = (size_t)(b->tp->cp_S ? b->tp->cp_S : b->tp->S), T = B * S;
     const size_t n = (size_t)c->hc_mult, D = (size_t)c->hidden_size, V = (size_t)c->vocab_size;
     const size_t H = (size_t)c->num_attention_heads, d = (size_t)c->head_dim, K = (size_t)c->num_experts_per_tok;
     const size_t I = (size_t)c->moe_intermediate_size, E = (size_t)c->n_routed_experts, qr = (size_t)c->q_lora_rank;
@@ -262,8 +263,9 @@ static void indexer_kl_bwd(bwd *b, const ds4_layer_w *l, const ds4_layer_w *g, c
     comp_bwd(b, &l->idx_comp, &g->idx_comp, lt, lt->iC, lt->iZ, lt->ipool, 1, 0);
 }
 
-/* Attention sub-layer backward: b->da (gradient of its output) → b->dh (gradient of h_attn, written). */
-static void attention_bwd(bwd *b, const ds4_layer_w *l, const ds4_layer_w *g, const ds4_layer_tape *lt) {
+/* Attention sub-layer backward over the pass's rows: b->da (gradient of its output) → b->dh (gradient of h_attn,
+ * written). */
+static void attention_bwd_rows(bwd *b, const ds4_layer_w *l, const ds4_layer_w *g, const ds4_layer_tape *lt) {
     const ds4_config *c = &b->m->cfg;
     const int64_t T = b->f.T, S = b->f.S, D = c->hidden_size, H = c->num_attention_heads, d = c->head_dim;
     const int64_t qr = c->q_lora_rank, G = c->o_groups, ol = c->o_lora_rank, gw = H * d / G;
@@ -308,6 +310,28 @@ static void attention_bwd(bwd *b, const ds4_layer_w *l, const ds4_layer_w *g, co
     norm_bwd(b, b->dqa, 0, g->q_norm, b->dqa, lt->qa, l->q_norm, T, qr);
     lin_bwd(b, b->dh, D, 1, g->wq_a, b->dqa, qr, lt->h_attn, D, l->wq_a, 1, T, D, qr);
     ds4_lora_bwd(&b->lc, lo, DS4_LORA_AB(lo, wq_a), DS4_LORA_AB(go, wq_a), b->dh, D, b->dqa, qr, lt->h_attn, D, T, D, qr);
+}
+
+/* Attention sub-layer backward. With context parallelism (cp.c) the ranks' output gradients are gathered, every rank
+ * runs the whole sequence's attention backward (the same computation on the same bits as one process) and keeps its
+ * rows of dh; the attention weights' gradients, the same on every rank, are added on rank 0 only, so that the
+ * all-reduce of the gradients (a sum over ranks) counts them once. */
+static void attention_bwd(bwd *b, const ds4_layer_w *l, const ds4_layer_w *g, const ds4_layer_tape *lt) {
+    if (!b->f.cp_world) {
+        attention_bwd_rows(b, l, g, lt);
+        return;
+    }
+    const int64_t D = b->m->cfg.hidden_size;
+    ds4_layer_w gr = *g;
+    if (b->f.cp_rank != 0) {
+        gr.wq_a = gr.q_norm = gr.wq_b = gr.wkv = gr.kv_norm = gr.wo_a = gr.wo_b = gr.sink = NULL;
+        gr.idx_wq_b = gr.idx_weights = NULL;
+        gr.comp.wkv = gr.comp.wgate = gr.comp.ape = gr.comp.norm = NULL;
+        gr.idx_comp.wkv = gr.idx_comp.wgate = gr.idx_comp.ape = gr.idx_comp.norm = NULL;
+    }
+    ds4_cp_gather_rows(&b->f, b->da, D);
+    attention_bwd_rows(b, l, &gr, lt);
+    ds4_cp_keep_rows(&b->f, b->dh, D);
 }
 
 /* ------------------------------------------------------------------------------------------------ MoE */
@@ -408,10 +432,12 @@ static void block_bwd(bwd *b, const ds4_layer_w *l, const ds4_layer_w *g, const 
     hc_site_bwd(b, &l->hc_attn, &g->hc_attn, lt->X_in, b->du, dX);
 }
 
-/* The targets of the rows of logits [B, Sl, V]: labels[b, s + shift] where s + shift < S, else -100. */
-static void targets(int64_t *tgt, const int64_t *labels, int64_t B, int64_t Sl, int64_t S, int64_t shift) {
+/* The targets of the rows of logits [B, Sl, V], row (b, s) at position off + s of labels [B, S]: labels[b, off + s +
+ * shift] where off + s + shift < S, else -100. */
+static void targets(int64_t *tgt, const int64_t *labels, int64_t B, int64_t Sl, int64_t S, int64_t off, int64_t shift) {
     for (int64_t bb = 0; bb < B; bb++)
-        for (int64_t s = 0; s < Sl; s++) tgt[bb * Sl + s] = s + shift < S ? labels[bb * S + s + shift] : -100;
+        for (int64_t s = 0; s < Sl; s++)
+            tgt[bb * Sl + s] = off + s + shift < S ? labels[bb * S + off + s + shift] : -100;
 }
 
 /* The head (DS4_HEAD_MAIN / DS4_HEAD_MTP) of a pass: logits = head(norm(HyperHead(X))) → dX (written), for the
@@ -447,10 +473,15 @@ static void mtp_bwd(bwd *b, double ms, int64_t *htgt, int32_t *hrows) {
     ds4_tape *tp = b->tp;
     const ds4_config *c = &m->cfg;
     const ds4_mtp_w *mt = &b->f.w->mtp, *gm = &b->gw->mtp;
-    const int64_t B = tp->B, S = tp->S, S1 = S - 1, T1 = B * S1, n = c->hc_mult, D = c->hidden_size, nD = n * D;
+    /* the tape's rows are positions off .. off + tp->S - 1 of ids [B, S] (with context parallelism this rank's
+     * slice; the MTP block's rows are the same less the sequence's last position) */
+    const int64_t B = tp->B, S = tp->cp_S ? tp->cp_S : tp->S, off = tp->cp_off, Sx = tp->S;
+    const int64_t n = c->hc_mult, D = c->hidden_size, nD = n * D;
     ds4_dev *dev = b->f.dev;
-    set_shape(b, S1, T1);
-    targets(htgt, tp->hlabels, B, S1, S, 2);
+    if (b->f.cp_world) ds4_cp_set_mtp(&b->f, 1);
+    else set_shape(b, S - 1, B * (S - 1));
+    const int64_t S1 = b->f.S, T1 = b->f.T;
+    targets(htgt, tp->hlabels, B, S1, S, off, 2);
     ds4_dev_upload(dev, tp->tgt, htgt, (size_t)T1 * sizeof(int64_t));
     /* the main gradient stays in dX; the MTP pass works in dmtp (block_bwd's scratch is dXt) */
     head_bwd(b, DS4_HEAD_MTP, tp->mtp_u, tp->mtp_y, tp->mtp_X, mt->hc_head_fn, mt->hc_head_base, mt->hc_head_scale,
@@ -462,8 +493,8 @@ static void mtp_bwd(bwd *b, double ms, int64_t *htgt, int32_t *hrows) {
     norm_bwd(b, b->da, 0, gm->enorm, b->dh, tp->mtp_e, mt->enorm, T1, D);
     for (int64_t bb = 0; bb < B; bb++)
         for (int64_t i = 0; i < S1; i++) {
-            htgt[bb * S1 + i] = tp->hids[bb * S + i + 1];
-            hrows[bb * S1 + i] = (int32_t)(bb * S + i);
+            htgt[bb * S1 + i] = tp->hids[bb * S + off + i + 1];
+            hrows[bb * S1 + i] = (int32_t)(bb * Sx + i);
         }
     ds4_dev_upload(dev, b->mids, htgt, (size_t)T1 * sizeof(int64_t));
     ds4_dev_upload(dev, b->rowmap, hrows, (size_t)T1 * sizeof(int32_t));
@@ -473,7 +504,8 @@ static void mtp_bwd(bwd *b, double ms, int64_t *htgt, int32_t *hrows) {
     OP(dev, gather_rows, .dst = b->xn, .src = tp->X_L, .idx = b->rowmap, .div = 1, .rows = T1, .width = nD);
     norm_bwd(b, b->dxn, 0, gm->hnorm, b->dxn, b->xn, mt->hnorm, T1 * n, D);
     OP(dev, add_rows, .dst = b->dX, .src = b->dxn, .idx = b->rowmap, .rows = T1, .width = nD);
-    set_shape(b, S, tp->T);
+    if (b->f.cp_world) ds4_cp_set_mtp(&b->f, 0);
+    else set_shape(b, S, tp->T);
 }
 
 /* ------------------------------------------------------------------------------------------------ entry */
@@ -607,8 +639,10 @@ static ds4_status backward_impl(ds4_model *m, const float *dlogp, const ds4_back
     /* expert parallelism: the rows the forward planned (every rank's backward makes the same exchanges) */
     const ds4_pass_opts po = {.ep_rows = m->ep_on ? tp->ep_rows : 0};
     ds4_status s = ds4_ep_reserve(m, po.ep_rows, err);
-    if (!s) s = ds4_pass_setup(m, &b.f, tp->B, tp->S, tp->T, &po, 1, err);
+    const int64_t Sw = tp->cp_S ? tp->cp_S : tp->S; /* the whole sequence (the tape holds this rank's slice) */
+    if (!s) s = ds4_pass_setup(m, &b.f, tp->B, Sw, tp->B * Sw, &po, 1, err);
     if (s) return s;
+    if (tp->cp_S) ds4_cp_begin(&b.f, Sw);
     b.m = m;
     b.tp = tp;
     b.gw = &m->gw;
@@ -634,7 +668,7 @@ static ds4_status backward_impl(ds4_model *m, const float *dlogp, const ds4_back
     if (!htgt) return ds4_fail(err, DS4_ERR_OOM, "backward: host scratch for %lld rows", (long long)T);
     int32_t *hrows = (int32_t *)(htgt + T);
     ds4_dev *dev = b.f.dev;
-    targets(htgt, tp->hlabels, tp->B, tp->S, tp->S, 1);
+    targets(htgt, tp->hlabels, tp->B, tp->S, Sw, tp->cp_off, 1);
     ds4_dev_upload(dev, tp->tgt, htgt, (size_t)T * sizeof(int64_t));
     const float *dl = ds4_pass_input(&b.f, b.dlogp, dlogp, (size_t)T * sizeof(float));
     const ds4_weights *wv = b.f.w;
