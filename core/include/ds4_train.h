@@ -167,7 +167,8 @@ ds4_status ds4_model_set_context_parallel(ds4_model *m, const ds4_context_parall
 /* The installed hooks, or NULL when context parallelism is off. */
 const ds4_context_parallel *ds4_model_context_parallel(const ds4_model *m);
 
-/* Batch shape [B, S] of the last training forward (its tape). */
+/* Batch shape [B, S] of the last training forward (its tape); with context parallelism [B, n_r], this rank's slice
+ * (the shape of ds4_model_logprobs' rows and of backward_logprobs' dlogp). */
 ds4_status ds4_model_last_batch(const ds4_model *m, int64_t *batch, int64_t *seq, ds4_error *err);
 /* Per-token log-probabilities of the last training forward: logp[b·S + s] = log p(labels[b, s+1] | ids[b, ..s])
  * for scored positions (labels[b, s+1] != -100); 0 at the others (including s = S-1). entropy (may be NULL):
