@@ -60,26 +60,28 @@ static size_t zmax(size_t a, size_t b) { return a > b ? a : b; }
 
 static void bplan(bwd *b, ds4_arena *a) {
     const ds4_config *c = &b->m->cfg;
-    /* with context parallelism the tape holds this rank's rows, but attention runs over the whole sequence */
+    /* T rows for the attention sub-layer's buffers, Tt for the per-token ones: with context parallelism the tape holds
+     * this rank's rows, but attention runs over the whole sequence */
     const size_t B = (size_t)b->tp->B, S = (size_t)(b->tp->cp_S ? b->tp->cp_S : b->tp->S), T = B * S;
+    const size_t Tt = (size_t)b->tp->T;
     const size_t n = (size_t)c->hc_mult, D = (size_t)c->hidden_size, V = (size_t)c->vocab_size;
     const size_t H = (size_t)c->num_attention_heads, d = (size_t)c->head_dim, K = (size_t)c->num_experts_per_tok;
     const size_t I = (size_t)c->moe_intermediate_size, E = (size_t)c->n_routed_experts, qr = (size_t)c->q_lora_rank;
     const size_t mix = (2 + n) * n, GO = (size_t)(c->o_groups * c->o_lora_rank), nD = n * D;
     const size_t win = (size_t)c->sliding_window < S ? (size_t)c->sliding_window : S;
     const size_t topk = (size_t)(c->index_topk < (int64_t)S ? c->index_topk : (int64_t)S);
-    b->dX = ds4_arena_take(a, T * nD, 4);
-    b->dXt = ds4_arena_take(a, T * nD, 4);
-    b->du = ds4_arena_take(a, T * D, 4);
+    b->dX = ds4_arena_take(a, Tt * nD, 4);
+    b->dXt = ds4_arena_take(a, Tt * nD, 4);
+    b->du = ds4_arena_take(a, Tt * D, 4);
     b->dh = ds4_arena_take(a, T * D, 4);
     b->da = ds4_arena_take(a, T * D, 4);
-    b->dpost = ds4_arena_take(a, T * n, 4);
-    b->dcomb = ds4_arena_take(a, T * n * n, 4);
-    b->dmix = ds4_arena_take(a, T * mix, 4);
-    b->xn = ds4_arena_take(a, T * nD, 4);
-    b->dxn = ds4_arena_take(a, T * nD, 4);
-    b->dzb = ds4_arena_take(a, T * mix, 4);
-    b->dzs = ds4_arena_take(a, T * 3, 4);
+    b->dpost = ds4_arena_take(a, Tt * n, 4);
+    b->dcomb = ds4_arena_take(a, Tt * n * n, 4);
+    b->dmix = ds4_arena_take(a, Tt * mix, 4);
+    b->xn = ds4_arena_take(a, Tt * nD, 4);
+    b->dxn = ds4_arena_take(a, Tt * nD, 4);
+    b->dzb = ds4_arena_take(a, Tt * mix, 4);
+    b->dzs = ds4_arena_take(a, Tt * 3, 4);
     b->dq = ds4_arena_take(a, T * H * d, 4);
     b->dkv = ds4_arena_take(a, T * d, 4);
     b->dqa = ds4_arena_take(a, T * qr, 4);
@@ -97,20 +99,20 @@ static void bplan(bwd *b, ds4_arena *a) {
     b->inv_t = ds4_arena_take(a, T * (topk ? topk : 1), 4);
     b->inv_i = ds4_arena_take(a, T * (topk ? topk : 1), 4);
     b->inv_off = ds4_arena_take(a, B * S + 1, 8);
-    b->dlog = ds4_arena_take(a, zmax((size_t)b->tp->head_rows * V, T * E), 4); /* a head chunk's, or the routers' */
-    b->dsc = ds4_arena_take(a, T * E, 4);
-    b->dws = ds4_arena_take(a, T * K, 4);
-    b->xs = ds4_arena_take(a, T * K * D, 4);
-    b->dys = ds4_arena_take(a, T * K * D, 4);
-    b->dxs = ds4_arena_take(a, T * K * D, 4);
-    b->dxslot = ds4_arena_take(a, T * K * D, 4);
-    b->g1s = ds4_arena_take(a, T * K * I, 4);
-    b->g3s = ds4_arena_take(a, T * K * I, 4);
-    b->act = ds4_arena_take(a, T * K * I, 4);
-    b->dact = ds4_arena_take(a, T * K * I, 4);
-    b->perm = ds4_arena_take(a, T * K, 4);
+    b->dlog = ds4_arena_take(a, zmax((size_t)b->tp->head_rows * V, Tt * E), 4); /* a head chunk's, or the routers' */
+    b->dsc = ds4_arena_take(a, Tt * E, 4);
+    b->dws = ds4_arena_take(a, Tt * K, 4);
+    b->xs = ds4_arena_take(a, Tt * K * D, 4);
+    b->dys = ds4_arena_take(a, Tt * K * D, 4);
+    b->dxs = ds4_arena_take(a, Tt * K * D, 4);
+    b->dxslot = ds4_arena_take(a, Tt * K * D, 4);
+    b->g1s = ds4_arena_take(a, Tt * K * I, 4);
+    b->g3s = ds4_arena_take(a, Tt * K * I, 4);
+    b->act = ds4_arena_take(a, Tt * K * I, 4);
+    b->dact = ds4_arena_take(a, Tt * K * I, 4);
+    b->perm = ds4_arena_take(a, Tt * K, 4);
     b->ecount = ds4_arena_take(a, E + 1, 8);
-    b->dmtp = ds4_arena_take(a, T * nD, 4);
+    b->dmtp = ds4_arena_take(a, Tt * nD, 4);
     const size_t nI = (size_t)c->index_n_heads, cI = (size_t)c->index_head_dim, sel = topk ? topk : 1;
     const int ikl = b->tp->with_ikl;
     b->dI = ikl ? ds4_arena_take(a, T * sel, 4) : NULL;
@@ -119,9 +121,9 @@ static void bplan(bwd *b, ds4_arena *a) {
     b->dsi = ikl ? ds4_arena_take(a, T * nI * sel, 4) : NULL;
     b->kl = ds4_arena_take(a, T, 8);
     b->has = ds4_arena_take(a, T, 4);
-    b->rowmap = ds4_arena_take(a, T, 4);
-    b->mids = ds4_arena_take(a, T, 8);
-    b->dlogp = ds4_arena_take(a, T, 4);
+    b->rowmap = ds4_arena_take(a, Tt, 4);
+    b->mids = ds4_arena_take(a, Tt, 8);
+    b->dlogp = ds4_arena_take(a, Tt, 4);
     const size_t lr = b->m->lora ? (size_t)b->m->lora->r : 0, rows = T * (K > 1 ? K : 1);
     b->lc.u = lr ? ds4_arena_take(a, rows * lr, 4) : NULL;
     b->lc.v = lr ? ds4_arena_take(a, rows * lr, 4) : NULL;
@@ -637,7 +639,7 @@ static ds4_status backward_impl(ds4_model *m, const float *dlogp, const ds4_back
     bwd b;
     memset(&b, 0, sizeof b);
     /* expert parallelism: the rows the forward planned (every rank's backward makes the same exchanges) */
-    const ds4_pass_opts po = {.ep_rows = m->ep_on ? tp->ep_rows : 0};
+    const ds4_pass_opts po = {.ep_rows = m->ep_on ? tp->ep_rows : 0, .tok_rows = tp->cp_S ? tp->T : 0};
     ds4_status s = ds4_ep_reserve(m, po.ep_rows, err);
     const int64_t Sw = tp->cp_S ? tp->cp_S : tp->S; /* the whole sequence (the tape holds this rank's slice) */
     if (!s) s = ds4_pass_setup(m, &b.f, tp->B, Sw, tp->B * Sw, &po, 1, err);

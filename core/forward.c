@@ -515,7 +515,7 @@ ds4_status ds4_forward_run(ds4_model *m, const ds4_forward_args *args, ds4_forwa
                             (long long)args->batch, (long long)args->seq);
         tape->valid = 0;
         tape->logits_head = 0;
-        s = ds4_tape_reserve(m, tape, args->batch, args->seq, train_mtp, err);
+        s = ds4_tape_reserve(m, tape, args->batch, args->seq, m->cp_on ? args->batch * cp_n : 0, train_mtp, err);
         if (s) return s;
         tape->cp_S = m->cp_on ? args->seq : 0; /* planned for the whole sequence, holding this rank's rows */
         tape->cp_off = cp_off;
@@ -535,6 +535,7 @@ ds4_status ds4_forward_run(ds4_model *m, const ds4_forward_args *args, ds4_forwa
         .replay_experts = args->replay_experts && !hv,
         .replay_index = args->replay_index && !hv,
         .ep_rows = ep_rows,
+        .tok_rows = m->cp_on ? B * cp_n : 0,
     };
     if (tape) tape->ep_rows = ep_rows;
     ds4_pass f;

@@ -166,6 +166,8 @@ typedef struct ds4_pass_opts {
     int replay_experts, replay_index, rec_experts, rec_index;
     int64_t nseq;                 /* step: sequences (for the row tables) */
     int64_t ep_rows;              /* expert parallelism: ds4_pass.ep_rows (0: off) */
+    int64_t tok_rows;             /* context parallelism: this rank's rows, what the per-token buffers hold (the
+                                     attention buffers hold T); 0: T */
 } ds4_pass_opts;
 
 /* A bump allocator for planned workspaces: planning runs it once with base NULL to size the block, then
@@ -187,8 +189,10 @@ static inline void *ds4_arena_take(ds4_arena *a, size_t n, size_t elem) {
  * and make the RoPE tables cover positions < S. */
 ds4_status ds4_pass_setup(ds4_model *m, ds4_pass *p, int64_t B, int64_t S, int64_t T, const ds4_pass_opts *o,
                           int training, ds4_error *err);
-/* Size (and grow) a tape for (B, S) in backend memory. */
-ds4_status ds4_tape_reserve(ds4_model *m, ds4_tape *tp, int64_t B, int64_t S, int with_mtp, ds4_error *err);
+/* Size (and grow) a tape for (B, S) in backend memory; its per-token slots for tok_rows rows (context parallelism:
+ * this rank's; 0: B·S), its attention slots for B·S. */
+ds4_status ds4_tape_reserve(ds4_model *m, ds4_tape *tp, int64_t B, int64_t S, int64_t tok_rows, int with_mtp,
+                            ds4_error *err);
 
 /* A host input of a pass: used in place on a host-visible backend, else uploaded into its planned buffer. */
 static inline const void *ds4_pass_input(ds4_pass *p, void *planned, const void *host, size_t bytes) {
