@@ -589,12 +589,24 @@ static void add_back(ds4_model *m, const float *saved) {
         OP(m->dev, add_bcast, .x = g + full * ADD_ROW, .h = saved + full * ADD_ROW, .T = 1, .n = 1, .D = rest);
 }
 
+/* The backward once this rank's checks gave s: with context parallelism the ranks agree first (every rank fails when
+ * one refused, instead of leaving the others in a gather). */
+static ds4_status run_backward(ds4_model *m, ds4_status s, const char *what, const float *dlogp,
+                               const ds4_backward_scales *sc, ds4_error *err) {
+    if (m && m->cp_on) {
+        const ds4_tape *tp = m->tape;
+        const int ok = tp && tp->valid && !s;
+        s = ds4_cp_agree(m, what, ok ? tp->B : 0, ok ? tp->cp_S : 0, ok ? tp->hids : NULL, ok ? tp->hlabels : NULL, s,
+                         err);
+    }
+    return s ? s : backward_impl(m, dlogp, sc, err);
+}
+
 ds4_status ds4_model_backward(ds4_model *m, double scale, ds4_error *err) {
     ds4_status s = tape_ready(m, "backward", err);
-    if (s) return s;
-    if (!isfinite(scale)) return ds4_fail(err, DS4_ERR_ARG, "backward: scale %g is not finite", scale);
+    if (!s && !isfinite(scale)) s = ds4_fail(err, DS4_ERR_ARG, "backward: scale %g is not finite", scale);
     const ds4_backward_scales sc = {.ce = scale, .mtp = -1, .ikl = -1};
-    return backward_impl(m, NULL, &sc, err);
+    return run_backward(m, s, "backward", NULL, &sc, err);
 }
 
 static ds4_status check_scales(const ds4_backward_scales *sc, const char *op, ds4_error *err) {
@@ -608,7 +620,7 @@ static ds4_status check_scales(const ds4_backward_scales *sc, const char *op, ds
 ds4_status ds4_model_backward_scaled(ds4_model *m, const ds4_backward_scales *sc, ds4_error *err) {
     ds4_status s = tape_ready(m, "backward", err);
     if (!s) s = check_scales(sc, "backward", err);
-    return s ? s : backward_impl(m, NULL, sc, err);
+    return run_backward(m, s, "backward", NULL, sc, err);
 }
 
 ds4_status ds4_model_backward_logprobs(ds4_model *m, const float *dlogp, ds4_error *err) {
@@ -617,17 +629,16 @@ ds4_status ds4_model_backward_logprobs(ds4_model *m, const float *dlogp, ds4_err
 
 ds4_status ds4_model_backward_logprobs_scaled(ds4_model *m, const float *dlogp, double ikl_scale, ds4_error *err) {
     ds4_status s = tape_ready(m, "backward_logprobs", err);
-    if (s) return s;
-    if (!isfinite(ikl_scale))
-        return ds4_fail(err, DS4_ERR_ARG, "backward_logprobs: indexer KL scale %g is not finite", ikl_scale);
-    if (!dlogp) return ds4_fail(err, DS4_ERR_ARG, "backward_logprobs: dlogp is NULL");
-    for (int64_t t = 0; t < m->tape->T; t++)
+    if (!s && !isfinite(ikl_scale))
+        s = ds4_fail(err, DS4_ERR_ARG, "backward_logprobs: indexer KL scale %g is not finite", ikl_scale);
+    if (!s && !dlogp) s = ds4_fail(err, DS4_ERR_ARG, "backward_logprobs: dlogp is NULL");
+    for (int64_t t = 0; !s && t < m->tape->T; t++)
         if (!isfinite(dlogp[t]))
-            return ds4_fail(err, DS4_ERR_ARG, "backward_logprobs: dlogp[%lld, %lld] = %g is not finite (dlogp [%lld, %lld])",
-                            (long long)(t / m->tape->S), (long long)(t % m->tape->S), (double)dlogp[t],
-                            (long long)m->tape->B, (long long)m->tape->S);
+            s = ds4_fail(err, DS4_ERR_ARG, "backward_logprobs: dlogp[%lld, %lld] = %g is not finite (dlogp [%lld, %lld])",
+                         (long long)(t / m->tape->S), (long long)(t % m->tape->S), (double)dlogp[t],
+                         (long long)m->tape->B, (long long)m->tape->S);
     const ds4_backward_scales sc = {.ce = 0, .mtp = -1, .ikl = ikl_scale};
-    return backward_impl(m, dlogp, &sc, err);
+    return run_backward(m, s, "backward_logprobs", dlogp, &sc, err);
 }
 
 /* The CE path passes dlogp = NULL and scale; the per-token path passes dlogp (and the MTP term, when on, keeps its

@@ -68,6 +68,48 @@ ds4_status ds4_cp_check(const ds4_model *m, const ds4_forward_args *a, int train
     return DS4_OK;
 }
 
+/* FNV-1a over n int64 values (0 for none): the ranks compare their inputs without sending them. */
+static uint64_t hash_i64(const int64_t *x, int64_t n) {
+    uint64_t h = 1469598103934665603ull;
+    const unsigned char *p = (const unsigned char *)x;
+    for (int64_t i = 0; x && i < n * (int64_t)sizeof *x; i++) h = (h ^ p[i]) * 1099511628211ull;
+    return x ? h : 0;
+}
+
+typedef struct {
+    int64_t st, B, S;             /* this rank's checks (0: passed) and shape */
+    uint64_t ids, labels;         /* hashes of its ids and labels */
+} cp_note;
+
+ds4_status ds4_cp_agree(ds4_model *m, const char *what, int64_t B, int64_t S, const int64_t *ids,
+                        const int64_t *labels, ds4_status st, ds4_error *err) {
+    const int32_t P = m->cp.world;
+    const cp_note mine = {st, B, S, st ? 0 : hash_i64(ids, B * S), st ? 0 : hash_i64(labels, B * S)};
+    cp_note *all = malloc((size_t)P * sizeof *all);
+    if (!all) return ds4_fail(err, DS4_ERR_OOM, "%s: context parallel: notes of %d ranks", what, P);
+    ds4_error e = {0};
+    ds4_status gs = m->cp.all_gather(m->cp.ctx, &mine, all, sizeof mine, &e);
+    if (gs) {
+        free(all);
+        if (st) return st; /* this rank's own failure says more */
+        return ds4_fail(err, gs, "%s: context parallel: the ranks' notes (rank %d of %d): %s", what, m->cp.rank, P, e.msg);
+    }
+    ds4_status out = st;
+    for (int32_t q = 0; q < P && !out; q++) {
+        if (all[q].st)
+            out = ds4_fail(err, DS4_ERR_ARG, "%s: context parallel: rank %d refused its %s (its output says why); every "
+                                             "rank makes the same calls", what, q, what);
+        else if (all[q].B != all[0].B || all[q].S != all[0].S || all[q].ids != all[0].ids ||
+                 all[q].labels != all[0].labels)
+            out = ds4_fail(err, DS4_ERR_ARG, "%s: context parallel: rank %d passed ids [%lld, %lld] and labels that differ "
+                                             "from rank 0's (ids [%lld, %lld]): every rank passes the same whole "
+                                             "sequences", what, q, (long long)all[q].B, (long long)all[q].S,
+                           (long long)all[0].B, (long long)all[0].S);
+    }
+    free(all);
+    return out;
+}
+
 static void set_shape(ds4_pass *f, int64_t S) {
     f->S = S;
     f->T = f->B * S;
@@ -107,22 +149,39 @@ static void *scratch(ds4_pass *f, size_t bytes) {
     return p;
 }
 
-/* All-gather `rows` blocks of `bytes` each rank holds (rank 0's slice is the longest, so blocks of its row count,
- * the tail of shorter slices zero): recv block q is rank q's. */
-static char *gather(ds4_pass *f, const void *mine, size_t mine_bytes, size_t blk, const char *what) {
+enum { GATHER_HDR = 16 }; /* a block's header: whether its rank's pass has failed (int64), keeping 8-byte alignment */
+
+/* All-gather the `mine_bytes` this rank holds, in blocks of `blk` payload bytes (rank 0's slice is the longest, so
+ * blocks of its row count, the tail of shorter slices zero) behind a header: returns rank 0's payload, rank q's at
+ * q·(*stride) from it, or NULL when this pass failed. A rank whose pass has already failed still takes part (with
+ * the header saying so), so that the others fail with it instead of waiting. */
+static char *gather(ds4_pass *f, const void *mine, size_t mine_bytes, size_t blk, const char *what, size_t *stride) {
     const int32_t P = f->cp_world;
-    char *buf = scratch(f, blk * (size_t)(P + 1));
-    if (!buf || f->dev->st) return NULL;
-    memcpy(buf, mine, mine_bytes);
-    memset(buf + mine_bytes, 0, blk - mine_bytes);
+    const size_t sz = GATHER_HDR + blk;
+    char *buf = scratch(f, sz * (size_t)(P + 1));
+    if (!buf) return NULL;
+    const int64_t failed = f->dev->st != 0;
+    memset(buf, 0, sz);
+    memcpy(buf, &failed, sizeof failed);
+    if (!failed) memcpy(buf + GATHER_HDR, mine, mine_bytes);
     ds4_error e = {0};
-    ds4_status st = f->m->cp.all_gather(f->m->cp.ctx, buf, buf + blk, blk, &e);
+    ds4_status st = f->m->cp.all_gather(f->m->cp.ctx, buf, buf + sz, sz, &e);
     if (st) {
         ds4_dev_fail(f->dev, st, "context parallel %s (layer %lld, rank %d of %d): %s", what, (long long)f->li,
                      f->cp_rank, P, e.msg);
         return NULL;
     }
-    return buf + blk;
+    for (int32_t q = 0; q < P && !failed; q++) {
+        int64_t other;
+        memcpy(&other, buf + sz * (size_t)(q + 1), sizeof other);
+        if (other) {
+            ds4_dev_fail(f->dev, DS4_ERR_COMM, "context parallel %s (layer %lld): rank %d failed earlier in this pass "
+                                               "(its output says why)", what, (long long)f->li, q);
+            return NULL;
+        }
+    }
+    *stride = sz;
+    return failed ? NULL : buf + sz + GATHER_HDR;
 }
 
 void ds4_cp_gather_rows(ds4_pass *f, float *x, int64_t width) {
@@ -131,7 +190,8 @@ void ds4_cp_gather_rows(ds4_pass *f, float *x, int64_t width) {
     my_range(f, &off, &n);
     ds4_cp_range(f->cp_S0, f->cp_mtp, f->cp_world, 0, &o0, &nmax);
     const size_t row = (size_t)width * sizeof(float), blk = (size_t)(B * nmax) * row;
-    const char *recv = gather(f, x, (size_t)(B * n) * row, blk, "gather of attention rows");
+    size_t stride = 0;
+    const char *recv = gather(f, x, (size_t)(B * n) * row, blk, "gather of attention rows", &stride);
     set_shape(f, Sf);
     if (!recv) return;
     /* rank q's block holds its rows b·n_q + i, position off_q + i of sequence b */
@@ -139,7 +199,7 @@ void ds4_cp_gather_rows(ds4_pass *f, float *x, int64_t width) {
         int64_t oq, nq;
         ds4_cp_range(f->cp_S0, f->cp_mtp, f->cp_world, q, &oq, &nq);
         for (int64_t b = 0; b < B; b++)
-            memcpy(x + (b * Sf + oq) * width, recv + (size_t)q * blk + (size_t)(b * nq) * row, (size_t)nq * row);
+            memcpy(x + (b * Sf + oq) * width, recv + (size_t)q * stride + (size_t)(b * nq) * row, (size_t)nq * row);
     }
 }
 
@@ -167,12 +227,11 @@ void ds4_cp_sum_rows(ds4_pass *f, const int64_t *tgt, const double *nll, double 
     *cnt = 0;
     const size_t blk = (size_t)(B * nmax) * sizeof(scored_row);
     scored_row *mine = malloc(blk);
-    if (!mine) {
+    if (!mine) /* still joins the gather, as a failed rank */
         ds4_dev_fail(f->dev, DS4_ERR_OOM, "context parallel: %lld rows of losses", (long long)(B * nmax));
-        return;
-    }
-    for (int64_t r = 0; r < B * n; r++) mine[r] = (scored_row){nll[r], tgt[r]};
-    const char *recv = gather(f, mine, (size_t)(B * n) * sizeof(scored_row), blk, "gather of row losses");
+    for (int64_t r = 0; mine && r < B * n; r++) mine[r] = (scored_row){nll[r], tgt[r]};
+    size_t stride = 0;
+    const char *recv = gather(f, mine, (size_t)(B * n) * sizeof(scored_row), blk, "gather of row losses", &stride);
     free(mine);
     if (!recv) return;
     double s = 0;
@@ -181,7 +240,7 @@ void ds4_cp_sum_rows(ds4_pass *f, const int64_t *tgt, const double *nll, double 
         for (int32_t q = 0; q < f->cp_world; q++) {
             int64_t oq, nq;
             ds4_cp_range(f->cp_S0, f->cp_mtp, f->cp_world, q, &oq, &nq);
-            const scored_row *rq = (const scored_row *)(const void *)(recv + (size_t)q * blk) + b * nq;
+            const scored_row *rq = (const scored_row *)(const void *)(recv + (size_t)q * stride) + b * nq;
             for (int64_t i = 0; i < nq; i++)
                 if (rq[i].tgt != -100) {
                     s += rq[i].nll;

@@ -502,6 +502,9 @@ ds4_status ds4_forward_run(ds4_model *m, const ds4_forward_args *args, ds4_forwa
     if (!m) return ds4_fail(err, DS4_ERR_ARG, "forward: model is NULL");
     ds4_status s = check_args(m, args, err);
     if (!s) s = ds4_cp_check(m, args, tape != NULL, err);
+    if (m->cp_on && args)
+        s = ds4_cp_agree(m, tape ? "training forward" : "forward", args->batch, args->seq, args->ids, args->labels, s,
+                         err);
     if (s) return s;
     const int train_mtp = tape && m->topt.mtp_lambda > 0;
     int64_t cp_off = 0, cp_n = args->seq; /* context parallelism: this rank's positions of every sequence */

@@ -268,9 +268,16 @@ ds4_status ds4_ep_sum_loads(ds4_model *m, ds4_error *err);
  * B·n rows of `width`; all-gathered (a collective), it holds the whole [B, cp_S] in place and the pass has that
  * shape; ds4_cp_keep_rows: back to this rank's rows of x and shape. ds4_cp_sum_rows: the sum of nll over the rows
  * whose target is not -100, over every rank's rows in the order of one process holding the whole sequence (and their
- * count). A failed collective fails the pass's backend, like a failed operation. */
+ * count). A failed collective fails the pass's backend, like a failed operation; a rank whose pass failed still
+ * joins the gathers, telling the others, which then fail too. */
 void ds4_cp_range(int64_t S, int mtp, int32_t world, int32_t q, int64_t *off, int64_t *len);
 ds4_status ds4_cp_check(const ds4_model *m, const ds4_forward_args *a, int train, ds4_error *err);
+/* Before a forward or backward under context parallelism (a collective): every rank tells the others whether its own
+ * checks passed (st) and hashes of the shape, ids and labels it was given; st, or a failure naming the first rank that
+ * refused or whose inputs differ from rank 0's. So a refusal or a mismatch fails every rank at once instead of leaving
+ * the others waiting in a gather. */
+ds4_status ds4_cp_agree(ds4_model *m, const char *what, int64_t B, int64_t S, const int64_t *ids,
+                        const int64_t *labels, ds4_status st, ds4_error *err);
 void ds4_cp_begin(ds4_pass *f, int64_t S);
 void ds4_cp_set_mtp(ds4_pass *f, int mtp);
 void ds4_cp_gather_rows(ds4_pass *f, float *x, int64_t width);

@@ -163,6 +163,23 @@ for r in 0 1; do CODE="$EPCODE" rank "$r" 2 "$p" DS4_DIST_TIMEOUT=$TO; done
 wait
 expect "$LOG/rank.0" "rank 1 is in barrier #1 while rank 0 is in all_to_all_v #1" "expert parallelism on one rank only"
 
+# context parallelism: the ranks compare their inputs before the first gather. A rank given other ids, or one that
+# refuses its forward (it asks for logits), fails every rank at once naming it, instead of leaving the others waiting
+CPCODE='local ds4 = require("ds4"); local r = ds4.dist.init(); local m = ds4.load("'"$FIX"'/tiny_a")
+ds4.dist.context_parallel(m)
+local ids = ds4.tensor({ { 5, 6, 7, r == 1 and 9 or 8 } }, "I64")
+local ok, e = pcall(m.forward, m, ids, { labels = ids, logits = false }); print(ok and "ran" or e)
+ok, e = pcall(m.forward, m, ids, { labels = ids, logits = r == 1 }); print(ok and "ran" or e)
+ds4.dist.finalize()'
+p="$(free_port)"
+for r in 0 1; do CODE="$CPCODE" rank "$r" 2 "$p" DS4_DIST_TIMEOUT=$TO; done
+wait
+for r in 0 1; do
+    expect "$LOG/rank.$r" "rank 1 passed ids \[1, 4\] and labels that differ from rank 0's" "context parallel, other ids ($r)"
+done
+expect "$LOG/rank.0" "context parallel: rank 1 refused its forward" "context parallel, a rank refuses"
+expect "$LOG/rank.1" "context parallel: logits, MTP logits or hidden streams" "context parallel, the refusing rank"
+
 # settings that cannot work are refused before anything is opened
 out="$(RANK=0 WORLD_SIZE=2 "$DS4" run - <<<"$INIT" 2>&1)" && bad "no MASTER_ADDR: init succeeded"
 grep -q "needs MASTER_ADDR and MASTER_PORT" <<<"$out" || bad "no MASTER_ADDR: $out"
