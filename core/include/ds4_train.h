@@ -152,9 +152,11 @@ const ds4_expert_parallel *ds4_model_expert_parallel(const ds4_model *m);
  * The losses and token counts a forward returns are the whole sequence's (the per-row losses gathered and summed in
  * row order), on every rank. The attention weights' gradients are computed on rank 0 only (the other ranks' stay
  * zero), every other gradient on each rank from its own rows: summed over the ranks by the usual all-reduce.
- * While it is on, every forward and backward is collective. Refused: a model on a device, LoRA adapters, expert
- * parallelism, routing replay or records, logits / MTP logits / hidden outputs, the indexer KL loss, per-block
- * recomputation, decoding (ds4_model_step), and S < 2·world (every rank needs two positions). */
+ * While it is on, every forward and backward is collective; each starts with the ranks comparing their checks and
+ * hashes of their ids and labels (a rank that refused, or was given other sequences, fails every rank). Refused: a
+ * model on a device, LoRA adapters, expert parallelism, routing replay, logits / MTP logits / hidden outputs, the
+ * indexer KL loss, per-block recomputation, decoding (ds4_model_step), and S < 2·world (every rank needs two
+ * positions). */
 typedef struct ds4_context_parallel {
     int32_t rank, world;
     void *ctx;                /* passed to all_gather */
