@@ -429,6 +429,7 @@ void ds4_model_free(ds4_model *m) {
     free(m->grads);
     free(m->router_loads);
     free(m->ep_host);
+    free(m->cp_host);
     free(m);
 }
 

@@ -65,6 +65,9 @@ ds4_status ds4_model_step(ds4_model *m, const ds4_step_args *a, ds4_error *err) 
 
 ds4_status ds4_step_run(ds4_model *m, const ds4_step_args *a, float *last_dev, ds4_error *err) {
     int64_t N = 0, Smax = 0;
+    if (m && m->cp_on)
+        return ds4_fail(err, DS4_ERR_UNSUPPORTED, "step: context parallel is on: decoding (and generation) with "
+                                                  "context parallelism is not supported (turn it off first)");
     ds4_status st = check_step(m, a, &N, &Smax, err);
     if (st) return st;
     /* a cache passed twice would be appended to twice from the same old state */
