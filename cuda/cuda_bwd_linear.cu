@@ -16,7 +16,9 @@
 // the forward GEMM's steps (cuda_tile.cuh). Groups: rows [off[e], off[e+1]) of dy / dx use expert e's W
 // (linear_bwd_x_grouped: each block finds its expert tile from off, as the forward's grouped GEMM), or the reduction
 // runs over those rows into expert e's dW (linear_bwd_w_grouped: grid z = expert); off is read on the device, nothing
-// synchronises. A plain product whose output has few tiles (a long reduction into a small dW) cuts r into a number of
+// synchronises; with bf16 weights linear_bwd_x_grouped goes through the forward's pipelined grouped GEMM on a
+// transposed copy of the layer's experts instead (ds4_cuda_grouped_dx_bf16: the same sums, so the same bits, at the
+// forward's rate). A plain product whose output has few tiles (a long reduction into a small dW) cuts r into a number of
 // chunks fixed by the shapes, writes per-chunk partials and adds them in chunk order.
 //
 // In bf16 the plain (not grouped) products go to cuBLAS instead: the backward needs no batch invariance (only the
@@ -635,6 +637,9 @@ void ds4_cuda_linear_bwd_x_grouped(ds4_dev *d, const ds4_a_linear_bwd_x_grouped 
     if (a->wdt == DS4_FP4_PACKED)
         return product(d, "linear_bwd_x_grouped", p, a->bf16_in ? DS4_BF16 : DS4_F32, true, s, true);
     if (a->bf16_in && a->wdt != DS4_BF16) return fp32_bf16_in(d, "linear_bwd_x_grouped");
+    if (a->wdt == DS4_BF16) // the same bits as the tiles below, through the forward's pipelined grouped GEMM
+        return ds4_cuda_grouped_dx_bf16(d, "linear_bwd_x_grouped", a->dx, a->acc, a->dy, a->W, a->rows, a->O, a->K,
+                                        a->off, a->E, a->wstride);
     product(d, "linear_bwd_x_grouped", p, a->wdt, true, s);
 }
 
@@ -648,6 +653,10 @@ void ds4_cuda_linear_bwd_w_grouped(ds4_dev *d, const ds4_a_linear_bwd_w_grouped 
     snprintf(s, sizeof s, "dW [%lld x %lld x %lld] += dy^T [%lld x %lld] x x [%lld x %lld] by expert", (long long)a->E,
              (long long)a->O, (long long)a->K, (long long)a->O, (long long)a->rows, (long long)a->rows,
              (long long)a->K);
+    if ((a->bf16_in || a->wdt == DS4_BF16) && // the same bits as the tiles, through the pipelined GEMM where it runs
+        ds4_cuda_grouped_dw_bf16(d, "linear_bwd_w_grouped", a->dW, a->wstride, a->dy, a->x, a->rows, a->O, a->K, a->off,
+                                 a->E))
+        return;
     product(d, "linear_bwd_w_grouped", p, a->bf16_in ? DS4_BF16 : a->wdt, false, s);
 }
 
