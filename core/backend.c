@@ -551,10 +551,6 @@ ds4_status ds4_model_to(ds4_model *m, const ds4_device_options *o, ds4_error *er
         }
         return DS4_OK;
     }
-    if (m->kv_qat)
-        return ds4_fail(err, DS4_ERR_UNSUPPORTED,
-                        "model to cuda:%d: the FP8 KV quantisation-aware option (kv_qat) is on, and it runs on the CPU "
-                        "backend only so far: turn it off first", (int)o->index);
 #ifndef DS4_HAVE_CUDA
     return ds4_fail(err, DS4_ERR_UNSUPPORTED,
                     "model to cuda:%d: this build of ds4 has no CUDA backend (nvcc was not found when it was configured)",

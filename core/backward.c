@@ -60,25 +60,28 @@ static size_t zmax(size_t a, size_t b) { return a > b ? a : b; }
 
 static void bplan(bwd *b, ds4_arena *a) {
     const ds4_config *c = &b->m->cfg;
-    const size_t T = (size_t)b->tp->T, S = (size_t)b->tp->S, B = (size_t)b->tp->B;
+    /* T rows for the attention sub-layer's buffers, Tt for the per-token ones: with context parallelism the tape holds
+     * this rank's rows, but attention runs over the whole sequence */
+    const size_t B = (size_t)b->tp->B, S = (size_t)(b->tp->cp_S ? b->tp->cp_S : b->tp->S), T = B * S;
+    const size_t Tt = (size_t)b->tp->T;
     const size_t n = (size_t)c->hc_mult, D = (size_t)c->hidden_size, V = (size_t)c->vocab_size;
     const size_t H = (size_t)c->num_attention_heads, d = (size_t)c->head_dim, K = (size_t)c->num_experts_per_tok;
     const size_t I = (size_t)c->moe_intermediate_size, E = (size_t)c->n_routed_experts, qr = (size_t)c->q_lora_rank;
     const size_t mix = (2 + n) * n, GO = (size_t)(c->o_groups * c->o_lora_rank), nD = n * D;
     const size_t win = (size_t)c->sliding_window < S ? (size_t)c->sliding_window : S;
     const size_t topk = (size_t)(c->index_topk < (int64_t)S ? c->index_topk : (int64_t)S);
-    b->dX = ds4_arena_take(a, T * nD, 4);
-    b->dXt = ds4_arena_take(a, T * nD, 4);
-    b->du = ds4_arena_take(a, T * D, 4);
+    b->dX = ds4_arena_take(a, Tt * nD, 4);
+    b->dXt = ds4_arena_take(a, Tt * nD, 4);
+    b->du = ds4_arena_take(a, Tt * D, 4);
     b->dh = ds4_arena_take(a, T * D, 4);
     b->da = ds4_arena_take(a, T * D, 4);
-    b->dpost = ds4_arena_take(a, T * n, 4);
-    b->dcomb = ds4_arena_take(a, T * n * n, 4);
-    b->dmix = ds4_arena_take(a, T * mix, 4);
-    b->xn = ds4_arena_take(a, T * nD, 4);
-    b->dxn = ds4_arena_take(a, T * nD, 4);
-    b->dzb = ds4_arena_take(a, T * mix, 4);
-    b->dzs = ds4_arena_take(a, T * 3, 4);
+    b->dpost = ds4_arena_take(a, Tt * n, 4);
+    b->dcomb = ds4_arena_take(a, Tt * n * n, 4);
+    b->dmix = ds4_arena_take(a, Tt * mix, 4);
+    b->xn = ds4_arena_take(a, Tt * nD, 4);
+    b->dxn = ds4_arena_take(a, Tt * nD, 4);
+    b->dzb = ds4_arena_take(a, Tt * mix, 4);
+    b->dzs = ds4_arena_take(a, Tt * 3, 4);
     b->dq = ds4_arena_take(a, T * H * d, 4);
     b->dkv = ds4_arena_take(a, T * d, 4);
     b->dqa = ds4_arena_take(a, T * qr, 4);
@@ -96,20 +99,20 @@ static void bplan(bwd *b, ds4_arena *a) {
     b->inv_t = ds4_arena_take(a, T * (topk ? topk : 1), 4);
     b->inv_i = ds4_arena_take(a, T * (topk ? topk : 1), 4);
     b->inv_off = ds4_arena_take(a, B * S + 1, 8);
-    b->dlog = ds4_arena_take(a, zmax((size_t)b->tp->head_rows * V, T * E), 4); /* a head chunk's, or the routers' */
-    b->dsc = ds4_arena_take(a, T * E, 4);
-    b->dws = ds4_arena_take(a, T * K, 4);
-    b->xs = ds4_arena_take(a, T * K * D, 4);
-    b->dys = ds4_arena_take(a, T * K * D, 4);
-    b->dxs = ds4_arena_take(a, T * K * D, 4);
-    b->dxslot = ds4_arena_take(a, T * K * D, 4);
-    b->g1s = ds4_arena_take(a, T * K * I, 4);
-    b->g3s = ds4_arena_take(a, T * K * I, 4);
-    b->act = ds4_arena_take(a, T * K * I, 4);
-    b->dact = ds4_arena_take(a, T * K * I, 4);
-    b->perm = ds4_arena_take(a, T * K, 4);
+    b->dlog = ds4_arena_take(a, zmax((size_t)b->tp->head_rows * V, Tt * E), 4); /* a head chunk's, or the routers' */
+    b->dsc = ds4_arena_take(a, Tt * E, 4);
+    b->dws = ds4_arena_take(a, Tt * K, 4);
+    b->xs = ds4_arena_take(a, Tt * K * D, 4);
+    b->dys = ds4_arena_take(a, Tt * K * D, 4);
+    b->dxs = ds4_arena_take(a, Tt * K * D, 4);
+    b->dxslot = ds4_arena_take(a, Tt * K * D, 4);
+    b->g1s = ds4_arena_take(a, Tt * K * I, 4);
+    b->g3s = ds4_arena_take(a, Tt * K * I, 4);
+    b->act = ds4_arena_take(a, Tt * K * I, 4);
+    b->dact = ds4_arena_take(a, Tt * K * I, 4);
+    b->perm = ds4_arena_take(a, Tt * K, 4);
     b->ecount = ds4_arena_take(a, E + 1, 8);
-    b->dmtp = ds4_arena_take(a, T * nD, 4);
+    b->dmtp = ds4_arena_take(a, Tt * nD, 4);
     const size_t nI = (size_t)c->index_n_heads, cI = (size_t)c->index_head_dim, sel = topk ? topk : 1;
     const int ikl = b->tp->with_ikl;
     b->dI = ikl ? ds4_arena_take(a, T * sel, 4) : NULL;
@@ -118,9 +121,9 @@ static void bplan(bwd *b, ds4_arena *a) {
     b->dsi = ikl ? ds4_arena_take(a, T * nI * sel, 4) : NULL;
     b->kl = ds4_arena_take(a, T, 8);
     b->has = ds4_arena_take(a, T, 4);
-    b->rowmap = ds4_arena_take(a, T, 4);
-    b->mids = ds4_arena_take(a, T, 8);
-    b->dlogp = ds4_arena_take(a, T, 4);
+    b->rowmap = ds4_arena_take(a, Tt, 4);
+    b->mids = ds4_arena_take(a, Tt, 8);
+    b->dlogp = ds4_arena_take(a, Tt, 4);
     const size_t lr = b->m->lora ? (size_t)b->m->lora->r : 0, rows = T * (K > 1 ? K : 1);
     b->lc.u = lr ? ds4_arena_take(a, rows * lr, 4) : NULL;
     b->lc.v = lr ? ds4_arena_take(a, rows * lr, 4) : NULL;
@@ -262,8 +265,9 @@ static void indexer_kl_bwd(bwd *b, const ds4_layer_w *l, const ds4_layer_w *g, c
     comp_bwd(b, &l->idx_comp, &g->idx_comp, lt, lt->iC, lt->iZ, lt->ipool, 1, 0);
 }
 
-/* Attention sub-layer backward: b->da (gradient of its output) → b->dh (gradient of h_attn, written). */
-static void attention_bwd(bwd *b, const ds4_layer_w *l, const ds4_layer_w *g, const ds4_layer_tape *lt) {
+/* Attention sub-layer backward over the pass's rows: b->da (gradient of its output) → b->dh (gradient of h_attn,
+ * written). */
+static void attention_bwd_rows(bwd *b, const ds4_layer_w *l, const ds4_layer_w *g, const ds4_layer_tape *lt) {
     const ds4_config *c = &b->m->cfg;
     const int64_t T = b->f.T, S = b->f.S, D = c->hidden_size, H = c->num_attention_heads, d = c->head_dim;
     const int64_t qr = c->q_lora_rank, G = c->o_groups, ol = c->o_lora_rank, gw = H * d / G;
@@ -308,6 +312,28 @@ static void attention_bwd(bwd *b, const ds4_layer_w *l, const ds4_layer_w *g, co
     norm_bwd(b, b->dqa, 0, g->q_norm, b->dqa, lt->qa, l->q_norm, T, qr);
     lin_bwd(b, b->dh, D, 1, g->wq_a, b->dqa, qr, lt->h_attn, D, l->wq_a, 1, T, D, qr);
     ds4_lora_bwd(&b->lc, lo, DS4_LORA_AB(lo, wq_a), DS4_LORA_AB(go, wq_a), b->dh, D, b->dqa, qr, lt->h_attn, D, T, D, qr);
+}
+
+/* Attention sub-layer backward. With context parallelism (cp.c) the ranks' output gradients are gathered, every rank
+ * runs the whole sequence's attention backward (the same computation on the same bits as one process) and keeps its
+ * rows of dh; the attention weights' gradients, the same on every rank, are added on rank 0 only, so that the
+ * all-reduce of the gradients (a sum over ranks) counts them once. */
+static void attention_bwd(bwd *b, const ds4_layer_w *l, const ds4_layer_w *g, const ds4_layer_tape *lt) {
+    if (!b->f.cp_world) {
+        attention_bwd_rows(b, l, g, lt);
+        return;
+    }
+    const int64_t D = b->m->cfg.hidden_size;
+    ds4_layer_w gr = *g;
+    if (b->f.cp_rank != 0) {
+        gr.wq_a = gr.q_norm = gr.wq_b = gr.wkv = gr.kv_norm = gr.wo_a = gr.wo_b = gr.sink = NULL;
+        gr.idx_wq_b = gr.idx_weights = NULL;
+        gr.comp.wkv = gr.comp.wgate = gr.comp.ape = gr.comp.norm = NULL;
+        gr.idx_comp.wkv = gr.idx_comp.wgate = gr.idx_comp.ape = gr.idx_comp.norm = NULL;
+    }
+    ds4_cp_gather_rows(&b->f, b->da, D);
+    attention_bwd_rows(b, l, &gr, lt);
+    ds4_cp_keep_rows(&b->f, b->dh, D);
 }
 
 /* ------------------------------------------------------------------------------------------------ MoE */
@@ -408,10 +434,12 @@ static void block_bwd(bwd *b, const ds4_layer_w *l, const ds4_layer_w *g, const 
     hc_site_bwd(b, &l->hc_attn, &g->hc_attn, lt->X_in, b->du, dX);
 }
 
-/* The targets of the rows of logits [B, Sl, V]: labels[b, s + shift] where s + shift < S, else -100. */
-static void targets(int64_t *tgt, const int64_t *labels, int64_t B, int64_t Sl, int64_t S, int64_t shift) {
+/* The targets of the rows of logits [B, Sl, V], row (b, s) at position off + s of labels [B, S]: labels[b, off + s +
+ * shift] where off + s + shift < S, else -100. */
+static void targets(int64_t *tgt, const int64_t *labels, int64_t B, int64_t Sl, int64_t S, int64_t off, int64_t shift) {
     for (int64_t bb = 0; bb < B; bb++)
-        for (int64_t s = 0; s < Sl; s++) tgt[bb * Sl + s] = s + shift < S ? labels[bb * S + s + shift] : -100;
+        for (int64_t s = 0; s < Sl; s++)
+            tgt[bb * Sl + s] = off + s + shift < S ? labels[bb * S + off + s + shift] : -100;
 }
 
 /* The head (DS4_HEAD_MAIN / DS4_HEAD_MTP) of a pass: logits = head(norm(HyperHead(X))) → dX (written), for the
@@ -447,10 +475,15 @@ static void mtp_bwd(bwd *b, double ms, int64_t *htgt, int32_t *hrows) {
     ds4_tape *tp = b->tp;
     const ds4_config *c = &m->cfg;
     const ds4_mtp_w *mt = &b->f.w->mtp, *gm = &b->gw->mtp;
-    const int64_t B = tp->B, S = tp->S, S1 = S - 1, T1 = B * S1, n = c->hc_mult, D = c->hidden_size, nD = n * D;
+    /* the tape's rows are positions off .. off + tp->S - 1 of ids [B, S] (with context parallelism this rank's
+     * slice; the MTP block's rows are the same less the sequence's last position) */
+    const int64_t B = tp->B, S = tp->cp_S ? tp->cp_S : tp->S, off = tp->cp_off, Sx = tp->S;
+    const int64_t n = c->hc_mult, D = c->hidden_size, nD = n * D;
     ds4_dev *dev = b->f.dev;
-    set_shape(b, S1, T1);
-    targets(htgt, tp->hlabels, B, S1, S, 2);
+    if (b->f.cp_world) ds4_cp_set_mtp(&b->f, 1);
+    else set_shape(b, S - 1, B * (S - 1));
+    const int64_t S1 = b->f.S, T1 = b->f.T;
+    targets(htgt, tp->hlabels, B, S1, S, off, 2);
     ds4_dev_upload(dev, tp->tgt, htgt, (size_t)T1 * sizeof(int64_t));
     /* the main gradient stays in dX; the MTP pass works in dmtp (block_bwd's scratch is dXt) */
     head_bwd(b, DS4_HEAD_MTP, tp->mtp_u, tp->mtp_y, tp->mtp_X, mt->hc_head_fn, mt->hc_head_base, mt->hc_head_scale,
@@ -462,8 +495,8 @@ static void mtp_bwd(bwd *b, double ms, int64_t *htgt, int32_t *hrows) {
     norm_bwd(b, b->da, 0, gm->enorm, b->dh, tp->mtp_e, mt->enorm, T1, D);
     for (int64_t bb = 0; bb < B; bb++)
         for (int64_t i = 0; i < S1; i++) {
-            htgt[bb * S1 + i] = tp->hids[bb * S + i + 1];
-            hrows[bb * S1 + i] = (int32_t)(bb * S + i);
+            htgt[bb * S1 + i] = tp->hids[bb * S + off + i + 1];
+            hrows[bb * S1 + i] = (int32_t)(bb * Sx + i);
         }
     ds4_dev_upload(dev, b->mids, htgt, (size_t)T1 * sizeof(int64_t));
     ds4_dev_upload(dev, b->rowmap, hrows, (size_t)T1 * sizeof(int32_t));
@@ -473,7 +506,8 @@ static void mtp_bwd(bwd *b, double ms, int64_t *htgt, int32_t *hrows) {
     OP(dev, gather_rows, .dst = b->xn, .src = tp->X_L, .idx = b->rowmap, .div = 1, .rows = T1, .width = nD);
     norm_bwd(b, b->dxn, 0, gm->hnorm, b->dxn, b->xn, mt->hnorm, T1 * n, D);
     OP(dev, add_rows, .dst = b->dX, .src = b->dxn, .idx = b->rowmap, .rows = T1, .width = nD);
-    set_shape(b, S, tp->T);
+    if (b->f.cp_world) ds4_cp_set_mtp(&b->f, 0);
+    else set_shape(b, S, tp->T);
 }
 
 /* ------------------------------------------------------------------------------------------------ entry */
@@ -555,12 +589,24 @@ static void add_back(ds4_model *m, const float *saved) {
         OP(m->dev, add_bcast, .x = g + full * ADD_ROW, .h = saved + full * ADD_ROW, .T = 1, .n = 1, .D = rest);
 }
 
+/* The backward once this rank's checks gave s: with context parallelism the ranks agree first (every rank fails when
+ * one refused, instead of leaving the others in a gather). */
+static ds4_status run_backward(ds4_model *m, ds4_status s, const char *what, const float *dlogp,
+                               const ds4_backward_scales *sc, ds4_error *err) {
+    if (m && m->cp_on) {
+        const ds4_tape *tp = m->tape;
+        const int ok = tp && tp->valid && !s;
+        s = ds4_cp_agree(m, what, ok ? tp->B : 0, ok ? tp->cp_S : 0, ok ? tp->hids : NULL, ok ? tp->hlabels : NULL, s,
+                         err);
+    }
+    return s ? s : backward_impl(m, dlogp, sc, err);
+}
+
 ds4_status ds4_model_backward(ds4_model *m, double scale, ds4_error *err) {
     ds4_status s = tape_ready(m, "backward", err);
-    if (s) return s;
-    if (!isfinite(scale)) return ds4_fail(err, DS4_ERR_ARG, "backward: scale %g is not finite", scale);
+    if (!s && !isfinite(scale)) s = ds4_fail(err, DS4_ERR_ARG, "backward: scale %g is not finite", scale);
     const ds4_backward_scales sc = {.ce = scale, .mtp = -1, .ikl = -1};
-    return backward_impl(m, NULL, &sc, err);
+    return run_backward(m, s, "backward", NULL, &sc, err);
 }
 
 static ds4_status check_scales(const ds4_backward_scales *sc, const char *op, ds4_error *err) {
@@ -574,7 +620,7 @@ static ds4_status check_scales(const ds4_backward_scales *sc, const char *op, ds
 ds4_status ds4_model_backward_scaled(ds4_model *m, const ds4_backward_scales *sc, ds4_error *err) {
     ds4_status s = tape_ready(m, "backward", err);
     if (!s) s = check_scales(sc, "backward", err);
-    return s ? s : backward_impl(m, NULL, sc, err);
+    return run_backward(m, s, "backward", NULL, sc, err);
 }
 
 ds4_status ds4_model_backward_logprobs(ds4_model *m, const float *dlogp, ds4_error *err) {
@@ -583,17 +629,16 @@ ds4_status ds4_model_backward_logprobs(ds4_model *m, const float *dlogp, ds4_err
 
 ds4_status ds4_model_backward_logprobs_scaled(ds4_model *m, const float *dlogp, double ikl_scale, ds4_error *err) {
     ds4_status s = tape_ready(m, "backward_logprobs", err);
-    if (s) return s;
-    if (!isfinite(ikl_scale))
-        return ds4_fail(err, DS4_ERR_ARG, "backward_logprobs: indexer KL scale %g is not finite", ikl_scale);
-    if (!dlogp) return ds4_fail(err, DS4_ERR_ARG, "backward_logprobs: dlogp is NULL");
-    for (int64_t t = 0; t < m->tape->T; t++)
+    if (!s && !isfinite(ikl_scale))
+        s = ds4_fail(err, DS4_ERR_ARG, "backward_logprobs: indexer KL scale %g is not finite", ikl_scale);
+    if (!s && !dlogp) s = ds4_fail(err, DS4_ERR_ARG, "backward_logprobs: dlogp is NULL");
+    for (int64_t t = 0; !s && t < m->tape->T; t++)
         if (!isfinite(dlogp[t]))
-            return ds4_fail(err, DS4_ERR_ARG, "backward_logprobs: dlogp[%lld, %lld] = %g is not finite (dlogp [%lld, %lld])",
-                            (long long)(t / m->tape->S), (long long)(t % m->tape->S), (double)dlogp[t],
-                            (long long)m->tape->B, (long long)m->tape->S);
+            s = ds4_fail(err, DS4_ERR_ARG, "backward_logprobs: dlogp[%lld, %lld] = %g is not finite (dlogp [%lld, %lld])",
+                         (long long)(t / m->tape->S), (long long)(t % m->tape->S), (double)dlogp[t],
+                         (long long)m->tape->B, (long long)m->tape->S);
     const ds4_backward_scales sc = {.ce = 0, .mtp = -1, .ikl = ikl_scale};
-    return backward_impl(m, dlogp, &sc, err);
+    return run_backward(m, s, "backward_logprobs", dlogp, &sc, err);
 }
 
 /* The CE path passes dlogp = NULL and scale; the per-token path passes dlogp (and the MTP term, when on, keeps its
@@ -605,10 +650,12 @@ static ds4_status backward_impl(ds4_model *m, const float *dlogp, const ds4_back
     bwd b;
     memset(&b, 0, sizeof b);
     /* expert parallelism: the rows the forward planned (every rank's backward makes the same exchanges) */
-    const ds4_pass_opts po = {.ep_rows = m->ep_on ? tp->ep_rows : 0};
+    const ds4_pass_opts po = {.ep_rows = m->ep_on ? tp->ep_rows : 0, .tok_rows = tp->cp_S ? tp->T : 0};
     ds4_status s = ds4_ep_reserve(m, po.ep_rows, err);
-    if (!s) s = ds4_pass_setup(m, &b.f, tp->B, tp->S, tp->T, &po, 1, err);
+    const int64_t Sw = tp->cp_S ? tp->cp_S : tp->S; /* the whole sequence (the tape holds this rank's slice) */
+    if (!s) s = ds4_pass_setup(m, &b.f, tp->B, Sw, tp->B * Sw, &po, 1, err);
     if (s) return s;
+    if (tp->cp_S) ds4_cp_begin(&b.f, Sw);
     b.m = m;
     b.tp = tp;
     b.gw = &m->gw;
@@ -634,7 +681,7 @@ static ds4_status backward_impl(ds4_model *m, const float *dlogp, const ds4_back
     if (!htgt) return ds4_fail(err, DS4_ERR_OOM, "backward: host scratch for %lld rows", (long long)T);
     int32_t *hrows = (int32_t *)(htgt + T);
     ds4_dev *dev = b.f.dev;
-    targets(htgt, tp->hlabels, tp->B, tp->S, tp->S, 1);
+    targets(htgt, tp->hlabels, tp->B, tp->S, Sw, tp->cp_off, 1);
     ds4_dev_upload(dev, tp->tgt, htgt, (size_t)T * sizeof(int64_t));
     const float *dl = ds4_pass_input(&b.f, b.dlogp, dlogp, (size_t)T * sizeof(float));
     const ds4_weights *wv = b.f.w;

@@ -9,7 +9,9 @@ int64_t ds4_fq_block(int32_t fmt) { return fmt == DS4_FQ_E4M3 ? 64 : fmt == DS4_
 static float fq_top(int32_t fmt) { return fmt == DS4_FQ_E4M3 ? 448.0f : 6.0f; }
 
 float ds4_fq_scale(float amax, int32_t fmt) {
-    if (isnan(amax)) return NAN;
+    /* a NaN or an infinity makes the whole block NaN (frexpf's exponent of an infinity is unspecified, and an
+     * overflow must not hide as the format's largest value) */
+    if (isnan(amax) || isinf(amax)) return NAN;
     const float floor_ = fmt == DS4_FQ_E4M3 ? 1e-4f : 6.0f * 0x1p-126f;
     const float s = (amax > floor_ ? amax : floor_) / fq_top(fmt);
     /* ceil(log2 s) from s = m·2^e, m in [0.5, 1): log2 s = e - 1 exactly when m = 0.5, else it lies in (e - 1, e) */

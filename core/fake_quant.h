@@ -26,7 +26,8 @@ typedef struct ds4_fq {
 int64_t ds4_fq_block(int32_t fmt);
 /* The block scale for a block whose largest magnitude is amax: 2^ceil(log2(max(amax, floor) / top)), with top the
  * format's largest value (448, 6) and floor 1e-4 (e4m3) or 6·2^-126 (e2m1), as the official inference code chooses
- * it. A NaN amax gives NaN (the NaN spreads to the whole block instead of hiding). */
+ * it. A NaN or infinite amax gives NaN (it spreads to the whole block instead of hiding). The CUDA backend repeats
+ * these definitions operation for operation (cuda/cuda_kv_qat.cuh). */
 float ds4_fq_scale(float amax, int32_t fmt);
 /* v (in units of the scale) clamped to ±top and rounded to the nearest value of the format, ties to the even
  * mantissa. */

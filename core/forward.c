@@ -110,15 +110,14 @@ static void indexer(ds4_pass *f, const ds4_layer_w *l, ds4_layer_tape *lt) {
            .sel_stride = f->sel_stride, .K = K, .T = T);
 }
 
-/* The attention sub-layer on f->u (collapsed input): result in f->a. */
-static void attention(ds4_pass *f, const ds4_layer_w *l) {
+/* The attention sub-layer on f->h (its input after attn_norm), over the pass's rows: result in f->a. */
+static void attention_rows(ds4_pass *f, const ds4_layer_w *l) {
     const ds4_config *c = f->c;
     const int64_t T = f->T, D = c->hidden_size, H = c->num_attention_heads, d = c->head_dim, qr = c->q_lora_rank;
     const ds4_rope_table *rt = l->type == DS4_ATTN_SLIDING ? &f->rmain : &f->rcomp;
     const ds4_dtype mdt = f->w->mdt;
     const ds4_lora_layer *lo = l->lora;
     ds4_layer_tape *lt = f->lt;
-    norm(f, f->h, f->u, l->attn_norm, T, D);
     matmul(f, f->qr, f->h, l->wq_a, 1, T, D, qr);
     ds4_lora_fwd(f, lo, DS4_LORA_AB(lo, wq_a), f->qr, qr, f->h, D, T, D, qr);
     if (lt) {
@@ -172,10 +171,18 @@ static void attention(ds4_pass *f, const ds4_layer_w *l) {
     ds4_lora_fwd_wo_a(f, lo, f->y, f->o, T);
     matmul(f, f->a, f->y, l->wo_b, 1, T, G * ol, D);
     ds4_lora_fwd(f, lo, DS4_LORA_AB(lo, wo_b), f->a, D, f->y, G * ol, T, G * ol, D);
-    if (lt) {
-        keep(f, lt->y, f->y, T * G * ol);
-        keep(f, lt->a_attn, f->a, T * D);
-    }
+    if (lt) keep(f, lt->y, f->y, T * G * ol);
+}
+
+/* The attention sub-layer on f->u (collapsed input): result in f->a. With context parallelism the ranks' inputs are
+ * gathered first (cp.c), so that every rank runs the whole sequence's attention, and each keeps its own rows. */
+static void attention(ds4_pass *f, const ds4_layer_w *l) {
+    const int64_t D = f->c->hidden_size;
+    norm(f, f->h, f->u, l->attn_norm, f->T, D);
+    if (f->cp_world) ds4_cp_gather_rows(f, f->h, D);
+    attention_rows(f, l);
+    if (f->cp_world) ds4_cp_keep_rows(f, f->a, D);
+    if (f->lt) keep(f, f->lt->a_attn, f->a, f->T * D);
 }
 
 /* ------------------------------------------------------------------------------------------------ MoE */
@@ -309,22 +316,25 @@ static void head_chunks(ds4_pass *f, ds4_tape *tp, int head, int64_t rows, const
     tp->logits_head = rows <= R ? head : 0;
 }
 
-/* Mean cross-entropy of the rows of logits [B, Sl, V] against labels[b, s + shift] (s + shift < S; -100 ignored):
- * per-row losses on the backend, summed here in row order. htgt / hnll are host scratch of B·Sl entries. logits
- * NULL: a training pass, whose head runs in chunks here (head_chunks; lp: also its log-probabilities). */
+/* Mean cross-entropy of the rows of logits [B, Sl, V], row (b, s) at position off + s, against labels[b, off + s +
+ * shift] (off + s + shift < S; -100 ignored): per-row losses on the backend, summed here in row order (with context
+ * parallelism every rank's rows, in the order of the whole sequence). htgt / hnll are host scratch of B·Sl entries.
+ * logits NULL: a training pass, whose head runs in chunks here (head_chunks; lp: also its log-probabilities). */
 static void cross_entropy(ds4_pass *f, const float *logits, int64_t B, int64_t Sl, const int64_t *labels, int64_t S,
-                          int64_t shift, int64_t *htgt, double *hnll, double *loss, int64_t *count, float *lp,
-                          float *out) {
+                          int64_t off, int64_t shift, int64_t *htgt, double *hnll, double *loss, int64_t *count,
+                          float *lp, float *out) {
     const int64_t rows = B * Sl;
     for (int64_t b = 0; b < B; b++)
-        for (int64_t s = 0; s < Sl; s++) htgt[b * Sl + s] = s + shift < S ? labels[b * S + s + shift] : -100;
+        for (int64_t s = 0; s < Sl; s++)
+            htgt[b * Sl + s] = off + s + shift < S ? labels[b * S + off + s + shift] : -100;
     ds4_dev_upload(f->dev, f->tgt, htgt, (size_t)rows * sizeof(int64_t));
     if (logits) OP(f->dev, ce_rows, .logits = logits, .rows = rows, .V = f->c->vocab_size, .tgt = f->tgt, .nll = f->nll);
     else head_chunks(f, f->tape, shift == 1 ? DS4_HEAD_MAIN : DS4_HEAD_MTP, rows, f->tgt, f->nll, lp, rows, out);
     ds4_dev_download(f->dev, hnll, f->nll, (size_t)rows * sizeof(double));
     double sum = 0;
     int64_t cnt = 0;
-    if (!f->dev->st)
+    if (f->cp_world) ds4_cp_sum_rows(f, htgt, hnll, &sum, &cnt);
+    else if (!f->dev->st)
         for (int64_t r = 0; r < rows; r++)
             if (htgt[r] != -100) {
                 sum += hnll[r];
@@ -421,26 +431,32 @@ ds4_status ds4_model_forward_train(ds4_model *m, const ds4_forward_args *args, d
 }
 
 /* The MTP block (positions i < S-1 combine the final streams X^L_i with the embedding of token i+1 and run one more
- * block over the S-1 positions; its logits predict token i+2) on the pass's final streams f->X. */
-static void mtp_forward(ds4_pass *f, const int64_t *ids, float *mtp_logits, ds4_tape *tape, int64_t *hidx,
-                        int32_t *rows) { /* with a tape, mtp_logits is NULL: the training pass's head runs in chunks */
+ * block over the S-1 positions; its logits predict token i+2) on the pass's final streams f->X, whose rows are
+ * positions off .. off + f->S - 1 of each sequence of ids [B, S] (with context parallelism this rank's slice: the
+ * token after its last position is read from the whole ids, so the next-token roll is global). */
+static void mtp_forward(ds4_pass *f, const int64_t *ids, int64_t S, int64_t off, float *mtp_logits, ds4_tape *tape,
+                        int64_t *hidx, int32_t *rows) { /* with a tape, mtp_logits is NULL: the head runs in chunks */
     const ds4_config *c = f->c;
     const ds4_mtp_w *mt = &f->w->mtp;
-    const int64_t n = c->hc_mult, D = c->hidden_size, S1 = f->S - 1, B = f->B, T1 = B * S1;
+    const int64_t n = c->hc_mult, D = c->hidden_size, Sx = f->S, B = f->B; /* Sx: rows per sequence of f->X */
+    if (f->cp_world) ds4_cp_set_mtp(f, 1);
+    else {
+        f->S = S - 1;
+        f->T = B * f->S;
+        f->rows.S = f->S;
+        f->rows.T = f->T;
+    }
+    const int64_t S1 = f->S, T1 = f->T;
     for (int64_t b = 0; b < B; b++)
         for (int64_t i = 0; i < S1; i++) {
-            hidx[b * S1 + i] = ids[b * f->S + i + 1];
-            rows[b * S1 + i] = (int32_t)(b * f->S + i);
+            hidx[b * S1 + i] = ids[b * S + off + i + 1];
+            rows[b * S1 + i] = (int32_t)(b * Sx + i);
         }
     ds4_dev_upload(f->dev, f->mtp_ids, hidx, (size_t)T1 * sizeof(int64_t));
     ds4_dev_upload(f->dev, f->rowmap, rows, (size_t)T1 * sizeof(int32_t));
     /* e-term per token into a ([T1, D]); h-term per stream into Xt */
     OP(f->dev, embed, .X = f->a, .E = f->w->embed, .edt = f->w->mdt, .ids = f->mtp_ids, .T = T1, .n = 1, .D = D);
     OP(f->dev, gather_rows, .dst = f->Xt, .src = f->X, .idx = f->rowmap, .div = 1, .rows = T1, .width = n * D);
-    f->S = S1;
-    f->T = T1;
-    f->rows.S = S1;
-    f->rows.T = T1;
     if (tape) keep(f, tape->mtp_e, f->a, T1 * D);
     norm(f, f->a, f->a, mt->enorm, T1, D);
     matmul(f, f->h, f->a, mt->e_proj, 1, T1, D, D);
@@ -485,8 +501,14 @@ ds4_status ds4_forward_run(ds4_model *m, const ds4_forward_args *args, ds4_forwa
                            ds4_error *err) {
     if (!m) return ds4_fail(err, DS4_ERR_ARG, "forward: model is NULL");
     ds4_status s = check_args(m, args, err);
+    if (!s) s = ds4_cp_check(m, args, tape != NULL, err);
+    if (m->cp_on && args)
+        s = ds4_cp_agree(m, tape ? "training forward" : "forward", args->batch, args->seq, args->ids, args->labels, s,
+                         err);
     if (s) return s;
     const int train_mtp = tape && m->topt.mtp_lambda > 0;
+    int64_t cp_off = 0, cp_n = args->seq; /* context parallelism: this rank's positions of every sequence */
+    if (m->cp_on) ds4_cp_range(args->seq, 0, m->cp.world, m->cp.rank, &cp_off, &cp_n);
     if (tape) {
         if (!args->labels) return ds4_fail(err, DS4_ERR_ARG, "training forward: labels are required");
         if (train_mtp && !m->has_mtp)
@@ -496,8 +518,12 @@ ds4_status ds4_forward_run(ds4_model *m, const ds4_forward_args *args, ds4_forwa
                             (long long)args->batch, (long long)args->seq);
         tape->valid = 0;
         tape->logits_head = 0;
-        s = ds4_tape_reserve(m, tape, args->batch, args->seq, train_mtp, err);
+        s = ds4_tape_reserve(m, tape, args->batch, args->seq, m->cp_on ? args->batch * cp_n : 0, train_mtp, err);
         if (s) return s;
+        tape->cp_S = m->cp_on ? args->seq : 0; /* planned for the whole sequence, holding this rank's rows */
+        tape->cp_off = cp_off;
+        tape->S = cp_n;
+        tape->T = args->batch * cp_n;
     }
     const ds4_config *c = &m->cfg;
     const int hv = m->dev->host_visible;
@@ -512,6 +538,7 @@ ds4_status ds4_forward_run(ds4_model *m, const ds4_forward_args *args, ds4_forwa
         .replay_experts = args->replay_experts && !hv,
         .replay_index = args->replay_index && !hv,
         .ep_rows = ep_rows,
+        .tok_rows = m->cp_on ? B * cp_n : 0,
     };
     if (tape) tape->ep_rows = ep_rows;
     ds4_pass f;
@@ -524,7 +551,17 @@ ds4_status ds4_forward_run(ds4_model *m, const ds4_forward_args *args, ds4_forwa
     double *hnll = (double *)(host + T);
     int32_t *hrows = (int32_t *)(hnll + T);
     f.tape = tape;
-    const int64_t *ids = ds4_pass_input(&f, f.ids, args->ids, (size_t)T * sizeof(int64_t));
+    int64_t *lids = NULL; /* context parallelism: this rank's ids, [B, cp_n] */
+    if (m->cp_on) {
+        ds4_cp_begin(&f, S);
+        if (!(lids = malloc((size_t)(B * cp_n) * sizeof *lids))) {
+            free(host);
+            return ds4_fail(err, DS4_ERR_OOM, "forward: context parallel: %lld ids", (long long)(B * cp_n));
+        }
+        for (int64_t b = 0; b < B; b++) memcpy(lids + b * cp_n, args->ids + b * S + cp_off, (size_t)cp_n * sizeof *lids);
+    }
+    const int64_t Tl = f.T; /* the rows this rank computes: T, or B·cp_n */
+    const int64_t *ids = ds4_pass_input(&f, f.ids, lids ? lids : args->ids, (size_t)Tl * sizeof(int64_t));
     f.replay_experts = ds4_pass_input(&f, (void *)f.replay_experts, args->replay_experts,
                              (size_t)(T * c->num_hidden_layers * c->num_experts_per_tok) * sizeof(int32_t));
     f.replay_index = ds4_pass_input(&f, (void *)f.replay_index, args->replay_index,
@@ -533,7 +570,7 @@ ds4_status ds4_forward_run(ds4_model *m, const ds4_forward_args *args, ds4_forwa
     f.csa_i = 0;
     const size_t nloads = (size_t)((c->num_hidden_layers + 1) * c->n_routed_experts);
     if (tape && tape->loads) ds4_dev_fill(f.dev, tape->loads, 0, nloads * sizeof(int64_t));
-    OP(f.dev, embed, .X = f.X, .E = f.w->embed, .edt = f.w->mdt, .ids = ids, .T = T, .n = n, .D = D); /* X⁰ */
+    OP(f.dev, embed, .X = f.X, .E = f.w->embed, .edt = f.w->mdt, .ids = ids, .T = Tl, .n = n, .D = D); /* X⁰ */
     double ikl_sum = 0; /* the indexer KL loss over the CSA layers (tape->with_ikl) */
     int64_t ikl_nq = 0;
     for (int64_t li = 0; li < c->num_hidden_layers; li++) {
@@ -551,10 +588,10 @@ ds4_status ds4_forward_run(ds4_model *m, const ds4_forward_args *args, ds4_forwa
     ds4_forward_result r = {NAN, 0, NAN, 0, NAN, 0};
     if (args->logits || args->labels || tape) {
         if (tape) {
-            keep(&f, tape->X_L, f.X, T * n * D);
+            keep(&f, tape->X_L, f.X, Tl * n * D);
             memcpy(tape->hids, args->ids, (size_t)T * sizeof(int64_t));
             memcpy(tape->hlabels, args->labels, (size_t)T * sizeof(int64_t));
-            ds4_dev_upload(f.dev, tape->ids, args->ids, (size_t)T * sizeof(int64_t));
+            ds4_dev_upload(f.dev, tape->ids, lids ? lids : args->ids, (size_t)Tl * sizeof(int64_t));
             ds4_dev_upload(f.dev, tape->labels, args->labels, (size_t)T * sizeof(int64_t));
         }
         ds4_lm_head(&f, f.X, f.w->hc_head_fn, f.w->hc_head_base, f.w->hc_head_scale, f.w->norm, logits,
@@ -562,7 +599,7 @@ ds4_status ds4_forward_run(ds4_model *m, const ds4_forward_args *args, ds4_forwa
         if (args->logits && logits && logits != args->logits)
             ds4_dev_download(f.dev, args->logits, logits, (size_t)(T * V) * sizeof(float));
         if (args->labels)
-            cross_entropy(&f, logits, B, S, args->labels, S, 1, htgt, hnll, &r.loss, &r.loss_tokens,
+            cross_entropy(&f, logits, B, f.S, args->labels, S, cp_off, 1, htgt, hnll, &r.loss, &r.loss_tokens,
                           tape ? tape->lp : NULL, tape ? args->logits : NULL);
     }
     if (tape && tape->with_ikl) {
@@ -576,11 +613,11 @@ ds4_status ds4_forward_run(ds4_model *m, const ds4_forward_args *args, ds4_forwa
     if (want_mtp) {
         const int64_t T1 = B * (S - 1);
         float *mtp_logits = train_mtp ? NULL : (hv ? args->mtp_logits : f.logits_ws);
-        mtp_forward(&f, args->ids, mtp_logits, train_mtp ? tape : NULL, htgt, hrows);
+        mtp_forward(&f, args->ids, S, cp_off, mtp_logits, train_mtp ? tape : NULL, htgt, hrows);
         if (args->mtp_logits && mtp_logits && mtp_logits != args->mtp_logits)
             ds4_dev_download(f.dev, args->mtp_logits, mtp_logits, (size_t)(T1 * V) * sizeof(float));
         if (args->labels)
-            cross_entropy(&f, mtp_logits, B, S - 1, args->labels, S, 2, htgt, hnll, &r.mtp_loss, &r.mtp_loss_tokens,
+            cross_entropy(&f, mtp_logits, B, f.S, args->labels, S, cp_off, 2, htgt, hnll, &r.mtp_loss, &r.mtp_loss_tokens,
                           NULL, train_mtp ? args->mtp_logits : NULL);
     }
     if (tape && tape->loads) { /* this forward's expert loads join the model's host counters */
@@ -592,6 +629,7 @@ ds4_status ds4_forward_run(ds4_model *m, const ds4_forward_args *args, ds4_forwa
         free(ld);
     }
     free(host);
+    free(lids);
     if ((s = ds4_dev_check(f.dev, tape ? "training forward" : "forward", err))) return s;
     if (tape) {
         tape->valid = 1;

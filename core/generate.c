@@ -761,6 +761,13 @@ int ds4_batcher_cancel(ds4_batcher *b, uint64_t tag) {
     return 0;
 }
 
+const ds4_gen_result *ds4_batcher_peek(const ds4_batcher *b, uint64_t tag) {
+    if (!b) return NULL;
+    for (const btask *t = b->head; t; t = t->next)
+        if (t->tag == tag) return t->r;
+    return NULL;
+}
+
 void ds4_batcher_get_stats(const ds4_batcher *b, ds4_batcher_stats *s) {
     if (!s) return;
     memset(s, 0, sizeof *s);

@@ -270,10 +270,6 @@ void ds4_model_emulate_bf16(ds4_model *m, int on) {
 
 ds4_status ds4_model_set_kv_qat(ds4_model *m, int on, ds4_error *err) {
     if (!m) return ds4_fail(err, DS4_ERR_ARG, "kv_qat: NULL model");
-    if (on && m->dev != m->cpu)
-        return ds4_fail(err, DS4_ERR_UNSUPPORTED,
-                        "kv_qat: the FP8 KV quantisation-aware option runs on the CPU backend only so far (the model is "
-                        "on %s)", ds4_model_device_name(m));
     const int64_t cI = m->cfg.index_head_dim;
     if (on && ds4_model_csa_layers(m) > 0 && (cI < 1 || (cI & (cI - 1))))
         return ds4_fail(err, DS4_ERR_UNSUPPORTED,
@@ -429,6 +425,7 @@ void ds4_model_free(ds4_model *m) {
     free(m->grads);
     free(m->router_loads);
     free(m->ep_host);
+    free(m->cp_host);
     free(m);
 }
 

@@ -208,6 +208,11 @@ struct ds4_model {
     ds4_expert_parallel ep;
     int64_t *ep_host;
     size_t ep_host_bytes;
+    /* context parallelism (cp.c): the hooks while on, and host scratch for the gathers */
+    int cp_on;
+    ds4_context_parallel cp;
+    void *cp_host;
+    size_t cp_host_bytes;
 };
 
 void ds4_tape_free(struct ds4_model *m, struct ds4_tape *t);

@@ -59,6 +59,9 @@ ds4_status ds4_model_set_expert_parallel(ds4_model *m, const ds4_expert_parallel
         return ds4_fail(err, DS4_ERR_UNSUPPORTED, "expert parallel: the model has LoRA adapters on its routed experts, "
                                                   "which expert parallelism does not support yet (adapt other "
                                                   "weights, or train without expert parallelism)");
+    if (m->cp_on)
+        return ds4_fail(err, DS4_ERR_UNSUPPORTED, "expert parallel: context parallelism is on; the two together are "
+                                                  "not supported yet");
     if (m->q4)
         return ds4_fail(err, DS4_ERR_UNSUPPORTED, "expert parallel: the model keeps FP4-resident routed experts "
                                                   "(fp4_experts), which expert parallelism does not support yet (load "

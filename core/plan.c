@@ -92,9 +92,12 @@ static ds4_status rope_reserve(ds4_model *m, int64_t S, ds4_error *err) {
 
 /* ------------------------------------------------------------------------------------------------ pass */
 
+/* T rows for the attention buffers; Tt (o->tok_rows, else T) for the per-token ones: with context parallelism the
+ * attention sub-layers run over the whole gathered sequence, everything else over this rank's slice. */
 static void plan(ds4_pass *f, ds4_arena *a, const ds4_pass_opts *o) {
     const ds4_config *c = f->c;
     const size_t T = (size_t)f->T, S = (size_t)f->S, B = (size_t)f->B, n = (size_t)c->hc_mult, D = (size_t)c->hidden_size;
+    const size_t Tt = o->tok_rows > 0 ? (size_t)o->tok_rows : T;
     const size_t H = (size_t)c->num_attention_heads, d = (size_t)c->head_dim, K = (size_t)c->num_experts_per_tok;
     const size_t I = (size_t)c->moe_intermediate_size, E = (size_t)c->n_routed_experts, L = (size_t)c->num_hidden_layers;
     const size_t cI = (size_t)c->index_head_dim, nI = (size_t)c->index_n_heads;
@@ -103,13 +106,13 @@ static void plan(ds4_pass *f, ds4_arena *a, const ds4_pass_opts *o) {
      * positions, so that its layout does not move while decoding goes on */
     f->sel_stride = f->B == 0 || c->index_topk < f->S ? c->index_topk : f->S;
     if (f->sel_stride < 1) f->sel_stride = 1;
-    f->X = ds4_arena_take(a, T * n * D, 4);
-    f->Xt = ds4_arena_take(a, T * n * D, 4);
-    f->Xz = ds4_arena_take(a, T * n * D, 4);
-    f->pre = ds4_arena_take(a, T * n, 4);
-    f->post = ds4_arena_take(a, T * n, 4);
-    f->comb = ds4_arena_take(a, T * n * n, 4);
-    f->u = ds4_arena_take(a, T * D, 4);
+    f->X = ds4_arena_take(a, Tt * n * D, 4);
+    f->Xt = ds4_arena_take(a, Tt * n * D, 4);
+    f->Xz = ds4_arena_take(a, Tt * n * D, 4);
+    f->pre = ds4_arena_take(a, Tt * n, 4);
+    f->post = ds4_arena_take(a, Tt * n, 4);
+    f->comb = ds4_arena_take(a, Tt * n * n, 4);
+    f->u = ds4_arena_take(a, Tt * D, 4);
     f->h = ds4_arena_take(a, T * D, 4);
     f->a = ds4_arena_take(a, T * D, 4);
     f->qr = ds4_arena_take(a, T * (size_t)c->q_lora_rank, 4);
@@ -127,23 +130,23 @@ static void plan(ds4_pass *f, ds4_arena *a, const ds4_pass_opts *o) {
     f->iw = ds4_arena_take(a, T * nI, 4);
     f->sel = ds4_arena_take(a, T * (size_t)f->sel_stride, 4);
     f->nsel = ds4_arena_take(a, T, 4);
-    f->rl = ds4_arena_take(a, T * E, 4);
-    f->eidx = ds4_arena_take(a, T * K, 4);
-    f->ew = ds4_arena_take(a, T * K, 4);
-    f->yk = ds4_arena_take(a, T * K * D, 4);
-    f->xg = ds4_arena_take(a, T * K * D, 4);
-    f->ye = ds4_arena_take(a, T * K * D, 4);
-    f->g1 = ds4_arena_take(a, T * K * I, 4);
-    f->g3 = ds4_arena_take(a, T * K * I, 4);
-    f->perm = ds4_arena_take(a, T * K, 4);
+    f->rl = ds4_arena_take(a, Tt * E, 4);
+    f->eidx = ds4_arena_take(a, Tt * K, 4);
+    f->ew = ds4_arena_take(a, Tt * K, 4);
+    f->yk = ds4_arena_take(a, Tt * K * D, 4);
+    f->xg = ds4_arena_take(a, Tt * K * D, 4);
+    f->ye = ds4_arena_take(a, Tt * K * D, 4);
+    f->g1 = ds4_arena_take(a, Tt * K * I, 4);
+    f->g3 = ds4_arena_take(a, Tt * K * I, 4);
+    f->perm = ds4_arena_take(a, Tt * K, 4);
     f->ecount = ds4_arena_take(a, E + 1, 8);
-    f->lu = f->m->lora ? ds4_arena_take(a, T * (K > 1 ? K : 1) * (size_t)f->m->lora->r, 4) : NULL;
-    f->logits_ws = o->logits_ws ? ds4_arena_take(a, T * (size_t)c->vocab_size, 4) : NULL;
-    f->ids = ds4_arena_take(a, T, 8);
-    f->tgt = ds4_arena_take(a, T, 8);
-    f->nll = ds4_arena_take(a, T, 8);
-    f->mtp_ids = ds4_arena_take(a, T, 8);
-    f->rowmap = ds4_arena_take(a, T, 4);
+    f->lu = f->m->lora ? ds4_arena_take(a, Tt * (K > 1 ? K : 1) * (size_t)f->m->lora->r, 4) : NULL;
+    f->logits_ws = o->logits_ws ? ds4_arena_take(a, Tt * (size_t)c->vocab_size, 4) : NULL;
+    f->ids = ds4_arena_take(a, Tt, 8);
+    f->tgt = ds4_arena_take(a, Tt, 8);
+    f->nll = ds4_arena_take(a, Tt, 8);
+    f->mtp_ids = ds4_arena_take(a, Tt, 8);
+    f->rowmap = ds4_arena_take(a, Tt, 4);
     f->pos = o->nseq ? ds4_arena_take(a, T, 8) : NULL;
     f->rowseq = o->nseq ? ds4_arena_take(a, T, 4) : NULL;
     f->seqs = o->nseq ? ds4_arena_take(a, (size_t)o->nseq, sizeof(ds4_seq_desc)) : NULL;
@@ -196,10 +199,13 @@ ds4_status ds4_pass_setup(ds4_model *m, ds4_pass *p, int64_t B, int64_t S, int64
 
 /* ------------------------------------------------------------------------------------------------ tape */
 
-/* Carve the tape for (B, S) out of one arena; sizes depend on each layer's attention type. */
-static void plan_tape(const ds4_model *m, ds4_tape *tp, ds4_arena *a, int64_t B, int64_t S, int with_mtp) {
+/* Carve the tape for (B, S) out of one arena; sizes depend on each layer's attention type. The attention slots hold
+ * T = B·S rows, the per-token ones Tt (tok_rows; 0: T): with context parallelism this rank's. */
+static void plan_tape(const ds4_model *m, ds4_tape *tp, ds4_arena *a, int64_t B, int64_t S, int64_t tok_rows,
+                      int with_mtp) {
     const ds4_config *c = &m->cfg;
     const size_t T = (size_t)(B * S), n = (size_t)c->hc_mult, D = (size_t)c->hidden_size, V = (size_t)c->vocab_size;
+    const size_t Tt = tok_rows > 0 ? (size_t)tok_rows : T;
     const size_t H = (size_t)c->num_attention_heads, d = (size_t)c->head_dim, K = (size_t)c->num_experts_per_tok;
     const size_t I = (size_t)c->moe_intermediate_size, E = (size_t)c->n_routed_experts, qr = (size_t)c->q_lora_rank;
     const size_t selw = (size_t)(c->index_topk < S ? c->index_topk : S) > 0 ? (size_t)(c->index_topk < S ? c->index_topk : S) : 1;
@@ -235,16 +241,16 @@ static void plan_tape(const ds4_model *m, ds4_tape *tp, ds4_arena *a, int64_t B,
             lt->nwin = keep.nwin;
         }
         if (li >= 0) { /* a block's own: its input streams and decisions */
-            lt->X_in = ds4_arena_take(a, T * n * D, 4);
+            lt->X_in = ds4_arena_take(a, Tt * n * D, 4);
             lt->sel = ty == DS4_ATTN_CSA ? ds4_arena_take(a, T * selw, 4) : NULL;
             lt->nsel = ty == DS4_ATTN_CSA ? ds4_arena_take(a, T, 4) : NULL;
-            lt->rsc = ds4_arena_take(a, T * E, 4);
-            lt->eidx = ds4_arena_take(a, T * K, 4);
-            lt->ew = ds4_arena_take(a, T * K, 4);
+            lt->rsc = ds4_arena_take(a, Tt * E, 4);
+            lt->eidx = ds4_arena_take(a, Tt * K, 4);
+            lt->ew = ds4_arena_take(a, Tt * K, 4);
         }
         if (!own) continue;
-        lt->X_mid = ds4_arena_take(a, T * n * D, 4);
-        lt->u_attn = ds4_arena_take(a, T * D, 4);
+        lt->X_mid = ds4_arena_take(a, Tt * n * D, 4);
+        lt->u_attn = ds4_arena_take(a, Tt * D, 4);
         lt->h_attn = ds4_arena_take(a, T * D, 4);
         lt->qa = ds4_arena_take(a, T * qr, 4);
         lt->qr = ds4_arena_take(a, T * qr, 4);
@@ -267,43 +273,44 @@ static void plan_tape(const ds4_model *m, ds4_tape *tp, ds4_arena *a, int64_t B,
         lt->itgt = ikl ? ds4_arena_take(a, T * selw, 4) : NULL;
         lt->o = ds4_arena_take(a, T * H * d, 4);
         lt->y = ds4_arena_take(a, T * (size_t)(c->o_groups * c->o_lora_rank), 4);
-        lt->a_attn = ds4_arena_take(a, T * D, 4);
-        lt->u_ffn = ds4_arena_take(a, T * D, 4);
-        lt->h_ffn = ds4_arena_take(a, T * D, 4);
-        lt->rlog = ds4_arena_take(a, T * E, 4);
-        lt->eg1 = ds4_arena_take(a, T * K * I, 4);
-        lt->eg3 = ds4_arena_take(a, T * K * I, 4);
-        lt->ye = ds4_arena_take(a, T * K * D, 4);
-        lt->sg1 = ds4_arena_take(a, T * I, 4);
-        lt->sg3 = ds4_arena_take(a, T * I, 4);
-        lt->a_ffn = ds4_arena_take(a, T * D, 4);
+        lt->a_attn = ds4_arena_take(a, Tt * D, 4);
+        lt->u_ffn = ds4_arena_take(a, Tt * D, 4);
+        lt->h_ffn = ds4_arena_take(a, Tt * D, 4);
+        lt->rlog = ds4_arena_take(a, Tt * E, 4);
+        lt->eg1 = ds4_arena_take(a, Tt * K * I, 4);
+        lt->eg3 = ds4_arena_take(a, Tt * K * I, 4);
+        lt->ye = ds4_arena_take(a, Tt * K * D, 4);
+        lt->sg1 = ds4_arena_take(a, Tt * I, 4);
+        lt->sg3 = ds4_arena_take(a, Tt * I, 4);
+        lt->a_ffn = ds4_arena_take(a, Tt * D, 4);
     }
-    tp->X_L = ds4_arena_take(a, T * n * D, 4);
-    tp->u_fin = ds4_arena_take(a, T * D, 4);
-    tp->y_fin = ds4_arena_take(a, T * D, 4);
-    tp->head_rows = ds4_head_rows(m, T);
+    tp->X_L = ds4_arena_take(a, Tt * n * D, 4);
+    tp->u_fin = ds4_arena_take(a, Tt * D, 4);
+    tp->y_fin = ds4_arena_take(a, Tt * D, 4);
+    tp->head_rows = ds4_head_rows(m, (int64_t)Tt);
     tp->logits = ds4_arena_take(a, (size_t)tp->head_rows * V, 4);
-    tp->ids = ds4_arena_take(a, T, 8);
+    tp->ids = ds4_arena_take(a, Tt, 8);
     tp->labels = ds4_arena_take(a, T, 8);
-    tp->tgt = ds4_arena_take(a, T, 8);
-    tp->lp = ds4_arena_take(a, 2 * T, 4);
+    tp->tgt = ds4_arena_take(a, Tt, 8);
+    tp->lp = ds4_arena_take(a, 2 * Tt, 4);
     tp->loads = m->dev->host_visible ? NULL : ds4_arena_take(a, (size_t)((L + 1) * c->n_routed_experts), 8);
-    tp->mtp_e = with_mtp ? ds4_arena_take(a, T * D, 4) : NULL;
-    tp->mtp_en = with_mtp ? ds4_arena_take(a, T * D, 4) : NULL;
-    tp->mtp_hn = with_mtp ? ds4_arena_take(a, T * n * D, 4) : NULL;
-    tp->mtp_u = with_mtp ? ds4_arena_take(a, T * D, 4) : NULL;
-    tp->mtp_y = with_mtp ? ds4_arena_take(a, T * D, 4) : NULL;
-    tp->mtp_X = with_mtp ? ds4_arena_take(a, T * n * D, 4) : NULL;
+    tp->mtp_e = with_mtp ? ds4_arena_take(a, Tt * D, 4) : NULL;
+    tp->mtp_en = with_mtp ? ds4_arena_take(a, Tt * D, 4) : NULL;
+    tp->mtp_hn = with_mtp ? ds4_arena_take(a, Tt * n * D, 4) : NULL;
+    tp->mtp_u = with_mtp ? ds4_arena_take(a, Tt * D, 4) : NULL;
+    tp->mtp_y = with_mtp ? ds4_arena_take(a, Tt * D, 4) : NULL;
+    tp->mtp_X = with_mtp ? ds4_arena_take(a, Tt * n * D, 4) : NULL;
 }
 
-ds4_status ds4_tape_reserve(ds4_model *m, ds4_tape *tp, int64_t B, int64_t S, int with_mtp, ds4_error *err) {
+ds4_status ds4_tape_reserve(ds4_model *m, ds4_tape *tp, int64_t B, int64_t S, int64_t tok_rows, int with_mtp,
+                            ds4_error *err) {
     const int64_t nl = m->cfg.num_hidden_layers + 1, T = B * S;
     if (!tp->layers) {
         tp->layers = calloc((size_t)nl, sizeof *tp->layers);
         if (!tp->layers) return ds4_fail(err, DS4_ERR_OOM, "training forward: tape of %lld layers", (long long)nl);
     }
     ds4_arena a = {0};
-    plan_tape(m, tp, &a, B, S, with_mtp);
+    plan_tape(m, tp, &a, B, S, tok_rows, with_mtp);
     if (a.used > tp->bytes) {
         m->dev->ops->free(m->dev, tp->mem);
         tp->mem = NULL;
@@ -320,7 +327,7 @@ ds4_status ds4_tape_reserve(ds4_model *m, ds4_tape *tp, int64_t B, int64_t S, in
     tp->hids = h;
     tp->hlabels = h + T;
     ds4_arena w = {tp->mem, 0};
-    plan_tape(m, tp, &w, B, S, with_mtp);
+    plan_tape(m, tp, &w, B, S, tok_rows, with_mtp);
     return DS4_OK;
 }
 

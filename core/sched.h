@@ -72,6 +72,9 @@ typedef struct ds4_tape {
     float *mtp_X;                 /* [T1, n, D] MTP block output */
     int64_t loss_tokens, mtp_tokens; /* scored tokens of the main and MTP losses */
     int64_t ep_rows;              /* the forward ran with expert parallelism: its ds4_pass.ep_rows (else 0) */
+    int64_t cp_S, cp_off;         /* context parallelism: the whole sequence's S and this rank's first position (B, S
+                                     and T above are this rank's slice; the tape was planned for [B, cp_S]); cp_S 0:
+                                     off */
     int with_ikl;                 /* indexer KL loss: the indexer activations are kept */
     int recompute;                /* per-block recomputation: the main blocks share one set of activation slots;
                                      each keeps its own X_in, sel / nsel, rsc, eidx and ew */
@@ -149,6 +152,12 @@ typedef struct ds4_pass {
     float *ep_h[4];               /* [ep_rows, I] the local experts' g1, g3 (forward); act, dact too (backward) */
     int32_t *ep_idx;              /* [ep_rows] for the r-th row in (expert, source rank) order, its received row */
     int64_t *ep_off;              /* [E / world + 1] local expert group boundaries of that order */
+    /* context parallelism (cp.c; cp_world 0: off). Planned for [B, cp_S0]; this rank keeps positions
+     * ds4_cp_range(cp_S0, cp_mtp, ...) of every sequence: S and T are that slice's (n, B·n), except inside an attention
+     * sub-layer, where they are the whole sequence's (ds4_cp_gather_rows .. ds4_cp_keep_rows) */
+    int32_t cp_rank, cp_world;
+    int64_t cp_S0;                /* the main blocks' whole S */
+    int cp_mtp;                   /* the MTP block runs: its S - 1 positions */
 } ds4_pass;
 
 /* What a pass needs planned beyond its activations. */
@@ -157,6 +166,8 @@ typedef struct ds4_pass_opts {
     int replay_experts, replay_index, rec_experts, rec_index;
     int64_t nseq;                 /* step: sequences (for the row tables) */
     int64_t ep_rows;              /* expert parallelism: ds4_pass.ep_rows (0: off) */
+    int64_t tok_rows;             /* context parallelism: this rank's rows, what the per-token buffers hold (the
+                                     attention buffers hold T); 0: T */
 } ds4_pass_opts;
 
 /* A bump allocator for planned workspaces: planning runs it once with base NULL to size the block, then
@@ -178,8 +189,10 @@ static inline void *ds4_arena_take(ds4_arena *a, size_t n, size_t elem) {
  * and make the RoPE tables cover positions < S. */
 ds4_status ds4_pass_setup(ds4_model *m, ds4_pass *p, int64_t B, int64_t S, int64_t T, const ds4_pass_opts *o,
                           int training, ds4_error *err);
-/* Size (and grow) a tape for (B, S) in backend memory. */
-ds4_status ds4_tape_reserve(ds4_model *m, ds4_tape *tp, int64_t B, int64_t S, int with_mtp, ds4_error *err);
+/* Size (and grow) a tape for (B, S) in backend memory; its per-token slots for tok_rows rows (context parallelism:
+ * this rank's; 0: B·S), its attention slots for B·S. */
+ds4_status ds4_tape_reserve(ds4_model *m, ds4_tape *tp, int64_t B, int64_t S, int64_t tok_rows, int with_mtp,
+                            ds4_error *err);
 
 /* A host input of a pass: used in place on a host-visible backend, else uploaded into its planned buffer. */
 static inline const void *ds4_pass_input(ds4_pass *p, void *planned, const void *host, size_t bytes) {
@@ -248,6 +261,28 @@ void ds4_ep_experts_bwd(ds4_pass *f, const ds4_layer_w *l, const ds4_layer_w *g,
                         const int64_t *off, float *dxs);
 /* Sum the model's expert-load counters over the ranks (a collective, before the bias update). */
 ds4_status ds4_ep_sum_loads(ds4_model *m, ds4_error *err);
+
+/* cp.c: context parallelism (docs/distributed.md). ds4_cp_range: the positions [off, off + len) rank q keeps of a
+ * sequence of S (mtp 1: of the MTP block's S - 1). ds4_cp_check: what a forward under it refuses. ds4_cp_begin: the
+ * pass (planned for [B, S]) keeps this rank's slice (its shape set to it). ds4_cp_gather_rows: x holds this rank's
+ * B·n rows of `width`; all-gathered (a collective), it holds the whole [B, cp_S] in place and the pass has that
+ * shape; ds4_cp_keep_rows: back to this rank's rows of x and shape. ds4_cp_sum_rows: the sum of nll over the rows
+ * whose target is not -100, over every rank's rows in the order of one process holding the whole sequence (and their
+ * count). A failed collective fails the pass's backend, like a failed operation; a rank whose pass failed still
+ * joins the gathers, telling the others, which then fail too. */
+void ds4_cp_range(int64_t S, int mtp, int32_t world, int32_t q, int64_t *off, int64_t *len);
+ds4_status ds4_cp_check(const ds4_model *m, const ds4_forward_args *a, int train, ds4_error *err);
+/* Before a forward or backward under context parallelism (a collective): every rank tells the others whether its own
+ * checks passed (st) and hashes of the shape, ids and labels it was given; st, or a failure naming the first rank that
+ * refused or whose inputs differ from rank 0's. So a refusal or a mismatch fails every rank at once instead of leaving
+ * the others waiting in a gather. */
+ds4_status ds4_cp_agree(ds4_model *m, const char *what, int64_t B, int64_t S, const int64_t *ids,
+                        const int64_t *labels, ds4_status st, ds4_error *err);
+void ds4_cp_begin(ds4_pass *f, int64_t S);
+void ds4_cp_set_mtp(ds4_pass *f, int mtp);
+void ds4_cp_gather_rows(ds4_pass *f, float *x, int64_t width);
+void ds4_cp_keep_rows(ds4_pass *f, float *x, int64_t width);
+void ds4_cp_sum_rows(ds4_pass *f, const int64_t *tgt, const double *nll, double *sum, int64_t *cnt);
 
 /* backend.c: make the backend's weights current (after the host params changed) before a pass. */
 ds4_status ds4_model_sync_weights(ds4_model *m, ds4_error *err);

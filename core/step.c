@@ -52,7 +52,9 @@ static uint64_t step_key(const ds4_model *m, const ds4_pass *f, int64_t nseq, in
                           (uint64_t)(uintptr_t)m->rope_dev[1], (uint64_t)(uintptr_t)f->w->embed,
                           (uint64_t)(a->experts != NULL), (uint64_t)(a->index_picks != NULL), (uint64_t)m->ws_bytes,
                           /* the adapters' buffer: attaching or replacing them changes the launches */
-                          (uint64_t)(uintptr_t)(m->lora ? m->lora->dparams : NULL), (uint64_t)(m->lora ? m->lora->r : 0)};
+                          (uint64_t)(uintptr_t)(m->lora ? m->lora->dparams : NULL), (uint64_t)(m->lora ? m->lora->r : 0),
+                          /* the QAT option adds the fake_quant launches and changes the compressor's */
+                          (uint64_t)m->kv_qat};
     uint64_t h = 1469598103934665603ull;
     for (size_t i = 0; i < sizeof v / sizeof v[0]; i++)
         for (int b = 0; b < 8; b++) h = (h ^ ((v[i] >> (8 * b)) & 0xff)) * 1099511628211ull;
@@ -65,6 +67,9 @@ ds4_status ds4_model_step(ds4_model *m, const ds4_step_args *a, ds4_error *err) 
 
 ds4_status ds4_step_run(ds4_model *m, const ds4_step_args *a, float *last_dev, ds4_error *err) {
     int64_t N = 0, Smax = 0;
+    if (m && m->cp_on)
+        return ds4_fail(err, DS4_ERR_UNSUPPORTED, "step: context parallel is on: decoding (and generation) with "
+                                                  "context parallelism is not supported (turn it off first)");
     ds4_status st = check_step(m, a, &N, &Smax, err);
     if (st) return st;
     /* a cache passed twice would be appended to twice from the same old state */

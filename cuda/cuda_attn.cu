@@ -6,6 +6,7 @@
 // pick order) and reduced in a fixed order that depends on the key count only, so a row computes the same bits in a
 // full forward (keys from this pass) and in a decoding step (keys from the cache ring and entries).
 #include "cuda_dev.cuh"
+#include "cuda_kv_qat.cuh"
 #include "shape_limits.h"
 
 namespace {
@@ -42,10 +43,13 @@ struct comp_args {
     const float *cs;
     int64_t half;
     double eps;
+    ds4_fq q;                     // the QAT option (fmt 0 and no rotation: off)
 };
 
 // One entry per block: gated softmax pooling of each channel over its slots (fp32 gates, double denominator, as the
-// CPU), then RMSNorm over the entry and RoPE at the window's first position.
+// CPU), then RMSNorm over the entry, RoPE at the window's first position and, with the QAT option, the entry's
+// fake-quantisation (cuda_kv_qat.cuh: the CPU's bits for the same entry), so a step's cache holds what a full forward
+// computes.
 __global__ void compress_kernel(comp_args a) {
     extern __shared__ float pooled[]; // [dd]
     __shared__ double sh[8];
@@ -111,6 +115,7 @@ __global__ void compress_kernel(comp_args a) {
     const float *cs = a.cs + win * m * 2 * a.half;
     for (int64_t j = threadIdx.x; j < a.half; j += blockDim.x) ds4d_rope_pair(pooled + dd - 2 * a.half, cs, j, 1);
     __syncthreads();
+    if (a.q.fmt || a.q.hadamard) ds4d_fake_quant_vec(pooled, dd, a.q); // the same in every thread: a kernel argument
     for (int64_t ch = threadIdx.x; ch < dd; ch += blockDim.x) dst[ch] = pooled[ch];
 }
 
@@ -408,20 +413,16 @@ void ds4_cuda_compress(ds4_dev *d, const ds4_a_compress *a) {
     const int64_t jobs = a->rows.pos ? a->rows.T / a->w->rate + a->rows.nseq : a->B * a->nwin;
     if (jobs <= 0) return;
     const ds4_compressor_w *w = a->w;
-    if (a->q.fmt || a->q.hadamard) {
-        ds4_dev_fail(d, DS4_ERR_UNSUPPORTED, "compress: the FP8 KV quantisation-aware option (kv_qat) runs on the CPU "
-                                             "backend only so far");
-        return;
-    }
+    if (!ds4_cuda_fq_shape_ok(d, "compress", w->dd, a->q)) return;
     if (w->rate > DS4_MAX_RATE) {
         ds4_dev_fail(d, DS4_ERR_UNSUPPORTED, "compress: rate %lld > %d", (long long)w->rate, DS4_MAX_RATE);
         return;
     }
     comp_args g = {a->C, a->Z, w->ape, w->norm, a->out, a->pool, w->rate, w->dd, w->width, a->rows.S, a->nwin,
-                   a->overlap, a->which, a->cls, a->rows, a->rt.cs, a->rt.half, a->c->rms_norm_eps};
+                   a->overlap, a->which, a->cls, a->rows, a->rt.cs, a->rt.half, a->c->rms_norm_eps, a->q};
     compress_kernel<<<(unsigned)jobs, 128, (size_t)w->dd * sizeof(float), cdev(d)->stream>>>(g);
-    ds4_cuda_launched(d, "compress", "[%lld entries of %lld, rate %lld%s]", (long long)jobs, (long long)w->dd,
-                      (long long)w->rate, a->rows.pos ? ", step" : "");
+    ds4_cuda_launched(d, "compress", "[%lld entries of %lld, rate %lld%s%s]", (long long)jobs, (long long)w->dd,
+                      (long long)w->rate, a->rows.pos ? ", step" : "", a->q.fmt || a->q.hadamard ? ", kv_qat" : "");
 }
 
 void ds4_cuda_indexer(ds4_dev *d, const ds4_a_indexer *a) {

@@ -16,7 +16,9 @@
 // the forward GEMM's steps (cuda_tile.cuh). Groups: rows [off[e], off[e+1]) of dy / dx use expert e's W
 // (linear_bwd_x_grouped: each block finds its expert tile from off, as the forward's grouped GEMM), or the reduction
 // runs over those rows into expert e's dW (linear_bwd_w_grouped: grid z = expert); off is read on the device, nothing
-// synchronises. A plain product whose output has few tiles (a long reduction into a small dW) cuts r into a number of
+// synchronises; with bf16 weights linear_bwd_x_grouped goes through the forward's pipelined grouped GEMM on a
+// transposed copy of the layer's experts instead (ds4_cuda_grouped_dx_bf16: the same sums, so the same bits, at the
+// forward's rate). A plain product whose output has few tiles (a long reduction into a small dW) cuts r into a number of
 // chunks fixed by the shapes, writes per-chunk partials and adds them in chunk order.
 //
 // In bf16 the plain (not grouped) products go to cuBLAS instead: the backward needs no batch invariance (only the
@@ -415,18 +417,31 @@ __global__ void norm_dw_finish(norm_args a) {
 // dst[c] += src[0, c] + src[1, c] + ... one fp32 add at a time in row order (the CPU's bits). The columns are few
 // (3 to a few dozen) and the rows many: a block takes COLSUM_COLS columns; warp 0 (one lane per column) adds a tile of
 // COLSUM_ROWS rows from shared memory while the other warps stage the next tile into a second buffer with coalesced
-// loads, one barrier per tile. The adding lane reads eight rows into registers before it adds them, so the
-// sequential chain waits on fp32 adds, not on a shared-memory read per row.
-constexpr int COLSUM_COLS = 32, COLSUM_ROWS = 128;
+// loads, COLSUM_U in flight per thread (the stage is bound by their latency), one barrier per tile. The adding lane
+// reads eight rows into registers before it adds them, so the sequential chain waits on fp32 adds, not on a
+// shared-memory read per row.
+constexpr int COLSUM_COLS = 32, COLSUM_ROWS = 128, COLSUM_U = 8;
 __global__ void __launch_bounds__(256) colsum_kernel(float *dst, const float *src, int64_t rows, int64_t width,
                                                      int64_t ld) {
     __shared__ float tile[2][COLSUM_ROWS][COLSUM_COLS + 1];
     const int64_t c0 = (int64_t)blockIdx.x * COLSUM_COLS;
     const int cw = (int)(width - c0 < COLSUM_COLS ? width - c0 : COLSUM_COLS);
     const int loader = (int)threadIdx.x - 32, nload = (int)blockDim.x - 32;
-    auto stage = [&](int buf, int64_t r0) {
-        const int rn = (int)(rows - r0 < COLSUM_ROWS ? rows - r0 : COLSUM_ROWS);
-        for (int e = loader; e < rn * cw; e += nload) tile[buf][e / cw][e % cw] = src[(r0 + e / cw) * ld + c0 + e % cw];
+    auto stage = [&](int buf, int64_t r0) { // COLSUM_U loads in flight per loader (the stage waits on their latency)
+        const int rn = (int)(rows - r0 < COLSUM_ROWS ? rows - r0 : COLSUM_ROWS), n = rn * cw;
+        for (int e0 = loader; e0 < n; e0 += COLSUM_U * nload) {
+            float v[COLSUM_U];
+#pragma unroll
+            for (int u = 0; u < COLSUM_U; u++) {
+                const int e = e0 + u * nload;
+                v[u] = e < n ? src[(r0 + e / cw) * ld + c0 + e % cw] : 0.0f;
+            }
+#pragma unroll
+            for (int u = 0; u < COLSUM_U; u++) {
+                const int e = e0 + u * nload;
+                if (e < n) tile[buf][e / cw][e % cw] = v[u];
+            }
+        }
     };
     float s = (int)threadIdx.x < cw ? dst[c0 + threadIdx.x] : 0.0f;
     if (loader >= 0) stage(0, 0);
@@ -635,6 +650,9 @@ void ds4_cuda_linear_bwd_x_grouped(ds4_dev *d, const ds4_a_linear_bwd_x_grouped 
     if (a->wdt == DS4_FP4_PACKED)
         return product(d, "linear_bwd_x_grouped", p, a->bf16_in ? DS4_BF16 : DS4_F32, true, s, true);
     if (a->bf16_in && a->wdt != DS4_BF16) return fp32_bf16_in(d, "linear_bwd_x_grouped");
+    if (a->wdt == DS4_BF16) // the same bits as the tiles below, through the forward's pipelined grouped GEMM
+        return ds4_cuda_grouped_dx_bf16(d, "linear_bwd_x_grouped", a->dx, a->acc, a->dy, a->W, a->rows, a->O, a->K,
+                                        a->off, a->E, a->wstride);
     product(d, "linear_bwd_x_grouped", p, a->wdt, true, s);
 }
 
@@ -648,6 +666,10 @@ void ds4_cuda_linear_bwd_w_grouped(ds4_dev *d, const ds4_a_linear_bwd_w_grouped 
     snprintf(s, sizeof s, "dW [%lld x %lld x %lld] += dy^T [%lld x %lld] x x [%lld x %lld] by expert", (long long)a->E,
              (long long)a->O, (long long)a->K, (long long)a->O, (long long)a->rows, (long long)a->rows,
              (long long)a->K);
+    if ((a->bf16_in || a->wdt == DS4_BF16) && // the same bits as the tiles, through the pipelined GEMM where it runs
+        ds4_cuda_grouped_dw_bf16(d, "linear_bwd_w_grouped", a->dW, a->wstride, a->dy, a->x, a->rows, a->O, a->K, a->off,
+                                 a->E))
+        return;
     product(d, "linear_bwd_w_grouped", p, a->bf16_in ? DS4_BF16 : a->wdt, false, s);
 }
 

@@ -66,6 +66,17 @@ void *ds4_cuda_scratch(ds4_dev *d, size_t bytes, const char *op, int slot);
 // cuda_gemm.cu, for operations that contain a product (the mHC mixing logits).
 void ds4_cuda_gemm_f32(ds4_dev *d, const char *op, float *y, int64_t ldy, const float *x, int64_t ldx, const float *W,
                        int64_t M, int64_t K, int64_t N);
+// dx [rows, K] (+)= dy [rows, O]·W_e over the rows [off[e], off[e+1]) of each expert e, bf16 W [E, O, K] (W_e =
+// W + e·wstride): the backward tiles' bits through the forward's grouped GEMM (cuda_gemm.cu).
+void ds4_cuda_grouped_dx_bf16(ds4_dev *d, const char *op, float *dx, int acc, const float *dy, const void *W,
+                              int64_t rows, int64_t O, int64_t K, const int64_t *off, int64_t E, int64_t wstride);
+// dW_e [O, K] += dyᵀ·x over the rows [off[e], off[e+1]) (dW_e = dW + e·wstride), bf16: the backward tiles' bits
+// through the pipelined GEMM on operands transposed by groups; false (nothing done) where that kernel cannot run.
+bool ds4_cuda_grouped_dw_bf16(ds4_dev *d, const char *op, float *dW, int64_t wstride, const float *dy, const float *x,
+                              int64_t rows, int64_t O, int64_t K, const int64_t *off, int64_t E);
+// The fake-quantisation q of vectors of `width` floats is one the device can do (a known format; the rotation on a
+// power-of-two width); else a failure naming op is recorded (cuda_kv_qat.cu).
+bool ds4_cuda_fq_shape_ok(ds4_dev *d, const char *op, int64_t width, const ds4_fq &q);
 // At least n int counters that are 0 on return and that their users leave at 0 (the skinny GEMMs' tile counters).
 int *ds4_cuda_counters(ds4_dev *d, size_t n, const char *op);
 
@@ -144,7 +155,7 @@ static inline unsigned ds4_blocks(int64_t n, int threads) {
 // The operations, by file.
 #define DS4_CUDA_OP(name) void ds4_cuda_##name(ds4_dev *d, const ds4_a_##name *a);
 DS4_CUDA_OP(embed) DS4_CUDA_OP(hc_pre) DS4_CUDA_OP(hc_post) DS4_CUDA_OP(hyperhead)
-DS4_CUDA_OP(rmsnorm) DS4_CUDA_OP(rope) DS4_CUDA_OP(scale) DS4_CUDA_OP(copy_rows) DS4_CUDA_OP(gather_rows)
+DS4_CUDA_OP(rmsnorm) DS4_CUDA_OP(rope) DS4_CUDA_OP(scale) DS4_CUDA_OP(fake_quant) DS4_CUDA_OP(copy_rows) DS4_CUDA_OP(gather_rows)
 DS4_CUDA_OP(scatter_rows) DS4_CUDA_OP(add_rows) DS4_CUDA_OP(add_bcast)
 DS4_CUDA_OP(matmul) DS4_CUDA_OP(matmul_grouped)
 DS4_CUDA_OP(compress) DS4_CUDA_OP(indexer) DS4_CUDA_OP(attention) DS4_CUDA_OP(cache_commit) DS4_CUDA_OP(record_picks)

@@ -42,7 +42,16 @@ struct gemm_args {
     int64_t S;                    // slices: ceil(K / KSLICE)
     int *count;                   // skinny kernels: per output tile, the slices done (kept at 0 between uses)
     const uint8_t *ws;            // an FP4-resident W (W: its codes): its scales (cuda_fp4.cuh)
+    int acc;                      // the tiled and pipelined kernels: y += the sum (formed first, added once), not y =
+    const int64_t *koff;          // the pipelined kernel only: group z reduces over the koff[z+1] - koff[z] columns of
+                                  // x and W from group_start(koff, z) (row-grouped reductions, transposed operands)
 };
+
+// Where reduction group e starts in a transposed operand: 8-aligned (cp.async copies 16-byte pieces of bf16), each
+// group at least its length past the previous one's start. Rows past a group's end up to the next start are never read.
+__host__ __device__ __forceinline__ int64_t group_start(const int64_t *off, int64_t e) {
+    return (off[e] + 7) / 8 * 8 + 8 * e;
+}
 
 // The rows [r0, r1) a block works on, and its W; false when the block has no tile (row groups are data-dependent).
 template <int BM>
@@ -306,14 +315,18 @@ __device__ __forceinline__ void load_b8(const ds4d_fp4w<__nv_bfloat16> &W, int64
 }
 
 __device__ __forceinline__ void store_tile(float *y, int64_t ldy, int64_t r, int64_t r1, int64_t c, int64_t N,
-                                           const float (&acc)[4]) {
+                                           const float (&acc)[4], int add) {
+    const auto put1 = [&](int64_t row, int64_t col, float v) {
+        float *q = y + row * ldy + col;
+        *q = add ? *q + v : v;
+    };
     if (r < r1) {
-        if (c < N) y[r * ldy + c] = acc[0];
-        if (c + 1 < N) y[r * ldy + c + 1] = acc[1];
+        if (c < N) put1(r, c, acc[0]);
+        if (c + 1 < N) put1(r, c + 1, acc[1]);
     }
     if (r + 8 < r1) {
-        if (c < N) y[(r + 8) * ldy + c] = acc[2];
-        if (c + 1 < N) y[(r + 8) * ldy + c + 1] = acc[3];
+        if (c < N) put1(r + 8, c, acc[2]);
+        if (c + 1 < N) put1(r + 8, c + 1, acc[3]);
     }
 }
 
@@ -384,7 +397,7 @@ __global__ void __launch_bounds__((BM / WM) * (BN / WN) * 32) gemm_bf16_tiled(ge
     for (int i = 0; i < MT; i++)
 #pragma unroll
         for (int j = 0; j < NT; j++)
-            store_tile(y, a.ldy, r0 + wm + i * 16 + g, rend, n0 + wn + j * 8 + 2 * t, a.N, tot[i][j]);
+            store_tile(y, a.ldy, r0 + wm + i * 16 + g, rend, n0 + wn + j * 8 + 2 * t, a.N, tot[i][j], a.acc);
 }
 
 // Pipelined: the tiled kernel's sums with the loads in flight several chunks ahead. Chunks of 32 k are copied by
@@ -430,6 +443,12 @@ __global__ void __launch_bounds__((BM / WM) * (BN / WN) * 32) gemm_bf16_pipe(gem
     const float *x = a.x + z * a.gx;
     const __nv_bfloat16 *W = (const __nv_bfloat16 *)a.W + z * a.gw + woff;
     float *y = a.y + z * a.gy;
+    int64_t K = a.K;
+    if (a.koff) {
+        K = a.koff[z + 1] - a.koff[z];
+        if (K <= 0) return; // an empty group leaves its output untouched (a sum of nothing would turn -0 into +0)
+        x += group_start(a.koff, z), W += group_start(a.koff, z);
+    }
     const int64_t n0 = (int64_t)blockIdx.x * BN, rend = r1 < r0 + BM ? r1 : r0 + BM;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
     const int wm = (warp / (BN / WN)) * WM, wn = (warp % (BN / WN)) * WN;
@@ -440,21 +459,21 @@ __global__ void __launch_bounds__((BM / WM) * (BN / WN) * 32) gemm_bf16_pipe(gem
         for (int i = 0; i < ACP; i++) {
             const int s = tid + i * NTH, row = s >> 3, part = s & 7;
             const int64_t r = r0 + row, k = k0 + part * 4;
-            const int n = r < rend ? piece_bytes(k, a.K, 4) : 0;
+            const int n = r < rend ? piece_bytes(k, K, 4) : 0;
             cp_async16(dA + row * LA + part * 4, n ? x + r * a.ldx + k : x, n);
         }
 #pragma unroll
         for (int i = 0; i < BCP; i++) {
             const int s = tid + i * NTH, row = s >> 2, part = s & 3;
             const int64_t c = n0 + row, k = k0 + part * 8;
-            const int n = c < a.N ? piece_bytes(k, a.K, 2) : 0;
+            const int n = c < a.N ? piece_bytes(k, K, 2) : 0;
             cp_async16(dB + row * LB + part * 8, n ? W + c * a.ldw + k : W, n);
         }
     };
     float acc[MT][NT][4], tot[MT][NT][4];
     ds4d_mma_zero(acc);
     ds4d_mma_zero(tot);
-    const int64_t nch = (a.K + 31) / 32;
+    const int64_t nch = (K + 31) / 32;
 #pragma unroll
     for (int st = 0; st < ST - 1; st++) {
         if (st < nch) issue(st, (int64_t)st * 32);
@@ -492,7 +511,7 @@ __global__ void __launch_bounds__((BM / WM) * (BN / WN) * 32) gemm_bf16_pipe(gem
     for (int i = 0; i < MT; i++)
 #pragma unroll
         for (int j = 0; j < NT; j++)
-            store_tile(y, a.ldy, r0 + wm + i * 16 + g, rend, n0 + wn + j * 8 + 2 * t, a.N, tot[i][j]);
+            store_tile(y, a.ldy, r0 + wm + i * 16 + g, rend, n0 + wn + j * 8 + 2 * t, a.N, tot[i][j], a.acc);
 }
 
 // Skinny: at most 16 rows; one warp per (8 columns, slice): the slice's 8 chunks of W loaded at once straight from
@@ -550,6 +569,19 @@ unsigned grid_rows(const gemm_args &a, int BM) {
 
 // Launch the kernels of `mode` (F32: fp32 FMAs; BF16: tensor cores) reading W as FP4 ? an FP4-resident weight decoded
 // to the mode's type (cuda_fp4.cuh): the same kernels, so the same sums as over the decoded values.
+// Whether the pipelined 128 x 128 kernel may run: its shared memory limit is raised once per backend (a property of
+// the kernel); a GPU that refuses it (less shared memory) takes the tiles.
+bool pipe_ready(cuda_dev *cd) {
+    if (!cd->smem_set[1]) {
+        const cudaError_t e = cudaFuncSetAttribute(gemm_bf16_pipe<128, 128, 64, 32, PIPE_ST>,
+                                                   cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                   (int)pipe_smem<128, 128, PIPE_ST>());
+        cd->smem_set[1] = e == cudaSuccess ? 1 : -1;
+        if (e != cudaSuccess) (void)cudaGetLastError();
+    }
+    return cd->smem_set[1] == 1;
+}
+
 template <bool FP4>
 void launch(cuda_dev *cd, const gemm_args &a, ds4_dtype mode, const plan &p) {
     using WF = typename std::conditional<FP4, ds4d_fp4w<float>, const float *>::type;
@@ -582,15 +614,8 @@ void launch(cuda_dev *cd, const gemm_args &a, ds4_dtype mode, const plan &p) {
          * bytes and cannot decode them (the tiles give the pipeline's bits). */
         dim3 grid(ds4_blocks(a.N, 128), grid_rows(a, 128), (unsigned)G);
         if constexpr (!FP4) {
-            constexpr size_t smem = pipe_smem<128, 128, PIPE_ST>();
-            if (p.va && p.vb && !cd->smem_set[1]) { /* once per backend: the limit is a property of the kernel */
-                const cudaError_t e = cudaFuncSetAttribute(gemm_bf16_pipe<128, 128, 64, 32, PIPE_ST>,
-                                                           cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
-                cd->smem_set[1] = e == cudaSuccess ? 1 : -1; /* refused (a GPU with less shared memory): the tiles */
-                if (e != cudaSuccess) (void)cudaGetLastError();
-            }
-            if (p.va && p.vb && cd->smem_set[1] == 1) {
-                gemm_bf16_pipe<128, 128, 64, 32, PIPE_ST><<<grid, 256, smem, cd->stream>>>(a);
+            if (p.va && p.vb && pipe_ready(cd)) {
+                gemm_bf16_pipe<128, 128, 64, 32, PIPE_ST><<<grid, 256, pipe_smem<128, 128, PIPE_ST>(), cd->stream>>>(a);
                 return;
             }
         }
@@ -632,6 +657,11 @@ void gemm(ds4_dev *d, const char *op, gemm_args a, ds4_dtype wdt, ds4_dtype mode
      * kernels win 2-3x; at 512 and more rows they lose (they read W once per 16 rows and write K-slice partials). */
     const int64_t tiled_blocks = p.G * (int64_t)grid_rows(a, 64) * ((a.N + 127) / 128);
     p.skinny = rows_hint <= 16 || (tiled_blocks < 2 * (int64_t)cd->sm_count && rows_hint <= cd->skinny_rows);
+    if (a.acc && (mode != DS4_BF16 || fp4)) { /* only the bf16 tiles and the pipeline add into y */
+        ds4_dev_fail(d, DS4_ERR_INTERNAL, "%s: y += x Wᵀ in %s mode%s", op, ds4_dtype_name(mode), fp4 ? ", FP4" : "");
+        return;
+    }
+    p.skinny = p.skinny && !a.acc;
     if (p.G * (p.skinny ? a.S : 1) > 65535) {
         ds4_dev_fail(d, DS4_ERR_UNSUPPORTED, "%s: %lld groups x %lld slices > 65535", op, (long long)p.G,
                      (long long)a.S);
@@ -659,6 +689,106 @@ void ds4_cuda_gemm_f32(ds4_dev *d, const char *op, float *y, int64_t ldy, const 
                        int64_t M, int64_t K, int64_t N) {
     gemm_args g = {y, ldy, x, ldx, W, K, M, N, K, 0, 0, 0, nullptr, 0, 0, nullptr, 0, nullptr};
     gemm(d, op, g, DS4_F32, DS4_F32, 1, M);
+}
+
+// Wt [E, K, O] = W_e [O, K] transposed, bf16 bits; 32 × 32 tiles through shared memory (coalesced both ways).
+static __global__ void transpose_bf16_kernel(unsigned short *Wt, const unsigned short *W, int64_t O, int64_t K,
+                                      int64_t wstride) {
+    __shared__ unsigned short tile[32][33];
+    const int64_t e = blockIdx.z, o0 = (int64_t)blockIdx.y * 32, k0 = (int64_t)blockIdx.x * 32;
+    const unsigned short *src = W + e * wstride;
+    unsigned short *dst = Wt + e * K * O;
+    for (int i = threadIdx.y; i < 32; i += blockDim.y)
+        if (o0 + i < O && k0 + threadIdx.x < K) tile[i][threadIdx.x] = src[(o0 + i) * K + k0 + threadIdx.x];
+    __syncthreads();
+    for (int i = threadIdx.y; i < 32; i += blockDim.y)
+        if (k0 + i < K && o0 + threadIdx.x < O) dst[(k0 + i) * O + o0 + threadIdx.x] = tile[threadIdx.x][i];
+}
+
+// dx [rows, K] (+)= dy [rows, O]·W_e for the rows [off[e], off[e+1]) of expert e, W [E, O, K] bf16 (W_e = W +
+// e·wstride). The backward's product is the forward's grouped y = x·Wᵀ with x = dy and W_eᵀ, which is transposed
+// into scratch first ([E, K, O], slot 1: the GEMM takes slot 0; E·O·K·2 bytes, the layer's experts only). Each output
+// is the same sum as the backward's tiles form (prod_bf16 in cuda_bwd_linear.cu): dy rounded to bf16 to nearest
+// even, the same mma k-slots over chunks of 32 in order, slices of 256 folded in order; so the same bits, with the
+// forward's pipelined loads (the backward's tiles stage through registers and ran at half the forward's rate).
+void ds4_cuda_grouped_dx_bf16(ds4_dev *d, const char *op, float *dx, int acc, const float *dy, const void *W,
+                              int64_t rows, int64_t O, int64_t K, const int64_t *off, int64_t E, int64_t wstride) {
+    if (rows <= 0 || O <= 0 || K <= 0 || E <= 0) return;
+    if (E > 65535) {
+        ds4_dev_fail(d, DS4_ERR_UNSUPPORTED, "%s: %lld experts (a grid's z is at most 65535)", op, (long long)E);
+        return;
+    }
+    unsigned short *Wt = (unsigned short *)ds4_cuda_scratch(d, (size_t)(E * O * K) * sizeof(unsigned short), op, 1);
+    if (!Wt) return;
+    const dim3 tgrid(ds4_blocks(K, 32), ds4_blocks(O, 32), (unsigned)E);
+    transpose_bf16_kernel<<<tgrid, dim3(32, 8), 0, cdev(d)->stream>>>(Wt, (const unsigned short *)W, O, K, wstride);
+    if (!ds4_cuda_launched(d, op, "[%lld experts x %lld x %lld] transposed (bf16)", (long long)E, (long long)O,
+                           (long long)K))
+        return;
+    gemm_args g = {dx, K, dy, O, Wt, O, rows, K, O, 0, 0, 0, off, E, K * O, nullptr, 0, nullptr, nullptr, acc};
+    gemm(d, op, g, DS4_BF16, DS4_BF16, 1, (rows + E - 1) / E);
+}
+
+// out [C, width] = in [rows, C] transposed by row groups: row r of group e (rows [off[e], off[e+1])) becomes column
+// group_start(off, e) + r − off[e]; bf16 (rounded to nearest even, as the backward's tiles round their operands) or
+// fp32. 32 × 32 tiles through shared memory; each tile's rows find their group by bisection of off.
+template <typename TO>
+static __global__ void transpose_groups_kernel(TO *out, int64_t width, const float *in, int64_t rows, int64_t C,
+                                               const int64_t *off, int64_t E) {
+    __shared__ float tile[32][33];
+    __shared__ int64_t col[32];
+    const int64_t r0 = (int64_t)blockIdx.y * 32, c0 = (int64_t)blockIdx.x * 32;
+    if (threadIdx.y == 0) {
+        const int64_t r = r0 + threadIdx.x;
+        int64_t lo = 0, hi = E - 1; // the last group starting at or before r: the one that holds it
+        while (lo < hi) {
+            const int64_t mid = (lo + hi + 1) / 2;
+            if (off[mid] <= r) lo = mid;
+            else hi = mid - 1;
+        }
+        col[threadIdx.x] = group_start(off, lo) + r - off[lo];
+    }
+    for (int i = threadIdx.y; i < 32; i += blockDim.y)
+        if (r0 + i < rows && c0 + threadIdx.x < C) tile[i][threadIdx.x] = in[(r0 + i) * C + c0 + threadIdx.x];
+    __syncthreads();
+    for (int i = threadIdx.y; i < 32; i += blockDim.y)
+        if (c0 + i < C && r0 + threadIdx.x < rows) {
+            const float v = tile[threadIdx.x][i];
+            if constexpr (sizeof(TO) == 2) out[(c0 + i) * width + col[threadIdx.x]] = __float2bfloat16_rn(v);
+            else out[(c0 + i) * width + col[threadIdx.x]] = v;
+        }
+}
+
+// dW_e [O, K] += dyᵀ·x over the rows [off[e], off[e+1]) of dy [rows, O] and x [rows, K] (dW_e = dW + e·wstride) in
+// bf16: dy and x transposed by groups into scratch (dyᵀ fp32 [O, width], xᵀ bf16 [K, width]; slot 1) and reduced by
+// the pipelined kernel, block z = expert over its group's columns. The sums are the backward's tiles' (prod_bf16 in
+// cuda_bwd_linear.cu: both operands rounded to bf16 to nearest even, chunks of 32 from the group's first row, slices
+// of 256 from there, the same mma k-slots), so the same bits. Returns false, having done nothing, where the pipelined
+// kernel cannot run (the caller takes the tiles).
+bool ds4_cuda_grouped_dw_bf16(ds4_dev *d, const char *op, float *dW, int64_t wstride, const float *dy, const float *x,
+                              int64_t rows, int64_t O, int64_t K, const int64_t *off, int64_t E) {
+    cuda_dev *cd = cdev(d);
+    if (rows <= 0 || O <= 0 || K <= 0 || E <= 0) return true;
+    if (E > 65535 || !pipe_ready(cd)) return false;
+    const int64_t width = (rows + 7) / 8 * 8 + 8 * E + 8; // >= group_start(off, E)
+    float *dyT = (float *)ds4_cuda_scratch(d, (size_t)(width * (O * 4 + K * 2)), op, 1);
+    if (!dyT) return true;
+    __nv_bfloat16 *xT = reinterpret_cast<__nv_bfloat16 *>(dyT + O * width); // 16-byte aligned: width % 8 == 0
+    transpose_groups_kernel<float><<<dim3(ds4_blocks(O, 32), ds4_blocks(rows, 32)), dim3(32, 8), 0, cd->stream>>>(
+        dyT, width, dy, rows, O, off, E);
+    transpose_groups_kernel<__nv_bfloat16><<<dim3(ds4_blocks(K, 32), ds4_blocks(rows, 32)), dim3(32, 8), 0,
+                                             cd->stream>>>(xT, width, x, rows, K, off, E);
+    if (!ds4_cuda_launched(d, op, "dy [%lld x %lld] and x [%lld x %lld] transposed by %lld expert groups",
+                           (long long)rows, (long long)O, (long long)rows, (long long)K, (long long)E))
+        return true;
+    gemm_args g = {};
+    g.y = dW, g.ldy = K, g.x = dyT, g.ldx = width, g.W = xT, g.ldw = width, g.M = O, g.N = K, g.K = width;
+    g.gy = wstride, g.acc = 1, g.koff = off;
+    const dim3 grid(ds4_blocks(K, 128), ds4_blocks(O, 128), (unsigned)E);
+    gemm_bf16_pipe<128, 128, 64, 32, PIPE_ST><<<grid, 256, pipe_smem<128, 128, PIPE_ST>(), cd->stream>>>(g);
+    ds4_cuda_launched(d, op, "dW [%lld x %lld x %lld] += dy^T x over %lld rows by expert (bf16, pipelined)",
+                      (long long)E, (long long)O, (long long)K, (long long)rows);
+    return true;
 }
 
 // bf16_in (ops.h) with fp32 weights is the CPU reference's emulation of the bf16 mode; bf16 weights imply it here,

@@ -11,7 +11,7 @@
 
 namespace {
 
-constexpr int OPT_THREADS = 256;
+constexpr int OPT_THREADS = 256, OPT_U = 4;
 
 __global__ void __launch_bounds__(OPT_THREADS) sumsq_kernel(const ds4_optim_piece *pc, const float *g, double *partial) {
     __shared__ double sh[OPT_THREADS / 32];
@@ -42,8 +42,19 @@ __device__ __forceinline__ elem_out adamw_elem(const ds4_adamw_coefs &c, float p
     return o;
 }
 
-// m and v hold elements [mo, ...) of the flat buffer (a ZeRO-1 shard's moments; mo = 0: all of it): element k's
-// moments are m[k - mo], v[k - mo].
+// Elements i0, i0 + OPT_THREADS, .. (OPT_U of them) of piece q, all loads issued before any use (the passes are bound
+// by memory latency); past the piece's end, its first element stands in (never used). m and v hold elements [mo, ...)
+// of the flat buffer (a ZeRO-1 shard's moments; mo = 0: all of it): element k's moments are m[k - mo], v[k - mo].
+__device__ __forceinline__ void load_elems(const ds4_optim_piece &q, int64_t i0, const float *p, const float *g,
+                                           const float *m, const float *v, int64_t mo, float (&pp)[OPT_U],
+                                           float (&gg)[OPT_U], float (&mm)[OPT_U], float (&vv)[OPT_U]) {
+#pragma unroll
+    for (int u = 0; u < OPT_U; u++) {
+        const int64_t i = i0 + u * OPT_THREADS, k = q.off + (i < q.n ? i : 0);
+        pp[u] = p[k], gg[u] = g[k], mm[u] = m[k - mo], vv[u] = v[k - mo];
+    }
+}
+
 __global__ void __launch_bounds__(OPT_THREADS) adamw_check_kernel(const ds4_optim_piece *pc, const ds4_adamw_coefs *cf,
                                                                   float coef, const float *p, const float *g,
                                                                   const float *m, const float *v, int64_t mo,
@@ -52,11 +63,16 @@ __global__ void __launch_bounds__(OPT_THREADS) adamw_check_kernel(const ds4_opti
     const ds4_optim_piece q = pc[blockIdx.x];
     const ds4_adamw_coefs c = cf[q.range];
     double nb = 0; // counts fit a double exactly
-    for (int64_t i = threadIdx.x; i < q.n; i += OPT_THREADS) {
-        const int64_t k = q.off + i;
-        const float gi = coef == 1.0f ? g[k] : __fmul_rn(g[k], coef);
-        const elem_out o = adamw_elem(c, p[k], gi, m[k - mo], v[k - mo]);
-        nb += !(isfinite(o.p) && isfinite(o.m) && isfinite(o.v));
+    for (int64_t i0 = threadIdx.x; i0 < q.n; i0 += OPT_U * OPT_THREADS) {
+        float pp[OPT_U], gg[OPT_U], mm[OPT_U], vv[OPT_U];
+        load_elems(q, i0, p, g, m, v, mo, pp, gg, mm, vv);
+#pragma unroll
+        for (int u = 0; u < OPT_U; u++) {
+            if (i0 + u * OPT_THREADS >= q.n) break;
+            const float gi = coef == 1.0f ? gg[u] : __fmul_rn(gg[u], coef);
+            const elem_out o = adamw_elem(c, pp[u], gi, mm[u], vv[u]);
+            nb += !(isfinite(o.p) && isfinite(o.m) && isfinite(o.v));
+        }
     }
     nb = ds4d_block_sum(nb, sh);
     if (threadIdx.x == 0) bad[blockIdx.x] = (int64_t)nb;
@@ -67,14 +83,20 @@ __global__ void __launch_bounds__(OPT_THREADS) adamw_update_kernel(const ds4_opt
                                                                    int64_t mo) {
     const ds4_optim_piece q = pc[blockIdx.x];
     const ds4_adamw_coefs c = cf[q.range];
-    for (int64_t i = threadIdx.x; i < q.n; i += OPT_THREADS) {
-        const int64_t k = q.off + i, j = k - mo;
-        float gi = g[k];
-        if (coef != 1.0f) g[k] = gi = __fmul_rn(gi, coef); // the clipped gradient stays in the buffer, as on the host
-        const elem_out o = adamw_elem(c, p[k], gi, m[j], v[j]);
-        p[k] = o.p;
-        m[j] = o.m;
-        v[j] = o.v;
+    for (int64_t i0 = threadIdx.x; i0 < q.n; i0 += OPT_U * OPT_THREADS) {
+        float pp[OPT_U], gg[OPT_U], mm[OPT_U], vv[OPT_U];
+        load_elems(q, i0, p, g, m, v, mo, pp, gg, mm, vv);
+#pragma unroll
+        for (int u = 0; u < OPT_U; u++) {
+            const int64_t i = i0 + u * OPT_THREADS, k = q.off + i;
+            if (i >= q.n) break;
+            float gi = gg[u];
+            if (coef != 1.0f) g[k] = gi = __fmul_rn(gi, coef); // the clipped gradient stays in the buffer, as on the host
+            const elem_out o = adamw_elem(c, pp[u], gi, mm[u], vv[u]);
+            p[k] = o.p;
+            m[k - mo] = o.m;
+            v[k - mo] = o.v;
+        }
     }
 }
 

@@ -300,6 +300,11 @@ ds4_status ds4_comm_all_reduce_grads(ds4_comm *c, ds4_model *m, double scale, ds
                                           "backward, so the global normalisation must be the backward's (backward "
                                           "with 1 / the global token count on every rank) and the scale here 1 "
                                           "(docs/distributed.md)", scale);
+    if (ds4_model_context_parallel(m) && scale != 1.0)
+        return ds4_fail(err, DS4_ERR_ARG, "dist all_reduce_grads: scale %g with context parallelism on: the forward "
+                                          "returns the whole sequence's token counts, so the backward already carries "
+                                          "the global normalisation (model:backward() or backward(1 / count)) and the "
+                                          "scale here must be 1 (docs/distributed.md)", scale);
     ds4_status st = scale != 1.0 ? ds4_model_scale_grads(m, scale, err) : DS4_OK;
     if (!st && dev.type == DS4_DEVICE_CUDA && !c->nccl) return DS4_OK; /* a world of one (checked above) */
     float *g = NULL;

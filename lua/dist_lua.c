@@ -19,6 +19,8 @@
  *                                      of its region of the flat buffer (a CUDA model: with NCCL, init{device})
  *   ds4.dist.expert_parallel(model [, on])   routed experts split over the ranks (on = true, the default; false:
  *                                      off again); the model's forwards and backwards are then collective
+ *   ds4.dist.context_parallel(model [, on])  each sequence split over the ranks (every rank passes the whole ids;
+ *                                      rank r computes its slice); forwards and backwards collective (CPU models)
  *   ds4.dist.finalize()                MPI_Finalize / NCCL finalize (every rank must call it)
  *   ds4.dist.have_mpi, have_nccl       what this build has
  *
@@ -39,22 +41,31 @@
 #define COMM_MT "ds4.dist.comm"
 #define COMM_KEY "ds4.dist.current" /* registry slot of the live box (not COMM_MT: that slot holds the metatable) */
 #define EP_KEY "ds4.dist.ep_models"  /* registry: weak-keyed set of the models whose expert parallelism uses the box */
+#define CP_KEY "ds4.dist.cp_models"  /* ... and of those whose context parallelism does */
 
-/* Turn expert parallelism off on every model that uses the communicator (before it goes: the models keep pointers
- * to it). Leaves the stack as it was; never raises. */
-static void ep_detach_all(lua_State *L) {
-    lua_getfield(L, LUA_REGISTRYINDEX, EP_KEY);
+static void ep_off(ds4_model *m) { ds4_model_set_expert_parallel(m, NULL, NULL); }
+static void cp_off(ds4_model *m) { ds4_model_set_context_parallel(m, NULL, NULL); }
+
+/* Turn expert (or context) parallelism off on every model of the registry set `key` (they use the communicator and
+ * keep pointers to it: before it goes). Leaves the stack as it was; never raises. */
+static void detach_all(lua_State *L, const char *key, void (*off)(ds4_model *)) {
+    lua_getfield(L, LUA_REGISTRYINDEX, key);
     if (!lua_istable(L, -1)) {
         lua_pop(L, 1);
         return;
     }
     for (lua_pushnil(L); lua_next(L, -2); lua_pop(L, 1)) {
         ds4_model **pm = luaL_testudata(L, -2, DS4L_MODEL_MT); /* the model box's first field */
-        if (pm && *pm) ds4_model_set_expert_parallel(*pm, NULL, NULL);
+        if (pm && *pm) off(*pm);
     }
     lua_pop(L, 1);
     lua_pushnil(L);
-    lua_setfield(L, LUA_REGISTRYINDEX, EP_KEY);
+    lua_setfield(L, LUA_REGISTRYINDEX, key);
+}
+
+static void ep_detach_all(lua_State *L) {
+    detach_all(L, EP_KEY, ep_off);
+    detach_all(L, CP_KEY, cp_off);
 }
 
 typedef struct comm_box {
@@ -338,23 +349,35 @@ static int d_shard_optimizer(lua_State *L) {
 /* Expert parallelism (ds4_comm_expert_parallel): rank r computes routed experts [r·E/P, (r+1)·E/P) for every rank's
  * tokens; every rank runs the rest of the model on its own tokens. The model remembers the communicator, so it is
  * recorded here and detached when the communicator is finalized. */
-static int d_expert_parallel(lua_State *L) {
-    const char *fname = "ds4.dist.expert_parallel";
+/* model(, on) of expert_parallel / context_parallel: `set` installs or removes the communicator's hooks; the model
+ * is then noted in (or dropped from) the registry set `key`, which finalize turns off. */
+static int parallel_mode(lua_State *L, const char *fname, const char *key,
+                         ds4_status (*set)(ds4_comm *, ds4_model *, int, ds4_error *)) {
     ds4_comm *c = need(L, fname);
     ds4_model *m = ds4l_model_check(L, 1, fname);
     const int on = lua_isnoneornil(L, 2) ? 1 : lua_toboolean(L, 2);
     if (!lua_isnoneornil(L, 2) && !lua_isboolean(L, 2))
         ds4l_raise(L, "%s: bad argument #2 (boolean expected, got %s)", fname, luaL_typename(L, 2));
     ds4_error err = {0};
-    if (ds4_comm_expert_parallel(c, m, on, &err) != DS4_OK) ds4l_raise_ds4(L, fname, &err);
-    ds4l_weak_registry_table(L, EP_KEY, "k");
-    lua_getfield(L, LUA_REGISTRYINDEX, EP_KEY);
+    if (set(c, m, on, &err) != DS4_OK) ds4l_raise_ds4(L, fname, &err);
+    ds4l_weak_registry_table(L, key, "k");
+    lua_getfield(L, LUA_REGISTRYINDEX, key);
     lua_pushvalue(L, 1);
     if (on) lua_pushboolean(L, 1);
     else lua_pushnil(L);
     lua_rawset(L, -3);
     lua_pop(L, 1);
     return 0;
+}
+
+static int d_expert_parallel(lua_State *L) {
+    return parallel_mode(L, "ds4.dist.expert_parallel", EP_KEY, ds4_comm_expert_parallel);
+}
+
+/* Context parallelism (ds4_comm_context_parallel): each sequence split over the ranks, attention over the gathered
+ * whole sequence (docs/distributed.md). */
+static int d_context_parallel(lua_State *L) {
+    return parallel_mode(L, "ds4.dist.context_parallel", CP_KEY, ds4_comm_context_parallel);
 }
 
 void ds4l_dist_open(lua_State *L) {
@@ -375,6 +398,7 @@ void ds4l_dist_open(lua_State *L) {
         {"all_reduce_grads", d_all_reduce_grads},
         {"shard_optimizer", d_shard_optimizer},
         {"expert_parallel", d_expert_parallel},
+        {"context_parallel", d_context_parallel},
         {NULL, NULL},
     };
     ds4l_class(L, COMM_MT, NULL, comm_gc, NULL);

@@ -1149,6 +1149,57 @@ static int b_cancel(lua_State *L) {
     return 1;
 }
 
+/* batcher:peek(tag [, from]) -> counts [, parts] | nil: what an unfinished task has generated so far
+ * (ds4_batcher_peek). counts[i]: sequence i's tokens so far. With from (an array of per-sequence counts already
+ * seen, missing ones 0), parts[i] = {ids = {...}, logprobs = {...}, sample_logprobs = {...}}: its tokens after
+ * from[i]. nil once the task has finished (take it) or for an unknown tag. */
+static int b_peek(lua_State *L) {
+    const char *fname = "ds4.batcher:peek";
+    batcher_box *b = batcher_check(L, 1, fname, NULL);
+    const uint64_t tag = (uint64_t)check_int(L, 2, fname, "bad argument #1 (tag)", 0, MAX_EXACT, "a task's tag");
+    const int with = !lua_isnoneornil(L, 3);
+    if (with) luaL_checktype(L, 3, LUA_TTABLE);
+    const ds4_gen_result *r = ds4_batcher_peek(b->b, tag);
+    if (!r) return 0;
+    lua_createtable(L, (int)r->nseq, 0);
+    for (int64_t i = 0; i < r->nseq; i++) {
+        lua_pushnumber(L, (lua_Number)r->seqs[i].n_ids);
+        lua_rawseti(L, -2, (int)i + 1);
+    }
+    if (!with) return 1;
+    lua_createtable(L, (int)r->nseq, 0);
+    for (int64_t i = 0; i < r->nseq; i++) {
+        const ds4_gen_seq *q = &r->seqs[i];
+        lua_rawgeti(L, 3, (int)i + 1);
+        int64_t from = lua_isnumber(L, -1) ? (int64_t)lua_tonumber(L, -1) : 0;
+        lua_pop(L, 1);
+        if (from < 0) from = 0;
+        if (from > q->n_ids) from = q->n_ids;
+        const int n = (int)(q->n_ids - from);
+        lua_createtable(L, 0, 3);
+        lua_createtable(L, n, 0);
+        for (int k = 0; k < n; k++) {
+            lua_pushnumber(L, (lua_Number)q->ids[from + k]);
+            lua_rawseti(L, -2, k + 1);
+        }
+        lua_setfield(L, -2, "ids");
+        lua_createtable(L, n, 0);
+        for (int k = 0; k < n; k++) {
+            lua_pushnumber(L, (lua_Number)q->logprobs[from + k]);
+            lua_rawseti(L, -2, k + 1);
+        }
+        lua_setfield(L, -2, "logprobs");
+        lua_createtable(L, n, 0);
+        for (int k = 0; k < n; k++) {
+            lua_pushnumber(L, (lua_Number)q->sample_logprobs[from + k]);
+            lua_rawseti(L, -2, k + 1);
+        }
+        lua_setfield(L, -2, "sample_logprobs");
+        lua_rawseti(L, -2, (int)i + 1);
+    }
+    return 2;
+}
+
 static int b_stats(lua_State *L) {
     batcher_box *b = batcher_check(L, 1, "ds4.batcher:stats", NULL);
     ds4_batcher_stats s;
@@ -1190,7 +1241,7 @@ static int b_tostring(lua_State *L) {
 
 static const luaL_Reg batcher_methods[] = {
     {"submit", b_submit}, {"step", b_step}, {"take", b_take}, {"cancel", b_cancel},
-    {"stats", b_stats},   {"free", b_free}, {NULL, NULL},
+    {"peek", b_peek},     {"stats", b_stats}, {"free", b_free}, {NULL, NULL},
 };
 
 /* ------------------------------------------------------------------------------------------------ module */

@@ -245,7 +245,8 @@ static int m_grads(lua_State *L) {
 }
 
 /* model:logprobs([{entropy = true}]) -> logp [B, S] (, entropy [B, S]) of the last training forward:
- * logp[b][s] = log p(labels[b][s+1]), 0 where unscored. Does not consume the forward. */
+ * logp[b][s] = log p(labels[b][s+1]), 0 where unscored (context parallelism: [B, n_r], this rank's positions). Does
+ * not consume the forward. */
 static int m_logprobs(lua_State *L) {
     const char *fname = "ds4.model:logprobs";
     ds4_model *m = ds4l_model_check(L, 1, fname);

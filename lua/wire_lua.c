@@ -6,13 +6,14 @@
  *                                   an unknown or invalid limit)
  *   ds4.wire.crc32(s [, crc]) -> number        ds4.wire.error_message(code, reason, ref_t [, ref_id, ref_n])
  *   ds4.wire.default_limits() -> table         ds4.wire.codes = {name = number}   ds4.wire.code_name(n)
- *   ds4.wire.VERSION = 4
+ *   ds4.wire.VERSION = 5
  *
  * Lua messages mirror ds4_wire_msg: msg.t is the type name ("hello", "credit", "task", "samples",
- * "weight_announce", "weight_request", "weight_chunk", "heartbeat", "error", "bye") and the other keys are the
- * fields of that type's struct in wire.h (task_id, not the header's "task"; hello's caps fields flat; samples'
- * per-sample values in msg.seq[i] = {prompt_len, n_gen, finish, stop_index, n_rows}). Raw frames go by their
- * protocol.md names (prompt; tokens, logprobs, sample_logprobs, experts, index; weights; config, tokenizer,
+ * "weight_announce", "weight_request", "weight_chunk", "heartbeat", "error", "bye", "partial") and the other keys
+ * are the fields of that type's struct in wire.h (task_id, not the header's "task"; hello's caps fields flat;
+ * samples' per-sample values in msg.seq[i] = {prompt_len, n_gen, finish, stop_index, n_rows}, a partial's
+ * {offset, n_gen}). Raw frames go by their protocol.md names (prompt; tokens, logprobs, sample_logprobs,
+ * policy_lag, experts, index; weights; config, tokenizer,
  * tables): on encode from the `frames` table or from msg itself, as a Lua array of numbers, a string of
  * little-endian bytes, or a ds4 tensor of the frame's dtype (I32 / F32); the u8 frames config and tokenizer as
  * strings only; on decode as Lua arrays of numbers, except weights, config and tokenizer, kept as strings of
@@ -56,10 +57,14 @@ static const char *const X_NONE[] = {NULL};
 static const char *const X_SAMPLES[] = {"seq", "experts_layers", "experts_k", "index_layers", "index_topk", NULL};
 static const char *const X_ERROR[] = {"code_name", NULL};
 static const char *const K_SEQ[] = {"prompt_len", "n_gen", "finish", "finish_reason", "stop_index", "n_rows", NULL};
+static const char *const X_PARTIAL[] = {"seq", NULL};
+static const char *const K_PSEQ[] = {"offset", "n_gen", NULL};
 
 static const char *const F_NONE[] = {NULL};
 static const char *const F_TASK[] = {"prompt", NULL};
-static const char *const F_SAMPLES[] = {"tokens", "logprobs", "sample_logprobs", "experts", "index", NULL};
+static const char *const F_SAMPLES[] = {"tokens", "logprobs", "sample_logprobs", "policy_lag", "experts", "index",
+                                        NULL};
+static const char *const F_PARTIAL[] = {"tokens", "logprobs", "sample_logprobs", NULL};
 static const char *const F_CHUNK[] = {"weights", NULL};
 static const char *const F_ANNOUNCE[] = {"config", "tokenizer", "tables", "lora_masks", NULL};
 
@@ -74,6 +79,7 @@ static const type_spec TYPES[DS4_WIRE_TYPE_COUNT] = {
     [DS4_WIRE_HEARTBEAT] = {"heartbeat", X_NONE, F_NONE},
     [DS4_WIRE_ERROR] = {"error", X_ERROR, F_NONE},
     [DS4_WIRE_BYE] = {"bye", X_NONE, F_NONE},
+    [DS4_WIRE_PARTIAL] = {"partial", X_PARTIAL, F_PARTIAL},
 };
 
 /* The Lua keys of type t (its fields' Lua names, then its extra keys), NULL-terminated in keys[cap]. */
@@ -436,14 +442,31 @@ static void fill_fields(enc_ctx *e, ds4_wire_msg *m) {
     }
 }
 
-static void enc_samples(enc_ctx *e, ds4_wire_samples *s) {
+/* One entry of samples' seq: {prompt_len, n_gen, finish or finish_reason, stop_index, n_rows}. */
+static void enc_sample_seq(enc_ctx *e, ds4_wire_seq *q) {
+    q->prompt_len = f_u32(e, "prompt_len", 1, 0);
+    q->n_gen = f_u32(e, "n_gen", 1, 0);
+    q->finish = finish_code(e, "finish");
+    uint32_t fr = finish_code(e, "finish_reason");
+    if (!q->finish && !fr) efail(e, "finish", "missing (1..5 or a finish reason name)");
+    if (q->finish && fr && q->finish != fr) efail(e, "finish_reason", "disagrees with finish = %u", (unsigned)q->finish);
+    if (!q->finish) q->finish = fr;
+    q->stop_index = (int32_t)f_int(e, "stop_index", -1, 2147483647.0, 0, -1);
+    q->n_rows = f_u32(e, "n_rows", 0, 0);
+}
+
+/* One entry of a partial message's seq (version 5): {offset, n_gen}. */
+static void enc_partial_seq(enc_ctx *e, ds4_wire_seq *q) {
+    q->offset = f_u32(e, "offset", 1, 0);
+    q->n_gen = f_u32(e, "n_gen", 1, 0);
+}
+
+/* msg.seq, an array of per-sample tables with the keys `keys` (read by `one`), msg.n its length when given, then the
+ * three token frames: what samples and partial messages share. */
+static void enc_seqs(enc_ctx *e, ds4_wire_samples *s, const char *const *keys, const char *shape,
+                     void (*one)(enc_ctx *, ds4_wire_seq *)) {
     lua_State *L = e->L;
-    s->experts_layers = f_u32(e, "experts_layers", 0, 0);
-    s->experts_k = f_u32(e, "experts_k", 0, 0);
-    s->index_layers = f_u32(e, "index_layers", 0, 0);
-    s->index_topk = f_u32(e, "index_topk", 0, 0);
-    if (get(e, "seq") != LUA_TTABLE)
-        efail(e, "seq", "expected an array of {prompt_len, n_gen, finish, ...}, got %s", show(L, -1));
+    if (get(e, "seq") != LUA_TTABLE) efail(e, "seq", "expected an array of %s, got %s", shape, show(L, -1));
     int seq = lua_gettop(L);
     size_t n = lua_objlen(L, seq);
     if (n < 1 || n > DS4_WIRE_SAMPLES_CAP) efail(e, "seq", "%zu entries; 1..%d expected", n, DS4_WIRE_SAMPLES_CAP);
@@ -454,22 +477,11 @@ static void enc_samples(enc_ctx *e, ds4_wire_samples *s) {
     for (size_t i = 0; i < n; i++) {
         lua_rawgeti(L, seq, (int)i + 1);
         snprintf(sub, sizeof sub, "seq[%zu]", i + 1);
-        if (!lua_istable(L, -1))
-            efail(e, sub, "expected a table {prompt_len, n_gen, finish, ...}, got %s", show(L, -1));
+        if (!lua_istable(L, -1)) efail(e, sub, "expected a table %s, got %s", shape, show(L, -1));
         e->msg = lua_gettop(L);
         e->sub = sub;
-        check_keys(e, e->msg, K_SEQ, NULL, 0);
-        ds4_wire_seq *q = &s->seq[i];
-        q->prompt_len = f_u32(e, "prompt_len", 1, 0);
-        q->n_gen = f_u32(e, "n_gen", 1, 0);
-        q->finish = finish_code(e, "finish");
-        uint32_t fr = finish_code(e, "finish_reason");
-        if (!q->finish && !fr) efail(e, "finish", "missing (1..5 or a finish reason name)");
-        if (q->finish && fr && q->finish != fr)
-            efail(e, "finish_reason", "disagrees with finish = %u", (unsigned)q->finish);
-        if (!q->finish) q->finish = fr;
-        q->stop_index = (int32_t)f_int(e, "stop_index", -1, 2147483647.0, 0, -1);
-        q->n_rows = f_u32(e, "n_rows", 0, 0);
+        check_keys(e, e->msg, keys, NULL, 0);
+        one(e, &s->seq[i]);
         e->sub = NULL;
         e->msg = msg;
         lua_pop(L, 1);
@@ -478,6 +490,17 @@ static void enc_samples(enc_ctx *e, ds4_wire_samples *s) {
     need_frame(e, "tokens", FR_I32, &s->tokens);
     need_frame(e, "logprobs", FR_F32, &s->logprobs);
     need_frame(e, "sample_logprobs", FR_F32, &s->sample_logprobs);
+}
+
+static void enc_samples(enc_ctx *e, ds4_wire_samples *s) {
+    s->experts_layers = f_u32(e, "experts_layers", 0, 0);
+    s->experts_k = f_u32(e, "experts_k", 0, 0);
+    s->index_layers = f_u32(e, "index_layers", 0, 0);
+    s->index_topk = f_u32(e, "index_topk", 0, 0);
+    enc_seqs(e, s, K_SEQ, "{prompt_len, n_gen, finish, ...}", enc_sample_seq);
+    if (f_frame(e, "policy_lag", FR_I32, &s->policy_lag) != (s->token_versions != 0))
+        efail(e, "policy_lag", s->token_versions ? "missing raw frame (token_versions is set)"
+                                                 : "given, but token_versions is not set");
     int ex = s->experts_layers || s->experts_k, ix = s->index_layers || s->index_topk;
     if (f_frame(e, "experts", FR_I32, &s->experts) != ex)
         efail(e, "experts",
@@ -536,6 +559,7 @@ static void enc_fill(enc_ctx *e, ds4_wire_msg *m) {
         break;
     }
     case DS4_WIRE_SAMPLES: enc_samples(e, &m->samples); break;
+    case DS4_WIRE_PARTIAL: enc_seqs(e, &m->partial, K_PSEQ, "{offset, n_gen}", enc_partial_seq); break;
     case DS4_WIRE_WEIGHT_ANNOUNCE: {
         ds4_wire_weight_announce *w = &m->announce;
         if (absent(e, "bytes")) w->bytes = w->n_params <= (uint64_t)MAX_EXACT / 4 ? 4 * w->n_params : 0;
@@ -610,7 +634,7 @@ static int l_encode(lua_State *L) {
     if (type == DS4_WIRE_NONE)
         ds4l_raise(L,
                    "%s: msg.t must name a message type (hello, credit, task, samples, weight_announce, "
-                   "weight_request, weight_chunk, heartbeat, error, bye), got %s%s%s",
+                   "weight_request, weight_chunk, heartbeat, error, bye, partial), got %s%s%s",
                    FN, t ? "\"" : "", t ? t : luaL_typename(L, -1), t ? "\"" : "");
     lua_pop(L, 1);
     enc_ctx e = {L, TYPES[type].name, 1, lua_istable(L, 2) ? 2 : 0, NULL};
@@ -752,8 +776,24 @@ static void push_msg(lua_State *L, const ds4_wire_msg *m, int raw) {
         set_frame(L, "tokens", s->tokens, FR_I32, raw);
         set_frame(L, "logprobs", s->logprobs, FR_F32, raw);
         set_frame(L, "sample_logprobs", s->sample_logprobs, FR_F32, raw);
+        if (s->token_versions) set_frame(L, "policy_lag", s->policy_lag, FR_I32, raw);
         if (s->experts_layers) set_frame(L, "experts", s->experts, FR_I32, raw);
         if (s->index_layers) set_frame(L, "index", s->index, FR_I32, raw);
+        break;
+    }
+    case DS4_WIRE_PARTIAL: {
+        const ds4_wire_samples *s = &m->partial;
+        lua_createtable(L, (int)s->n, 0);
+        for (uint32_t i = 0; i < s->n; i++) {
+            lua_createtable(L, 0, 2);
+            set_num(L, "offset", s->seq[i].offset);
+            set_num(L, "n_gen", s->seq[i].n_gen);
+            lua_rawseti(L, -2, (int)i + 1);
+        }
+        lua_setfield(L, -2, "seq");
+        set_frame(L, "tokens", s->tokens, FR_I32, raw);
+        set_frame(L, "logprobs", s->logprobs, FR_F32, raw);
+        set_frame(L, "sample_logprobs", s->sample_logprobs, FR_F32, raw);
         break;
     }
     case DS4_WIRE_WEIGHT_ANNOUNCE: {

@@ -43,7 +43,7 @@
 
 static const char *const TYPE_NAMES[DS4_WIRE_TYPE_COUNT] = {
     "none", "hello", "credit", "task", "samples", "weight_announce", "weight_request", "weight_chunk",
-    "heartbeat", "error", "bye",
+    "heartbeat", "error", "bye", "partial",
 };
 
 const char *ds4_wire_type_name(ds4_wire_type t) {
@@ -559,6 +559,7 @@ static const ds4_wire_field F_TASK[] = {
     BOOL(ds4_wire_task, "task.sampling.ignore_eos", "sampling", "ignore_eos", ignore_eos),
     BOOL(ds4_wire_task, "task.sampling.record_experts", "sampling", "record_experts", record_experts),
     BOOL(ds4_wire_task, "task.sampling.record_index", "sampling", "record_index", record_index),
+    U32(ds4_wire_task, "task.sampling.stream", "sampling", "stream", "stream", 0, 0, 1u << 20, stream),
     U32(ds4_wire_task, "task.prompt_len", NULL, "prompt_len", "prompt_len", REQ | CALC, 1, U32_MAX, prompt_len),
 };
 static const ds4_wire_field F_SAMPLES[] = {
@@ -573,6 +574,15 @@ static const ds4_wire_field F_SAMPLES[] = {
     OTHER("samples.rows[]", NULL, "rows", NULL),
     OTHER("samples.experts_shape", NULL, "experts_shape", NULL),
     OTHER("samples.index_shape", NULL, "index_shape", NULL),
+    BOOL(ds4_wire_samples, "samples.token_versions", NULL, "token_versions", token_versions),
+};
+static const ds4_wire_field F_PARTIAL[] = {
+    U64(ds4_wire_samples, "partial.task", NULL, "task", "task_id", REQ | LREQ, 0, MAX_ID, task_id),
+    U32(ds4_wire_samples, "partial.attempt", NULL, "attempt", "attempt", REQ, 0, U32_MAX, attempt),
+    U64(ds4_wire_samples, "partial.policy", NULL, "policy", "policy", REQ | LREQ, 0, MAX_ID, policy),
+    U32(ds4_wire_samples, "partial.n", NULL, "n", "n", REQ | OWN, 1, U32_MAX, n),
+    OTHER("partial.offset[]", NULL, "offset", NULL),
+    OTHER("partial.gen[]", NULL, "gen", NULL),
 };
 static const ds4_wire_field F_ANNOUNCE[] = {
     U64(ds4_wire_weight_announce, "weight_announce.version", NULL, "version", "version", REQ | LREQ, 1, MAX_ID, version),
@@ -660,6 +670,7 @@ const ds4_wire_field *ds4_wire_fields(ds4_wire_type t, int *n) {
     case DS4_WIRE_HEARTBEAT: return T(F_HEARTBEAT);
     case DS4_WIRE_ERROR: return T(F_ERROR);
     case DS4_WIRE_BYE: return T(F_BYE);
+    case DS4_WIRE_PARTIAL: return T(F_PARTIAL);
     default: *n = 0; return NULL;
     }
 #undef T
@@ -888,12 +899,13 @@ static ds4_wire_code check_samples(dx *d, const dargs *a, ds4_wire_samples *m) {
             sum_rows += v;
         }
     }
-    fspec sp[5] = {
+    fspec sp[6] = {
         {"tokens", sum_gen, "the sum of gen", 0},
         {"logprobs", sum_gen, "the sum of gen", 1},
         {"sample_logprobs", sum_gen, "the sum of gen", 1},
     };
     int nsp = 3;
+    if (m->token_versions) sp[nsp++] = (fspec){"policy_lag", sum_gen, "the sum of gen", 0};
     uint64_t c;
     if (m->experts_layers) {
         if (!mul_u64(sum_rows, (uint64_t)m->experts_layers * m->experts_k, &c))
@@ -912,8 +924,52 @@ static ds4_wire_code check_samples(dx *d, const dargs *a, ds4_wire_samples *m) {
     m->logprobs = view_of(2, a->frames, a->lens);
     m->sample_logprobs = view_of(3, a->frames, a->lens);
     int k = 4;
+    if (m->token_versions) {
+        m->policy_lag = view_of(k++, a->frames, a->lens);
+        for (uint64_t j = 0; j < sum_gen; j++) {
+            const int32_t lag = ds4_wire_i32(m->policy_lag, j);
+            if (lag < 0 || (uint64_t)lag >= m->policy)
+                return dfail(d, DS4_WIRE_ERANGE, "policy_lag[%llu] = %d: a token's version policy - lag must be in "
+                             "[1, policy = %llu]", (unsigned long long)j, lag, (unsigned long long)m->policy);
+        }
+    }
     if (m->experts_layers) m->experts = view_of(k++, a->frames, a->lens);
     if (m->index_layers) m->index = view_of(k++, a->frames, a->lens);
+    return DS4_WIRE_OK;
+}
+
+/* A running task's newest tokens (version 5): per sample, how many were sent before (offset) and how many follow. */
+static ds4_wire_code check_partial(dx *d, const dargs *a, ds4_wire_samples *m) {
+    const ds4_wire_limits *L = d->lim;
+    const msgpack_object *off, *gen;
+    char nm[48];
+    if (m->n > L->max_samples)
+        return dfail(d, DS4_WIRE_ELIMIT, "n = %u samples in one message, limit %u", m->n, L->max_samples);
+    TRY(g_per_sample(d, a->root, "offset", 1, m->n, &off));
+    TRY(g_per_sample(d, a->root, "gen", 1, m->n, &gen));
+    uint64_t sum_gen = 0;
+    for (uint32_t i = 0; i < m->n; i++) {
+        uint64_t v;
+        snprintf(nm, sizeof nm, "offset[%u]", i);
+        TRY(as_uint(d, &off[i], nm, 0, L->max_gen_tokens, &v));
+        m->seq[i].offset = (uint32_t)v;
+        snprintf(nm, sizeof nm, "gen[%u]", i);
+        TRY(as_uint(d, &gen[i], nm, 0, U32_MAX, &v));
+        sum_gen += v;
+        if (sum_gen > L->max_gen_tokens)
+            return dfail(d, DS4_WIRE_ELIMIT, "gen[0..%u] add up to %llu tokens, limit %llu per message", i,
+                         (unsigned long long)sum_gen, (unsigned long long)L->max_gen_tokens);
+        m->seq[i].n_gen = (uint32_t)v;
+    }
+    fspec sp[3] = {
+        {"tokens", sum_gen, "the sum of gen", 0},
+        {"logprobs", sum_gen, "the sum of gen", 1},
+        {"sample_logprobs", sum_gen, "the sum of gen", 1},
+    };
+    TRY(check_frames(d, a->root, a->nframes, a->lens, sp, 3));
+    m->tokens = view_of(1, a->frames, a->lens);
+    m->logprobs = view_of(2, a->frames, a->lens);
+    m->sample_logprobs = view_of(3, a->frames, a->lens);
     return DS4_WIRE_OK;
 }
 
@@ -1116,6 +1172,7 @@ static ds4_wire_code decode_impl(const ds4_wire_limits *lim, int nframes, const 
         case DS4_WIRE_HELLO: c = check_hello(&d, &a, &out->hello); break;
         case DS4_WIRE_TASK: c = check_task(&d, &a, &out->task); break;
         case DS4_WIRE_SAMPLES: c = check_samples(&d, &a, &out->samples); break;
+        case DS4_WIRE_PARTIAL: c = check_partial(&d, &a, &out->partial); break;
         case DS4_WIRE_WEIGHT_ANNOUNCE: c = check_announce(&d, &a, &out->announce); break;
         case DS4_WIRE_WEIGHT_CHUNK: c = check_chunk(&d, &a, &out->chunk); break;
         default: c = check_frames(&d, root, nframes, lens, NULL, 0); break; /* no frames, no rules of their own */
@@ -1186,8 +1243,20 @@ int ds4_wire_equal(const ds4_wire_msg *a, const ds4_wire_msg *b, const char **fi
             EQ(view_eq(x->tokens, y->tokens), "samples.tokens (frame)")
             EQ(view_eq(x->logprobs, y->logprobs), "samples.logprobs (frame)")
             EQ(view_eq(x->sample_logprobs, y->sample_logprobs), "samples.sample_logprobs (frame)")
+            EQ(view_eq(x->policy_lag, y->policy_lag), "samples.policy_lag (frame)")
             EQ(view_eq(x->experts, y->experts), "samples.experts (frame)")
             EQ(view_eq(x->index, y->index), "samples.index (frame)")
+            break;
+        }
+        case DS4_WIRE_PARTIAL: {
+            const ds4_wire_samples *x = &a->partial, *y = &b->partial;
+            for (uint32_t i = 0; !f && i < x->n && i < DS4_WIRE_SAMPLES_CAP; i++) {
+                EQ(x->seq[i].offset == y->seq[i].offset, "partial.offset[]")
+                EQ(x->seq[i].n_gen == y->seq[i].n_gen, "partial.gen[]")
+            }
+            EQ(view_eq(x->tokens, y->tokens), "partial.tokens (frame)")
+            EQ(view_eq(x->logprobs, y->logprobs), "partial.logprobs (frame)")
+            EQ(view_eq(x->sample_logprobs, y->sample_logprobs), "partial.sample_logprobs (frame)")
             break;
         }
         case DS4_WIRE_WEIGHT_ANNOUNCE:
@@ -1285,7 +1354,7 @@ static int enc_other(enc *e, const ds4_wire_msg *m, const ds4_wire_field *f) {
         }
         return 1;
     }
-    const ds4_wire_samples *s = &m->samples; /* the other type with OTHER fields */
+    const ds4_wire_samples *s = &m->samples; /* the other types with OTHER fields: samples, partial */
     const int ex = s->experts_layers || s->experts_k, ix = s->index_layers || s->index_topk;
     const int shape = f->key[strlen(f->key) - 1] == 'e'; /* experts_shape, index_shape */
     if (shape || strcmp(f->key, "rows") == 0) {
@@ -1307,6 +1376,7 @@ static int enc_other(enc *e, const ds4_wire_msg *m, const ds4_wire_field *f) {
         case 'p': e->rc |= msgpack_pack_uint64(&e->pk, q->prompt_len); break;
         case 'g': e->rc |= msgpack_pack_uint64(&e->pk, q->n_gen); break;
         case 'f': e->rc |= msgpack_pack_uint64(&e->pk, q->finish); break;
+        case 'o': e->rc |= msgpack_pack_uint64(&e->pk, q->offset); break;
         case 's': e->rc |= msgpack_pack_int64(&e->pk, q->stop_index); break;
         default: e->rc |= msgpack_pack_uint64(&e->pk, q->n_rows); break; /* rows */
         }
@@ -1331,10 +1401,16 @@ static int frames_of(const ds4_wire_msg *m, const char **names, int *dt, ds4_wir
         FR("tokens", FR_I32, s->tokens);
         FR("logprobs", FR_F32, s->logprobs);
         FR("sample_logprobs", FR_F32, s->sample_logprobs);
+        if (s->token_versions) FR("policy_lag", FR_I32, s->policy_lag);
         if (s->experts_layers || s->experts_k) FR("experts", FR_I32, s->experts);
         if (s->index_layers || s->index_topk) FR("index", FR_I32, s->index);
         break;
     }
+    case DS4_WIRE_PARTIAL:
+        FR("tokens", FR_I32, m->partial.tokens);
+        FR("logprobs", FR_F32, m->partial.logprobs);
+        FR("sample_logprobs", FR_F32, m->partial.sample_logprobs);
+        break;
     case DS4_WIRE_WEIGHT_ANNOUNCE:
         FR("config", FR_U8, m->announce.config);
         FR("tokenizer", FR_U8, m->announce.tokenizer);
@@ -1392,7 +1468,8 @@ ds4_status ds4_wire_encode(const ds4_wire_msg *m, ds4_wire_out *out, ds4_error *
         for (uint32_t i = 0; !bad && i < m->task.n_stop_str; i++)
             if (!str_fits(m->task.stop_str[i], sizeof m->task.stop_str[i])) bad = "a stop string is not NUL-terminated";
     }
-    if (m->type == DS4_WIRE_SAMPLES && m->samples.n > DS4_WIRE_SAMPLES_CAP) bad = "n is over DS4_WIRE_SAMPLES_CAP";
+    if ((m->type == DS4_WIRE_SAMPLES || m->type == DS4_WIRE_PARTIAL) && m->samples.n > DS4_WIRE_SAMPLES_CAP)
+        bad = "n is over DS4_WIRE_SAMPLES_CAP";
     if (bad) return ds4_fail(err, DS4_ERR_ARG, "wire encode: %s: %s", tn, bad);
 
     msgpack_sbuffer sb;

@@ -39,8 +39,12 @@ extern "C" {
  * 3: a task may carry stop strings (sampling.stop_strings), and samples may end with finish stop_string.
  * 4: weight_announce may describe a LoRA policy (its "adapter" map and "lora_masks" frame): the announced buffer is
  * then the adapters', over frozen base weights published once as a version of their own (protocol.md §7.6). A
- * version-3 peer would refuse that announce by its unknown key only after hello; a new version refuses it at once. */
-#define DS4_WIRE_VERSION 4
+ * version-3 peer would refuse that announce by its unknown key only after hello; a new version refuses it at once.
+ * 5: streaming and partial rollouts (issue 16). A task may ask for partial results (sampling.stream = every N tokens),
+ * which the worker sends as "partial" messages before the final samples; samples may carry the policy version of
+ * every token (token_versions and the "policy_lag" frame), for a sequence that went on under newer weights. A
+ * version-4 worker would refuse the task's unknown key; a new version refuses it at hello. */
+#define DS4_WIRE_VERSION 5
 
 /* Compile-time capacities of the structs below. The configurable limits (ds4_wire_limits) may be lowered
  * from these, never raised past them. */
@@ -116,7 +120,7 @@ typedef enum ds4_wire_type {
     DS4_WIRE_HELLO,          /* "hello"            worker -> trainer */
     DS4_WIRE_CREDIT,         /* "credit"           worker -> trainer */
     DS4_WIRE_TASK,           /* "task"             trainer -> worker, 1 frame (prompt) */
-    DS4_WIRE_SAMPLES,        /* "samples"          worker -> trainer, 3 to 5 frames */
+    DS4_WIRE_SAMPLES,        /* "samples"          worker -> trainer, 3 to 6 frames */
     DS4_WIRE_WEIGHT_ANNOUNCE,/* "weight_announce"  trainer -> worker, 3 frames (config, tokenizer, tables), a LoRA
                                 policy's 4 (lora_masks) */
     DS4_WIRE_WEIGHT_REQUEST, /* "weight_request"   worker -> trainer */
@@ -124,6 +128,7 @@ typedef enum ds4_wire_type {
     DS4_WIRE_HEARTBEAT,      /* "heartbeat"        both ways */
     DS4_WIRE_ERROR,          /* "error"            both ways */
     DS4_WIRE_BYE,            /* "bye"              both ways */
+    DS4_WIRE_PARTIAL,        /* "partial"          worker -> trainer, 3 frames: a running task's newest tokens (v5) */
     DS4_WIRE_TYPE_COUNT
 } ds4_wire_type;
 
@@ -170,6 +175,7 @@ typedef struct ds4_wire_task {
     uint32_t n_stop_str;               /* 0..DS4_WIRE_STOP_STR_CAP (version 3) */
     char stop_str[DS4_WIRE_STOP_STR_CAP][DS4_WIRE_STOP_STR_BYTES + 1]; /* stop strings, 1..64 bytes, no NUL */
     uint8_t ignore_eos, record_experts, record_index; /* 0 or 1 */
+    uint32_t stream;                   /* send a partial message every this many new tokens: 0 off, 1..2^20 (v5) */
     uint32_t prompt_len;               /* 1..max_prompt_tokens */
     ds4_wire_view prompt;              /* frame 1 "prompt": i32 LE [prompt_len] */
 } ds4_wire_task;
@@ -180,6 +186,7 @@ typedef struct ds4_wire_seq {
     uint32_t finish;      /* ds4_finish: 1 length, 2 eos, 3 stop_token, 4 stop_string, 5 cancelled */
     int32_t stop_index;   /* >= 0 exactly when finish is stop_token or stop_string, else -1 */
     uint32_t n_rows;      /* routing-replay rows, 0..prompt_len + n_gen; 0 without experts / index frames */
+    uint32_t offset;      /* partial only: the sample's tokens sent in earlier partial messages of this lease */
 } ds4_wire_seq;
 
 typedef struct ds4_wire_samples {
@@ -190,10 +197,14 @@ typedef struct ds4_wire_samples {
     ds4_wire_seq seq[DS4_WIRE_SAMPLES_CAP];
     uint32_t experts_layers, experts_k;   /* [L, K] of the experts frame; both 0: no experts frame */
     uint32_t index_layers, index_topk;    /* [n_csa, topk] of the index frame; both 0: no index frame */
+    uint8_t token_versions;               /* v5: the policy_lag frame gives each token's version (a sequence went on
+                                             under newer weights); policy is then the newest of them */
     /* frames, samples concatenated in order (sample i's tokens start at the sum of n_gen before it) */
     ds4_wire_view tokens;                 /* i32 [sum n_gen] generated ids */
     ds4_wire_view logprobs;               /* f32 [sum n_gen] log p_model at temperature 1, unfiltered */
     ds4_wire_view sample_logprobs;        /* f32 [sum n_gen] log-prob under the distribution sampled from */
+    ds4_wire_view policy_lag;             /* i32 [sum n_gen] when token_versions: policy - the token's version, in
+                                             [0, policy - 1] */
     ds4_wire_view experts;                /* i32 [sum n_rows, L, K] routed experts, when experts_layers > 0 */
     ds4_wire_view index;                  /* i32 [sum n_rows, n_csa, topk] indexer picks, when index_layers > 0 */
 } ds4_wire_samples;
@@ -264,6 +275,8 @@ typedef struct ds4_wire_msg {
         ds4_wire_credit credit;
         ds4_wire_task task;
         ds4_wire_samples samples;
+        ds4_wire_samples partial; /* a partial message: task_id, attempt, policy, n, seq[].offset and n_gen, and the
+                                     three token frames; nothing else */
         ds4_wire_weight_announce announce;
         ds4_wire_weight_request request;
         ds4_wire_weight_chunk chunk;

@@ -55,22 +55,6 @@ static double rel_frob(const float *a, const float *b, int64_t n) {
     return sqrt(num / (den > 0 ? den : 1));
 }
 
-/* Logits of every position of sequence ids[0..S) through the step API, in chunks of the given sizes (cycled). */
-static void step_logits(ds4_model *m, const int64_t *ids, int64_t S, const int64_t *chunks, int nchunks, float *out) {
-    const int64_t V = ds4_model_config(m)->vocab_size;
-    ds4_error err = {0};
-    ds4_cache *c = NULL;
-    CHECK_OK(ds4_cache_create(m, S, &c, &err), &err);
-    if (!c) return;
-    for (int64_t p = 0, k = 0; p < S; k++) {
-        int64_t n = chunks[k % nchunks] < S - p ? chunks[k % nchunks] : S - p;
-        ds4_step_args sa = {.nseq = 1, .caches = &c, .counts = &n, .ids = ids + p, .logits = out + p * V};
-        CHECK_OK(ds4_model_step(m, &sa, &err), &err);
-        p += n;
-    }
-    ds4_cache_free(c);
-}
-
 /* ------------------------------------------------------------------------------------------------ fixtures */
 
 static void fixture_on(ds4_model *m, const char *name, const ds4_device_options *dev, const ds4_st_file *io,
@@ -116,10 +100,10 @@ static void fixture_on(ds4_model *m, const char *name, const ds4_device_options 
     /* decoding == full forward, bit for bit: 1 by 1, and irregular chunks */
     const int64_t ones[1] = {1}, odd[4] = {3, 2, 5, 1};
     for (int64_t b = 0; b < B; b++) {
-        step_logits(m, a.ids + b * S, S, ones, 1, st);
+        ds4t_step_logits(m, a.ids + b * S, S, ones, 1, st);
         CHECK(memcmp(st, lg + b * S * V, (size_t)(S * V) * 4) == 0, "%s %s row %lld: 1-by-1 decoding differs from the "
               "full forward (max |d| %g)", name, dname(dev), (long long)b, ds4t_max_abs_diff(st, lg + b * S * V, S * V));
-        step_logits(m, a.ids + b * S, S, odd, 4, st);
+        ds4t_step_logits(m, a.ids + b * S, S, odd, 4, st);
         CHECK(memcmp(st, lg + b * S * V, (size_t)(S * V) * 4) == 0, "%s %s row %lld: chunked decoding differs", name,
               dname(dev), (long long)b);
     }
@@ -281,21 +265,8 @@ static void invariance(ds4_engine *eng, const ds4_device_options *dev) {
                        .sampling = {.temperature = 1.0}, .seed = 11, .ignore_eos = 1};
     ds4_gen_result *r = NULL;
     CHECK_OK(ds4_generate(m, &ga, &r, &err), &err);
-    CHECK_OK(ds4_model_enable_grad(m, &err), &err);
-    int64_t mism = 0, scored = 0;
-    for (int64_t i = 0; r && i < r->nseq; i++) {
-        const ds4_gen_seq *q = &r->seqs[i];
-        const int64_t L = q->prompt_len + q->n_ids;
-        int64_t seq[128], lab[128];
-        memcpy(seq, prompts[q->prompt_index], (size_t)q->prompt_len * 8);
-        memcpy(seq + q->prompt_len, q->ids, (size_t)q->n_ids * 8);
-        for (int64_t t = 0; t < L; t++) lab[t] = t < q->prompt_len ? -100 : seq[t];
-        ds4_forward_args at = {.ids = seq, .batch = 1, .seq = L, .labels = lab};
-        CHECK_OK(ds4_model_forward_train(m, &at, NULL, &err), &err);
-        float lp[128];
-        CHECK_OK(ds4_model_logprobs(m, lp, NULL, &err), &err);
-        for (int64_t j = 0; j < q->n_ids; j++, scored++) mism += lp[q->prompt_len - 1 + j] != q->logprobs[j];
-    }
+    int64_t scored = 0;
+    const int64_t mism = ds4t_rollout_mismatch(m, r, prompts, &scored);
     printf("  rollout vs training log-probs %s: %lld of %lld tokens differ\n", dname(dev), (long long)mism,
            (long long)scored);
     CHECK(scored > 0 && mism == 0, "%s: %lld of %lld rollout log-probs differ from the training forward's", dname(dev),

@@ -2,7 +2,7 @@
 # test_dist_tcp.sh DS4 FIXTURES SOURCE — ds4.dist on CPU ranks launched torchrun-style (RANK, WORLD_SIZE,
 # MASTER_ADDR, MASTER_PORT; plain processes, no MPI): the TCP rendezvous and the collectives over the star around
 # rank 0 (dist/tcp_backend.c). The same Lua tests as under mpirun (tests/test_dist_mpi.sh): the collectives against
-# closed forms, data and expert parallelism against one process on the whole batch, and a rank that dies (kill, error) or hangs
+# closed forms, data, expert and context parallelism against one process on the whole batch, and a rank that dies (kill, error) or hangs
 # — the others must fail naming it within a bound. Then the rendezvous' own failures: a rank that never comes, no
 # rank 0, disagreeing WORLD_SIZE, a duplicate RANK, a stray connection that is not a ds4 rank (ignored), ranks that
 # call different collectives, malformed settings. Needs nothing but the ds4 binary and loopback TCP.
@@ -34,6 +34,9 @@ for np in 2 4; do
     launch "$np" "$LOG/run" 120 "$DS4" run "$T/dist_expert_parallel.lua" "$FIX"
     grep 'dist_expert_parallel:' "$LOG/run.0"
     all_passed "$np" dist_expert_parallel || { show; bad "expert parallel, $np ranks (exit codes ${RCS[*]})"; }
+    launch "$np" "$LOG/run" 120 "$DS4" run "$T/dist_context_parallel.lua" "$FIX"
+    grep 'dist_context_parallel:' "$LOG/run.0"
+    all_passed "$np" dist_context_parallel || { show; bad "context parallel, $np ranks (exit codes ${RCS[*]})"; }
 done
 rm -f "$LOG"/run.*
 
@@ -159,6 +162,23 @@ p="$(free_port)"
 for r in 0 1; do CODE="$EPCODE" rank "$r" 2 "$p" DS4_DIST_TIMEOUT=$TO; done
 wait
 expect "$LOG/rank.0" "rank 1 is in barrier #1 while rank 0 is in all_to_all_v #1" "expert parallelism on one rank only"
+
+# context parallelism: the ranks compare their inputs before the first gather. A rank given other ids, or one that
+# refuses its forward (it asks for logits), fails every rank at once naming it, instead of leaving the others waiting
+CPCODE='local ds4 = require("ds4"); local r = ds4.dist.init(); local m = ds4.load("'"$FIX"'/tiny_a")
+ds4.dist.context_parallel(m)
+local ids = ds4.tensor({ { 5, 6, 7, r == 1 and 9 or 8 } }, "I64")
+local ok, e = pcall(m.forward, m, ids, { labels = ids, logits = false }); print(ok and "ran" or e)
+ok, e = pcall(m.forward, m, ids, { labels = ids, logits = r == 1 }); print(ok and "ran" or e)
+ds4.dist.finalize()'
+p="$(free_port)"
+for r in 0 1; do CODE="$CPCODE" rank "$r" 2 "$p" DS4_DIST_TIMEOUT=$TO; done
+wait
+for r in 0 1; do
+    expect "$LOG/rank.$r" "rank 1 passed ids \[1, 4\] and labels that differ from rank 0's" "context parallel, other ids ($r)"
+done
+expect "$LOG/rank.0" "context parallel: rank 1 refused its forward" "context parallel, a rank refuses"
+expect "$LOG/rank.1" "context parallel: logits, MTP logits or hidden streams" "context parallel, the refusing rank"
 
 # settings that cannot work are refused before anything is opened
 out="$(RANK=0 WORLD_SIZE=2 "$DS4" run - <<<"$INIT" 2>&1)" && bad "no MASTER_ADDR: init succeeded"

@@ -8,8 +8,8 @@
  *   - scales: 2^ceil(log2(max(amax, floor) / top)) for hand-computed amax;
  *   - the Hadamard rotation: against the matrix H[i][j] = (-1)^popcount(i & j) / sqrt(n) written out, and applied
  *     twice it is the identity;
- *   - a vector: blocks of 64 (e4m3) with a shorter last one, RoPE channels untouched, a NaN spreading over its own
- *     block only.
+ *   - a vector: blocks of 64 (e4m3) with a shorter last one, RoPE channels untouched, a NaN or an infinity turning
+ *     its own block (only) into NaN.
  * Exact equality everywhere except the rotation, whose fp32 butterflies differ from the matrix product's order by
  * rounding (bound 4 ulps of the vector's norm: log2(32) = 5 levels of one rounding each, over an orthonormal map). */
 #include <math.h>
@@ -118,6 +118,8 @@ static void check_cases(void) {
         CHECK(ds4_fq_scale(sc[i][0], (int32_t)sc[i][1]) == sc[i][2], "scale(%g, fmt %d) = %g, want %g",
               (double)sc[i][0], (int)sc[i][1], (double)ds4_fq_scale(sc[i][0], (int32_t)sc[i][1]), (double)sc[i][2]);
     CHECK(isnan(ds4_fq_scale(NAN, DS4_FQ_E4M3)), "a NaN amax gives a NaN scale");
+    CHECK(isnan(ds4_fq_scale(INFINITY, DS4_FQ_E4M3)) && isnan(ds4_fq_scale(INFINITY, DS4_FQ_E2M1)),
+          "an infinite amax gives a NaN scale (an overflow does not hide as the largest value)");
 }
 
 static void check_hadamard(void) {
@@ -176,6 +178,13 @@ static void check_vector(void) {
     for (int i = 0; i < 64; i++) nan0 += isnan(x[i]);
     for (int i = 64; i < NQ; i++) nan1 += isnan(x[i]);
     CHECK(nan0 == 0 && nan1 == NQ - 64, "a NaN spreads over its own block only (%d, %d)", nan0, nan1);
+    for (int i = 0; i < W; i++) x[i] = orig[i];
+    x[3] = -INFINITY;
+    ds4_fake_quant_row(x, W, &q);
+    nan0 = nan1 = 0;
+    for (int i = 0; i < 64; i++) nan0 += isnan(x[i]);
+    for (int i = 64; i < W; i++) nan1 += isnan(x[i]);
+    CHECK(nan0 == 64 && nan1 == 0, "an infinity makes its own block NaN, and only it (%d, %d)", nan0, nan1);
 }
 
 int main(void) {

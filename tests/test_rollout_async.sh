@@ -16,15 +16,18 @@
 set -euo pipefail
 DS4="$1"
 FIX="$2"
+SRC="$3"
 . "$(dirname "${BASH_SOURCE[0]}")/proc_lib.sh" async # $out, pids, fail
 EP="ipc://$out/pool.sock"
 
 cat >"$out/trainer.lua" <<'LUA'
--- arg: fixtures endpoint dir
+-- arg: fixtures endpoint dir source
 local ds4 = require("ds4")
 local rl = require("ds4.rl")
 local trainer = require("ds4.rl.trainer")
 local fix, ep, dir = arg[1], arg[2], arg[3]
+package.path = arg[4] .. "/tests/lua/?.lua;" .. package.path
+local toy = require("toy_rl")
 ds4.set_threads(1)
 local training, arrived_in_training = false, 0
 local pool = ds4.rollout.pool{ bind = ep, model = ds4.load(fix .. "/tiny_a"), workers = 2, wait_s = 120,
@@ -42,11 +45,6 @@ function pool.publish(self, m)
     training = false
     return publish(self, m)
 end
-local function decode(ids)
-    local t = {}
-    for i, v in ipairs(ids) do t[i] = string.char(v % 256) end
-    return table.concat(t)
-end
 local TIMING = { seconds = true, tokens_per_s = true, ["time/generate"] = true, ["time/reward"] = true,
     ["time/train"] = true, ["time/eval"] = true, policy_version = true }
 local function run(name, o)
@@ -57,21 +55,11 @@ local function run(name, o)
     local st0 = pool:stats()
     local worst, lagged, n = 0, 0, 0
     arrived_in_training = 0
-    trainer.run{
+    trainer.run(toy.config(pool, {
         model = policy,
-        algorithm = rl.preset("grpo", { kl = rl.NIL, tis = rl.tis_default }),
-        prompts = function(k, count)
-            local p = {}
-            for i = 1, count do p[i] = { prompt = { 5 + (k * 3 + i) % 40, 9, 7 } } end
-            return p
-        end,
-        reward = function(text) return (#text > 0 and text:byte(1) % 2 == 0) and 1 or 0 end,
-        decode = decode,
-        rollout = { n = 4, prompts_per_step = 3, max_new_tokens = 8, temperature = 1.0, source = pool },
-        optim = { lr = 1e-2 },
         steps = o.steps, micro_batches = o.micro_batches, train_delay_s = o.delay,
         async = o.K and { max_staleness = o.K } or nil,
-        out = dir .. "/" .. name, seed = 5, progress = false,
+        out = dir .. "/" .. name,
         loss = function(mb, spec, opts)
             for _, s in ipairs(mb) do
                 local lag = pool.version - s.policy_version
@@ -81,7 +69,7 @@ local function run(name, o)
             end
             return rl.loss.compute(mb, spec, opts)
         end,
-    }
+    }))
     training = false
     local st = pool:stats()
     local rows = require("ds4.plot").read_jsonl(dir .. "/" .. name .. "/metrics.jsonl")
@@ -122,7 +110,7 @@ print(("pool: hellos %d dead %d duplicates %d"):format(st.hellos, st.dead, st.du
 pool:close()
 LUA
 
-"$DS4" run "$out/trainer.lua" "$FIX" "$EP" "$out" >"$out/trainer.log" 2>"$out/trainer.err" &
+"$DS4" run "$out/trainer.lua" "$FIX" "$EP" "$out" "$SRC" >"$out/trainer.log" 2>"$out/trainer.err" &
 T=$!
 pids+=("$T")
 for id in a1 a2; do

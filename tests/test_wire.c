@@ -118,6 +118,30 @@ static void mk_samples(ds4_wire_msg *m, int routed) {
     }
 }
 
+/* Version 5: samples whose sequences went on under newer weights (per-token versions: policy 41, tokens of 39..41),
+ * and a partial message (a running task's newest tokens: 2 of sample 0 after 2 sent, 3 of sample 2, none of 1). */
+static int32_t g_lag[9] = {2, 2, 1, 0, 0, 0, 0, 0, 0};
+static void mk_samples_versions(ds4_wire_msg *m) {
+    mk_samples(m, 1);
+    m->samples.token_versions = 1;
+    m->samples.policy_lag = V(g_lag, sizeof g_lag);
+}
+
+static void mk_partial(ds4_wire_msg *m) {
+    memset(m, 0, sizeof *m);
+    m->type = DS4_WIRE_PARTIAL;
+    ds4_wire_samples *s = &m->partial;
+    s->task_id = 77;
+    s->attempt = 1;
+    s->policy = 41;
+    s->n = 3;
+    static const uint32_t off[3] = {2, 0, 0}, gen[3] = {2, 0, 3};
+    for (int i = 0; i < 3; i++) s->seq[i].offset = off[i], s->seq[i].n_gen = gen[i];
+    s->tokens = V(g_tokens, 5 * 4);
+    s->logprobs = V(g_lp, 5 * 4);
+    s->sample_logprobs = V(g_slp, 5 * 4);
+}
+
 static void mk_announce(ds4_wire_msg *m) {
     memset(m, 0, sizeof *m);
     m->type = DS4_WIRE_WEIGHT_ANNOUNCE;
@@ -192,7 +216,7 @@ static void mk_bye(ds4_wire_msg *m) {
     strcpy(m->bye.reason, "SIGTERM");
 }
 
-#define NSEED 13
+#define NSEED 16
 static void mk_seed(int i, ds4_wire_msg *m) {
     switch (i) {
     case 0: mk_hello(m); break;
@@ -207,7 +231,13 @@ static void mk_seed(int i, ds4_wire_msg *m) {
     case 9: mk_heartbeat(m); break;
     case 10: mk_error(m); break;
     case 11: mk_bye(m); break;
-    default: mk_lora_announce(m); break;
+    case 12: mk_lora_announce(m); break;
+    case 13: mk_samples_versions(m); break;
+    case 14: mk_partial(m); break;
+    default:
+        mk_task(m);
+        m->task.stream = 16; /* version 5: a partial message every 16 tokens */
+        break;
     }
 }
 
@@ -238,7 +268,11 @@ static void test_round_trip(void) {
         }
         if (m.type == DS4_WIRE_SAMPLES) {
             int routed = m.samples.experts_layers != 0;
-            CHECK(out.nframes == (routed ? 6 : 4), "samples: %d frames", out.nframes);
+            CHECK(out.nframes == (routed ? 6 : 4) + m.samples.token_versions, "samples: %d frames", out.nframes);
+            if (m.samples.token_versions)
+                CHECK(back.samples.policy_lag.data == g_lag && ds4_wire_i32(back.samples.policy_lag, 2) == 1 &&
+                          back.samples.experts.data == g_experts,
+                      "samples: the policy_lag frame, before the routing frames");
             CHECK(back.samples.tokens.data == g_tokens && back.samples.logprobs.data == g_lp &&
                       back.samples.sample_logprobs.data == g_slp,
                   "samples: frames are not the caller's buffers");
@@ -248,6 +282,10 @@ static void test_round_trip(void) {
                           back.samples.experts.len == sizeof g_experts,
                       "samples: routing frames");
         }
+        if (m.type == DS4_WIRE_PARTIAL)
+            CHECK(out.nframes == 4 && back.partial.tokens.len == 20 && back.partial.seq[0].offset == 2 &&
+                      back.partial.seq[2].n_gen == 3 && ds4_wire_i32(back.partial.tokens, 4) == 105,
+                  "partial: offsets, counts and frames");
         if (m.type == DS4_WIRE_WEIGHT_CHUNK)
             CHECK(back.chunk.data.data == m.chunk.data.data && back.chunk.data.len == (m.chunk.index == 2 ? 8u : 16u),
                   "chunk: data view");
@@ -537,16 +575,20 @@ static void test_rejects(void) {
     /* --- version and type */
     load(&w, &m);
     patch(&w, P_SET, "v", mo_u(1));
-    EXPECT("a version 1 peer", &w, DS4_WIRE_EVERSION, "protocol version 1, this build speaks version 4");
+    EXPECT("a version 1 peer", &w, DS4_WIRE_EVERSION, "protocol version 1, this build speaks version 5");
     load(&w, &m);
     patch(&w, P_SET, "v", mo_u(2));
-    EXPECT("a version 2 peer", &w, DS4_WIRE_EVERSION, "protocol version 2, this build speaks version 4");
+    EXPECT("a version 2 peer", &w, DS4_WIRE_EVERSION, "protocol version 2, this build speaks version 5");
     load(&w, &m);
     patch(&w, P_SET, "v", mo_u(3));
-    EXPECT("a version 3 peer (no LoRA policies)", &w, DS4_WIRE_EVERSION, "protocol version 3, this build speaks version 4");
+    EXPECT("a version 3 peer (no LoRA policies)", &w, DS4_WIRE_EVERSION, "protocol version 3, this build speaks version 5");
     load(&w, &m);
-    patch(&w, P_SET, "v", mo_u(5));
-    EXPECT("wrong version", &w, DS4_WIRE_EVERSION, "protocol version 5, this build speaks version 4");
+    patch(&w, P_SET, "v", mo_u(4));
+    EXPECT("a version 4 peer (no streaming, no per-token versions)", &w, DS4_WIRE_EVERSION,
+           "protocol version 4, this build speaks version 5");
+    load(&w, &m);
+    patch(&w, P_SET, "v", mo_u(6));
+    EXPECT("wrong version", &w, DS4_WIRE_EVERSION, "protocol version 6, this build speaks version 5");
     load(&w, &m);
     patch(&w, P_SET, "v", mo_i(-1));
     EXPECT("negative version", &w, DS4_WIRE_EVERSION, "protocol version -1");
@@ -673,8 +715,8 @@ static void test_rejects(void) {
     patch(&w, P_DUP, "v", mo_u(1));
     EXPECT("duplicate version key", &w, DS4_WIRE_EDUP, "duplicate key 'v'");
     {
-        /* {"v": 4, "t": "credit", "n": 1, 7: 1}: a key that is not a string */
-        memcpy(w.hdr, "\x84\xa1v\x04\xa1t\xa6" "credit\xa1n\x01\x07\x01", 18);
+        /* {"v": 5, "t": "credit", "n": 1, 7: 1}: a key that is not a string */
+        memcpy(w.hdr, "\x84\xa1v\x05\xa1t\xa6" "credit\xa1n\x01\x07\x01", 18);
         w.l[0] = 18;
         w.n = 1;
         EXPECT("integer key", &w, DS4_WIRE_EKEY, "key 3 is not a string (unsigned integer)");
@@ -828,6 +870,47 @@ static void test_rejects(void) {
     load(&w, &m);
     w.n = 5;
     EXPECT("routing frame missing", &w, DS4_WIRE_EFRAME, "the header declares 5 raw frames, the message has 4");
+    /* version 5: per-token versions and partial messages */
+    mk_samples_versions(&m);
+    load(&w, &m);
+    EXPECT("samples with per-token versions", &w, DS4_WIRE_OK, NULL);
+    {
+        static int32_t lag[9] = {2, 2, 1, 0, 0, 0, 41, 0, 0}; /* version 41 - 41 = 0: none */
+        load(&w, &m);
+        w.f[4] = lag;
+        EXPECT("a token of version 0", &w, DS4_WIRE_ERANGE, "policy_lag[6] = 41: a token's version");
+        static int32_t neg[9] = {2, 2, 1, 0, -1, 0, 0, 0, 0};
+        load(&w, &m);
+        w.f[4] = neg;
+        EXPECT("a token newer than the answer's policy", &w, DS4_WIRE_ERANGE, "policy_lag[4] = -1");
+        load(&w, &m);
+        patch(&w, P_SET, "token_versions", mo_b(0));
+        EXPECT("a policy_lag frame without token_versions", &w, DS4_WIRE_EFRAME, "has 5");
+    }
+    mk_partial(&m);
+    load(&w, &m);
+    EXPECT("valid partial", &w, DS4_WIRE_OK, NULL);
+    {
+        msgpack_object g[3] = {mo_u(2), mo_u(0), mo_u(2)};
+        load(&w, &m);
+        patch(&w, P_SET, "gen", mo_arr(g, 3));
+        EXPECT("partial: sum of gen != frame elements", &w, DS4_WIRE_ECOUNT,
+               "raw frame 1 'tokens' holds 5 elements, the sum of gen gives 4");
+        msgpack_object o[2] = {mo_u(2), mo_u(0)};
+        load(&w, &m);
+        patch(&w, P_SET, "offset", mo_arr(o, 2));
+        EXPECT("partial: offset of 2 samples, n = 3", &w, DS4_WIRE_ECOUNT, "'offset' has 2 elements, n = 3 samples");
+        load(&w, &m);
+        patch(&w, P_DEL, "offset", mo_u(0));
+        EXPECT("partial without offsets", &w, DS4_WIRE_EMISSING, "offset");
+        load(&w, &m);
+        patch(&w, P_ADD, "finish", mo_u(1));
+        EXPECT("partial with a finish", &w, DS4_WIRE_EKEY, "finish");
+    }
+    mk_task(&m);
+    m.task.stream = 16;
+    load(&w, &m);
+    EXPECT("task with streaming", &w, DS4_WIRE_OK, NULL);
     mk_samples(&m, 0);
     load(&w, &m);
     {

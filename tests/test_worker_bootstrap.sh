@@ -6,7 +6,7 @@
 #      result reports (bitwise);
 #   2. a worker whose --model has all-zero tid2eid tables (HF's placeholder) is refused with a message naming the
 #      tables, by the trainer and by the worker itself, and exits 1: it never generates for that trainer;
-#   3. a trainer of protocol version 3 (a raw ROUTER answering hello with a version-3 announce): the worker stops
+#   3. a trainer of protocol version 4 (a raw ROUTER answering hello with a version-4 announce): the worker stops
 #      with status 1 and a message naming the versions.
 #   bash tests/test_worker_bootstrap.sh <path-to-ds4> <fixtures_dir>
 set -euo pipefail
@@ -127,7 +127,7 @@ wait "$T" || fail "the trainer failed"
 echo "all-zero tid2eid worker refused: ok"
 kill "$W1" 2>/dev/null || true
 
-# ------------------------------------------------------------------------------------------------ 3. a v3 trainer
+# ------------------------------------------------------------------------------------------------ 3. a v4 trainer
 sock="ipc://$out/v1.sock"
 "$DS4" run - "$sock" "$out" >"$out/v1.log" 2>&1 <<'LUA' &
 local ds4 = require("ds4")
@@ -140,11 +140,11 @@ while os.time() - t0 < 30 do
     local fr = s:recv(200)
     if fr then
         local peer = fr[1]
-        -- what a version-3 trainer sends (as far as this worker reads it): this build's announce with "v" = 3 (the
+        -- what a version-4 trainer sends (as far as this worker reads it): this build's announce with "v" = 4 (the
         -- first key, so byte 4)
         local msg = ds4.wire.encode({ t = "weight_announce", version = 1, n_params = 1, chunk = 4, crc = 0,
             config = "{}" })
-        msg[1] = msg[1]:sub(1, 3) .. "\3" .. msg[1]:sub(5)
+        msg[1] = msg[1]:sub(1, 3) .. "\4" .. msg[1]:sub(5)
         assert(msg[1]:byte(2) == 0xa1 and msg[1]:sub(3, 3) == "v", "the header does not start with v")
         table.insert(msg, 1, peer)
         s:send(msg)
@@ -158,6 +158,6 @@ wait_for "$out/v1_bound" 30 || fail "the fake v1 trainer did not bind"
 rc=0
 timeout 60 "$DS4" worker --connect "$sock" --id wv --threads 1 --give-up 30 >"$out/wv.log" 2>&1 || rc=$?
 touch "$out/v1_done"
-[ "$rc" = 1 ] || fail "a worker facing a version-3 trainer must exit 1, got $rc"
-grep -q "protocol version 3, this build speaks version 4" "$out/wv.log" || fail "no version message from the worker"
-echo "version-3 trainer refused: ok"
+[ "$rc" = 1 ] || fail "a worker facing a version-4 trainer must exit 1, got $rc"
+grep -q "protocol version 4, this build speaks version 5" "$out/wv.log" || fail "no version message from the worker"
+echo "version-4 trainer refused: ok"

@@ -4,6 +4,7 @@
 #include <ftw.h>
 #include <math.h>
 #include <stdio.h>
+#include <string.h>
 #include <sys/stat.h>
 
 int ds4t_failures = 0;
@@ -55,6 +56,44 @@ double ds4t_max_abs_diff(const float *a, const float *b, int64_t n) {
         if (!(x <= d)) d = x; /* NaN sticks */
     }
     return d;
+}
+
+void ds4t_step_logits(ds4_model *m, const int64_t *ids, int64_t S, const int64_t *chunks, int nchunks, float *out) {
+    const int64_t V = ds4_model_config(m)->vocab_size;
+    ds4_error err = {0};
+    ds4_cache *c = NULL;
+    CHECK_OK(ds4_cache_create(m, S, &c, &err), &err);
+    if (!c) return;
+    for (int64_t p = 0, k = 0; p < S; k++) {
+        int64_t n = chunks[k % nchunks] < S - p ? chunks[k % nchunks] : S - p;
+        ds4_step_args sa = {.nseq = 1, .caches = &c, .counts = &n, .ids = ids + p, .logits = out + p * V};
+        CHECK_OK(ds4_model_step(m, &sa, &err), &err);
+        p += n;
+    }
+    ds4_cache_free(c);
+}
+
+int64_t ds4t_rollout_mismatch(ds4_model *m, const ds4_gen_result *r, const int64_t *const *prompts, int64_t *scored) {
+    ds4_error err = {0};
+    int64_t mism = 0;
+    *scored = 0;
+    CHECK_OK(ds4_model_enable_grad(m, &err), &err);
+    for (int64_t i = 0; r && i < r->nseq; i++) {
+        const ds4_gen_seq *q = &r->seqs[i];
+        const int64_t L = q->prompt_len + q->n_ids;
+        int64_t seq[128], lab[128];
+        float lp[128];
+        CHECK(L <= 128, "rollout_mismatch: sequence %lld has %lld tokens, more than 128", (long long)i, (long long)L);
+        if (L > 128) continue;
+        memcpy(seq, prompts[q->prompt_index], (size_t)q->prompt_len * 8);
+        memcpy(seq + q->prompt_len, q->ids, (size_t)q->n_ids * 8);
+        for (int64_t t = 0; t < L; t++) lab[t] = t < q->prompt_len ? -100 : seq[t];
+        ds4_forward_args at = {.ids = seq, .batch = 1, .seq = L, .labels = lab};
+        CHECK_OK(ds4_model_forward_train(m, &at, NULL, &err), &err);
+        CHECK_OK(ds4_model_logprobs(m, lp, NULL, &err), &err);
+        for (int64_t j = 0; j < q->n_ids; j++, (*scored)++) mism += lp[q->prompt_len - 1 + j] != q->logprobs[j];
+    }
+    return mism;
 }
 
 int ds4t_main_fixtures(int argc, char **argv, const char *name,

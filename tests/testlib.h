@@ -43,6 +43,15 @@ int ds4t_main_fixtures(int argc, char **argv, const char *name,
 /* max |a[i] - b[i]| over n floats (in double); NaN anywhere gives NaN, so `<= tol` checks fail on it. */
 double ds4t_max_abs_diff(const float *a, const float *b, int64_t n);
 
+/* Logits of every position of sequence ids[0..S) through the step API (one cache of capacity S), in chunks of the
+ * given sizes (cycled): out [S, vocab]. Failures are counted as checks. */
+void ds4t_step_logits(ds4_model *m, const int64_t *ids, int64_t S, const int64_t *chunks, int nchunks, float *out);
+
+/* Each generated sequence of r (prompts as given to ds4_generate, at most 128 tokens with its prompt) scored by one
+ * training forward of prompt + completion: how many of its tokens' rollout log-probabilities differ from the
+ * forward's (bitwise); *scored counts the tokens compared. Turns gradients on. Failures are counted as checks. */
+int64_t ds4t_rollout_mismatch(ds4_model *m, const ds4_gen_result *r, const int64_t *const *prompts, int64_t *scored);
+
 /* rm -rf path (no error if absent), and whether a path exists (lstat). */
 void ds4t_rm_rf(const char *path);
 int ds4t_exists(const char *path);

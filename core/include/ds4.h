@@ -356,8 +356,8 @@ ds4_device_options ds4_model_device(const ds4_model *m);
  * entries are Hadamard-rotated and rounded to FP4 e2m1 in blocks of 32. Every forward, step and generation of the
  * model applies it the same way (so rollout and training log-probabilities still agree exactly); gradients pass
  * straight through the rounding. Set it before making caches: a cache holds what was computed when it was filled.
- * CPU backend only so far (DS4_ERR_UNSUPPORTED on a model on CUDA); the indexer needs a power-of-two
- * index_head_dim. */
+ * Both backends: the CUDA backend rounds a vector to the CPU's bits given the same input. The indexer needs a
+ * power-of-two index_head_dim. */
 ds4_status ds4_model_set_kv_qat(ds4_model *m, int on, ds4_error *err);
 int ds4_model_kv_qat(const ds4_model *m);
 /* A short description: "cpu", "cuda:0 bf16". */

@@ -197,6 +197,12 @@ int ds4_batcher_take(ds4_batcher *b, uint64_t *tag, ds4_gen_result **res, ds4_st
  * what they generated). Returns 1 when the tag named an unfinished task. */
 int ds4_batcher_cancel(ds4_batcher *b, uint64_t tag);
 void ds4_batcher_get_stats(const ds4_batcher *b, ds4_batcher_stats *s);
+/* What a queued or running task has generated so far: its result as it grows (each sequence's ids, logprobs and
+ * sample_logprobs up to n_ids; finish DS4_FINISH_NONE while the sequence runs; routing records incomplete). Read-only
+ * and the batcher's: valid until the next ds4_batcher_step, _cancel, _take or _free. NULL when tag names no
+ * unfinished task (never submitted, finished, or taken). For streaming partial results (a rollout worker sends them
+ * every few tokens) and for counting the tokens a sequence had when the model's weights changed. */
+const ds4_gen_result *ds4_batcher_peek(const ds4_batcher *b, uint64_t tag);
 
 #ifdef __cplusplus
 }

@@ -144,7 +144,36 @@ ds4_status ds4_model_set_expert_parallel(ds4_model *m, const ds4_expert_parallel
 /* The installed hooks, or NULL when expert parallelism is off. */
 const ds4_expert_parallel *ds4_model_expert_parallel(const ds4_model *m);
 
-/* Batch shape [B, S] of the last training forward (its tape). */
+/* ------------------------------------------------------------------------------------------------ context parallelism */
+
+/* Context parallelism (docs/distributed.md, "Context parallelism"): one long sequence split over the ranks. Every
+ * rank passes the same whole ids and labels [B, S]; rank r computes positions [o_r, o_r + n_r) of every row (the
+ * contiguous shard of S: S / world each, the first S % world one more) through every per-token layer, and at each
+ * attention sub-layer the ranks all-gather its input (after attn_norm), so that each computes the attention of the
+ * whole sequence (window ring, compressed entries, indexer) and keeps its own rows of the output; the backward
+ * gathers the output gradient the same way. The MTP block's next-token roll reads the whole ids, so it is global.
+ * The losses and token counts a forward returns are the whole sequence's (the per-row losses gathered and summed in
+ * row order), on every rank. The attention weights' gradients are computed on rank 0 only (the other ranks' stay
+ * zero), every other gradient on each rank from its own rows: summed over the ranks by the usual all-reduce.
+ * While it is on, every forward and backward is collective; each starts with the ranks comparing their checks and
+ * hashes of their ids and labels (a rank that refused, or was given other sequences, fails every rank). Refused: a
+ * model on a device, LoRA adapters, expert parallelism, routing replay, logits / MTP logits / hidden outputs, the
+ * indexer KL loss, per-block recomputation, decoding (ds4_model_step), and S < 2·world (every rank needs two
+ * positions). */
+typedef struct ds4_context_parallel {
+    int32_t rank, world;
+    void *ctx;                /* passed to all_gather */
+    /* Host memory: every rank's `bytes` of send, in rank order, into recv (world · bytes). */
+    ds4_status (*all_gather)(void *ctx, const void *send, void *recv, size_t bytes, ds4_error *err);
+} ds4_context_parallel;
+
+/* Turn context parallelism on (cp copied; its ctx must outlive it) or off (cp NULL). Invalidates the tape. */
+ds4_status ds4_model_set_context_parallel(ds4_model *m, const ds4_context_parallel *cp, ds4_error *err);
+/* The installed hooks, or NULL when context parallelism is off. */
+const ds4_context_parallel *ds4_model_context_parallel(const ds4_model *m);
+
+/* Batch shape [B, S] of the last training forward (its tape); with context parallelism [B, n_r], this rank's slice
+ * (the shape of ds4_model_logprobs' rows and of backward_logprobs' dlogp). */
 ds4_status ds4_model_last_batch(const ds4_model *m, int64_t *batch, int64_t *seq, ds4_error *err);
 /* Per-token log-probabilities of the last training forward: logp[b·S + s] = log p(labels[b, s+1] | ids[b, ..s])
  * for scored positions (labels[b, s+1] != -100); 0 at the others (including s = S-1). entropy (may be NULL):

@@ -301,11 +301,15 @@ Rollout wire codec (lua/wire_lua.c; rollout/protocol.md; the C API: rollout/wire
     credit          n
     task            task_id, attempt (0), policy, max_new_tokens, temperature (1), top_k (0), top_p (1),
                     min_p (0), n (1), seed (0; a number, or a decimal string above 2^53), stop ({}),
-                    ignore_eos, record_experts, record_index (false), prompt_len (#prompt); frame prompt (i32)
+                    ignore_eos, record_experts, record_index (false), stream (0: no partial messages; N: one
+                    every N new tokens, protocol 5), prompt_len (#prompt); frame prompt (i32)
     samples         task_id, attempt (0), policy, n (#seq), seq = {{prompt_len, n_gen, finish (1..5 or "length",
                     "eos", "stop_token", "stop_string", "cancelled"), stop_index (-1), n_rows (0)}, ...},
-                    experts_layers, experts_k, index_layers, index_topk (0 = no such frame); frames tokens (i32),
-                    logprobs, sample_logprobs (f32), experts, index (i32, when their shape is set)
+                    experts_layers, experts_k, index_layers, index_topk (0 = no such frame), token_versions
+                    (false; protocol 5); frames tokens (i32), logprobs, sample_logprobs (f32), policy_lag (i32, when
+                    token_versions: policy - each token's version), experts, index (i32, when their shape is set)
+    partial         task_id, attempt (0), policy, n (#seq), seq = {{offset, n_gen}, ...}; frames tokens (i32),
+                    logprobs, sample_logprobs (f32): a running task's newest tokens (protocol 5)
     weight_announce version, n_params, bytes (4 n_params), chunk, chunks (ceil(bytes / chunk)), dtype ("f32"), crc,
                     chat_template (""), config_crc, tokenizer_crc, tables_crc (each its frame's CRC); frames config,
                     tokenizer (strings of bytes; tokenizer "" when none), tables (i32); a LoRA policy (protocol 4):
@@ -330,7 +334,7 @@ Rollout wire codec (lua/wire_lua.c; rollout/protocol.md; the C API: rollout/wire
   ds4.wire.error_message(code, reason, ref_t [, ref_id, ref_n]) -> frames of an error message (reason cut to 256
                                    bytes)
   ds4.wire.crc32(s [, crc])        CRC-32 (IEEE) of a string or a tensor's bytes, continuing from crc
-  ds4.wire.codes = {name = number}  ds4.wire.code_name(n)  ds4.wire.types  ds4.wire.VERSION (4)
+  ds4.wire.codes = {name = number}  ds4.wire.code_name(n)  ds4.wire.types  ds4.wire.VERSION (5)
 
 Remote rollouts (lua/ds4/rollout/: pool.lua and worker.lua say everything; rollout/README.md, protocol.md)
   ds4.rollout.pool{bind, model, curve = {secret, public, allow} | insecure = true, workers = 0,
@@ -340,10 +344,15 @@ Remote rollouts (lua/ds4/rollout/: pool.lua and worker.lua say everything; rollo
                                    res.failed); prompt p is one task with seed ds4.rollout.task_seed(opts.seed, p)
   pool:publish(model) -> version   snapshot the parameters as a new policy version (unchanged: same version);
                                    trainer.run calls it after every step when rollout.source has it
+  pool:submit(prompts, opts) -> b  pool:poll()  pool:ready(b)  pool:collect(b)  pool:cancel(b)  pool:progress(b)
+                                   batches in flight; opts.min_policy = V (every sample of version >= V), opts.stream
+                                   = N (each task's tokens streamed every N: cfg.on_partial, pool:progress)
   pool:stats()  pool:sync([timeout_s])  pool:wait(n [, timeout_s])  pool:service([timeout_ms])  pool:close()
   pool.endpoint  pool.version
   ds4.rollout.task_seed(seed, p)   the seed of prompt p of a generate call with opts.seed = seed
-  ds4.rollout.worker.run{connect, model, id, curve | insecure, max_batch, credits} -> exit status (`ds4 worker`)
+  ds4.rollout.worker.run{connect, model, id, curve | insecure, max_batch, credits, partial_rollouts}
+                                   -> exit status (`ds4 worker`; partial_rollouts: new weights go in under running
+                                   sequences, each token's version in the answer)
 
 Misc
   ds4.version  ds4.build_info  ds4.luajit_version

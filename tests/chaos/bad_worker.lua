@@ -15,6 +15,8 @@
     rehello         takes a task, then says hello again (a new session) instead of answering
     credit_flood    grants 1024 credits and never answers (heartbeats keep it alive)
     silence         heartbeats until it is given a task, then sends nothing at all
+    garbage         a valid hello and credit, then answers every task with malformed messages (not a map, a
+                    truncated samples header, a samples message whose token frame is 4 bytes short)
   Otherwise it behaves: hello, credit once it hears the weight announce (it claims to hold the weights without
   fetching them), one more credit per answer, hello again after "unknown worker".
 ]==]
@@ -22,7 +24,7 @@
 local codec = require("ds4.rollout.codec")
 
 local M = {}
-M.MODES = { "bad_ids", "nan_logprobs", "error", "future_version", "rehello", "credit_flood", "silence" }
+M.MODES = { "bad_ids", "nan_logprobs", "error", "future_version", "rehello", "credit_flood", "silence", "garbage" }
 local KNOWN = {}
 for _, m in ipairs(M.MODES) do KNOWN[m] = true end
 
@@ -80,6 +82,12 @@ function W:on_task(m)
         self:send({ t = "credit", n = 1 })
     elseif mode == "rehello" then
         self:hello()
+    elseif mode == "garbage" then
+        local frames = codec.encode(self:samples(m))
+        self.transport:send({ "\193 garbage" })
+        self.transport:send({ frames[1]:sub(1, math.floor(#frames[1] / 2)), frames[2], frames[3], frames[4] })
+        frames[2] = frames[2]:sub(1, -5)
+        self.transport:send(frames)
     end -- credit_flood, silence: never answer
     self.answers = self.answers + 1
 end

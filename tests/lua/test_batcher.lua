@@ -78,11 +78,31 @@ local function submit(i) by_tag[b:submit({ tasks[i].prompt }, tasks[i].o)] = i e
 for i = 1, 5 do submit(i) end
 H.eq(b:stats().queued, 5, "queued before the first step")
 local next_i, compared = 6, 0
+local streamed, peeks, peeked_tokens = {}, 0, 0 -- tag -> per sequence {ids, logprobs} seen through peek
 while taken < #tasks and steps < 5000 do
     b:step()
     steps = steps + 1
     H.check(b:stats().seqs <= 4 or b:stats().running == 1, "at most max_seqs sequences run")
     if steps % 3 == 0 and next_i <= #tasks then submit(next_i) next_i = next_i + 1 end
+    -- peek: what each unfinished task has generated so far, the tokens after those already seen
+    for tg in pairs(by_tag) do
+        local seen = streamed[tg] or {}
+        streamed[tg] = seen
+        local from = {}
+        for q = 1, #seen do from[q] = #seen[q].ids end
+        local counts, parts = b:peek(tg, from)
+        if counts then
+            for q, part in ipairs(parts) do
+                seen[q] = seen[q] or { ids = {}, logprobs = {} }
+                H.eq(counts[q], (from[q] or 0) + #part.ids, "peek: counts = seen + new")
+                for k = 1, #part.ids do
+                    seen[q].ids[#seen[q].ids + 1] = part.ids[k]
+                    seen[q].logprobs[#seen[q].logprobs + 1] = part.logprobs[k]
+                end
+            end
+            peeks = peeks + 1
+        end
+    end
     local tag, res = b:take()
     while tag do
         local i = by_tag[tag]
@@ -96,6 +116,16 @@ while taken < #tasks and steps < 5000 do
             H.eq(got.finish_reason, ref.finish_reason, ("task %d sample %d: finish"):format(i, s))
             H.eq(got.stop, ref.stop, ("task %d sample %d: stop"):format(i, s))
             H.eq(got.sample_index, s, "sample_index")
+            -- what peek showed while it ran: a prefix of the reference (bitwise), shorter than the whole
+            local seen = (streamed[tag] or {})[s] or { ids = {}, logprobs = {} }
+            H.check(#seen.ids <= #ref.ids, ("task %d sample %d: peeked no more than generated"):format(i, s))
+            for k = 1, #seen.ids do
+                if seen.ids[k] ~= ref.ids[k] or seen.logprobs[k] ~= ref.logprobs[k] then
+                    H.check(false, ("task %d sample %d: peeked token %d differs from the reference"):format(i, s, k))
+                    break
+                end
+            end
+            peeked_tokens = peeked_tokens + #seen.ids
             finishes[got.finish_reason] = (finishes[got.finish_reason] or 0) + 1
             compared = compared + 1
         end
@@ -103,6 +133,8 @@ while taken < #tasks and steps < 5000 do
     end
 end
 H.eq(taken, #tasks, "every task taken once")
+H.check(peeks > 0 and peeked_tokens > 0, "peek saw tasks running and their tokens")
+H.eq(b:peek((next(by_tag))), nil, "peek of a taken task")
 H.check(finishes.stop_string and finishes.length, "the tasks end by a stop string and by length")
 io.write(("batcher: %d tasks, %d sequences equal to the reference, in %d steps (%d model steps)\n"):format(taken,
     compared, steps, b:stats().steps))

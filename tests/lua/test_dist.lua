@@ -69,6 +69,33 @@ H.raises(function() ds4.dist.expert_parallel(q4) end, { "FP4-resident routed exp
     "expert parallelism on FP4-resident experts")
 ds4.dist.expert_parallel(ds4.load(H.fixtures() .. "/quant_fp4")) -- the same experts expanded to fp32: fine
 
+-- context parallelism on a world of one: the refusals (its equalities: dist_context_parallel.lua)
+H.raises(function() ds4.dist.context_parallel("m") end, { "ds4.dist.context_parallel", "ds4.model expected" }, "not a model")
+m = ds4.load(H.fixtures() .. "/tiny_a")
+ds4.dist.expert_parallel(m)
+H.raises(function() ds4.dist.context_parallel(m) end, { "context parallel", "expert parallelism is on" },
+    "context parallelism with expert parallelism on")
+ds4.dist.expert_parallel(m, false)
+m:lora({ rank = 2, targets = { "shared" } })
+H.raises(function() ds4.dist.context_parallel(m) end, { "context parallel", "LoRA adapters" },
+    "context parallelism on a model with adapters")
+m:drop_lora()
+ds4.dist.context_parallel(m)
+H.raises(function() ds4.dist.expert_parallel(m) end, { "expert parallel", "context parallelism is on" },
+    "expert parallelism with context parallelism on")
+H.raises(function() m:lora({ rank = 2, targets = { "shared" } }) end, { "not supported with context parallelism" },
+    "adapters with context parallelism on")
+m:set_train_options({ indexer_kl = 0.1 })
+H.raises(function() m:forward(ds4.tensor({ { 5, 6, 7, 8 } }, "I64"), { labels = ds4.tensor({ { 5, 6, 7, 8 } }, "I64"),
+    logits = false, train = true }) end, { "context parallel", "indexer KL" }, "the indexer KL loss")
+m:set_train_options({ recompute = true })
+H.raises(function() m:forward(ds4.tensor({ { 5, 6, 7, 8 } }, "I64"), { labels = ds4.tensor({ { 5, 6, 7, 8 } }, "I64"),
+    logits = false, train = true }) end, { "context parallel", "recomputation" }, "per-block recomputation")
+m:set_train_options({})
+H.raises(function() m:forward(ds4.tensor({ { 5, 6, 7, 8 } }, "I64"), { hidden = true, logits = false }) end,
+    { "context parallel", "hidden" }, "hidden streams as an output")
+ds4.dist.context_parallel(m, false)
+
 ds4.dist.finalize()
 H.check(not ds4.dist.is_initialized(), "finalize")
 ds4.dist.finalize() -- a second finalize does nothing

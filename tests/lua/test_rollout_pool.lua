@@ -21,12 +21,18 @@
 --   (g) a corrupted weight buffer (whole-buffer CRC mismatch) is fetched again, then reported as a crc error;
 --   (h) issue 18: beside an honest worker, a worker that misbehaves in each way of tests/chaos/bad_worker.lua
 --       (out-of-range ids, NaN log-probabilities, error replies, future versions, a new hello, a credit flood,
---       silence): every task completes exactly once, with the honest worker's results; bad answers are rejected
+--       silence, malformed answers): every task completes exactly once, with the honest worker's results; bad answers are rejected
 --       and counted, tasks go back to a worker that has not failed them, repeat offenders are quarantined;
 --   (i) the checks of answers one by one (Pool:check_samples), and quarantine across hellos and its end;
 --   (j) LoRA policies (protocol 4): the frozen base travels once (a version of its own), each publish moves the
 --       adapters' bytes only, and results equal the trainer's generation with its adapters bitwise; workers attach
 --       the adapters' layout themselves, and drop them when the trainer publishes a plain (merged) model again.
+--   (l) streaming (protocol 5): a batch submitted with stream = 3 has its tokens streamed while it runs (cfg.on_partial,
+--       pool:progress), the streamed tokens begin the final results, which equal model:generate; an out-of-order
+--       partial is rejected and logged;
+--   (m) partial rollouts (protocol 5): a worker with partial_rollouts takes a new version under running sequences;
+--       each token's version is in the result, the tokens before the switch equal model:generate at the old
+--       version, policy_version is the oldest; without the option the running tasks finish under the old version.
 --   (k) asynchronous use: batches submitted together and collected out of order, a publish while they are in flight
 --       (each result equals model:generate at the version it reports), min_policy as a hard lower bound (re-issued
 --       even with accept_with_version), a cancelled batch's late answer dropped as a duplicate.
@@ -566,8 +572,8 @@ do
     H.check(r[1] and r[1].reason:find("unknown worker", 1, true), "(f) 'unknown worker: send hello'")
     -- an error message is never answered
     send_raw(ds4.wire.encode({ t = "error", code = 4, reason = "x" }))
-    -- {v = 4, t = "error", code = 4, bogus = 1}: a malformed error (unknown key) is not answered either
-    send_raw({ "\132\161v\4\161t\165error\164code\4\165bogus\1" })
+    -- {v = 5, t = "error", code = 4, bogus = 1}: a malformed error (unknown key) is not answered either
+    send_raw({ "\132\161v\5\161t\165error\164code\4\165bogus\1" })
     pool:service(0)
     H.eq(#replies(), 0, "(f) errors are not answered")
     -- 150 rejects: replies stop after 100
@@ -670,7 +676,8 @@ for _, mode in ipairs(badmod.MODES) do
         H.check(st.invalid >= 1, what .. ": its answers were rejected and counted")
         H.check(net.logged("rejected samples for task"), what .. ": and logged")
     end
-    if mode ~= "credit_flood" and mode ~= "silence" then
+    -- credit_flood, silence and garbage (malformed answers name no task) leave their leases to expire
+    if mode ~= "credit_flood" and mode ~= "silence" and mode ~= "garbage" then
         H.eq(st.quarantined, 1, what .. ": quarantined")
         H.check(net.logged("worker a%-bad quarantined"), what .. ": the quarantine is logged with its reason")
         -- 3 failures quarantine it; a 4th task may have been leased with the 3rd (probation: 2 at a time)
@@ -959,6 +966,169 @@ do
     local res = pool:generate({ { 7, 8 } }, { n = 1, max_new_tokens = 2 })
     H.eq(#res, 1, "(k) the pool goes on after a cancel")
     H.eq(#held, 2, "(k) with the new batch's task only")
+end
+
+-- ------------------------------------------------------------------------------------------------ (l) streaming
+
+do
+    local net = new_net()
+    local streamed = {} -- prompt -> sample -> ids seen through on_partial, in order
+    local pool = new_pool(net, { on_partial = function(p, parts, worker, attempt)
+        streamed[p] = streamed[p] or {}
+        for s, part in ipairs(parts) do
+            local seen = streamed[p][s] or {}
+            streamed[p][s] = seen
+            H.eq(part.offset, #seen, "(l) a partial continues where the last one ended")
+            for j = 1, #part.ids do seen[#seen + 1] = part.ids[j] end
+        end
+    end })
+    real_worker(net, "l-w1", { max_batch = 8, credits = 4 })
+    pool:publish(policy)
+    local opts = { n = 2, max_new_tokens = 12, temperature = 1.0, seed = 41, ignore_eos = true, stream = 3 }
+    local b = pool:submit(PROMPTS, opts)
+    local mid
+    for _ = 1, 200 do
+        pool:poll()
+        local pr = pool:progress(b)
+        for _, r in ipairs(pr) do
+            if r.partial and #r.ids > 0 and #r.ids < 12 then mid = mid or r end
+        end
+        if pool:ready(b) then break end
+    end
+    H.check(mid ~= nil, "(l) progress shows a running task's streamed tokens")
+    local res = pool:collect(b)
+    local o = {}
+    for k, v in pairs(opts) do if k ~= "stream" then o[k] = v end end
+    check_equal_local(res, policy, PROMPTS, o, "(l) streamed tasks' final results")
+    local prefix_ok, n_streamed = true, 0
+    for p = 1, #PROMPTS do
+        for s = 1, 2 do
+            local seen = streamed[p] and streamed[p][s] or {}
+            local r = res[(p - 1) * 2 + s]
+            n_streamed = n_streamed + #seen
+            for j = 1, #seen do prefix_ok = prefix_ok and seen[j] == r.ids[j] end
+        end
+    end
+    H.check(prefix_ok, "(l) what was streamed begins the final result")
+    H.check(n_streamed >= #PROMPTS * 2 * 9, ("(l) every 3 tokens streamed (%d tokens)"):format(n_streamed))
+    local st = pool:stats()
+    H.check(st.partials > 0 and st.partial_tokens == n_streamed, "(l) stats count partials and their tokens")
+    H.eq(st.invalid, 0, "(l) no partial rejected")
+    -- a partial that does not continue what was streamed is rejected, and the final answer still decides
+    local bad_sent = false
+    local net2 = new_net()
+    local pool2 = new_pool(net2, { lease_s = 5, dead_s = 1e9 })
+    pool2:publish(policy)
+    script_peer(net2, "l-bad", { beat = true, on_task = function(pp, m)
+        H.eq(m.stream, 2, "(l) the task carries stream")
+        pp.send({ t = "partial", task_id = m.task_id, attempt = m.attempt, policy = 1,
+            seq = { { offset = 1, n_gen = 1 } } }, { tokens = { 3 }, logprobs = { -1 }, sample_logprobs = { -1 } })
+        pp.send({ t = "partial", task_id = m.task_id, attempt = m.attempt, policy = 1,
+            seq = { { offset = 0, n_gen = 1 } } }, { tokens = { m.seed % 97 }, logprobs = { -1 },
+            sample_logprobs = { -1 } })
+        pp.send(fake_samples(m, 1))
+        bad_sent = true
+    end })
+    local r2 = pool2:generate({ { 1, 2 } }, { n = 1, max_new_tokens = 2, stream = 2 })
+    H.check(bad_sent and r2[1].finish_reason == "length", "(l) the task completed")
+    H.eq(pool2:stats().invalid, 1, "(l) the out-of-order partial was rejected")
+    H.check(net2.logged("rejected a partial result .* continues at token 2, 0 were streamed"), "(l) and logged")
+    H.eq(pool2:stats().partials, 1, "(l) the in-order one was taken")
+    H.raises(function() pool2:submit({ { 1 } }, { stream = -1 }) end, { "stream" }, "(l) stream must be >= 0")
+end
+
+-- ------------------------------------------------------------------------------------------------ (m) partial rollouts
+
+-- A worker with partial_rollouts takes version 2 while its sequences run: each answer says which tokens are of which
+-- version, the tokens before the switch are model:generate's at version 1 (bitwise), those after are of version 2,
+-- and the result's policy_version is the oldest (1). Without the option, the same schedule gives version-1 answers.
+local function partial_run(partial)
+    local net = new_net()
+    local pool = new_pool(net, { max_staleness = 1 })
+    local _, w = real_worker(net, "m-w", { max_batch = 16, credits = 8, partial_rollouts = partial })
+    local v1 = ds4.load(FIX .. "/tiny_a")
+    pool:publish(v1)
+    local opts = { n = 2, max_new_tokens = 16, temperature = 1.0, seed = 51, ignore_eos = true }
+    local b = pool:submit(PROMPTS, opts)
+    -- until the worker has admitted tasks and generated a few tokens under version 1
+    for _ = 1, 400 do
+        pool:poll()
+        if w:active() > 0 and w.bt:stats().decode_tokens >= 4 * w:active() then break end
+    end
+    local v2 = ds4.load(FIX .. "/tiny_a")
+    local q = v2:params()
+    local ptr = ffi.cast("float *", q:data_ptr())
+    for i = 0, q:numel() - 1, 3 do ptr[i] = ptr[i] * 0.7 end
+    v2:set_params(q)
+    H.eq(pool:publish(v2), 2, "(m) version 2 published while tasks run")
+    return pool:collect(b), { v1, v2 }, opts, pool
+end
+
+do
+    local res, versions, opts, pool = partial_run(true)
+    local mixed, prefix_ok, after_ok, oldest_ok = 0, true, true, true
+    for p = 1, #PROMPTS do
+        local ref1 = local_reference(versions[1], PROMPTS, opts, p)
+        for s = 1, 2 do
+            local r = res[(p - 1) * 2 + s]
+            -- a task admitted after the switch, or finished before it, is of one version
+            local tv = r.token_versions
+            if not tv then
+                tv = {}
+                for j = 1, #r.ids do tv[j] = r.policy_version end
+                if r.policy_version == 2 then
+                    local ref2 = local_reference(versions[2], PROMPTS, opts, p)
+                    for j = 1, #r.ids do after_ok = after_ok and r.ids[j] == ref2[s].ids[j] end
+                end
+            end
+            H.eq(#tv, #r.ids, "(m) every token has a version")
+            local first2
+            for j = 1, #(tv or {}) do
+                if tv[j] == 2 and not first2 then first2 = j end
+                if first2 and tv[j] ~= 2 then after_ok = false end
+            end
+            if first2 and first2 > 1 then mixed = mixed + 1 end
+            local cut = first2 and first2 - 1 or #r.ids
+            for j = 1, cut do
+                prefix_ok = prefix_ok and r.ids[j] == ref1[s].ids[j] and r.logprobs[j] == ref1[s].logprobs[j]
+            end
+            oldest_ok = oldest_ok and r.policy_version == tv[1]
+        end
+    end
+    H.check(mixed > 0, ("(m) sequences went on under version 2 (%d of %d)"):format(mixed, #res))
+    H.check(prefix_ok, "(m) tokens before the switch are model:generate's at version 1, bitwise")
+    H.check(after_ok, "(m) versions never go back along a sequence; a task all of version 2 is model:generate's")
+    H.check(oldest_ok, "(m) policy_version is the oldest token's version")
+    H.check(pool:stats().mixed_versions > 0, "(m) stats count answers with mixed versions")
+    -- the checks of per-token versions in an answer
+    local t = { sampling = { n = 1, max_new_tokens = 3, stop = {}, ignore_eos = true }, prompt_len = 2, min_policy = 2 }
+    local m = { n = 1, policy = 3, token_versions = true, seq = { { n_gen = 3 } } }
+    local function tv(lags)
+        m.policy_lag = codec.pack_i32(lags)
+        return poolmod.check_token_versions(m, t)
+    end
+    local v, oldest = tv({ 1, 0, 0 })
+    H.check(v and oldest == 2 and v[1][1] == 2 and v[1][3] == 3, "(m) versions 2, 3, 3")
+    local _, _, why = tv({ 0, 1, 1 })
+    H.check(why and why:find("never goes back", 1, true), "(m) a sequence going back to older weights is refused")
+    _, _, why = tv({ 2, 0, 0 })
+    H.check(why and why:find("older than the task's bound 2", 1, true), "(m) a token below the task's bound")
+end
+
+do
+    local res, versions, opts = partial_run(false)
+    local plain, v1 = true, 0
+    for p = 1, #PROMPTS do
+        for s = 1, 2 do
+            local r = res[(p - 1) * 2 + s]
+            local ref = local_reference(versions[r.policy_version], PROMPTS, opts, p)[s]
+            plain = plain and r.token_versions == nil and #r.ids == #ref.ids
+            for j = 1, #ref.ids do plain = plain and r.ids[j] == ref.ids[j] end
+            if r.policy_version == 1 then v1 = v1 + 1 end
+        end
+    end
+    H.check(plain and v1 > 0, ("(m) without partial rollouts the running tasks finish under version 1 (%d results), "
+        .. "each result model:generate's at its one version"):format(v1))
 end
 
 H.done("test_rollout_pool")

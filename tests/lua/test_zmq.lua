@@ -250,13 +250,15 @@ local MESSAGES = {
     { { t = "credit", n = 4 } },
     { { t = "task", task_id = 7, attempt = 1, policy = 2, max_new_tokens = 16, temperature = 0.75, top_k = 5,
         top_p = 0.5, min_p = 0.25, n = 2, seed = "18446744073709551615", stop = { 1, 2 }, ignore_eos = true,
-        stop_strings = { "</answer>", "\n\n" }, record_experts = true, record_index = false, prompt_len = 3 },
+        stop_strings = { "</answer>", "\n\n" }, record_experts = true, record_index = false, stream = 4,
+        prompt_len = 3 },
       { prompt = { 5, 0, 7 } } },
     { { t = "samples", task_id = 7, attempt = 1, policy = 2, n = 2, experts_layers = 2, experts_k = 1,
+        token_versions = true,
         seq = { { prompt_len = 3, n_gen = 2, finish = 1, stop_index = -1, n_rows = 4 },
                 { prompt_len = 3, n_gen = 1, finish = "stop_token", stop_index = 0, n_rows = 3 } } },
       { tokens = { 9, 10, 11 }, logprobs = { -0.5, -1.25, -2 }, sample_logprobs = { -0.25, 0, -1 },
-        experts = { 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13 } } },
+        policy_lag = { 1, 0, 0 }, experts = { 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13 } } },
     { { t = "weight_announce", version = 3, n_params = 10, bytes = 40, chunk = 16, chunks = 3, dtype = "f32",
         crc = 12345, chat_template = "chatml" },
       { config = '{"vocab_size": 280}', tokenizer = '{"model": {}}', tables = { 3, 1, 0, 2 } } },
@@ -267,6 +269,9 @@ local MESSAGES = {
     { { t = "error", code = "state", reason = "unknown worker: send hello", ref_t = "credit", ref_id = 0,
         ref_n = 0 } },
     { { t = "bye", reason = "shutting down" } },
+    { { t = "partial", task_id = 7, attempt = 1, policy = 2, n = 2,
+        seq = { { offset = 4, n_gen = 2 }, { offset = 0, n_gen = 0 } } },
+      { tokens = { 9, 10 }, logprobs = { -0.5, -1.25 }, sample_logprobs = { -0.25, 0 } } },
 }
 
 -- Golden encodings of MESSAGES through the binding (Lua table -> C struct -> bytes), committed in
@@ -441,7 +446,7 @@ do -- helpers
     dec = wire.decode(wire.error_message("parse", string.rep("x", 1000)))
     H.eq(#dec.reason, 256, "error_message cuts a long reason to 256 bytes")
     H.eq(wire.code_name(33), "stale", "code_name")
-    H.eq(wire.VERSION, 4, "wire.VERSION")
+    H.eq(wire.VERSION, 5, "wire.VERSION")
 end
 
 d2:close() -- r2 stays open for lua_close

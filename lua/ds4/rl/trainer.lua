@@ -93,7 +93,8 @@ gen_batches, eval/accuracy (eval steps), kl (to the reference when there is one,
 estimate), clip_frac, entropy, logprob_mismatch/mean, logprob_mismatch/max, loss, grad_norm, lr, tokens_per_s
 (generated + trained tokens per wall second), seconds, and the time split time/generate, time/reward, time/train,
 time/eval (seconds), policy_version (the version trained), staleness/mean and staleness/max (versions between the
-policy trained and the one that generated each sample of the step), and with algorithm.tis tis/weight_mean,
+policy trained and the one that generated each sample of the step: its oldest token's, for a sample that workers
+with partial rollouts continued under newer weights), staleness/mixed (the fraction of such samples), and with algorithm.tis tis/weight_mean,
 tis/frac_truncated, tis/frac_masked, tis/ess (ds4.rl.correction over the whole step). log_completions = {every = N, n = k} writes k sampled completions of every Nth step (prompt,
 completion, reward, finish_reason) to out/completions.jsonl and as a TensorBoard text table (and prints them with
 progress on).
@@ -305,15 +306,19 @@ local function finish_batch(cfg, b, group_base, st)
                 st.shown[#st.shown + 1] = { cfg.decode(prompts[g + 1]), texts[i], scores[i] and
                     ("%.4g"):format(scores[i]) or "error", r.finish_reason }
             end
-            -- against the version trained next (a pool's first call publishes version 1 only now)
+            -- against the version trained next (a pool's first call publishes version 1 only now); a sample continued
+            -- under newer weights (a worker's partial rollouts) counts by its oldest token (its policy_version)
             local lag = r.policy_version and cfg.version() - r.policy_version
+            local tv = r.token_versions
+            if tv and #tv > 0 and tv[#tv] ~= tv[1] then st.mixed = st.mixed + 1 end
             if lag then
                 st.lag_n, st.lag_sum, st.lag_max = st.lag_n + 1, st.lag_sum + lag, math.max(st.lag_max, lag)
             end
             if not bad[g] and #r.ids > 0 then
                 out[#out + 1] = { prompt = prompts[g + 1], ids = r.ids, rollout_logp = r.logprobs, reward = scores[i],
                     group = group_base + g, finish_reason = r.finish_reason, length = #r.ids, sample = views[i],
-                    experts = r.experts, index_picks = r.index_picks, policy_version = r.policy_version }
+                    experts = r.experts, index_picks = r.index_picks, policy_version = r.policy_version,
+                    token_versions = r.token_versions }
             end
         end
     end
@@ -798,7 +803,7 @@ function M.run(cfg)
         local st = { errors = 0, generated = 0, gen_tokens = 0, groups_generated = 0, failed_groups = 0,
             t_generate = 0, t_reward = 0, acc = stats_mod.new(), shown = {},
             show_n = (lc.every > 0 and step % lc.every == 0) and lc.n or 0 }
-        st.version, st.lag_n, st.lag_sum, st.lag_max = cfg.version(), 0, 0, 0
+        st.version, st.lag_n, st.lag_sum, st.lag_max, st.mixed = cfg.version(), 0, 0, 0, 0
         local function submit(min_policy)
             state.gen_calls = state.gen_calls + 1
             return submit_batch(cfg, state.gen_calls, st, min_policy)
@@ -845,6 +850,8 @@ function M.run(cfg)
         row.policy_version = cfg.version()
         if st.lag_n > 0 then
             row["staleness/mean"], row["staleness/max"] = st.lag_sum / st.lag_n, st.lag_max
+            -- the fraction of samples whose tokens come from several versions (partial rollouts)
+            row["staleness/mixed"] = st.mixed / st.lag_n
         end
         state.failed_total = state.failed_total + st.failed_groups
         local stop

@@ -20,6 +20,9 @@
       quarantine_after = 3, quarantine_s = 300,   -- failed leases in a row that quarantine a worker, and for how long
       log = function(level, msg) ... end, verbose = false, quiet = false,
       on_result = function(prompt_index, results, worker) ... end,   -- called as each task completes
+      on_partial = function(prompt_index, parts, worker, attempt) ... end, -- a running task's newest tokens (a
+                                       -- submit with opts.stream = N): parts[s] = {offset, ids, logprobs}, sample s's
+                                       -- tokens offset + 1 .. offset + #ids; a new attempt starts again from 0
   }
   pool:generate(prompts, opts)   -- model:generate's interface and results (prompt-major, opts.n per prompt)
   local b = pool:submit(prompts, opts)   -- the same, without waiting: a batch in flight (several may be); opts may
@@ -28,6 +31,9 @@
                                  -- calls it between pieces of its own computation
   pool:ready(b)  pool:collect(b) -- done yet?; wait for b (serving meanwhile) -> generate's results
   pool:cancel(b)                 -- give b up (its late answers are dropped as duplicates)
+  pool:progress(b)               -- what has arrived so far, generate's layout: a completed task's results, else the
+                                 -- tokens streamed by its current lease (opts.stream = N: a partial message every N
+                                 -- new tokens, protocol 5), each {ids, logprobs, partial = true}
   pool:publish(model)            -- a new policy version from the model's parameters (no-op when unchanged); a model
                                  -- with LoRA adapters: the adapters only, over its frozen weights sent once
   pool:stats()  pool:close()  pool.endpoint  pool.version
@@ -40,8 +46,16 @@
   counts them). opts.stop holds token ids and stop strings (protocol v3: at most 64 ids and 16 strings of 1..64
   bytes); the workers decode their output with the model's tokenizer (sent to them with the weights), so strings
   need a model with a tokenizer, and a result equals model:generate with opts.tokenizer = model:tokenizer(). on_token
-  is refused (samples arrive per task: cfg.on_result reports progress); max_batch, prefill_chunk and tokenizer are
-  accepted and not used (each worker has its own --max-batch; opts.tokenizer, when given, must be the model's).
+  is refused (samples arrive per task: cfg.on_result reports progress; opts.stream = N has the workers stream each
+  task's tokens every N of them, cfg.on_partial and pool:progress show them, the final results unchanged);
+  max_batch, prefill_chunk and tokenizer are accepted and not used (each worker has its own --max-batch;
+  opts.tokenizer, when given, must be the model's).
+
+  Partial rollouts (protocol 5). A worker started with --partial-rollouts continues its running sequences under
+  new weights instead of finishing them under the old ones; its answer then gives every token's version. A result
+  of such an answer has token_versions (one per token) and policy_version = the oldest of them, which is what the
+  staleness bounds (max_staleness, min_policy) and the RL trainer's lag metrics use; the answer is checked (each
+  sample's versions never decrease, the oldest is at least the task's bound).
 
   A worker's answer is trusted only after it is checked (Pool:check_samples): every token id in [0, vocab), every
   log-probability finite and <= 0, each sample ending the way its finish reason says (max_new_tokens reached, the
@@ -86,7 +100,7 @@ end
 
 local GEN_KEYS = { max_new_tokens = true, temperature = true, top_k = true, top_p = true, min_p = true, n = true,
     seed = true, stop = true, tokenizer = true, ignore_eos = true, record_experts = true, record_index = true,
-    max_batch = true, prefill_chunk = true, on_token = true }
+    max_batch = true, prefill_chunk = true, on_token = true, stream = true }
 
 -- d: how many more stack levels lie between the user's call and check_gen_opts's caller (error positions)
 local function check_gen_opts(opts, d)
@@ -126,6 +140,7 @@ local function check_gen_opts(opts, d)
         ignore_eos = opts.ignore_eos and true or false,
         record_experts = opts.record_experts and true or false,
         record_index = opts.record_index and true or false,
+        stream = int("stream", 0, 0, 2 ^ 20),
         stop = {},
         stop_strings = {},
     }
@@ -209,7 +224,8 @@ function M.new(cfg)
     if type(cfg) ~= "table" then error("ds4.rollout.pool: a config table expected", 2) end
     local known = { bind = 1, model = 1, curve = 1, insecure = 1, workers = 1, max_staleness = 1, stale = 1,
         lease_s = 1, lease_rate = 1, dead_s = 1, heartbeat_s = 1, max_attempts = 1, chunk_bytes = 1, wait_s = 1,
-        timeout_s = 1, log = 1, verbose = 1, transport = 1, clock = 1, quiet = 1, on_result = 1, max_credit = 1,
+        timeout_s = 1, log = 1, verbose = 1, transport = 1, clock = 1, quiet = 1, on_result = 1, on_partial = 1,
+        max_credit = 1,
         probation = 1, quarantine_after = 1, quarantine_s = 1 }
     for k in pairs(cfg) do
         if not known[k] then error("ds4.rollout.pool: unknown option '" .. tostring(k) .. "'", 2) end
@@ -282,7 +298,8 @@ function M.new(cfg)
     self.health = {}      -- worker id -> {streak, failures, completed, quarantined = {reason, since, till} | nil}
     self.zap_refused = 0
     self.st = { tasks = 0, completed = 0, failed = 0, reissued = 0, duplicates = 0, stale_requeued = 0,
-        stale_accepted = 0, rejected = 0, refused = 0, invalid = 0, quarantined = 0, publishes = 0,
+        stale_accepted = 0, rejected = 0, refused = 0, invalid = 0, quarantined = 0, publishes = 0, partials = 0,
+        partial_tokens = 0, mixed_versions = 0,
         publish_seconds = 0, bytes_served = 0,
         chunks_served = 0, samples = 0, tokens = 0, generate_seconds = 0, dead = 0, hellos = 0, syncs = {} }
     self.last_service = self.now()
@@ -517,6 +534,7 @@ function Pool:dispatch()
             t.deadline = lease_deadline(self, t, self.now())
             t.tried[w.id] = true
             t.issued[t.attempt] = w.id
+            t.part = nil -- what this lease streams (opts.stream) starts from nothing
             w.leases[t.id] = true
             local s = t.sampling
             local ok = self:send(w.id, { t = "task", task_id = t.id, attempt = t.attempt, policy = t.min_policy or
@@ -524,7 +542,7 @@ function Pool:dispatch()
                 temperature = s.temperature, top_k = s.top_k, top_p = s.top_p, min_p = s.min_p, n = s.n,
                 seed = t.seed, stop = s.stop, stop_strings = s.stop_strings, ignore_eos = s.ignore_eos,
                 record_experts = s.record_experts,
-                record_index = s.record_index }, { prompt = t.prompt_bytes })
+                record_index = s.record_index, stream = s.stream }, { prompt = t.prompt_bytes })
             if not ok and t.state == "leased" and t.worker == w.id then
                 -- high-water mark: no lease was made; the task keeps its attempt number and its place
                 w.leases[t.id] = nil
@@ -540,6 +558,8 @@ function Pool:dispatch()
 end
 
 -- ------------------------------------------------------------------------------------------------ messages
+
+local FINITE_LOGP_MAX = 1e-3 -- a log-probability is <= 0; fp32 rounding never gets near this
 
 local function count_reject(self, peer, code, why, ref_t)
     self.st.rejected = self.st.rejected + 1
@@ -616,6 +636,8 @@ function Pool:on_message(peer, frames)
         self:note_policy(w, m.policy)
     elseif t == "samples" then
         self:on_samples(w, m)
+    elseif t == "partial" then
+        self:on_partial(w, m)
     elseif t == "weight_request" then
         self:on_weight_request(w, m)
     elseif t == "bye" then
@@ -748,6 +770,122 @@ function Pool:on_weight_request(w, m)
     end
 end
 
+-- Per-token versions of samples m for task t (protocol 5, a worker with --partial-rollouts): per sample the version
+-- of each token, never decreasing (a sequence only moves to newer weights), the oldest at least the version the task
+-- allows (its policy bound). Returns versions (per sample, an array), the oldest of all, or nil, nil, why.
+local function token_versions(m, t)
+    local lag = ffi.cast("const int32_t *", codec.raw(m, "policy_lag") or "")
+    local floor = t.min_policy or 1
+    local out, oldest, off = {}, m.policy, 0
+    for i = 1, m.n do
+        local v, prev = {}, 0
+        for j = 0, m.seq[i].n_gen - 1 do
+            local x = m.policy - lag[off + j]
+            if x < prev then
+                return nil, nil, ("sample %d token %d is of version %d, after a token of version %d: a sequence "
+                    .. "never goes back to older weights"):format(i, j + 1, x, prev)
+            end
+            v[j + 1], prev = x, x
+            if x < oldest then oldest = x end
+        end
+        off = off + m.seq[i].n_gen
+        out[i] = v
+    end
+    if oldest < floor then
+        return nil, nil, ("a token of version %d, older than the task's bound %d"):format(oldest, floor)
+    end
+    return out, oldest
+end
+
+-- The tokens a lease streamed (its partial messages) must begin its final answer: what a consumer saw is what it
+-- gets. Why not, or nil.
+M.check_token_versions = token_versions -- tests
+
+local function streamed_prefix(part, m)
+    local ids = ffi.cast("const int32_t *", codec.raw(m, "tokens") or "")
+    local off = 0
+    for i = 1, m.n do
+        local seen = part[i]
+        if #seen.ids > m.seq[i].n_gen then
+            return ("sample %d: %d tokens streamed, %d in the answer"):format(i, #seen.ids, m.seq[i].n_gen)
+        end
+        for j = 1, #seen.ids do
+            if seen.ids[j] ~= ids[off + j - 1] then
+                return ("sample %d token %d: %d streamed, %d in the answer"):format(i, j, seen.ids[j], ids[off + j - 1])
+            end
+        end
+        off = off + m.seq[i].n_gen
+    end
+end
+
+-- A running task's newest tokens (protocol 5, a task sent with stream = N). Only from the lease's holder, in order
+-- (offsets continue what it sent), each token checked as the final answer's are; a bad one is rejected and counted
+-- (stats().invalid) without ending the lease: its final answer decides. Late partials of a lease that ended are
+-- dropped.
+function Pool:on_partial(w, m)
+    local t, peer = self.tasks[m.task_id], w.id
+    if not t or t.state ~= "leased" or t.worker ~= peer or t.attempt ~= m.attempt then
+        self:log("debug", ("dropped a partial result for task %d attempt %d from %s: not its lease"):format(m.task_id,
+            m.attempt, printable(peer)))
+        return
+    end
+    local s = t.sampling
+    local part = t.part or { attempt = m.attempt }
+    local vocab = self.vocab or w.caps.vocab_size
+    local ids = ffi.cast("const int32_t *", codec.raw(m, "tokens") or "")
+    local lp = ffi.cast("const float *", codec.raw(m, "logprobs") or "")
+    local bad
+    if m.n ~= s.n then bad = ("%d samples, the task asked for %d"):format(m.n, s.n) end
+    if m.policy > self.version then bad = ("policy version %d is newer than the trainer's %d"):format(m.policy,
+        self.version) end
+    local off = 0
+    for i = 1, bad and 0 or m.n do
+        local q, have = m.seq[i], part[i] and #part[i].ids or 0
+        if q.offset ~= have then
+            bad = ("sample %d continues at token %d, %d were streamed"):format(i, q.offset + 1, have)
+            break
+        end
+        if q.offset + q.n_gen > s.max_new_tokens then
+            bad = ("sample %d would have %d tokens, max_new_tokens is %d"):format(i, q.offset + q.n_gen, s.max_new_tokens)
+            break
+        end
+        for j = 0, q.n_gen - 1 do
+            local id, a = ids[off + j], lp[off + j]
+            if id < 0 or (vocab and id >= vocab) or not (a <= FINITE_LOGP_MAX and a > -math.huge) then
+                bad = ("sample %d token %d: id %d, log-probability %s"):format(i, q.offset + j + 1, id, tostring(a))
+                break
+            end
+        end
+        if bad then break end
+        off = off + q.n_gen
+    end
+    if bad then
+        self.st.invalid = self.st.invalid + 1
+        self:log("warn", ("rejected a partial result for task %d attempt %d from %s: %s"):format(m.task_id, m.attempt,
+            printable(peer), bad))
+        return self:reply_error(peer, "state", bad, "partial", m.task_id, m.attempt)
+    end
+    local tokens, lps = codec.raw(m, "tokens") or "", codec.raw(m, "logprobs") or ""
+    local parts = {}
+    off = 0
+    for i = 1, m.n do
+        local q = m.seq[i]
+        part[i] = part[i] or { ids = {}, logprobs = {} }
+        local new = { offset = q.offset, ids = codec.unpack_i32(tokens, off, q.n_gen),
+            logprobs = codec.unpack_f32(lps, off, q.n_gen) }
+        for j = 1, q.n_gen do
+            part[i].ids[#part[i].ids + 1] = new.ids[j]
+            part[i].logprobs[#part[i].logprobs + 1] = new.logprobs[j]
+        end
+        parts[i] = new
+        off = off + q.n_gen
+    end
+    t.part = part
+    self.st.partials = self.st.partials + 1
+    self.st.partial_tokens = self.st.partial_tokens + off
+    if self.cfg.on_partial then self.cfg.on_partial(t.index, parts, peer, m.attempt) end
+end
+
 function Pool:on_samples(w, m)
     local t = self.tasks[m.task_id]
     local peer = w.id
@@ -788,6 +926,9 @@ function Pool:on_samples(w, m)
         bad = ("policy version %d is newer than the trainer's %d"):format(m.policy, self.version)
     end
     bad = bad or self:check_samples(t, m, w)
+    local versions, oldest
+    if not bad and m.token_versions then versions, oldest, bad = token_versions(m, t) end
+    if not bad and t.part and t.part.attempt == m.attempt then bad = streamed_prefix(t.part, m) end
     if bad then
         self.st.invalid = self.st.invalid + 1
         self:log("warn", ("rejected samples for task %d attempt %d from %s: %s"):format(m.task_id, m.attempt,
@@ -798,13 +939,15 @@ function Pool:on_samples(w, m)
         return
     end
     -- a batch's own lower bound (submit's min_policy) is a hard one; otherwise current - max_staleness
+    -- (per-token versions: the oldest token's version is the answer's)
     local floor = t.min_policy or self.version - self.S
-    local stale = m.policy < floor
+    local policy = oldest or m.policy
+    local stale = policy < floor
     if stale and (self.stale_mode == "requeue" or t.min_policy) then
         self.st.stale_requeued = self.st.stale_requeued + 1
-        self:reply_error(peer, "stale", ("policy %d is older than %d"):format(m.policy, floor),
+        self:reply_error(peer, "stale", ("policy %d is older than %d"):format(policy, floor),
             "samples", m.task_id, m.attempt)
-        if holder then self:requeue(t, ("stale samples (policy %d, current %d)"):format(m.policy, self.version),
+        if holder then self:requeue(t, ("stale samples (policy %d, current %d)"):format(policy, self.version),
             false) end
         return
     end
@@ -820,7 +963,9 @@ function Pool:on_samples(w, m)
     end
     t.state, t.worker, t.deadline = "done", peer, nil
     self.done_ids[t.id] = true
-    t.result = self:build_results(t, m, peer)
+    t.result = self:build_results(t, m, peer, versions)
+    t.part = nil
+    if versions then self.st.mixed_versions = self.st.mixed_versions + 1 end
     w.tasks = w.tasks + 1
     self:note_success(peer)
     self.st.completed = self.st.completed + 1
@@ -829,7 +974,6 @@ function Pool:on_samples(w, m)
     return true
 end
 
-local FINITE_LOGP_MAX = 1e-3 -- a log-probability is <= 0; fp32 rounding never gets near this
 
 -- Stop strings (core/generate.c's rule): after each token, the first stop string with a match that ends in that
 -- token's bytes stops the sample (after eos and stop ids, which take precedence); so no stop string may occur in
@@ -979,7 +1123,7 @@ function Pool:check_routing(m)
     end
 end
 
-function Pool:build_results(t, m, peer)
+function Pool:build_results(t, m, peer, versions)
     local tokens = codec.raw(m, "tokens") or ""
     local lps = codec.raw(m, "logprobs") or ""
     local slps = codec.raw(m, "sample_logprobs") or ""
@@ -995,6 +1139,10 @@ function Pool:build_results(t, m, peer)
             sample_logprobs = codec.unpack_f32(slps, off, g), finish_reason = finish, prompt_index = t.index,
             sample_index = i, prompt_len = q.prompt_len, policy_version = m.policy, task = t.id,
             attempt = m.attempt, worker = peer }
+        if versions then
+            r.token_versions = versions[i]
+            r.policy_version = versions[i][1] or m.policy -- the oldest: versions never decrease along a sample
+        end
         if finish == "stop_token" and q.stop_index >= 0 then r.stop = t.sampling.stop[q.stop_index + 1] end
         if finish == "stop_string" and q.stop_index >= 0 then r.stop = t.sampling.stop_strings[q.stop_index + 1] end
         local rows = q.n_rows
@@ -1196,6 +1344,28 @@ function Pool:poll()
     local n = self:service(0)
     self:dispatch()
     return n
+end
+
+-- What batch b has so far, prompt-major as collect returns it: a completed task's results; for one still running,
+-- what its current lease has streamed (opts.stream), {ids, logprobs, partial = true, prompt_index, sample_index}
+-- (empty before its first partial message, or after a re-issue until the new lease streams).
+function Pool:progress(b)
+    if type(b) ~= "table" or b.pool ~= self or not b.order then
+        error("pool:progress: bad argument #1 (a batch from pool:submit expected)", 2)
+    end
+    local out = {}
+    for p, t in ipairs(b.order) do
+        for s = 1, b.n do
+            local r = t.result and t.result[s]
+            if not r then
+                local part = t.part and t.part[s]
+                r = { ids = {}, logprobs = {}, partial = true, prompt_index = p, sample_index = s }
+                for j = 1, part and #part.ids or 0 do r.ids[j], r.logprobs[j] = part.ids[j], part.logprobs[j] end
+            end
+            out[#out + 1] = r
+        end
+    end
+    return out
 end
 
 -- True when every task of batch b has completed or failed (collect would not wait).

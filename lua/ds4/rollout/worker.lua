@@ -12,6 +12,10 @@
       max_batch = 32,                  -- sequences decoded together, over all running tasks (continuous batching)
       credits = 0,                     -- tasks in flight: 0 asks for more while the batch has room (one queued);
                                        -- N asks for N at first and one per answer
+      partial_rollouts = false,        -- true: new weights go in at once, the running sequences continue under
+                                       -- them (their prefix's cache as computed under the old ones) and the answer
+                                       -- gives every token's version (protocol 5); false: new weights wait until
+                                       -- the running tasks have finished (a generation never mixes two versions)
       silence_s = 10, hello_s = 5, heartbeat_s = 1, quiet = false, verbose = false,
       give_up_s = 120,                 -- without a trainer (never joined, or its session lost) this long: exit 1
       interrupted = function() -> bool,-- default: the ds4 host's Ctrl-C / SIGTERM flag
@@ -30,7 +34,9 @@
   samples, the task's seed; up to max_batch sequences of all running tasks decode in one step, a task is admitted
   as soon as its n sequences fit, and its result is model:generate's alone, bit for bit, whoever generates it and
   whatever runs beside it) with a version at least the task's policy -> samples + one more credit, as each task
-  finishes. New weights are loaded once the running tasks have finished (no task is admitted meanwhile). Between
+  finishes; a task sent with stream = N also gets a partial message whenever one of its samples has N tokens more
+  than the last one carried (protocol 5). New weights are loaded once the running tasks have finished (no task is
+  admitted meanwhile), or at once with partial_rollouts (the answer then carries each token's version). Between
   two decode steps the loop reads the trainer and sends heartbeats (after 1 s without sending); a trainer silent
   for silence_s, its bye, or its "unknown worker" error (a restarted trainer) -> hello again (every hello_s) and
   queued and running tasks are dropped (the trainer re-issues them). A malformed message is logged (rate-limited) and answered with error; a `refused` or
@@ -136,6 +142,7 @@ function M.new(cfg)
         io.stderr:write(("ds4 worker %s: %s%s\n"):format(self.id, level == "warn" and "warning: " or "", msg))
     end
     self.credits = cfg.credits or 0
+    self.partial = cfg.partial_rollouts and true or false
     self.max_batch = (cfg.max_batch or 0) > 0 and cfg.max_batch or 32
     self.owed = 0             -- tasks asked for (credit) that have not arrived
     self.running = {}         -- batcher tag -> task: admitted, not answered
@@ -152,7 +159,7 @@ function M.new(cfg)
     self.dl = nil             -- the download in progress
     self.last_recv, self.last_sent, self.hello_at = self.now(), 0, -math.huge
     self.st = { tasks = 0, samples = 0, tokens = 0, gen_seconds = 0, downloads = 0, download_bytes = 0,
-        download_seconds = 0, rejected = 0, hellos = 0, errors = 0, max_active = 0 }
+        download_seconds = 0, rejected = 0, hellos = 0, errors = 0, max_active = 0, partials = 0, mixed = 0 }
     self.log_t0, self.log_n, self.log_suppressed = 0, 0, 0
     return self
 end
@@ -463,13 +470,36 @@ end
 -- one into its adapters' buffer).
 function W:apply_staged()
     local d = self.staged
-    if not d or next(self.running) ~= nil then return end
+    local running = next(self.running) ~= nil
+    if not d or (running and not (self.partial and self:swappable(d))) then return end
     self.staged = nil
+    if running then self:mark_switch(d.announce.version) end
     self:install(d)
     self:log("info", ("loaded policy version %d%s"):format(self.loaded, d.what == "adapters" and " (LoRA adapters)"
         or ""))
     self:heartbeat()
     self:grant_initial()
+end
+
+-- Partial rollouts: whether staged weights may go in under running sequences. New values of the same parameters
+-- (plain weights on a model without adapters, or adapters of the layout already attached, over the same base) may;
+-- what changes the model's structure (attaching, dropping or re-shaping adapters, a new base) waits for the running
+-- tasks, as without partial rollouts.
+function W:swappable(d)
+    local model = self.model
+    if d.what == "weights" then return not model:lora_info() end
+    local have = model:lora_layout()
+    return not self.staged_base and have ~= nil and codec.same_layout(have, d.announce.layout)
+end
+
+-- Before new weights go in under running tasks: each running task notes how many tokens each of its sequences has
+-- (those are of the old version; what follows is of `version`).
+function W:mark_switch(version)
+    for tag, t in pairs(self.running) do
+        t.switches[#t.switches + 1] = { counts = self.bt:peek(tag) or {}, version = version }
+    end
+    self:log("debug", ("policy version %d goes in under %d running tasks (partial rollouts)"):format(version,
+        self:active()))
 end
 
 function W:grant_initial()
@@ -568,7 +598,7 @@ function W:submit(t)
             tokenizer = #(t.stop_strings or {}) > 0 and self.stop_tok or nil })
     end
     if not ok then return self:task_failed(t, tag) end
-    t.t0, t.policy_used = self.now(), self.loaded
+    t.t0, t.policy_used, t.switches, t.sent = self.now(), self.loaded, {}, {}
     self.running[tag] = t
     self.last_n = t.n
     local active = self:active()
@@ -597,6 +627,35 @@ function W:decode()
             if res then self:answer(t, res) else self:task_failed(t, why) end
         end
     end
+    for tag, t in pairs(self.running) do
+        if (t.stream or 0) > 0 then self:stream(tag, t) end
+    end
+end
+
+-- A task sent with stream = N: once one of its samples has N tokens more than the partial messages carried so far,
+-- one more carries every sample's new tokens (protocol 5).
+function W:stream(tag, t)
+    local counts = self.bt:peek(tag)
+    if not counts then return end
+    local due = false
+    for i, c in ipairs(counts) do
+        if c - (t.sent[i] or 0) >= t.stream then due = true break end
+    end
+    if not due then return end
+    local _, parts = self.bt:peek(tag, t.sent)
+    local seq, toks, lps, slps = {}, {}, {}, {}
+    for i, part in ipairs(parts) do
+        seq[i] = { offset = t.sent[i] or 0, n_gen = #part.ids }
+        for j = 1, #part.ids do
+            toks[#toks + 1] = part.ids[j]
+            lps[#lps + 1] = part.logprobs[j]
+            slps[#slps + 1] = part.sample_logprobs[j]
+        end
+        t.sent[i] = (t.sent[i] or 0) + #part.ids
+    end
+    self:send({ t = "partial", task_id = t.task_id, attempt = t.attempt, policy = math.max(self.loaded, 1), seq = seq },
+        { tokens = codec.pack_i32(toks), logprobs = codec.pack_f32(lps), sample_logprobs = codec.pack_f32(slps) })
+    self.st.partials = self.st.partials + 1
 end
 
 -- Drop every admitted task (a lost session, or leaving): their leases are re-issued by the trainer.
@@ -652,6 +711,21 @@ function W:answer(t, res)
     end
     local msg = { t = "samples", task_id = t.task_id, attempt = t.attempt, policy = t.policy_used, n = n, seq = seq }
     local raw = { tokens = codec.pack_i32(toks), logprobs = codec.pack_f32(lps), sample_logprobs = codec.pack_f32(slps) }
+    if #t.switches > 0 then
+        -- partial rollouts: token j of sequence i is of the newest version whose switch found fewer than j tokens
+        local newest, lag = t.switches[#t.switches].version, {}
+        for i, r in ipairs(res) do
+            for j = 1, #r.ids do
+                local v = t.policy_used
+                for _, sw in ipairs(t.switches) do
+                    if j > (sw.counts[i] or 0) then v = sw.version end
+                end
+                lag[#lag + 1] = newest - v
+            end
+        end
+        msg.policy, msg.token_versions, raw.policy_lag = newest, true, codec.pack_i32(lag)
+        self.st.mixed = self.st.mixed + 1
+    end
     if exs then msg.experts_layers, msg.experts_k, raw.experts = exs[1], exs[2], table.concat(ex) end
     if ixs then msg.index_layers, msg.index_topk, raw.index = ixs[1], ixs[2], table.concat(ix) end
     self:send(msg, raw)
@@ -661,8 +735,8 @@ function W:answer(t, res)
     self.st.samples = self.st.samples + n
     self.st.tokens = self.st.tokens + #toks
     self.st.gen_seconds = self.st.gen_seconds + dt
-    self:log("debug", ("task %d attempt %d: %d samples, %d tokens in %.3f s (policy %d)"):format(t.task_id, t.attempt,
-        n, #toks, dt, t.policy_used))
+    self:log("debug", ("task %d attempt %d: %d samples, %d tokens in %.3f s (policy %d%s)"):format(t.task_id, t.attempt,
+        n, #toks, dt, t.policy_used, #t.switches > 0 and (" to " .. msg.policy) or ""))
 end
 
 -- ------------------------------------------------------------------------------------------------ messages
@@ -811,7 +885,7 @@ end
 local USAGE = [[
 usage: ds4 worker --connect ENDPOINT [--model DIR|CONFIG.json] [--threads N] [--device D] [--dtype T]
                   [--key FILE --server-key FILE | --insecure] [--id NAME] [--max-batch N] [--credits N]
-                  [--give-up S] [--silence S] [--quiet] [--verbose]
+                  [--give-up S] [--silence S] [--partial-rollouts] [--quiet] [--verbose]
 
   --connect EP        the trainer pool's endpoint (tcp://HOST:PORT, ipc://PATH)
   --model DIR         optional: without it the worker needs no local files and builds its model from what the
@@ -833,6 +907,9 @@ usage: ds4 worker --connect ENDPOINT [--model DIR|CONFIG.json] [--threads N] [--
                       plus one queued (--credits 2 --max-batch n: one task of n samples at a time)
   --give-up S         exit (status 1) after S seconds without a trainer: never reached, or gone (default 120)
   --silence S         a trainer silent this long has lost the session: hello again (default 10)
+  --partial-rollouts  new weights go in at once and the running sequences continue under them (the cache of what
+                      they generated so far stays as computed under the old weights), each token's version in the
+                      answer; default: new weights wait until the running tasks have finished
 Ctrl-C or SIGTERM: finish nothing more, say bye, exit 0.]]
 
 local function hostname()
@@ -851,7 +928,7 @@ end
 
 function M.main(argv)
     local o = { threads = -1, ["max-batch"] = 32, credits = 0, ["give-up"] = 120, silence = 10 }
-    local flags = { insecure = true, quiet = true, verbose = true }
+    local flags = { insecure = true, quiet = true, verbose = true, ["partial-rollouts"] = true }
     local valued = { connect = true, model = true, threads = true, key = true, ["server-key"] = true, id = true,
         ["max-batch"] = true, credits = true, ["give-up"] = true, silence = true, device = true, dtype = true }
     local i = 1
@@ -943,7 +1020,7 @@ function M.main(argv)
     local id = o.id or (hostname() .. "-" .. pid()):sub(1, 64)
     local w = M.new{ connect = o.connect, model = model, id = id, curve = curve, insecure = o.insecure,
         max_batch = max_batch, credits = credits, quiet = o.quiet, verbose = o.verbose, give_up_s = give_up,
-        silence_s = silence }
+        silence_s = silence, partial_rollouts = o["partial-rollouts"] }
     return w:run()
 end
 
