@@ -33,6 +33,7 @@
 --   (m) partial rollouts (protocol 5): a worker with partial_rollouts takes a new version under running sequences;
 --       each token's version is in the result, the tokens before the switch equal model:generate at the old
 --       version, policy_version is the oldest; without the option the running tasks finish under the old version.
+--   (n) a model with the FP8 KV quantisation-aware option on is not published (workers would decode without it).
 --   (k) asynchronous use: batches submitted together and collected out of order, a publish while they are in flight
 --       (each result equals model:generate at the version it reports), min_policy as a hard lower bound (re-issued
 --       even with accept_with_version), a cancelled batch's late answer dropped as a duplicate.
@@ -1129,6 +1130,18 @@ do
     end
     H.check(plain and v1 > 0, ("(m) without partial rollouts the running tasks finish under version 1 (%d results), "
         .. "each result model:generate's at its one version"):format(v1))
+end
+
+-- ------------------------------------------------------------------------------------------------ (n) kv_qat refused
+do -- workers would decode without the FP8 KV quantisation-aware option: the pool refuses to publish such a model
+    local m = ds4.load(FIX .. "/tiny_a")
+    m:set_kv_qat(true)
+    local pool = new_pool(new_net(), { model = false })
+    local ok, err = pcall(pool.publish, pool, m)
+    H.check(not ok and tostring(err):find("quantisation-aware", 1, true),
+        "(n) publishing a model with kv_qat on is refused: " .. tostring(err))
+    m:set_kv_qat(false)
+    H.eq(pool:publish(m), 1, "(n) with the option off it publishes")
 end
 
 H.done("test_rollout_pool")

@@ -1511,6 +1511,12 @@ end
 function Pool:publish(model)
     model = model or self.model
     if not model then error("pool:publish: a model is required", 2) end
+    -- the protocol does not carry the FP8 KV quantisation-aware option: workers would decode without it, and the
+    -- trainer's log-probabilities (with it) would no longer equal the rollout's
+    if model.kv_qat and model:kv_qat() then
+        error("pool:publish: the model's FP8 KV quantisation-aware option (set_kv_qat) is on, and rollout workers "
+            .. "would decode without it (the protocol does not carry it): turn it off, or generate in-process", 2)
+    end
     local t0 = self.now()
     local buf = model:params()
     local bytes = buf:nbytes()
