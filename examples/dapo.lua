@@ -83,6 +83,7 @@ local SPEC = {
         { "lora_alpha", 0, "LoRA alpha (0: twice the rank)" },
         { "seed", 1, "seed of the data, the model and the rollouts" },
         { "device", "", "where the model computes: cpu, cuda, cuda:N (default: ds4 run --device's, else cpu)" },
+        { "threads", 0, "the trainer's CPU threads (0: all cores; fewer leaves cores to rollout workers beside it)" },
         { "dtype", "", "fp32 or bf16 (default: bf16 on CUDA, fp32 on the CPU)" },
         { "routing_replay", false, "train with the experts the rollouts used" },
         { "out", "", "run directory (default: " .. (EX.root or "runs/dapo") .. "/<start time>)" },
@@ -111,6 +112,7 @@ if not ROOT then print = function() end end
 -- the models made below compute there (ds4.set_device checks the spelling and that the device exists)
 -- data parallel on GPUs: each rank's model on its own GPU (the NCCL communicator's, ds4.dp)
 if ds4.dp.device() then opts.device = ds4.dp.device() end
+if opts.threads ~= 0 then ds4.set_threads(opts.threads) end -- before any model exists
 if opts.device ~= "" or opts.dtype ~= "" then
     ds4.set_device(opts.device ~= "" and opts.device or ds4.device():match("^%S+"), opts.dtype ~= "" and opts.dtype or nil)
 end
