@@ -31,7 +31,10 @@ say() { printf '== test: %s\n' "$*"; }
 
 # Per-test tallies across stages ("passed failed skipped" lines), for the closing summary line.
 COUNTS="$(mktemp "${TMPDIR:-/tmp}/ds4-counts.XXXXXX")"
-trap 'rm -f "$COUNTS"' EXIT
+# What failed, with the end of each failing test's output: printed again just before the closing line, because
+# a CI log is often read from its tail only, and the fuzz stage prints a lot after the release stage's ctest.
+FAILURES="$(mktemp "${TMPDIR:-/tmp}/ds4-failures.XXXXXX")"
+trap 'rm -f "$COUNTS" "$FAILURES"' EXIT
 
 # Run ctest in build dir $1, echo its output, and add its pass/fail/skip counts to $COUNTS.
 run_ctest() {
@@ -41,6 +44,16 @@ run_ctest() {
     total="$(sed -n 's/.*tests failed out of \([0-9]*\).*/\1/p' "$log" | tail -n1)"
     failed="$(sed -n 's/.* \([0-9]*\) tests failed out of .*/\1/p' "$log" | tail -n1)"
     skipped="$(grep -c '(Skipped)' "$log" || true)"
+    if [ "$rc" -ne 0 ]; then
+        {
+            printf '== test: failures in %s:\n' "$1"
+            sed -n '/The following tests FAILED:/,$p' "$log"
+            # The last 40 lines each failing test printed (ctest --output-on-failure puts them after the
+            # test's status line, up to the next test's status line).
+            awk '/^ *[0-9]+\/[0-9]+ Test +#[0-9]+: / { keep = ($0 ~ /\*\*\*|Failed|Timeout/) }
+                 keep { print }' "$log" | tail -n 120
+        } >>"$FAILURES"
+    fi
     rm -f "$log"
     if [ -n "$total" ] && [ -n "$failed" ]; then
         echo "$((total - failed - skipped)) $failed $skipped" >>"$COUNTS"
@@ -163,6 +176,10 @@ for stage in $STAGES; do
     fi
 done
 
+if [ -s "$FAILURES" ]; then
+    say "what failed (repeated from above):"
+    cat "$FAILURES"
+fi
 say "passed stages: ${passed[*]:-none}; failed stages: ${failed[*]:-none}"
 # Closing line: individual tests over all stages (ctest tests of the release and sanitizer builds, fuzz targets).
 read -r tp tf ts < <(awk '{p += $1; f += $2; s += $3} END {print p + 0, f + 0, s + 0}' "$COUNTS")

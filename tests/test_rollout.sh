@@ -63,13 +63,19 @@ local function exists(p) local f = io.open(p) if f then f:close() return true en
 local function touch(p) assert(io.open(p, "w")):close() end
 local policy = ds4.load(fix .. "/tiny_a")
 policy:set_tokenizer(ds4.tokenizer()) -- byte-level (ids < 256 are bytes): the announce carries it, for stop strings
-local done = 0
-local pool = ds4.rollout.pool{ bind = bind, model = policy, workers = 3, wait_s = 60, dead_s = 4, timeout_s = 300,
+local done, paused = 0, false
+local pool
+pool = ds4.rollout.pool{ bind = bind, model = policy, workers = 3, wait_s = 60, dead_s = 4, timeout_s = 300,
     curve = { secret = dir .. "/trainer.key", public = dir .. "/trainer.pub",
               allow = { dir .. "/w1.pub", dir .. "/w2.pub", dir .. "/w3.pub", dir .. "/raw.pub" } },
     on_result = function()
         done = done + 1
-        if mode == "first" and done == 6 then -- hold still while the shell kills w2 (its leases stay out)
+        -- from the 6th result on, at the first result when w2 holds leases: hold still while the shell kills w2
+        -- (its leases stay out). Waiting for w2's leases, not a fixed count: under load w2 can join after w1 and
+        -- w3 have taken every task, and a w2 killed with nothing leased leaves nothing to re-issue.
+        local w2 = mode == "first" and not paused and done >= 6 and pool:stats().workers.w2
+        if w2 and w2.leases > 0 then
+            paused = true
             touch(dir .. "/mid")
             for _ = 1, 300 do if exists(dir .. "/killed") then break end os.execute("sleep 0.1") end
         end
