@@ -47,9 +47,40 @@ static void logprobs_range(const ds4_cpu *cpu, const void *p, int64_t b, int64_t
 
 void ds4_cpu_logprobs(ds4_dev *d, const ds4_a_logprobs *a) { ds4_cpu_parallel(ds4_cpu_of(d), a->rows, logprobs_range, a); }
 
+typedef struct {
+    const ds4_a_sample *a;
+    char *ws;                     /* [ntask, stride] ds4_sample's scratch, one per range */
+    size_t stride;
+} sample_job;
+
+/* Rows are independent (each has its own uniform u[r]): any split gives the same ids and log-probabilities. A row
+ * that fails is left at id -1; ds4_cpu_sample draws it again alone for the message. */
+static void sample_range(const ds4_cpu *cpu, const void *p, int64_t b, int64_t e, int64_t task) {
+    (void)cpu;
+    const sample_job *j = p;
+    const ds4_a_sample *a = j->a;
+    for (int64_t r = b; r < e; r++) {
+        ds4_error err;
+        a->id[r] = ds4_sample(a->logits + (int64_t)a->lrow[r] * a->V, a->V, &a->p, a->u[r], &a->lp_model[r],
+                              &a->lp_sample[r], j->ws + (size_t)task * j->stride, &err);
+    }
+}
+
 void ds4_cpu_sample(ds4_dev *d, const ds4_a_sample *a) {
     ds4_cpu *cpu = ds4_cpu_of(d);
-    const size_t need = ds4_sample_scratch_bytes(a->V);
+    const size_t one = (ds4_sample_scratch_bytes(a->V) + 63) & ~(size_t)63;
+    if (a->rows <= 0) return;
+    if (one == 0) { /* a vocabulary ds4_sample refuses: its message */
+        ds4_error e;
+        (void)ds4_sample(a->logits, a->V, &a->p, a->u[0], &a->lp_model[0], &a->lp_sample[0], &e, &e);
+        ds4_dev_fail(d, DS4_ERR_ARG, "sample: row 0 of [%lld, %lld]: %s", (long long)a->rows, (long long)a->V, e.msg);
+        return;
+    }
+    if (one > SIZE_MAX / (size_t)cpu->ntask) {
+        ds4_dev_fail(d, DS4_ERR_OOM, "sample: scratch of %lld x %zu bytes", (long long)cpu->ntask, one);
+        return;
+    }
+    const size_t need = one * (size_t)cpu->ntask;
     if (need > cpu->sample_bytes) {
         void *ws = realloc(cpu->sample_ws, need);
         if (!ws) {
@@ -59,15 +90,16 @@ void ds4_cpu_sample(ds4_dev *d, const ds4_a_sample *a) {
         cpu->sample_ws = ws;
         cpu->sample_bytes = need;
     }
+    const sample_job j = {a, cpu->sample_ws, one};
+    ds4_cpu_parallel(cpu, a->rows, sample_range, &j);
     for (int64_t r = 0; r < a->rows; r++) {
+        if (a->id[r] >= 0) continue;
         ds4_error e;
-        a->id[r] = ds4_sample(a->logits + (int64_t)a->lrow[r] * a->V, a->V, &a->p, a->u[r], &a->lp_model[r], &a->lp_sample[r],
-                              cpu->sample_ws, &e);
-        if (a->id[r] < 0) {
-            ds4_dev_fail(d, DS4_ERR_ARG, "sample: row %lld of [%lld, %lld]: %s", (long long)r, (long long)a->rows,
-                         (long long)a->V, e.msg);
-            return;
-        }
+        (void)ds4_sample(a->logits + (int64_t)a->lrow[r] * a->V, a->V, &a->p, a->u[r], &a->lp_model[r],
+                         &a->lp_sample[r], cpu->sample_ws, &e);
+        ds4_dev_fail(d, DS4_ERR_ARG, "sample: row %lld of [%lld, %lld]: %s", (long long)r, (long long)a->rows,
+                     (long long)a->V, e.msg);
+        return;
     }
 }
 

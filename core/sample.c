@@ -73,8 +73,16 @@ int64_t ds4_sample(const float *logits, int64_t V, const ds4_sampling *p, double
     }
     const double mx = logits[arg];
     if (isinf(mx)) SAMPLE_BAD("sample: all %lld logits are -inf (no token has nonzero probability)", (long long)V);
+    /* At temperature 1 the sampling weights are the normaliser's terms ((l - mx) / 1 is exact): one exp per id,
+     * kept in the scratch and added in the same order, the same bits as taking them twice. */
+    sample_ent *e = scratch;
+    const int unit = T == 1.0;
     double z = 0;
-    for (int64_t i = 0; i < V; i++) z += exp((double)logits[i] - mx);
+    for (int64_t i = 0; i < V; i++) {
+        const double w = exp((double)logits[i] - mx);
+        if (unit) e[i] = (sample_ent){w, i};
+        z += w;
+    }
     const double lse = mx + log(z);
 
     if (T == 0) {
@@ -83,8 +91,8 @@ int64_t ds4_sample(const float *logits, int64_t V, const ds4_sampling *p, double
         return arg;
     }
 
-    sample_ent *e = scratch;
-    for (int64_t i = 0; i < V; i++) e[i] = (sample_ent){exp(((double)logits[i] - mx) / T), i};
+    if (!unit)
+        for (int64_t i = 0; i < V; i++) e[i] = (sample_ent){exp(((double)logits[i] - mx) / T), i};
     int64_t n = V; /* e[0, n) is the kept set */
     const int topk = p->top_k > 0 && p->top_k < V, topp = p->top_p > 0 && p->top_p < 1;
     if (topk || topp) { /* only these need an order; without them everything below is O(V) */
