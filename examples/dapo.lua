@@ -37,7 +37,8 @@ and model.
   tokenizer and the hash-routing tables), prints the command that starts a worker, and publishes every optimizer
   step's weights to the workers (with --lora the adapters only, over the saved base: docs/lora.md). tcp:// needs CURVE
   keys (`ds4 keygen --out PREFIX`: --curve PREFIX for the trainer, --allow the workers' .pub files) or --insecure;
-  ipc:// stays on this host. --max-staleness 0 makes every rollout use the newest weights (default 1: one step
+  ipc:// stays on this host. With several ranks rank 0 alone binds the pool and hands the others their share of
+  each batch's results. --max-staleness 0 makes every rollout use the newest weights (default 1: one step
   behind at most, corrected by the importance ratio against the recomputed log-probs). --async K overlaps generation
   with training: the workers generate the next K steps' rollouts, under weights at most K versions old, while the
   trainer trains (docs/rl.md, "Asynchronous RL"; --async 0 is the synchronous loop with --max-staleness 0; add
@@ -285,7 +286,8 @@ local function shell_word(s)
     return "'" .. s:gsub("'", "'\\''") .. "'"
 end
 local source -- nil: model:generate in this process
-if opts.workers ~= "" then
+-- with several ranks (ds4.dp) rank 0 alone binds the pool; the trainer hands the other ranks its results
+if opts.workers ~= "" and ROOT then
     local curve
     if opts.curve ~= "" then
         local allow = {}

@@ -41,6 +41,13 @@ minibatches x micro_batches parts), each evaluation token — at most every 20 m
 heartbeats, tasks and weight chunks and their results are taken in while the trainer computes; the longest silence a
 worker sees is one such piece (docs/rl.md, "Asynchronous RL").
 
+Several training ranks (ds4.dp) with a rollout source: rank 0 alone holds it (a source on another rank is an error on
+every rank). Rank 0 sends each batch's prompts, all of them, to its source with one process's random streams, and
+sends the results to every rank, which keeps its share of the prompts and goes on as if it had generated them itself
+(rewards, gathering, advantages, micro-batches): the same samples and the same training as one process with that
+source. Rank 0 publishes the weights after each step. The other ranks wait for rank 0's batch inside a collective:
+DS4_DIST_TIMEOUT (docs/distributed.md) must be longer than the source takes to generate one batch.
+
 Asynchronous RL (async = {max_staleness = K}): the rollout batches of steps t .. t + K are submitted before step t
 trains (a step ahead gets as many as the last step used; dynamic sampling draws several), so that the workers
 generate for the next K steps under older weights while the trainer trains. A source with :submit / :collect
@@ -194,7 +201,8 @@ local function gather_rollouts(res, scores, infos, errors, base)
     local mine = { s = {}, e = {} }
     for i, r in ipairs(res) do
         mine.s[i] = { ids = json.array(r.ids), lp = json.array(r.logprobs or {}), fr = r.finish_reason,
-            err = r.error and tostring(r.error) or nil, sc = scores[i], info = infos[i], pv = r.policy_version }
+            err = r.error and tostring(r.error) or nil, sc = scores[i], info = infos[i], pv = r.policy_version,
+            tv = r.token_versions and json.array(r.token_versions) or nil }
     end
     for _, e in ipairs(errors) do mine.e[#mine.e + 1] = { i = e.index + base, m = e.message } end
     local all_res, all_scores, all_infos, all_errors = {}, {}, {}, {}
@@ -205,7 +213,8 @@ local function gather_rollouts(res, scores, infos, errors, base)
         end
         for _, x in ipairs(got.s) do
             local i = #all_res + 1
-            all_res[i] = { ids = x.ids, logprobs = x.lp, finish_reason = x.fr, error = x.err, policy_version = x.pv }
+            all_res[i] = { ids = x.ids, logprobs = x.lp, finish_reason = x.fr, error = x.err, policy_version = x.pv,
+                token_versions = x.tv }
             all_scores[i], all_infos[i] = x.sc, x.info
         end
         for _, e in ipairs(got.e) do all_errors[#all_errors + 1] = { index = e.i, message = e.m } end
@@ -233,7 +242,20 @@ local function submit_batch(cfg, k, st, min_policy)
         temperature = ro.temperature, top_p = ro.top_p, top_k = ro.top_k, seed = cfg.seed * 1000003 + k,
         prompt_base = p1 > 1 and p1 - 1 or nil, stop = ro.stop, tokenizer = ro.tokenizer,
         record_experts = cfg.routing_replay or nil, record_index = cfg.routing_replay or nil }
-    if #share == 0 then
+    if cfg.remote then
+        -- rank 0 generates every prompt through its source, with the random streams of one process (no prompt_base:
+        -- the same as the ranks' shares would draw); each rank takes its share of the results in finish_batch
+        b.pc = pc
+        if dp.is_root() then
+            opts.prompt_base = nil
+            if min_policy and src.submit and src.collect then
+                opts.min_policy = min_policy
+                b.handle = src:submit(prompts, opts)
+            else
+                b.res = src:generate(prompts, opts)
+            end
+        end
+    elseif #share == 0 then
         b.res = {}
     elseif min_policy and src.submit and src.collect then
         opts.min_policy = min_policy
@@ -247,6 +269,38 @@ local function submit_batch(cfg, k, st, min_policy)
     return b
 end
 
+-- Several ranks and rank 0's rollout source: rank 0 collects batch b (every prompt), and every rank receives the
+-- results (ids, log-probabilities, finish reasons, errors, policy and per-token versions) and the source's policy
+-- version from it, as JSON (numbers in the shortest form that reads back exactly), and keeps its share: the results
+-- of its prompts p1 .. p1 + pc - 1, which are what it would have generated itself.
+local function remote_share(cfg, b, src)
+    local ro = cfg.rollout
+    local text = ""
+    if dp.is_root() then
+        local all = b.res or src:collect(b.handle)
+        local s = {}
+        for i, r in ipairs(all) do
+            s[i] = { ids = json.array(r.ids), lp = json.array(r.logprobs or {}), fr = r.finish_reason,
+                err = r.error and tostring(r.error) or nil, pv = r.policy_version,
+                tv = r.token_versions and json.array(r.token_versions) or nil }
+        end
+        text = json.encode({ v = src.version, s = s })
+    end
+    local got, why = json.decode(dp.broadcast_string(text, 0))
+    if type(got) ~= "table" or type(got.s) ~= "table" then
+        error("trainer: rank 0's rollouts do not decode: " .. tostring(why), 0)
+    end
+    if type(got.v) == "number" then cfg.remote_version = got.v end
+    local res = {}
+    for i = (b.p1 - 1) * ro.n + 1, (b.p1 - 1 + b.pc) * ro.n do
+        local x = got.s[i]
+        if not x then error(("trainer: rank 0 sent %d rollouts, want %d"):format(#got.s, #b.prompts * ro.n), 0) end
+        res[#res + 1] = { ids = x.ids, logprobs = x.lp, finish_reason = x.fr, error = x.err, policy_version = x.pv,
+            token_versions = x.tv }
+    end
+    return res
+end
+
 -- Finish batch b: its results (waiting for them if they are still being generated), rewards and samples with their
 -- policy versions; group_base makes group ids unique across calls. st accumulates the step's counts, timings, version
 -- lags and ds4.rl.stats.
@@ -255,7 +309,12 @@ local function finish_batch(cfg, b, group_base, st)
     local src = ro.source or cfg.model
     local items, prompts, p1 = b.items, b.prompts, b.p1
     local t0 = now()
-    local res = b.res or src:collect(b.handle)
+    local res
+    if cfg.remote then
+        res = remote_share(cfg, b, src)
+    else
+        res = b.res or src:collect(b.handle)
+    end
     local t1 = now()
     st.t_generate = st.t_generate + (t1 - t0)
     local texts, views = {}, {}
@@ -423,9 +482,19 @@ local function defaults(cfg)
     if type(cfg.micro_batches) ~= "number" or cfg.micro_batches < 1 or cfg.micro_batches ~= math.floor(cfg.micro_batches) then
         error("trainer.run: config.micro_batches must be an integer >= 1, got " .. tostring(cfg.micro_batches), 3)
     end
-    if dp.world() > 1 and ro.source then
-        error("trainer.run: a rollout source (remote workers) with several training ranks is not supported yet: " ..
-            "launch one trainer process, or let the ranks generate (no rollout.source)", 3)
+    -- several ranks and a rollout source (remote workers): rank 0's alone. Every rank learns who holds one (the same
+    -- answer everywhere, so that every rank raises the same error or none); the others take each batch's results
+    -- from rank 0 (finish_batch).
+    cfg.remote = false
+    if dp.world() > 1 then
+        local has = dp.gather_numbers({ ro.source and 1 or 0 })
+        for r = 2, #has do
+            if has[r][1] ~= 0 then
+                error(("trainer.run: with several training ranks only rank 0 may hold the rollout source (a "
+                    .. "ds4.rollout.pool): rank %d has one too"):format(r - 1), 3)
+            end
+        end
+        cfg.remote = has[1][1] ~= 0
     end
     if dp.world() > 1 and cfg.routing_replay then
         error("trainer.run: routing_replay with several training ranks is not supported yet (the recorded routes " ..
@@ -766,6 +835,13 @@ function M.run(cfg)
     local src = ro.source
     cfg.version = (src and type(src.version) == "number") and function() return src.version end
         or function() return state.version end
+    if cfg.remote then -- every rank: rank 0's source's version, as of the last batch or publish it sent
+        cfg.sync_version = function()
+            cfg.remote_version = tonumber(dp.broadcast_string(dp.is_root() and tostring(src.version) or "", 0))
+        end
+        cfg.sync_version()
+        cfg.version = function() return cfg.remote_version end
+    end
     -- a source with :poll (ds4.rollout.pool) is served between the pieces of every computation here (micro-batches,
     -- log-probability forwards, evaluation tokens), at most every 20 ms, so that its workers never hear silence
     local last_tick = 0
@@ -893,6 +969,7 @@ function M.run(cfg)
         if #samples > 0 and not stop then
             state.version = state.version + 1
             if ro.source and ro.source.publish then ro.source:publish(model) end
+            if cfg.remote then cfg.sync_version() end
         end
         local t_eval = now()
         if not stop and cfg.eval and cfg.eval.samples and ((cfg.eval.every and step % cfg.eval.every == 0)
