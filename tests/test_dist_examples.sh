@@ -143,6 +143,20 @@ tcp 2 "$W/rl_wk2" "${RL[@]}" "${WK[@]}" --save "$W/rl_wk2/final"
 worker_off
 grep -q "workers: 24 tasks completed" "$W/rl_wk2.log.0" || { tail -5 "$W/rl_wk2.log.0"; bad "dapo on 2 ranks with a worker: no worker summary"; }
 compare "$W/rl_wk1" "$W/rl_wk2" "dapo with a remote worker: 2 torchrun-style ranks = 1 process of 2 micro-batches (bitwise)"
+# Asynchronous RL on several ranks (--async 1): generating in process, 2 ranks = 1 process of 2 micro-batches
+# (bitwise: a batch of the step ahead is generated at its submission, by the weights of that moment, on every rank
+# alike); with the worker, the run finishes and no sample trained is more than 1 version old (which version a worker
+# generates a batch with depends on timing: no bitwise reference).
+rl_one "$W/rl_as1" --micro-batches 2 --async 1
+tcp 2 "$W/rl_as2" "${RL[@]}" --async 1 --save "$W/rl_as2/final"
+compare "$W/rl_as1" "$W/rl_as2" "dapo --async 1: 2 torchrun-style ranks = 1 process of 2 micro-batches (bitwise)"
+worker_on "ipc://$W/wk.sock" "$W/wk3.log"
+tcp 2 "$W/rl_aw2" "${RL[@]}" --async 1 --workers "ipc://$W/wk.sock" --n-workers 1 --save "$W/rl_aw2/final"
+worker_off
+lags="$(grep -o '"staleness/max": [0-9]*' "$W/rl_aw2/metrics.jsonl" | awk '{print $2}' | sort -n | tail -1)"
+[ "$(wc -l <"$W/rl_aw2/metrics.jsonl")" -ge 3 ] && [ -n "$lags" ] && [ "$lags" -le 1 ] ||
+    { tail -5 "$W/rl_aw2.log.0"; bad "dapo --async 1 on 2 ranks with a worker: steps or staleness (max $lags, want <= 1)"; }
+echo "dapo --async 1 with a worker on 2 ranks: $(wc -l <"$W/rl_aw2/metrics.jsonl") steps, staleness/max <= $lags"
 # a rollout source on a rank other than 0: every rank stops with the same message
 cat >"$W/src_rank1.lua" <<'LUA'
 local ds4 = require("ds4")

@@ -59,7 +59,8 @@ samples are exactly min(s - 1, K) versions old at step s). Further batches a ste
 sample more than K versions old stops the run (a source that does not honour min_policy). The off-policy gap is the
 rollout / old log-probability mismatch algorithm.tis corrects (decoupled PPO: the ratio is taken against the
 recomputed old policy, the importance weight against the rollout's). K = 0 is the synchronous loop, bitwise (with a
-pool: a pool of max_staleness 0); without async a pool's own max_staleness applies. Not with several ranks (K > 0).
+pool: a pool of max_staleness 0); without async a pool's own max_staleness applies. With several ranks every rank
+runs the same pipeline (a source on rank 0: rank 0 submits, every rank takes its share when the batch is finished).
 A checkpoint holds no batch in flight: a resumed asynchronous run draws new prompts for the K steps ahead, at the
 checkpoint's weights (valid, not bitwise the run that did not stop).
 
@@ -511,10 +512,6 @@ local function defaults(cfg)
         local K = a.max_staleness
         if type(K) ~= "number" or K ~= math.floor(K) or K < 0 or K > 64 then
             error("trainer.run: config.async.max_staleness must be an integer in [0, 64], got " .. tostring(K), 3)
-        end
-        if K > 0 and dp.world() > 1 then
-            error("trainer.run: config.async with several training ranks is not supported yet: launch one trainer "
-                .. "process, or max_staleness = 0", 3)
         end
     end
     if cfg.train_delay_s ~= nil and (type(cfg.train_delay_s) ~= "number" or not (cfg.train_delay_s >= 0)
