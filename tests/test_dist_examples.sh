@@ -143,6 +143,21 @@ tcp 2 "$W/rl_wk2" "${RL[@]}" "${WK[@]}" --save "$W/rl_wk2/final"
 worker_off
 grep -q "workers: 24 tasks completed" "$W/rl_wk2.log.0" || { tail -5 "$W/rl_wk2.log.0"; bad "dapo on 2 ranks with a worker: no worker summary"; }
 compare "$W/rl_wk1" "$W/rl_wk2" "dapo with a remote worker: 2 torchrun-style ranks = 1 process of 2 micro-batches (bitwise)"
+# Routing replay on several ranks: each sample's recorded experts and indexer picks travel with it (raw bytes beside
+# the JSON), so the ranks train with the routes the rollout used: 2 ranks = 1 process, in process and with the worker.
+# In process with --async 1: the samples are a version old, so their recorded routes are not the ones the training
+# forward would take (replay on and off give different weights there), and a rank that lost or shuffled them would
+# differ from the process.
+rl_one "$W/rl_rr1" --micro-batches 2 --routing-replay --async 1
+tcp 2 "$W/rl_rr2" "${RL[@]}" --routing-replay --async 1 --save "$W/rl_rr2/final"
+compare "$W/rl_rr1" "$W/rl_rr2" "dapo --routing-replay --async 1: 2 torchrun-style ranks = 1 process of 2 micro-batches (bitwise)"
+worker_on "ipc://$W/wk.sock" "$W/wk4.log"
+rl_one "$W/rl_rrw1" --micro-batches 2 --routing-replay "${WK[@]}"
+worker_off
+worker_on "ipc://$W/wk.sock" "$W/wk5.log"
+tcp 2 "$W/rl_rrw2" "${RL[@]}" --routing-replay "${WK[@]}" --save "$W/rl_rrw2/final"
+worker_off
+compare "$W/rl_rrw1" "$W/rl_rrw2" "dapo --routing-replay with a worker: 2 torchrun-style ranks = 1 process (bitwise)"
 # Asynchronous RL on several ranks (--async 1): generating in process, 2 ranks = 1 process of 2 micro-batches
 # (bitwise: a batch of the step ahead is generated at its submission, by the weights of that moment, on every rank
 # alike); with the worker, the run finishes and no sample trained is more than 1 version old (which version a worker

@@ -193,29 +193,67 @@ local function reward_view(item, r)
     return v
 end
 
+-- Results sent between ranks: each result's fields as JSON (numbers in the shortest form that reads back exactly),
+-- and its routing records (routing replay: I32 tensors [rows, L, K] / [rows, n_csa, topk]) as raw bytes in a binary
+-- string beside the JSON, their shapes in it (a JSON array of every routed expert would take ~5× the bytes).
+local RECORDS = { { "experts", "xs" }, { "index_picks", "is" } }
+
+local function encode_result(r, blob)
+    local x = { ids = json.array(r.ids), lp = json.array(r.logprobs or {}), fr = r.finish_reason,
+        err = r.error and tostring(r.error) or nil, pv = r.policy_version,
+        tv = r.token_versions and json.array(r.token_versions) or nil }
+    for _, f in ipairs(RECORDS) do
+        local t = r[f[1]]
+        if t then
+            x[f[2]] = json.array(t:shape())
+            blob[#blob + 1] = ffi.string(t:data_ptr(), t:nbytes())
+        end
+    end
+    return x
+end
+
+-- The result of x, its routing records read from blob at byte offset at; returns it and the next offset.
+local function decode_result(x, blob, at, who)
+    local r = { ids = x.ids, logprobs = x.lp, finish_reason = x.fr, error = x.err, policy_version = x.pv,
+        token_versions = x.tv }
+    for _, f in ipairs(RECORDS) do
+        local shape = x[f[2]]
+        if shape then
+            local t = ds4.zeros(shape, "I32")
+            local n = t:nbytes()
+            if at + n > #blob then
+                error(("trainer: %s's routing records hold %d bytes, their shapes say more"):format(who, #blob), 0)
+            end
+            ffi.copy(t:data_ptr(), ffi.cast("const char *", blob) + at, n)
+            r[f[1]] = t
+            at = at + n
+        end
+    end
+    return r, at
+end
+
 -- One batch of rollouts: samples with rewards; `group_base` makes group ids unique across calls. st accumulates the
 -- step's counts, timings and ds4.rl.stats.
--- Every rank's rollouts and rewards, in rank order (= prompt order): each rank sends its samples' ids, log-probs,
--- finish reasons, scores and reward infos as JSON (numbers in the shortest form that reads back exactly), and its
--- reward errors with their global sample index.
+-- Every rank's rollouts and rewards, in rank order (= prompt order): each rank sends its samples (encode_result) with
+-- their scores and reward infos, and its reward errors with their global sample index.
 local function gather_rollouts(res, scores, infos, errors, base)
-    local mine = { s = {}, e = {} }
+    local mine, blob = { s = {}, e = {} }, {}
     for i, r in ipairs(res) do
-        mine.s[i] = { ids = json.array(r.ids), lp = json.array(r.logprobs or {}), fr = r.finish_reason,
-            err = r.error and tostring(r.error) or nil, sc = scores[i], info = infos[i], pv = r.policy_version,
-            tv = r.token_versions and json.array(r.token_versions) or nil }
+        mine.s[i] = encode_result(r, blob)
+        mine.s[i].sc, mine.s[i].info = scores[i], infos[i]
     end
     for _, e in ipairs(errors) do mine.e[#mine.e + 1] = { i = e.index + base, m = e.message } end
     local all_res, all_scores, all_infos, all_errors = {}, {}, {}, {}
+    local blobs = dp.gather_strings(table.concat(blob))
     for r, text in ipairs(dp.gather_strings(json.encode(mine))) do
         local got, why = json.decode(text)
         if type(got) ~= "table" or type(got.s) ~= "table" or type(got.e) ~= "table" then
             error(("trainer: rank %d's rollouts do not decode: %s"):format(r - 1, tostring(why)), 0)
         end
+        local at = 0
         for _, x in ipairs(got.s) do
             local i = #all_res + 1
-            all_res[i] = { ids = x.ids, logprobs = x.lp, finish_reason = x.fr, error = x.err, policy_version = x.pv,
-                token_versions = x.tv }
+            all_res[i], at = decode_result(x, blobs[r], at, ("rank %d"):format(r - 1))
             all_scores[i], all_infos[i] = x.sc, x.info
         end
         for _, e in ipairs(got.e) do all_errors[#all_errors + 1] = { index = e.i, message = e.m } end
@@ -271,33 +309,30 @@ local function submit_batch(cfg, k, st, min_policy)
 end
 
 -- Several ranks and rank 0's rollout source: rank 0 collects batch b (every prompt), and every rank receives the
--- results (ids, log-probabilities, finish reasons, errors, policy and per-token versions) and the source's policy
--- version from it, as JSON (numbers in the shortest form that reads back exactly), and keeps its share: the results
--- of its prompts p1 .. p1 + pc - 1, which are what it would have generated itself.
+-- results (encode_result: ids, log-probabilities, finish reasons, errors, policy and per-token versions, routing
+-- records) and the source's policy version from it, and keeps its share: the results of its prompts
+-- p1 .. p1 + pc - 1, which are what it would have generated itself.
 local function remote_share(cfg, b, src)
     local ro = cfg.rollout
-    local text = ""
+    local text, blob = "", {}
     if dp.is_root() then
-        local all = b.res or src:collect(b.handle)
         local s = {}
-        for i, r in ipairs(all) do
-            s[i] = { ids = json.array(r.ids), lp = json.array(r.logprobs or {}), fr = r.finish_reason,
-                err = r.error and tostring(r.error) or nil, pv = r.policy_version,
-                tv = r.token_versions and json.array(r.token_versions) or nil }
-        end
+        for i, r in ipairs(b.res or src:collect(b.handle)) do s[i] = encode_result(r, blob) end
         text = json.encode({ v = src.version, s = s })
     end
+    local bytes = dp.broadcast_string(table.concat(blob), 0)
     local got, why = json.decode(dp.broadcast_string(text, 0))
     if type(got) ~= "table" or type(got.s) ~= "table" then
         error("trainer: rank 0's rollouts do not decode: " .. tostring(why), 0)
     end
     if type(got.v) == "number" then cfg.remote_version = got.v end
-    local res = {}
-    for i = (b.p1 - 1) * ro.n + 1, (b.p1 - 1 + b.pc) * ro.n do
+    local res, at = {}, 0
+    for i = 1, (b.p1 - 1 + b.pc) * ro.n do -- the records of the earlier ranks' shares are skipped by reading them
         local x = got.s[i]
         if not x then error(("trainer: rank 0 sent %d rollouts, want %d"):format(#got.s, #b.prompts * ro.n), 0) end
-        res[#res + 1] = { ids = x.ids, logprobs = x.lp, finish_reason = x.fr, error = x.err, policy_version = x.pv,
-            token_versions = x.tv }
+        local r
+        r, at = decode_result(x, bytes, at, "rank 0")
+        if i > (b.p1 - 1) * ro.n then res[#res + 1] = r end
     end
     return res
 end
@@ -496,10 +531,6 @@ local function defaults(cfg)
             end
         end
         cfg.remote = has[1][1] ~= 0
-    end
-    if dp.world() > 1 and cfg.routing_replay then
-        error("trainer.run: routing_replay with several training ranks is not supported yet (the recorded routes " ..
-            "stay on the rank that generated them)", 3)
     end
     if cfg.async ~= nil then
         local a = cfg.async
