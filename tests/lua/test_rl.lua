@@ -486,6 +486,19 @@ do
     -- normalisation to mean 1
     c = corr.compute(batch(), { mode = "reject", normalize = true })
     near_all(c.weights[1], { 4 / 3, 4 / 3, 4 / 3, 0 }, 1e-15, "normalized")
+    -- a batch cut in parts (micro-batches, ranks): each part scaled by the whole batch's factor gets the whole
+    -- batch's weights. Whole: 3 + 2 kept of 8 tokens -> 8/5; the first part alone would be 4/3
+    local two = batch()
+    two[2] = { logp = { -1, -1, -1, -1 }, old_logp = { -1, -1, -1, -1 }, rollout_logp = { -1, -4, -1, -4 }, adv = 1 }
+    local nrm = { mode = "reject", normalize = true }
+    H.near(corr.norm_scale(two, nrm), 8 / 5, 1e-15, "norm_scale: trained tokens / kept weight")
+    H.eq(corr.norm_scale(two, { mode = "reject" }), nil, "norm_scale without normalize")
+    local whole = corr.compute(two, nrm)
+    near_all(whole.weights[1], { 8 / 5, 8 / 5, 8 / 5, 0 }, 1e-15, "normalized over two samples")
+    for i = 1, 2 do
+        local part = corr.compute({ two[i] }, nrm, nil, corr.norm_scale(two, nrm))
+        near_all(part.weights[1], whole.weights[i], 0, ("part %d with the whole batch's factor"):format(i))
+    end
     -- masked tokens: weight 0, excluded from the metrics and the geometric mean
     local b = batch()
     b[1].mask = { 1, 1, 1, 0 }

@@ -31,9 +31,13 @@ the aggregation denominators (they come from sample.mask, so a global token coun
 micro-batches; this is what Miles' multiplicative icepop weights do). KL and entropy terms are not weighted.
 
 Functions
-  compute(samples, tis [, old_fallback]) -> {weights = {per-sample arrays, 0 where mask = 0}, metrics = {...}}
+  compute(samples, tis [, old_fallback, scale]) -> {weights = {per-sample arrays, 0 where mask = 0}, metrics = {...}}
       every sample needs rollout_logp and old_logp (error otherwise); old_fallback[i] (an array) stands in for
-      a missing old_logp (ds4.rl.loss passes the detached current logp: one update per rollout, old = current)
+      a missing old_logp (ds4.rl.loss passes the detached current logp: one update per rollout, old = current);
+      scale (normalize): the whole batch's factor when samples are a part of it (norm_scale), else their own
+  norm_scale(samples, tis) -> normalize's factor over the whole batch (count / Σ w), or nil (normalize off, or
+      nothing to scale): the RL trainer computes it per minibatch and hands it to every micro-batch on every rank,
+      so that neither ranks nor micro-batches change the weights
   metrics(samples [, weights, truncated, old_fallback]) -> table, or nil when no sample has rollout_logp:
       mismatch_abs_mean, mismatch_abs_max   mean / max over trained tokens of |old_logp - rollout_logp|
                                             (Miles train_rollout_logprob_abs_diff)
@@ -77,8 +81,8 @@ function M.settings(tis)
     return { level = level, mode = mode, lo = lo, hi = hi, veto = tis.veto, normalize = tis.normalize == true }
 end
 
-function M.compute(samples, tis, old_fallback)
-    local cfg = M.settings(tis)
+-- The unnormalised weights and truncation flags of every sample.
+local function raw_weights(samples, cfg, old_fallback)
     local weights, truncated = {}, {}
     for i, s in ipairs(samples) do
         local r, o = s.rollout_logp, s.old_logp
@@ -132,19 +136,32 @@ function M.compute(samples, tis, old_fallback)
         end
         weights[i], truncated[i] = w, tr
     end
-    if cfg.normalize then
-        local sum, cnt = 0, 0
-        for i, s in ipairs(samples) do
-            for t = 1, #weights[i] do
-                local m = mask_at(s, t)
-                if m ~= 0 then
-                    sum = sum + m * weights[i][t]
-                    cnt = cnt + m
-                end
+    return weights, truncated
+end
+
+-- normalize's factor: trained tokens / Σ weights over them (nil when there is nothing to scale)
+local function scale_of(samples, weights)
+    local sum, cnt = 0, 0
+    for i, s in ipairs(samples) do
+        for t = 1, #weights[i] do
+            local m = mask_at(s, t)
+            if m ~= 0 then
+                sum = sum + m * weights[i][t]
+                cnt = cnt + m
             end
         end
-        if cnt > 0 and sum > 0 then
-            local k = cnt / sum
+    end
+    return (cnt > 0 and sum > 0) and cnt / sum or nil
+end
+
+-- scale (normalize only): the factor to use instead of these samples' own — the whole batch's (norm_scale), when
+-- `samples` are one part of it (a micro-batch, a rank's share), so that the split does not change the weights.
+function M.compute(samples, tis, old_fallback, scale)
+    local cfg = M.settings(tis)
+    local weights, truncated = raw_weights(samples, cfg, old_fallback)
+    if cfg.normalize then
+        local k = scale or scale_of(samples, weights)
+        if k then
             for i = 1, #weights do
                 local w = weights[i]
                 for t = 1, #w do w[t] = w[t] * k end
@@ -152,6 +169,14 @@ function M.compute(samples, tis, old_fallback)
         end
     end
     return { weights = weights, metrics = M.metrics(samples, weights, truncated, old_fallback) }
+end
+
+-- The normalize option's factor over a whole batch (nil: normalize is off, or nothing to scale), for compute's
+-- `scale` on each of its parts. Needs every sample's old_logp.
+function M.norm_scale(samples, tis)
+    local cfg = M.settings(tis)
+    if not cfg.normalize then return nil end
+    return scale_of(samples, (raw_weights(samples, cfg, nil)))
 end
 
 function M.metrics(samples, weights, truncated, old_fallback)

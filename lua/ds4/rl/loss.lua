@@ -63,6 +63,7 @@ and entropy terms):
   "constant"                 f_i = 1 / C,  C = spec.agg.constant (required; Miles' Dr.GRPO reducer uses 1000)
   N = opts.num_seqs or #samples (every sample of the batch counts, as Miles divides by the global batch size
   and TRL by the batch dimension; a sample whose tokens are all masked contributes 0 to the numerator).
+  opts.tis_scale: spec.tis.normalize's factor of the whole batch (ds4.rl.correction.norm_scale), for a part of it.
   spec.agg is a mode string or {mode = ..., max_len = L, constant = C}; "-" spellings (token-mean) accepted.
 
 KL to the reference policy (spec.kl = {coef = beta, estimator = "k1"|"k2"|"k3", where = "loss"|"reward",
@@ -397,7 +398,7 @@ function M.compute(samples, spec, opts)
     local old_fallback = {}
     for i, s in ipairs(samples) do old_fallback[i] = sg_all and sg_all[i] or s.logp end
     local corr
-    if spec.tis then corr = correction.compute(samples, spec.tis, old_fallback) end
+    if spec.tis then corr = correction.compute(samples, spec.tis, old_fallback, opts.tis_scale) end
     local f = M.agg_factors(samples, agg, opts)
 
     local Jpg, Jkl, Jent = 0, 0, 0

@@ -83,7 +83,7 @@ One step:
      one normalisation) and model:backward_logprobs.
 
 A user loss (config.loss) replaces rl.loss.compute: loss(mb, spec, {denom = T, num_seqs = N, step_tokens,
-step_seqs}) gets the minibatch's samples (T its trained tokens and N its samples, what rl.loss.compute normalises
+step_seqs, tis_scale}) gets the minibatch's samples (T its trained tokens and N its samples, what rl.loss.compute normalises
 by; step_tokens / step_seqs the same over the whole step), each with, for its response tokens t = 1..#s.ids: s.logp[t] (the current policy's log p of token t, from
 model:logprobs of the training forward), s.old_logp[t] (the same before this step's updates), s.rollout_logp[t]
 (what the generator reported), s.ref_logp[t] (with a KL term), s.entropy[t], s.mask (nil = all 1), s.adv (a number
@@ -705,7 +705,8 @@ local function micro_step(cfg, spec, pad, part, lopts)
         if why then return nil, "config.loss " .. why end
         out = r
     else
-        out = rl.loss.compute(part, spec, { denom = lopts.denom, num_seqs = lopts.num_seqs })
+        out = rl.loss.compute(part, spec, { denom = lopts.denom, num_seqs = lopts.num_seqs,
+            tis_scale = lopts.tis_scale })
     end
     local g = ds4.zeros({ #part, S })
     for i, s in ipairs(part) do
@@ -749,7 +750,9 @@ local function train(cfg, opt, samples, row)
     for _, mb in ipairs(split_groups(samples, cfg.minibatches)) do
         model:zero_grad()
         local Tm, Nm = rl.loss.count(mb)
-        local lopts = { denom = Tm, num_seqs = Nm, step_tokens = T, step_seqs = #samples }
+        -- tis.normalize: the whole minibatch's factor, the same in every micro-batch on every rank
+        local lopts = { denom = Tm, num_seqs = Nm, step_tokens = T, step_seqs = #samples,
+            tis_scale = spec.tis and rl.correction.norm_scale(mb, spec.tis) or nil }
         -- Σ over this rank's micro-batches of: loss, tokens, and the token-weighted clip_frac, kl, entropy
         local sums = { 0, 0, 0, 0, 0 }
         local ok, err = pcall(function()
