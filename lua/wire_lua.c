@@ -64,7 +64,7 @@ static const char *const F_NONE[] = {NULL};
 static const char *const F_TASK[] = {"prompt", NULL};
 static const char *const F_SAMPLES[] = {"tokens", "logprobs", "sample_logprobs", "policy_lag", "experts", "index",
                                         NULL};
-static const char *const F_PARTIAL[] = {"tokens", "logprobs", "sample_logprobs", NULL};
+static const char *const F_PARTIAL[] = {"tokens", "logprobs", "sample_logprobs", "policy_lag", NULL};
 static const char *const F_CHUNK[] = {"weights", NULL};
 static const char *const F_ANNOUNCE[] = {"config", "tokenizer", "tables", "lora_masks", NULL};
 
@@ -492,15 +492,20 @@ static void enc_seqs(enc_ctx *e, ds4_wire_samples *s, const char *const *keys, c
     need_frame(e, "sample_logprobs", FR_F32, &s->sample_logprobs);
 }
 
+/* the policy_lag frame, present exactly when token_versions is set (samples; partial from version 6) */
+static void enc_policy_lag(enc_ctx *e, ds4_wire_samples *s) {
+    if (f_frame(e, "policy_lag", FR_I32, &s->policy_lag) != (s->token_versions != 0))
+        efail(e, "policy_lag", s->token_versions ? "missing raw frame (token_versions is set)"
+                                                 : "given, but token_versions is not set");
+}
+
 static void enc_samples(enc_ctx *e, ds4_wire_samples *s) {
     s->experts_layers = f_u32(e, "experts_layers", 0, 0);
     s->experts_k = f_u32(e, "experts_k", 0, 0);
     s->index_layers = f_u32(e, "index_layers", 0, 0);
     s->index_topk = f_u32(e, "index_topk", 0, 0);
     enc_seqs(e, s, K_SEQ, "{prompt_len, n_gen, finish, ...}", enc_sample_seq);
-    if (f_frame(e, "policy_lag", FR_I32, &s->policy_lag) != (s->token_versions != 0))
-        efail(e, "policy_lag", s->token_versions ? "missing raw frame (token_versions is set)"
-                                                 : "given, but token_versions is not set");
+    enc_policy_lag(e, s);
     int ex = s->experts_layers || s->experts_k, ix = s->index_layers || s->index_topk;
     if (f_frame(e, "experts", FR_I32, &s->experts) != ex)
         efail(e, "experts",
@@ -559,7 +564,10 @@ static void enc_fill(enc_ctx *e, ds4_wire_msg *m) {
         break;
     }
     case DS4_WIRE_SAMPLES: enc_samples(e, &m->samples); break;
-    case DS4_WIRE_PARTIAL: enc_seqs(e, &m->partial, K_PSEQ, "{offset, n_gen}", enc_partial_seq); break;
+    case DS4_WIRE_PARTIAL:
+        enc_seqs(e, &m->partial, K_PSEQ, "{offset, n_gen}", enc_partial_seq);
+        enc_policy_lag(e, &m->partial);
+        break;
     case DS4_WIRE_WEIGHT_ANNOUNCE: {
         ds4_wire_weight_announce *w = &m->announce;
         if (absent(e, "bytes")) w->bytes = w->n_params <= (uint64_t)MAX_EXACT / 4 ? 4 * w->n_params : 0;
@@ -794,6 +802,7 @@ static void push_msg(lua_State *L, const ds4_wire_msg *m, int raw) {
         set_frame(L, "tokens", s->tokens, FR_I32, raw);
         set_frame(L, "logprobs", s->logprobs, FR_F32, raw);
         set_frame(L, "sample_logprobs", s->sample_logprobs, FR_F32, raw);
+        if (s->token_versions) set_frame(L, "policy_lag", s->policy_lag, FR_I32, raw);
         break;
     }
     case DS4_WIRE_WEIGHT_ANNOUNCE: {

@@ -583,6 +583,7 @@ static const ds4_wire_field F_PARTIAL[] = {
     U32(ds4_wire_samples, "partial.n", NULL, "n", "n", REQ | OWN, 1, U32_MAX, n),
     OTHER("partial.offset[]", NULL, "offset", NULL),
     OTHER("partial.gen[]", NULL, "gen", NULL),
+    BOOL(ds4_wire_samples, "partial.token_versions", NULL, "token_versions", token_versions),
 };
 static const ds4_wire_field F_ANNOUNCE[] = {
     U64(ds4_wire_weight_announce, "weight_announce.version", NULL, "version", "version", REQ | LREQ, 1, MAX_ID, version),
@@ -829,6 +830,18 @@ static ds4_wire_code g_per_sample(dx *d, const msgpack_object *root, const char 
     return DS4_WIRE_OK;
 }
 
+/* The policy_lag frame (token_versions) of a samples or partial message: each token's version policy - lag is in
+ * [1, policy]. */
+static ds4_wire_code check_lags(dx *d, const ds4_wire_samples *m, uint64_t sum_gen) {
+    for (uint64_t j = 0; j < sum_gen; j++) {
+        const int32_t lag = ds4_wire_i32(m->policy_lag, j);
+        if (lag < 0 || (uint64_t)lag >= m->policy)
+            return dfail(d, DS4_WIRE_ERANGE, "policy_lag[%llu] = %d: a token's version policy - lag must be in "
+                         "[1, policy = %llu]", (unsigned long long)j, lag, (unsigned long long)m->policy);
+    }
+    return DS4_WIRE_OK;
+}
+
 /* An optional [a, b] shape with a in 1..amax, b in 1..bmax. */
 static ds4_wire_code g_shape(dx *d, const msgpack_object *root, const char *key, uint64_t amax, uint64_t bmax,
                              uint32_t *a, uint32_t *b) {
@@ -926,19 +939,15 @@ static ds4_wire_code check_samples(dx *d, const dargs *a, ds4_wire_samples *m) {
     int k = 4;
     if (m->token_versions) {
         m->policy_lag = view_of(k++, a->frames, a->lens);
-        for (uint64_t j = 0; j < sum_gen; j++) {
-            const int32_t lag = ds4_wire_i32(m->policy_lag, j);
-            if (lag < 0 || (uint64_t)lag >= m->policy)
-                return dfail(d, DS4_WIRE_ERANGE, "policy_lag[%llu] = %d: a token's version policy - lag must be in "
-                             "[1, policy = %llu]", (unsigned long long)j, lag, (unsigned long long)m->policy);
-        }
+        TRY(check_lags(d, m, sum_gen));
     }
     if (m->experts_layers) m->experts = view_of(k++, a->frames, a->lens);
     if (m->index_layers) m->index = view_of(k++, a->frames, a->lens);
     return DS4_WIRE_OK;
 }
 
-/* A running task's newest tokens (version 5): per sample, how many were sent before (offset) and how many follow. */
+/* A running task's newest tokens (version 5): per sample, how many were sent before (offset) and how many follow;
+ * with token_versions (version 6) each token's version as in samples. */
 static ds4_wire_code check_partial(dx *d, const dargs *a, ds4_wire_samples *m) {
     const ds4_wire_limits *L = d->lim;
     const msgpack_object *off, *gen;
@@ -961,15 +970,20 @@ static ds4_wire_code check_partial(dx *d, const dargs *a, ds4_wire_samples *m) {
                          (unsigned long long)sum_gen, (unsigned long long)L->max_gen_tokens);
         m->seq[i].n_gen = (uint32_t)v;
     }
-    fspec sp[3] = {
+    fspec sp[4] = {
         {"tokens", sum_gen, "the sum of gen", 0},
         {"logprobs", sum_gen, "the sum of gen", 1},
         {"sample_logprobs", sum_gen, "the sum of gen", 1},
+        {"policy_lag", sum_gen, "the sum of gen", 0},
     };
-    TRY(check_frames(d, a->root, a->nframes, a->lens, sp, 3));
+    TRY(check_frames(d, a->root, a->nframes, a->lens, sp, m->token_versions ? 4 : 3));
     m->tokens = view_of(1, a->frames, a->lens);
     m->logprobs = view_of(2, a->frames, a->lens);
     m->sample_logprobs = view_of(3, a->frames, a->lens);
+    if (m->token_versions) {
+        m->policy_lag = view_of(4, a->frames, a->lens);
+        TRY(check_lags(d, m, sum_gen));
+    }
     return DS4_WIRE_OK;
 }
 
@@ -1257,6 +1271,7 @@ int ds4_wire_equal(const ds4_wire_msg *a, const ds4_wire_msg *b, const char **fi
             EQ(view_eq(x->tokens, y->tokens), "partial.tokens (frame)")
             EQ(view_eq(x->logprobs, y->logprobs), "partial.logprobs (frame)")
             EQ(view_eq(x->sample_logprobs, y->sample_logprobs), "partial.sample_logprobs (frame)")
+            EQ(view_eq(x->policy_lag, y->policy_lag), "partial.policy_lag (frame)")
             break;
         }
         case DS4_WIRE_WEIGHT_ANNOUNCE:
@@ -1410,6 +1425,7 @@ static int frames_of(const ds4_wire_msg *m, const char **names, int *dt, ds4_wir
         FR("tokens", FR_I32, m->partial.tokens);
         FR("logprobs", FR_F32, m->partial.logprobs);
         FR("sample_logprobs", FR_F32, m->partial.sample_logprobs);
+        if (m->partial.token_versions) FR("policy_lag", FR_I32, m->partial.policy_lag);
         break;
     case DS4_WIRE_WEIGHT_ANNOUNCE:
         FR("config", FR_U8, m->announce.config);

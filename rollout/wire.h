@@ -43,8 +43,11 @@ extern "C" {
  * 5: streaming and partial rollouts (issue 16). A task may ask for partial results (sampling.stream = every N tokens),
  * which the worker sends as "partial" messages before the final samples; samples may carry the policy version of
  * every token (token_versions and the "policy_lag" frame), for a sequence that went on under newer weights. A
- * version-4 worker would refuse the task's unknown key; a new version refuses it at hello. */
-#define DS4_WIRE_VERSION 5
+ * version-4 worker would refuse the task's unknown key; a new version refuses it at hello.
+ * 6: partial messages carry each token's version too (token_versions and policy_lag, as samples do), so that a
+ * consumer of streamed tokens knows which weights made them before the final answer. A version-5 pool would refuse
+ * the partial message's unknown key and frame mid-task; a new version refuses it at hello. */
+#define DS4_WIRE_VERSION 6
 
 /* Compile-time capacities of the structs below. The configurable limits (ds4_wire_limits) may be lowered
  * from these, never raised past them. */
@@ -197,8 +200,8 @@ typedef struct ds4_wire_samples {
     ds4_wire_seq seq[DS4_WIRE_SAMPLES_CAP];
     uint32_t experts_layers, experts_k;   /* [L, K] of the experts frame; both 0: no experts frame */
     uint32_t index_layers, index_topk;    /* [n_csa, topk] of the index frame; both 0: no index frame */
-    uint8_t token_versions;               /* v5: the policy_lag frame gives each token's version (a sequence went on
-                                             under newer weights); policy is then the newest of them */
+    uint8_t token_versions;               /* samples v5, partial v6: the policy_lag frame gives each token's version
+                                             (a sequence went on under newer weights); policy is then the newest */
     /* frames, samples concatenated in order (sample i's tokens start at the sum of n_gen before it) */
     ds4_wire_view tokens;                 /* i32 [sum n_gen] generated ids */
     ds4_wire_view logprobs;               /* f32 [sum n_gen] log p_model at temperature 1, unfiltered */

@@ -223,19 +223,21 @@ s:set{ routing_id = "raw-client", curve_serverkey = zmq.read_key(dir .. "/traine
 s:connect(ep)
 local credit = ds4.wire.encode({ t = "credit", n = 1 })
 local cases = {
-    -- peers of protocol versions 1 to 4 (a hello as they wrote it; 4: no streaming, no per-token versions),
+    -- peers of protocol versions 1 to 5 (a hello as they wrote it; 4: no streaming, no per-token versions; 5: no
+    -- per-token versions in partial messages),
     -- first: the trainer logs at most 10 rejections of a peer per second: refused by version, whatever else they say
     { "a version 1 hello", { "\131\161v\1\161t\165hello\166worker\170raw-client" }, "version" },
     { "a version 2 hello", { "\131\161v\2\161t\165hello\166worker\170raw-client" }, "version" },
     { "a version 3 hello", { "\131\161v\3\161t\165hello\166worker\170raw-client" }, "version" },
     { "a version 4 hello", { "\131\161v\4\161t\165hello\166worker\170raw-client" }, "version" },
+    { "a version 5 hello", { "\131\161v\5\161t\165hello\166worker\170raw-client" }, "version" },
     { "not a map", { "\193 garbage" }, "not_map" },
     { "truncated msgpack", { "\130\161v\1\161t" }, "parse" },
-    { "another protocol version", { "\129\161v\6" }, "version" },
+    { "another protocol version", { "\129\161v\7" }, "version" },
     { "an empty header", { "" }, "parse" },
     { "an undeclared raw frame", { credit[1], "extra" }, "frame" },
     { "an oversized header", { ("\144"):rep(70000) }, "limit" },
-    { "an unknown message type", { "\130\161v\5\161t\164nope" }, "type" },
+    { "an unknown message type", { "\130\161v" .. string.char(ds4.wire.VERSION) .. "\161t\164nope" }, "type" },
     { "a credit from an unknown worker", credit, "state" },
     { "a hello with another vocabulary", ds4.wire.encode({ t = "hello", worker = "raw-client", policy = 0,
         max_batch = 1, threads = 1, vocab_size = 7, n_params = 1, build = "raw" }), "refused" },
@@ -257,10 +259,11 @@ wait "$T2" || fail "trainer 2 failed"
 check_run "$out/t2.log" second
 grep -q "rejected a message from raw-client" "$out/t2.err" || fail "trainer 2 did not log the rejections"
 grep -q "refused worker raw-client" "$out/t2.err" || fail "trainer 2 did not log the refused hello"
-grep -q "protocol version 1, this build speaks version 5" "$out/t2.err" || fail "trainer 2 did not log the v1 refusal"
-grep -q "protocol version 2, this build speaks version 5" "$out/t2.err" || fail "trainer 2 did not log the v2 refusal"
-grep -q "protocol version 3, this build speaks version 5" "$out/t2.err" || fail "trainer 2 did not log the v3 refusal"
-grep -q "protocol version 4, this build speaks version 5" "$out/t2.err" || fail "trainer 2 did not log the v4 refusal"
+grep -q "protocol version 1, this build speaks version 6" "$out/t2.err" || fail "trainer 2 did not log the v1 refusal"
+grep -q "protocol version 2, this build speaks version 6" "$out/t2.err" || fail "trainer 2 did not log the v2 refusal"
+grep -q "protocol version 3, this build speaks version 6" "$out/t2.err" || fail "trainer 2 did not log the v3 refusal"
+grep -q "protocol version 4, this build speaks version 6" "$out/t2.err" || fail "trainer 2 did not log the v4 refusal"
+grep -q "protocol version 5, this build speaks version 6" "$out/t2.err" || fail "trainer 2 did not log the v5 refusal"
 grep -q "a version 1 hello -> error version: .*protocol version 1" "$out/raw.log" || fail "no version error for v1"
 grep -q "a version 2 hello -> error version: .*protocol version 2" "$out/raw.log" || fail "no version error for v2"
 grep -q "a version 3 hello -> error version: .*protocol version 3" "$out/raw.log" || fail "no version error for v3"

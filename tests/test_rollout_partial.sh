@@ -5,7 +5,8 @@
 #      it runs (cfg.on_partial), each continuing the last; once some have, the trainer publishes version 2. The
 #      workers put version 2 in under their running sequences: answers carry each token's version, the tokens
 #      before the switch are the trainer's own model:generate at version 1 (bitwise), versions never go back, the
-#      result's policy_version is the oldest, and what was streamed begins every final result;
+#      result's policy_version is the oldest, and what was streamed begins every final result, with the same
+#      per-token versions (protocol 6: partial messages carry them once a sequence went on under version 2);
 #   2. trainer.run with async = {max_staleness = 1} and those workers: the staleness metrics count each sample by
 #      its oldest token, and no sample trained is more than 1 version behind by that count.
 # Bounded: ~10 s here; the trainer gives up after 120 s.
@@ -26,17 +27,21 @@ local fix, ep, dir = arg[1], arg[2], arg[3]
 package.path = arg[4] .. "/tests/lua/?.lua;" .. package.path
 local toy = require("toy_rl")
 ds4.set_threads(1)
-local streamed, partials, order_bad = {}, 0, 0
+local streamed, partials, order_bad, sver, vparts = {}, 0, 0, {}, 0
 local pool = ds4.rollout.pool{ bind = ep, model = ds4.load(fix .. "/tiny_a"), workers = 2, wait_s = 60,
     timeout_s = 120, quiet = true, heartbeat_s = 0.25, max_staleness = 1,
     on_partial = function(p, parts, worker, attempt)
         partials = partials + 1
-        streamed[p] = streamed[p] or {}
+        streamed[p], sver[p] = streamed[p] or {}, sver[p] or {}
         for s, part in ipairs(parts) do
-            local seen = streamed[p][s] or {}
-            streamed[p][s] = seen
+            local seen, sv = streamed[p][s] or {}, sver[p][s] or {}
+            streamed[p][s], sver[p][s] = seen, sv
             if part.offset ~= #seen then order_bad = order_bad + 1 end
-            for j = 1, #part.ids do seen[#seen + 1] = part.ids[j] end
+            if part.versions then vparts = vparts + 1 end
+            for j = 1, #part.ids do
+                seen[#seen + 1] = part.ids[j]
+                sv[#sv + 1] = part.versions and part.versions[j] or part.policy -- protocol 6
+            end
         end
     end }
 -- 1. streaming, and a publish while the batch runs
@@ -56,7 +61,7 @@ v2:set_params(q)
 local published = pool:publish(v2)
 local res = pool:collect(b)
 local versions = { v1, v2 }
-local mixed, prefix_bad, back, oldest_bad, stream_bad, whole_bad = 0, 0, 0, 0, 0, 0
+local mixed, prefix_bad, back, oldest_bad, stream_bad, whole_bad, sv_bad = 0, 0, 0, 0, 0, 0, 0
 for p = 1, #prompts do
     local o = { n = 2, max_new_tokens = 512, temperature = 1.0, ignore_eos = true,
         seed = ds4.rollout.task_seed(opts.seed, p) }
@@ -81,12 +86,17 @@ for p = 1, #prompts do
         end
         local seen = streamed[p] and streamed[p][s] or {}
         for j = 1, #seen do if seen[j] ~= r.ids[j] then stream_bad = stream_bad + 1 end end
+        -- the versions streamed with the tokens (protocol 6) are the answer's
+        local sv = sver[p] and sver[p][s] or {}
+        for j = 1, #sv do
+            if sv[j] ~= (tv and tv[j] or r.policy_version) then sv_bad = sv_bad + 1 end
+        end
     end
 end
 local st = pool:stats()
 print(("partial: published %d partials %d order_bad %d mixed %d prefix_bad %d back %d oldest_bad %d stream_bad %d "
-    .. "whole_bad %d mixed_answers %d"):format(published, partials, order_bad, mixed, prefix_bad, back, oldest_bad,
-    stream_bad, whole_bad, st.mixed_versions))
+    .. "whole_bad %d mixed_answers %d versions_bad %d versioned_parts %d"):format(published, partials, order_bad, mixed,
+    prefix_bad, back, oldest_bad, stream_bad, whole_bad, st.mixed_versions, sv_bad, vparts))
 io.stdout:flush()
 -- 2. asynchronous RL over partial-rollout workers
 local policy = ds4.load(fix .. "/tiny_a")
@@ -123,7 +133,7 @@ wait "$T" || fail "the trainer failed"
 cat "$out/trainer.log"
 line="$(grep '^partial: ' "$out/trainer.log")" || fail "no summary of part 1"
 read -r _ _ published _ partials _ order_bad _ mixed _ prefix_bad _ back _ oldest_bad _ stream_bad _ whole_bad \
-    _ mixed_answers <<<"$line"
+    _ mixed_answers _ versions_bad _ versioned_parts <<<"$line"
 [ "$published" = 2 ] || fail "version 2 was not published"
 [ "$partials" -ge 8 ] || fail "only $partials partial results arrived"
 [ "$order_bad" = 0 ] || fail "$order_bad partial results did not continue the last one"
@@ -133,6 +143,8 @@ read -r _ _ published _ partials _ order_bad _ mixed _ prefix_bad _ back _ oldes
 [ "$back" = 0 ] || fail "a sequence went back to older weights"
 [ "$oldest_bad" = 0 ] || fail "policy_version is not the oldest token's version"
 [ "$stream_bad" = 0 ] || fail "streamed tokens differ from the final results"
+[ "$versions_bad" = 0 ] || fail "$versions_bad streamed tokens' versions differ from the final results' (protocol 6)"
+[ "$versioned_parts" -gt 0 ] || fail "no partial message carried per-token versions"
 [ "$whole_bad" = 0 ] || fail "a one-version result differs from model:generate"
 grep -q "policy version 2 goes in under .* running tasks (partial rollouts)" "$out"/p1.log "$out"/p2.log ||
     fail "no worker logged a switch under running tasks"

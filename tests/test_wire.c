@@ -142,6 +142,14 @@ static void mk_partial(ds4_wire_msg *m) {
     s->sample_logprobs = V(g_slp, 5 * 4);
 }
 
+/* Version 6: a partial message whose tokens went on under newer weights (sample 0's two of version 40, then 41) */
+static int32_t g_plag[5] = {1, 0, 0, 0, 0};
+static void mk_partial_versions(ds4_wire_msg *m) {
+    mk_partial(m);
+    m->partial.token_versions = 1;
+    m->partial.policy_lag = V(g_plag, sizeof g_plag);
+}
+
 static void mk_announce(ds4_wire_msg *m) {
     memset(m, 0, sizeof *m);
     m->type = DS4_WIRE_WEIGHT_ANNOUNCE;
@@ -216,7 +224,7 @@ static void mk_bye(ds4_wire_msg *m) {
     strcpy(m->bye.reason, "SIGTERM");
 }
 
-#define NSEED 16
+#define NSEED 17
 static void mk_seed(int i, ds4_wire_msg *m) {
     switch (i) {
     case 0: mk_hello(m); break;
@@ -234,6 +242,7 @@ static void mk_seed(int i, ds4_wire_msg *m) {
     case 12: mk_lora_announce(m); break;
     case 13: mk_samples_versions(m); break;
     case 14: mk_partial(m); break;
+    case 16: mk_partial_versions(m); break;
     default:
         mk_task(m);
         m->task.stream = 16; /* version 5: a partial message every 16 tokens */
@@ -283,7 +292,7 @@ static void test_round_trip(void) {
                       "samples: routing frames");
         }
         if (m.type == DS4_WIRE_PARTIAL)
-            CHECK(out.nframes == 4 && back.partial.tokens.len == 20 && back.partial.seq[0].offset == 2 &&
+            CHECK(out.nframes == 4 + back.partial.token_versions && back.partial.tokens.len == 20 && back.partial.seq[0].offset == 2 &&
                       back.partial.seq[2].n_gen == 3 && ds4_wire_i32(back.partial.tokens, 4) == 105,
                   "partial: offsets, counts and frames");
         if (m.type == DS4_WIRE_WEIGHT_CHUNK)
@@ -575,20 +584,24 @@ static void test_rejects(void) {
     /* --- version and type */
     load(&w, &m);
     patch(&w, P_SET, "v", mo_u(1));
-    EXPECT("a version 1 peer", &w, DS4_WIRE_EVERSION, "protocol version 1, this build speaks version 5");
+    EXPECT("a version 1 peer", &w, DS4_WIRE_EVERSION, "protocol version 1, this build speaks version 6");
     load(&w, &m);
     patch(&w, P_SET, "v", mo_u(2));
-    EXPECT("a version 2 peer", &w, DS4_WIRE_EVERSION, "protocol version 2, this build speaks version 5");
+    EXPECT("a version 2 peer", &w, DS4_WIRE_EVERSION, "protocol version 2, this build speaks version 6");
     load(&w, &m);
     patch(&w, P_SET, "v", mo_u(3));
-    EXPECT("a version 3 peer (no LoRA policies)", &w, DS4_WIRE_EVERSION, "protocol version 3, this build speaks version 5");
+    EXPECT("a version 3 peer (no LoRA policies)", &w, DS4_WIRE_EVERSION, "protocol version 3, this build speaks version 6");
     load(&w, &m);
     patch(&w, P_SET, "v", mo_u(4));
     EXPECT("a version 4 peer (no streaming, no per-token versions)", &w, DS4_WIRE_EVERSION,
-           "protocol version 4, this build speaks version 5");
+           "protocol version 4, this build speaks version 6");
     load(&w, &m);
-    patch(&w, P_SET, "v", mo_u(6));
-    EXPECT("wrong version", &w, DS4_WIRE_EVERSION, "protocol version 6, this build speaks version 5");
+    patch(&w, P_SET, "v", mo_u(5));
+    EXPECT("a version 5 peer (partial messages without per-token versions)", &w, DS4_WIRE_EVERSION,
+           "protocol version 5, this build speaks version 6");
+    load(&w, &m);
+    patch(&w, P_SET, "v", mo_u(7));
+    EXPECT("wrong version", &w, DS4_WIRE_EVERSION, "protocol version 7, this build speaks version 6");
     load(&w, &m);
     patch(&w, P_SET, "v", mo_i(-1));
     EXPECT("negative version", &w, DS4_WIRE_EVERSION, "protocol version -1");
@@ -715,8 +728,8 @@ static void test_rejects(void) {
     patch(&w, P_DUP, "v", mo_u(1));
     EXPECT("duplicate version key", &w, DS4_WIRE_EDUP, "duplicate key 'v'");
     {
-        /* {"v": 5, "t": "credit", "n": 1, 7: 1}: a key that is not a string */
-        memcpy(w.hdr, "\x84\xa1v\x05\xa1t\xa6" "credit\xa1n\x01\x07\x01", 18);
+        /* {"v": 6, "t": "credit", "n": 1, 7: 1}: a key that is not a string */
+        memcpy(w.hdr, "\x84\xa1v\x06\xa1t\xa6" "credit\xa1n\x01\x07\x01", 18);
         w.l[0] = 18;
         w.n = 1;
         EXPECT("integer key", &w, DS4_WIRE_EKEY, "key 3 is not a string (unsigned integer)");
@@ -906,6 +919,23 @@ static void test_rejects(void) {
         load(&w, &m);
         patch(&w, P_ADD, "finish", mo_u(1));
         EXPECT("partial with a finish", &w, DS4_WIRE_EKEY, "finish");
+    }
+    /* version 6: a partial message's per-token versions */
+    mk_partial_versions(&m);
+    load(&w, &m);
+    EXPECT("partial with per-token versions", &w, DS4_WIRE_OK, NULL);
+    {
+        static int32_t lag[5] = {1, 0, 0, 41, 0}; /* version 41 - 41 = 0: none */
+        load(&w, &m);
+        w.f[4] = lag;
+        EXPECT("partial: a token of version 0", &w, DS4_WIRE_ERANGE, "policy_lag[3] = 41: a token's version");
+        load(&w, &m);
+        patch(&w, P_SET, "token_versions", mo_b(0));
+        EXPECT("partial: a policy_lag frame without token_versions", &w, DS4_WIRE_EFRAME, "has 3");
+        mk_partial(&m);
+        load(&w, &m);
+        patch(&w, P_SET, "token_versions", mo_b(1));
+        EXPECT("partial: token_versions without the frame", &w, DS4_WIRE_EFRAME, "has 4");
     }
     mk_task(&m);
     m.task.stream = 16;

@@ -159,5 +159,5 @@ rc=0
 timeout 60 "$DS4" worker --connect "$sock" --id wv --threads 1 --give-up 30 >"$out/wv.log" 2>&1 || rc=$?
 touch "$out/v1_done"
 [ "$rc" = 1 ] || fail "a worker facing a version-4 trainer must exit 1, got $rc"
-grep -q "protocol version 4, this build speaks version 5" "$out/wv.log" || fail "no version message from the worker"
+grep -q "protocol version 4, this build speaks version 6" "$out/wv.log" || fail "no version message from the worker"
 echo "version-4 trainer refused: ok"

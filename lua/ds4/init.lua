@@ -308,8 +308,9 @@ Rollout wire codec (lua/wire_lua.c; rollout/protocol.md; the C API: rollout/wire
                     experts_layers, experts_k, index_layers, index_topk (0 = no such frame), token_versions
                     (false; protocol 5); frames tokens (i32), logprobs, sample_logprobs (f32), policy_lag (i32, when
                     token_versions: policy - each token's version), experts, index (i32, when their shape is set)
-    partial         task_id, attempt (0), policy, n (#seq), seq = {{offset, n_gen}, ...}; frames tokens (i32),
-                    logprobs, sample_logprobs (f32): a running task's newest tokens (protocol 5)
+    partial         task_id, attempt (0), policy, n (#seq), seq = {{offset, n_gen}, ...}, token_versions (false;
+                    protocol 6); frames tokens (i32), logprobs, sample_logprobs (f32), policy_lag (i32, when
+                    token_versions): a running task's newest tokens (protocol 5)
     weight_announce version, n_params, bytes (4 n_params), chunk, chunks (ceil(bytes / chunk)), dtype ("f32"), crc,
                     chat_template (""), config_crc, tokenizer_crc, tables_crc (each its frame's CRC); frames config,
                     tokenizer (strings of bytes; tokenizer "" when none), tables (i32); a LoRA policy (protocol 4):

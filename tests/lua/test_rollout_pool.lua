@@ -29,7 +29,8 @@
 --       the adapters' layout themselves, and drop them when the trainer publishes a plain (merged) model again.
 --   (l) streaming (protocol 5): a batch submitted with stream = 3 has its tokens streamed while it runs (cfg.on_partial,
 --       pool:progress), the streamed tokens begin the final results, which equal model:generate; an out-of-order
---       partial is rejected and logged;
+--       partial is rejected and logged; partial messages with per-token versions (protocol 6) give them, and one
+--       that goes back to older weights is rejected;
 --   (m) partial rollouts (protocol 5): a worker with partial_rollouts takes a new version under running sequences;
 --       each token's version is in the result, the tokens before the switch equal model:generate at the old
 --       version, policy_version is the oldest; without the option the running tasks finish under the old version.
@@ -573,8 +574,8 @@ do
     H.check(r[1] and r[1].reason:find("unknown worker", 1, true), "(f) 'unknown worker: send hello'")
     -- an error message is never answered
     send_raw(ds4.wire.encode({ t = "error", code = 4, reason = "x" }))
-    -- {v = 5, t = "error", code = 4, bogus = 1}: a malformed error (unknown key) is not answered either
-    send_raw({ "\132\161v\5\161t\165error\164code\4\165bogus\1" })
+    -- {v = VERSION, t = "error", code = 4, bogus = 1}: a malformed error (unknown key) is not answered either
+    send_raw({ "\132\161v" .. string.char(ds4.wire.VERSION) .. "\161t\165error\164code\4\165bogus\1" })
     pool:service(0)
     H.eq(#replies(), 0, "(f) errors are not answered")
     -- 150 rejects: replies stop after 100
@@ -1036,6 +1037,39 @@ do
     H.check(net2.logged("rejected a partial result .* continues at token 2, 0 were streamed"), "(l) and logged")
     H.eq(pool2:stats().partials, 1, "(l) the in-order one was taken")
     H.raises(function() pool2:submit({ { 1 } }, { stream = -1 }) end, { "stream" }, "(l) stream must be >= 0")
+    -- protocol 6: partial messages with per-token versions; a sequence never goes back to older weights, also
+    -- across messages: version 2, then a token of version 1 after it, is rejected
+    local net3 = new_net()
+    local seen3 = {}
+    local pool3 = new_pool(net3, { lease_s = 5, dead_s = 1e9, on_partial = function(_, parts)
+        seen3[#seen3 + 1] = parts[1]
+    end })
+    pool3:publish(policy)
+    local v2 = ds4.load(FIX .. "/tiny_a")
+    local q = v2:params()
+    ffi.cast("float *", q:data_ptr())[0] = 0.5
+    v2:set_params(q)
+    H.eq(pool3:publish(v2), 2, "(l) version 2 published")
+    script_peer(net3, "l-ver", { beat = true, on_task = function(pp, m)
+        pp.send({ t = "partial", task_id = m.task_id, attempt = m.attempt, policy = 2, token_versions = true,
+            seq = { { offset = 0, n_gen = 2 } } }, { tokens = { 3, 4 }, logprobs = { -1, -1 },
+            sample_logprobs = { -1, -1 }, policy_lag = { 1, 0 } })
+        pp.send({ t = "partial", task_id = m.task_id, attempt = m.attempt, policy = 2, token_versions = true,
+            seq = { { offset = 2, n_gen = 1 } } }, { tokens = { 5 }, logprobs = { -1 }, sample_logprobs = { -1 },
+            policy_lag = { 1 } })
+        -- the answer: what was streamed first, each token's version (1, 2, 2)
+        pp.send({ t = "samples", task_id = m.task_id, attempt = m.attempt, policy = 2, n = 1, token_versions = true,
+            seq = { { prompt_len = m.prompt_len, n_gen = 3, finish = 1, stop_index = -1, n_rows = 0 } } },
+            { tokens = { 3, 4, 5 }, logprobs = { -1, -1, -1 }, sample_logprobs = { -1, -1, -1 },
+                policy_lag = { 1, 0, 0 } })
+    end })
+    local r3 = pool3:generate({ { 1, 2 } }, { n = 1, max_new_tokens = 3, stream = 1 })
+    H.check(r3[1].token_versions and r3[1].token_versions[3] == 2, "(l) the answer with its versions")
+    H.eq(#seen3, 1, "(l) one versioned partial taken")
+    H.check(seen3[1] and seen3[1].versions and seen3[1].versions[1] == 1 and seen3[1].versions[2] == 2,
+        "(l) its tokens' versions 1, 2")
+    H.eq(pool3:stats().invalid, 1, "(l) a token of version 1 after one of version 2 is rejected")
+    H.check(net3.logged("rejected a partial result .* version 1 after a streamed token of version 2"), "(l) and logged")
 end
 
 -- ------------------------------------------------------------------------------------------------ (m) partial rollouts

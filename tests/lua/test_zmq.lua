@@ -272,6 +272,10 @@ local MESSAGES = {
     { { t = "partial", task_id = 7, attempt = 1, policy = 2, n = 2,
         seq = { { offset = 4, n_gen = 2 }, { offset = 0, n_gen = 0 } } },
       { tokens = { 9, 10 }, logprobs = { -0.5, -1.25 }, sample_logprobs = { -0.25, 0 } } },
+    -- protocol 6: a partial message with each token's version (sample 1's tokens of versions 2 and 3)
+    { { t = "partial", task_id = 7, attempt = 1, policy = 3, n = 2, token_versions = true,
+        seq = { { offset = 4, n_gen = 2 }, { offset = 0, n_gen = 0 } } },
+      { tokens = { 9, 10 }, logprobs = { -0.5, -1.25 }, sample_logprobs = { -0.25, 0 }, policy_lag = { 1, 0 } } },
 }
 
 -- Golden encodings of MESSAGES through the binding (Lua table -> C struct -> bytes), committed in
@@ -298,7 +302,11 @@ do
 end
 
 do
-    H.eq(#MESSAGES, #wire.types, "a message of every type")
+    local kinds, nk = {}, 0
+    for _, case in ipairs(MESSAGES) do
+        if not kinds[case[1].t] then kinds[case[1].t], nk = true, nk + 1 end
+    end
+    H.eq(nk, #wire.types, "a message of every type")
     local router = r2 -- the TCP pair from above
     local dealer = d2
     for _, case in ipairs(MESSAGES) do
@@ -446,7 +454,7 @@ do -- helpers
     dec = wire.decode(wire.error_message("parse", string.rep("x", 1000)))
     H.eq(#dec.reason, 256, "error_message cuts a long reason to 256 bytes")
     H.eq(wire.code_name(33), "stale", "code_name")
-    H.eq(wire.VERSION, 5, "wire.VERSION")
+    H.eq(wire.VERSION, 6, "wire.VERSION")
 end
 
 d2:close() -- r2 stays open for lua_close

@@ -21,8 +21,10 @@
       log = function(level, msg) ... end, verbose = false, quiet = false,
       on_result = function(prompt_index, results, worker) ... end,   -- called as each task completes
       on_partial = function(prompt_index, parts, worker, attempt) ... end, -- a running task's newest tokens (a
-                                       -- submit with opts.stream = N): parts[s] = {offset, ids, logprobs}, sample s's
-                                       -- tokens offset + 1 .. offset + #ids; a new attempt starts again from 0
+                                       -- submit with opts.stream = N): parts[s] = {offset, ids, logprobs, policy,
+                                       -- versions}, sample s's tokens offset + 1 .. offset + #ids (versions: each
+                                       -- one's policy version, when the task went on under newer weights, protocol 6;
+                                       -- nil: all of version `policy`); a new attempt starts again from 0
   }
   pool:generate(prompts, opts)   -- model:generate's interface and results (prompt-major, opts.n per prompt)
   local b = pool:submit(prompts, opts)   -- the same, without waiting: a batch in flight (several may be); opts may
@@ -33,7 +35,8 @@
   pool:cancel(b)                 -- give b up (its late answers are dropped as duplicates)
   pool:progress(b)               -- what has arrived so far, generate's layout: a completed task's results, else the
                                  -- tokens streamed by its current lease (opts.stream = N: a partial message every N
-                                 -- new tokens, protocol 5), each {ids, logprobs, partial = true}
+                                 -- new tokens, protocol 5), each {ids, logprobs, partial = true, token_versions
+                                 -- once a streamed token was of newer weights}
   pool:publish(model)            -- a new policy version from the model's parameters (no-op when unchanged); a model
                                  -- with LoRA adapters: the adapters only, over its frozen weights sent once
   pool:stats()  pool:close()  pool.endpoint  pool.version
@@ -838,6 +841,21 @@ function Pool:on_partial(w, m)
     if m.n ~= s.n then bad = ("%d samples, the task asked for %d"):format(m.n, s.n) end
     if m.policy > self.version then bad = ("policy version %d is newer than the trainer's %d"):format(m.policy,
         self.version) end
+    -- each token's version (protocol 6: the task went on under newer weights), continuing what was streamed
+    local versions
+    if not bad and m.token_versions then
+        local why
+        versions, _, why = token_versions(m, t)
+        bad = why
+        for i = 1, bad and 0 or m.n do
+            local before = part[i] and part[i].versions
+            local last = before and before[#before] or (part[i] and #part[i].ids > 0 and part[i].policy) or nil
+            if last and versions[i][1] and versions[i][1] < last then
+                bad = ("sample %d goes on with version %d after a streamed token of version %d"):format(i,
+                    versions[i][1], last)
+            end
+        end
+    end
     local off = 0
     for i = 1, bad and 0 or m.n do
         local q, have = m.seq[i], part[i] and #part[i].ids or 0
@@ -873,10 +891,24 @@ function Pool:on_partial(w, m)
         part[i] = part[i] or { ids = {}, logprobs = {} }
         local new = { offset = q.offset, ids = codec.unpack_i32(tokens, off, q.n_gen),
             logprobs = codec.unpack_f32(lps, off, q.n_gen) }
+        -- versions: every token's, from the first message that had them (earlier tokens were of one version,
+        -- part.policy); a message without them is of its policy
+        local pv = part[i].versions
+        if versions and not pv and #part[i].ids > 0 then
+            pv = {}
+            for j = 1, #part[i].ids do pv[j] = part[i].policy end
+        end
+        new.versions, new.policy = versions and versions[i] or nil, m.policy
         for j = 1, q.n_gen do
             part[i].ids[#part[i].ids + 1] = new.ids[j]
             part[i].logprobs[#part[i].logprobs + 1] = new.logprobs[j]
+            if pv or versions then
+                pv = pv or {}
+                pv[#pv + 1] = versions and versions[i][j] or m.policy
+            end
         end
+        part[i].versions = pv
+        part[i].policy = part[i].policy or m.policy
         parts[i] = new
         off = off + q.n_gen
     end
@@ -1361,6 +1393,10 @@ function Pool:progress(b)
                 local part = t.part and t.part[s]
                 r = { ids = {}, logprobs = {}, partial = true, prompt_index = p, sample_index = s }
                 for j = 1, part and #part.ids or 0 do r.ids[j], r.logprobs[j] = part.ids[j], part.logprobs[j] end
+                if part and part.versions then
+                    r.token_versions = {}
+                    for j = 1, #part.versions do r.token_versions[j] = part.versions[j] end
+                end
             end
             out[#out + 1] = r
         end

@@ -632,8 +632,18 @@ function W:decode()
     end
 end
 
+-- Partial rollouts: token j of sequence i of task t is of the newest version whose switch found fewer than j tokens.
+local function token_version(t, i, j)
+    local v = t.policy_used
+    for _, sw in ipairs(t.switches) do
+        if j > (sw.counts[i] or 0) then v = sw.version end
+    end
+    return v
+end
+
 -- A task sent with stream = N: once one of its samples has N tokens more than the partial messages carried so far,
--- one more carries every sample's new tokens (protocol 5).
+-- one more carries every sample's new tokens (protocol 5), with each token's version when the task went on under
+-- newer weights (protocol 6).
 function W:stream(tag, t)
     local counts = self.bt:peek(tag)
     if not counts then return end
@@ -643,18 +653,25 @@ function W:stream(tag, t)
     end
     if not due then return end
     local _, parts = self.bt:peek(tag, t.sent)
-    local seq, toks, lps, slps = {}, {}, {}, {}
+    local seq, toks, lps, slps, lag = {}, {}, {}, {}, {}
+    local newest = #t.switches > 0 and t.switches[#t.switches].version
     for i, part in ipairs(parts) do
-        seq[i] = { offset = t.sent[i] or 0, n_gen = #part.ids }
+        local from = t.sent[i] or 0
+        seq[i] = { offset = from, n_gen = #part.ids }
         for j = 1, #part.ids do
             toks[#toks + 1] = part.ids[j]
             lps[#lps + 1] = part.logprobs[j]
             slps[#slps + 1] = part.sample_logprobs[j]
+            if newest then lag[#lag + 1] = newest - token_version(t, i, from + j) end
         end
-        t.sent[i] = (t.sent[i] or 0) + #part.ids
+        t.sent[i] = from + #part.ids
     end
-    self:send({ t = "partial", task_id = t.task_id, attempt = t.attempt, policy = math.max(self.loaded, 1), seq = seq },
-        { tokens = codec.pack_i32(toks), logprobs = codec.pack_f32(lps), sample_logprobs = codec.pack_f32(slps) })
+    local msg = { t = "partial", task_id = t.task_id, attempt = t.attempt, policy = math.max(self.loaded, 1), seq = seq }
+    local raw = { tokens = codec.pack_i32(toks), logprobs = codec.pack_f32(lps), sample_logprobs = codec.pack_f32(slps) }
+    if newest then -- the task went on under newer weights: each token's version (protocol 6), as the answer gives them
+        msg.policy, msg.token_versions, raw.policy_lag = newest, true, codec.pack_i32(lag)
+    end
+    self:send(msg, raw)
     self.st.partials = self.st.partials + 1
 end
 
@@ -712,16 +729,9 @@ function W:answer(t, res)
     local msg = { t = "samples", task_id = t.task_id, attempt = t.attempt, policy = t.policy_used, n = n, seq = seq }
     local raw = { tokens = codec.pack_i32(toks), logprobs = codec.pack_f32(lps), sample_logprobs = codec.pack_f32(slps) }
     if #t.switches > 0 then
-        -- partial rollouts: token j of sequence i is of the newest version whose switch found fewer than j tokens
         local newest, lag = t.switches[#t.switches].version, {}
         for i, r in ipairs(res) do
-            for j = 1, #r.ids do
-                local v = t.policy_used
-                for _, sw in ipairs(t.switches) do
-                    if j > (sw.counts[i] or 0) then v = sw.version end
-                end
-                lag[#lag + 1] = newest - v
-            end
+            for j = 1, #r.ids do lag[#lag + 1] = newest - token_version(t, i, j) end
         end
         msg.policy, msg.token_versions, raw.policy_lag = newest, true, codec.pack_i32(lag)
         self.st.mixed = self.st.mixed + 1
