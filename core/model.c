@@ -423,6 +423,7 @@ void ds4_model_free(ds4_model *m) {
     free(m->rope_cs[0]);
     free(m->rope_cs[1]);
     free(m->grads);
+    free(m->grad_regions);
     free(m->router_loads);
     free(m->ep_host);
     free(m->cp_host);

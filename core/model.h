@@ -180,6 +180,10 @@ struct ds4_model {
     uint64_t step_serial;                /* ds4_model_step calls, to detect a cache passed twice in one step */
     /* training */
     float *grads;                        /* flat, parallel to params; NULL until enable_grad */
+    int64_t *grad_regions;               /* [2, grad_world]: ds4_model_set_grad_regions, or NULL */
+    int32_t grad_world;
+    ds4_grads_final_fn gfinal_fn;        /* armed for the next backward (ds4_model_on_grads_final), and its ctx */
+    void *gfinal_ctx;
     int grads_zero;                      /* 1: the gradient buffer is known to hold zeros (enable_grad, zero_grad) */
     float *gsaved;                       /* [n_params] backend memory: the gradients set aside while a backward runs
                                             on zeros (backward.c, accumulation); allocated on first use */

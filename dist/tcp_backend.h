@@ -24,6 +24,11 @@ void dist_tcp_close(dist_tcp *t);
  * plus rank 2's, ...), so a result depends on nothing but the inputs. */
 ds4_status dist_tcp_barrier(dist_tcp *t, ds4_error *err);
 ds4_status dist_tcp_all_reduce_sum(dist_tcp *t, ds4_dtype dtype, void *buf, int64_t count, ds4_error *err);
+/* ds4_comm's reduce-scatter: rank r's region [off[r], off[r] + len[r]) of buf becomes the sum (rank order); every
+ * rank still sends rank 0 its whole buffer, rank 0 sends back each rank's region only. The regions must be the same
+ * on every rank (not checked: the caller's, ZeRO-1's). */
+ds4_status dist_tcp_reduce_scatter_sum(dist_tcp *t, ds4_dtype dtype, void *buf, int64_t count, const int64_t *off,
+                                       const int64_t *len, ds4_error *err);
 ds4_status dist_tcp_all_gather(dist_tcp *t, const void *send, void *recv, size_t nbytes, ds4_error *err);
 ds4_status dist_tcp_broadcast(dist_tcp *t, void *buf, size_t nbytes, int32_t root, ds4_error *err);
 /* ds4_comm_all_to_all_v: rows through rank 0, which checks that the ranks' counts agree before reading any row. */

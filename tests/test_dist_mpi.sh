@@ -57,7 +57,7 @@ for np in 2 4; do
     else
         cat "$LOG"; bad "collectives -np $np"
     fi
-    for t in dist_data_parallel dist_expert_parallel dist_context_parallel; do
+    for t in dist_data_parallel dist_buckets dist_expert_parallel dist_context_parallel; do
         if run_np "$np" "$T/$t.lua" "$FIX"; then
             grep "$t:" "$LOG"
             c="$(grep -c "$t"' rank [0-9]* of '"$np"': [0-9]* checks, 0 failures' "$LOG")"

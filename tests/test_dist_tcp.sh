@@ -31,6 +31,9 @@ for np in 2 4; do
     launch "$np" "$LOG/run" 120 "$DS4" run "$T/dist_data_parallel.lua" "$FIX"
     grep 'dist_data_parallel:' "$LOG/run.0"
     all_passed "$np" dist_data_parallel || { show; bad "data parallel, $np ranks (exit codes ${RCS[*]})"; }
+    launch "$np" "$LOG/run" 120 "$DS4" run "$T/dist_buckets.lua" "$FIX"
+    grep 'dist_buckets rank 0' "$LOG/run.0"
+    all_passed "$np" dist_buckets || { show; bad "bucketed all-reduce and ZeRO-1 reduce-scatter, $np ranks (exit codes ${RCS[*]})"; }
     launch "$np" "$LOG/run" 120 "$DS4" run "$T/dist_expert_parallel.lua" "$FIX"
     grep 'dist_expert_parallel:' "$LOG/run.0"
     all_passed "$np" dist_expert_parallel || { show; bad "expert parallel, $np ranks (exit codes ${RCS[*]})"; }
