@@ -35,7 +35,8 @@ ds4_status dist_host_sum(ds4_comm *c, float *buf, int64_t count, const int64_t *
 
 /* The bucketed reduction (grad_buckets.c). arm: the model's next backward reduces its gradients bucket by bucket
  * as they become final (*armed 0 when it does not: buckets off, a world of one, MPI without thread support);
- * finish: the armed reduction of m completed (every bucket), 1 when there was one (its status in *st); drain: the
+ * finish: the armed reduction of m completed (every bucket; armed without a backward since, the buffer as it is),
+ * 1 when there was one (its status in *st); drain: the
  * host buckets queued so far are done (before any other collective); close: the thread stopped, state freed. */
 ds4_status dist_buckets_arm(ds4_comm *c, ds4_model *m, int *armed, ds4_error *err);
 int dist_buckets_finish(ds4_comm *c, ds4_model *m, ds4_status *st, ds4_error *err);

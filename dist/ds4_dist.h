@@ -159,7 +159,8 @@ ds4_status ds4_comm_all_reduce_grads(ds4_comm *c, ds4_model *m, double scale, ds
  * gradients over ranks bucket by bucket as they become final, while it goes on with earlier blocks: CPU models on a
  * thread of the communicator (MPI or the TCP star), CUDA models on NCCL's stream. ds4_comm_all_reduce_grads (scale
  * 1) then waits for the buckets instead of reducing the buffer. Every element's sum is the unbucketed one's (rank
- * order on MPI and TCP; NCCL's for 2 ranks). A no-op with bucket_mb 0, a world of one, or an MPI whose thread level is
+ * order on MPI and TCP; NCCL's for 2 ranks). A rank that runs no backward between this and all_reduce_grads (no
+ * micro-batch of its own) sends its buffer as it is, in the same buckets. A no-op with bucket_mb 0, a world of one, or an MPI whose thread level is
  * below MPI_THREAD_SERIALIZED (the host initialised it): all_reduce_grads then reduces after the backward, as
  * without it. While buckets are in flight the communicator's other collectives wait for them first. The
  * communicator must outlive the armed backward. */

@@ -146,9 +146,10 @@ ds4_status dist_buckets_arm(ds4_comm *c, ds4_model *m, int *armed, ds4_error *er
     if (c->bucket <= 0 || c->world_size == 1 || (device && !c->nccl) || (c->mpi && !dist_mpi_serialized(c->mpi)))
         return DS4_OK;
     dist_buckets *b = c->bk;
-    if (b && b->m)
+    if (b && b->m && b->reported)
         return ds4_fail(err, DS4_ERR_ARG, "dist overlap_backward: the gradients of an earlier backward are still being "
                                           "reduced: call all_reduce_grads after each step's last backward");
+    if (b && b->m) ds4_model_on_grads_final(b->m, NULL, NULL); /* armed, no backward since: armed again below */
     if (!b) {
         if (!(b = calloc(1, sizeof *b)) || !(b->toff = calloc((size_t)c->world_size * 4, sizeof *b->toff))) {
             free(b);
@@ -189,10 +190,18 @@ void dist_buckets_drain(ds4_comm *c) {
 int dist_buckets_finish(ds4_comm *c, ds4_model *m, ds4_status *st, ds4_error *err) {
     dist_buckets *b = c->bk;
     if (!b || b->m != m) return 0;
-    b->m = NULL;
-    if (!b->reported) { /* armed, but no backward ran: nothing was sent, the caller reduces as before */
+    if (!b->reported) { /* armed, but this rank ran no backward (it had no micro-batch): its buffer is final as it
+                           is, and goes in the same buckets as the other ranks' */
         ds4_model_on_grads_final(m, NULL, NULL);
-        return 0;
+        float *g = NULL;
+        int64_t n = 0;
+        ds4_status s = ds4_model_grad_buffer(m, &g, &n, err);
+        if (s) { /* the others wait in the buckets' collectives: this rank fails, and so the job */
+            b->m = NULL;
+            *st = s;
+            return 1;
+        }
+        on_final(b, g, 0, n, NULL);
     }
     if (!b->whole) launch_from(b, 0, NULL); /* a backward reports everything; this is for safety only */
     if (b->device) {
@@ -201,6 +210,7 @@ int dist_buckets_finish(ds4_comm *c, ds4_model *m, ds4_status *st, ds4_error *er
     } else {
         dist_buckets_drain(c);
     }
+    b->m = NULL;
     if (b->whole) { /* the whole buffer, on this thread */
         const int rs = clip_regions(b, 0, b->n, b->toff, b->tlen);
         *st = dist_host_sum(c, b->g, b->n, rs ? b->toff : NULL, rs ? b->tlen : NULL, err);

@@ -17,7 +17,8 @@
 -- NCCL's order depends on the sizes), the reduce-scatter copies' weights and gradient norms zero's (each rank's
 -- optimizer reads only its region, whose sums are the same bits), and their gradients outside the rank's region
 -- must differ from the summed ones (the reduce-scatter did not sum them: the test would not notice an all-reduce
--- otherwise; except on the TCP star's rank 0, which forms every sum).
+-- otherwise; except on the TCP star's rank 0, which forms every sum). And a rank that runs no backward after
+-- overlap_backward sends its buffer in the same buckets (the others' sums are plain's).
 package.path = ((arg[0]:match("^(.*)/[^/]*$") or ".") .. "/?.lua;") .. package.path
 local H = require("harness")
 local ds4 = require("ds4")
@@ -116,6 +117,25 @@ for s = 1, STEPS do
         agree(compare(c.model:params(), plain:params()), ("step %d, %g MiB buckets: weights"):format(s, c.mb), 1e-5)
     end
 end
+
+-- a rank without a micro-batch (the RL trainer's ranks when a minibatch has fewer samples than ranks): it arms,
+-- runs no backward, and its buffer (zeros) goes in the same buckets as the others'
+local function idle_step(model, mb)
+    model:zero_grad()
+    if r < n - 1 then
+        for _, ids in ipairs(mine) do model:forward(ids, { labels = ids }) end -- (the tape: the last forward's)
+    end
+    if mb then
+        ds4.dist.bucket_mb(mb)
+        ds4.dist.overlap_backward(model)
+    end
+    if r < n - 1 then model:backward(1 / N) end
+    ds4.dist.all_reduce_grads(model)
+    ds4.dist.bucket_mb(0)
+    return model:grads()
+end
+H.eq(compare(idle_step(copies[1].model, copies[1].mb), idle_step(plain, nil)).differ, 0,
+    "a rank without a backward: the bucketed sums = the unbucketed")
 
 -- ZeRO-1: today's all-reduce against the reduce-scatter, unbucketed and bucketed
 local z = { { name = "zero" }, { name = "zero_rs", rs = true }, { name = "zero_rs_b", rs = true, mb = 0.01 } }
