@@ -71,6 +71,7 @@ static void free_train_state(ds4_model *m) {
 }
 
 ds4_status ds4_model_drop_train_state(ds4_model *m, ds4_error *err) {
+    ds4_model_grads_unguard(m);
     ds4_status s = ds4_model_host_sync(m, err);
     if (s) return s;
     if (m->moments_owner && m->dmoments) {
@@ -410,6 +411,20 @@ int32_t ds4_model_grad_regions(const ds4_model *m, const int64_t **off, const in
     *off = m && m->grad_regions ? m->grad_regions : NULL;
     *len = m && m->grad_regions ? m->grad_regions + m->grad_world : NULL;
     return m && m->grad_regions ? m->grad_world : 0;
+}
+
+void ds4_model_guard_grads(ds4_model *m, void (*wait)(void *ctx), void *ctx) {
+    if (!m) return;
+    m->gguard = wait;
+    m->gguard_ctx = wait ? ctx : NULL;
+}
+
+/* Before the gradients go away: whoever uses them is done. */
+void ds4_model_grads_unguard(ds4_model *m) {
+    void (*wait)(void *) = m->gguard;
+    void *ctx = m->gguard_ctx;
+    m->gguard = NULL, m->gguard_ctx = NULL;
+    if (wait) wait(ctx);
 }
 
 void ds4_model_on_grads_final(ds4_model *m, ds4_grads_final_fn fn, void *ctx) {

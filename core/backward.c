@@ -616,7 +616,7 @@ static void gfinal_arm(ds4_model *m, gfinal *gf) {
 static void gfinal_reach(ds4_model *m, gfinal *gf, const float *saved, int64_t lo) {
     if (!gf->fn || lo >= gf->from) return;
     if (saved) add_back(m, saved, lo, gf->from);
-    gf->fn(gf->ctx, gf->g, lo, gf->from, gf->stream);
+    gf->fn(gf->ctx, m, gf->g, lo, gf->from, gf->stream);
     gf->from = lo;
 }
 
@@ -642,7 +642,7 @@ static ds4_status run_backward(ds4_model *m, ds4_status s, const char *what, con
     }
     if (!s) s = backward_impl(m, dlogp, sc, &gf, err);
     /* what a failed backward did not reach is reported too: every rank issues the same collectives */
-    if (gf.fn && gf.from > 0) gf.fn(gf.ctx, gf.g, 0, gf.from, gf.stream);
+    if (gf.fn && gf.from > 0) gf.fn(gf.ctx, m, gf.g, 0, gf.from, gf.stream);
     return s;
 }
 

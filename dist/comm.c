@@ -149,7 +149,11 @@ ds4_status ds4_comm_finalize(ds4_comm *c, ds4_error *err) {
 
 void ds4_comm_abandon(ds4_comm *c) {
     if (!c) return;
-    dist_buckets_close(c); /* the thread stopped first: it may be in a collective, which fails once closed */
+    if (dist_buckets_busy(c)) { /* the communication thread is in a collective whose peers may never come */
+        if (!c->tcp) return; /* MPI: left as it is, unfreed (this process is failing; the launcher ends the job) */
+        dist_tcp_shutdown(c->tcp); /* its waits fail at once */
+    }
+    dist_buckets_close(c);
     dist_nccl_close(c->nccl, 0, NULL); /* aborted: the peers' watchdogs see it */
     dist_tcp_close(c->tcp);
     dist_mpi_close(c->mpi, 0, NULL); /* the duplicate is freed; MPI itself is left for the launcher to end */

@@ -41,6 +41,7 @@ ds4_status dist_host_sum(ds4_comm *c, float *buf, int64_t count, const int64_t *
 ds4_status dist_buckets_arm(ds4_comm *c, ds4_model *m, int *armed, ds4_error *err);
 int dist_buckets_finish(ds4_comm *c, ds4_model *m, ds4_status *st, ds4_error *err);
 void dist_buckets_drain(ds4_comm *c);
+int dist_buckets_busy(ds4_comm *c); /* 1 while the thread has buckets queued or in a collective */
 void dist_buckets_close(ds4_comm *c);
 
 #endif

@@ -88,6 +88,26 @@ static void *comm_thread(void *arg) {
     return NULL;
 }
 
+/* ds4_model_guard_grads' wait: the model is going away while armed or summing: the buckets queued finish (a
+ * backward never ran or ran whole: nothing more comes), and the reduction forgets the model. */
+static void model_going(void *ctx) {
+    dist_buckets *b = ctx;
+    if (b->device) {
+        ds4_error e = {0};
+        if (b->reported) (void)dist_nccl_wait(b->c->nccl, "bucketed all_reduce", &e);
+    } else {
+        dist_buckets_drain(b->c);
+    }
+    b->m = NULL;
+}
+
+/* The armed model let go: its hook and guard removed (it is alive: a model going away clears b->m first). */
+static void release(dist_buckets *b) {
+    ds4_model_on_grads_final(b->m, NULL, NULL);
+    ds4_model_guard_grads(b->m, NULL, NULL);
+    b->m = NULL;
+}
+
 /* Bucket [lo, hi) is final everywhere: to the thread, or onto NCCL's stream after the model's (`stream`). */
 static void launch(dist_buckets *b, int64_t lo, int64_t hi, void *stream) {
     if (b->device) {
@@ -118,9 +138,11 @@ static void launch_from(dist_buckets *b, int64_t lo, void *stream) {
     }
 }
 
-/* ds4_grads_final_fn: runs on the backward's thread. */
-static void on_final(void *ctx, float *grads, int64_t lo, int64_t hi, void *stream) {
+/* ds4_grads_final_fn: runs on the backward's thread. A model armed earlier and not since (another was armed
+ * instead) is not this reduction's: ignored. */
+static void on_final(void *ctx, ds4_model *m, float *grads, int64_t lo, int64_t hi, void *stream) {
     dist_buckets *b = ctx;
+    if (m != b->m) return;
     if (!b->reported) { /* the first region's top is the buffer's size */
         b->reported = 1;
         b->g = grads, b->n = hi, b->next_hi = hi;
@@ -149,7 +171,7 @@ ds4_status dist_buckets_arm(ds4_comm *c, ds4_model *m, int *armed, ds4_error *er
     if (b && b->m && b->reported)
         return ds4_fail(err, DS4_ERR_ARG, "dist overlap_backward: the gradients of an earlier backward are still being "
                                           "reduced: call all_reduce_grads after each step's last backward");
-    if (b && b->m) ds4_model_on_grads_final(b->m, NULL, NULL); /* armed, no backward since: armed again below */
+    if (b && b->m) release(b); /* armed, no backward since: armed again below */
     if (!b) {
         if (!(b = calloc(1, sizeof *b)) || !(b->toff = calloc((size_t)c->world_size * 4, sizeof *b->toff))) {
             free(b);
@@ -175,6 +197,7 @@ ds4_status dist_buckets_arm(ds4_comm *c, ds4_model *m, int *armed, ds4_error *er
     b->st = DS4_OK;
     memset(&b->err, 0, sizeof b->err);
     ds4_model_on_grads_final(m, on_final, b);
+    ds4_model_guard_grads(m, model_going, b);
     *armed = 1;
     return DS4_OK;
 }
@@ -192,16 +215,15 @@ int dist_buckets_finish(ds4_comm *c, ds4_model *m, ds4_status *st, ds4_error *er
     if (!b || b->m != m) return 0;
     if (!b->reported) { /* armed, but this rank ran no backward (it had no micro-batch): its buffer is final as it
                            is, and goes in the same buckets as the other ranks' */
-        ds4_model_on_grads_final(m, NULL, NULL);
         float *g = NULL;
         int64_t n = 0;
         ds4_status s = ds4_model_grad_buffer(m, &g, &n, err);
         if (s) { /* the others wait in the buckets' collectives: this rank fails, and so the job */
-            b->m = NULL;
+            release(b);
             *st = s;
             return 1;
         }
-        on_final(b, g, 0, n, NULL);
+        on_final(b, m, g, 0, n, NULL);
     }
     if (!b->whole) launch_from(b, 0, NULL); /* a backward reports everything; this is for safety only */
     if (b->device) {
@@ -210,7 +232,7 @@ int dist_buckets_finish(ds4_comm *c, ds4_model *m, ds4_status *st, ds4_error *er
     } else {
         dist_buckets_drain(c);
     }
-    b->m = NULL;
+    release(b);
     if (b->whole) { /* the whole buffer, on this thread */
         const int rs = clip_regions(b, 0, b->n, b->toff, b->tlen);
         *st = dist_host_sum(c, b->g, b->n, rs ? b->toff : NULL, rs ? b->tlen : NULL, err);
@@ -221,9 +243,19 @@ int dist_buckets_finish(ds4_comm *c, ds4_model *m, ds4_status *st, ds4_error *er
     return 1;
 }
 
+int dist_buckets_busy(ds4_comm *c) {
+    dist_buckets *b = c ? c->bk : NULL;
+    if (!b || !b->thread_on) return 0;
+    pthread_mutex_lock(&b->mu);
+    const int busy = b->done < b->queued;
+    pthread_mutex_unlock(&b->mu);
+    return busy;
+}
+
 void dist_buckets_close(ds4_comm *c) {
     dist_buckets *b = c ? c->bk : NULL;
     if (!b) return;
+    if (b->m) release(b); /* the model outlives the communicator: no hook or guard left pointing here */
     if (b->thread_on) {
         pthread_mutex_lock(&b->mu);
         b->stop = 1;

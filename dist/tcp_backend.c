@@ -411,6 +411,12 @@ ds4_status dist_tcp_open(const ds4_launch *l, double timeout_s, dist_tcp **out, 
     return DS4_OK;
 }
 
+void dist_tcp_shutdown(dist_tcp *t) {
+    int nfd = t && t->fd ? (t->rank == 0 ? t->world : 1) : 0;
+    for (int i = 0; i < nfd; i++)
+        if (t->fd[i] >= 0) (void)shutdown(t->fd[i], SHUT_RDWR);
+}
+
 void dist_tcp_close(dist_tcp *t) {
     if (!t) return;
     int nfd = t->rank == 0 ? t->world : 1;

@@ -19,6 +19,9 @@ typedef struct dist_tcp dist_tcp;
 ds4_status dist_tcp_open(const ds4_launch *l, double timeout_s, dist_tcp **out, int32_t *local_rank, ds4_error *err);
 /* Close every connection. NULL is allowed. */
 void dist_tcp_close(dist_tcp *t);
+/* Shut every connection down without closing it (a collective waiting on another thread fails at once; the
+ * communicator stays allocated, for dist_tcp_close after that thread has returned). */
+void dist_tcp_shutdown(dist_tcp *t);
 
 /* The collectives of ds4_dist.h. All go through rank 0, which sums in rank order (rank 0's values, plus rank 1's,
  * plus rank 2's, ...), so a result depends on nothing but the inputs. */

@@ -50,9 +50,9 @@ rm -f "$LOG"/run.*
 # 2-core machine under the sanitizers starting 4 processes has taken more than 2 s.
 TO=4
 export DS4_DIST_TIMEOUT=$TO DS4_TEST_HANG_S=$((2 * TO))
-for mode in kill error hang; do
+for mode in kill error hang buckets; do
     for np in 2 4; do
-        launch "$np" "$LOG/run" 60 "$DS4" run "$T/dist_rank_dies.lua" "$mode"
+        launch "$np" "$LOG/run" 60 "$DS4" run "$T/dist_rank_dies.lua" "$mode" "$FIX"
         last=$((np - 1))
         case "$mode" in
         hang) want="rank $last sent nothing to rank 0 for $TO s" ;;

@@ -21,10 +21,12 @@ typedef struct {
     int64_t lo[MAX_REGIONS], hi[MAX_REGIONS];
     int n;
     float *snap; /* [n_params] each region copied when reported */
+    const ds4_model *m;
 } record;
 
-static void on_final(void *ctx, float *g, int64_t lo, int64_t hi, void *stream) {
+static void on_final(void *ctx, ds4_model *m, float *g, int64_t lo, int64_t hi, void *stream) {
     record *r = ctx;
+    CHECK(m == r->m, "the hook names its model");
     CHECK(stream == NULL, "a CPU model's regions come without a stream");
     if (r->n < MAX_REGIONS) r->lo[r->n] = lo, r->hi[r->n] = hi;
     r->n++;
@@ -60,7 +62,7 @@ static void run(ds4_engine *eng, const char *fixtures, const char *fixture) {
     CHECK_OK(ds4_model_set_train_options(twin, &to, &err), &err);
     CHECK_OK(ds4_model_enable_grad(m, &err), &err);
     CHECK_OK(ds4_model_enable_grad(twin, &err), &err);
-    record rec = {.snap = malloc((size_t)n * sizeof(float))};
+    record rec = {.snap = malloc((size_t)n * sizeof(float)), .m = m};
     CHECK(rec.snap != NULL, "snapshot buffer");
     ds4_forward_result res;
     for (int micro = 0; micro < 2 && rec.snap; micro++) { /* micro 1 accumulates onto micro 0 */

@@ -77,8 +77,11 @@ ds4_status ds4_model_set_grad_regions(ds4_model *m, int32_t world, const int64_t
                                       ds4_error *err);
 /* The regions set (pointers into the model, valid until the next set or the model's end) -> their number, 0: none. */
 int32_t ds4_model_grad_regions(const ds4_model *m, const int64_t **off, const int64_t **len);
-typedef void (*ds4_grads_final_fn)(void *ctx, float *grads, int64_t lo, int64_t hi, void *stream);
+typedef void (*ds4_grads_final_fn)(void *ctx, ds4_model *m, float *grads, int64_t lo, int64_t hi, void *stream);
 void ds4_model_on_grads_final(ds4_model *m, ds4_grads_final_fn fn, void *ctx);
+/* The gradient buffer is in use by another thread or stream (a reduction in flight) until wait(ctx) returns: freeing
+ * the model or dropping its training state calls it first (then forgets it). wait NULL: nothing in use. */
+void ds4_model_guard_grads(ds4_model *m, void (*wait)(void *ctx), void *ctx);
 ds4_status ds4_model_set_train_options(ds4_model *m, const ds4_train_options *o, ds4_error *err);
 
 /* Per named tensor i (as ds4_model_tensor_at): flat offset and size in the parameter buffer, whether it
