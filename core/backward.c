@@ -544,7 +544,6 @@ ds4_status ds4_model_logprobs(ds4_model *m, float *logp, float *entropy, ds4_err
     return ds4_dev_check(dev, "logprobs", err);
 }
 
-
 /* A backward adds its gradient to the buffer with one fp32 addition per element. Inside a backward some elements
  * receive many additions (a norm weight or a sink token by token, the embedding row of a repeated id, the head and
  * embedding shared by the main and the MTP losses), so accumulating onto gradients that are already there would

@@ -37,6 +37,7 @@ struct dist_buckets {
     int whole;            /* no queue could be allocated: the whole buffer is reduced when the reduction finishes */
     float *g;             /* the gradient buffer [n] */
     int64_t n, next_hi;   /* next_hi: the top of the first bucket not queued yet */
+    int64_t B;            /* elements per bucket, as when armed */
     int64_t *jobs;        /* [cap][2] the buckets queued, [lo, hi) */
     int64_t cap, queued, done;
     const int64_t *roff, *rlen; /* the model's ZeRO-1 regions ([world] each), or NULL: the buckets are all-reduced */
@@ -129,7 +130,7 @@ static void launch(dist_buckets *b, int64_t lo, int64_t hi, void *stream) {
 
 /* Every bucket that lies wholly in [lo, n) and is not queued yet, top first. */
 static void launch_from(dist_buckets *b, int64_t lo, void *stream) {
-    const int64_t B = b->c->bucket;
+    const int64_t B = b->B;
     while (b->next_hi > 0) {
         const int64_t blo = b->next_hi > B ? b->next_hi - B : 0;
         if (blo < lo) break;
@@ -147,7 +148,7 @@ static void on_final(void *ctx, ds4_model *m, float *grads, int64_t lo, int64_t 
         b->reported = 1;
         b->g = grads, b->n = hi, b->next_hi = hi;
         if (!dist_grad_regions(b->c, b->m, hi, &b->roff, &b->rlen)) b->roff = b->rlen = NULL;
-        const int64_t cap = hi / b->c->bucket + 2;
+        const int64_t cap = hi / b->B + 2;
         if (!b->device && cap > b->cap) {
             int64_t *j = realloc(b->jobs, (size_t)cap * 2 * sizeof *j);
             if (!j) { /* the whole buffer is reduced when the reduction finishes, on the caller's thread */
@@ -192,6 +193,7 @@ ds4_status dist_buckets_arm(ds4_comm *c, ds4_model *m, int *armed, ds4_error *er
         b->thread_on = 1;
     }
     b->m = m, b->device = device, b->reported = b->whole = 0;
+    b->B = c->bucket;
     b->g = NULL, b->n = b->next_hi = 0;
     b->queued = b->done = 0;
     b->st = DS4_OK;
