@@ -71,6 +71,7 @@ static void free_train_state(ds4_model *m) {
 }
 
 ds4_status ds4_model_drop_train_state(ds4_model *m, ds4_error *err) {
+    ds4_model_grads_unguard(m);
     ds4_status s = ds4_model_host_sync(m, err);
     if (s) return s;
     if (m->moments_owner && m->dmoments) {
@@ -377,6 +378,59 @@ ds4_status ds4_model_grad_buffer(ds4_model *m, float **out, int64_t *count, ds4_
     *count = n;
     m->grads_zero = 0; /* the caller may write it */
     return DS4_OK;
+}
+
+ds4_status ds4_model_set_grad_regions(ds4_model *m, int32_t world, const int64_t *off, const int64_t *len,
+                                      ds4_error *err) {
+    if (!m) return ds4_fail(err, DS4_ERR_ARG, "set_grad_regions: model is NULL");
+    int64_t *copy = NULL;
+    if (world > 0) {
+        if (!off || !len) return ds4_fail(err, DS4_ERR_ARG, "set_grad_regions: %d regions without offsets", world);
+        float *host, *dev;
+        const int64_t n = trained_grads(m, &host, &dev);
+        int64_t end = 0;
+        for (int32_t r = 0; r < world; r++) {
+            if (off[r] < 0 || len[r] < 0 || (len[r] > 0 && off[r] < end) || off[r] + len[r] > n)
+                return ds4_fail(err, DS4_ERR_ARG, "set_grad_regions: rank %d's region [%lld, +%lld) is not after the "
+                                                  "previous ones inside the %lld gradients", r, (long long)off[r],
+                                (long long)len[r], (long long)n);
+            if (len[r] > 0) end = off[r] + len[r];
+        }
+        if (!(copy = malloc((size_t)world * 2 * sizeof *copy)))
+            return ds4_fail(err, DS4_ERR_OOM, "set_grad_regions: %d regions", world);
+        memcpy(copy, off, (size_t)world * sizeof *copy);
+        memcpy(copy + world, len, (size_t)world * sizeof *copy);
+    }
+    free(m->grad_regions);
+    m->grad_regions = copy;
+    m->grad_world = copy ? world : 0;
+    return DS4_OK;
+}
+
+int32_t ds4_model_grad_regions(const ds4_model *m, const int64_t **off, const int64_t **len) {
+    *off = m && m->grad_regions ? m->grad_regions : NULL;
+    *len = m && m->grad_regions ? m->grad_regions + m->grad_world : NULL;
+    return m && m->grad_regions ? m->grad_world : 0;
+}
+
+void ds4_model_guard_grads(ds4_model *m, void (*wait)(void *ctx), void *ctx) {
+    if (!m) return;
+    m->gguard = wait;
+    m->gguard_ctx = wait ? ctx : NULL;
+}
+
+/* Before the gradients go away: whoever uses them is done. */
+void ds4_model_grads_unguard(ds4_model *m) {
+    void (*wait)(void *) = m->gguard;
+    void *ctx = m->gguard_ctx;
+    m->gguard = NULL, m->gguard_ctx = NULL;
+    if (wait) wait(ctx);
+}
+
+void ds4_model_on_grads_final(ds4_model *m, ds4_grads_final_fn fn, void *ctx) {
+    if (!m) return;
+    m->gfinal_fn = fn;
+    m->gfinal_ctx = fn ? ctx : NULL;
 }
 
 void ds4_model_grads_changed(ds4_model *m) {

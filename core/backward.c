@@ -544,8 +544,6 @@ ds4_status ds4_model_logprobs(ds4_model *m, float *logp, float *entropy, ds4_err
     return ds4_dev_check(dev, "logprobs", err);
 }
 
-static ds4_status backward_impl(ds4_model *m, const float *dlogp, const ds4_backward_scales *sc, ds4_error *err);
-
 /* A backward adds its gradient to the buffer with one fp32 addition per element. Inside a backward some elements
  * receive many additions (a norm weight or a sink token by token, the embedding row of a repeated id, the head and
  * embedding shared by the main and the MTP losses), so accumulating onto gradients that are already there would
@@ -578,28 +576,73 @@ static ds4_status set_aside(ds4_model *m, float **saved, ds4_error *err) {
     return DS4_OK;
 }
 
-/* g += saved, over the flat buffer in rows of ADD_ROW values (add_bcast with one stream is a plain add; the rows
- * let the CPU backend spread it over its threads). */
-static void add_back(ds4_model *m, const float *saved) {
+/* g[lo, hi) += saved[lo, hi), in rows of ADD_ROW values (add_bcast with one stream is a plain add, one fp32 addition
+ * per element whatever the rows; the rows let the CPU backend spread it over its threads). */
+static void add_back(ds4_model *m, const float *saved, int64_t lo, int64_t hi) {
     enum { ADD_ROW = 4096 };
-    float *g = m->dgrads ? m->dgrads : m->grads;
-    const int64_t n = m->n_params, full = n / ADD_ROW, rest = n - full * ADD_ROW;
+    float *g = (m->dgrads ? m->dgrads : m->grads) + lo;
+    saved += lo;
+    const int64_t n = hi - lo, full = n / ADD_ROW, rest = n - full * ADD_ROW;
     if (full > 0) OP(m->dev, add_bcast, .x = g, .h = saved, .T = full, .n = 1, .D = ADD_ROW);
     if (rest > 0)
         OP(m->dev, add_bcast, .x = g + full * ADD_ROW, .h = saved + full * ADD_ROW, .T = 1, .n = 1, .D = rest);
+}
+
+/* The hook of ds4_model_on_grads_final for one backward: [lo, from) of the gradient buffer became final. */
+typedef struct gfinal {
+    ds4_grads_final_fn fn;
+    void *ctx;
+    float *g;             /* the trained gradient buffer (backend memory) */
+    void *stream;         /* the backend's stream, or NULL */
+    int64_t from;         /* [from, count) reported so far */
+    int per_block;        /* 1: reported block by block (the model's own gradients, no collectives in the backward) */
+} gfinal;
+
+static void gfinal_arm(ds4_model *m, gfinal *gf) {
+    memset(gf, 0, sizeof *gf);
+    gf->fn = m ? m->gfinal_fn : NULL;
+    if (!gf->fn) return;
+    gf->ctx = m->gfinal_ctx;
+    m->gfinal_fn = NULL, m->gfinal_ctx = NULL; /* one backward */
+    const int lora = m->lora != NULL;
+    gf->g = lora ? (m->lora->dgrads ? m->lora->dgrads : m->lora->grads) : (m->dgrads ? m->dgrads : m->grads);
+    gf->from = lora ? m->lora->n : m->n_params;
+    gf->stream = m->dev->ops->native_stream ? m->dev->ops->native_stream(m->dev) : NULL;
+    gf->per_block = !lora && !m->ep_on && !m->cp_on && m->grads;
+}
+
+/* [lo, from) final: its set-aside values added back (when the backward accumulates), then reported. */
+static void gfinal_reach(ds4_model *m, gfinal *gf, const float *saved, int64_t lo) {
+    if (!gf->fn || lo >= gf->from) return;
+    if (saved) add_back(m, saved, lo, gf->from);
+    gf->fn(gf->ctx, m, gf->g, lo, gf->from, gf->stream);
+    gf->from = lo;
+}
+
+static ds4_status backward_impl(ds4_model *m, const float *dlogp, const ds4_backward_scales *sc, gfinal *gf,
+                                ds4_error *err);
+
+/* The flat offset of block li's first parameter (the blocks lie in order between the embedding and the head). */
+static int64_t block_start(const ds4_model *m, int64_t li) {
+    return li < m->cfg.num_hidden_layers ? m->w.layers[li].attn_norm - m->params : m->w.norm - m->params;
 }
 
 /* The backward once this rank's checks gave s: with context parallelism the ranks agree first (every rank fails when
  * one refused, instead of leaving the others in a gather). */
 static ds4_status run_backward(ds4_model *m, ds4_status s, const char *what, const float *dlogp,
                                const ds4_backward_scales *sc, ds4_error *err) {
+    gfinal gf;
+    gfinal_arm(m, &gf);
     if (m && m->cp_on) {
         const ds4_tape *tp = m->tape;
         const int ok = tp && tp->valid && !s;
         s = ds4_cp_agree(m, what, ok ? tp->B : 0, ok ? tp->cp_S : 0, ok ? tp->hids : NULL, ok ? tp->hlabels : NULL, s,
                          err);
     }
-    return s ? s : backward_impl(m, dlogp, sc, err);
+    if (!s) s = backward_impl(m, dlogp, sc, &gf, err);
+    /* what a failed backward did not reach is reported too: every rank issues the same collectives */
+    if (gf.fn && gf.from > 0) gf.fn(gf.ctx, m, gf.g, 0, gf.from, gf.stream);
+    return s;
 }
 
 ds4_status ds4_model_backward(ds4_model *m, double scale, ds4_error *err) {
@@ -643,7 +686,8 @@ ds4_status ds4_model_backward_logprobs_scaled(ds4_model *m, const float *dlogp, 
 
 /* The CE path passes dlogp = NULL and scale; the per-token path passes dlogp (and the MTP term, when on, keeps its
  * own mean normalisation relative to the main loss: see below). */
-static ds4_status backward_impl(ds4_model *m, const float *dlogp, const ds4_backward_scales *sc, ds4_error *err) {
+static ds4_status backward_impl(ds4_model *m, const float *dlogp, const ds4_backward_scales *sc, gfinal *gf,
+                                ds4_error *err) {
     ds4_tape *tp = m->tape;
     const double scale = sc->ce;
     const ds4_config *c = &m->cfg;
@@ -698,6 +742,9 @@ static ds4_status backward_impl(ds4_model *m, const float *dlogp, const ds4_back
          * when given */
         mtp_bwd(&b, sc->mtp >= 0 ? sc->mtp : m->topt.mtp_lambda * scale * (double)tp->loss_tokens / (double)tp->mtp_tokens,
                 htgt, hrows);
+    /* the final norm, the head and the MTP block lie after the blocks: complete now (the embedding, which the MTP
+     * term also reaches, lies before them) */
+    if (gf->per_block) gfinal_reach(m, gf, gsaved, block_start(m, L));
     int64_t ncsa = 0; /* CSA layers before the block being recomputed (its indexer replay offset) */
     for (int64_t li = 0; li < L; li++) ncsa += c->layer_types[li] == DS4_ATTN_CSA;
     for (int64_t li = L - 1; li >= 0; li--) {
@@ -715,10 +762,16 @@ static ds4_status backward_impl(ds4_model *m, const float *dlogp, const ds4_back
             ds4_block(&b.f, &wv->layers[li], b.f.X, tp->ids);
         }
         block_bwd(&b, &wv->layers[li], &b.gw->layers[li], &tp->layers[li], b.dX);
+        if (gf->per_block) gfinal_reach(m, gf, gsaved, block_start(m, li));
     }
     if (b.gw->embed)
         OP(dev, embed_bwd, .ge = b.gw->embed, .ids = tp->ids, .dx = b.dX, .T = T, .n = c->hc_mult, .D = c->hidden_size);
-    if (gsaved) add_back(m, gsaved);
+    if (gf->per_block) {
+        gfinal_reach(m, gf, gsaved, 0); /* the embedding */
+    } else {
+        if (gsaved) add_back(m, gsaved, 0, m->n_params);
+        gfinal_reach(m, gf, NULL, 0);
+    }
     m->grads_zero = 0;
     free(htgt);
     tp->valid = 0;

@@ -402,6 +402,7 @@ int64_t ds4_model_find(const ds4_model *m, const char *name) {
 
 void ds4_model_free(ds4_model *m) {
     if (!m) return;
+    ds4_model_grads_unguard(m); /* a reduction still writing the gradients ends first */
     /* first: giving the training state back rebinds the host gradients through m->table (free_train_state) */
     ds4_model_drop_lora(m);
     ds4_model_release_backend(m);
@@ -423,6 +424,7 @@ void ds4_model_free(ds4_model *m) {
     free(m->rope_cs[0]);
     free(m->rope_cs[1]);
     free(m->grads);
+    free(m->grad_regions);
     free(m->router_loads);
     free(m->ep_host);
     free(m->cp_host);

@@ -180,6 +180,12 @@ struct ds4_model {
     uint64_t step_serial;                /* ds4_model_step calls, to detect a cache passed twice in one step */
     /* training */
     float *grads;                        /* flat, parallel to params; NULL until enable_grad */
+    int64_t *grad_regions;               /* [2, grad_world]: ds4_model_set_grad_regions, or NULL */
+    int32_t grad_world;
+    ds4_grads_final_fn gfinal_fn;        /* armed for the next backward (ds4_model_on_grads_final), and its ctx */
+    void *gfinal_ctx;
+    void (*gguard)(void *ctx);           /* the gradients are in use elsewhere until it returns (ds4_model_guard_grads) */
+    void *gguard_ctx;
     int grads_zero;                      /* 1: the gradient buffer is known to hold zeros (enable_grad, zero_grad) */
     float *gsaved;                       /* [n_params] backend memory: the gradients set aside while a backward runs
                                             on zeros (backward.c, accumulation); allocated on first use */
@@ -246,6 +252,8 @@ void ds4_weights_clear(const ds4_model *m, ds4_weights *w);
 /* Drop the model's own training state: host and device gradients, master weights and moments (host copies brought
  * up to date first), the tape; gw cleared. */
 ds4_status ds4_model_drop_train_state(ds4_model *m, ds4_error *err);
+/* ds4_model_guard_grads' wait, called once and forgotten (the gradients are about to go away). */
+void ds4_model_grads_unguard(ds4_model *m);
 /* A test reference for the bf16 mode: the CPU's products with M matrices round their activation operands to bf16
  * as the bf16 mode does (ops.h, bf16_in). The M matrices' values are the caller's to round (the CPU keeps fp32). */
 void ds4_model_emulate_bf16(ds4_model *m, int on);

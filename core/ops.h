@@ -349,6 +349,9 @@ typedef struct ds4_ops {
      * pass's launches depend on: shapes, buffer addresses, flags; its inputs live in backend memory. */
     int (*graph_begin)(ds4_dev *d, uint64_t key);
     void (*graph_end)(ds4_dev *d, uint64_t key);
+    /* optional: the stream the backend enqueues its work on (CUDA: a cudaStream_t), for another stream (NCCL's) to
+     * wait on an event recorded there; NULL: work is finished when an operation returns (the CPU) */
+    void *(*native_stream)(ds4_dev *d);
     /* operations; NULL: not implemented by this backend (the call fails with a message naming it) */
 #define DS4_OP_FIELD(name) void (*name)(ds4_dev *d, const ds4_a_##name *a);
     DS4_OPS(DS4_OP_FIELD)

@@ -799,6 +799,14 @@ static int64_t piece_at(ds4_model *m, size_t nt, int64_t k, int64_t *first, int6
     return seen;
 }
 
+ds4_model *ds4_adamw_model(const ds4_adamw *a) { return a ? a->model : NULL; }
+
+int32_t ds4_adamw_shard_regions(const ds4_adamw *a, const int64_t **off, const int64_t **len) {
+    *off = a && a->sharded ? a->roff : NULL;
+    *len = a && a->sharded ? a->rlen : NULL;
+    return a && a->sharded ? a->sh.world : 0;
+}
+
 ds4_status ds4_adamw_set_shard(ds4_adamw *a, const ds4_adamw_shard *s, ds4_error *err) {
     if (!a || !s || !s->sum_f64 || !s->gather_f32 || s->world < 1 || s->rank < 0 || s->rank >= s->world)
         return ds4_fail(err, DS4_ERR_ARG, "adamw shard: optimizer, collectives or rank %d of %d invalid",

@@ -310,6 +310,8 @@ static ds4_status c_profile_init(ds4_dev *d, ds4_error *err) {
     return DS4_OK;
 }
 
+static void *c_native_stream(ds4_dev *d) { return (void *)cdev(d)->stream; }
+
 // ------------------------------------------------------------------------------------------ table
 
 static const ds4_ops cuda_ops = [] {
@@ -328,6 +330,7 @@ static const ds4_ops cuda_ops = [] {
     o.profile_init = c_profile_init;
     o.graph_begin = c_graph_begin;
     o.graph_end = c_graph_end;
+    o.native_stream = c_native_stream;
 #define SET(name) o.name = ds4_cuda_##name;
     SET(embed) SET(hc_pre) SET(hc_post) SET(hyperhead) SET(rmsnorm) SET(rope) SET(scale) SET(fake_quant) SET(copy_rows)
     SET(gather_rows) SET(scatter_rows) SET(add_rows) SET(add_bcast) SET(matmul) SET(matmul_grouped) SET(compress)

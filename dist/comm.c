@@ -6,20 +6,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "ds4_dist.h"
+#include "comm_internal.h"
+#include "ds4_train.h"
 #include "internal.h"
-#include "mpi_backend.h"
-#include "nccl_backend.h"
-#include "tcp_backend.h"
-
-struct ds4_comm {
-    ds4_launch launch;
-    int32_t rank, world_size, local_rank;
-    double timeout_s;
-    dist_mpi *mpi;   /* host collectives under an MPI launcher */
-    dist_tcp *tcp;   /* host collectives under a torchrun-style launch */
-    dist_nccl *nccl; /* device collectives, when asked for */
-};
 
 enum { DEFAULT_TIMEOUT_S = 300 };
 
@@ -29,7 +18,19 @@ int ds4_dist_have_nccl(void) { return dist_nccl_built(); }
 void ds4_comm_options_default(ds4_comm_options *o) {
     memset(o, 0, sizeof *o);
     o->device = -1;
+    o->bucket_mb = DS4_DEFAULT_BUCKET_MB;
 }
+
+ds4_status ds4_comm_set_bucket_mb(ds4_comm *c, double mb, ds4_error *err) {
+    if (!c) return ds4_fail(err, DS4_ERR_ARG, "dist bucket_mb: communicator is NULL");
+    if (!(mb >= 0) || mb > 1e6)
+        return ds4_fail(err, DS4_ERR_ARG, "dist bucket_mb: %g MiB (0: one reduction after the backward, up to 1e6)", mb);
+    const int64_t elems = (int64_t)(mb * 1048576.0 / sizeof(float));
+    c->bucket = mb > 0 && elems < 1 ? 1 : elems;
+    return DS4_OK;
+}
+
+double ds4_comm_bucket_mb(const ds4_comm *c) { return c ? (double)c->bucket * sizeof(float) / 1048576.0 : 0; }
 
 /* Under mpirun, torchrun-style RANK / WORLD_SIZE (set by a wrapper script, say) must not contradict MPI's. */
 static ds4_status check_agrees(const char *name, int32_t mpi_value, ds4_error *err) {
@@ -109,6 +110,11 @@ ds4_status ds4_comm_init_with(const ds4_comm_options *opts, ds4_comm **out, ds4_
     c->launch = l;
     c->rank = 0, c->world_size = 1, c->local_rank = 0;
     c->timeout_s = timeout;
+    if (!st) st = ds4_comm_set_bucket_mb(c, o.bucket_mb, err);
+    if (st) {
+        free(c);
+        return st;
+    }
     if (l.launcher == DS4_LAUNCH_MPI || l.launcher == DS4_LAUNCH_SLURM) {
         st = dist_mpi_open(&c->mpi, &c->rank, &c->world_size, &c->local_rank, err);
         if (st == DS4_OK && (st = check_agrees("RANK", c->rank, err)) == DS4_OK)
@@ -128,21 +134,30 @@ ds4_status ds4_comm_init_with(const ds4_comm_options *opts, ds4_comm **out, ds4_
     return DS4_OK;
 }
 
+static void free_comm(ds4_comm *c) { free(c); }
+
 ds4_status ds4_comm_finalize(ds4_comm *c, ds4_error *err) {
     if (!c) return DS4_OK;
+    dist_buckets_drain(c);
+    dist_buckets_close(c);
     ds4_status st = dist_nccl_close(c->nccl, 1, err);
     dist_tcp_close(c->tcp);
     ds4_status s2 = dist_mpi_close(c->mpi, 1, st ? NULL : err);
-    free(c);
+    free_comm(c);
     return st ? st : s2;
 }
 
 void ds4_comm_abandon(ds4_comm *c) {
     if (!c) return;
+    if (dist_buckets_busy(c)) { /* the communication thread is in a collective whose peers may never come */
+        if (!c->tcp) return; /* MPI: left as it is, unfreed (this process is failing; the launcher ends the job) */
+        dist_tcp_shutdown(c->tcp); /* its waits fail at once */
+    }
+    dist_buckets_close(c);
     dist_nccl_close(c->nccl, 0, NULL); /* aborted: the peers' watchdogs see it */
     dist_tcp_close(c->tcp);
     dist_mpi_close(c->mpi, 0, NULL); /* the duplicate is freed; MPI itself is left for the launcher to end */
-    free(c);
+    free_comm(c);
 }
 
 int32_t ds4_comm_rank(const ds4_comm *c) { return c->rank; }
@@ -155,6 +170,7 @@ double ds4_comm_timeout(const ds4_comm *c) { return c->timeout_s; }
 
 ds4_status ds4_comm_barrier(ds4_comm *c, ds4_error *err) {
     if (!c) return ds4_fail(err, DS4_ERR_ARG, "dist barrier: communicator is NULL");
+    dist_buckets_drain(c);
     if (c->mpi) return dist_mpi_barrier(c->mpi, err);
     if (c->tcp) return dist_tcp_barrier(c->tcp, err);
     return DS4_OK;
@@ -173,6 +189,7 @@ ds4_status ds4_comm_all_reduce_sum(ds4_comm *c, ds4_dtype dtype, void *buf, int6
     if (!c) return ds4_fail(err, DS4_ERR_ARG, "dist all_reduce: communicator is NULL");
     ds4_status st = check_sum("all_reduce", dtype, buf, count, err);
     if (st || count == 0) return st;
+    dist_buckets_drain(c);
     if (c->mpi) return dist_mpi_all_reduce_sum(c->mpi, dtype, buf, count, err);
     if (c->tcp) return dist_tcp_all_reduce_sum(c->tcp, dtype, buf, count, err);
     return DS4_OK;
@@ -183,6 +200,7 @@ ds4_status ds4_comm_all_gather(ds4_comm *c, const void *send, void *recv, size_t
     if (nbytes > 0 && (!send || !recv))
         return ds4_fail(err, DS4_ERR_ARG, "dist all_gather: %zu bytes per rank, send %p, recv %p", nbytes, send, recv);
     if (nbytes == 0) return DS4_OK;
+    dist_buckets_drain(c);
     if (c->mpi) return dist_mpi_all_gather(c->mpi, send, recv, nbytes, err);
     if (c->tcp) return dist_tcp_all_gather(c->tcp, send, recv, nbytes, err);
     memmove(recv, send, nbytes);
@@ -195,6 +213,7 @@ ds4_status ds4_comm_broadcast(ds4_comm *c, void *buf, size_t nbytes, int32_t roo
         return ds4_fail(err, DS4_ERR_ARG, "dist broadcast: root %d outside ranks [0, %d)", root, c->world_size);
     if (nbytes > 0 && !buf) return ds4_fail(err, DS4_ERR_ARG, "dist broadcast: %zu bytes at NULL", nbytes);
     if (nbytes == 0) return DS4_OK;
+    dist_buckets_drain(c);
     if (c->mpi) return dist_mpi_broadcast(c->mpi, buf, nbytes, root, err);
     if (c->tcp) return dist_tcp_broadcast(c->tcp, buf, nbytes, root, err);
     return DS4_OK;
@@ -224,6 +243,7 @@ ds4_status ds4_comm_all_to_all_v(ds4_comm *c, const void *send, const int64_t *s
                                  const int64_t *recv_rows, size_t row_bytes, ds4_error *err) {
     ds4_status st = check_a2a(c, "all_to_all_v", send, send_rows, recv, recv_rows, row_bytes, err);
     if (st) return st;
+    dist_buckets_drain(c);
     if (c->mpi) return dist_mpi_all_to_all_v(c->mpi, send, send_rows, recv, recv_rows, row_bytes, err);
     if (c->tcp) return dist_tcp_all_to_all_v(c->tcp, send, send_rows, recv, recv_rows, row_bytes, err);
     if (send_rows[0] != recv_rows[0])
@@ -282,6 +302,29 @@ static ds4_status sum_loads(void *ctx, double *buf, int64_t n, ds4_error *err) {
     return ds4_comm_all_reduce_sum((ds4_comm *)ctx, DS4_F64, buf, n, err);
 }
 
+ds4_status dist_host_sum(ds4_comm *c, float *buf, int64_t count, const int64_t *off, const int64_t *len,
+                         ds4_error *err) {
+    if (count == 0) return DS4_OK;
+    if (c->mpi)
+        return off ? dist_mpi_reduce_scatter_sum(c->mpi, DS4_F32, buf, count, off, len, err)
+                   : dist_mpi_all_reduce_sum(c->mpi, DS4_F32, buf, count, err);
+    if (c->tcp)
+        return off ? dist_tcp_reduce_scatter_sum(c->tcp, DS4_F32, buf, count, off, len, err)
+                   : dist_tcp_all_reduce_sum(c->tcp, DS4_F32, buf, count, err);
+    return DS4_OK;
+}
+
+ds4_status ds4_comm_overlap_backward(ds4_comm *c, ds4_model *m, ds4_error *err) {
+    if (!c || !m) return ds4_fail(err, DS4_ERR_ARG, "dist overlap_backward: communicator or model is NULL");
+    const ds4_device_options dev = ds4_model_device(m);
+    if (dev.type == DS4_DEVICE_CUDA && c->nccl && ds4_comm_device(c) != dev.index)
+        return ds4_fail(err, DS4_ERR_ARG, "dist overlap_backward: the model is on %s, the communicator's NCCL on "
+                                          "cuda:%d (move the model to ds4.dist.device())", ds4_model_device_name(m),
+                        ds4_comm_device(c));
+    int armed = 0;
+    return dist_buckets_arm(c, m, &armed, err);
+}
+
 ds4_status ds4_comm_all_reduce_grads(ds4_comm *c, ds4_model *m, double scale, ds4_error *err) {
     if (!c || !m) return ds4_fail(err, DS4_ERR_ARG, "dist all_reduce_grads: communicator or model is NULL");
     const ds4_device_options dev = ds4_model_device(m);
@@ -305,7 +348,18 @@ ds4_status ds4_comm_all_reduce_grads(ds4_comm *c, ds4_model *m, double scale, ds
                                           "returns the whole sequence's token counts, so the backward already carries "
                                           "the global normalisation (model:backward() or backward(1 / count)) and the "
                                           "scale here must be 1 (docs/distributed.md)", scale);
-    ds4_status st = scale != 1.0 ? ds4_model_scale_grads(m, scale, err) : DS4_OK;
+    ds4_status st = DS4_OK;
+    if (dist_buckets_finish(c, m, &st, err)) { /* the step's last backward reduced them already */
+        if (!st && scale != 1.0)
+            st = ds4_fail(err, DS4_ERR_ARG, "dist all_reduce_grads: scale %g after overlap_backward: the gradients "
+                                            "were summed while the backward ran, so the normalisation must be the "
+                                            "backward's (backward with 1 / the global count) and the scale here 1",
+                          scale);
+        if (dev.type == DS4_DEVICE_CUDA) ds4_model_grads_changed(m);
+        if (st) ds4_error_prefix(err, "dist all_reduce_grads: ");
+        return st ? st : ds4_model_sum_router_loads(m, sum_loads, c, err);
+    }
+    st = scale != 1.0 ? ds4_model_scale_grads(m, scale, err) : DS4_OK;
     if (!st && dev.type == DS4_DEVICE_CUDA && !c->nccl) return DS4_OK; /* a world of one (checked above) */
     float *g = NULL;
     int64_t n = 0;
@@ -314,9 +368,19 @@ ds4_status ds4_comm_all_reduce_grads(ds4_comm *c, ds4_model *m, double scale, ds
         ds4_error_prefix(err, "dist all_reduce_grads: ");
         return st;
     }
-    if (dev.type == DS4_DEVICE_CUDA && c->nccl) {
+    /* ZeRO-1 with the reduce-scatter: each rank's region of the sums only (its optimizer reads no other) */
+    const int64_t *off = NULL, *len = NULL;
+    const int rs = dist_grad_regions(c, m, n, &off, &len);
+    if (dev.type == DS4_DEVICE_CUDA && c->nccl && rs) {
+        st = dist_nccl_enqueue_sum(c->nccl, g, n, off, len, NULL, err);
+        if (!st) st = dist_nccl_wait(c->nccl, "reduce_scatter", err);
+        ds4_model_grads_changed(m);
+    } else if (dev.type == DS4_DEVICE_CUDA && c->nccl) {
         st = ds4_comm_device_all_reduce_sum(c, DS4_F32, g, n, err);
         ds4_model_grads_changed(m);
+    } else if (rs) {
+        dist_buckets_drain(c);
+        st = dist_host_sum(c, g, n, off, len, err);
     } else {
         st = ds4_comm_all_reduce_sum(c, DS4_F32, g, n, err);
     }
@@ -395,4 +459,22 @@ ds4_status ds4_comm_shard_optimizer(ds4_comm *c, ds4_adamw *a, ds4_error *err) {
     ds4_status st = ds4_adamw_set_shard(a, &sh, err);
     if (st) ds4_error_prefix(err, "dist shard_optimizer: ");
     return st;
+}
+
+ds4_status ds4_comm_reduce_scatter_grads(ds4_comm *c, ds4_adamw *a, int on, ds4_error *err) {
+    if (!c || !a) return ds4_fail(err, DS4_ERR_ARG, "dist reduce_scatter_grads: communicator or optimizer is NULL");
+    ds4_model *m = ds4_adamw_model(a);
+    const int64_t *off = NULL, *len = NULL;
+    if (on && ds4_adamw_shard_regions(a, &off, &len) != c->world_size)
+        return ds4_fail(err, DS4_ERR_ARG, "dist reduce_scatter_grads: the optimizer is not sharded over this "
+                                          "communicator's %d ranks (ds4_comm_shard_optimizer first)", c->world_size);
+    dist_buckets_drain(c); /* the communication thread may read the regions */
+    ds4_status st = ds4_model_set_grad_regions(m, on ? c->world_size : 0, off, len, err);
+    if (st) ds4_error_prefix(err, "dist reduce_scatter_grads: ");
+    return st;
+}
+
+int dist_grad_regions(const ds4_comm *c, const ds4_model *m, int64_t n, const int64_t **off, const int64_t **len) {
+    const int32_t W = ds4_model_grad_regions(m, off, len);
+    return W == c->world_size && W > 1 && (*off)[W - 1] + (*len)[W - 1] <= n;
 }

@@ -69,10 +69,13 @@ int ds4_dist_have_nccl(void);
 typedef struct ds4_comm_options {
     int32_t nccl;      /* 1: also an NCCL communicator for device buffers (ds4_comm_device_*) */
     int32_t device;    /* its CUDA device; -1: the local rank modulo the visible devices */
+    double bucket_mb;  /* MiB of gradients per bucket of the reduction overlapped with the backward
+                          (ds4_comm_overlap_backward); 0: one reduction after the backward */
     double timeout_s;  /* deadline of the TCP rendezvous and of every TCP and NCCL collective (not of MPI's: mpirun
                           ends a job whose rank died); <= 0: DS4_DIST_TIMEOUT from the environment, else 300 */
 } ds4_comm_options;
-/* nccl 0, device -1, timeout_s 0 */
+#define DS4_DEFAULT_BUCKET_MB 25.0
+/* nccl 0, device -1, bucket_mb DS4_DEFAULT_BUCKET_MB (as torch's DDP), timeout_s 0 */
 void ds4_comm_options_default(ds4_comm_options *o);
 
 /* Make the communicator the environment describes (ds4_launch_detect on the process environment). Under an MPI
@@ -137,12 +140,34 @@ ds4_status ds4_comm_device_all_gather_regions(ds4_comm *c, void *dev_buf, size_t
  * communicator must outlive its steps. A CUDA model's (on the communicator's device) needs the NCCL communicator: its
  * updated fp32 master weights are gathered through it. */
 ds4_status ds4_comm_shard_optimizer(ds4_comm *c, ds4_adamw *a, ds4_error *err);
+/* ZeRO-1 with a reduce-scatter (on = 1; 0: off again): from now on ds4_comm_all_reduce_grads (and the overlapped
+ * buckets) of a's model sum each rank's region of a's shard only (MPI_Alltoallv and the rank-order sum; the TCP star
+ * sending each rank its region; NCCL one ncclReduce per region), which is all a's sharded step reads: the norm, the
+ * clip coefficient and the weights are the all-reduce's bits. The rest of each rank's gradient buffer keeps its own
+ * unsummed values (the model's gradients are the sum in its region only). a must be sharded over c (any means).
+ * The regions are the model's (ds4_model_set_grad_regions): they stay with it. */
+ds4_status ds4_comm_reduce_scatter_grads(ds4_comm *c, ds4_adamw *a, int on, ds4_error *err);
 
 /* Data parallelism's step between backward and the optimizer: the model's gradient buffer times `scale` (this
  * rank's share of the global normalisation), then summed over ranks, where the model computes: a CPU model through
  * the host collectives, a CUDA model through NCCL on its device (which must be the communicator's). A world of one
  * only scales (unless it has NCCL, which then runs too). docs/distributed.md, "Data parallelism". */
 ds4_status ds4_comm_all_reduce_grads(ds4_comm *c, ds4_model *m, double scale, ds4_error *err);
+
+/* The gradient reduction overlapped with the backward (docs/distributed.md, "Bucketed all-reduce"): the model's next
+ * backward (call this before each step's last backward, after the micro-batches before it have accumulated) sums its
+ * gradients over ranks bucket by bucket as they become final, while it goes on with earlier blocks: CPU models on a
+ * thread of the communicator (MPI or the TCP star), CUDA models on NCCL's stream. ds4_comm_all_reduce_grads (scale
+ * 1) then waits for the buckets instead of reducing the buffer. Every element's sum is the unbucketed one's (rank
+ * order on MPI and TCP; NCCL's for 2 ranks). A rank that runs no backward between this and all_reduce_grads (no
+ * micro-batch of its own) sends its buffer as it is, in the same buckets. A no-op with bucket_mb 0, a world of one, or an MPI whose thread level is
+ * below MPI_THREAD_SERIALIZED (the host initialised it): all_reduce_grads then reduces after the backward, as
+ * without it. While buckets are in flight the communicator's other collectives wait for them first. The
+ * communicator must outlive the armed backward. */
+ds4_status ds4_comm_overlap_backward(ds4_comm *c, ds4_model *m, ds4_error *err);
+/* The bucket size in MiB (0: off; the elements are floor(mb · 2^20 / 4), at least 1). */
+ds4_status ds4_comm_set_bucket_mb(ds4_comm *c, double mb, ds4_error *err);
+double ds4_comm_bucket_mb(const ds4_comm *c);
 
 /* Expert parallelism (docs/distributed.md, "Expert parallelism"): on = 1 installs the communicator's all-to-all as
  * the model's expert-parallel hooks (ds4_model_set_expert_parallel): rank r computes experts [r·E/P, (r+1)·E/P)

@@ -6,6 +6,10 @@
 #define NO_MPI "this ds4 was built without MPI (CMake found no MPI: install openmpi-bin libopenmpi-dev and rebuild)"
 
 int dist_mpi_built(void) { return 0; }
+int dist_mpi_serialized(const dist_mpi *m) {
+    (void)m;
+    return 0;
+}
 
 ds4_status dist_mpi_open(dist_mpi **out, int32_t *rank, int32_t *size, int32_t *local_rank, ds4_error *err) {
     (void)rank, (void)size, (void)local_rank;
@@ -26,6 +30,11 @@ ds4_status dist_mpi_barrier(dist_mpi *m, ds4_error *err) {
 ds4_status dist_mpi_all_reduce_sum(dist_mpi *m, ds4_dtype dtype, void *buf, int64_t count, ds4_error *err) {
     (void)m, (void)dtype, (void)buf, (void)count;
     return ds4_fail(err, DS4_ERR_INTERNAL, "dist all_reduce: %s", NO_MPI);
+}
+ds4_status dist_mpi_reduce_scatter_sum(dist_mpi *m, ds4_dtype dtype, void *buf, int64_t count, const int64_t *off,
+                                       const int64_t *len, ds4_error *err) {
+    (void)m, (void)dtype, (void)buf, (void)count, (void)off, (void)len;
+    return ds4_fail(err, DS4_ERR_INTERNAL, "dist reduce_scatter: %s", NO_MPI);
 }
 ds4_status dist_mpi_all_gather(dist_mpi *m, const void *send, void *recv, size_t nbytes, ds4_error *err) {
     (void)m, (void)send, (void)recv, (void)nbytes;

@@ -15,9 +15,11 @@ struct dist_mpi {
     MPI_Comm world; /* duplicate of MPI_COMM_WORLD: our errhandler, no interference with the host's traffic */
     int we_initialized;
     int rank, size;
+    int serialized; /* MPI's thread level allows calls from another thread, one at a time (the bucketed reduction's) */
 };
 
 int dist_mpi_built(void) { return 1; }
+int dist_mpi_serialized(const dist_mpi *m) { return m->serialized; }
 
 /* Fill err from MPI return code rc ("dist <op>: MPI_Xxx failed: <MPI's text> (<detail>)"). */
 static ds4_status mpi_fail(ds4_error *err, int rc, const char *op, const char *call, const char *detail) {
@@ -45,14 +47,21 @@ ds4_status dist_mpi_open(dist_mpi **out, int32_t *rank, int32_t *size, int32_t *
     dist_mpi *m = calloc(1, sizeof *m);
     if (!m) return ds4_fail(err, DS4_ERR_OOM, "dist init: allocating the communicator (%zu bytes)", sizeof *m);
     m->world = MPI_COMM_NULL;
+    int level = MPI_THREAD_SINGLE;
     if (!inited) {
-        rc = MPI_Init(NULL, NULL);
+        /* SERIALIZED: the bucketed gradient reduction calls MPI from its communication thread while the main thread
+         * waits (dist/grad_buckets.c); never two calls at once */
+        rc = MPI_Init_thread(NULL, NULL, MPI_THREAD_SERIALIZED, &level);
         if (rc != MPI_SUCCESS) {
             free(m);
-            return mpi_fail(err, rc, "init", "MPI_Init", "MPI_COMM_WORLD");
+            return mpi_fail(err, rc, "init", "MPI_Init_thread", "MPI_COMM_WORLD");
         }
         m->we_initialized = 1;
+    } else if ((rc = MPI_Query_thread(&level)) != MPI_SUCCESS) {
+        free(m);
+        return mpi_fail(err, rc, "init", "MPI_Query_thread", "process");
     }
+    m->serialized = level >= MPI_THREAD_SERIALIZED;
     ds4_status st = DS4_OK;
     int r = 0, n = 0, lr = 0;
     MPI_Comm node = MPI_COMM_NULL;
@@ -124,49 +133,75 @@ static void sum_in_rank_order(ds4_dtype dtype, void *dst, const void *recv, int6
     }
 }
 
-/* The sum in a fixed order, the same for every world size's algorithm choice: a reduce-scatter by hand (each rank
- * receives every rank's copy of its shard, MPI_Alltoallv, and adds them in rank order), then MPI_Allgatherv.
- * MPI_Allreduce's order depends on the implementation's algorithm (recursive doubling, rings: (a + b) + (c + d)
- * for 4 ranks), and data parallelism wants the sum that one process accumulating the ranks' micro-batches forms:
- * ((a + b) + c) + d (docs/distributed.md, "Bitwise data parallelism"). It moves as many bytes as a ring. */
-ds4_status dist_mpi_all_reduce_sum(dist_mpi *m, ds4_dtype dtype, void *buf, int64_t count, ds4_error *err) {
+/* Each rank receives every rank's copy of its region of the chunk (MPI_Alltoallv) and adds them in rank order;
+ * cnt / displs: the regions, in elements from b. recv holds the world's copies of the largest region. */
+static ds4_status scatter_sum(dist_mpi *m, ds4_dtype dtype, char *b, const int *cnt, const int *displs, void *recv,
+                              int *rcnt, int *rdispls, const char *op, const char *detail, ds4_error *err) {
+    MPI_Datatype t = dtype == DS4_F64 ? MPI_DOUBLE : MPI_FLOAT;
+    const size_t esz = dtype == DS4_F64 ? 8 : 4;
+    const int W = m->size, mine = cnt[m->rank];
+    for (int r = 0; r < W; r++) rcnt[r] = mine, rdispls[r] = r * mine;
+    int rc = MPI_Alltoallv(b, cnt, displs, t, recv, rcnt, rdispls, t, m->world);
+    if (rc != MPI_SUCCESS) return mpi_fail(err, rc, op, "MPI_Alltoallv", detail);
+    sum_in_rank_order(dtype, b + (size_t)displs[m->rank] * esz, recv, mine, W);
+    return DS4_OK;
+}
+
+/* The sum in rank order of every element (rank 0's value + rank 1's + ...) over the chunks of CHUNK elements of
+ * buf [count]; with regions (off, len: every rank's, in elements), each rank gets its region's sums only (a
+ * reduce-scatter); without, every rank gets all of them (the reduce-scatter over ds4_shard_range's shards, then
+ * MPI_Allgatherv). MPI_Allreduce's order depends on the implementation's algorithm (recursive doubling, rings:
+ * (a + b) + (c + d) for 4 ranks), and data parallelism wants the sum that one process accumulating the ranks'
+ * micro-batches forms: ((a + b) + c) + d (docs/distributed.md, "Bitwise data parallelism"). The all-reduce moves
+ * as many bytes as a ring. */
+static ds4_status sum_regions(dist_mpi *m, ds4_dtype dtype, void *buf, int64_t count, const int64_t *off,
+                              const int64_t *len, const char *op, ds4_error *err) {
     MPI_Datatype t = dtype == DS4_F64 ? MPI_DOUBLE : MPI_FLOAT;
     const size_t esz = dtype == DS4_F64 ? 8 : 4;
     const int W = m->size;
     const int64_t most = count < CHUNK ? count : CHUNK;
     int *cnt = malloc((size_t)W * 4 * sizeof(int));
-    void *recv = malloc((size_t)((most + W - 1) / W) * (size_t)W * esz + esz);
+    void *recv = malloc((size_t)(off ? most : (most + W - 1) / W) * (size_t)W * esz + esz);
     if (!cnt || !recv) {
         free(cnt);
         free(recv);
-        return ds4_fail(err, DS4_ERR_OOM, "dist all_reduce: scratch for %lld elements over %d ranks", (long long)most, W);
+        return ds4_fail(err, DS4_ERR_OOM, "dist %s: scratch for %lld elements over %d ranks", op, (long long)most, W);
     }
     int *displs = cnt + W, *rcnt = cnt + 2 * W, *rdispls = cnt + 3 * W;
     char detail[96];
     snprintf(detail, sizeof detail, "%s, %lld elements", ds4_dtype_name(dtype), (long long)count);
     ds4_status st = DS4_OK;
-    for (int64_t off = 0; off < count && !st; off += CHUNK) {
-        const int64_t n = count - off < CHUNK ? count - off : CHUNK;
+    for (int64_t co = 0; co < count && !st; co += CHUNK) {
+        const int64_t n = count - co < CHUNK ? count - co : CHUNK;
         for (int r = 0; r < W; r++) {
-            int64_t o = 0, len = 0;
-            ds4_shard_range(n, W, r, &o, &len);
-            cnt[r] = (int)len, displs[r] = (int)o;
+            int64_t o = 0, l = 0;
+            if (off) { /* the region's part inside this chunk */
+                const int64_t lo = off[r] > co ? off[r] : co, hi = off[r] + len[r] < co + n ? off[r] + len[r] : co + n;
+                o = lo - co, l = hi > lo ? hi - lo : 0;
+                if (l == 0) o = 0;
+            } else {
+                ds4_shard_range(n, W, r, &o, &l);
+            }
+            cnt[r] = (int)l, displs[r] = (int)o;
         }
-        const int mine = cnt[m->rank];
-        for (int r = 0; r < W; r++) rcnt[r] = mine, rdispls[r] = r * mine;
-        char *b = (char *)buf + (size_t)off * esz;
-        int rc = MPI_Alltoallv(b, cnt, displs, t, recv, rcnt, rdispls, t, m->world);
-        if (rc != MPI_SUCCESS) {
-            st = mpi_fail(err, rc, "all_reduce", "MPI_Alltoallv", detail);
-            break;
-        }
-        sum_in_rank_order(dtype, b + (size_t)displs[m->rank] * esz, recv, mine, W);
-        rc = MPI_Allgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, b, cnt, displs, t, m->world);
-        if (rc != MPI_SUCCESS) st = mpi_fail(err, rc, "all_reduce", "MPI_Allgatherv", detail);
+        char *b = (char *)buf + (size_t)co * esz;
+        st = scatter_sum(m, dtype, b, cnt, displs, recv, rcnt, rdispls, op, detail, err);
+        if (st || off) continue;
+        int rc = MPI_Allgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, b, cnt, displs, t, m->world);
+        if (rc != MPI_SUCCESS) st = mpi_fail(err, rc, op, "MPI_Allgatherv", detail);
     }
     free(cnt);
     free(recv);
     return st;
+}
+
+ds4_status dist_mpi_all_reduce_sum(dist_mpi *m, ds4_dtype dtype, void *buf, int64_t count, ds4_error *err) {
+    return sum_regions(m, dtype, buf, count, NULL, NULL, "all_reduce", err);
+}
+
+ds4_status dist_mpi_reduce_scatter_sum(dist_mpi *m, ds4_dtype dtype, void *buf, int64_t count, const int64_t *off,
+                                       const int64_t *len, ds4_error *err) {
+    return sum_regions(m, dtype, buf, count, off, len, "reduce_scatter", err);
 }
 
 ds4_status dist_mpi_all_gather(dist_mpi *m, const void *send, void *recv, size_t nbytes, ds4_error *err) {

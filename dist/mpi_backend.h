@@ -11,6 +11,9 @@
 typedef struct dist_mpi dist_mpi;
 
 int dist_mpi_built(void);
+/* 1 when MPI may be called from a thread other than the one that initialised it (one call at a time): MPI's thread
+ * level is MPI_THREAD_SERIALIZED or more. */
+int dist_mpi_serialized(const dist_mpi *m);
 /* MPI_Init (when not yet initialized), a duplicate of MPI_COMM_WORLD with MPI_ERRORS_RETURN, and a split by shared
  * memory node for the local rank. */
 ds4_status dist_mpi_open(dist_mpi **out, int32_t *rank, int32_t *size, int32_t *local_rank, ds4_error *err);
@@ -18,6 +21,10 @@ ds4_status dist_mpi_open(dist_mpi **out, int32_t *rank, int32_t *size, int32_t *
 ds4_status dist_mpi_close(dist_mpi *m, int finalize, ds4_error *err);
 ds4_status dist_mpi_barrier(dist_mpi *m, ds4_error *err);
 ds4_status dist_mpi_all_reduce_sum(dist_mpi *m, ds4_dtype dtype, void *buf, int64_t count, ds4_error *err);
+/* In place: rank r's elements [off[r], off[r] + len[r]) of buf [count] become the sum over ranks, in rank order
+ * (the regions are disjoint and the same on every rank; the rest of buf is left as it was). */
+ds4_status dist_mpi_reduce_scatter_sum(dist_mpi *m, ds4_dtype dtype, void *buf, int64_t count, const int64_t *off,
+                                       const int64_t *len, ds4_error *err);
 ds4_status dist_mpi_all_gather(dist_mpi *m, const void *send, void *recv, size_t nbytes, ds4_error *err);
 ds4_status dist_mpi_broadcast(dist_mpi *m, void *buf, size_t nbytes, int32_t root, ds4_error *err);
 /* send_rows[q] rows of row_bytes to rank q (consecutive blocks of send), recv_rows[s] from rank s (consecutive blocks

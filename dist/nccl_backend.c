@@ -198,6 +198,47 @@ ds4_status dist_nccl_all_reduce_sum(dist_nccl *n, ds4_dtype dtype, void *dev_buf
     return issued(n, r, "all_reduce", "ncclAllReduce", detail, err);
 }
 
+/* The bucketed reduction's calls (dist/grad_buckets.c): NCCL's stream waits on an event recorded on the model's
+ * stream after the kernels that produced the bucket, so the backward goes on while the bucket is summed. */
+ds4_status dist_nccl_enqueue_sum(dist_nccl *n, float *dev_buf, int64_t count, const int64_t *off, const int64_t *len,
+                                 void *after, ds4_error *err) {
+    const char *op = off ? "reduce_scatter" : "all_reduce";
+    ds4_status st = begin(n, op, err);
+    if (st) return st;
+    char detail[96];
+    snprintf(detail, sizeof detail, "F32, %lld elements, enqueued after the backward's kernels", (long long)count);
+    if (after) {
+        cudaEvent_t ev = NULL;
+        cudaError_t e = cudaEventCreateWithFlags(&ev, cudaEventDisableTiming);
+        if (e == cudaSuccess) e = cudaEventRecord(ev, (cudaStream_t)after);
+        if (e == cudaSuccess) e = cudaStreamWaitEvent(n->stream, ev, 0);
+        if (ev) (void)cudaEventDestroy(ev); /* released once the wait has happened */
+        if (e != cudaSuccess) return die(n, op, detail, err, "ordering after the model's stream: %s", cudaGetErrorString(e));
+    }
+    ncclResult_t r = ncclSuccess;
+    if (!off) {
+        r = ncclAllReduce(dev_buf, dev_buf, (size_t)count, ncclFloat32, ncclSum, n->comm, n->stream);
+    } else { /* ncclReduceScatter wants equal parts; ZeRO-1's regions are not */
+        r = ncclGroupStart();
+        if (r != ncclSuccess) return die(n, op, detail, err, "ncclGroupStart failed: %s", ncclGetErrorString(r));
+        for (int32_t q = 0; q < n->world && (r == ncclSuccess || r == ncclInProgress); q++)
+            if (len[q] > 0)
+                r = ncclReduce(dev_buf + off[q], dev_buf + off[q], (size_t)len[q], ncclFloat32, ncclSum, q, n->comm,
+                               n->stream);
+        const ncclResult_t g = ncclGroupEnd();
+        if (r == ncclSuccess || r == ncclInProgress) r = g;
+    }
+    if (r != ncclSuccess && r != ncclInProgress)
+        return die(n, op, detail, err, "%s failed: %s: %s", off ? "ncclReduce" : "ncclAllReduce",
+                   ncclGetErrorString(r), last_error(n));
+    return wait_done(n, op, detail, 0, err);
+}
+
+ds4_status dist_nccl_wait(dist_nccl *n, const char *op, ds4_error *err) {
+    ds4_status st = begin(n, op, err);
+    return st ? st : wait_done(n, op, "the enqueued buckets", 1, err);
+}
+
 ds4_status dist_nccl_all_gather(dist_nccl *n, const void *dev_send, void *dev_recv, size_t nbytes, ds4_error *err) {
     ds4_status st = begin(n, "all_gather", err);
     if (st) return st;

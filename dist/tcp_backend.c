@@ -44,7 +44,9 @@ enum {
     HDR = 32,
     CHUNK = 1 << 20,
 };
-typedef enum { OP_HELLO = 1, OP_WELCOME, OP_BARRIER, OP_ALL_REDUCE, OP_ALL_GATHER, OP_BROADCAST, OP_ALL_TO_ALL } op_t;
+typedef enum {
+    OP_HELLO = 1, OP_WELCOME, OP_BARRIER, OP_ALL_REDUCE, OP_ALL_GATHER, OP_BROADCAST, OP_ALL_TO_ALL, OP_REDUCE_SCATTER
+} op_t;
 
 static const char *op_name(uint32_t op) {
     switch (op) {
@@ -55,6 +57,7 @@ static const char *op_name(uint32_t op) {
     case OP_ALL_GATHER: return "all_gather";
     case OP_BROADCAST: return "broadcast";
     case OP_ALL_TO_ALL: return "all_to_all_v";
+    case OP_REDUCE_SCATTER: return "reduce_scatter";
     }
     return "an unknown message";
 }
@@ -408,6 +411,12 @@ ds4_status dist_tcp_open(const ds4_launch *l, double timeout_s, dist_tcp **out, 
     return DS4_OK;
 }
 
+void dist_tcp_shutdown(dist_tcp *t) {
+    int nfd = t && t->fd ? (t->rank == 0 ? t->world : 1) : 0;
+    for (int i = 0; i < nfd; i++)
+        if (t->fd[i] >= 0) (void)shutdown(t->fd[i], SHUT_RDWR);
+}
+
 void dist_tcp_close(dist_tcp *t) {
     if (!t) return;
     int nfd = t->rank == 0 ? t->world : 1;
@@ -476,37 +485,63 @@ static void add_chunk(ds4_dtype dtype, void *acc, const void *x, size_t bytes) {
     }
 }
 
-ds4_status dist_tcp_all_reduce_sum(dist_tcp *t, ds4_dtype dtype, void *buf, int64_t count, ds4_error *err) {
+/* The bytes of [a, a + n) that fall in rank r's region (all of them without regions): *at, returns the count. */
+static size_t part_of(const int64_t *off, const int64_t *len, int32_t r, size_t esz, size_t a, size_t n, size_t *at) {
+    *at = a;
+    if (!off) return n;
+    const size_t lo = (size_t)off[r] * esz, hi = (size_t)(off[r] + len[r]) * esz;
+    const size_t b = a > lo ? a : lo, e = a + n < hi ? a + n : hi;
+    *at = b;
+    return e > b ? e - b : 0;
+}
+
+/* Every rank sends its values to rank 0 chunk by chunk; rank 0 adds them in rank order and sends each rank the sums
+ * of its region (off, len: every rank's, in elements; NULL: everything, the all-reduce). */
+static ds4_status tcp_sum(dist_tcp *t, uint32_t op, ds4_dtype dtype, void *buf, int64_t count, const int64_t *off,
+                          const int64_t *len, ds4_error *err) {
     const size_t esz = dtype == DS4_F64 ? 8 : 4, total = (size_t)count * esz;
+    const char *name = op_name(op);
     msg m;
     double dl = 0;
-    ds4_status st = begin(t, OP_ALL_REDUCE, total, (uint32_t)dtype, &m, &dl, err);
+    ds4_status st = begin(t, op, total, (uint32_t)dtype, &m, &dl, err);
     if (st) return st;
     char *b = buf;
+    size_t at = 0, k = 0;
     if (t->rank == 0) {
         for (int32_t r = 1; r < t->world && !st; r++) st = hub_recv_hdr(t, r, &m, dl, err);
         for (int32_t r = 1; r < t->world && !st; r++) st = send_msg(t, t->fd[r], r, &m, dl, err);
-        for (size_t off = 0; off < total && !st; off += CHUNK) {
-            size_t n = total - off < CHUNK ? total - off : CHUNK;
+        for (size_t o = 0; o < total && !st; o += CHUNK) {
+            size_t n = total - o < CHUNK ? total - o : CHUNK;
             for (int32_t r = 1; r < t->world && !st; r++) { /* rank order: the sum's order is fixed */
-                st = xfer(t, t->fd[r], 0, t->scratch, n, dl, r, "all_reduce", err);
-                if (!st) add_chunk(dtype, b + off, t->scratch, n);
+                st = xfer(t, t->fd[r], 0, t->scratch, n, dl, r, name, err);
+                if (!st) add_chunk(dtype, b + o, t->scratch, n);
             }
-            for (int32_t r = 1; r < t->world && !st; r++) st = xfer(t, t->fd[r], 1, b + off, n, dl, r, "all_reduce", err);
+            for (int32_t r = 1; r < t->world && !st; r++)
+                if ((k = part_of(off, len, r, esz, o, n, &at)) > 0) st = xfer(t, t->fd[r], 1, b + at, k, dl, r, name, err);
         }
     } else {
         msg want = m;
         want.rank = 0;
         st = send_msg(t, t->fd[0], 0, &m, dl, err);
         if (!st) st = recv_msg(t, t->fd[0], 0, &want, dl, err);
-        for (size_t off = 0; off < total && !st; off += CHUNK) {
-            size_t n = total - off < CHUNK ? total - off : CHUNK;
-            st = xfer(t, t->fd[0], 1, b + off, n, dl, 0, "all_reduce", err);
-            if (!st) st = xfer(t, t->fd[0], 0, b + off, n, dl, 0, "all_reduce", err);
+        for (size_t o = 0; o < total && !st; o += CHUNK) {
+            size_t n = total - o < CHUNK ? total - o : CHUNK;
+            st = xfer(t, t->fd[0], 1, b + o, n, dl, 0, name, err);
+            if (!st && (k = part_of(off, len, t->rank, esz, o, n, &at)) > 0)
+                st = xfer(t, t->fd[0], 0, b + at, k, dl, 0, name, err);
         }
     }
     if (st) append(err, " (%s, %lld elements; rank %d of %d)", ds4_dtype_name(dtype), (long long)count, t->rank, t->world);
     return end(t, st, err);
+}
+
+ds4_status dist_tcp_all_reduce_sum(dist_tcp *t, ds4_dtype dtype, void *buf, int64_t count, ds4_error *err) {
+    return tcp_sum(t, OP_ALL_REDUCE, dtype, buf, count, NULL, NULL, err);
+}
+
+ds4_status dist_tcp_reduce_scatter_sum(dist_tcp *t, ds4_dtype dtype, void *buf, int64_t count, const int64_t *off,
+                                       const int64_t *len, ds4_error *err) {
+    return tcp_sum(t, OP_REDUCE_SCATTER, dtype, buf, count, off, len, err);
 }
 
 ds4_status dist_tcp_all_gather(dist_tcp *t, const void *send, void *recv, size_t nbytes, ds4_error *err) {

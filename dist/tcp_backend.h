@@ -19,11 +19,19 @@ typedef struct dist_tcp dist_tcp;
 ds4_status dist_tcp_open(const ds4_launch *l, double timeout_s, dist_tcp **out, int32_t *local_rank, ds4_error *err);
 /* Close every connection. NULL is allowed. */
 void dist_tcp_close(dist_tcp *t);
+/* Shut every connection down without closing it (a collective waiting on another thread fails at once; the
+ * communicator stays allocated, for dist_tcp_close after that thread has returned). */
+void dist_tcp_shutdown(dist_tcp *t);
 
 /* The collectives of ds4_dist.h. All go through rank 0, which sums in rank order (rank 0's values, plus rank 1's,
  * plus rank 2's, ...), so a result depends on nothing but the inputs. */
 ds4_status dist_tcp_barrier(dist_tcp *t, ds4_error *err);
 ds4_status dist_tcp_all_reduce_sum(dist_tcp *t, ds4_dtype dtype, void *buf, int64_t count, ds4_error *err);
+/* ds4_comm's reduce-scatter: rank r's region [off[r], off[r] + len[r]) of buf becomes the sum (rank order); every
+ * rank still sends rank 0 its whole buffer, rank 0 sends back each rank's region only. The regions must be the same
+ * on every rank (not checked: the caller's, ZeRO-1's). */
+ds4_status dist_tcp_reduce_scatter_sum(dist_tcp *t, ds4_dtype dtype, void *buf, int64_t count, const int64_t *off,
+                                       const int64_t *len, ds4_error *err);
 ds4_status dist_tcp_all_gather(dist_tcp *t, const void *send, void *recv, size_t nbytes, ds4_error *err);
 ds4_status dist_tcp_broadcast(dist_tcp *t, void *buf, size_t nbytes, int32_t root, ds4_error *err);
 /* ds4_comm_all_to_all_v: rows through rank 0, which checks that the ranks' counts agree before reading any row. */

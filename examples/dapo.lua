@@ -78,7 +78,10 @@ local SPEC = {
         { "max_new_tokens", 20, "response budget" },
         { "minibatches", 2, "optimizer updates per step" },
         { "micro_batches", 1, "micro-batches per update on each rank (gradient accumulation)" },
-        { "zero", false, "with several ranks: ZeRO-1, each keeps and steps its shard of the optimizer" },
+        { "zero", false, "with several ranks: ZeRO-1, each keeps and steps its shard of the optimizer (and sums only "
+            .. "its region of the gradients: a reduce-scatter)" },
+        { "bucket_mb", -1, "with several ranks: the gradients are summed in buckets of this many MiB while the last "
+            .. "micro-batch's backward runs (0: one all-reduce after it; -1: 25 on CPU ranks, 0 on GPUs)" },
         { "lr", 3e-4, "learning rate" },
         { "lora", 0, "train LoRA adapters of this rank only (0: train every weight); docs/lora.md" },
         { "lora_alpha", 0, "LoRA alpha (0: twice the rank)" },
@@ -340,6 +343,7 @@ local result = trainer.run{
     minibatches = opts.minibatches,
     micro_batches = opts.micro_batches,
     zero = opts.zero,
+    bucket_mb = opts.bucket_mb,
     routing_replay = opts.routing_replay,
     out = OUT,
     seed = opts.seed,

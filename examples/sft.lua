@@ -25,7 +25,9 @@ What it does, end to end:
      is split into N·M micro-batches, rank r taking micro-batches r·M ... r·M + M - 1, the token count and the
      gradients are summed over ranks and every rank takes the same update; rank 0 alone writes the run directory and
      prints. The result is the same bits as one process with --micro-batches N·M; --zero shards the optimizer's
-     moments over the ranks (ZeRO-1, the same bits again), and its checkpoints resume on any number of ranks;
+     moments over the ranks (ZeRO-1, the same bits again; each rank sums only its region of the gradients), and its
+     checkpoints resume on any number of ranks; the last micro-batch's backward sums the gradients in buckets of
+     --bucket-mb MiB while it runs (the same bits; 0: one all-reduce after it);
   5. the run directory (--out DIR, default runs/sft/<start time>, runs/sft/latest links to it; a directory that
      holds a run is never appended to: --resume continues it) gets config.lua (the effective configuration: run it
      again with --config), metrics.jsonl (step, loss, lr, grad_norm, tokens, tokens_per_s), TensorBoard event files
@@ -65,7 +67,10 @@ local SPEC = {
         { "steps", 150, "optimizer updates" },
         { "batch", 16, "rows per update" },
         { "micro_batches", 1, "micro-batches per update on each rank (gradient accumulation)" },
-        { "zero", false, "with several ranks: ZeRO-1, each keeps and steps its shard of the optimizer" },
+        { "zero", false, "with several ranks: ZeRO-1, each keeps and steps its shard of the optimizer (and sums only "
+            .. "its region of the gradients: a reduce-scatter)" },
+        { "bucket_mb", -1, "with several ranks: the gradients are summed in buckets of this many MiB while the last "
+            .. "micro-batch's backward runs (0: one all-reduce after it; -1: 25 on CPU ranks, 0 on GPUs)" },
         { "lr", 3e-3, "peak learning rate" },
         { "warmup", -1, "warm-up updates (-1: steps / 10)" },
         { "weight_decay", 0.1, "AdamW weight decay" },
@@ -291,7 +296,8 @@ local opt = ds4.adamw(model, { lr = opts.lr, betas = { 0.9, 0.95 }, weight_decay
     total = opts.steps, min_lr_ratio = opts.min_lr_ratio })
 -- ZeRO-1: each rank keeps the moments of its shard and updates those weights; the weights are gathered after every
 -- step, the same bits as the whole optimizer's (docs/distributed.md, "ZeRO-1")
-if opts.zero and dp.world() > 1 then ds4.dist.shard_optimizer(opt) end
+if opts.zero and dp.world() > 1 then ds4.dist.shard_optimizer(opt, { reduce_scatter = dp.reduce_scatter() }) end
+if dp.world() > 1 then ds4.dist.bucket_mb(dp.bucket_mb(opts.bucket_mb)) end
 if resume_dir then
     local st = ds4.checkpoints.read_state(resume_dir, "optimizer")
     opt:load_state({ m = st.m, v = st.v, tensor_steps = st.tensor_steps, step = resume_step })
@@ -347,9 +353,13 @@ for step = start, opts.steps do
     local trained = dp.sum({ mine })[1] -- token-mean over the global batch: its trained tokens, from every rank
     model:zero_grad()
     local lsum = 0 -- Σ loss · tokens over this rank's micro-batches (in order)
-    for _, mb in ipairs(mbs) do
+    -- the last backward sums the gradients over ranks bucket by bucket as it goes (docs/distributed.md); a rank
+    -- without a micro-batch sends its zeros in the same buckets
+    if dp.world() > 1 and #mbs == 0 then ds4.dist.overlap_backward(model) end
+    for k, mb in ipairs(mbs) do
         local out = model:forward(mb.ids, { labels = mb.labels, logits = false }) -- [B, S, V] stays unmade
         if out.loss then lsum = lsum + out.loss * out.loss_tokens end
+        if dp.world() > 1 and k == #mbs then ds4.dist.overlap_backward(model) end
         model:backward(1 / trained) -- each micro-batch's share of the global mean: one addition per gradient
     end
     if dp.world() > 1 then ds4.dist.all_reduce_grads(model) end -- summed in rank order

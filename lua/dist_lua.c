@@ -4,6 +4,7 @@
  *        opts.device = "cpu" (default) | "cuda" (NCCL on the local rank's GPU) | "cuda:N"
  *        opts.timeout = seconds         (the TCP rendezvous and the TCP and NCCL collectives; default
  *                                        DS4_DIST_TIMEOUT, else 300)
+ *        opts.bucket_mb = MiB           (the buckets of overlap_backward's reduction; default 25; 0: off)
  *   ds4.dist.rank() / world_size() / local_rank() / backend() ("mpi", "tcp" or "single") / is_initialized()
  *   ds4.dist.device()                  "cuda:N" of the NCCL communicator, "cpu" without one: where to put the model
  *   ds4.dist.barrier()
@@ -15,8 +16,13 @@
  *   ds4.dist.all_reduce_grads(model [, scale])   the model's flat gradient buffer times scale, summed over ranks
  *                                      (a CUDA model: on its device, through NCCL; with LoRA adapters attached,
  *                                      the adapters' gradient buffer, the only one that exists then)
- *   ds4.dist.shard_optimizer(opt)      ZeRO-1: this rank keeps and steps its shard of the optimizer -> offset, count
- *                                      of its region of the flat buffer (a CUDA model: with NCCL, init{device})
+ *   ds4.dist.overlap_backward(model)   the model's next backward (the step's last) sums its gradients over ranks
+ *                                      bucket by bucket while it runs; all_reduce_grads(model) then waits for them
+ *   ds4.dist.bucket_mb([mb])           -> the bucket size in MiB (sets it first when given; 0: off)
+ *   ds4.dist.shard_optimizer(opt [, {reduce_scatter = true}])   ZeRO-1: this rank keeps and steps its shard of the
+ *                                      optimizer -> offset, count of its region of the flat buffer (a CUDA model:
+ *                                      with NCCL, init{device}); reduce_scatter: all_reduce_grads then sums this
+ *                                      rank's region only (the same weights; the rest of the buffer unsummed)
  *   ds4.dist.expert_parallel(model [, on])   routed experts split over the ranks (on = true, the default; false:
  *                                      off again); the model's forwards and backwards are then collective
  *   ds4.dist.context_parallel(model [, on])  each sequence split over the ranks (every rank passes the whole ids;
@@ -102,8 +108,8 @@ static void init_options(lua_State *L, int idx, ds4_comm_options *o) {
     luaL_checktype(L, idx, LUA_TTABLE);
     for (lua_pushnil(L); lua_next(L, idx); lua_pop(L, 1)) {
         const char *k = lua_type(L, -2) == LUA_TSTRING ? lua_tostring(L, -2) : NULL;
-        if (!k || (strcmp(k, "device") != 0 && strcmp(k, "timeout") != 0))
-            ds4l_raise(L, "%s: unknown option %s (known: device, timeout)", fname,
+        if (!k || (strcmp(k, "device") != 0 && strcmp(k, "timeout") != 0 && strcmp(k, "bucket_mb") != 0))
+            ds4l_raise(L, "%s: unknown option %s (known: device, timeout, bucket_mb)", fname,
                        k ? lua_pushfstring(L, "'%s'", k) : luaL_typename(L, -2));
     }
     lua_getfield(L, idx, "device");
@@ -122,6 +128,12 @@ static void init_options(lua_State *L, int idx, ds4_comm_options *o) {
         if (lua_type(L, -1) != LUA_TNUMBER || !(lua_tonumber(L, -1) > 0))
             ds4l_raise(L, "%s: timeout must be a positive number of seconds", fname);
         o->timeout_s = lua_tonumber(L, -1);
+    }
+    lua_getfield(L, idx, "bucket_mb");
+    if (!lua_isnil(L, -1)) {
+        if (lua_type(L, -1) != LUA_TNUMBER || !(lua_tonumber(L, -1) >= 0))
+            ds4l_raise(L, "%s: bucket_mb must be a number of MiB >= 0 (0: one reduction after the backward)", fname);
+        o->bucket_mb = lua_tonumber(L, -1);
     }
     lua_pop(L, 2);
 }
@@ -294,6 +306,28 @@ static int d_all_reduce_grads(lua_State *L) {
     return 0;
 }
 
+/* ds4.dist.overlap_backward(model): ds4_comm_overlap_backward (docs/distributed.md, "Bucketed all-reduce"). */
+static int d_overlap_backward(lua_State *L) {
+    const char *fname = "ds4.dist.overlap_backward";
+    ds4_comm *c = need(L, fname);
+    ds4_model *m = ds4l_model_check(L, 1, fname);
+    ds4_error err = {0};
+    if (ds4_comm_overlap_backward(c, m, &err) != DS4_OK) ds4l_raise_ds4(L, fname, &err);
+    return 0;
+}
+
+/* ds4.dist.bucket_mb([mb]) -> the bucket size in MiB, after setting it when mb is given. */
+static int d_bucket_mb(lua_State *L) {
+    const char *fname = "ds4.dist.bucket_mb";
+    ds4_comm *c = need(L, fname);
+    if (!lua_isnoneornil(L, 1)) {
+        ds4_error err = {0};
+        if (ds4_comm_set_bucket_mb(c, luaL_checknumber(L, 1), &err) != DS4_OK) ds4l_raise_ds4(L, fname, &err);
+    }
+    lua_pushnumber(L, ds4_comm_bucket_mb(c));
+    return 1;
+}
+
 /* ZeRO-1's collectives for an optimizer sharded from Lua: through the communicator box, which the optimizer's
  * environment keeps alive; after ds4.dist.finalize() (the box emptied) a step fails instead of touching a freed
  * communicator. */
@@ -329,12 +363,26 @@ static int d_shard_optimizer(lua_State *L) {
     comm_box *b = current(L);
     if (!b) ds4l_raise(L, "%s: the communicator is not initialized (call ds4.dist.init() first)", fname);
     ds4_adamw *a = ds4l_adamw_check(L, 1, fname);
+    int rs = 0;
+    if (!lua_isnoneornil(L, 2)) {
+        luaL_checktype(L, 2, LUA_TTABLE);
+        for (lua_pushnil(L); lua_next(L, 2); lua_pop(L, 1)) {
+            const char *k = lua_type(L, -2) == LUA_TSTRING ? lua_tostring(L, -2) : NULL;
+            if (!k || strcmp(k, "reduce_scatter") != 0)
+                ds4l_raise(L, "%s: unknown option %s (known: reduce_scatter)", fname,
+                           k ? lua_pushfstring(L, "'%s'", k) : luaL_typename(L, -2));
+        }
+        lua_getfield(L, 2, "reduce_scatter");
+        rs = lua_toboolean(L, -1);
+        lua_pop(L, 1);
+    }
     /* with NCCL (ds4.dist.init{device = "cuda"}) a CUDA model's master weights are gathered on its GPU */
     const ds4_adamw_shard sh = {.rank = ds4_comm_rank(b->c), .world = ds4_comm_world_size(b->c), .ctx = b,
                                 .sum_f64 = zero_sum, .gather_f32 = zero_gather,
                                 .gather_dev_f32 = ds4_comm_device(b->c) >= 0 ? zero_gather_dev : NULL};
     ds4_error err = {0};
     if (ds4_adamw_set_shard(a, &sh, &err) != DS4_OK) ds4l_raise_ds4(L, fname, &err);
+    if (rs && ds4_comm_reduce_scatter_grads(b->c, a, 1, &err) != DS4_OK) ds4l_raise_ds4(L, fname, &err);
     lua_getfenv(L, 1); /* the optimizer keeps the box (and so the ctx above) alive */
     lua_getfield(L, LUA_REGISTRYINDEX, COMM_KEY);
     lua_setfield(L, -2, "dist_comm");
@@ -397,6 +445,8 @@ void ds4l_dist_open(lua_State *L) {
         {"all_to_all_v", d_all_to_all_v},
         {"all_reduce_grads", d_all_reduce_grads},
         {"shard_optimizer", d_shard_optimizer},
+        {"overlap_backward", d_overlap_backward},
+        {"bucket_mb", d_bucket_mb},
         {"expert_parallel", d_expert_parallel},
         {"context_parallel", d_context_parallel},
         {NULL, NULL},

@@ -3,7 +3,8 @@
 # against closed forms (tests/lua/dist_collectives.lua), data, expert and context parallelism against one process on
 # the whole batch (tests/lua/dist_data_parallel.lua, dist_expert_parallel.lua, dist_context_parallel.lua; with LoRA
 # adapters, dist_data_parallel_lora.lua, -np 2), and a rank that dies
-# (tests/lua/dist_rank_dies.lua): the others must be ended with an error naming that rank within a bound, not hang.
+# (tests/lua/dist_rank_dies.lua; also with its bucketed gradient sum in flight): the others must be ended with an
+# error naming that rank within a bound, not hang.
 # Skips (77) when mpirun is absent or ds4 was built without MPI (docs/distributed.md). Torchrun-style launches (no
 # MPI): tests/test_dist_tcp.sh.
 set -uo pipefail
@@ -57,7 +58,7 @@ for np in 2 4; do
     else
         cat "$LOG"; bad "collectives -np $np"
     fi
-    for t in dist_data_parallel dist_expert_parallel dist_context_parallel; do
+    for t in dist_data_parallel dist_buckets dist_expert_parallel dist_context_parallel; do
         if run_np "$np" "$T/$t.lua" "$FIX"; then
             grep "$t:" "$LOG"
             c="$(grep -c "$t"' rank [0-9]* of '"$np"': [0-9]* checks, 0 failures' "$LOG")"
@@ -78,19 +79,19 @@ fi
 
 # A rank that dies: mpirun must end the job (non-zero), name the rank, and do it well within the bound. The
 # survivors loop on collectives for 120 s if nobody ends them, and the timeout is 90 s: a hang fails here.
-for mode in kill error; do
+for mode in kill error buckets; do
     for np in 2 4; do
         t0=$SECONDS
         rc=0
-        timeout -k 5 90 mpirun -np "$np" --oversubscribe "$DS4" run "$T/dist_rank_dies.lua" "$mode" >"$LOG" 2>&1 || rc=$?
+        timeout -k 5 90 mpirun -np "$np" --oversubscribe "$DS4" run "$T/dist_rank_dies.lua" "$mode" "$FIX" >"$LOG" 2>&1 || rc=$?
         dt=$((SECONDS - t0))
         last=$((np - 1))
         if [ "$rc" -eq 0 ] || [ "$rc" -eq 124 ] || [ "$dt" -ge 60 ]; then
             cat "$LOG"; bad "rank dies ($mode, -np $np): exit $rc after $dt s (want a non-zero exit within 60 s)"
         elif [ "$mode" = kill ] && ! grep -q "process rank $last .*exited on signal 9" "$LOG"; then
             cat "$LOG"; bad "rank dies (kill, -np $np): mpirun's message does not name rank $last and signal 9"
-        elif [ "$mode" = error ] && ! grep -q "rank $last fails on purpose" "$LOG"; then
-            cat "$LOG"; bad "rank dies (error, -np $np): the failing rank's error is not in the output"
+        elif [ "$mode" != kill ] && ! grep -q "rank $last fails on purpose" "$LOG"; then
+            cat "$LOG"; bad "rank dies ($mode, -np $np): the failing rank's error is not in the output"
         elif grep -q "still running after 120 s" "$LOG"; then
             cat "$LOG"; bad "rank dies ($mode, -np $np): a survivor was not ended"
         else

@@ -7,7 +7,9 @@
 #          parallelism (tests/lua/dist_expert_parallel.lua: rows through NCCL send / recv) on the GPU.
 #   2 GPUs or more, for 2 ranks (and 4 with 4 GPUs): the same, launched torchrun-style (plain processes, the TCP
 #          rendezvous hands out the NCCL id) and, when mpirun and MPI are there, under mpirun; the data-parallel run
-#          compares 2 ranks' NCCL all-reduced gradients and weights with one copy on the whole batch, the
+#          compares 2 ranks' NCCL all-reduced gradients and weights with one copy on the whole batch, the bucketed
+#          all-reduce (tests/lua/dist_buckets.lua: NCCL on its stream after events on the model's, while the backward
+#          runs) and ZeRO-1's reduce-scatter (ncclReduce per region) against the unbucketed all-reduce, the
 #          expert-parallel run its logits, expert gradients and loads (bitwise) and the rest; then a rank
 #          killed (SIGKILL) or hung after the first all-reduce: the survivor's NCCL all-reduce must fail, naming NCCL,
 #          within DS4_DIST_TIMEOUT (20 s here) plus a margin — not hang; examples/sft.lua on 2 GPUs against one GPU of
@@ -58,7 +60,7 @@ all_passed() {
 "$BIN/test_dist_nccl" "$FIX" >"$LOG/one.0" 2>&1
 grep 'all_reduce_grads' "$LOG/one.0"
 all_passed 1 test_dist_nccl "$LOG/one" || { show; bad "test_dist_nccl, 1 rank"; }
-for t in dist_data_parallel dist_expert_parallel; do
+for t in dist_data_parallel dist_buckets dist_expert_parallel; do
     DS4_TEST_DEVICE=cuda "$DS4" run "$T/$t.lua" "$FIX" >"$LOG/one.0" 2>&1
     grep "$t:" "$LOG/one.0"
     all_passed 1 "$t" "$LOG/one" || { show; bad "$t on cuda, 1 rank"; }
@@ -93,7 +95,7 @@ for np in $sizes; do
     launch "$np" "$LOG/run" 300 "$BIN/test_dist_nccl" "$FIX"
     grep 'all_reduce_grads' "$LOG/run.0"
     all_passed "$np" test_dist_nccl "$LOG/run" || { show; bad "test_dist_nccl, $np ranks, torchrun-style (exit ${RCS[*]})"; }
-    for t in dist_data_parallel dist_expert_parallel; do
+    for t in dist_data_parallel dist_buckets dist_expert_parallel; do
         EXTRA_ENV="DS4_TEST_DEVICE=cuda" launch "$np" "$LOG/run" 300 "$DS4" run "$T/$t.lua" "$FIX"
         grep "$t:" "$LOG/run.0"
         all_passed "$np" "$t" "$LOG/run" || { show; bad "$t on cuda, $np ranks, torchrun-style (exit ${RCS[*]})"; }
@@ -106,7 +108,7 @@ for np in $sizes; do
     if [ "$have_mpi" -eq 1 ]; then
         mpi_ranks "$np" "$BIN/test_dist_nccl" "$FIX"
         all_passed "$np" test_dist_nccl "$LOG/run" || { show; bad "test_dist_nccl, $np ranks, mpirun"; }
-        for t in dist_data_parallel dist_expert_parallel; do
+        for t in dist_data_parallel dist_buckets dist_expert_parallel; do
             DS4_TEST_DEVICE=cuda mpi_ranks "$np" "$DS4" run "$T/$t.lua" "$FIX"
             grep "$t:" "$LOG/run.0"
             all_passed "$np" "$t" "$LOG/run" || { show; bad "$t on cuda, $np ranks, mpirun"; }

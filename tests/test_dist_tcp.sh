@@ -31,6 +31,9 @@ for np in 2 4; do
     launch "$np" "$LOG/run" 120 "$DS4" run "$T/dist_data_parallel.lua" "$FIX"
     grep 'dist_data_parallel:' "$LOG/run.0"
     all_passed "$np" dist_data_parallel || { show; bad "data parallel, $np ranks (exit codes ${RCS[*]})"; }
+    launch "$np" "$LOG/run" 120 "$DS4" run "$T/dist_buckets.lua" "$FIX"
+    grep 'dist_buckets rank 0' "$LOG/run.0"
+    all_passed "$np" dist_buckets || { show; bad "bucketed all-reduce and ZeRO-1 reduce-scatter, $np ranks (exit codes ${RCS[*]})"; }
     launch "$np" "$LOG/run" 120 "$DS4" run "$T/dist_expert_parallel.lua" "$FIX"
     grep 'dist_expert_parallel:' "$LOG/run.0"
     all_passed "$np" dist_expert_parallel || { show; bad "expert parallel, $np ranks (exit codes ${RCS[*]})"; }
@@ -47,9 +50,9 @@ rm -f "$LOG"/run.*
 # 2-core machine under the sanitizers starting 4 processes has taken more than 2 s.
 TO=4
 export DS4_DIST_TIMEOUT=$TO DS4_TEST_HANG_S=$((2 * TO))
-for mode in kill error hang; do
+for mode in kill error hang buckets; do
     for np in 2 4; do
-        launch "$np" "$LOG/run" 60 "$DS4" run "$T/dist_rank_dies.lua" "$mode"
+        launch "$np" "$LOG/run" 60 "$DS4" run "$T/dist_rank_dies.lua" "$mode" "$FIX"
         last=$((np - 1))
         case "$mode" in
         hang) want="rank $last sent nothing to rank 0 for $TO s" ;;

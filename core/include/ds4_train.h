@@ -61,6 +61,27 @@ void ds4_model_train_device_bytes(const ds4_model *m, int64_t *grads, int64_t *m
 /* g[i] *= (float)scale over the whole gradient buffer (the adapters' with LoRA), where the model computes (bitwise the same on CPU and CUDA:
  * one fp32 product per element). */
 ds4_status ds4_model_scale_grads(ds4_model *m, double scale, ds4_error *err);
+/* Gradients that become final during a backward (docs/distributed.md, "Bucketed all-reduce"): fn is called from the
+ * next backward (one backward only: the call disarms it) each time a region of the gradient buffer holds its final
+ * value for that backward (set-aside accumulated gradients added back), lo < hi, regions in descending order that
+ * together cover [0, count) exactly once. `grads` is the buffer ds4_model_grad_buffer gives (memory of the model's
+ * device for a CUDA model, whose work producing the region is then enqueued, not finished, on `stream`, the
+ * backend's cudaStream_t; NULL on the CPU, where the region is finished). The backward goes on at once: fn must not
+ * call into the model. A backward that fails still reports every region (the rest at its end), so data-parallel
+ * ranks issue the same collectives. With LoRA adapters, expert or context parallelism (whose backwards run
+ * collectives of their own) the whole buffer is reported once at the end. fn NULL disarms. */
+/* ZeRO-1's reduce-scatter (docs/distributed.md): the model's gradients are read per region, rank r's optimizer
+ * reading [off[r], off[r] + len[r]) only (disjoint, ascending, inside the trained gradient buffer; copied). The
+ * data-parallel reduction (ds4_comm_all_reduce_grads) then sums each rank's region only. world 0 clears them. */
+ds4_status ds4_model_set_grad_regions(ds4_model *m, int32_t world, const int64_t *off, const int64_t *len,
+                                      ds4_error *err);
+/* The regions set (pointers into the model, valid until the next set or the model's end) -> their number, 0: none. */
+int32_t ds4_model_grad_regions(const ds4_model *m, const int64_t **off, const int64_t **len);
+typedef void (*ds4_grads_final_fn)(void *ctx, ds4_model *m, float *grads, int64_t lo, int64_t hi, void *stream);
+void ds4_model_on_grads_final(ds4_model *m, ds4_grads_final_fn fn, void *ctx);
+/* The gradient buffer is in use by another thread or stream (a reduction in flight) until wait(ctx) returns: freeing
+ * the model or dropping its training state calls it first (then forgets it). wait NULL: nothing in use. */
+void ds4_model_guard_grads(ds4_model *m, void (*wait)(void *ctx), void *ctx);
 ds4_status ds4_model_set_train_options(ds4_model *m, const ds4_train_options *o, ds4_error *err);
 
 /* Per named tensor i (as ds4_model_tensor_at): flat offset and size in the parameter buffer, whether it
@@ -272,6 +293,10 @@ typedef struct ds4_adamw_shard {
 ds4_status ds4_adamw_set_shard(ds4_adamw *a, const ds4_adamw_shard *s, ds4_error *err);
 /* This rank's region of the flat buffer: elements [*off, *off + *len) (the whole buffer when not sharded). */
 void ds4_adamw_shard_region(const ds4_adamw *a, int64_t *off, int64_t *len);
+/* Every rank's region (arrays of the world size, owned by the optimizer); 0 when not sharded. */
+int32_t ds4_adamw_shard_regions(const ds4_adamw *a, const int64_t **off, const int64_t **len);
+/* The model the optimizer steps. */
+ds4_model *ds4_adamw_model(const ds4_adamw *a);
 
 /* ------------------------------------------------------------------------------------------------ LoRA */
 

@@ -1,7 +1,10 @@
 -- dist_rank_dies.lua [kill|error|hang] — the last rank fails after the first collective: `kill` (default) sends
 -- itself SIGKILL (no cleanup, no MPI_Finalize), `error` raises a Lua error (ds4 run exits 1; the communicator's __gc
 -- frees it without finalizing, so this rank does not wait for the others), `hang` sleeps DS4_TEST_HANG_S seconds (30) without
--- closing anything (then carries on, and fails at its next collective). The others keep all-reducing. They must not hang:
+-- closing anything (then carries on, and fails at its next collective), `buckets` raises a Lua error right after a
+-- backward whose gradients are being summed in small buckets (ds4.dist.overlap_backward: its communication thread
+-- is in, or about to start, the buckets' collectives; the communicator's __gc must still let the process end). The
+-- others keep all-reducing. They must not hang:
 -- tests/test_dist_mpi.sh (mpirun ends the job) and tests/test_dist_tcp.sh / test_dist_nccl.sh (the timeout, or the
 -- closed connections) run this under a bound and want an error naming the failed rank well before it.
 -- DS4_TEST_DEVICE=cuda: the collective is NCCL's, on the gradients of a model on this rank's GPU. Not a ctest entry.
@@ -20,6 +23,18 @@ end
 collective()
 assert(on_device or t[1] == n, "first all_reduce")
 local mode = arg[1] or "kill"
+if mode == "buckets" then -- every rank starts a bucketed reduction; the others finish it, the last rank dies in it
+    local b = ds4.load((arg[2] or "tests/fixtures") .. "/tiny_a")
+    if on_device then b:to(ds4.dist.device(), "fp32") end
+    local ids = ds4.tensor({ { 5, 6, 7, 8, 9, 10 } }, "I64")
+    b:zero_grad()
+    b:forward(ids, { labels = ids })
+    ds4.dist.bucket_mb(0.01)
+    ds4.dist.overlap_backward(b)
+    b:backward()
+    if r == n - 1 then error("dist_rank_dies: rank " .. r .. " fails on purpose, buckets in flight") end
+    ds4.dist.all_reduce_grads(b)
+end
 if r == n - 1 then
     io.stderr:write("dist_rank_dies: rank ", r, " dies (", mode, ")\n")
     io.stderr:flush()

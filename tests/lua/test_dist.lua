@@ -51,6 +51,32 @@ end
 H.check(seen > 0, "the model has gradients")
 H.eq(bad, 0, "all_reduce_grads(m, 0.5) on one rank halves every gradient exactly")
 
+-- the overlapped reduction's settings (its equalities: dist_buckets.lua): 25 MiB by default, whole elements of 4
+-- bytes, 0 turns it off; a world of one has nothing to overlap, so overlap_backward leaves all_reduce_grads as it was
+H.eq(ds4.dist.bucket_mb(), 25, "bucket_mb defaults to 25 MiB")
+H.eq(ds4.dist.bucket_mb(1e-9), 4 / 1048576, "a bucket holds at least one element")
+H.raises(function() ds4.dist.bucket_mb(-1) end, { "ds4.dist.bucket_mb", "-1 MiB" }, "a negative bucket size")
+H.eq(ds4.dist.bucket_mb(0), 0, "bucket_mb 0: one reduction after the backward")
+ds4.dist.bucket_mb(25)
+H.raises(function() ds4.dist.overlap_backward("m") end, { "ds4.dist.overlap_backward", "ds4.model expected" },
+    "overlap_backward of a non-model")
+m:zero_grad()
+m:forward(io_t.input_ids, { labels = io_t.labels })
+ds4.dist.overlap_backward(m)
+m:backward()
+ds4.dist.all_reduce_grads(m, 0.5) -- nothing overlapped on one rank: the scale applies as without it
+local halved = m:grads({ canonical = true })
+bad = 0
+for name, gt in pairs(before) do
+    local at = halved[name]
+    for i = 1, gt:numel() do
+        if at[i] ~= gt[i] * 0.5 then bad = bad + 1 end
+    end
+end
+H.eq(bad, 0, "overlap_backward on one rank: the same gradients, scaled")
+H.raises(function() ds4.dist.shard_optimizer(ds4.adamw(m, { lr = 1e-3 }), { reduce = true }) end,
+    { "ds4.dist.shard_optimizer", "unknown option 'reduce'" }, "shard_optimizer's options are checked")
+
 -- expert parallelism on a world of one: the refusals (its equalities: dist_expert_parallel.lua)
 H.raises(function() ds4.dist.expert_parallel("m") end, { "ds4.dist.expert_parallel", "ds4.model expected" }, "not a model")
 H.raises(function() ds4.dist.expert_parallel(m, 1) end, { "boolean expected" }, "on must be a boolean")

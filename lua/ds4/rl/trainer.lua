@@ -14,7 +14,13 @@ checkpoints.
       optim = {lr = 3e-4, betas = {0.9, 0.99}, weight_decay = 0, clip = 1.0, warmup = 0},
       steps = 100, minibatches = 1, reference = nil, out = "runs/x", seed = 1, progress = true,
       zero = false,                           -- with several ranks: ZeRO-1, each rank keeps and steps its shard of
-                                              -- the optimizer (ds4.dist.shard_optimizer; the same bits)
+                                              -- the optimizer (ds4.dist.shard_optimizer; the same bits), and the
+                                              -- gradients are reduce-scattered (each rank sums its region only; CPU
+                                              -- ranks: not yet on GPUs, ds4.dp.reduce_scatter)
+      bucket_mb = nil,                        -- with several ranks: the gradients are summed in buckets of this
+                                              -- many MiB while the last micro-batch's backward runs (the same
+                                              -- bits); 0: one all-reduce after the backward; nil or -1: 25 on CPU
+                                              -- ranks, 0 on GPUs (ds4.dp.bucket_mb)
       routing_replay = false,                 -- train with the experts / indexer picks the rollout used
       guard = {max_kl = 10, max_grad_norm = 1e6, max_failed_frac = 0.5, max_idle_steps = 10,
                max_reward_error_frac = 0.5},  -- when to stop
@@ -515,6 +521,13 @@ local function defaults(cfg)
     cfg.steps = cfg.steps or 100
     cfg.minibatches = cfg.minibatches or 1
     cfg.micro_batches = cfg.micro_batches or 1
+    if cfg.bucket_mb ~= nil and type(cfg.bucket_mb) ~= "number" then
+        error("trainer.run: config.bucket_mb must be a number of MiB >= 0, got " .. tostring(cfg.bucket_mb), 3)
+    end
+    cfg.bucket_mb = dp.bucket_mb(cfg.bucket_mb)
+    if not (cfg.bucket_mb >= 0) then
+        error("trainer.run: config.bucket_mb must be a number of MiB >= 0, got " .. tostring(cfg.bucket_mb), 3)
+    end
     if type(cfg.micro_batches) ~= "number" or cfg.micro_batches < 1 or cfg.micro_batches ~= math.floor(cfg.micro_batches) then
         error("trainer.run: config.micro_batches must be an integer >= 1, got " .. tostring(cfg.micro_batches), 3)
     end
@@ -692,9 +705,9 @@ local function micro_batches(cfg, mb)
     return out
 end
 
--- One micro-batch's policy loss and backward (its grads normalised by the whole minibatch's counts, lopts): the
--- loss result, or nil and the reason to stop.
-local function micro_step(cfg, spec, pad, part, lopts)
+-- One micro-batch's policy loss (its grads normalised by the whole minibatch's counts, lopts): the loss result with
+-- the gradient of the log-probabilities (out.g), or nil and the reason to stop. Its backward is micro_backward.
+local function micro_loss(cfg, spec, pad, part, lopts)
     local model = cfg.model
     local _, _, S = forward_logp(model, part, pad, "logp", "entropy", cfg.routing_replay)
     local out
@@ -713,10 +726,14 @@ local function micro_step(cfg, spec, pad, part, lopts)
         local base = (i - 1) * S + #s.prompt - 1
         for j, v in ipairs(out.grads[i]) do g[base + j] = v end
     end
-    model:backward_logprobs(g)
-    if cfg.train_delay_s then sleep(cfg.train_delay_s) end
+    out.g = g
     out.cells = #part * S
     return out
+end
+
+local function micro_backward(cfg, out)
+    cfg.model:backward_logprobs(out.g)
+    if cfg.train_delay_s then sleep(cfg.train_delay_s) end
 end
 
 -- The updates of one step: old (and reference) log-probabilities, advantages, `minibatches` optimizer updates.
@@ -755,9 +772,15 @@ local function train(cfg, opt, samples, row)
             tis_scale = spec.tis and rl.correction.norm_scale(mb, spec.tis) or nil }
         -- Σ over this rank's micro-batches of: loss, tokens, and the token-weighted clip_frac, kl, entropy
         local sums = { 0, 0, 0, 0, 0 }
+        -- with several ranks and buckets the last micro-batch's backward sums the gradients over ranks as it runs
+        -- (ds4.dist.overlap_backward): it waits until every rank has its loss, so that none starts the sums alone
+        local overlap = dp.world() > 1 and cfg.bucket_mb > 0
+        local pending -- that micro-batch's loss, its backward waiting
         local ok, err = pcall(function()
-            for _, part in ipairs(micro_batches(cfg, mb)) do
-                local out, why = micro_step(cfg, spec, pad, part, lopts)
+            local parts = micro_batches(cfg, mb)
+            for k, part in ipairs(parts) do
+                local out, why = micro_loss(cfg, spec, pad, part, lopts)
+                if out and overlap and k == #parts then pending = out elseif out then micro_backward(cfg, out) end
                 if cfg.tick then cfg.tick() end
                 if not out then return why end
                 local m = out.metrics or {}
@@ -781,7 +804,18 @@ local function train(cfg, opt, samples, row)
             stop = why
             break
         end
-        if dp.world() > 1 then ds4.dist.all_reduce_grads(model) end -- summed in rank order
+        if overlap then -- (a rank without a micro-batch in this minibatch sends its zeros in the same buckets)
+            ds4.dist.overlap_backward(model)
+            local okb, e = true, nil
+            if pending then okb, e = pcall(micro_backward, cfg, pending) end
+            ds4.dist.all_reduce_grads(model) -- waits for the buckets (a failed backward still sent them all)
+            if dp.max({ okb and 0 or 1 })[1] > 0 then
+                stop = okb and "the update failed on another rank (see its output)" or "the update failed: " .. tostring(e)
+                break
+            end
+        elseif dp.world() > 1 then
+            ds4.dist.all_reduce_grads(model) -- summed in rank order
+        end
         sums = dp.sum(sums)
         local okstep, r = pcall(opt.step, opt)
         if not okstep then -- an update the optimizer refuses (non-finite weights)
@@ -837,7 +871,9 @@ function M.run(cfg)
         total = cfg.steps * cfg.minibatches })
     -- ZeRO-1: sharded before a resume loads the state (each rank keeps its region of the saved moments)
     local sharded = cfg.zero and dp.world() > 1
-    if sharded then ds4.dist.shard_optimizer(opt) end
+    -- reduce_scatter: each rank sums only the gradients of its region, all its optimizer reads (the same bits)
+    if sharded then ds4.dist.shard_optimizer(opt, { reduce_scatter = dp.reduce_scatter() }) end
+    if dp.world() > 1 then ds4.dist.bucket_mb(cfg.bucket_mb) end
     local ck = cfg.checkpoint
     -- the loop's counters: what a checkpoint saves and a resume restores
     -- (version: the policy version of a source without its own, the in-process policy's: 1 + the steps that updated it)
