@@ -79,7 +79,7 @@ static void add(builder *b, ds4_dtype dt, void **slot, int32_t ndim, const int64
     p->lowp = dt == DS4_F32 && ds4_param_lowp(name, ndim);
     p->follows = slot == NULL; /* routed experts e > 0: reached as expert 0's view + e·stride */
     if (dt == DS4_F32) {
-        p->offset = b->f32_off;
+        p->offset = p->goff = b->f32_off;
         b->f32_off += p->numel;
     } else if (dt == DS4_FP4_PACKED) { /* its bytes; the scales are placed by add_experts */
         p->offset = b->q4_off;
@@ -131,10 +131,17 @@ static void add_experts(builder *b, ds4_layer_w *l, int64_t li, int kind, int64_
     const size_t first = b->bind ? b->next : m->n_table;
     const int packed = b->bind ? b->next < m->n_table && m->table[b->next].dtype == DS4_FP4_PACKED
                                : m->fp4_kinds && m->fp4_kinds[li * 3 + kind];
-    for (int64_t e = 0; e < E; e++)
+    for (int64_t e = 0; e < E; e++) {
         add(b, packed ? DS4_FP4_PACKED : DS4_F32, e ? NULL : (void **)slot, 2, SHAPE(rows, cols),
             "%sffn.experts.%lld.%s.weight", pre, (long long)e, names[kind]);
+        if (!b->st && !b->bind) m->table[m->n_table - 1].routed = (int32_t)(e + 1);
+    }
     if (b->st) return;
+    if (b->bind && m->table[first].elsewhere) { /* sharded experts: the view starts at this rank's first expert */
+        *slot = NULL;
+        for (int64_t e = 0; e < E && !*slot; e++)
+            if (!m->table[first + (size_t)e].elsewhere) *slot = b->bind(b, &m->table[first + (size_t)e], first + (size_t)e);
+    }
     if (b->bind) { /* the scales lie as far from expert 0's bytes in the backend's copy as in q4 (backend.c) */
         l->edt[kind] = packed ? DS4_FP4_PACKED : b->w->mdt;
         l->escale[kind] = packed && *slot ? (const uint8_t *)*slot + (m->table[first].qscale - m->table[first].offset)
@@ -233,6 +240,7 @@ static void *bind_entry(builder *b, const ds4_param *p, size_t i) {
         return b->w == &b->m->dev_w && b->m->dev_off ? b->base + b->m->dev_off[i] : NULL;
     }
     if (p->dtype != DS4_F32) return b->i32_base ? b->i32_base + p->offset : NULL; /* a gradient set has no tables */
+    if (p->elsewhere) return NULL; /* sharded experts: another rank's */
     return b->base + b->byte_offset(b->m, i, b->ctx);
 }
 
@@ -414,6 +422,7 @@ void ds4_model_free(ds4_model *m) {
     free(m->table);
     free(m->sorted);
     free(m->params);
+    free(m->ep_full);
     free(m->tid2eid_all);
     free(m->q4);
     free(m->fp4_kinds);
@@ -586,6 +595,7 @@ ds4_status ds4_model_tensor_info(const ds4_model *m, size_t i, ds4_tensor_info *
     const ds4_param *p = &m->table[i];
     out->offset = p->offset;
     out->numel = p->numel;
+    out->elsewhere = p->elsewhere;
     out->is_param = p->dtype == DS4_F32;
     out->trainable = out->is_param && trainable(m, p->name);
     out->decay = out->trainable && decays(p->name);
@@ -612,8 +622,17 @@ ds4_status ds4_model_tensor_at(const ds4_model *m, size_t i, const char **name, 
             view->shape[1] = p->shape[1] / 2;
             view->data = m->q4 + p->offset;
             view->nbytes = (size_t)p->numel / 2;
+        } else if (p->dtype == DS4_F32) {
+            if (p->elsewhere && !m->ep_full)
+                return ds4_fail(err, DS4_ERR_UNSUPPORTED, "model tensor_at: %s is held by rank %lld (the routed "
+                                                          "experts are sharded over %d ranks: gather them with "
+                                                          "model:params() or a save on every rank)", p->name,
+                                (long long)((p->routed - 1) / (m->cfg.n_routed_experts / m->ep_shard_world)),
+                                m->ep_shard_world);
+            view->data = (void *)ds4_param_host(m, p);
+            view->nbytes = (size_t)p->numel * 4;
         } else {
-            view->data = p->dtype == DS4_F32 ? (void *)(m->params + p->offset) : (void *)(m->tid2eid_all + p->offset);
+            view->data = (void *)(m->tid2eid_all + p->offset);
             view->nbytes = (size_t)p->numel * 4;
         }
         view->refcount = 0; /* a borrowed view: never released */

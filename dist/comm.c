@@ -282,6 +282,18 @@ static ds4_status sum_loads(void *ctx, double *buf, int64_t n, ds4_error *err) {
     return ds4_comm_all_reduce_sum((ds4_comm *)ctx, DS4_F64, buf, n, err);
 }
 
+/* The gradient runs every rank holds alike (ds4_model_replicated_runs), each summed over the ranks in place: the same
+ * rank-order sum per element as the whole buffer's. */
+static ds4_status all_reduce_runs(ds4_comm *c, const ds4_model *m, float *g, size_t runs, ds4_error *err) {
+    int64_t *off = malloc(2 * runs * sizeof *off), *len = off ? off + runs : NULL;
+    if (!off) return ds4_fail(err, DS4_ERR_OOM, "dist all_reduce_grads: %zu runs", runs);
+    ds4_model_replicated_runs(m, off, len, runs);
+    ds4_status st = DS4_OK;
+    for (size_t k = 0; k < runs && !st; k++) st = ds4_comm_all_reduce_sum(c, DS4_F32, g + off[k], len[k], err);
+    free(off);
+    return st;
+}
+
 ds4_status ds4_comm_all_reduce_grads(ds4_comm *c, ds4_model *m, double scale, ds4_error *err) {
     if (!c || !m) return ds4_fail(err, DS4_ERR_ARG, "dist all_reduce_grads: communicator or model is NULL");
     const ds4_device_options dev = ds4_model_device(m);
@@ -314,7 +326,10 @@ ds4_status ds4_comm_all_reduce_grads(ds4_comm *c, ds4_model *m, double scale, ds
         ds4_error_prefix(err, "dist all_reduce_grads: ");
         return st;
     }
-    if (dev.type == DS4_DEVICE_CUDA && c->nccl) {
+    const size_t runs = ds4_model_replicated_runs(m, NULL, NULL, 0);
+    if (runs) { /* sharded experts (CPU models): each rank's experts are its own, the rest is summed */
+        st = all_reduce_runs(c, m, g, runs, err);
+    } else if (dev.type == DS4_DEVICE_CUDA && c->nccl) {
         st = ds4_comm_device_all_reduce_sum(c, DS4_F32, g, n, err);
         ds4_model_grads_changed(m);
     } else {

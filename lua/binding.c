@@ -612,7 +612,8 @@ static int m_kv_qat(lua_State *L) {
     return 1;
 }
 
-/* model:tensors() -> {name = tensor}: copies of the parameters (canonical official names). */
+/* model:tensors() -> {name = tensor}: copies of the parameters (canonical official names). With sharded experts
+ * (expert parallelism) the routed experts other ranks hold are left out. */
 static int m_tensors(lua_State *L) {
     const char *fname = "ds4.model:tensors";
     model_box *b = check_model(L, fname);
@@ -622,7 +623,10 @@ static int m_tensors(lua_State *L) {
     for (size_t i = 0; i < n; i++) {
         const char *name = NULL;
         ds4_tensor view;
+        ds4_tensor_info ti;
         ds4_error err = {0};
+        if (ds4_model_tensor_info(b->m, i, &ti, &err) != DS4_OK) ds4l_raise_ds4(L, fname, &err);
+        if (ti.elsewhere) continue;
         if (ds4_model_tensor_at(b->m, i, &name, &view, &err) != DS4_OK) ds4l_raise_ds4(L, fname, &err);
         ds4_tensor *t = ds4l_tensor_push_new(L, fname, view.dtype, view.ndim, view.shape);
         if (t->nbytes != view.nbytes)
