@@ -122,7 +122,8 @@ ds4_status ds4_model_sum_router_loads(ds4_model *m,
  * tokens. The core does not know how ranks talk; the caller gives the two collectives (dist/: ds4_comm_expert_parallel
  * over MPI, the TCP star or NCCL). While it is on, every full forward (ds4_model_forward, _forward_train) and every
  * backward of the model is collective: every rank must make them in the same order. Decoding (ds4_model_step,
- * generation) is not: it computes every expert locally, as the weights are replicated on every rank. */
+ * generation) is not: it computes every expert locally, as the weights are replicated on every rank (with `shard`
+ * they are not, and decoding is refused). */
 typedef struct ds4_expert_parallel {
     int32_t rank, world;
     int32_t device;           /* the memory all_to_all_v takes: -1 host (a CPU model), N: CUDA device N's; a pass of a
