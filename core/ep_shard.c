@@ -44,6 +44,9 @@ ds4_status ds4_ep_shard(ds4_model *m, int32_t rank, int32_t world, ds4_error *er
                                           "rank %d of %d (load the model again)", m->ep_shard_rank, m->ep_shard_world,
                         rank, world);
     }
+    if (world < 1 || rank < 0 || rank >= world || m->cfg.n_routed_experts % world != 0)
+        return ds4_fail(err, DS4_ERR_ARG, "expert parallel: sharding %lld experts for rank %d of %d",
+                        (long long)m->cfg.n_routed_experts, rank, world);
     if (m->dev != m->cpu)
         return ds4_fail(err, DS4_ERR_UNSUPPORTED, "expert parallel: sharded experts need a CPU model (this one is on "
                                                   "%s; sharding the experts of a device model is not done: use "

@@ -280,6 +280,11 @@ typedef struct ds4_load_options {
      * train on top). On CUDA (ds4_model_to) they stay packed in device memory and the expert kernels decode them.
      * docs/checkpoints.md, "FP4-resident experts". */
     int32_t fp4_experts;
+    /* Sharded experts from the start (expert parallelism, docs/distributed.md "Sharded experts"): with
+     * expert_shard_world > 0 the model keeps only rank expert_shard_rank's routed experts, as turning expert parallelism
+     * on with `shard` over that world would leave it; the other experts are read and checked one tensor at a time but
+     * not kept, so the whole weights are never resident. 0: every expert. CPU models. */
+    int32_t expert_shard_rank, expert_shard_world;
 } ds4_load_options;
 /* ds4_model_load with options (NULL: the defaults, as ds4_model_load). */
 ds4_status ds4_model_load_opts(ds4_engine *e, const char *dir, const ds4_load_options *opt, ds4_model **out,

@@ -16,7 +16,8 @@
 --  * memory: this rank's flat buffer holds the replicated tensors and E / N experts per layer and kind; the
 --    optimizer's moments are that size too (opt:state() gathers them whole).
 --  * checkpoints: sh:save on every rank writes (rank 0) the same files as rep:save, byte for byte, so it loads
---    under any EP (or none); loaded and sharded again, with the gathered optimizer state, one more step equals rep's.
+--    under any EP (or none); loaded with only this rank's experts (ds4.load{expert_shard}: the same model as loading
+--    whole and sharding), with the gathered optimizer state, one more step equals rep's.
 package.path = ((arg[0]:match("^(.*)/[^/]*$") or ".") .. "/?.lua;") .. package.path
 local H = require("harness")
 local ds4 = require("ds4")
@@ -69,6 +70,15 @@ end
 H.eq(expert_numel * n, whole_expert_numel, "this rank holds 1/" .. n .. " of the experts")
 H.eq(sh:memory().params, (repl_numel + expert_numel) * 4, "the flat buffer: replicated tensors + this rank's experts")
 H.eq(#sh:params() * 4, whole_bytes, "params() gathers the whole model")
+-- sharded while loading: the other experts are never kept; the same model as loading whole, then sharding
+local pre = ds4.load(dir, { expert_shard = { rank = r, world = n } })
+ds4.dist.expert_parallel(pre, { shard = true })
+H.eq(pre:memory().params, sh:memory().params, "sharded at load: the same buffer")
+H.check(H.same_bytes(pre:params(), sh:params()), "sharded at load: the same weights (gathered)")
+pre:free()
+H.raises(function() ds4.load(dir, { expert_shard = { rank = 0, world = 3 } }) end, { "expert_shard rank 0 of 3",
+    "multiple" }, "8 experts over 3 ranks")
+H.raises(function() ds4.load(dir, { expert_shard = { rank = 2, world = 2 } }) end, { "0 <= r < n" }, "rank 2 of 2")
 
 local function row_bytes_equal(a, b, first_row, nrows, row)
     return ffi.C.memcmp(a:data_ptr(), ffi.cast("const char *", b:data_ptr()) + (first_row - 1) * row, nrows * row) == 0
@@ -132,9 +142,30 @@ if r == 0 then
         H.check(a ~= nil and a == b, f .. ": the sharded save writes the replicated model's bytes")
     end
 end
+-- sharded while loading, from the other checkpoint layouts: HF's packed experts (tiny_hf: gate_up_proj, down_proj)
+-- and FP4 experts dequantised (quant_fp4): the same buffer, weights and saved files as loading whole, then sharding
+for _, fx in ipairs({ "tiny_hf", "quant_fp4" }) do
+    local a, b = ds4.load(H.fixtures() .. "/" .. fx), ds4.load(H.fixtures() .. "/" .. fx, { expert_shard = { rank = r, world = n } })
+    ds4.dist.expert_parallel(a, { shard = true })
+    ds4.dist.expert_parallel(b, { shard = true })
+    H.eq(b:memory().params, a:memory().params, fx .. ": sharded at load, the same buffer")
+    H.check(H.same_bytes(b:params(), a:params()), fx .. ": sharded at load, the same weights")
+    a:save(base .. "_" .. fx .. "_a")
+    b:save(base .. "_" .. fx .. "_b")
+    if r == 0 then
+        for _, f in ipairs({ "model.safetensors", "config.json" }) do
+            local x, y = H.read_file(base .. "_" .. fx .. "_a/" .. f), H.read_file(base .. "_" .. fx .. "_b/" .. f)
+            H.check(x ~= nil and x == y, fx .. ": " .. f .. " saved the same from either")
+        end
+        os.execute("rm -rf " .. H.shell_quote(base .. "_" .. fx .. "_a") .. " " .. H.shell_quote(base .. "_" .. fx .. "_b"))
+    end
+    a:free()
+    b:free()
+end
+
 local whole = ds4.load(d_sh) -- EP = 1
 H.check(H.same_bytes(whole:params(), rep:params()), "the checkpoint loads whole (no expert parallelism), bitwise")
-local again = ds4.load(d_sh)
+local again = ds4.load(d_sh, { expert_shard = { rank = r, world = n } }) -- this rank's experts only
 again:set_train_options(topt)
 ds4.dist.expert_parallel(again, { shard = true })
 local again_opt = ds4.adamw(again, opts())
