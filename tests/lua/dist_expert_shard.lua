@@ -163,6 +163,11 @@ for _, fx in ipairs({ "tiny_hf", "quant_fp4" }) do
     b:free()
 end
 
+if n > 1 then -- the training-checkpoint writer reads the tensors in place: another rank's expert is refused, named
+    H.raises(function() ds4.checkpoints.save(base .. "_ckpt", 1, sh) end, { "is held by rank", "sharded over " .. n },
+        "ds4.checkpoints.save of a sharded model")
+end
+
 local whole = ds4.load(d_sh) -- EP = 1
 H.check(H.same_bytes(whole:params(), rep:params()), "the checkpoint loads whole (no expert parallelism), bitwise")
 local again = ds4.load(d_sh, { expert_shard = { rank = r, world = n } }) -- this rank's experts only
@@ -176,7 +181,7 @@ sh_opt = again_opt
 step(STEPS + 1)
 H.check(compared > 0, "gradients compared")
 ds4.dist.barrier()
-if r == 0 then os.execute("rm -rf " .. H.shell_quote(d_sh) .. " " .. H.shell_quote(d_rep)) end
+if r == 0 then os.execute("rm -rf " .. H.shell_quote(d_sh) .. " " .. H.shell_quote(d_rep) .. " " .. H.shell_quote(base .. "_ckpt")) end
 
 local exp_bytes = expert_numel * 4
 if r == 0 or n > 1 then
