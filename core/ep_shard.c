@@ -95,24 +95,33 @@ void ds4_ep_scatter(const ds4_model *m, const float *full, float *local) {
     }
 }
 
-ds4_status ds4_ep_gather(ds4_model *m, const float *local, float *full, ds4_error *err) {
+ds4_status ds4_ep_gather(ds4_model *m, const float *local, float *full, int32_t root, ds4_error *err) {
     if (!m->ep_shard) {
         memcpy(full, local, (size_t)m->n_params * sizeof(float));
         return DS4_OK;
     }
     ds4_status s = ds4_ep_refuse(m, "gathering the sharded experts", err);
     if (s) return s;
-    for (size_t i = 0; i < m->n_table; i++) { /* what this rank holds, in place */
+    const int64_t P = m->ep_shard_world, El = experts_per_rank(m, m->ep_shard_world), r = m->ep_shard_rank;
+    const int here = root < 0 || root == r; /* this rank receives the whole layout */
+    for (size_t i = 0; i < m->n_table && here; i++) { /* what this rank holds, in place */
         const ds4_param *p = &m->table[i];
         if (p->dtype == DS4_F32 && !p->elsewhere)
             memcpy(full + p->goff, local + p->offset, (size_t)p->numel * sizeof(float));
     }
-    const int64_t P = m->ep_shard_world, El = experts_per_rank(m, m->ep_shard_world), r = m->ep_shard_rank;
     int64_t big = 0;
     for (size_t i = 0; i < m->n_table; i++)
         if (m->table[i].routed && m->table[i].numel > big) big = m->table[i].numel;
-    float *buf = malloc((size_t)(2 * P * (big ? big : 1)) * sizeof(float));
-    if (!buf) return ds4_fail(err, DS4_ERR_OOM, "expert parallel: gathering experts of %lld values", (long long)big);
+    /* to every rank: P copies of the expert out, P received; to the root: one out (to it), P received there */
+    float *buf = malloc((size_t)((root < 0 ? 2 * P : P + 1) * (big ? big : 1)) * sizeof(float));
+    int64_t *rows = malloc((size_t)(2 * P) * sizeof *rows);
+    if (!buf || !rows) {
+        free(buf);
+        free(rows);
+        return ds4_fail(err, DS4_ERR_OOM, "expert parallel: gathering experts of %lld values", (long long)big);
+    }
+    for (int64_t q = 0; q < P; q++) rows[q] = root < 0 || q == root, rows[P + q] = here;
+    float *in = buf + (root < 0 ? P : 1) * (big ? big : 1);
     /* one expert at a time: rank q's j-th expert of a layer and kind is the entry of expert q·El + j; every rank walks
      * the same entries in the same order, so the exchanges pair up */
     for (size_t i = 0; i < m->n_table && !s; i++) {
@@ -121,14 +130,15 @@ ds4_status ds4_ep_gather(ds4_model *m, const float *local, float *full, ds4_erro
         const size_t e0 = i - (size_t)(r * El); /* the entry of expert 0 */
         const int64_t n = p->numel;
         for (int64_t j = 0; j < El && !s; j++) {
-            for (int64_t q = 0; q < P; q++)
-                memcpy(buf + q * n, local + m->table[i + (size_t)j].offset, (size_t)n * sizeof(float));
-            s = m->ep.host_all_to_all(m->ep.ctx, buf, buf + P * n, (size_t)n * sizeof(float), err);
-            for (int64_t q = 0; q < P && !s; q++)
-                memcpy(full + m->table[e0 + (size_t)(q * El + j)].goff, buf + (P + q) * n, (size_t)n * sizeof(float));
+            const float *mine = local + m->table[i + (size_t)j].offset;
+            for (int64_t q = 0; q < (root < 0 ? P : 1); q++) memcpy(buf + q * n, mine, (size_t)n * sizeof(float));
+            s = m->ep.all_to_all_v(m->ep.ctx, buf, rows, in, rows + P, (size_t)n * sizeof(float), err);
+            for (int64_t q = 0; q < P && !s && here; q++)
+                memcpy(full + m->table[e0 + (size_t)(q * El + j)].goff, in + q * n, (size_t)n * sizeof(float));
         }
     }
     free(buf);
+    free(rows);
     if (s) ds4_error_prefix(err, "expert parallel: gathering the sharded experts: ");
     return s;
 }
@@ -192,7 +202,7 @@ int64_t ds4_model_whole_param_count(const ds4_model *m) { return m->ep_shard ? m
 
 ds4_status ds4_model_gather_params(ds4_model *m, float *out, ds4_error *err) {
     ds4_status s = ds4_model_host_sync(m, err);
-    return s ? s : ds4_ep_gather(m, m->params, out, err);
+    return s ? s : ds4_ep_gather(m, m->params, out, -1, err);
 }
 
 ds4_status ds4_model_scatter_params(ds4_model *m, const float *in, ds4_error *err) {

@@ -274,10 +274,10 @@ static inline float *ds4_param_host(const struct ds4_model *m, const ds4_param *
 /* Sharded experts (ep_shard.c, docs/distributed.md "Expert parallelism"). ds4_ep_shard: keep only rank `rank` of
  * `world`'s routed experts in params and grads (CPU models). ds4_ep_gather: the whole layout [n_full] from a local
  * buffer laid out as params (params, grads or a moment), every rank's experts brought by the installed exchange (a
- * collective). ds4_ep_scatter: the local layout from a whole one (no exchange). ds4_ep_sum_f64: n doubles summed over
+ * collective): on rank `root` only (the others' `full` is not touched and may be NULL), or on every rank (root -1). ds4_ep_scatter: the local layout from a whole one (no exchange). ds4_ep_sum_f64: n doubles summed over
  * the ranks in rank order (a collective). ds4_ep_refuse: why a pass cannot run on the sharded model (NULL: it can). */
 ds4_status ds4_ep_shard(struct ds4_model *m, int32_t rank, int32_t world, ds4_error *err);
-ds4_status ds4_ep_gather(struct ds4_model *m, const float *local, float *full, ds4_error *err);
+ds4_status ds4_ep_gather(struct ds4_model *m, const float *local, float *full, int32_t root, ds4_error *err);
 void ds4_ep_scatter(const struct ds4_model *m, const float *full, float *local);
 ds4_status ds4_ep_sum_f64(struct ds4_model *m, double *buf, int64_t n, ds4_error *err);
 ds4_status ds4_ep_refuse(const struct ds4_model *m, const char *what, ds4_error *err);

@@ -866,8 +866,8 @@ ds4_status ds4_adamw_gather_moments(ds4_adamw *a, float *m, float *v, ds4_error 
     ds4_status s = ds4_adamw_sync_state(a, err); /* moments held on the model's device come back first */
     if (s) return s;
     if (a->model->ep_shard && !a->lora) { /* sharded experts: the experts' moments from their owners */
-        s = ds4_ep_gather(a->model, a->m, m, err);
-        if (!s) s = ds4_ep_gather(a->model, a->v, v, err);
+        s = ds4_ep_gather(a->model, a->m, m, -1, err);
+        if (!s) s = ds4_ep_gather(a->model, a->v, v, -1, err);
         if (s) ds4_error_prefix(err, "adamw gather moments: ");
         return s;
     }

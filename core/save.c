@@ -445,15 +445,17 @@ static ds4_status save_whole(const ds4_model *m, const char *dir_in, const ds4_s
     return ds4_dir_save_atomic("model save", dir_in, o.overwrite, write_model, &w, err);
 }
 
-/* Sharded experts (expert parallelism, ep_shard.c): every rank calls the save; the weights are gathered whole
- * (every rank's experts from their owners) and rank 0 writes them as one process holding every expert would, the same
- * files; the other ranks write nothing. The gathered copy lives for the save only. */
+/* Sharded experts (expert parallelism, ep_shard.c): every rank calls the save; the weights are gathered whole on
+ * rank 0 (every rank's experts from their owners, one at a time), which writes them as one process holding every
+ * expert would, the same files; the other ranks send their experts and write nothing. The gathered copy lives for
+ * the save only. */
 static ds4_status save_sharded(ds4_model *m, const char *dir_in, const ds4_save_options *opt, ds4_error *err) {
     size_t bytes;
-    float *full = ds4_mul_size((size_t)m->n_full, sizeof(float), &bytes) ? malloc(bytes ? bytes : 1) : NULL;
-    if (!full) return ds4_fail(err, DS4_ERR_OOM, "model save: %lld parameters gathered", (long long)m->n_full);
-    ds4_status st = ds4_ep_gather(m, m->params, full, err);
-    if (!st && m->ep_shard_rank == 0) {
+    const int root = m->ep_shard_rank == 0;
+    float *full = !root ? NULL : ds4_mul_size((size_t)m->n_full, sizeof(float), &bytes) ? malloc(bytes ? bytes : 1) : NULL;
+    if (root && !full) return ds4_fail(err, DS4_ERR_OOM, "model save: %lld parameters gathered", (long long)m->n_full);
+    ds4_status st = ds4_ep_gather(m, m->params, full, 0, err);
+    if (!st && root) {
         m->ep_full = full;
         st = save_whole(m, dir_in, opt, err);
         m->ep_full = NULL;

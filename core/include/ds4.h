@@ -302,7 +302,8 @@ ds4_status ds4_model_create_random(ds4_engine *e, const ds4_config *cfg, uint64_
 void ds4_model_free(ds4_model *m);
 const ds4_config *ds4_model_config(const ds4_model *m);
 int ds4_model_has_mtp(const ds4_model *m);
-int64_t ds4_model_param_count(const ds4_model *m);      /* trainable fp32 parameters */
+int64_t ds4_model_param_count(const ds4_model *m);      /* trainable fp32 parameters (with sharded experts: those
+                                                            this rank holds; ds4_train.h) */
 
 /* Named parameters (canonical official names, e.g. "layers.0.attn.wq_a.weight"). The view aliases the
  * model's flat buffer: data stays valid while the model lives. */
