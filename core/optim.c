@@ -1020,6 +1020,11 @@ ds4_status ds4_adamw_step(ds4_adamw *a, ds4_adamw_stats *stats, ds4_error *err) 
                         "adamw step: the model's LoRA adapters were %s since the optimizer was created; create a new "
                         "optimizer (it steps the adapters while the model carries them, else the weights)",
                         a->lora ? (m->lora ? "replaced" : "merged or dropped") : "attached");
+    if (m->ep_shard && !m->lora && target_numel(m) != a->n_params)
+        return ds4_fail(err, DS4_ERR_ARG, "adamw step: the model's routed experts were sharded (expert parallelism) "
+                                          "after this optimizer was created for %lld parameters (the rank now holds "
+                                          "%lld): create the optimizer after expert_parallel{shard = true}",
+                        (long long)a->n_params, (long long)target_numel(m));
     if (target_numel(m) != a->n_params || target_count(m) != a->n_tensors)
         return ds4_fail(err, DS4_ERR_INTERNAL,
                         "adamw step: the model changed shape since the optimizer was created (%lld parameters in "

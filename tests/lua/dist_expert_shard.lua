@@ -70,6 +70,32 @@ end
 H.eq(expert_numel * n, whole_expert_numel, "this rank holds 1/" .. n .. " of the experts")
 H.eq(sh:memory().params, (repl_numel + expert_numel) * 4, "the flat buffer: replicated tensors + this rank's experts")
 H.eq(#sh:params() * 4, whole_bytes, "params() gathers the whole model")
+-- an optimizer created before the sharding: refused at its step, saying so (n = 1: nothing moved, nothing to refuse);
+-- gradients enabled before it are cut down with the weights
+-- (their values: those of a model sharded before its gradients existed)
+if n > 1 then
+    local early, late = ds4.load(dir), ds4.load(dir)
+    early:zero_grad()
+    local early_opt = ds4.adamw(early, opts())
+    ds4.dist.expert_parallel(early, { shard = true })
+    ds4.dist.expert_parallel(late, { shard = true })
+    for _, m in ipairs({ early, late }) do
+        m:zero_grad()
+        local o = m:forward(my_ids, { labels = my_ids })
+        m:backward(1 / ds4.dist.all_reduce(ds4.tensor({ o.loss_tokens }, "F64"))[1])
+        ds4.dist.all_reduce_grads(m)
+    end
+    local ge, gl, k = early:grads({ canonical = true }), late:grads({ canonical = true }), 0
+    for name, g in pairs(gl) do
+        k = k + 1
+        H.check(H.same_bytes(ge[name], g), name .. ": gradients enabled before the sharding, bitwise")
+    end
+    H.check(k > 0, "gradients compared")
+    H.raises(function() early_opt:step() end, { "sharded", "after this optimizer was created" }, "an optimizer made before")
+    early_opt:free()
+    early:free()
+    late:free()
+end
 -- sharded while loading: the other experts are never kept; the same model as loading whole, then sharding
 local pre = ds4.load(dir, { expert_shard = { rank = r, world = n } })
 ds4.dist.expert_parallel(pre, { shard = true })
