@@ -605,6 +605,10 @@ ds4_status ds4_model_to(ds4_model *m, const ds4_device_options *o, ds4_error *er
         }
         return DS4_OK;
     }
+    if (m->ep_shard)
+        return ds4_fail(err, DS4_ERR_UNSUPPORTED, "model to cuda:%d: the routed experts are sharded over %d ranks "
+                                                  "(expert parallelism): sharded experts stay on the CPU (not done on "
+                                                  "GPUs)", (int)o->index, m->ep_shard_world);
 #ifndef DS4_HAVE_CUDA
     return ds4_fail(err, DS4_ERR_UNSUPPORTED,
                     "model to cuda:%d: this build of ds4 has no CUDA backend (nvcc was not found when it was configured)",

@@ -204,6 +204,11 @@ ds4_status ds4_lora_attach(ds4_model *m, ds4_lora *l, ds4_error *err) {
                                                   "parallelism (turn it off first, or leave the experts out of the "
                                                   "targets)");
     }
+    if (m->ep_shard) {
+        ds4_lora_free(NULL, l);
+        return ds4_fail(err, DS4_ERR_UNSUPPORTED, "lora: adapters are not supported on a model whose routed experts "
+                                                  "are sharded (expert parallelism, shard = true)");
+    }
     if (m->cp_on) {
         ds4_lora_free(NULL, l);
         return ds4_fail(err, DS4_ERR_UNSUPPORTED, "lora: adapters are not supported with context parallelism (turn it "

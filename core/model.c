@@ -79,7 +79,7 @@ static void add(builder *b, ds4_dtype dt, void **slot, int32_t ndim, const int64
     p->lowp = dt == DS4_F32 && ds4_param_lowp(name, ndim);
     p->follows = slot == NULL; /* routed experts e > 0: reached as expert 0's view + e·stride */
     if (dt == DS4_F32) {
-        p->offset = b->f32_off;
+        p->offset = p->goff = b->f32_off;
         b->f32_off += p->numel;
     } else if (dt == DS4_FP4_PACKED) { /* its bytes; the scales are placed by add_experts */
         p->offset = b->q4_off;
@@ -131,10 +131,17 @@ static void add_experts(builder *b, ds4_layer_w *l, int64_t li, int kind, int64_
     const size_t first = b->bind ? b->next : m->n_table;
     const int packed = b->bind ? b->next < m->n_table && m->table[b->next].dtype == DS4_FP4_PACKED
                                : m->fp4_kinds && m->fp4_kinds[li * 3 + kind];
-    for (int64_t e = 0; e < E; e++)
+    for (int64_t e = 0; e < E; e++) {
         add(b, packed ? DS4_FP4_PACKED : DS4_F32, e ? NULL : (void **)slot, 2, SHAPE(rows, cols),
             "%sffn.experts.%lld.%s.weight", pre, (long long)e, names[kind]);
+        if (!b->st && !b->bind) m->table[m->n_table - 1].routed = (int32_t)(e + 1);
+    }
     if (b->st) return;
+    if (b->bind && m->table[first].elsewhere) { /* sharded experts: the view starts at this rank's first expert */
+        *slot = NULL;
+        for (int64_t e = 0; e < E && !*slot; e++)
+            if (!m->table[first + (size_t)e].elsewhere) *slot = b->bind(b, &m->table[first + (size_t)e], first + (size_t)e);
+    }
     if (b->bind) { /* the scales lie as far from expert 0's bytes in the backend's copy as in q4 (backend.c) */
         l->edt[kind] = packed ? DS4_FP4_PACKED : b->w->mdt;
         l->escale[kind] = packed && *slot ? (const uint8_t *)*slot + (m->table[first].qscale - m->table[first].offset)
@@ -233,6 +240,7 @@ static void *bind_entry(builder *b, const ds4_param *p, size_t i) {
         return b->w == &b->m->dev_w && b->m->dev_off ? b->base + b->m->dev_off[i] : NULL;
     }
     if (p->dtype != DS4_F32) return b->i32_base ? b->i32_base + p->offset : NULL; /* a gradient set has no tables */
+    if (p->elsewhere) return NULL; /* sharded experts: another rank's */
     return b->base + b->byte_offset(b->m, i, b->ctx);
 }
 
@@ -415,6 +423,7 @@ void ds4_model_free(ds4_model *m) {
     free(m->table);
     free(m->sorted);
     free(m->params);
+    free(m->ep_full);
     free(m->tid2eid_all);
     free(m->q4);
     free(m->fp4_kinds);
@@ -588,6 +597,7 @@ ds4_status ds4_model_tensor_info(const ds4_model *m, size_t i, ds4_tensor_info *
     const ds4_param *p = &m->table[i];
     out->offset = p->offset;
     out->numel = p->numel;
+    out->elsewhere = p->elsewhere;
     out->is_param = p->dtype == DS4_F32;
     out->trainable = out->is_param && trainable(m, p->name);
     out->decay = out->trainable && decays(p->name);
@@ -614,8 +624,17 @@ ds4_status ds4_model_tensor_at(const ds4_model *m, size_t i, const char **name, 
             view->shape[1] = p->shape[1] / 2;
             view->data = m->q4 + p->offset;
             view->nbytes = (size_t)p->numel / 2;
+        } else if (p->dtype == DS4_F32) {
+            if (p->elsewhere && !m->ep_full)
+                return ds4_fail(err, DS4_ERR_UNSUPPORTED, "model tensor_at: %s is held by rank %lld (the routed "
+                                                          "experts are sharded over %d ranks: gather them with "
+                                                          "model:params() or a save on every rank)", p->name,
+                                (long long)((p->routed - 1) / (m->cfg.n_routed_experts / m->ep_shard_world)),
+                                m->ep_shard_world);
+            view->data = (void *)ds4_param_host(m, p);
+            view->nbytes = (size_t)p->numel * 4;
         } else {
-            view->data = p->dtype == DS4_F32 ? (void *)(m->params + p->offset) : (void *)(m->tid2eid_all + p->offset);
+            view->data = (void *)(m->tid2eid_all + p->offset);
             view->nbytes = (size_t)p->numel * 4;
         }
         view->refcount = 0; /* a borrowed view: never released */
@@ -724,7 +743,7 @@ static ds4_status load_packed(ds4_model *m, const char *canon, const ds4_st_entr
             ds4_param *p = &m->table[idx];
             /* gate_up: expert x rows [0, I) are w1, [I, 2I) are w3 */
             const float *from = tmp + x * want[1] * want[2] + (gate_up ? k * I * D : 0);
-            memcpy(m->params + p->offset, from, (size_t)p->numel * sizeof(float));
+            if (!p->elsewhere) memcpy(m->params + p->offset, from, (size_t)p->numel * sizeof(float));
             loaded[idx] = 1;
             if (!(p->src = strdup(src))) {
                 s = ds4_fail(err, DS4_ERR_OOM, "model load: name '%s'", src);
@@ -847,13 +866,15 @@ static ds4_status load_resident(ds4_model *m, ds4_param *p, const ds4_st_entry *
 /* One checkpoint tensor into parameter p: float as is, FP8 / FP4 dequantised with the scale stored beside it (or an
  * FP4-resident expert's bytes and scales as they are). */
 static ds4_status load_param(ds4_model *m, const ds4_checkpoint *ck, const ds4_quant_format *qf, ds4_param *p,
-                             const ds4_st_entry *en, ds4_error *err) {
+                             const ds4_st_entry *en, float *scratch, ds4_error *err) {
     const ds4_st_entry *scale;
     ds4_status s = find_scale(ck, en->name, &scale, err);
     if (s) return s;
     if (p->dtype == DS4_FP4_PACKED) return load_resident(m, p, en, scale, qf, err);
+    /* another rank's expert (sharded at load): read and checked like the others, into scratch, and not kept */
+    float *dst = p->elsewhere ? scratch : m->params + p->offset;
     if (ds4_quant_kind(en->dtype) != DS4_Q_NONE && p->dtype == DS4_F32 && p->ndim == 2) {
-        s = ds4_quant_dequant(m->params + p->offset, en, scale, p->shape[0], p->shape[1], qf, err);
+        s = ds4_quant_dequant(dst, en, scale, p->shape[0], p->shape[1], qf, err);
         if (s) ds4_error_prefix(err, "model load: ");
         return s ? s : note_quantised(p, en, scale, 1, err);
     }
@@ -862,7 +883,25 @@ static ds4_status load_param(ds4_model *m, const ds4_checkpoint *ck, const ds4_q
                         "weight (F8_E4M3, or FP4 packed in I8 / U8)", scale->name, en->name, ds4_dtype_name(en->dtype));
     if (!same_shape(p, en)) return shape_error(err, en->name, en, p->ndim, p->shape);
     if (p->dtype == DS4_I32) return load_tid2eid(m->tid2eid_all + p->offset, en, en->name, m->cfg.n_routed_experts, err);
-    return load_f32(m->params + p->offset, en, en->name, err);
+    return load_f32(dst, en, en->name, err);
+}
+
+/* ds4_load_options.expert_shard_*: the model cut down to one rank's experts before anything is read (its buffer is
+ * still untouched zeros, so nothing of the whole size becomes resident), and scratch for one expert's values. */
+static ds4_status shard_at_load(ds4_model *m, const ds4_load_options *opt, float **scratch, ds4_error *err) {
+    const int32_t P = opt->expert_shard_world, r = opt->expert_shard_rank;
+    if (P < 1 || r < 0 || r >= P || m->cfg.n_routed_experts % P != 0)
+        return ds4_fail(err, DS4_ERR_ARG, "model load: expert_shard rank %d of %d (the rank must be in [0, world) and "
+                                          "the %lld routed experts a multiple of the world)", r, P,
+                        (long long)m->cfg.n_routed_experts);
+    ds4_status s = ds4_ep_shard(m, r, P, err);
+    if (s) return s;
+    int64_t big = 1;
+    for (size_t i = 0; i < m->n_table; i++)
+        if (m->table[i].routed && m->table[i].numel > big) big = m->table[i].numel;
+    if (!(*scratch = malloc((size_t)big * sizeof(float))))
+        return ds4_fail(err, DS4_ERR_OOM, "model load: scratch for one expert of %lld values", (long long)big);
+    return DS4_OK;
 }
 
 ds4_status ds4_model_load(ds4_engine *e, const char *dir, ds4_model **out, ds4_error *err) {
@@ -928,11 +967,13 @@ ds4_status ds4_model_load_opts(ds4_engine *e, const char *dir, const ds4_load_op
     }
     m->qblock[0] = qf.block[0];
     m->qblock[1] = qf.block[1];
+    float *scratch = NULL;
     unsigned char *loaded = calloc(m->n_table ? m->n_table : 1, 1);
     if (!loaded) {
         s = ds4_fail(err, DS4_ERR_OOM, "model load: flags");
         goto done;
     }
+    if (opt && opt->expert_shard_world > 0 && (s = shard_at_load(m, opt, &scratch, err))) goto done;
     namelist unexpected = {0}, missing = {0};
     for (size_t i = 0; i < nt && !s; i++) {
         const ds4_st_entry *en = ds4_checkpoint_entry_at(ck, i);
@@ -955,7 +996,7 @@ ds4_status ds4_model_load_opts(ds4_engine *e, const char *dir, const ds4_load_op
             s = ds4_fail(err, DS4_ERR_FORMAT, "model load: '%s' is given twice (second time as '%s')", p->name, en->name);
             break;
         }
-        s = load_param(m, ck, &qf, p, en, err);
+        s = load_param(m, ck, &qf, p, en, scratch, err);
         loaded[idx] = 1;
         if (!s && !(p->src = strdup(en->name))) s = ds4_fail(err, DS4_ERR_OOM, "model load: name '%s'", en->name);
     }
@@ -977,6 +1018,7 @@ ds4_status ds4_model_load_opts(ds4_engine *e, const char *dir, const ds4_load_op
     }
 done:
     free(loaded);
+    free(scratch);
     ds4_checkpoint_close(ck);
     if (!s && e->device.type != DS4_DEVICE_CPU) s = ds4_model_to(m, &e->device, err);
     if (s) {

@@ -131,6 +131,10 @@ typedef struct ds4_param {
     int32_t src_part;                    /* 0 whole tensor; 1 / 3 the w1 / w3 rows of expert src_expert in a
                                             packed gate_up_proj [E, 2I, D]; 2 its slice of a packed down_proj */
     int64_t src_expert;
+    int32_t routed;                      /* 1 + e for routed expert e's w1 / w2 / w3; 0 for every other tensor */
+    int32_t elsewhere;                   /* sharded experts (ep_shard.c): another rank holds it (offset: -1) */
+    int64_t goff;                        /* F32: its offset in the whole layout, every expert present (= offset
+                                            unless the experts are sharded) */
 } ds4_param;
 
 struct ds4_dev;
@@ -214,6 +218,12 @@ struct ds4_model {
     ds4_expert_parallel ep;
     int64_t *ep_host;
     size_t ep_host_bytes;
+    /* sharded experts (ep_shard.c): params, grads and the optimizer's moments hold only the routed experts of rank
+     * ep_shard_rank of ep_shard_world; n_params counts those, n_full the whole layout. Kept when expert parallelism
+     * is turned off (every pass then refuses). ep_full: the whole layout gathered for a save, else NULL. */
+    int32_t ep_shard, ep_shard_rank, ep_shard_world;
+    int64_t n_full;
+    float *ep_full;
     /* context parallelism (cp.c): the hooks while on, and host scratch for the gathers */
     int cp_on;
     ds4_context_parallel cp;
@@ -262,6 +272,23 @@ int64_t ds4_f32_byte_offset(const ds4_model *m, size_t i, void *ctx);
 /* Whether a tensor is an "M" matrix (read by a matmul or the embedding; held in the backend's mdt). The router's
  * gate, the mHC mixing matrices, the compressors' position biases and every vector stay fp32. */
 int ds4_param_lowp(const char *name, int32_t ndim);
+
+/* An fp32 tensor's host values: the gathered whole layout while a save of sharded experts holds one (ep_full), else
+ * its place in params. */
+static inline float *ds4_param_host(const struct ds4_model *m, const ds4_param *p) {
+    return m->ep_full ? m->ep_full + p->goff : m->params + p->offset;
+}
+
+/* Sharded experts (ep_shard.c, docs/distributed.md "Expert parallelism"). ds4_ep_shard: keep only rank `rank` of
+ * `world`'s routed experts in params and grads (CPU models). ds4_ep_gather: the whole layout [n_full] from a local
+ * buffer laid out as params (params, grads or a moment), every rank's experts brought by the installed exchange (a
+ * collective): on rank `root` only (the others' `full` is not touched and may be NULL), or on every rank (root -1). ds4_ep_scatter: the local layout from a whole one (no exchange). ds4_ep_sum_f64: n doubles summed over
+ * the ranks in rank order (a collective). ds4_ep_refuse: why a pass cannot run on the sharded model (NULL: it can). */
+ds4_status ds4_ep_shard(struct ds4_model *m, int32_t rank, int32_t world, ds4_error *err);
+ds4_status ds4_ep_gather(struct ds4_model *m, const float *local, float *full, int32_t root, ds4_error *err);
+void ds4_ep_scatter(const struct ds4_model *m, const float *full, float *local);
+ds4_status ds4_ep_sum_f64(struct ds4_model *m, double *buf, int64_t n, ds4_error *err);
+ds4_status ds4_ep_refuse(const struct ds4_model *m, const char *what, ds4_error *err);
 
 /* Canonical official name for a checkpoint tensor name in any accepted spelling. Returns 1 and writes `out`
  * when the name is recognised, 0 otherwise. Packed HF experts map to "<prefix>.ffn.experts.gate_up_proj" /

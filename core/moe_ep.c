@@ -66,6 +66,14 @@ ds4_status ds4_model_set_expert_parallel(ds4_model *m, const ds4_expert_parallel
         return ds4_fail(err, DS4_ERR_UNSUPPORTED, "expert parallel: the model keeps FP4-resident routed experts "
                                                   "(fp4_experts), which expert parallelism does not support yet (load "
                                                   "them dequantised)");
+    if (m->ep_shard && !ep->shard)
+        return ds4_fail(err, DS4_ERR_ARG, "expert parallel: the routed experts are sharded over %d ranks: turn "
+                                          "expert parallelism on sharded (or load the model again)",
+                        m->ep_shard_world);
+    if (ep->shard) {
+        ds4_status s = ds4_ep_shard(m, ep->rank, ep->world, err);
+        if (s) return s;
+    }
     m->ep = *ep;
     m->ep_on = 1;
     return DS4_OK;
@@ -105,8 +113,9 @@ ds4_status ds4_ep_reserve(ds4_model *m, int64_t rows, ds4_error *err) {
 
 ds4_status ds4_ep_pass_rows(ds4_model *m, int64_t T, int64_t *rows, ds4_error *err) {
     *rows = 0;
-    if (!m->ep_on) return DS4_OK;
-    ds4_status s = ep_device_check(m, err); /* before the collective: every rank refuses alike */
+    ds4_status s = ds4_ep_refuse(m, "forward", err);
+    if (s || !m->ep_on) return s;
+    s = ep_device_check(m, err); /* before the collective: every rank refuses alike */
     if (s) return s;
     const int32_t P = m->ep.world;
     int64_t *t = calloc((size_t)P * 2, sizeof(int64_t));
@@ -137,6 +146,8 @@ typedef struct ep_plan {
     int64_t *send_rows, *recv_rows; /* [P] rows to / from each rank */
     int64_t R;                      /* rows received */
     int64_t e0, El;                 /* this rank's experts [e0, e0 + El) */
+    int64_t w0;                     /* expert e0's index in the layer's weight and gradient views: e0, or 0 when the
+                                       experts are sharded (the views start at this rank's first: ep_shard.c) */
 } ep_plan;
 
 /* A failed collective stops the pass like a failed operation: recorded on the backend with the layer. */
@@ -193,7 +204,8 @@ static int make_plan(ds4_pass *f, const int64_t *off, ep_plan *p) {
     loff[El] = t;
     ds4_dev_upload(dev, f->ep_off, loff, (size_t)(El + 1) * sizeof(int64_t));
     if (R) ds4_dev_upload(dev, f->ep_idx, idx, (size_t)R * sizeof(int32_t));
-    *p = (ep_plan){.send_rows = sr, .recv_rows = rr, .R = R, .e0 = m->ep.rank * El, .El = El};
+    *p = (ep_plan){.send_rows = sr, .recv_rows = rr, .R = R, .e0 = m->ep.rank * El, .El = El,
+                   .w0 = m->ep_shard ? 0 : m->ep.rank * El};
     return !dev->st;
 }
 
@@ -216,9 +228,9 @@ static const void *experts_from(const void *W, ds4_dtype dt, int64_t e0, int64_t
 static void gate_up(ds4_pass *f, const ds4_layer_w *l, const ep_plan *p, const float *x, float *g1, float *g3) {
     const int64_t D = f->c->hidden_size, I = f->c->moe_intermediate_size;
     const ds4_dtype mdt = f->w->mdt;
-    OP(f->dev, matmul_grouped, .y = g1, .x = x, .W = experts_from(l->w1, mdt, p->e0, I, D), .wdt = mdt,
+    OP(f->dev, matmul_grouped, .y = g1, .x = x, .W = experts_from(l->w1, mdt, p->w0, I, D), .wdt = mdt,
        .wstride = I * D, .off = f->ep_off, .E = p->El, .rows = p->R, .K = D, .O = I, .bf16_in = f->w->bf16_in);
-    OP(f->dev, matmul_grouped, .y = g3, .x = x, .W = experts_from(l->w3, mdt, p->e0, I, D), .wdt = mdt,
+    OP(f->dev, matmul_grouped, .y = g3, .x = x, .W = experts_from(l->w3, mdt, p->w0, I, D), .wdt = mdt,
        .wstride = I * D, .off = f->ep_off, .E = p->El, .rows = p->R, .K = D, .O = I, .bf16_in = f->w->bf16_in);
 }
 
@@ -244,7 +256,7 @@ void ds4_ep_experts_fwd(ds4_pass *f, const ds4_layer_w *l, const float *xg, cons
     OP(dev, gather_rows, .dst = xo, .src = recv, .idx = f->ep_idx, .div = 1, .rows = p.R, .width = D);
     gate_up(f, l, &p, xo, g1, g3);
     OP(dev, swiglu, .g1 = g1, .g3 = g3, .rows = p.R, .I = I, .lim = (float)f->c->swiglu_limit);
-    OP(dev, matmul_grouped, .y = yo, .x = g1, .W = experts_from(l->w2, f->w->mdt, p.e0, D, I), .wdt = f->w->mdt,
+    OP(dev, matmul_grouped, .y = yo, .x = g1, .W = experts_from(l->w2, f->w->mdt, p.w0, D, I), .wdt = f->w->mdt,
        .wstride = D * I, .off = f->ep_off, .E = p.El, .rows = p.R, .K = I, .O = D, .bf16_in = f->w->bf16_in);
     OP(dev, scatter_rows, .dst = recv, .src = yo, .idx = f->ep_idx, .rows = p.R, .width = D); /* received order */
     exchange(f, recv, p.recv_rows, ye, p.send_rows, D, "combine");
@@ -270,13 +282,13 @@ void ds4_ep_experts_bwd(ds4_pass *f, const ds4_layer_w *l, const ds4_layer_w *g,
     /* the forward's pre-activations again: the same kernels on the same rows, so the same bits */
     gate_up(f, l, &p, xo, g1, g3);
     /* then backward.c's routed_bwd on the local experts: same operations, same order */
-    const void *W1 = experts_from(l->w1, mdt, p.e0, I, D), *W3 = experts_from(l->w3, mdt, p.e0, I, D);
-    const void *W2 = experts_from(l->w2, mdt, p.e0, D, I);
+    const void *W1 = experts_from(l->w1, mdt, p.w0, I, D), *W3 = experts_from(l->w3, mdt, p.w0, I, D);
+    const void *W2 = experts_from(l->w2, mdt, p.w0, D, I);
     OP(dev, swiglu_bwd, .g1 = g1, .g3 = g3, .act = act, .rows = p.R, .I = I, .lim = lim);
     OP(dev, linear_bwd_x_grouped, .dx = dact, .dy = dyo, .W = W2, .wdt = mdt, .wstride = D * I, .off = f->ep_off,
        .E = p.El, .rows = p.R, .K = I, .O = D, .bf16_in = bf);
     if (g->w2)
-        OP(dev, linear_bwd_w_grouped, .dW = g->w2 + p.e0 * D * I, .wstride = D * I, .dy = dyo, .x = act,
+        OP(dev, linear_bwd_w_grouped, .dW = g->w2 + p.w0 * D * I, .wstride = D * I, .dy = dyo, .x = act,
            .off = f->ep_off, .E = p.El, .rows = p.R, .K = I, .O = D, .wdt = mdt, .bf16_in = bf);
     OP(dev, swiglu_bwd, .g1 = g1, .g3 = g3, .dact = dact, .dg1 = act, .dg3 = dact, .rows = p.R, .I = I, .lim = lim,
        .grads = 1);
@@ -284,12 +296,12 @@ void ds4_ep_experts_bwd(ds4_pass *f, const ds4_layer_w *l, const ds4_layer_w *g,
     OP(dev, linear_bwd_x_grouped, .dx = dxo, .dy = act, .W = W1, .wdt = mdt, .wstride = I * D, .off = f->ep_off,
        .E = p.El, .rows = p.R, .K = D, .O = I, .bf16_in = bf);
     if (g->w1)
-        OP(dev, linear_bwd_w_grouped, .dW = g->w1 + p.e0 * I * D, .wstride = I * D, .dy = act, .x = xo,
+        OP(dev, linear_bwd_w_grouped, .dW = g->w1 + p.w0 * I * D, .wstride = I * D, .dy = act, .x = xo,
            .off = f->ep_off, .E = p.El, .rows = p.R, .K = D, .O = I, .wdt = mdt, .bf16_in = bf);
     OP(dev, linear_bwd_x_grouped, .dx = dxo, .acc = 1, .dy = dact, .W = W3, .wdt = mdt, .wstride = I * D,
        .off = f->ep_off, .E = p.El, .rows = p.R, .K = D, .O = I, .bf16_in = bf);
     if (g->w3)
-        OP(dev, linear_bwd_w_grouped, .dW = g->w3 + p.e0 * I * D, .wstride = I * D, .dy = dact, .x = xo,
+        OP(dev, linear_bwd_w_grouped, .dW = g->w3 + p.w0 * I * D, .wstride = I * D, .dy = dact, .x = xo,
            .off = f->ep_off, .E = p.El, .rows = p.R, .K = D, .O = I, .wdt = mdt, .bf16_in = bf);
     OP(dev, scatter_rows, .dst = dyr, .src = dxo, .idx = f->ep_idx, .rows = p.R, .width = D); /* received order */
     exchange(f, dyr, p.recv_rows, dxs, p.send_rows, D, "combine (backward)");

@@ -449,6 +449,7 @@ static ds4_status target_info(const ds4_model *m, size_t i, ds4_tensor_info *ti,
     const ds4_lora_param *p = &m->lora->table[i];
     ti->offset = p->offset;
     ti->numel = p->numel;
+    ti->elsewhere = 0;
     ti->is_param = 1;
     ti->trainable = ds4_lora_trainable(m, p);
     ti->decay = ti->trainable;
@@ -814,6 +815,9 @@ ds4_status ds4_adamw_set_shard(ds4_adamw *a, const ds4_adamw_shard *s, ds4_error
     if (a->sharded) return ds4_fail(err, DS4_ERR_ARG, "adamw shard: the optimizer is sharded already");
     if (a->lora) return ds4_fail(err, DS4_ERR_UNSUPPORTED, "adamw shard: an optimizer of LoRA adapters is not sharded");
     ds4_model *m = a->model;
+    if (m->ep_shard)
+        return ds4_fail(err, DS4_ERR_UNSUPPORTED, "adamw shard: the model's routed experts are sharded (expert "
+                                                  "parallelism): ZeRO-1 on top of sharded experts is not supported");
     if (!m->dev->host_visible && !s->gather_dev_f32)
         return ds4_fail(err, DS4_ERR_UNSUPPORTED, "adamw shard: the model is on %s and the collectives have no device "
                                                   "all-gather: a device model needs the NCCL communicator (Lua: "
@@ -869,6 +873,12 @@ ds4_status ds4_adamw_set_shard(ds4_adamw *a, const ds4_adamw_shard *s, ds4_error
 ds4_status ds4_adamw_gather_moments(ds4_adamw *a, float *m, float *v, ds4_error *err) {
     ds4_status s = ds4_adamw_sync_state(a, err); /* moments held on the model's device come back first */
     if (s) return s;
+    if (a->model->ep_shard && !a->lora) { /* sharded experts: the experts' moments from their owners */
+        s = ds4_ep_gather(a->model, a->m, m, -1, err);
+        if (!s) s = ds4_ep_gather(a->model, a->v, v, -1, err);
+        if (s) ds4_error_prefix(err, "adamw gather moments: ");
+        return s;
+    }
     int64_t off = 0, len = 0;
     ds4_adamw_shard_region(a, &off, &len);
     memcpy(m + off, a->m, (size_t)len * sizeof *m);
@@ -973,6 +983,43 @@ static ds4_status adamw_step_sharded(ds4_adamw *a, size_t nr, int64_t nc, float 
     return DS4_OK;
 }
 
+/* The gradient norm of a model whose routed experts are sharded (ep_shard.c): this rank's ranges are its replicated
+ * tensors and its own experts. Each tensor's sum of squares is the unsharded step's (the same chunks, in the same
+ * order); the experts' are summed over the ranks (each expert has one owner and the others add zeros: exact), and the
+ * sums are added in table order, every expert included — the norm of the model with every expert here, bit for bit,
+ * the same on every rank. */
+static ds4_status sharded_experts_norm(ds4_adamw *a, size_t nr, int64_t nc, ds4_pool *pool, double *norm,
+                                       ds4_error *err) {
+    ds4_model *m = a->model;
+    double *sumsq = malloc((nr + m->n_table + 1) * sizeof *sumsq), *ex = sumsq ? sumsq + nr : NULL;
+    if (!sumsq) return ds4_fail(err, DS4_ERR_OOM, "adamw step: the norms of %zu tensors", nr);
+    ds4_grad_global_norm(a->ranges, nr, a->chunks, nc, a->partial, sumsq, pool);
+    memset(ex, 0, m->n_table * sizeof *ex);
+    for (size_t k = 0; k < nr; k++)
+        if (m->table[a->range_tensor[k]].routed) ex[a->range_tensor[k]] = sumsq[k];
+    ds4_status s = ds4_ep_sum_f64(m, ex, (int64_t)m->n_table, err);
+    if (s) {
+        ds4_error_prefix(err, "adamw step (sharded experts): the experts' sums of squares: ");
+        free(sumsq);
+        return s;
+    }
+    double total = 0;
+    size_t k = 0;
+    for (size_t i = 0; i < m->n_table && !s; i++) {
+        ds4_tensor_info ti;
+        s = ds4_model_tensor_info(m, i, &ti, err);
+        if (s || !ti.is_param || !ti.trainable || ti.numel <= 0) continue;
+        const int here = !ti.elsewhere;
+        total += m->table[i].routed ? ex[i] : sumsq[k];
+        k += (size_t)here;
+    }
+    free(sumsq);
+    if (!s && k != nr)
+        s = ds4_fail(err, DS4_ERR_INTERNAL, "adamw step (sharded experts): %zu of %zu ranges matched", k, nr);
+    *norm = sqrt(total);
+    return s;
+}
+
 ds4_status ds4_adamw_step(ds4_adamw *a, ds4_adamw_stats *stats, ds4_error *err) {
     if (!a) return ds4_fail(err, DS4_ERR_ARG, "adamw step: optimizer is NULL");
     ds4_model *m = a->model;
@@ -981,6 +1028,11 @@ ds4_status ds4_adamw_step(ds4_adamw *a, ds4_adamw_stats *stats, ds4_error *err) 
                         "adamw step: the model's LoRA adapters were %s since the optimizer was created; create a new "
                         "optimizer (it steps the adapters while the model carries them, else the weights)",
                         a->lora ? (m->lora ? "replaced" : "merged or dropped") : "attached");
+    if (m->ep_shard && !m->lora && target_numel(m) != a->n_params)
+        return ds4_fail(err, DS4_ERR_ARG, "adamw step: the model's routed experts were sharded (expert parallelism) "
+                                          "after this optimizer was created for %lld parameters (the rank now holds "
+                                          "%lld): create the optimizer after expert_parallel{shard = true}",
+                        (long long)a->n_params, (long long)target_numel(m));
     if (target_numel(m) != a->n_params || target_count(m) != a->n_tensors)
         return ds4_fail(err, DS4_ERR_INTERNAL,
                         "adamw step: the model changed shape since the optimizer was created (%lld parameters in "
@@ -1016,7 +1068,7 @@ ds4_status ds4_adamw_step(ds4_adamw *a, ds4_adamw_stats *stats, ds4_error *err) 
             ds4_error_prefix(err, "adamw step: ");
             return s;
         }
-        if (!ti.is_param || !ti.trainable || ti.numel <= 0) continue;
+        if (!ti.is_param || !ti.trainable || ti.numel <= 0 || ti.elsewhere) continue; /* elsewhere: its owner's */
         if (ti.offset < 0 || ti.numel > a->n_params - ti.offset)
             return ds4_fail(err, DS4_ERR_INTERNAL,
                             "adamw step: tensor %zu spans [%lld, %lld) outside the %lld-element parameter buffer", i,
@@ -1056,9 +1108,13 @@ ds4_status ds4_adamw_step(ds4_adamw *a, ds4_adamw_stats *stats, ds4_error *err) 
     ds4_pool *pool = total_elems >= SERIAL_BELOW ? m->engine->pool : NULL;
     if (a->sharded) return adamw_step_sharded(a, nr, nc, grads, params, pool, stats, err);
 
-    double norm = ds4_grad_global_norm(a->ranges, nr, a->chunks, nc, a->partial, NULL, pool);
+    double norm = 0;
+    ds4_status s = m->ep_shard && !l ? sharded_experts_norm(a, nr, nc, pool, &norm, err)
+                                     : (norm = ds4_grad_global_norm(a->ranges, nr, a->chunks, nc, a->partial, NULL, pool),
+                                        DS4_OK);
+    if (s) return s;
     double lr = ds4_lr_at(&a->o, a->steps);
-    ds4_status s = step_norm_check(a, nr, norm, lr, stats, err);
+    s = step_norm_check(a, nr, norm, lr, stats, err);
     if (s) return s;
     float coef = ds4_grad_clip_coef(norm, a->o.clip);
     for (size_t k = 0; k < nr; k++)
@@ -1067,7 +1123,15 @@ ds4_status ds4_adamw_step(ds4_adamw *a, ds4_adamw_stats *stats, ds4_error *err) 
      * overflow v): compute the update without writing it first, and refuse it whole, so that the model is never
      * left half-updated or poisoned. Costs one extra read of p, g, m, v. */
     size_t first = nr;
-    const int64_t bad = ds4_adamw_count_nonfinite_ranges(a->ranges, nr, coef, a->chunks, nc, a->partial, pool, &first);
+    int64_t bad = ds4_adamw_count_nonfinite_ranges(a->ranges, nr, coef, a->chunks, nc, a->partial, pool, &first);
+    if (m->ep_shard && !l) { /* sharded experts: every rank refuses together */
+        double b = (double)bad;
+        if ((s = ds4_ep_sum_f64(m, &b, 1, err))) {
+            ds4_error_prefix(err, "adamw step (sharded experts): the refusal counts: ");
+            return s;
+        }
+        bad = (int64_t)b;
+    }
     if (bad > 0) {
         const char *name = first < nr ? target_name(m, a->range_tensor[first]) : "?";
         return ds4_fail(err, DS4_ERR_ARG,
@@ -1083,10 +1147,24 @@ ds4_status ds4_adamw_step(ds4_adamw *a, ds4_adamw_stats *stats, ds4_error *err) 
     return DS4_OK;
 }
 
+void ds4_adamw_put_moments(ds4_adamw *a, const float *m, const float *v) {
+    if (a->model->ep_shard && !a->lora) {
+        ds4_ep_scatter(a->model, m, a->m);
+        ds4_ep_scatter(a->model, v, a->v);
+    } else {
+        int64_t off = 0, len = 0;
+        ds4_adamw_shard_region(a, &off, &len);
+        memcpy(a->m, m + off, (size_t)len * sizeof *m);
+        memcpy(a->v, v + off, (size_t)len * sizeof *v);
+    }
+    ds4_adamw_state_changed(a); /* a model on a device gets these moments at the next step */
+}
+
 void ds4_adamw_get_state(ds4_adamw *a, ds4_adamw_state *out) {
     out->m = a->m;
     out->v = a->v;
     out->n_params = a->n_params;
+    out->n_whole = a->model->ep_shard && !a->lora ? a->model->n_full : a->n_params;
     ds4_adamw_shard_region(a, &out->m_offset, &out->m_count);
     out->tensor_steps = a->tensor_steps;
     out->n_tensors = a->n_tensors;

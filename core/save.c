@@ -436,14 +436,38 @@ static ds4_status write_model(void *ctx, const char *dir, ds4_error *err) {
     return ds4_model_write_files(w->m, dir, w->o, err);
 }
 
-ds4_status ds4_model_save_opts(const ds4_model *m, const char *dir_in, const ds4_save_options *opt, ds4_error *err) {
-    if (!m || !dir_in) return ds4_fail(err, DS4_ERR_ARG, "model save: NULL argument");
+static ds4_status save_whole(const ds4_model *m, const char *dir_in, const ds4_save_options *opt, ds4_error *err) {
     ds4_save_options o;
     ds4_status st = check_opts(opt, &o, err);
     if (st) return st;
     if ((st = check_finite(m, dir_in, err))) return st; /* before anything is created */
     model_writer w = {m, &o};
     return ds4_dir_save_atomic("model save", dir_in, o.overwrite, write_model, &w, err);
+}
+
+/* Sharded experts (expert parallelism, ep_shard.c): every rank calls the save; the weights are gathered whole on
+ * rank 0 (every rank's experts from their owners, one at a time), which writes them as one process holding every
+ * expert would, the same files; the other ranks send their experts and write nothing. The gathered copy lives for
+ * the save only. */
+static ds4_status save_sharded(ds4_model *m, const char *dir_in, const ds4_save_options *opt, ds4_error *err) {
+    size_t bytes;
+    const int root = m->ep_shard_rank == 0;
+    float *full = !root ? NULL : ds4_mul_size((size_t)m->n_full, sizeof(float), &bytes) ? malloc(bytes ? bytes : 1) : NULL;
+    if (root && !full) return ds4_fail(err, DS4_ERR_OOM, "model save: %lld parameters gathered", (long long)m->n_full);
+    ds4_status st = ds4_ep_gather(m, m->params, full, 0, err);
+    if (!st && root) {
+        m->ep_full = full;
+        st = save_whole(m, dir_in, opt, err);
+        m->ep_full = NULL;
+    }
+    free(full);
+    return st;
+}
+
+ds4_status ds4_model_save_opts(const ds4_model *m, const char *dir_in, const ds4_save_options *opt, ds4_error *err) {
+    if (!m || !dir_in) return ds4_fail(err, DS4_ERR_ARG, "model save: NULL argument");
+    if (m->ep_shard) return save_sharded((ds4_model *)(uintptr_t)m, dir_in, opt, err); /* the gather's scratch only */
+    return save_whole(m, dir_in, opt, err);
 }
 
 ds4_status ds4_dir_save_atomic(const char *what, const char *dir_in, int overwrite, ds4_dir_writer write, void *ctx,

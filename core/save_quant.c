@@ -70,7 +70,7 @@ ds4_status ds4_qsave_tensor(const ds4_model *m, size_t i, const char *wname, uin
     const ds4_st_entry we = {.name = p->src, .dtype = p->qdt, .ndim = 2,
                              .shape = {rows, p->qkind == DS4_Q_FP8 ? cols : cols / 2}, .data = codes,
                              .nbytes = (size_t)code_bytes(p)};
-    const float *values = m->params + p->offset;
+    const float *values = ds4_param_host(m, p); /* the gathered whole layout while saving sharded experts */
     ds4_status st = ds4_quant_encode(codes, values, &se, rows, cols, (ds4_qkind)p->qkind, &qf, err);
     if (!st) st = ds4_quant_dequant(scratch, &we, &se, rows, cols, &qf, err);
     if (st) {

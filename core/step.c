@@ -70,6 +70,10 @@ ds4_status ds4_step_run(ds4_model *m, const ds4_step_args *a, float *last_dev, d
     if (m && m->cp_on)
         return ds4_fail(err, DS4_ERR_UNSUPPORTED, "step: context parallel is on: decoding (and generation) with "
                                                   "context parallelism is not supported (turn it off first)");
+    if (m && m->ep_shard)
+        return ds4_fail(err, DS4_ERR_UNSUPPORTED, "step: the routed experts are sharded over %d ranks: decoding (and "
+                                                  "generation) computes every expert locally and needs them all (load "
+                                                  "a whole copy of the model to generate)", m->ep_shard_world);
     ds4_status st = check_step(m, a, &N, &Smax, err);
     if (st) return st;
     /* a cache passed twice would be appended to twice from the same old state */

@@ -325,6 +325,18 @@ ds4_status ds4_comm_overlap_backward(ds4_comm *c, ds4_model *m, ds4_error *err) 
     return dist_buckets_arm(c, m, &armed, err);
 }
 
+/* The gradient runs every rank holds alike (ds4_model_replicated_runs), each summed over the ranks in place: the same
+ * rank-order sum per element as the whole buffer's. */
+static ds4_status all_reduce_runs(ds4_comm *c, const ds4_model *m, float *g, size_t runs, ds4_error *err) {
+    int64_t *off = malloc(2 * runs * sizeof *off), *len = off ? off + runs : NULL;
+    if (!off) return ds4_fail(err, DS4_ERR_OOM, "dist all_reduce_grads: %zu runs", runs);
+    ds4_model_replicated_runs(m, off, len, runs);
+    ds4_status st = DS4_OK;
+    for (size_t k = 0; k < runs && !st; k++) st = ds4_comm_all_reduce_sum(c, DS4_F32, g + off[k], len[k], err);
+    free(off);
+    return st;
+}
+
 ds4_status ds4_comm_all_reduce_grads(ds4_comm *c, ds4_model *m, double scale, ds4_error *err) {
     if (!c || !m) return ds4_fail(err, DS4_ERR_ARG, "dist all_reduce_grads: communicator or model is NULL");
     const ds4_device_options dev = ds4_model_device(m);
@@ -368,10 +380,14 @@ ds4_status ds4_comm_all_reduce_grads(ds4_comm *c, ds4_model *m, double scale, ds
         ds4_error_prefix(err, "dist all_reduce_grads: ");
         return st;
     }
-    /* ZeRO-1 with the reduce-scatter: each rank's region of the sums only (its optimizer reads no other) */
+    /* ZeRO-1 with the reduce-scatter: each rank's region of the sums only (its optimizer reads no other). Sharded
+     * experts (CPU models; never with ZeRO-1 or the overlapped sum): each rank's experts are its own, the rest summed */
+    const size_t runs = ds4_model_replicated_runs(m, NULL, NULL, 0);
     const int64_t *off = NULL, *len = NULL;
-    const int rs = dist_grad_regions(c, m, n, &off, &len);
-    if (dev.type == DS4_DEVICE_CUDA && c->nccl && rs) {
+    const int rs = runs ? 0 : dist_grad_regions(c, m, n, &off, &len);
+    if (runs) {
+        st = all_reduce_runs(c, m, g, runs, err);
+    } else if (dev.type == DS4_DEVICE_CUDA && c->nccl && rs) {
         st = dist_nccl_enqueue_sum(c->nccl, g, n, off, len, NULL, err);
         if (!st) st = dist_nccl_wait(c->nccl, "reduce_scatter", err);
         ds4_model_grads_changed(m);

@@ -174,7 +174,10 @@ double ds4_comm_bucket_mb(const ds4_comm *c);
  * for every rank's tokens (host collectives for a CPU model; NCCL for a CUDA model, which must be on the
  * communicator's device); on = 0 removes them. The communicator must outlive the model's use of them: turn expert
  * parallelism off (or free the model) before ds4_comm_finalize. With it on, ds4_comm_all_reduce_grads takes scale 1
- * only: the backward must carry the global normalisation. */
+ * only: the backward must carry the global normalisation. on = DS4_EP_SHARDED: on, and each rank keeps only its own
+ * experts' weights, gradients and moments (CPU models; ds4_expert_parallel.shard); all_reduce_grads then sums the
+ * replicated tensors only. */
+#define DS4_EP_SHARDED 2
 ds4_status ds4_comm_expert_parallel(ds4_comm *c, ds4_model *m, int on, ds4_error *err);
 
 /* Context parallelism (docs/distributed.md, "Context parallelism"): on = 1 installs the communicator's host

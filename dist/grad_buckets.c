@@ -166,7 +166,10 @@ ds4_status dist_buckets_arm(ds4_comm *c, ds4_model *m, int *armed, ds4_error *er
     *armed = 0;
     const ds4_device_options dev = ds4_model_device(m);
     const int device = dev.type == DS4_DEVICE_CUDA;
-    if (c->bucket <= 0 || c->world_size == 1 || (device && !c->nccl) || (c->mpi && !dist_mpi_serialized(c->mpi)))
+    /* sharded experts: each rank's expert gradients are its own, so the buffer is not one sum over the ranks; the
+     * sum runs after the backward over the replicated runs only (all_reduce_grads) */
+    if (c->bucket <= 0 || c->world_size == 1 || (device && !c->nccl) || (c->mpi && !dist_mpi_serialized(c->mpi)) ||
+        ds4_model_replicated_runs(m, NULL, NULL, 0) > 0)
         return DS4_OK;
     dist_buckets *b = c->bk;
     if (b && b->m && b->reported)

@@ -424,8 +424,10 @@ ds4_model *ds4l_model_check(lua_State *L, int idx, const char *fname) {
     return b->m;
 }
 
-/* ds4.load(dir [, {device = "cuda[:N]" | "cpu", dtype = "bf16" | "fp32", lora = adapter_dir, fp4_experts = bool}])
- * fp4_experts: keep the routed experts stored in FP4 packed in memory (docs/checkpoints.md) */
+/* ds4.load(dir [, {device = "cuda[:N]" | "cpu", dtype = "bf16" | "fp32", lora = adapter_dir, fp4_experts = bool,
+ *                 expert_shard = {rank = r, world = n}}])
+ * fp4_experts: keep the routed experts stored in FP4 packed in memory (docs/checkpoints.md); expert_shard: keep only
+ * rank r of n's routed experts (sharded experts, docs/distributed.md: then ds4.dist.expert_parallel(m, {shard = true})) */
 static int l_load(lua_State *L) {
     const char *fname = "ds4.load";
     const char *dir = check_path(L, 1, fname);
@@ -439,6 +441,22 @@ static int l_load(lua_State *L) {
         if (!lua_isnil(L, -1) && !lua_isboolean(L, -1))
             ds4l_raise(L, "%s: opts.fp4_experts must be a boolean, got %s", fname, luaL_typename(L, -1));
         lo.fp4_experts = lua_toboolean(L, -1);
+        lua_pop(L, 1);
+        lua_getfield(L, 2, "expert_shard"); /* {rank = r, world = n}: only rank r's routed experts are kept */
+        if (!lua_isnil(L, -1)) {
+            lua_Number rk = -1, w = 0;
+            if (lua_istable(L, -1)) {
+                lua_getfield(L, -1, "rank");
+                lua_getfield(L, -2, "world");
+                rk = lua_type(L, -2) == LUA_TNUMBER ? lua_tonumber(L, -2) : -1;
+                w = lua_type(L, -1) == LUA_TNUMBER ? lua_tonumber(L, -1) : 0;
+                lua_pop(L, 2);
+            }
+            if (!(w >= 1 && w <= INT32_MAX && rk >= 0 && rk < w && rk == (int32_t)rk && w == (int32_t)w))
+                ds4l_raise(L, "%s: opts.expert_shard must be {rank = r, world = n} with integers 0 <= r < n", fname);
+            lo.expert_shard_rank = (int32_t)rk;
+            lo.expert_shard_world = (int32_t)w;
+        }
         lua_pop(L, 1);
     }
     model_box *b = push_model_box(L);
@@ -612,7 +630,8 @@ static int m_kv_qat(lua_State *L) {
     return 1;
 }
 
-/* model:tensors() -> {name = tensor}: copies of the parameters (canonical official names). */
+/* model:tensors() -> {name = tensor}: copies of the parameters (canonical official names). With sharded experts
+ * (expert parallelism) the routed experts other ranks hold are left out. */
 static int m_tensors(lua_State *L) {
     const char *fname = "ds4.model:tensors";
     model_box *b = check_model(L, fname);
@@ -622,7 +641,10 @@ static int m_tensors(lua_State *L) {
     for (size_t i = 0; i < n; i++) {
         const char *name = NULL;
         ds4_tensor view;
+        ds4_tensor_info ti;
         ds4_error err = {0};
+        if (ds4_model_tensor_info(b->m, i, &ti, &err) != DS4_OK) ds4l_raise_ds4(L, fname, &err);
+        if (ti.elsewhere) continue;
         if (ds4_model_tensor_at(b->m, i, &name, &view, &err) != DS4_OK) ds4l_raise_ds4(L, fname, &err);
         ds4_tensor *t = ds4l_tensor_push_new(L, fname, view.dtype, view.ndim, view.shape);
         if (t->nbytes != view.nbytes)

@@ -24,7 +24,9 @@
  *                                      with NCCL, init{device}); reduce_scatter: all_reduce_grads then sums this
  *                                      rank's region only (the same weights; the rest of the buffer unsummed)
  *   ds4.dist.expert_parallel(model [, on])   routed experts split over the ranks (on = true, the default; false:
- *                                      off again); the model's forwards and backwards are then collective
+ *                                      off again); the model's forwards and backwards are then collective.
+ *                                      on = {shard = true}: each rank also keeps only its experts' weights,
+ *                                      gradients and moments (CPU models; docs/distributed.md)
  *   ds4.dist.context_parallel(model [, on])  each sequence split over the ranks (every rank passes the whole ids;
  *                                      rank r computes its slice); forwards and backwards collective (CPU models)
  *   ds4.dist.finalize()                MPI_Finalize / NCCL finalize (every rank must call it)
@@ -403,9 +405,23 @@ static int parallel_mode(lua_State *L, const char *fname, const char *key,
                          ds4_status (*set)(ds4_comm *, ds4_model *, int, ds4_error *)) {
     ds4_comm *c = need(L, fname);
     ds4_model *m = ds4l_model_check(L, 1, fname);
-    const int on = lua_isnoneornil(L, 2) ? 1 : lua_toboolean(L, 2);
-    if (!lua_isnoneornil(L, 2) && !lua_isboolean(L, 2))
-        ds4l_raise(L, "%s: bad argument #2 (boolean expected, got %s)", fname, luaL_typename(L, 2));
+    int on = lua_isnoneornil(L, 2) ? 1 : lua_toboolean(L, 2);
+    if (set == ds4_comm_expert_parallel && lua_istable(L, 2)) { /* {shard = true}: on, with sharded experts */
+        for (lua_pushnil(L); lua_next(L, 2); lua_pop(L, 1)) {
+            const char *k = lua_type(L, -2) == LUA_TSTRING ? lua_tostring(L, -2) : NULL;
+            if (!k || strcmp(k, "shard") != 0)
+                ds4l_raise(L, "%s: unknown option %s (known: shard)", fname,
+                           k ? lua_pushfstring(L, "'%s'", k) : luaL_typename(L, -2));
+        }
+        lua_getfield(L, 2, "shard");
+        if (!lua_isnil(L, -1) && !lua_isboolean(L, -1))
+            ds4l_raise(L, "%s: shard must be a boolean (got %s)", fname, luaL_typename(L, -1));
+        on = lua_toboolean(L, -1) ? DS4_EP_SHARDED : 1;
+        lua_pop(L, 1);
+    } else if (!lua_isnoneornil(L, 2) && !lua_isboolean(L, 2)) {
+        ds4l_raise(L, "%s: bad argument #2 (boolean expected%s, got %s)", fname,
+                   set == ds4_comm_expert_parallel ? ", or {shard = boolean}" : "", luaL_typename(L, 2));
+    }
     ds4_error err = {0};
     if (set(c, m, on, &err) != DS4_OK) ds4l_raise_ds4(L, fname, &err);
     ds4l_weak_registry_table(L, key, "k");

@@ -2,7 +2,9 @@
  * lua/ds4/rollout/): the trainer snapshots it, ships it in chunks, and a worker replaces its own in one copy.
  *
  *   model:params()           -> F32 tensor [n_params]: a copy of ds4_model_params (every fp32 parameter, in ds4's
- *                               canonical order: the order of model:tensors() / ds4_model_tensor_at)
+ *                               canonical order: the order of model:tensors() / ds4_model_tensor_at). With sharded
+ *                               experts (expert parallelism) the whole model's, every rank's experts gathered: a
+ *                               collective, every rank calls it; set_params then takes the whole layout too
  *   model:set_params(src)    src: an F32 tensor of n_params elements (any shape) or a string of 4 · n_params bytes
  *                               (little-endian f32): copied into the parameter buffer in one memcpy -> model
  *   model:tables_crc()       -> CRC-32 (ds4_crc32) of the non-fp32 tensors (the hash-routing tid2eid tables), in
@@ -25,18 +27,18 @@
 static int m_params(lua_State *L) {
     const char *fname = "ds4.model:params";
     ds4_model *m = ds4l_model_check(L, 1, fname);
-    int64_t n = ds4_model_param_count(m);
+    int64_t n = ds4_model_whole_param_count(m);
     ds4_tensor *t = ds4l_tensor_push_new(L, fname, DS4_F32, 1, &n);
     ds4_error err = {0};
-    if (ds4_model_host_sync(m, &err) != DS4_OK) ds4l_raise_ds4(L, fname, &err); /* a model training on a device */
-    if (n > 0) memcpy(t->data, ds4_model_params(m), (size_t)n * sizeof(float));
+    /* a model training on a device comes back first; sharded experts come from their owners (a collective) */
+    if (n > 0 && ds4_model_gather_params(m, t->data, &err) != DS4_OK) ds4l_raise_ds4(L, fname, &err);
     return 1;
 }
 
 static int m_set_params(lua_State *L) {
     const char *fname = "ds4.model:set_params";
     ds4_model *m = ds4l_model_check(L, 1, fname);
-    int64_t n = ds4_model_param_count(m);
+    int64_t n = ds4_model_whole_param_count(m);
     const void *src = NULL;
     size_t bytes = 0;
     if (lua_type(L, 2) == LUA_TSTRING) {
@@ -56,9 +58,7 @@ static int m_set_params(lua_State *L) {
         bytes = (size_t)n * sizeof(float);
     }
     ds4_error err = {0};
-    if (ds4_model_host_sync(m, &err) != DS4_OK) ds4l_raise_ds4(L, fname, &err);
-    if (bytes) memmove(ds4_model_params(m), src, bytes);
-    ds4_model_params_changed(m);
+    if (bytes && ds4_model_scatter_params(m, src, &err) != DS4_OK) ds4l_raise_ds4(L, fname, &err);
     lua_settop(L, 1);
     return 1;
 }

@@ -182,7 +182,8 @@ static int m_backward(lua_State *L) {
  * was loaded from (official, save_pretrained or HF module spelling), so a gradient can be matched with the file
  * the user has; HF's packed experts come back packed ([E, 2I, D] gate_up_proj, [E, D, I] down_proj).
  * {canonical = true}, or a model that was not loaded, gives the canonical official names (model:tensors()).
- * Integer tables (tid2eid) have no gradient and are left out. */
+ * Integer tables (tid2eid) have no gradient and are left out; so are, with sharded experts (expert parallelism), the
+ * routed experts other ranks hold (zeros in a packed HF experts tensor). */
 static int m_grads(lua_State *L) {
     const char *fname = "ds4.model:grads";
     ds4_model *m = ds4l_model_check(L, 1, fname);
@@ -207,9 +208,9 @@ static int m_grads(lua_State *L) {
         ds4_tensor view;
         ds4_tensor_info ti;
         ds4_error err = {0};
-        if (ds4_model_tensor_info(m, i, &ti, &err) != DS4_OK || ds4_model_tensor_at(m, i, &name, &view, &err) != DS4_OK)
-            ds4l_raise_ds4(L, fname, &err);
-        if (!ti.is_param) continue;
+        if (ds4_model_tensor_info(m, i, &ti, &err) != DS4_OK) ds4l_raise_ds4(L, fname, &err);
+        if (!ti.is_param || ti.elsewhere) continue; /* elsewhere: another rank's expert (sharded experts) */
+        if (ds4_model_tensor_at(m, i, &name, &view, &err) != DS4_OK) ds4l_raise_ds4(L, fname, &err);
         int32_t part = 0;
         int64_t expert = 0;
         const char *src = canonical ? NULL : ds4_model_tensor_source(m, i, &part, &expert);
@@ -408,8 +409,8 @@ static int o_steps(lua_State *L) {
 
 /* opt:state() -> {m = F32 [n_params], v = F32 [n_params], tensor_steps = I64 [n_tensors], step = n}: copies of
  * everything an exact resume needs (the moments are parallel to the model's flat parameter buffer). A sharded
- * optimizer (ZeRO-1, ds4.dist.shard_optimizer) gathers every rank's moments: every rank calls it together, and the
- * state is the unsharded one, which any number of ranks can load. */
+ * optimizer (ZeRO-1, ds4.dist.shard_optimizer) or one over sharded experts (expert parallelism) gathers every rank's
+ * moments: every rank calls it together, and the state is the unsharded one, which any number of ranks can load. */
 static int o_state(lua_State *L) {
     const char *fname = "ds4.adamw:state";
     adamw_box *b = check_adamw(L, fname);
@@ -418,7 +419,7 @@ static int o_state(lua_State *L) {
     ds4_adamw_state st;
     ds4_adamw_get_state(b->a, &st);
     lua_createtable(L, 0, 4);
-    const int64_t np[1] = {st.n_params}, nt[1] = {(int64_t)st.n_tensors};
+    const int64_t np[1] = {st.n_whole}, nt[1] = {(int64_t)st.n_tensors};
     ds4_tensor *tm = ds4l_tensor_push_new(L, fname, DS4_F32, 1, np);
     lua_setfield(L, -2, "m");
     ds4_tensor *tv = ds4l_tensor_push_new(L, fname, DS4_F32, 1, np);
@@ -446,7 +447,7 @@ static int o_load_state(lua_State *L) {
     for (int i = 0; i < 3; i++) {
         lua_getfield(L, 2, keys[i]);
         src[i] = ds4l_tensor_test(L, -1);
-        const int64_t want = i < 2 ? st.n_params : (int64_t)st.n_tensors;
+        const int64_t want = i < 2 ? st.n_whole : (int64_t)st.n_tensors;
         const ds4_dtype dt = i < 2 ? DS4_F32 : DS4_I64;
         if (!src[i] || src[i]->dtype != dt || ds4_tensor_numel(src[i]) != want)
             ds4l_raise(L, "%s: state.%s must be a %s tensor of %lld elements", fname, keys[i], ds4_dtype_name(dt),
@@ -458,11 +459,9 @@ static int o_load_state(lua_State *L) {
         ds4l_raise(L, "%s: state.step must be a non-negative integer", fname);
     const int64_t step = (int64_t)lua_tonumber(L, -1);
     lua_pop(L, 1);
-    memcpy(st.m, (const float *)src[0]->data + st.m_offset, (size_t)st.m_count * sizeof(float));
-    memcpy(st.v, (const float *)src[1]->data + st.m_offset, (size_t)st.m_count * sizeof(float));
+    ds4_adamw_put_moments(b->a, src[0]->data, src[1]->data); /* this optimizer's part */
     memcpy(st.tensor_steps, src[2]->data, src[2]->nbytes);
     *st.steps = step;
-    ds4_adamw_state_changed(b->a); /* a model on a device gets these moments at the next step */
     return 0;
 }
 

@@ -65,6 +65,21 @@ for t in dist_data_parallel dist_buckets dist_expert_parallel; do
     grep "$t:" "$LOG/one.0"
     all_passed 1 "$t" "$LOG/one" || { show; bad "$t on cuda, 1 rank"; }
 done
+# sharded experts are CPU-only: a GPU model's request, and moving a sharded model to a GPU, are refused saying so
+cat >"$LOG/shard.lua" <<'LUA'
+local ds4 = require("ds4")
+ds4.dist.init({ device = "cuda" })
+local m = ds4.load(arg[1] .. "/tiny_a"):to(ds4.dist.device(), "fp32")
+local ok, e = pcall(ds4.dist.expert_parallel, m, { shard = true })
+assert(not ok and tostring(e):find("sharded experts are not done for a model on cuda", 1, true), tostring(e))
+local c = ds4.load(arg[1] .. "/tiny_a", { expert_shard = { rank = 0, world = 2 } })
+ok, e = pcall(c.to, c, ds4.dist.device(), "fp32")
+assert(not ok and tostring(e):find("sharded experts stay on the CPU", 1, true), tostring(e))
+ds4.dist.finalize()
+print("sharded experts on cuda: refused, 0 failures")
+LUA
+"$DS4" run "$LOG/shard.lua" "$FIX" >"$LOG/one.0" 2>&1
+grep -q "sharded experts on cuda: refused, 0 failures" "$LOG/one.0" || { show; bad "sharded experts refused on cuda"; }
 # a backward adds its gradient once on the GPU too: accumulated = apart and summed, bit for bit
 DS4_TEST_DEVICE=cuda "$DS4" run "$T/test_grad_accum.lua" "$FIX" >"$LOG/one.0" 2>&1
 grep -q "test_grad_accum.lua: [0-9]* checks, 0 failures" "$LOG/one.0" || { show; bad "gradient accumulation on cuda"; }

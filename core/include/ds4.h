@@ -280,6 +280,11 @@ typedef struct ds4_load_options {
      * train on top). On CUDA (ds4_model_to) they stay packed in device memory and the expert kernels decode them.
      * docs/checkpoints.md, "FP4-resident experts". */
     int32_t fp4_experts;
+    /* Sharded experts from the start (expert parallelism, docs/distributed.md "Sharded experts"): with
+     * expert_shard_world > 0 the model keeps only rank expert_shard_rank's routed experts, as turning expert parallelism
+     * on with `shard` over that world would leave it; the other experts are read and checked one tensor at a time but
+     * not kept, so the whole weights are never resident. 0: every expert. CPU models. */
+    int32_t expert_shard_rank, expert_shard_world;
 } ds4_load_options;
 /* ds4_model_load with options (NULL: the defaults, as ds4_model_load). */
 ds4_status ds4_model_load_opts(ds4_engine *e, const char *dir, const ds4_load_options *opt, ds4_model **out,
@@ -297,7 +302,8 @@ ds4_status ds4_model_create_random(ds4_engine *e, const ds4_config *cfg, uint64_
 void ds4_model_free(ds4_model *m);
 const ds4_config *ds4_model_config(const ds4_model *m);
 int ds4_model_has_mtp(const ds4_model *m);
-int64_t ds4_model_param_count(const ds4_model *m);      /* trainable fp32 parameters */
+int64_t ds4_model_param_count(const ds4_model *m);      /* trainable fp32 parameters (with sharded experts: those
+                                                            this rank holds; ds4_train.h) */
 
 /* Named parameters (canonical official names, e.g. "layers.0.attn.wq_a.weight"). The view aliases the
  * model's flat buffer: data stays valid while the model lives. */

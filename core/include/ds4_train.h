@@ -92,6 +92,8 @@ typedef struct ds4_tensor_info {
     int32_t is_param;         /* 1: lives in the fp32 parameter buffer */
     int32_t trainable;
     int32_t decay;
+    int32_t elsewhere;        /* sharded experts: a routed expert another rank holds (offset -1, not in this rank's
+                                 buffers; docs/distributed.md "Expert parallelism") */
 } ds4_tensor_info;
 ds4_status ds4_model_tensor_info(const ds4_model *m, size_t i, ds4_tensor_info *out, ds4_error *err);
 
@@ -141,11 +143,15 @@ ds4_status ds4_model_sum_router_loads(ds4_model *m,
  * tokens. The core does not know how ranks talk; the caller gives the two collectives (dist/: ds4_comm_expert_parallel
  * over MPI, the TCP star or NCCL). While it is on, every full forward (ds4_model_forward, _forward_train) and every
  * backward of the model is collective: every rank must make them in the same order. Decoding (ds4_model_step,
- * generation) is not: it computes every expert locally, as the weights are replicated on every rank. */
+ * generation) is not: it computes every expert locally, as the weights are replicated on every rank (with `shard`
+ * they are not, and decoding is refused). */
 typedef struct ds4_expert_parallel {
     int32_t rank, world;
     int32_t device;           /* the memory all_to_all_v takes: -1 host (a CPU model), N: CUDA device N's; a pass of a
                                  model on another device is refused (install the hooks again after moving it) */
+    int32_t shard;            /* 1: sharded experts: this rank keeps only its own experts' weights, gradients and
+                                 moments (CPU models; docs/distributed.md). Kept when expert parallelism is turned
+                                 off: the model then refuses every pass until it is turned on again, sharded */
     void *ctx;                /* passed to both calls */
     /* Rank q receives send_rows[q] rows of row_bytes bytes, the q-th consecutive block of send; recv gets
      * recv_rows[s] rows from rank s, blocks in rank order. Memory of the model's backend (host for a CPU model, its
@@ -162,6 +168,18 @@ typedef struct ds4_expert_parallel {
  * ds4_model_router_loads count this rank's tokens only; ds4_model_update_router_bias sums them over the ranks first
  * (a collective then), so every rank applies the same update. */
 ds4_status ds4_model_set_expert_parallel(ds4_model *m, const ds4_expert_parallel *ep, ds4_error *err);
+/* Sharded experts (ep->shard): the runs of the parameter and gradient buffers that every rank holds alike (every
+ * tensor but the routed experts: what a data-parallel all-reduce sums; each rank's experts are its own), ascending.
+ * Writes up to cap (offset, length) pairs and returns how many there are; 0 when the experts are not sharded (the
+ * whole buffer is replicated). Elements, not bytes. */
+size_t ds4_model_replicated_runs(const ds4_model *m, int64_t *off, int64_t *len, size_t cap);
+/* Sharded experts: the whole layout's parameter count, every expert included (ds4_model_param_count: this rank's). */
+int64_t ds4_model_whole_param_count(const ds4_model *m);
+/* The whole parameter buffer [ds4_model_whole_param_count] on the host: with sharded experts every rank's experts
+ * gathered from their owners (a collective: every rank calls it), otherwise a copy of ds4_model_params. */
+ds4_status ds4_model_gather_params(ds4_model *m, float *out, ds4_error *err);
+/* The inverse: the parameters from a whole buffer [ds4_model_whole_param_count] (this rank's part; no exchange). */
+ds4_status ds4_model_scatter_params(ds4_model *m, const float *in, ds4_error *err);
 /* The installed hooks, or NULL when expert parallelism is off. */
 const ds4_expert_parallel *ds4_model_expert_parallel(const ds4_model *m);
 
@@ -255,6 +273,8 @@ typedef struct ds4_adamw_state {
     float *m, *v;             /* [m_count] each: elements [m_offset, m_offset + m_count) of the flat buffer (all of
                                  it, 0 and n_params, unless the optimizer is sharded: ds4_adamw_set_shard) */
     int64_t n_params;
+    int64_t n_whole;          /* the whole moments' length (ds4_adamw_gather_moments, ds4_adamw_put_moments):
+                                 n_params, or with sharded experts the whole model's, every expert included */
     int64_t m_offset, m_count;
     int64_t *tensor_steps;    /* [n_tensors], indexed like ds4_model_tensor_at */
     size_t n_tensors;
@@ -268,6 +288,9 @@ void ds4_adamw_state_changed(ds4_adamw *a);
 /* The whole moments, m and v [n_params] each (read back from the model's device first when they are there; a sharded
  * optimizer gathers every rank's part: a collective step, every rank calls it). */
 ds4_status ds4_adamw_gather_moments(ds4_adamw *a, float *m, float *v, ds4_error *err);
+/* The inverse, for a resume: this optimizer's part of whole moments m and v [n_whole] each (its ZeRO-1 region, or with
+ * sharded experts its replicated tensors and own experts); no exchange. */
+void ds4_adamw_put_moments(ds4_adamw *a, const float *m, const float *v);
 
 /* ZeRO-1 (docs/distributed.md, "ZeRO-1"): the ranks of a data-parallel job split the optimizer. The flat buffer's
  * fp32 tensors are cut into pieces of DS4_OPTIM_CHUNK elements (each tensor from its start); rank r owns a

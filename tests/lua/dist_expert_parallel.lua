@@ -38,15 +38,10 @@ pcall(ffi.cdef, "int memcmp(const void *a, const void *b, size_t n);")
 local on_device = os.getenv("DS4_TEST_DEVICE") == "cuda"
 local r, n = ds4.dist.init(on_device and { device = "cuda" } or nil)
 local dir = H.fixtures() .. "/tiny_a"
-local B, S, V, STEPS = 4, 19, 256, 2
+local S, V, STEPS = 19, 256, 2
 assert(n == 1 or n == 2 or n == 4, "the test's batch of 4 rows is split for 1, 2 or 4 ranks")
 
-local rnd = H.lcg(4242)
-local rows = {}
-for b = 1, B do rows[b] = H.random_ids(rnd, S, V) end
-local all_ids = H.batch(rows, 1, B)
-local first, mine = H.rank_rows(r, n)
-local my_ids = H.batch(rows, first, mine)
+local rows, all_ids, my_ids, first, mine = H.rank_batch(4242, S, V, r, n)
 
 local function opts() return { lr = 1e-3, betas = { 0.9, 0.95 }, eps = 1e-8, weight_decay = 0.1, clip = 1.0 } end
 local ref, ep, acc = ds4.load(dir), ds4.load(dir), ds4.load(dir)

@@ -191,6 +191,15 @@ function H.rank_rows(r, n)
     return first, split[r + 1]
 end
 
+-- The distributed tests' global batch: 4 random rows of S ids < V from an LCG seeded `seed`, and rank r of n's share
+-- (H.rank_rows) -> rows (tables), the whole batch and this rank's rows (I64 tensors), its first row and row count.
+function H.rank_batch(seed, S, V, r, n)
+    local rnd, rows = H.lcg(seed), {}
+    for b = 1, 4 do rows[b] = H.random_ids(rnd, S, V) end
+    local first, mine = H.rank_rows(r, n)
+    return rows, H.batch(rows, 1, 4), H.batch(rows, first, mine), first, mine
+end
+
 -- An I64 tensor [count, S] of rows[first .. first + count - 1] (each a table of S token ids).
 function H.batch(rows, first, count)
     local t = {}
