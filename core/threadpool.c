@@ -2,12 +2,18 @@
  * bumping an atomic generation. Between jobs a worker first polls the generation for a short while (a training step
  * runs over a thousand jobs, most under a millisecond, so waking sleeping threads for each was a large part of the
  * time on many cores), then sleeps on a condition variable; the caller waits for the last worker the same way. Only
- * when the pool has no more threads than the CPU has online processors: a spinning thread on a shared core would
- * take the time of the thread it waits for. */
+ * when the pool has no more threads than the CPUs this process may run on: a spinning thread on a shared core would
+ * take the time of the thread it waits for.
+ *
+ * A job of n tasks takes part of the pool: the caller and workers 1 .. min(n, threads) - 1 (the count rides in the
+ * generation's low bits), and the caller waits for those only. The others let the job pass without touching it, so
+ * a small job on a 64-thread pool costs a fork and join of its own few threads, not of all 64. Which thread runs a
+ * task never changes what it computes (threadpool.h), so neither does how many take part. */
 #define _POSIX_C_SOURCE 200809L
 #include "threadpool.h"
 
 #include <pthread.h>
+#include <time.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
@@ -20,6 +26,9 @@ int sched_yield(void); /* POSIX <sched.h>, which core/sched.h shadows on this li
 /* Polls of the generation (or of the active count) before sleeping: about 20-60 µs, longer than the gap between
  * two jobs of a pass, far shorter than the pause between passes. */
 enum { SPIN_POLLS = 4096 };
+/* The generation's low bits hold the job's thread count (the caller included; at most 1024). */
+enum { PART_BITS = 16 };
+#define PART_MASK ((uint64_t)((1u << PART_BITS) - 1))
 
 struct ds4_pool {
     int32_t n_threads;          /* including the caller */
@@ -28,7 +37,8 @@ struct ds4_pool {
     struct worker_arg *args;    /* their (pool, index) */
     pthread_mutex_t mu;
     pthread_cond_t wake, done;
-    atomic_uint_fast64_t generation; /* bumped per job; starts at 1 (wait_job's 0 means "stopped") */
+    atomic_uint_fast64_t generation; /* per job: (counter << PART_BITS) | threads taking part; never 0 (wait_job's
+                                      * "stopped") */
     atomic_int sleepers;        /* workers waiting on `wake` (changed under mu) */
     atomic_int caller_sleeps;   /* the caller waits on `done` (changed under mu) */
     atomic_int stop;
@@ -37,7 +47,8 @@ struct ds4_pool {
     void *ctx;
     int64_t n;
     atomic_llong next;
-    atomic_int active;          /* workers still inside the current job */
+    atomic_int active;          /* workers taking part in the current job that have not finished it */
+    ds4_pool_trace *trace;      /* or NULL */
 };
 
 struct worker_arg {
@@ -56,12 +67,21 @@ static inline void cpu_relax(int k) {
     if ((k & 63) == 63) sched_yield();
 }
 
+double ds4_thread_cpu_seconds(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
 static void drain(ds4_pool *p, int32_t index) {
+    ds4_pool_trace *tr = p->trace; /* set between jobs only */
     for (;;) {
         int64_t i = atomic_fetch_add(&p->next, 1);
         if (i >= p->n) break;
+        const double t0 = tr ? ds4_thread_cpu_seconds() : 0;
         if (p->wfn) p->wfn(p->ctx, i, index);
         else p->fn(p->ctx, i);
+        if (tr && !tr->full) tr->task_s[tr->tasks + i] = ds4_thread_cpu_seconds() - t0; /* room checked by run_job */
     }
 }
 
@@ -90,6 +110,7 @@ static void *worker(void *arg) {
     for (;;) {
         seen = wait_job(p, seen);
         if (seen == 0) break;
+        if ((uint64_t)index >= (seen & PART_MASK)) continue; /* not one of this job's threads */
         drain(p, index);
         if (atomic_fetch_sub(&p->active, 1) == 1 && atomic_load(&p->caller_sleeps)) {
             pthread_mutex_lock(&p->mu); /* the caller re-checks active under mu before it sleeps */
@@ -106,8 +127,7 @@ ds4_status ds4_pool_create(int32_t n_threads, ds4_pool **out, ds4_error *err) {
     ds4_pool *p = calloc(1, sizeof *p);
     if (!p) return ds4_fail(err, DS4_ERR_OOM, "thread pool: allocation failed");
     p->n_threads = n_threads;
-    const long online = sysconf(_SC_NPROCESSORS_ONLN);
-    p->spin = online > 0 && n_threads <= online;
+    p->spin = n_threads <= ds4_usable_cpus();
     pthread_mutex_init(&p->mu, NULL);
     pthread_cond_init(&p->wake, NULL);
     pthread_cond_init(&p->done, NULL);
@@ -158,13 +178,32 @@ void ds4_pool_free(ds4_pool *p) {
 
 int32_t ds4_pool_threads(const ds4_pool *p) { return p->n_threads; }
 
-static void run_job(ds4_pool *p, int64_t n, ds4_task_fn fn, ds4_task_worker_fn wfn, void *ctx) {
-    if (n <= 0) return;
-    if (p->n_threads == 1 || n == 1) {
-        for (int64_t i = 0; i < n; i++) {
-            if (wfn) wfn(ctx, i, 0);
-            else fn(ctx, i);
-        }
+void ds4_pool_set_trace(ds4_pool *p, ds4_pool_trace *trace) { p->trace = trace; }
+
+/* The trace's records of a job: its start (before publishing it) and its end (after the last task). */
+static void trace_begin(ds4_pool_trace *tr, int64_t n) {
+    if (tr->full || tr->jobs >= tr->job_cap || tr->tasks + n > tr->task_cap) {
+        tr->full = 1;
+        return;
+    }
+    tr->job_tag[tr->jobs] = tr->tag ? *tr->tag : -1;
+    tr->job_n[tr->jobs] = n;
+    tr->job_first[tr->jobs] = tr->tasks;
+    tr->job_t0[tr->jobs] = ds4_thread_cpu_seconds();
+}
+
+static void trace_end(ds4_pool_trace *tr, int64_t n) {
+    if (tr->full) return;
+    tr->job_t1[tr->jobs++] = ds4_thread_cpu_seconds();
+    tr->tasks += n;
+}
+
+static void run_tasks(ds4_pool *p, int64_t n, ds4_task_fn fn, ds4_task_worker_fn wfn, void *ctx) {
+    const int32_t part = n < p->n_threads ? (int32_t)n : p->n_threads; /* threads taking part, the caller included */
+    if (part == 1) {
+        p->fn = fn, p->wfn = wfn, p->ctx = ctx, p->n = n; /* for drain; no worker looks at a job of one thread */
+        atomic_store(&p->next, 0);
+        drain(p, 0);
         return;
     }
     /* every worker has left the previous job (active reached 0), so these plain stores race with nothing; the
@@ -174,8 +213,9 @@ static void run_job(ds4_pool *p, int64_t n, ds4_task_fn fn, ds4_task_worker_fn w
     p->ctx = ctx;
     p->n = n;
     atomic_store(&p->next, 0);
-    atomic_store(&p->active, p->n_threads - 1);
-    atomic_fetch_add(&p->generation, 1);
+    atomic_store(&p->active, part - 1);
+    const uint64_t g = atomic_load(&p->generation);
+    atomic_store(&p->generation, (((g >> PART_BITS) + 1) << PART_BITS) | (uint64_t)part);
     if (atomic_load(&p->sleepers) > 0) {
         pthread_mutex_lock(&p->mu);
         pthread_cond_broadcast(&p->wake);
@@ -190,6 +230,14 @@ static void run_job(ds4_pool *p, int64_t n, ds4_task_fn fn, ds4_task_worker_fn w
         atomic_store(&p->caller_sleeps, 0);
         pthread_mutex_unlock(&p->mu);
     }
+}
+
+static void run_job(ds4_pool *p, int64_t n, ds4_task_fn fn, ds4_task_worker_fn wfn, void *ctx) {
+    if (n <= 0) return;
+    ds4_pool_trace *tr = p->trace;
+    if (tr) trace_begin(tr, n);
+    run_tasks(p, n, fn, wfn, ctx);
+    if (tr) trace_end(tr, n);
 }
 
 void ds4_pool_run(ds4_pool *p, int64_t n, ds4_task_fn fn, void *ctx) { run_job(p, n, fn, NULL, ctx); }
