@@ -191,12 +191,15 @@ void ds4_gemm_seq_run(ds4_pool *pool, const ds4_gemm *g, int64_t n, float *ws, d
     const int64_t threads = pool ? ds4_pool_threads(pool) : 1;
     for (int64_t p0 = 0; p0 < n; p0 += MAX_PROBLEMS) {
         const int64_t cnt = n - p0 < MAX_PROBLEMS ? n - p0 : MAX_PROBLEMS;
-        /* the longest row runs that still give every thread about eight tasks, down to 4 register tiles */
+        /* the longest row runs that still give every thread about four tasks, down to 4 register tiles. Each task
+         * streams its column block of B over all of r once, so halving the runs doubles what is read of B: at eight
+         * tasks per thread on 16 threads the LM head's dx (B = its 16000 x 512 weight) took 45% more CPU time than
+         * on one thread (bench_profile_step --simulate), for a balance no better than at four */
         int64_t run = SROWS, tasks = 0;
         for (;;) {
             tasks = 0;
             for (int64_t p = 0; p < cnt; p++) tasks += ds4_cdiv(g[p0 + p].M, run) * ds4_cdiv(g[p0 + p].N, SC);
-            if (threads == 1 || tasks >= 8 * threads || run <= 4 * SR) break;
+            if (threads == 1 || tasks >= 4 * threads || run <= 4 * SR) break;
             run /= 2;
         }
         first[0] = 0;
