@@ -14,10 +14,13 @@
  * --simulate records every pool job of the measured steps (threadpool.h's trace: each task's CPU seconds, the calling
  * thread's CPU seconds outside jobs, the op each job belongs to) and replays them on --threads ideal threads: the
  * tasks of a job dealt in order to whichever thread is free first, as the pool's counter deals them, the job ending
- * with its last task, plus --fork-us per job for waking and joining the threads (default 0: add what the host
- * measures). What it cannot see: memory bandwidth shared by the threads, and hardware threads sharing a core. Task
- * CPU times are taken at the thread count asked for (the split into tasks depends on it), so a host with fewer cores
- * can run it: with more threads than cores the pool sleeps rather than polls, and CPU clocks do not count waiting. */
+ * with its last task, plus --fork-us per job for waking and joining the threads (by default what an empty job of one
+ * task per thread costs on this pool, measured first; 0 where the pool has more threads than CPUs). What it cannot
+ * see: memory bandwidth shared by the threads, and hardware threads sharing a core; the measured wall time per op
+ * (the profile's, printed beside the replay) shows them where it is much longer than the replayed span. Task CPU
+ * times are taken at the thread count asked for (the split into tasks depends on it), so a host with fewer cores can
+ * run it: with more threads than cores the pool sleeps rather than polls, CPU clocks do not count waiting, and only
+ * the wall column means nothing then. */
 #define _POSIX_C_SOURCE 200809L
 #include <stdint.h>
 #include <stdio.h>
@@ -50,6 +53,27 @@ static double now(void) {
 /* ------------------------------------------------------------------------------------------------ --simulate */
 
 enum { SIM_OPS = DS4_OP_COUNT + 1 }; /* the ops, then "between ops" (tag -1: copies, fills, the optimizer's jobs) */
+
+static void no_task(void *ctx, int64_t i) { (void)ctx, (void)i; }
+
+/* Wall µs of an empty job of one task per thread (waking the workers, joining them), the median of 21 batches of 200
+ * after a warm-up batch; -1 where the pool has more threads than CPUs (it sleeps between jobs there). */
+static double fork_join_us(ds4_pool *pool) {
+    const int32_t P = ds4_pool_threads(pool);
+    if (P > ds4_usable_cpus()) return -1;
+    double t[21];
+    for (int b = -1; b < 21; b++) {
+        const double t0 = now();
+        for (int k = 0; k < 200; k++) ds4_pool_run(pool, P, no_task, NULL);
+        if (b >= 0) t[b] = (now() - t0) / 200 * 1e6;
+    }
+    for (int i = 1; i < 21; i++)
+        for (int j = i; j > 0 && t[j] < t[j - 1]; j--) {
+            const double x = t[j];
+            t[j] = t[j - 1], t[j - 1] = x;
+        }
+    return t[10];
+}
 
 typedef struct {
     int64_t jobs, tasks;
@@ -132,16 +156,21 @@ static void simulate(const ds4_pool_trace *t, const ds4_profile *prof, double ca
            tot_span > 0 ? 100 * tot_task / (P * tot_span) : 0.0);
     printf("  speed-up over one thread: replayed %.2fx; with no serial part and perfect balance %.2fx\n", one / pred,
            (double)P);
-    printf("  %-20s %7s %8s %11s %10s %10s %10s %6s\n", "op", "jobs", "tasks", "alone ms", "tasks ms", "span ms",
-           "total ms", "eff");
+    printf("  (per op: the calling thread's CPU alone, the tasks' CPU, their replayed span, alone + span + forks; the\n"
+           "  tasks' CPU over P x span; the op's measured wall time in this run)\n");
+    printf("  %-20s %7s %8s %9s %10s %9s %9s %5s %9s\n", "op", "jobs", "tasks", "alone ms", "tasks ms", "span ms",
+           "total ms", "eff", "wall ms");
+    double wall_ops = 0;
+    for (int k = 0; k < DS4_OP_COUNT; k++) wall_ops += prof->seconds[k];
     for (int r = 0; r < SIM_OPS && rows[r][0] > 0; r++) {
         const int k = (int)rows[r][1];
         const double serial = k < DS4_OP_COUNT ? prof->cpu_seconds[k] - ops[k].in_jobs : between;
-        printf("  %-20s %7lld %8lld %11.2f %10.2f %10.2f %10.2f %5.0f%%\n",
+        const double w = k < DS4_OP_COUNT ? prof->seconds[k] : wall - wall_ops;
+        printf("  %-20s %7lld %8lld %9.2f %10.2f %9.2f %9.2f %4.0f%% %9.2f\n",
                k < DS4_OP_COUNT ? ds4_op_name((ds4_op_id)k) : "(between ops)", (long long)(ops[k].jobs / steps),
                (long long)(ops[k].tasks / steps), 1e3 * (serial > 0 ? serial : 0) / n, 1e3 * ops[k].task_cpu / n,
                1e3 * ops[k].makespan / n, 1e3 * rows[r][0] / n,
-               ops[k].makespan > 0 ? 100 * ops[k].task_cpu / (P * ops[k].makespan) : 0.0);
+               ops[k].makespan > 0 ? 100 * ops[k].task_cpu / (P * ops[k].makespan) : 0.0, 1e3 * w / n);
     }
 }
 
@@ -154,7 +183,7 @@ static int usage(void) {
 int main(int argc, char **argv) {
     const char *config = NULL;
     int threads = 0, forward = 0, warmup = 1, steps = 1, sim = 0;
-    double fork_us = 0;
+    double fork_us = -1;
     long long B = 1, S = 512;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--config") && i + 1 < argc) config = argv[++i];
@@ -203,6 +232,14 @@ int main(int argc, char **argv) {
         return 1;
     }
     if (sim) ds4_engine_set_profile(eng, 1); /* the op tags; switched on at the next pass */
+    if (sim && fork_us < 0) {
+        fork_us = fork_join_us(eng->pool);
+        if (fork_us < 0) printf("fork and join: not measured (%d threads, more than this process's %d CPUs)\n",
+                                (int)ds4_engine_threads(eng), (int)ds4_usable_cpus());
+        else printf("fork and join: %.2f us per empty job of %d tasks on %d threads\n", fork_us,
+                    (int)ds4_engine_threads(eng), (int)ds4_engine_threads(eng));
+        if (fork_us < 0) fork_us = 0;
+    }
     if (sim && warmup < 1) warmup = 1;
     for (int r = 0; r < warmup + steps; r++) {
         if (r == warmup) {
