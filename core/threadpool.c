@@ -198,8 +198,9 @@ static void trace_end(ds4_pool_trace *tr, int64_t n) {
     tr->tasks += n;
 }
 
-static void run_tasks(ds4_pool *p, int64_t n, ds4_task_fn fn, ds4_task_worker_fn wfn, void *ctx) {
-    const int32_t part = n < p->n_threads ? (int32_t)n : p->n_threads; /* threads taking part, the caller included */
+static void run_tasks(ds4_pool *p, int64_t n, int32_t cap, ds4_task_fn fn, ds4_task_worker_fn wfn, void *ctx) {
+    int32_t part = n < p->n_threads ? (int32_t)n : p->n_threads; /* threads taking part, the caller included */
+    if (cap >= 1 && cap < part) part = cap;
     if (part == 1) {
         p->fn = fn, p->wfn = wfn, p->ctx = ctx, p->n = n; /* for drain; no worker looks at a job of one thread */
         atomic_store(&p->next, 0);
@@ -232,14 +233,18 @@ static void run_tasks(ds4_pool *p, int64_t n, ds4_task_fn fn, ds4_task_worker_fn
     }
 }
 
-static void run_job(ds4_pool *p, int64_t n, ds4_task_fn fn, ds4_task_worker_fn wfn, void *ctx) {
+static void run_job(ds4_pool *p, int64_t n, int32_t cap, ds4_task_fn fn, ds4_task_worker_fn wfn, void *ctx) {
     if (n <= 0) return;
     ds4_pool_trace *tr = p->trace;
     if (tr) trace_begin(tr, n);
-    run_tasks(p, n, fn, wfn, ctx);
+    run_tasks(p, n, cap, fn, wfn, ctx);
     if (tr) trace_end(tr, n);
 }
 
-void ds4_pool_run(ds4_pool *p, int64_t n, ds4_task_fn fn, void *ctx) { run_job(p, n, fn, NULL, ctx); }
+void ds4_pool_run(ds4_pool *p, int64_t n, ds4_task_fn fn, void *ctx) { run_job(p, n, 0, fn, NULL, ctx); }
 
-void ds4_pool_run_worker(ds4_pool *p, int64_t n, ds4_task_worker_fn fn, void *ctx) { run_job(p, n, NULL, fn, ctx); }
+void ds4_pool_run_worker(ds4_pool *p, int64_t n, ds4_task_worker_fn fn, void *ctx) { run_job(p, n, 0, NULL, fn, ctx); }
+
+void ds4_pool_run_worker_on(ds4_pool *p, int64_t n, int32_t threads, ds4_task_worker_fn fn, void *ctx) {
+    run_job(p, n, threads > 0 ? threads : 1, NULL, fn, ctx);
+}

@@ -28,6 +28,9 @@ void ds4_pool_free(ds4_pool *p);
 int32_t ds4_pool_threads(const ds4_pool *p);
 void ds4_pool_run(ds4_pool *p, int64_t n, ds4_task_fn fn, void *ctx);
 void ds4_pool_run_worker(ds4_pool *p, int64_t n, ds4_task_worker_fn fn, void *ctx);
+/* The same on at most `threads` threads (the caller's included): for jobs whose tasks are more than their work is
+ * worth threads. */
+void ds4_pool_run_worker_on(ds4_pool *p, int64_t n, int32_t threads, ds4_task_worker_fn fn, void *ctx);
 
 /* A record of the jobs a pool runs, for finding what limits thread scaling (bench/bench_profile_step --scaling):
  * per job its task count, a tag (*tag when set: the op then running, -1 outside one) and the calling thread's CPU

@@ -1,9 +1,10 @@
 /* test_threadpool.c — the engine's thread pool (core/threadpool.c): every index of every job runs exactly once, on a
  * worker index below the thread count, and a job returns only when all of its calls have finished; for many short
  * jobs back to back (the pattern of a training step, where workers poll for the next job before sleeping), for jobs
- * after a pause long enough that the workers went to sleep, for both job kinds, and for thread counts at and above
- * this machine's processors (the pool polls only at or below). The reference is a count per index, kept by the
- * tasks themselves. */
+ * after a pause long enough that the workers went to sleep, for both job kinds and for jobs held to fewer threads
+ * (ds4_pool_run_worker_on: every worker index below the cap), with fewer tasks than threads (only that many take
+ * part), and for thread counts at and above this machine's processors (the pool polls only at or below). The
+ * reference is a count per index, kept by the tasks themselves. */
 #define _POSIX_C_SOURCE 200809L
 #include <stdatomic.h>
 #include <stdlib.h>
@@ -38,8 +39,14 @@ static int run_jobs(ds4_pool *pool, int32_t threads, int jobs, int pause_every) 
         const int64_t n = 1 + (k * 37) % MAX_N;
         memset(j, 0, sizeof *j);
         j->threads = threads;
-        if (k % 2) ds4_pool_run(pool, n, task, j);
-        else ds4_pool_run_worker(pool, n, task_worker, j);
+        if (k % 3 == 1) ds4_pool_run(pool, n, task, j);
+        else if (k % 3 == 2) {
+            j->threads = 1 + (int32_t)(k % threads); /* the cap: worker indices below it */
+            ds4_pool_run_worker_on(pool, n, j->threads, task_worker, j);
+        } else {
+            j->threads = n < threads ? (int32_t)n : threads; /* a job of n tasks takes n threads at most */
+            ds4_pool_run_worker(pool, n, task_worker, j);
+        }
         for (int64_t i = 0; i < MAX_N; i++) bad += atomic_load(&j->hits[i]) != (i < n);
         bad += atomic_load(&j->bad_worker) != 0;
         if (pause_every && k % pause_every == pause_every - 1) {
