@@ -122,8 +122,9 @@ static void simulate(const ds4_pool_trace *t, const ds4_profile *prof, double ca
     static sim_op ops[SIM_OPS];
     memset(ops, 0, sizeof ops);
     double *free_at = calloc((size_t)P, sizeof *free_at);
-    double in_jobs = 0;
+    double in_jobs = 0, taking_part = 0;
     for (int64_t j = 0; j < t->jobs; j++) {
+        taking_part += (double)(t->job_n[j] < P ? t->job_n[j] : P);
         const int32_t tag = t->job_tag[j] >= 0 && t->job_tag[j] < DS4_OP_COUNT ? t->job_tag[j] : DS4_OP_COUNT;
         sim_op *o = &ops[tag];
         const double *d = t->task_s + t->job_first[j];
@@ -154,8 +155,8 @@ static void simulate(const ds4_pool_trace *t, const ds4_profile *prof, double ca
     printf("  replayed: %.1f ms = calling thread alone %.1f + jobs' spans %.1f + %lld jobs x %.1f us; tasks / (P x spans)"
            " %.0f%%\n", 1e3 * pred / n, 1e3 * serial_all / n, 1e3 * tot_span / n, (long long)(jobs / steps), fork_us,
            tot_span > 0 ? 100 * tot_task / (P * tot_span) : 0.0);
-    printf("  speed-up over one thread: replayed %.2fx; with no serial part and perfect balance %.2fx\n", one / pred,
-           (double)P);
+    printf("  speed-up over one thread: replayed %.2fx; with no serial part and perfect balance %.2fx; threads taking part"
+           " in a job: %.1f on average (at most its tasks)\n", one / pred, (double)P, t->jobs ? taking_part / t->jobs : 0.0);
     printf("  (per op: the calling thread's CPU alone, the tasks' CPU, their replayed span, alone + span + forks; the\n"
            "  tasks' CPU over P x span; the op's measured wall time in this run)\n");
     printf("  %-20s %7s %8s %9s %10s %9s %9s %5s %9s\n", "op", "jobs", "tasks", "alone ms", "tasks ms", "span ms",
