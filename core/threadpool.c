@@ -35,7 +35,7 @@ enum { PART_BITS = 16 };
 
 struct ds4_pool {
     int32_t n_threads;          /* including the caller */
-    int spin;                   /* poll before sleeping (n_threads <= online processors) */
+    int spin;                   /* poll before sleeping (n_threads <= the CPUs of the affinity mask) */
     pthread_t *threads;         /* n_threads - 1 workers */
     struct worker_arg *args;    /* their (pool, index, wake) */
     int32_t conds;              /* the args' wake conditions initialised */

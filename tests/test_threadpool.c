@@ -72,6 +72,13 @@ int main(int argc, char **argv) {
         CHECK(bad == 0, "%d threads: %d indices ran other than once (or on a worker index out of range)", counts[c], bad);
         ds4_pool_free(pool);
     }
+    /* the default thread count: at least one, at most the cap and the CPUs this process may use (under
+     * `taskset -c 1`: one), which are at most the online ones */
+    const int32_t dflt = ds4_default_threads(), cpus = ds4_usable_cpus();
+    CHECK(dflt >= 1 && dflt <= DS4_DEFAULT_THREADS_MAX && dflt <= cpus, "default threads %d (usable CPUs %d, cap %d)",
+          (int)dflt, (int)cpus, (int)DS4_DEFAULT_THREADS_MAX);
+    CHECK(cpus >= 1 && cpus <= online, "usable CPUs %d, online %ld", (int)cpus, online);
+    printf("  default threads %d of %d usable CPUs (%ld online)\n", (int)dflt, (int)cpus, online);
     /* a pool freed right after it was made, and one freed while its workers sleep */
     ds4_pool *pool = NULL;
     ds4_error err;
