@@ -226,7 +226,7 @@ static int bench_model(ds4_engine *e, const char *label, const ds4_config *cfg, 
 static void usage(FILE *f) {
     fprintf(f,
             "usage: bench_forward [--threads N] [--config PATH] [--runs N] [--quick] [--only fixture|50m]\n"
-            "  --threads N    engine threads (default 0: all online cores)\n"
+            "  --threads N    engine threads (default 0: one per physical core, at most 16)\n"
             "  --config PATH  config.json (or checkpoint dir) for the fixture-sized model\n"
             "                 (default tests/fixtures/tiny_a/config.json, looked up from . and ..)\n"
             "  --runs N       timed forwards per shape, at least 5 (default 5)\n"

@@ -29,6 +29,9 @@
 
 local ds4 = require("ds4")
 local ffi = require("ffi")
+-- Each line as it is printed: with stdout a pipe or a file (a remote shell, `| tee`, a timeout that kills the run),
+-- C's full buffering held every line of a run of minutes until exit, and a run cut short printed nothing.
+io.stdout:setvbuf("line")
 local codec = require("ds4.rollout.codec")
 
 local o = { workers = 2, ["worker-threads"] = 1, tasks = 16, n = 8, prompt = 64, ["new-tokens"] = 32, syncs = 3,

@@ -17,6 +17,9 @@
 enum {
     DS4_CPU_MAX_TASKS = 64,
     DS4_HC_TB = 8, /* tokens per block of the mHC mix logits (a small product with fn; scratch of DS4_HC_TB · n·D) */
+    /* The least work of a range, in floats an item reads or writes (about a few µs): less costs less than waking a
+     * thread for it and joining it again, which on many threads is most of a small op's time. */
+    DS4_CPU_TASK_WORK = 16384,
 };
 
 typedef struct ds4_cpu {
@@ -45,6 +48,16 @@ void ds4_cpu_parallel(const ds4_cpu *cpu, int64_t n, ds4_cpu_range_fn fn, const 
 /* The same with ranges of at least `grain` items (one range, on the calling thread, when n < 2·grain): for cheap
  * items, where waking the pool would cost more than the work. */
 void ds4_cpu_parallel_grain(const ds4_cpu *cpu, int64_t n, int64_t grain, ds4_cpu_range_fn fn, const void *args);
+/* Items per range for items of `work` floats each: enough for DS4_CPU_TASK_WORK. */
+static inline int64_t ds4_cpu_grain(int64_t work) {
+    return work >= DS4_CPU_TASK_WORK ? 1 : DS4_CPU_TASK_WORK / (work > 0 ? work : 1);
+}
+/* ds4_cpu_parallel_grain with the grain of items of `work` floats: a decode step's few rows run on the calling thread
+ * alone, a long sequence's on every thread. How many ranges never changes what an item computes. */
+static inline void ds4_cpu_parallel_work(const ds4_cpu *cpu, int64_t n, int64_t work, ds4_cpu_range_fn fn,
+                                         const void *args) {
+    ds4_cpu_parallel_grain(cpu, n, ds4_cpu_grain(work), fn, args);
+}
 static inline float *ds4_cpu_scratch(const ds4_cpu *cpu, int64_t task) { return cpu->scratch + task * cpu->scratch_stride; }
 
 static inline const float *ds4_rope_at(const ds4_rope_table *t, int64_t pos) { return t->cs + pos * 2 * t->half; }

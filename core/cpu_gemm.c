@@ -445,6 +445,14 @@ static void gemm_task(void *ctx, int64_t t, int32_t worker) {
     }
 }
 
+int64_t ds4_gemm_threads(ds4_pool *pool, const ds4_gemm *g, int64_t n) {
+    const int64_t threads = pool ? ds4_pool_threads(pool) : 1;
+    double work = 0;
+    for (int64_t p = 0; p < n; p++) work += (double)g[p].M * (double)g[p].N * (double)g[p].R;
+    const double useful = work / DS4_GEMM_THREAD_WORK;
+    return useful >= (double)threads ? threads : useful >= 1 ? (int64_t)useful : 1;
+}
+
 void ds4_gemm_run(ds4_pool *pool, const ds4_gemm *g, int64_t n, float *ws) {
     ds4_gemm_run_isa(pool, g, n, ws, DS4_GEMM_AVX512);
 }
@@ -457,10 +465,11 @@ void ds4_gemm_run_isa(ds4_pool *pool, const ds4_gemm *g, int64_t n, float *ws, d
     enum { MAX_PROBLEMS = 256 };
     int64_t first[MAX_PROBLEMS + 1], bper[MAX_PROBLEMS];
     const gemm_kernels kern = pick_kernels(isa);
-    const int64_t threads = pool ? ds4_pool_threads(pool) : 1;
-    for (int64_t w = 0; w < threads; w++) memset(ws + w * DS4_GEMM_WS_FLOATS, 0, 2 * sizeof(blk_key));
+    const int64_t pool_threads = pool ? ds4_pool_threads(pool) : 1;
+    for (int64_t w = 0; w < pool_threads; w++) memset(ws + w * DS4_GEMM_WS_FLOATS, 0, 2 * sizeof(blk_key));
     for (int64_t p0 = 0; p0 < n; p0 += MAX_PROBLEMS) {
         const int64_t cnt = n - p0 < MAX_PROBLEMS ? n - p0 : MAX_PROBLEMS;
+        const int64_t threads = ds4_gemm_threads(pool, g + p0, cnt);
         /* the largest tiles that still give every thread a few, down to 12 × 16 */
         int64_t mc = MC, nc = NC, tiles = 0;
         for (;;) {
@@ -483,7 +492,7 @@ void ds4_gemm_run_isa(ds4_pool *pool, const ds4_gemm *g, int64_t n, float *ws, d
             first[p + 1] = first[p] + (q->M > 0 && q->N > 0 ? nbj * ds4_cdiv(nbi, bper[p]) : 0);
         }
         gemm_job j = {g + p0, cnt, mc, nc, first, bper, ws, DS4_GEMM_WS_FLOATS, kern};
-        if (pool) ds4_pool_run_worker(pool, first[cnt], gemm_task, &j);
+        if (pool) ds4_pool_run_worker_on(pool, first[cnt], (int32_t)threads, gemm_task, &j);
         else
             for (int64_t t = 0; t < first[cnt]; t++) gemm_task(&j, t, 0);
     }

@@ -188,15 +188,18 @@ static void seq_task(void *ctx, int64_t t, int32_t worker) {
 void ds4_gemm_seq_run(ds4_pool *pool, const ds4_gemm *g, int64_t n, float *ws, ds4_gemm_isa isa) {
     enum { MAX_PROBLEMS = 256 };
     int64_t first[MAX_PROBLEMS + 1];
-    const int64_t threads = pool ? ds4_pool_threads(pool) : 1;
     for (int64_t p0 = 0; p0 < n; p0 += MAX_PROBLEMS) {
         const int64_t cnt = n - p0 < MAX_PROBLEMS ? n - p0 : MAX_PROBLEMS;
-        /* the longest row runs that still give every thread about eight tasks, down to 4 register tiles */
+        const int64_t threads = ds4_gemm_threads(pool, g + p0, cnt);
+        /* the longest row runs that still give every thread about four tasks, down to 4 register tiles. Each task
+         * streams its column block of B over all of r once, so halving the runs doubles what is read of B: at eight
+         * tasks per thread on 16 threads the LM head's dx (B = its 16000 x 512 weight) took 45% more CPU time than
+         * on one thread (bench_profile_step --simulate), for a balance no better than at four */
         int64_t run = SROWS, tasks = 0;
         for (;;) {
             tasks = 0;
             for (int64_t p = 0; p < cnt; p++) tasks += ds4_cdiv(g[p0 + p].M, run) * ds4_cdiv(g[p0 + p].N, SC);
-            if (threads == 1 || tasks >= 8 * threads || run <= 4 * SR) break;
+            if (threads == 1 || tasks >= 4 * threads || run <= 4 * SR) break;
             run /= 2;
         }
         first[0] = 0;
@@ -205,7 +208,7 @@ void ds4_gemm_seq_run(ds4_pool *pool, const ds4_gemm *g, int64_t n, float *ws, d
             first[p + 1] = first[p] + (q->M > 0 && q->N > 0 ? ds4_cdiv(q->M, run) * ds4_cdiv(q->N, SC) : 0);
         }
         seq_job j = {g + p0, first, run, ws, pick(isa)};
-        if (pool) ds4_pool_run_worker(pool, first[cnt], seq_task, &j);
+        if (pool) ds4_pool_run_worker_on(pool, first[cnt], (int32_t)threads, seq_task, &j);
         else
             for (int64_t t = 0; t < first[cnt]; t++) seq_task(&j, t, 0);
     }

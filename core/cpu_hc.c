@@ -105,7 +105,10 @@ static void hc_post_range(const ds4_cpu *cpu, const void *p, int64_t b, int64_t 
     }
 }
 
-void ds4_cpu_hc_post(ds4_dev *d, const ds4_a_hc_post *a) { ds4_cpu_parallel(ds4_cpu_of(d), a->T, hc_post_range, a); }
+void ds4_cpu_hc_post(ds4_dev *d, const ds4_a_hc_post *a) {
+    const int64_t n = a->c->hc_mult, D = a->c->hidden_size;
+    ds4_cpu_parallel_work(ds4_cpu_of(d), a->T, (n + 1) * n * D, hc_post_range, a); /* n outputs of n + 1 axpys */
+}
 
 /* HyperHead: p_i = σ(s·(W_h RMS(vec X))_i + b_i) + eps; y = Σ p_i X_i. */
 static void hyperhead_range(const ds4_cpu *cpu, const void *p, int64_t b, int64_t e, int64_t task) {

@@ -55,7 +55,10 @@ static void route_range(const ds4_cpu *cpu, const void *p, int64_t b, int64_t e,
     }
 }
 
-void ds4_cpu_route(ds4_dev *d, const ds4_a_route *a) { ds4_cpu_parallel(ds4_cpu_of(d), a->T, route_range, a); }
+void ds4_cpu_route(ds4_dev *d, const ds4_a_route *a) {
+    /* a row's scores, then K passes over them for the top K: a few dozen floats' work per token */
+    ds4_cpu_parallel_work(ds4_cpu_of(d), a->T, (a->c->num_experts_per_tok + 2) * a->c->n_routed_experts, route_range, a);
+}
 
 void ds4_cpu_count_loads(ds4_dev *d, const ds4_a_count_loads *a) {
     (void)d;
@@ -100,7 +103,9 @@ static void swiglu_range(const ds4_cpu *cpu, const void *p, int64_t b, int64_t e
     }
 }
 
-void ds4_cpu_swiglu(ds4_dev *d, const ds4_a_swiglu *a) { ds4_cpu_parallel(ds4_cpu_of(d), a->rows, swiglu_range, a); }
+void ds4_cpu_swiglu(ds4_dev *d, const ds4_a_swiglu *a) {
+    ds4_cpu_parallel_work(ds4_cpu_of(d), a->rows, 3 * a->I, swiglu_range, a); /* g, u read, g written */
+}
 
 /* routed = Σ_k w_k · y_k, accumulated in ascending expert order like HF's index_add_ loop; added to the shared
  * expert's output already in a. */
@@ -124,7 +129,7 @@ static void combine_range(const ds4_cpu *cpu, const void *p, int64_t b, int64_t 
 }
 
 void ds4_cpu_moe_combine(ds4_dev *d, const ds4_a_moe_combine *a) {
-    ds4_cpu_parallel(ds4_cpu_of(d), a->T, combine_range, a);
+    ds4_cpu_parallel_work(ds4_cpu_of(d), a->T, (a->K + 2) * a->D, combine_range, a); /* K expert rows, a read and written */
 }
 
 /* ------------------------------------------------------------------------------------------------ backward */
@@ -148,7 +153,7 @@ static void swiglu_bwd_range(const ds4_cpu *cpu, const void *p, int64_t b, int64
 }
 
 void ds4_cpu_swiglu_bwd(ds4_dev *d, const ds4_a_swiglu_bwd *a) {
-    ds4_cpu_parallel(ds4_cpu_of(d), a->rows, swiglu_bwd_range, a);
+    ds4_cpu_parallel_work(ds4_cpu_of(d), a->rows, 5 * a->I, swiglu_bwd_range, a); /* g, u, dact read; dg1, dg3 */
 }
 
 static void dws_range(const ds4_cpu *cpu, const void *p, int64_t b, int64_t e, int64_t task) {

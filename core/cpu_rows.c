@@ -12,7 +12,7 @@ static void rmsnorm_range(const ds4_cpu *cpu, const void *p, int64_t b, int64_t 
 }
 
 void ds4_cpu_rmsnorm(ds4_dev *d, const ds4_a_rmsnorm *a) {
-    ds4_cpu_parallel(ds4_cpu_of(d), a->rows, rmsnorm_range, a);
+    ds4_cpu_parallel_work(ds4_cpu_of(d), a->rows, 2 * a->width, rmsnorm_range, a); /* x read, y written */
 }
 
 static void rope_range(const ds4_cpu *cpu, const void *p, int64_t b, int64_t e, int64_t task) {
@@ -24,14 +24,16 @@ static void rope_range(const ds4_cpu *cpu, const void *p, int64_t b, int64_t e, 
     }
 }
 
-void ds4_cpu_rope(ds4_dev *d, const ds4_a_rope *a) { ds4_cpu_parallel(ds4_cpu_of(d), a->rows.T, rope_range, a); }
+void ds4_cpu_rope(ds4_dev *d, const ds4_a_rope *a) {
+    ds4_cpu_parallel_work(ds4_cpu_of(d), a->rows.T, 2 * a->heads * a->rt.half, rope_range, a); /* the rotated pairs */
+}
 
 /* Row operations below split their rows (or, where two rows may write the same destination, their columns) over
  * the pool with a grain that keeps a range worth waking a thread for; every element is computed by the same
  * scalar expression in the same order whatever the split. */
-enum { ROW_GRAIN_FLOATS = 16384, COL_BLOCK = 16 };
+enum { COL_BLOCK = 16 };
 
-static int64_t row_grain(int64_t width) { return width >= ROW_GRAIN_FLOATS ? 1 : ROW_GRAIN_FLOATS / (width > 0 ? width : 1); }
+static int64_t row_grain(int64_t width) { return ds4_cpu_grain(width); }
 
 static void scale_range(const ds4_cpu *cpu, const void *p, int64_t b, int64_t e, int64_t task) {
     const ds4_a_scale *a = p;
@@ -39,7 +41,7 @@ static void scale_range(const ds4_cpu *cpu, const void *p, int64_t b, int64_t e,
 }
 
 void ds4_cpu_scale(ds4_dev *d, const ds4_a_scale *a) {
-    ds4_cpu_parallel_grain(ds4_cpu_of(d), a->n, ROW_GRAIN_FLOATS, scale_range, a);
+    ds4_cpu_parallel_grain(ds4_cpu_of(d), a->n, DS4_CPU_TASK_WORK, scale_range, a);
 }
 
 /* rows of every group, numbered group-major */
@@ -86,7 +88,7 @@ static void scatter_range(const ds4_cpu *cpu, const void *p, int64_t b, int64_t 
 
 static int64_t col_grain(int64_t rows) {
     const int64_t per_block = rows * COL_BLOCK;
-    return per_block >= ROW_GRAIN_FLOATS ? 1 : ROW_GRAIN_FLOATS / (per_block > 0 ? per_block : 1);
+    return ds4_cpu_grain(per_block);
 }
 
 void ds4_cpu_scatter_rows(ds4_dev *d, const ds4_a_scatter_rows *a) {
@@ -251,11 +253,11 @@ void ds4_cpu_norm_bwd(ds4_dev *d, const ds4_a_norm_bwd *a) {
         const int64_t o = g * a->gstride;
         nb_ctx c = {a->dx + o, a->dy + o, a->x + o, a->w, cpu->rinv, a->width, a->eps, a->acc, 1};
         if (a->dw) {
-            ds4_cpu_parallel(cpu, a->rows, nb_range, &c);
+            ds4_cpu_parallel_work(cpu, a->rows, a->width, nb_range, &c);
             nw_ctx cw = {a->dw, a->dy + o, a->x + o, cpu->rinv, a->rows, a->width};
             ds4_cpu_parallel(cpu, (a->width + NW_BLOCK - 1) / NW_BLOCK, nw_range, &cw);
         }
         c.rinv_only = 0;
-        ds4_cpu_parallel(cpu, a->rows, nb_range, &c);
+        ds4_cpu_parallel_work(cpu, a->rows, 4 * a->width, nb_range, &c); /* x, dy, w read, dx written */
     }
 }

@@ -1,7 +1,6 @@
 /* engine.c — the engine value: options and the thread pool every model of this engine computes with. */
 #define _POSIX_C_SOURCE 200809L
 #include <stdlib.h>
-#include <unistd.h>
 
 #include "engine.h"
 #include "internal.h"
@@ -10,10 +9,7 @@ ds4_status ds4_engine_create(const ds4_engine_options *opt, ds4_engine **out, ds
     if (!out) return ds4_fail(err, DS4_ERR_ARG, "engine create: out is NULL");
     int32_t n = opt ? opt->n_threads : 0;
     if (n < 0) return ds4_fail(err, DS4_ERR_ARG, "engine create: n_threads %d < 0", (int)n);
-    if (n == 0) {
-        long c = sysconf(_SC_NPROCESSORS_ONLN);
-        n = c > 0 ? (int32_t)(c > 256 ? 256 : c) : 1;
-    }
+    if (n == 0) n = ds4_default_threads();
     ds4_engine *e = calloc(1, sizeof *e);
     if (!e) return ds4_fail(err, DS4_ERR_OOM, "engine create: allocation failed");
     ds4_status s = ds4_pool_create(n, &e->pool, err);

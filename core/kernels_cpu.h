@@ -90,6 +90,12 @@ static inline int64_t ds4_gemm_problem_of(const int64_t *first, int64_t t) {
     return p;
 }
 
+/* The threads worth splitting problems g[0..n) over: at most the pool's, and few enough that each gets about
+ * DS4_GEMM_THREAD_WORK multiply-adds (a small product on many threads costs more in waking and joining them than its
+ * work). Tiles and splits never change a product's bits, so neither does this. */
+enum { DS4_GEMM_THREAD_WORK = 1 << 17 };
+int64_t ds4_gemm_threads(ds4_pool *pool, const ds4_gemm *g, int64_t n);
+
 /* The run of problems with seq set (ds4_gemm_run_isa hands them here; ws as there). */
 void ds4_gemm_seq_run(ds4_pool *pool, const ds4_gemm *g, int64_t n, float *ws, ds4_gemm_isa isa);
 

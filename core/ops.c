@@ -10,6 +10,7 @@
 #include "ops.h"
 #include "profile.h"
 #include "sched.h"
+#include "threadpool.h"
 
 static const char *const op_names[DS4_OP_COUNT] = {
 #define DS4_OP_NAME(name) #name,
@@ -137,6 +138,8 @@ static double op_bytes(ds4_op_id op, const void *args) {
 
 int ds4_prof_begin(ds4_dev *d, ds4_op_id op) {
     ds4_profile *p = d->prof;
+    p->op_now = (int32_t)op;
+    if (p->cpu_clock) p->cpu_begin = ds4_thread_cpu_seconds();
     if (p->timer_start) return p->timer_start(d, op);
     p->t_begin = now_s();
     return 0;
@@ -148,6 +151,8 @@ void ds4_prof_end(ds4_dev *d, ds4_op_id op, int token, const void *args) {
     p->bytes[op] += op_bytes(op, args);
     if (p->timer_stop) p->timer_stop(d, op, token);
     else p->seconds[op] += now_s() - p->t_begin;
+    if (p->cpu_clock) p->cpu_seconds[op] += ds4_thread_cpu_seconds() - p->cpu_begin;
+    p->op_now = -1;
 }
 
 ds4_status ds4_profile_enable(ds4_dev *d, int on, ds4_error *err) {
@@ -160,6 +165,7 @@ ds4_status ds4_profile_enable(ds4_dev *d, int on, ds4_error *err) {
     if (d->prof) return DS4_OK;
     ds4_profile *p = calloc(1, sizeof *p);
     if (!p) return ds4_fail(err, DS4_ERR_OOM, "profile: %zu bytes", sizeof *p);
+    p->op_now = -1;
     d->prof = p;
     if (d->ops->profile_init) {
         ds4_status st = d->ops->profile_init(d, err);
@@ -179,6 +185,7 @@ void ds4_profile_reset(ds4_dev *d) {
     memset(p->calls, 0, sizeof p->calls);
     memset(p->seconds, 0, sizeof p->seconds);
     memset(p->bytes, 0, sizeof p->bytes);
+    memset(p->cpu_seconds, 0, sizeof p->cpu_seconds);
 }
 
 size_t ds4_profile_format(ds4_dev *d, char *buf, size_t len) {

@@ -11,6 +11,12 @@ struct ds4_profile {
     double seconds[DS4_OP_COUNT];
     double bytes[DS4_OP_COUNT];   /* at the least: each input read once, each output written once */
     double t_begin;
+    /* for bench_profile_step --simulate: the op now running (-1 between ops), read by a pool trace as each job's tag;
+     * and, when cpu_clock is set, the calling thread's CPU seconds inside each op */
+    int32_t op_now;
+    int32_t cpu_clock;
+    double cpu_begin;
+    double cpu_seconds[DS4_OP_COUNT];
     int (*timer_start)(ds4_dev *d, ds4_op_id op);
     void (*timer_stop)(ds4_dev *d, ds4_op_id op, int token);
     void (*timer_flush)(ds4_dev *d);  /* add the pending device times into seconds[] */

@@ -87,7 +87,7 @@ local SPEC = {
         { "lora_alpha", 0, "LoRA alpha (0: twice the rank)" },
         { "seed", 1, "seed of the data, the model and the rollouts" },
         { "device", "", "where the model computes: cpu, cuda, cuda:N (default: ds4 run --device's, else cpu)" },
-        { "threads", 0, "the trainer's CPU threads (0: all cores; fewer leaves cores to rollout workers beside it)" },
+        { "threads", 0, "the trainer's CPU threads (0: one per physical core, at most 16; fewer leaves cores to rollout workers beside it)" },
         { "dtype", "", "fp32 or bf16 (default: bf16 on CUDA, fp32 on the CPU)" },
         { "routing_replay", false, "train with the experts the rollouts used" },
         { "out", "", "run directory (default: " .. (EX.root or "runs/dapo") .. "/<start time>)" },

@@ -76,7 +76,7 @@ static void engine_ref_release(engine_ref *r) {
 /* The registry value ENGINE_KEY: created with the module, engine made lazily. */
 typedef struct engine_holder {
     engine_ref *ref;
-    int32_t n_threads; /* for the next engine; 0 = all online cores */
+    int32_t n_threads; /* for the next engine; 0 = the default (one per physical core, at most 16) */
     int32_t profile;   /* ds4.profile before the engine exists: applied when it is made */
     ds4_device_options device; /* where ds4.load / new_model / random_model put a model without a device option:
                                   ds4.set_device, `ds4 ... --device` (DS4L_DEVICE_KEY) */
@@ -120,7 +120,7 @@ static int l_set_threads(lua_State *L) {
     const char *fname = "ds4.set_threads";
     int64_t n;
     if (lua_type(L, 1) != LUA_TNUMBER || !number_to_i64(lua_tonumber(L, 1), &n) || n < 0 || n > 4096)
-        ds4l_raise(L, "%s: bad argument #1 (thread count 0..4096 expected, 0 = all cores; got %s)", fname,
+        ds4l_raise(L, "%s: bad argument #1 (thread count 0..4096 expected, 0 = one per physical core, at most 16; got %s)", fname,
                    lua_isnumber(L, 1) ? lua_tostring(L, 1) : luaL_typename(L, 1));
     engine_holder *h = get_holder(L);
     /* Unreachable models not yet finalized still hold the engine: collect them first. */

@@ -63,7 +63,7 @@ static void usage(FILE *f) {
             "                          are noise)\n"
             "      --tokenizer FILE    a tokenizer.json (default: DIR/tokenizer.json when present, else the\n"
             "                          built-in byte-level tokenizer)\n"
-            "      --threads N         CPU threads (0 = all cores)\n"
+            "      --threads N         CPU threads (0 = one per physical core, at most 16)\n"
             "      --device D, --dtype T   as for run\n"
             "  worker --connect ENDPOINT [--model DIR|CONFIG.json] [--threads N] [--device D] [--dtype T]\n"
             "         [--key FILE --server-key FILE | --insecure] [--id NAME] [--max-batch N] [--credits N]\n"
@@ -451,7 +451,7 @@ static int parse_repl_args(int argc, char **argv, ds4l_repl_opts *o, run_ctx *ct
             errno = 0;
             long n = strtol(val, &end, 10);
             if (errno || end == val || *end || n < 0 || n > 4096) {
-                fprintf(stderr, "ds4 repl: --threads needs an integer in [0, 4096] (0 = all cores), got '%s'\n",
+                fprintf(stderr, "ds4 repl: --threads needs an integer in [0, 4096] (0 = one per physical core, at most 16), got '%s'\n",
                         val);
                 return 2;
             }

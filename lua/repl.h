@@ -24,7 +24,7 @@ extern lua_State *volatile ds4l_signal_state;
 typedef struct ds4l_repl_opts {
     const char *model;     /* --model DIR, or NULL: a small random demo model */
     const char *tokenizer; /* --tokenizer FILE, or NULL: DIR/tokenizer.json when present, else the byte-level one */
-    int threads;           /* --threads N (0 = all cores), or -1: the engine's default */
+    int threads;           /* --threads N (0 = one per physical core, at most 16), or -1: the engine's default */
 } ds4l_repl_opts;
 
 /* Run the REPL on a state that has the standard libraries, the package path, ds4.core and the interrupt key set

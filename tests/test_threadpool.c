@@ -1,9 +1,10 @@
 /* test_threadpool.c — the engine's thread pool (core/threadpool.c): every index of every job runs exactly once, on a
  * worker index below the thread count, and a job returns only when all of its calls have finished; for many short
  * jobs back to back (the pattern of a training step, where workers poll for the next job before sleeping), for jobs
- * after a pause long enough that the workers went to sleep, for both job kinds, and for thread counts at and above
- * this machine's processors (the pool polls only at or below). The reference is a count per index, kept by the
- * tasks themselves. */
+ * after a pause long enough that the workers went to sleep, for both job kinds and for jobs held to fewer threads
+ * (ds4_pool_run_worker_on: every worker index below the cap), with fewer tasks than threads (only that many take
+ * part), and for thread counts at and above this machine's processors (the pool polls only at or below). The
+ * reference is a count per index, kept by the tasks themselves. */
 #define _POSIX_C_SOURCE 200809L
 #include <stdatomic.h>
 #include <stdlib.h>
@@ -38,8 +39,14 @@ static int run_jobs(ds4_pool *pool, int32_t threads, int jobs, int pause_every) 
         const int64_t n = 1 + (k * 37) % MAX_N;
         memset(j, 0, sizeof *j);
         j->threads = threads;
-        if (k % 2) ds4_pool_run(pool, n, task, j);
-        else ds4_pool_run_worker(pool, n, task_worker, j);
+        if (k % 3 == 1) ds4_pool_run(pool, n, task, j);
+        else if (k % 3 == 2) {
+            j->threads = 1 + (int32_t)(k % threads); /* the cap: worker indices below it */
+            ds4_pool_run_worker_on(pool, n, j->threads, task_worker, j);
+        } else {
+            j->threads = n < threads ? (int32_t)n : threads; /* a job of n tasks takes n threads at most */
+            ds4_pool_run_worker(pool, n, task_worker, j);
+        }
         for (int64_t i = 0; i < MAX_N; i++) bad += atomic_load(&j->hits[i]) != (i < n);
         bad += atomic_load(&j->bad_worker) != 0;
         if (pause_every && k % pause_every == pause_every - 1) {
@@ -54,7 +61,8 @@ static int run_jobs(ds4_pool *pool, int32_t threads, int jobs, int pause_every) 
 int main(int argc, char **argv) {
     (void)argc, (void)argv;
     const long online = sysconf(_SC_NPROCESSORS_ONLN);
-    const int32_t counts[] = {1, 2, (int32_t)(online > 2 ? online : 2), (int32_t)(online + 2)};
+    /* 16: many sleeping workers, each woken only for the jobs that need it */
+    const int32_t counts[] = {1, 2, (int32_t)(online > 2 ? online : 2), (int32_t)(online + 2), 16};
     for (size_t c = 0; c < sizeof counts / sizeof *counts; c++) {
         ds4_pool *pool = NULL;
         ds4_error err;
@@ -64,6 +72,13 @@ int main(int argc, char **argv) {
         CHECK(bad == 0, "%d threads: %d indices ran other than once (or on a worker index out of range)", counts[c], bad);
         ds4_pool_free(pool);
     }
+    /* the default thread count: at least one, at most the cap and the CPUs this process may use (under
+     * `taskset -c 1`: one), which are at most the online ones */
+    const int32_t dflt = ds4_default_threads(), cpus = ds4_usable_cpus();
+    CHECK(dflt >= 1 && dflt <= DS4_DEFAULT_THREADS_MAX && dflt <= cpus, "default threads %d (usable CPUs %d, cap %d)",
+          (int)dflt, (int)cpus, (int)DS4_DEFAULT_THREADS_MAX);
+    CHECK(cpus >= 1 && cpus <= online, "usable CPUs %d, online %ld", (int)cpus, online);
+    printf("  default threads %d of %d usable CPUs (%ld online)\n", (int)dflt, (int)cpus, online);
     /* a pool freed right after it was made, and one freed while its workers sleep */
     ds4_pool *pool = NULL;
     ds4_error err;

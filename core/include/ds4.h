@@ -242,7 +242,7 @@ typedef struct ds4_device_options {
 } ds4_device_options;
 
 typedef struct ds4_engine_options {
-    int32_t n_threads;  /* 0: all online cores */
+    int32_t n_threads;  /* 0: one per physical core this process may run on (affinity, cgroup quota), at most 16 (core/cpus.c) */
     ds4_device_options device; /* where models loaded or created by this engine compute (default: the CPU) */
     int32_t profile;    /* nonzero: per-op profiles from the start (also: environment DS4_PROFILE=1) */
 } ds4_engine_options;

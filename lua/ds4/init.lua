@@ -200,7 +200,7 @@ Generation (lua/gen_lua.c; C contract: core/include/ds4_gen.h)
   ds4.is_cache(x)
 
 Engine
-  ds4.set_threads(n)               CPU threads (0 = all cores); before loading models (or after freeing them)
+  ds4.set_threads(n)               CPU threads (0 = one per physical core, at most 16); before loading models (or after freeing them)
   ds4.threads()                    the engine's thread count (creates the engine)
   ds4.set_device(device [, dtype]) where models made from now on compute (`ds4 run|repl|worker --device`)
   ds4.device()                     that default: "cpu" or "cuda:N bf16"

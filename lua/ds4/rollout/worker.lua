@@ -296,7 +296,8 @@ function W:on_announce(m)
     end
     if not self.session then
         self.session = true
-        self:log("info", ("session with the trainer: policy version %d (%.1f MB)"):format(m.version, m.bytes / 1e6))
+        self:log("info", ("session with the trainer: policy version %d (%.1f MB), %d CPU threads"):format(m.version,
+            m.bytes / 1e6, ds4.threads()))
         -- versions belong to a trainer run: what we hold counts only if it is byte-for-byte the announced one
         if self.loaded ~= m.version or self.loaded_crc ~= m.crc then self.loaded, self.loaded_crc = 0, nil end
     end
@@ -903,7 +904,8 @@ usage: ds4 worker --connect ENDPOINT [--model DIR|CONFIG.json] [--threads N] [--
                       directory, or a config.json: random weights) the trainer's weights replace its
                       parameters, and its config and hash-routing tables must equal the trainer's: a
                       mismatch is refused on both sides (start from the trainer's checkpoint, or without it)
-  --threads N         CPU threads (0 = all cores)
+  --threads N         CPU threads (default 0: one per physical core, at most 16); several workers, or a worker
+                      beside its trainer, on one host: give each its share of the cores
   --device D          where the model generates: cpu (default), cuda or cuda:N
   --dtype T           the GPU's working dtype: bf16 (default) or fp32; the trainer's log-probabilities equal the
                       worker's only when both compute on the same kind of device in the same dtype
