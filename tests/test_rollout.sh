@@ -5,9 +5,9 @@
 #   2. trainer 1 runs 3 rounds of 24 tasks (n = 4) with a publish after each; worker w2 is killed with -9 while it
 #      holds leases and started again under the same id; a worker whose key is not in the allow-list is refused
 #      at the CURVE handshake and the refusal is logged. The trainer checks and prints: every task completed
-#      exactly once (completed = tasks, failed = 0, n results per prompt in order), leases re-issued, and every
-#      result equal to its own model:generate of that prompt with ds4.rollout.task_seed at the policy version the
-#      result reports (tokens and log-probabilities, bitwise);
+#      exactly once (completed = tasks, failed = 0, n results per prompt in order; w2's unanswered leases re-issued),
+#      and every result equal to its own model:generate of that prompt with ds4.rollout.task_seed at the policy
+#      version the result reports (tokens and log-probabilities, bitwise);
 #   3. trainer 1 is killed with -9 and trainer 2 binds the same port: the workers notice ("unknown worker" /
 #      silence), say hello again, and trainer 2's rounds complete with the same checks; before them, a raw DEALER
 #      sends malformed frames and gets an error reply for each, and nobody crashes;
@@ -194,14 +194,18 @@ echo "killed w2 (-9) mid-run; starting it again"
 start_worker w2 --credits 8
 wait_for "$out/first_done" 240 || fail "trainer 1 did not finish"
 check_run "$out/t1.log" first
-[ "$REISSUED" -ge 1 ] || fail "trainer 1: nothing re-issued after w2 was killed"
+# w2 held leases when it was killed (the trainer pauses at a result while it does), but it may have answered them all
+# in the moment before: such answers wait in the trainer's socket and complete their leases when it goes on, so a
+# re-issue cannot be required here (CI saw 0 on a quiet machine; test_rollout_pool.lua's part (b) tests re-issue
+# deterministically). What must hold either way was checked above: every task completed exactly once, no duplicate.
+echo "trainer 1: $REISSUED lease(s) re-issued after w2 was killed"
 grep -q "worker w2 joined" "$out/t1.err" || fail "w2 never joined"
 [ "$(grep -c "worker w2 joined" "$out/t1.err")" -ge 2 ] || fail "the restarted w2 did not join again"
 grep -qF "refused CURVE key $(cat "$out/rogue.pub")" "$out/t1.err" || fail "the unknown key's refusal is not logged"
 grep -q "CURVE: refused" "$out/t1.err" || fail "the pool did not report the refusal"
 [ "$REFUSED" -ge 1 ] || fail "the pool counted no CURVE refusal"
 if grep -q "worker rogue joined" "$out/t1.err"; then fail "the rogue worker joined"; fi
-echo "trainer 1: ok (w2 killed and back, leases re-issued, rogue key refused)"
+echo "trainer 1: ok (w2 killed and back, every task once, rogue key refused)"
 
 # ------------------------------------------------------------------------------------------------ 3. trainer 2
 kill -9 "$T1"
