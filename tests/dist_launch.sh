@@ -7,7 +7,15 @@
 #                                finds it taken.
 #   EXTRA_ENV                    "NAME=value ..." added to every rank's environment (word-split)
 
-free_port() { echo $((20000 + (RANDOM * 32768 + RANDOM) % 40000)); }
+# A random port below the kernel's ephemeral range (ip_local_port_range, usually 32768-60999): ports there are taken
+# by every outgoing connection and every wildcard bind (ZeroMQ's tcp://127.0.0.1:*, which the rollout tests running
+# beside these ones use), so a port drawn there could be in use ("Address already in use" at rank 0).
+free_port() {
+    local lo=32768 hi
+    read -r lo hi </proc/sys/net/ipv4/ip_local_port_range 2>/dev/null || lo=32768
+    [ "$lo" -gt 21000 ] 2>/dev/null || lo=60000
+    echo $((20000 + (RANDOM * 32768 + RANDOM) % (lo - 20000)))
+}
 
 launch() {
     local np="$1" log="$2" bound="$3"
