@@ -102,18 +102,27 @@ static ds4_comm *need(lua_State *L, const char *fname) {
     return b->c;
 }
 
+/* Reject keys of the options table at idx other than `known` (NULL-terminated; `list` spells them for the message),
+ * naming the key (or its type when it is not a string). */
+static void check_options(lua_State *L, int idx, const char *fname, const char *const *known, const char *list) {
+    for (lua_pushnil(L); lua_next(L, idx); lua_pop(L, 1)) {
+        const char *k = lua_type(L, -2) == LUA_TSTRING ? lua_tostring(L, -2) : NULL;
+        int ok = 0;
+        for (int i = 0; k && known[i]; i++) ok |= strcmp(k, known[i]) == 0;
+        if (!ok)
+            ds4l_raise(L, "%s: unknown option %s (known: %s)", fname,
+                       k ? lua_pushfstring(L, "'%s'", k) : luaL_typename(L, -2), list);
+    }
+}
+
 /* init's options table at idx (absent: the defaults) */
 static void init_options(lua_State *L, int idx, ds4_comm_options *o) {
     const char *fname = "ds4.dist.init";
     ds4_comm_options_default(o);
     if (lua_isnoneornil(L, idx)) return;
     luaL_checktype(L, idx, LUA_TTABLE);
-    for (lua_pushnil(L); lua_next(L, idx); lua_pop(L, 1)) {
-        const char *k = lua_type(L, -2) == LUA_TSTRING ? lua_tostring(L, -2) : NULL;
-        if (!k || (strcmp(k, "device") != 0 && strcmp(k, "timeout") != 0 && strcmp(k, "bucket_mb") != 0))
-            ds4l_raise(L, "%s: unknown option %s (known: device, timeout, bucket_mb)", fname,
-                       k ? lua_pushfstring(L, "'%s'", k) : luaL_typename(L, -2));
-    }
+    static const char *const known[] = {"device", "timeout", "bucket_mb", NULL};
+    check_options(L, idx, fname, known, "device, timeout, bucket_mb");
     lua_getfield(L, idx, "device");
     if (!lua_isnil(L, -1)) {
         const char *spec = lua_tostring(L, -1);
@@ -368,12 +377,8 @@ static int d_shard_optimizer(lua_State *L) {
     int rs = 0;
     if (!lua_isnoneornil(L, 2)) {
         luaL_checktype(L, 2, LUA_TTABLE);
-        for (lua_pushnil(L); lua_next(L, 2); lua_pop(L, 1)) {
-            const char *k = lua_type(L, -2) == LUA_TSTRING ? lua_tostring(L, -2) : NULL;
-            if (!k || strcmp(k, "reduce_scatter") != 0)
-                ds4l_raise(L, "%s: unknown option %s (known: reduce_scatter)", fname,
-                           k ? lua_pushfstring(L, "'%s'", k) : luaL_typename(L, -2));
-        }
+        static const char *const known[] = {"reduce_scatter", NULL};
+        check_options(L, 2, fname, known, "reduce_scatter");
         lua_getfield(L, 2, "reduce_scatter");
         rs = lua_toboolean(L, -1);
         lua_pop(L, 1);
@@ -407,12 +412,8 @@ static int parallel_mode(lua_State *L, const char *fname, const char *key,
     ds4_model *m = ds4l_model_check(L, 1, fname);
     int on = lua_isnoneornil(L, 2) ? 1 : lua_toboolean(L, 2);
     if (set == ds4_comm_expert_parallel && lua_istable(L, 2)) { /* {shard = true}: on, with sharded experts */
-        for (lua_pushnil(L); lua_next(L, 2); lua_pop(L, 1)) {
-            const char *k = lua_type(L, -2) == LUA_TSTRING ? lua_tostring(L, -2) : NULL;
-            if (!k || strcmp(k, "shard") != 0)
-                ds4l_raise(L, "%s: unknown option %s (known: shard)", fname,
-                           k ? lua_pushfstring(L, "'%s'", k) : luaL_typename(L, -2));
-        }
+        static const char *const known[] = {"shard", NULL};
+        check_options(L, 2, fname, known, "shard");
         lua_getfield(L, 2, "shard");
         if (!lua_isnil(L, -1) && !lua_isboolean(L, -1))
             ds4l_raise(L, "%s: shard must be a boolean (got %s)", fname, luaL_typename(L, -1));
