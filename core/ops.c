@@ -182,6 +182,7 @@ void ds4_profile_reset(ds4_dev *d) {
     ds4_profile *p = d->prof;
     if (!p) return;
     if (p->timer_flush) p->timer_flush(d);
+    if (p->timer_reset) p->timer_reset(d);
     memset(p->calls, 0, sizeof p->calls);
     memset(p->seconds, 0, sizeof p->seconds);
     memset(p->bytes, 0, sizeof p->bytes);
@@ -229,5 +230,6 @@ size_t ds4_profile_format(ds4_dev *d, char *buf, size_t len) {
     }
     APPEND("%-22s %10s %10.3f   (%s backend)\n", "total", "", 1e3 * total, d->ops->name);
 #undef APPEND
+    if (p->timer_detail && pos < len) pos += p->timer_detail(d, buf + pos, len - pos);
     return pos;
 }

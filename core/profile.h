@@ -21,6 +21,10 @@ struct ds4_profile {
     void (*timer_stop)(ds4_dev *d, ds4_op_id op, int token);
     void (*timer_flush)(ds4_dev *d);  /* add the pending device times into seconds[] */
     void (*timer_free)(ds4_dev *d);
+    /* optional: a second table after the per-op one (CUDA with DS4_PROFILE_SHAPES=1: time per op and launch shapes),
+     * and the reset of what it gathered */
+    size_t (*timer_detail)(ds4_dev *d, char *buf, size_t len);
+    void (*timer_reset)(ds4_dev *d);
     void *timer_state;
 };
 

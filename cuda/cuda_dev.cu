@@ -19,11 +19,21 @@
         }                                                                                                      \
     } while (0)
 
+static void note_shapes(ds4_dev *d, const char *fmt, va_list ap);
+
 bool ds4_cuda_launched(ds4_dev *d, const char *op, const char *fmt, ...) {
     cudaError_t e = cudaGetLastError();
     cuda_dev *cd = cdev(d);
     if (e == cudaSuccess && cd->sync_each_op) e = cudaStreamSynchronize(cd->stream);
-    if (e == cudaSuccess) return true;
+    if (e == cudaSuccess) {
+        if (d->prof && d->prof->timer_detail) {
+            va_list ap;
+            va_start(ap, fmt);
+            note_shapes(d, fmt, ap);
+            va_end(ap);
+        }
+        return true;
+    }
     (void)cudaGetLastError();
     char shapes[400];
     va_list ap;
@@ -246,11 +256,28 @@ static void c_destroy(ds4_dev *d) {
 // or the pool is full, so profiling does not serialise the stream op by op.
 namespace {
 struct timer_state {
-    enum { N = 4096 };
+    enum { N = 4096, SHAPE = 112, ROWS = 1024 };
     cudaEvent_t ev[2 * N];
     int op[N];
     int used;
+    // DS4_PROFILE_SHAPES=1: the shapes of each timed op's first launch (ds4_cuda_launched), and the times gathered by
+    // (op, shapes) — which GEMM or attention shape the time goes to, not only which op
+    int detail;
+    char shape[N][SHAPE];
+    struct row {
+        int op;
+        int64_t calls;
+        double seconds;
+        char shape[SHAPE];
+    } rows[ROWS];
+    int nrows;
 };
+}
+
+static void note_shapes(ds4_dev *d, const char *fmt, va_list ap) {
+    timer_state *s = (timer_state *)d->prof->timer_state;
+    if (!s || !s->detail || !s->used || s->shape[s->used - 1][0]) return; // between ops, or not the op's first launch
+    vsnprintf(s->shape[s->used - 1], timer_state::SHAPE, fmt, ap);
 }
 
 static void t_flush(ds4_dev *d) {
@@ -259,8 +286,23 @@ static void t_flush(ds4_dev *d) {
     (void)cudaEventSynchronize(s->ev[2 * s->used - 1]);
     for (int i = 0; i < s->used; i++) {
         float ms = 0;
-        if (cudaEventElapsedTime(&ms, s->ev[2 * i], s->ev[2 * i + 1]) == cudaSuccess)
-            d->prof->seconds[s->op[i]] += 1e-3 * (double)ms;
+        if (cudaEventElapsedTime(&ms, s->ev[2 * i], s->ev[2 * i + 1]) != cudaSuccess) ms = 0;
+        d->prof->seconds[s->op[i]] += 1e-3 * (double)ms;
+        if (!s->detail) continue;
+        int r = 0;
+        while (r < s->nrows && (s->rows[r].op != s->op[i] || strcmp(s->rows[r].shape, s->shape[i]))) r++;
+        if (r == s->nrows && s->nrows < timer_state::ROWS) { // past ROWS distinct shapes, the rest go uncounted here
+            s->rows[r].op = s->op[i];
+            s->rows[r].calls = 0;
+            s->rows[r].seconds = 0;
+            memcpy(s->rows[r].shape, s->shape[i], sizeof s->rows[r].shape);
+            s->nrows++;
+        }
+        if (r < s->nrows) {
+            s->rows[r].calls++;
+            s->rows[r].seconds += 1e-3 * (double)ms;
+        }
+        s->shape[i][0] = 0;
     }
     (void)cudaGetLastError();
     s->used = 0;
@@ -271,6 +313,7 @@ static int t_start(ds4_dev *d, ds4_op_id op) {
     if (s->used == timer_state::N) t_flush(d);
     const int i = s->used++;
     s->op[i] = (int)op;
+    s->shape[i][0] = 0;
     (void)cudaEventRecord(s->ev[2 * i], cdev(d)->stream);
     return i;
 }
@@ -279,6 +322,41 @@ static void t_stop(ds4_dev *d, ds4_op_id op, int token) {
     (void)op;
     timer_state *s = (timer_state *)d->prof->timer_state;
     (void)cudaEventRecord(s->ev[2 * token + 1], cdev(d)->stream);
+}
+
+static void t_reset(ds4_dev *d) {
+    timer_state *s = (timer_state *)d->prof->timer_state;
+    if (s) s->nrows = 0;
+}
+
+// The (op, shapes) rows by time, descending: the 60 longest.
+static size_t t_detail(ds4_dev *d, char *buf, size_t len) {
+    timer_state *s = (timer_state *)d->prof->timer_state;
+    if (!s || !s->detail || !len) return 0;
+    t_flush(d);
+    static_assert(timer_state::ROWS <= 1024, "order below");
+    int order[timer_state::ROWS], n = s->nrows;
+    for (int i = 0; i < n; i++) order[i] = i;
+    for (int i = 1; i < n; i++)
+        for (int j = i; j > 0 && s->rows[order[j]].seconds > s->rows[order[j - 1]].seconds; j--) {
+            const int t = order[j];
+            order[j] = order[j - 1];
+            order[j - 1] = t;
+        }
+    size_t pos = 0;
+    auto put = [&](const char *fmt, auto... v) {
+        if (pos >= len) return;
+        const int k = snprintf(buf + pos, len - pos, fmt, v...);
+        pos = k < 0 ? len : ((size_t)k >= len - pos ? len : pos + (size_t)k);
+    };
+    put("\nby shape (DS4_PROFILE_SHAPES=1; an op's first launch names it): %d distinct\n%-22s %7s %10s %10s  %s\n",
+        n, "op", "calls", "ms", "us/call", "shapes");
+    for (int k = 0; k < n && k < 60; k++) {
+        const timer_state::row &r = s->rows[order[k]];
+        put("%-22s %7lld %10.3f %10.2f  %s\n", ds4_op_name((ds4_op_id)r.op), (long long)r.calls, 1e3 * r.seconds,
+            1e6 * r.seconds / (double)r.calls, r.shape);
+    }
+    return pos < len ? pos : len - 1;
 }
 
 static void t_free(ds4_dev *d) {
@@ -302,11 +380,17 @@ static ds4_status c_profile_init(ds4_dev *d, ds4_error *err) {
             return ds4_fail(err, DS4_ERR_CUDA, "cuda profile: cudaEventCreate: %s", cudaGetErrorString(e));
         }
     }
+    const char *env = getenv("DS4_PROFILE_SHAPES");
+    s->detail = env && env[0] == '1';
     d->prof->timer_state = s;
     d->prof->timer_start = t_start;
     d->prof->timer_stop = t_stop;
     d->prof->timer_flush = t_flush;
     d->prof->timer_free = t_free;
+    if (s->detail) {
+        d->prof->timer_detail = t_detail;
+        d->prof->timer_reset = t_reset;
+    }
     return DS4_OK;
 }
 
