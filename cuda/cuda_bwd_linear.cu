@@ -541,16 +541,9 @@ void ds4_cuda_logp_bwd(ds4_dev *d, const ds4_a_logp_bwd *a) {
 
 // dx [T, K] (row stride lddx) (+)= dy [T, O] (row stride ldy) · W [O, K]: A(t, o) = dy[t, o], B(k, o) = W[o, k].
 // dst [rows, cols] (dense) = src [rows, cols] (row stride ld) rounded to bf16, nearest even
-__global__ void to_bf16_kernel(__nv_bfloat16 *dst, const float *src, int64_t rows, int64_t cols, int64_t ld) {
-    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= rows * cols) return;
-    dst[i] = __float2bfloat16_rn(src[(i / cols) * ld + i % cols]);
-}
-
 static bool to_bf16(ds4_dev *d, const char *op, __nv_bfloat16 *dst, const float *src, int64_t rows, int64_t cols,
                     int64_t ld) {
-    to_bf16_kernel<<<ds4_blocks(rows * cols, 256), 256, 0, cdev(d)->stream>>>(dst, src, rows, cols, ld);
-    return ds4_cuda_launched(d, op, "operand [%lld x %lld] to bf16", (long long)rows, (long long)cols);
+    return ds4_cuda_rows_to_bf16(d, op, dst, cols, src, ld, 0, 1, rows, cols);
 }
 
 // C (col-major [m x n], ldc) = alpha·op(A)·op(B) + beta·C through cuBLAS, A and B in `dt` (fp32 or bf16), C fp32.

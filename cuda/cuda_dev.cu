@@ -242,8 +242,7 @@ static void c_destroy(ds4_dev *d) {
     (void)cudaStreamSynchronize(cd->stream);
     for (auto &g : cd->graphs)
         if (g.exec) (void)cudaGraphExecDestroy(g.exec);
-    c_free(d, cd->scratch[0]);
-    c_free(d, cd->scratch[1]);
+    for (void *p : cd->scratch) c_free(d, p);
     c_free(d, cd->counters);
     if (cd->host_err) (void)cudaFreeHost(cd->host_err);
     ds4_cuda_close(cd->cu);
@@ -460,6 +459,8 @@ extern "C" ds4_status ds4_cuda_dev_create(int device, ds4_dev **out, ds4_error *
     /* a tuning knob, not a numerical one: both GEMM variants give the same bits (cuda_gemm.cu) */
     const char *skinny = getenv("DS4_CUDA_SKINNY_ROWS");
     cd->skinny_rows = skinny && skinny[0] ? strtoll(skinny, NULL, 10) : 256;
+    const char *pipe = getenv("DS4_CUDA_GEMM_PIPE");
+    cd->gemm_pipe = pipe && pipe[0] ? atoi(pipe) : 0;
     *out = &cd->dev;
     return DS4_OK;
 }

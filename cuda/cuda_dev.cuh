@@ -37,8 +37,8 @@ struct cuda_dev {
                                   // fp32 GEMM, the pipelined bf16 GEMM)
     size_t smem_attn, smem_idx;   // the limits raised so far for attention and the indexer
     // scratch owned by the backend (grown, never shrunk; allocated before a pass, never inside one)
-    void *scratch[2];
-    size_t scratch_bytes[2];
+    void *scratch[3];
+    size_t scratch_bytes[3];
     int *counters;
     size_t ncounters;
     int32_t *host_err;            // pinned: per-row status words of the sampler
@@ -52,6 +52,7 @@ struct cuda_dev {
     uint64_t generation, clock;
     int graphs_on;                // DS4_CUDA_GRAPHS=0 switches recording off
     int64_t skinny_rows;          // GEMMs of at most this many rows may take the skinny kernels (DS4_CUDA_SKINNY_ROWS)
+    int gemm_pipe;                // the pipelined GEMM's shape (DS4_CUDA_GEMM_PIPE; cuda_gemm.cu): never changes a bit
     graph_entry *recording;
 };
 
@@ -60,10 +61,15 @@ static inline cuda_dev *cdev(ds4_dev *d) { return reinterpret_cast<cuda_dev *>(d
 // Check the launch just made; record a failure naming the operation and its shapes. Returns true on success.
 bool ds4_cuda_launched(ds4_dev *d, const char *op, const char *fmt, ...) DS4_PRINTF(3, 4);
 // Device scratch of at least `bytes`, or NULL (failure recorded) — for operations that need temporary memory. Slot
-// 0 is the GEMMs' (slice partials); slot 1 an operation's own temporaries, which may then call a GEMM.
+// 0 is the GEMMs' (slice partials); slot 1 an operation's own temporaries, which may then call a GEMM; slot 2 the
+// GEMMs' bf16 copy of x (the pipelined kernel's operand).
 void *ds4_cuda_scratch(ds4_dev *d, size_t bytes, const char *op, int slot);
 // y [M, N] (row stride ldy) = x [M, K] (row stride ldx) · Wᵀ with fp32 W [N, K]: the batch-invariant GEMM of
 // cuda_gemm.cu, for operations that contain a product (the mHC mixing logits).
+// dst [groups, rows, cols] (row stride ldd, groups one after another) = src (row stride lds, group stride gs) rounded
+// to bf16 to nearest even, the rounding of every bf16 product's activation operand.
+bool ds4_cuda_rows_to_bf16(ds4_dev *d, const char *op, __nv_bfloat16 *dst, int64_t ldd, const float *src, int64_t lds,
+                           int64_t gs, int64_t groups, int64_t rows, int64_t cols);
 void ds4_cuda_gemm_f32(ds4_dev *d, const char *op, float *y, int64_t ldy, const float *x, int64_t ldx, const float *W,
                        int64_t M, int64_t K, int64_t N);
 // dx [rows, K] (+)= dy [rows, O]·W_e over the rows [off[e], off[e+1]) of each expert e, bf16 W [E, O, K] (W_e =

@@ -12,9 +12,10 @@
 //     ds4d_mma_k32 (cuda_tile.cuh) with that mapping, so the sums they do are the same sums.
 // The fixed slices are what lets few-row products (decoding) spread one output's K over many warps — each computes
 // the partials of its slices, the last to finish adds them in slice order — without changing a bit.
-// Kernels: tiled ones through shared memory for many rows (fp32 outputs of at most 32 columns: a narrow one); "skinny"
-// ones for at most 16 rows, one warp (bf16) or one block (fp32) per (column tile, slice), streaming W from global
-// memory.
+// Kernels: tiled ones through shared memory for many rows (fp32 outputs of at most 32 columns: a narrow one); for bf16
+// products that fill the GPU, a pipelined one (cp.async stages) over a bf16 copy of x made first (rows_to_bf16: the
+// same rounding every kernel applies as it reads x); "skinny" ones for at most 16 rows, one warp (bf16) or one block
+// (fp32) per (column tile, slice), streaming W from global memory. bench/bench_gemm_gpu times them against cuBLAS.
 #include <cstdio>
 #include <cstring>
 
@@ -45,6 +46,8 @@ struct gemm_args {
     int acc;                      // the tiled and pipelined kernels: y += the sum (formed first, added once), not y =
     const int64_t *koff;          // the pipelined kernel only: group z reduces over the koff[z+1] - koff[z] columns of
                                   // x and W from group_start(koff, z) (row-grouped reductions, transposed operands)
+    const __nv_bfloat16 *xh;      // the pipelined kernel's x: x rounded to bf16 (rows_to_bf16), row stride ldxh,
+    int64_t ldxh, gxh;            // group z at xh + z·gxh
 };
 
 // Where reduction group e starts in a transposed operand: 8-aligned (cp.async copies 16-byte pieces of bf16), each
@@ -330,13 +333,13 @@ __device__ __forceinline__ void store_tile(float *y, int64_t ldy, int64_t r, int
     }
 }
 
-// Tiled: BM × BN per block of (BM/WM)·(BN/WN) warps, each WM × WN; chunks of 32 k staged in shared memory (bf16,
-// rows padded to 40 elements) in two buffers: while the warps multiply the chunk in one, the next chunk's loads
+// Tiled: BM × BN per block of (BM/WM)·(BN/WN) warps, each WM × WN; chunks of 32 k staged in shared memory (bf16
+// rows of 32, unpadded: free of bank conflicts, as the pipelined kernel's below) in two buffers: while the warps multiply the chunk in one, the next chunk's loads
 // (issued to registers before the multiply) are stored into the other, so one barrier per chunk suffices (the
 // barrier that ends chunk i also tells that nobody reads chunk i - 1's buffer, which chunk i + 1 overwrites).
 template <int BM, int BN, int WM, int WN, typename WT>
 __global__ void __launch_bounds__((BM / WM) * (BN / WN) * 32) gemm_bf16_tiled(gemm_args a, int vec_a, int vec_b) {
-    constexpr int NW = (BM / WM) * (BN / WN), NTH = NW * 32, MT = WM / 16, NT = WN / 8, LDS = 40;
+    constexpr int NW = (BM / WM) * (BN / WN), NTH = NW * 32, MT = WM / 16, NT = WN / 8, LDS = 32;
     constexpr int AL = BM * 4 / NTH, BL = BN * 4 / NTH; // 8-value loads per thread and chunk
     static_assert(AL >= 1 && BL >= 1, "tile too small for the block");
     __shared__ __align__(16) __nv_bfloat16 sA[2][BM * LDS], sB[2][BN * LDS];
@@ -400,14 +403,14 @@ __global__ void __launch_bounds__((BM / WM) * (BN / WN) * 32) gemm_bf16_tiled(ge
             store_tile(y, a.ldy, r0 + wm + i * 16 + g, rend, n0 + wn + j * 8 + 2 * t, a.N, tot[i][j], a.acc);
 }
 
-// Pipelined: the tiled kernel's sums with the loads in flight several chunks ahead. Chunks of 32 k are copied by
-// cp.async (no registers) into ST stages of shared memory, x as fp32 rows of 36 (144 bytes: 16-byte aligned, and the
-// fragment reads below are free of bank conflicts) and W as bf16 rows of 40; chunk c + ST - 1 is requested while
-// chunk c is multiplied, so the multiply rarely waits for memory. x is rounded to bf16 as each warp reads its
-// fragments (pack_bf16, the same rounding of the same values as the tiled kernel's stash), and the fragments feed
-// ds4d_mma_k32 in the same k-slots, so every output has the tiled kernel's bits. Needs 16-byte aligned rows of x and
-// W (vec_a, vec_b); a copy past K or past the rows reads fewer bytes (or none) and zero-fills the rest, as the
-// tiled kernel's loads do.
+// Pipelined: the tiled kernel's sums with the loads in flight several chunks ahead. x comes rounded to bf16 (xh:
+// rows_to_bf16, the rounding pack_bf16 applies as the other kernels read x, so the same values), which halves what
+// the stages hold and copy and takes the rounding out of the inner loop. Chunks of 32 k of x and W are copied by
+// cp.async (no registers) into ST stages of shared memory as bf16 rows of 40 (80 bytes: 16-byte aligned, and the
+// fragment reads below are free of bank conflicts); chunk c + ST - 1 is requested while chunk c is multiplied, so the
+// multiply rarely waits for memory. The fragments feed ds4d_mma_k32 in the tiled kernel's k-slots, so every output
+// has its bits. Needs 16-byte aligned rows of xh and W; a copy past K or past the rows reads fewer bytes (or none)
+// and zero-fills the rest, as the tiled kernel's loads do.
 __device__ __forceinline__ void cp_async16(void *dst, const void *src, int bytes) {
     const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(bytes));
@@ -416,31 +419,29 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
-// Bytes of a 16-byte piece starting at element k of a row of K elements of `size` bytes that lie inside the row.
-__device__ __forceinline__ int piece_bytes(int64_t k, int64_t K, int size) {
-    const int64_t b = (K - k) * size;
+// Bytes of a 16-byte piece starting at element k of a row of K bf16 values that lie inside the row.
+__device__ __forceinline__ int piece_bytes(int64_t k, int64_t K) {
+    const int64_t b = (K - k) * 2;
     return b <= 0 ? 0 : (b >= 16 ? 16 : (int)b);
 }
 
-constexpr int PIPE_LA = 36, PIPE_LB = 40, PIPE_ST = 4;
-
-template <int BM, int BN, int ST>
-constexpr size_t pipe_smem() {
-    return (size_t)ST * (BM * PIPE_LA * sizeof(float) + BN * PIPE_LB * sizeof(__nv_bfloat16));
-}
-
-template <int BM, int BN, int WM, int WN, int ST>
+// A stage holds SUB chunks of 32 k of x and W as bf16 rows of 32 ([SUB][BM][32], [SUB][BN][32]): 64-byte rows keep
+// both the copies in and the fragment reads free of bank conflicts (the 8 threads of a quarter-warp touch rows r and
+// r + 1 at 16-byte pieces 0..3, which 64-byte rows put in distinct banks). Each thread's copies are the same rows and
+// pieces at every stage, so their addresses are formed once and advance by the stage's k; only the last stage (past
+// K) works out how many bytes each copy has. SUB = 2 halves the barriers and copy issues per product.
+template <int BM, int BN, int WM, int WN, int ST, int SUB>
 __global__ void __launch_bounds__((BM / WM) * (BN / WN) * 32) gemm_bf16_pipe(gemm_args a) {
-    constexpr int NTH = (BM / WM) * (BN / WN) * 32, MT = WM / 16, NT = WN / 8, LA = PIPE_LA, LB = PIPE_LB;
-    constexpr int ACP = BM * 8 / NTH, BCP = BN * 4 / NTH; // 16-byte copies per thread and chunk
-    static_assert(ACP >= 1 && BCP >= 1 && ST >= 2, "tile too small for the block");
+    constexpr int NTH = (BM / WM) * (BN / WN) * 32, MT = WM / 16, NT = WN / 8, L = 32, KC = 32 * SUB;
+    static_assert(BM * 4 % NTH == 0 && BN * 4 % NTH == 0 && ST >= 2, "each thread copies whole rows' pieces");
+    static_assert(KSLICE % KC == 0, "a stage never straddles a slice");
     extern __shared__ __align__(16) char pipe_mem[];
-    float *sA = reinterpret_cast<float *>(pipe_mem);                          // [ST][BM][LA]
-    __nv_bfloat16 *sB = reinterpret_cast<__nv_bfloat16 *>(sA + ST * BM * LA); // [ST][BN][LB]
+    __nv_bfloat16 *sA = reinterpret_cast<__nv_bfloat16 *>(pipe_mem); // [ST][SUB][BM][L]
+    __nv_bfloat16 *sB = sA + ST * SUB * BM * L;                       // [ST][SUB][BN][L]
     int64_t r0, r1, woff;
     if (!block_rows<BM>(a, blockIdx.y, r0, r1, woff)) return;
     const int z = blockIdx.z;
-    const float *x = a.x + z * a.gx;
+    const __nv_bfloat16 *x = a.xh + z * a.gxh;
     const __nv_bfloat16 *W = (const __nv_bfloat16 *)a.W + z * a.gw + woff;
     float *y = a.y + z * a.gy;
     int64_t K = a.K;
@@ -452,59 +453,75 @@ __global__ void __launch_bounds__((BM / WM) * (BN / WN) * 32) gemm_bf16_pipe(gem
     const int64_t n0 = (int64_t)blockIdx.x * BN, rend = r1 < r0 + BM ? r1 : r0 + BM;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
     const int wm = (warp / (BN / WN)) * WM, wn = (warp % (BN / WN)) * WN;
-    auto issue = [&](int st, int64_t k0) {
-        float *dA = sA + st * BM * LA;
-        __nv_bfloat16 *dB = sB + st * BN * LB;
+    // This thread copies piece tid & 3 (8 values) of rows tid / 4 + j·NTH/4 of each sub-chunk: their sources at
+    // k = 0 and their bytes while a stage lies inside K (16, or 0 past the rows), formed once.
+    constexpr int RA = BM * 4 / NTH, RB = BN * 4 / NTH, RS = NTH / 4;
+    const int row0 = tid >> 2, kp = (tid & 3) * 8, soff = row0 * L + kp; // soff: within a sub-chunk's rows
+    const __nv_bfloat16 *pA[RA], *pB[RB];
+    int nA[RA], nB[RB];
 #pragma unroll
-        for (int i = 0; i < ACP; i++) {
-            const int s = tid + i * NTH, row = s >> 3, part = s & 7;
-            const int64_t r = r0 + row, k = k0 + part * 4;
-            const int n = r < rend ? piece_bytes(k, K, 4) : 0;
-            cp_async16(dA + row * LA + part * 4, n ? x + r * a.ldx + k : x, n);
+    for (int j = 0; j < RA; j++) {
+        const int64_t r = r0 + row0 + j * RS;
+        nA[j] = r < rend ? 16 : 0;
+        pA[j] = nA[j] ? x + r * a.ldxh + kp : x;
+    }
+#pragma unroll
+    for (int j = 0; j < RB; j++) {
+        const int64_t c = n0 + row0 + j * RS;
+        nB[j] = c < a.N ? 16 : 0;
+        pB[j] = nB[j] ? W + c * a.ldw + kp : W;
+    }
+    auto issue = [&](int st, int64_t k0) {
+        __nv_bfloat16 *dA = sA + st * SUB * BM * L + soff, *dB = sB + st * SUB * BN * L + soff;
+        if (k0 + KC <= K) { // the stage lies inside K: every copy whole (or none, past the rows)
+#pragma unroll
+            for (int u = 0; u < SUB; u++) {
+#pragma unroll
+                for (int j = 0; j < RA; j++) cp_async16(dA + (u * BM + j * RS) * L, pA[j] + k0 + u * 32, nA[j]);
+#pragma unroll
+                for (int j = 0; j < RB; j++) cp_async16(dB + (u * BN + j * RS) * L, pB[j] + k0 + u * 32, nB[j]);
+            }
+            return;
         }
 #pragma unroll
-        for (int i = 0; i < BCP; i++) {
-            const int s = tid + i * NTH, row = s >> 2, part = s & 3;
-            const int64_t c = n0 + row, k = k0 + part * 8;
-            const int n = c < a.N ? piece_bytes(k, K, 2) : 0;
-            cp_async16(dB + row * LB + part * 8, n ? W + c * a.ldw + k : W, n);
+        for (int u = 0; u < SUB; u++) { // the last stage: what lies inside K, zeros past it
+            const int n = piece_bytes(k0 + u * 32 + kp, K);
+#pragma unroll
+            for (int j = 0; j < RA; j++) {
+                const int m = nA[j] ? n : 0;
+                cp_async16(dA + (u * BM + j * RS) * L, m ? pA[j] + k0 + u * 32 : x, m);
+            }
+#pragma unroll
+            for (int j = 0; j < RB; j++) {
+                const int m = nB[j] ? n : 0;
+                cp_async16(dB + (u * BN + j * RS) * L, m ? pB[j] + k0 + u * 32 : W, m);
+            }
         }
     };
     float acc[MT][NT][4], tot[MT][NT][4];
     ds4d_mma_zero(acc);
     ds4d_mma_zero(tot);
-    const int64_t nch = (K + 31) / 32;
+    const int64_t nst = (K + KC - 1) / KC;
 #pragma unroll
     for (int st = 0; st < ST - 1; st++) {
-        if (st < nch) issue(st, (int64_t)st * 32);
+        if (st < nst) issue(st, (int64_t)st * KC);
         cp_async_commit();
     }
-    for (int64_t kc = 0; kc < nch; kc++) {
-        cp_async_wait<ST - 2>(); // this thread's copies of chunk kc have landed
-        __syncthreads();         // everyone's have, and nobody still reads the stage that chunk kc + ST - 1 takes
-        if (kc + ST - 1 < nch) issue((int)((kc + ST - 1) % ST), (kc + ST - 1) * 32);
+    int cur = 0, nxt = ST - 1; // the stages of chunks kc and kc + ST - 1
+    for (int64_t kc = 0; kc < nst; kc++) {
+        cp_async_wait<ST - 2>(); // this thread's copies of stage kc have landed
+        __syncthreads();         // everyone's have, and nobody still reads the stage that kc + ST - 1 takes
+        if (kc + ST - 1 < nst) issue(nxt, (kc + ST - 1) * KC);
         cp_async_commit();       // (an empty group past the end keeps wait_group's count)
-        const float *cA = sA + (kc % ST) * BM * LA;
-        const __nv_bfloat16 *cB = sB + (kc % ST) * BN * LB;
-        uint32_t af[MT][2][4];
 #pragma unroll
-        for (int i = 0; i < MT; i++)
-#pragma unroll
-            for (int h = 0; h < 2; h++) {
-                const float *q = cA + (wm + i * 16 + g + h * 8) * LA + t * 8;
-                const float4 p0 = *reinterpret_cast<const float4 *>(q), p1 = *reinterpret_cast<const float4 *>(q + 4);
-                af[i][h][0] = pack_bf16(p0.x, p0.y), af[i][h][1] = pack_bf16(p0.z, p0.w);
-                af[i][h][2] = pack_bf16(p1.x, p1.y), af[i][h][3] = pack_bf16(p1.z, p1.w);
-            }
-#pragma unroll
-        for (int j = 0; j < NT; j++) {
-            const uint4 v = *reinterpret_cast<const uint4 *>(&cB[(wn + j * 8 + g) * LB + t * 8]);
-            const uint32_t bf[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-            for (int i = 0; i < MT; i++) ds4d_mma_k32(acc[i][j], af[i][0], af[i][1], bf);
-        }
-        if (((kc + 1) * 32) % KSLICE == 0 || kc + 1 == nch) // a slice ends: its partial joins the total
+        for (int u = 0; u < SUB; u++)
+            if (u == 0 || kc * KC + u * 32 < K) // the tiles' chunks of 32: none wholly past K
+                ds4d_mma_chunk<MT, NT, L>(acc, sA + (cur * SUB + u) * BM * L, sB + (cur * SUB + u) * BN * L, wm, wn,
+                                          g, t);
+        if (((kc + 1) * KC) % KSLICE == 0 || kc + 1 == nst) // a slice ends: its partial joins the total
             ds4d_mma_fold(tot, acc);
+        cur = cur + 1 == ST ? 0 : cur + 1;
+        nxt = nxt + 1 == ST ? 0 : nxt + 1;
     }
     cp_async_wait<0>();
 #pragma unroll
@@ -512,6 +529,57 @@ __global__ void __launch_bounds__((BM / WM) * (BN / WN) * 32) gemm_bf16_pipe(gem
 #pragma unroll
         for (int j = 0; j < NT; j++)
             store_tile(y, a.ldy, r0 + wm + i * 16 + g, rend, n0 + wn + j * 8 + 2 * t, a.N, tot[i][j], a.acc);
+}
+
+// dst [groups, rows, cols] (row stride ldd, group z at dst + z·rows·ldd) = src (row stride lds, group z at src + z·gs)
+// rounded to bf16 to nearest even: the rounding pack_bf16 applies as the tiles read x, so a product over the copy has
+// their bits. A thread per 8 values of a row: two float4 loads and one 16-byte store where the rows are aligned (vs,
+// vd), single values at a row's ragged end.
+__global__ void rows_to_bf16_kernel(__nv_bfloat16 *dst, int64_t ldd, const float *src, int64_t lds, int64_t gs,
+                                    int64_t rows, int64_t cols, int64_t n, int vs, int vd) {
+    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    const int64_t nch = (cols + 7) / 8, zr = i / nch, c = (i - zr * nch) * 8, z = zr / rows, r = zr - z * rows;
+    const float *s = src + z * gs + r * lds + c;
+    __nv_bfloat16 *o = dst + zr * ldd + c;
+    if (c + 8 <= cols && vs && vd) {
+        const float4 p = *reinterpret_cast<const float4 *>(s), q = *reinterpret_cast<const float4 *>(s + 4);
+        *reinterpret_cast<uint4 *>(o) = make_uint4(pack_bf16(p.x, p.y), pack_bf16(p.z, p.w), pack_bf16(q.x, q.y),
+                                                   pack_bf16(q.z, q.w));
+        return;
+    }
+    for (int j = 0; j < 8 && c + j < cols; j++) o[j] = __float2bfloat16_rn(s[j]);
+}
+
+// The pipelined kernel's shapes (tile, warp tile, stages, staged row length). Each gives every output the same sum
+// (the same k-slots, chunks and slices), so which runs never changes a bit; the first is the default and
+// DS4_CUDA_GEMM_PIPE=i picks another (bench_gemm_gpu --variants compares them).
+struct pipe_cfg {
+    int BM, BN, threads;
+    size_t smem;
+    void (*kernel)(gemm_args);
+    const char *name;
+};
+
+template <int BM, int BN, int WM, int WN, int ST, int SUB>
+pipe_cfg pipe_of(const char *name) {
+    return {BM, BN, (BM / WM) * (BN / WN) * 32, (size_t)ST * SUB * (BM + BN) * 32 * sizeof(__nv_bfloat16),
+            gemm_bf16_pipe<BM, BN, WM, WN, ST, SUB>, name};
+}
+
+const pipe_cfg *pipe_cfgs(int *n) {
+    static const pipe_cfg cfgs[] = {
+        // the default: two blocks per SM (252 registers x 128 threads, 96 KiB each) hide more latency than one of
+        // 8 or 16 warps: 5-10% faster on every bench_gemm_gpu shape on an H200 (bench/RESULTS.md)
+        pipe_of<64, 128, 32, 64, 4, 2>("64x128, 4 warps of 32x64, 4 stages of 64 k"),
+        pipe_of<128, 128, 64, 32, 4, 2>("128x128, 8 warps of 64x32, 4 stages of 64 k"),
+        pipe_of<128, 128, 64, 32, 4, 1>("128x128, 8 warps of 64x32, 4 stages of 32 k"),
+        pipe_of<128, 128, 32, 32, 4, 2>("128x128, 16 warps of 32x32, 4 stages of 64 k"),
+        pipe_of<128, 128, 64, 32, 3, 2>("128x128, 8 warps of 64x32, 3 stages of 64 k"),
+        pipe_of<128, 128, 32, 32, 3, 2>("128x128, 16 warps of 32x32, 3 stages of 64 k"),
+    };
+    *n = (int)(sizeof cfgs / sizeof *cfgs);
+    return cfgs;
 }
 
 // Skinny: at most 16 rows; one warp per (8 columns, slice): the slice's 8 chunks of W loaded at once straight from
@@ -556,8 +624,10 @@ bool aligned(const void *p, size_t to) { return ((uintptr_t)p % to) == 0; }
 
 // How a product runs, once gemm() has chosen: the skinny kernels or not, x's and W's rows 16-byte aligned (va, vb;
 // for an FP4-resident W: 8-element groups of one word of codes), the grid's tiles per group of W.
+struct pipe_cfg;
 struct plan {
     bool skinny;
+    const pipe_cfg *pipe; // the pipelined kernel's shape, or NULL
     int va, vb;
     int64_t G, cols;
 };
@@ -571,15 +641,22 @@ unsigned grid_rows(const gemm_args &a, int BM) {
 // to the mode's type (cuda_fp4.cuh): the same kernels, so the same sums as over the decoded values.
 // Whether the pipelined 128 x 128 kernel may run: its shared memory limit is raised once per backend (a property of
 // the kernel); a GPU that refuses it (less shared memory) takes the tiles.
-bool pipe_ready(cuda_dev *cd) {
+const pipe_cfg *pipe_ready(cuda_dev *cd) {
+    int n;
+    const pipe_cfg *cfgs = pipe_cfgs(&n);
+    const int v = cd->gemm_pipe >= 0 && cd->gemm_pipe < n ? cd->gemm_pipe : 0;
     if (!cd->smem_set[1]) {
-        const cudaError_t e = cudaFuncSetAttribute(gemm_bf16_pipe<128, 128, 64, 32, PIPE_ST>,
-                                                   cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                   (int)pipe_smem<128, 128, PIPE_ST>());
+        const cudaError_t e = cudaFuncSetAttribute(cfgs[v].kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                   (int)cfgs[v].smem);
         cd->smem_set[1] = e == cudaSuccess ? 1 : -1;
         if (e != cudaSuccess) (void)cudaGetLastError();
     }
-    return cd->smem_set[1] == 1;
+    return cd->smem_set[1] == 1 ? &cfgs[v] : nullptr;
+}
+
+// Whether BM x BN tiles fill every SM at least once.
+bool full_wave(const cuda_dev *cd, const gemm_args &a, int64_t G, int BM = 128, int BN = 128) {
+    return G * (int64_t)grid_rows(a, BM) * ((a.N + BN - 1) / BN) >= (int64_t)cd->sm_count;
 }
 
 template <bool FP4>
@@ -607,23 +684,30 @@ void launch(cuda_dev *cd, const gemm_args &a, ds4_dtype mode, const plan &p) {
     } else if (p.skinny) {
         dim3 grid(ds4_blocks(a.N, (int)p.cols), grid_rows(a, 16), (unsigned)(G * a.S));
         gemm_bf16_skinny<4, WB><<<grid, 128, 0, cd->stream>>>(a, p.va, p.vb);
-    } else if (G * (int64_t)grid_rows(a, 128) * ((a.N + 127) / 128) >= (int64_t)cd->sm_count) {
+    } else if (p.pipe) { /* x in bf16, loads in flight several stages ahead (pipe_cfgs) */
+        const dim3 grid(ds4_blocks(a.N, p.pipe->BN), grid_rows(a, p.pipe->BM), (unsigned)G);
+        p.pipe->kernel<<<grid, p.pipe->threads, p.pipe->smem, cd->stream>>>(a);
+    } else if (full_wave(cd, a, G)) {
         /* a full wave of 128 x 128 tiles: eight warps of 64 x 32 (twice the products per barrier and per staged
-         * row of W of the 64 x 128 tile), loads in flight PIPE_ST chunks ahead where the rows are aligned; fewer
-         * tiles than SMs: the 64 x 128 tile, twice the blocks. An FP4-resident W takes the tiles: cp.async copies
-         * bytes and cannot decode them (the tiles give the pipeline's bits). */
+         * row of W of the 64 x 128 tile); fewer tiles than SMs: the 64 x 128 tile, twice the blocks. An
+         * FP4-resident W takes the tiles: cp.async copies bytes and cannot decode them (the tiles give the
+         * pipeline's bits). */
         dim3 grid(ds4_blocks(a.N, 128), grid_rows(a, 128), (unsigned)G);
-        if constexpr (!FP4) {
-            if (p.va && p.vb && pipe_ready(cd)) {
-                gemm_bf16_pipe<128, 128, 64, 32, PIPE_ST><<<grid, 256, pipe_smem<128, 128, PIPE_ST>(), cd->stream>>>(a);
-                return;
-            }
-        }
         gemm_bf16_tiled<128, 128, 64, 32, WB><<<grid, 256, 0, cd->stream>>>(a, p.va, p.vb);
     } else {
         dim3 grid(ds4_blocks(a.N, 128), grid_rows(a, 64), (unsigned)G);
         gemm_bf16_tiled<64, 128, 32, 32, WB><<<grid, 256, 0, cd->stream>>>(a, p.va, p.vb);
     }
+}
+
+// x [G, M, K] (row stride ldx, group stride gx) rounded to bf16 into scratch slot 2: a.xh [G, M, ldxh], ldxh = K
+// rounded up to 8 (16-byte rows).
+bool x_to_bf16(ds4_dev *d, const char *op, gemm_args &a, int64_t G) {
+    const int64_t ld = (a.K + 7) / 8 * 8;
+    auto *xh = (__nv_bfloat16 *)ds4_cuda_scratch(d, (size_t)(G * a.M * ld) * sizeof(__nv_bfloat16), op, 2);
+    if (!xh || !ds4_cuda_rows_to_bf16(d, op, xh, ld, a.x, a.ldx, a.gx, G, a.M, a.K)) return false;
+    a.xh = xh, a.ldxh = ld, a.gxh = a.M * ld;
+    return true;
 }
 
 // Launch the variant for `rows_hint` rows per (group of) W. Which variant runs never changes the result. mode: the
@@ -676,6 +760,11 @@ void gemm(ds4_dev *d, const char *op, gemm_args a, ds4_dtype wdt, ds4_dtype mode
     p.va = (int)(aligned(a.x, 16) && a.ldx % 4 == 0 && a.gx % 4 == 0);
     p.vb = fp4 ? (int)(aligned(a.W, 4) && a.ldw % 8 == 0 && a.gw % 8 == 0 && a.wstride % 8 == 0)
                : (int)(aligned(a.W, 16) && a.ldw % 8 == 0 && a.gw % 8 == 0 && a.wstride % 8 == 0);
+    /* the pipelined kernel reads x rounded to bf16 once, here, into scratch slot 2 (rows padded to 8 values: 16-byte
+     * aligned rows for cp.async; the padding is never read) */
+    p.pipe = !fp4 && mode == DS4_BF16 && !p.skinny && p.vb ? pipe_ready(cd) : nullptr;
+    if (p.pipe && !full_wave(cd, a, p.G, p.pipe->BM, p.pipe->BN)) p.pipe = nullptr; // too few tiles: the tiled kernel
+    if (p.pipe && !x_to_bf16(d, op, a, p.G)) return;
     if (fp4) launch<true>(cd, a, mode, p);
     else launch<false>(cd, a, mode, p);
     ds4_cuda_launched(d, op, "[%lld x %lld] x [%lld x %lld]^T (%s%s%s, %lld groups%s)", (long long)a.M, (long long)a.K,
@@ -684,6 +773,16 @@ void gemm(ds4_dev *d, const char *op, gemm_args a, ds4_dtype wdt, ds4_dtype mode
 }
 
 } // namespace
+
+bool ds4_cuda_rows_to_bf16(ds4_dev *d, const char *op, __nv_bfloat16 *dst, int64_t ldd, const float *src, int64_t lds,
+                           int64_t gs, int64_t groups, int64_t rows, int64_t cols) {
+    const int64_t n = groups * rows * ((cols + 7) / 8);
+    if (n <= 0) return true;
+    const int vs = aligned(src, 16) && lds % 4 == 0 && gs % 4 == 0, vd = aligned(dst, 16) && ldd % 8 == 0;
+    rows_to_bf16_kernel<<<ds4_blocks(n, 256), 256, 0, cdev(d)->stream>>>(dst, ldd, src, lds, gs, rows, cols, n, vs, vd);
+    return ds4_cuda_launched(d, op, "operand [%lld x %lld x %lld] to bf16", (long long)groups, (long long)rows,
+                             (long long)cols);
+}
 
 void ds4_cuda_gemm_f32(ds4_dev *d, const char *op, float *y, int64_t ldy, const float *x, int64_t ldx, const float *W,
                        int64_t M, int64_t K, int64_t N) {
@@ -730,11 +829,10 @@ void ds4_cuda_grouped_dx_bf16(ds4_dev *d, const char *op, float *dx, int acc, co
 }
 
 // out [C, width] = in [rows, C] transposed by row groups: row r of group e (rows [off[e], off[e+1])) becomes column
-// group_start(off, e) + r − off[e]; bf16 (rounded to nearest even, as the backward's tiles round their operands) or
-// fp32. 32 × 32 tiles through shared memory; each tile's rows find their group by bisection of off.
-template <typename TO>
-static __global__ void transpose_groups_kernel(TO *out, int64_t width, const float *in, int64_t rows, int64_t C,
-                                               const int64_t *off, int64_t E) {
+// group_start(off, e) + r − off[e], rounded to bf16 to nearest even (as the backward's tiles round their operands).
+// 32 × 32 tiles through shared memory; each tile's rows find their group by bisection of off.
+static __global__ void transpose_groups_kernel(__nv_bfloat16 *out, int64_t width, const float *in, int64_t rows,
+                                               int64_t C, const int64_t *off, int64_t E) {
     __shared__ float tile[32][33];
     __shared__ int64_t col[32];
     const int64_t r0 = (int64_t)blockIdx.y * 32, c0 = (int64_t)blockIdx.x * 32;
@@ -753,15 +851,13 @@ static __global__ void transpose_groups_kernel(TO *out, int64_t width, const flo
     __syncthreads();
     for (int i = threadIdx.y; i < 32; i += blockDim.y)
         if (c0 + i < C && r0 + threadIdx.x < rows) {
-            const float v = tile[threadIdx.x][i];
-            if constexpr (sizeof(TO) == 2) out[(c0 + i) * width + col[threadIdx.x]] = __float2bfloat16_rn(v);
-            else out[(c0 + i) * width + col[threadIdx.x]] = v;
+            out[(c0 + i) * width + col[threadIdx.x]] = __float2bfloat16_rn(tile[threadIdx.x][i]);
         }
 }
 
 // dW_e [O, K] += dyᵀ·x over the rows [off[e], off[e+1]) of dy [rows, O] and x [rows, K] (dW_e = dW + e·wstride) in
-// bf16: dy and x transposed by groups into scratch (dyᵀ fp32 [O, width], xᵀ bf16 [K, width]; slot 1) and reduced by
-// the pipelined kernel, block z = expert over its group's columns. The sums are the backward's tiles' (prod_bf16 in
+// bf16: dy and x transposed by groups into scratch (dyᵀ [O, width], xᵀ [K, width], bf16; slot 1) and reduced by the
+// pipelined kernel, block z = expert over its group's columns. The sums are the backward's tiles' (prod_bf16 in
 // cuda_bwd_linear.cu: both operands rounded to bf16 to nearest even, chunks of 32 from the group's first row, slices
 // of 256 from there, the same mma k-slots), so the same bits. Returns false, having done nothing, where the pipelined
 // kernel cannot run (the caller takes the tiles).
@@ -769,23 +865,25 @@ bool ds4_cuda_grouped_dw_bf16(ds4_dev *d, const char *op, float *dW, int64_t wst
                               int64_t rows, int64_t O, int64_t K, const int64_t *off, int64_t E) {
     cuda_dev *cd = cdev(d);
     if (rows <= 0 || O <= 0 || K <= 0 || E <= 0) return true;
-    if (E > 65535 || !pipe_ready(cd)) return false;
+    const pipe_cfg *pc = E > 65535 ? nullptr : pipe_ready(cd);
+    if (!pc) return false;
     const int64_t width = (rows + 7) / 8 * 8 + 8 * E + 8; // >= group_start(off, E)
-    float *dyT = (float *)ds4_cuda_scratch(d, (size_t)(width * (O * 4 + K * 2)), op, 1);
+    auto *dyT = (__nv_bfloat16 *)ds4_cuda_scratch(d, (size_t)(width * (O + K) * 2), op, 1);
     if (!dyT) return true;
-    __nv_bfloat16 *xT = reinterpret_cast<__nv_bfloat16 *>(dyT + O * width); // 16-byte aligned: width % 8 == 0
-    transpose_groups_kernel<float><<<dim3(ds4_blocks(O, 32), ds4_blocks(rows, 32)), dim3(32, 8), 0, cd->stream>>>(
-        dyT, width, dy, rows, O, off, E);
-    transpose_groups_kernel<__nv_bfloat16><<<dim3(ds4_blocks(K, 32), ds4_blocks(rows, 32)), dim3(32, 8), 0,
-                                             cd->stream>>>(xT, width, x, rows, K, off, E);
+    __nv_bfloat16 *xT = dyT + O * width; // 16-byte aligned: width % 8 == 0
+    const dim3 tb(32, 8);
+    transpose_groups_kernel<<<dim3(ds4_blocks(O, 32), ds4_blocks(rows, 32)), tb, 0, cd->stream>>>(dyT, width, dy, rows,
+                                                                                                  O, off, E);
+    transpose_groups_kernel<<<dim3(ds4_blocks(K, 32), ds4_blocks(rows, 32)), tb, 0, cd->stream>>>(xT, width, x, rows,
+                                                                                                  K, off, E);
     if (!ds4_cuda_launched(d, op, "dy [%lld x %lld] and x [%lld x %lld] transposed by %lld expert groups",
                            (long long)rows, (long long)O, (long long)rows, (long long)K, (long long)E))
         return true;
     gemm_args g = {};
-    g.y = dW, g.ldy = K, g.x = dyT, g.ldx = width, g.W = xT, g.ldw = width, g.M = O, g.N = K, g.K = width;
+    g.y = dW, g.ldy = K, g.xh = dyT, g.ldxh = width, g.W = xT, g.ldw = width, g.M = O, g.N = K, g.K = width;
     g.gy = wstride, g.acc = 1, g.koff = off;
-    const dim3 grid(ds4_blocks(K, 128), ds4_blocks(O, 128), (unsigned)E);
-    gemm_bf16_pipe<128, 128, 64, 32, PIPE_ST><<<grid, 256, pipe_smem<128, 128, PIPE_ST>(), cd->stream>>>(g);
+    const dim3 grid(ds4_blocks(K, pc->BN), ds4_blocks(O, pc->BM), (unsigned)E);
+    pc->kernel<<<grid, pc->threads, pc->smem, cd->stream>>>(g);
     ds4_cuda_launched(d, op, "dW [%lld x %lld x %lld] += dy^T x over %lld rows by expert (bf16, pipelined)",
                       (long long)E, (long long)O, (long long)K, (long long)rows);
     return true;

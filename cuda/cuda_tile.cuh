@@ -66,9 +66,11 @@ __device__ __forceinline__ void ds4d_fma_fold(float (&tot)[TM][TN], float (&acc)
         for (int j = 0; j < TN; j++) tot[i][j] += acc[i][j], acc[i][j] = 0.0f;
 }
 
+// Not volatile: the compiler may interleave independent products (an accumulator's products stay in program order
+// through their data dependence), which hides the tensor cores' latency between a product and the next into it.
 __device__ __forceinline__ void ds4d_mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
                                               uint32_t b0, uint32_t b1) {
-    asm volatile(
+    asm(
         "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
@@ -81,11 +83,13 @@ __device__ __forceinline__ void ds4d_mma_k32(float (&c)[4], const uint32_t (&ag)
     ds4d_mma_bf16(c, ag[2], ag8[2], ag[3], ag8[3], b[2], b[3]);
 }
 
-// A warp's MT × NT tiles of m16n8 at rows wm.. and columns wn.. of the block over the chunk staged in sA / sB.
+// A warp's MT × NT tiles of m16n8 at rows wm.. and columns wn.. of the block over the chunk staged in sA / sB: each
+// tile gets ds4d_mma_k32's two products in its order (k-slots of 8t..8t+3, then of 8t+4..8t+7), but every tile's first
+// product is issued before any tile's second, so no product waits for the one just before it.
 template <int MT, int NT, int LDS>
 __device__ __forceinline__ void ds4d_mma_chunk(float (&acc)[MT][NT][4], const __nv_bfloat16 *sA,
                                                const __nv_bfloat16 *sB, int wm, int wn, int g, int t) {
-    uint32_t af[MT][2][4];
+    uint32_t af[MT][2][4], bf[NT][4];
 #pragma unroll
     for (int i = 0; i < MT; i++)
 #pragma unroll
@@ -96,10 +100,16 @@ __device__ __forceinline__ void ds4d_mma_chunk(float (&acc)[MT][NT][4], const __
 #pragma unroll
     for (int j = 0; j < NT; j++) {
         const uint4 v = *reinterpret_cast<const uint4 *>(&sB[(wn + j * 8 + g) * LDS + t * 8]);
-        const uint32_t bf[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-        for (int i = 0; i < MT; i++) ds4d_mma_k32(acc[i][j], af[i][0], af[i][1], bf);
+        bf[j][0] = v.x, bf[j][1] = v.y, bf[j][2] = v.z, bf[j][3] = v.w;
     }
+#pragma unroll
+    for (int q = 0; q < 4; q += 2)
+#pragma unroll
+        for (int j = 0; j < NT; j++)
+#pragma unroll
+            for (int i = 0; i < MT; i++)
+                ds4d_mma_bf16(acc[i][j], af[i][0][q], af[i][1][q], af[i][0][q + 1], af[i][1][q + 1], bf[j][q],
+                              bf[j][q + 1]);
 }
 
 // Zero a warp's accumulators.

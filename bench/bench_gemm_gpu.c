@@ -1,0 +1,204 @@
+/* bench_gemm_gpu.c — ds4's batch-invariant bf16 products on a CUDA GPU against cuBLAS on the same shapes: the
+ * matmul and matmul_grouped operations of one training step of the 599M bench config (batch 8 x 1024; the shapes
+ * the per-op profile lists, DS4_PROFILE_SHAPES=1), x fp32 [M, K] (rounded to bf16 inside the operation, as the model
+ * runs it), W bf16 [N, K], y fp32 [M, N]. cuBLAS gets x already in bf16 (cublasGemmEx, bf16 in, fp32 accumulate and
+ * out, its default algorithm), which is what a user would call; it is not batch-invariant (its algorithm and
+ * K-split change with M), which is why ds4 has its own kernels.
+ *
+ *   build/bench_gemm_gpu [--reps 20] [--variants K]
+ * Prints per shape: microseconds (median of reps), TFLOP/s, and ds4 / cuBLAS time. --variants K also times the
+ * pipelined kernel's shapes 1..K-1 (DS4_CUDA_GEMM_PIPE, cuda_gemm.cu: each gives the same bits), one column each.
+ * It measures, never passes or fails; without a CUDA build or device it says so and exits 0. */
+#define _POSIX_C_SOURCE 200809L
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "ds4.h"
+
+#ifndef DS4_HAVE_CUDA
+int main(void) {
+    puts("bench_gemm_gpu: built without the CUDA backend");
+    return 0;
+}
+#else
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include "cuda_backend.h"
+#include "ops.h"
+
+#define DIE(...)                      \
+    do {                              \
+        fprintf(stderr, __VA_ARGS__); \
+        fprintf(stderr, "\n");        \
+        exit(1);                      \
+    } while (0)
+#define CU(call)                                                                                          \
+    do {                                                                                                  \
+        const cudaError_t e_ = (call);                                                                    \
+        if (e_ != cudaSuccess) DIE("bench_gemm_gpu: %s: %s", #call, cudaGetErrorString(e_));              \
+    } while (0)
+
+typedef struct {
+    const char *what;
+    int64_t M, K, N, G, E; /* G: column groups (batched); E > 0: rows grouped evenly by E experts */
+} shape;
+
+/* The products of one step of bench/config_599m.json at batch 8 x 1024 (T = 8192 tokens; top-4 of 32 experts:
+ * 32768 expert rows; the LM head in chunks of 1024 rows). */
+static const shape shapes[] = {
+    {"LM head chunk", 1024, 1024, 32000, 1, 0},
+    {"attention output (grouped)", 8192, 8192, 1024, 1, 0},
+    {"query up-projection", 8192, 1024, 2048, 1, 0},
+    {"hidden -> 1024", 8192, 1024, 1024, 1, 0},
+    {"hidden -> 512", 8192, 1024, 512, 1, 0},
+    {"512 -> hidden", 8192, 512, 1024, 1, 0},
+    {"hidden -> 128", 8192, 1024, 128, 1, 0},
+    {"8 groups 256 -> 1024", 8192, 256, 1024, 8, 0},
+    {"experts gate/up (by expert)", 32768, 1024, 512, 1, 32},
+    {"experts down (by expert)", 32768, 512, 1024, 1, 32},
+};
+
+static int cmp_f(const void *a, const void *b) {
+    const float x = *(const float *)a, y = *(const float *)b;
+    return x < y ? -1 : x > y;
+}
+
+static float median(float *v, int n) {
+    qsort(v, (size_t)n, sizeof *v, cmp_f);
+    return v[n / 2];
+}
+
+int main(int argc, char **argv) {
+    int reps = 20, nv = 1;
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--reps") && i + 1 < argc) reps = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--variants") && i + 1 < argc) nv = atoi(argv[++i]);
+        else DIE("usage: %s [--reps N] [--variants K]", argv[0]);
+    }
+    if (reps < 1 || reps > 1000) DIE("bench_gemm_gpu: --reps %d (1..1000)", reps);
+    if (nv < 1 || nv > 16) DIE("bench_gemm_gpu: --variants %d (1..16)", nv);
+    int ndev = 0;
+    ds4_error err;
+    if (ds4_cuda_device_count(&ndev, &err) || ndev == 0) {
+        puts("bench_gemm_gpu: no CUDA device");
+        return 0;
+    }
+    ds4_dev *devs[16];
+    for (int v = 0; v < nv; v++) { /* the backend reads DS4_CUDA_GEMM_PIPE when it is created */
+        char val[16];
+        snprintf(val, sizeof val, "%d", v);
+        if (nv > 1) setenv("DS4_CUDA_GEMM_PIPE", val, 1);
+        if (ds4_cuda_dev_create(0, &devs[v], &err)) DIE("bench_gemm_gpu: %s", err.msg);
+    }
+    ds4_dev *d = devs[0];
+    cudaStream_t st = (cudaStream_t)d->ops->native_stream(d);
+    cublasHandle_t h;
+    if (cublasCreate(&h) != CUBLAS_STATUS_SUCCESS || cublasSetStream(h, st) != CUBLAS_STATUS_SUCCESS)
+        DIE("bench_gemm_gpu: cuBLAS handle");
+    struct cudaDeviceProp prop;
+    CU(cudaGetDeviceProperties(&prop, 0));
+    printf("# %s, %d SMs; ds4 bf16 products (x fp32 rounded inside, batch-invariant) vs cuBLAS bf16 (x given in bf16); "
+           "median of %d\n", prop.name, prop.multiProcessorCount, reps);
+    printf("%-28s %26s %10s %8s %10s %8s %8s", "product", "[M x K] x [N x K]^T", "ds4 us", "TFLOP/s", "cuBLAS us",
+           "TFLOP/s", "ds4/cuB");
+    for (int v = 1; v < nv; v++) printf("   pipe %d us", v);
+    printf("\n");
+    cudaEvent_t e0, e1;
+    CU(cudaEventCreate(&e0));
+    CU(cudaEventCreate(&e1));
+    float *ts = malloc(sizeof(float) * (size_t)reps);
+    for (size_t s = 0; s < sizeof shapes / sizeof *shapes; s++) {
+        const shape sh = shapes[s];
+        const int64_t M = sh.M, K = sh.K, N = sh.N, G = sh.G;
+        const size_t nx = (size_t)(M * K * G), nw = (size_t)(N * K * G), ny = (size_t)(M * N * G);
+        const size_t nwe = sh.E ? nw * (size_t)sh.E : nw;
+        float *hx = malloc(nx * 4);
+        uint16_t *hw = malloc(nwe * 2);
+        uint64_t r = 0x9e3779b97f4a7c15ull + s;
+        for (size_t i = 0; i < nx; i++) {
+            r ^= r >> 12, r ^= r << 25, r ^= r >> 27;
+            hx[i] = (float)((r * 0x2545f4914f6cdd1dull) >> 40) / 16777216.0f - 0.5f;
+        }
+        for (size_t i = 0; i < nwe; i++) hw[i] = (uint16_t)(0x3c00 + (i * 2654435761u >> 20) % 0x200); /* ~±0.01 */
+        float *x, *y;
+        void *W;
+        uint16_t *xb; /* x rounded to bf16 for cuBLAS */
+        int64_t *off = NULL;
+        CU(cudaMalloc((void **)&x, nx * 4));
+        CU(cudaMalloc((void **)&y, ny * 4));
+        CU(cudaMalloc(&W, nwe * 2));
+        CU(cudaMalloc((void **)&xb, nx * 2));
+        CU(cudaMemcpy(x, hx, nx * 4, cudaMemcpyHostToDevice));
+        CU(cudaMemcpy(W, hw, nwe * 2, cudaMemcpyHostToDevice));
+        uint16_t *hb = malloc(nx * 2);
+        for (size_t i = 0; i < nx; i++) hb[i] = ds4_f32_to_bf16(hx[i]);
+        CU(cudaMemcpy(xb, hb, nx * 2, cudaMemcpyHostToDevice));
+        if (sh.E) {
+            int64_t *ho = malloc(sizeof(int64_t) * (size_t)(sh.E + 1));
+            for (int64_t e = 0; e <= sh.E; e++) ho[e] = e * M / sh.E;
+            CU(cudaMalloc((void **)&off, sizeof(int64_t) * (size_t)(sh.E + 1)));
+            CU(cudaMemcpy(off, ho, sizeof(int64_t) * (size_t)(sh.E + 1), cudaMemcpyHostToDevice));
+            free(ho);
+        }
+        /* ds4: the operation as the schedule calls it, on each variant's backend */
+        float t_var[16];
+        for (int v = nv - 1; v >= 0; v--) {
+            ds4_dev *dv = devs[v];
+            cudaStream_t sv = (cudaStream_t)dv->ops->native_stream(dv);
+            for (int i = -2; i < reps; i++) {
+                CU(cudaEventRecord(e0, sv));
+                if (sh.E)
+                    OP(dv, matmul_grouped, .y = y, .x = x, .W = W, .wdt = DS4_BF16, .rows = M, .K = K, .O = N,
+                       .off = off, .E = sh.E, .wstride = N * K, .bf16_in = 1);
+                else
+                    OP(dv, matmul, .y = y, .ldy = N * G, .x = x, .ldx = K * G, .W = W, .wdt = DS4_BF16, .T = M,
+                       .K = K, .O = N, .groups = G, .gx = K, .gy = N, .gw = N * K, .bf16_in = 1);
+                CU(cudaEventRecord(e1, sv));
+                CU(cudaEventSynchronize(e1));
+                if (dv->st) DIE("bench_gemm_gpu: %s: %s", sh.what, dv->err.msg);
+                if (i >= 0) CU(cudaEventElapsedTime(&ts[i], e0, e1));
+            }
+            t_var[v] = median(ts, reps);
+        }
+        const float t_ds4 = t_var[0];
+        /* cuBLAS: y (row-major [M, N]) = column-major yᵀ [N x M] = Wᵀ... W row-major [N, K] is column-major [K x N]:
+         * yᵀ = op(W)ᵀ·x with op = transpose; a grouped product is E (or G) calls */
+        const float one = 1.0f, zero = 0.0f;
+        for (int i = -2; i < reps; i++) {
+            CU(cudaEventRecord(e0, st));
+            const int64_t calls = sh.E ? sh.E : G, rows = sh.E ? M / sh.E : M;
+            for (int64_t c = 0; c < calls; c++) {
+                const uint16_t *A = sh.E ? xb + c * rows * K : xb + c * K;
+                const uint16_t *B = (const uint16_t *)W + c * N * K;
+                float *C = sh.E ? y + c * rows * N : y + c * N;
+                const cublasStatus_t bs = cublasGemmEx(
+                    h, CUBLAS_OP_T, CUBLAS_OP_N, (int)N, (int)rows, (int)K, &one, B, CUDA_R_16BF, (int)K, A,
+                    CUDA_R_16BF, (int)(sh.E ? K : K * G), &zero, C, CUDA_R_32F, (int)(sh.E ? N : N * G),
+                    CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+                if (bs != CUBLAS_STATUS_SUCCESS) DIE("bench_gemm_gpu: %s: cublasGemmEx: %d", sh.what, (int)bs);
+            }
+            CU(cudaEventRecord(e1, st));
+            CU(cudaEventSynchronize(e1));
+            if (i >= 0) CU(cudaEventElapsedTime(&ts[i], e0, e1));
+        }
+        const float t_blas = median(ts, reps);
+        const double flop = 2.0 * (double)M * (double)K * (double)N * (double)G;
+        char dims[64];
+        snprintf(dims, sizeof dims, "[%lld x %lld] x [%lld x %lld]%s", (long long)M, (long long)K, (long long)N,
+                 (long long)K, G > 1 ? " x G" : (sh.E ? " by E" : ""));
+        printf("%-28s %26s %10.1f %8.1f %10.1f %8.1f %8.2f", sh.what, dims, 1e3 * t_ds4, flop / (1e9 * t_ds4),
+               1e3 * t_blas, flop / (1e9 * t_blas), t_ds4 / t_blas);
+        for (int v = 1; v < nv; v++) printf(" %12.1f", 1e3 * t_var[v]);
+        printf("\n");
+        printf("ds4 gemm_us_%zu %.1f\nds4 cublas_us_%zu %.1f\n", s, 1e3 * t_ds4, s, 1e3 * t_blas);
+        cudaFree(x), cudaFree(y), cudaFree(W), cudaFree(xb), cudaFree(off);
+        free(hx), free(hw), free(hb);
+    }
+    free(ts);
+    cublasDestroy(h);
+    for (int v = 0; v < nv; v++) ds4_dev_release(devs[v]);
+    return 0;
+}
+#endif
