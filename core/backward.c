@@ -285,7 +285,7 @@ static void attention_bwd_rows(bwd *b, const ds4_layer_w *l, const ds4_layer_w *
     const ds4_a_attn_bwd ab = {.c = c, .l = l, .lt = lt, .B = b->f.B, .S = S, .sel_stride = b->tp->sel_stride,
                                .dout = b->do_, .P = b->P, .DS = b->DS, .maxk = b->maxk, .dsink_t = b->dsink_t,
                                .dq = b->dq, .dkv = b->dkv, .dK = b->dK, .inv_off = b->inv_off, .inv_t = b->inv_t,
-                               .inv_i = b->inv_i};
+                               .inv_i = b->inv_i, .bf16_in = b->f.w->bf16_in};
     ds4_op_attn_bwd_q(dev, &ab);
     ds4_op_attn_bwd_kv(dev, &ab);
     colsum(b, g->sink, b->dsink_t, T, H, H);

@@ -109,6 +109,11 @@ void ds4_cpu_cache_commit(ds4_dev *d, const ds4_a_cache_commit *a);
 void ds4_cpu_record_picks(ds4_dev *d, const ds4_a_record_picks *a);
 void ds4_cpu_ikl(ds4_dev *d, const ds4_a_ikl *a);
 void ds4_cpu_attn_bwd_q(ds4_dev *d, const ds4_a_attn_bwd *a);
+/* The bf16 mode's attention on the CPU (bf16_in, ops.h): floats per range of rounded operands for key lists of up to
+ * nkeys keys, and the rounding itself (dst may be src; keys[] repointed at copies in kb [nk, d]). */
+size_t ds4_cpu_attn_bf16_stride(const ds4_config *c, int64_t nkeys);
+void ds4_cpu_round_bf16(float *dst, const float *src, int64_t n);
+void ds4_cpu_round_keys(const float **keys, int64_t nk, int64_t d, float *kb);
 void ds4_cpu_attn_bwd_kv(ds4_dev *d, const ds4_a_attn_bwd *a);
 void ds4_cpu_attn_bwd_entry(ds4_dev *d, const ds4_a_attn_bwd *a);
 void ds4_cpu_pick_inverse(ds4_dev *d, const ds4_a_pick_inverse *a);

@@ -2,6 +2,7 @@
  * attention with sink over the window and the compressed entries, the step's cache commit, and the indexer-KL
  * loss. docs/architecture.md, "Attention", gives the equations; the addressing of rows, windows and caches is the
  * same in a full forward and a step, which is why decoding equals the full forward bit for bit. */
+#include <stdlib.h>
 #include <string.h>
 
 #include "cpu.h"
@@ -185,16 +186,45 @@ void ds4_cpu_record_picks(ds4_dev *d, const ds4_a_record_picks *a) {
 
 /* ------------------------------------------------------------------------------------------------ attention */
 
+/* bf16_in (ops.h; the emulation of the bf16 mode, used by its tests): per range, rounded copies of the operands
+ * of the attention's products — q (or dout) [H, d], the keys [nk, d] and the probabilities (or DS) [H, nk] — so that
+ * the fp32 kernels below multiply bf16 values. Sized for the longest key list. */
+size_t ds4_cpu_attn_bf16_stride(const ds4_config *c, int64_t nkeys) {
+    const int64_t H = c->num_attention_heads, d = c->head_dim;
+    return (size_t)(2 * H * d + nkeys * d + H * nkeys + 16) & ~(size_t)15;
+}
+
+void ds4_cpu_round_bf16(float *dst, const float *src, int64_t n) {
+    for (int64_t i = 0; i < n; i++) dst[i] = ds4_bf16_to_f32(ds4_f32_to_bf16(src[i]));
+}
+
+/* Point keys[0..nk) at rounded copies in kb ([nk, d]). */
+void ds4_cpu_round_keys(const float **keys, int64_t nk, int64_t d, float *kb) {
+    for (int64_t k = 0; k < nk; k++) {
+        ds4_cpu_round_bf16(kb + k * d, keys[k], d);
+        keys[k] = kb + k * d;
+    }
+}
+
+typedef struct {
+    const ds4_a_attention *a;
+    float *bf;        /* bf16_in: [ntask, bf_stride] rounded operands (else NULL) */
+    size_t bf_stride;
+} attn_job;
+
 /* Joint softmax with sink over window keys ∪ permitted compressed entries; values = keys. All heads share the keys
  * (one KV head), so the logits of every head are one small product with the key rows and the outputs one weighted
  * sum over them (ds4_dots_ptr, ds4_wsum_ptr: the same dots and the same sequence of adds as head by head). */
 static void attn_range(const ds4_cpu *cpu, const void *p, int64_t b, int64_t e, int64_t task) {
-    const ds4_a_attention *a = p;
+    const attn_job *job = p;
+    const ds4_a_attention *a = job->a;
     const ds4_config *c = a->c;
     const int64_t H = c->num_attention_heads, d = c->head_dim, win = c->sliding_window;
     const float scale = 1.0f / sqrtf((float)d);
     float *lg = ds4_cpu_scratch(cpu, task); /* [H, nk] logits, then probabilities */
     const float **keys = (const float **)(void *)(lg + cpu->key_off);
+    float *qb = job->bf ? job->bf + (size_t)task * job->bf_stride : NULL; /* [H, d] rounded q */
+    float *kb = qb ? qb + 2 * H * d : NULL;                                /* [nk, d] rounded keys */
     for (int64_t t = b; t < e; t++) {
         const int64_t s = ds4_rows_pos(&a->rows, t);
         int64_t nk = 0;
@@ -209,7 +239,13 @@ static void attn_range(const ds4_cpu *cpu, const void *p, int64_t b, int64_t e, 
             else
                 for (int64_t i = 0; i < a->nsel[t]; i++) keys[nk++] = ent + a->sel[t * a->sel_stride + i] * d;
         }
-        ds4_dots_ptr(lg, nk, a->q + t * H * d, d, H, keys, nk, d);
+        const float *q = a->q + t * H * d;
+        if (qb) {
+            ds4_cpu_round_bf16(qb, q, H * d);
+            ds4_cpu_round_keys(keys, nk, d, kb);
+            q = qb;
+        }
+        ds4_dots_ptr(lg, nk, q, d, H, keys, nk, d);
         for (int64_t hh = 0; hh < H; hh++) {
             float *l = lg + hh * nk, mx = a->sink[hh];
             for (int64_t k = 0; k < nk; k++) {
@@ -220,18 +256,33 @@ static void attn_range(const ds4_cpu *cpu, const void *p, int64_t b, int64_t e, 
             for (int64_t k = 0; k < nk; k++) den += (l[k] = (float)exp((double)(l[k] - mx)));
             for (int64_t k = 0; k < nk; k++) l[k] = (float)(l[k] / den);
         }
-        ds4_wsum_ptr(a->o + t * H * d, d, lg, nk, H, keys, nk, d, 0);
         float *tgt = a->type == DS4_ATTN_CSA && a->itgt ? a->itgt + t * a->sel_stride : NULL;
         if (tgt) { /* attention mass on each indexer pick, the indexer KL loss's (detached) target */
             memset(tgt, 0, (size_t)a->sel_stride * sizeof(float));
             for (int64_t hh = 0; hh < H; hh++)
                 for (int64_t k = s - j0 + 1; k < nk; k++) tgt[k - (s - j0 + 1)] += lg[hh * nk + k];
         }
+        if (qb) ds4_cpu_round_bf16(lg, lg, H * nk); /* the output's product takes bf16 probabilities */
+        ds4_wsum_ptr(a->o + t * H * d, d, lg, nk, H, keys, nk, d, 0);
     }
 }
 
 void ds4_cpu_attention(ds4_dev *d, const ds4_a_attention *a) {
-    ds4_cpu_parallel(ds4_cpu_of(d), a->rows.T, attn_range, a);
+    const ds4_cpu *cpu = ds4_cpu_of(d);
+    attn_job job = {a, NULL, 0};
+    if (a->bf16_in) {
+        const int64_t S = a->rows.pos ? a->rows.cap : a->rows.S;
+        const int64_t nkeys = (a->c->sliding_window < S ? a->c->sliding_window : S) + S;
+        job.bf_stride = ds4_cpu_attn_bf16_stride(a->c, nkeys);
+        job.bf = malloc((size_t)cpu->ntask * job.bf_stride * sizeof(float));
+        if (!job.bf) {
+            ds4_dev_fail(d, DS4_ERR_OOM, "attention: bf16 operand copies of %lld ranges x %zu floats",
+                         (long long)cpu->ntask, job.bf_stride);
+            return;
+        }
+    }
+    ds4_cpu_parallel(cpu, a->rows.T, attn_range, &job);
+    free(job.bf);
 }
 
 /* ------------------------------------------------------------------------------------------------ cache commit */

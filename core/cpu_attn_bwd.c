@@ -1,6 +1,7 @@
 /* cpu_attn_bwd.c — CPU backward of the attention sub-layer (full forward tapes only): attention with sink in three
  * phases (per query, per window key, per compressed entry, so that no two ranges write the same gradient), the
  * inverse of the CSA picks, the compressor's pooling, and the indexer-KL loss. */
+#include <stdlib.h>
 #include <string.h>
 
 #include "cpu.h"
@@ -27,17 +28,34 @@ static int64_t key_list(const ds4_a_attn_bwd *a, int64_t t, const float **keys) 
 /* Phase A, per query: probabilities P, logit gradients DS (scale folded in), dq and the sink gradient. The dots of
  * every head with the shared keys and the dq sums run as small products (ds4_dots_ptr, ds4_wsum_ptr), with the same
  * sums as head by head. */
+typedef struct {
+    const ds4_a_attn_bwd *a;
+    float *bf;        /* bf16_in: [ntask, bf_stride] rounded operands (ds4_cpu_attn_bf16_stride), else NULL */
+    size_t bf_stride;
+} attn_q_job;
+
 static void attn_q_range(const ds4_cpu *cpu, const void *p, int64_t b, int64_t e, int64_t task) {
-    const ds4_a_attn_bwd *a = p;
+    const attn_q_job *job = p;
+    const ds4_a_attn_bwd *a = job->a;
     const ds4_config *c = a->c;
     const int64_t H = c->num_attention_heads, d = c->head_dim;
     const float scale = 1.0f / sqrtf((float)d);
     const float **keys = (const float **)(void *)(ds4_cpu_scratch(cpu, task) + cpu->key_off);
+    /* bf16_in: rounded q and dout [H, d] each, keys [nk, d], DS [H, maxk] */
+    float *qb = job->bf ? job->bf + (size_t)task * job->bf_stride : NULL, *gb = qb ? qb + H * d : NULL;
+    float *kb = qb ? gb + H * d : NULL, *dsb = kb ? kb + a->maxk * d : NULL;
     for (int64_t t = b; t < e; t++) {
         const int64_t nk = key_list(a, t, keys);
         float *Pt = a->P + t * H * a->maxk, *DSt = a->DS + t * H * a->maxk;
-        ds4_dots_ptr(Pt, a->maxk, a->lt->q + t * H * d, d, H, keys, nk, d);
-        ds4_dots_ptr(DSt, a->maxk, a->dout + t * H * d, d, H, keys, nk, d); /* dp_k: the value is the key */
+        const float *q = a->lt->q + t * H * d, *g = a->dout + t * H * d;
+        if (qb) {
+            ds4_cpu_round_bf16(qb, q, H * d);
+            ds4_cpu_round_bf16(gb, g, H * d);
+            ds4_cpu_round_keys(keys, nk, d, kb);
+            q = qb, g = gb;
+        }
+        ds4_dots_ptr(Pt, a->maxk, q, d, H, keys, nk, d);
+        ds4_dots_ptr(DSt, a->maxk, g, d, H, keys, nk, d); /* dp_k: the value is the key */
         for (int64_t h = 0; h < H; h++) {
             float *P = Pt + h * a->maxk, *DS = DSt + h * a->maxk;
             const float sink = a->l->sink[h];
@@ -57,12 +75,29 @@ static void attn_q_range(const ds4_cpu *cpu, const void *p, int64_t b, int64_t e
             a->dsink_t[t * H + h] = (float)(-(psink_num / den) * pdp);
             for (int64_t k = 0; k < nk; k++) DS[k] = (float)(P[k] * (DS[k] - pdp)) * scale;
         }
-        ds4_wsum_ptr(a->dq + t * H * d, d, DSt, a->maxk, H, keys, nk, d, 0);
+        const float *ds = DSt;
+        if (dsb) { /* dq's product takes bf16 logit gradients; DS itself (the key gradients' weight) stays fp32 */
+            for (int64_t h = 0; h < H; h++) ds4_cpu_round_bf16(dsb + h * a->maxk, DSt + h * a->maxk, nk);
+            ds = dsb;
+        }
+        ds4_wsum_ptr(a->dq + t * H * d, d, ds, a->maxk, H, keys, nk, d, 0);
     }
 }
 
 void ds4_cpu_attn_bwd_q(ds4_dev *d, const ds4_a_attn_bwd *a) {
-    ds4_cpu_parallel(ds4_cpu_of(d), a->B * a->S, attn_q_range, a);
+    const ds4_cpu *cpu = ds4_cpu_of(d);
+    attn_q_job job = {a, NULL, 0};
+    if (a->bf16_in) {
+        job.bf_stride = ds4_cpu_attn_bf16_stride(a->c, a->maxk);
+        job.bf = malloc((size_t)cpu->ntask * job.bf_stride * sizeof(float));
+        if (!job.bf) {
+            ds4_dev_fail(d, DS4_ERR_OOM, "attn_bwd_q: bf16 operand copies of %lld ranges x %zu floats",
+                         (long long)cpu->ntask, job.bf_stride);
+            return;
+        }
+    }
+    ds4_cpu_parallel(cpu, a->B * a->S, attn_q_range, &job);
+    free(job.bf);
 }
 
 /* The rows a key's gradient adds up, with their weights, in the order the sum takes them; flushed into dk through

@@ -150,7 +150,7 @@ static void attention_rows(ds4_pass *f, const ds4_layer_w *l) {
     if (l->type == DS4_ATTN_CSA) indexer(f, l, lt);
     OP(f->dev, attention, .c = c, .type = l->type, .sink = l->sink, .q = f->q, .kv = f->kv, .cK = f->cK,
        .rows = f->rows, .nwin = nwin, .sel = f->sel, .nsel = f->nsel, .sel_stride = f->sel_stride, .o = f->o,
-       .itgt = l->type == DS4_ATTN_CSA && lt ? lt->itgt : NULL);
+       .itgt = l->type == DS4_ATTN_CSA && lt ? lt->itgt : NULL, .bf16_in = f->w->bf16_in);
     if (f->rows.pos)
         OP(f->dev, cache_commit, .c = c, .type = l->type, .kv = f->kv, .cC = f->cC, .cZ = f->cZ, .iC = f->iC,
            .iZ = f->iZ, .rows = f->rows);

@@ -124,10 +124,13 @@ typedef struct {
 
 /* Attention with sink of every head of row t over its window keys (kv, or the cache's ring) and its compressed
  * entries (HCA: every causal one; CSA: the indexer's picks), values = keys. itgt (CSA, training with the indexer
- * KL loss): the attention mass on each pick, summed over heads. */
+ * KL loss): the attention mass on each pick, summed over heads in head order from the fp32 probabilities.
+ * bf16_in: the attention's two products take bf16 operands with fp32 sums, as the bf16 mode's other products do —
+ * the logits q·k from q and the keys rounded to bf16, the output Σ P·v from the probabilities and the keys rounded
+ * to bf16 (the softmax itself stays fp32 / double). The CPU honours it as the emulation of the bf16 mode. */
 typedef struct {
     const ds4_config *c; ds4_attn_type type; const float *sink, *q, *kv, *cK; ds4_rows rows; int64_t nwin;
-    const int32_t *sel, *nsel; int64_t sel_stride; float *o, *itgt;
+    const int32_t *sel, *nsel; int64_t sel_stride; float *o, *itgt; int bf16_in;
 } ds4_a_attention;
 
 /* Step: the new tokens of every sequence join layer rows.li's caches (window vectors into the ring, raw compressor
@@ -241,11 +244,14 @@ typedef struct { float *dst; const float *src; int64_t rows, width, ld; } ds4_a_
 
 /* Attention backward of one layer from its tape (full forward only): attn_bwd_q computes, per query, the
  * probabilities P and logit gradients DS [T, H, maxk], dq and the per-token sink gradient; attn_bwd_kv the window
- * keys' gradient dkv [T, d]; attn_bwd_entry the entries' gradient dK [B, S, d] (CSA through the inverse pick lists). */
+ * keys' gradient dkv [T, d]; attn_bwd_entry the entries' gradient dK [B, S, d] (CSA through the inverse pick lists).
+ * bf16_in (the forward's, ds4_a_attention): P is recomputed from the bf16 logits, and attn_bwd_q's products take bf16
+ * operands — dout·k from dout and the keys rounded, dq = Σ DS·k from DS and the keys rounded; P and DS stay fp32, and
+ * the key gradients (Σ DS·q + P·dout) are the fp32 products of fp32 operands. */
 typedef struct {
     const ds4_config *c; const ds4_layer_w *l; const ds4_layer_tape *lt; int64_t B, S, sel_stride;
     const float *dout; float *P, *DS; int64_t maxk; float *dsink_t, *dq, *dkv, *dK;
-    const int64_t *inv_off; const int32_t *inv_t, *inv_i;
+    const int64_t *inv_off; const int32_t *inv_t, *inv_i; int bf16_in;
 } ds4_a_attn_bwd;
 typedef ds4_a_attn_bwd ds4_a_attn_bwd_q, ds4_a_attn_bwd_kv, ds4_a_attn_bwd_entry;
 /* Inverse of the CSA picks: for entry (b, w), the (query, pick position) pairs that chose it, in query order:

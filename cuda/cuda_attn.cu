@@ -5,6 +5,7 @@
 // A query row's keys are listed in the same order as on the CPU (window keys oldest first, then entries in entry or
 // pick order) and reduced in a fixed order that depends on the key count only, so a row computes the same bits in a
 // full forward (keys from this pass) and in a decoding step (keys from the cache ring and entries).
+#include "cuda_attn_tc.cuh"
 #include "cuda_dev.cuh"
 #include "cuda_kv_qat.cuh"
 #include "shape_limits.h"
@@ -334,6 +335,38 @@ __global__ void __launch_bounds__(ATT_THREADS) attention_kernel(att_args a) {
     }
 }
 
+// The bf16 mode (bf16_in): one block per query row, every head at once on the tensor cores (cuda_attn_tc.cuh). itgt
+// (CSA with the indexer-KL target): pick i's probability summed over the heads in head order from 0, from the fp32
+// probabilities in shared memory (the CPU's sums); 0 past the picks.
+__global__ void __launch_bounds__(TCA_THREADS) attention_tc_kernel(att_args a, float *itgt) {
+    extern __shared__ __align__(16) char smem[];
+    const tca_layout S = tca_layout_of(a.H, a.d, a.maxk, 0);
+    const float **kp = (const float **)(smem + S.kp);
+    float *lg = (float *)(smem + S.lg);                                      // [Hp, nkp] logits, then P
+    __nv_bfloat16 *sP = (__nv_bfloat16 *)(smem + S.sP), *sQ = (__nv_bfloat16 *)(smem + S.sQ);
+    __nv_bfloat16 *sK = (__nv_bfloat16 *)(smem + S.sK), *sKT = (__nv_bfloat16 *)(smem + S.sKT);
+    const int64_t t = blockIdx.x, d = a.d, H = a.H;
+    const key_list L = keys_of(a, t);
+    for (int64_t k = threadIdx.x; k < L.nk; k += TCA_THREADS) kp[k] = L.at(a.kv, k);
+    tca_stage_rows(sQ, a.q + t * H * d, H, d, S);
+    __syncthreads();
+    tca_scores(lg, nullptr, sQ, nullptr, sK, kp, L.nk, d, 1.0f / sqrtf((float)d), S);
+    const int64_t nkp = tca_up(L.nk, TCA_KC);
+    for (int64_t h = threadIdx.x >> 5; h < H; h += TCA_WARPS) {
+        float mx;
+        (void)tca_softmax_row(lg + h * S.nkp, sP + h * S.LP, L.nk, nkp, a.sink[h], &mx);
+    }
+    __syncthreads();
+    if (itgt)
+        for (int64_t i = threadIdx.x; i < a.sel_stride; i += TCA_THREADS) {
+            float acc = 0;
+            if (L.nwk + i < L.nk)
+                for (int64_t h = 0; h < H; h++) acc += lg[h * S.nkp + L.nwk + i];
+            itgt[t * a.sel_stride + i] = acc;
+        }
+    tca_weighted_sum(a.o + t * H * d, H, d, sP, sKT, kp, L.nk, S);
+}
+
 // The indexer-KL target of row t's pick i (one warp each): every head's probability of the pick, recomputed with the
 // attention kernel's arithmetic from its max and denominator (so the same bits), added in head order from 0 as the
 // CPU; 0 past the picks. Recomputing one logit per (pick, head) costs far less memory than keeping [T, H, picks].
@@ -463,6 +496,41 @@ void ds4_cuda_record_picks(ds4_dev *d, const ds4_a_record_picks *a) {
     ds4_cuda_launched(d, "record_picks", "[%lld x %lld]", (long long)a->T, (long long)a->K);
 }
 
+// The bf16 mode's attention: every head of a row in one block (the indexer-KL target from the same block).
+static void attention_tc(ds4_dev *d, const ds4_a_attention *a, int64_t maxk) {
+    const ds4_config *c = a->c;
+    const int64_t T = a->rows.T, H = c->num_attention_heads, dh = c->head_dim;
+    const int64_t m = a->type == DS4_ATTN_HCA ? c->compress_rate_hca : c->compress_rate_csa;
+    const size_t smem = tca_layout_of(H, dh, maxk, 0).bytes;
+    if (smem > cdev(d)->smem_optin) {
+        ds4_dev_fail(d, DS4_ERR_UNSUPPORTED,
+                     "attention (bf16): %lld keys per query x %lld heads x %lld need %zu bytes of shared memory (> %zu)",
+                     (long long)maxk, (long long)H, (long long)dh, smem, cdev(d)->smem_optin);
+        return;
+    }
+    if (T > 0x7fffffff) {
+        ds4_dev_fail(d, DS4_ERR_UNSUPPORTED, "attention (bf16): %lld queries", (long long)T);
+        return;
+    }
+    if (smem > 48 * 1024 && smem > cdev(d)->smem_attn_tc) { /* raised once per size, not per launch */
+        const cudaError_t e = cudaFuncSetAttribute(attention_tc_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                   (int)smem);
+        if (e != cudaSuccess) {
+            (void)cudaGetLastError();
+            ds4_dev_fail(d, DS4_ERR_CUDA, "attention (bf16): shared memory limit %zu: %s", smem, cudaGetErrorString(e));
+            return;
+        }
+        cdev(d)->smem_attn_tc = smem;
+    }
+    att_args g = {a->sink, a->q, a->kv, a->cK, a->o, NULL, NULL, a->rows, H, dh, c->sliding_window, a->nwin, m,
+                  a->sel_stride, maxk, (int)a->type, a->sel, a->nsel};
+    attention_tc_kernel<<<(unsigned)T, TCA_THREADS, smem, cdev(d)->stream>>>(
+        g, a->type == DS4_ATTN_CSA ? a->itgt : NULL);
+    ds4_cuda_launched(d, "attention", "[%lld queries, %lld heads x %lld, <= %lld keys, %s, bf16 tensor cores%s]",
+                      (long long)T, (long long)H, (long long)dh, (long long)maxk, ds4_attn_type_name(a->type),
+                      a->type == DS4_ATTN_CSA && a->itgt ? ", indexer-KL target" : "");
+}
+
 void ds4_cuda_attention(ds4_dev *d, const ds4_a_attention *a) {
     const int64_t T = a->rows.T;
     if (T <= 0) return;
@@ -471,6 +539,10 @@ void ds4_cuda_attention(ds4_dev *d, const ds4_a_attention *a) {
     const int64_t win = c->sliding_window < S ? c->sliding_window : S, H = c->num_attention_heads;
     const int64_t m = a->type == DS4_ATTN_HCA ? c->compress_rate_hca : c->compress_rate_csa;
     const int64_t maxk = win + (a->type == DS4_ATTN_HCA ? S / m : (a->type == DS4_ATTN_CSA ? a->sel_stride : 0));
+    if (a->bf16_in) {
+        attention_tc(d, a, maxk);
+        return;
+    }
     const size_t smem = (size_t)maxk * (sizeof(float) + sizeof(float *));
     if (smem > cdev(d)->smem_optin) {
         ds4_dev_fail(d, DS4_ERR_UNSUPPORTED, "attention: %lld keys per query need %zu bytes of shared memory (> %zu)",

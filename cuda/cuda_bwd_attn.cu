@@ -13,6 +13,7 @@
 // (ds4d_block_sum), so every launch gives the same bits.
 #include <cstdio>
 
+#include "cuda_attn_tc.cuh"
 #include "cuda_dev.cuh"
 #include "shape_limits.h"
 extern "C" {
@@ -188,6 +189,47 @@ __global__ void __launch_bounds__(BWD_THREADS) attn_bwd_q_kernel(abwd_args a) {
         for (int64_t k = 0; k < nk; k++) acc = fmaf(dp[k], kp[k][c], acc);
         dq[c] = acc;
     }
+}
+
+// Phase A in the bf16 mode (bf16_in): one block per query, every head (cuda_attn_tc.cuh): the logits and dout·key
+// from the forward's tensor-core product (so P is the forward's, bit for bit), the softmax, Σ P·dp and DS per head
+// row (a warp each, double sums in a fixed butterfly), then dq = DS (bf16) · keys on the tensor cores.
+__global__ void __launch_bounds__(TCA_THREADS) attn_bwd_q_tc_kernel(abwd_args a) {
+    extern __shared__ __align__(16) char smem[];
+    const tca_layout S = tca_layout_of(a.H, a.d, a.kmax, 1);
+    const float **kp = (const float **)(smem + S.kp);
+    float *lg = (float *)(smem + S.lg), *dpv = (float *)(smem + S.dp_); // [Hp, nkp] each
+    __nv_bfloat16 *sP = (__nv_bfloat16 *)(smem + S.sP), *sQ = (__nv_bfloat16 *)(smem + S.sQ);
+    __nv_bfloat16 *sG = (__nv_bfloat16 *)(smem + S.sG), *sK = (__nv_bfloat16 *)(smem + S.sK);
+    __nv_bfloat16 *sKT = (__nv_bfloat16 *)(smem + S.sKT);
+    const int64_t t = blockIdx.x, d = a.d, H = a.H;
+    const int lane = threadIdx.x & 31;
+    const bwd_keys L = bwd_keys_of(a, t);
+    const int64_t nk = L.nk, nkp = tca_up(nk, TCA_KC);
+    for (int64_t k = threadIdx.x; k < nk; k += TCA_THREADS) kp[k] = bwd_key_at(a, L, t, k);
+    tca_stage_rows(sQ, a.q + t * H * d, H, d, S);
+    tca_stage_rows(sG, a.dout + t * H * d, H, d, S);
+    __syncthreads();
+    const float scale = 1.0f / sqrtf((float)d);
+    tca_scores(lg, dpv, sQ, sG, sK, kp, nk, d, scale, S);
+    for (int64_t h = threadIdx.x >> 5; h < H; h += TCA_WARPS) {
+        float *l = lg + h * S.nkp, *dp = dpv + h * S.nkp, mx;
+        __nv_bfloat16 *sd = sP + h * S.LP;
+        const float sink = a.sink[h];
+        const double den = tca_softmax_row(l, sd, nk, nkp, sink, &mx);
+        double pdp = 0;
+        for (int64_t k = lane; k < nk; k += 32) pdp += (double)l[k] * dp[k];
+        pdp = ds4d_warp_sum(pdp);
+        if (lane == 0) a.dsink_t[t * H + h] = (float)(-(exp((double)(sink - mx)) / den) * pdp);
+        float *P = a.P + (t * H + h) * a.maxk, *DS = a.DS + (t * H + h) * a.maxk;
+        for (int64_t k = lane; k < nkp; k += 32) {
+            const float ds = k < nk ? (float)(l[k] * ((double)dp[k] - pdp)) * scale : 0.0f;
+            if (k < nk) P[k] = l[k], DS[k] = ds;
+            sd[k] = __float2bfloat16_rn(ds); // dq's product takes DS in bf16
+        }
+    }
+    __syncthreads();
+    tca_weighted_sum(a.dq + t * H * d, H, d, sP, sKT, kp, nk, S);
 }
 
 // acc += Σ_h (DS·q_h + P·dout_h)[c] of query t at its key-list position kidx, heads in order (the CPU's key_grad_from)
@@ -622,9 +664,22 @@ void ds4_cuda_attn_bwd_q(ds4_dev *d, const ds4_a_attn_bwd *a) {
                      (long long)g.kmax, (long long)a->maxk);
         return;
     }
-    const size_t smem = (size_t)g.kmax * (sizeof(float *) + 2 * sizeof(float));
     char what[96];
     snprintf(what, sizeof what, "%lld keys per query", (long long)g.kmax);
+    if (a->bf16_in) {
+        const size_t smem = tca_layout_of(g.H, g.d, g.kmax, 1).bytes;
+        if (!grid_fits(d, T, "attn_bwd_q", "queries")) return;
+        if (smem > cdev(d)->smem_bwd_tc) {
+            if (!smem_fits(d, attn_bwd_q_tc_kernel, smem, "attn_bwd_q (bf16)", what)) return;
+            cdev(d)->smem_bwd_tc = smem;
+        }
+        attn_bwd_q_tc_kernel<<<(unsigned)T, TCA_THREADS, smem, cdev(d)->stream>>>(g);
+        ds4_cuda_launched(d, "attn_bwd_q", "[%lld queries, %lld heads x %lld, <= %lld keys, %s, bf16 tensor cores]",
+                          (long long)T, (long long)g.H, (long long)g.d, (long long)g.kmax,
+                          ds4_attn_type_name(a->l->type));
+        return;
+    }
+    const size_t smem = (size_t)g.kmax * (sizeof(float *) + 2 * sizeof(float));
     if (!smem_fits(d, attn_bwd_q_kernel, smem, "attn_bwd_q", what) ||
         !grid_fits(d, T * g.H, "attn_bwd_q", "queries x heads"))
         return;

@@ -36,6 +36,7 @@ struct cuda_dev {
     int smem_set[4];              // kernels whose dynamic shared memory limit was raised: 1, refused: -1 (the skinny
                                   // fp32 GEMM, the pipelined bf16 GEMM)
     size_t smem_attn, smem_idx;   // the limits raised so far for attention and the indexer
+    size_t smem_attn_tc, smem_bwd_tc; // the same for the bf16 mode's attention and its backward's per-query phase
     // scratch owned by the backend (grown, never shrunk; allocated before a pass, never inside one)
     void *scratch[3];
     size_t scratch_bytes[3];

@@ -83,6 +83,7 @@ typedef struct ctx {
     int overlap;
     twin kl, has, dI, diq, diw, dsi, dKi;                                    /* indexer KL */
     int with_dI;
+    int bf16;                     /* the bf16 mode's attention (bf16_in) on both sides */
 } ctx;
 
 #define SIDE(b) S(x->b)
@@ -91,14 +92,15 @@ static ds4_dev *dev_of(int side) { return side ? gpu : cpu; }
 static void s_attention(const ctx *x, int side) {
     OP(dev_of(side), attention, .c = &x->c, .type = x->type, .sink = SIDE(sink), .q = SIDE(q), .kv = SIDE(kv),
        .cK = SIDE(cK), .rows = {.T = x->T, .S = x->S}, .nwin = x->nwin, .sel = SIDE(sel), .nsel = SIDE(nsel),
-       .sel_stride = x->stride, .o = SIDE(o), .itgt = SIDE(itgt));
+       .sel_stride = x->stride, .o = SIDE(o), .itgt = SIDE(itgt), .bf16_in = x->bf16);
 }
 
 static ds4_a_attn_bwd abwd(const ctx *x, int side) {
     return (ds4_a_attn_bwd){.c = &x->c, .l = &x->l[side], .lt = &x->lt[side], .B = x->B, .S = x->S,
                             .sel_stride = x->stride, .dout = SIDE(dout), .P = SIDE(P), .DS = SIDE(DS),
                             .maxk = x->maxk, .dsink_t = SIDE(dsink), .dq = SIDE(dq), .dkv = SIDE(dkv), .dK = SIDE(dK),
-                            .inv_off = SIDE(inv_off), .inv_t = SIDE(inv_t), .inv_i = SIDE(inv_i)};
+                            .inv_off = SIDE(inv_off), .inv_t = SIDE(inv_t), .inv_i = SIDE(inv_i),
+                            .bf16_in = x->bf16};
 }
 static void s_attn_q(const ctx *x, int side) {
     const ds4_a_attn_bwd a = abwd(x, side);
@@ -277,6 +279,20 @@ static void t_case(const tcase *tc) {
                    {"dq", &x->dq, F32, 1e-5, 0}};
         check_op(NAME("attn_bwd_q"), x, s_attn_q, o, 4);
     }
+    { /* the bf16 mode: the tensor-core kernels (one block per query, every head) against the CPU's emulation, which
+       * rounds the same operands to bf16. P, DS, dsink and itgt come from bf16 products of exact fp32 products summed
+       * in another order: 1e-5 as above. o and dq multiply P and DS rounded to bf16: where the two sides' fp32 P
+       * differ in their last bits and straddle a bf16 rounding boundary, that term moves by up to 2^-8 of itself
+       * (a rare event: P within ~1e-7 relative of a boundary); 2e-3 leaves room for a few such terms per row, while a
+       * wrong key, head or scale is an O(1) error. */
+        x->bf16 = 1;
+        out oa[] = {{"o", &x->o, F32, 2e-3, 0}, {"itgt", &x->itgt, F32, 1e-5, 0}};
+        check_op(NAME("attention, bf16"), x, s_attention, oa, tc->type == DS4_ATTN_CSA ? 2 : 1);
+        out o[] = {{"P", &x->P, F32, 1e-5, 0}, {"DS", &x->DS, F32, 1e-5, 0}, {"dsink_t", &x->dsink, F32, 1e-5, 0},
+                   {"dq", &x->dq, F32, 2e-3, 0}};
+        check_op(NAME("attn_bwd_q, bf16"), x, s_attn_q, o, 4);
+        x->bf16 = 0;
+    }
     {
         out o[] = {{"dkv", &x->dkv, F32, 1e-5, 0}};
         check_op(NAME("attn_bwd_kv"), x, s_attn_kv, o, 1);
@@ -347,7 +363,7 @@ int main(int argc, char **argv) {
     if (rc) return ds4t_finish("test_cuda_bwd_attn");
     ds4_error err = {0};
     ds4_config big = {0}; /* CPU scratch (attention key lists) for every shape below */
-    big.hc_mult = 4, big.hidden_size = 64, big.num_attention_heads = 4, big.head_dim = 64, big.sliding_window = 128;
+    big.hc_mult = 4, big.hidden_size = 64, big.num_attention_heads = 20, big.head_dim = 136, big.sliding_window = 128;
     big.compress_rate_csa = 4, big.compress_rate_hca = 128, big.index_topk = 64;
     CHECK_OK(cpu->ops->reserve(cpu, &big, 1024, 512, 0, &err), &err);
     const tcase cases[] = {
@@ -360,6 +376,8 @@ int main(int argc, char **argv) {
         {DS4_ATTN_CSA, 2, 45, 64, 4, 16, 2, 32, 3, 24},       /* topk > every query's entries; window > S */
         {DS4_ATTN_CSA, 1, 9, 3, 4, 5, 1, 16, 1, 16},          /* tiny: two entries */
         {DS4_ATTN_CSA, 2, 70, 7, 4, 9, 2, 64, 2, 40},         /* several chunks of picks; more than a warp of channels */
+        {DS4_ATTN_HCA, 1, 77, 40, 4, 1, 20, 136, 2, 16},      /* bf16: two m-tiles of heads, two passes of channels */
+        {DS4_ATTN_CSA, 2, 50, 33, 4, 7, 16, 128, 2, 16},      /* the 599M config's heads and head_dim */
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) t_case(&cases[i]);
     t_too_large();

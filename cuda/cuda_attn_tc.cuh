@@ -1,0 +1,201 @@
+// cuda_attn_tc.cuh — the bf16 mode's attention products on the tensor cores, shared by the forward
+// (cuda_attn.cu) and the backward's per-query phase (cuda_bwd_attn.cu), so that the backward recomputes the
+// forward's probabilities bit for bit.
+//
+// V4 attention has one KV head: every head of query row t attends over the same key list (window keys, then
+// compressed entries), with values = keys. One block of TCA_THREADS takes row t and all its heads: the heads are
+// the rows of an m16n8k16 bf16 product (padded to Hp, a multiple of 16, with zero rows), so the keys are read once
+// per row instead of once per (row, head).
+//   1. logits [Hp, nk] = q [Hp, d] · keysᵀ, keys staged 32 at a time as bf16 rows; warp w takes keys w·8.. of a
+//      chunk, every m-tile, the channels in chunks of 32 (ds4d_mma_k32's k-slots), one fp32 accumulator per output;
+//      then × 1/sqrt(d) (after the sum, as the fp32 kernels and the CPU).
+//   2. softmax with sink per head row (fp32 values, double denominator), a warp per row: lanes take keys lane,
+//      lane+32, .. in order, fixed butterflies (the same bits at every launch, whatever else runs).
+//   3. out [Hp, d] = P (bf16) · keys (bf16), keys staged 32 at a time transposed ([channel][key]); warp w takes 32
+//      channels of the pass, every m-tile; the keys of a chunk in the mma's k-slots, chunks added in order into one
+//      fp32 accumulator per output.
+// The operands are rounded to bf16 to nearest even (ds4_f32_to_bf16 on the CPU); the sums are fp32. Which keys a
+// row sees, and where they live (this pass's rows, the cache's ring, the compressed entries), only changes the
+// pointers kp: a decoding step and the full forward give the same bits.
+#ifndef DS4_CUDA_ATTN_TC_CUH
+#define DS4_CUDA_ATTN_TC_CUH
+
+#include <cstdint>
+#include <cuda_bf16.h>
+
+#include "cuda_dev.cuh"
+#include "cuda_tile.cuh"
+
+constexpr int TCA_THREADS = 128, TCA_WARPS = TCA_THREADS / 32;
+constexpr int TCA_KC = 32;           // keys per staged chunk
+constexpr int TCA_MT = 2;            // m-tiles (16 heads each) per pass of the output product
+constexpr int TCA_NW = 4;            // n-tiles (8 channels) per warp per pass: 128 channels a pass
+constexpr int TCA_LT = TCA_KC + 8;   // row length of the transposed key chunk (bf16; 80 bytes, 16-byte aligned rows)
+
+// The block's shared memory, carved from one dynamic allocation (byte offsets 16-aligned).
+struct tca_layout {
+    int64_t Hp, dp, LQ, nkp, LP;     // padded heads; padded channels; q row length; padded keys; P row length
+    size_t kp, lg, dp_, sP, sQ, sG, sK, sKT, bytes;
+};
+
+__host__ __device__ inline int64_t tca_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// maxk: the longest key list; grad: the backward's extra operand (dout) and logit-gradient rows.
+__host__ __device__ inline tca_layout tca_layout_of(int64_t H, int64_t d, int64_t maxk, int grad) {
+    tca_layout L;
+    L.Hp = tca_up(H, 16), L.dp = tca_up(d, 32), L.LQ = L.dp + 8, L.nkp = tca_up(maxk > 0 ? maxk : 1, TCA_KC);
+    L.LP = L.nkp + 8;
+    size_t o = 0;
+    auto take = [&o](size_t bytes) { const size_t at = o; o += (bytes + 15) / 16 * 16; return at; };
+    L.kp = take((size_t)L.nkp * sizeof(void *));
+    L.lg = take((size_t)(L.Hp * L.nkp) * sizeof(float));
+    L.dp_ = grad ? take((size_t)(L.Hp * L.nkp) * sizeof(float)) : 0;
+    L.sP = take((size_t)(L.Hp * L.LP) * 2);
+    L.sQ = take((size_t)(L.Hp * L.LQ) * 2);
+    L.sG = grad ? take((size_t)(L.Hp * L.LQ) * 2) : 0;
+    L.sK = take((size_t)(TCA_KC * L.LQ) * 2);
+    L.sKT = take((size_t)(TCA_NW * TCA_WARPS * 8 * TCA_LT) * 2);
+    L.bytes = o;
+    return L;
+}
+
+// rows [H, d] fp32 (row stride d) -> s [Hp, LQ] bf16, zeros past H and d
+__device__ __forceinline__ void tca_stage_rows(__nv_bfloat16 *s, const float *x, int64_t H, int64_t d,
+                                               const tca_layout &L) {
+    for (int64_t i = threadIdx.x; i < L.Hp * L.dp; i += TCA_THREADS) {
+        const int64_t h = i / L.dp, c = i % L.dp;
+        s[h * L.LQ + c] = __float2bfloat16_rn(h < H && c < d ? x[h * d + c] : 0.0f);
+    }
+}
+
+// keys k0 .. k0+31 -> sK [32, LQ] bf16 (zero rows past nk, zero channels past d)
+__device__ __forceinline__ void tca_stage_keys(__nv_bfloat16 *sK, const float *const *kp, int64_t k0, int64_t nk,
+                                               int64_t d, const tca_layout &L) {
+    for (int64_t i = threadIdx.x; i < TCA_KC * L.dp; i += TCA_THREADS) {
+        const int64_t j = i / L.dp, c = i % L.dp;
+        sK[j * L.LQ + c] = __float2bfloat16_rn(k0 + j < nk && c < d ? kp[k0 + j][c] : 0.0f);
+    }
+}
+
+// Product 1 over one staged chunk of keys (columns k0..k0+31 of the outputs): out[h, k] = scale · Σ_c a[h, c]·key[c]
+// for every head row; with a second operand (the backward's dout), out2 likewise without the scale.
+__device__ __forceinline__ void tca_scores_chunk(float *out, float *out2, const __nv_bfloat16 *sA,
+                                                 const __nv_bfloat16 *sA2, const __nv_bfloat16 *sK, int64_t k0,
+                                                 float scale, const tca_layout &L) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const int64_t col = k0 + warp * 8 + 2 * t;
+    for (int64_t mt = 0; mt < L.Hp / 16; mt++) {
+        float acc[4] = {0, 0, 0, 0}, acc2[4] = {0, 0, 0, 0};
+        for (int64_t kc = 0; kc < L.dp; kc += 32) {
+            uint32_t ag[4], ag8[4], b[4];
+            const uint4 vb = *reinterpret_cast<const uint4 *>(&sK[(warp * 8 + g) * L.LQ + kc + t * 8]);
+            b[0] = vb.x, b[1] = vb.y, b[2] = vb.z, b[3] = vb.w;
+            const uint4 va = *reinterpret_cast<const uint4 *>(&sA[(mt * 16 + g) * L.LQ + kc + t * 8]);
+            const uint4 va8 = *reinterpret_cast<const uint4 *>(&sA[(mt * 16 + g + 8) * L.LQ + kc + t * 8]);
+            ag[0] = va.x, ag[1] = va.y, ag[2] = va.z, ag[3] = va.w;
+            ag8[0] = va8.x, ag8[1] = va8.y, ag8[2] = va8.z, ag8[3] = va8.w;
+            ds4d_mma_k32(acc, ag, ag8, b);
+            if (sA2) {
+                const uint4 vc = *reinterpret_cast<const uint4 *>(&sA2[(mt * 16 + g) * L.LQ + kc + t * 8]);
+                const uint4 vc8 = *reinterpret_cast<const uint4 *>(&sA2[(mt * 16 + g + 8) * L.LQ + kc + t * 8]);
+                ag[0] = vc.x, ag[1] = vc.y, ag[2] = vc.z, ag[3] = vc.w;
+                ag8[0] = vc8.x, ag8[1] = vc8.y, ag8[2] = vc8.z, ag8[3] = vc8.w;
+                ds4d_mma_k32(acc2, ag, ag8, b);
+            }
+        }
+        const int64_t r = mt * 16 + g;
+        out[r * L.nkp + col] = acc[0] * scale, out[r * L.nkp + col + 1] = acc[1] * scale;
+        out[(r + 8) * L.nkp + col] = acc[2] * scale, out[(r + 8) * L.nkp + col + 1] = acc[3] * scale;
+        if (out2) {
+            out2[r * L.nkp + col] = acc2[0], out2[r * L.nkp + col + 1] = acc2[1];
+            out2[(r + 8) * L.nkp + col] = acc2[2], out2[(r + 8) * L.nkp + col + 1] = acc2[3];
+        }
+    }
+}
+
+// Product 1 over every key of the row: stages the keys chunk by chunk (sK), logits into lg (and dout·key into dpv).
+__device__ __forceinline__ void tca_scores(float *lg, float *dpv, const __nv_bfloat16 *sQ, const __nv_bfloat16 *sG,
+                                           __nv_bfloat16 *sK, const float *const *kp, int64_t nk, int64_t d,
+                                           float scale, const tca_layout &L) {
+    for (int64_t k0 = 0; k0 < nk; k0 += TCA_KC) {
+        tca_stage_keys(sK, kp, k0, nk, d, L);
+        __syncthreads();
+        tca_scores_chunk(lg, dpv, sQ, sG, sK, k0, scale, L);
+        __syncthreads();
+    }
+}
+
+// Softmax with sink of head row h's logits l[0..nk) in place (a warp each): l = P (fp32), sP = P in bf16, zero from
+// nk to the padded end. Returns the denominator (double, the sink's term included) and sets *mx_out.
+__device__ __forceinline__ double tca_softmax_row(float *l, __nv_bfloat16 *sP, int64_t nk, int64_t nkp, float sink,
+                                                  float *mx_out) {
+    const int lane = threadIdx.x & 31;
+    float mx = sink;
+    for (int64_t k = lane; k < nk; k += 32) mx = fmaxf(mx, l[k]);
+    mx = ds4d_warp_maxf(mx);
+    double den = 0;
+    for (int64_t k = lane; k < nk; k += 32) den += (double)(l[k] = (float)exp((double)(l[k] - mx)));
+    den = ds4d_warp_sum(den) + exp((double)(sink - mx));
+    for (int64_t k = lane; k < nkp; k += 32) {
+        const float p = k < nk ? (float)(l[k] / den) : 0.0f;
+        l[k] = p;
+        sP[k] = __float2bfloat16_rn(p);
+    }
+    *mx_out = mx;
+    return den;
+}
+
+// Product 3: out [H, d] (row stride d) = A [Hp, nk] (bf16 rows of sP, zero past nk) · keys. Passes of TCA_MT m-tiles
+// × 128 channels; in each, keys 32 at a time transposed into sKT (zero past nk and d).
+__device__ __forceinline__ void tca_weighted_sum(float *out, int64_t H, int64_t d, const __nv_bfloat16 *sP,
+                                                 __nv_bfloat16 *sKT, const float *const *kp, int64_t nk,
+                                                 const tca_layout &L) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    constexpr int PC = TCA_NW * TCA_WARPS * 8; // channels per pass
+    const int64_t nmt = L.Hp / 16;
+    for (int64_t m0 = 0; m0 < nmt; m0 += TCA_MT)
+        for (int64_t c0 = 0; c0 < d; c0 += PC) {
+            float acc[TCA_MT][TCA_NW][4];
+            ds4d_mma_zero(acc);
+            for (int64_t k0 = 0; k0 < nk; k0 += TCA_KC) {
+                for (int64_t i = threadIdx.x; i < (int64_t)PC * TCA_KC; i += TCA_THREADS) {
+                    const int64_t j = i / PC, cc = i % PC; // consecutive threads: consecutive channels of one key
+                    const int64_t c = c0 + cc;
+                    sKT[cc * TCA_LT + j] = __float2bfloat16_rn(k0 + j < nk && c < d ? kp[k0 + j][c] : 0.0f);
+                }
+                __syncthreads();
+                uint32_t b[TCA_NW][4];
+#pragma unroll
+                for (int j = 0; j < TCA_NW; j++) {
+                    const uint4 v = *reinterpret_cast<const uint4 *>(&sKT[(warp * TCA_NW * 8 + j * 8 + g) * TCA_LT + t * 8]);
+                    b[j][0] = v.x, b[j][1] = v.y, b[j][2] = v.z, b[j][3] = v.w;
+                }
+#pragma unroll
+                for (int i = 0; i < TCA_MT; i++) {
+                    if (m0 + i >= nmt) break;
+                    const int64_t r = (m0 + i) * 16 + g;
+                    uint32_t ag[4], ag8[4];
+                    const uint4 va = *reinterpret_cast<const uint4 *>(&sP[r * L.LP + k0 + t * 8]);
+                    const uint4 va8 = *reinterpret_cast<const uint4 *>(&sP[(r + 8) * L.LP + k0 + t * 8]);
+                    ag[0] = va.x, ag[1] = va.y, ag[2] = va.z, ag[3] = va.w;
+                    ag8[0] = va8.x, ag8[1] = va8.y, ag8[2] = va8.z, ag8[3] = va8.w;
+#pragma unroll
+                    for (int j = 0; j < TCA_NW; j++) ds4d_mma_k32(acc[i][j], ag, ag8, b[j]);
+                }
+                __syncthreads();
+            }
+#pragma unroll
+            for (int i = 0; i < TCA_MT; i++)
+#pragma unroll
+                for (int j = 0; j < TCA_NW; j++) {
+                    const int64_t h = (m0 + i) * 16 + g, c = c0 + warp * TCA_NW * 8 + j * 8 + 2 * t;
+#pragma unroll
+                    for (int q = 0; q < 4; q++) {
+                        const int64_t hh = h + (q >> 1) * 8, cc = c + (q & 1);
+                        if (hh < H && cc < d) out[hh * d + cc] = acc[i][j][q];
+                    }
+                }
+        }
+}
+
+#endif
