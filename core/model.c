@@ -289,6 +289,17 @@ ds4_status ds4_model_set_kv_qat(ds4_model *m, int on, ds4_error *err) {
 
 int ds4_model_kv_qat(const ds4_model *m) { return m && m->kv_qat; }
 
+ds4_status ds4_model_set_bf16_emulation(ds4_model *m, int on, ds4_error *err) {
+    if (!m) return ds4_fail(err, DS4_ERR_ARG, "bf16 emulation: NULL model");
+    if (m->dev_opt.type != DS4_DEVICE_CPU)
+        return ds4_fail(err, DS4_ERR_UNSUPPORTED, "bf16 emulation: a model on the CPU only (this one is on %s)",
+                        ds4_model_device_name(m));
+    ds4_model_emulate_bf16(m, on);
+    return DS4_OK;
+}
+
+int ds4_model_bf16_emulation(const ds4_model *m) { return m && m->emulate_bf16; }
+
 int64_t ds4_f32_byte_offset(const ds4_model *m, size_t i, void *ctx) {
     (void)ctx;
     return m->table[i].offset * (int64_t)sizeof(float);

@@ -630,6 +630,22 @@ static int m_kv_qat(lua_State *L) {
     return 1;
 }
 
+/* model:set_bf16_emulation(on): the CPU's emulation of the CUDA bf16 mode (ds4_model_set_bf16_emulation);
+ * model:bf16_emulation() reads it. */
+static int m_set_bf16_emulation(lua_State *L) {
+    const char *fname = "ds4.model:set_bf16_emulation";
+    ds4_model *m = check_model(L, fname)->m;
+    if (lua_type(L, 2) != LUA_TBOOLEAN) ds4l_raise(L, "%s: on must be a boolean, got %s", fname, luaL_typename(L, 2));
+    ds4_error err = {0};
+    if (ds4_model_set_bf16_emulation(m, lua_toboolean(L, 2), &err) != DS4_OK) ds4l_raise_ds4(L, fname, &err);
+    return 0;
+}
+
+static int m_bf16_emulation(lua_State *L) {
+    lua_pushboolean(L, ds4_model_bf16_emulation(check_model(L, "ds4.model:bf16_emulation")->m));
+    return 1;
+}
+
 /* model:tensors() -> {name = tensor}: copies of the parameters (canonical official names). With sharded experts
  * (expert parallelism) the routed experts other ranks hold are left out. */
 static int m_tensors(lua_State *L) {
@@ -880,7 +896,8 @@ static int m_forward(lua_State *L) {
 static const luaL_Reg model_methods[] = {
     {"forward", m_forward}, {"config", m_config}, {"n_params", m_n_params}, {"has_mtp", m_has_mtp},
     {"tensors", m_tensors}, {"free", m_free},     {"to", m_to},           {"device", m_device},
-    {"profile", m_profile}, {"set_kv_qat", m_set_kv_qat}, {"kv_qat", m_kv_qat}, {"memory", m_memory},
+    {"profile", m_profile}, {"set_kv_qat", m_set_kv_qat}, {"kv_qat", m_kv_qat},
+    {"set_bf16_emulation", m_set_bf16_emulation}, {"bf16_emulation", m_bf16_emulation}, {"memory", m_memory},
     {NULL, NULL},
 };
 

@@ -366,6 +366,13 @@ ds4_device_options ds4_model_device(const ds4_model *m);
  * power-of-two index_head_dim. */
 ds4_status ds4_model_set_kv_qat(ds4_model *m, int on, ds4_error *err);
 int ds4_model_kv_qat(const ds4_model *m);
+/* The CPU's emulation of the CUDA bf16 mode (a model on the CPU only): every product's operands are rounded to bf16
+ * to nearest even where the bf16 mode rounds them (the activations of the linear products, the attention's q, keys
+ * and probabilities), the sums stay fp32. With the weight matrices rounded to bf16 too (write them through
+ * ds4_model_params), the model computes what the GPU's bf16 mode computes up to fp32 summation order: the reference
+ * the bf16 tests compare the GPU with, and a way to see how far bf16 moves a model from fp32. */
+ds4_status ds4_model_set_bf16_emulation(ds4_model *m, int on, ds4_error *err);
+int ds4_model_bf16_emulation(const ds4_model *m);
 /* A short description: "cpu", "cuda:0 bf16". */
 const char *ds4_model_device_name(const ds4_model *m);
 /* Call after writing to the host parameters (ds4_model_params, tensor views): a model on a device refreshes its copy
