@@ -43,7 +43,10 @@ __host__ __device__ inline int64_t tca_up(int64_t x, int64_t m) { return (x + m 
 // maxk: the longest key list; grad: the backward's extra operand (dout) and logit-gradient rows.
 __host__ __device__ inline tca_layout tca_layout_of(int64_t H, int64_t d, int64_t maxk, int grad) {
     tca_layout L;
-    L.Hp = tca_up(H, 16), L.dp = tca_up(d, 32), L.LQ = L.dp + 8, L.nkp = tca_up(maxk > 0 ? maxk : 1, TCA_KC);
+    L.Hp = tca_up(H, 16), L.dp = tca_up(d, 32), L.nkp = tca_up(maxk > 0 ? maxk : 1, TCA_KC);
+    // rows of q, dout and keys: a length of 32 mod 64 bf16 (64 bytes mod 128) keeps a quarter-warp's fragment reads
+    // (rows r and r + 1, 16-byte pieces 0..3) on distinct banks
+    L.LQ = L.dp % 64 == 0 ? L.dp + 32 : L.dp;
     L.LP = L.nkp + 8;
     size_t o = 0;
     auto take = [&o](size_t bytes) { const size_t at = o; o += (bytes + 15) / 16 * 16; return at; };
@@ -59,21 +62,39 @@ __host__ __device__ inline tca_layout tca_layout_of(int64_t H, int64_t d, int64_
     return L;
 }
 
-// rows [H, d] fp32 (row stride d) -> s [Hp, LQ] bf16, zeros past H and d
-__device__ __forceinline__ void tca_stage_rows(__nv_bfloat16 *s, const float *x, int64_t H, int64_t d,
-                                               const tca_layout &L) {
-    for (int64_t i = threadIdx.x; i < L.Hp * L.dp; i += TCA_THREADS) {
-        const int64_t h = i / L.dp, c = i % L.dp;
-        s[h * L.LQ + c] = __float2bfloat16_rn(h < H && c < d ? x[h * d + c] : 0.0f);
-    }
+__device__ __forceinline__ uint32_t tca_pack(float lo, float hi) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t *>(&v);
 }
 
-// keys k0 .. k0+31 -> sK [32, LQ] bf16 (zero rows past nk, zero channels past d)
+// 4 fp32 values at p (c .. c+3 of a row of d) -> 4 bf16 at s: one 16-byte load where the row allows it, zeros past d.
+__device__ __forceinline__ void tca_put4(__nv_bfloat16 *s, const float *p, int c, int d) {
+    float v[4];
+    if (p && c + 4 <= d && ((reinterpret_cast<uintptr_t>(p + c) & 15) == 0)) {
+        const float4 f = *reinterpret_cast<const float4 *>(p + c);
+        v[0] = f.x, v[1] = f.y, v[2] = f.z, v[3] = f.w;
+    } else {
+#pragma unroll
+        for (int i = 0; i < 4; i++) v[i] = p && c + i < d ? p[c + i] : 0.0f;
+    }
+    *reinterpret_cast<uint2 *>(s + c) = make_uint2(tca_pack(v[0], v[1]), tca_pack(v[2], v[3]));
+}
+
+// rows [H, d] fp32 (row stride d) -> s [Hp, LQ] bf16, zeros past H and d: a warp per row, 4 values per lane
+__device__ __forceinline__ void tca_stage_rows(__nv_bfloat16 *s, const float *x, int64_t H, int64_t d,
+                                               const tca_layout &L) {
+    const int lane = threadIdx.x & 31, dp = (int)L.dp;
+    for (int h = threadIdx.x >> 5; h < (int)L.Hp; h += TCA_WARPS)
+        for (int c = lane * 4; c < dp; c += 128) tca_put4(s + h * L.LQ, h < H ? x + h * d : nullptr, c, (int)d);
+}
+
+// keys k0 .. k0+31 -> sK [32, LQ] bf16 (zero rows past nk, zero channels past d): a warp per key row
 __device__ __forceinline__ void tca_stage_keys(__nv_bfloat16 *sK, const float *const *kp, int64_t k0, int64_t nk,
                                                int64_t d, const tca_layout &L) {
-    for (int64_t i = threadIdx.x; i < TCA_KC * L.dp; i += TCA_THREADS) {
-        const int64_t j = i / L.dp, c = i % L.dp;
-        sK[j * L.LQ + c] = __float2bfloat16_rn(k0 + j < nk && c < d ? kp[k0 + j][c] : 0.0f);
+    const int lane = threadIdx.x & 31, dp = (int)L.dp;
+    for (int j = threadIdx.x >> 5; j < TCA_KC; j += TCA_WARPS) {
+        const float *p = k0 + j < nk ? kp[k0 + j] : nullptr;
+        for (int c = lane * 4; c < dp; c += 128) tca_put4(sK + j * L.LQ, p, c, (int)d);
     }
 }
 
@@ -158,10 +179,19 @@ __device__ __forceinline__ void tca_weighted_sum(float *out, int64_t H, int64_t 
             float acc[TCA_MT][TCA_NW][4];
             ds4d_mma_zero(acc);
             for (int64_t k0 = 0; k0 < nk; k0 += TCA_KC) {
-                for (int64_t i = threadIdx.x; i < (int64_t)PC * TCA_KC; i += TCA_THREADS) {
-                    const int64_t j = i / PC, cc = i % PC; // consecutive threads: consecutive channels of one key
+                // thread i: channel i % PC of 8 consecutive keys (consecutive threads read consecutive channels of a
+                // key), one 16-byte store of the 8 into sKT's row: 80-byte rows put a quarter-warp's 8 rows on
+                // distinct banks
+                for (int i = threadIdx.x; i < PC * (TCA_KC / 8); i += TCA_THREADS) {
+                    const int cc = i % PC, j0 = (i / PC) * 8;
                     const int64_t c = c0 + cc;
-                    sKT[cc * TCA_LT + j] = __float2bfloat16_rn(k0 + j < nk && c < d ? kp[k0 + j][c] : 0.0f);
+                    float v[8];
+#pragma unroll
+                    for (int u = 0; u < 8; u++) v[u] = k0 + j0 + u < nk && c < d ? kp[k0 + j0 + u][c] : 0.0f;
+                    uint4 w;
+                    w.x = tca_pack(v[0], v[1]), w.y = tca_pack(v[2], v[3]), w.z = tca_pack(v[4], v[5]);
+                    w.w = tca_pack(v[6], v[7]);
+                    *reinterpret_cast<uint4 *>(&sKT[cc * TCA_LT + j0]) = w;
                 }
                 __syncthreads();
                 uint32_t b[TCA_NW][4];
