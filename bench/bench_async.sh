@@ -7,6 +7,8 @@
 #   EXTRA="--prompts 32 --n 8" bash bench/bench_async.sh   more dapo.lua options for both runs
 #   REPEAT=3 bash bench/bench_async.sh                 sync and async alternately, 3 times each (a shared machine's
 #                                                      load moves single runs by tens of percent)
+#   WORKER_THREADS=2 EXTRA="--threads 12" bash ...     threads per worker (default 1) and the trainer's: generation
+#                                                      and training balanced on the cores of one machine
 #
 # Prints per mode: the RL steps' wall-clock (the sum of metrics.jsonl's seconds, warm-up and first evaluation
 # excluded), the time the trainer waited for rollouts (time/generate), trained (time/train) and evaluated, the mean
@@ -19,10 +21,11 @@ DS4="${1:-$ROOT/build/ds4}"
 STEPS="${2:-40}"
 K="${3:-1}"
 EXTRA="${EXTRA:-}"
+WT="${WORKER_THREADS:-1}"
 tmp="$(mktemp -d "${TMPDIR:-/tmp}/ds4-bench-async.XXXXXX")"
 pids=()
 trap 'for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null || true; done; rm -rf "$tmp"' EXIT
-echo "bench_async: $(nproc) cores, $STEPS RL steps, K = $K, two workers (1 thread each); dapo.lua ${EXTRA:-(defaults)}"
+echo "bench_async: $(nproc) cores, $STEPS RL steps, K = $K, two workers ($WT thread(s) each); dapo.lua ${EXTRA:-(defaults)}"
 
 run() { # name, dapo options...
     local name="$1"
@@ -44,7 +47,7 @@ run() { # name, dapo options...
     [ -n "$cmd" ] || { echo "dapo.lua printed no worker command"; cat "$tmp/$name.err"; exit 1; }
     local w ws=()
     for w in 1 2; do
-        eval "exec $cmd --threads 1 --id $name-w$w --quiet" >"$tmp/$name-w$w.log" 2>&1 &
+        eval "exec $cmd --threads $WT --id $name-w$w --quiet" >"$tmp/$name-w$w.log" 2>&1 &
         ws+=("$!")
         pids+=("$!")
     done
