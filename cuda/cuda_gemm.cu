@@ -577,6 +577,7 @@ const pipe_cfg *pipe_cfgs(int *n) {
         pipe_of<128, 128, 32, 32, 4, 2>("128x128, 16 warps of 32x32, 4 stages of 64 k"),
         pipe_of<128, 128, 64, 32, 3, 2>("128x128, 8 warps of 64x32, 3 stages of 64 k"),
         pipe_of<128, 128, 32, 32, 3, 2>("128x128, 16 warps of 32x32, 3 stages of 64 k"),
+        pipe_of<64, 64, 32, 32, 4, 2>("64x64, 4 warps of 32x32, 4 stages of 64 k"), // ~120 registers: 3 blocks
     };
     *n = (int)(sizeof cfgs / sizeof *cfgs);
     return cfgs;
