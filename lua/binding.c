@@ -53,12 +53,6 @@ void ds4l_format_shape(char *buf, size_t cap, int32_t ndim, const int64_t *shape
     if (o < cap) snprintf(buf + o, cap - o, "]");
 }
 
-static int number_to_i64(lua_Number v, int64_t *out) {
-    if (!(v == floor(v)) || !(fabs(v) < 9223372036854775808.0)) return 0;
-    *out = (int64_t)v;
-    return 1;
-}
-
 /* ------------------------------------------------------------------------------------------------ engine */
 
 typedef struct engine_ref {
@@ -119,7 +113,7 @@ static engine_ref *get_engine(lua_State *L, const char *fname) {
 static int l_set_threads(lua_State *L) {
     const char *fname = "ds4.set_threads";
     int64_t n;
-    if (lua_type(L, 1) != LUA_TNUMBER || !number_to_i64(lua_tonumber(L, 1), &n) || n < 0 || n > 4096)
+    if (lua_type(L, 1) != LUA_TNUMBER || !ds4l_number_to_i64(lua_tonumber(L, 1), &n) || n < 0 || n > 4096)
         ds4l_raise(L, "%s: bad argument #1 (thread count 0..4096 expected, 0 = one per physical core, at most 16; got %s)", fname,
                    lua_isnumber(L, 1) ? lua_tostring(L, 1) : luaL_typename(L, 1));
     engine_holder *h = get_holder(L);
@@ -254,52 +248,39 @@ static const char *score_name(ds4_score_func s) {
     return "unknown";
 }
 
-static void set_num(lua_State *L, const char *k, double v) {
-    lua_pushnumber(L, v);
-    lua_setfield(L, -2, k);
-}
-static void set_bool(lua_State *L, const char *k, int v) {
-    lua_pushboolean(L, v);
-    lua_setfield(L, -2, k);
-}
-static void set_str(lua_State *L, const char *k, const char *v) {
-    lua_pushstring(L, v);
-    lua_setfield(L, -2, k);
-}
-
 static void push_rope(lua_State *L, const ds4_rope_params *r) {
     lua_createtable(L, 0, 10);
-    set_str(L, "rope_type", r->type == DS4_ROPE_YARN ? "yarn" : "default");
-    set_num(L, "rope_theta", r->theta);
-    set_num(L, "partial_rotary_factor", r->partial_rotary_factor);
-    set_num(L, "dim", (double)r->dim);
+    ds4l_set_str(L, "rope_type", r->type == DS4_ROPE_YARN ? "yarn" : "default");
+    ds4l_set_num(L, "rope_theta", r->theta);
+    ds4l_set_num(L, "partial_rotary_factor", r->partial_rotary_factor);
+    ds4l_set_int(L, "dim", r->dim);
     if (r->type == DS4_ROPE_YARN) {
-        set_num(L, "factor", r->factor);
-        set_num(L, "original_max_position_embeddings", r->original_max_position_embeddings);
-        set_num(L, "beta_fast", r->beta_fast);
-        set_num(L, "beta_slow", r->beta_slow);
-        set_num(L, "attention_factor", r->attention_factor);
-        set_bool(L, "truncate", r->truncate);
+        ds4l_set_num(L, "factor", r->factor);
+        ds4l_set_num(L, "original_max_position_embeddings", r->original_max_position_embeddings);
+        ds4l_set_num(L, "beta_fast", r->beta_fast);
+        ds4l_set_num(L, "beta_slow", r->beta_slow);
+        ds4l_set_num(L, "attention_factor", r->attention_factor);
+        ds4l_set_bool(L, "truncate", r->truncate);
     }
 }
 
 /* Every ds4_config field, spelled as in config.json where the field has an HF name. */
 static void push_config(lua_State *L, const ds4_config *c) {
     lua_createtable(L, 0, 48);
-    set_num(L, "vocab_size", (double)c->vocab_size);
-    set_num(L, "hidden_size", (double)c->hidden_size);
-    set_num(L, "num_hidden_layers", (double)c->num_hidden_layers);
-    set_num(L, "num_attention_heads", (double)c->num_attention_heads);
-    set_num(L, "num_key_value_heads", (double)c->num_key_value_heads);
-    set_num(L, "head_dim", (double)c->head_dim);
-    set_num(L, "qk_rope_head_dim", (double)c->rope_head_dim);
-    set_num(L, "q_lora_rank", (double)c->q_lora_rank);
-    set_num(L, "o_groups", (double)c->o_groups);
-    set_num(L, "o_lora_rank", (double)c->o_lora_rank);
-    set_num(L, "sliding_window", (double)c->sliding_window);
+    ds4l_set_int(L, "vocab_size", c->vocab_size);
+    ds4l_set_int(L, "hidden_size", c->hidden_size);
+    ds4l_set_int(L, "num_hidden_layers", c->num_hidden_layers);
+    ds4l_set_int(L, "num_attention_heads", c->num_attention_heads);
+    ds4l_set_int(L, "num_key_value_heads", c->num_key_value_heads);
+    ds4l_set_int(L, "head_dim", c->head_dim);
+    ds4l_set_int(L, "qk_rope_head_dim", c->rope_head_dim);
+    ds4l_set_int(L, "q_lora_rank", c->q_lora_rank);
+    ds4l_set_int(L, "o_groups", c->o_groups);
+    ds4l_set_int(L, "o_lora_rank", c->o_lora_rank);
+    ds4l_set_int(L, "sliding_window", c->sliding_window);
     lua_createtable(L, 0, 2);
-    set_num(L, "compressed_sparse_attention", (double)c->compress_rate_csa);
-    set_num(L, "heavily_compressed_attention", (double)c->compress_rate_hca);
+    ds4l_set_int(L, "compressed_sparse_attention", c->compress_rate_csa);
+    ds4l_set_int(L, "heavily_compressed_attention", c->compress_rate_hca);
     lua_setfield(L, -2, "compress_rates");
     int64_t nl = c->num_hidden_layers;
     if (nl < 0) nl = 0;
@@ -316,33 +297,33 @@ static void push_config(lua_State *L, const ds4_config *c) {
         lua_rawseti(L, -2, (int)i + 1);
     }
     lua_setfield(L, -2, "mlp_layer_types");
-    set_num(L, "index_n_heads", (double)c->index_n_heads);
-    set_num(L, "index_head_dim", (double)c->index_head_dim);
-    set_num(L, "index_topk", (double)c->index_topk);
-    set_num(L, "n_routed_experts", (double)c->n_routed_experts);
-    set_num(L, "num_experts_per_tok", (double)c->num_experts_per_tok);
-    set_num(L, "n_shared_experts", (double)c->n_shared_experts);
-    set_num(L, "moe_intermediate_size", (double)c->moe_intermediate_size);
-    set_str(L, "scoring_func", score_name(c->scoring_func));
-    set_bool(L, "norm_topk_prob", c->norm_topk_prob);
-    set_num(L, "routed_scaling_factor", c->routed_scaling_factor);
-    set_num(L, "swiglu_limit", c->swiglu_limit);
-    set_num(L, "hc_mult", (double)c->hc_mult);
-    set_num(L, "hc_sinkhorn_iters", (double)c->hc_sinkhorn_iters);
-    set_num(L, "hc_eps", c->hc_eps);
-    set_num(L, "rms_norm_eps", c->rms_norm_eps);
+    ds4l_set_int(L, "index_n_heads", c->index_n_heads);
+    ds4l_set_int(L, "index_head_dim", c->index_head_dim);
+    ds4l_set_int(L, "index_topk", c->index_topk);
+    ds4l_set_int(L, "n_routed_experts", c->n_routed_experts);
+    ds4l_set_int(L, "num_experts_per_tok", c->num_experts_per_tok);
+    ds4l_set_int(L, "n_shared_experts", c->n_shared_experts);
+    ds4l_set_int(L, "moe_intermediate_size", c->moe_intermediate_size);
+    ds4l_set_str(L, "scoring_func", score_name(c->scoring_func));
+    ds4l_set_bool(L, "norm_topk_prob", c->norm_topk_prob);
+    ds4l_set_num(L, "routed_scaling_factor", c->routed_scaling_factor);
+    ds4l_set_num(L, "swiglu_limit", c->swiglu_limit);
+    ds4l_set_int(L, "hc_mult", c->hc_mult);
+    ds4l_set_int(L, "hc_sinkhorn_iters", c->hc_sinkhorn_iters);
+    ds4l_set_num(L, "hc_eps", c->hc_eps);
+    ds4l_set_num(L, "rms_norm_eps", c->rms_norm_eps);
     lua_createtable(L, 0, 2);
     push_rope(L, &c->rope_main);
     lua_setfield(L, -2, "main");
     push_rope(L, &c->rope_compress);
     lua_setfield(L, -2, "compress");
     lua_setfield(L, -2, "rope_parameters");
-    set_num(L, "max_position_embeddings", (double)c->max_position_embeddings);
-    set_num(L, "num_nextn_predict_layers", (double)c->num_nextn_predict_layers);
-    set_bool(L, "tie_word_embeddings", c->tie_word_embeddings);
-    set_num(L, "bos_token_id", (double)c->bos_token_id);
-    set_num(L, "eos_token_id", (double)c->eos_token_id);
-    set_num(L, "initializer_range", c->initializer_range);
+    ds4l_set_int(L, "max_position_embeddings", c->max_position_embeddings);
+    ds4l_set_int(L, "num_nextn_predict_layers", c->num_nextn_predict_layers);
+    ds4l_set_bool(L, "tie_word_embeddings", c->tie_word_embeddings);
+    ds4l_set_int(L, "bos_token_id", c->bos_token_id);
+    ds4l_set_int(L, "eos_token_id", c->eos_token_id);
+    ds4l_set_num(L, "initializer_range", c->initializer_range);
 }
 
 static const char *check_path(lua_State *L, int idx, const char *fname) {
@@ -431,17 +412,13 @@ ds4_model *ds4l_model_check(lua_State *L, int idx, const char *fname) {
 static int l_load(lua_State *L) {
     const char *fname = "ds4.load";
     const char *dir = check_path(L, 1, fname);
-    if (!lua_isnoneornil(L, 2) && !lua_istable(L, 2))
-        ds4l_raise(L, "%s: bad argument #2 (options table expected, got %s)", fname, luaL_typename(L, 2));
+    const int opts = ds4l_opt_table(L, 2, fname, 2);
+    static const char *const known[] = {"device", "dtype", "lora", "fp4_experts", "expert_shard", NULL};
+    ds4l_check_keys(L, opts, fname, known);
     int given = 0;
     (void)opts_device(L, 2, fname, &given); /* a misspelt device fails before the checkpoint is read */
-    ds4_load_options lo = {0};
-    if (lua_istable(L, 2)) {
-        lua_getfield(L, 2, "fp4_experts");
-        if (!lua_isnil(L, -1) && !lua_isboolean(L, -1))
-            ds4l_raise(L, "%s: opts.fp4_experts must be a boolean, got %s", fname, luaL_typename(L, -1));
-        lo.fp4_experts = lua_toboolean(L, -1);
-        lua_pop(L, 1);
+    ds4_load_options lo = {.fp4_experts = ds4l_opt_bool(L, opts, "fp4_experts", 0, fname)};
+    if (opts) {
         lua_getfield(L, 2, "expert_shard"); /* {rank = r, world = n}: only rank r's routed experts are kept */
         if (!lua_isnil(L, -1)) {
             lua_Number rk = -1, w = 0;
@@ -484,12 +461,14 @@ static int push_random_model(lua_State *L, const char *fname, const ds4_config *
     int opts = 0;
     if (lua_istable(L, 2)) {
         opts = 2;
+        static const char *const known[] = {"seed", "device", "dtype", NULL};
+        ds4l_check_keys(L, opts, fname, known);
         lua_getfield(L, 2, "seed");
     } else {
         lua_pushvalue(L, 2);
     }
     if (!lua_isnil(L, -1) &&
-        (lua_type(L, -1) != LUA_TNUMBER || !number_to_i64(lua_tonumber(L, -1), &seed) || seed < 0))
+        (lua_type(L, -1) != LUA_TNUMBER || !ds4l_number_to_i64(lua_tonumber(L, -1), &seed) || seed < 0))
         ds4l_raise(L, "%s: bad argument #2 (non-negative integer seed, or a table {seed, device, dtype}, expected; "
                    "got %s)", fname, lua_isnumber(L, -1) ? lua_tostring(L, -1) : luaL_typename(L, -1));
     lua_pop(L, 1);
@@ -533,6 +512,8 @@ static int m_to(lua_State *L) {
     model_box *b = check_model(L, fname);
     ds4_device_options o;
     if (lua_istable(L, 2)) {
+        static const char *const known[] = {"device", "dtype", NULL};
+        ds4l_check_keys(L, 2, fname, known);
         int given = 0;
         o = opts_device(L, 2, fname, &given);
         if (!given) ds4l_raise(L, "%s: the options table names no device", fname);
@@ -593,20 +574,13 @@ static int m_memory(lua_State *L) {
     const int64_t dev = ds4_model_device_bytes(m, &dev_fp4);
     ds4_model_train_device_bytes(m, &tg, &tm, &tv);
     lua_createtable(L, 0, 7);
-    lua_pushnumber(L, (lua_Number)tg);
-    lua_setfield(L, -2, "device_grads");
-    lua_pushnumber(L, (lua_Number)tm);
-    lua_setfield(L, -2, "device_master");
-    lua_pushnumber(L, (lua_Number)tv);
-    lua_setfield(L, -2, "device_moments");
-    lua_pushnumber(L, (lua_Number)ds4_model_param_count(m) * 4);
-    lua_setfield(L, -2, "params");
-    lua_pushnumber(L, (lua_Number)ds4_model_fp4_bytes(m));
-    lua_setfield(L, -2, "fp4_experts");
-    lua_pushnumber(L, (lua_Number)dev);
-    lua_setfield(L, -2, "device");
-    lua_pushnumber(L, (lua_Number)dev_fp4);
-    lua_setfield(L, -2, "device_fp4_experts");
+    ds4l_set_int(L, "device_grads", tg);
+    ds4l_set_int(L, "device_master", tm);
+    ds4l_set_int(L, "device_moments", tv);
+    ds4l_set_int(L, "params", ds4_model_param_count(m) * 4);
+    ds4l_set_int(L, "fp4_experts", ds4_model_fp4_bytes(m));
+    ds4l_set_int(L, "device", dev);
+    ds4l_set_int(L, "device_fp4_experts", dev_fp4);
     return 1;
 }
 
@@ -712,7 +686,7 @@ static const int64_t *check_ids(lua_State *L, int idx, const char *fname, const 
         int64_t *out = lua_newuserdata(L, (size_t)n * sizeof *out);
         for (int64_t i = 0; i < n; i++) {
             double v = ds4_tensor_get(t, i);
-            if (!number_to_i64(v, &out[i]))
+            if (!ds4l_number_to_i64(v, &out[i]))
                 ds4l_raise(L, "%s: %s[%lld][%lld] = %.17g is not an integer token id", fname, what,
                            (long long)(i / *S + 1), (long long)(i % *S + 1), v);
         }
@@ -747,7 +721,7 @@ static const int64_t *check_ids(lua_State *L, int idx, const char *fname, const 
         }
         for (int64_t c = 0; c < cols; c++) {
             lua_rawgeti(L, row_idx, (int)c + 1);
-            if (lua_type(L, -1) != LUA_TNUMBER || !number_to_i64(lua_tonumber(L, -1), &out[r * cols + c])) {
+            if (lua_type(L, -1) != LUA_TNUMBER || !ds4l_number_to_i64(lua_tonumber(L, -1), &out[r * cols + c])) {
                 if (flat)
                     ds4l_raise(L, "%s: %s[%lld] is %s %s, expected an integer token id", fname, what,
                                (long long)c + 1, luaL_typename(L, -1), lua_isnumber(L, -1) ? lua_tostring(L, -1) : "");
@@ -764,44 +738,19 @@ static const int64_t *check_ids(lua_State *L, int idx, const char *fname, const 
     return out;
 }
 
-/* opts.<key> as a flag: nil/absent = def, otherwise it must be a boolean. */
-static int opt_flag(lua_State *L, int opts, const char *key, int def, const char *fname) {
-    if (!opts) return def;
-    lua_getfield(L, opts, key);
-    int t = lua_type(L, -1);
-    int v = t == LUA_TBOOLEAN ? lua_toboolean(L, -1) : def;
-    if (t != LUA_TNIL && t != LUA_TBOOLEAN)
-        ds4l_raise(L, "%s: opts.%s must be a boolean, got %s", fname, key, lua_typename(L, t));
-    lua_pop(L, 1);
-    return v;
-}
-
 /* model:forward(ids [, opts]) -> {logits, loss, loss_tokens, mtp_logits, mtp_loss, mtp_loss_tokens, hidden,
  * indexer_loss (training forward with the indexer KL option)} */
 static int m_forward(lua_State *L) {
     const char *fname = "ds4.model:forward";
     model_box *b = check_model(L, fname);
     const ds4_config *cfg = ds4_model_config(b->m);
-    int opts = 0;
-    if (!lua_isnoneornil(L, 3)) {
-        if (!lua_istable(L, 3))
-            ds4l_raise(L, "%s: bad argument #2 (options table expected, got %s)", fname, luaL_typename(L, 3));
-        opts = 3;
-        /* A misspelt option (opts.label) would silently change the result: reject unknown keys. */
-        lua_pushnil(L);
-        while (lua_next(L, 3)) {
-            lua_pop(L, 1);
-            const char *k = lua_type(L, -1) == LUA_TSTRING ? lua_tostring(L, -1) : NULL;
-            if (!k || (strcmp(k, "labels") && strcmp(k, "mtp") && strcmp(k, "hidden") && strcmp(k, "logits") &&
-                       strcmp(k, "train") && strcmp(k, "replay")))
-                ds4l_raise(L, "%s: unknown option %s%s%s (known: labels, mtp, hidden, logits, train, replay)", fname,
-                           k ? "'" : "a ", k ? k : luaL_typename(L, -1), k ? "'" : " key");
-        }
-    }
+    int opts = ds4l_opt_table(L, 3, fname, 2);
+    static const char *const known[] = {"labels", "mtp", "hidden", "logits", "train", "replay", NULL};
+    ds4l_check_keys(L, opts, fname, known);
     lua_settop(L, 3); /* fixed slots: 1 model, 2 ids, 3 opts; temporaries go above */
-    int want_logits = opt_flag(L, opts, "logits", 1, fname);
-    int want_mtp = opt_flag(L, opts, "mtp", 0, fname);
-    int want_hidden = opt_flag(L, opts, "hidden", 0, fname);
+    int want_logits = ds4l_opt_bool(L, opts, "logits", 1, fname);
+    int want_mtp = ds4l_opt_bool(L, opts, "mtp", 0, fname);
+    int want_hidden = ds4l_opt_bool(L, opts, "hidden", 0, fname);
     if (lua_isnoneornil(L, 2)) ds4l_raise(L, "%s: bad argument #1 (token ids expected, got nil)", fname);
 
     int64_t B, S;
@@ -878,15 +827,15 @@ static int m_forward(lua_State *L) {
     if (ds4l_train_forward(L, 1, opts, b->m, &args, &out, &err) != DS4_OK) ds4l_raise_ds4(L, fname, &err);
     /* nil only when nothing was scored, so `if r.loss then` reads naturally; a scored loss is always a number, NaN
      * or infinite included (the core's NaN also means "nothing scored": the token count tells them apart). */
-    if (out.loss_tokens > 0) set_num(L, "loss", out.loss);
-    set_num(L, "loss_tokens", (double)out.loss_tokens);
+    if (out.loss_tokens > 0) ds4l_set_num(L, "loss", out.loss);
+    ds4l_set_int(L, "loss_tokens", out.loss_tokens);
     if (!isnan(out.indexer_loss)) { /* training, indexer_kl > 0 */
-        set_num(L, "indexer_loss", out.indexer_loss);
-        set_num(L, "indexer_queries", (double)out.indexer_queries);
+        ds4l_set_num(L, "indexer_loss", out.indexer_loss);
+        ds4l_set_int(L, "indexer_queries", out.indexer_queries);
     }
     if (want_mtp || out.mtp_loss_tokens > 0) { /* asked for, or trained (mtp_lambda > 0) */
-        if (out.mtp_loss_tokens > 0) set_num(L, "mtp_loss", out.mtp_loss);
-        set_num(L, "mtp_loss_tokens", (double)out.mtp_loss_tokens);
+        if (out.mtp_loss_tokens > 0) ds4l_set_num(L, "mtp_loss", out.mtp_loss);
+        ds4l_set_int(L, "mtp_loss_tokens", out.mtp_loss_tokens);
     }
     return 1;
 }
@@ -931,8 +880,7 @@ int ds4l_class(lua_State *L, const char *mt, const luaL_Reg *methods, lua_CFunct
         lua_pushcfunction(L, tostring);
         lua_setfield(L, -2, "__tostring");
     }
-    lua_pushstring(L, mt);
-    lua_setfield(L, -2, "__name");
+    ds4l_set_str(L, "__name", mt);
     return 1;
 }
 
@@ -954,8 +902,7 @@ void ds4l_weak_registry_table(lua_State *L, const char *key, const char *mode) {
     if (!lua_istable(L, -1)) {
         lua_newtable(L);
         lua_createtable(L, 0, 1);
-        lua_pushstring(L, mode);
-        lua_setfield(L, -2, "__mode");
+        ds4l_set_str(L, "__mode", mode);
         lua_setmetatable(L, -2);
         lua_setfield(L, LUA_REGISTRYINDEX, key);
     }

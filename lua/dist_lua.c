@@ -39,6 +39,7 @@
  * frees it without MPI_Finalize (and aborts NCCL): finalizing is collective, and a rank that fails must not wait
  * for the others there; it exits instead, and mpirun ends the job, or the TCP / NCCL peers see it gone
  * (docs/distributed.md). */
+#include <math.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -102,51 +103,28 @@ static ds4_comm *need(lua_State *L, const char *fname) {
     return b->c;
 }
 
-/* Reject keys of the options table at idx other than `known` (NULL-terminated; `list` spells them for the message),
- * naming the key (or its type when it is not a string). */
-static void check_options(lua_State *L, int idx, const char *fname, const char *const *known, const char *list) {
-    for (lua_pushnil(L); lua_next(L, idx); lua_pop(L, 1)) {
-        const char *k = lua_type(L, -2) == LUA_TSTRING ? lua_tostring(L, -2) : NULL;
-        int ok = 0;
-        for (int i = 0; k && known[i]; i++) ok |= strcmp(k, known[i]) == 0;
-        if (!ok)
-            ds4l_raise(L, "%s: unknown option %s (known: %s)", fname,
-                       k ? lua_pushfstring(L, "'%s'", k) : luaL_typename(L, -2), list);
-    }
-}
-
 /* init's options table at idx (absent: the defaults) */
 static void init_options(lua_State *L, int idx, ds4_comm_options *o) {
     const char *fname = "ds4.dist.init";
     ds4_comm_options_default(o);
-    if (lua_isnoneornil(L, idx)) return;
-    luaL_checktype(L, idx, LUA_TTABLE);
+    const int opts = ds4l_opt_table(L, idx, fname, 1);
+    if (!opts) return;
     static const char *const known[] = {"device", "timeout", "bucket_mb", NULL};
-    check_options(L, idx, fname, known, "device, timeout, bucket_mb");
-    lua_getfield(L, idx, "device");
-    if (!lua_isnil(L, -1)) {
-        const char *spec = lua_tostring(L, -1);
+    ds4l_check_keys(L, opts, fname, known);
+    const char *spec = ds4l_opt_str(L, opts, "device", NULL, fname);
+    if (spec) {
         ds4_device_options d;
         ds4_error err = {0};
-        if (lua_type(L, -1) != LUA_TSTRING) ds4l_raise(L, "%s: device must be a string (\"cpu\", \"cuda\", \"cuda:N\")", fname);
         if (ds4_device_parse(spec, NULL, &d, &err) != DS4_OK) ds4l_raise_ds4(L, fname, &err);
         o->nccl = d.type == DS4_DEVICE_CUDA;
         /* "cuda" alone: the local rank's GPU; "cuda:N": that one */
         o->device = o->nccl && strchr(spec, ':') ? d.index : -1;
     }
-    lua_getfield(L, idx, "timeout");
-    if (!lua_isnil(L, -1)) {
-        if (lua_type(L, -1) != LUA_TNUMBER || !(lua_tonumber(L, -1) > 0))
-            ds4l_raise(L, "%s: timeout must be a positive number of seconds", fname);
-        o->timeout_s = lua_tonumber(L, -1);
-    }
-    lua_getfield(L, idx, "bucket_mb");
-    if (!lua_isnil(L, -1)) {
-        if (lua_type(L, -1) != LUA_TNUMBER || !(lua_tonumber(L, -1) >= 0))
-            ds4l_raise(L, "%s: bucket_mb must be a number of MiB >= 0 (0: one reduction after the backward)", fname);
-        o->bucket_mb = lua_tonumber(L, -1);
-    }
-    lua_pop(L, 2);
+    /* (0, inf]: the least positive double is the open bound at 0 */
+    o->timeout_s = ds4l_opt_num(L, opts, "timeout", o->timeout_s, nextafter(0.0, 1.0), HUGE_VAL,
+                                "a positive number of seconds", fname);
+    o->bucket_mb = ds4l_opt_num(L, opts, "bucket_mb", o->bucket_mb, 0, HUGE_VAL,
+                                "a number of MiB >= 0 (0: one reduction after the backward)", fname);
 }
 
 static int d_init(lua_State *L) {
@@ -374,15 +352,10 @@ static int d_shard_optimizer(lua_State *L) {
     comm_box *b = current(L);
     if (!b) ds4l_raise(L, "%s: the communicator is not initialized (call ds4.dist.init() first)", fname);
     ds4_adamw *a = ds4l_adamw_check(L, 1, fname);
-    int rs = 0;
-    if (!lua_isnoneornil(L, 2)) {
-        luaL_checktype(L, 2, LUA_TTABLE);
-        static const char *const known[] = {"reduce_scatter", NULL};
-        check_options(L, 2, fname, known, "reduce_scatter");
-        lua_getfield(L, 2, "reduce_scatter");
-        rs = lua_toboolean(L, -1);
-        lua_pop(L, 1);
-    }
+    const int opts = ds4l_opt_table(L, 2, fname, 2);
+    static const char *const known[] = {"reduce_scatter", NULL};
+    ds4l_check_keys(L, opts, fname, known);
+    const int rs = ds4l_opt_bool(L, opts, "reduce_scatter", 0, fname);
     /* with NCCL (ds4.dist.init{device = "cuda"}) a CUDA model's master weights are gathered on its GPU */
     const ds4_adamw_shard sh = {.rank = ds4_comm_rank(b->c), .world = ds4_comm_world_size(b->c), .ctx = b,
                                 .sum_f64 = zero_sum, .gather_f32 = zero_gather,
@@ -413,12 +386,8 @@ static int parallel_mode(lua_State *L, const char *fname, const char *key,
     int on = lua_isnoneornil(L, 2) ? 1 : lua_toboolean(L, 2);
     if (set == ds4_comm_expert_parallel && lua_istable(L, 2)) { /* {shard = true}: on, with sharded experts */
         static const char *const known[] = {"shard", NULL};
-        check_options(L, 2, fname, known, "shard");
-        lua_getfield(L, 2, "shard");
-        if (!lua_isnil(L, -1) && !lua_isboolean(L, -1))
-            ds4l_raise(L, "%s: shard must be a boolean (got %s)", fname, luaL_typename(L, -1));
-        on = lua_toboolean(L, -1) ? DS4_EP_SHARDED : 1;
-        lua_pop(L, 1);
+        ds4l_check_keys(L, 2, fname, known);
+        on = ds4l_opt_bool(L, 2, "shard", 0, fname) ? DS4_EP_SHARDED : 1;
     } else if (!lua_isnoneornil(L, 2) && !lua_isboolean(L, 2)) {
         ds4l_raise(L, "%s: bad argument #2 (boolean expected%s, got %s)", fname,
                    set == ds4_comm_expert_parallel ? ", or {shard = boolean}" : "", luaL_typename(L, 2));
@@ -475,9 +444,7 @@ void ds4l_dist_open(lua_State *L) {
         lua_pushcfunction(L, r->func);
         lua_setfield(L, -2, r->name);
     }
-    lua_pushboolean(L, ds4_dist_have_mpi());
-    lua_setfield(L, -2, "have_mpi");
-    lua_pushboolean(L, ds4_dist_have_nccl());
-    lua_setfield(L, -2, "have_nccl");
+    ds4l_set_bool(L, "have_mpi", ds4_dist_have_mpi());
+    ds4l_set_bool(L, "have_nccl", ds4_dist_have_nccl());
     lua_setfield(L, -2, "dist");
 }

@@ -22,6 +22,8 @@
 #define DS4L_NORETURN
 #endif
 
+#define DS4L_MAX_EXACT 9007199254740992.0 /* 2^53: every integer up to here is exact in a Lua number */
+
 #define DS4L_TENSOR_MT "ds4.tensor"
 #define DS4L_MODEL_MT "ds4.model"
 /* Registry key under which the `ds4` host may store a lightuserdata pointing to a `volatile int` that its SIGINT
@@ -54,6 +56,39 @@ ds4_tensor *ds4l_tensor_test(lua_State *L, int idx);
 ds4_tensor *ds4l_tensor_check(lua_State *L, int idx, const char *fname, int argn);
 /* Parse a dtype name ("F32", "bf16", ...; case-insensitive) at idx; `def` when the value is nil/none. */
 ds4_dtype ds4l_check_dtype(lua_State *L, int idx, const char *fname, int argn, int has_def, ds4_dtype def);
+
+/* lua/opts_lua.c: result tables and options tables, one message format for every binding (see that file).
+ * set_*: t[k] = v for the table at the top of the stack. */
+void ds4l_set_num(lua_State *L, const char *k, double v);
+void ds4l_set_int(lua_State *L, const char *k, int64_t v);
+void ds4l_set_bool(lua_State *L, const char *k, int v);
+void ds4l_set_str(lua_State *L, const char *k, const char *v);
+/* *out = v when v is integral and in int64 range (a double -> int64 cast of anything else is undefined); else 0. */
+int ds4l_number_to_i64(lua_Number v, int64_t *out);
+/* A short printable form of the value at idx for messages: 1.5, "text", true, or "a table". */
+const char *ds4l_value_str(lua_State *L, int idx, char *buf, size_t cap);
+/* The integer at idx in [lo, hi]; raises "<fname>: <what> must be <desc>, got <value>" otherwise. */
+int64_t ds4l_check_int(lua_State *L, int idx, const char *fname, const char *what, double lo, double hi,
+                       const char *desc);
+/* The options table at idx (argument #argn as the user counts it), as an absolute index; 0 when nil or none;
+ * raises "<fname>: bad argument #<argn> (options table expected, got <type>)" for anything else. */
+int ds4l_opt_table(lua_State *L, int idx, const char *fname, int argn);
+/* The same for an options table that must be given. */
+int ds4l_check_opts(lua_State *L, int idx, const char *fname, int argn);
+/* Raise "<fname>: unknown option '<key>' (known: <known>)" for the key at key_idx. */
+DS4L_NORETURN void ds4l_raise_unknown_option(lua_State *L, const char *fname, int key_idx, const char *known);
+/* Refuse any key of the options table at opts (0: none given) that is not in `known` (NULL-terminated). */
+void ds4l_check_keys(lua_State *L, int opts, const char *fname, const char *const *known);
+/* opts.key (opts: an index from ds4l_opt_table; 0 = no table): `def` when absent or nil, else the value when it is
+ * of the kind asked for, else raise "<fname>: opts.<key> must be <desc>, got <value>". Integers and numbers must
+ * lie in [lo, hi] (NaN never does; for an open bound at 0 pass the least positive double); an integer's bounds
+ * and def lie within ±DS4L_MAX_EXACT. opt_str's string lives as long as the options table holds it. */
+int ds4l_opt_bool(lua_State *L, int opts, const char *key, int def, const char *fname);
+int64_t ds4l_opt_int(lua_State *L, int opts, const char *key, int64_t def, double lo, double hi, const char *desc,
+                     const char *fname);
+double ds4l_opt_num(lua_State *L, int opts, const char *key, double def, double lo, double hi, const char *desc,
+                    const char *fname);
+const char *ds4l_opt_str(lua_State *L, int opts, const char *key, const char *def, const char *fname);
 
 /* Register the tensor metatable and put the tensor functions (tensor, zeros, load_tensors, save_tensors,
  * ...) into the table at the top of the stack. */

@@ -44,107 +44,10 @@
 #define GENRES_MT "ds4.gen_result"
 #define BUSY_KEY "ds4.gen.busy" /* weak table: model userdata -> run record (gen_ctx) of its running generation */
 
-#define MAX_EXACT 9007199254740992.0 /* 2^53: every integer up to here is exact in a Lua number */
-
 /* ------------------------------------------------------------------------------------------------ helpers */
 
 static int abs_index(lua_State *L, int idx) {
     return idx < 0 && idx > LUA_REGISTRYINDEX ? lua_gettop(L) + idx + 1 : idx;
-}
-
-static void set_num(lua_State *L, const char *k, double v) {
-    lua_pushnumber(L, v);
-    lua_setfield(L, -2, k);
-}
-
-/* A short printable form of the value at idx for error messages: the number, the quoted string, or the type. */
-static const char *value_str(lua_State *L, int idx, char *buf, size_t cap) {
-    int t = lua_type(L, idx);
-    if (t == LUA_TNUMBER) snprintf(buf, cap, "%.17g", (double)lua_tonumber(L, idx));
-    else if (t == LUA_TSTRING) snprintf(buf, cap, "\"%.40s\"%s", lua_tostring(L, idx), lua_objlen(L, idx) > 40 ? "..." : "");
-    else if (t == LUA_TBOOLEAN) snprintf(buf, cap, "%s", lua_toboolean(L, idx) ? "true" : "false");
-    else snprintf(buf, cap, "a %s", lua_typename(L, t));
-    return buf;
-}
-
-/* The integer at idx in [lo, hi]; raises "<fname>: <what> must be <desc>, got <value>" otherwise. */
-static int64_t check_int(lua_State *L, int idx, const char *fname, const char *what, double lo, double hi,
-                         const char *desc) {
-    char vb[96];
-    lua_Number v = lua_tonumber(L, idx);
-    if (lua_type(L, idx) != LUA_TNUMBER || !(v == floor(v)) || !(v >= lo) || !(v <= hi))
-        ds4l_raise(L, "%s: %s must be %s, got %s", fname, what, desc, value_str(L, idx, vb, sizeof vb));
-    return (int64_t)v;
-}
-
-/* Reject keys of the options table at idx that are not in `known` (NULL-terminated), naming the key. */
-static void check_keys(lua_State *L, int idx, const char *fname, const char *const *known, const char *known_list) {
-    lua_pushnil(L);
-    while (lua_next(L, idx)) {
-        lua_pop(L, 1);
-        const char *k = lua_type(L, -1) == LUA_TSTRING ? lua_tostring(L, -1) : NULL;
-        int ok = 0;
-        for (int i = 0; k && known[i]; i++) ok |= strcmp(k, known[i]) == 0;
-        if (!ok) {
-            char vb[96];
-            ds4l_raise(L, "%s: unknown option %s (known: %s)", fname, k ? lua_pushfstring(L, "'%s'", k)
-                                                                        : value_str(L, -1, vb, sizeof vb),
-                       known_list);
-        }
-    }
-}
-
-/* The options table at idx (0 when nil/none); raises when it is something else. */
-static int opt_table(lua_State *L, int idx, const char *fname, int argn) {
-    if (lua_isnoneornil(L, idx)) return 0;
-    if (!lua_istable(L, idx))
-        ds4l_raise(L, "%s: bad argument #%d (options table expected, got %s)", fname, argn, luaL_typename(L, idx));
-    return idx;
-}
-
-/* opts.key as a boolean (absent/nil: def). */
-static int opt_bool(lua_State *L, int opts, const char *key, int def, const char *fname) {
-    if (!opts) return def;
-    lua_getfield(L, opts, key);
-    int t = lua_type(L, -1), v = t == LUA_TBOOLEAN ? lua_toboolean(L, -1) : def;
-    if (t != LUA_TNIL && t != LUA_TBOOLEAN) {
-        char vb[96];
-        ds4l_raise(L, "%s: opts.%s must be a boolean, got %s", fname, key, value_str(L, -1, vb, sizeof vb));
-    }
-    lua_pop(L, 1);
-    return v;
-}
-
-/* opts.key as an integer in [lo, hi] (absent/nil: def). */
-static int64_t opt_int(lua_State *L, int opts, const char *key, int64_t def, double lo, double hi, const char *desc,
-                       const char *fname) {
-    if (!opts) return def;
-    lua_getfield(L, opts, key);
-    int64_t v = def;
-    if (!lua_isnil(L, -1)) {
-        char what[64];
-        snprintf(what, sizeof what, "opts.%s", key);
-        v = check_int(L, -1, fname, what, lo, hi, desc);
-    }
-    lua_pop(L, 1);
-    return v;
-}
-
-/* opts.key as a number in [lo, hi] (lo excluded when lo_open) (absent/nil: def). */
-static double opt_num(lua_State *L, int opts, const char *key, double def, double lo, int lo_open, double hi,
-                      const char *desc, const char *fname) {
-    if (!opts) return def;
-    lua_getfield(L, opts, key);
-    double v = def;
-    if (!lua_isnil(L, -1)) {
-        v = lua_tonumber(L, -1);
-        if (lua_type(L, -1) != LUA_TNUMBER || !(lo_open ? v > lo : v >= lo) || !(v <= hi)) {
-            char vb[96];
-            ds4l_raise(L, "%s: opts.%s must be %s, got %s", fname, key, desc, value_str(L, -1, vb, sizeof vb));
-        }
-    }
-    lua_pop(L, 1);
-    return v;
 }
 
 /* ------------------------------------------------------------------------------------------------ busy models */
@@ -233,7 +136,7 @@ static void id_seq_fill(lua_State *L, int idx, int64_t n, int64_t V, int64_t *ds
             if (ty != LUA_TNUMBER) {
                 char vb[96];
                 ds4l_raise(L, "%s: %s[%lld] must be a token id, got %s", fname, what, (long long)(i + 1),
-                           value_str(L, -1, vb, sizeof vb));
+                           ds4l_value_str(L, -1, vb, sizeof vb));
             }
             lua_pop(L, 1);
         }
@@ -356,7 +259,7 @@ static int c_tostring(lua_State *L) {
 static int m_new_cache(lua_State *L) {
     const char *fname = "ds4.model:new_cache";
     ds4_model *m = ds4l_model_check(L, 1, fname);
-    int64_t max_len = check_int(L, 2, fname, "bad argument #1 (max_len)", 1, MAX_EXACT, "a positive integer");
+    int64_t max_len = ds4l_check_int(L, 2, fname, "bad argument #1 (max_len)", 1, DS4L_MAX_EXACT, "a positive integer");
     cache_box *b = ds4l_push_model_owned(L, sizeof *b, CACHE_MT, 1);
     b->m = m;
     ds4_error err = {0};
@@ -381,11 +284,9 @@ static int l_is_cache(lua_State *L) {
 static int m_step(lua_State *L) {
     const char *fname = "ds4.model:step";
     ds4_model *m = ds4l_model_check(L, 1, fname);
-    int opts = opt_table(L, 4, fname, 3);
-    if (opts) {
-        static const char *const known[] = {"logits", "experts", "index", NULL};
-        check_keys(L, opts, fname, known, "logits, experts, index");
-    }
+    int opts = ds4l_opt_table(L, 4, fname, 3);
+    static const char *const known[] = {"logits", "experts", "index", NULL};
+    ds4l_check_keys(L, opts, fname, known);
     lua_settop(L, 4); /* 1 model, 2 caches, 3 ids, 4 opts; temporaries above */
     check_not_busy(L, 1, fname);
     const ds4_config *cfg = ds4_model_config(m);
@@ -403,12 +304,12 @@ static int m_step(lua_State *L) {
         else {
             char vb[96];
             ds4l_raise(L, "%s: opts.logits must be \"last\", \"all\" or \"none\", got %s", fname,
-                       value_str(L, -1, vb, sizeof vb));
+                       ds4l_value_str(L, -1, vb, sizeof vb));
         }
         lua_pop(L, 1);
     }
-    int want_experts = opt_bool(L, opts, "experts", 0, fname);
-    int want_index = opt_bool(L, opts, "index", 0, fname);
+    int want_experts = ds4l_opt_bool(L, opts, "experts", 0, fname);
+    int want_index = ds4l_opt_bool(L, opts, "index", 0, fname);
 
     /* The sequences: caches[i] with ids[i], or one cache with one id sequence. */
     int single = cache_test(L, 2) != NULL;
@@ -508,12 +409,13 @@ static int m_step(lua_State *L) {
 /* Sampling parameters from the table at idx (0: defaults); `prefix` names the table in errors ("opts."). */
 static ds4_sampling read_sampling(lua_State *L, int idx, const char *fname) {
     ds4_sampling p = {.temperature = 1.0, .top_k = 0, .top_p = 1.0, .min_p = 0.0};
-    p.temperature = opt_num(L, idx, "temperature", p.temperature, 0, 0, HUGE_VAL,
-                            "a finite number >= 0 (0: greedy)", fname);
+    p.temperature = ds4l_opt_num(L, idx, "temperature", p.temperature, 0, HUGE_VAL, "a finite number >= 0 (0: greedy)",
+                                 fname);
     if (!isfinite(p.temperature)) ds4l_raise(L, "%s: opts.temperature must be finite, got %g", fname, p.temperature);
-    p.top_k = opt_int(L, idx, "top_k", 0, 0, MAX_EXACT, "an integer >= 0 (0: off)", fname);
-    p.top_p = opt_num(L, idx, "top_p", 1.0, 0, 1, 1, "a number in (0, 1] (1: off)", fname);
-    p.min_p = opt_num(L, idx, "min_p", 0.0, 0, 0, 1, "a number in [0, 1] (0: off)", fname);
+    p.top_k = ds4l_opt_int(L, idx, "top_k", 0, 0, DS4L_MAX_EXACT, "an integer >= 0 (0: off)", fname);
+    /* (0, 1]: the least positive double is the open bound at 0 */
+    p.top_p = ds4l_opt_num(L, idx, "top_p", 1.0, nextafter(0.0, 1.0), 1, "a number in (0, 1] (1: off)", fname);
+    p.min_p = ds4l_opt_num(L, idx, "min_p", 0.0, 0, 1, "a number in [0, 1] (0: off)", fname);
     return p;
 }
 
@@ -523,11 +425,9 @@ static ds4_sampling read_sampling(lua_State *L, int idx, const char *fname) {
  * temperature = 0). The id is 0-based, as every token id. */
 static int l_sample(lua_State *L) {
     const char *fname = "ds4.sample";
-    int opts = opt_table(L, 2, fname, 2);
-    if (opts) {
-        static const char *const known[] = {"temperature", "top_k", "top_p", "min_p", NULL};
-        check_keys(L, opts, fname, known, "temperature, top_k, top_p, min_p");
-    }
+    int opts = ds4l_opt_table(L, 2, fname, 2);
+    static const char *const known[] = {"temperature", "top_k", "top_p", "min_p", NULL};
+    ds4l_check_keys(L, opts, fname, known);
     lua_settop(L, 3);
     ds4_sampling p = read_sampling(L, opts, fname);
     double u = 0;
@@ -536,7 +436,7 @@ static int l_sample(lua_State *L) {
         if (lua_type(L, 3) != LUA_TNUMBER || !(u >= 0) || !(u < 1)) {
             char vb[96];
             ds4l_raise(L, "%s: bad argument #3 (uniform draw u in [0, 1) expected, got %s)", fname,
-                       value_str(L, 3, vb, sizeof vb));
+                       ds4l_value_str(L, 3, vb, sizeof vb));
         }
     }
     ds4_tensor *t = ds4l_tensor_test(L, 1);
@@ -561,7 +461,7 @@ static int l_sample(lua_State *L) {
             if (lua_type(L, -1) != LUA_TNUMBER) {
                 char vb[96];
                 ds4l_raise(L, "%s: logits[%lld] must be a number, got %s", fname, (long long)(i + 1),
-                           value_str(L, -1, vb, sizeof vb));
+                           ds4l_value_str(L, -1, vb, sizeof vb));
             }
             f[i] = (float)lua_tonumber(L, -1);
             lua_pop(L, 1);
@@ -586,9 +486,9 @@ static int l_sample(lua_State *L) {
 static int l_sample_uniform(lua_State *L) {
     const char *fname = "ds4.sample_uniform";
     const char *desc = "a non-negative integer (at most 2^53)";
-    uint64_t seed = (uint64_t)check_int(L, 1, fname, "bad argument #1 (seed)", 0, MAX_EXACT, desc);
-    uint64_t stream = (uint64_t)check_int(L, 2, fname, "bad argument #2 (stream)", 0, MAX_EXACT, desc);
-    uint64_t step = (uint64_t)check_int(L, 3, fname, "bad argument #3 (step)", 0, MAX_EXACT, desc);
+    uint64_t seed = (uint64_t)ds4l_check_int(L, 1, fname, "bad argument #1 (seed)", 0, DS4L_MAX_EXACT, desc);
+    uint64_t stream = (uint64_t)ds4l_check_int(L, 2, fname, "bad argument #2 (stream)", 0, DS4L_MAX_EXACT, desc);
+    uint64_t step = (uint64_t)ds4l_check_int(L, 3, fname, "bad argument #3 (step)", 0, DS4L_MAX_EXACT, desc);
     lua_pushnumber(L, ds4_sample_uniform(seed, stream, step));
     return 1;
 }
@@ -650,23 +550,20 @@ static const char *const gen_known[] = {
     "seed",           "stop",        "tokenizer",      "ignore_eos",   "record_experts",
     "record_index",   "max_batch",   "prefill_chunk",  "on_token",     "prompt_base", NULL,
 };
-#define GEN_KNOWN_LIST                                                                                               \
-    "max_new_tokens, temperature, top_k, top_p, min_p, n, seed, stop, tokenizer, ignore_eos, record_experts, "      \
-    "record_index, max_batch, prefill_chunk, on_token, prompt_base"
 
 /* The scalar options of a generation (opts at idx; 0: none) into a. */
 static void read_gen_opts(lua_State *L, int opts, const char *fname, ds4_gen_args *a) {
-    a->max_new_tokens = opt_int(L, opts, "max_new_tokens", 64, 1, MAX_EXACT, "a positive integer", fname);
+    a->max_new_tokens = ds4l_opt_int(L, opts, "max_new_tokens", 64, 1, DS4L_MAX_EXACT, "a positive integer", fname);
     a->sampling = read_sampling(L, opts, fname);
-    a->n = (int32_t)opt_int(L, opts, "n", 1, 1, 2147483647.0, "a positive integer (samples per prompt)", fname);
-    a->seed = (uint64_t)opt_int(L, opts, "seed", 0, 0, MAX_EXACT, "a non-negative integer (at most 2^53)", fname);
+    a->n = (int32_t)ds4l_opt_int(L, opts, "n", 1, 1, 2147483647.0, "a positive integer (samples per prompt)", fname);
+    a->seed = (uint64_t)ds4l_opt_int(L, opts, "seed", 0, 0, DS4L_MAX_EXACT, "a non-negative integer (at most 2^53)", fname);
     /* a share of a larger batch: its first prompt's index there, so the draws are the whole batch's */
-    a->prompt_base = opt_int(L, opts, "prompt_base", 0, 0, 2147483647.0, "an integer >= 0", fname);
-    a->ignore_eos = opt_bool(L, opts, "ignore_eos", 0, fname);
-    a->record_experts = opt_bool(L, opts, "record_experts", 0, fname);
-    a->record_index = opt_bool(L, opts, "record_index", 0, fname);
-    a->max_batch = opt_int(L, opts, "max_batch", 0, 0, MAX_EXACT, "an integer >= 0 (0: all sequences)", fname);
-    a->prefill_chunk = opt_int(L, opts, "prefill_chunk", 0, 0, MAX_EXACT, "an integer >= 0 (0: 2048)", fname);
+    a->prompt_base = ds4l_opt_int(L, opts, "prompt_base", 0, 0, 2147483647.0, "an integer >= 0", fname);
+    a->ignore_eos = ds4l_opt_bool(L, opts, "ignore_eos", 0, fname);
+    a->record_experts = ds4l_opt_bool(L, opts, "record_experts", 0, fname);
+    a->record_index = ds4l_opt_bool(L, opts, "record_index", 0, fname);
+    a->max_batch = ds4l_opt_int(L, opts, "max_batch", 0, 0, DS4L_MAX_EXACT, "an integer >= 0 (0: all sequences)", fname);
+    a->prefill_chunk = ds4l_opt_int(L, opts, "prefill_chunk", 0, 0, DS4L_MAX_EXACT, "an integer >= 0 (0: 2048)", fname);
 }
 
 /* Push opts.tokenizer (nil, or a live ds4.tokenizer: returned). */
@@ -774,7 +671,7 @@ static void read_gen_stops(lua_State *L, int opts, int64_t V, const ds4_tokenize
     } else if (!lua_istable(L, stop_slot) || ds4l_tensor_test(L, stop_slot)) {
         char vb[96];
         ds4l_raise(L, "%s: opts.stop must be an array of token ids and strings, got %s", fname,
-                   value_str(L, stop_slot, vb, sizeof vb));
+                   ds4l_value_str(L, stop_slot, vb, sizeof vb));
     }
     const int64_t n_stop = stop_slot ? (int64_t)lua_objlen(L, stop_slot) : 0;
     for (int64_t i = 0; i < n_stop; i++) {
@@ -784,7 +681,7 @@ static void read_gen_stops(lua_State *L, int opts, int64_t V, const ds4_tokenize
             char desc[96];
             snprintf(what, sizeof what, "opts.stop[%lld]", (long long)(i + 1));
             snprintf(desc, sizeof desc, "a token id in [0, %lld) or a non-empty string", (long long)V);
-            check_int(L, -1, fname, what, 0, (double)V - 1, desc);
+            ds4l_check_int(L, -1, fname, what, 0, (double)V - 1, desc);
             n_sid++;
         } else if (ty == LUA_TSTRING) {
             size_t len = 0;
@@ -802,7 +699,7 @@ static void read_gen_stops(lua_State *L, int opts, int64_t V, const ds4_tokenize
         } else {
             char vb[96];
             ds4l_raise(L, "%s: opts.stop[%lld] must be a token id or a non-empty string, got %s", fname,
-                       (long long)(i + 1), value_str(L, -1, vb, sizeof vb));
+                       (long long)(i + 1), ds4l_value_str(L, -1, vb, sizeof vb));
         }
         lua_pop(L, 1);
     }
@@ -849,18 +746,15 @@ static void push_gen_results(lua_State *L, ds4_model *m, const ds4_gen_result *r
         lua_setfield(L, -2, "logprobs");
         push_f32_array(L, s->sample_logprobs, s->n_ids);
         lua_setfield(L, -2, "sample_logprobs");
-        lua_pushstring(L, ds4_finish_name(s->finish));
-        lua_setfield(L, -2, "finish_reason");
+        ds4l_set_str(L, "finish_reason", ds4_finish_name(s->finish));
         if (s->finish == DS4_FINISH_STOP_TOKEN && s->stop_index >= 0 && s->stop_index < stops->n_ids) {
-            lua_pushnumber(L, (lua_Number)stops->ids[s->stop_index]);
-            lua_setfield(L, -2, "stop");
+            ds4l_set_int(L, "stop", stops->ids[s->stop_index]);
         } else if (s->finish == DS4_FINISH_STOP_STRING && s->stop_index >= 0 && s->stop_index < stops->n_strs) {
-            lua_pushstring(L, stops->strs[s->stop_index]);
-            lua_setfield(L, -2, "stop");
+            ds4l_set_str(L, "stop", stops->strs[s->stop_index]);
         }
-        set_num(L, "prompt_index", (double)(s->prompt_index + 1));
-        set_num(L, "sample_index", (double)(s->sample_index + 1));
-        set_num(L, "prompt_len", (double)s->prompt_len);
+        ds4l_set_int(L, "prompt_index", s->prompt_index + 1);
+        ds4l_set_int(L, "sample_index", s->sample_index + 1);
+        ds4l_set_int(L, "prompt_len", s->prompt_len);
         /* recorded rows: a model without CSA layers records no picks (NULL), which is an [n_rows, 0, topk] tensor */
         if (rec_experts) {
             const int64_t shape[3] = {s->n_rows, nl, K};
@@ -877,12 +771,12 @@ static void push_gen_results(lua_State *L, ds4_model *m, const ds4_gen_result *r
         lua_rawseti(L, res, (int)(i + 1));
     }
     lua_createtable(L, 0, 6);
-    set_num(L, "prefill_tokens", (double)r->prefill_tokens);
-    set_num(L, "decode_tokens", (double)r->decode_tokens);
-    set_num(L, "prefill_seconds", r->prefill_seconds);
-    set_num(L, "decode_seconds", r->decode_seconds);
-    set_num(L, "prefill_tokens_per_s", r->prefill_seconds > 0 ? (double)r->prefill_tokens / r->prefill_seconds : 0);
-    set_num(L, "decode_tokens_per_s", r->decode_seconds > 0 ? (double)r->decode_tokens / r->decode_seconds : 0);
+    ds4l_set_int(L, "prefill_tokens", r->prefill_tokens);
+    ds4l_set_int(L, "decode_tokens", r->decode_tokens);
+    ds4l_set_num(L, "prefill_seconds", r->prefill_seconds);
+    ds4l_set_num(L, "decode_seconds", r->decode_seconds);
+    ds4l_set_num(L, "prefill_tokens_per_s", r->prefill_seconds > 0 ? (double)r->prefill_tokens / r->prefill_seconds : 0);
+    ds4l_set_num(L, "decode_tokens_per_s", r->decode_seconds > 0 ? (double)r->decode_tokens / r->decode_seconds : 0);
     lua_setfield(L, res, "stats");
 }
 
@@ -890,8 +784,8 @@ static void push_gen_results(lua_State *L, ds4_model *m, const ds4_gen_result *r
 static int m_generate(lua_State *L) {
     const char *fname = "ds4.model:generate";
     ds4_model *m = ds4l_model_check(L, 1, fname);
-    int opts = opt_table(L, 3, fname, 2);
-    if (opts) check_keys(L, opts, fname, gen_known, GEN_KNOWN_LIST);
+    int opts = ds4l_opt_table(L, 3, fname, 2);
+    ds4l_check_keys(L, opts, fname, gen_known);
     lua_settop(L, 3); /* 1 model, 2 prompts, 3 opts */
     check_not_busy(L, 1, fname);
     const int64_t V = ds4_model_config(m)->vocab_size;
@@ -906,7 +800,7 @@ static int m_generate(lua_State *L) {
     if (!lua_isnil(L, 4) && !lua_isfunction(L, 4)) {
         char vb[96];
         ds4l_raise(L, "%s: opts.on_token must be a function(i, id, logprob), got %s", fname,
-                   value_str(L, 4, vb, sizeof vb));
+                   ds4l_value_str(L, 4, vb, sizeof vb));
     }
     const ds4_tokenizer *tok = push_gen_tokenizer(L, opts, fname);
     lua_pushnil(L); /* 6: error raised by on_token */
@@ -1022,15 +916,13 @@ static void push_pending(lua_State *L, int idx) {
 static int m_batcher(lua_State *L) {
     const char *fname = "ds4.model:batcher";
     ds4_model *m = ds4l_model_check(L, 1, fname);
-    int opts = opt_table(L, 2, fname, 1);
-    if (opts) {
-        static const char *const known[] = {"max_seqs", "prefill_chunk", NULL};
-        check_keys(L, opts, fname, known, "max_seqs, prefill_chunk");
-    }
+    int opts = ds4l_opt_table(L, 2, fname, 1);
+    static const char *const known[] = {"max_seqs", "prefill_chunk", NULL};
+    ds4l_check_keys(L, opts, fname, known);
     lua_settop(L, 2);
     ds4_batcher_options o = {
-        .max_seqs = opt_int(L, opts, "max_seqs", 32, 1, 1 << 20, "an integer in [1, 2^20]", fname),
-        .prefill_chunk = opt_int(L, opts, "prefill_chunk", 0, 0, 1 << 24, "an integer in [0, 2^24] (0: 2048)", fname)};
+        .max_seqs = ds4l_opt_int(L, opts, "max_seqs", 32, 1, 1 << 20, "an integer in [1, 2^20]", fname),
+        .prefill_chunk = ds4l_opt_int(L, opts, "prefill_chunk", 0, 0, 1 << 24, "an integer in [0, 2^24] (0: 2048)", fname)};
     batcher_box *b = ds4l_push_model_owned(L, sizeof *b, BATCHER_MT, 1);
     lua_getfenv(L, -1);
     lua_newtable(L);
@@ -1045,11 +937,8 @@ static int b_submit(lua_State *L) {
     const char *fname = "ds4.batcher:submit";
     ds4_model *m = NULL;
     batcher_box *b = batcher_check(L, 1, fname, &m);
-    int opts = opt_table(L, 3, fname, 2);
-    if (opts)
-        check_keys(L, opts, fname, batcher_submit_known,
-                   "max_new_tokens, temperature, top_k, top_p, min_p, n, seed, stop, tokenizer, ignore_eos, "
-                   "record_experts, record_index");
+    int opts = ds4l_opt_table(L, 3, fname, 2);
+    ds4l_check_keys(L, opts, fname, batcher_submit_known);
     lua_settop(L, 3); /* 1 batcher, 2 prompts, 3 opts */
     const int64_t V = ds4_model_config(m)->vocab_size;
     ds4_gen_args a;
@@ -1144,7 +1033,7 @@ static int b_take(lua_State *L) {
 static int b_cancel(lua_State *L) {
     const char *fname = "ds4.batcher:cancel";
     batcher_box *b = batcher_check(L, 1, fname, NULL);
-    const uint64_t tag = (uint64_t)check_int(L, 2, fname, "bad argument #1 (tag)", 0, MAX_EXACT, "a task's tag");
+    const uint64_t tag = (uint64_t)ds4l_check_int(L, 2, fname, "bad argument #1 (tag)", 0, DS4L_MAX_EXACT, "a task's tag");
     lua_pushboolean(L, ds4_batcher_cancel(b->b, tag));
     return 1;
 }
@@ -1156,7 +1045,7 @@ static int b_cancel(lua_State *L) {
 static int b_peek(lua_State *L) {
     const char *fname = "ds4.batcher:peek";
     batcher_box *b = batcher_check(L, 1, fname, NULL);
-    const uint64_t tag = (uint64_t)check_int(L, 2, fname, "bad argument #1 (tag)", 0, MAX_EXACT, "a task's tag");
+    const uint64_t tag = (uint64_t)ds4l_check_int(L, 2, fname, "bad argument #1 (tag)", 0, DS4L_MAX_EXACT, "a task's tag");
     const int with = !lua_isnoneornil(L, 3);
     if (with) luaL_checktype(L, 3, LUA_TTABLE);
     const ds4_gen_result *r = ds4_batcher_peek(b->b, tag);
@@ -1205,14 +1094,14 @@ static int b_stats(lua_State *L) {
     ds4_batcher_stats s;
     ds4_batcher_get_stats(b->b, &s);
     lua_createtable(L, 0, 8);
-    set_num(L, "queued", (double)s.queued);
-    set_num(L, "running", (double)s.running);
-    set_num(L, "finished", (double)s.finished);
-    set_num(L, "seqs", (double)s.seqs);
-    set_num(L, "free_seqs", (double)s.free_seqs);
-    set_num(L, "steps", (double)s.steps);
-    set_num(L, "prefill_tokens", (double)s.prefill_tokens);
-    set_num(L, "decode_tokens", (double)s.decode_tokens);
+    ds4l_set_int(L, "queued", s.queued);
+    ds4l_set_int(L, "running", s.running);
+    ds4l_set_int(L, "finished", s.finished);
+    ds4l_set_int(L, "seqs", s.seqs);
+    ds4l_set_int(L, "free_seqs", s.free_seqs);
+    ds4l_set_int(L, "steps", s.steps);
+    ds4l_set_int(L, "prefill_tokens", s.prefill_tokens);
+    ds4l_set_int(L, "decode_tokens", s.decode_tokens);
     return 1;
 }
 

@@ -64,42 +64,19 @@ static uint32_t parse_targets(lua_State *L, int idx, const char *fname) {
     return bits;
 }
 
-static double opt_number(lua_State *L, int opts, const char *key, double def, const char *fname) {
-    lua_getfield(L, opts, key);
-    double v = def;
-    if (lua_type(L, -1) == LUA_TNUMBER) v = lua_tonumber(L, -1);
-    else if (!lua_isnil(L, -1)) ds4l_raise(L, "%s: opts.%s must be a number, got %s", fname, key, luaL_typename(L, -1));
-    lua_pop(L, 1);
-    return v;
-}
-
 static int m_lora(lua_State *L) {
     const char *fname = "ds4.model:lora";
     ds4_model *m = ds4l_model_check(L, 1, fname);
     check_not_busy(L, fname);
-    luaL_checktype(L, 2, LUA_TTABLE);
+    const int opts = ds4l_check_opts(L, 2, fname, 1);
     static const char *const known[] = {"rank", "alpha", "dropout", "targets", "seed", "rslora", NULL};
-    lua_pushnil(L);
-    while (lua_next(L, 2)) {
-        lua_pop(L, 1);
-        const char *k = lua_type(L, -1) == LUA_TSTRING ? lua_tostring(L, -1) : NULL;
-        int ok = 0;
-        for (int i = 0; k && known[i]; i++) ok |= !strcmp(k, known[i]);
-        if (!ok) ds4l_raise(L, "%s: unknown option %s (known: rank, alpha, dropout, targets, seed, rslora)", fname,
-                            k ? k : "(not a string)");
-    }
+    ds4l_check_keys(L, opts, fname, known);
     ds4_lora_options o = {0};
-    const double r = opt_number(L, 2, "rank", 16, fname);
-    if (!(r >= 1 && r <= 65536 && r == floor(r))) ds4l_raise(L, "%s: opts.rank must be an integer in [1, 65536]", fname);
-    o.rank = (int64_t)r;
-    o.alpha = opt_number(L, 2, "alpha", 2 * r, fname);
-    o.dropout = opt_number(L, 2, "dropout", 0, fname);
-    const double seed = opt_number(L, 2, "seed", 0, fname);
-    if (!(seed >= 0 && seed < 9.0e15 && seed == floor(seed))) ds4l_raise(L, "%s: opts.seed must be an integer >= 0", fname);
-    o.seed = (uint64_t)seed;
-    lua_getfield(L, 2, "rslora");
-    o.rslora = lua_toboolean(L, -1);
-    lua_pop(L, 1);
+    o.rank = ds4l_opt_int(L, opts, "rank", 16, 1, 65536, "an integer in [1, 65536]", fname);
+    o.alpha = ds4l_opt_num(L, opts, "alpha", 2.0 * (double)o.rank, -HUGE_VAL, HUGE_VAL, "a number", fname);
+    o.dropout = ds4l_opt_num(L, opts, "dropout", 0, -HUGE_VAL, HUGE_VAL, "a number", fname);
+    o.seed = (uint64_t)ds4l_opt_int(L, opts, "seed", 0, 0, DS4L_MAX_EXACT, "an integer >= 0", fname);
+    o.rslora = ds4l_opt_bool(L, opts, "rslora", 0, fname);
     lua_getfield(L, 2, "targets");
     o.targets = parse_targets(L, lua_gettop(L), fname);
     lua_pop(L, 1);
@@ -163,12 +140,9 @@ static int m_lora_info(lua_State *L) {
         return 1;
     }
     lua_createtable(L, 0, 3);
-    lua_pushnumber(L, (lua_Number)r);
-    lua_setfield(L, -2, "rank");
-    lua_pushnumber(L, s);
-    lua_setfield(L, -2, "scale");
-    lua_pushnumber(L, (lua_Number)n);
-    lua_setfield(L, -2, "numel");
+    ds4l_set_int(L, "rank", r);
+    ds4l_set_num(L, "scale", s);
+    ds4l_set_int(L, "numel", n);
     return 1;
 }
 
@@ -236,12 +210,9 @@ static int m_lora_layout(lua_State *L) {
     ds4_error err = {0};
     if (ds4_model_lora_layout(m, &r, &alpha, &rslora, masks, n, &err) != DS4_OK) ds4l_raise_ds4(L, fname, &err);
     lua_createtable(L, 0, 4);
-    lua_pushnumber(L, (lua_Number)r);
-    lua_setfield(L, -2, "rank");
-    lua_pushnumber(L, alpha);
-    lua_setfield(L, -2, "alpha");
-    lua_pushboolean(L, rslora);
-    lua_setfield(L, -2, "rslora");
+    ds4l_set_int(L, "rank", r);
+    ds4l_set_num(L, "alpha", alpha);
+    ds4l_set_bool(L, "rslora", rslora);
     lua_createtable(L, (int)n, 0);
     for (int64_t i = 0; i < n; i++) {
         lua_pushnumber(L, masks[i]);
@@ -262,10 +233,13 @@ typedef struct layout_arg {
 static layout_arg check_layout(lua_State *L, int idx, const char *fname) {
     luaL_checktype(L, idx, LUA_TTABLE);
     layout_arg a;
-    a.rank = opt_number(L, idx, "rank", 0, fname);
-    a.alpha = opt_number(L, idx, "alpha", NAN, fname);
-    if (!(a.rank >= 1 && a.rank <= 65536 && a.rank == floor(a.rank)))
-        ds4l_raise(L, "%s: layout.rank must be an integer in [1, 65536]", fname);
+    lua_getfield(L, idx, "rank");
+    a.rank = (double)ds4l_check_int(L, -1, fname, "layout.rank", 1, 65536, "an integer in [1, 65536]");
+    lua_getfield(L, idx, "alpha");
+    if (!lua_isnil(L, -1) && lua_type(L, -1) != LUA_TNUMBER)
+        ds4l_raise(L, "%s: layout.alpha must be a number, got %s", fname, luaL_typename(L, -1));
+    a.alpha = lua_isnil(L, -1) ? NAN : lua_tonumber(L, -1);
+    lua_pop(L, 2);
     lua_getfield(L, idx, "rslora");
     a.rslora = lua_toboolean(L, -1);
     lua_pop(L, 1);

@@ -99,60 +99,12 @@ static const char *arg_string(lua_State *L, int idx, const char *fname, const ch
 }
 
 static int64_t to_count(lua_State *L, int idx, const char *fname, const char *what) {
-    lua_Number v = lua_tonumber(L, idx);
-    if (lua_type(L, idx) != LUA_TNUMBER || !(v == floor(v)) || !(v >= 0) || !(v < 1e18))
-        ds4l_raise(L, "%s: %s must be a non-negative integer, got %s", fname, what,
-                   lua_type(L, idx) == LUA_TNUMBER ? lua_tostring(L, idx) : luaL_typename(L, idx));
-    return (int64_t)v;
-}
-
-/* Reject keys of an options table that are not in `known` (a misspelt option would silently do nothing). */
-static void check_keys(lua_State *L, int opts, const char *fname, const char *const *known) {
-    lua_pushnil(L);
-    while (lua_next(L, opts)) {
-        lua_pop(L, 1);
-        const char *k = lua_type(L, -1) == LUA_TSTRING ? lua_tostring(L, -1) : NULL;
-        int ok = 0;
-        for (int i = 0; k && known[i]; i++) ok |= !strcmp(k, known[i]);
-        if (!ok) {
-            char list[256] = "";
-            size_t o = 0;
-            for (int i = 0; known[i] && o < sizeof list; i++)
-                o += (size_t)snprintf(list + o, sizeof list - o, "%s%s", i ? ", " : "", known[i]);
-            ds4l_raise(L, "%s: unknown option %s%s%s (known: %s)", fname, k ? "'" : "a ", k ? k : luaL_typename(L, -1),
-                       k ? "'" : " key", list);
-        }
-    }
-}
-
-static int opt_table(lua_State *L, int idx, const char *fname) {
-    if (lua_isnoneornil(L, idx)) return 0;
-    if (!lua_istable(L, idx))
-        ds4l_raise(L, "%s: bad argument #%d (options table expected, got %s)", fname, idx, luaL_typename(L, idx));
-    return idx;
-}
-
-static int opt_bool(lua_State *L, int opts, const char *key, const char *fname) {
-    if (!opts) return 0;
-    lua_getfield(L, opts, key);
-    int t = lua_type(L, -1), v = lua_toboolean(L, -1);
-    lua_pop(L, 1);
-    if (t != LUA_TNIL && t != LUA_TBOOLEAN) ds4l_raise(L, "%s: opts.%s must be a boolean, got %s", fname, key, lua_typename(L, t));
-    return v;
+    return ds4l_check_int(L, idx, fname, what, 0, DS4L_MAX_EXACT, "a non-negative integer");
 }
 
 /* opts.key as a count, or -1 when absent. */
 static int64_t opt_count(lua_State *L, int opts, const char *key, const char *fname) {
-    if (!opts) return -1;
-    lua_getfield(L, opts, key);
-    int64_t v = -1;
-    if (!lua_isnil(L, -1)) {
-        char what[64];
-        snprintf(what, sizeof what, "opts.%s", key);
-        v = to_count(L, lua_gettop(L), fname, what);
-    }
-    lua_pop(L, 1);
-    return v;
+    return ds4l_opt_int(L, opts, key, -1, 0, DS4L_MAX_EXACT, "a non-negative integer", fname);
 }
 
 static ds4_dtype opt_dtype(lua_State *L, int opts, const char *fname) {
@@ -432,11 +384,11 @@ static int m_save(lua_State *L) {
     const char *fname = "ds4.model:save";
     ds4_model *m = ds4l_model_check(L, 1, fname);
     const char *dir = arg_string(L, 2, fname, "directory");
-    int opts = opt_table(L, 3, fname);
+    int opts = ds4l_opt_table(L, 3, fname, 2);
     static const char *const known[] = {"dtype", "overwrite", "files", "expand_quantised", NULL};
-    if (opts) check_keys(L, opts, fname, known);
-    ds4_save_options o = {.dtype = opt_dtype(L, opts, fname), .overwrite = opt_bool(L, opts, "overwrite", fname),
-                          .expand_quantised = opt_bool(L, opts, "expand_quantised", fname)};
+    ds4l_check_keys(L, opts, fname, known);
+    ds4_save_options o = {.dtype = opt_dtype(L, opts, fname), .overwrite = ds4l_opt_bool(L, opts, "overwrite", 0, fname),
+                          .expand_quantised = ds4l_opt_bool(L, opts, "expand_quantised", 0, fname)};
     opt_files(L, opts, fname, &o);
     ds4_error err = {0};
     if (ds4_model_save_opts(m, dir, &o, &err) != DS4_OK) ds4l_raise_ds4(L, fname, &err);
@@ -499,10 +451,10 @@ static int c_abort(lua_State *L) {
 static int c_check(lua_State *L) {
     const char *fname = "ds4.checkpoints.check";
     const char *dir = arg_string(L, 1, fname, "directory");
-    int opts = opt_table(L, 2, fname);
+    int opts = ds4l_opt_table(L, 2, fname, 2);
     static const char *const known[] = {"sizes_only", NULL};
-    if (opts) check_keys(L, opts, fname, known);
-    ds4_ckpt_verify how = opt_bool(L, opts, "sizes_only", fname) ? DS4_CKPT_VERIFY_SIZES : DS4_CKPT_VERIFY_FULL;
+    ds4l_check_keys(L, opts, fname, known);
+    ds4_ckpt_verify how = ds4l_opt_bool(L, opts, "sizes_only", 0, fname) ? DS4_CKPT_VERIFY_SIZES : DS4_CKPT_VERIFY_FULL;
     ds4_error err = {0};
     int64_t step = 0;
     ds4_status s = ds4_ckpt_check(dir, how, &step, &err);
@@ -549,10 +501,10 @@ static int c_latest(lua_State *L) {
 static int c_scan(lua_State *L) {
     const char *fname = "ds4.checkpoints.scan";
     const char *root = arg_string(L, 1, fname, "root");
-    int opts = opt_table(L, 2, fname);
+    int opts = ds4l_opt_table(L, 2, fname, 2);
     static const char *const known[] = {"sizes_only", NULL};
-    if (opts) check_keys(L, opts, fname, known);
-    ds4_ckpt_verify how = opt_bool(L, opts, "sizes_only", fname) ? DS4_CKPT_VERIFY_SIZES : DS4_CKPT_VERIFY_FULL;
+    ds4l_check_keys(L, opts, fname, known);
+    ds4_ckpt_verify how = ds4l_opt_bool(L, opts, "sizes_only", 0, fname) ? DS4_CKPT_VERIFY_SIZES : DS4_CKPT_VERIFY_FULL;
     res_box *b = push_res(L, RES_MEM);
     ds4_error err = {0};
     ds4_ckpt_entry *en = NULL;
@@ -563,19 +515,14 @@ static int c_scan(lua_State *L) {
     lua_createtable(L, n > 1000000 ? 0 : (int)n, 0);
     for (size_t i = 0; i < n; i++) {
         lua_createtable(L, 0, 5);
-        lua_pushstring(L, en[i].name);
-        lua_setfield(L, -2, "name");
-        lua_pushnumber(L, (lua_Number)en[i].step);
-        lua_setfield(L, -2, "step");
-        lua_pushstring(L, kinds[en[i].kind]);
-        lua_setfield(L, -2, "kind");
+        ds4l_set_str(L, "name", en[i].name);
+        ds4l_set_int(L, "step", en[i].step);
+        ds4l_set_str(L, "kind", kinds[en[i].kind]);
         if (en[i].pid) {
-            lua_pushnumber(L, (lua_Number)en[i].pid);
-            lua_setfield(L, -2, "pid");
+            ds4l_set_int(L, "pid", en[i].pid);
         }
         if (en[i].reason[0]) {
-            lua_pushstring(L, en[i].reason);
-            lua_setfield(L, -2, "reason");
+            ds4l_set_str(L, "reason", en[i].reason);
         }
         lua_rawseti(L, -2, (int)i + 1);
     }
@@ -598,12 +545,9 @@ static void push_prune(lua_State *L, const char *fname, const char *root, const 
         lua_rawseti(L, -2, (int)i + 1);
     }
     lua_setfield(L, -2, "removed");
-    lua_pushnumber(L, (lua_Number)r.n_kept);
-    lua_setfield(L, -2, "kept");
-    lua_pushnumber(L, (lua_Number)r.n_cleaned);
-    lua_setfield(L, -2, "cleaned");
-    lua_pushnumber(L, (lua_Number)r.n_left);
-    lua_setfield(L, -2, "left");
+    ds4l_set_int(L, "kept", r.n_kept);
+    ds4l_set_int(L, "cleaned", r.n_cleaned);
+    ds4l_set_int(L, "left", r.n_left);
     release_res(b);
     lua_remove(L, box);
 }
@@ -613,18 +557,18 @@ static void prune_opts(lua_State *L, int opts, const char *fname, ds4_ckpt_prune
     int64_t k = opt_count(L, opts, "keep_last", fname), e = opt_count(L, opts, "keep_every", fname);
     po->keep_last = k < 0 ? 0 : k;
     po->keep_every = e < 0 ? 0 : e;
-    po->clean_stale = opt_bool(L, opts, "clean", fname);
+    po->clean_stale = ds4l_opt_bool(L, opts, "clean", 0, fname);
 }
 
 static int c_prune(lua_State *L) {
     const char *fname = "ds4.checkpoints.prune";
     const char *root = arg_string(L, 1, fname, "root");
-    int opts = opt_table(L, 2, fname);
+    int opts = ds4l_opt_table(L, 2, fname, 2);
     static const char *const known[] = {"keep_last", "keep_every", "clean", "dry_run", NULL};
-    if (opts) check_keys(L, opts, fname, known);
+    ds4l_check_keys(L, opts, fname, known);
     ds4_ckpt_prune_options po;
     prune_opts(L, opts, fname, &po);
-    po.dry_run = opt_bool(L, opts, "dry_run", fname);
+    po.dry_run = ds4l_opt_bool(L, opts, "dry_run", 0, fname);
     push_prune(L, fname, root, &po);
     return 1;
 }
@@ -725,10 +669,10 @@ static int c_save(lua_State *L) {
     const char *root = arg_string(L, 1, fname, "root");
     int64_t step = to_count(L, 2, fname, "step");
     ds4l_model_check(L, 3, fname);
-    int opts = opt_table(L, 4, fname);
+    int opts = ds4l_opt_table(L, 4, fname, 4);
     static const char *const known[] = {"extra", "meta", "states", "dtype", "keep_last", "keep_every", "clean",
                                         "files", NULL};
-    if (opts) check_keys(L, opts, fname, known);
+    ds4l_check_keys(L, opts, fname, known);
     lua_settop(L, 4);
     ds4_dtype dtype = opt_dtype(L, opts, fname);
     ds4_ckpt_prune_options po;

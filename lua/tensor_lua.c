@@ -86,14 +86,6 @@ static ds4_tensor *self_tensor(lua_State *L, const char *fname) {
     return t;
 }
 
-/* Lua numbers are doubles: an integer argument must be integral and in int64 range before the cast (a
- * double -> int64 conversion of an out-of-range value is undefined behaviour in C). */
-static int number_to_i64(lua_Number v, int64_t *out) {
-    if (!(v == floor(v)) || !(fabs(v) < 9223372036854775808.0)) return 0;
-    *out = (int64_t)v;
-    return 1;
-}
-
 /* Read a shape table {d1, d2, ...} of non-negative integers into shape; returns ndim. */
 static int32_t check_shape_table(lua_State *L, int idx, const char *fname, int argn, int64_t *shape) {
     if (!lua_istable(L, idx))
@@ -105,7 +97,7 @@ static int32_t check_shape_table(lua_State *L, int idx, const char *fname, int a
     for (size_t i = 0; i < n; i++) {
         lua_rawgeti(L, idx, (int)i + 1);
         int64_t d;
-        if (lua_type(L, -1) != LUA_TNUMBER || !number_to_i64(lua_tonumber(L, -1), &d) || d < 0)
+        if (lua_type(L, -1) != LUA_TNUMBER || !ds4l_number_to_i64(lua_tonumber(L, -1), &d) || d < 0)
             ds4l_raise(L, "%s: bad argument #%d (shape[%zu] must be a non-negative integer, got %s %s)", fname,
                        argn, i + 1, luaL_typename(L, -1), lua_isnumber(L, -1) ? lua_tostring(L, -1) : "");
         lua_pop(L, 1);
@@ -127,7 +119,7 @@ static int64_t check_indices(lua_State *L, const ds4_tensor *t, int first, const
     for (int32_t d = 0; d < t->ndim; d++) {
         int slot = first + d;
         int64_t i;
-        if (lua_type(L, slot) != LUA_TNUMBER || !number_to_i64(lua_tonumber(L, slot), &i) || i < 1 ||
+        if (lua_type(L, slot) != LUA_TNUMBER || !ds4l_number_to_i64(lua_tonumber(L, slot), &i) || i < 1 ||
             i > t->shape[d]) {
             ds4l_format_shape(sh, sizeof sh, t->ndim, t->shape);
             if (lua_type(L, slot) == LUA_TNUMBER)
@@ -314,7 +306,7 @@ static int t_len(lua_State *L) {
 
 static int64_t check_flat(lua_State *L, const ds4_tensor *t, int slot, const char *what) {
     int64_t i, n = ds4_tensor_numel(t);
-    if (!number_to_i64(lua_tonumber(L, slot), &i) || i < 1 || i > n) {
+    if (!ds4l_number_to_i64(lua_tonumber(L, slot), &i) || i < 1 || i > n) {
         char sh[256];
         ds4l_format_shape(sh, sizeof sh, t->ndim, t->shape);
         ds4l_raise(L, "ds4.tensor: flat %s index %s outside 1..%lld (shape %s)", what, lua_tostring(L, slot),

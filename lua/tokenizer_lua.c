@@ -56,28 +56,12 @@ const ds4_tokenizer *ds4l_tokenizer_test(lua_State *L, int idx, int *freed) {
     return b ? b->t : NULL;
 }
 
-/* An integral Lua number in [lo, hi] at idx, else a Lua error naming the argument. */
-static int64_t check_int(lua_State *L, int idx, const char *fname, const char *what, int64_t lo, int64_t hi) {
-    if (lua_type(L, idx) != LUA_TNUMBER)
-        ds4l_raise(L, "%s: %s must be an integer (got %s)", fname, what, luaL_typename(L, idx));
-    lua_Number v = lua_tonumber(L, idx);
-    if (!(v == floor(v)) || v < (lua_Number)lo || v > (lua_Number)hi)
-        ds4l_raise(L, "%s: %s must be an integer in [%lld, %lld] (got %.17g)", fname, what, (long long)lo,
-                   (long long)hi, (double)v);
-    return (int64_t)v;
-}
-
-/* opts[key] as a boolean (nil/absent: false); opts itself may be nil. */
-static int opt_bool(lua_State *L, int idx, const char *key, const char *fname) {
-    if (lua_isnoneornil(L, idx)) return 0;
-    if (!lua_istable(L, idx)) ds4l_raise(L, "%s: options must be a table (got %s)", fname, luaL_typename(L, idx));
-    lua_getfield(L, idx, key);
-    int t = lua_type(L, -1);
-    if (t != LUA_TNIL && t != LUA_TBOOLEAN)
-        ds4l_raise(L, "%s: option %s must be a boolean (got %s)", fname, key, lua_typename(L, t));
-    int v = lua_toboolean(L, -1);
-    lua_pop(L, 1);
-    return v;
+/* The options table at idx (nil: none) with only the one key a method reads; opts.key as a boolean (absent: false). */
+static int opt_flag(lua_State *L, int idx, const char *key, const char *fname) {
+    const int opts = ds4l_opt_table(L, idx, fname, idx - 1);
+    const char *const known[] = {key, NULL};
+    ds4l_check_keys(L, opts, fname, known);
+    return ds4l_opt_bool(L, opts, key, 0, fname);
 }
 
 /* ds4.tokenizer_from_json(text): a tokenizer.json's text (a rollout worker gets its tokenizer over the wire). */
@@ -123,7 +107,7 @@ static int m_encode(lua_State *L) {
         ds4l_raise(L, "%s: bad argument #1 (string expected, got %s)", fname, luaL_typename(L, 2));
     size_t len = 0;
     const char *text = lua_tolstring(L, 2, &len);
-    uint32_t flags = opt_bool(L, 3, "bos", fname) ? DS4_TOK_ADD_BOS : 0;
+    uint32_t flags = opt_flag(L, 3, "bos", fname) ? DS4_TOK_ADD_BOS : 0;
     ids_box *box = lua_newuserdata(L, sizeof *box);
     memset(box, 0, sizeof *box);
     luaL_getmetatable(L, IDS_MT);
@@ -154,7 +138,7 @@ static void add_id(lua_State *L, luaL_Buffer *buf, const ds4_tokenizer *t, int64
 static int m_decode(lua_State *L) {
     const char *fname = "tokenizer:decode";
     const ds4_tokenizer *t = check_tok(L, fname);
-    int skip = opt_bool(L, 3, "skip_special", fname);
+    int skip = opt_flag(L, 3, "skip_special", fname);
     ds4_tensor *ten = ds4l_tensor_test(L, 2);
     if (!ten && !lua_istable(L, 2))
         ds4l_raise(L, "%s: bad argument #1 (array of ids or integer ds4.tensor expected, got %s)", fname,
@@ -210,7 +194,7 @@ static int m_token_to_id(lua_State *L) {
 static int m_id_to_token(lua_State *L) {
     const char *fname = "tokenizer:id_to_token";
     const ds4_tokenizer *t = check_tok(L, fname);
-    int64_t id = check_int(L, 2, fname, "id", INT32_MIN, INT32_MAX);
+    int64_t id = ds4l_check_int(L, 2, fname, "id", INT32_MIN, INT32_MAX, "an integer in [-2^31, 2^31)");
     size_t len = 0;
     const char *s = ds4_tokenizer_id_to_token(t, (int32_t)id, &len);
     if (s) lua_pushlstring(L, s, len);
@@ -233,7 +217,7 @@ static int m_special(lua_State *L) {
 static int m_is_special(lua_State *L) {
     const char *fname = "tokenizer:is_special";
     const ds4_tokenizer *t = check_tok(L, fname);
-    int64_t id = check_int(L, 2, fname, "id", INT32_MIN, INT32_MAX);
+    int64_t id = ds4l_check_int(L, 2, fname, "id", INT32_MIN, INT32_MAX, "an integer in [-2^31, 2^31)");
     lua_pushboolean(L, ds4_tokenizer_is_special(t, (int32_t)id));
     return 1;
 }

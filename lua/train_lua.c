@@ -53,11 +53,6 @@ static void set_pending(lua_State *L, int model_idx, double loss_tokens) {
     lua_pop(L, 1);
 }
 
-static void set_num(lua_State *L, const char *k, double v) {
-    lua_pushnumber(L, v);
-    lua_setfield(L, -2, k);
-}
-
 /* ------------------------------------------------------------------------------------------------ forward */
 
 ds4_status ds4l_train_forward(lua_State *L, int model_idx, int opts_idx, ds4_model *m, const ds4_forward_args *args,
@@ -65,13 +60,7 @@ ds4_status ds4l_train_forward(lua_State *L, int model_idx, int opts_idx, ds4_mod
     const char *fname = "ds4.model:forward";
     model_idx = abs_index(L, model_idx);
     int train = -1; /* -1: automatic (gradients enabled and labels given) */
-    if (opts_idx) {
-        lua_getfield(L, opts_idx, "train");
-        int t = lua_type(L, -1);
-        if (t == LUA_TBOOLEAN) train = lua_toboolean(L, -1);
-        else if (t != LUA_TNIL) ds4l_raise(L, "%s: opts.train must be a boolean, got %s", fname, lua_typename(L, t));
-        lua_pop(L, 1);
-    }
+    train = ds4l_opt_bool(L, opts_idx, "train", train, fname);
     if (train == 1) {
         if (!args->labels)
             ds4l_raise(L, "%s: opts.train = true needs opts.labels (the loss to differentiate), ids [%lld, %lld]",
@@ -286,17 +275,10 @@ static int m_backward_logprobs(lua_State *L) {
         ds4l_raise(L, "%s: gradient must be an F32 tensor of %lld x %lld values (the last forward's ids), got %s %s",
                    fname, (long long)B, (long long)S, ds4_dtype_name(g->dtype), sh);
     }
-    double ikl = -1;
-    if (!lua_isnoneornil(L, 3)) {
-        luaL_checktype(L, 3, LUA_TTABLE);
-        for (lua_pushnil(L); lua_next(L, 3); lua_pop(L, 1))
-            if (lua_type(L, -2) != LUA_TSTRING || strcmp(lua_tostring(L, -2), "ikl") != 0 ||
-                lua_type(L, -1) != LUA_TNUMBER)
-                ds4l_raise(L, "%s: options: unknown or mistyped field (known: ikl = number)", fname);
-        lua_getfield(L, 3, "ikl");
-        ikl = lua_isnil(L, -1) ? -1 : lua_tonumber(L, -1);
-        lua_pop(L, 1);
-    }
+    const int opts = ds4l_opt_table(L, 3, fname, 2);
+    static const char *const known[] = {"ikl", NULL};
+    ds4l_check_keys(L, opts, fname, known);
+    const double ikl = ds4l_opt_num(L, opts, "ikl", -1, -HUGE_VAL, HUGE_VAL, "a number", fname);
     if (ds4_model_backward_logprobs_scaled(m, g->data, ikl, &err) != DS4_OK) ds4l_raise_ds4(L, fname, &err);
     set_pending(L, 1, -1);
     return 0;
@@ -307,27 +289,17 @@ static int m_backward_logprobs(lua_State *L) {
 static int m_set_train_options(lua_State *L) {
     const char *fname = "ds4.model:set_train_options";
     ds4_model *m = ds4l_model_check(L, 1, fname);
-    luaL_checktype(L, 2, LUA_TTABLE);
-    ds4_train_options o = {0};
-    lua_pushnil(L);
-    while (lua_next(L, 2)) {
-        const char *k = lua_type(L, -2) == LUA_TSTRING ? lua_tostring(L, -2) : "?";
-        if (!strcmp(k, "mtp_lambda") && lua_type(L, -1) == LUA_TNUMBER) o.mtp_lambda = lua_tonumber(L, -1);
-        else if (!strcmp(k, "indexer_kl") && lua_type(L, -1) == LUA_TNUMBER) o.indexer_kl = lua_tonumber(L, -1);
-        else if (!strcmp(k, "router_bias_gamma") && lua_type(L, -1) == LUA_TNUMBER)
-            o.router_bias_gamma = lua_tonumber(L, -1);
-        else if (!strcmp(k, "head_chunk") && lua_type(L, -1) == LUA_TNUMBER && lua_tonumber(L, -1) >= 0 &&
-                 lua_tonumber(L, -1) <= 1e9 && lua_tonumber(L, -1) == (int64_t)lua_tonumber(L, -1))
-            o.head_chunk = (int64_t)lua_tonumber(L, -1);
-        else if (!strcmp(k, "recompute") && lua_type(L, -1) == LUA_TBOOLEAN)
-            o.recompute = lua_toboolean(L, -1);
-        else
-            ds4l_raise(L,
-                       "%s: unknown or mistyped option '%s' (known: mtp_lambda = number, router_bias_gamma = number, "
-                       "indexer_kl = number, head_chunk = integer >= 0, recompute = boolean)",
-                       fname, k);
-        lua_pop(L, 1);
-    }
+    const int opts = ds4l_check_opts(L, 2, fname, 1);
+    static const char *const known[] = {"mtp_lambda", "router_bias_gamma", "indexer_kl", "head_chunk", "recompute",
+                                        NULL};
+    ds4l_check_keys(L, opts, fname, known);
+    const double inf = HUGE_VAL;
+    ds4_train_options o = {
+        .mtp_lambda = ds4l_opt_num(L, opts, "mtp_lambda", 0, -inf, inf, "a number", fname),
+        .router_bias_gamma = ds4l_opt_num(L, opts, "router_bias_gamma", 0, -inf, inf, "a number", fname),
+        .indexer_kl = ds4l_opt_num(L, opts, "indexer_kl", 0, -inf, inf, "a number", fname),
+        .head_chunk = ds4l_opt_int(L, opts, "head_chunk", 0, 0, 1e9, "an integer in [0, 1e9] (0: the default)", fname),
+        .recompute = ds4l_opt_bool(L, opts, "recompute", 0, fname)};
     ds4_error err = {0};
     if (ds4_model_set_train_options(m, &o, &err) != DS4_OK) ds4l_raise_ds4(L, fname, &err);
     return 0;
@@ -389,9 +361,9 @@ static int o_step(lua_State *L) {
     ds4_error err = {0};
     if (ds4_adamw_step(a, &st, &err) != DS4_OK) ds4l_raise_ds4(L, fname, &err);
     lua_createtable(L, 0, 3);
-    set_num(L, "lr", st.lr);
-    set_num(L, "grad_norm", st.grad_norm);
-    set_num(L, "step", (double)st.step);
+    ds4l_set_num(L, "lr", st.lr);
+    ds4l_set_num(L, "grad_norm", st.grad_norm);
+    ds4l_set_int(L, "step", st.step);
     return 1;
 }
 
@@ -428,8 +400,7 @@ static int o_state(lua_State *L) {
     ds4_tensor *t = ds4l_tensor_push_new(L, fname, DS4_I64, 1, nt);
     memcpy(t->data, st.tensor_steps, t->nbytes);
     lua_setfield(L, -2, "tensor_steps");
-    lua_pushnumber(L, (lua_Number)*st.steps);
-    lua_setfield(L, -2, "step");
+    ds4l_set_int(L, "step", *st.steps);
     return 1;
 }
 
@@ -489,61 +460,27 @@ static int o_tostring(lua_State *L) {
     return 1;
 }
 
-/* opts.<key> as a number (nil: def). */
-static double opt_num(lua_State *L, int opts, const char *key, double def, const char *fname) {
-    lua_getfield(L, opts, key);
-    double v = def;
-    if (lua_type(L, -1) == LUA_TNUMBER) v = lua_tonumber(L, -1);
-    else if (!lua_isnil(L, -1))
-        ds4l_raise(L, "%s: opts.%s must be a number, got %s", fname, key, luaL_typename(L, -1));
-    lua_pop(L, 1);
-    return v;
-}
-
-static int64_t opt_int(lua_State *L, int opts, const char *key, int64_t def, const char *fname) {
-    double v = opt_num(L, opts, key, (double)def, fname);
-    if (!(v == floor(v)) || !(fabs(v) < 9.0e15))
-        ds4l_raise(L, "%s: opts.%s must be an integer, got %.17g", fname, key, v);
-    return (int64_t)v;
-}
-
 /* ds4.adamw(model [, opts]): defaults as torch.optim.AdamW (lr 1e-3, betas {0.9, 0.999}, eps 1e-8,
  * weight_decay 0.01), no clipping, constant schedule without warm-up. */
 static int l_adamw(lua_State *L) {
     const char *fname = "ds4.adamw";
     ds4_model *m = ds4l_model_check(L, 1, fname);
-    int opts = 0;
-    if (!lua_isnoneornil(L, 2)) {
-        if (!lua_istable(L, 2))
-            ds4l_raise(L, "%s: bad argument #2 (options table expected, got %s)", fname, luaL_typename(L, 2));
-        opts = 2;
-        /* A misspelt option (opts.weight_dacay) would silently train with the default: reject unknown keys. */
-        static const char *const known[] = {"lr", "betas", "eps", "weight_decay", "clip", "schedule", "warmup",
-                                            "total", "min_lr_ratio", NULL};
-        lua_pushnil(L);
-        while (lua_next(L, 2)) {
-            lua_pop(L, 1);
-            const char *k = lua_type(L, -1) == LUA_TSTRING ? lua_tostring(L, -1) : NULL;
-            int ok = 0;
-            for (int i = 0; k && known[i]; i++) ok |= strcmp(k, known[i]) == 0;
-            if (!ok)
-                ds4l_raise(L,
-                           "%s: unknown option %s%s%s (known: lr, betas, eps, weight_decay, clip, schedule, warmup, "
-                           "total, min_lr_ratio)",
-                           fname, k ? "'" : "a ", k ? k : luaL_typename(L, -1), k ? "'" : " key");
-        }
-    }
+    int opts = ds4l_opt_table(L, 2, fname, 2);
+    static const char *const known[] = {"lr", "betas", "eps", "weight_decay", "clip", "schedule", "warmup",
+                                        "total", "min_lr_ratio", NULL};
+    ds4l_check_keys(L, opts, fname, known);
     lua_settop(L, 2);
     ds4_adamw_options o = {.lr = 1e-3, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8, .weight_decay = 0.01,
                            .schedule = DS4_LR_CONSTANT};
-    if (opts) {
-        o.lr = opt_num(L, opts, "lr", o.lr, fname);
-        o.eps = opt_num(L, opts, "eps", o.eps, fname);
-        o.weight_decay = opt_num(L, opts, "weight_decay", o.weight_decay, fname);
-        o.clip = opt_num(L, opts, "clip", 0, fname);
-        o.warmup_steps = opt_int(L, opts, "warmup", 0, fname);
-        o.total_steps = opt_int(L, opts, "total", 0, fname);
-        o.min_lr_ratio = opt_num(L, opts, "min_lr_ratio", 0, fname);
+    if (opts) { /* the ranges are ds4_adamw_create's to check (its message names the value) */
+        const double inf = HUGE_VAL, n = DS4L_MAX_EXACT;
+        o.lr = ds4l_opt_num(L, opts, "lr", o.lr, -inf, inf, "a number", fname);
+        o.eps = ds4l_opt_num(L, opts, "eps", o.eps, -inf, inf, "a number", fname);
+        o.weight_decay = ds4l_opt_num(L, opts, "weight_decay", o.weight_decay, -inf, inf, "a number", fname);
+        o.clip = ds4l_opt_num(L, opts, "clip", 0, -inf, inf, "a number", fname);
+        o.warmup_steps = ds4l_opt_int(L, opts, "warmup", 0, -n, n, "an integer", fname);
+        o.total_steps = ds4l_opt_int(L, opts, "total", 0, -n, n, "an integer", fname);
+        o.min_lr_ratio = ds4l_opt_num(L, opts, "min_lr_ratio", 0, -inf, inf, "a number", fname);
         lua_getfield(L, opts, "betas");
         if (!lua_isnil(L, -1)) {
             if (!lua_istable(L, -1) || lua_objlen(L, -1) != 2)

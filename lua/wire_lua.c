@@ -675,19 +675,6 @@ static int l_encode(lua_State *L) {
 
 /* ------------------------------------------------------------------------------------------------ decode */
 
-static void set_num(lua_State *L, const char *k, double v) {
-    lua_pushnumber(L, v);
-    lua_setfield(L, -2, k);
-}
-static void set_str(lua_State *L, const char *k, const char *v) {
-    lua_pushstring(L, v);
-    lua_setfield(L, -2, k);
-}
-static void set_bool(lua_State *L, const char *k, int v) {
-    lua_pushboolean(L, v);
-    lua_setfield(L, -2, k);
-}
-
 /* Push a raw frame: an array of numbers, or its bytes as a string when raw. */
 static void push_frame(lua_State *L, ds4_wire_view v, frame_kind kind, int raw) {
     if (raw) {
@@ -718,21 +705,21 @@ static void push_fields(lua_State *L, const ds4_wire_msg *m) {
         const void *p = base + x->offset;
         if (!x->lua || x->kind == DS4_WIRE_K_OTHER || !ds4_wire_field_present(m, x)) continue;
         switch (x->kind) {
-        case DS4_WIRE_K_U32: set_num(L, x->lua, *(const uint32_t *)p); break;
+        case DS4_WIRE_K_U32: ds4l_set_num(L, x->lua, *(const uint32_t *)p); break;
         case DS4_WIRE_K_U64: {
             const uint64_t v = *(const uint64_t *)p;
             if (v <= (uint64_t)MAX_EXACT) {
-                set_num(L, x->lua, (double)v);
+                ds4l_set_num(L, x->lua, (double)v);
             } else {
                 char buf[32];
                 snprintf(buf, sizeof buf, "%llu", (unsigned long long)v);
-                set_str(L, x->lua, buf);
+                ds4l_set_str(L, x->lua, buf);
             }
             break;
         }
-        case DS4_WIRE_K_F64: set_num(L, x->lua, *(const double *)p); break;
-        case DS4_WIRE_K_BOOL: set_bool(L, x->lua, *(const uint8_t *)p); break;
-        case DS4_WIRE_K_STR: set_str(L, x->lua, p); break;
+        case DS4_WIRE_K_F64: ds4l_set_num(L, x->lua, *(const double *)p); break;
+        case DS4_WIRE_K_BOOL: ds4l_set_bool(L, x->lua, *(const uint8_t *)p); break;
+        case DS4_WIRE_K_STR: ds4l_set_str(L, x->lua, p); break;
         default: break;
         }
     }
@@ -741,8 +728,8 @@ static void push_fields(lua_State *L, const ds4_wire_msg *m) {
 /* A decoded message as a Lua table: t, v, the table's fields, then each type's arrays, shapes and frames. */
 static void push_msg(lua_State *L, const ds4_wire_msg *m, int raw) {
     lua_createtable(L, 0, 16);
-    set_str(L, "t", ds4_wire_type_name(m->type));
-    set_num(L, "v", DS4_WIRE_VERSION);
+    ds4l_set_str(L, "t", ds4_wire_type_name(m->type));
+    ds4l_set_num(L, "v", DS4_WIRE_VERSION);
     push_fields(L, m);
     switch (m->type) {
     case DS4_WIRE_TASK: {
@@ -768,19 +755,19 @@ static void push_msg(lua_State *L, const ds4_wire_msg *m, int raw) {
         for (uint32_t i = 0; i < s->n; i++) {
             const ds4_wire_seq *q = &s->seq[i];
             lua_createtable(L, 0, 6);
-            set_num(L, "prompt_len", q->prompt_len);
-            set_num(L, "n_gen", q->n_gen);
-            set_num(L, "finish", q->finish);
-            set_str(L, "finish_reason", q->finish >= 1 && q->finish <= 5 ? FINISH_NAMES[q->finish] : "unknown");
-            set_num(L, "stop_index", q->stop_index);
-            set_num(L, "n_rows", q->n_rows);
+            ds4l_set_num(L, "prompt_len", q->prompt_len);
+            ds4l_set_num(L, "n_gen", q->n_gen);
+            ds4l_set_num(L, "finish", q->finish);
+            ds4l_set_str(L, "finish_reason", q->finish >= 1 && q->finish <= 5 ? FINISH_NAMES[q->finish] : "unknown");
+            ds4l_set_num(L, "stop_index", q->stop_index);
+            ds4l_set_num(L, "n_rows", q->n_rows);
             lua_rawseti(L, -2, (int)i + 1);
         }
         lua_setfield(L, -2, "seq");
-        set_num(L, "experts_layers", s->experts_layers);
-        set_num(L, "experts_k", s->experts_k);
-        set_num(L, "index_layers", s->index_layers);
-        set_num(L, "index_topk", s->index_topk);
+        ds4l_set_num(L, "experts_layers", s->experts_layers);
+        ds4l_set_num(L, "experts_k", s->experts_k);
+        ds4l_set_num(L, "index_layers", s->index_layers);
+        ds4l_set_num(L, "index_topk", s->index_topk);
         set_frame(L, "tokens", s->tokens, FR_I32, raw);
         set_frame(L, "logprobs", s->logprobs, FR_F32, raw);
         set_frame(L, "sample_logprobs", s->sample_logprobs, FR_F32, raw);
@@ -794,8 +781,8 @@ static void push_msg(lua_State *L, const ds4_wire_msg *m, int raw) {
         lua_createtable(L, (int)s->n, 0);
         for (uint32_t i = 0; i < s->n; i++) {
             lua_createtable(L, 0, 2);
-            set_num(L, "offset", s->seq[i].offset);
-            set_num(L, "n_gen", s->seq[i].n_gen);
+            ds4l_set_num(L, "offset", s->seq[i].offset);
+            ds4l_set_num(L, "n_gen", s->seq[i].n_gen);
             lua_rawseti(L, -2, (int)i + 1);
         }
         lua_setfield(L, -2, "seq");
@@ -816,7 +803,7 @@ static void push_msg(lua_State *L, const ds4_wire_msg *m, int raw) {
     case DS4_WIRE_WEIGHT_CHUNK:
         set_frame(L, "weights", m->chunk.data, FR_U8, 1); /* bytes: always a string */
         break;
-    case DS4_WIRE_ERROR: set_str(L, "code_name", ds4_wire_error_name(m->error.code)); break;
+    case DS4_WIRE_ERROR: ds4l_set_str(L, "code_name", ds4_wire_error_name(m->error.code)); break;
     default: break;
     }
 }
@@ -898,32 +885,12 @@ static int l_decode(lua_State *L) {
         ds4l_raise(L, "%s: bad argument #1 (array of frame strings expected, got %s)", fname, luaL_typename(L, 1));
     if (!lua_isnoneornil(L, 2) && !lua_istable(L, 2))
         ds4l_raise(L, "%s: bad argument #2 (limits table expected, got %s)", fname, luaL_typename(L, 2));
-    if (!lua_isnoneornil(L, 3) && !lua_istable(L, 3))
-        ds4l_raise(L, "%s: bad argument #3 (options table expected, got %s)", fname, luaL_typename(L, 3));
+    const int opts = ds4l_opt_table(L, 3, fname, 3);
+    static const char *const known[] = {"raw", "first", NULL};
+    ds4l_check_keys(L, opts, fname, known);
     lua_settop(L, 3);
-    int raw = 0, first = 1;
-    if (lua_istable(L, 3)) {
-        lua_pushnil(L);
-        while (lua_next(L, 3)) {
-            lua_pop(L, 1);
-            const char *k = lua_type(L, -1) == LUA_TSTRING ? lua_tostring(L, -1) : NULL;
-            if (!k || (strcmp(k, "raw") && strcmp(k, "first")))
-                ds4l_raise(L, "%s: unknown option %s (known: raw, first)", fname, k ? k : luaL_typename(L, -1));
-        }
-        lua_getfield(L, 3, "raw");
-        if (!lua_isnil(L, -1) && !lua_isboolean(L, -1))
-            ds4l_raise(L, "%s: opts.raw must be a boolean, got %s", fname, show(L, -1));
-        raw = lua_toboolean(L, -1);
-        lua_pop(L, 1);
-        lua_getfield(L, 3, "first");
-        if (!lua_isnil(L, -1)) {
-            double v = lua_tonumber(L, -1);
-            if (lua_type(L, -1) != LUA_TNUMBER || v != floor(v) || v < 1 || v > 1e6)
-                ds4l_raise(L, "%s: opts.first must be a positive integer, got %s", fname, show(L, -1));
-            first = (int)v;
-        }
-        lua_pop(L, 1);
-    }
+    const int raw = ds4l_opt_bool(L, opts, "raw", 0, fname);
+    const int first = (int)ds4l_opt_int(L, opts, "first", 1, 1, 1e6, "a positive integer", fname);
     ds4_wire_limits lim = check_limits(L, lua_istable(L, 2) ? 2 : 0, fname);
     size_t total = lua_objlen(L, 1);
     size_t n = total >= (size_t)first ? total - (size_t)first + 1 : 0;
@@ -1037,7 +1004,7 @@ static int l_error_message(lua_State *L) {
 static int l_default_limits(lua_State *L) {
     ds4_wire_limits l = ds4_wire_default_limits();
     lua_createtable(L, 0, N_LIMITS);
-    for (int i = 0; i < N_LIMITS; i++) set_num(L, LIMIT_NAMES[i].name, get_limit(&l, i));
+    for (int i = 0; i < N_LIMITS; i++) ds4l_set_num(L, LIMIT_NAMES[i].name, get_limit(&l, i));
     return 1;
 }
 
@@ -1068,7 +1035,7 @@ void ds4l_wire_open(lua_State *L) {
         lua_setfield(L, -2, r->name);
     }
     lua_createtable(L, 0, N_CODES);
-    for (int i = 0; i < N_CODES; i++) set_num(L, CODES[i].name, CODES[i].code);
+    for (int i = 0; i < N_CODES; i++) ds4l_set_num(L, CODES[i].name, CODES[i].code);
     lua_setfield(L, -2, "codes");
     lua_createtable(L, DS4_WIRE_TYPE_COUNT - 1, 0);
     for (int i = 1; i < DS4_WIRE_TYPE_COUNT; i++) {
@@ -1076,6 +1043,6 @@ void ds4l_wire_open(lua_State *L) {
         lua_rawseti(L, -2, i);
     }
     lua_setfield(L, -2, "types");
-    set_num(L, "VERSION", DS4_WIRE_VERSION);
+    ds4l_set_num(L, "VERSION", DS4_WIRE_VERSION);
     lua_setfield(L, -2, "wire");
 }

@@ -438,8 +438,7 @@ static int s_set(lua_State *L) {
             if (!o || o->kind == OPT_GET_STR) {
                 char names[1024];
                 opt_names(names, sizeof names, 1);
-                ds4l_raise(L, "%s: unknown option %s%s%s (known: %s)", fname, k ? "'" : "a ",
-                           k ? k : luaL_typename(L, -2), k ? "'" : " key", names);
+                ds4l_raise_unknown_option(L, fname, -2, names);
             }
             if (pass == 0)
                 check_opt_value(L, fname, o);
@@ -552,16 +551,10 @@ static int s_send(lua_State *L) {
         ds4l_raise(L, "%s: bad argument #1 (array of frames expected: strings or ds4 tensors, got %s)", fname,
                    luaL_typename(L, 2));
     long timeout = 0;
-    if (!lua_isnoneornil(L, 3)) {
-        if (!lua_istable(L, 3))
-            ds4l_raise(L, "%s: bad argument #2 (options table expected, got %s)", fname, luaL_typename(L, 3));
-        lua_pushnil(L);
-        while (lua_next(L, 3)) {
-            lua_pop(L, 1);
-            const char *k = lua_type(L, -1) == LUA_TSTRING ? lua_tostring(L, -1) : NULL;
-            if (!k || strcmp(k, "timeout") != 0)
-                ds4l_raise(L, "%s: unknown option %s (known: timeout)", fname, k ? k : luaL_typename(L, -1));
-        }
+    const int opts = ds4l_opt_table(L, 3, fname, 2);
+    if (opts) {
+        static const char *const known[] = {"timeout", NULL};
+        ds4l_check_keys(L, opts, fname, known);
         lua_getfield(L, 3, "timeout");
         if (!lua_isnil(L, -1)) timeout = opt_timeout(L, lua_gettop(L), fname, "opts.timeout");
         lua_pop(L, 1);
@@ -710,10 +703,8 @@ static int s_events(lua_State *L) {
     size_t n = sizeof ev;
     if (zmq_getsockopt(z->s, ZMQ_EVENTS, &ev, &n) != 0) zraise(L, zmq_errno(), fname, "cannot read ZMQ_EVENTS");
     lua_createtable(L, 0, 2);
-    lua_pushboolean(L, (ev & ZMQ_POLLIN) != 0);
-    lua_setfield(L, -2, "readable");
-    lua_pushboolean(L, (ev & ZMQ_POLLOUT) != 0);
-    lua_setfield(L, -2, "writable");
+    ds4l_set_bool(L, "readable", (ev & ZMQ_POLLIN) != 0);
+    ds4l_set_bool(L, "writable", (ev & ZMQ_POLLOUT) != 0);
     return 1;
 }
 
@@ -925,24 +916,12 @@ static const char *check_key_arg(lua_State *L, int idx, const char *fname, const
 /* ds4.zmq.zap{allow = {public_z85, ...}, quiet = false} -> handler */
 static int l_zap(lua_State *L) {
     const char *fname = "ds4.zmq.zap";
-    if (!lua_isnoneornil(L, 1) && !lua_istable(L, 1))
-        ds4l_raise(L, "%s: bad argument #1 (options table expected, got %s)", fname, luaL_typename(L, 1));
-    if (lua_isnone(L, 1)) lua_pushnil(L);
+    const int opts = ds4l_opt_table(L, 1, fname, 1);
     lua_settop(L, 1);
-    int quiet = 0;
-    if (lua_istable(L, 1)) {
-        lua_pushnil(L);
-        while (lua_next(L, 1)) {
-            lua_pop(L, 1);
-            const char *k = lua_type(L, -1) == LUA_TSTRING ? lua_tostring(L, -1) : NULL;
-            if (!k || (strcmp(k, "allow") && strcmp(k, "quiet")))
-                ds4l_raise(L, "%s: unknown option %s (known: allow, quiet)", fname, k ? k : luaL_typename(L, -1));
-        }
-        lua_getfield(L, 1, "quiet");
-        if (!lua_isnil(L, -1) && !lua_isboolean(L, -1))
-            ds4l_raise(L, "%s: opts.quiet must be a boolean, got %s", fname, luaL_typename(L, -1));
-        quiet = lua_toboolean(L, -1);
-        lua_pop(L, 1);
+    static const char *const known[] = {"allow", "quiet", NULL};
+    ds4l_check_keys(L, opts, fname, known);
+    const int quiet = ds4l_opt_bool(L, opts, "quiet", 0, fname);
+    if (opts) {
         lua_getfield(L, 1, "allow"); /* slot 2 */
         if (!lua_isnil(L, 2) && !lua_istable(L, 2))
             ds4l_raise(L, "%s: opts.allow must be an array of Z85 public keys, got %s", fname, luaL_typename(L, 2));
@@ -1039,12 +1018,9 @@ static int z_stats(lua_State *L) {
     ds4_zap_stats *st = lua_newuserdata(L, sizeof *st);
     ds4_zap_get_stats(b->z, st);
     lua_createtable(L, 0, 4);
-    lua_pushnumber(L, (lua_Number)st->accepted);
-    lua_setfield(L, -2, "accepted");
-    lua_pushnumber(L, (lua_Number)st->refused);
-    lua_setfield(L, -2, "refused");
-    lua_pushnumber(L, (lua_Number)st->n_allowed);
-    lua_setfield(L, -2, "allowed");
+    ds4l_set_int(L, "accepted", st->accepted);
+    ds4l_set_int(L, "refused", st->refused);
+    ds4l_set_int(L, "allowed", st->n_allowed);
     lua_createtable(L, (int)st->n_refused_keys, 0);
     for (uint32_t i = 0; i < st->n_refused_keys; i++) {
         lua_pushstring(L, st->refused_keys[i]);

@@ -360,7 +360,9 @@ Misc
   ds4.script_dir()                 directory of the running script (arg[0]), "." if unknown
 
 Errors are Lua errors whose message starts with the function name ("ds4.load: ...") followed by the
-engine's message (stage, operation, shapes). Use pcall to handle them.
+engine's message (stage, operation, shapes). Use pcall to handle them. An options table is checked key by key:
+a misspelt key is refused ("ds4.adamw: unknown option 'weight_dacay' (known: lr, betas, ...)"), and so is a
+value of the wrong type or range ("ds4.sample: opts.top_p must be a number in (0, 1] (1: off), got 0").
 ]]
 
 local core = require("ds4.core")
