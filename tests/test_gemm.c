@@ -138,7 +138,9 @@ int main(int argc, char **argv) {
                                         {64, 96, 96}, {3, 200, 1100}, {386, 66, 257}};
     const int nsh = (int)(sizeof shapes / sizeof *shapes);
     ds4_error err;
-    for (int threads = 1; threads <= 3; threads += 2) {
+    static const int32_t counts[] = {1, 3, 16}; /* 16: the many-thread cuts of the backward's products (cpu_gemm_seq.c) */
+    for (size_t tc = 0; tc < sizeof counts / sizeof *counts; tc++) {
+        const int32_t threads = counts[tc];
         ds4_pool *pool = NULL;
         CHECK_OK(ds4_pool_create(threads, &pool, &err), &err);
         float *ws = malloc((size_t)threads * DS4_GEMM_WS_FLOATS * sizeof(float));
