@@ -334,9 +334,10 @@ __device__ __forceinline__ void store_tile(float *y, int64_t ldy, int64_t r, int
 }
 
 // Tiled: BM × BN per block of (BM/WM)·(BN/WN) warps, each WM × WN; chunks of 32 k staged in shared memory (bf16
-// rows of 32, unpadded: free of bank conflicts, as the pipelined kernel's below) in two buffers: while the warps multiply the chunk in one, the next chunk's loads
-// (issued to registers before the multiply) are stored into the other, so one barrier per chunk suffices (the
-// barrier that ends chunk i also tells that nobody reads chunk i - 1's buffer, which chunk i + 1 overwrites).
+// rows of 32, unpadded: free of bank conflicts, as the pipelined kernel's below) in two buffers: while the warps
+// multiply the chunk in one, the next chunk's loads (issued to registers before the multiply) are stored into the
+// other, so one barrier per chunk suffices (the barrier that ends chunk i also tells that nobody reads chunk i - 1's
+// buffer, which chunk i + 1 overwrites).
 template <int BM, int BN, int WM, int WN, typename WT>
 __global__ void __launch_bounds__((BM / WM) * (BN / WN) * 32) gemm_bf16_tiled(gemm_args a, int vec_a, int vec_b) {
     constexpr int NW = (BM / WM) * (BN / WN), NTH = NW * 32, MT = WM / 16, NT = WN / 8, LDS = 32;
