@@ -275,7 +275,8 @@ struct timer_state {
 
 static void note_shapes(ds4_dev *d, const char *fmt, va_list ap) {
     timer_state *s = (timer_state *)d->prof->timer_state;
-    if (!s || !s->detail || !s->used || s->shape[s->used - 1][0]) return; // between ops, or not the op's first launch
+    if (!s || !s->detail || d->prof->op_now < 0 || !s->used || s->shape[s->used - 1][0])
+        return; // a launch outside an op, or not the op's first launch
     vsnprintf(s->shape[s->used - 1], timer_state::SHAPE, fmt, ap);
 }
 
