@@ -62,11 +62,6 @@ __host__ __device__ inline tca_layout tca_layout_of(int64_t H, int64_t d, int64_
     return L;
 }
 
-__device__ __forceinline__ uint32_t tca_pack(float lo, float hi) {
-    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<uint32_t *>(&v);
-}
-
 // 4 fp32 values at p (c .. c+3 of a row of d) -> 4 bf16 at s: one 16-byte load where the row allows it, zeros past d.
 __device__ __forceinline__ void tca_put4(__nv_bfloat16 *s, const float *p, int c, int d) {
     float v[4];
@@ -77,7 +72,7 @@ __device__ __forceinline__ void tca_put4(__nv_bfloat16 *s, const float *p, int c
 #pragma unroll
         for (int i = 0; i < 4; i++) v[i] = p && c + i < d ? p[c + i] : 0.0f;
     }
-    *reinterpret_cast<uint2 *>(s + c) = make_uint2(tca_pack(v[0], v[1]), tca_pack(v[2], v[3]));
+    *reinterpret_cast<uint2 *>(s + c) = make_uint2(ds4d_pack_bf16(v[0], v[1]), ds4d_pack_bf16(v[2], v[3]));
 }
 
 // rows [H, d] fp32 (row stride d) -> s [Hp, LQ] bf16, zeros past H and d: a warp per row, 4 values per lane
@@ -189,15 +184,16 @@ __device__ __forceinline__ void tca_weighted_sum(float *out, int64_t H, int64_t 
 #pragma unroll
                     for (int u = 0; u < 8; u++) v[u] = k0 + j0 + u < nk && c < d ? kp[k0 + j0 + u][c] : 0.0f;
                     uint4 w;
-                    w.x = tca_pack(v[0], v[1]), w.y = tca_pack(v[2], v[3]), w.z = tca_pack(v[4], v[5]);
-                    w.w = tca_pack(v[6], v[7]);
+                    w.x = ds4d_pack_bf16(v[0], v[1]), w.y = ds4d_pack_bf16(v[2], v[3]);
+                    w.z = ds4d_pack_bf16(v[4], v[5]), w.w = ds4d_pack_bf16(v[6], v[7]);
                     *reinterpret_cast<uint4 *>(&sKT[cc * TCA_LT + j0]) = w;
                 }
                 __syncthreads();
                 uint32_t b[TCA_NW][4];
 #pragma unroll
                 for (int j = 0; j < TCA_NW; j++) {
-                    const uint4 v = *reinterpret_cast<const uint4 *>(&sKT[(warp * TCA_NW * 8 + j * 8 + g) * TCA_LT + t * 8]);
+                    const uint4 v =
+                        *reinterpret_cast<const uint4 *>(&sKT[(warp * TCA_NW * 8 + j * 8 + g) * TCA_LT + t * 8]);
                     b[j][0] = v.x, b[j][1] = v.y, b[j][2] = v.z, b[j][3] = v.w;
                 }
 #pragma unroll

@@ -163,7 +163,7 @@ __global__ void __launch_bounds__((BM / TM) * (BN / TN)) prod_f32(prod_args p) {
 
 // bf16 ------------------------------------------------------------------------------------------
 
-// An operand value as bf16: fp32 rounded to nearest even (as pack_bf16 in cuda_gemm.cu), bf16 bits as they are.
+// An operand value as bf16: fp32 rounded to nearest even (as ds4d_pack_bf16, cuda_tile.cuh), bf16 bits as they are.
 __device__ __forceinline__ __nv_bfloat16 to_bf16(float v) { return __float2bfloat16_rn(v); }
 __device__ __forceinline__ __nv_bfloat16 to_bf16(unsigned short v) { return __ushort_as_bfloat16(v); }
 

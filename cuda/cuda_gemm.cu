@@ -266,11 +266,6 @@ __global__ void __launch_bounds__(256) gemm_f32_skinny(gemm_args a) {
 
 // ------------------------------------------------------------------------------------------ bf16
 
-__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
-    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<uint32_t *>(&v);
-}
-
 // 8 consecutive values of row r of x at k0 as bf16 words; zero outside [0, rows) × [0, K).
 __device__ __forceinline__ void load_a8(const float *x, int64_t ldx, int64_t r, int64_t r1, int64_t k0, int64_t K,
                                         bool vec, uint32_t (&w)[4]) {
@@ -284,7 +279,7 @@ __device__ __forceinline__ void load_a8(const float *x, int64_t ldx, int64_t r, 
         for (int i = 0; i < 8; i++) v[i] = r < r1 && k0 + i < K ? x[r * ldx + k0 + i] : 0.0f;
     }
 #pragma unroll
-    for (int i = 0; i < 4; i++) w[i] = pack_bf16(v[2 * i], v[2 * i + 1]);
+    for (int i = 0; i < 4; i++) w[i] = ds4d_pack_bf16(v[2 * i], v[2 * i + 1]);
 }
 
 // 8 consecutive bf16 of row c of W at k0; zero outside [0, N) × [0, K).
@@ -404,14 +399,8 @@ __global__ void __launch_bounds__((BM / WM) * (BN / WN) * 32) gemm_bf16_tiled(ge
             store_tile(y, a.ldy, r0 + wm + i * 16 + g, rend, n0 + wn + j * 8 + 2 * t, a.N, tot[i][j], a.acc);
 }
 
-// Pipelined: the tiled kernel's sums with the loads in flight several chunks ahead. x comes rounded to bf16 (xh:
-// rows_to_bf16, the rounding pack_bf16 applies as the other kernels read x, so the same values), which halves what
-// the stages hold and copy and takes the rounding out of the inner loop. Chunks of 32 k of x and W are copied by
-// cp.async (no registers) into ST stages of shared memory as bf16 rows of 40 (80 bytes: 16-byte aligned, and the
-// fragment reads below are free of bank conflicts); chunk c + ST - 1 is requested while chunk c is multiplied, so the
-// multiply rarely waits for memory. The fragments feed ds4d_mma_k32 in the tiled kernel's k-slots, so every output
-// has its bits. Needs 16-byte aligned rows of xh and W; a copy past K or past the rows reads fewer bytes (or none)
-// and zero-fills the rest, as the tiled kernel's loads do.
+// cp.async: 16 bytes from global to shared memory without passing through registers (bytes < 16: that many, the rest
+// zero-filled), committed in groups; wait<N> returns when at most N of this thread's groups are in flight.
 __device__ __forceinline__ void cp_async16(void *dst, const void *src, int bytes) {
     const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(bytes));
@@ -426,6 +415,13 @@ __device__ __forceinline__ int piece_bytes(int64_t k, int64_t K) {
     return b <= 0 ? 0 : (b >= 16 ? 16 : (int)b);
 }
 
+// Pipelined: the tiled kernel's sums with the loads in flight several stages ahead. x comes rounded to bf16 (xh:
+// rows_to_bf16, the rounding ds4d_pack_bf16 applies as the other kernels read x, so the same values), which halves
+// what the stages hold and copy and takes the rounding out of the inner loop. x and W are copied by cp.async into ST
+// stages of shared memory; stage c + ST - 1 is requested while stage c is multiplied, so the multiply rarely waits for
+// memory. The fragments feed the tensor cores in the tiled kernel's k-slots (ds4d_mma_chunk), so every output has its
+// bits. Needs 16-byte aligned rows of xh and W; a copy past K or past the rows reads fewer bytes (or none) and
+// zero-fills the rest, as the tiled kernel's loads do.
 // A stage holds SUB chunks of 32 k of x and W as bf16 rows of 32 ([SUB][BM][32], [SUB][BN][32]): 64-byte rows keep
 // both the copies in and the fragment reads free of bank conflicts (the 8 threads of a quarter-warp touch rows r and
 // r + 1 at 16-byte pieces 0..3, which 64-byte rows put in distinct banks). Each thread's copies are the same rows and
@@ -533,9 +529,9 @@ __global__ void __launch_bounds__((BM / WM) * (BN / WN) * 32) gemm_bf16_pipe(gem
 }
 
 // dst [groups, rows, cols] (row stride ldd, group z at dst + z·rows·ldd) = src (row stride lds, group z at src + z·gs)
-// rounded to bf16 to nearest even: the rounding pack_bf16 applies as the tiles read x, so a product over the copy has
-// their bits. A thread per 8 values of a row: two float4 loads and one 16-byte store where the rows are aligned (vs,
-// vd), single values at a row's ragged end.
+// rounded to bf16 to nearest even: the rounding ds4d_pack_bf16 applies as the tiles read x, so a product over the copy
+// has their bits. A thread per 8 values of a row: two float4 loads and one 16-byte store where the rows are aligned
+// (vs, vd), single values at a row's ragged end.
 __global__ void rows_to_bf16_kernel(__nv_bfloat16 *dst, int64_t ldd, const float *src, int64_t lds, int64_t gs,
                                     int64_t rows, int64_t cols, int64_t n, int vs, int vd) {
     const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
@@ -545,8 +541,8 @@ __global__ void rows_to_bf16_kernel(__nv_bfloat16 *dst, int64_t ldd, const float
     __nv_bfloat16 *o = dst + zr * ldd + c;
     if (c + 8 <= cols && vs && vd) {
         const float4 p = *reinterpret_cast<const float4 *>(s), q = *reinterpret_cast<const float4 *>(s + 4);
-        *reinterpret_cast<uint4 *>(o) = make_uint4(pack_bf16(p.x, p.y), pack_bf16(p.z, p.w), pack_bf16(q.x, q.y),
-                                                   pack_bf16(q.z, q.w));
+        *reinterpret_cast<uint4 *>(o) = make_uint4(ds4d_pack_bf16(p.x, p.y), ds4d_pack_bf16(p.z, p.w),
+                                                   ds4d_pack_bf16(q.x, q.y), ds4d_pack_bf16(q.z, q.w));
         return;
     }
     for (int j = 0; j < 8 && c + j < cols; j++) o[j] = __float2bfloat16_rn(s[j]);

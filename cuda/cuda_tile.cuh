@@ -66,6 +66,13 @@ __device__ __forceinline__ void ds4d_fma_fold(float (&tot)[TM][TN], float (&acc)
         for (int j = 0; j < TN; j++) tot[i][j] += acc[i][j], acc[i][j] = 0.0f;
 }
 
+// Two fp32 values rounded to bf16 (nearest even) as one word of an mma operand, lo in the low half: the rounding every
+// bf16 product applies to its activation operands.
+__device__ __forceinline__ uint32_t ds4d_pack_bf16(float lo, float hi) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t *>(&v);
+}
+
 // Not volatile: the compiler may interleave independent products (an accumulator's products stay in program order
 // through their data dependence), which hides the tensor cores' latency between a product and the next into it.
 __device__ __forceinline__ void ds4d_mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
