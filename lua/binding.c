@@ -589,15 +589,17 @@ static int m_has_mtp(lua_State *L) {
     return 1;
 }
 
-/* model:set_kv_qat(on): the FP8 KV quantisation-aware option (ds4_model_set_kv_qat); model:kv_qat() reads it. */
-static int m_set_kv_qat(lua_State *L) {
-    const char *fname = "ds4.model:set_kv_qat";
+/* model:set_NAME(on) for a boolean option of the model: `on` must be a boolean; the setter's refusal raises. */
+static int set_model_flag(lua_State *L, const char *fname, ds4_status (*set)(ds4_model *, int, ds4_error *)) {
     ds4_model *m = check_model(L, fname)->m;
     if (lua_type(L, 2) != LUA_TBOOLEAN) ds4l_raise(L, "%s: on must be a boolean, got %s", fname, luaL_typename(L, 2));
     ds4_error err = {0};
-    if (ds4_model_set_kv_qat(m, lua_toboolean(L, 2), &err) != DS4_OK) ds4l_raise_ds4(L, fname, &err);
+    if (set(m, lua_toboolean(L, 2), &err) != DS4_OK) ds4l_raise_ds4(L, fname, &err);
     return 0;
 }
+
+/* model:set_kv_qat(on): the FP8 KV quantisation-aware option (ds4_model_set_kv_qat); model:kv_qat() reads it. */
+static int m_set_kv_qat(lua_State *L) { return set_model_flag(L, "ds4.model:set_kv_qat", ds4_model_set_kv_qat); }
 
 static int m_kv_qat(lua_State *L) {
     lua_pushboolean(L, ds4_model_kv_qat(check_model(L, "ds4.model:kv_qat")->m));
@@ -607,12 +609,7 @@ static int m_kv_qat(lua_State *L) {
 /* model:set_bf16_emulation(on): the CPU's emulation of the CUDA bf16 mode (ds4_model_set_bf16_emulation);
  * model:bf16_emulation() reads it. */
 static int m_set_bf16_emulation(lua_State *L) {
-    const char *fname = "ds4.model:set_bf16_emulation";
-    ds4_model *m = check_model(L, fname)->m;
-    if (lua_type(L, 2) != LUA_TBOOLEAN) ds4l_raise(L, "%s: on must be a boolean, got %s", fname, luaL_typename(L, 2));
-    ds4_error err = {0};
-    if (ds4_model_set_bf16_emulation(m, lua_toboolean(L, 2), &err) != DS4_OK) ds4l_raise_ds4(L, fname, &err);
-    return 0;
+    return set_model_flag(L, "ds4.model:set_bf16_emulation", ds4_model_set_bf16_emulation);
 }
 
 static int m_bf16_emulation(lua_State *L) {
