@@ -14,6 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bench_util.h"
 #include "ds4.h"
 
 #ifndef DS4_HAVE_CUDA
@@ -28,12 +29,6 @@ int main(void) {
 #include "cuda_backend.h"
 #include "ops.h"
 
-#define DIE(...)                      \
-    do {                              \
-        fprintf(stderr, __VA_ARGS__); \
-        fprintf(stderr, "\n");        \
-        exit(1);                      \
-    } while (0)
 #define CU(call)                                                                                          \
     do {                                                                                                  \
         const cudaError_t e_ = (call);                                                                    \

@@ -14,6 +14,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "bench_util.h"
 #include "ds4.h"
 #ifdef DS4_HAVE_CUDA
 #include <cuda_runtime.h>
@@ -24,13 +25,6 @@ static double now_s(void) {
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
-
-#define DIE(...)                      \
-    do {                              \
-        fprintf(stderr, __VA_ARGS__); \
-        fprintf(stderr, "\n");        \
-        exit(1);                      \
-    } while (0)
 
 /* Device-to-device copy bandwidth (bytes read + written per second) of a 1 GiB buffer. */
 static double copy_bandwidth(void) {

@@ -19,6 +19,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "bench_util.h"
 #include "ds4.h"
 #ifdef DS4_HAVE_CUDA
 #include <cuda_runtime.h>
@@ -29,13 +30,6 @@ static double now_s(void) {
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
-
-#define DIE(...)                      \
-    do {                              \
-        fprintf(stderr, __VA_ARGS__); \
-        fprintf(stderr, "\n");        \
-        exit(1);                      \
-    } while (0)
 
 static uint64_t rs = 88172645463325252ull;
 static int64_t rnd(int64_t n) {
