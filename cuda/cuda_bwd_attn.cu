@@ -360,9 +360,9 @@ __global__ void key_grad_win_kernel(abwd_args a, int64_t groups, int64_t nch, fl
 // fp32 sums; kidx is the key's place in query s's key list, and a key the query does not see (a window key before its
 // window or after s; an entry not complete yet (HCA) or not picked (CSA, through the inverse pick lists, walked in
 // query order by the thread that stages that key)) has zeros there. Each key's sum takes its queries in order, per
-// query DS·q then P·dout, heads 16 at a time in order; with one chunk it is the key's gradient, with several the chunks'
-// partials are added in chunk order by key_grad_fold_kernel: a fixed order set by the shapes, so the same bits every
-// run. 8 warps: warp w the 16 keys w & 3 and the 64 channels w >> 2. The next query's operands are loaded to
+// query DS·q then P·dout, heads 16 at a time in order; with one chunk it is the key's gradient, with several the
+// chunks' partials are added in chunk order by key_grad_fold_kernel: a fixed order set by the shapes, so the same bits
+// every run. 8 warps: warp w the 16 keys w & 3 and the 64 channels w >> 2. The next query's operands are loaded to
 // registers while the current one is multiplied, then stored into the other of two shared-memory buffers: one
 // barrier per query. Needs H <= KG_MAXH and d a multiple of 8.
 constexpr int KGT = 64, KGC = 128, KGQ = 256, KG_THREADS = 256, KG_MAXH = 32;
@@ -471,8 +471,8 @@ __global__ void __launch_bounds__(KG_THREADS) key_grad_tc_kernel(abwd_args a, in
                 const int k = i - na;
                 at = L.na + ((int64_t)(k / (KGC * HG)) * KGC + k % KGC) * L.LH + ((k / KGC) % HG) * 8;
             }
-            const uint4 w = make_uint4(tca_pack(pre[u][0], pre[u][1]), tca_pack(pre[u][2], pre[u][3]),
-                                       tca_pack(pre[u][4], pre[u][5]), tca_pack(pre[u][6], pre[u][7]));
+            const uint4 w = make_uint4(ds4d_pack_bf16(pre[u][0], pre[u][1]), ds4d_pack_bf16(pre[u][2], pre[u][3]),
+                                       ds4d_pack_bf16(pre[u][4], pre[u][5]), ds4d_pack_bf16(pre[u][6], pre[u][7]));
             *reinterpret_cast<uint4 *>(b + at) = w;
         }
     };
