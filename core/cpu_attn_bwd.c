@@ -134,39 +134,73 @@ static void kg_end(kg_list *l) {
     if (!l->started) memset(l->dk, 0, (size_t)l->d * sizeof(float));
 }
 
+/* The key gradients' operands: the tape's q and dout, or (bf16_in) copies rounded to bf16, the logit gradients DS
+ * and probabilities P then rounded as they are read (the bf16 mode's products take bf16 operands, sums in fp32). */
+typedef struct {
+    const ds4_a_attn_bwd *a;
+    const float *q, *dout; /* [T, H, d] */
+    int bf16;
+} kg_job;
+
+static float kg_coef(const kg_job *j, float v) { return j->bf16 ? ds4_bf16_to_f32(ds4_f32_to_bf16(v)) : v; }
+
 /* dkey += Σ_h (DS·q + P·dout) for the query t at key-list position kidx */
-static void key_grad_from(const ds4_a_attn_bwd *a, int64_t t, int64_t kidx, kg_list *l) {
+static void key_grad_from(const kg_job *j, int64_t t, int64_t kidx, kg_list *l) {
+    const ds4_a_attn_bwd *a = j->a;
     const int64_t H = a->c->num_attention_heads, d = a->c->head_dim;
     for (int64_t h = 0; h < H; h++) {
         const int64_t o = (t * H + h) * a->maxk + kidx;
-        kg_add(l, a->DS[o], a->lt->q + (t * H + h) * d);
-        kg_add(l, a->P[o], a->dout + (t * H + h) * d);
+        kg_add(l, kg_coef(j, a->DS[o]), j->q + (t * H + h) * d);
+        kg_add(l, kg_coef(j, a->P[o]), j->dout + (t * H + h) * d);
     }
 }
 
 /* Phase B1, per window key (token j): the queries j .. j+win-1 of its row. */
 static void attn_kv_range(const ds4_cpu *cpu, const void *p, int64_t b, int64_t e, int64_t task) {
-    const ds4_a_attn_bwd *a = p;
+    const kg_job *job = p;
+    const ds4_a_attn_bwd *a = job->a;
     const int64_t S = a->S, win = a->c->sliding_window, d = a->c->head_dim;
     for (int64_t tk = b; tk < e; tk++) {
         const int64_t row = tk / S, j = tk % S;
         kg_list l = kg_begin(cpu, task, a->dkv + tk * d, d);
         for (int64_t s = j; s < S && s < j + win; s++) {
             const int64_t j0 = s - win + 1 > 0 ? s - win + 1 : 0;
-            key_grad_from(a, row * S + s, j - j0, &l);
+            key_grad_from(job, row * S + s, j - j0, &l);
         }
         kg_end(&l);
     }
 }
 
+/* Run a key-gradient phase: with bf16_in, over q and dout rounded to bf16 once for the layer. */
+static void key_grads(ds4_dev *d, const ds4_a_attn_bwd *a, int64_t n, void (*range)(const ds4_cpu *, const void *,
+                                                                                    int64_t, int64_t, int64_t),
+                      const char *op) {
+    kg_job job = {a, a->lt->q, a->dout, a->bf16_in};
+    float *rb = NULL;
+    if (a->bf16_in) {
+        const int64_t m = a->B * a->S * a->c->num_attention_heads * a->c->head_dim; /* [T, H, d] */
+        rb = malloc((size_t)(2 * m) * sizeof(float));
+        if (!rb) {
+            ds4_dev_fail(d, DS4_ERR_OOM, "%s (bf16): rounded q and dout, 2 x %lld floats", op, (long long)m);
+            return;
+        }
+        ds4_cpu_round_bf16(rb, a->lt->q, m);
+        ds4_cpu_round_bf16(rb + m, a->dout, m);
+        job.q = rb, job.dout = rb + m;
+    }
+    ds4_cpu_parallel(ds4_cpu_of(d), n, range, &job);
+    free(rb);
+}
+
 void ds4_cpu_attn_bwd_kv(ds4_dev *d, const ds4_a_attn_bwd *a) {
-    ds4_cpu_parallel(ds4_cpu_of(d), a->B * a->S, attn_kv_range, a);
+    key_grads(d, a, a->B * a->S, attn_kv_range, "attn_bwd_kv");
 }
 
 /* Phase B2, per compressed entry (row, w): HCA queries s with w < floor((s+1)/m); CSA the queries that picked it
  * (inverse lists). */
 static void attn_entry_range(const ds4_cpu *cpu, const void *p, int64_t b, int64_t e, int64_t task) {
-    const ds4_a_attn_bwd *a = p;
+    const kg_job *job = p;
+    const ds4_a_attn_bwd *a = job->a;
     const ds4_config *c = a->c;
     const int64_t S = a->S, win = c->sliding_window, d = c->head_dim, nwin = a->lt->nwin;
     for (int64_t i = b; i < e; i++) {
@@ -176,13 +210,13 @@ static void attn_entry_range(const ds4_cpu *cpu, const void *p, int64_t b, int64
             const int64_t m = c->compress_rate_hca;
             for (int64_t s = (w + 1) * m - 1; s < S; s++) {
                 const int64_t j0 = s - win + 1 > 0 ? s - win + 1 : 0;
-                key_grad_from(a, row * S + s, (s - j0 + 1) + w, &l);
+                key_grad_from(job, row * S + s, (s - j0 + 1) + w, &l);
             }
         } else {
             for (int64_t q = a->inv_off[row * S + w]; q < a->inv_off[row * S + w + 1]; q++) {
                 const int64_t t = a->inv_t[q], s = t % S;
                 const int64_t j0 = s - win + 1 > 0 ? s - win + 1 : 0;
-                key_grad_from(a, t, (s - j0 + 1) + a->inv_i[q], &l);
+                key_grad_from(job, t, (s - j0 + 1) + a->inv_i[q], &l);
             }
         }
         kg_end(&l);
@@ -190,7 +224,7 @@ static void attn_entry_range(const ds4_cpu *cpu, const void *p, int64_t b, int64
 }
 
 void ds4_cpu_attn_bwd_entry(ds4_dev *d, const ds4_a_attn_bwd *a) {
-    ds4_cpu_parallel(ds4_cpu_of(d), a->B * a->lt->nwin, attn_entry_range, a);
+    key_grads(d, a, a->B * a->lt->nwin, attn_entry_range, "attn_bwd_entry");
 }
 
 void ds4_cpu_pick_inverse(ds4_dev *d, const ds4_a_pick_inverse *a) {

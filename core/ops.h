@@ -246,8 +246,8 @@ typedef struct { float *dst; const float *src; int64_t rows, width, ld; } ds4_a_
  * probabilities P and logit gradients DS [T, H, maxk], dq and the per-token sink gradient; attn_bwd_kv the window
  * keys' gradient dkv [T, d]; attn_bwd_entry the entries' gradient dK [B, S, d] (CSA through the inverse pick lists).
  * bf16_in (the forward's, ds4_a_attention): P is recomputed from the bf16 logits, and attn_bwd_q's products take bf16
- * operands — dout·k from dout and the keys rounded, dq = Σ DS·k from DS and the keys rounded; P and DS stay fp32, and
- * the key gradients (Σ DS·q + P·dout) are the fp32 products of fp32 operands. */
+ * operands — dout·k from dout and the keys rounded, dq = Σ DS·k from DS and the keys rounded; P and DS stay fp32 —
+ * and so do the key gradients' (Σ DS·q + P·dout): DS, q, P and dout rounded, fp32 sums. */
 typedef struct {
     const ds4_config *c; const ds4_layer_w *l; const ds4_layer_tape *lt; int64_t B, S, sel_stride;
     const float *dout; float *P, *DS; int64_t maxk; float *dsink_t, *dq, *dkv, *dK;

@@ -64,6 +64,7 @@ struct abwd_args {
     const int32_t *inv_t, *inv_i;           // [T·sel_stride]
     int64_t S, H, d, win, m, nwin, sel_stride, maxk, kmax;
     int type;
+    int bf16;                               // bf16_in: the products' operands rounded to bf16 (ops.h)
 };
 
 static abwd_args abwd_of(const ds4_a_attn_bwd *a) {
@@ -81,6 +82,7 @@ static abwd_args abwd_of(const ds4_a_attn_bwd *a) {
     const int64_t w = g.win < g.S ? g.win : g.S;
     g.kmax = w + (a->l->type == DS4_ATTN_HCA ? g.nwin : (a->l->type == DS4_ATTN_CSA ? g.sel_stride : 0));
     g.type = (int)a->l->type;
+    g.bf16 = a->bf16_in;
     return g;
 }
 
@@ -232,13 +234,18 @@ __global__ void __launch_bounds__(TCA_THREADS) attn_bwd_q_tc_kernel(abwd_args a)
     tca_weighted_sum(a.dq + t * H * d, H, d, sP, sKT, kp, nk, S);
 }
 
+// v rounded to bf16 (nearest even) where the bf16 mode rounds a product's operands, else v
+__device__ __forceinline__ float kg_op(const abwd_args &a, float v) {
+    return a.bf16 ? __bfloat162float(__float2bfloat16_rn(v)) : v;
+}
+
 // acc += Σ_h (DS·q_h + P·dout_h)[c] of query t at its key-list position kidx, heads in order (the CPU's key_grad_from)
 __device__ __forceinline__ float key_grad(const abwd_args &a, int64_t t, int64_t kidx, int64_t c, float acc) {
     const float *DS = a.DS + t * a.H * a.maxk + kidx, *P = a.P + t * a.H * a.maxk + kidx;
     const float *q = a.q + t * a.H * a.d + c, *g = a.dout + t * a.H * a.d + c;
     for (int64_t h = 0; h < a.H; h++) {
-        acc = fmaf(DS[h * a.maxk], q[h * a.d], acc);
-        acc = fmaf(P[h * a.maxk], g[h * a.d], acc);
+        acc = fmaf(kg_op(a, DS[h * a.maxk]), kg_op(a, q[h * a.d]), acc);
+        acc = fmaf(kg_op(a, P[h * a.maxk]), kg_op(a, g[h * a.d]), acc);
     }
     return acc;
 }
@@ -328,19 +335,199 @@ __global__ void key_grad_win_kernel(abwd_args a, int64_t groups, int64_t nch, fl
             const float *DS = a.DS + t * a.H * a.maxk, *P = a.P + t * a.H * a.maxk;
             const float *q = a.q + t * a.H * a.d + c, *g = a.dout + t * a.H * a.d + c;
             for (int64_t h = 0; h < a.H; h++) {
-                const float qv = q[h * a.d], gv = g[h * a.d];
+                const float qv = kg_op(a, q[h * a.d]), gv = kg_op(a, g[h * a.d]);
 #pragma unroll
                 for (int u = 0; u < WIN_KEYS; u++)
                     if (s >= lo[u] && s < hi[u]) {
                         const int64_t kidx = j0 + u - q0;
-                        acc[u] = fmaf(DS[h * a.maxk + kidx], qv, acc[u]);
-                        acc[u] = fmaf(P[h * a.maxk + kidx], gv, acc[u]);
+                        acc[u] = fmaf(kg_op(a, DS[h * a.maxk + kidx]), qv, acc[u]);
+                        acc[u] = fmaf(kg_op(a, P[h * a.maxk + kidx]), gv, acc[u]);
                     }
             }
         }
 #pragma unroll
         for (int u = 0; u < WIN_KEYS; u++)
             if (u < nkey) part[((row * S + j0 + u) * nch + ch) * a.d + c] = acc[u];
+    }
+}
+
+// B1 and B2 in the bf16 mode on the tensor cores. A block takes KGT consecutive keys of one sequence (kind 0: window
+// keys j0..; kind 1: complete entries w0..), KGC channels and a chunk of KGQ queries of the tile's range (kind 0:
+// s = j0 .. j0 + KGT - 2 + win, those that see any of the keys; kind 1: from the first query the first entry is
+// complete for to S - 1), one query at a time in order:
+//   dk[key, c] += Σ_h DS[s, h, kidx]·q[s, h, c], then += Σ_h P[s, h, kidx]·dout[s, h, c]
+// as m16n8k16 products per 16 heads (rows: keys, k: heads, columns: channels) of DS, P, q and dout rounded to bf16,
+// fp32 sums; kidx is the key's place in query s's key list, and a key the query does not see (a window key before its
+// window or after s; an entry not complete yet (HCA) or not picked (CSA, through the inverse pick lists, walked in
+// query order by the thread that stages that key)) has zeros there. Each key's sum takes its queries in order, per
+// query DS·q then P·dout, heads 16 at a time in order; with one chunk it is the key's gradient, with several the
+// chunks' partials are added in chunk order by key_grad_fold_kernel: a fixed order set by the shapes, so the same bits
+// every run. 8 warps: warp w the 16 keys w & 3 and the 64 channels w >> 2. The next query's operands are loaded to
+// registers while the current one is multiplied, then stored into the other of two shared-memory buffers: one
+// barrier per query. Needs H <= KG_MAXH and d a multiple of 8.
+constexpr int KGT = 64, KGC = 128, KGQ = 256, KG_THREADS = 256, KG_MAXH = 32;
+constexpr int KG_MAXTASK = (2 * KGT + 2 * KGC) * (KG_MAXH / 8) / KG_THREADS; // 8-value loads per thread and query
+static_assert(KG_THREADS % KGT == 0, "a thread's A loads are all of one key (its inverse-list walk)");
+
+struct kg_tc_layout {
+    int Hp, LH;         // heads padded to 16; staged row length (Hp + 8 bf16: a quarter-warp's fragment reads of
+                        // rows g = 0..7 at the same head land on distinct banks)
+    int64_t na, nb;     // one buffer's A [2][KGT][LH] and B [2][KGC][LH] (bf16 elements)
+    size_t bytes;       // two buffers
+};
+
+__host__ __device__ inline kg_tc_layout kg_tc_layout_of(int64_t H) {
+    kg_tc_layout L;
+    L.Hp = (int)((H + 15) / 16 * 16), L.LH = L.Hp + 8;
+    L.na = 2 * KGT * L.LH, L.nb = 2 * KGC * L.LH;
+    L.bytes = (size_t)(2 * (L.na + L.nb)) * sizeof(__nv_bfloat16);
+    return L;
+}
+
+// The keys of one sequence (kind 0: S window keys; kind 1: nwin entries) and the queries that may see the tile at k0.
+__device__ __forceinline__ int64_t kg_nkeys(const abwd_args &a, int kind) { return kind == 0 ? a.S : a.nwin; }
+__device__ __forceinline__ void kg_range(const abwd_args &a, int kind, int64_t k0, int64_t *lo, int64_t *hi) {
+    if (kind == 0) {
+        *lo = k0, *hi = k0 + KGT - 1 + a.win < a.S ? k0 + KGT - 1 + a.win : a.S;
+    } else {
+        const int64_t f = (k0 + 1) * a.m - 1;
+        *lo = f < a.S ? f : a.S, *hi = a.S;
+    }
+}
+
+__global__ void __launch_bounds__(KG_THREADS) key_grad_tc_kernel(abwd_args a, int kind, int64_t tiles, float *part) {
+    extern __shared__ __align__(16) char kg_mem[];
+    const kg_tc_layout L = kg_tc_layout_of(a.H);
+    __nv_bfloat16 *buf0 = reinterpret_cast<__nv_bfloat16 *>(kg_mem);
+    const int64_t nkr = kg_nkeys(a, kind), row = blockIdx.x / tiles, k0 = (blockIdx.x % tiles) * KGT;
+    const int64_t c0 = (int64_t)blockIdx.y * KGC, S = a.S, H = a.H, d = a.d, win = a.win;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
+    const int mt = warp & 3, cw = (warp >> 2) * 64; // this warp's 16 keys and 64 channels
+    const int HG = L.Hp / 8, na = 2 * KGT * HG, nt = na + 2 * KGC * HG; // load tasks per query: A, then B
+    int64_t s_lo, s_hi;
+    kg_range(a, kind, k0, &s_lo, &s_hi);
+    s_lo += (int64_t)blockIdx.z * KGQ;
+    if (s_hi > s_lo + KGQ) s_hi = s_lo + KGQ;
+    // CSA entries: this thread's key (every A load of it is of key k0 + tid % KGT) and its walk of the inverse list
+    const int64_t mykey = k0 + tid % KGT;
+    int64_t cur = 0, end = 0;
+    const bool csa = kind == 1 && a.type == DS4_ATTN_CSA;
+    if (csa && mykey < nkr && s_lo < s_hi) {
+        cur = a.inv_off[row * S + mykey], end = a.inv_off[row * S + mykey + 1];
+        const int64_t t_lo = row * S + s_lo;
+        int64_t lo = cur, hi = end; // the first pair of a query at or after s_lo (the list is in query order)
+        while (lo < hi) {
+            const int64_t mid = (lo + hi) / 2;
+            if (a.inv_t[mid] < t_lo) lo = mid + 1;
+            else hi = mid;
+        }
+        cur = lo;
+    }
+    float pre[KG_MAXTASK][8];
+    // Task i of query s: A (i < na): DS or P of 8 heads at key k0 + kk; B: q or dout of 8 heads at channel c0 + cc.
+    auto load = [&](int64_t s) {
+        const int64_t t = row * S + s, q0 = s - win + 1 > 0 ? s - win + 1 : 0, nwk = s - q0 + 1;
+        int64_t kidx = -1; // this thread's key's place in query s's key list, or -1: not seen
+        if (kind == 0) {
+            if (mykey >= q0 && mykey <= s && mykey < S) kidx = mykey - q0;
+        } else if (!csa) {
+            if (mykey < nkr && (mykey + 1) * a.m - 1 <= s) kidx = nwk + mykey;
+        } else if (cur < end && a.inv_t[cur] == t) {
+            kidx = nwk + a.inv_i[cur];
+            cur++;
+        }
+#pragma unroll
+        for (int u = 0; u < KG_MAXTASK; u++) {
+            const int i = tid + u * KG_THREADS;
+            if (i >= nt) break;
+            if (i < na) {
+                const int hg = (i / KGT) % HG, op = i / (KGT * HG);
+                const float *M = (op ? a.P : a.DS) + t * H * a.maxk + (kidx >= 0 ? kidx : 0);
+#pragma unroll
+                for (int v = 0; v < 8; v++) {
+                    const int64_t h = hg * 8 + v;
+                    pre[u][v] = kidx >= 0 && h < H ? M[h * a.maxk] : 0.0f;
+                }
+            } else {
+                const int k = i - na, cc = k % KGC, hg = (k / KGC) % HG, op = k / (KGC * HG);
+                const int64_t c = c0 + cc;
+                const float *X = (op ? a.dout : a.q) + t * H * d + (c < d ? c : 0);
+#pragma unroll
+                for (int v = 0; v < 8; v++) {
+                    const int64_t h = hg * 8 + v;
+                    pre[u][v] = c < d && h < H ? X[h * d] : 0.0f;
+                }
+            }
+        }
+    };
+    auto store = [&](__nv_bfloat16 *b) {
+#pragma unroll
+        for (int u = 0; u < KG_MAXTASK; u++) {
+            const int i = tid + u * KG_THREADS;
+            if (i >= nt) break;
+            int64_t at;
+            if (i < na) at = ((int64_t)(i / (KGT * HG)) * KGT + i % KGT) * L.LH + ((i / KGT) % HG) * 8;
+            else {
+                const int k = i - na;
+                at = L.na + ((int64_t)(k / (KGC * HG)) * KGC + k % KGC) * L.LH + ((k / KGC) % HG) * 8;
+            }
+            const uint4 w = make_uint4(ds4d_pack_bf16(pre[u][0], pre[u][1]), ds4d_pack_bf16(pre[u][2], pre[u][3]),
+                                       ds4d_pack_bf16(pre[u][4], pre[u][5]), ds4d_pack_bf16(pre[u][6], pre[u][7]));
+            *reinterpret_cast<uint4 *>(b + at) = w;
+        }
+    };
+    float acc[8][4];
+#pragma unroll
+    for (int n = 0; n < 8; n++) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+    const int64_t kw = k0 + mt * 16; // this warp's first key
+    int cb = 0;
+    if (s_lo < s_hi) {
+        load(s_lo);
+        store(buf0);
+    }
+    __syncthreads();
+    for (int64_t s = s_lo; s < s_hi; s++) {
+        const bool more = s + 1 < s_hi;
+        if (more) load(s + 1);
+        // whether query s may see one of the warp's keys (window: its window meets them; HCA: the first is complete;
+        // CSA: any may be picked)
+        const int64_t q0 = s - win + 1 > 0 ? s - win + 1 : 0;
+        const bool any = kw < nkr && (kind == 0 ? kw <= s && kw + 15 >= q0 : (csa || (kw + 1) * a.m - 1 <= s));
+        if (any) {
+            const __nv_bfloat16 *A = buf0 + cb * (L.na + L.nb), *B = A + L.na;
+#pragma unroll
+            for (int op = 0; op < 2; op++)
+                for (int hc = 0; hc < L.Hp; hc += 16) {
+                    const __nv_bfloat16 *ar = A + ((int64_t)op * KGT + mt * 16 + g) * L.LH + hc + 2 * t4;
+                    const uint32_t a0 = *reinterpret_cast<const uint32_t *>(ar);
+                    const uint32_t a1 = *reinterpret_cast<const uint32_t *>(ar + 8 * L.LH);
+                    const uint32_t a2 = *reinterpret_cast<const uint32_t *>(ar + 8);
+                    const uint32_t a3 = *reinterpret_cast<const uint32_t *>(ar + 8 * L.LH + 8);
+#pragma unroll
+                    for (int n = 0; n < 8; n++) {
+                        const __nv_bfloat16 *br = B + ((int64_t)op * KGC + cw + n * 8 + g) * L.LH + hc + 2 * t4;
+                        ds4d_mma_bf16(acc[n], a0, a1, a2, a3, *reinterpret_cast<const uint32_t *>(br),
+                                      *reinterpret_cast<const uint32_t *>(br + 8));
+                    }
+                }
+        }
+        if (more) store(buf0 + (cb ^ 1) * (L.na + L.nb));
+        __syncthreads(); // the next buffer is whole, and nobody reads this one when the next query's store takes it
+        cb ^= 1;
+    }
+#pragma unroll
+    for (int n = 0; n < 8; n++) {
+        const int64_t c = c0 + cw + n * 8 + 2 * t4;
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int64_t key = kw + g + 8 * h;
+            if (key >= nkr) continue;
+            float *o;
+            if (part) o = part + ((row * nkr + key) * gridDim.z + blockIdx.z) * d + c;
+            else o = kind == 0 ? a.dkv + (row * S + key) * d + c : a.dK + (row * S + key) * d + c;
+            if (c < d) o[0] = acc[n][2 * h];
+            if (c + 1 < d) o[1] = acc[n][2 * h + 1];
+        }
     }
 }
 
@@ -691,6 +878,33 @@ void ds4_cuda_attn_bwd_q(ds4_dev *d, const ds4_a_attn_bwd *a) {
 // The key gradients of one kind (0: window keys, 1: complete entries) through partials of KEY_QCHUNK queries.
 static void key_grads(ds4_dev *d, const abwd_args &g, int kind, int64_t nkeys, int64_t longest, const char *op,
                       const char *shapes) {
+    if (g.bf16 && g.H <= KG_MAXH && g.d % 8 == 0) { // the bf16 mode: tensor cores, chunks of KGQ queries
+        const int64_t nkr = kind == 0 ? g.S : g.nwin, tiles = (nkr + KGT - 1) / KGT, rows = nkeys / nkr;
+        const int64_t span = kind == 0 ? (KGT - 1 + g.win < g.S ? KGT - 1 + g.win : g.S) : g.S; // queries per tile
+        const int64_t nq = (span + KGQ - 1) / KGQ > 0 ? (span + KGQ - 1) / KGQ : 1;
+        const size_t smem = kg_tc_layout_of(g.H).bytes;
+        if (!grid_fits(d, rows * tiles, op, "key tiles") || nq > 65535) {
+            if (nq > 65535) ds4_dev_fail(d, DS4_ERR_UNSUPPORTED, "%s: %lld query chunks", op, (long long)nq);
+            return;
+        }
+        if (smem > cdev(d)->smem_kg_tc) {
+            if (!smem_fits(d, key_grad_tc_kernel, smem, op, "a tile of keys")) return;
+            cdev(d)->smem_kg_tc = smem;
+        }
+        float *part = nullptr;
+        if (nq > 1) {
+            part = (float *)ds4_cuda_scratch(d, (size_t)(nkeys * nq * g.d) * sizeof(float), op, 0);
+            if (!part) return;
+        }
+        const dim3 grid((unsigned)(rows * tiles), (unsigned)((g.d + KGC - 1) / KGC), (unsigned)nq);
+        key_grad_tc_kernel<<<grid, KG_THREADS, smem, cdev(d)->stream>>>(g, kind, tiles, part);
+        if (!ds4_cuda_launched(d, op, "%s: bf16 tensor cores, tiles of %d keys, %lld chunks of %d queries", shapes, KGT,
+                               (long long)nq, KGQ) || nq == 1)
+            return;
+        key_grad_fold_kernel<<<ds4_blocks(nkeys * g.d, 256), 256, 0, cdev(d)->stream>>>(g, kind, nkeys, nq, part);
+        ds4_cuda_launched(d, op, "%s: fold of %lld chunks", shapes, (long long)nq);
+        return;
+    }
     const int64_t nch = longest > 0 ? (longest + KEY_QCHUNK - 1) / KEY_QCHUNK : 1;
     if (!grid_fits(d, nkeys * nch, op, "keys x query chunks")) return;
     auto *part = (float *)ds4_cuda_scratch(d, (size_t)(nkeys * nch * g.d) * sizeof(float), op, 0);

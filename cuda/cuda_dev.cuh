@@ -37,6 +37,7 @@ struct cuda_dev {
                                   // fp32 GEMM, the pipelined bf16 GEMM)
     size_t smem_attn, smem_idx;   // the limits raised so far for attention and the indexer
     size_t smem_attn_tc, smem_bwd_tc; // the same for the bf16 mode's attention and its backward's per-query phase
+    size_t smem_kg_tc;            // and for its window keys' gradients (cuda_bwd_attn.cu)
     // scratch owned by the backend (grown, never shrunk; allocated before a pass, never inside one)
     void *scratch[3];
     size_t scratch_bytes[3];

@@ -291,6 +291,19 @@ static void t_case(const tcase *tc) {
         out o[] = {{"P", &x->P, F32, 1e-5, 0}, {"DS", &x->DS, F32, 1e-5, 0}, {"dsink_t", &x->dsink, F32, 1e-5, 0},
                    {"dq", &x->dq, F32, 2e-3, 0}};
         check_op(NAME("attn_bwd_q, bf16"), x, s_attn_q, o, 4);
+        /* the key gradients multiply DS, P, q and dout rounded to bf16 (on the tensor cores where d is a multiple
+         * of 8 and H <= 32, else the fp32 kernels on the rounded values): 2e-3 for the same reason */
+        out ok[] = {{"dkv", &x->dkv, F32, 2e-3, 0}};
+        check_op(NAME("attn_bwd_kv, bf16"), x, s_attn_kv, ok, 1);
+        if (x->nwin > 0) {
+            if (tc->type == DS4_ATTN_CSA) {
+                out oi[] = {{"inv_off", &x->inv_off, EXACT, 0, 0}, {"inv_t", &x->inv_t, EXACT, 0, 0},
+                            {"inv_i", &x->inv_i, EXACT, 0, 0}};
+                check_op(NAME("pick_inverse (bf16 block)"), x, s_pick_inverse, oi, 3);
+            }
+            out oe[] = {{"dK", &x->dK, F32, 2e-3, 0}};
+            check_op(NAME("attn_bwd_entry, bf16"), x, s_attn_entry, oe, 1);
+        }
         x->bf16 = 0;
     }
     {
@@ -378,6 +391,8 @@ int main(int argc, char **argv) {
         {DS4_ATTN_CSA, 2, 70, 7, 4, 9, 2, 64, 2, 40},         /* several chunks of picks; more than a warp of channels */
         {DS4_ATTN_HCA, 1, 77, 40, 4, 1, 20, 136, 2, 16},      /* bf16: two m-tiles of heads, two passes of channels */
         {DS4_ATTN_CSA, 2, 50, 33, 4, 7, 16, 128, 2, 16},      /* the 599M config's heads and head_dim */
+        {DS4_ATTN_CSA, 2, 37, 8, 4, 5, 3, 36, 2, 16},         /* bf16 key gradients off the tensor cores: d % 8 */
+        {DS4_ATTN_HCA, 1, 30, 9, 4, 1, 40, 16, 2, 16},        /* ... and H > 32 */
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) t_case(&cases[i]);
     t_too_large();
