@@ -328,9 +328,11 @@ int main(int argc, char **argv) {
     t_norm_bwd(600, 7, 1, 600, NB_ALIAS, 1); /* narrow rows, three row chunks of the weight gradient */
     t_norm_bwd(11, 64, 3, 16, NB_PLAIN, 1);  /* compressor entries: groups with rows between them */
     t_norm_bwd(48, 64, 1, 48, NB_ALIAS, 0);  /* per-head q RMS: in place, unweighted */
-    t_colsum(1000, 24, 24);
-    t_colsum(37, 1, 3); /* HyperHead's scale: column 0 of [T, 3] */
+    t_colsum(1000, 24, 24); /* dense rows of at most 32: cp.async tiles of 256 rows, three stages */
+    t_colsum(8193, 16, 16); /* ... a ragged last tile */
     t_colsum(5, 3, 3);
+    t_colsum(37, 1, 3);     /* HyperHead's scale: column 0 of [T, 3]: the strided kernel */
+    t_colsum(300, 40, 40);  /* ... and rows wider than 32 */
     t_sum_streams(37, 4, 300);
     t_sum_streams(3, 1, 5);
     t_embed_bwd(200, 4, 300, 50, 0);
