@@ -586,9 +586,9 @@ void ds4_cuda_linear_bwd_x(ds4_dev *d, const ds4_a_linear_bwd_x *a) {
     snprintf(s, sizeof s, "dx [%lld x %lld]%s = dy [%lld x %lld] x W [%lld x %lld]", (long long)a->T, (long long)a->K,
              a->acc ? " +" : "", (long long)a->T, (long long)a->O, (long long)a->O, (long long)a->K);
     if (a->bf16_in && a->wdt != DS4_BF16) return fp32_bf16_in(d, "linear_bwd_x");
-    // another dtype (the tiles' error), no reduction (O = 0: the tiles write the zeros); fp32 and bf16 through cuBLAS
-    // (fp32: pedantic math, no TF32; one stream, its own workspace, no atomics: the same bits every run)
-    if ((a->wdt != DS4_BF16 && a->wdt != DS4_F32) || a->O <= 0) return product(d, "linear_bwd_x", p, a->wdt, true, s);
+    // fp32 (the reference mode, and LoRA's forward y += u·B, which must be batch-invariant: cuBLAS is not), another
+    // dtype (the tiles' error), no reduction (O = 0: the tiles write the zeros)
+    if (a->wdt != DS4_BF16 || a->O <= 0) return product(d, "linear_bwd_x", p, a->wdt, true, s);
     // column-major: dxᵀ [K x T] (+)= Wᵀ [K x O] · dyᵀ [O x T]; W row-major [O, K] is column-major [K x O]
     const void *dy = a->dy;
     int64_t ldy = a->ldy;
@@ -611,7 +611,10 @@ void ds4_cuda_linear_bwd_w(ds4_dev *d, const ds4_a_linear_bwd_w *a) {
     snprintf(s, sizeof s, "dW [%lld x %lld] += dy^T [%lld x %lld] x x [%lld x %lld]", (long long)a->O, (long long)a->K,
              (long long)a->O, (long long)a->T, (long long)a->T, (long long)a->K);
     const ds4_dtype mode = a->bf16_in ? DS4_BF16 : a->wdt;
-    if (mode != DS4_BF16 && mode != DS4_F32) return product(d, "linear_bwd_w", p, mode, false, s); // the tiles' error
+    // fp32 through cuBLAS only where the op allows another summation order (any_order: the bf16 mode's fp32 weights;
+    // pedantic fp32 math, no TF32, no atomics: the same bits every run); the fp32 mode keeps the tiles' order, which
+    // the trajectory against torch and LoRA's bitwise checks rely on
+    if (mode != DS4_BF16 && !(mode == DS4_F32 && a->any_order)) return product(d, "linear_bwd_w", p, mode, false, s);
     // column-major: dWᵀ [K x O] += xᵀ [K x T] · dy [T x O]; x row-major [T, K] is column-major [K x T] (ld ldx), dy
     // row-major [T, O] is column-major [O x T], transposed
     const void *x = a->x, *dy = a->dy;
