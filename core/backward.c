@@ -156,7 +156,7 @@ static void lin_bwd(bwd *b, float *dx, int64_t lddx, int acc, float *dW, const f
            .K = K, .O = O, .bf16_in = bf16_in);
     if (dW)
         OP(b->f.dev, linear_bwd_w, .dW = dW, .dy = dy, .ldy = ldy, .x = x, .ldx = ldx, .T = T, .K = K, .O = O,
-           .wdt = wdt, .bf16_in = bf16_in);
+           .wdt = wdt, .bf16_in = bf16_in, .any_order = !M && b->f.w->bf16_in);
 }
 
 /* dst += the column sums of src (dst NULL: a frozen weight, nothing to compute) */

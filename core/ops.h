@@ -208,6 +208,8 @@ typedef struct {
 } ds4_a_linear_bwd_x;
 typedef struct {
     float *dW; const float *dy; int64_t ldy; const float *x; int64_t ldx, T, K, O; ds4_dtype wdt; int bf16_in;
+    int any_order; /* an fp32 product (wdt F32, no bf16_in) that may sum in another fixed order than the reference's
+                    * (the bf16 mode's fp32 weights, whose bits no test pins): CUDA takes cuBLAS's fp32 GEMM */
 } ds4_a_linear_bwd_w;
 /* The same per row group of off (ds4_a_matmul_grouped): dx rows written (acc: added); dW + e·wstride added */
 typedef struct {

@@ -586,7 +586,8 @@ void ds4_cuda_linear_bwd_x(ds4_dev *d, const ds4_a_linear_bwd_x *a) {
     snprintf(s, sizeof s, "dx [%lld x %lld]%s = dy [%lld x %lld] x W [%lld x %lld]", (long long)a->T, (long long)a->K,
              a->acc ? " +" : "", (long long)a->T, (long long)a->O, (long long)a->O, (long long)a->K);
     if (a->bf16_in && a->wdt != DS4_BF16) return fp32_bf16_in(d, "linear_bwd_x");
-    // fp32 (the reference mode), another dtype (the tiles' error), no reduction (O = 0: the tiles write the zeros)
+    // fp32 (the reference mode, and LoRA's forward y += u·B, which must be batch-invariant: cuBLAS is not), another
+    // dtype (the tiles' error), no reduction (O = 0: the tiles write the zeros)
     if (a->wdt != DS4_BF16 || a->O <= 0) return product(d, "linear_bwd_x", p, a->wdt, true, s);
     // column-major: dxᵀ [K x T] (+)= Wᵀ [K x O] · dyᵀ [O x T]; W row-major [O, K] is column-major [K x O]
     const void *dy = a->dy;
@@ -610,7 +611,10 @@ void ds4_cuda_linear_bwd_w(ds4_dev *d, const ds4_a_linear_bwd_w *a) {
     snprintf(s, sizeof s, "dW [%lld x %lld] += dy^T [%lld x %lld] x x [%lld x %lld]", (long long)a->O, (long long)a->K,
              (long long)a->O, (long long)a->T, (long long)a->T, (long long)a->K);
     const ds4_dtype mode = a->bf16_in ? DS4_BF16 : a->wdt;
-    if (mode != DS4_BF16) return product(d, "linear_bwd_w", p, mode, false, s); // fp32, or the tiles' error
+    // fp32 through cuBLAS only where the op allows another summation order (any_order: the bf16 mode's fp32 weights;
+    // pedantic fp32 math, no TF32, no atomics: the same bits every run); the fp32 mode keeps the tiles' order, which
+    // the trajectory against torch and LoRA's bitwise checks rely on
+    if (mode != DS4_BF16 && !(mode == DS4_F32 && a->any_order)) return product(d, "linear_bwd_w", p, mode, false, s);
     // column-major: dWᵀ [K x O] += xᵀ [K x T] · dy [T x O]; x row-major [T, K] is column-major [K x T] (ld ldx), dy
     // row-major [T, O] is column-major [O x T], transposed
     const void *x = a->x, *dy = a->dy;
@@ -703,8 +707,71 @@ void ds4_cuda_norm_bwd(ds4_dev *d, const ds4_a_norm_bwd *a) {
                       (long long)a->width, a->acc ? " (added)" : "");
 }
 
+// The same sums where the rows are dense and at most 32 wide (the mHC bias gradients: 3, 16 and 24 columns, stride =
+// width): the rows of a tile of CSD_ROWS are one contiguous run of floats, which the loader warps copy with cp.async
+// in 16-byte pieces CSD_ST - 1 tiles ahead of warp 0's lanes adding them, one column each, in row order (the CPU's
+// bits, as colsum_kernel). The strided kernel's loads were bound by their latency (one block; 8 in flight per thread).
+constexpr int CSD_ROWS = 256, CSD_ST = 3;
+constexpr size_t CSD_SMEM = (size_t)CSD_ST * CSD_ROWS * 32 * sizeof(float);
+static_assert(CSD_ROWS % 4 == 0, "a tile starts on a 16-byte boundary");
+
+__global__ void __launch_bounds__(256) colsum_dense_kernel(float *dst, const float *src, int64_t rows, int width) {
+    extern __shared__ __align__(16) float cs_tile[]; // [CSD_ST][CSD_ROWS · width]
+    const int64_t n = rows * width, ntiles = (rows + CSD_ROWS - 1) / CSD_ROWS;
+    const int tile_f = CSD_ROWS * width, loader = (int)threadIdx.x - 32, nload = (int)blockDim.x - 32;
+    auto issue = [&](int st, int64_t k) {
+        float *to = cs_tile + st * CSD_ROWS * 32;
+        for (int p = loader; p * 4 < tile_f; p += nload) {
+            const int64_t f = k * tile_f + p * 4, left = n - f;
+            const int bytes = left <= 0 ? 0 : (left >= 4 ? 16 : (int)left * 4);
+            ds4d_cp_async16(to + p * 4, bytes ? src + f : src, bytes);
+        }
+    };
+    float s = (int)threadIdx.x < width ? dst[threadIdx.x] : 0.0f;
+#pragma unroll
+    for (int st = 0; st < CSD_ST - 1; st++) {
+        if (loader >= 0 && st < ntiles) issue(st, st);
+        ds4d_cp_async_commit();
+    }
+    for (int64_t k = 0; k < ntiles; k++) {
+        ds4d_cp_async_wait<CSD_ST - 2>(); // this thread's pieces of tile k have landed
+        __syncthreads();                  // everyone's have; nobody still adds the tile that k + CSD_ST - 1 takes
+        if (loader >= 0 && k + CSD_ST - 1 < ntiles) issue((int)((k + CSD_ST - 1) % CSD_ST), k + CSD_ST - 1);
+        ds4d_cp_async_commit();
+        if ((int)threadIdx.x < width) {
+            const float *t = cs_tile + (k % CSD_ST) * CSD_ROWS * 32 + threadIdx.x;
+            const int rn = (int)(rows - k * CSD_ROWS < CSD_ROWS ? rows - k * CSD_ROWS : CSD_ROWS);
+            int r = 0;
+            for (; r + 8 <= rn; r += 8) {
+                float v[8];
+#pragma unroll
+                for (int u = 0; u < 8; u++) v[u] = t[(r + u) * width];
+#pragma unroll
+                for (int u = 0; u < 8; u++) s += v[u];
+            }
+            for (; r < rn; r++) s += t[r * width];
+        }
+    }
+    ds4d_cp_async_wait<0>();
+    if ((int)threadIdx.x < width) dst[threadIdx.x] = s;
+}
+
 void ds4_cuda_colsum_add(ds4_dev *d, const ds4_a_colsum_add *a) {
     if (a->rows <= 0 || a->width <= 0) return;
+    cuda_dev *cd = cdev(d);
+    if (a->width <= 32 && a->ld == a->width && ((uintptr_t)a->src & 15) == 0) {
+        int &set = cd->smem_set[3];
+        if (!set) /* once per backend: the limit is a property of the kernel */
+            set = cudaFuncSetAttribute(colsum_dense_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       (int)CSD_SMEM) == cudaSuccess ? 1 : -1;
+        if (set == 1) {
+            colsum_dense_kernel<<<1, 256, CSD_SMEM, cd->stream>>>(a->dst, a->src, a->rows, (int)a->width);
+            ds4_cuda_launched(d, "colsum_add", "[%lld rows x %lld, dense, cp.async tiles]", (long long)a->rows,
+                              (long long)a->width);
+            return;
+        }
+        (void)cudaGetLastError();
+    }
     colsum_kernel<<<ds4_blocks(a->width, COLSUM_COLS), 256, 0, cdev(d)->stream>>>(a->dst, a->src, a->rows, a->width,
                                                                                a->ld);
     ds4_cuda_launched(d, "colsum_add", "[%lld rows x %lld, stride %lld]", (long long)a->rows, (long long)a->width,

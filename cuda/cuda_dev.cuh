@@ -34,7 +34,8 @@ struct cuda_dev {
     size_t smem_optin;            // the largest dynamic shared memory a block may ask for
     int sync_each_op;             // DS4_CUDA_SYNC=1
     int smem_set[4];              // kernels whose dynamic shared memory limit was raised: 1, refused: -1 (the skinny
-                                  // fp32 GEMM, the pipelined bf16 GEMM)
+                                  // fp32 GEMM, the pipelined bf16 GEMM, the skinny fp32 GEMM on FP4, the dense
+                                  // column sum)
     size_t smem_attn, smem_idx;   // the limits raised so far for attention and the indexer
     size_t smem_attn_tc, smem_bwd_tc; // the same for the bf16 mode's attention and its backward's per-query phase
     size_t smem_kg_tc;            // and for its window keys' gradients (cuda_bwd_attn.cu)

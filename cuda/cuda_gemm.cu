@@ -399,16 +399,6 @@ __global__ void __launch_bounds__((BM / WM) * (BN / WN) * 32) gemm_bf16_tiled(ge
             store_tile(y, a.ldy, r0 + wm + i * 16 + g, rend, n0 + wn + j * 8 + 2 * t, a.N, tot[i][j], a.acc);
 }
 
-// cp.async: 16 bytes from global to shared memory without passing through registers (bytes < 16: that many, the rest
-// zero-filled), committed in groups; wait<N> returns when at most N of this thread's groups are in flight.
-__device__ __forceinline__ void cp_async16(void *dst, const void *src, int bytes) {
-    const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(bytes));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
-
 // Bytes of a 16-byte piece starting at element k of a row of K bf16 values that lie inside the row.
 __device__ __forceinline__ int piece_bytes(int64_t k, int64_t K) {
     const int64_t b = (K - k) * 2;
@@ -474,9 +464,11 @@ __global__ void __launch_bounds__((BM / WM) * (BN / WN) * 32) gemm_bf16_pipe(gem
 #pragma unroll
             for (int u = 0; u < SUB; u++) {
 #pragma unroll
-                for (int j = 0; j < RA; j++) cp_async16(dA + (u * BM + j * RS) * L, pA[j] + k0 + u * 32, nA[j]);
+                for (int j = 0; j < RA; j++)
+                    ds4d_cp_async16(dA + (u * BM + j * RS) * L, pA[j] + k0 + u * 32, nA[j]);
 #pragma unroll
-                for (int j = 0; j < RB; j++) cp_async16(dB + (u * BN + j * RS) * L, pB[j] + k0 + u * 32, nB[j]);
+                for (int j = 0; j < RB; j++)
+                    ds4d_cp_async16(dB + (u * BN + j * RS) * L, pB[j] + k0 + u * 32, nB[j]);
             }
             return;
         }
@@ -486,12 +478,12 @@ __global__ void __launch_bounds__((BM / WM) * (BN / WN) * 32) gemm_bf16_pipe(gem
 #pragma unroll
             for (int j = 0; j < RA; j++) {
                 const int m = nA[j] ? n : 0;
-                cp_async16(dA + (u * BM + j * RS) * L, m ? pA[j] + k0 + u * 32 : x, m);
+                ds4d_cp_async16(dA + (u * BM + j * RS) * L, m ? pA[j] + k0 + u * 32 : x, m);
             }
 #pragma unroll
             for (int j = 0; j < RB; j++) {
                 const int m = nB[j] ? n : 0;
-                cp_async16(dB + (u * BN + j * RS) * L, m ? pB[j] + k0 + u * 32 : W, m);
+                ds4d_cp_async16(dB + (u * BN + j * RS) * L, m ? pB[j] + k0 + u * 32 : W, m);
             }
         }
     };
@@ -502,14 +494,14 @@ __global__ void __launch_bounds__((BM / WM) * (BN / WN) * 32) gemm_bf16_pipe(gem
 #pragma unroll
     for (int st = 0; st < ST - 1; st++) {
         if (st < nst) issue(st, (int64_t)st * KC);
-        cp_async_commit();
+        ds4d_cp_async_commit();
     }
     int cur = 0, nxt = ST - 1; // the stages of chunks kc and kc + ST - 1
     for (int64_t kc = 0; kc < nst; kc++) {
-        cp_async_wait<ST - 2>(); // this thread's copies of stage kc have landed
+        ds4d_cp_async_wait<ST - 2>(); // this thread's copies of stage kc have landed
         __syncthreads();         // everyone's have, and nobody still reads the stage that kc + ST - 1 takes
         if (kc + ST - 1 < nst) issue(nxt, (kc + ST - 1) * KC);
-        cp_async_commit();       // (an empty group past the end keeps wait_group's count)
+        ds4d_cp_async_commit();       // (an empty group past the end keeps wait_group's count)
 #pragma unroll
         for (int u = 0; u < SUB; u++)
             if (u == 0 || kc * KC + u * 32 < K) // the tiles' chunks of 32: none wholly past K
@@ -520,7 +512,7 @@ __global__ void __launch_bounds__((BM / WM) * (BN / WN) * 32) gemm_bf16_pipe(gem
         cur = cur + 1 == ST ? 0 : cur + 1;
         nxt = nxt + 1 == ST ? 0 : nxt + 1;
     }
-    cp_async_wait<0>();
+    ds4d_cp_async_wait<0>();
 #pragma unroll
     for (int i = 0; i < MT; i++)
 #pragma unroll

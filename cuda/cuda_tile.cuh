@@ -141,4 +141,15 @@ __device__ __forceinline__ void ds4d_mma_fold(float (&tot)[MT][NT][4], float (&a
             for (int q = 0; q < 4; q++) tot[i][j][q] += acc[i][j][q], acc[i][j][q] = 0.0f;
 }
 
+// cp.async: 16 bytes from global to shared memory without passing through registers; bytes < 16 copies that many
+// and zero-fills the rest (0: none read). Copies are committed in groups; wait<N> waits until at most N of this
+// thread's groups are in flight.
+__device__ __forceinline__ void ds4d_cp_async16(void *dst, const void *src, int bytes) {
+    const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(bytes));
+}
+__device__ __forceinline__ void ds4d_cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void ds4d_cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
 #endif

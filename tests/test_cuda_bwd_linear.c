@@ -137,16 +137,17 @@ static void t_logp_bwd(int per_token) {
 
 /* ------------------------------------------------------------------------------------------------ products */
 
-/* dx [T, K] (row stride K + pad) (+)= dy·W and dW += dyᵀ·x, with dy and x row strides O + pad and K + pad */
-static void t_linear(int64_t T, int64_t K, int64_t O, int64_t pad, int acc, ds4_dtype wdt) {
+/* dx [T, K] (row stride K + pad) (+)= dy·W and dW += dyᵀ·x, with dy and x row strides O + pad and K + pad;
+ * any_order: the GPU's dW may sum in its own order (cuBLAS for fp32; the CPU ignores the flag) */
+static void t_linear_mode(int64_t T, int64_t K, int64_t O, int64_t pad, int acc, ds4_dtype wdt, int any_order) {
     const int64_t ldy = O + pad, ldx = K + pad, lddx = K + pad;
     twin dy = tw_f(T * ldy, -1, 1), x = tw_f(T * ldx, -1, 1), W = tw_f(O * K, -0.5f, 0.5f);
     twin dW = tw_f(O * K, -0.1f, 0.1f), dx = acc ? tw_f(T * lddx, -1, 1) : tw_out((size_t)(T * lddx) * 4);
     if (wdt == DS4_BF16) round_bf16(&dy), round_bf16(&x);
     twin Wd = weight_for(&W, wdt);
     char what[128];
-    snprintf(what, sizeof what, "linear_bwd %s T %lld K %lld O %lld pad %lld%s", ds4_dtype_name(wdt), (long long)T,
-             (long long)K, (long long)O, (long long)pad, acc ? " acc" : "");
+    snprintf(what, sizeof what, "linear_bwd %s T %lld K %lld O %lld pad %lld%s%s", ds4_dtype_name(wdt), (long long)T,
+             (long long)K, (long long)O, (long long)pad, acc ? " acc" : "", any_order ? " any_order" : "");
     outs o = outs_of(&dx, &dW);
     for (int run = 0, side = 1; run < 3; side = next_run(&o, &run, what)) {
         ds4_dev *d = side ? gpu : cpu;
@@ -154,7 +155,7 @@ static void t_linear(int64_t T, int64_t K, int64_t O, int64_t pad, int acc, ds4_
         OP(d, linear_bwd_x, .dx = S(dx), .lddx = lddx, .acc = acc, .dy = S(dy), .ldy = ldy, .W = side ? Wd.d : W.h,
            .wdt = dt, .T = T, .K = K, .O = O);
         OP(d, linear_bwd_w, .dW = S(dW), .dy = S(dy), .ldy = ldy, .x = S(x), .ldx = ldx, .T = T, .K = K, .O = O,
-           .wdt = dt);
+           .wdt = dt, .any_order = any_order);
     }
     char w2[160];
     snprintf(w2, sizeof w2, "%s: dx", what);
@@ -164,6 +165,10 @@ static void t_linear(int64_t T, int64_t K, int64_t O, int64_t pad, int acc, ds4_
     if (Wd.d != W.d) tw_free(&Wd);
     twin all[] = {dy, x, W, dW, dx};
     for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) tw_free(&all[i]);
+}
+
+static void t_linear(int64_t T, int64_t K, int64_t O, int64_t pad, int acc, ds4_dtype wdt) {
+    t_linear_mode(T, K, O, pad, acc, wdt, 0);
 }
 
 /* Routed-expert groups: expert e has counts[e] rows (some 0, one longer than a 256-row slice); rows past off[E]
@@ -322,15 +327,21 @@ int main(int argc, char **argv) {
         t_linear_grouped(96, 40, 0, dt);
         t_linear_grouped(37, 129, 1, dt);  /* K, O odd; dx added */
     }
+    /* the bf16 mode's fp32 weights: dW through cuBLAS; fp32 sums of the same products in another order, so within
+     * the fp32 bound of the other products (1e-5) */
+    t_linear_mode(37, 96, 40, 3, 1, DS4_F32, 1);
+    t_linear_mode(2000, 4096, 24, 0, 0, DS4_F32, 1); /* the mHC's dW [24 x 4096] over many rows */
     t_norm_bwd(37, 300, 1, 37, NB_PLAIN, 1);
     t_norm_bwd(37, 300, 1, 37, NB_ALIAS, 1); /* kv_norm, q_norm: dx = dy with the weight gradient */
     t_norm_bwd(5, 4096, 1, 5, NB_ACC, 0);    /* the mHC RMS over n·D: added, unweighted */
     t_norm_bwd(600, 7, 1, 600, NB_ALIAS, 1); /* narrow rows, three row chunks of the weight gradient */
     t_norm_bwd(11, 64, 3, 16, NB_PLAIN, 1);  /* compressor entries: groups with rows between them */
     t_norm_bwd(48, 64, 1, 48, NB_ALIAS, 0);  /* per-head q RMS: in place, unweighted */
-    t_colsum(1000, 24, 24);
-    t_colsum(37, 1, 3); /* HyperHead's scale: column 0 of [T, 3] */
+    t_colsum(1000, 24, 24); /* dense rows of at most 32: cp.async tiles of 256 rows, three stages */
+    t_colsum(8193, 16, 16); /* ... a ragged last tile */
     t_colsum(5, 3, 3);
+    t_colsum(37, 1, 3);     /* HyperHead's scale: column 0 of [T, 3]: the strided kernel */
+    t_colsum(300, 40, 40);  /* ... and rows wider than 32 */
     t_sum_streams(37, 4, 300);
     t_sum_streams(3, 1, 5);
     t_embed_bwd(200, 4, 300, 50, 0);
