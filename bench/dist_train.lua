@@ -5,11 +5,15 @@ global tokens/s and what share of N times one rank's tokens/s that is. bench/dis
 ranks, launched torchrun-style; alone it is one rank.
 
   ds4 run bench/dist_train.lua [--config bench/config_599m.json] [--batch 8] [--seq 1024] [--steps 5]
-                               [--device cuda] [--dtype bf16] [--bucket_mb 25] [--threads 0]
+                               [--device cuda] [--dtype bf16] [--bucket_mb 25] [--threads 0] [--ep 0]
 
 --bucket_mb: the gradients are summed in buckets of this many MiB while the backward runs
 (ds4.dist.overlap_backward); 0: one all-reduce after the backward. --threads: each rank's CPU threads (0: all
-cores; CPU ranks sharing a machine want cores / ranks, leaving the communication thread room).
+cores; CPU ranks sharing a machine want cores / ranks, leaving the communication thread room). --ep 1: expert
+parallelism on top (DP×EP; with more than one rank): rank r computes routed experts [r·E/P, (r+1)·E/P) for every
+rank's tokens, the rows exchanged with all-to-all (NCCL send / recv between GPUs), E a multiple of the ranks; on GPUs
+each rank still holds every expert's weights (docs/distributed.md, "Expert parallelism"). The gradients are then summed
+after the backward (--bucket_mb 0: expert parallelism has no overlapped buckets).
 
 Random tokens, a random model (ds4.random_model, seed 1), no MTP. Best of --steps steps after two warm-up steps; a
 step is timed from before the forward until the optimizer step has returned (which reads the step's per-piece sums
@@ -19,23 +23,27 @@ local dp = require("ds4.dp")
 local metrics = require("ds4.metrics")
 
 local o = { config = "bench/config_599m.json", batch = 8, seq = 1024, steps = 5, device = "cuda", dtype = "bf16",
-    bucket_mb = 25, threads = 0 }
+    bucket_mb = 25, threads = 0, ep = 0 }
 local i = 1
 while i <= #arg do
     local k = arg[i]:match("^%-%-([%w_]+)$")
     if not k or o[k] == nil or arg[i + 1] == nil then
-        error(("bench/dist_train.lua: unknown or incomplete option %s (--config --batch --seq --steps --device --dtype --bucket_mb --threads)")
+        error(("bench/dist_train.lua: unknown or incomplete option %s (--config --batch --seq --steps --device --dtype --bucket_mb --threads --ep)")
             :format(arg[i]))
     end
     o[k] = type(o[k]) == "number" and assert(tonumber(arg[i + 1]), "a number after --" .. k) or arg[i + 1]
     i = i + 2
 end
+assert(o.ep == 0 or o.ep == 1, "bench/dist_train.lua: --ep 0 or 1")
 
 local rank, world = dp.init(o.device)
+local ep = o.ep == 1 and world > 1
+if ep then o.bucket_mb = 0 end -- no overlapped buckets with expert parallelism: one all-reduce after the backward
 if world > 1 then ds4.dist.bucket_mb(o.bucket_mb) end
 if o.threads > 0 then ds4.set_threads(o.threads) end
 local model = ds4.random_model(o.config, { seed = 1 })
 model:to(dp.device() or o.device, o.dtype)
+if ep then ds4.dist.expert_parallel(model) end -- the backward's 1 / n below is the global normalisation EP needs
 model:set_train_options({ mtp_lambda = 0 })
 local opt = ds4.adamw(model, { lr = 1e-4, betas = { 0.9, 0.95 }, eps = 1e-8, weight_decay = 0.1, clip = 1.0 })
 
@@ -70,11 +78,13 @@ for step = 1, o.steps + 2 do
 end
 local tokens = world * o.batch * o.seq
 if dp.is_root() then
-    print(("# %d rank%s (%s, buckets of %g MiB), %s %s, %d x %d rows per rank, best of %d steps: %.1f ms per step "
+    print(("# %d rank%s (%s, buckets of %g MiB%s), %s %s, %d x %d rows per rank, best of %d steps: %.1f ms per step "
         .. "(%.1f in all_reduce_grads), loss %.4f"):format(world, world > 1 and "s" or "",
-        world > 1 and ds4.dist.backend() or "no communicator", world > 1 and o.bucket_mb or 0, model:device(), o.config,
-        o.batch, o.seq, o.steps, 1e3 * best, 1e3 * wait, loss))
+        world > 1 and ds4.dist.backend() or "no communicator", world > 1 and o.bucket_mb or 0,
+        ep and ", expert parallel" or "", model:device(), o.config, o.batch, o.seq, o.steps, 1e3 * best, 1e3 * wait,
+        loss))
     print(("dist ranks %d"):format(world))
+    print(("dist expert_parallel %d"):format(ep and 1 or 0))
     print(("dist tokens_per_s %.1f"):format(tokens / best))
     print(("dist ms_per_step %.2f"):format(1e3 * best))
     print(("dist reduce_ms %.2f"):format(1e3 * wait))

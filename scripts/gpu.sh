@@ -11,8 +11,9 @@
 #   GPU_STAGES="build tests bench demo"           # a subset (default: build tests bench; demo, the README's GPU RL
 #                                                 # demonstration, takes ~4 more minutes)
 #   BENCH_ARGS="--quick"                          # passed to bench/gpu_bench.sh
-# The bench stage also runs bench/dist_bench.sh (data-parallel training on 1, 2 and 4 ranks) where there are 2 or
-# more GPUs.
+# The bench stage also runs, where there are 2 or more GPUs, bench/dist_bench.sh (training on 1, 2 and 4 ranks: data
+# parallel, then data × expert parallel) and bench/collectives_bench.sh (ds4's NCCL all-reduce and all-to-all
+# bandwidth against torch.distributed's NCCL at the same sizes).
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -90,7 +91,8 @@ if [[ " $STAGES " == *" bench "* ]]; then
         bench_status="$(grep '^bench:' "$LOG/bench.log" | tail -n1 | sed 's/^bench: //')"
         [ -n "$bench_status" ] || bench_status="FAILED ($(tail -n1 "$LOG/bench.log"))"
     fi
-    # data-parallel training on 1 and every GPU count up to the machine's (2, 4): weak scaling, NCCL all-reduce
+    # data-parallel training on 1 and every GPU count up to the machine's (2, 4): weak scaling, NCCL all-reduce; then
+    # with expert parallelism (DP×EP: the routed experts' rows through NCCL send / recv); then the collectives alone
     ngpu="$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')"
     if [ "${ngpu:-0}" -ge 2 ] && [ -x build-gpu/ds4 ]; then
         sizes="1 2"
@@ -98,6 +100,11 @@ if [[ " $STAGES " == *" bench "* ]]; then
         # shellcheck disable=SC2086
         bash bench/dist_bench.sh build-gpu/ds4 $sizes >"$LOG/dist_bench.log" 2>&1
         bench_status="$bench_status; $(grep '^dist bench:' "$LOG/dist_bench.log" | tail -n1 | sed 's/^dist bench: //')"
+        # shellcheck disable=SC2086
+        bash bench/dist_bench.sh build-gpu/ds4 $sizes -- --ep 1 >"$LOG/dist_bench_ep.log" 2>&1
+        bench_status="$bench_status; $(grep '^dist bench:' "$LOG/dist_bench_ep.log" | tail -n1 | sed 's/^dist bench: //')"
+        bash bench/collectives_bench.sh build-gpu >"$LOG/collectives_bench.log" 2>&1
+        bench_status="$bench_status; collectives $(grep '^coll bench:' "$LOG/collectives_bench.log" | tail -n1 | sed 's/^coll bench: //')"
     fi
 fi
 demo_status=skipped
