@@ -7,6 +7,7 @@
 #
 #   bash bench/dist_bench.sh build-gpu/ds4 1 2                     # the 599M config, 8 x 1024 rows per rank, bf16
 #   bash bench/dist_bench.sh build-gpu/ds4 1 2 4 -- --ep 1         # DP×EP: 32 experts, 8 on each of 4 GPUs
+#   bash bench/dist_bench.sh build-gpu/ds4 1 2 4 -- --zero 2       # ZeRO-1 with the reduce-scatter (--zero 1: all-reduce)
 #   bash bench/dist_bench.sh build/ds4 1 2 -- --device cpu --dtype fp32 --config tests/fixtures/tiny_a/config.json
 set -uo pipefail
 DS4="${1:?usage: dist_bench.sh DS4 [RANKS...] [-- dist_train.lua options]}"
@@ -32,10 +33,16 @@ for n in "${ranks[@]}"; do
     grep '^#' "$log/run$n.0"
     tps="$(sed -n 's/^dist tokens_per_s //p' "$log/run$n.0")"
     [ "$n" = 1 ] && one="$tps"
-    grep -q '^dist expert_parallel 1' "$log/run$n.0" && mode="data × expert parallel"
+    if [ "$n" -gt 1 ]; then # the mode of the runs of several ranks (one rank runs neither EP nor ZeRO-1)
+        mode="data-parallel"
+        grep -q '^dist expert_parallel 1' "$log/run$n.0" && mode="data × expert parallel"
+        grep -q '^dist zero 1' "$log/run$n.0" && mode="$mode, ZeRO-1"
+        grep -q '^dist zero 2' "$log/run$n.0" && mode="$mode, ZeRO-1 reduce-scatter"
+    fi
+    mib="$(sed -n 's/^dist state_mib //p' "$log/run$n.0")"
     eff=""
     [ -n "$one" ] && [ -n "$tps" ] && eff="$(awk -v t="$tps" -v o="$one" -v n="$n" 'BEGIN{printf " (%.0f%% of %d x 1 rank)", 100*t/(n*o), n}')"
     per="$(awk -v t="$tps" -v n="$n" 'BEGIN { if (t != "" && n > 1) printf ", %.0f per rank", t / n }')"
-    line="$line; $n rank$([ "$n" = 1 ] || echo s) ${tps:-?} tok/s$per$eff"
+    line="$line; $n rank$([ "$n" = 1 ] || echo s) ${tps:-?} tok/s$per$eff${mib:+, ${mib} MiB of state per rank}"
 done
 echo "dist bench: $mode training, global tokens/s${line}"

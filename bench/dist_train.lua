@@ -5,7 +5,7 @@ global tokens/s and what share of N times one rank's tokens/s that is. bench/dis
 ranks, launched torchrun-style; alone it is one rank.
 
   ds4 run bench/dist_train.lua [--config bench/config_599m.json] [--batch 8] [--seq 1024] [--steps 5]
-                               [--device cuda] [--dtype bf16] [--bucket_mb 25] [--threads 0] [--ep 0]
+                               [--device cuda] [--dtype bf16] [--bucket_mb 25] [--threads 0] [--ep 0] [--zero 0]
 
 --bucket_mb: the gradients are summed in buckets of this many MiB while the backward runs
 (ds4.dist.overlap_backward); 0: one all-reduce after the backward. --threads: each rank's CPU threads (0: all
@@ -13,7 +13,10 @@ cores; CPU ranks sharing a machine want cores / ranks, leaving the communication
 parallelism on top (DP×EP; with more than one rank): rank r computes routed experts [r·E/P, (r+1)·E/P) for every
 rank's tokens, the rows exchanged with all-to-all (NCCL send / recv between GPUs), E a multiple of the ranks; on GPUs
 each rank still holds every expert's weights (docs/distributed.md, "Expert parallelism"). The gradients are then summed
-after the backward (--bucket_mb 0: expert parallelism has no overlapped buckets).
+after the backward (--bucket_mb 0: expert parallelism has no overlapped buckets). --zero 1: ZeRO-1 (the AdamW
+moments sharded over the ranks: ds4.dist.shard_optimizer; the gradients all-reduced as without it), --zero 2: ZeRO-1
+with the reduce-scatter (each rank sums only its region of the gradients). Each rank's training state on the device
+(weights, gradients, fp32 master, moments: model:memory()) is printed for rank 0.
 
 Random tokens, a random model (ds4.random_model, seed 1), no MTP. Best of --steps steps after two warm-up steps; a
 step is timed from before the forward until the optimizer step has returned (which reads the step's per-piece sums
@@ -23,18 +26,19 @@ local dp = require("ds4.dp")
 local metrics = require("ds4.metrics")
 
 local o = { config = "bench/config_599m.json", batch = 8, seq = 1024, steps = 5, device = "cuda", dtype = "bf16",
-    bucket_mb = 25, threads = 0, ep = 0 }
+    bucket_mb = 25, threads = 0, ep = 0, zero = 0 }
 local i = 1
 while i <= #arg do
     local k = arg[i]:match("^%-%-([%w_]+)$")
     if not k or o[k] == nil or arg[i + 1] == nil then
-        error(("bench/dist_train.lua: unknown or incomplete option %s (--config --batch --seq --steps --device --dtype --bucket_mb --threads --ep)")
+        error(("bench/dist_train.lua: unknown or incomplete option %s (--config --batch --seq --steps --device --dtype --bucket_mb --threads --ep --zero)")
             :format(arg[i]))
     end
     o[k] = type(o[k]) == "number" and assert(tonumber(arg[i + 1]), "a number after --" .. k) or arg[i + 1]
     i = i + 2
 end
 assert(o.ep == 0 or o.ep == 1, "bench/dist_train.lua: --ep 0 or 1")
+assert(o.zero == 0 or o.zero == 1 or o.zero == 2, "bench/dist_train.lua: --zero 0, 1 or 2")
 
 local rank, world = dp.init(o.device)
 local ep = o.ep == 1 and world > 1
@@ -46,6 +50,8 @@ model:to(dp.device() or o.device, o.dtype)
 if ep then ds4.dist.expert_parallel(model) end -- the backward's 1 / n below is the global normalisation EP needs
 model:set_train_options({ mtp_lambda = 0 })
 local opt = ds4.adamw(model, { lr = 1e-4, betas = { 0.9, 0.95 }, eps = 1e-8, weight_decay = 0.1, clip = 1.0 })
+local zero = o.zero > 0 and world > 1
+if zero then ds4.dist.shard_optimizer(opt, { reduce_scatter = o.zero == 2 }) end
 
 -- this rank's rows: a fixed LCG, different on every rank (the rows of a global batch)
 local V, s = model:config().vocab_size, 12345 + 7919 * rank
@@ -81,10 +87,17 @@ if dp.is_root() then
     print(("# %d rank%s (%s, buckets of %g MiB%s), %s %s, %d x %d rows per rank, best of %d steps: %.1f ms per step "
         .. "(%.1f in all_reduce_grads), loss %.4f"):format(world, world > 1 and "s" or "",
         world > 1 and ds4.dist.backend() or "no communicator", world > 1 and o.bucket_mb or 0,
-        ep and ", expert parallel" or "", model:device(), o.config, o.batch, o.seq, o.steps, 1e3 * best, 1e3 * wait,
+        (ep and ", expert parallel" or "") .. (zero and (o.zero == 2 and ", ZeRO-1 reduce-scatter" or ", ZeRO-1") or ""),
+        model:device(), o.config, o.batch, o.seq, o.steps, 1e3 * best, 1e3 * wait,
         loss))
     print(("dist ranks %d"):format(world))
     print(("dist expert_parallel %d"):format(ep and 1 or 0))
+    print(("dist zero %d"):format(zero and o.zero or 0))
+    local mem = model:memory() -- (device bytes: none on the CPU)
+    if mem.device > 0 then
+        print(("dist state_mib %.1f"):format((mem.device + mem.device_grads + mem.device_master + mem.device_moments)
+            / 2 ^ 20))
+    end
     print(("dist tokens_per_s %.1f"):format(tokens / best))
     print(("dist ms_per_step %.2f"):format(1e3 * best))
     print(("dist reduce_ms %.2f"):format(1e3 * wait))
