@@ -14,6 +14,10 @@
 // (expf, exp). The long dot products and the mixing GEMM sum in another order and differ from the CPU by fp32
 // rounding. (The forward in cuda_hc.cu lets nvcc fuse mix·scale + base, so the coefficients recomputed here can
 // differ from the ones it used in the last bit.)
+//
+// Speed: the per-token work runs a token per warp where the shapes allow (n <= 8; the norm and dots, the coefficients,
+// mHC post), each reading a token's rows once with many loads in flight. The block-per-token kernels stay as the
+// definition of the bits (and for wide n); DS4_CUDA_HC_REF=1 selects them, and the tests require equal bytes.
 #include "cuda_dev.cuh"
 #include "shape_limits.h"
 
