@@ -14,6 +14,10 @@
 // (expf, exp). The long dot products and the mixing GEMM sum in another order and differ from the CPU by fp32
 // rounding. (The forward in cuda_hc.cu lets nvcc fuse mix·scale + base, so the coefficients recomputed here can
 // differ from the ones it used in the last bit.)
+//
+// Speed: the per-token work runs a token per warp where the shapes allow (n <= 8; the norm and dots, the coefficients,
+// mHC post), each reading a token's rows once with many loads in flight. The block-per-token kernels stay as the
+// definition of the bits (and for wide n); DS4_CUDA_HC_REF=1 selects them, and the tests require equal bytes.
 #include "cuda_dev.cuh"
 #include "shape_limits.h"
 
@@ -66,6 +70,95 @@ __global__ void __launch_bounds__(BT) norm_dots_kernel(const float *X, float *xn
             const int64_t jk = q - n, j = jk / n, k = jk % n;
             const float v = warp_dot(G + t * nD + k * D, x + j * D, D);
             if (lane == 0) out1[t * n * n + jk] = v;
+        }
+    }
+}
+
+// The same results with a token per WARP (ND_WARPS tokens a block) for n = N <= ND_MAXN, known at compile time so that
+// the dots' accumulators stay in registers. norm_dots_kernel is the definition; every sum keeps its order, so the
+// same bits:
+//   - the RMS: virtual thread τ = 32w + l (w < 8) of that kernel's 256-thread block sums x[τ + 256m] over m in order
+//     in fp64; here lane l holds its 8 virtual threads in ss[w], each fed in m order. Then each virtual warp's
+//     butterfly (ds4d_warp_sum; every lane ends with the same bits, as an addition commutes) and ds4d_block_sum's
+//     second stage: lane w < 8 takes virtual warp w's sum, the others 0, and the same butterfly;
+//   - each dot over D: lane l sums c = l, l + 32, .. in order with fmaf, then the butterfly (warp_dot). One warp runs
+//     all of a token's dots at once, so G, A and X are read once for all of them (there: once per dot, n + 1 times);
+//   - xn = x·inv is elementwise: written as the dots read X.
+// The loads are __restrict__ (X, G, A are inputs only, xn and the dots outputs of their own) so that the compiler
+// may issue the next elements' loads before this element's stores.
+constexpr int ND_WARPS = 4, ND_MAXN = 8;
+
+template <int N, bool POST>
+__global__ void __launch_bounds__(ND_WARPS * 32) norm_dots_warp_kernel(const float *__restrict__ X,
+                                                                       float *__restrict__ xn, int64_t T, int64_t D,
+                                                                       double eps, const float *__restrict__ G,
+                                                                       const float *__restrict__ A,
+                                                                       float *__restrict__ out0, int64_t ld0,
+                                                                       float *__restrict__ out1) {
+    constexpr int VW = BT / 32; // the virtual warps of norm_dots_kernel's block
+    const int lane = threadIdx.x & 31;
+    const int64_t t = (int64_t)blockIdx.x * ND_WARPS + (threadIdx.x >> 5), nD = N * D;
+    if (t >= T) return; // a whole warp; nothing below synchronises the block
+    const float *x = X + t * nD;
+    double ss[VW];
+#pragma unroll
+    for (int w = 0; w < VW; w++) ss[w] = 0;
+#pragma unroll 2
+    for (int64_t i0 = lane; i0 < nD; i0 += BT) { // one m: element i0 + 32w belongs to virtual thread 32w + lane
+        float v[VW];
+#pragma unroll
+        for (int w = 0; w < VW; w++) v[w] = i0 + 32 * w < nD ? x[i0 + 32 * w] : 0.0f;
+#pragma unroll
+        for (int w = 0; w < VW; w++)
+            if (i0 + 32 * w < nD) ss[w] += (double)v[w] * v[w];
+    }
+    double tot = 0.0;
+#pragma unroll
+    for (int w = 0; w < VW; w++) {
+        const double s = ds4d_warp_sum(ss[w]);
+        if (lane == w) tot = s;
+    }
+    const float inv = ds4d_rms_inv(ds4d_warp_sum(tot), nD, eps);
+
+    float acc0[N], acc1[POST ? N * N : 1]; // the dots: [i] / [k] (out0), [j·N + k] (out1)
+#pragma unroll
+    for (int i = 0; i < N; i++) acc0[i] = 0.0f;
+#pragma unroll
+    for (int e = 0; e < (POST ? N * N : 1); e++) acc1[e] = 0.0f;
+    const float *g = G + t * (POST ? nD : D);
+    float *xo = xn + t * nD;
+#pragma unroll 2
+    for (int64_t c = lane; c < D; c += 32) {
+        float xv[N];
+#pragma unroll
+        for (int j = 0; j < N; j++) xv[j] = x[j * D + c];
+        if (!POST) {
+            const float gv = g[c];
+#pragma unroll
+            for (int i = 0; i < N; i++) acc0[i] = fmaf(gv, xv[i], acc0[i]);
+        } else {
+            const float av = A[t * D + c];
+#pragma unroll
+            for (int k = 0; k < N; k++) {
+                const float gk = g[k * D + c];
+                acc0[k] = fmaf(gk, av, acc0[k]);
+#pragma unroll
+                for (int j = 0; j < N; j++) acc1[POST ? j * N + k : 0] = fmaf(gk, xv[j], acc1[POST ? j * N + k : 0]);
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < N; j++) xo[j * D + c] = xv[j] * inv;
+    }
+#pragma unroll
+    for (int i = 0; i < N; i++) {
+        const float v = ds4d_warp_sumf(acc0[i]);
+        if (lane == 0) out0[POST ? t * N + i : t * ld0 + i] = v;
+    }
+    if (POST) {
+#pragma unroll
+        for (int e = 0; e < N * N; e++) {
+            const float v = ds4d_warp_sumf(acc1[POST ? e : 0]);
+            if (lane == 0) out1[t * N * N + e] = v;
         }
     }
 }
@@ -260,10 +353,22 @@ __global__ void __launch_bounds__(COEF_WARPS * 32) coef_bwd_warp_kernel(coef_arg
     if (sink)
         sinkhorn_bwd(smix + 2 * n, a.sc[2], a.base + 2 * n, a.dcomb + t * nn, n, a.iters, a.hc_eps, dd + 2 * nn, dd,
                      dd + nn, sdz + 2 * n);
-    const float *du = a.du + t * D;
-    float *dX = a.dX + t * n * D;
-    for (int64_t i = 0; i < n; i++)
-        for (int64_t c = lane; c < D; c += 32) dX[i * D + c] = madd(spre[i], du[c], a.head ? 0.0f : dX[i * D + c]);
+    // the collapse's gradient, elementwise: du[c] read once for the n streams, and the next streams' values loaded
+    // before this one's is stored (__restrict__: du and dX are distinct buffers)
+    const float *__restrict__ du = a.du + t * D;
+    float *__restrict__ dX = a.dX + t * n * D;
+#pragma unroll 2
+    for (int64_t c = lane; c < D; c += 32) {
+        const float u = du[c];
+        for (int64_t i0 = 0; i0 < n; i0 += 8) {
+            float v[8];
+#pragma unroll
+            for (int i = 0; i < 8; i++) v[i] = i0 + i < n && !a.head ? dX[(i0 + i) * D + c] : 0.0f;
+#pragma unroll
+            for (int i = 0; i < 8; i++)
+                if (i0 + i < n) dX[(i0 + i) * D + c] = madd(spre[i0 + i], u, v[i]);
+        }
+    }
     __syncwarp();
     coef_finish(a, t, nmix, smix, sdz, lane);
 }
@@ -302,35 +407,60 @@ __global__ void __launch_bounds__(BT) post_bwd_kernel(const float *dXo, const fl
         }
 }
 
-// The same with a token per WARP (COEF_WARPS tokens a block) for hc_mult^2 <= POST_SMALL_SQ: each warp recomputes
-// its token's post and Sinkhorn, then forms da and dX itself, with post_bwd_kernel's expressions (the same bits).
-constexpr int POST_SMALL_SQ = 64, POST_SMALL_N = 8;
+// The same with a token per WARP (COEF_WARPS tokens a block) for n = N <= POST_SMALL_N: each warp recomputes its
+// token's post and Sinkhorn, then forms da and dX itself with post_bwd_kernel's expressions (each output's madd chain
+// over k from 0: the same bits). A lane reads its N values dXo_k[c] once, into registers, and forms da[c] and every
+// dX_j[c] from them (read N + 1 times, each read behind the previous output's store, they made the kernel wait on
+// memory); post and M wait in registers too.
+constexpr int POST_SMALL_N = 8;
 
-__global__ void __launch_bounds__(COEF_WARPS * 32) post_bwd_warp_kernel(const float *dXo, const float *mixp,
-                                                                        const float *base, const float *sc, float *dX,
-                                                                        float *da, int64_t T, int64_t n, int64_t D,
-                                                                        int64_t iters, double hc_eps) {
-    __shared__ double st[COEF_WARPS][2 * POST_SMALL_SQ];
-    __shared__ float spost[COEF_WARPS][POST_SMALL_N], sM[COEF_WARPS][POST_SMALL_SQ];
+template <int N>
+__global__ void __launch_bounds__(COEF_WARPS * 32) post_bwd_warp_kernel(const float *__restrict__ dXo,
+                                                                        const float *__restrict__ mixp,
+                                                                        const float *base, const float *sc,
+                                                                        float *__restrict__ dX, float *__restrict__ da,
+                                                                        int64_t T, int64_t D, int64_t iters,
+                                                                        double hc_eps) {
+    constexpr int NN = N * N;
+    __shared__ double st[COEF_WARPS][2 * NN];
+    __shared__ float spost[COEF_WARPS][N], sM[COEF_WARPS][NN];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int64_t t = (int64_t)blockIdx.x * COEF_WARPS + warp, nn = n * n;
+    const int64_t t = (int64_t)blockIdx.x * COEF_WARPS + warp;
     if (t >= T) return; // a whole warp; nothing below synchronises the block
-    const float *m = mixp + t * (n + nn), *dxo = dXo + t * n * D;
-    for (int64_t i = lane; i < n; i += 32) spost[warp][i] = 2.0f * ds4d_sigmoid(madd(m[i], sc[1], base[n + i]));
-    const double *M = sinkhorn(m + n, sc[2], base + 2 * n, n, iters, hc_eps, st[warp], 2, nullptr);
-    for (int64_t e = lane; e < nn; e += 32) sM[warp][e] = (float)M[e];
+    const float *m = mixp + t * (N + NN), *dxo = dXo + t * N * D;
+    for (int64_t i = lane; i < N; i += 32) spost[warp][i] = 2.0f * ds4d_sigmoid(madd(m[i], sc[1], base[N + i]));
+    const double *M = sinkhorn(m + N, sc[2], base + 2 * N, N, iters, hc_eps, st[warp], 2, nullptr);
+    for (int64_t e = lane; e < NN; e += 32) sM[warp][e] = (float)M[e];
     __syncwarp();
+    float p[N], w[NN];
+#pragma unroll
+    for (int k = 0; k < N; k++) p[k] = spost[warp][k];
+#pragma unroll
+    for (int e = 0; e < NN; e++) w[e] = sM[warp][e];
+#pragma unroll 2
     for (int64_t c = lane; c < D; c += 32) {
+        float v[N];
+#pragma unroll
+        for (int k = 0; k < N; k++) v[k] = dxo[k * D + c];
         float acc = 0.0f;
-        for (int64_t k = 0; k < n; k++) acc = madd(spost[warp][k], dxo[k * D + c], acc);
+#pragma unroll
+        for (int k = 0; k < N; k++) acc = madd(p[k], v[k], acc);
         da[t * D + c] = acc;
-    }
-    for (int64_t j = 0; j < n; j++)
-        for (int64_t c = lane; c < D; c += 32) {
-            float acc = 0.0f;
-            for (int64_t k = 0; k < n; k++) acc = madd(sM[warp][j * n + k], dxo[k * D + c], acc);
-            dX[(t * n + j) * D + c] = acc;
+#pragma unroll
+        for (int j = 0; j < N; j++) {
+            acc = 0.0f;
+#pragma unroll
+            for (int k = 0; k < N; k++) acc = madd(w[j * N + k], v[k], acc);
+            dX[(t * N + j) * D + c] = acc;
         }
+    }
+}
+
+template <int N>
+void post_bwd_warps(cudaStream_t s, const float *dXo, const float *mixp, const float *base, const float *sc, float *dX,
+                    float *da, int64_t T, int64_t D, int64_t iters, double hc_eps) {
+    post_bwd_warp_kernel<N><<<(unsigned)((T + COEF_WARPS - 1) / COEF_WARPS), COEF_WARPS * 32, 0, s>>>(
+        dXo, mixp, base, sc, dX, da, T, D, iters, hc_eps);
 }
 
 // The shapes the per-token kernels take: one block per token, a token's mixing values in shared arrays sized by
@@ -355,12 +485,33 @@ bool hc_shapes_ok(ds4_dev *d, const char *op, int64_t T, int64_t n, int64_t D, i
     return true;
 }
 
-// norm_dots_kernel over T tokens, checked.
+template <int N>
+void norm_dots_warps(cudaStream_t s, const float *X, float *xn, int64_t T, int64_t D, double eps, const float *G,
+                     const float *A, float *out0, int64_t ld0, float *out1, int post) {
+    const unsigned blocks = (unsigned)((T + ND_WARPS - 1) / ND_WARPS);
+    if (post) norm_dots_warp_kernel<N, true><<<blocks, ND_WARPS * 32, 0, s>>>(X, xn, T, D, eps, G, A, out0, ld0, out1);
+    else norm_dots_warp_kernel<N, false><<<blocks, ND_WARPS * 32, 0, s>>>(X, xn, T, D, eps, G, A, out0, ld0, out1);
+}
+
+// The norm and the dots over T tokens, checked: a token per warp for n <= ND_MAXN, else (and with DS4_CUDA_HC_REF=1,
+// the kernel that defines the bits) a block per token.
 bool norm_dots(ds4_dev *d, const char *op, const float *X, float *xn, int64_t T, int64_t n, int64_t D, double eps,
                const float *G, const float *A, float *out0, int64_t ld0, float *out1, int post) {
-    norm_dots_kernel<<<(unsigned)T, BT, 0, cdev(d)->stream>>>(X, xn, n, D, eps, G, A, out0, ld0, out1, post);
-    return ds4_cuda_launched(d, op, "norm and dots [%lld tokens, %lld streams, %lld]", (long long)T, (long long)n,
-                             (long long)D);
+    const cudaStream_t s = cdev(d)->stream;
+    const bool warps = n <= ND_MAXN && !cdev(d)->hc_ref;
+    switch (warps ? n : 0) {
+    case 1: norm_dots_warps<1>(s, X, xn, T, D, eps, G, A, out0, ld0, out1, post); break;
+    case 2: norm_dots_warps<2>(s, X, xn, T, D, eps, G, A, out0, ld0, out1, post); break;
+    case 3: norm_dots_warps<3>(s, X, xn, T, D, eps, G, A, out0, ld0, out1, post); break;
+    case 4: norm_dots_warps<4>(s, X, xn, T, D, eps, G, A, out0, ld0, out1, post); break;
+    case 5: norm_dots_warps<5>(s, X, xn, T, D, eps, G, A, out0, ld0, out1, post); break;
+    case 6: norm_dots_warps<6>(s, X, xn, T, D, eps, G, A, out0, ld0, out1, post); break;
+    case 7: norm_dots_warps<7>(s, X, xn, T, D, eps, G, A, out0, ld0, out1, post); break;
+    case 8: norm_dots_warps<8>(s, X, xn, T, D, eps, G, A, out0, ld0, out1, post); break;
+    default: norm_dots_kernel<<<(unsigned)T, BT, 0, s>>>(X, xn, n, D, eps, G, A, out0, ld0, out1, post);
+    }
+    return ds4_cuda_launched(d, op, "norm and dots [%lld tokens, %lld streams, %lld%s]", (long long)T, (long long)n,
+                             (long long)D, warps ? ", a token per warp" : "");
 }
 
 // coef_bwd_kernel over T tokens: the Sinkhorn tape in shared memory when it fits, else in scratch slot 1 (the GEMM
@@ -368,7 +519,9 @@ bool norm_dots(ds4_dev *d, const char *op, const float *X, float *xn, int64_t T,
 void coef_bwd(ds4_dev *d, const char *op, coef_args g, int64_t T) {
     const int64_t nn = g.n * g.n, tape = g.head ? 0 : (2 * g.iters + 1) * nn;
     const size_t wsmem = COEF_WARPS * coef_warp_bytes(g.n, g.head ? g.n : (2 + g.n) * g.n, tape);
-    if (wsmem <= 48 * 1024) { // a token per warp (the usual shapes: n = 4, 20 iterations: 23 KB a block)
+    // a token per warp (the usual shapes: n = 4, 20 iterations: 23 KB a block); DS4_CUDA_HC_REF=1: a block per token,
+    // the kernel that defines the bits
+    if (wsmem <= 48 * 1024 && !cdev(d)->hc_ref) {
         g.gtape = nullptr, g.t0 = 0;
         coef_bwd_warp_kernel<<<(unsigned)((T + COEF_WARPS - 1) / COEF_WARPS), COEF_WARPS * 32, wsmem,
                                cdev(d)->stream>>>(g, T);
@@ -525,14 +678,25 @@ void ds4_cuda_hc_post_bwd(ds4_dev *d, const ds4_a_hc_post_bwd *a) {
         return;
     ds4_cuda_gemm_f32(d, "hc_post_bwd", mixp, np, xn, nD, a->w->fn + n * nD, T, nD, np);
     if (d->st) return;
-    if (n * n <= POST_SMALL_SQ)
-        post_bwd_warp_kernel<<<(unsigned)((T + COEF_WARPS - 1) / COEF_WARPS), COEF_WARPS * 32, 0, cdev(d)->stream>>>(
-            a->dXo, mixp, a->w->base, a->w->scale, a->dX, a->da, T, n, D, c->hc_sinkhorn_iters, c->hc_eps);
-    else
-        post_bwd_kernel<<<(unsigned)T, BT, (size_t)(2 * n * n) * sizeof(double), cdev(d)->stream>>>(
-            a->dXo, mixp, a->w->base, a->w->scale, a->dX, a->da, n, D, c->hc_sinkhorn_iters, c->hc_eps);
-    ds4_cuda_launched(d, "hc_post_bwd", "[%lld tokens, %lld streams, %lld, %lld iterations]", (long long)T, (long long)n,
-                      (long long)D, (long long)c->hc_sinkhorn_iters);
+    const cudaStream_t s = cdev(d)->stream;
+    const bool warps = n <= POST_SMALL_N && !cdev(d)->hc_ref; // DS4_CUDA_HC_REF=1: the kernel that defines the bits
+    const float *b = a->w->base, *sc = a->w->scale;
+    const int64_t it = c->hc_sinkhorn_iters;
+    switch (warps ? n : 0) {
+    case 1: post_bwd_warps<1>(s, a->dXo, mixp, b, sc, a->dX, a->da, T, D, it, c->hc_eps); break;
+    case 2: post_bwd_warps<2>(s, a->dXo, mixp, b, sc, a->dX, a->da, T, D, it, c->hc_eps); break;
+    case 3: post_bwd_warps<3>(s, a->dXo, mixp, b, sc, a->dX, a->da, T, D, it, c->hc_eps); break;
+    case 4: post_bwd_warps<4>(s, a->dXo, mixp, b, sc, a->dX, a->da, T, D, it, c->hc_eps); break;
+    case 5: post_bwd_warps<5>(s, a->dXo, mixp, b, sc, a->dX, a->da, T, D, it, c->hc_eps); break;
+    case 6: post_bwd_warps<6>(s, a->dXo, mixp, b, sc, a->dX, a->da, T, D, it, c->hc_eps); break;
+    case 7: post_bwd_warps<7>(s, a->dXo, mixp, b, sc, a->dX, a->da, T, D, it, c->hc_eps); break;
+    case 8: post_bwd_warps<8>(s, a->dXo, mixp, b, sc, a->dX, a->da, T, D, it, c->hc_eps); break;
+    default:
+        post_bwd_kernel<<<(unsigned)T, BT, (size_t)(2 * n * n) * sizeof(double), s>>>(a->dXo, mixp, b, sc, a->dX, a->da,
+                                                                                      n, D, it, c->hc_eps);
+    }
+    ds4_cuda_launched(d, "hc_post_bwd", "[%lld tokens, %lld streams, %lld, %lld iterations%s]", (long long)T,
+                      (long long)n, (long long)D, (long long)it, warps ? ", a token per warp" : "");
 }
 
 void ds4_cuda_hyperhead_bwd(ds4_dev *d, const ds4_a_hyperhead_bwd *a) {

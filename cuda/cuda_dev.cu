@@ -462,6 +462,8 @@ extern "C" ds4_status ds4_cuda_dev_create(int device, ds4_dev **out, ds4_error *
     cd->skinny_rows = skinny && skinny[0] ? strtoll(skinny, NULL, 10) : 256;
     const char *pipe = getenv("DS4_CUDA_GEMM_PIPE");
     cd->gemm_pipe = pipe && pipe[0] ? atoi(pipe) : 0;
+    const char *hc_ref = getenv("DS4_CUDA_HC_REF");
+    cd->hc_ref = hc_ref && hc_ref[0] == '1';
     *out = &cd->dev;
     return DS4_OK;
 }

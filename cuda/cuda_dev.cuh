@@ -56,6 +56,8 @@ struct cuda_dev {
     int graphs_on;                // DS4_CUDA_GRAPHS=0 switches recording off
     int64_t skinny_rows;          // GEMMs of at most this many rows may take the skinny kernels (DS4_CUDA_SKINNY_ROWS)
     int gemm_pipe;                // the pipelined GEMM's shape (DS4_CUDA_GEMM_PIPE; cuda_gemm.cu): never changes a bit
+    int hc_ref;                   // DS4_CUDA_HC_REF=1: the mHC backward's block-per-token kernels, whose bits the
+                                  // faster ones give (cuda_bwd_hc_moe.cu; the tests compare the two)
     graph_entry *recording;
 };
 

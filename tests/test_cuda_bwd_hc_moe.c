@@ -5,7 +5,10 @@
  * Exit 77 (skipped) without a CUDA build or device. As in test_cuda_ops.c (cuda_twin.h): every output poisoned with
  * NaN (bytes 0xff) on both sides, in/out buffers (dX of hc_pre_bwd, dh of moe_sum_slots, dact when dg3 aliases it)
  * starting from the same random values. The GPU runs each case twice from the same start and must give the same
- * bits (no atomics, fixed reduction orders); then the CPU runs, and the GPU's results are compared with it:
+ * bits (no atomics, fixed reduction orders). The mHC cases run a third time on a second CUDA backend made with
+ * DS4_CUDA_HC_REF=1, whose block-per-token kernels define the bits that the token-per-warp ones must give: equal
+ * bytes (the training losses must not move by a bit when the kernels change). Then the CPU runs, and the GPU's
+ * results are compared with it:
  *   - 1e-5 relative Frobenius where a dot product over D or n·D is summed in another order (the GPU's lanes and
  *     butterflies, the mixing GEMM's K slices; the CPU's 8 fixed lanes): rounding differences grow like
  *     sqrt(K)·2^-24 (~1e-6 at the widest here), everything downstream of them (sigmoids, Sinkhorn, the dX sums) is
@@ -22,6 +25,7 @@
  *     expected nowhere, and one such element of typical size among the N >= 150 compared adds 6e-8 / sqrt(N)
  *     <= 5e-9: bound 1e-8. The same replay in fp32 gives ~1.1e-7 (measured in a host emulation of the kernels), a
  *     state off by one normalisation ~1e-1. */
+#define _POSIX_C_SOURCE 200809L /* setenv: the reference backend */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -40,14 +44,18 @@ static twin tw_outf(int64_t n) { return tw_out((size_t)n * 4); } /* n floats, po
  * are kept; after the first GPU run its results are kept and the start restored; the second must give the same
  * bits. Then the CPU runs; the comparisons read the device's results. */
 enum { MAXO = 6 };
+static ds4_dev *gpu_ref; /* DS4_CUDA_HC_REF=1: the mHC backward's reference kernels */
+
 typedef struct runs {
     twin *t[MAXO];
     void *init[MAXO], *first[MAXO];
     int n;
+    int ref;      /* a third GPU run, on gpu_ref, must give the first's bits */
+    ds4_dev *dev; /* the device of the next GPU run */
 } runs;
 
 static runs runs_of(int n, ...) {
-    runs o = {.n = n};
+    runs o = {.n = n, .dev = gpu};
     va_list ap;
     va_start(ap, n);
     for (int i = 0; i < n; i++) {
@@ -59,25 +67,35 @@ static runs runs_of(int n, ...) {
     return o;
 }
 
-/* after run `rep` (0, 1: the GPU; 2: the CPU); returns the side of the next */
+/* after run `rep` (0, 1: the GPU; 2 where o->ref: the GPU's reference kernels; then the CPU); returns the side of the
+ * next, o->dev its device */
 static int run_done(runs *o, int rep, const char *what) {
-    if (rep > 1) return 0;
-    check_dev(gpu, what);
+    const int gpu_runs = 2 + o->ref;
+    if (rep >= gpu_runs) return 0;
+    check_dev(o->dev, what);
     for (int i = 0; i < o->n; i++) {
         twin *t = o->t[i];
         void *g = fetch(t);
         if (rep == 0) {
             o->first[i] = g;
+        } else {
+            CHECK(memcmp(g, o->first[i], t->bytes) == 0, "%s: output %d differs between two GPU runs%s", what, i,
+                  rep == 2 ? " (the reference kernels, DS4_CUDA_HC_REF=1)" : "");
+            free(g);
+        }
+        if (rep + 1 < gpu_runs) {
             ds4_error err;
             CHECK_OK(gpu->ops->upload(gpu, t->d, o->init[i], t->bytes, &err), &err);
-            continue;
+        } else {
+            free(o->first[i]), free(o->init[i]);
         }
-        CHECK(memcmp(g, o->first[i], t->bytes) == 0, "%s: output %d differs between two GPU runs", what, i);
-        free(g), free(o->first[i]), free(o->init[i]);
     }
-    return rep == 0;
+    /* the backends have streams of their own: the start values are in place before the other one runs */
+    check_dev(gpu, what);
+    o->dev = rep + 1 == 2 ? gpu_ref : gpu;
+    return rep + 1 < gpu_runs;
 }
-#define REPS(o, what) for (int rep = 0, side = 1; rep < 3; side = run_done(&(o), rep++, (what)))
+#define REPS(o, what) for (int rep = 0, side = 1; rep < 3 + (o).ref; side = run_done(&(o), rep++, (what)))
 
 /* rel. Frobenius error of the device's result over rows [r0, r1) and columns [c0, c1) of a matrix of row stride ld */
 static double err_block(const twin *t, int64_t r0, int64_t r1, int64_t ld, int64_t c0, int64_t c1) {
@@ -164,9 +182,10 @@ static void t_hc_pre_bwd(int64_t n, int64_t iters, int64_t T, int64_t D, int exa
     twin du = tw_f(T * D, -1, 1), dX = tw_f(T * nD, -1, 1), dpost = tw_f(T * n, -1, 1), dcomb = tw_f(T * n * n, -1, 1);
     twin dmix = tw_outf(T * mix), xn = tw_outf(T * nD), dzb = tw_outf(T * mix), dzs = tw_outf(T * 3);
     runs o = runs_of(5, &dX, &dmix, &xn, &dzb, &dzs);
+    o.ref = 1;
     REPS(o, h.what) {
         const ds4_hc_w w = {S(h.fn), S(h.base), S(h.scl)};
-        OP(side ? gpu : cpu, hc_pre_bwd, .c = &h.c, .w = &w, .X = S(h.X), .du = S(du), .dX = S(dX), .dpost = S(dpost),
+        OP(side ? o.dev : cpu, hc_pre_bwd, .c = &h.c, .w = &w, .X = S(h.X), .du = S(du), .dX = S(dX), .dpost = S(dpost),
            .dcomb = S(dcomb), .dmix = S(dmix), .xn = S(xn), .dzb = S(dzb), .dzs = S(dzs), .T = T);
     }
     const char *names[] = {"dX", "dmix", "xn", "dzb", "dzs"};
@@ -193,9 +212,10 @@ static void t_hc_post_bwd(int64_t n, int64_t iters, int64_t T, int64_t D, int ex
     twin A = tw_f(T * D, -1, 1), dXo = tw_f(T * nD, -1, 1);
     twin dX = tw_outf(T * nD), da = tw_outf(T * D), dpost = tw_outf(T * n), dcomb = tw_outf(T * n * n);
     runs o = runs_of(4, &dX, &da, &dpost, &dcomb);
+    o.ref = 1;
     REPS(o, h.what) {
         const ds4_hc_w w = {S(h.fn), S(h.base), S(h.scl)};
-        OP(side ? gpu : cpu, hc_post_bwd, .c = &h.c, .w = &w, .dXo = S(dXo), .a = S(A), .X = S(h.X), .dX = S(dX),
+        OP(side ? o.dev : cpu, hc_post_bwd, .c = &h.c, .w = &w, .dXo = S(dXo), .a = S(A), .X = S(h.X), .dX = S(dX),
            .da = S(da), .dpost = S(dpost), .dcomb = S(dcomb), .T = T);
     }
     const char *names[] = {"dX", "da", "dpost", "dcomb"};
@@ -219,8 +239,9 @@ static void t_hyperhead_bwd(int64_t n, int64_t T, int64_t D) {
     char what[96];
     snprintf(what, sizeof what, "hyperhead_bwd n=%lld T=%lld D=%lld", (long long)n, (long long)T, (long long)D);
     runs o = runs_of(5, &dX, &dmix, &xn, &dzb, &dzs);
+    o.ref = 1;
     REPS(o, what)
-    OP(side ? gpu : cpu, hyperhead_bwd, .c = &c, .X = S(X), .fn = S(fn), .base = S(base), .scale = S(scl), .du = S(du),
+    OP(side ? o.dev : cpu, hyperhead_bwd, .c = &c, .X = S(X), .fn = S(fn), .base = S(base), .scale = S(scl), .du = S(du),
        .dX = S(dX), .dmix = S(dmix), .xn = S(xn), .dzb = S(dzb), .dzs = S(dzs), .T = T);
     const char *names[] = {"dX", "dmix", "xn", "dzb"};
     cmp_named(what, &o, names, (int)(sizeof names / sizeof names[0]), 1e-5);
@@ -363,10 +384,18 @@ static void t_unsupported(void) {
 int main(int argc, char **argv) {
     (void)argc, (void)argv;
     ds4_engine *eng = NULL;
+    unsetenv("DS4_CUDA_HC_REF"); /* gpu: the kernels the schedule takes */
     const int open = twins_open("test_cuda_bwd_hc_moe", &eng);
     if (open == 77) return 77;
     if (open) return ds4t_finish("test_cuda_bwd_hc_moe");
     ds4_error err = {0};
+    setenv("DS4_CUDA_HC_REF", "1", 1); /* read when a backend is made */
+    CHECK_OK(ds4_cuda_dev_create(0, &gpu_ref, &err), &err);
+    unsetenv("DS4_CUDA_HC_REF");
+    if (!gpu_ref) {
+        twins_close(eng);
+        return ds4t_finish("test_cuda_bwd_hc_moe");
+    }
     /* CPU scratch (training: the Sinkhorn tapes) for the widest case below: 32 streams of 80, 100 iterations */
     ds4_config big = config(DS4_MAX_HC, 80, 100, DS4_SCORE_SQRTSOFTPLUS, 16, 8);
     big.vocab_size = 64, big.num_attention_heads = 2, big.head_dim = 16, big.q_lora_rank = 16, big.o_groups = 1;
@@ -392,6 +421,18 @@ int main(int argc, char **argv) {
     t_hyperhead_bwd(DS4_MAX_HC, 3, 5);
     t_hc_pre_bwd(4, 20, 1, 300, 0); /* one token, wider than a block */
     t_hc_post_bwd(4, 20, 1, 300, 0);
+    /* the token-per-warp kernels (n <= 8) at the training shapes' alignment (D a multiple of 32, n·D of 256: every
+     * lane and virtual thread has the same count) and at other n, with a last block of fewer tokens than warps */
+    t_hc_pre_bwd(4, 20, 9, 256, 0);
+    t_hc_post_bwd(4, 20, 10, 256, 0);
+    t_hc_post_bwd(4, 20, 6, 512, 1); /* n·D within the CPU scratch reserved above (32 · 80) */
+    t_hc_pre_bwd(5, 20, 7, 64, 0);
+    t_hc_post_bwd(5, 20, 7, 45, 0);
+    t_hc_post_bwd(8, 20, 9, 21, 0); /* the widest warp kernel */
+    t_hc_post_bwd(8, 20, 5, 96, 1);
+    t_hc_post_bwd(9, 20, 5, 40, 0); /* past it: a block per token */
+    t_hc_pre_bwd(9, 20, 5, 40, 0);
+    t_hyperhead_bwd(4, 7, 256);
 
     t_swiglu_bwd(37, 21, 7.0f);
     t_swiglu_bwd(5, 300, 0.5f);
@@ -406,6 +447,7 @@ int main(int argc, char **argv) {
     t_router_bwd(DS4_SCORE_SQRTSOFTPLUS, 3);
     t_unsupported();
 
+    ds4_dev_release(gpu_ref);
     twins_close(eng);
     return ds4t_finish("test_cuda_bwd_hc_moe");
 }
