@@ -11,7 +11,7 @@
 
 namespace {
 
-// OPT_U elements (unaligned pieces) or OPT_V groups of four (aligned) per thread in flight per buffer
+// OPT_U elements (one by one) or OPT_V groups of four (16 bytes at a time) per thread in flight per buffer
 constexpr int OPT_THREADS = 256, OPT_U = 4, OPT_V = 2;
 
 __global__ void __launch_bounds__(OPT_THREADS) sumsq_kernel(const ds4_optim_piece *pc, const float *g, double *partial) {
@@ -67,52 +67,56 @@ __device__ __forceinline__ void step_elem4(const ds4_adamw_coefs &c, float coef,
 
 // The pass over piece q (UPDATE: the update; else the finiteness check, its count in nb). m and v hold elements
 // [mo, ...) of the flat buffer (a ZeRO-1 shard's moments; mo = 0: all of it): element k's moments are m[k - mo],
-// v[k - mo]. The passes are bound by memory: where the piece starts on a 16-byte boundary in all four buffers
-// (cudaMalloc's buffers do; the offsets and the moments' base decide), each thread moves groups of four elements as
-// one 16-byte load or store per buffer, OPT_V groups in flight, and the last n mod 4 elements go one by one;
-// elsewhere every element goes one by one, OPT_U in flight per thread. All loads of a round are issued before any
-// use; past the piece's end its first group (element) stands in, never used. Each element's arithmetic is the same
-// whichever way it is loaded, and the check's count is exact in any order.
+// v[k - mo]. The passes are bound by memory. Where the piece lies alike modulo 16 bytes in all four buffers (a
+// model's: the buffers are cudaMalloc'd and v is placed as m, model.h's ds4_moments_stride; not a shard whose region
+// starts off a multiple of 4), each thread moves groups of four elements as one 16-byte load or store per buffer,
+// OPT_V groups in flight, and the h < 4 elements before the first 16-byte boundary and the few after the last group
+// go one by one; elsewhere every element goes one by one, OPT_U in flight per thread. All loads of a round are issued
+// before any use; past the end the first group (element) stands in, never used. Each element's arithmetic is the
+// same whichever way it is loaded, and the check's count is exact in any order.
 template <bool UPDATE>
 __device__ __forceinline__ void piece_pass(const ds4_optim_piece &q, const ds4_adamw_coefs &c, float coef, float *p,
                                            float *g, float *m, float *v, int64_t mo, double &nb) {
     p += q.off, g += q.off, m += q.off - mo, v += q.off - mo; // the piece's elements, [0, q.n)
-    const uintptr_t bases = (uintptr_t)p | (uintptr_t)g | (uintptr_t)m | (uintptr_t)v;
+    const uintptr_t mis = (uintptr_t)p & 15;
     const bool write_g = UPDATE && coef != 1.0f;
-    int64_t i0 = 0; // the elements before i0 went as groups of four
-    if ((bases & 15) == 0) {
-        const int64_t n4 = q.n / 4;
-        float4 *p4 = (float4 *)p, *g4 = (float4 *)g, *m4 = (float4 *)m, *v4 = (float4 *)v;
-        for (int64_t j0 = threadIdx.x; j0 < n4; j0 += OPT_V * OPT_THREADS) {
-            float4 pp[OPT_V], gg[OPT_V], mm[OPT_V], vv[OPT_V];
-#pragma unroll
-            for (int u = 0; u < OPT_V; u++) {
-                const int64_t j = j0 + u * OPT_THREADS, k = j < n4 ? j : 0;
-                pp[u] = p4[k], gg[u] = g4[k], mm[u] = m4[k], vv[u] = v4[k];
-            }
-#pragma unroll
-            for (int u = 0; u < OPT_V; u++) {
-                const int64_t j = j0 + u * OPT_THREADS;
-                if (j >= n4) break;
-                step_elem4<UPDATE>(c, coef, pp[u], gg[u], mm[u], vv[u], nb);
-                if (!UPDATE) continue;
-                if (write_g) g4[j] = gg[u];
-                p4[j] = pp[u], m4[j] = mm[u], v4[j] = vv[u];
-            }
-        }
-        i0 = 4 * n4;
+    int64_t h = q.n, n4 = 0; // elements [h, h + 4·n4) go as groups of four
+    if (((uintptr_t)g & 15) == mis && ((uintptr_t)m & 15) == mis && ((uintptr_t)v & 15) == mis) {
+        h = (int64_t)((16 - mis) & 15) / 4 < q.n ? (int64_t)((16 - mis) & 15) / 4 : q.n;
+        n4 = (q.n - h) / 4;
     }
-    for (int64_t s0 = i0 + threadIdx.x; s0 < q.n; s0 += OPT_U * OPT_THREADS) {
+    float4 *p4 = (float4 *)(p + h), *g4 = (float4 *)(g + h), *m4 = (float4 *)(m + h), *v4 = (float4 *)(v + h);
+    for (int64_t j0 = threadIdx.x; j0 < n4; j0 += OPT_V * OPT_THREADS) {
+        float4 pp[OPT_V], gg[OPT_V], mm[OPT_V], vv[OPT_V];
+#pragma unroll
+        for (int u = 0; u < OPT_V; u++) {
+            const int64_t j = j0 + u * OPT_THREADS, k = j < n4 ? j : 0;
+            pp[u] = p4[k], gg[u] = g4[k], mm[u] = m4[k], vv[u] = v4[k];
+        }
+#pragma unroll
+        for (int u = 0; u < OPT_V; u++) {
+            const int64_t j = j0 + u * OPT_THREADS;
+            if (j >= n4) break;
+            step_elem4<UPDATE>(c, coef, pp[u], gg[u], mm[u], vv[u], nb);
+            if (!UPDATE) continue;
+            if (write_g) g4[j] = gg[u];
+            p4[j] = pp[u], m4[j] = mm[u], v4[j] = vv[u];
+        }
+    }
+    // the rest one by one: scalar s is element s before the groups, s + 4·n4 after them
+    const int64_t ns = q.n - 4 * n4;
+    auto at = [&](int64_t s) { return s < h ? s : s + 4 * n4; };
+    for (int64_t s0 = threadIdx.x; s0 < ns; s0 += OPT_U * OPT_THREADS) {
         float pp[OPT_U], gg[OPT_U], mm[OPT_U], vv[OPT_U];
 #pragma unroll
         for (int u = 0; u < OPT_U; u++) {
-            const int64_t i = s0 + u * OPT_THREADS, k = i < q.n ? i : i0;
+            const int64_t s = s0 + u * OPT_THREADS, k = at(s < ns ? s : 0);
             pp[u] = p[k], gg[u] = g[k], mm[u] = m[k], vv[u] = v[k];
         }
 #pragma unroll
         for (int u = 0; u < OPT_U; u++) {
-            const int64_t i = s0 + u * OPT_THREADS;
-            if (i >= q.n) break;
+            const int64_t s = s0 + u * OPT_THREADS, i = at(s);
+            if (s >= ns) break;
             step_elem<UPDATE>(c, coef, pp[u], gg[u], mm[u], vv[u], nb);
             if (!UPDATE) continue;
             if (write_g) g[i] = gg[u];
@@ -121,7 +125,7 @@ __device__ __forceinline__ void piece_pass(const ds4_optim_piece &q, const ds4_a
     }
 }
 
-__global__ void __launch_bounds__(OPT_THREADS) adamw_check_kernel(const ds4_optim_piece *pc, const ds4_adamw_coefs *cf,
+__global__ void __launch_bounds__(OPT_THREADS, 4) adamw_check_kernel(const ds4_optim_piece *pc, const ds4_adamw_coefs *cf,
                                                                   float coef, const float *p, const float *g,
                                                                   const float *m, const float *v, int64_t mo,
                                                                   int64_t *bad) {
@@ -134,7 +138,7 @@ __global__ void __launch_bounds__(OPT_THREADS) adamw_check_kernel(const ds4_opti
     if (threadIdx.x == 0) bad[blockIdx.x] = (int64_t)nb;
 }
 
-__global__ void __launch_bounds__(OPT_THREADS) adamw_update_kernel(const ds4_optim_piece *pc, const ds4_adamw_coefs *cf,
+__global__ void __launch_bounds__(OPT_THREADS, 4) adamw_update_kernel(const ds4_optim_piece *pc, const ds4_adamw_coefs *cf,
                                                                    float coef, float *p, float *g, float *m, float *v,
                                                                    int64_t mo) {
     const ds4_optim_piece q = pc[blockIdx.x];

@@ -318,10 +318,14 @@ out:
 /* ------------------------------------------------------------------------------------------------ ops */
 
 
-/* The optimizer's device ops against the cpu's, bitwise. aligned: every tensor starts on a 16-byte boundary in p, g,
- * m and v (the kernels' 16-byte path, with tails of 1, 2 and 3 elements and a piece shorter than 4); else the tensors
- * lie packed, so that only the first starts aligned (both paths in one launch). */
-static void optimizer_ops(ds4_engine *eng, int aligned) {
+/* The optimizer's device ops against the cpu's, bitwise, on three layouts of p, g, m and v (one buffer, stride N):
+ * OL_ALIGNED, every tensor on a 16-byte boundary (the kernels' 16-byte path, tails of 1, 2 and 3 elements, a piece
+ * shorter than 4); OL_PACKED, tensors packed as a model lays them out, N a multiple of 4 (the 16-byte path after a
+ * head of 1 to 3 elements, tensors too short for a group); OL_UNEQUAL, N odd (the four buffers alike modulo 16 bytes
+ * nowhere: every element one by one). */
+typedef enum { OL_ALIGNED, OL_PACKED, OL_UNEQUAL } opt_layout;
+static void optimizer_ops(ds4_engine *eng, opt_layout lay) {
+    const int aligned = lay == OL_ALIGNED;
     ds4_error err = {0};
     ds4_dev *gpu = NULL, *cpu = NULL;
     CHECK_OK(ds4_cuda_dev_create(0, &gpu, &err), &err);
@@ -330,13 +334,13 @@ static void optimizer_ops(ds4_engine *eng, int aligned) {
     enum { NT = 4 };
     /* four tensors of odd sizes (n mod 4 = 1, 2, 3, 3), pieces of at most DS4_OPTIM_CHUNK */
     const int64_t sizes[NT] = {DS4_OPTIM_CHUNK + 77, 6, 3, 2 * DS4_OPTIM_CHUNK + 1003};
-    int64_t off[NT], N = 0, np = 0; /* N: the stride of p, g, m and v in buf, a multiple of 4 */
+    int64_t off[NT], N = 0, np = 0; /* N: the stride of p, g, m and v in buf */
     for (int i = 0; i < NT; i++) {
         off[i] = aligned ? (N + 3) / 4 * 4 : N;
         N = off[i] + sizes[i];
         np += (sizes[i] + DS4_OPTIM_CHUNK - 1) / DS4_OPTIM_CHUNK;
     }
-    N = (N + 3) / 4 * 4;
+    if (lay != OL_UNEQUAL) N = (N + 3) / 4 * 4;
     ds4_optim_piece *pc = malloc((size_t)np * sizeof *pc);
     for (int i = 0, k = 0; i < NT; i++)
         for (int64_t b = 0; b < sizes[i]; b += DS4_OPTIM_CHUNK)
@@ -398,7 +402,8 @@ static void optimizer_ops(ds4_engine *eng, int aligned) {
     {
         /* a ZeRO-1 shard: the last tensor's pieces, their moments alone in a buffer of their own (mo = its offset),
          * against the cpu's update of the whole buffers over the same pieces; coef 1 (no clipping: g only read).
-         * aligned: v starts 16-byte aligned after m; else v = m + len (odd), off the 16-byte path */
+         * OL_ALIGNED: the region starts on a multiple of 4 and v 16-byte aligned after m (the 16-byte path); else the
+         * region starts off a multiple of 4 (m, v unlike p, g modulo 16 bytes) and v = m + len (odd) */
         const int64_t k0 = np - 3, mo = off[NT - 1], len = sizes[NT - 1], vo = aligned ? (len + 3) / 4 * 4 : len;
         float *ms = malloc((size_t)(2 * vo) * 4), *mback = malloc((size_t)(2 * vo) * 4);
         memcpy(ms, buf + 2 * N + mo, (size_t)len * 4);
@@ -439,7 +444,7 @@ static void optimizer_ops(ds4_engine *eng, int aligned) {
     CHECK_OK(ds4_dev_check(gpu, "cast", &err), &err);
     CHECK(memcmp(hc, gc, cbytes) == 0, "cast_params: the device's working copy differs from the cpu's");
     printf("  optimizer ops (%s): %lld pieces, check, update and cast bitwise equal to the cpu\n",
-           aligned ? "16-byte aligned" : "packed", (long long)np);
+           lay == OL_ALIGNED ? "16-byte aligned" : lay == OL_PACKED ? "packed" : "unequally aligned", (long long)np);
     gpu->ops->free(gpu, d_buf);
     gpu->ops->free(gpu, d_pc);
     gpu->ops->free(gpu, d_cf);
@@ -770,8 +775,9 @@ int main(int argc, char **argv) {
     ds4_engine_options o = {.n_threads = 4};
     CHECK_OK(ds4_engine_create(&o, &eng, &err), &err);
     if (!eng) return ds4t_finish("test_cuda_train");
-    optimizer_ops(eng, 1);
-    optimizer_ops(eng, 0);
+    optimizer_ops(eng, OL_ALIGNED);
+    optimizer_ops(eng, OL_PACKED);
+    optimizer_ops(eng, OL_UNEQUAL);
     const char *only = getenv("DS4_TEST_ONLY"); /* a stage by name while the backward ops are being brought up */
     if (!only || strstr(only, "grads")) {
         gradients(eng, fixtures, "tiny_a");
