@@ -125,22 +125,22 @@ __device__ __forceinline__ void piece_pass(const ds4_optim_piece &q, const ds4_a
     }
 }
 
-__global__ void __launch_bounds__(OPT_THREADS, 4) adamw_check_kernel(const ds4_optim_piece *pc, const ds4_adamw_coefs *cf,
-                                                                  float coef, const float *p, const float *g,
-                                                                  const float *m, const float *v, int64_t mo,
-                                                                  int64_t *bad) {
+// 4 blocks an SM (~60 registers): up to 128 KB of loads in flight per SM (1024 threads x 2 groups x 4 buffers x 16 B)
+__global__ void __launch_bounds__(OPT_THREADS, 4)
+    adamw_check_kernel(const ds4_optim_piece *pc, const ds4_adamw_coefs *cf, float coef, const float *p, const float *g,
+                       const float *m, const float *v, int64_t mo, int64_t *bad) {
     __shared__ double sh[OPT_THREADS / 32];
     const ds4_optim_piece q = pc[blockIdx.x];
     const ds4_adamw_coefs c = cf[q.range];
-    double nb = 0;                         // counts fit a double exactly
+    double nb = 0; // counts fit a double exactly
     piece_pass<false>(q, c, coef, (float *)p, (float *)g, (float *)m, (float *)v, mo, nb); // only read
     nb = ds4d_block_sum(nb, sh);
     if (threadIdx.x == 0) bad[blockIdx.x] = (int64_t)nb;
 }
 
-__global__ void __launch_bounds__(OPT_THREADS, 4) adamw_update_kernel(const ds4_optim_piece *pc, const ds4_adamw_coefs *cf,
-                                                                   float coef, float *p, float *g, float *m, float *v,
-                                                                   int64_t mo) {
+__global__ void __launch_bounds__(OPT_THREADS, 4)
+    adamw_update_kernel(const ds4_optim_piece *pc, const ds4_adamw_coefs *cf, float coef, float *p, float *g, float *m,
+                        float *v, int64_t mo) {
     const ds4_optim_piece q = pc[blockIdx.x];
     const ds4_adamw_coefs c = cf[q.range]; // a copy: through a reference the stores below would reload it
     double nb = 0;                         // unused
