@@ -77,7 +77,8 @@ ds4_status ds4_model_drop_train_state(ds4_model *m, ds4_error *err) {
     if (m->moments_owner && m->dmoments) {
         const size_t bytes = (size_t)m->moments_n * sizeof(float);
         for (int k = 0; k < 2 && !s; k++)
-            s = m->dev->ops->download(m->dev, m->moments_home[k], m->dmoments + (size_t)k * m->moments_n, bytes, err);
+            s = m->dev->ops->download(m->dev, m->moments_home[k], m->dmoments + k * ds4_moments_stride(m->moments_n),
+                                      bytes, err);
         if (s) return s;
     }
     free(m->grads);
@@ -224,6 +225,7 @@ void ds4_model_train_device_bytes(const ds4_model *m, int64_t *grads, int64_t *m
     const int on_dev = m && m->dev != m->cpu;
     *grads = on_dev && m->dgrads ? m->n_params * (int64_t)sizeof(float) : 0;
     *master = on_dev && m->dmaster ? m->n_params * (int64_t)sizeof(float) : 0;
+    /* the moments' bytes (their buffer pads v's start by up to 3 values: ds4_moments_stride) */
     *moments = on_dev && m->dmoments ? 2 * m->moments_n * (int64_t)sizeof(float) : 0;
 }
 
@@ -246,8 +248,8 @@ ds4_status ds4_model_train_bind(ds4_model *m, ds4_error *err) {
     return DS4_OK;
 }
 
-/* The moments buffer for 2 × n floats: kept when it has that size; else the moments it holds go back to their
- * optimizer's host buffers (the only copy of them) and the buffer is made anew. */
+/* The moments buffer for two moments of n floats (v at ds4_moments_stride(n)): kept when it has that size; else the
+ * moments it holds go back to their optimizer's host buffers (the only copy of them) and the buffer is made anew. */
 static ds4_status moments_ready(ds4_model *m, int64_t n, ds4_error *err) {
     ds4_dev *d = m->dev;
     if (m->dmoments && m->moments_n == n) return DS4_OK;
@@ -255,7 +257,7 @@ static ds4_status moments_ready(ds4_model *m, int64_t n, ds4_error *err) {
     if (m->moments_owner && m->dmoments) {
         const size_t held = (size_t)m->moments_n * sizeof(float);
         for (int k = 0; k < 2 && !s; k++)
-            s = d->ops->download(d, m->moments_home[k], m->dmoments + (size_t)k * m->moments_n, held, err);
+            s = d->ops->download(d, m->moments_home[k], m->dmoments + k * ds4_moments_stride(m->moments_n), held, err);
         if (s) {
             ds4_error_prefix(err, "device optimizer: handing the moments back from %s: ", ds4_model_device_name(m));
             return s;
@@ -266,7 +268,7 @@ static ds4_status moments_ready(ds4_model *m, int64_t n, ds4_error *err) {
     m->moments_n = 0;
     m->moments_owner = NULL;
     void *mem = NULL;
-    const size_t bytes = 2 * (size_t)n * sizeof(float);
+    const size_t bytes = 2 * (size_t)ds4_moments_stride(n) * sizeof(float);
     if ((s = d->ops->alloc(d, bytes ? bytes : 4, &mem, err))) {
         ds4_error_prefix(err, "device optimizer on %s (two moments of %lld values): ", ds4_model_device_name(m),
                          (long long)n);
@@ -461,7 +463,7 @@ static ds4_status save_train_state(ds4_model *m, ds4_error *err) {
     ds4_dev *d = m->dev;
     const size_t bytes = (size_t)m->moments_n * sizeof(float);
     for (int k = 0; k < 2 && !s; k++)
-        s = d->ops->download(d, m->moments_home[k], m->dmoments + (size_t)k * m->moments_n, bytes, err);
+        s = d->ops->download(d, m->moments_home[k], m->dmoments + k * ds4_moments_stride(m->moments_n), bytes, err);
     if (s) ds4_error_prefix(err, "reading the optimizer's moments back from %s: ", ds4_model_device_name(m));
     else m->moments_owner = NULL;
     return s;

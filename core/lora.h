@@ -42,7 +42,7 @@ typedef struct ds4_lora {
     size_t n_table;
     ds4_lora_layer *hw, *hg;             /* [L] views into params / grads */
     /* another backend's copies (the model computes there): params, gradients, AdamW moments */
-    float *dparams, *dgrads, *dmoments;
+    float *dparams, *dgrads, *dmoments;  /* dmoments: m, then v at ds4_moments_stride(n) */
     ds4_lora_layer *dw, *dg;             /* [L] */
     int dirty;                           /* params changed on the host since dparams was written */
     int host_stale;                      /* dparams changed (a device optimizer step) since params was read back */

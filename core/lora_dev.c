@@ -98,7 +98,7 @@ ds4_status ds4_lora_release_backend(ds4_model *m, ds4_error *err) {
     if (!s && l->moments_owner && l->dmoments) {
         const size_t bytes = (size_t)l->n * sizeof(float);
         for (int k = 0; k < 2 && !s; k++)
-            s = d->ops->download(d, l->moments_home[k], l->dmoments + (size_t)k * (size_t)l->n, bytes, err);
+            s = d->ops->download(d, l->moments_home[k], l->dmoments + k * ds4_moments_stride(l->n), bytes, err);
         if (s) ds4_error_prefix(err, "reading the optimizer's adapter moments back from %s: ", ds4_model_device_name(m));
     }
     d->ops->free(d, l->dparams);

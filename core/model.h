@@ -201,7 +201,7 @@ struct ds4_model {
      * the host buffers mirror it; host_stale / grads_stale say when a mirror is behind */
     float *dgrads;                       /* [n_params] the gradients (flat, as grads); gw views point here */
     float *dmaster;                      /* [n_params] the fp32 master weights, once a device optimizer has stepped */
-    float *dmoments;                     /* [2, moments_n] AdamW's m and v */
+    float *dmoments;                     /* AdamW's m and v: [moments_n] each, v at ds4_moments_stride(moments_n) */
     int64_t moments_n;                   /* elements of each moment in dmoments: n_params, or a ZeRO-1 shard's count */
     const void *moments_owner;           /* the optimizer (ds4_adamw) whose moments dmoments holds, or NULL */
     float *moments_home[2];              /* that optimizer's host m and v, where the moments go when the model moves */
@@ -235,8 +235,8 @@ void ds4_tape_free(struct ds4_model *m, struct ds4_tape *t);
 
 /* Training state on the model's backend (backend.c). ds4_model_train_bind: gradients where the model computes (on a
  * device: dgrads, initialised from the host's, gw rebound). ds4_model_master_ready: dmaster from the host params,
- * the cast table, on first use, and the moments buffer of 2 × moments_n floats (moments_n: n_params, or a ZeRO-1
- * shard's length; another size than the buffer's hands the moments it holds back to their optimizer and reallocates). ds4_model_host_sync: the host params and gradients brought
+ * the cast table, on first use, and the moments buffer (2 × ds4_moments_stride(moments_n) floats; moments_n:
+ * n_params, or a ZeRO-1 shard's length; another size than the buffer's hands the moments it holds back to their optimizer and reallocates). ds4_model_host_sync: the host params and gradients brought
  * up to date (a download when they are stale). */
 ds4_status ds4_model_train_bind(struct ds4_model *m, ds4_error *err);
 ds4_status ds4_model_master_ready(struct ds4_model *m, size_t scratch_bytes, int64_t moments_n, ds4_error *err);
@@ -267,6 +267,12 @@ void ds4_model_grads_unguard(ds4_model *m);
 /* A test reference for the bf16 mode: the CPU's products with M matrices round their activation operands to bf16
  * as the bf16 mode does (ops.h, bf16_in). The M matrices' values are the caller's to round (the CPU keeps fp32). */
 void ds4_model_emulate_bf16(ds4_model *m, int on);
+/* Elements from m to v in a device buffer of two AdamW moments of n values each (the model's dmoments, the adapters'):
+ * n rounded up to a multiple of 4, so that v lies as m does modulo 16 bytes. The CUDA update moves a piece 16 bytes at
+ * a time only where p, g, m and v are equally aligned; v right after n values of m would be off by n mod 4. The buffer
+ * holds 2 · ds4_moments_stride(n) values. */
+static inline int64_t ds4_moments_stride(int64_t n) { return (n + 3) / 4 * 4; }
+
 /* The byte offset of table entry i in the flat fp32 layout (params, grads): ds4_weights_bind's offset function. */
 int64_t ds4_f32_byte_offset(const ds4_model *m, size_t i, void *ctx);
 /* Whether a tensor is an "M" matrix (read by a matmul or the embedding; held in the backend's mdt). The router's

@@ -643,6 +643,7 @@ static ds4_status adamw_step_device(ds4_adamw *a, size_t nr, int64_t total_elems
     ds4_status s = ds4_model_master_ready(m, scratch, mn, err); /* with adapters: the scratch only */
     if (s) return s;
     const size_t mbytes = (size_t)mn * sizeof(float);
+    const int64_t vo = ds4_moments_stride(mn); /* v's place after m (model.h) */
     /* the buffers stepped: the model's fp32 master (then cast to the working copy), or the adapters, which are fp32
      * and read by the kernels directly */
     float **dmom = l ? &l->dmoments : &m->dmoments;
@@ -650,7 +651,7 @@ static ds4_status adamw_step_device(ds4_adamw *a, size_t nr, int64_t total_elems
     float **home = l ? l->moments_home : m->moments_home;
     if (l && !l->dmoments) {
         void *mem = NULL;
-        if ((s = d->ops->alloc(d, 2 * mbytes, &mem, err))) {
+        if ((s = d->ops->alloc(d, 2 * (size_t)vo * sizeof(float), &mem, err))) {
             ds4_error_prefix(err, "adamw step: adapter moments on %s: ", ds4_model_device_name(m));
             return s;
         }
@@ -659,7 +660,7 @@ static ds4_status adamw_step_device(ds4_adamw *a, size_t nr, int64_t total_elems
     }
     if (*owner != a) { /* this optimizer's moments are on the host: send them */
         s = d->ops->upload(d, *dmom, a->m, mbytes, err);
-        if (!s) s = d->ops->upload(d, *dmom + mn, a->v, mbytes, err);
+        if (!s) s = d->ops->upload(d, *dmom + vo, a->v, mbytes, err);
         if (s) {
             ds4_error_prefix(err, "adamw step: the moments to %s: ", ds4_model_device_name(m));
             return s;
@@ -673,7 +674,7 @@ static ds4_status adamw_step_device(ds4_adamw *a, size_t nr, int64_t total_elems
     int64_t *d_bad = (int64_t *)(void *)(sc + off_bad);
     ds4_optim_piece *d_pieces = (ds4_optim_piece *)(void *)(sc + off_pieces);
     ds4_adamw_coefs *d_coefs = (ds4_adamw_coefs *)(void *)(sc + off_coefs);
-    float *grads = l ? l->dgrads : m->dgrads, *master = l ? l->dparams : m->dmaster, *mom = *dmom, *mov = *dmom + mn;
+    float *grads = l ? l->dgrads : m->dgrads, *master = l ? l->dparams : m->dmaster, *mom = *dmom, *mov = *dmom + vo;
     const float *host_grads = l ? l->grads : m->grads;
     /* pieces in flat offsets: the ranges were built over the host buffers, whose offsets the device buffers share */
     ds4_optim_make_chunks(a->ranges, nr, a->chunks);
@@ -766,7 +767,7 @@ ds4_status ds4_adamw_sync_state(ds4_adamw *a, ds4_error *err) {
     ds4_adamw_shard_region(a, &off, &len);
     const size_t bytes = (size_t)len * sizeof(float);
     ds4_status s = m->dev->ops->download(m->dev, a->m, dmom, bytes, err);
-    if (!s) s = m->dev->ops->download(m->dev, a->v, dmom + len, bytes, err);
+    if (!s) s = m->dev->ops->download(m->dev, a->v, dmom + ds4_moments_stride(len), bytes, err);
     if (s) ds4_error_prefix(err, "adamw state: reading the moments back from %s: ", ds4_model_device_name(m));
     return s;
 }

@@ -354,9 +354,32 @@ struct norm_args {
     int acc;
 };
 
-// One block per (group, row). rinv_only: the RMS factor alone (for the weight gradient); else dx (written or added).
-// dx may alias dy: the row's dot is a block sum (ending with a barrier) before any dx is written, and each thread
-// then reads dy[i] before it writes dx[i] for its own i.
+// A row's reduction order, whichever kernel runs it: the row is spread over a block of nt = row_threads(width) threads,
+// thread t adding elements t, t + nt, t + 2nt, .. in that order into a double; then ds4d_block_sum's tree (each warp's
+// shuffle tree, then warp 0's over the warp sums). The element arithmetic is pinned with intrinsics to what the first
+// (loop) kernel compiled to: ptxas fused ss += x·x and dot += wdy·x into FMAs and dx = wdy·ri − x·k into
+// fma(wdy, ri, −x·k) (wdy = w·dy in fp32, or dy), so the bits do not hang on the compiler's fusion choices.
+__device__ __forceinline__ double norm_sq_acc(double s, float x) { return __fma_rn((double)x, (double)x, s); }
+__device__ __forceinline__ double norm_dot_acc(double s, float wdy, float x) {
+    return __fma_rn((double)wdy, (double)x, s);
+}
+__device__ __forceinline__ float norm_wdy(const float *w, const float *dy, int64_t i) {
+    return w ? __fmul_rn(w[i], dy[i]) : dy[i];
+}
+__device__ __forceinline__ double norm_rinv(double ss, int64_t n, double eps) {
+    return 1.0 / sqrt(__dadd_rn(__ddiv_rn(ss, (double)n), eps));
+}
+__device__ __forceinline__ double norm_k(double ri, double dot, int64_t n) { // ri³·dot / n
+    return __ddiv_rn(__dmul_rn(__dmul_rn(__dmul_rn(ri, ri), ri), dot), (double)n);
+}
+__device__ __forceinline__ float norm_dx(float wdy, float x, double ri, double k, float dx, int acc) {
+    const float gi = (float)__fma_rn((double)wdy, ri, -__dmul_rn((double)x, k));
+    return acc ? __fadd_rn(dx, gi) : gi;
+}
+
+// One block per (group, row), rows wider than the register kernels take. rinv_only: the RMS factor alone (for the
+// weight gradient); else dx (written or added). dx may alias dy: the row's dot is a block sum (ending with a barrier)
+// before any dx is written, and each thread then reads dy[i] before it writes dx[i] for its own i.
 __global__ void norm_bwd_rows(norm_args a, int rinv_only) {
     __shared__ double sh[8];
     const int64_t gr = blockIdx.x, g = gr / a.rows, r = gr % a.rows, n = a.width;
@@ -364,25 +387,156 @@ __global__ void norm_bwd_rows(norm_args a, int rinv_only) {
     const float *x = a.x + o, *dy = a.dy + o, *w = a.w;
     float *dx = a.dx + o;
     double ss = 0;
-    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) ss += (double)x[i] * x[i];
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) ss = norm_sq_acc(ss, x[i]);
     ss = ds4d_block_sum(ss, sh);
-    const double ri = 1.0 / sqrt(ss / (double)n + a.eps);
+    const double ri = norm_rinv(ss, n, a.eps);
     if (rinv_only) {
         if (threadIdx.x == 0) a.rinv[gr] = (float)ri;
         return;
     }
     double dot = 0;
-    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) dot += (double)(w ? w[i] * dy[i] : dy[i]) * x[i];
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) dot = norm_dot_acc(dot, norm_wdy(w, dy, i), x[i]);
     dot = ds4d_block_sum(dot, sh);
-    const double k = ri * ri * ri * dot / (double)n;
-    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
-        const double gi = (double)(w ? w[i] * dy[i] : dy[i]) * ri - (double)x[i] * k;
-        dx[i] = a.acc ? dx[i] + (float)gi : (float)gi;
+    const double k = norm_k(ri, dot, n);
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x)
+        dx[i] = norm_dx(norm_wdy(w, dy, i), x[i], ri, k, dx[i], a.acc);
+}
+
+// The same per row, the row held in registers: PER elements per thread of a 256-thread block (rows of 256 to
+// 256·PER), every load of the row (x, dy, w, and dx when added) issued at once; the loop kernel waited on one load
+// per element per pass and read x three times. dx may alias dy: every value is read before the first barrier. Two or
+// three blocks an SM (PER 16 needs ~100 registers): one loads while another reduces.
+template <int PER, bool RINV_ONLY>
+__global__ void __launch_bounds__(256, PER <= 8 ? 3 : 2) norm_rows_block(norm_args a) {
+    __shared__ double sh[8];
+    const int64_t gr = blockIdx.x, g = gr / a.rows, r = gr % a.rows, n = a.width;
+    const int64_t o = g * a.gstride + r * n;
+    const float *x = a.x + o, *dy = a.dy + o;
+    float *dx = a.dx + o;
+    float xs[PER], wdy[PER], d0[PER];
+#pragma unroll
+    for (int j = 0; j < PER; j++) {
+        const int64_t i = threadIdx.x + 256 * j;
+        xs[j] = i < n ? x[i] : 0.0f;
+        if constexpr (RINV_ONLY) continue;
+        wdy[j] = i < n ? norm_wdy(a.w, dy, i) : 0.0f;
+        d0[j] = i < n && a.acc ? dx[i] : 0.0f;
+    }
+    double ss = 0;
+#pragma unroll
+    for (int j = 0; j < PER; j++)
+        if (threadIdx.x + 256 * j < n) ss = norm_sq_acc(ss, xs[j]);
+    ss = ds4d_block_sum(ss, sh);
+    const double ri = norm_rinv(ss, n, a.eps);
+    if constexpr (RINV_ONLY) {
+        if (threadIdx.x == 0) a.rinv[gr] = (float)ri;
+    } else {
+        double dot = 0;
+#pragma unroll
+        for (int j = 0; j < PER; j++)
+            if (threadIdx.x + 256 * j < n) dot = norm_dot_acc(dot, wdy[j], xs[j]);
+        dot = ds4d_block_sum(dot, sh);
+        const double k = norm_k(ri, dot, n);
+#pragma unroll
+        for (int j = 0; j < PER; j++) {
+            const int64_t i = threadIdx.x + 256 * j;
+            if (i < n) dx[i] = norm_dx(wdy[j], xs[j], ri, k, d0[j], a.acc);
+        }
+    }
+}
+
+// Rows narrower than 256 (a block of nt = 32·nw ≤ 128 threads, PER ≤ 2 elements each): a warp per row, 8 rows per
+// block, no barrier. Lane l plays the block's threads l + 32v (v < nw) and adds each one's elements in their order;
+// then each played warp's shuffle tree, and the tree over their sums that warp 0 of the block would run (lanes past
+// nw adding 0): ds4d_block_sum's bits. A block per row waited on its barriers with 1 KB in flight.
+constexpr int NORM_NW = 4, NORM_WROWS = 8;
+
+__device__ __forceinline__ double norm_played_sum(const double (&part)[NORM_NW], int nw) {
+    double t = 0.0;
+#pragma unroll
+    for (int v = 0; v < NORM_NW; v++) {
+        if (v >= nw) break;
+        const double s = ds4d_warp_sum(part[v]);
+        if ((int)(threadIdx.x & 31) == v) t = s;
+    }
+    return ds4d_warp_sum(t);
+}
+
+template <int PER, bool RINV_ONLY>
+__global__ void __launch_bounds__(32 * NORM_WROWS, PER == 1 ? 4 : 3) norm_rows_warp(norm_args a, int nw) {
+    const int lane = (int)(threadIdx.x & 31);
+    const int64_t gr = (int64_t)blockIdx.x * NORM_WROWS + (threadIdx.x >> 5), n = a.width, nt = 32 * nw;
+    if (gr >= a.groups * a.rows) return; // a whole warp: no barrier below
+    const int64_t g = gr / a.rows, r = gr % a.rows, o = g * a.gstride + r * n;
+    const float *x = a.x + o, *dy = a.dy + o;
+    float *dx = a.dx + o;
+    float xs[NORM_NW][PER], wdy[NORM_NW][PER], d0[NORM_NW][PER];
+#pragma unroll
+    for (int v = 0; v < NORM_NW; v++)
+#pragma unroll
+        for (int j = 0; j < PER; j++) {
+            const int64_t i = lane + 32 * v + nt * j;
+            const bool in = v < nw && i < n;
+            xs[v][j] = in ? x[i] : 0.0f;
+            if constexpr (RINV_ONLY) continue;
+            wdy[v][j] = in ? norm_wdy(a.w, dy, i) : 0.0f;
+            d0[v][j] = in && a.acc ? dx[i] : 0.0f;
+        }
+    double part[NORM_NW];
+#pragma unroll
+    for (int v = 0; v < NORM_NW; v++) {
+        part[v] = 0;
+#pragma unroll
+        for (int j = 0; j < PER; j++)
+            if (v < nw && lane + 32 * v + nt * j < n) part[v] = norm_sq_acc(part[v], xs[v][j]);
+    }
+    const double ri = norm_rinv(norm_played_sum(part, nw), n, a.eps);
+    if constexpr (RINV_ONLY) {
+        if (lane == 0) a.rinv[gr] = (float)ri;
+    } else {
+#pragma unroll
+        for (int v = 0; v < NORM_NW; v++) {
+            part[v] = 0;
+#pragma unroll
+            for (int j = 0; j < PER; j++)
+                if (v < nw && lane + 32 * v + nt * j < n) part[v] = norm_dot_acc(part[v], wdy[v][j], xs[v][j]);
+        }
+        const double k = norm_k(ri, norm_played_sum(part, nw), n);
+#pragma unroll
+        for (int v = 0; v < NORM_NW; v++)
+#pragma unroll
+            for (int j = 0; j < PER; j++) {
+                const int64_t i = lane + 32 * v + nt * j;
+                if (v < nw && i < n) dx[i] = norm_dx(wdy[v][j], xs[v][j], ri, k, d0[v][j], a.acc);
+            }
+    }
+}
+
+// The rows pass of norm_bwd (rinv_only: the RMS factors) in the kernel that fits the width; each gives the loop
+// kernel's bits.
+template <bool RINV_ONLY>
+void launch_norm_rows(const norm_args &n, cudaStream_t st) {
+    const int64_t R = n.groups * n.rows, w = n.width;
+    if (w < 256) {
+        const int nt = row_threads(w);
+        const unsigned blocks = (unsigned)((R + NORM_WROWS - 1) / NORM_WROWS);
+        if (w <= nt)
+            norm_rows_warp<1, RINV_ONLY><<<blocks, 32 * NORM_WROWS, 0, st>>>(n, nt / 32);
+        else
+            norm_rows_warp<2, RINV_ONLY><<<blocks, 32 * NORM_WROWS, 0, st>>>(n, nt / 32);
+    } else if (w <= 256 * 4) {
+        norm_rows_block<4, RINV_ONLY><<<(unsigned)R, 256, 0, st>>>(n);
+    } else if (w <= 256 * 8) {
+        norm_rows_block<8, RINV_ONLY><<<(unsigned)R, 256, 0, st>>>(n);
+    } else if (w <= 256 * 16) {
+        norm_rows_block<16, RINV_ONLY><<<(unsigned)R, 256, 0, st>>>(n);
+    } else {
+        norm_bwd_rows<<<(unsigned)R, 256, 0, st>>>(n, RINV_ONLY);
     }
 }
 
 // The weight gradient's partial of (column tile, row chunk, group): 8 row lanes per column, each over every 8th row
-// of the chunk, then the lanes added in lane order.
+// of the chunk (s = fma(dy·x, rinv, s), pinned as ptxas had fused it), then the lanes added in lane order.
 __global__ void __launch_bounds__(256) norm_dw_part(norm_args a) {
     __shared__ double sh[8][33];
     const int64_t i = (int64_t)blockIdx.x * 32 + threadIdx.x, c = blockIdx.y, g = blockIdx.z;
@@ -391,7 +545,7 @@ __global__ void __launch_bounds__(256) norm_dw_part(norm_args a) {
     if (i < a.width)
         for (int64_t r = rb + threadIdx.y; r < re; r += 8) {
             const int64_t o = g * a.gstride + r * a.width + i;
-            s += (double)a.dy[o] * (double)a.x[o] * (double)a.rinv[g * a.rows + r];
+            s = __fma_rn(__dmul_rn((double)a.dy[o], (double)a.x[o]), (double)a.rinv[g * a.rows + r], s);
         }
     sh[threadIdx.y][threadIdx.x] = s;
     __syncthreads();
@@ -681,7 +835,6 @@ void ds4_cuda_norm_bwd(ds4_dev *d, const ds4_a_norm_bwd *a) {
                      (long long)a->rows, (long long)a->width);
         return;
     }
-    const int th = row_threads(a->width);
     if (a->dw) { // the weight gradient reads dy: before dx (which may be dy) is written
         const size_t rb = align256((size_t)(groups * a->rows) * sizeof(float));
         const size_t pb = (size_t)(groups * n.chunks * a->width) * sizeof(double);
@@ -689,7 +842,7 @@ void ds4_cuda_norm_bwd(ds4_dev *d, const ds4_a_norm_bwd *a) {
         if (!s) return;
         n.rinv = (float *)s;
         n.part = (double *)(s + rb);
-        norm_bwd_rows<<<(unsigned)(groups * a->rows), th, 0, st>>>(n, 1);
+        launch_norm_rows<true>(n, st);
         if (!ds4_cuda_launched(d, "norm_bwd", "[%lld groups x %lld x %lld]: RMS factors", (long long)groups,
                                (long long)a->rows, (long long)a->width))
             return;
@@ -702,7 +855,7 @@ void ds4_cuda_norm_bwd(ds4_dev *d, const ds4_a_norm_bwd *a) {
                                (long long)a->rows, (long long)a->width))
             return;
     }
-    norm_bwd_rows<<<(unsigned)(groups * a->rows), th, 0, st>>>(n, 0);
+    launch_norm_rows<false>(n, st);
     ds4_cuda_launched(d, "norm_bwd", "[%lld groups x %lld x %lld]%s", (long long)groups, (long long)a->rows,
                       (long long)a->width, a->acc ? " (added)" : "");
 }

@@ -11,7 +11,8 @@
 
 namespace {
 
-constexpr int OPT_THREADS = 256, OPT_U = 4;
+// OPT_U elements (one by one) or OPT_V groups of four (16 bytes at a time) per thread in flight per buffer
+constexpr int OPT_THREADS = 256, OPT_U = 4, OPT_V = 2;
 
 __global__ void __launch_bounds__(OPT_THREADS) sumsq_kernel(const ds4_optim_piece *pc, const float *g, double *partial) {
     __shared__ double sh[OPT_THREADS / 32];
@@ -42,62 +43,108 @@ __device__ __forceinline__ elem_out adamw_elem(const ds4_adamw_coefs &c, float p
     return o;
 }
 
-// Elements i0, i0 + OPT_THREADS, .. (OPT_U of them) of piece q, all loads issued before any use (the passes are bound
-// by memory latency); past the piece's end, its first element stands in (never used). m and v hold elements [mo, ...)
-// of the flat buffer (a ZeRO-1 shard's moments; mo = 0: all of it): element k's moments are m[k - mo], v[k - mo].
-__device__ __forceinline__ void load_elems(const ds4_optim_piece &q, int64_t i0, const float *p, const float *g,
-                                           const float *m, const float *v, int64_t mo, float (&pp)[OPT_U],
-                                           float (&gg)[OPT_U], float (&mm)[OPT_U], float (&vv)[OPT_U]) {
-#pragma unroll
-    for (int u = 0; u < OPT_U; u++) {
-        const int64_t i = i0 + u * OPT_THREADS, k = q.off + (i < q.n ? i : 0);
-        pp[u] = p[k], gg[u] = g[k], mm[u] = m[k - mo], vv[u] = v[k - mo];
+// One element of a pass: the clipped gradient, then the update (adamw_elem). UPDATE: written back through the
+// references (g only when clipping: the clipped gradient stays in the buffer, as on the host); else a non-finite
+// result counted in nb.
+template <bool UPDATE>
+__device__ __forceinline__ void step_elem(const ds4_adamw_coefs &c, float coef, float &p, float &g, float &m, float &v,
+                                          double &nb) {
+    const float gi = coef == 1.0f ? g : __fmul_rn(g, coef);
+    const elem_out o = adamw_elem(c, p, gi, m, v);
+    if (UPDATE) {
+        g = gi, p = o.p, m = o.m, v = o.v;
+    } else {
+        nb += !(isfinite(o.p) && isfinite(o.m) && isfinite(o.v));
     }
 }
 
-__global__ void __launch_bounds__(OPT_THREADS) adamw_check_kernel(const ds4_optim_piece *pc, const ds4_adamw_coefs *cf,
-                                                                  float coef, const float *p, const float *g,
-                                                                  const float *m, const float *v, int64_t mo,
-                                                                  int64_t *bad) {
+template <bool UPDATE>
+__device__ __forceinline__ void step_elem4(const ds4_adamw_coefs &c, float coef, float4 &p, float4 &g, float4 &m,
+                                           float4 &v, double &nb) {
+    step_elem<UPDATE>(c, coef, p.x, g.x, m.x, v.x, nb), step_elem<UPDATE>(c, coef, p.y, g.y, m.y, v.y, nb);
+    step_elem<UPDATE>(c, coef, p.z, g.z, m.z, v.z, nb), step_elem<UPDATE>(c, coef, p.w, g.w, m.w, v.w, nb);
+}
+
+// The pass over piece q (UPDATE: the update; else the finiteness check, its count in nb). m and v hold elements
+// [mo, ...) of the flat buffer (a ZeRO-1 shard's moments; mo = 0: all of it): element k's moments are m[k - mo],
+// v[k - mo]. The passes are bound by memory. Where the piece lies alike modulo 16 bytes in all four buffers (a
+// model's: the buffers are cudaMalloc'd and v is placed as m, model.h's ds4_moments_stride; not a shard whose region
+// starts off a multiple of 4), each thread moves groups of four elements as one 16-byte load or store per buffer,
+// OPT_V groups in flight, and the h < 4 elements before the first 16-byte boundary and the few after the last group
+// go one by one; elsewhere every element goes one by one, OPT_U in flight per thread. All loads of a round are issued
+// before any use; past the end the first group (element) stands in, never used. Each element's arithmetic is the
+// same whichever way it is loaded, and the check's count is exact in any order.
+template <bool UPDATE>
+__device__ __forceinline__ void piece_pass(const ds4_optim_piece &q, const ds4_adamw_coefs &c, float coef, float *p,
+                                           float *g, float *m, float *v, int64_t mo, double &nb) {
+    p += q.off, g += q.off, m += q.off - mo, v += q.off - mo; // the piece's elements, [0, q.n)
+    const uintptr_t mis = (uintptr_t)p & 15;
+    const bool write_g = UPDATE && coef != 1.0f;
+    int64_t h = q.n, n4 = 0; // elements [h, h + 4·n4) go as groups of four
+    if (((uintptr_t)g & 15) == mis && ((uintptr_t)m & 15) == mis && ((uintptr_t)v & 15) == mis) {
+        h = (int64_t)((16 - mis) & 15) / 4 < q.n ? (int64_t)((16 - mis) & 15) / 4 : q.n;
+        n4 = (q.n - h) / 4;
+    }
+    float4 *p4 = (float4 *)(p + h), *g4 = (float4 *)(g + h), *m4 = (float4 *)(m + h), *v4 = (float4 *)(v + h);
+    for (int64_t j0 = threadIdx.x; j0 < n4; j0 += OPT_V * OPT_THREADS) {
+        float4 pp[OPT_V], gg[OPT_V], mm[OPT_V], vv[OPT_V];
+#pragma unroll
+        for (int u = 0; u < OPT_V; u++) {
+            const int64_t j = j0 + u * OPT_THREADS, k = j < n4 ? j : 0;
+            pp[u] = p4[k], gg[u] = g4[k], mm[u] = m4[k], vv[u] = v4[k];
+        }
+#pragma unroll
+        for (int u = 0; u < OPT_V; u++) {
+            const int64_t j = j0 + u * OPT_THREADS;
+            if (j >= n4) break;
+            step_elem4<UPDATE>(c, coef, pp[u], gg[u], mm[u], vv[u], nb);
+            if (!UPDATE) continue;
+            if (write_g) g4[j] = gg[u];
+            p4[j] = pp[u], m4[j] = mm[u], v4[j] = vv[u];
+        }
+    }
+    // the rest one by one: scalar s is element s before the groups, s + 4·n4 after them
+    const int64_t ns = q.n - 4 * n4;
+    auto at = [&](int64_t s) { return s < h ? s : s + 4 * n4; };
+    for (int64_t s0 = threadIdx.x; s0 < ns; s0 += OPT_U * OPT_THREADS) {
+        float pp[OPT_U], gg[OPT_U], mm[OPT_U], vv[OPT_U];
+#pragma unroll
+        for (int u = 0; u < OPT_U; u++) {
+            const int64_t s = s0 + u * OPT_THREADS, k = at(s < ns ? s : 0);
+            pp[u] = p[k], gg[u] = g[k], mm[u] = m[k], vv[u] = v[k];
+        }
+#pragma unroll
+        for (int u = 0; u < OPT_U; u++) {
+            const int64_t s = s0 + u * OPT_THREADS, i = at(s);
+            if (s >= ns) break;
+            step_elem<UPDATE>(c, coef, pp[u], gg[u], mm[u], vv[u], nb);
+            if (!UPDATE) continue;
+            if (write_g) g[i] = gg[u];
+            p[i] = pp[u], m[i] = mm[u], v[i] = vv[u];
+        }
+    }
+}
+
+// 4 blocks an SM (~60 registers): up to 128 KB of loads in flight per SM (1024 threads x 2 groups x 4 buffers x 16 B)
+__global__ void __launch_bounds__(OPT_THREADS, 4)
+    adamw_check_kernel(const ds4_optim_piece *pc, const ds4_adamw_coefs *cf, float coef, const float *p, const float *g,
+                       const float *m, const float *v, int64_t mo, int64_t *bad) {
     __shared__ double sh[OPT_THREADS / 32];
     const ds4_optim_piece q = pc[blockIdx.x];
     const ds4_adamw_coefs c = cf[q.range];
     double nb = 0; // counts fit a double exactly
-    for (int64_t i0 = threadIdx.x; i0 < q.n; i0 += OPT_U * OPT_THREADS) {
-        float pp[OPT_U], gg[OPT_U], mm[OPT_U], vv[OPT_U];
-        load_elems(q, i0, p, g, m, v, mo, pp, gg, mm, vv);
-#pragma unroll
-        for (int u = 0; u < OPT_U; u++) {
-            if (i0 + u * OPT_THREADS >= q.n) break;
-            const float gi = coef == 1.0f ? gg[u] : __fmul_rn(gg[u], coef);
-            const elem_out o = adamw_elem(c, pp[u], gi, mm[u], vv[u]);
-            nb += !(isfinite(o.p) && isfinite(o.m) && isfinite(o.v));
-        }
-    }
+    piece_pass<false>(q, c, coef, (float *)p, (float *)g, (float *)m, (float *)v, mo, nb); // only read
     nb = ds4d_block_sum(nb, sh);
     if (threadIdx.x == 0) bad[blockIdx.x] = (int64_t)nb;
 }
 
-__global__ void __launch_bounds__(OPT_THREADS) adamw_update_kernel(const ds4_optim_piece *pc, const ds4_adamw_coefs *cf,
-                                                                   float coef, float *p, float *g, float *m, float *v,
-                                                                   int64_t mo) {
+__global__ void __launch_bounds__(OPT_THREADS, 4)
+    adamw_update_kernel(const ds4_optim_piece *pc, const ds4_adamw_coefs *cf, float coef, float *p, float *g, float *m,
+                        float *v, int64_t mo) {
     const ds4_optim_piece q = pc[blockIdx.x];
-    const ds4_adamw_coefs c = cf[q.range];
-    for (int64_t i0 = threadIdx.x; i0 < q.n; i0 += OPT_U * OPT_THREADS) {
-        float pp[OPT_U], gg[OPT_U], mm[OPT_U], vv[OPT_U];
-        load_elems(q, i0, p, g, m, v, mo, pp, gg, mm, vv);
-#pragma unroll
-        for (int u = 0; u < OPT_U; u++) {
-            const int64_t i = i0 + u * OPT_THREADS, k = q.off + i;
-            if (i >= q.n) break;
-            float gi = gg[u];
-            if (coef != 1.0f) g[k] = gi = __fmul_rn(gi, coef); // the clipped gradient stays in the buffer, as on the host
-            const elem_out o = adamw_elem(c, pp[u], gi, mm[u], vv[u]);
-            p[k] = o.p;
-            m[k - mo] = o.m;
-            v[k - mo] = o.v;
-        }
-    }
+    const ds4_adamw_coefs c = cf[q.range]; // a copy: through a reference the stores below would reload it
+    double nb = 0;                         // unused
+    piece_pass<true>(q, c, coef, p, g, m, v, mo, nb);
 }
 
 // ds4_f32_to_bf16 (core/tensor.c): round to nearest even, NaN kept quiet.

@@ -10,7 +10,9 @@
  *   - logp_bwd and norm_bwd: rel. Frobenius <= 1e-6. Both sides form every value in double (sums of exp, sums of
  *     squares and dots) and round it to fp32 once; the double sums differ in order only (~1e-16 relative), so an
  *     fp32 result differs at most by one rounding (2^-24 ~ 6e-8) and rarely; the norm weight gradient adds the RMS
- *     factors as fp32 (as the CPU keeps them), which can flip by one rounding too;
+ *     factors as fp32 (as the CPU keeps them), which can flip by one rounding too. norm_bwd must moreover give
+ *     exactly the bits of the order cuda_bwd_linear.cu documents, written out on the host (norm_bwd_cuda_order),
+ *     whichever of its kernels the width picks;
  *   - the products (dx = dy·W, dW += dyᵀ·x): rel. Frobenius <= 1e-5, the bound of test_cuda_ops.c: fp32 sums of R
  *     terms in another order differ like sqrt(R)·2^-24 (~2e-6 at R = 1000, the longest here). bf16: the CPU gets the
  *     same bf16-rounded operands (dy, W, and x for dW), so the products are exact on both sides and only the fp32
@@ -215,6 +217,82 @@ static void t_linear_grouped(int64_t K, int64_t O, int acc, ds4_dtype wdt) {
 
 /* ------------------------------------------------------------------------------------------------ norm_bwd */
 
+/* One warp's shuffle tree (ds4d_warp_sum: v[l] += v[l ^ o] for o = 16, 8, 4, 2, 1; every lane ends with the same sum) */
+static double warp_tree(double v[32]) {
+    for (int o = 16; o > 0; o >>= 1) {
+        double u[32];
+        for (int l = 0; l < 32; l++) u[l] = v[l] + v[l ^ o];
+        memcpy(v, u, sizeof u);
+    }
+    return v[0];
+}
+
+/* ds4d_block_sum over nt threads' partials: each warp's tree, then warp 0's over the warp sums (lanes past them 0) */
+static double block_tree(const double *part, int nt) {
+    double v[32], ws[8];
+    for (int w = 0; w < nt / 32; w++) {
+        memcpy(v, part + 32 * w, sizeof v);
+        ws[w] = warp_tree(v);
+    }
+    for (int l = 0; l < 32; l++) v[l] = l < nt / 32 ? ws[l] : 0.0;
+    return warp_tree(v);
+}
+
+/* The CUDA norm_bwd's order, on the host: a row spread over nt = row_threads(width) threads, thread t adding
+ * elements t, t + nt, .. (ss = fma(x, x, ss), dot = fma(wdy, x, dot), wdy = w·dy in fp32), block_tree; dx =
+ * fma(wdy, ri, −x·k) rounded to fp32 (then added); the weight gradient per column over chunks of 256 rows, 8 lanes
+ * each over every 8th row (s = fma(dy·x, rinv, s)), lanes added in order, chunks added in double, groups as fp32.
+ * Explicit fma() and no other product feeding a sum: the host compiler cannot contract anything. */
+static void norm_bwd_cuda_order(float *dx, int acc, float *dw, const float *dy, const float *x, const float *w,
+                                int64_t rows, int64_t width, int64_t groups, int64_t gstride, double eps) {
+    const int nt = width >= 256 ? 256 : width >= 128 ? 128 : width >= 64 ? 64 : 32;
+    double part[256];
+    float *rinv = malloc((size_t)(groups * rows) * 4);
+    float *dyc = malloc((size_t)(groups * gstride) * 4); /* dy as read (dx may be dy) */
+    memcpy(dyc, dy, (size_t)(groups * gstride) * 4);
+    for (int64_t g = 0; g < groups; g++)
+        for (int64_t r = 0; r < rows; r++) {
+            const int64_t o = g * gstride + r * width;
+            const float *xr = x + o, *dr = dyc + o;
+            for (int t = 0; t < nt; t++) {
+                part[t] = 0;
+                for (int64_t i = t; i < width; i += nt) part[t] = fma((double)xr[i], (double)xr[i], part[t]);
+            }
+            const double ri = 1.0 / sqrt(block_tree(part, nt) / (double)width + eps);
+            rinv[g * rows + r] = (float)ri;
+            for (int t = 0; t < nt; t++) {
+                part[t] = 0;
+                for (int64_t i = t; i < width; i += nt)
+                    part[t] = fma((double)(w ? w[i] * dr[i] : dr[i]), (double)xr[i], part[t]);
+            }
+            const double k = ri * ri * ri * block_tree(part, nt) / (double)width;
+            for (int64_t i = 0; i < width; i++) {
+                const float gi = (float)fma((double)(w ? w[i] * dr[i] : dr[i]), ri, -((double)xr[i] * k));
+                dx[o + i] = acc ? dx[o + i] + gi : gi;
+            }
+        }
+    for (int64_t i = 0; dw && i < width; i++) {
+        float acc_w = dw[i];
+        for (int64_t g = 0; g < groups; g++) {
+            double s = 0;
+            for (int64_t rb = 0; rb < rows; rb += 256) {
+                double lane[8] = {0};
+                for (int64_t r = rb; r < rb + 256 && r < rows; r++) {
+                    const int64_t o = g * gstride + r * width + i, l = (r - rb) % 8;
+                    lane[l] = fma((double)dyc[o] * (double)x[o], (double)rinv[g * rows + r], lane[l]);
+                }
+                double t = lane[0];
+                for (int l = 1; l < 8; l++) t += lane[l];
+                s += t;
+            }
+            acc_w += (float)s;
+        }
+        dw[i] = acc_w;
+    }
+    free(rinv);
+    free(dyc);
+}
+
 typedef enum { NB_PLAIN, NB_ALIAS, NB_ACC } nb_kind;
 
 /* RMSNorm backward over `groups` groups of `rows` rows, group stride slots·width (rows < slots: the rows in between
@@ -229,12 +307,19 @@ static void t_norm_bwd(int64_t rows, int64_t width, int64_t groups, int64_t slot
     snprintf(what, sizeof what, "norm_bwd [%lld groups x %lld (of %lld) x %lld]%s%s", (long long)groups,
              (long long)rows, (long long)slots, (long long)width,
              kind == NB_ALIAS ? " dx = dy" : kind == NB_ACC ? " acc" : "", weighted ? " weighted" : "");
+    float *ref = memdup(out->h, out->bytes), *ref_dw = memdup(dw.h, dw.bytes);
+    norm_bwd_cuda_order(ref, kind == NB_ACC, weighted ? ref_dw : NULL, kind == NB_ALIAS ? ref : dy.h, x.h,
+                        weighted ? w.h : NULL, rows, width, groups, slots * width, 1e-6);
     outs o = outs_of(out, weighted ? &dw : NULL);
     for (int run = 0, side = 1; run < 3; side = next_run(&o, &run, what)) {
         OP(side ? gpu : cpu, norm_bwd, .dx = S(*out), .acc = kind == NB_ACC, .dw = weighted ? S(dw) : NULL, .dy = S(dy),
            .x = S(x), .w = weighted ? S(w) : NULL, .rows = rows, .width = width, .eps = 1e-6, .groups = groups,
            .gstride = slots * width);
     }
+    float *got = fetch(out), *got_dw = fetch(&dw);
+    CHECK(memcmp(got, ref, out->bytes) == 0, "%s: dx differs from the documented CUDA order's bits", what);
+    CHECK(memcmp(got_dw, ref_dw, dw.bytes) == 0, "%s: dw differs from the documented CUDA order's bits", what);
+    free(got), free(got_dw), free(ref), free(ref_dw);
     char w2[160];
     snprintf(w2, sizeof w2, "%s: dx", what);
     cmp_block(w2, out, rows, slots, width, width, 1e-6);
@@ -337,6 +422,19 @@ int main(int argc, char **argv) {
     t_norm_bwd(600, 7, 1, 600, NB_ALIAS, 1); /* narrow rows, three row chunks of the weight gradient */
     t_norm_bwd(11, 64, 3, 16, NB_PLAIN, 1);  /* compressor entries: groups with rows between them */
     t_norm_bwd(48, 64, 1, 48, NB_ALIAS, 0);  /* per-head q RMS: in place, unweighted */
+    /* every kernel the width picks: a warp per row (rows < 256 wide, 1 or 2 elements per played thread; rows not a
+     * multiple of the 8 rows of a block), a block with the row in registers (256 to 4096: 4, 8, 16 per thread, ragged
+     * last elements), the loop kernel past 4096 */
+    t_norm_bwd(37, 40, 1, 37, NB_ACC, 1);
+    t_norm_bwd(37, 100, 2, 40, NB_PLAIN, 1);
+    t_norm_bwd(203, 128, 1, 203, NB_ALIAS, 0); /* the per-head q RMS of the 599M model, fewer rows */
+    t_norm_bwd(19, 200, 1, 19, NB_ACC, 0);
+    t_norm_bwd(9, 256, 1, 9, NB_ALIAS, 1);
+    t_norm_bwd(70, 1024, 1, 70, NB_PLAIN, 1);
+    t_norm_bwd(13, 1500, 2, 14, NB_ACC, 1);
+    t_norm_bwd(24, 4096, 1, 24, NB_ACC, 0);
+    t_norm_bwd(7, 4000, 1, 7, NB_ALIAS, 1);
+    t_norm_bwd(5, 5000, 1, 5, NB_PLAIN, 1);
     t_colsum(1000, 24, 24); /* dense rows of at most 32: cp.async tiles of 256 rows, three stages */
     t_colsum(8193, 16, 16); /* ... a ragged last tile */
     t_colsum(5, 3, 3);

@@ -318,24 +318,37 @@ out:
 /* ------------------------------------------------------------------------------------------------ ops */
 
 
-static void optimizer_ops(ds4_engine *eng) {
+/* The optimizer's device ops against the cpu's, bitwise, on three layouts of p, g, m and v (one buffer, stride N):
+ * OL_ALIGNED, every tensor on a 16-byte boundary (the kernels' 16-byte path, tails of 1, 2 and 3 elements, a piece
+ * shorter than 4); OL_PACKED, tensors packed as a model lays them out, N a multiple of 4 (the 16-byte path after a
+ * head of 1 to 3 elements, tensors too short for a group); OL_UNEQUAL, N odd (the four buffers alike modulo 16 bytes
+ * nowhere: every element one by one). */
+typedef enum { OL_ALIGNED, OL_PACKED, OL_UNEQUAL } opt_layout;
+static void optimizer_ops(ds4_engine *eng, opt_layout lay) {
+    const int aligned = lay == OL_ALIGNED;
     ds4_error err = {0};
     ds4_dev *gpu = NULL, *cpu = NULL;
     CHECK_OK(ds4_cuda_dev_create(0, &gpu, &err), &err);
     CHECK_OK(ds4_cpu_dev_create(eng->pool, &cpu, &err), &err);
     if (!gpu || !cpu) return;
-    /* three tensors of odd sizes, pieces of at most DS4_OPTIM_CHUNK */
-    const int64_t sizes[3] = {DS4_OPTIM_CHUNK + 77, 5, 2 * DS4_OPTIM_CHUNK + 1001};
-    int64_t N = 0, np = 0;
-    for (int i = 0; i < 3; i++) N += sizes[i], np += (sizes[i] + DS4_OPTIM_CHUNK - 1) / DS4_OPTIM_CHUNK;
+    enum { NT = 4 };
+    /* four tensors of odd sizes (n mod 4 = 1, 2, 3, 3), pieces of at most DS4_OPTIM_CHUNK */
+    const int64_t sizes[NT] = {DS4_OPTIM_CHUNK + 77, 6, 3, 2 * DS4_OPTIM_CHUNK + 1003};
+    int64_t off[NT], N = 0, np = 0; /* N: the stride of p, g, m and v in buf */
+    for (int i = 0; i < NT; i++) {
+        off[i] = aligned ? (N + 3) / 4 * 4 : N;
+        N = off[i] + sizes[i];
+        np += (sizes[i] + DS4_OPTIM_CHUNK - 1) / DS4_OPTIM_CHUNK;
+    }
+    if (lay != OL_UNEQUAL) N = (N + 3) / 4 * 4;
     ds4_optim_piece *pc = malloc((size_t)np * sizeof *pc);
-    for (int i = 0, k = 0, off = 0; i < 3; off += (int)sizes[i], i++)
+    for (int i = 0, k = 0; i < NT; i++)
         for (int64_t b = 0; b < sizes[i]; b += DS4_OPTIM_CHUNK)
-            pc[k++] = (ds4_optim_piece){off + b, sizes[i] - b < DS4_OPTIM_CHUNK ? sizes[i] - b : DS4_OPTIM_CHUNK, i};
+            pc[k++] = (ds4_optim_piece){off[i] + b, sizes[i] - b < DS4_OPTIM_CHUNK ? sizes[i] - b : DS4_OPTIM_CHUNK, i};
     ds4_adamw_hparams h = {.beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8, .weight_decay = 0.1};
-    ds4_adamw_coefs cf[3];
-    for (int i = 0; i < 3; i++) cf[i] = ds4_adamw_coefs_at(&h, 3 + i, 1e-3, i != 1);
-    float *buf = malloc((size_t)(4 * N) * 4); /* p, g, m, v */
+    ds4_adamw_coefs cf[NT];
+    for (int i = 0; i < NT; i++) cf[i] = ds4_adamw_coefs_at(&h, 3 + i, 1e-3, i != 1);
+    float *buf = malloc((size_t)(4 * N) * 4); /* p, g, m, v; the elements between tensors must stay as they are */
     for (int64_t i = 0; i < 4 * N; i++) buf[i] = (float)(urand() * 2 - 1) * (i >= 3 * N ? 0.01f : 1.0f);
     for (int64_t i = 3 * N; i < 4 * N; i++) buf[i] = fabsf(buf[i]);
     void *d_buf = NULL, *d_pc = NULL, *d_cf = NULL, *d_part = NULL, *d_bad = NULL;
@@ -344,25 +357,40 @@ static void optimizer_ops(ds4_engine *eng) {
     CHECK_OK(gpu->ops->alloc(gpu, sizeof cf, &d_cf, &err), &err);
     CHECK_OK(gpu->ops->alloc(gpu, (size_t)np * 8, &d_part, &err), &err);
     CHECK_OK(gpu->ops->alloc(gpu, (size_t)np * 8, &d_bad, &err), &err);
-    CHECK_OK(gpu->ops->upload(gpu, d_buf, buf, (size_t)(4 * N) * 4, &err), &err);
     CHECK_OK(gpu->ops->upload(gpu, d_pc, pc, (size_t)np * sizeof *pc, &err), &err);
     CHECK_OK(gpu->ops->upload(gpu, d_cf, cf, sizeof cf, &err), &err);
     float *dp = d_buf, *dg = dp + N, *dm = dg + N, *dv = dm + N;
     double *hp = calloc((size_t)np, 8), *gp = calloc((size_t)np, 8);
     OP(cpu, optim_sumsq, .pieces = pc, .n = np, .g = buf + N, .partial = hp);
+    CHECK_OK(gpu->ops->upload(gpu, d_buf, buf, (size_t)(4 * N) * 4, &err), &err);
     OP(gpu, optim_sumsq, .pieces = d_pc, .n = np, .g = dg, .partial = d_part);
     ds4_dev_download(gpu, gp, d_part, (size_t)np * 8);
     CHECK_OK(ds4_dev_check(gpu, "sumsq", &err), &err);
     for (int64_t k = 0; k < np; k++)
         CHECK(fabs(gp[k] - hp[k]) <= 1e-12 * hp[k], "optim_sumsq piece %lld: %.17g vs cpu %.17g", (long long)k, gp[k],
               hp[k]);
-    int64_t hb[8] = {0}, gb[8] = {0};
+    /* the check, with an infinite gradient at each piece's last element (a tail where the piece goes by 16 bytes)
+     * and, in pieces longer than 8, at its middle: counts of 1 and 2 to find; then the gradients as they were */
+    float *g0 = malloc((size_t)N * 4);
+    memcpy(g0, buf + N, (size_t)N * 4);
+    for (int64_t k = 0; k < np; k++) {
+        buf[N + pc[k].off + pc[k].n - 1] = INFINITY;
+        if (pc[k].n > 8) buf[N + pc[k].off + pc[k].n / 2] = INFINITY;
+    }
+    CHECK_OK(gpu->ops->upload(gpu, dg, buf + N, (size_t)N * 4, &err), &err);
+    int64_t hb[8] = {0}, gb[8] = {0}; /* np = 7 */
     OP(cpu, adamw, .pieces = pc, .n = np, .coefs = cf, .coef = 0.5f, .p = buf, .g = buf + N, .m = buf + 2 * N,
        .v = buf + 3 * N, .bad = hb, .update = 0);
     OP(gpu, adamw, .pieces = d_pc, .n = np, .coefs = d_cf, .coef = 0.5f, .p = dp, .g = dg, .m = dm, .v = dv,
        .bad = d_bad, .update = 0);
     ds4_dev_download(gpu, gb, d_bad, (size_t)np * 8);
-    CHECK(memcmp(hb, gb, (size_t)np * 8) == 0, "adamw check: counts differ");
+    CHECK_OK(ds4_dev_check(gpu, "adamw check", &err), &err);
+    for (int64_t k = 0; k < np; k++)
+        CHECK(hb[k] == 1 + (pc[k].n > 8) && gb[k] == hb[k], "adamw check: piece %lld counts %lld, the cpu %lld",
+              (long long)k, (long long)gb[k], (long long)hb[k]);
+    memcpy(buf + N, g0, (size_t)N * 4);
+    CHECK_OK(gpu->ops->upload(gpu, dg, buf + N, (size_t)N * 4, &err), &err);
+    free(g0);
     OP(cpu, adamw, .pieces = pc, .n = np, .coefs = cf, .coef = 0.5f, .p = buf, .g = buf + N, .m = buf + 2 * N,
        .v = buf + 3 * N, .update = 1);
     OP(gpu, adamw, .pieces = d_pc, .n = np, .coefs = d_cf, .coef = 0.5f, .p = dp, .g = dg, .m = dm, .v = dv,
@@ -372,35 +400,37 @@ static void optimizer_ops(ds4_engine *eng) {
     CHECK_OK(ds4_dev_check(gpu, "adamw", &err), &err);
     CHECK(memcmp(back, buf, (size_t)(4 * N) * 4) == 0, "adamw update: the device's p, g, m, v differ from the cpu's");
     {
-        /* a ZeRO-1 shard: the third tensor's pieces, their moments alone in a buffer of their own (mo = its offset),
-         * against the cpu's update of the whole buffers over the same pieces */
-        const int64_t k0 = np - 3, mo = sizes[0] + sizes[1], len = sizes[2];
-        float *ms = malloc((size_t)(2 * len) * 4), *mback = malloc((size_t)(2 * len) * 4);
+        /* a ZeRO-1 shard: the last tensor's pieces, their moments alone in a buffer of their own (mo = its offset),
+         * against the cpu's update of the whole buffers over the same pieces; coef 1 (no clipping: g only read).
+         * OL_ALIGNED: the region starts on a multiple of 4 and v 16-byte aligned after m (the 16-byte path); else the
+         * region starts off a multiple of 4 (m, v unlike p, g modulo 16 bytes) and v = m + len (odd) */
+        const int64_t k0 = np - 3, mo = off[NT - 1], len = sizes[NT - 1], vo = aligned ? (len + 3) / 4 * 4 : len;
+        float *ms = malloc((size_t)(2 * vo) * 4), *mback = malloc((size_t)(2 * vo) * 4);
         memcpy(ms, buf + 2 * N + mo, (size_t)len * 4);
-        memcpy(ms + len, buf + 3 * N + mo, (size_t)len * 4);
+        memcpy(ms + vo, buf + 3 * N + mo, (size_t)len * 4);
         void *d_ms = NULL;
-        CHECK_OK(gpu->ops->alloc(gpu, (size_t)(2 * len) * 4, &d_ms, &err), &err);
-        CHECK_OK(gpu->ops->upload(gpu, d_ms, ms, (size_t)(2 * len) * 4, &err), &err);
+        CHECK_OK(gpu->ops->alloc(gpu, (size_t)(2 * vo) * 4, &d_ms, &err), &err);
+        CHECK_OK(gpu->ops->upload(gpu, d_ms, ms, (size_t)(2 * vo) * 4, &err), &err);
         const ds4_optim_piece *d_own = (const ds4_optim_piece *)d_pc + k0;
-        OP(cpu, adamw, .pieces = pc + k0, .n = 3, .coefs = cf, .coef = 0.75f, .p = buf, .g = buf + N, .m = buf + 2 * N,
+        OP(cpu, adamw, .pieces = pc + k0, .n = 3, .coefs = cf, .coef = 1.0f, .p = buf, .g = buf + N, .m = buf + 2 * N,
            .v = buf + 3 * N, .update = 1);
-        OP(gpu, adamw, .pieces = d_own, .n = 3, .coefs = d_cf, .coef = 0.75f, .p = dp, .g = dg, .m = d_ms,
-           .v = (float *)d_ms + len, .update = 1, .mo = mo);
+        OP(gpu, adamw, .pieces = d_own, .n = 3, .coefs = d_cf, .coef = 1.0f, .p = dp, .g = dg, .m = d_ms,
+           .v = (float *)d_ms + vo, .update = 1, .mo = mo);
         ds4_dev_download(gpu, back, d_buf, (size_t)(2 * N) * 4);
-        ds4_dev_download(gpu, mback, d_ms, (size_t)(2 * len) * 4);
+        ds4_dev_download(gpu, mback, d_ms, (size_t)(2 * vo) * 4);
         CHECK_OK(ds4_dev_check(gpu, "adamw (shard)", &err), &err);
         CHECK(memcmp(back, buf, (size_t)(2 * N) * 4) == 0, "adamw update of a shard: p, g differ from the cpu's");
         CHECK(memcmp(mback, buf + 2 * N + mo, (size_t)len * 4) == 0 &&
-                  memcmp(mback + len, buf + 3 * N + mo, (size_t)len * 4) == 0,
+                  memcmp(mback + vo, buf + 3 * N + mo, (size_t)len * 4) == 0,
               "adamw update of a shard: its moments differ from the cpu's");
         gpu->ops->free(gpu, d_ms);
         free(ms);
         free(mback);
     }
     /* cast: bf16 of the first tensor, fp32 of the rest, into a packed destination */
-    ds4_cast_entry ce[3] = {{0, 0, sizes[0], 1}, {sizes[0], 2 * sizes[0] + 2, sizes[1], 0},
-                            {sizes[0] + sizes[1], 2 * sizes[0] + 2 + 4 * sizes[1] + 4, sizes[2], 1}};
-    const size_t cbytes = (size_t)(2 * sizes[0] + 2 + 4 * sizes[1] + 4 + 2 * sizes[2]);
+    ds4_cast_entry ce[3] = {{off[0], 0, sizes[0], 1}, {off[1], 2 * sizes[0] + 2, sizes[1], 0},
+                            {off[NT - 1], 2 * sizes[0] + 2 + 4 * sizes[1] + 4, sizes[NT - 1], 1}};
+    const size_t cbytes = (size_t)(2 * sizes[0] + 2 + 4 * sizes[1] + 4 + 2 * sizes[NT - 1]);
     char *hc = malloc(cbytes), *gc = malloc(cbytes);
     memset(hc, 0x5a, cbytes);
     void *d_c = NULL, *d_ce = NULL;
@@ -413,7 +443,8 @@ static void optimizer_ops(ds4_engine *eng) {
     ds4_dev_download(gpu, gc, d_c, cbytes);
     CHECK_OK(ds4_dev_check(gpu, "cast", &err), &err);
     CHECK(memcmp(hc, gc, cbytes) == 0, "cast_params: the device's working copy differs from the cpu's");
-    printf("  optimizer ops: %lld pieces, update and cast bitwise equal to the cpu\n", (long long)np);
+    printf("  optimizer ops (%s): %lld pieces, check, update and cast bitwise equal to the cpu\n",
+           lay == OL_ALIGNED ? "16-byte aligned" : lay == OL_PACKED ? "packed" : "unequally aligned", (long long)np);
     gpu->ops->free(gpu, d_buf);
     gpu->ops->free(gpu, d_pc);
     gpu->ops->free(gpu, d_cf);
@@ -744,7 +775,9 @@ int main(int argc, char **argv) {
     ds4_engine_options o = {.n_threads = 4};
     CHECK_OK(ds4_engine_create(&o, &eng, &err), &err);
     if (!eng) return ds4t_finish("test_cuda_train");
-    optimizer_ops(eng);
+    optimizer_ops(eng, OL_ALIGNED);
+    optimizer_ops(eng, OL_PACKED);
+    optimizer_ops(eng, OL_UNEQUAL);
     const char *only = getenv("DS4_TEST_ONLY"); /* a stage by name while the backward ops are being brought up */
     if (!only || strstr(only, "grads")) {
         gradients(eng, fixtures, "tiny_a");
