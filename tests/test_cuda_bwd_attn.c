@@ -235,6 +235,25 @@ static void t_comp_bwd(ctx *x, int64_t dd, const char *what) {
     for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) tw_free(all[i]);
 }
 
+/* The key gradients: the window keys' (dkv), then where there are entries the CSA inverse pick lists (exact) and the
+ * entries' (dK), within tol; mode names the pass (", bf16" or ""). */
+static void check_key_grads(ctx *x, ds4_attn_type type, const char *what, const char *mode, double tol) {
+    char name[240];
+    snprintf(name, sizeof name, "attn_bwd_kv%s (%s)", mode, what);
+    out ok[] = {{"dkv", &x->dkv, F32, tol, 0}};
+    check_op(name, x, s_attn_kv, ok, 1);
+    if (x->nwin <= 0) return;
+    if (type == DS4_ATTN_CSA) {
+        snprintf(name, sizeof name, "pick_inverse%s (%s)", mode, what);
+        out oi[] = {{"inv_off", &x->inv_off, EXACT, 0, 0}, {"inv_t", &x->inv_t, EXACT, 0, 0},
+                    {"inv_i", &x->inv_i, EXACT, 0, 0}};
+        check_op(name, x, s_pick_inverse, oi, 3);
+    }
+    snprintf(name, sizeof name, "attn_bwd_entry%s (%s)", mode, what);
+    out oe[] = {{"dK", &x->dK, F32, tol, 0}};
+    check_op(name, x, s_attn_entry, oe, 1);
+}
+
 static void t_case(const tcase *tc) {
     ctx X, *x = &X;
     memset(x, 0, sizeof *x);
@@ -293,31 +312,11 @@ static void t_case(const tcase *tc) {
         check_op(NAME("attn_bwd_q, bf16"), x, s_attn_q, o, 4);
         /* the key gradients multiply DS, P, q and dout rounded to bf16 (on the tensor cores where d is a multiple
          * of 8 and H <= 32, else the fp32 kernels on the rounded values): 2e-3 for the same reason */
-        out ok[] = {{"dkv", &x->dkv, F32, 2e-3, 0}};
-        check_op(NAME("attn_bwd_kv, bf16"), x, s_attn_kv, ok, 1);
-        if (x->nwin > 0) {
-            if (tc->type == DS4_ATTN_CSA) {
-                out oi[] = {{"inv_off", &x->inv_off, EXACT, 0, 0}, {"inv_t", &x->inv_t, EXACT, 0, 0},
-                            {"inv_i", &x->inv_i, EXACT, 0, 0}};
-                check_op(NAME("pick_inverse (bf16 block)"), x, s_pick_inverse, oi, 3);
-            }
-            out oe[] = {{"dK", &x->dK, F32, 2e-3, 0}};
-            check_op(NAME("attn_bwd_entry, bf16"), x, s_attn_entry, oe, 1);
-        }
+        check_key_grads(x, tc->type, what, ", bf16", 2e-3);
         x->bf16 = 0;
     }
-    {
-        out o[] = {{"dkv", &x->dkv, F32, 1e-5, 0}};
-        check_op(NAME("attn_bwd_kv"), x, s_attn_kv, o, 1);
-    }
+    check_key_grads(x, tc->type, what, "", 1e-5);
     if (x->nwin > 0) {
-        if (tc->type == DS4_ATTN_CSA) {
-            out o[] = {{"inv_off", &x->inv_off, EXACT, 0, 0}, {"inv_t", &x->inv_t, EXACT, 0, 0},
-                       {"inv_i", &x->inv_i, EXACT, 0, 0}};
-            check_op(NAME("pick_inverse"), x, s_pick_inverse, o, 3);
-        }
-        out oe[] = {{"dK", &x->dK, F32, 1e-5, 0}};
-        check_op(NAME("attn_bwd_entry"), x, s_attn_entry, oe, 1);
         out orr[] = {{"entries", &x->dK, F32, 1e-6, 1}};
         check_op(NAME("entry_rope"), x, s_entry_rope, orr, 1);
         t_comp_bwd(x, d, NAME("comp_bwd"));
