@@ -81,7 +81,7 @@ local SPEC = {
         { "zero", false, "with several ranks: ZeRO-1, each keeps and steps its shard of the optimizer (and sums only "
             .. "its region of the gradients: a reduce-scatter)" },
         { "bucket_mb", -1, "with several ranks: the gradients are summed in buckets of this many MiB while the last "
-            .. "micro-batch's backward runs (0: one all-reduce after it; -1: 25 on CPU ranks, 0 on GPUs)" },
+            .. "micro-batch's backward runs (0: one all-reduce after it; -1: 25)" },
         { "lr", 3e-4, "learning rate" },
         { "lora", 0, "train LoRA adapters of this rank only (0: train every weight); docs/lora.md" },
         { "lora_alpha", 0, "LoRA alpha (0: twice the rank)" },

@@ -70,7 +70,7 @@ local SPEC = {
         { "zero", false, "with several ranks: ZeRO-1, each keeps and steps its shard of the optimizer (and sums only "
             .. "its region of the gradients: a reduce-scatter)" },
         { "bucket_mb", -1, "with several ranks: the gradients are summed in buckets of this many MiB while the last "
-            .. "micro-batch's backward runs (0: one all-reduce after it; -1: 25 on CPU ranks, 0 on GPUs)" },
+            .. "micro-batch's backward runs (0: one all-reduce after it; -1: 25)" },
         { "lr", 3e-3, "peak learning rate" },
         { "warmup", -1, "warm-up updates (-1: steps / 10)" },
         { "weight_decay", 0.1, "AdamW weight decay" },

@@ -19,8 +19,8 @@ checkpoints.
                                               -- ranks: not yet on GPUs, ds4.dp.reduce_scatter)
       bucket_mb = nil,                        -- with several ranks: the gradients are summed in buckets of this
                                               -- many MiB while the last micro-batch's backward runs (the same
-                                              -- bits); 0: one all-reduce after the backward; nil or -1: 25 on CPU
-                                              -- ranks, 0 on GPUs (ds4.dp.bucket_mb)
+                                              -- bits); 0: one all-reduce after the backward; nil or -1: 25
+                                              -- (ds4.dp.bucket_mb)
       routing_replay = false,                 -- train with the experts / indexer picks the rollout used
       guard = {max_kl = 10, max_grad_norm = 1e6, max_failed_frac = 0.5, max_idle_steps = 10,
                max_reward_error_frac = 0.5},  -- when to stop
