@@ -26,9 +26,21 @@
 --  * normalisation: with expert parallelism each rank's backward is scaled by 1 / N (N = the global scored tokens),
 --    because an expert's gradient mixes rows from every rank; all_reduce_grads then takes scale 1 (and refuses
 --    another).
+--  * ZeRO-1 on top (ds4.dist.shard_optimizer): two more expert-parallel copies, `zero` (the all-reduce, then the
+--    sharded step) and `zero_rs` ({reduce_scatter = true}: each rank's region of the sums only), trained on the same
+--    rows from the same weights as the expert-parallel copy (each step starts from the reference's weights, as
+--    above). ZeRO-1 changes only where the moments live, so after every step: the gradient norm and the weights
+--    bitwise equal to the expert-parallel copy's, and the gathered moments (opt:state()) too; zero's summed gradients
+--    bitwise equal; zero_rs's differ outside this rank's region (left unsummed: some differ, at most the region's
+--    complement; not on the TCP star's rank 0, which forms every sum). Clipping is active (gradient norm ~4 > clip
+--    1), so the norm summed from the ranks' pieces sets the step.
 --
 -- DS4_TEST_DEVICE=cuda (tests/test_dist_nccl.sh on a GPU machine): both copies on this rank's GPU in fp32, the rows
--- exchanged through NCCL. The same equalities are expected (the CUDA kernels are batch invariant too).
+-- exchanged through NCCL. The same equalities are expected (the CUDA kernels are batch invariant too). ZeRO-1's
+-- copies keep their moments' shard on the GPU and gather the master through NCCL; with the reduce-scatter over more
+-- than 2 ranks ncclReduce's sums may differ from ncclAllReduce's in their last bits, so there the norm is checked
+-- within rel 1e-6, the weights within 2 lr per step and the unsummed gradients by more than that order can make
+-- (dist_buckets.lua's bounds).
 package.path = ((arg[0]:match("^(.*)/[^/]*$") or ".") .. "/?.lua;") .. package.path
 local H = require("harness")
 local ds4 = require("ds4")
@@ -55,8 +67,45 @@ for q = 0, n - 1 do mb[q + 1] = H.batch(rows, H.rank_rows(q, n)) end
 local bitwise = not on_device or n <= 2
 ds4.dist.expert_parallel(ep)
 local ref_opt, ep_opt = ds4.adamw(ref, opts()), ds4.adamw(ep, opts())
+-- ZeRO-1 on top: the same expert-parallel training with the moments sharded, after the all-reduce (`zero`) and
+-- with the reduce-scatter (`zero_rs`); each compared with ep after every step
+local zero = { { name = "zero" }, { name = "zero_rs", rs = true } }
+for _, c in ipairs(zero) do
+    c.model = ds4.load(dir)
+    if on_device then c.model:to(ds4.dist.device(), "fp32") end
+    ds4.dist.expert_parallel(c.model)
+    c.opt = ds4.adamw(c.model, opts())
+    c.off, c.len = ds4.dist.shard_optimizer(c.opt, c.rs and { reduce_scatter = true } or nil)
+end
+local P = ep:params():numel()
+H.check(n == 1 or zero[1].len < P, "ZeRO-1 under expert parallelism: a rank of several holds part of the moments")
 
 local diff = H.f32_diff
+
+-- the elements of two {name = F32 tensor} tables (or two F32 tensors) that differ: bitwise where the sums are
+-- (host ranks, NCCL with 2); NCCL over more ranks: by more than 1e-5 relative plus 1e-6 of the tensor's largest value,
+-- as ncclReduce's sums (the reduce-scatter) and ncclAllReduce's may differ in their last bits (dist_buckets.lua)
+local function count_differ(a, b)
+    local count = 0
+    local function one(x, y)
+        local px, py = ffi.cast("const float *", x:data_ptr()), ffi.cast("const float *", y:data_ptr())
+        local big = 0
+        if not bitwise then for i = 0, y:numel() - 1 do big = math.max(big, math.abs(py[i])) end end
+        for i = 0, y:numel() - 1 do
+            if bitwise then
+                if px[i] ~= py[i] then count = count + 1 end
+            elseif not (math.abs(px[i] - py[i]) <= 1e-5 * math.abs(py[i]) + 1e-6 * big) then
+                count = count + 1
+            end
+        end
+    end
+    if type(b) == "table" then
+        for k, t in pairs(b) do one(a[k], t) end
+    else
+        one(a, b)
+    end
+    return count
+end
 
 local function to_f64(t)
     local p, out = ffi.cast("const int64_t *", t:data_ptr()), {}
@@ -64,12 +113,12 @@ local function to_f64(t)
     return ds4.tensor(out, "F64")
 end
 
-local worst_g, worst_w, experts_checked, gates_checked, bits = 0, 0, 0, 0, 0
+local worst_g, worst_w, experts_checked, gates_checked, bits, zero_norm, rs_differ = 0, 0, 0, 0, 0, 0, 0
 for k = 1, STEPS do
     -- step 2 with per-block recomputation (the same bits by design): its backward runs each block's forward again,
     -- expert exchanges included
     local topt = { mtp_lambda = 0.3, router_bias_gamma = 1e-3, recompute = k == 2 }
-    for _, m in ipairs({ ref, ep, acc }) do m:set_train_options(topt) end
+    for _, m in ipairs({ ref, ep, acc, zero[1].model, zero[2].model }) do m:set_train_options(topt) end
     ref:zero_grad()
     local out_ref = ref:forward(all_ids, { labels = all_ids })
     ref:backward()
@@ -130,7 +179,44 @@ for k = 1, STEPS do
     H.check(H.same_bytes(sum, to_f64(lf)), ("step %d: expert loads summed over the ranks = one process's"):format(k))
 
     ref_opt:step()
-    ep_opt:step()
+    local ep_st = ep_opt:step()
+    -- ZeRO-1 on top, from the same weights on the same rows: each rank steps its region of the moments and the
+    -- regions are gathered, so the weights and the gradient norm are ep's bits (NCCL over more than 2 ranks with the
+    -- reduce-scatter: norm rel 1e-6, weights within 2 lr per step, as in dist_buckets.lua)
+    local ep_state = ep_opt:state()
+    for _, c in ipairs(zero) do
+        c.model:zero_grad()
+        c.model:forward(my_ids, { labels = my_ids })
+        c.model:backward(1 / N)
+        ds4.dist.all_reduce_grads(c.model)
+        local g = c.model:grads({ canonical = true })
+        local st = c.opt:step()
+        local what = ("step %d, expert parallelism + %s"):format(k, c.name)
+        local w = count_differ(c.model:params(), ep:params())
+        if bitwise or not c.rs then
+            H.eq(st.grad_norm, ep_st.grad_norm, what .. ": gradient norm")
+            H.eq(w, 0, what .. ": weights differing from expert parallelism's without ZeRO-1")
+            local zs = c.opt:state() -- gathered (every rank calls it)
+            H.eq(count_differ(zs.m, ep_state.m) + count_differ(zs.v, ep_state.v), 0, what .. ": gathered moments")
+            H.eq(zs.step, ep_state.step, what .. ": update count")
+        else
+            H.near(st.grad_norm, ep_st.grad_norm, 1e-6 * ep_st.grad_norm, what .. ": gradient norm")
+            local wmx = diff(c.model:params(), ep:params())
+            H.check(wmx <= 2 * 1e-3 * k, ("%s: weights max |Δ| %.3g"):format(what, wmx))
+        end
+        zero_norm = math.max(zero_norm, ep_st.grad_norm)
+        if not c.rs then
+            H.eq(count_differ(g, gd), 0, what .. ": summed gradients")
+        elseif n > 1 and not (ds4.dist.backend() == "tcp" and r == 0) then
+            -- outside this rank's region the reduce-scatter left the rank's own gradient unsummed (the other ranks'
+            -- experts: zeros): some differ, none beyond the region's complement (the TCP star's rank 0 forms every
+            -- sum, for the others, so its whole buffer holds them)
+            local d = count_differ(g, gd)
+            rs_differ = math.max(rs_differ, d)
+            H.check(d > 0 and d <= P - c.len, ("%s: %d gradients differ from the summed ones, want some, at most the "
+                .. "%d outside this rank's region"):format(what, d, P - c.len))
+        end
+    end
     local td, tr = ep:tensors(), ref:tensors()
     for name, t in pairs(tr) do
         if name:find("ffn%.gate%.bias$") then
@@ -145,14 +231,21 @@ for k = 1, STEPS do
     -- (the non-expert gradients differed in their last bits, and so the weights: see above)
     ep:set_params(ref:params())
     acc:set_params(ref:params())
+    for _, c in ipairs(zero) do c.model:set_params(ref:params()) end
 end
 H.check(experts_checked > 0 and gates_checked > 0, "expert and router gradients were compared")
+H.check(zero_norm > opts().clip, "the clip was active in the ZeRO-1 steps (the sharded norm's coefficient is used)")
+local unsummed = ds4.dist.all_reduce(ds4.tensor({ rs_differ }, "F64"))[1]
 local w = ep:params()
 H.eq((diff(w, ds4.dist.broadcast(w:clone(), 0))), 0, "every rank's weights equal rank 0's")
 if r == 0 then
     print(("dist_expert_parallel: %d ranks (%s, %s), %d steps: logits, expert gradients, loads and router biases bitwise; other gradients %s; vs the whole batch: worst rel %.3g, weights |Δ| %.3g after a step"):format(
         n, ds4.dist.backend(), ds4.dist.device(), STEPS,
         bitwise and "bitwise = the accumulated micro-batches'" or "not compared bitwise (NCCL, > 2 ranks)", worst_g, worst_w))
+    print(("dist_expert_parallel: ZeRO-1 on top (all-reduce and reduce-scatter; rank 0's region %d of %d parameters): "
+        .. "weights, gradient norm (largest %.4g, clip %g) and gathered moments %s expert parallelism's without "
+        .. "ZeRO-1; gradients left unsummed by the reduce-scatter outside the regions, over the ranks: %d"):format(zero[1].len, P, zero_norm,
+        opts().clip, bitwise and "bitwise =" or "(reduce-scatter: within the bounds of)", unsummed))
 end
 ds4.dist.finalize()
 H.done("dist_expert_parallel rank " .. r .. " of " .. n)
