@@ -81,24 +81,6 @@ local function agree(acc, what, weights)
     end
 end
 
--- NCCL over more than 2 ranks: the reduce-scatter's sums (ncclReduce per region) and the all-reduce's may differ in
--- the last bits inside the rank's region too, so there count only the elements of two {name = F32 tensor} tables that
--- differ by more than 1e-5 relative plus 1e-6 of their tensor's largest value (a cancelling sum's last bits); outside
--- the region the rank's own unsummed gradient differs from the sum of 4 ranks' by far more
-local function far(a, b)
-    local count = 0
-    for k, t in pairs(b) do
-        local px, py = ffi.cast("const float *", a[k]:data_ptr()), ffi.cast("const float *", t:data_ptr())
-        local big = 0
-        for i = 0, t:numel() - 1 do big = math.max(big, math.abs(py[i])) end
-        for i = 0, t:numel() - 1 do
-            local e = math.abs(px[i] - py[i])
-            if not (e <= 1e-5 * math.abs(py[i]) + 1e-6 * big) then count = count + 1 end
-        end
-    end
-    return count
-end
-
 -- one data-parallel step: M micro-batches accumulated; `mb` (a number): buckets of that many MiB overlapped with the
 -- last backward
 local function step(model, opt, mb)
@@ -188,7 +170,9 @@ for s = 1, STEPS do
             true)
         -- (the TCP star's rank 0 forms every sum, for the others, so its whole buffer holds them)
         if n > 1 and not (ds4.dist.backend() == "tcp" and r == 0) then
-            local d = bitwise and compare(results[i].g, results[1].g).differ or far(results[i].g, results[1].g)
+            -- (NCCL over more than 2 ranks: the reduce-scatter's sums, ncclReduce per region, and the all-reduce's may
+            -- differ in the last bits inside the region too, so there only differences beyond that order count)
+            local d = H.count_differ(results[i].g, results[1].g, not bitwise)
             H.check(d > 0 and d <= total - z[i].len, ("step %d, %s: %d gradients differ from the summed ones%s, want "
                 .. "some, at most the %d outside this rank's region"):format(s, z[i].name, d,
                 bitwise and "" or " by more than NCCL's order can make", total - z[i].len))

@@ -82,30 +82,8 @@ H.check(n == 1 or zero[1].len < P, "ZeRO-1 under expert parallelism: a rank of s
 
 local diff = H.f32_diff
 
--- the elements of two {name = F32 tensor} tables (or two F32 tensors) that differ: bitwise where the sums are
--- (host ranks, NCCL with 2); NCCL over more ranks: by more than 1e-5 relative plus 1e-6 of the tensor's largest value,
--- as ncclReduce's sums (the reduce-scatter) and ncclAllReduce's may differ in their last bits (dist_buckets.lua)
-local function count_differ(a, b)
-    local count = 0
-    local function one(x, y)
-        local px, py = ffi.cast("const float *", x:data_ptr()), ffi.cast("const float *", y:data_ptr())
-        local big = 0
-        if not bitwise then for i = 0, y:numel() - 1 do big = math.max(big, math.abs(py[i])) end end
-        for i = 0, y:numel() - 1 do
-            if bitwise then
-                if px[i] ~= py[i] then count = count + 1 end
-            elseif not (math.abs(px[i] - py[i]) <= 1e-5 * math.abs(py[i]) + 1e-6 * big) then
-                count = count + 1
-            end
-        end
-    end
-    if type(b) == "table" then
-        for k, t in pairs(b) do one(a[k], t) end
-    else
-        one(a, b)
-    end
-    return count
-end
+-- the elements that differ: bitwise where the sums are (host ranks, NCCL with 2), else beyond NCCL's order (harness)
+local function count_differ(a, b) return H.count_differ(a, b, not bitwise) end
 
 local function to_f64(t)
     local p, out = ffi.cast("const int64_t *", t:data_ptr()), {}

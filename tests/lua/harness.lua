@@ -220,6 +220,32 @@ function H.f32_diff(a, b)
     return mx, math.sqrt(dd) / math.sqrt(bb), bb
 end
 
+-- The elements of two F32 tensors, or of two {name = F32 tensor} tables (b's keys), that differ: bit for bit, or with
+-- `near` only by more than 1e-5 relative plus 1e-6 of their tensor's largest value (NCCL over more than 2 ranks sums
+-- in its own order, and ncclReduce's order is not ncclAllReduce's: the distributed tests' bound for last-bit sums).
+function H.count_differ(a, b, near)
+    local ffi = require("ffi")
+    local count = 0
+    local function one(x, y)
+        local px, py = ffi.cast("const float *", x:data_ptr()), ffi.cast("const float *", y:data_ptr())
+        local big = 0
+        if near then for i = 0, y:numel() - 1 do big = math.max(big, math.abs(py[i])) end end
+        for i = 0, y:numel() - 1 do
+            if near then
+                if not (math.abs(px[i] - py[i]) <= 1e-5 * math.abs(py[i]) + 1e-6 * big) then count = count + 1 end
+            elseif px[i] ~= py[i] then
+                count = count + 1
+            end
+        end
+    end
+    if type(b) == "table" then
+        for k, t in pairs(b) do one(a[k], t) end
+    else
+        one(a, b)
+    end
+    return count
+end
+
 -- The RL tests' toy task: token ids read as bytes (id % 256: the text a byte-level decode gives), and a reward that
 -- is the parity of the first byte (1 when even), so that groups are mixed (informative) on random weights.
 function H.byte_text(ids)
