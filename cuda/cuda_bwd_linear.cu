@@ -766,8 +766,8 @@ void ds4_cuda_linear_bwd_w(ds4_dev *d, const ds4_a_linear_bwd_w *a) {
              (long long)a->O, (long long)a->T, (long long)a->T, (long long)a->K);
     const ds4_dtype mode = a->bf16_in ? DS4_BF16 : a->wdt;
     // fp32 through cuBLAS only where the op allows another summation order (any_order: the bf16 mode's fp32 weights;
-    // pedantic fp32 math, no TF32, no atomics: the same bits every run); the fp32 mode keeps the tiles' order, which
-    // the trajectory against torch and LoRA's bitwise checks rely on
+    // CUBLAS_COMPUTE_32F: fp32 products and sums, no TF32; no atomics: the same bits every run); the fp32 mode keeps
+    // the tiles' order, which the trajectory against torch and LoRA's bitwise checks rely on
     if (mode != DS4_BF16 && !(mode == DS4_F32 && a->any_order)) return product(d, "linear_bwd_w", p, mode, false, s);
     // column-major: dWᵀ [K x O] += xᵀ [K x T] · dy [T x O]; x row-major [T, K] is column-major [K x T] (ld ldx), dy
     // row-major [T, O] is column-major [O x T], transposed
