@@ -54,12 +54,6 @@ typedef struct bench {
     int64_t iters, warmup;
 } bench;
 
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
 /* A ds4 call that failed: this rank cannot go on. Its peers then fail too (the TCP star sees the closed sockets;
  * NCCL's watchdog at DS4_DIST_TIMEOUT). */
 static void must(ds4_status st, const bench *b, const char *what, const ds4_error *err) {

@@ -25,6 +25,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "bench_util.h"
 #include "ds4.h"
 
 /* ~50M parameters, all V4 features on. Parameter count from the shapes (docs/architecture.md, "Checkpoint names";
@@ -104,12 +105,6 @@ typedef struct {
 
 static const shape FULL_SHAPES[] = {{1, 512}, {4, 128}, {8, 64}};
 static const shape QUICK_SHAPES[] = {{1, 128}, {4, 32}};
-
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
 
 static int cmp_double(const void *a, const void *b) {
     double x = *(const double *)a, y = *(const double *)b;

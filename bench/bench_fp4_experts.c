@@ -24,6 +24,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "bench_util.h"
 #include "ds4.h"
 #include "ds4_ckpt.h"
 #include "ds4_train.h"
@@ -54,12 +55,6 @@ static const char CONFIG[] =
     "  \"max_position_embeddings\": 1048576, \"num_nextn_predict_layers\": 0, \"tie_word_embeddings\": false,\n"
     "  \"bos_token_id\": 0, \"eos_token_id\": 1, \"initializer_range\": 0.02\n"
     "}\n";
-
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
 
 static int fail(const char *what, const ds4_error *err) {
     fprintf(stderr, "bench_fp4_experts: %s: %s\n", what, err->msg);

@@ -20,12 +20,6 @@
 #include <cuda_runtime.h>
 #endif
 
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
 /* Device-to-device copy bandwidth (bytes read + written per second) of a 1 GiB buffer. */
 static double copy_bandwidth(void) {
 #ifdef DS4_HAVE_CUDA

@@ -28,6 +28,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "bench_util.h"
 #include "ds4.h"
 #include "engine.h"
 #include "model.h"
@@ -44,12 +45,6 @@
 #define CALLGRIND_STOP_INSTRUMENTATION
 #endif
 
-static double now(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
-}
-
 /* ------------------------------------------------------------------------------------------------ --simulate */
 
 enum { SIM_OPS = DS4_OP_COUNT + 1 }; /* the ops, then "between ops" (tag -1: copies, fills, the optimizer's jobs) */
@@ -63,9 +58,9 @@ static double fork_join_us(ds4_pool *pool) {
     if (P > ds4_usable_cpus()) return -1;
     double t[21];
     for (int b = -1; b < 21; b++) {
-        const double t0 = now();
+        const double t0 = now_s();
         for (int k = 0; k < 200; k++) ds4_pool_run(pool, P, no_task, NULL);
-        if (b >= 0) t[b] = (now() - t0) / 200 * 1e6;
+        if (b >= 0) t[b] = (now_s() - t0) / 200 * 1e6;
     }
     for (int i = 1; i < 21; i++)
         for (int j = i; j > 0 && t[j] < t[j - 1]; j--) {
@@ -252,7 +247,7 @@ int main(int argc, char **argv) {
                 c0 = ds4_thread_cpu_seconds();
             }
             CALLGRIND_START_INSTRUMENTATION;
-            t0 = now();
+            t0 = now_s();
         }
         ds4_forward_result res;
         ds4_adamw_stats st;
@@ -272,7 +267,7 @@ int main(int argc, char **argv) {
                forward ? "logits[0]" : "loss", forward ? (double)logits[0] : res.loss);
     }
     CALLGRIND_STOP_INSTRUMENTATION;
-    const double wall = now() - t0;
+    const double wall = now_s() - t0;
     printf("%d measured %s of %lld x %lld in %.3f s\n", steps, forward ? "forwards" : "training steps", B, S, wall);
     if (sim) {
         const double caller = ds4_thread_cpu_seconds() - c0;

@@ -21,13 +21,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "bench_util.h"
 #include "ds4.h"
-
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
 
 typedef struct sbuf {
     char *p;

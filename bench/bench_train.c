@@ -13,6 +13,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "bench_util.h"
 #include "ds4.h"
 
 static const char CONFIG_50M[] =
@@ -31,12 +32,6 @@ static const char CONFIG_50M[] =
     " \"rope_scaling\": {\"type\": \"yarn\", \"factor\": 16, \"original_max_position_embeddings\": 65536,"
     " \"beta_fast\": 32, \"beta_slow\": 1}, \"max_position_embeddings\": 1048576, \"num_nextn_predict_layers\": 1,"
     " \"initializer_range\": 0.02}";
-
-static double now(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
-}
 
 static int cmp_d(const void *a, const void *b) {
     double x = *(const double *)a, y = *(const double *)b;
@@ -109,7 +104,7 @@ int main(int argc, char **argv) {
         ds4_forward_args a = {.ids = ids, .batch = B, .seq = S, .labels = ids};
         double *t = malloc((size_t)runs * sizeof(double)), loss = 0;
         for (int r = -1; r < runs; r++) {
-            const double t0 = now();
+            const double t0 = now_s();
             ds4_forward_result res;
             ds4_adamw_stats st;
             ds4_model_zero_grad(m);
@@ -118,7 +113,7 @@ int main(int argc, char **argv) {
                 fprintf(stderr, "bench_train: %s\n", err.msg);
                 return 1;
             }
-            if (r >= 0) t[r] = now() - t0;
+            if (r >= 0) t[r] = now_s() - t0;
             loss = res.loss;
         }
         qsort(t, (size_t)runs, sizeof(double), cmp_d);

@@ -25,12 +25,6 @@
 #include <cuda_runtime.h>
 #endif
 
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
 static uint64_t rs = 88172645463325252ull;
 static int64_t rnd(int64_t n) {
     rs ^= rs << 13, rs ^= rs >> 7, rs ^= rs << 17;
