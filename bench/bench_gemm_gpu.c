@@ -7,7 +7,8 @@
  *
  *   build/bench_gemm_gpu [--reps 20] [--variants K]
  * Prints per shape: microseconds (median of reps), TFLOP/s, and ds4 / cuBLAS time. --variants K also times the
- * pipelined kernel's shapes 1..K-1 (DS4_CUDA_GEMM_PIPE, cuda_gemm.cu: each gives the same bits), one column each.
+ * pipelined kernel's shapes 1..K-1 (DS4_CUDA_GEMM_PIPE, cuda_gemm.cu: each gives the same bits), one column each, and
+ * says whether every shape's y was bitwise the same (--variants 0: all of them).
  * It measures, never passes or fails; without a CUDA build or device it says so and exits 0. */
 #define _POSIX_C_SOURCE 200809L
 #include <stdio.h>
@@ -73,6 +74,7 @@ int main(int argc, char **argv) {
         else DIE("usage: %s [--reps N] [--variants K]", argv[0]);
     }
     if (reps < 1 || reps > 1000) DIE("bench_gemm_gpu: --reps %d (1..1000)", reps);
+    if (nv == 0) nv = ds4_cuda_gemm_pipe_count();
     if (nv < 1 || nv > 16) DIE("bench_gemm_gpu: --variants %d (1..16)", nv);
     int ndev = 0;
     ds4_error err;
@@ -139,6 +141,8 @@ int main(int argc, char **argv) {
         }
         /* ds4: the operation as the schedule calls it, on each variant's backend */
         float t_var[16];
+        float *yfirst = malloc(ny * 4), *yv = malloc(ny * 4);
+        int differ = -1; /* a variant whose y is not the first one's, bit for bit (cuda_gemm.cu: none may be) */
         for (int v = nv - 1; v >= 0; v--) {
             ds4_dev *dv = devs[v];
             cudaStream_t sv = (cudaStream_t)dv->ops->native_stream(dv);
@@ -156,7 +160,10 @@ int main(int argc, char **argv) {
                 if (i >= 0) CU(cudaEventElapsedTime(&ts[i], e0, e1));
             }
             t_var[v] = median(ts, reps);
+            CU(cudaMemcpy(v == nv - 1 ? yfirst : yv, y, ny * 4, cudaMemcpyDeviceToHost));
+            if (v < nv - 1 && memcmp(yfirst, yv, ny * 4)) differ = v;
         }
+        free(yfirst), free(yv);
         const float t_ds4 = t_var[0];
         /* cuBLAS: y (row-major [M, N]) = column-major yᵀ [N x M] = Wᵀ... W row-major [N, K] is column-major [K x N]:
          * yᵀ = op(W)ᵀ·x with op = transpose; a grouped product is E (or G) calls */
@@ -186,6 +193,8 @@ int main(int argc, char **argv) {
         printf("%-28s %26s %10.1f %8.1f %10.1f %8.1f %8.2f", sh.what, dims, 1e3 * t_ds4, flop / (1e9 * t_ds4),
                1e3 * t_blas, flop / (1e9 * t_blas), t_ds4 / t_blas);
         for (int v = 1; v < nv; v++) printf(" %12.1f", 1e3 * t_var[v]);
+        if (nv > 1 && differ >= 0) printf("   BITS DIFFER: pipe %d", differ);
+        else if (nv > 1) printf("   same bits");
         printf("\n");
         printf("ds4 gemm_us_%zu %.1f\nds4 cublas_us_%zu %.1f\n", s, 1e3 * t_ds4, s, 1e3 * t_blas);
         cudaFree(x), cudaFree(y), cudaFree(W), cudaFree(xb), cudaFree(off);

@@ -62,6 +62,10 @@ void *ds4_cuda_blas(const ds4_cuda *c);
 struct ds4_dev;
 ds4_status ds4_cuda_dev_create(int device, struct ds4_dev **out, ds4_error *err);
 
+/* How many tile shapes the pipelined bf16 product has (cuda_gemm.cu's pipe_cfgs): DS4_CUDA_GEMM_PIPE = 0 .. n - 1,
+ * read when a backend is created, picks one; each gives the same bits (tests/test_cuda_gemm_bits.c). */
+int ds4_cuda_gemm_pipe_count(void);
+
 /* ------------------------------------------------------------------------------------------------ memory */
 
 /* cudaMalloc on the context's device; bytes == 0 gives *out = NULL. */

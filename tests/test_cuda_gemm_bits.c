@@ -1,0 +1,158 @@
+/* test_cuda_gemm_bits.c — the bf16 product's bits do not depend on which kernel forms them (cuda/cuda_gemm.cu).
+ *
+ * A row of y = x Wᵀ computed inside a product that fills the GPU (the pipelined kernels: every tile shape
+ * DS4_CUDA_GEMM_PIPE can pick, each on a backend of its own), inside a medium batch (the tiled kernel) and alone or
+ * with a few rows (the skinny kernels, which spread K over warps and add the slices' partials at the end) must be the
+ * same bytes: that is the batch invariance that makes a rollout's log-probabilities equal training's. So the
+ * reference here is another kernel of the same contract, not the kernel under test: every output is the sum over K in
+ * the order cuda_gemm.cu's header fixes (slices of 256, chunks of 32 in the tensor cores' k-slots), and a kernel that
+ * folds a slice early, skips a chunk or adds a zero-padded one differs in the last bits of some output.
+ *
+ * Shapes: K = 904 (three whole slices, a ragged fourth, its last chunk of 32 only 8 deep), 2056 columns (not a
+ * multiple of any tile), 2304 rows: at least 153 tiles of every shape, more than the 132 SMs of an H100 or H200, so
+ * every pipelined shape runs (a product with fewer tiles than SMs takes the tiled kernel). And the same grouped by
+ * expert (five groups, one empty), whose rows are checked one at a time against a one-row product with the group's W.
+ * The CPU's side of these products is test_cuda_ops' (within 1e-5); here only bitwise equality counts, and NaN
+ * poison left behind fails it. Exit 77 without a CUDA build or device. */
+#define _POSIX_C_SOURCE 200809L
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "testlib.h"
+
+#ifdef DS4_HAVE_CUDA
+#include "cuda_backend.h"
+#include "engine.h"
+#include "ops.h"
+
+#define M_ROWS 2304
+#define K_DIM 904
+#define N_COLS 2056
+
+static uint64_t rs = 0x243f6a8885a308d3ull;
+static float frand(void) {
+    rs ^= rs >> 12, rs ^= rs << 25, rs ^= rs >> 27;
+    return (float)((rs * 0x2545f4914f6cdd1dull) >> 40) / 16777216.0f * 2.0f - 1.0f;
+}
+
+static void *dev_buf(ds4_dev *d, size_t bytes, const void *host) {
+    void *p = NULL;
+    ds4_error err = {0};
+    CHECK_OK(d->ops->alloc(d, bytes, &p, &err), &err);
+    if (p && host) CHECK_OK(d->ops->upload(d, p, host, bytes, &err), &err);
+    return p;
+}
+
+static void download(ds4_dev *d, void *host, const void *src, size_t bytes) {
+    ds4_error err = {0};
+    CHECK_OK(ds4_dev_check(d, "gemm bits", &err), &err);
+    CHECK_OK(d->ops->download(d, host, src, bytes, &err), &err);
+}
+
+/* rows [r, r + n) of y (row stride N_COLS) computed on their own: n <= 16 takes a skinny kernel, n = 300 (more than
+ * DS4_CUDA_SKINNY_ROWS' 256, fewer tiles than SMs) the tiled one */
+static void rows_alone(ds4_dev *d, float *y, const float *x, const void *W, int64_t r, int64_t n, float *host) {
+    memset(host, 0xff, (size_t)(n * N_COLS) * 4);
+    ds4_error err = {0};
+    CHECK_OK(d->ops->upload(d, y, host, (size_t)(n * N_COLS) * 4, &err), &err);
+    OP(d, matmul, .y = y, .ldy = N_COLS, .x = x + r * K_DIM, .ldx = K_DIM, .W = W, .wdt = DS4_BF16, .T = n,
+       .K = K_DIM, .O = N_COLS, .groups = 1, .bf16_in = 1);
+    download(d, host, y, (size_t)(n * N_COLS) * 4);
+}
+
+/* Bytes that differ between two stretches of floats, or a NaN in either */
+static int64_t differ(const float *a, const float *b, int64_t n) {
+    int64_t bad = 0;
+    for (int64_t i = 0; i < n; i++)
+        if (memcmp(&a[i], &b[i], 4) || a[i] != a[i]) bad++;
+    return bad;
+}
+
+int main(void) {
+    int ndev = 0;
+    ds4_error err = {0};
+    if (ds4_cuda_device_count(&ndev, &err) || ndev == 0) {
+        printf("test_cuda_gemm_bits: skipped (no CUDA device)\n");
+        return 77;
+    }
+    const int nv = ds4_cuda_gemm_pipe_count();
+    ds4_dev *base = NULL;
+    CHECK_OK(ds4_cuda_dev_create(0, &base, &err), &err);
+    if (!base) return ds4t_finish("test_cuda_gemm_bits");
+    const int64_t nx = (int64_t)M_ROWS * K_DIM, nw = (int64_t)N_COLS * K_DIM, ny = (int64_t)M_ROWS * N_COLS;
+    const int64_t E = 5, counts[5] = {700, 0, 900, 13, 691}; /* 2304 rows */
+    float *hx = malloc((size_t)nx * 4), *full = malloc((size_t)ny * 4);
+    uint16_t *hw = malloc((size_t)(nw * E) * 2);
+    for (int64_t i = 0; i < nx; i++) hx[i] = frand();
+    for (int64_t i = 0; i < nw * E; i++) hw[i] = ds4_f32_to_bf16(0.05f * frand());
+    int64_t off[6] = {0};
+    for (int e = 0; e < E; e++) off[e + 1] = off[e] + counts[e];
+    float *x = dev_buf(base, (size_t)nx * 4, hx), *y = dev_buf(base, (size_t)ny * 4, NULL);
+    void *W = dev_buf(base, (size_t)(nw * E) * 2, hw);
+    int64_t *doff = dev_buf(base, sizeof off, off);
+    float *yalone = dev_buf(base, (size_t)300 * N_COLS * 4, NULL);
+    /* the references, once: skinny (1, 16 and the last 16 rows) and tiled (300 rows) from the base backend */
+    static const int64_t blocks[4][2] = {{0, 16}, {1001, 1}, {M_ROWS - 16, 16}, {1700, 300}};
+    float *ref[4];
+    for (int b = 0; b < 4; b++) {
+        ref[b] = malloc((size_t)(blocks[b][1] * N_COLS) * 4);
+        rows_alone(base, yalone, x, W, blocks[b][0], blocks[b][1], ref[b]);
+    }
+    /* grouped references: one row per group (its first, and the last row of the last group), W of its group */
+    static const int64_t grow[4] = {0, 700, 1600, M_ROWS - 1};
+    static const int64_t gexp[4] = {0, 2, 3, 4};
+    float *gref = malloc((size_t)(4 * N_COLS) * 4);
+    for (int i = 0; i < 4; i++) {
+        OP(base, matmul, .y = yalone, .ldy = N_COLS, .x = x + grow[i] * K_DIM, .ldx = K_DIM,
+           .W = (const uint16_t *)W + gexp[i] * nw, .wdt = DS4_BF16, .T = 1, .K = K_DIM, .O = N_COLS, .groups = 1,
+           .bf16_in = 1);
+        download(base, gref + i * N_COLS, yalone, (size_t)N_COLS * 4);
+    }
+    for (int v = 0; v < nv && ds4t_failures == 0; v++) {
+        char val[16];
+        snprintf(val, sizeof val, "%d", v);
+        setenv("DS4_CUDA_GEMM_PIPE", val, 1); /* read when the backend is created */
+        ds4_dev *d = NULL;
+        CHECK_OK(ds4_cuda_dev_create(0, &d, &err), &err);
+        if (!d) break;
+        for (int grouped = 0; grouped < 2; grouped++) {
+            memset(full, 0xff, (size_t)ny * 4);
+            CHECK_OK(d->ops->upload(d, y, full, (size_t)ny * 4, &err), &err);
+            if (grouped)
+                OP(d, matmul_grouped, .y = y, .x = x, .W = W, .wdt = DS4_BF16, .wstride = nw, .off = doff, .E = E,
+                   .rows = M_ROWS, .K = K_DIM, .O = N_COLS, .bf16_in = 1);
+            else
+                OP(d, matmul, .y = y, .ldy = N_COLS, .x = x, .ldx = K_DIM, .W = W, .wdt = DS4_BF16, .T = M_ROWS,
+                   .K = K_DIM, .O = N_COLS, .groups = 1, .bf16_in = 1);
+            download(d, full, y, (size_t)ny * 4);
+            for (int b = 0; b < 4 && !grouped; b++) {
+                const int64_t bad = differ(full + blocks[b][0] * N_COLS, ref[b], blocks[b][1] * N_COLS);
+                CHECK(bad == 0, "pipe shape %d: rows [%lld, %lld) of the [%d x %d] x [%d x %d]^T product differ from "
+                      "the same rows alone in %lld of %lld values", v, (long long)blocks[b][0],
+                      (long long)(blocks[b][0] + blocks[b][1]), M_ROWS, K_DIM, N_COLS, K_DIM, (long long)bad,
+                      (long long)(blocks[b][1] * N_COLS));
+            }
+            for (int i = 0; i < 4 && grouped; i++) {
+                const int64_t bad = differ(full + grow[i] * N_COLS, gref + i * N_COLS, N_COLS);
+                CHECK(bad == 0, "pipe shape %d: row %lld (expert %lld) of the grouped product differs from the row "
+                      "alone in %lld of %d values", v, (long long)grow[i], (long long)gexp[i], (long long)bad, N_COLS);
+            }
+        }
+        ds4_dev_release(d);
+    }
+    unsetenv("DS4_CUDA_GEMM_PIPE");
+    printf("test_cuda_gemm_bits: %d pipelined tile shapes against the skinny and tiled kernels\n", nv);
+    for (int b = 0; b < 4; b++) free(ref[b]);
+    free(gref), free(hx), free(hw), free(full);
+    base->ops->free(base, x), base->ops->free(base, y), base->ops->free(base, W), base->ops->free(base, doff);
+    base->ops->free(base, yalone);
+    ds4_dev_release(base);
+    return ds4t_finish("test_cuda_gemm_bits");
+}
+#else
+int main(void) {
+    printf("test_cuda_gemm_bits: skipped (built without CUDA)\n");
+    return 77;
+}
+#endif
