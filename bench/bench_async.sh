@@ -9,6 +9,10 @@
 #                                                      load moves single runs by tens of percent)
 #   WORKER_THREADS=2 EXTRA="--threads 12" bash ...     threads per worker (default 1) and the trainer's: generation
 #                                                      and training balanced on the cores of one machine
+#   SEEDS="1 2 3" bash bench/bench_async.sh            one round per seed (dapo.lua --seed: data, model, rollouts),
+#                                                      then each mode's mean held-out accuracy over the rounds: 200
+#                                                      held-out problems give one run's accuracy a binomial spread of
+#                                                      ~3.5 points, so one seed cannot tell ±3 points apart
 #
 # Prints per mode: the RL steps' wall-clock (the sum of metrics.jsonl's seconds, warm-up and first evaluation
 # excluded), the time the trainer waited for rollouts (time/generate), trained (time/train) and evaluated, the mean
@@ -70,15 +74,28 @@ print(("%-7s RL %6.1f s (%d steps): waited for rollouts %5.1f s, trained %5.1f s
 local f = io.open(arg[1] .. ".total", "w")
 f:write(s)
 f:close()
+f = io.open(arg[1] .. ".acc", "w")
+f:write(100 * (acc or 0), "\n")
+f:close()
 LUA
 }
 
 ratios=()
-for i in $(seq 1 "${REPEAT:-1}"); do
-    run "sync$i" --max-staleness 0
-    run "async$i" --async "$K"
+read -r -a seeds <<<"${SEEDS:-}"
+rounds="${REPEAT:-1}"
+[ "${#seeds[@]}" -gt 0 ] && rounds="${#seeds[@]}"
+for i in $(seq 1 "$rounds"); do
+    seed=()
+    [ "${#seeds[@]}" -gt 0 ] && seed=(--seed "${seeds[$((i - 1))]}") && echo "round $i: seed ${seeds[$((i - 1))]}"
+    run "sync$i" --max-staleness 0 "${seed[@]}"
+    run "async$i" --async "$K" "${seed[@]}"
     ratios+=("$(awk -v a="$(cat "$tmp/sync$i/metrics.jsonl.total")" -v b="$(cat "$tmp/async$i/metrics.jsonl.total")" \
         'BEGIN { printf "%.2f", a / b }')")
     echo "round $i: sync / async wall-clock ${ratios[-1]}"
 done
 printf '%s\n' "${ratios[@]}" | sort -n | awk '{ r[NR] = $1 } END { printf "median sync / async wall-clock over %d rounds: %.2f\n", NR, r[int((NR + 1) / 2)] }'
+for m in sync async; do
+    cat "$tmp"/"$m"[0-9]*/metrics.jsonl.acc | awk -v m="$m" '{ s += $1; q += $1 * $1; n++ } END {
+        sd = n > 1 ? sqrt((q - s * s / n) / (n - 1)) : 0
+        printf "%s: mean held-out accuracy over %d rounds %.1f%% (sd %.1f)\n", m, n, s / n, sd }'
+done
