@@ -18,10 +18,24 @@
 // Speed: the per-token work runs a token per warp where the shapes allow (n <= 8; the norm and dots, the coefficients,
 // mHC post), each reading a token's rows once with many loads in flight. The block-per-token kernels stay as the
 // definition of the bits (and for wide n); DS4_CUDA_HC_REF=1 selects them, and the tests require equal bytes.
+#include <type_traits>
+
 #include "cuda_dev.cuh"
 #include "shape_limits.h"
 
 namespace {
+
+// f(std::integral_constant<int, n>{}) for a run-time stream count n in 1..MAXN (the token-per-warp kernels hold a
+// token's n streams in registers, so n is a template argument); false, having called nothing, for any other n.
+template <int MAXN, int N = 1, typename F>
+bool with_streams(int64_t n, F &&f) {
+    if (n == N) {
+        f(std::integral_constant<int, N>{});
+        return true;
+    }
+    if constexpr (N < MAXN) return with_streams<MAXN, N + 1>(n, f);
+    return false;
+}
 
 constexpr int BT = 256;                       // threads of a per-token block; the norm's tree is the forward's
 constexpr size_t TAPE_SMEM = 32768;           // a Sinkhorn tape up to this size stays in shared memory
@@ -499,17 +513,9 @@ bool norm_dots(ds4_dev *d, const char *op, const float *X, float *xn, int64_t T,
                const float *G, const float *A, float *out0, int64_t ld0, float *out1, int post) {
     const cudaStream_t s = cdev(d)->stream;
     const bool warps = n <= ND_MAXN && !cdev(d)->hc_ref;
-    switch (warps ? n : 0) {
-    case 1: norm_dots_warps<1>(s, X, xn, T, D, eps, G, A, out0, ld0, out1, post); break;
-    case 2: norm_dots_warps<2>(s, X, xn, T, D, eps, G, A, out0, ld0, out1, post); break;
-    case 3: norm_dots_warps<3>(s, X, xn, T, D, eps, G, A, out0, ld0, out1, post); break;
-    case 4: norm_dots_warps<4>(s, X, xn, T, D, eps, G, A, out0, ld0, out1, post); break;
-    case 5: norm_dots_warps<5>(s, X, xn, T, D, eps, G, A, out0, ld0, out1, post); break;
-    case 6: norm_dots_warps<6>(s, X, xn, T, D, eps, G, A, out0, ld0, out1, post); break;
-    case 7: norm_dots_warps<7>(s, X, xn, T, D, eps, G, A, out0, ld0, out1, post); break;
-    case 8: norm_dots_warps<8>(s, X, xn, T, D, eps, G, A, out0, ld0, out1, post); break;
-    default: norm_dots_kernel<<<(unsigned)T, BT, 0, s>>>(X, xn, n, D, eps, G, A, out0, ld0, out1, post);
-    }
+    const auto per_warp = [&](auto N) { norm_dots_warps<decltype(N)::value>(s, X, xn, T, D, eps, G, A, out0, ld0, out1, post); };
+    if (!warps || !with_streams<ND_MAXN>(n, per_warp))
+        norm_dots_kernel<<<(unsigned)T, BT, 0, s>>>(X, xn, n, D, eps, G, A, out0, ld0, out1, post);
     return ds4_cuda_launched(d, op, "norm and dots [%lld tokens, %lld streams, %lld%s]", (long long)T, (long long)n,
                              (long long)D, warps ? ", a token per warp" : "");
 }
@@ -682,19 +688,12 @@ void ds4_cuda_hc_post_bwd(ds4_dev *d, const ds4_a_hc_post_bwd *a) {
     const bool warps = n <= POST_SMALL_N && !cdev(d)->hc_ref; // DS4_CUDA_HC_REF=1: the kernel that defines the bits
     const float *b = a->w->base, *sc = a->w->scale;
     const int64_t it = c->hc_sinkhorn_iters;
-    switch (warps ? n : 0) {
-    case 1: post_bwd_warps<1>(s, a->dXo, mixp, b, sc, a->dX, a->da, T, D, it, c->hc_eps); break;
-    case 2: post_bwd_warps<2>(s, a->dXo, mixp, b, sc, a->dX, a->da, T, D, it, c->hc_eps); break;
-    case 3: post_bwd_warps<3>(s, a->dXo, mixp, b, sc, a->dX, a->da, T, D, it, c->hc_eps); break;
-    case 4: post_bwd_warps<4>(s, a->dXo, mixp, b, sc, a->dX, a->da, T, D, it, c->hc_eps); break;
-    case 5: post_bwd_warps<5>(s, a->dXo, mixp, b, sc, a->dX, a->da, T, D, it, c->hc_eps); break;
-    case 6: post_bwd_warps<6>(s, a->dXo, mixp, b, sc, a->dX, a->da, T, D, it, c->hc_eps); break;
-    case 7: post_bwd_warps<7>(s, a->dXo, mixp, b, sc, a->dX, a->da, T, D, it, c->hc_eps); break;
-    case 8: post_bwd_warps<8>(s, a->dXo, mixp, b, sc, a->dX, a->da, T, D, it, c->hc_eps); break;
-    default:
+    const auto per_warp = [&](auto N) {
+        post_bwd_warps<decltype(N)::value>(s, a->dXo, mixp, b, sc, a->dX, a->da, T, D, it, c->hc_eps);
+    };
+    if (!warps || !with_streams<POST_SMALL_N>(n, per_warp))
         post_bwd_kernel<<<(unsigned)T, BT, (size_t)(2 * n * n) * sizeof(double), s>>>(a->dXo, mixp, b, sc, a->dX, a->da,
                                                                                       n, D, it, c->hc_eps);
-    }
     ds4_cuda_launched(d, "hc_post_bwd", "[%lld tokens, %lld streams, %lld, %lld iterations%s]", (long long)T,
                       (long long)n, (long long)D, (long long)it, warps ? ", a token per warp" : "");
 }
