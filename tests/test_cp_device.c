@@ -15,7 +15,8 @@
  * parallelism"; the parts can cancel, so the bound is on the terms' scale, not the result's). The twin's kernels
  * are the CPU's, so every bit that differs from the reference's would be the device path moving a row wrongly. The
  * device hook must have run once per attention sub-layer of each pass (L + 1 forward; L + 1 backward, L without the
- * MTP term). Refused: a twin model without the device hook, or with it set up for another device. */
+ * MTP term). Refused: a twin model without the device hook, or with it set up for another device. A device failure
+ * inside one rank's pass fails every rank's pass, none waiting on another (run_failure). */
 #define _POSIX_C_SOURCE 200809L
 #include <math.h>
 #include <pthread.h>
@@ -46,6 +47,10 @@ typedef struct rank_ctx {
     int64_t P;
     int failed;
     char msg[1024];
+    /* once (run_once): one training forward and its backward, their statuses and messages */
+    ds4_status fst, bst;
+    char fmsg[1024], bmsg[1024];
+    double loss;
 } rank_ctx;
 
 /* world threads: each publishes send, then copies every rank's into recv in rank order */
@@ -113,6 +118,26 @@ static void *rank_main(void *arg) {
     if (c->failed) fprintf(stderr, "rank %d of %d: %s\n", c->rank, c->world, c->msg); /* the others may then wait:
                                                                                         the test's timeout names it */
     return NULL;
+}
+
+static void *run_once(void *arg) {
+    rank_ctx *c = arg;
+    ds4_error err = {0};
+    const ds4_forward_args a = {.ids = c->ids, .batch = B, .seq = S, .labels = c->labels};
+    ds4_forward_result out = {0};
+    ds4_model_zero_grad(c->m);
+    c->fst = ds4_model_forward_train(c->m, &a, &out, &err);
+    snprintf(c->fmsg, sizeof c->fmsg, "%s", c->fst ? err.msg : "");
+    c->loss = out.loss;
+    c->bst = ds4_model_backward(c->m, c->fst ? 1.0 : 1.0 / (double)out.loss_tokens, &err);
+    snprintf(c->bmsg, sizeof c->bmsg, "%s", c->bst ? err.msg : "");
+    return NULL;
+}
+
+/* an attention operation that fails (a device error inside a pass) */
+static void failing_attention(ds4_dev *d, const ds4_a_attention *a) {
+    (void)a;
+    ds4_dev_fail(d, DS4_ERR_CUDA, "attention: injected failure");
 }
 
 static int has(const char *name, const char *part) { return strstr(name, part) != NULL; }
@@ -266,6 +291,76 @@ static void run_world(const char *dir, int32_t world, const ds4_model *ref, cons
     pthread_barrier_destroy(&sh.bar);
 }
 
+/* Rank 1's pass fails inside its first attention operation (after the gather): rank 1 reports its own error, rank 0
+ * learns of it at the next gather (the failure flags go over the host before any device gather, so neither waits on
+ * the other), both backwards are refused together (the forward left no tape), and with the operation restored the
+ * next step is the reference's again. */
+static void run_failure(const char *dir, const int64_t *ids, const int64_t *labels, double ref_loss) {
+    enum { W = 2 };
+    ds4_error err = {0};
+    const ds4_train_options topt = {.mtp_lambda = 0.3};
+    shared sh;
+    pthread_barrier_init(&sh.bar, NULL, W);
+    rank_ctx ctx[W];
+    ds4_engine *te[W] = {NULL};
+    ds4_dev *dv[W] = {NULL};
+    memset(ctx, 0, sizeof ctx);
+    const ds4_engine_options teo = {.n_threads = 1};
+    int ready = 1;
+    for (int32_t r = 0; r < W; r++) {
+        rank_ctx *c = &ctx[r];
+        c->sh = &sh, c->rank = r, c->world = W, c->ids = ids, c->labels = labels;
+        CHECK_OK(ds4_engine_create(&teo, &te[r], &err), &err);
+        if (te[r]) CHECK_OK(ds4_model_load(te[r], dir, &c->m, &err), &err);
+        if (!c->m) {
+            ready = 0;
+            continue;
+        }
+        CHECK_OK(ds4_model_enable_grad(c->m, &err), &err);
+        CHECK_OK(ds4_model_set_train_options(c->m, &topt, &err), &err);
+        dv[r] = twin_attach(te[r], c->m);
+        const ds4_context_parallel cp = {.rank = r, .world = W, .device = -1, .ctx = c, .all_gather = host_gather,
+                                         .device_all_gather = device_gather};
+        CHECK_OK(ds4_model_set_context_parallel(c->m, &cp, &err), &err);
+        ready &= dv[r] != NULL;
+    }
+    if (ready) {
+        const ds4_ops *ops = dv[1]->ops;
+        ds4_ops bad = *ops;
+        bad.attention = failing_attention;
+        for (int round = 0; round < 2; round++) {
+            dv[1]->ops = round == 0 ? &bad : ops;
+            pthread_t th[W];
+            for (int32_t r = 0; r < W; r++) pthread_create(&th[r], NULL, run_once, &ctx[r]);
+            for (int32_t r = 0; r < W; r++) pthread_join(th[r], NULL);
+            if (round == 1) {
+                for (int32_t r = 0; r < W; r++)
+                    CHECK(!ctx[r].fst && !ctx[r].bst && ctx[r].loss == ref_loss, "after the failure, rank %d: forward "
+                          "%s (%s), backward %s (%s), loss %.17g (want %.17g)", r, ds4_status_name(ctx[r].fst),
+                          ctx[r].fmsg, ds4_status_name(ctx[r].bst), ctx[r].bmsg, ctx[r].loss, ref_loss);
+                continue;
+            }
+            CHECK(ctx[1].fst == DS4_ERR_CUDA && strstr(ctx[1].fmsg, "injected failure"), "rank 1's own failure: %s (%s)",
+                  ds4_status_name(ctx[1].fst), ctx[1].fmsg);
+            CHECK(ctx[0].fst && strstr(ctx[0].fmsg, "rank 1 failed earlier in this pass"), "rank 0 fails with rank "
+                  "1: %s (%s)", ds4_status_name(ctx[0].fst), ctx[0].fmsg);
+            for (int32_t r = 0; r < W; r++)
+                CHECK(ctx[r].bst != DS4_OK, "rank %d: the backward of a failed forward is refused (%s)", r,
+                      ctx[r].bmsg);
+            printf("  a device failure on rank 1 mid-pass: rank 1 \"%.80s\"; rank 0 \"%.90s\"\n", ctx[1].fmsg,
+                   ctx[0].fmsg);
+        }
+    }
+    for (int32_t r = 0; r < W; r++) {
+        rank_ctx *c = &ctx[r];
+        if (c->m) ds4_model_set_context_parallel(c->m, NULL, NULL);
+        if (dv[r]) twin_detach(c->m, dv[r]);
+        ds4_model_free(c->m);
+        ds4_engine_free(te[r]);
+    }
+    pthread_barrier_destroy(&sh.bar);
+}
+
 int main(int argc, char **argv) {
     if (argc < 2) {
         fprintf(stderr, "usage: %s FIXTURES_DIR\n", argv[0]);
@@ -309,6 +404,7 @@ int main(int argc, char **argv) {
     }
     if (ok)
         for (int32_t world = 2; world <= MAXW; world++) run_world(path, world, ref, ids, labels, rout, rlp, rg);
+    if (ok) run_failure(path, ids, labels, rout[0].loss);
     for (int k = 0; k < STEPS; k++) {
         free(rlp[k]);
         free(rg[k]);
