@@ -270,9 +270,10 @@ void ds4_cp_keep_rows(ds4_pass *f, float *x, int64_t width) {
             ds4_dev_fail(f->dev, DS4_ERR_INTERNAL, "context parallel: keeping %lld rows of %lld values: the planned "
                                                    "scratch holds %lld values", (long long)(B * n), (long long)width,
                          (long long)f->cp_xn);
+        const size_t row = (size_t)width * sizeof(float);
         for (int64_t b = 0; b < B; b++)
-            ds4_dev_copy(f->dev, f->cp_x + b * n * width, x + (b * Sf + off) * width, (size_t)(n * width) * sizeof(float));
-        ds4_dev_copy(f->dev, x, f->cp_x, (size_t)(B * n * width) * sizeof(float));
+            ds4_dev_copy(f->dev, f->cp_x + b * n * width, x + (b * Sf + off) * width, (size_t)n * row);
+        ds4_dev_copy(f->dev, x, f->cp_x, (size_t)(B * n) * row);
     }
     set_shape(f, n);
 }

@@ -38,10 +38,15 @@ static inline ds4_dev *twin_attach(ds4_engine *e, ds4_model *m) {
     return d;
 }
 
-/* Back to the CPU backend: the training state read back and freed through the twin, then the twin released. */
+/* Back to the CPU backend: the training state read back and freed through the twin, the RoPE tables a pass copied
+ * onto it freed (the CPU backend uses the host's in place, so it would not free them), then the twin released. */
 static inline void twin_detach(ds4_model *m, ds4_dev *d) {
     ds4_error err = {0};
     CHECK_OK(ds4_model_drop_train_state(m, &err), &err);
+    for (int k = 0; k < 2; k++) {
+        if (m->rope_dev[k] != m->rope_cs[k]) d->ops->free(d, m->rope_dev[k]);
+        m->rope_dev[k] = NULL;
+    }
     free(m->dev_mem);
     free(m->dev_off);
     m->dev_mem = NULL;

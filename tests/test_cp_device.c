@@ -249,7 +249,8 @@ static void run_world(const char *dir, int32_t world, const ds4_model *ref, cons
             }
             for (int32_t r = 0; r < world; r++) {
                 double pp = 0;
-                for (int64_t i = 0; i < info.numel; i++) pp += (double)ctx[r].g[k][info.offset + i] * ctx[r].g[k][info.offset + i];
+                const float *gr = ctx[r].g[k] + info.offset;
+                for (int64_t i = 0; i < info.numel; i++) pp += (double)gr[i] * gr[i];
                 parts += sqrt(pp);
             }
             if (has(name, ".attn.")) {
@@ -274,8 +275,8 @@ static void run_world(const char *dir, int32_t world, const ds4_model *ref, cons
           "gradients compared", world, (long long)attn_tensors, (long long)other_tensors);
     if (ready)
         printf("  tiny_a, %d ranks on host-invisible twins (slices of %lld..%lld positions): losses, counts and "
-               "log-probabilities bitwise, attention gradients bitwise, other gradients worst %.3g relative to the ranks' parts\n", world,
-               (long long)ctx[world - 1].n, (long long)ctx[0].n, worst);
+               "log-probabilities bitwise, attention gradients bitwise, other gradients worst %.3g relative to the "
+               "ranks' parts\n", world, (long long)ctx[world - 1].n, (long long)ctx[0].n, worst);
     free(sum);
     for (int32_t r = 0; r < world; r++) {
         rank_ctx *c = &ctx[r];
@@ -340,8 +341,8 @@ static void run_failure(const char *dir, const int64_t *ids, const int64_t *labe
                           ctx[r].fmsg, ds4_status_name(ctx[r].bst), ctx[r].bmsg, ctx[r].loss, ref_loss);
                 continue;
             }
-            CHECK(ctx[1].fst == DS4_ERR_CUDA && strstr(ctx[1].fmsg, "injected failure"), "rank 1's own failure: %s (%s)",
-                  ds4_status_name(ctx[1].fst), ctx[1].fmsg);
+            CHECK(ctx[1].fst == DS4_ERR_CUDA && strstr(ctx[1].fmsg, "injected failure"),
+                  "rank 1's own failure: %s (%s)", ds4_status_name(ctx[1].fst), ctx[1].fmsg);
             CHECK(ctx[0].fst && strstr(ctx[0].fmsg, "rank 1 failed earlier in this pass"), "rank 0 fails with rank "
                   "1: %s (%s)", ds4_status_name(ctx[0].fst), ctx[0].fmsg);
             for (int32_t r = 0; r < W; r++)

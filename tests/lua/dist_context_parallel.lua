@@ -172,9 +172,12 @@ for step = 1, 2 do
             end
         end
     end
-    -- the next step from other weights, the same on both copies (an AdamW step of the reference's gradient)
+    -- the next step from other weights, the same on both copies (an AdamW step of the reference's gradient), both
+    -- given the same host values (on a bf16 GPU both working copies then come from the same host rounding)
     opt:step()
-    cp:set_params(ref:params())
+    local w = ref:params()
+    ref:set_params(w)
+    cp:set_params(w)
 end
 H.check(attn_names > 20 and other_names > 20, "non-zero attention and per-token gradients were compared")
 -- off again: a plain forward of the whole sequence on one rank equals the reference
