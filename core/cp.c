@@ -11,6 +11,24 @@
 #include "internal.h"
 #include "sched.h"
 
+/* A model whose memory the host cannot read (CUDA) gathers through the device hook, on the device it was set up for
+ * (the model may have moved since). */
+static ds4_status device_check(const ds4_model *m, const ds4_context_parallel *cp, const char *what, ds4_error *err) {
+    if (m->dev->host_visible) return DS4_OK;
+    const ds4_device_options d = ds4_model_device(m);
+    const int32_t at = d.type == DS4_DEVICE_CUDA ? d.index : -1;
+    if (!cp->device_all_gather)
+        return ds4_fail(err, DS4_ERR_UNSUPPORTED, "%s: the model computes on %s, whose memory the host cannot read, "
+                                                  "and no device_all_gather hook was given (from Lua: "
+                                                  "ds4.dist.init{device = \"cuda\"}, the model on ds4.dist.device())",
+                        what, ds4_model_device_name(m));
+    if (at != cp->device)
+        return ds4_fail(err, DS4_ERR_ARG, "%s: the model computes on %s but its gathers were set up for %s memory (set "
+                                          "context parallelism up again after moving the model)", what,
+                        ds4_model_device_name(m), cp->device < 0 ? "host" : "another CUDA device's");
+    return DS4_OK;
+}
+
 ds4_status ds4_model_set_context_parallel(ds4_model *m, const ds4_context_parallel *cp, ds4_error *err) {
     if (!m) return ds4_fail(err, DS4_ERR_ARG, "context parallel: model is NULL");
     if (m->tape) m->tape->valid = 0; /* a tape of the other mode cannot be differentiated in this one */
@@ -22,9 +40,8 @@ ds4_status ds4_model_set_context_parallel(ds4_model *m, const ds4_context_parall
     if (cp->world < 1 || cp->rank < 0 || cp->rank >= cp->world)
         return ds4_fail(err, DS4_ERR_ARG, "context parallel: rank %d of a world of %d", cp->rank, cp->world);
     if (!cp->all_gather) return ds4_fail(err, DS4_ERR_ARG, "context parallel: the all_gather hook is required");
-    if (ds4_model_device(m).type != DS4_DEVICE_CPU)
-        return ds4_fail(err, DS4_ERR_UNSUPPORTED, "context parallel: the model is on %s; context parallelism runs "
-                                                  "CPU models only so far", ds4_model_device_name(m));
+    ds4_status s = device_check(m, cp, "context parallel", err);
+    if (s) return s;
     if (m->ep_on)
         return ds4_fail(err, DS4_ERR_UNSUPPORTED, "context parallel: expert parallelism is on; the two together are "
                                                   "not supported yet");
@@ -51,8 +68,9 @@ void ds4_cp_range(int64_t S, int mtp, int32_t world, int32_t q, int64_t *off, in
 
 ds4_status ds4_cp_check(const ds4_model *m, const ds4_forward_args *a, int train, ds4_error *err) {
     if (!m->cp_on) return DS4_OK;
-    const char *why = ds4_model_device(m).type != DS4_DEVICE_CPU ? "a model on a device (CPU models only)"
-                      : m->lora                                   ? "LoRA adapters"
+    ds4_status s = device_check(m, &m->cp, "forward: context parallel", err);
+    if (s) return s;
+    const char *why = m->lora                                     ? "LoRA adapters"
                       : m->ep_on                                  ? "expert parallelism"
                       : a->logits || a->mtp_logits || a->hidden   ? "logits, MTP logits or hidden streams as outputs "
                                                                     "(use the losses, or logprobs after a training forward)"
@@ -163,7 +181,7 @@ static char *gather(ds4_pass *f, const void *mine, size_t mine_bytes, size_t blk
     const int64_t failed = f->dev->st != 0;
     memset(buf, 0, sz);
     memcpy(buf, &failed, sizeof failed);
-    if (!failed) memcpy(buf + GATHER_HDR, mine, mine_bytes);
+    if (!failed && mine_bytes) memcpy(buf + GATHER_HDR, mine, mine_bytes);
     ds4_error e = {0};
     ds4_status st = f->m->cp.all_gather(f->m->cp.ctx, buf, buf + sz, sz, &e);
     if (st) {
@@ -184,22 +202,57 @@ static char *gather(ds4_pass *f, const void *mine, size_t mine_bytes, size_t blk
     return failed ? NULL : buf + sz + GATHER_HDR;
 }
 
+/* Backend memory (a CUDA model): the ranks first tell each other over the host whether their passes have failed (a
+ * failed rank joins that gather, not the device one, so nobody waits on it); then x's first B·nmax rows (this rank's
+ * B·n rows and whatever follows them: every rank sends blocks of rank 0's size) are gathered into the pass's scratch
+ * f->cp_x [P, B·nmax, width] through the device hook, once the backend's work on x has finished. Returns rank 0's
+ * block, or NULL when the pass failed. */
+static const float *gather_device(ds4_pass *f, const float *x, int64_t width, int64_t nmax, const char *what) {
+    const int32_t P = f->cp_world;
+    const int64_t rows = f->B * nmax;
+    ds4_error e = {0};
+    ds4_status st = f->dev->st ? DS4_OK : f->dev->ops->sync(f->dev, &e); /* x complete; an asynchronous error seen */
+    if (st) ds4_dev_fail(f->dev, st, "context parallel %s: %s", what, e.msg);
+    size_t stride = 0;
+    if (!gather(f, NULL, 0, 0, what, &stride)) return NULL;
+    if (!f->cp_x || (int64_t)P * rows * width > f->cp_xn) {
+        ds4_dev_fail(f->dev, DS4_ERR_INTERNAL, "context parallel %s: %d x %lld rows of %lld values do not fit the "
+                                               "planned scratch (%lld values)", what, P, (long long)rows,
+                     (long long)width, (long long)f->cp_xn);
+        return NULL;
+    }
+    const size_t bytes = (size_t)(rows * width) * sizeof(float);
+    st = f->m->cp.device_all_gather(f->m->cp.ctx, x, f->cp_x, bytes, &e);
+    if (st) {
+        ds4_dev_fail(f->dev, st, "context parallel %s (layer %lld, rank %d of %d): %s", what, (long long)f->li,
+                     f->cp_rank, P, e.msg);
+        return NULL;
+    }
+    return f->cp_x;
+}
+
 void ds4_cp_gather_rows(ds4_pass *f, float *x, int64_t width) {
     const int64_t B = f->B, Sf = f->cp_mtp ? f->cp_S0 - 1 : f->cp_S0;
+    const int on_host = f->dev->host_visible;
     int64_t off, n, o0, nmax;
     my_range(f, &off, &n);
     ds4_cp_range(f->cp_S0, f->cp_mtp, f->cp_world, 0, &o0, &nmax);
     const size_t row = (size_t)width * sizeof(float), blk = (size_t)(B * nmax) * row;
-    size_t stride = 0;
-    const char *recv = gather(f, x, (size_t)(B * n) * row, blk, "gather of attention rows", &stride);
+    size_t stride = blk;
+    const char *what = "gather of attention rows";
+    const char *recv = on_host ? gather(f, x, (size_t)(B * n) * row, blk, what, &stride)
+                               : (const char *)gather_device(f, x, width, nmax, what);
     set_shape(f, Sf);
     if (!recv) return;
     /* rank q's block holds its rows b·n_q + i, position off_q + i of sequence b */
     for (int32_t q = 0; q < f->cp_world; q++) {
         int64_t oq, nq;
         ds4_cp_range(f->cp_S0, f->cp_mtp, f->cp_world, q, &oq, &nq);
-        for (int64_t b = 0; b < B; b++)
-            memcpy(x + (b * Sf + oq) * width, recv + (size_t)q * stride + (size_t)(b * nq) * row, (size_t)nq * row);
+        for (int64_t b = 0; b < B; b++) {
+            const char *src = recv + (size_t)q * stride + (size_t)(b * nq) * row;
+            if (on_host) memcpy(x + (b * Sf + oq) * width, src, (size_t)nq * row);
+            else ds4_dev_copy(f->dev, x + (b * Sf + oq) * width, src, (size_t)nq * row);
+        }
     }
 }
 
@@ -207,9 +260,21 @@ void ds4_cp_keep_rows(ds4_pass *f, float *x, int64_t width) {
     const int64_t B = f->B, Sf = f->S;
     int64_t off, n;
     my_range(f, &off, &n);
-    /* b ascending: row b's destination ends before row b + 1's source begins */
-    for (int64_t b = 0; b < B; b++)
-        memmove(x + b * n * width, x + (b * Sf + off) * width, (size_t)(n * width) * sizeof(float));
+    if (f->dev->host_visible) {
+        /* b ascending: row b's destination ends before row b + 1's source begins */
+        for (int64_t b = 0; b < B; b++)
+            memmove(x + b * n * width, x + (b * Sf + off) * width, (size_t)(n * width) * sizeof(float));
+    } else if (!f->dev->st) {
+        /* a backend copy may not overlap itself (CUDA's does not promise memmove): through the gather scratch */
+        if (!f->cp_x || B * n * width > f->cp_xn)
+            ds4_dev_fail(f->dev, DS4_ERR_INTERNAL, "context parallel: keeping %lld rows of %lld values: the planned "
+                                                   "scratch holds %lld values", (long long)(B * n), (long long)width,
+                         (long long)f->cp_xn);
+        const size_t row = (size_t)width * sizeof(float);
+        for (int64_t b = 0; b < B; b++)
+            ds4_dev_copy(f->dev, f->cp_x + b * n * width, x + (b * Sf + off) * width, (size_t)n * row);
+        ds4_dev_copy(f->dev, x, f->cp_x, (size_t)(B * n) * row);
+    }
     set_shape(f, n);
 }
 

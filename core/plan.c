@@ -162,6 +162,10 @@ static void plan(ds4_pass *f, ds4_arena *a, const ds4_pass_opts *o) {
     }
     f->ep_idx = R ? ds4_arena_take(a, R, 4) : NULL;
     f->ep_off = R ? ds4_arena_take(a, El + 1, 8) : NULL;
+    /* context parallelism in memory the host cannot read: every rank's block of rank 0's B·ceil(S/P) rows lands here */
+    const size_t P = o->tok_rows > 0 && f->m->cp_on && !f->m->dev->host_visible ? (size_t)f->m->cp.world : 0;
+    f->cp_xn = P ? (int64_t)(P * B * ((S + P - 1) / P) * D) : 0;
+    f->cp_x = P ? ds4_arena_take(a, (size_t)f->cp_xn, 4) : NULL;
 }
 
 ds4_status ds4_pass_setup(ds4_model *m, ds4_pass *p, int64_t B, int64_t S, int64_t T, const ds4_pass_opts *o,

@@ -158,6 +158,9 @@ typedef struct ds4_pass {
     int32_t cp_rank, cp_world;
     int64_t cp_S0;                /* the main blocks' whole S */
     int cp_mtp;                   /* the MTP block runs: its S - 1 positions */
+    float *cp_x;                  /* [P, B·ceil(S/P), D] backend scratch of the gathers (a backend whose memory the
+                                     host cannot read: the device hook's receive buffer); NULL otherwise */
+    int64_t cp_xn;                /* its values */
 } ds4_pass;
 
 /* What a pass needs planned beyond its activations. */

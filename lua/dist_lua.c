@@ -28,7 +28,8 @@
  *                                      on = {shard = true}: each rank also keeps only its experts' weights,
  *                                      gradients and moments (CPU models; docs/distributed.md)
  *   ds4.dist.context_parallel(model [, on])  each sequence split over the ranks (every rank passes the whole ids;
- *                                      rank r computes its slice); forwards and backwards collective (CPU models)
+ *                                      rank r computes its slice); forwards and backwards collective (a GPU
+ *                                      model gathers through NCCL: ds4.dist.init{device = "cuda"})
  *   ds4.dist.finalize()                MPI_Finalize / NCCL finalize (every rank must call it)
  *   ds4.dist.have_mpi, have_nccl       what this build has
  *

@@ -3,14 +3,17 @@
 # NCCL in the build or without a GPU (CI); scripts/gpu.sh runs it on a GPU machine.
 #
 #   1 GPU: test_dist_nccl (device all_reduce / all_gather / broadcast against closed forms, all_reduce_grads of a
-#          CUDA model) as a world of one; data parallelism by hand (tests/lua/dist_data_parallel.lua) and expert
-#          parallelism (tests/lua/dist_expert_parallel.lua: rows through NCCL send / recv) on the GPU.
+#          CUDA model) as a world of one; data parallelism by hand (tests/lua/dist_data_parallel.lua), expert
+#          parallelism (tests/lua/dist_expert_parallel.lua: rows through NCCL send / recv) and context parallelism
+#          (tests/lua/dist_context_parallel.lua, fp32 and bf16: attention rows through an NCCL all-gather) on the GPU;
+#          context parallelism of a GPU model refused without NCCL.
 #   2 GPUs or more, for 2 ranks (and 4 with 4 GPUs): the same, launched torchrun-style (plain processes, the TCP
 #          rendezvous hands out the NCCL id) and, when mpirun and MPI are there, under mpirun; the data-parallel run
 #          compares 2 ranks' NCCL all-reduced gradients and weights with one copy on the whole batch, the bucketed
 #          all-reduce (tests/lua/dist_buckets.lua: NCCL on its stream after events on the model's, while the backward
 #          runs) and ZeRO-1's reduce-scatter (ncclReduce per region) against the unbucketed all-reduce, the
-#          expert-parallel run its logits, expert gradients and loads (bitwise) and the rest; then a rank
+#          expert-parallel run its logits, expert gradients and loads (bitwise) and the rest, the context-parallel run
+#          (fp32 and bf16; fp32 under mpirun) each rank's slice of two sequences against the whole on one GPU; then a rank
 #          killed (SIGKILL) or hung after the first all-reduce: the survivor's NCCL all-reduce must fail, naming NCCL,
 #          within DS4_DIST_TIMEOUT (20 s here) plus a margin — not hang; examples/sft.lua on 2 GPUs against one GPU of
 #          2 micro-batches (bitwise, fp32 and bf16), with and without --zero; on 1 GPU, test_grad_accum.lua on the
@@ -65,6 +68,24 @@ for t in dist_data_parallel dist_buckets dist_expert_parallel; do
     grep "$t:" "$LOG/one.0"
     all_passed 1 "$t" "$LOG/one" || { show; bad "$t on cuda, 1 rank"; }
 done
+# context parallelism on the GPU (a world of one: the attention rows through NCCL all the same), fp32 and bf16
+for dt in fp32 bf16; do
+    DS4_TEST_DEVICE=cuda DS4_TEST_DTYPE=$dt "$DS4" run "$T/dist_context_parallel.lua" "$FIX" >"$LOG/one.0" 2>&1
+    grep "dist_context_parallel:" "$LOG/one.0"
+    all_passed 1 dist_context_parallel "$LOG/one" || { show; bad "dist_context_parallel on cuda ($dt), 1 rank"; }
+done
+# a GPU model's context parallelism without NCCL in the communicator is refused, saying how to get it
+cat >"$LOG/cp_refused.lua" <<'LUA'
+local ds4 = require("ds4")
+ds4.dist.init()
+local m = ds4.load(arg[1] .. "/tiny_a", { device = "cuda", dtype = "fp32" })
+local ok, e = pcall(ds4.dist.context_parallel, m)
+assert(not ok and tostring(e):find("gathers its attention rows through NCCL", 1, true), tostring(e))
+ds4.dist.finalize()
+print("context parallelism of a GPU model without NCCL: refused, 0 failures")
+LUA
+"$DS4" run "$LOG/cp_refused.lua" "$FIX" >"$LOG/one.0" 2>&1
+grep -q "without NCCL: refused, 0 failures" "$LOG/one.0" || { show; bad "context parallelism refused without NCCL"; }
 # sharded experts are CPU-only: a GPU model's request, and moving a sharded model to a GPU, are refused saying so
 cat >"$LOG/shard.lua" <<'LUA'
 local ds4 = require("ds4")
@@ -115,6 +136,16 @@ for np in $sizes; do
         grep "$t:" "$LOG/run.0"
         all_passed "$np" "$t" "$LOG/run" || { show; bad "$t on cuda, $np ranks, torchrun-style (exit ${RCS[*]})"; }
     done
+    # context parallelism: each rank's slice of the sequences on its GPU, the attention rows gathered through NCCL,
+    # against the same GPU's kernels on the whole sequences (fp32: bitwise but the per-token weights' gradients; bf16:
+    # the losses and log-probabilities bitwise, the gradients within bf16's unit roundoff)
+    for dt in fp32 bf16; do
+        EXTRA_ENV="DS4_TEST_DEVICE=cuda DS4_TEST_DTYPE=$dt" launch "$np" "$LOG/run" 300 "$DS4" run \
+            "$T/dist_context_parallel.lua" "$FIX"
+        grep "dist_context_parallel:" "$LOG/run.0"
+        all_passed "$np" dist_context_parallel "$LOG/run" ||
+            { show; bad "dist_context_parallel on cuda ($dt), $np ranks, torchrun-style (exit ${RCS[*]})"; }
+    done
     # LoRA: the adapters' gradient buffer, on the device, all-reduced through NCCL
     EXTRA_ENV="DS4_TEST_DEVICE=cuda" launch "$np" "$LOG/run" 300 "$DS4" run "$T/dist_data_parallel_lora.lua" "$FIX" lora
     grep 'dist_data_parallel (LoRA):' "$LOG/run.0"
@@ -123,7 +154,7 @@ for np in $sizes; do
     if [ "$have_mpi" -eq 1 ]; then
         mpi_ranks "$np" "$BIN/test_dist_nccl" "$FIX"
         all_passed "$np" test_dist_nccl "$LOG/run" || { show; bad "test_dist_nccl, $np ranks, mpirun"; }
-        for t in dist_data_parallel dist_buckets dist_expert_parallel; do
+        for t in dist_data_parallel dist_buckets dist_expert_parallel dist_context_parallel; do
             DS4_TEST_DEVICE=cuda mpi_ranks "$np" "$DS4" run "$T/$t.lua" "$FIX"
             grep "$t:" "$LOG/run.0"
             all_passed "$np" "$t" "$LOG/run" || { show; bad "$t on cuda, $np ranks, mpirun"; }

@@ -195,15 +195,22 @@ const ds4_expert_parallel *ds4_model_expert_parallel(const ds4_model *m);
  * row order), on every rank. The attention weights' gradients are computed on rank 0 only (the other ranks' stay
  * zero), every other gradient on each rank from its own rows: summed over the ranks by the usual all-reduce.
  * While it is on, every forward and backward is collective; each starts with the ranks comparing their checks and
- * hashes of their ids and labels (a rank that refused, or was given other sequences, fails every rank). Refused: a
- * model on a device, LoRA adapters, expert parallelism, routing replay, logits / MTP logits / hidden outputs, the
- * indexer KL loss, per-block recomputation, decoding (ds4_model_step), and S < 2·world (every rank needs two
- * positions). */
+ * hashes of their ids and labels (a rank that refused, or was given other sequences, fails every rank). A model whose
+ * memory the host cannot read (a CUDA model) gathers its attention rows through device_all_gather, in the memory of
+ * the device named by `device`; the per-row losses, the notes and whether each rank's pass failed take the host
+ * all_gather. Refused: LoRA adapters, expert parallelism, routing replay, logits / MTP logits / hidden outputs, the
+ * indexer KL loss, per-block recomputation, decoding (ds4_model_step), S < 2·world (every rank needs two positions),
+ * and a device model without device_all_gather or on another device than `device`. */
 typedef struct ds4_context_parallel {
     int32_t rank, world;
-    void *ctx;                /* passed to all_gather */
+    int32_t device;           /* the memory device_all_gather takes: -1 host, N: CUDA device N's; a pass of a CUDA model
+                                 on another device is refused (install the hooks again after moving it) */
+    void *ctx;                /* passed to both calls */
     /* Host memory: every rank's `bytes` of send, in rank order, into recv (world · bytes). */
     ds4_status (*all_gather)(void *ctx, const void *send, void *recv, size_t bytes, ds4_error *err);
+    /* The same in the model's backend memory, whose earlier work has finished; send and recv do not overlap. NULL: the
+     * model computes in host memory (a CPU model), where all_gather serves. Bytes move unchanged. */
+    ds4_status (*device_all_gather)(void *ctx, const void *send, void *recv, size_t bytes, ds4_error *err);
 } ds4_context_parallel;
 
 /* Turn context parallelism on (cp copied; its ctx must outlive it) or off (cp NULL). Invalidates the tape. */

@@ -16,18 +16,35 @@
 --    the indexer, main blocks and the MTP block): bitwise equal after the all-reduce. Rank 0 runs the whole
 --    sequence's attention backward on the gathered output gradients (themselves bitwise the reference's), the other
 --    ranks add none, and the all-reduce adds their zeros.
---  * every other gradient (per-token layers: embedding, mHC, norms, MoE, head, the MTP projections): within rel 2e-6
---    per tensor of the reference's. Each rank sums its own rows' terms, the all-reduce adds the ranks' sums: the same
---    fp32 terms grouped per rank (as data parallelism against the whole batch, docs/distributed.md). Not bitwise:
---    see "Context parallelism" there.
+--  * every other gradient (per-token layers: embedding, mHC, norms, MoE, head, the MTP projections): within 2e-6
+--    per tensor of the reference's, relative to Σ_r ‖rank r's part‖ (its gradient before the all-reduce). Each rank
+--    sums its own rows' terms, the all-reduce adds the ranks' sums: the same fp32 terms grouped per rank (as data
+--    parallelism against the whole batch, docs/distributed.md). Not bitwise: see "Context parallelism" there. The
+--    scale is the parts', not their sum's: the parts may cancel (a tensor whose ranks' parts are ±0.0246 sums to
+--    7.5e-5), and regrouping fp32 sums errs by fractions of the terms, not of the result.
 --  * normalisation: the forward returns the whole sequence's token counts on every rank, so model:backward() takes
 --    1 / (global count) (and the MTP term λ / its global count), and all_reduce_grads takes scale 1 (another refused).
+--
+-- DS4_TEST_DEVICE=cuda (tests/test_dist_nccl.sh on a GPU machine): both copies on this rank's GPU
+-- (ds4.dist.init{device = "cuda"}) in DS4_TEST_DTYPE (fp32, the default, or bf16), the attention rows gathered through
+-- NCCL. The reference is the same GPU's kernels on the whole sequences. The forward kernels are batch invariant in
+-- both modes (docs/design.md, "Batch invariance"), so the losses, counts and log-probabilities stay bitwise. fp32: the
+-- backward's products are ds4's tiles, whose reduction order depends on the reduction length alone on tiny_a's shapes
+-- (no reduction longer than 256, so no split: cuda/cuda_bwd_linear.cu), so the activation gradients, and the attention
+-- weights' gradients rank 0 computes from them, are bitwise too; the rest as on the CPU (2e-6). bf16: the backward's
+-- plain products go through cuBLAS, whose order may depend on the row count (a rank's slice is not the whole
+-- sequence), so an output gradient may differ in its last fp32 bits and then round to another bf16 value where it
+-- enters a product: every gradient within 2e-3 relative to the parts' scale, bf16's unit roundoff 2^-9 (what one
+-- rounding of every term would cost at most); the measured values are printed.
 package.path = ((arg[0]:match("^(.*)/[^/]*$") or ".") .. "/?.lua;") .. package.path
 local H = require("harness")
 local ds4 = require("ds4")
 local ffi = require("ffi")
 
-local r, n = ds4.dist.init()
+local on_device = os.getenv("DS4_TEST_DEVICE") == "cuda"
+local dtype = os.getenv("DS4_TEST_DTYPE") or "fp32"
+assert(dtype == "fp32" or dtype == "bf16", "DS4_TEST_DTYPE: fp32 or bf16")
+local r, n = ds4.dist.init(on_device and { device = "cuda" } or nil)
 local dir = H.fixtures() .. "/tiny_a"
 local B, S, V = 2, 19, 256
 assert(n == 1 or n == 2 or n == 4, "the test splits 19 positions over 1, 2 or 4 ranks")
@@ -47,6 +64,12 @@ local off = r * base + math.min(r, extra)
 local len = base + (r < extra and 1 or 0)
 
 local ref, cp = ds4.load(dir), ds4.load(dir)
+if on_device then
+    ref:to(ds4.dist.device(), dtype)
+    cp:to(ds4.dist.device(), dtype)
+end
+local bf16 = on_device and dtype == "bf16"
+local attn_tol, other_tol = bf16 and 2e-3 or 0, bf16 and 2e-3 or 2e-6
 local opt = ds4.adamw(ref, { lr = 1e-2 })
 local topt = { mtp_lambda = 0.3 }
 ref:set_train_options(topt)
@@ -64,7 +87,23 @@ H.raises(function() cp:step({ cp:new_cache(8) }, { { 5, 6, 7 } }) end, { "contex
     "decoding under context parallelism")
 
 local function f32_at(t, i) return ffi.cast("const float *", t:data_ptr())[i] end
-local attn_names, other_names, worst_rel = 0, 0, 0
+local attn_names, other_names, worst_rel, worst_attn = 0, 0, 0, 0
+-- every rank's Σ over the ranks of ‖its part‖ of each tensor (names in one order on every rank: the all-reduce's)
+local function part_norms(m)
+    local g, names = m:grads({ canonical = true }), {}
+    for name in pairs(g) do names[#names + 1] = name end
+    table.sort(names)
+    local norms = ds4.zeros({ #names }, "F64")
+    local p = ffi.cast("double *", norms:data_ptr())
+    for i, name in ipairs(names) do
+        local x, s = ffi.cast("const float *", g[name]:data_ptr()), 0
+        for j = 0, g[name]:numel() - 1 do s = s + x[j] * x[j] end
+        p[i - 1] = math.sqrt(s)
+    end
+    local sum, out = ds4.dist.all_reduce(norms), {}
+    for i, name in ipairs(names) do out[name] = sum[i] end
+    return out
+end
 for step = 1, 2 do
     ref:zero_grad()
     local out_ref = ref:forward(ids, { labels = labels, logits = false })
@@ -106,26 +145,39 @@ for step = 1, 2 do
     if step == 2 then cp:backward_logprobs(g_cp) else cp:backward() end
     H.raises(function() ds4.dist.all_reduce_grads(cp, 0.5) end, { "context parallel", "scale" },
         "all_reduce_grads with a scale under context parallelism")
+    local parts = part_norms(cp)
     ds4.dist.all_reduce_grads(cp)
     local gc, gr = cp:grads({ canonical = true }), ref:grads({ canonical = true })
     for name, g in pairs(gr) do
-        local mx, rel, norm2 = H.f32_diff(gc[name], g)
+        local mx, rel_sum, norm2 = H.f32_diff(gc[name], g)
+        local d = mx == 0 and 0 or rel_sum * math.sqrt(norm2) -- ‖Δ‖ (NaN stays NaN)
+        local rel = parts[name] > 0 and d / parts[name] or d
         if name:find("%.attn%.") then
             attn_names = attn_names + (norm2 > 0 and 1 or 0)
-            H.eq(mx, 0, ("step %d: %s bitwise equal (rank 0's whole-sequence attention backward)"):format(step, name))
+            if not (rel <= worst_attn) then worst_attn = rel end
+            if attn_tol == 0 then
+                H.eq(mx, 0, ("step %d: %s bitwise equal (rank 0's whole-sequence attention backward)"):format(step, name))
+            else
+                H.check(rel <= attn_tol, ("step %d: %s %.3g relative to the parts (max |Δ| %.3g)"):format(step, name,
+                    rel, mx))
+            end
         else
             other_names = other_names + 1
             if norm2 > 0 then
-                worst_rel = math.max(worst_rel, rel)
-                H.check(rel <= 2e-6, ("step %d: %s rel %.3g (max |Δ| %.3g)"):format(step, name, rel, mx))
+                if not (rel <= worst_rel) then worst_rel = rel end
+                H.check(rel <= other_tol, ("step %d: %s %.3g relative to the parts (max |Δ| %.3g)"):format(step, name,
+                    rel, mx))
             else
                 H.eq(mx, 0, ("step %d: zero gradient of %s stays zero"):format(step, name))
             end
         end
     end
-    -- the next step from other weights, the same on both copies (an AdamW step of the reference's gradient)
+    -- the next step from other weights, the same on both copies (an AdamW step of the reference's gradient), both
+    -- given the same host values (on a bf16 GPU both working copies then come from the same host rounding)
     opt:step()
-    cp:set_params(ref:params())
+    local w = ref:params()
+    ref:set_params(w)
+    cp:set_params(w)
 end
 H.check(attn_names > 20 and other_names > 20, "non-zero attention and per-token gradients were compared")
 -- off again: a plain forward of the whole sequence on one rank equals the reference
@@ -134,8 +186,10 @@ local o1 = cp:forward(ids, { labels = labels, logits = false, train = false })
 local o2 = ref:forward(ids, { labels = labels, logits = false, train = false })
 H.eq(o1.loss, o2.loss, "context parallelism off: the whole sequence again")
 if r == 0 then
-    print(("dist_context_parallel: %d ranks (%s), 2 sequences of %d split %s: losses, counts and log-probabilities bitwise, attention gradients bitwise, other gradients worst rel %.3g"):format(
-        n, ds4.dist.backend(), S, n == 1 and "not at all" or n == 2 and "10 + 9" or "5 + 5 + 5 + 4", worst_rel))
+    print(("dist_context_parallel: %d ranks (%s, %s%s), 2 sequences of %d split %s: losses, counts and log-probabilities bitwise, attention gradients %s, other gradients worst %.3g (relative to the ranks' parts)"):format(
+        n, ds4.dist.backend(), ds4.dist.device(), on_device and " " .. dtype or "", S,
+        n == 1 and "not at all" or n == 2 and "10 + 9" or "5 + 5 + 5 + 4",
+        worst_attn == 0 and "bitwise" or ("worst %.3g"):format(worst_attn), worst_rel))
 end
 ds4.dist.finalize()
 H.done("dist_context_parallel rank " .. r .. " of " .. n)
