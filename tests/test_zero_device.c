@@ -19,58 +19,9 @@
 #include "model.h"
 #include "ops.h"
 #include "testlib.h"
+#include "twin_device.h"
 
 enum { STEPS = 4, WORLD = 2 };
-
-static const ds4_adamw_options OPTS = {.lr = 2e-3, .beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8, .weight_decay = 0.1,
-                                       .clip = 0.05, .schedule = DS4_LR_CONSTANT};
-
-/* step k's gradient (the same on every rank: what the all-reduce leaves): a fixed pseudo-random pattern, |g| < 1e-3 */
-static void fill_grads(float *g, int64_t n, int k) {
-    uint64_t s = 0x9e3779b97f4a7c15ull * (uint64_t)(k + 1);
-    for (int64_t i = 0; i < n; i++) {
-        s ^= s >> 12, s ^= s << 25, s ^= s >> 27;
-        g[i] = (float)((double)((s * 0x2545f4914f6cdd1dull) >> 11) * (1.0 / 9007199254740992.0) * 2e-3 - 1e-3);
-    }
-}
-
-/* ---------------------------------------------------------------------------------------------- the twin device */
-
-/* Give a CPU model a "device": a CPU backend marked host-invisible, with a working copy laid out flat (fp32). The
- * backend runs its large copies on e's pool: each rank's twin gets an engine of its own, as a pool serves one caller
- * at a time (ranks are processes of their own in a real job). */
-static ds4_dev *twin_attach(ds4_engine *e, ds4_model *m) {
-    ds4_error err = {0};
-    ds4_dev *d = NULL;
-    CHECK_OK(ds4_cpu_dev_create(e->pool, &d, &err), &err);
-    if (!d) return NULL;
-    d->host_visible = 0;
-    m->dev_off = malloc(m->n_table * sizeof *m->dev_off);
-    m->dev_mem = malloc((size_t)m->n_params * sizeof(float));
-    if (!m->dev_off || !m->dev_mem) {
-        CHECK(0, "twin: allocating the working copy");
-        return NULL;
-    }
-    for (size_t i = 0; i < m->n_table; i++)
-        m->dev_off[i] = m->table[i].dtype == DS4_F32 ? m->table[i].offset * (int64_t)sizeof(float) : -1;
-    memcpy(m->dev_mem, m->params, (size_t)m->n_params * sizeof(float));
-    m->dev_w.mdt = DS4_F32;
-    m->dev = d;
-    CHECK_OK(ds4_model_train_bind(m, &err), &err); /* the gradients on the twin */
-    return d;
-}
-
-/* Back to the CPU backend: the training state read back and freed through the twin, then the twin released. */
-static void twin_detach(ds4_model *m, ds4_dev *d) {
-    ds4_error err = {0};
-    CHECK_OK(ds4_model_drop_train_state(m, &err), &err);
-    free(m->dev_mem);
-    free(m->dev_off);
-    m->dev_mem = NULL;
-    m->dev_off = NULL;
-    m->dev = m->cpu;
-    ds4_dev_release(d);
-}
 
 /* ---------------------------------------------------------------------------------------------- collectives */
 
@@ -133,7 +84,7 @@ static void *rank_main(void *arg) {
             c->failed = 1;
             break;
         }
-        fill_grads(g, n, k);
+        twin_grads(g, n, k);
         ds4_model_grads_changed(c->m);
         if (ds4_adamw_step(c->opt, &st, &err) != DS4_OK) {
             fprintf(stderr, "rank %d step %d: %s\n", c->rank, k + 1, err.msg);
@@ -157,7 +108,7 @@ static int same(const float *a, const float *b, int64_t n) { return memcmp(a, b,
 static void resume_unsharded(ds4_model *m, rank_ctx *c, ds4_model *ref, ds4_adamw *ropt, int64_t P) {
     ds4_error err = {0};
     ds4_adamw *u = NULL;
-    CHECK_OK(ds4_adamw_create(m, &OPTS, &u, &err), &err);
+    CHECK_OK(ds4_adamw_create(m, &TWIN_OPTS, &u, &err), &err);
     if (!u) return;
     ds4_adamw_state us, ss;
     ds4_adamw_get_state(u, &us);
@@ -178,10 +129,10 @@ static void resume_unsharded(ds4_model *m, rank_ctx *c, ds4_model *ref, ds4_adam
         ds4_adamw_stats st, rst;
         CHECK_OK(ds4_model_grad_buffer(m, &g, &n, &err), &err);
         if (!g) break;
-        fill_grads(g, n, k);
+        twin_grads(g, n, k);
         ds4_model_grads_changed(m);
         CHECK_OK(ds4_adamw_step(u, &st, &err), &err);
-        fill_grads(ds4_model_grads(ref), P, k);
+        twin_grads(ds4_model_grads(ref), P, k);
         ds4_model_grads_changed(ref);
         CHECK_OK(ds4_adamw_step(ropt, &rst, &err), &err);
         diff += st.grad_norm != rst.grad_norm;
@@ -207,19 +158,9 @@ static void run(ds4_engine *e, const char *fixtures, const char *fixture) {
     if (!ref || !one || !rk[0] || !rk[1]) goto out;
     const int64_t P = ds4_model_param_count(ref);
 
-    /* the reference: the host optimizer on a CPU model */
-    ds4_adamw *ropt = NULL;
+    /* the reference: the host optimizer on the whole model */
     double ref_norms[STEPS];
-    CHECK_OK(ds4_model_enable_grad(ref, &err), &err);
-    CHECK_OK(ds4_adamw_create(ref, &OPTS, &ropt, &err), &err);
-    for (int k = 0; ropt && k < STEPS; k++) {
-        fill_grads(ds4_model_grads(ref), P, k);
-        ds4_model_grads_changed(ref);
-        ds4_adamw_stats st;
-        CHECK_OK(ds4_adamw_step(ropt, &st, &err), &err);
-        ref_norms[k] = st.grad_norm;
-        CHECK(k > 0 || st.grad_norm > OPTS.clip, "step 1: gradient norm %g above the clip %g", st.grad_norm, OPTS.clip);
-    }
+    ds4_adamw *ropt = twin_reference(ref, STEPS, ref_norms);
     ds4_adamw_state rs;
     ds4_adamw_get_state(ropt, &rs);
 
@@ -227,7 +168,7 @@ static void run(ds4_engine *e, const char *fixtures, const char *fixture) {
     CHECK_OK(ds4_model_enable_grad(one, &err), &err);
     ds4_dev *d1 = twin_attach(e, one); /* the main thread alone: the models' engine */
     ds4_adamw *o1 = NULL;
-    CHECK_OK(ds4_adamw_create(one, &OPTS, &o1, &err), &err);
+    CHECK_OK(ds4_adamw_create(one, &TWIN_OPTS, &o1, &err), &err);
     int diff_norm = 0;
     for (int k = 0; d1 && o1 && k < STEPS; k++) {
         float *g = NULL;
@@ -236,7 +177,7 @@ static void run(ds4_engine *e, const char *fixtures, const char *fixture) {
         CHECK_OK(ds4_model_grad_buffer(one, &g, &n, &err), &err);
         CHECK(g != one->grads, "the gradients live on the twin");
         if (!g) break;
-        fill_grads(g, n, k);
+        twin_grads(g, n, k);
         ds4_model_grads_changed(one);
         CHECK_OK(ds4_adamw_step(o1, &st, &err), &err);
         diff_norm += st.grad_norm != ref_norms[k];
@@ -274,7 +215,7 @@ static void run(ds4_engine *e, const char *fixtures, const char *fixture) {
         CHECK_OK(ds4_model_enable_grad(rk[r], &err), &err);
         CHECK_OK(ds4_engine_create(&teo, &te[r], &err), &err);
         dv[r] = te[r] ? twin_attach(te[r], rk[r]) : NULL;
-        CHECK_OK(ds4_adamw_create(rk[r], &OPTS, &c->opt, &err), &err);
+        CHECK_OK(ds4_adamw_create(rk[r], &TWIN_OPTS, &c->opt, &err), &err);
         if (!dv[r] || !c->opt || !c->mom_m || !c->mom_v) {
             ready = 0;
             continue;

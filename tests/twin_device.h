@@ -1,0 +1,90 @@
+/* twin_device.h — a "device" for the device-path tests on machines without a GPU (test_zero_device.c,
+ * test_ep_shard_device.c): a twin of the CPU backend that declares its memory host-invisible, so a model's training
+ * state goes through the paths a CUDA model takes (the gradients, fp32 master and moments in backend memory, the
+ * optimizer's device step, the read-backs), while its operations stay the CPU backend's. Include after testlib.h;
+ * every test is its own executable. */
+#ifndef DS4_TWIN_DEVICE_H
+#define DS4_TWIN_DEVICE_H
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "ds4_train.h"
+#include "engine.h"
+#include "internal.h"
+#include "model.h"
+#include "ops.h"
+#include "testlib.h"
+
+/* The optimizer of the device-step tests: clipping active (their gradients' norms are above 0.05), weight decay on. */
+static const ds4_adamw_options TWIN_OPTS = {.lr = 2e-3, .beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8, .weight_decay = 0.1,
+                                            .clip = 0.05, .schedule = DS4_LR_CONSTANT};
+
+/* step k's gradient (the same on every rank: what the all-reduce leaves): a fixed pseudo-random pattern, |g| < 1e-3 */
+static inline void twin_grads(float *g, int64_t n, int k) {
+    uint64_t s = 0x9e3779b97f4a7c15ull * (uint64_t)(k + 1);
+    for (int64_t i = 0; i < n; i++) {
+        s ^= s >> 12, s ^= s << 25, s ^= s >> 27;
+        g[i] = (float)((double)((s * 0x2545f4914f6cdd1dull) >> 11) * (1.0 / 9007199254740992.0) * 2e-3 - 1e-3);
+    }
+}
+
+/* The reference of the device-step tests: the host optimizer on the CPU model ref, `steps` steps of twin_grads, each
+ * gradient norm into norms[k] (clipping checked active at the first). The optimizer, or NULL after a failed check. */
+static ds4_adamw *twin_reference(ds4_model *ref, int steps, double *norms) {
+    ds4_error err = {0};
+    ds4_adamw *opt = NULL;
+    const int64_t P = ds4_model_param_count(ref);
+    CHECK_OK(ds4_model_enable_grad(ref, &err), &err);
+    CHECK_OK(ds4_adamw_create(ref, &TWIN_OPTS, &opt, &err), &err);
+    for (int k = 0; opt && k < steps; k++) {
+        twin_grads(ds4_model_grads(ref), P, k);
+        ds4_model_grads_changed(ref);
+        ds4_adamw_stats st;
+        CHECK_OK(ds4_adamw_step(opt, &st, &err), &err);
+        norms[k] = st.grad_norm;
+        CHECK(k > 0 || st.grad_norm > TWIN_OPTS.clip, "step 1: gradient norm %g above the clip %g", st.grad_norm,
+              TWIN_OPTS.clip);
+    }
+    return opt;
+}
+
+/* Give a CPU model a "device": a CPU backend marked host-invisible, with a working copy laid out flat (fp32). The
+ * backend runs its large copies on e's pool: each rank's twin gets an engine of its own, as a pool serves one caller
+ * at a time (ranks are processes of their own in a real job). */
+static ds4_dev *twin_attach(ds4_engine *e, ds4_model *m) {
+    ds4_error err = {0};
+    ds4_dev *d = NULL;
+    CHECK_OK(ds4_cpu_dev_create(e->pool, &d, &err), &err);
+    if (!d) return NULL;
+    d->host_visible = 0;
+    m->dev_off = malloc(m->n_table * sizeof *m->dev_off);
+    m->dev_mem = malloc((size_t)m->n_params * sizeof(float));
+    if (!m->dev_off || !m->dev_mem) {
+        CHECK(0, "twin: allocating the working copy");
+        return NULL;
+    }
+    for (size_t i = 0; i < m->n_table; i++)
+        m->dev_off[i] = m->table[i].dtype == DS4_F32 && !m->table[i].elsewhere
+                            ? m->table[i].offset * (int64_t)sizeof(float) : -1; /* elsewhere: another rank's expert */
+    memcpy(m->dev_mem, m->params, (size_t)m->n_params * sizeof(float));
+    m->dev_w.mdt = DS4_F32;
+    m->dev = d;
+    CHECK_OK(ds4_model_train_bind(m, &err), &err); /* the gradients on the twin */
+    return d;
+}
+
+/* Back to the CPU backend: the training state read back and freed through the twin, then the twin released. */
+static void twin_detach(ds4_model *m, ds4_dev *d) {
+    ds4_error err = {0};
+    CHECK_OK(ds4_model_drop_train_state(m, &err), &err);
+    free(m->dev_mem);
+    free(m->dev_off);
+    m->dev_mem = NULL;
+    m->dev_off = NULL;
+    m->dev = m->cpu;
+    ds4_dev_release(d);
+}
+
+#endif
