@@ -591,6 +591,49 @@ const char *ds4_model_device_name(const ds4_model *m) {
     return names[m->dev_opt.dtype == DS4_BF16][i];
 }
 
+ds4_status ds4_model_to_backend(ds4_model *m, ds4_dev *nd, const ds4_device_options *o, ds4_error *err) {
+    const ds4_dtype mdt = o->dtype == DS4_BF16 ? DS4_BF16 : DS4_F32;
+    int64_t *old_off = m->dev_off;
+    const size_t old_sizes[3] = {m->dev_f32_bytes, m->dev_bytes, m->dev_q4_bytes};
+    m->dev_off = NULL;
+    void *mem = NULL;
+    ds4_status s = layout(m, mdt, err);
+    if (!s) {
+        s = nd->ops->alloc(nd, m->dev_bytes, &mem, err);
+        if (s) ds4_error_prefix(err, "model to cuda:%d (%lld parameters, %s): ", (int)o->index, (long long)m->n_params,
+                                ds4_dtype_name(mdt));
+    }
+    if (!s) s = save_train_state(m, err); /* the host copies must be current before they are uploaded */
+    if (!s) s = upload_weights(m, nd, mem, mdt, err);
+    if (!s && m->q4) s = upload_q4(m, nd, mem, err);
+    if (s) { /* nothing changed: the model stays where it was */
+        if (mem) nd->ops->free(nd, mem);
+        ds4_dev_release(nd);
+        free(m->dev_off);
+        m->dev_off = old_off;
+        m->dev_f32_bytes = old_sizes[0], m->dev_bytes = old_sizes[1], m->dev_q4_bytes = old_sizes[2];
+        (void)ds4_lora_to_backend(m, NULL); /* save_train_state brought the adapters home: back where they were */
+        return s;
+    }
+    int64_t *new_off = m->dev_off;
+    const size_t f32b = m->dev_f32_bytes, bytes = m->dev_bytes, q4b = m->dev_q4_bytes;
+    m->dev_off = old_off;
+    drop_device(m);
+    m->dev_off = new_off;
+    m->dev_f32_bytes = f32b;
+    m->dev_bytes = bytes;
+    m->dev_q4_bytes = q4b;
+    m->dev = nd;
+    m->dev_mem = mem;
+    ds4_weights_bind(m, &m->dev_w, mdt, mem, dev_byte_offset, NULL, (int32_t *)(void *)((char *)mem + f32b));
+    m->dw = &m->dev_w;
+    m->dev_opt = (ds4_device_options){DS4_DEVICE_CUDA, o->index, mdt};
+    m->params_dirty = 0;
+    s = ds4_lora_to_backend(m, err); /* the adapters follow the model */
+    if (s) return s;
+    return ds4_model_train_bind(m, err); /* gradients follow the model (a failure leaves them on the host) */
+}
+
 ds4_status ds4_model_to(ds4_model *m, const ds4_device_options *o, ds4_error *err) {
     if (!m || !o) return ds4_fail(err, DS4_ERR_ARG, "model to device: NULL argument");
     if (o->type != DS4_DEVICE_CPU && o->type != DS4_DEVICE_CUDA)
@@ -626,45 +669,7 @@ ds4_status ds4_model_to(ds4_model *m, const ds4_device_options *o, ds4_error *er
                         count == 1 ? "" : "s");
     ds4_dev *nd = NULL;
     if ((s = ds4_cuda_dev_create(o->index, &nd, err))) return s;
-    int64_t *old_off = m->dev_off;
-    const size_t old_sizes[3] = {m->dev_f32_bytes, m->dev_bytes, m->dev_q4_bytes};
-    m->dev_off = NULL;
-    void *mem = NULL;
-    s = layout(m, mdt, err);
-    if (!s) {
-        s = nd->ops->alloc(nd, m->dev_bytes, &mem, err);
-        if (s) ds4_error_prefix(err, "model to cuda:%d (%lld parameters, %s): ", (int)o->index, (long long)m->n_params,
-                                ds4_dtype_name(mdt));
-    }
-    if (!s) s = save_train_state(m, err); /* the host copies must be current before they are uploaded */
-    if (!s) s = upload_weights(m, nd, mem, mdt, err);
-    if (!s && m->q4) s = upload_q4(m, nd, mem, err);
-    if (s) { /* nothing changed: the model stays where it was */
-        if (mem) nd->ops->free(nd, mem);
-        ds4_dev_release(nd);
-        free(m->dev_off);
-        m->dev_off = old_off;
-        m->dev_f32_bytes = old_sizes[0], m->dev_bytes = old_sizes[1], m->dev_q4_bytes = old_sizes[2];
-        (void)ds4_lora_to_backend(m, NULL); /* save_train_state brought the adapters home: back where they were */
-        return s;
-    }
-    int64_t *new_off = m->dev_off;
-    const size_t f32b = m->dev_f32_bytes, bytes = m->dev_bytes, q4b = m->dev_q4_bytes;
-    m->dev_off = old_off;
-    drop_device(m);
-    m->dev_off = new_off;
-    m->dev_f32_bytes = f32b;
-    m->dev_bytes = bytes;
-    m->dev_q4_bytes = q4b;
-    m->dev = nd;
-    m->dev_mem = mem;
-    ds4_weights_bind(m, &m->dev_w, mdt, mem, dev_byte_offset, NULL, (int32_t *)(void *)((char *)mem + f32b));
-    m->dw = &m->dev_w;
-    m->dev_opt = (ds4_device_options){DS4_DEVICE_CUDA, o->index, mdt};
-    m->params_dirty = 0;
-    s = ds4_lora_to_backend(m, err); /* the adapters follow the model */
-    if (s) return s;
-    return ds4_model_train_bind(m, err); /* gradients follow the model (a failure leaves them on the host) */
+    return ds4_model_to_backend(m, nd, o, err);
 #endif
 }
 

@@ -26,17 +26,13 @@
 #include "testlib.h"
 #include "twin_device.h"
 
-enum { STEPS = 3, WORLD = 2 };
+enum { STEPS = 3, WORLD = TWIN_WORLD };
 
 /* ---------------------------------------------------------------------------------------------- the exchange */
 
-typedef struct shared {
-    pthread_barrier_t bar;
-    const char *send[WORLD];
-} shared;
 
 typedef struct rank_ctx {
-    shared *sh;
+    twin_world *sh;
     int32_t rank;
     ds4_model *m;
     ds4_adamw *opt;
@@ -53,10 +49,7 @@ typedef struct rank_ctx {
 static ds4_status host_blocks(void *ctx, const void *send, void *recv, size_t bytes, ds4_error *err) {
     (void)err;
     rank_ctx *c = ctx;
-    c->sh->send[c->rank] = send;
-    pthread_barrier_wait(&c->sh->bar);
-    for (int s = 0; s < WORLD; s++) memcpy((char *)recv + (size_t)s * bytes, c->sh->send[s] + (size_t)c->rank * bytes, bytes);
-    pthread_barrier_wait(&c->sh->bar); /* everyone has read every buffer */
+    twin_blocks(c->sh, c->rank, send, recv, bytes);
     return DS4_OK;
 }
 
@@ -141,7 +134,7 @@ static void run(ds4_engine *e, const char *fixtures, const char *fixture) {
     ds4_adamw_state rs;
     if (ropt) ds4_adamw_get_state(ropt, &rs);
 
-    shared sh;
+    twin_world sh;
     pthread_barrier_init(&sh.bar, NULL, WORLD);
     rank_ctx ctx[WORLD];
     ds4_dev *dv[WORLD] = {NULL};
@@ -163,9 +156,7 @@ static void run(ds4_engine *e, const char *fixtures, const char *fixture) {
         if (!dv[r] || !c->opt || !c->w || !c->mom_m || !c->mom_v) ready = 0;
     }
     if (ready) {
-        pthread_t th[WORLD];
-        for (int r = 0; r < WORLD; r++) pthread_create(&th[r], NULL, rank_main, &ctx[r]);
-        for (int r = 0; r < WORLD; r++) pthread_join(th[r], NULL);
+        twin_run(rank_main, ctx, sizeof ctx[0]);
         for (int r = 0; r < WORLD; r++) {
             rank_ctx *c = &ctx[r];
             CHECK(!c->failed, "rank %d: a step or a gather failed", r);

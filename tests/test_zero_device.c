@@ -21,7 +21,7 @@
 #include "testlib.h"
 #include "twin_device.h"
 
-enum { STEPS = 4, WORLD = 2 };
+enum { STEPS = 4, WORLD = TWIN_WORLD };
 
 /* ---------------------------------------------------------------------------------------------- collectives */
 
@@ -228,9 +228,7 @@ static void run(ds4_engine *e, const char *fixtures, const char *fixture) {
         CHECK_OK(ds4_adamw_set_shard(c->opt, &s, &err), &err);
     }
     if (ready) {
-        pthread_t th[WORLD];
-        for (int r = 0; r < WORLD; r++) pthread_create(&th[r], NULL, rank_main, &ctx[r]);
-        for (int r = 0; r < WORLD; r++) pthread_join(th[r], NULL);
+        twin_run(rank_main, ctx, sizeof ctx[0]);
         for (int r = 0; r < WORLD; r++) {
             rank_ctx *c = &ctx[r];
             CHECK(!c->failed, "rank %d: a step failed", r);

@@ -6,6 +6,7 @@
 #ifndef DS4_TWIN_DEVICE_H
 #define DS4_TWIN_DEVICE_H
 
+#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -16,6 +17,32 @@
 #include "model.h"
 #include "ops.h"
 #include "testlib.h"
+
+/* The ranks of the device-path tests: TWIN_WORLD threads meeting at a barrier, each publishing its buffer, then
+ * reading the others'. */
+enum { TWIN_WORLD = 2 };
+typedef struct twin_world {
+    pthread_barrier_t bar;
+    const char *send[TWIN_WORLD];
+    const int64_t *send_rows[TWIN_WORLD];
+    const void *buf[TWIN_WORLD];
+} twin_world;
+
+/* The expert-parallel host exchange (ds4_expert_parallel.host_all_to_all): block q (bytes each) of send to rank q,
+ * block s of recv from rank s. */
+static inline void twin_blocks(twin_world *w, int32_t rank, const void *send, void *recv, size_t bytes) {
+    w->send[rank] = send;
+    pthread_barrier_wait(&w->bar);
+    for (int s = 0; s < TWIN_WORLD; s++) memcpy((char *)recv + (size_t)s * bytes, w->send[s] + (size_t)rank * bytes, bytes);
+    pthread_barrier_wait(&w->bar); /* everyone has read every buffer */
+}
+
+/* fn on every rank's thread, ctx the first of TWIN_WORLD contexts of ctx_size bytes; returns when all have ended */
+static inline void twin_run(void *(*fn)(void *), void *ctx, size_t ctx_size) {
+    pthread_t th[TWIN_WORLD];
+    for (int r = 0; r < TWIN_WORLD; r++) pthread_create(&th[r], NULL, fn, (char *)ctx + (size_t)r * ctx_size);
+    for (int r = 0; r < TWIN_WORLD; r++) pthread_join(th[r], NULL);
+}
 
 /* The optimizer of the device-step tests: clipping active (their gradients' norms are above 0.05), weight decay on. */
 static const ds4_adamw_options TWIN_OPTS = {.lr = 2e-3, .beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8, .weight_decay = 0.1,
@@ -32,7 +59,7 @@ static inline void twin_grads(float *g, int64_t n, int k) {
 
 /* The reference of the device-step tests: the host optimizer on the CPU model ref, `steps` steps of twin_grads, each
  * gradient norm into norms[k] (clipping checked active at the first). The optimizer, or NULL after a failed check. */
-static ds4_adamw *twin_reference(ds4_model *ref, int steps, double *norms) {
+static inline ds4_adamw *twin_reference(ds4_model *ref, int steps, double *norms) {
     ds4_error err = {0};
     ds4_adamw *opt = NULL;
     const int64_t P = ds4_model_param_count(ref);
@@ -53,7 +80,7 @@ static ds4_adamw *twin_reference(ds4_model *ref, int steps, double *norms) {
 /* Give a CPU model a "device": a CPU backend marked host-invisible, with a working copy laid out flat (fp32). The
  * backend runs its large copies on e's pool: each rank's twin gets an engine of its own, as a pool serves one caller
  * at a time (ranks are processes of their own in a real job). */
-static ds4_dev *twin_attach(ds4_engine *e, ds4_model *m) {
+static inline ds4_dev *twin_attach(ds4_engine *e, ds4_model *m) {
     ds4_error err = {0};
     ds4_dev *d = NULL;
     CHECK_OK(ds4_cpu_dev_create(e->pool, &d, &err), &err);
@@ -76,7 +103,7 @@ static ds4_dev *twin_attach(ds4_engine *e, ds4_model *m) {
 }
 
 /* Back to the CPU backend: the training state read back and freed through the twin, then the twin released. */
-static void twin_detach(ds4_model *m, ds4_dev *d) {
+static inline void twin_detach(ds4_model *m, ds4_dev *d) {
     ds4_error err = {0};
     CHECK_OK(ds4_model_drop_train_state(m, &err), &err);
     free(m->dev_mem);
