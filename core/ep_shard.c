@@ -41,20 +41,24 @@ static float *shrink(float *buf, int64_t n) {
 }
 
 /* A model on a device: its training state comes home (the host mirrors brought up to date, an optimizer's moments
- * back in its buffers), the host buffers are cut down, and the model goes back to the same device with only this
- * rank's experts — the device copy is laid out afresh from the compacted table (backend.c), so nothing of the whole
- * layout is kept there. If the way back fails the model stays on the CPU, sharded, and the error says so. */
+ * back in its buffers), the host buffers are cut down, and the model goes back onto the same backend (kept across:
+ * ds4_model_to_backend) with only this rank's experts — the device copy is laid out afresh from the compacted table
+ * (backend.c), so nothing of the whole layout stays there. If the way back fails the model stays on the CPU, sharded,
+ * and the error says so. */
 static ds4_status shard_on_device(ds4_model *m, int32_t rank, int32_t world, ds4_error *err) {
     const ds4_device_options at = ds4_model_device(m), cpu = {.type = DS4_DEVICE_CPU, .dtype = DS4_F32};
     char where[32];
     snprintf(where, sizeof where, "%s", ds4_model_device_name(m));
+    ds4_dev *d = m->dev;
+    d->refs++; /* the backend outlives the model's hold on it */
     ds4_status s = ds4_model_to(m, &cpu, err);
     if (!s) s = ds4_ep_shard(m, rank, world, err);
     if (s) {
+        ds4_dev_release(d);
         ds4_error_prefix(err, "expert parallel: sharding the experts of a model on %s: ", where);
         return s;
     }
-    if ((s = ds4_model_to(m, &at, err)))
+    if ((s = ds4_model_to_backend(m, d, &at, err))) /* which takes the backend, released on failure */
         ds4_error_prefix(err, "expert parallel: the experts were sharded on the host, but the model could not go back "
                               "to %s (it is on the CPU now): ", where);
     return s;

@@ -3,8 +3,9 @@
  * ds4_model_to's own device half (ds4_model_to_backend: backend.c's layout, upload and bindings; the sharded model's
  * device copy laid out from its compacted table), and train both on the rank's rows for 2 steps: training forward,
  * backward with the global normalisation, the gradient sum over the ranks (rank order; the sharded model's replicated
- * runs only, as all_reduce_grads does), the device optimizer step. The expert-parallel hooks move rows over shared
- * memory and say they work on device 0's memory, as NCCL's do.
+ * runs only, as all_reduce_grads does), the device optimizer step. Rank 0 shards its model on the host before the
+ * move, rank 1 on the device (ds4_ep_shard of a device model: through the host and back onto the same backend). The
+ * expert-parallel hooks move rows over shared memory and say they work on device 0's memory, as NCCL's do.
  *
  * Reference: the replicated expert-parallel model on the same twin (tests/lua/dist_expert_parallel.lua shows it equal
  * to one process on the whole batch). What must hold, bit for bit, and why: sharding moves no arithmetic — each
@@ -249,13 +250,21 @@ static void run(ds4_engine *e0, const char *fixtures, const char *fixture) {
                                   .host_all_to_all = host_blocks};
         CHECK_OK(ds4_model_set_expert_parallel(c->rep, &ep, &err), &err);
         ep.shard = 1;
-        CHECK_OK(ds4_model_set_expert_parallel(c->shm, &ep, &err), &err); /* cut down on the host */
+        /* rank 0 cuts its model down on the host before the move; rank 1 shards it on the device (through the host
+         * and back onto the same backend, its gradients with it): the same layout either way */
+        if (r == 0) CHECK_OK(ds4_model_set_expert_parallel(c->shm, &ep, &err), &err);
         ds4_model *both[2] = {c->rep, c->shm};
         if (!ds4_model_has_mtp(c->rep)) topt.mtp_lambda = 0;
         for (int k = 0; k < 2; k++) {
             CHECK_OK(ds4_model_set_train_options(both[k], &topt, &err), &err);
             CHECK_OK(ds4_model_enable_grad(both[k], &err), &err);
             if (!twin_move(te[r], both[k])) ready = 0;
+        }
+        if (r == 1) {
+            const ds4_dev *d = c->shm->dev;
+            CHECK_OK(ds4_model_set_expert_parallel(c->shm, &ep, &err), &err);
+            CHECK(c->shm->dev == d && c->shm->dev_opt.type == DS4_DEVICE_CUDA && c->shm->dgrads,
+                  "%s: sharded on the device: back on the same backend, its gradients there", fixture);
         }
         CHECK_OK(ds4_adamw_create(c->rep, &ao, &c->rep_opt, &err), &err);
         CHECK_OK(ds4_adamw_create(c->shm, &ao, &c->sh_opt, &err), &err);
