@@ -52,10 +52,12 @@ static ds4_status shard_on_device(ds4_model *m, int32_t rank, int32_t world, ds4
     ds4_dev *d = m->dev;
     d->refs++; /* the backend outlives the model's hold on it */
     ds4_status s = ds4_model_to(m, &cpu, err);
+    const int moved = !s;
     if (!s) s = ds4_ep_shard(m, rank, world, err);
     if (s) {
         ds4_dev_release(d);
-        ds4_error_prefix(err, "expert parallel: sharding the experts of a model on %s: ", where);
+        ds4_error_prefix(err, "expert parallel: sharding the experts of a model on %s%s: ", where,
+                         moved ? " (it is on the CPU now, whole)" : "");
         return s;
     }
     if ((s = ds4_model_to_backend(m, d, &at, err))) /* which takes the backend, released on failure */
