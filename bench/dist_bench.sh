@@ -3,10 +3,12 @@
 # launched torchrun-style (plain processes with RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT; rank r
 # on GPU r), one run after the other: bench/dist_train.lua's global tokens/s at each size and the scaling efficiency
 # (tokens/s over N times one rank's). Ends with one line "dist bench: ..." (scripts/gpu.sh reads it). With
-# `-- --ep 1` the runs of more than one rank add expert parallelism (DP×EP; the 1-rank run is the same either way).
+# `-- --ep 1` the runs of more than one rank add expert parallelism (DP×EP; the 1-rank run is the same either way),
+# `-- --ep 2` with sharded experts (each GPU holds only its experts' state; every rank's state in MiB is printed).
 #
 #   bash bench/dist_bench.sh build-gpu/ds4 1 2                     # the 599M config, 8 x 1024 rows per rank, bf16
 #   bash bench/dist_bench.sh build-gpu/ds4 1 2 4 -- --ep 1         # DP×EP: 32 experts, 8 on each of 4 GPUs
+#   bash bench/dist_bench.sh build-gpu/ds4 1 2 4 -- --ep 2         # the same, each GPU holding only its 8 experts
 #   bash bench/dist_bench.sh build-gpu/ds4 1 2 4 -- --zero 2       # ZeRO-1 with the reduce-scatter (--zero 1: all-reduce)
 #   bash bench/dist_bench.sh build/ds4 1 2 -- --device cpu --dtype fp32 --config tests/fixtures/tiny_a/config.json
 set -uo pipefail
@@ -36,10 +38,12 @@ for n in "${ranks[@]}"; do
     if [ "$n" -gt 1 ]; then # the mode of the runs of several ranks (one rank runs neither EP nor ZeRO-1)
         mode="data-parallel"
         grep -q '^dist expert_parallel 1' "$log/run$n.0" && mode="data × expert parallel"
+        grep -q '^dist expert_parallel 2' "$log/run$n.0" && mode="data × expert parallel, sharded experts"
         grep -q '^dist zero 1' "$log/run$n.0" && mode="$mode, ZeRO-1"
         grep -q '^dist zero 2' "$log/run$n.0" && mode="$mode, ZeRO-1 reduce-scatter"
     fi
     mib="$(sed -n 's/^dist state_mib //p' "$log/run$n.0")"
+    [ "$n" -gt 1 ] && sed -n 's/^dist state_mib_rank \([0-9]*\) \(.*\)/  rank \1: \2 MiB of training state on its device/p' "$log/run$n.0"
     eff=""
     [ -n "$one" ] && [ -n "$tps" ] && eff="$(awk -v t="$tps" -v o="$one" -v n="$n" 'BEGIN{printf " (%.0f%% of %d x 1 rank)", 100*t/(n*o), n}')"
     per="$(awk -v t="$tps" -v n="$n" 'BEGIN { if (t != "" && n > 1) printf ", %.0f per rank", t / n }')"

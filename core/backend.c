@@ -3,10 +3,11 @@
  * A model is created on the CPU backend of its engine: its weights are the host fp32 master copy, used in place.
  * ds4_model_to moves it to another backend: the weights are copied there once, each tensor in its working dtype
  * (the "M" matrices, ds4_param_lowp, in the device's dtype; everything else fp32), in table order, each tensor
- * 16-byte aligned except routed experts after the first, which must follow expert 0 contiguously; then the tid2eid
- * tables; then the FP4-resident experts' bytes and scales exactly as the host holds them (never expanded: the
- * kernels decode them as they read them). Host parameter changes mark the copy dirty; the next pass refreshes it
- * (the FP4-resident experts never change). docs/design.md. */
+ * 16-byte aligned except routed experts after the first, which must follow expert 0 contiguously (sharded experts,
+ * ep_shard.c: only this rank's, following its first; the others' have no place); then the tid2eid tables; then the
+ * FP4-resident experts' bytes and scales exactly as the host holds them (never expanded: the kernels decode them as
+ * they read them). Host parameter changes mark the copy dirty; the next pass refreshes it (the FP4-resident experts
+ * never change). docs/design.md. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -133,8 +134,9 @@ static ds4_status layout(ds4_model *m, ds4_dtype mdt, ds4_error *err) {
     for (size_t i = 0; i < m->n_table; i++) {
         const ds4_param *p = &m->table[i];
         off[i] = -1;
-        if (p->dtype != DS4_F32) continue;
-        if (!p->follows) at = (at + 15) & ~(size_t)15;
+        if (p->dtype != DS4_F32 || p->elsewhere) continue; /* sharded experts: another rank's has no place here */
+        /* the first expert this rank holds (expert 0, or its first under sharding) starts aligned; the rest follow */
+        if (!p->follows || m->table[i - 1].elsewhere) at = (at + 15) & ~(size_t)15;
         off[i] = (int64_t)at;
         at += (size_t)p->numel * ds4_dtype_size(p->lowp ? mdt : DS4_F32);
     }
@@ -172,7 +174,7 @@ static ds4_status upload_weights(ds4_model *m, ds4_dev *d, void *mem, ds4_dtype 
     ds4_status st = DS4_OK;
     for (size_t i = 0; i < m->n_table && !st; i++) {
         const ds4_param *p = &m->table[i];
-        if (p->dtype != DS4_F32) continue;
+        if (p->dtype != DS4_F32 || p->elsewhere) continue;
         const float *src = m->params + p->offset;
         const ds4_dtype dt = p->lowp ? mdt : DS4_F32;
         const size_t es = ds4_dtype_size(dt), per = STAGE / es;
@@ -287,13 +289,13 @@ ds4_status ds4_model_master_ready(ds4_model *m, size_t scratch_bytes, int64_t mo
     if (!m->dmaster && !m->lora) { /* adapters are stepped in place: no master or moments of the frozen weights */
         /* the cast table: every fp32 table entry, master (flat) -> working copy (the backend's layout and dtype) */
         int64_t n = 0;
-        for (size_t i = 0; i < m->n_table; i++) n += m->table[i].dtype == DS4_F32;
+        for (size_t i = 0; i < m->n_table; i++) n += m->table[i].dtype == DS4_F32 && !m->table[i].elsewhere;
         ds4_cast_entry *e = malloc((size_t)(n ? n : 1) * sizeof *e);
         if (!e) return ds4_fail(err, DS4_ERR_OOM, "device optimizer: cast table of %lld tensors", (long long)n);
         int64_t k = 0;
         for (size_t i = 0; i < m->n_table; i++) {
             const ds4_param *p = &m->table[i];
-            if (p->dtype != DS4_F32) continue;
+            if (p->dtype != DS4_F32 || p->elsewhere) continue;
             e[k++] = (ds4_cast_entry){.src = p->offset, .dst = m->dev_off[i], .n = p->numel, .lowp = p->lowp};
         }
         void *master = NULL, *cast = NULL;
@@ -589,50 +591,13 @@ const char *ds4_model_device_name(const ds4_model *m) {
     return names[m->dev_opt.dtype == DS4_BF16][i];
 }
 
-ds4_status ds4_model_to(ds4_model *m, const ds4_device_options *o, ds4_error *err) {
-    if (!m || !o) return ds4_fail(err, DS4_ERR_ARG, "model to device: NULL argument");
-    if (o->type != DS4_DEVICE_CPU && o->type != DS4_DEVICE_CUDA)
-        return ds4_fail(err, DS4_ERR_ARG, "model to device: unknown device type %d", (int)o->type);
+ds4_status ds4_model_to_backend(ds4_model *m, ds4_dev *nd, const ds4_device_options *o, ds4_error *err) {
     const ds4_dtype mdt = o->dtype == DS4_BF16 ? DS4_BF16 : DS4_F32;
-    if (o->dtype != DS4_F32 && o->dtype != DS4_BF16)
-        return ds4_fail(err, DS4_ERR_ARG, "model to device: dtype %s (F32 or BF16)", ds4_dtype_name(o->dtype));
-    if (o->type == DS4_DEVICE_CPU) {
-        if (mdt != DS4_F32)
-            return ds4_fail(err, DS4_ERR_UNSUPPORTED, "model to cpu: dtype %s (the CPU backend is fp32)",
-                            ds4_dtype_name(mdt));
-        if (m->dev != m->cpu) {
-            ds4_status s = save_train_state(m, err);
-            if (s) return s;
-            drop_device(m);
-        }
-        return DS4_OK;
-    }
-    if (m->ep_shard)
-        return ds4_fail(err, DS4_ERR_UNSUPPORTED, "model to cuda:%d: the routed experts are sharded over %d ranks "
-                                                  "(expert parallelism): sharded experts stay on the CPU (not done on "
-                                                  "GPUs)", (int)o->index, m->ep_shard_world);
-#ifndef DS4_HAVE_CUDA
-    return ds4_fail(err, DS4_ERR_UNSUPPORTED,
-                    "model to cuda:%d: this build of ds4 has no CUDA backend (nvcc was not found when it was configured)",
-                    (int)o->index);
-#else
-    if (m->dev != m->cpu && m->dev_opt.index == o->index && m->dev_opt.dtype == mdt) return DS4_OK;
-    int count = 0;
-    ds4_status s = ds4_cuda_device_count(&count, err);
-    if (s) return s;
-    if (count == 0)
-        return ds4_fail(err, DS4_ERR_UNSUPPORTED, "model to cuda:%d: no CUDA device here (no driver or no GPU)",
-                        (int)o->index);
-    if (o->index < 0 || o->index >= count)
-        return ds4_fail(err, DS4_ERR_ARG, "model to cuda:%d: %d CUDA device%s", (int)o->index, count,
-                        count == 1 ? "" : "s");
-    ds4_dev *nd = NULL;
-    if ((s = ds4_cuda_dev_create(o->index, &nd, err))) return s;
     int64_t *old_off = m->dev_off;
     const size_t old_sizes[3] = {m->dev_f32_bytes, m->dev_bytes, m->dev_q4_bytes};
     m->dev_off = NULL;
     void *mem = NULL;
-    s = layout(m, mdt, err);
+    ds4_status s = layout(m, mdt, err);
     if (!s) {
         s = nd->ops->alloc(nd, m->dev_bytes, &mem, err);
         if (s) ds4_error_prefix(err, "model to cuda:%d (%lld parameters, %s): ", (int)o->index, (long long)m->n_params,
@@ -667,6 +632,44 @@ ds4_status ds4_model_to(ds4_model *m, const ds4_device_options *o, ds4_error *er
     s = ds4_lora_to_backend(m, err); /* the adapters follow the model */
     if (s) return s;
     return ds4_model_train_bind(m, err); /* gradients follow the model (a failure leaves them on the host) */
+}
+
+ds4_status ds4_model_to(ds4_model *m, const ds4_device_options *o, ds4_error *err) {
+    if (!m || !o) return ds4_fail(err, DS4_ERR_ARG, "model to device: NULL argument");
+    if (o->type != DS4_DEVICE_CPU && o->type != DS4_DEVICE_CUDA)
+        return ds4_fail(err, DS4_ERR_ARG, "model to device: unknown device type %d", (int)o->type);
+    const ds4_dtype mdt = o->dtype == DS4_BF16 ? DS4_BF16 : DS4_F32;
+    if (o->dtype != DS4_F32 && o->dtype != DS4_BF16)
+        return ds4_fail(err, DS4_ERR_ARG, "model to device: dtype %s (F32 or BF16)", ds4_dtype_name(o->dtype));
+    if (o->type == DS4_DEVICE_CPU) {
+        if (mdt != DS4_F32)
+            return ds4_fail(err, DS4_ERR_UNSUPPORTED, "model to cpu: dtype %s (the CPU backend is fp32)",
+                            ds4_dtype_name(mdt));
+        if (m->dev != m->cpu) {
+            ds4_status s = save_train_state(m, err);
+            if (s) return s;
+            drop_device(m);
+        }
+        return DS4_OK;
+    }
+#ifndef DS4_HAVE_CUDA
+    return ds4_fail(err, DS4_ERR_UNSUPPORTED,
+                    "model to cuda:%d: this build of ds4 has no CUDA backend (nvcc was not found when it was configured)",
+                    (int)o->index);
+#else
+    if (m->dev != m->cpu && m->dev_opt.index == o->index && m->dev_opt.dtype == mdt) return DS4_OK;
+    int count = 0;
+    ds4_status s = ds4_cuda_device_count(&count, err);
+    if (s) return s;
+    if (count == 0)
+        return ds4_fail(err, DS4_ERR_UNSUPPORTED, "model to cuda:%d: no CUDA device here (no driver or no GPU)",
+                        (int)o->index);
+    if (o->index < 0 || o->index >= count)
+        return ds4_fail(err, DS4_ERR_ARG, "model to cuda:%d: %d CUDA device%s", (int)o->index, count,
+                        count == 1 ? "" : "s");
+    ds4_dev *nd = NULL;
+    if ((s = ds4_cuda_dev_create(o->index, &nd, err))) return s;
+    return ds4_model_to_backend(m, nd, o, err);
 #endif
 }
 

@@ -7,7 +7,10 @@
  * out in table order as before with those left out. So every replicated tensor lies at the same offset on every rank
  * (the ranks hold the same number of experts), a rank's experts of one layer and kind stay contiguous (the layer's
  * view points at the first of them: moe_ep.c indexes from it), and `goff` keeps each entry's offset in the whole
- * layout, which a gather fills and checkpoints are written from. */
+ * layout, which a gather fills and checkpoints are written from. A model on a device (CUDA) lays its working copy out
+ * from the same table (backend.c: another rank's expert has no place), and its gradients, fp32 master and moments are
+ * flat buffers of the compacted size, so a device holds only this rank's experts' state too. */
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -37,6 +40,32 @@ static float *shrink(float *buf, int64_t n) {
     return q ? q : buf;
 }
 
+/* A model on a device: its training state comes home (the host mirrors brought up to date, an optimizer's moments
+ * back in its buffers), the host buffers are cut down, and the model goes back onto the same backend (kept across:
+ * ds4_model_to_backend) with only this rank's experts — the device copy is laid out afresh from the compacted table
+ * (backend.c), so nothing of the whole layout stays there. If the way back fails the model stays on the CPU, sharded,
+ * and the error says so. */
+static ds4_status shard_on_device(ds4_model *m, int32_t rank, int32_t world, ds4_error *err) {
+    const ds4_device_options at = ds4_model_device(m), cpu = {.type = DS4_DEVICE_CPU, .dtype = DS4_F32};
+    char where[32];
+    snprintf(where, sizeof where, "%s", ds4_model_device_name(m));
+    ds4_dev *d = m->dev;
+    d->refs++; /* the backend outlives the model's hold on it */
+    ds4_status s = ds4_model_to(m, &cpu, err);
+    const int moved = !s;
+    if (!s) s = ds4_ep_shard(m, rank, world, err);
+    if (s) {
+        ds4_dev_release(d);
+        ds4_error_prefix(err, "expert parallel: sharding the experts of a model on %s%s: ", where,
+                         moved ? " (it is on the CPU now, whole)" : "");
+        return s;
+    }
+    if ((s = ds4_model_to_backend(m, d, &at, err))) /* which takes the backend, released on failure */
+        ds4_error_prefix(err, "expert parallel: the experts were sharded on the host, but the model could not go back "
+                              "to %s (it is on the CPU now): ", where);
+    return s;
+}
+
 ds4_status ds4_ep_shard(ds4_model *m, int32_t rank, int32_t world, ds4_error *err) {
     if (m->ep_shard) {
         if (m->ep_shard_rank == rank && m->ep_shard_world == world) return DS4_OK;
@@ -47,17 +76,13 @@ ds4_status ds4_ep_shard(ds4_model *m, int32_t rank, int32_t world, ds4_error *er
     if (world < 1 || rank < 0 || rank >= world || m->cfg.n_routed_experts % world != 0)
         return ds4_fail(err, DS4_ERR_ARG, "expert parallel: sharding %lld experts for rank %d of %d",
                         (long long)m->cfg.n_routed_experts, rank, world);
-    if (m->dev != m->cpu)
-        return ds4_fail(err, DS4_ERR_UNSUPPORTED, "expert parallel: sharded experts need a CPU model (this one is on "
-                                                  "%s; sharding the experts of a device model is not done: use "
-                                                  "expert parallelism without sharding there)",
-                        ds4_model_device_name(m));
     if (m->lora)
         return ds4_fail(err, DS4_ERR_UNSUPPORTED, "expert parallel: sharded experts with LoRA adapters are not "
                                                   "supported (drop or merge them first)");
     if (m->q4)
         return ds4_fail(err, DS4_ERR_UNSUPPORTED, "expert parallel: sharded experts with FP4-resident experts are not "
                                                   "supported (load them expanded to fp32)");
+    if (m->dev != m->cpu) return shard_on_device(m, rank, world, err);
     int64_t *old_off = calloc(m->n_table ? m->n_table : 1, sizeof *old_off);
     if (!old_off) return ds4_fail(err, DS4_ERR_OOM, "expert parallel: sharding %zu tensors", m->n_table);
     int64_t at = 0;
@@ -112,8 +137,13 @@ ds4_status ds4_ep_gather(ds4_model *m, const float *local, float *full, int32_t 
     int64_t big = 0;
     for (size_t i = 0; i < m->n_table; i++)
         if (m->table[i].routed && m->table[i].numel > big) big = m->table[i].numel;
-    /* to every rank: P copies of the expert out, P received; to the root: one out (to it), P received there */
-    float *buf = malloc((size_t)((root < 0 ? 2 * P : P + 1) * (big ? big : 1)) * sizeof(float));
+    /* The installed row exchange works on the memory the model computes in: a device model's (NCCL) cannot take these
+     * host buffers, so there every expert goes to every rank through the fixed-block host exchange (root or not; only
+     * the root keeps them). To every rank: P copies of the expert out, P received; to the root through the row
+     * exchange: one out (to it), P received there. */
+    const int blocks = m->ep.device >= 0;
+    const int64_t outs = root < 0 || blocks ? P : 1;
+    float *buf = malloc((size_t)((outs + P) * (big ? big : 1)) * sizeof(float));
     int64_t *rows = malloc((size_t)(2 * P) * sizeof *rows);
     if (!buf || !rows) {
         free(buf);
@@ -121,7 +151,7 @@ ds4_status ds4_ep_gather(ds4_model *m, const float *local, float *full, int32_t 
         return ds4_fail(err, DS4_ERR_OOM, "expert parallel: gathering experts of %lld values", (long long)big);
     }
     for (int64_t q = 0; q < P; q++) rows[q] = root < 0 || q == root, rows[P + q] = here;
-    float *in = buf + (root < 0 ? P : 1) * (big ? big : 1);
+    float *in = buf + outs * (big ? big : 1);
     /* one expert at a time: rank q's j-th expert of a layer and kind is the entry of expert q·El + j; every rank walks
      * the same entries in the same order, so the exchanges pair up */
     for (size_t i = 0; i < m->n_table && !s; i++) {
@@ -131,8 +161,9 @@ ds4_status ds4_ep_gather(ds4_model *m, const float *local, float *full, int32_t 
         const int64_t n = p->numel;
         for (int64_t j = 0; j < El && !s; j++) {
             const float *mine = local + m->table[i + (size_t)j].offset;
-            for (int64_t q = 0; q < (root < 0 ? P : 1); q++) memcpy(buf + q * n, mine, (size_t)n * sizeof(float));
-            s = m->ep.all_to_all_v(m->ep.ctx, buf, rows, in, rows + P, (size_t)n * sizeof(float), err);
+            for (int64_t q = 0; q < outs; q++) memcpy(buf + q * n, mine, (size_t)n * sizeof(float));
+            s = blocks ? m->ep.host_all_to_all(m->ep.ctx, buf, in, (size_t)n * sizeof(float), err)
+                       : m->ep.all_to_all_v(m->ep.ctx, buf, rows, in, rows + P, (size_t)n * sizeof(float), err);
             for (int64_t q = 0; q < P && !s && here; q++)
                 memcpy(full + m->table[e0 + (size_t)(q * El + j)].goff, in + q * n, (size_t)n * sizeof(float));
         }
@@ -144,11 +175,13 @@ ds4_status ds4_ep_gather(ds4_model *m, const float *local, float *full, int32_t 
 }
 
 ds4_status ds4_ep_sum_f64(ds4_model *m, double *v, int64_t n, ds4_error *err) {
+    ds4_status s = ds4_ep_refuse(m, "summing over the ranks", err); /* no exchange installed to sum with */
+    if (s) return s;
     const int64_t P = m->ep.world;
     double *buf = malloc((size_t)(2 * P * (n ? n : 1)) * sizeof(double));
     if (!buf) return ds4_fail(err, DS4_ERR_OOM, "expert parallel: summing %lld values over the ranks", (long long)n);
     for (int64_t q = 0; q < P; q++) memcpy(buf + q * n, v, (size_t)n * sizeof(double)); /* to every rank */
-    ds4_status s = m->ep.host_all_to_all(m->ep.ctx, buf, buf + P * n, (size_t)n * sizeof(double), err);
+    s = m->ep.host_all_to_all(m->ep.ctx, buf, buf + P * n, (size_t)n * sizeof(double), err);
     for (int64_t i = 0; i < n && !s; i++) { /* rank 0's + rank 1's + ...: the same order, so the same bits, everywhere */
         double t = buf[P * n + i];
         for (int64_t q = 1; q < P; q++) t += buf[(P + q) * n + i];

@@ -241,6 +241,11 @@ void ds4_tape_free(struct ds4_model *m, struct ds4_tape *t);
 ds4_status ds4_model_train_bind(struct ds4_model *m, ds4_error *err);
 ds4_status ds4_model_master_ready(struct ds4_model *m, size_t scratch_bytes, int64_t moments_n, ds4_error *err);
 ds4_status ds4_model_host_sync(struct ds4_model *m, ds4_error *err);
+/* ds4_model_to's second half: the model moves onto backend nd, which the caller created (the model takes it and
+ * releases it on failure), as device o (CUDA, o->index, o->dtype): the weights laid out and uploaded, the views bound,
+ * the gradients and adapters following. ds4_model_to passes its CUDA backend; the tests pass a host-invisible twin of
+ * the CPU backend (tests/twin_device.h), so the device paths run without a GPU. */
+ds4_status ds4_model_to_backend(struct ds4_model *m, struct ds4_dev *nd, const ds4_device_options *o, ds4_error *err);
 
 /* Build the parameter table for `cfg` (with MTP when `with_mtp`), allocate the flat buffer (zeroed) and
  * resolve every view. The model computes on the CPU backend of engine e. */

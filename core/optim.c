@@ -600,9 +600,12 @@ static void own_piece_run(const ds4_adamw *a, int64_t nc, int64_t *k0, int64_t *
     *k1 = a->sharded ? k : nc;
 }
 
+static ds4_status sharded_experts_norm(ds4_adamw *a, size_t nr, const double *sumsq, double *norm, ds4_error *err);
+static ds4_status sharded_experts_refusals(ds4_model *m, int64_t *bad, ds4_error *err);
+
 /* The refusal count of a device step, from the per-piece counts of pieces [k0, k1) (a->bad[k]): the total, and the
- * first trainable range with one in *first (nr when none). Sharded: counted per range and summed over the ranks, so
- * every rank refuses together. */
+ * first trainable range with one in *first (nr when none). Sharded (ZeRO-1): counted per range and summed over the
+ * ranks, so every rank refuses together; over sharded experts the total is summed over the ranks for the same reason. */
 static ds4_status device_refusals(ds4_adamw *a, size_t nr, int64_t k0, int64_t k1, int64_t *bad, size_t *first,
                                   ds4_error *err) {
     *bad = 0;
@@ -612,7 +615,7 @@ static ds4_status device_refusals(ds4_adamw *a, size_t nr, int64_t k0, int64_t k
             if (a->bad[k] > 0 && a->chunks[k].range < *first) *first = a->chunks[k].range;
             *bad += a->bad[k];
         }
-        return DS4_OK;
+        return a->model->ep_shard && !a->lora ? sharded_experts_refusals(a->model, bad, err) : DS4_OK;
     }
     memset(a->bad_ranges, 0, nr * sizeof *a->bad_ranges);
     for (int64_t k = k0; k < k1; k++) a->bad_ranges[a->chunks[k].range] += (double)a->bad[k];
@@ -626,6 +629,25 @@ static ds4_status device_refusals(ds4_adamw *a, size_t nr, int64_t k0, int64_t k
         *bad += (int64_t)a->bad_ranges[k];
     }
     return DS4_OK;
+}
+
+/* The device step's gradient norm from the per-piece sums (a->partial [nc], summed over the ranks under ZeRO-1): per
+ * tensor, then the tensors in order, the host step's additions; over sharded experts the experts' sums come from
+ * their owners (sharded_experts_norm). */
+static ds4_status device_norm(ds4_adamw *a, size_t nr, int64_t nc, double *norm, ds4_error *err) {
+    const int experts = a->model->ep_shard && !a->lora;
+    double *sumsq = experts ? malloc((nr ? nr : 1) * sizeof *sumsq) : NULL, total = 0;
+    if (experts && !sumsq) return ds4_fail(err, DS4_ERR_OOM, "adamw step: the norms of %zu tensors", nr);
+    for (size_t i = 0, k = 0; i < nr; i++) {
+        double t = 0;
+        for (; k < (size_t)nc && a->chunks[k].range == i; k++) t += a->partial[k];
+        if (sumsq) sumsq[i] = t;
+        total += t;
+    }
+    *norm = sqrt(total);
+    ds4_status s = experts ? sharded_experts_norm(a, nr, sumsq, norm, err) : DS4_OK;
+    free(sumsq);
+    return s;
 }
 
 static ds4_status adamw_step_device(ds4_adamw *a, size_t nr, int64_t total_elems, ds4_adamw_stats *stats,
@@ -697,13 +719,9 @@ static ds4_status adamw_step_device(ds4_adamw *a, size_t nr, int64_t total_elems
         ds4_error_prefix(err, "adamw step (sharded): the gradient norm's partial sums: ");
         return s;
     }
-    double total = 0;
-    for (size_t i = 0, k = 0; i < nr; i++) { /* per tensor, then tensors in order: the host step's additions */
-        double t = 0;
-        for (; k < (size_t)nc && a->chunks[k].range == i; k++) t += a->partial[k];
-        total += t;
-    }
-    const double norm = sqrt(total), lr = ds4_lr_at(&a->o, a->steps);
+    double norm = 0;
+    if ((s = device_norm(a, nr, nc, &norm, err))) return s;
+    const double lr = ds4_lr_at(&a->o, a->steps);
     s = step_norm_check(a, nr, norm, lr, stats, err);
     if (s) return s;
     const float coef = ds4_grad_clip_coef(norm, a->o.clip);
@@ -984,24 +1002,22 @@ static ds4_status adamw_step_sharded(ds4_adamw *a, size_t nr, int64_t nc, float 
     return DS4_OK;
 }
 
-/* The gradient norm of a model whose routed experts are sharded (ep_shard.c): this rank's ranges are its replicated
- * tensors and its own experts. Each tensor's sum of squares is the unsharded step's (the same chunks, in the same
- * order); the experts' are summed over the ranks (each expert has one owner and the others add zeros: exact), and the
- * sums are added in table order, every expert included — the norm of the model with every expert here, bit for bit,
- * the same on every rank. */
-static ds4_status sharded_experts_norm(ds4_adamw *a, size_t nr, int64_t nc, ds4_pool *pool, double *norm,
-                                       ds4_error *err) {
+/* The gradient norm of a model whose routed experts are sharded (ep_shard.c), from this rank's per-range sums of
+ * squares sumsq [nr] (its replicated tensors and its own experts; each the unsharded step's sum: the same chunks, in the
+ * same order). The experts' are summed over the ranks (each expert has one owner and the others add zeros: exact), and
+ * the sums are added in table order, every expert included — the norm of the model with every expert here, bit for
+ * bit, the same on every rank. The host step and the device step (whose per-piece sums come from the backend) alike. */
+static ds4_status sharded_experts_norm(ds4_adamw *a, size_t nr, const double *sumsq, double *norm, ds4_error *err) {
     ds4_model *m = a->model;
-    double *sumsq = malloc((nr + m->n_table + 1) * sizeof *sumsq), *ex = sumsq ? sumsq + nr : NULL;
-    if (!sumsq) return ds4_fail(err, DS4_ERR_OOM, "adamw step: the norms of %zu tensors", nr);
-    ds4_grad_global_norm(a->ranges, nr, a->chunks, nc, a->partial, sumsq, pool);
+    double *ex = malloc((m->n_table + 1) * sizeof *ex);
+    if (!ex) return ds4_fail(err, DS4_ERR_OOM, "adamw step: the norms of %zu tensors", m->n_table);
     memset(ex, 0, m->n_table * sizeof *ex);
     for (size_t k = 0; k < nr; k++)
         if (m->table[a->range_tensor[k]].routed) ex[a->range_tensor[k]] = sumsq[k];
     ds4_status s = ds4_ep_sum_f64(m, ex, (int64_t)m->n_table, err);
     if (s) {
         ds4_error_prefix(err, "adamw step (sharded experts): the experts' sums of squares: ");
-        free(sumsq);
+        free(ex);
         return s;
     }
     double total = 0;
@@ -1014,10 +1030,31 @@ static ds4_status sharded_experts_norm(ds4_adamw *a, size_t nr, int64_t nc, ds4_
         total += m->table[i].routed ? ex[i] : sumsq[k];
         k += (size_t)here;
     }
-    free(sumsq);
+    free(ex);
     if (!s && k != nr)
         s = ds4_fail(err, DS4_ERR_INTERNAL, "adamw step (sharded experts): %zu of %zu ranges matched", k, nr);
     *norm = sqrt(total);
+    return s;
+}
+
+/* The host step's norm over sharded experts: this rank's per-range sums (ds4_grad_global_norm's chunks), then the
+ * above. */
+static ds4_status sharded_experts_norm_host(ds4_adamw *a, size_t nr, int64_t nc, ds4_pool *pool, double *norm,
+                                            ds4_error *err) {
+    double *sumsq = malloc((nr ? nr : 1) * sizeof *sumsq);
+    if (!sumsq) return ds4_fail(err, DS4_ERR_OOM, "adamw step: the norms of %zu tensors", nr);
+    ds4_grad_global_norm(a->ranges, nr, a->chunks, nc, a->partial, sumsq, pool);
+    ds4_status s = sharded_experts_norm(a, nr, sumsq, norm, err);
+    free(sumsq);
+    return s;
+}
+
+/* Sharded experts: a count of refused updates summed over the ranks, so every rank refuses together. */
+static ds4_status sharded_experts_refusals(ds4_model *m, int64_t *bad, ds4_error *err) {
+    double b = (double)*bad;
+    ds4_status s = ds4_ep_sum_f64(m, &b, 1, err);
+    if (s) ds4_error_prefix(err, "adamw step (sharded experts): the refusal counts: ");
+    else *bad = (int64_t)b;
     return s;
 }
 
@@ -1110,7 +1147,7 @@ ds4_status ds4_adamw_step(ds4_adamw *a, ds4_adamw_stats *stats, ds4_error *err) 
     if (a->sharded) return adamw_step_sharded(a, nr, nc, grads, params, pool, stats, err);
 
     double norm = 0;
-    ds4_status s = m->ep_shard && !l ? sharded_experts_norm(a, nr, nc, pool, &norm, err)
+    ds4_status s = m->ep_shard && !l ? sharded_experts_norm_host(a, nr, nc, pool, &norm, err)
                                      : (norm = ds4_grad_global_norm(a->ranges, nr, a->chunks, nc, a->partial, NULL, pool),
                                         DS4_OK);
     if (s) return s;
@@ -1125,14 +1162,7 @@ ds4_status ds4_adamw_step(ds4_adamw *a, ds4_adamw_stats *stats, ds4_error *err) 
      * left half-updated or poisoned. Costs one extra read of p, g, m, v. */
     size_t first = nr;
     int64_t bad = ds4_adamw_count_nonfinite_ranges(a->ranges, nr, coef, a->chunks, nc, a->partial, pool, &first);
-    if (m->ep_shard && !l) { /* sharded experts: every rank refuses together */
-        double b = (double)bad;
-        if ((s = ds4_ep_sum_f64(m, &b, 1, err))) {
-            ds4_error_prefix(err, "adamw step (sharded experts): the refusal counts: ");
-            return s;
-        }
-        bad = (int64_t)b;
-    }
+    if (m->ep_shard && !l && (s = sharded_experts_refusals(m, &bad, err))) return s;
     if (bad > 0) {
         const char *name = first < nr ? target_name(m, a->range_tensor[first]) : "?";
         return ds4_fail(err, DS4_ERR_ARG,

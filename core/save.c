@@ -454,7 +454,8 @@ static ds4_status save_sharded(ds4_model *m, const char *dir_in, const ds4_save_
     const int root = m->ep_shard_rank == 0;
     float *full = !root ? NULL : ds4_mul_size((size_t)m->n_full, sizeof(float), &bytes) ? malloc(bytes ? bytes : 1) : NULL;
     if (root && !full) return ds4_fail(err, DS4_ERR_OOM, "model save: %lld parameters gathered", (long long)m->n_full);
-    ds4_status st = ds4_ep_gather(m, m->params, full, 0, err);
+    ds4_status st = ds4_model_host_sync(m, err); /* a model training on a device: its master comes back first */
+    if (!st) st = ds4_ep_gather(m, m->params, full, 0, err);
     if (!st && root) {
         m->ep_full = full;
         st = save_whole(m, dir_in, opt, err);

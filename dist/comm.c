@@ -326,13 +326,19 @@ ds4_status ds4_comm_overlap_backward(ds4_comm *c, ds4_model *m, ds4_error *err) 
 }
 
 /* The gradient runs every rank holds alike (ds4_model_replicated_runs), each summed over the ranks in place: the same
- * rank-order sum per element as the whole buffer's. */
-static ds4_status all_reduce_runs(ds4_comm *c, const ds4_model *m, float *g, size_t runs, ds4_error *err) {
+ * rank-order sum per element as the whole buffer's (on the host; through NCCL, on a device buffer, NCCL's sum: the
+ * same bits as the whole buffer's for 2 ranks, one addition per element). On a device the runs are enqueued one after
+ * another on NCCL's stream (the backend has finished the gradients: ds4_model_grad_buffer synchronised it) and waited
+ * for once. */
+static ds4_status all_reduce_runs(ds4_comm *c, const ds4_model *m, float *g, size_t runs, int device, ds4_error *err) {
     int64_t *off = malloc(2 * runs * sizeof *off), *len = off ? off + runs : NULL;
     if (!off) return ds4_fail(err, DS4_ERR_OOM, "dist all_reduce_grads: %zu runs", runs);
     ds4_model_replicated_runs(m, off, len, runs);
     ds4_status st = DS4_OK;
-    for (size_t k = 0; k < runs && !st; k++) st = ds4_comm_all_reduce_sum(c, DS4_F32, g + off[k], len[k], err);
+    for (size_t k = 0; k < runs && !st; k++)
+        st = device ? dist_nccl_enqueue_sum(c->nccl, g + off[k], len[k], NULL, NULL, NULL, err)
+                    : ds4_comm_all_reduce_sum(c, DS4_F32, g + off[k], len[k], err);
+    if (!st && device) st = dist_nccl_wait(c->nccl, "all_reduce", err);
     free(off);
     return st;
 }
@@ -381,12 +387,14 @@ ds4_status ds4_comm_all_reduce_grads(ds4_comm *c, ds4_model *m, double scale, ds
         return st;
     }
     /* ZeRO-1 with the reduce-scatter: each rank's region of the sums only (its optimizer reads no other). Sharded
-     * experts (CPU models; never with ZeRO-1 or the overlapped sum): each rank's experts are its own, the rest summed */
+     * experts (never with ZeRO-1 or the overlapped sum): each rank's experts are its own, the rest summed */
     const size_t runs = ds4_model_replicated_runs(m, NULL, NULL, 0);
     const int64_t *off = NULL, *len = NULL;
     const int rs = runs ? 0 : dist_grad_regions(c, m, n, &off, &len);
     if (runs) {
-        st = all_reduce_runs(c, m, g, runs, err);
+        const int device = dev.type == DS4_DEVICE_CUDA && c->nccl;
+        st = all_reduce_runs(c, m, g, runs, device, err);
+        if (device) ds4_model_grads_changed(m);
     } else if (dev.type == DS4_DEVICE_CUDA && c->nccl && rs) {
         st = dist_nccl_enqueue_sum(c->nccl, g, n, off, len, NULL, err);
         if (!st) st = dist_nccl_wait(c->nccl, "reduce_scatter", err);

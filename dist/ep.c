@@ -43,10 +43,6 @@ ds4_status ds4_comm_expert_parallel(ds4_comm *c, ds4_model *m, int on, ds4_error
                                           "(move the model to ds4.dist.device())", ds4_model_device_name(m),
                         ds4_comm_device(c));
     }
-    if (on_gpu && on == DS4_EP_SHARDED)
-        return ds4_fail(err, DS4_ERR_UNSUPPORTED, "dist expert_parallel: sharded experts are not done for a model on "
-                                                  "%s (CPU models only): use expert parallelism without sharding "
-                                                  "there", ds4_model_device_name(m));
     const ds4_expert_parallel ep = {
         .rank = ds4_comm_rank(c),
         .world = ds4_comm_world_size(c),

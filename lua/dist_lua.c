@@ -26,7 +26,7 @@
  *   ds4.dist.expert_parallel(model [, on])   routed experts split over the ranks (on = true, the default; false:
  *                                      off again); the model's forwards and backwards are then collective.
  *                                      on = {shard = true}: each rank also keeps only its experts' weights,
- *                                      gradients and moments (CPU models; docs/distributed.md)
+ *                                      gradients and moments (on its GPU too; docs/distributed.md)
  *   ds4.dist.context_parallel(model [, on])  each sequence split over the ranks (every rank passes the whole ids;
  *                                      rank r computes its slice); forwards and backwards collective (a GPU
  *                                      model gathers through NCCL: ds4.dist.init{device = "cuda"})

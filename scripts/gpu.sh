@@ -12,7 +12,7 @@
 #                                                 # demonstration, takes ~4 more minutes)
 #   BENCH_ARGS="--quick"                          # passed to bench/gpu_bench.sh
 # The bench stage also runs, where there are 2 or more GPUs, bench/dist_bench.sh (training on 1, 2 and 4 ranks: data
-# parallel, then data × expert parallel) and bench/collectives_bench.sh (ds4's NCCL all-reduce and all-to-all
+# parallel, then data × expert parallel, replicated and sharded experts) and bench/collectives_bench.sh (ds4's NCCL all-reduce and all-to-all
 # bandwidth against torch.distributed's NCCL at the same sizes).
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -103,6 +103,10 @@ if [[ " $STAGES " == *" bench "* ]]; then
         # shellcheck disable=SC2086
         bash bench/dist_bench.sh build-gpu/ds4 $sizes -- --ep 1 >"$LOG/dist_bench_ep.log" 2>&1
         bench_status="$bench_status; $(grep '^dist bench:' "$LOG/dist_bench_ep.log" | tail -n1 | sed 's/^dist bench: //')"
+        # and with sharded experts (each GPU holds only its experts' state; every rank's state in MiB in the log)
+        # shellcheck disable=SC2086
+        bash bench/dist_bench.sh build-gpu/ds4 $sizes -- --ep 2 >"$LOG/dist_bench_ep_shard.log" 2>&1
+        bench_status="$bench_status; $(grep '^dist bench:' "$LOG/dist_bench_ep_shard.log" | tail -n1 | sed 's/^dist bench: //')"
         bash bench/collectives_bench.sh build-gpu >"$LOG/collectives_bench.log" 2>&1
         bench_status="$bench_status; collectives $(grep '^coll bench:' "$LOG/collectives_bench.log" | tail -n1 | sed 's/^coll bench: //')"
     fi

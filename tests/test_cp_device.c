@@ -1,6 +1,6 @@
 /* test_cp_device.c — context parallelism of a model whose memory the host cannot read (the path a CUDA model takes,
  * core/cp.c) on a machine without a GPU: each rank is a thread whose model sits on a host-invisible twin of the CPU
- * backend (host_twin.h), so the attention rows go through the device hook (device_all_gather) into the pass's planned
+ * backend (twin_device.h), so the attention rows go through the device hook (device_all_gather) into the pass's planned
  * scratch and are placed with backend copies, the rows a rank keeps move through that scratch, and the losses, the
  * ranks' notes and their failure flags take the host hook. The hooks are collectives over shared memory. The
  * reference is one CPU model (host memory) on the whole sequences.
@@ -24,7 +24,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "host_twin.h"
+#include "twin_device.h"
 
 enum { B = 2, S = 19, MAXW = 3, STEPS = 2 };
 

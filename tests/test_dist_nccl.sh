@@ -4,7 +4,8 @@
 #
 #   1 GPU: test_dist_nccl (device all_reduce / all_gather / broadcast against closed forms, all_reduce_grads of a
 #          CUDA model) as a world of one; data parallelism by hand (tests/lua/dist_data_parallel.lua), expert
-#          parallelism (tests/lua/dist_expert_parallel.lua: rows through NCCL send / recv) and context parallelism
+#          parallelism (tests/lua/dist_expert_parallel.lua: rows through NCCL send / recv; dist_expert_shard.lua:
+#          sharded experts on the GPU against replicated ones) and context parallelism
 #          (tests/lua/dist_context_parallel.lua, fp32 and bf16: attention rows through an NCCL all-gather) on the GPU;
 #          context parallelism of a GPU model refused without NCCL.
 #   2 GPUs or more, for 2 ranks (and 4 with 4 GPUs): the same, launched torchrun-style (plain processes, the TCP
@@ -12,8 +13,11 @@
 #          compares 2 ranks' NCCL all-reduced gradients and weights with one copy on the whole batch, the bucketed
 #          all-reduce (tests/lua/dist_buckets.lua: NCCL on its stream after events on the model's, while the backward
 #          runs) and ZeRO-1's reduce-scatter (ncclReduce per region) against the unbucketed all-reduce, the
-#          expert-parallel run its logits, expert gradients and loads (bitwise) and the rest, the context-parallel run
-#          (fp32 and bf16; fp32 under mpirun) each rank's slice of two sequences against the whole on one GPU; then a rank
+#          expert-parallel run its logits, expert gradients and loads (bitwise) and the rest, the sharded experts
+#          (each GPU holding only its experts' working copy, gradients, master and moments) against replicated expert
+#          parallelism on the GPUs, every step (fp32 and bf16), with each rank's device memory printed
+#          ("dist_expert_shard memory:" lines), the context-parallel run (fp32 and bf16; fp32 under mpirun) each
+#          rank's slice of two sequences against the whole on one GPU; then a rank
 #          killed (SIGKILL) or hung after the first all-reduce: the survivor's NCCL all-reduce must fail, naming NCCL,
 #          within DS4_DIST_TIMEOUT (20 s here) plus a margin — not hang; examples/sft.lua on 2 GPUs against one GPU of
 #          2 micro-batches (bitwise, fp32 and bf16), with and without --zero; on 1 GPU, test_grad_accum.lua on the
@@ -63,7 +67,7 @@ all_passed() {
 "$BIN/test_dist_nccl" "$FIX" >"$LOG/one.0" 2>&1
 grep 'all_reduce_grads' "$LOG/one.0"
 all_passed 1 test_dist_nccl "$LOG/one" || { show; bad "test_dist_nccl, 1 rank"; }
-for t in dist_data_parallel dist_buckets dist_expert_parallel; do
+for t in dist_data_parallel dist_buckets dist_expert_parallel dist_expert_shard; do
     DS4_TEST_DEVICE=cuda "$DS4" run "$T/$t.lua" "$FIX" >"$LOG/one.0" 2>&1
     grep "$t:" "$LOG/one.0"
     all_passed 1 "$t" "$LOG/one" || { show; bad "$t on cuda, 1 rank"; }
@@ -86,21 +90,6 @@ print("context parallelism of a GPU model without NCCL: refused, 0 failures")
 LUA
 "$DS4" run "$LOG/cp_refused.lua" "$FIX" >"$LOG/one.0" 2>&1
 grep -q "without NCCL: refused, 0 failures" "$LOG/one.0" || { show; bad "context parallelism refused without NCCL"; }
-# sharded experts are CPU-only: a GPU model's request, and moving a sharded model to a GPU, are refused saying so
-cat >"$LOG/shard.lua" <<'LUA'
-local ds4 = require("ds4")
-ds4.dist.init({ device = "cuda" })
-local m = ds4.load(arg[1] .. "/tiny_a"):to(ds4.dist.device(), "fp32")
-local ok, e = pcall(ds4.dist.expert_parallel, m, { shard = true })
-assert(not ok and tostring(e):find("sharded experts are not done for a model on cuda", 1, true), tostring(e))
-local c = ds4.load(arg[1] .. "/tiny_a", { expert_shard = { rank = 0, world = 2 } })
-ok, e = pcall(c.to, c, ds4.dist.device(), "fp32")
-assert(not ok and tostring(e):find("sharded experts stay on the CPU", 1, true), tostring(e))
-ds4.dist.finalize()
-print("sharded experts on cuda: refused, 0 failures")
-LUA
-"$DS4" run "$LOG/shard.lua" "$FIX" >"$LOG/one.0" 2>&1
-grep -q "sharded experts on cuda: refused, 0 failures" "$LOG/one.0" || { show; bad "sharded experts refused on cuda"; }
 # a backward adds its gradient once on the GPU too: accumulated = apart and summed, bit for bit
 DS4_TEST_DEVICE=cuda "$DS4" run "$T/test_grad_accum.lua" "$FIX" >"$LOG/one.0" 2>&1
 grep -q "test_grad_accum.lua: [0-9]* checks, 0 failures" "$LOG/one.0" || { show; bad "gradient accumulation on cuda"; }
@@ -131,9 +120,9 @@ for np in $sizes; do
     launch "$np" "$LOG/run" 300 "$BIN/test_dist_nccl" "$FIX"
     grep 'all_reduce_grads' "$LOG/run.0"
     all_passed "$np" test_dist_nccl "$LOG/run" || { show; bad "test_dist_nccl, $np ranks, torchrun-style (exit ${RCS[*]})"; }
-    for t in dist_data_parallel dist_buckets dist_expert_parallel; do
+    for t in dist_data_parallel dist_buckets dist_expert_parallel dist_expert_shard; do
         EXTRA_ENV="DS4_TEST_DEVICE=cuda" launch "$np" "$LOG/run" 300 "$DS4" run "$T/$t.lua" "$FIX"
-        grep "$t:" "$LOG/run.0"
+        grep -h "$t\( memory\)\?:" "$LOG"/run.*
         all_passed "$np" "$t" "$LOG/run" || { show; bad "$t on cuda, $np ranks, torchrun-style (exit ${RCS[*]})"; }
     done
     # context parallelism: each rank's slice of the sequences on its GPU, the attention rows gathered through NCCL,
@@ -154,7 +143,7 @@ for np in $sizes; do
     if [ "$have_mpi" -eq 1 ]; then
         mpi_ranks "$np" "$BIN/test_dist_nccl" "$FIX"
         all_passed "$np" test_dist_nccl "$LOG/run" || { show; bad "test_dist_nccl, $np ranks, mpirun"; }
-        for t in dist_data_parallel dist_buckets dist_expert_parallel dist_context_parallel; do
+        for t in dist_data_parallel dist_buckets dist_expert_parallel dist_expert_shard dist_context_parallel; do
             DS4_TEST_DEVICE=cuda mpi_ranks "$np" "$DS4" run "$T/$t.lua" "$FIX"
             grep "$t:" "$LOG/run.0"
             all_passed "$np" "$t" "$LOG/run" || { show; bad "$t on cuda, $np ranks, mpirun"; }

@@ -14,21 +14,14 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "host_twin.h"
+#include "engine.h"
+#include "internal.h"
+#include "model.h"
+#include "ops.h"
+#include "testlib.h"
+#include "twin_device.h"
 
-enum { STEPS = 4, WORLD = 2 };
-
-static const ds4_adamw_options OPTS = {.lr = 2e-3, .beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8, .weight_decay = 0.1,
-                                       .clip = 0.05, .schedule = DS4_LR_CONSTANT};
-
-/* step k's gradient (the same on every rank: what the all-reduce leaves): a fixed pseudo-random pattern, |g| < 1e-3 */
-static void fill_grads(float *g, int64_t n, int k) {
-    uint64_t s = 0x9e3779b97f4a7c15ull * (uint64_t)(k + 1);
-    for (int64_t i = 0; i < n; i++) {
-        s ^= s >> 12, s ^= s << 25, s ^= s >> 27;
-        g[i] = (float)((double)((s * 0x2545f4914f6cdd1dull) >> 11) * (1.0 / 9007199254740992.0) * 2e-3 - 1e-3);
-    }
-}
+enum { STEPS = 4, WORLD = TWIN_WORLD };
 
 /* ---------------------------------------------------------------------------------------------- collectives */
 
@@ -91,7 +84,7 @@ static void *rank_main(void *arg) {
             c->failed = 1;
             break;
         }
-        fill_grads(g, n, k);
+        twin_grads(g, n, k);
         ds4_model_grads_changed(c->m);
         if (ds4_adamw_step(c->opt, &st, &err) != DS4_OK) {
             fprintf(stderr, "rank %d step %d: %s\n", c->rank, k + 1, err.msg);
@@ -115,7 +108,7 @@ static int same(const float *a, const float *b, int64_t n) { return memcmp(a, b,
 static void resume_unsharded(ds4_model *m, rank_ctx *c, ds4_model *ref, ds4_adamw *ropt, int64_t P) {
     ds4_error err = {0};
     ds4_adamw *u = NULL;
-    CHECK_OK(ds4_adamw_create(m, &OPTS, &u, &err), &err);
+    CHECK_OK(ds4_adamw_create(m, &TWIN_OPTS, &u, &err), &err);
     if (!u) return;
     ds4_adamw_state us, ss;
     ds4_adamw_get_state(u, &us);
@@ -136,10 +129,10 @@ static void resume_unsharded(ds4_model *m, rank_ctx *c, ds4_model *ref, ds4_adam
         ds4_adamw_stats st, rst;
         CHECK_OK(ds4_model_grad_buffer(m, &g, &n, &err), &err);
         if (!g) break;
-        fill_grads(g, n, k);
+        twin_grads(g, n, k);
         ds4_model_grads_changed(m);
         CHECK_OK(ds4_adamw_step(u, &st, &err), &err);
-        fill_grads(ds4_model_grads(ref), P, k);
+        twin_grads(ds4_model_grads(ref), P, k);
         ds4_model_grads_changed(ref);
         CHECK_OK(ds4_adamw_step(ropt, &rst, &err), &err);
         diff += st.grad_norm != rst.grad_norm;
@@ -165,19 +158,9 @@ static void run(ds4_engine *e, const char *fixtures, const char *fixture) {
     if (!ref || !one || !rk[0] || !rk[1]) goto out;
     const int64_t P = ds4_model_param_count(ref);
 
-    /* the reference: the host optimizer on a CPU model */
-    ds4_adamw *ropt = NULL;
+    /* the reference: the host optimizer on the whole model */
     double ref_norms[STEPS];
-    CHECK_OK(ds4_model_enable_grad(ref, &err), &err);
-    CHECK_OK(ds4_adamw_create(ref, &OPTS, &ropt, &err), &err);
-    for (int k = 0; ropt && k < STEPS; k++) {
-        fill_grads(ds4_model_grads(ref), P, k);
-        ds4_model_grads_changed(ref);
-        ds4_adamw_stats st;
-        CHECK_OK(ds4_adamw_step(ropt, &st, &err), &err);
-        ref_norms[k] = st.grad_norm;
-        CHECK(k > 0 || st.grad_norm > OPTS.clip, "step 1: gradient norm %g above the clip %g", st.grad_norm, OPTS.clip);
-    }
+    ds4_adamw *ropt = twin_reference(ref, STEPS, ref_norms);
     ds4_adamw_state rs;
     ds4_adamw_get_state(ropt, &rs);
 
@@ -185,7 +168,7 @@ static void run(ds4_engine *e, const char *fixtures, const char *fixture) {
     CHECK_OK(ds4_model_enable_grad(one, &err), &err);
     ds4_dev *d1 = twin_attach(e, one); /* the main thread alone: the models' engine */
     ds4_adamw *o1 = NULL;
-    CHECK_OK(ds4_adamw_create(one, &OPTS, &o1, &err), &err);
+    CHECK_OK(ds4_adamw_create(one, &TWIN_OPTS, &o1, &err), &err);
     int diff_norm = 0;
     for (int k = 0; d1 && o1 && k < STEPS; k++) {
         float *g = NULL;
@@ -194,7 +177,7 @@ static void run(ds4_engine *e, const char *fixtures, const char *fixture) {
         CHECK_OK(ds4_model_grad_buffer(one, &g, &n, &err), &err);
         CHECK(g != one->grads, "the gradients live on the twin");
         if (!g) break;
-        fill_grads(g, n, k);
+        twin_grads(g, n, k);
         ds4_model_grads_changed(one);
         CHECK_OK(ds4_adamw_step(o1, &st, &err), &err);
         diff_norm += st.grad_norm != ref_norms[k];
@@ -232,7 +215,7 @@ static void run(ds4_engine *e, const char *fixtures, const char *fixture) {
         CHECK_OK(ds4_model_enable_grad(rk[r], &err), &err);
         CHECK_OK(ds4_engine_create(&teo, &te[r], &err), &err);
         dv[r] = te[r] ? twin_attach(te[r], rk[r]) : NULL;
-        CHECK_OK(ds4_adamw_create(rk[r], &OPTS, &c->opt, &err), &err);
+        CHECK_OK(ds4_adamw_create(rk[r], &TWIN_OPTS, &c->opt, &err), &err);
         if (!dv[r] || !c->opt || !c->mom_m || !c->mom_v) {
             ready = 0;
             continue;
@@ -245,9 +228,7 @@ static void run(ds4_engine *e, const char *fixtures, const char *fixture) {
         CHECK_OK(ds4_adamw_set_shard(c->opt, &s, &err), &err);
     }
     if (ready) {
-        pthread_t th[WORLD];
-        for (int r = 0; r < WORLD; r++) pthread_create(&th[r], NULL, rank_main, &ctx[r]);
-        for (int r = 0; r < WORLD; r++) pthread_join(th[r], NULL);
+        twin_run(rank_main, ctx, sizeof ctx[0]);
         for (int r = 0; r < WORLD; r++) {
             rank_ctx *c = &ctx[r];
             CHECK(!c->failed, "rank %d: a step failed", r);

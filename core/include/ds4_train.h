@@ -150,8 +150,9 @@ typedef struct ds4_expert_parallel {
     int32_t device;           /* the memory all_to_all_v takes: -1 host (a CPU model), N: CUDA device N's; a pass of a
                                  model on another device is refused (install the hooks again after moving it) */
     int32_t shard;            /* 1: sharded experts: this rank keeps only its own experts' weights, gradients and
-                                 moments (CPU models; docs/distributed.md). Kept when expert parallelism is turned
-                                 off: the model then refuses every pass until it is turned on again, sharded */
+                                 moments (on its device too: working copy, fp32 master; docs/distributed.md). Kept
+                                 when expert parallelism is turned off: the model then refuses every pass until it is
+                                 turned on again, sharded */
     void *ctx;                /* passed to both calls */
     /* Rank q receives send_rows[q] rows of row_bytes bytes, the q-th consecutive block of send; recv gets
      * recv_rows[s] rows from rank s, blocks in rank order. Memory of the model's backend (host for a CPU model, its
