@@ -3,8 +3,10 @@
  * random tokens, what bench/hf_train.py times transformers doing. Batch invariance and determinism are always on.
  *
  *   build/bench_train_gpu [--config bench/config_599m.json] [--batch 8] [--seq 1024] [--steps 5] [--dtype bf16|fp32]
- *                         [--peak-tflops 989] [--profile FILE]
+ *                         [--peak-tflops 989] [--profile FILE] [--recompute]
  *
+ * --recompute: per-block activation recomputation (ds4_train_options.recompute): the tape holds one block's
+ * activations, a step runs about one more forward; the same losses.
  * Prints tokens/s, ms per step, device memory after the steps (the workspace and tape are planned and kept, so this is
  * the step's peak; cudaMemGetInfo: everything this process holds on the device) and per token, and the model FLOPs
  * utilisation with the FLOP count stated: 6 × active parameters per token (every matrix a token passes through:
@@ -81,6 +83,7 @@ int main(int argc, char **argv) {
     int bf16 = 1;
     double peak_tflops = 989.0; /* H100 SXM dense bf16 tensor-core peak (NVIDIA's data sheet) */
     const char *prof_path = NULL;
+    int recompute = 0;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--config") && i + 1 < argc) cfg_path = argv[++i];
         else if (!strcmp(argv[i], "--batch") && i + 1 < argc) B = atoll(argv[++i]);
@@ -89,8 +92,9 @@ int main(int argc, char **argv) {
         else if (!strcmp(argv[i], "--dtype") && i + 1 < argc) bf16 = strcmp(argv[++i], "fp32") != 0;
         else if (!strcmp(argv[i], "--peak-tflops") && i + 1 < argc) peak_tflops = atof(argv[++i]);
         else if (!strcmp(argv[i], "--profile") && i + 1 < argc) prof_path = argv[++i];
+        else if (!strcmp(argv[i], "--recompute")) recompute = 1;
         else DIE("usage: %s [--config F] [--batch B] [--seq S] [--steps N] [--dtype bf16|fp32] [--peak-tflops X] "
-                 "[--profile FILE]", argv[0]);
+                 "[--profile FILE] [--recompute]", argv[0]);
     }
     if (B < 1 || S < 2 || steps < 1) DIE("bench_train_gpu: batch >= 1, seq >= 2, steps >= 1");
     ds4_error err = {0};
@@ -111,6 +115,8 @@ int main(int argc, char **argv) {
     const ds4_device_options dev = {DS4_DEVICE_CUDA, 0, bf16 ? DS4_BF16 : DS4_F32};
     if (ds4_model_to(m, &dev, &err)) DIE("bench_train_gpu: %s", err.msg);
     if (ds4_model_enable_grad(m, &err)) DIE("bench_train_gpu: %s", err.msg);
+    const ds4_train_options to = {.recompute = recompute};
+    if (ds4_model_set_train_options(m, &to, &err)) DIE("bench_train_gpu: %s", err.msg);
     const double P = (double)ds4_model_param_count(m), A = active_params(m);
     printf("ds4 params %.0f\nds4 active_params %.0f\n", P, A);
     printf("# model: %s, %.1fM parameters (%.1fM active per token), random init %.1f s, %s, batch %lld x %lld\n",
