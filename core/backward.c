@@ -230,20 +230,23 @@ static void indexer_kl_bwd(bwd *b, const ds4_layer_w *l, const ds4_layer_w *g, c
     const int64_t T = b->f.T, nI = c->index_n_heads, cI = c->index_head_dim, qr = c->q_lora_rank, D = c->hidden_size;
     ds4_dev *dev = b->f.dev;
     const int64_t stride = b->tp->sel_stride;
-    /* the loss is the mean over the queries that have picks and attention mass on them: count them first */
-    OP(dev, ikl, .c = c, .lt = lt, .T = T, .S = b->f.S, .sel_stride = stride, .kl = b->kl, .has = b->has);
-    int32_t *has = malloc((size_t)T * sizeof *has);
-    if (!has) {
-        ds4_dev_fail(dev, DS4_ERR_OOM, "indexer KL backward: host flags for %lld queries", (long long)T);
+    /* the loss is the mean over the real queries that have picks, as the forward counted them (ds4_ikl_counts) */
+    const int64_t S = b->f.S, *len = b->tp->hlen;
+    int32_t *nsel = malloc((size_t)T * sizeof *nsel);
+    if (!nsel) {
+        ds4_dev_fail(dev, DS4_ERR_OOM, "indexer KL backward: host pick counts of %lld queries", (long long)T);
         return;
     }
-    ds4_dev_download(dev, has, b->has, (size_t)T * sizeof *has);
+    ds4_dev_download(dev, nsel, lt->nsel, (size_t)T * sizeof *nsel);
     int64_t nq = 0;
-    for (int64_t t = 0; t < T && !dev->st; t++) nq += has[t];
-    free(has);
+    for (int64_t t = 0; t < T && !dev->st; t++) nq += ds4_ikl_counts(nsel, len, S, t);
+    free(nsel);
     if (nq == 0) return;
-    OP(dev, ikl, .c = c, .lt = lt, .T = T, .S = b->f.S, .sel_stride = stride, .kl = b->kl, .has = b->has, .dI = b->dI,
+    OP(dev, ikl, .c = c, .lt = lt, .T = T, .S = S, .sel_stride = stride, .kl = b->kl, .has = b->has, .dI = b->dI,
        .scale = b->ikl_scale > 0 ? b->ikl_scale : b->m->topt.indexer_kl / (double)nq);
+    /* padded queries (the rows' tails) take no part: their dI rows are zeroed, so nothing below sees them */
+    for (int64_t r = 0; r < b->f.B; r++)
+        ds4_dev_fill(dev, b->dI + (r * S + len[r]) * stride, 0, (size_t)((S - len[r]) * stride) * sizeof(float));
     OP(dev, ikl_bwd_q, .c = c, .lt = lt, .B = b->f.B, .S = b->f.S, .T = T, .sel_stride = stride, .dI = b->dI,
        .diq = b->diq, .diw = b->diw, .dsi = b->dsi);
     OP(dev, ikl_bwd_k, .c = c, .lt = lt, .B = b->f.B, .S = b->f.S, .T = T, .sel_stride = stride, .dsi = b->dsi,

@@ -403,6 +403,12 @@ static ds4_status check_args(const ds4_model *m, const ds4_forward_args *a, ds4_
                 }
             }
     }
+    if (a->lengths)
+        for (int64_t b = 0; b < a->batch; b++)
+            if (a->lengths[b] < 0 || a->lengths[b] > a->seq)
+                return ds4_fail(err, DS4_ERR_ARG, "forward: lengths[%lld] = %lld outside [0, %lld] (ids [%lld, %lld])",
+                                (long long)b, (long long)a->lengths[b], (long long)a->seq, (long long)a->batch,
+                                (long long)a->seq);
     if (a->mtp_logits && !m->has_mtp)
         return ds4_fail(err, DS4_ERR_ARG, "forward: MTP logits requested but the checkpoint has no mtp.0.* weights");
     if (a->mtp_logits && a->seq < 2)
@@ -476,25 +482,36 @@ static void mtp_forward(ds4_pass *f, const int64_t *ids, int64_t S, int64_t off,
                 tape ? tape->mtp_u : NULL, tape ? tape->mtp_y : NULL);
 }
 
-/* The indexer KL loss of CSA layer li from its tape (training option): the mean KL over its queries into *sum, the
- * most queries of any layer so far into *nq_max. With recomputation the layer's tape slots are shared, so it runs right after the block. */
-static void ikl_layer(ds4_pass *f, ds4_tape *tape, int64_t li, double *hnll, int32_t *has, double *sum,
+/* The indexer KL loss of CSA layer li from its tape (training option): the mean KL over its queries (the real
+ * positions with picks, ds4_ikl_counts; kl is 0 at a query whose picks got no attention mass) into *sum, the most
+ * queries of any layer so far into *nq_max. With recomputation the layer's tape slots are shared, so it runs right
+ * after the block. */
+static void ikl_layer(ds4_pass *f, ds4_tape *tape, int64_t li, double *hnll, int32_t *hsel, double *sum,
                       int64_t *nq_max) {
     const int64_t T = f->T;
-    OP(f->dev, ikl, .c = f->c, .lt = &tape->layers[li], .T = T, .S = f->S, .sel_stride = tape->sel_stride, .kl = f->nll,
+    const ds4_layer_tape *lt = &tape->layers[li];
+    OP(f->dev, ikl, .c = f->c, .lt = lt, .T = T, .S = f->S, .sel_stride = tape->sel_stride, .kl = f->nll,
        .has = (int32_t *)f->rowmap);
     ds4_dev_download(f->dev, hnll, f->nll, (size_t)T * sizeof(double));
-    ds4_dev_download(f->dev, has, f->rowmap, (size_t)T * sizeof(int32_t));
+    ds4_dev_download(f->dev, hsel, lt->nsel, (size_t)T * sizeof(int32_t));
     if (f->dev->st) return;
     double kl = 0;
     int64_t nq = 0;
     for (int64_t t = 0; t < T; t++)
-        if (has[t]) {
+        if (ds4_ikl_counts(hsel, tape->hlen, f->S, t)) {
             kl += hnll[t];
             nq++;
         }
     if (nq > 0) *sum += kl / (double)nq;
     if (nq > *nq_max) *nq_max = nq;
+}
+
+int64_t ds4_model_indexer_queries(const ds4_model *m, const int64_t *lengths, int64_t B) {
+    if (!m || !lengths || ds4_model_csa_layers(m) == 0) return 0;
+    const int64_t first = m->cfg.compress_rate_csa - 1; /* position s has (s + 1) / m causal entries */
+    int64_t q = 0;
+    for (int64_t b = 0; b < B; b++) q += lengths[b] > first ? lengths[b] - first : 0;
+    return q;
 }
 
 ds4_status ds4_forward_run(ds4_model *m, const ds4_forward_args *args, ds4_forward_result *res, ds4_tape *tape,
@@ -571,6 +588,8 @@ ds4_status ds4_forward_run(ds4_model *m, const ds4_forward_args *args, ds4_forwa
     const size_t nloads = (size_t)((c->num_hidden_layers + 1) * c->n_routed_experts);
     if (tape && tape->loads) ds4_dev_fill(f.dev, tape->loads, 0, nloads * sizeof(int64_t));
     OP(f.dev, embed, .X = f.X, .E = f.w->embed, .edt = f.w->mdt, .ids = ids, .T = Tl, .n = n, .D = D); /* X⁰ */
+    if (tape) /* each row's real length, for the indexer KL loss (forward and backward) */
+        for (int64_t b = 0; b < B; b++) tape->hlen[b] = args->lengths ? args->lengths[b] : S;
     double ikl_sum = 0; /* the indexer KL loss over the CSA layers (tape->with_ikl) */
     int64_t ikl_nq = 0;
     for (int64_t li = 0; li < c->num_hidden_layers; li++) {

@@ -518,6 +518,10 @@ ds4_status ds4_model_set_train_options(ds4_model *m, const ds4_train_options *o,
     return DS4_OK;
 }
 
+ds4_train_options ds4_model_train_options(const ds4_model *m) {
+    return m ? m->topt : (ds4_train_options){0};
+}
+
 const int64_t *ds4_model_router_loads(const ds4_model *m) { return m ? m->router_loads : NULL; }
 
 ds4_status ds4_model_update_router_bias(ds4_model *m, double gamma, ds4_error *err) {

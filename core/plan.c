@@ -326,10 +326,11 @@ ds4_status ds4_tape_reserve(ds4_model *m, ds4_tape *tp, int64_t B, int64_t S, in
         }
         tp->bytes = a.used;
     }
-    int64_t *h = realloc(tp->hids, (size_t)(2 * T) * sizeof *h);
+    int64_t *h = realloc(tp->hids, (size_t)(2 * T + B) * sizeof *h);
     if (!h) return ds4_fail(err, DS4_ERR_OOM, "training forward: host ids of %lld tokens", (long long)T);
     tp->hids = h;
     tp->hlabels = h + T;
+    tp->hlen = h + 2 * T;
     ds4_arena w = {tp->mem, 0};
     plan_tape(m, tp, &w, B, S, tok_rows, with_mtp);
     return DS4_OK;

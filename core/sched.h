@@ -61,6 +61,7 @@ typedef struct ds4_tape {
                                      rows (one chunk), so its backward need not compute them again; 0: none */
     int64_t *ids, *labels;        /* [T] backend copies */
     int64_t *hids, *hlabels;      /* [T] host copies (the schedule derives targets and MTP rows from them) */
+    int64_t *hlen;                /* [B] each row's real length (ds4_forward_args.lengths; S when not given) */
     int64_t *tgt;                 /* [T] targets of the rows of logits (backend) */
     float *lp;                    /* [2, T] log-probabilities and entropies (backend) */
     int64_t *loads;               /* [(L + 1), E] expert loads of this forward, off the host (then added to the
@@ -194,6 +195,11 @@ ds4_status ds4_pass_setup(ds4_model *m, ds4_pass *p, int64_t B, int64_t S, int64
                           int training, ds4_error *err);
 /* Size (and grow) a tape for (B, S) in backend memory; its per-token slots for tok_rows rows (context parallelism:
  * this rank's; 0: B·S), its attention slots for B·S. */
+/* Whether query t of a pass of rows of S positions counts in the indexer KL loss: it has picks (nsel [T], host) and
+ * is no padding (hlen [B], the tape's real lengths). The forward's count and the backward's agree through this. */
+static inline int ds4_ikl_counts(const int32_t *nsel, const int64_t *hlen, int64_t S, int64_t t) {
+    return nsel[t] > 0 && t % S < hlen[t / S];
+}
 ds4_status ds4_tape_reserve(ds4_model *m, ds4_tape *tp, int64_t B, int64_t S, int64_t tok_rows, int with_mtp,
                             ds4_error *err);
 

@@ -90,6 +90,8 @@ local SPEC = {
         { "threads", 0, "the trainer's CPU threads (0: one per physical core, at most 16; fewer leaves cores to rollout workers beside it)" },
         { "dtype", "", "fp32 or bf16 (default: bf16 on CUDA, fp32 on the CPU)" },
         { "routing_replay", false, "train with the experts the rollouts used" },
+        { "indexer_kl", 0, "weight of the lightning indexer's KL loss in RL (0: off): each update's mean over its "
+            .. "samples' real queries, on every rank and micro-batch alike (logged as indexer_kl)" },
         { "out", "", "run directory (default: " .. (EX.root or "runs/dapo") .. "/<start time>)" },
         { "run_id", "", "name of the run under the default root (default: the start time)" },
         { "resume", false, "continue the run in --out (or the latest) from its newest checkpoint" },
@@ -133,6 +135,9 @@ for _, k in ipairs({ "steps", "eval", "eval_every", "prompts", "n", "max_new_tok
     if v ~= math.floor(v) or v < lo then
         usage_error(("--%s must be an integer >= %d, got %s"):format(k:gsub("_", "-"), lo, v))
     end
+end
+if not (opts.indexer_kl >= 0 and opts.indexer_kl < math.huge) then
+    usage_error("--indexer-kl must be a finite number >= 0, got " .. opts.indexer_kl)
 end
 if opts.async ~= math.floor(opts.async) or opts.async < -1 then
     usage_error("--async must be an integer >= 0 (or -1: synchronous), got " .. opts.async)
@@ -317,6 +322,11 @@ if opts.workers ~= "" and ROOT then
     end
     io.stdout:flush() -- the command is wanted now, also when stdout is a file
 end
+if opts.indexer_kl > 0 then -- before the adapters are made: with the indexer KL on they cover the indexer too
+    local o = model:train_options()
+    o.indexer_kl = opts.indexer_kl
+    model:set_train_options(o)
+end
 if opts.lora > 0 then -- after the warm-up: RL trains the adapters only (the warmed-up weights stay frozen)
     model:lora{ rank = opts.lora, alpha = opts.lora_alpha > 0 and opts.lora_alpha or 2 * opts.lora, seed = opts.seed }
     local li = model:lora_info()
@@ -345,6 +355,7 @@ local result = trainer.run{
     zero = opts.zero,
     bucket_mb = opts.bucket_mb,
     routing_replay = opts.routing_replay,
+    indexer_kl = opts.indexer_kl > 0 and opts.indexer_kl or nil,
     out = OUT,
     seed = opts.seed,
     progress = not opts.quiet,

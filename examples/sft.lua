@@ -30,7 +30,7 @@ What it does, end to end:
      --bucket-mb MiB while it runs (the same bits; 0: one all-reduce after it);
   5. the run directory (--out DIR, default runs/sft/<start time>, runs/sft/latest links to it; a directory that
      holds a run is never appended to: --resume continues it) gets config.lua (the effective configuration: run it
-     again with --config), metrics.jsonl (step, loss, lr, grad_norm, tokens, tokens_per_s), TensorBoard event files
+     again with --config), metrics.jsonl (step, loss, lr, grad_norm, tokens, tokens_per_s; indexer_kl with --indexer-kl), TensorBoard event files
      (tensorboard --logdir runs/sft), metrics.svg, and with --save-every K checkpoints ckpt/step_NNNNNN (weights,
      tokenizer, AdamW moments and step counts; the last --keep-last kept); --resume continues from the newest;
   6. the held-out loss before and after training (on the toy set: exit status 1 when it did not fall), and the
@@ -67,6 +67,8 @@ local SPEC = {
         { "steps", 150, "optimizer updates" },
         { "batch", 16, "rows per update" },
         { "micro_batches", 1, "micro-batches per update on each rank (gradient accumulation)" },
+        { "indexer_kl", 0, "weight of the lightning indexer's KL loss (0: off): each update's mean over its rows' real "
+            .. "queries, on every rank and micro-batch alike (logged as indexer_kl)" },
         { "zero", false, "with several ranks: ZeRO-1, each keeps and steps its shard of the optimizer (and sums only "
             .. "its region of the gradients: a reduce-scatter)" },
         { "bucket_mb", -1, "with several ranks: the gradients are summed in buckets of this many MiB while the last "
@@ -116,6 +118,9 @@ if opts.save_every ~= math.floor(opts.save_every) or opts.save_every < 0 then
 end
 if not (opts.lr > 0 and opts.lr < math.huge) then usage_error("--lr must be a positive number, got " .. opts.lr) end
 if opts.lora ~= math.floor(opts.lora) or opts.lora < 0 then usage_error("--lora must be a rank >= 1 (0: off)") end
+if not (opts.indexer_kl >= 0 and opts.indexer_kl < math.huge) then
+    usage_error("--indexer-kl must be a finite number >= 0, got " .. opts.indexer_kl)
+end
 local PARTS = dp.world() * opts.micro_batches -- micro-batches per update, over all ranks
 if opts.batch < PARTS then
     usage_error(("--batch %d is smaller than %d micro-batches (%d ranks x --micro-batches %d)"):format(opts.batch,
@@ -187,6 +192,11 @@ if not model then
     model = ds4.new_model(dofile(ds4.script_dir() .. "/small_model.lua")(tok), opts.seed)
 end
 model:set_tokenizer(tok, { chat_template = template_name }) -- checkpoints and the saved model carry both
+if opts.indexer_kl > 0 then -- before adapters are made: with the indexer KL on they cover the indexer too
+    local o = model:train_options()
+    o.indexer_kl = opts.indexer_kl
+    model:set_train_options(o)
+end
 local lora = model:lora_info()
 if lora and lora.rank ~= opts.lora then
     usage_error(("%s holds LoRA adapters of rank %d: resume with --lora %d"):format(resume_dir, lora.rank, lora.rank))
@@ -255,16 +265,17 @@ else
 end
 
 -- A rectangular batch: rows cut at --max-len, padded at the end with EOS and label -100 (causal attention never
--- looks right, and compression windows are aligned to position 0, so trailing padding changes nothing before it).
+-- looks right, and compression windows are aligned to position 0, so trailing padding changes nothing before it),
+-- and each row's real length (the indexer KL loss leaves the padding out: model:forward's opts.lengths).
 local cut = 0
 local function make_batch(rows)
-    local ids, labels, S, trained = {}, {}, 0, 0
+    local ids, labels, S, trained, len = {}, {}, 0, 0, {}
     for i, row in ipairs(rows) do
         local n = math.min(#row.ids, opts.max_len)
         if n < #row.ids then cut = cut + 1 end
         local x, l = {}, {}
         for t = 1, n do x[t], l[t] = row.ids[t], row.labels[t] end
-        ids[i], labels[i] = x, l
+        ids[i], labels[i], len[i] = x, l, n
         S = math.max(S, n)
     end
     for i = 1, #rows do
@@ -273,7 +284,7 @@ local function make_batch(rows)
             if labels[i][t] ~= -100 then trained = trained + 1 end
         end
     end
-    return ids, labels, trained
+    return ids, labels, trained, len
 end
 
 -- The held-out loss: token-mean over every held-out row, in batches of --batch rows.
@@ -330,14 +341,16 @@ if not resume_dir then log:write({ step = 0, ["eval/loss"] = before }) end
 -- This rank's micro-batches of an update: global micro-batch k (0-based) of PARTS holds the rows share(batch, PARTS,
 -- k) of the batch; rank r has k = r·M ... r·M + M - 1 (M = --micro-batches), so the ranks' micro-batches in rank order
 -- are one process's micro-batches in order.
+local IKL = model:train_options().indexer_kl -- the indexer KL's weight κ (0: off)
 local function my_micro_batches(rows)
     local out = {}
     for j = 0, opts.micro_batches - 1 do
         local first, count = dp.share(#rows, PARTS, dp.rank() * opts.micro_batches + j)
         local mb = {}
         for i = first, first + count - 1 do mb[#mb + 1] = rows[i] end
-        local ids, labels, trained = make_batch(mb)
-        out[#out + 1] = { ids = ids, labels = labels, trained = trained }
+        local ids, labels, trained, len = make_batch(mb)
+        out[#out + 1] = { ids = ids, labels = labels, trained = trained, lengths = len,
+            queries = IKL > 0 and model:indexer_queries(len) or 0 }
     end
     return out
 end
@@ -348,27 +361,33 @@ for step = start, opts.steps do
     for i = 1, opts.batch do rows[i] = train[((step - 1) * opts.batch + i - 1) % #train + 1] end
     local t0 = now()
     local mbs = my_micro_batches(rows)
-    local mine, cells = 0, 0
-    for _, mb in ipairs(mbs) do mine, cells = mine + mb.trained, cells + #mb.ids * #mb.ids[1] end
-    local trained = dp.sum({ mine })[1] -- token-mean over the global batch: its trained tokens, from every rank
+    local mine, cells, q = 0, 0, 0
+    for _, mb in ipairs(mbs) do mine, cells, q = mine + mb.trained, cells + #mb.ids * #mb.ids[1], q + mb.queries end
+    -- token-mean over the global batch: its trained tokens, from every rank; the indexer KL likewise over its real
+    -- queries (each part of the loss by its own global count: docs/distributed.md, "Loss normalisation")
+    local counts = dp.sum({ mine, q })
+    local trained, Q = counts[1], counts[2]
+    local scales = IKL > 0 and Q > 0 and { ce = 1 / trained, ikl = IKL / Q } or 1 / trained
     model:zero_grad()
-    local lsum = 0 -- Σ loss · tokens over this rank's micro-batches (in order)
+    local lsum, isum = 0, 0 -- Σ loss · tokens and Σ indexer KL · queries over this rank's micro-batches (in order)
     -- the last backward sums the gradients over ranks bucket by bucket as it goes (docs/distributed.md); a rank
     -- without a micro-batch sends its zeros in the same buckets
     if dp.world() > 1 and #mbs == 0 then ds4.dist.overlap_backward(model) end
     for k, mb in ipairs(mbs) do
-        local out = model:forward(mb.ids, { labels = mb.labels, logits = false }) -- [B, S, V] stays unmade
+        local out = model:forward(mb.ids, { labels = mb.labels, logits = false, lengths = mb.lengths }) -- no [B, S, V]
         if out.loss then lsum = lsum + out.loss * out.loss_tokens end
+        if out.indexer_loss then isum = isum + out.indexer_loss * out.indexer_queries end
         if dp.world() > 1 and k == #mbs then ds4.dist.overlap_backward(model) end
-        model:backward(1 / trained) -- each micro-batch's share of the global mean: one addition per gradient
+        model:backward(scales) -- each micro-batch's share of the global mean: one addition per gradient
     end
     if dp.world() > 1 then ds4.dist.all_reduce_grads(model) end -- summed in rank order
-    local loss = dp.sum({ lsum })[1] / trained
+    local sums = dp.sum({ lsum, isum })
+    local loss = sums[1] / trained
     local st = opt:step()
     local dt = now() - t0
     local tps = dp.sum({ cells })[1] / math.max(dt, 1e-9)
     log:write({ step = step, loss = loss, lr = st.lr, grad_norm = st.grad_norm, tokens = trained,
-        tokens_per_s = tps })
+        tokens_per_s = tps, indexer_kl = IKL > 0 and sums[2] / math.max(Q, 1) or nil })
     if tty then
         local w = 30
         local done = math.floor(w * step / opts.steps)

@@ -742,7 +742,7 @@ static int m_forward(lua_State *L) {
     model_box *b = check_model(L, fname);
     const ds4_config *cfg = ds4_model_config(b->m);
     int opts = ds4l_opt_table(L, 3, fname, 2);
-    static const char *const known[] = {"labels", "mtp", "hidden", "logits", "train", "replay", NULL};
+    static const char *const known[] = {"labels", "mtp", "hidden", "logits", "train", "replay", "lengths", NULL};
     ds4l_check_keys(L, opts, fname, known);
     lua_settop(L, 3); /* fixed slots: 1 model, 2 ids, 3 opts; temporaries go above */
     int want_logits = ds4l_opt_bool(L, opts, "logits", 1, fname);
@@ -799,10 +799,18 @@ static int m_forward(lua_State *L) {
         }
     }
 
+    const int64_t *lengths = NULL; /* right padding: the indexer KL loss leaves it out */
+    if (opts) {
+        lua_getfield(L, opts, "lengths");
+        if (!lua_isnil(L, -1))
+            lengths = ds4l_check_int_list(L, lua_gettop(L), fname, "opts.lengths", B, 0, (double)S,
+                                          "an integer in [0, seq] (each row's real length)");
+    }
+
     lua_createtable(L, 0, 8);
     int res = lua_gettop(L);
     ds4_forward_args args = {.ids = ids, .batch = B, .seq = S, .labels = labels, .replay_experts = replay_experts,
-                             .replay_index = replay_index};
+                             .replay_index = replay_index, .lengths = lengths};
     if (want_logits) {
         int64_t shape[3] = {B, S, cfg->vocab_size};
         args.logits = ds4l_tensor_push_new(L, fname, DS4_F32, 3, shape)->data;

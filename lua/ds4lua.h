@@ -70,6 +70,10 @@ const char *ds4l_value_str(lua_State *L, int idx, char *buf, size_t cap);
 /* The integer at idx in [lo, hi]; raises "<fname>: <what> must be <desc>, got <value>" otherwise. */
 int64_t ds4l_check_int(lua_State *L, int idx, const char *fname, const char *what, double lo, double hi,
                        const char *desc);
+/* The table at idx of n integers, each in [lo, hi] (else "<fname>: <what>[i] must be <desc>, got <value>"), as a
+ * userdata array pushed on the stack (it lives while it stays there). */
+const int64_t *ds4l_check_int_list(lua_State *L, int idx, const char *fname, const char *what, int64_t n, double lo,
+                                   double hi, const char *desc);
 /* The options table at idx (argument #argn as the user counts it), as an absolute index; 0 when nil or none;
  * raises "<fname>: bad argument #<argn> (options table expected, got <type>)" for anything else. */
 int ds4l_opt_table(lua_State *L, int idx, const char *fname, int argn);

@@ -59,6 +59,25 @@ int64_t ds4l_check_int(lua_State *L, int idx, const char *fname, const char *wha
     return (int64_t)v;
 }
 
+const int64_t *ds4l_check_int_list(lua_State *L, int idx, const char *fname, const char *what, int64_t n, double lo,
+                                   double hi, const char *desc) {
+    if (!lua_istable(L, idx))
+        ds4l_raise(L, "%s: %s must be a table of %lld integers, got %s", fname, what, (long long)n,
+                   luaL_typename(L, idx));
+    if ((int64_t)lua_objlen(L, idx) != n)
+        ds4l_raise(L, "%s: %s has %lld values, expected %lld", fname, what, (long long)lua_objlen(L, idx), (long long)n);
+    idx = idx < 0 ? lua_gettop(L) + idx + 1 : idx;
+    int64_t *out = lua_newuserdata(L, (size_t)(n > 0 ? n : 1) * sizeof *out);
+    char item[128];
+    for (int64_t i = 0; i < n; i++) {
+        lua_rawgeti(L, idx, (int)(i + 1));
+        snprintf(item, sizeof item, "%s[%lld]", what, (long long)(i + 1));
+        out[i] = ds4l_check_int(L, -1, fname, item, lo, hi, desc);
+        lua_pop(L, 1);
+    }
+    return out;
+}
+
 int ds4l_opt_table(lua_State *L, int idx, const char *fname, int argn) {
     if (lua_isnoneornil(L, idx)) return 0;
     if (!lua_istable(L, idx))

@@ -284,8 +284,9 @@ static int m_backward_logprobs(lua_State *L) {
     return 0;
 }
 
-/* model:set_train_options{mtp_lambda = x, router_bias_gamma = g}: the MTP loss, the aux-loss-free router-bias
- * update applied after each opt:step() (the indexer KL loss is not implemented). */
+/* model:set_train_options{mtp_lambda = x, indexer_kl = k, router_bias_gamma = g, head_chunk = n, recompute = b}: the
+ * MTP loss, the indexer KL loss, the aux-loss-free router-bias update applied after each opt:step(), the LM head's
+ * chunk and per-block recomputation (ds4_train_options); an option left out is 0 / false. */
 static int m_set_train_options(lua_State *L) {
     const char *fname = "ds4.model:set_train_options";
     ds4_model *m = ds4l_model_check(L, 1, fname);
@@ -303,6 +304,32 @@ static int m_set_train_options(lua_State *L) {
     ds4_error err = {0};
     if (ds4_model_set_train_options(m, &o, &err) != DS4_OK) ds4l_raise_ds4(L, fname, &err);
     return 0;
+}
+
+/* model:train_options() -> the table set_train_options takes, as last set (so one option can change alone). */
+static int m_train_options(lua_State *L) {
+    const ds4_train_options o = ds4_model_train_options(ds4l_model_check(L, 1, "ds4.model:train_options"));
+    lua_createtable(L, 0, 5);
+    ds4l_set_num(L, "mtp_lambda", o.mtp_lambda);
+    ds4l_set_num(L, "router_bias_gamma", o.router_bias_gamma);
+    ds4l_set_num(L, "indexer_kl", o.indexer_kl);
+    ds4l_set_int(L, "head_chunk", o.head_chunk);
+    ds4l_set_bool(L, "recompute", o.recompute);
+    return 1;
+}
+
+/* model:indexer_queries(lengths) -> the indexer KL loss's query count of rows of these real lengths (a table of
+ * integers >= 0), as a training forward with those lengths reports it (ds4_model_indexer_queries): the Q of
+ * micro-batches not yet run, for backward{ikl = indexer_kl / Q}. */
+static int m_indexer_queries(lua_State *L) {
+    const char *fname = "ds4.model:indexer_queries";
+    const ds4_model *m = ds4l_model_check(L, 1, fname);
+    if (!lua_istable(L, 2))
+        ds4l_raise(L, "%s: bad argument #1 (a table of row lengths expected, got %s)", fname, luaL_typename(L, 2));
+    const int64_t n = (int64_t)lua_objlen(L, 2);
+    const int64_t *len = ds4l_check_int_list(L, 2, fname, "lengths", n, 0, 9007199254740992.0, "an integer >= 0");
+    lua_pushinteger(L, (lua_Integer)ds4_model_indexer_queries(m, len, n));
+    return 1;
 }
 
 /* ------------------------------------------------------------------------------------------------ optimizer */
@@ -586,6 +613,8 @@ static const luaL_Reg train_model_methods[] = {
     {"logprobs", m_logprobs},
     {"backward_logprobs", m_backward_logprobs},
     {"set_train_options", m_set_train_options},
+    {"train_options", m_train_options},
+    {"indexer_queries", m_indexer_queries},
     {NULL, NULL},
 };
 

@@ -54,6 +54,24 @@ done
 "$DS4" run "$SRC/examples/dapo.lua" "${small[@]}" "${from[@]}" --routing-replay --out "$out/replay" --quiet \
     >"$out/replay.log"
 check "$out/replay" 3
+# the indexer KL loss in RL (--indexer-kl), over 2 micro-batches: every step logs indexer_kl, finite and positive
+# (its normalisation over micro-batches and ranks is tests/lua/test_rl_indexer_kl.lua's and dist_rl_indexer_kl.lua's)
+"$DS4" run "$SRC/examples/dapo.lua" "${small[@]}" "${from[@]}" --indexer-kl 0.5 --micro-batches 2 --out "$out/ikl" \
+    --quiet >"$out/ikl.log"
+check "$out/ikl" 3
+"$DS4" run - "$out/ikl/metrics.jsonl" <<'LUA'
+local json = require("ds4.chat.json")
+local n = 0
+for line in io.lines(arg[1]) do
+    local m = json.decode(line)
+    if m.step > 0 then
+        assert(type(m.indexer_kl) == "number" and m.indexer_kl > 0 and m.indexer_kl < math.huge,
+            "step " .. m.step .. ": indexer_kl " .. tostring(m.indexer_kl))
+        n = n + 1
+    end
+end
+print(("indexer KL: logged on %d steps"):format(n))
+LUA
 # LoRA: the same loop trains only rank-4 adapters; the rollout's and the trainer's log-probabilities agree exactly.
 # Two steps with a checkpoint (adapters beside the frozen weights), then a new process resumes for the third.
 "$DS4" run "$SRC/examples/dapo.lua" "${small[@]}" "${from[@]}" --lora 4 --steps 2 --save-every 2 --out "$out/lora" \
@@ -94,6 +112,7 @@ fails 2 "has 3 problems and --eval 200 would hold out more than all of them" --d
 head -n 1 "$out/mine.jsonl" >"$out/one.jsonl"
 fails 2 "has 1 problem: nothing can be held out" --data "$out/one.jsonl" --eval 2
 fails 2 "--eval must be an integer >= 1" --eval 0
+fails 2 "--indexer-kl must be a finite number >= 0" --indexer-kl -1
 { cat "$out/three.jsonl"; echo '{"prompt": "1+1=", "answer": null}'; } >"$out/null.jsonl"
 fails 1 'null.jsonl:4: "answer" must be a string or a finite number, got null' --data "$out/null.jsonl" --eval 1
 { cat "$out/three.jsonl"; echo '{"prompt": "", "answer": 2}'; } >"$out/empty.jsonl"

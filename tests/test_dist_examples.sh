@@ -110,6 +110,21 @@ trains "$W/rl_m2"
 rl_one "$W/rl_m4" --micro-batches 4
 tcp 2 "$W/rl_tcp2" "${RL[@]}" --save "$W/rl_tcp2/final"
 compare "$W/rl_m2" "$W/rl_tcp2" "dapo, 2 torchrun-style ranks = 1 process of 2 micro-batches (bitwise)"
+# the indexer KL loss (--indexer-kl): every backward takes κ / Q, Q the whole minibatch's real queries (sft: the
+# update's), so N ranks train what one process of N micro-batches does, indexer_kl metric included
+rl_one "$W/rl_ikl_m2" --micro-batches 2 --indexer-kl 0.5
+trains "$W/rl_ikl_m2"
+grep -q '"indexer_kl": [0-9.]*[1-9]' "$W/rl_ikl_m2/metrics.jsonl" || bad "dapo --indexer-kl: no indexer_kl logged"
+tcp 2 "$W/rl_ikl_tcp2" "${RL[@]}" --indexer-kl 0.5 --save "$W/rl_ikl_tcp2/final"
+compare "$W/rl_ikl_m2" "$W/rl_ikl_tcp2" "dapo --indexer-kl, 2 torchrun-style ranks = 1 process of 2 micro-batches (bitwise)"
+one "$W/sft_ikl_m2" "${SFT[@]}" --micro-batches 2 --indexer-kl 0.5
+grep -q '"indexer_kl": [0-9.]*[1-9]' "$W/sft_ikl_m2/metrics.jsonl" || bad "sft --indexer-kl: no indexer_kl logged"
+tcp 2 "$W/sft_ikl_tcp2" "${SFT[@]}" --indexer-kl 0.5
+compare "$W/sft_ikl_m2" "$W/sft_ikl_tcp2" "sft --indexer-kl, 2 torchrun-style ranks = 1 process of 2 micro-batches (bitwise)"
+if [ "$have_mpi" = 1 ]; then
+    mpi 2 "$W/rl_ikl_mpi2" "${RL[@]}" --indexer-kl 0.5 --save "$W/rl_ikl_mpi2/final"
+    compare "$W/rl_ikl_m2" "$W/rl_ikl_mpi2" "dapo --indexer-kl, mpirun -np 2 = 1 process of 2 micro-batches (bitwise)"
+fi
 # ZeRO-1 in the RL trainer, with checkpoints after RL steps 2 and 3 (every rank gathers the moments, rank 0 writes)
 tcp 2 "$W/rl_zero2" "${RL[@]}" --zero --save-every 2 --save "$W/rl_zero2/final" --bucket-mb 0.05
 compare "$W/rl_m2" "$W/rl_zero2" "dapo --zero, 2 torchrun-style ranks = 1 process of 2 micro-batches (bitwise)"

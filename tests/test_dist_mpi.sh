@@ -2,7 +2,8 @@
 # test_dist_mpi.sh DS4 FIXTURES SOURCE — ds4.dist on CPU ranks under `mpirun -np 2` and `-np 4`: the collectives
 # against closed forms (tests/lua/dist_collectives.lua), data, expert and context parallelism against one process on
 # the whole batch (tests/lua/dist_data_parallel.lua, dist_expert_parallel.lua, dist_context_parallel.lua; sharded
-# experts against replicated expert parallelism, dist_expert_shard.lua; with LoRA
+# experts against replicated expert parallelism, dist_expert_shard.lua; the RL trainer's indexer KL normalised over
+# ranks and micro-batches, dist_rl_indexer_kl.lua; with LoRA
 # adapters, dist_data_parallel_lora.lua, -np 2), and a rank that dies
 # (tests/lua/dist_rank_dies.lua; also with its bucketed gradient sum in flight): the others must be ended with an
 # error naming that rank within a bound, not hang.
@@ -52,6 +53,7 @@ DS4_TEST_WORLD=1 "$DS4" run "$T/dist_collectives.lua" "$FIX" >"$LOG" 2>&1 || { c
 "$DS4" run "$T/dist_expert_parallel.lua" "$FIX" >"$LOG" 2>&1 || { cat "$LOG"; bad "expert parallel, no mpirun"; }
 "$DS4" run "$T/dist_expert_shard.lua" "$FIX" >"$LOG" 2>&1 || { cat "$LOG"; bad "sharded experts, no mpirun"; }
 "$DS4" run "$T/dist_context_parallel.lua" "$FIX" >"$LOG" 2>&1 || { cat "$LOG"; bad "context parallel, no mpirun"; }
+"$DS4" run "$T/dist_rl_indexer_kl.lua" "$FIX" >"$LOG" 2>&1 || { cat "$LOG"; bad "RL indexer KL, no mpirun"; }
 
 for np in 2 4; do
     if run_np "$np" "$T/dist_collectives.lua" "$FIX"; then
@@ -60,7 +62,8 @@ for np in 2 4; do
     else
         cat "$LOG"; bad "collectives -np $np"
     fi
-    for t in dist_data_parallel dist_buckets dist_expert_parallel dist_expert_shard dist_context_parallel; do
+    for t in dist_data_parallel dist_buckets dist_expert_parallel dist_expert_shard dist_context_parallel \
+        dist_rl_indexer_kl; do
         if run_np "$np" "$T/$t.lua" "$FIX"; then
             grep "$t:" "$LOG"
             c="$(grep -c "$t"' rank [0-9]* of '"$np"': [0-9]* checks, 0 failures' "$LOG")"

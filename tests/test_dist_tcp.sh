@@ -3,7 +3,7 @@
 # MASTER_ADDR, MASTER_PORT; plain processes, no MPI): the TCP rendezvous and the collectives over the star around
 # rank 0 (dist/tcp_backend.c). The same Lua tests as under mpirun (tests/test_dist_mpi.sh): the collectives against
 # closed forms, data, expert (replicated and sharded experts) and context parallelism against one process on the
-# whole batch, and a rank that dies (kill, error) or hangs
+# whole batch, the RL trainer's indexer KL over ranks (dist_rl_indexer_kl.lua), and a rank that dies (kill, error) or hangs
 # — the others must fail naming it within a bound. Then the rendezvous' own failures: a rank that never comes, no
 # rank 0, disagreeing WORLD_SIZE, a duplicate RANK, a stray connection that is not a ds4 rank (ignored), ranks that
 # call different collectives, malformed settings. Needs nothing but the ds4 binary and loopback TCP.
@@ -32,6 +32,9 @@ for np in 2 4; do
     launch "$np" "$LOG/run" 120 "$DS4" run "$T/dist_data_parallel.lua" "$FIX"
     grep 'dist_data_parallel:' "$LOG/run.0"
     all_passed "$np" dist_data_parallel || { show; bad "data parallel, $np ranks (exit codes ${RCS[*]})"; }
+    launch "$np" "$LOG/run" 120 "$DS4" run "$T/dist_rl_indexer_kl.lua" "$FIX"
+    grep 'dist_rl_indexer_kl:' "$LOG/run.0"
+    all_passed "$np" dist_rl_indexer_kl || { show; bad "RL indexer KL, $np ranks (exit codes ${RCS[*]})"; }
     launch "$np" "$LOG/run" 120 "$DS4" run "$T/dist_buckets.lua" "$FIX"
     grep 'dist_buckets rank 0' "$LOG/run.0"
     all_passed "$np" dist_buckets || { show; bad "bucketed all-reduce and ZeRO-1 reduce-scatter, $np ranks (exit codes ${RCS[*]})"; }

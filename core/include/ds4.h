@@ -333,6 +333,11 @@ typedef struct ds4_forward_args {
     const int32_t *replay_experts; /* [B, S, L, K] expert ids (distinct per row, in [0, E)), or NULL */
     const int32_t *replay_index;   /* [B, S, n_csa, index_topk] indexer picks (-1 padded; each < the causal entry
                                       count (s+1)/m, distinct), or NULL */
+    /* [B] each row's real length (0..S), or NULL: every position real. Positions s >= lengths[b] are right padding:
+     * the indexer KL loss (training, indexer_kl > 0) leaves them out of its value, its query count and its gradient
+     * (a real query never attends to a later padded one, so the rest is unchanged). CE and MTP leave padding out
+     * through labels -100. */
+    const int64_t *lengths;
 } ds4_forward_args;
 
 typedef struct ds4_forward_result {
@@ -341,7 +346,9 @@ typedef struct ds4_forward_result {
     double mtp_loss;          /* CE of mtp_logits[i] against labels[i+2]; NaN when not computed */
     int64_t mtp_loss_tokens;
     double indexer_loss;      /* training forward with indexer_kl > 0: the indexer KL loss (unweighted); else NaN */
-    int64_t indexer_queries;  /* its queries with picks in one CSA layer (the most of any layer; they agree) */
+    int64_t indexer_queries;  /* its queries with picks in one CSA layer: the real (not padded, args.lengths)
+                                 positions s >= compress_rate_csa - 1, ds4_model_indexer_queries (the same in every
+                                 CSA layer) */
 } ds4_forward_result;
 
 /* Runs on the engine's thread pool. A model reuses one workspace (planned from B and S, grown when needed), so

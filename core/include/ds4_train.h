@@ -83,6 +83,8 @@ void ds4_model_on_grads_final(ds4_model *m, ds4_grads_final_fn fn, void *ctx);
  * the model or dropping its training state calls it first (then forgets it). wait NULL: nothing in use. */
 void ds4_model_guard_grads(ds4_model *m, void (*wait)(void *ctx), void *ctx);
 ds4_status ds4_model_set_train_options(ds4_model *m, const ds4_train_options *o, ds4_error *err);
+/* The options last set (all zero before any), so that a caller can change one and keep the others. */
+ds4_train_options ds4_model_train_options(const ds4_model *m);
 
 /* Per named tensor i (as ds4_model_tensor_at): flat offset and size in the parameter buffer, whether it
  * receives a gradient under the current training options, and whether AdamW weight decay applies
@@ -118,6 +120,12 @@ typedef struct ds4_backward_scales {
     double ce, mtp, ikl;
 } ds4_backward_scales;
 ds4_status ds4_model_backward_scaled(ds4_model *m, const ds4_backward_scales *s, ds4_error *err);
+/* The indexer KL loss's query count of rows of these real lengths ([B]; ds4_forward_args.lengths), known before any
+ * forward: the positions with picks, s >= compress_rate_csa - 1, below each row's length (0 without CSA layers). A
+ * training forward with indexer_kl > 0 reports the same count (ds4_forward_result.indexer_queries), so a loop can
+ * take the global Q of micro-batches it has not run yet (the RL trainer: Q of a whole minibatch). A query whose picks
+ * get no attention mass at all (fp32 underflow) counts with KL 0. */
+int64_t ds4_model_indexer_queries(const ds4_model *m, const int64_t *lengths, int64_t B);
 
 /* Expert loads counted by training forwards since the last reset: loads[l·E + e] = number of (token, slot)
  * routings of layer l (0..L-1, then L for the MTP block) to expert e. NULL before the first training forward. */

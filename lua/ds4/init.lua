@@ -94,7 +94,11 @@ Training (lua/train_lua.c)
   model:zero_grad()                enable gradients (first call) and set them to zero
   model:forward(ids, {labels = l}) on a model with gradients enabled: a training forward that keeps the
                                    activations for backward; opts.train = false forces inference, true enables
-                                   gradients itself
+                                   gradients itself; opts.lengths = {real length of each row}: the right padding
+                                   takes no part in the indexer KL loss (its value, count and gradient)
+  model:indexer_queries(lengths)   the indexer KL's query count of rows of these real lengths (what such a forward
+                                   reports as indexer_queries), for backward{ikl = kappa / Q} over micro-batches
+  model:train_options()            the options set_train_options last set (a table it takes back)
   model:backward([scale])          add the gradient of scale * (sum of per-token CE) of the last training forward;
                                    scale defaults to 1 / loss_tokens (gradient of out.loss); once per forward
   model:grads()                    {official name = F32 tensor}: copies of the gradients (fp32 parameters)

@@ -254,6 +254,18 @@ function H.byte_text(ids)
     return table.concat(t)
 end
 function H.parity_reward(text) return (#text > 0 and text:byte(1) % 2 == 0) and 1 or 0 end
+-- The RL tests' prompts of given lengths: a trainer's config.prompts whose call k gives n prompts, the i-th of
+-- lens[(i - 1) % #lens + 1] ids in [5, 45), deterministic in (k, i) (as an exact resume and several ranks need).
+function H.prompts_of_lengths(lens)
+    return function(k, n)
+        local p = {}
+        for i = 1, n do
+            p[i] = { prompt = {}, answer = "x" }
+            for j = 1, lens[(i - 1) % #lens + 1] do p[i].prompt[j] = 5 + (k * 7 + i * 3 + j) % 40 end
+        end
+        return p
+    end
+end
 
 function H.fixtures()
     if arg and arg[1] then return arg[1] end

@@ -43,7 +43,7 @@ refuses(function() model:generate({ { 1 } }, { 5 }) end,
 refuses(function() model:generate({ { 1 } }, { [{}] = 1 }) end,
     "ds4.model:generate: unknown option a table key (known: " .. GEN_KNOWN .. ")", "generate: a table key")
 refuses(function() model:forward(ds4.tensor({ { 1, 2 } }, "I64"), { label = true }) end,
-    "ds4.model:forward: unknown option 'label' (known: labels, mtp, hidden, logits, train, replay)", "forward")
+    "ds4.model:forward: unknown option 'label' (known: labels, mtp, hidden, logits, train, replay, lengths)", "forward")
 refuses(function() ds4.sample({ 0, 1 }, { temp = 1 }, 0.5) end,
     "ds4.sample: unknown option 'temp' (known: temperature, top_k, top_p, min_p)", "sample")
 refuses(function() model:save(tmp .. "/m", { dtyp = "F32" }) end,

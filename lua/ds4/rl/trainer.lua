@@ -22,6 +22,9 @@ checkpoints.
                                               -- bits); 0: one all-reduce after the backward; nil or -1: 25
                                               -- (ds4.dp.bucket_mb)
       routing_replay = false,                 -- train with the experts / indexer picks the rollout used
+      indexer_kl = nil,                       -- κ > 0: train the lightning indexer by its KL loss (set on the model,
+                                              -- its other training options kept; nil: the model's own setting),
+                                              -- each minibatch's mean over its real queries (below)
       guard = {max_kl = 10, max_grad_norm = 1e6, max_failed_frac = 0.5, max_idle_steps = 10,
                max_reward_error_frac = 0.5},  -- when to stop
       loss = nil,                             -- a user loss: function(mb, spec, opts) -> {loss, grads, metrics}
@@ -86,7 +89,12 @@ One step:
      (model:forward's opts.replay; the token the rollout never ran and padding route themselves);
   4. advantages (algorithm.adv), then `minibatches` optimizer updates, each a training forward, the policy loss
      with its analytic dLoss/dlogp (rl.loss.compute, or config.loss; normalised within the minibatch: one update =
-     one normalisation) and model:backward_logprobs.
+     one normalisation) and model:backward_logprobs. With the indexer KL on (indexer_kl = κ, or the model's own
+     train option), its loss is κ · (per CSA layer the mean KL over the minibatch's real queries, summed over
+     layers): the micro-batches are packed with their rows' real lengths (the padding takes no part) and each
+     backward takes κ / Q, Q the real queries with picks of the whole minibatch over every micro-batch and rank
+     (model:indexer_queries of its samples' lengths, known before any forward), so that the split into
+     micro-batches and ranks changes nothing but fp32 summation order (docs/distributed.md).
 
 A user loss (config.loss) replaces rl.loss.compute: loss(mb, spec, {denom = T, num_seqs = N, step_tokens,
 step_seqs, tis_scale}) gets the minibatch's samples (T its trained tokens and N its samples, what rl.loss.compute normalises
@@ -103,7 +111,8 @@ Metrics: one record per step in out/metrics.jsonl (ds4.metrics: whole lines, flu
 and as TensorBoard scalars in out/events.out.tfevents.* (ds4.runlog): step, reward/mean, reward/std, reward/min,
 reward/max, rewards/NAME (each reward component, ds4.reward.combine), reward/kept_mean, reward/errors,
 response_len/mean, /min, /max, /clipped_ratio (ds4.rl.stats), groups/kept, groups/generated, groups/failed,
-gen_batches, eval/accuracy (eval steps), kl (to the reference when there is one, else the old→new policy KL
+gen_batches, eval/accuracy (eval steps), indexer_kl (with the indexer KL on: the step's indexer KL loss over its real
+queries, unweighted), kl (to the reference when there is one, else the old→new policy KL
 estimate), clip_frac, entropy, logprob_mismatch/mean, logprob_mismatch/max, loss, grad_norm, lr, tokens_per_s
 (generated + trained tokens per wall second), seconds, and the time split time/generate, time/reward, time/train,
 time/eval (seconds), policy_version (the version trained), staleness/mean and staleness/max (versions between the
@@ -427,8 +436,16 @@ local function finish_batch(cfg, b, group_base, st)
     return out
 end
 
--- Rectangular [B, S] ids / labels for samples (prompt then response; labels only on the response), and each
--- sample's offset of its first response log-probability in the flat [B, S] logp (position t scores t + 1).
+-- Each sample's real length (prompt then response): its row of the packed batch before the padding.
+local function lengths(samples)
+    local len = {}
+    for i, s in ipairs(samples) do len[i] = #s.prompt + #s.ids end
+    return len
+end
+
+-- Rectangular [B, S] ids / labels for samples (prompt then response; labels only on the response; right-padded with
+-- pad, labels -100), and each row's real length (model:forward's opts.lengths: the indexer KL loss leaves the
+-- padding out).
 local function pack(samples, pad)
     local ids, labels, S = {}, {}, 0
     for i, s in ipairs(samples) do
@@ -441,7 +458,7 @@ local function pack(samples, pad)
     for i = 1, #samples do
         for t = #ids[i] + 1, S do ids[i][t], labels[i][t] = pad, -100 end
     end
-    return ids, labels, S
+    return ids, labels, S, lengths(samples)
 end
 
 -- logp rows of the last training forward for each sample's response tokens.
@@ -476,16 +493,18 @@ local function replay_tensors(samples, S)
     return out.experts and out or (out.index and out or nil)
 end
 
+-- The training forward of samples (packed): their log-probabilities into s[field] (and entropies); returns S and the
+-- forward's result (its indexer_loss / indexer_queries with the indexer KL on).
 local function forward_logp(model, samples, pad, field, entropy_field, replay)
-    local ids, labels, S = pack(samples, pad)
+    local ids, labels, S, len = pack(samples, pad)
     -- logits = false: only the log-probabilities are read, so the head runs in chunks and [B, S, V] is never made
     -- (on a GPU it would also come back to the host)
-    model:forward(ids, { labels = labels, train = true, logits = false,
+    local res = model:forward(ids, { labels = labels, train = true, logits = false, lengths = len,
         replay = replay and replay_tensors(samples, S) or nil })
     local lp, en = model:logprobs({ entropy = entropy_field ~= nil })
     gather(lp, samples, S, field)
     if entropy_field then gather(en, samples, S, entropy_field) end
-    return ids, labels, S
+    return S, res
 end
 
 local function split_groups(samples, parts)
@@ -530,6 +549,15 @@ local function defaults(cfg)
     end
     if type(cfg.micro_batches) ~= "number" or cfg.micro_batches < 1 or cfg.micro_batches ~= math.floor(cfg.micro_batches) then
         error("trainer.run: config.micro_batches must be an integer >= 1, got " .. tostring(cfg.micro_batches), 3)
+    end
+    if cfg.indexer_kl ~= nil then
+        local k = cfg.indexer_kl
+        if type(k) ~= "number" or not (k >= 0) or k == math.huge then
+            error("trainer.run: config.indexer_kl must be a finite number >= 0, got " .. tostring(k), 3)
+        end
+        local o = cfg.model:train_options() -- the model's other training options stay as they are
+        o.indexer_kl = k
+        cfg.model:set_train_options(o)
     end
     -- several ranks and a rollout source (remote workers): rank 0's alone. Every rank learns who holds one (the same
     -- answer everywhere, so that every rank raises the same error or none); the others take each batch's results
@@ -709,7 +737,7 @@ end
 -- the gradient of the log-probabilities (out.g), or nil and the reason to stop. Its backward is micro_backward.
 local function micro_loss(cfg, spec, pad, part, lopts)
     local model = cfg.model
-    local _, _, S = forward_logp(model, part, pad, "logp", "entropy", cfg.routing_replay)
+    local S, res = forward_logp(model, part, pad, "logp", "entropy", cfg.routing_replay)
     local out
     if cfg.loss then
         local ok, r = pcall(cfg.loss, part, spec, lopts)
@@ -728,11 +756,14 @@ local function micro_loss(cfg, spec, pad, part, lopts)
     end
     out.g = g
     out.cells = #part * S
+    -- the indexer KL: its global factor (κ / the minibatch's real queries), and Σ KL over this part's queries
+    out.ikl = lopts.ikl
+    out.ikl_sum = (res.indexer_loss or 0) * (res.indexer_queries or 0)
     return out
 end
 
 local function micro_backward(cfg, out)
-    cfg.model:backward_logprobs(out.g)
+    cfg.model:backward_logprobs(out.g, out.ikl and { ikl = out.ikl } or nil)
     if cfg.train_delay_s then sleep(cfg.train_delay_s) end
 end
 
@@ -762,16 +793,23 @@ local function train(cfg, opt, samples, row)
     for _, s in ipairs(samples) do
         if s.mask then for _, v in ipairs(s.mask) do T = T + v end else T = T + #s.ids end
     end
-    local agg = { loss = 0, clip_frac = 0, kl = 0, entropy = 0, tokens = 0 }
+    local agg = { loss = 0, clip_frac = 0, kl = 0, entropy = 0, tokens = 0, ikl = 0, ikl_queries = 0 }
+    local kappa = model:train_options().indexer_kl
     local last, stop, trained = nil, nil, 0
     for _, mb in ipairs(split_groups(samples, cfg.minibatches)) do
         model:zero_grad()
         local Tm, Nm = rl.loss.count(mb)
         -- tis.normalize: the whole minibatch's factor, the same in every micro-batch on every rank
+        -- the indexer KL (model:set_train_options' indexer_kl = κ > 0): a mean over the real (unpadded) queries of
+        -- the whole minibatch, on every rank, known before any forward (model:indexer_queries): each micro-batch's
+        -- backward takes κ / Q, so that the parts add up to the one-batch mean whatever the split and the padding
+        local Qm = kappa > 0 and model:indexer_queries(lengths(mb)) or 0
         local lopts = { denom = Tm, num_seqs = Nm, step_tokens = T, step_seqs = #samples,
-            tis_scale = spec.tis and rl.correction.norm_scale(mb, spec.tis) or nil }
-        -- Σ over this rank's micro-batches of: loss, tokens, and the token-weighted clip_frac, kl, entropy
-        local sums = { 0, 0, 0, 0, 0 }
+            tis_scale = spec.tis and rl.correction.norm_scale(mb, spec.tis) or nil,
+            ikl = Qm > 0 and kappa / Qm or nil }
+        -- Σ over this rank's micro-batches of: loss, tokens, and the token-weighted clip_frac, kl, entropy; Σ KL of
+        -- the indexer's queries
+        local sums = { 0, 0, 0, 0, 0, 0 }
         -- with several ranks and buckets the last micro-batch's backward sums the gradients over ranks as it runs
         -- (ds4.dist.overlap_backward): it waits until every rank has its loss, so that none starts the sums alone
         local overlap = dp.world() > 1 and cfg.bucket_mb > 0
@@ -790,6 +828,7 @@ local function train(cfg, opt, samples, row)
                 sums[3] = sums[3] + (m.clip_frac or 0) * w
                 sums[4] = sums[4] + ((spec.kl and m.kl) or m.ppo_kl or 0) * w
                 sums[5] = sums[5] + (m.entropy or 0) * w
+                sums[6] = sums[6] + out.ikl_sum
                 trained = trained + out.cells
             end
         end)
@@ -829,9 +868,12 @@ local function train(cfg, opt, samples, row)
         agg.clip_frac = agg.clip_frac + sums[3]
         agg.kl = agg.kl + sums[4]
         agg.entropy = agg.entropy + sums[5]
+        agg.ikl, agg.ikl_queries = agg.ikl + sums[6], agg.ikl_queries + Qm
     end
     local w = math.max(agg.tokens, 1)
     row.loss, row.clip_frac, row.kl, row.entropy = agg.loss / w, agg.clip_frac / w, agg.kl / w, agg.entropy / w
+    -- per CSA layer the mean KL over the step's real queries, summed over layers (model:forward's indexer_loss)
+    if kappa > 0 then row.indexer_kl = agg.ikl / math.max(agg.ikl_queries, 1) end
     row["reward/kept_mean"] = kept_sum / #samples
     row["logprob_mismatch/mean"] = mm.mismatch_abs_mean or 0
     row["logprob_mismatch/max"] = mm.mismatch_abs_max or 0
@@ -845,9 +887,9 @@ local function train(cfg, opt, samples, row)
 end
 
 local function progress_line(cfg, step, row, kept, dt)
-    return ("step %d/%d reward %.3f kept %d/%d groups clip %.3f kl %.2e ent %.3f len %.1f%s %.1fs"):format(
+    return ("step %d/%d reward %.3f kept %d/%d groups clip %.3f kl %.2e ent %.3f%s len %.1f%s %.1fs"):format(
         step, cfg.steps, row["reward/mean"], kept, row["groups/generated"], row.clip_frac or 0, row.kl or 0,
-        row.entropy or 0, row["response_len/mean"],
+        row.entropy or 0, row.indexer_kl and (" ikl %.3f"):format(row.indexer_kl) or "", row["response_len/mean"],
         row["eval/accuracy"] and (" acc %.3f"):format(row["eval/accuracy"]) or "", dt)
 end
 
