@@ -117,21 +117,18 @@ int main(int argc, char **argv) {
     const size_t na = (size_t)trials * M * K, nb = (size_t)trials * N * K, nd = (size_t)trials * M * N;
     __nv_bfloat16 *hA = (__nv_bfloat16 *)malloc(na * 2), *hB = (__nv_bfloat16 *)malloc(nb * 2);
     // three kinds of data by trial: uniform(-1, 1); wide exponents (2^-30..2^30, random signs: the order of the sums
-    // decides the rounding); near-cancelling pairs
-    for (size_t i = 0; i < na; i++) {
-        const int kind = (int)((i / ((size_t)M * K)) % 3);
-        double v = 2 * urand() - 1;
-        if (kind == 1) v = (urand() < 0.5 ? -1 : 1) * ldexp(1 + urand(), (int)(urand() * 60) - 30);
-        if (kind == 2) v = (urand() < 0.5 ? -1 : 1) * (1 + ldexp(urand(), -7));
-        hA[i] = __float2bfloat16_rn((float)v);
-    }
-    for (size_t i = 0; i < nb; i++) {
-        const int kind = (int)((i / ((size_t)N * K)) % 3);
-        double v = 2 * urand() - 1;
-        if (kind == 1) v = (urand() < 0.5 ? -1 : 1) * ldexp(1 + urand(), (int)(urand() * 60) - 30);
-        if (kind == 2) v = (urand() < 0.5 ? -1 : 1) * (1 + ldexp(urand(), -7));
-        hB[i] = __float2bfloat16_rn((float)v);
-    }
+    // decides the rounding); near-cancelling pairs. per: the values of one trial.
+    auto fill = [](__nv_bfloat16 *h, size_t n, size_t per) {
+        for (size_t i = 0; i < n; i++) {
+            const int kind = (int)((i / per) % 3);
+            double v = 2 * urand() - 1;
+            if (kind == 1) v = (urand() < 0.5 ? -1 : 1) * ldexp(1 + urand(), (int)(urand() * 60) - 30);
+            if (kind == 2) v = (urand() < 0.5 ? -1 : 1) * (1 + ldexp(urand(), -7));
+            h[i] = __float2bfloat16_rn((float)v);
+        }
+    };
+    fill(hA, na, (size_t)M * K);
+    fill(hB, nb, (size_t)N * K);
     __nv_bfloat16 *dA, *dB;
     float *d1, *d2, *d3;
     CU(cudaMalloc(&dA, na * 2));
