@@ -60,6 +60,9 @@ static void free_train_state(ds4_model *m) {
         d->ops->free(d, m->dcast);
     }
     m->dgrads = m->dmaster = m->dmoments = NULL;
+    m->master_lo = m->master_n = 0;
+    m->master_gather = NULL;
+    m->master_gather_ctx = NULL;
     m->moments_n = 0;
     m->dscratch = NULL;
     m->dscratch_bytes = 0;
@@ -226,7 +229,7 @@ int64_t ds4_model_device_bytes(const ds4_model *m, int64_t *fp4_bytes) {
 void ds4_model_train_device_bytes(const ds4_model *m, int64_t *grads, int64_t *master, int64_t *moments) {
     const int on_dev = m && m->dev != m->cpu;
     *grads = on_dev && m->dgrads ? m->n_params * (int64_t)sizeof(float) : 0;
-    *master = on_dev && m->dmaster ? m->n_params * (int64_t)sizeof(float) : 0;
+    *master = on_dev && m->dmaster ? m->master_n * (int64_t)sizeof(float) : 0; /* a ZeRO-1 region's, or all */
     /* the moments' bytes (their buffer pads v's start by up to 3 values: ds4_moments_stride) */
     *moments = on_dev && m->dmoments ? 2 * m->moments_n * (int64_t)sizeof(float) : 0;
 }
@@ -281,39 +284,99 @@ static ds4_status moments_ready(ds4_model *m, int64_t n, ds4_error *err) {
     return DS4_OK;
 }
 
-ds4_status ds4_model_master_ready(ds4_model *m, size_t scratch_bytes, int64_t moments_n, ds4_error *err) {
+/* The working-copy byte of flat element x of fp32 table entry i (x in it, or its end). */
+static int64_t working_byte(const ds4_model *m, size_t i, int64_t x) {
+    const ds4_param *p = &m->table[i];
+    return m->dev_off[i] + (x - p->offset) * (int64_t)ds4_dtype_size(p->lowp ? m->dev_w.mdt : DS4_F32);
+}
+
+ds4_status ds4_model_working_regions(const ds4_model *m, int32_t world, const int64_t *off, const int64_t *len,
+                                     int64_t *woff, int64_t *wlen, ds4_error *err) {
+    /* the fp32 tensors lie in the copy in table order, as in the flat buffer (layout), so a run of elements is a run of
+     * bytes; each region runs from its first element's byte to the next region's first (its tail's padding included),
+     * the last to the end of the fp32 section */
+    int64_t next = (int64_t)m->dev_f32_bytes;
+    for (int32_t r = world - 1; r >= 0; r--) {
+        woff[r] = next / 4, wlen[r] = 0;
+        if (len[r] <= 0) continue;
+        size_t i = 0;
+        while (i < m->n_table && (m->table[i].dtype != DS4_F32 || m->table[i].elsewhere ||
+                                  off[r] < m->table[i].offset || off[r] >= m->table[i].offset + m->table[i].numel))
+            i++;
+        const int64_t b = i < m->n_table ? working_byte(m, i, off[r]) : -1;
+        if (b < 0 || b > next || b % 4 || next % 4)
+            return ds4_fail(err, DS4_ERR_UNSUPPORTED,
+                            "ZeRO-1 working copy: rank %d's region starts at element %lld, byte %lld of the %s copy "
+                            "(the next region at byte %lld): the all-gather moves 4-byte units",
+                            r, (long long)off[r], (long long)b, ds4_dtype_name(m->dev_w.mdt), (long long)next);
+        woff[r] = b / 4, wlen[r] = (next - b) / 4;
+        next = b;
+    }
+    return DS4_OK;
+}
+
+/* The cast table of the master's region [lo, lo + n): every fp32 table entry's elements there, from the region's
+ * buffer (src counted from lo) to their place in the working copy (the backend's layout and dtype). A ZeRO-1 region
+ * may start or end inside a tensor (at a piece's start). */
+static ds4_cast_entry *cast_table(const ds4_model *m, int64_t lo, int64_t n, int64_t *count) {
+    int64_t k = 0;
+    for (size_t i = 0; i < m->n_table; i++) k += m->table[i].dtype == DS4_F32 && !m->table[i].elsewhere;
+    ds4_cast_entry *e = malloc((size_t)(k ? k : 1) * sizeof *e);
+    if (!e) return NULL;
+    k = 0;
+    for (size_t i = 0; i < m->n_table; i++) {
+        const ds4_param *p = &m->table[i];
+        if (p->dtype != DS4_F32 || p->elsewhere) continue;
+        const int64_t b = p->offset > lo ? p->offset : lo;
+        const int64_t end = p->offset + p->numel < lo + n ? p->offset + p->numel : lo + n;
+        if (b < end) e[k++] = (ds4_cast_entry){.src = b - lo, .dst = working_byte(m, i, b), .n = end - b, .lowp = p->lowp};
+    }
+    *count = k;
+    return e;
+}
+
+ds4_status ds4_model_master_ready(ds4_model *m, size_t scratch_bytes, int64_t moments_n, int64_t master_lo,
+                                  int64_t master_n, ds4_error *err) {
     ds4_dev *d = m->dev;
     if (d == m->cpu) return ds4_fail(err, DS4_ERR_INTERNAL, "device optimizer state on the cpu backend");
-    const size_t P = (size_t)m->n_params, bytes = P * sizeof(float);
+    if (master_lo < 0 || master_n < 0 || master_n > m->n_params - master_lo)
+        return ds4_fail(err, DS4_ERR_INTERNAL, "device optimizer: master region [%lld, +%lld) of %lld parameters",
+                        (long long)master_lo, (long long)master_n, (long long)m->n_params);
+    const size_t bytes = (size_t)master_n * sizeof(float);
     ds4_status s = DS4_OK;
-    if (!m->dmaster && !m->lora) { /* adapters are stepped in place: no master or moments of the frozen weights */
-        /* the cast table: every fp32 table entry, master (flat) -> working copy (the backend's layout and dtype) */
-        int64_t n = 0;
-        for (size_t i = 0; i < m->n_table; i++) n += m->table[i].dtype == DS4_F32 && !m->table[i].elsewhere;
-        ds4_cast_entry *e = malloc((size_t)(n ? n : 1) * sizeof *e);
-        if (!e) return ds4_fail(err, DS4_ERR_OOM, "device optimizer: cast table of %lld tensors", (long long)n);
-        int64_t k = 0;
-        for (size_t i = 0; i < m->n_table; i++) {
-            const ds4_param *p = &m->table[i];
-            if (p->dtype != DS4_F32 || p->elsewhere) continue;
-            e[k++] = (ds4_cast_entry){.src = p->offset, .dst = m->dev_off[i], .n = p->numel, .lowp = p->lowp};
+    if (m->dmaster && !m->lora && (m->master_lo != master_lo || m->master_n != master_n)) {
+        /* another region (sharded, unsharded, re-sharded): the host first brought up to date (a sharded master's
+         * regions from their owners: a collective), then the master made anew from it */
+        if ((s = ds4_model_host_sync(m, err))) {
+            ds4_error_prefix(err, "device optimizer: the master weights of another region: ");
+            return s;
         }
+        d->ops->free(d, m->dmaster);
+        d->ops->free(d, m->dcast);
+        m->dmaster = NULL, m->dcast = NULL, m->n_cast = 0;
+        m->master_gather = NULL, m->master_gather_ctx = NULL;
+    }
+    if (!m->dmaster && !m->lora) { /* adapters are stepped in place: no master or moments of the frozen weights */
+        int64_t n = 0;
+        ds4_cast_entry *e = cast_table(m, master_lo, master_n, &n);
+        if (!e) return ds4_fail(err, DS4_ERR_OOM, "device optimizer: cast table of %zu tensors", m->n_table);
         void *master = NULL, *cast = NULL;
         s = d->ops->alloc(d, bytes ? bytes : 4, &master, err);
         if (!s) s = d->ops->alloc(d, (size_t)(n ? n : 1) * sizeof *e, &cast, err);
-        if (!s) s = d->ops->upload(d, master, m->params, bytes, err);
+        if (!s) s = d->ops->upload(d, master, m->params + master_lo, bytes, err);
         if (!s) s = d->ops->upload(d, cast, e, (size_t)n * sizeof *e, err);
         free(e);
         if (s) {
             d->ops->free(d, master);
             d->ops->free(d, cast);
-            ds4_error_prefix(err, "device optimizer on %s (fp32 master weights, %lld parameters): ",
-                             ds4_model_device_name(m), (long long)m->n_params);
+            ds4_error_prefix(err, "device optimizer on %s (fp32 master weights, %lld of %lld parameters): ",
+                             ds4_model_device_name(m), (long long)master_n, (long long)m->n_params);
             return s;
         }
         m->dmaster = master;
         m->dcast = cast;
         m->n_cast = n;
+        m->master_lo = master_lo, m->master_n = master_n;
         m->host_stale = 0;
     }
     if (!m->lora && (s = moments_ready(m, moments_n, err))) return s;
@@ -336,10 +399,21 @@ ds4_status ds4_model_host_sync(ds4_model *m, ds4_error *err) {
     ds4_status s = ds4_lora_host_sync(m, err);
     if (s) return s;
     if (m->host_stale && m->dmaster) {
-        if ((s = d->ops->download(d, m->params, m->dmaster, bytes, err))) {
+        /* a sharded master (ZeRO-1): this rank's region from its device, the others' from their owners, whose fp32
+         * values no rank can rebuild from its working copy (bf16) */
+        const int sharded = ds4_model_master_sharded(m);
+        if (sharded && !m->master_gather)
+            return ds4_fail(err, DS4_ERR_ARG,
+                            "reading the weights back from %s: the fp32 master weights are sharded over the ranks "
+                            "(ZeRO-1) and the optimizer that holds them was freed before they were read back (read "
+                            "the weights on every rank, e.g. model:params(), before freeing a sharded optimizer)",
+                            ds4_model_device_name(m));
+        s = d->ops->download(d, m->params + m->master_lo, m->dmaster, (size_t)m->master_n * sizeof(float), err);
+        if (s) {
             ds4_error_prefix(err, "reading the weights back from %s: ", ds4_model_device_name(m));
             return s;
         }
+        if (sharded && (s = m->master_gather(m->master_gather_ctx, m->params, err))) return s;
         m->host_stale = 0;
     }
     if (m->grads_stale && m->dgrads && m->grads) {
@@ -481,7 +555,8 @@ ds4_status ds4_model_sync_weights(ds4_model *m, ds4_error *err) {
     if (s || m->dev == m->cpu || !m->params_dirty) return s;
     s = upload_weights(m, m->dev, m->dev_mem, m->dev_w.mdt, err);
     if (!s && m->dmaster) { /* the host was written (after it had been brought up to date): the master follows */
-        s = m->dev->ops->upload(m->dev, m->dmaster, m->params, (size_t)m->n_params * sizeof(float), err);
+        s = m->dev->ops->upload(m->dev, m->dmaster, m->params + m->master_lo, (size_t)m->master_n * sizeof(float),
+                                err);
         if (s) ds4_error_prefix(err, "model to device: uploading the master weights: ");
     }
     if (!s) m->params_dirty = 0;

@@ -15,14 +15,15 @@ void ds4_cpu_adamw(ds4_dev *d, const ds4_a_adamw *a) {
         const ds4_optim_piece *q = &a->pieces[c];
         const ds4_adamw_coefs *cf = &a->coefs[q->range];
         float *m = a->m + (q->off - a->mo), *v = a->v + (q->off - a->mo); /* a shard's moments start at mo */
+        float *p = a->p + (q->off - a->po);                                 /* and its master at po */
         if (!a->update) {
-            a->bad[c] = ds4_adamw_count_nonfinite(cf, a->coef, a->p + q->off, a->g + q->off, m, v, q->n);
+            a->bad[c] = ds4_adamw_count_nonfinite(cf, a->coef, p, a->g + q->off, m, v, q->n);
             continue;
         }
         float *g = a->g + q->off;
         if (a->coef != 1.0f)
             for (int64_t i = 0; i < q->n; i++) g[i] *= a->coef;
-        ds4_adamw_update(cf, a->p + q->off, g, m, v, q->n);
+        ds4_adamw_update(cf, p, g, m, v, q->n);
     }
 }
 

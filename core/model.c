@@ -531,9 +531,11 @@ ds4_status ds4_model_update_router_bias(ds4_model *m, double gamma, ds4_error *e
     if (!m->router_loads) return DS4_OK; /* no training forward yet: nothing counted */
     ds4_status es = ds4_ep_sum_loads(m, err); /* expert parallelism: every rank's tokens (a collective) */
     if (es) return es;
-    /* With the master weights on a device the biases are updated there: each one read, changed on the host in the
-     * same fp32 arithmetic, written to the master and to the working copy (fp32 vectors in both), so the rest of the
-     * weights need not come back. Otherwise on the host, and a device copy is refreshed before the next pass. */
+    /* With the master weights on a device the biases are updated there: each one read from the working copy (an fp32
+     * vector: the master's bits, on every rank, also where a ZeRO-1 master holds another rank's region only), changed
+     * on the host in the same fp32 arithmetic, written to the working copy and to the master's part of it held here,
+     * so the rest of the weights need not come back. Otherwise on the host, and a device copy is refreshed before the
+     * next pass. */
     ds4_dev *d = m->dmaster ? m->dev : NULL;
     if (!d) ds4_model_params_changed(m);
     const int64_t L = m->cfg.num_hidden_layers, E = m->cfg.n_routed_experts;
@@ -546,10 +548,9 @@ ds4_status ds4_model_update_router_bias(ds4_model *m, double gamma, ds4_error *e
         int64_t *load = m->router_loads + l * E, total = 0;
         for (int64_t e = 0; e < E; e++) total += load[e];
         if (lw && !lw->is_hash && lw->gate_bias && total > 0) {
-            float *b = lw->gate_bias, *master = NULL;
+            float *b = lw->gate_bias;
             if (d) {
-                master = m->dmaster + (lw->gate_bias - m->params); /* the same flat offset */
-                if ((s = d->ops->download(d, tmp, master, (size_t)E * sizeof(float), err))) break;
+                if ((s = d->ops->download(d, tmp, dw->gate_bias, (size_t)E * sizeof(float), err))) break;
                 b = tmp;
             }
             /* sign(mean − load_e) compared exactly in integers: E·load_e vs total */
@@ -557,8 +558,14 @@ ds4_status ds4_model_update_router_bias(ds4_model *m, double gamma, ds4_error *e
                 const int64_t diff = total - E * load[e];
                 b[e] += (float)(gamma * (double)((diff > 0) - (diff < 0)));
             }
-            if (d && !(s = d->ops->upload(d, master, tmp, (size_t)E * sizeof(float), err)))
-                s = d->ops->upload(d, dw->gate_bias, tmp, (size_t)E * sizeof(float), err);
+            if (d) { /* the flat offset's elements in the master's region [master_lo, master_lo + master_n) */
+                const int64_t off = lw->gate_bias - m->params, hi = m->master_lo + m->master_n;
+                const int64_t lo = off > m->master_lo ? off : m->master_lo, end = off + E < hi ? off + E : hi;
+                if (lo < end)
+                    s = d->ops->upload(d, m->dmaster + (lo - m->master_lo), tmp + (lo - off),
+                                       (size_t)(end - lo) * sizeof(float), err);
+                if (!s) s = d->ops->upload(d, dw->gate_bias, tmp, (size_t)E * sizeof(float), err);
+            }
         }
         memset(load, 0, (size_t)E * sizeof(int64_t));
     }

@@ -200,7 +200,13 @@ struct ds4_model {
     /* training on a backend the host cannot read (docs/design.md, "Training on a device"): the state lives there and
      * the host buffers mirror it; host_stale / grads_stale say when a mirror is behind */
     float *dgrads;                       /* [n_params] the gradients (flat, as grads); gw views point here */
-    float *dmaster;                      /* [n_params] the fp32 master weights, once a device optimizer has stepped */
+    float *dmaster;                      /* [master_n] the fp32 master weights, once a device optimizer has stepped */
+    /* dmaster holds elements [master_lo, master_lo + master_n) of the flat buffer: all of them, or under ZeRO-1 this
+     * rank's region only (the others' on their owners: a read-back gathers them with master_gather, the sharded
+     * optimizer's collective, so every rank joins it; NULL once that optimizer is freed) */
+    int64_t master_lo, master_n;
+    ds4_status (*master_gather)(void *ctx, float *params, ds4_error *err);
+    void *master_gather_ctx;
     float *dmoments;                     /* AdamW's m and v: [moments_n] each, v at ds4_moments_stride(moments_n) */
     int64_t moments_n;                   /* elements of each moment in dmoments: n_params, or a ZeRO-1 shard's count */
     const void *moments_owner;           /* the optimizer (ds4_adamw) whose moments dmoments holds, or NULL */
@@ -234,12 +240,26 @@ struct ds4_model {
 void ds4_tape_free(struct ds4_model *m, struct ds4_tape *t);
 
 /* Training state on the model's backend (backend.c). ds4_model_train_bind: gradients where the model computes (on a
- * device: dgrads, initialised from the host's, gw rebound). ds4_model_master_ready: dmaster from the host params,
- * the cast table, on first use, and the moments buffer (2 × ds4_moments_stride(moments_n) floats; moments_n:
- * n_params, or a ZeRO-1 shard's length; another size than the buffer's hands the moments it holds back to their optimizer and reallocates). ds4_model_host_sync: the host params and gradients brought
- * up to date (a download when they are stale). */
+ * device: dgrads, initialised from the host's, gw rebound). ds4_model_master_ready: dmaster of region [master_lo,
+ * master_lo + master_n) (the whole buffer, or a ZeRO-1 rank's) from the host params and the cast table of that region,
+ * on first use (another region than the one held brings the host up to date first, then makes the master anew), and
+ * the moments buffer (2 × ds4_moments_stride(moments_n) floats; moments_n: n_params, or a ZeRO-1 shard's length;
+ * another size than the buffer's hands the moments it holds back to their optimizer and reallocates).
+ * ds4_model_host_sync: the host params and gradients brought up to date (a download when they are stale; a sharded
+ * master's other regions gathered from their owners, a collective). */
 ds4_status ds4_model_train_bind(struct ds4_model *m, ds4_error *err);
-ds4_status ds4_model_master_ready(struct ds4_model *m, size_t scratch_bytes, int64_t moments_n, ds4_error *err);
+ds4_status ds4_model_master_ready(struct ds4_model *m, size_t scratch_bytes, int64_t moments_n, int64_t master_lo,
+                                  int64_t master_n, ds4_error *err);
+/* Whether the model's fp32 master on its device holds one rank's region only (ZeRO-1). */
+static inline int ds4_model_master_sharded(const struct ds4_model *m) {
+    return m->dmaster && (m->master_lo != 0 || m->master_n != m->n_params);
+}
+/* The working copy's share of each rank's master region (ZeRO-1): rank r's cast writes bytes [4·woff[r],
+ * 4·(woff[r] + wlen[r])) of the backend copy, padding between tensors included, so that an all-gather of those
+ * 4-byte units gives every rank the whole working copy. off / len: the regions, in elements of the flat buffer,
+ * ascending, each starting on a tensor's piece; fails (unsupported) where a boundary is not 4-byte aligned. */
+ds4_status ds4_model_working_regions(const struct ds4_model *m, int32_t world, const int64_t *off, const int64_t *len,
+                                     int64_t *woff, int64_t *wlen, ds4_error *err);
 ds4_status ds4_model_host_sync(struct ds4_model *m, ds4_error *err);
 /* ds4_model_to's second half: the model moves onto backend nd, which the caller created (the model takes it and
  * releases it on failure), as device o (CUDA, o->index, o->dtype): the weights laid out and uploaded, the views bound,

@@ -431,6 +431,7 @@ struct ds4_adamw {
     ds4_adamw_shard sh;
     int64_t lo, hi;
     int64_t *roff, *rlen;        /* [world] */
+    int64_t *woff, *wlen;        /* [world] each region's bytes of a device model's working copy, in 4-byte units */
     ds4_optim_range *own;        /* [n_tensors] this rank's parts of the trainable tensors */
     size_t *own_of;              /* [n_tensors] the trainable range each part belongs to */
     ds4_optim_chunk *own_chunks; /* [max_chunks] */
@@ -541,6 +542,8 @@ void ds4_adamw_free(ds4_adamw *a) {
     /* moments held on the model's device are this optimizer's only copy: they go with it */
     if (a->model && a->model->moments_owner == a) a->model->moments_owner = NULL;
     if (a->model && a->model->lora && a->model->lora->moments_owner == a) a->model->lora->moments_owner = NULL;
+    /* a sharded master's other regions can no longer be gathered through this optimizer (a read-back then refuses) */
+    if (a->model && a->model->master_gather_ctx == a) a->model->master_gather = NULL, a->model->master_gather_ctx = NULL;
     free(a->pieces);
     free(a->coefs);
     free(a->bad);
@@ -601,6 +604,7 @@ static void own_piece_run(const ds4_adamw *a, int64_t nc, int64_t *k0, int64_t *
 }
 
 static ds4_status sharded_experts_norm(ds4_adamw *a, size_t nr, const double *sumsq, double *norm, ds4_error *err);
+static ds4_status master_gather(void *ctx, float *params, ds4_error *err);
 static ds4_status sharded_experts_refusals(ds4_model *m, int64_t *bad, ds4_error *err);
 
 /* The refusal count of a device step, from the per-piece counts of pieces [k0, k1) (a->bad[k]): the total, and the
@@ -662,8 +666,14 @@ static ds4_status adamw_step_device(ds4_adamw *a, size_t nr, int64_t total_elems
     /* the moments this optimizer holds: elements [mo, mo + mn) of the flat buffer (a ZeRO-1 shard's, or all) */
     int64_t mo = 0, mn = 0;
     ds4_adamw_shard_region(a, &mo, &mn);
-    ds4_status s = ds4_model_master_ready(m, scratch, mn, err); /* with adapters: the scratch only */
+    /* with adapters: the scratch only; else the fp32 master of the same region as the moments (ZeRO-1: this rank's) */
+    ds4_status s = ds4_model_master_ready(m, scratch, mn, mo, mn, err);
     if (s) return s;
+    if (!l && a->sharded) { /* a read-back gathers the other regions through this optimizer's collective */
+        m->master_gather = master_gather;
+        m->master_gather_ctx = a;
+    }
+    const int64_t po = l ? 0 : m->master_lo;
     const size_t mbytes = (size_t)mn * sizeof(float);
     const int64_t vo = ds4_moments_stride(mn); /* v's place after m (model.h) */
     /* the buffers stepped: the model's fp32 master (then cast to the working copy), or the adapters, which are fp32
@@ -729,7 +739,7 @@ static ds4_status adamw_step_device(ds4_adamw *a, size_t nr, int64_t total_elems
         a->coefs[k] = ds4_adamw_coefs_at(&a->h, a->tensor_steps[a->range_tensor[k]] + 1, lr, a->ranges[k].c.decay);
     ds4_dev_upload(d, d_coefs, a->coefs, nr * sizeof *a->coefs);
     OP(d, adamw, .pieces = d_pieces, .n = no, .coefs = d_coefs, .coef = coef, .p = master, .g = grads, .m = mom,
-       .v = mov, .bad = d_bad, .update = 0, .mo = mo);
+       .v = mov, .bad = d_bad, .update = 0, .mo = mo, .po = po);
     ds4_dev_download(d, a->bad + k0, d_bad, (size_t)no * sizeof(int64_t));
     if ((s = ds4_dev_check(d, "adamw step: finiteness check: ", err))) return s;
     int64_t bad = 0;
@@ -743,19 +753,22 @@ static ds4_status adamw_step_device(ds4_adamw *a, size_t nr, int64_t total_elems
                         first < nr ? target_name(m, a->range_tensor[first]) : "?", lr, norm, a->o.clip);
     }
     OP(d, adamw, .pieces = d_pieces, .n = no, .coefs = d_coefs, .coef = coef, .p = master, .g = grads, .m = mom,
-       .v = mov, .update = 1, .mo = mo);
+       .v = mov, .update = 1, .mo = mo, .po = po);
+    /* the working copy of the master's region (ZeRO-1: this rank's; the cast table is the region's) */
+    if (!l) OP(d, cast_params, .dst = m->dev_mem, .src = master, .e = m->dcast, .n = m->n_cast, .mdt = m->dev_w.mdt);
     if (a->sharded) {
-        /* every rank's region of the master from its owner (NCCL, on its own stream: the update must have finished) */
+        /* every rank's region of the working copy from its owner, in its dtype (bf16: half the bytes of the fp32
+         * master's); NCCL, on its own stream: the cast must have finished */
         s = ds4_dev_check(d, "adamw step (sharded): update: ", err);
+        if (!s) s = ds4_model_working_regions(m, a->sh.world, a->roff, a->rlen, a->woff, a->wlen, err);
         if (!s) s = d->ops->sync(d, err);
-        if (!s && (s = a->sh.gather_dev_f32(a->sh.ctx, master, a->roff, a->rlen, err)))
-            ds4_error_prefix(err, "adamw step (sharded): gathering the updated master weights: ");
+        if (!s && (s = a->sh.gather_dev_f32(a->sh.ctx, (float *)m->dev_mem, a->woff, a->wlen, err)))
+            ds4_error_prefix(err, "adamw step (sharded): gathering the updated working weights: ");
         if (s) {
             ds4_error_prefix(err, "the model's weights on the device may be partly updated: ");
             return s;
         }
     }
-    if (!l) OP(d, cast_params, .dst = m->dev_mem, .src = master, .e = m->dcast, .n = m->n_cast, .mdt = m->dev_w.mdt);
     if ((s = ds4_dev_check(d, "adamw step: update: ", err))) {
         /* the update may be half written: the device copies cannot be trusted; say so */
         ds4_error_prefix(err, "the model's weights on the device may be partly updated: ");
@@ -851,7 +864,7 @@ ds4_status ds4_adamw_set_shard(ds4_adamw *a, const ds4_adamw_shard *s, ds4_error
     const int64_t pieces = piece_at(m, a->n_tensors, -1, &first, &end);
     const size_t W = (size_t)s->world, tn = a->n_tensors ? a->n_tensors : 1;
     const size_t cn = (size_t)(a->max_chunks > 0 ? a->max_chunks : 1);
-    a->roff = calloc(2 * W, sizeof *a->roff);
+    a->roff = calloc(4 * W, sizeof *a->roff);
     a->own = calloc(tn, sizeof *a->own);
     a->own_of = calloc(tn, sizeof *a->own_of);
     a->own_chunks = calloc(cn, sizeof *a->own_chunks);
@@ -860,6 +873,7 @@ ds4_status ds4_adamw_set_shard(ds4_adamw *a, const ds4_adamw_shard *s, ds4_error
     if (!a->roff || !a->own || !a->own_of || !a->own_chunks || !a->own_partial || !a->bad_ranges)
         return ds4_fail(err, DS4_ERR_OOM, "adamw shard: scratch for %zu tensors over %zu ranks", a->n_tensors, W);
     a->rlen = a->roff + W;
+    a->woff = a->roff + 2 * W, a->wlen = a->roff + 3 * W;
     for (int32_t r = 0; r < s->world; r++) { /* the region of a run of pieces: its first's start, its last's end */
         int64_t p0 = 0, np = 0, last = 0;
         const int64_t q = pieces / s->world, rem = pieces % s->world;
@@ -887,6 +901,15 @@ ds4_status ds4_adamw_set_shard(ds4_adamw *a, const ds4_adamw_shard *s, ds4_error
     a->sharded = 1;
     ds4_adamw_state_changed(a); /* a model on a device gets the shard's moments at the next step */
     return DS4_OK;
+}
+
+/* The model's hook for reading a sharded master back (model.h, master_gather): params' other regions from their
+ * owners, this rank's already downloaded. */
+static ds4_status master_gather(void *ctx, float *params, ds4_error *err) {
+    ds4_adamw *a = ctx;
+    ds4_status s = a->sh.gather_f32(a->sh.ctx, params, a->roff, a->rlen, err);
+    if (s) ds4_error_prefix(err, "reading the sharded master weights back (ZeRO-1): ");
+    return s;
 }
 
 ds4_status ds4_adamw_gather_moments(ds4_adamw *a, float *m, float *v, ds4_error *err) {

@@ -66,8 +66,8 @@ __device__ __forceinline__ void step_elem4(const ds4_adamw_coefs &c, float coef,
 }
 
 // The pass over piece q (UPDATE: the update; else the finiteness check, its count in nb). m and v hold elements
-// [mo, ...) of the flat buffer (a ZeRO-1 shard's moments; mo = 0: all of it): element k's moments are m[k - mo],
-// v[k - mo]. The passes are bound by memory. Where the piece lies alike modulo 16 bytes in all four buffers (a
+// [mo, ...) of the flat buffer and p elements [po, ...) (a ZeRO-1 shard's moments and master; 0: all of it): element
+// k's moments are m[k - mo], v[k - mo], its master weight p[k - po]. The passes are bound by memory. Where the piece lies alike modulo 16 bytes in all four buffers (a
 // model's: the buffers are cudaMalloc'd and v is placed as m, model.h's ds4_moments_stride; not a shard whose region
 // starts off a multiple of 4), each thread moves groups of four elements as one 16-byte load or store per buffer,
 // OPT_V groups in flight, and the h < 4 elements before the first 16-byte boundary and the few after the last group
@@ -76,8 +76,8 @@ __device__ __forceinline__ void step_elem4(const ds4_adamw_coefs &c, float coef,
 // same whichever way it is loaded, and the check's count is exact in any order.
 template <bool UPDATE>
 __device__ __forceinline__ void piece_pass(const ds4_optim_piece &q, const ds4_adamw_coefs &c, float coef, float *p,
-                                           float *g, float *m, float *v, int64_t mo, double &nb) {
-    p += q.off, g += q.off, m += q.off - mo, v += q.off - mo; // the piece's elements, [0, q.n)
+                                           float *g, float *m, float *v, int64_t mo, int64_t po, double &nb) {
+    p += q.off - po, g += q.off, m += q.off - mo, v += q.off - mo; // the piece's elements, [0, q.n)
     const uintptr_t mis = (uintptr_t)p & 15;
     const bool write_g = UPDATE && coef != 1.0f;
     int64_t h = q.n, n4 = 0; // elements [h, h + 4·n4) go as groups of four
@@ -128,23 +128,23 @@ __device__ __forceinline__ void piece_pass(const ds4_optim_piece &q, const ds4_a
 // 4 blocks an SM (~60 registers): up to 128 KB of loads in flight per SM (1024 threads x 2 groups x 4 buffers x 16 B)
 __global__ void __launch_bounds__(OPT_THREADS, 4)
     adamw_check_kernel(const ds4_optim_piece *pc, const ds4_adamw_coefs *cf, float coef, const float *p, const float *g,
-                       const float *m, const float *v, int64_t mo, int64_t *bad) {
+                       const float *m, const float *v, int64_t mo, int64_t po, int64_t *bad) {
     __shared__ double sh[OPT_THREADS / 32];
     const ds4_optim_piece q = pc[blockIdx.x];
     const ds4_adamw_coefs c = cf[q.range];
     double nb = 0; // counts fit a double exactly
-    piece_pass<false>(q, c, coef, (float *)p, (float *)g, (float *)m, (float *)v, mo, nb); // only read
+    piece_pass<false>(q, c, coef, (float *)p, (float *)g, (float *)m, (float *)v, mo, po, nb); // only read
     nb = ds4d_block_sum(nb, sh);
     if (threadIdx.x == 0) bad[blockIdx.x] = (int64_t)nb;
 }
 
 __global__ void __launch_bounds__(OPT_THREADS, 4)
     adamw_update_kernel(const ds4_optim_piece *pc, const ds4_adamw_coefs *cf, float coef, float *p, float *g, float *m,
-                        float *v, int64_t mo) {
+                        float *v, int64_t mo, int64_t po) {
     const ds4_optim_piece q = pc[blockIdx.x];
     const ds4_adamw_coefs c = cf[q.range]; // a copy: through a reference the stores below would reload it
     double nb = 0;                         // unused
-    piece_pass<true>(q, c, coef, p, g, m, v, mo, nb);
+    piece_pass<true>(q, c, coef, p, g, m, v, mo, po, nb);
 }
 
 // ds4_f32_to_bf16 (core/tensor.c): round to nearest even, NaN kept quiet.
@@ -184,10 +184,10 @@ void ds4_cuda_adamw(ds4_dev *d, const ds4_a_adamw *a) {
     }
     if (a->update) {
         adamw_update_kernel<<<(unsigned)a->n, OPT_THREADS, 0, cdev(d)->stream>>>(a->pieces, a->coefs, a->coef, a->p, a->g, a->m,
-                                                                       a->v, a->mo);
+                                                                       a->v, a->mo, a->po);
     } else {
         adamw_check_kernel<<<(unsigned)a->n, OPT_THREADS, 0, cdev(d)->stream>>>(a->pieces, a->coefs, a->coef, a->p,
-                                                                               a->g, a->m, a->v, a->mo, a->bad);
+                                                                               a->g, a->m, a->v, a->mo, a->po, a->bad);
     }
     ds4_cuda_launched(d, "adamw", "[%lld pieces, %s]", (long long)a->n, a->update ? "update" : "check");
 }

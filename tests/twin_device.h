@@ -97,6 +97,7 @@ static inline ds4_dev *twin_attach(ds4_engine *e, ds4_model *m) {
         m->dev_off[i] = m->table[i].dtype == DS4_F32 && !m->table[i].elsewhere
                             ? m->table[i].offset * (int64_t)sizeof(float) : -1; /* elsewhere: another rank's expert */
     memcpy(m->dev_mem, m->params, (size_t)m->n_params * sizeof(float));
+    m->dev_f32_bytes = (size_t)m->n_params * sizeof(float);
     m->dev_w.mdt = DS4_F32;
     m->dev = d;
     CHECK_OK(ds4_model_train_bind(m, &err), &err); /* the gradients on the twin */
@@ -116,6 +117,7 @@ static inline void twin_detach(ds4_model *m, ds4_dev *d) {
     free(m->dev_off);
     m->dev_mem = NULL;
     m->dev_off = NULL;
+    m->dev_f32_bytes = 0;
     m->dev = m->cpu;
     ds4_dev_release(d);
 }

@@ -315,8 +315,10 @@ void ds4_adamw_put_moments(ds4_adamw *a, const float *m, const float *v);
  * owner: the others add zeros), so the norm, the clip coefficient, every update and the refusal of a non-finite one
  * are the bits the unsharded optimizer computes; then the updated parameters are gathered on every rank. Every rank
  * must hold the whole summed gradient (an all-reduce before the step). A model on a device (CUDA) keeps its shard's
- * moments there, updates its region of the fp32 master weights there, and gathers the master with gather_dev_f32
- * (NCCL) before the working copy is cast from it. */
+ * moments and the fp32 master weights of its region only there, updates them there, casts them into its working copy
+ * (bf16 or fp32), and gathers every rank's part of the working copy with gather_dev_f32 (NCCL). Reading the weights
+ * back to the host (ds4_model_params, a save, moving the model, another shard) then gathers the master's regions from
+ * their owners with gather_f32: a collective, every rank calls it, and before the optimizer is freed. */
 typedef struct ds4_adamw_shard {
     int32_t rank, world;
     void *ctx;
@@ -328,7 +330,8 @@ typedef struct ds4_adamw_shard {
      * on the model's device has finished, and returns once the gather has completed there */
     ds4_status (*gather_dev_f32)(void *ctx, float *dev_buf, const int64_t *off, const int64_t *len, ds4_error *err);
 } ds4_adamw_shard;
-/* Shard the optimizer (its current moments keep their values); the collectives must stay valid while it steps. */
+/* Shard the optimizer (its current moments keep their values); the collectives must stay valid while it steps and
+ * while its model's weights are read back. */
 ds4_status ds4_adamw_set_shard(ds4_adamw *a, const ds4_adamw_shard *s, ds4_error *err);
 /* This rank's region of the flat buffer: elements [*off, *off + *len) (the whole buffer when not sharded). */
 void ds4_adamw_shard_region(const ds4_adamw *a, int64_t *off, int64_t *len);
