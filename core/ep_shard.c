@@ -239,6 +239,9 @@ ds4_status ds4_model_gather_params(ds4_model *m, float *out, ds4_error *err) {
 }
 
 ds4_status ds4_model_scatter_params(ds4_model *m, const float *in, ds4_error *err) {
+    /* the whole buffer is replaced: the device master's values would be overwritten (and a ZeRO-1 master's read-back
+     * is a collective that a rank setting its weights alone would wait in) */
+    if (!m->ep_shard) m->host_stale = 0;
     ds4_status s = ds4_model_host_sync(m, err);
     if (s) return s;
     if (m->ep_shard) ds4_ep_scatter(m, in, m->params);

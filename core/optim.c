@@ -915,6 +915,9 @@ static ds4_status master_gather(void *ctx, float *params, ds4_error *err) {
 ds4_status ds4_adamw_gather_moments(ds4_adamw *a, float *m, float *v, ds4_error *err) {
     ds4_status s = ds4_adamw_sync_state(a, err); /* moments held on the model's device come back first */
     if (s) return s;
+    /* a device master sharded by this optimizer comes back in the same collective call, so that a checkpoint of the
+     * state and the weights (a save on one rank after it) finds the host's weights whole */
+    if (a->model->master_gather_ctx == a && (s = ds4_model_host_sync(a->model, err))) return s;
     if (a->model->ep_shard && !a->lora) { /* sharded experts: the experts' moments from their owners */
         s = ds4_ep_gather(a->model, a->m, m, -1, err);
         if (!s) s = ds4_ep_gather(a->model, a->v, v, -1, err);

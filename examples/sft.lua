@@ -399,7 +399,9 @@ for step = start, opts.steps do
             st.lr, st.grad_norm, tps))
     end
     if opts.save_every > 0 and (step % opts.save_every == 0 or step == opts.steps) then
-        local os_ = opt:state() -- every rank: a sharded optimizer gathers its moments (a whole state, any rank count)
+        -- every rank: a sharded optimizer gathers its moments (a whole state, any rank count) and on a GPU the
+        -- model's sharded fp32 master, which the save below reads
+        local os_ = opt:state()
         if ROOT then ds4.checkpoints.save(ckroot, step, model, {
             states = { optimizer = { tensors = { m = os_.m, v = os_.v, tensor_steps = os_.tensor_steps },
                                      meta = { step = os_.step } } },
@@ -409,6 +411,8 @@ for step = start, opts.steps do
 end
 if tty then io.write("\n") end
 cut = dp.sum({ cut })[1]
+-- every rank, before the communicator goes: a GPU model's fp32 master sharded by ZeRO-1 comes back from its owners
+if opts.zero and dp.world() > 1 then model:params() end
 dp.finalize() -- the ranks are done together; rank 0 alone evaluates, saves and reports
 if not ROOT then return end
 

@@ -23,10 +23,11 @@
 #          2 micro-batches (bitwise, fp32 and bf16), with and without --zero; on 1 GPU, test_grad_accum.lua on the
 #          CUDA backend.
 #   ZeRO-1 on 2 GPUs (tests/lua/dist_zero.lua, DS4_TEST_DEVICE=cuda): the sharded device optimizer (its shard's moments
-#          on the GPU, the updated master weights gathered through NCCL) against the unsharded one after every step
-#          (weights, gradient norm, gathered moments: bitwise), each rank's training-state bytes on its GPU printed
-#          ("dist_zero memory:" lines: the moments half of the unsharded ones), and its checkpoint resumed on 1 GPU
-#          and on 2, each equal to one uninterrupted process, bitwise.
+#          and fp32 master weights on the GPU, the updated working copy's regions gathered through NCCL, the master's
+#          gathered from their owners when read back) against the unsharded one after every step (weights, gradient
+#          norm, gathered moments: bitwise), each rank's training-state bytes on its GPU printed ("dist_zero memory:"
+#          lines: the moments and the master half of the unsharded ones), and its checkpoint resumed on 1 GPU and on
+#          2, each equal to one uninterrupted process, bitwise; the same 2-rank run with bf16 working copies.
 set -uo pipefail
 DS4="$1"; FIX="$2"; SRC="$3"
 T="$SRC/tests/lua"
@@ -166,6 +167,12 @@ launch 2 "$LOG/run" 300 "${Z[@]}" resume "$ZCK" 2
 grep -h "dist_zero resume:" "$LOG/run.0"
 all_passed 2 dist_zero "$LOG/run" || { show; bad "ZeRO-1 on cuda: the 2-rank checkpoint resumed on 2 GPUs (exit ${RCS[*]})"; }
 rm -f "$LOG"/run.* "$LOG"/one.*
+# bf16 working copies: each rank casts its region of the fp32 master to bf16 and the gather moves those 2-byte values
+rm -rf "$ZCK"
+launch 2 "$LOG/run" 300 env DS4_TEST_DTYPE=bf16 "${Z[@]}" save "$ZCK" 2
+grep -h "dist_zero \(save\|memory\):" "$LOG"/run.0 "$LOG"/run.1
+all_passed 2 dist_zero "$LOG/run" || { show; bad "ZeRO-1 on cuda in bf16, 2 ranks, torchrun-style (exit ${RCS[*]})"; }
+rm -f "$LOG"/run.*
 
 # examples/sft.lua data parallel on 2 GPUs (torchrun-style; each rank on its GPU, gradients through NCCL) against one
 # GPU with 2 micro-batches: the same weights and metrics, bit for bit (with 2 ranks NCCL's sum is one addition per

@@ -302,7 +302,8 @@ void ds4_adamw_get_state(ds4_adamw *a, ds4_adamw_state *out);
 ds4_status ds4_adamw_sync_state(ds4_adamw *a, ds4_error *err);
 void ds4_adamw_state_changed(ds4_adamw *a);
 /* The whole moments, m and v [n_params] each (read back from the model's device first when they are there; a sharded
- * optimizer gathers every rank's part: a collective step, every rank calls it). */
+ * optimizer gathers every rank's part: a collective step, every rank calls it; on a device it also reads the model's
+ * sharded fp32 master back, so a save after it on one rank finds the weights whole). */
 ds4_status ds4_adamw_gather_moments(ds4_adamw *a, float *m, float *v, ds4_error *err);
 /* The inverse, for a resume: this optimizer's part of whole moments m and v [n_whole] each (its ZeRO-1 region, or with
  * sharded experts its replicated tensors and own experts); no exchange. */

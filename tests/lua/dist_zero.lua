@@ -15,10 +15,13 @@
 -- docs/distributed.md "Bitwise data parallelism"). So a checkpoint saved by 2 ranks resumes on 1 and on 4 exactly.
 --
 -- DS4_TEST_DEVICE=cuda (tests/test_dist_nccl.sh on a GPU machine): every copy on this rank's GPU (ds4.dist.init{device
--- = "cuda"}, fp32 mode), gradients all-reduced through NCCL; zero's optimizer keeps its shard's moments on the GPU and
--- gathers the updated master weights through NCCL. Each rank prints both copies' training state on the device
--- (model:memory()): zero's moments must take 2 x its region x 4 bytes, plain's 2 x every parameter x 4. The check
--- against the uninterrupted process runs for 1 and 2 ranks only (NCCL's sum over more is in an order of its own).
+-- = "cuda"}, in DS4_TEST_DTYPE: fp32 by default, or bf16), gradients all-reduced through NCCL; zero's optimizer keeps
+-- its shard's moments and the fp32 master weights of its region only on the GPU, casts them into its working copy and
+-- gathers every region's working copy through NCCL (in bf16 half the master's bytes); reading the weights back
+-- (model:params(), opt:state(), the checkpoint) gathers the master's regions from their owners. Each rank prints both
+-- copies' training state on the device (model:memory()): zero's moments must take 2 x its region x 4 bytes and its
+-- master its region x 4, plain's 2 x every parameter x 4 and every parameter x 4. The check against the uninterrupted
+-- process runs for 1 and 2 ranks only (NCCL's sum over more is in an order of its own).
 package.path = ((arg[0]:match("^(.*)/[^/]*$") or ".") .. "/?.lua;") .. package.path
 local H = require("harness")
 local ds4 = require("ds4")
@@ -27,9 +30,11 @@ local ffi = require("ffi")
 local MODE, DIR, SAVE_WORLD = arg[2], arg[3], tonumber(arg[4] or "2")
 assert(MODE == "save" or MODE == "resume", "usage: dist_zero.lua FIXTURES save|resume DIR SAVE_WORLD")
 local on_device = os.getenv("DS4_TEST_DEVICE") == "cuda"
+local dtype = os.getenv("DS4_TEST_DTYPE") or "fp32"
+assert(dtype == "fp32" or dtype == "bf16", "DS4_TEST_DTYPE: fp32 or bf16")
 local r, n = ds4.dist.init(on_device and { device = "cuda" } or nil)
 local function place(m)
-    if on_device then m:to(ds4.dist.device(), "fp32") end
+    if on_device then m:to(ds4.dist.device(), dtype) end
     return m
 end
 local fixture = H.fixtures() .. "/tiny_a"
@@ -137,14 +142,17 @@ for k = first_step, first_step + steps - 1 do
         local zm, pm = zero:memory(), plain:memory()
         H.eq(zm.device_moments, 2 * len * 4, "zero's moments on the GPU: its region's")
         H.eq(pm.device_moments, 2 * P * 4, "plain's moments on the GPU: every parameter's")
-        print(("dist_zero memory: rank %d of %d on %s: moments %.3f MB sharded (%d of %d parameters), %.3f MB "
+        H.eq(zm.device_master, len * 4, "zero's fp32 master weights on the GPU: its region's")
+        H.eq(pm.device_master, P * 4, "plain's fp32 master weights on the GPU: every parameter's")
+        print(("dist_zero memory: rank %d of %d on %s (%s): moments %.3f MB sharded (%d of %d parameters), %.3f MB "
             .. "unsharded; master weights %.3f / %.3f MB, gradients %.3f / %.3f MB, weights %.3f / %.3f MB")
-            :format(r, n, ds4.dist.device(), zm.device_moments / 1e6, len, P, pm.device_moments / 1e6,
+            :format(r, n, ds4.dist.device(), dtype, zm.device_moments / 1e6, len, P, pm.device_moments / 1e6,
             zm.device_master / 1e6, pm.device_master / 1e6, zm.device_grads / 1e6, pm.device_grads / 1e6,
             zm.device / 1e6, pm.device / 1e6))
     end
     if MODE == "save" and k == K1 then
-        local st = zopt:state() -- gathered: every rank calls it
+        -- gathered: every rank calls it; on a GPU it also reads zero's sharded master back, which rank 0 saves
+        local st = zopt:state()
         if r == 0 then
             ds4.checkpoints.save(DIR, K1, zero, { states = { optimizer = { tensors = { m = st.m, v = st.v,
                 tensor_steps = st.tensor_steps }, meta = { step = st.step } } } })
@@ -160,7 +168,7 @@ if not on_device or n <= 2 then
 end
 if r == 0 then
     print(("dist_zero %s: %d ranks (%s%s), rank 0's shard %d of %d parameters; weights differing from one process: %d")
-        :format(MODE, n, ds4.dist.backend(), on_device and ", " .. ds4.dist.device() or "", len,
+        :format(MODE, n, ds4.dist.backend(), on_device and ", " .. ds4.dist.device() .. ", " .. dtype or "", len,
             zero:params():numel(), d))
 end
 ds4.dist.finalize()
