@@ -1077,6 +1077,9 @@ function M.run(cfg)
         -- a remote source (ds4.rollout.pool) gets the new weights: a new policy version its workers fetch
         if #samples > 0 and not stop then
             state.version = state.version + 1
+            -- ZeRO-1 on GPUs: the fp32 master is sharded and rank 0's publish reads the weights back, which gathers
+            -- the master's regions from every rank: each rank joins that read-back here
+            if sharded and cfg.remote and not (ro.source and ro.source.publish) then model:params() end
             if ro.source and ro.source.publish then ro.source:publish(model) end
             if cfg.remote then cfg.sync_version() end
         end
