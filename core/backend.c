@@ -339,7 +339,7 @@ ds4_status ds4_model_master_ready(ds4_model *m, size_t scratch_bytes, int64_t mo
                                   int64_t master_n, ds4_error *err) {
     ds4_dev *d = m->dev;
     if (d == m->cpu) return ds4_fail(err, DS4_ERR_INTERNAL, "device optimizer state on the cpu backend");
-    if (master_lo < 0 || master_n < 0 || master_n > m->n_params - master_lo)
+    if (!m->lora && (master_lo < 0 || master_n < 0 || master_n > m->n_params - master_lo))
         return ds4_fail(err, DS4_ERR_INTERNAL, "device optimizer: master region [%lld, +%lld) of %lld parameters",
                         (long long)master_lo, (long long)master_n, (long long)m->n_params);
     const size_t bytes = (size_t)master_n * sizeof(float);

@@ -42,7 +42,8 @@ ds4_status ds4_model_enable_grad(ds4_model *m, ds4_error *err);
 void ds4_model_zero_grad(ds4_model *m);
 /* The host buffers. For a model training on a device (docs/design.md) they are mirrors, brought up to date by these
  * calls (a download; NULL if it fails): write to params, then call ds4_model_params_changed; writes to the returned
- * gradients do not reach the device's. */
+ * gradients do not reach the device's. Under ZeRO-1 on a device the fp32 master is sharded: bringing the params up to
+ * date after a step gathers its regions from their owners, a collective every rank calls (ds4_adamw_set_shard). */
 float *ds4_model_params(ds4_model *m);         /* flat [ds4_model_param_count] */
 float *ds4_model_grads(ds4_model *m);          /* flat, parallel to params; NULL before enable_grad */
 /* Bring the host params and gradients up to date with the device's (nothing to do on the CPU). */
