@@ -12,12 +12,15 @@
  *    the one after skip it: ds4_model_params_changed, set_params (ds4_model_scatter_params), the state handed out
  *    (ds4_adamw_get_state), loaded (ds4_adamw_put_moments) or declared changed (ds4_adamw_state_changed), a tensor that
  *    becomes trainable, another optimizer's step on the same model, the adapters written (ds4_model_lora_write), a
- *    ZeRO-1 shard (ds4_adamw_set_shard, one rank). A refused step leaves the bounds valid.
+ *    ZeRO-1 shard (ds4_adamw_set_shard, one rank), a device step (the host-invisible twin of the CPU backend,
+ *    twin_device.h) and the way back. A refused step leaves the bounds valid. ZeRO-1 over 2 ranks (threads): each
+ *    proves or counts its own parts (one rank alone seeing a write), the weights the unsharded exact pass's, bitwise.
  * 4. Updates that would overflow are refused as before, with the same message and nothing changed (compared with the
  *    forced exact pass on a copy): a huge gradient within a finite norm, an lr whose step overflows, eps = 0 with a zero
  *    gradient, and a parameter near FLT_MAX set through set_params after the bounds were taken (which the stale bounds
  *    would have passed).
  * On tiny_a, tiny_b and tiny_hf. */
+#define _POSIX_C_SOURCE 200809L
 #include <float.h>
 #include <math.h>
 #include <stdlib.h>
@@ -25,6 +28,7 @@
 
 #include "optim.h"
 #include "testlib.h"
+#include "twin_device.h"
 
 enum { MSG = sizeof(((ds4_error *)0)->msg) };
 
@@ -353,6 +357,125 @@ out:
     ds4_model_free(m);
 }
 
+/* A device step (the twin of the CPU backend: test_zero_device.c) moves the moments there and steps them: back on the
+ * CPU the next host step checks in full. */
+static void test_device_step(ds4_engine *e, const char *fixtures, const char *fixture) {
+    ds4_error err = {0};
+    ds4_model *m = load(e, fixtures, fixture);
+    ds4_adamw *o = NULL;
+    if (!m) return;
+    ds4_adamw_options oo = opts();
+    CHECK_OK(ds4_adamw_create(m, &oo, &o, &err), &err);
+    if (!o) goto out;
+    const int x1 = step(m, o, 1), x2 = step(m, o, 2);
+    CHECK(x1 == 1 && x2 == 0, "%s: exact pass %d %d (expected 1 0)", fixture, x1, x2);
+    ds4_dev *d = twin_attach(e, m);
+    if (!d) goto out;
+    const int xd = step(m, o, 3); /* the device step: always its own check */
+    CHECK(xd == 1, "%s: the device step reported exact pass %d", fixture, xd);
+    twin_detach(m, d);
+    CHECK_OK(ds4_model_enable_grad(m, &err), &err);
+    AFTER("a device step", m, o, 4);
+out:
+    ds4_adamw_free(o);
+    ds4_model_free(m);
+}
+
+/* ZeRO-1 over TWIN_WORLD ranks (threads on CPU models, collectives over shared memory): each rank proves or counts its
+ * own parts; the weights are the unsharded optimizer's with the exact pass forced, bitwise. At step 3 rank 0 alone
+ * sees a write (ds4_model_params_changed): it counts, the other proves, and they agree. */
+enum { ZSTEPS = 4 };
+typedef struct zero_rank {
+    twin_rank tr; /* first: the collectives' ctx */
+    ds4_model *m;
+    ds4_adamw *o;
+    int exact[ZSTEPS];
+    double norms[ZSTEPS];
+    int failed;
+} zero_rank;
+
+static void *zero_main(void *arg) {
+    zero_rank *c = arg;
+    for (int k = 0; k < ZSTEPS && !c->failed; k++) {
+        ds4_error err = {0};
+        ds4_adamw_stats st;
+        if (k == 2 && c->tr.rank == 0) ds4_model_params_changed(c->m);
+        fill_grads(c->m, 200 + (uint64_t)k, 0.01f); /* the same on every rank: what the all-reduce leaves */
+        if (ds4_adamw_step(c->o, &st, &err) != DS4_OK) {
+            fprintf(stderr, "rank %d step %d: %s\n", c->tr.rank, k + 1, err.msg);
+            c->failed = 1; /* the other rank then waits in vain: the test's timeout ends it, named by this line */
+            break;
+        }
+        c->exact[k] = st.exact_check;
+        c->norms[k] = st.grad_norm;
+    }
+    return NULL;
+}
+
+static void test_zero(ds4_engine *e, const char *fixtures, const char *fixture) {
+    ds4_error err = {0};
+    ds4_model *ref = load(e, fixtures, fixture);
+    ds4_adamw *ro = NULL;
+    ds4_adamw_options oo = opts();
+    zero_rank ctx[TWIN_WORLD];
+    ds4_engine *te[TWIN_WORLD] = {NULL};
+    twin_coll sh;
+    pthread_barrier_init(&sh.bar, NULL, TWIN_WORLD);
+    memset(ctx, 0, sizeof ctx);
+    if (!ref) goto out;
+    CHECK_OK(ds4_adamw_create(ref, &oo, &ro, &err), &err);
+    if (!ro) goto out;
+    ds4_adamw_set_exact_check(ro, 1);
+    double norms[ZSTEPS];
+    for (int k = 0; k < ZSTEPS; k++) {
+        ds4_adamw_stats st;
+        fill_grads(ref, 200 + (uint64_t)k, 0.01f);
+        CHECK_OK(ds4_adamw_step(ro, &st, &err), &err);
+        norms[k] = st.grad_norm;
+    }
+    const ds4_engine_options teo = {.n_threads = 1}; /* a pool serves one caller: an engine per rank */
+    int ready = 1;
+    for (int r = 0; r < TWIN_WORLD; r++) {
+        zero_rank *c = &ctx[r];
+        c->tr = (twin_rank){&sh, r};
+        CHECK_OK(ds4_engine_create(&teo, &te[r], &err), &err);
+        c->m = te[r] ? load(te[r], fixtures, fixture) : NULL;
+        if (c->m) CHECK_OK(ds4_adamw_create(c->m, &oo, &c->o, &err), &err);
+        ds4_adamw_shard s = {.rank = r, .world = TWIN_WORLD, .ctx = &c->tr, .sum_f64 = twin_sum_f64,
+                             .gather_f32 = twin_gather_f32};
+        if (c->o) CHECK_OK(ds4_adamw_set_shard(c->o, &s, &err), &err);
+        ready &= c->o != NULL;
+    }
+    if (!ready) goto out;
+    twin_run(zero_main, ctx, sizeof ctx[0]);
+    const int64_t P = ds4_model_param_count(ref);
+    for (int r = 0; r < TWIN_WORLD; r++) {
+        zero_rank *c = &ctx[r];
+        CHECK(!c->failed, "%s rank %d: a step failed", fixture, r);
+        if (c->failed) continue;
+        int dn = 0;
+        for (int k = 0; k < ZSTEPS; k++) dn += c->norms[k] != norms[k];
+        CHECK(dn == 0, "%s rank %d: %d gradient norms differ from the unsharded step's", fixture, r, dn);
+        CHECK(!memcmp(ds4_model_params(c->m), ds4_model_params(ref), (size_t)P * sizeof(float)),
+              "%s rank %d: weights differ from the unsharded optimizer's with the exact pass", fixture, r);
+        const int want2 = r == 0;
+        CHECK(c->exact[0] == 1 && c->exact[1] == 0 && c->exact[2] == want2 && c->exact[3] == 0,
+              "%s rank %d: exact pass %d %d %d %d (expected 1 0 %d 0)", fixture, r, c->exact[0], c->exact[1],
+              c->exact[2], c->exact[3], want2);
+    }
+    printf("  %s: ZeRO-1 over %d ranks with bounds = unsharded with the exact pass, bitwise (%d steps)\n", fixture,
+           TWIN_WORLD, ZSTEPS);
+out:
+    for (int r = 0; r < TWIN_WORLD; r++) {
+        ds4_adamw_free(ctx[r].o);
+        ds4_model_free(ctx[r].m);
+        ds4_engine_free(te[r]);
+    }
+    pthread_barrier_destroy(&sh.bar);
+    ds4_adamw_free(ro);
+    ds4_model_free(ref);
+}
+
 /* --------------------------------------------------------------------------------------------- 4. refusals */
 
 /* Two copies of the fixture, one optimizer each with options oo (the second forced to the exact pass), driven by
@@ -503,6 +626,8 @@ static void run(ds4_engine *e, const char *fixtures, const char *fixture) {
     test_trajectory(e, fixtures, fixture);
     test_events(e, fixtures, fixture);
     test_lora(e, fixtures, fixture);
+    test_device_step(e, fixtures, fixture);
+    test_zero(e, fixtures, fixture);
     test_refusals(e, fixtures, fixture);
 }
 

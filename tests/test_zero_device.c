@@ -25,16 +25,8 @@ enum { STEPS = 4, WORLD = TWIN_WORLD };
 
 /* ---------------------------------------------------------------------------------------------- collectives */
 
-/* WORLD threads meeting at a barrier; each publishes its buffer, then reads the others'. */
-typedef struct shared {
-    pthread_barrier_t bar;
-    double *dbuf[WORLD];
-    float *fbuf[WORLD];
-} shared;
-
 typedef struct rank_ctx {
-    shared *sh;
-    int32_t rank;
+    twin_rank tr; /* first: the collectives' ctx */
     ds4_model *m;
     ds4_adamw *opt;
     double norms[STEPS];
@@ -42,34 +34,6 @@ typedef struct rank_ctx {
     int64_t off, len, dev_moments;
     int failed;
 } rank_ctx;
-
-static ds4_status sum_f64(void *ctx, double *buf, int64_t n, ds4_error *err) {
-    rank_ctx *c = ctx;
-    double *sum = malloc((size_t)(n ? n : 1) * sizeof *sum);
-    if (!sum) return ds4_fail(err, DS4_ERR_OOM, "test sum_f64");
-    c->sh->dbuf[c->rank] = buf;
-    pthread_barrier_wait(&c->sh->bar);
-    for (int64_t i = 0; i < n; i++) { /* rank order */
-        double s = c->sh->dbuf[0][i];
-        for (int r = 1; r < WORLD; r++) s += c->sh->dbuf[r][i];
-        sum[i] = s;
-    }
-    pthread_barrier_wait(&c->sh->bar); /* everyone has read every buffer */
-    memcpy(buf, sum, (size_t)n * sizeof *sum);
-    free(sum);
-    return DS4_OK;
-}
-
-static ds4_status gather_f32(void *ctx, float *buf, const int64_t *off, const int64_t *len, ds4_error *err) {
-    (void)err;
-    rank_ctx *c = ctx;
-    c->sh->fbuf[c->rank] = buf;
-    pthread_barrier_wait(&c->sh->bar);
-    for (int r = 0; r < WORLD; r++) /* each rank reads the others' own regions, which nobody writes meanwhile */
-        if (r != c->rank) memcpy(buf + off[r], c->sh->fbuf[r] + off[r], (size_t)len[r] * sizeof *buf);
-    pthread_barrier_wait(&c->sh->bar);
-    return DS4_OK;
-}
 
 /* ---------------------------------------------------------------------------------------------- the runs */
 
@@ -87,7 +51,7 @@ static void *rank_main(void *arg) {
         twin_grads(g, n, k);
         ds4_model_grads_changed(c->m);
         if (ds4_adamw_step(c->opt, &st, &err) != DS4_OK) {
-            fprintf(stderr, "rank %d step %d: %s\n", c->rank, k + 1, err.msg);
+            fprintf(stderr, "rank %d step %d: %s\n", c->tr.rank, k + 1, err.msg);
             c->failed = 1; /* the other rank then waits in vain: the test's timeout ends it, named by this line */
             break;
         }
@@ -200,7 +164,7 @@ static void run(ds4_engine *e, const char *fixtures, const char *fixture) {
     if (d1) twin_detach(one, d1);
 
     /* ZeRO-1 over 2 ranks on twins */
-    shared sh;
+    twin_coll sh;
     pthread_barrier_init(&sh.bar, NULL, WORLD);
     rank_ctx ctx[WORLD];
     ds4_dev *dv[WORLD] = {NULL};
@@ -210,7 +174,7 @@ static void run(ds4_engine *e, const char *fixtures, const char *fixture) {
     int ready = 1;
     for (int r = 0; r < WORLD; r++) {
         rank_ctx *c = &ctx[r];
-        c->sh = &sh, c->rank = r, c->m = rk[r];
+        c->tr = (twin_rank){&sh, r}, c->m = rk[r];
         c->mom_m = malloc((size_t)P * 4), c->mom_v = malloc((size_t)P * 4);
         CHECK_OK(ds4_model_enable_grad(rk[r], &err), &err);
         CHECK_OK(ds4_engine_create(&teo, &te[r], &err), &err);
@@ -221,10 +185,11 @@ static void run(ds4_engine *e, const char *fixtures, const char *fixture) {
             continue;
         }
         /* without a device gather a device model is refused */
-        ds4_adamw_shard no_dev = {.rank = r, .world = WORLD, .ctx = c, .sum_f64 = sum_f64, .gather_f32 = gather_f32};
+        ds4_adamw_shard no_dev = {.rank = r, .world = WORLD, .ctx = &c->tr, .sum_f64 = twin_sum_f64,
+                                  .gather_f32 = twin_gather_f32};
         CHECK_STATUS(ds4_adamw_set_shard(c->opt, &no_dev, &err), DS4_ERR_UNSUPPORTED, &err);
         ds4_adamw_shard s = no_dev;
-        s.gather_dev_f32 = gather_f32; /* the twin's memory is host memory */
+        s.gather_dev_f32 = twin_gather_f32; /* the twin's memory is host memory */
         CHECK_OK(ds4_adamw_set_shard(c->opt, &s, &err), &err);
     }
     if (ready) {
