@@ -1,10 +1,12 @@
 /* bench_train.c — CPU training throughput: tokens/s of one full step (training forward, backward, AdamW).
  *
- *   build/bench_train [--threads N] [--runs N] [--quick]
+ *   build/bench_train [--threads N] [--runs N] [--quick] [--exact-check]
  *
  * The ~50M-parameter config of bench_forward.c (same JSON, duplicated here so each benchmark stays one
  * self-contained file), random weights, random token ids, labels = ids (every position scored), shapes
- * 1×512, 4×128, 8×64. Median of --runs timed steps (default 5) after one warm-up step. MTP loss off.
+ * 1×512, 4×128, 8×64. Median of --runs timed steps (default 5) after one warm-up step, and the median of the
+ * optimizer step's own time within them. MTP loss off. --exact-check: every AdamW step runs its exact finiteness
+ * pass over p, g, m, v (ds4_adamw_set_exact_check), as before the bounds that usually prove it; the same bits.
  * Benchmarks measure and print; they never pass or fail. */
 #define _POSIX_C_SOURCE 200809L
 #include <stdint.h>
@@ -15,6 +17,7 @@
 
 #include "bench_util.h"
 #include "ds4.h"
+#include "optim.h"
 
 static const char CONFIG_50M[] =
     "{\"model_type\": \"deepseek_v4\", \"vocab_size\": 16000, \"hidden_size\": 512, \"num_hidden_layers\": 8,"
@@ -57,13 +60,14 @@ static void cpu_name(char *buf, size_t len) {
 }
 
 int main(int argc, char **argv) {
-    int threads = 0, runs = 5, quick = 0;
+    int threads = 0, runs = 5, quick = 0, exact = 0;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--threads") && i + 1 < argc) threads = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--runs") && i + 1 < argc) runs = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--quick")) quick = 1;
+        else if (!strcmp(argv[i], "--exact-check")) exact = 1;
         else {
-            fprintf(stderr, "usage: bench_train [--threads N] [--runs N] [--quick]\n");
+            fprintf(stderr, "usage: bench_train [--threads N] [--runs N] [--quick] [--exact-check]\n");
             return 2;
         }
     }
@@ -85,12 +89,14 @@ int main(int argc, char **argv) {
         fprintf(stderr, "bench_train: %s\n", err.msg);
         return 1;
     }
+    ds4_adamw_set_exact_check(opt, exact);
     char cpu[256];
     cpu_name(cpu, sizeof cpu);
     printf("bench_train: ds4 %s (%s), machine: %s, engine threads %d\n", DS4_VERSION_STRING, ds4_build_info(), cpu,
            (int)ds4_engine_threads(eng));
-    printf("50m: %lld parameters (MTP block present, its loss off); one step = training forward + backward + AdamW\n",
-           (long long)ds4_model_param_count(m));
+    printf("50m: %lld parameters (MTP block present, its loss off); one step = training forward + backward + AdamW "
+           "(finiteness check: %s)\n",
+           (long long)ds4_model_param_count(m), exact ? "exact pass every step" : "bounds, exact pass when they fail");
     const int64_t shapes[3][2] = {{1, 512}, {4, 128}, {8, 64}}, qshapes[2][2] = {{1, 128}, {4, 32}};
     const int nshape = quick ? 2 : 3;
     uint64_t rng = 7;
@@ -102,24 +108,31 @@ int main(int argc, char **argv) {
             ids[i] = (int64_t)((rng >> 33) % (uint64_t)cfg.vocab_size);
         }
         ds4_forward_args a = {.ids = ids, .batch = B, .seq = S, .labels = ids};
-        double *t = malloc((size_t)runs * sizeof(double)), loss = 0;
+        double *t = malloc(2 * (size_t)runs * sizeof(double)), *to = t + runs, loss = 0;
         for (int r = -1; r < runs; r++) {
             const double t0 = now_s();
             ds4_forward_result res;
             ds4_adamw_stats st;
             ds4_model_zero_grad(m);
-            if (ds4_model_forward_train(m, &a, &res, &err) || ds4_model_backward(m, 1.0 / (double)res.loss_tokens, &err) ||
-                ds4_adamw_step(opt, &st, &err)) {
+            if (ds4_model_forward_train(m, &a, &res, &err) || ds4_model_backward(m, 1.0 / (double)res.loss_tokens, &err)) {
                 fprintf(stderr, "bench_train: %s\n", err.msg);
                 return 1;
             }
-            if (r >= 0) t[r] = now_s() - t0;
+            const double t1 = now_s();
+            if (ds4_adamw_step(opt, &st, &err)) {
+                fprintf(stderr, "bench_train: %s\n", err.msg);
+                return 1;
+            }
+            if (r >= 0) t[r] = now_s() - t0, to[r] = now_s() - t1;
             loss = res.loss;
         }
         qsort(t, (size_t)runs, sizeof(double), cmp_d);
+        qsort(to, (size_t)runs, sizeof(double), cmp_d);
         const double med = t[runs / 2];
-        printf("50m      B x S = %2lld x %-4lld  %9.1f tokens/s  %9.1f ms/step (min %.1f, max %.1f, %d runs)  loss %.4f\n",
-               (long long)B, (long long)S, (double)(B * S) / med, 1e3 * med, 1e3 * t[0], 1e3 * t[runs - 1], runs, loss);
+        printf("50m      B x S = %2lld x %-4lld  %9.1f tokens/s  %9.1f ms/step (min %.1f, max %.1f, %d runs)  AdamW %.1f ms "
+               "(min %.1f)  loss %.4f\n",
+               (long long)B, (long long)S, (double)(B * S) / med, 1e3 * med, 1e3 * t[0], 1e3 * t[runs - 1], runs,
+               1e3 * to[runs / 2], 1e3 * to[0], loss);
         free(t);
         free(ids);
     }

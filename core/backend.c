@@ -76,6 +76,7 @@ static void free_train_state(ds4_model *m) {
 
 ds4_status ds4_model_drop_train_state(ds4_model *m, ds4_error *err) {
     ds4_model_grads_unguard(m);
+    m->params_gen++; /* the moments may come back from the device below */
     ds4_status s = ds4_model_host_sync(m, err);
     if (s) return s;
     if (m->moments_owner && m->dmoments) {
@@ -408,6 +409,7 @@ ds4_status ds4_model_host_sync(ds4_model *m, ds4_error *err) {
                             "(ZeRO-1) and the optimizer that holds them was freed before they were read back (read "
                             "the weights on every rank, e.g. model:params(), before freeing a sharded optimizer)",
                             ds4_model_device_name(m));
+        m->params_gen++; /* the host copy takes the device's values (even a failed read may have written some) */
         s = d->ops->download(d, m->params + m->master_lo, m->dmaster, (size_t)m->master_n * sizeof(float), err);
         if (s) {
             ds4_error_prefix(err, "reading the weights back from %s: ", ds4_model_device_name(m));
@@ -533,6 +535,7 @@ ds4_status ds4_model_scale_grads(ds4_model *m, double scale, ds4_error *err) {
 /* Before the training state on the device goes away: host params and gradients up to date, the optimizer's moments
  * back in its host buffers. */
 static ds4_status save_train_state(ds4_model *m, ds4_error *err) {
+    m->params_gen++; /* parameters, adapters and moments may come back from the device */
     ds4_status s = ds4_model_host_sync(m, err);
     if (!s) s = ds4_lora_release_backend(m, err); /* the adapters' copies and moments come home too */
     if (s || !m->moments_owner || !m->dmoments) return s;
@@ -564,7 +567,9 @@ ds4_status ds4_model_sync_weights(ds4_model *m, ds4_error *err) {
 }
 
 void ds4_model_params_changed(ds4_model *m) {
-    if (m) m->params_dirty = 1;
+    if (!m) return;
+    m->params_dirty = 1;
+    m->params_gen++;
 }
 
 ds4_status ds4_cuda_devices(int32_t *n, ds4_error *err) {

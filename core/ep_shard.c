@@ -82,6 +82,7 @@ ds4_status ds4_ep_shard(ds4_model *m, int32_t rank, int32_t world, ds4_error *er
     if (m->q4)
         return ds4_fail(err, DS4_ERR_UNSUPPORTED, "expert parallel: sharded experts with FP4-resident experts are not "
                                                   "supported (load them expanded to fp32)");
+    m->params_gen++; /* the flat buffers are laid out anew: no optimizer's bounds carry over */
     if (m->dev != m->cpu) return shard_on_device(m, rank, world, err);
     int64_t *old_off = calloc(m->n_table ? m->n_table : 1, sizeof *old_off);
     if (!old_off) return ds4_fail(err, DS4_ERR_OOM, "expert parallel: sharding %zu tensors", m->n_table);

@@ -290,6 +290,7 @@ ds4_status ds4_model_lora(ds4_model *m, const ds4_lora_options *o, ds4_error *er
 
 void ds4_model_drop_lora(ds4_model *m) {
     if (!m || !m->lora) return;
+    m->params_gen++; /* adapters attached later may sit at the same address: no optimizer's bounds carry over */
     drop_tape(m);
     ds4_lora_free(m, m->lora);
 }
@@ -389,7 +390,7 @@ ds4_status ds4_model_lora_write(ds4_model *m, const float *src, int64_t n, ds4_e
     ds4_status s = flat_access(m, n, "lora write", err);
     if (s) return s;
     memcpy(m->lora->params, src, (size_t)n * sizeof *src);
-    m->lora->dirty = 1;
+    ds4_lora_params_changed(m);
     drop_tape(m);
     return DS4_OK;
 }

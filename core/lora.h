@@ -74,6 +74,9 @@ ds4_status ds4_lora_to_backend(ds4_model *m, ds4_error *err);
 ds4_status ds4_lora_release_backend(ds4_model *m, ds4_error *err);
 ds4_status ds4_lora_sync(ds4_model *m, ds4_error *err);
 ds4_status ds4_lora_host_sync(ds4_model *m, ds4_error *err);
+/* The host adapters were written: the backend copy is refreshed before the next pass, and the write is counted in
+ * m->params_gen (an optimizer's bounds of them no longer hold). */
+void ds4_lora_params_changed(ds4_model *m);
 /* Gradients on the backend (device: allocated and bound into gw), like ds4_model_train_bind. */
 ds4_status ds4_lora_train_bind(ds4_model *m, ds4_error *err);
 /* Zero the gradients where they live. */

@@ -68,6 +68,7 @@ ds4_status ds4_lora_host_sync(ds4_model *m, ds4_error *err) {
     ds4_dev *d = m->dev;
     const size_t bytes = (size_t)l->n * sizeof(float);
     ds4_status s = DS4_OK;
+    if (l->host_stale) m->params_gen++; /* the host adapters take the device's values */
     if (l->host_stale && (s = d->ops->download(d, l->params, l->dparams, bytes, err))) {
         ds4_error_prefix(err, "reading the adapters back from %s: ", ds4_model_device_name(m));
         return s;
@@ -79,6 +80,12 @@ ds4_status ds4_lora_host_sync(ds4_model *m, ds4_error *err) {
     }
     l->grads_stale = 0;
     return DS4_OK;
+}
+
+void ds4_lora_params_changed(ds4_model *m) {
+    if (!m || !m->lora) return;
+    m->lora->dirty = 1;
+    m->params_gen++;
 }
 
 ds4_status ds4_lora_sync(ds4_model *m, ds4_error *err) {

@@ -224,7 +224,7 @@ ds4_status ds4_model_lora_set(ds4_model *m, const ds4_lora_tensors *in, ds4_erro
     s = import_values(m, m->lora, find_in_tensors, &c, &used, err);
     if (!s && used != in->n)
         s = ds4_fail(err, DS4_ERR_ARG, "lora set: %zu tensors given, the adapters have %zu", in->n, used);
-    m->lora->dirty = 1;
+    ds4_lora_params_changed(m);
     if (m->tape) m->tape->valid = 0;
     return s;
 }

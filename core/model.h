@@ -172,6 +172,9 @@ struct ds4_model {
     size_t dev_q4_bytes;                 /* the FP4-resident experts' part of dev_bytes (backend.c, layout) */
     ds4_device_options dev_opt;          /* where it computes */
     int params_dirty;                    /* the host params changed since dev_mem was written */
+    uint64_t params_gen;                 /* counts writes to the host params or adapters (ds4_model_params_changed,
+                                            ds4_lora_params_changed, read-backs, moves, sharding): an optimizer's
+                                            bounds of them hold while it stays the same (optim.c) */
     /* forward workspace in backend memory, planned from (B, S) and reused while it is large enough */
     void *ws;
     size_t ws_bytes;

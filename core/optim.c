@@ -91,20 +91,26 @@ static inline void adamw_lanes(const adamw_sse *k, __m128 p, __m128 g, __m128 m,
 }
 #endif
 
+static inline float max_abs(float b, float x) { return fabsf(x) > b ? fabsf(x) : b; }
+
 /* g (as scaled, written back when coef != 1) then the update: the same bits as ds4_grad_scale followed by
- * ds4_adamw_update, in one pass over memory. */
+ * ds4_adamw_update, in one pass over memory. The bounds of what it wrote go to *bnd (the maxima cost nothing in a
+ * pass that is memory bound). */
 static void adamw_update_scaled(const ds4_adamw_coefs *c, float coef, float *p, float *g, float *m, float *v,
-                                int64_t n) {
+                                int64_t n, ds4_adamw_bounds *bnd) {
     /* ATen's lerp takes "start + w·(end - start)" for w < 0.5 and "end - (end - start)·(1 - w)" otherwise
      * (better rounding near either end); reproduce the branch it takes for this β1. */
     const int small_w = fabsf(c->one_m_b1) < 0.5f, scale = coef != 1.0f;
     const float omw = 1.0f - c->one_m_b1;
+    ds4_adamw_bounds b = {0, 0, 0, 0};
     int64_t i = 0;
 #if defined(__SSE2__)
     /* About 4x faster than the scalar loop on cached chunks, 1.8x on a 50M-parameter model (memory bound). */
     if (small_w) {
         const adamw_sse k = adamw_sse_coefs(c);
-        const __m128 cf = _mm_set1_ps(coef);
+        const __m128 cf = _mm_set1_ps(coef), abs_mask = _mm_castsi128_ps(_mm_set1_epi32(0x7fffffff));
+        const __m128 zero = _mm_setzero_ps();
+        __m128 bp = zero, bm = zero, bv = zero, bn = zero;
         for (; i + 4 <= n; i += 4) {
             __m128 pn, mn, vn, gi = _mm_loadu_ps(g + i);
             if (scale) {
@@ -115,17 +121,62 @@ static void adamw_update_scaled(const ds4_adamw_coefs *c, float coef, float *p, 
             _mm_storeu_ps(m + i, mn);
             _mm_storeu_ps(v + i, vn);
             _mm_storeu_ps(p + i, pn);
+            bp = _mm_max_ps(bp, _mm_and_ps(pn, abs_mask));
+            bm = _mm_max_ps(bm, _mm_and_ps(mn, abs_mask));
+            bv = _mm_max_ps(bv, _mm_and_ps(vn, abs_mask));
+            bn = _mm_max_ps(bn, _mm_sub_ps(zero, vn));
+        }
+        float lp[4], lm[4], lv[4], ln[4];
+        _mm_storeu_ps(lp, bp);
+        _mm_storeu_ps(lm, bm);
+        _mm_storeu_ps(lv, bv);
+        _mm_storeu_ps(ln, bn);
+        for (int l = 0; l < 4; l++) {
+            b.p = lp[l] > b.p ? lp[l] : b.p;
+            b.m = lm[l] > b.m ? lm[l] : b.m;
+            b.v = lv[l] > b.v ? lv[l] : b.v;
+            b.neg_v = ln[l] > b.neg_v ? ln[l] : b.neg_v;
         }
     }
 #endif
     for (; i < n; i++) {
         if (scale) g[i] *= coef;
         adamw_elem(c, small_w, omw, p[i], g[i], m[i], v[i], &p[i], &m[i], &v[i]);
+        b.p = max_abs(b.p, p[i]);
+        b.m = max_abs(b.m, m[i]);
+        b.v = max_abs(b.v, v[i]);
+        b.neg_v = -v[i] > b.neg_v ? -v[i] : b.neg_v;
     }
+    if (bnd) *bnd = b;
 }
 
 void ds4_adamw_update(const ds4_adamw_coefs *c, float *p, const float *g, float *m, float *v, int64_t n) {
-    adamw_update_scaled(c, 1.0f, p, (float *)g, m, v, n); /* coef 1: g is only read */
+    adamw_update_scaled(c, 1.0f, p, (float *)g, m, v, n, NULL); /* coef 1: g is only read */
+}
+
+/* The proof of ds4_adamw_bounds_finite, in double on the bounds. Every fp32 operation of the update rounds its exact
+ * result by a factor within 1 ± 2^-24, so each intermediate is at most its bound below times (1 + 2^-24)^6; a bound
+ * under LIMIT (34x below FLT_MAX) therefore keeps every intermediate finite, and then no NaN can arise either: no
+ * inf - inf or 0·inf, v' >= 0 under the square root (v >= 0, β2 >= 0, 1-β2 >= 0), den = sqrt(v')/bs + eps >= eps > 0
+ * (no 0/0). The same reasoning as surely_finite below, with maxima in place of the elements. */
+#define BOUNDS_LIMIT 1e37
+
+int ds4_adamw_bounds_finite(const ds4_adamw_coefs *c, float coef, double gmax, const ds4_adamw_bounds *b) {
+    if (!(c->eps > 0) || !isfinite(c->eps) || !isfinite(c->neg_step) || !isfinite(c->decay_mul) ||
+        !(c->bc2_sqrt > 0) || !isfinite(c->bc2_sqrt) || !(c->beta2 >= 0) || !(c->one_m_b2 >= 0) ||
+        !isfinite(c->one_m_b1) || !isfinite(coef))
+        return 0;
+    if (!(b->neg_v <= 0) || !(gmax >= 0)) return 0; /* a v < 0 (a loaded state) or no gradient bound: no proof */
+    const double P = b->p, M = b->m, V = b->v, L = BOUNDS_LIMIT;
+    const double gs = gmax * fabs((double)coef);            /* |g·coef| */
+    const double d = gs + M;                                 /* |g - m| */
+    const double w = fabs((double)c->one_m_b1), omw = fabs(1.0 - (double)c->one_m_b1);
+    const double mb = fmax(M + w * d, gs + d * omw);        /* |m'|, either form of the lerp */
+    const double vb = V * (double)c->beta2 + (double)c->one_m_b2 * gs * gs; /* v' = v·β2 + ((1-β2)·g)·g */
+    const double ns = fabs((double)c->neg_step), step = ns * mb / (double)c->eps; /* |ns·m'/den|, den >= eps */
+    const double pb = P * fabs((double)c->decay_mul) + step; /* |p·decay + step| */
+    return P < L && gs < L && d < L && mb < L && vb < L && sqrt(vb) / (double)c->bc2_sqrt < L && ns * mb < L &&
+           step < L && pb < L;
 }
 
 /* A cheap proof that an update stays finite, without its square root and divisions: when p·decay, m' and v' are
@@ -251,6 +302,7 @@ typedef struct {
     const ds4_optim_range *r;
     const ds4_optim_chunk *chunks;
     double *partial;
+    ds4_adamw_bounds *bnd; /* [n_chunks] what each chunk's update wrote (NULL: not wanted) */
     float coef;
 } multi_ctx;
 
@@ -270,14 +322,21 @@ static void task_scale(void *vctx, int64_t i) {
     scale_chunk(c->r[k->range].g + k->begin, k->n, c->coef);
 }
 
-static void update_chunk(const ds4_optim_range *r, float coef, int64_t begin, int64_t n) {
-    adamw_update_scaled(&r->c, coef, r->p + begin, r->g + begin, r->m + begin, r->v + begin, n);
+static void update_chunk(const ds4_optim_range *r, float coef, int64_t begin, int64_t n, ds4_adamw_bounds *bnd) {
+    adamw_update_scaled(&r->c, coef, r->p + begin, r->g + begin, r->m + begin, r->v + begin, n, bnd);
 }
 
 static void task_update(void *vctx, int64_t i) {
     multi_ctx *c = vctx;
     const ds4_optim_chunk *k = &c->chunks[i];
-    update_chunk(&c->r[k->range], c->coef, k->begin, k->n);
+    update_chunk(&c->r[k->range], c->coef, k->begin, k->n, c->bnd ? &c->bnd[i] : NULL);
+}
+
+static void bounds_merge(ds4_adamw_bounds *into, const ds4_adamw_bounds *b) {
+    into->p = b->p > into->p ? b->p : into->p;
+    into->m = b->m > into->m ? b->m : into->m;
+    into->v = b->v > into->v ? b->v : into->v;
+    into->neg_v = b->neg_v > into->neg_v ? b->neg_v : into->neg_v;
 }
 
 double ds4_grad_global_norm(const ds4_optim_range *r, size_t n, const ds4_optim_chunk *chunks, int64_t n_chunks,
@@ -347,7 +406,24 @@ void ds4_adamw_update_ranges_scaled(const ds4_optim_range *r, size_t n, float co
         ds4_pool_run(pool, n_chunks, task_update, &c);
         return;
     }
-    for (size_t i = 0; i < n; i++) update_chunk(&r[i], coef, 0, r[i].n);
+    for (size_t i = 0; i < n; i++) update_chunk(&r[i], coef, 0, r[i].n, NULL);
+}
+
+void ds4_adamw_update_ranges_bounded(const ds4_optim_range *r, size_t n, float coef, const ds4_optim_chunk *chunks,
+                                     int64_t n_chunks, ds4_adamw_bounds *scratch, ds4_pool *pool,
+                                     ds4_adamw_bounds *out) {
+    *out = (ds4_adamw_bounds){0, 0, 0, 0};
+    if (pool && chunks && scratch && n_chunks > 0) {
+        multi_ctx c = {.r = r, .chunks = chunks, .bnd = scratch, .coef = coef};
+        ds4_pool_run(pool, n_chunks, task_update, &c);
+        for (int64_t k = 0; k < n_chunks; k++) bounds_merge(out, &scratch[k]);
+        return;
+    }
+    for (size_t i = 0; i < n; i++) {
+        ds4_adamw_bounds b;
+        update_chunk(&r[i], coef, 0, r[i].n, &b);
+        bounds_merge(out, &b);
+    }
 }
 
 static int64_t nonfinite_chunk(const ds4_optim_range *r, int64_t begin, int64_t n, float coef) {
@@ -439,6 +515,15 @@ struct ds4_adamw {
     double *bad_ranges;          /* [n_tensors] refusal counts per trainable tensor, summed over ranks */
     const ds4_lora *lora;        /* the model's adapters when created on a model that carries them: then the optimizer
                                     steps them alone (moments and tensors are the adapters') */
+    /* The finiteness proof from bounds (docs/design.md, "The optimizer's finiteness check"): what the last host update
+     * wrote (bnd, over the tensors marked in covered), valid while bounds_ok and the model's write count is still
+     * bounds_gen (nothing else wrote the parameters); cleared wherever the moments may change outside a step. */
+    int bounds_ok;
+    int exact_always;            /* ds4_adamw_set_exact_check: every step runs the exact pass */
+    uint64_t bounds_gen;
+    ds4_adamw_bounds bnd;
+    unsigned char *covered;      /* [n_tensors] */
+    ds4_adamw_bounds *chunk_bnd; /* [max_chunks] per-chunk bounds of an update on the pool */
 };
 
 /* The tensors the optimizer steps: the model's, or its adapters' while it carries them. */
@@ -528,8 +613,10 @@ ds4_status ds4_adamw_create(ds4_model *m, const ds4_adamw_options *o, ds4_adamw 
     a->pieces = calloc(cn, sizeof *a->pieces);
     a->coefs = calloc(tn, sizeof *a->coefs);
     a->bad = calloc(cn, sizeof *a->bad);
+    a->covered = calloc(tn, sizeof *a->covered);
+    a->chunk_bnd = calloc(cn, sizeof *a->chunk_bnd);
     if (!a->m || !a->v || !a->tensor_steps || !a->ranges || !a->range_tensor || !a->chunks || !a->partial ||
-        !a->pieces || !a->coefs || !a->bad) {
+        !a->pieces || !a->coefs || !a->bad || !a->covered || !a->chunk_bnd) {
         ds4_adamw_free(a);
         return ds4_fail(err, DS4_ERR_OOM, "adamw create: moments for %lld parameters (%zu tensors)", (long long)P, T);
     }
@@ -560,10 +647,16 @@ void ds4_adamw_free(ds4_adamw *a) {
     free(a->own_chunks);
     free(a->own_partial);
     free(a->bad_ranges);
+    free(a->covered);
+    free(a->chunk_bnd);
     free(a);
 }
 
 int64_t ds4_adamw_steps(const ds4_adamw *a) { return a ? a->steps : 0; }
+
+void ds4_adamw_set_exact_check(ds4_adamw *a, int always) {
+    if (a) a->exact_always = always != 0;
+}
 
 /* Work below this many elements runs on the calling thread: waking the pool costs more than it saves. The
  * chunking is the same either way, so the result is too. */
@@ -582,12 +675,58 @@ static ds4_status step_norm_check(const ds4_adamw *a, size_t nr, double norm, do
         stats->lr = lr;
         stats->grad_norm = norm;
         stats->step = a->steps;
+        stats->exact_check = 0;
     }
     if (!isfinite(norm))
         return ds4_fail(err, DS4_ERR_ARG,
                         "adamw step %lld: the gradient norm over %zu trainable tensors is %g; parameters, moments "
                         "and the step count are unchanged",
                         (long long)a->steps + 1, nr, norm);
+    return DS4_OK;
+}
+
+/* Whether the bounds kept from the last update prove this update of ranges r[0, n) finite without reading p, m, v
+ * (docs/design.md, "The optimizer's finiteness check"): they still hold (nothing wrote the parameters since, as the
+ * model's write count says, nor the moments), they cover the tensor of every range (range of[q] for part q; q when
+ * of is NULL), and each range's coefficients pass ds4_adamw_bounds_finite. The gradient's bound is the global norm,
+ * which no element exceeds (max |g_i| <= sqrt(Σ g_i²)), doubled against the rounding of a long sum in double: it
+ * covers a sharded step's parts too, since every rank's norm is the whole model's. */
+static int bounds_prove(const ds4_adamw *a, const ds4_optim_range *r, size_t n, const size_t *of, float coef,
+                        double norm) {
+    if (!a->bounds_ok || a->exact_always || a->bounds_gen != a->model->params_gen) return 0;
+    for (size_t q = 0; q < n; q++)
+        if (!a->covered[a->range_tensor[of ? of[q] : q]] || !ds4_adamw_bounds_finite(&r[q].c, coef, 2.0 * norm, &a->bnd))
+            return 0;
+    return 1;
+}
+
+/* A host step is about to write the parameters (or the adapters): a device copy follows before the next pass, and the
+ * write is counted (so another optimizer of the same model sees it). Its own bounds are void until it keeps new ones. */
+static void host_params_written(ds4_adamw *a) {
+    a->bounds_ok = 0;
+    if (a->lora) ds4_lora_params_changed(a->model);
+    else ds4_model_params_changed(a->model);
+}
+
+/* What the update of ranges [0, n) (parts of ranges of[q], as in bounds_prove) wrote: the next step's bounds. */
+static void bounds_keep(ds4_adamw *a, size_t n, const size_t *of, const ds4_adamw_bounds *b) {
+    memset(a->covered, 0, a->n_tensors * sizeof *a->covered);
+    for (size_t q = 0; q < n; q++) a->covered[a->range_tensor[of ? of[q] : q]] = 1;
+    a->bnd = *b;
+    a->bounds_gen = a->model->params_gen;
+    a->bounds_ok = 1;
+}
+
+/* The end of a host step: the router biases (when their update is on), the stats' count. The biases are never
+ * trainable (model.c), so no tensor the bounds cover changes: the write they count leaves the bounds valid. */
+static ds4_status step_finish(ds4_adamw *a, ds4_adamw_stats *stats, ds4_error *err) {
+    ds4_model *m = a->model;
+    if (m->topt.router_bias_gamma > 0) {
+        ds4_status s = ds4_model_update_router_bias(m, m->topt.router_bias_gamma, err);
+        if (s) return s;
+        if (a->bounds_ok) a->bounds_gen = m->params_gen;
+    }
+    if (stats) stats->step = a->steps;
     return DS4_OK;
 }
 
@@ -660,6 +799,7 @@ static ds4_status adamw_step_device(ds4_adamw *a, size_t nr, int64_t total_elems
     ds4_dev *d = m->dev;
     ds4_lora *l = m->lora;
     const int64_t nc = ds4_optim_chunk_count(a->ranges, nr);
+    a->bounds_ok = 0; /* the moments move to the device and are stepped there: the host's bounds are for host steps */
     const size_t off_bad = (size_t)a->max_chunks * sizeof(double), off_pieces = 2 * off_bad,
                  off_coefs = off_pieces + (size_t)a->max_chunks * sizeof(ds4_optim_piece),
                  scratch = off_coefs + (a->n_tensors ? a->n_tensors : 1) * sizeof(ds4_adamw_coefs);
@@ -735,6 +875,7 @@ static ds4_status adamw_step_device(ds4_adamw *a, size_t nr, int64_t total_elems
     s = step_norm_check(a, nr, norm, lr, stats, err);
     if (s) return s;
     const float coef = ds4_grad_clip_coef(norm, a->o.clip);
+    if (stats) stats->exact_check = 1;
     for (size_t k = 0; k < nr; k++)
         a->coefs[k] = ds4_adamw_coefs_at(&a->h, a->tensor_steps[a->range_tensor[k]] + 1, lr, a->ranges[k].c.decay);
     ds4_dev_upload(d, d_coefs, a->coefs, nr * sizeof *a->coefs);
@@ -797,6 +938,7 @@ ds4_status ds4_adamw_sync_state(ds4_adamw *a, ds4_error *err) {
     int64_t off = 0, len = 0; /* the moments held: the whole buffer's, or this rank's shard's (ZeRO-1) */
     ds4_adamw_shard_region(a, &off, &len);
     const size_t bytes = (size_t)len * sizeof(float);
+    a->bounds_ok = 0; /* the host moments take the device's */
     ds4_status s = m->dev->ops->download(m->dev, a->m, dmom, bytes, err);
     if (!s) s = m->dev->ops->download(m->dev, a->v, dmom + ds4_moments_stride(len), bytes, err);
     if (s) ds4_error_prefix(err, "adamw state: reading the moments back from %s: ", ds4_model_device_name(m));
@@ -804,6 +946,7 @@ ds4_status ds4_adamw_sync_state(ds4_adamw *a, ds4_error *err) {
 }
 
 void ds4_adamw_state_changed(ds4_adamw *a) {
+    if (a) a->bounds_ok = 0; /* the caller wrote the moments: the next host step checks them in full */
     if (a && a->model && a->model->moments_owner == a) a->model->moments_owner = NULL; /* sent again at the next step */
     if (a && a->model && a->model->lora && a->model->lora->moments_owner == a) a->model->lora->moments_owner = NULL;
 }
@@ -991,8 +1134,11 @@ static ds4_status adamw_step_sharded(ds4_adamw *a, size_t nr, int64_t nc, float 
     for (size_t q = 0; q < no; q++)
         a->own[q].c = ds4_adamw_coefs_at(&a->h, a->tensor_steps[a->range_tensor[a->own_of[q]]] + 1, lr,
                                          a->ranges[a->own_of[q]].c.decay);
+    /* each rank proves its own parts or counts them (a proof means a count of 0), then the counts are summed */
+    const int proved = bounds_prove(a, a->own, no, a->own_of, coef, norm);
+    if (stats) stats->exact_check = !proved;
     memset(a->bad_ranges, 0, nr * sizeof *a->bad_ranges);
-    for (size_t q = 0; q < no; q++) {
+    for (size_t q = 0; q < no && !proved; q++) {
         const ds4_optim_range *o = &a->own[q];
         a->bad_ranges[a->own_of[q]] = (double)ds4_adamw_count_nonfinite(&o->c, coef, o->p, o->g, o->m, o->v, o->n);
     }
@@ -1015,17 +1161,19 @@ static ds4_status adamw_step_sharded(ds4_adamw *a, size_t nr, int64_t nc, float 
                         "gradient norm %g, clip %g); parameters, moments, gradients and the step count are unchanged",
                         (long long)a->steps + 1, (long long)bad, name, lr, norm, a->o.clip);
     }
+    host_params_written(a);
     ds4_grad_scale(a->own, no, coef, a->own_chunks, noc, pool);
     for (size_t k = 0; k < nr; k++) ++a->tensor_steps[a->range_tensor[k]];
-    ds4_adamw_update_ranges(a->own, no, a->own_chunks, noc, pool);
+    ds4_adamw_bounds b;
+    ds4_adamw_update_ranges_bounded(a->own, no, 1.0f, a->own_chunks, noc, a->chunk_bnd, pool, &b);
     a->steps++;
     if ((s = a->sh.gather_f32(a->sh.ctx, params, a->roff, a->rlen, err))) {
         ds4_error_prefix(err, "adamw step (sharded): gathering the updated parameters: ");
         return s;
     }
-    if (m->topt.router_bias_gamma > 0 && (s = ds4_model_update_router_bias(m, m->topt.router_bias_gamma, err))) return s;
-    if (stats) stats->step = a->steps;
-    return DS4_OK;
+    /* the gather wrote the other ranks' regions only: this rank's parts are as its update left them */
+    bounds_keep(a, no, a->own_of, &b);
+    return step_finish(a, stats, err);
 }
 
 /* The gradient norm of a model whose routed experts are sharded (ep_shard.c), from this rank's per-range sums of
@@ -1119,8 +1267,6 @@ ds4_status ds4_adamw_step(ds4_adamw *a, ds4_adamw_stats *stats, ds4_error *err) 
                         "adamw step: the model has no gradient buffer (enable gradients, run a training forward and "
                         "a backward first)");
     float *params = l ? l->params : on_device ? m->params : ds4_model_params(m);
-    if (!on_device && l) l->dirty = 1;
-    else if (!on_device) ds4_model_params_changed(m);
 
     /* The trainable tensors, in parameter-buffer order (the order of the norm's sum). */
     size_t nr = 0;
@@ -1184,10 +1330,14 @@ ds4_status ds4_adamw_step(ds4_adamw *a, ds4_adamw_stats *stats, ds4_error *err) 
     for (size_t k = 0; k < nr; k++)
         a->ranges[k].c = ds4_adamw_coefs_at(&a->h, a->tensor_steps[a->range_tensor[k]] + 1, lr, a->ranges[k].c.decay);
     /* A finite gradient can still give non-finite weights (an lr of 1e38 overflows the step; huge gradients
-     * overflow v): compute the update without writing it first, and refuse it whole, so that the model is never
-     * left half-updated or poisoned. Costs one extra read of p, g, m, v. */
+     * overflow v): refuse such an update whole, so that the model is never left half-updated or poisoned. The
+     * bounds the last update left prove most steps finite from a few scalars; otherwise the update is computed
+     * without being written (one extra read of p, g, m, v). */
     size_t first = nr;
-    int64_t bad = ds4_adamw_count_nonfinite_ranges(a->ranges, nr, coef, a->chunks, nc, a->partial, pool, &first);
+    const int proved = bounds_prove(a, a->ranges, nr, NULL, coef, norm);
+    if (stats) stats->exact_check = !proved;
+    int64_t bad = proved ? 0 : ds4_adamw_count_nonfinite_ranges(a->ranges, nr, coef, a->chunks, nc, a->partial, pool,
+                                                                &first);
     if (m->ep_shard && !l && (s = sharded_experts_refusals(m, &bad, err))) return s;
     if (bad > 0) {
         const char *name = first < nr ? target_name(m, a->range_tensor[first]) : "?";
@@ -1196,12 +1346,13 @@ ds4_status ds4_adamw_step(ds4_adamw *a, ds4_adamw_stats *stats, ds4_error *err) 
                         "gradient norm %g, clip %g); parameters, moments, gradients and the step count are unchanged",
                         (long long)a->steps + 1, (long long)bad, (long long)total_elems, name, lr, norm, a->o.clip);
     }
+    host_params_written(a);
     for (size_t k = 0; k < nr; k++) ++a->tensor_steps[a->range_tensor[k]];
-    ds4_adamw_update_ranges_scaled(a->ranges, nr, coef, a->chunks, nc, pool); /* clips the gradients as it goes */
+    ds4_adamw_bounds b; /* clips the gradients as it goes */
+    ds4_adamw_update_ranges_bounded(a->ranges, nr, coef, a->chunks, nc, a->chunk_bnd, pool, &b);
     a->steps++;
-    if (m->topt.router_bias_gamma > 0 && (s = ds4_model_update_router_bias(m, m->topt.router_bias_gamma, err))) return s;
-    if (stats) stats->step = a->steps;
-    return DS4_OK;
+    bounds_keep(a, nr, NULL, &b);
+    return step_finish(a, stats, err);
 }
 
 void ds4_adamw_put_moments(ds4_adamw *a, const float *m, const float *v) {
@@ -1218,6 +1369,7 @@ void ds4_adamw_put_moments(ds4_adamw *a, const float *m, const float *v) {
 }
 
 void ds4_adamw_get_state(ds4_adamw *a, ds4_adamw_state *out) {
+    a->bounds_ok = 0; /* the moments are handed out writable: the next step checks them in full */
     out->m = a->m;
     out->v = a->v;
     out->n_params = a->n_params;

@@ -104,6 +104,27 @@ void ds4_adamw_update_ranges_scaled(const ds4_optim_range *r, size_t n, float co
 int64_t ds4_adamw_count_nonfinite_ranges(const ds4_optim_range *r, size_t n, float coef, const ds4_optim_chunk *chunks,
                                          int64_t n_chunks, double *partial, ds4_pool *pool, size_t *first_range);
 
+/* What an update left, for the next step's finiteness proof without a pass over p, m, v (ds4_adamw_bounds_finite):
+ * the largest |p|, |m|, |v| and -v it wrote (neg_v > 0: some v < 0, which only a loaded state can give). Maxima,
+ * so the same whatever the chunk order or thread count. */
+typedef struct ds4_adamw_bounds {
+    float p, m, v, neg_v;
+} ds4_adamw_bounds;
+
+/* ds4_adamw_update_ranges_scaled (the same bits), also returning in *out the bounds of every element it wrote.
+ * scratch: [n_chunks] (only with a pool). */
+void ds4_adamw_update_ranges_bounded(const ds4_optim_range *r, size_t n, float coef, const ds4_optim_chunk *chunks,
+                                     int64_t n_chunks, ds4_adamw_bounds *scratch, ds4_pool *pool,
+                                     ds4_adamw_bounds *out);
+/* 1 when an update with coefficients c of elements with |p| <= b->p, |m| <= b->m, 0 <= v <= b->v and a gradient of
+ * |g| <= gmax multiplied by coef surely leaves every p, m and v finite (then ds4_adamw_count_nonfinite would return
+ * 0); 0 when these scalars cannot show it (the count must run). Reads no element. */
+int ds4_adamw_bounds_finite(const ds4_adamw_coefs *c, float coef, double gmax, const ds4_adamw_bounds *b);
+/* always = 1: every step of a runs the exact finiteness pass (ds4_adamw_count_nonfinite over p, g, m, v), as
+ * before the bounds existed; 0 (the default): the bounds skip it when they can. The bits of every result are the
+ * same either way (tests compare the two). */
+void ds4_adamw_set_exact_check(ds4_adamw *a, int always);
+
 const ds4_adamw_options *ds4_adamw_get_options(const ds4_adamw *a);
 
 #endif

@@ -417,14 +417,21 @@ __device__ __forceinline__ int piece_bytes(int64_t k, int64_t K) {
 // r + 1 at 16-byte pieces 0..3, which 64-byte rows put in distinct banks). Each thread's copies are the same rows and
 // pieces at every stage, so their addresses are formed once and advance by the stage's k; only the last stage (past
 // K) works out how many bytes each copy has. SUB = 2 halves the barriers and copy issues per product.
-template <int BM, int BN, int WM, int WN, int ST, int SUB>
+// TS (totals in shared memory): warp tiles of 64 x 64 (4 x 8 mma tiles) read half the shared memory per product that
+// 32 x 64 tiles do (each staged fragment feeds 8 or 4 products instead of 8 or 2), and a 128-row tile shares each
+// staged column between two warps; but 64 x 64 accumulators take 128 registers, so the slices' totals (128 more) live
+// in shared memory, each thread's in a private, conflict-free column [MT·NT float4][threads]: at a slice's end the
+// thread adds its accumulators into them (0 + P0 at the first, the same fp32 adds in the same order as the register
+// totals) and the last slice's sums go from the registers straight to y.
+template <int BM, int BN, int WM, int WN, int ST, int SUB, bool TS>
 __global__ void __launch_bounds__((BM / WM) * (BN / WN) * 32) gemm_bf16_pipe(gemm_args a) {
     constexpr int NTH = (BM / WM) * (BN / WN) * 32, MT = WM / 16, NT = WN / 8, L = 32, KC = 32 * SUB;
     static_assert(BM * 4 % NTH == 0 && BN * 4 % NTH == 0 && ST >= 2, "each thread copies whole rows' pieces");
     static_assert(KSLICE % KC == 0, "a stage never straddles a slice");
     extern __shared__ __align__(16) char pipe_mem[];
-    __nv_bfloat16 *sA = reinterpret_cast<__nv_bfloat16 *>(pipe_mem); // [ST][SUB][BM][L]
-    __nv_bfloat16 *sB = sA + ST * SUB * BM * L;                       // [ST][SUB][BN][L]
+    float4 *sT = reinterpret_cast<float4 *>(pipe_mem);                      // TS: [MT·NT][NTH], the slices' totals
+    __nv_bfloat16 *sA = reinterpret_cast<__nv_bfloat16 *>(pipe_mem + (TS ? MT * NT * NTH * 16 : 0)); // [ST][SUB][BM][L]
+    __nv_bfloat16 *sB = sA + ST * SUB * BM * L;                                                        // [ST][SUB][BN][L]
     int64_t r0, r1, woff;
     if (!block_rows<BM>(a, blockIdx.y, r0, r1, woff)) return;
     const int z = blockIdx.z;
@@ -487,9 +494,10 @@ __global__ void __launch_bounds__((BM / WM) * (BN / WN) * 32) gemm_bf16_pipe(gem
             }
         }
     };
-    float acc[MT][NT][4], tot[MT][NT][4];
+    float acc[MT][NT][4], tot[TS ? 1 : MT][TS ? 1 : NT][4];
     ds4d_mma_zero(acc);
     ds4d_mma_zero(tot);
+    bool folded = false; // TS: whether sT holds the totals of earlier slices
     const int64_t nst = (K + KC - 1) / KC;
 #pragma unroll
     for (int st = 0; st < ST - 1; st++) {
@@ -507,104 +515,18 @@ __global__ void __launch_bounds__((BM / WM) * (BN / WN) * 32) gemm_bf16_pipe(gem
             if (u == 0 || kc * KC + u * 32 < K) // the tiles' chunks of 32: none wholly past K
                 ds4d_mma_chunk<MT, NT, L>(acc, sA + (cur * SUB + u) * BM * L, sB + (cur * SUB + u) * BN * L, wm, wn,
                                           g, t);
-        if (((kc + 1) * KC) % KSLICE == 0 || kc + 1 == nst) // a slice ends: its partial joins the total
-            ds4d_mma_fold(tot, acc);
-        cur = cur + 1 == ST ? 0 : cur + 1;
-        nxt = nxt + 1 == ST ? 0 : nxt + 1;
-    }
-    ds4d_cp_async_wait<0>();
-#pragma unroll
-    for (int i = 0; i < MT; i++)
-#pragma unroll
-        for (int j = 0; j < NT; j++)
-            store_tile(y, a.ldy, r0 + wm + i * 16 + g, rend, n0 + wn + j * 8 + 2 * t, a.N, tot[i][j], a.acc);
-}
-
-// Wide: the pipelined kernel's copies and sums with warp tiles of 64 x 64 (4 x 8 mma tiles), which read half the
-// shared memory per product that 32 x 64 tiles do (each staged fragment feeds 8 or 4 products instead of 8 or 2) and
-// copy less of it per product (a 128-row tile shares each staged column between two warps). 64 x 64 accumulators take
-// 128 registers, so the slices' totals (tot in the other kernels: 128 more) live in shared memory, each thread's in a
-// private, conflict-free column [MT·NT float4][threads]: at a slice's end the thread adds its accumulators into them
-// (0 + P0 at the first, the same fp32 adds in the same order as the register totals) and the last slice's sums go from
-// the registers straight to y. Stages of one chunk of 32 k.
-template <int BM, int BN, int ST>
-__global__ void __launch_bounds__((BM / 64) * (BN / 64) * 32) gemm_bf16_wide(gemm_args a) {
-    constexpr int WM = 64, WN = 64, NTH = (BM / WM) * (BN / WN) * 32, MT = WM / 16, NT = WN / 8, L = 32, KC = 32;
-    static_assert(BM * 4 % NTH == 0 && BN * 4 % NTH == 0 && ST >= 2, "each thread copies whole rows' pieces");
-    extern __shared__ __align__(16) char pipe_mem[];
-    float4 *sT = reinterpret_cast<float4 *>(pipe_mem);                       // [MT·NT][NTH]: the slices' totals
-    __nv_bfloat16 *sA = reinterpret_cast<__nv_bfloat16 *>(sT + MT * NT * NTH); // [ST][BM][L]
-    __nv_bfloat16 *sB = sA + ST * BM * L;                                     // [ST][BN][L]
-    int64_t r0, r1, woff;
-    if (!block_rows<BM>(a, blockIdx.y, r0, r1, woff)) return;
-    const int z = blockIdx.z;
-    const __nv_bfloat16 *x = a.xh + z * a.gxh;
-    const __nv_bfloat16 *W = (const __nv_bfloat16 *)a.W + z * a.gw + woff;
-    float *y = a.y + z * a.gy;
-    int64_t K = a.K;
-    if (a.koff) {
-        K = a.koff[z + 1] - a.koff[z];
-        if (K <= 0) return; // an empty group leaves its output untouched (a sum of nothing would turn -0 into +0)
-        x += group_start(a.koff, z), W += group_start(a.koff, z);
-    }
-    const int64_t n0 = (int64_t)blockIdx.x * BN, rend = r1 < r0 + BM ? r1 : r0 + BM;
-    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
-    const int wm = (warp / (BN / WN)) * WM, wn = (warp % (BN / WN)) * WN;
-    constexpr int RA = BM * 4 / NTH, RB = BN * 4 / NTH, RS = NTH / 4;
-    const int row0 = tid >> 2, kp = (tid & 3) * 8, soff = row0 * L + kp;
-    const __nv_bfloat16 *pA[RA], *pB[RB];
-    int nA[RA], nB[RB];
-#pragma unroll
-    for (int j = 0; j < RA; j++) {
-        const int64_t r = r0 + row0 + j * RS;
-        nA[j] = r < rend ? 16 : 0;
-        pA[j] = nA[j] ? x + r * a.ldxh + kp : x;
-    }
-#pragma unroll
-    for (int j = 0; j < RB; j++) {
-        const int64_t c = n0 + row0 + j * RS;
-        nB[j] = c < a.N ? 16 : 0;
-        pB[j] = nB[j] ? W + c * a.ldw + kp : W;
-    }
-    auto issue = [&](int st, int64_t k0) {
-        __nv_bfloat16 *dA = sA + st * BM * L + soff, *dB = sB + st * BN * L + soff;
-        const int n = k0 + KC <= K ? 16 : piece_bytes(k0 + kp, K); // only the last stage reaches past K
-#pragma unroll
-        for (int j = 0; j < RA; j++) {
-            const int m = nA[j] ? n : 0;
-            ds4d_cp_async16(dA + j * RS * L, m ? pA[j] + k0 : x, m);
-        }
-#pragma unroll
-        for (int j = 0; j < RB; j++) {
-            const int m = nB[j] ? n : 0;
-            ds4d_cp_async16(dB + j * RS * L, m ? pB[j] + k0 : W, m);
-        }
-    };
-    float acc[MT][NT][4];
-    ds4d_mma_zero(acc);
-    const int64_t nst = (K + KC - 1) / KC;
-#pragma unroll
-    for (int st = 0; st < ST - 1; st++) {
-        if (st < nst) issue(st, (int64_t)st * KC);
-        ds4d_cp_async_commit();
-    }
-    bool folded = false; // whether sT holds the totals of earlier slices
-    int cur = 0, nxt = ST - 1;
-    for (int64_t kc = 0; kc < nst; kc++) {
-        ds4d_cp_async_wait<ST - 2>();
-        __syncthreads();
-        if (kc + ST - 1 < nst) issue(nxt, (kc + ST - 1) * KC);
-        ds4d_cp_async_commit();
-        ds4d_mma_chunk<MT, NT, L>(acc, sA + cur * BM * L, sB + cur * BN * L, wm, wn, g, t);
-        if (((kc + 1) * KC) % KSLICE == 0 && kc + 1 < nst) { // a slice ends (not the last): tot += its partial
+        if constexpr (!TS) {
+            if (((kc + 1) * KC) % KSLICE == 0 || kc + 1 == nst) // a slice ends: its partial joins the total
+                ds4d_mma_fold(tot, acc);
+        } else if (((kc + 1) * KC) % KSLICE == 0 && kc + 1 < nst) { // a slice ends (not the last): into sT
 #pragma unroll
             for (int i = 0; i < MT; i++)
 #pragma unroll
                 for (int j = 0; j < NT; j++) {
-                    float4 *p = &sT[(i * NT + j) * NTH + tid];
-                    float4 v = folded ? *p : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                    float4 *q = &sT[(i * NT + j) * NTH + tid];
+                    float4 v = folded ? *q : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
                     v.x += acc[i][j][0], v.y += acc[i][j][1], v.z += acc[i][j][2], v.w += acc[i][j][3];
-                    *p = v;
+                    *q = v;
                     acc[i][j][0] = acc[i][j][1] = acc[i][j][2] = acc[i][j][3] = 0.0f;
                 }
             folded = true;
@@ -617,9 +539,14 @@ __global__ void __launch_bounds__((BM / 64) * (BN / 64) * 32) gemm_bf16_wide(gem
     for (int i = 0; i < MT; i++)
 #pragma unroll
         for (int j = 0; j < NT; j++) {
-            float4 v = folded ? sT[(i * NT + j) * NTH + tid] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            const float s[4] = {v.x + acc[i][j][0], v.y + acc[i][j][1], v.z + acc[i][j][2], v.w + acc[i][j][3]};
-            store_tile(y, a.ldy, r0 + wm + i * 16 + g, rend, n0 + wn + j * 8 + 2 * t, a.N, s, a.acc);
+            const int64_t r = r0 + wm + i * 16 + g, c = n0 + wn + j * 8 + 2 * t;
+            if constexpr (TS) { // the last slice's sums: its partial added to the earlier totals here
+                const float4 v = folded ? sT[(i * NT + j) * NTH + tid] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                const float s4[4] = {v.x + acc[i][j][0], v.y + acc[i][j][1], v.z + acc[i][j][2], v.w + acc[i][j][3]};
+                store_tile(y, a.ldy, r, rend, c, a.N, s4, a.acc);
+            } else {
+                store_tile(y, a.ldy, r, rend, c, a.N, tot[i][j], a.acc);
+            }
         }
 }
 
@@ -653,17 +580,13 @@ struct pipe_cfg {
     const char *name;
 };
 
-template <int BM, int BN, int WM, int WN, int ST, int SUB>
+template <int BM, int BN, int WM, int WN, int ST, int SUB, bool TS = false>
 pipe_cfg pipe_of(const char *name) {
-    return {BM, BN, (BM / WM) * (BN / WN) * 32, (size_t)ST * SUB * (BM + BN) * 32 * sizeof(__nv_bfloat16),
-            gemm_bf16_pipe<BM, BN, WM, WN, ST, SUB>, name};
-}
-
-template <int BM, int BN, int ST>
-pipe_cfg wide_of(const char *name) {
-    constexpr int NTH = (BM / 64) * (BN / 64) * 32;
-    return {BM, BN, NTH, (size_t)ST * (BM + BN) * 32 * sizeof(__nv_bfloat16) + (size_t)NTH * 128 * sizeof(float),
-            gemm_bf16_wide<BM, BN, ST>, name};
+    constexpr int NTH = (BM / WM) * (BN / WN) * 32;
+    return {BM, BN, NTH,
+            (size_t)ST * SUB * (BM + BN) * 32 * sizeof(__nv_bfloat16) +
+                (TS ? (size_t)NTH * (WM / 16) * (WN / 8) * 4 * sizeof(float) : 0),
+            gemm_bf16_pipe<BM, BN, WM, WN, ST, SUB, TS>, name};
 }
 
 const pipe_cfg *pipe_cfgs(int *n) {
@@ -671,16 +594,16 @@ const pipe_cfg *pipe_cfgs(int *n) {
         // the default: 64 x 64 warp tiles with the slices' totals in shared memory, two blocks per SM (255 registers
         // x 128 threads, 112 KiB each): 11-18% faster than the 64 x 128 tile of 32 x 64 warps on every
         // bench_gemm_gpu shape of 512 columns and more on an H200, the same bits (bench/RESULTS.md)
-        wide_of<128, 128, 3>("128x128, 4 warps of 64x64, 3 stages of 32 k, totals in shared memory"),
+        pipe_of<128, 128, 64, 64, 3, 1, true>("128x128, 4 warps of 64x64, 3 stages of 32 k, totals in shared memory"),
         // the default before: two blocks per SM (206 registers x 128 threads, 96 KiB each), 5-10% faster than one
         // block of 8 or 16 warps
         pipe_of<64, 128, 32, 64, 4, 2>("64x128, 4 warps of 32x64, 4 stages of 64 k"),
         pipe_of<128, 128, 64, 32, 4, 2>("128x128, 8 warps of 64x32, 4 stages of 64 k"),
         pipe_of<128, 128, 32, 32, 4, 2>("128x128, 16 warps of 32x32, 4 stages of 64 k"),
         pipe_of<64, 64, 32, 32, 4, 2>("64x64, 4 warps of 32x32, 4 stages of 64 k"), // ~120 registers: 3 blocks
-        wide_of<128, 128, 4>("128x128, 4 warps of 64x64, 4 stages of 32 k, totals in shared memory"), // 1 block
-        wide_of<128, 256, 3>("128x256, 8 warps of 64x64, 3 stages of 32 k, totals in shared memory"),
-        wide_of<256, 128, 3>("256x128, 8 warps of 64x64, 3 stages of 32 k, totals in shared memory"),
+        pipe_of<128, 128, 64, 64, 4, 1, true>("128x128, 4 warps of 64x64, 4 stages of 32 k, totals in shared memory"),
+        pipe_of<128, 256, 64, 64, 3, 1, true>("128x256, 8 warps of 64x64, 3 stages of 32 k, totals in shared memory"),
+        pipe_of<256, 128, 64, 64, 3, 1, true>("256x128, 8 warps of 64x64, 3 stages of 32 k, totals in shared memory"),
     };
     *n = (int)(sizeof cfgs / sizeof *cfgs);
     return cfgs;

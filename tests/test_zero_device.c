@@ -72,16 +72,8 @@ static void snaps_free(snaps *r) {
 
 /* ---------------------------------------------------------------------------------------------- collectives */
 
-/* WORLD threads meeting at a barrier; each publishes its buffer, then reads the others'. */
-typedef struct shared {
-    pthread_barrier_t bar;
-    double *dbuf[WORLD];
-    float *fbuf[WORLD];
-} shared;
-
 typedef struct rank_ctx {
-    shared *sh;
-    int32_t rank;
+    twin_rank tr; /* first: the collectives' ctx */
     ds4_model *m;
     ds4_adamw *opt;
     const snaps *ref;
@@ -93,34 +85,6 @@ typedef struct rank_ctx {
     int bad_stale;                /* steps after whose gathered moments the host weights were still stale */
     int failed;
 } rank_ctx;
-
-static ds4_status sum_f64(void *ctx, double *buf, int64_t n, ds4_error *err) {
-    rank_ctx *c = ctx;
-    double *sum = malloc((size_t)(n ? n : 1) * sizeof *sum);
-    if (!sum) return ds4_fail(err, DS4_ERR_OOM, "test sum_f64");
-    c->sh->dbuf[c->rank] = buf;
-    pthread_barrier_wait(&c->sh->bar);
-    for (int64_t i = 0; i < n; i++) { /* rank order */
-        double s = c->sh->dbuf[0][i];
-        for (int r = 1; r < WORLD; r++) s += c->sh->dbuf[r][i];
-        sum[i] = s;
-    }
-    pthread_barrier_wait(&c->sh->bar); /* everyone has read every buffer */
-    memcpy(buf, sum, (size_t)n * sizeof *sum);
-    free(sum);
-    return DS4_OK;
-}
-
-static ds4_status gather_f32(void *ctx, float *buf, const int64_t *off, const int64_t *len, ds4_error *err) {
-    (void)err;
-    rank_ctx *c = ctx;
-    c->sh->fbuf[c->rank] = buf;
-    pthread_barrier_wait(&c->sh->bar);
-    for (int r = 0; r < WORLD; r++) /* each rank reads the others' own regions, which nobody writes meanwhile */
-        if (r != c->rank) memcpy(buf + off[r], c->sh->fbuf[r] + off[r], (size_t)len[r] * sizeof *buf);
-    pthread_barrier_wait(&c->sh->bar);
-    return DS4_OK;
-}
 
 /* ---------------------------------------------------------------------------------------------- the twins */
 
@@ -199,7 +163,7 @@ static void *rank_main(void *arg) {
         twin_grads(g, n, k);
         ds4_model_grads_changed(c->m);
         if (ds4_adamw_step(c->opt, &st, &err) != DS4_OK) {
-            fprintf(stderr, "rank %d step %d: %s\n", c->rank, k + 1, err.msg);
+            fprintf(stderr, "rank %d step %d: %s\n", c->tr.rank, k + 1, err.msg);
             c->failed = 1; /* the other rank then waits in vain: the test's timeout ends it, named by this line */
             break;
         }
@@ -209,7 +173,7 @@ static void *rank_main(void *arg) {
         /* the moments' gather reads the sharded master back too (a checkpoint saved on one rank after it) */
         const int stale = c->m->host_stale;
         if (ds4_adamw_gather_moments(c->opt, c->mom_m, c->mom_v, &err) != DS4_OK) {
-            fprintf(stderr, "rank %d step %d: gathering the moments: %s\n", c->rank, k + 1, err.msg);
+            fprintf(stderr, "rank %d step %d: gathering the moments: %s\n", c->tr.rank, k + 1, err.msg);
             c->failed = 1;
             break;
         }
@@ -223,7 +187,7 @@ static void *rank_main(void *arg) {
         c->bad_mom += !(same(c->mom_m, c->ref->m[k], P) && same(c->mom_v, c->ref->v[k], P));
     }
     if (!c->failed && c->save_dir && ds4_model_save(c->m, c->save_dir, &err) != DS4_OK) {
-        fprintf(stderr, "rank %d: save: %s\n", c->rank, err.msg);
+        fprintf(stderr, "rank %d: save: %s\n", c->tr.rank, err.msg);
         c->failed = 1;
     }
     ds4_adamw_shard_region(c->opt, &c->off, &c->len);
@@ -243,7 +207,7 @@ static void *rank_last_step(void *arg) {
     twin_grads(g, n, c->k1);
     ds4_model_grads_changed(c->m);
     if (ds4_adamw_step(c->opt, NULL, &err) != DS4_OK) {
-        fprintf(stderr, "rank %d: the last step: %s\n", c->rank, err.msg);
+        fprintf(stderr, "rank %d: the last step: %s\n", c->tr.rank, err.msg);
         c->failed = 1;
     }
     return NULL;
@@ -332,7 +296,7 @@ static void sharded_run(ds4_engine *e, const char *dir, const char *fixture, ds4
     ds4_error err = {0};
     const int64_t P = ref->P;
     ds4_model *rk[WORLD] = {NULL}, *rs[WORLD] = {NULL};
-    shared sh;
+    twin_coll sh;
     pthread_barrier_init(&sh.bar, NULL, WORLD);
     rank_ctx ctx[WORLD], rctx[WORLD];
     ds4_dev *dv[WORLD] = {NULL}, *rdv[WORLD] = {NULL};
@@ -347,7 +311,7 @@ static void sharded_run(ds4_engine *e, const char *dir, const char *fixture, ds4
         snprintf(saves[r], sizeof saves[r], "/tmp/ds4_zero_dev_XXXXXX");
         if (!mkdtemp(saves[r])) saves[r][0] = 0;
         CHECK_OK(ds4_model_load(e, dir, &rk[r], &err), &err);
-        c->sh = &sh, c->rank = r, c->m = rk[r], c->ref = ref, c->k0 = 0, c->k1 = STEPS, c->save_dir = saves[r];
+        c->tr = (twin_rank){&sh, r}, c->m = rk[r], c->ref = ref, c->k0 = 0, c->k1 = STEPS, c->save_dir = saves[r];
         c->mom_m = malloc((size_t)P * 4), c->mom_v = malloc((size_t)P * 4);
         CHECK_OK(ds4_engine_create(&teo, &te[r], &err), &err);
         if (!rk[r] || !te[r] || !saves[r][0]) {
@@ -362,10 +326,11 @@ static void sharded_run(ds4_engine *e, const char *dir, const char *fixture, ds4
             continue;
         }
         /* without a device gather a device model is refused */
-        ds4_adamw_shard no_dev = {.rank = r, .world = WORLD, .ctx = c, .sum_f64 = sum_f64, .gather_f32 = gather_f32};
+        ds4_adamw_shard no_dev = {.rank = r, .world = WORLD, .ctx = &c->tr, .sum_f64 = twin_sum_f64,
+                                  .gather_f32 = twin_gather_f32};
         CHECK_STATUS(ds4_adamw_set_shard(c->opt, &no_dev, &err), DS4_ERR_UNSUPPORTED, &err);
         ds4_adamw_shard s = no_dev;
-        s.gather_dev_f32 = gather_f32; /* the twin's memory is host memory */
+        s.gather_dev_f32 = twin_gather_f32; /* the twin's memory is host memory */
         CHECK_OK(ds4_adamw_set_shard(c->opt, &s, &err), &err);
     }
     const char *dt = mdt == DS4_BF16 ? "bf16" : "fp32";
@@ -403,8 +368,8 @@ static void sharded_run(ds4_engine *e, const char *dir, const char *fixture, ds4
             rready = 0;
             break;
         }
-        ds4_adamw_shard s = {.rank = r, .world = WORLD, .ctx = c, .sum_f64 = sum_f64, .gather_f32 = gather_f32,
-                             .gather_dev_f32 = gather_f32};
+        ds4_adamw_shard s = {.rank = r, .world = WORLD, .ctx = &c->tr, .sum_f64 = twin_sum_f64,
+                             .gather_f32 = twin_gather_f32, .gather_dev_f32 = twin_gather_f32};
         CHECK_OK(ds4_adamw_set_shard(c->opt, &s, &err), &err);
         ds4_adamw_state ns, os;
         ds4_adamw_get_state(c->opt, &ns);

@@ -45,6 +45,47 @@ static inline void twin_run(void *(*fn)(void *), void *ctx, size_t ctx_size) {
     for (int r = 0; r < TWIN_WORLD; r++) pthread_join(th[r], NULL);
 }
 
+/* ZeRO-1's collectives (ds4_adamw_shard) among TWIN_WORLD threads meeting at a barrier: each publishes its buffer,
+ * then reads the others'. The ctx of each rank is its twin_rank. */
+typedef struct twin_coll {
+    pthread_barrier_t bar;
+    double *dbuf[TWIN_WORLD];
+    float *fbuf[TWIN_WORLD];
+} twin_coll;
+typedef struct twin_rank {
+    twin_coll *sh;
+    int32_t rank;
+} twin_rank;
+
+static inline ds4_status twin_sum_f64(void *ctx, double *buf, int64_t n, ds4_error *err) {
+    twin_rank *c = ctx;
+    double *sum = malloc((size_t)(n ? n : 1) * sizeof *sum);
+    if (!sum) return ds4_fail(err, DS4_ERR_OOM, "test sum_f64");
+    c->sh->dbuf[c->rank] = buf;
+    pthread_barrier_wait(&c->sh->bar);
+    for (int64_t i = 0; i < n; i++) { /* rank order */
+        double s = c->sh->dbuf[0][i];
+        for (int r = 1; r < TWIN_WORLD; r++) s += c->sh->dbuf[r][i];
+        sum[i] = s;
+    }
+    pthread_barrier_wait(&c->sh->bar); /* everyone has read every buffer */
+    memcpy(buf, sum, (size_t)n * sizeof *sum);
+    free(sum);
+    return DS4_OK;
+}
+
+static inline ds4_status twin_gather_f32(void *ctx, float *buf, const int64_t *off, const int64_t *len,
+                                         ds4_error *err) {
+    (void)err;
+    twin_rank *c = ctx;
+    c->sh->fbuf[c->rank] = buf;
+    pthread_barrier_wait(&c->sh->bar);
+    for (int r = 0; r < TWIN_WORLD; r++) /* each rank reads the others' own regions, which nobody writes meanwhile */
+        if (r != c->rank) memcpy(buf + off[r], c->sh->fbuf[r] + off[r], (size_t)len[r] * sizeof *buf);
+    pthread_barrier_wait(&c->sh->bar);
+    return DS4_OK;
+}
+
 /* The optimizer of the device-step tests: clipping active (their gradients' norms are above 0.05), weight decay on. */
 static const ds4_adamw_options TWIN_OPTS = {.lr = 2e-3, .beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8, .weight_decay = 0.1,
                                             .clip = 0.05, .schedule = DS4_LR_CONSTANT};

@@ -271,6 +271,9 @@ typedef struct ds4_adamw_stats {
     double lr;                /* used by this update */
     double grad_norm;         /* global L2 norm of the trainable gradients before clipping */
     int64_t step;             /* updates completed, this one included */
+    int32_t exact_check;      /* 1: the update's finiteness was checked by a pass over the parameters, gradients and
+                                 moments; 0: bounds kept from the previous update proved it (or the step was refused
+                                 before: a non-finite gradient norm) */
 } ds4_adamw_stats;
 
 ds4_status ds4_adamw_create(ds4_model *m, const ds4_adamw_options *o, ds4_adamw **out, ds4_error *err);
@@ -278,7 +281,10 @@ void ds4_adamw_free(ds4_adamw *a);
 /* One update from the model's gradient buffer: clip (in place, as torch's clip_grad_norm_ does, so the buffer
  * holds the clipped gradients afterwards), then AdamW on trainable tensors. Does not zero grads. A non-finite
  * gradient norm is an error that leaves parameters, moments and the step count unchanged (torch would write
- * NaN into every weight). */
+ * NaN into every weight), and so is an update that would make a parameter or moment non-finite. On the CPU that
+ * check reads every parameter and moment only when the bounds kept from the previous update cannot prove the update
+ * finite (docs/design.md): so a write to the host parameters must be followed by ds4_model_params_changed, as the
+ * device copy already needs. */
 ds4_status ds4_adamw_step(ds4_adamw *a, ds4_adamw_stats *stats, ds4_error *err);
 int64_t ds4_adamw_steps(const ds4_adamw *a);
 
@@ -297,8 +303,9 @@ typedef struct ds4_adamw_state {
     size_t n_tensors;
     int64_t *steps;           /* the optimizer's update count (what the schedule reads) */
 } ds4_adamw_state;
-/* Pointers into the optimizer (mutable: a resume writes through them). For a model on a device the moments live
- * there between steps: call ds4_adamw_sync_state before reading them, and ds4_adamw_state_changed after writing. */
+/* Pointers into the optimizer (mutable: a resume writes through them; so the next step checks the moments in full).
+ * For a model on a device the moments live there between steps: call ds4_adamw_sync_state before reading them, and
+ * ds4_adamw_state_changed after writing. */
 void ds4_adamw_get_state(ds4_adamw *a, ds4_adamw_state *out);
 ds4_status ds4_adamw_sync_state(ds4_adamw *a, ds4_error *err);
 void ds4_adamw_state_changed(ds4_adamw *a);
