@@ -116,7 +116,7 @@ ds4_status ds4_comm_init_with(const ds4_comm_options *opts, ds4_comm **out, ds4_
         return st;
     }
     if (l.launcher == DS4_LAUNCH_MPI || l.launcher == DS4_LAUNCH_SLURM) {
-        st = dist_mpi_open(&c->mpi, &c->rank, &c->world_size, &c->local_rank, err);
+        st = dist_mpi_open(timeout, &c->mpi, &c->rank, &c->world_size, &c->local_rank, err);
         if (st == DS4_OK && (st = check_agrees("RANK", c->rank, err)) == DS4_OK)
             st = check_agrees("WORLD_SIZE", c->world_size, err);
     } else if (l.launcher == DS4_LAUNCH_TORCHRUN) {

@@ -11,8 +11,9 @@ int dist_mpi_serialized(const dist_mpi *m) {
     return 0;
 }
 
-ds4_status dist_mpi_open(dist_mpi **out, int32_t *rank, int32_t *size, int32_t *local_rank, ds4_error *err) {
-    (void)rank, (void)size, (void)local_rank;
+ds4_status dist_mpi_open(double timeout_s, dist_mpi **out, int32_t *rank, int32_t *size, int32_t *local_rank,
+                         ds4_error *err) {
+    (void)timeout_s, (void)rank, (void)size, (void)local_rank;
     *out = NULL;
     return ds4_fail(err, DS4_ERR_UNSUPPORTED, "dist init: launched by an MPI launcher, but %s", NO_MPI);
 }

@@ -1,9 +1,13 @@
 /* mpi_backend.c — the collectives on CPU ranks through MPI. Every MPI call is checked: the communicator is a
  * duplicate of MPI_COMM_WORLD with MPI_ERRORS_RETURN, so a failure (a peer gone, a bad argument) comes back here
- * as a code, and MPI_Error_string goes into the ds4 error with the operation and sizes. */
+ * as a code, and MPI_Error_string goes into the ds4 error with the operation and sizes. Every collective is started
+ * non-blocking and waited for until the communicator's deadline (DS4_DIST_TIMEOUT), as the TCP star's and NCCL's
+ * are: a rank that never joins (it hangs, or called something else) fails the others instead of hanging them. */
+#define _POSIX_C_SOURCE 200809L
 #include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <time.h>
 
 #include <mpi.h>
 
@@ -16,6 +20,8 @@ struct dist_mpi {
     int we_initialized;
     int rank, size;
     int serialized; /* MPI's thread level allows calls from another thread, one at a time (the bucketed reduction's) */
+    double timeout_s; /* a collective not complete after this long fails (mpi_wait) */
+    int failed;       /* a collective timed out: its request is still pending, so no further MPI call on world */
 };
 
 int dist_mpi_built(void) { return 1; }
@@ -35,7 +41,60 @@ static ds4_status mpi_fail(ds4_error *err, int rc, const char *op, const char *c
         if (rc_ != MPI_SUCCESS) return mpi_fail(err, rc_, op, call, detail);                                        \
     } while (0)
 
-ds4_status dist_mpi_open(dist_mpi **out, int32_t *rank, int32_t *size, int32_t *local_rank, ds4_error *err) {
+static double now_s(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+/* Refuse a collective after one timed out: that one's request is still pending on world (MPI forbids freeing or
+ * cancelling a non-blocking collective's request), so the ranks' collectives no longer match. */
+static ds4_status mpi_usable(const dist_mpi *m, const char *op, ds4_error *err) {
+    if (!m->failed) return DS4_OK;
+    return ds4_fail(err, DS4_ERR_COMM,
+                    "dist %s: refused: an earlier collective of this communicator did not complete within the timeout "
+                    "(see its error); the ranks' collectives no longer match",
+                    op);
+}
+
+/* Wait for the non-blocking collective *req until it completes, MPI reports an error, or the deadline passes. The first
+ * millisecond is polled without pause (a collective among ready ranks completes in microseconds), then every 100 us,
+ * so a rank waiting for a slow peer costs little CPU. At the deadline the communicator is marked failed and the error
+ * says so, naming the operation; the buffers stay MPI's (the caller's process is expected to fail). */
+static ds4_status mpi_wait(dist_mpi *m, MPI_Request *req, const char *op, const char *call, const char *detail,
+                           ds4_error *err) {
+    const double t0 = now_s();
+    const struct timespec pause = {0, 100000};
+    for (;;) {
+        int done = 0;
+        const int rc = MPI_Test(req, &done, MPI_STATUS_IGNORE);
+        if (rc != MPI_SUCCESS) return mpi_fail(err, rc, op, call, detail);
+        if (done) return DS4_OK;
+        const double t = now_s() - t0;
+        if (t > m->timeout_s) {
+            m->failed = 1;
+            return ds4_fail(err, DS4_ERR_COMM,
+                            "dist %s (MPI): %s not complete after %.0f s (the timeout, DS4_DIST_TIMEOUT): a peer rank "
+                            "died, hangs, or called another collective (%s; rank %d of %d); the communicator refuses "
+                            "further collectives",
+                            op, call, m->timeout_s, detail, m->rank, m->size);
+        }
+        if (t > 1e-3) nanosleep(&pause, NULL);
+    }
+}
+
+/* Start a non-blocking collective (expr, which fills req) and wait for it (mpi_wait). */
+#define MPI_COLL(op, call, detail, expr)                                                                            \
+    do {                                                                                                            \
+        MPI_Request req = MPI_REQUEST_NULL;                                                                         \
+        int rc_ = (expr);                                                                                           \
+        if (rc_ != MPI_SUCCESS) return mpi_fail(err, rc_, op, call, detail);                                        \
+        ds4_status st_ = mpi_wait(m, &req, op, call, detail, err);                                                  \
+        if (st_) return st_;                                                                                        \
+    } while (0)
+
+ds4_status dist_mpi_open(double timeout_s, dist_mpi **out, int32_t *rank, int32_t *size, int32_t *local_rank,
+                         ds4_error *err) {
     *out = NULL;
     int inited = 0, finalized = 0, rc;
     /* These two may be called at any time, before MPI_Init too (when errors would still be fatal by default). */
@@ -47,6 +106,7 @@ ds4_status dist_mpi_open(dist_mpi **out, int32_t *rank, int32_t *size, int32_t *
     dist_mpi *m = calloc(1, sizeof *m);
     if (!m) return ds4_fail(err, DS4_ERR_OOM, "dist init: allocating the communicator (%zu bytes)", sizeof *m);
     m->world = MPI_COMM_NULL;
+    m->timeout_s = timeout_s;
     int level = MPI_THREAD_SINGLE;
     if (!inited) {
         /* SERIALIZED: the bucketed gradient reduction calls MPI from its communication thread while the main thread
@@ -94,6 +154,12 @@ ds4_status dist_mpi_close(dist_mpi *m, int finalize, ds4_error *err) {
     if (!m) return DS4_OK;
     ds4_status st = DS4_OK;
     int rc;
+    if (m->failed) { /* a collective's request is pending on world: neither freed nor finalized (MPI would wait) */
+        free(m);
+        return finalize ? ds4_fail(err, DS4_ERR_COMM, "dist finalize: not done: a collective did not complete within "
+                                                      "the timeout (see its error)")
+                        : DS4_OK;
+    }
     if (m->world != MPI_COMM_NULL && (rc = MPI_Comm_free(&m->world)) != MPI_SUCCESS)
         st = mpi_fail(err, rc, "finalize", "MPI_Comm_free", "world duplicate");
     if (finalize && m->we_initialized && (rc = MPI_Finalize()) != MPI_SUCCESS && st == DS4_OK)
@@ -103,7 +169,9 @@ ds4_status dist_mpi_close(dist_mpi *m, int finalize, ds4_error *err) {
 }
 
 ds4_status dist_mpi_barrier(dist_mpi *m, ds4_error *err) {
-    MPI_TRY("barrier", "MPI_Barrier", "world", MPI_Barrier(m->world));
+    ds4_status st = mpi_usable(m, "barrier", err);
+    if (st) return st;
+    MPI_COLL("barrier", "MPI_Ibarrier", "world", MPI_Ibarrier(m->world, &req));
     return DS4_OK;
 }
 
@@ -141,8 +209,7 @@ static ds4_status scatter_sum(dist_mpi *m, ds4_dtype dtype, char *b, const int *
     const size_t esz = dtype == DS4_F64 ? 8 : 4;
     const int W = m->size, mine = cnt[m->rank];
     for (int r = 0; r < W; r++) rcnt[r] = mine, rdispls[r] = r * mine;
-    int rc = MPI_Alltoallv(b, cnt, displs, t, recv, rcnt, rdispls, t, m->world);
-    if (rc != MPI_SUCCESS) return mpi_fail(err, rc, op, "MPI_Alltoallv", detail);
+    MPI_COLL(op, "MPI_Ialltoallv", detail, MPI_Ialltoallv(b, cnt, displs, t, recv, rcnt, rdispls, t, m->world, &req));
     sum_in_rank_order(dtype, b + (size_t)displs[m->rank] * esz, recv, mine, W);
     return DS4_OK;
 }
@@ -160,6 +227,8 @@ static ds4_status sum_regions(dist_mpi *m, ds4_dtype dtype, void *buf, int64_t c
     const size_t esz = dtype == DS4_F64 ? 8 : 4;
     const int W = m->size;
     const int64_t most = count < CHUNK ? count : CHUNK;
+    ds4_status st = mpi_usable(m, op, err);
+    if (st) return st;
     int *cnt = malloc((size_t)W * 4 * sizeof(int));
     void *recv = malloc((size_t)(off ? most : (most + W - 1) / W) * (size_t)W * esz + esz);
     if (!cnt || !recv) {
@@ -170,7 +239,6 @@ static ds4_status sum_regions(dist_mpi *m, ds4_dtype dtype, void *buf, int64_t c
     int *displs = cnt + W, *rcnt = cnt + 2 * W, *rdispls = cnt + 3 * W;
     char detail[96];
     snprintf(detail, sizeof detail, "%s, %lld elements", ds4_dtype_name(dtype), (long long)count);
-    ds4_status st = DS4_OK;
     for (int64_t co = 0; co < count && !st; co += CHUNK) {
         const int64_t n = count - co < CHUNK ? count - co : CHUNK;
         for (int r = 0; r < W; r++) {
@@ -187,11 +255,15 @@ static ds4_status sum_regions(dist_mpi *m, ds4_dtype dtype, void *buf, int64_t c
         char *b = (char *)buf + (size_t)co * esz;
         st = scatter_sum(m, dtype, b, cnt, displs, recv, rcnt, rdispls, op, detail, err);
         if (st || off) continue;
-        int rc = MPI_Allgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, b, cnt, displs, t, m->world);
-        if (rc != MPI_SUCCESS) st = mpi_fail(err, rc, op, "MPI_Allgatherv", detail);
+        MPI_Request req = MPI_REQUEST_NULL;
+        int rc = MPI_Iallgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, b, cnt, displs, t, m->world, &req);
+        st = rc != MPI_SUCCESS ? mpi_fail(err, rc, op, "MPI_Iallgatherv", detail)
+                               : mpi_wait(m, &req, op, "MPI_Iallgatherv", detail, err);
     }
-    free(cnt);
-    free(recv);
+    if (!m->failed) { /* else a timed-out request may still read them: left to MPI (the process is failing) */
+        free(cnt);
+        free(recv);
+    }
     return st;
 }
 
@@ -205,22 +277,26 @@ ds4_status dist_mpi_reduce_scatter_sum(dist_mpi *m, ds4_dtype dtype, void *buf, 
 }
 
 ds4_status dist_mpi_all_gather(dist_mpi *m, const void *send, void *recv, size_t nbytes, ds4_error *err) {
+    ds4_status st = mpi_usable(m, "all_gather", err);
+    if (st) return st;
     if (nbytes > (size_t)INT_MAX)
         return ds4_fail(err, DS4_ERR_UNSUPPORTED, "dist all_gather: %zu bytes per rank (MPI counts stop at %d)",
                         nbytes, INT_MAX);
     char detail[64];
     snprintf(detail, sizeof detail, "%zu bytes per rank", nbytes);
-    MPI_TRY("all_gather", "MPI_Allgather", detail,
-            MPI_Allgather(send, (int)nbytes, MPI_BYTE, recv, (int)nbytes, MPI_BYTE, m->world));
+    MPI_COLL("all_gather", "MPI_Iallgather", detail,
+             MPI_Iallgather(send, (int)nbytes, MPI_BYTE, recv, (int)nbytes, MPI_BYTE, m->world, &req));
     return DS4_OK;
 }
 
 ds4_status dist_mpi_broadcast(dist_mpi *m, void *buf, size_t nbytes, int32_t root, ds4_error *err) {
+    ds4_status st = mpi_usable(m, "broadcast", err);
+    if (st) return st;
     char detail[64];
     for (size_t off = 0; off < nbytes; off += (size_t)CHUNK) {
         int n = (int)(nbytes - off < (size_t)CHUNK ? nbytes - off : (size_t)CHUNK);
         snprintf(detail, sizeof detail, "%zu bytes from rank %d", nbytes, root);
-        MPI_TRY("broadcast", "MPI_Bcast", detail, MPI_Bcast((char *)buf + off, n, MPI_BYTE, root, m->world));
+        MPI_COLL("broadcast", "MPI_Ibcast", detail, MPI_Ibcast((char *)buf + off, n, MPI_BYTE, root, m->world, &req));
     }
     return DS4_OK;
 }
@@ -231,6 +307,8 @@ ds4_status dist_mpi_broadcast(dist_mpi *m, void *buf, size_t nbytes, int32_t roo
 ds4_status dist_mpi_all_to_all_v(dist_mpi *m, const void *send, const int64_t *send_rows, void *recv,
                                  const int64_t *recv_rows, size_t row_bytes, ds4_error *err) {
     int P = 0, rc;
+    ds4_status st = mpi_usable(m, "all_to_all_v", err);
+    if (st) return st;
     MPI_TRY("all_to_all_v", "MPI_Comm_size", "world", MPI_Comm_size(m->world, &P));
     if (row_bytes == 0 || row_bytes > (size_t)INT_MAX)
         return ds4_fail(err, DS4_ERR_UNSUPPORTED, "dist all_to_all_v: rows of %zu bytes (1 .. %d)", row_bytes, INT_MAX);
@@ -251,15 +329,17 @@ ds4_status dist_mpi_all_to_all_v(dist_mpi *m, const void *send, const int64_t *s
     char detail[96];
     snprintf(detail, sizeof detail, "%lld rows out, %lld in, %zu bytes each", (long long)so, (long long)ro, row_bytes);
     MPI_Datatype row = MPI_DATATYPE_NULL;
-    ds4_status st = DS4_OK;
+    MPI_Request req = MPI_REQUEST_NULL;
     if ((rc = MPI_Type_contiguous((int)row_bytes, MPI_BYTE, &row)) != MPI_SUCCESS)
         st = mpi_fail(err, rc, "all_to_all_v", "MPI_Type_contiguous", detail);
     else if ((rc = MPI_Type_commit(&row)) != MPI_SUCCESS)
         st = mpi_fail(err, rc, "all_to_all_v", "MPI_Type_commit", detail);
-    else if ((rc = MPI_Alltoallv(send, sc, sd, row, recv, rcn, rd, row, m->world)) != MPI_SUCCESS)
-        st = mpi_fail(err, rc, "all_to_all_v", "MPI_Alltoallv", detail);
-    if (row != MPI_DATATYPE_NULL && (rc = MPI_Type_free(&row)) != MPI_SUCCESS && !st)
+    else if ((rc = MPI_Ialltoallv(send, sc, sd, row, recv, rcn, rd, row, m->world, &req)) != MPI_SUCCESS)
+        st = mpi_fail(err, rc, "all_to_all_v", "MPI_Ialltoallv", detail);
+    else
+        st = mpi_wait(m, &req, "all_to_all_v", "MPI_Ialltoallv", detail, err);
+    if (row != MPI_DATATYPE_NULL && !m->failed && (rc = MPI_Type_free(&row)) != MPI_SUCCESS && !st)
         st = mpi_fail(err, rc, "all_to_all_v", "MPI_Type_free", detail);
-    free(v);
+    if (!m->failed) free(v); /* else the timed-out request may still read the counts (as in sum_regions) */
     return st;
 }

@@ -15,9 +15,12 @@ int dist_mpi_built(void);
  * level is MPI_THREAD_SERIALIZED or more. */
 int dist_mpi_serialized(const dist_mpi *m);
 /* MPI_Init (when not yet initialized), a duplicate of MPI_COMM_WORLD with MPI_ERRORS_RETURN, and a split by shared
- * memory node for the local rank. */
-ds4_status dist_mpi_open(dist_mpi **out, int32_t *rank, int32_t *size, int32_t *local_rank, ds4_error *err);
-/* Free the duplicates; MPI_Finalize when `finalize` and dist_mpi_open initialized MPI. Frees `m` in every case. */
+ * memory node for the local rank. Every collective below fails (DS4_ERR_COMM) when not complete after timeout_s
+ * seconds, and the communicator then refuses further collectives. */
+ds4_status dist_mpi_open(double timeout_s, dist_mpi **out, int32_t *rank, int32_t *size, int32_t *local_rank,
+                         ds4_error *err);
+/* Free the duplicates; MPI_Finalize when `finalize` and dist_mpi_open initialized MPI (neither after a collective
+ * timed out: its request is still pending; with `finalize` that is an error). Frees `m` in every case. */
 ds4_status dist_mpi_close(dist_mpi *m, int finalize, ds4_error *err);
 ds4_status dist_mpi_barrier(dist_mpi *m, ds4_error *err);
 ds4_status dist_mpi_all_reduce_sum(dist_mpi *m, ds4_dtype dtype, void *buf, int64_t count, ds4_error *err);

@@ -5,8 +5,8 @@
 # experts against replicated expert parallelism, dist_expert_shard.lua; the RL trainer's indexer KL normalised over
 # ranks and micro-batches, dist_rl_indexer_kl.lua; with LoRA
 # adapters, dist_data_parallel_lora.lua, -np 2), and a rank that dies
-# (tests/lua/dist_rank_dies.lua; also with its bucketed gradient sum in flight): the others must be ended with an
-# error naming that rank within a bound, not hang.
+# (tests/lua/dist_rank_dies.lua; also with its bucketed gradient sum in flight) or hangs: the others must be ended
+# with an error naming that rank (or, for the hung one, the collective that timed out) within a bound, not hang.
 # Skips (77) when mpirun is absent or ds4 was built without MPI (docs/distributed.md). Torchrun-style launches (no
 # MPI): tests/test_dist_tcp.sh.
 set -uo pipefail
@@ -83,19 +83,26 @@ else
 fi
 
 # A rank that dies: mpirun must end the job (non-zero), name the rank, and do it well within the bound. The
-# survivors loop on collectives for 120 s if nobody ends them, and the timeout is 90 s: a hang fails here.
-for mode in kill error buckets; do
+# survivors loop on collectives for 120 s if nobody ends them, and the timeout is 90 s: a hang fails here. A rank that
+# hangs (asleep 30 s, DS4_DIST_TIMEOUT 4 s): the others' collective must fail at the deadline (dist/mpi_backend.c),
+# naming it, and the job end long before the sleeper wakes (20 s).
+for mode in kill error buckets hang; do
     for np in 2 4; do
+        limit=60 tmo="${DS4_DIST_TIMEOUT:-300}"
+        [ "$mode" = hang ] && limit=20 tmo=4
         t0=$SECONDS
         rc=0
-        timeout -k 5 90 mpirun -np "$np" --oversubscribe "$DS4" run "$T/dist_rank_dies.lua" "$mode" "$FIX" >"$LOG" 2>&1 || rc=$?
+        DS4_DIST_TIMEOUT=$tmo DS4_TEST_HANG_S=30 timeout -k 5 90 mpirun -np "$np" --oversubscribe \
+            "$DS4" run "$T/dist_rank_dies.lua" "$mode" "$FIX" >"$LOG" 2>&1 || rc=$?
         dt=$((SECONDS - t0))
         last=$((np - 1))
-        if [ "$rc" -eq 0 ] || [ "$rc" -eq 124 ] || [ "$dt" -ge 60 ]; then
-            cat "$LOG"; bad "rank dies ($mode, -np $np): exit $rc after $dt s (want a non-zero exit within 60 s)"
+        if [ "$rc" -eq 0 ] || [ "$rc" -eq 124 ] || [ "$dt" -ge "$limit" ]; then
+            cat "$LOG"; bad "rank dies ($mode, -np $np): exit $rc after $dt s (want a non-zero exit within $limit s)"
+        elif [ "$mode" = hang ] && ! grep -q "(MPI): MPI_I[a-z]* not complete after 4 s (the timeout" "$LOG"; then
+            cat "$LOG"; bad "rank dies (hang, -np $np): no survivor's collective failed at the deadline"
         elif [ "$mode" = kill ] && ! grep -q "process rank $last .*exited on signal 9" "$LOG"; then
             cat "$LOG"; bad "rank dies (kill, -np $np): mpirun's message does not name rank $last and signal 9"
-        elif [ "$mode" != kill ] && ! grep -q "rank $last fails on purpose" "$LOG"; then
+        elif [ "$mode" != kill ] && [ "$mode" != hang ] && ! grep -q "rank $last fails on purpose" "$LOG"; then
             cat "$LOG"; bad "rank dies ($mode, -np $np): the failing rank's error is not in the output"
         elif grep -q "still running after 120 s" "$LOG"; then
             cat "$LOG"; bad "rank dies ($mode, -np $np): a survivor was not ended"
