@@ -1051,7 +1051,9 @@ ds4_status ds4_adamw_set_shard(ds4_adamw *a, const ds4_adamw_shard *s, ds4_error
 static ds4_status master_gather(void *ctx, float *params, ds4_error *err) {
     ds4_adamw *a = ctx;
     ds4_status s = a->sh.gather_f32(a->sh.ctx, params, a->roff, a->rlen, err);
-    if (s) ds4_error_prefix(err, "reading the sharded master weights back (ZeRO-1): ");
+    if (s)
+        ds4_error_prefix(err, "reading the sharded master weights back (ZeRO-1; a collective: every rank reads the "
+                              "weights back together): ");
     return s;
 }
 

@@ -27,7 +27,10 @@
 #          gathered from their owners when read back) against the unsharded one after every step (weights, gradient
 #          norm, gathered moments: bitwise), each rank's training-state bytes on its GPU printed ("dist_zero memory:"
 #          lines: the moments and the master half of the unsharded ones), and its checkpoint resumed on 1 GPU and on
-#          2, each equal to one uninterrupted process, bitwise; the same 2-rank run with bf16 working copies.
+#          2, each equal to one uninterrupted process, bitwise; the same 2-rank run with bf16 working copies. Then
+#          a read-back of the sharded master on rank 0 alone (tests/lua/dist_zero_alone.lua: model:params(),
+#          opt:state(), a save; torchrun-style, and model:params() under mpirun) while rank 1 sleeps past the timeout:
+#          rank 0 must exit non-zero within DS4_DIST_TIMEOUT (10 s there) plus 15 s, its error naming the read-back.
 set -uo pipefail
 DS4="$1"; FIX="$2"; SRC="$3"
 T="$SRC/tests/lua"
@@ -158,7 +161,7 @@ rm -f "$LOG"/run.* "$LOG/mpi"
 # sums are one addition per element)
 Z=(env DS4_TEST_DEVICE=cuda "$DS4" run "$T/dist_zero.lua" "$FIX")
 launch 2 "$LOG/run" 300 "${Z[@]}" save "$ZCK" 2
-grep -h "dist_zero \(save\|memory\):" "$LOG"/run.0 "$LOG"/run.1
+grep -h "dist_zero \(save\|memory\):\|dist_zero rank [01] of 2:" "$LOG"/run.0 "$LOG"/run.1
 all_passed 2 dist_zero "$LOG/run" || { show; bad "ZeRO-1 on cuda, 2 ranks, torchrun-style (exit ${RCS[*]})"; }
 "${Z[@]}" resume "$ZCK" 2 >"$LOG/one.0" 2>&1
 grep -h "dist_zero resume:" "$LOG/one.0"
@@ -170,9 +173,36 @@ rm -f "$LOG"/run.* "$LOG"/one.*
 # bf16 working copies: each rank casts its region of the fp32 master to bf16 and the gather moves those 2-byte values
 rm -rf "$ZCK"
 launch 2 "$LOG/run" 300 env DS4_TEST_DTYPE=bf16 "${Z[@]}" save "$ZCK" 2
-grep -h "dist_zero \(save\|memory\):" "$LOG"/run.0 "$LOG"/run.1
+grep -h "dist_zero \(save\|memory\):\|dist_zero rank [01] of 2:" "$LOG"/run.0 "$LOG"/run.1
 all_passed 2 dist_zero "$LOG/run" || { show; bad "ZeRO-1 on cuda in bf16, 2 ranks, torchrun-style (exit ${RCS[*]})"; }
 rm -f "$LOG"/run.*
+# A read-back of the sharded master is a collective: rank 0 reading it back alone (rank 1 asleep for 40 s, never
+# joining) must fail within the timeout (10 s) plus a margin of 15 s, saying which read-back failed, not hang. Rank
+# 0's line "dist_zero_alone: rank 0's WHAT alone (...) failed after N s: <the error>" gives the time and the message.
+alone_ok() { # WHAT HOW RC: rank 0's exit RC (non-zero, not the bound's 124), its time and its message
+    local line s
+    line="$(grep -h "dist_zero_alone: rank 0's" "$LOG/run.0" | head -n1)"
+    s="$(echo "$line" | sed -n 's/.* failed after \([0-9]*\) s: .*/\1/p')"
+    if [ "$3" -ne 0 ] && [ "$3" -ne 124 ] && [ -n "$s" ] && [ "$s" -le 25 ] &&
+        echo "$line" | grep -q "reading the sharded master weights back (ZeRO-1"; then
+        echo "ZeRO-1 read-back alone ($1, 2 GPUs, $2): rank 0 exit $3 after $s s:" \
+            "$(echo "$line" | sed 's/.* s: //' | cut -c1-240)"
+    else
+        show; bad "ZeRO-1 read-back alone ($1, 2 GPUs, $2): rank 0 exit $3 (want non-zero, not 124): ${line:-no line}"
+    fi
+}
+for what in params state save; do
+    rm -rf "$ZCK"
+    EXTRA_ENV="DS4_DIST_TIMEOUT=10 DS4_TEST_HANG_S=40" launch 2 "$LOG/run" 120 "$DS4" run "$T/dist_zero_alone.lua" \
+        "$FIX" "$what" "$ZCK"
+    alone_ok "$what" torchrun-style "${RCS[0]}"
+done
+if [ "$have_mpi" -eq 1 ]; then # MPI's collectives have the same deadline (dist/mpi_backend.c)
+    rc=0
+    DS4_DIST_TIMEOUT=10 DS4_TEST_HANG_S=40 mpi_ranks 2 "$DS4" run "$T/dist_zero_alone.lua" "$FIX" params || rc=$?
+    alone_ok params mpirun "$rc"
+fi
+rm -rf "$LOG"/run.* "$ZCK"
 
 # examples/sft.lua data parallel on 2 GPUs (torchrun-style; each rank on its GPU, gradients through NCCL) against one
 # GPU with 2 micro-batches: the same weights and metrics, bit for bit (with 2 ranks NCCL's sum is one addition per

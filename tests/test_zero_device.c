@@ -83,8 +83,19 @@ typedef struct rank_ctx {
     int64_t off, len, dev_moments, dev_master;
     int bad_norm, bad_w, bad_mom; /* steps whose norm, read-back weights or gathered moments differ */
     int bad_stale;                /* steps after whose gathered moments the host weights were still stale */
+    int alone;                    /* this rank's next gather finds no peer (alone_gather_f32) */
     int failed;
 } rank_ctx;
+
+/* twin_gather_f32, or with c->alone set what a communicator's gather returns when the other ranks never join: its
+ * timeout's error (at once here: the twin has no clock), the buffer untouched. */
+static ds4_status alone_gather_f32(void *ctx, float *buf, const int64_t *off, const int64_t *len, ds4_error *err) {
+    rank_ctx *c = ctx; /* tr first: the twin's ctx is the rank's */
+    if (c->alone)
+        return ds4_fail(err, DS4_ERR_COMM, "twin all_gather: rank %d alone: the other rank never joined within the "
+                                           "timeout", c->tr.rank);
+    return twin_gather_f32(ctx, buf, off, len, err);
+}
 
 /* ---------------------------------------------------------------------------------------------- the twins */
 
@@ -369,7 +380,7 @@ static void sharded_run(ds4_engine *e, const char *dir, const char *fixture, ds4
             break;
         }
         ds4_adamw_shard s = {.rank = r, .world = WORLD, .ctx = &c->tr, .sum_f64 = twin_sum_f64,
-                             .gather_f32 = twin_gather_f32, .gather_dev_f32 = twin_gather_f32};
+                             .gather_f32 = alone_gather_f32, .gather_dev_f32 = twin_gather_f32};
         CHECK_OK(ds4_adamw_set_shard(c->opt, &s, &err), &err);
         ds4_adamw_state ns, os;
         ds4_adamw_get_state(c->opt, &ns);
@@ -385,6 +396,18 @@ static void sharded_run(ds4_engine *e, const char *dir, const char *fixture, ds4
         /* a step not read back, then its optimizer freed: the other regions of the master are out of reach, and a
          * read-back says so rather than returning part of the weights (the test then gives them up) */
         if (!rctx[0].failed && !rctx[1].failed) twin_run(rank_last_step, rctx, sizeof rctx[0]);
+        /* rank 0 reads back alone: its gather fails (the communicator's timeout), and so does the read-back, naming
+         * itself; the weights stay stale (no half-gathered buffer is handed out) */
+        if (!rctx[0].failed) {
+            rctx[0].alone = 1;
+            CHECK_STATUS(ds4_model_host_sync(rs[0], &err), DS4_ERR_COMM, &err);
+            CHECK(strstr(err.msg, "reading the sharded master weights back (ZeRO-1") != NULL &&
+                      strstr(err.msg, "rank 0 alone") != NULL,
+                  "%s: a lone read-back's error names the read-back and the gather's failure: %s", what, err.msg);
+            CHECK(rs[0]->host_stale && ds4_model_params(rs[0]) == NULL,
+                  "%s: after a lone read-back failed the weights are still stale and not handed out", what);
+            rctx[0].alone = 0;
+        }
         for (int r = 0; r < WORLD && !rctx[r].failed; r++) {
             ds4_adamw_free(rctx[r].opt);
             rctx[r].opt = NULL;

@@ -327,7 +327,9 @@ void ds4_adamw_put_moments(ds4_adamw *a, const float *m, const float *v);
  * moments and the fp32 master weights of its region only there, updates them there, casts them into its working copy
  * (bf16 or fp32), and gathers every rank's part of the working copy with gather_dev_f32 (NCCL). Reading the weights
  * back to the host (ds4_model_params, a save, moving the model, another shard) then gathers the master's regions from
- * their owners with gather_f32: a collective, every rank calls it, and before the optimizer is freed. */
+ * their owners with gather_f32: a collective, every rank calls it, and before the optimizer is freed. A rank that
+ * reads back alone must get an error, not wait forever: the collectives should fail after a deadline (those of
+ * ds4_comm_shard_optimizer do: DS4_DIST_TIMEOUT), and the read-back then fails naming itself, the weights stale. */
 typedef struct ds4_adamw_shard {
     int32_t rank, world;
     void *ctx;
