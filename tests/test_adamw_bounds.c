@@ -14,7 +14,8 @@
  *    becomes trainable, another optimizer's step on the same model, the adapters written (ds4_model_lora_write), a
  *    ZeRO-1 shard (ds4_adamw_set_shard, one rank), a device step (the host-invisible twin of the CPU backend,
  *    twin_device.h) and the way back. A refused step leaves the bounds valid. ZeRO-1 over 2 ranks (threads): each
- *    proves or counts its own parts (one rank alone seeing a write), the weights the unsharded exact pass's, bitwise.
+ *    proves or counts its own parts (one rank alone seeing a write), the weights the unsharded exact pass's, bitwise;
+ *    then a sharded device step (each twin's master its region's), read back on both ranks: the next host step counts.
  * 4. Updates that would overflow are refused as before, with the same message and nothing changed (compared with the
  *    forced exact pass on a copy): a huge gradient within a finite norm, an lr whose step overflows, eps = 0 with a zero
  *    gradient, and a parameter near FLT_MAX set through set_params after the bounds were taken (which the stale bounds
@@ -383,20 +384,24 @@ out:
 
 /* ZeRO-1 over TWIN_WORLD ranks (threads on CPU models, collectives over shared memory): each rank proves or counts its
  * own parts; the weights are the unsharded optimizer's with the exact pass forced, bitwise. At step 3 rank 0 alone
- * sees a write (ds4_model_params_changed): it counts, the other proves, and they agree. */
-enum { ZSTEPS = 4 };
+ * sees a write (ds4_model_params_changed): it counts, the other proves, and they agree. Then a sharded device step
+ * (twins: each rank's fp32 master its region's only), read back on every rank (the master's regions gathered) and
+ * the models back on the CPU: the next host step counts (the device step voided the bounds), the one after proves. */
+enum { ZSTEPS = 4, ZDEV = ZSTEPS, ZALL = ZSTEPS + 3 };
 typedef struct zero_rank {
     twin_rank tr; /* first: the collectives' ctx */
     ds4_model *m;
     ds4_adamw *o;
-    int exact[ZSTEPS];
-    double norms[ZSTEPS];
+    int k0, k1; /* the steps run: [k0, k1) */
+    int exact[ZALL];
+    double norms[ZALL];
+    int64_t master; /* the device master's elements at the device step */
     int failed;
 } zero_rank;
 
 static void *zero_main(void *arg) {
     zero_rank *c = arg;
-    for (int k = 0; k < ZSTEPS && !c->failed; k++) {
+    for (int k = c->k0; k < c->k1 && !c->failed; k++) {
         ds4_error err = {0};
         ds4_adamw_stats st;
         if (k == 2 && c->tr.rank == 0) ds4_model_params_changed(c->m);
@@ -408,6 +413,13 @@ static void *zero_main(void *arg) {
         }
         c->exact[k] = st.exact_check;
         c->norms[k] = st.grad_norm;
+        if (k == ZDEV) { /* on the twin: its master, then the read-back every rank joins (the weights leave it) */
+            c->master = c->m->master_n;
+            if (ds4_model_host_sync(c->m, &err) != DS4_OK) {
+                fprintf(stderr, "rank %d: the read-back: %s\n", c->tr.rank, err.msg);
+                c->failed = 1;
+            }
+        }
     }
     return NULL;
 }
@@ -426,8 +438,8 @@ static void test_zero(ds4_engine *e, const char *fixtures, const char *fixture) 
     CHECK_OK(ds4_adamw_create(ref, &oo, &ro, &err), &err);
     if (!ro) goto out;
     ds4_adamw_set_exact_check(ro, 1);
-    double norms[ZSTEPS];
-    for (int k = 0; k < ZSTEPS; k++) {
+    double norms[ZALL];
+    for (int k = 0; k < ZALL; k++) {
         ds4_adamw_stats st;
         fill_grads(ref, 200 + (uint64_t)k, 0.01f);
         CHECK_OK(ds4_adamw_step(ro, &st, &err), &err);
@@ -442,9 +454,24 @@ static void test_zero(ds4_engine *e, const char *fixtures, const char *fixture) 
         c->m = te[r] ? load(te[r], fixtures, fixture) : NULL;
         if (c->m) CHECK_OK(ds4_adamw_create(c->m, &oo, &c->o, &err), &err);
         ds4_adamw_shard s = {.rank = r, .world = TWIN_WORLD, .ctx = &c->tr, .sum_f64 = twin_sum_f64,
-                             .gather_f32 = twin_gather_f32};
+                             .gather_f32 = twin_gather_f32, .gather_dev_f32 = twin_gather_f32};
         if (c->o) CHECK_OK(ds4_adamw_set_shard(c->o, &s, &err), &err);
         ready &= c->o != NULL;
+    }
+    if (!ready) goto out;
+    for (int r = 0; r < TWIN_WORLD; r++) ctx[r].k0 = 0, ctx[r].k1 = ZSTEPS;
+    twin_run(zero_main, ctx, sizeof ctx[0]);
+    ds4_dev *dv[TWIN_WORLD] = {NULL};
+    for (int r = 0; r < TWIN_WORLD; r++) {
+        dv[r] = twin_attach(te[r], ctx[r].m);
+        ctx[r].k0 = ZDEV, ctx[r].k1 = ZDEV + 1;
+        ready &= dv[r] != NULL;
+    }
+    if (ready) twin_run(zero_main, ctx, sizeof ctx[0]);
+    for (int r = 0; r < TWIN_WORLD; r++) {
+        if (dv[r]) twin_detach(ctx[r].m, dv[r]); /* read back already: nothing gathered here */
+        CHECK_OK(ds4_model_enable_grad(ctx[r].m, &err), &err);
+        ctx[r].k0 = ZDEV + 1, ctx[r].k1 = ZALL;
     }
     if (!ready) goto out;
     twin_run(zero_main, ctx, sizeof ctx[0]);
@@ -454,7 +481,7 @@ static void test_zero(ds4_engine *e, const char *fixtures, const char *fixture) 
         CHECK(!c->failed, "%s rank %d: a step failed", fixture, r);
         if (c->failed) continue;
         int dn = 0;
-        for (int k = 0; k < ZSTEPS; k++) dn += c->norms[k] != norms[k];
+        for (int k = 0; k < ZALL; k++) dn += c->norms[k] != norms[k];
         CHECK(dn == 0, "%s rank %d: %d gradient norms differ from the unsharded step's", fixture, r, dn);
         CHECK(!memcmp(ds4_model_params(c->m), ds4_model_params(ref), (size_t)P * sizeof(float)),
               "%s rank %d: weights differ from the unsharded optimizer's with the exact pass", fixture, r);
@@ -462,9 +489,15 @@ static void test_zero(ds4_engine *e, const char *fixtures, const char *fixture) 
         CHECK(c->exact[0] == 1 && c->exact[1] == 0 && c->exact[2] == want2 && c->exact[3] == 0,
               "%s rank %d: exact pass %d %d %d %d (expected 1 0 %d 0)", fixture, r, c->exact[0], c->exact[1],
               c->exact[2], c->exact[3], want2);
+        CHECK(c->master > 0 && c->master < P, "%s rank %d: a device master of %lld of %lld parameters (its region's)",
+              fixture, r, (long long)c->master, (long long)P);
+        CHECK(c->exact[ZDEV] == 1 && c->exact[ZDEV + 1] == 1 && c->exact[ZDEV + 2] == 0,
+              "%s rank %d: exact pass %d on the twin, then %d %d on the CPU (expected 1, 1 0)", fixture, r,
+              c->exact[ZDEV], c->exact[ZDEV + 1], c->exact[ZDEV + 2]);
     }
-    printf("  %s: ZeRO-1 over %d ranks with bounds = unsharded with the exact pass, bitwise (%d steps)\n", fixture,
-           TWIN_WORLD, ZSTEPS);
+    printf("  %s: ZeRO-1 over %d ranks with bounds = unsharded with the exact pass, bitwise (%d steps; the 5th on "
+           "twins with the master sharded, read back on every rank, the next host step's bounds void)\n",
+           fixture, TWIN_WORLD, ZALL);
 out:
     for (int r = 0; r < TWIN_WORLD; r++) {
         ds4_adamw_free(ctx[r].o);
