@@ -587,13 +587,12 @@ __global__ void moe_dws_kernel(float *dws, const float *da, const float *ye, int
     }
 }
 
-// dys[r] = 0 + ew[perm[r]] · da[perm[r] / K] (the CPU clears the row, then adds)
-__global__ void moe_dy_kernel(float *dys, const float *da, const float *ew, const int32_t *perm, int64_t N, int64_t K,
+// dys[r] = 0 + ew[perm[r]] · da[perm[r] / K] (the CPU clears the row, then adds), a block per row r
+__global__ void moe_dy_kernel(float *dys, const float *da, const float *ew, const int32_t *perm, int64_t K,
                               int64_t D) {
-    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < N; i += (int64_t)gridDim.x * blockDim.x) {
-        const int64_t slot = perm[i / D];
-        dys[i] = madd(ew[slot], da[(slot / K) * D + i % D], 0.0f);
-    }
+    const int64_t r = blockIdx.x, slot = perm[r];
+    const float w = ew[slot];
+    ds4d_row_map(dys + r * D, da + (slot / K) * D, D, [w](float x) { return madd(w, x, 0.0f); });
 }
 
 // dh[t] += dxslot[t·K + k] for k in slot order, one add at a time as the CPU's axpys
@@ -730,9 +729,12 @@ void ds4_cuda_moe_dws(ds4_dev *d, const ds4_a_moe_dws *a) {
 }
 
 void ds4_cuda_moe_dy(ds4_dev *d, const ds4_a_moe_dy *a) {
-    const int64_t N = a->rows * a->D;
-    if (N <= 0) return;
-    moe_dy_kernel<<<ds4_blocks(N, 256), 256, 0, cdev(d)->stream>>>(a->dys, a->da, a->ew, a->perm, N, a->K, a->D);
+    if (a->rows <= 0 || a->D <= 0) return;
+    if (a->rows > 0x7fffffff) {
+        ds4_dev_fail(d, DS4_ERR_UNSUPPORTED, "moe_dy: %lld rows", (long long)a->rows);
+        return;
+    }
+    moe_dy_kernel<<<(unsigned)a->rows, 256, 0, cdev(d)->stream>>>(a->dys, a->da, a->ew, a->perm, a->K, a->D);
     ds4_cuda_launched(d, "moe_dy", "[%lld rows, top %lld, %lld]", (long long)a->rows, (long long)a->K, (long long)a->D);
 }
 

@@ -318,7 +318,9 @@ int row_threads(int64_t width) { return width >= 256 ? 256 : (width >= 128 ? 128
 // One block per row: g = dlogp[r] (or g0); dl = g·(onehot − softmax) with the max and Σ exp of the CPU (double).
 // dl may be the logits: every value of the row is read (two block sums, each ending with a barrier) before any
 // is written, and each thread then reads and writes only its own elements.
-__global__ void logp_bwd_kernel(float *dl, const float *logits, int64_t V, const int64_t *tgt, const float *dlogp,
+constexpr int LOGP_THREADS = 256;
+
+__global__ void __launch_bounds__(LOGP_THREADS) logp_bwd_kernel(float *dl, const float *logits, int64_t V, const int64_t *tgt, const float *dlogp,
                                 double g0) {
     __shared__ double shd[8];
     __shared__ float shf[8];
@@ -327,20 +329,20 @@ __global__ void logp_bwd_kernel(float *dl, const float *logits, int64_t V, const
     float *o = dl + r * V;
     const double g = dlogp ? (double)dlogp[r] : g0;
     if (y == -100 || g == 0) {
-        for (int64_t v = threadIdx.x; v < V; v += blockDim.x) o[v] = 0.0f;
+        for (int64_t v = threadIdx.x; v < V; v += LOGP_THREADS) o[v] = 0.0f;
         return;
     }
     float mx = -INFINITY;
-    for (int64_t v = threadIdx.x; v < V; v += blockDim.x) mx = z[v] > mx ? z[v] : mx;
+    ds4d_row_visit<LOGP_THREADS, 8>(z, V, [&](int64_t, float zv) { mx = zv > mx ? zv : mx; });
     mx = ds4d_block_maxf(mx, shf);
     double se = 0;
-    for (int64_t v = threadIdx.x; v < V; v += blockDim.x) se += exp((double)z[v] - mx);
+    ds4d_row_visit<LOGP_THREADS, 8>(z, V, [&](int64_t, float zv) { se += exp((double)zv - mx); });
     se = ds4d_block_sum(se, shd);
-    for (int64_t v = threadIdx.x; v < V; v += blockDim.x) {
-        float val = (float)(-g * exp((double)z[v] - mx) / se);
+    ds4d_row_visit<LOGP_THREADS, 8>(z, V, [&](int64_t v, float zv) {
+        float val = (float)(-g * exp((double)zv - mx) / se);
         if (v == y) val += (float)g;
         o[v] = val;
-    }
+    });
 }
 
 struct norm_args {
@@ -689,7 +691,7 @@ void ds4_cuda_logp_bwd(ds4_dev *d, const ds4_a_logp_bwd *a) {
         ds4_dev_fail(d, DS4_ERR_UNSUPPORTED, "logp_bwd: %lld rows x %lld", (long long)a->rows, (long long)a->V);
         return;
     }
-    logp_bwd_kernel<<<(unsigned)a->rows, 256, 0, cdev(d)->stream>>>(a->dl, a->logits, a->V, a->tgt, a->dlogp, a->g0);
+    logp_bwd_kernel<<<(unsigned)a->rows, LOGP_THREADS, 0, cdev(d)->stream>>>(a->dl, a->logits, a->V, a->tgt, a->dlogp, a->g0);
     ds4_cuda_launched(d, "logp_bwd", "[%lld x %lld]", (long long)a->rows, (long long)a->V);
 }
 

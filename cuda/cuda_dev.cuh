@@ -128,6 +128,44 @@ __device__ __forceinline__ double ds4d_block_sum(double v, double *sh) {
     return t;
 }
 
+// Thread t of a block of NT threads visits the values z[v] of a row, v = t, t + NT, t + 2·NT, .. < V, in that order
+// (the order of its share of a row reduction), calling use(v, z[v]). U loads are issued before the first use of a
+// round, and the uses of a round are unrolled: a row op is otherwise one dependent load-exp-add per element, bound
+// by memory latency. The order of the uses (so every sum they make) is that of the plain loop.
+template <int NT, int U, class F>
+__device__ __forceinline__ void ds4d_row_visit(const float *z, int64_t V, F &&use) {
+    for (int64_t v0 = threadIdx.x; v0 < V; v0 += (int64_t)U * NT) {
+        float zz[U];
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            const int64_t v = v0 + (int64_t)u * NT;
+            zz[u] = v < V ? z[v] : 0.0f;
+        }
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            const int64_t v = v0 + (int64_t)u * NT;
+            if (v < V) use(v, zz[u]);
+        }
+    }
+}
+
+// dst[c] = f(src[c]) for c < D by the threads of one block: 16 bytes at a time where D and both rows allow it, else
+// one by one. Each element's arithmetic is f either way.
+template <class F>
+__device__ __forceinline__ void ds4d_row_map(float *dst, const float *src, int64_t D, F &&f) {
+    if ((D & 3) == 0 && (((uintptr_t)dst | (uintptr_t)src) & 15) == 0) {
+        const float4 *s4 = (const float4 *)src;
+        float4 *d4 = (float4 *)dst;
+        for (int64_t c = threadIdx.x; c < D / 4; c += blockDim.x) {
+            float4 v = s4[c];
+            v.x = f(v.x), v.y = f(v.y), v.z = f(v.z), v.w = f(v.w);
+            d4[c] = v;
+        }
+    } else {
+        for (int64_t c = threadIdx.x; c < D; c += blockDim.x) dst[c] = f(src[c]);
+    }
+}
+
 __device__ __forceinline__ float ds4d_block_maxf(float v, float *sh) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
     v = ds4d_warp_maxf(v);
