@@ -155,12 +155,29 @@ __device__ __forceinline__ uint16_t f32_to_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
+// Entry blockIdx.y. Where the entry's source is 16-byte aligned and its destination 8 (bf16) or 16 (fp32), groups of
+// four values move as one load and one store (the cast is bound by memory: 2-byte stores one by one were half its
+// time); the rest one by one. Each value is rounded the same either way.
 __global__ void cast_kernel(char *dst, const float *src, const ds4_cast_entry *ent, int bf16) {
     const ds4_cast_entry e = ent[blockIdx.y];
-    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < e.n; i += (int64_t)gridDim.x * blockDim.x) {
-        const float x = src[e.src + i];
-        if (e.lowp && bf16) reinterpret_cast<uint16_t *>(dst + e.dst)[i] = f32_to_bf16(x);
-        else reinterpret_cast<float *>(dst + e.dst)[i] = x;
+    const float *s = src + e.src;
+    char *o = dst + e.dst;
+    const bool low = e.lowp && bf16;
+    const int64_t t0 = (int64_t)blockIdx.x * blockDim.x + threadIdx.x, stride = (int64_t)gridDim.x * blockDim.x;
+    const int64_t n4 = ((uintptr_t)s & 15) == 0 && ((uintptr_t)o & (low ? 7 : 15)) == 0 ? e.n / 4 : 0;
+    for (int64_t i = t0; i < n4; i += stride) {
+        const float4 v = reinterpret_cast<const float4 *>(s)[i];
+        if (low) {
+            ushort4 h;
+            h.x = f32_to_bf16(v.x), h.y = f32_to_bf16(v.y), h.z = f32_to_bf16(v.z), h.w = f32_to_bf16(v.w);
+            reinterpret_cast<ushort4 *>(o)[i] = h;
+        } else {
+            reinterpret_cast<float4 *>(o)[i] = v;
+        }
+    }
+    for (int64_t i = 4 * n4 + t0; i < e.n; i += stride) {
+        if (low) reinterpret_cast<uint16_t *>(o)[i] = f32_to_bf16(s[i]);
+        else reinterpret_cast<float *>(o)[i] = s[i];
     }
 }
 
