@@ -300,12 +300,13 @@ typedef struct ds4_optim_piece { int64_t off, n; int64_t range; } ds4_optim_piec
 typedef struct { const ds4_optim_piece *pieces; int64_t n; const float *g; double *partial; } ds4_a_optim_sumsq;
 /* update = 0: bad[c] = how many elements of piece c the AdamW update would leave with a non-finite p, m or v (the
  * gradient scaled by coef first); nothing written. update = 1: g *= coef (when coef != 1), then ds4_adamw_update's
- * arithmetic on p, m, v with coefs[range] (the same fp32 operations, so the same bits as the host's). p and g are
- * indexed by the pieces' flat offsets, m and v by the offset minus mo: a ZeRO-1 shard's moments hold elements
- * [mo, mo + their length) of the flat buffer only (mo = 0: the whole buffer). */
+ * arithmetic on p, m, v with coefs[range] (the same fp32 operations, so the same bits as the host's), and, when bnd
+ * is not NULL, bnd[c] = the bounds of what piece c's update wrote (ds4_adamw_bounds: max |p|, |m|, |v| and -v).
+ * p and g are indexed by the pieces' flat offsets, m and v by the offset minus mo: a ZeRO-1 shard's moments hold
+ * elements [mo, mo + their length) of the flat buffer only (mo = 0: the whole buffer). */
 typedef struct {
     const ds4_optim_piece *pieces; int64_t n; const ds4_adamw_coefs *coefs; float coef; float *p, *g, *m, *v;
-    int64_t *bad; int update; int64_t mo;
+    int64_t *bad; int update; int64_t mo; ds4_adamw_bounds *bnd;
 } ds4_a_adamw;
 /* The working copy of the weights from the fp32 master: entry k copies n values from src + e[k].src (elements) to
  * dst + e[k].dst (bytes), rounded to mdt (round to nearest even) when e[k].lowp, else as fp32. */
