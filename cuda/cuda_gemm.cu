@@ -823,6 +823,39 @@ void ds4_cuda_gemm_f32(ds4_dev *d, const char *op, float *y, int64_t ldy, const 
     gemm(d, op, g, DS4_F32, DS4_F32, 1, M);
 }
 
+// The same with O, K and wstride even (the experts' shapes): tiles of 64 × 64 moved as pairs of bf16, 4-byte words,
+// so that a warp reads and writes 128 bytes at a time (the 32 × 32 kernel below: 64 bytes of 2-byte accesses).
+constexpr int TP = 64;
+static __global__ void __launch_bounds__(256) transpose_bf16_pairs(unsigned short *Wt, const unsigned short *W, int64_t O,
+                                                                   int64_t K, int64_t wstride) {
+    __shared__ unsigned short tile[TP][TP + 2]; // [o][k]: a thread's pair is one word; rows 33 words apart
+    const int64_t e = blockIdx.z, o0 = (int64_t)blockIdx.y * TP, k0 = (int64_t)blockIdx.x * TP;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const unsigned short *src = W + e * wstride;
+    uint32_t v[TP / 8];
+#pragma unroll
+    for (int i = 0; i < TP / 8; i++) { // every load of the thread issued before any store
+        const int64_t o = o0 + warp + 8 * i, k = k0 + 2 * lane;
+        v[i] = o < O && k < K ? *reinterpret_cast<const uint32_t *>(src + o * K + k) : 0u;
+    }
+#pragma unroll
+    for (int i = 0; i < TP / 8; i++) {
+        tile[warp + 8 * i][2 * lane] = (unsigned short)(v[i] & 0xffffu);
+        tile[warp + 8 * i][2 * lane + 1] = (unsigned short)(v[i] >> 16);
+    }
+    __syncthreads();
+    unsigned short *dst = Wt + e * K * O;
+    const int64_t o = o0 + 2 * lane;
+    if (o >= O) return;
+#pragma unroll
+    for (int j = warp; j < TP; j += 8) {
+        const int64_t k = k0 + j;
+        if (k < K)
+            *reinterpret_cast<uint32_t *>(dst + k * O + o) = (uint32_t)tile[2 * lane][j] |
+                                                              ((uint32_t)tile[2 * lane + 1][j] << 16);
+    }
+}
+
 // Wt [E, K, O] = W_e [O, K] transposed, bf16 bits; 32 × 32 tiles through shared memory (coalesced both ways).
 static __global__ void transpose_bf16_kernel(unsigned short *Wt, const unsigned short *W, int64_t O, int64_t K,
                                       int64_t wstride) {
@@ -852,8 +885,12 @@ void ds4_cuda_grouped_dx_bf16(ds4_dev *d, const char *op, float *dx, int acc, co
     }
     unsigned short *Wt = (unsigned short *)ds4_cuda_scratch(d, (size_t)(E * O * K) * sizeof(unsigned short), op, 1);
     if (!Wt) return;
-    const dim3 tgrid(ds4_blocks(K, 32), ds4_blocks(O, 32), (unsigned)E);
-    transpose_bf16_kernel<<<tgrid, dim3(32, 8), 0, cdev(d)->stream>>>(Wt, (const unsigned short *)W, O, K, wstride);
+    if (O % 2 == 0 && K % 2 == 0 && wstride % 2 == 0 && aligned(W, 4))
+        transpose_bf16_pairs<<<dim3(ds4_blocks(K, TP), ds4_blocks(O, TP), (unsigned)E), 256, 0, cdev(d)->stream>>>(
+            Wt, (const unsigned short *)W, O, K, wstride);
+    else
+        transpose_bf16_kernel<<<dim3(ds4_blocks(K, 32), ds4_blocks(O, 32), (unsigned)E), dim3(32, 8), 0,
+                                cdev(d)->stream>>>(Wt, (const unsigned short *)W, O, K, wstride);
     if (!ds4_cuda_launched(d, op, "[%lld experts x %lld x %lld] transposed (bf16)", (long long)E, (long long)O,
                            (long long)K))
         return;
