@@ -972,16 +972,16 @@ bool ds4_cuda_grouped_dw_bf16(ds4_dev *d, const char *op, float *dW, int64_t wst
                       k.generation == cd->generation;
     if (!kept) {
         group_columns_kernel<<<ds4_blocks(width, 256), 256, 0, cd->stream>>>(src, width, off, E);
-        if (!ds4_cuda_launched(d, op, "the columns of %lld expert groups over %lld rows", (long long)E,
-                               (long long)rows))
+        if (!ds4_cuda_launched(d, op, "dW [%lld x %lld x %lld] over %lld rows: the columns of the expert groups",
+                               (long long)E, (long long)O, (long long)K, (long long)rows))
             return true;
         transpose_columns_kernel<<<dim3(ds4_blocks(width, TG_W), ds4_blocks(K, TG_C)), 256, 0, cd->stream>>>(
             xT, width, x, K, src);
     }
     transpose_columns_kernel<<<dim3(ds4_blocks(width, TG_W), ds4_blocks(O, TG_C)), 256, 0, cd->stream>>>(dyT, width, dy,
                                                                                                         O, src);
-    if (!ds4_cuda_launched(d, op, "dy [%lld x %lld]%s transposed by %lld expert groups", (long long)rows, (long long)O,
-                           kept ? "" : " and x", (long long)E))
+    if (!ds4_cuda_launched(d, op, "dW [%lld x %lld x %lld] over %lld rows: dy%s transposed by groups", (long long)E,
+                           (long long)O, (long long)K, (long long)rows, kept ? "" : " and x"))
         return true;
     gemm_args g = {};
     g.y = dW, g.ldy = K, g.xh = dyT, g.ldxh = width, g.W = xT, g.ldw = width, g.M = O, g.N = K, g.K = width;
