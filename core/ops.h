@@ -210,6 +210,9 @@ typedef struct {
     float *dW; const float *dy; int64_t ldy; const float *x; int64_t ldx, T, K, O; ds4_dtype wdt; int bf16_in;
     int any_order; /* an fp32 product (wdt F32, no bf16_in) that may sum in another fixed order than the reference's
                     * (the bf16 mode's fp32 weights, whose bits no test pins): CUDA takes cuBLAS's fp32 GEMM */
+    int dy_kept;   /* the schedule's word that this op directly follows a linear_bwd_x of the same dy (dy, ldy, T, O)
+                    * and nothing wrote dy since: a backend may reuse what it derived from dy there (CUDA: its bf16
+                    * copy); the result is the same either way */
 } ds4_a_linear_bwd_w;
 /* The same per row group of off (ds4_a_matmul_grouped): dx rows written (acc: added); dW + e·wstride added */
 typedef struct {
@@ -219,6 +222,9 @@ typedef struct {
 typedef struct {
     float *dW; int64_t wstride; const float *dy, *x; const int64_t *off; int64_t E, rows, K, O; ds4_dtype wdt;
     int bf16_in;
+    int x_kept; /* the schedule's word that this op directly follows a linear_bwd_w_grouped of the same x and groups
+                 * (x, off, E, rows, K, O) and nothing wrote x or off since: a backend may reuse what it derived from x
+                 * there (CUDA: its transposed bf16 copy); the result is the same either way */
 } ds4_a_linear_bwd_w_grouped;
 
 /* RMSNorm backward over `groups` groups of `rows` rows (group g at + g·gstride elements): dx written or added

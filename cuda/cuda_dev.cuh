@@ -58,6 +58,25 @@ struct cuda_dev {
     int gemm_pipe;                // the pipelined GEMM's shape (DS4_CUDA_GEMM_PIPE; cuda_gemm.cu): never changes a bit
     int hc_ref;                   // DS4_CUDA_HC_REF=1: the mHC backward's block-per-token kernels, whose bits the
                                   // faster ones give (cuda_bwd_hc_moe.cu; the tests compare the two)
+    int bwd_ref;                  // DS4_CUDA_BWD_REF=1: the backward products' reference paths, whose bits the fast
+                                  // ones give (cuda_bwd_linear.cu: the expert products through the tiles, every
+                                  // dense product rounding its own operands; the tests compare the two)
+    // The operand of the last linear_bwd_x whose bf16 copy lies at the start of scratch slot 1 (dy [rows, cols], row
+    // stride ld), so that a linear_bwd_w told dy_kept (ops.h) need not round it again; src NULL: none. The scratch
+    // generation tells whether slot 1 moved since (cuda_bwd_linear.cu).
+    struct kept_bf16 {
+        const float *src;
+        int64_t rows, cols, ld;
+        uint64_t generation;
+    } bwd_dy;
+    // The x of the last bf16 linear_bwd_w_grouped, transposed by its groups in scratch slot 1 (cuda_gemm.cu,
+    // ds4_cuda_grouped_dw_bf16), for the next one told x_kept (ops.h); x NULL: none.
+    struct kept_groups {
+        const float *x;
+        int64_t rows, K, O, E;
+        const int64_t *off;
+        uint64_t generation;
+    } bwd_xT;
     graph_entry *recording;
 };
 
@@ -83,8 +102,9 @@ void ds4_cuda_grouped_dx_bf16(ds4_dev *d, const char *op, float *dx, int acc, co
                               int64_t rows, int64_t O, int64_t K, const int64_t *off, int64_t E, int64_t wstride);
 // dW_e [O, K] += dyᵀ·x over the rows [off[e], off[e+1]) (dW_e = dW + e·wstride), bf16: the backward tiles' bits
 // through the pipelined GEMM on operands transposed by groups; false (nothing done) where that kernel cannot run.
+// x_kept: x as the call just before had it (ops.h); its transposed copy is reused where it is still in scratch.
 bool ds4_cuda_grouped_dw_bf16(ds4_dev *d, const char *op, float *dW, int64_t wstride, const float *dy, const float *x,
-                              int64_t rows, int64_t O, int64_t K, const int64_t *off, int64_t E);
+                              int64_t rows, int64_t O, int64_t K, const int64_t *off, int64_t E, int x_kept);
 // The fake-quantisation q of vectors of `width` floats is one the device can do (a known format; the rotation on a
 // power-of-two width); else a failure naming op is recorded (cuda_kv_qat.cu).
 bool ds4_cuda_fq_shape_ok(ds4_dev *d, const char *op, int64_t width, const ds4_fq &q);

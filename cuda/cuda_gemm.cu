@@ -823,6 +823,39 @@ void ds4_cuda_gemm_f32(ds4_dev *d, const char *op, float *y, int64_t ldy, const 
     gemm(d, op, g, DS4_F32, DS4_F32, 1, M);
 }
 
+// The same with O, K and wstride even (the experts' shapes): tiles of 64 × 64 moved as pairs of bf16, 4-byte words,
+// so that a warp reads and writes 128 bytes at a time (the 32 × 32 kernel below: 64 bytes of 2-byte accesses).
+constexpr int TP = 64;
+static __global__ void __launch_bounds__(256) transpose_bf16_pairs(unsigned short *Wt, const unsigned short *W, int64_t O,
+                                                                   int64_t K, int64_t wstride) {
+    __shared__ unsigned short tile[TP][TP + 2]; // [o][k]: a thread's pair is one word; rows 33 words apart
+    const int64_t e = blockIdx.z, o0 = (int64_t)blockIdx.y * TP, k0 = (int64_t)blockIdx.x * TP;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const unsigned short *src = W + e * wstride;
+    uint32_t v[TP / 8];
+#pragma unroll
+    for (int i = 0; i < TP / 8; i++) { // every load of the thread issued before any store
+        const int64_t o = o0 + warp + 8 * i, k = k0 + 2 * lane;
+        v[i] = o < O && k < K ? *reinterpret_cast<const uint32_t *>(src + o * K + k) : 0u;
+    }
+#pragma unroll
+    for (int i = 0; i < TP / 8; i++) {
+        tile[warp + 8 * i][2 * lane] = (unsigned short)(v[i] & 0xffffu);
+        tile[warp + 8 * i][2 * lane + 1] = (unsigned short)(v[i] >> 16);
+    }
+    __syncthreads();
+    unsigned short *dst = Wt + e * K * O;
+    const int64_t o = o0 + 2 * lane;
+    if (o >= O) return;
+#pragma unroll
+    for (int j = warp; j < TP; j += 8) {
+        const int64_t k = k0 + j;
+        if (k < K)
+            *reinterpret_cast<uint32_t *>(dst + k * O + o) = (uint32_t)tile[2 * lane][j] |
+                                                              ((uint32_t)tile[2 * lane + 1][j] << 16);
+    }
+}
+
 // Wt [E, K, O] = W_e [O, K] transposed, bf16 bits; 32 × 32 tiles through shared memory (coalesced both ways).
 static __global__ void transpose_bf16_kernel(unsigned short *Wt, const unsigned short *W, int64_t O, int64_t K,
                                       int64_t wstride) {
@@ -852,8 +885,12 @@ void ds4_cuda_grouped_dx_bf16(ds4_dev *d, const char *op, float *dx, int acc, co
     }
     unsigned short *Wt = (unsigned short *)ds4_cuda_scratch(d, (size_t)(E * O * K) * sizeof(unsigned short), op, 1);
     if (!Wt) return;
-    const dim3 tgrid(ds4_blocks(K, 32), ds4_blocks(O, 32), (unsigned)E);
-    transpose_bf16_kernel<<<tgrid, dim3(32, 8), 0, cdev(d)->stream>>>(Wt, (const unsigned short *)W, O, K, wstride);
+    if (O % 2 == 0 && K % 2 == 0 && wstride % 2 == 0 && aligned(W, 4))
+        transpose_bf16_pairs<<<dim3(ds4_blocks(K, TP), ds4_blocks(O, TP), (unsigned)E), 256, 0, cdev(d)->stream>>>(
+            Wt, (const unsigned short *)W, O, K, wstride);
+    else
+        transpose_bf16_kernel<<<dim3(ds4_blocks(K, 32), ds4_blocks(O, 32), (unsigned)E), dim3(32, 8), 0,
+                                cdev(d)->stream>>>(Wt, (const unsigned short *)W, O, K, wstride);
     if (!ds4_cuda_launched(d, op, "[%lld experts x %lld x %lld] transposed (bf16)", (long long)E, (long long)O,
                            (long long)K))
         return;
@@ -861,64 +898,99 @@ void ds4_cuda_grouped_dx_bf16(ds4_dev *d, const char *op, float *dx, int acc, co
     gemm(d, op, g, DS4_BF16, DS4_BF16, 1, (rows + E - 1) / E);
 }
 
-// out [C, width] = in [rows, C] transposed by row groups: row r of group e (rows [off[e], off[e+1])) becomes column
-// group_start(off, e) + r − off[e], rounded to bf16 to nearest even (as the backward's tiles round their operands).
-// 32 × 32 tiles through shared memory; each tile's rows find their group by bisection of off.
-static __global__ void transpose_groups_kernel(__nv_bfloat16 *out, int64_t width, const float *in, int64_t rows,
-                                               int64_t C, const int64_t *off, int64_t E) {
-    __shared__ float tile[32][33];
-    __shared__ int64_t col[32];
-    const int64_t r0 = (int64_t)blockIdx.y * 32, c0 = (int64_t)blockIdx.x * 32;
-    if (threadIdx.y == 0) {
-        const int64_t r = r0 + threadIdx.x;
-        int64_t lo = 0, hi = E - 1; // the last group starting at or before r: the one that holds it
-        while (lo < hi) {
-            const int64_t mid = (lo + hi + 1) / 2;
-            if (off[mid] <= r) lo = mid;
-            else hi = mid - 1;
-        }
-        col[threadIdx.x] = group_start(off, lo) + r - off[lo];
+// The reduction position each column of the transposed operands holds: src[w] = the row of dy and x that column w
+// takes (group e's rows [off[e], off[e+1]) at columns group_start(off, e) on), -1 for the padding between groups.
+static __global__ void group_columns_kernel(int64_t *src, int64_t width, const int64_t *off, int64_t E) {
+    const int64_t w = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (w >= width) return;
+    int64_t lo = 0, hi = E - 1; // the last group starting at or before w: the one whose columns may hold it
+    while (lo < hi) {
+        const int64_t mid = (lo + hi + 1) / 2;
+        if (group_start(off, mid) <= w) lo = mid;
+        else hi = mid - 1;
     }
-    for (int i = threadIdx.y; i < 32; i += blockDim.y)
-        if (r0 + i < rows && c0 + threadIdx.x < C) tile[i][threadIdx.x] = in[(r0 + i) * C + c0 + threadIdx.x];
+    const int64_t r = off[lo] + w - group_start(off, lo);
+    src[w] = r < off[lo + 1] ? r : -1;
+}
+
+// out [C, width] (bf16): column w = row src[w] of in [rows, C], rounded to bf16 to nearest even (as the backward's
+// tiles round their operands); padding columns 0 (never read: cp.async copies only a group's own columns). Tiles of
+// 64 columns × 32 channels through shared memory: a warp reads one row's 32 channels (128 bytes), all eight rows of a
+// warp issued before any is stored, then writes 64 columns of one channel as 32 bf16 pairs (128 bytes). The map src
+// is made once per product (group_columns_kernel): the kernel of 32 × 32 tiles before it searched off for every tile
+// and wrote 64 bytes per warp store.
+constexpr int TG_W = 64, TG_C = 32, TG_ROWS = TG_W / 8;
+static __global__ void __launch_bounds__(256) transpose_columns_kernel(__nv_bfloat16 *out, int64_t width,
+                                                                       const float *in, int64_t C, const int64_t *src) {
+    __shared__ float tile[TG_W][TG_C + 1];
+    const int64_t w0 = (int64_t)blockIdx.x * TG_W, c0 = (int64_t)blockIdx.y * TG_C;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const bool cin = c0 + lane < C;
+    float v[TG_ROWS];
+#pragma unroll
+    for (int i = 0; i < TG_ROWS; i++) {
+        const int64_t w = w0 + warp + 8 * i, r = w < width ? src[w] : -1;
+        v[i] = r >= 0 && cin ? in[r * C + c0 + lane] : 0.0f;
+    }
+#pragma unroll
+    for (int i = 0; i < TG_ROWS; i++) tile[warp + 8 * i][lane] = v[i];
     __syncthreads();
-    for (int i = threadIdx.y; i < 32; i += blockDim.y)
-        if (c0 + i < C && r0 + threadIdx.x < rows) {
-            out[(c0 + i) * width + col[threadIdx.x]] = __float2bfloat16_rn(tile[threadIdx.x][i]);
-        }
+    const int64_t w = w0 + 2 * lane; // width is a multiple of 8: w + 1 < width with w
+    if (w >= width) return;
+#pragma unroll
+    for (int j = warp; j < TG_C; j += 8)
+        if (c0 + j < C)
+            *reinterpret_cast<__nv_bfloat162 *>(out + (c0 + j) * width + w) =
+                __floats2bfloat162_rn(tile[2 * lane][j], tile[2 * lane + 1][j]);
 }
 
 // dW_e [O, K] += dyᵀ·x over the rows [off[e], off[e+1]) of dy [rows, O] and x [rows, K] (dW_e = dW + e·wstride) in
 // bf16: dy and x transposed by groups into scratch (dyᵀ [O, width], xᵀ [K, width], bf16; slot 1) and reduced by the
 // pipelined kernel, block z = expert over its group's columns. The sums are the backward's tiles' (prod_bf16 in
 // cuda_bwd_linear.cu: both operands rounded to bf16 to nearest even, chunks of 32 from the group's first row, slices
-// of 256 from there, the same mma k-slots), so the same bits. Returns false, having done nothing, where the pipelined
-// kernel cannot run (the caller takes the tiles).
+// of 256 from there, the same mma k-slots), so the same bits. xᵀ stays in slot 1 for a next call of the same x
+// (x_kept: the gate and up projections' dW share x). Returns false, having done nothing, where the pipelined kernel
+// cannot run (the caller takes the tiles).
 bool ds4_cuda_grouped_dw_bf16(ds4_dev *d, const char *op, float *dW, int64_t wstride, const float *dy, const float *x,
-                              int64_t rows, int64_t O, int64_t K, const int64_t *off, int64_t E) {
+                              int64_t rows, int64_t O, int64_t K, const int64_t *off, int64_t E, int x_kept) {
     cuda_dev *cd = cdev(d);
+    const cuda_dev::kept_groups k = cd->bwd_xT; // what the call just before left; used once at most
+    cd->bwd_xT.x = nullptr;
     if (rows <= 0 || O <= 0 || K <= 0 || E <= 0) return true;
     const pipe_cfg *pc = E > 65535 ? nullptr : pipe_ready(cd);
     if (!pc) return false;
     const int64_t width = (rows + 7) / 8 * 8 + 8 * E + 8; // >= group_start(off, E)
-    auto *dyT = (__nv_bfloat16 *)ds4_cuda_scratch(d, (size_t)(width * (O + K) * 2), op, 1);
+    if ((O > K ? O : K) > (int64_t)65535 * TG_C) return false; // the transposes' grid y
+    // slot 1: dyᵀ [O, width], xᵀ [K, width] (bf16), the column map [width] (int64); each 16-byte aligned (width % 8 = 0)
+    auto *dyT = (__nv_bfloat16 *)ds4_cuda_scratch(d, (size_t)(width * (O + K) * 2 + width * 8), op, 1);
     if (!dyT) return true;
-    __nv_bfloat16 *xT = dyT + O * width; // 16-byte aligned: width % 8 == 0
-    const dim3 tb(32, 8);
-    transpose_groups_kernel<<<dim3(ds4_blocks(O, 32), ds4_blocks(rows, 32)), tb, 0, cd->stream>>>(dyT, width, dy, rows,
-                                                                                                  O, off, E);
-    transpose_groups_kernel<<<dim3(ds4_blocks(K, 32), ds4_blocks(rows, 32)), tb, 0, cd->stream>>>(xT, width, x, rows,
-                                                                                                  K, off, E);
-    if (!ds4_cuda_launched(d, op, "dy [%lld x %lld] and x [%lld x %lld] transposed by %lld expert groups",
-                           (long long)rows, (long long)O, (long long)rows, (long long)K, (long long)E))
+    __nv_bfloat16 *xT = dyT + O * width;
+    auto *src = (int64_t *)(xT + K * width);
+    // xᵀ and the column map as the call just before made them (the same x and groups, by the schedule's word; the
+    // same layout, and slot 1 has not moved since): only dy is new
+    const bool kept = x_kept && k.x == x && k.rows == rows && k.K == K && k.O == O && k.E == E && k.off == off &&
+                      k.generation == cd->generation;
+    if (!kept) {
+        group_columns_kernel<<<ds4_blocks(width, 256), 256, 0, cd->stream>>>(src, width, off, E);
+        if (!ds4_cuda_launched(d, op, "dW [%lld x %lld x %lld] over %lld rows: the columns of the expert groups",
+                               (long long)E, (long long)O, (long long)K, (long long)rows))
+            return true;
+        transpose_columns_kernel<<<dim3(ds4_blocks(width, TG_W), ds4_blocks(K, TG_C)), 256, 0, cd->stream>>>(
+            xT, width, x, K, src);
+    }
+    transpose_columns_kernel<<<dim3(ds4_blocks(width, TG_W), ds4_blocks(O, TG_C)), 256, 0, cd->stream>>>(dyT, width, dy,
+                                                                                                        O, src);
+    if (!ds4_cuda_launched(d, op, "dW [%lld x %lld x %lld] over %lld rows: dy%s transposed by groups", (long long)E,
+                           (long long)O, (long long)K, (long long)rows, kept ? "" : " and x"))
         return true;
     gemm_args g = {};
     g.y = dW, g.ldy = K, g.xh = dyT, g.ldxh = width, g.W = xT, g.ldw = width, g.M = O, g.N = K, g.K = width;
     g.gy = wstride, g.acc = 1, g.koff = off;
     const dim3 grid(ds4_blocks(K, pc->BN), ds4_blocks(O, pc->BM), (unsigned)E);
     pc->kernel<<<grid, pc->threads, pc->smem, cd->stream>>>(g);
-    ds4_cuda_launched(d, op, "dW [%lld x %lld x %lld] += dy^T x over %lld rows by expert (bf16, pipelined)",
-                      (long long)E, (long long)O, (long long)K, (long long)rows);
+    if (ds4_cuda_launched(d, op, "dW [%lld x %lld x %lld] += dy^T x over %lld rows by expert (bf16, pipelined)",
+                          (long long)E, (long long)O, (long long)K, (long long)rows))
+        cd->bwd_xT = {x, rows, K, O, E, off, cd->generation};
     return true;
 }
 
