@@ -48,6 +48,8 @@ struct gemm_args {
                                   // x and W from group_start(koff, z) (row-grouped reductions, transposed operands)
     const __nv_bfloat16 *xh;      // the pipelined kernel's x: x rounded to bf16 (rows_to_bf16), row stride ldxh,
     int64_t ldxh, gxh;            // group z at xh + z·gxh
+    const float *rs;              // the narrow fp32 kernel only: x's row r is read as x·rs[r] rounded to fp32, the
+                                  // values of a row-scaled copy of x, so the product of that copy, without the copy
 };
 
 // Where reduction group e starts in a transposed operand: 8-aligned (cp.async copies 16-byte pieces of bf16), each
@@ -172,7 +174,7 @@ __global__ void __launch_bounds__(128) gemm_f32_narrow(gemm_args a) {
         for (int i = 0; i < XL; i++) {
             const int e = tid + i * 128, m = e / BK, kk = e % BK;
             const int64_t r = r0 + m, k = k0 + kk;
-            rx[i] = r < rend && k < a.K ? x[r * a.ldx + k] : 0.0f;
+            rx[i] = r < rend && k < a.K ? (a.rs ? x[r * a.ldx + k] * a.rs[r] : x[r * a.ldx + k]) : 0.0f;
         }
 #pragma unroll
         for (int i = 0; i < WL; i++) {
@@ -737,6 +739,15 @@ bool x_to_bf16(ds4_dev *d, const char *op, gemm_args &a, int64_t G) {
     return true;
 }
 
+// The skinny kernels (16 rows per block, parallel over K slices) when the tiled ones would leave most of the GPU idle:
+// few rows (per group of W), or so few output tiles that the tiled grid (every expert's tiles, for grouped GEMMs) has
+// fewer blocks than two per SM. Measured on an H100 (bench/RESULTS.md): at 128-256 rows the skinny kernels win 2-3x;
+// at 512 and more rows they lose (they read W once per 16 rows and write K-slice partials).
+bool takes_skinny(const cuda_dev *cd, const gemm_args &a, int64_t G, int64_t rows_hint) {
+    const int64_t tiled_blocks = G * (int64_t)grid_rows(a, 64) * ((a.N + 127) / 128);
+    return rows_hint <= 16 || (tiled_blocks < 2 * (int64_t)cd->sm_count && rows_hint <= cd->skinny_rows);
+}
+
 // Launch the variant for `rows_hint` rows per (group of) W. Which variant runs never changes the result. mode: the
 // arithmetic (F32 or BF16); wdt: how W is held, mode's dtype or DS4_FP4_PACKED (codes W, scales a.ws).
 void gemm(ds4_dev *d, const char *op, gemm_args a, ds4_dtype wdt, ds4_dtype mode, int64_t groups, int64_t rows_hint) {
@@ -762,17 +773,17 @@ void gemm(ds4_dev *d, const char *op, gemm_args a, ds4_dtype wdt, ds4_dtype mode
     plan p;
     p.G = groups > 0 ? groups : 1;
     a.S = (a.K + KSLICE - 1) / KSLICE;
-    /* the skinny kernels (16 rows per block, parallel over K slices) when the tiled ones would leave most of the GPU
-     * idle: few rows (per group of W), or so few output tiles that the tiled grid (every expert's tiles, for grouped
-     * GEMMs) has fewer blocks than two per SM. Measured on an H100 (bench/RESULTS.md): at 128-256 rows the skinny
-     * kernels win 2-3x; at 512 and more rows they lose (they read W once per 16 rows and write K-slice partials). */
-    const int64_t tiled_blocks = p.G * (int64_t)grid_rows(a, 64) * ((a.N + 127) / 128);
-    p.skinny = rows_hint <= 16 || (tiled_blocks < 2 * (int64_t)cd->sm_count && rows_hint <= cd->skinny_rows);
+    p.skinny = takes_skinny(cd, a, p.G, rows_hint);
     if (a.acc && (mode != DS4_BF16 || fp4)) { /* only the bf16 tiles and the pipeline add into y */
         ds4_dev_fail(d, DS4_ERR_INTERNAL, "%s: y += x Wᵀ in %s mode%s", op, ds4_dtype_name(mode), fp4 ? ", FP4" : "");
         return;
     }
     p.skinny = p.skinny && !a.acc;
+    if (a.rs && (mode != DS4_F32 || fp4 || p.skinny || a.N > 32)) { /* only the narrow fp32 kernel scales rows */
+        ds4_dev_fail(d, DS4_ERR_INTERNAL, "%s: row-scaled x for [%lld x %lld] x [%lld x %lld]^T", op, (long long)a.M,
+                     (long long)a.K, (long long)a.N, (long long)a.K);
+        return;
+    }
     if (p.G * (p.skinny ? a.S : 1) > 65535) {
         ds4_dev_fail(d, DS4_ERR_UNSUPPORTED, "%s: %lld groups x %lld slices > 65535", op, (long long)p.G,
                      (long long)a.S);
@@ -820,6 +831,19 @@ bool ds4_cuda_rows_to_bf16(ds4_dev *d, const char *op, __nv_bfloat16 *dst, int64
 void ds4_cuda_gemm_f32(ds4_dev *d, const char *op, float *y, int64_t ldy, const float *x, int64_t ldx, const float *W,
                        int64_t M, int64_t K, int64_t N) {
     gemm_args g = {y, ldy, x, ldx, W, K, M, N, K, 0, 0, 0, nullptr, 0, 0, nullptr, 0, nullptr};
+    gemm(d, op, g, DS4_F32, DS4_F32, 1, M);
+}
+
+bool ds4_cuda_gemm_f32_rowscale_ok(ds4_dev *d, int64_t M, int64_t N) {
+    gemm_args g = {};
+    g.M = M, g.N = N;
+    return N > 0 && N <= 32 && M > 0 && !takes_skinny(cdev(d), g, 1, M);
+}
+
+void ds4_cuda_gemm_f32_rowscaled(ds4_dev *d, const char *op, float *y, int64_t ldy, const float *x, int64_t ldx,
+                                 const float *rs, const float *W, int64_t M, int64_t K, int64_t N) {
+    gemm_args g = {y, ldy, x, ldx, W, K, M, N, K, 0, 0, 0, nullptr, 0, 0, nullptr, 0, nullptr};
+    g.rs = rs;
     gemm(d, op, g, DS4_F32, DS4_F32, 1, M);
 }
 
