@@ -11,8 +11,11 @@
  * Shapes: the model's (n = 4, D = 1024) over 300 tokens (the GEMM that scales rows runs from 257 tokens on) and one
  * token (decoding: the skinny GEMM over a written copy); odd D (one channel a lane, no 16-byte loads), n from 2 to 12
  * (two tokens a warp up to n = 4, a token a warp up to 8, the reference kernels past it), mixing widths past the
- * narrow GEMM's 32 columns, 1 to 20 Sinkhorn iterations, and token counts that are multiples of nothing. Batch
- * invariance: the last token alone, and the last 17 together, against their rows of the whole batch (fast kernels).
+ * narrow GEMM's 32 columns, 1 to 20 Sinkhorn iterations, token counts that are multiples of nothing, X not 16-byte
+ * aligned. Batch invariance: the last token alone, and the last 17 together, against their rows of the whole batch
+ * (fast kernels); with few rows the mixing GEMM runs its skinny kernel, so this also compares the narrow GEMM kernels
+ * of the batch (the cp.async-staged one at 24 columns or fewer over aligned rows, the register-staged one else, each
+ * scaling rows as it reads them) with another kernel of the same sum order, bit for bit.
  * The CPU's side of these ops is test_cuda_ops' (within 1e-5). Exit 77 without a CUDA build or device. */
 #define _POSIX_C_SOURCE 200809L /* setenv: the reference backend */
 #include <math.h>
@@ -86,7 +89,8 @@ static void same_outs(const char *shape, const outs *got, const outs *want, int6
     same_rows("hyperhead", shape, &got->hu, &want->hu, r0, rows, D);
 }
 
-static void t_hc_bits(int64_t n, int64_t D, int64_t T, int64_t iters) {
+/* tokens [t0, T) of random inputs: the fast kernels against the reference, then the last tokens alone */
+static void t_hc_bits(int64_t n, int64_t D, int64_t T, int64_t iters, int64_t t0) {
     ds4_config c;
     ds4_config_default(&c);
     c.hc_mult = n, c.hidden_size = D, c.hc_sinkhorn_iters = iters;
@@ -95,20 +99,21 @@ static void t_hc_bits(int64_t n, int64_t D, int64_t T, int64_t iters) {
               tw_f(nmix * nD, -0.1f, 0.1f), tw_f(nmix, -1, 1), tw_f(3, 0.5f, 1.5f), tw_f(n * nD, -0.1f, 0.1f),
               tw_f(n, -1, 1), tw_f(1, 0.5f, 1.5f)};
     char shape[96];
-    snprintf(shape, sizeof shape, "(n = %lld, D = %lld, T = %lld, %lld iterations)", (long long)n, (long long)D,
-             (long long)T, (long long)iters);
-    outs fast = outs_new(T, n, D), ref = outs_new(T, n, D);
-    run(gpu, &c, &in, &fast, 0, T);
-    run(gpu_ref, &c, &in, &ref, 0, T);
-    same_outs(shape, &fast, &ref, 0, T, n, D);
-    /* batch invariance: the last token alone, the last min(17, T) tokens together */
-    const int64_t parts[2] = {1, T < 17 ? T : 17};
+    snprintf(shape, sizeof shape, "(n = %lld, D = %lld, tokens %lld .. %lld, %lld iterations)", (long long)n,
+             (long long)D, (long long)t0, (long long)T, (long long)iters);
+    const int64_t nt = T - t0;
+    outs fast = outs_new(nt, n, D), ref = outs_new(nt, n, D);
+    run(gpu, &c, &in, &fast, t0, nt);
+    run(gpu_ref, &c, &in, &ref, t0, nt);
+    same_outs(shape, &fast, &ref, 0, nt, n, D);
+    /* batch invariance: the last token alone, the last min(17, nt) tokens together */
+    const int64_t parts[2] = {1, nt < 17 ? nt : 17};
     for (int i = 0; i < 2; i++) {
         outs part = outs_new(parts[i], n, D);
         run(gpu, &c, &in, &part, T - parts[i], parts[i]);
-        char what[128];
+        char what[160];
         snprintf(what, sizeof what, "%s, the last %lld tokens alone", shape, (long long)parts[i]);
-        same_outs(what, &part, &fast, T - parts[i], parts[i], n, D);
+        same_outs(what, &part, &fast, nt - parts[i], parts[i], n, D);
         outs_free(&part);
     }
     outs_free(&fast), outs_free(&ref);
@@ -127,17 +132,18 @@ int main(void) {
     CHECK_OK(ds4_cuda_dev_create(0, &gpu_ref, &err), &err);
     unsetenv("DS4_CUDA_HC_REF");
     if (gpu_ref) {
-        t_hc_bits(4, 1024, 300, 20); /* the model's streams, a batch: the GEMM that scales rows */
-        t_hc_bits(4, 1024, 1, 20);   /* decoding */
-        t_hc_bits(4, 64, 261, 20);
-        t_hc_bits(2, 37, 259, 20);   /* odd D: a channel a lane */
-        t_hc_bits(3, 50, 17, 20);    /* the skinny GEMM over the written copy */
-        t_hc_bits(3, 52, 1000, 7);
-        t_hc_bits(4, 8, 5, 1);       /* one iteration; fewer channels than lanes */
-        t_hc_bits(5, 64, 300, 20);   /* 35 mixing columns: the tiled GEMM over the written copy */
-        t_hc_bits(6, 33, 5, 3);      /* a token a warp */
-        t_hc_bits(8, 40, 263, 20);   /* a token a warp, 8 streams in registers */
-        t_hc_bits(12, 16, 3, 20);    /* the reference kernels themselves (n·n > 64, n > 8) */
+        t_hc_bits(4, 1024, 300, 20, 0); /* the model's streams, a batch: the GEMM that scales rows, cp.async staged */
+        t_hc_bits(4, 1024, 1, 20, 0);   /* decoding */
+        t_hc_bits(4, 64, 261, 20, 0);
+        t_hc_bits(2, 37, 259, 20, 0);   /* odd D: a channel a lane, rows not 16-byte aligned: the narrow GEMM */
+        t_hc_bits(3, 37, 301, 20, 1);   /* X itself not 16-byte aligned */
+        t_hc_bits(3, 50, 17, 20, 0);    /* the skinny GEMM over the written copy */
+        t_hc_bits(3, 52, 1000, 7, 0);
+        t_hc_bits(4, 8, 5, 1, 0);       /* one iteration; fewer channels than lanes */
+        t_hc_bits(5, 64, 300, 20, 0);   /* 35 mixing columns: the tiled GEMM over the written copy */
+        t_hc_bits(6, 33, 5, 3, 0);      /* a token a warp */
+        t_hc_bits(8, 40, 263, 20, 0);   /* a token a warp, 8 streams in registers */
+        t_hc_bits(12, 16, 3, 20, 0);    /* the reference kernels themselves (n·n > 64, n > 8) */
         ds4_dev_release(gpu_ref);
     }
     twins_close(eng);
