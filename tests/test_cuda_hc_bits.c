@@ -104,6 +104,7 @@ static void t_hc_bits(int64_t n, int64_t D, int64_t T, int64_t iters, int64_t t0
     const int64_t nt = T - t0;
     outs fast = outs_new(nt, n, D), ref = outs_new(nt, n, D);
     run(gpu, &c, &in, &fast, t0, nt);
+    check_dev(gpu, "inputs"); /* the uploads (gpu's stream) have landed before the other backend's stream reads them */
     run(gpu_ref, &c, &in, &ref, t0, nt);
     same_outs(shape, &fast, &ref, 0, nt, n, D);
     /* batch invariance: the last token alone, the last min(17, nt) tokens together */
