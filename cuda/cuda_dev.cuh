@@ -56,8 +56,8 @@ struct cuda_dev {
     int graphs_on;                // DS4_CUDA_GRAPHS=0 switches recording off
     int64_t skinny_rows;          // GEMMs of at most this many rows may take the skinny kernels (DS4_CUDA_SKINNY_ROWS)
     int gemm_pipe;                // the pipelined GEMM's shape (DS4_CUDA_GEMM_PIPE; cuda_gemm.cu): never changes a bit
-    int hc_ref;                   // DS4_CUDA_HC_REF=1: the mHC backward's block-per-token kernels, whose bits the
-                                  // faster ones give (cuda_bwd_hc_moe.cu; the tests compare the two)
+    int hc_ref;                   // DS4_CUDA_HC_REF=1: the mHC kernels whose bits the faster ones give, forward
+                                  // (cuda_hc.cu) and backward (cuda_bwd_hc_moe.cu); the tests compare the two
     int bwd_ref;                  // DS4_CUDA_BWD_REF=1: the backward products' reference paths, whose bits the fast
                                   // ones give (cuda_bwd_linear.cu: the expert products through the tiles, every
                                   // dense product rounding its own operands; the tests compare the two)
@@ -90,12 +90,18 @@ bool ds4_cuda_launched(ds4_dev *d, const char *op, const char *fmt, ...) DS4_PRI
 void *ds4_cuda_scratch(ds4_dev *d, size_t bytes, const char *op, int slot);
 // y [M, N] (row stride ldy) = x [M, K] (row stride ldx) · Wᵀ with fp32 W [N, K]: the batch-invariant GEMM of
 // cuda_gemm.cu, for operations that contain a product (the mHC mixing logits).
+void ds4_cuda_gemm_f32(ds4_dev *d, const char *op, float *y, int64_t ldy, const float *x, int64_t ldx, const float *W,
+                       int64_t M, int64_t K, int64_t N);
+// The same product of x with row r scaled by rs[r] (x·rs[r] rounded to fp32 as it is read: the bits of the product of a
+// scaled copy of x), where the narrow fp32 kernel runs: ds4_cuda_gemm_f32_rowscale_ok (N <= 32 columns, rows enough
+// for the tiled kernels; elsewhere the caller scales a copy and calls ds4_cuda_gemm_f32).
+bool ds4_cuda_gemm_f32_rowscale_ok(ds4_dev *d, int64_t M, int64_t N);
+void ds4_cuda_gemm_f32_rowscaled(ds4_dev *d, const char *op, float *y, int64_t ldy, const float *x, int64_t ldx,
+                                 const float *rs, const float *W, int64_t M, int64_t K, int64_t N);
 // dst [groups, rows, cols] (row stride ldd, groups one after another) = src (row stride lds, group stride gs) rounded
 // to bf16 to nearest even, the rounding of every bf16 product's activation operand.
 bool ds4_cuda_rows_to_bf16(ds4_dev *d, const char *op, __nv_bfloat16 *dst, int64_t ldd, const float *src, int64_t lds,
                            int64_t gs, int64_t groups, int64_t rows, int64_t cols);
-void ds4_cuda_gemm_f32(ds4_dev *d, const char *op, float *y, int64_t ldy, const float *x, int64_t ldx, const float *W,
-                       int64_t M, int64_t K, int64_t N);
 // dx [rows, K] (+)= dy [rows, O]·W_e over the rows [off[e], off[e+1]) of each expert e, bf16 W [E, O, K] (W_e =
 // W + e·wstride): the backward tiles' bits through the forward's grouped GEMM (cuda_gemm.cu).
 void ds4_cuda_grouped_dx_bf16(ds4_dev *d, const char *op, float *dx, int acc, const float *dy, const void *W,
