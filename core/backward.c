@@ -156,7 +156,7 @@ static void lin_bwd(bwd *b, float *dx, int64_t lddx, int acc, float *dW, const f
            .K = K, .O = O, .bf16_in = bf16_in);
     if (dW)
         OP(b->f.dev, linear_bwd_w, .dW = dW, .dy = dy, .ldy = ldy, .x = x, .ldx = ldx, .T = T, .K = K, .O = O,
-           .wdt = wdt, .bf16_in = bf16_in, .any_order = !M && b->f.w->bf16_in);
+           .wdt = wdt, .bf16_in = bf16_in, .any_order = !M && b->f.w->bf16_in, .dy_kept = dx != NULL);
 }
 
 /* dst += the column sums of src (dst NULL: a frozen weight, nothing to compute) */
@@ -390,14 +390,15 @@ static void routed_bwd(bwd *b, const ds4_layer_w *l, const ds4_layer_w *g, const
        .lim = lim, .grads = 1);
     OP(dev, linear_bwd_x_grouped, .dx = b->dxs, .dy = b->act, .W = l->w1, .wdt = l->edt[0], .Ws = l->escale[0],
        .wstride = I * D, .off = b->ecount, .E = E, .rows = TK, .K = D, .O = I, .bf16_in = b->f.w->bf16_in);
+    OP(dev, linear_bwd_x_grouped, .dx = b->dxs, .acc = 1, .dy = b->dact, .W = l->w3, .wdt = l->edt[2],
+       .Ws = l->escale[2], .wstride = I * D, .off = b->ecount, .E = E, .rows = TK, .K = D, .O = I, .bf16_in = b->f.w->bf16_in);
+    /* the two weight gradients of the same x one after the other: a backend may keep what it made of x (x_kept) */
     if (g->w1)
         OP(dev, linear_bwd_w_grouped, .dW = g->w1, .wstride = I * D, .dy = b->act, .x = b->xs, .off = b->ecount,
            .E = E, .rows = TK, .K = D, .O = I, .wdt = b->mdt, .bf16_in = b->f.w->bf16_in);
-    OP(dev, linear_bwd_x_grouped, .dx = b->dxs, .acc = 1, .dy = b->dact, .W = l->w3, .wdt = l->edt[2],
-       .Ws = l->escale[2], .wstride = I * D, .off = b->ecount, .E = E, .rows = TK, .K = D, .O = I, .bf16_in = b->f.w->bf16_in);
     if (g->w3)
         OP(dev, linear_bwd_w_grouped, .dW = g->w3, .wstride = I * D, .dy = b->dact, .x = b->xs, .off = b->ecount,
-           .E = E, .rows = TK, .K = D, .O = I, .wdt = b->mdt, .bf16_in = b->f.w->bf16_in);
+           .E = E, .rows = TK, .K = D, .O = I, .wdt = b->mdt, .bf16_in = b->f.w->bf16_in, .x_kept = g->w1 != NULL);
     ds4_lora_bwd_gate_up(&b->lc, c, l->lora, g->lora, b->dxs, b->act, b->dact, b->xs, b->ecount, TK);
     /* the input gradients are in expert order: file them by slot, then sum each token's slots in slot order */
     OP(dev, scatter_rows, .dst = b->dxslot, .src = b->dxs, .idx = b->perm, .rows = TK, .width = D);

@@ -20,10 +20,7 @@ void ds4_cpu_adamw(ds4_dev *d, const ds4_a_adamw *a) {
             a->bad[c] = ds4_adamw_count_nonfinite(cf, a->coef, p, a->g + q->off, m, v, q->n);
             continue;
         }
-        float *g = a->g + q->off;
-        if (a->coef != 1.0f)
-            for (int64_t i = 0; i < q->n; i++) g[i] *= a->coef;
-        ds4_adamw_update(cf, p, g, m, v, q->n);
+        ds4_adamw_update_bounded(cf, a->coef, p, a->g + q->off, m, v, q->n, a->bnd ? &a->bnd[c] : NULL);
     }
 }
 

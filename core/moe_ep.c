@@ -295,14 +295,15 @@ void ds4_ep_experts_bwd(ds4_pass *f, const ds4_layer_w *l, const ds4_layer_w *g,
     float *dxo = xr; /* the received inputs are no longer needed */
     OP(dev, linear_bwd_x_grouped, .dx = dxo, .dy = act, .W = W1, .wdt = mdt, .wstride = I * D, .off = f->ep_off,
        .E = p.El, .rows = p.R, .K = D, .O = I, .bf16_in = bf);
+    OP(dev, linear_bwd_x_grouped, .dx = dxo, .acc = 1, .dy = dact, .W = W3, .wdt = mdt, .wstride = I * D,
+       .off = f->ep_off, .E = p.El, .rows = p.R, .K = D, .O = I, .bf16_in = bf);
     if (g->w1)
         OP(dev, linear_bwd_w_grouped, .dW = g->w1 + p.w0 * I * D, .wstride = I * D, .dy = act, .x = xo,
            .off = f->ep_off, .E = p.El, .rows = p.R, .K = D, .O = I, .wdt = mdt, .bf16_in = bf);
-    OP(dev, linear_bwd_x_grouped, .dx = dxo, .acc = 1, .dy = dact, .W = W3, .wdt = mdt, .wstride = I * D,
-       .off = f->ep_off, .E = p.El, .rows = p.R, .K = D, .O = I, .bf16_in = bf);
     if (g->w3)
         OP(dev, linear_bwd_w_grouped, .dW = g->w3 + p.w0 * I * D, .wstride = I * D, .dy = dact, .x = xo,
-           .off = f->ep_off, .E = p.El, .rows = p.R, .K = D, .O = I, .wdt = mdt, .bf16_in = bf);
+           .off = f->ep_off, .E = p.El, .rows = p.R, .K = D, .O = I, .wdt = mdt, .bf16_in = bf,
+           .x_kept = g->w1 != NULL);
     OP(dev, scatter_rows, .dst = dyr, .src = dxo, .idx = f->ep_idx, .rows = p.R, .width = D); /* received order */
     exchange(f, dyr, p.recv_rows, dxs, p.send_rows, D, "combine (backward)");
 }

@@ -210,6 +210,9 @@ typedef struct {
     float *dW; const float *dy; int64_t ldy; const float *x; int64_t ldx, T, K, O; ds4_dtype wdt; int bf16_in;
     int any_order; /* an fp32 product (wdt F32, no bf16_in) that may sum in another fixed order than the reference's
                     * (the bf16 mode's fp32 weights, whose bits no test pins): CUDA takes cuBLAS's fp32 GEMM */
+    int dy_kept;   /* the schedule's word that this op directly follows a linear_bwd_x of the same dy (dy, ldy, T, O)
+                    * and nothing wrote dy since: a backend may reuse what it derived from dy there (CUDA: its bf16
+                    * copy); the result is the same either way */
 } ds4_a_linear_bwd_w;
 /* The same per row group of off (ds4_a_matmul_grouped): dx rows written (acc: added); dW + e·wstride added */
 typedef struct {
@@ -219,6 +222,9 @@ typedef struct {
 typedef struct {
     float *dW; int64_t wstride; const float *dy, *x; const int64_t *off; int64_t E, rows, K, O; ds4_dtype wdt;
     int bf16_in;
+    int x_kept; /* the schedule's word that this op directly follows a linear_bwd_w_grouped of the same x and groups
+                 * (x, off, E, rows, K, O) and nothing wrote x or off since: a backend may reuse what it derived from x
+                 * there (CUDA: its transposed bf16 copy); the result is the same either way */
 } ds4_a_linear_bwd_w_grouped;
 
 /* RMSNorm backward over `groups` groups of `rows` rows (group g at + g·gstride elements): dx written or added
@@ -300,12 +306,14 @@ typedef struct ds4_optim_piece { int64_t off, n; int64_t range; } ds4_optim_piec
 typedef struct { const ds4_optim_piece *pieces; int64_t n; const float *g; double *partial; } ds4_a_optim_sumsq;
 /* update = 0: bad[c] = how many elements of piece c the AdamW update would leave with a non-finite p, m or v (the
  * gradient scaled by coef first); nothing written. update = 1: g *= coef (when coef != 1), then ds4_adamw_update's
- * arithmetic on p, m, v with coefs[range] (the same fp32 operations, so the same bits as the host's). g is indexed
- * by the pieces' flat offsets, p by the offset minus po and m and v by the offset minus mo: a ZeRO-1 shard's master
- * weights and moments hold elements [po, ...) and [mo, ...) of the flat buffer only (0: the whole buffer). */
+ * arithmetic on p, m, v with coefs[range] (the same fp32 operations, so the same bits as the host's), and, when bnd
+ * is not NULL, bnd[c] = the bounds of what piece c's update wrote (ds4_adamw_bounds: max |p|, |m|, |v| and -v).
+ * g is indexed by the pieces' flat offsets, p by the offset minus po and m and v by the offset minus mo: a ZeRO-1
+ * shard's master weights and moments hold elements [po, ...) and [mo, ...) of the flat buffer only (0: the whole
+ * buffer). */
 typedef struct {
     const ds4_optim_piece *pieces; int64_t n; const ds4_adamw_coefs *coefs; float coef; float *p, *g, *m, *v;
-    int64_t *bad; int update; int64_t mo, po;
+    int64_t *bad; int update; int64_t mo, po; ds4_adamw_bounds *bnd;
 } ds4_a_adamw;
 /* The working copy of the weights from the fp32 master: entry k copies n values from src + e[k].src (elements) to
  * dst + e[k].dst (bytes), rounded to mdt (round to nearest even) when e[k].lowp, else as fp32. */

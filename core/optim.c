@@ -150,6 +150,11 @@ static void adamw_update_scaled(const ds4_adamw_coefs *c, float coef, float *p, 
     if (bnd) *bnd = b;
 }
 
+void ds4_adamw_update_bounded(const ds4_adamw_coefs *c, float coef, float *p, float *g, float *m, float *v, int64_t n,
+                              ds4_adamw_bounds *bnd) {
+    adamw_update_scaled(c, coef, p, g, m, v, n, bnd);
+}
+
 void ds4_adamw_update(const ds4_adamw_coefs *c, float *p, const float *g, float *m, float *v, int64_t n) {
     adamw_update_scaled(c, 1.0f, p, (float *)g, m, v, n, NULL); /* coef 1: g is only read */
 }
@@ -799,10 +804,10 @@ static ds4_status adamw_step_device(ds4_adamw *a, size_t nr, int64_t total_elems
     ds4_dev *d = m->dev;
     ds4_lora *l = m->lora;
     const int64_t nc = ds4_optim_chunk_count(a->ranges, nr);
-    a->bounds_ok = 0; /* the moments move to the device and are stepped there: the host's bounds are for host steps */
     const size_t off_bad = (size_t)a->max_chunks * sizeof(double), off_pieces = 2 * off_bad,
                  off_coefs = off_pieces + (size_t)a->max_chunks * sizeof(ds4_optim_piece),
-                 scratch = off_coefs + (a->n_tensors ? a->n_tensors : 1) * sizeof(ds4_adamw_coefs);
+                 off_bnd = off_coefs + (a->n_tensors ? a->n_tensors : 1) * sizeof(ds4_adamw_coefs),
+                 scratch = off_bnd + (size_t)a->max_chunks * sizeof(ds4_adamw_bounds);
     /* the moments this optimizer holds: elements [mo, mo + mn) of the flat buffer (a ZeRO-1 shard's, or all) */
     int64_t mo = 0, mn = 0;
     ds4_adamw_shard_region(a, &mo, &mn);
@@ -830,6 +835,10 @@ static ds4_status adamw_step_device(ds4_adamw *a, size_t nr, int64_t total_elems
         l->dmoments = mem;
         l->moments_owner = NULL;
     }
+    /* the bounds kept from a step describe the moments it left where it left them: those of the last device step
+     * while the device copy is still this optimizer's; a ZeRO-1 shard keeps none (each rank would prove its region
+     * alone; its steps always count) */
+    if (*owner != a || a->sharded) a->bounds_ok = 0;
     if (*owner != a) { /* this optimizer's moments are on the host: send them */
         s = d->ops->upload(d, *dmom, a->m, mbytes, err);
         if (!s) s = d->ops->upload(d, *dmom + vo, a->v, mbytes, err);
@@ -846,6 +855,7 @@ static ds4_status adamw_step_device(ds4_adamw *a, size_t nr, int64_t total_elems
     int64_t *d_bad = (int64_t *)(void *)(sc + off_bad);
     ds4_optim_piece *d_pieces = (ds4_optim_piece *)(void *)(sc + off_pieces);
     ds4_adamw_coefs *d_coefs = (ds4_adamw_coefs *)(void *)(sc + off_coefs);
+    ds4_adamw_bounds *d_bnd = (ds4_adamw_bounds *)(void *)(sc + off_bnd);
     float *grads = l ? l->dgrads : m->dgrads, *master = l ? l->dparams : m->dmaster, *mom = *dmom, *mov = *dmom + vo;
     const float *host_grads = l ? l->grads : m->grads;
     /* pieces in flat offsets: the ranges were built over the host buffers, whose offsets the device buffers share */
@@ -875,13 +885,21 @@ static ds4_status adamw_step_device(ds4_adamw *a, size_t nr, int64_t total_elems
     s = step_norm_check(a, nr, norm, lr, stats, err);
     if (s) return s;
     const float coef = ds4_grad_clip_coef(norm, a->o.clip);
-    if (stats) stats->exact_check = 1;
-    for (size_t k = 0; k < nr; k++)
+    for (size_t k = 0; k < nr; k++) {
         a->coefs[k] = ds4_adamw_coefs_at(&a->h, a->tensor_steps[a->range_tensor[k]] + 1, lr, a->ranges[k].c.decay);
+        a->ranges[k].c = a->coefs[k]; /* what bounds_prove reads */
+    }
     ds4_dev_upload(d, d_coefs, a->coefs, nr * sizeof *a->coefs);
-    OP(d, adamw, .pieces = d_pieces, .n = no, .coefs = d_coefs, .coef = coef, .p = master, .g = grads, .m = mom,
-       .v = mov, .bad = d_bad, .update = 0, .mo = mo, .po = po);
-    ds4_dev_download(d, a->bad + k0, d_bad, (size_t)no * sizeof(int64_t));
+    /* the bounds of the last update prove most steps finite (as on the host); else the check pass and its counts */
+    const int proved = bounds_prove(a, a->ranges, nr, NULL, coef, norm);
+    if (stats) stats->exact_check = !proved;
+    if (proved) {
+        memset(a->bad + k0, 0, (size_t)no * sizeof *a->bad);
+    } else {
+        OP(d, adamw, .pieces = d_pieces, .n = no, .coefs = d_coefs, .coef = coef, .p = master, .g = grads, .m = mom,
+           .v = mov, .bad = d_bad, .update = 0, .mo = mo, .po = po);
+        ds4_dev_download(d, a->bad + k0, d_bad, (size_t)no * sizeof(int64_t));
+    }
     if ((s = ds4_dev_check(d, "adamw step: finiteness check: ", err))) return s;
     int64_t bad = 0;
     size_t first = nr;
@@ -893,8 +911,9 @@ static ds4_status adamw_step_device(ds4_adamw *a, size_t nr, int64_t total_elems
                         (long long)a->steps + 1, (long long)bad, (long long)total_elems,
                         first < nr ? target_name(m, a->range_tensor[first]) : "?", lr, norm, a->o.clip);
     }
+    a->bounds_ok = 0; /* until the bounds of this update are read back below */
     OP(d, adamw, .pieces = d_pieces, .n = no, .coefs = d_coefs, .coef = coef, .p = master, .g = grads, .m = mom,
-       .v = mov, .update = 1, .mo = mo, .po = po);
+       .v = mov, .update = 1, .mo = mo, .po = po, .bnd = a->sharded ? NULL : d_bnd);
     /* the working copy of the master's region (ZeRO-1: this rank's; the cast table is the region's) */
     if (!l) OP(d, cast_params, .dst = m->dev_mem, .src = master, .e = m->dcast, .n = m->n_cast, .mdt = m->dev_w.mdt);
     if (a->sharded) {
@@ -910,6 +929,9 @@ static ds4_status adamw_step_device(ds4_adamw *a, size_t nr, int64_t total_elems
             return s;
         }
     }
+    /* the per-piece bounds of the update (16 bytes a piece; this waits for the update and the cast, which the next
+     * forward would wait for anyway); a ZeRO-1 shard keeps none (its device steps run the check every time) */
+    if (!a->sharded) ds4_dev_download(d, a->chunk_bnd, d_bnd, (size_t)no * sizeof *a->chunk_bnd);
     if ((s = ds4_dev_check(d, "adamw step: update: ", err))) {
         /* the update may be half written: the device copies cannot be trusted; say so */
         ds4_error_prefix(err, "the model's weights on the device may be partly updated: ");
@@ -924,9 +946,12 @@ static ds4_status adamw_step_device(ds4_adamw *a, size_t nr, int64_t total_elems
     }
     for (size_t k = 0; k < nr; k++) ++a->tensor_steps[a->range_tensor[k]];
     a->steps++;
-    if (m->topt.router_bias_gamma > 0 && (s = ds4_model_update_router_bias(m, m->topt.router_bias_gamma, err))) return s;
-    if (stats) stats->step = a->steps;
-    return DS4_OK;
+    if (!a->sharded) {
+        ds4_adamw_bounds b = {0, 0, 0, 0};
+        for (int64_t k = 0; k < no; k++) bounds_merge(&b, &a->chunk_bnd[k]);
+        bounds_keep(a, nr, NULL, &b);
+    }
+    return step_finish(a, stats, err);
 }
 
 ds4_status ds4_adamw_sync_state(ds4_adamw *a, ds4_error *err) {

@@ -116,6 +116,10 @@ typedef struct ds4_adamw_bounds {
 void ds4_adamw_update_ranges_bounded(const ds4_optim_range *r, size_t n, float coef, const ds4_optim_chunk *chunks,
                                      int64_t n_chunks, ds4_adamw_bounds *scratch, ds4_pool *pool,
                                      ds4_adamw_bounds *out);
+/* g *= coef (written back when coef != 1), then ds4_adamw_update on p, m, v (the same bits as the two apart), in one
+ * pass; the bounds of what it wrote to *bnd when bnd is not NULL. */
+void ds4_adamw_update_bounded(const ds4_adamw_coefs *c, float coef, float *p, float *g, float *m, float *v, int64_t n,
+                              ds4_adamw_bounds *bnd);
 /* 1 when an update with coefficients c of elements with |p| <= b->p, |m| <= b->m, 0 <= v <= b->v and a gradient of
  * |g| <= gmax multiplied by coef surely leaves every p, m and v finite (then ds4_adamw_count_nonfinite would return
  * 0); 0 when these scalars cannot show it (the count must run). Reads no element. */

@@ -16,8 +16,10 @@
 // differ from the ones it used in the last bit.)
 //
 // Speed: the per-token work runs a token per warp where the shapes allow (n <= 8; the norm and dots, the coefficients,
-// mHC post), each reading a token's rows once with many loads in flight. The block-per-token kernels stay as the
-// definition of the bits (and for wide n); DS4_CUDA_HC_REF=1 selects them, and the tests require equal bytes.
+// mHC post), each reading a token's rows once with many loads in flight; mHC post's mixing GEMM, with many tokens,
+// reads X scaled by the norm factors instead of a normalised copy written and read back. The block-per-token kernels
+// stay as the definition of the bits (and for wide n); DS4_CUDA_HC_REF=1 selects them, and the tests require equal
+// bytes.
 #include <type_traits>
 
 #include "cuda_dev.cuh"
@@ -97,7 +99,8 @@ __global__ void __launch_bounds__(BT) norm_dots_kernel(const float *X, float *xn
 //     second stage: lane w < 8 takes virtual warp w's sum, the others 0, and the same butterfly;
 //   - each dot over D: lane l sums c = l, l + 32, .. in order with fmaf, then the butterfly (warp_dot). One warp runs
 //     all of a token's dots at once, so G, A and X are read once for all of them (there: once per dot, n + 1 times);
-//   - xn = x·inv is elementwise: written as the dots read X.
+//   - xn = x·inv is elementwise: written as the dots read X; or, xn NULL, the factor inv itself into rinv[t], for a
+//     GEMM that scales X's rows as it reads them (the same xn values, not written and read back).
 // The loads are __restrict__ (X, G, A are inputs only, xn and the dots outputs of their own) so that the compiler
 // may issue the next elements' loads before this element's stores.
 constexpr int ND_WARPS = 4, ND_MAXN = 8;
@@ -108,7 +111,8 @@ __global__ void __launch_bounds__(ND_WARPS * 32) norm_dots_warp_kernel(const flo
                                                                        double eps, const float *__restrict__ G,
                                                                        const float *__restrict__ A,
                                                                        float *__restrict__ out0, int64_t ld0,
-                                                                       float *__restrict__ out1) {
+                                                                       float *__restrict__ out1,
+                                                                       float *__restrict__ rinv) {
     constexpr int VW = BT / 32; // the virtual warps of norm_dots_kernel's block
     const int lane = threadIdx.x & 31;
     const int64_t t = (int64_t)blockIdx.x * ND_WARPS + (threadIdx.x >> 5), nD = N * D;
@@ -133,6 +137,7 @@ __global__ void __launch_bounds__(ND_WARPS * 32) norm_dots_warp_kernel(const flo
         if (lane == w) tot = s;
     }
     const float inv = ds4d_rms_inv(ds4d_warp_sum(tot), nD, eps);
+    if (!xn && lane == 0) rinv[t] = inv;
 
     float acc0[N], acc1[POST ? N * N : 1]; // the dots: [i] / [k] (out0), [j·N + k] (out1)
 #pragma unroll
@@ -140,7 +145,7 @@ __global__ void __launch_bounds__(ND_WARPS * 32) norm_dots_warp_kernel(const flo
 #pragma unroll
     for (int e = 0; e < (POST ? N * N : 1); e++) acc1[e] = 0.0f;
     const float *g = G + t * (POST ? nD : D);
-    float *xo = xn + t * nD;
+    float *xo = xn ? xn + t * nD : nullptr;
 #pragma unroll 2
     for (int64_t c = lane; c < D; c += 32) {
         float xv[N];
@@ -160,8 +165,9 @@ __global__ void __launch_bounds__(ND_WARPS * 32) norm_dots_warp_kernel(const flo
                 for (int j = 0; j < N; j++) acc1[POST ? j * N + k : 0] = fmaf(gk, xv[j], acc1[POST ? j * N + k : 0]);
             }
         }
+        if (xo)
 #pragma unroll
-        for (int j = 0; j < N; j++) xo[j * D + c] = xv[j] * inv;
+            for (int j = 0; j < N; j++) xo[j * D + c] = xv[j] * inv;
     }
 #pragma unroll
     for (int i = 0; i < N; i++) {
@@ -501,19 +507,31 @@ bool hc_shapes_ok(ds4_dev *d, const char *op, int64_t T, int64_t n, int64_t D, i
 
 template <int N>
 void norm_dots_warps(cudaStream_t s, const float *X, float *xn, int64_t T, int64_t D, double eps, const float *G,
-                     const float *A, float *out0, int64_t ld0, float *out1, int post) {
+                     const float *A, float *out0, int64_t ld0, float *out1, int post, float *rinv) {
     const unsigned blocks = (unsigned)((T + ND_WARPS - 1) / ND_WARPS);
-    if (post) norm_dots_warp_kernel<N, true><<<blocks, ND_WARPS * 32, 0, s>>>(X, xn, T, D, eps, G, A, out0, ld0, out1);
-    else norm_dots_warp_kernel<N, false><<<blocks, ND_WARPS * 32, 0, s>>>(X, xn, T, D, eps, G, A, out0, ld0, out1);
+    if (post)
+        norm_dots_warp_kernel<N, true><<<blocks, ND_WARPS * 32, 0, s>>>(X, xn, T, D, eps, G, A, out0, ld0, out1, rinv);
+    else
+        norm_dots_warp_kernel<N, false><<<blocks, ND_WARPS * 32, 0, s>>>(X, xn, T, D, eps, G, A, out0, ld0, out1, rinv);
 }
 
+// Whether norm_dots takes the token-per-warp kernel (which can return the norm factors instead of xn).
+bool norm_dots_by_warps(ds4_dev *d, int64_t n) { return n <= ND_MAXN && !cdev(d)->hc_ref; }
+
 // The norm and the dots over T tokens, checked: a token per warp for n <= ND_MAXN, else (and with DS4_CUDA_HC_REF=1,
-// the kernel that defines the bits) a block per token.
+// the kernel that defines the bits) a block per token. xn NULL (the token-per-warp kernel only): the factors 1 / rms
+// into rinv [T] instead.
 bool norm_dots(ds4_dev *d, const char *op, const float *X, float *xn, int64_t T, int64_t n, int64_t D, double eps,
-               const float *G, const float *A, float *out0, int64_t ld0, float *out1, int post) {
+               const float *G, const float *A, float *out0, int64_t ld0, float *out1, int post, float *rinv = nullptr) {
     const cudaStream_t s = cdev(d)->stream;
-    const bool warps = n <= ND_MAXN && !cdev(d)->hc_ref;
-    const auto per_warp = [&](auto N) { norm_dots_warps<decltype(N)::value>(s, X, xn, T, D, eps, G, A, out0, ld0, out1, post); };
+    const bool warps = norm_dots_by_warps(d, n);
+    const auto per_warp = [&](auto N) {
+        norm_dots_warps<decltype(N)::value>(s, X, xn, T, D, eps, G, A, out0, ld0, out1, post, rinv);
+    };
+    if (!xn && !warps) {
+        ds4_dev_fail(d, DS4_ERR_INTERNAL, "%s: norm factors without xn from the block-per-token kernel", op);
+        return false;
+    }
     if (!warps || !with_streams<ND_MAXN>(n, per_warp))
         norm_dots_kernel<<<(unsigned)T, BT, 0, s>>>(X, xn, n, D, eps, G, A, out0, ld0, out1, post);
     return ds4_cuda_launched(d, op, "norm and dots [%lld tokens, %lld streams, %lld%s]", (long long)T, (long long)n,
@@ -587,13 +605,12 @@ __global__ void moe_dws_kernel(float *dws, const float *da, const float *ye, int
     }
 }
 
-// dys[r] = 0 + ew[perm[r]] · da[perm[r] / K] (the CPU clears the row, then adds)
-__global__ void moe_dy_kernel(float *dys, const float *da, const float *ew, const int32_t *perm, int64_t N, int64_t K,
+// dys[r] = 0 + ew[perm[r]] · da[perm[r] / K] (the CPU clears the row, then adds), a block per row r
+__global__ void moe_dy_kernel(float *dys, const float *da, const float *ew, const int32_t *perm, int64_t K,
                               int64_t D) {
-    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < N; i += (int64_t)gridDim.x * blockDim.x) {
-        const int64_t slot = perm[i / D];
-        dys[i] = madd(ew[slot], da[(slot / K) * D + i % D], 0.0f);
-    }
+    const int64_t r = blockIdx.x, slot = perm[r];
+    const float w = ew[slot];
+    ds4d_row_map(dys + r * D, da + (slot / K) * D, D, [w](float x) { return madd(w, x, 0.0f); });
 }
 
 // dh[t] += dxslot[t·K + k] for k in slot order, one add at a time as the CPU's axpys
@@ -676,13 +693,19 @@ void ds4_cuda_hc_post_bwd(ds4_dev *d, const ds4_a_hc_post_bwd *a) {
     const ds4_config *c = a->c;
     const int64_t T = a->T, n = c->hc_mult, D = c->hidden_size, nD = n * D, np = n + n * n;
     if (!hc_shapes_ok(d, "hc_post_bwd", T, n, D, c->hc_sinkhorn_iters, true)) return;
-    // scratch: xn [T, nD], then mixp [T, n + n²] = the post and comb logits (rows n .. of fn)
-    float *xn = (float *)ds4_cuda_scratch(d, (size_t)(T * (nD + np)) * sizeof(float), "hc_post_bwd", 1);
+    // scratch: xn [T, nD], then mixp [T, n + n²] = the post and comb logits (rows n .. of fn), then the norm factors
+    // [T]. Where the narrow GEMM runs (many tokens) and the token-per-warp norm, xn is neither written nor read back:
+    // the GEMM scales X's rows by the factors as it reads them, the same values (cuda_gemm.cu).
+    const bool scaled = norm_dots_by_warps(d, n) && ds4_cuda_gemm_f32_rowscale_ok(d, T, np);
+    const int64_t nxn = scaled ? 0 : T * nD;
+    float *xn = (float *)ds4_cuda_scratch(d, (size_t)(nxn + T * np + T) * sizeof(float), "hc_post_bwd", 1);
     if (!xn) return;
-    float *mixp = xn + T * nD;
-    if (!norm_dots(d, "hc_post_bwd", a->X, xn, T, n, D, c->rms_norm_eps, a->dXo, a->a, a->dpost, n, a->dcomb, 1))
+    float *mixp = xn + nxn, *rinv = mixp + T * np;
+    if (!norm_dots(d, "hc_post_bwd", a->X, scaled ? nullptr : xn, T, n, D, c->rms_norm_eps, a->dXo, a->a, a->dpost, n,
+                   a->dcomb, 1, rinv))
         return;
-    ds4_cuda_gemm_f32(d, "hc_post_bwd", mixp, np, xn, nD, a->w->fn + n * nD, T, nD, np);
+    if (scaled) ds4_cuda_gemm_f32_rowscaled(d, "hc_post_bwd", mixp, np, a->X, nD, rinv, a->w->fn + n * nD, T, nD, np);
+    else ds4_cuda_gemm_f32(d, "hc_post_bwd", mixp, np, xn, nD, a->w->fn + n * nD, T, nD, np);
     if (d->st) return;
     const cudaStream_t s = cdev(d)->stream;
     const bool warps = n <= POST_SMALL_N && !cdev(d)->hc_ref; // DS4_CUDA_HC_REF=1: the kernel that defines the bits
@@ -730,9 +753,12 @@ void ds4_cuda_moe_dws(ds4_dev *d, const ds4_a_moe_dws *a) {
 }
 
 void ds4_cuda_moe_dy(ds4_dev *d, const ds4_a_moe_dy *a) {
-    const int64_t N = a->rows * a->D;
-    if (N <= 0) return;
-    moe_dy_kernel<<<ds4_blocks(N, 256), 256, 0, cdev(d)->stream>>>(a->dys, a->da, a->ew, a->perm, N, a->K, a->D);
+    if (a->rows <= 0 || a->D <= 0) return;
+    if (a->rows > 0x7fffffff) {
+        ds4_dev_fail(d, DS4_ERR_UNSUPPORTED, "moe_dy: %lld rows", (long long)a->rows);
+        return;
+    }
+    moe_dy_kernel<<<(unsigned)a->rows, 256, 0, cdev(d)->stream>>>(a->dys, a->da, a->ew, a->perm, a->K, a->D);
     ds4_cuda_launched(d, "moe_dy", "[%lld rows, top %lld, %lld]", (long long)a->rows, (long long)a->K, (long long)a->D);
 }
 

@@ -25,8 +25,11 @@
 // forward must give a sequence the same bits whatever shares its batch: the rollout's log-probabilities), only
 // determinism, and cuBLAS gives the same bits at every run for the same shapes on the same GPU with one stream and
 // its own workspace (its documented reproducibility), about twice as fast as the tiles on training shapes. The fp32
-// operands are first rounded to bf16 (nearest even, as the tiles round them) into scratch; the products accumulate
-// in fp32 (CUBLAS_COMPUTE_32F on the tensor cores). fp32 mode keeps the tiles: it is the reference mode, and its
+// operands are first rounded to bf16 (nearest even, as the tiles round them) into scratch slot 1; the products
+// accumulate in fp32 (CUBLAS_COMPUTE_32F on the tensor cores). dx's rounded dy stays at the start of slot 1 for the
+// dW of the same y = x Wᵀ that the schedule issues right after it (dy_kept, ops.h): rounding it is a pass over
+// [T, O] fp32 as long as a small product itself, and the same values either way. DS4_CUDA_BWD_REF=1 rounds it
+// again and sends the expert products to the tiles: the reference paths whose bytes the tests compare. fp32 mode keeps the tiles: it is the reference mode, and its
 // 10-step trajectory check (tests/test_cuda_train.c, tiny_a) holds with their order; tiny_a is chaotic under AdamW
 // (a ~1e-7 change in step 0's gradients, as cuBLAS's fp32 order gives, moves step 1's loss by 1.5e-5 and the
 // trajectory ends 1e-3 from torch; with the tiles it stays within 1.5e-7). The tiles also keep the
@@ -318,7 +321,9 @@ int row_threads(int64_t width) { return width >= 256 ? 256 : (width >= 128 ? 128
 // One block per row: g = dlogp[r] (or g0); dl = g·(onehot − softmax) with the max and Σ exp of the CPU (double).
 // dl may be the logits: every value of the row is read (two block sums, each ending with a barrier) before any
 // is written, and each thread then reads and writes only its own elements.
-__global__ void logp_bwd_kernel(float *dl, const float *logits, int64_t V, const int64_t *tgt, const float *dlogp,
+constexpr int LOGP_THREADS = 256;
+
+__global__ void __launch_bounds__(LOGP_THREADS) logp_bwd_kernel(float *dl, const float *logits, int64_t V, const int64_t *tgt, const float *dlogp,
                                 double g0) {
     __shared__ double shd[8];
     __shared__ float shf[8];
@@ -327,20 +332,20 @@ __global__ void logp_bwd_kernel(float *dl, const float *logits, int64_t V, const
     float *o = dl + r * V;
     const double g = dlogp ? (double)dlogp[r] : g0;
     if (y == -100 || g == 0) {
-        for (int64_t v = threadIdx.x; v < V; v += blockDim.x) o[v] = 0.0f;
+        for (int64_t v = threadIdx.x; v < V; v += LOGP_THREADS) o[v] = 0.0f;
         return;
     }
     float mx = -INFINITY;
-    for (int64_t v = threadIdx.x; v < V; v += blockDim.x) mx = z[v] > mx ? z[v] : mx;
+    ds4d_row_visit<LOGP_THREADS, 8>(z, V, [&](int64_t, float zv) { mx = zv > mx ? zv : mx; });
     mx = ds4d_block_maxf(mx, shf);
     double se = 0;
-    for (int64_t v = threadIdx.x; v < V; v += blockDim.x) se += exp((double)z[v] - mx);
+    ds4d_row_visit<LOGP_THREADS, 8>(z, V, [&](int64_t, float zv) { se += exp((double)zv - mx); });
     se = ds4d_block_sum(se, shd);
-    for (int64_t v = threadIdx.x; v < V; v += blockDim.x) {
-        float val = (float)(-g * exp((double)z[v] - mx) / se);
+    ds4d_row_visit<LOGP_THREADS, 8>(z, V, [&](int64_t v, float zv) {
+        float val = (float)(-g * exp((double)zv - mx) / se);
         if (v == y) val += (float)g;
         o[v] = val;
-    }
+    });
 }
 
 struct norm_args {
@@ -689,11 +694,14 @@ void ds4_cuda_logp_bwd(ds4_dev *d, const ds4_a_logp_bwd *a) {
         ds4_dev_fail(d, DS4_ERR_UNSUPPORTED, "logp_bwd: %lld rows x %lld", (long long)a->rows, (long long)a->V);
         return;
     }
-    logp_bwd_kernel<<<(unsigned)a->rows, 256, 0, cdev(d)->stream>>>(a->dl, a->logits, a->V, a->tgt, a->dlogp, a->g0);
+    logp_bwd_kernel<<<(unsigned)a->rows, LOGP_THREADS, 0, cdev(d)->stream>>>(a->dl, a->logits, a->V, a->tgt, a->dlogp, a->g0);
     ds4_cuda_launched(d, "logp_bwd", "[%lld x %lld]", (long long)a->rows, (long long)a->V);
 }
 
-// dx [T, K] (row stride lddx) (+)= dy [T, O] (row stride ldy) · W [O, K]: A(t, o) = dy[t, o], B(k, o) = W[o, k].
+// One past the last float of rows [0, rows) of cols values at row stride ld.
+static const float *rows_end(const float *p, int64_t rows, int64_t cols, int64_t ld) { return p + (rows - 1) * ld + cols; }
+static bool overlaps(const float *a0, const float *a1, const float *b0, const float *b1) { return a0 < b1 && b0 < a1; }
+
 // dst [rows, cols] (dense) = src [rows, cols] (row stride ld) rounded to bf16, nearest even
 static bool to_bf16(ds4_dev *d, const char *op, __nv_bfloat16 *dst, const float *src, int64_t rows, int64_t cols,
                     int64_t ld) {
@@ -731,6 +739,7 @@ static void fp32_bf16_in(ds4_dev *d, const char *op) {
     ds4_dev_fail(d, DS4_ERR_UNSUPPORTED, "%s: bf16_in with fp32 weights (the CPU's emulation of the bf16 mode)", op);
 }
 
+// dx [T, K] (row stride lddx) (+)= dy [T, O] (row stride ldy) · W [O, K]: A(t, o) = dy[t, o], B(k, o) = W[o, k].
 void ds4_cuda_linear_bwd_x(ds4_dev *d, const ds4_a_linear_bwd_x *a) {
     if (a->T <= 0 || a->K <= 0) return;
     prod_args p = {};
@@ -739,24 +748,27 @@ void ds4_cuda_linear_bwd_x(ds4_dev *d, const ds4_a_linear_bwd_x *a) {
     char s[160];
     snprintf(s, sizeof s, "dx [%lld x %lld]%s = dy [%lld x %lld] x W [%lld x %lld]", (long long)a->T, (long long)a->K,
              a->acc ? " +" : "", (long long)a->T, (long long)a->O, (long long)a->O, (long long)a->K);
+    cuda_dev *cd = cdev(d);
+    cd->bwd_dy.src = nullptr;
     if (a->bf16_in && a->wdt != DS4_BF16) return fp32_bf16_in(d, "linear_bwd_x");
     // fp32 (the reference mode, and LoRA's forward y += u·B, which must be batch-invariant: cuBLAS is not), another
     // dtype (the tiles' error), no reduction (O = 0: the tiles write the zeros)
     if (a->wdt != DS4_BF16 || a->O <= 0) return product(d, "linear_bwd_x", p, a->wdt, true, s);
     // column-major: dxᵀ [K x T] (+)= Wᵀ [K x O] · dyᵀ [O x T]; W row-major [O, K] is column-major [K x O]
-    const void *dy = a->dy;
-    int64_t ldy = a->ldy;
-    if (a->wdt == DS4_BF16) {
-        auto *c = (__nv_bfloat16 *)ds4_cuda_scratch(d, (size_t)(a->T * a->O) * sizeof(__nv_bfloat16), "linear_bwd_x", 1);
-        if (!c || !to_bf16(d, "linear_bwd_x", c, a->dy, a->T, a->O, a->ldy)) return;
-        dy = c, ldy = a->O;
-    }
-    blas_gemm(d, "linear_bwd_x", s, CUBLAS_OP_N, CUBLAS_OP_N, a->K, a->T, a->O, a->W, a->K, dy, ldy, a->acc ? 1.0f : 0.0f,
-              a->dx, a->lddx, a->wdt == DS4_BF16 ? CUDA_R_16BF : CUDA_R_32F);
+    auto *dy = (__nv_bfloat16 *)ds4_cuda_scratch(d, (size_t)(a->T * a->O) * sizeof(__nv_bfloat16), "linear_bwd_x", 1);
+    if (!dy || !to_bf16(d, "linear_bwd_x", dy, a->dy, a->T, a->O, a->ldy)) return;
+    blas_gemm(d, "linear_bwd_x", s, CUBLAS_OP_N, CUBLAS_OP_N, a->K, a->T, a->O, a->W, a->K, dy, a->O,
+              a->acc ? 1.0f : 0.0f, a->dx, a->lddx, CUDA_R_16BF);
+    // the copy stays for the linear_bwd_w of the same dy that may follow, unless dx was written over dy
+    if (!d->st && !overlaps(a->dx, rows_end(a->dx, a->T, a->K, a->lddx), a->dy, rows_end(a->dy, a->T, a->O, a->ldy)))
+        cd->bwd_dy = {a->dy, a->T, a->O, a->ldy, cd->generation};
 }
 
 // dW [O, K] += dyᵀ · x over T rows: A(o, t) = dy[t, o], B(k, t) = x[t, k] (both read down their columns).
 void ds4_cuda_linear_bwd_w(ds4_dev *d, const ds4_a_linear_bwd_w *a) {
+    cuda_dev *cd = cdev(d);
+    const cuda_dev::kept_bf16 k = cd->bwd_dy; // what the linear_bwd_x just before left (dy_kept); used once at most
+    cd->bwd_dy.src = nullptr;
     if (a->T <= 0 || a->K <= 0 || a->O <= 0) return; // no rows: dW stays as it is (the CPU's too)
     prod_args p = {};
     p.y = a->dW, p.ldy = a->K, p.a = a->dy, p.a_rs = 1, p.a_ks = a->ldy, p.b = a->x, p.b_rs = 1, p.b_ks = a->ldx;
@@ -774,9 +786,13 @@ void ds4_cuda_linear_bwd_w(ds4_dev *d, const ds4_a_linear_bwd_w *a) {
     const void *x = a->x, *dy = a->dy;
     int64_t ldx = a->ldx, ldy = a->ldy;
     if (mode == DS4_BF16) {
+        // dy [T, O] then x [T, K] in bf16 in slot 1; dy's copy is there already when the linear_bwd_x just before
+        // made it (dy_kept: the schedule's word that nothing wrote dy since) and slot 1 has not moved
         auto *c = (__nv_bfloat16 *)ds4_cuda_scratch(d, (size_t)(a->T * (a->O + a->K)) * sizeof(__nv_bfloat16),
                                                     "linear_bwd_w", 1);
-        if (!c || !to_bf16(d, "linear_bwd_w", c, a->dy, a->T, a->O, a->ldy) ||
+        const bool kept = a->dy_kept && !cd->bwd_ref && k.src == a->dy && k.rows == a->T && k.cols == a->O &&
+                          k.ld == a->ldy && k.generation == cd->generation;
+        if (!c || (!kept && !to_bf16(d, "linear_bwd_w", c, a->dy, a->T, a->O, a->ldy)) ||
             !to_bf16(d, "linear_bwd_w", c + a->T * a->O, a->x, a->T, a->K, a->ldx))
             return;
         dy = c, ldy = a->O, x = c + a->T * a->O, ldx = a->K;
@@ -801,7 +817,7 @@ void ds4_cuda_linear_bwd_x_grouped(ds4_dev *d, const ds4_a_linear_bwd_x_grouped 
     if (a->wdt == DS4_FP4_PACKED)
         return product(d, "linear_bwd_x_grouped", p, a->bf16_in ? DS4_BF16 : DS4_F32, true, s, true);
     if (a->bf16_in && a->wdt != DS4_BF16) return fp32_bf16_in(d, "linear_bwd_x_grouped");
-    if (a->wdt == DS4_BF16) // the same bits as the tiles below, through the forward's pipelined grouped GEMM
+    if (a->wdt == DS4_BF16 && !cdev(d)->bwd_ref) // the tiles' bits below, through the forward's pipelined grouped GEMM
         return ds4_cuda_grouped_dx_bf16(d, "linear_bwd_x_grouped", a->dx, a->acc, a->dy, a->W, a->rows, a->O, a->K,
                                         a->off, a->E, a->wstride);
     product(d, "linear_bwd_x_grouped", p, a->wdt, true, s);
@@ -817,10 +833,11 @@ void ds4_cuda_linear_bwd_w_grouped(ds4_dev *d, const ds4_a_linear_bwd_w_grouped 
     snprintf(s, sizeof s, "dW [%lld x %lld x %lld] += dy^T [%lld x %lld] x x [%lld x %lld] by expert", (long long)a->E,
              (long long)a->O, (long long)a->K, (long long)a->O, (long long)a->rows, (long long)a->rows,
              (long long)a->K);
-    if ((a->bf16_in || a->wdt == DS4_BF16) && // the same bits as the tiles, through the pipelined GEMM where it runs
+    if ((a->bf16_in || a->wdt == DS4_BF16) && !cdev(d)->bwd_ref && // the tiles' bits, through the pipelined GEMM
         ds4_cuda_grouped_dw_bf16(d, "linear_bwd_w_grouped", a->dW, a->wstride, a->dy, a->x, a->rows, a->O, a->K, a->off,
-                                 a->E))
+                                 a->E, a->x_kept))
         return;
+    cdev(d)->bwd_xT.x = nullptr; // the tiles leave no transposed x for a next call
     product(d, "linear_bwd_w_grouped", p, a->bf16_in ? DS4_BF16 : a->wdt, false, s);
 }
 

@@ -175,6 +175,8 @@ static ds4_status c_reserve(ds4_dev *d, const ds4_config *c, int64_t T, int64_t 
 // replayed. Not while profiling (per-op timers) or with DS4_CUDA_SYNC=1.
 static int c_graph_begin(ds4_dev *d, uint64_t key) {
     cuda_dev *cd = cdev(d);
+    cd->bwd_dy.src = nullptr; // a kept bf16 operand never crosses a pass's boundary (a replay skips the host's ops)
+    cd->bwd_xT.x = nullptr;
     if (!cd->graphs_on || d->prof || cd->sync_each_op || d->st) return 0;
     cuda_dev::graph_entry *e = NULL, *lru = &cd->graphs[0];
     for (auto &g : cd->graphs) {
@@ -464,6 +466,8 @@ extern "C" ds4_status ds4_cuda_dev_create(int device, ds4_dev **out, ds4_error *
     cd->gemm_pipe = pipe && pipe[0] ? atoi(pipe) : 0;
     const char *hc_ref = getenv("DS4_CUDA_HC_REF");
     cd->hc_ref = hc_ref && hc_ref[0] == '1';
+    const char *bwd_ref = getenv("DS4_CUDA_BWD_REF");
+    cd->bwd_ref = bwd_ref && bwd_ref[0] == '1';
     *out = &cd->dev;
     return DS4_OK;
 }

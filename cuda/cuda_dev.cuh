@@ -56,8 +56,27 @@ struct cuda_dev {
     int graphs_on;                // DS4_CUDA_GRAPHS=0 switches recording off
     int64_t skinny_rows;          // GEMMs of at most this many rows may take the skinny kernels (DS4_CUDA_SKINNY_ROWS)
     int gemm_pipe;                // the pipelined GEMM's shape (DS4_CUDA_GEMM_PIPE; cuda_gemm.cu): never changes a bit
-    int hc_ref;                   // DS4_CUDA_HC_REF=1: the mHC backward's block-per-token kernels, whose bits the
-                                  // faster ones give (cuda_bwd_hc_moe.cu; the tests compare the two)
+    int hc_ref;                   // DS4_CUDA_HC_REF=1: the mHC kernels whose bits the faster ones give, forward
+                                  // (cuda_hc.cu) and backward (cuda_bwd_hc_moe.cu); the tests compare the two
+    int bwd_ref;                  // DS4_CUDA_BWD_REF=1: the backward products' reference paths, whose bits the fast
+                                  // ones give (cuda_bwd_linear.cu: the expert products through the tiles, every
+                                  // dense product rounding its own operands; the tests compare the two)
+    // The operand of the last linear_bwd_x whose bf16 copy lies at the start of scratch slot 1 (dy [rows, cols], row
+    // stride ld), so that a linear_bwd_w told dy_kept (ops.h) need not round it again; src NULL: none. The scratch
+    // generation tells whether slot 1 moved since (cuda_bwd_linear.cu).
+    struct kept_bf16 {
+        const float *src;
+        int64_t rows, cols, ld;
+        uint64_t generation;
+    } bwd_dy;
+    // The x of the last bf16 linear_bwd_w_grouped, transposed by its groups in scratch slot 1 (cuda_gemm.cu,
+    // ds4_cuda_grouped_dw_bf16), for the next one told x_kept (ops.h); x NULL: none.
+    struct kept_groups {
+        const float *x;
+        int64_t rows, K, O, E;
+        const int64_t *off;
+        uint64_t generation;
+    } bwd_xT;
     graph_entry *recording;
 };
 
@@ -71,20 +90,27 @@ bool ds4_cuda_launched(ds4_dev *d, const char *op, const char *fmt, ...) DS4_PRI
 void *ds4_cuda_scratch(ds4_dev *d, size_t bytes, const char *op, int slot);
 // y [M, N] (row stride ldy) = x [M, K] (row stride ldx) · Wᵀ with fp32 W [N, K]: the batch-invariant GEMM of
 // cuda_gemm.cu, for operations that contain a product (the mHC mixing logits).
+void ds4_cuda_gemm_f32(ds4_dev *d, const char *op, float *y, int64_t ldy, const float *x, int64_t ldx, const float *W,
+                       int64_t M, int64_t K, int64_t N);
+// The same product of x with row r scaled by rs[r] (x·rs[r] rounded to fp32 as it is read: the bits of the product of a
+// scaled copy of x), where the narrow fp32 kernel runs: ds4_cuda_gemm_f32_rowscale_ok (N <= 32 columns, rows enough
+// for the tiled kernels; elsewhere the caller scales a copy and calls ds4_cuda_gemm_f32).
+bool ds4_cuda_gemm_f32_rowscale_ok(ds4_dev *d, int64_t M, int64_t N);
+void ds4_cuda_gemm_f32_rowscaled(ds4_dev *d, const char *op, float *y, int64_t ldy, const float *x, int64_t ldx,
+                                 const float *rs, const float *W, int64_t M, int64_t K, int64_t N);
 // dst [groups, rows, cols] (row stride ldd, groups one after another) = src (row stride lds, group stride gs) rounded
 // to bf16 to nearest even, the rounding of every bf16 product's activation operand.
 bool ds4_cuda_rows_to_bf16(ds4_dev *d, const char *op, __nv_bfloat16 *dst, int64_t ldd, const float *src, int64_t lds,
                            int64_t gs, int64_t groups, int64_t rows, int64_t cols);
-void ds4_cuda_gemm_f32(ds4_dev *d, const char *op, float *y, int64_t ldy, const float *x, int64_t ldx, const float *W,
-                       int64_t M, int64_t K, int64_t N);
 // dx [rows, K] (+)= dy [rows, O]·W_e over the rows [off[e], off[e+1]) of each expert e, bf16 W [E, O, K] (W_e =
 // W + e·wstride): the backward tiles' bits through the forward's grouped GEMM (cuda_gemm.cu).
 void ds4_cuda_grouped_dx_bf16(ds4_dev *d, const char *op, float *dx, int acc, const float *dy, const void *W,
                               int64_t rows, int64_t O, int64_t K, const int64_t *off, int64_t E, int64_t wstride);
 // dW_e [O, K] += dyᵀ·x over the rows [off[e], off[e+1]) (dW_e = dW + e·wstride), bf16: the backward tiles' bits
 // through the pipelined GEMM on operands transposed by groups; false (nothing done) where that kernel cannot run.
+// x_kept: x as the call just before had it (ops.h); its transposed copy is reused where it is still in scratch.
 bool ds4_cuda_grouped_dw_bf16(ds4_dev *d, const char *op, float *dW, int64_t wstride, const float *dy, const float *x,
-                              int64_t rows, int64_t O, int64_t K, const int64_t *off, int64_t E);
+                              int64_t rows, int64_t O, int64_t K, const int64_t *off, int64_t E, int x_kept);
 // The fake-quantisation q of vectors of `width` floats is one the device can do (a known format; the rotation on a
 // power-of-two width); else a failure naming op is recorded (cuda_kv_qat.cu).
 bool ds4_cuda_fq_shape_ok(ds4_dev *d, const char *op, int64_t width, const ds4_fq &q);
@@ -126,6 +152,44 @@ __device__ __forceinline__ double ds4d_block_sum(double v, double *sh) {
     const double t = sh[0];
     __syncthreads();
     return t;
+}
+
+// Thread t of a block of NT threads visits the values z[v] of a row, v = t, t + NT, t + 2·NT, .. < V, in that order
+// (the order of its share of a row reduction), calling use(v, z[v]). U loads are issued before the first use of a
+// round, and the uses of a round are unrolled: a row op is otherwise one dependent load-exp-add per element, bound
+// by memory latency. The order of the uses (so every sum they make) is that of the plain loop.
+template <int NT, int U, class F>
+__device__ __forceinline__ void ds4d_row_visit(const float *z, int64_t V, F &&use) {
+    for (int64_t v0 = threadIdx.x; v0 < V; v0 += (int64_t)U * NT) {
+        float zz[U];
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            const int64_t v = v0 + (int64_t)u * NT;
+            zz[u] = v < V ? z[v] : 0.0f;
+        }
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            const int64_t v = v0 + (int64_t)u * NT;
+            if (v < V) use(v, zz[u]);
+        }
+    }
+}
+
+// dst[c] = f(src[c]) for c < D by the threads of one block: 16 bytes at a time where D and both rows allow it, else
+// one by one. Each element's arithmetic is f either way.
+template <class F>
+__device__ __forceinline__ void ds4d_row_map(float *dst, const float *src, int64_t D, F &&f) {
+    if ((D & 3) == 0 && (((uintptr_t)dst | (uintptr_t)src) & 15) == 0) {
+        const float4 *s4 = (const float4 *)src;
+        float4 *d4 = (float4 *)dst;
+        for (int64_t c = threadIdx.x; c < D / 4; c += blockDim.x) {
+            float4 v = s4[c];
+            v.x = f(v.x), v.y = f(v.y), v.z = f(v.z), v.w = f(v.w);
+            d4[c] = v;
+        }
+    } else {
+        for (int64_t c = threadIdx.x; c < D; c += blockDim.x) dst[c] = f(src[c]);
+    }
 }
 
 __device__ __forceinline__ float ds4d_block_maxf(float v, float *sh) {

@@ -12,7 +12,8 @@
 //     ds4d_mma_k32 (cuda_tile.cuh) with that mapping, so the sums they do are the same sums.
 // The fixed slices are what lets few-row products (decoding) spread one output's K over many warps — each computes
 // the partials of its slices, the last to finish adds them in slice order — without changing a bit.
-// Kernels: tiled ones through shared memory for many rows (fp32 outputs of at most 32 columns: a narrow one); for bf16
+// Kernels: tiled ones through shared memory for many rows (fp32 outputs of at most 32 columns: a narrow one, which
+// may scale x's rows as it reads them, and at most 24 over aligned rows its cp.async-staged twin); for bf16
 // products that fill the GPU, a pipelined one (cp.async stages) over a bf16 copy of x made first (rows_to_bf16: the
 // same rounding every kernel applies as it reads x); "skinny" ones for at most 16 rows, one warp (bf16) or one block
 // (fp32) per (column tile, slice), streaming W from global memory. bench/bench_gemm_gpu times them against cuBLAS.
@@ -48,6 +49,8 @@ struct gemm_args {
                                   // x and W from group_start(koff, z) (row-grouped reductions, transposed operands)
     const __nv_bfloat16 *xh;      // the pipelined kernel's x: x rounded to bf16 (rows_to_bf16), row stride ldxh,
     int64_t ldxh, gxh;            // group z at xh + z·gxh
+    const float *rs;              // the narrow fp32 kernel only: x's row r is read as x·rs[r] rounded to fp32, the
+                                  // values of a row-scaled copy of x, so the product of that copy, without the copy
 };
 
 // Where reduction group e starts in a transposed operand: 8-aligned (cp.async copies 16-byte pieces of bf16), each
@@ -152,9 +155,49 @@ __global__ void __launch_bounds__((BM / TM) * (BN / TN)) gemm_f32_kernel(gemm_ar
 // Each output is the tiled kernel's sum: fmaf in k order within a slice, zero padded, slices added in order (a chunk
 // of 64 never straddles a slice; extra zero-padded steps only turn a -0 partial into +0, which the fold's 0 + P0
 // does anyway).
+constexpr int NARROW_BM = 32, NARROW_BK = 64, NARROW_LD = NARROW_BK + 4;
+
+// One staged chunk of 64 k into thread (ty, tx)'s accumulators: rows 2ty, 2ty + 1 of cA [32][LD], columns tx + 8j of
+// cB [8·TN][LD], fmaf in k order.
+template <int TN>
+__device__ __forceinline__ void narrow_chunk(float (&acc)[2][TN], const float *cA, const float *cB, int ty, int tx) {
+    constexpr int BK = NARROW_BK, LD = NARROW_LD;
+#pragma unroll 4
+    for (int kk = 0; kk < BK; kk += 4) {
+        const float4 p0 = *reinterpret_cast<const float4 *>(&cA[(2 * ty) * LD + kk]);
+        const float4 p1 = *reinterpret_cast<const float4 *>(&cA[(2 * ty + 1) * LD + kk]);
+        const float av[2][4] = {{p0.x, p0.y, p0.z, p0.w}, {p1.x, p1.y, p1.z, p1.w}};
+#pragma unroll
+        for (int j = 0; j < TN; j++) {
+            const float4 q = *reinterpret_cast<const float4 *>(&cB[(tx + 8 * j) * LD + kk]);
+            const float bv[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+            for (int u = 0; u < 4; u++)
+#pragma unroll
+                for (int i = 0; i < 2; i++) acc[i][j] = fmaf(av[i][u], bv[u], acc[i][j]);
+        }
+    }
+}
+
+// thread (ty, tx)'s totals into y: rows r0 + 2ty + i below rend, columns tx + 8j below N
+template <int TN>
+__device__ __forceinline__ void narrow_store(const gemm_args &a, float *y, const float (&tot)[2][TN], int64_t r0,
+                                             int64_t rend, int ty, int tx) {
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        const int64_t r = r0 + 2 * ty + i;
+        if (r >= rend) continue;
+#pragma unroll
+        for (int j = 0; j < TN; j++) {
+            const int64_t c = tx + 8 * j;
+            if (c < a.N) y[r * a.ldy + c] = tot[i][j];
+        }
+    }
+}
+
 template <int TN, typename WT>
 __global__ void __launch_bounds__(128) gemm_f32_narrow(gemm_args a) {
-    constexpr int BM = 32, BK = 64, LD = BK + 4, NC = 8 * TN, XL = BM * BK / 128, WL = NC * BK / 128;
+    constexpr int BM = NARROW_BM, BK = NARROW_BK, LD = NARROW_LD, NC = 8 * TN, XL = BM * BK / 128, WL = NC * BK / 128;
     static_assert(KSLICE % BK == 0, "slices hold whole chunks");
     __shared__ __align__(16) float sA[2][BM * LD], sB[2][NC * LD];
     int64_t r0, r1, woff;
@@ -166,13 +209,18 @@ __global__ void __launch_bounds__(128) gemm_f32_narrow(gemm_args a) {
     const int tid = threadIdx.x, ty = tid >> 3, tx = tid & 7;
     const int64_t rend = r1 < r0 + BM ? r1 : r0 + BM;
     // the next chunk's values wait in registers while the current one is multiplied; two buffers, one barrier
-    float rx[XL], rw[WL];
+    float rx[XL], rw[WL], rsc[XL]; // rsc: the scales of the rows this thread loads (a.rs), read once
+#pragma unroll
+    for (int i = 0; i < XL; i++) {
+        const int64_t r = r0 + (tid + i * 128) / BK;
+        rsc[i] = a.rs && r < rend ? a.rs[r] : 1.0f;
+    }
     auto fetch = [&](int64_t k0) {
 #pragma unroll
         for (int i = 0; i < XL; i++) {
             const int e = tid + i * 128, m = e / BK, kk = e % BK;
             const int64_t r = r0 + m, k = k0 + kk;
-            rx[i] = r < rend && k < a.K ? x[r * a.ldx + k] : 0.0f;
+            rx[i] = r < rend && k < a.K ? (a.rs ? x[r * a.ldx + k] * rsc[i] : x[r * a.ldx + k]) : 0.0f;
         }
 #pragma unroll
         for (int i = 0; i < WL; i++) {
@@ -197,37 +245,87 @@ __global__ void __launch_bounds__(128) gemm_f32_narrow(gemm_args a) {
     for (int64_t k0 = 0; k0 < a.K; k0 += BK, buf ^= 1) {
         const bool more = k0 + BK < a.K;
         if (more) fetch(k0 + BK);
-        const float *cA = sA[buf], *cB = sB[buf];
-#pragma unroll 4
-        for (int kk = 0; kk < BK; kk += 4) {
-            const float4 p0 = *reinterpret_cast<const float4 *>(&cA[(2 * ty) * LD + kk]);
-            const float4 p1 = *reinterpret_cast<const float4 *>(&cA[(2 * ty + 1) * LD + kk]);
-            const float av[2][4] = {{p0.x, p0.y, p0.z, p0.w}, {p1.x, p1.y, p1.z, p1.w}};
-#pragma unroll
-            for (int j = 0; j < TN; j++) {
-                const float4 q = *reinterpret_cast<const float4 *>(&cB[(tx + 8 * j) * LD + kk]);
-                const float bv[4] = {q.x, q.y, q.z, q.w};
-#pragma unroll
-                for (int u = 0; u < 4; u++)
-#pragma unroll
-                    for (int i = 0; i < 2; i++) acc[i][j] = fmaf(av[i][u], bv[u], acc[i][j]);
-            }
-        }
+        narrow_chunk<TN>(acc, sA[buf], sB[buf], ty, tx);
         if (more) stash(buf ^ 1);
         __syncthreads();
         if ((k0 + BK) % KSLICE == 0 || !more) // a slice ends: its partial joins the total
             ds4d_fma_fold(tot, acc);
     }
+    narrow_store<TN>(a, y, tot, r0, rend, ty, tx);
+}
+
+// The narrow kernel with its loads further ahead: chunks copied by cp.async into NP_ST stages of shared memory (chunk
+// c + NP_ST - 1 requested while chunk c is multiplied), so that a block keeps two chunks (28 KB at 24 columns) in
+// flight instead of one in registers; the multiply is narrow_chunk on the same staged rows, so the same sums and the
+// same bits. Needs x's and W's rows 16-byte aligned (pieces of 4 floats; a piece past K copies fewer bytes and
+// zero-fills the rest, a row past the block's end none); fp32 W only (cp.async copies bytes, it cannot decode FP4).
+// Row scales (a.rs): each thread scales the x pieces it copied once they have landed, before the barrier that makes
+// the stage visible, so the staged values are x·rs rounded to fp32 and zeros past K, as the narrow kernel stages.
+constexpr int NP_ST = 3;
+
+template <int TN>
+__global__ void __launch_bounds__(128) gemm_f32_narrow_pipe(gemm_args a) {
+    constexpr int BM = NARROW_BM, BK = NARROW_BK, LD = NARROW_LD, NC = 8 * TN;
+    constexpr int XP = BM * BK / 4 / 128, WP = NC * BK / 4 / 128; // 16-byte pieces a thread copies per chunk
+    static_assert(KSLICE % BK == 0, "slices hold whole chunks");
+    __shared__ __align__(16) float sA[NP_ST][BM * LD], sB[NP_ST][NC * LD];
+    const int64_t r0 = (int64_t)blockIdx.y * BM, rend = a.M < r0 + BM ? a.M : r0 + BM;
+    const float *x = a.x, *W = static_cast<const float *>(a.W);
+    const int tid = threadIdx.x, ty = tid >> 3, tx = tid & 7;
+    const int64_t nch = (a.K + BK - 1) / BK;
+    float rsc[XP];
 #pragma unroll
-    for (int i = 0; i < 2; i++) {
-        const int64_t r = r0 + 2 * ty + i;
-        if (r >= rend) continue;
-#pragma unroll
-        for (int j = 0; j < TN; j++) {
-            const int64_t c = tx + 8 * j;
-            if (c < a.N) y[r * a.ldy + c] = tot[i][j];
-        }
+    for (int i = 0; i < XP; i++) {
+        const int64_t r = r0 + (tid + i * 128) / (BK / 4);
+        rsc[i] = a.rs && r < rend ? a.rs[r] : 1.0f;
     }
+    auto request = [&](int64_t c) { // chunk c into stage c % NP_ST; one commit group either way
+        if (c < nch) {
+            const int64_t k0 = c * BK;
+            float *dA = sA[c % NP_ST], *dB = sB[c % NP_ST];
+#pragma unroll
+            for (int i = 0; i < XP; i++) {
+                const int p = tid + i * 128, m = p / (BK / 4), kq = (p % (BK / 4)) * 4;
+                const int64_t r = r0 + m, k = k0 + kq, left = a.K - k;
+                const int bytes = r < rend && left > 0 ? (left >= 4 ? 16 : (int)left * 4) : 0;
+                ds4d_cp_async16(dA + m * LD + kq, bytes ? x + r * a.ldx + k : x, bytes);
+            }
+#pragma unroll
+            for (int i = 0; i < WP; i++) {
+                const int p = tid + i * 128, n = p / (BK / 4), kq = (p % (BK / 4)) * 4;
+                const int64_t k = k0 + kq, left = a.K - k;
+                const int bytes = n < a.N && left > 0 ? (left >= 4 ? 16 : (int)left * 4) : 0;
+                ds4d_cp_async16(dB + n * LD + kq, bytes ? W + n * a.ldw + k : W, bytes);
+            }
+        }
+        ds4d_cp_async_commit();
+    };
+    float tot[2][TN], acc[2][TN];
+    ds4d_fma_zero(tot);
+    ds4d_fma_zero(acc);
+#pragma unroll
+    for (int c = 0; c < NP_ST - 1; c++) request(c);
+    for (int64_t c = 0; c < nch; c++) {
+        ds4d_cp_async_wait<NP_ST - 2>(); // this thread's pieces of chunk c have landed
+        if (a.rs) {
+            float *dA = sA[c % NP_ST];
+#pragma unroll
+            for (int i = 0; i < XP; i++) {
+                const int p = tid + i * 128, m = p / (BK / 4), kq = (p % (BK / 4)) * 4;
+                const int64_t k = c * BK + kq;
+#pragma unroll
+                for (int q = 0; q < 4; q++)
+                    if (k + q < a.K) dA[m * LD + kq + q] = dA[m * LD + kq + q] * rsc[i];
+            }
+        }
+        __syncthreads(); // chunk c visible to all; everyone is done with chunk c - 1, whose stage the next request takes
+        request(c + NP_ST - 1);
+        narrow_chunk<TN>(acc, sA[c % NP_ST], sB[c % NP_ST], ty, tx);
+        if (((c + 1) * BK) % KSLICE == 0 || c + 1 == nch) // a slice ends: its partial joins the total
+            ds4d_fma_fold(tot, acc);
+    }
+    ds4d_cp_async_wait<0>();
+    narrow_store<TN>(a, a.y, tot, r0, rend, ty, tx);
 }
 
 // fp32, at most 16 rows: one block of 256 threads per (32 columns, slice, row tile); the slice of W and x staged in
@@ -699,6 +797,12 @@ void launch(cuda_dev *cd, const gemm_args &a, ds4_dtype mode, const plan &p) {
                   cudaSuccess;
         dim3 grid(ds4_blocks(a.N, (int)p.cols), grid_rows(a, 16), (unsigned)(G * a.S));
         gemm_f32_skinny<WF><<<grid, 256, smem, cd->stream>>>(a);
+    } else if (mode == DS4_F32 && a.N <= 24 && !FP4 && G == 1 && !a.off && p.va && aligned(a.W, 16) &&
+               a.ldw % 4 == 0) { /* the narrow product with its loads in flight further ahead (48 KB of stages at most) */
+        dim3 grid(1, grid_rows(a, NARROW_BM), 1);
+        if (a.N <= 8) gemm_f32_narrow_pipe<1><<<grid, 128, 0, cd->stream>>>(a);
+        else if (a.N <= 16) gemm_f32_narrow_pipe<2><<<grid, 128, 0, cd->stream>>>(a);
+        else gemm_f32_narrow_pipe<3><<<grid, 128, 0, cd->stream>>>(a);
     } else if (mode == DS4_F32 && a.N <= 32) {
         dim3 grid(1, grid_rows(a, 32), (unsigned)G);
         if (a.N <= 8) gemm_f32_narrow<1, WF><<<grid, 128, 0, cd->stream>>>(a);
@@ -737,6 +841,15 @@ bool x_to_bf16(ds4_dev *d, const char *op, gemm_args &a, int64_t G) {
     return true;
 }
 
+// The skinny kernels (16 rows per block, parallel over K slices) when the tiled ones would leave most of the GPU idle:
+// few rows (per group of W), or so few output tiles that the tiled grid (every expert's tiles, for grouped GEMMs) has
+// fewer blocks than two per SM. Measured on an H100 (bench/RESULTS.md): at 128-256 rows the skinny kernels win 2-3x;
+// at 512 and more rows they lose (they read W once per 16 rows and write K-slice partials).
+bool takes_skinny(const cuda_dev *cd, const gemm_args &a, int64_t G, int64_t rows_hint) {
+    const int64_t tiled_blocks = G * (int64_t)grid_rows(a, 64) * ((a.N + 127) / 128);
+    return rows_hint <= 16 || (tiled_blocks < 2 * (int64_t)cd->sm_count && rows_hint <= cd->skinny_rows);
+}
+
 // Launch the variant for `rows_hint` rows per (group of) W. Which variant runs never changes the result. mode: the
 // arithmetic (F32 or BF16); wdt: how W is held, mode's dtype or DS4_FP4_PACKED (codes W, scales a.ws).
 void gemm(ds4_dev *d, const char *op, gemm_args a, ds4_dtype wdt, ds4_dtype mode, int64_t groups, int64_t rows_hint) {
@@ -762,17 +875,17 @@ void gemm(ds4_dev *d, const char *op, gemm_args a, ds4_dtype wdt, ds4_dtype mode
     plan p;
     p.G = groups > 0 ? groups : 1;
     a.S = (a.K + KSLICE - 1) / KSLICE;
-    /* the skinny kernels (16 rows per block, parallel over K slices) when the tiled ones would leave most of the GPU
-     * idle: few rows (per group of W), or so few output tiles that the tiled grid (every expert's tiles, for grouped
-     * GEMMs) has fewer blocks than two per SM. Measured on an H100 (bench/RESULTS.md): at 128-256 rows the skinny
-     * kernels win 2-3x; at 512 and more rows they lose (they read W once per 16 rows and write K-slice partials). */
-    const int64_t tiled_blocks = p.G * (int64_t)grid_rows(a, 64) * ((a.N + 127) / 128);
-    p.skinny = rows_hint <= 16 || (tiled_blocks < 2 * (int64_t)cd->sm_count && rows_hint <= cd->skinny_rows);
+    p.skinny = takes_skinny(cd, a, p.G, rows_hint);
     if (a.acc && (mode != DS4_BF16 || fp4)) { /* only the bf16 tiles and the pipeline add into y */
         ds4_dev_fail(d, DS4_ERR_INTERNAL, "%s: y += x Wᵀ in %s mode%s", op, ds4_dtype_name(mode), fp4 ? ", FP4" : "");
         return;
     }
     p.skinny = p.skinny && !a.acc;
+    if (a.rs && (mode != DS4_F32 || fp4 || p.skinny || a.N > 32)) { /* only the narrow fp32 kernel scales rows */
+        ds4_dev_fail(d, DS4_ERR_INTERNAL, "%s: row-scaled x for [%lld x %lld] x [%lld x %lld]^T", op, (long long)a.M,
+                     (long long)a.K, (long long)a.N, (long long)a.K);
+        return;
+    }
     if (p.G * (p.skinny ? a.S : 1) > 65535) {
         ds4_dev_fail(d, DS4_ERR_UNSUPPORTED, "%s: %lld groups x %lld slices > 65535", op, (long long)p.G,
                      (long long)a.S);
@@ -823,6 +936,52 @@ void ds4_cuda_gemm_f32(ds4_dev *d, const char *op, float *y, int64_t ldy, const 
     gemm(d, op, g, DS4_F32, DS4_F32, 1, M);
 }
 
+// The same with O, K and wstride even (the experts' shapes): tiles of 64 × 64 moved as pairs of bf16, 4-byte words,
+// so that a warp reads and writes 128 bytes at a time (the 32 × 32 kernel below: 64 bytes of 2-byte accesses).
+constexpr int TP = 64;
+static __global__ void __launch_bounds__(256) transpose_bf16_pairs(unsigned short *Wt, const unsigned short *W, int64_t O,
+                                                                   int64_t K, int64_t wstride) {
+    __shared__ unsigned short tile[TP][TP + 2]; // [o][k]: a thread's pair is one word; rows 33 words apart
+    const int64_t e = blockIdx.z, o0 = (int64_t)blockIdx.y * TP, k0 = (int64_t)blockIdx.x * TP;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const unsigned short *src = W + e * wstride;
+    uint32_t v[TP / 8];
+#pragma unroll
+    for (int i = 0; i < TP / 8; i++) { // every load of the thread issued before any store
+        const int64_t o = o0 + warp + 8 * i, k = k0 + 2 * lane;
+        v[i] = o < O && k < K ? *reinterpret_cast<const uint32_t *>(src + o * K + k) : 0u;
+    }
+#pragma unroll
+    for (int i = 0; i < TP / 8; i++) {
+        tile[warp + 8 * i][2 * lane] = (unsigned short)(v[i] & 0xffffu);
+        tile[warp + 8 * i][2 * lane + 1] = (unsigned short)(v[i] >> 16);
+    }
+    __syncthreads();
+    unsigned short *dst = Wt + e * K * O;
+    const int64_t o = o0 + 2 * lane;
+    if (o >= O) return;
+#pragma unroll
+    for (int j = warp; j < TP; j += 8) {
+        const int64_t k = k0 + j;
+        if (k < K)
+            *reinterpret_cast<uint32_t *>(dst + k * O + o) = (uint32_t)tile[2 * lane][j] |
+                                                              ((uint32_t)tile[2 * lane + 1][j] << 16);
+    }
+}
+
+bool ds4_cuda_gemm_f32_rowscale_ok(ds4_dev *d, int64_t M, int64_t N) {
+    gemm_args g = {};
+    g.M = M, g.N = N;
+    return N > 0 && N <= 32 && M > 0 && !takes_skinny(cdev(d), g, 1, M);
+}
+
+void ds4_cuda_gemm_f32_rowscaled(ds4_dev *d, const char *op, float *y, int64_t ldy, const float *x, int64_t ldx,
+                                 const float *rs, const float *W, int64_t M, int64_t K, int64_t N) {
+    gemm_args g = {y, ldy, x, ldx, W, K, M, N, K, 0, 0, 0, nullptr, 0, 0, nullptr, 0, nullptr};
+    g.rs = rs;
+    gemm(d, op, g, DS4_F32, DS4_F32, 1, M);
+}
+
 // Wt [E, K, O] = W_e [O, K] transposed, bf16 bits; 32 × 32 tiles through shared memory (coalesced both ways).
 static __global__ void transpose_bf16_kernel(unsigned short *Wt, const unsigned short *W, int64_t O, int64_t K,
                                       int64_t wstride) {
@@ -852,8 +1011,12 @@ void ds4_cuda_grouped_dx_bf16(ds4_dev *d, const char *op, float *dx, int acc, co
     }
     unsigned short *Wt = (unsigned short *)ds4_cuda_scratch(d, (size_t)(E * O * K) * sizeof(unsigned short), op, 1);
     if (!Wt) return;
-    const dim3 tgrid(ds4_blocks(K, 32), ds4_blocks(O, 32), (unsigned)E);
-    transpose_bf16_kernel<<<tgrid, dim3(32, 8), 0, cdev(d)->stream>>>(Wt, (const unsigned short *)W, O, K, wstride);
+    if (O % 2 == 0 && K % 2 == 0 && wstride % 2 == 0 && aligned(W, 4))
+        transpose_bf16_pairs<<<dim3(ds4_blocks(K, TP), ds4_blocks(O, TP), (unsigned)E), 256, 0, cdev(d)->stream>>>(
+            Wt, (const unsigned short *)W, O, K, wstride);
+    else
+        transpose_bf16_kernel<<<dim3(ds4_blocks(K, 32), ds4_blocks(O, 32), (unsigned)E), dim3(32, 8), 0,
+                                cdev(d)->stream>>>(Wt, (const unsigned short *)W, O, K, wstride);
     if (!ds4_cuda_launched(d, op, "[%lld experts x %lld x %lld] transposed (bf16)", (long long)E, (long long)O,
                            (long long)K))
         return;
@@ -861,64 +1024,99 @@ void ds4_cuda_grouped_dx_bf16(ds4_dev *d, const char *op, float *dx, int acc, co
     gemm(d, op, g, DS4_BF16, DS4_BF16, 1, (rows + E - 1) / E);
 }
 
-// out [C, width] = in [rows, C] transposed by row groups: row r of group e (rows [off[e], off[e+1])) becomes column
-// group_start(off, e) + r − off[e], rounded to bf16 to nearest even (as the backward's tiles round their operands).
-// 32 × 32 tiles through shared memory; each tile's rows find their group by bisection of off.
-static __global__ void transpose_groups_kernel(__nv_bfloat16 *out, int64_t width, const float *in, int64_t rows,
-                                               int64_t C, const int64_t *off, int64_t E) {
-    __shared__ float tile[32][33];
-    __shared__ int64_t col[32];
-    const int64_t r0 = (int64_t)blockIdx.y * 32, c0 = (int64_t)blockIdx.x * 32;
-    if (threadIdx.y == 0) {
-        const int64_t r = r0 + threadIdx.x;
-        int64_t lo = 0, hi = E - 1; // the last group starting at or before r: the one that holds it
-        while (lo < hi) {
-            const int64_t mid = (lo + hi + 1) / 2;
-            if (off[mid] <= r) lo = mid;
-            else hi = mid - 1;
-        }
-        col[threadIdx.x] = group_start(off, lo) + r - off[lo];
+// The reduction position each column of the transposed operands holds: src[w] = the row of dy and x that column w
+// takes (group e's rows [off[e], off[e+1]) at columns group_start(off, e) on), -1 for the padding between groups.
+static __global__ void group_columns_kernel(int64_t *src, int64_t width, const int64_t *off, int64_t E) {
+    const int64_t w = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (w >= width) return;
+    int64_t lo = 0, hi = E - 1; // the last group starting at or before w: the one whose columns may hold it
+    while (lo < hi) {
+        const int64_t mid = (lo + hi + 1) / 2;
+        if (group_start(off, mid) <= w) lo = mid;
+        else hi = mid - 1;
     }
-    for (int i = threadIdx.y; i < 32; i += blockDim.y)
-        if (r0 + i < rows && c0 + threadIdx.x < C) tile[i][threadIdx.x] = in[(r0 + i) * C + c0 + threadIdx.x];
+    const int64_t r = off[lo] + w - group_start(off, lo);
+    src[w] = r < off[lo + 1] ? r : -1;
+}
+
+// out [C, width] (bf16): column w = row src[w] of in [rows, C], rounded to bf16 to nearest even (as the backward's
+// tiles round their operands); padding columns 0 (never read: cp.async copies only a group's own columns). Tiles of
+// 64 columns × 32 channels through shared memory: a warp reads one row's 32 channels (128 bytes), all eight rows of a
+// warp issued before any is stored, then writes 64 columns of one channel as 32 bf16 pairs (128 bytes). The map src
+// is made once per product (group_columns_kernel): the kernel of 32 × 32 tiles before it searched off for every tile
+// and wrote 64 bytes per warp store.
+constexpr int TG_W = 64, TG_C = 32, TG_ROWS = TG_W / 8;
+static __global__ void __launch_bounds__(256) transpose_columns_kernel(__nv_bfloat16 *out, int64_t width,
+                                                                       const float *in, int64_t C, const int64_t *src) {
+    __shared__ float tile[TG_W][TG_C + 1];
+    const int64_t w0 = (int64_t)blockIdx.x * TG_W, c0 = (int64_t)blockIdx.y * TG_C;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const bool cin = c0 + lane < C;
+    float v[TG_ROWS];
+#pragma unroll
+    for (int i = 0; i < TG_ROWS; i++) {
+        const int64_t w = w0 + warp + 8 * i, r = w < width ? src[w] : -1;
+        v[i] = r >= 0 && cin ? in[r * C + c0 + lane] : 0.0f;
+    }
+#pragma unroll
+    for (int i = 0; i < TG_ROWS; i++) tile[warp + 8 * i][lane] = v[i];
     __syncthreads();
-    for (int i = threadIdx.y; i < 32; i += blockDim.y)
-        if (c0 + i < C && r0 + threadIdx.x < rows) {
-            out[(c0 + i) * width + col[threadIdx.x]] = __float2bfloat16_rn(tile[threadIdx.x][i]);
-        }
+    const int64_t w = w0 + 2 * lane; // width is a multiple of 8: w + 1 < width with w
+    if (w >= width) return;
+#pragma unroll
+    for (int j = warp; j < TG_C; j += 8)
+        if (c0 + j < C)
+            *reinterpret_cast<__nv_bfloat162 *>(out + (c0 + j) * width + w) =
+                __floats2bfloat162_rn(tile[2 * lane][j], tile[2 * lane + 1][j]);
 }
 
 // dW_e [O, K] += dyᵀ·x over the rows [off[e], off[e+1]) of dy [rows, O] and x [rows, K] (dW_e = dW + e·wstride) in
 // bf16: dy and x transposed by groups into scratch (dyᵀ [O, width], xᵀ [K, width], bf16; slot 1) and reduced by the
 // pipelined kernel, block z = expert over its group's columns. The sums are the backward's tiles' (prod_bf16 in
 // cuda_bwd_linear.cu: both operands rounded to bf16 to nearest even, chunks of 32 from the group's first row, slices
-// of 256 from there, the same mma k-slots), so the same bits. Returns false, having done nothing, where the pipelined
-// kernel cannot run (the caller takes the tiles).
+// of 256 from there, the same mma k-slots), so the same bits. xᵀ stays in slot 1 for a next call of the same x
+// (x_kept: the gate and up projections' dW share x). Returns false, having done nothing, where the pipelined kernel
+// cannot run (the caller takes the tiles).
 bool ds4_cuda_grouped_dw_bf16(ds4_dev *d, const char *op, float *dW, int64_t wstride, const float *dy, const float *x,
-                              int64_t rows, int64_t O, int64_t K, const int64_t *off, int64_t E) {
+                              int64_t rows, int64_t O, int64_t K, const int64_t *off, int64_t E, int x_kept) {
     cuda_dev *cd = cdev(d);
+    const cuda_dev::kept_groups k = cd->bwd_xT; // what the call just before left; used once at most
+    cd->bwd_xT.x = nullptr;
     if (rows <= 0 || O <= 0 || K <= 0 || E <= 0) return true;
     const pipe_cfg *pc = E > 65535 ? nullptr : pipe_ready(cd);
     if (!pc) return false;
     const int64_t width = (rows + 7) / 8 * 8 + 8 * E + 8; // >= group_start(off, E)
-    auto *dyT = (__nv_bfloat16 *)ds4_cuda_scratch(d, (size_t)(width * (O + K) * 2), op, 1);
+    if ((O > K ? O : K) > (int64_t)65535 * TG_C) return false; // the transposes' grid y
+    // slot 1: dyᵀ [O, width], xᵀ [K, width] (bf16), the column map [width] (int64); each 16-byte aligned (width % 8 = 0)
+    auto *dyT = (__nv_bfloat16 *)ds4_cuda_scratch(d, (size_t)(width * (O + K) * 2 + width * 8), op, 1);
     if (!dyT) return true;
-    __nv_bfloat16 *xT = dyT + O * width; // 16-byte aligned: width % 8 == 0
-    const dim3 tb(32, 8);
-    transpose_groups_kernel<<<dim3(ds4_blocks(O, 32), ds4_blocks(rows, 32)), tb, 0, cd->stream>>>(dyT, width, dy, rows,
-                                                                                                  O, off, E);
-    transpose_groups_kernel<<<dim3(ds4_blocks(K, 32), ds4_blocks(rows, 32)), tb, 0, cd->stream>>>(xT, width, x, rows,
-                                                                                                  K, off, E);
-    if (!ds4_cuda_launched(d, op, "dy [%lld x %lld] and x [%lld x %lld] transposed by %lld expert groups",
-                           (long long)rows, (long long)O, (long long)rows, (long long)K, (long long)E))
+    __nv_bfloat16 *xT = dyT + O * width;
+    auto *src = (int64_t *)(xT + K * width);
+    // xᵀ and the column map as the call just before made them (the same x and groups, by the schedule's word; the
+    // same layout, and slot 1 has not moved since): only dy is new
+    const bool kept = x_kept && k.x == x && k.rows == rows && k.K == K && k.O == O && k.E == E && k.off == off &&
+                      k.generation == cd->generation;
+    if (!kept) {
+        group_columns_kernel<<<ds4_blocks(width, 256), 256, 0, cd->stream>>>(src, width, off, E);
+        if (!ds4_cuda_launched(d, op, "dW [%lld x %lld x %lld] over %lld rows: the columns of the expert groups",
+                               (long long)E, (long long)O, (long long)K, (long long)rows))
+            return true;
+        transpose_columns_kernel<<<dim3(ds4_blocks(width, TG_W), ds4_blocks(K, TG_C)), 256, 0, cd->stream>>>(
+            xT, width, x, K, src);
+    }
+    transpose_columns_kernel<<<dim3(ds4_blocks(width, TG_W), ds4_blocks(O, TG_C)), 256, 0, cd->stream>>>(dyT, width, dy,
+                                                                                                        O, src);
+    if (!ds4_cuda_launched(d, op, "dW [%lld x %lld x %lld] over %lld rows: dy%s transposed by groups", (long long)E,
+                           (long long)O, (long long)K, (long long)rows, kept ? "" : " and x"))
         return true;
     gemm_args g = {};
     g.y = dW, g.ldy = K, g.xh = dyT, g.ldxh = width, g.W = xT, g.ldw = width, g.M = O, g.N = K, g.K = width;
     g.gy = wstride, g.acc = 1, g.koff = off;
     const dim3 grid(ds4_blocks(K, pc->BN), ds4_blocks(O, pc->BM), (unsigned)E);
     pc->kernel<<<grid, pc->threads, pc->smem, cd->stream>>>(g);
-    ds4_cuda_launched(d, op, "dW [%lld x %lld x %lld] += dy^T x over %lld rows by expert (bf16, pipelined)",
-                      (long long)E, (long long)O, (long long)K, (long long)rows);
+    if (ds4_cuda_launched(d, op, "dW [%lld x %lld x %lld] += dy^T x over %lld rows by expert (bf16, pipelined)",
+                          (long long)E, (long long)O, (long long)K, (long long)rows))
+        cd->bwd_xT = {x, rows, K, O, E, off, cd->generation};
     return true;
 }
 

@@ -16,6 +16,7 @@
 namespace {
 
 constexpr int ROW_THREADS = 256;
+constexpr int ROW_ILP = 8; // loads in flight per thread in a row's passes (ds4d_row_visit)
 
 struct row_stats_t {
     float mx;
@@ -28,8 +29,9 @@ __device__ row_stats_t row_stats(const float *z, int64_t V, bool want_ez, double
     const int tid = threadIdx.x;
     float mx = -INFINITY;
     int64_t arg = -1;
-    for (int64_t v = tid; v < V; v += ROW_THREADS)
-        if (arg < 0 || z[v] > mx) mx = z[v], arg = v;
+    ds4d_row_visit<ROW_THREADS, ROW_ILP>(z, V, [&](int64_t v, float zv) {
+        if (arg < 0 || zv > mx) mx = zv, arg = v;
+    });
     shf[tid] = mx;
     shi[tid] = arg;
     __syncthreads();
@@ -47,11 +49,11 @@ __device__ row_stats_t row_stats(const float *z, int64_t V, bool want_ez, double
     r.arg = shi[0];
     __syncthreads();
     double se = 0, ez = 0;
-    for (int64_t v = tid; v < V; v += ROW_THREADS) {
-        const double e = exp((double)z[v] - r.mx);
+    ds4d_row_visit<ROW_THREADS, ROW_ILP>(z, V, [&](int64_t, float zv) {
+        const double e = exp((double)zv - r.mx);
         se += e;
-        if (want_ez) ez += e * ((double)z[v] - r.mx);
-    }
+        if (want_ez) ez += e * ((double)zv - r.mx);
+    });
     r.se = ds4d_block_sum(se, shd);
     r.ez = want_ez ? ds4d_block_sum(ez, shd) : 0;
     return r;

@@ -89,17 +89,22 @@ __global__ void count_loads_kernel(int64_t *loads, const int32_t *eidx, int64_t 
     if (i < n) atomicAdd((unsigned long long *)&loads[eidx[i]], 1ull); // integer counts: order does not matter
 }
 
-// One block per expert: its count (pass 0); its offset from the counts of the experts before it and the stable
-// compaction of its pairs in slot order (pass 1).
-__global__ void moe_sort_kernel(const int32_t *eidx, int64_t n, int64_t E, int64_t *cnt, int32_t *perm, int64_t *off,
-                                int pass) {
+// One block of SORT_THREADS per expert: its count (pass 0); its offset from the counts of the experts before it and
+// the stable compaction of its pairs in slot order (pass 1). In pass 1 warp w owns the w-th run of the pairs: it
+// counts its run's pairs of the expert, a prefix over the warps places each run, then each warp compacts its run 32
+// pairs a ballot, with no barrier in the loop (a block-wide barrier per 256 pairs made the sort latency-bound).
+// The order of perm is the same: slots ascending within the expert.
+constexpr int SORT_THREADS = 1024;
+
+__global__ void __launch_bounds__(SORT_THREADS) moe_sort_kernel(const int32_t *eidx, int64_t n, int64_t E,
+                                                                int64_t *cnt, int32_t *perm, int64_t *off, int pass) {
     __shared__ int64_t wsum[32];
     __shared__ int64_t base_s;
     const int64_t e = blockIdx.x;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = SORT_THREADS >> 5;
     if (pass == 0) {
         int64_t c = 0;
-        for (int64_t i = threadIdx.x; i < n; i += blockDim.x) c += eidx[i] == e;
+        for (int64_t i = threadIdx.x; i < n; i += SORT_THREADS) c += eidx[i] == e;
         for (int o = 16; o > 0; o >>= 1) c += __shfl_xor_sync(0xffffffffu, c, o);
         if (lane == 0) wsum[warp] = c;
         __syncthreads();
@@ -110,6 +115,11 @@ __global__ void moe_sort_kernel(const int32_t *eidx, int64_t n, int64_t E, int64
         }
         return;
     }
+    const int64_t run = (n + nw - 1) / nw, lo = warp * run < n ? warp * run : n, hi = lo + run < n ? lo + run : n;
+    int64_t c = 0;
+    for (int64_t i = lo + lane; i < hi; i += 32) c += eidx[i] == e;
+    for (int o = 16; o > 0; o >>= 1) c += __shfl_xor_sync(0xffffffffu, c, o);
+    if (lane == 0) wsum[warp] = c;
     if (threadIdx.x == 0) {
         int64_t b = 0;
         for (int64_t x = 0; x < e; x++) b += cnt[x];
@@ -118,30 +128,22 @@ __global__ void moe_sort_kernel(const int32_t *eidx, int64_t n, int64_t E, int64
         base_s = b;
     }
     __syncthreads();
-    for (int64_t c0 = 0; c0 < n; c0 += blockDim.x) {
-        const int64_t i = c0 + threadIdx.x;
-        const bool f = i < n && eidx[i] == e;
+    int64_t pos = base_s;
+    for (int w = 0; w < warp; w++) pos += wsum[w];
+    for (int64_t i0 = lo; i0 < hi; i0 += 32) {
+        const int64_t i = i0 + lane;
+        const bool f = i < hi && eidx[i] == e;
         const unsigned ballot = __ballot_sync(0xffffffffu, f);
-        if (lane == 0) wsum[warp] = __popc(ballot);
-        __syncthreads();
-        int64_t before = 0, total = 0;
-        for (int w = 0; w < nw; w++) {
-            if (w < warp) before += wsum[w];
-            total += wsum[w];
-        }
-        if (f) perm[base_s + before + __popc(ballot & ((1u << lane) - 1u))] = (int32_t)i;
-        __syncthreads();
-        if (threadIdx.x == 0) base_s += total;
-        __syncthreads();
+        if (f) perm[pos + __popc(ballot & ((1u << lane) - 1u))] = (int32_t)i;
+        pos += __popc(ballot);
     }
 }
 
-__global__ void moe_weigh_kernel(float *yk, const float *ye, const int32_t *perm, const float *ew, int64_t rows,
-                                 int64_t D) {
-    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= rows * D) return;
-    const int64_t r = i / D, c = i % D, slot = perm[r];
-    yk[slot * D + c] = ye[i] * ew[slot];
+// yk[perm[r]] = ye[r] · ew[perm[r]], a block per row r
+__global__ void moe_weigh_kernel(float *yk, const float *ye, const int32_t *perm, const float *ew, int64_t D) {
+    const int64_t r = blockIdx.x, slot = perm[r];
+    const float w = ew[slot];
+    ds4d_row_map(yk + slot * D, ye + r * D, D, [w](float x) { return x * w; });
 }
 
 __global__ void swiglu_kernel(float *g1, const float *g3, int64_t n, float lim) {
@@ -196,7 +198,7 @@ void ds4_cuda_moe_sort(ds4_dev *d, const ds4_a_moe_sort *a) {
     int64_t *cnt = (int64_t *)ds4_cuda_scratch(d, (size_t)a->E * sizeof(int64_t), "moe_sort", 1);
     if (!cnt) return;
     for (int pass = 0; pass < 2; pass++) {
-        moe_sort_kernel<<<(unsigned)a->E, 256, 0, cdev(d)->stream>>>(a->eidx, a->n, a->E, cnt, a->perm, a->off, pass);
+        moe_sort_kernel<<<(unsigned)a->E, SORT_THREADS, 0, cdev(d)->stream>>>(a->eidx, a->n, a->E, cnt, a->perm, a->off, pass);
         if (!ds4_cuda_launched(d, "moe_sort", "[%lld pairs, %lld experts, pass %d]", (long long)a->n, (long long)a->E,
                                pass))
             return;
@@ -204,9 +206,12 @@ void ds4_cuda_moe_sort(ds4_dev *d, const ds4_a_moe_sort *a) {
 }
 
 void ds4_cuda_moe_weigh(ds4_dev *d, const ds4_a_moe_weigh *a) {
-    const int64_t n = a->rows * a->D;
-    if (n <= 0) return;
-    moe_weigh_kernel<<<ds4_blocks(n, 256), 256, 0, cdev(d)->stream>>>(a->yk, a->ye, a->perm, a->ew, a->rows, a->D);
+    if (a->rows <= 0 || a->D <= 0) return;
+    if (a->rows > 0x7fffffff) {
+        ds4_dev_fail(d, DS4_ERR_UNSUPPORTED, "moe_weigh: %lld rows", (long long)a->rows);
+        return;
+    }
+    moe_weigh_kernel<<<(unsigned)a->rows, 256, 0, cdev(d)->stream>>>(a->yk, a->ye, a->perm, a->ew, a->D);
     ds4_cuda_launched(d, "moe_weigh", "[%lld x %lld]", (long long)a->rows, (long long)a->D);
 }
 

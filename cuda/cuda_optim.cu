@@ -46,13 +46,22 @@ __device__ __forceinline__ elem_out adamw_elem(const ds4_adamw_coefs &c, float p
 // One element of a pass: the clipped gradient, then the update (adamw_elem). UPDATE: written back through the
 // references (g only when clipping: the clipped gradient stays in the buffer, as on the host); else a non-finite
 // result counted in nb.
+// The largest |p|, |m|, |v| and -v an update wrote (ds4_adamw_bounds): maxima, the same in any order.
+struct bounds_acc {
+    float p = 0, m = 0, v = 0, nv = 0;
+    __device__ __forceinline__ void add(float pp, float mm, float vv) {
+        p = fmaxf(p, fabsf(pp)), m = fmaxf(m, fabsf(mm)), v = fmaxf(v, fabsf(vv)), nv = fmaxf(nv, -vv);
+    }
+};
+
 template <bool UPDATE>
 __device__ __forceinline__ void step_elem(const ds4_adamw_coefs &c, float coef, float &p, float &g, float &m, float &v,
-                                          double &nb) {
+                                          double &nb, bounds_acc &b) {
     const float gi = coef == 1.0f ? g : __fmul_rn(g, coef);
     const elem_out o = adamw_elem(c, p, gi, m, v);
     if (UPDATE) {
         g = gi, p = o.p, m = o.m, v = o.v;
+        b.add(o.p, o.m, o.v);
     } else {
         nb += !(isfinite(o.p) && isfinite(o.m) && isfinite(o.v));
     }
@@ -60,23 +69,24 @@ __device__ __forceinline__ void step_elem(const ds4_adamw_coefs &c, float coef, 
 
 template <bool UPDATE>
 __device__ __forceinline__ void step_elem4(const ds4_adamw_coefs &c, float coef, float4 &p, float4 &g, float4 &m,
-                                           float4 &v, double &nb) {
-    step_elem<UPDATE>(c, coef, p.x, g.x, m.x, v.x, nb), step_elem<UPDATE>(c, coef, p.y, g.y, m.y, v.y, nb);
-    step_elem<UPDATE>(c, coef, p.z, g.z, m.z, v.z, nb), step_elem<UPDATE>(c, coef, p.w, g.w, m.w, v.w, nb);
+                                           float4 &v, double &nb, bounds_acc &b) {
+    step_elem<UPDATE>(c, coef, p.x, g.x, m.x, v.x, nb, b), step_elem<UPDATE>(c, coef, p.y, g.y, m.y, v.y, nb, b);
+    step_elem<UPDATE>(c, coef, p.z, g.z, m.z, v.z, nb, b), step_elem<UPDATE>(c, coef, p.w, g.w, m.w, v.w, nb, b);
 }
 
 // The pass over piece q (UPDATE: the update; else the finiteness check, its count in nb). m and v hold elements
 // [mo, ...) of the flat buffer and p elements [po, ...) (a ZeRO-1 shard's moments and master; 0: all of it): element
-// k's moments are m[k - mo], v[k - mo], its master weight p[k - po]. The passes are bound by memory. Where the piece lies alike modulo 16 bytes in all four buffers (a
-// model's: the buffers are cudaMalloc'd and v is placed as m, model.h's ds4_moments_stride; not a shard whose region
-// starts off a multiple of 4), each thread moves groups of four elements as one 16-byte load or store per buffer,
+// k's moments are m[k - mo], v[k - mo], its master weight p[k - po]. The passes are bound by memory. Where the piece
+// lies alike modulo 16 bytes in all four buffers (a model's: the buffers are cudaMalloc'd and v is placed as m,
+// model.h's ds4_moments_stride; not a shard whose region starts off a multiple of 4), each thread moves groups of four elements as one 16-byte load or store per buffer,
 // OPT_V groups in flight, and the h < 4 elements before the first 16-byte boundary and the few after the last group
 // go one by one; elsewhere every element goes one by one, OPT_U in flight per thread. All loads of a round are issued
 // before any use; past the end the first group (element) stands in, never used. Each element's arithmetic is the
 // same whichever way it is loaded, and the check's count is exact in any order.
 template <bool UPDATE>
 __device__ __forceinline__ void piece_pass(const ds4_optim_piece &q, const ds4_adamw_coefs &c, float coef, float *p,
-                                           float *g, float *m, float *v, int64_t mo, int64_t po, double &nb) {
+                                           float *g, float *m, float *v, int64_t mo, int64_t po, double &nb,
+                                           bounds_acc &b) {
     p += q.off - po, g += q.off, m += q.off - mo, v += q.off - mo; // the piece's elements, [0, q.n)
     const uintptr_t mis = (uintptr_t)p & 15;
     const bool write_g = UPDATE && coef != 1.0f;
@@ -97,7 +107,7 @@ __device__ __forceinline__ void piece_pass(const ds4_optim_piece &q, const ds4_a
         for (int u = 0; u < OPT_V; u++) {
             const int64_t j = j0 + u * OPT_THREADS;
             if (j >= n4) break;
-            step_elem4<UPDATE>(c, coef, pp[u], gg[u], mm[u], vv[u], nb);
+            step_elem4<UPDATE>(c, coef, pp[u], gg[u], mm[u], vv[u], nb, b);
             if (!UPDATE) continue;
             if (write_g) g4[j] = gg[u];
             p4[j] = pp[u], m4[j] = mm[u], v4[j] = vv[u];
@@ -117,7 +127,7 @@ __device__ __forceinline__ void piece_pass(const ds4_optim_piece &q, const ds4_a
         for (int u = 0; u < OPT_U; u++) {
             const int64_t s = s0 + u * OPT_THREADS, i = at(s);
             if (s >= ns) break;
-            step_elem<UPDATE>(c, coef, pp[u], gg[u], mm[u], vv[u], nb);
+            step_elem<UPDATE>(c, coef, pp[u], gg[u], mm[u], vv[u], nb, b);
             if (!UPDATE) continue;
             if (write_g) g[i] = gg[u];
             p[i] = pp[u], m[i] = mm[u], v[i] = vv[u];
@@ -133,18 +143,26 @@ __global__ void __launch_bounds__(OPT_THREADS, 4)
     const ds4_optim_piece q = pc[blockIdx.x];
     const ds4_adamw_coefs c = cf[q.range];
     double nb = 0; // counts fit a double exactly
-    piece_pass<false>(q, c, coef, (float *)p, (float *)g, (float *)m, (float *)v, mo, po, nb); // only read
+    bounds_acc b;  // unused
+    piece_pass<false>(q, c, coef, (float *)p, (float *)g, (float *)m, (float *)v, mo, po, nb, b); // only read
     nb = ds4d_block_sum(nb, sh);
     if (threadIdx.x == 0) bad[blockIdx.x] = (int64_t)nb;
 }
 
 __global__ void __launch_bounds__(OPT_THREADS, 4)
     adamw_update_kernel(const ds4_optim_piece *pc, const ds4_adamw_coefs *cf, float coef, float *p, float *g, float *m,
-                        float *v, int64_t mo, int64_t po) {
+                        float *v, int64_t mo, int64_t po, ds4_adamw_bounds *bnd) {
+    __shared__ float sh[OPT_THREADS / 32];
     const ds4_optim_piece q = pc[blockIdx.x];
     const ds4_adamw_coefs c = cf[q.range]; // a copy: through a reference the stores below would reload it
     double nb = 0;                         // unused
-    piece_pass<true>(q, c, coef, p, g, m, v, mo, po, nb);
+    bounds_acc b;
+    piece_pass<true>(q, c, coef, p, g, m, v, mo, po, nb, b);
+    if (!bnd) return;
+    // the piece's maxima (all non-negative: the block max of each, ds4d_block_maxf's -inf never wins)
+    const float bp = ds4d_block_maxf(b.p, sh), bm = ds4d_block_maxf(b.m, sh), bv = ds4d_block_maxf(b.v, sh),
+                bn = ds4d_block_maxf(b.nv, sh);
+    if (threadIdx.x == 0) bnd[blockIdx.x] = ds4_adamw_bounds{bp, bm, bv, bn};
 }
 
 // ds4_f32_to_bf16 (core/tensor.c): round to nearest even, NaN kept quiet.
@@ -155,12 +173,29 @@ __device__ __forceinline__ uint16_t f32_to_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
+// Entry blockIdx.y. Where the entry's source is 16-byte aligned and its destination 8 (bf16) or 16 (fp32), groups of
+// four values move as one load and one store (the cast is bound by memory: 2-byte stores one by one were half its
+// time); the rest one by one. Each value is rounded the same either way.
 __global__ void cast_kernel(char *dst, const float *src, const ds4_cast_entry *ent, int bf16) {
     const ds4_cast_entry e = ent[blockIdx.y];
-    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < e.n; i += (int64_t)gridDim.x * blockDim.x) {
-        const float x = src[e.src + i];
-        if (e.lowp && bf16) reinterpret_cast<uint16_t *>(dst + e.dst)[i] = f32_to_bf16(x);
-        else reinterpret_cast<float *>(dst + e.dst)[i] = x;
+    const float *s = src + e.src;
+    char *o = dst + e.dst;
+    const bool low = e.lowp && bf16;
+    const int64_t t0 = (int64_t)blockIdx.x * blockDim.x + threadIdx.x, stride = (int64_t)gridDim.x * blockDim.x;
+    const int64_t n4 = ((uintptr_t)s & 15) == 0 && ((uintptr_t)o & (low ? 7 : 15)) == 0 ? e.n / 4 : 0;
+    for (int64_t i = t0; i < n4; i += stride) {
+        const float4 v = reinterpret_cast<const float4 *>(s)[i];
+        if (low) {
+            ushort4 h;
+            h.x = f32_to_bf16(v.x), h.y = f32_to_bf16(v.y), h.z = f32_to_bf16(v.z), h.w = f32_to_bf16(v.w);
+            reinterpret_cast<ushort4 *>(o)[i] = h;
+        } else {
+            reinterpret_cast<float4 *>(o)[i] = v;
+        }
+    }
+    for (int64_t i = 4 * n4 + t0; i < e.n; i += stride) {
+        if (low) reinterpret_cast<uint16_t *>(o)[i] = f32_to_bf16(s[i]);
+        else reinterpret_cast<float *>(o)[i] = s[i];
     }
 }
 
@@ -183,8 +218,9 @@ void ds4_cuda_adamw(ds4_dev *d, const ds4_a_adamw *a) {
         return;
     }
     if (a->update) {
-        adamw_update_kernel<<<(unsigned)a->n, OPT_THREADS, 0, cdev(d)->stream>>>(a->pieces, a->coefs, a->coef, a->p, a->g, a->m,
-                                                                       a->v, a->mo, a->po);
+        adamw_update_kernel<<<(unsigned)a->n, OPT_THREADS, 0, cdev(d)->stream>>>(a->pieces, a->coefs, a->coef, a->p,
+                                                                                 a->g, a->m, a->v, a->mo, a->po,
+                                                                                 a->bnd);
     } else {
         adamw_check_kernel<<<(unsigned)a->n, OPT_THREADS, 0, cdev(d)->stream>>>(a->pieces, a->coefs, a->coef, a->p,
                                                                                a->g, a->m, a->v, a->mo, a->po, a->bad);

@@ -358,28 +358,48 @@ out:
     ds4_model_free(m);
 }
 
-/* A device step (the twin of the CPU backend: test_zero_device.c) moves the moments there and steps them: back on the
- * CPU the next host step checks in full. */
+/* Device steps (the twin of the CPU backend: test_zero_device.c). The first moves the moments there and counts in
+ * full; the update kernel's per-piece bounds then prove the next; a write of the parameters or of the moments makes
+ * the next count again. A copy with the exact pass forced every step ends with the same bits. Back on the CPU the
+ * next host step checks in full. */
 static void test_device_step(ds4_engine *e, const char *fixtures, const char *fixture) {
     ds4_error err = {0};
-    ds4_model *m = load(e, fixtures, fixture);
-    ds4_adamw *o = NULL;
-    if (!m) return;
+    ds4_model *m = load(e, fixtures, fixture), *m2 = load(e, fixtures, fixture);
+    ds4_adamw *o = NULL, *o2 = NULL;
+    ds4_dev *d = NULL, *d2 = NULL;
+    if (!m || !m2) goto out;
     ds4_adamw_options oo = opts();
     CHECK_OK(ds4_adamw_create(m, &oo, &o, &err), &err);
-    if (!o) goto out;
+    CHECK_OK(ds4_adamw_create(m2, &oo, &o2, &err), &err);
+    if (!o || !o2) goto out;
+    ds4_adamw_set_exact_check(o2, 1);
     const int x1 = step(m, o, 1), x2 = step(m, o, 2);
     CHECK(x1 == 1 && x2 == 0, "%s: exact pass %d %d (expected 1 0)", fixture, x1, x2);
-    ds4_dev *d = twin_attach(e, m);
-    if (!d) goto out;
-    const int xd = step(m, o, 3); /* the device step: always its own check */
-    CHECK(xd == 1, "%s: the device step reported exact pass %d", fixture, xd);
-    twin_detach(m, d);
+    step(m2, o2, 1), step(m2, o2, 2);
+    if (!(d = twin_attach(e, m)) || !(d2 = twin_attach(e, m2))) goto out;
+    const int xd = step(m, o, 3), xd2 = step(m, o, 4); /* the moments move there: counted; then proved */
+    CHECK(xd == 1 && xd2 == 0, "%s: device steps reported exact pass %d %d (expected 1 0)", fixture, xd, xd2);
+    ds4_model_params_changed(m);
+    AFTER("ds4_model_params_changed, on the device", m, o, 5);
+    ds4_adamw_state_changed(o);
+    AFTER("ds4_adamw_state_changed, on the device", m, o, 7);
+    for (uint64_t k = 3; k <= 8; k++) {
+        if (k == 5) ds4_model_params_changed(m2);
+        if (k == 7) ds4_adamw_state_changed(o2);
+        CHECK(step(m2, o2, k) == 1, "%s: the forced exact pass did not run on the device", fixture);
+    }
+    twin_detach(m, d), twin_detach(m2, d2);
+    d = d2 = NULL;
+    CHECK(same_state(m, o, m2, o2), "%s: device steps with bounds and with the exact pass differ", fixture);
     CHECK_OK(ds4_model_enable_grad(m, &err), &err);
-    AFTER("a device step", m, o, 4);
+    AFTER("device steps", m, o, 9);
 out:
+    if (d) twin_detach(m, d);
+    if (d2) twin_detach(m2, d2);
     ds4_adamw_free(o);
+    ds4_adamw_free(o2);
     ds4_model_free(m);
+    ds4_model_free(m2);
 }
 
 /* ZeRO-1 over TWIN_WORLD ranks (threads on CPU models, collectives over shared memory): each rank proves or counts its

@@ -410,6 +410,10 @@ int main(int argc, char **argv) {
         t_hc_post_bwd(n, 20, 29, 77, 1);
         t_hyperhead_bwd(n, 13, 37);
     }
+    /* many tokens: the mixing GEMM's narrow kernel (hc_post_bwd: over X with the norm factors, no xn written) */
+    t_hc_pre_bwd(4, 20, 300, 36, 0);
+    t_hc_post_bwd(4, 20, 300, 36, 0);
+    t_hc_post_bwd(4, 20, 263, 36, 1);
     t_hc_pre_bwd(4, 1, 7, 33, 0);   /* one iteration: softmax, one column normalisation */
     t_hc_post_bwd(4, 1, 11, 33, 1);
     t_hc_pre_bwd(3, 100, 17, 19, 1); /* the most iterations a config allows */

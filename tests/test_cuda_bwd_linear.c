@@ -16,7 +16,11 @@
  *   - the products (dx = dy·W, dW += dyᵀ·x): rel. Frobenius <= 1e-5, the bound of test_cuda_ops.c: fp32 sums of R
  *     terms in another order differ like sqrt(R)·2^-24 (~2e-6 at R = 1000, the longest here). bf16: the CPU gets the
  *     same bf16-rounded operands (dy, W, and x for dW), so the products are exact on both sides and only the fp32
- *     accumulation order differs: the same bound. A wrong index, a missing term or a wrong group is O(1). */
+ *     accumulation order differs: the same bound. A wrong index, a missing term or a wrong group is O(1).
+ * The bf16 products' fast paths (the expert products through the pipelined GEMM, a dense dW reusing the bf16 dy its
+ * linear_bwd_x made) must moreover give the bytes of the reference paths that DS4_CUDA_BWD_REF=1 selects (t_fast_vs_ref):
+ * the expert products' tiles define their bits; the dense products round their operands the same way either way. */
+#define _POSIX_C_SOURCE 200809L /* setenv */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -373,6 +377,131 @@ static void t_embed_bwd(int64_t T, int64_t n, int64_t D, int64_t V, int all_same
     tw_free(&id), tw_free(&dx), tw_free(&ge);
 }
 
+/* ------------------------------------------------------------------------------------------------ fast vs reference */
+
+/* A CUDA backend of its own; ref: DS4_CUDA_BWD_REF=1 (read when the backend is created), the backward products'
+ * reference paths: the expert products through the tiles, which define their bits (cuda_bwd_linear.cu), and every
+ * dense bf16 product rounding its own operands. */
+static ds4_dev *backend(int ref) {
+    ds4_dev *d = NULL;
+    ds4_error err;
+    if (ref) setenv("DS4_CUDA_BWD_REF", "1", 1);
+    CHECK_OK(ds4_cuda_dev_create(0, &d, &err), &err);
+    unsetenv("DS4_CUDA_BWD_REF");
+    return d;
+}
+
+/* bf16 weights [n] on both sides (the device's bits; the host keeps the fp32 values, unused here) */
+static twin bf16_weights(int64_t n) {
+    twin w = tw_new((size_t)n * 2);
+    for (int64_t i = 0; i < n; i++) ((uint16_t *)w.h)[i] = bf(frand(-0.5f, 0.5f));
+    tw_push(&w);
+    return w;
+}
+
+/* bufs [n] start from their host bytes on the device (uploaded on gpu's stream, which is waited for: another
+ * backend's stream runs the operations); after `what` ran on d, their device bytes land in got[] */
+static void restart(twin *const *bufs, int n) {
+    for (int i = 0; i < n; i++) tw_push(bufs[i]);
+    check_dev(gpu, "upload");
+}
+static void collect(ds4_dev *d, const char *what, twin *const *bufs, int n, void **got) {
+    check_dev(d, what);
+    for (int i = 0; i < n; i++) got[i] = fetch(bufs[i]);
+}
+
+/* Two results the same bytes, and changed from the start (a path that did nothing fails) */
+static void same_bytes(const char *what, const char *out, const void *fast, const void *ref, const twin *start) {
+    CHECK(memcmp(fast, ref, start->bytes) == 0, "%s: %s: the fast path's bytes differ from the reference path's", what,
+          out);
+    CHECK(memcmp(ref, start->h, start->bytes) != 0, "%s: %s: unchanged", what, out);
+}
+
+/* The expert products in bf16: dx through the forward's pipelined grouped GEMM on a transposed W (or its tiled kernel
+ * where the product has fewer tiles than SMs), dW through the pipelined kernel on dy and x transposed by groups,
+ * against the tiles, byte for byte. Groups ragged (not multiples of 8 rows, which the transposed operands' columns
+ * are aligned to), one empty, two longer than a 256-row slice; rows past the last group. Then as routed_bwd issues
+ * the gate and up projections' dW: a second dW of the same x with x_kept (the fast path reuses the first's transposed
+ * x), and a third told x_kept of another x (it must not). */
+static void t_ref_grouped(ds4_dev *fast, ds4_dev *ref, int64_t K, int64_t O, int acc) {
+    enum { E = 5, NO = 4 };
+    const int64_t counts[E] = {700, 0, 901, 13, 690};
+    int64_t off[E + 1] = {0};
+    for (int e = 0; e < E; e++) off[e + 1] = off[e] + counts[e];
+    const int64_t rows = off[E] + 3;
+    twin of = tw_i64(E + 1, off), dy = tw_f(rows * O, -1, 1), dy2 = tw_f(rows * O, -1, 1), x = tw_f(rows * K, -1, 1);
+    twin x2 = tw_f(rows * K, -1, 1), W = bf16_weights(E * O * K);
+    twin dx = acc ? tw_f(rows * K, -1, 1) : tw_out((size_t)(rows * K) * 4), dW = tw_f(E * O * K, -0.1f, 0.1f);
+    twin dW2 = tw_f(E * O * K, -0.1f, 0.1f), dW3 = tw_f(E * O * K, -0.1f, 0.1f);
+    char what[128];
+    snprintf(what, sizeof what, "bf16 grouped fast vs reference K %lld O %lld%s", (long long)K, (long long)O,
+             acc ? " acc" : "");
+    twin *const bufs[NO] = {&dx, &dW, &dW2, &dW3};
+    static const char *const names[NO] = {"dx", "dW", "dW of the same x (x_kept)", "dW of another x (x_kept)"};
+    void *got[2][NO];
+    ds4_dev *dv[2] = {fast, ref};
+    for (int v = 0; v < 2; v++) {
+        restart(bufs, NO);
+        OP(dv[v], linear_bwd_x_grouped, .dx = dx.d, .acc = acc, .dy = dy.d, .W = W.d, .wdt = DS4_BF16,
+           .wstride = O * K, .off = of.d, .E = E, .rows = rows, .K = K, .O = O, .bf16_in = 1);
+        OP(dv[v], linear_bwd_w_grouped, .dW = dW.d, .wstride = O * K, .dy = dy.d, .x = x.d, .off = of.d, .E = E,
+           .rows = rows, .K = K, .O = O, .wdt = DS4_BF16, .bf16_in = 1);
+        OP(dv[v], linear_bwd_w_grouped, .dW = dW2.d, .wstride = O * K, .dy = dy2.d, .x = x.d, .off = of.d, .E = E,
+           .rows = rows, .K = K, .O = O, .wdt = DS4_BF16, .bf16_in = 1, .x_kept = 1);
+        OP(dv[v], linear_bwd_w_grouped, .dW = dW3.d, .wstride = O * K, .dy = dy.d, .x = x2.d, .off = of.d, .E = E,
+           .rows = rows, .K = K, .O = O, .wdt = DS4_BF16, .bf16_in = 1, .x_kept = 1);
+        collect(dv[v], what, bufs, NO, got[v]);
+    }
+    for (int i = 0; i < NO; i++) same_bytes(what, names[i], got[0][i], got[1][i], bufs[i]);
+    for (int v = 0; v < 2; v++)
+        for (int i = 0; i < NO; i++) free(got[v][i]);
+    twin all[] = {of, dy, dy2, x, x2, W, dW, dW2, dW3, dx};
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) tw_free(&all[i]);
+}
+
+/* The dense pair as the schedule issues it (backward.c, lin_bwd): linear_bwd_x, then linear_bwd_w of the same dy with
+ * dy_kept, whose bf16 copy of dy the fast path reuses from the first; the reference rounds dy again. Three rounds on
+ * the fast backend: the first grows its scratch between the two (the copy is gone: it must round dy again), the second
+ * reuses it, the third names another dy than the linear_bwd_x's (it must not reuse it). Byte for byte. */
+static void t_ref_dense(ds4_dev *fast, ds4_dev *ref, int64_t T, int64_t K, int64_t O, int64_t pad) {
+    const int64_t ldy = O + pad, ldx = K + pad, lddx = K + pad;
+    twin dy = tw_f(T * ldy, -1, 1), dy2 = tw_f(T * ldy, -1, 1), x = tw_f(T * ldx, -1, 1), W = bf16_weights(O * K);
+    twin dW = tw_f(O * K, -0.1f, 0.1f), dx = tw_f(T * lddx, -1, 1);
+    char what[128];
+    twin *const bufs[2] = {&dx, &dW};
+    for (int round = 0; round < 3; round++) {
+        snprintf(what, sizeof what, "bf16 dense fast vs reference T %lld K %lld O %lld pad %lld, round %d",
+                 (long long)T, (long long)K, (long long)O, (long long)pad, round);
+        const float *dyw = round == 2 ? dy2.d : dy.d;
+        void *got[2][2];
+        ds4_dev *dv[2] = {fast, ref};
+        for (int v = 0; v < 2; v++) {
+            restart(bufs, 2);
+            OP(dv[v], linear_bwd_x, .dx = dx.d, .lddx = lddx, .acc = 1, .dy = dy.d, .ldy = ldy, .W = W.d,
+               .wdt = DS4_BF16, .T = T, .K = K, .O = O, .bf16_in = 1);
+            OP(dv[v], linear_bwd_w, .dW = dW.d, .dy = dyw, .ldy = ldy, .x = x.d, .ldx = ldx, .T = T, .K = K, .O = O,
+               .wdt = DS4_BF16, .bf16_in = 1, .dy_kept = 1);
+            collect(dv[v], what, bufs, 2, got[v]);
+        }
+        same_bytes(what, "dx", got[0][0], got[1][0], &dx);
+        same_bytes(what, "dW", got[0][1], got[1][1], &dW);
+        for (int v = 0; v < 2; v++) free(got[v][0]), free(got[v][1]);
+    }
+    twin all[] = {dy, dy2, x, W, dW, dx};
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) tw_free(&all[i]);
+}
+
+/* The fast paths against the reference paths, each on a fresh pair of backends (empty scratch) */
+static void t_fast_vs_ref(void) {
+    ds4_dev *fast = backend(0), *ref = backend(1);
+    if (!fast || !ref) return;
+    t_ref_dense(fast, ref, 300, 520, 136, 3);
+    t_ref_grouped(fast, ref, 1064, 200, 1); /* dx: 207 tiles of 128 x 128, the pipelined kernel; dx added */
+    t_ref_grouped(fast, ref, 136, 77, 0);   /* O odd: dx takes the tiled kernel */
+    ds4_dev_release(fast);
+    ds4_dev_release(ref);
+}
+
 /* A shape or dtype the operations cannot take is an error of the operation that names it, not a crash. */
 static void t_errors(void) {
     twin dy = tw_f(4 * 3, -1, 1), W = tw_f(3 * 5, -1, 1), dx = tw_out(4 * 5 * 4);
@@ -445,6 +574,7 @@ int main(int argc, char **argv) {
     t_embed_bwd(200, 4, 300, 50, 0);
     t_embed_bwd(64, 1, 33, 7, 1);
     t_embed_bwd(700, 1, 520, 1000, 0); /* more than one tile of 256 ids, columns over two blocks */
+    t_fast_vs_ref();
     t_errors();
     twins_close(eng);
     return ds4t_finish("test_cuda_bwd_linear");

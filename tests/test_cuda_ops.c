@@ -146,9 +146,9 @@ static ds4_config small_config(int64_t n, ds4_score_func sf) {
     return c;
 }
 
-static void t_hc(int64_t n) {
+static void t_hc(int64_t n, int64_t T) {
     const ds4_config c = small_config(n, DS4_SCORE_SQRTSOFTPLUS);
-    const int64_t T = 13, D = c.hidden_size, nD = n * D, mix = (2 + n) * n;
+    const int64_t D = c.hidden_size, nD = n * D, mix = (2 + n) * n;
     twin X = tw_f(T * nD, -2, 2), fn = tw_f(mix * nD, -0.1f, 0.1f), base = tw_f(mix, -1, 1), scl = tw_f(3, 0.5f, 1.5f);
     twin pre = tw_out((size_t)(T * n) * 4), post = tw_out((size_t)(T * n) * 4), comb = tw_out((size_t)(T * n * n) * 4);
     twin u = tw_out((size_t)(T * D) * 4), A = tw_f(T * D, -1, 1), Xo = tw_out((size_t)(T * nD) * 4);
@@ -162,7 +162,7 @@ static void t_hc(int64_t n) {
     }
     check_dev(gpu, "mHC");
     char what[64];
-    snprintf(what, sizeof what, "hc_pre n=%lld pre", (long long)n);
+    snprintf(what, sizeof what, "hc_pre n=%lld T=%lld pre", (long long)n, (long long)T);
     cmp_f(what, &pre, T * n, 1e-5);
     cmp_f("hc_pre post", &post, T * n, 1e-5);
     cmp_f("hc_pre comb (Sinkhorn)", &comb, T * n * n, 1e-5);
@@ -395,7 +395,8 @@ int main(int argc, char **argv) {
     t_matmul_grouped(DS4_F32);
     t_matmul_grouped(DS4_BF16);
     t_rows();
-    for (int64_t k = 2; k <= 4; k++) t_hc(k);
+    for (int64_t k = 2; k <= 4; k++) t_hc(k, 13);
+    t_hc(4, 300); /* many tokens: the mixing GEMM's narrow kernel, scaling X's rows by the norm factors */
     t_embed();
     t_moe(DS4_SCORE_SQRTSOFTPLUS, 0, 0);
     t_moe(DS4_SCORE_SIGMOID, 0, 0);
