@@ -15,9 +15,13 @@
  *     products per element). Both sides sum in fp32 in different orders (warp butterflies on the GPU, 8 lanes on the
  *     CPU): the rounding differences grow like sqrt(K)·2^-24 for K terms (K <= a few hundred here: ~1e-6), while a
  *     wrong index, a missing term or a wrong scale is an O(1) relative error. NaN in an element the CPU wrote is +inf.
+ *   - runs a third time on a second GPU backend made with DS4_CUDA_ATTN_REF=1 (the bf16 attention's, dq's and key
+ *     gradients' reference kernels; every other operation is the same code there) and must give the first run's
+ *     bytes: the pipelined kernels change when operands are loaded, never what is multiplied or in which order;
  *   - then the CPU's results are uploaded to the GPU, so that each next operation is compared on identical inputs.
  * The indexer-KL loss (double per query) is compared by relative Frobenius error <= 1e-5 as well: its scores are fp32
  * sums of the same kind. */
+#define _POSIX_C_SOURCE 200809L /* setenv: the reference backend */
 #include "testlib.h"
 
 #ifdef DS4_HAVE_CUDA
@@ -87,7 +91,8 @@ typedef struct ctx {
 } ctx;
 
 #define SIDE(b) S(x->b)
-static ds4_dev *dev_of(int side) { return side ? gpu : cpu; }
+static ds4_dev *gpu_ref; /* DS4_CUDA_ATTN_REF=1: the reference kernels (side 2: device buffers, this backend) */
+static ds4_dev *dev_of(int side) { return side == 2 ? gpu_ref : (side ? gpu : cpu); }
 
 static void s_attention(const ctx *x, int side) {
     OP(dev_of(side), attention, .c = &x->c, .type = x->type, .sink = SIDE(sink), .q = SIDE(q), .kv = SIDE(kv),
@@ -172,10 +177,31 @@ static void check_op(const char *what, const ctx *x, void (*step)(const ctx *, i
     }
     step(x, 1);
     check_dev(gpu, what);
+    void *again[MAXO] = {0};
     for (int i = 0; i < n; i++) {
-        void *again = fetch(o[i].b);
-        CHECK(memcmp(again, first[i], o[i].b->bytes) == 0, "%s: %s differs between two GPU runs", what, o[i].name);
-        free(again);
+        again[i] = fetch(o[i].b);
+        /* the reference run starts as the first did: in/out buffers restored, outputs poisoned */
+        void *cpu_result = o[i].b->h;
+        if (!o[i].inout) {
+            o[i].b->h = malloc(o[i].b->bytes);
+            memset(o[i].b->h, 0xff, o[i].b->bytes);
+        } else {
+            o[i].b->h = orig[i];
+        }
+        tw_push(o[i].b);
+        if (!o[i].inout) free(o[i].b->h);
+        o[i].b->h = cpu_result;
+    }
+    check_dev(gpu, what); /* the uploads are done before the other backend's stream reads them */
+    step(x, 2);
+    check_dev(gpu_ref, what);
+    for (int i = 0; i < n; i++) {
+        void *ref = fetch(o[i].b);
+        CHECK(memcmp(again[i], first[i], o[i].b->bytes) == 0, "%s: %s differs between two GPU runs", what, o[i].name);
+        CHECK(memcmp(ref, first[i], o[i].b->bytes) == 0, "%s: %s differs from the reference kernels' "
+              "(DS4_CUDA_ATTN_REF=1)", what, o[i].name);
+        free(again[i]);
+        free(ref);
         if (o[i].k == EXACT) {
             CHECK(memcmp(first[i], o[i].b->h, o[i].b->bytes) == 0, "%s: %s differs from the CPU's", what, o[i].name);
         } else {
@@ -374,6 +400,13 @@ int main(int argc, char **argv) {
     if (rc == 77) return 77;
     if (rc) return ds4t_finish("test_cuda_bwd_attn");
     ds4_error err = {0};
+    setenv("DS4_CUDA_ATTN_REF", "1", 1); /* read when a backend is made */
+    CHECK_OK(ds4_cuda_dev_create(0, &gpu_ref, &err), &err);
+    unsetenv("DS4_CUDA_ATTN_REF");
+    if (!gpu_ref) {
+        twins_close(eng);
+        return ds4t_finish("test_cuda_bwd_attn");
+    }
     ds4_config big = {0}; /* CPU scratch (attention key lists) for every shape below */
     big.hc_mult = 4, big.hidden_size = 64, big.num_attention_heads = 20, big.head_dim = 136, big.sliding_window = 128;
     big.compress_rate_csa = 4, big.compress_rate_hca = 128, big.index_topk = 64;
@@ -392,9 +425,14 @@ int main(int argc, char **argv) {
         {DS4_ATTN_CSA, 2, 50, 33, 4, 7, 16, 128, 2, 16},      /* the 599M config's heads and head_dim */
         {DS4_ATTN_CSA, 2, 37, 8, 4, 5, 3, 36, 2, 16},         /* bf16 key gradients off the tensor cores: d % 8 */
         {DS4_ATTN_HCA, 1, 30, 9, 4, 1, 40, 16, 2, 16},        /* ... and H > 32 */
+        /* the 599M config's heads and head_dim over more than KGQ = 256 queries (several query chunks of the bf16 key
+         * gradients, groups of 4 queries a barrier with a partial last one), key lists over several 32-key chunks */
+        {DS4_ATTN_CSA, 1, 301, 70, 4, 45, 16, 128, 2, 16},
+        {DS4_ATTN_HCA, 2, 263, 45, 8, 1, 16, 128, 2, 16},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) t_case(&cases[i]);
     t_too_large();
+    ds4_dev_release(gpu_ref);
     twins_close(eng);
     return ds4t_finish("test_cuda_bwd_attn");
 }
