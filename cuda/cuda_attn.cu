@@ -338,7 +338,8 @@ __global__ void __launch_bounds__(ATT_THREADS) attention_kernel(att_args a) {
 // The bf16 mode (bf16_in): one block per query row, every head at once on the tensor cores (cuda_attn_tc.cuh). itgt
 // (CSA with the indexer-KL target): pick i's probability summed over the heads in head order from 0, from the fp32
 // probabilities in shared memory (the CPU's sums); 0 past the picks.
-// REF: the reference staging (DS4_CUDA_ATTN_REF=1), the same bits.
+// REF: the reference staging (DS4_CUDA_ATTN_REF=1), the same bits. At most 128 registers, so that
+// 4 blocks fit an SM (the pipelined staging holds a chunk's loads in registers; 5 blocks would spill heavily).
 template <bool REF>
 __global__ void __launch_bounds__(TCA_THREADS, 4) attention_tc_kernel(att_args a, float *itgt) {
     extern __shared__ __align__(16) char smem[];

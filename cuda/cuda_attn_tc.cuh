@@ -53,12 +53,18 @@ __host__ __device__ inline tca_layout tca_layout_of(int64_t H, int64_t d, int64_
     L.kp = take((size_t)L.nkp * sizeof(void *));
     L.lg = take((size_t)(L.Hp * L.nkp) * sizeof(float));
     L.dp_ = grad ? take((size_t)(L.Hp * L.nkp) * sizeof(float)) : 0;
-    L.sP = take((size_t)(L.Hp * L.LP) * 2);
+    // the rows of q (and dout) and the key chunks serve product 1 only, P (or DS) and the transposed key chunks the
+    // softmax and product 3, which begin after product 1's last barrier: the two sets share their bytes (fewer bytes a
+    // block, more blocks an SM: the backward's CSA shapes go from two to three)
+    const size_t phase = o;
     L.sQ = take((size_t)(L.Hp * L.LQ) * 2);
     L.sG = grad ? take((size_t)(L.Hp * L.LQ) * 2) : 0;
     L.sK = take((size_t)(TCA_KC * L.LQ) * 2);
+    const size_t end1 = o;
+    o = phase;
+    L.sP = take((size_t)(L.Hp * L.LP) * 2);
     L.sKT = take((size_t)(TCA_NW * TCA_WARPS * 8 * TCA_LT) * 2);
-    L.bytes = o;
+    L.bytes = o > end1 ? o : end1;
     return L;
 }
 

@@ -196,7 +196,8 @@ __global__ void __launch_bounds__(BWD_THREADS) attn_bwd_q_kernel(abwd_args a) {
 // Phase A in the bf16 mode (bf16_in): one block per query, every head (cuda_attn_tc.cuh): the logits and dout·key
 // from the forward's tensor-core product (so P is the forward's, bit for bit), the softmax, Σ P·dp and DS per head
 // row (a warp each, double sums in a fixed butterfly), then dq = DS (bf16) · keys on the tensor cores.
-// REF: the reference staging (DS4_CUDA_ATTN_REF=1), the same bits.
+// REF: the reference staging (DS4_CUDA_ATTN_REF=1), the same bits. At most 128 registers, so that
+// 4 blocks fit an SM (the pipelined staging holds a chunk's loads in registers; 5 blocks would spill heavily).
 template <bool REF>
 __global__ void __launch_bounds__(TCA_THREADS, 4) attn_bwd_q_tc_kernel(abwd_args a) {
     extern __shared__ __align__(16) char smem[];
@@ -437,18 +438,9 @@ __global__ void __launch_bounds__(KG_THREADS) key_grad_tc_kernel(abwd_args a, in
     }
     float pre[G][TASKS][8];
     // Task i of query s: A (i < na): DS or P of 8 heads at key k0 + kk; B: q or dout of 8 heads at channel c0 + cc.
-    // Called for the queries in order (the CSA walk advances with them).
-    auto load = [&](int64_t s, float (&p)[TASKS][8]) {
-        const int64_t t = row * S + s, q0 = s - win + 1 > 0 ? s - win + 1 : 0, nwk = s - q0 + 1;
-        int64_t kidx = -1; // this thread's key's place in query s's key list, or -1: not seen
-        if (kind == 0) {
-            if (mykey >= q0 && mykey <= s && mykey < S) kidx = mykey - q0;
-        } else if (!csa) {
-            if (mykey < nkr && (mykey + 1) * a.m - 1 <= s) kidx = nwk + mykey;
-        } else if (cur < end && a.inv_t[cur] == t) {
-            kidx = nwk + a.inv_i[cur];
-            cur++;
-        }
+    // kidx: this thread's key's place in query s's key list, or -1: not seen.
+    auto load = [&](int64_t s, int64_t kidx, float (&p)[TASKS][8]) {
+        const int64_t t = row * S + s;
 #pragma unroll
         for (int u = 0; u < TASKS; u++) {
             const int i = tid + u * KG_THREADS;
@@ -489,11 +481,38 @@ __global__ void __launch_bounds__(KG_THREADS) key_grad_tc_kernel(abwd_args a, in
             *reinterpret_cast<uint4 *>(b + at) = w;
         }
     };
-    // the G queries from s0 (those before s_hi): load them, or store them into buffer b
+    // the G queries from s0 (those before s_hi): load them, or store them into buffer b. Groups come in query order:
+    // CSA entries take the next G pairs of the key's inverse list at once (a query picks a key at most once, so the
+    // group's pairs are among them) and step past those of the group.
     auto load_group = [&](int64_t s0) {
+        int64_t it[G], ii[G];
+        if (csa) {
+            int n = 0;
 #pragma unroll
-        for (int q = 0; q < G; q++)
-            if (s0 + q < s_hi) load(s0 + q, pre[q]);
+            for (int j = 0; j < G; j++) {
+                const bool in = cur + j < end;
+                it[j] = in ? a.inv_t[cur + j] : -1, ii[j] = in ? a.inv_i[cur + j] : 0;
+            }
+#pragma unroll
+            for (int j = 0; j < G; j++) n += it[j] >= 0 && it[j] < row * S + s0 + G;
+            cur += n;
+        }
+#pragma unroll
+        for (int q = 0; q < G; q++) {
+            const int64_t s = s0 + q, q0 = s - win + 1 > 0 ? s - win + 1 : 0, nwk = s - q0 + 1;
+            if (s >= s_hi) break;
+            int64_t kidx = -1;
+            if (kind == 0) {
+                if (mykey >= q0 && mykey <= s && mykey < S) kidx = mykey - q0;
+            } else if (!csa) {
+                if (mykey < nkr && (mykey + 1) * a.m - 1 <= s) kidx = nwk + mykey;
+            } else {
+#pragma unroll
+                for (int j = 0; j < G; j++)
+                    if (it[j] == row * S + s) kidx = nwk + ii[j];
+            }
+            load(s, kidx, pre[q]);
+        }
     };
     auto store_group = [&](int64_t s0, __nv_bfloat16 *b) {
 #pragma unroll
