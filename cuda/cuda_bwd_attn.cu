@@ -932,8 +932,10 @@ static void key_grads(ds4_dev *d, const abwd_args &g, int kind, int64_t nkeys, i
         const int64_t span = kind == 0 ? (KGT - 1 + g.win < g.S ? KGT - 1 + g.win : g.S) : g.S; // queries per tile
         const int64_t nq = (span + KGQ - 1) / KGQ > 0 ? (span + KGQ - 1) / KGQ : 1;
         // queries per barrier: 4 where H <= 16 (3 loads of 8 a thread and query), 2 up to KG_MAXH, 1 for the reference
-        // (DS4_CUDA_ATTN_REF=1); 2 · G query slots of shared memory (18 KiB each at H = 16, 30 KiB at 32)
-        const int G = cdev(d)->attn_ref ? 1 : (kg_tasks(g.H) <= KG_MAXTASK / 2 ? 4 : 2);
+        // (DS4_CUDA_ATTN_REF=1) or where the device's blocks cannot have 2 · G query slots of shared memory (18 KiB
+        // each at H = 16, 30 KiB at 32)
+        int G = cdev(d)->attn_ref ? 1 : (kg_tasks(g.H) <= KG_MAXTASK / 2 ? 4 : 2);
+        while (G > 1 && kg_tc_layout_of(g.H, G).bytes > cdev(d)->smem_optin) G /= 2;
         auto kernel = G == 1 ? key_grad_tc_kernel<1, KG_MAXTASK>
                              : (G == 4 ? key_grad_tc_kernel<4, KG_MAXTASK / 2> : key_grad_tc_kernel<2, KG_MAXTASK>);
         const size_t smem = kg_tc_layout_of(g.H, G).bytes;
