@@ -93,6 +93,10 @@ typedef struct ctx {
 #define SIDE(b) S(x->b)
 static ds4_dev *gpu_ref; /* DS4_CUDA_ATTN_REF=1: the reference kernels (side 2: device buffers, this backend) */
 static ds4_dev *dev_of(int side) { return side == 2 ? gpu_ref : (side ? gpu : cpu); }
+/* The weights / tape / compressor struct a side reads: [0] the CPU's, [1] the device buffers' (both GPU backends).
+ * Side 2 must not index l / lt / cw with 2: that read past the arrays (the next members' bytes, host pointers among
+ * them), which the reference backend's kernels dereferenced (an illegal address in its first attn_bwd_q). */
+static int dev_side(int side) { return side ? 1 : 0; }
 
 static void s_attention(const ctx *x, int side) {
     OP(dev_of(side), attention, .c = &x->c, .type = x->type, .sink = SIDE(sink), .q = SIDE(q), .kv = SIDE(kv),
@@ -101,7 +105,7 @@ static void s_attention(const ctx *x, int side) {
 }
 
 static ds4_a_attn_bwd abwd(const ctx *x, int side) {
-    return (ds4_a_attn_bwd){.c = &x->c, .l = &x->l[side], .lt = &x->lt[side], .B = x->B, .S = x->S,
+    return (ds4_a_attn_bwd){.c = &x->c, .l = &x->l[dev_side(side)], .lt = &x->lt[dev_side(side)], .B = x->B, .S = x->S,
                             .sel_stride = x->stride, .dout = SIDE(dout), .P = SIDE(P), .DS = SIDE(DS),
                             .maxk = x->maxk, .dsink_t = SIDE(dsink), .dq = SIDE(dq), .dkv = SIDE(dkv), .dK = SIDE(dK),
                             .inv_off = SIDE(inv_off), .inv_t = SIDE(inv_t), .inv_i = SIDE(inv_i),
@@ -128,19 +132,20 @@ static void s_entry_rope(const ctx *x, int side) {
        .rt = {SIDE(cs), x->half}, .sign = -1);
 }
 static void s_comp_bwd(const ctx *x, int side) {
-    OP(dev_of(side), comp_bwd, .c = &x->c, .w = &x->cw[side], .overlap = x->overlap, .C = SIDE(C), .Z = SIDE(Z),
-       .dpool = SIDE(dpool), .dC = SIDE(dC), .dZ = SIDE(dZ), .gape = SIDE(gape), .B = x->B, .S = x->S, .nwin = x->nwin);
+    OP(dev_of(side), comp_bwd, .c = &x->c, .w = &x->cw[dev_side(side)], .overlap = x->overlap, .C = SIDE(C),
+       .Z = SIDE(Z), .dpool = SIDE(dpool), .dC = SIDE(dC), .dZ = SIDE(dZ), .gape = SIDE(gape), .B = x->B, .S = x->S,
+       .nwin = x->nwin);
 }
 static void s_ikl(const ctx *x, int side) {
-    OP(dev_of(side), ikl, .c = &x->c, .lt = &x->lt[side], .T = x->T, .S = x->S, .sel_stride = x->stride, .kl = SIDE(kl),
-       .has = SIDE(has), .dI = x->with_dI ? SIDE(dI) : NULL, .scale = 0.37);
+    OP(dev_of(side), ikl, .c = &x->c, .lt = &x->lt[dev_side(side)], .T = x->T, .S = x->S, .sel_stride = x->stride,
+       .kl = SIDE(kl), .has = SIDE(has), .dI = x->with_dI ? SIDE(dI) : NULL, .scale = 0.37);
 }
 static void s_ikl_q(const ctx *x, int side) {
-    OP(dev_of(side), ikl_bwd_q, .c = &x->c, .lt = &x->lt[side], .B = x->B, .S = x->S, .T = x->T,
+    OP(dev_of(side), ikl_bwd_q, .c = &x->c, .lt = &x->lt[dev_side(side)], .B = x->B, .S = x->S, .T = x->T,
        .sel_stride = x->stride, .dI = SIDE(dI), .diq = SIDE(diq), .diw = SIDE(diw), .dsi = SIDE(dsi));
 }
 static void s_ikl_k(const ctx *x, int side) {
-    OP(dev_of(side), ikl_bwd_k, .c = &x->c, .lt = &x->lt[side], .B = x->B, .S = x->S, .T = x->T,
+    OP(dev_of(side), ikl_bwd_k, .c = &x->c, .lt = &x->lt[dev_side(side)], .B = x->B, .S = x->S, .T = x->T,
        .sel_stride = x->stride, .dsi = SIDE(dsi), .inv_off = SIDE(inv_off), .inv_t = SIDE(inv_t),
        .inv_i = SIDE(inv_i), .dK = SIDE(dKi));
 }
