@@ -162,6 +162,7 @@ typedef struct out {
  * results. */
 static void check_op(const char *what, const ctx *x, void (*step)(const ctx *, int), out *o, int n) {
     enum { MAXO = 8 };
+    if (twin_broken()) return; /* after a CUDA error nothing runs (cuda_twin.h) */
     void *orig[MAXO] = {0}, *first[MAXO] = {0};
     for (int i = 0; i < n; i++)
         if (o[i].inout) {
@@ -199,8 +200,14 @@ static void check_op(const char *what, const ctx *x, void (*step)(const ctx *, i
     }
     check_dev(gpu, what); /* the uploads are done before the other backend's stream reads them */
     step(x, 2);
-    check_dev(gpu_ref, what);
+    char ref_what[300];
+    snprintf(ref_what, sizeof ref_what, "%s on the reference backend (DS4_CUDA_ATTN_REF=1)", what);
+    check_dev(gpu_ref, ref_what);
     for (int i = 0; i < n; i++) {
+        if (twin_broken()) { /* the error is the one failure: comparing poison would add one a buffer */
+            free(again[i]), free(first[i]), free(orig[i]);
+            continue;
+        }
         void *ref = fetch(o[i].b);
         CHECK(memcmp(again[i], first[i], o[i].b->bytes) == 0, "%s: %s differs between two GPU runs", what, o[i].name);
         CHECK(memcmp(ref, first[i], o[i].b->bytes) == 0, "%s: %s differs from the reference kernels' "
@@ -436,8 +443,13 @@ int main(int argc, char **argv) {
         {DS4_ATTN_CSA, 1, 301, 70, 4, 45, 16, 128, 2, 16},
         {DS4_ATTN_HCA, 2, 263, 200, 8, 1, 16, 128, 2, 16},
     };
-    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) t_case(&cases[i]);
-    t_too_large();
+    const size_t ncases = sizeof cases / sizeof cases[0];
+    for (size_t i = 0; i < ncases && !twin_broken(); i++) t_case(&cases[i]);
+    if (twin_broken())
+        fprintf(stderr, "test_cuda_bwd_attn: stopped at the first CUDA error, in %s; the rest of its case and "
+                "the cases after it are skipped (every later CUDA call would fail with it)\n", twin_dead);
+    else
+        t_too_large();
     ds4_dev_release(gpu_ref);
     twins_close(eng);
     return ds4t_finish("test_cuda_bwd_attn");
