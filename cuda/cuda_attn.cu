@@ -338,7 +338,10 @@ __global__ void __launch_bounds__(ATT_THREADS) attention_kernel(att_args a) {
 // The bf16 mode (bf16_in): one block per query row, every head at once on the tensor cores (cuda_attn_tc.cuh). itgt
 // (CSA with the indexer-KL target): pick i's probability summed over the heads in head order from 0, from the fp32
 // probabilities in shared memory (the CPU's sums); 0 past the picks.
-__global__ void __launch_bounds__(TCA_THREADS) attention_tc_kernel(att_args a, float *itgt) {
+// REF: the reference staging (DS4_CUDA_ATTN_REF=1), the same bits. At most 128 registers, so that
+// 4 blocks fit an SM (the pipelined staging holds a chunk's loads in registers; 5 blocks would spill heavily).
+template <bool REF>
+__global__ void __launch_bounds__(TCA_THREADS, 4) attention_tc_kernel(att_args a, float *itgt) {
     extern __shared__ __align__(16) char smem[];
     const tca_layout S = tca_layout_of(a.H, a.d, a.maxk, 0);
     const float **kp = (const float **)(smem + S.kp);
@@ -350,7 +353,7 @@ __global__ void __launch_bounds__(TCA_THREADS) attention_tc_kernel(att_args a, f
     for (int64_t k = threadIdx.x; k < L.nk; k += TCA_THREADS) kp[k] = L.at(a.kv, k);
     tca_stage_rows(sQ, a.q + t * H * d, H, d, S);
     __syncthreads();
-    tca_scores(lg, nullptr, sQ, nullptr, sK, kp, L.nk, d, 1.0f / sqrtf((float)d), S);
+    tca_scores_sel<REF>(lg, nullptr, sQ, nullptr, sK, kp, L.nk, d, 1.0f / sqrtf((float)d), S);
     const int64_t nkp = tca_up(L.nk, TCA_KC);
     for (int64_t h = threadIdx.x >> 5; h < H; h += TCA_WARPS) {
         float mx;
@@ -364,7 +367,7 @@ __global__ void __launch_bounds__(TCA_THREADS) attention_tc_kernel(att_args a, f
                 for (int64_t h = 0; h < H; h++) acc += lg[h * S.nkp + L.nwk + i];
             itgt[t * a.sel_stride + i] = acc;
         }
-    tca_weighted_sum(a.o + t * H * d, H, d, sP, sKT, kp, L.nk, S);
+    tca_weighted_sum_sel<REF>(a.o + t * H * d, H, d, sP, sKT, kp, L.nk, S);
 }
 
 // The indexer-KL target of row t's pick i (one warp each): every head's probability of the pick, recomputed with the
@@ -512,9 +515,10 @@ static void attention_tc(ds4_dev *d, const ds4_a_attention *a, int64_t maxk) {
         ds4_dev_fail(d, DS4_ERR_UNSUPPORTED, "attention (bf16): %lld queries", (long long)T);
         return;
     }
+    const bool ref = cdev(d)->attn_ref;
+    auto kernel = ref ? attention_tc_kernel<true> : attention_tc_kernel<false>;
     if (smem > 48 * 1024 && smem > cdev(d)->smem_attn_tc) { /* raised once per size, not per launch */
-        const cudaError_t e = cudaFuncSetAttribute(attention_tc_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                   (int)smem);
+        const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
         if (e != cudaSuccess) {
             (void)cudaGetLastError();
             ds4_dev_fail(d, DS4_ERR_CUDA, "attention (bf16): shared memory limit %zu: %s", smem, cudaGetErrorString(e));
@@ -524,11 +528,10 @@ static void attention_tc(ds4_dev *d, const ds4_a_attention *a, int64_t maxk) {
     }
     att_args g = {a->sink, a->q, a->kv, a->cK, a->o, NULL, NULL, a->rows, H, dh, c->sliding_window, a->nwin, m,
                   a->sel_stride, maxk, (int)a->type, a->sel, a->nsel};
-    attention_tc_kernel<<<(unsigned)T, TCA_THREADS, smem, cdev(d)->stream>>>(
-        g, a->type == DS4_ATTN_CSA ? a->itgt : NULL);
-    ds4_cuda_launched(d, "attention", "[%lld queries, %lld heads x %lld, <= %lld keys, %s, bf16 tensor cores%s]",
+    kernel<<<(unsigned)T, TCA_THREADS, smem, cdev(d)->stream>>>(g, a->type == DS4_ATTN_CSA ? a->itgt : NULL);
+    ds4_cuda_launched(d, "attention", "[%lld queries, %lld heads x %lld, <= %lld keys, %s, bf16 tensor cores%s%s]",
                       (long long)T, (long long)H, (long long)dh, (long long)maxk, ds4_attn_type_name(a->type),
-                      a->type == DS4_ATTN_CSA && a->itgt ? ", indexer-KL target" : "");
+                      a->type == DS4_ATTN_CSA && a->itgt ? ", indexer-KL target" : "", ref ? ", reference" : "");
 }
 
 void ds4_cuda_attention(ds4_dev *d, const ds4_a_attention *a) {

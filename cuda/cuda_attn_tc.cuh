@@ -53,26 +53,39 @@ __host__ __device__ inline tca_layout tca_layout_of(int64_t H, int64_t d, int64_
     L.kp = take((size_t)L.nkp * sizeof(void *));
     L.lg = take((size_t)(L.Hp * L.nkp) * sizeof(float));
     L.dp_ = grad ? take((size_t)(L.Hp * L.nkp) * sizeof(float)) : 0;
-    L.sP = take((size_t)(L.Hp * L.LP) * 2);
+    // the rows of q (and dout) and the key chunks serve product 1 only, P (or DS) and the transposed key chunks the
+    // softmax and product 3, which begin after product 1's last barrier: the two sets share their bytes (fewer bytes a
+    // block, more blocks an SM: the backward's CSA shapes go from two to three)
+    const size_t phase = o;
     L.sQ = take((size_t)(L.Hp * L.LQ) * 2);
     L.sG = grad ? take((size_t)(L.Hp * L.LQ) * 2) : 0;
     L.sK = take((size_t)(TCA_KC * L.LQ) * 2);
+    const size_t end1 = o;
+    o = phase;
+    L.sP = take((size_t)(L.Hp * L.LP) * 2);
     L.sKT = take((size_t)(TCA_NW * TCA_WARPS * 8 * TCA_LT) * 2);
-    L.bytes = o;
+    L.bytes = o > end1 ? o : end1;
     return L;
 }
 
-// 4 fp32 values at p (c .. c+3 of a row of d) -> 4 bf16 at s: one 16-byte load where the row allows it, zeros past d.
-__device__ __forceinline__ void tca_put4(__nv_bfloat16 *s, const float *p, int c, int d) {
+// 4 fp32 values at p (c .. c+3 of a row of d; zeros past d or for no row): one 16-byte load where the row allows it.
+__device__ __forceinline__ float4 tca_get4(const float *p, int c, int d) {
+    if (p && c + 4 <= d && ((reinterpret_cast<uintptr_t>(p + c) & 15) == 0))
+        return *reinterpret_cast<const float4 *>(p + c);
     float v[4];
-    if (p && c + 4 <= d && ((reinterpret_cast<uintptr_t>(p + c) & 15) == 0)) {
-        const float4 f = *reinterpret_cast<const float4 *>(p + c);
-        v[0] = f.x, v[1] = f.y, v[2] = f.z, v[3] = f.w;
-    } else {
 #pragma unroll
-        for (int i = 0; i < 4; i++) v[i] = p && c + i < d ? p[c + i] : 0.0f;
-    }
-    *reinterpret_cast<uint2 *>(s + c) = make_uint2(ds4d_pack_bf16(v[0], v[1]), ds4d_pack_bf16(v[2], v[3]));
+    for (int i = 0; i < 4; i++) v[i] = p && c + i < d ? p[c + i] : 0.0f;
+    return make_float4(v[0], v[1], v[2], v[3]);
+}
+
+// 4 values -> 4 bf16 at s + c (rounded to nearest even)
+__device__ __forceinline__ void tca_set4(__nv_bfloat16 *s, int c, float4 v) {
+    *reinterpret_cast<uint2 *>(s + c) = make_uint2(ds4d_pack_bf16(v.x, v.y), ds4d_pack_bf16(v.z, v.w));
+}
+
+// 4 fp32 values at p (c .. c+3 of a row of d) -> 4 bf16 at s, zeros past d.
+__device__ __forceinline__ void tca_put4(__nv_bfloat16 *s, const float *p, int c, int d) {
+    tca_set4(s, c, tca_get4(p, c, d));
 }
 
 // rows [H, d] fp32 (row stride d) -> s [Hp, LQ] bf16, zeros past H and d: a warp per row, 4 values per lane
@@ -161,12 +174,54 @@ __device__ __forceinline__ double tca_softmax_row(float *l, __nv_bfloat16 *sP, i
     return den;
 }
 
+// Product 3's multiply-adds over one staged chunk (keys k0.. of sP's rows, transposed keys in sKT) for the m-tiles
+// m0.. of a pass: a warp's TCA_NW n-tiles of 8 channels, the chunk's 32 keys in ds4d_mma_k32's k-slots.
+__device__ __forceinline__ void tca_ws_chunk(float (&acc)[TCA_MT][TCA_NW][4], const __nv_bfloat16 *sP,
+                                             const __nv_bfloat16 *sKT, int64_t m0, int64_t k0, const tca_layout &L) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const int64_t nmt = L.Hp / 16;
+    uint32_t b[TCA_NW][4];
+#pragma unroll
+    for (int j = 0; j < TCA_NW; j++) {
+        const uint4 v = *reinterpret_cast<const uint4 *>(&sKT[(warp * TCA_NW * 8 + j * 8 + g) * TCA_LT + t * 8]);
+        b[j][0] = v.x, b[j][1] = v.y, b[j][2] = v.z, b[j][3] = v.w;
+    }
+#pragma unroll
+    for (int i = 0; i < TCA_MT; i++) {
+        if (m0 + i >= nmt) break;
+        const int64_t r = (m0 + i) * 16 + g;
+        uint32_t ag[4], ag8[4];
+        const uint4 va = *reinterpret_cast<const uint4 *>(&sP[r * L.LP + k0 + t * 8]);
+        const uint4 va8 = *reinterpret_cast<const uint4 *>(&sP[(r + 8) * L.LP + k0 + t * 8]);
+        ag[0] = va.x, ag[1] = va.y, ag[2] = va.z, ag[3] = va.w;
+        ag8[0] = va8.x, ag8[1] = va8.y, ag8[2] = va8.z, ag8[3] = va8.w;
+#pragma unroll
+        for (int j = 0; j < TCA_NW; j++) ds4d_mma_k32(acc[i][j], ag, ag8, b[j]);
+    }
+}
+
+// A pass's outputs (head rows m0·16.., channels c0..) into out [H, d], nothing past H and d.
+__device__ __forceinline__ void tca_ws_out(float *out, const float (&acc)[TCA_MT][TCA_NW][4], int64_t m0, int64_t c0,
+                                           int64_t H, int64_t d) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int i = 0; i < TCA_MT; i++)
+#pragma unroll
+        for (int j = 0; j < TCA_NW; j++) {
+            const int64_t h = (m0 + i) * 16 + g, c = c0 + warp * TCA_NW * 8 + j * 8 + 2 * t;
+#pragma unroll
+            for (int q = 0; q < 4; q++) {
+                const int64_t hh = h + (q >> 1) * 8, cc = c + (q & 1);
+                if (hh < H && cc < d) out[hh * d + cc] = acc[i][j][q];
+            }
+        }
+}
+
 // Product 3: out [H, d] (row stride d) = A [Hp, nk] (bf16 rows of sP, zero past nk) · keys. Passes of TCA_MT m-tiles
 // × 128 channels; in each, keys 32 at a time transposed into sKT (zero past nk and d).
 __device__ __forceinline__ void tca_weighted_sum(float *out, int64_t H, int64_t d, const __nv_bfloat16 *sP,
                                                  __nv_bfloat16 *sKT, const float *const *kp, int64_t nk,
                                                  const tca_layout &L) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     constexpr int PC = TCA_NW * TCA_WARPS * 8; // channels per pass
     const int64_t nmt = L.Hp / 16;
     for (int64_t m0 = 0; m0 < nmt; m0 += TCA_MT)
@@ -189,39 +244,109 @@ __device__ __forceinline__ void tca_weighted_sum(float *out, int64_t H, int64_t 
                     *reinterpret_cast<uint4 *>(&sKT[cc * TCA_LT + j0]) = w;
                 }
                 __syncthreads();
-                uint32_t b[TCA_NW][4];
-#pragma unroll
-                for (int j = 0; j < TCA_NW; j++) {
-                    const uint4 v =
-                        *reinterpret_cast<const uint4 *>(&sKT[(warp * TCA_NW * 8 + j * 8 + g) * TCA_LT + t * 8]);
-                    b[j][0] = v.x, b[j][1] = v.y, b[j][2] = v.z, b[j][3] = v.w;
-                }
-#pragma unroll
-                for (int i = 0; i < TCA_MT; i++) {
-                    if (m0 + i >= nmt) break;
-                    const int64_t r = (m0 + i) * 16 + g;
-                    uint32_t ag[4], ag8[4];
-                    const uint4 va = *reinterpret_cast<const uint4 *>(&sP[r * L.LP + k0 + t * 8]);
-                    const uint4 va8 = *reinterpret_cast<const uint4 *>(&sP[(r + 8) * L.LP + k0 + t * 8]);
-                    ag[0] = va.x, ag[1] = va.y, ag[2] = va.z, ag[3] = va.w;
-                    ag8[0] = va8.x, ag8[1] = va8.y, ag8[2] = va8.z, ag8[3] = va8.w;
-#pragma unroll
-                    for (int j = 0; j < TCA_NW; j++) ds4d_mma_k32(acc[i][j], ag, ag8, b[j]);
-                }
+                tca_ws_chunk(acc, sP, sKT, m0, k0, L);
                 __syncthreads();
             }
-#pragma unroll
-            for (int i = 0; i < TCA_MT; i++)
-#pragma unroll
-                for (int j = 0; j < TCA_NW; j++) {
-                    const int64_t h = (m0 + i) * 16 + g, c = c0 + warp * TCA_NW * 8 + j * 8 + 2 * t;
-#pragma unroll
-                    for (int q = 0; q < 4; q++) {
-                        const int64_t hh = h + (q >> 1) * 8, cc = c + (q & 1);
-                        if (hh < H && cc < d) out[hh * d + cc] = acc[i][j][q];
-                    }
-                }
+            tca_ws_out(out, acc, m0, c0, H, d);
         }
+}
+
+// ------------------------------------------------------------------------------------------ pipelined staging
+// The same products with the same operands in the same mma order (so the same bits), but a chunk's global loads are
+// issued together into registers, and the next chunk's are in flight while this one is multiplied: the kernels above
+// wait for one load after another (a warp's 8 key rows, a thread's 4 groups of 8 keys), which made the attention
+// latency-bound (one block per query, a few warps per SM). DS4_CUDA_ATTN_REF=1 keeps the kernels above
+// (cuda_dev.cu), and the tests compare the two byte for byte.
+
+constexpr int TCA_KW = TCA_KC / TCA_WARPS;                 // key rows a warp stages per chunk (product 1)
+constexpr int TCA_PC = TCA_NW * TCA_WARPS * 8;             // channels per pass of product 3
+constexpr int TCA_TT = TCA_PC * (TCA_KC / 8) / TCA_THREADS; // a thread's groups of 8 keys per chunk (product 3)
+static_assert(TCA_PC * (TCA_KC / 8) % TCA_THREADS == 0, "product 3's staging tasks split evenly");
+
+// Product 1 over every key of the row, as tca_scores. Channels past 128 (d > 128) take tca_scores' staging.
+__device__ __forceinline__ void tca_scores_pipe(float *lg, float *dpv, const __nv_bfloat16 *sQ,
+                                                const __nv_bfloat16 *sG, __nv_bfloat16 *sK, const float *const *kp,
+                                                int64_t nk, int64_t d, float scale, const tca_layout &L) {
+    if (L.dp > 128) {
+        tca_scores(lg, dpv, sQ, sG, sK, kp, nk, d, scale, L);
+        return;
+    }
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, c = lane * 4;
+    const bool mine = c < (int)L.dp; // this lane's 4 channels are staged (zeros past d)
+    float4 v[TCA_KW];                // rows warp, warp + TCA_WARPS, .. of the chunk (tca_stage_keys' rows)
+    auto load = [&](int64_t k0) {
+#pragma unroll
+        for (int u = 0; u < TCA_KW; u++) {
+            const int64_t k = k0 + warp + u * TCA_WARPS;
+            if (mine) v[u] = tca_get4(k < nk ? kp[k] : nullptr, c, (int)d);
+        }
+    };
+    load(0);
+    for (int64_t k0 = 0; k0 < nk; k0 += TCA_KC) {
+        if (mine)
+#pragma unroll
+            for (int u = 0; u < TCA_KW; u++) tca_set4(sK + (warp + u * TCA_WARPS) * L.LQ, c, v[u]);
+        __syncthreads();
+        if (k0 + TCA_KC < nk) load(k0 + TCA_KC);
+        tca_scores_chunk(lg, dpv, sQ, sG, sK, k0, scale, L);
+        __syncthreads();
+    }
+}
+
+// Product 3, as tca_weighted_sum: thread i stages channel i % TCA_PC of the 8 keys (i / TCA_PC)·8.. for i = tid,
+// tid + TCA_THREADS, .. (the same sKT contents), the chunk's 8·TCA_TT loads issued together, the next chunk's
+// during this one's products.
+__device__ __forceinline__ void tca_weighted_sum_pipe(float *out, int64_t H, int64_t d, const __nv_bfloat16 *sP,
+                                                      __nv_bfloat16 *sKT, const float *const *kp, int64_t nk,
+                                                      const tca_layout &L) {
+    const int64_t nmt = L.Hp / 16;
+    float v[TCA_TT][8]; // this thread's staged values of a chunk
+    for (int64_t m0 = 0; m0 < nmt; m0 += TCA_MT)
+        for (int64_t c0 = 0; c0 < d; c0 += TCA_PC) {
+            auto load = [&](int64_t k0) {
+#pragma unroll
+                for (int r = 0; r < TCA_TT; r++) {
+                    const int i = threadIdx.x + r * TCA_THREADS, cc = i % TCA_PC, j0 = (i / TCA_PC) * 8;
+                    const int64_t c = c0 + cc;
+#pragma unroll
+                    for (int u = 0; u < 8; u++) v[r][u] = k0 + j0 + u < nk && c < d ? kp[k0 + j0 + u][c] : 0.0f;
+                }
+            };
+            float acc[TCA_MT][TCA_NW][4];
+            ds4d_mma_zero(acc);
+            load(0);
+            for (int64_t k0 = 0; k0 < nk; k0 += TCA_KC) {
+#pragma unroll
+                for (int r = 0; r < TCA_TT; r++) {
+                    const int i = threadIdx.x + r * TCA_THREADS, cc = i % TCA_PC, j0 = (i / TCA_PC) * 8;
+                    uint4 w;
+                    w.x = ds4d_pack_bf16(v[r][0], v[r][1]), w.y = ds4d_pack_bf16(v[r][2], v[r][3]);
+                    w.z = ds4d_pack_bf16(v[r][4], v[r][5]), w.w = ds4d_pack_bf16(v[r][6], v[r][7]);
+                    *reinterpret_cast<uint4 *>(&sKT[cc * TCA_LT + j0]) = w;
+                }
+                __syncthreads();
+                if (k0 + TCA_KC < nk) load(k0 + TCA_KC);
+                tca_ws_chunk(acc, sP, sKT, m0, k0, L);
+                __syncthreads();
+            }
+            tca_ws_out(out, acc, m0, c0, H, d);
+        }
+}
+
+// Product 1, then (after the caller's softmax) product 3: the pipelined helpers, or with ref the ones above.
+template <bool REF>
+__device__ __forceinline__ void tca_scores_sel(float *lg, float *dpv, const __nv_bfloat16 *sQ, const __nv_bfloat16 *sG,
+                                               __nv_bfloat16 *sK, const float *const *kp, int64_t nk, int64_t d,
+                                               float scale, const tca_layout &L) {
+    if (REF) tca_scores(lg, dpv, sQ, sG, sK, kp, nk, d, scale, L);
+    else tca_scores_pipe(lg, dpv, sQ, sG, sK, kp, nk, d, scale, L);
+}
+template <bool REF>
+__device__ __forceinline__ void tca_weighted_sum_sel(float *out, int64_t H, int64_t d, const __nv_bfloat16 *sP,
+                                                     __nv_bfloat16 *sKT, const float *const *kp, int64_t nk,
+                                                     const tca_layout &L) {
+    if (REF) tca_weighted_sum(out, H, d, sP, sKT, kp, nk, L);
+    else tca_weighted_sum_pipe(out, H, d, sP, sKT, kp, nk, L);
 }
 
 #endif

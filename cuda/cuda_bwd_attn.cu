@@ -196,7 +196,10 @@ __global__ void __launch_bounds__(BWD_THREADS) attn_bwd_q_kernel(abwd_args a) {
 // Phase A in the bf16 mode (bf16_in): one block per query, every head (cuda_attn_tc.cuh): the logits and dout·key
 // from the forward's tensor-core product (so P is the forward's, bit for bit), the softmax, Σ P·dp and DS per head
 // row (a warp each, double sums in a fixed butterfly), then dq = DS (bf16) · keys on the tensor cores.
-__global__ void __launch_bounds__(TCA_THREADS) attn_bwd_q_tc_kernel(abwd_args a) {
+// REF: the reference staging (DS4_CUDA_ATTN_REF=1), the same bits. At most 128 registers, so that
+// 4 blocks fit an SM (the pipelined staging holds a chunk's loads in registers; 5 blocks would spill heavily).
+template <bool REF>
+__global__ void __launch_bounds__(TCA_THREADS, 4) attn_bwd_q_tc_kernel(abwd_args a) {
     extern __shared__ __align__(16) char smem[];
     const tca_layout S = tca_layout_of(a.H, a.d, a.kmax, 1);
     const float **kp = (const float **)(smem + S.kp);
@@ -213,7 +216,7 @@ __global__ void __launch_bounds__(TCA_THREADS) attn_bwd_q_tc_kernel(abwd_args a)
     tca_stage_rows(sG, a.dout + t * H * d, H, d, S);
     __syncthreads();
     const float scale = 1.0f / sqrtf((float)d);
-    tca_scores(lg, dpv, sQ, sG, sK, kp, nk, d, scale, S);
+    tca_scores_sel<REF>(lg, dpv, sQ, sG, sK, kp, nk, d, scale, S);
     for (int64_t h = threadIdx.x >> 5; h < H; h += TCA_WARPS) {
         float *l = lg + h * S.nkp, *dp = dpv + h * S.nkp, mx;
         __nv_bfloat16 *sd = sP + h * S.LP;
@@ -231,7 +234,7 @@ __global__ void __launch_bounds__(TCA_THREADS) attn_bwd_q_tc_kernel(abwd_args a)
         }
     }
     __syncthreads();
-    tca_weighted_sum(a.dq + t * H * d, H, d, sP, sKT, kp, nk, S);
+    tca_weighted_sum_sel<REF>(a.dq + t * H * d, H, d, sP, sKT, kp, nk, S);
 }
 
 // v rounded to bf16 (nearest even) where the bf16 mode rounds a product's operands, else v
@@ -362,25 +365,34 @@ __global__ void key_grad_win_kernel(abwd_args a, int64_t groups, int64_t nch, fl
 // query order by the thread that stages that key)) has zeros there. Each key's sum takes its queries in order, per
 // query DS·q then P·dout, heads 16 at a time in order; with one chunk it is the key's gradient, with several the
 // chunks' partials are added in chunk order by key_grad_fold_kernel: a fixed order set by the shapes, so the same bits
-// every run. 8 warps: warp w the 16 keys w & 3 and the 64 channels w >> 2. The next query's operands are loaded to
-// registers while the current one is multiplied, then stored into the other of two shared-memory buffers: one
-// barrier per query. Needs H <= KG_MAXH and d a multiple of 8.
+// every run. 8 warps: warp w the 16 keys w & 3 and the 64 channels w >> 2. The operands of the next G queries are
+// loaded to registers while the current G are multiplied, then stored into the other of two shared-memory buffers
+// (G query slots each): one barrier per G queries. G = 1 (with TASKS = KG_MAXTASK) is the reference
+// (DS4_CUDA_ATTN_REF=1): a query's loads then waited out one barrier each, and the pass (one block per SM at most, a
+// few hundred queries in a row) was bound by that latency. G changes when a query's operands are loaded, not what is
+// multiplied or in which order: the same bits. Needs H <= KG_MAXH and d a multiple of 8.
 constexpr int KGT = 64, KGC = 128, KGQ = 256, KG_THREADS = 256, KG_MAXH = 32;
 constexpr int KG_MAXTASK = (2 * KGT + 2 * KGC) * (KG_MAXH / 8) / KG_THREADS; // 8-value loads per thread and query
 static_assert(KG_THREADS % KGT == 0, "a thread's A loads are all of one key (its inverse-list walk)");
 
+// 8-value loads per thread and query for H heads (TASKS of the kernel must be at least this)
+__host__ __device__ inline int kg_tasks(int64_t H) {
+    const int64_t hg = (H + 15) / 16 * 2;
+    return (int)(((2 * KGT + 2 * KGC) * hg + KG_THREADS - 1) / KG_THREADS);
+}
+
 struct kg_tc_layout {
     int Hp, LH;         // heads padded to 16; staged row length (Hp + 8 bf16: a quarter-warp's fragment reads of
                         // rows g = 0..7 at the same head land on distinct banks)
-    int64_t na, nb;     // one buffer's A [2][KGT][LH] and B [2][KGC][LH] (bf16 elements)
-    size_t bytes;       // two buffers
+    int64_t na, nb;     // one query slot's A [2][KGT][LH] and B [2][KGC][LH] (bf16 elements)
+    size_t bytes;       // two buffers of G slots
 };
 
-__host__ __device__ inline kg_tc_layout kg_tc_layout_of(int64_t H) {
+__host__ __device__ inline kg_tc_layout kg_tc_layout_of(int64_t H, int G) {
     kg_tc_layout L;
     L.Hp = (int)((H + 15) / 16 * 16), L.LH = L.Hp + 8;
     L.na = 2 * KGT * L.LH, L.nb = 2 * KGC * L.LH;
-    L.bytes = (size_t)(2 * (L.na + L.nb)) * sizeof(__nv_bfloat16);
+    L.bytes = (size_t)(2 * G * (L.na + L.nb)) * sizeof(__nv_bfloat16);
     return L;
 }
 
@@ -395,11 +407,12 @@ __device__ __forceinline__ void kg_range(const abwd_args &a, int kind, int64_t k
     }
 }
 
+template <int G, int TASKS>
 __global__ void __launch_bounds__(KG_THREADS) key_grad_tc_kernel(abwd_args a, int kind, int64_t tiles, float *part) {
     extern __shared__ __align__(16) char kg_mem[];
-    const kg_tc_layout L = kg_tc_layout_of(a.H);
+    const kg_tc_layout L = kg_tc_layout_of(a.H, G);
     __nv_bfloat16 *buf0 = reinterpret_cast<__nv_bfloat16 *>(kg_mem);
-    const int64_t nkr = kg_nkeys(a, kind), row = blockIdx.x / tiles, k0 = (blockIdx.x % tiles) * KGT;
+    const int64_t slot = L.na + L.nb, nkr = kg_nkeys(a, kind), row = blockIdx.x / tiles, k0 = (blockIdx.x % tiles) * KGT;
     const int64_t c0 = (int64_t)blockIdx.y * KGC, S = a.S, H = a.H, d = a.d, win = a.win;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
     const int mt = warp & 3, cw = (warp >> 2) * 64; // this warp's 16 keys and 64 channels
@@ -423,21 +436,13 @@ __global__ void __launch_bounds__(KG_THREADS) key_grad_tc_kernel(abwd_args a, in
         }
         cur = lo;
     }
-    float pre[KG_MAXTASK][8];
+    float pre[G][TASKS][8];
     // Task i of query s: A (i < na): DS or P of 8 heads at key k0 + kk; B: q or dout of 8 heads at channel c0 + cc.
-    auto load = [&](int64_t s) {
-        const int64_t t = row * S + s, q0 = s - win + 1 > 0 ? s - win + 1 : 0, nwk = s - q0 + 1;
-        int64_t kidx = -1; // this thread's key's place in query s's key list, or -1: not seen
-        if (kind == 0) {
-            if (mykey >= q0 && mykey <= s && mykey < S) kidx = mykey - q0;
-        } else if (!csa) {
-            if (mykey < nkr && (mykey + 1) * a.m - 1 <= s) kidx = nwk + mykey;
-        } else if (cur < end && a.inv_t[cur] == t) {
-            kidx = nwk + a.inv_i[cur];
-            cur++;
-        }
+    // kidx: this thread's key's place in query s's key list, or -1: not seen.
+    auto load = [&](int64_t s, int64_t kidx, float (&p)[TASKS][8]) {
+        const int64_t t = row * S + s;
 #pragma unroll
-        for (int u = 0; u < KG_MAXTASK; u++) {
+        for (int u = 0; u < TASKS; u++) {
             const int i = tid + u * KG_THREADS;
             if (i >= nt) break;
             if (i < na) {
@@ -446,7 +451,7 @@ __global__ void __launch_bounds__(KG_THREADS) key_grad_tc_kernel(abwd_args a, in
 #pragma unroll
                 for (int v = 0; v < 8; v++) {
                     const int64_t h = hg * 8 + v;
-                    pre[u][v] = kidx >= 0 && h < H ? M[h * a.maxk] : 0.0f;
+                    p[u][v] = kidx >= 0 && h < H ? M[h * a.maxk] : 0.0f;
                 }
             } else {
                 const int k = i - na, cc = k % KGC, hg = (k / KGC) % HG, op = k / (KGC * HG);
@@ -455,14 +460,14 @@ __global__ void __launch_bounds__(KG_THREADS) key_grad_tc_kernel(abwd_args a, in
 #pragma unroll
                 for (int v = 0; v < 8; v++) {
                     const int64_t h = hg * 8 + v;
-                    pre[u][v] = c < d && h < H ? X[h * d] : 0.0f;
+                    p[u][v] = c < d && h < H ? X[h * d] : 0.0f;
                 }
             }
         }
     };
-    auto store = [&](__nv_bfloat16 *b) {
+    auto store = [&](__nv_bfloat16 *b, const float (&p)[TASKS][8]) {
 #pragma unroll
-        for (int u = 0; u < KG_MAXTASK; u++) {
+        for (int u = 0; u < TASKS; u++) {
             const int i = tid + u * KG_THREADS;
             if (i >= nt) break;
             int64_t at;
@@ -471,10 +476,48 @@ __global__ void __launch_bounds__(KG_THREADS) key_grad_tc_kernel(abwd_args a, in
                 const int k = i - na;
                 at = L.na + ((int64_t)(k / (KGC * HG)) * KGC + k % KGC) * L.LH + ((k / KGC) % HG) * 8;
             }
-            const uint4 w = make_uint4(ds4d_pack_bf16(pre[u][0], pre[u][1]), ds4d_pack_bf16(pre[u][2], pre[u][3]),
-                                       ds4d_pack_bf16(pre[u][4], pre[u][5]), ds4d_pack_bf16(pre[u][6], pre[u][7]));
+            const uint4 w = make_uint4(ds4d_pack_bf16(p[u][0], p[u][1]), ds4d_pack_bf16(p[u][2], p[u][3]),
+                                       ds4d_pack_bf16(p[u][4], p[u][5]), ds4d_pack_bf16(p[u][6], p[u][7]));
             *reinterpret_cast<uint4 *>(b + at) = w;
         }
+    };
+    // the G queries from s0 (those before s_hi): load them, or store them into buffer b. Groups come in query order:
+    // CSA entries take the next G pairs of the key's inverse list at once (a query picks a key at most once, so the
+    // group's pairs are among them) and step past those of the group.
+    auto load_group = [&](int64_t s0) {
+        int64_t it[G], ii[G];
+        if (csa) {
+            int n = 0;
+#pragma unroll
+            for (int j = 0; j < G; j++) {
+                const bool in = cur + j < end;
+                it[j] = in ? a.inv_t[cur + j] : -1, ii[j] = in ? a.inv_i[cur + j] : 0;
+            }
+#pragma unroll
+            for (int j = 0; j < G; j++) n += it[j] >= 0 && it[j] < row * S + s0 + G;
+            cur += n;
+        }
+#pragma unroll
+        for (int q = 0; q < G; q++) {
+            const int64_t s = s0 + q, q0 = s - win + 1 > 0 ? s - win + 1 : 0, nwk = s - q0 + 1;
+            if (s >= s_hi) break;
+            int64_t kidx = -1;
+            if (kind == 0) {
+                if (mykey >= q0 && mykey <= s && mykey < S) kidx = mykey - q0;
+            } else if (!csa) {
+                if (mykey < nkr && (mykey + 1) * a.m - 1 <= s) kidx = nwk + mykey;
+            } else {
+#pragma unroll
+                for (int j = 0; j < G; j++)
+                    if (it[j] == row * S + s) kidx = nwk + ii[j];
+            }
+            load(s, kidx, pre[q]);
+        }
+    };
+    auto store_group = [&](int64_t s0, __nv_bfloat16 *b) {
+#pragma unroll
+        for (int q = 0; q < G; q++)
+            if (s0 + q < s_hi) store(b + q * slot, pre[q]);
     };
     float acc[8][4];
 #pragma unroll
@@ -482,19 +525,23 @@ __global__ void __launch_bounds__(KG_THREADS) key_grad_tc_kernel(abwd_args a, in
     const int64_t kw = k0 + mt * 16; // this warp's first key
     int cb = 0;
     if (s_lo < s_hi) {
-        load(s_lo);
-        store(buf0);
+        load_group(s_lo);
+        store_group(s_lo, buf0);
     }
     __syncthreads();
-    for (int64_t s = s_lo; s < s_hi; s++) {
-        const bool more = s + 1 < s_hi;
-        if (more) load(s + 1);
-        // whether query s may see one of the warp's keys (window: its window meets them; HCA: the first is complete;
-        // CSA: any may be picked)
-        const int64_t q0 = s - win + 1 > 0 ? s - win + 1 : 0;
-        const bool any = kw < nkr && (kind == 0 ? kw <= s && kw + 15 >= q0 : (csa || (kw + 1) * a.m - 1 <= s));
-        if (any) {
-            const __nv_bfloat16 *A = buf0 + cb * (L.na + L.nb), *B = A + L.na;
+    for (int64_t s0 = s_lo; s0 < s_hi; s0 += G) {
+        const bool more = s0 + G < s_hi;
+        if (more) load_group(s0 + G);
+#pragma unroll
+        for (int q = 0; q < G; q++) {
+            const int64_t s = s0 + q;
+            if (s >= s_hi) break;
+            // whether query s may see one of the warp's keys (window: its window meets them; HCA: the first is
+            // complete; CSA: any may be picked)
+            const int64_t q0 = s - win + 1 > 0 ? s - win + 1 : 0;
+            const bool any = kw < nkr && (kind == 0 ? kw <= s && kw + 15 >= q0 : (csa || (kw + 1) * a.m - 1 <= s));
+            if (!any) continue;
+            const __nv_bfloat16 *A = buf0 + (cb * G + q) * slot, *B = A + L.na;
 #pragma unroll
             for (int op = 0; op < 2; op++)
                 for (int hc = 0; hc < L.Hp; hc += 16) {
@@ -511,8 +558,8 @@ __global__ void __launch_bounds__(KG_THREADS) key_grad_tc_kernel(abwd_args a, in
                     }
                 }
         }
-        if (more) store(buf0 + (cb ^ 1) * (L.na + L.nb));
-        __syncthreads(); // the next buffer is whole, and nobody reads this one when the next query's store takes it
+        if (more) store_group(s0 + G, buf0 + (cb ^ 1) * G * slot);
+        __syncthreads(); // the next buffer is whole, and nobody reads this one when the next group's store takes it
         cb ^= 1;
     }
 #pragma unroll
@@ -856,14 +903,16 @@ void ds4_cuda_attn_bwd_q(ds4_dev *d, const ds4_a_attn_bwd *a) {
     if (a->bf16_in) {
         const size_t smem = tca_layout_of(g.H, g.d, g.kmax, 1).bytes;
         if (!grid_fits(d, T, "attn_bwd_q", "queries")) return;
+        const bool ref = cdev(d)->attn_ref;
+        auto kernel = ref ? attn_bwd_q_tc_kernel<true> : attn_bwd_q_tc_kernel<false>;
         if (smem > cdev(d)->smem_bwd_tc) {
-            if (!smem_fits(d, attn_bwd_q_tc_kernel, smem, "attn_bwd_q (bf16)", what)) return;
+            if (!smem_fits(d, kernel, smem, "attn_bwd_q (bf16)", what)) return;
             cdev(d)->smem_bwd_tc = smem;
         }
-        attn_bwd_q_tc_kernel<<<(unsigned)T, TCA_THREADS, smem, cdev(d)->stream>>>(g);
-        ds4_cuda_launched(d, "attn_bwd_q", "[%lld queries, %lld heads x %lld, <= %lld keys, %s, bf16 tensor cores]",
+        kernel<<<(unsigned)T, TCA_THREADS, smem, cdev(d)->stream>>>(g);
+        ds4_cuda_launched(d, "attn_bwd_q", "[%lld queries, %lld heads x %lld, <= %lld keys, %s, bf16 tensor cores%s]",
                           (long long)T, (long long)g.H, (long long)g.d, (long long)g.kmax,
-                          ds4_attn_type_name(a->l->type));
+                          ds4_attn_type_name(a->l->type), ref ? ", reference" : "");
         return;
     }
     const size_t smem = (size_t)g.kmax * (sizeof(float *) + 2 * sizeof(float));
@@ -882,14 +931,22 @@ static void key_grads(ds4_dev *d, const abwd_args &g, int kind, int64_t nkeys, i
         const int64_t nkr = kind == 0 ? g.S : g.nwin, tiles = (nkr + KGT - 1) / KGT, rows = nkeys / nkr;
         const int64_t span = kind == 0 ? (KGT - 1 + g.win < g.S ? KGT - 1 + g.win : g.S) : g.S; // queries per tile
         const int64_t nq = (span + KGQ - 1) / KGQ > 0 ? (span + KGQ - 1) / KGQ : 1;
-        const size_t smem = kg_tc_layout_of(g.H).bytes;
+        // queries per barrier: 4 where H <= 16 (3 loads of 8 a thread and query), 2 up to KG_MAXH, 1 for the reference
+        // (DS4_CUDA_ATTN_REF=1) or where the device's blocks cannot have 2 · G query slots of shared memory (18 KiB
+        // each at H = 16, 30 KiB at 32)
+        int G = cdev(d)->attn_ref ? 1 : (kg_tasks(g.H) <= KG_MAXTASK / 2 ? 4 : 2);
+        while (G > 1 && kg_tc_layout_of(g.H, G).bytes > cdev(d)->smem_optin) G /= 2;
+        auto kernel = G == 1 ? key_grad_tc_kernel<1, KG_MAXTASK>
+                             : (G == 4 ? key_grad_tc_kernel<4, KG_MAXTASK / 2> : key_grad_tc_kernel<2, KG_MAXTASK>);
+        const size_t smem = kg_tc_layout_of(g.H, G).bytes;
         if (!grid_fits(d, rows * tiles, op, "key tiles") || nq > 65535) {
             if (nq > 65535) ds4_dev_fail(d, DS4_ERR_UNSUPPORTED, "%s: %lld query chunks", op, (long long)nq);
             return;
         }
-        if (smem > cdev(d)->smem_kg_tc) {
-            if (!smem_fits(d, key_grad_tc_kernel, smem, op, "a tile of keys")) return;
-            cdev(d)->smem_kg_tc = smem;
+        size_t *raised = &cdev(d)->smem_kg_tc[G == 1 ? 0 : (G == 2 ? 1 : 2)]; // a limit per kernel
+        if (smem > *raised) {
+            if (!smem_fits(d, kernel, smem, op, "a tile of keys")) return;
+            *raised = smem;
         }
         float *part = nullptr;
         if (nq > 1) {
@@ -897,9 +954,10 @@ static void key_grads(ds4_dev *d, const abwd_args &g, int kind, int64_t nkeys, i
             if (!part) return;
         }
         const dim3 grid((unsigned)(rows * tiles), (unsigned)((g.d + KGC - 1) / KGC), (unsigned)nq);
-        key_grad_tc_kernel<<<grid, KG_THREADS, smem, cdev(d)->stream>>>(g, kind, tiles, part);
-        if (!ds4_cuda_launched(d, op, "%s: bf16 tensor cores, tiles of %d keys, %lld chunks of %d queries", shapes, KGT,
-                               (long long)nq, KGQ) || nq == 1)
+        kernel<<<grid, KG_THREADS, smem, cdev(d)->stream>>>(g, kind, tiles, part);
+        if (!ds4_cuda_launched(d, op, "%s: bf16 tensor cores, tiles of %d keys, %lld chunks of %d queries, %d a barrier",
+                               shapes, KGT, (long long)nq, KGQ, G) ||
+            nq == 1)
             return;
         key_grad_fold_kernel<<<ds4_blocks(nkeys * g.d, 256), 256, 0, cdev(d)->stream>>>(g, kind, nkeys, nq, part);
         ds4_cuda_launched(d, op, "%s: fold of %lld chunks", shapes, (long long)nq);

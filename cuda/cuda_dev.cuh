@@ -38,7 +38,7 @@ struct cuda_dev {
                                   // column sum)
     size_t smem_attn, smem_idx;   // the limits raised so far for attention and the indexer
     size_t smem_attn_tc, smem_bwd_tc; // the same for the bf16 mode's attention and its backward's per-query phase
-    size_t smem_kg_tc;            // and for its window keys' gradients (cuda_bwd_attn.cu)
+    size_t smem_kg_tc[3];         // and for its key gradients' kernels of 1, 2 and 4 queries a barrier (cuda_bwd_attn.cu)
     // scratch owned by the backend (grown, never shrunk; allocated before a pass, never inside one)
     void *scratch[3];
     size_t scratch_bytes[3];
@@ -77,6 +77,8 @@ struct cuda_dev {
         const int64_t *off;
         uint64_t generation;
     } bwd_xT;
+    int attn_ref;                 // DS4_CUDA_ATTN_REF=1: the bf16 attention's and its backward's reference kernels
+                                  // (cuda_attn_tc.cuh, cuda_bwd_attn.cu), whose bits the pipelined ones give
     graph_entry *recording;
 };
 

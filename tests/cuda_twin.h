@@ -16,6 +16,17 @@
 
 static ds4_dev *cpu, *gpu;
 
+/* The first CUDA error (DS4_ERR_CUDA: the operation and shapes that met it, and the message; empty while none). CUDA
+ * errors are sticky: once a kernel faults, every later call of the process fails too, so the buffers' calls below
+ * stop there (no device calls; fetch gives poison) and a test that checks twin_broken() skips its remaining cases:
+ * one failure that names the operation instead of thousands that follow from it. Other failures (unsupported
+ * shapes, out of memory) leave the device usable and stop nothing. */
+static char twin_dead[1400];
+static inline int twin_broken(void) { return twin_dead[0] != 0; }
+static inline void twin_died(const char *what, ds4_status s, const ds4_error *err) {
+    if (s == DS4_ERR_CUDA && !twin_dead[0]) snprintf(twin_dead, sizeof twin_dead, "%.360s: %s", what, err->msg);
+}
+
 typedef struct twin {
     void *h, *d;
     size_t bytes;
@@ -30,13 +41,19 @@ static inline float frand(float lo, float hi) { return lo + (hi - lo) * (float)u
 
 static inline twin tw_new(size_t bytes) {
     twin t = {malloc(bytes ? bytes : 1), NULL, bytes};
+    if (twin_broken()) return t;
     ds4_error err;
-    CHECK_OK(gpu->ops->alloc(gpu, bytes, &t.d, &err), &err);
+    const ds4_status s = gpu->ops->alloc(gpu, bytes, &t.d, &err);
+    CHECK_OK(s, &err);
+    twin_died("cuda alloc", s, &err);
     return t;
 }
 static inline void tw_push(twin *t) {
+    if (twin_broken()) return;
     ds4_error err;
-    CHECK_OK(gpu->ops->upload(gpu, t->d, t->h, t->bytes, &err), &err);
+    const ds4_status s = gpu->ops->upload(gpu, t->d, t->h, t->bytes, &err);
+    CHECK_OK(s, &err);
+    twin_died("cuda upload", s, &err);
 }
 static inline twin tw_f(int64_t n, float lo, float hi) {
     twin t = tw_new((size_t)n * 4);
@@ -79,8 +96,12 @@ static inline void tw_free(twin *t) {
 /* the device's copy, downloaded */
 static inline void *fetch(const twin *t) {
     void *h = malloc(t->bytes ? t->bytes : 1);
+    memset(h, 0xff, t->bytes ? t->bytes : 1);
+    if (twin_broken()) return h;
     ds4_error err;
-    CHECK_OK(gpu->ops->download(gpu, h, t->d, t->bytes, &err), &err);
+    const ds4_status s = gpu->ops->download(gpu, h, t->d, t->bytes, &err);
+    CHECK_OK(s, &err);
+    twin_died("cuda download", s, &err);
     return h;
 }
 
@@ -109,9 +130,15 @@ static inline void cmp_bytes(const char *what, const twin *t) {
 }
 
 static inline void check_dev(ds4_dev *d, const char *what) {
+    if (twin_broken()) return;
     ds4_error err;
-    CHECK_OK(ds4_dev_check(d, what, &err), &err);
-    CHECK_OK(d->ops->sync(d, &err), &err);
+    ds4_status s = ds4_dev_check(d, what, &err);
+    CHECK_OK(s, &err);
+    twin_died(what, s, &err);
+    if (twin_broken()) return;
+    s = d->ops->sync(d, &err);
+    CHECK_OK(s, &err);
+    twin_died(what, s, &err); /* a kernel of `what` (or queued before it) faulted while running */
 }
 
 static inline uint16_t bf(float x) { return ds4_f32_to_bf16(x); }
