@@ -468,6 +468,8 @@ extern "C" ds4_status ds4_cuda_dev_create(int device, ds4_dev **out, ds4_error *
     cd->hc_ref = hc_ref && hc_ref[0] == '1';
     const char *bwd_ref = getenv("DS4_CUDA_BWD_REF");
     cd->bwd_ref = bwd_ref && bwd_ref[0] == '1';
+    const char *row_ref = getenv("DS4_CUDA_ROW_REF");
+    cd->row_ref = row_ref && row_ref[0] == '1';
     *out = &cd->dev;
     return DS4_OK;
 }

@@ -61,6 +61,10 @@ struct cuda_dev {
     int bwd_ref;                  // DS4_CUDA_BWD_REF=1: the backward products' reference paths, whose bits the fast
                                   // ones give (cuda_bwd_linear.cu: the expert products through the tiles, every
                                   // dense product rounding its own operands; the tests compare the two)
+    int row_ref;                  // DS4_CUDA_ROW_REF=1: the row ops' reference kernels, whose bits the faster ones give
+                                  // (cuda_head.cu: logprobs as two kernels, max and argmax by one thread;
+                                  // cuda_bwd_linear.cu: colsum_add, the norm weight partials; cuda_optim.cu:
+                                  // cast_params a block row per tensor); test_cuda_row_bits compares the two
     // The operand of the last linear_bwd_x whose bf16 copy lies at the start of scratch slot 1 (dy [rows, cols], row
     // stride ld), so that a linear_bwd_w told dy_kept (ops.h) need not round it again; src NULL: none. The scratch
     // generation tells whether slot 1 moved since (cuda_bwd_linear.cu).
@@ -152,6 +156,21 @@ __device__ __forceinline__ double ds4d_block_sum(double v, double *sh) {
     const double t = sh[0];
     __syncthreads();
     return t;
+}
+
+// ds4d_block_sum's bits for a block of 32·nw threads (nw <= NW) played by one warp: lane l holds part[v], the sum of
+// thread l + 32v. Each played warp's shuffle tree, then the tree over their sums that warp 0 of the block would run
+// (lanes past nw adding 0). Every lane gets the total.
+template <int NW>
+__device__ __forceinline__ double ds4d_played_block_sum(const double (&part)[NW], int nw) {
+    double t = 0.0;
+#pragma unroll
+    for (int v = 0; v < NW; v++) {
+        if (v >= nw) break;
+        const double s = ds4d_warp_sum(part[v]);
+        if ((int)(threadIdx.x & 31) == v) t = s;
+    }
+    return ds4d_warp_sum(t);
 }
 
 // Thread t of a block of NT threads visits the values z[v] of a row, v = t, t + NT, t + 2·NT, .. < V, in that order
