@@ -323,29 +323,31 @@ int row_threads(int64_t width) { return width >= 256 ? 256 : (width >= 128 ? 128
 // is written, and each thread then reads and writes only its own elements.
 constexpr int LOGP_THREADS = 256;
 
-__global__ void __launch_bounds__(LOGP_THREADS) logp_bwd_kernel(float *dl, const float *logits, int64_t V, const int64_t *tgt, const float *dlogp,
-                                double g0) {
+__global__ void __launch_bounds__(LOGP_THREADS) logp_bwd_kernel(float *dl, const float *logits, int64_t rows, int64_t V,
+                                                                const int64_t *tgt, const float *dlogp, double g0) {
     __shared__ double shd[8];
     __shared__ float shf[8];
-    const int64_t r = blockIdx.x, y = tgt[r];
-    const float *z = logits + r * V;
-    float *o = dl + r * V;
-    const double g = dlogp ? (double)dlogp[r] : g0;
-    if (y == -100 || g == 0) {
-        for (int64_t v = threadIdx.x; v < V; v += LOGP_THREADS) o[v] = 0.0f;
-        return;
+    for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) { // one row a block by default (ds4_vocab_grid)
+        const int64_t y = tgt[r];
+        const float *z = logits + r * V;
+        float *o = dl + r * V;
+        const double g = dlogp ? (double)dlogp[r] : g0;
+        if (y == -100 || g == 0) {
+            for (int64_t v = threadIdx.x; v < V; v += LOGP_THREADS) o[v] = 0.0f;
+            continue;
+        }
+        float mx = -INFINITY;
+        ds4d_row_visit<LOGP_THREADS, 8>(z, V, [&](int64_t, float zv) { mx = zv > mx ? zv : mx; });
+        mx = ds4d_block_maxf(mx, shf);
+        double se = 0;
+        ds4d_row_visit<LOGP_THREADS, 8>(z, V, [&](int64_t, float zv) { se += exp((double)zv - mx); });
+        se = ds4d_block_sum(se, shd);
+        ds4d_row_visit<LOGP_THREADS, 8>(z, V, [&](int64_t v, float zv) {
+            float val = (float)(-g * exp((double)zv - mx) / se);
+            if (v == y) val += (float)g;
+            o[v] = val;
+        });
     }
-    float mx = -INFINITY;
-    ds4d_row_visit<LOGP_THREADS, 8>(z, V, [&](int64_t, float zv) { mx = zv > mx ? zv : mx; });
-    mx = ds4d_block_maxf(mx, shf);
-    double se = 0;
-    ds4d_row_visit<LOGP_THREADS, 8>(z, V, [&](int64_t, float zv) { se += exp((double)zv - mx); });
-    se = ds4d_block_sum(se, shd);
-    ds4d_row_visit<LOGP_THREADS, 8>(z, V, [&](int64_t v, float zv) {
-        float val = (float)(-g * exp((double)zv - mx) / se);
-        if (v == y) val += (float)g;
-        o[v] = val;
-    });
 }
 
 struct norm_args {
@@ -742,7 +744,8 @@ void ds4_cuda_logp_bwd(ds4_dev *d, const ds4_a_logp_bwd *a) {
         ds4_dev_fail(d, DS4_ERR_UNSUPPORTED, "logp_bwd: %lld rows x %lld", (long long)a->rows, (long long)a->V);
         return;
     }
-    logp_bwd_kernel<<<(unsigned)a->rows, LOGP_THREADS, 0, cdev(d)->stream>>>(a->dl, a->logits, a->V, a->tgt, a->dlogp, a->g0);
+    logp_bwd_kernel<<<ds4_vocab_grid(cdev(d), a->rows), LOGP_THREADS, 0, cdev(d)->stream>>>(
+        a->dl, a->logits, a->rows, a->V, a->tgt, a->dlogp, a->g0);
     ds4_cuda_launched(d, "logp_bwd", "[%lld x %lld]", (long long)a->rows, (long long)a->V);
 }
 

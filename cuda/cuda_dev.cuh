@@ -65,6 +65,10 @@ struct cuda_dev {
                                   // (cuda_head.cu: logprobs as two kernels, max and argmax by one thread;
                                   // cuda_bwd_linear.cu: colsum_add, the norm weight partials; cuda_optim.cu:
                                   // cast_params a block row per tensor); test_cuda_row_bits compares the two
+    int row_blocks;               // DS4_CUDA_ROW_BLOCKS=B > 0: the vocabulary row kernels (logprobs, ce_rows, logp_bwd) run
+                                  // B blocks an SM, each looping over rows (fewer rows in flight: a row's second and
+                                  // third passes may then hit L2); 0 (default): a block per row. A tuning knob, not a
+                                  // numerical one: a row's arithmetic is the same whichever block takes it
     // The operand of the last linear_bwd_x whose bf16 copy lies at the start of scratch slot 1 (dy [rows, cols], row
     // stride ld), so that a linear_bwd_w told dy_kept (ops.h) need not round it again; src NULL: none. The scratch
     // generation tells whether slot 1 moved since (cuda_bwd_linear.cu).
@@ -241,6 +245,12 @@ __device__ __forceinline__ void ds4d_rope_pair(float *p, const float *cs, int64_
 }
 
 // Launch geometry helpers.
+// Blocks of a kernel that loops `for (r = blockIdx.x; r < rows; r += gridDim.x)` over the rows of a vocabulary-wide
+// row op (cuda_dev.row_blocks).
+static inline unsigned ds4_vocab_grid(const cuda_dev *cd, int64_t rows) {
+    const int64_t b = cd->row_blocks > 0 && !cd->row_ref ? (int64_t)cd->row_blocks * cd->sm_count : rows;
+    return (unsigned)(b < rows ? b : rows);
+}
 static inline unsigned ds4_blocks(int64_t n, int threads) {
     const int64_t b = (n + threads - 1) / threads;
     return (unsigned)(b < 1 ? 1 : (b > 0x7fffffff ? 0x7fffffff : b));

@@ -101,36 +101,42 @@ __device__ row_stats_t row_stats(const float *z, int64_t V, bool want_ez, double
 }
 
 // The reference's cross-entropy of a row: ce_rows, and logprobs' nll under DS4_CUDA_ROW_REF.
-__global__ void __launch_bounds__(ROW_THREADS) ce_kernel(const float *logits, int64_t V, const int64_t *tgt, double *nll,
-                                                         int ref) {
+// Rows r = blockIdx.x, + gridDim.x, .. (ds4_vocab_grid): one each by default.
+__global__ void __launch_bounds__(ROW_THREADS) ce_kernel(const float *logits, int64_t rows, int64_t V,
+                                                         const int64_t *tgt, double *nll, int ref) {
     __shared__ double shd[ROW_THREADS / 32];
     __shared__ float shf[ROW_THREADS];
     __shared__ int64_t shi[ROW_THREADS];
-    const int64_t r = blockIdx.x, y = tgt[r];
-    if (y == -100) return;
-    const float *z = logits + r * V;
-    const row_stats_t s = ref ? row_stats<true>(z, V, false, shd, shf, shi) : row_stats<false>(z, V, false, shd, shf, shi);
-    if (threadIdx.x == 0) nll[r] = log(s.se) + s.mx - z[y];
+    for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+        const int64_t y = tgt[r];
+        if (y == -100) continue;
+        const float *z = logits + r * V;
+        const row_stats_t s =
+            ref ? row_stats<true>(z, V, false, shd, shf, shi) : row_stats<false>(z, V, false, shd, shf, shi);
+        if (threadIdx.x == 0) nll[r] = log(s.se) + s.mx - z[y];
+    }
 }
 
 // Log-probability and entropy of a row, and with nll its cross-entropy as ce_kernel writes it (nothing for a target of
 // -100): Σ exp is the same sum with or without the entropy's (se never depends on ez), so one pass over the row gives
 // ce_kernel's bits where the reference ran a second kernel over the logits.
 template <bool REF>
-__global__ void __launch_bounds__(ROW_THREADS, REF ? 1 : 8) logprobs_kernel(const float *logits, int64_t V, const int64_t *tgt,
-                                                               float *logp, float *entropy, double *nll) {
+__global__ void __launch_bounds__(ROW_THREADS, REF ? 1 : 8)
+    logprobs_kernel(const float *logits, int64_t rows, int64_t V, const int64_t *tgt, float *logp, float *entropy,
+                    double *nll) {
     __shared__ double shd[ROW_THREADS / 32];
     __shared__ float shf[ROW_THREADS];
     __shared__ int64_t shi[ROW_THREADS];
-    const int64_t r = blockIdx.x;
-    const float *z = logits + r * V;
-    const row_stats_t s = row_stats<REF>(z, V, entropy != nullptr, shd, shf, shi);
-    if (threadIdx.x == 0) {
-        const double lse = log(s.se);
-        const int64_t y = tgt[r];
-        if (logp) logp[r] = y == -100 ? 0.0f : (float)((double)z[y] - s.mx - lse);
-        if (entropy) entropy[r] = (float)(lse - s.ez / s.se);
-        if (nll && y != -100) nll[r] = log(s.se) + s.mx - z[y];
+    for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+        const float *z = logits + r * V;
+        const row_stats_t s = row_stats<REF>(z, V, entropy != nullptr, shd, shf, shi);
+        if (threadIdx.x == 0) {
+            const double lse = log(s.se);
+            const int64_t y = tgt[r];
+            if (logp) logp[r] = y == -100 ? 0.0f : (float)((double)z[y] - s.mx - lse);
+            if (entropy) entropy[r] = (float)(lse - s.ez / s.se);
+            if (nll && y != -100) nll[r] = log(s.se) + s.mx - z[y];
+        }
     }
 }
 
@@ -325,22 +331,25 @@ __global__ void __launch_bounds__(ROW_THREADS) sample_kernel(sample_args a) {
 
 void ds4_cuda_ce_rows(ds4_dev *d, const ds4_a_ce_rows *a) {
     if (a->rows <= 0) return;
-    ce_kernel<<<(unsigned)a->rows, ROW_THREADS, 0, cdev(d)->stream>>>(a->logits, a->V, a->tgt, a->nll, cdev(d)->row_ref);
+    cuda_dev *cd = cdev(d);
+    ce_kernel<<<ds4_vocab_grid(cd, a->rows), ROW_THREADS, 0, cd->stream>>>(a->logits, a->rows, a->V, a->tgt, a->nll,
+                                                                           cd->row_ref);
     ds4_cuda_launched(d, "ce_rows", "[%lld x %lld]", (long long)a->rows, (long long)a->V);
 }
 
 void ds4_cuda_logprobs(ds4_dev *d, const ds4_a_logprobs *a) {
     if (a->rows <= 0) return;
     cuda_dev *cd = cdev(d);
+    const unsigned grid = ds4_vocab_grid(cd, a->rows);
     if (!cd->row_ref) {
-        logprobs_kernel<false><<<(unsigned)a->rows, ROW_THREADS, 0, cd->stream>>>(a->logits, a->V, a->tgt, a->logp,
-                                                                                 a->entropy, a->nll);
+        logprobs_kernel<false><<<grid, ROW_THREADS, 0, cd->stream>>>(a->logits, a->rows, a->V, a->tgt, a->logp,
+                                                                     a->entropy, a->nll);
         ds4_cuda_launched(d, "logprobs", "[%lld x %lld]%s", (long long)a->rows, (long long)a->V,
                           a->nll ? " with the cross-entropy" : "");
         return;
     }
-    logprobs_kernel<true><<<(unsigned)a->rows, ROW_THREADS, 0, cd->stream>>>(a->logits, a->V, a->tgt, a->logp,
-                                                                            a->entropy, nullptr);
+    logprobs_kernel<true><<<grid, ROW_THREADS, 0, cd->stream>>>(a->logits, a->rows, a->V, a->tgt, a->logp,
+                                                                a->entropy, nullptr);
     ds4_cuda_launched(d, "logprobs", "[%lld x %lld]", (long long)a->rows, (long long)a->V);
     if (a->nll) { /* the cross-entropy as ce_rows computes it */
         const ds4_a_ce_rows ce = {a->logits, a->rows, a->V, a->tgt, a->nll};

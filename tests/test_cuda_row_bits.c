@@ -11,6 +11,8 @@
  * meant to be written must hold no NaN where their inputs have none. colsum_add and cast_params must moreover equal the
  * CPU backend's bytes (the same fp32 adds in row order; the same rounding to nearest even). The forward ops (logprobs,
  * rmsnorm) must also give a row's bits with the row alone (a decoding step) or among a few.
+ * logprobs, ce_rows and logp_bwd also run with DS4_CUDA_ROW_BLOCKS=1 (each block looping over rows: a tuning knob
+ * that must not change a bit).
  * Shapes: the training head [1024 x 32000], vocabularies below and around the block's 256 threads, logits on a coarse
  * grid (ties between threads for the max, -0 against +0), rows holding NaN (first element or later) or all -inf,
  * targets -100; rmsnorm and norm_bwd at widths that take each of their kernels (norm_bwd in place, apart and added, with
@@ -26,7 +28,8 @@
 #ifdef DS4_HAVE_CUDA
 #include "cuda_twin.h"
 
-static ds4_dev *gpu_ref; /* DS4_CUDA_ROW_REF=1 */
+static ds4_dev *gpu_ref;  /* DS4_CUDA_ROW_REF=1 */
+static ds4_dev *gpu_loop; /* DS4_CUDA_ROW_BLOCKS=1: the vocabulary row kernels' blocks each loop over rows */
 
 /* the device bytes of a and b are equal */
 static void same_bytes(const char *what, const twin *a, const twin *b) {
@@ -94,11 +97,17 @@ static void t_logprobs(int64_t rows, int64_t V, int kind) {
     for (int64_t r = 0; r < rows; r++) t[r] = r % 7 == 5 ? -100 : (int64_t)(urand() * (double)V) % V;
     twin tgt = tw_i64(rows, t);
     lp_outs fast = lp_run(gpu, &z, &tgt, 0, rows, V), ref = lp_run(gpu_ref, &z, &tgt, 0, rows, V);
+    lp_outs loop = lp_run(gpu_loop, &z, &tgt, 0, rows, V);
     char w2[200];
-    snprintf(w2, sizeof w2, "%s: log p", what), same_bytes(w2, &fast.logp, &ref.logp);
-    snprintf(w2, sizeof w2, "%s: entropy", what), same_bytes(w2, &fast.ent, &ref.ent);
-    snprintf(w2, sizeof w2, "%s: nll", what), same_bytes(w2, &fast.nll, &ref.nll);
-    snprintf(w2, sizeof w2, "%s: ce_rows", what), same_bytes(w2, &fast.nll_ce, &ref.nll_ce);
+    for (int i = 0; i < 2; i++) {
+        const lp_outs *o = i ? &loop : &fast;
+        const char *how = i ? " (rows looped over)" : "";
+        snprintf(w2, sizeof w2, "%s%s: log p", what, how), same_bytes(w2, &o->logp, &ref.logp);
+        snprintf(w2, sizeof w2, "%s%s: entropy", what, how), same_bytes(w2, &o->ent, &ref.ent);
+        snprintf(w2, sizeof w2, "%s%s: nll", what, how), same_bytes(w2, &o->nll, &ref.nll);
+        snprintf(w2, sizeof w2, "%s%s: ce_rows", what, how), same_bytes(w2, &o->nll_ce, &ref.nll_ce);
+    }
+    lp_free(&loop);
     snprintf(w2, sizeof w2, "%s: logprobs' nll against ce_rows'", what), same_bytes(w2, &fast.nll, &fast.nll_ce);
     /* written where meant: no NaN in the rows without special values, none in nll but at targets of -100 */
     float *lp = fetch(&fast.logp), *en = fetch(&fast.ent);
@@ -151,6 +160,34 @@ static void t_sample(int64_t rows, int64_t V, double temperature) {
     for (int i = 0; i < 2; i++) tw_free(&id[i]), tw_free(&lpm[i]), tw_free(&lps[i]);
     tw_free(&z), tw_free(&lrow), tw_free(&u);
     free(lr), free(uu);
+}
+
+/* logp_bwd with a block per row (the reference backend) and with blocks looping over rows: the same kernel body, so
+ * the same bytes; dl apart from the logits and in place. */
+static void t_logp_bwd(int64_t rows, int64_t V, int in_place) {
+    char what[96];
+    snprintf(what, sizeof what, "logp_bwd [%lld x %lld]%s", (long long)rows, (long long)V, in_place ? " in place" : "");
+    twin z = logits_new(rows, V, LG_PLAIN), dlogp = tw_f(rows, -1, 1);
+    int64_t *t = malloc((size_t)rows * 8);
+    for (int64_t r = 0; r < rows; r++) t[r] = r % 5 == 3 ? -100 : (int64_t)(urand() * (double)V) % V;
+    ((float *)dlogp.h)[rows / 2] = 0; /* g = 0: a row of zeros */
+    tw_push(&dlogp);
+    twin tgt = tw_i64(rows, t), out[2];
+    ds4_dev *devs[2] = {gpu_loop, gpu_ref};
+    for (int i = 0; i < 2; i++) {
+        out[i] = in_place ? tw_copy(&z) : tw_out((size_t)(rows * V) * 4);
+        OP(devs[i], logp_bwd, .dl = out[i].d, .logits = in_place ? out[i].d : z.d, .rows = rows, .V = V, .tgt = tgt.d,
+           .dlogp = dlogp.d, .g0 = 0);
+        check_dev(devs[i], what);
+    }
+    same_bytes(what, &out[0], &out[1]);
+    float *g = fetch(&out[0]);
+    int64_t nan = 0;
+    for (int64_t i = 0; i < rows * V; i++) nan += isnan(g[i]);
+    CHECK(nan == 0, "%s: %lld outputs NaN (unwritten)", what, (long long)nan);
+    free(g);
+    tw_free(&out[0]), tw_free(&out[1]), tw_free(&z), tw_free(&dlogp), tw_free(&tgt);
+    free(t);
 }
 
 /* ------------------------------------------------------------------------------------------------ rmsnorm */
@@ -292,7 +329,10 @@ int main(void) {
     setenv("DS4_CUDA_ROW_REF", "1", 1); /* read when a backend is made */
     CHECK_OK(ds4_cuda_dev_create(0, &gpu_ref, &err), &err);
     unsetenv("DS4_CUDA_ROW_REF");
-    if (gpu_ref) {
+    setenv("DS4_CUDA_ROW_BLOCKS", "1", 1); /* one block an SM: a 1024-row chunk loops ~8 rows a block */
+    CHECK_OK(ds4_cuda_dev_create(0, &gpu_loop, &err), &err);
+    unsetenv("DS4_CUDA_ROW_BLOCKS");
+    if (gpu_ref && gpu_loop) {
         t_logprobs(1024, 32000, LG_PLAIN); /* the training head's chunk; its last row alone is a decoding step */
         t_logprobs(37, 32000, LG_TIES);
         t_logprobs(9, 32000, LG_SPECIAL);
@@ -300,6 +340,9 @@ int main(void) {
         t_logprobs(7, 257, LG_SPECIAL);
         t_logprobs(6, 100, LG_SPECIAL); /* fewer values than threads */
         t_logprobs(2, 1, LG_PLAIN);
+        t_logp_bwd(1024, 32000, 0);
+        t_logp_bwd(300, 1000, 1);
+        t_logp_bwd(7, 100, 0);
         t_sample(33, 32000, 0);
         t_sample(5, 300, 0);
         t_sample(17, 5000, 1.0);
@@ -341,8 +384,9 @@ int main(void) {
         t_cast(DS4_BF16, 1); /* no source 16-byte aligned */
         t_cast(DS4_F32, 0);
         t_cast(DS4_F32, 3);
-        ds4_dev_release(gpu_ref);
     }
+    if (gpu_ref) ds4_dev_release(gpu_ref);
+    if (gpu_loop) ds4_dev_release(gpu_loop);
     twins_close(eng);
     return ds4t_finish("test_cuda_row_bits");
 }
