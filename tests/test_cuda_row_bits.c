@@ -2,7 +2,8 @@
  * the same kernel, the row's max and its id by shuffle trees; cuda/cuda_head.cu), ce_rows and sample (the same trees),
  * rmsnorm (the row in registers, a warp per row below 256 wide; cuda/cuda_rows.cu), colsum_add (rows read ahead of the
  * adds), norm_bwd (its weight partials' loads in flight; the dx pass writing the RMS factors where dx lies apart from
- * dy and x; cuda/cuda_bwd_linear.cu) and cast_params (chunks spread evenly over the blocks; cuda/cuda_optim.cu).
+ * dy and x; cuda/cuda_bwd_linear.cu), comp_bwd (slots taken eight at a time, the bias sums' loads 32 ahead;
+ * cuda/cuda_bwd_attn.cu) and cast_params (chunks spread evenly over the blocks; cuda/cuda_optim.cu).
  *
  * The reference is a second CUDA backend made with DS4_CUDA_ROW_REF=1: the kernels whose bits the training losses, the
  * rollouts' log-probabilities and the weights have been made of. Equal bytes are required: these kernels change where
@@ -282,6 +283,45 @@ static void t_norm_bwd(int64_t rows, int64_t width, int64_t groups, int64_t slot
     tw_free(&x), tw_free(&dy), tw_free(&w), tw_free(&dw0), tw_free(&dx0);
 }
 
+/* ------------------------------------------------------------------------------------------------ comp_bwd */
+
+/* The compressor pooling's backward over B sequences of S tokens, windows of m, entries of dd (overlap: CSA's windows
+ * reading the previous window's first halves): dC, dZ and the position bias gradient. dC and dZ keep their poison
+ * where no window pools (alike on both sides); the columns every complete window writes itself must hold no NaN. */
+static void t_comp_bwd(int64_t B, int64_t S, int64_t m, int64_t dd, int overlap) {
+    char what[128];
+    snprintf(what, sizeof what, "comp_bwd [%lld x %lld tokens, windows of %lld, entries of %lld%s]", (long long)B,
+             (long long)S, (long long)m, (long long)dd, overlap ? ", overlap" : "");
+    const int64_t width = (overlap ? 2 : 1) * dd, T = B * S, nwin = S / m;
+    ds4_config c;
+    ds4_config_default(&c);
+    twin C = tw_f(T * width, -1, 1), Z = tw_f(T * width, -2, 2), ape = tw_f(m * width, -0.5f, 0.5f);
+    twin dpool = tw_f(T * dd, -1, 1), gape0 = tw_f(m * width, -1, 1);
+    twin dC[2], dZ[2], gape[2];
+    ds4_dev *devs[2] = {gpu, gpu_ref};
+    for (int i = 0; i < 2; i++) {
+        dC[i] = tw_out((size_t)(T * width) * 4), dZ[i] = tw_out((size_t)(T * width) * 4), gape[i] = tw_copy(&gape0);
+        const ds4_compressor_w w = {.width = width, .dd = dd, .rate = m, .ape = ape.d};
+        OP(devs[i], comp_bwd, .c = &c, .w = &w, .overlap = overlap, .C = C.d, .Z = Z.d, .dpool = dpool.d, .dC = dC[i].d,
+           .dZ = dZ[i].d, .gape = gape[i].d, .B = B, .S = S, .nwin = nwin);
+        check_dev(devs[i], what);
+    }
+    char w2[192];
+    snprintf(w2, sizeof w2, "%s: dC", what), same_bytes(w2, &dC[0], &dC[1]);
+    snprintf(w2, sizeof w2, "%s: dZ", what), same_bytes(w2, &dZ[0], &dZ[1]);
+    snprintf(w2, sizeof w2, "%s: position bias", what), same_bytes(w2, &gape[0], &gape[1]);
+    float *g = fetch(&dZ[0]), *ga = fetch(&gape[0]);
+    int64_t nan = 0;
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t t = 0; t < nwin * m; t++)
+            for (int64_t k = width - dd; k < width; k++) nan += isnan(g[(b * S + t) * width + k]);
+    for (int64_t i = 0; i < m * width; i++) nan += isnan(ga[i]);
+    CHECK(nan == 0, "%s: %lld outputs NaN (unwritten)", what, (long long)nan);
+    free(g), free(ga);
+    for (int i = 0; i < 2; i++) tw_free(&dC[i]), tw_free(&dZ[i]), tw_free(&gape[i]);
+    tw_free(&C), tw_free(&Z), tw_free(&ape), tw_free(&dpool), tw_free(&gape0);
+}
+
 /* ------------------------------------------------------------------------------------------------ cast_params */
 
 static void t_cast(ds4_dtype mdt, int64_t src_shift) {
@@ -379,6 +419,12 @@ int main(void) {
         t_norm_bwd(3, 5000, 1, 3, NB_APART, 1);     /* wider than the register kernels */
         t_norm_bwd(513, 2000, 1, 513, NB_APART, 1);
         t_norm_bwd(1, 300, 1, 1, NB_APART, 1);
+
+        t_comp_bwd(8, 1024, 128, 128, 0); /* the heavily compressed layers */
+        t_comp_bwd(8, 1024, 4, 128, 1);   /* CSA: overlapping windows, 2048 rows a bias element */
+        t_comp_bwd(3, 301, 7, 33, 1);     /* an incomplete last window, slots not a multiple of the unroll */
+        t_comp_bwd(2, 50, 5, 9, 0);
+        t_comp_bwd(1, 3, 4, 8, 1);        /* no complete window */
 
         t_cast(DS4_BF16, 0);
         t_cast(DS4_BF16, 1); /* no source 16-byte aligned */
