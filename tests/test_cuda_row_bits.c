@@ -215,6 +215,13 @@ static void t_rmsnorm(int64_t rows, int64_t width, int weighted) {
     for (int64_t i = 0; i < rows * width; i++) nan += isnan(g[i]);
     CHECK(nan == 0, "%s: %lld outputs NaN (unwritten)", what, (long long)nan);
     free(g);
+    /* in place (the q, kv and per-head norms normalise their own rows) */
+    twin ip = tw_copy(&x);
+    OP(gpu, rmsnorm, .y = ip.d, .x = ip.d, .w = weighted ? w.d : NULL, .rows = rows, .width = width, .eps = 1e-6);
+    check_dev(gpu, "rmsnorm in place");
+    char w1[160];
+    snprintf(w1, sizeof w1, "%s: in place", what), same_bytes(w1, &ip, &fast);
+    tw_free(&ip);
     /* batch invariance: the last row alone (decoding), the last 9 rows */
     const int64_t parts[2] = {1, rows < 9 ? rows : 9};
     for (int i = 0; i < 2; i++) {
