@@ -32,6 +32,10 @@
 static ds4_dev *gpu_ref;  /* DS4_CUDA_ROW_REF=1 */
 static ds4_dev *gpu_loop; /* DS4_CUDA_ROW_BLOCKS=1: the vocabulary row kernels' blocks each loop over rows */
 
+/* The uploads (inputs, poisoned outputs) run on gpu's stream: they have landed before another backend's stream (or gpu's
+ * own, trivially) runs an operation on them. */
+static void landed(void) { check_dev(gpu, "uploads"); }
+
 /* the device bytes of a and b are equal */
 static void same_bytes(const char *what, const twin *a, const twin *b) {
     void *ga = fetch(a), *gb = fetch(b);
@@ -74,6 +78,7 @@ static lp_outs lp_run(ds4_dev *d, const twin *z, const twin *tgt, int64_t r0, in
     lp_outs o = {tw_out((size_t)rows * 4), tw_out((size_t)rows * 4), tw_out((size_t)rows * 8), tw_out((size_t)rows * 8)};
     const float *zz = (const float *)z->d + r0 * V;
     const int64_t *tt = (const int64_t *)tgt->d + r0;
+    landed();
     OP(d, logprobs, .logits = zz, .rows = rows, .V = V, .tgt = tt, .logp = o.logp.d, .entropy = o.ent.d, .nll = o.nll.d);
     OP(d, ce_rows, .logits = zz, .rows = rows, .V = V, .tgt = tt, .nll = o.nll_ce.d);
     check_dev(d, "logprobs");
@@ -150,6 +155,7 @@ static void t_sample(int64_t rows, int64_t V, double temperature) {
     ds4_dev *devs[2] = {gpu, gpu_ref};
     for (int i = 0; i < 2; i++) {
         id[i] = tw_out((size_t)rows * 8), lpm[i] = tw_out((size_t)rows * 8), lps[i] = tw_out((size_t)rows * 8);
+        landed();
         OP(devs[i], sample, .logits = z.d, .lrow = lrow.d, .rows = rows, .V = V, .p = p, .u = u.d, .id = id[i].d,
            .lp_model = lpm[i].d, .lp_sample = lps[i].d);
         check_dev(devs[i], what);
@@ -177,6 +183,7 @@ static void t_logp_bwd(int64_t rows, int64_t V, int in_place) {
     ds4_dev *devs[2] = {gpu_loop, gpu_ref};
     for (int i = 0; i < 2; i++) {
         out[i] = in_place ? tw_copy(&z) : tw_out((size_t)(rows * V) * 4);
+        landed();
         OP(devs[i], logp_bwd, .dl = out[i].d, .logits = in_place ? out[i].d : z.d, .rows = rows, .V = V, .tgt = tgt.d,
            .dlogp = dlogp.d, .g0 = 0);
         check_dev(devs[i], what);
@@ -196,6 +203,7 @@ static void t_logp_bwd(int64_t rows, int64_t V, int in_place) {
 /* rows [r0, r0 + rows) of x through rmsnorm on d into a fresh poisoned output */
 static twin rms_run(ds4_dev *d, const twin *x, const twin *w, int64_t r0, int64_t rows, int64_t width) {
     twin y = tw_out((size_t)(rows * width) * 4);
+    landed();
     OP(d, rmsnorm, .y = y.d, .x = (const float *)x->d + r0 * width, .w = w ? w->d : NULL, .rows = rows, .width = width,
        .eps = 1e-6);
     check_dev(d, "rmsnorm");
@@ -217,6 +225,7 @@ static void t_rmsnorm(int64_t rows, int64_t width, int weighted) {
     free(g);
     /* in place (the q, kv and per-head norms normalise their own rows) */
     twin ip = tw_copy(&x);
+    landed();
     OP(gpu, rmsnorm, .y = ip.d, .x = ip.d, .w = weighted ? w.d : NULL, .rows = rows, .width = width, .eps = 1e-6);
     check_dev(gpu, "rmsnorm in place");
     char w1[160];
@@ -243,6 +252,7 @@ static void t_colsum(int64_t rows, int64_t width, int64_t ld, int64_t src_off) {
     twin src = tw_f(src_off + rows * ld, -1, 1), d0 = tw_f(width, -1, 1);
     twin fast = tw_copy(&d0), ref = tw_copy(&d0), host = tw_copy(&d0);
     const float *s = (const float *)src.d + src_off;
+    landed();
     OP(gpu, colsum_add, .dst = fast.d, .src = s, .rows = rows, .width = width, .ld = ld);
     check_dev(gpu, "colsum_add");
     OP(gpu_ref, colsum_add, .dst = ref.d, .src = s, .rows = rows, .width = width, .ld = ld);
@@ -271,6 +281,7 @@ static void t_norm_bwd(int64_t rows, int64_t width, int64_t groups, int64_t slot
     for (int i = 0; i < 2; i++) {
         dx[i] = kind == NB_ALIAS ? tw_copy(&dy) : tw_copy(&dx0);
         dw[i] = tw_copy(&dw0);
+        landed();
         OP(devs[i], norm_bwd, .dx = dx[i].d, .acc = kind == NB_ACC, .dw = weighted ? dw[i].d : NULL,
            .dy = kind == NB_ALIAS ? dx[i].d : dy.d, .x = x.d, .w = weighted ? w.d : NULL, .rows = rows, .width = width,
            .eps = 1e-6, .groups = groups, .gstride = slots * width);
@@ -309,6 +320,7 @@ static void t_comp_bwd(int64_t B, int64_t S, int64_t m, int64_t dd, int overlap)
     for (int i = 0; i < 2; i++) {
         dC[i] = tw_out((size_t)(T * width) * 4), dZ[i] = tw_out((size_t)(T * width) * 4), gape[i] = tw_copy(&gape0);
         const ds4_compressor_w w = {.width = width, .dd = dd, .rate = m, .ape = ape.d};
+        landed();
         OP(devs[i], comp_bwd, .c = &c, .w = &w, .overlap = overlap, .C = C.d, .Z = Z.d, .dpool = dpool.d, .dC = dC[i].d,
            .dZ = dZ[i].d, .gape = gape[i].d, .B = B, .S = S, .nwin = nwin);
         check_dev(devs[i], what);
@@ -352,6 +364,7 @@ static void t_cast(ds4_dtype mdt, int64_t src_shift) {
     memcpy(ent.h, e, sizeof e);
     tw_push(&ent);
     twin out[3] = {tw_out(dbytes), tw_out(dbytes), tw_out(dbytes)};
+    landed();
     OP(gpu, cast_params, .dst = out[0].d, .src = src.d, .e = ent.d, .n = NE, .mdt = mdt);
     check_dev(gpu, "cast_params");
     OP(gpu_ref, cast_params, .dst = out[1].d, .src = src.d, .e = ent.d, .n = NE, .mdt = mdt);
