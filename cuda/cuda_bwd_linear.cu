@@ -457,7 +457,8 @@ __global__ void __launch_bounds__(256, PER <= 8 ? 3 : 2) norm_rows_block(norm_ar
 // Rows narrower than 256 (a block of nt = 32·nw ≤ 128 threads, PER ≤ 2 elements each): a warp per row, 8 rows per
 // block, no barrier. Lane l plays the block's threads l + 32v (v < nw) and adds each one's elements in their order;
 // then each played warp's shuffle tree, and the tree over their sums that warp 0 of the block would run (lanes past
-// nw adding 0; ds4d_played_block_sum): ds4d_block_sum's bits. A block per row waited on its barriers with 1 KB in flight.
+// nw adding 0; ds4d_played_block_sum): ds4d_block_sum's bits. A block per row waited on its barriers with 1 KB in
+// flight.
 constexpr int NORM_NW = 4, NORM_WROWS = 8;
 
 template <int PER, bool RINV_ONLY>

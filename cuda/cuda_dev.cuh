@@ -66,8 +66,8 @@ struct cuda_dev {
                                   // cuda_rows.cu: rmsnorm's loop; cuda_bwd_linear.cu: colsum_add, the norm
                                   // weight partials; cuda_bwd_attn.cu: comp_bwd's loops; cuda_optim.cu:
                                   // cast_params a block row per tensor); test_cuda_row_bits compares the two
-    int row_blocks;               // DS4_CUDA_ROW_BLOCKS=B > 0: the vocabulary row kernels (logprobs, ce_rows, logp_bwd) run
-                                  // B blocks an SM, each looping over rows (fewer rows in flight: a row's second and
+    int row_blocks;               // DS4_CUDA_ROW_BLOCKS=B > 0: the vocabulary row kernels (logprobs, ce_rows,
+                                  // logp_bwd) run B blocks an SM, each looping over rows (fewer rows in flight: a row's second and
                                   // third passes may then hit L2); 0 (default): a block per row. A tuning knob, not a
                                   // numerical one: a row's arithmetic is the same whichever block takes it
     // The operand of the last linear_bwd_x whose bf16 copy lies at the start of scratch slot 1 (dy [rows, cols], row

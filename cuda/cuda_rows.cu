@@ -40,7 +40,8 @@ __global__ void rmsnorm_kernel(float *y, const float *x, const float *w, int64_t
 // The same sums with the row in registers, PER elements a thread of 256 (rows of 256 to 256·PER): every load of the
 // row (x and w) issued at once, x read once; the loop kernel waited on its loads one by one and read x twice.
 template <int PER>
-__global__ void __launch_bounds__(256) rmsnorm_block(float *y, const float *x, const float *w, int64_t width, double eps) {
+__global__ void __launch_bounds__(256) rmsnorm_block(float *y, const float *x, const float *w, int64_t width,
+                                                     double eps) {
     __shared__ double sh[8];
     const int64_t r = blockIdx.x;
     const float *xr = x + r * width;

@@ -16,8 +16,8 @@
  * that must not change a bit).
  * Shapes: the training head [1024 x 32000], vocabularies below and around the block's 256 threads, logits on a coarse
  * grid (ties between threads for the max, -0 against +0), rows holding NaN (first element or later) or all -inf,
- * targets -100; rmsnorm and norm_bwd at widths that take each of their kernels (norm_bwd in place, apart and added, with
- * groups); colsum over dense and strided rows of lengths around the tiles; cast entries of 1 to 100k values,
+ * targets -100; rmsnorm and norm_bwd at widths that take each of their kernels (norm_bwd in place, apart and added,
+ * with groups); colsum over dense and strided rows of lengths around the tiles; cast entries of 1 to 100k values,
  * misaligned, fp32 and bf16. Exit 77 without a CUDA build or device. */
 #define _POSIX_C_SOURCE 200809L /* setenv: the reference backend */
 #include <math.h>
@@ -32,8 +32,8 @@
 static ds4_dev *gpu_ref;  /* DS4_CUDA_ROW_REF=1 */
 static ds4_dev *gpu_loop; /* DS4_CUDA_ROW_BLOCKS=1: the vocabulary row kernels' blocks each loop over rows */
 
-/* The uploads (inputs, poisoned outputs) run on gpu's stream: they have landed before another backend's stream (or gpu's
- * own, trivially) runs an operation on them. */
+/* The uploads (inputs, poisoned outputs) run on gpu's stream: they have landed before another backend's stream (or
+ * gpu's own, trivially) runs an operation on them. */
 static void landed(void) { check_dev(gpu, "uploads"); }
 
 /* the device bytes of a and b are equal */
@@ -75,11 +75,13 @@ typedef struct lp_outs {
 } lp_outs;
 
 static lp_outs lp_run(ds4_dev *d, const twin *z, const twin *tgt, int64_t r0, int64_t rows, int64_t V) {
-    lp_outs o = {tw_out((size_t)rows * 4), tw_out((size_t)rows * 4), tw_out((size_t)rows * 8), tw_out((size_t)rows * 8)};
+    lp_outs o = {tw_out((size_t)rows * 4), tw_out((size_t)rows * 4), tw_out((size_t)rows * 8),
+                 tw_out((size_t)rows * 8)};
     const float *zz = (const float *)z->d + r0 * V;
     const int64_t *tt = (const int64_t *)tgt->d + r0;
     landed();
-    OP(d, logprobs, .logits = zz, .rows = rows, .V = V, .tgt = tt, .logp = o.logp.d, .entropy = o.ent.d, .nll = o.nll.d);
+    OP(d, logprobs, .logits = zz, .rows = rows, .V = V, .tgt = tt, .logp = o.logp.d, .entropy = o.ent.d,
+       .nll = o.nll.d);
     OP(d, ce_rows, .logits = zz, .rows = rows, .V = V, .tgt = tt, .nll = o.nll_ce.d);
     check_dev(d, "logprobs");
     return o;
