@@ -67,9 +67,10 @@ struct cuda_dev {
                                   // weight partials; cuda_bwd_attn.cu: comp_bwd's loops; cuda_optim.cu:
                                   // cast_params a block row per tensor); test_cuda_row_bits compares the two
     int row_blocks;               // DS4_CUDA_ROW_BLOCKS=B > 0: the vocabulary row kernels (logprobs, ce_rows,
-                                  // logp_bwd) run B blocks an SM, each looping over rows (fewer rows in flight: a row's second and
-                                  // third passes may then hit L2); 0 (default): a block per row. A tuning knob, not a
-                                  // numerical one: a row's arithmetic is the same whichever block takes it
+                                  // logp_bwd) run B blocks an SM, each looping over rows (fewer rows in flight: a
+                                  // row's second and third passes may then hit L2); 0 (default): a block per row. A
+                                  // tuning knob, not a numerical one: a row's arithmetic is the same whichever block
+                                  // takes it
     // The operand of the last linear_bwd_x whose bf16 copy lies at the start of scratch slot 1 (dy [rows, cols], row
     // stride ld), so that a linear_bwd_w told dy_kept (ops.h) need not round it again; src NULL: none. The scratch
     // generation tells whether slot 1 moved since (cuda_bwd_linear.cu).
