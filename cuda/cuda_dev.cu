@@ -470,6 +470,10 @@ extern "C" ds4_status ds4_cuda_dev_create(int device, ds4_dev **out, ds4_error *
     cd->bwd_ref = bwd_ref && bwd_ref[0] == '1';
     const char *attn_ref = getenv("DS4_CUDA_ATTN_REF");
     cd->attn_ref = attn_ref && attn_ref[0] == '1';
+    const char *row_ref = getenv("DS4_CUDA_ROW_REF");
+    cd->row_ref = row_ref && row_ref[0] == '1';
+    const char *row_blocks = getenv("DS4_CUDA_ROW_BLOCKS"); /* a tuning knob: never changes a bit */
+    cd->row_blocks = row_blocks && row_blocks[0] ? atoi(row_blocks) : 0;
     *out = &cd->dev;
     return DS4_OK;
 }

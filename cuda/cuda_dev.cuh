@@ -61,6 +61,16 @@ struct cuda_dev {
     int bwd_ref;                  // DS4_CUDA_BWD_REF=1: the backward products' reference paths, whose bits the fast
                                   // ones give (cuda_bwd_linear.cu: the expert products through the tiles, every
                                   // dense product rounding its own operands; the tests compare the two)
+    int row_ref;                  // DS4_CUDA_ROW_REF=1: the row ops' reference kernels, whose bits the faster ones give
+                                  // (cuda_head.cu: logprobs as two kernels, max and argmax by one thread;
+                                  // cuda_rows.cu: rmsnorm's loop; cuda_bwd_linear.cu: colsum_add, the norm
+                                  // weight partials; cuda_bwd_attn.cu: comp_bwd's loops; cuda_optim.cu:
+                                  // cast_params a block row per tensor); test_cuda_row_bits compares the two
+    int row_blocks;               // DS4_CUDA_ROW_BLOCKS=B > 0: the vocabulary row kernels (logprobs, ce_rows,
+                                  // logp_bwd) run B blocks an SM, each looping over rows (fewer rows in flight: a
+                                  // row's second and third passes may then hit L2); 0 (default): a block per row. A
+                                  // tuning knob, not a numerical one: a row's arithmetic is the same whichever block
+                                  // takes it
     // The operand of the last linear_bwd_x whose bf16 copy lies at the start of scratch slot 1 (dy [rows, cols], row
     // stride ld), so that a linear_bwd_w told dy_kept (ops.h) need not round it again; src NULL: none. The scratch
     // generation tells whether slot 1 moved since (cuda_bwd_linear.cu).
@@ -156,6 +166,21 @@ __device__ __forceinline__ double ds4d_block_sum(double v, double *sh) {
     return t;
 }
 
+// ds4d_block_sum's bits for a block of 32·nw threads (nw <= NW) played by one warp: lane l holds part[v], the sum of
+// thread l + 32v. Each played warp's shuffle tree, then the tree over their sums that warp 0 of the block would run
+// (lanes past nw adding 0). Every lane gets the total.
+template <int NW>
+__device__ __forceinline__ double ds4d_played_block_sum(const double (&part)[NW], int nw) {
+    double t = 0.0;
+#pragma unroll
+    for (int v = 0; v < NW; v++) {
+        if (v >= nw) break;
+        const double s = ds4d_warp_sum(part[v]);
+        if ((int)(threadIdx.x & 31) == v) t = s;
+    }
+    return ds4d_warp_sum(t);
+}
+
 // Thread t of a block of NT threads visits the values z[v] of a row, v = t, t + NT, t + 2·NT, .. < V, in that order
 // (the order of its share of a row reduction), calling use(v, z[v]). U loads are issued before the first use of a
 // round, and the uses of a round are unrolled: a row op is otherwise one dependent load-exp-add per element, bound
@@ -224,6 +249,12 @@ __device__ __forceinline__ void ds4d_rope_pair(float *p, const float *cs, int64_
 }
 
 // Launch geometry helpers.
+// Blocks of a kernel that loops `for (r = blockIdx.x; r < rows; r += gridDim.x)` over the rows of a vocabulary-wide
+// row op (cuda_dev.row_blocks).
+static inline unsigned ds4_vocab_grid(const cuda_dev *cd, int64_t rows) {
+    const int64_t b = cd->row_blocks > 0 && !cd->row_ref ? (int64_t)cd->row_blocks * cd->sm_count : rows;
+    return (unsigned)(b < rows ? b : rows);
+}
 static inline unsigned ds4_blocks(int64_t n, int threads) {
     const int64_t b = (n + threads - 1) / threads;
     return (unsigned)(b < 1 ? 1 : (b > 0x7fffffff ? 0x7fffffff : b));

@@ -2,7 +2,9 @@
 //
 // One block of ROW_THREADS per row. The log-sum-exp of a row is computed by one function (row_stats) in every
 // kernel here, so the log-probability a generation reports for a token and the one a training forward computes
-// for it are the same bits (the rollout / training mismatch is exactly 0 on the GPU as on the CPU).
+// for it are the same bits (the rollout / training mismatch is exactly 0 on the GPU as on the CPU). A training
+// forward's logprobs computes the cross-entropy in the same kernel (the reference, DS4_CUDA_ROW_REF=1, ran ce_rows'
+// kernel after it: a second read of [rows, V] fp32 logits and a second Σ exp in double per row).
 //
 // Sampling follows ds4_sample (core/sample.c) step by step, in double: temperature, top-k, top-p, min-p in HF's
 // order, then the inverse CDF at the uniform u over the kept tokens in ascending id order. Its sums run over 256
@@ -24,7 +26,28 @@ struct row_stats_t {
     double se, ez;                // Σ e^{z - mx}, Σ e^{z - mx}·(z - mx)
 };
 
-// Max (and its lowest id), Σ exp and Σ exp·(z - mx) of one row; every thread gets them.
+// The (max, lowest id of the max) of a row from each thread's own (mx, arg) (arg -1: a thread past V), as thread 0
+// of the reference folded them in thread order: taking thread i where a < 0, shf[i] > m, or shf[i] == m with a lower
+// id. That fold keeps the first valid thread's state when its mx is NaN (nothing compares above NaN); otherwise it
+// skips every NaN state and ends on the lexicographic maximum (value by >, ties (-0 == +0 too) to the lower id) over
+// the others, which is one element whatever the order of the comparisons (the ids are distinct). So warps may find it
+// by shuffle trees, and warp 0 over the warps' winners, with thread 0's own NaN state put back at the end: the same
+// (mx, arg), a few shuffle levels instead of 256 dependent steps of one thread.
+__device__ __forceinline__ bool beats(float m, int64_t a, float bm, int64_t ba) { // (m, a) wins over (bm, ba)
+    return a >= 0 && m == m && (ba < 0 || m > bm || (m == bm && a < ba));
+}
+__device__ __forceinline__ void warp_argmax(float &m, int64_t &a) {
+    if (!(m == m)) a = -1; // a NaN state never wins the tree
+    for (int o = 16; o > 0; o >>= 1) {
+        const float om = __shfl_xor_sync(0xffffffffu, m, o);
+        const int64_t oa = __shfl_xor_sync(0xffffffffu, a, o);
+        if (beats(om, oa, m, a)) m = om, a = oa;
+    }
+}
+
+// Max (and its lowest id), Σ exp and Σ exp·(z - mx) of one row; every thread gets them. REF: the max and its id
+// folded by thread 0 (the reference kernels); else by the shuffle trees (the same values, above).
+template <bool REF>
 __device__ row_stats_t row_stats(const float *z, int64_t V, bool want_ez, double *shd, float *shf, int64_t *shi) {
     const int tid = threadIdx.x;
     float mx = -INFINITY;
@@ -32,16 +55,34 @@ __device__ row_stats_t row_stats(const float *z, int64_t V, bool want_ez, double
     ds4d_row_visit<ROW_THREADS, ROW_ILP>(z, V, [&](int64_t v, float zv) {
         if (arg < 0 || zv > mx) mx = zv, arg = v;
     });
-    shf[tid] = mx;
-    shi[tid] = arg;
-    __syncthreads();
-    if (tid == 0) {
-        float m = -INFINITY;
-        int64_t a = -1;
-        for (int i = 0; i < ROW_THREADS; i++)
-            if (shi[i] >= 0 && (a < 0 || shf[i] > m || (shf[i] == m && shi[i] < a))) m = shf[i], a = shi[i];
-        shf[0] = m;
-        shi[0] = a;
+    if constexpr (REF) {
+        shf[tid] = mx;
+        shi[tid] = arg;
+        __syncthreads();
+        if (tid == 0) {
+            float m = -INFINITY;
+            int64_t a = -1;
+            for (int i = 0; i < ROW_THREADS; i++)
+                if (shi[i] >= 0 && (a < 0 || shf[i] > m || (shf[i] == m && shi[i] < a))) m = shf[i], a = shi[i];
+            shf[0] = m;
+            shi[0] = a;
+        }
+    } else {
+        const float own_m = mx;
+        const int64_t own_a = arg;
+        warp_argmax(mx, arg);
+        if ((tid & 31) == 0) shf[tid >> 5] = mx, shi[tid >> 5] = arg;
+        __syncthreads();
+        if (tid < 32) {
+            float m = tid < ROW_THREADS / 32 ? shf[tid] : -INFINITY;
+            int64_t a = tid < ROW_THREADS / 32 ? shi[tid] : -1;
+            warp_argmax(m, a);
+            if (tid == 0) {
+                if (own_a >= 0 && !(own_m == own_m)) m = own_m, a = own_a; // thread 0 first and NaN: the fold kept it
+                shf[0] = m;
+                shi[0] = a;
+            }
+        }
     }
     __syncthreads();
     row_stats_t r;
@@ -59,30 +100,43 @@ __device__ row_stats_t row_stats(const float *z, int64_t V, bool want_ez, double
     return r;
 }
 
-__global__ void __launch_bounds__(ROW_THREADS) ce_kernel(const float *logits, int64_t V, const int64_t *tgt, double *nll) {
+// The reference's cross-entropy of a row: ce_rows, and logprobs' nll under DS4_CUDA_ROW_REF.
+// Rows r = blockIdx.x, + gridDim.x, .. (ds4_vocab_grid): one each by default.
+__global__ void __launch_bounds__(ROW_THREADS) ce_kernel(const float *logits, int64_t rows, int64_t V,
+                                                         const int64_t *tgt, double *nll, int ref) {
     __shared__ double shd[ROW_THREADS / 32];
     __shared__ float shf[ROW_THREADS];
     __shared__ int64_t shi[ROW_THREADS];
-    const int64_t r = blockIdx.x, y = tgt[r];
-    if (y == -100) return;
-    const float *z = logits + r * V;
-    const row_stats_t s = row_stats(z, V, false, shd, shf, shi);
-    if (threadIdx.x == 0) nll[r] = log(s.se) + s.mx - z[y];
+    for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+        const int64_t y = tgt[r];
+        if (y == -100) continue;
+        const float *z = logits + r * V;
+        const row_stats_t s =
+            ref ? row_stats<true>(z, V, false, shd, shf, shi) : row_stats<false>(z, V, false, shd, shf, shi);
+        if (threadIdx.x == 0) nll[r] = log(s.se) + s.mx - z[y];
+    }
 }
 
-__global__ void __launch_bounds__(ROW_THREADS) logprobs_kernel(const float *logits, int64_t V, const int64_t *tgt,
-                                                               float *logp, float *entropy) {
+// Log-probability and entropy of a row, and with nll its cross-entropy as ce_kernel writes it (nothing for a target of
+// -100): Σ exp is the same sum with or without the entropy's (se never depends on ez), so one pass over the row gives
+// ce_kernel's bits where the reference ran a second kernel over the logits.
+template <bool REF>
+__global__ void __launch_bounds__(ROW_THREADS, REF ? 1 : 8)
+    logprobs_kernel(const float *logits, int64_t rows, int64_t V, const int64_t *tgt, float *logp, float *entropy,
+                    double *nll) {
     __shared__ double shd[ROW_THREADS / 32];
     __shared__ float shf[ROW_THREADS];
     __shared__ int64_t shi[ROW_THREADS];
-    const int64_t r = blockIdx.x;
-    const float *z = logits + r * V;
-    const row_stats_t s = row_stats(z, V, entropy != nullptr, shd, shf, shi);
-    if (threadIdx.x == 0) {
-        const double lse = log(s.se);
-        const int64_t y = tgt[r];
-        if (logp) logp[r] = y == -100 ? 0.0f : (float)((double)z[y] - s.mx - lse);
-        if (entropy) entropy[r] = (float)(lse - s.ez / s.se);
+    for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+        const float *z = logits + r * V;
+        const row_stats_t s = row_stats<REF>(z, V, entropy != nullptr, shd, shf, shi);
+        if (threadIdx.x == 0) {
+            const double lse = log(s.se);
+            const int64_t y = tgt[r];
+            if (logp) logp[r] = y == -100 ? 0.0f : (float)((double)z[y] - s.mx - lse);
+            if (entropy) entropy[r] = (float)(lse - s.ez / s.se);
+            if (nll && y != -100) nll[r] = log(s.se) + s.mx - z[y];
+        }
     }
 }
 
@@ -100,6 +154,7 @@ struct sample_args {
     double *w;                    // [rows, pow2] scratch weights
     int32_t *wid;                 // [rows, pow2] their ids
     int32_t *status;              // [rows, 2]: code (0 ok, 1 NaN, 2 +inf, 3 all -inf), index
+    int ref;                      // DS4_CUDA_ROW_REF: row_stats' reference fold for the max
 };
 
 // Sort e[0, n) (padded to n2, a power of two) by (w desc, id asc), or by id asc.
@@ -197,7 +252,8 @@ __global__ void __launch_bounds__(ROW_THREADS) sample_kernel(sample_args a) {
         }
         return;
     }
-    const row_stats_t s = row_stats(z, V, false, shd, shf, shi);
+    const row_stats_t s =
+        a.ref ? row_stats<true>(z, V, false, shd, shf, shi) : row_stats<false>(z, V, false, shd, shf, shi);
     if (isinf(s.mx)) {
         if (tid == 0) a.status[2 * r] = 3, a.status[2 * r + 1] = -1, a.id[r] = -1;
         return;
@@ -275,14 +331,25 @@ __global__ void __launch_bounds__(ROW_THREADS) sample_kernel(sample_args a) {
 
 void ds4_cuda_ce_rows(ds4_dev *d, const ds4_a_ce_rows *a) {
     if (a->rows <= 0) return;
-    ce_kernel<<<(unsigned)a->rows, ROW_THREADS, 0, cdev(d)->stream>>>(a->logits, a->V, a->tgt, a->nll);
+    cuda_dev *cd = cdev(d);
+    ce_kernel<<<ds4_vocab_grid(cd, a->rows), ROW_THREADS, 0, cd->stream>>>(a->logits, a->rows, a->V, a->tgt, a->nll,
+                                                                           cd->row_ref);
     ds4_cuda_launched(d, "ce_rows", "[%lld x %lld]", (long long)a->rows, (long long)a->V);
 }
 
 void ds4_cuda_logprobs(ds4_dev *d, const ds4_a_logprobs *a) {
     if (a->rows <= 0) return;
-    logprobs_kernel<<<(unsigned)a->rows, ROW_THREADS, 0, cdev(d)->stream>>>(a->logits, a->V, a->tgt, a->logp,
-                                                                              a->entropy);
+    cuda_dev *cd = cdev(d);
+    const unsigned grid = ds4_vocab_grid(cd, a->rows);
+    if (!cd->row_ref) {
+        logprobs_kernel<false><<<grid, ROW_THREADS, 0, cd->stream>>>(a->logits, a->rows, a->V, a->tgt, a->logp,
+                                                                     a->entropy, a->nll);
+        ds4_cuda_launched(d, "logprobs", "[%lld x %lld]%s", (long long)a->rows, (long long)a->V,
+                          a->nll ? " with the cross-entropy" : "");
+        return;
+    }
+    logprobs_kernel<true><<<grid, ROW_THREADS, 0, cd->stream>>>(a->logits, a->rows, a->V, a->tgt, a->logp,
+                                                                a->entropy, nullptr);
     ds4_cuda_launched(d, "logprobs", "[%lld x %lld]", (long long)a->rows, (long long)a->V);
     if (a->nll) { /* the cross-entropy as ce_rows computes it */
         const ds4_a_ce_rows ce = {a->logits, a->rows, a->V, a->tgt, a->nll};
@@ -318,7 +385,7 @@ void ds4_cuda_sample(ds4_dev *d, const ds4_a_sample *a) {
     }
     sample_args g = {a->logits, a->lrow, a->V, pow2, p->temperature, p->top_p, p->min_p, p->top_k, a->u, a->id,
                      a->lp_model, a->lp_sample, (double *)scr, (int32_t *)(scr + (size_t)a->rows * pow2 * sizeof(double)),
-                     (int32_t *)(scr + wbytes)};
+                     (int32_t *)(scr + wbytes), cd->row_ref};
     sample_kernel<<<(unsigned)a->rows, ROW_THREADS, 0, cd->stream>>>(g);
     if (!ds4_cuda_launched(d, "sample", "[%lld draws x %lld]", (long long)a->rows, (long long)a->V)) return;
     // the status words come back now: an invalid row is an error of this operation, naming the row

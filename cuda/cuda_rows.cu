@@ -17,6 +17,14 @@ __global__ void embed_kernel(float *X, const void *E, int bf16, const int64_t *i
 // Threads of a row block for a row of `width`: the block shape (so the reduction tree) follows the width only.
 int row_threads(int64_t width) { return width >= 256 ? 256 : (width >= 128 ? 128 : (width >= 64 ? 64 : 32)); }
 
+// A row's RMSNorm: a block of nt = row_threads(width) threads, thread t adding (double)x[i]² for i = t, t + nt, .. in
+// that order, then ds4d_block_sum's tree; y[i] = w[i]·(x[i]·inv). The kernels below write the same expressions (so the
+// compiler fuses them alike: the test compares the bytes). rmsnorm_kernel is the reference (DS4_CUDA_ROW_REF=1) and
+// takes the rows wider than the register kernels.
+__device__ __forceinline__ float rms_out(const float *w, float xv, float inv, float wv) {
+    return w ? wv * (xv * inv) : xv * inv;
+}
+
 __global__ void rmsnorm_kernel(float *y, const float *x, const float *w, int64_t width, double eps) {
     __shared__ double sh[8];
     const int64_t r = blockIdx.x;
@@ -27,6 +35,75 @@ __global__ void rmsnorm_kernel(float *y, const float *x, const float *w, int64_t
     ss = ds4d_block_sum(ss, sh);
     const float inv = ds4d_rms_inv(ss, width, eps);
     for (int64_t i = threadIdx.x; i < width; i += blockDim.x) yr[i] = w ? w[i] * (xr[i] * inv) : xr[i] * inv;
+}
+
+// The same sums with the row in registers, PER elements a thread of 256 (rows of 256 to 256·PER): every load of the
+// row (x and w) issued at once, x read once; the loop kernel waited on its loads one by one and read x twice.
+template <int PER>
+__global__ void __launch_bounds__(256) rmsnorm_block(float *y, const float *x, const float *w, int64_t width,
+                                                     double eps) {
+    __shared__ double sh[8];
+    const int64_t r = blockIdx.x;
+    const float *xr = x + r * width;
+    float *yr = y + r * width;
+    float xs[PER], ws[PER];
+#pragma unroll
+    for (int j = 0; j < PER; j++) {
+        const int64_t i = threadIdx.x + 256 * j;
+        xs[j] = i < width ? xr[i] : 0.0f;
+        ws[j] = w && i < width ? w[i] : 0.0f;
+    }
+    double ss = 0;
+#pragma unroll
+    for (int j = 0; j < PER; j++)
+        if (threadIdx.x + 256 * j < width) ss += (double)xs[j] * xs[j];
+    ss = ds4d_block_sum(ss, sh);
+    const float inv = ds4d_rms_inv(ss, width, eps);
+#pragma unroll
+    for (int j = 0; j < PER; j++) {
+        const int64_t i = threadIdx.x + 256 * j;
+        if (i < width) yr[i] = rms_out(w, xs[j], inv, ws[j]);
+    }
+}
+
+// Rows narrower than 256 (nt = 32·nw <= 128 threads, at most 2 elements each): a warp per row, RMS_WROWS rows a block.
+// Lane l plays the block's threads l + 32v and adds each one's elements in their order; ds4d_played_block_sum gives
+// the block tree's bits. A block per row of 32 to 128 threads was mostly waiting on its barriers and its launch.
+constexpr int RMS_NW = 4, RMS_WROWS = 8;
+template <int PER>
+__global__ void __launch_bounds__(32 * RMS_WROWS) rmsnorm_warp(float *y, const float *x, const float *w, int64_t rows,
+                                                               int64_t width, int nw, double eps) {
+    const int lane = (int)(threadIdx.x & 31);
+    const int64_t r = (int64_t)blockIdx.x * RMS_WROWS + (threadIdx.x >> 5), nt = 32 * nw;
+    if (r >= rows) return; // a whole warp: no barrier below
+    const float *xr = x + r * width;
+    float *yr = y + r * width;
+    float xs[RMS_NW][PER], ws[RMS_NW][PER];
+#pragma unroll
+    for (int v = 0; v < RMS_NW; v++)
+#pragma unroll
+        for (int j = 0; j < PER; j++) {
+            const int64_t i = lane + 32 * v + nt * j;
+            const bool in = v < nw && i < width;
+            xs[v][j] = in ? xr[i] : 0.0f;
+            ws[v][j] = in && w ? w[i] : 0.0f;
+        }
+    double part[RMS_NW];
+#pragma unroll
+    for (int v = 0; v < RMS_NW; v++) {
+        part[v] = 0;
+#pragma unroll
+        for (int j = 0; j < PER; j++)
+            if (v < nw && lane + 32 * v + nt * j < width) part[v] += (double)xs[v][j] * xs[v][j];
+    }
+    const float inv = ds4d_rms_inv(ds4d_played_block_sum(part, nw), width, eps);
+#pragma unroll
+    for (int v = 0; v < RMS_NW; v++)
+#pragma unroll
+        for (int j = 0; j < PER; j++) {
+            const int64_t i = lane + 32 * v + nt * j;
+            if (v < nw && i < width) yr[i] = rms_out(w, xs[v][j], inv, ws[v][j]);
+        }
 }
 
 __global__ void rope_kernel(float *x, int64_t T, int64_t heads, int64_t width, const float *cs, int64_t half,
@@ -92,8 +169,24 @@ void ds4_cuda_rmsnorm(ds4_dev *d, const ds4_a_rmsnorm *a) {
     if (a->rows <= 0) return;
     const unsigned g = rows_grid(d, a->rows, "rmsnorm");
     if (!g) return;
-    rmsnorm_kernel<<<g, row_threads(a->width), 0, cdev(d)->stream>>>(a->y, a->x, a->w, a->width, a->eps);
-    ds4_cuda_launched(d, "rmsnorm", "[%lld x %lld]", (long long)a->rows, (long long)a->width);
+    cudaStream_t st = cdev(d)->stream;
+    const int64_t W = a->width;
+    // the kernel follows the width only (never the rows): a row's bits are the same alone or in any batch
+    const int nt = row_threads(W);
+    if (cdev(d)->row_ref || W > 256 * 16) {
+        rmsnorm_kernel<<<g, nt, 0, st>>>(a->y, a->x, a->w, W, a->eps);
+    } else if (W < 256) {
+        const unsigned blocks = (unsigned)((a->rows + RMS_WROWS - 1) / RMS_WROWS);
+        if (W <= nt) rmsnorm_warp<1><<<blocks, 32 * RMS_WROWS, 0, st>>>(a->y, a->x, a->w, a->rows, W, nt / 32, a->eps);
+        else rmsnorm_warp<2><<<blocks, 32 * RMS_WROWS, 0, st>>>(a->y, a->x, a->w, a->rows, W, nt / 32, a->eps);
+    } else if (W <= 256 * 4) {
+        rmsnorm_block<4><<<g, 256, 0, st>>>(a->y, a->x, a->w, W, a->eps);
+    } else if (W <= 256 * 8) {
+        rmsnorm_block<8><<<g, 256, 0, st>>>(a->y, a->x, a->w, W, a->eps);
+    } else {
+        rmsnorm_block<16><<<g, 256, 0, st>>>(a->y, a->x, a->w, W, a->eps);
+    }
+    ds4_cuda_launched(d, "rmsnorm", "[%lld x %lld]", (long long)a->rows, (long long)W);
 }
 
 void ds4_cuda_rope(ds4_dev *d, const ds4_a_rope *a) {
