@@ -729,73 +729,6 @@ __global__ void comp_bwd_kernel(cbwd_args a, int64_t n) {
     }
 }
 
-// The same per (sequence, window, channel), every value formed by the same expression in the same order, with the slots
-// taken CB_U at a time: their gates' loads, exps and divisions issued together before the in-order max / sums use
-// them. The loop above waits on one load or one double exp per slot: with the heavily compressed layers' 128 slots and
-// only B·nwin·dd (8k) threads it ran on half the SMs, bound by latency.
-constexpr int CB_U = 8;
-__global__ void comp_bwd_ilp_kernel(cbwd_args a, int64_t n) {
-    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= n) return;
-    const int64_t ch = i % a.dd, e = i / a.dd, row = e / a.nwin, win = e % a.nwin;
-    const int64_t nprev = a.overlap && win > 0 ? a.m : 0, ns = nprev + a.m;
-    int64_t off[CB_U]; // the slots' (token, column) in C, Z, dC, dZ
-    float g[CB_U];
-    auto gates = [&](int64_t k0) {
-#pragma unroll
-        for (int u = 0; u < CB_U; u++)
-            if (k0 + u < ns) {
-                int64_t tok, col;
-                g[u] = comp_gate(a, row, win, ch, nprev, k0 + u, &tok, &col);
-                off[u] = tok * a.width + col;
-            }
-    };
-    float mx = -INFINITY;
-    for (int64_t k0 = 0; k0 < ns; k0 += CB_U) {
-        gates(k0);
-#pragma unroll
-        for (int u = 0; u < CB_U; u++)
-            if (k0 + u < ns) mx = fmaxf(mx, g[u]);
-    }
-    double den = 0;
-    for (int64_t k0 = 0; k0 < ns; k0 += CB_U) {
-        gates(k0);
-        float ek[CB_U];
-#pragma unroll
-        for (int u = 0; u < CB_U; u++) ek[u] = k0 + u < ns ? (float)exp((double)(g[u] - mx)) : 0.0f;
-#pragma unroll
-        for (int u = 0; u < CB_U; u++)
-            if (k0 + u < ns) den += (double)ek[u];
-    }
-    const float dp = a.dpool[(row * a.S + win) * a.dd + ch];
-    double adot = 0;
-    for (int64_t k0 = 0; k0 < ns; k0 += CB_U) {
-        gates(k0);
-        float al[CB_U], kv[CB_U];
-#pragma unroll
-        for (int u = 0; u < CB_U; u++) {
-            const bool in = k0 + u < ns;
-            const float ek = in ? (float)exp((double)(g[u] - mx)) : 0.0f;
-            al[u] = in ? (float)(ek / den) : 0.0f;
-            kv[u] = in ? a.C[off[u]] : 0.0f;
-        }
-#pragma unroll
-        for (int u = 0; u < CB_U; u++)
-            if (k0 + u < ns) adot += (double)al[u] * dp * kv[u];
-    }
-    for (int64_t k0 = 0; k0 < ns; k0 += CB_U) {
-        gates(k0);
-#pragma unroll
-        for (int u = 0; u < CB_U; u++) {
-            if (k0 + u >= ns) continue;
-            const float ek = (float)exp((double)(g[u] - mx));
-            const float al = (float)(ek / den), kv = a.C[off[u]];
-            a.dC[off[u]] = al * dp;
-            a.dZ[off[u]] = (float)(al * ((double)dp * kv - adot));
-        }
-    }
-}
-
 // One thread per position-bias element (j, col): gape += the dZ of the slot (j, col) of every window, sequences and
 // windows in order (the CPU's order of its += for that element). Columns below dd with overlap are previous-window
 // slots: windows 1.. read the rows of window win-1.
@@ -810,32 +743,6 @@ __global__ void comp_bwd_ape_kernel(cbwd_args a, int64_t B) {
             const int64_t tok = row * a.S + (prev ? win - 1 : win) * a.m + j;
             acc += a.dZ[tok * a.width + col];
         }
-    a.gape[i] = acc;
-}
-
-// The same sums with CB_APE_U rows' loads issued before their adds (in the same order): the loop above waited on one
-// load per row, B·nwin rows (2048 for the CSA layers) per thread, with only m·width (1k) threads.
-constexpr int CB_APE_U = 32;
-__global__ void comp_bwd_ape_ilp_kernel(cbwd_args a, int64_t B) {
-    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= a.m * a.width) return;
-    const int64_t j = i / a.width, col = i % a.width;
-    const bool prev = a.overlap && col < a.dd;
-    const int64_t w0 = prev ? 1 : 0, n = B * (a.nwin > w0 ? a.nwin - w0 : 0);
-    float acc = a.gape[i];
-    int64_t row = 0, win = w0; // the (sequence, window) of row q0 of the sum: sequences, then windows, in order
-    for (int64_t q0 = 0; q0 < n; q0 += CB_APE_U) {
-        float v[CB_APE_U];
-#pragma unroll
-        for (int u = 0; u < CB_APE_U; u++) {
-            const int64_t tok = row * a.S + (prev ? win - 1 : win) * a.m + j;
-            v[u] = q0 + u < n ? a.dZ[tok * a.width + col] : 0.0f;
-            if (++win == a.nwin) win = w0, row++;
-        }
-#pragma unroll
-        for (int u = 0; u < CB_APE_U; u++)
-            if (q0 + u < n) acc += v[u];
-    }
     a.gape[i] = acc;
 }
 
@@ -1144,18 +1051,12 @@ void ds4_cuda_comp_bwd(ds4_dev *d, const ds4_a_comp_bwd *a) {
     if (n <= 0) return;
     const cbwd_args g = {a->C, a->Z, w->ape, a->dpool, a->dC, a->dZ, a->gape, w->rate, w->dd, w->width, a->S, a->nwin,
                          a->overlap};
-    const bool ref = cdev(d)->row_ref;
-    // a thread per output either way; small blocks where the outputs are few (heavily compressed layers: 8k) so that
-    // every SM takes some
-    const int nt = n < 64 * 1024 ? 32 : 128;
-    if (ref) comp_bwd_kernel<<<ds4_blocks(n, 128), 128, 0, cdev(d)->stream>>>(g, n);
-    else comp_bwd_ilp_kernel<<<ds4_blocks(n, nt), nt, 0, cdev(d)->stream>>>(g, n);
+    comp_bwd_kernel<<<ds4_blocks(n, 128), 128, 0, cdev(d)->stream>>>(g, n);
     if (!ds4_cuda_launched(d, "comp_bwd", "[%lld sequences x %lld entries of %lld, rate %lld%s]", (long long)a->B,
                            (long long)a->nwin, (long long)w->dd, (long long)w->rate, a->overlap ? ", overlap" : "") ||
         !a->gape) /* a frozen position bias (only adapters train): no gradient */
         return;
-    if (ref) comp_bwd_ape_kernel<<<ds4_blocks(w->rate * w->width, 128), 128, 0, cdev(d)->stream>>>(g, a->B);
-    else comp_bwd_ape_ilp_kernel<<<ds4_blocks(w->rate * w->width, 32), 32, 0, cdev(d)->stream>>>(g, a->B);
+    comp_bwd_ape_kernel<<<ds4_blocks(w->rate * w->width, 128), 128, 0, cdev(d)->stream>>>(g, a->B);
     ds4_cuda_launched(d, "comp_bwd", "[position bias %lld x %lld over %lld x %lld windows]", (long long)w->rate,
                       (long long)w->width, (long long)a->B, (long long)a->nwin);
 }

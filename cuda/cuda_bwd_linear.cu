@@ -323,31 +323,29 @@ int row_threads(int64_t width) { return width >= 256 ? 256 : (width >= 128 ? 128
 // is written, and each thread then reads and writes only its own elements.
 constexpr int LOGP_THREADS = 256;
 
-__global__ void __launch_bounds__(LOGP_THREADS) logp_bwd_kernel(float *dl, const float *logits, int64_t rows, int64_t V,
-                                                                const int64_t *tgt, const float *dlogp, double g0) {
+__global__ void __launch_bounds__(LOGP_THREADS) logp_bwd_kernel(float *dl, const float *logits, int64_t V, const int64_t *tgt, const float *dlogp,
+                                double g0) {
     __shared__ double shd[8];
     __shared__ float shf[8];
-    for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) { // one row a block by default (ds4_vocab_grid)
-        const int64_t y = tgt[r];
-        const float *z = logits + r * V;
-        float *o = dl + r * V;
-        const double g = dlogp ? (double)dlogp[r] : g0;
-        if (y == -100 || g == 0) {
-            for (int64_t v = threadIdx.x; v < V; v += LOGP_THREADS) o[v] = 0.0f;
-            continue;
-        }
-        float mx = -INFINITY;
-        ds4d_row_visit<LOGP_THREADS, 8>(z, V, [&](int64_t, float zv) { mx = zv > mx ? zv : mx; });
-        mx = ds4d_block_maxf(mx, shf);
-        double se = 0;
-        ds4d_row_visit<LOGP_THREADS, 8>(z, V, [&](int64_t, float zv) { se += exp((double)zv - mx); });
-        se = ds4d_block_sum(se, shd);
-        ds4d_row_visit<LOGP_THREADS, 8>(z, V, [&](int64_t v, float zv) {
-            float val = (float)(-g * exp((double)zv - mx) / se);
-            if (v == y) val += (float)g;
-            o[v] = val;
-        });
+    const int64_t r = blockIdx.x, y = tgt[r];
+    const float *z = logits + r * V;
+    float *o = dl + r * V;
+    const double g = dlogp ? (double)dlogp[r] : g0;
+    if (y == -100 || g == 0) {
+        for (int64_t v = threadIdx.x; v < V; v += LOGP_THREADS) o[v] = 0.0f;
+        return;
     }
+    float mx = -INFINITY;
+    ds4d_row_visit<LOGP_THREADS, 8>(z, V, [&](int64_t, float zv) { mx = zv > mx ? zv : mx; });
+    mx = ds4d_block_maxf(mx, shf);
+    double se = 0;
+    ds4d_row_visit<LOGP_THREADS, 8>(z, V, [&](int64_t, float zv) { se += exp((double)zv - mx); });
+    se = ds4d_block_sum(se, shd);
+    ds4d_row_visit<LOGP_THREADS, 8>(z, V, [&](int64_t v, float zv) {
+        float val = (float)(-g * exp((double)zv - mx) / se);
+        if (v == y) val += (float)g;
+        o[v] = val;
+    });
 }
 
 struct norm_args {
@@ -355,7 +353,6 @@ struct norm_args {
     float *dw;
     const float *dy, *x, *w;
     float *rinv;                  // [groups, rows] (float, as the CPU keeps them)
-    float *rinv_w;                // where the dx pass writes the same factors (NULL: nowhere)
     double *part;                 // [groups, chunks, width]
     int64_t rows, width, groups, gstride, chunks;
     double eps;
@@ -398,9 +395,9 @@ __global__ void norm_bwd_rows(norm_args a, int rinv_only) {
     for (int64_t i = threadIdx.x; i < n; i += blockDim.x) ss = norm_sq_acc(ss, x[i]);
     ss = ds4d_block_sum(ss, sh);
     const double ri = norm_rinv(ss, n, a.eps);
-    if (rinv_only || a.rinv_w) {
-        if (threadIdx.x == 0) (rinv_only ? a.rinv : a.rinv_w)[gr] = (float)ri;
-        if (rinv_only) return;
+    if (rinv_only) {
+        if (threadIdx.x == 0) a.rinv[gr] = (float)ri;
+        return;
     }
     double dot = 0;
     for (int64_t i = threadIdx.x; i < n; i += blockDim.x) dot = norm_dot_acc(dot, norm_wdy(w, dy, i), x[i]);
@@ -439,7 +436,6 @@ __global__ void __launch_bounds__(256, PER <= 8 ? 3 : 2) norm_rows_block(norm_ar
     if constexpr (RINV_ONLY) {
         if (threadIdx.x == 0) a.rinv[gr] = (float)ri;
     } else {
-        if (a.rinv_w && threadIdx.x == 0) a.rinv_w[gr] = (float)ri;
         double dot = 0;
 #pragma unroll
         for (int j = 0; j < PER; j++)
@@ -457,9 +453,19 @@ __global__ void __launch_bounds__(256, PER <= 8 ? 3 : 2) norm_rows_block(norm_ar
 // Rows narrower than 256 (a block of nt = 32·nw ≤ 128 threads, PER ≤ 2 elements each): a warp per row, 8 rows per
 // block, no barrier. Lane l plays the block's threads l + 32v (v < nw) and adds each one's elements in their order;
 // then each played warp's shuffle tree, and the tree over their sums that warp 0 of the block would run (lanes past
-// nw adding 0; ds4d_played_block_sum): ds4d_block_sum's bits. A block per row waited on its barriers with 1 KB in
-// flight.
+// nw adding 0): ds4d_block_sum's bits. A block per row waited on its barriers with 1 KB in flight.
 constexpr int NORM_NW = 4, NORM_WROWS = 8;
+
+__device__ __forceinline__ double norm_played_sum(const double (&part)[NORM_NW], int nw) {
+    double t = 0.0;
+#pragma unroll
+    for (int v = 0; v < NORM_NW; v++) {
+        if (v >= nw) break;
+        const double s = ds4d_warp_sum(part[v]);
+        if ((int)(threadIdx.x & 31) == v) t = s;
+    }
+    return ds4d_warp_sum(t);
+}
 
 template <int PER, bool RINV_ONLY>
 __global__ void __launch_bounds__(32 * NORM_WROWS, PER == 1 ? 4 : 3) norm_rows_warp(norm_args a, int nw) {
@@ -489,11 +495,10 @@ __global__ void __launch_bounds__(32 * NORM_WROWS, PER == 1 ? 4 : 3) norm_rows_w
         for (int j = 0; j < PER; j++)
             if (v < nw && lane + 32 * v + nt * j < n) part[v] = norm_sq_acc(part[v], xs[v][j]);
     }
-    const double ri = norm_rinv(ds4d_played_block_sum(part, nw), n, a.eps);
+    const double ri = norm_rinv(norm_played_sum(part, nw), n, a.eps);
     if constexpr (RINV_ONLY) {
         if (lane == 0) a.rinv[gr] = (float)ri;
     } else {
-        if (a.rinv_w && lane == 0) a.rinv_w[gr] = (float)ri;
 #pragma unroll
         for (int v = 0; v < NORM_NW; v++) {
             part[v] = 0;
@@ -501,7 +506,7 @@ __global__ void __launch_bounds__(32 * NORM_WROWS, PER == 1 ? 4 : 3) norm_rows_w
             for (int j = 0; j < PER; j++)
                 if (v < nw && lane + 32 * v + nt * j < n) part[v] = norm_dot_acc(part[v], wdy[v][j], xs[v][j]);
         }
-        const double k = norm_k(ri, ds4d_played_block_sum(part, nw), n);
+        const double k = norm_k(ri, norm_played_sum(part, nw), n);
 #pragma unroll
         for (int v = 0; v < NORM_NW; v++)
 #pragma unroll
@@ -536,35 +541,16 @@ void launch_norm_rows(const norm_args &n, cudaStream_t st) {
 }
 
 // The weight gradient's partial of (column tile, row chunk, group): 8 row lanes per column, each over every 8th row
-// of the chunk (s = fma(dy·x, rinv, s), pinned as ptxas had fused it), then the lanes added in lane order. REF: the
-// loop as written (the loads of a row wait on the last row's FMA only as far as the compiler hoists them); else
-// the loads of NORM_DW_U rows are issued together before their FMAs, which run in the same order.
-constexpr int NORM_DW_U = 8;
-template <bool REF>
+// of the chunk (s = fma(dy·x, rinv, s), pinned as ptxas had fused it), then the lanes added in lane order.
 __global__ void __launch_bounds__(256) norm_dw_part(norm_args a) {
     __shared__ double sh[8][33];
     const int64_t i = (int64_t)blockIdx.x * 32 + threadIdx.x, c = blockIdx.y, g = blockIdx.z;
     const int64_t rb = c * NORM_CHUNK, re = rb + NORM_CHUNK < a.rows ? rb + NORM_CHUNK : a.rows;
     double s = 0;
-    if (i < a.width && REF)
+    if (i < a.width)
         for (int64_t r = rb + threadIdx.y; r < re; r += 8) {
             const int64_t o = g * a.gstride + r * a.width + i;
             s = __fma_rn(__dmul_rn((double)a.dy[o], (double)a.x[o]), (double)a.rinv[g * a.rows + r], s);
-        }
-    else if (i < a.width)
-        for (int64_t r0 = rb + threadIdx.y; r0 < re; r0 += 8 * NORM_DW_U) {
-            float dy[NORM_DW_U], x[NORM_DW_U], ri[NORM_DW_U];
-#pragma unroll
-            for (int u = 0; u < NORM_DW_U; u++) {
-                const int64_t r = r0 + 8 * u, o = g * a.gstride + r * a.width + i;
-                const bool in = r < re;
-                dy[u] = in ? a.dy[o] : 0.0f;
-                x[u] = in ? a.x[o] : 0.0f;
-                ri[u] = in ? a.rinv[g * a.rows + r] : 0.0f;
-            }
-#pragma unroll
-            for (int u = 0; u < NORM_DW_U; u++)
-                if (r0 + 8 * u < re) s = __fma_rn(__dmul_rn((double)dy[u], (double)x[u]), (double)ri[u], s);
         }
     sh[threadIdx.y][threadIdx.x] = s;
     __syncthreads();
@@ -587,58 +573,13 @@ __global__ void norm_dw_finish(norm_args a) {
     a.dw[i] = w;
 }
 
-// s + t[0] + t[ld] + .. + t[(rn - 1)·ld], one fp32 add at a time in that order, from shared memory: the column sums'
-// adding lane. The chain of adds is the bound (each waits on the last); REF reads eight rows and then adds them, so
-// every eight adds also wait on a shared-memory read; else the reads of the next sixteen rows are issued before the
-// adds of these sixteen (rows past the last whole sixteen one by one), and the chain waits on nothing but itself. The
-// same adds in the same order either way.
-template <bool REF>
-__device__ __forceinline__ float colsum_rows(float s, const float *t, int ld, int rn) {
-    int r = 0;
-    if constexpr (REF) {
-        for (; r + 8 <= rn; r += 8) {
-            float v[8];
-#pragma unroll
-            for (int u = 0; u < 8; u++) v[u] = t[(r + u) * ld];
-#pragma unroll
-            for (int u = 0; u < 8; u++) s += v[u];
-        }
-    } else if (rn >= 16) { // two register sets in turn: the rows of one are added while the other's are read
-        float v[16], nx[16];
-#pragma unroll
-        for (int u = 0; u < 16; u++) v[u] = t[u * ld];
-        for (;;) { // v: rows r .. r + 15
-            const bool more = r + 32 <= rn;
-            if (more) {
-#pragma unroll
-                for (int u = 0; u < 16; u++) nx[u] = t[(r + 16 + u) * ld];
-            }
-#pragma unroll
-            for (int u = 0; u < 16; u++) s += v[u];
-            r += 16;
-            if (!more) break;
-            const bool more2 = r + 32 <= rn; // nx: rows r .. r + 15
-            if (more2) {
-#pragma unroll
-                for (int u = 0; u < 16; u++) v[u] = t[(r + 16 + u) * ld];
-            }
-#pragma unroll
-            for (int u = 0; u < 16; u++) s += nx[u];
-            r += 16;
-            if (!more2) break;
-        }
-    }
-    for (; r < rn; r++) s += t[r * ld];
-    return s;
-}
-
 // dst[c] += src[0, c] + src[1, c] + ... one fp32 add at a time in row order (the CPU's bits). The columns are few
 // (3 to a few dozen) and the rows many: a block takes COLSUM_COLS columns; warp 0 (one lane per column) adds a tile of
 // COLSUM_ROWS rows from shared memory while the other warps stage the next tile into a second buffer with coalesced
 // loads, COLSUM_U in flight per thread (the stage is bound by their latency), one barrier per tile. The adding lane
-// reads its rows ahead of the adds (colsum_rows), so the sequential chain waits on fp32 adds, not on shared memory.
+// reads eight rows into registers before it adds them, so the sequential chain waits on fp32 adds, not on a
+// shared-memory read per row.
 constexpr int COLSUM_COLS = 32, COLSUM_ROWS = 128, COLSUM_U = 8;
-template <bool REF>
 __global__ void __launch_bounds__(256) colsum_kernel(float *dst, const float *src, int64_t rows, int64_t width,
                                                      int64_t ld) {
     __shared__ float tile[2][COLSUM_ROWS][COLSUM_COLS + 1];
@@ -670,7 +611,15 @@ __global__ void __launch_bounds__(256) colsum_kernel(float *dst, const float *sr
             if (r0 + COLSUM_ROWS < rows) stage(buf ^ 1, r0 + COLSUM_ROWS);
         } else if ((int)threadIdx.x < cw) {
             const int rn = (int)(rows - r0 < COLSUM_ROWS ? rows - r0 : COLSUM_ROWS);
-            s = colsum_rows<REF>(s, &tile[buf][0][threadIdx.x], COLSUM_COLS + 1, rn);
+            int r = 0;
+            for (; r + 8 <= rn; r += 8) {
+                float v[8];
+#pragma unroll
+                for (int u = 0; u < 8; u++) v[u] = tile[buf][r + u][threadIdx.x];
+#pragma unroll
+                for (int u = 0; u < 8; u++) s += v[u];
+            }
+            for (; r < rn; r++) s += tile[buf][r][threadIdx.x];
         }
         __syncthreads(); // the tile just added is free to restage; the one staged is complete
     }
@@ -745,8 +694,7 @@ void ds4_cuda_logp_bwd(ds4_dev *d, const ds4_a_logp_bwd *a) {
         ds4_dev_fail(d, DS4_ERR_UNSUPPORTED, "logp_bwd: %lld rows x %lld", (long long)a->rows, (long long)a->V);
         return;
     }
-    logp_bwd_kernel<<<ds4_vocab_grid(cdev(d), a->rows), LOGP_THREADS, 0, cdev(d)->stream>>>(
-        a->dl, a->logits, a->rows, a->V, a->tgt, a->dlogp, a->g0);
+    logp_bwd_kernel<<<(unsigned)a->rows, LOGP_THREADS, 0, cdev(d)->stream>>>(a->dl, a->logits, a->V, a->tgt, a->dlogp, a->g0);
     ds4_cuda_launched(d, "logp_bwd", "[%lld x %lld]", (long long)a->rows, (long long)a->V);
 }
 
@@ -897,42 +845,25 @@ void ds4_cuda_norm_bwd(ds4_dev *d, const ds4_a_norm_bwd *a) {
     const int64_t groups = a->groups > 0 ? a->groups : 1;
     if (a->rows <= 0 || a->width <= 0) return;
     cudaStream_t st = cdev(d)->stream;
-    norm_args n = {a->dx, a->dw, a->dy, a->x, a->w, nullptr, nullptr, nullptr, a->rows, a->width, groups, a->gstride,
+    norm_args n = {a->dx, a->dw, a->dy, a->x, a->w, nullptr, nullptr, a->rows, a->width, groups, a->gstride,
                    (a->rows + NORM_CHUNK - 1) / NORM_CHUNK, a->eps, a->acc};
     if (groups * a->rows > 0x7fffffff || (a->dw && (n.chunks > 65535 || groups > 65535))) {
         ds4_dev_fail(d, DS4_ERR_UNSUPPORTED, "norm_bwd: %lld groups x %lld rows x %lld", (long long)groups,
                      (long long)a->rows, (long long)a->width);
         return;
     }
-    if (a->dw) {
+    if (a->dw) { // the weight gradient reads dy: before dx (which may be dy) is written
         const size_t rb = align256((size_t)(groups * a->rows) * sizeof(float));
         const size_t pb = (size_t)(groups * n.chunks * a->width) * sizeof(double);
         char *s = (char *)ds4_cuda_scratch(d, rb + pb, "norm_bwd", 1);
         if (!s) return;
         n.rinv = (float *)s;
         n.part = (double *)(s + rb);
-        // The weight gradient reads dy and x, so it runs before dx is written where dx overlaps either (dx may be dy),
-        // after a pass of its own for the RMS factors; where dx lies apart (and not under DS4_CUDA_ROW_REF), the dx
-        // pass writes the factors it computes anyway and the weight gradient follows it: one read of x fewer.
-        const int64_t ext = (groups - 1) * a->gstride + a->rows * a->width; // floats from a row block's start
-        const auto apart = [&](const float *p) { return a->dx + ext <= p || p + ext <= a->dx; };
-        const bool dx_first = !cdev(d)->row_ref && apart(a->dy) && apart(a->x);
-        if (dx_first) {
-            n.rinv_w = n.rinv;
-            launch_norm_rows<false>(n, st);
-            if (!ds4_cuda_launched(d, "norm_bwd", "[%lld groups x %lld x %lld]%s, with the RMS factors",
-                                   (long long)groups, (long long)a->rows, (long long)a->width,
-                                   a->acc ? " (added)" : ""))
-                return;
-        } else {
-            launch_norm_rows<true>(n, st);
-            if (!ds4_cuda_launched(d, "norm_bwd", "[%lld groups x %lld x %lld]: RMS factors", (long long)groups,
-                                   (long long)a->rows, (long long)a->width))
-                return;
-        }
-        const dim3 grid(ds4_blocks(a->width, 32), (unsigned)n.chunks, (unsigned)groups);
-        if (cdev(d)->row_ref) norm_dw_part<true><<<grid, dim3(32, 8), 0, st>>>(n);
-        else norm_dw_part<false><<<grid, dim3(32, 8), 0, st>>>(n);
+        launch_norm_rows<true>(n, st);
+        if (!ds4_cuda_launched(d, "norm_bwd", "[%lld groups x %lld x %lld]: RMS factors", (long long)groups,
+                               (long long)a->rows, (long long)a->width))
+            return;
+        norm_dw_part<<<dim3(ds4_blocks(a->width, 32), (unsigned)n.chunks, (unsigned)groups), dim3(32, 8), 0, st>>>(n);
         if (!ds4_cuda_launched(d, "norm_bwd", "[%lld groups x %lld x %lld]: weight partials", (long long)groups,
                                (long long)a->rows, (long long)a->width))
             return;
@@ -940,7 +871,6 @@ void ds4_cuda_norm_bwd(ds4_dev *d, const ds4_a_norm_bwd *a) {
         if (!ds4_cuda_launched(d, "norm_bwd", "[%lld groups x %lld x %lld]: weight gradient", (long long)groups,
                                (long long)a->rows, (long long)a->width))
             return;
-        if (dx_first) return;
     }
     launch_norm_rows<false>(n, st);
     ds4_cuda_launched(d, "norm_bwd", "[%lld groups x %lld x %lld]%s", (long long)groups, (long long)a->rows,
@@ -955,7 +885,6 @@ constexpr int CSD_ROWS = 256, CSD_ST = 3;
 constexpr size_t CSD_SMEM = (size_t)CSD_ST * CSD_ROWS * 32 * sizeof(float);
 static_assert(CSD_ROWS % 4 == 0, "a tile starts on a 16-byte boundary");
 
-template <bool REF>
 __global__ void __launch_bounds__(256) colsum_dense_kernel(float *dst, const float *src, int64_t rows, int width) {
     extern __shared__ __align__(16) float cs_tile[]; // [CSD_ST][CSD_ROWS · width]
     const int64_t n = rows * width, ntiles = (rows + CSD_ROWS - 1) / CSD_ROWS;
@@ -982,7 +911,15 @@ __global__ void __launch_bounds__(256) colsum_dense_kernel(float *dst, const flo
         if ((int)threadIdx.x < width) {
             const float *t = cs_tile + (k % CSD_ST) * CSD_ROWS * 32 + threadIdx.x;
             const int rn = (int)(rows - k * CSD_ROWS < CSD_ROWS ? rows - k * CSD_ROWS : CSD_ROWS);
-            s = colsum_rows<REF>(s, t, width, rn);
+            int r = 0;
+            for (; r + 8 <= rn; r += 8) {
+                float v[8];
+#pragma unroll
+                for (int u = 0; u < 8; u++) v[u] = t[(r + u) * width];
+#pragma unroll
+                for (int u = 0; u < 8; u++) s += v[u];
+            }
+            for (; r < rn; r++) s += t[r * width];
         }
     }
     ds4d_cp_async_wait<0>();
@@ -992,32 +929,21 @@ __global__ void __launch_bounds__(256) colsum_dense_kernel(float *dst, const flo
 void ds4_cuda_colsum_add(ds4_dev *d, const ds4_a_colsum_add *a) {
     if (a->rows <= 0 || a->width <= 0) return;
     cuda_dev *cd = cdev(d);
-    const bool ref = cd->row_ref;
     if (a->width <= 32 && a->ld == a->width && ((uintptr_t)a->src & 15) == 0) {
         int &set = cd->smem_set[3];
-        if (!set) /* once per backend: the limit is a property of the kernels */
-            set = cudaFuncSetAttribute(colsum_dense_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       (int)CSD_SMEM) == cudaSuccess &&
-                          cudaFuncSetAttribute(colsum_dense_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                               (int)CSD_SMEM) == cudaSuccess
-                      ? 1
-                      : -1;
+        if (!set) /* once per backend: the limit is a property of the kernel */
+            set = cudaFuncSetAttribute(colsum_dense_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       (int)CSD_SMEM) == cudaSuccess ? 1 : -1;
         if (set == 1) {
-            if (ref)
-                colsum_dense_kernel<true><<<1, 256, CSD_SMEM, cd->stream>>>(a->dst, a->src, a->rows, (int)a->width);
-            else
-                colsum_dense_kernel<false><<<1, 256, CSD_SMEM, cd->stream>>>(a->dst, a->src, a->rows, (int)a->width);
+            colsum_dense_kernel<<<1, 256, CSD_SMEM, cd->stream>>>(a->dst, a->src, a->rows, (int)a->width);
             ds4_cuda_launched(d, "colsum_add", "[%lld rows x %lld, dense, cp.async tiles]", (long long)a->rows,
                               (long long)a->width);
             return;
         }
         (void)cudaGetLastError();
     }
-    const unsigned grid = ds4_blocks(a->width, COLSUM_COLS);
-    if (ref)
-        colsum_kernel<true><<<grid, 256, 0, cd->stream>>>(a->dst, a->src, a->rows, a->width, a->ld);
-    else
-        colsum_kernel<false><<<grid, 256, 0, cd->stream>>>(a->dst, a->src, a->rows, a->width, a->ld);
+    colsum_kernel<<<ds4_blocks(a->width, COLSUM_COLS), 256, 0, cdev(d)->stream>>>(a->dst, a->src, a->rows, a->width,
+                                                                               a->ld);
     ds4_cuda_launched(d, "colsum_add", "[%lld rows x %lld, stride %lld]", (long long)a->rows, (long long)a->width,
                       (long long)a->ld);
 }

@@ -63,11 +63,9 @@ struct cuda_dev {
                                   // dense product rounding its own operands; the tests compare the two)
     int row_ref;                  // DS4_CUDA_ROW_REF=1: the row ops' reference kernels, whose bits the faster ones give
                                   // (cuda_head.cu: logprobs as two kernels, max and argmax by one thread;
-                                  // cuda_rows.cu: rmsnorm's loop; cuda_bwd_linear.cu: colsum_add, the norm
-                                  // weight partials; cuda_bwd_attn.cu: comp_bwd's loops; cuda_optim.cu:
-                                  // cast_params a block row per tensor); test_cuda_row_bits compares the two
-    int row_blocks;               // DS4_CUDA_ROW_BLOCKS=B > 0: the vocabulary row kernels (logprobs, ce_rows,
-                                  // logp_bwd) run B blocks an SM, each looping over rows (fewer rows in flight: a
+                                  // cuda_rows.cu: rmsnorm's loop); test_cuda_row_bits compares the two
+    int row_blocks;               // DS4_CUDA_ROW_BLOCKS=B > 0: the vocabulary row kernels (logprobs, ce_rows)
+                                  // run B blocks an SM, each looping over rows (fewer rows in flight: a
                                   // row's second and third passes may then hit L2); 0 (default): a block per row. A
                                   // tuning knob, not a numerical one: a row's arithmetic is the same whichever block
                                   // takes it

@@ -173,86 +173,29 @@ __device__ __forceinline__ uint16_t f32_to_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
-// One value of an entry, rounded (low) or copied.
-__device__ __forceinline__ void cast_one(char *o, const float *s, int64_t i, bool low) {
-    if (low) reinterpret_cast<uint16_t *>(o)[i] = f32_to_bf16(s[i]);
-    else reinterpret_cast<float *>(o)[i] = s[i];
-}
-__device__ __forceinline__ void cast_four(char *o, const float4 v, int64_t i, bool low) { // values 4i .. 4i + 3
-    if (low) {
-        ushort4 h;
-        h.x = f32_to_bf16(v.x), h.y = f32_to_bf16(v.y), h.z = f32_to_bf16(v.z), h.w = f32_to_bf16(v.w);
-        reinterpret_cast<ushort4 *>(o)[i] = h;
-    } else {
-        reinterpret_cast<float4 *>(o)[i] = v;
-    }
-}
-// Where an entry's source is 16-byte aligned and its destination 8 (bf16) or 16 (fp32), groups of four values move as
-// one load and one store (the cast is bound by memory: 2-byte stores one by one were half its time); the rest one by
-// one. Each value is rounded the same either way.
-__device__ __forceinline__ bool cast_vec(const float *s, const char *o, bool low) {
-    return ((uintptr_t)s & 15) == 0 && ((uintptr_t)o & (low ? 7 : 15)) == 0;
-}
-
-// The reference (DS4_CUDA_ROW_REF=1): entry blockIdx.y over a row of 1024 blocks, however small the entry (most of the
-// model's entries are norms and biases of a few thousand values: their rows' blocks had nothing to do).
+// Entry blockIdx.y. Where the entry's source is 16-byte aligned and its destination 8 (bf16) or 16 (fp32), groups of
+// four values move as one load and one store (the cast is bound by memory: 2-byte stores one by one were half its
+// time); the rest one by one. Each value is rounded the same either way.
 __global__ void cast_kernel(char *dst, const float *src, const ds4_cast_entry *ent, int bf16) {
     const ds4_cast_entry e = ent[blockIdx.y];
     const float *s = src + e.src;
     char *o = dst + e.dst;
     const bool low = e.lowp && bf16;
     const int64_t t0 = (int64_t)blockIdx.x * blockDim.x + threadIdx.x, stride = (int64_t)gridDim.x * blockDim.x;
-    const int64_t n4 = cast_vec(s, o, low) ? e.n / 4 : 0;
-    for (int64_t i = t0; i < n4; i += stride) cast_four(o, reinterpret_cast<const float4 *>(s)[i], i, low);
-    for (int64_t i = 4 * n4 + t0; i < e.n; i += stride) cast_one(o, s, i, low);
-}
-
-// The entries' values cut into chunks of CAST_CHUNK (an entry's last chunk shorter), numbered entry after entry; block
-// b of G takes chunks b, b + G, b + 2G, .. so every block moves about the same bytes whatever the entries' sizes. A
-// thread moves CAST_U groups of four of a chunk (loads first, then the stores). The entries pass through shared memory
-// CAST_THREADS at a time (one read each from global memory, not one dependent read per entry per block).
-constexpr int CAST_THREADS = 256, CAST_U = 4;
-constexpr int64_t CAST_CHUNK = 4 * CAST_U * CAST_THREADS;
-
-__global__ void __launch_bounds__(CAST_THREADS) cast_chunks_kernel(char *dst, const float *src,
-                                                                   const ds4_cast_entry *ent, int64_t n_ent, int bf16) {
-    __shared__ ds4_cast_entry se[CAST_THREADS];
-    const int64_t G = gridDim.x, b = blockIdx.x;
-    const int t = (int)threadIdx.x;
-    int64_t before = 0; // chunks of the entries before this one
-    for (int64_t k0 = 0; k0 < n_ent; k0 += CAST_THREADS) {
-        __syncthreads(); // the last batch is done with
-        if (k0 + t < n_ent) se[t] = ent[k0 + t];
-        __syncthreads();
-        const int64_t kn = n_ent - k0 < CAST_THREADS ? n_ent - k0 : CAST_THREADS;
-        for (int64_t k = 0; k < kn; k++) {
-            const ds4_cast_entry e = se[k];
-            const int64_t nc = (e.n + CAST_CHUNK - 1) / CAST_CHUNK;
-            const float *s = src + e.src;
-            char *o = dst + e.dst;
-            const bool low = e.lowp && bf16, vec = cast_vec(s, o, low);
-            for (int64_t j = ((b - before % G) % G + G) % G; j < nc; j += G) {
-                const int64_t c0 = j * CAST_CHUNK, c1 = c0 + CAST_CHUNK < e.n ? c0 + CAST_CHUNK : e.n;
-                if (vec) {
-                    const int64_t g0 = c0 / 4, g1 = c1 / 4; // whole groups of four; the entry's last values below
-                    float4 v[CAST_U];
-#pragma unroll
-                    for (int u = 0; u < CAST_U; u++) {
-                        const int64_t i = g0 + t + (int64_t)u * CAST_THREADS;
-                        if (i < g1) v[u] = reinterpret_cast<const float4 *>(s)[i];
-                    }
-#pragma unroll
-                    for (int u = 0; u < CAST_U; u++) {
-                        const int64_t i = g0 + t + (int64_t)u * CAST_THREADS;
-                        if (i < g1) cast_four(o, v[u], i, low);
-                    }
-                    if (c1 == e.n && 4 * g1 + t < e.n) cast_one(o, s, 4 * g1 + t, low);
-                } else {
-                    for (int64_t i = c0 + t; i < c1; i += CAST_THREADS) cast_one(o, s, i, low);
-                }
-            }
-            before += nc;
+    const int64_t n4 = ((uintptr_t)s & 15) == 0 && ((uintptr_t)o & (low ? 7 : 15)) == 0 ? e.n / 4 : 0;
+    for (int64_t i = t0; i < n4; i += stride) {
+        const float4 v = reinterpret_cast<const float4 *>(s)[i];
+        if (low) {
+            ushort4 h;
+            h.x = f32_to_bf16(v.x), h.y = f32_to_bf16(v.y), h.z = f32_to_bf16(v.z), h.w = f32_to_bf16(v.w);
+            reinterpret_cast<ushort4 *>(o)[i] = h;
+        } else {
+            reinterpret_cast<float4 *>(o)[i] = v;
         }
+    }
+    for (int64_t i = 4 * n4 + t0; i < e.n; i += stride) {
+        if (low) reinterpret_cast<uint16_t *>(o)[i] = f32_to_bf16(s[i]);
+        else reinterpret_cast<float *>(o)[i] = s[i];
     }
 }
 
@@ -291,13 +234,7 @@ void ds4_cuda_cast_params(ds4_dev *d, const ds4_a_cast_params *a) {
         ds4_dev_fail(d, DS4_ERR_UNSUPPORTED, "cast_params: %lld tensors > 65535", (long long)a->n);
         return;
     }
-    cuda_dev *cd = cdev(d);
-    if (cd->row_ref) {
-        const dim3 grid(1024, (unsigned)a->n);
-        cast_kernel<<<grid, 256, 0, cd->stream>>>((char *)a->dst, a->src, a->e, a->mdt == DS4_BF16);
-    } else { // as many blocks as stay resident (8 of 256 threads an SM), each looping over its chunks
-        cast_chunks_kernel<<<(unsigned)(8 * cd->sm_count), CAST_THREADS, 0, cd->stream>>>(
-            (char *)a->dst, a->src, a->e, a->n, a->mdt == DS4_BF16);
-    }
+    const dim3 grid(1024, (unsigned)a->n);
+    cast_kernel<<<grid, 256, 0, cdev(d)->stream>>>((char *)a->dst, a->src, a->e, a->mdt == DS4_BF16);
     ds4_cuda_launched(d, "cast_params", "[%lld tensors, %s]", (long long)a->n, ds4_dtype_name(a->mdt));
 }

@@ -1,9 +1,8 @@
 /* test_cuda_row_bits.c — the row ops' fast kernels give the reference kernels' bits: logprobs (the cross-entropy in
  * the same kernel, the row's max and its id by shuffle trees; cuda/cuda_head.cu), ce_rows and sample (the same trees),
- * rmsnorm (the row in registers, a warp per row below 256 wide; cuda/cuda_rows.cu), colsum_add (rows read ahead of the
- * adds), norm_bwd (its weight partials' loads in flight; the dx pass writing the RMS factors where dx lies apart from
- * dy and x; cuda/cuda_bwd_linear.cu), comp_bwd (slots taken eight at a time, the bias sums' loads 32 ahead;
- * cuda/cuda_bwd_attn.cu) and cast_params (chunks spread evenly over the blocks; cuda/cuda_optim.cu).
+ * rmsnorm (the row in registers, a warp per row below 256 wide; cuda/cuda_rows.cu). colsum_add, norm_bwd, comp_bwd and
+ * cast_params run the same kernels on both backends (their faster forms were slower on an H200's step and were
+ * dropped; docs/design.md): their bytes are still compared, run to run and across the backends.
  *
  * The reference is a second CUDA backend made with DS4_CUDA_ROW_REF=1: the kernels whose bits the training losses, the
  * rollouts' log-probabilities and the weights have been made of. Equal bytes are required: these kernels change where
@@ -12,7 +11,7 @@
  * meant to be written must hold no NaN where their inputs have none. colsum_add and cast_params must moreover equal the
  * CPU backend's bytes (the same fp32 adds in row order; the same rounding to nearest even). The forward ops (logprobs,
  * rmsnorm) must also give a row's bits with the row alone (a decoding step) or among a few.
- * logprobs, ce_rows and logp_bwd also run with DS4_CUDA_ROW_BLOCKS=1 (each block looping over rows: a tuning knob
+ * logprobs, ce_rows (and logp_bwd, which ignores it) also run with DS4_CUDA_ROW_BLOCKS=1 (each block looping over rows: a tuning knob
  * that must not change a bit).
  * Shapes: the training head [1024 x 32000], vocabularies below and around the block's 256 threads, logits on a coarse
  * grid (ties between threads for the max, -0 against +0), rows holding NaN (first element or later) or all -inf,
