@@ -437,6 +437,14 @@ int main(int argc, char **argv) {
     t_hc_post_bwd(9, 20, 5, 40, 0); /* past it: a block per token */
     t_hc_pre_bwd(9, 20, 5, 40, 0);
     t_hyperhead_bwd(4, 7, 256);
+    /* n·n <= 16: two tokens a warp (a half-warp each) in both coefficient kernels; a batch ending in a warp's first
+     * half (3, 259 tokens: the last warp's second half has no token); n = 4 with a tape too long for two tokens a warp
+     * in 48 KB (40 iterations): a token per warp */
+    t_hc_pre_bwd(4, 20, 3, 64, 1);
+    t_hc_post_bwd(4, 20, 3, 64, 1);
+    t_hc_pre_bwd(4, 20, 259, 36, 0);
+    t_hc_post_bwd(4, 20, 259, 36, 0);
+    t_hc_pre_bwd(4, 40, 13, 37, 1);
 
     t_swiglu_bwd(37, 21, 7.0f);
     t_swiglu_bwd(5, 300, 0.5f);
