@@ -18,7 +18,8 @@
 // Speed: the per-token work runs a token per warp where the shapes allow (n <= 8; the norm and dots, the coefficients,
 // mHC post; the coefficients and mHC post two tokens a warp where n·n <= 16, so that the fp64 Sinkhorn replay of n·n
 // elements leaves no lane idle), each reading a token's rows once with many loads in flight; mHC post's mixing GEMM, with many tokens,
-// reads X scaled by the norm factors instead of a normalised copy written and read back. The block-per-token kernels
+// reads X scaled by the norm factors instead of a normalised copy written and read back; where the schedule passes the
+// mixing logits its forward kept (mix), neither site runs its mixing GEMM again. The block-per-token kernels
 // stay as the definition of the bits (and for wide n); DS4_CUDA_HC_REF=1 selects them, and the tests require equal
 // bytes.
 #include <type_traits>
@@ -277,7 +278,13 @@ struct coef_args {
     int64_t t0, n, D, iters;
     double hc_eps;
     int head;                     // the HyperHead: pre only (nmix = n), no post, no Sinkhorn
+    const float *mix;             // [T, nmix]: the logits the forward kept, or NULL: dmix holds them on entry
 };
+
+// Token t's mixing logit i (read before dmix is written).
+__device__ __forceinline__ float coef_logit(const coef_args &a, int64_t t, int64_t nmix, int64_t i) {
+    return (a.mix ? a.mix : a.dmix)[t * nmix + i];
+}
 
 // Token t's pre (and post) parts of dz from its logits smix, by its W lanes: spre = sigmoid(...) + eps, sdz.
 __device__ __forceinline__ void coef_dz_pre_post(const coef_args &a, int64_t t, int64_t nmix, const float *smix,
@@ -325,7 +332,7 @@ __global__ void __launch_bounds__(BT) coef_bwd_kernel(coef_args a) {
     const int64_t t = a.t0 + blockIdx.x, n = a.n, D = a.D, nn = n * n, nmix = a.head ? n : (2 + n) * n;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const bool sink = !a.head;
-    for (int64_t i = threadIdx.x; i < nmix; i += blockDim.x) smix[i] = a.dmix[t * nmix + i];
+    for (int64_t i = threadIdx.x; i < nmix; i += blockDim.x) smix[i] = coef_logit(a, t, nmix, i);
     __syncthreads();
     if (warp == 0) coef_dz_pre_post(a, t, nmix, smix, spre, sdz, lane);
     __syncthreads();
@@ -378,7 +385,7 @@ __global__ void __launch_bounds__(COEF_WARPS * 32) coef_bwd_warp_kernel(coef_arg
     float *smix = reinterpret_cast<float *>(mine), *sdz = smix + nmix, *spre = sdz + nmix;
     double *dd = reinterpret_cast<double *>(smix + coef_warp_floats(n, nmix)); // g, gx, tape
     const bool sink = !a.head;
-    for (int64_t i = lane; i < nmix; i += W) smix[i] = a.dmix[t * nmix + i];
+    for (int64_t i = lane; i < nmix; i += W) smix[i] = coef_logit(a, t, nmix, i);
     __syncwarp(mask);
     coef_dz_pre_post(a, t, nmix, smix, spre, sdz, lane, W);
     __syncwarp(mask);
@@ -407,16 +414,16 @@ __global__ void __launch_bounds__(COEF_WARPS * 32) coef_bwd_warp_kernel(coef_arg
 
 // mHC post backward of one token per block, from dpost / dcomb already in place (norm_dots_kernel): warp 0
 // recomputes post (first) and M (Sinkhorn, the last two states in st [2·n²]) from the logits mixp = [post | comb]
-// [T, n + n²]; meanwhile the other warps form da = Σ_k post_k dXo_k; then all form dX_j = Σ_k M[j][k] dXo_k. Sums in
+// (n + n² of them a token, row stride ldm); meanwhile the other warps form da = Σ_k post_k dXo_k; then all form dX_j = Σ_k M[j][k] dXo_k. Sums in
 // k order from 0, as the CPU's axpys.
-__global__ void __launch_bounds__(BT) post_bwd_kernel(const float *dXo, const float *mixp, const float *base,
-                                                      const float *sc, float *dX, float *da, int64_t n, int64_t D,
-                                                      int64_t iters, double hc_eps) {
+__global__ void __launch_bounds__(BT) post_bwd_kernel(const float *dXo, const float *mixp, int64_t ldm,
+                                                      const float *base, const float *sc, float *dX, float *da,
+                                                      int64_t n, int64_t D, int64_t iters, double hc_eps) {
     __shared__ float spost[DS4_MAX_HC], sM[DS4_MAX_HC_SQ];
     extern __shared__ double st[];
     const int64_t t = blockIdx.x, nn = n * n;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const float *m = mixp + t * (n + nn), *dxo = dXo + t * n * D;
+    const float *m = mixp + t * ldm, *dxo = dXo + t * n * D;
     if (warp == 0)
         for (int64_t i = lane; i < n; i += 32) spost[i] = 2.0f * ds4d_sigmoid(madd(m[i], sc[1], base[n + i]));
     __syncthreads();
@@ -451,7 +458,7 @@ template <int N> __host__ __device__ constexpr int post_lanes() { return N * N <
 
 template <int N>
 __global__ void __launch_bounds__(COEF_WARPS * 32) post_bwd_warp_kernel(const float *__restrict__ dXo,
-                                                                        const float *__restrict__ mixp,
+                                                                        const float *__restrict__ mixp, int64_t ldm,
                                                                         const float *base, const float *sc,
                                                                         float *__restrict__ dX, float *__restrict__ da,
                                                                         int64_t T, int64_t D, int64_t iters,
@@ -465,7 +472,7 @@ __global__ void __launch_bounds__(COEF_WARPS * 32) post_bwd_warp_kernel(const fl
     const int64_t first = ((int64_t)blockIdx.x * COEF_WARPS * 32 + (threadIdx.x & ~31)) / W;
     const unsigned mask = W == 32 || first + 1 < T ? 0xffffffffu : 0x0000ffffu;
     if (t >= T) return; // a whole token's lanes; nothing below synchronises the block
-    const float *m = mixp + t * (N + NN), *dxo = dXo + t * N * D;
+    const float *m = mixp + t * ldm, *dxo = dXo + t * N * D;
     for (int64_t i = lane; i < N; i += W) spost[slot][i] = 2.0f * ds4d_sigmoid(madd(m[i], sc[1], base[N + i]));
     const double *M = sinkhorn<W>(m + N, sc[2], base + 2 * N, N, iters, hc_eps, st[slot], 2, nullptr, mask);
     for (int64_t e = lane; e < NN; e += W) sM[slot][e] = (float)M[e];
@@ -495,11 +502,11 @@ __global__ void __launch_bounds__(COEF_WARPS * 32) post_bwd_warp_kernel(const fl
 }
 
 template <int N>
-void post_bwd_warps(cudaStream_t s, const float *dXo, const float *mixp, const float *base, const float *sc, float *dX,
-                    float *da, int64_t T, int64_t D, int64_t iters, double hc_eps) {
+void post_bwd_warps(cudaStream_t s, const float *dXo, const float *mixp, int64_t ldm, const float *base, const float *sc,
+                    float *dX, float *da, int64_t T, int64_t D, int64_t iters, double hc_eps) {
     constexpr int TPB = COEF_WARPS * 32 / post_lanes<N>();
-    post_bwd_warp_kernel<N><<<(unsigned)((T + TPB - 1) / TPB), COEF_WARPS * 32, 0, s>>>(dXo, mixp, base, sc, dX, da,
-                                                                                        T, D, iters, hc_eps);
+    post_bwd_warp_kernel<N><<<(unsigned)((T + TPB - 1) / TPB), COEF_WARPS * 32, 0, s>>>(dXo, mixp, ldm, base, sc, dX,
+                                                                                        da, T, D, iters, hc_eps);
 }
 
 // The shapes the per-token kernels take: one block per token, a token's mixing values in shared arrays sized by
@@ -702,13 +709,16 @@ void ds4_cuda_hc_pre_bwd(ds4_dev *d, const ds4_a_hc_pre_bwd *a) {
     const ds4_config *c = a->c;
     const int64_t T = a->T, n = c->hc_mult, D = c->hidden_size, nD = n * D, nmix = (2 + n) * n;
     if (!hc_shapes_ok(d, "hc_pre_bwd", T, n, D, c->hc_sinkhorn_iters, true)) return;
-    // xn [T, nD]; dzb[:, :n] = <du, X_i> (read back by coef_bwd_kernel); dmix [T, nmix] = the mixing logits
+    // xn [T, nD] (the weight gradient reads it); dzb[:, :n] = <du, X_i> (read back by coef_bwd_kernel); the mixing
+    // logits: the ones the forward kept (the same GEMM of the same xn values: cuda_hc.cu), or dmix [T, nmix] =
+    // recomputed (and always with DS4_CUDA_HC_REF=1, so that the tests compare the two)
+    const bool kept = a->mix && !cdev(d)->hc_ref;
     if (!norm_dots(d, "hc_pre_bwd", a->X, a->xn, T, n, D, c->rms_norm_eps, a->du, nullptr, a->dzb, nmix, nullptr, 0))
         return;
-    ds4_cuda_gemm_f32(d, "hc_pre_bwd", a->dmix, nmix, a->xn, nD, a->w->fn, T, nD, nmix);
+    if (!kept) ds4_cuda_gemm_f32(d, "hc_pre_bwd", a->dmix, nmix, a->xn, nD, a->w->fn, T, nD, nmix);
     if (d->st) return;
     coef_args g = {a->du, a->dpost, a->dcomb, a->w->base, a->w->scale, a->dX, a->dmix, a->dzb, a->dzs, nullptr, 0, n, D,
-                   c->hc_sinkhorn_iters, c->hc_eps, 0};
+                   c->hc_sinkhorn_iters, c->hc_eps, 0, kept ? a->mix : nullptr};
     coef_bwd(d, "hc_pre_bwd", g, T);
 }
 
@@ -717,30 +727,36 @@ void ds4_cuda_hc_post_bwd(ds4_dev *d, const ds4_a_hc_post_bwd *a) {
     const ds4_config *c = a->c;
     const int64_t T = a->T, n = c->hc_mult, D = c->hidden_size, nD = n * D, np = n + n * n;
     if (!hc_shapes_ok(d, "hc_post_bwd", T, n, D, c->hc_sinkhorn_iters, true)) return;
-    // scratch: xn [T, nD], then mixp [T, n + n²] = the post and comb logits (rows n .. of fn), then the norm factors
-    // [T]. Where the narrow GEMM runs (many tokens) and the token-per-warp norm, xn is neither written nor read back:
-    // the GEMM scales X's rows by the factors as it reads them, the same values (cuda_gemm.cu).
-    const bool scaled = norm_dots_by_warps(d, n) && ds4_cuda_gemm_f32_rowscale_ok(d, T, np);
-    const int64_t nxn = scaled ? 0 : T * nD;
-    float *xn = (float *)ds4_cuda_scratch(d, (size_t)(nxn + T * np + T) * sizeof(float), "hc_post_bwd", 1);
+    // The post and comb logits: columns n .. of the ones the forward's hc_pre kept (the same GEMM of the same xn
+    // values: cuda_hc.cu; not with DS4_CUDA_HC_REF=1, so that the tests compare the two), or recomputed into scratch:
+    // xn [T, nD], then mixp [T, n + n²] (rows n .. of fn), then the norm factors [T]. Where the narrow GEMM runs (many
+    // tokens) and the token-per-warp norm, xn is neither written nor read back: the GEMM scales X's rows by the
+    // factors as it reads them, the same values (cuda_gemm.cu); with kept logits no GEMM reads it.
+    const bool kept = a->mix && !cdev(d)->hc_ref;
+    const bool no_xn = norm_dots_by_warps(d, n) && (kept || ds4_cuda_gemm_f32_rowscale_ok(d, T, np));
+    const int64_t nxn = no_xn ? 0 : T * nD, nmp = kept ? 0 : T * np, ldm = kept ? n + np : np;
+    float *xn = (float *)ds4_cuda_scratch(d, (size_t)(nxn + nmp + T) * sizeof(float), "hc_post_bwd", 1);
     if (!xn) return;
-    float *mixp = xn + nxn, *rinv = mixp + T * np;
-    if (!norm_dots(d, "hc_post_bwd", a->X, scaled ? nullptr : xn, T, n, D, c->rms_norm_eps, a->dXo, a->a, a->dpost, n,
+    float *rinv = xn + nxn + nmp;
+    const float *mixp = kept ? a->mix + n : xn + nxn;
+    if (!norm_dots(d, "hc_post_bwd", a->X, no_xn ? nullptr : xn, T, n, D, c->rms_norm_eps, a->dXo, a->a, a->dpost, n,
                    a->dcomb, 1, rinv))
         return;
-    if (scaled) ds4_cuda_gemm_f32_rowscaled(d, "hc_post_bwd", mixp, np, a->X, nD, rinv, a->w->fn + n * nD, T, nD, np);
-    else ds4_cuda_gemm_f32(d, "hc_post_bwd", mixp, np, xn, nD, a->w->fn + n * nD, T, nD, np);
+    if (!kept && no_xn)
+        ds4_cuda_gemm_f32_rowscaled(d, "hc_post_bwd", xn + nxn, np, a->X, nD, rinv, a->w->fn + n * nD, T, nD, np);
+    else if (!kept)
+        ds4_cuda_gemm_f32(d, "hc_post_bwd", xn + nxn, np, xn, nD, a->w->fn + n * nD, T, nD, np);
     if (d->st) return;
     const cudaStream_t s = cdev(d)->stream;
     const bool warps = n <= POST_SMALL_N && !cdev(d)->hc_ref; // DS4_CUDA_HC_REF=1: the kernel that defines the bits
     const float *b = a->w->base, *sc = a->w->scale;
     const int64_t it = c->hc_sinkhorn_iters;
     const auto per_warp = [&](auto N) {
-        post_bwd_warps<decltype(N)::value>(s, a->dXo, mixp, b, sc, a->dX, a->da, T, D, it, c->hc_eps);
+        post_bwd_warps<decltype(N)::value>(s, a->dXo, mixp, ldm, b, sc, a->dX, a->da, T, D, it, c->hc_eps);
     };
     if (!warps || !with_streams<POST_SMALL_N>(n, per_warp))
-        post_bwd_kernel<<<(unsigned)T, BT, (size_t)(2 * n * n) * sizeof(double), s>>>(a->dXo, mixp, b, sc, a->dX, a->da,
-                                                                                      n, D, it, c->hc_eps);
+        post_bwd_kernel<<<(unsigned)T, BT, (size_t)(2 * n * n) * sizeof(double), s>>>(a->dXo, mixp, ldm, b, sc, a->dX,
+                                                                                      a->da, n, D, it, c->hc_eps);
     ds4_cuda_launched(d, "hc_post_bwd", "[%lld tokens, %lld streams, %lld, %lld iterations%s]", (long long)T,
                       (long long)n, (long long)D, (long long)it,
                       warps ? (n * n <= 16 ? ", two tokens a warp" : ", a token per warp") : "");
