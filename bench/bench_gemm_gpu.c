@@ -178,13 +178,14 @@ static float bwd_time(ds4_dev *d, const bwd_case *c, int what, int reps, float *
     return 1e3f * median(ts, reps);
 }
 
-/* dW after one run of `what` from zeros on backend d, downloaded into host (n floats) */
+/* dW (or dx: what B_X) after one run of `what` from zeros on backend d, downloaded into host (n floats) */
 static void bwd_result(ds4_dev *d, const bwd_case *c, int what, float *host, size_t n) {
-    CU(cudaMemset(c->dW, 0, n * 4));
+    float *out = what == B_X ? c->dx : c->dW;
+    CU(cudaMemset(out, 0, n * 4));
     CU(cudaDeviceSynchronize()); /* the backend's stream does not wait for the default one */
     bwd_run(d, c, what);
     CU(cudaStreamSynchronize((cudaStream_t)d->ops->native_stream(d)));
-    CU(cudaMemcpy(host, c->dW, n * 4, cudaMemcpyDeviceToHost));
+    CU(cudaMemcpy(host, out, n * 4, cudaMemcpyDeviceToHost));
 }
 
 static void bwd_bench(int reps) {
@@ -203,8 +204,8 @@ static void bwd_bench(int reps) {
     float *ts = malloc(sizeof(float) * (size_t)reps);
     printf("# %s, %d SMs; the backward's products (bf16 mode) as backward.c issues them; us, median of %d\n", prop.name,
            prop.multiProcessorCount, reps);
-    printf("%-24s %22s %5s %9s %9s %9s %9s %9s %8s\n", "dense product", "T x K x O", "calls", "dx", "dW", "pair",
-           "pair ref", "cuBLAS", "TFLOP/s");
+    printf("%-24s %22s %5s %9s %9s %9s %9s %9s %8s %s\n", "dense product", "T x K x O", "calls", "dx", "dW", "pair",
+           "pair ref", "cuBLAS", "TFLOP/s", "bits");
     double step[5] = {0};
     for (size_t i = 0; i < sizeof bwd_shapes / sizeof *bwd_shapes; i++) {
         const bwd_shape *s = &bwd_shapes[i];
@@ -223,10 +224,16 @@ static void bwd_bench(int reps) {
                             s->fp32 ? 0.0f : bwd_time(fast, &c, B_BLAS, reps, ts)};
         for (int k = 0; k < 5; k++) step[k] += (double)s->calls * t[k];
         const double flop = 4.0 * (double)s->T * (double)s->K * (double)s->O;
+        const size_t nx = (size_t)(s->T * s->K); /* dx of the fast path against the reference path's (the tiles) */
+        float *ha = malloc(nx * 4), *hb = malloc(nx * 4);
+        bwd_result(fast, &c, B_X, ha, nx);
+        bwd_result(ref, &c, B_X, hb, nx);
+        const int same = !memcmp(ha, hb, nx * 4);
+        free(ha), free(hb);
         char dims[48];
         snprintf(dims, sizeof dims, "%lld x %lld x %lld", (long long)s->T, (long long)s->K, (long long)s->O);
-        printf("%-24s %22s %5lld %9.1f %9.1f %9.1f %9.1f %9.1f %8.1f\n", s->what, dims, (long long)s->calls, t[0], t[1],
-               t[2], t[3], t[4], flop / (1e6 * t[2]));
+        printf("%-24s %22s %5lld %9.1f %9.1f %9.1f %9.1f %9.1f %8.1f %s\n", s->what, dims, (long long)s->calls, t[0],
+               t[1], t[2], t[3], t[4], flop / (1e6 * t[2]), same ? "dx same bits" : "dx BITS DIFFER");
         cudaFree(c.dy), cudaFree(c.x), cudaFree(c.W), cudaFree(c.dyb), cudaFree(c.xb), cudaFree(c.dx), cudaFree(c.dW);
     }
     printf("%-24s %22s %5s %9.2f %9.2f %9.2f %9.2f %9.2f   (ms per step)\n", "dense, per step", "", "", step[0] / 1e3,

@@ -178,12 +178,13 @@ static void rope_bwd(bwd *b, float *dx, int64_t heads, int64_t width, const ds4_
 /* ------------------------------------------------------------------------------------------------ mHC */
 
 /* Backward of one mHC site given du (gradient of its collapsed input) and b->dpost / b->dcomb; adds into dX and the
- * site's weight gradients. */
-static void hc_site_bwd(bwd *b, const ds4_hc_w *w, const ds4_hc_w *g, const float *X, const float *du, float *dX) {
+ * site's weight gradients. mixk: the mixing logits its forward kept (the tape's). */
+static void hc_site_bwd(bwd *b, const ds4_hc_w *w, const ds4_hc_w *g, const float *X, const float *mixk,
+                        const float *du, float *dX) {
     const ds4_config *c = &b->m->cfg;
     const int64_t T = b->f.T, n = c->hc_mult, nD = n * c->hidden_size, mix = (2 + n) * n;
     OP(b->f.dev, hc_pre_bwd, .c = c, .w = w, .X = X, .du = du, .dX = dX, .dpost = b->dpost, .dcomb = b->dcomb,
-       .dmix = b->dmix, .xn = b->xn, .dzb = b->dzb, .dzs = b->dzs, .T = T);
+       .dmix = b->dmix, .xn = b->xn, .dzb = b->dzb, .dzs = b->dzs, .mix = mixk, .T = T);
     /* mix = fn · x̂: dfn += dmixᵀ x̂, dx̂ = dmix · fn, then through the RMS over n·D */
     lin_bwd(b, b->dxn, nD, 0, g->fn, b->dmix, mix, b->xn, nD, w->fn, 0, T, nD, mix);
     norm_bwd(b, dX, 1, NULL, b->dxn, X, NULL, T, nD);
@@ -426,16 +427,16 @@ static void block_bwd(bwd *b, const ds4_layer_w *l, const ds4_layer_w *g, const 
     const int64_t T = b->f.T, D = c->hidden_size;
     /* ffn site: X = post ⊗ a_ffn + combᵀ X_mid */
     OP(b->f.dev, hc_post_bwd, .c = c, .w = &l->hc_ffn, .dXo = dX, .a = lt->a_ffn, .X = lt->X_mid, .dX = b->dXt,
-       .da = b->da, .dpost = b->dpost, .dcomb = b->dcomb, .T = T);
+       .da = b->da, .dpost = b->dpost, .dcomb = b->dcomb, .mix = lt->mix_ffn, .T = T);
     moe_bwd(b, l, g, lt);
     norm_bwd(b, b->du, 0, g->ffn_norm, b->dh, lt->u_ffn, l->ffn_norm, T, D);
-    hc_site_bwd(b, &l->hc_ffn, &g->hc_ffn, lt->X_mid, b->du, b->dXt);
+    hc_site_bwd(b, &l->hc_ffn, &g->hc_ffn, lt->X_mid, lt->mix_ffn, b->du, b->dXt);
     /* attention site: X_mid = post ⊗ a_attn + combᵀ X_in */
     OP(b->f.dev, hc_post_bwd, .c = c, .w = &l->hc_attn, .dXo = b->dXt, .a = lt->a_attn, .X = lt->X_in, .dX = dX,
-       .da = b->da, .dpost = b->dpost, .dcomb = b->dcomb, .T = T);
+       .da = b->da, .dpost = b->dpost, .dcomb = b->dcomb, .mix = lt->mix_attn, .T = T);
     attention_bwd(b, l, g, lt);
     norm_bwd(b, b->du, 0, g->attn_norm, b->dh, lt->u_attn, l->attn_norm, T, D);
-    hc_site_bwd(b, &l->hc_attn, &g->hc_attn, lt->X_in, b->du, dX);
+    hc_site_bwd(b, &l->hc_attn, &g->hc_attn, lt->X_in, lt->mix_attn, b->du, dX);
 }
 
 /* The targets of the rows of logits [B, Sl, V], row (b, s) at position off + s of labels [B, S]: labels[b, off + s +

@@ -70,6 +70,7 @@ static void hc_pre_range(const ds4_cpu *cpu, const void *p, int64_t b, int64_t e
         const int64_t tb = e - t0 < DS4_HC_TB ? e - t0 : DS4_HC_TB;
         ds4_rmsnorm_rows(xn, a->X + t0 * nD, NULL, tb, nD, eps);
         ds4_matmul_nt_serial(mixb, mix, xn, nD, a->w->fn, tb, nD, mix);
+        if (a->mix) memcpy(a->mix + t0 * mix, mixb, (size_t)(tb * mix) * sizeof(float));
         for (int64_t t = t0; t < t0 + tb; t++) {
             const float *x = a->X + t * nD, *mixv = mixb + (t - t0) * mix;
             const float *base = a->w->base, *sc = a->w->scale;

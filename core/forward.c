@@ -269,13 +269,13 @@ void ds4_block(ds4_pass *f, const ds4_layer_w *l, float *X, const int64_t *ids) 
     ds4_layer_tape *lt = f->lt;
     if (lt) keep(f, lt->X_in, X, f->T * nD);
     OP(f->dev, hc_pre, .c = c, .w = &l->hc_attn, .X = X, .pre = f->pre, .post = f->post, .comb = f->comb, .u = f->u,
-       .T = f->T);
+       .mix = lt ? lt->mix_attn : NULL, .T = f->T);
     if (lt) keep(f, lt->u_attn, f->u, f->T * c->hidden_size);
     attention(f, l);
     OP(f->dev, hc_post, .c = c, .X = X, .a = f->a, .post = f->post, .comb = f->comb, .Xo = f->Xt, .T = f->T);
     if (lt) keep(f, lt->X_mid, f->Xt, f->T * nD);
     OP(f->dev, hc_pre, .c = c, .w = &l->hc_ffn, .X = f->Xt, .pre = f->pre, .post = f->post, .comb = f->comb,
-       .u = f->u, .T = f->T);
+       .u = f->u, .mix = lt ? lt->mix_ffn : NULL, .T = f->T);
     if (lt) keep(f, lt->u_ffn, f->u, f->T * c->hidden_size);
     moe(f, l, ids);
     OP(f->dev, hc_post, .c = c, .X = f->Xt, .a = f->a, .post = f->post, .comb = f->comb, .Xo = X, .T = f->T);

@@ -70,8 +70,10 @@ typedef struct { float *X; const void *E; ds4_dtype edt; const int64_t *ids; int
 
 /* mHC pre of one site per token (docs/architecture.md, "Hyper-connections"): x̂ = RMS(vec X), mix = fn·x̂; pre = σ(mix·s0 + b) + eps,
  * post = 2σ(mix·s1 + b), comb = Sinkhorn(mix·s2 + b); u = Σ pre_i X_i.  X [T, n, D] → pre, post [T, n],
- * comb [T, n, n], u [T, D] */
-typedef struct { const ds4_config *c; const ds4_hc_w *w; const float *X; float *pre, *post, *comb, *u; int64_t T; } ds4_a_hc_pre;
+ * comb [T, n, n], u [T, D]; mix (NULL: not kept) [T, (2 + n)·n] the mixing logits, for the site's backward */
+typedef struct {
+    const ds4_config *c; const ds4_hc_w *w; const float *X; float *pre, *post, *comb, *u, *mix; int64_t T;
+} ds4_a_hc_pre;
 /* Xo[t, k] = post_k · a[t] + Σ_j comb[j][k] · X[t, j]  (X, Xo [T, n, D], a [T, D]) */
 typedef struct { const ds4_config *c; const float *X, *a, *post, *comb; float *Xo; int64_t T; } ds4_a_hc_post;
 /* HyperHead: p_i = σ(s·(fn RMS(vec X))_i + b_i) + eps; u = Σ p_i X_i  (fn [n, n·D]) */
@@ -234,14 +236,18 @@ typedef struct {
 } ds4_a_norm_bwd;
 
 /* mHC pre backward per token, from du and dpost / dcomb: dX += pre_i·du; dmix (the mix gradient, scales folded
- * in), xn = the normalised streams, per-token base (dzb [T, mix]) and scale (dzs [T, 3]) gradient parts */
+ * in), xn = the normalised streams, per-token base (dzb [T, mix]) and scale (dzs [T, 3]) gradient parts. mix (or
+ * NULL): the logits the site's hc_pre kept for the same X and w; a backend may read them instead of recomputing
+ * them (the same values: the results do not change) */
 typedef struct {
     const ds4_config *c; const ds4_hc_w *w; const float *X, *du; float *dX; const float *dpost, *dcomb;
-    float *dmix, *xn, *dzb, *dzs; int64_t T;
+    float *dmix, *xn, *dzb, *dzs; const float *mix; int64_t T;
 } ds4_a_hc_pre_bwd;
-/* mHC post backward: da, dpost, dcomb and dX (written) from dXo; the coefficients recomputed from X */
+/* mHC post backward: da, dpost, dcomb and dX (written) from dXo; the coefficients recomputed from X, or from the
+ * kept logits mix (or NULL) as in ds4_a_hc_pre_bwd */
 typedef struct {
-    const ds4_config *c; const ds4_hc_w *w; const float *dXo, *a, *X; float *dX, *da, *dpost, *dcomb; int64_t T;
+    const ds4_config *c; const ds4_hc_w *w; const float *dXo, *a, *X; float *dX, *da, *dpost, *dcomb;
+    const float *mix; int64_t T;
 } ds4_a_hc_post_bwd;
 /* HyperHead backward per token: dX (written), dmix [T, n], xn, dzb [T, n], dzs [T, 3] (column 0) */
 typedef struct {

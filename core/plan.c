@@ -254,6 +254,8 @@ static void plan_tape(const ds4_model *m, ds4_tape *tp, ds4_arena *a, int64_t B,
         }
         if (!own) continue;
         lt->X_mid = ds4_arena_take(a, Tt * n * D, 4);
+        lt->mix_attn = ds4_arena_take(a, Tt * (2 + n) * n, 4);
+        lt->mix_ffn = ds4_arena_take(a, Tt * (2 + n) * n, 4);
         lt->u_attn = ds4_arena_take(a, Tt * D, 4);
         lt->h_attn = ds4_arena_take(a, T * D, 4);
         lt->qa = ds4_arena_take(a, T * qr, 4);

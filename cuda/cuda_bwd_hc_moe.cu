@@ -16,8 +16,10 @@
 // differ from the ones it used in the last bit.)
 //
 // Speed: the per-token work runs a token per warp where the shapes allow (n <= 8; the norm and dots, the coefficients,
-// mHC post), each reading a token's rows once with many loads in flight; mHC post's mixing GEMM, with many tokens,
-// reads X scaled by the norm factors instead of a normalised copy written and read back. The block-per-token kernels
+// mHC post; the coefficients and mHC post two tokens a warp where n·n <= 16, so that the fp64 Sinkhorn replay of n·n
+// elements leaves no lane idle), each reading a token's rows once with many loads in flight; mHC post's mixing GEMM, with many tokens,
+// reads X scaled by the norm factors instead of a normalised copy written and read back; where the schedule passes the
+// mixing logits its forward kept (mix), neither site runs its mixing GEMM again. The block-per-token kernels
 // stay as the definition of the bits (and for wide n); DS4_CUDA_HC_REF=1 selects them, and the tests require equal
 // bytes.
 #include <type_traits>
@@ -188,16 +190,18 @@ __global__ void __launch_bounds__(ND_WARPS * 32) norm_dots_warp_kernel(const flo
 // Lane l owns elements l, l + 32, .. of the n×n matrix; each element sums its row or column itself, sequentially in
 // index order, so all elements of a line divide by the same bits. State s (0: softmax + eps; s >= 1: after
 // normalisation s, odd s over columns) goes to st + (s % keep)·n²: keep = 2·iters keeps every state (the backward's
-// tape), keep = 2 only the last two. P (or NULL) receives the plain softmax. Returns the final state. Called by all 32
-// lanes of one warp; keep >= 2.
+// tape), keep = 2 only the last two. P (or NULL) receives the plain softmax. Returns the final state. Called by all W
+// lanes of the token (W = 32: a warp; W = 16: a half-warp, both halves of the warp in step, `mask` the lanes that take
+// part); each element's arithmetic depends on n and iters alone, so every W gives the same bits. keep >= 2.
+template <int W = 32>
 __device__ const double *sinkhorn(const float *cl, float sc2, const float *cb, int64_t n, int64_t iters,
-                                  double hc_eps, double *st, int64_t keep, double *P) {
-    const int lane = threadIdx.x & 31;
+                                  double hc_eps, double *st, int64_t keep, double *P, unsigned mask = 0xffffffffu) {
+    const int lane = threadIdx.x & (W - 1);
     const int64_t nn = n * n;
     double *R = st + nn; // the logits wait in state 1's slot, which the first normalisation overwrites
-    for (int64_t e = lane; e < nn; e += 32) R[e] = (double)madd(cl[e], sc2, cb[e]);
-    __syncwarp();
-    for (int64_t e = lane; e < nn; e += 32) {
+    for (int64_t e = lane; e < nn; e += W) R[e] = (double)madd(cl[e], sc2, cb[e]);
+    __syncwarp(mask);
+    for (int64_t e = lane; e < nn; e += W) {
         const int64_t j = e / n;
         double mx = -INFINITY, sum = 0;
         for (int64_t k = 0; k < n; k++) mx = R[j * n + k] > mx ? R[j * n + k] : mx;
@@ -207,37 +211,39 @@ __device__ const double *sinkhorn(const float *cl, float sc2, const float *cb, i
         st[e] = v / sum + hc_eps;
     }
     for (int64_t s = 1; s < 2 * iters; s++) {
-        __syncwarp(); // state s - 1 complete, and nobody still reads the slot that state s overwrites
+        __syncwarp(mask); // state s - 1 complete, and nobody still reads the slot that state s overwrites
         const double *x0 = st + ((s - 1) % keep) * nn;
         double *x1 = st + (s % keep) * nn;
         const bool col = s % 2 == 1;
-        for (int64_t e = lane; e < nn; e += 32) {
+        for (int64_t e = lane; e < nn; e += W) {
             const int64_t a = col ? e % n : e / n;
             double sum = 0;
             for (int64_t q = 0; q < n; q++) sum += col ? x0[q * n + a] : x0[a * n + q];
             x1[e] = x0[e] / (sum + hc_eps);
         }
     }
-    __syncwarp();
+    __syncwarp(mask);
     return st + ((2 * iters - 1) % keep) * nn;
 }
 
 // The comb part of the mix gradient of one token (warp 0 of its block), as hc_pre_bwd_range: the Sinkhorn forward
 // again onto the tape [(2·iters + 1)·n²] (states 0 .. 2·iters − 1, then P), dcomb back through every normalisation
 // y = x / (Σ x + eps) along its line (g and gx [n²]: ping-pong), then through the row softmax (the +eps passes the
-// gradient). dz [n²] in fp32, as the CPU rounds it.
+// gradient). dz [n²] in fp32, as the CPU rounds it. W lanes and mask as sinkhorn's.
+template <int W = 32>
 __device__ void sinkhorn_bwd(const float *cl, float sc2, const float *cb, const float *dcomb, int64_t n,
-                             int64_t iters, double hc_eps, double *tape, double *g, double *gx, float *dz) {
-    const int lane = threadIdx.x & 31;
+                             int64_t iters, double hc_eps, double *tape, double *g, double *gx, float *dz,
+                             unsigned mask = 0xffffffffu) {
+    const int lane = threadIdx.x & (W - 1);
     const int64_t nn = n * n, ns = 2 * iters;
     const double *P = tape + ns * nn;
-    sinkhorn(cl, sc2, cb, n, iters, hc_eps, tape, ns, tape + ns * nn);
-    for (int64_t e = lane; e < nn; e += 32) g[e] = dcomb[e];
+    sinkhorn<W>(cl, sc2, cb, n, iters, hc_eps, tape, ns, tape + ns * nn, mask);
+    for (int64_t e = lane; e < nn; e += W) g[e] = dcomb[e];
     for (int64_t s = ns - 1; s >= 1; s--) {
-        __syncwarp();
+        __syncwarp(mask);
         const double *x0 = tape + (s - 1) * nn;
         const bool col = s % 2 == 1;
-        for (int64_t e = lane; e < nn; e += 32) {
+        for (int64_t e = lane; e < nn; e += W) {
             const int64_t a = col ? e % n : e / n;
             double sum = 0, gs = 0;
             for (int64_t q = 0; q < n; q++) {
@@ -251,8 +257,8 @@ __device__ void sinkhorn_bwd(const float *cl, float sc2, const float *cb, const 
         double *tmp = g;
         g = gx, gx = tmp;
     }
-    __syncwarp();
-    for (int64_t e = lane; e < nn; e += 32) {
+    __syncwarp(mask);
+    for (int64_t e = lane; e < nn; e += W) {
         const int64_t j = e / n;
         double dot = 0;
         for (int64_t k = 0; k < n; k++) dot = madd(P[j * n + k], g[j * n + k], dot);
@@ -272,13 +278,19 @@ struct coef_args {
     int64_t t0, n, D, iters;
     double hc_eps;
     int head;                     // the HyperHead: pre only (nmix = n), no post, no Sinkhorn
+    const float *mix;             // [T, nmix]: the logits the forward kept, or NULL: dmix holds them on entry
 };
 
-// Token t's pre (and post) parts of dz from its logits smix, by one warp's lanes: spre = sigmoid(...) + eps, sdz.
+// Token t's mixing logit i (read before dmix is written).
+__device__ __forceinline__ float coef_logit(const coef_args &a, int64_t t, int64_t nmix, int64_t i) {
+    return (a.mix ? a.mix : a.dmix)[t * nmix + i];
+}
+
+// Token t's pre (and post) parts of dz from its logits smix, by its W lanes: spre = sigmoid(...) + eps, sdz.
 __device__ __forceinline__ void coef_dz_pre_post(const coef_args &a, int64_t t, int64_t nmix, const float *smix,
-                                                 float *spre, float *sdz, int lane) {
+                                                 float *spre, float *sdz, int lane, int W = 32) {
     const int64_t n = a.n;
-    for (int64_t i = lane; i < n; i += 32) {
+    for (int64_t i = lane; i < n; i += W) {
         const float sg = ds4d_sigmoid(madd(smix[i], a.sc[0], a.base[i]));
         spre[i] = sg + (float)a.hc_eps;
         sdz[i] = a.dzb[t * nmix + i] * sg * (1.0f - sg);
@@ -289,12 +301,12 @@ __device__ __forceinline__ void coef_dz_pre_post(const coef_args &a, int64_t t, 
     }
 }
 
-// Token t's results from its complete dz (one warp, after a __syncwarp): dzb, dmix = dz · scale, and the scale
+// Token t's results from its complete dz (its W lanes, after a __syncwarp): dzb, dmix = dz · scale, and the scale
 // sums dzs added sequentially by lane 0 in the CPU's order.
 __device__ __forceinline__ void coef_finish(const coef_args &a, int64_t t, int64_t nmix, const float *smix,
-                                            const float *sdz, int lane) {
+                                            const float *sdz, int lane, int W = 32) {
     const int64_t n = a.n;
-    for (int64_t i = lane; i < nmix; i += 32) {
+    for (int64_t i = lane; i < nmix; i += W) {
         a.dzb[t * nmix + i] = sdz[i];
         a.dmix[t * nmix + i] = sdz[i] * a.sc[i < n ? 0 : (i < 2 * n ? 1 : 2)];
     }
@@ -320,7 +332,7 @@ __global__ void __launch_bounds__(BT) coef_bwd_kernel(coef_args a) {
     const int64_t t = a.t0 + blockIdx.x, n = a.n, D = a.D, nn = n * n, nmix = a.head ? n : (2 + n) * n;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const bool sink = !a.head;
-    for (int64_t i = threadIdx.x; i < nmix; i += blockDim.x) smix[i] = a.dmix[t * nmix + i];
+    for (int64_t i = threadIdx.x; i < nmix; i += blockDim.x) smix[i] = coef_logit(a, t, nmix, i);
     __syncthreads();
     if (warp == 0) coef_dz_pre_post(a, t, nmix, smix, spre, sdz, lane);
     __syncthreads();
@@ -342,12 +354,14 @@ __global__ void __launch_bounds__(BT) coef_bwd_kernel(coef_args a) {
     }
 }
 
-// The same per token, one token per WARP (COEF_WARPS tokens a block), for tapes that fit in shared memory: the
-// per-token kernel above keeps 7 of its 8 warps waiting while warp 0 runs the Sinkhorn replay and backward (latency
-// bound fp64 chains), and an SM holds 8 such blocks, so 8 tokens at a time. Here each warp replays its own token's
-// Sinkhorn, then applies the collapse's gradient itself (elementwise, so in any order the same values); the per-token
-// arithmetic is the kernel above's, so the same bits. Shared memory per warp: smix, sdz [nmix], spre [n] floats,
-// then g, gx [n²] and the tape [(2·iters + 1)·n²] doubles (coef_warp_bytes).
+// The same per token, one token per W lanes (W = 32: a warp; W = 16 where n·n <= 16: two tokens a warp, so that the
+// fp64 Sinkhorn, 16 elements at n = 4, keeps every lane busy, not half of them), COEF_WARPS·32 / W tokens a block,
+// for tapes that fit in shared memory: the per-token kernel above keeps 7 of its 8 warps waiting while warp 0 runs the
+// Sinkhorn replay and backward (latency bound fp64 chains), and an SM holds 8 such blocks, so 8 tokens at a time.
+// Here each token's lanes replay its own Sinkhorn, then apply the collapse's gradient themselves (elementwise, so in
+// any order the same values); the per-token arithmetic is the kernel above's, whichever W, so the same bits. Shared
+// memory per token: smix, sdz [nmix], spre [n] floats, then g, gx [n²] and the tape [(2·iters + 1)·n²] doubles
+// (coef_warp_bytes).
 constexpr int COEF_WARPS = 4;
 
 __host__ __device__ inline size_t coef_warp_floats(int64_t n, int64_t nmix) { return (size_t)((2 * nmix + n + 1) / 2 * 2); }
@@ -355,30 +369,35 @@ __host__ __device__ inline size_t coef_warp_bytes(int64_t n, int64_t nmix, int64
     return coef_warp_floats(n, nmix) * sizeof(float) + (size_t)(2 * n * n + tape) * sizeof(double);
 }
 
+template <int W>
 __global__ void __launch_bounds__(COEF_WARPS * 32) coef_bwd_warp_kernel(coef_args a, int64_t nt) {
     extern __shared__ double wdyn[];
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int64_t k = (int64_t)blockIdx.x * COEF_WARPS + warp; // the token within the launch
-    if (k >= nt) return; // a whole warp; nothing below synchronises the block
+    constexpr int TPB = COEF_WARPS * 32 / W;
+    const int slot = threadIdx.x / W, lane = threadIdx.x & (W - 1);
+    const int64_t k = (int64_t)blockIdx.x * TPB + slot; // the token within the launch
+    // the lanes of this warp that have a token: both halves, or at the launch's end the first half alone
+    const int64_t first = ((int64_t)blockIdx.x * COEF_WARPS * 32 + (threadIdx.x & ~31)) / W;
+    const unsigned mask = W == 32 || first + 1 < nt ? 0xffffffffu : 0x0000ffffu;
+    if (k >= nt) return; // a whole token's lanes; nothing below synchronises the block
     const int64_t t = a.t0 + k, n = a.n, D = a.D, nn = n * n, nmix = a.head ? n : (2 + n) * n;
     const int64_t tape = a.head ? 0 : (2 * a.iters + 1) * nn;
-    char *mine = reinterpret_cast<char *>(wdyn) + (size_t)warp * coef_warp_bytes(n, nmix, tape);
+    char *mine = reinterpret_cast<char *>(wdyn) + (size_t)slot * coef_warp_bytes(n, nmix, tape);
     float *smix = reinterpret_cast<float *>(mine), *sdz = smix + nmix, *spre = sdz + nmix;
     double *dd = reinterpret_cast<double *>(smix + coef_warp_floats(n, nmix)); // g, gx, tape
     const bool sink = !a.head;
-    for (int64_t i = lane; i < nmix; i += 32) smix[i] = a.dmix[t * nmix + i];
-    __syncwarp();
-    coef_dz_pre_post(a, t, nmix, smix, spre, sdz, lane);
-    __syncwarp();
+    for (int64_t i = lane; i < nmix; i += W) smix[i] = coef_logit(a, t, nmix, i);
+    __syncwarp(mask);
+    coef_dz_pre_post(a, t, nmix, smix, spre, sdz, lane, W);
+    __syncwarp(mask);
     if (sink)
-        sinkhorn_bwd(smix + 2 * n, a.sc[2], a.base + 2 * n, a.dcomb + t * nn, n, a.iters, a.hc_eps, dd + 2 * nn, dd,
-                     dd + nn, sdz + 2 * n);
+        sinkhorn_bwd<W>(smix + 2 * n, a.sc[2], a.base + 2 * n, a.dcomb + t * nn, n, a.iters, a.hc_eps, dd + 2 * nn,
+                        dd, dd + nn, sdz + 2 * n, mask);
     // the collapse's gradient, elementwise: du[c] read once for the n streams, and the next streams' values loaded
     // before this one's is stored (__restrict__: du and dX are distinct buffers)
     const float *__restrict__ du = a.du + t * D;
     float *__restrict__ dX = a.dX + t * n * D;
 #pragma unroll 2
-    for (int64_t c = lane; c < D; c += 32) {
+    for (int64_t c = lane; c < D; c += W) {
         const float u = du[c];
         for (int64_t i0 = 0; i0 < n; i0 += 8) {
             float v[8];
@@ -389,22 +408,22 @@ __global__ void __launch_bounds__(COEF_WARPS * 32) coef_bwd_warp_kernel(coef_arg
                 if (i0 + i < n) dX[(i0 + i) * D + c] = madd(spre[i0 + i], u, v[i]);
         }
     }
-    __syncwarp();
-    coef_finish(a, t, nmix, smix, sdz, lane);
+    __syncwarp(mask);
+    coef_finish(a, t, nmix, smix, sdz, lane, W);
 }
 
 // mHC post backward of one token per block, from dpost / dcomb already in place (norm_dots_kernel): warp 0
 // recomputes post (first) and M (Sinkhorn, the last two states in st [2·n²]) from the logits mixp = [post | comb]
-// [T, n + n²]; meanwhile the other warps form da = Σ_k post_k dXo_k; then all form dX_j = Σ_k M[j][k] dXo_k. Sums in
+// (n + n² of them a token, row stride ldm); meanwhile the other warps form da = Σ_k post_k dXo_k; then all form dX_j = Σ_k M[j][k] dXo_k. Sums in
 // k order from 0, as the CPU's axpys.
-__global__ void __launch_bounds__(BT) post_bwd_kernel(const float *dXo, const float *mixp, const float *base,
-                                                      const float *sc, float *dX, float *da, int64_t n, int64_t D,
-                                                      int64_t iters, double hc_eps) {
+__global__ void __launch_bounds__(BT) post_bwd_kernel(const float *dXo, const float *mixp, int64_t ldm,
+                                                      const float *base, const float *sc, float *dX, float *da,
+                                                      int64_t n, int64_t D, int64_t iters, double hc_eps) {
     __shared__ float spost[DS4_MAX_HC], sM[DS4_MAX_HC_SQ];
     extern __shared__ double st[];
     const int64_t t = blockIdx.x, nn = n * n;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const float *m = mixp + t * (n + nn), *dxo = dXo + t * n * D;
+    const float *m = mixp + t * ldm, *dxo = dXo + t * n * D;
     if (warp == 0)
         for (int64_t i = lane; i < n; i += 32) spost[i] = 2.0f * ds4d_sigmoid(madd(m[i], sc[1], base[n + i]));
     __syncthreads();
@@ -427,38 +446,44 @@ __global__ void __launch_bounds__(BT) post_bwd_kernel(const float *dXo, const fl
         }
 }
 
-// The same with a token per WARP (COEF_WARPS tokens a block) for n = N <= POST_SMALL_N: each warp recomputes its
-// token's post and Sinkhorn, then forms da and dX itself with post_bwd_kernel's expressions (each output's madd chain
-// over k from 0: the same bits). A lane reads its N values dXo_k[c] once, into registers, and forms da[c] and every
-// dX_j[c] from them (read N + 1 times, each read behind the previous output's store, they made the kernel wait on
-// memory); post and M wait in registers too.
+// The same with a token per warp (COEF_WARPS tokens a block) for n = N <= POST_SMALL_N, two tokens a warp (a
+// half-warp each, so that the fp64 Sinkhorn keeps every lane busy) where N·N <= 16: each token's lanes recompute its
+// post and Sinkhorn (every width gives the same bits: sinkhorn), then form da and dX themselves with
+// post_bwd_kernel's expressions (each output's madd chain over k from 0: the same bits). A lane reads its N values
+// dXo_k[c] once, into registers, and forms da[c] and every dX_j[c] from them (read N + 1 times, each read behind the
+// previous output's store, they made the kernel wait on memory); post and M wait in registers too.
 constexpr int POST_SMALL_N = 8;
+
+template <int N> __host__ __device__ constexpr int post_lanes() { return N * N <= 16 ? 16 : 32; }
 
 template <int N>
 __global__ void __launch_bounds__(COEF_WARPS * 32) post_bwd_warp_kernel(const float *__restrict__ dXo,
-                                                                        const float *__restrict__ mixp,
+                                                                        const float *__restrict__ mixp, int64_t ldm,
                                                                         const float *base, const float *sc,
                                                                         float *__restrict__ dX, float *__restrict__ da,
                                                                         int64_t T, int64_t D, int64_t iters,
                                                                         double hc_eps) {
-    constexpr int NN = N * N;
-    __shared__ double st[COEF_WARPS][2 * NN];
-    __shared__ float spost[COEF_WARPS][N], sM[COEF_WARPS][NN];
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int64_t t = (int64_t)blockIdx.x * COEF_WARPS + warp;
-    if (t >= T) return; // a whole warp; nothing below synchronises the block
-    const float *m = mixp + t * (N + NN), *dxo = dXo + t * N * D;
-    for (int64_t i = lane; i < N; i += 32) spost[warp][i] = 2.0f * ds4d_sigmoid(madd(m[i], sc[1], base[N + i]));
-    const double *M = sinkhorn(m + N, sc[2], base + 2 * N, N, iters, hc_eps, st[warp], 2, nullptr);
-    for (int64_t e = lane; e < NN; e += 32) sM[warp][e] = (float)M[e];
-    __syncwarp();
+    constexpr int NN = N * N, W = post_lanes<N>(), TPB = COEF_WARPS * 32 / W;
+    __shared__ double st[TPB][2 * NN];
+    __shared__ float spost[TPB][N], sM[TPB][NN];
+    const int slot = threadIdx.x / W, lane = threadIdx.x & (W - 1);
+    const int64_t t = (int64_t)blockIdx.x * TPB + slot;
+    // the lanes of this warp that have a token: both halves, or at the batch's end the first half alone
+    const int64_t first = ((int64_t)blockIdx.x * COEF_WARPS * 32 + (threadIdx.x & ~31)) / W;
+    const unsigned mask = W == 32 || first + 1 < T ? 0xffffffffu : 0x0000ffffu;
+    if (t >= T) return; // a whole token's lanes; nothing below synchronises the block
+    const float *m = mixp + t * ldm, *dxo = dXo + t * N * D;
+    for (int64_t i = lane; i < N; i += W) spost[slot][i] = 2.0f * ds4d_sigmoid(madd(m[i], sc[1], base[N + i]));
+    const double *M = sinkhorn<W>(m + N, sc[2], base + 2 * N, N, iters, hc_eps, st[slot], 2, nullptr, mask);
+    for (int64_t e = lane; e < NN; e += W) sM[slot][e] = (float)M[e];
+    __syncwarp(mask);
     float p[N], w[NN];
 #pragma unroll
-    for (int k = 0; k < N; k++) p[k] = spost[warp][k];
+    for (int k = 0; k < N; k++) p[k] = spost[slot][k];
 #pragma unroll
-    for (int e = 0; e < NN; e++) w[e] = sM[warp][e];
+    for (int e = 0; e < NN; e++) w[e] = sM[slot][e];
 #pragma unroll 2
-    for (int64_t c = lane; c < D; c += 32) {
+    for (int64_t c = lane; c < D; c += W) {
         float v[N];
 #pragma unroll
         for (int k = 0; k < N; k++) v[k] = dxo[k * D + c];
@@ -477,10 +502,11 @@ __global__ void __launch_bounds__(COEF_WARPS * 32) post_bwd_warp_kernel(const fl
 }
 
 template <int N>
-void post_bwd_warps(cudaStream_t s, const float *dXo, const float *mixp, const float *base, const float *sc, float *dX,
-                    float *da, int64_t T, int64_t D, int64_t iters, double hc_eps) {
-    post_bwd_warp_kernel<N><<<(unsigned)((T + COEF_WARPS - 1) / COEF_WARPS), COEF_WARPS * 32, 0, s>>>(
-        dXo, mixp, base, sc, dX, da, T, D, iters, hc_eps);
+void post_bwd_warps(cudaStream_t s, const float *dXo, const float *mixp, int64_t ldm, const float *base, const float *sc,
+                    float *dX, float *da, int64_t T, int64_t D, int64_t iters, double hc_eps) {
+    constexpr int TPB = COEF_WARPS * 32 / post_lanes<N>();
+    post_bwd_warp_kernel<N><<<(unsigned)((T + TPB - 1) / TPB), COEF_WARPS * 32, 0, s>>>(dXo, mixp, ldm, base, sc, dX,
+                                                                                        da, T, D, iters, hc_eps);
 }
 
 // The shapes the per-token kernels take: one block per token, a token's mixing values in shared arrays sized by
@@ -542,15 +568,20 @@ bool norm_dots(ds4_dev *d, const char *op, const float *X, float *xn, int64_t T,
 // before it uses slot 0), tokens in chunks so that the scratch stays bounded.
 void coef_bwd(ds4_dev *d, const char *op, coef_args g, int64_t T) {
     const int64_t nn = g.n * g.n, tape = g.head ? 0 : (2 * g.iters + 1) * nn;
-    const size_t wsmem = COEF_WARPS * coef_warp_bytes(g.n, g.head ? g.n : (2 + g.n) * g.n, tape);
-    // a token per warp (the usual shapes: n = 4, 20 iterations: 23 KB a block); DS4_CUDA_HC_REF=1: a block per token,
-    // the kernel that defines the bits
+    const size_t tsmem = coef_warp_bytes(g.n, g.head ? g.n : (2 + g.n) * g.n, tape); // a token's
+    // two tokens a warp where n·n <= 16 (the usual shapes: n = 4, 20 iterations: 46 KB a block), else a token per warp;
+    // DS4_CUDA_HC_REF=1: a block per token, the kernel that defines the bits
+    const int lanes = nn <= 16 && 2 * COEF_WARPS * tsmem <= 48 * 1024 ? 16 : 32;
+    const int64_t tpb = COEF_WARPS * 32 / lanes;
+    const size_t wsmem = (size_t)tpb * tsmem;
     if (wsmem <= 48 * 1024 && !cdev(d)->hc_ref) {
         g.gtape = nullptr, g.t0 = 0;
-        coef_bwd_warp_kernel<<<(unsigned)((T + COEF_WARPS - 1) / COEF_WARPS), COEF_WARPS * 32, wsmem,
-                               cdev(d)->stream>>>(g, T);
-        ds4_cuda_launched(d, op, "coefficients [%lld tokens, %lld streams, %lld, %lld iterations, a token per warp]",
-                          (long long)T, (long long)g.n, (long long)g.D, (long long)g.iters);
+        const unsigned blocks = (unsigned)((T + tpb - 1) / tpb);
+        if (lanes == 16) coef_bwd_warp_kernel<16><<<blocks, COEF_WARPS * 32, wsmem, cdev(d)->stream>>>(g, T);
+        else coef_bwd_warp_kernel<32><<<blocks, COEF_WARPS * 32, wsmem, cdev(d)->stream>>>(g, T);
+        ds4_cuda_launched(d, op, "coefficients [%lld tokens, %lld streams, %lld, %lld iterations, %s]", (long long)T,
+                          (long long)g.n, (long long)g.D, (long long)g.iters,
+                          lanes == 16 ? "two tokens a warp" : "a token per warp");
         return;
     }
     size_t smem = g.head ? 0 : (size_t)(2 * nn + tape) * sizeof(double);
@@ -678,13 +709,16 @@ void ds4_cuda_hc_pre_bwd(ds4_dev *d, const ds4_a_hc_pre_bwd *a) {
     const ds4_config *c = a->c;
     const int64_t T = a->T, n = c->hc_mult, D = c->hidden_size, nD = n * D, nmix = (2 + n) * n;
     if (!hc_shapes_ok(d, "hc_pre_bwd", T, n, D, c->hc_sinkhorn_iters, true)) return;
-    // xn [T, nD]; dzb[:, :n] = <du, X_i> (read back by coef_bwd_kernel); dmix [T, nmix] = the mixing logits
+    // xn [T, nD] (the weight gradient reads it); dzb[:, :n] = <du, X_i> (read back by coef_bwd_kernel); the mixing
+    // logits: the ones the forward kept (the same GEMM of the same xn values: cuda_hc.cu), or dmix [T, nmix] =
+    // recomputed (and always with DS4_CUDA_HC_REF=1, so that the tests compare the two)
+    const bool kept = a->mix && !cdev(d)->hc_ref;
     if (!norm_dots(d, "hc_pre_bwd", a->X, a->xn, T, n, D, c->rms_norm_eps, a->du, nullptr, a->dzb, nmix, nullptr, 0))
         return;
-    ds4_cuda_gemm_f32(d, "hc_pre_bwd", a->dmix, nmix, a->xn, nD, a->w->fn, T, nD, nmix);
+    if (!kept) ds4_cuda_gemm_f32(d, "hc_pre_bwd", a->dmix, nmix, a->xn, nD, a->w->fn, T, nD, nmix);
     if (d->st) return;
     coef_args g = {a->du, a->dpost, a->dcomb, a->w->base, a->w->scale, a->dX, a->dmix, a->dzb, a->dzs, nullptr, 0, n, D,
-                   c->hc_sinkhorn_iters, c->hc_eps, 0};
+                   c->hc_sinkhorn_iters, c->hc_eps, 0, kept ? a->mix : nullptr};
     coef_bwd(d, "hc_pre_bwd", g, T);
 }
 
@@ -693,32 +727,39 @@ void ds4_cuda_hc_post_bwd(ds4_dev *d, const ds4_a_hc_post_bwd *a) {
     const ds4_config *c = a->c;
     const int64_t T = a->T, n = c->hc_mult, D = c->hidden_size, nD = n * D, np = n + n * n;
     if (!hc_shapes_ok(d, "hc_post_bwd", T, n, D, c->hc_sinkhorn_iters, true)) return;
-    // scratch: xn [T, nD], then mixp [T, n + n²] = the post and comb logits (rows n .. of fn), then the norm factors
-    // [T]. Where the narrow GEMM runs (many tokens) and the token-per-warp norm, xn is neither written nor read back:
-    // the GEMM scales X's rows by the factors as it reads them, the same values (cuda_gemm.cu).
-    const bool scaled = norm_dots_by_warps(d, n) && ds4_cuda_gemm_f32_rowscale_ok(d, T, np);
-    const int64_t nxn = scaled ? 0 : T * nD;
-    float *xn = (float *)ds4_cuda_scratch(d, (size_t)(nxn + T * np + T) * sizeof(float), "hc_post_bwd", 1);
+    // The post and comb logits: columns n .. of the ones the forward's hc_pre kept (the same GEMM of the same xn
+    // values: cuda_hc.cu; not with DS4_CUDA_HC_REF=1, so that the tests compare the two), or recomputed into scratch:
+    // xn [T, nD], then mixp [T, n + n²] (rows n .. of fn), then the norm factors [T]. Where the narrow GEMM runs (many
+    // tokens) and the token-per-warp norm, xn is neither written nor read back: the GEMM scales X's rows by the
+    // factors as it reads them, the same values (cuda_gemm.cu); with kept logits no GEMM reads it.
+    const bool kept = a->mix && !cdev(d)->hc_ref;
+    const bool no_xn = norm_dots_by_warps(d, n) && (kept || ds4_cuda_gemm_f32_rowscale_ok(d, T, np));
+    const int64_t nxn = no_xn ? 0 : T * nD, nmp = kept ? 0 : T * np, ldm = kept ? n + np : np;
+    float *xn = (float *)ds4_cuda_scratch(d, (size_t)(nxn + nmp + T) * sizeof(float), "hc_post_bwd", 1);
     if (!xn) return;
-    float *mixp = xn + nxn, *rinv = mixp + T * np;
-    if (!norm_dots(d, "hc_post_bwd", a->X, scaled ? nullptr : xn, T, n, D, c->rms_norm_eps, a->dXo, a->a, a->dpost, n,
+    float *rinv = xn + nxn + nmp;
+    const float *mixp = kept ? a->mix + n : xn + nxn;
+    if (!norm_dots(d, "hc_post_bwd", a->X, no_xn ? nullptr : xn, T, n, D, c->rms_norm_eps, a->dXo, a->a, a->dpost, n,
                    a->dcomb, 1, rinv))
         return;
-    if (scaled) ds4_cuda_gemm_f32_rowscaled(d, "hc_post_bwd", mixp, np, a->X, nD, rinv, a->w->fn + n * nD, T, nD, np);
-    else ds4_cuda_gemm_f32(d, "hc_post_bwd", mixp, np, xn, nD, a->w->fn + n * nD, T, nD, np);
+    if (!kept && no_xn)
+        ds4_cuda_gemm_f32_rowscaled(d, "hc_post_bwd", xn + nxn, np, a->X, nD, rinv, a->w->fn + n * nD, T, nD, np);
+    else if (!kept)
+        ds4_cuda_gemm_f32(d, "hc_post_bwd", xn + nxn, np, xn, nD, a->w->fn + n * nD, T, nD, np);
     if (d->st) return;
     const cudaStream_t s = cdev(d)->stream;
     const bool warps = n <= POST_SMALL_N && !cdev(d)->hc_ref; // DS4_CUDA_HC_REF=1: the kernel that defines the bits
     const float *b = a->w->base, *sc = a->w->scale;
     const int64_t it = c->hc_sinkhorn_iters;
     const auto per_warp = [&](auto N) {
-        post_bwd_warps<decltype(N)::value>(s, a->dXo, mixp, b, sc, a->dX, a->da, T, D, it, c->hc_eps);
+        post_bwd_warps<decltype(N)::value>(s, a->dXo, mixp, ldm, b, sc, a->dX, a->da, T, D, it, c->hc_eps);
     };
     if (!warps || !with_streams<POST_SMALL_N>(n, per_warp))
-        post_bwd_kernel<<<(unsigned)T, BT, (size_t)(2 * n * n) * sizeof(double), s>>>(a->dXo, mixp, b, sc, a->dX, a->da,
-                                                                                      n, D, it, c->hc_eps);
+        post_bwd_kernel<<<(unsigned)T, BT, (size_t)(2 * n * n) * sizeof(double), s>>>(a->dXo, mixp, ldm, b, sc, a->dX,
+                                                                                      a->da, n, D, it, c->hc_eps);
     ds4_cuda_launched(d, "hc_post_bwd", "[%lld tokens, %lld streams, %lld, %lld iterations%s]", (long long)T,
-                      (long long)n, (long long)D, (long long)it, warps ? ", a token per warp" : "");
+                      (long long)n, (long long)D, (long long)it,
+                      warps ? (n * n <= 16 ? ", two tokens a warp" : ", a token per warp") : "");
 }
 
 void ds4_cuda_hyperhead_bwd(ds4_dev *d, const ds4_a_hyperhead_bwd *a) {

@@ -19,7 +19,8 @@
 // synchronises; with bf16 weights linear_bwd_x_grouped goes through the forward's pipelined grouped GEMM on a
 // transposed copy of the layer's experts instead (ds4_cuda_grouped_dx_bf16: the same sums, so the same bits, at the
 // forward's rate). A plain product whose output has few tiles (a long reduction into a small dW) cuts r into a number of
-// chunks fixed by the shapes, writes per-chunk partials and adds them in chunk order.
+// chunks fixed by the shapes, writes per-chunk partials and adds them in chunk order. An fp32 dx by a weight of at most
+// 32 rows (the mHC mixing matrix, the router gate) keeps W in registers instead (prod_f32_skinny: the tiles' bits).
 //
 // In bf16 the plain (not grouped) products go to cuBLAS instead: the backward needs no batch invariance (only the
 // forward must give a sequence the same bits whatever shares its batch: the rollout's log-probabilities), only
@@ -29,7 +30,8 @@
 // accumulate in fp32 (CUBLAS_COMPUTE_32F on the tensor cores). dx's rounded dy stays at the start of slot 1 for the
 // dW of the same y = x Wᵀ that the schedule issues right after it (dy_kept, ops.h): rounding it is a pass over
 // [T, O] fp32 as long as a small product itself, and the same values either way. DS4_CUDA_BWD_REF=1 rounds it
-// again and sends the expert products to the tiles: the reference paths whose bytes the tests compare. fp32 mode keeps the tiles: it is the reference mode, and its
+// again and sends the expert products and the fp32 dx by a weight of few rows to the tiles: the reference paths whose
+// bytes the tests compare. fp32 mode keeps the tiles: it is the reference mode, and its
 // 10-step trajectory check (tests/test_cuda_train.c, tiny_a) holds with their order; tiny_a is chaotic under AdamW
 // (a ~1e-7 change in step 0's gradients, as cuBLAS's fp32 order gives, moves step 1's loss by 1.5e-5 and the
 // trajectory ends 1e-3 from torch; with the tiles it stays within 1.5e-7). The tiles also keep the
@@ -253,7 +255,94 @@ __global__ void split_sum(float *y, int64_t ldy, const float *part, int64_t S, i
     *q = acc ? *q + s : s;
 }
 
+// dx = dy·W where W has few rows (R <= SKINNY_R: the mHC mixing matrix, 24 rows; the router gate, 32 experts; the
+// HyperHead, n rows): the tiles spend their time staging 16-r chunks of both operands for a product that is bound by
+// writing dx. Here a thread keeps its SK_TN columns of W, all R rows, in registers for good and runs down SK_ROWS
+// rows of dy (staged in shared memory, read as broadcasts), storing SK_TN consecutive outputs at once. The same bits
+// as prod_f32, whose order for R <= RSLICE is: acc = 0, acc = fmaf(A(m, r), B(n, r), acc) for r = 0 .. ceil16(R) − 1
+// with A = B = 0 past R (the chunk's padding), then one slice folds: tot = 0 + acc, and emit. Here the chain runs to
+// RP (the template's bound, >= R) with the same zero padding, then 0 + acc. The padded steps fmaf(+0, +0, acc) = acc
+// + (+0) change nothing but −0 into +0, and 0 + acc does that anyway, so any number of them gives the same final
+// value (a NaN stays the GPU's canonical NaN either way): equal bits for every R <= RP.
+constexpr int SKINNY_R = 32, SK_THREADS = 128, SK_TN = 4, SK_ROWS = 32;
+static_assert(SK_ROWS % 2 == 0 && SK_TN == 4, "rows in pairs; a float4 of outputs");
+
+template <int RP>
+__global__ void __launch_bounds__(SK_THREADS) prod_f32_skinny(prod_args p, int vec) {
+    static_assert(RP % 4 == 0, "rows of sA are read as float4s");
+    __shared__ __align__(16) float sA[SK_ROWS][RP];
+    const int tid = threadIdx.x;
+    const int64_t n0 = ((int64_t)blockIdx.x * SK_THREADS + tid) * SK_TN, m0 = (int64_t)blockIdx.y * SK_ROWS;
+    const int64_t mn = p.M - m0 < SK_ROWS ? p.M - m0 : SK_ROWS;
+    const float *B = static_cast<const float *>(p.b);
+    for (int i = tid; i < SK_ROWS * RP; i += SK_THREADS) {
+        const int m = i / RP, r = i % RP;
+        sA[m][r] = m < mn && r < p.R ? p.a[(m0 + m) * p.a_rs + r * p.a_ks] : 0.0f;
+    }
+    float w[RP][SK_TN];
+#pragma unroll
+    for (int r = 0; r < RP; r++)
+#pragma unroll
+        for (int j = 0; j < SK_TN; j++) w[r][j] = r < p.R && n0 + j < p.N ? B[(n0 + j) * p.b_rs + r * p.b_ks] : 0.0f;
+    __syncthreads();
+    if (n0 >= p.N) return;
+    // two rows at a time (eight independent chains); a row past mn reads sA's zeros and is not stored
+    for (int m = 0; m < mn; m += 2) {
+        float acc[2][SK_TN];
+#pragma unroll
+        for (int h = 0; h < 2; h++)
+#pragma unroll
+            for (int j = 0; j < SK_TN; j++) acc[h][j] = 0.0f;
+#pragma unroll
+        for (int r0 = 0; r0 < RP; r0 += 4) { // dy's values four at a time (one shared load per 32 fmaf)
+            const float4 q0 = *reinterpret_cast<const float4 *>(&sA[m][r0]);
+            const float4 q1 = *reinterpret_cast<const float4 *>(&sA[m + 1][r0]);
+            const float a0[4] = {q0.x, q0.y, q0.z, q0.w}, a1[4] = {q1.x, q1.y, q1.z, q1.w};
+#pragma unroll
+            for (int u = 0; u < 4; u++)
+#pragma unroll
+                for (int j = 0; j < SK_TN; j++) {
+                    acc[0][j] = fmaf(a0[u], w[r0 + u][j], acc[0][j]);
+                    acc[1][j] = fmaf(a1[u], w[r0 + u][j], acc[1][j]);
+                }
+        }
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            if (m + h >= mn) break;
+            float v[SK_TN];
+#pragma unroll
+            for (int j = 0; j < SK_TN; j++) v[j] = __fadd_rn(0.0f, acc[h][j]); // the slice's fold into tot = 0
+            float *q = p.y + (m0 + m + h) * p.ldy + n0;
+            if (vec) { // all SK_TN columns inside, 16-byte aligned
+                float4 o = make_float4(v[0], v[1], v[2], v[3]);
+                if (p.acc) {
+                    const float4 y = *reinterpret_cast<const float4 *>(q);
+                    o = make_float4(y.x + o.x, y.y + o.y, y.z + o.z, y.w + o.w);
+                }
+                *reinterpret_cast<float4 *>(q) = o;
+            } else {
+#pragma unroll
+                for (int j = 0; j < SK_TN; j++)
+                    if (n0 + j < p.N) q[j] = p.acc ? q[j] + v[j] : v[j];
+            }
+        }
+    }
+}
+
 constexpr int F32_BM = 64, F32_BN = 64, BF_BM = 64, BF_BN = 128;
+
+// prod_f32_skinny over the product, RP the least of 8, 16, 24, 32 that holds R.
+void product_skinny(ds4_dev *d, const char *op, const prod_args &p, const char *shapes) {
+    const dim3 grid((unsigned)((p.N + SK_THREADS * SK_TN - 1) / (SK_THREADS * SK_TN)),
+                    (unsigned)((p.M + SK_ROWS - 1) / SK_ROWS));
+    const int vec = p.N % SK_TN == 0 && p.ldy % SK_TN == 0 && ((uintptr_t)p.y & 15) == 0;
+    const cudaStream_t s = cdev(d)->stream;
+    if (p.R <= 8) prod_f32_skinny<8><<<grid, SK_THREADS, 0, s>>>(p, vec);
+    else if (p.R <= 16) prod_f32_skinny<16><<<grid, SK_THREADS, 0, s>>>(p, vec);
+    else if (p.R <= 24) prod_f32_skinny<24><<<grid, SK_THREADS, 0, s>>>(p, vec);
+    else prod_f32_skinny<32><<<grid, SK_THREADS, 0, s>>>(p, vec);
+    ds4_cuda_launched(d, op, "%s (F32, %lld rows of W in registers)", shapes, (long long)p.R);
+}
 
 // Run one product in the mode wdt (F32: fp32 kernel; BF16: tensor cores). weight_b: B is the weight, in wdt, and A is
 // read along its rows (dx = dy·W); else B is fp32 activations (rounded in BF16) and A is read down its columns (dW).
@@ -272,6 +361,10 @@ void product(ds4_dev *d, const char *op, prod_args p, ds4_dtype wdt, bool weight
                      "scales%s", op, shapes, DS4_FP4_BLOCK, p.bs ? "" : " (none given)");
         return;
     }
+    // fp32 dx by a weight of few rows (not with DS4_CUDA_BWD_REF=1: the tiles define the bits)
+    if (wdt == DS4_F32 && weight_b && !fp4 && !p.off && p.b_rs == 1 && p.R > 0 && p.R <= SKINNY_R &&
+        !cd->bwd_ref && (p.M + SK_ROWS - 1) / SK_ROWS <= 65535 && (p.N + SK_THREADS * SK_TN - 1) / (SK_THREADS * SK_TN) <= 65535)
+        return product_skinny(d, op, p, shapes);
     const int BM = wdt == DS4_F32 ? F32_BM : BF_BM, BN = wdt == DS4_F32 ? F32_BN : BF_BN;
     const int64_t gx = (p.M + BM - 1) / BM + (p.off && !p.rgroup ? p.E : 0), gy = (p.N + BN - 1) / BN;
     int64_t gz = p.off && p.rgroup ? p.E : 1;

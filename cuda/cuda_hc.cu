@@ -310,14 +310,15 @@ bool aligned16(const void *p) { return ((uintptr_t)p & 15) == 0; }
 // xn·fnᵀ with xn = X·(1/rms) rounded to fp32, whatever the path: the reference (DS4_CUDA_HC_REF=1) writes xn [T, n·D]
 // and multiplies it; the fast path computes the T factors a warp per token and, where the narrow GEMM runs (many
 // tokens), lets it scale X's rows as it reads them (the same xn values, without writing and re-reading 2·T·n·D
-// floats); with few tokens the skinny GEMM reads an xn the factors' kernel writes.
+// floats); with few tokens the skinny GEMM reads an xn the factors' kernel writes. keep (or NULL): where the logits go
+// instead of scratch (the site's tape, for its backward).
 float *mix_logits(ds4_dev *d, const char *op, const float *X, const float *fn, int64_t T, int64_t nD, int64_t nmix,
-                  double eps) {
+                  double eps, float *keep = nullptr) {
     const bool ref = cdev(d)->hc_ref, scaled = !ref && ds4_cuda_gemm_f32_rowscale_ok(d, T, nmix);
     const int64_t nxn = scaled ? 0 : T * nD; // [xn][mix][inv]: xn first, 16-byte aligned for the GEMMs' loads
     float *xn = (float *)ds4_cuda_scratch(d, (size_t)(nxn + T * nmix + T) * sizeof(float), op, 1);
     if (!xn) return NULL;
-    float *mix = xn + nxn, *inv = mix + T * nmix;
+    float *mix = keep ? keep : xn + nxn, *inv = xn + nxn + T * nmix;
     if (ref)
         hc_norm_kernel<<<(unsigned)T, HC_THREADS, 0, cdev(d)->stream>>>(X, xn, nD, eps);
     else
@@ -356,7 +357,7 @@ void ds4_cuda_hc_pre(ds4_dev *d, const ds4_a_hc_pre *a) {
     if (a->T <= 0) return;
     const ds4_config *c = a->c;
     const int64_t n = c->hc_mult, D = c->hidden_size, nmix = (2 + n) * n, T = a->T, it = c->hc_sinkhorn_iters;
-    const float *mix = mix_logits(d, "hc_pre", a->X, a->w->fn, T, n * D, nmix, c->rms_norm_eps);
+    const float *mix = mix_logits(d, "hc_pre", a->X, a->w->fn, T, n * D, nmix, c->rms_norm_eps, a->mix);
     if (!mix) return;
     const float *base = a->w->base, *sc = a->w->scale;
     cudaStream_t st = cdev(d)->stream;

@@ -174,10 +174,30 @@ static hc_case hc_setup(const char *op, int64_t n, int64_t iters, int64_t T, int
 }
 static void hc_free(hc_case *h) { tw_free(&h->X), tw_free(&h->fn), tw_free(&h->base), tw_free(&h->scl); }
 
+/* kept: the backward is told the mixing logits the site's forward kept (hc_pre's mix), as the schedule tells it; the
+ * GPU's forward computes them here, the token-per-warp kernels read them instead of recomputing them, the reference
+ * kernels (DS4_CUDA_HC_REF=1) recompute them and the CPU ignores them: equal bytes prove the kept logits are the
+ * recomputed ones. Returns the device's logits [T, mix] (a twin with nothing on the host), or an empty twin. */
+static twin kept_mix(hc_case *h, int kept) {
+    if (!kept) return (twin){0};
+    const int64_t T = h->T, n = h->n;
+    twin mk = tw_outf(T * h->mix), pre = tw_outf(T * n), post = tw_outf(T * n), comb = tw_outf(T * n * n);
+    twin u = tw_outf(T * h->D);
+    const ds4_hc_w w = {h->fn.d, h->base.d, h->scl.d};
+    OP(gpu, hc_pre, .c = &h->c, .w = &w, .X = h->X.d, .pre = pre.d, .post = post.d, .comb = comb.d, .u = u.d,
+       .mix = mk.d, .T = T);
+    check_dev(gpu, "hc_pre: the kept logits");
+    tw_free(&pre), tw_free(&post), tw_free(&comb), tw_free(&u);
+    const size_t l = strlen(h->what);
+    snprintf(h->what + l, sizeof h->what - l, ", kept logits");
+    return mk;
+}
+
 /* ------------------------------------------------------------------------------------------------ mHC */
 
-static void t_hc_pre_bwd(int64_t n, int64_t iters, int64_t T, int64_t D, int exact) {
+static void t_hc_pre_bwd(int64_t n, int64_t iters, int64_t T, int64_t D, int exact, int kept) {
     hc_case h = hc_setup("hc_pre_bwd", n, iters, T, D, exact);
+    twin mk = kept_mix(&h, kept);
     const int64_t nD = h.nD, mix = h.mix;
     twin du = tw_f(T * D, -1, 1), dX = tw_f(T * nD, -1, 1), dpost = tw_f(T * n, -1, 1), dcomb = tw_f(T * n * n, -1, 1);
     twin dmix = tw_outf(T * mix), xn = tw_outf(T * nD), dzb = tw_outf(T * mix), dzs = tw_outf(T * 3);
@@ -186,7 +206,8 @@ static void t_hc_pre_bwd(int64_t n, int64_t iters, int64_t T, int64_t D, int exa
     REPS(o, h.what) {
         const ds4_hc_w w = {S(h.fn), S(h.base), S(h.scl)};
         OP(side ? o.dev : cpu, hc_pre_bwd, .c = &h.c, .w = &w, .X = S(h.X), .du = S(du), .dX = S(dX), .dpost = S(dpost),
-           .dcomb = S(dcomb), .dmix = S(dmix), .xn = S(xn), .dzb = S(dzb), .dzs = S(dzs), .T = T);
+           .dcomb = S(dcomb), .dmix = S(dmix), .xn = S(xn), .dzb = S(dzb), .dzs = S(dzs),
+           .mix = side ? mk.d : NULL, .T = T);
     }
     const char *names[] = {"dX", "dmix", "xn", "dzb", "dzs"};
     cmp_named(h.what, &o, names, (int)(sizeof names / sizeof names[0]), 1e-5);
@@ -203,11 +224,13 @@ static void t_hc_pre_bwd(int64_t n, int64_t iters, int64_t T, int64_t D, int exa
     }
     twin all[] = {du, dX, dpost, dcomb, dmix, xn, dzb, dzs};
     for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) tw_free(&all[i]);
+    if (kept) tw_free(&mk);
     hc_free(&h);
 }
 
-static void t_hc_post_bwd(int64_t n, int64_t iters, int64_t T, int64_t D, int exact) {
+static void t_hc_post_bwd(int64_t n, int64_t iters, int64_t T, int64_t D, int exact, int kept) {
     hc_case h = hc_setup("hc_post_bwd", n, iters, T, D, exact);
+    twin mk = kept_mix(&h, kept);
     const int64_t nD = h.nD;
     twin A = tw_f(T * D, -1, 1), dXo = tw_f(T * nD, -1, 1);
     twin dX = tw_outf(T * nD), da = tw_outf(T * D), dpost = tw_outf(T * n), dcomb = tw_outf(T * n * n);
@@ -216,7 +239,7 @@ static void t_hc_post_bwd(int64_t n, int64_t iters, int64_t T, int64_t D, int ex
     REPS(o, h.what) {
         const ds4_hc_w w = {S(h.fn), S(h.base), S(h.scl)};
         OP(side ? o.dev : cpu, hc_post_bwd, .c = &h.c, .w = &w, .dXo = S(dXo), .a = S(A), .X = S(h.X), .dX = S(dX),
-           .da = S(da), .dpost = S(dpost), .dcomb = S(dcomb), .T = T);
+           .da = S(da), .dpost = S(dpost), .dcomb = S(dcomb), .mix = side ? mk.d : NULL, .T = T);
     }
     const char *names[] = {"dX", "da", "dpost", "dcomb"};
     cmp_named(h.what, &o, names, (int)(sizeof names / sizeof names[0]), 1e-5);
@@ -227,6 +250,7 @@ static void t_hc_post_bwd(int64_t n, int64_t iters, int64_t T, int64_t D, int ex
     }
     twin all[] = {A, dXo, dX, da, dpost, dcomb};
     for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) tw_free(&all[i]);
+    if (kept) tw_free(&mk);
     hc_free(&h);
 }
 
@@ -404,39 +428,62 @@ int main(int argc, char **argv) {
     CHECK_OK(cpu->ops->reserve(cpu, &big, 64, 64, 1, &err), &err);
 
     for (int64_t n = 2; n <= 4; n++) {
-        t_hc_pre_bwd(n, 20, 13, 37, 0);
-        t_hc_pre_bwd(n, 20, 29, 77, 1);
-        t_hc_post_bwd(n, 20, 13, 37, 0);
-        t_hc_post_bwd(n, 20, 29, 77, 1);
+        t_hc_pre_bwd(n, 20, 13, 37, 0, 0);
+        t_hc_pre_bwd(n, 20, 29, 77, 1, 0);
+        t_hc_post_bwd(n, 20, 13, 37, 0, 0);
+        t_hc_post_bwd(n, 20, 29, 77, 1, 0);
         t_hyperhead_bwd(n, 13, 37);
     }
     /* many tokens: the mixing GEMM's narrow kernel (hc_post_bwd: over X with the norm factors, no xn written) */
-    t_hc_pre_bwd(4, 20, 300, 36, 0);
-    t_hc_post_bwd(4, 20, 300, 36, 0);
-    t_hc_post_bwd(4, 20, 263, 36, 1);
-    t_hc_pre_bwd(4, 1, 7, 33, 0);   /* one iteration: softmax, one column normalisation */
-    t_hc_post_bwd(4, 1, 11, 33, 1);
-    t_hc_pre_bwd(3, 100, 17, 19, 1); /* the most iterations a config allows */
-    t_hc_pre_bwd(8, 40, 9, 21, 0);  /* tape too large for shared memory: in scratch */
-    t_hc_pre_bwd(8, 40, 9, 21, 1);
+    t_hc_pre_bwd(4, 20, 300, 36, 0, 0);
+    t_hc_post_bwd(4, 20, 300, 36, 0, 0);
+    t_hc_post_bwd(4, 20, 263, 36, 1, 0);
+    t_hc_pre_bwd(4, 1, 7, 33, 0, 0);   /* one iteration: softmax, one column normalisation */
+    t_hc_post_bwd(4, 1, 11, 33, 1, 0);
+    t_hc_pre_bwd(3, 100, 17, 19, 1, 0); /* the most iterations a config allows */
+    t_hc_pre_bwd(8, 40, 9, 21, 0, 0);  /* tape too large for shared memory: in scratch */
+    t_hc_pre_bwd(8, 40, 9, 21, 1, 0);
     /* 32 streams, 100 iterations: 1.6 MB of tape per token, 40 tokens per launch, so two launches */
-    t_hc_pre_bwd(DS4_MAX_HC, 100, 41, 5, 1);
-    t_hc_post_bwd(DS4_MAX_HC, 100, 6, 5, 0);
+    t_hc_pre_bwd(DS4_MAX_HC, 100, 41, 5, 1, 0);
+    t_hc_post_bwd(DS4_MAX_HC, 100, 6, 5, 0, 0);
     t_hyperhead_bwd(DS4_MAX_HC, 3, 5);
-    t_hc_pre_bwd(4, 20, 1, 300, 0); /* one token, wider than a block */
-    t_hc_post_bwd(4, 20, 1, 300, 0);
+    t_hc_pre_bwd(4, 20, 1, 300, 0, 0); /* one token, wider than a block */
+    t_hc_post_bwd(4, 20, 1, 300, 0, 0);
     /* the token-per-warp kernels (n <= 8) at the training shapes' alignment (D a multiple of 32, n·D of 256: every
      * lane and virtual thread has the same count) and at other n, with a last block of fewer tokens than warps */
-    t_hc_pre_bwd(4, 20, 9, 256, 0);
-    t_hc_post_bwd(4, 20, 10, 256, 0);
-    t_hc_post_bwd(4, 20, 6, 512, 1); /* n·D within the CPU scratch reserved above (32 · 80) */
-    t_hc_pre_bwd(5, 20, 7, 64, 0);
-    t_hc_post_bwd(5, 20, 7, 45, 0);
-    t_hc_post_bwd(8, 20, 9, 21, 0); /* the widest warp kernel */
-    t_hc_post_bwd(8, 20, 5, 96, 1);
-    t_hc_post_bwd(9, 20, 5, 40, 0); /* past it: a block per token */
-    t_hc_pre_bwd(9, 20, 5, 40, 0);
+    t_hc_pre_bwd(4, 20, 9, 256, 0, 0);
+    t_hc_post_bwd(4, 20, 10, 256, 0, 0);
+    t_hc_post_bwd(4, 20, 6, 512, 1, 0); /* n·D within the CPU scratch reserved above (32 · 80) */
+    t_hc_pre_bwd(5, 20, 7, 64, 0, 0);
+    t_hc_post_bwd(5, 20, 7, 45, 0, 0);
+    t_hc_post_bwd(8, 20, 9, 21, 0, 0); /* the widest warp kernel */
+    t_hc_post_bwd(8, 20, 5, 96, 1, 0);
+    t_hc_post_bwd(9, 20, 5, 40, 0, 0); /* past it: a block per token */
+    t_hc_pre_bwd(9, 20, 5, 40, 0, 0);
     t_hyperhead_bwd(4, 7, 256);
+    /* n·n <= 16: two tokens a warp (a half-warp each) in both coefficient kernels; a batch ending in a warp's first
+     * half (3, 259 tokens: the last warp's second half has no token); n = 4 with a tape too long for two tokens a warp
+     * in 48 KB (40 iterations): a token per warp */
+    t_hc_pre_bwd(4, 20, 3, 64, 1, 0);
+    t_hc_post_bwd(4, 20, 3, 64, 1, 0);
+    t_hc_pre_bwd(4, 20, 259, 36, 0, 0);
+    t_hc_post_bwd(4, 20, 259, 36, 0, 0);
+    t_hc_pre_bwd(4, 40, 13, 37, 1, 0);
+    /* the logits the forward kept (the schedule's way), every kernel kind: two tokens a warp (a ragged last warp; the
+     * narrow GEMM's row count), a token per warp, a block per token, the tape in scratch */
+    for (int64_t n = 2; n <= 4; n++) {
+        t_hc_pre_bwd(n, 20, 13, 37, 0, 1);
+        t_hc_post_bwd(n, 20, 29, 77, 1, 1);
+    }
+    t_hc_pre_bwd(4, 20, 259, 36, 0, 1);
+    t_hc_post_bwd(4, 20, 259, 36, 0, 1);
+    t_hc_pre_bwd(4, 20, 3, 64, 1, 1);
+    t_hc_post_bwd(4, 20, 1, 300, 0, 1);
+    t_hc_pre_bwd(5, 20, 7, 64, 0, 1);
+    t_hc_post_bwd(8, 20, 9, 21, 0, 1);
+    t_hc_pre_bwd(9, 20, 5, 40, 0, 1);
+    t_hc_post_bwd(9, 20, 5, 40, 0, 1);
+    t_hc_pre_bwd(8, 40, 9, 21, 1, 1);
 
     t_swiglu_bwd(37, 21, 7.0f);
     t_swiglu_bwd(5, 300, 0.5f);

@@ -18,8 +18,9 @@
  *     same bf16-rounded operands (dy, W, and x for dW), so the products are exact on both sides and only the fp32
  *     accumulation order differs: the same bound. A wrong index, a missing term or a wrong group is O(1).
  * The bf16 products' fast paths (the expert products through the pipelined GEMM, a dense dW reusing the bf16 dy its
- * linear_bwd_x made) must moreover give the bytes of the reference paths that DS4_CUDA_BWD_REF=1 selects (t_fast_vs_ref):
- * the expert products' tiles define their bits; the dense products round their operands the same way either way. */
+ * linear_bwd_x made), and the fp32 dx by a weight of few rows (W kept in registers), must moreover give the bytes of
+ * the reference paths that DS4_CUDA_BWD_REF=1 selects (t_fast_vs_ref): the tiles define the expert products' and the
+ * fp32 products' bits; the dense bf16 products round their operands the same way either way. */
 #define _POSIX_C_SOURCE 200809L /* setenv */
 #include <math.h>
 #include <stdlib.h>
@@ -491,6 +492,31 @@ static void t_ref_dense(ds4_dev *fast, ds4_dev *ref, int64_t T, int64_t K, int64
     for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) tw_free(&all[i]);
 }
 
+/* An fp32 dx by a weight of few rows (the mHC mixing matrix: 24 rows; the router gate: 32; the HyperHead: n): the
+ * fast backend keeps W in registers (prod_f32_skinny), the reference runs the tiles, whose order it follows: the same
+ * bytes. Strided dy and dx (pad), dx written or added, odd T and K (the last columns not a whole float4). */
+static void t_ref_skinny(ds4_dev *fast, ds4_dev *ref, int64_t T, int64_t K, int64_t O, int64_t pad, int acc) {
+    const int64_t ldy = O + pad, lddx = K + pad;
+    twin dy = tw_f(T * ldy, -1, 1), W = tw_f(O * K, -0.5f, 0.5f);
+    twin dx = acc ? tw_f(T * lddx, -1, 1) : tw_out((size_t)(T * lddx) * 4);
+    char what[128];
+    snprintf(what, sizeof what, "fp32 dx fast vs reference T %lld K %lld O %lld pad %lld%s", (long long)T, (long long)K,
+             (long long)O, (long long)pad, acc ? " acc" : "");
+    twin *const bufs[1] = {&dx};
+    void *got[2][1];
+    ds4_dev *dv[2] = {fast, ref};
+    for (int v = 0; v < 2; v++) {
+        restart(bufs, 1);
+        OP(dv[v], linear_bwd_x, .dx = dx.d, .lddx = lddx, .acc = acc, .dy = dy.d, .ldy = ldy, .W = W.d,
+           .wdt = DS4_F32, .T = T, .K = K, .O = O);
+        collect(dv[v], what, bufs, 1, got[v]);
+    }
+    same_bytes(what, "dx", got[0][0], got[1][0], &dx);
+    free(got[0][0]), free(got[1][0]);
+    twin all[] = {dy, W, dx};
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) tw_free(&all[i]);
+}
+
 /* The fast paths against the reference paths, each on a fresh pair of backends (empty scratch) */
 static void t_fast_vs_ref(void) {
     ds4_dev *fast = backend(0), *ref = backend(1);
@@ -498,6 +524,11 @@ static void t_fast_vs_ref(void) {
     t_ref_dense(fast, ref, 300, 520, 136, 3);
     t_ref_grouped(fast, ref, 1064, 200, 1); /* dx: 207 tiles of 128 x 128, the pipelined kernel; dx added */
     t_ref_grouped(fast, ref, 136, 77, 0);   /* O odd: dx takes the tiled kernel */
+    t_ref_skinny(fast, ref, 259, 4096, 24, 0, 0); /* the mHC fn's dx, fewer rows (not a whole 32-row tile) */
+    t_ref_skinny(fast, ref, 300, 1024, 32, 0, 1); /* the router gate's, added */
+    t_ref_skinny(fast, ref, 3, 1030, 4, 3, 0);    /* the HyperHead's; strided, K not a multiple of 4 */
+    t_ref_skinny(fast, ref, 1, 37, 17, 0, 1);     /* one row, R padded to 24 */
+    t_ref_skinny(fast, ref, 65, 520, 1, 2, 1);    /* one row of W, R padded to 8 */
     ds4_dev_release(fast);
     ds4_dev_release(ref);
 }

@@ -152,11 +152,12 @@ static void t_hc(int64_t n, int64_t T) {
     twin X = tw_f(T * nD, -2, 2), fn = tw_f(mix * nD, -0.1f, 0.1f), base = tw_f(mix, -1, 1), scl = tw_f(3, 0.5f, 1.5f);
     twin pre = tw_out((size_t)(T * n) * 4), post = tw_out((size_t)(T * n) * 4), comb = tw_out((size_t)(T * n * n) * 4);
     twin u = tw_out((size_t)(T * D) * 4), A = tw_f(T * D, -1, 1), Xo = tw_out((size_t)(T * nD) * 4);
-    twin hu = tw_out((size_t)(T * D) * 4);
+    twin hu = tw_out((size_t)(T * D) * 4), mk = tw_out((size_t)(T * mix) * 4);
     for (int side = 0; side < 2; side++) {
         ds4_dev *d = side ? gpu : cpu;
         const ds4_hc_w w = {S(fn), S(base), S(scl)};
-        OP(d, hc_pre, .c = &c, .w = &w, .X = S(X), .pre = S(pre), .post = S(post), .comb = S(comb), .u = S(u), .T = T);
+        OP(d, hc_pre, .c = &c, .w = &w, .X = S(X), .pre = S(pre), .post = S(post), .comb = S(comb), .u = S(u),
+           .mix = S(mk), .T = T);
         OP(d, hc_post, .c = &c, .X = S(X), .a = S(A), .post = S(post), .comb = S(comb), .Xo = S(Xo), .T = T);
         OP(d, hyperhead, .c = &c, .X = S(X), .fn = S(fn), .base = S(base), .scale = S(scl), .u = S(hu), .T = T);
     }
@@ -167,9 +168,10 @@ static void t_hc(int64_t n, int64_t T) {
     cmp_f("hc_pre post", &post, T * n, 1e-5);
     cmp_f("hc_pre comb (Sinkhorn)", &comb, T * n * n, 1e-5);
     cmp_f("hc_pre u", &u, T * D, 1e-5);
+    cmp_f("hc_pre mix (the kept logits: the same sums as pre's)", &mk, T * mix, 1e-5);
     cmp_f("hc_post", &Xo, T * nD, 1e-5);
     cmp_f("hyperhead", &hu, T * D, 1e-5);
-    twin all[] = {X, fn, base, scl, pre, post, comb, u, A, Xo, hu};
+    twin all[] = {X, fn, base, scl, pre, post, comb, u, A, Xo, hu, mk};
     for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) tw_free(&all[i]);
 }
 
