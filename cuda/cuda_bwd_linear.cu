@@ -546,19 +546,9 @@ __global__ void __launch_bounds__(256, PER <= 8 ? 3 : 2) norm_rows_block(norm_ar
 // Rows narrower than 256 (a block of nt = 32·nw ≤ 128 threads, PER ≤ 2 elements each): a warp per row, 8 rows per
 // block, no barrier. Lane l plays the block's threads l + 32v (v < nw) and adds each one's elements in their order;
 // then each played warp's shuffle tree, and the tree over their sums that warp 0 of the block would run (lanes past
-// nw adding 0): ds4d_block_sum's bits. A block per row waited on its barriers with 1 KB in flight.
+// nw adding 0): ds4d_block_sum's bits (ds4d_played_block_sum). A block per row waited on its barriers with 1 KB in
+// flight.
 constexpr int NORM_NW = 4, NORM_WROWS = 8;
-
-__device__ __forceinline__ double norm_played_sum(const double (&part)[NORM_NW], int nw) {
-    double t = 0.0;
-#pragma unroll
-    for (int v = 0; v < NORM_NW; v++) {
-        if (v >= nw) break;
-        const double s = ds4d_warp_sum(part[v]);
-        if ((int)(threadIdx.x & 31) == v) t = s;
-    }
-    return ds4d_warp_sum(t);
-}
 
 template <int PER, bool RINV_ONLY>
 __global__ void __launch_bounds__(32 * NORM_WROWS, PER == 1 ? 4 : 3) norm_rows_warp(norm_args a, int nw) {
@@ -588,7 +578,7 @@ __global__ void __launch_bounds__(32 * NORM_WROWS, PER == 1 ? 4 : 3) norm_rows_w
         for (int j = 0; j < PER; j++)
             if (v < nw && lane + 32 * v + nt * j < n) part[v] = norm_sq_acc(part[v], xs[v][j]);
     }
-    const double ri = norm_rinv(norm_played_sum(part, nw), n, a.eps);
+    const double ri = norm_rinv(ds4d_played_block_sum(part, nw), n, a.eps);
     if constexpr (RINV_ONLY) {
         if (lane == 0) a.rinv[gr] = (float)ri;
     } else {
@@ -599,7 +589,7 @@ __global__ void __launch_bounds__(32 * NORM_WROWS, PER == 1 ? 4 : 3) norm_rows_w
             for (int j = 0; j < PER; j++)
                 if (v < nw && lane + 32 * v + nt * j < n) part[v] = norm_dot_acc(part[v], wdy[v][j], xs[v][j]);
         }
-        const double k = norm_k(ri, norm_played_sum(part, nw), n);
+        const double k = norm_k(ri, ds4d_played_block_sum(part, nw), n);
 #pragma unroll
         for (int v = 0; v < NORM_NW; v++)
 #pragma unroll

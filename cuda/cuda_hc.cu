@@ -194,14 +194,7 @@ __global__ void __launch_bounds__(RMS_WARPS * 32) hc_rms_warp_kernel(const float
         for (int w = 0; w < RMS_VW; w++)
             if (b + 32 * w + lane < nD) v[w] += (double)xv[w] * xv[w];
     }
-    double ss = 0.0;
-#pragma unroll
-    for (int w = 0; w < RMS_VW; w++) {
-        const double ws = ds4d_warp_sum(v[w]);
-        if (lane == w) ss = ws;
-    }
-    ss = ds4d_warp_sum(ss);
-    const float r = ds4d_rms_inv(ss, nD, eps);
+    const float r = ds4d_rms_inv(ds4d_played_block_sum(v, RMS_VW), nD, eps); // the block's tree, played by the warp
     if (lane == 0) inv[t] = r;
     if (xn)
         for (int64_t i = lane; i < nD; i += 32) xn[t * nD + i] = x[i] * r;
