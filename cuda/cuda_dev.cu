@@ -464,6 +464,9 @@ extern "C" ds4_status ds4_cuda_dev_create(int device, ds4_dev **out, ds4_error *
     cd->skinny_rows = skinny && skinny[0] ? strtoll(skinny, NULL, 10) : 256;
     const char *pipe = getenv("DS4_CUDA_GEMM_PIPE");
     cd->gemm_pipe = pipe && pipe[0] ? atoi(pipe) : 0;
+    cd->cc = p.major * 10 + p.minor;
+    const char *wgmma = getenv("DS4_CUDA_GEMM_WGMMA"); /* a path switch, not a numerical one: the same bits */
+    cd->gemm_wgmma = wgmma && wgmma[0] == '0' ? 0 : 1;
     const char *hc_ref = getenv("DS4_CUDA_HC_REF");
     cd->hc_ref = hc_ref && hc_ref[0] == '1';
     const char *bwd_ref = getenv("DS4_CUDA_BWD_REF");

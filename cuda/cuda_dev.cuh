@@ -56,6 +56,12 @@ struct cuda_dev {
     int graphs_on;                // DS4_CUDA_GRAPHS=0 switches recording off
     int64_t skinny_rows;          // GEMMs of at most this many rows may take the skinny kernels (DS4_CUDA_SKINNY_ROWS)
     int gemm_pipe;                // the pipelined GEMM's shape (DS4_CUDA_GEMM_PIPE; cuda_gemm.cu): never changes a bit
+    int cc;                       // compute capability, major·10 + minor (90: H100, H200)
+    int gemm_wgmma;               // the bf16 products on wgmma (cuda_gemm_wgmma.cu) where the device has it: 1 (default:
+                                  // on, not yet prepared), 2 (prepared), 0 with DS4_CUDA_GEMM_WGMMA=0 (the mma.sync
+                                  // pipeline, whose bits it gives), -1 refused (another device, or its shared memory
+                                  // limit could not be raised)
+    void *tmap_encode;            // the driver's cuTensorMapEncodeTiled (the wgmma kernel's operand descriptions)
     int hc_ref;                   // DS4_CUDA_HC_REF=1: the mHC kernels whose bits the faster ones give, forward
                                   // (cuda_hc.cu) and backward (cuda_bwd_hc_moe.cu); the tests compare the two
     int bwd_ref;                  // DS4_CUDA_BWD_REF=1: the backward products' reference paths, whose bits the fast

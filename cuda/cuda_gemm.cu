@@ -24,6 +24,7 @@
 #include "fp4.h"
 #include "cuda_fp4.cuh"
 #include "cuda_tile.cuh"
+#include "cuda_gemm_wgmma.cuh"
 
 namespace {
 
@@ -668,6 +669,28 @@ __global__ void rows_to_bf16_kernel(__nv_bfloat16 *dst, int64_t ldd, const float
     for (int j = 0; j < 8 && c + j < cols; j++) o[j] = __float2bfloat16_rn(s[j]);
 }
 
+// The same rounding into wgmma's k-slot order (cuda_gemm_wgmma.cu): dst's rows hold ldd = cols rounded up to 32
+// values, chunk c's position 16j + 8h + 2t + e the value of column 32c + 8t + 4j + 2h + e (0 past cols). A thread per
+// 8 consecutive columns 8t..8t+7 of a chunk: the 4 words it forms are words t, 4 + t, 8 + t and 12 + t of the chunk.
+__global__ void rows_to_bf16_k32_kernel(uint32_t *dst, int64_t ldd, const float *src, int64_t lds, int64_t gs,
+                                        int64_t rows, int64_t cols, int64_t n, int vs) {
+    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    const int64_t nq = ldd / 8, zr = i / nq, q = i - zr * nq, c = q * 8, z = zr / rows, r = zr - z * rows;
+    const float *s = src + z * gs + r * lds + c;
+    float v[8];
+    if (c + 8 <= cols && vs) {
+        const float4 p = *reinterpret_cast<const float4 *>(s), u = *reinterpret_cast<const float4 *>(s + 4);
+        v[0] = p.x, v[1] = p.y, v[2] = p.z, v[3] = p.w, v[4] = u.x, v[5] = u.y, v[6] = u.z, v[7] = u.w;
+    } else {
+#pragma unroll
+        for (int j = 0; j < 8; j++) v[j] = c + j < cols ? s[j] : 0.0f;
+    }
+    uint32_t *o = dst + zr * (ldd / 2) + (q >> 2) * 16 + (q & 3);
+    o[0] = ds4d_pack_bf16(v[0], v[1]), o[4] = ds4d_pack_bf16(v[2], v[3]);
+    o[8] = ds4d_pack_bf16(v[4], v[5]), o[12] = ds4d_pack_bf16(v[6], v[7]);
+}
+
 // The pipelined kernel's shapes (tile, warp tile, stages, staged row length). Each gives every output the same sum
 // (the same k-slots, chunks and slices), so which runs never changes a bit; the first is the default and
 // DS4_CUDA_GEMM_PIPE=i picks another (bench_gemm_gpu --variants compares them).
@@ -752,6 +775,7 @@ bool aligned(const void *p, size_t to) { return ((uintptr_t)p % to) == 0; }
 struct pipe_cfg;
 struct plan {
     bool skinny;
+    bool wg;              // the wgmma kernel (cuda_gemm_wgmma.cu)
     const pipe_cfg *pipe; // the pipelined kernel's shape, or NULL
     int va, vb;
     int64_t G, cols;
@@ -777,6 +801,18 @@ const pipe_cfg *pipe_ready(cuda_dev *cd) {
         if (e != cudaSuccess) (void)cudaGetLastError();
     }
     return cd->smem_set[1] == 1 ? &cfgs[v] : nullptr;
+}
+
+// Whether the wgmma kernel may run: a device of compute capability 9.0 (its code is sm_90a's alone), not switched
+// off, its shared memory limit raised (once per backend).
+bool wgmma_ready(cuda_dev *cd) {
+    if (cd->gemm_wgmma == 1) {
+        cudaError_t e = cudaErrorNotSupported;
+        if (cd->cc == 90 && cd->smem_optin >= ds4_cuda_wgmma_smem()) e = ds4_cuda_wgmma_prepare(&cd->tmap_encode);
+        if (e != cudaSuccess) (void)cudaGetLastError();
+        cd->gemm_wgmma = e == cudaSuccess ? 2 : -1;
+    }
+    return cd->gemm_wgmma == 2;
 }
 
 // Whether BM x BN tiles fill every SM at least once.
@@ -841,6 +877,34 @@ bool x_to_bf16(ds4_dev *d, const char *op, gemm_args &a, int64_t G) {
     return true;
 }
 
+// The wgmma product (cuda_gemm_wgmma.cu): x rounded to bf16 in k32 order into scratch slot 2, then the kernel.
+void launch_wgmma(ds4_dev *d, const char *op, const gemm_args &a, int64_t G) {
+    cuda_dev *cd = cdev(d);
+    const int64_t ld = (a.K + 31) / 32 * 32;
+    auto *xk = (__nv_bfloat16 *)ds4_cuda_scratch(d, (size_t)(G * a.M * ld) * sizeof(__nv_bfloat16), op, 2);
+    if (!xk) return;
+    const int64_t n = G * a.M * (ld / 8);
+    const int vs = aligned(a.x, 16) && a.ldx % 4 == 0 && a.gx % 4 == 0;
+    rows_to_bf16_k32_kernel<<<ds4_blocks(n, 256), 256, 0, cd->stream>>>((uint32_t *)xk, ld, a.x, a.ldx, a.gx, a.M,
+                                                                         a.K, n, vs);
+    if (!ds4_cuda_launched(d, op, "operand [%lld x %lld x %lld] to bf16 in k32 order", (long long)G, (long long)a.M,
+                           (long long)a.K))
+        return;
+    ds4d_wg_args w = {a.y, a.ldy, a.gy, xk, ld, a.M * ld, (const __nv_bfloat16 *)a.W, a.ldw, a.gw,
+                      a.M, a.N, a.K, a.off, a.E, a.wstride, a.acc, G};
+    const int64_t tiles = (int64_t)ds4_blocks(a.N, DS4_WG_TILE_N) * grid_rows(a, DS4_WG_TILE_M) * G;
+    const int blocks = (int)(tiles < cd->sm_count ? tiles : cd->sm_count);
+    const cudaError_t e = ds4_cuda_wgmma_launch(w, blocks, cd->stream, cd->tmap_encode);
+    if (e == cudaErrorInvalidValue && cudaPeekAtLastError() == cudaSuccess) { // nothing launched
+        ds4_dev_fail(d, DS4_ERR_CUDA, "%s: [%lld x %lld] x [%lld x %lld]^T on wgmma: the copy engine refused the "
+                     "operands' description (cuTensorMapEncodeTiled)", op, (long long)a.M, (long long)a.K,
+                     (long long)a.N, (long long)a.K);
+        return;
+    }
+    ds4_cuda_launched(d, op, "[%lld x %lld] x [%lld x %lld]^T (bf16 on wgmma, %lld groups%s)", (long long)a.M,
+                      (long long)a.K, (long long)a.N, (long long)a.K, (long long)G, a.off ? ", by expert" : "");
+}
+
 // The skinny kernels (16 rows per block, parallel over K slices) when the tiled ones would leave most of the GPU idle:
 // few rows (per group of W), or so few output tiles that the tiled grid (every expert's tiles, for grouped GEMMs) has
 // fewer blocks than two per SM. Measured on an H100 (bench/RESULTS.md): at 128-256 rows the skinny kernels win 2-3x;
@@ -902,6 +966,14 @@ void gemm(ds4_dev *d, const char *op, gemm_args a, ds4_dtype wdt, ds4_dtype mode
                : (int)(aligned(a.W, 16) && a.ldw % 8 == 0 && a.gw % 8 == 0 && a.wstride % 8 == 0);
     /* the pipelined kernel reads x rounded to bf16 once, here, into scratch slot 2 (rows padded to 8 values: 16-byte
      * aligned rows for cp.async; the padding is never read) */
+    /* on Hopper: the wgmma kernel over x rounded to bf16 in its k-slot order (scratch slot 2, rows of K rounded up to
+     * 32 values, zeros past K) */
+    p.wg = !fp4 && mode == DS4_BF16 && !p.skinny && p.vb &&
+           full_wave(cd, a, p.G, DS4_WG_TILE_M, DS4_WG_TILE_N) && wgmma_ready(cd);
+    if (p.wg) {
+        launch_wgmma(d, op, a, p.G);
+        return;
+    }
     p.pipe = !fp4 && mode == DS4_BF16 && !p.skinny && p.vb ? pipe_ready(cd) : nullptr;
     if (p.pipe && !full_wave(cd, a, p.G, p.pipe->BM, p.pipe->BN)) p.pipe = nullptr; // too few tiles: the tiled kernel
     if (p.pipe && !x_to_bf16(d, op, a, p.G)) return;

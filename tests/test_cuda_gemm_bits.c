@@ -109,10 +109,13 @@ int main(void) {
            .bf16_in = 1);
         download(base, gref + i * N_COLS, yalone, (size_t)N_COLS * 4);
     }
-    for (int v = 0; v < nv && ds4t_failures == 0; v++) {
+    /* v < nv: the mma.sync pipeline's shape v (wgmma off); v = nv: the default, the wgmma kernel where the device has
+     * it (compute capability 9.0; elsewhere the pipeline's first shape again) */
+    for (int v = 0; v <= nv && ds4t_failures == 0; v++) {
         char val[16];
-        snprintf(val, sizeof val, "%d", v);
-        setenv("DS4_CUDA_GEMM_PIPE", val, 1); /* read when the backend is created */
+        snprintf(val, sizeof val, "%d", v < nv ? v : 0);
+        setenv("DS4_CUDA_GEMM_PIPE", val, 1); /* both read when the backend is created */
+        setenv("DS4_CUDA_GEMM_WGMMA", v < nv ? "0" : "1", 1);
         ds4_dev *d = NULL;
         CHECK_OK(ds4_cuda_dev_create(0, &d, &err), &err);
         if (!d) break;
@@ -128,21 +131,23 @@ int main(void) {
             download(d, full, y, (size_t)ny * 4);
             for (int b = 0; b < 4 && !grouped; b++) {
                 const int64_t bad = differ(full + blocks[b][0] * N_COLS, ref[b], blocks[b][1] * N_COLS);
-                CHECK(bad == 0, "pipe shape %d: rows [%lld, %lld) of the [%d x %d] x [%d x %d]^T product differ from "
-                      "the same rows alone in %lld of %lld values", v, (long long)blocks[b][0],
+                CHECK(bad == 0, "pipe shape %d (%d: wgmma): rows [%lld, %lld) of the [%d x %d] x [%d x %d]^T product differ from "
+                      "the same rows alone in %lld of %lld values", v, nv, (long long)blocks[b][0],
                       (long long)(blocks[b][0] + blocks[b][1]), M_ROWS, K_DIM, N_COLS, K_DIM, (long long)bad,
                       (long long)(blocks[b][1] * N_COLS));
             }
             for (int i = 0; i < 4 && grouped; i++) {
                 const int64_t bad = differ(full + grow[i] * N_COLS, gref + i * N_COLS, N_COLS);
-                CHECK(bad == 0, "pipe shape %d: row %lld (expert %lld) of the grouped product differs from the row "
-                      "alone in %lld of %d values", v, (long long)grow[i], (long long)gexp[i], (long long)bad, N_COLS);
+                CHECK(bad == 0, "pipe shape %d (%d: wgmma): row %lld (expert %lld) of the grouped product differs from the row "
+                      "alone in %lld of %d values", v, nv, (long long)grow[i], (long long)gexp[i], (long long)bad, N_COLS);
             }
         }
         ds4_dev_release(d);
     }
     unsetenv("DS4_CUDA_GEMM_PIPE");
-    printf("test_cuda_gemm_bits: %d pipelined tile shapes against the skinny and tiled kernels\n", nv);
+    unsetenv("DS4_CUDA_GEMM_WGMMA");
+    printf("test_cuda_gemm_bits: %d pipelined tile shapes and the wgmma kernel against the skinny and tiled kernels\n",
+           nv);
     for (int b = 0; b < 4; b++) free(ref[b]);
     free(gref), free(hx), free(hw), free(full);
     base->ops->free(base, x), base->ops->free(base, y), base->ops->free(base, W), base->ops->free(base, doff);
