@@ -891,7 +891,8 @@ void launch_wgmma(ds4_dev *d, const char *op, const gemm_args &a, int64_t G) {
                            (long long)a.K))
         return;
     ds4d_wg_args w = {a.y, a.ldy, a.gy, xk, ld, a.M * ld, (const __nv_bfloat16 *)a.W, a.ldw, a.gw,
-                      a.M, a.N, a.K, a.off, a.E, a.wstride, a.acc, G};
+                      a.M, a.N, a.K, a.off, a.E, a.wstride, a.acc, G, 0};
+    w.rows_fast = a.N > a.M; // W's rows outnumber x's: x's tiles change fastest, each W tile is read once (L2)
     const int64_t tiles = (int64_t)ds4_blocks(a.N, DS4_WG_TILE_N) * grid_rows(a, DS4_WG_TILE_M) * G;
     const int blocks = (int)(tiles < cd->sm_count ? tiles : cd->sm_count);
     const cudaError_t e = ds4_cuda_wgmma_launch(w, blocks, cd->stream, cd->tmap_encode);

@@ -22,6 +22,7 @@ struct ds4d_wg_args {
     int64_t E, wstride;
     int acc;                      // y += the sum (formed first, added once), not y =
     int64_t groups;               // batched products: groups of x, W and y (1: one product)
+    int rows_fast;                // the blocks walk x's row tiles fastest (W larger than x), else W's column tiles
 };
 
 // A block's tile: 128 rows of W (output columns) by 128 rows of x.
