@@ -6,9 +6,10 @@
  * K-split change with M), which is why ds4 has its own kernels.
  *
  *   build/bench_gemm_gpu [--reps 20] [--variants K] [--bwd]
- * Prints per shape: microseconds (median of reps), TFLOP/s, and ds4 / cuBLAS time. --variants K also times the
- * pipelined kernel's shapes 1..K-1 (DS4_CUDA_GEMM_PIPE, cuda_gemm.cu: each gives the same bits), one column each, and
- * says whether every shape's y was bitwise the same (--variants 0: all of them).
+ * Prints per shape: microseconds (median of reps), TFLOP/s, and ds4 / cuBLAS time (the default kernels: on an H100 or
+ * H200 the wgmma one, cuda/cuda_gemm_wgmma.cu). --variants K also times the mma.sync pipeline's shapes 0..K-2
+ * (DS4_CUDA_GEMM_WGMMA=0 with DS4_CUDA_GEMM_PIPE, cuda_gemm.cu: each gives the same bits), one column each, and says
+ * whether every shape's y was bitwise the same (--variants 0: all of them).
  * --bwd times the backward's products instead (linear_bwd_x / _w and their grouped forms, bf16 mode) on the same
  * step's shapes, as backward.c issues them: per dense shape dx alone, dW alone, the pair with dW reusing dx's bf16 dy
  * (dy_kept), the pair on a DS4_CUDA_BWD_REF=1 backend (dy rounded twice: the path before), and cuBLAS's two GEMMs
@@ -290,7 +291,7 @@ int main(int argc, char **argv) {
         else DIE("usage: %s [--reps N] [--variants K] [--bwd]", argv[0]);
     }
     if (reps < 1 || reps > 1000) DIE("bench_gemm_gpu: --reps %d (1..1000)", reps);
-    if (nv == 0) nv = ds4_cuda_gemm_pipe_count();
+    if (nv == 0) nv = ds4_cuda_gemm_pipe_count() + 1;
     if (nv < 1 || nv > 16) DIE("bench_gemm_gpu: --variants %d (1..16)", nv);
     int ndev = 0;
     ds4_error err;
@@ -303,12 +304,13 @@ int main(int argc, char **argv) {
         return 0;
     }
     ds4_dev *devs[16];
-    for (int v = 0; v < nv; v++) { /* the backend reads DS4_CUDA_GEMM_PIPE when it is created */
+    for (int v = 0; v < nv; v++) { /* the backend reads DS4_CUDA_GEMM_PIPE and _WGMMA when it is created */
         char val[16];
-        snprintf(val, sizeof val, "%d", v);
-        if (nv > 1) setenv("DS4_CUDA_GEMM_PIPE", val, 1);
+        snprintf(val, sizeof val, "%d", v > 0 ? v - 1 : 0);
+        if (v > 0) setenv("DS4_CUDA_GEMM_PIPE", val, 1), setenv("DS4_CUDA_GEMM_WGMMA", "0", 1);
         if (ds4_cuda_dev_create(0, &devs[v], &err)) DIE("bench_gemm_gpu: %s", err.msg);
     }
+    unsetenv("DS4_CUDA_GEMM_PIPE"), unsetenv("DS4_CUDA_GEMM_WGMMA");
     ds4_dev *d = devs[0];
     cudaStream_t st = (cudaStream_t)d->ops->native_stream(d);
     cublasHandle_t h;
@@ -320,7 +322,7 @@ int main(int argc, char **argv) {
            "median of %d\n", prop.name, prop.multiProcessorCount, reps);
     printf("%-28s %26s %10s %8s %10s %8s %8s", "product", "[M x K] x [N x K]^T", "ds4 us", "TFLOP/s", "cuBLAS us",
            "TFLOP/s", "ds4/cuB");
-    for (int v = 1; v < nv; v++) printf("   pipe %d us", v);
+    for (int v = 1; v < nv; v++) printf("   pipe %d us", v - 1);
     printf("\n");
     cudaEvent_t e0, e1;
     CU(cudaEventCreate(&e0));
@@ -413,7 +415,8 @@ int main(int argc, char **argv) {
         printf("%-28s %26s %10.1f %8.1f %10.1f %8.1f %8.2f", sh.what, dims, 1e3 * t_ds4, flop / (1e9 * t_ds4),
                1e3 * t_blas, flop / (1e9 * t_blas), t_ds4 / t_blas);
         for (int v = 1; v < nv; v++) printf(" %12.1f", 1e3 * t_var[v]);
-        if (nv > 1 && differ >= 0) printf("   BITS DIFFER: pipe %d", differ);
+        if (nv > 1 && differ == 0) printf("   BITS DIFFER: the default kernel");
+        else if (nv > 1 && differ > 0) printf("   BITS DIFFER: pipe %d", differ - 1);
         else if (nv > 1) printf("   same bits");
         printf("\n");
         printf("ds4 gemm_us_%zu %.1f\nds4 cublas_us_%zu %.1f\n", s, 1e3 * t_ds4, s, 1e3 * t_blas);
