@@ -1,7 +1,8 @@
 /* test_cuda_gemm_bits.c — the bf16 product's bits do not depend on which kernel forms them (cuda/cuda_gemm.cu).
  *
  * A row of y = x Wᵀ computed inside a product that fills the GPU (the pipelined kernels: every tile shape
- * DS4_CUDA_GEMM_PIPE can pick, each on a backend of its own), inside a medium batch (the tiled kernel) and alone or
+ * DS4_CUDA_GEMM_PIPE can pick, each on a backend of its own, and on an H100 or H200 the wgmma kernel of
+ * cuda/cuda_gemm_wgmma.cu), inside a medium batch (the tiled kernel) and alone or
  * with a few rows (the skinny kernels, which spread K over warps and add the slices' partials at the end) must be the
  * same bytes: that is the batch invariance that makes a rollout's log-probabilities equal training's. So the
  * reference here is another kernel of the same contract, not the kernel under test: every output is the sum over K in
@@ -11,7 +12,8 @@
  * Shapes: K = 904 (three whole slices, a ragged fourth, its last chunk of 32 only 8 deep), 2056 columns (not a
  * multiple of any tile), 2304 rows: at least 153 tiles of every shape, more than the 132 SMs of an H100 or H200, so
  * every pipelined shape runs (a product with fewer tiles than SMs takes the tiled kernel). And the same grouped by
- * expert (five groups, one empty), whose rows are checked one at a time against a one-row product with the group's W.
+ * expert (five groups, one empty), whose rows are checked one at a time against a one-row product with the group's W,
+ * and batched (two column groups of x, each with its own W, as the attention output's grouped product).
  * The CPU's side of these products is test_cuda_ops' (within 1e-5); here only bitwise equality counts, and NaN
  * poison left behind fails it. Exit 77 without a CUDA build or device. */
 #define _POSIX_C_SOURCE 200809L
@@ -109,6 +111,16 @@ int main(void) {
            .bf16_in = 1);
         download(base, gref + i * N_COLS, yalone, (size_t)N_COLS * 4);
     }
+    /* batched references: x viewed as [M_ROWS / 2, 2·K_DIM] rows, group z its columns z·K_DIM.. with W group z (the
+     * column-grouped products, e.g. the attention output's groups); one row of each group at three rows */
+    static const int64_t brow[3] = {0, 577, M_ROWS / 2 - 1};
+    float *bref = malloc((size_t)(6 * N_COLS) * 4);
+    for (int i = 0; i < 6; i++) {
+        OP(base, matmul, .y = yalone, .ldy = N_COLS, .x = x + brow[i / 2] * 2 * K_DIM + (i % 2) * K_DIM,
+           .ldx = 2 * K_DIM, .W = (const uint16_t *)W + (i % 2) * nw, .wdt = DS4_BF16, .T = 1, .K = K_DIM,
+           .O = N_COLS, .groups = 1, .bf16_in = 1);
+        download(base, bref + i * N_COLS, yalone, (size_t)N_COLS * 4);
+    }
     /* v < nv: the mma.sync pipeline's shape v (wgmma off); v = nv: the default, the wgmma kernel where the device has
      * it (compute capability 9.0; elsewhere the pipeline's first shape again) */
     for (int v = 0; v <= nv && ds4t_failures == 0; v++) {
@@ -119,10 +131,14 @@ int main(void) {
         ds4_dev *d = NULL;
         CHECK_OK(ds4_cuda_dev_create(0, &d, &err), &err);
         if (!d) break;
-        for (int grouped = 0; grouped < 2; grouped++) {
+        for (int grouped = 0; grouped < 3; grouped++) { /* plain, by expert, batched */
             memset(full, 0xff, (size_t)ny * 4);
             CHECK_OK(d->ops->upload(d, y, full, (size_t)ny * 4, &err), &err);
-            if (grouped)
+            if (grouped == 2) /* y [M_ROWS / 2, 2·N_COLS]: as many values as the plain product's */
+                OP(d, matmul, .y = y, .ldy = 2 * N_COLS, .x = x, .ldx = 2 * K_DIM, .W = W, .wdt = DS4_BF16,
+                   .T = M_ROWS / 2, .K = K_DIM, .O = N_COLS, .groups = 2, .gx = K_DIM, .gy = N_COLS, .gw = nw,
+                   .bf16_in = 1);
+            else if (grouped)
                 OP(d, matmul_grouped, .y = y, .x = x, .W = W, .wdt = DS4_BF16, .wstride = nw, .off = doff, .E = E,
                    .rows = M_ROWS, .K = K_DIM, .O = N_COLS, .bf16_in = 1);
             else
@@ -136,7 +152,14 @@ int main(void) {
                       (long long)(blocks[b][0] + blocks[b][1]), M_ROWS, K_DIM, N_COLS, K_DIM, (long long)bad,
                       (long long)(blocks[b][1] * N_COLS));
             }
-            for (int i = 0; i < 4 && grouped; i++) {
+            for (int i = 0; i < 6 && grouped == 2; i++) {
+                const int64_t bad = differ(full + brow[i / 2] * 2 * N_COLS + (i % 2) * N_COLS, bref + i * N_COLS,
+                                           N_COLS);
+                CHECK(bad == 0, "pipe shape %d (%d: wgmma): row %lld of group %d of the batched product differs from "
+                      "the row alone in %lld of %d values", v, nv, (long long)brow[i / 2], i % 2, (long long)bad,
+                      N_COLS);
+            }
+            for (int i = 0; i < 4 && grouped == 1; i++) {
                 const int64_t bad = differ(full + grow[i] * N_COLS, gref + i * N_COLS, N_COLS);
                 CHECK(bad == 0, "pipe shape %d (%d: wgmma): row %lld (expert %lld) of the grouped product differs from the row "
                       "alone in %lld of %d values", v, nv, (long long)grow[i], (long long)gexp[i], (long long)bad, N_COLS);
@@ -149,7 +172,7 @@ int main(void) {
     printf("test_cuda_gemm_bits: %d pipelined tile shapes and the wgmma kernel against the skinny and tiled kernels\n",
            nv);
     for (int b = 0; b < 4; b++) free(ref[b]);
-    free(gref), free(hx), free(hw), free(full);
+    free(gref), free(bref), free(hx), free(hw), free(full);
     base->ops->free(base, x), base->ops->free(base, y), base->ops->free(base, W), base->ops->free(base, doff);
     base->ops->free(base, yalone);
     ds4_dev_release(base);
