@@ -16,7 +16,9 @@
 // may scale x's rows as it reads them, and at most 24 over aligned rows its cp.async-staged twin); for bf16
 // products that fill the GPU, a pipelined one (cp.async stages) over a bf16 copy of x made first (rows_to_bf16: the
 // same rounding every kernel applies as it reads x); "skinny" ones for at most 16 rows, one warp (bf16) or one block
-// (fp32) per (column tile, slice), streaming W from global memory. bench/bench_gemm_gpu times them against cuBLAS.
+// (fp32) per (column tile, slice), streaming W from global memory; on a device of compute capability 9.0 the products
+// the pipelined kernel would take go to Hopper's wgmma instead (cuda_gemm_wgmma.cu: the same k-slots, so the same
+// bits). bench/bench_gemm_gpu times them against cuBLAS.
 #include <cstdio>
 #include <cstring>
 
@@ -775,7 +777,6 @@ bool aligned(const void *p, size_t to) { return ((uintptr_t)p % to) == 0; }
 struct pipe_cfg;
 struct plan {
     bool skinny;
-    bool wg;              // the wgmma kernel (cuda_gemm_wgmma.cu)
     const pipe_cfg *pipe; // the pipelined kernel's shape, or NULL
     int va, vb;
     int64_t G, cols;
@@ -965,16 +966,15 @@ void gemm(ds4_dev *d, const char *op, gemm_args a, ds4_dtype wdt, ds4_dtype mode
     p.va = (int)(aligned(a.x, 16) && a.ldx % 4 == 0 && a.gx % 4 == 0);
     p.vb = fp4 ? (int)(aligned(a.W, 4) && a.ldw % 8 == 0 && a.gw % 8 == 0 && a.wstride % 8 == 0)
                : (int)(aligned(a.W, 16) && a.ldw % 8 == 0 && a.gw % 8 == 0 && a.wstride % 8 == 0);
-    /* the pipelined kernel reads x rounded to bf16 once, here, into scratch slot 2 (rows padded to 8 values: 16-byte
-     * aligned rows for cp.async; the padding is never read) */
     /* on Hopper: the wgmma kernel over x rounded to bf16 in its k-slot order (scratch slot 2, rows of K rounded up to
-     * 32 values, zeros past K) */
-    p.wg = !fp4 && mode == DS4_BF16 && !p.skinny && p.vb &&
-           full_wave(cd, a, p.G, DS4_WG_TILE_M, DS4_WG_TILE_N) && wgmma_ready(cd);
-    if (p.wg) {
+     * 32 values, zeros past K); the copy engine's coordinates are 32-bit */
+    if (!fp4 && mode == DS4_BF16 && !p.skinny && p.vb && p.G * a.M < INT32_MAX && a.K < INT32_MAX - 64 &&
+        a.N < INT32_MAX && full_wave(cd, a, p.G, DS4_WG_TILE_M, DS4_WG_TILE_N) && wgmma_ready(cd)) {
         launch_wgmma(d, op, a, p.G);
         return;
     }
+    /* the pipelined kernel reads x rounded to bf16 once, here, into scratch slot 2 (rows padded to 8 values: 16-byte
+     * aligned rows for cp.async; the padding is never read) */
     p.pipe = !fp4 && mode == DS4_BF16 && !p.skinny && p.vb ? pipe_ready(cd) : nullptr;
     if (p.pipe && !full_wave(cd, a, p.G, p.pipe->BM, p.pipe->BN)) p.pipe = nullptr; // too few tiles: the tiled kernel
     if (p.pipe && !x_to_bf16(d, op, a, p.G)) return;

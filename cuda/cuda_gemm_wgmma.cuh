@@ -32,8 +32,9 @@ constexpr int DS4_WG_TILE_N = 128, DS4_WG_TILE_M = 128;
 // once per backend) and the kernel's shared memory limit raised on the current device.
 size_t ds4_cuda_wgmma_smem(void);
 cudaError_t ds4_cuda_wgmma_prepare(void **encode);
-// Enqueue the product on `stream` as `blocks` blocks (one per SM at most: each loops over output tiles). cudaErrorInvalidValue where the operands cannot be described to the copy engine (nothing launched);
-// otherwise the launch's error, if any, left set for the caller's check (cudaPeekAtLastError).
+// Enqueue the product on `stream` as `blocks` blocks (one per SM at most: each loops over output tiles).
+// cudaErrorInvalidValue where the operands cannot be described to the copy engine (nothing launched); otherwise the
+// launch's error, if any, left set for the caller's check (cudaPeekAtLastError).
 cudaError_t ds4_cuda_wgmma_launch(const ds4d_wg_args &a, int blocks, cudaStream_t stream, void *encode);
 
 #endif

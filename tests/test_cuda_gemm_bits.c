@@ -147,8 +147,8 @@ int main(void) {
             download(d, full, y, (size_t)ny * 4);
             for (int b = 0; b < 4 && !grouped; b++) {
                 const int64_t bad = differ(full + blocks[b][0] * N_COLS, ref[b], blocks[b][1] * N_COLS);
-                CHECK(bad == 0, "pipe shape %d (%d: wgmma): rows [%lld, %lld) of the [%d x %d] x [%d x %d]^T product differ from "
-                      "the same rows alone in %lld of %lld values", v, nv, (long long)blocks[b][0],
+                CHECK(bad == 0, "pipe shape %d (%d: wgmma): rows [%lld, %lld) of the [%d x %d] x [%d x %d]^T "
+                      "product differ from the same rows alone in %lld of %lld values", v, nv, (long long)blocks[b][0],
                       (long long)(blocks[b][0] + blocks[b][1]), M_ROWS, K_DIM, N_COLS, K_DIM, (long long)bad,
                       (long long)(blocks[b][1] * N_COLS));
             }
@@ -161,8 +161,9 @@ int main(void) {
             }
             for (int i = 0; i < 4 && grouped == 1; i++) {
                 const int64_t bad = differ(full + grow[i] * N_COLS, gref + i * N_COLS, N_COLS);
-                CHECK(bad == 0, "pipe shape %d (%d: wgmma): row %lld (expert %lld) of the grouped product differs from the row "
-                      "alone in %lld of %d values", v, nv, (long long)grow[i], (long long)gexp[i], (long long)bad, N_COLS);
+                CHECK(bad == 0, "pipe shape %d (%d: wgmma): row %lld (expert %lld) of the grouped product differs "
+                      "from the row alone in %lld of %d values", v, nv, (long long)grow[i], (long long)gexp[i],
+                      (long long)bad, N_COLS);
             }
         }
         ds4_dev_release(d);
