@@ -92,7 +92,16 @@ static void bplan(bwd *b, ds4_arena *a) {
     b->dpool = ds4_arena_take(a, B * S * dk, 4);
     b->dC = ds4_arena_take(a, T * 2 * dk, 4);
     b->dZ = ds4_arena_take(a, T * 2 * dk, 4);
-    b->maxk = (int64_t)(win + S);
+    /* P and DS rows hold the longest key list of any block: the window, then every causal entry (HCA) or every
+     * pick (CSA); at most win + S, but the picks and the heavily compressed entries are far fewer (599M config, S
+     * 1024: 384 keys instead of 1152, 0.8 GiB less at 8 × 1024) */
+    size_t ents = 0;
+    for (int64_t li = 0; li < c->num_hidden_layers; li++) {
+        const ds4_attn_type ty = c->layer_types[li];
+        ents = zmax(ents, ty == DS4_ATTN_HCA ? S / (size_t)c->compress_rate_hca
+                          : ty == DS4_ATTN_CSA ? (size_t)b->tp->sel_stride : 0);
+    }
+    b->maxk = (int64_t)(win + ents);
     b->P = ds4_arena_take(a, T * H * (size_t)b->maxk, 4);
     b->DS = ds4_arena_take(a, T * H * (size_t)b->maxk, 4);
     b->dsink_t = ds4_arena_take(a, T * H, 4);

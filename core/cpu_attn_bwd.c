@@ -87,6 +87,16 @@ static void attn_q_range(const ds4_cpu *cpu, const void *p, int64_t b, int64_t e
 void ds4_cpu_attn_bwd_q(ds4_dev *d, const ds4_a_attn_bwd *a) {
     const ds4_cpu *cpu = ds4_cpu_of(d);
     attn_q_job job = {a, NULL, 0};
+    /* the longest key list (the window, then every causal entry or every pick) must fit the P / DS rows */
+    const ds4_config *c = a->c;
+    const int64_t win = c->sliding_window < a->S ? c->sliding_window : a->S;
+    const int64_t kmax = win + (a->l->type == DS4_ATTN_HCA ? a->lt->nwin
+                                : a->l->type == DS4_ATTN_CSA ? a->sel_stride : 0);
+    if (kmax > a->maxk) {
+        ds4_dev_fail(d, DS4_ERR_INTERNAL, "attn_bwd_q: %lld keys per query, the P / DS rows hold %lld",
+                     (long long)kmax, (long long)a->maxk);
+        return;
+    }
     if (a->bf16_in) {
         job.bf_stride = ds4_cpu_attn_bf16_stride(a->c, a->maxk);
         job.bf = malloc((size_t)cpu->ntask * job.bf_stride * sizeof(float));
