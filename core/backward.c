@@ -22,6 +22,7 @@ typedef struct bwd {
     ds4_dtype mdt;
     /* planned workspace (backend memory) */
     float *dX, *dXt;              /* [T, n, D] */
+    float *xmid;                  /* [T, n, D] the current block's X_mid, recomputed (block_bwd) */
     float *du, *dh, *da;          /* [T, D] */
     float *dpost, *dcomb;         /* [T, n], [T, n, n] */
     float *dmix, *xn, *dxn;       /* [T, mix], [T, n·D], [T, n·D] */
@@ -72,6 +73,7 @@ static void bplan(bwd *b, ds4_arena *a) {
     const size_t topk = (size_t)(c->index_topk < (int64_t)S ? c->index_topk : (int64_t)S);
     b->dX = ds4_arena_take(a, Tt * nD, 4);
     b->dXt = ds4_arena_take(a, Tt * nD, 4);
+    b->xmid = ds4_arena_take(a, Tt * nD, 4);
     b->du = ds4_arena_take(a, Tt * D, 4);
     b->dh = ds4_arena_take(a, T * D, 4);
     b->da = ds4_arena_take(a, T * D, 4);
@@ -434,12 +436,17 @@ static void moe_bwd(bwd *b, const ds4_layer_w *l, const ds4_layer_w *g, const ds
 static void block_bwd(bwd *b, const ds4_layer_w *l, const ds4_layer_w *g, const ds4_layer_tape *lt, float *dX) {
     const ds4_config *c = &b->m->cfg;
     const int64_t T = b->f.T, D = c->hidden_size;
+    /* X_mid, the streams between the two sites, is not on the tape (n·D floats a token, as much as X_in): the
+     * forward's hc_post again, on the same X_in, a_attn and mixing weights, gives it bit for bit */
+    float *X_mid = b->xmid;
+    OP(b->f.dev, hc_post, .c = c, .X = lt->X_in, .a = lt->a_attn, .post = lt->post_attn, .comb = lt->comb_attn,
+       .Xo = X_mid, .T = T);
     /* ffn site: X = post ⊗ a_ffn + combᵀ X_mid */
-    OP(b->f.dev, hc_post_bwd, .c = c, .w = &l->hc_ffn, .dXo = dX, .a = lt->a_ffn, .X = lt->X_mid, .dX = b->dXt,
+    OP(b->f.dev, hc_post_bwd, .c = c, .w = &l->hc_ffn, .dXo = dX, .a = lt->a_ffn, .X = X_mid, .dX = b->dXt,
        .da = b->da, .dpost = b->dpost, .dcomb = b->dcomb, .mix = lt->mix_ffn, .T = T);
     moe_bwd(b, l, g, lt);
     norm_bwd(b, b->du, 0, g->ffn_norm, b->dh, lt->u_ffn, l->ffn_norm, T, D);
-    hc_site_bwd(b, &l->hc_ffn, &g->hc_ffn, lt->X_mid, lt->mix_ffn, b->du, b->dXt);
+    hc_site_bwd(b, &l->hc_ffn, &g->hc_ffn, X_mid, lt->mix_ffn, b->du, b->dXt);
     /* attention site: X_mid = post ⊗ a_attn + combᵀ X_in */
     OP(b->f.dev, hc_post_bwd, .c = c, .w = &l->hc_attn, .dXo = b->dXt, .a = lt->a_attn, .X = lt->X_in, .dX = dX,
        .da = b->da, .dpost = b->dpost, .dcomb = b->dcomb, .mix = lt->mix_attn, .T = T);

@@ -272,8 +272,11 @@ void ds4_block(ds4_pass *f, const ds4_layer_w *l, float *X, const int64_t *ids) 
        .mix = lt ? lt->mix_attn : NULL, .T = f->T);
     if (lt) keep(f, lt->u_attn, f->u, f->T * c->hidden_size);
     attention(f, l);
+    if (lt) { /* the backward recomputes X_mid from X_in, a_attn and these (block_bwd) */
+        keep(f, lt->post_attn, f->post, f->T * c->hc_mult);
+        keep(f, lt->comb_attn, f->comb, f->T * c->hc_mult * c->hc_mult);
+    }
     OP(f->dev, hc_post, .c = c, .X = X, .a = f->a, .post = f->post, .comb = f->comb, .Xo = f->Xt, .T = f->T);
-    if (lt) keep(f, lt->X_mid, f->Xt, f->T * nD);
     OP(f->dev, hc_pre, .c = c, .w = &l->hc_ffn, .X = f->Xt, .pre = f->pre, .post = f->post, .comb = f->comb,
        .u = f->u, .mix = lt ? lt->mix_ffn : NULL, .T = f->T);
     if (lt) keep(f, lt->u_ffn, f->u, f->T * c->hidden_size);

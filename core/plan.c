@@ -253,7 +253,8 @@ static void plan_tape(const ds4_model *m, ds4_tape *tp, ds4_arena *a, int64_t B,
             lt->ew = ds4_arena_take(a, Tt * K, 4);
         }
         if (!own) continue;
-        lt->X_mid = ds4_arena_take(a, Tt * n * D, 4);
+        lt->post_attn = ds4_arena_take(a, Tt * n, 4);
+        lt->comb_attn = ds4_arena_take(a, Tt * n * n, 4);
         lt->mix_attn = ds4_arena_take(a, Tt * (2 + n) * n, 4);
         lt->mix_ffn = ds4_arena_take(a, Tt * (2 + n) * n, 4);
         lt->u_attn = ds4_arena_take(a, Tt * D, 4);

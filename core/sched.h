@@ -17,7 +17,9 @@
 
 /* Activations of one block saved by a training forward (T = B·S rows). */
 typedef struct ds4_layer_tape {
-    float *X_in, *X_mid;          /* [T, n, D] streams entering the block / after the attention site */
+    float *X_in;                  /* [T, n, D] streams entering the block (those after the attention site, X_mid,
+                                     are recomputed from X_in, a_attn and the two below) */
+    float *post_attn, *comb_attn; /* [T, n], [T, n, n] the attention site's mixing weights */
     float *mix_attn, *mix_ffn;    /* [T, (2 + n)·n] the mixing logits of the two mHC sites (hc_pre's mix) */
     float *u_attn, *h_attn;       /* [T, D] collapsed input, after attn_norm */
     float *qa, *qr;               /* [T, q_lora] before / after q_norm */
