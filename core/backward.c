@@ -157,17 +157,35 @@ static const void *wat(const float *W, ds4_dtype dt, int64_t off) {
 
 /* Backward of y = x Wᵀ over T rows: dx = dy W (added when acc, else written; dx may be NULL) and dW += dyᵀ x
  * (dW may be NULL). M: W is an M matrix (held in mdt; the bf16 mode rounds the products' operands), else fp32. */
-static void lin_bwd(bwd *b, float *dx, int64_t lddx, int acc, float *dW, const float *dy, int64_t ldy, const float *x,
-                    int64_t ldx, const void *W, int M, int64_t T, int64_t K, int64_t O) {
+/* x of a product: fp32, or bf16 bits (h, a tape input kept as the bf16 products round it: sched.h) */
+typedef struct { const float *f; const uint16_t *h; } prod_x;
+
+/* The tape input p (h_attn, qr, o, y; sched.h) from element k on, in the dtype the tape keeps it in. */
+static prod_x tape_x(const bwd *b, const void *p, int64_t k) {
+    return b->tp->x16 ? (prod_x){NULL, (const uint16_t *)p + k} : (prod_x){(const float *)p + k, NULL};
+}
+
+static void lin_bwd_px(bwd *b, float *dx, int64_t lddx, int acc, float *dW, const float *dy, int64_t ldy, prod_x x,
+                      int64_t ldx, const void *W, int M, int64_t T, int64_t K, int64_t O) {
     if (T <= 0) return;
     const ds4_dtype wdt = M ? b->mdt : DS4_F32;
     const int bf16_in = M && b->f.w->bf16_in;
     if (dx)
         OP(b->f.dev, linear_bwd_x, .dx = dx, .lddx = lddx, .acc = acc, .dy = dy, .ldy = ldy, .W = W, .wdt = wdt, .T = T,
            .K = K, .O = O, .bf16_in = bf16_in);
+    if (dW && x.h && !bf16_in) { /* the tape rounds only for the bf16 products (plan.c) */
+        ds4_dev_fail(b->f.dev, DS4_ERR_INTERNAL, "backward: a bf16 tape input of an fp32 product [%lld x %lld]",
+                     (long long)T, (long long)K);
+        return;
+    }
     if (dW)
-        OP(b->f.dev, linear_bwd_w, .dW = dW, .dy = dy, .ldy = ldy, .x = x, .ldx = ldx, .T = T, .K = K, .O = O,
-           .wdt = wdt, .bf16_in = bf16_in, .any_order = !M && b->f.w->bf16_in, .dy_kept = dx != NULL);
+        OP(b->f.dev, linear_bwd_w, .dW = dW, .dy = dy, .ldy = ldy, .x = x.f, .x16 = x.h, .ldx = ldx, .T = T, .K = K,
+           .O = O, .wdt = wdt, .bf16_in = bf16_in, .any_order = !M && b->f.w->bf16_in, .dy_kept = dx != NULL);
+}
+
+static void lin_bwd(bwd *b, float *dx, int64_t lddx, int acc, float *dW, const float *dy, int64_t ldy, const float *x,
+                    int64_t ldx, const void *W, int M, int64_t T, int64_t K, int64_t O) {
+    lin_bwd_px(b, dx, lddx, acc, dW, dy, ldy, (prod_x){x, NULL}, ldx, W, M, T, K, O);
 }
 
 /* dst += the column sums of src (dst NULL: a frozen weight, nothing to compute) */
@@ -231,8 +249,9 @@ static void comp_bwd(bwd *b, const ds4_compressor_w *w, const ds4_compressor_w *
     ds4_dev_fill(dev, b->dZ, 0, (size_t)(T * w->width) * sizeof(float));
     OP(dev, comp_bwd, .c = c, .w = w, .overlap = overlap, .C = C, .Z = Z, .dpool = b->dpool, .dC = b->dC, .dZ = b->dZ,
        .gape = g->ape, .B = B, .S = S, .nwin = nwin);
-    lin_bwd(b, want_dh ? b->dh : NULL, D, 1, g->wkv, b->dC, w->width, lt->h_attn, D, w->wkv, 1, T, D, w->width);
-    lin_bwd(b, want_dh ? b->dh : NULL, D, 1, g->wgate, b->dZ, w->width, lt->h_attn, D, w->wgate, 1, T, D, w->width);
+    const prod_x h = tape_x(b, lt->h_attn, 0);
+    lin_bwd_px(b, want_dh ? b->dh : NULL, D, 1, g->wkv, b->dC, w->width, h, D, w->wkv, 1, T, D, w->width);
+    lin_bwd_px(b, want_dh ? b->dh : NULL, D, 1, g->wgate, b->dZ, w->width, h, D, w->wgate, 1, T, D, w->width);
 }
 
 /* The indexer KL loss's backward for one CSA layer (after the attention backward built the inverse pick lists):
@@ -270,13 +289,13 @@ static void indexer_kl_bwd(bwd *b, const ds4_layer_w *l, const ds4_layer_w *g, c
            .q = rot);
     }
     rope_bwd(b, b->diq, nI, cI, &b->f.rcomp, 1);
-    lin_bwd(b, NULL, qr, 0, g->idx_wq_b, b->diq, nI * cI, lt->qr, qr, l->idx_wq_b, 1, T, qr, nI * cI);
+    lin_bwd_px(b, NULL, qr, 0, g->idx_wq_b, b->diq, nI * cI, tape_x(b, lt->qr, 0), qr, l->idx_wq_b, 1, T, qr, nI * cI);
     ds4_lora_bwd(&b->lc, l->lora, DS4_LORA_AB(l->lora, idx_wq_b), DS4_LORA_AB(g->lora, idx_wq_b), NULL, 0, b->diq,
-                 nI * cI, lt->qr, qr, T, qr, nI * cI);
+                 nI * cI, (const float *)lt->qr, qr, T, qr, nI * cI);
     OP(dev, scale, .x = b->diw, .n = T * nI, .s = 1.0f / sqrtf((float)nI)); /* ω = weights_proj(h) · n_I^-1/2 */
-    lin_bwd(b, NULL, D, 0, g->idx_weights, b->diw, nI, lt->h_attn, D, l->idx_weights, 1, T, D, nI);
+    lin_bwd_px(b, NULL, D, 0, g->idx_weights, b->diw, nI, tape_x(b, lt->h_attn, 0), D, l->idx_weights, 1, T, D, nI);
     ds4_lora_bwd(&b->lc, l->lora, DS4_LORA_AB(l->lora, idx_weights), DS4_LORA_AB(g->lora, idx_weights), NULL, 0,
-                 b->diw, nI, lt->h_attn, D, T, D, nI);
+                 b->diw, nI, (const float *)lt->h_attn, D, T, D, nI);
     comp_bwd(b, &l->idx_comp, &g->idx_comp, lt, lt->iC, lt->iZ, lt->ipool, 1, 0);
 }
 
@@ -289,13 +308,13 @@ static void attention_bwd_rows(bwd *b, const ds4_layer_w *l, const ds4_layer_w *
     const ds4_rope_table *rt = l->type == DS4_ATTN_SLIDING ? &b->f.rmain : &b->f.rcomp;
     ds4_dev *dev = b->f.dev;
     const ds4_lora_layer *lo = l->lora, *go = g->lora;
-    lin_bwd(b, b->dy, G * ol, 0, g->wo_b, b->da, D, lt->y, G * ol, l->wo_b, 1, T, G * ol, D);
-    ds4_lora_bwd(&b->lc, lo, DS4_LORA_AB(lo, wo_b), DS4_LORA_AB(go, wo_b), b->dy, G * ol, b->da, D, lt->y, G * ol, T,
-                 G * ol, D);
+    lin_bwd_px(b, b->dy, G * ol, 0, g->wo_b, b->da, D, tape_x(b, lt->y, 0), G * ol, l->wo_b, 1, T, G * ol, D);
+    ds4_lora_bwd(&b->lc, lo, DS4_LORA_AB(lo, wo_b), DS4_LORA_AB(go, wo_b), b->dy, G * ol, b->da, D,
+                 (const float *)lt->y, G * ol, T, G * ol, D);
     for (int64_t k = 0; k < G; k++)
-        lin_bwd(b, b->do_ + k * gw, H * d, 0, g->wo_a ? g->wo_a + k * ol * gw : NULL, b->dy + k * ol, G * ol,
-                lt->o + k * gw, H * d, wat(l->wo_a, b->mdt, k * ol * gw), 1, T, gw, ol);
-    ds4_lora_bwd_wo_a(&b->lc, c, lo, go, b->do_, b->dy, lt->o, T);
+        lin_bwd_px(b, b->do_ + k * gw, H * d, 0, g->wo_a ? g->wo_a + k * ol * gw : NULL, b->dy + k * ol, G * ol,
+                   tape_x(b, lt->o, k * gw), H * d, wat(l->wo_a, b->mdt, k * ol * gw), 1, T, gw, ol);
+    ds4_lora_bwd_wo_a(&b->lc, c, lo, go, b->do_, b->dy, (const float *)lt->o, T);
     rope_bwd(b, b->do_, H, d, rt, -1); /* the output was de-rotated */
     const ds4_a_attn_bwd ab = {.c = c, .l = l, .lt = lt, .B = b->f.B, .S = S, .sel_stride = b->tp->sel_stride,
                                .dout = b->do_, .P = b->P, .DS = b->DS, .maxk = b->maxk, .dsink_t = b->dsink_t,
@@ -316,17 +335,19 @@ static void attention_bwd_rows(bwd *b, const ds4_layer_w *l, const ds4_layer_w *
     /* window keys: RoPE, kv_norm, wkv */
     rope_bwd(b, b->dkv, 1, d, rt, 1);
     norm_bwd(b, b->dkv, 0, g->kv_norm, b->dkv, lt->kv_pre, l->kv_norm, T, d);
-    lin_bwd(b, b->dh, D, 1, g->wkv, b->dkv, d, lt->h_attn, D, l->wkv, 1, T, D, d);
-    ds4_lora_bwd(&b->lc, lo, DS4_LORA_AB(lo, wkv), DS4_LORA_AB(go, wkv), b->dh, D, b->dkv, d, lt->h_attn, D, T, D, d);
+    lin_bwd_px(b, b->dh, D, 1, g->wkv, b->dkv, d, tape_x(b, lt->h_attn, 0), D, l->wkv, 1, T, D, d);
+    ds4_lora_bwd(&b->lc, lo, DS4_LORA_AB(lo, wkv), DS4_LORA_AB(go, wkv), b->dh, D, b->dkv, d,
+                 (const float *)lt->h_attn, D, T, D, d);
     /* queries: RoPE, per-head RMS, wq_b, q_norm, wq_a */
     rope_bwd(b, b->dq, H, d, rt, 1);
     norm_bwd(b, b->dq, 0, NULL, b->dq, lt->q_pre, NULL, T * H, d);
-    lin_bwd(b, b->dqa, qr, 0, g->wq_b, b->dq, H * d, lt->qr, qr, l->wq_b, 1, T, qr, H * d);
-    ds4_lora_bwd(&b->lc, lo, DS4_LORA_AB(lo, wq_b), DS4_LORA_AB(go, wq_b), b->dqa, qr, b->dq, H * d, lt->qr, qr, T, qr,
-                 H * d);
+    lin_bwd_px(b, b->dqa, qr, 0, g->wq_b, b->dq, H * d, tape_x(b, lt->qr, 0), qr, l->wq_b, 1, T, qr, H * d);
+    ds4_lora_bwd(&b->lc, lo, DS4_LORA_AB(lo, wq_b), DS4_LORA_AB(go, wq_b), b->dqa, qr, b->dq, H * d,
+                 (const float *)lt->qr, qr, T, qr, H * d);
     norm_bwd(b, b->dqa, 0, g->q_norm, b->dqa, lt->qa, l->q_norm, T, qr);
-    lin_bwd(b, b->dh, D, 1, g->wq_a, b->dqa, qr, lt->h_attn, D, l->wq_a, 1, T, D, qr);
-    ds4_lora_bwd(&b->lc, lo, DS4_LORA_AB(lo, wq_a), DS4_LORA_AB(go, wq_a), b->dh, D, b->dqa, qr, lt->h_attn, D, T, D, qr);
+    lin_bwd_px(b, b->dh, D, 1, g->wq_a, b->dqa, qr, tape_x(b, lt->h_attn, 0), D, l->wq_a, 1, T, D, qr);
+    ds4_lora_bwd(&b->lc, lo, DS4_LORA_AB(lo, wq_a), DS4_LORA_AB(go, wq_a), b->dh, D, b->dqa, qr,
+                 (const float *)lt->h_attn, D, T, D, qr);
 }
 
 /* Attention sub-layer backward. With context parallelism (cp.c) the ranks' output gradients are gathered, every rank

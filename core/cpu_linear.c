@@ -29,6 +29,18 @@ static const float *bf16_copy(ds4_dev *d, const char *op, int on, const float *x
     return *own = c;
 }
 
+/* The `span` bf16 values from x16 as floats (a new block the caller frees; NULL, failure recorded on d, when it
+ * cannot be allocated): the values bf16_copy gives for the floats x16 was rounded from. */
+static const float *bf16_expand(ds4_dev *d, const char *op, const uint16_t *x16, int64_t span, float **own) {
+    float *c = malloc((size_t)(span > 0 ? span : 1) * sizeof(float));
+    if (!c) {
+        ds4_dev_fail(d, DS4_ERR_OOM, "%s: bf16 operand copy of %lld floats", op, (long long)span);
+        return *own = NULL;
+    }
+    for (int64_t i = 0; i < span; i++) c[i] = ds4_bf16_to_f32(x16[i]);
+    return *own = c;
+}
+
 /* fp4: the operation also takes FP4-resident weights (the routed experts' forward and input gradient) */
 static void check_wdt(ds4_dev *d, const char *op, ds4_dtype wdt, int fp4) {
     if (wdt != DS4_F32 && !(fp4 && wdt == DS4_FP4_PACKED))
@@ -147,7 +159,10 @@ void ds4_cpu_linear_bwd_w(ds4_dev *d, const ds4_a_linear_bwd_w *a) {
     const int on = a->bf16_in || a->wdt == DS4_BF16;
     float *own_dy, *own_x = NULL;
     const float *dy = bf16_copy(d, "linear_bwd_w", on, a->dy, (a->T - 1) * a->ldy + a->O, &own_dy);
-    const float *x = d->st ? NULL : bf16_copy(d, "linear_bwd_w", on, a->x, (a->T - 1) * a->ldx + a->K, &own_x);
+    const int64_t xspan = (a->T - 1) * a->ldx + a->K;
+    const float *x = d->st                   ? NULL
+                     : a->x16 && a->bf16_in ? bf16_expand(d, "linear_bwd_w", a->x16, xspan, &own_x)
+                                            : bf16_copy(d, "linear_bwd_w", on, a->x, xspan, &own_x);
     if (!d->st) {
         const ds4_gemm g = bwd_w(a->dW, dy, a->ldy, x, a->ldx, a->T, a->K, a->O);
         run(ds4_cpu_of(d), &g, 1);

@@ -19,6 +19,13 @@ static void keep(ds4_pass *f, float *dst, const float *src, int64_t n) {
     if (dst) ds4_dev_copy(f->dev, dst, src, (size_t)n * sizeof(float));
 }
 
+/* keep an input of bf16 products only (sched.h): rounded to bf16 as they round it (tape x16), else in fp32 */
+static void keep_x(ds4_pass *f, void *dst, const float *src, int64_t n) {
+    if (!dst) return;
+    if (f->tape->x16) OP(f->dev, to_bf16, .dst = dst, .src = src, .n = n);
+    else keep(f, dst, src, n);
+}
+
 /* M: W is an M matrix (held in the views' mdt; its product rounds x to bf16 in the bf16 mode), else an fp32 weight */
 static void matmul(ds4_pass *f, float *y, const float *x, const void *W, int M, int64_t T, int64_t K, int64_t O) {
     OP(f->dev, matmul, .y = y, .ldy = O, .x = x, .ldx = K, .W = W, .wdt = M ? f->w->mdt : DS4_F32, .T = T, .K = K,
@@ -121,14 +128,14 @@ static void attention_rows(ds4_pass *f, const ds4_layer_w *l) {
     matmul(f, f->qr, f->h, l->wq_a, 1, T, D, qr);
     ds4_lora_fwd(f, lo, DS4_LORA_AB(lo, wq_a), f->qr, qr, f->h, D, T, D, qr);
     if (lt) {
-        keep(f, lt->h_attn, f->h, T * D);
+        keep_x(f, lt->h_attn, f->h, T * D);
         keep(f, lt->qa, f->qr, T * qr);
     }
     norm(f, f->qr, f->qr, l->q_norm, T, qr);
     matmul(f, f->q, f->qr, l->wq_b, 1, T, qr, H * d);
     ds4_lora_fwd(f, lo, DS4_LORA_AB(lo, wq_b), f->q, H * d, f->qr, qr, T, qr, H * d);
     if (lt) {
-        keep(f, lt->qr, f->qr, T * qr);
+        keep_x(f, lt->qr, f->qr, T * qr);
         keep(f, lt->q_pre, f->q, T * H * d);
     }
     norm(f, f->q, f->q, NULL, T * H, d); /* per-head unweighted RMS */
@@ -162,7 +169,7 @@ static void attention_rows(ds4_pass *f, const ds4_layer_w *l) {
             ds4_dev_copy(f->dev, lt->sel, f->sel, (size_t)(T * f->sel_stride) * sizeof(int32_t));
             ds4_dev_copy(f->dev, lt->nsel, f->nsel, (size_t)T * sizeof(int32_t));
         }
-        keep(f, lt->o, f->o, T * H * d);
+        keep_x(f, lt->o, f->o, T * H * d);
     }
     /* grouped output projection: group g = heads [g·H/G, (g+1)·H/G) → o_lora values */
     const int64_t G = c->o_groups, ol = c->o_lora_rank, gw = H * d / G;
@@ -171,7 +178,7 @@ static void attention_rows(ds4_pass *f, const ds4_layer_w *l) {
     ds4_lora_fwd_wo_a(f, lo, f->y, f->o, T);
     matmul(f, f->a, f->y, l->wo_b, 1, T, G * ol, D);
     ds4_lora_fwd(f, lo, DS4_LORA_AB(lo, wo_b), f->a, D, f->y, G * ol, T, G * ol, D);
-    if (lt) keep(f, lt->y, f->y, T * G * ol);
+    if (lt) keep_x(f, lt->y, f->y, T * G * ol);
 }
 
 /* The attention sub-layer on f->u (collapsed input): result in f->a. With context parallelism the ranks' inputs are

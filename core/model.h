@@ -159,6 +159,8 @@ struct ds4_model {
     int64_t qblock[2];                   /* the checkpoint's FP8 block (rows, cols), for saving FP8 tensors again */
     ds4_weights w;                       /* views into params / tid2eid_all */
     int32_t emulate_bf16;                /* w.bf16_in on the CPU: ds4_model_emulate_bf16 */
+    int32_t tape_f32;                    /* tests: the tape keeps its bf16 products' inputs in fp32 too (sched.h,
+                                            ds4_tape.x16 off), the layout the bf16 one must match bit for bit */
     int32_t kv_qat;                      /* the FP8 KV quantisation-aware option: ds4_model_set_kv_qat */
     /* the backend the model computes on (docs/design.md): the CPU backend on the engine's pool, or CUDA */
     struct ds4_dev *dev;

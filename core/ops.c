@@ -129,7 +129,11 @@ static double op_bytes(ds4_op_id op, const void *args) {
     }
     case DS4_OP_linear_bwd_w: {
         const ds4_a_linear_bwd_w *a = args;
-        return (double)a->T * (a->K + a->O) * F4 + 2.0 * a->O * a->K * F4;
+        return (double)a->T * (a->K * (a->x16 ? 2.0 : F4) + a->O * F4) + 2.0 * a->O * a->K * F4;
+    }
+    case DS4_OP_to_bf16: {
+        const ds4_a_to_bf16 *a = args;
+        return (double)a->n * (F4 + 2.0);
     }
     default:
         return 0; /* small or data-dependent: time and calls only */

@@ -148,6 +148,9 @@ typedef struct { float *x; int64_t rows, width, groups, gstride; ds4_fq q; } ds4
 typedef struct { int32_t *dst; int64_t ld; const int32_t *sel, *nsel; int64_t sel_stride, K, T; } ds4_a_record_picks;
 /* row r of dst (byte stride ldd) = row r of src (byte stride lds), row_bytes each */
 typedef struct { void *dst; int64_t ldd; const void *src; int64_t lds, rows, row_bytes; } ds4_a_copy_rows;
+/* dst[i] = src[i] rounded to bf16 to nearest even (bf16 bits), the rounding bf16_in applies to a product's input: the
+ * tape's copy of an input that only bf16 products read (sched.h, x16) */
+typedef struct { uint16_t *dst; const float *src; int64_t n; } ds4_a_to_bf16;
 
 /* Router: scores s = score_func(logits) in place, top-K of s + bias (hash layers: tid2eid[ids[t]]; replay rows
  * whose first value is >= 0), weights w_k = rsf · s_k / (Σ s + 1e-20).  s [T, E], eidx / ew [T, K] */
@@ -210,6 +213,7 @@ typedef struct {
 } ds4_a_linear_bwd_x;
 typedef struct {
     float *dW; const float *dy; int64_t ldy; const float *x; int64_t ldx, T, K, O; ds4_dtype wdt; int bf16_in;
+    const uint16_t *x16; /* bf16_in only: x already rounded (bf16 bits, row stride ldx), read instead of x */
     int any_order; /* an fp32 product (wdt F32, no bf16_in) that may sum in another fixed order than the reference's
                     * (the bf16 mode's fp32 weights, whose bits no test pins): CUDA takes cuBLAS's fp32 GEMM */
     int dy_kept;   /* the schedule's word that this op directly follows a linear_bwd_x of the same dy (dy, ldy, T, O)
@@ -331,8 +335,9 @@ typedef struct { void *dst; const float *src; const ds4_cast_entry *e; int64_t n
 /* X(name): the operations, in the order the profiler lists them when tied. */
 #define DS4_OPS(X)                                                                                              \
     X(embed) X(hc_pre) X(hc_post) X(hyperhead) X(rmsnorm) X(matmul) X(matmul_grouped) X(rope) X(compress)        \
-    X(indexer) X(attention) X(cache_commit) X(scale) X(fake_quant) X(record_picks) X(copy_rows) X(route) X(count_loads)        \
-    X(moe_sort) X(gather_rows) X(scatter_rows) X(add_rows) X(moe_weigh) X(swiglu) X(moe_combine) X(add_bcast)    \
+    X(indexer) X(attention) X(cache_commit) X(scale) X(fake_quant) X(record_picks) X(copy_rows) X(to_bf16)        \
+    X(route) X(count_loads) X(moe_sort) X(gather_rows) X(scatter_rows) X(add_rows) X(moe_weigh) X(swiglu)        \
+    X(moe_combine) X(add_bcast)                                                                                  \
     X(ce_rows) X(logprobs) X(ikl) X(sample)                                                                       \
     X(logp_bwd) X(linear_bwd_x) X(linear_bwd_w) X(linear_bwd_x_grouped) X(linear_bwd_w_grouped) X(norm_bwd)      \
     X(hc_pre_bwd) X(hc_post_bwd) X(hyperhead_bwd) X(colsum_add) X(attn_bwd_q) X(attn_bwd_kv) X(attn_bwd_entry)   \

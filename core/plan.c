@@ -221,6 +221,9 @@ static void plan_tape(const ds4_model *m, ds4_tape *tp, ds4_arena *a, int64_t B,
     tp->with_ikl = m->topt.indexer_kl > 0;
     tp->sel_stride = (int64_t)selw;
     tp->recompute = m->topt.recompute != 0;
+    /* bf16 copies of the bf16 products' inputs (sched.h); LoRA's products read them in fp32 */
+    tp->x16 = m->dw->bf16_in && !m->lora && !m->tape_f32;
+    const size_t xs = tp->x16 ? 2 : 4;
     /* With recomputation the main blocks share one set of activation slots (sized for the widest layer type present),
      * which the backward refills block by block; each block keeps its own input streams and decisions. The MTP block
      * keeps its own slots. */
@@ -258,9 +261,9 @@ static void plan_tape(const ds4_model *m, ds4_tape *tp, ds4_arena *a, int64_t B,
         lt->mix_attn = ds4_arena_take(a, Tt * (2 + n) * n, 4);
         lt->mix_ffn = ds4_arena_take(a, Tt * (2 + n) * n, 4);
         lt->u_attn = ds4_arena_take(a, Tt * D, 4);
-        lt->h_attn = ds4_arena_take(a, T * D, 4);
+        lt->h_attn = ds4_arena_take(a, T * D, xs);
         lt->qa = ds4_arena_take(a, T * qr, 4);
-        lt->qr = ds4_arena_take(a, T * qr, 4);
+        lt->qr = ds4_arena_take(a, T * qr, xs);
         lt->q_pre = ds4_arena_take(a, T * H * d, 4);
         lt->q = ds4_arena_take(a, T * H * d, 4);
         lt->kv_pre = ds4_arena_take(a, T * d, 4);
@@ -278,8 +281,8 @@ static void plan_tape(const ds4_model *m, ds4_tape *tp, ds4_arena *a, int64_t B,
         lt->iZ = ikl ? ds4_arena_take(a, T * 2 * cI, 4) : NULL;
         lt->ipool = ikl ? ds4_arena_take(a, T * cI, 4) : NULL;
         lt->itgt = ikl ? ds4_arena_take(a, T * selw, 4) : NULL;
-        lt->o = ds4_arena_take(a, T * H * d, 4);
-        lt->y = ds4_arena_take(a, T * (size_t)(c->o_groups * c->o_lora_rank), 4);
+        lt->o = ds4_arena_take(a, T * H * d, xs);
+        lt->y = ds4_arena_take(a, T * (size_t)(c->o_groups * c->o_lora_rank), xs);
         lt->a_attn = ds4_arena_take(a, Tt * D, 4);
         lt->u_ffn = ds4_arena_take(a, Tt * D, 4);
         lt->h_ffn = ds4_arena_take(a, Tt * D, 4);

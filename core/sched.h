@@ -21,16 +21,21 @@ typedef struct ds4_layer_tape {
                                      are recomputed from X_in, a_attn and the two below) */
     float *post_attn, *comb_attn; /* [T, n], [T, n, n] the attention site's mixing weights */
     float *mix_attn, *mix_ffn;    /* [T, (2 + n)·n] the mixing logits of the two mHC sites (hc_pre's mix) */
-    float *u_attn, *h_attn;       /* [T, D] collapsed input, after attn_norm */
-    float *qa, *qr;               /* [T, q_lora] before / after q_norm */
+    /* h_attn, qr, o and y are read by the backward only as inputs of bf16 products (their weights' gradients): in
+     * the bf16 mode without LoRA (ds4_tape.x16) they are kept as those products round them, in bf16 (uint16_t),
+     * half the bytes and the same bits; else in fp32 */
+    float *u_attn;                /* [T, D] collapsed input */
+    void *h_attn;                 /* [T, D] after attn_norm */
+    float *qa;                    /* [T, q_lora] before q_norm */
+    void *qr;                     /* [T, q_lora] after q_norm */
     float *q_pre, *q;             /* [T, H·d] before the per-head RMS / after RoPE */
     float *kv_pre, *kv;           /* [T, d] before kv_norm / after RoPE */
     float *cC, *cZ;               /* [T, width] compressor projections */
     float *pool, *cK;             /* [B·S, d] pooled entries before norm / final entries */
     int64_t nwin;                 /* compressed entries per row */
     int32_t *sel, *nsel;          /* [T, sel_stride], [T]: indexer picks (CSA) */
-    float *o;                     /* [T, H·d] attention output after de-rotation */
-    float *y;                     /* [T, g·o_lora] */
+    void *o;                      /* [T, H·d] attention output after de-rotation */
+    void *y;                      /* [T, g·o_lora] */
     float *a_attn;                /* [T, D] attention sub-layer output */
     float *u_ffn, *h_ffn;         /* [T, D] */
     float *rlog, *rsc;            /* [T, E] router logits / scores */
@@ -55,6 +60,7 @@ typedef struct ds4_tape {
     int64_t B, S, T;              /* of the main forward; the MTP block runs over S-1 positions */
     int valid;                    /* a training forward filled it and no backward consumed it */
     int with_mtp;
+    int x16;                      /* the layers' h_attn, qr, o and y are in bf16 (ds4_layer_tape) */
     ds4_layer_tape *layers;       /* [L] main blocks, then [1] the MTP block (host structs, backend pointers) */
     float *X_L;                   /* [T, n, D] final streams */
     float *u_fin, *y_fin;         /* [T, D] HyperHead output / after the final norm */

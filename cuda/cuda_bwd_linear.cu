@@ -870,15 +870,19 @@ void ds4_cuda_linear_bwd_w(ds4_dev *d, const ds4_a_linear_bwd_w *a) {
     int64_t ldx = a->ldx, ldy = a->ldy;
     if (mode == DS4_BF16) {
         // dy [T, O] then x [T, K] in bf16 in slot 1; dy's copy is there already when the linear_bwd_x just before
-        // made it (dy_kept: the schedule's word that nothing wrote dy since) and slot 1 has not moved
-        auto *c = (__nv_bfloat16 *)ds4_cuda_scratch(d, (size_t)(a->T * (a->O + a->K)) * sizeof(__nv_bfloat16),
+        // made it (dy_kept: the schedule's word that nothing wrote dy since) and slot 1 has not moved; x is read
+        // where it lies when the caller has it rounded already (x16)
+        const int64_t xn = a->x16 ? 0 : a->T * a->K;
+        auto *c = (__nv_bfloat16 *)ds4_cuda_scratch(d, (size_t)(a->T * a->O + xn) * sizeof(__nv_bfloat16),
                                                     "linear_bwd_w", 1);
         const bool kept = a->dy_kept && !cd->bwd_ref && k.src == a->dy && k.rows == a->T && k.cols == a->O &&
                           k.ld == a->ldy && k.generation == cd->generation;
         if (!c || (!kept && !to_bf16(d, "linear_bwd_w", c, a->dy, a->T, a->O, a->ldy)) ||
-            !to_bf16(d, "linear_bwd_w", c + a->T * a->O, a->x, a->T, a->K, a->ldx))
+            (!a->x16 && !to_bf16(d, "linear_bwd_w", c + a->T * a->O, a->x, a->T, a->K, a->ldx)))
             return;
-        dy = c, ldy = a->O, x = c + a->T * a->O, ldx = a->K;
+        dy = c, ldy = a->O;
+        if (a->x16) x = a->x16;
+        else x = c + a->T * a->O, ldx = a->K;
     }
     blas_gemm(d, "linear_bwd_w", s, CUBLAS_OP_N, CUBLAS_OP_T, a->K, a->O, a->T, x, ldx, dy, ldy, 1.0f, a->dW, a->K,
               mode == DS4_BF16 ? CUDA_R_16BF : CUDA_R_32F);

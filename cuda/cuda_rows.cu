@@ -204,6 +204,12 @@ void ds4_cuda_scale(ds4_dev *d, const ds4_a_scale *a) {
     ds4_cuda_launched(d, "scale", "[%lld]", (long long)a->n);
 }
 
+// the rounding of the products' operand copies (ds4_cuda_rows_to_bf16), so a product over the result has their bits
+void ds4_cuda_to_bf16(ds4_dev *d, const ds4_a_to_bf16 *a) {
+    if (a->n <= 0) return;
+    ds4_cuda_rows_to_bf16(d, "to_bf16", (__nv_bfloat16 *)a->dst, a->n, a->src, a->n, 0, 1, 1, a->n);
+}
+
 void ds4_cuda_copy_rows(ds4_dev *d, const ds4_a_copy_rows *a) {
     if (a->rows <= 0) return;
     const unsigned g = rows_grid(d, a->rows, "copy_rows");

@@ -8,7 +8,10 @@
  * wrong term (a missing clamp mask, a transposed mix, a wrong softmax Jacobian) moves a tensor's gradient by
  * far more. The floor 1e-7·sqrt(numel) only matters for tensors whose true gradient is (near) zero: a mean
  * per-element error of 1e-7 is below fp32 resolution of the surrounding values. Tensors torch gives no
- * gradient (indexer, router bias, the MTP block without the MTP loss) must be exactly zero. */
+ * gradient (indexer, router bias, the MTP block without the MTP loss) must be exactly zero.
+ *
+ * Then layouts that must not change a bit (same_bits): per-block recomputation, and the bf16 mode's tape keeping
+ * the inputs of its bf16 products in bf16. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -189,10 +192,13 @@ out:
     ds4_model_free(m);
 }
 
-/* Per-block recomputation (ds4_train_options.recompute) is the same computation run twice, so on the deterministic
- * CPU it must give the same bits as keeping every block's activations: losses, log-probabilities and every gradient,
- * for CE, the per-token path, the MTP loss, the indexer-KL option and the head in chunks; and a smaller tape. */
-static void recompute(ds4_engine *eng, const char *fixtures, const char *name) {
+/* Two layouts of the same computation, so on the deterministic CPU they must give the same bits: losses,
+ * log-probabilities and every gradient, for CE, the per-token path, the MTP loss, the indexer-KL option and the head
+ * in chunks; and the second a smaller tape.
+ *  - bf16 0: per-block recomputation (ds4_train_options.recompute) against keeping every block's activations;
+ *  - bf16 1: in the bf16 mode's emulation (ds4_model_emulate_bf16), the tape's inputs of bf16 products kept in bf16
+ *    (ds4_tape.x16) against keeping them in fp32 (model tape_f32), which the products round as they read them. */
+static void same_bits(ds4_engine *eng, const char *fixtures, const char *name, int bf16) {
     ds4_error err = {0};
     ds4_model *m = NULL;
     ds4_st_file *io = NULL;
@@ -201,6 +207,8 @@ static void recompute(ds4_engine *eng, const char *fixtures, const char *name) {
     const int64_t T = a.batch * a.seq, P = ds4_model_param_count(m);
     const int mtp = ds4_model_has_mtp(m), csa = ds4_model_config(m)->index_topk > 0;
     CHECK_OK(ds4_model_enable_grad(m, &err), &err);
+    if (bf16) ds4_model_emulate_bf16(m, 1);
+    const char *opt = bf16 ? "bf16 tape" : "recomputation";
     float *g[2], *lp[2];
     for (int mode = 0; mode < 4; mode++) {
         if ((mode == 2 && !mtp) || (mode == 3 && !csa)) continue;
@@ -209,8 +217,9 @@ static void recompute(ds4_engine *eng, const char *fixtures, const char *name) {
         size_t bytes[2] = {0, 0};
         for (int k = 0; k < 2; k++) {
             ds4_train_options o = {.mtp_lambda = mode == 2 ? 0.3 : 0, .indexer_kl = mode == 3 ? 1.0 : 0,
-                                   .head_chunk = mode == 3 ? 7 : 0, .recompute = k};
+                                   .head_chunk = mode == 3 ? 7 : 0, .recompute = bf16 ? 0 : k};
             CHECK_OK(ds4_model_set_train_options(m, &o, &err), &err);
+            m->tape_f32 = bf16 && !k;
             ds4_model_zero_grad(m);
             CHECK_OK(ds4_model_forward_train(m, &a, &r[k], &err), &err);
             bytes[k] = m->tape ? m->tape->bytes : 0;
@@ -230,18 +239,18 @@ static void recompute(ds4_engine *eng, const char *fixtures, const char *name) {
             ds4_tape_free(m, m->tape);
             m->tape = NULL;
         }
-        CHECK(memcmp(&r[0].loss, &r[1].loss, sizeof r[0].loss) == 0, "%s %s: loss %.9g with recomputation, %.9g without",
-              name, what[mode], r[1].loss, r[0].loss);
+        CHECK(memcmp(&r[0].loss, &r[1].loss, sizeof r[0].loss) == 0, "%s %s: loss %.9g with %s, %.9g without", name,
+              what[mode], r[1].loss, opt, r[0].loss);
         CHECK(memcmp(&r[0].indexer_loss, &r[1].indexer_loss, sizeof(double)) == 0 || (isnan(r[0].indexer_loss) &&
               isnan(r[1].indexer_loss)), "%s %s: indexer loss differs", name, what[mode]);
         CHECK(memcmp(lp[0], lp[1], (size_t)T * sizeof(float)) == 0, "%s %s: log-probabilities differ", name, what[mode]);
         int64_t diff = 0;
         for (int64_t i = 0; i < P; i++) diff += memcmp(&g[0][i], &g[1][i], sizeof(float)) != 0;
-        CHECK(diff == 0, "%s %s: %lld of %lld gradient values differ with recomputation", name, what[mode],
-              (long long)diff, (long long)P);
-        CHECK(bytes[1] < bytes[0], "%s %s: tape %zu bytes with recomputation, %zu without", name, what[mode], bytes[1],
+        CHECK(diff == 0, "%s %s: %lld of %lld gradient values differ with %s", name, what[mode], (long long)diff,
+              (long long)P, opt);
+        CHECK(bytes[1] < bytes[0], "%s %s: tape %zu bytes with %s, %zu without", name, what[mode], bytes[1], opt,
               bytes[0]);
-        printf("  %-8s %-30s recomputation: same bits; tape %zu -> %zu bytes\n", name, what[mode], bytes[0], bytes[1]);
+        printf("  %-8s %-30s %s: same bits; tape %zu -> %zu bytes\n", name, what[mode], opt, bytes[0], bytes[1]);
         for (int k = 0; k < 2; k++) free(g[k]), free(lp[k]);
     }
     ds4_st_close(io);
@@ -257,9 +266,11 @@ int main(int argc, char **argv) {
     run(eng, fixtures, "tiny_a");
     run(eng, fixtures, "tiny_b");
     run(eng, fixtures, "tiny_hf");
-    recompute(eng, fixtures, "tiny_a");
-    recompute(eng, fixtures, "tiny_b");
-    recompute(eng, fixtures, "tiny_hf");
+    for (int bf16 = 0; bf16 < 2; bf16++) {
+        same_bits(eng, fixtures, "tiny_a", bf16);
+        same_bits(eng, fixtures, "tiny_b", bf16);
+        same_bits(eng, fixtures, "tiny_hf", bf16);
+    }
     ds4_engine_free(eng);
     return ds4t_finish("test_backward");
 }

@@ -34,7 +34,8 @@
  *     optimizer's moments come home, and training continues there; the router-bias update on the device equals the
  *     CPU's.
  *  6. Per-block recomputation (train option recompute): gradients and loss bitwise equal to keeping every block's
- *     activations, fp32 and bf16, tiny_a (MTP) and tiny_b (CSA, indexer-KL). */
+ *     activations, fp32 and bf16, tiny_a (MTP) and tiny_b (CSA, indexer-KL); in bf16 also the tape's inputs of bf16
+ *     products kept in fp32 instead of bf16. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -725,7 +726,8 @@ out:
 
 /* Per-block recomputation on the device: the same bits as keeping every block's activations (the GPU's operations are
  * deterministic, and the recomputed blocks reuse the forward's routing and picks), for CE with MTP and the indexer-KL
- * option, in fp32 and bf16. */
+ * option, in fp32 and bf16. In bf16 also the tape's inputs of bf16 products kept in fp32 (model tape_f32) instead of
+ * bf16 (ds4_tape.x16, the default): the products round them as they read them, so the same bits again. */
 static void recompute_gpu(ds4_engine *eng, const char *fixtures, const char *name, const ds4_device_options *dev) {
     ds4_error err = {0};
     ds4_model *m = NULL;
@@ -735,12 +737,15 @@ static void recompute_gpu(ds4_engine *eng, const char *fixtures, const char *nam
     CHECK_OK(ds4_model_to(m, dev, &err), &err);
     CHECK_OK(ds4_model_enable_grad(m, &err), &err);
     const int64_t P = ds4_model_param_count(m);
-    float *g[2] = {0};
-    double loss[2] = {0};
-    for (int k = 0; k < 2; k++) {
+    static const char *const vname[3] = {"", "recomputation", "fp32 tape"};
+    const int nv = dev->dtype == DS4_BF16 ? 3 : 2;
+    float *g[3] = {0};
+    double loss[3] = {0};
+    for (int k = 0; k < nv; k++) {
         ds4_train_options o = {.mtp_lambda = ds4_model_has_mtp(m) ? 0.3 : 0,
-                               .indexer_kl = ds4_model_config(m)->index_topk > 0 ? 1.0 : 0, .recompute = k};
+                               .indexer_kl = ds4_model_config(m)->index_topk > 0 ? 1.0 : 0, .recompute = k == 1};
         CHECK_OK(ds4_model_set_train_options(m, &o, &err), &err);
+        m->tape_f32 = k == 2;
         ds4_model_zero_grad(m);
         ds4_forward_result r;
         CHECK_OK(ds4_model_forward_train(m, &a, &r, &err), &err);
@@ -750,15 +755,17 @@ static void recompute_gpu(ds4_engine *eng, const char *fixtures, const char *nam
         g[k] = copy_f(gg, P);
         CHECK(gg != NULL, "gradients readable");
     }
-    int64_t diff = 0;
-    for (int64_t i = 0; g[0] && g[1] && i < P; i++) diff += memcmp(&g[0][i], &g[1][i], 4) != 0;
-    CHECK(diff == 0 && memcmp(&loss[0], &loss[1], sizeof(double)) == 0,
-          "%s %s: recomputation changed %lld of %lld gradient values (loss %.9g vs %.9g)", name, dname(dev),
-          (long long)diff, (long long)P, loss[1], loss[0]);
-    printf("  %-8s %s recomputation: %lld gradient values differ, loss %s\n", name, dname(dev), (long long)diff,
-           loss[0] == loss[1] ? "equal" : "differs");
-    free(g[0]);
-    free(g[1]);
+    m->tape_f32 = 0;
+    for (int k = 1; k < nv; k++) {
+        int64_t diff = 0;
+        for (int64_t i = 0; g[0] && g[k] && i < P; i++) diff += memcmp(&g[0][i], &g[k][i], 4) != 0;
+        CHECK(diff == 0 && memcmp(&loss[0], &loss[k], sizeof(double)) == 0,
+              "%s %s: %s changed %lld of %lld gradient values (loss %.9g vs %.9g)", name, dname(dev), vname[k],
+              (long long)diff, (long long)P, loss[k], loss[0]);
+        printf("  %-8s %s %s: %lld gradient values differ, loss %s\n", name, dname(dev), vname[k], (long long)diff,
+               loss[0] == loss[k] ? "equal" : "differs");
+    }
+    for (int k = 0; k < nv; k++) free(g[k]);
     ds4_st_close(io);
     ds4_model_free(m);
 }
