@@ -41,7 +41,7 @@ typedef struct bwd {
     float *dws;                   /* [T·K] */
     float *xs, *dys, *dxs;        /* [T·K, D] expert rows: inputs, output gradients, input gradients */
     float *dxslot;                /* [T·K, D] input gradients filed by (token, slot) */
-    float *g1s, *g3s, *act, *dact;/* [T·K, I] */
+    float *act, *dact;            /* [T·K, I] */
     int32_t *perm;                /* [T·K] */
     int64_t *ecount;              /* [E + 1] */
     float *dmtp;                  /* [T, n, D] MTP input gradient */
@@ -117,8 +117,6 @@ static void bplan(bwd *b, ds4_arena *a) {
     b->dys = ds4_arena_take(a, Tt * K * D, 4);
     b->dxs = ds4_arena_take(a, Tt * K * D, 4);
     b->dxslot = ds4_arena_take(a, Tt * K * D, 4);
-    b->g1s = ds4_arena_take(a, Tt * K * I, 4);
-    b->g3s = ds4_arena_take(a, Tt * K * I, 4);
     b->act = ds4_arena_take(a, Tt * K * I, 4);
     b->dact = ds4_arena_take(a, Tt * K * I, 4);
     b->perm = ds4_arena_take(a, Tt * K, 4);
@@ -155,8 +153,6 @@ static const void *wat(const float *W, ds4_dtype dt, int64_t off) {
 
 /* ------------------------------------------------------------------------------------------------ helpers */
 
-/* Backward of y = x Wᵀ over T rows: dx = dy W (added when acc, else written; dx may be NULL) and dW += dyᵀ x
- * (dW may be NULL). M: W is an M matrix (held in mdt; the bf16 mode rounds the products' operands), else fp32. */
 /* x of a product: fp32, or bf16 bits (h, a tape input kept as the bf16 products round it: sched.h) */
 typedef struct { const float *f; const uint16_t *h; } prod_x;
 
@@ -165,6 +161,8 @@ static prod_x tape_x(const bwd *b, const void *p, int64_t k) {
     return b->tp->x16 ? (prod_x){NULL, (const uint16_t *)p + k} : (prod_x){(const float *)p + k, NULL};
 }
 
+/* Backward of y = x Wᵀ over T rows: dx = dy W (added when acc, else written; dx may be NULL) and dW += dyᵀ x
+ * (dW may be NULL). M: W is an M matrix (held in mdt; the bf16 mode rounds the products' operands), else fp32. */
 static void lin_bwd_px(bwd *b, float *dx, int64_t lddx, int acc, float *dW, const float *dy, int64_t ldy, prod_x x,
                       int64_t ldx, const void *W, int M, int64_t T, int64_t K, int64_t O) {
     if (T <= 0) return;
@@ -409,18 +407,16 @@ static void routed_bwd(bwd *b, const ds4_layer_w *l, const ds4_layer_w *g, const
         OP(dev, moe_sum_slots, .dh = b->dh, .dxslot = b->dxslot, .T = T, .K = K, .D = D);
         return;
     }
-    OP(dev, gather_rows, .dst = b->g1s, .src = lt->eg1, .idx = b->perm, .div = 1, .rows = TK, .width = I);
-    OP(dev, gather_rows, .dst = b->g3s, .src = lt->eg3, .idx = b->perm, .div = 1, .rows = TK, .width = I);
     OP(dev, moe_dy, .dys = b->dys, .da = b->da, .ew = lt->ew, .perm = b->perm, .rows = TK, .K = K, .D = D);
-    OP(dev, swiglu_bwd, .g1 = b->g1s, .g3 = b->g3s, .act = b->act, .rows = TK, .I = I, .lim = lim);
+    OP(dev, swiglu_bwd, .g1 = lt->eg1, .g3 = lt->eg3, .act = b->act, .rows = TK, .I = I, .lim = lim);
     OP(dev, linear_bwd_x_grouped, .dx = b->dact, .dy = b->dys, .W = l->w2, .wdt = l->edt[1], .Ws = l->escale[1],
        .wstride = D * I, .off = b->ecount, .E = E, .rows = TK, .K = I, .O = D, .bf16_in = b->f.w->bf16_in);
     if (g->w2)
         OP(dev, linear_bwd_w_grouped, .dW = g->w2, .wstride = D * I, .dy = b->dys, .x = b->act, .off = b->ecount,
            .E = E, .rows = TK, .K = I, .O = D, .wdt = b->mdt, .bf16_in = b->f.w->bf16_in);
     ds4_lora_bwd_down(&b->lc, c, l->lora, g->lora, b->dact, b->dys, b->act, b->ecount, TK);
-    OP(dev, swiglu_bwd, .g1 = b->g1s, .g3 = b->g3s, .dact = b->dact, .dg1 = b->act, .dg3 = b->dact, .rows = TK, .I = I,
-       .lim = lim, .grads = 1);
+    OP(dev, swiglu_bwd, .g1 = lt->eg1, .g3 = lt->eg3, .dact = b->dact, .dg1 = b->act, .dg3 = b->dact, .rows = TK,
+       .I = I, .lim = lim, .grads = 1);
     OP(dev, linear_bwd_x_grouped, .dx = b->dxs, .dy = b->act, .W = l->w1, .wdt = l->edt[0], .Ws = l->escale[0],
        .wstride = I * D, .off = b->ecount, .E = E, .rows = TK, .K = D, .O = I, .bf16_in = b->f.w->bf16_in);
     OP(dev, linear_bwd_x_grouped, .dx = b->dxs, .acc = 1, .dy = b->dact, .W = l->w3, .wdt = l->edt[2],

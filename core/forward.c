@@ -252,9 +252,9 @@ static void moe(ds4_pass *f, const ds4_layer_w *l, const int64_t *ids) {
         OP(dev, matmul_grouped, .y = f->g3, .x = f->xg, .W = l->w3, .wdt = l->edt[2], .Ws = l->escale[2],
            .wstride = I * D, .off = f->ecount, .E = E, .rows = TK, .K = D, .O = I, .bf16_in = f->w->bf16_in);
         ds4_lora_fwd_gate_up(f, l->lora, f->g1, f->g3, f->xg, f->ecount, TK);
-        if (lt) {
-            OP(dev, scatter_rows, .dst = lt->eg1, .src = f->g1, .idx = f->perm, .rows = TK, .width = I);
-            OP(dev, scatter_rows, .dst = lt->eg3, .src = f->g3, .idx = f->perm, .rows = TK, .width = I);
+        if (lt) { /* in expert order: the backward sorts the same eidx into the same perm (routed_bwd) */
+            ds4_dev_copy(dev, lt->eg1, f->g1, (size_t)(TK * I) * sizeof(float));
+            ds4_dev_copy(dev, lt->eg3, f->g3, (size_t)(TK * I) * sizeof(float));
         }
         OP(dev, swiglu, .g1 = f->g1, .g3 = f->g3, .rows = TK, .I = I, .lim = (float)c->swiglu_limit);
         OP(dev, matmul_grouped, .y = f->ye, .x = f->g1, .W = l->w2, .wdt = l->edt[1], .Ws = l->escale[1],

@@ -41,7 +41,7 @@ typedef struct ds4_layer_tape {
     float *rlog, *rsc;            /* [T, E] router logits / scores */
     int32_t *eidx;                /* [T, K] */
     float *ew;                    /* [T, K] routing weights */
-    float *eg1, *eg3;             /* [T·K, I] expert pre-activations per (token, slot) */
+    float *eg1, *eg3;             /* [T·K, I] expert pre-activations, rows in expert order (moe_sort's perm) */
     float *ye;                    /* [T·K, D] expert outputs per (token, slot), before weighting */
     float *sg1, *sg3;             /* [T, I] shared expert pre-activations */
     float *a_ffn;                 /* [T, D] MoE output (routed + shared) */
