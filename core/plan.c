@@ -287,8 +287,9 @@ static void plan_tape(const ds4_model *m, ds4_tape *tp, ds4_arena *a, int64_t B,
         lt->u_ffn = ds4_arena_take(a, Tt * D, 4);
         lt->h_ffn = ds4_arena_take(a, Tt * D, 4);
         lt->rlog = ds4_arena_take(a, Tt * E, 4);
-        lt->eg1 = ds4_arena_take(a, Tt * K * I, 4);
-        lt->eg3 = ds4_arena_take(a, Tt * K * I, 4);
+        /* with expert parallelism the experts' owners run their backward from the rows they receive (moe_ep.c) */
+        lt->eg1 = m->ep_on ? NULL : ds4_arena_take(a, Tt * K * I, 4);
+        lt->eg3 = m->ep_on ? NULL : ds4_arena_take(a, Tt * K * I, 4);
         lt->ye = ds4_arena_take(a, Tt * K * D, 4);
         lt->sg1 = ds4_arena_take(a, Tt * I, 4);
         lt->sg3 = ds4_arena_take(a, Tt * I, 4);
