@@ -150,6 +150,17 @@ int main(int argc, char **argv) {
     printf("# best of %lld steps: %.1f ms per step, %.0f tokens/s, loss %.4f; device memory held %.2f GiB (%.1f KiB "
            "per token of the batch, weights and optimizer state included)\n",
            (long long)steps, 1e3 * best, tps, loss, used / 1073741824.0, used / tok / 1024.0);
+    {
+        int64_t tg = 0, tm = 0, tv = 0, tape = 0, ws = 0, bws = 0;
+        const int64_t wb = ds4_model_device_bytes(m, NULL);
+        ds4_model_train_device_bytes(m, &tg, &tm, &tv);
+        ds4_model_pass_bytes(m, &tape, &ws, &bws);
+        const double G = 1073741824.0;
+        printf("# of which (GiB): working weights %.2f, gradients %.2f, fp32 master %.2f, moments %.2f, tape %.2f, "
+               "forward workspace %.2f, backward workspace %.2f; the rest (%.2f) is the backends' own scratch and "
+               "the CUDA context\n", wb / G, tg / G, tm / G, tv / G, tape / G, ws / G, bws / G,
+               (used - (double)(wb + tg + tm + tv + tape + ws + bws)) / G);
+    }
     printf("# FLOPs per token %.3g = 6 x %.1fM active parameters + attention 12 x %lld heads x %lld x %.1f keys per "
            "query (summed over layers); MFU %.1f%% of %.0f TFLOP/s\n",
            flops_tok, A / 1e6, (long long)cfg.num_attention_heads, (long long)cfg.head_dim, kq, 100 * mfu,

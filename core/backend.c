@@ -235,6 +235,12 @@ void ds4_model_train_device_bytes(const ds4_model *m, int64_t *grads, int64_t *m
     *moments = on_dev && m->dmoments ? 2 * m->moments_n * (int64_t)sizeof(float) : 0;
 }
 
+void ds4_model_pass_bytes(const ds4_model *m, int64_t *tape, int64_t *workspace, int64_t *backward_workspace) {
+    *tape = m && m->tape ? (int64_t)m->tape->bytes : 0;
+    *workspace = m ? (int64_t)m->ws_bytes : 0;
+    *backward_workspace = m && m->tape ? (int64_t)m->tape->bbytes : 0;
+}
+
 ds4_status ds4_model_train_bind(ds4_model *m, ds4_error *err) {
     if (m->lora) return ds4_lora_train_bind(m, err);
     ds4_dev *d = m->dev;

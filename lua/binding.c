@@ -567,13 +567,18 @@ static int m_n_params(lua_State *L) {
 /* model:memory() -> {params = fp32 parameter bytes (host), fp4_experts = FP4-resident expert bytes (host),
  * device = the weights' bytes on the model's backend (0 on the CPU), device_fp4_experts = of those, the FP4-resident
  * experts', device_grads / device_master / device_moments = the training state's bytes there (the gradients, the
- * fp32 master weights, the optimizer's two moments: a ZeRO-1 shard's only when sharded; 0 on the CPU)} */
+ * fp32 master weights, the optimizer's two moments: a ZeRO-1 shard's only when sharded; 0 on the CPU), tape /
+ * workspace / backward_workspace = what the model keeps on its backend for its passes (ds4_model_pass_bytes)} */
 static int m_memory(lua_State *L) {
     const ds4_model *m = check_model(L, "ds4.model:memory")->m;
-    int64_t dev_fp4 = 0, tg = 0, tm = 0, tv = 0;
+    int64_t dev_fp4 = 0, tg = 0, tm = 0, tv = 0, tape = 0, ws = 0, bws = 0;
     const int64_t dev = ds4_model_device_bytes(m, &dev_fp4);
     ds4_model_train_device_bytes(m, &tg, &tm, &tv);
-    lua_createtable(L, 0, 7);
+    ds4_model_pass_bytes(m, &tape, &ws, &bws);
+    lua_createtable(L, 0, 10);
+    ds4l_set_int(L, "tape", tape);
+    ds4l_set_int(L, "workspace", ws);
+    ds4l_set_int(L, "backward_workspace", bws);
     ds4l_set_int(L, "device_grads", tg);
     ds4l_set_int(L, "device_master", tm);
     ds4l_set_int(L, "device_moments", tv);

@@ -59,6 +59,11 @@ void ds4_model_grads_changed(ds4_model *m);
 /* The training state's bytes on the model's device (0 each on the CPU backend): the gradients, the fp32 master
  * weights and the optimizer's two moments (a ZeRO-1 shard's only, when the optimizer stepping there is sharded). */
 void ds4_model_train_device_bytes(const ds4_model *m, int64_t *grads, int64_t *master, int64_t *moments);
+/* The bytes the model keeps on its backend (host memory on the CPU) for its passes, planned from the largest shape so
+ * far and kept between passes (0 before the first): the training tape (what a training forward saves for the
+ * backward), the forward workspace and the backward workspace. A backend's own scratch (CUDA: the products' operand
+ * copies, cuBLAS's workspace) is not counted. */
+void ds4_model_pass_bytes(const ds4_model *m, int64_t *tape, int64_t *workspace, int64_t *backward_workspace);
 /* g[i] *= (float)scale over the whole gradient buffer (the adapters' with LoRA), where the model computes (bitwise the same on CPU and CUDA:
  * one fp32 product per element). */
 ds4_status ds4_model_scale_grads(ds4_model *m, double scale, ds4_error *err);

@@ -9,7 +9,8 @@
 -- 2. The API surface: grads() is keyed and shaped like the checkpoint file (packed HF experts included);
 --    grads({canonical = true}) like the fp32 part of model:tensors(); zero_grad zeroes;
 --    grads() holds the backward's gradient (spot-checked against torch autograd in grads.safetensors, and
---    the norm opt:step() reports equals the norm of grads() summed here); errors via pcall with messages.
+--    the norm opt:step() reports equals the norm of grads() summed here); errors via pcall with messages;
+--    model:memory()'s tape and workspaces.
 package.path = ((arg[0]:match("^(.*)/[^/]*$") or ".") .. "/?.lua;") .. package.path
 local H = require("harness")
 local ds4 = require("ds4")
@@ -377,6 +378,32 @@ do
     H.check(g["model.layers.0.self_attn.q_a_proj.weight"] ~= nil, "HF module names for the other tensors too")
     H.check(model:grads({ canonical = true })["layers.0.attn.wq_a.weight"] ~= nil, "canonical keys on request")
     model:free()
+end
+
+-- model:memory()'s pass figures: none before a pass; the tape and both workspaces after a training forward and
+-- backward; per-block recomputation and the bf16 mode's bf16 tape inputs each give a fresh model a smaller tape
+-- (test_backward.c checks that both keep every bit).
+do
+    local function tape_of(opts, bf16)
+        local model = ds4.load(dir)
+        local m0 = model:memory()
+        H.eq(m0.tape + m0.workspace + m0.backward_workspace, 0, "no pass memory before a pass")
+        if opts then model:set_train_options(opts) end
+        if bf16 then model:set_bf16_emulation(true) end
+        model:zero_grad()
+        model:forward(ids, { labels = labels })
+        model:backward()
+        local mem = model:memory()
+        H.check(mem.tape > 0 and mem.workspace > 0 and mem.backward_workspace > 0,
+            ("tape %d, workspace %d, backward workspace %d bytes"):format(mem.tape, mem.workspace,
+                mem.backward_workspace))
+        model:free()
+        return mem.tape
+    end
+    local plain = tape_of()
+    local rec, half = tape_of({ recompute = true }), tape_of(nil, true)
+    H.check(rec < plain, ("recomputation: tape %d bytes, %d without"):format(rec, plain))
+    H.check(half < plain, ("bf16 mode: tape %d bytes, %d in fp32"):format(half, plain))
 end
 
 -- An optimizer keeps its model alive: dropping every other reference and collecting must not free it.
