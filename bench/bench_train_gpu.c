@@ -157,8 +157,8 @@ int main(int argc, char **argv) {
         ds4_model_pass_bytes(m, &tape, &ws, &bws);
         const double G = 1073741824.0;
         printf("# of which (GiB): working weights %.2f, gradients %.2f, fp32 master %.2f, moments %.2f, tape %.2f, "
-               "forward workspace %.2f, backward workspace %.2f; the rest (%.2f) is the backends' own scratch and "
-               "the CUDA context\n", wb / G, tg / G, tm / G, tv / G, tape / G, ws / G, bws / G,
+               "forward workspace %.2f, backward workspace %.2f; the rest (%.2f): the backend's own scratch (operand "
+               "copies, cuBLAS), its loaded kernels and small buffers\n", wb / G, tg / G, tm / G, tv / G, tape / G, ws / G, bws / G,
                (used - (double)(wb + tg + tm + tv + tape + ws + bws)) / G);
     }
     printf("# FLOPs per token %.3g = 6 x %.1fM active parameters + attention 12 x %lld heads x %lld x %.1f keys per "
