@@ -59,6 +59,8 @@ static void free_train_state(ds4_model *m) {
         d->ops->free(d, m->dscratch);
         d->ops->free(d, m->dcast);
     }
+    free(m->hcast);
+    m->hcast = NULL;
     m->dgrads = m->dmaster = m->dmoments = NULL;
     m->master_lo = m->master_n = 0;
     m->master_gather = NULL;
@@ -360,7 +362,8 @@ ds4_status ds4_model_master_ready(ds4_model *m, size_t scratch_bytes, int64_t mo
         }
         d->ops->free(d, m->dmaster);
         d->ops->free(d, m->dcast);
-        m->dmaster = NULL, m->dcast = NULL, m->n_cast = 0;
+        free(m->hcast);
+        m->dmaster = NULL, m->dcast = NULL, m->hcast = NULL, m->n_cast = 0;
         m->master_gather = NULL, m->master_gather_ctx = NULL;
     }
     if (!m->dmaster && !m->lora) { /* adapters are stepped in place: no master or moments of the frozen weights */
@@ -372,8 +375,8 @@ ds4_status ds4_model_master_ready(ds4_model *m, size_t scratch_bytes, int64_t mo
         if (!s) s = d->ops->alloc(d, (size_t)(n ? n : 1) * sizeof *e, &cast, err);
         if (!s) s = d->ops->upload(d, master, m->params + master_lo, bytes, err);
         if (!s) s = d->ops->upload(d, cast, e, (size_t)n * sizeof *e, err);
-        free(e);
         if (s) {
+            free(e);
             d->ops->free(d, master);
             d->ops->free(d, cast);
             ds4_error_prefix(err, "device optimizer on %s (fp32 master weights, %lld of %lld parameters): ",
@@ -382,6 +385,7 @@ ds4_status ds4_model_master_ready(ds4_model *m, size_t scratch_bytes, int64_t mo
         }
         m->dmaster = master;
         m->dcast = cast;
+        m->hcast = e;
         m->n_cast = n;
         m->master_lo = master_lo, m->master_n = master_n;
         m->host_stale = 0;

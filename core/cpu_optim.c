@@ -1,6 +1,7 @@
 /* cpu_optim.c — the optimizer's operations of the CPU backend (core/ops.h): the definitions the CUDA versions are
  * tested against, written with the host optimizer's own functions (optim.c), which the CPU path calls directly. */
 #include <math.h>
+#include <string.h>
 
 #include "cpu.h"
 
@@ -21,6 +22,14 @@ void ds4_cpu_adamw(ds4_dev *d, const ds4_a_adamw *a) {
             continue;
         }
         ds4_adamw_update_bounded(cf, a->coef, p, a->g + q->off, m, v, q->n, a->bnd ? &a->bnd[c] : NULL);
+        if (!a->wcast || a->wcast[c].dst < 0) continue;
+        char *w = (char *)a->wdst + a->wcast[c].dst;
+        if (a->wcast[c].lowp && a->wdt == DS4_BF16) {
+            uint16_t *dst = (uint16_t *)(void *)w;
+            for (int64_t i = 0; i < q->n; i++) dst[i] = ds4_f32_to_bf16(p[i]);
+        } else {
+            memcpy(w, p, (size_t)q->n * sizeof(float));
+        }
     }
 }
 

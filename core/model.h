@@ -219,6 +219,7 @@ struct ds4_model {
     void *dscratch;                      /* the optimizer's pieces, coefficients and per-piece results */
     size_t dscratch_bytes;
     struct ds4_cast_entry *dcast;        /* [n_cast] master -> working copy (backend memory) */
+    struct ds4_cast_entry *hcast;        /* the same table on the host (the optimizer maps its pieces through it) */
     int64_t n_cast;
     int host_stale;                      /* params older than dmaster */
     int grads_stale;                     /* grads older than dgrads */

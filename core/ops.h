@@ -321,9 +321,15 @@ typedef struct { const ds4_optim_piece *pieces; int64_t n; const float *g; doubl
  * g is indexed by the pieces' flat offsets, p by the offset minus po and m and v by the offset minus mo: a ZeRO-1
  * shard's master weights and moments hold elements [po, ...) and [mo, ...) of the flat buffer only (0: the whole
  * buffer). */
+/* wcast (update = 1 only; NULL: none): the working copy written in the same pass, so that no cast_params pass reads
+ * the master again. Piece c's updated p values go to wdst + wcast[c].dst (bytes), rounded to bf16 (round to nearest
+ * even) when wcast[c].lowp and wdt is DS4_BF16, else as fp32; wcast[c].dst < 0: piece c has no working copy. The same
+ * bytes as cast_params over those elements after the update. */
+typedef struct ds4_optim_wcast { int64_t dst, lowp; } ds4_optim_wcast;
 typedef struct {
     const ds4_optim_piece *pieces; int64_t n; const ds4_adamw_coefs *coefs; float coef; float *p, *g, *m, *v;
     int64_t *bad; int update; int64_t mo, po; ds4_adamw_bounds *bnd;
+    void *wdst; const ds4_optim_wcast *wcast; ds4_dtype wdt;
 } ds4_a_adamw;
 /* The working copy of the weights from the fp32 master: entry k copies n values from src + e[k].src (elements) to
  * dst + e[k].dst (bytes), rounded to mdt (round to nearest even) when e[k].lowp, else as fp32. */

@@ -529,6 +529,8 @@ struct ds4_adamw {
     ds4_adamw_bounds bnd;
     unsigned char *covered;      /* [n_tensors] */
     ds4_adamw_bounds *chunk_bnd; /* [max_chunks] per-chunk bounds of an update on the pool */
+    ds4_optim_wcast *wcast;      /* [max_chunks] a device step's pieces' places in the working copy (piece_casts) */
+    ds4_cast_entry *wrest;       /* [max_chunks + n_tensors + 1] the cast table's runs no piece steps */
 };
 
 /* The tensors the optimizer steps: the model's, or its adapters' while it carries them. */
@@ -620,8 +622,10 @@ ds4_status ds4_adamw_create(ds4_model *m, const ds4_adamw_options *o, ds4_adamw 
     a->bad = calloc(cn, sizeof *a->bad);
     a->covered = calloc(tn, sizeof *a->covered);
     a->chunk_bnd = calloc(cn, sizeof *a->chunk_bnd);
+    a->wcast = calloc(cn, sizeof *a->wcast);
+    a->wrest = calloc(cn + tn + 1, sizeof *a->wrest);
     if (!a->m || !a->v || !a->tensor_steps || !a->ranges || !a->range_tensor || !a->chunks || !a->partial ||
-        !a->pieces || !a->coefs || !a->bad || !a->covered || !a->chunk_bnd) {
+        !a->pieces || !a->coefs || !a->bad || !a->covered || !a->chunk_bnd || !a->wcast || !a->wrest) {
         ds4_adamw_free(a);
         return ds4_fail(err, DS4_ERR_OOM, "adamw create: moments for %lld parameters (%zu tensors)", (long long)P, T);
     }
@@ -654,6 +658,8 @@ void ds4_adamw_free(ds4_adamw *a) {
     free(a->bad_ranges);
     free(a->covered);
     free(a->chunk_bnd);
+    free(a->wcast);
+    free(a->wrest);
     free(a);
 }
 
@@ -798,6 +804,38 @@ static ds4_status device_norm(ds4_adamw *a, size_t nr, int64_t nc, double *norm,
     return s;
 }
 
+/* ds4_optim_piece_casts (optim.h). Each run of rest ends at an entry's end or at a piece's start: at most ne + n. */
+int ds4_optim_piece_casts(const ds4_cast_entry *e, int64_t ne, ds4_dtype mdt, const ds4_optim_piece *pc, int64_t n,
+                          int64_t po, ds4_optim_wcast *w, ds4_cast_entry *rest, int64_t cap, int64_t *nrest) {
+    const int64_t bf16 = mdt == DS4_BF16;
+    *nrest = 0;
+    if ((!e && ne) || !w || !rest || (mdt != DS4_BF16 && mdt != DS4_F32)) return 0;
+    int64_t k = 0, done = ne > 0 ? e[0].src : 0; /* entry k's elements before `done` are stepped or in rest */
+    for (int64_t c = 0; c <= n; c++) {
+        const int64_t x = c < n ? pc[c].off - po : INT64_MAX; /* the piece's first element in the region */
+        /* the table's elements before x that no piece covers: to rest */
+        while (k < ne && done < x) {
+            const int64_t end = e[k].src + e[k].n < x ? e[k].src + e[k].n : x, b = done > e[k].src ? done : e[k].src;
+            const int64_t size = e[k].lowp && bf16 ? 2 : 4;
+            if (b < end && *nrest == cap) return 0;
+            if (b < end) rest[(*nrest)++] = (ds4_cast_entry){.src = b, .dst = e[k].dst + (b - e[k].src) * size,
+                                                             .n = end - b, .lowp = e[k].lowp};
+            done = end;
+            if (done == e[k].src + e[k].n && ++k < ne) done = e[k].src;
+        }
+        if (c == n) break;
+        w[c] = (ds4_optim_wcast){.dst = -1, .lowp = 0};
+        if (k == ne || x < e[k].src) continue; /* no working copy: not an fp32 tensor of the table */
+        if (x + pc[c].n > e[k].src + e[k].n) return 0;
+        const int64_t size = e[k].lowp && bf16 ? 2 : 4, dst = e[k].dst + (x - e[k].src) * size;
+        if (dst % size) return 0;
+        w[c] = (ds4_optim_wcast){.dst = dst, .lowp = e[k].lowp};
+        done = x + pc[c].n;
+        if (done == e[k].src + e[k].n && ++k < ne) done = e[k].src;
+    }
+    return 1;
+}
+
 static ds4_status adamw_step_device(ds4_adamw *a, size_t nr, int64_t total_elems, ds4_adamw_stats *stats,
                                     ds4_error *err) {
     ds4_model *m = a->model;
@@ -807,7 +845,9 @@ static ds4_status adamw_step_device(ds4_adamw *a, size_t nr, int64_t total_elems
     const size_t off_bad = (size_t)a->max_chunks * sizeof(double), off_pieces = 2 * off_bad,
                  off_coefs = off_pieces + (size_t)a->max_chunks * sizeof(ds4_optim_piece),
                  off_bnd = off_coefs + (a->n_tensors ? a->n_tensors : 1) * sizeof(ds4_adamw_coefs),
-                 scratch = off_bnd + (size_t)a->max_chunks * sizeof(ds4_adamw_bounds);
+                 off_wcast = off_bnd + (size_t)a->max_chunks * sizeof(ds4_adamw_bounds),
+                 off_wrest = off_wcast + (size_t)a->max_chunks * sizeof(ds4_optim_wcast),
+                 scratch = off_wrest + (size_t)(a->max_chunks + a->n_tensors + 1) * sizeof(ds4_cast_entry);
     /* the moments this optimizer holds: elements [mo, mo + mn) of the flat buffer (a ZeRO-1 shard's, or all) */
     int64_t mo = 0, mn = 0;
     ds4_adamw_shard_region(a, &mo, &mn);
@@ -856,6 +896,8 @@ static ds4_status adamw_step_device(ds4_adamw *a, size_t nr, int64_t total_elems
     ds4_optim_piece *d_pieces = (ds4_optim_piece *)(void *)(sc + off_pieces);
     ds4_adamw_coefs *d_coefs = (ds4_adamw_coefs *)(void *)(sc + off_coefs);
     ds4_adamw_bounds *d_bnd = (ds4_adamw_bounds *)(void *)(sc + off_bnd);
+    ds4_optim_wcast *d_wcast = (ds4_optim_wcast *)(void *)(sc + off_wcast);
+    ds4_cast_entry *d_wrest = (ds4_cast_entry *)(void *)(sc + off_wrest);
     float *grads = l ? l->dgrads : m->dgrads, *master = l ? l->dparams : m->dmaster, *mom = *dmom, *mov = *dmom + vo;
     const float *host_grads = l ? l->grads : m->grads;
     /* pieces in flat offsets: the ranges were built over the host buffers, whose offsets the device buffers share */
@@ -912,10 +954,23 @@ static ds4_status adamw_step_device(ds4_adamw *a, size_t nr, int64_t total_elems
                         first < nr ? target_name(m, a->range_tensor[first]) : "?", lr, norm, a->o.clip);
     }
     a->bounds_ok = 0; /* until the bounds of this update are read back below */
+    /* the working copy of the master's region (ZeRO-1: this rank's; the cast table is the region's): written by the
+     * update itself where its pieces cover the whole table, else by a cast pass after it */
+    int64_t nrest = 0;
+    const int fused = !l && m->hcast &&
+                      ds4_optim_piece_casts(m->hcast, m->n_cast, m->dev_w.mdt, a->pieces + k0, no, po, a->wcast,
+                                            a->wrest, (int64_t)(a->max_chunks + a->n_tensors + 1), &nrest);
+    if (fused) {
+        ds4_dev_upload(d, d_wcast, a->wcast, (size_t)no * sizeof *a->wcast);
+        ds4_dev_upload(d, d_wrest, a->wrest, (size_t)nrest * sizeof *a->wrest);
+    }
     OP(d, adamw, .pieces = d_pieces, .n = no, .coefs = d_coefs, .coef = coef, .p = master, .g = grads, .m = mom,
-       .v = mov, .update = 1, .mo = mo, .po = po, .bnd = a->sharded ? NULL : d_bnd);
-    /* the working copy of the master's region (ZeRO-1: this rank's; the cast table is the region's) */
-    if (!l) OP(d, cast_params, .dst = m->dev_mem, .src = master, .e = m->dcast, .n = m->n_cast, .mdt = m->dev_w.mdt);
+       .v = mov, .update = 1, .mo = mo, .po = po, .bnd = a->sharded ? NULL : d_bnd, .wdst = fused ? m->dev_mem : NULL,
+       .wcast = fused ? d_wcast : NULL, .wdt = m->dev_w.mdt);
+    if (!l && !fused)
+        OP(d, cast_params, .dst = m->dev_mem, .src = master, .e = m->dcast, .n = m->n_cast, .mdt = m->dev_w.mdt);
+    else if (fused && nrest)
+        OP(d, cast_params, .dst = m->dev_mem, .src = master, .e = d_wrest, .n = nrest, .mdt = m->dev_w.mdt);
     if (a->sharded) {
         /* every rank's region of the working copy from its owner, in its dtype (bf16: half the bytes of the fp32
          * master's); NCCL, on its own stream: the cast must have finished */

@@ -74,6 +74,19 @@ double ds4_optim_sumsq(const float *g, int64_t n);
 int64_t ds4_optim_chunk_count(const ds4_optim_range *r, size_t n);
 void ds4_optim_make_chunks(const ds4_optim_range *r, size_t n, ds4_optim_chunk *chunks);
 
+/* A device step's working copy (ops.h's ds4_a_adamw wcast, cast_params): where each of the n pieces it steps writes
+ * its copy, through the cast table e [ne] of the master's region (elements counted from po; the copy in mdt), into w
+ * [n], and the table's runs that no piece steps into rest (at most cap; their count in *nrest), which a cast_params
+ * pass writes. 0: the update cannot write its pieces' copy (a piece across two entries, a byte offset off its element
+ * size, a dtype other than fp32 / bf16, rest too small); the whole table is then cast after the update. Pieces and
+ * entries ascend. optim.c. */
+struct ds4_cast_entry;
+struct ds4_optim_piece;
+struct ds4_optim_wcast;
+int ds4_optim_piece_casts(const struct ds4_cast_entry *e, int64_t ne, ds4_dtype mdt, const struct ds4_optim_piece *pc,
+                          int64_t n, int64_t po, struct ds4_optim_wcast *w, struct ds4_cast_entry *rest, int64_t cap,
+                          int64_t *nrest);
+
 /* The multi-tensor functions take the chunks of (r, n) and a pool; with pool == NULL (or chunks == NULL) they
  * run serially on the same chunking, so the results are the same bits. */
 

@@ -16,6 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "ops.h"
 #include "optim.h"
 #include "testlib.h"
 
@@ -404,6 +405,101 @@ static void test_one_step(void) {
           (double)c.decay_mul);
 }
 
+/* ds4_optim_piece_casts (the device step's working copy written by the update) against a brute-force count on
+ * random layouts: tensors in the table (fp32, some kept fp32 in the copy, some rounded) or not, trainable (stepped in
+ * pieces of at most 5) or frozen, the whole buffer or a ZeRO-1 region [lo, hi) that starts and ends at piece
+ * boundaries. Every element of the table must be written exactly once, by its piece (at the entry's byte plus its
+ * offset times the element size, with the entry's lowp) or by a run of rest, and a piece outside the table not at
+ * all. A copy placed off its element size must be refused (0), so that the caller casts the whole table. */
+static void test_piece_casts(void) {
+    uint64_t st = 12345;
+    int refused = 0, with_rest = 0, sharded = 0;
+    for (int round = 0; round < 400; round++) {
+        enum { NTS = 12, MAXE = 64 * NTS };
+        int64_t off[NTS + 1], n = 0;
+        int inT[NTS], lowp[NTS], train[NTS];
+        for (int i = 0; i < NTS; i++) {
+            st = st * 6364136223846793005ull + 1442695040888963407ull;
+            const uint64_t r = st >> 33;
+            off[i] = n, n += 1 + (int64_t)(r % 23);
+            inT[i] = r % 5 != 0, lowp[i] = (r >> 4) % 3 != 0, train[i] = (r >> 8) % 4 != 0;
+        }
+        off[NTS] = n;
+        const ds4_dtype mdt = round % 2 ? DS4_BF16 : DS4_F32;
+        const int misplace = round % 10 == 9; /* one bf16-sized entry of an fp32 copy off a 4-byte boundary */
+        /* pieces of the trainable tensors (chunks of 5 from the tensor's start) */
+        ds4_optim_piece pc[MAXE];
+        int64_t np = 0;
+        for (int i = 0; i < NTS; i++)
+            for (int64_t b = 0; train[i] && b < off[i + 1] - off[i]; b += 5)
+                pc[np++] = (ds4_optim_piece){off[i] + b, off[i + 1] - off[i] - b < 5 ? off[i + 1] - off[i] - b : 5, i};
+        /* the region: all, or pieces [p0, p1) of them (a shard starts and ends at piece boundaries) */
+        int64_t p0 = 0, p1 = np, lo = 0, hi = n;
+        if (round % 3 == 1 && np > 2) {
+            p0 = np / 3, p1 = 2 * np / 3 + 1;
+            lo = pc[p0].off, hi = pc[p1 - 1].off + pc[p1 - 1].n;
+        }
+        /* the cast table of the region, the copy's bytes in table order, each tensor on its element size */
+        ds4_cast_entry e[NTS];
+        int64_t ne = 0, byte = 0;
+        for (int i = 0; i < NTS; i++) {
+            if (!inT[i]) continue;
+            const int64_t size = lowp[i] && mdt == DS4_BF16 ? 2 : 4;
+            byte = (byte + size - 1) / size * size + (misplace && ne == 1 && size == 4 ? 2 : 0);
+            const int64_t b = off[i] > lo ? off[i] : lo, end = off[i + 1] < hi ? off[i + 1] : hi;
+            if (b < end) e[ne++] = (ds4_cast_entry){b - lo, byte + (b - off[i]) * size, end - b, lowp[i]};
+            byte += (off[i + 1] - off[i]) * size;
+        }
+        ds4_optim_wcast w[MAXE];
+        ds4_cast_entry rest[MAXE + NTS + 1];
+        int64_t nrest = -1;
+        const int ok = ds4_optim_piece_casts(e, ne, mdt, pc + p0, p1 - p0, lo, w, rest, MAXE + NTS + 1, &nrest);
+        int bad_place = 0;
+        for (int64_t k = 0; k < ne; k++) bad_place |= e[k].dst % (e[k].lowp && mdt == DS4_BF16 ? 2 : 4) != 0;
+        /* a misplaced entry refuses only where a piece steps it */
+        if (!ok) {
+            CHECK(bad_place, "round %d: refused a layout it can write", round);
+            refused++;
+            continue;
+        }
+        int64_t seen[MAXE * 23];
+        memset(seen, 0, sizeof seen);
+        int right = 1;
+        for (int64_t c = p0; c < p1; c++) {
+            const ds4_optim_wcast *q = &w[c - p0];
+            int64_t k = 0;
+            while (k < ne && !(pc[c].off - lo >= e[k].src && pc[c].off - lo < e[k].src + e[k].n)) k++;
+            if (k == ne) {
+                right &= q->dst == -1;
+                continue;
+            }
+            const int64_t size = e[k].lowp && mdt == DS4_BF16 ? 2 : 4;
+            right &= q->dst == e[k].dst + (pc[c].off - lo - e[k].src) * size && q->lowp == e[k].lowp &&
+                     q->dst % size == 0;
+            for (int64_t i = 0; i < pc[c].n; i++) seen[pc[c].off - lo + i]++;
+        }
+        for (int64_t r = 0; r < nrest; r++) {
+            int64_t k = 0;
+            while (k < ne && !(rest[r].src >= e[k].src && rest[r].src + rest[r].n <= e[k].src + e[k].n)) k++;
+            right &= k < ne && rest[r].n > 0;
+            if (k == ne) continue;
+            const int64_t size = e[k].lowp && mdt == DS4_BF16 ? 2 : 4;
+            right &= rest[r].dst == e[k].dst + (rest[r].src - e[k].src) * size && rest[r].lowp == e[k].lowp;
+            for (int64_t i = 0; i < rest[r].n; i++) seen[rest[r].src + i]++;
+        }
+        for (int64_t k = 0; k < ne; k++)
+            for (int64_t i = 0; i < e[k].n; i++) right &= seen[e[k].src + i] == 1;
+        with_rest += nrest > 0, sharded += lo > 0;
+        CHECK(right, "round %d: the pieces' places and the runs of rest do not write every element of the table once "
+              "at its place (%lld pieces, %lld entries, %lld runs)", round, (long long)(p1 - p0), (long long)ne,
+              (long long)nrest);
+    }
+    CHECK(refused > 0 && with_rest > 0 && sharded > 0, "the rounds missed a case: %d refused, %d with runs of rest, "
+          "%d of a region", refused, with_rest, sharded);
+    printf("  working copy through the update's pieces: 400 layouts (%d refused, %d with runs of rest, %d of a "
+           "ZeRO-1 region), every element once\n", refused, with_rest, sharded);
+}
+
 int main(int argc, char **argv) {
     const char *fixtures = argc > 1 ? argv[1] : "tests/fixtures";
     test_fixture(fixtures);
@@ -413,5 +509,6 @@ int main(int argc, char **argv) {
     test_clip_coef();
     test_schedules(fixtures);
     test_one_step();
+    test_piece_casts();
     return ds4t_finish("test_adamw");
 }

@@ -444,7 +444,58 @@ static void optimizer_ops(ds4_engine *eng, opt_layout lay) {
     ds4_dev_download(gpu, gc, d_c, cbytes);
     CHECK_OK(ds4_dev_check(gpu, "cast", &err), &err);
     CHECK(memcmp(hc, gc, cbytes) == 0, "cast_params: the device's working copy differs from the cpu's");
-    printf("  optimizer ops (%s): %lld pieces, check, update and cast bitwise equal to the cpu\n",
+    {
+        /* the update writing the working copy itself (wcast), on the device and on the cpu, against the cpu's
+         * update followed by its cast_params (the reference): p, g, m, v and the copy bitwise. Tensor 2 has no copy
+         * (dst -1: its bytes stay 0x5a). The bf16 tensors' places are ce's moved by sh bytes: with sh 2 their
+         * groups of four land off 8-byte boundaries (the kernel's element-by-element stores), with sh 0 on them */
+        for (int sh = 0; sh <= 2; sh += 2) {
+            ds4_cast_entry cs[3];
+            for (int j = 0; j < 3; j++) /* the fp32 tensor (1) moved by 4 bytes: 4-aligned, 16-aligned nowhere */
+                cs[j] = ce[j], cs[j].dst += j == 0 ? sh : j == 1 ? 4 : sh + 4;
+            const size_t wb = cbytes + 8;
+            ds4_optim_wcast *wc = malloc((size_t)np * sizeof *wc);
+            for (int64_t k = 0; k < np; k++) {
+                wc[k] = (ds4_optim_wcast){-1, 0};
+                for (int j = 0; j < 3; j++)
+                    if (pc[k].off >= cs[j].src && pc[k].off < cs[j].src + cs[j].n)
+                        wc[k] = (ds4_optim_wcast){cs[j].dst + (pc[k].off - cs[j].src) * (cs[j].lowp ? 2 : 4),
+                                                  cs[j].lowp};
+            }
+            char *ref = malloc(wb), *hw = malloc(wb), *gw = malloc(wb);
+            memset(ref, 0x5a, wb), memset(hw, 0x5a, wb);
+            float *hb2 = malloc((size_t)(4 * N) * 4);
+            memcpy(hb2, buf, (size_t)(4 * N) * 4);
+            CHECK_OK(gpu->ops->upload(gpu, d_buf, buf, (size_t)(4 * N) * 4, &err), &err);
+            OP(cpu, adamw, .pieces = pc, .n = np, .coefs = cf, .coef = 0.5f, .p = buf, .g = buf + N, .m = buf + 2 * N,
+               .v = buf + 3 * N, .update = 1);
+            OP(cpu, cast_params, .dst = ref, .src = buf, .e = cs, .n = 3, .mdt = DS4_BF16);
+            OP(cpu, adamw, .pieces = pc, .n = np, .coefs = cf, .coef = 0.5f, .p = hb2, .g = hb2 + N,
+               .m = hb2 + 2 * N, .v = hb2 + 3 * N, .update = 1, .wdst = hw, .wcast = wc, .wdt = DS4_BF16);
+            void *d_w = NULL, *d_wc = NULL;
+            CHECK_OK(gpu->ops->alloc(gpu, wb, &d_w, &err), &err);
+            CHECK_OK(gpu->ops->alloc(gpu, (size_t)np * sizeof *wc, &d_wc, &err), &err);
+            memset(gw, 0x5a, wb);
+            CHECK_OK(gpu->ops->upload(gpu, d_w, gw, wb, &err), &err);
+            CHECK_OK(gpu->ops->upload(gpu, d_wc, wc, (size_t)np * sizeof *wc, &err), &err);
+            OP(gpu, adamw, .pieces = d_pc, .n = np, .coefs = d_cf, .coef = 0.5f, .p = dp, .g = dg, .m = dm, .v = dv,
+               .update = 1, .wdst = d_w, .wcast = d_wc, .wdt = DS4_BF16);
+            ds4_dev_download(gpu, back, d_buf, (size_t)(4 * N) * 4);
+            ds4_dev_download(gpu, gw, d_w, wb);
+            CHECK_OK(ds4_dev_check(gpu, "adamw with the working copy", &err), &err);
+            CHECK(memcmp(back, buf, (size_t)(4 * N) * 4) == 0 && memcmp(hb2, buf, (size_t)(4 * N) * 4) == 0,
+                  "adamw with the working copy (shift %d): p, g, m, v differ from the update without it", sh);
+            CHECK(memcmp(hw, ref, wb) == 0, "adamw with the working copy (shift %d): the cpu's copy differs from "
+                  "cast_params after the update", sh);
+            CHECK(memcmp(gw, ref, wb) == 0, "adamw with the working copy (shift %d): the device's copy differs from "
+                  "the cpu's cast_params after the update", sh);
+            gpu->ops->free(gpu, d_w);
+            gpu->ops->free(gpu, d_wc);
+            free(wc), free(ref), free(hw), free(gw), free(hb2);
+        }
+    }
+    printf("  optimizer ops (%s): %lld pieces, check, update, cast and the update writing the copy bitwise equal to "
+           "the cpu\n",
            lay == OL_ALIGNED ? "16-byte aligned" : lay == OL_PACKED ? "packed" : "unequally aligned", (long long)np);
     gpu->ops->free(gpu, d_buf);
     gpu->ops->free(gpu, d_pc);
