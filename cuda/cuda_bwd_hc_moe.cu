@@ -279,6 +279,8 @@ struct coef_args {
     double hc_eps;
     int head;                     // the HyperHead: pre only (nmix = n), no post, no Sinkhorn
     const float *mix;             // [T, nmix]: the logits the forward kept, or NULL: dmix holds them on entry
+    float *pre;                   // [T, n] or NULL: coef_bwd_warp_kernel leaves the collapse's weights pre_i here
+                                  // and collapse_bwd_kernel applies them (else it applies them itself)
 };
 
 // Token t's mixing logit i (read before dmix is written).
@@ -392,6 +394,12 @@ __global__ void __launch_bounds__(COEF_WARPS * 32) coef_bwd_warp_kernel(coef_arg
     if (sink)
         sinkhorn_bwd<W>(smix + 2 * n, a.sc[2], a.base + 2 * n, a.dcomb + t * nn, n, a.iters, a.hc_eps, dd + 2 * nn,
                         dd, dd + nn, sdz + 2 * n, mask);
+    if (a.pre) { // the collapse's gradient by collapse_bwd_kernel, which streams it with every thread of the GPU
+        for (int64_t i = lane; i < n; i += W) a.pre[t * n + i] = spre[i];
+        __syncwarp(mask);
+        coef_finish(a, t, nmix, smix, sdz, lane, W);
+        return;
+    }
     // the collapse's gradient, elementwise: du[c] read once for the n streams, and the next streams' values loaded
     // before this one's is stored (__restrict__: du and dX are distinct buffers)
     const float *__restrict__ du = a.du + t * D;
@@ -410,6 +418,55 @@ __global__ void __launch_bounds__(COEF_WARPS * 32) coef_bwd_warp_kernel(coef_arg
     }
     __syncwarp(mask);
     coef_finish(a, t, nmix, smix, sdz, lane, W);
+}
+
+// The collapse's gradient dX[t, i, c] = pre[t, i]·du[t, c] (+ dX[t, i, c] unless head), the same madd as the
+// coefficient kernels', after coef_bwd_warp_kernel has left pre [T, n]: a thread per 4 columns of a token (one 16-byte
+// load of du, then the n streams' loads issued before any store), so that the whole GPU streams dX while the
+// per-token Sinkhorn chains (latency-bound fp64) ran in the kernel before, not between its loads. V: 16-byte accesses
+// (D % 4 == 0, du and dX 16-byte aligned); else a column per thread.
+template <bool V>
+__global__ void __launch_bounds__(256) collapse_bwd_kernel(const float *__restrict__ du, const float *__restrict__ pre,
+                                                           float *__restrict__ dX, int64_t T, int64_t n, int64_t D,
+                                                           int head) {
+    constexpr int C = V ? 4 : 1, MAXN = 8;
+    const int64_t per = D / C, j = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (j >= T * per) return;
+    const int64_t t = j / per, c = (j % per) * C;
+    float u[C];
+    if constexpr (V) {
+        const float4 q = *reinterpret_cast<const float4 *>(du + t * D + c);
+        u[0] = q.x, u[1] = q.y, u[2] = q.z, u[3] = q.w;
+    } else {
+        u[0] = du[t * D + c];
+    }
+    for (int64_t i0 = 0; i0 < n; i0 += MAXN) {
+        float v[MAXN][C];
+#pragma unroll
+        for (int i = 0; i < MAXN; i++) {
+            if (i0 + i >= n) break;
+            float *x = dX + (t * n + i0 + i) * D + c;
+            if constexpr (V) {
+                const float4 q = head ? make_float4(0.0f, 0.0f, 0.0f, 0.0f) : *reinterpret_cast<const float4 *>(x);
+                v[i][0] = q.x, v[i][1] = q.y, v[i][2] = q.z, v[i][3] = q.w;
+            } else {
+                v[i][0] = head ? 0.0f : x[0];
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < MAXN; i++) {
+            if (i0 + i >= n) break;
+            const float p = pre[t * n + i0 + i];
+            float *x = dX + (t * n + i0 + i) * D + c;
+            if constexpr (V) {
+                *reinterpret_cast<float4 *>(x) =
+                    make_float4(madd(p, u[0], v[i][0]), madd(p, u[1], v[i][1]), madd(p, u[2], v[i][2]),
+                                madd(p, u[3], v[i][3]));
+            } else {
+                x[0] = madd(p, u[0], v[i][0]);
+            }
+        }
+    }
 }
 
 // mHC post backward of one token per block, from dpost / dcomb already in place (norm_dots_kernel): warp 0
@@ -576,12 +633,29 @@ void coef_bwd(ds4_dev *d, const char *op, coef_args g, int64_t T) {
     const size_t wsmem = (size_t)tpb * tsmem;
     if (wsmem <= 48 * 1024 && !cdev(d)->hc_ref) {
         g.gtape = nullptr, g.t0 = 0;
+        // the collapse's weights [T, n] through scratch slot 1 (the GEMM before uses slot 0) to collapse_bwd_kernel
+        g.pre = T * g.D <= (int64_t)INT32_MAX * 256 ? (float *)ds4_cuda_scratch(d, (size_t)(T * g.n) * sizeof(float),
+                                                                                 op, 1)
+                                                    : nullptr;
+        if (d->st) return;
         const unsigned blocks = (unsigned)((T + tpb - 1) / tpb);
         if (lanes == 16) coef_bwd_warp_kernel<16><<<blocks, COEF_WARPS * 32, wsmem, cdev(d)->stream>>>(g, T);
         else coef_bwd_warp_kernel<32><<<blocks, COEF_WARPS * 32, wsmem, cdev(d)->stream>>>(g, T);
-        ds4_cuda_launched(d, op, "coefficients [%lld tokens, %lld streams, %lld, %lld iterations, %s]", (long long)T,
-                          (long long)g.n, (long long)g.D, (long long)g.iters,
-                          lanes == 16 ? "two tokens a warp" : "a token per warp");
+        if (!ds4_cuda_launched(d, op, "coefficients [%lld tokens, %lld streams, %lld, %lld iterations, %s]",
+                               (long long)T, (long long)g.n, (long long)g.D, (long long)g.iters,
+                               lanes == 16 ? "two tokens a warp" : "a token per warp") ||
+            !g.pre)
+            return;
+        const bool v = g.D % 4 == 0 && ((uintptr_t)g.du & 15) == 0 && ((uintptr_t)g.dX & 15) == 0;
+        const int64_t threads = T * (v ? g.D / 4 : g.D);
+        if (v)
+            collapse_bwd_kernel<true><<<ds4_blocks(threads, 256), 256, 0, cdev(d)->stream>>>(g.du, g.pre, g.dX, T,
+                                                                                             g.n, g.D, g.head);
+        else
+            collapse_bwd_kernel<false><<<ds4_blocks(threads, 256), 256, 0, cdev(d)->stream>>>(g.du, g.pre, g.dX, T,
+                                                                                              g.n, g.D, g.head);
+        ds4_cuda_launched(d, op, "the collapse's gradient [%lld tokens, %lld streams, %lld]", (long long)T,
+                          (long long)g.n, (long long)g.D);
         return;
     }
     size_t smem = g.head ? 0 : (size_t)(2 * nn + tape) * sizeof(double);
