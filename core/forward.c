@@ -32,6 +32,13 @@ static void matmul(ds4_pass *f, float *y, const float *x, const void *W, int M, 
        .O = O, .bf16_in = M && f->w->bf16_in);
 }
 
+/* The same with an M matrix, on the x of the product just before, unchanged since (ops.h, x_kept: the backend may
+ * reuse its rounded copy of x) */
+static void matmul_same_x(ds4_pass *f, float *y, const float *x, const void *W, int64_t T, int64_t K, int64_t O) {
+    OP(f->dev, matmul, .y = y, .ldy = O, .x = x, .ldx = K, .W = W, .wdt = f->w->mdt, .T = T, .K = K, .O = O,
+       .bf16_in = f->w->bf16_in, .x_kept = 1);
+}
+
 static void norm(ds4_pass *f, float *y, const float *x, const float *w, int64_t rows, int64_t width) {
     OP(f->dev, rmsnorm, .y = y, .x = x, .w = w, .rows = rows, .width = width, .eps = f->c->rms_norm_eps);
 }
@@ -66,7 +73,7 @@ static int64_t compress(ds4_pass *f, const ds4_compressor_w *w, int which, float
                         float *keep_C, float *keep_Z, float *keep_pool) {
     const int64_t D = f->c->hidden_size;
     matmul(f, C, f->h, w->wkv, 1, f->T, D, w->width);
-    matmul(f, Z, f->h, w->wgate, 1, f->T, D, w->width);
+    matmul_same_x(f, Z, f->h, w->wgate, f->T, D, w->width);
     keep(f, keep_C, C, f->T * w->width);
     keep(f, keep_Z, Z, f->T * w->width);
     const int cls = overlap ? 0 : 1; /* CSA windows, or HCA windows */
@@ -126,7 +133,9 @@ static void attention_rows(ds4_pass *f, const ds4_layer_w *l) {
     const ds4_lora_layer *lo = l->lora;
     ds4_layer_tape *lt = f->lt;
     matmul(f, f->qr, f->h, l->wq_a, 1, T, D, qr);
+    matmul_same_x(f, f->kv, f->h, l->wkv, T, D, d); /* the key's projection of the same h, next to the query's */
     ds4_lora_fwd(f, lo, DS4_LORA_AB(lo, wq_a), f->qr, qr, f->h, D, T, D, qr);
+    ds4_lora_fwd(f, lo, DS4_LORA_AB(lo, wkv), f->kv, d, f->h, D, T, D, d);
     if (lt) {
         keep_x(f, lt->h_attn, f->h, T * D);
         keep(f, lt->qa, f->qr, T * qr);
@@ -140,8 +149,6 @@ static void attention_rows(ds4_pass *f, const ds4_layer_w *l) {
     }
     norm(f, f->q, f->q, NULL, T * H, d); /* per-head unweighted RMS */
     rope(f, f->q, H, d, rt, 1);
-    matmul(f, f->kv, f->h, l->wkv, 1, T, D, d);
-    ds4_lora_fwd(f, lo, DS4_LORA_AB(lo, wkv), f->kv, d, f->h, D, T, D, d);
     if (lt) keep(f, lt->kv_pre, f->kv, T * d);
     norm(f, f->kv, f->kv, l->kv_norm, T, d);
     rope(f, f->kv, 1, d, rt, 1);
@@ -200,7 +207,7 @@ static void shared_expert(ds4_pass *f, const ds4_layer_w *l, int64_t rows, float
     const int64_t D = f->c->hidden_size, I = f->c->moe_intermediate_size;
     matmul(f, f->g1, f->h, l->sw1, 1, rows, D, I);
     ds4_lora_fwd(f, l->lora, DS4_LORA_AB(l->lora, sw1), f->g1, I, f->h, D, rows, D, I);
-    matmul(f, f->g3, f->h, l->sw3, 1, rows, D, I);
+    matmul_same_x(f, f->g3, f->h, l->sw3, rows, D, I);
     ds4_lora_fwd(f, l->lora, DS4_LORA_AB(l->lora, sw3), f->g3, I, f->h, D, rows, D, I);
     keep(f, g1_keep, f->g1, rows * I);
     keep(f, g3_keep, f->g3, rows * I);
@@ -250,7 +257,8 @@ static void moe(ds4_pass *f, const ds4_layer_w *l, const int64_t *ids) {
         OP(dev, matmul_grouped, .y = f->g1, .x = f->xg, .W = l->w1, .wdt = l->edt[0], .Ws = l->escale[0],
            .wstride = I * D, .off = f->ecount, .E = E, .rows = TK, .K = D, .O = I, .bf16_in = f->w->bf16_in);
         OP(dev, matmul_grouped, .y = f->g3, .x = f->xg, .W = l->w3, .wdt = l->edt[2], .Ws = l->escale[2],
-           .wstride = I * D, .off = f->ecount, .E = E, .rows = TK, .K = D, .O = I, .bf16_in = f->w->bf16_in);
+           .wstride = I * D, .off = f->ecount, .E = E, .rows = TK, .K = D, .O = I, .bf16_in = f->w->bf16_in,
+           .x_kept = 1);
         ds4_lora_fwd_gate_up(f, l->lora, f->g1, f->g3, f->xg, f->ecount, TK);
         if (lt) { /* in expert order: the backward sorts the same eidx into the same perm (routed_bwd) */
             ds4_dev_copy(dev, lt->eg1, f->g1, (size_t)(TK * I) * sizeof(float));

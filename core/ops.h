@@ -88,16 +88,19 @@ typedef struct { float *y; const float *x, *w; int64_t rows, width; double eps; 
  * mode's rounding points (ds4_model_emulate_bf16: the reference the bf16 tests compare with). */
 
 /* y[t, o] = Σ_k x[t, k]·W[o, k] for t < T, o < O; with groups > 1, group g reads x + g·gx, W + g·gw (elements)
- * and writes y + g·gy (the grouped output projection) */
+ * and writes y + g·gy (the grouped output projection). x_kept (here and in matmul_grouped; the schedule's word, never
+ * a change of the result): x holds the values it held at the product just before on the same x (the compressor's
+ * two projections, the shared expert's and the routed experts' gate and up), so a backend that rounded that x into
+ * a copy of its own may read the copy again where it still has it. */
 typedef struct {
     float *y; int64_t ldy; const float *x; int64_t ldx; const void *W; ds4_dtype wdt;
-    int64_t T, K, O, groups, gx, gy, gw; int bf16_in;
+    int64_t T, K, O, groups, gx, gy, gw; int bf16_in; int x_kept;
 } ds4_a_matmul;
 /* Row groups: rows [off[e], off[e+1]) of x use W + e·wstride (the routed experts). off [E + 1] in backend memory;
  * rows is the largest off[E] can be (the kernels read the real extent from off). x [rows, K], y [rows, O]. */
 typedef struct {
     float *y; const float *x; const void *W; ds4_dtype wdt; int64_t wstride; const int64_t *off;
-    int64_t E, rows, K, O; int bf16_in; const uint8_t *Ws;
+    int64_t E, rows, K, O; int bf16_in; const uint8_t *Ws; int x_kept;
 } ds4_a_matmul_grouped;
 
 /* Rotate the trailing 2·half channels of each of `heads` vectors of width `width` of row t by its position

@@ -112,6 +112,7 @@ static ds4_status c_sync(ds4_dev *d, ds4_error *err) {
 
 void *ds4_cuda_scratch(ds4_dev *d, size_t bytes, const char *op, int slot) {
     cuda_dev *cd = cdev(d);
+    if (slot == 2) cd->slot2_uses++; // whoever asks may write it: a kept copy of x there is no longer known
     if (bytes <= cd->scratch_bytes[slot]) return cd->scratch[slot];
     if (cd->recording) {
         ds4_dev_fail(d, DS4_ERR_INTERNAL, "%s: scratch would grow while a pass is recorded", op);

@@ -91,6 +91,17 @@ struct cuda_dev {
         const int64_t *off;
         uint64_t generation;
     } bwd_xT;
+    // The forward's bf16 copy of a product's x in scratch slot 2 (cuda_gemm.cu: launch_wgmma's k32 layout or
+    // x_to_bf16's), for the next product told x_kept (ops.h): reused where its x, shape and layout match and nothing
+    // has asked for slot 2 since (slot2_uses, counted by ds4_cuda_scratch); x NULL: none.
+    struct kept_x {
+        const float *x;
+        int64_t ldx, gx, M, K, G, ld;
+        int k32;
+        uint64_t uses;
+        void *buf;
+    } fwd_x;
+    uint64_t slot2_uses;
     int attn_ref;                 // DS4_CUDA_ATTN_REF=1: the bf16 attention's and its backward's reference kernels
                                   // (cuda_attn_tc.cuh, cuda_bwd_attn.cu), whose bits the pipelined ones give
     graph_entry *recording;

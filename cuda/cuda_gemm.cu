@@ -54,6 +54,7 @@ struct gemm_args {
     int64_t ldxh, gxh;            // group z at xh + z·gxh
     const float *rs;              // the narrow fp32 kernel only: x's row r is read as x·rs[r] rounded to fp32, the
                                   // values of a row-scaled copy of x, so the product of that copy, without the copy
+    int x_kept;                   // x as the product just before had it (ops.h): its bf16 copy may be reused
 };
 
 // Where reduction group e starts in a transposed operand: 8-aligned (cp.async copies 16-byte pieces of bf16), each
@@ -870,10 +871,25 @@ void launch(cuda_dev *cd, const gemm_args &a, ds4_dtype mode, const plan &p) {
 
 // x [G, M, K] (row stride ldx, group stride gx) rounded to bf16 into scratch slot 2: a.xh [G, M, ldxh], ldxh = K
 // rounded up to 8 (16-byte rows).
+// The copy of x that the product just before left in slot 2 (cuda_dev::fwd_x), if this product was told x_kept and it
+// is the same x, shape and layout (k32: launch_wgmma's) and slot 2 has not been asked for since; else NULL.
+void *kept_x(cuda_dev *cd, const gemm_args &a, int64_t G, int64_t ld, int k32) {
+    const cuda_dev::kept_x &k = cd->fwd_x;
+    return a.x_kept && k.x == a.x && k.ldx == a.ldx && k.gx == a.gx && k.M == a.M && k.K == a.K && k.G == G &&
+                   k.ld == ld && k.k32 == k32 && k.uses == cd->slot2_uses
+               ? k.buf
+               : nullptr;
+}
+
 bool x_to_bf16(ds4_dev *d, const char *op, gemm_args &a, int64_t G) {
+    cuda_dev *cd = cdev(d);
     const int64_t ld = (a.K + 7) / 8 * 8;
-    auto *xh = (__nv_bfloat16 *)ds4_cuda_scratch(d, (size_t)(G * a.M * ld) * sizeof(__nv_bfloat16), op, 2);
-    if (!xh || !ds4_cuda_rows_to_bf16(d, op, xh, ld, a.x, a.ldx, a.gx, G, a.M, a.K)) return false;
+    auto *xh = (__nv_bfloat16 *)kept_x(cd, a, G, ld, 0);
+    if (!xh) {
+        xh = (__nv_bfloat16 *)ds4_cuda_scratch(d, (size_t)(G * a.M * ld) * sizeof(__nv_bfloat16), op, 2);
+        if (!xh || !ds4_cuda_rows_to_bf16(d, op, xh, ld, a.x, a.ldx, a.gx, G, a.M, a.K)) return false;
+        cd->fwd_x = {a.x, a.ldx, a.gx, a.M, a.K, G, ld, 0, cd->slot2_uses, xh};
+    }
     a.xh = xh, a.ldxh = ld, a.gxh = a.M * ld;
     return true;
 }
@@ -882,15 +898,19 @@ bool x_to_bf16(ds4_dev *d, const char *op, gemm_args &a, int64_t G) {
 void launch_wgmma(ds4_dev *d, const char *op, const gemm_args &a, int64_t G) {
     cuda_dev *cd = cdev(d);
     const int64_t ld = (a.K + 31) / 32 * 32;
-    auto *xk = (__nv_bfloat16 *)ds4_cuda_scratch(d, (size_t)(G * a.M * ld) * sizeof(__nv_bfloat16), op, 2);
-    if (!xk) return;
-    const int64_t n = G * a.M * (ld / 8);
-    const int vs = aligned(a.x, 16) && a.ldx % 4 == 0 && a.gx % 4 == 0;
-    rows_to_bf16_k32_kernel<<<ds4_blocks(n, 256), 256, 0, cd->stream>>>((uint32_t *)xk, ld, a.x, a.ldx, a.gx, a.M,
-                                                                         a.K, n, vs);
-    if (!ds4_cuda_launched(d, op, "operand [%lld x %lld x %lld] to bf16 in k32 order", (long long)G, (long long)a.M,
-                           (long long)a.K))
-        return;
+    auto *xk = (__nv_bfloat16 *)kept_x(cd, a, G, ld, 1);
+    if (!xk) {
+        xk = (__nv_bfloat16 *)ds4_cuda_scratch(d, (size_t)(G * a.M * ld) * sizeof(__nv_bfloat16), op, 2);
+        if (!xk) return;
+        const int64_t n = G * a.M * (ld / 8);
+        const int vs = aligned(a.x, 16) && a.ldx % 4 == 0 && a.gx % 4 == 0;
+        rows_to_bf16_k32_kernel<<<ds4_blocks(n, 256), 256, 0, cd->stream>>>((uint32_t *)xk, ld, a.x, a.ldx, a.gx,
+                                                                             a.M, a.K, n, vs);
+        if (!ds4_cuda_launched(d, op, "operand [%lld x %lld x %lld] to bf16 in k32 order", (long long)G,
+                               (long long)a.M, (long long)a.K))
+            return;
+        cd->fwd_x = {a.x, a.ldx, a.gx, a.M, a.K, G, ld, 1, cd->slot2_uses, xk};
+    }
     ds4d_wg_args w = {a.y, a.ldy, a.gy, xk, ld, a.M * ld, (const __nv_bfloat16 *)a.W, a.ldw, a.gw,
                       a.M, a.N, a.K, a.off, a.E, a.wstride, a.acc, G, 0};
     w.rows_fast = a.N > a.M; // W's rows outnumber x's: x's tiles change fastest, each W tile is read once (L2)
@@ -1205,6 +1225,7 @@ void ds4_cuda_matmul(ds4_dev *d, const ds4_a_matmul *a) {
     if (fp32_bf16_in(d, "matmul", a->bf16_in, a->wdt)) return;
     gemm_args g = {a->y, a->ldy, a->x, a->ldx, a->W, a->K, a->T, a->O, a->K, a->gx, a->gy, a->gw, nullptr, 0, 0,
                    nullptr, 0, nullptr};
+    g.x_kept = a->x_kept;
     gemm(d, "matmul", g, a->wdt, a->wdt, a->groups, a->T);
 }
 
@@ -1212,6 +1233,7 @@ void ds4_cuda_matmul_grouped(ds4_dev *d, const ds4_a_matmul_grouped *a) {
     if (fp32_bf16_in(d, "matmul_grouped", a->bf16_in, a->wdt)) return;
     gemm_args g = {a->y, a->O, a->x, a->K, a->W, a->K, a->rows, a->O, a->K, 0, 0, 0, a->off, a->E, a->wstride,
                    nullptr, 0, nullptr, a->Ws};
+    g.x_kept = a->x_kept;
     /* rows per expert group: few when decoding (each expert streams its weights once); FP4-resident experts in the
      * mode bf16_in says (the model's dtype) */
     const ds4_dtype mode = a->wdt == DS4_FP4_PACKED ? (a->bf16_in ? DS4_BF16 : DS4_F32) : a->wdt;
