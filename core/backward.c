@@ -22,7 +22,8 @@ typedef struct bwd {
     ds4_dtype mdt;
     /* planned workspace (backend memory) */
     float *dX, *dXt;              /* [T, n, D] */
-    float *xmid;                  /* [T, n, D] the current block's X_mid, recomputed (block_bwd) */
+    float *xmid;                  /* [T, n, D] the current block's X_mid, recomputed (block_bwd); NULL with per-block
+                                     recomputation, whose replay leaves it in f.Xt */
     float *du, *dh, *da;          /* [T, D] */
     float *dpost, *dcomb;         /* [T, n], [T, n, n] */
     float *dmix, *xn, *dxn;       /* [T, mix], [T, n·D], [T, n·D] */
@@ -73,7 +74,7 @@ static void bplan(bwd *b, ds4_arena *a) {
     const size_t topk = (size_t)(c->index_topk < (int64_t)S ? c->index_topk : (int64_t)S);
     b->dX = ds4_arena_take(a, Tt * nD, 4);
     b->dXt = ds4_arena_take(a, Tt * nD, 4);
-    b->xmid = ds4_arena_take(a, Tt * nD, 4);
+    b->xmid = b->tp->recompute ? NULL : ds4_arena_take(a, Tt * nD, 4); /* recomputation: the replay's Xt */
     b->du = ds4_arena_take(a, Tt * D, 4);
     b->dh = ds4_arena_take(a, T * D, 4);
     b->da = ds4_arena_take(a, T * D, 4);
@@ -454,10 +455,12 @@ static void block_bwd(bwd *b, const ds4_layer_w *l, const ds4_layer_w *g, const 
     const ds4_config *c = &b->m->cfg;
     const int64_t T = b->f.T, D = c->hidden_size;
     /* X_mid, the streams between the two sites, is not on the tape (n·D floats a token, as much as X_in): the
-     * forward's hc_post again, on the same X_in, a_attn and mixing weights, gives it bit for bit */
-    float *X_mid = b->xmid;
-    OP(b->f.dev, hc_post, .c = c, .X = lt->X_in, .a = lt->a_attn, .post = lt->post_attn, .comb = lt->comb_attn,
-       .Xo = X_mid, .T = T);
+     * forward's hc_post again, on the same X_in, a_attn and mixing weights, gives it bit for bit. With recomputation
+     * the block's replay just left it in the pass's Xt (its attention site's output), which nothing has written since */
+    float *X_mid = b->tp->recompute ? b->f.Xt : b->xmid;
+    if (!b->tp->recompute)
+        OP(b->f.dev, hc_post, .c = c, .X = lt->X_in, .a = lt->a_attn, .post = lt->post_attn, .comb = lt->comb_attn,
+           .Xo = X_mid, .T = T);
     /* ffn site: X = post ⊗ a_ffn + combᵀ X_mid */
     OP(b->f.dev, hc_post_bwd, .c = c, .w = &l->hc_ffn, .dXo = dX, .a = lt->a_ffn, .X = X_mid, .dX = b->dXt,
        .da = b->da, .dpost = b->dpost, .dcomb = b->dcomb, .mix = lt->mix_ffn, .T = T);
