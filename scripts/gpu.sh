@@ -9,7 +9,9 @@
 #                                                 # first (it unpacks Debian packages and points pkg-config and the
 #                                                 # loader at them)
 #   GPU_STAGES="build tests bench demo"           # a subset (default: build tests bench; demo, the README's GPU RL
-#                                                 # demonstration, takes ~4 more minutes)
+#                                                 # demonstration, takes ~4 more minutes; kernels, the training
+#                                                 # step's time kernel by kernel through ncu, ~2 more minutes:
+#                                                 # bench/kernel_profile.sh into LOG_DIR/kernels.txt)
 #   BENCH_ARGS="--quick"                          # passed to bench/gpu_bench.sh
 # The bench stage also runs, where there are 2 or more GPUs, bench/dist_bench.sh (training on 1, 2 and 4 ranks: data
 # parallel, then data × expert parallel, replicated and sharded experts) and bench/collectives_bench.sh (ds4's NCCL all-reduce and all-to-all
@@ -111,6 +113,11 @@ if [[ " $STAGES " == *" bench "* ]]; then
         bench_status="$bench_status; collectives $(grep '^coll bench:' "$LOG/collectives_bench.log" | tail -n1 | sed 's/^coll bench: //')"
     fi
 fi
+if [[ " $STAGES " == *" kernels "* ]]; then
+    timeout 600 bash bench/kernel_profile.sh build-gpu >"$LOG/kernels.txt" 2>&1
+    say "kernels: $(tail -n1 "$LOG/kernels.txt") (the table: kernels.txt)"
+fi
+
 demo_status=skipped
 if [[ " $STAGES " == *" demo "* ]] && [ -x build-gpu/ds4 ]; then
     # the README's GPU demonstration (about 4 minutes on an H100): SFT then DAPO on multiplication, 220M parameters
