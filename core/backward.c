@@ -42,7 +42,7 @@ typedef struct bwd {
     float *dws;                   /* [T·K] */
     float *xs, *dys, *dxs;        /* [T·K, D] expert rows: inputs, output gradients, input gradients */
     float *dxslot;                /* [T·K, D] input gradients filed by (token, slot) */
-    float *act, *dact;            /* [T·K, I] */
+    float *act, *dact;            /* [T·K, I]; [T, I] with expert parallelism (bplan) */
     int32_t *perm;                /* [T·K] */
     int64_t *ecount;              /* [E + 1] */
     float *dmtp;                  /* [T, n, D] MTP input gradient */
@@ -118,8 +118,11 @@ static void bplan(bwd *b, ds4_arena *a) {
     b->dys = ds4_arena_take(a, Tt * K * D, 4);
     b->dxs = ds4_arena_take(a, Tt * K * D, 4);
     b->dxslot = ds4_arena_take(a, Tt * K * D, 4);
-    b->act = ds4_arena_take(a, Tt * K * I, 4);
-    b->dact = ds4_arena_take(a, Tt * K * I, 4);
+    /* the routed experts' activations and their gradients, [T·K, I], and the shared expert's, [T, I]; with expert
+     * parallelism the owners' rows live in the pass's ep_h (moe_ep.c), so only the shared expert's are here */
+    const size_t act_rows = b->m->ep_on && b->tp->ep_rows ? Tt : Tt * K;
+    b->act = ds4_arena_take(a, act_rows * I, 4);
+    b->dact = ds4_arena_take(a, act_rows * I, 4);
     b->perm = ds4_arena_take(a, Tt * K, 4);
     b->ecount = ds4_arena_take(a, E + 1, 8);
     b->dmtp = ds4_arena_take(a, Tt * nD, 4);
