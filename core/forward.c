@@ -201,17 +201,26 @@ static void attention(ds4_pass *f, const ds4_layer_w *l) {
 
 /* ------------------------------------------------------------------------------------------------ MoE */
 
+/* act [rows, I] = silu(min(g1, λ)) ⊙ clamp(g3, ±λ): in place into g1 (act NULL), or into act leaving g1 and g3 as
+ * they are — the backward's own recomputation (swiglu_bwd without gradients), the same expression — so that the
+ * training forward's products can write the pre-activations straight into their tape slots, with no copy. */
+static void swiglu(ds4_pass *f, float *g1, const float *g3, float *act, int64_t rows, int64_t I) {
+    const float lim = (float)f->c->swiglu_limit;
+    if (act) OP(f->dev, swiglu_bwd, .g1 = g1, .g3 = g3, .act = act, .rows = rows, .I = I, .lim = lim);
+    else OP(f->dev, swiglu, .g1 = g1, .g3 = g3, .rows = rows, .I = I, .lim = lim);
+}
+
 /* out = W2 (silu(min(x W1ᵀ, λ)) ⊙ clamp(x W3ᵀ, ±λ)) over `rows` rows (the shared expert); with g1_keep / g3_keep
- * (training) the pre-activations are kept. */
+ * (training) the pre-activations are kept: the products write them there. */
 static void shared_expert(ds4_pass *f, const ds4_layer_w *l, int64_t rows, float *out, float *g1_keep, float *g3_keep) {
     const int64_t D = f->c->hidden_size, I = f->c->moe_intermediate_size;
-    matmul(f, f->g1, f->h, l->sw1, 1, rows, D, I);
-    ds4_lora_fwd(f, l->lora, DS4_LORA_AB(l->lora, sw1), f->g1, I, f->h, D, rows, D, I);
-    matmul_same_x(f, f->g3, f->h, l->sw3, rows, D, I);
-    ds4_lora_fwd(f, l->lora, DS4_LORA_AB(l->lora, sw3), f->g3, I, f->h, D, rows, D, I);
-    keep(f, g1_keep, f->g1, rows * I);
-    keep(f, g3_keep, f->g3, rows * I);
-    OP(f->dev, swiglu, .g1 = f->g1, .g3 = f->g3, .rows = rows, .I = I, .lim = (float)f->c->swiglu_limit);
+    const int kept = g1_keep && g3_keep;
+    float *g1 = kept ? g1_keep : f->g1, *g3 = kept ? g3_keep : f->g3;
+    matmul(f, g1, f->h, l->sw1, 1, rows, D, I);
+    ds4_lora_fwd(f, l->lora, DS4_LORA_AB(l->lora, sw1), g1, I, f->h, D, rows, D, I);
+    matmul_same_x(f, g3, f->h, l->sw3, rows, D, I);
+    ds4_lora_fwd(f, l->lora, DS4_LORA_AB(l->lora, sw3), g3, I, f->h, D, rows, D, I);
+    swiglu(f, g1, g3, kept ? f->g1 : NULL, rows, I);
     matmul(f, out, f->g1, l->sw2, 1, rows, I, D);
     ds4_lora_fwd(f, l->lora, DS4_LORA_AB(l->lora, sw2), out, D, f->g1, I, rows, I, D);
 }
@@ -254,17 +263,17 @@ static void moe(ds4_pass *f, const ds4_layer_w *l, const int64_t *ids) {
     if (f->ep_rows) { /* expert parallelism: each row computed by its expert's rank (moe_ep.c) */
         ds4_ep_experts_fwd(f, l, f->xg, f->ecount, f->ye);
     } else {
-        OP(dev, matmul_grouped, .y = f->g1, .x = f->xg, .W = l->w1, .wdt = l->edt[0], .Ws = l->escale[0],
+        /* training: the pre-activations go straight to the tape, in expert order (the backward sorts the same eidx
+         * into the same perm: routed_bwd), and the activation into f->g1 */
+        const int kept = lt && lt->eg1 && lt->eg3;
+        float *g1 = kept ? lt->eg1 : f->g1, *g3 = kept ? lt->eg3 : f->g3;
+        OP(dev, matmul_grouped, .y = g1, .x = f->xg, .W = l->w1, .wdt = l->edt[0], .Ws = l->escale[0],
            .wstride = I * D, .off = f->ecount, .E = E, .rows = TK, .K = D, .O = I, .bf16_in = f->w->bf16_in);
-        OP(dev, matmul_grouped, .y = f->g3, .x = f->xg, .W = l->w3, .wdt = l->edt[2], .Ws = l->escale[2],
+        OP(dev, matmul_grouped, .y = g3, .x = f->xg, .W = l->w3, .wdt = l->edt[2], .Ws = l->escale[2],
            .wstride = I * D, .off = f->ecount, .E = E, .rows = TK, .K = D, .O = I, .bf16_in = f->w->bf16_in,
            .x_kept = 1);
-        ds4_lora_fwd_gate_up(f, l->lora, f->g1, f->g3, f->xg, f->ecount, TK);
-        if (lt) { /* in expert order: the backward sorts the same eidx into the same perm (routed_bwd) */
-            ds4_dev_copy(dev, lt->eg1, f->g1, (size_t)(TK * I) * sizeof(float));
-            ds4_dev_copy(dev, lt->eg3, f->g3, (size_t)(TK * I) * sizeof(float));
-        }
-        OP(dev, swiglu, .g1 = f->g1, .g3 = f->g3, .rows = TK, .I = I, .lim = (float)c->swiglu_limit);
+        ds4_lora_fwd_gate_up(f, l->lora, g1, g3, f->xg, f->ecount, TK);
+        swiglu(f, g1, g3, kept ? f->g1 : NULL, TK, I);
         OP(dev, matmul_grouped, .y = f->ye, .x = f->g1, .W = l->w2, .wdt = l->edt[1], .Ws = l->escale[1],
            .wstride = D * I, .off = f->ecount, .E = E, .rows = TK, .K = I, .O = D, .bf16_in = f->w->bf16_in);
         ds4_lora_fwd_down(f, l->lora, f->ye, f->g1, f->ecount, TK);
