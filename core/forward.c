@@ -124,49 +124,42 @@ static void indexer(ds4_pass *f, const ds4_layer_w *l, ds4_layer_tape *lt) {
            .sel_stride = f->sel_stride, .K = K, .T = T);
 }
 
-/* The attention sub-layer on f->h (its input after attn_norm), over the pass's rows: result in f->a. */
-static void attention_rows(ds4_pass *f, const ds4_layer_w *l) {
+/* The attention sub-layer on f->h (its input after attn_norm), over the pass's rows: result in a [T, D]. */
+static void attention_rows(ds4_pass *f, const ds4_layer_w *l, float *a) {
     const ds4_config *c = f->c;
     const int64_t T = f->T, D = c->hidden_size, H = c->num_attention_heads, d = c->head_dim, qr = c->q_lora_rank;
     const ds4_rope_table *rt = l->type == DS4_ATTN_SLIDING ? &f->rmain : &f->rcomp;
     const ds4_dtype mdt = f->w->mdt;
     const ds4_lora_layer *lo = l->lora;
     ds4_layer_tape *lt = f->lt;
-    matmul(f, f->qr, f->h, l->wq_a, 1, T, D, qr);
-    matmul_same_x(f, f->kv, f->h, l->wkv, T, D, d); /* the key's projection of the same h, next to the query's */
-    ds4_lora_fwd(f, lo, DS4_LORA_AB(lo, wq_a), f->qr, qr, f->h, D, T, D, qr);
-    ds4_lora_fwd(f, lo, DS4_LORA_AB(lo, wkv), f->kv, d, f->h, D, T, D, d);
-    if (lt) {
-        keep_x(f, lt->h_attn, f->h, T * D);
-        keep(f, lt->qa, f->qr, T * qr);
-    }
-    norm(f, f->qr, f->qr, l->q_norm, T, qr);
-    matmul(f, f->q, f->qr, l->wq_b, 1, T, qr, H * d);
-    ds4_lora_fwd(f, lo, DS4_LORA_AB(lo, wq_b), f->q, H * d, f->qr, qr, T, qr, H * d);
-    if (lt) {
-        keep_x(f, lt->qr, f->qr, T * qr);
-        keep(f, lt->q_pre, f->q, T * H * d);
-    }
-    norm(f, f->q, f->q, NULL, T * H, d); /* per-head unweighted RMS */
-    rope(f, f->q, H, d, rt, 1);
-    if (lt) keep(f, lt->kv_pre, f->kv, T * d);
-    norm(f, f->kv, f->kv, l->kv_norm, T, d);
-    rope(f, f->kv, 1, d, rt, 1);
-    if (f->m->kv_qat) OP(f->dev, fake_quant, .x = f->kv, .rows = T, .width = d, .q = qat_of(f, 0, d, rt->half));
-    if (lt) {
-        keep(f, lt->q, f->q, T * H * d);
-        keep(f, lt->kv, f->kv, T * d);
-    }
+    /* training: the pre-norm projections go straight to their tape slots and the norms read them from there (out of
+     * place), and q and kv are formed in theirs, so that nothing is copied into the tape; else the pass's buffers */
+    float *qa = lt ? lt->qa : f->qr, *qpre = lt ? lt->q_pre : f->q, *kvpre = lt ? lt->kv_pre : f->kv;
+    float *q = lt ? lt->q : f->q, *kv = lt ? lt->kv : f->kv;
+    matmul(f, qa, f->h, l->wq_a, 1, T, D, qr);
+    matmul_same_x(f, kvpre, f->h, l->wkv, T, D, d); /* the key's projection of the same h, next to the query's */
+    ds4_lora_fwd(f, lo, DS4_LORA_AB(lo, wq_a), qa, qr, f->h, D, T, D, qr);
+    ds4_lora_fwd(f, lo, DS4_LORA_AB(lo, wkv), kvpre, d, f->h, D, T, D, d);
+    if (lt) keep_x(f, lt->h_attn, f->h, T * D);
+    norm(f, f->qr, qa, l->q_norm, T, qr);
+    matmul(f, qpre, f->qr, l->wq_b, 1, T, qr, H * d);
+    ds4_lora_fwd(f, lo, DS4_LORA_AB(lo, wq_b), qpre, H * d, f->qr, qr, T, qr, H * d);
+    if (lt) keep_x(f, lt->qr, f->qr, T * qr);
+    norm(f, q, qpre, NULL, T * H, d); /* per-head unweighted RMS */
+    rope(f, q, H, d, rt, 1);
+    norm(f, kv, kvpre, l->kv_norm, T, d);
+    rope(f, kv, 1, d, rt, 1);
+    if (f->m->kv_qat) OP(f->dev, fake_quant, .x = kv, .rows = T, .width = d, .q = qat_of(f, 0, d, rt->half));
     int64_t nwin = 0;
     if (l->type != DS4_ATTN_SLIDING)
         nwin = compress(f, &l->comp, 0, f->cC, f->cZ, f->cK, l->type == DS4_ATTN_CSA, lt ? lt->cC : NULL,
                         lt ? lt->cZ : NULL, lt ? lt->pool : NULL);
     if (l->type == DS4_ATTN_CSA) indexer(f, l, lt);
-    OP(f->dev, attention, .c = c, .type = l->type, .sink = l->sink, .q = f->q, .kv = f->kv, .cK = f->cK,
+    OP(f->dev, attention, .c = c, .type = l->type, .sink = l->sink, .q = q, .kv = kv, .cK = f->cK,
        .rows = f->rows, .nwin = nwin, .sel = f->sel, .nsel = f->nsel, .sel_stride = f->sel_stride, .o = f->o,
        .itgt = l->type == DS4_ATTN_CSA && lt ? lt->itgt : NULL, .bf16_in = f->w->bf16_in);
     if (f->rows.pos)
-        OP(f->dev, cache_commit, .c = c, .type = l->type, .kv = f->kv, .cC = f->cC, .cZ = f->cZ, .iC = f->iC,
+        OP(f->dev, cache_commit, .c = c, .type = l->type, .kv = kv, .cC = f->cC, .cZ = f->cZ, .iC = f->iC,
            .iZ = f->iZ, .rows = f->rows);
     rope(f, f->o, H, d, rt, -1); /* de-rotate the output at the query position */
     if (lt) {
@@ -183,20 +176,24 @@ static void attention_rows(ds4_pass *f, const ds4_layer_w *l) {
     OP(f->dev, matmul, .y = f->y, .ldy = G * ol, .x = f->o, .ldx = H * d, .W = l->wo_a, .wdt = mdt, .T = T, .K = gw,
        .O = ol, .groups = G, .gx = gw, .gy = ol, .gw = ol * gw, .bf16_in = f->w->bf16_in);
     ds4_lora_fwd_wo_a(f, lo, f->y, f->o, T);
-    matmul(f, f->a, f->y, l->wo_b, 1, T, G * ol, D);
-    ds4_lora_fwd(f, lo, DS4_LORA_AB(lo, wo_b), f->a, D, f->y, G * ol, T, G * ol, D);
+    matmul(f, a, f->y, l->wo_b, 1, T, G * ol, D);
+    ds4_lora_fwd(f, lo, DS4_LORA_AB(lo, wo_b), a, D, f->y, G * ol, T, G * ol, D);
     if (lt) keep_x(f, lt->y, f->y, T * G * ol);
 }
 
-/* The attention sub-layer on f->u (collapsed input): result in f->a. With context parallelism the ranks' inputs are
- * gathered first (cp.c), so that every rank runs the whole sequence's attention, and each keeps its own rows. */
-static void attention(ds4_pass *f, const ds4_layer_w *l) {
+/* The attention sub-layer on u (the collapsed input): returns where its result lies, [T, D] — the tape's a_attn when
+ * training (written there, not copied), else f->a. With context parallelism the ranks' inputs are gathered first
+ * (cp.c), so that every rank runs the whole sequence's attention, and each keeps its own rows of f->a. */
+static float *attention(ds4_pass *f, const ds4_layer_w *l, const float *u) {
     const int64_t D = f->c->hidden_size;
-    norm(f, f->h, f->u, l->attn_norm, f->T, D);
+    ds4_layer_tape *lt = f->lt;
+    norm(f, f->h, u, l->attn_norm, f->T, D);
     if (f->cp_world) ds4_cp_gather_rows(f, f->h, D);
-    attention_rows(f, l);
+    float *a = lt && !f->cp_world ? lt->a_attn : f->a;
+    attention_rows(f, l, a);
     if (f->cp_world) ds4_cp_keep_rows(f, f->a, D);
-    if (f->lt) keep(f, f->lt->a_attn, f->a, f->T * D);
+    if (lt && f->cp_world) keep(f, lt->a_attn, f->a, f->T * D);
+    return a;
 }
 
 /* ------------------------------------------------------------------------------------------------ MoE */
@@ -225,14 +222,15 @@ static void shared_expert(ds4_pass *f, const ds4_layer_w *l, int64_t rows, float
     ds4_lora_fwd(f, l->lora, DS4_LORA_AB(l->lora, sw2), out, D, f->g1, I, rows, I, D);
 }
 
-/* The MoE sub-layer on f->u with token ids `ids` (hash routing): result in f->a. */
-static void moe(ds4_pass *f, const ds4_layer_w *l, const int64_t *ids) {
+/* The MoE sub-layer on u (the collapsed input) with token ids `ids` (hash routing): returns where its result lies,
+ * [T, D] — the tape's a_ffn when training (written there, not copied), else f->a. */
+static float *moe(ds4_pass *f, const ds4_layer_w *l, const float *u, const int64_t *ids) {
     const ds4_config *c = f->c;
     const int64_t T = f->T, D = c->hidden_size, E = c->n_routed_experts, K = c->num_experts_per_tok;
     const int64_t I = c->moe_intermediate_size, L = c->num_hidden_layers, TK = T * K;
     ds4_dev *dev = f->dev;
     ds4_layer_tape *lt = f->lt;
-    norm(f, f->h, f->u, l->ffn_norm, T, D);
+    norm(f, f->h, u, l->ffn_norm, T, D);
     matmul(f, f->rl, f->h, l->gate, 0, T, D, E);
     if (lt) {
         keep(f, lt->h_ffn, f->h, T * D);
@@ -280,33 +278,36 @@ static void moe(ds4_pass *f, const ds4_layer_w *l, const int64_t *ids) {
     }
     if (lt) OP(dev, scatter_rows, .dst = lt->ye, .src = f->ye, .idx = f->perm, .rows = TK, .width = D);
     OP(dev, moe_weigh, .yk = f->yk, .ye = f->ye, .perm = f->perm, .ew = f->ew, .rows = TK, .D = D);
-    shared_expert(f, l, T, f->a, lt ? lt->sg1 : NULL, lt ? lt->sg3 : NULL); /* every token */
-    OP(dev, moe_combine, .a = f->a, .yk = f->yk, .eidx = f->eidx, .T = T, .K = K, .D = D);
-    if (lt) keep(f, lt->a_ffn, f->a, T * D);
+    float *a = lt ? lt->a_ffn : f->a;
+    shared_expert(f, l, T, a, lt ? lt->sg1 : NULL, lt ? lt->sg3 : NULL); /* every token */
+    OP(dev, moe_combine, .a = a, .yk = f->yk, .eidx = f->eidx, .T = T, .K = K, .D = D);
+    return a;
 }
 
 /* ------------------------------------------------------------------------------------------------ block / head */
 
-void ds4_block(ds4_pass *f, const ds4_layer_w *l, float *X, const int64_t *ids) {
+/* One block from the streams X to Xo (the same buffer: in place). Training keeps X as the block's input, unless X is
+ * that tape slot already (the block before wrote its output there). */
+static void block_io(ds4_pass *f, const ds4_layer_w *l, float *X, float *Xo, const int64_t *ids) {
     const ds4_config *c = f->c;
     const int64_t nD = c->hc_mult * c->hidden_size;
     ds4_layer_tape *lt = f->lt;
-    if (lt) keep(f, lt->X_in, X, f->T * nD);
-    OP(f->dev, hc_pre, .c = c, .w = &l->hc_attn, .X = X, .pre = f->pre, .post = f->post, .comb = f->comb, .u = f->u,
+    if (lt && lt->X_in != X) keep(f, lt->X_in, X, f->T * nD);
+    /* training: the collapsed inputs and the attention site's post and comb weights are formed in their tape slots
+     * (the backward recomputes X_mid from X_in, a_attn and these: block_bwd), and the sub-layers return theirs */
+    float *u = lt ? lt->u_attn : f->u, *post = lt ? lt->post_attn : f->post, *comb = lt ? lt->comb_attn : f->comb;
+    OP(f->dev, hc_pre, .c = c, .w = &l->hc_attn, .X = X, .pre = f->pre, .post = post, .comb = comb, .u = u,
        .mix = lt ? lt->mix_attn : NULL, .T = f->T);
-    if (lt) keep(f, lt->u_attn, f->u, f->T * c->hidden_size);
-    attention(f, l);
-    if (lt) { /* the backward recomputes X_mid from X_in, a_attn and these (block_bwd) */
-        keep(f, lt->post_attn, f->post, f->T * c->hc_mult);
-        keep(f, lt->comb_attn, f->comb, f->T * c->hc_mult * c->hc_mult);
-    }
-    OP(f->dev, hc_post, .c = c, .X = X, .a = f->a, .post = f->post, .comb = f->comb, .Xo = f->Xt, .T = f->T);
-    OP(f->dev, hc_pre, .c = c, .w = &l->hc_ffn, .X = f->Xt, .pre = f->pre, .post = f->post, .comb = f->comb,
-       .u = f->u, .mix = lt ? lt->mix_ffn : NULL, .T = f->T);
-    if (lt) keep(f, lt->u_ffn, f->u, f->T * c->hidden_size);
-    moe(f, l, ids);
-    OP(f->dev, hc_post, .c = c, .X = f->Xt, .a = f->a, .post = f->post, .comb = f->comb, .Xo = X, .T = f->T);
+    const float *a = attention(f, l, u);
+    OP(f->dev, hc_post, .c = c, .X = X, .a = a, .post = post, .comb = comb, .Xo = f->Xt, .T = f->T);
+    u = lt ? lt->u_ffn : f->u;
+    OP(f->dev, hc_pre, .c = c, .w = &l->hc_ffn, .X = f->Xt, .pre = f->pre, .post = f->post, .comb = f->comb, .u = u,
+       .mix = lt ? lt->mix_ffn : NULL, .T = f->T);
+    a = moe(f, l, u, ids);
+    OP(f->dev, hc_post, .c = c, .X = f->Xt, .a = a, .post = f->post, .comb = f->comb, .Xo = Xo, .T = f->T);
 }
+
+void ds4_block(ds4_pass *f, const ds4_layer_w *l, float *X, const int64_t *ids) { block_io(f, l, X, X, ids); }
 
 void ds4_lm_head(ds4_pass *f, const float *X, const float *fn, const float *base, const float *scale, const float *nw,
                  float *logits, float *u_keep, float *y_keep) {
@@ -619,15 +620,20 @@ ds4_status ds4_forward_run(ds4_model *m, const ds4_forward_args *args, ds4_forwa
         for (int64_t b = 0; b < B; b++) tape->hlen[b] = args->lengths ? args->lengths[b] : S;
     double ikl_sum = 0; /* the indexer KL loss over the CSA layers (tape->with_ikl) */
     int64_t ikl_nq = 0;
+    /* the streams: in training each block writes its output straight into the next block's kept-input slot (no
+     * copy), the last one into f.X */
+    float *X = f.X;
     for (int64_t li = 0; li < c->num_hidden_layers; li++) {
         f.lt = tape ? &tape->layers[li] : NULL;
         f.li = li;
         f.rows.li = li;
-        ds4_block(&f, &f.w->layers[li], f.X, ids);
+        float *Xo = tape && li + 1 < c->num_hidden_layers ? tape->layers[li + 1].X_in : f.X;
+        block_io(&f, &f.w->layers[li], X, Xo, ids);
+        X = Xo;
         f.csa_i += c->layer_types[li] == DS4_ATTN_CSA;
         if (tape && tape->with_ikl && tape->recompute && c->layer_types[li] == DS4_ATTN_CSA && !f.dev->st)
             ikl_layer(&f, tape, li, hnll, (int32_t *)hrows, &ikl_sum, &ikl_nq);
-        if (args->hidden) ds4_dev_download(f.dev, args->hidden + li * T * n * D, f.X, (size_t)(T * n * D) * sizeof(float));
+        if (args->hidden) ds4_dev_download(f.dev, args->hidden + li * T * n * D, X, (size_t)(T * n * D) * sizeof(float));
     }
     f.lt = NULL;
     float *logits = tape ? NULL : (args->logits && hv ? args->logits : f.logits_ws); /* a tape: in chunks */
