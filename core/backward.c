@@ -802,8 +802,7 @@ static ds4_status backward_impl(ds4_model *m, const float *dlogp, const ds4_back
             b.f.li = b.f.rows.li = li;
             b.f.csa_i = ncsa;
             b.f.recompute = 1;
-            ds4_dev_copy(dev, b.f.X, tp->layers[li].X_in, (size_t)(T * c->hc_mult * c->hidden_size) * sizeof(float));
-            ds4_block(&b.f, &wv->layers[li], b.f.X, tp->ids);
+            ds4_block_to(&b.f, &wv->layers[li], tp->layers[li].X_in, b.f.X, tp->ids); /* X_in only read */
         }
         block_bwd(&b, &wv->layers[li], &b.gw->layers[li], &tp->layers[li], b.dX);
         if (gf->per_block) gfinal_reach(m, gf, gsaved, block_start(m, li));

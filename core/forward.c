@@ -286,9 +286,9 @@ static float *moe(ds4_pass *f, const ds4_layer_w *l, const float *u, const int64
 
 /* ------------------------------------------------------------------------------------------------ block / head */
 
-/* One block from the streams X to Xo (the same buffer: in place). Training keeps X as the block's input, unless X is
- * that tape slot already (the block before wrote its output there). */
-static void block_io(ds4_pass *f, const ds4_layer_w *l, float *X, float *Xo, const int64_t *ids) {
+/* ds4_block_to (sched.h). Training keeps X as the block's input, unless X is that tape slot already (the block before
+ * wrote its output there, or the backward replays the block from it). */
+void ds4_block_to(ds4_pass *f, const ds4_layer_w *l, float *X, float *Xo, const int64_t *ids) {
     const ds4_config *c = f->c;
     const int64_t nD = c->hc_mult * c->hidden_size;
     ds4_layer_tape *lt = f->lt;
@@ -307,7 +307,7 @@ static void block_io(ds4_pass *f, const ds4_layer_w *l, float *X, float *Xo, con
     OP(f->dev, hc_post, .c = c, .X = f->Xt, .a = a, .post = f->post, .comb = f->comb, .Xo = Xo, .T = f->T);
 }
 
-void ds4_block(ds4_pass *f, const ds4_layer_w *l, float *X, const int64_t *ids) { block_io(f, l, X, X, ids); }
+void ds4_block(ds4_pass *f, const ds4_layer_w *l, float *X, const int64_t *ids) { ds4_block_to(f, l, X, X, ids); }
 
 void ds4_lm_head(ds4_pass *f, const float *X, const float *fn, const float *base, const float *scale, const float *nw,
                  float *logits, float *u_keep, float *y_keep) {
@@ -628,7 +628,7 @@ ds4_status ds4_forward_run(ds4_model *m, const ds4_forward_args *args, ds4_forwa
         f.li = li;
         f.rows.li = li;
         float *Xo = tape && li + 1 < c->num_hidden_layers ? tape->layers[li + 1].X_in : f.X;
-        block_io(&f, &f.w->layers[li], X, Xo, ids);
+        ds4_block_to(&f, &f.w->layers[li], X, Xo, ids);
         X = Xo;
         f.csa_i += c->layer_types[li] == DS4_ATTN_CSA;
         if (tape && tape->with_ikl && tape->recompute && c->layer_types[li] == DS4_ATTN_CSA && !f.dev->st)

@@ -220,6 +220,8 @@ static inline const void *ds4_pass_input(ds4_pass *p, void *planned, const void 
 /* forward.c: one decoder block over streams X (result back in X; Xt is scratch), with token ids `ids` for hash
  * routing; the head of a pass (logits = head(norm(HyperHead(X))) for p->T rows). */
 void ds4_block(ds4_pass *p, const ds4_layer_w *l, float *X, const int64_t *ids);
+/* The same from the streams X to Xo, X left as it was (Xo == X: ds4_block) */
+void ds4_block_to(ds4_pass *p, const ds4_layer_w *l, float *X, float *Xo, const int64_t *ids);
 /* logits NULL: only the head's input y = norm(HyperHead(X)), left in p->u (a training pass then runs the head in
  * chunks of ds4_head_rows). */
 void ds4_lm_head(ds4_pass *p, const float *X, const float *fn, const float *base, const float *scale, const float *norm,
