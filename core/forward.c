@@ -209,14 +209,15 @@ static void swiglu(ds4_pass *f, float *g1, const float *g3, float *act, int64_t 
 
 /* out = W2 (silu(min(x W1ᵀ, λ)) ⊙ clamp(x W3ᵀ, ±λ)) over `rows` rows (the shared expert); with g1_keep / g3_keep
  * (training) the pre-activations are kept: the products write them there. */
-static void shared_expert(ds4_pass *f, const ds4_layer_w *l, int64_t rows, float *out, float *g1_keep, float *g3_keep) {
+static void shared_expert(ds4_pass *f, const ds4_layer_w *l, const float *h, int64_t rows, float *out, float *g1_keep,
+                          float *g3_keep) {
     const int64_t D = f->c->hidden_size, I = f->c->moe_intermediate_size;
     const int kept = g1_keep && g3_keep;
     float *g1 = kept ? g1_keep : f->g1, *g3 = kept ? g3_keep : f->g3;
-    matmul(f, g1, f->h, l->sw1, 1, rows, D, I);
-    ds4_lora_fwd(f, l->lora, DS4_LORA_AB(l->lora, sw1), g1, I, f->h, D, rows, D, I);
-    matmul_same_x(f, g3, f->h, l->sw3, rows, D, I);
-    ds4_lora_fwd(f, l->lora, DS4_LORA_AB(l->lora, sw3), g3, I, f->h, D, rows, D, I);
+    matmul(f, g1, h, l->sw1, 1, rows, D, I);
+    ds4_lora_fwd(f, l->lora, DS4_LORA_AB(l->lora, sw1), g1, I, h, D, rows, D, I);
+    matmul_same_x(f, g3, h, l->sw3, rows, D, I);
+    ds4_lora_fwd(f, l->lora, DS4_LORA_AB(l->lora, sw3), g3, I, h, D, rows, D, I);
     swiglu(f, g1, g3, kept ? f->g1 : NULL, rows, I);
     matmul(f, out, f->g1, l->sw2, 1, rows, I, D);
     ds4_lora_fwd(f, l->lora, DS4_LORA_AB(l->lora, sw2), out, D, f->g1, I, rows, I, D);
@@ -230,12 +231,10 @@ static float *moe(ds4_pass *f, const ds4_layer_w *l, const float *u, const int64
     const int64_t I = c->moe_intermediate_size, L = c->num_hidden_layers, TK = T * K;
     ds4_dev *dev = f->dev;
     ds4_layer_tape *lt = f->lt;
-    norm(f, f->h, u, l->ffn_norm, T, D);
-    matmul(f, f->rl, f->h, l->gate, 0, T, D, E);
-    if (lt) {
-        keep(f, lt->h_ffn, f->h, T * D);
-        keep(f, lt->rlog, f->rl, T * E);
-    }
+    float *h = lt ? lt->h_ffn : f->h; /* training: normalised in its tape slot */
+    norm(f, h, u, l->ffn_norm, T, D);
+    matmul(f, f->rl, h, l->gate, 0, T, D, E);
+    if (lt) keep(f, lt->rlog, f->rl, T * E);
     const int replay = f->replay_experts && f->replay_on;
     if (f->recompute) { /* the experts and weights the training forward chose (its scores are kept too) */
         ds4_dev_copy(dev, f->eidx, lt->eidx, (size_t)TK * sizeof(int32_t));
@@ -257,7 +256,7 @@ static float *moe(ds4_pass *f, const ds4_layer_w *l, const float *u, const int64
     }
     /* routed experts: (token, slot) pairs grouped by expert, one GEMM per expert group */
     OP(dev, moe_sort, .eidx = f->eidx, .n = TK, .E = E, .perm = f->perm, .off = f->ecount);
-    OP(dev, gather_rows, .dst = f->xg, .src = f->h, .idx = f->perm, .div = K, .rows = TK, .width = D);
+    OP(dev, gather_rows, .dst = f->xg, .src = h, .idx = f->perm, .div = K, .rows = TK, .width = D);
     if (f->ep_rows) { /* expert parallelism: each row computed by its expert's rank (moe_ep.c) */
         ds4_ep_experts_fwd(f, l, f->xg, f->ecount, f->ye);
     } else {
@@ -279,7 +278,7 @@ static float *moe(ds4_pass *f, const ds4_layer_w *l, const float *u, const int64
     if (lt) OP(dev, scatter_rows, .dst = lt->ye, .src = f->ye, .idx = f->perm, .rows = TK, .width = D);
     OP(dev, moe_weigh, .yk = f->yk, .ye = f->ye, .perm = f->perm, .ew = f->ew, .rows = TK, .D = D);
     float *a = lt ? lt->a_ffn : f->a;
-    shared_expert(f, l, T, a, lt ? lt->sg1 : NULL, lt ? lt->sg3 : NULL); /* every token */
+    shared_expert(f, l, h, T, a, lt ? lt->sg1 : NULL, lt ? lt->sg3 : NULL); /* every token */
     OP(dev, moe_combine, .a = a, .yk = f->yk, .eidx = f->eidx, .T = T, .K = K, .D = D);
     return a;
 }
