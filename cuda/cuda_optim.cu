@@ -83,15 +83,6 @@ __device__ __forceinline__ void step_elem4(const ds4_adamw_coefs &c, float coef,
     step_elem<UPDATE>(c, coef, p.z, g.z, m.z, v.z, nb, b), step_elem<UPDATE>(c, coef, p.w, g.w, m.w, v.w, nb, b);
 }
 
-// The pass over piece q (UPDATE: the update; else the finiteness check, its count in nb). m and v hold elements
-// [mo, ...) of the flat buffer and p elements [po, ...) (a ZeRO-1 shard's moments and master; 0: all of it): element
-// k's moments are m[k - mo], v[k - mo], its master weight p[k - po]. The passes are bound by memory. Where the piece
-// lies alike modulo 16 bytes in all four buffers (a model's: the buffers are cudaMalloc'd and v is placed as m,
-// model.h's ds4_moments_stride; not a shard whose region starts off a multiple of 4), each thread moves groups of four elements as one 16-byte load or store per buffer,
-// OPT_V groups in flight, and the h < 4 elements before the first 16-byte boundary and the few after the last group
-// go one by one; elsewhere every element goes one by one, OPT_U in flight per thread. All loads of a round are issued
-// before any use; past the end the first group (element) stands in, never used. Each element's arithmetic is the
-// same whichever way it is loaded, and the check's count is exact in any order.
 // The working copy (ds4_a_adamw's wcast): piece element i's new p to w.d + i·(2 or 4) bytes, as cast_params writes it.
 // d NULL: none. vec: the piece's groups of four land on 8-byte (bf16) or 16-byte (fp32) boundaries there.
 struct wcopy {
@@ -114,6 +105,15 @@ struct wcopy {
     }
 };
 
+// The pass over piece q (UPDATE: the update; else the finiteness check, its count in nb). m and v hold elements
+// [mo, ...) of the flat buffer and p elements [po, ...) (a ZeRO-1 shard's moments and master; 0: all of it): element
+// k's moments are m[k - mo], v[k - mo], its master weight p[k - po]. The passes are bound by memory. Where the piece
+// lies alike modulo 16 bytes in all four buffers (a model's: the buffers are cudaMalloc'd and v is placed as m,
+// model.h's ds4_moments_stride; not a shard whose region starts off a multiple of 4), each thread moves groups of four elements as one 16-byte load or store per buffer,
+// OPT_V groups in flight, and the h < 4 elements before the first 16-byte boundary and the few after the last group
+// go one by one; elsewhere every element goes one by one, OPT_U in flight per thread. All loads of a round are issued
+// before any use; past the end the first group (element) stands in, never used. Each element's arithmetic is the
+// same whichever way it is loaded, and the check's count is exact in any order.
 template <bool UPDATE>
 __device__ __forceinline__ void piece_pass(const ds4_optim_piece &q, const ds4_adamw_coefs &c, float coef, float *p,
                                            float *g, float *m, float *v, int64_t mo, int64_t po, double &nb,
