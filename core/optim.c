@@ -955,7 +955,8 @@ static ds4_status adamw_step_device(ds4_adamw *a, size_t nr, int64_t total_elems
     }
     a->bounds_ok = 0; /* until the bounds of this update are read back below */
     /* the working copy of the master's region (ZeRO-1: this rank's; the cast table is the region's): written by the
-     * update itself where its pieces cover the whole table, else by a cast pass after it */
+     * update for the pieces it steps and by a cast pass over the table's other runs (frozen tensors, the correction
+     * biases), or, where a piece cannot be mapped (ds4_optim_piece_casts), by a cast pass over the whole table */
     int64_t nrest = 0;
     const int fused = !l && m->hcast &&
                       ds4_optim_piece_casts(m->hcast, m->n_cast, m->dev_w.mdt, a->pieces + k0, no, po, a->wcast,
