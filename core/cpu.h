@@ -87,7 +87,6 @@ void ds4_cpu_rope(ds4_dev *d, const ds4_a_rope *a);
 void ds4_cpu_scale(ds4_dev *d, const ds4_a_scale *a);
 void ds4_cpu_fake_quant(ds4_dev *d, const ds4_a_fake_quant *a);
 void ds4_cpu_copy_rows(ds4_dev *d, const ds4_a_copy_rows *a);
-void ds4_cpu_to_bf16(ds4_dev *d, const ds4_a_to_bf16 *a);
 void ds4_cpu_gather_rows(ds4_dev *d, const ds4_a_gather_rows *a);
 void ds4_cpu_scatter_rows(ds4_dev *d, const ds4_a_scatter_rows *a);
 void ds4_cpu_add_rows(ds4_dev *d, const ds4_a_add_rows *a);

@@ -101,6 +101,13 @@ void ds4_cpu_matmul(ds4_dev *d, const ds4_a_matmul *a) {
         g[k] = fwd(a->y + k * a->gy, a->ldy, x + k * a->gx, a->ldx, (const float *)a->W + k * a->gw, a->T, a->K, a->O);
     run(ds4_cpu_of(d), g, G);
     free(own);
+    if (a->keep16) /* x's bf16 copy in x's layout: the rounding to_bf16 applies */
+        for (int64_t t = 0; t < a->T; t++)
+            for (int64_t k = 0; k < G; k++)
+                for (int64_t i = 0; i < a->K; i++) {
+                    const int64_t at = t * a->ldx + k * a->gx + i;
+                    a->keep16[at] = ds4_f32_to_bf16(a->x[at]);
+                }
 }
 
 /* One product per row group of off that has rows (the routed experts that got tokens), in expert order, run as one

@@ -67,14 +67,6 @@ void ds4_cpu_copy_rows(ds4_dev *d, const ds4_a_copy_rows *a) {
     ds4_cpu_parallel_grain(ds4_cpu_of(d), a->rows, row_grain(a->row_bytes / 4), copy_range, a);
 }
 
-static void to_bf16_range(const ds4_cpu *cpu, const void *p, int64_t b, int64_t e, int64_t task) {
-    const ds4_a_to_bf16 *a = p;
-    for (int64_t i = b; i < e; i++) a->dst[i] = ds4_f32_to_bf16(a->src[i]);
-}
-
-void ds4_cpu_to_bf16(ds4_dev *d, const ds4_a_to_bf16 *a) {
-    ds4_cpu_parallel_grain(ds4_cpu_of(d), a->n, DS4_CPU_TASK_WORK, to_bf16_range, a);
-}
 
 static void gather_range(const ds4_cpu *cpu, const void *p, int64_t b, int64_t e, int64_t task) {
     const ds4_a_gather_rows *a = p;

@@ -19,17 +19,21 @@ static void keep(ds4_pass *f, float *dst, const float *src, int64_t n) {
     if (dst) ds4_dev_copy(f->dev, dst, src, (size_t)n * sizeof(float));
 }
 
-/* keep an input of bf16 products only (sched.h): rounded to bf16 as they round it (tape x16), else in fp32 */
-static void keep_x(ds4_pass *f, void *dst, const float *src, int64_t n) {
-    if (!dst) return;
-    if (f->tape->x16) OP(f->dev, to_bf16, .dst = dst, .src = src, .n = n);
-    else keep(f, dst, src, n);
-}
-
 /* M: W is an M matrix (held in the views' mdt; its product rounds x to bf16 in the bf16 mode), else an fp32 weight */
 static void matmul(ds4_pass *f, float *y, const float *x, const void *W, int M, int64_t T, int64_t K, int64_t O) {
     OP(f->dev, matmul, .y = y, .ldy = O, .x = x, .ldx = K, .W = W, .wdt = M ? f->w->mdt : DS4_F32, .T = T, .K = K,
        .O = O, .bf16_in = M && f->w->bf16_in);
+}
+
+/* An M matrix's product whose x, an input of bf16 products only (sched.h), the tape keeps at `kept` (NULL: none). With
+ * the tape in bf16 (x16) the copy is rounded as the products round x, and the product writes it in the pass that rounds
+ * x for itself (ds4_a_matmul.keep16: one read of x, not two); else it is copied in fp32 after. */
+static void *keep16_of(ds4_pass *f, void *kept) { return kept && f->tape->x16 ? kept : NULL; }
+static void matmul_keep(ds4_pass *f, float *y, const float *x, const void *W, int64_t T, int64_t K, int64_t O,
+                        void *kept) {
+    OP(f->dev, matmul, .y = y, .ldy = O, .x = x, .ldx = K, .W = W, .wdt = f->w->mdt, .T = T, .K = K, .O = O,
+       .bf16_in = f->w->bf16_in, .keep16 = keep16_of(f, kept));
+    if (kept && !f->tape->x16) keep(f, kept, x, T * K);
 }
 
 /* The same with an M matrix, on the x of the product just before, unchanged since (ops.h, x_kept: the backend may
@@ -136,15 +140,13 @@ static void attention_rows(ds4_pass *f, const ds4_layer_w *l, float *a) {
      * place), and q and kv are formed in theirs, so that nothing is copied into the tape; else the pass's buffers */
     float *qa = lt ? lt->qa : f->qr, *qpre = lt ? lt->q_pre : f->q, *kvpre = lt ? lt->kv_pre : f->kv;
     float *q = lt ? lt->q : f->q, *kv = lt ? lt->kv : f->kv;
-    matmul(f, qa, f->h, l->wq_a, 1, T, D, qr);
+    matmul_keep(f, qa, f->h, l->wq_a, T, D, qr, lt ? lt->h_attn : NULL);
     matmul_same_x(f, kvpre, f->h, l->wkv, T, D, d); /* the key's projection of the same h, next to the query's */
     ds4_lora_fwd(f, lo, DS4_LORA_AB(lo, wq_a), qa, qr, f->h, D, T, D, qr);
     ds4_lora_fwd(f, lo, DS4_LORA_AB(lo, wkv), kvpre, d, f->h, D, T, D, d);
-    if (lt) keep_x(f, lt->h_attn, f->h, T * D);
     norm(f, f->qr, qa, l->q_norm, T, qr);
-    matmul(f, qpre, f->qr, l->wq_b, 1, T, qr, H * d);
+    matmul_keep(f, qpre, f->qr, l->wq_b, T, qr, H * d, lt ? lt->qr : NULL);
     ds4_lora_fwd(f, lo, DS4_LORA_AB(lo, wq_b), qpre, H * d, f->qr, qr, T, qr, H * d);
-    if (lt) keep_x(f, lt->qr, f->qr, T * qr);
     norm(f, q, qpre, NULL, T * H, d); /* per-head unweighted RMS */
     rope(f, q, H, d, rt, 1);
     norm(f, kv, kvpre, l->kv_norm, T, d);
@@ -169,16 +171,16 @@ static void attention_rows(ds4_pass *f, const ds4_layer_w *l, float *a) {
             ds4_dev_copy(f->dev, lt->sel, f->sel, (size_t)(T * f->sel_stride) * sizeof(int32_t));
             ds4_dev_copy(f->dev, lt->nsel, f->nsel, (size_t)T * sizeof(int32_t));
         }
-        keep_x(f, lt->o, f->o, T * H * d);
+        if (!f->tape->x16) keep(f, lt->o, f->o, T * H * d); /* else the product below writes it (keep16) */
     }
     /* grouped output projection: group g = heads [g·H/G, (g+1)·H/G) → o_lora values */
     const int64_t G = c->o_groups, ol = c->o_lora_rank, gw = H * d / G;
     OP(f->dev, matmul, .y = f->y, .ldy = G * ol, .x = f->o, .ldx = H * d, .W = l->wo_a, .wdt = mdt, .T = T, .K = gw,
-       .O = ol, .groups = G, .gx = gw, .gy = ol, .gw = ol * gw, .bf16_in = f->w->bf16_in);
+       .O = ol, .groups = G, .gx = gw, .gy = ol, .gw = ol * gw, .bf16_in = f->w->bf16_in,
+       .keep16 = keep16_of(f, lt ? lt->o : NULL));
     ds4_lora_fwd_wo_a(f, lo, f->y, f->o, T);
-    matmul(f, a, f->y, l->wo_b, 1, T, G * ol, D);
+    matmul_keep(f, a, f->y, l->wo_b, T, G * ol, D, lt ? lt->y : NULL);
     ds4_lora_fwd(f, lo, DS4_LORA_AB(lo, wo_b), a, D, f->y, G * ol, T, G * ol, D);
-    if (lt) keep_x(f, lt->y, f->y, T * G * ol);
 }
 
 /* The attention sub-layer on u (the collapsed input): returns where its result lies, [T, D] — the tape's a_attn when

@@ -82,7 +82,8 @@ static double op_bytes(ds4_op_id op, const void *args) {
     case DS4_OP_matmul: {
         const ds4_a_matmul *a = args;
         const double g = a->groups > 1 ? (double)a->groups : 1.0;
-        return g * ((double)a->T * (a->K + a->O) * F4 + (double)a->O * a->K * ds4_dtype_size(a->wdt));
+        return g * ((double)a->T * (a->K * (a->keep16 ? F4 + 2.0 : F4) + a->O * F4) +
+                    (double)a->O * a->K * ds4_dtype_size(a->wdt));
     }
     case DS4_OP_matmul_grouped: {
         const ds4_a_matmul_grouped *a = args;
@@ -130,10 +131,6 @@ static double op_bytes(ds4_op_id op, const void *args) {
     case DS4_OP_linear_bwd_w: {
         const ds4_a_linear_bwd_w *a = args;
         return (double)a->T * (a->K * (a->x16 ? 2.0 : F4) + a->O * F4) + 2.0 * a->O * a->K * F4;
-    }
-    case DS4_OP_to_bf16: {
-        const ds4_a_to_bf16 *a = args;
-        return (double)a->n * (F4 + 2.0);
     }
     default:
         return 0; /* small or data-dependent: time and calls only */

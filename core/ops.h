@@ -91,10 +91,13 @@ typedef struct { float *y; const float *x, *w; int64_t rows, width; double eps; 
  * and writes y + g·gy (the grouped output projection). x_kept (here and in matmul_grouped; the schedule's word, never
  * a change of the result): x holds the values it held at the product just before on the same x (the compressor's
  * two projections, the shared expert's and the routed experts' gate and up), so a backend that rounded that x into
- * a copy of its own may read the copy again where it still has it. */
+ * a copy of its own may read the copy again where it still has it.
+ * keep16 (NULL: none): x rounded to bf16 (to nearest even, as to_bf16 rounds) is also stored there, in x's layout
+ * (keep16[t·ldx + g·gx + k]): the tape's copy of an input that only bf16 products read, which a backend that rounds
+ * x for the product anyway writes in the same pass. */
 typedef struct {
     float *y; int64_t ldy; const float *x; int64_t ldx; const void *W; ds4_dtype wdt;
-    int64_t T, K, O, groups, gx, gy, gw; int bf16_in; int x_kept;
+    int64_t T, K, O, groups, gx, gy, gw; int bf16_in; int x_kept; uint16_t *keep16;
 } ds4_a_matmul;
 /* Row groups: rows [off[e], off[e+1]) of x use W + e·wstride (the routed experts). off [E + 1] in backend memory;
  * rows is the largest off[E] can be (the kernels read the real extent from off). x [rows, K], y [rows, O]. */
@@ -151,9 +154,6 @@ typedef struct { float *x; int64_t rows, width, groups, gstride; ds4_fq q; } ds4
 typedef struct { int32_t *dst; int64_t ld; const int32_t *sel, *nsel; int64_t sel_stride, K, T; } ds4_a_record_picks;
 /* row r of dst (byte stride ldd) = row r of src (byte stride lds), row_bytes each */
 typedef struct { void *dst; int64_t ldd; const void *src; int64_t lds, rows, row_bytes; } ds4_a_copy_rows;
-/* dst[i] = src[i] rounded to bf16 to nearest even (bf16 bits), the rounding bf16_in applies to a product's input: the
- * tape's copy of an input that only bf16 products read (sched.h, x16) */
-typedef struct { uint16_t *dst; const float *src; int64_t n; } ds4_a_to_bf16;
 
 /* Router: scores s = score_func(logits) in place, top-K of s + bias (hash layers: tid2eid[ids[t]]; replay rows
  * whose first value is >= 0), weights w_k = rsf · s_k / (Σ s + 1e-20).  s [T, E], eidx / ew [T, K] */
@@ -344,7 +344,7 @@ typedef struct { void *dst; const float *src; const ds4_cast_entry *e; int64_t n
 /* X(name): the operations, in the order the profiler lists them when tied. */
 #define DS4_OPS(X)                                                                                              \
     X(embed) X(hc_pre) X(hc_post) X(hyperhead) X(rmsnorm) X(matmul) X(matmul_grouped) X(rope) X(compress)        \
-    X(indexer) X(attention) X(cache_commit) X(scale) X(fake_quant) X(record_picks) X(copy_rows) X(to_bf16)        \
+    X(indexer) X(attention) X(cache_commit) X(scale) X(fake_quant) X(record_picks) X(copy_rows)                   \
     X(route) X(count_loads) X(moe_sort) X(gather_rows) X(scatter_rows) X(add_rows) X(moe_weigh) X(swiglu)        \
     X(moe_combine) X(add_bcast)                                                                                  \
     X(ce_rows) X(logprobs) X(ikl) X(sample)                                                                       \

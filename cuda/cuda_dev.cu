@@ -420,7 +420,7 @@ static const ds4_ops cuda_ops = [] {
     o.native_stream = c_native_stream;
 #define SET(name) o.name = ds4_cuda_##name;
     SET(embed) SET(hc_pre) SET(hc_post) SET(hyperhead) SET(rmsnorm) SET(rope) SET(scale) SET(fake_quant) SET(copy_rows)
-    SET(to_bf16) SET(gather_rows) SET(scatter_rows) SET(add_rows) SET(add_bcast) SET(matmul) SET(matmul_grouped)
+    SET(gather_rows) SET(scatter_rows) SET(add_rows) SET(add_bcast) SET(matmul) SET(matmul_grouped)
     SET(compress)
     SET(indexer) SET(attention) SET(cache_commit) SET(record_picks) SET(route) SET(count_loads) SET(moe_sort)
     SET(moe_weigh) SET(swiglu) SET(moe_combine) SET(ce_rows) SET(logprobs) SET(sample)

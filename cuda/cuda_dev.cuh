@@ -279,7 +279,7 @@ static inline unsigned ds4_blocks(int64_t n, int threads) {
 #define DS4_CUDA_OP(name) void ds4_cuda_##name(ds4_dev *d, const ds4_a_##name *a);
 DS4_CUDA_OP(embed) DS4_CUDA_OP(hc_pre) DS4_CUDA_OP(hc_post) DS4_CUDA_OP(hyperhead)
 DS4_CUDA_OP(rmsnorm) DS4_CUDA_OP(rope) DS4_CUDA_OP(scale) DS4_CUDA_OP(fake_quant) DS4_CUDA_OP(copy_rows)
-DS4_CUDA_OP(to_bf16) DS4_CUDA_OP(gather_rows) DS4_CUDA_OP(scatter_rows) DS4_CUDA_OP(add_rows) DS4_CUDA_OP(add_bcast)
+DS4_CUDA_OP(gather_rows) DS4_CUDA_OP(scatter_rows) DS4_CUDA_OP(add_rows) DS4_CUDA_OP(add_bcast)
 DS4_CUDA_OP(matmul) DS4_CUDA_OP(matmul_grouped)
 DS4_CUDA_OP(compress) DS4_CUDA_OP(indexer) DS4_CUDA_OP(attention) DS4_CUDA_OP(cache_commit) DS4_CUDA_OP(record_picks)
 DS4_CUDA_OP(route) DS4_CUDA_OP(count_loads) DS4_CUDA_OP(moe_sort) DS4_CUDA_OP(moe_weigh) DS4_CUDA_OP(swiglu)

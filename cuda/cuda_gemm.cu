@@ -55,6 +55,8 @@ struct gemm_args {
     const float *rs;              // the narrow fp32 kernel only: x's row r is read as x·rs[r] rounded to fp32, the
                                   // values of a row-scaled copy of x, so the product of that copy, without the copy
     int x_kept;                   // x as the product just before had it (ops.h): its bf16 copy may be reused
+    uint16_t *keep16;             // the wgmma path: x's bf16 copy in x's layout too (ops.h's keep16), written by the
+                                  // k32 rounding pass; launch_wgmma clears it once written
 };
 
 // Where reduction group e starts in a transposed operand: 8-aligned (cp.async copies 16-byte pieces of bf16), each
@@ -675,8 +677,9 @@ __global__ void rows_to_bf16_kernel(__nv_bfloat16 *dst, int64_t ldd, const float
 // The same rounding into wgmma's k-slot order (cuda_gemm_wgmma.cu): dst's rows hold ldd = cols rounded up to 32
 // values, chunk c's position 16j + 8h + 2t + e the value of column 32c + 8t + 4j + 2h + e (0 past cols). A thread per
 // 8 consecutive columns 8t..8t+7 of a chunk: the 4 words it forms are words t, 4 + t, 8 + t and 12 + t of the chunk.
+// keep (NULL: none): the same values also in src's layout (keep16, ops.h), where vs they go as one 16-byte store.
 __global__ void rows_to_bf16_k32_kernel(uint32_t *dst, int64_t ldd, const float *src, int64_t lds, int64_t gs,
-                                        int64_t rows, int64_t cols, int64_t n, int vs) {
+                                        int64_t rows, int64_t cols, int64_t n, int vs, uint16_t *keep) {
     const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
     const int64_t nq = ldd / 8, zr = i / nq, q = i - zr * nq, c = q * 8, z = zr / rows, r = zr - z * rows;
@@ -690,8 +693,27 @@ __global__ void rows_to_bf16_k32_kernel(uint32_t *dst, int64_t ldd, const float 
         for (int j = 0; j < 8; j++) v[j] = c + j < cols ? s[j] : 0.0f;
     }
     uint32_t *o = dst + zr * (ldd / 2) + (q >> 2) * 16 + (q & 3);
-    o[0] = ds4d_pack_bf16(v[0], v[1]), o[4] = ds4d_pack_bf16(v[2], v[3]);
-    o[8] = ds4d_pack_bf16(v[4], v[5]), o[12] = ds4d_pack_bf16(v[6], v[7]);
+    const uint32_t w0 = ds4d_pack_bf16(v[0], v[1]), w1 = ds4d_pack_bf16(v[2], v[3]);
+    const uint32_t w2 = ds4d_pack_bf16(v[4], v[5]), w3 = ds4d_pack_bf16(v[6], v[7]);
+    o[0] = w0, o[4] = w1, o[8] = w2, o[12] = w3;
+    if (!keep || c >= cols) return;
+    uint16_t *k = keep + z * gs + r * lds + c;
+    if (c + 8 <= cols && vs) {
+        *reinterpret_cast<uint4 *>(k) = make_uint4(w0, w1, w2, w3);
+    } else {
+        const uint32_t w[4] = {w0, w1, w2, w3};
+        for (int j = 0; j < 8 && c + j < cols; j++) k[j] = (uint16_t)(w[j >> 1] >> (16 * (j & 1)));
+    }
+}
+
+// keep16 (ops.h) where the product did not write it: element (z, r, c) of x, rounded as rows_to_bf16 rounds, at
+// z·gs + r·lds + c.
+__global__ void keep16_kernel(uint16_t *keep, const float *src, int64_t lds, int64_t gs, int64_t G, int64_t rows,
+                              int64_t cols, int64_t n) {
+    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    const int64_t c = i % cols, zr = i / cols, r = zr % rows, z = zr / rows, at = z * gs + r * lds + c;
+    keep[at] = __bfloat16_as_ushort(__float2bfloat16_rn(src[at]));
 }
 
 // The pipelined kernel's shapes (tile, warp tile, stages, staged row length). Each gives every output the same sum
@@ -895,7 +917,7 @@ bool x_to_bf16(ds4_dev *d, const char *op, gemm_args &a, int64_t G) {
 }
 
 // The wgmma product (cuda_gemm_wgmma.cu): x rounded to bf16 in k32 order into scratch slot 2, then the kernel.
-void launch_wgmma(ds4_dev *d, const char *op, const gemm_args &a, int64_t G) {
+void launch_wgmma(ds4_dev *d, const char *op, gemm_args &a, int64_t G) {
     cuda_dev *cd = cdev(d);
     const int64_t ld = (a.K + 31) / 32 * 32;
     auto *xk = (__nv_bfloat16 *)kept_x(cd, a, G, ld, 1);
@@ -904,11 +926,14 @@ void launch_wgmma(ds4_dev *d, const char *op, const gemm_args &a, int64_t G) {
         if (!xk) return;
         const int64_t n = G * a.M * (ld / 8);
         const int vs = aligned(a.x, 16) && a.ldx % 4 == 0 && a.gx % 4 == 0;
+        // keep16 in x's layout: 16-byte stores where x's 8-value pieces are 16-byte aligned there too
+        const int vk = vs && aligned(a.keep16, 16) && a.ldx % 8 == 0 && a.gx % 8 == 0;
         rows_to_bf16_k32_kernel<<<ds4_blocks(n, 256), 256, 0, cd->stream>>>((uint32_t *)xk, ld, a.x, a.ldx, a.gx,
-                                                                             a.M, a.K, n, vs);
-        if (!ds4_cuda_launched(d, op, "operand [%lld x %lld x %lld] to bf16 in k32 order", (long long)G,
-                               (long long)a.M, (long long)a.K))
+                                                                             a.M, a.K, n, a.keep16 ? vk : vs, a.keep16);
+        if (!ds4_cuda_launched(d, op, "operand [%lld x %lld x %lld] to bf16 in k32 order%s", (long long)G,
+                               (long long)a.M, (long long)a.K, a.keep16 ? " (and kept)" : ""))
             return;
+        a.keep16 = nullptr;
         cd->fwd_x = {a.x, a.ldx, a.gx, a.M, a.K, G, ld, 1, cd->slot2_uses, xk};
     }
     ds4d_wg_args w = {a.y, a.ldy, a.gy, xk, ld, a.M * ld, (const __nv_bfloat16 *)a.W, a.ldw, a.gw,
@@ -938,7 +963,7 @@ bool takes_skinny(const cuda_dev *cd, const gemm_args &a, int64_t G, int64_t row
 
 // Launch the variant for `rows_hint` rows per (group of) W. Which variant runs never changes the result. mode: the
 // arithmetic (F32 or BF16); wdt: how W is held, mode's dtype or DS4_FP4_PACKED (codes W, scales a.ws).
-void gemm(ds4_dev *d, const char *op, gemm_args a, ds4_dtype wdt, ds4_dtype mode, int64_t groups, int64_t rows_hint) {
+void gemm(ds4_dev *d, const char *op, gemm_args &a, ds4_dtype wdt, ds4_dtype mode, int64_t groups, int64_t rows_hint) {
     cuda_dev *cd = cdev(d);
     if (a.M <= 0 || a.N <= 0) return;
     if (a.K <= 0) {
@@ -1226,7 +1251,13 @@ void ds4_cuda_matmul(ds4_dev *d, const ds4_a_matmul *a) {
     gemm_args g = {a->y, a->ldy, a->x, a->ldx, a->W, a->K, a->T, a->O, a->K, a->gx, a->gy, a->gw, nullptr, 0, 0,
                    nullptr, 0, nullptr};
     g.x_kept = a->x_kept;
+    g.keep16 = a->keep16;
     gemm(d, "matmul", g, a->wdt, a->wdt, a->groups, a->T);
+    if (!g.keep16 || d->st) return; // written by the product's rounding pass (launch_wgmma), or failed
+    const int64_t G = a->groups > 1 ? a->groups : 1, n = G * a->T * a->K;
+    keep16_kernel<<<ds4_blocks(n, 256), 256, 0, cdev(d)->stream>>>(a->keep16, a->x, a->ldx, a->gx, G, a->T, a->K, n);
+    ds4_cuda_launched(d, "matmul", "x [%lld x %lld x %lld] kept in bf16", (long long)G, (long long)a->T,
+                      (long long)a->K);
 }
 
 void ds4_cuda_matmul_grouped(ds4_dev *d, const ds4_a_matmul_grouped *a) {

@@ -24,8 +24,11 @@
 
 /* ------------------------------------------------------------------------------------------------ matmuls */
 
-static void t_matmul(int64_t T, int64_t K, int64_t O, int64_t G, ds4_dtype wdt) {
+/* keep: x's bf16 copy asked for too (keep16), byte for byte the CPU's; in bf16 at 1024 rows and more the product runs
+ * on wgmma (on Hopper), whose rounding pass writes it; elsewhere a pass of its own does. */
+static void t_matmul_keep(int64_t T, int64_t K, int64_t O, int64_t G, ds4_dtype wdt, int keep) {
     twin x = tw_f(T * K * G, -1, 1), W = tw_f(O * K * G, -0.5f, 0.5f), y = tw_out((size_t)(T * O * G) * 4);
+    twin k16 = tw_out((size_t)(T * K * G) * 2);
     twin Wd = W; /* device weights in wdt; the CPU gets the same values rounded */
     if (wdt == DS4_BF16) {
         uint16_t *h = malloc((size_t)(O * K * G) * 2);
@@ -33,7 +36,8 @@ static void t_matmul(int64_t T, int64_t K, int64_t O, int64_t G, ds4_dtype wdt) 
             h[i] = bf(((float *)W.h)[i]);
             ((float *)W.h)[i] = ds4_bf16_to_f32(h[i]);
         }
-        for (int64_t i = 0; i < T * K * G; i++) ((float *)x.h)[i] = ds4_bf16_to_f32(bf(((float *)x.h)[i]));
+        if (!keep) /* else x as it is: the kept copy is the rounding under test */
+            for (int64_t i = 0; i < T * K * G; i++) ((float *)x.h)[i] = ds4_bf16_to_f32(bf(((float *)x.h)[i]));
         tw_push(&x);
         Wd = tw_new((size_t)(O * K * G) * 2);
         memcpy(Wd.h, h, (size_t)(O * K * G) * 2);
@@ -43,15 +47,20 @@ static void t_matmul(int64_t T, int64_t K, int64_t O, int64_t G, ds4_dtype wdt) 
     for (int side = 0; side < 2; side++)
         OP(side ? gpu : cpu, matmul, .y = S(y), .ldy = O * G, .x = S(x), .ldx = K * G,
            .W = side ? Wd.d : W.h, .wdt = side ? wdt : DS4_F32, .T = T, .K = K, .O = O, .groups = G, .gx = K, .gy = O,
-           .gw = O * K);
+           .gw = O * K, .bf16_in = !side && wdt == DS4_BF16 && keep, .keep16 = keep ? S(k16) : NULL);
     check_dev(gpu, "matmul");
-    char what[96];
-    snprintf(what, sizeof what, "matmul %s [%lld x %lld] x [%lld x %lld]^T x %lld groups", ds4_dtype_name(wdt),
-             (long long)T, (long long)K, (long long)O, (long long)K, (long long)G);
+    char what[128];
+    snprintf(what, sizeof what, "matmul %s [%lld x %lld] x [%lld x %lld]^T x %lld groups%s", ds4_dtype_name(wdt),
+             (long long)T, (long long)K, (long long)O, (long long)K, (long long)G, keep ? ", x kept in bf16" : "");
     cmp_f(what, &y, T * O * G, 1e-5);
+    if (keep) {
+        strcat(what, ": the copy");
+        cmp_bytes(what, &k16);
+    }
     if (Wd.d != W.d) tw_free(&Wd);
-    tw_free(&x), tw_free(&W), tw_free(&y);
+    tw_free(&x), tw_free(&W), tw_free(&y), tw_free(&k16);
 }
+static void t_matmul(int64_t T, int64_t K, int64_t O, int64_t G, ds4_dtype wdt) { t_matmul_keep(T, K, O, G, wdt, 0); }
 
 /* routed-expert grouping: expert e gets counts[e] rows (some 0) */
 static void t_matmul_grouped(ds4_dtype wdt) {
@@ -125,6 +134,31 @@ static void t_rows(void) {
     cmp_bytes("gather_rows", &g);
     cmp_bytes("scatter_rows", &sc);
     cmp_bytes("add_rows", &acc);
+    /* the row ops at widths the four-at-a-time kernel takes with a loop (1028 = 4·257) and does not take (13), and
+     * through sources off a 16-byte boundary (the scalar kernel) */
+    static const int64_t widths[3] = {1028, 13, 16};
+    for (int wi = 0; wi < 3; wi++) {
+        const int64_t wd = widths[wi], so = wi == 2 ? 1 : 0;
+        twin src2 = tw_f(9 * 3 * wd + so, -1, 1), g2 = tw_out((size_t)(9 * wd) * 4), sc2 = tw_out((size_t)(9 * wd) * 4);
+        twin acc2 = tw_f(9 * wd, -1, 1);
+        for (int side = 0; side < 2; side++) {
+            ds4_dev *d = side ? gpu : cpu;
+            float *sp = (float *)S(src2) + so;
+            OP(d, gather_rows, .dst = S(g2), .src = sp, .idx = S(ix), .div = 3, .rows = 9, .width = wd);
+            OP(d, scatter_rows, .dst = S(sc2), .src = sp, .idx = S(ix), .rows = 9, .width = wd);
+            OP(d, add_rows, .dst = S(acc2), .src = sp, .idx = S(ix), .rows = 9, .width = wd);
+        }
+        char what[64];
+        check_dev(gpu, "row copies (widths)");
+        snprintf(what, sizeof what, "gather_rows (width %lld%s)", (long long)wd, so ? ", unaligned" : "");
+        cmp_bytes(what, &g2);
+        snprintf(what, sizeof what, "scatter_rows (width %lld%s)", (long long)wd, so ? ", unaligned" : "");
+        cmp_bytes(what, &sc2);
+        snprintf(what, sizeof what, "add_rows (width %lld%s)", (long long)wd, so ? ", unaligned" : "");
+        cmp_bytes(what, &acc2);
+        twin all[] = {src2, g2, sc2, acc2};
+        for (int i = 0; i < 4; i++) tw_free(&all[i]);
+    }
     cmp_bytes("add_bcast", &xb);
     cmp_bytes("scale", &hb);
     cmp_bytes("copy_rows", &cr);
@@ -394,6 +428,10 @@ int main(int argc, char **argv) {
     t_matmul(9, 40, 24, 3, DS4_F32);  /* grouped output projection */
     t_matmul(9, 40, 24, 3, DS4_BF16);
     t_matmul(3, 37, 13, 1, DS4_BF16); /* K not a multiple of 8: the scalar load path */
+    t_matmul_keep(17, 40, 24, 1, DS4_F32, 1);  /* the copy by a pass of its own */
+    t_matmul_keep(9, 37, 24, 3, DS4_BF16, 1);
+    t_matmul_keep(2048, 200, 2048, 1, DS4_BF16, 1); /* the wgmma product's rounding pass writes it */
+    t_matmul_keep(1024, 200, 2048, 2, DS4_BF16, 1); /* ... by groups of x's columns (the grouped output projection) */
     t_matmul_grouped(DS4_F32);
     t_matmul_grouped(DS4_BF16);
     t_rows();
