@@ -151,10 +151,16 @@ int *ds4_cuda_counters(ds4_dev *d, size_t n, const char *op) {
         ds4_dev_fail(d, e.code, "%s: counters: %s", op, e.msg);
         return NULL;
     }
-    if (cudaMemset(p, 0, n * sizeof(int)) != cudaSuccess) {
+    // zeroed on the backend's stream, ahead of the kernels that count on it: a plain cudaMemset runs on the legacy
+    // default stream, which a non-blocking stream does not wait for, so the first kernels could count from garbage
+    // (a skinny product summing its tile before every slice's partial had landed; seen once as test_cuda_hc_bits
+    // failing under a loaded GPU)
+    const cudaError_t me = cudaMemsetAsync(p, 0, n * sizeof(int), cd->stream);
+    if (me != cudaSuccess) {
         (void)cudaGetLastError();
+        (void)cudaStreamSynchronize(cd->stream);
         c_free(d, p);
-        ds4_dev_fail(d, DS4_ERR_CUDA, "%s: counters: cudaMemset failed", op);
+        ds4_dev_fail(d, DS4_ERR_CUDA, "%s: counters: cudaMemsetAsync: %s", op, cudaGetErrorString(me));
         return NULL;
     }
     cd->counters = (int *)p;
