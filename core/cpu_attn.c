@@ -108,12 +108,12 @@ static const float *row_entries(const ds4_rows *r, const float *full, int which,
         return which ? lc->idx.ent : lc->comp.ent;
     }
     *valid = v < nwin ? v : nwin;
-    return full + (t / r->S) * r->S * dd;
+    return full + ds4_rows_seq(r, t) * r->S * dd;
 }
 
 /* Window key j (<= the row's position) of query row t: from the ring for tokens before the step, else this pass. */
 static const float *window_key(const ds4_rows *r, const float *kv, int64_t d, int64_t t, int64_t j) {
-    if (!r->pos) return kv + ((t / r->S) * r->S + j) * d;
+    if (!r->pos) return kv + (ds4_rows_seq(r, t) * r->S + j) * d;
     const ds4_seq_desc *sq = &r->seqs[r->rowseq[t]];
     if (j >= sq->p0) return kv + (sq->r0 + j - sq->p0) * d;
     return sq->layers[r->li].ring + (j % sq->ring) * d;

@@ -7,11 +7,21 @@
 #include "cpu.h"
 #include "shape_limits.h"
 
+/* The tape's query rows per sequence (a query window, ds4_a_attn_bwd's q0 / qn, or all S) */
+static int64_t q_per_seq(const ds4_a_attn_bwd *a) { return a->qn ? a->qn : a->S; }
+
+/* The query row of position s of sequence row, or -1 where s is outside the query window. */
+static int64_t q_row(const ds4_a_attn_bwd *a, int64_t row, int64_t s) {
+    const int64_t qn = q_per_seq(a);
+    return s >= a->q0 && s < a->q0 + qn ? row * qn + s - a->q0 : -1;
+}
+
 /* The key list of query t, in the forward's order: window keys, then compressed entries. */
 static int64_t key_list(const ds4_a_attn_bwd *a, int64_t t, const float **keys) {
     const ds4_config *c = a->c;
     const ds4_layer_tape *lt = a->lt;
-    const int64_t S = a->S, d = c->head_dim, row = t / S, s = t % S, win = c->sliding_window;
+    const int64_t S = a->S, d = c->head_dim, row = t / q_per_seq(a), s = a->q0 + t % q_per_seq(a);
+    const int64_t win = c->sliding_window;
     const int64_t j0 = s - win + 1 > 0 ? s - win + 1 : 0;
     int64_t nk = 0;
     for (int64_t j = j0; j <= s; j++) keys[nk++] = lt->kv + (row * S + j) * d;
@@ -106,7 +116,7 @@ void ds4_cpu_attn_bwd_q(ds4_dev *d, const ds4_a_attn_bwd *a) {
             return;
         }
     }
-    ds4_cpu_parallel(cpu, a->B * a->S, attn_q_range, &job);
+    ds4_cpu_parallel(cpu, a->B * q_per_seq(a), attn_q_range, &job);
     free(job.bf);
 }
 
@@ -165,7 +175,7 @@ static void key_grad_from(const kg_job *j, int64_t t, int64_t kidx, kg_list *l) 
     }
 }
 
-/* Phase B1, per window key (token j): the queries j .. j+win-1 of its row. */
+/* Phase B1, per window key (token j): the queries j .. j+win-1 of its row (those in the query window). */
 static void attn_kv_range(const ds4_cpu *cpu, const void *p, int64_t b, int64_t e, int64_t task) {
     const kg_job *job = p;
     const ds4_a_attn_bwd *a = job->a;
@@ -174,8 +184,8 @@ static void attn_kv_range(const ds4_cpu *cpu, const void *p, int64_t b, int64_t 
         const int64_t row = tk / S, j = tk % S;
         kg_list l = kg_begin(cpu, task, a->dkv + tk * d, d);
         for (int64_t s = j; s < S && s < j + win; s++) {
-            const int64_t j0 = s - win + 1 > 0 ? s - win + 1 : 0;
-            key_grad_from(job, row * S + s, j - j0, &l);
+            const int64_t j0 = s - win + 1 > 0 ? s - win + 1 : 0, t = q_row(a, row, s);
+            if (t >= 0) key_grad_from(job, t, j - j0, &l);
         }
         kg_end(&l);
     }
@@ -188,7 +198,7 @@ static void key_grads(ds4_dev *d, const ds4_a_attn_bwd *a, int64_t n, void (*ran
     kg_job job = {a, a->lt->q, a->dout, a->bf16_in};
     float *rb = NULL;
     if (a->bf16_in) {
-        const int64_t m = a->B * a->S * a->c->num_attention_heads * a->c->head_dim; /* [T, H, d] */
+        const int64_t m = a->B * q_per_seq(a) * a->c->num_attention_heads * a->c->head_dim; /* [T, H, d] */
         rb = malloc((size_t)(2 * m) * sizeof(float));
         if (!rb) {
             ds4_dev_fail(d, DS4_ERR_OOM, "%s (bf16): rounded q and dout, 2 x %lld floats", op, (long long)m);
@@ -219,12 +229,12 @@ static void attn_entry_range(const ds4_cpu *cpu, const void *p, int64_t b, int64
         if (a->l->type == DS4_ATTN_HCA) {
             const int64_t m = c->compress_rate_hca;
             for (int64_t s = (w + 1) * m - 1; s < S; s++) {
-                const int64_t j0 = s - win + 1 > 0 ? s - win + 1 : 0;
-                key_grad_from(job, row * S + s, (s - j0 + 1) + w, &l);
+                const int64_t j0 = s - win + 1 > 0 ? s - win + 1 : 0, t = q_row(a, row, s);
+                if (t >= 0) key_grad_from(job, t, (s - j0 + 1) + w, &l);
             }
         } else {
             for (int64_t q = a->inv_off[row * S + w]; q < a->inv_off[row * S + w + 1]; q++) {
-                const int64_t t = a->inv_t[q], s = t % S;
+                const int64_t t = a->inv_t[q], s = a->q0 + t % q_per_seq(a);
                 const int64_t j0 = s - win + 1 > 0 ? s - win + 1 : 0;
                 key_grad_from(job, t, (s - j0 + 1) + a->inv_i[q], &l);
             }
@@ -239,14 +249,14 @@ void ds4_cpu_attn_bwd_entry(ds4_dev *d, const ds4_a_attn_bwd *a) {
 
 void ds4_cpu_pick_inverse(ds4_dev *d, const ds4_a_pick_inverse *a) {
     (void)d;
-    const int64_t S = a->S, n = a->B * S;
+    const int64_t S = a->S, n = a->B * S, qn = a->qn ? a->qn : S; /* query row t belongs to sequence t / qn */
     memset(a->inv_off, 0, (size_t)(n + 1) * sizeof(int64_t));
     for (int64_t t = 0; t < a->T; t++)
-        for (int64_t i = 0; i < a->nsel[t]; i++) a->inv_off[(t / S) * S + a->sel[t * a->sel_stride + i] + 1]++;
+        for (int64_t i = 0; i < a->nsel[t]; i++) a->inv_off[(t / qn) * S + a->sel[t * a->sel_stride + i] + 1]++;
     for (int64_t x = 0; x < n; x++) a->inv_off[x + 1] += a->inv_off[x];
     for (int64_t t = 0; t < a->T; t++) /* t ascending: each list is in query order */
         for (int64_t i = 0; i < a->nsel[t]; i++) {
-            const int64_t slot = a->inv_off[(t / S) * S + a->sel[t * a->sel_stride + i]]++;
+            const int64_t slot = a->inv_off[(t / qn) * S + a->sel[t * a->sel_stride + i]]++;
             a->inv_t[slot] = (int32_t)t;
             a->inv_i[slot] = (int32_t)i;
         }

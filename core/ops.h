@@ -49,7 +49,9 @@ typedef struct ds4_seq_desc {
 } ds4_seq_desc;
 
 /* Where each row's absolute position and cached state come from. Full forward: row t is position t % S of
- * sequence t / S and nothing is cached. Step: pos, rowseq and seqs say it, and layer li's caches are read. */
+ * sequence t / S and nothing is cached; with a query window (qn > 0: context parallelism split by query, cp.c) row t
+ * is position q0 + t % qn of sequence t / qn, while the key-side buffers (window keys, entries) still hold every
+ * sequence's S rows. Step: pos, rowseq and seqs say it, and layer li's caches are read. */
 typedef struct ds4_rows {
     int64_t T, S;                 /* rows; full forward: positions per sequence; step: largest position + 1 */
     const int64_t *pos;           /* step: [T] absolute positions; NULL in a full forward */
@@ -59,9 +61,16 @@ typedef struct ds4_rows {
     int64_t cap;                  /* step: the largest capacity among the sequences' caches, a bound of S that stays
                                      fixed while they decode (a backend sizes per-pass resources from it) */
     const int64_t *njobs;         /* step: [2] the compressor jobs of the step per rate class (backend memory) */
+    int64_t q0, qn;               /* full forward: the query window (0, 0: none, every position of each sequence) */
 } ds4_rows;
 
-static inline int64_t ds4_rows_pos(const ds4_rows *r, int64_t t) { return r->pos ? r->pos[t] : t % r->S; }
+/* Full forward: the query rows per sequence, the sequence of row t (its keys start at row seq·S of the key
+ * buffers) and row t's position. */
+static inline int64_t ds4_rows_qn(const ds4_rows *r) { return r->qn ? r->qn : r->S; }
+static inline int64_t ds4_rows_seq(const ds4_rows *r, int64_t t) { return t / ds4_rows_qn(r); }
+static inline int64_t ds4_rows_pos(const ds4_rows *r, int64_t t) {
+    return r->pos ? r->pos[t] : r->q0 + t % ds4_rows_qn(r);
+}
 
 /* ------------------------------------------------------------------------------------------------ arguments */
 
@@ -269,16 +278,18 @@ typedef struct { float *dst; const float *src; int64_t rows, width, ld; } ds4_a_
  * bf16_in (the forward's, ds4_a_attention): P is recomputed from the bf16 logits, and attn_bwd_q's products take bf16
  * operands — dout·k from dout and the keys rounded, dq = Σ DS·k from DS and the keys rounded; P and DS stay fp32 —
  * and so do the key gradients' (Σ DS·q + P·dout): DS, q, P and dout rounded, fp32 sums. */
+/* q0, qn: a query window as ds4_rows' (the tape's query rows are positions [q0, q0 + qn) of each sequence, its key
+ * rows all S; qn 0: every position): the key gradients then sum the window's queries only. */
 typedef struct {
     const ds4_config *c; const ds4_layer_w *l; const ds4_layer_tape *lt; int64_t B, S, sel_stride;
     const float *dout; float *P, *DS; int64_t maxk; float *dsink_t, *dq, *dkv, *dK;
-    const int64_t *inv_off; const int32_t *inv_t, *inv_i; int bf16_in;
+    const int64_t *inv_off; const int32_t *inv_t, *inv_i; int bf16_in; int64_t q0, qn;
 } ds4_a_attn_bwd;
 typedef ds4_a_attn_bwd ds4_a_attn_bwd_q, ds4_a_attn_bwd_kv, ds4_a_attn_bwd_entry;
 /* Inverse of the CSA picks: for entry (b, w), the (query, pick position) pairs that chose it, in query order:
- * inv_off [B·S + 1], inv_t / inv_i [T·sel_stride] */
+ * inv_off [B·S + 1], inv_t / inv_i [T·sel_stride]; T = B·qn query rows (qn 0: S) */
 typedef struct {
-    const int32_t *sel, *nsel; int64_t sel_stride, T, S, B; int64_t *inv_off; int32_t *inv_t, *inv_i;
+    const int32_t *sel, *nsel; int64_t sel_stride, T, S, B; int64_t *inv_off; int32_t *inv_t, *inv_i; int64_t qn;
 } ds4_a_pick_inverse;
 /* RoPE on the nwin complete entries of each of B sequences (entry w at position w·m) */
 typedef struct { float *x; int64_t B, S, nwin, dd, m; ds4_rope_table rt; int sign; } ds4_a_entry_rope;

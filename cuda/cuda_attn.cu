@@ -463,7 +463,7 @@ void ds4_cuda_compress(ds4_dev *d, const ds4_a_compress *a) {
 
 void ds4_cuda_indexer(ds4_dev *d, const ds4_a_indexer *a) {
     const int64_t T = a->rows.T;
-    if (T <= 0) return;
+    if (T <= 0 || ds4_cuda_query_window(d, "indexer", a->rows.qn)) return;
     const ds4_config *c = a->c;
     if (a->nwin == 0 && !a->rows.pos) {
         ds4_dev_fill(d, a->nsel, 0, (size_t)T * sizeof(int32_t));
@@ -536,7 +536,7 @@ static void attention_tc(ds4_dev *d, const ds4_a_attention *a, int64_t maxk) {
 
 void ds4_cuda_attention(ds4_dev *d, const ds4_a_attention *a) {
     const int64_t T = a->rows.T;
-    if (T <= 0) return;
+    if (T <= 0 || ds4_cuda_query_window(d, "attention", a->rows.qn)) return;
     const ds4_config *c = a->c;
     const int64_t S = a->rows.pos ? a->rows.cap : a->rows.S; /* a step: sized from the capacity, fixed while decoding */
     const int64_t win = c->sliding_window < S ? c->sliding_window : S, H = c->num_attention_heads;

@@ -891,7 +891,7 @@ static bool grid_fits(ds4_dev *d, int64_t blocks, const char *op, const char *wh
 
 void ds4_cuda_attn_bwd_q(ds4_dev *d, const ds4_a_attn_bwd *a) {
     const int64_t T = a->B * a->S;
-    if (T <= 0) return;
+    if (T <= 0 || ds4_cuda_query_window(d, "attn_bwd_q", a->qn)) return;
     const abwd_args g = abwd_of(a);
     if (g.kmax > a->maxk) {
         ds4_dev_fail(d, DS4_ERR_INTERNAL, "attn_bwd_q: %lld keys per query, the P / DS rows hold %lld",
@@ -981,7 +981,7 @@ static void key_grads(ds4_dev *d, const abwd_args &g, int kind, int64_t nkeys, i
 
 void ds4_cuda_attn_bwd_kv(ds4_dev *d, const ds4_a_attn_bwd *a) {
     const int64_t T = a->B * a->S;
-    if (T <= 0) return;
+    if (T <= 0 || ds4_cuda_query_window(d, "attn_bwd_kv", a->qn)) return;
     const abwd_args g = abwd_of(a);
     char shapes[128];
     snprintf(shapes, sizeof shapes, "[%lld keys of %lld, window %lld, %lld heads]", (long long)T, (long long)g.d,
@@ -990,6 +990,7 @@ void ds4_cuda_attn_bwd_kv(ds4_dev *d, const ds4_a_attn_bwd *a) {
 }
 
 void ds4_cuda_attn_bwd_entry(ds4_dev *d, const ds4_a_attn_bwd *a) {
+    if (ds4_cuda_query_window(d, "attn_bwd_entry", a->qn)) return;
     const abwd_args g = abwd_of(a);
     const int64_t n = a->B * g.nwin;
     if (n <= 0 || g.type == DS4_ATTN_SLIDING) return;
@@ -1002,7 +1003,7 @@ void ds4_cuda_attn_bwd_entry(ds4_dev *d, const ds4_a_attn_bwd *a) {
 
 void ds4_cuda_pick_inverse(ds4_dev *d, const ds4_a_pick_inverse *a) {
     const int64_t S = a->S, n = a->B * S;
-    if (n <= 0) return;
+    if (n <= 0 || ds4_cuda_query_window(d, "pick_inverse", a->qn)) return;
     // chunks of 64 queries, fewer (longer) ones when the per-chunk tables would pass 2^24 counters: the chunking
     // changes no result (integers), only the scratch and the parallelism
     int64_t nch = (S + 63) / 64;

@@ -211,7 +211,7 @@ void ds4_cuda_rmsnorm(ds4_dev *d, const ds4_a_rmsnorm *a) {
 
 void ds4_cuda_rope(ds4_dev *d, const ds4_a_rope *a) {
     const int64_t n = a->rows.T * a->heads * a->rt.half;
-    if (n <= 0) return;
+    if (n <= 0 || ds4_cuda_query_window(d, "rope", a->rows.qn)) return;
     rope_kernel<<<ds4_blocks(n, 256), 256, 0, cdev(d)->stream>>>(a->x, a->rows.T, a->heads, a->width, a->rt.cs,
                                                                    a->rt.half, a->rows.pos, a->rows.S, a->sign);
     ds4_cuda_launched(d, "rope", "[%lld rows, %lld heads, width %lld, %lld pairs]", (long long)a->rows.T,
