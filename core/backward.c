@@ -66,6 +66,8 @@ static void bplan(bwd *b, ds4_arena *a) {
      * this rank's rows, but attention runs over the whole sequence */
     const size_t B = (size_t)b->tp->B, S = (size_t)(b->tp->cp_S ? b->tp->cp_S : b->tp->S), T = B * S;
     const size_t Tt = (size_t)b->tp->T;
+    /* split by query (a CPU model, cp.c): the attention's query side has this rank's rows too */
+    const size_t Tq = b->tp->cp_S && ds4_cp_model_by_query(b->m) ? Tt : T;
     const size_t n = (size_t)c->hc_mult, D = (size_t)c->hidden_size, V = (size_t)c->vocab_size;
     const size_t H = (size_t)c->num_attention_heads, d = (size_t)c->head_dim, K = (size_t)c->num_experts_per_tok;
     const size_t I = (size_t)c->moe_intermediate_size, E = (size_t)c->n_routed_experts, qr = (size_t)c->q_lora_rank;
@@ -77,7 +79,7 @@ static void bplan(bwd *b, ds4_arena *a) {
     b->xmid = b->tp->recompute ? NULL : ds4_arena_take(a, Tt * nD, 4); /* recomputation: the replay's Xt */
     b->du = ds4_arena_take(a, Tt * D, 4);
     b->dh = ds4_arena_take(a, T * D, 4);
-    b->da = ds4_arena_take(a, T * D, 4);
+    b->da = ds4_arena_take(a, Tq * D, 4);
     b->dpost = ds4_arena_take(a, Tt * n, 4);
     b->dcomb = ds4_arena_take(a, Tt * n * n, 4);
     b->dmix = ds4_arena_take(a, Tt * mix, 4);
@@ -85,11 +87,11 @@ static void bplan(bwd *b, ds4_arena *a) {
     b->dxn = ds4_arena_take(a, Tt * nD, 4);
     b->dzb = ds4_arena_take(a, Tt * mix, 4);
     b->dzs = ds4_arena_take(a, Tt * 3, 4);
-    b->dq = ds4_arena_take(a, T * H * d, 4);
+    b->dq = ds4_arena_take(a, Tq * H * d, 4);
     b->dkv = ds4_arena_take(a, T * d, 4);
-    b->dqa = ds4_arena_take(a, T * qr, 4);
-    b->do_ = ds4_arena_take(a, T * H * d, 4);
-    b->dy = ds4_arena_take(a, T * GO, 4);
+    b->dqa = ds4_arena_take(a, Tq * qr, 4);
+    b->do_ = ds4_arena_take(a, Tq * H * d, 4);
+    b->dy = ds4_arena_take(a, Tq * GO, 4);
     const size_t dk = zmax(d, (size_t)c->index_head_dim); /* main or indexer compressor entries */
     b->dK = ds4_arena_take(a, B * S * dk, 4);
     b->dpool = ds4_arena_take(a, B * S * dk, 4);
@@ -105,11 +107,11 @@ static void bplan(bwd *b, ds4_arena *a) {
                           : ty == DS4_ATTN_CSA ? (size_t)b->tp->sel_stride : 0);
     }
     b->maxk = (int64_t)(win + ents);
-    b->P = ds4_arena_take(a, T * H * (size_t)b->maxk, 4);
-    b->DS = ds4_arena_take(a, T * H * (size_t)b->maxk, 4);
-    b->dsink_t = ds4_arena_take(a, T * H, 4);
-    b->inv_t = ds4_arena_take(a, T * (topk ? topk : 1), 4);
-    b->inv_i = ds4_arena_take(a, T * (topk ? topk : 1), 4);
+    b->P = ds4_arena_take(a, Tq * H * (size_t)b->maxk, 4);
+    b->DS = ds4_arena_take(a, Tq * H * (size_t)b->maxk, 4);
+    b->dsink_t = ds4_arena_take(a, Tq * H, 4);
+    b->inv_t = ds4_arena_take(a, Tq * (topk ? topk : 1), 4);
+    b->inv_i = ds4_arena_take(a, Tq * (topk ? topk : 1), 4);
     b->inv_off = ds4_arena_take(a, B * S + 1, 8);
     b->dlog = ds4_arena_take(a, zmax((size_t)b->tp->head_rows * V, Tt * E), 4); /* a head chunk's, or the routers' */
     b->dsc = ds4_arena_take(a, Tt * E, 4);
@@ -202,8 +204,12 @@ static void norm_bwd(bwd *b, float *dx, int acc, float *dw, const float *dy, con
 }
 
 /* RoPE is an orthogonal rotation: its backward is the rotation by the opposite angle. */
+static void rope_bwd_at(bwd *b, float *dx, int64_t heads, int64_t width, const ds4_rope_table *rt, int fwd_sign,
+                       const ds4_rows *rows) {
+    OP(b->f.dev, rope, .x = dx, .heads = heads, .width = width, .rt = *rt, .rows = *rows, .sign = -fwd_sign);
+}
 static void rope_bwd(bwd *b, float *dx, int64_t heads, int64_t width, const ds4_rope_table *rt, int fwd_sign) {
-    OP(b->f.dev, rope, .x = dx, .heads = heads, .width = width, .rt = *rt, .rows = b->f.rows, .sign = -fwd_sign);
+    rope_bwd_at(b, dx, heads, width, rt, fwd_sign, &b->f.rows);
 }
 
 /* ------------------------------------------------------------------------------------------------ mHC */
@@ -301,36 +307,49 @@ static void indexer_kl_bwd(bwd *b, const ds4_layer_w *l, const ds4_layer_w *g, c
     comp_bwd(b, &l->idx_comp, &g->idx_comp, lt, lt->iC, lt->iZ, lt->ipool, 1, 0);
 }
 
-/* Attention sub-layer backward over the pass's rows: b->da (gradient of its output) → b->dh (gradient of h_attn,
- * written). */
-static void attention_bwd_rows(bwd *b, const ds4_layer_w *l, const ds4_layer_w *g, const ds4_layer_tape *lt) {
+/* Attention sub-layer backward: b->da (gradient of its output) → b->dh (gradient of h_attn, written). Keys over the
+ * pass's rows; queries over the same rows, or (qw, context parallelism split by query) over a query window of them:
+ * this rank's positions of each sequence, whose rows of da and of the query side's tape are its own. There the key
+ * side's gradients (window keys, entries) are this rank's queries' parts, summed over the ranks (cp.c) before the
+ * key side's backward, which every rank then runs alike over the whole sequences; dh ends as this rank's rows. */
+static void attention_bwd_rows(bwd *b, const ds4_layer_w *l, const ds4_layer_w *g, const ds4_layer_tape *lt,
+                               const ds4_rows *qw) {
     const ds4_config *c = &b->m->cfg;
     const int64_t T = b->f.T, S = b->f.S, D = c->hidden_size, H = c->num_attention_heads, d = c->head_dim;
     const int64_t qr = c->q_lora_rank, G = c->o_groups, ol = c->o_lora_rank, gw = H * d / G;
+    const int64_t Tq = qw ? qw->T : T; /* the query rows */
+    const ds4_rows *rq = qw ? qw : &b->f.rows;
     const ds4_rope_table *rt = l->type == DS4_ATTN_SLIDING ? &b->f.rmain : &b->f.rcomp;
     ds4_dev *dev = b->f.dev;
     const ds4_lora_layer *lo = l->lora, *go = g->lora;
-    lin_bwd_px(b, b->dy, G * ol, 0, g->wo_b, b->da, D, tape_x(b, lt->y, 0), G * ol, l->wo_b, 1, T, G * ol, D);
+    lin_bwd_px(b, b->dy, G * ol, 0, g->wo_b, b->da, D, tape_x(b, lt->y, 0), G * ol, l->wo_b, 1, Tq, G * ol, D);
     ds4_lora_bwd(&b->lc, lo, DS4_LORA_AB(lo, wo_b), DS4_LORA_AB(go, wo_b), b->dy, G * ol, b->da, D,
-                 (const float *)lt->y, G * ol, T, G * ol, D);
+                 (const float *)lt->y, G * ol, Tq, G * ol, D);
     for (int64_t k = 0; k < G; k++)
         lin_bwd_px(b, b->do_ + k * gw, H * d, 0, g->wo_a ? g->wo_a + k * ol * gw : NULL, b->dy + k * ol, G * ol,
-                   tape_x(b, lt->o, k * gw), H * d, wat(l->wo_a, b->mdt, k * ol * gw), 1, T, gw, ol);
-    ds4_lora_bwd_wo_a(&b->lc, c, lo, go, b->do_, b->dy, (const float *)lt->o, T);
-    rope_bwd(b, b->do_, H, d, rt, -1); /* the output was de-rotated */
+                   tape_x(b, lt->o, k * gw), H * d, wat(l->wo_a, b->mdt, k * ol * gw), 1, Tq, gw, ol);
+    ds4_lora_bwd_wo_a(&b->lc, c, lo, go, b->do_, b->dy, (const float *)lt->o, Tq);
+    rope_bwd_at(b, b->do_, H, d, rt, -1, rq); /* the output was de-rotated */
     const ds4_a_attn_bwd ab = {.c = c, .l = l, .lt = lt, .B = b->f.B, .S = S, .sel_stride = b->tp->sel_stride,
                                .dout = b->do_, .P = b->P, .DS = b->DS, .maxk = b->maxk, .dsink_t = b->dsink_t,
                                .dq = b->dq, .dkv = b->dkv, .dK = b->dK, .inv_off = b->inv_off, .inv_t = b->inv_t,
-                               .inv_i = b->inv_i, .bf16_in = b->f.w->bf16_in};
+                               .inv_i = b->inv_i, .bf16_in = b->f.w->bf16_in, .q0 = rq->q0, .qn = rq->qn};
     ds4_op_attn_bwd_q(dev, &ab);
     ds4_op_attn_bwd_kv(dev, &ab);
-    colsum(b, g->sink, b->dsink_t, T, H, H);
+    colsum(b, g->sink, b->dsink_t, Tq, H, H);
     ds4_dev_fill(dev, b->dh, 0, (size_t)(T * D) * sizeof(float));
-    if (l->type != DS4_ATTN_SLIDING && lt->nwin > 0) {
+    const int entries = l->type != DS4_ATTN_SLIDING && lt->nwin > 0;
+    if (entries) {
         if (l->type == DS4_ATTN_CSA) /* inverse of the indexer picks: (query, position) per entry */
-            OP(dev, pick_inverse, .sel = lt->sel, .nsel = lt->nsel, .sel_stride = b->tp->sel_stride, .T = T, .S = S,
-               .B = b->f.B, .inv_off = b->inv_off, .inv_t = b->inv_t, .inv_i = b->inv_i);
+            OP(dev, pick_inverse, .sel = lt->sel, .nsel = lt->nsel, .sel_stride = b->tp->sel_stride, .T = Tq, .S = S,
+               .B = b->f.B, .inv_off = b->inv_off, .inv_t = b->inv_t, .inv_i = b->inv_i, .qn = rq->qn);
         ds4_op_attn_bwd_entry(dev, &ab);
+    }
+    if (qw) { /* every rank's queries' parts of the key side's gradients, summed in rank order */
+        ds4_cp_sum_floats(&b->f, b->dkv, T * d, "sum of the window keys' gradients");
+        if (entries) ds4_cp_sum_floats(&b->f, b->dK, T * d, "sum of the compressed entries' gradients");
+    }
+    if (entries) {
         comp_bwd(b, &l->comp, &g->comp, lt, lt->cC, lt->cZ, lt->pool, l->type == DS4_ATTN_CSA, 1);
         if (l->type == DS4_ATTN_CSA && lt->iq) indexer_kl_bwd(b, l, g, lt);
     }
@@ -341,12 +360,20 @@ static void attention_bwd_rows(bwd *b, const ds4_layer_w *l, const ds4_layer_w *
     ds4_lora_bwd(&b->lc, lo, DS4_LORA_AB(lo, wkv), DS4_LORA_AB(go, wkv), b->dh, D, b->dkv, d,
                  (const float *)lt->h_attn, D, T, D, d);
     /* queries: RoPE, per-head RMS, wq_b, q_norm, wq_a */
-    rope_bwd(b, b->dq, H, d, rt, 1);
-    norm_bwd(b, b->dq, 0, NULL, b->dq, lt->q_pre, NULL, T * H, d);
-    lin_bwd_px(b, b->dqa, qr, 0, g->wq_b, b->dq, H * d, tape_x(b, lt->qr, 0), qr, l->wq_b, 1, T, qr, H * d);
+    rope_bwd_at(b, b->dq, H, d, rt, 1, rq);
+    norm_bwd(b, b->dq, 0, NULL, b->dq, lt->q_pre, NULL, Tq * H, d);
+    lin_bwd_px(b, b->dqa, qr, 0, g->wq_b, b->dq, H * d, tape_x(b, lt->qr, 0), qr, l->wq_b, 1, Tq, qr, H * d);
     ds4_lora_bwd(&b->lc, lo, DS4_LORA_AB(lo, wq_b), DS4_LORA_AB(go, wq_b), b->dqa, qr, b->dq, H * d,
-                 (const float *)lt->qr, qr, T, qr, H * d);
-    norm_bwd(b, b->dqa, 0, g->q_norm, b->dqa, lt->qa, l->q_norm, T, qr);
+                 (const float *)lt->qr, qr, Tq, qr, H * d);
+    norm_bwd(b, b->dqa, 0, g->q_norm, b->dqa, lt->qa, l->q_norm, Tq, qr);
+    if (qw) { /* this rank's rows of dh (the pass back to its slice); wq_a over them, reading h's rows per sequence */
+        ds4_cp_keep_rows(&b->f, b->dh, D);
+        const int64_t n = qw->qn;
+        for (int64_t s = 0; s < b->f.B; s++)
+            lin_bwd_px(b, b->dh + s * n * D, D, 1, g->wq_a, b->dqa + s * n * qr, qr,
+                       tape_x(b, lt->h_attn, (s * S + qw->q0) * D), D, l->wq_a, 1, n, D, qr);
+        return; /* no LoRA with context parallelism (cp.c) */
+    }
     lin_bwd_px(b, b->dh, D, 1, g->wq_a, b->dqa, qr, tape_x(b, lt->h_attn, 0), D, l->wq_a, 1, T, D, qr);
     ds4_lora_bwd(&b->lc, lo, DS4_LORA_AB(lo, wq_a), DS4_LORA_AB(go, wq_a), b->dh, D, b->dqa, qr,
                  (const float *)lt->h_attn, D, T, D, qr);
@@ -358,19 +385,29 @@ static void attention_bwd_rows(bwd *b, const ds4_layer_w *l, const ds4_layer_w *
  * all-reduce of the gradients (a sum over ranks) counts them once. */
 static void attention_bwd(bwd *b, const ds4_layer_w *l, const ds4_layer_w *g, const ds4_layer_tape *lt) {
     if (!b->f.cp_world) {
-        attention_bwd_rows(b, l, g, lt);
+        attention_bwd_rows(b, l, g, lt, NULL);
         return;
     }
     const int64_t D = b->m->cfg.hidden_size;
+    const int by_query = ds4_cp_by_query(&b->f);
     ds4_layer_w gr = *g;
-    if (b->f.cp_rank != 0) {
-        gr.wq_a = gr.q_norm = gr.wq_b = gr.wkv = gr.kv_norm = gr.wo_a = gr.wo_b = gr.sink = NULL;
-        gr.idx_wq_b = gr.idx_weights = NULL;
+    if (b->f.cp_rank != 0) { /* the key side's weights (split by query), or all of them: rank 0 adds them */
+        if (!by_query) {
+            gr.wq_a = gr.q_norm = gr.wq_b = gr.wo_a = gr.wo_b = gr.sink = NULL;
+            gr.idx_wq_b = gr.idx_weights = NULL;
+        }
+        gr.wkv = gr.kv_norm = NULL;
         gr.comp.wkv = gr.comp.wgate = gr.comp.ape = gr.comp.norm = NULL;
         gr.idx_comp.wkv = gr.idx_comp.wgate = gr.idx_comp.ape = gr.idx_comp.norm = NULL;
     }
+    if (by_query) {
+        ds4_cp_whole_shape(&b->f);
+        const ds4_rows qw = ds4_cp_query_rows(&b->f);
+        attention_bwd_rows(b, l, &gr, lt, &qw); /* ends with this rank's rows of dh and the pass's slice shape */
+        return;
+    }
     ds4_cp_gather_rows(&b->f, b->da, D);
-    attention_bwd_rows(b, l, &gr, lt);
+    attention_bwd_rows(b, l, &gr, lt, NULL);
     ds4_cp_keep_rows(&b->f, b->dh, D);
 }
 

@@ -278,6 +278,40 @@ void ds4_cp_keep_rows(ds4_pass *f, float *x, int64_t width) {
     set_shape(f, n);
 }
 
+int ds4_cp_model_by_query(const ds4_model *m) { return m->cp_on && m->dev->host_visible && !m->cp.whole_attention; }
+int ds4_cp_by_query(const ds4_pass *f) { return f->cp_world && ds4_cp_model_by_query(f->m); }
+
+ds4_rows ds4_cp_query_rows(const ds4_pass *f) {
+    int64_t off, n;
+    my_range(f, &off, &n);
+    ds4_rows r = f->rows; /* the whole sequences' (S = the key side's positions per sequence) */
+    r.T = f->B * n;
+    r.q0 = off;
+    r.qn = n;
+    return r;
+}
+
+void ds4_cp_whole_shape(ds4_pass *f) { set_shape(f, f->cp_mtp ? f->cp_S0 - 1 : f->cp_S0); }
+
+void ds4_cp_slice_shape(ds4_pass *f) {
+    int64_t off, n;
+    my_range(f, &off, &n);
+    set_shape(f, n);
+}
+
+void ds4_cp_sum_floats(ds4_pass *f, float *x, int64_t n, const char *what) {
+    const size_t bytes = (size_t)n * sizeof(float), blk = (bytes + 7) / 8 * 8;
+    size_t stride = 0;
+    const char *recv = gather(f, x, bytes, blk, what, &stride);
+    if (!recv) return;
+    const float *r0 = (const float *)(const void *)recv;
+    for (int64_t i = 0; i < n; i++) {
+        float s = r0[i];
+        for (int32_t q = 1; q < f->cp_world; q++) s += ((const float *)(const void *)(recv + (size_t)q * stride))[i];
+        x[i] = s;
+    }
+}
+
 typedef struct {
     double nll;
     int64_t tgt;

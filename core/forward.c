@@ -47,9 +47,22 @@ static void norm(ds4_pass *f, float *y, const float *x, const float *w, int64_t 
     OP(f->dev, rmsnorm, .y = y, .x = x, .w = w, .rows = rows, .width = width, .eps = f->c->rms_norm_eps);
 }
 
-static void rope(ds4_pass *f, float *x, int64_t heads, int64_t width, const ds4_rope_table *rt, int sign) {
-    OP(f->dev, rope, .x = x, .heads = heads, .width = width, .rt = *rt, .rows = f->rows, .sign = sign);
+static void rope_at(ds4_pass *f, float *x, int64_t heads, int64_t width, const ds4_rope_table *rt, int sign,
+                    const ds4_rows *rows) {
+    OP(f->dev, rope, .x = x, .heads = heads, .width = width, .rt = *rt, .rows = *rows, .sign = sign);
 }
+static void rope(ds4_pass *f, float *x, int64_t heads, int64_t width, const ds4_rope_table *rt, int sign) {
+    rope_at(f, x, heads, width, rt, sign, &f->rows);
+}
+
+/* The attention sub-layer's query side: its rows and their input h. The pass's own (T, f->rows, f->h), except with
+ * context parallelism split by query (cp.c): there the key side (window keys, compressors, indexer entries) runs
+ * over the gathered whole sequences and the query side over this rank's slice (a query window of f->rows). */
+typedef struct {
+    int64_t T;
+    ds4_rows rows;
+    const float *h;
+} attn_q;
 
 /* ------------------------------------------------------------------------------------------------ attention */
 
@@ -94,18 +107,19 @@ static int64_t compress(ds4_pass *f, const ds4_compressor_w *w, int which, float
     return nwin;
 }
 
-/* The lightning indexer of a CSA layer: its entries, queries, head weights and picks (into f->sel / f->nsel). */
-static void indexer(ds4_pass *f, const ds4_layer_w *l, ds4_layer_tape *lt) {
+/* The lightning indexer of a CSA layer: its entries (over the key side's rows), queries, head weights and picks (over
+ * the query side's: into f->sel / f->nsel). */
+static void indexer(ds4_pass *f, const ds4_layer_w *l, ds4_layer_tape *lt, const attn_q *aq) {
     const ds4_config *c = f->c;
-    const int64_t T = f->T, D = c->hidden_size, qr = c->q_lora_rank, nI = c->index_n_heads, cI = c->index_head_dim;
+    const int64_t T = aq->T, D = c->hidden_size, qr = c->q_lora_rank, nI = c->index_n_heads, cI = c->index_head_dim;
     const int64_t nwin = compress(f, &l->idx_comp, 1, f->iC, f->iZ, f->iK, 1, lt ? lt->iC : NULL, lt ? lt->iZ : NULL,
                                   lt ? lt->ipool : NULL);
     matmul(f, f->iq, f->qr, l->idx_wq_b, 1, T, qr, nI * cI);
     ds4_lora_fwd(f, l->lora, DS4_LORA_AB(l->lora, idx_wq_b), f->iq, nI * cI, f->qr, qr, T, qr, nI * cI);
-    rope(f, f->iq, nI, cI, &f->rcomp, 1);
+    rope_at(f, f->iq, nI, cI, &f->rcomp, 1, &aq->rows);
     if (f->m->kv_qat) OP(f->dev, fake_quant, .x = f->iq, .rows = T * nI, .width = cI, .q = qat_of(f, 1, cI, 0));
-    matmul(f, f->iw, f->h, l->idx_weights, 1, T, D, nI);
-    ds4_lora_fwd(f, l->lora, DS4_LORA_AB(l->lora, idx_weights), f->iw, nI, f->h, D, T, D, nI);
+    matmul(f, f->iw, aq->h, l->idx_weights, 1, T, D, nI);
+    ds4_lora_fwd(f, l->lora, DS4_LORA_AB(l->lora, idx_weights), f->iw, nI, aq->h, D, T, D, nI);
     OP(f->dev, scale, .x = f->iw, .n = T * nI, .s = 1.0f / sqrtf((float)nI));
     if (lt && lt->iq) {
         keep(f, lt->iq, f->iq, T * nI * cI);
@@ -120,7 +134,7 @@ static void indexer(ds4_pass *f, const ds4_layer_w *l, ds4_layer_tape *lt) {
         return;
     }
     const int replay = f->replay_index && f->replay_on;
-    OP(f->dev, indexer, .c = c, .iq = f->iq, .iw = f->iw, .iK = f->iK, .rows = f->rows, .nwin = nwin,
+    OP(f->dev, indexer, .c = c, .iq = f->iq, .iw = f->iw, .iK = f->iK, .rows = aq->rows, .nwin = nwin,
        .topk = f->rows.pos ? K : (K < nwin ? K : nwin), .sel = f->sel, .nsel = f->nsel, .sel_stride = f->sel_stride,
        .replay = replay ? f->replay_index + f->csa_i * K : NULL, .replay_ld = ncsa * K);
     if (f->rec_index)
@@ -128,10 +142,13 @@ static void indexer(ds4_pass *f, const ds4_layer_w *l, ds4_layer_tape *lt) {
            .sel_stride = f->sel_stride, .K = K, .T = T);
 }
 
-/* The attention sub-layer on f->h (its input after attn_norm), over the pass's rows: result in a [T, D]. */
-static void attention_rows(ds4_pass *f, const ds4_layer_w *l, float *a) {
+/* The attention sub-layer on f->h (its input after attn_norm), keys over the pass's rows and queries over aq's:
+ * result in a [aq->T, D]. */
+static void attention_rows(ds4_pass *f, const ds4_layer_w *l, float *a, const attn_q *aq) {
     const ds4_config *c = f->c;
     const int64_t T = f->T, D = c->hidden_size, H = c->num_attention_heads, d = c->head_dim, qr = c->q_lora_rank;
+    const int64_t Tq = aq->T;
+    const int split = aq->h != f->h; /* queries over a slice: the tape keeps the whole h, which the key side reads */
     const ds4_rope_table *rt = l->type == DS4_ATTN_SLIDING ? &f->rmain : &f->rcomp;
     const ds4_dtype mdt = f->w->mdt;
     const ds4_lora_layer *lo = l->lora;
@@ -140,15 +157,16 @@ static void attention_rows(ds4_pass *f, const ds4_layer_w *l, float *a) {
      * place), and q and kv are formed in theirs, so that nothing is copied into the tape; else the pass's buffers */
     float *qa = lt ? lt->qa : f->qr, *qpre = lt ? lt->q_pre : f->q, *kvpre = lt ? lt->kv_pre : f->kv;
     float *q = lt ? lt->q : f->q, *kv = lt ? lt->kv : f->kv;
-    matmul_keep(f, qa, f->h, l->wq_a, T, D, qr, lt ? lt->h_attn : NULL);
-    matmul_same_x(f, kvpre, f->h, l->wkv, T, D, d); /* the key's projection of the same h, next to the query's */
-    ds4_lora_fwd(f, lo, DS4_LORA_AB(lo, wq_a), qa, qr, f->h, D, T, D, qr);
+    matmul_keep(f, qa, aq->h, l->wq_a, Tq, D, qr, lt && !split ? lt->h_attn : NULL);
+    if (split) matmul_keep(f, kvpre, f->h, l->wkv, T, D, d, lt ? lt->h_attn : NULL);
+    else matmul_same_x(f, kvpre, f->h, l->wkv, T, D, d); /* the key's projection of the same h, next to the query's */
+    ds4_lora_fwd(f, lo, DS4_LORA_AB(lo, wq_a), qa, qr, aq->h, D, Tq, D, qr);
     ds4_lora_fwd(f, lo, DS4_LORA_AB(lo, wkv), kvpre, d, f->h, D, T, D, d);
-    norm(f, f->qr, qa, l->q_norm, T, qr);
-    matmul_keep(f, qpre, f->qr, l->wq_b, T, qr, H * d, lt ? lt->qr : NULL);
-    ds4_lora_fwd(f, lo, DS4_LORA_AB(lo, wq_b), qpre, H * d, f->qr, qr, T, qr, H * d);
-    norm(f, q, qpre, NULL, T * H, d); /* per-head unweighted RMS */
-    rope(f, q, H, d, rt, 1);
+    norm(f, f->qr, qa, l->q_norm, Tq, qr);
+    matmul_keep(f, qpre, f->qr, l->wq_b, Tq, qr, H * d, lt ? lt->qr : NULL);
+    ds4_lora_fwd(f, lo, DS4_LORA_AB(lo, wq_b), qpre, H * d, f->qr, qr, Tq, qr, H * d);
+    norm(f, q, qpre, NULL, Tq * H, d); /* per-head unweighted RMS */
+    rope_at(f, q, H, d, rt, 1, &aq->rows);
     norm(f, kv, kvpre, l->kv_norm, T, d);
     rope(f, kv, 1, d, rt, 1);
     if (f->m->kv_qat) OP(f->dev, fake_quant, .x = kv, .rows = T, .width = d, .q = qat_of(f, 0, d, rt->half));
@@ -156,43 +174,57 @@ static void attention_rows(ds4_pass *f, const ds4_layer_w *l, float *a) {
     if (l->type != DS4_ATTN_SLIDING)
         nwin = compress(f, &l->comp, 0, f->cC, f->cZ, f->cK, l->type == DS4_ATTN_CSA, lt ? lt->cC : NULL,
                         lt ? lt->cZ : NULL, lt ? lt->pool : NULL);
-    if (l->type == DS4_ATTN_CSA) indexer(f, l, lt);
+    if (l->type == DS4_ATTN_CSA) indexer(f, l, lt, aq);
     OP(f->dev, attention, .c = c, .type = l->type, .sink = l->sink, .q = q, .kv = kv, .cK = f->cK,
-       .rows = f->rows, .nwin = nwin, .sel = f->sel, .nsel = f->nsel, .sel_stride = f->sel_stride, .o = f->o,
+       .rows = aq->rows, .nwin = nwin, .sel = f->sel, .nsel = f->nsel, .sel_stride = f->sel_stride, .o = f->o,
        .itgt = l->type == DS4_ATTN_CSA && lt ? lt->itgt : NULL, .bf16_in = f->w->bf16_in);
     if (f->rows.pos)
         OP(f->dev, cache_commit, .c = c, .type = l->type, .kv = kv, .cC = f->cC, .cZ = f->cZ, .iC = f->iC,
            .iZ = f->iZ, .rows = f->rows);
-    rope(f, f->o, H, d, rt, -1); /* de-rotate the output at the query position */
+    rope_at(f, f->o, H, d, rt, -1, &aq->rows); /* de-rotate the output at the query position */
     if (lt) {
         lt->nwin = nwin;
         if (nwin) keep(f, lt->cK, f->cK, f->B * f->S * d);
         if (l->type == DS4_ATTN_CSA && !f->recompute) {
-            ds4_dev_copy(f->dev, lt->sel, f->sel, (size_t)(T * f->sel_stride) * sizeof(int32_t));
-            ds4_dev_copy(f->dev, lt->nsel, f->nsel, (size_t)T * sizeof(int32_t));
+            ds4_dev_copy(f->dev, lt->sel, f->sel, (size_t)(Tq * f->sel_stride) * sizeof(int32_t));
+            ds4_dev_copy(f->dev, lt->nsel, f->nsel, (size_t)Tq * sizeof(int32_t));
         }
-        if (!f->tape->x16) keep(f, lt->o, f->o, T * H * d); /* else the product below writes it (keep16) */
+        if (!f->tape->x16) keep(f, lt->o, f->o, Tq * H * d); /* else the product below writes it (keep16) */
     }
     /* grouped output projection: group g = heads [g·H/G, (g+1)·H/G) → o_lora values */
     const int64_t G = c->o_groups, ol = c->o_lora_rank, gw = H * d / G;
-    OP(f->dev, matmul, .y = f->y, .ldy = G * ol, .x = f->o, .ldx = H * d, .W = l->wo_a, .wdt = mdt, .T = T, .K = gw,
+    OP(f->dev, matmul, .y = f->y, .ldy = G * ol, .x = f->o, .ldx = H * d, .W = l->wo_a, .wdt = mdt, .T = Tq, .K = gw,
        .O = ol, .groups = G, .gx = gw, .gy = ol, .gw = ol * gw, .bf16_in = f->w->bf16_in,
        .keep16 = keep16_of(f, lt ? lt->o : NULL));
-    ds4_lora_fwd_wo_a(f, lo, f->y, f->o, T);
-    matmul_keep(f, a, f->y, l->wo_b, T, G * ol, D, lt ? lt->y : NULL);
-    ds4_lora_fwd(f, lo, DS4_LORA_AB(lo, wo_b), a, D, f->y, G * ol, T, G * ol, D);
+    ds4_lora_fwd_wo_a(f, lo, f->y, f->o, Tq);
+    matmul_keep(f, a, f->y, l->wo_b, Tq, G * ol, D, lt ? lt->y : NULL);
+    ds4_lora_fwd(f, lo, DS4_LORA_AB(lo, wo_b), a, D, f->y, G * ol, Tq, G * ol, D);
 }
 
 /* The attention sub-layer on u (the collapsed input): returns where its result lies, [T, D] — the tape's a_attn when
  * training (written there, not copied), else f->a. With context parallelism the ranks' inputs are gathered first
- * (cp.c), so that every rank runs the whole sequence's attention, and each keeps its own rows of f->a. */
+ * (cp.c). Split by query (a CPU model): the rank's own rows of h are kept for its queries (in f->a, free until the
+ * output projection writes it), the key side runs over the gathered whole sequences, and the output is this rank's
+ * rows as they are. Otherwise every rank runs the whole sequence's attention and keeps its own rows of f->a. */
 static float *attention(ds4_pass *f, const ds4_layer_w *l, const float *u) {
     const int64_t D = f->c->hidden_size;
     ds4_layer_tape *lt = f->lt;
     norm(f, f->h, u, l->attn_norm, f->T, D);
+    attn_q aq = {f->T, f->rows, f->h};
+    if (f->cp_world && ds4_cp_by_query(f)) {
+        ds4_dev_copy(f->dev, f->a, f->h, (size_t)(f->T * D) * sizeof(float));
+        ds4_cp_gather_rows(f, f->h, D);
+        aq.rows = ds4_cp_query_rows(f);
+        aq.T = aq.rows.T, aq.h = f->a;
+        float *a = lt ? lt->a_attn : f->a;
+        attention_rows(f, l, a, &aq);
+        ds4_cp_slice_shape(f);
+        return a;
+    }
     if (f->cp_world) ds4_cp_gather_rows(f, f->h, D);
+    aq = (attn_q){f->T, f->rows, f->h};
     float *a = lt && !f->cp_world ? lt->a_attn : f->a;
-    attention_rows(f, l, a);
+    attention_rows(f, l, a, &aq);
     if (f->cp_world) ds4_cp_keep_rows(f, f->a, D);
     if (lt && f->cp_world) keep(f, lt->a_attn, f->a, f->T * D);
     return a;

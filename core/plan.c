@@ -93,11 +93,14 @@ static ds4_status rope_reserve(ds4_model *m, int64_t S, ds4_error *err) {
 /* ------------------------------------------------------------------------------------------------ pass */
 
 /* T rows for the attention buffers; Tt (o->tok_rows, else T) for the per-token ones: with context parallelism the
- * attention sub-layers run over the whole gathered sequence, everything else over this rank's slice. */
+ * attention sub-layers run over the whole gathered sequence, everything else over this rank's slice. Split by query
+ * (a CPU model, cp.c) the attention's query side (queries, outputs, the indexer's queries and picks) has this rank's
+ * rows too: Tq. */
 static void plan(ds4_pass *f, ds4_arena *a, const ds4_pass_opts *o) {
     const ds4_config *c = f->c;
     const size_t T = (size_t)f->T, S = (size_t)f->S, B = (size_t)f->B, n = (size_t)c->hc_mult, D = (size_t)c->hidden_size;
     const size_t Tt = o->tok_rows > 0 ? (size_t)o->tok_rows : T;
+    const size_t Tq = o->tok_rows > 0 && ds4_cp_model_by_query(f->m) ? Tt : T;
     const size_t H = (size_t)c->num_attention_heads, d = (size_t)c->head_dim, K = (size_t)c->num_experts_per_tok;
     const size_t I = (size_t)c->moe_intermediate_size, E = (size_t)c->n_routed_experts, L = (size_t)c->num_hidden_layers;
     const size_t cI = (size_t)c->index_head_dim, nI = (size_t)c->index_n_heads;
@@ -114,22 +117,22 @@ static void plan(ds4_pass *f, ds4_arena *a, const ds4_pass_opts *o) {
     f->comb = ds4_arena_take(a, Tt * n * n, 4);
     f->u = ds4_arena_take(a, Tt * D, 4);
     f->h = ds4_arena_take(a, T * D, 4);
-    f->a = ds4_arena_take(a, T * D, 4);
-    f->qr = ds4_arena_take(a, T * (size_t)c->q_lora_rank, 4);
-    f->q = ds4_arena_take(a, T * H * d, 4);
-    f->o = ds4_arena_take(a, T * H * d, 4);
+    f->a = ds4_arena_take(a, Tq * D, 4);
+    f->qr = ds4_arena_take(a, Tq * (size_t)c->q_lora_rank, 4);
+    f->q = ds4_arena_take(a, Tq * H * d, 4);
+    f->o = ds4_arena_take(a, Tq * H * d, 4);
     f->kv = ds4_arena_take(a, T * d, 4);
-    f->y = ds4_arena_take(a, T * (size_t)(c->o_groups * c->o_lora_rank), 4);
+    f->y = ds4_arena_take(a, Tq * (size_t)(c->o_groups * c->o_lora_rank), 4);
     f->cC = ds4_arena_take(a, T * 2 * d, 4);
     f->cZ = ds4_arena_take(a, T * 2 * d, 4);
     f->cK = ds4_arena_take(a, B * S * d, 4);
     f->iC = ds4_arena_take(a, T * 2 * cI, 4);
     f->iZ = ds4_arena_take(a, T * 2 * cI, 4);
     f->iK = ds4_arena_take(a, B * S * cI, 4);
-    f->iq = ds4_arena_take(a, T * nI * cI, 4);
-    f->iw = ds4_arena_take(a, T * nI, 4);
-    f->sel = ds4_arena_take(a, T * (size_t)f->sel_stride, 4);
-    f->nsel = ds4_arena_take(a, T, 4);
+    f->iq = ds4_arena_take(a, Tq * nI * cI, 4);
+    f->iw = ds4_arena_take(a, Tq * nI, 4);
+    f->sel = ds4_arena_take(a, Tq * (size_t)f->sel_stride, 4);
+    f->nsel = ds4_arena_take(a, Tq, 4);
     f->rl = ds4_arena_take(a, Tt * E, 4);
     f->eidx = ds4_arena_take(a, Tt * K, 4);
     f->ew = ds4_arena_take(a, Tt * K, 4);
@@ -210,6 +213,7 @@ static void plan_tape(const ds4_model *m, ds4_tape *tp, ds4_arena *a, int64_t B,
     const ds4_config *c = &m->cfg;
     const size_t T = (size_t)(B * S), n = (size_t)c->hc_mult, D = (size_t)c->hidden_size, V = (size_t)c->vocab_size;
     const size_t Tt = tok_rows > 0 ? (size_t)tok_rows : T;
+    const size_t Tq = tok_rows > 0 && ds4_cp_model_by_query(m) ? Tt : T; /* split by query: plan()'s Tq */
     const size_t H = (size_t)c->num_attention_heads, d = (size_t)c->head_dim, K = (size_t)c->num_experts_per_tok;
     const size_t I = (size_t)c->moe_intermediate_size, E = (size_t)c->n_routed_experts, qr = (size_t)c->q_lora_rank;
     const size_t selw = (size_t)(c->index_topk < S ? c->index_topk : S) > 0 ? (size_t)(c->index_topk < S ? c->index_topk : S) : 1;
@@ -249,8 +253,8 @@ static void plan_tape(const ds4_model *m, ds4_tape *tp, ds4_arena *a, int64_t B,
         }
         if (li >= 0) { /* a block's own: its input streams and decisions */
             lt->X_in = ds4_arena_take(a, Tt * n * D, 4);
-            lt->sel = ty == DS4_ATTN_CSA ? ds4_arena_take(a, T * selw, 4) : NULL;
-            lt->nsel = ty == DS4_ATTN_CSA ? ds4_arena_take(a, T, 4) : NULL;
+            lt->sel = ty == DS4_ATTN_CSA ? ds4_arena_take(a, Tq * selw, 4) : NULL;
+            lt->nsel = ty == DS4_ATTN_CSA ? ds4_arena_take(a, Tq, 4) : NULL;
             lt->rsc = ds4_arena_take(a, Tt * E, 4);
             lt->eidx = ds4_arena_take(a, Tt * K, 4);
             lt->ew = ds4_arena_take(a, Tt * K, 4);
@@ -262,10 +266,10 @@ static void plan_tape(const ds4_model *m, ds4_tape *tp, ds4_arena *a, int64_t B,
         lt->mix_ffn = ds4_arena_take(a, Tt * (2 + n) * n, 4);
         lt->u_attn = ds4_arena_take(a, Tt * D, 4);
         lt->h_attn = ds4_arena_take(a, T * D, xs);
-        lt->qa = ds4_arena_take(a, T * qr, 4);
-        lt->qr = ds4_arena_take(a, T * qr, xs);
-        lt->q_pre = ds4_arena_take(a, T * H * d, 4);
-        lt->q = ds4_arena_take(a, T * H * d, 4);
+        lt->qa = ds4_arena_take(a, Tq * qr, 4);
+        lt->qr = ds4_arena_take(a, Tq * qr, xs);
+        lt->q_pre = ds4_arena_take(a, Tq * H * d, 4);
+        lt->q = ds4_arena_take(a, Tq * H * d, 4);
         lt->kv_pre = ds4_arena_take(a, T * d, 4);
         lt->kv = ds4_arena_take(a, T * d, 4);
         lt->cC = width ? ds4_arena_take(a, T * width, 4) : NULL;
@@ -281,8 +285,8 @@ static void plan_tape(const ds4_model *m, ds4_tape *tp, ds4_arena *a, int64_t B,
         lt->iZ = ikl ? ds4_arena_take(a, T * 2 * cI, 4) : NULL;
         lt->ipool = ikl ? ds4_arena_take(a, T * cI, 4) : NULL;
         lt->itgt = ikl ? ds4_arena_take(a, T * selw, 4) : NULL;
-        lt->o = ds4_arena_take(a, T * H * d, xs);
-        lt->y = ds4_arena_take(a, T * (size_t)(c->o_groups * c->o_lora_rank), xs);
+        lt->o = ds4_arena_take(a, Tq * H * d, xs);
+        lt->y = ds4_arena_take(a, Tq * (size_t)(c->o_groups * c->o_lora_rank), xs);
         lt->a_attn = ds4_arena_take(a, Tt * D, 4);
         lt->u_ffn = ds4_arena_take(a, Tt * D, 4);
         lt->h_ffn = ds4_arena_take(a, Tt * D, 4);

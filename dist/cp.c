@@ -34,6 +34,7 @@ ds4_status ds4_comm_context_parallel(ds4_comm *c, ds4_model *m, int on, ds4_erro
         .ctx = c,
         .all_gather = host_all_gather,
         .device_all_gather = on_gpu ? device_all_gather : NULL,
+        .whole_attention = on == DS4_CP_WHOLE_ATTENTION,
     };
     ds4_status st = ds4_model_set_context_parallel(m, &cp, err);
     if (st) ds4_error_prefix(err, "dist context_parallel: ");

@@ -180,12 +180,14 @@ double ds4_comm_bucket_mb(const ds4_comm *c);
 #define DS4_EP_SHARDED 2
 ds4_status ds4_comm_expert_parallel(ds4_comm *c, ds4_model *m, int on, ds4_error *err);
 
-/* Context parallelism (docs/distributed.md, "Context parallelism"): on = 1 installs the communicator's host
- * all-gather as the model's context-parallel hooks (ds4_model_set_context_parallel): every rank passes the whole
- * sequence and computes its contiguous slice of it (CPU models); on = 0 removes them. The communicator must outlive
+/* Context parallelism (docs/distributed.md, "Context parallelism"): on = 1 installs the communicator's all-gathers
+ * as the model's context-parallel hooks (ds4_model_set_context_parallel): every rank passes the whole sequence and
+ * computes its contiguous slice of it; on = 0 removes them. on = DS4_CP_WHOLE_ATTENTION: on, every rank running each
+ * attention sub-layer over the whole sequences (ds4_context_parallel.whole_attention). The communicator must outlive
  * the model's use of them: turn it off (or free the model) before ds4_comm_finalize. The backward takes the global
  * normalisation (the forward returns the whole sequence's losses and counts on every rank) and the gradients are then
  * summed with ds4_comm_all_reduce_grads, scale 1. */
+#define DS4_CP_WHOLE_ATTENTION 2
 ds4_status ds4_comm_context_parallel(ds4_comm *c, ds4_model *m, int on, ds4_error *err);
 
 #ifdef __cplusplus

@@ -28,8 +28,10 @@
  *                                      on = {shard = true}: each rank also keeps only its experts' weights,
  *                                      gradients and moments (on its GPU too; docs/distributed.md)
  *   ds4.dist.context_parallel(model [, on])  each sequence split over the ranks (every rank passes the whole ids;
- *                                      rank r computes its slice); forwards and backwards collective (a GPU
- *                                      model gathers through NCCL: ds4.dist.init{device = "cuda"})
+ *                                      rank r computes its slice, a CPU model's attention for its queries only);
+ *                                      forwards and backwards collective (a GPU model gathers through NCCL:
+ *                                      ds4.dist.init{device = "cuda"}). on = {whole_attention = true}: every rank
+ *                                      runs attention over the whole sequences (one process's gradient bits)
  *   ds4.dist.finalize()                MPI_Finalize / NCCL finalize (every rank must call it)
  *   ds4.dist.have_mpi, have_nccl       what this build has
  *
@@ -385,13 +387,15 @@ static int parallel_mode(lua_State *L, const char *fname, const char *key,
     ds4_comm *c = need(L, fname);
     ds4_model *m = ds4l_model_check(L, 1, fname);
     int on = lua_isnoneornil(L, 2) ? 1 : lua_toboolean(L, 2);
-    if (set == ds4_comm_expert_parallel && lua_istable(L, 2)) { /* {shard = true}: on, with sharded experts */
-        static const char *const known[] = {"shard", NULL};
-        ds4l_check_keys(L, 2, fname, known);
-        on = ds4l_opt_bool(L, 2, "shard", 0, fname) ? DS4_EP_SHARDED : 1;
+    const int ep = set == ds4_comm_expert_parallel;
+    if (lua_istable(L, 2)) { /* {shard = true}: on, with sharded experts; {whole_attention = true}: on, attention whole */
+        static const char *const ep_known[] = {"shard", NULL}, *const cp_known[] = {"whole_attention", NULL};
+        ds4l_check_keys(L, 2, fname, ep ? ep_known : cp_known);
+        on = ep ? (ds4l_opt_bool(L, 2, "shard", 0, fname) ? DS4_EP_SHARDED : 1)
+                : (ds4l_opt_bool(L, 2, "whole_attention", 0, fname) ? DS4_CP_WHOLE_ATTENTION : 1);
     } else if (!lua_isnoneornil(L, 2) && !lua_isboolean(L, 2)) {
-        ds4l_raise(L, "%s: bad argument #2 (boolean expected%s, got %s)", fname,
-                   set == ds4_comm_expert_parallel ? ", or {shard = boolean}" : "", luaL_typename(L, 2));
+        ds4l_raise(L, "%s: bad argument #2 (boolean expected, or {%s = boolean}, got %s)", fname,
+                   ep ? "shard" : "whole_attention", luaL_typename(L, 2));
     }
     ds4_error err = {0};
     if (set(c, m, on, &err) != DS4_OK) ds4l_raise_ds4(L, fname, &err);
@@ -409,8 +413,8 @@ static int d_expert_parallel(lua_State *L) {
     return parallel_mode(L, "ds4.dist.expert_parallel", EP_KEY, ds4_comm_expert_parallel);
 }
 
-/* Context parallelism (ds4_comm_context_parallel): each sequence split over the ranks, attention over the gathered
- * whole sequence (docs/distributed.md). */
+/* Context parallelism (ds4_comm_context_parallel): each sequence split over the ranks, attention's keys over the
+ * gathered whole sequence (docs/distributed.md); {whole_attention = true}: its queries too, on every rank. */
 static int d_context_parallel(lua_State *L) {
     return parallel_mode(L, "ds4.dist.context_parallel", CP_KEY, ds4_comm_context_parallel);
 }

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # test_dist_mpi.sh DS4 FIXTURES SOURCE — ds4.dist on CPU ranks under `mpirun -np 2` and `-np 4`: the collectives
 # against closed forms (tests/lua/dist_collectives.lua), data, expert and context parallelism against one process on
-# the whole batch (tests/lua/dist_data_parallel.lua, dist_expert_parallel.lua, dist_context_parallel.lua; sharded
+# the whole batch (tests/lua/dist_data_parallel.lua, dist_expert_parallel.lua, dist_context_parallel.lua split by query
+# and with attention whole on every rank; sharded
 # experts against replicated expert parallelism, dist_expert_shard.lua; the RL trainer's indexer KL normalised over
 # ranks and micro-batches, dist_rl_indexer_kl.lua; with LoRA
 # adapters, dist_data_parallel_lora.lua, -np 2), and a rank that dies
@@ -72,6 +73,14 @@ for np in 2 4; do
             cat "$LOG"; bad "$t -np $np"
         fi
     done
+    # context parallelism with attention over the whole sequences on every rank (its attention gradients bitwise)
+    if run_np "$np" "$T/dist_context_parallel.lua" "$FIX" whole; then
+        grep "dist_context_parallel:" "$LOG"
+        c="$(grep -c 'dist_context_parallel rank [0-9]* of '"$np"': [0-9]* checks, 0 failures' "$LOG")"
+        [ "$c" = "$np" ] || { cat "$LOG"; bad "dist_context_parallel whole -np $np: $c of $np ranks reported success"; }
+    else
+        cat "$LOG"; bad "dist_context_parallel whole -np $np"
+    fi
 done
 # LoRA: 2 ranks all-reduce the adapters' gradients (the model's buffer does not exist then) == 1 rank on the batch
 if run_np 2 "$T/dist_data_parallel_lora.lua" "$FIX" lora; then

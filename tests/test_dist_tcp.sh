@@ -2,8 +2,8 @@
 # test_dist_tcp.sh DS4 FIXTURES SOURCE — ds4.dist on CPU ranks launched torchrun-style (RANK, WORLD_SIZE,
 # MASTER_ADDR, MASTER_PORT; plain processes, no MPI): the TCP rendezvous and the collectives over the star around
 # rank 0 (dist/tcp_backend.c). The same Lua tests as under mpirun (tests/test_dist_mpi.sh): the collectives against
-# closed forms, data, expert (replicated and sharded experts) and context parallelism against one process on the
-# whole batch, the RL trainer's indexer KL over ranks (dist_rl_indexer_kl.lua), and a rank that dies (kill, error) or hangs
+# closed forms, data, expert (replicated and sharded experts) and context parallelism (split by query, and with
+# attention whole on every rank) against one process on the whole batch, the RL trainer's indexer KL over ranks (dist_rl_indexer_kl.lua), and a rank that dies (kill, error) or hangs
 # — the others must fail naming it within a bound. Then the rendezvous' own failures: a rank that never comes, no
 # rank 0, disagreeing WORLD_SIZE, a duplicate RANK, a stray connection that is not a ds4 rank (ignored), ranks that
 # call different collectives, malformed settings. Needs nothing but the ds4 binary and loopback TCP.
@@ -47,6 +47,10 @@ for np in 2 4; do
     launch "$np" "$LOG/run" 120 "$DS4" run "$T/dist_context_parallel.lua" "$FIX"
     grep 'dist_context_parallel:' "$LOG/run.0"
     all_passed "$np" dist_context_parallel || { show; bad "context parallel, $np ranks (exit codes ${RCS[*]})"; }
+    launch "$np" "$LOG/run" 120 "$DS4" run "$T/dist_context_parallel.lua" "$FIX" whole
+    grep 'dist_context_parallel:' "$LOG/run.0"
+    all_passed "$np" dist_context_parallel ||
+        { show; bad "context parallel, attention whole, $np ranks (exit codes ${RCS[*]})"; }
 done
 rm -f "$LOG"/run.*
 

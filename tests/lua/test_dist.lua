@@ -106,6 +106,11 @@ m:lora({ rank = 2, targets = { "shared" } })
 H.raises(function() ds4.dist.context_parallel(m) end, { "context parallel", "LoRA adapters" },
     "context parallelism on a model with adapters")
 m:drop_lora()
+H.raises(function() ds4.dist.context_parallel(m, { shard = true }) end,
+    { "ds4.dist.context_parallel", "unknown option 'shard'" }, "context parallelism's options are checked")
+H.raises(function() ds4.dist.context_parallel(m, 1) end,
+    { "ds4.dist.context_parallel", "boolean expected, or {whole_attention = boolean}" }, "a number for on")
+ds4.dist.context_parallel(m, { whole_attention = true })
 ds4.dist.context_parallel(m)
 H.raises(function() ds4.dist.expert_parallel(m) end, { "expert parallel", "context parallelism is on" },
     "expert parallelism with context parallelism on")
