@@ -6,15 +6,11 @@
 -- per rank: the routed experts' weights + gradients + Adam moments this rank holds (from the buffer sizes), its flat
 -- parameter buffer, and the process's peak and current resident set (VmHWM, VmRSS: /proc/self/status).
 local ds4 = require("ds4")
+package.path = ((arg[0]:match("^(.*)/[^/]*$") or ".") .. "/?.lua;") .. package.path
+local status = require("proc_status")
 local dir, mode = arg[1], arg[2] or "sharded"
 assert(dir and (mode == "replicated" or mode == "sharded"), "usage: ep_shard_memory.lua DIR replicated|sharded")
 local r, n = ds4.dist.init()
-local function status(key)
-    for line in io.lines("/proc/self/status") do
-        local kb = line:match("^" .. key .. ":%s+(%d+)")
-        if kb then return tonumber(kb) * 1024 end
-    end
-end
 local model
 if mode == "sharded" then
     model = ds4.load(dir, { expert_shard = { rank = r, world = n } })

@@ -5,13 +5,10 @@
 -- bytes of the trainable state (the parameters being trained, their gradients and AdamW's two moments, from the
 -- buffer sizes) and the growth of the process's resident set over the frozen model (VmRSS, /proc/self/status).
 local ds4 = require("ds4")
+package.path = ((arg[0]:match("^(.*)/[^/]*$") or ".") .. "/?.lua;") .. package.path
+local status = require("proc_status")
 local path, rank = arg[1], tonumber(arg[2] or "16")
-local function rss()
-    for line in io.lines("/proc/self/status") do
-        local kb = line:match("^VmRSS:%s+(%d+)")
-        if kb then return tonumber(kb) * 1024 end
-    end
-end
+local function rss() return status("VmRSS") end
 local function run(lora)
     collectgarbage()
     local model = ds4.random_model(path, 1)
