@@ -19,7 +19,7 @@
  *     gradients' reference kernels; every other operation is the same code there) and must give the first run's
  *     bytes: the pipelined kernels change when operands are loaded, never what is multiplied or in which order;
  *   - then the CPU's results are uploaded to the GPU, so that each next operation is compared on identical inputs.
- * The indexer-KL loss (double per query) is compared by relative Frobenius error <= 1e-5 as well: its scores are fp32
+ * Refusals: shared memory that would not fit, and a query window (the CPU's only). The indexer-KL loss (double per query) is compared by relative Frobenius error <= 1e-5 as well: its scores are fp32
  * sums of the same kind. */
 #define _POSIX_C_SOURCE 200809L /* setenv: the reference backend */
 #include "testlib.h"
@@ -405,6 +405,35 @@ static void t_too_large(void) {
     CHECK(strstr(err.msg, "attn_bwd_q") && strstr(err.msg, "shared memory"), "names it: %s", err.msg);
 }
 
+/* A query window (ds4_rows q0 / qn: context parallelism split by query, the CPU's only) is refused by every CUDA op
+ * that would read one, naming the op: a CUDA model's context parallelism never passes one (cp.c), so this guards
+ * against a schedule that would. No buffer is touched before the refusal. */
+static void t_query_window_refused(void) {
+    ds4_config c;
+    ds4_config_default(&c);
+    const ds4_rows w = {.T = 4, .S = 8, .q0 = 4, .qn = 2};
+    const ds4_layer_w l = {.type = DS4_ATTN_SLIDING};
+    const ds4_layer_tape lt = {0};
+    const ds4_a_attn_bwd ab = {.c = &c, .l = &l, .lt = &lt, .B = 2, .S = 8, .sel_stride = 1, .q0 = 4, .qn = 2};
+    static const char *const ops[] = {"attention", "indexer", "rope", "attn_bwd_q", "attn_bwd_kv", "attn_bwd_entry",
+                                      "pick_inverse"};
+    for (int i = 0; i < 7; i++) {
+        switch (i) {
+        case 0: OP(gpu, attention, .c = &c, .type = DS4_ATTN_SLIDING, .rows = w); break;
+        case 1: OP(gpu, indexer, .c = &c, .rows = w, .nwin = 1, .topk = 1, .sel_stride = 1); break;
+        case 2: OP(gpu, rope, .heads = 1, .width = 8, .rt = {NULL, 4}, .rows = w, .sign = 1); break;
+        case 3: ds4_op_attn_bwd_q(gpu, &ab); break;
+        case 4: ds4_op_attn_bwd_kv(gpu, &ab); break;
+        case 5: ds4_op_attn_bwd_entry(gpu, &ab); break;
+        default: OP(gpu, pick_inverse, .sel_stride = 1, .T = 4, .S = 8, .B = 2, .qn = 2); break;
+        }
+        ds4_error err;
+        CHECK_STATUS(ds4_dev_check(gpu, ops[i], &err), DS4_ERR_UNSUPPORTED, &err);
+        CHECK(strstr(err.msg, ops[i]) && strstr(err.msg, "query rows"), "%s names itself and the window: %s", ops[i],
+              err.msg);
+    }
+}
+
 int main(int argc, char **argv) {
     (void)argc, (void)argv;
     ds4_engine *eng = NULL;
@@ -448,8 +477,10 @@ int main(int argc, char **argv) {
     if (twin_broken())
         fprintf(stderr, "test_cuda_bwd_attn: stopped at the first CUDA error, in %s; the rest of its case and "
                 "the cases after it are skipped (every later CUDA call would fail with it)\n", twin_dead);
-    else
+    else {
         t_too_large();
+        t_query_window_refused();
+    }
     ds4_dev_release(gpu_ref);
     twins_close(eng);
     return ds4t_finish("test_cuda_bwd_attn");
