@@ -210,19 +210,18 @@ static float *attention(ds4_pass *f, const ds4_layer_w *l, const float *u) {
     const int64_t D = f->c->hidden_size;
     ds4_layer_tape *lt = f->lt;
     norm(f, f->h, u, l->attn_norm, f->T, D);
-    attn_q aq = {f->T, f->rows, f->h};
-    if (f->cp_world && ds4_cp_by_query(f)) {
+    if (ds4_cp_by_query(f)) {
         ds4_dev_copy(f->dev, f->a, f->h, (size_t)(f->T * D) * sizeof(float));
         ds4_cp_gather_rows(f, f->h, D);
-        aq.rows = ds4_cp_query_rows(f);
-        aq.T = aq.rows.T, aq.h = f->a;
+        const ds4_rows qw = ds4_cp_query_rows(f);
+        const attn_q aq = {qw.T, qw, f->a};
         float *a = lt ? lt->a_attn : f->a;
         attention_rows(f, l, a, &aq);
         ds4_cp_slice_shape(f);
         return a;
     }
     if (f->cp_world) ds4_cp_gather_rows(f, f->h, D);
-    aq = (attn_q){f->T, f->rows, f->h};
+    const attn_q aq = {f->T, f->rows, f->h};
     float *a = lt && !f->cp_world ? lt->a_attn : f->a;
     attention_rows(f, l, a, &aq);
     if (f->cp_world) ds4_cp_keep_rows(f, f->a, D);
