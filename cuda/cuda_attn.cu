@@ -12,8 +12,13 @@
 
 namespace {
 
-// Row t's position, and its sequence's descriptor in a step.
-__device__ __forceinline__ int64_t row_pos(const ds4_rows &r, int64_t t) { return r.pos ? r.pos[t] : t % r.S; }
+// Row t's position (a full forward's query window: q0 + t % qn, ops.h's ds4_rows_pos), and in a full forward its
+// sequence, whose keys start at row seq·S of the key-side buffers.
+__device__ __forceinline__ int64_t row_qn(const ds4_rows &r) { return r.qn ? r.qn : r.S; }
+__device__ __forceinline__ int64_t row_pos(const ds4_rows &r, int64_t t) {
+    return r.pos ? r.pos[t] : r.q0 + t % row_qn(r);
+}
+__device__ __forceinline__ int64_t row_seq(const ds4_rows &r, int64_t t) { return t / row_qn(r); }
 
 __device__ __forceinline__ const float *comp_row(const ds4_comp_cache *cc, const float *buf, const float *X, int64_t p0,
                                                  int64_t q) {
@@ -156,7 +161,7 @@ __global__ void indexer_kernel(idx_args a) {
         keys = a.rows.seqs[a.rows.rowseq[t]].layers[a.rows.li].idx.ent;
     } else {
         valid = v < a.nwin ? v : a.nwin;
-        keys = a.iK + (t / a.rows.S) * a.rows.S * a.cI;
+        keys = a.iK + row_seq(a.rows, t) * a.rows.S * a.cI;
     }
     const int64_t k = a.topk < valid ? a.topk : valid;
     if (k == valid) {
@@ -267,10 +272,10 @@ __device__ key_list keys_of(const att_args &a, int64_t t) {
         L.ring = nullptr;
         L.p0 = 0;
         L.R = 1;
-        L.kv_row = a.kv + (t / a.rows.S) * a.rows.S * d;
+        L.kv_row = a.kv + row_seq(a.rows, t) * a.rows.S * d;
         if (a.type != DS4_ATTN_SLIDING) {
             valid = (s + 1) / a.m < a.nwin ? (s + 1) / a.m : a.nwin;
-            L.ent = a.cK + (t / a.rows.S) * a.rows.S * d;
+            L.ent = a.cK + row_seq(a.rows, t) * a.rows.S * d;
         }
     }
     int64_t ne = 0;
@@ -463,7 +468,7 @@ void ds4_cuda_compress(ds4_dev *d, const ds4_a_compress *a) {
 
 void ds4_cuda_indexer(ds4_dev *d, const ds4_a_indexer *a) {
     const int64_t T = a->rows.T;
-    if (T <= 0 || ds4_cuda_query_window(d, "indexer", a->rows.qn)) return;
+    if (T <= 0) return;
     const ds4_config *c = a->c;
     if (a->nwin == 0 && !a->rows.pos) {
         ds4_dev_fill(d, a->nsel, 0, (size_t)T * sizeof(int32_t));
@@ -536,7 +541,7 @@ static void attention_tc(ds4_dev *d, const ds4_a_attention *a, int64_t maxk) {
 
 void ds4_cuda_attention(ds4_dev *d, const ds4_a_attention *a) {
     const int64_t T = a->rows.T;
-    if (T <= 0 || ds4_cuda_query_window(d, "attention", a->rows.qn)) return;
+    if (T <= 0) return;
     const ds4_config *c = a->c;
     const int64_t S = a->rows.pos ? a->rows.cap : a->rows.S; /* a step: sized from the capacity, fixed while decoding */
     const int64_t win = c->sliding_window < S ? c->sliding_window : S, H = c->num_attention_heads;

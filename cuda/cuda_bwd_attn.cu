@@ -55,14 +55,17 @@ __device__ __forceinline__ int64_t clamp_picks(int32_t n, int64_t stride) {
 
 // ------------------------------------------------------------------------------------------ attention
 
+// T = B·qn query rows (q, dout, sel, P, DS, dq: query row t is position q0 + t % qn of sequence t / qn; without a
+// query window q0 = 0 and qn = S); the key side (kv, dkv, cK, dK, inv_off) holds every sequence's S rows.
 struct abwd_args {
-    const float *q, *kv, *cK, *sink, *dout; // q, dout [T, H, d]; kv [T, d]; cK [B·S, d]; sink [H]
+    const float *q, *kv, *cK, *sink, *dout; // q, dout [T, H, d]; kv [B·S, d]; cK [B·S, d]; sink [H]
     const int32_t *sel, *nsel;              // [T, sel_stride], [T]
     float *P, *DS;                          // [T, H, maxk]
-    float *dsink_t, *dq, *dkv, *dK;         // [T, H], [T, H, d], [T, d], [B·S, d]
+    float *dsink_t, *dq, *dkv, *dK;         // [T, H], [T, H, d], [B·S, d], [B·S, d]
     const int64_t *inv_off;                 // [B·S + 1]
     const int32_t *inv_t, *inv_i;           // [T·sel_stride]
     int64_t S, H, d, win, m, nwin, sel_stride, maxk, kmax;
+    int64_t q0, qn;                         // the query window: positions [q0, q0 + qn) of each sequence
     int type;
     int bf16;                               // bf16_in: the products' operands rounded to bf16 (ops.h)
 };
@@ -76,6 +79,7 @@ static abwd_args abwd_of(const ds4_a_attn_bwd *a) {
     g.P = a->P, g.DS = a->DS, g.dsink_t = a->dsink_t, g.dq = a->dq, g.dkv = a->dkv, g.dK = a->dK;
     g.inv_off = a->inv_off, g.inv_t = a->inv_t, g.inv_i = a->inv_i;
     g.S = a->S, g.H = c->num_attention_heads, g.d = c->head_dim, g.win = c->sliding_window;
+    g.q0 = a->qn ? a->q0 : 0, g.qn = a->qn ? a->qn : a->S;
     g.m = a->l->type == DS4_ATTN_HCA ? c->compress_rate_hca : c->compress_rate_csa;
     g.nwin = lt->nwin, g.sel_stride = a->sel_stride, g.maxk = a->maxk;
     // the longest key list: the window (at most S keys) and every causal entry (HCA) or every pick (CSA)
@@ -92,8 +96,18 @@ struct bwd_keys {
     int64_t j0, nwk, nk;
 };
 
+// Query row t's position and sequence; the query row of position s of sequence row (s inside the window).
+__device__ __forceinline__ int64_t q_pos(const abwd_args &a, int64_t t) { return a.q0 + t % a.qn; }
+__device__ __forceinline__ int64_t q_seq(const abwd_args &a, int64_t t) { return t / a.qn; }
+__device__ __forceinline__ int64_t q_row(const abwd_args &a, int64_t row, int64_t s) { return row * a.qn + s - a.q0; }
+// The positions [lo, hi) clipped to the query window (lo >= hi: none)
+__device__ __forceinline__ void q_clip(const abwd_args &a, int64_t *lo, int64_t *hi) {
+    if (*lo < a.q0) *lo = a.q0;
+    if (*hi > a.q0 + a.qn) *hi = a.q0 + a.qn;
+}
+
 __device__ __forceinline__ bwd_keys bwd_keys_of(const abwd_args &a, int64_t t) {
-    const int64_t s = t % a.S;
+    const int64_t s = q_pos(a, t);
     bwd_keys L;
     L.j0 = s - a.win + 1 > 0 ? s - a.win + 1 : 0;
     L.nwk = s - L.j0 + 1;
@@ -109,7 +123,7 @@ __device__ __forceinline__ bwd_keys bwd_keys_of(const abwd_args &a, int64_t t) {
 }
 
 __device__ __forceinline__ const float *bwd_key_at(const abwd_args &a, const bwd_keys &L, int64_t t, int64_t k) {
-    const int64_t row = t / a.S;
+    const int64_t row = q_seq(a, t);
     if (k < L.nwk) return a.kv + (row * a.S + L.j0 + k) * a.d;
     const int64_t e = k - L.nwk;
     const int64_t w = a.type == DS4_ATTN_CSA ? (int64_t)a.sel[t * a.sel_stride + e] : e;
@@ -261,34 +275,46 @@ constexpr int KEY_QCHUNK = 64;
 
 // B1 (kind 0): window key tk = token j of its sequence, seen by the queries j .. j+win-1. B2 (kind 1): complete
 // entry w of sequence `row`: HCA the queries s >= (w+1)·m - 1 in order; CSA the queries that picked it, from the
-// inverse lists (query order). key_list gives the list's length; key_item its i-th query and the key's place in
-// that query's key list.
-__device__ __forceinline__ int64_t key_list(const abwd_args &a, int kind, int64_t key) {
+// inverse lists (query order). With a query window only its queries count (the CSA lists hold only those). key_list
+// gives the list's length; key_item its i-th query row and the key's place in that query's key list.
+// key_span: window keys and HCA entries, the positions [lo, lo + n) of their queries
+__device__ __forceinline__ int64_t key_span(const abwd_args &a, int kind, int64_t key, int64_t *lo) {
+    int64_t hi;
     if (kind == 0) {
         const int64_t j = key % a.S;
-        return (j + a.win < a.S ? j + a.win : a.S) - j;
+        *lo = j, hi = j + a.win < a.S ? j + a.win : a.S;
+    } else {
+        *lo = (key % a.nwin + 1) * a.m - 1, hi = a.S;
     }
-    const int64_t row = key / a.nwin, w = key % a.nwin;
-    if (a.type == DS4_ATTN_HCA) return a.S - ((w + 1) * a.m - 1) > 0 ? a.S - ((w + 1) * a.m - 1) : 0;
-    const int64_t x = row * a.S + w;
+    q_clip(a, lo, &hi);
+    return hi > *lo ? hi - *lo : 0;
+}
+
+__device__ __forceinline__ int64_t key_list(const abwd_args &a, int kind, int64_t key) {
+    int64_t lo;
+    if (kind == 0 || a.type == DS4_ATTN_HCA) return key_span(a, kind, key, &lo);
+    const int64_t row = key / a.nwin, w = key % a.nwin, x = row * a.S + w;
     return a.inv_off[x + 1] - a.inv_off[x];
 }
 
 __device__ __forceinline__ void key_item(const abwd_args &a, int kind, int64_t key, int64_t i, int64_t *t,
                                          int64_t *kidx) {
+    int64_t lo;
     if (kind == 0) {
-        const int64_t row = key / a.S, j = key % a.S, s = j + i;
+        key_span(a, kind, key, &lo);
+        const int64_t row = key / a.S, j = key % a.S, s = lo + i;
         const int64_t j0 = s - a.win + 1 > 0 ? s - a.win + 1 : 0;
-        *t = row * a.S + s, *kidx = j - j0;
+        *t = q_row(a, row, s), *kidx = j - j0;
         return;
     }
     const int64_t row = key / a.nwin, w = key % a.nwin;
     if (a.type == DS4_ATTN_HCA) {
-        const int64_t s = (w + 1) * a.m - 1 + i, j0 = s - a.win + 1 > 0 ? s - a.win + 1 : 0;
-        *t = row * a.S + s, *kidx = (s - j0 + 1) + w;
+        key_span(a, kind, key, &lo);
+        const int64_t s = lo + i, j0 = s - a.win + 1 > 0 ? s - a.win + 1 : 0;
+        *t = q_row(a, row, s), *kidx = (s - j0 + 1) + w;
         return;
     }
-    const int64_t at = a.inv_off[row * a.S + w] + i, tt = a.inv_t[at], s = tt % a.S;
+    const int64_t at = a.inv_off[row * a.S + w] + i, tt = a.inv_t[at], s = q_pos(a, tt);
     const int64_t j0 = s - a.win + 1 > 0 ? s - a.win + 1 : 0;
     *t = tt, *kidx = (s - j0 + 1) + a.inv_i[at];
 }
@@ -309,7 +335,8 @@ __global__ void key_grad_part_kernel(abwd_args a, int kind, int64_t nch, float *
 }
 
 // B1 for a group of WIN_KEYS consecutive window keys j0 .. j0 + WIN_KEYS - 1 of sequence `row` and one chunk index:
-// key j's chunk ch is the queries s = j + 64·ch .. (i = s - j in its list), so the group's chunks cover nearly the
+// key j's chunk ch is the queries s = f + 64·ch .. (f: j, or the query window's first position if later; i = s - f in
+// its list), so the group's chunks cover nearly the
 // same queries, and key_grad_part_kernel read each query's q and dout rows once per key (the pass was bound by those
 // reads). Here the block walks the union of the group's queries in order, reads q and dout of a (query, head) once
 // and adds them into every key of the group whose chunk holds the query: each key's partial gets its queries in
@@ -324,9 +351,10 @@ __global__ void key_grad_win_kernel(abwd_args a, int64_t groups, int64_t nch, fl
     int64_t s0 = INT64_MAX, s1 = 0;
 #pragma unroll
     for (int u = 0; u < WIN_KEYS; u++) {
-        const int64_t j = j0 + u, n = u < nkey ? (j + a.win < S ? j + a.win : S) - j : 0;
-        lo[u] = j + ch * KEY_QCHUNK;
-        hi[u] = j + (ch * KEY_QCHUNK + KEY_QCHUNK < n ? ch * KEY_QCHUNK + KEY_QCHUNK : n);
+        int64_t f = 0; // the key's first query position (the query window's first, if later)
+        const int64_t n = u < nkey ? key_span(a, 0, row * S + j0 + u, &f) : 0;
+        lo[u] = f + ch * KEY_QCHUNK;
+        hi[u] = f + (ch * KEY_QCHUNK + KEY_QCHUNK < n ? ch * KEY_QCHUNK + KEY_QCHUNK : n);
         if (lo[u] < hi[u]) s0 = lo[u] < s0 ? lo[u] : s0, s1 = hi[u] > s1 ? hi[u] : s1;
     }
     for (int64_t c = threadIdx.x; c < a.d; c += blockDim.x) {
@@ -334,7 +362,7 @@ __global__ void key_grad_win_kernel(abwd_args a, int64_t groups, int64_t nch, fl
 #pragma unroll
         for (int u = 0; u < WIN_KEYS; u++) acc[u] = 0.0f;
         for (int64_t s = s0; s < s1; s++) {
-            const int64_t t = row * S + s, q0 = s - a.win + 1 > 0 ? s - a.win + 1 : 0; // q0: the query's first key
+            const int64_t t = q_row(a, row, s), q0 = s - a.win + 1 > 0 ? s - a.win + 1 : 0; // q0: its first key
             const float *DS = a.DS + t * a.H * a.maxk, *P = a.P + t * a.H * a.maxk;
             const float *q = a.q + t * a.H * a.d + c, *g = a.dout + t * a.H * a.d + c;
             for (int64_t h = 0; h < a.H; h++) {
@@ -396,7 +424,8 @@ __host__ __device__ inline kg_tc_layout kg_tc_layout_of(int64_t H, int G) {
     return L;
 }
 
-// The keys of one sequence (kind 0: S window keys; kind 1: nwin entries) and the queries that may see the tile at k0.
+// The keys of one sequence (kind 0: S window keys; kind 1: nwin entries) and the positions of the queries that may
+// see the tile at k0 (within the query window).
 __device__ __forceinline__ int64_t kg_nkeys(const abwd_args &a, int kind) { return kind == 0 ? a.S : a.nwin; }
 __device__ __forceinline__ void kg_range(const abwd_args &a, int kind, int64_t k0, int64_t *lo, int64_t *hi) {
     if (kind == 0) {
@@ -405,6 +434,7 @@ __device__ __forceinline__ void kg_range(const abwd_args &a, int kind, int64_t k
         const int64_t f = (k0 + 1) * a.m - 1;
         *lo = f < a.S ? f : a.S, *hi = a.S;
     }
+    q_clip(a, lo, hi);
 }
 
 template <int G, int TASKS>
@@ -427,7 +457,7 @@ __global__ void __launch_bounds__(KG_THREADS) key_grad_tc_kernel(abwd_args a, in
     const bool csa = kind == 1 && a.type == DS4_ATTN_CSA;
     if (csa && mykey < nkr && s_lo < s_hi) {
         cur = a.inv_off[row * S + mykey], end = a.inv_off[row * S + mykey + 1];
-        const int64_t t_lo = row * S + s_lo;
+        const int64_t t_lo = q_row(a, row, s_lo);
         int64_t lo = cur, hi = end; // the first pair of a query at or after s_lo (the list is in query order)
         while (lo < hi) {
             const int64_t mid = (lo + hi) / 2;
@@ -440,7 +470,7 @@ __global__ void __launch_bounds__(KG_THREADS) key_grad_tc_kernel(abwd_args a, in
     // Task i of query s: A (i < na): DS or P of 8 heads at key k0 + kk; B: q or dout of 8 heads at channel c0 + cc.
     // kidx: this thread's key's place in query s's key list, or -1: not seen.
     auto load = [&](int64_t s, int64_t kidx, float (&p)[TASKS][8]) {
-        const int64_t t = row * S + s;
+        const int64_t t = q_row(a, row, s);
 #pragma unroll
         for (int u = 0; u < TASKS; u++) {
             const int i = tid + u * KG_THREADS;
@@ -494,7 +524,7 @@ __global__ void __launch_bounds__(KG_THREADS) key_grad_tc_kernel(abwd_args a, in
                 it[j] = in ? a.inv_t[cur + j] : -1, ii[j] = in ? a.inv_i[cur + j] : 0;
             }
 #pragma unroll
-            for (int j = 0; j < G; j++) n += it[j] >= 0 && it[j] < row * S + s0 + G;
+            for (int j = 0; j < G; j++) n += it[j] >= 0 && it[j] < q_row(a, row, s0) + G;
             cur += n;
         }
 #pragma unroll
@@ -509,7 +539,7 @@ __global__ void __launch_bounds__(KG_THREADS) key_grad_tc_kernel(abwd_args a, in
             } else {
 #pragma unroll
                 for (int j = 0; j < G; j++)
-                    if (it[j] == row * S + s) kidx = nwk + ii[j];
+                    if (it[j] == q_row(a, row, s)) kidx = nwk + ii[j];
             }
             load(s, kidx, pre[q]);
         }
@@ -591,7 +621,8 @@ __global__ void key_grad_fold_kernel(abwd_args a, int kind, int64_t nkeys, int64
 
 // ------------------------------------------------------------------------------------------ inverse picks
 
-// The picks of a sequence, cut into chunks of qc queries; hist [B, nch, S] counts, per chunk, the picks of each entry
+// The picks of a sequence (its qn query rows: all S, or a query window's), cut into chunks of qc queries; hist
+// [B, nch, S] counts, per chunk, the picks of each entry
 // and then holds where the chunk's part of each entry's list starts. Counting uses integer atomics (exact in any
 // order); the fill walks a chunk's queries in order with a barrier between them, so each list is in query order.
 struct pinv_args {
@@ -599,7 +630,7 @@ struct pinv_args {
     int32_t *hist;
     int64_t *inv_off;
     int32_t *inv_t, *inv_i;
-    int64_t sel_stride, T, S, nch, qc;
+    int64_t sel_stride, T, S, qn, nch, qc;
 };
 
 __device__ __forceinline__ bool valid_pick(int32_t w, int64_t S) { return w >= 0 && w < S; }
@@ -608,9 +639,9 @@ __device__ __forceinline__ bool valid_pick(int32_t w, int64_t S) { return w >= 0
 __global__ void pick_inverse_chunk_kernel(pinv_args a, int pass) {
     const int64_t row = blockIdx.x / a.nch, ch = blockIdx.x % a.nch;
     int32_t *hc = a.hist + (int64_t)blockIdx.x * a.S;
-    const int64_t s0 = ch * a.qc, s1 = s0 + a.qc < a.S ? s0 + a.qc : a.S;
+    const int64_t s0 = ch * a.qc, s1 = s0 + a.qc < a.qn ? s0 + a.qc : a.qn;
     for (int64_t s = s0; s < s1; s++) {
-        const int64_t t = row * a.S + s;
+        const int64_t t = row * a.qn + s;
         if (t >= a.T) break;
         const int64_t n = clamp_picks(a.nsel[t], a.sel_stride);
         for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
@@ -890,8 +921,8 @@ static bool grid_fits(ds4_dev *d, int64_t blocks, const char *op, const char *wh
 }
 
 void ds4_cuda_attn_bwd_q(ds4_dev *d, const ds4_a_attn_bwd *a) {
-    const int64_t T = a->B * a->S;
-    if (T <= 0 || ds4_cuda_query_window(d, "attn_bwd_q", a->qn)) return;
+    const int64_t T = a->B * (a->qn ? a->qn : a->S); /* the query rows */
+    if (T <= 0) return;
     const abwd_args g = abwd_of(a);
     if (g.kmax > a->maxk) {
         ds4_dev_fail(d, DS4_ERR_INTERNAL, "attn_bwd_q: %lld keys per query, the P / DS rows hold %lld",
@@ -980,8 +1011,8 @@ static void key_grads(ds4_dev *d, const abwd_args &g, int kind, int64_t nkeys, i
 }
 
 void ds4_cuda_attn_bwd_kv(ds4_dev *d, const ds4_a_attn_bwd *a) {
-    const int64_t T = a->B * a->S;
-    if (T <= 0 || ds4_cuda_query_window(d, "attn_bwd_kv", a->qn)) return;
+    const int64_t T = a->B * a->S; /* the window keys: every position of each sequence */
+    if (T <= 0) return;
     const abwd_args g = abwd_of(a);
     char shapes[128];
     snprintf(shapes, sizeof shapes, "[%lld keys of %lld, window %lld, %lld heads]", (long long)T, (long long)g.d,
@@ -990,7 +1021,6 @@ void ds4_cuda_attn_bwd_kv(ds4_dev *d, const ds4_a_attn_bwd *a) {
 }
 
 void ds4_cuda_attn_bwd_entry(ds4_dev *d, const ds4_a_attn_bwd *a) {
-    if (ds4_cuda_query_window(d, "attn_bwd_entry", a->qn)) return;
     const abwd_args g = abwd_of(a);
     const int64_t n = a->B * g.nwin;
     if (n <= 0 || g.type == DS4_ATTN_SLIDING) return;
@@ -1002,15 +1032,15 @@ void ds4_cuda_attn_bwd_entry(ds4_dev *d, const ds4_a_attn_bwd *a) {
 }
 
 void ds4_cuda_pick_inverse(ds4_dev *d, const ds4_a_pick_inverse *a) {
-    const int64_t S = a->S, n = a->B * S;
-    if (n <= 0 || ds4_cuda_query_window(d, "pick_inverse", a->qn)) return;
+    const int64_t S = a->S, n = a->B * S, qn = a->qn ? a->qn : S; /* query row t belongs to sequence t / qn */
+    if (n <= 0 || qn <= 0) return;
     // chunks of 64 queries, fewer (longer) ones when the per-chunk tables would pass 2^24 counters: the chunking
     // changes no result (integers), only the scratch and the parallelism
-    int64_t nch = (S + 63) / 64;
+    int64_t nch = (qn + 63) / 64;
     const int64_t cap = ((int64_t)1 << 24) / n;
     if (nch > cap) nch = cap > 1 ? cap : 1;
-    const int64_t qc = (S + nch - 1) / nch;
-    nch = (S + qc - 1) / qc;
+    const int64_t qc = (qn + nch - 1) / nch;
+    nch = (qn + qc - 1) / qc;
     if (!grid_fits(d, a->B * nch, "pick_inverse", "sequences x chunks")) return;
     const size_t hbytes = (size_t)(a->B * nch * S) * sizeof(int32_t);
     int32_t *hist = (int32_t *)ds4_cuda_scratch(d, hbytes, "pick_inverse", 1);
@@ -1021,7 +1051,7 @@ void ds4_cuda_pick_inverse(ds4_dev *d, const ds4_a_pick_inverse *a) {
         ds4_dev_fail(d, DS4_ERR_CUDA, "pick_inverse: clearing %zu bytes: %s", hbytes, cudaGetErrorString(e));
         return;
     }
-    const pinv_args g = {a->sel, a->nsel, hist, a->inv_off, a->inv_t, a->inv_i, a->sel_stride, a->T, S, nch, qc};
+    const pinv_args g = {a->sel, a->nsel, hist, a->inv_off, a->inv_t, a->inv_i, a->sel_stride, a->T, S, qn, nch, qc};
     const unsigned chunks = (unsigned)(a->B * nch);
     pick_inverse_chunk_kernel<<<chunks, 256, 0, cdev(d)->stream>>>(g, 0);
     if (!ds4_cuda_launched(d, "pick_inverse", "[%lld queries, %lld picks each, count]", (long long)a->T,

@@ -21,13 +21,6 @@
 
 static void note_shapes(ds4_dev *d, const char *fmt, va_list ap);
 
-bool ds4_cuda_query_window(ds4_dev *d, const char *op, int64_t qn) {
-    if (!qn) return false;
-    ds4_dev_fail(d, DS4_ERR_UNSUPPORTED, "%s: a window of %lld query rows per sequence (context parallelism split by "
-                 "query) on CUDA", op, (long long)qn);
-    return true;
-}
-
 bool ds4_cuda_launched(ds4_dev *d, const char *op, const char *fmt, ...) {
     cudaError_t e = cudaGetLastError();
     cuda_dev *cd = cdev(d);

@@ -111,10 +111,6 @@ static inline cuda_dev *cdev(ds4_dev *d) { return reinterpret_cast<cuda_dev *>(d
 
 // Check the launch just made; record a failure naming the operation and its shapes. Returns true on success.
 bool ds4_cuda_launched(ds4_dev *d, const char *op, const char *fmt, ...) DS4_PRINTF(3, 4);
-// A query window (ops.h's ds4_rows q0 / qn: context parallelism split by query) is the CPU backend's only: the
-// schedule runs a CUDA model's context parallelism over whole sequences (cp.c). Fails the op and returns true if
-// one is given.
-bool ds4_cuda_query_window(ds4_dev *d, const char *op, int64_t qn);
 // Device scratch of at least `bytes`, or NULL (failure recorded) — for operations that need temporary memory. Slot
 // 0 is the GEMMs' (slice partials); slot 1 an operation's own temporaries, which may then call a GEMM; slot 2 the
 // GEMMs' bf16 copy of x (the pipelined kernel's operand).

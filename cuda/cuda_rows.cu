@@ -107,11 +107,11 @@ __global__ void __launch_bounds__(32 * RMS_WROWS) rmsnorm_warp(float *y, const f
 }
 
 __global__ void rope_kernel(float *x, int64_t T, int64_t heads, int64_t width, const float *cs, int64_t half,
-                            const int64_t *pos, int64_t S, int sign) {
+                            const int64_t *pos, int64_t q0, int64_t qn, int sign) {
     const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= T * heads * half) return;
     const int64_t t = i / (heads * half), h = (i / half) % heads, j = i % half;
-    const int64_t p = pos ? pos[t] : t % S;
+    const int64_t p = pos ? pos[t] : q0 + t % qn; // a full forward: the query window's (qn = S: none)
     ds4d_rope_pair(x + (t * heads + h) * width + width - 2 * half, cs + p * 2 * half, j, sign);
 }
 
@@ -211,9 +211,10 @@ void ds4_cuda_rmsnorm(ds4_dev *d, const ds4_a_rmsnorm *a) {
 
 void ds4_cuda_rope(ds4_dev *d, const ds4_a_rope *a) {
     const int64_t n = a->rows.T * a->heads * a->rt.half;
-    if (n <= 0 || ds4_cuda_query_window(d, "rope", a->rows.qn)) return;
+    if (n <= 0) return;
     rope_kernel<<<ds4_blocks(n, 256), 256, 0, cdev(d)->stream>>>(a->x, a->rows.T, a->heads, a->width, a->rt.cs,
-                                                                   a->rt.half, a->rows.pos, a->rows.S, a->sign);
+                                                                   a->rt.half, a->rows.pos, a->rows.q0,
+                                                                   a->rows.qn ? a->rows.qn : a->rows.S, a->sign);
     ds4_cuda_launched(d, "rope", "[%lld rows, %lld heads, width %lld, %lld pairs]", (long long)a->rows.T,
                       (long long)a->heads, (long long)a->width, (long long)a->rt.half);
 }

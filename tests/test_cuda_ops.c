@@ -103,7 +103,7 @@ static void t_rows(void) {
     cmp_f("rmsnorm (unweighted)", &y2, R * W, 1e-5);
     /* rope: positions from a table (a step) and from t % S */
     const int64_t T = 11, H = 3, width = 40, half = 8, S = 5;
-    twin cs = tw_f(64 * 2 * half, -1, 1), q = tw_f(T * H * width, -1, 1), q2 = tw_copy(&q);
+    twin cs = tw_f(64 * 2 * half, -1, 1), q = tw_f(T * H * width, -1, 1), q2 = tw_copy(&q), q3 = tw_copy(&q);
     int64_t pos[11];
     for (int i = 0; i < T; i++) pos[i] = (i * 7) % 64;
     twin tp = tw_i64(T, pos);
@@ -113,10 +113,14 @@ static void t_rows(void) {
         OP(d, rope, .x = side ? q.d : q.h, .heads = H, .width = width, .rt = rt, .rows = {.T = T, .S = 64, .pos = S(tp)},
            .sign = 1);
         OP(d, rope, .x = side ? q2.d : q2.h, .heads = H, .width = width, .rt = rt, .rows = {.T = T, .S = S}, .sign = -1);
+        /* a query window: row t at position 40 + t % 4 (of sequence t / 4 of 60 positions) */
+        OP(d, rope, .x = side ? q3.d : q3.h, .heads = H, .width = width, .rt = rt,
+           .rows = {.T = T, .S = 60, .q0 = 40, .qn = 4}, .sign = 1);
     }
     check_dev(gpu, "rope");
     cmp_f("rope (positions)", &q, T * H * width, 1e-6);
     cmp_f("rope (t % S, inverse)", &q2, T * H * width, 1e-6);
+    cmp_f("rope (query window)", &q3, T * H * width, 1e-6);
     /* gathers, scatters, broadcast add, scale, copy rows */
     int32_t idx[9] = {4, 0, 8, 2, 7, 1, 3, 6, 5};
     twin ix = tw_i32(9, idx), src = tw_f(9 * 3 * 16, -1, 1), g = tw_out(9 * 16 * 4), sc = tw_out(9 * 16 * 4);
@@ -162,7 +166,7 @@ static void t_rows(void) {
     cmp_bytes("add_bcast", &xb);
     cmp_bytes("scale", &hb);
     cmp_bytes("copy_rows", &cr);
-    twin all[] = {x, w, y, y2, cs, q, q2, tp, ix, src, g, sc, acc, hb, xb, cr};
+    twin all[] = {x, w, y, y2, cs, q, q2, q3, tp, ix, src, g, sc, acc, hb, xb, cr};
     for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) tw_free(&all[i]);
 }
 
@@ -327,10 +331,63 @@ static void t_attention(ds4_attn_type type) {
         OP(side ? gpu : cpu, attention, .c = &c, .type = type, .sink = S(sink), .q = S(q), .kv = S(kv), .cK = S(cK),
            .rows = {.T = T, .S = S}, .nwin = nwin, .sel = S(sel), .nsel = S(nsel), .sel_stride = stride, .o = S(o));
     check_dev(gpu, "attention");
-    char what[64];
+    char what[96];
     snprintf(what, sizeof what, "attention (%s)", ds4_attn_type_name(type));
     cmp_f(what, &o, T * H * d, 1e-5);
-    twin all[] = {C, Z, ape, nw, cs, cK, pool, q, kv, sink, o, iq, iw, iK, sel, nsel};
+    /* A query window (context parallelism split by query): positions q0 .. q0 + qn - 1 of each sequence (from inside
+     * a compressor window and past the sliding window's start), their queries over the whole sequences' keys and
+     * entries. A query row's picks and output depend on its position and the keys alone, so the GPU's are the rows
+     * of the pass above bit for bit (batch invariance), and the CPU's as above: picks exactly, outputs 1e-5. */
+    const int64_t q0 = 9, qn = 8, Tw = B * qn;
+    twin wq = tw_new((size_t)(Tw * H * d) * 4), wiq = tw_new((size_t)(Tw * nI * cI) * 4);
+    twin wiw = tw_new((size_t)(Tw * nI) * 4), wo = tw_out((size_t)(Tw * H * d) * 4);
+    twin wsel = tw_out((size_t)(Tw * stride) * 4), wnsel = tw_out((size_t)Tw * 4);
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t i = 0; i < qn; i++) {
+            const int64_t t = b * S + q0 + i, u = b * qn + i;
+            memcpy((float *)wq.h + u * H * d, (float *)q.h + t * H * d, (size_t)(H * d) * 4);
+            memcpy((float *)wiq.h + u * nI * cI, (float *)iq.h + t * nI * cI, (size_t)(nI * cI) * 4);
+            memcpy((float *)wiw.h + u * nI, (float *)iw.h + t * nI, (size_t)nI * 4);
+        }
+    tw_push(&wq), tw_push(&wiq), tw_push(&wiw);
+    const ds4_rows wrows = {.T = Tw, .S = S, .q0 = q0, .qn = qn};
+    if (type == DS4_ATTN_CSA) {
+        for (int side = 0; side < 2; side++)
+            OP(side ? gpu : cpu, indexer, .c = &c, .iq = S(wiq), .iw = S(wiw), .iK = S(iK), .rows = wrows,
+               .nwin = nwin, .topk = c.index_topk < nwin ? c.index_topk : nwin, .sel = S(wsel), .nsel = S(wnsel),
+               .sel_stride = stride);
+        check_dev(gpu, "indexer (query window)");
+        int32_t *gs = fetch(&wsel), *gn = fetch(&wnsel);
+        int ok = 1, full = 1;
+        for (int64_t u = 0; u < Tw; u++) {
+            const int64_t t = u / qn * S + q0 + u % qn;
+            ok &= gn[u] == ((int32_t *)wnsel.h)[u];
+            full &= gn[u] == ((int32_t *)nsel.h)[t];
+            for (int32_t i = 0; ok && full && i < gn[u]; i++) {
+                ok &= gs[u * stride + i] == ((int32_t *)wsel.h)[u * stride + i];
+                full &= gs[u * stride + i] == ((int32_t *)sel.h)[t * stride + i];
+            }
+        }
+        CHECK(ok && full, "indexer (query window %lld..%lld): picks differ from the CPU's (%d) or from the whole "
+              "pass's rows (%d)", (long long)q0, (long long)(q0 + qn - 1), !ok, !full);
+        free(gs), free(gn);
+        tw_push(&wsel), tw_push(&wnsel);
+    }
+    float *go = fetch(&o); /* the GPU's whole pass */
+    for (int side = 0; side < 2; side++)
+        OP(side ? gpu : cpu, attention, .c = &c, .type = type, .sink = S(sink), .q = S(wq), .kv = S(kv), .cK = S(cK),
+           .rows = wrows, .nwin = nwin, .sel = S(wsel), .nsel = S(wnsel), .sel_stride = stride, .o = S(wo));
+    check_dev(gpu, "attention (query window)");
+    snprintf(what, sizeof what, "attention (%s, query window %lld..%lld)", ds4_attn_type_name(type), (long long)q0,
+             (long long)(q0 + qn - 1));
+    cmp_f(what, &wo, Tw * H * d, 1e-5);
+    float *gw = fetch(&wo);
+    int64_t differ = 0;
+    for (int64_t u = 0; u < Tw; u++)
+        differ += memcmp(gw + u * H * d, go + (u / qn * S + q0 + u % qn) * H * d, (size_t)(H * d) * 4) != 0;
+    CHECK(differ == 0, "%s: %lld rows differ from the whole pass's", what, (long long)differ);
+    free(go), free(gw);
+    twin all[] = {C, Z, ape, nw, cs, cK, pool, q, kv, sink, o, iq, iw, iK, sel, nsel, wq, wiq, wiw, wo, wsel, wnsel};
     for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) tw_free(&all[i]);
 }
 
