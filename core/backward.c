@@ -66,7 +66,7 @@ static void bplan(bwd *b, ds4_arena *a) {
      * this rank's rows, but attention runs over the whole sequence */
     const size_t B = (size_t)b->tp->B, S = (size_t)(b->tp->cp_S ? b->tp->cp_S : b->tp->S), T = B * S;
     const size_t Tt = (size_t)b->tp->T;
-    /* split by query (a CPU model, cp.c): the attention's query side has this rank's rows too */
+    /* split by query (cp.c): the attention's query side has this rank's rows too */
     const size_t Tq = b->tp->cp_S && ds4_cp_model_by_query(b->m) ? Tt : T;
     const size_t n = (size_t)c->hc_mult, D = (size_t)c->hidden_size, V = (size_t)c->vocab_size;
     const size_t H = (size_t)c->num_attention_heads, d = (size_t)c->head_dim, K = (size_t)c->num_experts_per_tok;

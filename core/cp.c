@@ -1,10 +1,14 @@
 /* cp.c — context parallelism (docs/distributed.md, "Context parallelism"): one sequence split over the ranks. Every
  * per-token layer (embedding, mHC sites, norms, MoE, heads, losses) runs on this rank's contiguous slice of each
- * sequence; an attention sub-layer all-gathers its input rows in rank order and runs over the whole sequence, so the
- * window ring, the compressor windows that straddle two ranks' slices and the indexer see exactly the rows one
- * process would; the rank then keeps its own rows of the output. The same in the backward with the output gradient.
- * Every value a rank computes for its rows is therefore the same computation on the same bits as in one process
- * holding the whole sequence (the kernels are batch invariant: docs/architecture.md, "Numerical choices"). */
+ * sequence; an attention sub-layer all-gathers its input rows in rank order and runs its key side (window keys,
+ * compressors, indexer entries) over the whole sequence, so the window ring, the compressor windows that straddle two
+ * ranks' slices and the indexer see exactly the rows one process would. Its query side runs over this rank's
+ * positions only (split by query, the default: a query window of the whole sequences' rows), or over the whole
+ * sequence, the rank then keeping its own rows of the output (whole_attention). Every value a rank computes for its
+ * rows in the forward is therefore the same computation on the same bits as in one process holding the whole
+ * sequence (the kernels are batch invariant: docs/architecture.md, "Numerical choices"). In the backward, split by
+ * query, each rank's queries give their part of the key side's gradients, summed over the ranks in rank order
+ * (ds4_cp_sum_floats); whole, every rank runs the whole backward on the gathered output gradients. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -278,7 +282,7 @@ void ds4_cp_keep_rows(ds4_pass *f, float *x, int64_t width) {
     set_shape(f, n);
 }
 
-int ds4_cp_model_by_query(const ds4_model *m) { return m->cp_on && m->dev->host_visible && !m->cp.whole_attention; }
+int ds4_cp_model_by_query(const ds4_model *m) { return m->cp_on && !m->cp.whole_attention; }
 int ds4_cp_by_query(const ds4_pass *f) { return f->cp_world && ds4_cp_model_by_query(f->m); }
 
 ds4_rows ds4_cp_query_rows(const ds4_pass *f) {
@@ -299,7 +303,36 @@ void ds4_cp_slice_shape(ds4_pass *f) {
     set_shape(f, n);
 }
 
+/* Backend memory: every rank's x gathered into the pass's scratch f->cp_x [P, n] through the device hook (after the
+ * ranks' failure flags, as gather_device), then x = block 0 + block 1 + ... on the backend: colsum_add adds the
+ * blocks into x in block order, one fp32 add each, the host loop's sum below. */
+static void sum_device(ds4_pass *f, float *x, int64_t n, const char *what) {
+    const int32_t P = f->cp_world;
+    ds4_error e = {0};
+    ds4_status st = f->dev->st ? DS4_OK : f->dev->ops->sync(f->dev, &e); /* x complete; an asynchronous error seen */
+    if (st) ds4_dev_fail(f->dev, st, "context parallel %s: %s", what, e.msg);
+    size_t stride = 0;
+    if (!gather(f, NULL, 0, 0, what, &stride)) return;
+    if (!f->cp_x || (int64_t)P * n > f->cp_xn) {
+        ds4_dev_fail(f->dev, DS4_ERR_INTERNAL, "context parallel %s: %d x %lld values do not fit the planned scratch "
+                                               "(%lld values)", what, P, (long long)n, (long long)f->cp_xn);
+        return;
+    }
+    st = f->m->cp.device_all_gather(f->m->cp.ctx, x, f->cp_x, (size_t)n * sizeof(float), &e);
+    if (st) {
+        ds4_dev_fail(f->dev, st, "context parallel %s (layer %lld, rank %d of %d): %s", what, (long long)f->li,
+                     f->cp_rank, P, e.msg);
+        return;
+    }
+    ds4_dev_copy(f->dev, x, f->cp_x, (size_t)n * sizeof(float));
+    if (P > 1) OP(f->dev, colsum_add, .dst = x, .src = f->cp_x + n, .rows = P - 1, .width = n, .ld = n);
+}
+
 void ds4_cp_sum_floats(ds4_pass *f, float *x, int64_t n, const char *what) {
+    if (!f->dev->host_visible) {
+        sum_device(f, x, n, what);
+        return;
+    }
     const size_t bytes = (size_t)n * sizeof(float), blk = (bytes + 7) / 8 * 8;
     size_t stride = 0;
     const char *recv = gather(f, x, bytes, blk, what, &stride);

@@ -203,7 +203,7 @@ static void attention_rows(ds4_pass *f, const ds4_layer_w *l, float *a, const at
 
 /* The attention sub-layer on u (the collapsed input): returns where its result lies, [T, D] — the tape's a_attn when
  * training (written there, not copied), else f->a. With context parallelism the ranks' inputs are gathered first
- * (cp.c). Split by query (a CPU model): the rank's own rows of h are kept for its queries (in f->a, free until the
+ * (cp.c). Split by query (the default): the rank's own rows of h are kept for its queries (in f->a, free until the
  * output projection writes it), the key side runs over the gathered whole sequences, and the output is this rank's
  * rows as they are. Otherwise every rank runs the whole sequence's attention and keeps its own rows of f->a. */
 static float *attention(ds4_pass *f, const ds4_layer_w *l, const float *u) {

@@ -94,7 +94,7 @@ static ds4_status rope_reserve(ds4_model *m, int64_t S, ds4_error *err) {
 
 /* T rows for the attention buffers; Tt (o->tok_rows, else T) for the per-token ones: with context parallelism the
  * attention sub-layers run over the whole gathered sequence, everything else over this rank's slice. Split by query
- * (a CPU model, cp.c) the attention's query side (queries, outputs, the indexer's queries and picks) has this rank's
+ * (cp.c) the attention's query side (queries, outputs, the indexer's queries and picks) has this rank's
  * rows too: Tq. */
 static void plan(ds4_pass *f, ds4_arena *a, const ds4_pass_opts *o) {
     const ds4_config *c = f->c;
@@ -165,9 +165,11 @@ static void plan(ds4_pass *f, ds4_arena *a, const ds4_pass_opts *o) {
     }
     f->ep_idx = R ? ds4_arena_take(a, R, 4) : NULL;
     f->ep_off = R ? ds4_arena_take(a, El + 1, 8) : NULL;
-    /* context parallelism in memory the host cannot read: every rank's block of rank 0's B·ceil(S/P) rows lands here */
+    /* context parallelism in memory the host cannot read: every rank's block of rank 0's B·ceil(S/P) rows lands here,
+     * and split by query every rank's part of the key side's gradients, [P, B·S, head_dim] */
     const size_t P = o->tok_rows > 0 && f->m->cp_on && !f->m->dev->host_visible ? (size_t)f->m->cp.world : 0;
-    f->cp_xn = P ? (int64_t)(P * B * ((S + P - 1) / P) * D) : 0;
+    const size_t rows_n = P ? P * B * ((S + P - 1) / P) * D : 0, keys_n = P * B * S * (size_t)f->c->head_dim;
+    f->cp_xn = P ? (int64_t)(ds4_cp_model_by_query(f->m) && keys_n > rows_n ? keys_n : rows_n) : 0;
     f->cp_x = P ? ds4_arena_take(a, (size_t)f->cp_xn, 4) : NULL;
 }
 

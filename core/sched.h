@@ -303,12 +303,12 @@ void ds4_cp_set_mtp(ds4_pass *f, int mtp);
 void ds4_cp_gather_rows(ds4_pass *f, float *x, int64_t width);
 void ds4_cp_keep_rows(ds4_pass *f, float *x, int64_t width);
 void ds4_cp_sum_rows(ds4_pass *f, const int64_t *tgt, const double *nll, double *sum, int64_t *cnt);
-/* Split by query (a model whose memory the host reads, unless whole_attention: the CPU backend's kernels take a query
- * window, ds4_rows q0 / qn; a CUDA model runs attention over the whole sequences). Within an attention sub-layer whose key side has the
- * whole shape (after ds4_cp_gather_rows, or ds4_cp_whole_shape in the backward): ds4_cp_query_rows, this rank's
- * positions of every sequence as a query window; ds4_cp_slice_shape, the pass back to this rank's slice, its rows
- * left where they are. ds4_cp_sum_floats: x [n] (host memory) summed over the ranks in rank order, the same sum
- * on every rank (a collective). */
+/* Split by query (unless whole_attention: the attention kernels take a query window, ds4_rows q0 / qn). Within an
+ * attention sub-layer whose key side has the whole shape (after ds4_cp_gather_rows, or ds4_cp_whole_shape in the
+ * backward): ds4_cp_query_rows, this rank's positions of every sequence as a query window; ds4_cp_slice_shape, the
+ * pass back to this rank's slice, its rows left where they are. ds4_cp_sum_floats: x [n] (the model's memory: the
+ * host's, or a backend's through the device hook and the pass's scratch) summed over the ranks in rank order, the
+ * same sum on every rank (a collective). */
 int ds4_cp_model_by_query(const ds4_model *m); /* the planning's question: this model's passes split by query */
 int ds4_cp_by_query(const ds4_pass *f);
 ds4_rows ds4_cp_query_rows(const ds4_pass *f);

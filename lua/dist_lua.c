@@ -28,7 +28,7 @@
  *                                      on = {shard = true}: each rank also keeps only its experts' weights,
  *                                      gradients and moments (on its GPU too; docs/distributed.md)
  *   ds4.dist.context_parallel(model [, on])  each sequence split over the ranks (every rank passes the whole ids;
- *                                      rank r computes its slice, a CPU model's attention for its queries only);
+ *                                      rank r computes its slice, attention for its queries only);
  *                                      forwards and backwards collective (a GPU model gathers through NCCL:
  *                                      ds4.dist.init{device = "cuda"}). on = {whole_attention = true}: every rank
  *                                      runs attention over the whole sequences (one process's gradient bits)

@@ -49,7 +49,7 @@ fi
 if [[ " $STAGES " == *" tests "* ]]; then
     # the GPU tests first, verbose (their numbers are the record), then the whole suite
     for t in test_cuda test_cuda_ops test_cuda_bwd_linear test_cuda_bwd_attn test_cuda_bwd_hc_moe test_cuda_hc_bits \
-        test_cuda_row_bits test_cuda_model test_cuda_train test_cuda_kv_qat test_dist_nccl; do
+        test_cuda_row_bits test_cuda_model test_cuda_train test_cuda_kv_qat test_dist_nccl test_cp_device; do
         [ -x "build-gpu/$t" ] || continue
         "build-gpu/$t" "$ROOT/tests/fixtures" >"$LOG/$t.log" 2>&1
         say "$t: exit $? ($(tail -n1 "$LOG/$t.log"))"

@@ -6,7 +6,8 @@
 #          CUDA model) as a world of one; data parallelism by hand (tests/lua/dist_data_parallel.lua), expert
 #          parallelism (tests/lua/dist_expert_parallel.lua: rows through NCCL send / recv; dist_expert_shard.lua:
 #          sharded experts on the GPU against replicated ones) and context parallelism
-#          (tests/lua/dist_context_parallel.lua, fp32 and bf16: attention rows through an NCCL all-gather) on the GPU;
+#          (tests/lua/dist_context_parallel.lua, fp32 and bf16, split by query and whole: attention rows and the key
+#          gradients' parts through NCCL all-gathers) on the GPU;
 #          context parallelism of a GPU model refused without NCCL.
 #   2 GPUs or more, for 2 ranks (and 4 with 4 GPUs): the same, launched torchrun-style (plain processes, the TCP
 #          rendezvous hands out the NCCL id) and, when mpirun and MPI are there, under mpirun; the data-parallel run
@@ -16,8 +17,8 @@
 #          expert-parallel run its logits, expert gradients and loads (bitwise) and the rest, the sharded experts
 #          (each GPU holding only its experts' working copy, gradients, master and moments) against replicated expert
 #          parallelism on the GPUs, every step (fp32 and bf16), with each rank's device memory printed
-#          ("dist_expert_shard memory:" lines), the context-parallel run (fp32 and bf16; fp32 under mpirun) each
-#          rank's slice of two sequences against the whole on one GPU; then a rank
+#          ("dist_expert_shard memory:" lines), the context-parallel run (fp32 and bf16, split by query and whole;
+#          fp32 split under mpirun) each rank's slice of two sequences against the whole on one GPU; then a rank
 #          killed (SIGKILL) or hung after the first all-reduce: the survivor's NCCL all-reduce must fail, naming NCCL,
 #          within DS4_DIST_TIMEOUT (20 s here) plus a margin — not hang; examples/sft.lua on 2 GPUs against one GPU of
 #          2 micro-batches (bitwise, fp32 and bf16), with and without --zero; on 1 GPU, test_grad_accum.lua on the
@@ -76,11 +77,15 @@ for t in dist_data_parallel dist_buckets dist_expert_parallel dist_expert_shard;
     grep "$t:" "$LOG/one.0"
     all_passed 1 "$t" "$LOG/one" || { show; bad "$t on cuda, 1 rank"; }
 done
-# context parallelism on the GPU (a world of one: the attention rows through NCCL all the same), fp32 and bf16
+# context parallelism on the GPU (a world of one: the attention rows and the key gradients' parts through NCCL all
+# the same), fp32 and bf16, split by query and with whole-sequence attention
 for dt in fp32 bf16; do
-    DS4_TEST_DEVICE=cuda DS4_TEST_DTYPE=$dt "$DS4" run "$T/dist_context_parallel.lua" "$FIX" >"$LOG/one.0" 2>&1
-    grep "dist_context_parallel:" "$LOG/one.0"
-    all_passed 1 dist_context_parallel "$LOG/one" || { show; bad "dist_context_parallel on cuda ($dt), 1 rank"; }
+    for mode in "" whole; do
+        DS4_TEST_DEVICE=cuda DS4_TEST_DTYPE=$dt "$DS4" run "$T/dist_context_parallel.lua" "$FIX" $mode >"$LOG/one.0" 2>&1
+        grep "dist_context_parallel:" "$LOG/one.0"
+        all_passed 1 dist_context_parallel "$LOG/one" ||
+            { show; bad "dist_context_parallel on cuda ($dt${mode:+, $mode}), 1 rank"; }
+    done
 done
 # a GPU model's context parallelism without NCCL in the communicator is refused, saying how to get it
 cat >"$LOG/cp_refused.lua" <<'LUA'
@@ -130,14 +135,18 @@ for np in $sizes; do
         all_passed "$np" "$t" "$LOG/run" || { show; bad "$t on cuda, $np ranks, torchrun-style (exit ${RCS[*]})"; }
     done
     # context parallelism: each rank's slice of the sequences on its GPU, the attention rows gathered through NCCL,
-    # against the same GPU's kernels on the whole sequences (fp32: bitwise but the per-token weights' gradients; bf16:
-    # the losses and log-probabilities bitwise, the gradients within bf16's unit roundoff)
+    # against the same GPU's kernels on the whole sequences; split by query (each rank's queries, the key gradients'
+    # parts summed through NCCL: losses and log-probabilities bitwise, gradients within 1e-5, bf16 2^-8) and whole
+    # (fp32: bitwise but the per-token weights' gradients; bf16: the losses and log-probabilities bitwise, the
+    # gradients within bf16's unit roundoff)
     for dt in fp32 bf16; do
-        EXTRA_ENV="DS4_TEST_DEVICE=cuda DS4_TEST_DTYPE=$dt" launch "$np" "$LOG/run" 300 "$DS4" run \
-            "$T/dist_context_parallel.lua" "$FIX"
-        grep "dist_context_parallel:" "$LOG/run.0"
-        all_passed "$np" dist_context_parallel "$LOG/run" ||
-            { show; bad "dist_context_parallel on cuda ($dt), $np ranks, torchrun-style (exit ${RCS[*]})"; }
+        for mode in "" whole; do
+            EXTRA_ENV="DS4_TEST_DEVICE=cuda DS4_TEST_DTYPE=$dt" launch "$np" "$LOG/run" 300 "$DS4" run \
+                "$T/dist_context_parallel.lua" "$FIX" $mode
+            grep "dist_context_parallel:" "$LOG/run.0"
+            all_passed "$np" dist_context_parallel "$LOG/run" ||
+                { show; bad "dist_context_parallel on cuda ($dt${mode:+, $mode}), $np ranks, torchrun-style (exit ${RCS[*]})"; }
+        done
     done
     # LoRA: the adapters' gradient buffer, on the device, all-reduced through NCCL
     EXTRA_ENV="DS4_TEST_DEVICE=cuda" launch "$np" "$LOG/run" 300 "$DS4" run "$T/dist_data_parallel_lora.lua" "$FIX" lora

@@ -226,10 +226,10 @@ typedef struct ds4_context_parallel {
     /* The same in the model's backend memory, whose earlier work has finished; send and recv do not overlap. NULL: the
      * model computes in host memory (a CPU model), where all_gather serves. Bytes move unchanged. */
     ds4_status (*device_all_gather)(void *ctx, const void *send, void *recv, size_t bytes, ds4_error *err);
-    /* 0: a model in host memory (CPU) splits attention by query: each rank's queries over the gathered keys, the key
-     * gradients summed over the ranks (its attention gradients within fp32 regrouping of one process's); a CUDA model
-     * runs it whole either way. 1: every rank runs each attention sub-layer over the whole sequences and keeps its
-     * rows (P times the attention's work and memory; its gradients one process's bits, docs/distributed.md). */
+    /* 0: attention split by query: each rank's queries over the gathered keys, the key gradients summed over the
+     * ranks (its attention gradients within fp32 regrouping of one process's). 1: every rank runs each attention
+     * sub-layer over the whole sequences and keeps its rows (P times the attention's work and memory; its gradients
+     * one process's bits in fp32, docs/distributed.md). */
     int32_t whole_attention;
 } ds4_context_parallel;
 
