@@ -475,6 +475,8 @@ extern "C" ds4_status ds4_cuda_dev_create(int device, ds4_dev **out, ds4_error *
     cd->cc = p.major * 10 + p.minor;
     const char *wgmma = getenv("DS4_CUDA_GEMM_WGMMA"); /* a path switch, not a numerical one: the same bits */
     cd->gemm_wgmma = wgmma && wgmma[0] == '0' ? 0 : 1;
+    const char *dw_wgmma = getenv("DS4_CUDA_DW_WGMMA"); /* a path switch: the same bits */
+    cd->dw_wgmma = !(dw_wgmma && dw_wgmma[0] == '0');
     const char *hc_ref = getenv("DS4_CUDA_HC_REF");
     cd->hc_ref = hc_ref && hc_ref[0] == '1';
     const char *bwd_ref = getenv("DS4_CUDA_BWD_REF");

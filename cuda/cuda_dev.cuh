@@ -61,6 +61,8 @@ struct cuda_dev {
                                   // on, not yet prepared), 2 (prepared), 0 with DS4_CUDA_GEMM_WGMMA=0 (the mma.sync
                                   // pipeline, whose bits it gives), -1 refused (another device, or its shared memory
                                   // limit could not be raised)
+    int dw_wgmma;                 // the experts' weight gradients on wgmma where it is ready (0 with
+                                  // DS4_CUDA_DW_WGMMA=0: the pipelined kernel, the same bits)
     void *tmap_encode;            // the driver's cuTensorMapEncodeTiled (the wgmma kernel's operand descriptions)
     int hc_ref;                   // DS4_CUDA_HC_REF=1: the mHC kernels whose bits the faster ones give, forward
                                   // (cuda_hc.cu) and backward (cuda_bwd_hc_moe.cu); the tests compare the two
@@ -89,6 +91,7 @@ struct cuda_dev {
         const float *x;
         int64_t rows, K, O, E;
         const int64_t *off;
+        int wg;                  // the wgmma kernel's layout (64-aligned groups), else the pipelined kernel's
         uint64_t generation;
     } bwd_xT;
     // The forward's bf16 copy of a product's x in scratch slot 2 (cuda_gemm.cu: launch_wgmma's k32 layout or

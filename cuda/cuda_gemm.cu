@@ -1142,18 +1142,32 @@ void ds4_cuda_grouped_dx_bf16(ds4_dev *d, const char *op, float *dx, int acc, co
     gemm(d, op, g, DS4_BF16, DS4_BF16, 1, (rows + E - 1) / E);
 }
 
+// Where group e starts in a transposed operand: the pipelined kernel's layout (group_start) or the wgmma kernel's
+// (ds4d_wg_kstart: 64-aligned).
+__host__ __device__ __forceinline__ int64_t columns_start(const int64_t *off, int64_t e, int wg) {
+    return wg ? ds4d_wg_kstart(off, e) : group_start(off, e);
+}
+
 // The reduction position each column of the transposed operands holds: src[w] = the row of dy and x that column w
-// takes (group e's rows [off[e], off[e+1]) at columns group_start(off, e) on), -1 for the padding between groups.
-static __global__ void group_columns_kernel(int64_t *src, int64_t width, const int64_t *off, int64_t E) {
+// takes (group e's rows [off[e], off[e+1]) at columns columns_start(off, e, wg) on), -1 for the padding between
+// groups. k32: within each 32 columns from the group's start, in the wgmma kernel's k-slot order (cuda_gemm_wgmma.cu:
+// position 16j + 8h + 2t + e holds k = 8t + 4j + 2h + e), the order its shared-memory operand must hold.
+static __global__ void group_columns_kernel(int64_t *src, int64_t width, const int64_t *off, int64_t E, int wg,
+                                            int k32) {
     const int64_t w = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (w >= width) return;
     int64_t lo = 0, hi = E - 1; // the last group starting at or before w: the one whose columns may hold it
     while (lo < hi) {
         const int64_t mid = (lo + hi + 1) / 2;
-        if (group_start(off, mid) <= w) lo = mid;
+        if (columns_start(off, mid, wg) <= w) lo = mid;
         else hi = mid - 1;
     }
-    const int64_t r = off[lo] + w - group_start(off, lo);
+    int64_t q = w - columns_start(off, lo, wg);
+    if (k32) {
+        const int p = (int)(q & 31);
+        q = (q & ~(int64_t)31) + 8 * ((p >> 1) & 3) + 4 * (p >> 4) + 2 * ((p >> 3) & 1) + (p & 1);
+    }
+    const int64_t r = off[lo] + q;
     src[w] = r < off[lo + 1] ? r : -1;
 }
 
@@ -1189,33 +1203,41 @@ static __global__ void __launch_bounds__(256) transpose_columns_kernel(__nv_bflo
 }
 
 // dW_e [O, K] += dyᵀ·x over the rows [off[e], off[e+1]) of dy [rows, O] and x [rows, K] (dW_e = dW + e·wstride) in
-// bf16: dy and x transposed by groups into scratch (dyᵀ [O, width], xᵀ [K, width], bf16; slot 1) and reduced by the
-// pipelined kernel, block z = expert over its group's columns. The sums are the backward's tiles' (prod_bf16 in
-// cuda_bwd_linear.cu: both operands rounded to bf16 to nearest even, chunks of 32 from the group's first row, slices
-// of 256 from there, the same mma k-slots), so the same bits. xᵀ stays in slot 1 for a next call of the same x
-// (x_kept: the gate and up projections' dW share x). Returns false, having done nothing, where the pipelined kernel
-// cannot run (the caller takes the tiles).
+// bf16: dy and x transposed by groups into scratch (dyᵀ [O, width], xᵀ [K, width], bf16; slot 1) and reduced per
+// expert. The sums are the backward's tiles' (prod_bf16 in cuda_bwd_linear.cu: both operands rounded to bf16 to nearest
+// even, chunks of 32 from the group's first row, slices of 256 from there, the same mma k-slots), so the same bits,
+// on either kernel: on Hopper the wgmma kernel (cuda_gemm_wgmma.cu, its reduction groups: product z = expert z over
+// its columns, the groups 64-aligned; dyᵀ is its shared-memory operand, whose columns go in k-slot order, xᵀ its
+// register operand, in natural order), else the pipelined mma.sync kernel, block z = expert over its group's columns
+// (8-aligned groups, natural order). xᵀ stays in slot 1 for a next call of the same x (x_kept: the gate and up
+// projections' dW share x). Returns false, having done nothing, where neither kernel can run (the caller takes the
+// tiles).
 bool ds4_cuda_grouped_dw_bf16(ds4_dev *d, const char *op, float *dW, int64_t wstride, const float *dy, const float *x,
                               int64_t rows, int64_t O, int64_t K, const int64_t *off, int64_t E, int x_kept) {
     cuda_dev *cd = cdev(d);
     const cuda_dev::kept_groups k = cd->bwd_xT; // what the call just before left; used once at most
     cd->bwd_xT.x = nullptr;
     if (rows <= 0 || O <= 0 || K <= 0 || E <= 0) return true;
-    const pipe_cfg *pc = E > 65535 ? nullptr : pipe_ready(cd);
-    if (!pc) return false;
-    const int64_t width = (rows + 7) / 8 * 8 + 8 * E + 8; // >= group_start(off, E)
+    // the copy engine's coordinates are 32-bit
+    const int wg = cd->dw_wgmma && wgmma_ready(cd) && O < INT32_MAX && K < INT32_MAX && rows + 64 * E < INT32_MAX - 128;
+    const pipe_cfg *pc = wg || E > 65535 ? nullptr : pipe_ready(cd);
+    if (!wg && !pc) return false;
+    // >= columns_start(off, E, wg): the pipeline's 8-aligned groups, or wgmma's 64-aligned ones
+    const int64_t width = wg ? (rows + 64 * E + 63) / 64 * 64 + 64 : (rows + 7) / 8 * 8 + 8 * E + 8;
     if ((O > K ? O : K) > (int64_t)65535 * TG_C) return false; // the transposes' grid y
-    // slot 1: dyᵀ [O, width], xᵀ [K, width] (bf16), the column map [width] (int64); each 16-byte aligned (width % 8 = 0)
-    auto *dyT = (__nv_bfloat16 *)ds4_cuda_scratch(d, (size_t)(width * (O + K) * 2 + width * 8), op, 1);
+    // slot 1: dyᵀ [O, width], xᵀ [K, width] (bf16), the column maps [width] (int64: xᵀ's, then dyᵀ's where they
+    // differ, wgmma's k32 order); each 16-byte aligned (width % 8 = 0)
+    auto *dyT = (__nv_bfloat16 *)ds4_cuda_scratch(d, (size_t)(width * (O + K) * 2 + width * 8 * (1 + wg)), op, 1);
     if (!dyT) return true;
     __nv_bfloat16 *xT = dyT + O * width;
-    auto *src = (int64_t *)(xT + K * width);
-    // xᵀ and the column map as the call just before made them (the same x and groups, by the schedule's word; the
+    auto *src = (int64_t *)(xT + K * width), *src_dy = wg ? src + width : src;
+    // xᵀ and the column maps as the call just before made them (the same x and groups, by the schedule's word; the
     // same layout, and slot 1 has not moved since): only dy is new
     const bool kept = x_kept && k.x == x && k.rows == rows && k.K == K && k.O == O && k.E == E && k.off == off &&
-                      k.generation == cd->generation;
+                      k.wg == wg && k.generation == cd->generation;
     if (!kept) {
-        group_columns_kernel<<<ds4_blocks(width, 256), 256, 0, cd->stream>>>(src, width, off, E);
+        group_columns_kernel<<<ds4_blocks(width, 256), 256, 0, cd->stream>>>(src, width, off, E, wg, 0);
+        if (wg) group_columns_kernel<<<ds4_blocks(width, 256), 256, 0, cd->stream>>>(src_dy, width, off, E, wg, 1);
         if (!ds4_cuda_launched(d, op, "dW [%lld x %lld x %lld] over %lld rows: the columns of the expert groups",
                                (long long)E, (long long)O, (long long)K, (long long)rows))
             return true;
@@ -1223,18 +1245,33 @@ bool ds4_cuda_grouped_dw_bf16(ds4_dev *d, const char *op, float *dW, int64_t wst
             xT, width, x, K, src);
     }
     transpose_columns_kernel<<<dim3(ds4_blocks(width, TG_W), ds4_blocks(O, TG_C)), 256, 0, cd->stream>>>(dyT, width, dy,
-                                                                                                        O, src);
+                                                                                                        O, src_dy);
     if (!ds4_cuda_launched(d, op, "dW [%lld x %lld x %lld] over %lld rows: dy%s transposed by groups", (long long)E,
                            (long long)O, (long long)K, (long long)rows, kept ? "" : " and x"))
         return true;
-    gemm_args g = {};
-    g.y = dW, g.ldy = K, g.xh = dyT, g.ldxh = width, g.W = xT, g.ldw = width, g.M = O, g.N = K, g.K = width;
-    g.gy = wstride, g.acc = 1, g.koff = off;
-    const dim3 grid(ds4_blocks(K, pc->BN), ds4_blocks(O, pc->BM), (unsigned)E);
-    pc->kernel<<<grid, pc->threads, pc->smem, cd->stream>>>(g);
-    if (ds4_cuda_launched(d, op, "dW [%lld x %lld x %lld] += dy^T x over %lld rows by expert (bf16, pipelined)",
-                          (long long)E, (long long)O, (long long)K, (long long)rows))
-        cd->bwd_xT = {x, rows, K, O, E, off, cd->generation};
+    if (wg) {
+        ds4d_wg_args w = {};
+        w.y = dW, w.ldy = K, w.gy = wstride, w.xk = dyT, w.ldxk = width, w.W = xT, w.ldw = width;
+        w.M = O, w.N = K, w.K = width, w.acc = 1, w.groups = E, w.koff = off;
+        w.rows_fast = K > O; // as launch_wgmma: the larger operand's tiles change slowest
+        const int64_t tiles = (int64_t)ds4_blocks(K, DS4_WG_TILE_N) * ds4_blocks(O, DS4_WG_TILE_M) * E;
+        const int blocks = (int)(tiles < cd->sm_count ? tiles : cd->sm_count);
+        const cudaError_t e = ds4_cuda_wgmma_launch(w, blocks, cd->stream, cd->tmap_encode);
+        if (e == cudaErrorInvalidValue && cudaPeekAtLastError() == cudaSuccess) { // nothing launched
+            ds4_dev_fail(d, DS4_ERR_CUDA, "%s: dW [%lld x %lld x %lld] on wgmma: the copy engine refused the operands' "
+                         "description (cuTensorMapEncodeTiled)", op, (long long)E, (long long)O, (long long)K);
+            return true;
+        }
+    } else {
+        gemm_args g = {};
+        g.y = dW, g.ldy = K, g.xh = dyT, g.ldxh = width, g.W = xT, g.ldw = width, g.M = O, g.N = K, g.K = width;
+        g.gy = wstride, g.acc = 1, g.koff = off;
+        const dim3 grid(ds4_blocks(K, pc->BN), ds4_blocks(O, pc->BM), (unsigned)E);
+        pc->kernel<<<grid, pc->threads, pc->smem, cd->stream>>>(g);
+    }
+    if (ds4_cuda_launched(d, op, "dW [%lld x %lld x %lld] += dy^T x over %lld rows by expert (bf16, %s)", (long long)E,
+                          (long long)O, (long long)K, (long long)rows, wg ? "wgmma" : "pipelined"))
+        cd->bwd_xT = {x, rows, K, O, E, off, wg, cd->generation};
     return true;
 }
 

@@ -110,7 +110,11 @@ __device__ __forceinline__ void tma_3d(uint32_t dst, const CUtensorMap *map, int
 }
 
 // tmx: x in k32 order [G·M rows, ldxk] (box 64 × 128, swizzled); tmw: W [Z, N, K] (box 32 × 128 × 1), Z the groups
-// of W (row groups' experts, or the batched products' groups).
+// of W (row groups' experts, or the batched products' groups). KOFF: reduction groups (a.koff: each product's own
+// columns of one x and one W); ACC: y += the sum (a.acc). Each an instantiation of its own, so that the forward's
+// products (neither) keep a loop bound fixed for the whole kernel and no y values live across the epilogue: with
+// either in every product they ran 5-10% slower.
+template <bool KOFF, bool ACC>
 __global__ void __launch_bounds__(NTH, 1) gemm_wgmma_kernel(const __grid_constant__ CUtensorMap tmx,
                                                             const __grid_constant__ CUtensorMap tmw,
                                                             const ds4d_wg_args a) {
@@ -123,7 +127,6 @@ __global__ void __launch_bounds__(NTH, 1) gemm_wgmma_kernel(const __grid_constan
     // warp: read from lane 0, so that the compiler knows it is the same across the warp (the role branch below is then
     // not divergent, which would serialise the products)
     const int tid = threadIdx.x, warp = __shfl_sync(0xffffffffu, tid >> 5, 0), lane = tid & 31;
-    const int64_t K = a.K, nst = (K + KC - 1) / KC;
     // Persistent: block b takes tiles b, b + gridDim.x, ...; within a group, the tiles of the larger operand's rows
     // change slowest (a.rows_fast), so the blocks at work at once share its rows and the smaller operand stays in L2:
     // W's column tiles fastest where x is the larger (W then read from memory once, x once), x's row tiles fastest
@@ -132,16 +135,21 @@ __global__ void __launch_bounds__(NTH, 1) gemm_wgmma_kernel(const __grid_constan
     // while the consumers store this tile's outputs.
     const int64_t tiles_x = (a.N + BW - 1) / BW, tiles_y = a.off ? (a.M + BT - 1) / BT + a.E : (a.M + BT - 1) / BT;
     const int64_t ntiles = tiles_x * tiles_y * a.groups;
-    int64_t r0, r1, woff, n0;
+    int64_t r0, r1, woff, n0, K = a.K, k0 = 0, nst = (K + KC - 1) / KC; // the reduction: K columns from k0, nst stages
     int z;
-    auto tile_at = [&](int64_t tile) { // false: a row tile past its group's rows (no work)
+    auto tile_at = [&](int64_t tile) { // false: a row tile past its group's rows, or an empty reduction (no work)
         const int64_t in = tile % (tiles_x * tiles_y);
         const int64_t xt = a.rows_fast ? in / tiles_y : in % tiles_x, yt = a.rows_fast ? in % tiles_y : in / tiles_x;
         z = (int)(tile / (tiles_x * tiles_y));
         n0 = xt * BW;
+        if constexpr (KOFF) {
+            K = a.koff[z + 1] - a.koff[z];
+            k0 = ds4d_wg_kstart(a.koff, z);
+            nst = (K + KC - 1) / KC;
+        }
         if (!a.off) {
             r0 = yt * BT, r1 = a.M, woff = 0;
-            return r0 < a.M;
+            return r0 < a.M && K > 0;
         }
         return ds4d_group_tile<BT>(a.off, a.E, a.wstride, yt, r0, r1, woff);
     };
@@ -155,15 +163,17 @@ __global__ void __launch_bounds__(NTH, 1) gemm_wgmma_kernel(const __grid_constan
         int64_t it = 0; // stages issued so far (all tiles)
         for (int64_t tile = blockIdx.x; tile < ntiles; tile += gridDim.x) {
             if (!tile_at(tile)) continue;
-            const int zw = a.off ? (int)(woff / a.wstride) : z, xrow = (int)(z * a.M + r0);
+            // koff: one x and one W for every group, at the group's columns
+            const int zw = KOFF ? 0 : (a.off ? (int)(woff / a.wstride) : z);
+            const int xrow = (int)(KOFF ? r0 : z * a.M + r0);
             for (int64_t kc = 0; kc < nst; kc++, it++) {
                 const int s = (int)(it % ST);
                 if (it >= ST) bar_wait(bars + 8 * (ST + s), (uint32_t)((it / ST - 1) & 1));
                 const uint32_t full = bars + 8 * s;
                 bar_expect(full, A_STAGE + B_STAGE);
-                tma_2d(sB + s * B_STAGE, &tmx, (int)(kc * KC), xrow, full);
-                tma_3d(sA + s * A_STAGE, &tmw, (int)(kc * KC), (int)n0, zw, full);
-                tma_3d(sA + s * A_STAGE + A_CHUNK, &tmw, (int)(kc * KC + 32), (int)n0, zw, full);
+                tma_2d(sB + s * B_STAGE, &tmx, (int)(k0 + kc * KC), xrow, full);
+                tma_3d(sA + s * A_STAGE, &tmw, (int)(k0 + kc * KC), (int)n0, zw, full);
+                tma_3d(sA + s * A_STAGE + A_CHUNK, &tmw, (int)(k0 + kc * KC + 32), (int)n0, zw, full);
             }
         }
         return;
@@ -220,18 +230,27 @@ __global__ void __launch_bounds__(NTH, 1) gemm_wgmma_kernel(const __grid_constan
 #pragma unroll
             for (int i = 0; i < 16; i++) fp[i] = fc[i];
         }
-        // tot[4i + c]: W row rowA + 8·(c >> 1), row of x 8i + 2t + (c & 1)
+        // tot[4i + c]: W row rowA + 8·(c >> 1), row of x 8i + 2t + (c & 1). Adding into y, its 64 values are read
+        // first (into acc, free until the next tile), every load in flight before any store: in one loop the
+        // compiler cannot tell that a store leaves the next load's address alone, and waited out each load in turn
+        // with the SM's one block idle (the same sums, y + tot, either way)
         float *y = a.y + z * a.gy;
         const int64_t rend = r1 < r0 + BT ? r1 : r0 + BT;
+        if constexpr (ACC) {
+#pragma unroll
+            for (int i = 0; i < 16; i++)
+#pragma unroll
+                for (int c = 0; c < 4; c++) {
+                    const int64_t m = r0 + 8 * i + 2 * t + (c & 1), n = n0 + rowA + 8 * (c >> 1);
+                    acc[4 * i + c] = m < rend && n < a.N ? __ldcg(y + m * a.ldy + n) : 0.0f;
+                }
+        }
 #pragma unroll
         for (int i = 0; i < 16; i++)
 #pragma unroll
             for (int c = 0; c < 4; c++) {
                 const int64_t m = r0 + 8 * i + 2 * t + (c & 1), n = n0 + rowA + 8 * (c >> 1);
-                if (m < rend && n < a.N) {
-                    float *q = y + m * a.ldy + n;
-                    *q = a.acc ? *q + tot[4 * i + c] : tot[4 * i + c];
-                }
+                if (m < rend && n < a.N) y[m * a.ldy + n] = ACC ? acc[4 * i + c] + tot[4 * i + c] : tot[4 * i + c];
             }
     }
 #else
@@ -251,16 +270,20 @@ cudaError_t ds4_cuda_wgmma_prepare(void **encode) {
     cudaDriverEntryPointQueryResult q;
     cudaError_t e = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", encode, 12000, cudaEnableDefault, &q);
     if (e == cudaSuccess && (q != cudaDriverEntryPointSuccess || !*encode)) e = cudaErrorNotSupported;
-    if (e != cudaSuccess) return e;
-    return cudaFuncSetAttribute(gemm_wgmma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)SMEM);
+    const void *kernels[4] = {(const void *)gemm_wgmma_kernel<false, false>, (const void *)gemm_wgmma_kernel<false, true>,
+                              (const void *)gemm_wgmma_kernel<true, false>, (const void *)gemm_wgmma_kernel<true, true>};
+    for (int i = 0; i < 4 && e == cudaSuccess; i++)
+        e = cudaFuncSetAttribute(kernels[i], cudaFuncAttributeMaxDynamicSharedMemorySize, (int)SMEM);
+    return e;
 }
 
 cudaError_t ds4_cuda_wgmma_launch(const ds4d_wg_args &a, int blocks, cudaStream_t stream, void *encode) {
     const auto enc = reinterpret_cast<encode_fn>(encode);
     CUtensorMap tmx, tmw;
-    const cuuint64_t xdim[2] = {(cuuint64_t)a.ldxk, (cuuint64_t)(a.M * a.groups)}, xstr[1] = {(cuuint64_t)a.ldxk * 2};
+    const cuuint64_t xdim[2] = {(cuuint64_t)a.ldxk, (cuuint64_t)(a.koff ? a.M : a.M * a.groups)};
+    const cuuint64_t xstr[1] = {(cuuint64_t)a.ldxk * 2};
     const cuuint32_t xbox[2] = {KC, BT}, one[3] = {1, 1, 1};
-    const int64_t Z = a.off ? a.E : a.groups, zs = Z > 1 ? (a.off ? a.wstride : a.gw) : a.N * a.ldw;
+    const int64_t Z = a.koff ? 1 : (a.off ? a.E : a.groups), zs = Z > 1 ? (a.off ? a.wstride : a.gw) : a.N * a.ldw;
     const cuuint64_t wdim[3] = {(cuuint64_t)a.K, (cuuint64_t)a.N, (cuuint64_t)Z};
     const cuuint64_t wstr[2] = {(cuuint64_t)a.ldw * 2, (cuuint64_t)zs * 2};
     const cuuint32_t wbox[3] = {32, BW, 1};
@@ -271,6 +294,8 @@ cudaError_t ds4_cuda_wgmma_launch(const ds4d_wg_args &a, int blocks, cudaStream_
             CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
         return cudaErrorInvalidValue;
-    gemm_wgmma_kernel<<<blocks, NTH, SMEM, stream>>>(tmx, tmw, a);
+    const auto kernel = a.koff ? (a.acc ? gemm_wgmma_kernel<true, true> : gemm_wgmma_kernel<true, false>)
+                               : (a.acc ? gemm_wgmma_kernel<false, true> : gemm_wgmma_kernel<false, false>);
+    kernel<<<blocks, NTH, SMEM, stream>>>(tmx, tmw, a);
     return cudaPeekAtLastError(); // left set: the caller's launch check reports it with the op and shapes
 }

@@ -23,7 +23,17 @@ struct ds4d_wg_args {
     int acc;                      // y += the sum (formed first, added once), not y =
     int64_t groups;               // batched products: groups of x, W and y (1: one product)
     int rows_fast;                // the blocks walk x's row tiles fastest (W larger than x), else W's column tiles
+    const int64_t *koff;          // reduction groups (with groups = E, off NULL): product z reduces over the
+                                  // koff[z+1] - koff[z] columns of x and W from ds4d_wg_kstart(koff, z), x and W each
+                                  // one [rows, K] operand (gxk, gw unused) whose columns past a group's count up to
+                                  // the next group's start are zeros; y of group z at y + z·gy. NULL: K columns from 0
 };
+
+// Where reduction group z starts in koff's operands: 64-aligned (a stage of 64 k from there never reaches the next
+// group, whose start is more than its count past this one's), so that a group's last stage reads its own zeros.
+__host__ __device__ __forceinline__ int64_t ds4d_wg_kstart(const int64_t *koff, int64_t z) {
+    return (koff[z] + 64 * z + 63) / 64 * 64;
+}
 
 // A block's tile: 128 rows of W (output columns) by 128 rows of x.
 constexpr int DS4_WG_TILE_N = 128, DS4_WG_TILE_M = 128;

@@ -17,10 +17,11 @@
  *     terms in another order differ like sqrt(R)·2^-24 (~2e-6 at R = 1000, the longest here). bf16: the CPU gets the
  *     same bf16-rounded operands (dy, W, and x for dW), so the products are exact on both sides and only the fp32
  *     accumulation order differs: the same bound. A wrong index, a missing term or a wrong group is O(1).
- * The bf16 products' fast paths (the expert products through the pipelined GEMM, a dense dW reusing the bf16 dy its
- * linear_bwd_x made), and the fp32 dx by a weight of few rows (W kept in registers), must moreover give the bytes of
- * the reference paths that DS4_CUDA_BWD_REF=1 selects (t_fast_vs_ref): the tiles define the expert products' and the
- * fp32 products' bits; the dense bf16 products round their operands the same way either way. */
+ * The bf16 products' fast paths (the expert products through the pipelined or wgmma GEMM, a dense dW reusing the bf16
+ * dy its linear_bwd_x made), and the fp32 dx by a weight of few rows (W kept in registers), must moreover give the
+ * bytes of the reference paths that DS4_CUDA_BWD_REF=1 selects (t_fast_vs_ref): the tiles define the expert products'
+ * and the fp32 products' bits; the dense bf16 products round their operands the same way either way. On Hopper the
+ * experts' dW runs on wgmma by default; a third backend with DS4_CUDA_DW_WGMMA=0 checks the pipelined kernel too. */
 #define _POSIX_C_SOURCE 200809L /* setenv */
 #include <math.h>
 #include <stdlib.h>
@@ -383,12 +384,16 @@ static void t_embed_bwd(int64_t T, int64_t n, int64_t D, int64_t V, int all_same
 /* A CUDA backend of its own; ref: DS4_CUDA_BWD_REF=1 (read when the backend is created), the backward products'
  * reference paths: the expert products through the tiles, which define their bits (cuda_bwd_linear.cu), and every
  * dense bf16 product rounding its own operands. */
+/* ref 1: the reference paths (DS4_CUDA_BWD_REF=1); 2: the fast paths with the experts' dW on the pipelined kernel
+ * (DS4_CUDA_DW_WGMMA=0; on a GPU without wgmma, the default path again) */
 static ds4_dev *backend(int ref) {
     ds4_dev *d = NULL;
     ds4_error err;
-    if (ref) setenv("DS4_CUDA_BWD_REF", "1", 1);
+    if (ref == 1) setenv("DS4_CUDA_BWD_REF", "1", 1);
+    if (ref == 2) setenv("DS4_CUDA_DW_WGMMA", "0", 1);
     CHECK_OK(ds4_cuda_dev_create(0, &d, &err), &err);
     unsetenv("DS4_CUDA_BWD_REF");
+    unsetenv("DS4_CUDA_DW_WGMMA");
     return d;
 }
 
@@ -524,6 +529,12 @@ static void t_fast_vs_ref(void) {
     t_ref_dense(fast, ref, 300, 520, 136, 3);
     t_ref_grouped(fast, ref, 1064, 200, 1); /* dx: 207 tiles of 128 x 128, the pipelined kernel; dx added */
     t_ref_grouped(fast, ref, 136, 77, 0);   /* O odd: dx takes the tiled kernel */
+    ds4_dev *pipe = backend(2);             /* the experts' dW on the pipelined kernel where wgmma is the default */
+    if (pipe) {
+        t_ref_grouped(pipe, ref, 1064, 200, 1);
+        t_ref_grouped(pipe, ref, 136, 77, 0);
+        ds4_dev_release(pipe);
+    }
     t_ref_skinny(fast, ref, 259, 4096, 24, 0, 0); /* the mHC fn's dx, fewer rows (not a whole 32-row tile) */
     t_ref_skinny(fast, ref, 300, 1024, 32, 0, 1); /* the router gate's, added */
     t_ref_skinny(fast, ref, 3, 1030, 4, 3, 0);    /* the HyperHead's; strided, K not a multiple of 4 */
