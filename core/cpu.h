@@ -70,6 +70,14 @@ static inline float ds4_sigmoidf(float x) { return 1.0f / (1.0f + expf(-x)); }
  * softmax at offset 2·iters·n·n. */
 void ds4_hc_sinkhorn(const ds4_config *c, const float *comb_logits, float sc2, const float *comb_base, double *M,
                      double *tape);
+/* The same for DS4_HC_SB tokens at once, without tape: token s's comb logits at logits[s], its M into M[s] [n, n]
+ * (M NULL: not kept) and rounded to fp32 into comb[s] (comb NULL: not kept). Each token's operations are
+ * ds4_hc_sinkhorn's in its order (the normalisation steps run on the tokens side by side as vector lanes, one IEEE
+ * operation per lane), so the same bits; the steps of one token form a chain of dependent divisions, which the
+ * lanes overlap. */
+enum { DS4_HC_SB = 4 };
+void ds4_hc_sinkhorn_lanes(const ds4_config *c, const float *const logits[DS4_HC_SB], float sc2, const float *comb_base,
+                           double *const M[DS4_HC_SB], float *const comb[DS4_HC_SB]);
 /* Router score s(x) for one logit (sqrt-softplus, sigmoid; softmax is per row). */
 float ds4_score(ds4_score_func sf, float x);
 

@@ -23,11 +23,11 @@ void ds4_cpu_embed(ds4_dev *d, const ds4_a_embed *a) {
     ds4_cpu_parallel_grain(ds4_cpu_of(d), a->T, 8, embed_range, a);
 }
 
-void ds4_hc_sinkhorn(const ds4_config *c, const float *comb_logits, float sc2, const float *comb_base, double *M,
-                     double *tape) {
-    const int64_t n = c->hc_mult, it = c->hc_sinkhorn_iters, nn = n * n;
+/* Row softmax of the scaled comb logits, + eps: the first state of the iteration (P: the plain softmax too). */
+static void sinkhorn_start(const ds4_config *c, const float *comb_logits, float sc2, const float *comb_base, double *M,
+                           double *P) {
+    const int64_t n = c->hc_mult;
     const double hc_eps = c->hc_eps;
-    double *P = tape ? tape + 2 * it * nn : NULL;
     for (int64_t j = 0; j < n; j++) {
         double mx = -INFINITY, sum = 0;
         for (int64_t k = 0; k < n; k++) {
@@ -41,6 +41,13 @@ void ds4_hc_sinkhorn(const ds4_config *c, const float *comb_logits, float sc2, c
             M[j * n + k] = M[j * n + k] / sum + hc_eps;
         }
     }
+}
+
+void ds4_hc_sinkhorn(const ds4_config *c, const float *comb_logits, float sc2, const float *comb_base, double *M,
+                     double *tape) {
+    const int64_t n = c->hc_mult, it = c->hc_sinkhorn_iters, nn = n * n;
+    const double hc_eps = c->hc_eps;
+    sinkhorn_start(c, comb_logits, sc2, comb_base, M, tape ? tape + 2 * it * nn : NULL);
     if (tape) memcpy(tape, M, (size_t)nn * sizeof(double));
     for (int64_t step = 1; step < 2 * it; step++) {
         const int col = step % 2 == 1; /* step 1 is a column normalisation; the last one is too */
@@ -54,6 +61,38 @@ void ds4_hc_sinkhorn(const ds4_config *c, const float *comb_logits, float sc2, c
         }
         if (tape) memcpy(tape + step * nn, M, (size_t)nn * sizeof(double));
     }
+}
+
+typedef double hc_lanes __attribute__((vector_size(DS4_HC_SB * sizeof(double))));
+
+void ds4_hc_sinkhorn_lanes(const ds4_config *c, const float *const logits[DS4_HC_SB], float sc2, const float *comb_base,
+                           double *const Mout[DS4_HC_SB], float *const comb[DS4_HC_SB]) {
+    const int64_t n = c->hc_mult, it = c->hc_sinkhorn_iters, nn = n * n;
+    const double hc_eps = c->hc_eps;
+    hc_lanes M[DS4_MAX_HC_SQ]; /* M[i][s]: element i of token s */
+    double one[DS4_MAX_HC_SQ];
+    for (int s = 0; s < DS4_HC_SB; s++) {
+        sinkhorn_start(c, logits[s], sc2, comb_base, one, NULL);
+        for (int64_t i = 0; i < nn; i++) M[i][s] = one[i];
+    }
+    hc_lanes e;
+    for (int s = 0; s < DS4_HC_SB; s++) e[s] = hc_eps;
+    for (int64_t step = 1; step < 2 * it; step++) { /* ds4_hc_sinkhorn's steps, lane by lane */
+        const int col = step % 2 == 1;
+        for (int64_t a = 0; a < n; a++) {
+            hc_lanes sum = {0};
+            for (int64_t q = 0; q < n; q++) sum += col ? M[q * n + a] : M[a * n + q];
+            for (int64_t q = 0; q < n; q++) {
+                hc_lanes *m = col ? &M[q * n + a] : &M[a * n + q];
+                *m /= sum + e;
+            }
+        }
+    }
+    for (int s = 0; s < DS4_HC_SB; s++)
+        for (int64_t i = 0; i < nn; i++) {
+            if (Mout) Mout[s][i] = M[i][s];
+            if (comb) comb[s][i] = (float)M[i][s];
+        }
 }
 
 /* pre/post/comb and the collapsed input u for tokens [b, e). The mix logits of DS4_HC_TB tokens at a time are one
@@ -71,16 +110,28 @@ static void hc_pre_range(const ds4_cpu *cpu, const void *p, int64_t b, int64_t e
         ds4_rmsnorm_rows(xn, a->X + t0 * nD, NULL, tb, nD, eps);
         ds4_matmul_nt_serial(mixb, mix, xn, nD, a->w->fn, tb, nD, mix);
         if (a->mix) memcpy(a->mix + t0 * mix, mixb, (size_t)(tb * mix) * sizeof(float));
+        const float *base = a->w->base, *sc = a->w->scale;
+        int64_t lanes = 0; /* the block's first tokens, DS4_HC_SB at a time side by side */
+        for (; lanes + DS4_HC_SB <= tb; lanes += DS4_HC_SB) {
+            const float *lg[DS4_HC_SB];
+            float *cb[DS4_HC_SB];
+            for (int s = 0; s < DS4_HC_SB; s++) {
+                lg[s] = mixb + (lanes + s) * mix + 2 * n;
+                cb[s] = a->comb + (t0 + lanes + s) * n * n;
+            }
+            ds4_hc_sinkhorn_lanes(c, lg, sc[2], base + 2 * n, NULL, cb);
+        }
         for (int64_t t = t0; t < t0 + tb; t++) {
             const float *x = a->X + t * nD, *mixv = mixb + (t - t0) * mix;
-            const float *base = a->w->base, *sc = a->w->scale;
             float *pre = a->pre + t * n, *post = a->post + t * n, *comb = a->comb + t * n * n;
             for (int64_t i = 0; i < n; i++) {
                 pre[i] = ds4_sigmoidf(mixv[i] * sc[0] + base[i]) + (float)hc_eps;
                 post[i] = 2.0f * ds4_sigmoidf(mixv[n + i] * sc[1] + base[n + i]);
             }
-            ds4_hc_sinkhorn(c, mixv + 2 * n, sc[2], base + 2 * n, M, NULL);
-            for (int64_t i = 0; i < n * n; i++) comb[i] = (float)M[i];
+            if (t - t0 >= lanes) { /* the block's last tokens, fewer than DS4_HC_SB: one at a time */
+                ds4_hc_sinkhorn(c, mixv + 2 * n, sc[2], base + 2 * n, M, NULL);
+                for (int64_t i = 0; i < n * n; i++) comb[i] = (float)M[i];
+            }
             float *u = a->u + t * D;
             memset(u, 0, (size_t)D * sizeof(float));
             for (int64_t i = 0; i < n; i++) ds4_axpy(u, pre[i], x + i * D, D);
