@@ -270,18 +270,33 @@ static void hc_post_bwd_range(const ds4_cpu *cpu, const void *p, int64_t b, int6
     float *xn = ds4_cpu_scratch(cpu, task); /* DS4_HC_TB · n·D floats */
     const float *base = a->w->base, *sc = a->w->scale;
     float mixb[DS4_HC_TB * DS4_MAX_HC_MIX];
+    /* comb of the block's first tokens, DS4_HC_SB at a time side by side (n <= 8: a few kB here) */
+    enum { LANE_NN = 64 };
+    float combb[DS4_HC_TB][LANE_NN];
+    int64_t lanes = 0; /* the block's tokens whose comb is in combb */
     for (int64_t t = b; t < e; t++) {
         const int64_t k0 = (t - b) % DS4_HC_TB;
         if (k0 == 0) { /* the post and comb logits (rows n .. mix-1 of fn) of the next block of tokens */
             const int64_t tb = e - t < DS4_HC_TB ? e - t : DS4_HC_TB;
             ds4_rmsnorm_rows(xn, a->X + t * nD, NULL, tb, nD, c->rms_norm_eps);
             ds4_matmul_nt_serial(mixb, mix, xn, nD, a->w->fn + n * nD, tb, nD, mix - n);
+            for (lanes = 0; n * n <= LANE_NN && lanes + DS4_HC_SB <= tb; lanes += DS4_HC_SB) {
+                const float *lg[DS4_HC_SB];
+                float *cb[DS4_HC_SB];
+                for (int q = 0; q < DS4_HC_SB; q++) lg[q] = mixb + (lanes + q) * mix + n, cb[q] = combb[lanes + q];
+                ds4_hc_sinkhorn_lanes(c, lg, sc[2], base + 2 * n, NULL, cb);
+            }
         }
         const float *x = a->X + t * nD, *dxo = a->dXo + t * nD, *at = a->a + t * D;
-        float mixv[DS4_MAX_HC_MIX];
-        double M[DS4_MAX_HC_SQ];
+        float mixv[DS4_MAX_HC_MIX], comb[DS4_MAX_HC_SQ];
         for (int64_t j = n; j < mix; j++) mixv[j] = mixb[k0 * mix + j - n];
-        ds4_hc_sinkhorn(c, mixv + 2 * n, sc[2], base + 2 * n, M, NULL);
+        if (k0 < lanes) {
+            memcpy(comb, combb[k0], (size_t)(n * n) * sizeof(float));
+        } else {
+            double M[DS4_MAX_HC_SQ];
+            ds4_hc_sinkhorn(c, mixv + 2 * n, sc[2], base + 2 * n, M, NULL);
+            for (int64_t i = 0; i < n * n; i++) comb[i] = (float)M[i];
+        }
         float *da = a->da + t * D, *dX = a->dX + t * nD;
         memset(da, 0, (size_t)D * sizeof(float));
         for (int64_t k = 0; k < n; k++) {
@@ -294,7 +309,7 @@ static void hc_post_bwd_range(const ds4_cpu *cpu, const void *p, int64_t b, int6
             memset(dxj, 0, (size_t)D * sizeof(float));
             for (int64_t k = 0; k < n; k++) {
                 a->dcomb[t * n * n + j * n + k] = ds4_dot(dxo + k * D, x + j * D, D);
-                ds4_axpy(dxj, (float)M[j * n + k], dxo + k * D, D);
+                ds4_axpy(dxj, comb[j * n + k], dxo + k * D, D);
             }
         }
     }

@@ -3,14 +3,17 @@
  * byte: each lane must do the reference's IEEE operations in its order, so any difference is a defect, not rounding.
  * The fp64 matrices are compared, not only their fp32 roundings, which would hide most last-bit differences.
  * Random logits over a wide range (softmax rows from nearly one-hot to flat), stream counts 1, 2, 3, 4, 5 and 8,
- * iteration counts 1, 2, 7 and 20, tokens of one group with different logits; then the whole op (ds4_op_hc_pre on
- * the CPU backend) over token counts that leave a ragged last group, against comb computed token by token. */
+ * iteration counts 1, 2, 7 and 20, tokens of one group with different logits; then the whole ops that take it
+ * (ds4_op_hc_pre, ds4_op_hc_post_bwd on the CPU backend) over token counts that leave a ragged last group and
+ * blocks of several groups, against the one-token Sinkhorn token by token: hc_pre's comb, and hc_post_bwd's dX,
+ * formed here from that comb as the op forms it (byte for byte). */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "cpu.h"
 #include "engine.h"
+#include "kernels_cpu.h"
 #include "model.h"
 #include "testlib.h"
 
@@ -88,6 +91,34 @@ static void t_op(ds4_engine *e, int64_t T) {
     }
     CHECK(bad == 0, "hc_pre over %lld tokens: %lld tokens' comb differ from the one-token Sinkhorn", (long long)T,
           (long long)bad);
+    /* hc_post_bwd: dX_j = sum_k comb[j][k] dXo_k per token, comb from its own mix logits (rows n.. of fn) */
+    float *dXo = malloc((size_t)(T * n * D) * sizeof(float)), *at = malloc((size_t)(T * D) * sizeof(float));
+    float *dX = malloc((size_t)(T * n * D) * sizeof(float)), *da = malloc((size_t)(T * D) * sizeof(float));
+    float *dpost = malloc((size_t)(T * n) * sizeof(float)), *dcomb = malloc((size_t)(T * n * n) * sizeof(float));
+    if (dXo && at && dX && da && dpost && dcomb) {
+        for (int64_t i = 0; i < T * n * D; i++) dXo[i] = frand(-1, 1);
+        for (int64_t i = 0; i < T * D; i++) at[i] = frand(-1, 1);
+        OP(d, hc_post_bwd, .c = &c, .w = &w, .dXo = dXo, .a = at, .X = X, .dX = dX, .da = da, .dpost = dpost,
+           .dcomb = dcomb, .T = T);
+        CHECK_OK(ds4_dev_check(d, "hc_post_bwd", &err), &err);
+        int64_t badx = 0;
+        float xn[48], mixrow[15], want[48];
+        for (int64_t t = 0; t < T; t++) {
+            ds4_rmsnorm_rows(xn, X + t * n * D, NULL, 1, n * D, c.rms_norm_eps);
+            ds4_matmul_nt_serial(mixrow, mix, xn, n * D, fn + n * n * D, 1, n * D, mix - n);
+            ds4_hc_sinkhorn(&c, mixrow + n, sc[2], bs + 2 * n, M, NULL);
+            for (int64_t j = 0; j < n; j++) {
+                memset(want + j * D, 0, (size_t)D * sizeof(float));
+                for (int64_t k = 0; k < n; k++) ds4_axpy(want + j * D, (float)M[j * n + k], dXo + t * n * D + k * D, D);
+            }
+            badx += memcmp(want, dX + t * n * D, (size_t)(n * D) * sizeof(float)) != 0;
+        }
+        CHECK(badx == 0, "hc_post_bwd over %lld tokens: %lld tokens' dX differ from the one-token Sinkhorn's",
+              (long long)T, (long long)badx);
+    } else {
+        CHECK(0, "allocation");
+    }
+    free(dXo), free(at), free(dX), free(da), free(dpost), free(dcomb);
     ds4_dev_release(d);
     free(X), free(pre), free(post), free(comb), free(u), free(mx);
 }
