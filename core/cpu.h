@@ -74,8 +74,9 @@ void ds4_hc_sinkhorn(const ds4_config *c, const float *comb_logits, float sc2, c
  * (M NULL: not kept) and rounded to fp32 into comb[s] (comb NULL: not kept). Each token's operations are
  * ds4_hc_sinkhorn's in its order (the normalisation steps run on the tokens side by side as vector lanes, one IEEE
  * operation per lane), so the same bits; the steps of one token form a chain of dependent divisions, which the
- * lanes overlap. */
-enum { DS4_HC_SB = 4 };
+ * lanes overlap. For n·n <= DS4_HC_LANES_SQ (n <= 8; its arrays live on the caller's stack, a few kB: callers take
+ * ds4_hc_sinkhorn beyond). */
+enum { DS4_HC_SB = 4, DS4_HC_LANES_SQ = 64 };
 void ds4_hc_sinkhorn_lanes(const ds4_config *c, const float *const logits[DS4_HC_SB], float sc2, const float *comb_base,
                            double *const M[DS4_HC_SB], float *const comb[DS4_HC_SB]);
 /* Router score s(x) for one logit (sqrt-softplus, sigmoid; softmax is per row). */

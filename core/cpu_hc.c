@@ -69,8 +69,8 @@ void ds4_hc_sinkhorn_lanes(const ds4_config *c, const float *const logits[DS4_HC
                            double *const Mout[DS4_HC_SB], float *const comb[DS4_HC_SB]) {
     const int64_t n = c->hc_mult, it = c->hc_sinkhorn_iters, nn = n * n;
     const double hc_eps = c->hc_eps;
-    hc_lanes M[DS4_MAX_HC_SQ]; /* M[i][s]: element i of token s */
-    double one[DS4_MAX_HC_SQ];
+    hc_lanes M[DS4_HC_LANES_SQ]; /* M[i][s]: element i of token s (nn <= DS4_HC_LANES_SQ: the callers') */
+    double one[DS4_HC_LANES_SQ];
     for (int s = 0; s < DS4_HC_SB; s++) {
         sinkhorn_start(c, logits[s], sc2, comb_base, one, NULL);
         for (int64_t i = 0; i < nn; i++) M[i][s] = one[i];
@@ -111,8 +111,8 @@ static void hc_pre_range(const ds4_cpu *cpu, const void *p, int64_t b, int64_t e
         ds4_matmul_nt_serial(mixb, mix, xn, nD, a->w->fn, tb, nD, mix);
         if (a->mix) memcpy(a->mix + t0 * mix, mixb, (size_t)(tb * mix) * sizeof(float));
         const float *base = a->w->base, *sc = a->w->scale;
-        int64_t lanes = 0; /* the block's first tokens, DS4_HC_SB at a time side by side */
-        for (; lanes + DS4_HC_SB <= tb; lanes += DS4_HC_SB) {
+        int64_t lanes = 0; /* the block's first tokens, DS4_HC_SB at a time side by side (n <= 8) */
+        for (; n * n <= DS4_HC_LANES_SQ && lanes + DS4_HC_SB <= tb; lanes += DS4_HC_SB) {
             const float *lg[DS4_HC_SB];
             float *cb[DS4_HC_SB];
             for (int s = 0; s < DS4_HC_SB; s++) {
@@ -271,8 +271,7 @@ static void hc_post_bwd_range(const ds4_cpu *cpu, const void *p, int64_t b, int6
     const float *base = a->w->base, *sc = a->w->scale;
     float mixb[DS4_HC_TB * DS4_MAX_HC_MIX];
     /* comb of the block's first tokens, DS4_HC_SB at a time side by side (n <= 8: a few kB here) */
-    enum { LANE_NN = 64 };
-    float combb[DS4_HC_TB][LANE_NN];
+    float combb[DS4_HC_TB][DS4_HC_LANES_SQ];
     int64_t lanes = 0; /* the block's tokens whose comb is in combb */
     for (int64_t t = b; t < e; t++) {
         const int64_t k0 = (t - b) % DS4_HC_TB;
@@ -280,7 +279,7 @@ static void hc_post_bwd_range(const ds4_cpu *cpu, const void *p, int64_t b, int6
             const int64_t tb = e - t < DS4_HC_TB ? e - t : DS4_HC_TB;
             ds4_rmsnorm_rows(xn, a->X + t * nD, NULL, tb, nD, c->rms_norm_eps);
             ds4_matmul_nt_serial(mixb, mix, xn, nD, a->w->fn + n * nD, tb, nD, mix - n);
-            for (lanes = 0; n * n <= LANE_NN && lanes + DS4_HC_SB <= tb; lanes += DS4_HC_SB) {
+            for (lanes = 0; n * n <= DS4_HC_LANES_SQ && lanes + DS4_HC_SB <= tb; lanes += DS4_HC_SB) {
                 const float *lg[DS4_HC_SB];
                 float *cb[DS4_HC_SB];
                 for (int q = 0; q < DS4_HC_SB; q++) lg[q] = mixb + (lanes + q) * mix + n, cb[q] = combb[lanes + q];
