@@ -207,26 +207,22 @@ static char *gather(ds4_pass *f, const void *mine, size_t mine_bytes, size_t blk
 }
 
 /* Backend memory (a CUDA model): the ranks first tell each other over the host whether their passes have failed (a
- * failed rank joins that gather, not the device one, so nobody waits on it); then x's first B·nmax rows (this rank's
- * B·n rows and whatever follows them: every rank sends blocks of rank 0's size) are gathered into the pass's scratch
- * f->cp_x [P, B·nmax, width] through the device hook, once the backend's work on x has finished. Returns rank 0's
- * block, or NULL when the pass failed. */
-static const float *gather_device(ds4_pass *f, const float *x, int64_t width, int64_t nmax, const char *what) {
+ * failed rank joins that gather, not the device one, so nobody waits on it); then x's first `count` values (every
+ * rank sends the same count) are gathered into the pass's scratch f->cp_x [P, count] through the device hook, once
+ * the backend's work on x has finished. Returns rank 0's block, or NULL when the pass failed. */
+static const float *gather_device(ds4_pass *f, const float *x, int64_t count, const char *what) {
     const int32_t P = f->cp_world;
-    const int64_t rows = f->B * nmax;
     ds4_error e = {0};
     ds4_status st = f->dev->st ? DS4_OK : f->dev->ops->sync(f->dev, &e); /* x complete; an asynchronous error seen */
     if (st) ds4_dev_fail(f->dev, st, "context parallel %s: %s", what, e.msg);
     size_t stride = 0;
     if (!gather(f, NULL, 0, 0, what, &stride)) return NULL;
-    if (!f->cp_x || (int64_t)P * rows * width > f->cp_xn) {
-        ds4_dev_fail(f->dev, DS4_ERR_INTERNAL, "context parallel %s: %d x %lld rows of %lld values do not fit the "
-                                               "planned scratch (%lld values)", what, P, (long long)rows,
-                     (long long)width, (long long)f->cp_xn);
+    if (!f->cp_x || (int64_t)P * count > f->cp_xn) {
+        ds4_dev_fail(f->dev, DS4_ERR_INTERNAL, "context parallel %s: %d x %lld values do not fit the planned scratch "
+                                               "(%lld values)", what, P, (long long)count, (long long)f->cp_xn);
         return NULL;
     }
-    const size_t bytes = (size_t)(rows * width) * sizeof(float);
-    st = f->m->cp.device_all_gather(f->m->cp.ctx, x, f->cp_x, bytes, &e);
+    st = f->m->cp.device_all_gather(f->m->cp.ctx, x, f->cp_x, (size_t)count * sizeof(float), &e);
     if (st) {
         ds4_dev_fail(f->dev, st, "context parallel %s (layer %lld, rank %d of %d): %s", what, (long long)f->li,
                      f->cp_rank, P, e.msg);
@@ -245,7 +241,7 @@ void ds4_cp_gather_rows(ds4_pass *f, float *x, int64_t width) {
     size_t stride = blk;
     const char *what = "gather of attention rows";
     const char *recv = on_host ? gather(f, x, (size_t)(B * n) * row, blk, what, &stride)
-                               : (const char *)gather_device(f, x, width, nmax, what);
+                               : (const char *)gather_device(f, x, B * nmax * width, what);
     set_shape(f, Sf);
     if (!recv) return;
     /* rank q's block holds its rows b·n_q + i, position off_q + i of sequence b */
@@ -303,34 +299,15 @@ void ds4_cp_slice_shape(ds4_pass *f) {
     set_shape(f, n);
 }
 
-/* Backend memory: every rank's x gathered into the pass's scratch f->cp_x [P, n] through the device hook (after the
- * ranks' failure flags, as gather_device), then x = block 0 + block 1 + ... on the backend: colsum_add adds the
- * blocks into x in block order, one fp32 add each, the host loop's sum below. */
-static void sum_device(ds4_pass *f, float *x, int64_t n, const char *what) {
-    const int32_t P = f->cp_world;
-    ds4_error e = {0};
-    ds4_status st = f->dev->st ? DS4_OK : f->dev->ops->sync(f->dev, &e); /* x complete; an asynchronous error seen */
-    if (st) ds4_dev_fail(f->dev, st, "context parallel %s: %s", what, e.msg);
-    size_t stride = 0;
-    if (!gather(f, NULL, 0, 0, what, &stride)) return;
-    if (!f->cp_x || (int64_t)P * n > f->cp_xn) {
-        ds4_dev_fail(f->dev, DS4_ERR_INTERNAL, "context parallel %s: %d x %lld values do not fit the planned scratch "
-                                               "(%lld values)", what, P, (long long)n, (long long)f->cp_xn);
-        return;
-    }
-    st = f->m->cp.device_all_gather(f->m->cp.ctx, x, f->cp_x, (size_t)n * sizeof(float), &e);
-    if (st) {
-        ds4_dev_fail(f->dev, st, "context parallel %s (layer %lld, rank %d of %d): %s", what, (long long)f->li,
-                     f->cp_rank, P, e.msg);
-        return;
-    }
-    ds4_dev_copy(f->dev, x, f->cp_x, (size_t)n * sizeof(float));
-    if (P > 1) OP(f->dev, colsum_add, .dst = x, .src = f->cp_x + n, .rows = P - 1, .width = n, .ld = n);
-}
-
 void ds4_cp_sum_floats(ds4_pass *f, float *x, int64_t n, const char *what) {
     if (!f->dev->host_visible) {
-        sum_device(f, x, n, what);
+        /* every rank's x gathered into f->cp_x [P, n], then x = block 0 + block 1 + ... on the backend: colsum_add
+         * adds the blocks into x in block order, one fp32 add each, the host loop's sum below */
+        const float *recv = gather_device(f, x, n, what);
+        if (!recv) return;
+        ds4_dev_copy(f->dev, x, recv, (size_t)n * sizeof(float));
+        if (f->cp_world > 1)
+            OP(f->dev, colsum_add, .dst = x, .src = recv + n, .rows = f->cp_world - 1, .width = n, .ld = n);
         return;
     }
     const size_t bytes = (size_t)n * sizeof(float), blk = (bytes + 7) / 8 * 8;
