@@ -95,6 +95,21 @@ void ds4_hc_sinkhorn_lanes(const ds4_config *c, const float *const logits[DS4_HC
         }
 }
 
+/* The comb of a block's first tokens, DS4_HC_SB at a time side by side (n <= 8): token k's comb logits at lg + k·ldl,
+ * its comb into comb + k·ldc. Returns how many tokens that was (a multiple of DS4_HC_SB, 0 for larger n); the caller
+ * takes the rest one at a time (ds4_hc_sinkhorn: the same bits). */
+static int64_t block_combs(const ds4_config *c, const float *lg, int64_t ldl, int64_t tb, float sc2, const float *base,
+                           float *comb, int64_t ldc) {
+    int64_t k = 0;
+    for (; c->hc_mult * c->hc_mult <= DS4_HC_LANES_SQ && k + DS4_HC_SB <= tb; k += DS4_HC_SB) {
+        const float *l[DS4_HC_SB];
+        float *cb[DS4_HC_SB];
+        for (int s = 0; s < DS4_HC_SB; s++) l[s] = lg + (k + s) * ldl, cb[s] = comb + (k + s) * ldc;
+        ds4_hc_sinkhorn_lanes(c, l, sc2, base, NULL, cb);
+    }
+    return k;
+}
+
 /* pre/post/comb and the collapsed input u for tokens [b, e). The mix logits of DS4_HC_TB tokens at a time are one
  * small product with fn (each the same 8-lane dot as ds4_dot), so fn is read once per block instead of per token. */
 static void hc_pre_range(const ds4_cpu *cpu, const void *p, int64_t b, int64_t e, int64_t task) {
@@ -111,16 +126,7 @@ static void hc_pre_range(const ds4_cpu *cpu, const void *p, int64_t b, int64_t e
         ds4_matmul_nt_serial(mixb, mix, xn, nD, a->w->fn, tb, nD, mix);
         if (a->mix) memcpy(a->mix + t0 * mix, mixb, (size_t)(tb * mix) * sizeof(float));
         const float *base = a->w->base, *sc = a->w->scale;
-        int64_t lanes = 0; /* the block's first tokens, DS4_HC_SB at a time side by side (n <= 8) */
-        for (; n * n <= DS4_HC_LANES_SQ && lanes + DS4_HC_SB <= tb; lanes += DS4_HC_SB) {
-            const float *lg[DS4_HC_SB];
-            float *cb[DS4_HC_SB];
-            for (int s = 0; s < DS4_HC_SB; s++) {
-                lg[s] = mixb + (lanes + s) * mix + 2 * n;
-                cb[s] = a->comb + (t0 + lanes + s) * n * n;
-            }
-            ds4_hc_sinkhorn_lanes(c, lg, sc[2], base + 2 * n, NULL, cb);
-        }
+        const int64_t lanes = block_combs(c, mixb + 2 * n, mix, tb, sc[2], base + 2 * n, a->comb + t0 * n * n, n * n);
         for (int64_t t = t0; t < t0 + tb; t++) {
             const float *x = a->X + t * nD, *mixv = mixb + (t - t0) * mix;
             float *pre = a->pre + t * n, *post = a->post + t * n, *comb = a->comb + t * n * n;
@@ -279,12 +285,7 @@ static void hc_post_bwd_range(const ds4_cpu *cpu, const void *p, int64_t b, int6
             const int64_t tb = e - t < DS4_HC_TB ? e - t : DS4_HC_TB;
             ds4_rmsnorm_rows(xn, a->X + t * nD, NULL, tb, nD, c->rms_norm_eps);
             ds4_matmul_nt_serial(mixb, mix, xn, nD, a->w->fn + n * nD, tb, nD, mix - n);
-            for (lanes = 0; n * n <= DS4_HC_LANES_SQ && lanes + DS4_HC_SB <= tb; lanes += DS4_HC_SB) {
-                const float *lg[DS4_HC_SB];
-                float *cb[DS4_HC_SB];
-                for (int q = 0; q < DS4_HC_SB; q++) lg[q] = mixb + (lanes + q) * mix + n, cb[q] = combb[lanes + q];
-                ds4_hc_sinkhorn_lanes(c, lg, sc[2], base + 2 * n, NULL, cb);
-            }
+            lanes = block_combs(c, mixb + n, mix, tb, sc[2], base + 2 * n, combb[0], DS4_HC_LANES_SQ);
         }
         const float *x = a->X + t * nD, *dxo = a->dXo + t * nD, *at = a->a + t * D;
         float mixv[DS4_MAX_HC_MIX], comb[DS4_MAX_HC_SQ];
