@@ -383,7 +383,7 @@ __global__ void key_grad_win_kernel(abwd_args a, int64_t groups, int64_t nch, fl
 }
 
 // B1 and B2 in the bf16 mode on the tensor cores. A block takes KGT consecutive keys of one sequence (kind 0: window
-// keys j0..; kind 1: complete entries w0..), KGC channels and a chunk of KGQ queries of the tile's range (kind 0:
+// keys j0..; kind 1: complete entries w0..), KGC channels and a chunk of qc queries of the tile's range (kind 0:
 // s = j0 .. j0 + KGT - 2 + win, those that see any of the keys; kind 1: from the first query the first entry is
 // complete for to S - 1), one query at a time in order:
 //   dk[key, c] += Σ_h DS[s, h, kidx]·q[s, h, c], then += Σ_h P[s, h, kidx]·dout[s, h, c]
@@ -399,7 +399,12 @@ __global__ void key_grad_win_kernel(abwd_args a, int64_t groups, int64_t nch, fl
 // (DS4_CUDA_ATTN_REF=1): a query's loads then waited out one barrier each, and the pass (one block per SM at most, a
 // few hundred queries in a row) was bound by that latency. G changes when a query's operands are loaded, not what is
 // multiplied or in which order: the same bits. Needs H <= KG_MAXH and d a multiple of 8.
-constexpr int KGT = 64, KGC = 128, KGQ = 256, KG_THREADS = 256, KG_MAXH = 32;
+// Queries per chunk: a window tile's range is KGT - 1 + win queries (191 at win 128: one chunk of KGQ_WIN, no fold);
+// an entry tile's is the rest of the sequence, and its tiles are few (HCA at m = 128: one tile a sequence of 1024
+// tokens, so 8 × 1024 made 8 tiles × 4 chunks of 256 = 32 blocks for 132 SMs), so entries take chunks of KGQ_ENT:
+// 128 blocks there, and one H200 step's attn_bwd_entry 5.35 → 3.26 ms. Smaller window chunks were slower (64: 4.14 →
+// 4.86 ms; each block stages the same operands per query, only the blocks grow). Both depend on the shapes alone.
+constexpr int KGT = 64, KGC = 128, KGQ_WIN = 256, KGQ_ENT = 64, KG_THREADS = 256, KG_MAXH = 32;
 constexpr int KG_MAXTASK = (2 * KGT + 2 * KGC) * (KG_MAXH / 8) / KG_THREADS; // 8-value loads per thread and query
 static_assert(KG_THREADS % KGT == 0, "a thread's A loads are all of one key (its inverse-list walk)");
 
@@ -438,7 +443,8 @@ __device__ __forceinline__ void kg_range(const abwd_args &a, int kind, int64_t k
 }
 
 template <int G, int TASKS>
-__global__ void __launch_bounds__(KG_THREADS) key_grad_tc_kernel(abwd_args a, int kind, int64_t tiles, float *part) {
+__global__ void __launch_bounds__(KG_THREADS) key_grad_tc_kernel(abwd_args a, int kind, int64_t tiles, int64_t qc,
+                                                                  float *part) {
     extern __shared__ __align__(16) char kg_mem[];
     const kg_tc_layout L = kg_tc_layout_of(a.H, G);
     __nv_bfloat16 *buf0 = reinterpret_cast<__nv_bfloat16 *>(kg_mem);
@@ -449,8 +455,8 @@ __global__ void __launch_bounds__(KG_THREADS) key_grad_tc_kernel(abwd_args a, in
     const int HG = L.Hp / 8, na = 2 * KGT * HG, nt = na + 2 * KGC * HG; // load tasks per query: A, then B
     int64_t s_lo, s_hi;
     kg_range(a, kind, k0, &s_lo, &s_hi);
-    s_lo += (int64_t)blockIdx.z * KGQ;
-    if (s_hi > s_lo + KGQ) s_hi = s_lo + KGQ;
+    s_lo += (int64_t)blockIdx.z * qc;
+    if (s_hi > s_lo + qc) s_hi = s_lo + qc;
     // CSA entries: this thread's key (every A load of it is of key k0 + tid % KGT) and its walk of the inverse list
     const int64_t mykey = k0 + tid % KGT;
     int64_t cur = 0, end = 0;
@@ -958,10 +964,11 @@ void ds4_cuda_attn_bwd_q(ds4_dev *d, const ds4_a_attn_bwd *a) {
 // The key gradients of one kind (0: window keys, 1: complete entries) through partials of KEY_QCHUNK queries.
 static void key_grads(ds4_dev *d, const abwd_args &g, int kind, int64_t nkeys, int64_t longest, const char *op,
                       const char *shapes) {
-    if (g.bf16 && g.H <= KG_MAXH && g.d % 8 == 0) { // the bf16 mode: tensor cores, chunks of KGQ queries
+    if (g.bf16 && g.H <= KG_MAXH && g.d % 8 == 0) { // the bf16 mode: tensor cores, chunks of qc queries
         const int64_t nkr = kind == 0 ? g.S : g.nwin, tiles = (nkr + KGT - 1) / KGT, rows = nkeys / nkr;
         const int64_t span = kind == 0 ? (KGT - 1 + g.win < g.S ? KGT - 1 + g.win : g.S) : g.S; // queries per tile
-        const int64_t nq = (span + KGQ - 1) / KGQ > 0 ? (span + KGQ - 1) / KGQ : 1;
+        const int64_t qc = kind == 0 ? KGQ_WIN : KGQ_ENT;
+        const int64_t nq = (span + qc - 1) / qc > 0 ? (span + qc - 1) / qc : 1;
         // queries per barrier: 4 where H <= 16 (3 loads of 8 a thread and query), 2 up to KG_MAXH, 1 for the reference
         // (DS4_CUDA_ATTN_REF=1) or where the device's blocks cannot have 2 · G query slots of shared memory (18 KiB
         // each at H = 16, 30 KiB at 32)
@@ -985,9 +992,9 @@ static void key_grads(ds4_dev *d, const abwd_args &g, int kind, int64_t nkeys, i
             if (!part) return;
         }
         const dim3 grid((unsigned)(rows * tiles), (unsigned)((g.d + KGC - 1) / KGC), (unsigned)nq);
-        kernel<<<grid, KG_THREADS, smem, cdev(d)->stream>>>(g, kind, tiles, part);
+        kernel<<<grid, KG_THREADS, smem, cdev(d)->stream>>>(g, kind, tiles, qc, part);
         if (!ds4_cuda_launched(d, op, "%s: bf16 tensor cores, tiles of %d keys, %lld chunks of %d queries, %d a barrier",
-                               shapes, KGT, (long long)nq, KGQ, G) ||
+                               shapes, KGT, (long long)nq, (int)qc, G) ||
             nq == 1)
             return;
         key_grad_fold_kernel<<<ds4_blocks(nkeys * g.d, 256), 256, 0, cdev(d)->stream>>>(g, kind, nkeys, nq, part);

@@ -443,9 +443,9 @@ int main(int argc, char **argv) {
         {DS4_ATTN_CSA, 2, 50, 33, 4, 7, 16, 128, 2, 16, 0, 0},      /* the 599M config's heads and head_dim */
         {DS4_ATTN_CSA, 2, 37, 8, 4, 5, 3, 36, 2, 16, 0, 0},         /* bf16 key gradients off the tensor cores: d % 8 */
         {DS4_ATTN_HCA, 1, 30, 9, 4, 1, 40, 16, 2, 16, 0, 0},        /* ... and H > 32 */
-        /* the 599M config's heads and head_dim over more than KGQ = 256 queries: two query chunks of the bf16 key
-         * gradients (entries; with the long window also the window keys), groups of 4 queries a barrier with a
-         * partial last one, key lists over several 32-key chunks */
+        /* the 599M config's heads and head_dim over more than 256 queries: query chunks of the bf16 key gradients
+         * (entries: 64 queries a chunk, five of them; with the long window also the window keys: two chunks of 256),
+         * groups of 4 queries a barrier with a partial last one, key lists over several 32-key chunks */
         {DS4_ATTN_CSA, 1, 301, 70, 4, 45, 16, 128, 2, 16, 0, 0},
         {DS4_ATTN_HCA, 2, 263, 200, 8, 1, 16, 128, 2, 16, 0, 0},
         /* query windows (context parallelism split by query): a rank's positions of each sequence attend over the
