@@ -526,8 +526,9 @@ static void targets(int64_t *tgt, const int64_t *labels, int64_t B, int64_t Sl, 
 /* The head (DS4_HEAD_MAIN / DS4_HEAD_MTP) of a pass: logits = head(norm(HyperHead(X))) → dX (written), for the
  * objective Σ g·log p(target) with g = dlogp[row] (or g0 when dlogp is NULL) at the rows whose target (tgt, backend)
  * is not -100. In chunks of the tape's head_rows, as the forward ran it: each chunk's logits recomputed from y (the
- * same product on the same rows, so the same bits) unless the tape still holds them whole, its logit gradient, and its
- * share of dy and of the head's weight gradient (chunks add in order). */
+ * same product on the same rows, so the same bits) unless the tape still holds them whole, its logit gradient (from
+ * the rows' softmax statistics the forward kept, which are those of the same logits), and its share of dy and of the
+ * head's weight gradient (chunks add in order). */
 static void head_bwd(bwd *b, int head, const float *u, const float *y, const float *X, const float *fn, const float *base,
                      const float *scale, const float *nw, float *gfn, float *gbase, float *gscale, float *gnorm,
                      const int64_t *tgt, const float *dlogp, double g0, float *dX) {
@@ -536,13 +537,16 @@ static void head_bwd(bwd *b, int head, const float *u, const float *y, const flo
     float *logits = b->tp->logits;
     const int kept = b->tp->logits_head == head && T <= R;
     b->tp->logits_head = T <= R ? head : 0;
+    const int64_t so = head == DS4_HEAD_MTP ? b->tp->T : 0; /* the head's statistics rows (head_chunks) */
+    const int stats = (b->tp->stats_heads & head) != 0;
     for (int64_t r0 = 0; r0 < T; r0 += R) {
         const int64_t n = T - r0 < R ? T - r0 : R;
         if (!kept)
             OP(b->f.dev, matmul, .y = logits, .ldy = V, .x = y + r0 * D, .ldx = D, .W = b->f.w->head, .wdt = b->mdt,
                .T = n, .K = D, .O = V, .bf16_in = b->f.w->bf16_in);
         OP(b->f.dev, logp_bwd, .dl = b->dlog, .logits = logits, .rows = n, .V = V, .tgt = tgt + r0,
-           .dlogp = dlogp ? dlogp + r0 : NULL, .g0 = g0);
+           .dlogp = dlogp ? dlogp + r0 : NULL, .g0 = g0, .rmx = stats ? b->tp->rmx + so + r0 : NULL,
+           .rse = stats ? b->tp->rse + so + r0 : NULL);
         lin_bwd(b, b->dh + r0 * D, D, 0, b->gw->head, b->dlog, V, y + r0 * D, D, b->f.w->head, 1, n, D, V);
     }
     norm_bwd(b, b->du, 0, gnorm, b->dh, u, nw, T, D);

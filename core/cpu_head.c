@@ -11,13 +11,14 @@ static void ce_range(const ds4_cpu *cpu, const void *p, int64_t b, int64_t e, in
     const int64_t V = a->V;
     for (int64_t r = b; r < e; r++) {
         const int64_t y = a->tgt[r];
-        if (y == -100) continue;
+        if (y == -100 && !a->rmx) continue;
         const float *z = a->logits + r * V;
         float mx = -INFINITY;
         for (int64_t v = 0; v < V; v++) mx = z[v] > mx ? z[v] : mx;
         double se = 0;
         for (int64_t v = 0; v < V; v++) se += exp((double)z[v] - mx);
-        a->nll[r] = log(se) + mx - z[y];
+        if (a->rmx) a->rmx[r] = mx, a->rse[r] = se;
+        if (y != -100) a->nll[r] = log(se) + mx - z[y];
     }
 }
 
@@ -37,6 +38,7 @@ static void logprobs_range(const ds4_cpu *cpu, const void *p, int64_t b, int64_t
             se += e;
             ez += e * ((double)z[v] - mx);
         }
+        if (a->rmx) a->rmx[t] = mx, a->rse[t] = se;
         const double lse = log(se);
         const int64_t y = a->tgt[t];
         if (a->nll && y != -100) a->nll[t] = lse + mx - z[y]; /* ce_range's expression on the same sum */
@@ -105,7 +107,8 @@ void ds4_cpu_sample(ds4_dev *d, const ds4_a_sample *a) {
 
 /* dlogits of a per-token objective on log p(target): d logp_y / dz = onehot(y) − softmax(z), so dz = g·(onehot −
  * softmax) at scored rows, 0 elsewhere. The cross-entropy is the case g = −scale. Each exp is taken once and kept
- * (in double, in the range's scratch) for the normalised pass: the same values as taking it twice. */
+ * (in double, in the range's scratch) for the normalised pass: the same values as taking it twice. Given the row's
+ * statistics (rmx, rse: the forward's, on these logits), the max and the sum are not formed again. */
 static void logp_bwd_range(const ds4_cpu *cpu, const void *p, int64_t b, int64_t e, int64_t task) {
     const ds4_a_logp_bwd *a = p;
     const int64_t V = a->V;
@@ -117,6 +120,13 @@ static void logp_bwd_range(const ds4_cpu *cpu, const void *p, int64_t b, int64_t
         const double g = a->dlogp ? (double)a->dlogp[r] : a->g0;
         if (y == -100 || g == 0) {
             memset(dl, 0, (size_t)V * sizeof(float));
+            continue;
+        }
+        if (a->rmx) {
+            const float mx = a->rmx[r];
+            const double se = a->rse[r];
+            for (int64_t v = 0; v < V; v++) dl[v] = (float)(-g * exp((double)z[v] - mx) / se);
+            dl[y] += (float)g;
             continue;
         }
         float mx = -INFINITY;

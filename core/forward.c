@@ -360,20 +360,25 @@ int64_t ds4_head_rows(const ds4_model *m, int64_t T) {
  * cross-entropy against tgt (backend, -100: none) into nll, and with lp non-NULL the log-probability and entropy
  * (lp [rows], lp + lp_ld [rows]); out (host, may be NULL): the logits for a caller who asked for them. Only one chunk
  * of logits exists on the backend at a time; when one chunk holds all the rows, the tape notes that they are `head`'s
- * (the backward then reads them instead of computing the same product again). */
+ * (the backward then reads them instead of computing the same product again). Every row's softmax statistics go to
+ * the tape (the MTP head's after the main head's T rows) for the backward's logp_bwd over the same logits. */
 static void head_chunks(ds4_pass *f, ds4_tape *tp, int head, int64_t rows, const int64_t *tgt, double *nll, float *lp,
                         int64_t lp_ld, float *out) {
     const int64_t D = f->c->hidden_size, V = f->c->vocab_size, R = tp->head_rows;
+    const int64_t so = head == DS4_HEAD_MTP ? tp->T : 0; /* the head's statistics rows */
     for (int64_t r0 = 0; r0 < rows; r0 += R) {
         const int64_t n = rows - r0 < R ? rows - r0 : R;
         matmul(f, tp->logits, f->u + r0 * D, f->w->head, 1, n, D, V);
         if (out) ds4_dev_download(f->dev, out + r0 * V, tp->logits, (size_t)(n * V) * sizeof(float));
         if (lp)
             OP(f->dev, logprobs, .logits = tp->logits, .rows = n, .V = V, .tgt = tgt + r0, .logp = lp + r0,
-               .entropy = lp + lp_ld + r0, .nll = nll + r0);
-        else OP(f->dev, ce_rows, .logits = tp->logits, .rows = n, .V = V, .tgt = tgt + r0, .nll = nll + r0);
+               .entropy = lp + lp_ld + r0, .nll = nll + r0, .rmx = tp->rmx + so + r0, .rse = tp->rse + so + r0);
+        else
+            OP(f->dev, ce_rows, .logits = tp->logits, .rows = n, .V = V, .tgt = tgt + r0, .nll = nll + r0,
+               .rmx = tp->rmx + so + r0, .rse = tp->rse + so + r0);
     }
     tp->logits_head = rows <= R ? head : 0;
+    tp->stats_heads |= head;
 }
 
 /* Mean cross-entropy of the rows of logits [B, Sl, V], row (b, s) at position off + s, against labels[b, off + s +
@@ -595,6 +600,7 @@ ds4_status ds4_forward_run(ds4_model *m, const ds4_forward_args *args, ds4_forwa
                             (long long)args->batch, (long long)args->seq);
         tape->valid = 0;
         tape->logits_head = 0;
+        tape->stats_heads = 0;
         s = ds4_tape_reserve(m, tape, args->batch, args->seq, m->cp_on ? args->batch * cp_n : 0, train_mtp, err);
         if (s) return s;
         tape->cp_S = m->cp_on ? args->seq : 0; /* planned for the whole sequence, holding this rank's rows */

@@ -190,11 +190,17 @@ typedef struct { float *a; const float *yk; const int32_t *eidx; int64_t T, K, D
 /* x[t, i, :] += h[t, :] for i < n */
 typedef struct { float *x; const float *h; int64_t T, n, D; } ds4_a_add_bcast;
 
+/* A row's softmax statistics as every head op takes them: mx = max over the row (fp32), se = Σ_v exp((double)z_v −
+ * mx) in the backend's fixed order. rmx / rse [rows] (may be NULL) receive them for every row, whatever its target,
+ * so that logp_bwd over the same logits may take them instead of two more passes (the same values: the same sums). */
 /* nll[r] = logsumexp(logits[r]) - logits[r, tgt[r]] (double) for rows with tgt[r] != -100 */
-typedef struct { const float *logits; int64_t rows, V; const int64_t *tgt; double *nll; } ds4_a_ce_rows;
+typedef struct { const float *logits; int64_t rows, V; const int64_t *tgt; double *nll; float *rmx; double *rse; } ds4_a_ce_rows;
 /* logp[r] = log softmax(logits[r])[tgt[r]] (0 where tgt is -100); entropy (may be NULL) of every row; nll (may be
- * NULL): also what ce_rows writes there, the same bits (one pass over the row instead of two) */
-typedef struct { const float *logits; int64_t rows, V; const int64_t *tgt; float *logp, *entropy; double *nll; } ds4_a_logprobs;
+ * NULL): also what ce_rows writes there, the same bits (one pass over the row instead of two); rmx / rse as ce_rows */
+typedef struct {
+    const float *logits; int64_t rows, V; const int64_t *tgt; float *logp, *entropy; double *nll; float *rmx;
+    double *rse;
+} ds4_a_logprobs;
 
 /* Indexer-KL loss of one CSA layer (training option) from its tape: per query, KL(p || q) over its picks (p the
  * attention mass, renormalised; q the softmax of the indexer scores) into kl[t] with has[t] = 1 where the query
@@ -214,8 +220,12 @@ typedef struct {
 /* -------------------------------------------------------------------------------------- backward arguments */
 
 /* dl[r] = g_r·(onehot(tgt[r]) − softmax(logits[r])) with g_r = dlogp[r] (or g0 when dlogp is NULL); 0 at rows
- * with tgt -100 or g_r = 0 */
-typedef struct { float *dl; const float *logits; int64_t rows, V; const int64_t *tgt; const float *dlogp; double g0; } ds4_a_logp_bwd;
+ * with tgt -100 or g_r = 0. rmx / rse (both or neither): the rows' statistics as ce_rows / logprobs wrote them for
+ * these same logits, used instead of computing them again (the same values, so the same bits) */
+typedef struct {
+    float *dl; const float *logits; int64_t rows, V; const int64_t *tgt; const float *dlogp; double g0;
+    const float *rmx; const double *rse;
+} ds4_a_logp_bwd;
 /* y = x Wᵀ backward. linear_bwd_x: dx = dy·W (added when acc); linear_bwd_w: dW += dyᵀ·x. wdt is the dtype W is
  * held in; for linear_bwd_w (dW is fp32 either way) BF16 asks for the product of dy and x rounded to bf16, as the
  * bf16 forward rounds its product's input (the same as bf16_in); F32 (0, the default) is the exact fp32 product. */

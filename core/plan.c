@@ -310,6 +310,8 @@ static void plan_tape(const ds4_model *m, ds4_tape *tp, ds4_arena *a, int64_t B,
     tp->labels = ds4_arena_take(a, T, 8);
     tp->tgt = ds4_arena_take(a, Tt, 8);
     tp->lp = ds4_arena_take(a, 2 * Tt, 4);
+    tp->rmx = ds4_arena_take(a, 2 * Tt, 4);
+    tp->rse = ds4_arena_take(a, 2 * Tt, 8);
     tp->loads = m->dev->host_visible ? NULL : ds4_arena_take(a, (size_t)((L + 1) * c->n_routed_experts), 8);
     tp->mtp_e = with_mtp ? ds4_arena_take(a, Tt * D, 4) : NULL;
     tp->mtp_en = with_mtp ? ds4_arena_take(a, Tt * D, 4) : NULL;

@@ -68,6 +68,9 @@ typedef struct ds4_tape {
     float *logits;                /* [head_rows, V] one chunk of logits (main head, then the MTP head) */
     int logits_head;              /* the head (DS4_HEAD_MAIN / DS4_HEAD_MTP) whose logits `logits` holds for all its
                                      rows (one chunk), so its backward need not compute them again; 0: none */
+    float *rmx;                   /* [2, T] each head's rows' softmax statistics (ops.h: ce_rows), written by its */
+    double *rse;                  /* forward for every row, read by its backward's logp_bwd (row 0 main, 1 MTP) */
+    int stats_heads;              /* the heads (DS4_HEAD_MAIN | DS4_HEAD_MTP bits) whose statistics are whole */
     int64_t *ids, *labels;        /* [T] backend copies */
     int64_t *hids, *hlabels;      /* [T] host copies (the schedule derives targets and MTP rows from them) */
     int64_t *hlen;                /* [B] each row's real length (ds4_forward_args.lengths; S when not given) */

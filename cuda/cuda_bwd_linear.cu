@@ -441,6 +441,47 @@ __global__ void __launch_bounds__(LOGP_THREADS) logp_bwd_kernel(float *dl, const
     });
 }
 
+// logp_bwd_kernel's last pass alone, given each row's max and Σ exp as the forward's ce_rows / logprobs formed them on
+// these logits (ops.h: the same values as the two passes above would give): the same expression on the same values,
+// so the same bits, element by element over the whole chunk. Those two passes were most of the kernel (its double
+// exps; one block a row left a partial last wave). Rows r0 + blockIdx.y; 4 values a thread, one 16-byte load and
+// store where V % 4 == 0 and both buffers are 16-byte aligned (vec).
+constexpr int LOGPS_THREADS = 256;
+
+__global__ void __launch_bounds__(LOGPS_THREADS) logp_bwd_stats_kernel(float *dl, const float *logits, int64_t V,
+                                                                       const int64_t *tgt, const float *dlogp,
+                                                                       double g0, const float *rmx, const double *rse,
+                                                                       int64_t r0, int vec) {
+    const int64_t r = r0 + blockIdx.y, v0 = ((int64_t)blockIdx.x * LOGPS_THREADS + threadIdx.x) * 4;
+    if (v0 >= V) return;
+    const int64_t y = tgt[r];
+    const double g = dlogp ? (double)dlogp[r] : g0;
+    const float *z = logits + r * V + v0;
+    float *o = dl + r * V + v0;
+    const int n = V - v0 < 4 ? (int)(V - v0) : 4;
+    float out[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    if (y != -100 && g != 0) {
+        const float mx = rmx[r];
+        const double se = rse[r];
+        float zv[4];
+        if (vec) {
+            const float4 q = *reinterpret_cast<const float4 *>(z);
+            zv[0] = q.x, zv[1] = q.y, zv[2] = q.z, zv[3] = q.w;
+        } else {
+#pragma unroll
+            for (int j = 0; j < 4; j++) zv[j] = j < n ? z[j] : 0.0f;
+        }
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            out[j] = (float)(-g * exp((double)zv[j] - mx) / se);
+            if (v0 + j == y) out[j] += (float)g;
+        }
+    }
+    if (vec) *reinterpret_cast<float4 *>(o) = make_float4(out[0], out[1], out[2], out[3]);
+    else
+        for (int j = 0; j < n; j++) o[j] = out[j];
+}
+
 struct norm_args {
     float *dx;
     float *dw;
@@ -775,6 +816,23 @@ void ds4_cuda_logp_bwd(ds4_dev *d, const ds4_a_logp_bwd *a) {
     if (a->rows <= 0 || a->V <= 0) return;
     if (a->rows > 0x7fffffff) {
         ds4_dev_fail(d, DS4_ERR_UNSUPPORTED, "logp_bwd: %lld rows x %lld", (long long)a->rows, (long long)a->V);
+        return;
+    }
+    if (a->rmx && a->rse) { // the forward's statistics: one elementwise pass, rows in launches of at most 65535
+        const int vec = a->V % 4 == 0 && ((uintptr_t)a->logits & 15) == 0 && ((uintptr_t)a->dl & 15) == 0;
+        const int64_t per = (a->V + 4 * LOGPS_THREADS - 1) / (4 * LOGPS_THREADS);
+        if (per > 0x7fffffff) {
+            ds4_dev_fail(d, DS4_ERR_UNSUPPORTED, "logp_bwd: a vocabulary of %lld", (long long)a->V);
+            return;
+        }
+        for (int64_t r0 = 0; r0 < a->rows; r0 += 65535) {
+            const int64_t nr = a->rows - r0 < 65535 ? a->rows - r0 : 65535;
+            logp_bwd_stats_kernel<<<dim3((unsigned)per, (unsigned)nr), LOGPS_THREADS, 0, cdev(d)->stream>>>(
+                a->dl, a->logits, a->V, a->tgt, a->dlogp, a->g0, a->rmx, a->rse, r0, vec);
+            if (!ds4_cuda_launched(d, "logp_bwd", "[%lld x %lld], the forward's row statistics", (long long)a->rows,
+                                   (long long)a->V))
+                return;
+        }
         return;
     }
     logp_bwd_kernel<<<(unsigned)a->rows, LOGP_THREADS, 0, cdev(d)->stream>>>(a->dl, a->logits, a->V, a->tgt, a->dlogp, a->g0);

@@ -101,19 +101,24 @@ __device__ row_stats_t row_stats(const float *z, int64_t V, bool want_ez, double
 }
 
 // The reference's cross-entropy of a row: ce_rows, and logprobs' nll under DS4_CUDA_ROW_REF.
-// Rows r = blockIdx.x, + gridDim.x, .. (ds4_vocab_grid): one each by default.
+// Rows r = blockIdx.x, + gridDim.x, .. (ds4_vocab_grid): one each by default. rmx / rse (NULL: not asked for): every
+// row's max and Σ exp (ops.h), the rows without a target too.
 __global__ void __launch_bounds__(ROW_THREADS) ce_kernel(const float *logits, int64_t rows, int64_t V,
-                                                         const int64_t *tgt, double *nll, int ref) {
+                                                         const int64_t *tgt, double *nll, int ref, float *rmx,
+                                                         double *rse) {
     __shared__ double shd[ROW_THREADS / 32];
     __shared__ float shf[ROW_THREADS];
     __shared__ int64_t shi[ROW_THREADS];
     for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
         const int64_t y = tgt[r];
-        if (y == -100) continue;
+        if (y == -100 && !rmx) continue;
         const float *z = logits + r * V;
         const row_stats_t s =
             ref ? row_stats<true>(z, V, false, shd, shf, shi) : row_stats<false>(z, V, false, shd, shf, shi);
-        if (threadIdx.x == 0) nll[r] = log(s.se) + s.mx - z[y];
+        if (threadIdx.x == 0) {
+            if (rmx) rmx[r] = s.mx, rse[r] = s.se;
+            if (y != -100) nll[r] = log(s.se) + s.mx - z[y];
+        }
     }
 }
 
@@ -123,7 +128,7 @@ __global__ void __launch_bounds__(ROW_THREADS) ce_kernel(const float *logits, in
 template <bool REF>
 __global__ void __launch_bounds__(ROW_THREADS, REF ? 1 : 8)
     logprobs_kernel(const float *logits, int64_t rows, int64_t V, const int64_t *tgt, float *logp, float *entropy,
-                    double *nll) {
+                    double *nll, float *rmx, double *rse) {
     __shared__ double shd[ROW_THREADS / 32];
     __shared__ float shf[ROW_THREADS];
     __shared__ int64_t shi[ROW_THREADS];
@@ -131,6 +136,7 @@ __global__ void __launch_bounds__(ROW_THREADS, REF ? 1 : 8)
         const float *z = logits + r * V;
         const row_stats_t s = row_stats<REF>(z, V, entropy != nullptr, shd, shf, shi);
         if (threadIdx.x == 0) {
+            if (rmx) rmx[r] = s.mx, rse[r] = s.se;
             const double lse = log(s.se);
             const int64_t y = tgt[r];
             if (logp) logp[r] = y == -100 ? 0.0f : (float)((double)z[y] - s.mx - lse);
@@ -333,7 +339,7 @@ void ds4_cuda_ce_rows(ds4_dev *d, const ds4_a_ce_rows *a) {
     if (a->rows <= 0) return;
     cuda_dev *cd = cdev(d);
     ce_kernel<<<ds4_vocab_grid(cd, a->rows), ROW_THREADS, 0, cd->stream>>>(a->logits, a->rows, a->V, a->tgt, a->nll,
-                                                                           cd->row_ref);
+                                                                           cd->row_ref, a->rmx, a->rse);
     ds4_cuda_launched(d, "ce_rows", "[%lld x %lld]", (long long)a->rows, (long long)a->V);
 }
 
@@ -343,16 +349,16 @@ void ds4_cuda_logprobs(ds4_dev *d, const ds4_a_logprobs *a) {
     const unsigned grid = ds4_vocab_grid(cd, a->rows);
     if (!cd->row_ref) {
         logprobs_kernel<false><<<grid, ROW_THREADS, 0, cd->stream>>>(a->logits, a->rows, a->V, a->tgt, a->logp,
-                                                                     a->entropy, a->nll);
+                                                                     a->entropy, a->nll, a->rmx, a->rse);
         ds4_cuda_launched(d, "logprobs", "[%lld x %lld]%s", (long long)a->rows, (long long)a->V,
                           a->nll ? " with the cross-entropy" : "");
         return;
     }
     logprobs_kernel<true><<<grid, ROW_THREADS, 0, cd->stream>>>(a->logits, a->rows, a->V, a->tgt, a->logp,
-                                                                a->entropy, nullptr);
+                                                                a->entropy, nullptr, a->rmx, a->rse);
     ds4_cuda_launched(d, "logprobs", "[%lld x %lld]", (long long)a->rows, (long long)a->V);
     if (a->nll) { /* the cross-entropy as ce_rows computes it */
-        const ds4_a_ce_rows ce = {a->logits, a->rows, a->V, a->tgt, a->nll};
+        const ds4_a_ce_rows ce = {a->logits, a->rows, a->V, a->tgt, a->nll, nullptr, nullptr};
         ds4_cuda_ce_rows(d, &ce);
     }
 }

@@ -10,7 +10,9 @@
  * tie resolved to another id, a value left unwritten). Every output is NaN-poisoned (0xff bytes) on both sides; outputs
  * meant to be written must hold no NaN where their inputs have none. colsum_add and cast_params must moreover equal the
  * CPU backend's bytes (the same fp32 adds in row order; the same rounding to nearest even). The forward ops (logprobs,
- * rmsnorm) must also give a row's bits with the row alone (a decoding step) or among a few.
+ * rmsnorm) must also give a row's bits with the row alone (a decoding step) or among a few. ce_rows and logprobs also
+ * keep each row's max and Σ exp for the backward (ops.h), the same bytes from both, and logp_bwd from them (its
+ * elementwise kernel) must give the bytes of logp_bwd without them.
  * logprobs, ce_rows (and logp_bwd, which ignores it) also run with DS4_CUDA_ROW_BLOCKS=1 (each block looping over rows: a tuning knob
  * that must not change a bit).
  * Shapes: the training head [1024 x 32000], vocabularies below and around the block's 256 threads, logits on a coarse
@@ -171,7 +173,7 @@ static void t_sample(int64_t rows, int64_t V, double temperature) {
 }
 
 /* logp_bwd with a block per row (the reference backend) and with blocks looping over rows: the same kernel body, so
- * the same bytes; dl apart from the logits and in place. */
+ * the same bytes; dl apart from the logits and in place; and from the rows' statistics (below). */
 static void t_logp_bwd(int64_t rows, int64_t V, int in_place) {
     char what[96];
     snprintf(what, sizeof what, "logp_bwd [%lld x %lld]%s", (long long)rows, (long long)V, in_place ? " in place" : "");
@@ -180,16 +182,33 @@ static void t_logp_bwd(int64_t rows, int64_t V, int in_place) {
     for (int64_t r = 0; r < rows; r++) t[r] = r % 5 == 3 ? -100 : (int64_t)(urand() * (double)V) % V;
     ((float *)dlogp.h)[rows / 2] = 0; /* g = 0: a row of zeros */
     tw_push(&dlogp);
-    twin tgt = tw_i64(rows, t), out[2];
-    ds4_dev *devs[2] = {gpu_loop, gpu_ref};
-    for (int i = 0; i < 2; i++) {
+    twin tgt = tw_i64(rows, t), out[3];
+    /* the rows' statistics as a training forward keeps them (ops.h): logprobs' and ce_rows' must be the same bytes,
+     * every row (targets of -100 too), and logp_bwd from them the bytes of logp_bwd alone (its elementwise kernel) */
+    twin rmx[2] = {tw_out((size_t)rows * 4), tw_out((size_t)rows * 4)};
+    twin rse[2] = {tw_out((size_t)rows * 8), tw_out((size_t)rows * 8)};
+    twin lpo = tw_out((size_t)rows * 8), nll = tw_out((size_t)rows * 8);
+    landed();
+    OP(gpu, logprobs, .logits = z.d, .rows = rows, .V = V, .tgt = tgt.d, .logp = lpo.d, .entropy = (float *)lpo.d + rows,
+       .nll = nll.d, .rmx = rmx[0].d, .rse = rse[0].d);
+    OP(gpu, ce_rows, .logits = z.d, .rows = rows, .V = V, .tgt = tgt.d, .nll = nll.d, .rmx = rmx[1].d, .rse = rse[1].d);
+    check_dev(gpu, "logprobs / ce_rows with the rows' statistics");
+    char w2[160];
+    snprintf(w2, sizeof w2, "%s: the row statistics of logprobs and of ce_rows", what);
+    same_bytes(w2, &rmx[0], &rmx[1]), same_bytes(w2, &rse[0], &rse[1]);
+    ds4_dev *devs[3] = {gpu_loop, gpu_ref, gpu};
+    for (int i = 0; i < 3; i++) {
         out[i] = in_place ? tw_copy(&z) : tw_out((size_t)(rows * V) * 4);
         landed();
         OP(devs[i], logp_bwd, .dl = out[i].d, .logits = in_place ? out[i].d : z.d, .rows = rows, .V = V, .tgt = tgt.d,
-           .dlogp = dlogp.d, .g0 = 0);
+           .dlogp = dlogp.d, .g0 = 0, .rmx = i == 2 ? rmx[0].d : NULL, .rse = i == 2 ? rse[0].d : NULL);
         check_dev(devs[i], what);
     }
     same_bytes(what, &out[0], &out[1]);
+    snprintf(w2, sizeof w2, "%s: from the forward's row statistics", what);
+    same_bytes(w2, &out[2], &out[1]);
+    for (int i = 0; i < 2; i++) tw_free(&rmx[i]), tw_free(&rse[i]);
+    tw_free(&lpo), tw_free(&nll), tw_free(&out[2]);
     float *g = fetch(&out[0]);
     int64_t nan = 0;
     for (int64_t i = 0; i < rows * V; i++) nan += isnan(g[i]);
