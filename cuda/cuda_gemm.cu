@@ -916,6 +916,23 @@ bool x_to_bf16(ds4_dev *d, const char *op, gemm_args &a, int64_t G) {
     return true;
 }
 
+// The wgmma kernel over `tiles` output tiles, at most a block per SM (persistent blocks). The larger operand's tiles
+// change slowest (rows_fast where W's rows outnumber x's: x's tiles change fastest, and each W tile is read once,
+// from L2). False, with the failure set and nothing launched, where the copy engine refused the operands'
+// description; a launch error is left for the caller's ds4_cuda_launched.
+bool wgmma_go(ds4_dev *d, const char *op, ds4d_wg_args &w, int64_t tiles, const char *shapes) {
+    cuda_dev *cd = cdev(d);
+    w.rows_fast = w.N > w.M;
+    const int blocks = (int)(tiles < cd->sm_count ? tiles : cd->sm_count);
+    const cudaError_t e = ds4_cuda_wgmma_launch(w, blocks, cd->stream, cd->tmap_encode);
+    if (e == cudaErrorInvalidValue && cudaPeekAtLastError() == cudaSuccess) {
+        ds4_dev_fail(d, DS4_ERR_CUDA, "%s: %s on wgmma: the copy engine refused the operands' description "
+                     "(cuTensorMapEncodeTiled)", op, shapes);
+        return false;
+    }
+    return true;
+}
+
 // The wgmma product (cuda_gemm_wgmma.cu): x rounded to bf16 in k32 order into scratch slot 2, then the kernel.
 void launch_wgmma(ds4_dev *d, const char *op, gemm_args &a, int64_t G) {
     cuda_dev *cd = cdev(d);
@@ -938,16 +955,11 @@ void launch_wgmma(ds4_dev *d, const char *op, gemm_args &a, int64_t G) {
     }
     ds4d_wg_args w = {a.y, a.ldy, a.gy, xk, ld, a.M * ld, (const __nv_bfloat16 *)a.W, a.ldw, a.gw,
                       a.M, a.N, a.K, a.off, a.E, a.wstride, a.acc, G, 0};
-    w.rows_fast = a.N > a.M; // W's rows outnumber x's: x's tiles change fastest, each W tile is read once (L2)
     const int64_t tiles = (int64_t)ds4_blocks(a.N, DS4_WG_TILE_N) * grid_rows(a, DS4_WG_TILE_M) * G;
-    const int blocks = (int)(tiles < cd->sm_count ? tiles : cd->sm_count);
-    const cudaError_t e = ds4_cuda_wgmma_launch(w, blocks, cd->stream, cd->tmap_encode);
-    if (e == cudaErrorInvalidValue && cudaPeekAtLastError() == cudaSuccess) { // nothing launched
-        ds4_dev_fail(d, DS4_ERR_CUDA, "%s: [%lld x %lld] x [%lld x %lld]^T on wgmma: the copy engine refused the "
-                     "operands' description (cuTensorMapEncodeTiled)", op, (long long)a.M, (long long)a.K,
-                     (long long)a.N, (long long)a.K);
-        return;
-    }
+    char shapes[96];
+    snprintf(shapes, sizeof shapes, "[%lld x %lld] x [%lld x %lld]^T", (long long)a.M, (long long)a.K, (long long)a.N,
+             (long long)a.K);
+    if (!wgmma_go(d, op, w, tiles, shapes)) return;
     ds4_cuda_launched(d, op, "[%lld x %lld] x [%lld x %lld]^T (bf16 on wgmma, %lld groups%s)", (long long)a.M,
                       (long long)a.K, (long long)a.N, (long long)a.K, (long long)G, a.off ? ", by expert" : "");
 }
@@ -1253,15 +1265,10 @@ bool ds4_cuda_grouped_dw_bf16(ds4_dev *d, const char *op, float *dW, int64_t wst
         ds4d_wg_args w = {};
         w.y = dW, w.ldy = K, w.gy = wstride, w.xk = dyT, w.ldxk = width, w.W = xT, w.ldw = width;
         w.M = O, w.N = K, w.K = width, w.acc = 1, w.groups = E, w.koff = off;
-        w.rows_fast = K > O; // as launch_wgmma: the larger operand's tiles change slowest
         const int64_t tiles = (int64_t)ds4_blocks(K, DS4_WG_TILE_N) * ds4_blocks(O, DS4_WG_TILE_M) * E;
-        const int blocks = (int)(tiles < cd->sm_count ? tiles : cd->sm_count);
-        const cudaError_t e = ds4_cuda_wgmma_launch(w, blocks, cd->stream, cd->tmap_encode);
-        if (e == cudaErrorInvalidValue && cudaPeekAtLastError() == cudaSuccess) { // nothing launched
-            ds4_dev_fail(d, DS4_ERR_CUDA, "%s: dW [%lld x %lld x %lld] on wgmma: the copy engine refused the operands' "
-                         "description (cuTensorMapEncodeTiled)", op, (long long)E, (long long)O, (long long)K);
-            return true;
-        }
+        char shapes[96];
+        snprintf(shapes, sizeof shapes, "dW [%lld x %lld x %lld]", (long long)E, (long long)O, (long long)K);
+        if (!wgmma_go(d, op, w, tiles, shapes)) return true;
     } else {
         gemm_args g = {};
         g.y = dW, g.ldy = K, g.xh = dyT, g.ldxh = width, g.W = xT, g.ldw = width, g.M = O, g.N = K, g.K = width;
