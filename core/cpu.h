@@ -79,6 +79,18 @@ void ds4_hc_sinkhorn(const ds4_config *c, const float *comb_logits, float sc2, c
 enum { DS4_HC_SB = 4, DS4_HC_LANES_SQ = 64 };
 void ds4_hc_sinkhorn_lanes(const ds4_config *c, const float *const logits[DS4_HC_SB], float sc2, const float *comb_base,
                            double *const M[DS4_HC_SB], float *const comb[DS4_HC_SB]);
+/* The comb part of hc_pre's backward for one token: the Sinkhorn again onto `tape` ((2·iters + 1)·n·n doubles), the
+ * gradient of the comb dcomb [n, n] back through every normalisation and the row softmax, into dz [n, n]: the
+ * gradient of the scaled comb logits (the +eps passes it), rounded to fp32; dz64 (NULL: not kept) the same before
+ * the rounding (the tests compare those bits). */
+void ds4_hc_sinkhorn_bwd(const ds4_config *c, const float *comb_logits, float sc2, const float *comb_base,
+                         const float *dcomb, float *dz, double *dz64, double *tape);
+/* The same for DS4_HC_SB tokens side by side as vector lanes (n·n <= DS4_HC_LANES_SQ), each lane the one-token
+ * code's IEEE operations in its order, so the same bits. tape: DS4_HC_SB·(2·iters + 1)·n·n doubles, 32-byte
+ * aligned. */
+void ds4_hc_sinkhorn_bwd_lanes(const ds4_config *c, const float *const logits[DS4_HC_SB], float sc2,
+                               const float *comb_base, const float *const dcomb[DS4_HC_SB], float *const dz[DS4_HC_SB],
+                               double *const dz64[DS4_HC_SB], double *tape);
 /* Router score s(x) for one logit (sqrt-softplus, sigmoid; softmax is per row). */
 float ds4_score(ds4_score_func sf, float x);
 

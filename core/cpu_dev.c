@@ -130,7 +130,9 @@ static ds4_status cpu_reserve(ds4_dev *d, const ds4_config *c, int64_t T, int64_
     if (12 * mmax > stride) stride = 12 * mmax;
     if (training && 2 * (int64_t)V > stride) stride = 2 * (int64_t)V; /* logp_bwd: a row of exps in double */
     stride = (stride + 15) & ~(int64_t)15;
-    const size_t sk_stride = training ? (2 * (size_t)c->hc_sinkhorn_iters + 2) * n * n : 0;
+    /* the mHC backward's Sinkhorn tapes: DS4_HC_SB tokens' (2·iters + 1)·n·n states side by side, a multiple of 8
+     * doubles so that each task's stays 64-byte aligned (the lanes are 32-byte vectors) */
+    const size_t sk_stride = training ? (DS4_HC_SB * (2 * (size_t)c->hc_sinkhorn_iters + 1) * n * n + 7) / 8 * 8 : 0;
     const size_t ntask = (size_t)cpu->ntask;
     ds4_arena a = {0};
     for (int pass = 0; pass < 2; pass++) {

@@ -191,15 +191,116 @@ void ds4_cpu_hyperhead(ds4_dev *d, const ds4_a_hyperhead *a) {
 
 /* ------------------------------------------------------------------------------------------------ backward */
 
+void ds4_hc_sinkhorn_bwd(const ds4_config *c, const float *comb_logits, float sc2, const float *comb_base,
+                         const float *dcomb, float *dz, double *dz64, double *tape) {
+    const int64_t n = c->hc_mult, it = c->hc_sinkhorn_iters, nn = n * n, ns = 2 * it; /* states 0 .. 2·iters − 1 */
+    const double hc_eps = c->hc_eps;
+    double M[DS4_MAX_HC_SQ];
+    ds4_hc_sinkhorn(c, comb_logits, sc2, comb_base, M, tape);
+    const double *P = tape + ns * nn;
+    /* backward through the normalisations: y = x / (Σ x + eps) along an axis */
+    double g[DS4_MAX_HC_SQ], gx[DS4_MAX_HC_SQ];
+    for (int64_t i = 0; i < nn; i++) g[i] = dcomb[i];
+    for (int64_t s = ns - 1; s >= 1; s--) {
+        const double *x0 = tape + (s - 1) * nn;
+        const int col = s % 2 == 1;
+        for (int64_t q0 = 0; q0 < n; q0++) {
+            double sum = 0, gs = 0;
+            for (int64_t q = 0; q < n; q++) {
+                const int64_t ix = col ? q * n + q0 : q0 * n + q;
+                sum += x0[ix];
+                gs += g[ix] * x0[ix];
+            }
+            const double cden = sum + hc_eps;
+            for (int64_t q = 0; q < n; q++) {
+                const int64_t ix = col ? q * n + q0 : q0 * n + q;
+                gx[ix] = g[ix] / cden - gs / (cden * cden);
+            }
+        }
+        memcpy(g, gx, (size_t)nn * sizeof(double));
+    }
+    /* softmax rows (the +eps passes the gradient through) */
+    for (int64_t j = 0; j < n; j++) {
+        double dot = 0;
+        for (int64_t k = 0; k < n; k++) dot += P[j * n + k] * g[j * n + k];
+        for (int64_t k = 0; k < n; k++) {
+            const double v = P[j * n + k] * (g[j * n + k] - dot);
+            if (dz64) dz64[j * n + k] = v;
+            dz[j * n + k] = (float)v;
+        }
+    }
+}
+
+void ds4_hc_sinkhorn_bwd_lanes(const ds4_config *c, const float *const logits[DS4_HC_SB], float sc2,
+                               const float *comb_base, const float *const dcomb[DS4_HC_SB], float *const dz[DS4_HC_SB],
+                               double *const dz64[DS4_HC_SB], double *tape) {
+    const int64_t n = c->hc_mult, it = c->hc_sinkhorn_iters, nn = n * n, ns = 2 * it;
+    hc_lanes *T = (hc_lanes *)(void *)tape, *P = T + ns * nn; /* T[s·nn + i][lane]: state s; then the softmax */
+    hc_lanes e;
+    double one[DS4_HC_LANES_SQ], pone[DS4_HC_LANES_SQ];
+    for (int s = 0; s < DS4_HC_SB; s++) {
+        sinkhorn_start(c, logits[s], sc2, comb_base, one, pone);
+        for (int64_t i = 0; i < nn; i++) T[i][s] = one[i], P[i][s] = pone[i];
+        e[s] = c->hc_eps;
+    }
+    for (int64_t step = 1; step < ns; step++) { /* ds4_hc_sinkhorn's steps, each state kept */
+        const int col = step % 2 == 1;
+        const hc_lanes *x0 = T + (step - 1) * nn;
+        hc_lanes *x1 = T + step * nn;
+        for (int64_t a = 0; a < n; a++) {
+            hc_lanes sum = {0};
+            for (int64_t q = 0; q < n; q++) sum += col ? x0[q * n + a] : x0[a * n + q];
+            for (int64_t q = 0; q < n; q++) {
+                const int64_t ix = col ? q * n + a : a * n + q;
+                x1[ix] = x0[ix] / (sum + e);
+            }
+        }
+    }
+    hc_lanes g[DS4_HC_LANES_SQ], gx[DS4_HC_LANES_SQ];
+    for (int s = 0; s < DS4_HC_SB; s++)
+        for (int64_t i = 0; i < nn; i++) g[i][s] = dcomb[s][i];
+    for (int64_t s = ns - 1; s >= 1; s--) { /* ds4_hc_sinkhorn_bwd's, lane by lane */
+        const hc_lanes *x0 = T + (s - 1) * nn;
+        const int col = s % 2 == 1;
+        for (int64_t q0 = 0; q0 < n; q0++) {
+            hc_lanes sum = {0}, gs = {0};
+            for (int64_t q = 0; q < n; q++) {
+                const int64_t ix = col ? q * n + q0 : q0 * n + q;
+                sum += x0[ix];
+                gs += g[ix] * x0[ix];
+            }
+            const hc_lanes cden = sum + e;
+            for (int64_t q = 0; q < n; q++) {
+                const int64_t ix = col ? q * n + q0 : q0 * n + q;
+                gx[ix] = g[ix] / cden - gs / (cden * cden);
+            }
+        }
+        memcpy(g, gx, (size_t)nn * sizeof(hc_lanes));
+    }
+    for (int64_t j = 0; j < n; j++) {
+        hc_lanes dot = {0};
+        for (int64_t k = 0; k < n; k++) dot += P[j * n + k] * g[j * n + k];
+        for (int64_t k = 0; k < n; k++) {
+            const hc_lanes v = P[j * n + k] * (g[j * n + k] - dot);
+            for (int s = 0; s < DS4_HC_SB; s++) {
+                if (dz64) dz64[s][j * n + k] = v[s];
+                dz[s][j * n + k] = (float)v[s];
+            }
+        }
+    }
+}
+
 /* Recompute one site's coefficients with a Sinkhorn tape and back-propagate dpre (from du), dpost, dcomb to the
- * mix logits; also dX += pre_i · du (the collapse itself). Per token; weight-side sums come later. */
+ * mix logits; also dX += pre_i · du (the collapse itself). Per token; weight-side sums come later. The pre and post
+ * parts token by token, then the comb part (ds4_hc_sinkhorn_bwd) DS4_HC_SB tokens side by side, then the scale's
+ * comb sum and dmix: each token's operations in the order they had one token at a time, so the same bits. */
 static void hc_pre_bwd_range(const ds4_cpu *cpu, const void *p, int64_t b, int64_t e, int64_t task) {
     const ds4_a_hc_pre_bwd *a = p;
     const ds4_config *c = a->c;
-    const int64_t n = c->hc_mult, D = c->hidden_size, nD = n * D, mix = (2 + n) * n, it = c->hc_sinkhorn_iters;
+    const int64_t n = c->hc_mult, D = c->hidden_size, nD = n * D, mix = (2 + n) * n;
     const double hc_eps = c->hc_eps;
     const float *base = a->w->base, *sc = a->w->scale;
-    double *tape = cpu->sk + task * cpu->sk_stride; /* (2·iters) states of n·n, then the softmax P */
+    double *tape = cpu->sk + task * cpu->sk_stride; /* DS4_HC_SB tapes of ds4_hc_sinkhorn_bwd's, 64-byte aligned */
     /* xn and the mix logits for all the range's tokens first: one small product with fn (dmix holds mix first,
      * then its gradient) */
     ds4_rmsnorm_rows(a->xn + b * nD, a->X + b * nD, NULL, e - b, nD, c->rms_norm_eps);
@@ -223,42 +324,23 @@ static void hc_pre_bwd_range(const ds4_cpu *cpu, const void *p, int64_t b, int64
             dzb[n + i] = dz;
             dzs[1] += dz * mixv[n + i];
         }
-        /* Sinkhorn forward again, keeping its states */
-        double M[DS4_MAX_HC_SQ];
-        ds4_hc_sinkhorn(c, mixv + 2 * n, sc[2], base + 2 * n, M, tape);
-        const double *P = tape + 2 * it * n * n;
-        const int64_t ns = 2 * it; /* states 0 .. 2·iters − 1 */
-        /* backward through the normalisations: y = x / (Σ x + eps) along an axis */
-        double g[DS4_MAX_HC_SQ], gx[DS4_MAX_HC_SQ];
-        for (int64_t i = 0; i < n * n; i++) g[i] = a->dcomb[t * n * n + i];
-        for (int64_t s = ns - 1; s >= 1; s--) {
-            const double *x0 = tape + (s - 1) * n * n;
-            const int col = s % 2 == 1;
-            for (int64_t q0 = 0; q0 < n; q0++) {
-                double sum = 0, gs = 0;
-                for (int64_t q = 0; q < n; q++) {
-                    const int64_t ix = col ? q * n + q0 : q0 * n + q;
-                    sum += x0[ix];
-                    gs += g[ix] * x0[ix];
-                }
-                const double cden = sum + hc_eps;
-                for (int64_t q = 0; q < n; q++) {
-                    const int64_t ix = col ? q * n + q0 : q0 * n + q;
-                    gx[ix] = g[ix] / cden - gs / (cden * cden);
-                }
-            }
-            memcpy(g, gx, (size_t)(n * n) * sizeof(double));
-        }
-        /* softmax rows (the +eps passes the gradient through) */
-        for (int64_t j = 0; j < n; j++) {
-            double dot = 0;
-            for (int64_t k = 0; k < n; k++) dot += P[j * n + k] * g[j * n + k];
-            for (int64_t k = 0; k < n; k++) {
-                const float dz = (float)(P[j * n + k] * (g[j * n + k] - dot));
-                dzb[2 * n + j * n + k] = dz;
-                dzs[2] += dz * mixv[2 * n + j * n + k];
-            }
-        }
+    }
+    /* the comb part: DS4_HC_SB tokens side by side while they last, then one at a time (the same bits) */
+    int64_t t = b;
+    for (; n * n <= DS4_HC_LANES_SQ && t + DS4_HC_SB <= e; t += DS4_HC_SB) {
+        const float *lg[DS4_HC_SB], *dc[DS4_HC_SB];
+        float *dz[DS4_HC_SB];
+        for (int s = 0; s < DS4_HC_SB; s++)
+            lg[s] = a->dmix + (t + s) * mix + 2 * n, dc[s] = a->dcomb + (t + s) * n * n,
+            dz[s] = a->dzb + (t + s) * mix + 2 * n;
+        ds4_hc_sinkhorn_bwd_lanes(c, lg, sc[2], base + 2 * n, dc, dz, NULL, tape);
+    }
+    for (; t < e; t++)
+        ds4_hc_sinkhorn_bwd(c, a->dmix + t * mix + 2 * n, sc[2], base + 2 * n, a->dcomb + t * n * n,
+                            a->dzb + t * mix + 2 * n, NULL, tape);
+    for (t = b; t < e; t++) {
+        float *mixv = a->dmix + t * mix, *dzb = a->dzb + t * mix, *dzs = a->dzs + t * 3;
+        for (int64_t i = 2 * n; i < mix; i++) dzs[2] += dzb[i] * mixv[i];
         for (int64_t i = 0; i < mix; i++) mixv[i] = dzb[i] * sc[i < n ? 0 : (i < 2 * n ? 1 : 2)];
     }
 }
