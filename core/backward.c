@@ -43,6 +43,8 @@ typedef struct bwd {
     float *xs, *dys, *dxs;        /* [T·K, D] expert rows: inputs, output gradients, input gradients */
     float *dxslot;                /* [T·K, D] input gradients filed by (token, slot) */
     float *act, *dact;            /* [T·K, I]; [T, I] with expert parallelism (bplan) */
+    float *ex;                    /* as act: swiglu_bwd's exps, from its act pass to its gradient pass; NULL on a
+                                     backend not in host memory (ops.h: a GPU's pass is bound by memory, not exp) */
     int32_t *perm;                /* [T·K] */
     int64_t *ecount;              /* [E + 1] */
     float *dmtp;                  /* [T, n, D] MTP input gradient */
@@ -125,6 +127,7 @@ static void bplan(bwd *b, ds4_arena *a) {
     const size_t act_rows = b->m->ep_on && b->tp->ep_rows ? Tt : Tt * K;
     b->act = ds4_arena_take(a, act_rows * I, 4);
     b->dact = ds4_arena_take(a, act_rows * I, 4);
+    b->ex = b->m->dev->host_visible ? ds4_arena_take(a, act_rows * I, 4) : NULL;
     b->perm = ds4_arena_take(a, Tt * K, 4);
     b->ecount = ds4_arena_take(a, E + 1, 8);
     b->dmtp = ds4_arena_take(a, Tt * nD, 4);
@@ -418,14 +421,14 @@ static void shared_bwd(bwd *b, const ds4_layer_w *l, const ds4_layer_w *g, const
     const ds4_config *c = &b->m->cfg;
     const int64_t T = b->f.T, D = c->hidden_size, I = c->moe_intermediate_size;
     const float lim = (float)c->swiglu_limit;
-    OP(b->f.dev, swiglu_bwd, .g1 = lt->sg1, .g3 = lt->sg3, .act = b->act, .rows = T, .I = I, .lim = lim);
+    OP(b->f.dev, swiglu_bwd, .g1 = lt->sg1, .g3 = lt->sg3, .act = b->act, .rows = T, .I = I, .lim = lim, .ex = b->ex);
     const ds4_lora_layer *lo = l->lora, *go = g->lora;
     lin_bwd(b, b->dact, I, 0, g->sw2, b->da, D, b->act, I, l->sw2, 1, T, I, D);
     ds4_lora_bwd(&b->lc, lo, DS4_LORA_AB(lo, sw2), DS4_LORA_AB(go, sw2), b->dact, I, b->da, D, b->act, I, T, I, D);
     /* act is no longer needed: dg1 goes there; dg3 overwrites dact element by element, each element read (for both)
      * before it is written */
     OP(b->f.dev, swiglu_bwd, .g1 = lt->sg1, .g3 = lt->sg3, .dact = b->dact, .dg1 = b->act, .dg3 = b->dact, .rows = T,
-       .I = I, .lim = lim, .grads = 1);
+       .I = I, .lim = lim, .grads = 1, .ex = b->ex);
     lin_bwd(b, b->dh, D, 0, g->sw1, b->act, I, lt->h_ffn, D, l->sw1, 1, T, D, I);
     lin_bwd(b, b->dh, D, 1, g->sw3, b->dact, I, lt->h_ffn, D, l->sw3, 1, T, D, I);
     ds4_lora_bwd(&b->lc, lo, DS4_LORA_AB(lo, sw1), DS4_LORA_AB(go, sw1), b->dh, D, b->act, I, lt->h_ffn, D, T, D, I);
@@ -449,7 +452,7 @@ static void routed_bwd(bwd *b, const ds4_layer_w *l, const ds4_layer_w *g, const
         return;
     }
     OP(dev, moe_dy, .dys = b->dys, .da = b->da, .ew = lt->ew, .perm = b->perm, .rows = TK, .K = K, .D = D);
-    OP(dev, swiglu_bwd, .g1 = lt->eg1, .g3 = lt->eg3, .act = b->act, .rows = TK, .I = I, .lim = lim);
+    OP(dev, swiglu_bwd, .g1 = lt->eg1, .g3 = lt->eg3, .act = b->act, .rows = TK, .I = I, .lim = lim, .ex = b->ex);
     OP(dev, linear_bwd_x_grouped, .dx = b->dact, .dy = b->dys, .W = l->w2, .wdt = l->edt[1], .Ws = l->escale[1],
        .wstride = D * I, .off = b->ecount, .E = E, .rows = TK, .K = I, .O = D, .bf16_in = b->f.w->bf16_in);
     if (g->w2)
@@ -457,7 +460,7 @@ static void routed_bwd(bwd *b, const ds4_layer_w *l, const ds4_layer_w *g, const
            .E = E, .rows = TK, .K = I, .O = D, .wdt = b->mdt, .bf16_in = b->f.w->bf16_in);
     ds4_lora_bwd_down(&b->lc, c, l->lora, g->lora, b->dact, b->dys, b->act, b->ecount, TK);
     OP(dev, swiglu_bwd, .g1 = lt->eg1, .g3 = lt->eg3, .dact = b->dact, .dg1 = b->act, .dg3 = b->dact, .rows = TK,
-       .I = I, .lim = lim, .grads = 1);
+       .I = I, .lim = lim, .grads = 1, .ex = b->ex);
     OP(dev, linear_bwd_x_grouped, .dx = b->dxs, .dy = b->act, .W = l->w1, .wdt = l->edt[0], .Ws = l->escale[0],
        .wstride = I * D, .off = b->ecount, .E = E, .rows = TK, .K = D, .O = I, .bf16_in = b->f.w->bf16_in);
     OP(dev, linear_bwd_x_grouped, .dx = b->dxs, .acc = 1, .dy = b->dact, .W = l->w3, .wdt = l->edt[2],

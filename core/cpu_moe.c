@@ -141,12 +141,15 @@ static void swiglu_bwd_range(const ds4_cpu *cpu, const void *p, int64_t b, int64
     for (int64_t i = b * c->I; i < e * c->I; i++) {
         const float g = c->g1[i] > c->lim ? c->lim : c->g1[i];
         const float u = c->g3[i] < -c->lim ? -c->lim : (c->g3[i] > c->lim ? c->lim : c->g3[i]);
-        if (!c->grads) { /* the forward's expression; the sigmoid below is not needed here (expf may set errno, so
-                          * the compiler kept computing it: two expf a value instead of one) */
-            c->act[i] = ds4_silu(g) * u;
+        if (!c->grads) { /* the forward's expression, ds4_silu(g)·u; the sigmoid below is not needed here (expf may
+                          * set errno, so the compiler kept computing it: two expf a value instead of one) */
+            const float ez = expf(-g);
+            c->act[i] = g / (1.0f + ez) * u;
+            if (c->ex) c->ex[i] = ez;
             continue;
         }
-        const float sgm = ds4_sigmoidf(g), silu = g * sgm;
+        /* ds4_sigmoidf(g), from the exp the act pass left when it did (the same value: one expf a value fewer) */
+        const float sgm = c->ex ? 1.0f / (1.0f + c->ex[i]) : ds4_sigmoidf(g), silu = g * sgm;
         const float dsilu = sgm * (1.0f + g * (1.0f - sgm));
         c->dg1[i] = c->g1[i] <= c->lim ? c->dact[i] * u * dsilu : 0.0f;
         c->dg3[i] = (c->g3[i] >= -c->lim && c->g3[i] <= c->lim) ? c->dact[i] * silu : 0.0f;

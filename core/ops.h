@@ -315,8 +315,12 @@ typedef struct {
 } ds4_a_ikl_bwd;
 typedef ds4_a_ikl_bwd ds4_a_ikl_bwd_q, ds4_a_ikl_bwd_k;
 /* SwiGLU with clamps backward: grads = 0: act = silu(min(g1, λ))·clamp(g3, ±λ); grads = 1: dg1 / dg3 from dact
- * (dg3 may alias dact: each element is read before it is written) */
-typedef struct { const float *g1, *g3, *dact; float *act, *dg1, *dg3; int64_t rows, I; float lim; int grads; } ds4_a_swiglu_bwd;
+ * (dg3 may alias dact: each element is read before it is written). ex [rows, I] (may be NULL; a backend may ignore
+ * it, in both passes alike): grads = 0 also leaves there the exp(−min(g1, λ)) its silu takes, and grads = 1 over the
+ * same g1 takes its sigmoid from them instead of evaluating the exp again (the same value) */
+typedef struct {
+    const float *g1, *g3, *dact; float *act, *dg1, *dg3; int64_t rows, I; float lim; int grads; float *ex;
+} ds4_a_swiglu_bwd;
 /* dws[slot] = <da[slot / K], ye[slot]> */
 typedef struct { float *dws; const float *da, *ye; int64_t T, K, D; } ds4_a_moe_dws;
 /* dys[r] = ew[perm[r]] · da[perm[r] / K] */
