@@ -65,18 +65,22 @@ void ds4_hc_sinkhorn(const ds4_config *c, const float *comb_logits, float sc2, c
 
 typedef double hc_lanes __attribute__((vector_size(DS4_HC_SB * sizeof(double))));
 
-void ds4_hc_sinkhorn_lanes(const ds4_config *c, const float *const logits[DS4_HC_SB], float sc2, const float *comb_base,
-                           double *const Mout[DS4_HC_SB], float *const comb[DS4_HC_SB]) {
+/* ds4_hc_sinkhorn on DS4_HC_SB tokens as lanes, into M [n·n] (M[i][s]: element i of token s); with tape, its
+ * layout in lanes: the states 0 .. 2·iters − 1, then the plain softmax. */
+static void sinkhorn_lanes_run(const ds4_config *c, const float *const logits[DS4_HC_SB], float sc2,
+                               const float *comb_base, hc_lanes *M, hc_lanes *tape) {
     const int64_t n = c->hc_mult, it = c->hc_sinkhorn_iters, nn = n * n;
-    const double hc_eps = c->hc_eps;
-    hc_lanes M[DS4_HC_LANES_SQ]; /* M[i][s]: element i of token s (nn <= DS4_HC_LANES_SQ: the callers') */
-    double one[DS4_HC_LANES_SQ];
-    for (int s = 0; s < DS4_HC_SB; s++) {
-        sinkhorn_start(c, logits[s], sc2, comb_base, one, NULL);
-        for (int64_t i = 0; i < nn; i++) M[i][s] = one[i];
-    }
+    double one[DS4_HC_LANES_SQ], pone[DS4_HC_LANES_SQ];
     hc_lanes e;
-    for (int s = 0; s < DS4_HC_SB; s++) e[s] = hc_eps;
+    for (int s = 0; s < DS4_HC_SB; s++) {
+        sinkhorn_start(c, logits[s], sc2, comb_base, one, tape ? pone : NULL);
+        for (int64_t i = 0; i < nn; i++) {
+            M[i][s] = one[i];
+            if (tape) tape[2 * it * nn + i][s] = pone[i];
+        }
+        e[s] = c->hc_eps;
+    }
+    if (tape) memcpy(tape, M, (size_t)nn * sizeof(hc_lanes));
     for (int64_t step = 1; step < 2 * it; step++) { /* ds4_hc_sinkhorn's steps, lane by lane */
         const int col = step % 2 == 1;
         for (int64_t a = 0; a < n; a++) {
@@ -87,7 +91,15 @@ void ds4_hc_sinkhorn_lanes(const ds4_config *c, const float *const logits[DS4_HC
                 *m /= sum + e;
             }
         }
+        if (tape) memcpy(tape + step * nn, M, (size_t)nn * sizeof(hc_lanes));
     }
+}
+
+void ds4_hc_sinkhorn_lanes(const ds4_config *c, const float *const logits[DS4_HC_SB], float sc2, const float *comb_base,
+                           double *const Mout[DS4_HC_SB], float *const comb[DS4_HC_SB]) {
+    const int64_t nn = c->hc_mult * c->hc_mult;
+    hc_lanes M[DS4_HC_LANES_SQ]; /* nn <= DS4_HC_LANES_SQ: the callers' */
+    sinkhorn_lanes_run(c, logits, sc2, comb_base, M, NULL);
     for (int s = 0; s < DS4_HC_SB; s++)
         for (int64_t i = 0; i < nn; i++) {
             if (Mout) Mout[s][i] = M[i][s];
@@ -236,26 +248,9 @@ void ds4_hc_sinkhorn_bwd_lanes(const ds4_config *c, const float *const logits[DS
                                double *const dz64[DS4_HC_SB], double *tape) {
     const int64_t n = c->hc_mult, it = c->hc_sinkhorn_iters, nn = n * n, ns = 2 * it;
     hc_lanes *T = (hc_lanes *)(void *)tape, *P = T + ns * nn; /* T[s·nn + i][lane]: state s; then the softmax */
-    hc_lanes e;
-    double one[DS4_HC_LANES_SQ], pone[DS4_HC_LANES_SQ];
-    for (int s = 0; s < DS4_HC_SB; s++) {
-        sinkhorn_start(c, logits[s], sc2, comb_base, one, pone);
-        for (int64_t i = 0; i < nn; i++) T[i][s] = one[i], P[i][s] = pone[i];
-        e[s] = c->hc_eps;
-    }
-    for (int64_t step = 1; step < ns; step++) { /* ds4_hc_sinkhorn's steps, each state kept */
-        const int col = step % 2 == 1;
-        const hc_lanes *x0 = T + (step - 1) * nn;
-        hc_lanes *x1 = T + step * nn;
-        for (int64_t a = 0; a < n; a++) {
-            hc_lanes sum = {0};
-            for (int64_t q = 0; q < n; q++) sum += col ? x0[q * n + a] : x0[a * n + q];
-            for (int64_t q = 0; q < n; q++) {
-                const int64_t ix = col ? q * n + a : a * n + q;
-                x1[ix] = x0[ix] / (sum + e);
-            }
-        }
-    }
+    hc_lanes M[DS4_HC_LANES_SQ], e;
+    sinkhorn_lanes_run(c, logits, sc2, comb_base, M, T);
+    for (int s = 0; s < DS4_HC_SB; s++) e[s] = c->hc_eps;
     hc_lanes g[DS4_HC_LANES_SQ], gx[DS4_HC_LANES_SQ];
     for (int s = 0; s < DS4_HC_SB; s++)
         for (int64_t i = 0; i < nn; i++) g[i][s] = dcomb[s][i];
