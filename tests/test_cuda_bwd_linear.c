@@ -146,33 +146,41 @@ static void t_logp_bwd(int per_token) {
 /* ------------------------------------------------------------------------------------------------ products */
 
 /* dx [T, K] (row stride K + pad) (+)= dy·W and dW += dyᵀ·x, with dy and x row strides O + pad and K + pad;
- * any_order: the GPU's dW may sum in its own order (cuBLAS for fp32; the CPU ignores the flag) */
-static void t_linear_mode(int64_t T, int64_t K, int64_t O, int64_t pad, int acc, ds4_dtype wdt, int any_order) {
+ * any_order: the GPU's dW may sum in its own order (cuBLAS for fp32; the CPU ignores the flag). dW starts dwoff floats
+ * into its buffer, as a gradient in the flat buffer starts off a 16-byte boundary (the GPU then forms it in aligned
+ * scratch and adds it); the floats before it must stay as they are. */
+static void t_linear_off(int64_t T, int64_t K, int64_t O, int64_t pad, int acc, ds4_dtype wdt, int any_order,
+                         int64_t dwoff) {
     const int64_t ldy = O + pad, ldx = K + pad, lddx = K + pad;
     twin dy = tw_f(T * ldy, -1, 1), x = tw_f(T * ldx, -1, 1), W = tw_f(O * K, -0.5f, 0.5f);
-    twin dW = tw_f(O * K, -0.1f, 0.1f), dx = acc ? tw_f(T * lddx, -1, 1) : tw_out((size_t)(T * lddx) * 4);
+    twin dW = tw_f(O * K + dwoff, -0.1f, 0.1f), dx = acc ? tw_f(T * lddx, -1, 1) : tw_out((size_t)(T * lddx) * 4);
     if (wdt == DS4_BF16) round_bf16(&dy), round_bf16(&x);
     twin Wd = weight_for(&W, wdt);
     char what[128];
-    snprintf(what, sizeof what, "linear_bwd %s T %lld K %lld O %lld pad %lld%s%s", ds4_dtype_name(wdt), (long long)T,
-             (long long)K, (long long)O, (long long)pad, acc ? " acc" : "", any_order ? " any_order" : "");
+    snprintf(what, sizeof what, "linear_bwd %s T %lld K %lld O %lld pad %lld%s%s dW at +%lld", ds4_dtype_name(wdt),
+             (long long)T, (long long)K, (long long)O, (long long)pad, acc ? " acc" : "", any_order ? " any_order" : "",
+             (long long)dwoff);
     outs o = outs_of(&dx, &dW);
     for (int run = 0, side = 1; run < 3; side = next_run(&o, &run, what)) {
         ds4_dev *d = side ? gpu : cpu;
         const ds4_dtype dt = side ? wdt : DS4_F32;
         OP(d, linear_bwd_x, .dx = S(dx), .lddx = lddx, .acc = acc, .dy = S(dy), .ldy = ldy, .W = side ? Wd.d : W.h,
            .wdt = dt, .T = T, .K = K, .O = O);
-        OP(d, linear_bwd_w, .dW = S(dW), .dy = S(dy), .ldy = ldy, .x = S(x), .ldx = ldx, .T = T, .K = K, .O = O,
+        OP(d, linear_bwd_w, .dW = (float *)S(dW) + dwoff, .dy = S(dy), .ldy = ldy, .x = S(x), .ldx = ldx, .T = T, .K = K, .O = O,
            .wdt = dt, .any_order = any_order);
     }
     char w2[160];
     snprintf(w2, sizeof w2, "%s: dx", what);
     cmp_block(w2, &dx, T, INT64_MAX, K, lddx, 1e-5);
     snprintf(w2, sizeof w2, "%s: dW", what);
-    cmp_f(w2, &dW, O * K, 1e-5);
+    cmp_f(w2, &dW, O * K + dwoff, 1e-5);
     if (Wd.d != W.d) tw_free(&Wd);
     twin all[] = {dy, x, W, dW, dx};
     for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) tw_free(&all[i]);
+}
+
+static void t_linear_mode(int64_t T, int64_t K, int64_t O, int64_t pad, int acc, ds4_dtype wdt, int any_order) {
+    t_linear_off(T, K, O, pad, acc, wdt, any_order, 0);
 }
 
 static void t_linear(int64_t T, int64_t K, int64_t O, int64_t pad, int acc, ds4_dtype wdt) {
@@ -587,6 +595,10 @@ int main(int argc, char **argv) {
      * the fp32 bound of the other products (1e-5) */
     t_linear_mode(37, 96, 40, 3, 1, DS4_F32, 1);
     t_linear_mode(2000, 4096, 24, 0, 0, DS4_F32, 1); /* the mHC's dW [24 x 4096] over many rows */
+    /* a dW 4, 8 or 12 bytes off a 16-byte boundary (the flat gradient buffer's weights after a 3-value mHC scale) */
+    for (int64_t off = 1; off <= 3; off++) t_linear_off(300, 130, 77, 0, 1, DS4_BF16, 0, off);
+    t_linear_off(512, 512, 384, 3, 0, DS4_BF16, 0, 2);
+    t_linear_off(2000, 4096, 24, 0, 0, DS4_F32, 1, 1);
     t_norm_bwd(37, 300, 1, 37, NB_PLAIN, 1);
     t_norm_bwd(37, 300, 1, 37, NB_ALIAS, 1); /* kv_norm, q_norm: dx = dy with the weight gradient */
     t_norm_bwd(5, 4096, 1, 5, NB_ACC, 0);    /* the mHC RMS over n·D: added, unweighted */
