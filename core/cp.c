@@ -302,12 +302,12 @@ void ds4_cp_slice_shape(ds4_pass *f) {
 void ds4_cp_sum_floats(ds4_pass *f, float *x, int64_t n, const char *what) {
     if (!f->dev->host_visible) {
         /* every rank's x gathered into f->cp_x [P, n], then x = block 0 + block 1 + ... on the backend: colsum_add
-         * adds the blocks into x in block order, one fp32 add each, the host loop's sum below */
+         * of the P blocks into a zeroed x is one chunk (P < DS4_COLSUM_CHUNK), 0 + block 0 + block 1 + .. added into
+         * the zero, one fp32 add each: the host loop's sum below */
         const float *recv = gather_device(f, x, n, what);
         if (!recv) return;
-        ds4_dev_copy(f->dev, x, recv, (size_t)n * sizeof(float));
-        if (f->cp_world > 1)
-            OP(f->dev, colsum_add, .dst = x, .src = recv + n, .rows = f->cp_world - 1, .width = n, .ld = n);
+        ds4_dev_fill(f->dev, x, 0, (size_t)n * sizeof(float));
+        OP(f->dev, colsum_add, .dst = x, .src = recv, .rows = f->cp_world, .width = n, .ld = n);
         return;
     }
     const size_t bytes = (size_t)n * sizeof(float), blk = (bytes + 7) / 8 * 8;

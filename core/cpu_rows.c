@@ -131,11 +131,20 @@ void ds4_cpu_sum_streams(ds4_dev *d, const ds4_a_sum_streams *a) {
     ds4_cpu_parallel_grain(ds4_cpu_of(d), a->T, row_grain(a->n * a->D), sum_streams_range, a);
 }
 
+/* ops.h's order: a chunk's rows in order from 0, then the chunk into dst, chunk after chunk */
 static void colsum_range(const ds4_cpu *cpu, const void *p, int64_t b, int64_t e, int64_t task) {
     const ds4_a_colsum_add *a = p;
-    const int64_t c0 = b * COL_BLOCK, c1 = e * COL_BLOCK < a->width ? e * COL_BLOCK : a->width;
-    for (int64_t r = 0; r < a->rows; r++) /* row order: deterministic */
-        for (int64_t i = c0; i < c1; i++) a->dst[i] += a->src[r * a->ld + i];
+    for (int64_t c0 = b * COL_BLOCK, cend = e * COL_BLOCK < a->width ? e * COL_BLOCK : a->width; c0 < cend;
+         c0 += COL_BLOCK) {
+        const int64_t c1 = c0 + COL_BLOCK < cend ? c0 + COL_BLOCK : cend;
+        for (int64_t r0 = 0; r0 < a->rows; r0 += DS4_COLSUM_CHUNK) {
+            const int64_t r1 = r0 + DS4_COLSUM_CHUNK < a->rows ? r0 + DS4_COLSUM_CHUNK : a->rows;
+            float part[COL_BLOCK] = {0};
+            for (int64_t r = r0; r < r1; r++)
+                for (int64_t i = c0; i < c1; i++) part[i - c0] += a->src[r * a->ld + i];
+            for (int64_t i = c0; i < c1; i++) a->dst[i] += part[i - c0];
+        }
+    }
 }
 
 void ds4_cpu_colsum_add(ds4_dev *d, const ds4_a_colsum_add *a) {

@@ -279,7 +279,12 @@ typedef struct {
 typedef struct {
     const ds4_config *c; const float *X, *fn, *base, *scale, *du; float *dX, *dmix, *xn, *dzb, *dzs; int64_t T;
 } ds4_a_hyperhead_bwd;
-/* dst[i] += src[r·ld + i] for r = 0, 1, .. rows-1 in order (fp32 adds into dst), i < width */
+/* dst[i] += the column sums of src [rows, width] (row stride ld), in chunks of DS4_COLSUM_CHUNK rows: each chunk's
+ * sum p = 0 + src[r0·ld + i] + src[(r0 + 1)·ld + i] + .. in row order, then dst[i] += p chunk after chunk (fp32 adds
+ * throughout). The chunks are independent sums, so a GPU forms them side by side where one chain over all the rows
+ * would keep a single thread a column busy (41 launches of ~41 µs a step on the 599M config); the order depends on
+ * rows alone. */
+enum { DS4_COLSUM_CHUNK = 256 };
 typedef struct { float *dst; const float *src; int64_t rows, width, ld; } ds4_a_colsum_add;
 
 /* Attention backward of one layer from its tape (full forward only): attn_bwd_q computes, per query, the

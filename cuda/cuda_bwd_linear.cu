@@ -698,57 +698,54 @@ __global__ void norm_dw_finish(norm_args a) {
     a.dw[i] = w;
 }
 
-// dst[c] += src[0, c] + src[1, c] + ... one fp32 add at a time in row order (the CPU's bits). The columns are few
-// (3 to a few dozen) and the rows many: a block takes COLSUM_COLS columns; warp 0 (one lane per column) adds a tile of
-// COLSUM_ROWS rows from shared memory while the other warps stage the next tile into a second buffer with coalesced
-// loads, COLSUM_U in flight per thread (the stage is bound by their latency), one barrier per tile. The adding lane
-// reads eight rows into registers before it adds them, so the sequential chain waits on fp32 adds, not on a
-// shared-memory read per row.
-constexpr int COLSUM_COLS = 32, COLSUM_ROWS = 128, COLSUM_U = 8;
-__global__ void __launch_bounds__(256) colsum_kernel(float *dst, const float *src, int64_t rows, int64_t width,
-                                                     int64_t ld) {
-    __shared__ float tile[2][COLSUM_ROWS][COLSUM_COLS + 1];
-    const int64_t c0 = (int64_t)blockIdx.x * COLSUM_COLS;
-    const int cw = (int)(width - c0 < COLSUM_COLS ? width - c0 : COLSUM_COLS);
-    const int loader = (int)threadIdx.x - 32, nload = (int)blockDim.x - 32;
-    auto stage = [&](int buf, int64_t r0) { // COLSUM_U loads in flight per loader (the stage waits on their latency)
-        const int rn = (int)(rows - r0 < COLSUM_ROWS ? rows - r0 : COLSUM_ROWS), n = rn * cw;
-        for (int e0 = loader; e0 < n; e0 += COLSUM_U * nload) {
-            float v[COLSUM_U];
+// ops.h's colsum order: a chunk of DS4_COLSUM_CHUNK rows summed from 0 in row order, the chunks then added into dst
+// in order (the CPU's bits). Block (chunk, group of 32 columns): all threads stage the chunk's piece into shared
+// memory with coalesced loads, COLSUM_U in flight each, then warp 0 (a lane a column) adds its column's rows (grid x
+// the column groups: context parallelism sums a few rows of millions of columns); the
+// chunk's sum goes to part [chunks, width], or straight into dst when there is one chunk. colsum_fold adds the parts.
+constexpr int COLSUM_COLS = 32, COLSUM_U = 8;
+__global__ void __launch_bounds__(256) colsum_chunk_kernel(float *part, float *dst, const float *src, int64_t rows,
+                                                           int64_t width, int64_t ld) {
+    __shared__ float tile[DS4_COLSUM_CHUNK][COLSUM_COLS + 1];
+    const int64_t r0 = (int64_t)blockIdx.y * DS4_COLSUM_CHUNK, c0 = (int64_t)blockIdx.x * COLSUM_COLS;
+    const int rn = (int)(rows - r0 < DS4_COLSUM_CHUNK ? rows - r0 : DS4_COLSUM_CHUNK);
+    const int cw = (int)(width - c0 < COLSUM_COLS ? width - c0 : COLSUM_COLS), n = rn * cw;
+    for (int e0 = (int)threadIdx.x; e0 < n; e0 += COLSUM_U * (int)blockDim.x) {
+        float v[COLSUM_U];
 #pragma unroll
-            for (int u = 0; u < COLSUM_U; u++) {
-                const int e = e0 + u * nload;
-                v[u] = e < n ? src[(r0 + e / cw) * ld + c0 + e % cw] : 0.0f;
-            }
-#pragma unroll
-            for (int u = 0; u < COLSUM_U; u++) {
-                const int e = e0 + u * nload;
-                if (e < n) tile[buf][e / cw][e % cw] = v[u];
-            }
+        for (int u = 0; u < COLSUM_U; u++) {
+            const int e = e0 + u * (int)blockDim.x;
+            v[u] = e < n ? src[(r0 + e / cw) * ld + c0 + e % cw] : 0.0f;
         }
-    };
-    float s = (int)threadIdx.x < cw ? dst[c0 + threadIdx.x] : 0.0f;
-    if (loader >= 0) stage(0, 0);
-    __syncthreads();
-    int buf = 0;
-    for (int64_t r0 = 0; r0 < rows; r0 += COLSUM_ROWS, buf ^= 1) {
-        if (loader >= 0) {
-            if (r0 + COLSUM_ROWS < rows) stage(buf ^ 1, r0 + COLSUM_ROWS);
-        } else if ((int)threadIdx.x < cw) {
-            const int rn = (int)(rows - r0 < COLSUM_ROWS ? rows - r0 : COLSUM_ROWS);
-            int r = 0;
-            for (; r + 8 <= rn; r += 8) {
-                float v[8];
 #pragma unroll
-                for (int u = 0; u < 8; u++) v[u] = tile[buf][r + u][threadIdx.x];
-#pragma unroll
-                for (int u = 0; u < 8; u++) s += v[u];
-            }
-            for (; r < rn; r++) s += tile[buf][r][threadIdx.x];
+        for (int u = 0; u < COLSUM_U; u++) {
+            const int e = e0 + u * (int)blockDim.x;
+            if (e < n) tile[e / cw][e % cw] = v[u];
         }
-        __syncthreads(); // the tile just added is free to restage; the one staged is complete
     }
-    if ((int)threadIdx.x < cw) dst[c0 + threadIdx.x] = s;
+    __syncthreads();
+    if ((int)threadIdx.x >= cw) return;
+    float s = 0.0f;
+    int r = 0;
+    for (; r + 8 <= rn; r += 8) {
+        float v[8];
+#pragma unroll
+        for (int u = 0; u < 8; u++) v[u] = tile[r + u][threadIdx.x];
+#pragma unroll
+        for (int u = 0; u < 8; u++) s += v[u];
+    }
+    for (; r < rn; r++) s += tile[r][threadIdx.x];
+    if (part) part[blockIdx.y * width + c0 + threadIdx.x] = s;
+    else dst[c0 + threadIdx.x] += s;
+}
+
+// dst[c] += part[0, c], then part[1, c], .. in chunk order
+__global__ void colsum_fold(float *dst, const float *part, int64_t chunks, int64_t width) {
+    const int64_t c = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= width) return;
+    float s = dst[c];
+    for (int64_t k = 0; k < chunks; k++) s += part[k * width + c];
+    dst[c] = s;
 }
 
 // du[t, c] = 0 + dX[t, 0, c] + dX[t, 1, c] + ... in stream order (the CPU's adds onto a zeroed row).
@@ -1060,75 +1057,27 @@ void ds4_cuda_norm_bwd(ds4_dev *d, const ds4_a_norm_bwd *a) {
                       (long long)a->width, a->acc ? " (added)" : "");
 }
 
-// The same sums where the rows are dense and at most 32 wide (the mHC bias gradients: 3, 16 and 24 columns, stride =
-// width): the rows of a tile of CSD_ROWS are one contiguous run of floats, which the loader warps copy with cp.async
-// in 16-byte pieces CSD_ST - 1 tiles ahead of warp 0's lanes adding them, one column each, in row order (the CPU's
-// bits, as colsum_kernel). The strided kernel's loads were bound by their latency (one block; 8 in flight per thread).
-constexpr int CSD_ROWS = 256, CSD_ST = 3;
-constexpr size_t CSD_SMEM = (size_t)CSD_ST * CSD_ROWS * 32 * sizeof(float);
-static_assert(CSD_ROWS % 4 == 0, "a tile starts on a 16-byte boundary");
-
-__global__ void __launch_bounds__(256) colsum_dense_kernel(float *dst, const float *src, int64_t rows, int width) {
-    extern __shared__ __align__(16) float cs_tile[]; // [CSD_ST][CSD_ROWS · width]
-    const int64_t n = rows * width, ntiles = (rows + CSD_ROWS - 1) / CSD_ROWS;
-    const int tile_f = CSD_ROWS * width, loader = (int)threadIdx.x - 32, nload = (int)blockDim.x - 32;
-    auto issue = [&](int st, int64_t k) {
-        float *to = cs_tile + st * CSD_ROWS * 32;
-        for (int p = loader; p * 4 < tile_f; p += nload) {
-            const int64_t f = k * tile_f + p * 4, left = n - f;
-            const int bytes = left <= 0 ? 0 : (left >= 4 ? 16 : (int)left * 4);
-            ds4d_cp_async16(to + p * 4, bytes ? src + f : src, bytes);
-        }
-    };
-    float s = (int)threadIdx.x < width ? dst[threadIdx.x] : 0.0f;
-#pragma unroll
-    for (int st = 0; st < CSD_ST - 1; st++) {
-        if (loader >= 0 && st < ntiles) issue(st, st);
-        ds4d_cp_async_commit();
-    }
-    for (int64_t k = 0; k < ntiles; k++) {
-        ds4d_cp_async_wait<CSD_ST - 2>(); // this thread's pieces of tile k have landed
-        __syncthreads();                  // everyone's have; nobody still adds the tile that k + CSD_ST - 1 takes
-        if (loader >= 0 && k + CSD_ST - 1 < ntiles) issue((int)((k + CSD_ST - 1) % CSD_ST), k + CSD_ST - 1);
-        ds4d_cp_async_commit();
-        if ((int)threadIdx.x < width) {
-            const float *t = cs_tile + (k % CSD_ST) * CSD_ROWS * 32 + threadIdx.x;
-            const int rn = (int)(rows - k * CSD_ROWS < CSD_ROWS ? rows - k * CSD_ROWS : CSD_ROWS);
-            int r = 0;
-            for (; r + 8 <= rn; r += 8) {
-                float v[8];
-#pragma unroll
-                for (int u = 0; u < 8; u++) v[u] = t[(r + u) * width];
-#pragma unroll
-                for (int u = 0; u < 8; u++) s += v[u];
-            }
-            for (; r < rn; r++) s += t[r * width];
-        }
-    }
-    ds4d_cp_async_wait<0>();
-    if ((int)threadIdx.x < width) dst[threadIdx.x] = s;
-}
-
 void ds4_cuda_colsum_add(ds4_dev *d, const ds4_a_colsum_add *a) {
     if (a->rows <= 0 || a->width <= 0) return;
-    cuda_dev *cd = cdev(d);
-    if (a->width <= 32 && a->ld == a->width && ((uintptr_t)a->src & 15) == 0) {
-        int &set = cd->smem_set[3];
-        if (!set) /* once per backend: the limit is a property of the kernel */
-            set = cudaFuncSetAttribute(colsum_dense_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       (int)CSD_SMEM) == cudaSuccess ? 1 : -1;
-        if (set == 1) {
-            colsum_dense_kernel<<<1, 256, CSD_SMEM, cd->stream>>>(a->dst, a->src, a->rows, (int)a->width);
-            ds4_cuda_launched(d, "colsum_add", "[%lld rows x %lld, dense, cp.async tiles]", (long long)a->rows,
-                              (long long)a->width);
-            return;
-        }
-        (void)cudaGetLastError();
+    const int64_t chunks = (a->rows + DS4_COLSUM_CHUNK - 1) / DS4_COLSUM_CHUNK, groups = ds4_blocks(a->width, COLSUM_COLS);
+    if (chunks > 65535 || groups > 0x7fffffff) {
+        ds4_dev_fail(d, DS4_ERR_UNSUPPORTED, "colsum_add: [%lld rows x %lld]", (long long)a->rows, (long long)a->width);
+        return;
     }
-    colsum_kernel<<<ds4_blocks(a->width, COLSUM_COLS), 256, 0, cdev(d)->stream>>>(a->dst, a->src, a->rows, a->width,
-                                                                               a->ld);
-    ds4_cuda_launched(d, "colsum_add", "[%lld rows x %lld, stride %lld]", (long long)a->rows, (long long)a->width,
-                      (long long)a->ld);
+    float *part = nullptr; // one chunk: its sum goes straight into dst
+    if (chunks > 1) {
+        part = (float *)ds4_cuda_scratch(d, (size_t)(chunks * a->width) * sizeof(float), "colsum_add", 0);
+        if (!part) return;
+    }
+    cudaStream_t st = cdev(d)->stream;
+    colsum_chunk_kernel<<<dim3((unsigned)groups, (unsigned)chunks), 256, 0, st>>>(part, a->dst, a->src, a->rows,
+                                                                                  a->width, a->ld);
+    if (!ds4_cuda_launched(d, "colsum_add", "[%lld rows x %lld, stride %lld], chunks", (long long)a->rows,
+                           (long long)a->width, (long long)a->ld) || !part)
+        return;
+    colsum_fold<<<ds4_blocks(a->width, 256), 256, 0, st>>>(a->dst, part, chunks, a->width);
+    ds4_cuda_launched(d, "colsum_add", "[%lld rows x %lld], fold of %lld chunks", (long long)a->rows,
+                      (long long)a->width, (long long)chunks);
 }
 
 void ds4_cuda_sum_streams(ds4_dev *d, const ds4_a_sum_streams *a) {

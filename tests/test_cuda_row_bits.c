@@ -9,7 +9,8 @@
  * and when values are read, never the order of an operation, so a single differing bit is a bug (a sum reordered, a
  * tie resolved to another id, a value left unwritten). Every output is NaN-poisoned (0xff bytes) on both sides; outputs
  * meant to be written must hold no NaN where their inputs have none. colsum_add and cast_params must moreover equal the
- * CPU backend's bytes (the same fp32 adds in row order; the same rounding to nearest even). The forward ops (logprobs,
+ * CPU backend's bytes (the same fp32 adds in ops.h's order: chunks of 256 rows, each from 0 in row order, added into
+ * dst in chunk order; the same rounding to nearest even). The forward ops (logprobs,
  * rmsnorm) must also give a row's bits with the row alone (a decoding step) or among a few. ce_rows and logprobs also
  * keep each row's max and Σ exp for the backward (ops.h), the same bytes from both, and logp_bwd from them (its
  * elementwise kernel) must give the bytes of logp_bwd without them.
@@ -438,16 +439,19 @@ int main(void) {
         t_rmsnorm(9, 7, 1);       /* fewer values than lanes */
         t_rmsnorm(5, 5000, 1);    /* wider than the register kernels: the loop kernel itself */
 
-        t_colsum(8192, 24, 24, 0); /* the mHC sites' base and scale gradients (dense, cp.async) */
+        t_colsum(8192, 24, 24, 0); /* the mHC sites' base and scale gradients: 32 chunks folded */
         t_colsum(8192, 3, 3, 0);
         t_colsum(8192, 1, 3, 0); /* HyperHead's scale: strided */
         t_colsum(8192, 16, 16, 0);
         t_colsum(300, 32, 32, 4); /* dense, src 16-byte aligned at an offset */
-        t_colsum(4099, 24, 24, 1); /* src not aligned: strided */
+        t_colsum(4099, 24, 24, 1); /* src not 16-byte aligned, a ragged last chunk */
         t_colsum(17, 5, 5, 0);
         t_colsum(1, 3, 3, 0);
         t_colsum(31, 24, 24, 0);
         t_colsum(700, 70, 75, 0); /* wide: three column blocks */
+        t_colsum(256, 24, 24, 0); /* one whole chunk: added straight into dst */
+        t_colsum(257, 24, 24, 0); /* a second chunk of one row */
+        t_colsum(4, 70001, 70001, 0); /* context parallelism's sum over the ranks: few rows, 2,188 column blocks */
 
         t_norm_bwd(300, 1024, 1, 300, NB_APART, 1); /* ffn / attn norms: dx apart, factors from the dx pass */
         t_norm_bwd(300, 1024, 1, 300, NB_ALIAS, 1); /* q / kv norms: in place */
