@@ -241,7 +241,13 @@ typedef struct {
     int dy_kept;   /* the schedule's word that this op directly follows a linear_bwd_x of the same dy (dy, ldy, T, O)
                     * and nothing wrote dy since: a backend may reuse what it derived from dy there (CUDA: its bf16
                     * copy); the result is the same either way */
+    int run;       /* 0: alone. Else one of a run of products into the same dW [O, K] (the head's row chunks, in
+                    * order), nothing else touching dW in between: DS4_DW_RUN | DS4_DW_FIRST on the first, DS4_DW_RUN
+                    * on those between, DS4_DW_RUN | DS4_DW_LAST on the last (all three on a run of one). A backend
+                    * may sum the run's products apart and add their total into dW at the last (CUDA, where dW lies
+                    * off a 16-byte boundary); the CPU adds each product as it comes */
 } ds4_a_linear_bwd_w;
+enum { DS4_DW_FIRST = 1, DS4_DW_LAST = 2, DS4_DW_RUN = 4 };
 /* The same per row group of off (ds4_a_matmul_grouped): dx rows written (acc: added); dW + e·wstride added */
 typedef struct {
     float *dx; int acc; const float *dy; const void *W; ds4_dtype wdt; int64_t wstride; const int64_t *off;

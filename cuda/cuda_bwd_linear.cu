@@ -966,12 +966,23 @@ void ds4_cuda_linear_bwd_w(ds4_dev *d, const ds4_a_linear_bwd_w *a) {
     // weights 4, 8 or 12 bytes off a 16-byte boundary), and cuBLAS then takes its sm80 kernels for 4-byte-aligned
     // operands (Nsight Compute, H200: 494 against 183 µs for the same 1024 x 8192 x 8192 dW, 2.5x): such a dW is
     // formed in aligned scratch (slot 0, free here: the copies above are in slot 1) and added in one pass.
+    // A run of such products into one dW (the head's row chunks) is summed in slot 3 and added once, at its last.
     if (((uintptr_t)a->dW & 15) != 0) {
         const int64_t n = a->O * a->K;
-        auto *t = (float *)ds4_cuda_scratch(d, (size_t)n * sizeof(float), "linear_bwd_w", 0);
+        const bool run = a->run & DS4_DW_RUN, first = !run || (a->run & DS4_DW_FIRST),
+                   last = !run || (a->run & DS4_DW_LAST);
+        cuda_dev::dw_run_state &r = cd->dw_run;
+        if (run && !first && (r.dW != a->dW || r.O != a->O || r.K != a->K || r.sum != cd->scratch[3])) {
+            r.dW = nullptr;
+            ds4_dev_fail(d, DS4_ERR_INTERNAL, "linear_bwd_w %s: a run's product without the run's first", s);
+            return;
+        }
+        auto *t = (float *)ds4_cuda_scratch(d, (size_t)n * sizeof(float), "linear_bwd_w", run ? 3 : 0);
         if (!t) return;
-        blas_gemm(d, "linear_bwd_w", s, CUBLAS_OP_N, CUBLAS_OP_T, a->K, a->O, a->T, x, ldx, dy, ldy, 0.0f, t, a->K, dt);
-        if (d->st) return;
+        r = run && !last ? cuda_dev::dw_run_state{a->dW, a->O, a->K, t} : cuda_dev::dw_run_state{};
+        blas_gemm(d, "linear_bwd_w", s, CUBLAS_OP_N, CUBLAS_OP_T, a->K, a->O, a->T, x, ldx, dy, ldy, first ? 0.0f : 1.0f,
+                  t, a->K, dt);
+        if (d->st || !last) return;
         const int64_t blocks = (n + 4 * 256 - 1) / (4 * 256);
         add_into_kernel<<<(unsigned)(blocks < 4096 ? blocks : 4096), 256, 0, cd->stream>>>(a->dW, t, n);
         ds4_cuda_launched(d, "linear_bwd_w", "dW [%lld x %lld] += the aligned product", (long long)a->O,

@@ -40,8 +40,8 @@ struct cuda_dev {
     size_t smem_attn_tc, smem_bwd_tc; // the same for the bf16 mode's attention and its backward's per-query phase
     size_t smem_kg_tc[3];         // and for its key gradients' kernels of 1, 2 and 4 queries a barrier (cuda_bwd_attn.cu)
     // scratch owned by the backend (grown, never shrunk; allocated before a pass, never inside one)
-    void *scratch[3];
-    size_t scratch_bytes[3];
+    void *scratch[4];
+    size_t scratch_bytes[4];
     int *counters;
     size_t ncounters;
     int32_t *host_err;            // pinned: per-row status words of the sampler
@@ -105,6 +105,13 @@ struct cuda_dev {
         void *buf;
     } fwd_x;
     uint64_t slot2_uses;
+    // An open run of linear_bwd_w products (ops.h: run) summed apart in scratch slot 3 for a dW off a 16-byte
+    // boundary (cuda_bwd_linear.cu): its dW and shape, and slot 3's block it was begun in; dW NULL: none open.
+    struct dw_run_state {
+        float *dW;
+        int64_t O, K;
+        void *sum;
+    } dw_run;
     int attn_ref;                 // DS4_CUDA_ATTN_REF=1: the bf16 attention's and its backward's reference kernels
                                   // (cuda_attn_tc.cuh, cuda_bwd_attn.cu), whose bits the pipelined ones give
     graph_entry *recording;
@@ -116,7 +123,7 @@ static inline cuda_dev *cdev(ds4_dev *d) { return reinterpret_cast<cuda_dev *>(d
 bool ds4_cuda_launched(ds4_dev *d, const char *op, const char *fmt, ...) DS4_PRINTF(3, 4);
 // Device scratch of at least `bytes`, or NULL (failure recorded) — for operations that need temporary memory. Slot
 // 0 is the GEMMs' (slice partials); slot 1 an operation's own temporaries, which may then call a GEMM; slot 2 the
-// GEMMs' bf16 copy of x (the pipelined kernel's operand).
+// GEMMs' bf16 copy of x (the pipelined kernel's operand); slot 3 a run of weight-gradient products (dw_run).
 void *ds4_cuda_scratch(ds4_dev *d, size_t bytes, const char *op, int slot);
 // y [M, N] (row stride ldy) = x [M, K] (row stride ldx) · Wᵀ with fp32 W [N, K]: the batch-invariant GEMM of
 // cuda_gemm.cu, for operations that contain a product (the mHC mixing logits).

@@ -183,6 +183,35 @@ static void t_linear_mode(int64_t T, int64_t K, int64_t O, int64_t pad, int acc,
     t_linear_off(T, K, O, pad, acc, wdt, any_order, 0);
 }
 
+/* A run of bf16 products into one dW off a 16-byte boundary (ops.h: run; the head's row chunks): the GPU sums the
+ * run apart and adds it at the last, the CPU adds each product; fp32 sums of the same exact products (the operands
+ * are bf16 values) in two orders, so within the fp32 bound of 1e-5. The floats before dW stay. Then a run's middle
+ * product without its first: an internal error that names the op, nothing summed into a stale run. */
+static void t_linear_run(int64_t chunk, int nchunks, int64_t K, int64_t O, int64_t dwoff) {
+    const int64_t T = chunk * nchunks;
+    twin dy = tw_f(T * O, -1, 1), x = tw_f(T * K, -1, 1), dW = tw_f(O * K + dwoff, -0.1f, 0.1f);
+    round_bf16(&dy), round_bf16(&x);
+    char what[128];
+    snprintf(what, sizeof what, "linear_bwd_w run of %d chunks of %lld rows, K %lld O %lld, dW at +%lld", nchunks,
+             (long long)chunk, (long long)K, (long long)O, (long long)dwoff);
+    outs o = outs_of(&dW, NULL);
+    for (int run = 0, side = 1; run < 3; side = next_run(&o, &run, what)) {
+        ds4_dev *d = side ? gpu : cpu;
+        for (int c = 0; c < nchunks; c++)
+            OP(d, linear_bwd_w, .dW = (float *)S(dW) + dwoff, .dy = (const float *)S(dy) + c * chunk * O, .ldy = O,
+               .x = (const float *)S(x) + c * chunk * K, .ldx = K, .T = chunk, .K = K, .O = O,
+               .wdt = side ? DS4_BF16 : DS4_F32,
+               .run = DS4_DW_RUN | (c == 0 ? DS4_DW_FIRST : 0) | (c == nchunks - 1 ? DS4_DW_LAST : 0));
+    }
+    cmp_f(what, &dW, O * K + dwoff, 1e-5);
+    OP(gpu, linear_bwd_w, .dW = (float *)dW.d + dwoff, .dy = dy.d, .ldy = O, .x = x.d, .ldx = K, .T = chunk, .K = K,
+       .O = O, .wdt = DS4_BF16, .run = DS4_DW_RUN);
+    ds4_error err;
+    CHECK_STATUS(ds4_dev_check(gpu, "linear_bwd_w run", &err), DS4_ERR_INTERNAL, &err);
+    CHECK(strstr(err.msg, "linear_bwd_w") && strstr(err.msg, "run"), "names the op and the run: %s", err.msg);
+    tw_free(&dy), tw_free(&x), tw_free(&dW);
+}
+
 static void t_linear(int64_t T, int64_t K, int64_t O, int64_t pad, int acc, ds4_dtype wdt) {
     t_linear_mode(T, K, O, pad, acc, wdt, 0);
 }
@@ -599,6 +628,9 @@ int main(int argc, char **argv) {
     for (int64_t off = 1; off <= 3; off++) t_linear_off(300, 130, 77, 0, 1, DS4_BF16, 0, off);
     t_linear_off(512, 512, 384, 3, 0, DS4_BF16, 0, 2);
     t_linear_off(2000, 4096, 24, 0, 0, DS4_F32, 1, 1);
+    t_linear_run(100, 3, 64, 300, 1);
+    t_linear_run(37, 1, 40, 24, 3); /* a run of one: first and last at once */
+    t_linear_run(256, 4, 128, 1000, 2);
     t_norm_bwd(37, 300, 1, 37, NB_PLAIN, 1);
     t_norm_bwd(37, 300, 1, 37, NB_ALIAS, 1); /* kv_norm, q_norm: dx = dy with the weight gradient */
     t_norm_bwd(5, 4096, 1, 5, NB_ACC, 0);    /* the mHC RMS over n·D: added, unweighted */

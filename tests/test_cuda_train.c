@@ -447,13 +447,14 @@ static void optimizer_ops(ds4_engine *eng, opt_layout lay) {
     {
         /* the update writing the working copy itself (wcast), on the device and on the cpu, against the cpu's
          * update followed by its cast_params (the reference): p, g, m, v and the copy bitwise. Tensor 2 has no copy
-         * (dst -1: its bytes stay 0x5a). The bf16 tensors' places are ce's moved by sh bytes: with sh 2 their
-         * groups of four land off 8-byte boundaries (the kernel's element-by-element stores), with sh 0 on them */
-        for (int sh = 0; sh <= 2; sh += 2) {
+         * (dst -1: its bytes stay 0x5a). The bf16 tensors' places are ce's moved by sh bytes: with sh 2, 4, 6 their
+         * groups of four land 1, 2, 3 values off 8-byte boundaries (the kernel's element-by-element stores), with sh 0
+         * on them */
+        for (int sh = 0; sh <= 6; sh += 2) {
             ds4_cast_entry cs[3];
             for (int j = 0; j < 3; j++) /* the fp32 tensor (1) moved by 4 bytes: 4-aligned, 16-aligned nowhere */
                 cs[j] = ce[j], cs[j].dst += j == 0 ? sh : j == 1 ? 4 : sh + 4;
-            const size_t wb = cbytes + 8;
+            const size_t wb = cbytes + 12;
             ds4_optim_wcast *wc = malloc((size_t)np * sizeof *wc);
             for (int64_t k = 0; k < np; k++) {
                 wc[k] = (ds4_optim_wcast){-1, 0};
