@@ -173,7 +173,7 @@ static prod_x tape_x(const bwd *b, const void *p, int64_t k) {
 /* Backward of y = x Wᵀ over T rows: dx = dy W (added when acc, else written; dx may be NULL) and dW += dyᵀ x
  * (dW may be NULL). M: W is an M matrix (held in mdt; the bf16 mode rounds the products' operands), else fp32. */
 static void lin_bwd_px(bwd *b, float *dx, int64_t lddx, int acc, float *dW, const float *dy, int64_t ldy, prod_x x,
-                      int64_t ldx, const void *W, int M, int64_t T, int64_t K, int64_t O, int run) {
+                      int64_t ldx, const void *W, int M, int64_t T, int64_t K, int64_t O) {
     if (T <= 0) return;
     const ds4_dtype wdt = M ? b->mdt : DS4_F32;
     const int bf16_in = M && b->f.w->bf16_in;
@@ -187,13 +187,12 @@ static void lin_bwd_px(bwd *b, float *dx, int64_t lddx, int acc, float *dW, cons
     }
     if (dW)
         OP(b->f.dev, linear_bwd_w, .dW = dW, .dy = dy, .ldy = ldy, .x = x.f, .x16 = x.h, .ldx = ldx, .T = T, .K = K,
-           .O = O, .wdt = wdt, .bf16_in = bf16_in, .any_order = !M && b->f.w->bf16_in, .dy_kept = dx != NULL,
-           .run = run);
+           .O = O, .wdt = wdt, .bf16_in = bf16_in, .any_order = !M && b->f.w->bf16_in, .dy_kept = dx != NULL);
 }
 
 static void lin_bwd(bwd *b, float *dx, int64_t lddx, int acc, float *dW, const float *dy, int64_t ldy, const float *x,
                     int64_t ldx, const void *W, int M, int64_t T, int64_t K, int64_t O) {
-    lin_bwd_px(b, dx, lddx, acc, dW, dy, ldy, (prod_x){x, NULL}, ldx, W, M, T, K, O, 0);
+    lin_bwd_px(b, dx, lddx, acc, dW, dy, ldy, (prod_x){x, NULL}, ldx, W, M, T, K, O);
 }
 
 /* dst += the column sums of src (dst NULL: a frozen weight, nothing to compute) */
@@ -262,8 +261,8 @@ static void comp_bwd(bwd *b, const ds4_compressor_w *w, const ds4_compressor_w *
     OP(dev, comp_bwd, .c = c, .w = w, .overlap = overlap, .C = C, .Z = Z, .dpool = b->dpool, .dC = b->dC, .dZ = b->dZ,
        .gape = g->ape, .B = B, .S = S, .nwin = nwin);
     const prod_x h = tape_x(b, lt->h_attn, 0);
-    lin_bwd_px(b, want_dh ? b->dh : NULL, D, 1, g->wkv, b->dC, w->width, h, D, w->wkv, 1, T, D, w->width, 0);
-    lin_bwd_px(b, want_dh ? b->dh : NULL, D, 1, g->wgate, b->dZ, w->width, h, D, w->wgate, 1, T, D, w->width, 0);
+    lin_bwd_px(b, want_dh ? b->dh : NULL, D, 1, g->wkv, b->dC, w->width, h, D, w->wkv, 1, T, D, w->width);
+    lin_bwd_px(b, want_dh ? b->dh : NULL, D, 1, g->wgate, b->dZ, w->width, h, D, w->wgate, 1, T, D, w->width);
 }
 
 /* The indexer KL loss's backward for one CSA layer (after the attention backward built the inverse pick lists):
@@ -301,13 +300,11 @@ static void indexer_kl_bwd(bwd *b, const ds4_layer_w *l, const ds4_layer_w *g, c
            .q = rot);
     }
     rope_bwd(b, b->diq, nI, cI, &b->f.rcomp, 1);
-    lin_bwd_px(b, NULL, qr, 0, g->idx_wq_b, b->diq, nI * cI, tape_x(b, lt->qr, 0), qr, l->idx_wq_b, 1, T, qr, nI * cI,
-               0);
+    lin_bwd_px(b, NULL, qr, 0, g->idx_wq_b, b->diq, nI * cI, tape_x(b, lt->qr, 0), qr, l->idx_wq_b, 1, T, qr, nI * cI);
     ds4_lora_bwd(&b->lc, l->lora, DS4_LORA_AB(l->lora, idx_wq_b), DS4_LORA_AB(g->lora, idx_wq_b), NULL, 0, b->diq,
                  nI * cI, (const float *)lt->qr, qr, T, qr, nI * cI);
     OP(dev, scale, .x = b->diw, .n = T * nI, .s = 1.0f / sqrtf((float)nI)); /* ω = weights_proj(h) · n_I^-1/2 */
-    lin_bwd_px(b, NULL, D, 0, g->idx_weights, b->diw, nI, tape_x(b, lt->h_attn, 0), D, l->idx_weights, 1, T, D, nI,
-               0);
+    lin_bwd_px(b, NULL, D, 0, g->idx_weights, b->diw, nI, tape_x(b, lt->h_attn, 0), D, l->idx_weights, 1, T, D, nI);
     ds4_lora_bwd(&b->lc, l->lora, DS4_LORA_AB(l->lora, idx_weights), DS4_LORA_AB(g->lora, idx_weights), NULL, 0,
                  b->diw, nI, (const float *)lt->h_attn, D, T, D, nI);
     comp_bwd(b, &l->idx_comp, &g->idx_comp, lt, lt->iC, lt->iZ, lt->ipool, 1, 0);
@@ -328,12 +325,12 @@ static void attention_bwd_rows(bwd *b, const ds4_layer_w *l, const ds4_layer_w *
     const ds4_rope_table *rt = l->type == DS4_ATTN_SLIDING ? &b->f.rmain : &b->f.rcomp;
     ds4_dev *dev = b->f.dev;
     const ds4_lora_layer *lo = l->lora, *go = g->lora;
-    lin_bwd_px(b, b->dy, G * ol, 0, g->wo_b, b->da, D, tape_x(b, lt->y, 0), G * ol, l->wo_b, 1, Tq, G * ol, D, 0);
+    lin_bwd_px(b, b->dy, G * ol, 0, g->wo_b, b->da, D, tape_x(b, lt->y, 0), G * ol, l->wo_b, 1, Tq, G * ol, D);
     ds4_lora_bwd(&b->lc, lo, DS4_LORA_AB(lo, wo_b), DS4_LORA_AB(go, wo_b), b->dy, G * ol, b->da, D,
                  (const float *)lt->y, G * ol, Tq, G * ol, D);
     for (int64_t k = 0; k < G; k++)
         lin_bwd_px(b, b->do_ + k * gw, H * d, 0, g->wo_a ? g->wo_a + k * ol * gw : NULL, b->dy + k * ol, G * ol,
-                   tape_x(b, lt->o, k * gw), H * d, wat(l->wo_a, b->mdt, k * ol * gw), 1, Tq, gw, ol, 0);
+                   tape_x(b, lt->o, k * gw), H * d, wat(l->wo_a, b->mdt, k * ol * gw), 1, Tq, gw, ol);
     ds4_lora_bwd_wo_a(&b->lc, c, lo, go, b->do_, b->dy, (const float *)lt->o, Tq);
     rope_bwd_at(b, b->do_, H, d, rt, -1, rq); /* the output was de-rotated */
     const ds4_a_attn_bwd ab = {.c = c, .l = l, .lt = lt, .B = b->f.B, .S = S, .sel_stride = b->tp->sel_stride,
@@ -362,13 +359,13 @@ static void attention_bwd_rows(bwd *b, const ds4_layer_w *l, const ds4_layer_w *
     /* window keys: RoPE, kv_norm, wkv */
     rope_bwd(b, b->dkv, 1, d, rt, 1);
     norm_bwd(b, b->dkv, 0, g->kv_norm, b->dkv, lt->kv_pre, l->kv_norm, T, d);
-    lin_bwd_px(b, b->dh, D, 1, g->wkv, b->dkv, d, tape_x(b, lt->h_attn, 0), D, l->wkv, 1, T, D, d, 0);
+    lin_bwd_px(b, b->dh, D, 1, g->wkv, b->dkv, d, tape_x(b, lt->h_attn, 0), D, l->wkv, 1, T, D, d);
     ds4_lora_bwd(&b->lc, lo, DS4_LORA_AB(lo, wkv), DS4_LORA_AB(go, wkv), b->dh, D, b->dkv, d,
                  (const float *)lt->h_attn, D, T, D, d);
     /* queries: RoPE, per-head RMS, wq_b, q_norm, wq_a */
     rope_bwd_at(b, b->dq, H, d, rt, 1, rq);
     norm_bwd(b, b->dq, 0, NULL, b->dq, lt->q_pre, NULL, Tq * H, d);
-    lin_bwd_px(b, b->dqa, qr, 0, g->wq_b, b->dq, H * d, tape_x(b, lt->qr, 0), qr, l->wq_b, 1, Tq, qr, H * d, 0);
+    lin_bwd_px(b, b->dqa, qr, 0, g->wq_b, b->dq, H * d, tape_x(b, lt->qr, 0), qr, l->wq_b, 1, Tq, qr, H * d);
     ds4_lora_bwd(&b->lc, lo, DS4_LORA_AB(lo, wq_b), DS4_LORA_AB(go, wq_b), b->dqa, qr, b->dq, H * d,
                  (const float *)lt->qr, qr, Tq, qr, H * d);
     norm_bwd(b, b->dqa, 0, g->q_norm, b->dqa, lt->qa, l->q_norm, Tq, qr);
@@ -377,10 +374,10 @@ static void attention_bwd_rows(bwd *b, const ds4_layer_w *l, const ds4_layer_w *
         const int64_t n = qw->qn;
         for (int64_t s = 0; s < b->f.B; s++)
             lin_bwd_px(b, b->dh + s * n * D, D, 1, g->wq_a, b->dqa + s * n * qr, qr,
-                       tape_x(b, lt->h_attn, (s * S + qw->q0) * D), D, l->wq_a, 1, n, D, qr, 0);
+                       tape_x(b, lt->h_attn, (s * S + qw->q0) * D), D, l->wq_a, 1, n, D, qr);
         return; /* no LoRA with context parallelism (cp.c) */
     }
-    lin_bwd_px(b, b->dh, D, 1, g->wq_a, b->dqa, qr, tape_x(b, lt->h_attn, 0), D, l->wq_a, 1, T, D, qr, 0);
+    lin_bwd_px(b, b->dh, D, 1, g->wq_a, b->dqa, qr, tape_x(b, lt->h_attn, 0), D, l->wq_a, 1, T, D, qr);
     ds4_lora_bwd(&b->lc, lo, DS4_LORA_AB(lo, wq_a), DS4_LORA_AB(go, wq_a), b->dh, D, b->dqa, qr,
                  (const float *)lt->h_attn, D, T, D, qr);
 }
@@ -550,13 +547,18 @@ static void head_bwd(bwd *b, int head, const float *u, const float *y, const flo
         if (!kept)
             OP(b->f.dev, matmul, .y = logits, .ldy = V, .x = y + r0 * D, .ldx = D, .W = b->f.w->head, .wdt = b->mdt,
                .T = n, .K = D, .O = V, .bf16_in = b->f.w->bf16_in);
+        /* the logits' gradient feeds only the two products below: in the bf16 mode, which rounds it for them, a
+         * backend may keep it rounded instead of writing it (dl16, dy_kept; ops.h) */
         OP(b->f.dev, logp_bwd, .dl = b->dlog, .logits = logits, .rows = n, .V = V, .tgt = tgt + r0,
            .dlogp = dlogp ? dlogp + r0 : NULL, .g0 = g0, .rmx = stats ? b->tp->rmx + so + r0 : NULL,
-           .rse = stats ? b->tp->rse + so + r0 : NULL);
+           .rse = stats ? b->tp->rse + so + r0 : NULL, .dl16 = b->mdt == DS4_BF16);
+        OP(b->f.dev, linear_bwd_x, .dx = b->dh + r0 * D, .lddx = D, .dy = b->dlog, .ldy = V, .W = b->f.w->head,
+           .wdt = b->mdt, .T = n, .K = D, .O = V, .bf16_in = b->f.w->bf16_in, .dy_kept = 1);
         /* the chunks' weight gradients are one run into the head's dW (ops.h) */
-        const int run = DS4_DW_RUN | (r0 == 0 ? DS4_DW_FIRST : 0) | (r0 + n == T ? DS4_DW_LAST : 0);
-        lin_bwd_px(b, b->dh + r0 * D, D, 0, b->gw->head, b->dlog, V, (prod_x){y + r0 * D, NULL}, D, b->f.w->head, 1,
-                   n, D, V, run);
+        if (b->gw->head)
+            OP(b->f.dev, linear_bwd_w, .dW = b->gw->head, .dy = b->dlog, .ldy = V, .x = y + r0 * D, .ldx = D, .T = n,
+               .K = D, .O = V, .wdt = b->mdt, .bf16_in = b->f.w->bf16_in, .dy_kept = 1,
+               .run = DS4_DW_RUN | (r0 == 0 ? DS4_DW_FIRST : 0) | (r0 + n == T ? DS4_DW_LAST : 0));
     }
     norm_bwd(b, b->du, 0, gnorm, b->dh, u, nw, T, D);
     hyperhead_bwd(b, X, fn, base, scale, gfn, gbase, gscale, b->du, dX);

@@ -221,10 +221,14 @@ typedef struct {
 
 /* dl[r] = g_r·(onehot(tgt[r]) − softmax(logits[r])) with g_r = dlogp[r] (or g0 when dlogp is NULL); 0 at rows
  * with tgt -100 or g_r = 0. rmx / rse (both or neither): the rows' statistics as ce_rows / logprobs wrote them for
- * these same logits, used instead of computing them again (the same values, so the same bits) */
+ * these same logits, used instead of computing them again (the same values, so the same bits). dl16: the schedule's
+ * word that dl is read only by the bf16 products that follow (a linear_bwd_x told dy_kept, then its linear_bwd_w),
+ * which round it to bf16: a backend may keep dl so rounded for them and leave dl itself unwritten (CUDA: in the
+ * products' scratch, 2 bytes a value written instead of 4, and no rounding pass); the CPU writes dl */
 typedef struct {
     float *dl; const float *logits; int64_t rows, V; const int64_t *tgt; const float *dlogp; double g0;
     const float *rmx; const double *rse;
+    int dl16;
 } ds4_a_logp_bwd;
 /* y = x Wᵀ backward. linear_bwd_x: dx = dy·W (added when acc); linear_bwd_w: dW += dyᵀ·x. wdt is the dtype W is
  * held in; for linear_bwd_w (dW is fp32 either way) BF16 asks for the product of dy and x rounded to bf16, as the
@@ -232,6 +236,8 @@ typedef struct {
 typedef struct {
     float *dx; int64_t lddx; int acc; const float *dy; int64_t ldy; const void *W; ds4_dtype wdt; int64_t T, K, O;
     int bf16_in;
+    int dy_kept; /* the schedule's word that this op directly follows the logp_bwd (told dl16) that formed dy: a
+                  * backend takes dy from what it kept there (ds4_a_logp_bwd) */
 } ds4_a_linear_bwd_x;
 typedef struct {
     float *dW; const float *dy; int64_t ldy; const float *x; int64_t ldx, T, K, O; ds4_dtype wdt; int bf16_in;

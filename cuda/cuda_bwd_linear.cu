@@ -449,10 +449,12 @@ __global__ void __launch_bounds__(LOGP_THREADS) logp_bwd_kernel(float *dl, const
 // store where V % 4 == 0 and both buffers are 16-byte aligned (vec).
 constexpr int LOGPS_THREADS = 256;
 
+// dl16 (not NULL): the values rounded to bf16 (nearest even, as rows_to_bf16 rounds the products' operands) go there
+// [rows, V] instead of to dl.
 __global__ void __launch_bounds__(LOGPS_THREADS) logp_bwd_stats_kernel(float *dl, const float *logits, int64_t V,
                                                                        const int64_t *tgt, const float *dlogp,
                                                                        double g0, const float *rmx, const double *rse,
-                                                                       int64_t r0, int vec) {
+                                                                       int64_t r0, int vec, __nv_bfloat16 *dl16) {
     const int64_t r = r0 + blockIdx.y, v0 = ((int64_t)blockIdx.x * LOGPS_THREADS + threadIdx.x) * 4;
     if (v0 >= V) return;
     const int64_t y = tgt[r];
@@ -477,6 +479,13 @@ __global__ void __launch_bounds__(LOGPS_THREADS) logp_bwd_stats_kernel(float *dl
             out[j] = (float)(-g * exp((double)zv[j] - mx) / se);
             if (v0 + j == y) out[j] += (float)g;
         }
+    }
+    if (dl16) {
+        __nv_bfloat16 *o16 = dl16 + r * V + v0;
+        if (vec) *reinterpret_cast<uint2 *>(o16) = make_uint2(ds4d_pack_bf16(out[0], out[1]), ds4d_pack_bf16(out[2], out[3]));
+        else
+            for (int j = 0; j < n; j++) o16[j] = __float2bfloat16_rn(out[j]);
+        return;
     }
     if (vec) *reinterpret_cast<float4 *>(o) = make_float4(out[0], out[1], out[2], out[3]);
     else
@@ -837,7 +846,16 @@ void ds4_cuda_logp_bwd(ds4_dev *d, const ds4_a_logp_bwd *a) {
         ds4_dev_fail(d, DS4_ERR_UNSUPPORTED, "logp_bwd: %lld rows x %lld", (long long)a->rows, (long long)a->V);
         return;
     }
+    cuda_dev *cd = cdev(d);
+    cd->bwd_dy.src = nullptr;
     if (a->rmx && a->rse) { // the forward's statistics: one elementwise pass, rows in launches of at most 65535
+        // dl16: dl rounded to bf16 in scratch slot 4 (row stride V) for the linear_bwd_x that follows (dy_kept), as
+        // it would have rounded it; dl is not written (the reference backend writes it and rounds again)
+        __nv_bfloat16 *d16 = nullptr;
+        if (a->dl16 && !cd->bwd_ref) {
+            d16 = (__nv_bfloat16 *)ds4_cuda_scratch(d, (size_t)(a->rows * a->V) * sizeof(__nv_bfloat16), "logp_bwd", 4);
+            if (!d16) return;
+        }
         const int vec = a->V % 4 == 0 && ((uintptr_t)a->logits & 15) == 0 && ((uintptr_t)a->dl & 15) == 0;
         const int64_t per = (a->V + 4 * LOGPS_THREADS - 1) / (4 * LOGPS_THREADS);
         if (per > 0x7fffffff) {
@@ -846,12 +864,13 @@ void ds4_cuda_logp_bwd(ds4_dev *d, const ds4_a_logp_bwd *a) {
         }
         for (int64_t r0 = 0; r0 < a->rows; r0 += 65535) {
             const int64_t nr = a->rows - r0 < 65535 ? a->rows - r0 : 65535;
-            logp_bwd_stats_kernel<<<dim3((unsigned)per, (unsigned)nr), LOGPS_THREADS, 0, cdev(d)->stream>>>(
-                a->dl, a->logits, a->V, a->tgt, a->dlogp, a->g0, a->rmx, a->rse, r0, vec);
-            if (!ds4_cuda_launched(d, "logp_bwd", "[%lld x %lld], the forward's row statistics", (long long)a->rows,
-                                   (long long)a->V))
+            logp_bwd_stats_kernel<<<dim3((unsigned)per, (unsigned)nr), LOGPS_THREADS, 0, cd->stream>>>(
+                a->dl, a->logits, a->V, a->tgt, a->dlogp, a->g0, a->rmx, a->rse, r0, vec, d16);
+            if (!ds4_cuda_launched(d, "logp_bwd", "[%lld x %lld], the forward's row statistics%s", (long long)a->rows,
+                                   (long long)a->V, d16 ? ", kept in bf16" : ""))
                 return;
         }
+        if (d16) cd->bwd_dy = {a->dl, a->rows, a->V, a->V, 4, cd->scratch_gen[4], true};
         return;
     }
     logp_bwd_kernel<<<(unsigned)a->rows, LOGP_THREADS, 0, cdev(d)->stream>>>(a->dl, a->logits, a->V, a->tgt, a->dlogp, a->g0);
@@ -909,19 +928,32 @@ void ds4_cuda_linear_bwd_x(ds4_dev *d, const ds4_a_linear_bwd_x *a) {
     snprintf(s, sizeof s, "dx [%lld x %lld]%s = dy [%lld x %lld] x W [%lld x %lld]", (long long)a->T, (long long)a->K,
              a->acc ? " +" : "", (long long)a->T, (long long)a->O, (long long)a->O, (long long)a->K);
     cuda_dev *cd = cdev(d);
+    const cuda_dev::kept_bf16 k = cd->bwd_dy; // what the logp_bwd just before left (dy_kept)
     cd->bwd_dy.src = nullptr;
+    const bool kept = a->dy_kept && k.src == a->dy && k.rows == a->T && k.cols == a->O && k.ld == a->ldy &&
+                      k.sgen == cd->scratch_gen[k.slot] && a->wdt == DS4_BF16 && a->O > 0;
+    if (k.unwritten && k.src == a->dy && !kept) {
+        ds4_dev_fail(d, DS4_ERR_INTERNAL, "linear_bwd_x %s: dy was kept in bf16 by logp_bwd and never written, but "
+                     "this product cannot take the kept copy", s);
+        return;
+    }
     if (a->bf16_in && a->wdt != DS4_BF16) return fp32_bf16_in(d, "linear_bwd_x");
     // fp32 (the reference mode, and LoRA's forward y += u·B, which must be batch-invariant: cuBLAS is not), another
     // dtype (the tiles' error), no reduction (O = 0: the tiles write the zeros)
     if (a->wdt != DS4_BF16 || a->O <= 0) return product(d, "linear_bwd_x", p, a->wdt, true, s);
     // column-major: dxᵀ [K x T] (+)= Wᵀ [K x O] · dyᵀ [O x T]; W row-major [O, K] is column-major [K x O]
-    auto *dy = (__nv_bfloat16 *)ds4_cuda_scratch(d, (size_t)(a->T * a->O) * sizeof(__nv_bfloat16), "linear_bwd_x", 1);
-    if (!dy || !to_bf16(d, "linear_bwd_x", dy, a->dy, a->T, a->O, a->ldy)) return;
+    const int slot = kept ? k.slot : 1;
+    auto *dy = kept ? (__nv_bfloat16 *)cd->scratch[slot]
+                    : (__nv_bfloat16 *)ds4_cuda_scratch(d, (size_t)(a->T * a->O) * sizeof(__nv_bfloat16),
+                                                        "linear_bwd_x", 1);
+    if (!dy || (!kept && !to_bf16(d, "linear_bwd_x", dy, a->dy, a->T, a->O, a->ldy))) return;
     blas_gemm(d, "linear_bwd_x", s, CUBLAS_OP_N, CUBLAS_OP_N, a->K, a->T, a->O, a->W, a->K, dy, a->O,
               a->acc ? 1.0f : 0.0f, a->dx, a->lddx, CUDA_R_16BF);
     // the copy stays for the linear_bwd_w of the same dy that may follow, unless dx was written over dy
     if (!d->st && !overlaps(a->dx, rows_end(a->dx, a->T, a->K, a->lddx), a->dy, rows_end(a->dy, a->T, a->O, a->ldy)))
-        cd->bwd_dy = {a->dy, a->T, a->O, a->ldy, cd->generation};
+        cd->bwd_dy = {a->dy, a->T, a->O, a->ldy, slot, cd->scratch_gen[slot], kept && k.unwritten};
+    else if (kept && k.unwritten)
+        ds4_dev_fail(d, DS4_ERR_INTERNAL, "linear_bwd_x %s: dx written over a dy that was never written", s);
 }
 
 // dW [O, K] += dyᵀ · x over T rows: A(o, t) = dy[t, o], B(k, t) = x[t, k] (both read down their columns).
@@ -949,17 +981,26 @@ void ds4_cuda_linear_bwd_w(ds4_dev *d, const ds4_a_linear_bwd_w *a) {
         // dy [T, O] then x [T, K] in bf16 in slot 1; dy's copy is there already when the linear_bwd_x just before
         // made it (dy_kept: the schedule's word that nothing wrote dy since) and slot 1 has not moved; x is read
         // where it lies when the caller has it rounded already (x16)
-        const int64_t xn = a->x16 ? 0 : a->T * a->K;
-        auto *c = (__nv_bfloat16 *)ds4_cuda_scratch(d, (size_t)(a->T * a->O + xn) * sizeof(__nv_bfloat16),
-                                                    "linear_bwd_w", 1);
-        const bool kept = a->dy_kept && !cd->bwd_ref && k.src == a->dy && k.rows == a->T && k.cols == a->O &&
-                          k.ld == a->ldy && k.generation == cd->generation;
-        if (!c || (!kept && !to_bf16(d, "linear_bwd_w", c, a->dy, a->T, a->O, a->ldy)) ||
-            (!a->x16 && !to_bf16(d, "linear_bwd_w", c + a->T * a->O, a->x, a->T, a->K, a->ldx)))
+        // (a dy kept elsewhere, slot 4, leaves slot 1 to x alone). Slot 1 may grow here: whether a copy there is
+        // still there is asked after.
+        const bool match = a->dy_kept && !cd->bwd_ref && k.src == a->dy && k.rows == a->T && k.cols == a->O &&
+                           k.ld == a->ldy;
+        const bool other = match && k.slot != 1 && k.sgen == cd->scratch_gen[k.slot];
+        const int64_t dn = other ? 0 : a->T * a->O, xn = a->x16 ? 0 : a->T * a->K;
+        auto *c = (__nv_bfloat16 *)ds4_cuda_scratch(d, (size_t)(dn + xn) * sizeof(__nv_bfloat16), "linear_bwd_w", 1);
+        if (!c) return;
+        const bool kept = match && k.sgen == cd->scratch_gen[k.slot];
+        if (k.unwritten && k.src == a->dy && !kept) {
+            ds4_dev_fail(d, DS4_ERR_INTERNAL, "linear_bwd_w %s: dy was kept in bf16 and never written, but this "
+                         "product cannot take the kept copy", s);
             return;
-        dy = c, ldy = a->O;
+        }
+        if ((!kept && !to_bf16(d, "linear_bwd_w", c, a->dy, a->T, a->O, a->ldy)) ||
+            (!a->x16 && !to_bf16(d, "linear_bwd_w", c + dn, a->x, a->T, a->K, a->ldx)))
+            return;
+        dy = kept ? cd->scratch[k.slot] : c, ldy = a->O;
         if (a->x16) x = a->x16;
-        else x = c + a->T * a->O, ldx = a->K;
+        else x = c + dn, ldx = a->K;
     }
     const cudaDataType_t dt = mode == DS4_BF16 ? CUDA_R_16BF : CUDA_R_32F;
     // A gradient in the flat fp32 buffer starts wherever the tensors before it end (a 3-value mHC scale puts most

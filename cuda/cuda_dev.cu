@@ -119,6 +119,7 @@ void *ds4_cuda_scratch(ds4_dev *d, size_t bytes, const char *op, int slot) {
         return NULL;
     }
     cd->generation++;
+    cd->scratch_gen[slot]++;
     // growing frees the old block: wait for the operations that may still read it
     (void)cudaStreamSynchronize(cd->stream);
     c_free(d, cd->scratch[slot]);

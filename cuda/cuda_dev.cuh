@@ -40,8 +40,9 @@ struct cuda_dev {
     size_t smem_attn_tc, smem_bwd_tc; // the same for the bf16 mode's attention and its backward's per-query phase
     size_t smem_kg_tc[3];         // and for its key gradients' kernels of 1, 2 and 4 queries a barrier (cuda_bwd_attn.cu)
     // scratch owned by the backend (grown, never shrunk; allocated before a pass, never inside one)
-    void *scratch[4];
-    size_t scratch_bytes[4];
+    void *scratch[5];
+    size_t scratch_bytes[5];
+    uint64_t scratch_gen[5];      // how many times each slot has grown (its contents gone each time)
     int *counters;
     size_t ncounters;
     int32_t *host_err;            // pinned: per-row status words of the sampler
@@ -77,13 +78,16 @@ struct cuda_dev {
                                   // row's second and third passes may then hit L2); 0 (default): a block per row. A
                                   // tuning knob, not a numerical one: a row's arithmetic is the same whichever block
                                   // takes it
-    // The operand of the last linear_bwd_x whose bf16 copy lies at the start of scratch slot 1 (dy [rows, cols], row
-    // stride ld), so that a linear_bwd_w told dy_kept (ops.h) need not round it again; src NULL: none. The scratch
-    // generation tells whether slot 1 moved since (cuda_bwd_linear.cu).
+    // A bf16 copy of a product's dy [rows, cols] (row stride ld) at the start of scratch slot `slot`: the operand the
+    // last linear_bwd_x rounded into slot 1, so that a linear_bwd_w told dy_kept (ops.h) need not round it again, or
+    // the logits' gradient a logp_bwd told dl16 formed in slot 4 for the linear_bwd_x that follows; src NULL: none.
+    // sgen: the slot's scratch_gen then (the slot has not moved while they are equal; cuda_bwd_linear.cu).
     struct kept_bf16 {
         const float *src;
         int64_t rows, cols, ld;
-        uint64_t generation;
+        int slot;
+        uint64_t sgen;
+        bool unwritten;           // src itself was never written (logp_bwd told dl16): the copy is all there is
     } bwd_dy;
     // The x of the last bf16 linear_bwd_w_grouped, transposed by its groups in scratch slot 1 (cuda_gemm.cu,
     // ds4_cuda_grouped_dw_bf16), for the next one told x_kept (ops.h); x NULL: none.
@@ -123,7 +127,8 @@ static inline cuda_dev *cdev(ds4_dev *d) { return reinterpret_cast<cuda_dev *>(d
 bool ds4_cuda_launched(ds4_dev *d, const char *op, const char *fmt, ...) DS4_PRINTF(3, 4);
 // Device scratch of at least `bytes`, or NULL (failure recorded) — for operations that need temporary memory. Slot
 // 0 is the GEMMs' (slice partials); slot 1 an operation's own temporaries, which may then call a GEMM; slot 2 the
-// GEMMs' bf16 copy of x (the pipelined kernel's operand); slot 3 a run of weight-gradient products (dw_run).
+// GEMMs' bf16 copy of x (the pipelined kernel's operand); slot 3 a run of weight-gradient products (dw_run); slot 4
+// the logits' gradient kept in bf16 for the head's products (logp_bwd's dl16, bwd_dy).
 void *ds4_cuda_scratch(ds4_dev *d, size_t bytes, const char *op, int slot);
 // y [M, N] (row stride ldy) = x [M, K] (row stride ldx) · Wᵀ with fp32 W [N, K]: the batch-invariant GEMM of
 // cuda_gemm.cu, for operations that contain a product (the mHC mixing logits).

@@ -534,6 +534,67 @@ static void t_ref_dense(ds4_dev *fast, ds4_dev *ref, int64_t T, int64_t K, int64
     for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) tw_free(&all[i]);
 }
 
+/* The head's chunks as head_bwd issues them in the bf16 mode: logp_bwd told dl16 (the fast backend keeps the logits'
+ * gradient in bf16 and leaves dl unwritten), linear_bwd_x and linear_bwd_w told dy_kept (they take that copy), dW a run
+ * over the chunks, 4 bytes off a 16-byte boundary as the head's gradient lies; the reference backend writes dl and
+ * rounds it again: dx and dW byte for byte (the same rounding of the same values). V % 4 == 0 takes the kernel's
+ * 16-byte path, else its value-by-value one. Then the contract's edge: a dl kept that way and read by a product not
+ * told dy_kept is an internal error, not a read of the unwritten dl. */
+static void t_ref_head(ds4_dev *fast, ds4_dev *ref, int64_t rows, int64_t V, int64_t D, int chunks) {
+    const int64_t T = rows * chunks;
+    int64_t *tg = malloc((size_t)T * sizeof *tg);
+    float *mx = malloc((size_t)T * sizeof *mx);
+    double *se = malloc((size_t)T * sizeof *se);
+    twin lg = tw_f(T * V, -6, 6), y = tw_f(T * D, -1, 1), W = bf16_weights(V * D), dlp = tw_f(T, -1, 1);
+    for (int64_t r = 0; r < T; r++) {
+        tg[r] = r % 7 == 3 ? -100 : (r * 7919) % V;
+        const float *z = (const float *)lg.h + r * V;
+        float m = z[0];
+        for (int64_t v = 1; v < V; v++) m = z[v] > m ? z[v] : m;
+        double e = 0;
+        for (int64_t v = 0; v < V; v++) e += exp((double)z[v] - m);
+        mx[r] = m, se[r] = e;
+    }
+    twin tgt = tw_i64(T, tg), rmx = tw_new((size_t)T * 4), rse = tw_new((size_t)T * 8);
+    memcpy(rmx.h, mx, (size_t)T * 4), memcpy(rse.h, se, (size_t)T * 8);
+    tw_push(&rmx), tw_push(&rse);
+    twin dl = tw_out((size_t)(rows * V) * 4), dx = tw_out((size_t)(T * D) * 4), dW = tw_f(V * D + 1, -0.1f, 0.1f);
+    char what[128];
+    snprintf(what, sizeof what, "bf16 head chunks fast vs reference: %d x %lld rows, V %lld, D %lld", chunks,
+             (long long)rows, (long long)V, (long long)D);
+    twin *const bufs[3] = {&dl, &dx, &dW};
+    void *got[2][3];
+    ds4_dev *dv[2] = {fast, ref};
+    for (int v = 0; v < 2; v++) {
+        restart(bufs, 3);
+        for (int c = 0; c < chunks; c++) {
+            const int64_t r0 = c * rows;
+            OP(dv[v], logp_bwd, .dl = dl.d, .logits = (const float *)lg.d + r0 * V, .rows = rows, .V = V,
+               .tgt = (const int64_t *)tgt.d + r0, .dlogp = (const float *)dlp.d + r0,
+               .rmx = (const float *)rmx.d + r0, .rse = (const double *)rse.d + r0, .dl16 = 1);
+            OP(dv[v], linear_bwd_x, .dx = (float *)dx.d + r0 * D, .lddx = D, .dy = dl.d, .ldy = V, .W = W.d,
+               .wdt = DS4_BF16, .T = rows, .K = D, .O = V, .bf16_in = 1, .dy_kept = 1);
+            OP(dv[v], linear_bwd_w, .dW = (float *)dW.d + 1, .dy = dl.d, .ldy = V, .x = (const float *)y.d + r0 * D,
+               .ldx = D, .T = rows, .K = D, .O = V, .wdt = DS4_BF16, .bf16_in = 1, .dy_kept = 1,
+               .run = DS4_DW_RUN | (c == 0 ? DS4_DW_FIRST : 0) | (c == chunks - 1 ? DS4_DW_LAST : 0));
+        }
+        collect(dv[v], what, bufs, 3, got[v]);
+    }
+    same_bytes(what, "dx", got[0][1], got[1][1], &dx);
+    same_bytes(what, "dW", got[0][2], got[1][2], &dW);
+    for (int v = 0; v < 2; v++) free(got[v][0]), free(got[v][1]), free(got[v][2]);
+    OP(fast, logp_bwd, .dl = dl.d, .logits = lg.d, .rows = rows, .V = V, .tgt = tgt.d, .dlogp = dlp.d, .rmx = rmx.d,
+       .rse = rse.d, .dl16 = 1);
+    OP(fast, linear_bwd_x, .dx = dx.d, .lddx = D, .dy = dl.d, .ldy = V, .W = W.d, .wdt = DS4_BF16, .T = rows, .K = D,
+       .O = V, .bf16_in = 1);
+    ds4_error err;
+    CHECK_STATUS(ds4_dev_check(fast, "linear_bwd_x after logp_bwd's dl16", &err), DS4_ERR_INTERNAL, &err);
+    CHECK(strstr(err.msg, "linear_bwd_x") && strstr(err.msg, "never written"), "names the op and why: %s", err.msg);
+    twin all[] = {lg, y, W, dlp, tgt, rmx, rse, dl, dx, dW};
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) tw_free(&all[i]);
+    free(tg), free(mx), free(se);
+}
+
 /* An fp32 dx by a weight of few rows (the mHC mixing matrix: 24 rows; the router gate: 32; the HyperHead: n): the
  * fast backend keeps W in registers (prod_f32_skinny), the reference runs the tiles, whose order it follows: the same
  * bytes. Strided dy and dx (pad), dx written or added, odd T and K (the last columns not a whole float4). */
@@ -564,6 +625,8 @@ static void t_fast_vs_ref(void) {
     ds4_dev *fast = backend(0), *ref = backend(1);
     if (!fast || !ref) return;
     t_ref_dense(fast, ref, 300, 520, 136, 3);
+    t_ref_head(fast, ref, 256, 1000, 136, 3);
+    t_ref_head(fast, ref, 100, 999, 64, 2); /* V odd: the value-by-value stores */
     t_ref_grouped(fast, ref, 1064, 200, 1); /* dx: 207 tiles of 128 x 128, the pipelined kernel; dx added */
     t_ref_grouped(fast, ref, 136, 77, 0);   /* O odd: dx takes the tiled kernel */
     ds4_dev *pipe = backend(2);             /* the experts' dW on the pipelined kernel where wgmma is the default */
