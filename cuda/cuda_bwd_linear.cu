@@ -30,7 +30,8 @@
 // accumulate in fp32 (CUBLAS_COMPUTE_32F on the tensor cores). dx's rounded dy stays at the start of slot 1 for the
 // dW of the same y = x Wᵀ that the schedule issues right after it (dy_kept, ops.h): rounding it is a pass over
 // [T, O] fp32 as long as a small product itself, and the same values either way. A dW off a 16-byte boundary (the
-// flat gradient buffer's) is formed in aligned scratch and added (add_into_kernel): cuBLAS's fast kernels need it. DS4_CUDA_BWD_REF=1 rounds it
+// flat gradient buffer's) is formed in aligned scratch and added (add_into_kernel): cuBLAS's fast kernels need it.
+// The head's logits gradient comes to its two products already rounded (logp_bwd's dl16). DS4_CUDA_BWD_REF=1 rounds it
 // again and sends the expert products and the fp32 dx by a weight of few rows to the tiles: the reference paths whose
 // bytes the tests compare. fp32 mode keeps the tiles: it is the reference mode, and its
 // 10-step trajectory check (tests/test_cuda_train.c, tiny_a) holds with their order; tiny_a is chaotic under AdamW
@@ -482,7 +483,9 @@ __global__ void __launch_bounds__(LOGPS_THREADS) logp_bwd_stats_kernel(float *dl
     }
     if (dl16) {
         __nv_bfloat16 *o16 = dl16 + r * V + v0;
-        if (vec) *reinterpret_cast<uint2 *>(o16) = make_uint2(ds4d_pack_bf16(out[0], out[1]), ds4d_pack_bf16(out[2], out[3]));
+        if (vec)
+            *reinterpret_cast<uint2 *>(o16) =
+                make_uint2(ds4d_pack_bf16(out[0], out[1]), ds4d_pack_bf16(out[2], out[3]));
         else
             for (int j = 0; j < n; j++) o16[j] = __float2bfloat16_rn(out[j]);
         return;
@@ -708,10 +711,10 @@ __global__ void norm_dw_finish(norm_args a) {
 }
 
 // ops.h's colsum order: a chunk of DS4_COLSUM_CHUNK rows summed from 0 in row order, the chunks then added into dst
-// in order (the CPU's bits). Block (chunk, group of 32 columns): all threads stage the chunk's piece into shared
-// memory with coalesced loads, COLSUM_U in flight each, then warp 0 (a lane a column) adds its column's rows (grid x
-// the column groups: context parallelism sums a few rows of millions of columns); the
+// in order (the CPU's bits). Block (group of 32 columns, chunk): all threads stage the chunk's piece into shared
+// memory with coalesced loads, COLSUM_U in flight each, then warp 0 (a lane a column) adds its column's rows; the
 // chunk's sum goes to part [chunks, width], or straight into dst when there is one chunk. colsum_fold adds the parts.
+// The column groups are grid x: context parallelism sums a few rows of millions of columns.
 constexpr int COLSUM_COLS = 32, COLSUM_U = 8;
 __global__ void __launch_bounds__(256) colsum_chunk_kernel(float *part, float *dst, const float *src, int64_t rows,
                                                            int64_t width, int64_t ld) {
@@ -815,7 +818,7 @@ __global__ void embed_bwd_kernel(float *ge, const int64_t *ids, const int32_t *n
 
 size_t align256(size_t n) { return (n + 255) & ~(size_t)255; }
 
-// dW [n] += t [n]: the product cuBLAS wrote into aligned scratch (dw_aligned). One fp32 add an element, as cuBLAS's
+// dW [n] += t [n]: the product cuBLAS wrote into aligned scratch (linear_bwd_w). One fp32 add an element, as cuBLAS's
 // epilogue with beta 1 does it (alpha·acc + beta·C with alpha = beta = 1 rounds acc + C once): the same values as the
 // product added in place would give with the same algorithm. dW lies anywhere modulo 16 bytes and t on a 16-byte
 // boundary, so the accesses are 4-byte ones, coalesced, four in flight a thread.
@@ -1021,8 +1024,8 @@ void ds4_cuda_linear_bwd_w(ds4_dev *d, const ds4_a_linear_bwd_w *a) {
         auto *t = (float *)ds4_cuda_scratch(d, (size_t)n * sizeof(float), "linear_bwd_w", run ? 3 : 0);
         if (!t) return;
         r = run && !last ? cuda_dev::dw_run_state{a->dW, a->O, a->K, t} : cuda_dev::dw_run_state{};
-        blas_gemm(d, "linear_bwd_w", s, CUBLAS_OP_N, CUBLAS_OP_T, a->K, a->O, a->T, x, ldx, dy, ldy, first ? 0.0f : 1.0f,
-                  t, a->K, dt);
+        blas_gemm(d, "linear_bwd_w", s, CUBLAS_OP_N, CUBLAS_OP_T, a->K, a->O, a->T, x, ldx, dy, ldy,
+                  first ? 0.0f : 1.0f, t, a->K, dt);
         if (d->st || !last) return;
         const int64_t blocks = (n + 4 * 256 - 1) / (4 * 256);
         add_into_kernel<<<(unsigned)(blocks < 4096 ? blocks : 4096), 256, 0, cd->stream>>>(a->dW, t, n);
@@ -1111,7 +1114,8 @@ void ds4_cuda_norm_bwd(ds4_dev *d, const ds4_a_norm_bwd *a) {
 
 void ds4_cuda_colsum_add(ds4_dev *d, const ds4_a_colsum_add *a) {
     if (a->rows <= 0 || a->width <= 0) return;
-    const int64_t chunks = (a->rows + DS4_COLSUM_CHUNK - 1) / DS4_COLSUM_CHUNK, groups = ds4_blocks(a->width, COLSUM_COLS);
+    const int64_t chunks = (a->rows + DS4_COLSUM_CHUNK - 1) / DS4_COLSUM_CHUNK;
+    const int64_t groups = (a->width + COLSUM_COLS - 1) / COLSUM_COLS;
     if (chunks > 65535 || groups > 0x7fffffff) {
         ds4_dev_fail(d, DS4_ERR_UNSUPPORTED, "colsum_add: [%lld rows x %lld]", (long long)a->rows, (long long)a->width);
         return;

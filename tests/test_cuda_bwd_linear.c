@@ -166,8 +166,8 @@ static void t_linear_off(int64_t T, int64_t K, int64_t O, int64_t pad, int acc, 
         const ds4_dtype dt = side ? wdt : DS4_F32;
         OP(d, linear_bwd_x, .dx = S(dx), .lddx = lddx, .acc = acc, .dy = S(dy), .ldy = ldy, .W = side ? Wd.d : W.h,
            .wdt = dt, .T = T, .K = K, .O = O);
-        OP(d, linear_bwd_w, .dW = (float *)S(dW) + dwoff, .dy = S(dy), .ldy = ldy, .x = S(x), .ldx = ldx, .T = T, .K = K, .O = O,
-           .wdt = dt, .any_order = any_order);
+        OP(d, linear_bwd_w, .dW = (float *)S(dW) + dwoff, .dy = S(dy), .ldy = ldy, .x = S(x), .ldx = ldx, .T = T,
+           .K = K, .O = O, .wdt = dt, .any_order = any_order);
     }
     char w2[160];
     snprintf(w2, sizeof w2, "%s: dx", what);
