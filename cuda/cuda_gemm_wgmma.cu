@@ -160,15 +160,18 @@ __global__ void __launch_bounds__(NTH, 1) gemm_wgmma_kernel(const __grid_constan
     __syncthreads();
     if (warp == NCONS / 32) { // the producer
         if (lane != 0) return;
-        int64_t it = 0; // stages issued so far (all tiles)
+        // the ring's place (all tiles): slot s of round r, the round's parity, and whether a round has passed
+        // (the empty barriers are waited for from the second round on, for the parity of the round before)
+        int s = 0;
+        uint32_t par = 0;
+        bool again = false;
         for (int64_t tile = blockIdx.x; tile < ntiles; tile += gridDim.x) {
             if (!tile_at(tile)) continue;
             // koff: one x and one W for every group, at the group's columns
             const int zw = KOFF ? 0 : (a.off ? (int)(woff / a.wstride) : z);
             const int xrow = (int)(KOFF ? r0 : z * a.M + r0);
-            for (int64_t kc = 0; kc < nst; kc++, it++) {
-                const int s = (int)(it % ST);
-                if (it >= ST) bar_wait(bars + 8 * (ST + s), (uint32_t)((it / ST - 1) & 1));
+            for (int64_t kc = 0; kc < nst; kc++, s = s + 1 == ST ? 0 : s + 1, par ^= s == 0, again |= s == 0) {
+                if (again) bar_wait(bars + 8 * (ST + s), par ^ 1u);
                 const uint32_t full = bars + 8 * s;
                 bar_expect(full, A_STAGE + B_STAGE);
                 tma_2d(sB + s * B_STAGE, &tmx, (int)(k0 + kc * KC), xrow, full);
@@ -183,19 +186,27 @@ __global__ void __launch_bounds__(NTH, 1) gemm_wgmma_kernel(const __grid_constan
     uint32_t fc[16], fp[16]; // this stage's W fragments, and the last stage's (kept until its products are done)
 #pragma unroll
     for (int i = 0; i < 16; i++) fp[i] = 0u;
-    int64_t it = 0, rel = 0; // stages consumed, and released to the producer (all tiles)
-    auto release = [&](int64_t upto) {
+    // The ring's place as the producer keeps it (slot s, the round's parity), counted along, never divided out: the
+    // 64-bit divisions by ST and a loop over the stages to release took ~100 dependent instructions a stage, the warp
+    // issuing them while its products ran dry. A stage is released to the producer once its products are done: the
+    // last stage's at the next stage's wait (prev, when pending), the current one's too where a slice ends.
+    int s = 0, prev = 0;
+    uint32_t par = 0;
+    bool pending = false;
+    auto release = [&](bool current) {
         __syncwarp();
-        for (; rel < upto; rel++)
-            if (lane == 0) bar_arrive(bars + 8 * (ST + (int)(rel % ST)));
+        if (lane == 0) {
+            if (pending) bar_arrive(bars + 8 * (ST + prev));
+            if (current) bar_arrive(bars + 8 * (ST + s));
+        }
+        pending = !current;
     };
     for (int64_t tile = blockIdx.x; tile < ntiles; tile += gridDim.x) {
         if (!tile_at(tile)) continue;
 #pragma unroll
         for (int i = 0; i < 64; i++) acc[i] = 0.0f, tot[i] = 0.0f;
-        for (int64_t kc = 0; kc < nst; kc++, it++) {
-            const int s = (int)(it % ST);
-            bar_wait(bars + 8 * s, (uint32_t)((it / ST) & 1));
+        for (int64_t kc = 0; kc < nst; kc++, prev = s, s = s + 1 == ST ? 0 : s + 1, par ^= s == 0) {
+            bar_wait(bars + 8 * s, par);
             const char *fa = sAp + s * A_STAGE;
 #pragma unroll
             for (int u = 0; u < 2; u++) {
@@ -219,13 +230,13 @@ __global__ void __launch_bounds__(NTH, 1) gemm_wgmma_kernel(const __grid_constan
             if (((kc + 1) * KC) % KSLICE == 0 || kc + 1 == nst) { // a slice ends: its partial joins the totals
                 asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
                 pin(acc), pin(fc), pin(fp);
-                release(it + 1);
+                release(true);
 #pragma unroll
                 for (int i = 0; i < 64; i++) tot[i] += acc[i], acc[i] = 0.0f;
             } else {
                 asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
                 pin(acc), pin(fp);
-                release(it);
+                release(false);
             }
 #pragma unroll
             for (int i = 0; i < 16; i++) fp[i] = fc[i];
