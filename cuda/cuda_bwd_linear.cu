@@ -30,7 +30,7 @@
 // accumulate in fp32 (CUBLAS_COMPUTE_32F on the tensor cores). dx's rounded dy stays at the start of slot 1 for the
 // dW of the same y = x Wᵀ that the schedule issues right after it (dy_kept, ops.h): rounding it is a pass over
 // [T, O] fp32 as long as a small product itself, and the same values either way. A dW off a 16-byte boundary (the
-// flat gradient buffer's) is formed in aligned scratch and added (add_into_kernel): cuBLAS's fast kernels need it.
+// flat gradient buffer's) is formed in aligned scratch and added (add_bcast): cuBLAS's fast kernels need it.
 // The head's logits gradient comes to its two products already rounded (logp_bwd's dl16). DS4_CUDA_BWD_REF=1 rounds it
 // again and sends the expert products and the fp32 dx by a weight of few rows to the tiles: the reference paths whose
 // bytes the tests compare. fp32 mode keeps the tiles: it is the reference mode, and its
@@ -818,27 +818,6 @@ __global__ void embed_bwd_kernel(float *ge, const int64_t *ids, const int32_t *n
 
 size_t align256(size_t n) { return (n + 255) & ~(size_t)255; }
 
-// dW [n] += t [n]: the product cuBLAS wrote into aligned scratch (linear_bwd_w). One fp32 add an element, as cuBLAS's
-// epilogue with beta 1 does it (alpha·acc + beta·C with alpha = beta = 1 rounds acc + C once): the same values as the
-// product added in place would give with the same algorithm. dW lies anywhere modulo 16 bytes and t on a 16-byte
-// boundary, so the accesses are 4-byte ones, coalesced, four in flight a thread.
-__global__ void __launch_bounds__(256) add_into_kernel(float *dW, const float *t, int64_t n) {
-    const int64_t stride = (int64_t)gridDim.x * blockDim.x;
-    for (int64_t i0 = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i0 < n; i0 += 4 * stride) {
-        float a[4], b[4];
-#pragma unroll
-        for (int u = 0; u < 4; u++) {
-            const int64_t i = i0 + u * stride;
-            a[u] = i < n ? dW[i] : 0.0f, b[u] = i < n ? t[i] : 0.0f;
-        }
-#pragma unroll
-        for (int u = 0; u < 4; u++) {
-            const int64_t i = i0 + u * stride;
-            if (i < n) dW[i] = a[u] + b[u];
-        }
-    }
-}
-
 } // namespace
 
 // ------------------------------------------------------------------------------------------ operations
@@ -921,6 +900,23 @@ static void fp32_bf16_in(ds4_dev *d, const char *op) {
     ds4_dev_fail(d, DS4_ERR_UNSUPPORTED, "%s: bf16_in with fp32 weights (the CPU's emulation of the bf16 mode)", op);
 }
 
+// The kept bf16 copy k (cuda_dev::kept_bf16) is of this product's dy [rows, cols] (row stride ld), and the product
+// was told it may take it (dy_kept). fresh: the copy's slot has not moved since it was made.
+static bool kept_match(const cuda_dev::kept_bf16 &k, bool asked, const float *dy, int64_t rows, int64_t cols,
+                       int64_t ld) {
+    return asked && k.src == dy && k.rows == rows && k.cols == cols && k.ld == ld;
+}
+static bool kept_fresh(const cuda_dev *cd, const cuda_dev::kept_bf16 &k) { return k.sgen == cd->scratch_gen[k.slot]; }
+// A dy that logp_bwd never wrote (dl16) exists only as its kept copy: a product of that dy that cannot take the copy
+// fails (true, the failure set) rather than read the buffer's stale values.
+static bool kept_lost(ds4_dev *d, const cuda_dev::kept_bf16 &k, const float *dy, bool kept, const char *op,
+                      const char *shapes) {
+    if (!k.unwritten || k.src != dy || kept) return false;
+    ds4_dev_fail(d, DS4_ERR_INTERNAL, "%s %s: dy was kept in bf16 by logp_bwd and never written, but this product "
+                 "cannot take the kept copy", op, shapes);
+    return true;
+}
+
 // dx [T, K] (row stride lddx) (+)= dy [T, O] (row stride ldy) · W [O, K]: A(t, o) = dy[t, o], B(k, o) = W[o, k].
 void ds4_cuda_linear_bwd_x(ds4_dev *d, const ds4_a_linear_bwd_x *a) {
     if (a->T <= 0 || a->K <= 0) return;
@@ -933,13 +929,9 @@ void ds4_cuda_linear_bwd_x(ds4_dev *d, const ds4_a_linear_bwd_x *a) {
     cuda_dev *cd = cdev(d);
     const cuda_dev::kept_bf16 k = cd->bwd_dy; // what the logp_bwd just before left (dy_kept)
     cd->bwd_dy.src = nullptr;
-    const bool kept = a->dy_kept && k.src == a->dy && k.rows == a->T && k.cols == a->O && k.ld == a->ldy &&
-                      k.sgen == cd->scratch_gen[k.slot] && a->wdt == DS4_BF16 && a->O > 0;
-    if (k.unwritten && k.src == a->dy && !kept) {
-        ds4_dev_fail(d, DS4_ERR_INTERNAL, "linear_bwd_x %s: dy was kept in bf16 by logp_bwd and never written, but "
-                     "this product cannot take the kept copy", s);
-        return;
-    }
+    const bool kept = kept_match(k, a->dy_kept, a->dy, a->T, a->O, a->ldy) && kept_fresh(cd, k) &&
+                      a->wdt == DS4_BF16 && a->O > 0;
+    if (kept_lost(d, k, a->dy, kept, "linear_bwd_x", s)) return;
     if (a->bf16_in && a->wdt != DS4_BF16) return fp32_bf16_in(d, "linear_bwd_x");
     // fp32 (the reference mode, and LoRA's forward y += u·B, which must be batch-invariant: cuBLAS is not), another
     // dtype (the tiles' error), no reduction (O = 0: the tiles write the zeros)
@@ -986,18 +978,13 @@ void ds4_cuda_linear_bwd_w(ds4_dev *d, const ds4_a_linear_bwd_w *a) {
         // where it lies when the caller has it rounded already (x16)
         // (a dy kept elsewhere, slot 4, leaves slot 1 to x alone). Slot 1 may grow here: whether a copy there is
         // still there is asked after.
-        const bool match = a->dy_kept && !cd->bwd_ref && k.src == a->dy && k.rows == a->T && k.cols == a->O &&
-                           k.ld == a->ldy;
-        const bool other = match && k.slot != 1 && k.sgen == cd->scratch_gen[k.slot];
+        const bool match = kept_match(k, a->dy_kept && !cd->bwd_ref, a->dy, a->T, a->O, a->ldy);
+        const bool other = match && k.slot != 1 && kept_fresh(cd, k);
         const int64_t dn = other ? 0 : a->T * a->O, xn = a->x16 ? 0 : a->T * a->K;
         auto *c = (__nv_bfloat16 *)ds4_cuda_scratch(d, (size_t)(dn + xn) * sizeof(__nv_bfloat16), "linear_bwd_w", 1);
         if (!c) return;
-        const bool kept = match && k.sgen == cd->scratch_gen[k.slot];
-        if (k.unwritten && k.src == a->dy && !kept) {
-            ds4_dev_fail(d, DS4_ERR_INTERNAL, "linear_bwd_w %s: dy was kept in bf16 and never written, but this "
-                         "product cannot take the kept copy", s);
-            return;
-        }
+        const bool kept = match && kept_fresh(cd, k);
+        if (kept_lost(d, k, a->dy, kept, "linear_bwd_w", s)) return;
         if ((!kept && !to_bf16(d, "linear_bwd_w", c, a->dy, a->T, a->O, a->ldy)) ||
             (!a->x16 && !to_bf16(d, "linear_bwd_w", c + dn, a->x, a->T, a->K, a->ldx)))
             return;
@@ -1027,10 +1014,10 @@ void ds4_cuda_linear_bwd_w(ds4_dev *d, const ds4_a_linear_bwd_w *a) {
         blas_gemm(d, "linear_bwd_w", s, CUBLAS_OP_N, CUBLAS_OP_T, a->K, a->O, a->T, x, ldx, dy, ldy,
                   first ? 0.0f : 1.0f, t, a->K, dt);
         if (d->st || !last) return;
-        const int64_t blocks = (n + 4 * 256 - 1) / (4 * 256);
-        add_into_kernel<<<(unsigned)(blocks < 4096 ? blocks : 4096), 256, 0, cd->stream>>>(a->dW, t, n);
-        ds4_cuda_launched(d, "linear_bwd_w", "dW [%lld x %lld] += the aligned product", (long long)a->O,
-                          (long long)a->K);
+        // one fp32 add an element, as cuBLAS's epilogue with beta 1 does it (alpha·acc + beta·C with alpha = beta = 1
+        // rounds acc + C once): the same values as the product added in place would give with the same algorithm
+        const ds4_a_add_bcast add = {a->dW, t, 1, 1, n};
+        ds4_cuda_add_bcast(d, &add);
         return;
     }
     blas_gemm(d, "linear_bwd_w", s, CUBLAS_OP_N, CUBLAS_OP_T, a->K, a->O, a->T, x, ldx, dy, ldy, 1.0f, a->dW, a->K, dt);

@@ -156,6 +156,26 @@ __global__ void rows4_kernel(float4 *dst, const float4 *src, const int32_t *idx,
     }
 }
 
+// x [n] += h [n], with n = 1 stream (a plain add: backward.c's gradient sums in rows, linear_bwd_w's aligned dW). The
+// operands may lie anywhere modulo 16 bytes (a gradient's place in the flat buffer), so the accesses are 4-byte
+// ones, coalesced, four in flight a thread, over a grid that strides.
+__global__ void __launch_bounds__(256) add_flat_kernel(float *x, const float *h, int64_t n) {
+    const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+    for (int64_t i0 = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i0 < n; i0 += 4 * stride) {
+        float a[4], b[4];
+#pragma unroll
+        for (int u = 0; u < 4; u++) {
+            const int64_t i = i0 + u * stride;
+            a[u] = i < n ? x[i] : 0.0f, b[u] = i < n ? h[i] : 0.0f;
+        }
+#pragma unroll
+        for (int u = 0; u < 4; u++) {
+            const int64_t i = i0 + u * stride;
+            if (i < n) x[i] = a[u] + b[u];
+        }
+    }
+}
+
 __global__ void add_bcast_kernel(float *x, const float *h, int64_t T, int64_t n, int64_t D) {
     const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= T * n * D) return;
@@ -259,6 +279,11 @@ void ds4_cuda_add_rows(ds4_dev *d, const ds4_a_add_rows *a) {
 void ds4_cuda_add_bcast(ds4_dev *d, const ds4_a_add_bcast *a) {
     const int64_t n = a->T * a->n * a->D;
     if (n <= 0) return;
-    add_bcast_kernel<<<ds4_blocks(n, 256), 256, 0, cdev(d)->stream>>>(a->x, a->h, a->T, a->n, a->D);
+    if (a->n == 1) { /* x[t·D + c] += h[t·D + c]: one flat add */
+        const int64_t blocks = (n + 4 * 256 - 1) / (4 * 256);
+        add_flat_kernel<<<(unsigned)(blocks < 4096 ? blocks : 4096), 256, 0, cdev(d)->stream>>>(a->x, a->h, n);
+    } else {
+        add_bcast_kernel<<<ds4_blocks(n, 256), 256, 0, cdev(d)->stream>>>(a->x, a->h, a->T, a->n, a->D);
+    }
     ds4_cuda_launched(d, "add_bcast", "[%lld, %lld, %lld]", (long long)a->T, (long long)a->n, (long long)a->D);
 }
