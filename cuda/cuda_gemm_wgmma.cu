@@ -183,7 +183,10 @@ __global__ void __launch_bounds__(NTH, 1) gemm_wgmma_kernel(const __grid_constan
     }
     const int wg = warp >> 2, g = lane >> 2, t = lane & 3, rowA = wg * 64 + (warp & 3) * 16 + g;
     float acc[64], tot[64];
-    uint32_t fc[16], fp[16]; // this stage's W fragments, and the last stage's (kept until its products are done)
+    // fc: this stage's W fragments; fp: a copy of the last stage's, meant to keep its registers until its products are
+    // done. It does not: the products read fc's registers, which the next stage's loads overwrite, so ptxas waits
+    // for all of them before each stage (C7517; bench/RESULTS.md, session 11, says why and how to avoid it)
+    uint32_t fc[16], fp[16];
 #pragma unroll
     for (int i = 0; i < 16; i++) fp[i] = 0u;
     // The ring's place as the producer keeps it (slot s, the round's parity), counted along, never divided out: the
