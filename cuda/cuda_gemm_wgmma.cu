@@ -32,12 +32,16 @@
 
 namespace {
 
-constexpr int KSLICE = 256, KC = 64, BW = DS4_WG_TILE_N, BT = DS4_WG_TILE_M, NCONS = 256, NTH = NCONS + 32, ST = 5;
+constexpr int KSLICE = 256, KC = 64, BW = DS4_WG_TILE_N, BT = DS4_WG_TILE_M, NCONS = 256, NTH = NCONS + 128, ST = 5;
+// registers a thread: the producer warpgroup hands its registers to the consumers (setmaxnreg; the hardware allocates
+// for whole warpgroups: 384 · 168 at launch = 128 · 40 + 256 · 232 after, <= 64 K)
+constexpr int PROD_REGS = 40, CONS_REGS = 232;
 constexpr int A_CHUNK = BW * 32 * 2;        // bytes of W per chunk of 32 k: [BW rows][32] bf16
 constexpr int A_STAGE = 2 * A_CHUNK;
 constexpr int B_STAGE = BT * KC * 2;        // bytes of x per stage: [BT rows][64] bf16, 128-byte swizzle
 constexpr size_t SMEM = (size_t)ST * (A_STAGE + B_STAGE) + 2 * ST * 8 + 1024; // + barriers, + alignment slack
 static_assert(KSLICE % KC == 0, "a stage never straddles a slice");
+static_assert(KSLICE / KC == 4, "the consumers' loop takes a slice as four stages");
 
 // Shared-memory matrix descriptor of x's stage: K-major, 128-byte swizzle (layout type 1), 8-row groups 1024 bytes
 // apart; the 16-k steps of a stage start 32 bytes apart inside the swizzled rows.
@@ -46,10 +50,11 @@ __device__ __forceinline__ uint64_t b_desc(uint32_t saddr) {
            ((uint64_t)1 << 62);
 }
 
-// d (64 fp32: the m64n128 accumulators) += A (registers: a0..a3) · B (shared memory, desc), 16 k.
+// d (64 fp32: the m64n128 accumulators) += A (registers: a0..a3) · B (shared memory, desc), 16 k; with add = 0,
+// d = A · B (the values d held are not read).
 __device__ __forceinline__ void wgmma_rs(float (&d)[64], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                         uint64_t desc) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+                                         uint64_t desc, uint32_t add = 1) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
                  "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
                  "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,"
                  "%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,"
@@ -64,7 +69,7 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[64], uint32_t a0, uint32_t a
                    "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]),
                    "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]),
                    "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc));
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(add));
 }
 
 // The compiler must neither move these registers' uses across the asynchronous products nor reuse a fragment's
@@ -158,8 +163,9 @@ __global__ void __launch_bounds__(NTH, 1) gemm_wgmma_kernel(const __grid_constan
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncthreads();
-    if (warp == NCONS / 32) { // the producer
-        if (lane != 0) return;
+    if (warp >= NCONS / 32) { // the producer warpgroup: one thread issues the copies
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(PROD_REGS));
+        if (warp != NCONS / 32 || lane != 0) return;
         // the ring's place (all tiles): slot s of round r, the round's parity, and whether a round has passed
         // (the empty barriers are waited for from the second round on, for the parity of the round before)
         int s = 0;
@@ -181,68 +187,82 @@ __global__ void __launch_bounds__(NTH, 1) gemm_wgmma_kernel(const __grid_constan
         }
         return;
     }
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(CONS_REGS));
     const int wg = warp >> 2, g = lane >> 2, t = lane & 3, rowA = wg * 64 + (warp & 3) * 16 + g;
     float acc[64], tot[64];
-    // fc: this stage's W fragments; fp: a copy of the last stage's, meant to keep its registers until its products are
-    // done. It does not: the products read fc's registers, which the next stage's loads overwrite, so ptxas waits
-    // for all of them before each stage (C7517; bench/RESULTS.md, session 11, says why and how to avoid it)
-    uint32_t fc[16], fp[16];
+    // The W fragments of a slice's four stages, a register set each. A stage's products read its set while they
+    // run; ptxas does not take a wgmma.wait_group 1 as the end of a set's readers, so a set written again in the same
+    // slice (one set for all stages, as before) made it wait for every product (WARPGROUP.DEPBAR.LE 0) before each
+    // stage's loads: each warpgroup's tensor work drained at every stage. Each set is written again one slice later,
+    // after the fold's wait for all of the slice's products, which that wait is anyway.
+    uint32_t f0[16], f1[16], f2[16], f3[16];
 #pragma unroll
-    for (int i = 0; i < 16; i++) fp[i] = 0u;
-    // The ring's place as the producer keeps it (slot s, the round's parity), counted along, never divided out: the
-    // 64-bit divisions by ST and a loop over the stages to release took ~100 dependent instructions a stage, the warp
-    // issuing them while its products ran dry. A stage is released to the producer once its products are done: the
-    // last stage's at the next stage's wait (prev, when pending), the current one's too where a slice ends.
-    int s = 0, prev = 0;
+    for (int i = 0; i < 16; i++) f0[i] = f1[i] = f2[i] = f3[i] = 0u; // (a short slice leaves sets unwritten)
+    // The ring's place as the producer keeps it (slot s, the round's parity), counted along, never divided out (the
+    // 64-bit divisions by ST took ~100 dependent instructions a stage). A stage is released to the producer once its
+    // products are done: after the next stage's products are issued and the wait for all but those (wait_group 1),
+    // the slice's last at the fold.
+    int s = 0;
     uint32_t par = 0;
-    bool pending = false;
-    auto release = [&](bool current) {
+    auto release = [&](int slot) {
         __syncwarp();
-        if (lane == 0) {
-            if (pending) bar_arrive(bars + 8 * (ST + prev));
-            if (current) bar_arrive(bars + 8 * (ST + s));
-        }
-        pending = !current;
+        if (lane == 0) bar_arrive(bars + 8 * (ST + slot));
     };
+    // One stage of 64 k at slot s: its W fragments into f, its four products (the slice's first from zero: add 0,
+    // so acc is never reset), committed as one group; returns the stage's slot, the ring moved on.
+    auto stage = [&](uint32_t(&f)[16], bool first) {
+        bar_wait(bars + 8 * s, par);
+        const char *fs = sAp + s * A_STAGE;
+#pragma unroll
+        for (int u = 0; u < 2; u++) {
+            const uint4 v = *reinterpret_cast<const uint4 *>(fs + (u * BW + rowA) * 64 + t * 16);
+            const uint4 w = *reinterpret_cast<const uint4 *>(fs + (u * BW + rowA + 8) * 64 + t * 16);
+            f[u * 8 + 0] = v.x, f[u * 8 + 1] = v.y, f[u * 8 + 2] = v.z, f[u * 8 + 3] = v.w;
+            f[u * 8 + 4] = w.x, f[u * 8 + 5] = w.y, f[u * 8 + 6] = w.z, f[u * 8 + 7] = w.w;
+        }
+        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+        const uint32_t sb = sB + s * B_STAGE;
+        // products q = 2u + h: chunk u of 32 k, its steps h of 16 (a chunk wholly past K multiplies the zeros the
+        // copy engine filled in: its products add +0)
+#pragma unroll
+        for (int q = 0; q < 4; q++) {
+            const int u = q >> 1, h = q & 1;
+            wgmma_rs(acc, f[8 * u + 2 * h], f[8 * u + 4 + 2 * h], f[8 * u + 2 * h + 1], f[8 * u + 4 + 2 * h + 1],
+                     b_desc(sb + 32 * q), q != 0 || !first);
+        }
+        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+        const int slot = s;
+        s = s + 1 == ST ? 0 : s + 1, par ^= s == 0;
+        return slot;
+    };
+    auto wait1 = [&] { asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory"); };
     for (int64_t tile = blockIdx.x; tile < ntiles; tile += gridDim.x) {
         if (!tile_at(tile)) continue;
 #pragma unroll
-        for (int i = 0; i < 64; i++) acc[i] = 0.0f, tot[i] = 0.0f;
-        for (int64_t kc = 0; kc < nst; kc++, prev = s, s = s + 1 == ST ? 0 : s + 1, par ^= s == 0) {
-            bar_wait(bars + 8 * s, par);
-            const char *fa = sAp + s * A_STAGE;
-#pragma unroll
-            for (int u = 0; u < 2; u++) {
-                const uint4 v = *reinterpret_cast<const uint4 *>(fa + (u * BW + rowA) * 64 + t * 16);
-                const uint4 w = *reinterpret_cast<const uint4 *>(fa + (u * BW + rowA + 8) * 64 + t * 16);
-                fc[u * 8 + 0] = v.x, fc[u * 8 + 1] = v.y, fc[u * 8 + 2] = v.z, fc[u * 8 + 3] = v.w;
-                fc[u * 8 + 4] = w.x, fc[u * 8 + 5] = w.y, fc[u * 8 + 6] = w.z, fc[u * 8 + 7] = w.w;
+        for (int i = 0; i < 64; i++) tot[i] = 0.0f;
+        for (int64_t kc = 0; kc < nst; kc += KSLICE / KC) { // a slice: up to four stages
+            const int64_t n = nst - kc;
+            int last = stage(f0, true);
+            if (n > 1) {
+                const int s0 = last;
+                last = stage(f1, false);
+                wait1(), release(s0);
+                if (n > 2) {
+                    const int s1 = last;
+                    last = stage(f2, false);
+                    wait1(), release(s1);
+                    if (n > 3) {
+                        const int s2 = last;
+                        last = stage(f3, false);
+                        wait1(), release(s2);
+                    }
+                }
             }
-            asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-            pin(acc);
-            const uint32_t sb = sB + s * B_STAGE;
+            asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+            pin(acc), pin(f0), pin(f1), pin(f2), pin(f3);
+            release(last);
 #pragma unroll
-            for (int q = 0; q < 2; q++)
-                wgmma_rs(acc, fc[2 * q], fc[4 + 2 * q], fc[2 * q + 1], fc[4 + 2 * q + 1], b_desc(sb + 32 * q));
-            if (kc * KC + 32 < K) // the second chunk is not wholly past K
-#pragma unroll
-                for (int q = 0; q < 2; q++)
-                    wgmma_rs(acc, fc[8 + 2 * q], fc[12 + 2 * q], fc[8 + 2 * q + 1], fc[12 + 2 * q + 1],
-                             b_desc(sb + 64 + 32 * q));
-            asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-            if (((kc + 1) * KC) % KSLICE == 0 || kc + 1 == nst) { // a slice ends: its partial joins the totals
-                asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-                pin(acc), pin(fc), pin(fp);
-                release(true);
-#pragma unroll
-                for (int i = 0; i < 64; i++) tot[i] += acc[i], acc[i] = 0.0f;
-            } else {
-                asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
-                pin(acc), pin(fp);
-                release(false);
-            }
-#pragma unroll
-            for (int i = 0; i < 16; i++) fp[i] = fc[i];
+            for (int i = 0; i < 64; i++) tot[i] += acc[i];
         }
         // tot[4i + c]: W row rowA + 8·(c >> 1), row of x 8i + 2t + (c & 1). Adding into y, its 64 values are read
         // first (into acc, free until the next tile), every load in flight before any store: in one loop the
