@@ -190,14 +190,15 @@ __global__ void __launch_bounds__(NTH, 1) gemm_wgmma_kernel(const __grid_constan
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(CONS_REGS));
     const int wg = warp >> 2, g = lane >> 2, t = lane & 3, rowA = wg * 64 + (warp & 3) * 16 + g;
     float acc[64], tot[64];
-    // The W fragments of a slice's four stages, a register set each. A stage's products read its set while they
-    // run; ptxas does not take a wgmma.wait_group 1 as the end of a set's readers, so a set written again in the same
-    // slice (one set for all stages, as before) made it wait for every product (WARPGROUP.DEPBAR.LE 0) before each
-    // stage's loads: each warpgroup's tensor work drained at every stage. Each set is written again one slice later,
-    // after the fold's wait for all of the slice's products, which that wait is anyway.
-    uint32_t f0[16], f1[16], f2[16], f3[16];
+    // The W fragments of the even and the odd stages of a slice. A stage's products read its set from registers while
+    // they run, and the stage's own wait (wait_group 1, after its commit) covers only the stage before: with one set
+    // for every stage (as before), the next stage's loads overwrote registers that the products just committed still
+    // read, and ptxas made each warpgroup wait for all of its products (WARPGROUP.DEPBAR.LE 0, its info C7517) before
+    // every stage, its tensor work drained each time. Alternating, a set is loaded again only after a wait has
+    // covered its readers (tests/test_wgmma_ptxas.sh checks that ptxas injects no wait).
+    uint32_t f0[16], f1[16];
 #pragma unroll
-    for (int i = 0; i < 16; i++) f0[i] = f1[i] = f2[i] = f3[i] = 0u; // (a short slice leaves sets unwritten)
+    for (int i = 0; i < 16; i++) f0[i] = f1[i] = 0u;
     // The ring's place as the producer keeps it (slot s, the round's parity), counted along, never divided out (the
     // 64-bit divisions by ST took ~100 dependent instructions a stage). A stage is released to the producer once its
     // products are done: after the next stage's products are issued and the wait for all but those (wait_group 1),
@@ -249,17 +250,17 @@ __global__ void __launch_bounds__(NTH, 1) gemm_wgmma_kernel(const __grid_constan
                 wait1(), release(s0);
                 if (n > 2) {
                     const int s1 = last;
-                    last = stage(f2, false);
+                    last = stage(f0, false);
                     wait1(), release(s1);
                     if (n > 3) {
                         const int s2 = last;
-                        last = stage(f3, false);
+                        last = stage(f1, false);
                         wait1(), release(s2);
                     }
                 }
             }
             asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-            pin(acc), pin(f0), pin(f1), pin(f2), pin(f3);
+            pin(acc), pin(f0), pin(f1);
             release(last);
 #pragma unroll
             for (int i = 0; i < 64; i++) tot[i] += acc[i];
