@@ -375,6 +375,43 @@ __global__ void __launch_bounds__(TCA_THREADS, 4) attention_tc_kernel(att_args a
     tca_weighted_sum_sel<REF>(a.o + t * H * d, H, d, sP, sKT, kp, L.nk, S);
 }
 
+// The same at d = 128 in a full forward, keys from bf16 copies (cuda_attn_tc.cuh's ring): keys [B·S + B·nwin, 128],
+// kv's rows then each sequence's nwin entries. At most 128 registers: 4 blocks an SM (55 KiB of shared memory each at
+// 16 heads and 384 keys).
+__global__ void __launch_bounds__(TCA_THREADS, 4) attention_tcb_kernel(att_args a, const __nv_bfloat16 *keys,
+                                                                       float *itgt) {
+    extern __shared__ __align__(128) char smem[];
+    const tca_layout S = tcb_layout_of(a.H, a.maxk, 0);
+    uint32_t *kr = (uint32_t *)(smem + S.kp);
+    float *lg = (float *)(smem + S.lg);                                      // [Hp, nkp] logits, then P
+    __nv_bfloat16 *sP = (__nv_bfloat16 *)(smem + S.sP), *sQ = (__nv_bfloat16 *)(smem + S.sQ);
+    const int64_t t = blockIdx.x, H = a.H, d = TCB_D;
+    const key_list L = keys_of(a, t);
+    const int64_t row = row_seq(a.rows, t), B = a.rows.T / row_qn(a.rows);
+    const int64_t win = row * a.rows.S + L.j0, ent = B * a.rows.S + row * a.nwin;
+    for (int64_t k = threadIdx.x; k < L.nk; k += TCA_THREADS)
+        kr[k] = (uint32_t)(k < L.nwk ? win + k : ent + (L.sel ? (int64_t)L.sel[k - L.nwk] : k - L.nwk));
+    tca_stage_rows(sQ, a.q + t * H * d, H, d, S);
+    __syncthreads();
+    tcb_scores(lg, nullptr, sQ, nullptr, smem + S.sK, keys, kr, L.nk, 1.0f / sqrtf((float)d), S);
+    const int64_t nkp = tca_up(L.nk, TCA_KC);
+    for (int64_t h = threadIdx.x >> 5; h < H; h += TCA_WARPS) {
+        float mx;
+        (void)tca_softmax_row(lg + h * S.nkp, sP + h * S.LP, L.nk, nkp, a.sink[h], &mx);
+    }
+    __syncthreads();
+    if (itgt) {
+        for (int64_t i = threadIdx.x; i < a.sel_stride; i += TCA_THREADS) {
+            float acc = 0;
+            if (L.nwk + i < L.nk)
+                for (int64_t h = 0; h < H; h++) acc += lg[h * S.nkp + L.nwk + i];
+            itgt[t * a.sel_stride + i] = acc;
+        }
+        __syncthreads(); // product 3's ring may take the logits' bytes
+    }
+    tcb_weighted_sum(a.o + t * H * d, H, sP, smem + S.sKT, keys, kr, L.nk, false, S);
+}
+
 // The indexer-KL target of row t's pick i (one warp each): every head's probability of the pick, recomputed with the
 // attention kernel's arithmetic from its max and denominator (so the same bits), added in head order from 0 as the
 // CPU; 0 past the picks. Recomputing one logit per (pick, head) costs far less memory than keeping [T, H, picks].
@@ -504,6 +541,50 @@ void ds4_cuda_record_picks(ds4_dev *d, const ds4_a_record_picks *a) {
     ds4_cuda_launched(d, "record_picks", "[%lld x %lld]", (long long)a->T, (long long)a->K);
 }
 
+// The bf16 mode's attention of a full forward at d = 128: bf16 copies of the keys and the entries (scratch), then
+// attention_tcb_kernel.
+static void attention_tcb(ds4_dev *d, const ds4_a_attention *a, int64_t maxk, int64_t m) {
+    const ds4_config *c = a->c;
+    const int64_t T = a->rows.T, H = c->num_attention_heads, B = a->rows.T / (a->rows.qn ? a->rows.qn : a->rows.S);
+    const int64_t S = a->rows.S, nwin = a->type == DS4_ATTN_SLIDING ? 0 : a->nwin;
+    const size_t smem = tcb_layout_of(H, maxk, 0).bytes;
+    if (smem > cdev(d)->smem_optin || T > 0x7fffffff) {
+        ds4_dev_fail(d, DS4_ERR_UNSUPPORTED,
+                     "attention (bf16): %lld queries, %lld keys per query x %lld heads x %d need %zu bytes of shared "
+                     "memory (<= %zu)",
+                     (long long)T, (long long)maxk, (long long)H, TCB_D, smem, cdev(d)->smem_optin);
+        return;
+    }
+    if (smem > 48 * 1024 && smem > cdev(d)->smem_attn_tcb) {
+        const cudaError_t e =
+            cudaFuncSetAttribute(attention_tcb_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+        if (e != cudaSuccess) {
+            (void)cudaGetLastError();
+            ds4_dev_fail(d, DS4_ERR_CUDA, "attention (bf16): shared memory limit %zu: %s", smem, cudaGetErrorString(e));
+            return;
+        }
+        cdev(d)->smem_attn_tcb = smem;
+    }
+    // [B·S, 128] keys, then [B, nwin, 128] entries; row numbers are uint32
+    if (B * S + B * nwin > 0xffffffffll) {
+        ds4_dev_fail(d, DS4_ERR_UNSUPPORTED, "attention (bf16): %lld key rows", (long long)(B * S + B * nwin));
+        return;
+    }
+    auto *kv16 = (__nv_bfloat16 *)ds4_cuda_scratch(d, (size_t)((B * S + B * nwin) * TCB_D) * 2, "attention", 0);
+    if (!kv16) return;
+    __nv_bfloat16 *cK16 = kv16 + B * S * TCB_D;
+    if (!ds4_cuda_rows_to_bf16(d, "attention", kv16, TCB_D, a->kv, TCB_D, 0, 1, B * S, TCB_D) ||
+        (nwin && !ds4_cuda_rows_to_bf16(d, "attention", cK16, TCB_D, a->cK, TCB_D, S * TCB_D, B, nwin, TCB_D)))
+        return;
+    att_args g = {a->sink, a->q, a->kv, a->cK, a->o, NULL, NULL, a->rows, H, TCB_D, c->sliding_window, nwin, m,
+                  a->sel_stride, maxk, (int)a->type, a->sel, a->nsel};
+    attention_tcb_kernel<<<(unsigned)T, TCA_THREADS, smem, cdev(d)->stream>>>(g, kv16,
+                                                                              a->type == DS4_ATTN_CSA ? a->itgt : NULL);
+    ds4_cuda_launched(d, "attention", "[%lld queries, %lld heads x %d, <= %lld keys, %s, bf16 tensor cores, bf16 keys%s]",
+                      (long long)T, (long long)H, TCB_D, (long long)maxk, ds4_attn_type_name(a->type),
+                      a->type == DS4_ATTN_CSA && a->itgt ? ", indexer-KL target" : "");
+}
+
 // The bf16 mode's attention: every head of a row in one block (the indexer-KL target from the same block).
 static void attention_tc(ds4_dev *d, const ds4_a_attention *a, int64_t maxk) {
     const ds4_config *c = a->c;
@@ -521,6 +602,10 @@ static void attention_tc(ds4_dev *d, const ds4_a_attention *a, int64_t maxk) {
         return;
     }
     const bool ref = cdev(d)->attn_ref;
+    if (!ref && dh == TCB_D && !a->rows.pos) {
+        attention_tcb(d, a, maxk, m);
+        return;
+    }
     auto kernel = ref ? attention_tc_kernel<true> : attention_tc_kernel<false>;
     if (smem > 48 * 1024 && smem > cdev(d)->smem_attn_tc) { /* raised once per size, not per launch */
         const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);

@@ -107,17 +107,19 @@ __device__ __forceinline__ void tca_stage_keys(__nv_bfloat16 *sK, const float *c
 }
 
 // Product 1 over one staged chunk of keys (columns k0..k0+31 of the outputs): out[h, k] = scale · Σ_c a[h, c]·key[c]
-// for every head row; with a second operand (the backward's dout), out2 likewise without the scale.
-__device__ __forceinline__ void tca_scores_chunk(float *out, float *out2, const __nv_bfloat16 *sA,
-                                                 const __nv_bfloat16 *sA2, const __nv_bfloat16 *sK, int64_t k0,
-                                                 float scale, const tca_layout &L) {
+// for every head row; with a second operand (the backward's dout), out2 likewise without the scale. key(j, c) gives
+// the 16 bytes of channels c..c+7 of the chunk's key j (the staging's layout).
+template <typename KeyPiece>
+__device__ __forceinline__ void tca_scores_chunk_of(float *out, float *out2, const __nv_bfloat16 *sA,
+                                                    const __nv_bfloat16 *sA2, KeyPiece key, int64_t k0, float scale,
+                                                    const tca_layout &L) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const int64_t col = k0 + warp * 8 + 2 * t;
     for (int64_t mt = 0; mt < L.Hp / 16; mt++) {
         float acc[4] = {0, 0, 0, 0}, acc2[4] = {0, 0, 0, 0};
         for (int64_t kc = 0; kc < L.dp; kc += 32) {
             uint32_t ag[4], ag8[4], b[4];
-            const uint4 vb = *reinterpret_cast<const uint4 *>(&sK[(warp * 8 + g) * L.LQ + kc + t * 8]);
+            const uint4 vb = key(warp * 8 + g, (int)kc + t * 8);
             b[0] = vb.x, b[1] = vb.y, b[2] = vb.z, b[3] = vb.w;
             const uint4 va = *reinterpret_cast<const uint4 *>(&sA[(mt * 16 + g) * L.LQ + kc + t * 8]);
             const uint4 va8 = *reinterpret_cast<const uint4 *>(&sA[(mt * 16 + g + 8) * L.LQ + kc + t * 8]);
@@ -140,6 +142,15 @@ __device__ __forceinline__ void tca_scores_chunk(float *out, float *out2, const 
             out2[(r + 8) * L.nkp + col] = acc2[2], out2[(r + 8) * L.nkp + col + 1] = acc2[3];
         }
     }
+}
+
+// ... from sK [32, LQ] (tca_stage_keys' rows)
+__device__ __forceinline__ void tca_scores_chunk(float *out, float *out2, const __nv_bfloat16 *sA,
+                                                 const __nv_bfloat16 *sA2, const __nv_bfloat16 *sK, int64_t k0,
+                                                 float scale, const tca_layout &L) {
+    tca_scores_chunk_of(
+        out, out2, sA, sA2,
+        [&](int j, int c) { return *reinterpret_cast<const uint4 *>(&sK[j * L.LQ + c]); }, k0, scale, L);
 }
 
 // Product 1 over every key of the row: stages the keys chunk by chunk (sK), logits into lg (and dout·key into dpv).
@@ -176,16 +187,12 @@ __device__ __forceinline__ double tca_softmax_row(float *l, __nv_bfloat16 *sP, i
 
 // Product 3's multiply-adds over one staged chunk (keys k0.. of sP's rows, transposed keys in sKT) for the m-tiles
 // m0.. of a pass: a warp's TCA_NW n-tiles of 8 channels, the chunk's 32 keys in ds4d_mma_k32's k-slots.
-__device__ __forceinline__ void tca_ws_chunk(float (&acc)[TCA_MT][TCA_NW][4], const __nv_bfloat16 *sP,
-                                             const __nv_bfloat16 *sKT, int64_t m0, int64_t k0, const tca_layout &L) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+// b[j]: n-tile j's key fragments (lane (g, t): keys k0 + 8t .. 8t+7 of channel g of the tile).
+__device__ __forceinline__ void tca_ws_mma(float (&acc)[TCA_MT][TCA_NW][4], const __nv_bfloat16 *sP,
+                                           const uint32_t (&b)[TCA_NW][4], int64_t m0, int64_t k0,
+                                           const tca_layout &L) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int64_t nmt = L.Hp / 16;
-    uint32_t b[TCA_NW][4];
-#pragma unroll
-    for (int j = 0; j < TCA_NW; j++) {
-        const uint4 v = *reinterpret_cast<const uint4 *>(&sKT[(warp * TCA_NW * 8 + j * 8 + g) * TCA_LT + t * 8]);
-        b[j][0] = v.x, b[j][1] = v.y, b[j][2] = v.z, b[j][3] = v.w;
-    }
 #pragma unroll
     for (int i = 0; i < TCA_MT; i++) {
         if (m0 + i >= nmt) break;
@@ -198,6 +205,18 @@ __device__ __forceinline__ void tca_ws_chunk(float (&acc)[TCA_MT][TCA_NW][4], co
 #pragma unroll
         for (int j = 0; j < TCA_NW; j++) ds4d_mma_k32(acc[i][j], ag, ag8, b[j]);
     }
+}
+
+__device__ __forceinline__ void tca_ws_chunk(float (&acc)[TCA_MT][TCA_NW][4], const __nv_bfloat16 *sP,
+                                             const __nv_bfloat16 *sKT, int64_t m0, int64_t k0, const tca_layout &L) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    uint32_t b[TCA_NW][4];
+#pragma unroll
+    for (int j = 0; j < TCA_NW; j++) {
+        const uint4 v = *reinterpret_cast<const uint4 *>(&sKT[(warp * TCA_NW * 8 + j * 8 + g) * TCA_LT + t * 8]);
+        b[j][0] = v.x, b[j][1] = v.y, b[j][2] = v.z, b[j][3] = v.w;
+    }
+    tca_ws_mma(acc, sP, b, m0, k0, L);
 }
 
 // A pass's outputs (head rows m0·16.., channels c0..) into out [H, d], nothing past H and d.
@@ -347,6 +366,144 @@ __device__ __forceinline__ void tca_weighted_sum_sel(float *out, int64_t H, int6
                                                      const tca_layout &L) {
     if (REF) tca_weighted_sum(out, H, d, sP, sKT, kp, nk, L);
     else tca_weighted_sum_pipe(out, H, d, sP, sKT, kp, nk, L);
+}
+
+// ------------------------------------------------------------------------------------------ bf16 keys
+// The full forward and the backward's per-query phase at d = 128 read their keys from bf16 copies of kv and the
+// entries (rows_to_bf16: rounded as the staging above rounds them, so the same operands). A chunk of 32 keys is then
+// 8 KiB that cp.async copies global -> shared into a ring of TCB_ST buffers, TCB_ST - 1 chunks in flight during a
+// chunk's products and no registers held for them (the fp32 staging above holds one chunk in registers and converts
+// it; the block waited on each chunk's loads, and product 3's were 8 single loads per key group). Both products read
+// the same buffer: product 1 a key's 16-byte channel pieces (as from sK), product 3 the keys of a channel through
+// ldmatrix.trans, whose row addresses put keys 8t .. 8t+7 of the chunk into lane t's registers: the k-slots that sKT's
+// rows give ds4d_mma_k32. The same operands in the same products in the same order: the fp32 staging's bits
+// (tests/test_cuda_bwd_attn compares the two byte for byte).
+// A buffer is 32 rows of 256 bytes, row j's 16-byte piece p stored at p ^ tcb_sw(j): a quarter-warp's product-1 reads
+// (rows j, j + 1, pieces 4q .. 4q+3), a matrix's eight ldmatrix rows (keys 8a + 2i + b, one piece) and a
+// quarter-warp's copies (one row, 8 pieces) each fall on 8 distinct 16-byte bank groups.
+constexpr int TCB_D = 128, TCB_ST = 3;
+constexpr int TCB_ROW = TCB_D * 2, TCB_BUF = TCA_KC * TCB_ROW;
+static_assert(TCA_NW * TCA_WARPS * 8 == TCB_D, "product 3 takes the 128 channels in one pass");
+
+__device__ __forceinline__ int tcb_sw(int j) { return ((j & 1) << 2) | ((j >> 3) & 3); }
+
+// The block's shared memory: tca_layout's fields with d = 128; kp holds the keys' row numbers (uint32) in the copies.
+// The backward (grad): the ring at sK for both products (sKT = sK; product 3's first chunks are copied during the
+// softmax), P (sP) over the bytes of q and dout (sQ, sG: product 1's operands). The forward: product 1's ring at sK
+// holds P afterwards, and product 3's ring (sKT) takes the logits' bytes, free once the softmax and the indexer-KL
+// target have read them (at 16 heads and 384 keys, 55 KiB a block: 4 blocks an SM instead of 3).
+__host__ __device__ inline tca_layout tcb_layout_of(int64_t H, int64_t maxk, int grad) {
+    tca_layout L;
+    L.Hp = tca_up(H, 16), L.dp = TCB_D, L.nkp = tca_up(maxk > 0 ? maxk : 1, TCA_KC);
+    L.LQ = TCB_D + 32; // as tca_layout_of
+    L.LP = L.nkp + 8;
+    size_t o = 0;
+    auto take = [&o](size_t bytes) { const size_t at = o; o += (bytes + 127) / 128 * 128; return at; };
+    const size_t ring = (size_t)TCB_ST * TCB_BUF, lgb = (size_t)(L.Hp * L.nkp) * sizeof(float);
+    const size_t pb = (size_t)(L.Hp * L.LP) * 2, qb = (size_t)(L.Hp * L.LQ) * 2;
+    L.kp = take((size_t)L.nkp * sizeof(uint32_t));
+    L.lg = take(lgb);
+    L.dp_ = grad ? take(lgb) : 0;
+    L.sK = take(ring);
+    if (grad) {
+        L.sKT = L.sK;
+        const size_t phase = o;
+        L.sQ = take(qb);
+        L.sG = take(qb);
+        const size_t end1 = o;
+        o = phase;
+        L.sP = take(pb);
+        if (end1 > o) o = end1;
+    } else {
+        L.sQ = take(qb);
+        L.sG = 0;
+        L.sP = pb <= ring ? L.sK : take(pb);
+        L.sKT = lgb >= ring ? L.lg : take(ring);
+    }
+    L.bytes = o;
+    return L;
+}
+
+// chunk c (keys 32c .. of the list: rows kr[] of keys; zeros past nk) -> ring buffer c % TCB_ST
+__device__ __forceinline__ void tcb_issue(char *ring, const __nv_bfloat16 *keys, const uint32_t *kr, int64_t nk,
+                                          int64_t c) {
+    char *buf = ring + (c % TCB_ST) * TCB_BUF;
+#pragma unroll
+    for (int u = 0; u < TCA_KC * (TCB_ROW / 16) / TCA_THREADS; u++) {
+        const int p = threadIdx.x + u * TCA_THREADS, j = p >> 4, pc = p & 15;
+        const int64_t k = c * TCA_KC + j;
+        const __nv_bfloat16 *src = keys + (int64_t)kr[k < nk ? k : 0] * TCB_D + pc * 8;
+        ds4d_cp_async16(buf + j * TCB_ROW + ((pc ^ tcb_sw(j)) << 4), src, k < nk ? 16 : 0);
+    }
+}
+
+// The first TCB_ST - 1 chunks in flight (one commit group each, empty past the list)
+__device__ __forceinline__ void tcb_prime(char *ring, const __nv_bfloat16 *keys, const uint32_t *kr, int64_t nk) {
+    const int64_t nch = (nk + TCA_KC - 1) / TCA_KC;
+    for (int64_t c = 0; c < TCB_ST - 1; c++) {
+        if (c < nch) tcb_issue(ring, keys, kr, nk, c);
+        ds4d_cp_async_commit();
+    }
+}
+
+// body(c, buffer) for the chunks of the list in order, each staged in the ring; primed: tcb_prime ran already. Ends
+// with a barrier: the ring may be refilled, and what body wrote read, by any thread.
+template <typename Body>
+__device__ __forceinline__ void tcb_stream(char *ring, const __nv_bfloat16 *keys, const uint32_t *kr, int64_t nk,
+                                           bool primed, Body body) {
+    const int64_t nch = (nk + TCA_KC - 1) / TCA_KC;
+    if (!primed) tcb_prime(ring, keys, kr, nk);
+    for (int64_t c = 0; c < nch; c++) {
+        ds4d_cp_async_wait<TCB_ST - 2>(); // this thread's copies of chunk c are done
+        __syncthreads();                  // everyone's are; everyone is done with chunk c - 1, whose buffer is refilled
+        if (c + TCB_ST - 1 < nch) tcb_issue(ring, keys, kr, nk, c + TCB_ST - 1);
+        ds4d_cp_async_commit();
+        body(c, (const char *)ring + (c % TCB_ST) * TCB_BUF);
+    }
+    __syncthreads();
+}
+
+// Product 1 from the ring, as tca_scores
+__device__ __forceinline__ void tcb_scores(float *lg, float *dpv, const __nv_bfloat16 *sQ, const __nv_bfloat16 *sG,
+                                           char *ring, const __nv_bfloat16 *keys, const uint32_t *kr, int64_t nk,
+                                           float scale, const tca_layout &L) {
+    tcb_stream(ring, keys, kr, nk, false, [&](int64_t c, const char *buf) {
+        tca_scores_chunk_of(
+            lg, dpv, sQ, sG,
+            [&](int j, int ch) {
+                return *reinterpret_cast<const uint4 *>(buf + j * TCB_ROW + (((ch >> 3) ^ tcb_sw(j)) << 4));
+            },
+            c * TCA_KC, scale, L);
+    });
+}
+
+// Product 3 from the ring, as tca_weighted_sum (primed: the first pass's chunks are in flight already)
+__device__ __forceinline__ void tcb_weighted_sum(float *out, int64_t H, const __nv_bfloat16 *sP, char *ring,
+                                                 const __nv_bfloat16 *keys, const uint32_t *kr, int64_t nk,
+                                                 bool primed, const tca_layout &L) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    // ldmatrix: lane 8i + r gives row r of matrix i, key 8·(r >> 1) + 2i + (r & 1) of the chunk, so that matrix i's
+    // rows 2t and 2t + 1 (lane t's register i after the transpose) are keys 8t + 2i and 8t + 2i + 1
+    const int mi = lane >> 3, r = lane & 7, kj = 8 * (r >> 1) + 2 * mi + (r & 1);
+    const int64_t nmt = L.Hp / 16;
+    for (int64_t m0 = 0; m0 < nmt; m0 += TCA_MT) {
+        float acc[TCA_MT][TCA_NW][4];
+        ds4d_mma_zero(acc);
+        tcb_stream(ring, keys, kr, nk, primed && m0 == 0, [&](int64_t c, const char *buf) {
+            uint32_t b[TCA_NW][4];
+            const uint32_t row = (uint32_t)__cvta_generic_to_shared(buf + kj * TCB_ROW);
+#pragma unroll
+            for (int j = 0; j < TCA_NW; j++) {
+                const uint32_t at = row + (((warp * TCA_NW + j) ^ tcb_sw(kj)) << 4);
+                asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                             : "=r"(b[j][0]), "=r"(b[j][1]), "=r"(b[j][2]), "=r"(b[j][3])
+                             : "r"(at)
+                             : "memory");
+            }
+            tca_ws_mma(acc, sP, b, m0, c * TCA_KC, L);
+        });
+        tca_ws_out(out, acc, m0, 0, H, TCB_D);
+    }
 }
 
 #endif

@@ -207,6 +207,31 @@ __global__ void __launch_bounds__(BWD_THREADS) attn_bwd_q_kernel(abwd_args a) {
     }
 }
 
+// The bf16 mode's middle of phase A, a warp per head row: the softmax of the logits lg (P), Σ P·dp against dout·key
+// (dpv), the sink's gradient, P and DS to the tape and DS in bf16 into sP (dq's product takes it so).
+__device__ __forceinline__ void tc_softmax_ds(const abwd_args &a, int64_t t, float *lg, const float *dpv,
+                                              __nv_bfloat16 *sP, int64_t nk, float scale, const tca_layout &S) {
+    const int lane = threadIdx.x & 31;
+    const int64_t H = a.H, nkp = tca_up(nk, TCA_KC);
+    for (int64_t h = threadIdx.x >> 5; h < H; h += TCA_WARPS) {
+        float *l = lg + h * S.nkp, mx;
+        const float *dp = dpv + h * S.nkp;
+        __nv_bfloat16 *sd = sP + h * S.LP;
+        const float sink = a.sink[h];
+        const double den = tca_softmax_row(l, sd, nk, nkp, sink, &mx);
+        double pdp = 0;
+        for (int64_t k = lane; k < nk; k += 32) pdp += (double)l[k] * dp[k];
+        pdp = ds4d_warp_sum(pdp);
+        if (lane == 0) a.dsink_t[t * H + h] = (float)(-(exp((double)(sink - mx)) / den) * pdp);
+        float *P = a.P + (t * H + h) * a.maxk, *DS = a.DS + (t * H + h) * a.maxk;
+        for (int64_t k = lane; k < nkp; k += 32) {
+            const float ds = k < nk ? (float)(l[k] * ((double)dp[k] - pdp)) * scale : 0.0f;
+            if (k < nk) P[k] = l[k], DS[k] = ds;
+            sd[k] = __float2bfloat16_rn(ds); // dq's product takes DS in bf16
+        }
+    }
+}
+
 // Phase A in the bf16 mode (bf16_in): one block per query, every head (cuda_attn_tc.cuh): the logits and dout·key
 // from the forward's tensor-core product (so P is the forward's, bit for bit), the softmax, Σ P·dp and DS per head
 // row (a warp each, double sums in a fixed butterfly), then dq = DS (bf16) · keys on the tensor cores.
@@ -222,33 +247,48 @@ __global__ void __launch_bounds__(TCA_THREADS, 4) attn_bwd_q_tc_kernel(abwd_args
     __nv_bfloat16 *sG = (__nv_bfloat16 *)(smem + S.sG), *sK = (__nv_bfloat16 *)(smem + S.sK);
     __nv_bfloat16 *sKT = (__nv_bfloat16 *)(smem + S.sKT);
     const int64_t t = blockIdx.x, d = a.d, H = a.H;
-    const int lane = threadIdx.x & 31;
     const bwd_keys L = bwd_keys_of(a, t);
-    const int64_t nk = L.nk, nkp = tca_up(nk, TCA_KC);
+    const int64_t nk = L.nk;
     for (int64_t k = threadIdx.x; k < nk; k += TCA_THREADS) kp[k] = bwd_key_at(a, L, t, k);
     tca_stage_rows(sQ, a.q + t * H * d, H, d, S);
     tca_stage_rows(sG, a.dout + t * H * d, H, d, S);
     __syncthreads();
     const float scale = 1.0f / sqrtf((float)d);
     tca_scores_sel<REF>(lg, dpv, sQ, sG, sK, kp, nk, d, scale, S);
-    for (int64_t h = threadIdx.x >> 5; h < H; h += TCA_WARPS) {
-        float *l = lg + h * S.nkp, *dp = dpv + h * S.nkp, mx;
-        __nv_bfloat16 *sd = sP + h * S.LP;
-        const float sink = a.sink[h];
-        const double den = tca_softmax_row(l, sd, nk, nkp, sink, &mx);
-        double pdp = 0;
-        for (int64_t k = lane; k < nk; k += 32) pdp += (double)l[k] * dp[k];
-        pdp = ds4d_warp_sum(pdp);
-        if (lane == 0) a.dsink_t[t * H + h] = (float)(-(exp((double)(sink - mx)) / den) * pdp);
-        float *P = a.P + (t * H + h) * a.maxk, *DS = a.DS + (t * H + h) * a.maxk;
-        for (int64_t k = lane; k < nkp; k += 32) {
-            const float ds = k < nk ? (float)(l[k] * ((double)dp[k] - pdp)) * scale : 0.0f;
-            if (k < nk) P[k] = l[k], DS[k] = ds;
-            sd[k] = __float2bfloat16_rn(ds); // dq's product takes DS in bf16
-        }
-    }
+    tc_softmax_ds(a, t, lg, dpv, sP, nk, scale, S);
     __syncthreads();
     tca_weighted_sum_sel<REF>(a.dq + t * H * d, H, d, sP, sKT, kp, nk, S);
+}
+
+// The same at d = 128, keys from bf16 copies (cuda_attn_tc.cuh's ring): keys [B·S + B·nwin, 128], kv's rows then
+// each sequence's nwin entries. dq's first chunks are copied while the softmax and DS run. At most 168 registers
+// (2 blocks an SM by shared memory: about 88 KiB each at 16 heads and 384 keys).
+__global__ void __launch_bounds__(TCA_THREADS, 2) attn_bwd_q_tcb_kernel(abwd_args a, const __nv_bfloat16 *keys) {
+    extern __shared__ __align__(128) char smem[];
+    const tca_layout S = tcb_layout_of(a.H, a.kmax, 1);
+    uint32_t *kr = (uint32_t *)(smem + S.kp);
+    float *lg = (float *)(smem + S.lg), *dpv = (float *)(smem + S.dp_); // [Hp, nkp] each
+    __nv_bfloat16 *sP = (__nv_bfloat16 *)(smem + S.sP), *sQ = (__nv_bfloat16 *)(smem + S.sQ);
+    __nv_bfloat16 *sG = (__nv_bfloat16 *)(smem + S.sG);
+    char *ring = smem + S.sK;
+    const int64_t t = blockIdx.x, d = TCB_D, H = a.H;
+    const bwd_keys L = bwd_keys_of(a, t);
+    const int64_t nk = L.nk, row = q_seq(a, t), B = gridDim.x / a.qn;
+    const int64_t win = row * a.S + L.j0, ent = B * a.S + row * a.nwin;
+    for (int64_t k = threadIdx.x; k < nk; k += TCA_THREADS) {
+        const int64_t e = k - L.nwk;
+        kr[k] = (uint32_t)(k < L.nwk ? win + k
+                                     : ent + (a.type == DS4_ATTN_CSA ? (int64_t)a.sel[t * a.sel_stride + e] : e));
+    }
+    tca_stage_rows(sQ, a.q + t * H * d, H, d, S);
+    tca_stage_rows(sG, a.dout + t * H * d, H, d, S);
+    __syncthreads();
+    const float scale = 1.0f / sqrtf((float)d);
+    tcb_scores(lg, dpv, sQ, sG, ring, keys, kr, nk, scale, S);
+    tcb_prime(ring, keys, kr, nk);
+    tc_softmax_ds(a, t, lg, dpv, sP, nk, scale, S);
+    __syncthreads();
+    tcb_weighted_sum(a.dq + t * H * d, H, sP, ring, keys, kr, nk, true, S);
 }
 
 // v rounded to bf16 (nearest even) where the bf16 mode rounds a product's operands, else v
@@ -937,6 +977,32 @@ void ds4_cuda_attn_bwd_q(ds4_dev *d, const ds4_a_attn_bwd *a) {
     }
     char what[96];
     snprintf(what, sizeof what, "%lld keys per query", (long long)g.kmax);
+    if (a->bf16_in && g.d == TCB_D && !cdev(d)->attn_ref) { // keys from bf16 copies
+        const size_t smem = tcb_layout_of(g.H, g.kmax, 1).bytes;
+        if (!grid_fits(d, T, "attn_bwd_q", "queries")) return;
+        if (smem > cdev(d)->smem_bwd_tcb) {
+            if (!smem_fits(d, attn_bwd_q_tcb_kernel, smem, "attn_bwd_q (bf16)", what)) return;
+            cdev(d)->smem_bwd_tcb = smem;
+        }
+        abwd_args gk = g;
+        gk.nwin = g.type == DS4_ATTN_SLIDING ? 0 : g.nwin;
+        const int64_t rows = a->B * g.S + a->B * gk.nwin; // [B·S, 128] keys, then [B, nwin, 128] entries
+        if (rows > 0xffffffffll) {                        // row numbers are uint32
+            ds4_dev_fail(d, DS4_ERR_UNSUPPORTED, "attn_bwd_q (bf16): %lld key rows", (long long)rows);
+            return;
+        }
+        auto *kv16 = (__nv_bfloat16 *)ds4_cuda_scratch(d, (size_t)(rows * TCB_D) * 2, "attn_bwd_q", 0);
+        if (!kv16) return;
+        __nv_bfloat16 *cK16 = kv16 + a->B * g.S * TCB_D;
+        if (!ds4_cuda_rows_to_bf16(d, "attn_bwd_q", kv16, TCB_D, g.kv, TCB_D, 0, 1, a->B * g.S, TCB_D) ||
+            (gk.nwin &&
+             !ds4_cuda_rows_to_bf16(d, "attn_bwd_q", cK16, TCB_D, g.cK, TCB_D, g.S * TCB_D, a->B, gk.nwin, TCB_D)))
+            return;
+        attn_bwd_q_tcb_kernel<<<(unsigned)T, TCA_THREADS, smem, cdev(d)->stream>>>(gk, kv16);
+        ds4_cuda_launched(d, "attn_bwd_q", "[%lld queries, %lld heads x %d, <= %lld keys, %s, bf16 tensor cores, bf16 keys]",
+                          (long long)T, (long long)g.H, TCB_D, (long long)g.kmax, ds4_attn_type_name(a->l->type));
+        return;
+    }
     if (a->bf16_in) {
         const size_t smem = tca_layout_of(g.H, g.d, g.kmax, 1).bytes;
         if (!grid_fits(d, T, "attn_bwd_q", "queries")) return;

@@ -38,6 +38,7 @@ struct cuda_dev {
                                   // column sum)
     size_t smem_attn, smem_idx;   // the limits raised so far for attention and the indexer
     size_t smem_attn_tc, smem_bwd_tc; // the same for the bf16 mode's attention and its backward's per-query phase
+    size_t smem_attn_tcb, smem_bwd_tcb; // ... and their bf16-key kernels (d = 128)
     size_t smem_kg_tc[3];         // and for its key gradients' kernels of 1, 2 and 4 queries a barrier (cuda_bwd_attn.cu)
     // scratch owned by the backend (grown, never shrunk; allocated before a pass, never inside one)
     void *scratch[5];

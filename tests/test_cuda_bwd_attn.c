@@ -426,7 +426,7 @@ int main(int argc, char **argv) {
         return ds4t_finish("test_cuda_bwd_attn");
     }
     ds4_config big = {0}; /* CPU scratch (attention key lists) for every shape below */
-    big.hc_mult = 4, big.hidden_size = 64, big.num_attention_heads = 20, big.head_dim = 136, big.sliding_window = 200;
+    big.hc_mult = 4, big.hidden_size = 64, big.num_attention_heads = 40, big.head_dim = 136, big.sliding_window = 200;
     big.compress_rate_csa = 4, big.compress_rate_hca = 128, big.index_topk = 64;
     CHECK_OK(cpu->ops->reserve(cpu, &big, 1024, 512, 0, &err), &err);
     const tcase cases[] = {
@@ -448,6 +448,8 @@ int main(int argc, char **argv) {
          * groups of 4 queries a barrier with a partial last one, key lists over several 32-key chunks */
         {DS4_ATTN_CSA, 1, 301, 70, 4, 45, 16, 128, 2, 16, 0, 0},
         {DS4_ATTN_HCA, 2, 263, 200, 8, 1, 16, 128, 2, 16, 0, 0},
+        /* d = 128 with 40 heads: the bf16-key kernels' dq and output in two passes of m-tiles (three m-tiles) */
+        {DS4_ATTN_CSA, 2, 70, 9, 4, 20, 40, 128, 2, 16, 0, 0},
         /* query windows (context parallelism split by query): a rank's positions of each sequence attend over the
          * whole sequences' keys; the key gradients sum that rank's queries only. First, middle and last slices;
          * windows that start inside a compressor window and a sliding window; the bf16 tensor-core key gradients

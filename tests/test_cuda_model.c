@@ -189,16 +189,17 @@ out:
 /* ------------------------------------------------------------------------------------------------ invariance */
 
 /* Every layer type, windows and compression crossed many times within the test lengths, the indexer choosing among
- * more entries than its top-k, hash and learned routing, 4 streams. */
+ * more entries than its top-k, hash and learned routing, 4 streams. head_dim 128: the bf16 full forward's attention
+ * takes its keys from bf16 copies there (cuda_attn_tc.cuh), decoding from the cache's fp32 rows. */
 static const char CONFIG[] =
     "{\"vocab_size\": 512, \"hidden_size\": 256, \"num_hidden_layers\": 4, \"num_attention_heads\": 4,"
-    " \"num_key_value_heads\": 1, \"head_dim\": 64, \"qk_rope_head_dim\": 32, \"partial_rotary_factor\": 0.5,"
+    " \"num_key_value_heads\": 1, \"head_dim\": 128, \"qk_rope_head_dim\": 64, \"partial_rotary_factor\": 0.5,"
     " \"q_lora_rank\": 128, \"o_groups\": 2, \"o_lora_rank\": 64, \"sliding_window\": 16,"
     " \"layer_types\": [\"sliding_attention\", \"compressed_sparse_attention\", \"heavily_compressed_attention\","
     " \"compressed_sparse_attention\"],"
     " \"compress_rates\": {\"compressed_sparse_attention\": 4, \"heavily_compressed_attention\": 16},"
     " \"mlp_layer_types\": [\"hash_moe\", \"moe\", \"moe\", \"moe\"],"
-    " \"index_n_heads\": 4, \"index_head_dim\": 32, \"index_topk\": 6, \"n_routed_experts\": 16,"
+    " \"index_n_heads\": 4, \"index_head_dim\": 64, \"index_topk\": 6, \"n_routed_experts\": 16,"
     " \"num_experts_per_tok\": 4, \"n_shared_experts\": 1, \"moe_intermediate_size\": 128, \"hc_mult\": 4,"
     " \"num_nextn_predict_layers\": 1, \"initializer_range\": 0.05, \"swiglu_limit\": 7.0}";
 
