@@ -15,16 +15,18 @@
 // k = 8t + 4j + 2h + e), so its tiles land as they are. The products are exact in fp32 whichever operand holds which
 // factor, so the sums are the mma.sync kernels' sums (tests/test_cuda_gemm_bits).
 //
-// Shape: 288 threads, one block per SM looping over the output tiles. Warps 0-7 are two warpgroups of consumers:
+// Shape: 384 threads, one block per SM looping over the output tiles. Warps 0-7 are two warpgroups of consumers:
 // warpgroup w owns W rows 64w..64w+63 of the block's 128 and all 128 rows of x (one m64n128k16 per 16 k), its slice
-// partials (64 fp32) and totals (64 more) in registers.
-// Warp 8 is the producer: one thread issues the bulk tensor copies (TMA) of each stage of 64 k, ST stages deep, each
+// partials (64 fp32), totals (64 more) and two sets of W fragments in registers; a slice is four stages, unrolled.
+// Warps 8-11 are the producer warpgroup, which gives its registers to the consumers (setmaxnreg) and in which one
+// thread issues the bulk tensor copies (TMA) of each stage of 64 k, ST stages deep, each
 // stage's arrival counted on a "full" barrier and its release by the 8 consumer warps on an "empty" one, so that no
 // thread of the block computes an address or waits at a block barrier inside the loop (the cp.async version of this
 // kernel spent ~400 instructions a warp per stage on them and ran slower than the mma.sync pipeline). Shared memory per
 // stage: x as 128 rows of 64 values (128 bytes, the copy engine's 128-byte swizzle, which the tensor cores undo), W as
 // two chunks of 128 rows of 32 values (64-byte rows: conflict-free 16-byte fragment reads). Rows past the operands'
-// ends and k past K arrive as zeros (the copy engine fills them); a chunk wholly past K is not multiplied.
+// ends and k past K arrive as zeros (the copy engine fills them); a chunk wholly past K multiplies those zeros (its
+// products add +0, which changes no partial but a -0 one, and a -0 partial never changes the total).
 #include <cuda.h>
 
 #include "cuda_gemm_wgmma.cuh"
