@@ -261,8 +261,8 @@ __global__ void __launch_bounds__(TCA_THREADS, 4) attn_bwd_q_tc_kernel(abwd_args
 }
 
 // The same at d = 128, keys from bf16 copies (cuda_attn_tc.cuh's ring): keys [B·S + B·nwin, 128], kv's rows then
-// each sequence's nwin entries. dq's first chunks are copied while the softmax and DS run. At most 168 registers
-// (2 blocks an SM by shared memory: about 88 KiB each at 16 heads and 384 keys).
+// each sequence's nwin entries. dq's first chunks are copied while the softmax and DS run. 2 blocks an SM (shared
+// memory: about 88 KiB each at 16 heads and 384 keys).
 __global__ void __launch_bounds__(TCA_THREADS, 2) attn_bwd_q_tcb_kernel(abwd_args a, const __nv_bfloat16 *keys) {
     extern __shared__ __align__(128) char smem[];
     const tca_layout S = tcb_layout_of(a.H, a.kmax, 1);
