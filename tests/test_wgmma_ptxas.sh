@@ -4,7 +4,8 @@
 # two things ptxas decides, which a change to the kernel can silently undo:
 #   - no wait that ptxas injects for registers the products still read or write (its info C7517 "warpgroup.wait is
 #     injected" or C7520 "wgmma ... serialized"): one such wait in the stage loop stops each warpgroup's tensor work
-#     at every stage (it did until the fragments took a register set per stage: bench/RESULTS.md, session 11);
+#     at every stage (it did until the stages' fragments alternated between two register sets: bench/RESULTS.md,
+#     sessions 11 and 12);
 #   - no spills in the forward's variant (neither reduction groups nor adding into y).
 # Exit 77 (skipped) without nvcc.
 set -uo pipefail
