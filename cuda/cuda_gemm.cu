@@ -165,14 +165,21 @@ constexpr int NARROW_BM = 32, NARROW_BK = 64, NARROW_LD = NARROW_BK + 4;
 
 // One staged chunk of 64 k into thread (ty, tx)'s accumulators: rows 2ty, 2ty + 1 of cA [32][LD], columns tx + 8j of
 // cB [8·TN][LD], fmaf in k order.
-template <int TN>
-__device__ __forceinline__ void narrow_chunk(float (&acc)[2][TN], const float *cA, const float *cB, int ty, int tx) {
+// SCALE: each staged x value times its row's scale sc[i] first (rounded to fp32: the value the narrow kernel stages).
+template <int TN, bool SCALE = false>
+__device__ __forceinline__ void narrow_chunk(float (&acc)[2][TN], const float *cA, const float *cB, int ty, int tx,
+                                             const float (&sc)[2] = {1.0f, 1.0f}) {
     constexpr int BK = NARROW_BK, LD = NARROW_LD;
 #pragma unroll 4
     for (int kk = 0; kk < BK; kk += 4) {
         const float4 p0 = *reinterpret_cast<const float4 *>(&cA[(2 * ty) * LD + kk]);
         const float4 p1 = *reinterpret_cast<const float4 *>(&cA[(2 * ty + 1) * LD + kk]);
-        const float av[2][4] = {{p0.x, p0.y, p0.z, p0.w}, {p1.x, p1.y, p1.z, p1.w}};
+        float av[2][4] = {{p0.x, p0.y, p0.z, p0.w}, {p1.x, p1.y, p1.z, p1.w}};
+        if (SCALE)
+#pragma unroll
+            for (int i = 0; i < 2; i++)
+#pragma unroll
+                for (int u = 0; u < 4; u++) av[i][u] = __fmul_rn(av[i][u], sc[i]);
 #pragma unroll
         for (int j = 0; j < TN; j++) {
             const float4 q = *reinterpret_cast<const float4 *>(&cB[(tx + 8 * j) * LD + kk]);
@@ -265,8 +272,12 @@ __global__ void __launch_bounds__(128) gemm_f32_narrow(gemm_args a) {
 // flight instead of one in registers; the multiply is narrow_chunk on the same staged rows, so the same sums and the
 // same bits. Needs x's and W's rows 16-byte aligned (pieces of 4 floats; a piece past K copies fewer bytes and
 // zero-fills the rest, a row past the block's end none); fp32 W only (cp.async copies bytes, it cannot decode FP4).
-// Row scales (a.rs): each thread scales the x pieces it copied once they have landed, before the barrier that makes
-// the stage visible, so the staged values are x·rs rounded to fp32 and zeros past K, as the narrow kernel stages.
+// Row scales (a.rs): each thread multiplies the x values it reads from a stage by its two rows' scales (narrow_chunk's
+// SCALE), the values the narrow kernel stages (x·rs rounded to fp32; zeros stay zeros, the scales being finite and
+// positive). Scaling the staged rows in place instead (as before) took a fifth of the kernel's shared-memory
+// wavefronts, its stores 4-way bank conflicted, in a kernel bound by shared memory (ncu: L1 84% busy): the mHC mixing
+// logits of a 599M step (16 products of 8192 tokens) 3.92 -> 3.52 ms of hc_pre on an H200. (Forming each block's
+// slices in blocks of their own, folded after, for 8 warps an SM instead of 4, gained nothing more: measured, dropped.)
 constexpr int NP_ST = 3;
 
 template <int TN>
@@ -279,11 +290,11 @@ __global__ void __launch_bounds__(128) gemm_f32_narrow_pipe(gemm_args a) {
     const float *x = a.x, *W = static_cast<const float *>(a.W);
     const int tid = threadIdx.x, ty = tid >> 3, tx = tid & 7;
     const int64_t nch = (a.K + BK - 1) / BK;
-    float rsc[XP];
+    float sc[2];
 #pragma unroll
-    for (int i = 0; i < XP; i++) {
-        const int64_t r = r0 + (tid + i * 128) / (BK / 4);
-        rsc[i] = a.rs && r < rend ? a.rs[r] : 1.0f;
+    for (int i = 0; i < 2; i++) {
+        const int64_t r = r0 + 2 * ty + i;
+        sc[i] = a.rs && r < rend ? a.rs[r] : 1.0f;
     }
     auto request = [&](int64_t c) { // chunk c into stage c % NP_ST; one commit group either way
         if (c < nch) {
@@ -313,20 +324,10 @@ __global__ void __launch_bounds__(128) gemm_f32_narrow_pipe(gemm_args a) {
     for (int c = 0; c < NP_ST - 1; c++) request(c);
     for (int64_t c = 0; c < nch; c++) {
         ds4d_cp_async_wait<NP_ST - 2>(); // this thread's pieces of chunk c have landed
-        if (a.rs) {
-            float *dA = sA[c % NP_ST];
-#pragma unroll
-            for (int i = 0; i < XP; i++) {
-                const int p = tid + i * 128, m = p / (BK / 4), kq = (p % (BK / 4)) * 4;
-                const int64_t k = c * BK + kq;
-#pragma unroll
-                for (int q = 0; q < 4; q++)
-                    if (k + q < a.K) dA[m * LD + kq + q] = dA[m * LD + kq + q] * rsc[i];
-            }
-        }
         __syncthreads(); // chunk c visible to all; everyone is done with chunk c - 1, whose stage the next request takes
         request(c + NP_ST - 1);
-        narrow_chunk<TN>(acc, sA[c % NP_ST], sB[c % NP_ST], ty, tx);
+        if (a.rs) narrow_chunk<TN, true>(acc, sA[c % NP_ST], sB[c % NP_ST], ty, tx, sc);
+        else narrow_chunk<TN>(acc, sA[c % NP_ST], sB[c % NP_ST], ty, tx);
         if (((c + 1) * BK) % KSLICE == 0 || c + 1 == nch) // a slice ends: its partial joins the total
             ds4d_fma_fold(tot, acc);
     }
