@@ -108,6 +108,13 @@ void ds4_cpu_matmul(ds4_dev *d, const ds4_a_matmul *a) {
                     const int64_t at = t * a->ldx + k * a->gx + i;
                     a->keep16[at] = ds4_f32_to_bf16(a->x[at]);
                 }
+    if (a->y16) /* y's bf16 copy in y's layout (y16_only asks nothing of this backend: it writes y anyway) */
+        for (int64_t t = 0; t < a->T; t++)
+            for (int64_t k = 0; k < G; k++)
+                for (int64_t o = 0; o < a->O; o++) {
+                    const int64_t at = t * a->ldy + k * a->gy + o;
+                    a->y16[at] = ds4_f32_to_bf16(a->y[at]);
+                }
 }
 
 /* One product per row group of off that has rows (the routed experts that got tokens), in expert order, run as one

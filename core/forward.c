@@ -193,11 +193,18 @@ static void attention_rows(ds4_pass *f, const ds4_layer_w *l, float *a, const at
     }
     /* grouped output projection: group g = heads [g·H/G, (g+1)·H/G) → o_lora values */
     const int64_t G = c->o_groups, ol = c->o_lora_rank, gw = H * d / G;
+    /* bf16 without adapters on this layer: y is read next only by wo_b's product, as its bf16 copy (and the tape keeps
+     * that copy): ops.h's y16_only lets the backend write the copies from the product instead of y */
+    const int y16 = f->w->bf16_in && !lo && (!lt || f->tape->x16);
     OP(f->dev, matmul, .y = f->y, .ldy = G * ol, .x = f->o, .ldx = H * d, .W = l->wo_a, .wdt = mdt, .T = Tq, .K = gw,
        .O = ol, .groups = G, .gx = gw, .gy = ol, .gw = ol * gw, .bf16_in = f->w->bf16_in,
-       .keep16 = keep16_of(f, lt ? lt->o : NULL));
+       .keep16 = keep16_of(f, lt ? lt->o : NULL), .y16 = y16 && lt ? (uint16_t *)(void *)lt->y : NULL,
+       .y16_only = y16);
     ds4_lora_fwd_wo_a(f, lo, f->y, f->o, Tq);
-    matmul_keep(f, a, f->y, l->wo_b, Tq, G * ol, D, lt ? lt->y : NULL);
+    if (y16) /* its x as the product just before wrote it (x_kept), the tape's copy already made */
+        OP(f->dev, matmul, .y = a, .ldy = D, .x = f->y, .ldx = G * ol, .W = l->wo_b, .wdt = mdt, .T = Tq, .K = G * ol,
+           .O = D, .bf16_in = f->w->bf16_in, .x_kept = 1);
+    else matmul_keep(f, a, f->y, l->wo_b, Tq, G * ol, D, lt ? lt->y : NULL);
     ds4_lora_fwd(f, lo, DS4_LORA_AB(lo, wo_b), a, D, f->y, G * ol, Tq, G * ol, D);
 }
 

@@ -82,7 +82,7 @@ static double op_bytes(ds4_op_id op, const void *args) {
     case DS4_OP_matmul: {
         const ds4_a_matmul *a = args;
         const double g = a->groups > 1 ? (double)a->groups : 1.0;
-        return g * ((double)a->T * (a->K * (a->keep16 ? F4 + 2.0 : F4) + a->O * F4) +
+        return g * ((double)a->T * (a->K * (a->keep16 ? F4 + 2.0 : F4) + a->O * (a->y16 ? F4 + 2.0 : F4)) +
                     (double)a->O * a->K * ds4_dtype_size(a->wdt));
     }
     case DS4_OP_matmul_grouped: {

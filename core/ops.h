@@ -103,10 +103,16 @@ typedef struct { float *y; const float *x, *w; int64_t rows, width; double eps; 
  * a copy of its own may read the copy again where it still has it.
  * keep16 (NULL: none): x rounded to bf16 (to nearest even, as to_bf16 rounds) is also stored there, in x's layout
  * (keep16[t·ldx + g·gx + k]): the tape's copy of an input that only bf16 products read, which a backend that rounds
- * x for the product anyway writes in the same pass. */
+ * x for the product anyway writes in the same pass.
+ * y16 (NULL: none): y rounded to bf16 the same way is also stored there, in y's layout (y16[t·ldy + g·gy + o]): the
+ * tape's copy of a result that only bf16 products read.
+ * y16_only (with bf16_in; the schedule's word, never a change of the result): y is read next only by the product
+ * right after this one, on x = y with x_kept set (the grouped output projection's result, wo_b's input), and by
+ * nothing else in fp32; a backend may then leave y unwritten and hand that product its own bf16 copy of y (which is
+ * all that product reads of it), written by this product's epilogue instead of a rounding pass over y. */
 typedef struct {
     float *y; int64_t ldy; const float *x; int64_t ldx; const void *W; ds4_dtype wdt;
-    int64_t T, K, O, groups, gx, gy, gw; int bf16_in; int x_kept; uint16_t *keep16;
+    int64_t T, K, O, groups, gx, gy, gw; int bf16_in; int x_kept; uint16_t *keep16; uint16_t *y16; int y16_only;
 } ds4_a_matmul;
 /* Row groups: rows [off[e], off[e+1]) of x use W + e·wstride (the routed experts). off [E + 1] in backend memory;
  * rows is the largest off[E] can be (the kernels read the real extent from off). x [rows, K], y [rows, O]. */

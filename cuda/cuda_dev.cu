@@ -185,6 +185,7 @@ static int c_graph_begin(ds4_dev *d, uint64_t key) {
     cuda_dev *cd = cdev(d);
     cd->bwd_dy.src = nullptr; // a kept bf16 operand never crosses a pass's boundary (a replay skips the host's ops)
     cd->bwd_xT.x = nullptr;
+    cd->y_unwritten = nullptr;
     if (!cd->graphs_on || d->prof || cd->sync_each_op || d->st) return 0;
     cuda_dev::graph_entry *e = NULL, *lru = &cd->graphs[0];
     for (auto &g : cd->graphs) {

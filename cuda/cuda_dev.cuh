@@ -7,9 +7,10 @@
 //     next synchronising call (a download); DS4_CUDA_SYNC=1 synchronises after every operation so that the message
 //     names the operation that faulted.
 //   - Batch invariance: no kernel chooses its reduction order by the number of rows. Each output element is
-//     reduced in a fixed order that depends only on the model's shapes (the GEMMs never split K; row reductions
-//     use a fixed block size and a fixed tree), so a row's result is the same bits alone or in any batch, in a
-//     full forward or a decoding step.
+//     reduced in a fixed order that depends only on the model's shapes (the GEMMs sum K in slices of 256, whose
+//     partials are added in slice order whichever warp or block formed them; row reductions use a fixed block size
+//     and a fixed tree), so a row's result is the same bits alone or in any batch, in a full forward or a decoding
+//     step.
 //   - Activations are fp32; a weight matrix is fp32 or bf16 (its wdt), accumulated in fp32.
 #ifndef DS4_CUDA_DEV_CUH
 #define DS4_CUDA_DEV_CUH
@@ -110,6 +111,8 @@ struct cuda_dev {
         void *buf;
     } fwd_x;
     uint64_t slot2_uses;
+    const float *y_unwritten;     // the y a product left unwritten for the next product, which must take its bf16 copy
+                                  // from fwd_x (cuda_gemm.cu, ops.h's y16_only); NULL: none
     // An open run of linear_bwd_w products (ops.h: run) summed apart in scratch slot 3 for a dW off a 16-byte
     // boundary (cuda_bwd_linear.cu): its dW and shape, and slot 3's block it was begun in; dW NULL: none open.
     struct dw_run_state {

@@ -57,6 +57,10 @@ struct gemm_args {
     int x_kept;                   // x as the product just before had it (ops.h): its bf16 copy may be reused
     uint16_t *keep16;             // the wgmma path: x's bf16 copy in x's layout too (ops.h's keep16), written by the
                                   // k32 rounding pass; launch_wgmma clears it once written
+    uint16_t *y16;                // y rounded to bf16 in y's layout too (ops.h's y16); launch_wgmma clears it once its
+                                  // epilogue wrote it
+    int y16_only;                 // ops.h's y16_only: y may be left unwritten, its rounded copy handed to the next
+                                  // product (launch_wgmma)
 };
 
 // Where reduction group e starts in a transposed operand: 8-aligned (cp.async copies 16-byte pieces of bf16), each
@@ -935,12 +939,21 @@ bool wgmma_go(ds4_dev *d, const char *op, ds4d_wg_args &w, int64_t tiles, const 
 }
 
 // The wgmma product (cuda_gemm_wgmma.cu): x rounded to bf16 in k32 order into scratch slot 2, then the kernel.
+// y16_only (ops.h), where y is a dense [M, G·N] (groups side by side) of whole 32-column chunks and x is not a kept
+// copy: the kernel writes y rounded to bf16 in k32 order into slot 2 after x's copy, as the next product's x (kept_x
+// finds it there: cd->fwd_x), and y16 if asked, instead of y; cd->y_unwritten = y until that product (gemm's check).
+// Saves the next product's rounding pass, which read y's fp32 values back (wo_b's over wo_a's [8192 × 8192]: 129 µs).
 void launch_wgmma(ds4_dev *d, const char *op, gemm_args &a, int64_t G) {
     cuda_dev *cd = cdev(d);
-    const int64_t ld = (a.K + 31) / 32 * 32;
+    const int64_t ld = (a.K + 31) / 32 * 32, Ky = G * a.N; // Ky: the next product's K where y is its x
     auto *xk = (__nv_bfloat16 *)kept_x(cd, a, G, ld, 1);
+    const size_t xbytes = ((size_t)(G * a.M * ld) * sizeof(__nv_bfloat16) + 255) / 256 * 256;
+    const bool out16 = a.y16_only && !xk && !a.acc && !a.off && !a.koff && a.N % 2 == 0 && Ky % 32 == 0 &&
+                       (G == 1 ? a.ldy == a.N : a.gy == a.N && a.ldy == Ky) && aligned(a.y16, 4);
     if (!xk) {
-        xk = (__nv_bfloat16 *)ds4_cuda_scratch(d, (size_t)(G * a.M * ld) * sizeof(__nv_bfloat16), op, 2);
+        const size_t bytes = out16 ? xbytes + (size_t)(a.M * Ky) * sizeof(__nv_bfloat16)
+                                   : (size_t)(G * a.M * ld) * sizeof(__nv_bfloat16);
+        xk = (__nv_bfloat16 *)ds4_cuda_scratch(d, bytes, op, 2);
         if (!xk) return;
         const int64_t n = G * a.M * (ld / 8);
         const int vs = aligned(a.x, 16) && a.ldx % 4 == 0 && a.gx % 4 == 0;
@@ -956,13 +969,25 @@ void launch_wgmma(ds4_dev *d, const char *op, gemm_args &a, int64_t G) {
     }
     ds4d_wg_args w = {a.y, a.ldy, a.gy, xk, ld, a.M * ld, (const __nv_bfloat16 *)a.W, a.ldw, a.gw,
                       a.M, a.N, a.K, a.off, a.E, a.wstride, a.acc, G, 0};
+    if (out16) {
+        w.yk = (uint32_t *)((char *)xk + xbytes);
+        w.ldyk = Ky;
+        w.y16 = a.y16;
+    }
     const int64_t tiles = (int64_t)ds4_blocks(a.N, DS4_WG_TILE_N) * grid_rows(a, DS4_WG_TILE_M) * G;
     char shapes[96];
     snprintf(shapes, sizeof shapes, "[%lld x %lld] x [%lld x %lld]^T", (long long)a.M, (long long)a.K, (long long)a.N,
              (long long)a.K);
     if (!wgmma_go(d, op, w, tiles, shapes)) return;
-    ds4_cuda_launched(d, op, "[%lld x %lld] x [%lld x %lld]^T (bf16 on wgmma, %lld groups%s)", (long long)a.M,
-                      (long long)a.K, (long long)a.N, (long long)a.K, (long long)G, a.off ? ", by expert" : "");
+    if (!ds4_cuda_launched(d, op, "[%lld x %lld] x [%lld x %lld]^T (bf16 on wgmma, %lld groups%s%s)", (long long)a.M,
+                           (long long)a.K, (long long)a.N, (long long)a.K, (long long)G, a.off ? ", by expert" : "",
+                           out16 ? ", y to bf16" : ""))
+        return;
+    if (out16) { // y's copy is the next product's x, as launch_wgmma would have rounded it (x = y, one group)
+        cd->fwd_x = {a.y, a.ldy, 0, a.M, Ky, 1, Ky, 1, cd->slot2_uses, w.yk};
+        cd->y_unwritten = a.y;
+        a.y16 = nullptr;
+    }
 }
 
 // The skinny kernels (16 rows per block, parallel over K slices) when the tiled ones would leave most of the GPU idle:
@@ -978,6 +1003,11 @@ bool takes_skinny(const cuda_dev *cd, const gemm_args &a, int64_t G, int64_t row
 // arithmetic (F32 or BF16); wdt: how W is held, mode's dtype or DS4_FP4_PACKED (codes W, scales a.ws).
 void gemm(ds4_dev *d, const char *op, gemm_args &a, ds4_dtype wdt, ds4_dtype mode, int64_t groups, int64_t rows_hint) {
     cuda_dev *cd = cdev(d);
+    // x16: x is the last product's y, which it left unwritten (launch_wgmma, y16_only): only its bf16 copy exists, in
+    // k32 order, so this product must be the wgmma kernel's on that copy, whatever its tile count or rows (any kernel
+    // gives the same bits); else it fails rather than read values never written
+    const bool x16 = cd->y_unwritten && a.x == cd->y_unwritten;
+    cd->y_unwritten = nullptr;
     if (a.M <= 0 || a.N <= 0) return;
     if (a.K <= 0) {
         ds4_dev_fail(d, DS4_ERR_ARG, "%s: K = %lld", op, (long long)a.K);
@@ -1004,7 +1034,7 @@ void gemm(ds4_dev *d, const char *op, gemm_args &a, ds4_dtype wdt, ds4_dtype mod
         ds4_dev_fail(d, DS4_ERR_INTERNAL, "%s: y += x Wᵀ in %s mode%s", op, ds4_dtype_name(mode), fp4 ? ", FP4" : "");
         return;
     }
-    p.skinny = p.skinny && !a.acc;
+    p.skinny = p.skinny && !a.acc && !x16;
     if (a.rs && (mode != DS4_F32 || fp4 || p.skinny || a.N > 32)) { /* only the narrow fp32 kernel scales rows */
         ds4_dev_fail(d, DS4_ERR_INTERNAL, "%s: row-scaled x for [%lld x %lld] x [%lld x %lld]^T", op, (long long)a.M,
                      (long long)a.K, (long long)a.N, (long long)a.K);
@@ -1027,8 +1057,15 @@ void gemm(ds4_dev *d, const char *op, gemm_args &a, ds4_dtype wdt, ds4_dtype mod
     /* on Hopper: the wgmma kernel over x rounded to bf16 in its k-slot order (scratch slot 2, rows of K rounded up to
      * 32 values, zeros past K); the copy engine's coordinates are 32-bit */
     if (!fp4 && mode == DS4_BF16 && !p.skinny && p.vb && p.G * a.M < INT32_MAX && a.K < INT32_MAX - 64 &&
-        a.N < INT32_MAX && full_wave(cd, a, p.G, DS4_WG_TILE_M, DS4_WG_TILE_N) && wgmma_ready(cd)) {
+        a.N < INT32_MAX && (x16 || full_wave(cd, a, p.G, DS4_WG_TILE_M, DS4_WG_TILE_N)) && wgmma_ready(cd) &&
+        (!x16 || kept_x(cd, a, p.G, (a.K + 31) / 32 * 32, 1))) {
         launch_wgmma(d, op, a, p.G);
+        return;
+    }
+    if (x16) {
+        ds4_dev_fail(d, DS4_ERR_INTERNAL, "%s: x [%lld x %lld] is the last product's y, which it left unwritten "
+                     "(y16_only) for a product that cannot take its bf16 copy (not told x_kept, or not on wgmma)", op,
+                     (long long)a.M, (long long)a.K);
         return;
     }
     /* the pipelined kernel reads x rounded to bf16 once, here, into scratch slot 2 (rows padded to 8 values: 16-byte
@@ -1297,12 +1334,24 @@ void ds4_cuda_matmul(ds4_dev *d, const ds4_a_matmul *a) {
                    nullptr, 0, nullptr};
     g.x_kept = a->x_kept;
     g.keep16 = a->keep16;
+    g.y16 = a->y16;
+    g.y16_only = a->y16_only && a->bf16_in;
     gemm(d, "matmul", g, a->wdt, a->wdt, a->groups, a->T);
-    if (!g.keep16 || d->st) return; // written by the product's rounding pass (launch_wgmma), or failed
-    const int64_t G = a->groups > 1 ? a->groups : 1, n = G * a->T * a->K;
-    keep16_kernel<<<ds4_blocks(n, 256), 256, 0, cdev(d)->stream>>>(a->keep16, a->x, a->ldx, a->gx, G, a->T, a->K, n);
-    ds4_cuda_launched(d, "matmul", "x [%lld x %lld x %lld] kept in bf16", (long long)G, (long long)a->T,
-                      (long long)a->K);
+    const int64_t G = a->groups > 1 ? a->groups : 1;
+    if (g.keep16 && !d->st) { // else written by the product's rounding pass (launch_wgmma), or failed
+        const int64_t n = G * a->T * a->K;
+        keep16_kernel<<<ds4_blocks(n, 256), 256, 0, cdev(d)->stream>>>(a->keep16, a->x, a->ldx, a->gx, G, a->T, a->K,
+                                                                      n);
+        if (!ds4_cuda_launched(d, "matmul", "x [%lld x %lld x %lld] kept in bf16", (long long)G, (long long)a->T,
+                               (long long)a->K))
+            return;
+    }
+    if (g.y16 && !d->st) { // else written by the product's epilogue (launch_wgmma), or failed
+        const int64_t n = G * a->T * a->O;
+        keep16_kernel<<<ds4_blocks(n, 256), 256, 0, cdev(d)->stream>>>(a->y16, a->y, a->ldy, a->gy, G, a->T, a->O, n);
+        ds4_cuda_launched(d, "matmul", "y [%lld x %lld x %lld] kept in bf16", (long long)G, (long long)a->T,
+                          (long long)a->O);
+    }
 }
 
 void ds4_cuda_matmul_grouped(ds4_dev *d, const ds4_a_matmul_grouped *a) {

@@ -118,10 +118,11 @@ __device__ __forceinline__ void tma_3d(uint32_t dst, const CUtensorMap *map, int
 
 // tmx: x in k32 order [G·M rows, ldxk] (box 64 × 128, swizzled); tmw: W [Z, N, K] (box 32 × 128 × 1), Z the groups
 // of W (row groups' experts, or the batched products' groups). KOFF: reduction groups (a.koff: each product's own
-// columns of one x and one W); ACC: y += the sum (a.acc). Each an instantiation of its own, so that the forward's
-// products (neither) keep a loop bound fixed for the whole kernel and no y values live across the epilogue: with
-// either in every product they ran 5-10% slower.
-template <bool KOFF, bool ACC>
+// columns of one x and one W); ACC: y += the sum (a.acc); OUT16: y rounded to bf16 into a.yk (and a.y16) instead of
+// y (the products are the same, the epilogue differs). Each an instantiation of its own, so that the forward's
+// products keep a loop bound fixed for the whole kernel and no y values live across the epilogue: with KOFF or ACC in
+// every product they ran 5-10% slower.
+template <bool KOFF, bool ACC, bool OUT16>
 __global__ void __launch_bounds__(NTH, 1) gemm_wgmma_kernel(const __grid_constant__ CUtensorMap tmx,
                                                             const __grid_constant__ CUtensorMap tmw,
                                                             const ds4d_wg_args a) {
@@ -271,8 +272,31 @@ __global__ void __launch_bounds__(NTH, 1) gemm_wgmma_kernel(const __grid_constan
         // first (into acc, free until the next tile), every load in flight before any store: in one loop the
         // compiler cannot tell that a store leaves the next load's address alone, and waited out each load in turn
         // with the SM's one block idle (the same sums, y + tot, either way)
-        float *y = a.y + z * a.gy;
         const int64_t rend = r1 < r0 + BT ? r1 : r0 + BT;
+        if constexpr (OUT16) {
+            // Pairs of adjacent columns as one bf16 word: lane g holds columns c0 + g and c0 + 8 + g of its rows (c0 =
+            // n0 + rowA - g); an even g takes its neighbour's (lane + 4) column c0 + g + 1, an odd g gives it that and
+            // takes the neighbour's c0 + 8 + g - 1, so each lane stores one word a row: columns cc, cc + 1 (cc even).
+            // In k32 order column q = cc + e of a 32-column chunk lies at position 16j + 8h + 2t + e for
+            // q = 8t + 4j + 2h + e: word 4·((q >> 1) & 3) + (q >> 3), as ds4_cuda_rows_to_bf16_k32 places it.
+            const bool odd = g & 1;
+            const int64_t cc = n0 + rowA + (odd ? 7 : 0); // even: c0 + g (g even) or c0 + 8 + g - 1 (g odd)
+#pragma unroll
+            for (int i = 0; i < 16; i++)
+#pragma unroll
+                for (int e = 0; e < 2; e++) {
+                    const float v0 = tot[4 * i + e], v1 = tot[4 * i + 2 + e];
+                    const float got = __shfl_xor_sync(0xffffffffu, odd ? v0 : v1, 4);
+                    const int64_t m = r0 + 8 * i + 2 * t + e;
+                    if (m >= rend || cc >= a.N) continue;
+                    const uint32_t w = odd ? ds4d_pack_bf16(got, v1) : ds4d_pack_bf16(v0, got);
+                    const int64_t q = z * a.gy + cc; // the column in the next product's x
+                    a.yk[m * (a.ldyk / 2) + (q >> 5) * 16 + 4 * ((q >> 1) & 3) + ((q & 31) >> 3)] = w;
+                    if (a.y16) *reinterpret_cast<uint32_t *>(a.y16 + m * a.ldy + q) = w;
+                }
+            continue;
+        }
+        float *y = a.y + z * a.gy;
         if constexpr (ACC) {
 #pragma unroll
             for (int i = 0; i < 16; i++)
@@ -307,9 +331,12 @@ cudaError_t ds4_cuda_wgmma_prepare(void **encode) {
     cudaDriverEntryPointQueryResult q;
     cudaError_t e = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", encode, 12000, cudaEnableDefault, &q);
     if (e == cudaSuccess && (q != cudaDriverEntryPointSuccess || !*encode)) e = cudaErrorNotSupported;
-    const void *kernels[4] = {(const void *)gemm_wgmma_kernel<false, false>, (const void *)gemm_wgmma_kernel<false, true>,
-                              (const void *)gemm_wgmma_kernel<true, false>, (const void *)gemm_wgmma_kernel<true, true>};
-    for (int i = 0; i < 4 && e == cudaSuccess; i++)
+    const void *kernels[5] = {(const void *)gemm_wgmma_kernel<false, false, false>,
+                              (const void *)gemm_wgmma_kernel<false, true, false>,
+                              (const void *)gemm_wgmma_kernel<true, false, false>,
+                              (const void *)gemm_wgmma_kernel<true, true, false>,
+                              (const void *)gemm_wgmma_kernel<false, false, true>};
+    for (int i = 0; i < 5 && e == cudaSuccess; i++)
         e = cudaFuncSetAttribute(kernels[i], cudaFuncAttributeMaxDynamicSharedMemorySize, (int)SMEM);
     return e;
 }
@@ -331,8 +358,10 @@ cudaError_t ds4_cuda_wgmma_launch(const ds4d_wg_args &a, int blocks, cudaStream_
             CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
         return cudaErrorInvalidValue;
-    const auto kernel = a.koff ? (a.acc ? gemm_wgmma_kernel<true, true> : gemm_wgmma_kernel<true, false>)
-                               : (a.acc ? gemm_wgmma_kernel<false, true> : gemm_wgmma_kernel<false, false>);
+    if (a.yk && (a.koff || a.acc || a.off)) return cudaErrorInvalidValue; // the rounded y of plain products only
+    const auto kernel = a.yk     ? gemm_wgmma_kernel<false, false, true>
+                        : a.koff ? (a.acc ? gemm_wgmma_kernel<true, true, false> : gemm_wgmma_kernel<true, false, false>)
+                                 : (a.acc ? gemm_wgmma_kernel<false, true, false> : gemm_wgmma_kernel<false, false, false>);
     kernel<<<blocks, NTH, SMEM, stream>>>(tmx, tmw, a);
     return cudaPeekAtLastError(); // left set: the caller's launch check reports it with the op and shapes
 }

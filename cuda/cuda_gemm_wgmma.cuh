@@ -27,6 +27,10 @@ struct ds4d_wg_args {
                                   // koff[z+1] - koff[z] columns of x and W from ds4d_wg_kstart(koff, z), x and W each
                                   // one [rows, K] operand (gxk, gw unused) whose columns past a group's count up to
                                   // the next group's start are zeros; y of group z at y + z·gy. NULL: K columns from 0
+    uint32_t *yk;                 // non-NULL (plain products, acc 0): y is not written; its values rounded to bf16 go
+    int64_t ldyk;                 // to yk instead, in k32 order, as the next product's x (rows of ldyk = groups·N
+                                  // values, a multiple of 32; group z's column n at z·gy + n, gy = N), and, y16
+    uint16_t *y16;                // non-NULL, to y16 in y's layout (the tape's copy): what rows_to_bf16_k32 would make
 };
 
 // Where reduction group z starts in koff's operands: 64-aligned (a stage of 64 k from there never reaches the next

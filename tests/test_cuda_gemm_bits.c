@@ -15,7 +15,13 @@
  * expert (five groups, one empty), whose rows are checked one at a time against a one-row product with the group's W,
  * and batched (two column groups of x, each with its own W, as the attention output's grouped product).
  * The CPU's side of these products is test_cuda_ops' (within 1e-5); here only bitwise equality counts, and NaN
- * poison left behind fails it. Exit 77 without a CUDA build or device. */
+ * poison left behind fails it.
+ * The chain of ops.h's y16_only (the attention output's two products): a column-grouped product that may leave its y
+ * unwritten and hand its bf16 copy to the product after it, told x_kept, must give that product's result and the
+ * tape's copy (y16) in the bytes of the same two products run plainly (y written, the copy made by a pass of its
+ * own), and the copy the bytes of y rounded on the host; on a device with wgmma the epilogue must have made them (y
+ * left as poisoned); and a product on that y without x_kept is an error, not a read of unwritten memory.
+ * Exit 77 without a CUDA build or device. */
 #define _POSIX_C_SOURCE 200809L
 #include <stdio.h>
 #include <stdlib.h>
@@ -24,6 +30,8 @@
 #include "testlib.h"
 
 #ifdef DS4_HAVE_CUDA
+#include <cuda_runtime.h>
+
 #include "cuda_backend.h"
 #include "engine.h"
 #include "ops.h"
@@ -69,6 +77,71 @@ static int64_t differ(const float *a, const float *b, int64_t n) {
     for (int64_t i = 0; i < n; i++)
         if (memcmp(&a[i], &b[i], 4) || a[i] != a[i]) bad++;
     return bad;
+}
+
+/* The y16_only chain: y [R, G·N1] = G column groups of x1 [R, G·K1] times W1 group by group, then z [R, N2] = y W2ᵀ.
+ * R = 2304 rows, G = 4, N1 = 256 (2·18·4 = 144 output tiles: the wgmma kernel runs), K1 = 200, N2 = 520. */
+static void y16_chain(void) {
+    enum { R = 2304, G = 4, K1 = 200, N1 = 256, N2 = 520, KY = G * N1 };
+    ds4_error err = {0};
+    ds4_dev *d = NULL;
+    CHECK_OK(ds4_cuda_dev_create(0, &d, &err), &err);
+    if (!d) return;
+    float *hx = malloc((size_t)R * G * K1 * 4), *hy = malloc((size_t)R * KY * 4), *hz[2];
+    uint16_t *hw1 = malloc((size_t)G * N1 * K1 * 2), *hw2 = malloc((size_t)N2 * KY * 2), *h16[2];
+    for (int64_t i = 0; i < (int64_t)R * G * K1; i++) hx[i] = frand();
+    for (int64_t i = 0; i < (int64_t)G * N1 * K1; i++) hw1[i] = ds4_f32_to_bf16(0.1f * frand());
+    for (int64_t i = 0; i < (int64_t)N2 * KY; i++) hw2[i] = ds4_f32_to_bf16(0.05f * frand());
+    float *x = dev_buf(d, (size_t)R * G * K1 * 4, hx), *y = dev_buf(d, (size_t)R * KY * 4, NULL);
+    float *z = dev_buf(d, (size_t)R * N2 * 4, NULL);
+    void *w1 = dev_buf(d, (size_t)G * N1 * K1 * 2, hw1), *w2 = dev_buf(d, (size_t)N2 * KY * 2, hw2);
+    uint16_t *y16 = dev_buf(d, (size_t)R * KY * 2, NULL);
+    int poisoned = 1; /* y as left by the fused run: every value still the poison */
+    for (int fused = 1; fused >= 0; fused--) {
+        memset(hy, 0xff, (size_t)R * KY * 4);
+        CHECK_OK(d->ops->upload(d, y, hy, (size_t)R * KY * 4, &err), &err);
+        d->ops->fill(d, y16, 0xff, (size_t)R * KY * 2);
+        d->ops->fill(d, z, 0xff, (size_t)R * N2 * 4);
+        OP(d, matmul, .y = y, .ldy = KY, .x = x, .ldx = G * K1, .W = w1, .wdt = DS4_BF16, .T = R, .K = K1, .O = N1,
+           .groups = G, .gx = K1, .gy = N1, .gw = N1 * K1, .bf16_in = 1, .y16 = y16, .y16_only = fused);
+        OP(d, matmul, .y = z, .ldy = N2, .x = y, .ldx = KY, .W = w2, .wdt = DS4_BF16, .T = R, .K = KY, .O = N2,
+           .groups = 1, .bf16_in = 1, .x_kept = fused);
+        hz[fused] = malloc((size_t)R * N2 * 4), h16[fused] = malloc((size_t)R * KY * 2);
+        download(d, hz[fused], z, (size_t)R * N2 * 4);
+        download(d, h16[fused], y16, (size_t)R * KY * 2);
+        download(d, hy, y, (size_t)R * KY * 4);
+        if (fused)
+            for (int64_t i = 0; i < (int64_t)R * KY && poisoned; i++) poisoned = hy[i] != hy[i];
+    }
+    /* hy: the plain run's y; its rounding on the host is what the copies must hold */
+    int64_t bad16 = 0, nan = 0;
+    for (int64_t i = 0; i < (int64_t)R * KY; i++) bad16 += h16[0][i] != ds4_f32_to_bf16(hy[i]) || h16[1][i] != h16[0][i];
+    for (int64_t i = 0; i < (int64_t)R * N2; i++) nan += hz[1][i] != hz[1][i];
+    CHECK(bad16 == 0, "y16_only: %lld of %lld bf16 copies of y differ from y rounded on the host", (long long)bad16,
+          (long long)R * KY);
+    CHECK(nan == 0 && memcmp(hz[0], hz[1], (size_t)R * N2 * 4) == 0,
+          "y16_only: the product on the handed copy differs from the plain chain (%lld NaN)", (long long)nan);
+    struct cudaDeviceProp p;
+    const int hopper = cudaGetDeviceProperties(&p, 0) == cudaSuccess && p.major == 9 && p.minor == 0;
+    CHECK(!hopper || poisoned, "y16_only on compute capability 9.0: the wgmma product wrote y instead of its copies");
+    /* a product on the unwritten y that does not take the copy: refused */
+    if (hopper) {
+        OP(d, matmul, .y = y, .ldy = KY, .x = x, .ldx = G * K1, .W = w1, .wdt = DS4_BF16, .T = R, .K = K1, .O = N1,
+           .groups = G, .gx = K1, .gy = N1, .gw = N1 * K1, .bf16_in = 1, .y16_only = 1);
+        OP(d, matmul, .y = z, .ldy = N2, .x = y, .ldx = KY, .W = w2, .wdt = DS4_BF16, .T = R, .K = KY, .O = N2,
+           .groups = 1, .bf16_in = 1);
+        const ds4_status s = ds4_dev_check(d, "y16 chain", &err);
+        CHECK(s == DS4_ERR_INTERNAL && strstr(err.msg, "unwritten"), "y16_only then a product without x_kept: %s '%s'",
+              ds4_status_name(s), err.msg);
+    }
+    printf("test_cuda_gemm_bits: y16_only chain [%d x %d x %d] -> [%d x %d]: %s\n", R, G, N1, R, N2,
+           hopper ? "y left unwritten, its copies from the wgmma epilogue, bitwise as the plain chain"
+                  : "no wgmma here: y written, bitwise as the plain chain");
+    for (int f = 0; f < 2; f++) free(hz[f]), free(h16[f]);
+    free(hx), free(hy), free(hw1), free(hw2);
+    void *bufs[6] = {x, y, z, w1, w2, y16};
+    for (int i = 0; i < 6; i++) d->ops->free(d, bufs[i]);
+    ds4_dev_release(d);
 }
 
 int main(void) {
@@ -170,6 +243,7 @@ int main(void) {
     }
     unsetenv("DS4_CUDA_GEMM_PIPE");
     unsetenv("DS4_CUDA_GEMM_WGMMA");
+    if (ds4t_failures == 0) y16_chain();
     printf("test_cuda_gemm_bits: %d pipelined tile shapes and the wgmma kernel against the skinny and tiled kernels\n",
            nv);
     for (int b = 0; b < 4; b++) free(ref[b]);
