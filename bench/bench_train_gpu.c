@@ -3,10 +3,13 @@
  * random tokens, what bench/hf_train.py times transformers doing. Batch invariance and determinism are always on.
  *
  *   build/bench_train_gpu [--config bench/config_599m.json] [--batch 8] [--seq 1024] [--steps 5] [--dtype bf16|fp32]
- *                         [--peak-tflops 989] [--profile FILE] [--recompute]
+ *                         [--peak-tflops 989] [--profile FILE] [--recompute] [--keep-grads]
  *
  * --recompute: per-block activation recomputation (ds4_train_options.recompute): the tape holds one block's
  * activations, a step runs about one more forward; the same losses.
+ * The optimizer is told zero_grad (its update pass leaves the gradients zero, as torch's zero_grad(set_to_none=True),
+ * which bench/hf_train.py calls, leaves them costing no pass); --keep-grads: not, so each step's zero_grad fills the
+ * buffer (the same losses either way).
  * Prints tokens/s, ms per step, device memory after the steps (the workspace and tape are planned and kept, so this is
  * the step's peak; cudaMemGetInfo: everything this process holds on the device) and per token, and the model FLOPs
  * utilisation with the FLOP count stated: 6 × active parameters per token (every matrix a token passes through:
@@ -83,7 +86,7 @@ int main(int argc, char **argv) {
     int bf16 = 1;
     double peak_tflops = 989.0; /* H100 SXM dense bf16 tensor-core peak (NVIDIA's data sheet) */
     const char *prof_path = NULL;
-    int recompute = 0;
+    int recompute = 0, keep_grads = 0;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--config") && i + 1 < argc) cfg_path = argv[++i];
         else if (!strcmp(argv[i], "--batch") && i + 1 < argc) B = atoll(argv[++i]);
@@ -93,8 +96,9 @@ int main(int argc, char **argv) {
         else if (!strcmp(argv[i], "--peak-tflops") && i + 1 < argc) peak_tflops = atof(argv[++i]);
         else if (!strcmp(argv[i], "--profile") && i + 1 < argc) prof_path = argv[++i];
         else if (!strcmp(argv[i], "--recompute")) recompute = 1;
+        else if (!strcmp(argv[i], "--keep-grads")) keep_grads = 1;
         else DIE("usage: %s [--config F] [--batch B] [--seq S] [--steps N] [--dtype bf16|fp32] [--peak-tflops X] "
-                 "[--profile FILE] [--recompute]", argv[0]);
+                 "[--profile FILE] [--recompute] [--keep-grads]", argv[0]);
     }
     if (B < 1 || S < 2 || steps < 1) DIE("bench_train_gpu: batch >= 1, seq >= 2, steps >= 1");
     ds4_error err = {0};
@@ -121,7 +125,8 @@ int main(int argc, char **argv) {
     printf("ds4 params %.0f\nds4 active_params %.0f\n", P, A);
     printf("# model: %s, %.1fM parameters (%.1fM active per token), random init %.1f s, %s, batch %lld x %lld\n",
            cfg_path, P / 1e6, A / 1e6, t_init, ds4_model_device_name(m), (long long)B, (long long)S);
-    ds4_adamw_options o = {.lr = 1e-4, .beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8, .weight_decay = 0.1, .clip = 1.0};
+    ds4_adamw_options o = {.lr = 1e-4, .beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8, .weight_decay = 0.1, .clip = 1.0,
+                           .zero_grad = !keep_grads};
     ds4_adamw *opt = NULL;
     if (ds4_adamw_create(m, &o, &opt, &err)) DIE("bench_train_gpu: %s", err.msg);
     int64_t *ids = malloc((size_t)(B * S) * sizeof *ids);

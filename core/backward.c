@@ -832,6 +832,7 @@ static ds4_status backward_impl(ds4_model *m, const float *dlogp, const ds4_back
         free(htgt);
         return s;
     }
+    m->grads_zero = 0; /* written from here on, also if the backward fails part way (zero_grad must then fill) */
     head_bwd(&b, DS4_HEAD_MAIN, tp->u_fin, tp->y_fin, tp->X_L, wv->hc_head_fn, wv->hc_head_base, wv->hc_head_scale, wv->norm,
              b.gw->hc_head_fn, b.gw->hc_head_base, b.gw->hc_head_scale, b.gw->norm, tp->tgt, dl, -scale, b.dX);
     if (tp->with_mtp && tp->mtp_tokens > 0 && !dlogp)

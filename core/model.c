@@ -477,12 +477,14 @@ ds4_status ds4_model_enable_grad(ds4_model *m, ds4_error *err) {
 void ds4_model_zero_grad(ds4_model *m) {
     if (m && m->lora) ds4_lora_zero_grad(m);
     if (!m || !m->grads) return;
-    m->grads_zero = 1;
     if (m->dgrads) { /* on the device; the host mirror is now behind (a fill failure surfaces at the next pass) */
-        m->dev->ops->fill(m->dev, m->dgrads, 0, (size_t)m->n_params * sizeof(float));
+        /* known zero already (an optimizer step told zero_grad left it so; nothing wrote it since): no pass */
+        if (!m->grads_zero) m->dev->ops->fill(m->dev, m->dgrads, 0, (size_t)m->n_params * sizeof(float));
+        m->grads_zero = 1;
         m->grads_stale = 1;
         return;
     }
+    m->grads_zero = 1;
     /* a host-visible backend fills on its threads (the CPU backend's pool) */
     if (m->dev && m->dev->host_visible) m->dev->ops->fill(m->dev, m->grads, 0, (size_t)m->n_params * sizeof(float));
     else memset(m->grads, 0, (size_t)m->n_params * sizeof(float));

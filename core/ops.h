@@ -381,6 +381,7 @@ typedef struct {
     const ds4_optim_piece *pieces; int64_t n; const ds4_adamw_coefs *coefs; float coef; float *p, *g, *m, *v;
     int64_t *bad; int update; int64_t mo, po; ds4_adamw_bounds *bnd;
     void *wdst; const ds4_optim_wcast *wcast; ds4_dtype wdt;
+    int skip_g; /* update = 1: g need not be left clipped (the caller zeroes it after: ds4_adamw_options.zero_grad) */
 } ds4_a_adamw;
 /* The working copy of the weights from the fp32 master: entry k copies n values from src + e[k].src (elements) to
  * dst + e[k].dst (bytes), rounded to mdt (round to nearest even) when e[k].lowp, else as fp32. */

@@ -524,6 +524,7 @@ struct ds4_adamw {
      * wrote (bnd, over the tensors marked in covered), valid while bounds_ok and the model's write count is still
      * bounds_gen (nothing else wrote the parameters); cleared wherever the moments may change outside a step. */
     int bounds_ok;
+    int grads_zeroed;            /* the last device step zeroed the model's gradients itself (options' zero_grad) */
     int exact_always;            /* ds4_adamw_set_exact_check: every step runs the exact pass */
     uint64_t bounds_gen;
     ds4_adamw_bounds bnd;
@@ -573,6 +574,8 @@ static ds4_status check_options(const ds4_adamw_options *o, ds4_error *err) {
                         (long long)o->warmup_steps, (long long)o->total_steps);
     if (!(o->min_lr_ratio >= 0 && o->min_lr_ratio <= 1))
         return ds4_fail(err, DS4_ERR_ARG, "%s: min_lr_ratio = %g; expected a value in [0, 1]", w, o->min_lr_ratio);
+    if (o->zero_grad != 0 && o->zero_grad != 1)
+        return ds4_fail(err, DS4_ERR_ARG, "%s: zero_grad = %d; expected 0 or 1", w, (int)o->zero_grad);
     if (o->schedule != DS4_LR_CONSTANT && o->total_steps <= o->warmup_steps)
         return ds4_fail(err, DS4_ERR_ARG,
                         "%s: a %s schedule decays from the end of warm-up to total_steps, so total_steps (%lld) must "
@@ -965,9 +968,14 @@ static ds4_status adamw_step_device(ds4_adamw *a, size_t nr, int64_t total_elems
         ds4_dev_upload(d, d_wcast, a->wcast, (size_t)no * sizeof *a->wcast);
         ds4_dev_upload(d, d_wrest, a->wrest, (size_t)nrest * sizeof *a->wrest);
     }
+    /* zero_grad (the model's own gradients, unsharded; else ds4_adamw_step zeroes them after the step): the update
+     * does not write the clipped gradients back (4 of the 34 bytes it moves a parameter) and the buffer is filled with
+     * zeros after it, which costs a GPU far less than a pass that writes values (bench/RESULTS.md) */
+    const int zero_g = a->o.zero_grad && !l && !a->sharded;
     OP(d, adamw, .pieces = d_pieces, .n = no, .coefs = d_coefs, .coef = coef, .p = master, .g = grads, .m = mom,
        .v = mov, .update = 1, .mo = mo, .po = po, .bnd = a->sharded ? NULL : d_bnd, .wdst = fused ? m->dev_mem : NULL,
-       .wcast = fused ? d_wcast : NULL, .wdt = m->dev_w.mdt);
+       .wcast = fused ? d_wcast : NULL, .wdt = m->dev_w.mdt, .skip_g = zero_g);
+    if (zero_g) ds4_dev_fill(d, grads, 0, (size_t)m->n_params * sizeof(float));
     if (!l && !fused)
         OP(d, cast_params, .dst = m->dev_mem, .src = master, .e = m->dcast, .n = m->n_cast, .mdt = m->dev_w.mdt);
     else if (fused && nrest)
@@ -998,7 +1006,8 @@ static ds4_status adamw_step_device(ds4_adamw *a, size_t nr, int64_t total_elems
         l->grads_stale = 1;
     } else {
         m->host_stale = 1;
-        m->grads_stale = 1; /* the clipped gradients are in the device buffer */
+        m->grads_stale = 1; /* the clipped gradients (zeros with zero_grad) are in the device buffer */
+        if (zero_g) m->grads_zero = 1, a->grads_zeroed = 1;
     }
     for (size_t k = 0; k < nr; k++) ++a->tensor_steps[a->range_tensor[k]];
     a->steps++;
@@ -1315,8 +1324,18 @@ static ds4_status sharded_experts_refusals(ds4_model *m, int64_t *bad, ds4_error
     return s;
 }
 
+static ds4_status adamw_step_once(ds4_adamw *a, ds4_adamw_stats *stats, ds4_error *err);
+
 ds4_status ds4_adamw_step(ds4_adamw *a, ds4_adamw_stats *stats, ds4_error *err) {
     if (!a) return ds4_fail(err, DS4_ERR_ARG, "adamw step: optimizer is NULL");
+    a->grads_zeroed = 0;
+    const ds4_status s = adamw_step_once(a, stats, err);
+    /* zero_grad where the device step did not zero the buffer itself (the host, adapters, ZeRO-1) */
+    if (!s && a->o.zero_grad && !a->grads_zeroed) ds4_model_zero_grad(a->model);
+    return s;
+}
+
+static ds4_status adamw_step_once(ds4_adamw *a, ds4_adamw_stats *stats, ds4_error *err) {
     ds4_model *m = a->model;
     if (m->lora != a->lora)
         return ds4_fail(err, DS4_ERR_ARG,

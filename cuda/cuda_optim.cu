@@ -53,8 +53,8 @@ __device__ __forceinline__ elem_out adamw_elem(const ds4_adamw_coefs &c, float p
 }
 
 // One element of a pass: the clipped gradient, then the update (adamw_elem). UPDATE: written back through the
-// references (g only when clipping: the clipped gradient stays in the buffer, as on the host); else a non-finite
-// result counted in nb.
+// references (g only when clipping: the clipped gradient stays in the buffer, as on the host; not when told skip_g);
+// else a non-finite result counted in nb.
 // The largest |p|, |m|, |v| and -v an update wrote (ds4_adamw_bounds): maxima, the same in any order.
 struct bounds_acc {
     float p = 0, m = 0, v = 0, nv = 0;
@@ -117,10 +117,10 @@ struct wcopy {
 template <bool UPDATE>
 __device__ __forceinline__ void piece_pass(const ds4_optim_piece &q, const ds4_adamw_coefs &c, float coef, float *p,
                                            float *g, float *m, float *v, int64_t mo, int64_t po, double &nb,
-                                           bounds_acc &b, wcopy w = {}) {
+                                           bounds_acc &b, wcopy w = {}, bool skip_g = false) {
     p += q.off - po, g += q.off, m += q.off - mo, v += q.off - mo; // the piece's elements, [0, q.n)
     const uintptr_t mis = (uintptr_t)p & 15;
-    const bool write_g = UPDATE && coef != 1.0f;
+    const bool write_g = UPDATE && coef != 1.0f && !skip_g; // skip_g: the buffer is zeroed after (ops.h)
     int64_t h = q.n, n4 = 0; // elements [h, h + 4·n4) go as groups of four
     if (((uintptr_t)g & 15) == mis && ((uintptr_t)m & 15) == mis && ((uintptr_t)v & 15) == mis) {
         h = (int64_t)((16 - mis) & 15) / 4 < q.n ? (int64_t)((16 - mis) & 15) / 4 : q.n;
@@ -186,7 +186,7 @@ __global__ void __launch_bounds__(OPT_THREADS, 4)
 __global__ void __launch_bounds__(OPT_THREADS, 4)
     adamw_update_kernel(const ds4_optim_piece *pc, const ds4_adamw_coefs *cf, float coef, float *p, float *g, float *m,
                         float *v, int64_t mo, int64_t po, ds4_adamw_bounds *bnd, char *wdst,
-                        const ds4_optim_wcast *wc, int bf16) {
+                        const ds4_optim_wcast *wc, int bf16, int skip_g) {
     __shared__ float sh[OPT_THREADS / 32];
     const ds4_optim_piece q = pc[blockIdx.x];
     const ds4_adamw_coefs c = cf[q.range]; // a copy: through a reference the stores below would reload it
@@ -194,7 +194,7 @@ __global__ void __launch_bounds__(OPT_THREADS, 4)
     bounds_acc b;
     wcopy w;
     if (wc && wc[blockIdx.x].dst >= 0) w.d = wdst + wc[blockIdx.x].dst, w.low = wc[blockIdx.x].lowp && bf16;
-    piece_pass<true>(q, c, coef, p, g, m, v, mo, po, nb, b, w);
+    piece_pass<true>(q, c, coef, p, g, m, v, mo, po, nb, b, w, skip_g != 0);
     if (!bnd) return;
     // the piece's maxima (all non-negative: the block max of each, ds4d_block_maxf's -inf never wins)
     const float bp = ds4d_block_maxf(b.p, sh), bm = ds4d_block_maxf(b.m, sh), bv = ds4d_block_maxf(b.v, sh),
@@ -249,7 +249,7 @@ void ds4_cuda_adamw(ds4_dev *d, const ds4_a_adamw *a) {
     if (a->update) {
         adamw_update_kernel<<<(unsigned)a->n, OPT_THREADS, 0, cdev(d)->stream>>>(
             a->pieces, a->coefs, a->coef, a->p, a->g, a->m, a->v, a->mo, a->po, a->bnd, (char *)a->wdst,
-            a->wdst ? a->wcast : nullptr, a->wdt == DS4_BF16);
+            a->wdst ? a->wcast : nullptr, a->wdt == DS4_BF16, a->skip_g);
     } else {
         adamw_check_kernel<<<(unsigned)a->n, OPT_THREADS, 0, cdev(d)->stream>>>(a->pieces, a->coefs, a->coef, a->p,
                                                                                a->g, a->m, a->v, a->mo, a->po, a->bad);

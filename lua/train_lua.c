@@ -494,7 +494,7 @@ static int l_adamw(lua_State *L) {
     ds4_model *m = ds4l_model_check(L, 1, fname);
     int opts = ds4l_opt_table(L, 2, fname, 2);
     static const char *const known[] = {"lr", "betas", "eps", "weight_decay", "clip", "schedule", "warmup",
-                                        "total", "min_lr_ratio", NULL};
+                                        "total", "min_lr_ratio", "zero_grad", NULL};
     ds4l_check_keys(L, opts, fname, known);
     lua_settop(L, 2);
     ds4_adamw_options o = {.lr = 1e-3, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8, .weight_decay = 0.01,
@@ -508,6 +508,7 @@ static int l_adamw(lua_State *L) {
         o.warmup_steps = ds4l_opt_int(L, opts, "warmup", 0, -n, n, "an integer", fname);
         o.total_steps = ds4l_opt_int(L, opts, "total", 0, -n, n, "an integer", fname);
         o.min_lr_ratio = ds4l_opt_num(L, opts, "min_lr_ratio", 0, -inf, inf, "a number", fname);
+        o.zero_grad = ds4l_opt_bool(L, opts, "zero_grad", 0, fname);
         lua_getfield(L, opts, "betas");
         if (!lua_isnil(L, -1)) {
             if (!lua_istable(L, -1) || lua_objlen(L, -1) != 2)

@@ -580,7 +580,9 @@ out:
 /* ------------------------------------------------------------------------------------------------ determinism */
 
 /* `steps` updates of tiny_a on `dev` from the checkpoint's weights with the fixture batch; weights and moments out
- * (host copies). start: weights / moments / tensor steps / step count to resume from (NULL: fresh). */
+ * (host copies). start: weights / moments / tensor steps / step count to resume from (NULL: fresh). zero_grad: the
+ * optimizer told so (ds4_adamw_options.zero_grad: its update pass zeroes the gradients it reads, and the frozen
+ * tensors' after it); every step then leaves the whole gradient buffer zero (checked). */
 typedef struct train_state {
     float *p, *m, *v;
     int64_t *tsteps, steps;
@@ -596,7 +598,7 @@ static void state_free(train_state *s) {
 }
 
 static train_state run_steps(ds4_engine *eng, const char *fixtures, const ds4_device_options *dev, int steps,
-                             const train_state *start) {
+                             const train_state *start, int zero_grad) {
     train_state out = {0};
     ds4_error err = {0};
     ds4_model *m = NULL;
@@ -612,6 +614,7 @@ static train_state run_steps(ds4_engine *eng, const char *fixtures, const ds4_de
     CHECK_OK(ds4_model_to(m, dev, &err), &err);
     CHECK_OK(ds4_model_enable_grad(m, &err), &err);
     ds4_adamw_options o = fixture_opts();
+    o.zero_grad = zero_grad;
     CHECK_OK(ds4_adamw_create(m, &o, &opt, &err), &err);
     if (!opt) goto out;
     ds4_adamw_state st;
@@ -629,6 +632,12 @@ static train_state run_steps(ds4_engine *eng, const char *fixtures, const ds4_de
         CHECK_OK(ds4_model_forward_train(m, &args, &res, &err), &err);
         CHECK_OK(ds4_model_backward(m, 1.0 / (double)res.loss_tokens, &err), &err);
         CHECK_OK(ds4_adamw_step(opt, NULL, &err), &err);
+        if (!zero_grad) continue;
+        const float *g = ds4_model_grads(m); /* read back from the device */
+        int64_t nz = 0;
+        for (int64_t i = 0; g && i < P; i++) nz += g[i] != 0 || signbit(g[i]);
+        CHECK(g && nz == 0, "%s, zero_grad: %lld of %lld gradients not +0 after step %d", dname(dev), (long long)nz,
+              (long long)P, k);
     }
     CHECK_OK(ds4_adamw_sync_state(opt, &err), &err);
     ds4_adamw_get_state(opt, &st);
@@ -660,14 +669,20 @@ static void determinism(ds4_engine *eng, const char *fixtures, const ds4_device_
     const int64_t P = ds4_model_param_count(m);
     ds4_st_close(io);
     ds4_model_free(m);
-    train_state a = run_steps(eng, fixtures, dev, 4, NULL), b = run_steps(eng, fixtures, dev, 4, NULL);
+    train_state a = run_steps(eng, fixtures, dev, 4, NULL, 0), b = run_steps(eng, fixtures, dev, 4, NULL, 0);
     CHECK(same_state(&a, &b, P), "%s: two runs of 4 steps differ", dname(dev));
-    train_state h = run_steps(eng, fixtures, dev, 2, NULL);
-    train_state r = run_steps(eng, fixtures, dev, 2, &h);
+    train_state h = run_steps(eng, fixtures, dev, 2, NULL, 0);
+    train_state r = run_steps(eng, fixtures, dev, 2, &h, 0);
     CHECK(same_state(&a, &r, P), "%s: 2 steps + resume + 2 steps differ from 4 steps", dname(dev));
-    printf("  %s: two runs bitwise equal: %s; resume bitwise equal: %s\n", dname(dev), same_state(&a, &b, P) ? "yes" : "NO",
-           same_state(&a, &r, P) ? "yes" : "NO");
+    /* the optimizer zeroing the gradients in its pass: the same steps (zero_grad before each forward then finds the
+     * buffer zero and skips its fill) */
+    train_state z = run_steps(eng, fixtures, dev, 4, NULL, 1);
+    CHECK(same_state(&a, &z, P), "%s: 4 steps with the optimizer's zero_grad differ from 4 steps", dname(dev));
+    printf("  %s: two runs bitwise equal: %s; resume bitwise equal: %s; zero_grad in the update: %s\n", dname(dev),
+           same_state(&a, &b, P) ? "yes" : "NO", same_state(&a, &r, P) ? "yes" : "NO",
+           same_state(&a, &z, P) ? "yes" : "NO");
     state_free(&a);
+    state_free(&z);
     state_free(&b);
     state_free(&h);
     state_free(&r);

@@ -12,7 +12,9 @@
  *    without its loss) are bit-identical after steps, with zero moments; with zero gradients one step scales
  *    decayed tensors by exactly fp32(1 - lr·wd) and leaves every other tensor bit-identical.
  * 3. The result does not depend on the engine's thread count (bitwise), option validation, a step without a
- *    gradient buffer, and a non-finite gradient (refused, nothing changed). */
+ *    gradient buffer, and a non-finite gradient (refused, nothing changed).
+ * 4. The zero_grad option: a step leaves every gradient +0 (frozen tensors' too) and updates the weights as a step
+ *    without it, bitwise; a refused step leaves the gradients as they were. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -214,6 +216,57 @@ out:
     ds4_model_free(m);
 }
 
+/* ---------------------------------------------------------------------------------------- zero_grad option */
+
+static int64_t nonzero_grads(ds4_model *m) {
+    const float *g = ds4_model_grads(m);
+    int64_t n = 0;
+    for (int64_t i = 0; i < ds4_model_param_count(m); i++) n += g[i] != 0 || signbit(g[i]);
+    return n;
+}
+
+static void test_zero_grad_option(ds4_engine *e, const char *fixtures) {
+    ds4_error err = {0};
+    ds4_model *a = load_tiny(e, fixtures), *b = load_tiny(e, fixtures);
+    ds4_adamw *oa = NULL, *ob = NULL;
+    if (!a || !b) goto out;
+    ds4_adamw_options o = fixture_opts();
+    CHECK_OK(ds4_model_enable_grad(a, &err), &err);
+    CHECK_OK(ds4_model_enable_grad(b, &err), &err);
+    CHECK_OK(ds4_adamw_create(b, &o, &ob, &err), &err);
+    o.zero_grad = 1;
+    CHECK_OK(ds4_adamw_create(a, &o, &oa, &err), &err);
+    if (!oa || !ob) goto out;
+    const int64_t P = ds4_model_param_count(a);
+    for (int k = 0; k < 3; k++) {
+        fill_grads(a, 40 + (uint64_t)k), fill_grads(b, 40 + (uint64_t)k); /* frozen tensors' gradients too */
+        ds4_adamw_stats sa, sb;
+        CHECK_OK(ds4_adamw_step(oa, &sa, &err), &err);
+        CHECK_OK(ds4_adamw_step(ob, &sb, &err), &err);
+        CHECK(memcmp(ds4_model_params(a), ds4_model_params(b), (size_t)P * sizeof(float)) == 0 &&
+                  sa.grad_norm == sb.grad_norm,
+              "zero_grad: step %d updated the weights otherwise than a step without it", k);
+        const int64_t nz = nonzero_grads(a);
+        CHECK(nz == 0, "zero_grad: %lld of %lld gradients not +0 after step %d", (long long)nz, (long long)P, k);
+        CHECK(nonzero_grads(b) > 0, "without zero_grad the clipped gradients stay (step %d)", k);
+    }
+    /* a refused step (a non-finite gradient) changes nothing, the gradients included */
+    fill_grads(a, 50);
+    ds4_model_grads(a)[777] = NAN;
+    float *g = malloc((size_t)P * sizeof *g);
+    if (g) memcpy(g, ds4_model_grads(a), (size_t)P * sizeof *g);
+    CHECK(ds4_adamw_step(oa, NULL, &err) == DS4_ERR_ARG, "zero_grad: a NaN gradient must be refused");
+    CHECK(g && memcmp(g, ds4_model_grads(a), (size_t)P * sizeof *g) == 0, "zero_grad: a refused step changed the "
+                                                                          "gradients");
+    free(g);
+    printf("  zero_grad option: 3 steps bitwise as without it, every gradient +0 after each, a refused step kept them\n");
+out:
+    ds4_adamw_free(oa);
+    ds4_adamw_free(ob);
+    ds4_model_free(a);
+    ds4_model_free(b);
+}
+
 /* ---------------------------------------------------------------------------------------- threads */
 
 static void test_threads(const char *fixtures) {
@@ -281,6 +334,7 @@ static void test_errors(ds4_engine *e, const char *fixtures) {
     b = o, b.schedule = (ds4_lr_schedule)7, expect_create_error(m, b, "schedule");
     b = o, b.warmup_steps = -1, expect_create_error(m, b, "warmup_steps");
     b = o, b.min_lr_ratio = 1.5, expect_create_error(m, b, "min_lr_ratio");
+    b = o, b.zero_grad = 2, expect_create_error(m, b, "zero_grad");
     b = o, b.total_steps = 3, expect_create_error(m, b, "total_steps (3) must exceed warmup_steps (3)");
     ds4_adamw *a = NULL;
     CHECK_STATUS(ds4_adamw_create(NULL, &o, &a, &err), DS4_ERR_ARG, &err);
@@ -334,6 +388,7 @@ int main(int argc, char **argv) {
     if (!e) return ds4t_finish("test_train");
     test_errors(e, fixtures);
     test_untouched(e, fixtures);
+    test_zero_grad_option(e, fixtures);
     test_threads(fixtures);
     test_trajectory(e, fixtures);
     ds4_engine_free(e);

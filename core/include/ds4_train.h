@@ -271,6 +271,10 @@ typedef struct ds4_adamw_options {
     int64_t warmup_steps;     /* linear warm-up: lr·(k+1)/warmup_steps for update k < warmup_steps */
     int64_t total_steps;      /* end of the decay */
     double min_lr_ratio;
+    int32_t zero_grad;        /* 1: a step leaves the gradients zeroed, as ds4_model_zero_grad would (the clipped
+                                 gradients are not kept); on a device the update then does not write the clipped
+                                 gradients back, and the next ds4_model_zero_grad has nothing left to do (as torch's
+                                 zero_grad(set_to_none=True) after its step costs no pass) */
 } ds4_adamw_options;
 
 /* Learning rate for update number k (0-based: k updates completed before this one). */
@@ -288,13 +292,13 @@ typedef struct ds4_adamw_stats {
 
 ds4_status ds4_adamw_create(ds4_model *m, const ds4_adamw_options *o, ds4_adamw **out, ds4_error *err);
 void ds4_adamw_free(ds4_adamw *a);
-/* One update from the model's gradient buffer: clip (in place, as torch's clip_grad_norm_ does, so the buffer
- * holds the clipped gradients afterwards), then AdamW on trainable tensors. Does not zero grads. A non-finite
- * gradient norm is an error that leaves parameters, moments and the step count unchanged (torch would write
- * NaN into every weight), and so is an update that would make a parameter or moment non-finite. On the CPU that
- * check reads every parameter and moment only when the bounds kept from the previous update cannot prove the update
- * finite (docs/design.md): so a write to the host parameters must be followed by ds4_model_params_changed, as the
- * device copy already needs. */
+/* One update from the model's gradient buffer: clip (in place, as torch's clip_grad_norm_ does, so the buffer holds
+ * the clipped gradients afterwards), then AdamW on trainable tensors. Does not zero grads, unless the options'
+ * zero_grad asks it to (a refused step zeroes nothing). A non-finite gradient norm is an error that leaves
+ * parameters, moments and the step count unchanged (torch would write NaN into every weight), and so is an update
+ * that would make a parameter or moment non-finite. On the CPU that check reads every parameter and moment only when
+ * the bounds kept from the previous update cannot prove the update finite (docs/design.md): so a write to the host
+ * parameters must be followed by ds4_model_params_changed, as the device copy already needs. */
 ds4_status ds4_adamw_step(ds4_adamw *a, ds4_adamw_stats *stats, ds4_error *err);
 int64_t ds4_adamw_steps(const ds4_adamw *a);
 

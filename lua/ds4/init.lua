@@ -113,7 +113,9 @@ Training (lua/train_lua.c)
   ds4.adamw(model [, opts])        AdamW as torch.optim.AdamW (+ clip_grad_norm_, LR schedule); opts: lr (1e-3),
                                    betas ({0.9, 0.999}), eps (1e-8), weight_decay (0.01; not on norms, biases,
                                    sinks, mHC base/scale), clip (off), schedule ("constant"|"linear"|"cosine"),
-                                   warmup (linear warm-up steps), total (end of the decay), min_lr_ratio (0)
+                                   warmup (linear warm-up steps), total (end of the decay), min_lr_ratio (0),
+                                   zero_grad (false; true: opt:step() leaves the gradients zero, as
+                                   model:zero_grad() would, in the update's own pass on a GPU)
   opt:step()                       clip, update -> {lr = ..., grad_norm = (before clipping), step = updates done};
                                    raises, changing nothing (parameters, moments, gradients, step count), when the
                                    gradient norm or the updated parameters would not be finite, and inside an

@@ -54,7 +54,7 @@ refuses(function() tok:encode("x", { bso = true }) end, "tokenizer:encode: unkno
     "encode")
 refuses(function() ds4.adamw(model, { weight_dacay = 0.1 }) end,
     "ds4.adamw: unknown option 'weight_dacay' (known: lr, betas, eps, weight_decay, clip, schedule, warmup, total, "
-        .. "min_lr_ratio)", "adamw")
+        .. "min_lr_ratio, zero_grad)", "adamw")
 refuses(function() model:set_train_options({ mtp_lamda = 0.1 }) end,
     "ds4.model:set_train_options: unknown option 'mtp_lamda' (known: mtp_lambda, router_bias_gamma, indexer_kl, "
         .. "head_chunk, recompute)", "set_train_options")

@@ -190,6 +190,17 @@ do
     model:zero_grad()
     H.eq(sumsq(model:grads({ canonical = true })["layers.0.attn.wkv.weight"]), 0, "zero_grad clears accumulated gradients")
 
+    -- opts.zero_grad: a step leaves every gradient zero
+    local zopt = ds4.adamw(model, { lr = 1e-3, clip = 1.0, zero_grad = true })
+    out = model:forward(ids, { labels = labels })
+    model:backward()
+    H.check(sumsq(model:grads({ canonical = true })["layers.0.attn.wkv.weight"]) > 0, "a backward before the step")
+    zopt:step()
+    local left = 0
+    for _, t in pairs(model:grads({ canonical = true })) do left = left + sumsq(t) end
+    H.eq(left, 0, "adamw{zero_grad = true}: the step leaves every gradient zero")
+    H.raises(function() return ds4.adamw(model, { zero_grad = 1 }) end, { "zero_grad" }, "zero_grad must be a boolean")
+
     -- opts.train
     out = model:forward(ids, { labels = labels, train = false })
     H.raises(function() return model:backward() end, { "no training forward" }, "train = false keeps no activations")
