@@ -553,7 +553,8 @@ static void head_bwd(bwd *b, int head, const float *u, const float *y, const flo
          * notes about b->dlog, which the router's backward reuses */
         OP(b->f.dev, logp_bwd, .dl = b->dlog, .logits = logits, .rows = n, .V = V, .tgt = tgt + r0,
            .dlogp = dlogp ? dlogp + r0 : NULL, .g0 = g0, .rmx = stats ? b->tp->rmx + so + r0 : NULL,
-           .rse = stats ? b->tp->rse + so + r0 : NULL, .dl16 = b->mdt == DS4_BF16 && b->gw->head != NULL);
+           .rse = stats ? b->tp->rse + so + r0 : NULL, .dl16 = b->mdt == DS4_BF16 && b->gw->head != NULL,
+           .exp32 = b->f.w->bf16_in);
         OP(b->f.dev, linear_bwd_x, .dx = b->dh + r0 * D, .lddx = D, .dy = b->dlog, .ldy = V, .W = b->f.w->head,
            .wdt = b->mdt, .T = n, .K = D, .O = V, .bf16_in = b->f.w->bf16_in, .dy_kept = 1);
         /* the chunks' weight gradients are one run into the head's dW (ops.h) */

@@ -379,10 +379,11 @@ static void head_chunks(ds4_pass *f, ds4_tape *tp, int head, int64_t rows, const
         if (out) ds4_dev_download(f->dev, out + r0 * V, tp->logits, (size_t)(n * V) * sizeof(float));
         if (lp)
             OP(f->dev, logprobs, .logits = tp->logits, .rows = n, .V = V, .tgt = tgt + r0, .logp = lp + r0,
-               .entropy = lp + lp_ld + r0, .nll = nll + r0, .rmx = tp->rmx + so + r0, .rse = tp->rse + so + r0);
+               .entropy = lp + lp_ld + r0, .nll = nll + r0, .rmx = tp->rmx + so + r0, .rse = tp->rse + so + r0,
+               .exp32 = f->w->bf16_in);
         else
             OP(f->dev, ce_rows, .logits = tp->logits, .rows = n, .V = V, .tgt = tgt + r0, .nll = nll + r0,
-               .rmx = tp->rmx + so + r0, .rse = tp->rse + so + r0);
+               .rmx = tp->rmx + so + r0, .rse = tp->rse + so + r0, .exp32 = f->w->bf16_in);
     }
     tp->logits_head = rows <= R ? head : 0;
     tp->stats_heads |= head;
@@ -400,7 +401,9 @@ static void cross_entropy(ds4_pass *f, const float *logits, int64_t B, int64_t S
         for (int64_t s = 0; s < Sl; s++)
             htgt[b * Sl + s] = off + s + shift < S ? labels[b * S + off + s + shift] : -100;
     ds4_dev_upload(f->dev, f->tgt, htgt, (size_t)rows * sizeof(int64_t));
-    if (logits) OP(f->dev, ce_rows, .logits = logits, .rows = rows, .V = f->c->vocab_size, .tgt = f->tgt, .nll = f->nll);
+    if (logits)
+        OP(f->dev, ce_rows, .logits = logits, .rows = rows, .V = f->c->vocab_size, .tgt = f->tgt, .nll = f->nll,
+           .exp32 = f->w->bf16_in);
     else head_chunks(f, f->tape, shift == 1 ? DS4_HEAD_MAIN : DS4_HEAD_MTP, rows, f->tgt, f->nll, lp, rows, out);
     ds4_dev_download(f->dev, hnll, f->nll, (size_t)rows * sizeof(double));
     double sum = 0;

@@ -332,7 +332,7 @@ static ds4_status run_range(ds4_batcher *b, int64_t lo, int64_t hi, ds4_error *e
     int64_t *id = dev->host_visible ? d->id + lo : d->b_id + lo;
     double *lpm = dev->host_visible ? d->lpm + lo : d->b_lpm + lo, *lps = dev->host_visible ? d->lps + lo : d->b_lps + lo;
     OP(dev, sample, .logits = b->b_logits, .lrow = row, .rows = n, .V = b->V, .p = d->task[lo]->a.sampling, .u = u,
-       .id = id, .lp_model = lpm, .lp_sample = lps);
+       .id = id, .lp_model = lpm, .lp_sample = lps, .exp32 = b->m->dw->bf16_in); /* as the step's pass (plan.c) */
     if (!dev->host_visible) {
         ds4_dev_download(dev, d->id + lo, id, (size_t)n * sizeof *id);
         ds4_dev_download(dev, d->lpm + lo, lpm, (size_t)n * sizeof *lpm);

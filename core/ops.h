@@ -198,14 +198,20 @@ typedef struct { float *x; const float *h; int64_t T, n, D; } ds4_a_add_bcast;
 
 /* A row's softmax statistics as every head op takes them: mx = max over the row (fp32), se = Σ_v exp((double)z_v −
  * mx) in the backend's fixed order. rmx / rse [rows] (may be NULL) receive them for every row, whatever its target,
- * so that logp_bwd over the same logits may take them instead of two more passes (the same values: the same sums). */
+ * so that logp_bwd over the same logits may take them instead of two more passes (the same values: the same sums).
+ * exp32 (the bf16 mode sets it on every head op: ce_rows, logprobs, sample, logp_bwd): each e^(z_v − mx) may be
+ * formed in fp32 (expf of the difference rounded to fp32, then summed in double): a backend that does so does it in
+ * all four, so a rollout's log-probabilities and training's stay the same bits. Without it, exp in double (the CPU's
+ * form, which the fp32 reference keeps; the CPU backend always does). */
 /* nll[r] = logsumexp(logits[r]) - logits[r, tgt[r]] (double) for rows with tgt[r] != -100 */
-typedef struct { const float *logits; int64_t rows, V; const int64_t *tgt; double *nll; float *rmx; double *rse; } ds4_a_ce_rows;
+typedef struct {
+    const float *logits; int64_t rows, V; const int64_t *tgt; double *nll; float *rmx; double *rse; int exp32;
+} ds4_a_ce_rows;
 /* logp[r] = log softmax(logits[r])[tgt[r]] (0 where tgt is -100); entropy (may be NULL) of every row; nll (may be
  * NULL): also what ce_rows writes there, the same bits (one pass over the row instead of two); rmx / rse as ce_rows */
 typedef struct {
     const float *logits; int64_t rows, V; const int64_t *tgt; float *logp, *entropy; double *nll; float *rmx;
-    double *rse;
+    double *rse; int exp32;
 } ds4_a_logprobs;
 
 /* Indexer-KL loss of one CSA layer (training option) from its tape: per query, KL(p || q) over its picks (p the
@@ -220,7 +226,7 @@ typedef struct {
  * id / lp_model / lp_sample [rows] out. An invalid row (NaN logit, ...) is an operation failure naming the row. */
 typedef struct {
     const float *logits; const int32_t *lrow; int64_t rows, V; ds4_sampling p; const double *u; int64_t *id;
-    double *lp_model, *lp_sample;
+    double *lp_model, *lp_sample; int exp32;
 } ds4_a_sample;
 
 /* -------------------------------------------------------------------------------------- backward arguments */
@@ -234,7 +240,7 @@ typedef struct {
 typedef struct {
     float *dl; const float *logits; int64_t rows, V; const int64_t *tgt; const float *dlogp; double g0;
     const float *rmx; const double *rse;
-    int dl16;
+    int dl16; int exp32;
 } ds4_a_logp_bwd;
 /* y = x Wᵀ backward. linear_bwd_x: dx = dy·W (added when acc); linear_bwd_w: dW += dyᵀ·x. wdt is the dtype W is
  * held in; for linear_bwd_w (dW is fp32 either way) BF16 asks for the product of dy and x rounded to bf16, as the

@@ -413,13 +413,21 @@ void product(ds4_dev *d, const char *op, prod_args p, ds4_dtype wdt, bool weight
 // Threads of a row block for a row of `width`: the block shape (so the reduction tree) follows the width only.
 int row_threads(int64_t width) { return width >= 256 ? 256 : (width >= 128 ? 128 : (width >= 64 ? 64 : 32)); }
 
-// One block per row: g = dlogp[r] (or g0); dl = g·(onehot − softmax) with the max and Σ exp of the CPU (double).
+// A logit's share of the row's gradient, −g·e/Σ (g·(onehot − softmax) without the onehot): e32 (the bf16 mode's fp32
+// exponentials) as (−g/Σ)·e, one multiply; else the CPU's −g·e/Σ, a double division per logit.
+__device__ __forceinline__ double logit_grad(double e, double g, double gs, double se, bool e32) {
+    return e32 ? gs * e : -g * e / se;
+}
+
+// One block per row: g = dlogp[r] (or g0); dl = g·(onehot − softmax) with the max and Σ exp as row_stats forms them
+// (cuda_head.cu: the exponentials ds4d_row_exp, Σ in double in the same order).
 // dl may be the logits: every value of the row is read (two block sums, each ending with a barrier) before any
 // is written, and each thread then reads and writes only its own elements.
 constexpr int LOGP_THREADS = 256;
 
-__global__ void __launch_bounds__(LOGP_THREADS) logp_bwd_kernel(float *dl, const float *logits, int64_t V, const int64_t *tgt, const float *dlogp,
-                                double g0) {
+__global__ void __launch_bounds__(LOGP_THREADS) logp_bwd_kernel(float *dl, const float *logits, int64_t V,
+                                                                 const int64_t *tgt, const float *dlogp, double g0,
+                                                                 int e32) {
     __shared__ double shd[8];
     __shared__ float shf[8];
     const int64_t r = blockIdx.x, y = tgt[r];
@@ -434,10 +442,11 @@ __global__ void __launch_bounds__(LOGP_THREADS) logp_bwd_kernel(float *dl, const
     ds4d_row_visit<LOGP_THREADS, 8>(z, V, [&](int64_t, float zv) { mx = zv > mx ? zv : mx; });
     mx = ds4d_block_maxf(mx, shf);
     double se = 0;
-    ds4d_row_visit<LOGP_THREADS, 8>(z, V, [&](int64_t, float zv) { se += exp((double)zv - mx); });
+    ds4d_row_visit<LOGP_THREADS, 8>(z, V, [&](int64_t, float zv) { se += ds4d_row_exp(zv, mx, e32); });
     se = ds4d_block_sum(se, shd);
+    const double gs = -g / se;
     ds4d_row_visit<LOGP_THREADS, 8>(z, V, [&](int64_t v, float zv) {
-        float val = (float)(-g * exp((double)zv - mx) / se);
+        float val = (float)logit_grad(ds4d_row_exp(zv, mx, e32), g, gs, se, e32);
         if (v == y) val += (float)g;
         o[v] = val;
     });
@@ -455,7 +464,8 @@ constexpr int LOGPS_THREADS = 256;
 __global__ void __launch_bounds__(LOGPS_THREADS) logp_bwd_stats_kernel(float *dl, const float *logits, int64_t V,
                                                                        const int64_t *tgt, const float *dlogp,
                                                                        double g0, const float *rmx, const double *rse,
-                                                                       int64_t r0, int vec, __nv_bfloat16 *dl16) {
+                                                                       int64_t r0, int vec, __nv_bfloat16 *dl16,
+                                                                       int e32) {
     const int64_t r = r0 + blockIdx.y, v0 = ((int64_t)blockIdx.x * LOGPS_THREADS + threadIdx.x) * 4;
     if (v0 >= V) return;
     const int64_t y = tgt[r];
@@ -466,7 +476,7 @@ __global__ void __launch_bounds__(LOGPS_THREADS) logp_bwd_stats_kernel(float *dl
     float out[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     if (y != -100 && g != 0) {
         const float mx = rmx[r];
-        const double se = rse[r];
+        const double se = rse[r], gs = -g / se;
         float zv[4];
         if (vec) {
             const float4 q = *reinterpret_cast<const float4 *>(z);
@@ -477,7 +487,7 @@ __global__ void __launch_bounds__(LOGPS_THREADS) logp_bwd_stats_kernel(float *dl
         }
 #pragma unroll
         for (int j = 0; j < 4; j++) {
-            out[j] = (float)(-g * exp((double)zv[j] - mx) / se);
+            out[j] = (float)logit_grad(ds4d_row_exp(zv[j], mx, e32), g, gs, se, e32);
             if (v0 + j == y) out[j] += (float)g;
         }
     }
@@ -847,7 +857,7 @@ void ds4_cuda_logp_bwd(ds4_dev *d, const ds4_a_logp_bwd *a) {
         for (int64_t r0 = 0; r0 < a->rows; r0 += 65535) {
             const int64_t nr = a->rows - r0 < 65535 ? a->rows - r0 : 65535;
             logp_bwd_stats_kernel<<<dim3((unsigned)per, (unsigned)nr), LOGPS_THREADS, 0, cd->stream>>>(
-                a->dl, a->logits, a->V, a->tgt, a->dlogp, a->g0, a->rmx, a->rse, r0, vec, d16);
+                a->dl, a->logits, a->V, a->tgt, a->dlogp, a->g0, a->rmx, a->rse, r0, vec, d16, a->exp32);
             if (!ds4_cuda_launched(d, "logp_bwd", "[%lld x %lld], the forward's row statistics%s", (long long)a->rows,
                                    (long long)a->V, d16 ? ", kept in bf16" : ""))
                 return;
@@ -855,7 +865,8 @@ void ds4_cuda_logp_bwd(ds4_dev *d, const ds4_a_logp_bwd *a) {
         if (d16) cd->bwd_dy = {a->dl, a->rows, a->V, a->V, 4, cd->scratch_gen[4], true};
         return;
     }
-    logp_bwd_kernel<<<(unsigned)a->rows, LOGP_THREADS, 0, cdev(d)->stream>>>(a->dl, a->logits, a->V, a->tgt, a->dlogp, a->g0);
+    logp_bwd_kernel<<<(unsigned)a->rows, LOGP_THREADS, 0, cdev(d)->stream>>>(a->dl, a->logits, a->V, a->tgt, a->dlogp,
+                                                                              a->g0, a->exp32);
     ds4_cuda_launched(d, "logp_bwd", "[%lld x %lld]", (long long)a->rows, (long long)a->V);
 }
 

@@ -236,6 +236,14 @@ __device__ __forceinline__ void ds4d_row_visit(const float *z, int64_t V, F &&us
     }
 }
 
+// e^(z - mx) of a row's softmax, as a double for the double sums. e32 (ops.h's exp32, the bf16 mode): expf (within 2
+// ulp) of the exact difference rounded once to fp32; else exp in double (the CPU's form). Every kernel at the
+// vocabulary end forms it here (cuda_head.cu's row_stats, the logits' gradient in cuda_bwd_linear.cu), so a
+// rollout's log-probabilities and training's stay the same bits.
+__device__ __forceinline__ double ds4d_row_exp(float z, float mx, bool e32) {
+    return e32 ? (double)expf(__fsub_rn(z, mx)) : exp((double)z - mx);
+}
+
 // dst[c] = f(src[c]) for c < D by the threads of one block: 16 bytes at a time where D and both rows allow it, else
 // one by one. Each element's arithmetic is f either way.
 template <class F>

@@ -47,8 +47,12 @@ __device__ __forceinline__ void warp_argmax(float &m, int64_t &a) {
 
 // Max (and its lowest id), Σ exp and Σ exp·(z - mx) of one row; every thread gets them. REF: the max and its id
 // folded by thread 0 (the reference kernels); else by the shuffle trees (the same values, above).
+// e32 (ops.h's exp32): the exponentials in fp32 (ds4d_row_exp), their sums double. A double exp per logit (32000 a
+// row) made the row kernels of a bf16 training step's LM head bound by Hopper's fp64 rate, not by memory.
 template <bool REF>
-__device__ row_stats_t row_stats(const float *z, int64_t V, bool want_ez, double *shd, float *shf, int64_t *shi) {
+__device__ row_stats_t row_stats(const float *z, int64_t V, bool want_ez, double *shd, float *shf, int64_t *shi,
+                                 bool e32) {
+    static_assert(ROW_THREADS == 256 && ROW_ILP == 8, "logp_bwd_kernel (cuda_bwd_linear.cu) sums Σ exp as here");
     const int tid = threadIdx.x;
     float mx = -INFINITY;
     int64_t arg = -1;
@@ -91,7 +95,7 @@ __device__ row_stats_t row_stats(const float *z, int64_t V, bool want_ez, double
     __syncthreads();
     double se = 0, ez = 0;
     ds4d_row_visit<ROW_THREADS, ROW_ILP>(z, V, [&](int64_t, float zv) {
-        const double e = exp((double)zv - r.mx);
+        const double e = ds4d_row_exp(zv, r.mx, e32);
         se += e;
         if (want_ez) ez += e * ((double)zv - r.mx);
     });
@@ -105,7 +109,7 @@ __device__ row_stats_t row_stats(const float *z, int64_t V, bool want_ez, double
 // row's max and Σ exp (ops.h), the rows without a target too.
 __global__ void __launch_bounds__(ROW_THREADS) ce_kernel(const float *logits, int64_t rows, int64_t V,
                                                          const int64_t *tgt, double *nll, int ref, float *rmx,
-                                                         double *rse) {
+                                                         double *rse, int e32) {
     __shared__ double shd[ROW_THREADS / 32];
     __shared__ float shf[ROW_THREADS];
     __shared__ int64_t shi[ROW_THREADS];
@@ -114,7 +118,7 @@ __global__ void __launch_bounds__(ROW_THREADS) ce_kernel(const float *logits, in
         if (y == -100 && !rmx) continue;
         const float *z = logits + r * V;
         const row_stats_t s =
-            ref ? row_stats<true>(z, V, false, shd, shf, shi) : row_stats<false>(z, V, false, shd, shf, shi);
+            ref ? row_stats<true>(z, V, false, shd, shf, shi, e32) : row_stats<false>(z, V, false, shd, shf, shi, e32);
         if (threadIdx.x == 0) {
             if (rmx) rmx[r] = s.mx, rse[r] = s.se;
             if (y != -100) nll[r] = log(s.se) + s.mx - z[y];
@@ -128,13 +132,13 @@ __global__ void __launch_bounds__(ROW_THREADS) ce_kernel(const float *logits, in
 template <bool REF>
 __global__ void __launch_bounds__(ROW_THREADS, REF ? 1 : 8)
     logprobs_kernel(const float *logits, int64_t rows, int64_t V, const int64_t *tgt, float *logp, float *entropy,
-                    double *nll, float *rmx, double *rse) {
+                    double *nll, float *rmx, double *rse, int e32) {
     __shared__ double shd[ROW_THREADS / 32];
     __shared__ float shf[ROW_THREADS];
     __shared__ int64_t shi[ROW_THREADS];
     for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
         const float *z = logits + r * V;
-        const row_stats_t s = row_stats<REF>(z, V, entropy != nullptr, shd, shf, shi);
+        const row_stats_t s = row_stats<REF>(z, V, entropy != nullptr, shd, shf, shi, e32);
         if (threadIdx.x == 0) {
             if (rmx) rmx[r] = s.mx, rse[r] = s.se;
             const double lse = log(s.se);
@@ -161,6 +165,7 @@ struct sample_args {
     int32_t *wid;                 // [rows, pow2] their ids
     int32_t *status;              // [rows, 2]: code (0 ok, 1 NaN, 2 +inf, 3 all -inf), index
     int ref;                      // DS4_CUDA_ROW_REF: row_stats' reference fold for the max
+    int e32;                      // ops.h's exp32: row_stats' exponentials in fp32
 };
 
 // Sort e[0, n) (padded to n2, a power of two) by (w desc, id asc), or by id asc.
@@ -259,7 +264,7 @@ __global__ void __launch_bounds__(ROW_THREADS) sample_kernel(sample_args a) {
         return;
     }
     const row_stats_t s =
-        a.ref ? row_stats<true>(z, V, false, shd, shf, shi) : row_stats<false>(z, V, false, shd, shf, shi);
+        a.ref ? row_stats<true>(z, V, false, shd, shf, shi, a.e32) : row_stats<false>(z, V, false, shd, shf, shi, a.e32);
     if (isinf(s.mx)) {
         if (tid == 0) a.status[2 * r] = 3, a.status[2 * r + 1] = -1, a.id[r] = -1;
         return;
@@ -339,7 +344,7 @@ void ds4_cuda_ce_rows(ds4_dev *d, const ds4_a_ce_rows *a) {
     if (a->rows <= 0) return;
     cuda_dev *cd = cdev(d);
     ce_kernel<<<ds4_vocab_grid(cd, a->rows), ROW_THREADS, 0, cd->stream>>>(a->logits, a->rows, a->V, a->tgt, a->nll,
-                                                                           cd->row_ref, a->rmx, a->rse);
+                                                                           cd->row_ref, a->rmx, a->rse, a->exp32);
     ds4_cuda_launched(d, "ce_rows", "[%lld x %lld]", (long long)a->rows, (long long)a->V);
 }
 
@@ -349,16 +354,16 @@ void ds4_cuda_logprobs(ds4_dev *d, const ds4_a_logprobs *a) {
     const unsigned grid = ds4_vocab_grid(cd, a->rows);
     if (!cd->row_ref) {
         logprobs_kernel<false><<<grid, ROW_THREADS, 0, cd->stream>>>(a->logits, a->rows, a->V, a->tgt, a->logp,
-                                                                     a->entropy, a->nll, a->rmx, a->rse);
+                                                                     a->entropy, a->nll, a->rmx, a->rse, a->exp32);
         ds4_cuda_launched(d, "logprobs", "[%lld x %lld]%s", (long long)a->rows, (long long)a->V,
                           a->nll ? " with the cross-entropy" : "");
         return;
     }
     logprobs_kernel<true><<<grid, ROW_THREADS, 0, cd->stream>>>(a->logits, a->rows, a->V, a->tgt, a->logp,
-                                                                a->entropy, nullptr, a->rmx, a->rse);
+                                                                a->entropy, nullptr, a->rmx, a->rse, a->exp32);
     ds4_cuda_launched(d, "logprobs", "[%lld x %lld]", (long long)a->rows, (long long)a->V);
     if (a->nll) { /* the cross-entropy as ce_rows computes it */
-        const ds4_a_ce_rows ce = {a->logits, a->rows, a->V, a->tgt, a->nll, nullptr, nullptr};
+        const ds4_a_ce_rows ce = {a->logits, a->rows, a->V, a->tgt, a->nll, nullptr, nullptr, a->exp32};
         ds4_cuda_ce_rows(d, &ce);
     }
 }
@@ -391,7 +396,7 @@ void ds4_cuda_sample(ds4_dev *d, const ds4_a_sample *a) {
     }
     sample_args g = {a->logits, a->lrow, a->V, pow2, p->temperature, p->top_p, p->min_p, p->top_k, a->u, a->id,
                      a->lp_model, a->lp_sample, (double *)scr, (int32_t *)(scr + (size_t)a->rows * pow2 * sizeof(double)),
-                     (int32_t *)(scr + wbytes), cd->row_ref};
+                     (int32_t *)(scr + wbytes), cd->row_ref, a->exp32};
     sample_kernel<<<(unsigned)a->rows, ROW_THREADS, 0, cd->stream>>>(g);
     if (!ds4_cuda_launched(d, "sample", "[%lld draws x %lld]", (long long)a->rows, (long long)a->V)) return;
     // the status words come back now: an invalid row is an error of this operation, naming the row

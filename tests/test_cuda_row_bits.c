@@ -13,7 +13,8 @@
  * dst in chunk order; the same rounding to nearest even). The forward ops (logprobs,
  * rmsnorm) must also give a row's bits with the row alone (a decoding step) or among a few. ce_rows and logprobs also
  * keep each row's max and Σ exp for the backward (ops.h), the same bytes from both, and logp_bwd from them (its
- * elementwise kernel) must give the bytes of logp_bwd without them.
+ * elementwise kernel) must give the bytes of logp_bwd without them. All of them with the exponentials in double (the
+ * fp32 mode's) and in fp32 (exp32, the bf16 mode's).
  * logprobs, ce_rows (and logp_bwd, which ignores it) also run with DS4_CUDA_ROW_BLOCKS=1 (each block looping over rows: a tuning knob
  * that must not change a bit).
  * Shapes: the training head [1024 x 32000], vocabularies below and around the block's 256 threads, logits on a coarse
@@ -33,6 +34,7 @@
 
 static ds4_dev *gpu_ref;  /* DS4_CUDA_ROW_REF=1 */
 static ds4_dev *gpu_loop; /* DS4_CUDA_ROW_BLOCKS=1: the vocabulary row kernels' blocks each loop over rows */
+static int e32;         /* the head ops' exp32 (ops.h): the exponentials in fp32, as the bf16 mode forms them */
 
 /* The uploads (inputs, poisoned outputs) run on gpu's stream: they have landed before another backend's stream (or
  * gpu's own, trivially) runs an operation on them. */
@@ -83,8 +85,8 @@ static lp_outs lp_run(ds4_dev *d, const twin *z, const twin *tgt, int64_t r0, in
     const int64_t *tt = (const int64_t *)tgt->d + r0;
     landed();
     OP(d, logprobs, .logits = zz, .rows = rows, .V = V, .tgt = tt, .logp = o.logp.d, .entropy = o.ent.d,
-       .nll = o.nll.d);
-    OP(d, ce_rows, .logits = zz, .rows = rows, .V = V, .tgt = tt, .nll = o.nll_ce.d);
+       .nll = o.nll.d, .exp32 = e32);
+    OP(d, ce_rows, .logits = zz, .rows = rows, .V = V, .tgt = tt, .nll = o.nll_ce.d, .exp32 = e32);
     check_dev(d, "logprobs");
     return o;
 }
@@ -100,8 +102,8 @@ static void same_rows(const char *what, const twin *got, const twin *want, int64
 
 static void t_logprobs(int64_t rows, int64_t V, int kind) {
     char what[160];
-    snprintf(what, sizeof what, "logprobs [%lld x %lld]%s", (long long)rows, (long long)V,
-             kind == LG_PLAIN ? "" : (kind == LG_TIES ? " (ties)" : " (NaN, -inf, +inf rows)"));
+    snprintf(what, sizeof what, "logprobs [%lld x %lld]%s%s", (long long)rows, (long long)V,
+             kind == LG_PLAIN ? "" : (kind == LG_TIES ? " (ties)" : " (NaN, -inf, +inf rows)"), e32 ? ", exp32" : "");
     twin z = logits_new(rows, V, kind);
     int64_t *t = malloc((size_t)rows * 8);
     for (int64_t r = 0; r < rows; r++) t[r] = r % 7 == 5 ? -100 : (int64_t)(urand() * (double)V) % V;
@@ -146,7 +148,8 @@ static void t_logprobs(int64_t rows, int64_t V, int kind) {
  * their log-probabilities (every row here finite; the sampler refuses NaN rows before it reduces). */
 static void t_sample(int64_t rows, int64_t V, double temperature) {
     char what[96];
-    snprintf(what, sizeof what, "sample [%lld x %lld], temperature %g", (long long)rows, (long long)V, temperature);
+    snprintf(what, sizeof what, "sample [%lld x %lld], temperature %g%s", (long long)rows, (long long)V, temperature,
+             e32 ? ", exp32" : "");
     twin z = logits_new(rows, V, LG_TIES);
     int32_t *lr = malloc((size_t)rows * 4);
     double *uu = malloc((size_t)rows * 8);
@@ -161,7 +164,7 @@ static void t_sample(int64_t rows, int64_t V, double temperature) {
         id[i] = tw_out((size_t)rows * 8), lpm[i] = tw_out((size_t)rows * 8), lps[i] = tw_out((size_t)rows * 8);
         landed();
         OP(devs[i], sample, .logits = z.d, .lrow = lrow.d, .rows = rows, .V = V, .p = p, .u = u.d, .id = id[i].d,
-           .lp_model = lpm[i].d, .lp_sample = lps[i].d);
+           .lp_model = lpm[i].d, .lp_sample = lps[i].d, .exp32 = e32);
         check_dev(devs[i], what);
     }
     char w2[160];
@@ -177,7 +180,8 @@ static void t_sample(int64_t rows, int64_t V, double temperature) {
  * the same bytes; dl apart from the logits and in place; and from the rows' statistics (below). */
 static void t_logp_bwd(int64_t rows, int64_t V, int in_place) {
     char what[96];
-    snprintf(what, sizeof what, "logp_bwd [%lld x %lld]%s", (long long)rows, (long long)V, in_place ? " in place" : "");
+    snprintf(what, sizeof what, "logp_bwd [%lld x %lld]%s%s", (long long)rows, (long long)V, in_place ? " in place" : "",
+             e32 ? ", exp32" : "");
     twin z = logits_new(rows, V, LG_PLAIN), dlogp = tw_f(rows, -1, 1);
     int64_t *t = malloc((size_t)rows * 8);
     for (int64_t r = 0; r < rows; r++) t[r] = r % 5 == 3 ? -100 : (int64_t)(urand() * (double)V) % V;
@@ -191,8 +195,9 @@ static void t_logp_bwd(int64_t rows, int64_t V, int in_place) {
     twin lpo = tw_out((size_t)rows * 8), nll = tw_out((size_t)rows * 8);
     landed();
     OP(gpu, logprobs, .logits = z.d, .rows = rows, .V = V, .tgt = tgt.d, .logp = lpo.d, .entropy = (float *)lpo.d + rows,
-       .nll = nll.d, .rmx = rmx[0].d, .rse = rse[0].d);
-    OP(gpu, ce_rows, .logits = z.d, .rows = rows, .V = V, .tgt = tgt.d, .nll = nll.d, .rmx = rmx[1].d, .rse = rse[1].d);
+       .nll = nll.d, .rmx = rmx[0].d, .rse = rse[0].d, .exp32 = e32);
+    OP(gpu, ce_rows, .logits = z.d, .rows = rows, .V = V, .tgt = tgt.d, .nll = nll.d, .rmx = rmx[1].d, .rse = rse[1].d,
+       .exp32 = e32);
     check_dev(gpu, "logprobs / ce_rows with the rows' statistics");
     char w2[160];
     snprintf(w2, sizeof w2, "%s: the row statistics of logprobs and of ce_rows", what);
@@ -202,7 +207,7 @@ static void t_logp_bwd(int64_t rows, int64_t V, int in_place) {
         out[i] = in_place ? tw_copy(&z) : tw_out((size_t)(rows * V) * 4);
         landed();
         OP(devs[i], logp_bwd, .dl = out[i].d, .logits = in_place ? out[i].d : z.d, .rows = rows, .V = V, .tgt = tgt.d,
-           .dlogp = dlogp.d, .g0 = 0, .rmx = i == 2 ? rmx[0].d : NULL, .rse = i == 2 ? rse[0].d : NULL);
+           .dlogp = dlogp.d, .g0 = 0, .rmx = i == 2 ? rmx[0].d : NULL, .rse = i == 2 ? rse[0].d : NULL, .exp32 = e32);
         check_dev(devs[i], what);
     }
     same_bytes(what, &out[0], &out[1]);
@@ -413,7 +418,7 @@ int main(void) {
     setenv("DS4_CUDA_ROW_BLOCKS", "1", 1); /* one block an SM: a 1024-row chunk loops ~8 rows a block */
     CHECK_OK(ds4_cuda_dev_create(0, &gpu_loop, &err), &err);
     unsetenv("DS4_CUDA_ROW_BLOCKS");
-    if (gpu_ref && gpu_loop) {
+    for (e32 = 0; e32 < 2 && gpu_ref && gpu_loop; e32++) { /* the exponentials in double (fp32 mode), in fp32 (bf16) */
         t_logprobs(1024, 32000, LG_PLAIN); /* the training head's chunk; its last row alone is a decoding step */
         t_logprobs(37, 32000, LG_TIES);
         t_logprobs(9, 32000, LG_SPECIAL);
@@ -427,6 +432,8 @@ int main(void) {
         t_sample(33, 32000, 0);
         t_sample(5, 300, 0);
         t_sample(17, 5000, 1.0);
+    }
+    if (gpu_ref && gpu_loop) {
 
         t_rmsnorm(8192, 1024, 1); /* attn / ffn norms */
         t_rmsnorm(2048, 128, 0);  /* the per-head q norm: a warp per row */
