@@ -806,20 +806,43 @@ __global__ void comp_bwd_kernel(cbwd_args a, int64_t n) {
     }
 }
 
-// One thread per position-bias element (j, col): gape += the dZ of the slot (j, col) of every window, sequences and
-// windows in order (the CPU's order of its += for that element). Columns below dd with overlap are previous-window
-// slots: windows 1.. read the rows of window win-1.
-__global__ void comp_bwd_ape_kernel(cbwd_args a, int64_t B) {
-    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= a.m * a.width) return;
+// The position-bias gradient: gape[(j, col)] += the dZ of the slot (j, col) of every window, the windows listed
+// sequence by sequence (p = row·nw + the window's place, nw windows a row). Columns below dd with overlap are
+// previous-window slots: windows 1.. read the rows of window win-1. One thread per element walking all B·nw windows
+// left 1024 threads (CSA at rate 4: 8 blocks) each adding 2048 values one after another; so the windows go in runs
+// of APE_RUN, each run summed from 0 in order by a block row of its own (comp_bwd_ape_kernel, into part
+// [runs, m·width]), then the runs added onto gape in run order (comp_bwd_ape_fold_kernel): a fixed order given the
+// shapes (the CPU adds the windows one by one onto gape: within the rounding of test_cuda_bwd_attn's bound).
+constexpr int64_t APE_RUN = 32;
+
+__device__ __forceinline__ int64_t ape_windows(const cbwd_args &a, int64_t col, int64_t *w0) { // per row
+    *w0 = a.overlap && col < a.dd ? 1 : 0;
+    return a.nwin > *w0 ? a.nwin - *w0 : 0;
+}
+
+__global__ void comp_bwd_ape_kernel(cbwd_args a, int64_t B, float *part) {
+    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x, mw = a.m * a.width;
+    if (i >= mw) return;
     const int64_t j = i / a.width, col = i % a.width;
-    const bool prev = a.overlap && col < a.dd;
+    int64_t w0;
+    const int64_t nw = ape_windows(a, col, &w0), n = B * nw, p0 = blockIdx.y * APE_RUN;
+    if (p0 >= n) return; // no run here (fewer windows in this column's rows): the fold stops before it
+    const int64_t p1 = p0 + APE_RUN < n ? p0 + APE_RUN : n;
+    float acc = 0.0f;
+    for (int64_t p = p0; p < p1; p++) {
+        const int64_t row = p / nw, win = w0 + p % nw;
+        acc += a.dZ[(row * a.S + (win - w0) * a.m + j) * a.width + col];
+    }
+    part[blockIdx.y * mw + i] = acc;
+}
+
+__global__ void comp_bwd_ape_fold_kernel(cbwd_args a, int64_t B, const float *part) {
+    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x, mw = a.m * a.width;
+    if (i >= mw) return;
+    int64_t w0;
+    const int64_t runs = (B * ape_windows(a, i % a.width, &w0) + APE_RUN - 1) / APE_RUN;
     float acc = a.gape[i];
-    for (int64_t row = 0; row < B; row++)
-        for (int64_t win = prev ? 1 : 0; win < a.nwin; win++) {
-            const int64_t tok = row * a.S + (prev ? win - 1 : win) * a.m + j;
-            acc += a.dZ[tok * a.width + col];
-        }
+    for (int64_t r = 0; r < runs; r++) acc += part[r * mw + i];
     a.gape[i] = acc;
 }
 
@@ -1160,9 +1183,22 @@ void ds4_cuda_comp_bwd(ds4_dev *d, const ds4_a_comp_bwd *a) {
                            (long long)a->nwin, (long long)w->dd, (long long)w->rate, a->overlap ? ", overlap" : "") ||
         !a->gape) /* a frozen position bias (only adapters train): no gradient */
         return;
-    comp_bwd_ape_kernel<<<ds4_blocks(w->rate * w->width, 128), 128, 0, cdev(d)->stream>>>(g, a->B);
-    ds4_cuda_launched(d, "comp_bwd", "[position bias %lld x %lld over %lld x %lld windows]", (long long)w->rate,
-                      (long long)w->width, (long long)a->B, (long long)a->nwin);
+    // runs: the most a column has (the columns of previous-window slots have one window fewer a row)
+    const int64_t mw = w->rate * w->width, runs = (a->B * a->nwin + APE_RUN - 1) / APE_RUN;
+    if (runs > 65535) {
+        ds4_dev_fail(d, DS4_ERR_UNSUPPORTED, "comp_bwd: %lld x %lld windows (%lld runs of %lld > 65535)",
+                     (long long)a->B, (long long)a->nwin, (long long)runs, (long long)APE_RUN);
+        return;
+    }
+    float *part = runs ? (float *)ds4_cuda_scratch(d, (size_t)(runs * mw) * sizeof(float), "comp_bwd", 0) : nullptr;
+    if (runs && !part) return;
+    if (runs)
+        comp_bwd_ape_kernel<<<dim3(ds4_blocks(mw, 128), (unsigned)runs), 128, 0, cdev(d)->stream>>>(g, a->B, part);
+    if (cudaPeekAtLastError() == cudaSuccess)
+        comp_bwd_ape_fold_kernel<<<ds4_blocks(mw, 128), 128, 0, cdev(d)->stream>>>(g, a->B, part);
+    ds4_cuda_launched(d, "comp_bwd", "[position bias %lld x %lld over %lld x %lld windows, runs of %lld]",
+                      (long long)w->rate, (long long)w->width, (long long)a->B, (long long)a->nwin,
+                      (long long)APE_RUN);
 }
 
 void ds4_cuda_ikl(ds4_dev *d, const ds4_a_ikl *a) {
