@@ -84,6 +84,14 @@ static ds4_gemm bwd_w(float *dW, const float *dy, int64_t ldy, const float *x, i
                       .M = O, .N = K, .R = T, .acc = 1, .seq = 1};
 }
 
+/* dst = src rounded to bf16 (the rounding to_bf16 applies) over rows t < T of G groups of n values each, element
+ * (t, k, i) at t·ld + k·gs + i in both: the matmul's keep16 (x's layout) and y16 (y's) copies. */
+static void keep_bf16(uint16_t *dst, const float *src, int64_t T, int64_t G, int64_t n, int64_t ld, int64_t gs) {
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t k = 0; k < G; k++)
+            for (int64_t i = 0; i < n; i++) dst[t * ld + k * gs + i] = ds4_f32_to_bf16(src[t * ld + k * gs + i]);
+}
+
 void ds4_cpu_matmul(ds4_dev *d, const ds4_a_matmul *a) {
     check_f32(d, "matmul", a->wdt);
     if (d->st) return;
@@ -101,20 +109,9 @@ void ds4_cpu_matmul(ds4_dev *d, const ds4_a_matmul *a) {
         g[k] = fwd(a->y + k * a->gy, a->ldy, x + k * a->gx, a->ldx, (const float *)a->W + k * a->gw, a->T, a->K, a->O);
     run(ds4_cpu_of(d), g, G);
     free(own);
-    if (a->keep16) /* x's bf16 copy in x's layout: the rounding to_bf16 applies */
-        for (int64_t t = 0; t < a->T; t++)
-            for (int64_t k = 0; k < G; k++)
-                for (int64_t i = 0; i < a->K; i++) {
-                    const int64_t at = t * a->ldx + k * a->gx + i;
-                    a->keep16[at] = ds4_f32_to_bf16(a->x[at]);
-                }
-    if (a->y16) /* y's bf16 copy in y's layout (y16_only asks nothing of this backend: it writes y anyway) */
-        for (int64_t t = 0; t < a->T; t++)
-            for (int64_t k = 0; k < G; k++)
-                for (int64_t o = 0; o < a->O; o++) {
-                    const int64_t at = t * a->ldy + k * a->gy + o;
-                    a->y16[at] = ds4_f32_to_bf16(a->y[at]);
-                }
+    if (a->keep16) keep_bf16(a->keep16, a->x, a->T, G, a->K, a->ldx, a->gx);
+    /* y16_only asks nothing of this backend: it writes y anyway */
+    if (a->y16) keep_bf16(a->y16, a->y, a->T, G, a->O, a->ldy, a->gy);
 }
 
 /* One product per row group of off that has rows (the routed experts that got tokens), in expert order, run as one

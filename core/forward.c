@@ -201,9 +201,7 @@ static void attention_rows(ds4_pass *f, const ds4_layer_w *l, float *a, const at
        .keep16 = keep16_of(f, lt ? lt->o : NULL), .y16 = y16 && lt ? (uint16_t *)(void *)lt->y : NULL,
        .y16_only = y16);
     ds4_lora_fwd_wo_a(f, lo, f->y, f->o, Tq);
-    if (y16) /* its x as the product just before wrote it (x_kept), the tape's copy already made */
-        OP(f->dev, matmul, .y = a, .ldy = D, .x = f->y, .ldx = G * ol, .W = l->wo_b, .wdt = mdt, .T = Tq, .K = G * ol,
-           .O = D, .bf16_in = f->w->bf16_in, .x_kept = 1);
+    if (y16) matmul_same_x(f, a, f->y, l->wo_b, Tq, G * ol, D); /* the tape's copy already made by wo_a's product */
     else matmul_keep(f, a, f->y, l->wo_b, Tq, G * ol, D, lt ? lt->y : NULL);
     ds4_lora_fwd(f, lo, DS4_LORA_AB(lo, wo_b), a, D, f->y, G * ol, Tq, G * ol, D);
 }
