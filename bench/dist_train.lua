@@ -15,7 +15,8 @@ rank's tokens, the rows exchanged with all-to-all (NCCL send / recv between GPUs
 rank still holds every expert's weights. --ep 2: the same with sharded experts (ds4.dist.expert_parallel(model, {shard =
 true}), docs/distributed.md "Sharded experts"): each rank keeps only its experts' weights, gradients, fp32 master and
 moments (cut down on the host before the model moves to its GPU). The gradients are then summed after the backward
-(--bucket_mb 0: expert parallelism has no overlapped buckets). --zero 1: ZeRO-1 (the AdamW
+(--bucket_mb 0: sharded experts have no overlapped buckets; --ep 1 keeps them, on NCCL's gradient lane beside the
+exchanges). --zero 1: ZeRO-1 (the AdamW
 moments sharded over the ranks: ds4.dist.shard_optimizer; the gradients all-reduced as without it), --zero 2: ZeRO-1
 with the reduce-scatter (each rank sums only its region of the gradients). Each rank's training state on the device
 (weights, gradients, fp32 master, moments: model:memory()) is printed for rank 0, and every rank's as "dist
@@ -46,7 +47,7 @@ assert(o.zero == 0 or o.zero == 1 or o.zero == 2, "bench/dist_train.lua: --zero 
 local rank, world = dp.init(o.device)
 local ep = o.ep > 0 and world > 1
 local shard = ep and o.ep == 2 and { shard = true } or nil
-if ep then o.bucket_mb = 0 end -- no overlapped buckets with expert parallelism: one all-reduce after the backward
+if shard then o.bucket_mb = 0 end -- no overlapped buckets with sharded experts: one sum after the backward
 if world > 1 then ds4.dist.bucket_mb(o.bucket_mb) end
 if o.threads > 0 then ds4.set_threads(o.threads) end
 local model = ds4.random_model(o.config, { seed = 1 })

@@ -146,8 +146,12 @@ local function step(k, p)
     local o_sh = sh:forward(my_ids, { labels = my_ids })
     local N = ds4.dist.all_reduce(ds4.tensor({ o_sh.loss_tokens }, "F64"))[1]
     -- even steps through the overlapped, bucketed sum: it must leave a sharded model's expert gradients unsummed
-    -- (the buckets are not armed there) and give the replicated model the same sum as after the backward
+    -- (the buckets are not armed there) and give the replicated model the same sum as after the backward. Buckets of
+    -- 0.01 MiB (2,621 elements, smaller than every block): many are enqueued between the expert exchanges of rep's
+    -- backward and are still being summed during sh's (on GPUs: NCCL's gradient lane beside the exchanges' lane)
+    local mb = ds4.dist.bucket_mb()
     if even then
+        ds4.dist.bucket_mb(0.01)
         ds4.dist.overlap_backward(rep)
         ds4.dist.overlap_backward(sh)
     end
@@ -155,6 +159,7 @@ local function step(k, p)
     sh:backward(1 / N)
     ds4.dist.all_reduce_grads(rep)
     ds4.dist.all_reduce_grads(sh)
+    ds4.dist.bucket_mb(mb)
     H.check(H.same_bytes(o_sh.logits, o_rep.logits), ("%s: logits bitwise"):format(k))
     H.check(o_sh.loss == o_rep.loss, ("%s: loss bitwise (%.9g, %.9g)"):format(k, o_sh.loss, o_rep.loss))
     H.check(H.same_bytes(sh:router_loads(), rep:router_loads()), ("%s: expert loads bitwise"):format(k))
