@@ -20,7 +20,9 @@ exchanges). --zero 1: ZeRO-1 (the AdamW
 moments sharded over the ranks: ds4.dist.shard_optimizer; the gradients all-reduced as without it), --zero 2: ZeRO-1
 with the reduce-scatter (each rank sums only its region of the gradients). Each rank's training state on the device
 (weights, gradients, fp32 master, moments: model:memory()) is printed for rank 0, and every rank's as "dist
-state_mib_rank R MIB" lines.
+state_mib_rank R MIB" lines. --ep_self 1: --ep on one rank too (expert parallelism over a world of one: every
+exchange NCCL's copy to the rank itself), the exchanges' fixed costs (plans, synchronisations, the backward's
+recomputed expert inputs) without their transfers; bench/dist_bench.sh's one-rank baseline leaves it off.
 
 Random tokens, a random model (ds4.random_model, seed 1), no MTP. Best of --steps steps after two warm-up steps; a
 step is timed from before the forward until the optimizer step has returned (which reads the step's per-piece sums
@@ -30,12 +32,12 @@ local dp = require("ds4.dp")
 local metrics = require("ds4.metrics")
 
 local o = { config = "bench/config_599m.json", batch = 8, seq = 1024, steps = 5, device = "cuda", dtype = "bf16",
-    bucket_mb = 25, threads = 0, ep = 0, zero = 0 }
+    bucket_mb = 25, threads = 0, ep = 0, zero = 0, ep_self = 0 }
 local i = 1
 while i <= #arg do
     local k = arg[i]:match("^%-%-([%w_]+)$")
     if not k or o[k] == nil or arg[i + 1] == nil then
-        error(("bench/dist_train.lua: unknown or incomplete option %s (--config --batch --seq --steps --device --dtype --bucket_mb --threads --ep --zero)")
+        error(("bench/dist_train.lua: unknown or incomplete option %s (--config --batch --seq --steps --device --dtype --bucket_mb --threads --ep --zero --ep_self)")
             :format(arg[i]))
     end
     o[k] = type(o[k]) == "number" and assert(tonumber(arg[i + 1]), "a number after --" .. k) or arg[i + 1]
@@ -45,7 +47,10 @@ assert(o.ep == 0 or o.ep == 1 or o.ep == 2, "bench/dist_train.lua: --ep 0, 1 or 
 assert(o.zero == 0 or o.zero == 1 or o.zero == 2, "bench/dist_train.lua: --zero 0, 1 or 2")
 
 local rank, world = dp.init(o.device)
-local ep = o.ep > 0 and world > 1
+local ep = o.ep > 0 and (world > 1 or o.ep_self == 1)
+if ep and world == 1 and not ds4.dist.is_initialized() then -- --ep_self: a world of one, NCCL on this GPU
+    ds4.dist.init(o.device:match("^cuda") and { device = "cuda" } or nil)
+end
 local shard = ep and o.ep == 2 and { shard = true } or nil
 if shard then o.bucket_mb = 0 end -- no overlapped buckets with sharded experts: one sum after the backward
 if world > 1 then ds4.dist.bucket_mb(o.bucket_mb) end

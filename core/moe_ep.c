@@ -231,7 +231,8 @@ static void gate_up(ds4_pass *f, const ds4_layer_w *l, const ep_plan *p, const f
     OP(f->dev, matmul_grouped, .y = g1, .x = x, .W = experts_from(l->w1, mdt, p->w0, I, D), .wdt = mdt,
        .wstride = I * D, .off = f->ep_off, .E = p->El, .rows = p->R, .K = D, .O = I, .bf16_in = f->w->bf16_in);
     OP(f->dev, matmul_grouped, .y = g3, .x = x, .W = experts_from(l->w3, mdt, p->w0, I, D), .wdt = mdt,
-       .wstride = I * D, .off = f->ep_off, .E = p->El, .rows = p->R, .K = D, .O = I, .bf16_in = f->w->bf16_in);
+       .wstride = I * D, .off = f->ep_off, .E = p->El, .rows = p->R, .K = D, .O = I, .bf16_in = f->w->bf16_in,
+       .x_kept = 1); /* the same x as the product just before: its bf16 copy serves again (ops.h) */
 }
 
 /* What ds4_model_set_expert_parallel refuses, checked again where it would be computed wrongly. */

@@ -284,23 +284,41 @@ ds4_status dist_nccl_broadcast(dist_nccl *n, void *dev_buf, size_t nbytes, int32
 }
 
 /* Point-to-point in one group (NCCL has no all-to-all-v): every pair's send and receive are enqueued together, so no
- * order of peers can deadlock; the group is one collective for the watchdog. Data movement only. */
+ * order of peers can deadlock; the group is one collective for the watchdog. The rank's own block is a device copy
+ * on the same stream instead of a send to itself: NCCL would move it through its buffers at a fraction of the copy
+ * engine's rate, and it is the whole exchange on a world of one and 1 / P of it on P ranks. Data movement only. */
 ds4_status dist_nccl_all_to_all_v(dist_nccl *n, const void *dev_send, const int64_t *send_rows, void *dev_recv,
                                   const int64_t *recv_rows, size_t row_bytes, ds4_error *err) {
     ds4_status st = begin(n, "all_to_all_v", err);
     if (st) return st;
-    size_t so = 0, ro = 0;
-    for (int32_t q = 0; q < n->world; q++) so += (size_t)send_rows[q] * row_bytes, ro += (size_t)recv_rows[q] * row_bytes;
+    size_t so = 0, ro = 0, self_so = 0, self_ro = 0;
+    for (int32_t q = 0; q < n->world; q++) {
+        if (q == n->rank) self_so = so, self_ro = ro;
+        so += (size_t)send_rows[q] * row_bytes, ro += (size_t)recv_rows[q] * row_bytes;
+    }
     char detail[96];
     snprintf(detail, sizeof detail, "%zu bytes out, %zu in, rows of %zu bytes", so, ro, row_bytes);
+    const size_t self = (size_t)send_rows[n->rank] * row_bytes;
+    if (recv_rows[n->rank] != send_rows[n->rank])
+        return die(n, "all_to_all_v", detail, err, "rank %d sends itself %lld rows but expects %lld", n->rank,
+                   (long long)send_rows[n->rank], (long long)recv_rows[n->rank]);
+    if (self) {
+        cudaError_t e = cudaMemcpyAsync((char *)dev_recv + self_ro, (const char *)dev_send + self_so, self,
+                                        cudaMemcpyDeviceToDevice, n->stream[LANE_CALLS]);
+        if (e != cudaSuccess) {
+            (void)cudaGetLastError();
+            return die(n, "all_to_all_v", detail, err, "cudaMemcpyAsync of the rank's own %zu bytes: %s", self,
+                       cudaGetErrorString(e));
+        }
+    }
     ncclResult_t r = ncclGroupStart();
     if (r != ncclSuccess) return die(n, "all_to_all_v", detail, err, "ncclGroupStart failed: %s", ncclGetErrorString(r));
     so = ro = 0;
     for (int32_t q = 0; q < n->world && (r == ncclSuccess || r == ncclInProgress); q++) {
         const size_t sb = (size_t)send_rows[q] * row_bytes, rb = (size_t)recv_rows[q] * row_bytes;
-        if (sb)
+        if (sb && q != n->rank)
             r = ncclSend((const char *)dev_send + so, sb, ncclUint8, q, n->comm[LANE_CALLS], n->stream[LANE_CALLS]);
-        if (rb && (r == ncclSuccess || r == ncclInProgress))
+        if (rb && q != n->rank && (r == ncclSuccess || r == ncclInProgress))
             r = ncclRecv((char *)dev_recv + ro, rb, ncclUint8, q, n->comm[LANE_CALLS], n->stream[LANE_CALLS]);
         so += sb, ro += rb;
     }

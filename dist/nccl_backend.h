@@ -46,7 +46,7 @@ ds4_status dist_nccl_all_gather(dist_nccl *n, const void *dev_send, void *dev_re
 /* In place: every rank's bytes become rank root's. */
 ds4_status dist_nccl_broadcast(dist_nccl *n, void *dev_buf, size_t nbytes, int32_t root, ds4_error *err);
 /* send_rows[q] rows of row_bytes to rank q (consecutive blocks of dev_send), recv_rows[s] from rank s (consecutive
- * blocks of dev_recv): one group of ncclSend / ncclRecv. */
+ * blocks of dev_recv): one group of ncclSend / ncclRecv, the rank's own block a device copy beside it. */
 ds4_status dist_nccl_all_to_all_v(dist_nccl *n, const void *dev_send, const int64_t *send_rows, void *dev_recv,
                                   const int64_t *recv_rows, size_t row_bytes, ds4_error *err);
 
