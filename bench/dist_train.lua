@@ -15,8 +15,7 @@ rank's tokens, the rows exchanged with all-to-all (NCCL send / recv between GPUs
 rank still holds every expert's weights. --ep 2: the same with sharded experts (ds4.dist.expert_parallel(model, {shard =
 true}), docs/distributed.md "Sharded experts"): each rank keeps only its experts' weights, gradients, fp32 master and
 moments (cut down on the host before the model moves to its GPU). The gradients are then summed after the backward
-(--bucket_mb 0: sharded experts have no overlapped buckets; --ep 1 keeps them, on NCCL's gradient lane beside the
-exchanges). --zero 1: ZeRO-1 (the AdamW
+(--bucket_mb 0: expert parallelism has no overlapped buckets). --zero 1: ZeRO-1 (the AdamW
 moments sharded over the ranks: ds4.dist.shard_optimizer; the gradients all-reduced as without it), --zero 2: ZeRO-1
 with the reduce-scatter (each rank sums only its region of the gradients). Each rank's training state on the device
 (weights, gradients, fp32 master, moments: model:memory()) is printed for rank 0, and every rank's as "dist
@@ -52,7 +51,10 @@ if ep and world == 1 and not ds4.dist.is_initialized() then -- --ep_self: a worl
     ds4.dist.init(o.device:match("^cuda") and { device = "cuda" } or nil)
 end
 local shard = ep and o.ep == 2 and { shard = true } or nil
-if shard then o.bucket_mb = 0 end -- no overlapped buckets with sharded experts: one sum after the backward
+-- no overlapped buckets with expert parallelism: one all-reduce after the backward. Overlapped, the buckets' sums
+-- take the links from the expert exchanges that the backward waits for (2 H200s, even with the buckets on an NCCL
+-- communicator of their own: 134.5 ms a step against 131.5; bench/RESULTS.md)
+if ep then o.bucket_mb = 0 end
 if world > 1 then ds4.dist.bucket_mb(o.bucket_mb) end
 if o.threads > 0 then ds4.set_threads(o.threads) end
 local model = ds4.random_model(o.config, { seed = 1 })

@@ -4,15 +4,7 @@
  * forever, and the host thread in cudaStreamSynchronize with it. Here every call is enqueued on a stream of our
  * own, and the host polls: ncclCommGetAsyncError (NCCL's own view: a network error, a remote failure) and
  * cudaStreamQuery (done?), until the deadline. Past it, or on an error, ncclCommAbort stops the kernels and the
- * call returns DS4_ERR_COMM; the communicator is then dead (NCCL cannot resume an aborted one).
- *
- * Why two NCCL communicators: the gradient sums that the backward enqueues as it goes (dist_nccl_enqueue_sum, the
- * overlapped buckets) and the calls that return once complete (expert parallelism's row exchanges and context
- * parallelism's gathers, which the same backward makes between those buckets) would otherwise share one stream, where
- * an exchange waits behind every bucket enqueued before it. Each lane is a communicator of its own (both initialised
- * when the communicator is opened, from two unique ids that rank 0 hands out together) with its own stream, so the
- * two run side by side on the GPU. Every rank enqueues on each lane in the same order (the backward's order), which
- * is what NCCL needs of concurrent communicators; a failure on either aborts both. */
+ * call returns DS4_ERR_COMM; the communicator is then dead (NCCL cannot resume an aborted one). */
 #define _POSIX_C_SOURCE 200809L
 #include <stdarg.h>
 #include <stdio.h>
@@ -26,13 +18,9 @@
 #include "internal.h"
 #include "nccl_backend.h"
 
-/* LANE_CALLS: the collectives that return once complete; LANE_GRADS: the gradient sums enqueued while the backward
- * runs (dist_nccl_enqueue_sum, waited for by dist_nccl_wait). */
-enum { LANE_CALLS = 0, LANE_GRADS = 1, LANES = 2 };
-
 struct dist_nccl {
-    ncclComm_t comm[LANES];     /* NULL once aborted */
-    cudaStream_t stream[LANES]; /* ours: NCCL's kernels run here */
+    ncclComm_t comm;     /* NULL once aborted */
+    cudaStream_t stream; /* ours: NCCL's kernels run here, the model's stream is idle meanwhile */
     int32_t rank, world, device;
     double timeout_s;
     char why[400];       /* why the communicator was aborted */
@@ -65,29 +53,27 @@ static ds4_status die(dist_nccl *n, const char *op, const char *detail, ds4_erro
     va_start(ap, fmt);
     vsnprintf(what, sizeof what, fmt, ap);
     va_end(ap);
-    for (int k = 0; k < LANES; k++)
-        if (n->comm[k]) {
-            (void)ncclCommAbort(n->comm[k]);
-            n->comm[k] = NULL;
-        }
+    if (n->comm) {
+        (void)ncclCommAbort(n->comm);
+        n->comm = NULL;
+    }
     snprintf(n->why, sizeof n->why, "dist %s (NCCL): %s (%s; rank %d of %d on cuda:%d); the communicator was "
                                     "aborted", op, what, detail, n->rank, n->world, n->device);
     return ds4_fail(err, DS4_ERR_COMM, "%s", n->why);
 }
 
 static const char *last_error(dist_nccl *n) {
-    const char *s = n->comm[LANE_CALLS] ? ncclGetLastError(n->comm[LANE_CALLS]) : NULL;
+    const char *s = n->comm ? ncclGetLastError(n->comm) : NULL;
     return s && *s ? s : "no further detail from NCCL";
 }
 
-/* Wait until NCCL has taken the call on `lane` (its communicator's state leaves ncclInProgress) and, when
- * `stream_too`, until the lane's stream has run it, polling both with the deadline. */
-static ds4_status wait_done(dist_nccl *n, int lane, const char *op, const char *detail, int stream_too,
-                            ds4_error *err) {
+/* Wait until NCCL has taken the call (the communicator's state leaves ncclInProgress) and, when `stream_too`, until
+ * the stream has run it, polling both with the deadline. */
+static ds4_status wait_done(dist_nccl *n, const char *op, const char *detail, int stream_too, ds4_error *err) {
     const double deadline = now_s() + n->timeout_s;
     for (long spins = 0;; spins++) {
         ncclResult_t a = ncclSuccess;
-        ncclResult_t r = ncclCommGetAsyncError(n->comm[lane], &a);
+        ncclResult_t r = ncclCommGetAsyncError(n->comm, &a);
         if (r != ncclSuccess)
             return die(n, op, detail, err, "ncclCommGetAsyncError failed: %s", ncclGetErrorString(r));
         if (a != ncclSuccess && a != ncclInProgress)
@@ -95,7 +81,7 @@ static ds4_status wait_done(dist_nccl *n, int lane, const char *op, const char *
                        last_error(n));
         if (a == ncclSuccess) {
             if (!stream_too) return DS4_OK;
-            cudaError_t q = cudaStreamQuery(n->stream[lane]);
+            cudaError_t q = cudaStreamQuery(n->stream);
             if (q == cudaSuccess) return DS4_OK;
             if (q != cudaErrorNotReady) {
                 (void)cudaGetLastError();
@@ -112,7 +98,7 @@ static ds4_status wait_done(dist_nccl *n, int lane, const char *op, const char *
 
 /* Before a collective: refuse an aborted communicator; make the communicator's device current. */
 static ds4_status begin(dist_nccl *n, const char *op, ds4_error *err) {
-    if (!n->comm[LANE_CALLS])
+    if (!n->comm)
         return ds4_fail(err, DS4_ERR_COMM, "dist %s (NCCL): refused: the communicator failed earlier: %s", op, n->why);
     cudaError_t e = cudaSetDevice(n->device);
     if (e != cudaSuccess) {
@@ -128,7 +114,7 @@ static ds4_status issued(dist_nccl *n, ncclResult_t r, const char *op, const cha
                          ds4_error *err) {
     if (r != ncclSuccess && r != ncclInProgress)
         return die(n, op, detail, err, "%s failed: %s: %s", call, ncclGetErrorString(r), last_error(n));
-    return wait_done(n, LANE_CALLS, op, detail, 1, err);
+    return wait_done(n, op, detail, 1, err);
 }
 
 ds4_status dist_nccl_open(int32_t rank, int32_t world, int32_t device, double timeout_s, dist_bcast_fn bcast,
@@ -138,46 +124,40 @@ ds4_status dist_nccl_open(int32_t rank, int32_t world, int32_t device, double ti
     if (!n) return ds4_fail(err, DS4_ERR_OOM, "dist init (NCCL): allocating the communicator");
     n->rank = rank, n->world = world, n->device = device, n->timeout_s = timeout_s;
     char detail[96];
+    snprintf(detail, sizeof detail, "unique id from rank 0");
     cudaError_t e = cudaSetDevice(device);
-    for (int k = 0; k < LANES && e == cudaSuccess; k++)
-        e = cudaStreamCreateWithFlags(&n->stream[k], cudaStreamNonBlocking);
+    if (e == cudaSuccess) e = cudaStreamCreateWithFlags(&n->stream, cudaStreamNonBlocking);
     if (e != cudaSuccess) {
         (void)cudaGetLastError();
-        dist_nccl_close(n, 0, NULL);
+        free(n);
         return ds4_fail(err, DS4_ERR_CUDA, "dist init (NCCL): cuda:%d (rank %d of %d): %s", device, rank, world,
                         cudaGetErrorString(e));
     }
-    ncclUniqueId id[LANES]; /* one communicator per lane */
-    memset(id, 0, sizeof id);
-    ncclResult_t r = ncclSuccess;
-    for (int k = 0; k < LANES && rank == 0 && r == ncclSuccess; k++) r = ncclGetUniqueId(&id[k]);
+    ncclUniqueId id;
+    memset(&id, 0, sizeof id);
+    ncclResult_t r = rank == 0 ? ncclGetUniqueId(&id) : ncclSuccess;
     ds4_status st = DS4_OK;
     if (r != ncclSuccess)
         st = ds4_fail(err, DS4_ERR_COMM, "dist init (NCCL): ncclGetUniqueId failed: %s", ncclGetErrorString(r));
     /* every rank takes part in the broadcast, even after rank 0 failed, so that nobody waits for it in vain: a
      * failed rank 0 sends zeros, which the others refuse below */
-    ds4_status bst = bcast(bcast_ctx, id, sizeof id, 0, st ? NULL : err);
+    ds4_status bst = bcast(bcast_ctx, &id, sizeof id, 0, st ? NULL : err);
     if (!st && bst) st = bst;
     static const ncclUniqueId zero;
-    for (int k = 0; k < LANES && !st; k++)
-        if (memcmp(&id[k], &zero, sizeof zero) == 0)
-            st = ds4_fail(err, DS4_ERR_COMM, "dist init (NCCL): rank 0 sent no unique id (ncclGetUniqueId failed "
-                                             "there)");
+    if (!st && memcmp(&id, &zero, sizeof id) == 0)
+        st = ds4_fail(err, DS4_ERR_COMM, "dist init (NCCL): rank 0 sent no unique id (ncclGetUniqueId failed there)");
     if (st) {
         dist_nccl_close(n, 0, NULL);
         return st;
     }
-    for (int k = 0; k < LANES && !st; k++) { /* every rank initialises the lanes in the same order */
-        ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
-        cfg.blocking = 0;
-        r = ncclCommInitRankConfig(&n->comm[k], world, id[k], rank, &cfg);
-        snprintf(detail, sizeof detail, "ncclCommInitRankConfig, %d ranks, %s lane", world,
-                 k == LANE_GRADS ? "the gradient sums'" : "the calls'");
-        if (r != ncclSuccess && r != ncclInProgress)
-            st = die(n, "init", detail, err, "ncclCommInitRankConfig failed: %s: %s", ncclGetErrorString(r),
-                     last_error(n));
-        else
-            st = wait_done(n, k, "init", detail, 0, err);
+    ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
+    cfg.blocking = 0;
+    r = ncclCommInitRankConfig(&n->comm, world, id, rank, &cfg);
+    if (r != ncclSuccess && r != ncclInProgress) {
+        st = die(n, "init", detail, err, "ncclCommInitRankConfig failed: %s: %s", ncclGetErrorString(r), last_error(n));
+    } else {
+        snprintf(detail, sizeof detail, "ncclCommInitRankConfig, %d ranks", world);
+        st = wait_done(n, "init", detail, 0, err);
     }
     if (st) {
         dist_nccl_close(n, 0, NULL);
@@ -191,21 +171,18 @@ ds4_status dist_nccl_close(dist_nccl *n, int finalize, ds4_error *err) {
     if (!n) return DS4_OK;
     ds4_status st = DS4_OK;
     (void)cudaSetDevice(n->device);
-    for (int k = LANES - 1; k >= 0 && finalize && !st; k--) { /* in the reverse order of their creation */
-        if (!n->comm[k]) continue;
-        ncclResult_t r = ncclCommFinalize(n->comm[k]);
+    if (n->comm && finalize) {
+        ncclResult_t r = ncclCommFinalize(n->comm);
         if (r != ncclSuccess && r != ncclInProgress)
             st = die(n, "finalize", "ncclCommFinalize", err, "%s: %s", ncclGetErrorString(r), last_error(n));
         else
-            st = wait_done(n, k, "finalize", "ncclCommFinalize", 0, err);
-        if (!st && (r = ncclCommDestroy(n->comm[k])) != ncclSuccess)
+            st = wait_done(n, "finalize", "ncclCommFinalize", 0, err);
+        if (!st && (r = ncclCommDestroy(n->comm)) != ncclSuccess)
             st = ds4_fail(err, DS4_ERR_COMM, "dist finalize (NCCL): ncclCommDestroy failed: %s", ncclGetErrorString(r));
-        n->comm[k] = NULL;
+        n->comm = NULL;
     }
-    for (int k = 0; k < LANES; k++) {
-        if (n->comm[k]) (void)ncclCommAbort(n->comm[k]);
-        if (n->stream[k]) (void)cudaStreamDestroy(n->stream[k]);
-    }
+    if (n->comm) (void)ncclCommAbort(n->comm);
+    if (n->stream) (void)cudaStreamDestroy(n->stream);
     (void)cudaGetLastError();
     free(n);
     return st;
@@ -217,13 +194,12 @@ ds4_status dist_nccl_all_reduce_sum(dist_nccl *n, ds4_dtype dtype, void *dev_buf
     char detail[96];
     snprintf(detail, sizeof detail, "%s, %lld elements", ds4_dtype_name(dtype), (long long)count);
     ncclResult_t r = ncclAllReduce(dev_buf, dev_buf, (size_t)count, dtype == DS4_F64 ? ncclFloat64 : ncclFloat32,
-                                   ncclSum, n->comm[LANE_CALLS], n->stream[LANE_CALLS]);
+                                   ncclSum, n->comm, n->stream);
     return issued(n, r, "all_reduce", "ncclAllReduce", detail, err);
 }
 
-/* The bucketed reduction's calls (dist/grad_buckets.c), on the gradient lane: its stream waits on an event recorded
- * on the model's stream after the kernels that produced the bucket, so the backward goes on while the bucket is
- * summed. */
+/* The bucketed reduction's calls (dist/grad_buckets.c): NCCL's stream waits on an event recorded on the model's
+ * stream after the kernels that produced the bucket, so the backward goes on while the bucket is summed. */
 ds4_status dist_nccl_enqueue_sum(dist_nccl *n, float *dev_buf, int64_t count, const int64_t *off, const int64_t *len,
                                  void *after, ds4_error *err) {
     const char *op = off ? "reduce_scatter" : "all_reduce";
@@ -235,33 +211,32 @@ ds4_status dist_nccl_enqueue_sum(dist_nccl *n, float *dev_buf, int64_t count, co
         cudaEvent_t ev = NULL;
         cudaError_t e = cudaEventCreateWithFlags(&ev, cudaEventDisableTiming);
         if (e == cudaSuccess) e = cudaEventRecord(ev, (cudaStream_t)after);
-        if (e == cudaSuccess) e = cudaStreamWaitEvent(n->stream[LANE_GRADS], ev, 0);
+        if (e == cudaSuccess) e = cudaStreamWaitEvent(n->stream, ev, 0);
         if (ev) (void)cudaEventDestroy(ev); /* released once the wait has happened */
         if (e != cudaSuccess) return die(n, op, detail, err, "ordering after the model's stream: %s", cudaGetErrorString(e));
     }
     ncclResult_t r = ncclSuccess;
     if (!off) {
-        r = ncclAllReduce(dev_buf, dev_buf, (size_t)count, ncclFloat32, ncclSum, n->comm[LANE_GRADS],
-                          n->stream[LANE_GRADS]);
+        r = ncclAllReduce(dev_buf, dev_buf, (size_t)count, ncclFloat32, ncclSum, n->comm, n->stream);
     } else { /* ncclReduceScatter wants equal parts; ZeRO-1's regions are not */
         r = ncclGroupStart();
         if (r != ncclSuccess) return die(n, op, detail, err, "ncclGroupStart failed: %s", ncclGetErrorString(r));
         for (int32_t q = 0; q < n->world && (r == ncclSuccess || r == ncclInProgress); q++)
             if (len[q] > 0)
-                r = ncclReduce(dev_buf + off[q], dev_buf + off[q], (size_t)len[q], ncclFloat32, ncclSum, q,
-                               n->comm[LANE_GRADS], n->stream[LANE_GRADS]);
+                r = ncclReduce(dev_buf + off[q], dev_buf + off[q], (size_t)len[q], ncclFloat32, ncclSum, q, n->comm,
+                               n->stream);
         const ncclResult_t g = ncclGroupEnd();
         if (r == ncclSuccess || r == ncclInProgress) r = g;
     }
     if (r != ncclSuccess && r != ncclInProgress)
         return die(n, op, detail, err, "%s failed: %s: %s", off ? "ncclReduce" : "ncclAllReduce",
                    ncclGetErrorString(r), last_error(n));
-    return wait_done(n, LANE_GRADS, op, detail, 0, err);
+    return wait_done(n, op, detail, 0, err);
 }
 
 ds4_status dist_nccl_wait(dist_nccl *n, const char *op, ds4_error *err) {
     ds4_status st = begin(n, op, err);
-    return st ? st : wait_done(n, LANE_GRADS, op, "the enqueued buckets", 1, err);
+    return st ? st : wait_done(n, op, "the enqueued buckets", 1, err);
 }
 
 ds4_status dist_nccl_all_gather(dist_nccl *n, const void *dev_send, void *dev_recv, size_t nbytes, ds4_error *err) {
@@ -269,7 +244,7 @@ ds4_status dist_nccl_all_gather(dist_nccl *n, const void *dev_send, void *dev_re
     if (st) return st;
     char detail[96];
     snprintf(detail, sizeof detail, "%zu bytes per rank", nbytes);
-    ncclResult_t r = ncclAllGather(dev_send, dev_recv, nbytes, ncclUint8, n->comm[LANE_CALLS], n->stream[LANE_CALLS]);
+    ncclResult_t r = ncclAllGather(dev_send, dev_recv, nbytes, ncclUint8, n->comm, n->stream);
     return issued(n, r, "all_gather", "ncclAllGather", detail, err);
 }
 
@@ -278,8 +253,7 @@ ds4_status dist_nccl_broadcast(dist_nccl *n, void *dev_buf, size_t nbytes, int32
     if (st) return st;
     char detail[96];
     snprintf(detail, sizeof detail, "%zu bytes from rank %d", nbytes, root);
-    ncclResult_t r =
-        ncclBroadcast(dev_buf, dev_buf, nbytes, ncclUint8, root, n->comm[LANE_CALLS], n->stream[LANE_CALLS]);
+    ncclResult_t r = ncclBroadcast(dev_buf, dev_buf, nbytes, ncclUint8, root, n->comm, n->stream);
     return issued(n, r, "broadcast", "ncclBroadcast", detail, err);
 }
 
@@ -304,7 +278,7 @@ ds4_status dist_nccl_all_to_all_v(dist_nccl *n, const void *dev_send, const int6
                    (long long)send_rows[n->rank], (long long)recv_rows[n->rank]);
     if (self) {
         cudaError_t e = cudaMemcpyAsync((char *)dev_recv + self_ro, (const char *)dev_send + self_so, self,
-                                        cudaMemcpyDeviceToDevice, n->stream[LANE_CALLS]);
+                                        cudaMemcpyDeviceToDevice, n->stream);
         if (e != cudaSuccess) {
             (void)cudaGetLastError();
             return die(n, "all_to_all_v", detail, err, "cudaMemcpyAsync of the rank's own %zu bytes: %s", self,
@@ -316,10 +290,9 @@ ds4_status dist_nccl_all_to_all_v(dist_nccl *n, const void *dev_send, const int6
     so = ro = 0;
     for (int32_t q = 0; q < n->world && (r == ncclSuccess || r == ncclInProgress); q++) {
         const size_t sb = (size_t)send_rows[q] * row_bytes, rb = (size_t)recv_rows[q] * row_bytes;
-        if (sb && q != n->rank)
-            r = ncclSend((const char *)dev_send + so, sb, ncclUint8, q, n->comm[LANE_CALLS], n->stream[LANE_CALLS]);
+        if (sb && q != n->rank) r = ncclSend((const char *)dev_send + so, sb, ncclUint8, q, n->comm, n->stream);
         if (rb && q != n->rank && (r == ncclSuccess || r == ncclInProgress))
-            r = ncclRecv((char *)dev_recv + ro, rb, ncclUint8, q, n->comm[LANE_CALLS], n->stream[LANE_CALLS]);
+            r = ncclRecv((char *)dev_recv + ro, rb, ncclUint8, q, n->comm, n->stream);
         so += sb, ro += rb;
     }
     const ncclResult_t g = ncclGroupEnd(); /* always closes the group, even after a failed enqueue */

@@ -33,13 +33,12 @@ int32_t dist_nccl_device(const dist_nccl *n);
 /* In place: sum over ranks (F32 or F64). */
 ds4_status dist_nccl_all_reduce_sum(dist_nccl *n, ds4_dtype dtype, void *dev_buf, int64_t count, ds4_error *err);
 /* Enqueue without waiting: a sum over ranks of dev_buf [count] (F32), an all-reduce (off NULL) or a reduce-scatter
- * (rank r gets the sums of [off[r], off[r] + len[r]): one ncclReduce rooted at each rank, in a group), on the
- * gradient lane (a second communicator and stream, opened with the first: the other calls here do not queue behind
- * these sums) after the work enqueued so far on `after` (a cudaStream_t: an event recorded there; NULL:
- * nothing to wait for). Returns once NCCL took the call; dist_nccl_wait then waits for everything enqueued. */
+ * (rank r gets the sums of [off[r], off[r] + len[r]): one ncclReduce rooted at each rank, in a group), on NCCL's
+ * stream after the work enqueued so far on `after` (a cudaStream_t: an event recorded there; NULL: nothing to wait
+ * for). Returns once NCCL took the call; dist_nccl_wait then waits for everything enqueued. */
 ds4_status dist_nccl_enqueue_sum(dist_nccl *n, float *dev_buf, int64_t count, const int64_t *off, const int64_t *len,
                                  void *after, ds4_error *err);
-/* Until every sum enqueued has completed on the device (the deadline and the abort as for every call). */
+/* Until every call enqueued has completed on the device (the deadline and the abort as for every call). */
 ds4_status dist_nccl_wait(dist_nccl *n, const char *op, ds4_error *err);
 /* dev_recv (world * nbytes) = every rank's dev_send, in rank order. */
 ds4_status dist_nccl_all_gather(dist_nccl *n, const void *dev_send, void *dev_recv, size_t nbytes, ds4_error *err);
