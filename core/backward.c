@@ -446,7 +446,7 @@ static void routed_bwd(bwd *b, const ds4_layer_w *l, const ds4_layer_w *g, const
     OP(dev, gather_rows, .dst = b->xs, .src = lt->h_ffn, .idx = b->perm, .div = K, .rows = TK, .width = D);
     if (b->f.ep_rows) { /* expert parallelism: the owners compute each row's expert backward (moe_ep.c) */
         OP(dev, moe_dy, .dys = b->dys, .da = b->da, .ew = lt->ew, .perm = b->perm, .rows = TK, .K = K, .D = D);
-        ds4_ep_experts_bwd(&b->f, l, g, b->xs, b->dys, b->ecount, b->dxs);
+        ds4_ep_experts_bwd(&b->f, l, g, b->xs, b->dys, b->ecount, lt - b->tp->layers, b->dxs);
         OP(dev, scatter_rows, .dst = b->dxslot, .src = b->dxs, .idx = b->perm, .rows = TK, .width = D);
         OP(dev, moe_sum_slots, .dh = b->dh, .dxslot = b->dxslot, .T = T, .K = K, .D = D);
         return;

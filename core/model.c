@@ -447,6 +447,7 @@ void ds4_model_free(ds4_model *m) {
     free(m->grad_regions);
     free(m->router_loads);
     free(m->ep_host);
+    ds4_ep_saved_free(m);
     free(m->cp_host);
     free(m);
 }

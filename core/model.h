@@ -230,6 +230,8 @@ struct ds4_model {
     ds4_expert_parallel ep;
     int64_t *ep_host;
     size_t ep_host_bytes;
+    struct ds4_ep_saved *ep_saved;       /* [n_ep_saved] each tape layer's plan, kept for its backward (moe_ep.c) */
+    int64_t n_ep_saved;
     /* sharded experts (ep_shard.c): params, grads and the optimizer's moments hold only the routed experts of rank
      * ep_shard_rank of ep_shard_world; n_params counts those, n_full the whole layout. Kept when expert parallelism
      * is turned off (every pass then refuses). ep_full: the whole layout gathered for a save, else NULL. */

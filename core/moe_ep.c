@@ -37,6 +37,7 @@ static int has_routed_lora(const ds4_model *m) {
 ds4_status ds4_model_set_expert_parallel(ds4_model *m, const ds4_expert_parallel *ep, ds4_error *err) {
     if (!m) return ds4_fail(err, DS4_ERR_ARG, "expert parallel: model is NULL");
     if (m->tape) m->tape->valid = 0; /* a tape of the other mode cannot be differentiated in this one */
+    ds4_ep_saved_free(m);            /* its plans were made for the hooks in place (their world's size) */
     if (!ep) {
         m->ep_on = 0;
         memset(&m->ep, 0, sizeof m->ep);
@@ -158,12 +159,99 @@ static int ep_failed(ds4_pass *f, ds4_status s, const char *what, const ds4_erro
     return 1;
 }
 
+/* A training forward's plan of each MoE layer of the tape (key: its index in tape->layers, the MTP block's last),
+ * kept for that layer's backward, which groups the same routing (the tape's eidx) and so has the same plan: the
+ * backward then neither waits for the backend to read the offsets back nor exchanges the counts again. Valid alike
+ * on every rank: every rank makes the same forwards and backwards in the same order, and a training forward saves
+ * every layer's (or fails the pass); a forward without a tape (key -1) keeps none and leaves them as they are. */
+typedef struct ds4_ep_saved {
+    int valid;
+    int64_t R, cap;     /* rows received; idx's capacity */
+    int64_t *rows;      /* [2P + El + 1] rows to / from each rank, then the local expert offsets */
+    int32_t *idx;       /* [R] the received rows' order */
+} ds4_ep_saved;
+
+void ds4_ep_saved_free(ds4_model *m) {
+    for (int64_t k = 0; k < m->n_ep_saved; k++) {
+        free(m->ep_saved[k].rows);
+        free(m->ep_saved[k].idx);
+    }
+    free(m->ep_saved);
+    m->ep_saved = NULL;
+    m->n_ep_saved = 0;
+}
+
+/* The saved plan of tape layer `key` (NULL for key < 0, or when the table cannot be had: the pass failed). */
+static ds4_ep_saved *saved_slot(ds4_pass *f, int64_t key) {
+    ds4_model *m = f->m;
+    if (key < 0) return NULL;
+    if (!m->ep_saved) {
+        const int64_t n = m->cfg.num_hidden_layers + 1;
+        m->ep_saved = calloc((size_t)n, sizeof *m->ep_saved);
+        if (!m->ep_saved) {
+            ds4_dev_fail(f->dev, DS4_ERR_OOM, "expert parallel: the plans of %lld layers", (long long)n);
+            return NULL;
+        }
+        m->n_ep_saved = n;
+    }
+    if (key >= m->n_ep_saved) {
+        ds4_dev_fail(f->dev, DS4_ERR_INTERNAL, "expert parallel: tape layer %lld of %lld", (long long)key,
+                     (long long)m->n_ep_saved);
+        return NULL;
+    }
+    return &m->ep_saved[key];
+}
+
+/* Keep the plan just made (sr, rr, loff [El + 1], idx [R]) for the layer's backward; 0 when out of memory (the
+ * pass failed: a rank that kept no plan would exchange counts its peers do not). */
+static int save_plan(ds4_pass *f, ds4_ep_saved *sv, const int64_t *sr, const int64_t *rr, const int64_t *loff,
+                     const int32_t *idx, int64_t R) {
+    const int64_t P = f->m->ep.world, El = f->c->n_routed_experts / P;
+    sv->valid = 0;
+    if (!sv->rows && !(sv->rows = malloc((size_t)(2 * P + El + 1) * sizeof *sv->rows))) {
+        ds4_dev_fail(f->dev, DS4_ERR_OOM, "expert parallel (layer %lld): keeping its plan", (long long)f->li);
+        return 0;
+    }
+    if (R > sv->cap) {
+        int32_t *q = realloc(sv->idx, (size_t)R * sizeof *q);
+        if (!q) {
+            ds4_dev_fail(f->dev, DS4_ERR_OOM, "expert parallel (layer %lld): keeping the order of %lld rows",
+                         (long long)f->li, (long long)R);
+            return 0;
+        }
+        sv->idx = q, sv->cap = R;
+    }
+    memcpy(sv->rows, sr, (size_t)P * sizeof *sr);
+    memcpy(sv->rows + P, rr, (size_t)P * sizeof *rr);
+    memcpy(sv->rows + 2 * P, loff, (size_t)(El + 1) * sizeof *loff);
+    if (R) memcpy(sv->idx, idx, (size_t)R * sizeof *idx);
+    sv->R = R;
+    sv->valid = 1;
+    return 1;
+}
+
 /* Counts, exchange plan and the received rows' order (uploaded to f->ep_idx / f->ep_off) from the expert offsets
- * `off` [E + 1] of this rank's grouped rows. 0 when the pass has failed. */
-static int make_plan(ds4_pass *f, const int64_t *off, ep_plan *p) {
+ * `off` [E + 1] of this rank's grouped rows; `key`: the tape layer whose plan a training forward keeps and its
+ * backward takes (-1: none). 0 when the pass has failed. */
+static int make_plan(ds4_pass *f, const int64_t *off, int64_t key, int bwd, ep_plan *p) {
     ds4_model *m = f->m;
     ds4_dev *dev = f->dev;
     const int64_t E = f->c->n_routed_experts, P = m->ep.world, El = E / P;
+    ds4_ep_saved *sv = saved_slot(f, key);
+    if (dev->st) return 0;
+    if (bwd && sv && sv->valid) { /* the forward's plan: nothing to read back or exchange */
+        if (sv->R > f->ep_rows) {
+            ds4_dev_fail(dev, DS4_ERR_INTERNAL, "expert parallel (layer %lld): the forward's plan receives %lld rows, "
+                                                "more than the %lld planned", (long long)f->li, (long long)sv->R,
+                         (long long)f->ep_rows);
+            return 0;
+        }
+        ds4_dev_upload(dev, f->ep_off, sv->rows + 2 * P, (size_t)(El + 1) * sizeof(int64_t));
+        if (sv->R) ds4_dev_upload(dev, f->ep_idx, sv->idx, (size_t)sv->R * sizeof(int32_t));
+        *p = (ep_plan){.send_rows = sv->rows, .recv_rows = sv->rows + P, .R = sv->R, .e0 = m->ep.rank * El, .El = El,
+                       .w0 = m->ep_shard ? 0 : m->ep.rank * El};
+        return !dev->st;
+    }
     int64_t *eoff = m->ep_host, *cnt_in = eoff + E + 1, *sr = cnt_in + E, *rr = sr + P, *loff = rr + P;
     int32_t *idx = (int32_t *)(loff + El + 1);
     ds4_dev_download(dev, eoff, off, (size_t)(E + 1) * sizeof(int64_t)); /* waits for the backend */
@@ -202,6 +290,7 @@ static int make_plan(ds4_pass *f, const int64_t *off, ep_plan *p) {
         }
     }
     loff[El] = t;
+    if (sv && !bwd && !save_plan(f, sv, sr, rr, loff, idx, R)) return 0;
     ds4_dev_upload(dev, f->ep_off, loff, (size_t)(El + 1) * sizeof(int64_t));
     if (R) ds4_dev_upload(dev, f->ep_idx, idx, (size_t)R * sizeof(int32_t));
     *p = (ep_plan){.send_rows = sr, .recv_rows = rr, .R = R, .e0 = m->ep.rank * El, .El = El,
@@ -251,7 +340,8 @@ void ds4_ep_experts_fwd(ds4_pass *f, const ds4_layer_w *l, const float *xg, cons
     const int64_t D = f->c->hidden_size, I = f->c->moe_intermediate_size;
     ds4_dev *dev = f->dev;
     ep_plan p;
-    if (dev->st || refused(f, l) || !make_plan(f, off, &p)) return;
+    const int64_t key = f->tape && f->lt ? f->lt - f->tape->layers : -1;
+    if (dev->st || refused(f, l) || !make_plan(f, off, key, 0, &p)) return;
     float *recv = f->ep_x[0], *xo = f->ep_x[1], *yo = f->ep_x[2], *g1 = f->ep_h[0], *g3 = f->ep_h[1];
     if (!exchange(f, xg, p.send_rows, recv, p.recv_rows, D, "dispatch")) return;
     OP(dev, gather_rows, .dst = xo, .src = recv, .idx = f->ep_idx, .div = 1, .rows = p.R, .width = D);
@@ -264,7 +354,7 @@ void ds4_ep_experts_fwd(ds4_pass *f, const ds4_layer_w *l, const float *xg, cons
 }
 
 void ds4_ep_experts_bwd(ds4_pass *f, const ds4_layer_w *l, const ds4_layer_w *g, const float *xs, const float *dys,
-                        const int64_t *off, float *dxs) {
+                        const int64_t *off, int64_t key, float *dxs) {
     const ds4_config *c = f->c;
     const int64_t D = c->hidden_size, I = c->moe_intermediate_size;
     const float lim = (float)c->swiglu_limit;
@@ -272,7 +362,7 @@ void ds4_ep_experts_bwd(ds4_pass *f, const ds4_layer_w *l, const ds4_layer_w *g,
     const int bf = f->w->bf16_in;
     ds4_dev *dev = f->dev;
     ep_plan p;
-    if (dev->st || refused(f, l) || !make_plan(f, off, &p)) return;
+    if (dev->st || refused(f, l) || !make_plan(f, off, key, 1, &p)) return;
     float *xr = f->ep_x[0], *dyr = f->ep_x[1], *xo = f->ep_x[2], *dyo = f->ep_x[3];
     float *g1 = f->ep_h[0], *g3 = f->ep_h[1], *act = f->ep_h[2], *dact = f->ep_h[3];
     if (!exchange(f, xs, p.send_rows, xr, p.recv_rows, D, "dispatch (backward, inputs)") ||

@@ -276,12 +276,15 @@ ds4_status ds4_step_run(ds4_model *m, const ds4_step_args *a, float *last_dev, d
 ds4_status ds4_ep_pass_rows(ds4_model *m, int64_t T, int64_t *rows, ds4_error *err);
 ds4_status ds4_ep_reserve(ds4_model *m, int64_t rows, ds4_error *err);
 /* The routed experts of layer l under expert parallelism. Forward: xg [T·K, D] grouped by expert (off = f->ecount)
- * → ye [T·K, D] in the same order, each row computed by its expert's rank. Backward: from the same grouping of the
- * expert inputs xs and output gradients dys, the input gradients dxs (written) and, on the owning rank, the expert
- * weight gradients of g (added); the pre-activations recomputed from xs. */
+ * → ye [T·K, D] in the same order, each row computed by its expert's rank; a training forward (f->lt) keeps the
+ * layer's exchange plan for its backward. Backward: from the same grouping of the expert inputs xs and output
+ * gradients dys, the input gradients dxs (written) and, on the owning rank, the expert weight gradients of g (added);
+ * the pre-activations recomputed from xs; `key` the layer's index in the tape's layers (the kept plan's). */
 void ds4_ep_experts_fwd(ds4_pass *f, const ds4_layer_w *l, const float *xg, const int64_t *off, float *ye);
 void ds4_ep_experts_bwd(ds4_pass *f, const ds4_layer_w *l, const ds4_layer_w *g, const float *xs, const float *dys,
-                        const int64_t *off, float *dxs);
+                        const int64_t *off, int64_t key, float *dxs);
+/* The plans kept for the backward, freed (with the model). */
+void ds4_ep_saved_free(ds4_model *m);
 /* Sum the model's expert-load counters over the ranks (a collective, before the bias update). */
 ds4_status ds4_ep_sum_loads(ds4_model *m, ds4_error *err);
 
