@@ -20,8 +20,9 @@ moments sharded over the ranks: ds4.dist.shard_optimizer; the gradients all-redu
 with the reduce-scatter (each rank sums only its region of the gradients). Each rank's training state on the device
 (weights, gradients, fp32 master, moments: model:memory()) is printed for rank 0, and every rank's as "dist
 state_mib_rank R MIB" lines. --ep_self 1: --ep on one rank too (expert parallelism over a world of one: every
-exchange NCCL's copy to the rank itself), the exchanges' fixed costs (plans, synchronisations, the backward's
-recomputed expert inputs) without their transfers; bench/dist_bench.sh's one-rank baseline leaves it off.
+exchange a device copy of the rank's own rows), the exchanges' fixed costs (plans, synchronisations, reorderings, the
+backward's recomputed expert inputs) without transfers between GPUs; bench/dist_bench.sh's one-rank baseline leaves
+it off.
 
 Random tokens, a random model (ds4.random_model, seed 1), no MTP. Best of --steps steps after two warm-up steps; a
 step is timed from before the forward until the optimizer step has returned (which reads the step's per-piece sums

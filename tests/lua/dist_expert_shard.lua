@@ -148,7 +148,7 @@ local function step(k, p)
     -- even steps through the overlapped, bucketed sum: it must leave a sharded model's expert gradients unsummed
     -- (the buckets are not armed there) and give the replicated model the same sum as after the backward. Buckets of
     -- 0.01 MiB (2,621 elements, smaller than every block): many are enqueued between the expert exchanges of rep's
-    -- backward and are still being summed during sh's (on GPUs: NCCL's gradient lane beside the exchanges' lane)
+    -- backward and are still being summed during sh's (on GPUs one NCCL stream: each exchange after those before it)
     local mb = ds4.dist.bucket_mb()
     if even then
         ds4.dist.bucket_mb(0.01)
