@@ -144,7 +144,7 @@ ds4_status ds4_ep_pass_rows(ds4_model *m, int64_t T, int64_t *rows, ds4_error *e
 
 /* The exchange plan of one layer, in the model's host scratch. */
 typedef struct ep_plan {
-    int64_t *send_rows, *recv_rows; /* [P] rows to / from each rank */
+    const int64_t *send_rows, *recv_rows; /* [P] rows to / from each rank */
     int64_t R;                      /* rows received */
     int64_t e0, El;                 /* this rank's experts [e0, e0 + El) */
     int64_t w0;                     /* expert e0's index in the layer's weight and gradient views: e0, or 0 when the
@@ -230,6 +230,19 @@ static int save_plan(ds4_pass *f, ds4_ep_saved *sv, const int64_t *sr, const int
     return 1;
 }
 
+/* A plan made now or kept from the forward: the local expert offsets loff [El + 1] and the received rows' order idx
+ * [R] uploaded to f->ep_off / f->ep_idx, the rows per rank sr / rr [P] referenced by *p. 0 when the pass failed. */
+static int install_plan(ds4_pass *f, const int64_t *sr, const int64_t *rr, const int64_t *loff, const int32_t *idx,
+                        int64_t R, ep_plan *p) {
+    ds4_model *m = f->m;
+    const int64_t El = f->c->n_routed_experts / m->ep.world;
+    ds4_dev_upload(f->dev, f->ep_off, loff, (size_t)(El + 1) * sizeof(int64_t));
+    if (R) ds4_dev_upload(f->dev, f->ep_idx, idx, (size_t)R * sizeof(int32_t));
+    *p = (ep_plan){.send_rows = sr, .recv_rows = rr, .R = R, .e0 = m->ep.rank * El, .El = El,
+                   .w0 = m->ep_shard ? 0 : m->ep.rank * El};
+    return !f->dev->st;
+}
+
 /* Counts, exchange plan and the received rows' order (uploaded to f->ep_idx / f->ep_off) from the expert offsets
  * `off` [E + 1] of this rank's grouped rows; `key`: the tape layer whose plan a training forward keeps and its
  * backward takes (-1: none). 0 when the pass has failed. */
@@ -246,11 +259,7 @@ static int make_plan(ds4_pass *f, const int64_t *off, int64_t key, int bwd, ep_p
                          (long long)f->ep_rows);
             return 0;
         }
-        ds4_dev_upload(dev, f->ep_off, sv->rows + 2 * P, (size_t)(El + 1) * sizeof(int64_t));
-        if (sv->R) ds4_dev_upload(dev, f->ep_idx, sv->idx, (size_t)sv->R * sizeof(int32_t));
-        *p = (ep_plan){.send_rows = sv->rows, .recv_rows = sv->rows + P, .R = sv->R, .e0 = m->ep.rank * El, .El = El,
-                       .w0 = m->ep_shard ? 0 : m->ep.rank * El};
-        return !dev->st;
+        return install_plan(f, sv->rows, sv->rows + P, sv->rows + 2 * P, sv->idx, sv->R, p);
     }
     int64_t *eoff = m->ep_host, *cnt_in = eoff + E + 1, *sr = cnt_in + E, *rr = sr + P, *loff = rr + P;
     int32_t *idx = (int32_t *)(loff + El + 1);
@@ -291,11 +300,7 @@ static int make_plan(ds4_pass *f, const int64_t *off, int64_t key, int bwd, ep_p
     }
     loff[El] = t;
     if (sv && !bwd && !save_plan(f, sv, sr, rr, loff, idx, R)) return 0;
-    ds4_dev_upload(dev, f->ep_off, loff, (size_t)(El + 1) * sizeof(int64_t));
-    if (R) ds4_dev_upload(dev, f->ep_idx, idx, (size_t)R * sizeof(int32_t));
-    *p = (ep_plan){.send_rows = sr, .recv_rows = rr, .R = R, .e0 = m->ep.rank * El, .El = El,
-                   .w0 = m->ep_shard ? 0 : m->ep.rank * El};
-    return !dev->st;
+    return install_plan(f, sr, rr, loff, idx, R, p);
 }
 
 /* Rows of `width` floats: send → recv through the installed all_to_all_v, once the backend's work is done. */
