@@ -9,6 +9,8 @@
 #                                                      load moves single runs by tens of percent)
 #   WORKER_THREADS=2 EXTRA="--threads 12" bash ...     threads per worker (default 1) and the trainer's: generation
 #                                                      and training balanced on the cores of one machine
+#   WORKER_OPTS="--max-batch 128" bash ...             more `ds4 worker` options for both runs (here: every
+#                                                      sequence of a worker's share of a step in one decode batch)
 #   SEEDS="1 2 3" bash bench/bench_async.sh            one round per seed (dapo.lua --seed: data, model, rollouts),
 #                                                      then each mode's mean held-out accuracy over the rounds: 200
 #                                                      held-out problems give one run's accuracy a binomial spread of
@@ -26,10 +28,11 @@ STEPS="${2:-40}"
 K="${3:-1}"
 EXTRA="${EXTRA:-}"
 WT="${WORKER_THREADS:-1}"
+WOPTS="${WORKER_OPTS:-}"
 tmp="$(mktemp -d "${TMPDIR:-/tmp}/ds4-bench-async.XXXXXX")"
 pids=()
 trap 'for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null || true; done; rm -rf "$tmp"' EXIT
-echo "bench_async: $(nproc) cores, $STEPS RL steps, K = $K, two workers ($WT thread(s) each); dapo.lua ${EXTRA:-(defaults)}"
+echo "bench_async: $(nproc) cores, $STEPS RL steps, K = $K, two workers ($WT thread(s) each${WOPTS:+, $WOPTS}); dapo.lua ${EXTRA:-(defaults)}"
 
 run() { # name, dapo options...
     local name="$1"
@@ -51,7 +54,7 @@ run() { # name, dapo options...
     [ -n "$cmd" ] || { echo "dapo.lua printed no worker command"; cat "$tmp/$name.err"; exit 1; }
     local w ws=()
     for w in 1 2; do
-        eval "exec $cmd --threads $WT --id $name-w$w --quiet" >"$tmp/$name-w$w.log" 2>&1 &
+        eval "exec $cmd --threads $WT $WOPTS --id $name-w$w --quiet" >"$tmp/$name-w$w.log" 2>&1 &
         ws+=("$!")
         pids+=("$!")
     done

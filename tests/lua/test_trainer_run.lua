@@ -9,7 +9,11 @@
 --   (e) a reward that always fails stops the run at step 1, naming the guard and the first error (it used to run
 --       to the end, training on nothing, with exit status 0);
 --   (f) config.loss: a user loss that returns rl.loss.compute's result gives bitwise the built-in run; one whose
---       gradients are zero leaves the parameters as they were; a malformed result is an error naming config.loss.
+--       gradients are zero leaves the parameters as they were; a malformed result is an error naming config.loss;
+--   (g) old log-probabilities with several minibatches: the first minibatch's come from its own training forward
+--       (no second forward), the later ones' from a forward before the step's first update; every sample's equal
+--       bit for bit a forward of that sample alone by a fresh model holding the step's starting weights, and the
+--       first minibatch's PPO ratio is exactly 1.
 -- Usage: ds4 run tests/lua/test_trainer_run.lua <fixtures_dir>
 package.path = ((arg[0]:match("^(.*)/[^/]*$") or ".") .. "/?.lua;") .. package.path
 local H = require("harness")
@@ -40,7 +44,7 @@ local function base(model, out, o)
             source = o.source },
         optim = { lr = 1e-3 },
         steps = o.steps or 2,
-        minibatches = 1,
+        minibatches = o.minibatches or 1,
         out = out,
         seed = 5,
         progress = false,
@@ -191,6 +195,49 @@ do
     end, { "trainer.run: step 1:", "config.loss", "result.grads" }, "(f) a malformed user loss result")
     H.raises(function() trainer.run(base(ds4.load(FIX .. "/tiny_a"), tmp .. "/bad2", { loss = 5 })) end,
         { "trainer.run: config.loss must be a function" }, "(f) a user loss that is not a function")
+end
+
+-- (g)
+do
+    local m = ds4.load(FIX .. "/tiny_a")
+    local calls, snap = {}, nil
+    local function copy(a)
+        local o = {}
+        for i, v in ipairs(a) do o[i] = v end
+        return o
+    end
+    trainer.run(base(m, tmp .. "/old", { minibatches = 2, steps = 2, loss = function(mb_, spec, opts)
+        -- the step's first loss call comes before its first update: the weights the step starts from
+        if #calls % 2 == 0 then snap = m:params() end
+        local rec = { params = snap, samples = {} }
+        for i, s in ipairs(mb_) do
+            rec.samples[i] = { prompt = copy(s.prompt), ids = copy(s.ids), old = copy(s.old_logp), logp = copy(s.logp) }
+        end
+        calls[#calls + 1] = rec
+        return rl.loss.compute(mb_, spec, opts)
+    end }))
+    H.eq(#calls, 4, "(g) two minibatches in each of two steps")
+    local ref = ds4.load(FIX .. "/tiny_a")
+    local differ, ratio_not_1, n = 0, 0, 0
+    for c, rec in ipairs(calls) do
+        ref:set_params(rec.params)
+        for _, s in ipairs(rec.samples) do
+            local ids, labels = {}, {}
+            for _, v in ipairs(s.prompt) do ids[#ids + 1] = v; labels[#labels + 1] = -100 end
+            for _, v in ipairs(s.ids) do ids[#ids + 1] = v; labels[#labels + 1] = v end
+            ref:forward({ ids }, { labels = { labels }, train = true })
+            local lp = ref:logprobs()
+            for j = 1, #s.ids do
+                n = n + 1
+                -- numbers from F32 values: equal doubles are equal bits (a NaN equals nothing)
+                if lp[#s.prompt - 1 + j] ~= s.old[j] then differ = differ + 1 end
+                if c % 2 == 1 and s.logp[j] ~= s.old[j] then ratio_not_1 = ratio_not_1 + 1 end
+            end
+        end
+    end
+    H.check(n > 0, "(g) old log-probabilities were seen")
+    H.eq(differ, 0, "(g) old log-probabilities that differ from a lone forward at the step's starting weights")
+    H.eq(ratio_not_1, 0, "(g) first-minibatch tokens whose log-probability differs from its old one")
 end
 
 os.execute("rm -rf " .. H.shell_quote(tmp))

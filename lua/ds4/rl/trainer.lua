@@ -735,9 +735,16 @@ end
 
 -- One micro-batch's policy loss (its grads normalised by the whole minibatch's counts, lopts): the loss result with
 -- the gradient of the log-probabilities (out.g), or nil and the reason to stop. Its backward is micro_backward.
-local function micro_loss(cfg, spec, pad, part, lopts)
+local function micro_loss(cfg, spec, pad, part, lopts, old_from_logp)
     local model = cfg.model
     local S, res = forward_logp(model, part, pad, "logp", "entropy", cfg.routing_replay)
+    if old_from_logp then -- the step's first update: no weights changed yet, this forward is the old policy's
+        for _, s in ipairs(part) do
+            local o = {}
+            for t, v in ipairs(s.logp) do o[t] = v end
+            s.old_logp = o
+        end
+    end
     local out
     if cfg.loss then
         local ok, r = pcall(cfg.loss, part, spec, lopts)
@@ -776,10 +783,33 @@ local function train(cfg, opt, samples, row)
     local model, spec, pad = cfg.model, cfg.algorithm, cfg.pad
     if spec.overlong and spec.overlong.filter then rl.filter.overlong_filter(samples) end
     if spec.overlong and spec.overlong.soft then rl.filter.apply_soft_overlong(samples, spec.overlong.soft) end
-    -- old policy = the current weights, recomputed (three-policy view: rollout, old, new)
-    logp_all(cfg, model, samples, "old_logp", cfg.routing_replay)
-    -- rollout vs old: kernels, routing, and in asynchronous runs the older policy versions that generated
-    local mm = (spec.tis and rl.correction.compute(samples, spec.tis).metrics or rl.correction.metrics(samples)) or {}
+    -- old policy = the current weights (three-policy view: rollout, old, new). The first minibatch's update is the
+    -- step's first, so its training forward runs at exactly these weights: its log-probabilities are its old ones,
+    -- bit for bit (a sequence's log-probs do not depend on the batch it is in), and only the later minibatches'
+    -- samples are forwarded now. Not where old_logp is needed before any training forward: the KL in the reward,
+    -- TIS's batch normalisation, and several ranks (each would hold only its own micro-batches' old log-probs).
+    local mbs = split_groups(samples, cfg.minibatches)
+    local old_later = dp.world() == 1 and not (spec.kl and spec.kl.where == "reward")
+        and not (spec.tis and spec.tis.normalize)
+    if old_later then
+        local rest = {}
+        for k = 2, #mbs do for _, s in ipairs(mbs[k]) do rest[#rest + 1] = s end end
+        if #rest > 0 then logp_all(cfg, model, rest, "old_logp", cfg.routing_replay) end
+    else
+        logp_all(cfg, model, samples, "old_logp", cfg.routing_replay)
+    end
+    -- rollout vs old: kernels, routing, and in asynchronous runs the older policy versions that generated (with
+    -- old_later: after the updates, over the samples whose old log-probabilities exist: all but after a failure)
+    local function mismatch()
+        local have = samples
+        if old_later then
+            have = {}
+            for _, s in ipairs(samples) do if s.old_logp then have[#have + 1] = s end end
+            if #have == 0 then return {} end
+        end
+        return (spec.tis and rl.correction.compute(have, spec.tis).metrics or rl.correction.metrics(have)) or {}
+    end
+    local mm = not old_later and mismatch() or nil
     if spec.kl then
         logp_all(cfg, cfg.reference, samples, "ref_logp")
         if spec.kl.where == "reward" then
@@ -796,7 +826,7 @@ local function train(cfg, opt, samples, row)
     local agg = { loss = 0, clip_frac = 0, kl = 0, entropy = 0, tokens = 0, ikl = 0, ikl_queries = 0 }
     local kappa = model:train_options().indexer_kl
     local last, stop, trained = nil, nil, 0
-    for _, mb in ipairs(split_groups(samples, cfg.minibatches)) do
+    for mbi, mb in ipairs(mbs) do
         model:zero_grad()
         local Tm, Nm = rl.loss.count(mb)
         -- tis.normalize: the whole minibatch's factor, the same in every micro-batch on every rank
@@ -817,7 +847,7 @@ local function train(cfg, opt, samples, row)
         local ok, err = pcall(function()
             local parts = micro_batches(cfg, mb)
             for k, part in ipairs(parts) do
-                local out, why = micro_loss(cfg, spec, pad, part, lopts)
+                local out, why = micro_loss(cfg, spec, pad, part, lopts, old_later and mbi == 1)
                 if out and overlap and k == #parts then pending = out elseif out then micro_backward(cfg, out) end
                 if cfg.tick then cfg.tick() end
                 if not out then return why end
@@ -875,6 +905,7 @@ local function train(cfg, opt, samples, row)
     -- per CSA layer the mean KL over the step's real queries, summed over layers (model:forward's indexer_loss)
     if kappa > 0 then row.indexer_kl = agg.ikl / math.max(agg.ikl_queries, 1) end
     row["reward/kept_mean"] = kept_sum / #samples
+    mm = mm or mismatch()
     row["logprob_mismatch/mean"] = mm.mismatch_abs_mean or 0
     row["logprob_mismatch/max"] = mm.mismatch_abs_max or 0
     if mm.tis_weight_mean then
