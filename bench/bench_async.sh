@@ -11,6 +11,7 @@
 #                                                      and training balanced on the cores of one machine
 #   WORKER_OPTS="--max-batch 128" bash ...             more `ds4 worker` options for both runs (here: every
 #                                                      sequence of a worker's share of a step in one decode batch)
+#   KEEP=DIR bash bench/bench_async.sh                 keep each run's metrics.jsonl (per-step times) in DIR
 #   SEEDS="1 2 3" bash bench/bench_async.sh            one round per seed (dapo.lua --seed: data, model, rollouts),
 #                                                      then each mode's mean held-out accuracy over the rounds: 200
 #                                                      held-out problems give one run's accuracy a binomial spread of
@@ -60,6 +61,7 @@ run() { # name, dapo options...
     done
     wait "$d" || { echo "dapo.lua ($name) failed"; tail -n 20 "$tmp/$name.err"; exit 1; }
     for w in "${ws[@]}"; do kill -TERM "$w" 2>/dev/null || true; wait "$w" 2>/dev/null || true; done
+    if [ -n "${KEEP:-}" ]; then mkdir -p "$KEEP" && cp "$tmp/$name/metrics.jsonl" "$KEEP/$name.jsonl"; fi
     "$DS4" run - "$tmp/$name/metrics.jsonl" "$name" <<'LUA'
 local rows = require("ds4.plot").read_jsonl(arg[1])
 local s, g, t, e, lag, n, acc, acc0 = 0, 0, 0, 0, 0, 0, nil, nil

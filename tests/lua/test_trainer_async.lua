@@ -184,6 +184,32 @@ do
     H.check(n > 0 and worst <= 1, ("(b) dapo K = 1: %d samples trained, at most %d version(s) old"):format(n, worst))
 end
 
+-- (b) K = 2 with dynamic sampling: a step ahead that was submitted before the last step showed how many batches a step
+-- uses is topped up at the next step, not left to generate while it trains. During step 2 the trainer generates:
+-- step 3's top-up (it was submitted during step 1 with one batch) to g1, the batches step 1 used; step 4's g1; and
+-- the g2 - 1 that step 2 draws beyond the one it had (the policy as source generates at submission).
+do
+    local model = ds4.load(FIX .. "/tiny_a")
+    local done, during = 0, {}
+    local source = recording_source(model, function() return done end)
+    local generate = source.generate
+    function source.generate(...)
+        during[done + 1] = (during[done + 1] or 0) + 1
+        return generate(...)
+    end
+    local out = tmp .. "/k2_dapo"
+    local cfg = base(model, out, { async = { max_staleness = 2 }, source = source, steps = 4,
+        algorithm = rl.preset("dapo", { overlong = { soft = { max_len = 4, cache = 1, factor = 1.0 } } }),
+        on_step = function(step) done = step end })
+    -- a reward most groups give every sample alike: dynamic sampling draws several batches a step
+    cfg.reward = function(text) return (#text > 0 and text:byte(1) % 8 == 0) and 1 or 0 end
+    trainer.run(cfg)
+    local rows = rows_of(out .. "/metrics.jsonl")
+    local g1, g2 = rows[1].gen_batches, rows[2].gen_batches
+    H.check(g1 >= 2, "(b) dapo K = 2: step 1 drew several batches (" .. g1 .. "), so step 3 needs a top-up")
+    H.eq(during[2], (g1 - 1) + g1 + (g2 - 1), "(b) dapo K = 2: batches generated during step 2")
+end
+
 -- (c) a source with submit / collect / poll (as ds4.rollout.pool), generating at submission with the policy
 do
     local model = ds4.load(FIX .. "/tiny_a")

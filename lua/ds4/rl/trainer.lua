@@ -58,7 +58,7 @@ source. Rank 0 publishes the weights after each step. The other ranks wait for r
 DS4_DIST_TIMEOUT (docs/distributed.md) must be longer than the source takes to generate one batch.
 
 Asynchronous RL (async = {max_staleness = K}): the rollout batches of steps t .. t + K are submitted before step t
-trains (a step ahead gets as many as the last step used; dynamic sampling draws several), so that the workers
+trains (a step ahead gets as many as the last step used, topped up at each step; dynamic sampling draws several), so that the workers
 generate for the next K steps under older weights while the trainer trains. A source with :submit / :collect
 (ds4.rollout.pool) generates in the background; a batch of step s, submitted while version v is current during step
 t, asks for min_policy = v - K + (s - t) (step s trains on version v + (s - t) at most: one publish per step, so every
@@ -1030,12 +1030,14 @@ function M.run(cfg)
             -- publish per step), so their lag is at most K. A step ahead gets as many batches as the last step used
             -- (dynamic sampling draws several), the current one (the first step, or after a resume) one: K = 0 draws
             -- exactly what the synchronous loop does, in its order.
+            -- A step ahead submitted before the last step showed that steps use more batches (the first steps, or a
+            -- run where dynamic sampling begins to draw more) is topped up now rather than when it trains.
             for s = step, math.min(step + K, cfg.steps) do
-                if not pipe[s] then
-                    pipe[s] = {}
-                    for j = 1, s == step and 1 or batches_used do
-                        pipe[s][j] = submit(math.max(1, st.version - K + (s - step)))
-                    end
+                pipe[s] = pipe[s] or {}
+                local want = s == step and (pipe[s].submitted or 1) or batches_used
+                for _ = (pipe[s].submitted or 0) + 1, want do
+                    pipe[s][#pipe[s] + 1] = submit(math.max(1, st.version - K + (s - step)))
+                    pipe[s].submitted = (pipe[s].submitted or 0) + 1
                 end
             end
         end
