@@ -37,7 +37,8 @@
 --   (n) a model with the FP8 KV quantisation-aware option on is not published (workers would decode without it).
 --   (k) asynchronous use: batches submitted together and collected out of order, a publish while they are in flight
 --       (each result equals model:generate at the version it reports), min_policy as a hard lower bound (re-issued
---       even with accept_with_version), a cancelled batch's late answer dropped as a duplicate.
+--       even with accept_with_version), a cancelled batch's late answer dropped as a duplicate, a batch submitted
+--       with first = true sent before the queued tasks of earlier batches.
 local TEST_DIR = arg[0]:match("^(.*)/[^/]*$") or "."
 package.path = TEST_DIR .. "/?.lua;" .. TEST_DIR .. "/../chaos/?.lua;" .. package.path
 local H = require("harness")
@@ -968,6 +969,37 @@ do
     local res = pool:generate({ { 7, 8 } }, { n = 1, max_new_tokens = 2 })
     H.eq(#res, 1, "(k) the pool goes on after a cancel")
     H.eq(#held, 2, "(k) with the new batch's task only")
+end
+
+-- opts.first: a batch needed now goes out before the queued tasks of batches submitted earlier (the RL trainer's
+-- extra batch of the step it trains, while the steps ahead wait)
+do
+    local net = new_net()
+    local pool = new_pool(net, { lease_s = 5, dead_s = 1e9 })
+    pool:publish(policy)
+    local order, go = {}, false
+    local peer = script_peer(net, "k-order", { beat = true, credit = 1, on_task = function(pp, m)
+        order[#order + 1] = m.prompt_len
+        if go then
+            pp.send(fake_samples(m, 1))
+            pp.send({ t = "credit", n = 1 })
+        else
+            pp.held = m
+        end
+    end })
+    local a = pool:submit({ { 1 }, { 2, 2 }, { 3, 3, 3 } }, { n = 1, max_new_tokens = 2 })
+    for _ = 1, 5 do pool:poll() end
+    H.same(order, { 1 }, "(k) first: batch a's first task leased (credit 1)")
+    local b = pool:submit({ { 4, 4, 4, 4 }, { 5, 5, 5, 5, 5 } }, { n = 1, max_new_tokens = 2, first = true })
+    go = true
+    peer.send(fake_samples(peer.held, 1))
+    peer.send({ t = "credit", n = 1 })
+    local rb = pool:collect(b)
+    local ra = pool:collect(a)
+    H.same(order, { 1, 4, 5, 2, 3 }, "(k) first: batch b's tasks went out before batch a's queued ones, in order")
+    H.eq(#rb + #ra, 5, "(k) first: both batches complete")
+    H.raises(function() pool:submit({ { 1 } }, { n = 1, first = 1 }) end, { "opts.first must be a boolean" },
+        "(k) first must be a boolean")
 end
 
 -- ------------------------------------------------------------------------------------------------ (l) streaming

@@ -9,7 +9,8 @@
 --       recomputed ones (other weights), and the truncated importance weights (tis) are reported and not all 1;
 --       with DAPO's dynamic sampling, batches submitted ahead that a step did not need are counted (gen_batches_unused)
 --       and no sample is older than K;
---   (c) a source with :submit / :collect / :poll gets min_policy = v - K + (s - step) for each batch, is polled
+--   (c) a source with :submit / :collect / :poll gets min_policy = v - K + (s - step) for each batch (and first = true
+--       for a batch the step draws beyond those submitted ahead, which it collects in that step), is polled
 --       during training (train_delay_s makes each micro-batch slow), and one that returns samples older than K
 --       versions stops the run with a message naming the source; bad async options are refused.
 -- Usage: ds4 run tests/lua/test_trainer_async.lua <fixtures_dir>
@@ -216,7 +217,7 @@ do
     local K = 2
     local src = { version = 1, submits = {}, polls = 0, polls_in_train = 0, training = false }
     function src:submit(prompts, opts)
-        self.submits[#self.submits + 1] = { min_policy = opts.min_policy, version = self.version }
+        self.submits[#self.submits + 1] = { min_policy = opts.min_policy, version = self.version, first = opts.first }
         local res = model:generate(prompts, { n = opts.n, max_new_tokens = opts.max_new_tokens, seed = opts.seed,
             temperature = opts.temperature })
         for _, r in ipairs(res) do r.policy_version = self.version end
@@ -245,6 +246,33 @@ do
     end
     H.check(src.polls_in_train >= 4 * 3, ("(c) polled between micro-batches while training (%d times, %d in all)")
         :format(src.polls_in_train, src.polls))
+
+    H.check(src.submits[1].first == nil, "(c) batches submitted ahead do not ask to go first")
+
+    -- with dynamic sampling, the batches a step draws beyond those submitted ahead ask to go first (opts.first): each
+    -- is collected in the step that submitted it
+    local m2, step_now = ds4.load(FIX .. "/tiny_a"), 1
+    local src2 = { version = 1, firsts = 0, late = 0 }
+    function src2:submit(prompts, opts)
+        local res = m2:generate(prompts, { n = opts.n, max_new_tokens = opts.max_new_tokens, seed = opts.seed,
+            temperature = opts.temperature })
+        for _, r in ipairs(res) do r.policy_version = self.version end
+        if opts.first ~= nil then H.eq(opts.first, true, "(c) opts.first is true or absent") end
+        if opts.first then self.firsts = self.firsts + 1 end
+        return { res = res, first = opts.first, step = step_now }
+    end
+    function src2:collect(h)
+        if h.first and h.step ~= step_now then self.late = self.late + 1 end
+        return h.res
+    end
+    function src2:publish() self.version = self.version + 1 end
+    local cfg = base(m2, tmp .. "/src_first", { async = { max_staleness = K }, source = src2, steps = 4,
+        algorithm = rl.preset("dapo", { overlong = { soft = { max_len = 4, cache = 1, factor = 1.0 } } }),
+        on_step = function(step) step_now = step + 1 end })
+    cfg.reward = function(text) return (#text > 0 and text:byte(1) % 8 == 0) and 1 or 0 end
+    trainer.run(cfg)
+    H.check(src2.firsts > 0, ("(c) dynamic sampling's extra batches asked to go first (%d)"):format(src2.firsts))
+    H.eq(src2.late, 0, "(c) every batch that asked to go first was collected in its own step")
 
     -- a source that ignores min_policy: its samples are 5 versions old
     local liar = { version = 6 }

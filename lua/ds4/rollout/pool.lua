@@ -28,7 +28,9 @@
   }
   pool:generate(prompts, opts)   -- model:generate's interface and results (prompt-major, opts.n per prompt)
   local b = pool:submit(prompts, opts)   -- the same, without waiting: a batch in flight (several may be); opts may
-                                 -- add min_policy = V: every sample of the batch is of version V or newer
+                                 -- add min_policy = V: every sample of the batch is of version V or newer, and
+                                 -- first = true: its tasks go out before those already queued (a batch needed now
+                                 -- while batches for later wait)
   pool:poll()                    -- serve without waiting (dispatch, results, heartbeats, weight chunks); a trainer
                                  -- calls it between pieces of its own computation
   pool:ready(b)  pool:collect(b) -- done yet?; wait for b (serving meanwhile) -> generate's results
@@ -1269,15 +1271,20 @@ end
 -- opts.min_policy (a published version, at most the current one): the batch's samples are generated with that version
 -- or a newer one, whatever max_staleness says; an answer of an older version is re-issued (stale), even with
 -- stale = "accept_with_version". Without it each task asks for current - max_staleness when it is sent.
+-- opts.first = true: the batch's tasks go to the front of the queue, in prompt order (before batches submitted
+-- earlier and not yet sent; tasks already leased run on).
 local function submit(self, prompts, opts)
     if ds4.is_tensor(prompts) then prompts = prompts:totable() end -- [B, S]: B prompts
     if type(prompts) ~= "table" then error("pool:generate: bad argument #1 (array of prompts expected)", 3) end
     opts = opts or {}
-    local min_policy = opts.min_policy
-    if min_policy ~= nil then
+    local min_policy, first = opts.min_policy, opts.first
+    if min_policy ~= nil or first ~= nil then
         local o = {}
-        for k, v in pairs(opts) do if k ~= "min_policy" then o[k] = v end end
+        for k, v in pairs(opts) do if k ~= "min_policy" and k ~= "first" then o[k] = v end end
         opts = o
+    end
+    if first ~= nil and type(first) ~= "boolean" then
+        error(("pool:submit: opts.first must be a boolean, got %s"):format(tostring(first)), 3)
     end
     local s = check_gen_opts(opts, 1)
     if #s.stop_strings > 0 then
@@ -1332,7 +1339,7 @@ local function submit(self, prompts, opts)
         t.sampling, t.seed, t.min_policy = s, M.task_seed(s.seed, p), min_policy
         t.attempt, t.failures, t.state, t.tried, t.issued, t.failed_by, t.bounces = 0, 0, "queued", {}, {}, {}, 0
         self.tasks[t.id] = t
-        self.queue[#self.queue + 1] = t.id
+        if first then table.insert(self.queue, p, t.id) else self.queue[#self.queue + 1] = t.id end
     end
     self.st.tasks = self.st.tasks + #order
     self:dispatch()
