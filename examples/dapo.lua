@@ -34,7 +34,8 @@ and model.
   Rollouts come from the policy itself by default. --workers ENDPOINT switches them to remote workers (`ds4 worker`
   processes, lua/ds4/rollout/): the trainer binds a pool there after the SFT warm-up, saves the warmed-up model to
   RUN/worker_model (a worker may start from it, or from nothing: the weight announcement carries the config, the
-  tokenizer and the hash-routing tables), prints the command that starts a worker, and publishes every optimizer
+  tokenizer and the hash-routing tables), prints the command that starts a worker (its --max-batch a worker's share
+  of one rollout batch, prompts x n / n-workers, at least 32), and publishes every optimizer
   step's weights to the workers (with --lora the adapters only, over the saved base: docs/lora.md). tcp:// needs CURVE
   keys (`ds4 keygen --out PREFIX`: --curve PREFIX for the trainer, --allow the workers' .pub files) or --insecure;
   ipc:// stays on this host. With several ranks rank 0 alone binds the pool and hands the others their share of
@@ -311,7 +312,11 @@ if opts.workers ~= "" and ROOT then
     local ep = source.endpoint:gsub("^tcp://0%.0%.0%.0:", "tcp://" .. ds4.fs.hostname() .. ":"):gsub("^tcp://%*:",
         "tcp://" .. ds4.fs.hostname() .. ":")
     local exe = (arg and arg[-2]) or "ds4"
-    local cmd = ("%s worker --connect %s --model %s"):format(shell_word(exe), shell_word(ep), shell_word(wdir))
+    -- --max-batch: a worker's share of one rollout batch decodes in one step (its default, 32, splits it into several
+    -- decode passes: with two 2-thread workers the synchronous run's rollouts took 1.2-1.3x longer, bench/RESULTS.md)
+    local share = math.ceil(opts.prompts * opts.n / math.max(1, opts.n_workers))
+    local cmd = ("%s worker --connect %s --model %s --max-batch %d"):format(shell_word(exe), shell_word(ep),
+        shell_word(wdir), math.max(32, share))
     if curve then
         for _, pub in ipairs(curve.allow) do
             print(("start a worker: %s --key %s --server-key %s"):format(cmd, shell_word((pub:gsub("%.pub$", ""))
