@@ -799,18 +799,6 @@ local function train(cfg, opt, samples, row)
     else
         logp_all(cfg, model, samples, "old_logp", cfg.routing_replay)
     end
-    -- rollout vs old: kernels, routing, and in asynchronous runs the older policy versions that generated (with
-    -- old_later: after the updates, over the samples whose old log-probabilities exist: all but after a failure)
-    local function mismatch()
-        local have = samples
-        if old_later then
-            have = {}
-            for _, s in ipairs(samples) do if s.old_logp then have[#have + 1] = s end end
-            if #have == 0 then return {} end
-        end
-        return (spec.tis and rl.correction.compute(have, spec.tis).metrics or rl.correction.metrics(have)) or {}
-    end
-    local mm = not old_later and mismatch() or nil
     if spec.kl then
         logp_all(cfg, cfg.reference, samples, "ref_logp")
         if spec.kl.where == "reward" then
@@ -906,7 +894,15 @@ local function train(cfg, opt, samples, row)
     -- per CSA layer the mean KL over the step's real queries, summed over layers (model:forward's indexer_loss)
     if kappa > 0 then row.indexer_kl = agg.ikl / math.max(agg.ikl_queries, 1) end
     row["reward/kept_mean"] = kept_sum / #samples
-    mm = mm or mismatch()
+    -- rollout vs old: kernels, routing, and in asynchronous runs the older policy versions that generated; after the
+    -- updates (which change none of these fields), over the samples whose old log-probabilities exist: all of them
+    -- unless an update failed before the first minibatch's forward
+    local have = {}
+    for _, s in ipairs(samples) do if s.old_logp then have[#have + 1] = s end end
+    local mm = {}
+    if #have > 0 then
+        mm = (spec.tis and rl.correction.compute(have, spec.tis).metrics or rl.correction.metrics(have)) or {}
+    end
     row["logprob_mismatch/mean"] = mm.mismatch_abs_mean or 0
     row["logprob_mismatch/max"] = mm.mismatch_abs_max or 0
     if mm.tis_weight_mean then
@@ -1034,11 +1030,10 @@ function M.run(cfg)
             -- A step ahead submitted before the last step showed that steps use more batches (the first steps, or a
             -- run where dynamic sampling begins to draw more) is topped up now rather than when it trains.
             for s = step, math.min(step + K, cfg.steps) do
-                pipe[s] = pipe[s] or {}
-                local want = s == step and (pipe[s].submitted or 1) or batches_used
-                for _ = (pipe[s].submitted or 0) + 1, want do
-                    pipe[s][#pipe[s] + 1] = submit(math.max(1, st.version - K + (s - step)))
-                    pipe[s].submitted = (pipe[s].submitted or 0) + 1
+                local q = pipe[s] or {} -- none taken yet: #q is what was submitted for s
+                pipe[s] = q
+                for _ = #q + 1, s == step and math.max(#q, 1) or batches_used do
+                    q[#q + 1] = submit(math.max(1, st.version - K + (s - step)))
                 end
             end
         end
